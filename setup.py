@@ -1,0 +1,49 @@
+"""sao-jax: Single-Rollout Asynchronous Optimization for agentic RL, in JAX."""
+
+import setuptools
+
+CORE = [
+    "jax>=0.7",
+    "flax>=0.10",
+    "optax>=0.2.4",
+    "orbax-checkpoint>=0.11",
+    "chex>=0.1.90",
+    "grain>=0.2.10",
+    "ml-collections>=1.0",
+    "tensorstore>=0.1.70",
+    "absl-py>=2.1",
+    "numpy>=1.26",
+    "safetensors>=0.4",
+    "tensorboardX>=2.6",
+]
+
+EXTRAS = {
+    # Test-only dependencies: rlax is an independent oracle for the GAE kernels.
+    "test": [
+        "pytest>=8",
+        "pytest-xdist>=3.5",
+        "rlax>=0.1.8",
+    ],
+    # Parity of the flax model with the reference Qwen3-MoE implementation.
+    # torch is pinned to the CPU build: an unpinned torch pulls a multi-GB
+    # CUDA wheel.
+    "parity": [
+        "torch==2.13.0",
+        "transformers>=4.51",
+    ],
+    # JetStream's Engine API and gRPC server (pulls in seqio / TensorFlow).
+    "jetstream": ["google-jetstream==0.2.2"],
+}
+
+setuptools.setup(
+    name="sao-jax",
+    version="0.1.0",
+    description="SAO: single-rollout asynchronous optimization for agentic RL, in JAX",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=setuptools.find_packages(include=["sao_jax", "sao_jax.*"]),
+    package_data={"sao_jax": ["py.typed"]},
+    install_requires=CORE,
+    extras_require=EXTRAS,
+)
