@@ -1,0 +1,192 @@
+"""Import Qwen3-MoE checkpoints in Hugging Face safetensors layout.
+
+    cfg = config_from_hf("ckpt/config.json")
+    params = load_hf_checkpoint("ckpt/", cfg, shardings=param_shardings)
+
+Reads `*.safetensors` shards (through `model.safetensors.index.json` when
+present), one target parameter at a time: a tensor is read from disk, laid
+out as this library expects (transposes, per-expert stacking), cast, and
+placed with its sharding before the next one is read. Host memory therefore
+peaks at one parameter (one layer's stacked experts for MoE weights), never
+at a second copy of the model.
+
+Both expert layouts are understood: the Hub's per-expert tensors
+(`mlp.experts.{j}.gate_proj.weight`, ...) and the fused 3-D tensors of
+recent `transformers` (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Callable
+
+import jax
+import numpy as np
+from safetensors import safe_open
+
+from sao_jax.models.config import ModelConfig
+
+
+def config_from_hf(path: str, **overrides) -> ModelConfig:
+  """ModelConfig from a Qwen3-MoE `config.json` (file or its directory)."""
+  if os.path.isdir(path):
+    path = os.path.join(path, "config.json")
+  with open(path, encoding="utf-8") as f:
+    hf = json.load(f)
+  num_layers = hf["num_hidden_layers"]
+  step = hf.get("decoder_sparse_step", 1) or 1
+  dense = set(hf.get("mlp_only_layers", []))
+  dense |= {i for i in range(num_layers)
+            if hf.get("num_experts", 0) == 0 or (i + 1) % step != 0}
+  rope = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 1e6)
+  kw = dict(
+      vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], num_layers=num_layers,
+      num_heads=hf["num_attention_heads"], num_kv_heads=hf["num_key_value_heads"],
+      head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+      num_experts=hf["num_experts"], experts_per_token=hf["num_experts_per_tok"],
+      moe_d_ff=hf["moe_intermediate_size"], dense_d_ff=hf.get("intermediate_size", 0),
+      dense_layers=tuple(sorted(dense)), norm_topk_prob=hf.get("norm_topk_prob", True),
+      rope_theta=float(rope), rms_eps=hf.get("rms_norm_eps", 1e-6),
+      tie_embeddings=hf.get("tie_word_embeddings", False),
+      max_seq_len=hf.get("max_position_embeddings", 4096))
+  kw.update(overrides)
+  return ModelConfig(**kw)
+
+
+class _Reader:
+  """Name -> tensor over a directory of safetensors shards, opened lazily."""
+
+  def __init__(self, path: str):
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(path):
+      files = [path]
+    elif os.path.exists(index):
+      with open(index, encoding="utf-8") as f:
+        files = sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
+    else:
+      files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+      raise FileNotFoundError(f"No .safetensors files at {path!r}.")
+    self._where = {}
+    for file in files:
+      with safe_open(file, "np") as f:
+        for name in f.keys():
+          self._where[name] = file
+    self.used = set()
+
+  def __contains__(self, name):
+    return name in self._where
+
+  def get(self, name: str) -> np.ndarray:
+    if name not in self._where:
+      raise KeyError(f"Checkpoint has no tensor {name!r}.")
+    self.used.add(name)
+    with safe_open(self._where[name], "np") as f:
+      return f.get_tensor(name)
+
+  def unused(self):
+    return sorted(set(self._where) - self.used)
+
+
+def _layer_tensors(r: _Reader, cfg: ModelConfig, i: int) -> dict[str, Callable[[], np.ndarray]]:
+  """Target path -> loader for layer i (loaders defer the disk read)."""
+  pre = f"model.layers.{i}."
+  d, h, kvh, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  out = {
+      "attn_norm/scale": lambda: r.get(pre + "input_layernorm.weight"),
+      "mlp_norm/scale": lambda: r.get(pre + "post_attention_layernorm.weight"),
+      "attn/q": lambda: r.get(pre + "self_attn.q_proj.weight").T.reshape(d, h, hd),
+      "attn/k": lambda: r.get(pre + "self_attn.k_proj.weight").T.reshape(d, kvh, hd),
+      "attn/v": lambda: r.get(pre + "self_attn.v_proj.weight").T.reshape(d, kvh, hd),
+      "attn/o": lambda: r.get(pre + "self_attn.o_proj.weight").T.reshape(h, hd, d),
+      "attn/q_norm/scale": lambda: r.get(pre + "self_attn.q_norm.weight"),
+      "attn/k_norm/scale": lambda: r.get(pre + "self_attn.k_norm.weight"),
+  }
+  if i in cfg.dense_layers:
+    for ours, theirs in (("wi_gate", "gate_proj"), ("wi_up", "up_proj"), ("wo", "down_proj")):
+      out[f"mlp/{ours}"] = (lambda t=theirs: r.get(pre + f"mlp.{t}.weight").T)
+    return out
+
+  out["moe/router"] = lambda: r.get(pre + "mlp.gate.weight").T
+  fused = pre + "mlp.experts.gate_up_proj"
+  f = cfg.moe_d_ff
+
+  def stacked(theirs):
+    first = r.get(pre + f"mlp.experts.0.{theirs}.weight").T
+    buf = np.empty((cfg.num_experts,) + first.shape, first.dtype)
+    buf[0] = first
+    for j in range(1, cfg.num_experts):
+      buf[j] = r.get(pre + f"mlp.experts.{j}.{theirs}.weight").T
+    return buf
+
+  if fused in r:
+    out["moe/wi_gate"] = lambda: np.swapaxes(r.get(fused)[:, :f], 1, 2)
+    out["moe/wi_up"] = lambda: np.swapaxes(r.get(fused)[:, f:], 1, 2)
+    out["moe/wo"] = lambda: np.swapaxes(r.get(pre + "mlp.experts.down_proj"), 1, 2)
+  else:
+    out["moe/wi_gate"] = lambda: stacked("gate_proj")
+    out["moe/wi_up"] = lambda: stacked("up_proj")
+    out["moe/wo"] = lambda: stacked("down_proj")
+  return out
+
+
+def load_hf_checkpoint(path: str, cfg: ModelConfig, shardings=None, *, strict: bool = True):
+  """Loads policy params (LM head) from a Qwen3-MoE safetensors checkpoint.
+
+  Args:
+    path: a directory of shards, or one `.safetensors` file.
+    cfg: the model shape (see `config_from_hf`).
+    shardings: optional pytree of `jax.sharding.Sharding` matching the params;
+      each tensor goes straight to its sharded placement.
+    strict: raise if the checkpoint holds tensors this model does not use.
+
+  Returns:
+    The params pytree, in `cfg.param_dtype`.
+  """
+  r = _Reader(path)
+  loaders = {
+      "embed": lambda: r.get("model.embed_tokens.weight"),
+      "final_norm/scale": lambda: r.get("model.norm.weight"),
+  }
+  if not cfg.tie_embeddings:
+    loaders["lm_head"] = lambda: r.get("lm_head.weight").T
+  for i in range(cfg.num_layers):
+    for name, fn in _layer_tensors(r, cfg, i).items():
+      loaders[f"layer_{i}/{name}"] = fn
+
+  from sao_jax.models.policy import init_params  # pylint: disable=g-import-not-at-top
+  shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+  flat_shapes = {"/".join(k.key for k in path): leaf
+                 for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]}
+  if set(flat_shapes) != set(loaders):
+    raise ValueError(f"Import mapping mismatch: model-only "
+                     f"{sorted(set(flat_shapes) - set(loaders))}, mapping-only "
+                     f"{sorted(set(loaders) - set(flat_shapes))}")
+  flat_shardings = {}
+  if shardings is not None:
+    flat_shardings = {"/".join(k.key for k in path): s
+                      for path, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
+
+  flat = {}
+  for name, shape in flat_shapes.items():
+    host = np.asarray(loaders[name]())
+    if host.shape != shape.shape:
+      raise ValueError(f"{name}: checkpoint shape {host.shape} != model {shape.shape}")
+    host = host.astype(shape.dtype)
+    flat[name] = jax.device_put(host, flat_shardings.get(name))
+    del host
+  if strict and (extra := [n for n in r.unused()
+                           if not (cfg.tie_embeddings and n == "lm_head.weight")]):
+    raise ValueError(f"Checkpoint tensors not used by the model: {extra[:10]}"
+                     f"{' ...' if len(extra) > 10 else ''}")
+
+  params: dict = {}
+  for name, value in flat.items():
+    node = params
+    *parents, leaf = name.split("/")
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = value
+  return params

@@ -1,0 +1,77 @@
+"""Optimizers, with parameter freezing by regex rules (config data).
+
+`optax.masked(opt, trainable)` alone does NOT freeze the other leaves: it
+passes their raw gradients through unchanged and `optax.apply_updates` then
+moves them. Freezing here uses `optax.multi_transform` with
+`optax.set_to_zero()` on the frozen partition: their updates are exactly 0
+(params stay bit-identical) and the inner optimizer never sees them, so no
+Adam moments are allocated for them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+import jax
+import optax
+
+TRAIN, FREEZE = "train", "freeze"
+
+# The paper's critic: attention (and its pre-norm) and embeddings frozen;
+# MoE / MLP, their norms, the final norm and the value head train. First
+# matching rule wins; every parameter must match one.
+CRITIC_FREEZE_RULES = (
+    (r"^layer_\d+/(attn|attn_norm)/", FREEZE),
+    (r"^embed$", FREEZE),
+    (r".*", TRAIN),
+)
+TRAIN_ALL_RULES = ((r".*", TRAIN),)
+
+
+def param_path(path) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+
+def partition_labels(params, rules: Sequence[tuple[str, str]]):
+  """A pytree of labels ("train" / "freeze"): the first rule whose regex matches."""
+  compiled = [(re.compile(rx), label) for rx, label in rules]
+  for _, label in rules:
+    if label not in (TRAIN, FREEZE):
+      raise ValueError(f"Unknown label {label!r}; use {TRAIN!r} or {FREEZE!r}.")
+
+  def label(path, _):
+    name = param_path(path)
+    for rx, lab in compiled:
+      if rx.search(name):
+        return lab
+    raise ValueError(f"Parameter {name!r} matches no freezing rule; end the rules "
+                     "with a catch-all like ('.*', 'train').")
+
+  return jax.tree_util.tree_map_with_path(label, params)
+
+
+def make_optimizer(
+    params,
+    learning_rate: float | optax.Schedule,
+    *,
+    rules: Sequence[tuple[str, str]] = TRAIN_ALL_RULES,
+    weight_decay: float = 0.0,
+    clip_norm: float | None = 1.0,
+    b1: float = 0.9,
+    b2: float = 0.95,
+) -> optax.GradientTransformation:
+  """AdamW (+ global-norm clipping over trainable leaves), frozen leaves fixed."""
+  train = [optax.clip_by_global_norm(clip_norm)] if clip_norm else []
+  train.append(optax.adamw(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay))
+  return optax.multi_transform(
+      {TRAIN: optax.chain(*train), FREEZE: optax.set_to_zero()},
+      partition_labels(params, rules))
+
+
+def warmup_cosine(peak: float, warmup_steps: int, total_steps: int,
+                  end_fraction: float = 0.1) -> optax.Schedule:
+  """Linear warmup to `peak`, cosine decay to `end_fraction * peak`."""
+  return optax.warmup_cosine_decay_schedule(
+      0.0, peak, max(warmup_steps, 1), max(total_steps, warmup_steps + 1),
+      end_value=peak * end_fraction)

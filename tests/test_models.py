@@ -1,0 +1,220 @@
+"""The MoE transformer: decoding, packing, MoE paths, sharding, freezing, scale."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from sao_jax import optim, sharding
+from sao_jax.models import config as mcfg
+from sao_jax.models import decoding, policy
+from sao_jax.models.transformer import Transformer
+
+CFG = mcfg.tiny()
+
+
+@pytest.fixture(scope="module")
+def params():
+  return policy.init_params(CFG, jax.random.key(0))
+
+
+def test_incremental_decoding_matches_teacher_forcing_multi_turn(params):
+  rng = np.random.default_rng(0)
+  b, total = 3, 40
+  seqs = rng.integers(0, CFG.vocab_size, (b, total)).astype(np.int32)
+  # Per slot: prompt length, then chunks alternating decode steps and
+  # observation appends of different lengths (ragged across slots).
+  prompt_len = np.array([5, 9, 3])
+  cache = decoding.init_cache(CFG, b, 64)
+  lengths = jnp.zeros((b,), jnp.int32)
+  got = np.zeros((b, total), np.float32)
+
+  def run(chunk_lens, lengths, cache):
+    width = int(max(chunk_lens.max(), 1))
+    start = np.asarray(lengths)
+    toks = np.zeros((b, width), np.int32)
+    valid = np.zeros((b, width), bool)
+    for i in range(b):
+      toks[i, :chunk_lens[i]] = seqs[i, start[i]:start[i] + chunk_lens[i]]
+      valid[i, :chunk_lens[i]] = True
+    logits, cache, new_len = decoding.extend(CFG, params, cache, toks, lengths, valid)
+    # The logits of token j of the chunk predict the slot's next token.
+    logp = np.asarray(jax.nn.log_softmax(logits))
+    for i in range(b):
+      for j in range(chunk_lens[i]):
+        t = start[i] + j + 1
+        if t < total:
+          got[i, t] = logp[i, j, seqs[i, t]]
+    return new_len, cache
+
+  lengths, cache = run(prompt_len, lengths, cache)
+  schedule = [np.array(x) for x in ([1, 1, 1], [1, 0, 1], [4, 2, 0], [1, 1, 1], [0, 6, 3],
+                                    [1, 1, 1], [1, 1, 1])]
+  for chunk in schedule:
+    lengths, cache = run(chunk, lengths, cache)
+  np.testing.assert_array_equal(lengths, prompt_len + sum(schedule))
+
+  pos = np.broadcast_to(np.arange(total), (b, total))
+  ref, _ = policy.token_logprobs(CFG, params, seqs, pos, np.ones((b, total), np.int32))
+  for i in range(b):
+    # Every token after the prompt whose predecessor was fed in some chunk.
+    n = int(lengths[i])
+    idx = np.arange(1, n)
+    np.testing.assert_allclose(got[i, idx], np.asarray(ref)[i, idx], atol=2e-5)
+
+
+def test_packed_segments_equal_separate_rows(params):
+  rng = np.random.default_rng(1)
+  a = rng.integers(0, CFG.vocab_size, 7)
+  c = rng.integers(0, CFG.vocab_size, 5)
+  packed = np.concatenate([a, c, [0, 0]])[None].astype(np.int32)
+  seg = np.array([[1] * 7 + [2] * 5 + [0, 0]], np.int32)
+  pos = np.array([list(range(7)) + list(range(5)) + [0, 0]], np.int32)
+  lp, _ = policy.token_logprobs(CFG, params, packed, pos, seg)
+  lpa, _ = policy.token_logprobs(CFG, params, a[None], np.arange(7)[None], np.ones((1, 7), np.int32))
+  lpc, _ = policy.token_logprobs(CFG, params, c[None], np.arange(5)[None], np.ones((1, 5), np.int32))
+  np.testing.assert_allclose(lp[0, :7], lpa[0], atol=1e-5)
+  np.testing.assert_allclose(lp[0, 7:12], lpc[0], atol=1e-5)
+  assert float(lp[0, 7]) == 0.0  # a segment's first token has no prefix
+
+
+def test_ragged_moe_equals_dense(params):
+  tokens = jax.random.randint(jax.random.key(2), (2, 16), 0, CFG.vocab_size)
+  pos = jnp.broadcast_to(jnp.arange(16), (2, 16))
+  seg = jnp.ones((2, 16), jnp.int32)
+  dense, aux_d = Transformer(CFG).apply({"params": params}, tokens, pos, seg)
+  ragged_cfg = dataclasses.replace(CFG, moe_impl="ragged")
+  ragged, aux_r = Transformer(ragged_cfg).apply({"params": params}, tokens, pos, seg)
+  np.testing.assert_allclose(dense, ragged, atol=1e-5)
+  np.testing.assert_allclose(aux_d["load_balance_loss"], aux_r["load_balance_loss"])
+  assert float(aux_d["load_balance_loss"]) >= 1.0 - 1e-5  # minimum is 1 (balanced)
+
+
+def test_value_model_from_policy(params):
+  fresh = policy.init_params(CFG, jax.random.key(3), head="value")
+  vparams = policy.value_params_from_policy(params, fresh)
+  assert "lm_head" not in vparams
+  np.testing.assert_array_equal(vparams["layer_1"]["moe"]["wo"], params["layer_1"]["moe"]["wo"])
+  tokens = jnp.arange(10)[None] % CFG.vocab_size
+  pos = jnp.arange(10)[None]
+  seg = jnp.ones((1, 10), jnp.int32)
+  vparams["value_bias"] = jnp.array([0.5])
+  values, _ = policy.token_values(CFG, vparams, tokens, pos, seg)
+  assert values.shape == (1, 10)
+  assert float(values[0, 0]) == 0.0
+  np.testing.assert_allclose(values[0, 1:], 0.5, atol=1e-6)  # zero-init head + bias
+  # Causality: V at t depends on x_<t only.
+  changed = tokens.at[0, 5].set((tokens[0, 5] + 1) % CFG.vocab_size)
+  vparams["value_head"] = jax.random.normal(jax.random.key(4), (CFG.d_model, 1))
+  v1, _ = policy.token_values(CFG, vparams, tokens, pos, seg)
+  v2, _ = policy.token_values(CFG, vparams, changed, pos, seg)
+  np.testing.assert_array_equal(v1[0, :6], v2[0, :6])
+  assert np.abs(np.asarray(v1[0, 6:] - v2[0, 6:])).max() > 0
+
+
+def test_qwen3_30b_a3b_shape_builds_abstractly():
+  cfg = mcfg.qwen3_30b_a3b()
+  shapes = jax.eval_shape(lambda: policy.init_params(cfg, jax.random.key(0)))
+  total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+  per_expert = 3 * cfg.d_model * cfg.moe_d_ff
+  inactive = cfg.num_layers * (cfg.num_experts - cfg.experts_per_token) * per_expert
+  active = total - inactive
+  print(f"Qwen3-30B-A3B: {total / 1e9:.2f}B total, {active / 1e9:.2f}B active")
+  assert 30.3e9 < total < 30.7e9
+  assert 3.2e9 < active < 3.45e9
+
+
+RULES_FSDP = (("batch", ("data", "fsdp")), ("length", None), ("embed", "fsdp"),
+              ("vocab", "tensor"), ("heads", "tensor"), ("kv_heads", None),
+              ("head_dim", None), ("mlp", "tensor"), ("expert", None))
+RULES_EXPERT = (("batch", "data"), ("length", None), ("embed", None),
+                ("vocab", None), ("heads", None), ("kv_heads", None),
+                ("head_dim", "tensor"), ("mlp", None), ("expert", ("fsdp", "tensor")))
+
+
+def test_two_rule_sets_give_identical_outputs_on_8_devices():
+  assert jax.device_count() == 8, "conftest should give 8 fake CPU devices"
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  init = lambda: policy.init_params(CFG, jax.random.key(5), boxed=True)
+  tokens = jax.random.randint(jax.random.key(6), (4, 12), 0, CFG.vocab_size)
+  pos = jnp.broadcast_to(jnp.arange(12), (4, 12))
+  seg = jnp.ones((4, 12), jnp.int32)
+  outs = []
+  for rules in (RULES_FSDP, RULES_EXPERT):
+    p, shard = sharding.sharded_init(init, mesh, rules)
+    with mesh, nn.logical_axis_rules(rules):
+      fwd = jax.jit(lambda p, t: policy.token_logprobs(CFG, p, t, pos, seg)[0],
+                    in_shardings=(shard, sharding.batch_sharding(mesh, rules)))
+      outs.append(np.asarray(fwd(p, tokens)))
+  np.testing.assert_allclose(outs[0], outs[1], atol=1e-5)
+  p, shard = sharding.sharded_init(init, mesh, RULES_EXPERT)
+  assert p["layer_0"]["moe"]["wi_gate"].sharding.spec[0] == ("fsdp", "tensor")
+  with pytest.raises(ValueError, match="lack logical axes"):
+    sharding.sharded_init(init, mesh, RULES_FSDP[:-1])
+  with pytest.raises(ValueError, match="mesh has axes"):
+    sharding.sharded_init(init, mesh, RULES_FSDP[:-1] + (("expert", "pipeline"),))
+
+
+def test_critic_optimizer_freezes_attention_and_trains_the_rest(params):
+  vparams = policy.value_params_from_policy(
+      params, policy.init_params(CFG, jax.random.key(7), head="value"))
+  tx = optim.make_optimizer(vparams, 1e-2, rules=optim.CRITIC_FREEZE_RULES)
+  state = tx.init(vparams)
+  tokens = jax.random.randint(jax.random.key(8), (2, 10), 0, CFG.vocab_size)
+  pos = jnp.broadcast_to(jnp.arange(10), (2, 10))
+  seg = jnp.ones((2, 10), jnp.int32)
+
+  def loss(p):
+    v, _ = policy.token_values(CFG, p, tokens, pos, seg)
+    return jnp.mean((v - 1.0) ** 2)
+
+  new = vparams
+  for _ in range(3):
+    grads = jax.grad(loss)(new)
+    updates, state = tx.update(grads, state, new)
+    new = optax.apply_updates(new, updates)
+  labels = optim.partition_labels(vparams, optim.CRITIC_FREEZE_RULES)
+  flat_labels = {optim.param_path(k): v for k, v in jax.tree_util.tree_leaves_with_path(labels)}
+  moved = {optim.param_path(k): bool(np.any(np.asarray(a) != np.asarray(b)))
+           for (k, a), b in zip(jax.tree_util.tree_leaves_with_path(vparams),
+                                jax.tree.leaves(new))}
+  frozen = [n for n, l in flat_labels.items() if l == optim.FREEZE]
+  assert "layer_0/attn/q" in frozen and "embed" in frozen
+  assert "layer_0/moe/wi_gate" not in frozen
+  for name in frozen:
+    assert not moved[name], name  # bit-identical
+  for name in ("layer_0/moe/wi_gate", "layer_1/moe/router", "value_head", "final_norm/scale"):
+    assert moved[name], name
+  # No Adam moments for frozen leaves: only trainable leaves are arrays.
+  adam_state = state.inner_states[optim.TRAIN].inner_state
+  mu = [s for s in jax.tree.leaves(adam_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+        if isinstance(s, optax.ScaleByAdamState)][0].mu
+  mu_paths = {optim.param_path(k) for k, v in jax.tree_util.tree_leaves_with_path(mu)
+              if hasattr(v, "shape")}
+  assert mu_paths == {n for n, l in flat_labels.items() if l == optim.TRAIN}
+
+
+def test_optax_masked_alone_does_not_freeze(params):
+  # The trap DESIGN.md warns about, kept as a regression check of the docs.
+  grads = jax.tree.map(jnp.ones_like, params)
+  tx = optax.masked(optax.adam(1e-2), jax.tree.map(lambda _: False, params))
+  updates, _ = tx.update(grads, tx.init(params), params)
+  assert float(jax.tree.leaves(updates)[0].sum()) != 0.0
+
+
+def test_freezing_rules_must_cover_every_parameter(params):
+  with pytest.raises(ValueError, match="matches no freezing rule"):
+    optim.partition_labels(params, ((r"attn", optim.FREEZE),))
+
+
+def test_config_validation():
+  with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+    dataclasses.replace(CFG, num_kv_heads=3)
+  with pytest.raises(ValueError, match="experts_per_token"):
+    dataclasses.replace(CFG, experts_per_token=9)
+  with pytest.raises(ValueError, match="Unknown model config"):
+    mcfg.ModelConfig.from_dict({**dataclasses.asdict(CFG), "n_layer": 2})
