@@ -16,15 +16,15 @@ $(VENV)/.installed-%: setup.py
 	@touch $@
 
 # The main job on its CPU default.
-train: $(VENV)/.installed-test
-	$(PY) launch/train.py --config=configs/sao_tiny.py --workdir=$(WORKDIR)
+train: $(VENV)/.installed-test,parity
+	$(PY) launch/kernels_demo.py
 
 # The test suite (what .ci/run calls).
-test: $(VENV)/.installed-test
+test: $(VENV)/.installed-test,parity
 	$(PY) -m pytest -n 2 -q tests
 
-bench: $(VENV)/.installed-test
-	$(PY) benchmarks/gae.py
+bench: $(VENV)/.installed-test,parity
+	$(PY) benchmarks/gae.py && $(PY) benchmarks/model.py
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -15,6 +15,10 @@ from sao_jax.models import decoding, policy
 from sao_jax.models.transformer import Transformer
 
 CFG = mcfg.tiny()
+# Jitted views: op-by-op execution of the model is slow on CPU.
+logprobs = jax.jit(policy.token_logprobs, static_argnums=0)
+token_values = jax.jit(policy.token_values, static_argnums=0)
+extend = jax.jit(decoding.extend, static_argnums=0)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +45,7 @@ def test_incremental_decoding_matches_teacher_forcing_multi_turn(params):
     for i in range(b):
       toks[i, :chunk_lens[i]] = seqs[i, start[i]:start[i] + chunk_lens[i]]
       valid[i, :chunk_lens[i]] = True
-    logits, cache, new_len = decoding.extend(CFG, params, cache, toks, lengths, valid)
+    logits, cache, new_len = extend(CFG, params, cache, toks, lengths, valid)
     # The logits of token j of the chunk predict the slot's next token.
     logp = np.asarray(jax.nn.log_softmax(logits))
     for i in range(b):
@@ -59,7 +63,7 @@ def test_incremental_decoding_matches_teacher_forcing_multi_turn(params):
   np.testing.assert_array_equal(lengths, prompt_len + sum(schedule))
 
   pos = np.broadcast_to(np.arange(total), (b, total))
-  ref, _ = policy.token_logprobs(CFG, params, seqs, pos, np.ones((b, total), np.int32))
+  ref, _ = logprobs(CFG, params, seqs, pos, np.ones((b, total), np.int32))
   for i in range(b):
     # Every token after the prompt whose predecessor was fed in some chunk.
     n = int(lengths[i])
@@ -74,9 +78,9 @@ def test_packed_segments_equal_separate_rows(params):
   packed = np.concatenate([a, c, [0, 0]])[None].astype(np.int32)
   seg = np.array([[1] * 7 + [2] * 5 + [0, 0]], np.int32)
   pos = np.array([list(range(7)) + list(range(5)) + [0, 0]], np.int32)
-  lp, _ = policy.token_logprobs(CFG, params, packed, pos, seg)
-  lpa, _ = policy.token_logprobs(CFG, params, a[None], np.arange(7)[None], np.ones((1, 7), np.int32))
-  lpc, _ = policy.token_logprobs(CFG, params, c[None], np.arange(5)[None], np.ones((1, 5), np.int32))
+  lp, _ = logprobs(CFG, params, packed, pos, seg)
+  lpa, _ = logprobs(CFG, params, a[None], np.arange(7)[None], np.ones((1, 7), np.int32))
+  lpc, _ = logprobs(CFG, params, c[None], np.arange(5)[None], np.ones((1, 5), np.int32))
   np.testing.assert_allclose(lp[0, :7], lpa[0], atol=1e-5)
   np.testing.assert_allclose(lp[0, 7:12], lpc[0], atol=1e-5)
   assert float(lp[0, 7]) == 0.0  # a segment's first token has no prefix
@@ -103,15 +107,15 @@ def test_value_model_from_policy(params):
   pos = jnp.arange(10)[None]
   seg = jnp.ones((1, 10), jnp.int32)
   vparams["value_bias"] = jnp.array([0.5])
-  values, _ = policy.token_values(CFG, vparams, tokens, pos, seg)
+  values, _ = token_values(CFG, vparams, tokens, pos, seg)
   assert values.shape == (1, 10)
   assert float(values[0, 0]) == 0.0
   np.testing.assert_allclose(values[0, 1:], 0.5, atol=1e-6)  # zero-init head + bias
   # Causality: V at t depends on x_<t only.
   changed = tokens.at[0, 5].set((tokens[0, 5] + 1) % CFG.vocab_size)
   vparams["value_head"] = jax.random.normal(jax.random.key(4), (CFG.d_model, 1))
-  v1, _ = policy.token_values(CFG, vparams, tokens, pos, seg)
-  v2, _ = policy.token_values(CFG, vparams, changed, pos, seg)
+  v1, _ = token_values(CFG, vparams, tokens, pos, seg)
+  v2, _ = token_values(CFG, vparams, changed, pos, seg)
   np.testing.assert_array_equal(v1[0, :6], v2[0, :6])
   assert np.abs(np.asarray(v1[0, 6:] - v2[0, 6:])).max() > 0
 
@@ -169,14 +173,17 @@ def test_critic_optimizer_freezes_attention_and_trains_the_rest(params):
   seg = jnp.ones((2, 10), jnp.int32)
 
   def loss(p):
-    v, _ = policy.token_values(CFG, p, tokens, pos, seg)
+    v, _ = token_values(CFG, p, tokens, pos, seg)
     return jnp.mean((v - 1.0) ** 2)
+
+  @jax.jit
+  def step(p, state):
+    updates, state = tx.update(jax.grad(loss)(p), state, p)
+    return optax.apply_updates(p, updates), state
 
   new = vparams
   for _ in range(3):
-    grads = jax.grad(loss)(new)
-    updates, state = tx.update(grads, state, new)
-    new = optax.apply_updates(new, updates)
+    new, state = step(new, state)
   labels = optim.partition_labels(vparams, optim.CRITIC_FREEZE_RULES)
   flat_labels = {optim.param_path(k): v for k, v in jax.tree_util.tree_leaves_with_path(labels)}
   moved = {optim.param_path(k): bool(np.any(np.asarray(a) != np.asarray(b)))

@@ -75,7 +75,7 @@ class ModelConfig:
 
 
 def tiny(vocab_size: int = 64) -> ModelConfig:
-  """~0.2M parameters: trains in minutes on 2 CPU cores."""
+  """~0.13M parameters: trains in minutes on 2 CPU cores."""
   return ModelConfig(
       vocab_size=vocab_size, d_model=64, num_layers=2, num_heads=4,
       num_kv_heads=2, head_dim=16, num_experts=4, experts_per_token=2,
