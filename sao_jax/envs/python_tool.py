@@ -1,0 +1,109 @@
+"""python_tool: multi-step arithmetic word problems solved with a Python tool.
+
+A task is a chain of operations read left to right (not by precedence):
+
+    prompt:  "14 plus 5 times 3 minus 4\n"
+
+The agent works one step per turn by writing Python that the sandbox runs,
+and reads the printed result as the observation; it ends with an answer:
+
+    action:      "py print(14+5)\n"     observation: ">19\n"
+    action:      "py print(19*3)\n"     observation: ">57\n"
+    action:      "py print(57-4)\n"     observation: ">53\n"
+    action:      "ans 53\n"             -> done, reward 1 if 53 is right
+
+Any Python is accepted (the sandbox decides what it does); an action that is
+neither `py ...` nor `ans ...` gets an error observation. The number of
+operations is long-tailed (1 + a geometric draw, capped), so trajectory
+lengths are too. Episodes end at the answer or after `max_turns` actions
+(reward 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from sao_jax.envs.base import StepResult, Task
+from sao_jax.envs.sandbox import SandboxLimits, run_python
+
+_OPS = (("plus", "+"), ("minus", "-"), ("times", "*"))
+
+
+@dataclasses.dataclass(frozen=True)
+class PythonToolConfig:
+  seed: int = 0
+  max_ops: int = 5
+  # P(one more operation): the tail of the length distribution.
+  continue_prob: float = 0.45
+  max_start: int = 30
+  max_operand: int = 9
+  max_turns: int = 10
+  use_sandbox: bool = True
+
+
+class _Episode:
+
+  def __init__(self, env: "PythonTool", task: Task):
+    self._env, self._task, self._turns = env, task, 0
+
+  def step(self, action: str) -> StepResult:
+    self._turns += 1
+    action = action.strip()
+    if action.startswith("ans"):
+      try:
+        value = int(action[3:].strip())
+      except ValueError:
+        value = None
+      correct = value == self._task.answer
+      return StepResult("", float(correct), True, {"correct": correct})
+    if action.startswith("py"):
+      obs = self._env.run_code(action[2:].strip())
+    else:
+      obs = "error: use py or ans"
+    info = {"correct": False}
+    done = self._turns >= self._env.max_turns
+    if done:
+      info["finish_reason"] = "max_turns"
+    return StepResult(">" + obs.strip()[:40] + "\n", 0.0, done, info)
+
+
+class PythonTool:
+  """The environment family; `task(i)` is deterministic in (seed, i)."""
+  name = "python_tool"
+
+  def __init__(self, config: PythonToolConfig = PythonToolConfig(),
+               limits: SandboxLimits = SandboxLimits(cpu_seconds=1, wall_seconds=3.0)):
+    self.config = config
+    self.limits = limits
+    self.max_turns = config.max_turns
+
+  def task(self, index: int) -> Task:
+    c = self.config
+    rng = np.random.default_rng([c.seed, index])
+    n_ops = 1
+    while n_ops < c.max_ops and rng.random() < c.continue_prob:
+      n_ops += 1
+    value = int(rng.integers(2, c.max_start + 1))
+    words, steps = [str(value)], []
+    for _ in range(n_ops):
+      word, sym = _OPS[int(rng.integers(len(_OPS)))]
+      x = int(rng.integers(2, c.max_operand + 1))
+      steps.append((value, sym, x))
+      value = eval(f"{value}{sym}{x}")  # pylint: disable=eval-used
+      words += [word, str(x)]
+    return Task(index, " ".join(words) + "\n", value, {"steps": steps, "n_ops": n_ops})
+
+  def episode(self, task: Task) -> _Episode:
+    return _Episode(self, task)
+
+  def demonstration(self, task: Task) -> list[tuple[str, str]]:
+    turns = [(f"py print({a}{sym}{x})", f">{eval(f'{a}{sym}{x}')}\n")  # pylint: disable=eval-used
+             for a, sym, x in task.meta["steps"]]
+    return turns + [(f"ans {task.answer}", "")]
+
+  def run_code(self, code: str) -> str:
+    if not self.config.use_sandbox:
+      raise RuntimeError("python_tool without the sandbox is for tests only")
+    return run_python(code, self.limits).observation()

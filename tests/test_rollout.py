@@ -1,0 +1,248 @@
+"""Engine, driver, environments and sandbox."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sao_jax.data.trajectory import Trajectory, validate
+from sao_jax.envs import sandbox
+from sao_jax.envs.base import StepResult, Task
+from sao_jax.envs.demonstrations import demonstration_trajectory
+from sao_jax.envs.python_tool import PythonTool
+from sao_jax.envs.tokenizer import CharTokenizer
+from sao_jax.models import config as mcfg
+from sao_jax.models import policy
+from sao_jax.rollout.driver import RolloutDriver
+from sao_jax.rollout.engine import PolicyEngine, SamplingConfig, sampling_logprobs
+
+TOK = CharTokenizer()
+CFG = mcfg.tiny(vocab_size=TOK.vocab_size)
+MAX_LEN = 128
+logprobs_fn = jax.jit(policy.token_logprobs, static_argnums=(0, 5))
+
+
+class EchoEnv:
+  """A fast fake environment: 2-4 turns, observations of varying length."""
+  name, max_turns = "echo", 4
+
+  def task(self, i):
+    return Task(i, f"q{i % 10}\n", None, {"turns": 2 + i % 3})
+
+  def episode(self, task):
+    env_turns = task.meta["turns"]
+
+    class Ep:
+      n = 0
+
+      def step(self, action):
+        self.n += 1
+        done = self.n >= env_turns
+        return StepResult("" if done else ">" + "ab" * self.n + "\n", float(done), done)
+
+    return Ep()
+
+  def demonstration(self, task):
+    return [("x", ">ab\n"), ("y", "")]
+
+
+@pytest.fixture(scope="module")
+def params():
+  p0 = policy.init_params(CFG, jax.random.key(0))
+  p1 = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape), p0)
+  return {0: p0, 1: p1}
+
+
+def run_driver(params, swap_policy, n=12, swap_after=3, slots=4, env=None):
+  engine = PolicyEngine(CFG, params[0], slots=slots, max_len=MAX_LEN, seed=3)
+  out = []
+  driver = RolloutDriver(engine, env or EchoEnv(), TOK, iter(range(1000)), None,
+                         max_turn_tokens=6, swap_policy=swap_policy)
+
+  def emit(t):
+    out.append(t)
+    if len(out) == swap_after:
+      driver.update_params(params[1], 1)
+
+  driver._emit = emit  # pylint: disable=protected-access
+  driver.run(max_trajectories=n)
+  return out, driver
+
+
+def assert_logprobs_match_teacher_forcing(trajs, params):
+  checked = 0
+  for t in trajs:
+    n = len(t)
+    for version in set(t.policy_version[t.action_mask].tolist()):
+      lp, _ = logprobs_fn(CFG, params[version], t.tokens[None], np.arange(n)[None],
+                          np.ones((1, n), np.int32), 1.0)
+      sel = t.action_mask & (t.policy_version == version)
+      np.testing.assert_allclose(np.asarray(lp)[0, sel], t.rollout_logprobs[sel], atol=2e-4)
+      checked += int(sel.sum())
+  return checked
+
+
+def test_recorded_logprobs_equal_teacher_forced_across_swap_and_turns(params):
+  trajs, driver = run_driver(params, "recompute")
+  assert len(trajs) == 12 and driver.stats.param_swaps == 1
+  assert all(validate(t, TOK.vocab_size, MAX_LEN) is None for t in trajs)
+  assert any(t.num_turns >= 3 for t in trajs)  # multi-turn appends covered
+  spanning = [t for t in trajs if {0, 1} <= set(t.policy_version[t.action_mask].tolist())]
+  assert spanning, "some trajectory should span the weight swap"
+  assert assert_logprobs_match_teacher_forcing(trajs, params) > 100
+
+
+def test_drain_never_mixes_versions_and_keep_does(params):
+  trajs, _ = run_driver(params, "drain")
+  assert all(len(set(t.policy_version[t.action_mask].tolist())) == 1 for t in trajs)
+  assert_logprobs_match_teacher_forcing(trajs, params)
+  trajs, _ = run_driver(params, "keep")
+  assert any(len(set(t.policy_version[t.action_mask].tolist())) == 2 for t in trajs)
+  assert all(validate(t, TOK.vocab_size, MAX_LEN) is None for t in trajs)
+
+
+def test_samples_per_prompt_share_group_ids(params):
+  engine = PolicyEngine(CFG, params[0], slots=4, max_len=MAX_LEN)
+  out = []
+  RolloutDriver(engine, EchoEnv(), TOK, iter(range(3)), out.append, samples_per_prompt=4,
+                max_turn_tokens=4).run()
+  groups = {}
+  for t in out:
+    groups.setdefault(t.group_id, set()).add(t.prompt_id)
+  assert len(out) == 12 and len(groups) == 3
+  assert all(len(v) == 1 for v in groups.values())
+
+
+def test_jetstream_api_prefill_insert_generate(params):
+  engine = PolicyEngine(CFG, params[0], slots=3, max_len=MAX_LEN)
+  state = engine.init_decode_state()
+  prompts = [TOK.encode("12 plus 3\n"), TOK.encode("7 times 2\n")]
+  seqs, lps = {}, {}
+  for slot, prompt in zip((0, 2), prompts):
+    padded = np.zeros(16, np.int32)
+    padded[:len(prompt)] = prompt
+    prefix, first = engine.prefill(params=engine.params, padded_tokens=padded,
+                                   true_length=len(prompt))
+    state = engine.insert(prefix, state, slot, first_token=int(first.tokens[0]))
+    seqs[slot], lps[slot] = list(prompt) + [int(first.tokens[0])], [float(first.logprobs[0])]
+  for _ in range(5):
+    state, result = engine.generate(engine.params, state)
+    assert result.version == 0
+    for slot in seqs:
+      seqs[slot].append(int(result.tokens[slot]))
+      lps[slot].append(float(result.logprobs[slot]))
+  for slot, prompt in zip((0, 2), prompts):
+    n = len(seqs[slot])
+    lp, _ = logprobs_fn(CFG, params[0], np.asarray(seqs[slot])[None], np.arange(n)[None],
+                        np.ones((1, n), np.int32), 1.0)
+    np.testing.assert_allclose(np.asarray(lp)[0, len(prompt):], lps[slot], atol=2e-4)
+
+
+def test_sampling_distribution_top_k_top_p():
+  logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+  lp = np.exp(np.asarray(sampling_logprobs(logits, SamplingConfig(top_p=0.7))))[0]
+  np.testing.assert_allclose(lp, [0.625, 0.375, 0, 0], atol=1e-6)
+  lp = np.exp(np.asarray(sampling_logprobs(logits, SamplingConfig(top_k=3, temperature=2.0))))[0]
+  w = np.sqrt([0.5, 0.3, 0.15])
+  np.testing.assert_allclose(lp, list(w / w.sum()) + [0], atol=1e-6)
+  with pytest.raises(ValueError):
+    SamplingConfig(temperature=0.0)
+
+
+def test_python_tool_demonstrations_are_valid_and_correct():
+  env = PythonTool()
+  lengths = []
+  for i in range(50):
+    task = env.task(i)
+    t = demonstration_trajectory(env, task, TOK)
+    assert validate(t, TOK.vocab_size, 512) is None
+    lengths.append(len(t))
+    ep = env.episode(task)
+    results = [ep.step(a) for a, _ in env.demonstration(task)]
+    assert results[-1].done and results[-1].reward == 1.0
+    # The sandbox's real output equals the demonstration's observation.
+    assert [r.observation for r in results[:-1]] == [o for _, o in env.demonstration(task)[:-1]]
+  assert max(lengths) > 2 * min(lengths)  # long-tailed turn counts
+  assert env.task(7) == env.task(7)
+
+
+def test_driver_survives_hostile_tool_code(params):
+  class Hostile(PythonTool):
+    def episode(self, task):
+      ep = super().episode(task)
+      codes = iter(["py while True: pass", "py x = bytearray(2**33)", "py print(1/0)"])
+
+      class Wrapped:
+        def step(self, action):
+          return ep.step(next(codes, "ans 0"))
+
+      return Wrapped()
+
+  out, _ = run_driver(params, "recompute", n=2, swap_after=99, slots=2, env=Hostile())
+  text = TOK.decode(out[0].tokens)
+  assert "killed: cpu time limit" in text and "memoryerror" in text.lower().replace(" ", "")
+
+
+# --- the sandbox -------------------------------------------------------------
+
+LIMITS = sandbox.SandboxLimits(cpu_seconds=1, wall_seconds=3.0, max_output_chars=100)
+
+
+@pytest.mark.parametrize("code,expect", [
+    ("while True: pass", "killed: cpu time limit"),
+    ("import time\ntime.sleep(30)", "killed: wall-clock limit"),
+    ("x = bytearray(8 * 2**30)", "MemoryError"),
+    ("print('y' * 10**8)", "...[truncated]"),
+])
+def test_sandbox_contains(code, expect):
+  r = sandbox.run_python(code, LIMITS)
+  assert not r.ok and expect in r.observation()
+  assert len(r.stdout) <= LIMITS.max_output_chars + len("...[truncated]")
+  assert r.seconds < LIMITS.wall_seconds + 2
+
+
+def test_sandbox_isolation():
+  applied = sandbox.isolation()
+  if "nobody" in applied:  # root: process limit binds
+    r = sandbox.run_python("import os\nfor _ in range(200):\n  os.fork()", LIMITS)
+    assert "BlockingIOError" in r.observation() or "Resource temporarily" in r.observation()
+  if "chroot" in applied:
+    r = sandbox.run_python(f"print(open({__file__!r}).read())", LIMITS)
+    assert "FileNotFoundError" in r.observation()
+  if "netns" in applied:
+    r = sandbox.run_python(
+        "import socket\ns = socket.socket()\ns.settimeout(1)\ns.connect(('127.0.0.1', 22))\n"
+        "print('connected')", LIMITS)
+    assert "connected" not in r.stdout and "Error" in r.observation()
+  assert sandbox.run_python("print(6 * 7)", LIMITS).observation() == "42\n"
+  # Report what applied (visible with -s); the tests above ran what applies.
+  print("sandbox isolation on this machine:", applied)
+
+
+# --- validation ---------------------------------------------------------------
+
+def good():
+  return demonstration_trajectory(EchoEnv(), EchoEnv().task(1), TOK)
+
+
+@pytest.mark.parametrize("mutate,reason", [
+    (lambda t: setattr(t, "tokens", t.tokens[:-1]), "length_mismatch"),
+    (lambda t: t.tokens.__setitem__(0, 999), "token_out_of_vocab"),
+    (lambda t: setattr(t, "action_mask", np.zeros_like(t.action_mask)), "no_action_tokens"),
+    (lambda t: t.rollout_logprobs.__setitem__(np.flatnonzero(t.action_mask)[0], np.nan),
+     "nonfinite_rollout_logprobs"),
+    (lambda t: t.rollout_logprobs.__setitem__(np.flatnonzero(t.action_mask)[0], 0.5),
+     "positive_logprob"),
+    (lambda t: t.rewards.__setitem__(0, 1.0), "reward_off_action"),
+    (lambda t: t.policy_version.__setitem__(0, 3), "bad_policy_version"),
+    (lambda t: setattr(t, "action_mask", t.action_mask.astype(np.int32)), "bad_mask_dtype"),
+    (lambda t: setattr(t, "finish_reason", "??"), "bad_finish_reason"),
+])
+def test_validation_reasons(mutate, reason):
+  t = good()
+  assert validate(t, TOK.vocab_size, MAX_LEN) is None
+  mutate(t)
+  assert validate(t, TOK.vocab_size, MAX_LEN) == reason
+  assert validate(good(), TOK.vocab_size, 5) == "too_long"
