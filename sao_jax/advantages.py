@@ -49,6 +49,21 @@ def reverse_linear_recurrence(a: Array, b: Array) -> Array:
   return y.T
 
 
+def _same_as_next(segment_ids: Array | None, shape) -> Array:
+  """True where position t + 1 belongs to the same packed sequence as t.
+
+  Without segment ids the whole row is one sequence. The last position of a
+  row, and the last position of each segment, are False: recursions reset
+  there, so one packed sequence never bootstraps from the next.
+  """
+  if segment_ids is None:
+    same = jnp.ones(shape, bool)
+  else:
+    chex.assert_shape(segment_ids, shape)
+    same = jnp.pad(segment_ids[:, 1:] == segment_ids[:, :-1], ((0, 0), (0, 1)))
+  return same.at[:, -1].set(False)
+
+
 def _check_inputs(rewards, values, action_mask):
   chex.assert_rank([rewards, values, action_mask], 2)
   chex.assert_equal_shape([rewards, values, action_mask])
@@ -67,6 +82,7 @@ def skip_observation_gae(
     action_mask: Array,
     gamma: float,
     lam: float,
+    segment_ids: Array | None = None,
 ) -> tuple[Array, Array]:
   """Token-level GAE over action tokens only, skipping observations.
 
@@ -93,15 +109,19 @@ def skip_observation_gae(
     action_mask: bool `[B, T]`, True on policy-sampled tokens.
     gamma: discount per action token.
     lam: GAE lambda.
+    segment_ids: optional int `[B, T]` for packed rows: each segment is its
+      own episode (terminal after its last action token).
 
   Returns:
     (advantages, returns), both float `[B, T]`, zero off action tokens.
   """
   _check_inputs(rewards, values, action_mask)
+  same_next = _same_as_next(segment_ids, rewards.shape)
 
   def step(carry, x):
-    next_value, next_advantage = carry  # [B], [B]
-    r_t, v_t, is_action = x  # [B], [B], [B]
+    r_t, v_t, is_action, keep = x  # [B] each
+    # A new segment starts after t: its carry must not reach t.
+    next_value, next_advantage = jax.tree.map(lambda c: jnp.where(keep, c, 0.0), carry)
     advantage = r_t + gamma * next_value - v_t + gamma * lam * next_advantage
     carry = (jnp.where(is_action, v_t, next_value),
              jnp.where(is_action, advantage, next_advantage))
@@ -109,7 +129,8 @@ def skip_observation_gae(
 
   zeros = jnp.zeros(rewards.shape[:1], values.dtype)
   _, advantages = jax.lax.scan(
-      step, (zeros, zeros), (rewards.T, values.T, action_mask.T), reverse=True)
+      step, (zeros, zeros), (rewards.T, values.T, action_mask.T, same_next.T),
+      reverse=True)
   advantages = advantages.T  # [B, T]
   returns = jnp.where(action_mask, advantages + values, 0.0)
   return advantages, returns
@@ -120,10 +141,13 @@ def skip_observation_gae(
 # ----------------------------------------------------------------------------
 
 
-def _action_span(action_mask: Array) -> Array:
-  """True on every position from the first to the last action token."""
-  seen_before = jnp.cumsum(action_mask, axis=1) > 0
-  seen_after = jnp.flip(jnp.cumsum(jnp.flip(action_mask, 1), axis=1), 1) > 0
+def _action_span(action_mask: Array, same_next: Array) -> Array:
+  """True from the first to the last action token of each (packed) sequence."""
+  m = action_mask.astype(jnp.float32)
+  seen_after = reverse_linear_recurrence(same_next.astype(jnp.float32), m) > 0
+  same_prev = jnp.flip(jnp.pad(same_next[:, :-1], ((0, 0), (1, 0))), 1)
+  seen_before = jnp.flip(reverse_linear_recurrence(same_prev.astype(jnp.float32),
+                                                   jnp.flip(m, 1)), 1) > 0
   return seen_before & seen_after
 
 
@@ -133,6 +157,7 @@ def token_gae(
     action_mask: Array,
     gamma: float,
     lam: float,
+    segment_ids: Array | None = None,
 ) -> tuple[Array, Array]:
   """Naive token-level GAE: observation tokens stay in the recursion.
 
@@ -148,11 +173,13 @@ def token_gae(
   """
   _check_inputs(rewards, values, action_mask)
   m = action_mask.astype(values.dtype)
-  span = _action_span(action_mask).astype(values.dtype)
-  next_v = jnp.concatenate(
+  same_next = _same_as_next(segment_ids, rewards.shape)
+  span = _action_span(action_mask, same_next).astype(values.dtype)
+  keep = same_next.astype(values.dtype)
+  next_v = keep * jnp.concatenate(
       [(values * span)[:, 1:], jnp.zeros_like(values[:, :1])], axis=1)
   delta = span * (rewards + gamma * next_v - values)
-  g = reverse_linear_recurrence(span * (gamma * lam), delta)
+  g = reverse_linear_recurrence(span * keep * (gamma * lam), delta)
   return m * g, m * (g + values)
 
 
@@ -163,6 +190,7 @@ def step_gae(
     gamma: float,
     lam: float,
     step_value: Literal["mean", "last"] = "mean",
+    segment_ids: Array | None = None,
 ) -> tuple[Array, Array]:
   """Step-level GAE: one step is one model turn (a maximal run of actions).
 
@@ -177,23 +205,26 @@ def step_gae(
     raise ValueError(f"step_value must be 'mean' or 'last', got {step_value!r}")
   dt = values.dtype
   m = action_mask.astype(dt)
-  prev_m = jnp.pad(m[:, :-1], ((0, 0), (1, 0)))
-  next_m = jnp.pad(m[:, 1:], ((0, 0), (0, 1)))
+  keep = _same_as_next(segment_ids, rewards.shape).astype(dt)
+  prev_m = jnp.pad((m * keep)[:, :-1], ((0, 0), (1, 0)))
+  next_m = jnp.pad(m[:, 1:], ((0, 0), (0, 1))) * keep
   is_start = m * (1.0 - prev_m)
   is_end = m * (1.0 - next_m)
+  in_run = m * keep  # a run continues from t to t + 1
 
   # Reverse recurrences that reset outside a run and are read at its start.
-  step_reward = reverse_linear_recurrence(m, m * rewards)
+  step_reward = reverse_linear_recurrence(in_run, m * rewards)
   if step_value == "mean":
-    run_sum = reverse_linear_recurrence(m, m * values)
-    run_len = reverse_linear_recurrence(m, m)
+    run_sum = reverse_linear_recurrence(in_run, m * values)
+    run_len = reverse_linear_recurrence(in_run, m)
     step_v = run_sum / jnp.maximum(run_len, 1.0)
   else:
     step_v = reverse_linear_recurrence(m * (1.0 - is_end), is_end * values)
 
   # GAE on the compressed sequence of steps, represented at start positions.
   adv_start, ret_start = skip_observation_gae(
-      is_start * step_reward, is_start * step_v, is_start > 0, gamma, lam)
+      is_start * step_reward, is_start * step_v, is_start > 0, gamma, lam,
+      segment_ids=segment_ids)
 
   # Broadcast forward from each step's start over its run.
   def broadcast(x):

@@ -90,3 +90,29 @@ def batch_sharding(mesh: Mesh, rules: Rules, ndim: int = 2) -> NamedSharding:
   """Sharding of a `[B, ...]` host batch: batch axis by the "batch" rule."""
   spec = nn.logical_to_mesh_axes(("batch",) + (None,) * (ndim - 1), rules)
   return NamedSharding(mesh, spec)
+
+
+def _path_str(path) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def shardings_like_params(tree, params, param_shardings, mesh: Mesh):
+  """Shardings for a pytree that mirrors params in places (e.g. Adam moments).
+
+  A leaf whose path ends with a parameter's path and has its shape gets that
+  parameter's sharding; every other leaf (counters, scalars) is replicated.
+  """
+  by_path = {}
+  for (path, leaf), sh in zip(jax.tree_util.tree_leaves_with_path(params),
+                              jax.tree.leaves(param_shardings)):
+    by_path[_path_str(path)] = (leaf.shape, sh)
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  def pick(path, leaf):
+    p = _path_str(path)
+    for name, (shape, sh) in by_path.items():
+      if (p == name or p.endswith("/" + name)) and tuple(leaf.shape) == tuple(shape):
+        return sh
+    return replicated
+
+  return jax.tree_util.tree_map_with_path(pick, tree)

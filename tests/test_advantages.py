@@ -191,6 +191,29 @@ class AblationArmsTest(parameterized.TestCase):
       adv.step_gae(r, v, m, GAMMA, LAM, step_value="first")
 
 
+class PackedRowsTest(parameterized.TestCase):
+
+  @parameterized.parameters(
+      ("skip", lambda r, v, m, **kw: adv.skip_observation_gae(r, v, m, GAMMA, LAM, **kw)),
+      ("token", lambda r, v, m, **kw: adv.token_gae(r, v, m, GAMMA, LAM, **kw)),
+      ("step_mean", lambda r, v, m, **kw: adv.step_gae(r, v, m, GAMMA, LAM, "mean", **kw)),
+      ("step_last", lambda r, v, m, **kw: adv.step_gae(r, v, m, GAMMA, LAM, "last", **kw)),
+  )
+  def test_packed_equals_separate(self, _, fn):
+    r, v, m = random_batch(11, b=3, t=30)
+    m[:, :2] = False  # every sequence starts with a prompt
+    m[:, -1] = True  # ...and may end on an action
+    packed = [np.concatenate([x[0], x[1], x[2], np.zeros(5, x.dtype)])[None]
+              for x in (r, v, m)]
+    seg = np.concatenate([np.full(30, 1), np.full(30, 2), np.full(30, 3), np.zeros(5)])
+    a_p, ret_p = fn(*packed, segment_ids=seg[None].astype(np.int32))
+    a_s, ret_s = fn(r, v, m)
+    np.testing.assert_allclose(np.asarray(a_p)[0, :90], np.asarray(a_s).reshape(-1), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ret_p)[0, :90], np.asarray(ret_s).reshape(-1),
+                               atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(a_p)[0, 90:], 0.0)
+
+
 class BaselinesTest(parameterized.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)

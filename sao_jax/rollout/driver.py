@@ -117,9 +117,14 @@ class RolloutDriver:
   # --- public -----------------------------------------------------------
 
   def update_params(self, params, version: int) -> None:
-    """Thread-safe: the new params apply between steps, per `swap_policy`."""
+    """Thread-safe: the new params apply between steps, per `swap_policy`.
+
+    They are copied now, in the caller's thread: the trainer may donate its
+    buffers to the next step before the driver applies them.
+    """
+    copied = self.engine.load_params(params)
     with self._lock:
-      self._pending_params = (params, version)
+      self._pending_params = (copied, version)
 
   def run(self, max_trajectories: int | None = None) -> None:
     """Runs in the calling thread until prompts run out, `max_trajectories`
@@ -190,7 +195,7 @@ class RolloutDriver:
       if self.swap_policy == "drain" and self.busy_slots:
         return
       self._pending_params = None
-    self.engine.update_params(*pending)
+    self.engine.update_params(*pending, copied=True)
     self.stats.param_swaps += 1
     if self.swap_policy == "recompute":
       in_flight = np.array([s is not None for s in self._slots])

@@ -132,8 +132,9 @@ class PolicyEngine:
     """A private, single-device copy (the trainer may donate its buffers)."""
     return jax.device_put(jax.tree.map(jnp.copy, params), self._device)
 
-  def update_params(self, params, version: int) -> None:
-    new = self.load_params(params)
+  def update_params(self, params, version: int, *, copied: bool = False) -> None:
+    """Swaps in new params; `copied=True` when they come from `load_params`."""
+    new = params if copied else self.load_params(params)
     with self._lock:
       self.params, self.version = new, int(version)
 

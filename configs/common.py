@@ -1,0 +1,123 @@
+"""Defaults shared by every config; each config file overrides what it changes."""
+
+import ml_collections
+
+# Logical axis -> mesh axis rules (sao_jax/sharding.py). Data parallel on a
+# single host; the pod config shards further.
+DATA_PARALLEL_RULES = (
+    ("batch", "data"), ("length", None), ("embed", None), ("vocab", None),
+    ("heads", None), ("kv_heads", None), ("head_dim", None), ("mlp", None),
+    ("expert", None),
+)
+
+
+def get_config():
+  c = ml_collections.ConfigDict()
+  # Seeds model init, prompt order, sampling.
+  c.seed = 0
+  # Steps between metrics lines / JSONL records.
+  c.log_every = 10
+  # Write TensorBoard event files beside metrics.jsonl.
+  c.tensorboard = True
+
+  c.model = ml_collections.ConfigDict()
+  # A preset in sao_jax/models/config.py: tiny, small, qwen3_30b_a3b.
+  c.model.preset = "tiny"
+  # Field overrides of the preset, e.g. {"num_layers": 3}.
+  c.model.overrides = {}
+
+  c.env = ml_collections.ConfigDict()
+  # Environment family (sao_jax/envs/registry.py).
+  c.env.name = "python_tool"
+  # Keyword arguments of the environment's config dataclass.
+  c.env.kwargs = {}
+  # Sandbox limits (sao_jax/envs/sandbox.py SandboxLimits fields).
+  c.env.sandbox = {"cpu_seconds": 1, "wall_seconds": 3.0}
+  # A tokenizer.json for real models; empty: the shipped character vocabulary.
+  c.env.tokenizer_path = ""
+
+  c.data = ml_collections.ConfigDict()
+  # Training tasks are indices [0, num_train_tasks); evaluation is disjoint.
+  c.data.num_train_tasks = 100_000
+  # Packed row lengths; the train step compiles once per bucket.
+  c.data.buckets = (64, 128, 256)
+
+  c.sharding = ml_collections.ConfigDict()
+  # Mesh axis sizes; -1 takes the remaining devices.
+  c.sharding.mesh = {"data": -1}
+  c.sharding.rules = DATA_PARALLEL_RULES
+
+  c.sft = ml_collections.ConfigDict()
+  # Supervised warm start on demonstrations (the paper's SFT baseline).
+  c.sft.steps = 300
+  c.sft.batch_size = 32
+  c.sft.lr = 3e-3
+  c.sft.warmup = 20
+
+  c.value_pretrain = ml_collections.ConfigDict()
+  # Critic-only steps on trajectories of the initial policy (cold start fix).
+  c.value_pretrain.steps = 50
+  # How many such trajectories to generate into the trajectory store.
+  c.value_pretrain.num_trajectories = 256
+
+  c.rollout = ml_collections.ConfigDict()
+  # Concurrent decode slots of the engine (continuous batching).
+  c.rollout.slots = 16
+  # Max tokens per trajectory (prompt + actions + observations).
+  c.rollout.max_len = 256
+  # Max tokens per action turn.
+  c.rollout.max_turn_tokens = 24
+  c.rollout.temperature = 1.0
+  c.rollout.top_k = 0
+  c.rollout.top_p = 1.0
+  # 1 for SAO; G >= 2 for the GRPO arms.
+  c.rollout.samples_per_prompt = 1
+  # In-flight slots at a weight swap: recompute, keep or drain.
+  c.rollout.swap_policy = "recompute"
+  # Environment worker threads (sandbox processes run in parallel).
+  c.rollout.env_workers = 4
+  # Bounded ingestion queue (backpressure on the rollout thread).
+  c.rollout.queue_size = 64
+  # Drop trajectories lagging the policy by more versions than this; None: off (SAO).
+  c.rollout.max_staleness = None
+
+  c.rl = ml_collections.ConfigDict()
+  # async (SAO) or sync (generate the whole batch, wait, train).
+  c.rl.mode = "async"
+  c.rl.steps = 100
+  # Trajectories per train step (packed into this many rows).
+  c.rl.batch_size = 16
+  # value (skip-observation GAE), token_gae, step_gae_mean, step_gae_last, group, running_mean.
+  c.rl.advantage = "value"
+  # dis or ppo_clip.
+  c.rl.policy_loss = "dis"
+  c.rl.eps_low = 0.2
+  c.rl.eps_high = 0.28
+  c.rl.gamma = 1.0
+  c.rl.lam = 0.95
+  # K critic updates per actor update.
+  c.rl.critic_updates = 2
+  # Freeze the critic's attention (and embeddings); train MoE/MLP and head.
+  c.rl.freeze_critic_attention = True
+  c.rl.actor_lr = 3e-4
+  c.rl.critic_lr = 1e-3
+  c.rl.warmup = 5
+  c.rl.clip_norm = 1.0
+  c.rl.load_balance_coef = 0.01
+  # Push params to the rollout engine every this many actor updates.
+  c.rl.sync_every = 1
+  # Window W of the running-mean baseline arm.
+  c.rl.running_mean_window = 64
+  # Held-out evaluation every this many RL steps (0: only at the ends).
+  c.rl.eval_every = 0
+
+  c.eval = ml_collections.ConfigDict()
+  # Held-out tasks for pass@1 at temperature 1.0.
+  c.eval.num_tasks = 200
+  c.eval.slots = 32
+  c.eval.temperature = 1.0
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every = 25
+  c.checkpoint.keep = 2
+  return c

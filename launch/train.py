@@ -1,0 +1,24 @@
+"""Trains SAO (or a baseline arm): python launch/train.py --config=configs/sao_tiny.py.
+
+Intentionally kept short: flags in, one call into sao_jax.trainer.
+Override any field: --config.rl.steps=200 --config.rollout.max_staleness=4.
+"""
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from sao_jax import trainer
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (resumes from it).")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
+  trainer.train(_CONFIG.value, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+  app.run(main)

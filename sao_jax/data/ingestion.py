@@ -1,0 +1,66 @@
+"""The ingestion queue between the rollout thread and the trainer.
+
+The only threaded code path (with the driver that feeds it). A bounded
+`queue.Queue` gives backpressure: when the trainer falls behind, `put`
+blocks the rollout thread. Every record is validated on the way in; a bad
+one is dropped with a counted reason, never trained on and never a crash.
+An optional `max_staleness` drops trajectories whose oldest token lags the
+current policy version by more than that many versions (off for SAO).
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+from typing import Callable
+
+from sao_jax.data.trajectory import Trajectory, validate
+
+
+class TrajectoryQueue:
+
+  def __init__(self, maxsize: int, vocab_size: int, max_length: int,
+               current_version: Callable[[], int], max_staleness: int | None = None):
+    self._q: queue.Queue = queue.Queue(maxsize)
+    self._vocab, self._max_len = vocab_size, max_length
+    self._version = current_version
+    self.max_staleness = max_staleness
+    self.rejected: collections.Counter = collections.Counter()
+    self.accepted = 0
+    self._lock = threading.Lock()
+
+  def put(self, traj: Trajectory, block: bool = True) -> bool:
+    """Validates and enqueues (blocking when full). False if rejected."""
+    version = self._version()
+    try:
+      reason = validate(traj, self._vocab, self._max_len, current_version=version)
+    except Exception as e:  # pylint: disable=broad-except
+      reason = f"invalid:{type(e).__name__}"
+    if reason is None and self.max_staleness is not None:
+      oldest = traj.policy_version[traj.action_mask].min()
+      if version - oldest > self.max_staleness:
+        reason = "stale"
+    if reason is not None:
+      with self._lock:
+        self.rejected[reason] += 1
+      return False
+    self._q.put(traj, block=block)
+    with self._lock:
+      self.accepted += 1
+    return True
+
+  def get(self, timeout: float | None = None) -> Trajectory:
+    """Blocks for the next trajectory; raises queue.Empty after `timeout`."""
+    return self._q.get(timeout=timeout)
+
+  def qsize(self) -> int:
+    return self._q.qsize()
+
+  def drain(self) -> list[Trajectory]:
+    out = []
+    while True:
+      try:
+        out.append(self._q.get_nowait())
+      except queue.Empty:
+        return out

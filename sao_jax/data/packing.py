@@ -1,0 +1,97 @@
+"""Packing trajectories into fixed `[R, L]` rows, with a few length buckets.
+
+A packed row holds one or more trajectories back to back, then padding:
+
+    index     0  1  2  3  4  5  6  7  8  9 10 11 12 13 14 15
+    token     P  P  a  a  a  o  o  a  a  P  P  P  a  a  .  .
+    segment   1  1  1  1  1  1  1  1  1  2  2  2  2  2  0  0
+    position  0  1  2  3  4  5  6  7  8  0  1  2  3  4  0  0
+    action    .  .  x  x  x  .  .  x  x  .  .  .  x  x  .  .
+    (P prompt, a action, o observation / tool output, . padding)
+
+`segment_ids` tell sequences apart (0 is padding) for attention and for the
+advantage recursions; `positions` restart per sequence. The row count R is
+fixed by the config and L is the smallest bucket that fits the batch, so the
+train step compiles once per bucket. Everything the losses need is a per-
+token field of the same shape.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from sao_jax.data.trajectory import Trajectory
+
+FIELDS = ("tokens", "positions", "segment_ids", "action_mask", "rollout_logprobs",
+          "rewards", "policy_version", "baseline_advantages")
+
+
+def _first_fit(lengths: Sequence[int], rows: int, width: int) -> list[list[int]] | None:
+  """Trajectory indices per row (longest first, first row with room), or None."""
+  free = [width] * rows
+  layout = [[] for _ in range(rows)]
+  for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+    for r in range(rows):
+      if lengths[i] <= free[r]:
+        free[r] -= lengths[i]
+        layout[r].append(i)
+        break
+    else:
+      return None
+  return layout
+
+
+def pack(trajs: Sequence[Trajectory], rows: int, buckets: Sequence[int],
+         baseline_advantages: Sequence[float] | None = None) -> dict[str, np.ndarray]:
+  """Packs `trajs` into `[rows, L]` arrays, L the smallest bucket that fits.
+
+  Args:
+    trajs: the trajectories (each at most `max(buckets)` tokens).
+    rows: R, fixed.
+    buckets: increasing row lengths.
+    baseline_advantages: optional per-trajectory scalar advantage (GRPO,
+      running mean), broadcast to the trajectory's action tokens.
+
+  Returns:
+    A dict of numpy arrays `[R, L]` (see FIELDS).
+
+  Raises:
+    ValueError: if the trajectories do not fit in R rows of the largest bucket.
+  """
+  lengths = [len(t) for t in trajs]
+  for width in sorted(buckets):
+    layout = _first_fit(lengths, rows, width)
+    if layout is not None:
+      break
+  else:
+    raise ValueError(f"{len(trajs)} trajectories ({sum(lengths)} tokens, longest "
+                     f"{max(lengths, default=0)}) do not fit {rows} rows of {max(buckets)}.")
+  out = {
+      "tokens": np.zeros((rows, width), np.int32),
+      "positions": np.zeros((rows, width), np.int32),
+      "segment_ids": np.zeros((rows, width), np.int32),
+      "action_mask": np.zeros((rows, width), bool),
+      "rollout_logprobs": np.zeros((rows, width), np.float32),
+      "rewards": np.zeros((rows, width), np.float32),
+      "policy_version": np.full((rows, width), -1, np.int32),
+      "baseline_advantages": np.zeros((rows, width), np.float32),
+  }
+  for r, members in enumerate(layout):
+    start = 0
+    for seg, i in enumerate(members, start=1):
+      t, n = trajs[i], lengths[i]
+      span = slice(start, start + n)
+      out["tokens"][r, span] = t.tokens
+      out["positions"][r, span] = np.arange(n)
+      out["segment_ids"][r, span] = seg
+      out["action_mask"][r, span] = t.action_mask
+      out["rollout_logprobs"][r, span] = t.rollout_logprobs
+      out["rewards"][r, span] = t.rewards
+      out["policy_version"][r, span] = t.policy_version
+      if baseline_advantages is not None:
+        out["baseline_advantages"][r, span] = np.where(
+            t.action_mask, baseline_advantages[i], 0.0)
+      start += n
+  return out

@@ -1,0 +1,209 @@
+"""The pure train steps: SFT, value pretraining, and the SAO / baseline RL step.
+
+One RL step on a packed batch (DESIGN.md section 2):
+
+    critic forward (no grad) -> advantages and returns (stop-gradient)
+      -> K critic updates on L_V -> one actor update on L_pi
+
+The advantage comes from the critic (skip-observation GAE for SAO, token- or
+step-level GAE for the ablations) or from a critic-free baseline computed on
+the host and carried in `batch["baseline_advantages"]` (GRPO's group
+normalisation, the running mean). The policy loss is DIS or PPO-clip. The
+policy version is `state.step`, the number of actor updates applied.
+
+All functions here are pure; `jit_sharded` adds shardings and donation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+
+from sao_jax import advantages as adv
+from sao_jax import losses
+from sao_jax.models import policy
+from sao_jax.models.config import ModelConfig
+
+ADVANTAGES = ("value", "token_gae", "step_gae_mean", "step_gae_last", "group", "running_mean")
+POLICY_LOSSES = ("dis", "ppo_clip")
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array  # actor updates applied == policy version
+  policy: Any
+  critic: Any
+  policy_opt: Any
+  critic_opt: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+  advantage: str = "value"
+  policy_loss: str = "dis"
+  eps_low: float = 0.2
+  eps_high: float = 0.28
+  gamma: float = 1.0
+  lam: float = 0.95
+  # K critic updates per actor update.
+  critic_updates: int = 2
+  # Weight of the MoE load-balancing loss, for both models.
+  load_balance_coef: float = 0.01
+  # Sampling temperature of the rollout (the policy's logits are scaled alike).
+  temperature: float = 1.0
+
+  def __post_init__(self):
+    if self.advantage not in ADVANTAGES:
+      raise ValueError(f"advantage must be one of {ADVANTAGES}, got {self.advantage!r}")
+    if self.policy_loss not in POLICY_LOSSES:
+      raise ValueError(f"policy_loss must be one of {POLICY_LOSSES}, got {self.policy_loss!r}")
+    if self.critic_updates < (1 if self.uses_critic else 0):
+      raise ValueError("critic_updates must be >= 1 with a value baseline")
+
+  @property
+  def uses_critic(self) -> bool:
+    return self.advantage in ("value", "token_gae", "step_gae_mean", "step_gae_last")
+
+
+def _model_inputs(batch):
+  return batch["tokens"], batch["positions"], batch["segment_ids"]
+
+
+def group_norms(tree, groups: dict[str, str]) -> dict[str, jax.Array]:
+  """Global L2 norm of the leaves whose path matches each regex."""
+  flat = [("/".join(str(getattr(k, "key", k)) for k in path), leaf)
+          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
+  out = {}
+  for name, rx in groups.items():
+    pattern = re.compile(rx)
+    sq = [jnp.sum(jnp.square(x.astype(jnp.float32))) for p, x in flat if pattern.search(p)]
+    out[name] = jnp.sqrt(sum(sq)) if sq else jnp.zeros(())
+  return out
+
+
+_NORM_GROUPS = {"attention": r"/attn/", "moe_mlp": r"/(moe|mlp)/", "all": r".*"}
+
+
+def compute_advantages(cfg: StepConfig, values, batch):
+  """(advantages, returns) `[R, L]` for the configured estimator."""
+  r, m, seg = batch["rewards"], batch["action_mask"], batch["segment_ids"]
+  if cfg.advantage == "value":
+    return adv.skip_observation_gae(r, values, m, cfg.gamma, cfg.lam, segment_ids=seg)
+  if cfg.advantage == "token_gae":
+    return adv.token_gae(r, values, m, cfg.gamma, cfg.lam, segment_ids=seg)
+  if cfg.advantage.startswith("step_gae"):
+    return adv.step_gae(r, values, m, cfg.gamma, cfg.lam, cfg.advantage.split("_")[-1],
+                        segment_ids=seg)
+  a = batch["baseline_advantages"]
+  return a, jnp.zeros_like(a)
+
+
+def _critic_updates(model_cfg, cfg, critic_tx, state, batch, metrics):
+  """Critic forward -> advantages/returns -> K critic updates."""
+  inputs = _model_inputs(batch)
+  m = batch["action_mask"]
+  values, _ = policy.token_values(model_cfg, state.critic, *inputs)
+  values = jax.lax.stop_gradient(values)
+  advantages, returns = compute_advantages(cfg, values, batch)
+  advantages, returns = jax.lax.stop_gradient((advantages, returns))
+
+  def critic_loss(params):
+    v, aux = policy.token_values(model_cfg, params, *inputs)
+    loss, vm = losses.value_loss(v, returns, m)
+    return loss + cfg.load_balance_coef * aux["load_balance_loss"], vm
+
+  critic, opt = state.critic, state.critic_opt
+  for k in range(cfg.critic_updates):
+    (_, vm), grads = jax.value_and_grad(critic_loss, has_aux=True)(critic)
+    if k == 0:  # the fit before this step's updates: what GAE used
+      metrics.update({f"critic/{n}": x for n, x in vm.items()})
+      metrics.update({f"critic/grad_norm_{n}": x
+                      for n, x in group_norms(grads, _NORM_GROUPS).items()})
+    updates, opt = critic_tx.update(grads, opt, critic)
+    critic = optax.apply_updates(critic, updates)
+  n = jnp.maximum(m.sum(), 1)
+  metrics["advantage_mean"] = jnp.where(m, advantages, 0).sum() / n
+  metrics["advantage_abs_mean"] = jnp.where(m, jnp.abs(advantages), 0).sum() / n
+  return state.replace(critic=critic, critic_opt=opt), advantages
+
+
+def make_train_step(model_cfg: ModelConfig, cfg: StepConfig, policy_tx, critic_tx,
+                    *, update_actor: bool = True) -> Callable:
+  """train_step(state, batch) -> (state, metrics). `update_actor=False` is value pretraining."""
+
+  def train_step(state: TrainState, batch):
+    m = batch["action_mask"]
+    n = jnp.maximum(m.sum(), 1)
+    metrics = {
+        "tokens/action": m.sum(), "tokens/all": (batch["segment_ids"] > 0).sum(),
+        "reward_per_sequence": batch["rewards"].sum() / jnp.maximum(
+            _num_segments(batch["segment_ids"]), 1),
+    }
+    if cfg.uses_critic:
+      state, advantages = _critic_updates(model_cfg, cfg, critic_tx, state, batch, metrics)
+    else:
+      advantages = batch["baseline_advantages"]
+    if not update_actor:
+      return state, metrics
+
+    loss_fn = losses.dis_policy_loss if cfg.policy_loss == "dis" else losses.ppo_clip_policy_loss
+
+    def actor_loss(params):
+      logp, aux = policy.token_logprobs(model_cfg, params, *_model_inputs(batch),
+                                        cfg.temperature)
+      loss, pm = loss_fn(logp, batch["rollout_logprobs"], advantages, m, cfg.eps_low,
+                         cfg.eps_high)
+      pm["load_balance_loss"] = aux["load_balance_loss"]
+      return loss + cfg.load_balance_coef * aux["load_balance_loss"], (loss, pm)
+
+    (_, (pi_loss, pm)), grads = jax.value_and_grad(actor_loss, has_aux=True)(state.policy)
+    updates, opt = policy_tx.update(grads, state.policy_opt, state.policy)
+    metrics.update({f"policy/{k}": v for k, v in pm.items()})
+    metrics["policy/loss"] = pi_loss
+    metrics.update({f"policy/grad_norm_{k}": v
+                    for k, v in group_norms(grads, _NORM_GROUPS).items()})
+    lag = jnp.where(m, state.step - batch["policy_version"], 0)
+    metrics["policy_lag/mean"] = lag.sum() / n
+    metrics["policy_lag/max"] = lag.max()
+    state = state.replace(step=state.step + 1, policy=optax.apply_updates(state.policy, updates),
+                          policy_opt=opt)
+    return state, metrics
+
+  return train_step
+
+
+def _num_segments(segment_ids):
+  starts = (segment_ids > 0) & (jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0))) != segment_ids)
+  return starts.sum()
+
+
+def make_sft_step(model_cfg: ModelConfig, tx, load_balance_coef: float = 0.01) -> Callable:
+  """sft_step(params, opt_state, batch) -> (params, opt_state, metrics): NLL on actions."""
+
+  def sft_step(params, opt_state, batch):
+    m = batch["action_mask"]
+
+    def loss_fn(p):
+      logp, aux = policy.token_logprobs(model_cfg, p, *_model_inputs(batch))
+      nll = -jnp.where(m, logp, 0.0).sum() / jnp.maximum(m.sum(), 1)
+      return nll + load_balance_coef * aux["load_balance_loss"], nll
+
+    (_, nll), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, {"sft/nll": nll,
+                                                             "sft/grad_norm": optax.global_norm(grads)}
+
+  return sft_step
+
+
+def jit_sharded(fn, state_shardings, batch_sharding, donate: bool = True):
+  """jit with explicit in/out shardings for (state, batch) -> (state, metrics)."""
+  return jax.jit(fn, in_shardings=(state_shardings, batch_sharding),
+                 out_shardings=(state_shardings, None),
+                 donate_argnums=(0,) if donate else ())

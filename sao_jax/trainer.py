@@ -1,0 +1,382 @@
+"""The SAO trainer: SFT warm start -> value pretraining -> RL (async or sync) -> eval.
+
+`train(config, workdir)` is the whole run; `launch/train.py` only parses
+flags. Each stage checkpoints as it goes and a restarted run resumes at the
+stage and step of its latest checkpoint:
+
+    sft             supervised warm start on the environment's demonstrations
+    value_pretrain  the critic (initialised from the SFT policy) regresses
+                    returns of trajectories the initial policy generated,
+                    read back from the trajectory store
+    rl              SAO (or a baseline arm): `async` mode runs the rollout
+                    driver in its own thread, feeding a bounded queue the
+                    trainer takes completion-ordered batches from; `sync`
+                    mode generates each batch, waits for all of it, trains
+    done            final evaluation written to <workdir>/summary.json
+
+Only this module knows the whole loop.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import queue
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from sao_jax import advantages as adv
+from sao_jax import optim, sharding
+from sao_jax.checkpoint import Checkpointer, abstract_like
+from sao_jax.data import packing, prompts as prompt_data, store
+from sao_jax.data.ingestion import TrajectoryQueue
+from sao_jax.envs import registry
+from sao_jax.envs.demonstrations import demonstration_trajectory
+from sao_jax.evaluation import pass_at_1
+from sao_jax.metrics import MetricsWriter, progress
+from sao_jax.models import config as model_config
+from sao_jax.models import policy
+from sao_jax.rollout.driver import RolloutDriver
+from sao_jax.rollout.engine import PolicyEngine, SamplingConfig
+from sao_jax.train_step import StepConfig, TrainState, jit_sharded, make_sft_step, make_train_step
+
+STAGES = ("sft", "value_pretrain", "rl", "done")
+
+
+def build_model_config(config) -> model_config.ModelConfig:
+  tokenizer = registry.make_tokenizer(config.env)
+  base = model_config.PRESETS[config.model.preset](vocab_size=tokenizer.vocab_size)
+  overrides = dict(config.model.get("overrides", {}))
+  return dataclasses.replace(base, **overrides) if overrides else base
+
+
+def step_config(config) -> StepConfig:
+  t = config.rl
+  return StepConfig(advantage=t.advantage, policy_loss=t.policy_loss, eps_low=t.eps_low,
+                    eps_high=t.eps_high, gamma=t.gamma, lam=t.lam,
+                    critic_updates=t.critic_updates, load_balance_coef=t.load_balance_coef,
+                    temperature=config.rollout.temperature)
+
+
+class _Run:
+  """Everything one run holds; methods are the stages, in order."""
+
+  # ---------------------------------------------------------------- set up
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+    self.config, self.workdir = config, workdir
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
+      f.write(config.to_json_best_effort(indent=2))
+    self.tok = registry.make_tokenizer(config.env)
+    self.env = registry.make_env(config.env)
+    self.model_cfg = build_model_config(config)
+    self.step_cfg = step_config(config)
+    self.max_len = config.rollout.max_len
+    self.metrics = MetricsWriter(workdir, tensorboard=config.get("tensorboard", True))
+    self.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep)
+
+    # Mesh and shardings: shapes first (eval_shape), then placement.
+    self.rules = tuple(tuple(r) for r in config.sharding.rules)
+    self.mesh = sharding.make_mesh(dict(config.sharding.mesh))
+    self.batch_sharding = sharding.batch_sharding(self.mesh, self.rules)
+    rng = jax.random.key(config.seed)
+    self._policy_init = lambda: policy.init_params(self.model_cfg, rng, boxed=True)
+    self._critic_init = lambda: policy.init_params(self.model_cfg, jax.random.fold_in(rng, 1),
+                                                   "value", boxed=True)
+    policy_params, self.policy_shardings = sharding.sharded_init(self._policy_init, self.mesh,
+                                                                 self.rules)
+    critic_params, self.critic_shardings = sharding.sharded_init(self._critic_init, self.mesh,
+                                                                 self.rules)
+    self.sft_tx = self._policy_tx(config.sft.lr, config.sft.steps, config.sft.warmup)
+    self.policy_tx = self._policy_tx(config.rl.actor_lr, config.rl.steps, config.rl.warmup)
+    critic_rules = (optim.CRITIC_FREEZE_RULES if config.rl.freeze_critic_attention
+                    else optim.TRAIN_ALL_RULES)
+    self.critic_tx = optim.make_optimizer(critic_params, config.rl.critic_lr, rules=critic_rules,
+                                          clip_norm=config.rl.clip_norm)
+    self.state_shardings = TrainState(
+        step=self._replicated(),
+        policy=self.policy_shardings, critic=self.critic_shardings,
+        policy_opt=self._opt_shardings(self.policy_tx, policy_params, self.policy_shardings),
+        critic_opt=self._opt_shardings(self.critic_tx, critic_params, self.critic_shardings))
+    self.state = self._jit_init(policy_params, critic_params)
+    self.meta = {"stage": "sft", "stage_step": 0, "ckpt_step": 0, "prompt_state": None,
+                 "running_mean": None, "evals": {}}
+
+    # Restore: the latest checkpoint decides where the run resumes.
+    if self.ckpt.latest_step() is not None:
+      self.state, self.meta = self.ckpt.restore(abstract_like(self.state))
+      print(f"Resumed from checkpoint {self.ckpt.latest_step()} at stage "
+            f"{self.meta['stage']} step {self.meta['stage_step']}", flush=True)
+
+    with self.mesh, nn.logical_axis_rules(self.rules):
+      self.rl_step = jit_sharded(
+          make_train_step(self.model_cfg, self.step_cfg, self.policy_tx, self.critic_tx),
+          self.state_shardings, self.batch_sharding)
+      self.value_step = jit_sharded(
+          make_train_step(self.model_cfg, dataclasses.replace(
+              self.step_cfg, advantage="value", critic_updates=1), self.policy_tx,
+                          self.critic_tx, update_actor=False),
+          self.state_shardings, self.batch_sharding)
+      sft = make_sft_step(self.model_cfg, self.sft_tx, config.rl.load_balance_coef)
+      self.sft_step = jax.jit(
+          sft, in_shardings=(self.policy_shardings, self.state_shardings.policy_opt,
+                             self.batch_sharding),
+          out_shardings=(self.policy_shardings, self.state_shardings.policy_opt, None),
+          donate_argnums=(0, 1))
+
+  def _replicated(self):
+    return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+
+  def _policy_tx(self, lr, steps, warmup):
+    return optim.make_optimizer(
+        jax.eval_shape(lambda: nn.unbox(self._policy_init())),
+        optim.warmup_cosine(lr, warmup, steps), clip_norm=self.config.rl.clip_norm)
+
+  def _opt_shardings(self, tx, params, param_shardings):
+    return sharding.shardings_like_params(jax.eval_shape(tx.init, params), params,
+                                          param_shardings, self.mesh)
+
+  def _jit_init(self, policy_params, critic_params):
+    def init(p, c):
+      return TrainState(jnp.zeros((), jnp.int32), p, c, self.policy_tx.init(p),
+                        self.critic_tx.init(c))
+    return jax.jit(init, out_shardings=self.state_shardings)(policy_params, critic_params)
+
+  def _save(self, force=False):
+    self.meta["ckpt_step"] += 1
+    self.ckpt.save(self.meta["ckpt_step"], self.state, self.meta, force=force)
+
+  def _advance(self, stage):
+    self.meta.update(stage=stage, stage_step=0)
+    self._save(force=True)
+
+  def _put_batch(self, batch):
+    return jax.device_put(batch, self.batch_sharding)
+
+  def _eval(self, name, params):
+    e = self.config.eval
+    result = pass_at_1(self.model_cfg, params, self.env, self.tok, num_tasks=e.num_tasks,
+                       slots=e.slots, max_len=self.max_len,
+                       max_turn_tokens=self.config.rollout.max_turn_tokens,
+                       temperature=e.temperature, seed=self.config.seed + 7)
+    self.meta["evals"][name] = result
+    self.metrics.write(int(self.state.step), {f"eval/{k}": v for k, v in result.items()}, "eval")
+    print(f"[eval] {name}: pass@1 {result['pass@1']:.3f} on {result['tasks']} held-out tasks "
+          f"(mean {result['mean_turns']:.2f} turns)", flush=True)
+    return result
+
+  # ---------------------------------------------------------------- stages
+  def sft(self):
+    c = self.config.sft
+    rng = np.random.default_rng([self.config.seed, 1])
+    policy_params, opt = self.state.policy, self.state.policy_opt
+    if self.meta["stage_step"] == 0:  # a fresh SFT: the optimizer starts empty
+      opt = jax.jit(self.sft_tx.init, out_shardings=self.state_shardings.policy_opt)(
+          policy_params)
+    for step in range(self.meta["stage_step"], c.steps):
+      # Demonstrations of training tasks; the step index seeds the draw, so a
+      # resumed SFT sees the same data it would have.
+      idx = np.random.default_rng([self.config.seed, 2, step]).integers(
+          0, self.config.data.num_train_tasks, c.batch_size)
+      trajs = [demonstration_trajectory(self.env, self.env.task(int(i)), self.tok) for i in idx]
+      batch = self._put_batch(packing.pack(trajs, c.batch_size, self.config.data.buckets))
+      policy_params, opt, m = self.sft_step(policy_params, opt, batch)
+      self.meta["stage_step"] = step + 1
+      if (step + 1) % self.config.log_every == 0 or step + 1 == c.steps:
+        rec = self.metrics.write(step + 1, m, "sft")
+        progress("sft", step + 1, c.steps, rec, ("sft/nll",))
+      if (step + 1) % self.config.checkpoint.every == 0:
+        self.state = self.state.replace(policy=policy_params, policy_opt=opt)
+        self._save()
+    del rng
+    # RL's actor optimizer starts fresh; the critic starts from the SFT trunk.
+    critic = policy.value_params_from_policy(policy_params, self.state.critic)
+    # A real copy: the trunk must not alias the policy's (donated) buffers.
+    critic = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=self.critic_shardings)(
+        critic)
+    self.state = self.state.replace(
+        policy=policy_params,
+        policy_opt=jax.jit(self.policy_tx.init, out_shardings=self.state_shardings.policy_opt)(
+            policy_params),
+        critic=critic,
+        critic_opt=jax.jit(self.critic_tx.init, out_shardings=self.state_shardings.critic_opt)(
+            critic))
+    self._eval("sft", self.state.policy)
+    self._advance("value_pretrain")
+
+  def value_pretrain(self):
+    c = self.config.value_pretrain
+    if c.steps == 0 or not self.step_cfg.uses_critic:
+      return self._advance("rl")
+    shard = os.path.join(self.workdir, "trajectories", "value_pretrain.array_record")
+    if not self.meta.get("value_store_done"):
+      # Trajectories of the initial policy, into the trajectory store.
+      engine = self._engine(self.state.policy, version=0)
+      with store.TrajectoryWriter(shard) as writer:
+        driver = RolloutDriver(engine, self.env, self.tok,
+                               iter(range(10**9, 10**9 + c.num_trajectories)), writer.write,
+                               max_turn_tokens=self.config.rollout.max_turn_tokens,
+                               env_workers=self.config.rollout.env_workers)
+        driver.run()
+        driver.stop()
+      self.meta["value_store_done"] = True
+      print(f"[value_pretrain] stored {c.num_trajectories} trajectories of the SFT policy",
+            flush=True)
+    data = store.read_trajectories([shard], shuffle_seed=self.config.seed)
+    b = self.config.rl.batch_size
+    for step in range(self.meta["stage_step"], c.steps):
+      trajs = [data[(step * b + j) % len(data)] for j in range(b)]
+      batch = self._put_batch(packing.pack(trajs, b, self.config.data.buckets))
+      with self.mesh, nn.logical_axis_rules(self.rules):
+        self.state, m = self.value_step(self.state, batch)
+      self.meta["stage_step"] = step + 1
+      if (step + 1) % self.config.log_every == 0 or step + 1 == c.steps:
+        rec = self.metrics.write(step + 1, m, "value_pretrain")
+        progress("value_pretrain", step + 1, c.steps, rec,
+                 ("critic/value_loss", "critic/explained_variance"))
+      if (step + 1) % self.config.checkpoint.every == 0:
+        self._save()
+    self._advance("rl")
+
+  def _engine(self, params, version):
+    r = self.config.rollout
+    return PolicyEngine(self.model_cfg, params, slots=r.slots, max_len=self.max_len,
+                        sampling=SamplingConfig(r.temperature, r.top_k, r.top_p),
+                        seed=self.config.seed + int(version), version=version)
+
+  def rl(self):
+    c, r = self.config.rl, self.config.rollout
+    version = int(self.state.step)
+    prompt_iter = prompt_data.train_prompts(self.config.data.num_train_tasks, self.config.seed)
+    if self.meta["prompt_state"] is not None:
+      prompt_iter.set_state(self.meta["prompt_state"])
+    group_size = r.samples_per_prompt
+    if self.step_cfg.advantage == "group" and group_size < 2:
+      raise ValueError("the group advantage needs rollout.samples_per_prompt >= 2")
+    if c.mode not in ("async", "sync"):
+      raise ValueError(f"rl.mode must be 'async' or 'sync', got {c.mode!r}")
+    rm_state = adv.running_mean_init(c.running_mean_window)
+    if self.meta["running_mean"] is not None:
+      rm_state = adv.RunningMeanState(*(jnp.asarray(x) for x in self.meta["running_mean"]))
+
+    engine = self._engine(self.state.policy, version)
+    trajq = TrajectoryQueue(r.queue_size, self.tok.vocab_size, self.max_len,
+                            current_version=lambda: engine.version,
+                            max_staleness=r.get("max_staleness"))
+    driver = RolloutDriver(engine, self.env, self.tok, prompt_iter, trajq.put,
+                           samples_per_prompt=group_size, max_turn_tokens=r.max_turn_tokens,
+                           env_workers=r.env_workers, swap_policy=r.swap_policy)
+    per_step = c.batch_size  # trajectories per train step (groups x G for group arms)
+    pending_groups: dict[int, list] = collections.defaultdict(list)
+
+    def incoming() -> list:
+      if c.mode == "sync":  # generate a whole batch, wait for all of it
+        if trajq.qsize() == 0:
+          driver.run(max_trajectories=per_step)
+        return trajq.drain()
+      try:
+        return [trajq.get(timeout=5.0)]
+      except queue.Empty:
+        driver.check()
+        if not driver.alive:
+          raise RuntimeError("rollout driver stopped") from None
+        return []
+
+    def next_batch():
+      """The next `per_step` trajectories in completion order (whole groups for GRPO)."""
+      out = []
+      while len(out) < per_step:
+        for t in incoming():
+          pending_groups[t.group_id].append(t)
+        for gid in [g for g, ts in pending_groups.items() if len(ts) >= group_size]:
+          if len(out) + group_size <= per_step:
+            out.extend(pending_groups.pop(gid))
+      return out
+
+    if c.mode == "async":
+      driver.start()
+    wait_total, start_time, gen_start = 0.0, time.time(), driver.stats.generated_tokens
+    try:
+      for step in range(self.meta["stage_step"], c.steps):
+        t0 = time.time()
+        trajs = next_batch()
+        wait = time.time() - t0
+        wait_total += wait
+        rewards = np.array([t.total_reward for t in trajs], np.float32)
+        baseline = None
+        if self.step_cfg.advantage == "group":
+          baseline = np.asarray(adv.group_advantages(
+              jnp.asarray(rewards), jnp.asarray([t.group_id for t in trajs])))
+        elif self.step_cfg.advantage == "running_mean":
+          rm_state, baseline = adv.running_mean_update(rm_state, jnp.asarray(rewards))
+          baseline = np.asarray(baseline)
+        batch = self._put_batch(packing.pack(trajs, per_step, self.config.data.buckets,
+                                             baseline))
+        with self.mesh, nn.logical_axis_rules(self.rules):
+          self.state, m = self.rl_step(self.state, batch)
+        version = step + 1
+        if version % c.sync_every == 0:
+          driver.update_params(self.state.policy, version)
+        self.meta["stage_step"] = step + 1
+        elapsed = time.time() - start_time
+        m = dict(jax.device_get(m))
+        m.update({
+            "rollout/reward_mean": float(rewards.mean()),
+            "rollout/length_mean": float(np.mean([len(t) for t in trajs])),
+            "rollout/turns_mean": float(np.mean([t.num_turns for t in trajs])),
+            "rollout/generated_tokens_per_s":
+                (driver.stats.generated_tokens - gen_start) / max(elapsed, 1e-6),
+            "queue/depth": trajq.qsize(),
+            "queue/rejected": sum(trajq.rejected.values()),
+            "trainer/idle_fraction": wait_total / max(elapsed, 1e-6),
+            "trainer/batch_wait_s": wait,
+        })
+        m.update({f"queue/rejected_{k}": v for k, v in trajq.rejected.items()})
+        if (step + 1) % self.config.log_every == 0 or step + 1 == c.steps:
+          rec = self.metrics.write(step + 1, m, "rl")
+          progress("rl", step + 1, c.steps, rec,
+                   ("rollout/reward_mean", "policy/loss", "critic/explained_variance",
+                    "policy/masked_low_frac", "policy/masked_high_frac", "policy_lag/mean",
+                    "trainer/idle_fraction"))
+        if c.eval_every and (step + 1) % c.eval_every == 0 and step + 1 < c.steps:
+          self._eval(f"rl_step_{step + 1}", self.state.policy)
+        if (step + 1) % self.config.checkpoint.every == 0:
+          self.meta["prompt_state"] = prompt_iter.get_state()
+          self.meta["running_mean"] = [np.asarray(x).tolist() for x in rm_state]
+          self._save()
+    finally:
+      driver.stop()
+    self.meta["prompt_state"] = prompt_iter.get_state()
+    self._advance("done")
+
+  def done(self):
+    final = self._eval("final", self.state.policy)
+    summary = {"sft_pass@1": self.meta["evals"].get("sft", {}).get("pass@1"),
+               "final_pass@1": final["pass@1"], "evals": self.meta["evals"],
+               "rl_steps": int(self.state.step)}
+    with open(os.path.join(self.workdir, "summary.json"), "w", encoding="utf-8") as f:
+      json.dump(summary, f, indent=2)
+    print(f"[done] pass@1 SFT {summary['sft_pass@1']} -> final {summary['final_pass@1']}",
+          flush=True)
+    self.ckpt.save(self.meta["ckpt_step"] + 1, self.state, self.meta, force=True)
+    return summary
+
+
+def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Runs (or resumes) the whole chain; returns the summary."""
+  run = _Run(config, workdir)
+  try:
+    while run.meta["stage"] != "done":
+      getattr(run, run.meta["stage"])()
+    return run.done()
+  finally:
+    run.ckpt.close()
+    run.metrics.close()
