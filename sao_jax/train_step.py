@@ -116,6 +116,7 @@ def _critic_updates(model_cfg, cfg, critic_tx, state, batch, metrics):
   def critic_loss(params):
     v, aux = policy.token_values(model_cfg, params, *inputs)
     loss, vm = losses.value_loss(v, returns, m)
+    vm["value_loss"] = loss
     return loss + cfg.load_balance_coef * aux["load_balance_loss"], vm
 
   critic, opt = state.critic, state.critic_opt

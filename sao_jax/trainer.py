@@ -189,6 +189,7 @@ class _Run:
       trajs = [demonstration_trajectory(self.env, self.env.task(int(i)), self.tok) for i in idx]
       batch = self._put_batch(packing.pack(trajs, c.batch_size, self.config.data.buckets))
       policy_params, opt, m = self.sft_step(policy_params, opt, batch)
+      _wait(policy_params)
       self.meta["stage_step"] = step + 1
       if (step + 1) % self.config.log_every == 0 or step + 1 == c.steps:
         rec = self.metrics.write(step + 1, m, "sft")
@@ -237,6 +238,7 @@ class _Run:
       batch = self._put_batch(packing.pack(trajs, b, self.config.data.buckets))
       with self.mesh, nn.logical_axis_rules(self.rules):
         self.state, m = self.value_step(self.state, batch)
+        _wait(self.state)
       self.meta["stage_step"] = step + 1
       if (step + 1) % self.config.log_every == 0 or step + 1 == c.steps:
         rec = self.metrics.write(step + 1, m, "value_pretrain")
@@ -322,6 +324,7 @@ class _Run:
                                              baseline))
         with self.mesh, nn.logical_axis_rules(self.rules):
           self.state, m = self.rl_step(self.state, batch)
+          _wait(self.state)
         version = step + 1
         if version % c.sync_every == 0:
           driver.update_params(self.state.policy, version)
@@ -368,6 +371,17 @@ class _Run:
           flush=True)
     self.ckpt.save(self.meta["ckpt_step"] + 1, self.state, self.meta, force=True)
     return summary
+
+
+def _wait(tree):
+  """Blocks until a sharded step has finished on every device.
+
+  With several (simulated) devices on few CPU cores, XLA:CPU can deadlock in
+  a collective's rendezvous when many multi-device programs are dispatched
+  ahead; one step in flight at a time avoids it. The host loop needs each
+  step's metrics anyway, so this costs no overlap worth having.
+  """
+  jax.block_until_ready(tree)
 
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict:

@@ -1,0 +1,229 @@
+"""Packing, ingestion, the train step, and the real trainer end to end."""
+
+import dataclasses
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import time
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sao_jax import optim
+from sao_jax.data import packing
+from sao_jax.data.ingestion import TrajectoryQueue
+from sao_jax.envs.demonstrations import demonstration_trajectory
+from sao_jax.envs.python_tool import PythonTool
+from sao_jax.envs.tokenizer import CharTokenizer
+from sao_jax.models import config as mcfg
+from sao_jax.models import policy
+from sao_jax.train_step import StepConfig, TrainState, make_train_step
+
+TOK = CharTokenizer()
+ENV = PythonTool()
+CFG = mcfg.tiny(vocab_size=TOK.vocab_size)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def demo_trajs(n, start=0):
+  out = []
+  for i in range(start, start + n):
+    t = demonstration_trajectory(ENV, ENV.task(i), TOK)
+    # As if sampled: negative log-probs, a version, some failures.
+    rng = np.random.default_rng(i)
+    t.rollout_logprobs = np.where(t.action_mask, -rng.uniform(0.01, 2.0, len(t)), 0).astype(
+        np.float32)
+    if i % 3 == 0:
+      t.rewards[:] = 0.0
+    out.append(t)
+  return out
+
+
+def test_pack_layout():
+  trajs = demo_trajs(6)
+  batch = packing.pack(trajs, rows=3, buckets=(32, 64, 128, 256))
+  width = batch["tokens"].shape[1]
+  assert batch["tokens"].shape == (3, width) and width in (64, 128, 256)
+  for key in packing.FIELDS:
+    assert batch[key].shape == (3, width)
+  # Every trajectory appears exactly once, contiguously, positions from 0.
+  seen = []
+  for r in range(3):
+    for seg in set(batch["segment_ids"][r].tolist()) - {0}:
+      sel = batch["segment_ids"][r] == seg
+      toks = batch["tokens"][r, sel]
+      np.testing.assert_array_equal(batch["positions"][r, sel], np.arange(sel.sum()))
+      seen.append(tuple(toks))
+  assert sorted(seen) == sorted(tuple(t.tokens) for t in trajs)
+  assert batch["action_mask"].sum() == sum(t.action_mask.sum() for t in trajs)
+  assert (batch["policy_version"][~batch["action_mask"]] == -1).all()
+  with pytest.raises(ValueError, match="do not fit"):
+    packing.pack(trajs, rows=1, buckets=(32,))
+
+
+def test_ingestion_validates_counts_and_backpressures():
+  version = [5]
+  q = TrajectoryQueue(2, TOK.vocab_size, 256, lambda: version[0], max_staleness=2)
+  good = demo_trajs(3)
+  bad = demo_trajs(1)[0]
+  bad.tokens = bad.tokens[:-1]
+  assert not q.put(bad)
+  assert not q.put("not a trajectory")
+  stale = demo_trajs(1)[0]
+  stale.policy_version[stale.action_mask] = 1
+  assert not q.put(stale)
+  fresh = [dataclasses.replace(t, policy_version=np.where(t.action_mask, 4, -1).astype(np.int32))
+           for t in good]
+  assert q.put(fresh[0]) and q.put(fresh[1])
+  with pytest.raises(queue.Full):
+    q.put(fresh[2], block=False)  # bounded: a blocking put would wait here
+  assert dict(q.rejected) == {"length_mismatch": 1, "not_numpy": 1, "stale": 1}
+  assert q.get(timeout=1).prompt_id == fresh[0].prompt_id
+
+
+def make_state(step_cfg):
+  p = policy.init_params(CFG, jax.random.key(0))
+  c = policy.value_params_from_policy(p, policy.init_params(CFG, jax.random.key(1), "value"))
+  c = jax.tree.map(jnp.copy, c)
+  ptx = optim.make_optimizer(p, 1e-3)
+  ctx = optim.make_optimizer(c, 1e-3, rules=optim.CRITIC_FREEZE_RULES)
+  state = TrainState(jnp.zeros((), jnp.int32), p, c, ptx.init(p), ctx.init(c))
+  return state, make_train_step(CFG, step_cfg, ptx, ctx)
+
+
+def test_train_step_compiles_once_per_bucket_and_freezes_critic_attention():
+  state, step = make_state(StepConfig())
+  counted = jax.jit(chex.assert_max_traces(step, n=2))
+  before = jax.tree.map(np.asarray, state.critic)
+  policy_before = jax.tree.map(np.asarray, state.policy)
+  for i in range(3):
+    for n_traj, buckets in ((4, (128,)), (4, (256,))):
+      batch = packing.pack(demo_trajs(n_traj, start=10 * i), 4, buckets)
+      state, metrics = counted(state, batch)
+  assert int(state.step) == 6
+  for k in ("policy/loss", "critic/value_loss", "critic/explained_variance",
+            "policy/masked_low_frac", "policy/masked_high_frac", "policy/ratio_max",
+            "policy/grad_norm_attention", "policy/grad_norm_moe_mlp",
+            "critic/grad_norm_attention", "policy_lag/mean"):
+    assert np.isfinite(float(metrics[k])), k
+  after = jax.tree.map(np.asarray, state.critic)
+  labels = optim.partition_labels(before, optim.CRITIC_FREEZE_RULES)
+  for (path, b), a, lab in zip(jax.tree_util.tree_leaves_with_path(before),
+                               jax.tree.leaves(after), jax.tree.leaves(labels)):
+    name = optim.param_path(path)
+    if lab == optim.FREEZE:
+      np.testing.assert_array_equal(a, b, err_msg=name)
+    elif "moe" in name:
+      assert np.any(a != b), name
+  assert any(np.any(a != b) for a, b in zip(jax.tree.leaves(policy_before),
+                                            jax.tree.leaves(state.policy)))
+
+
+@pytest.mark.parametrize("arm", [
+    dict(advantage="value", policy_loss="dis"),
+    dict(advantage="token_gae", policy_loss="dis"),
+    dict(advantage="step_gae_mean", policy_loss="dis"),
+    dict(advantage="step_gae_last", policy_loss="dis"),
+    dict(advantage="group", policy_loss="ppo_clip", critic_updates=0),
+    dict(advantage="group", policy_loss="dis", critic_updates=0),
+    dict(advantage="running_mean", policy_loss="dis", critic_updates=0),
+])
+def test_every_arm_trains(arm):
+  state, step = make_state(StepConfig(**arm))
+  trajs = demo_trajs(4)
+  baseline = np.array([1.0, -1.0, 0.5, -0.5], np.float32)
+  batch = packing.pack(trajs, 4, (256,), baseline)
+  new, metrics = jax.jit(step)(state, batch)
+  assert int(new.step) == 1 and np.isfinite(float(metrics["policy/loss"]))
+  uses_critic = StepConfig(**arm).uses_critic
+  critic_moved = any(np.any(np.asarray(a) != np.asarray(b))
+                     for a, b in zip(jax.tree.leaves(state.critic), jax.tree.leaves(new.critic)))
+  assert critic_moved == uses_critic
+
+
+def test_step_config_errors():
+  with pytest.raises(ValueError, match="advantage"):
+    StepConfig(advantage="gae")
+  with pytest.raises(ValueError, match="policy_loss"):
+    StepConfig(policy_loss="ppo")
+
+
+# --- the real trainer, end to end, on 8 simulated devices --------------------
+
+TINY_RUN = [
+    "--config.sft.steps=6", "--config.sft.batch_size=8", "--config.value_pretrain.steps=2",
+    "--config.value_pretrain.num_trajectories=8", "--config.rl.steps=6",
+    "--config.rl.batch_size=8", "--config.rollout.slots=8", "--config.eval.num_tasks=8",
+    "--config.eval.slots=8", "--config.log_every=1", "--config.checkpoint.every=2",
+    "--config.tensorboard=False", "--config.rollout.max_len=128",
+    "--config.data.buckets=(128,)",
+]
+
+
+def launch(workdir, *extra, wait=True):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+  cmd = [sys.executable, os.path.join(ROOT, "launch", "train.py"),
+         f"--config={os.path.join(ROOT, 'configs', 'sao_tiny.py')}", f"--workdir={workdir}",
+         "--config.sharding.mesh={'data': 8}", *TINY_RUN, *extra]
+  proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, cwd=ROOT)
+  if not wait:
+    return proc
+  out, _ = proc.communicate(timeout=900)
+  assert proc.returncode == 0, out[-4000:]
+  return out
+
+
+def read_metrics(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_trainer_runs_and_resumes(tmp_path, mode):
+  workdir = str(tmp_path / mode)
+  out = launch(workdir, f"--config.rl.mode={mode}")
+  summary = json.load(open(os.path.join(workdir, "summary.json"), encoding="utf-8"))
+  assert summary["rl_steps"] == 6 and summary["sft_pass@1"] is not None
+  rl = [r for r in read_metrics(workdir) if r["stage"] == "rl"]
+  assert [r["step"] for r in rl] == list(range(1, 7))
+  assert all(np.isfinite(r["policy/loss"]) for r in rl)
+  assert "[done]" in out
+  # A second launch resumes the finished run instead of starting over.
+  out2 = launch(workdir, f"--config.rl.mode={mode}", "--config.rl.steps=8")
+  assert "Resumed from checkpoint" in out2
+  rl2 = [r for r in read_metrics(workdir) if r["stage"] == "rl"]
+  assert [r["step"] for r in rl2] == list(range(1, 7))  # "done" stays done
+
+
+def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
+  workdir = str(tmp_path / "killed")
+  proc = launch(workdir, "--config.rl.steps=40", wait=False)
+  # Kill it hard once RL has checkpointed at least once.
+  deadline = time.time() + 600
+  while time.time() < deadline:
+    if os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+      steps = [r["step"] for r in read_metrics(workdir) if r["stage"] == "rl"]
+      if steps and max(steps) >= 5:
+        break
+    if proc.poll() is not None:
+      pytest.fail("run ended before it could be killed:\n" + proc.stdout.read()[-3000:])
+    time.sleep(0.5)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  killed_at = max(r["step"] for r in read_metrics(workdir) if r["stage"] == "rl")
+  out = launch(workdir, "--config.rl.steps=12")
+  assert "Resumed from checkpoint" in out and "stage rl" in out
+  resumed_from = int(out.split("stage rl step ")[1].split()[0])
+  # Lost at most the steps since the last checkpoint (every 2 steps).
+  assert killed_at - 2 <= resumed_from <= killed_at
+  rl = [r for r in read_metrics(workdir) if r["stage"] == "rl"]
+  assert max(r["step"] for r in rl) == 12
+  assert os.path.exists(os.path.join(workdir, "summary.json"))
