@@ -9,21 +9,25 @@ WORKDIR ?= workdirs/sao_tiny
 
 .PHONY: train test bench clean
 
-$(VENV)/.installed-%: setup.py
+$(VENV)/.installed-base: setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[$*]'
+	$(PY) -m pip install -q -e .
+	@touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed-base
+	$(PY) -m pip install -q -e '.[test,parity]'
 	@touch $@
 
 # The main job on its CPU default.
-train: $(VENV)/.installed-test,parity
+train: $(VENV)/.installed-base
 	$(PY) launch/train.py --config=configs/sao_tiny.py --workdir=$(WORKDIR)
 
 # The test suite (what .ci/run calls).
-test: $(VENV)/.installed-test,parity
+test: $(VENV)/.installed-test
 	$(PY) -m pytest -n 2 -q tests
 
-bench: $(VENV)/.installed-test,parity
+bench: $(VENV)/.installed-test
 	$(PY) benchmarks/gae.py && $(PY) benchmarks/model.py
 
 clean:

@@ -25,6 +25,8 @@ def get_config():
   c.model.preset = "tiny"
   # Field overrides of the preset, e.g. {"num_layers": 3}.
   c.model.overrides = {}
+  # Size the tiny / small presets' vocabulary to the tokenizer's.
+  c.model.vocab_from_tokenizer = True
 
   c.env = ml_collections.ConfigDict()
   # Environment family (sao_jax/envs/registry.py).
@@ -55,6 +57,8 @@ def get_config():
   c.sft.batch_size = 32
   c.sft.lr = 3e-3
   c.sft.warmup = 20
+  # A Hugging Face safetensors SFT checkpoint to start from instead of SFT.
+  c.sft.init_from_hf = ""
 
   c.value_pretrain = ml_collections.ConfigDict()
   # Critic-only steps on trajectories of the initial policy (cold start fix).

@@ -43,7 +43,7 @@ from sao_jax.envs.demonstrations import demonstration_trajectory
 from sao_jax.evaluation import pass_at_1
 from sao_jax.metrics import MetricsWriter, progress
 from sao_jax.models import config as model_config
-from sao_jax.models import policy
+from sao_jax.models import hf_import, policy
 from sao_jax.rollout.driver import RolloutDriver
 from sao_jax.rollout.engine import PolicyEngine, SamplingConfig
 from sao_jax.train_step import StepConfig, TrainState, jit_sharded, make_sft_step, make_train_step
@@ -51,9 +51,13 @@ from sao_jax.train_step import StepConfig, TrainState, jit_sharded, make_sft_ste
 STAGES = ("sft", "value_pretrain", "rl", "done")
 
 
-def build_model_config(config) -> model_config.ModelConfig:
-  tokenizer = registry.make_tokenizer(config.env)
-  base = model_config.PRESETS[config.model.preset](vocab_size=tokenizer.vocab_size)
+def build_model_config(config, tokenizer=None) -> model_config.ModelConfig:
+  preset = model_config.PRESETS[config.model.preset]
+  if config.model.vocab_from_tokenizer and config.model.preset in ("tiny", "small"):
+    tokenizer = tokenizer or registry.make_tokenizer(config.env)
+    base = preset(vocab_size=tokenizer.vocab_size)
+  else:
+    base = preset()
   overrides = dict(config.model.get("overrides", {}))
   return dataclasses.replace(base, **overrides) if overrides else base
 
@@ -77,7 +81,7 @@ class _Run:
       f.write(config.to_json_best_effort(indent=2))
     self.tok = registry.make_tokenizer(config.env)
     self.env = registry.make_env(config.env)
-    self.model_cfg = build_model_config(config)
+    self.model_cfg = build_model_config(config, self.tok)
     self.step_cfg = step_config(config)
     self.max_len = config.rollout.max_len
     self.metrics = MetricsWriter(workdir, tensorboard=config.get("tensorboard", True))
@@ -176,12 +180,16 @@ class _Run:
   # ---------------------------------------------------------------- stages
   def sft(self):
     c = self.config.sft
-    rng = np.random.default_rng([self.config.seed, 1])
     policy_params, opt = self.state.policy, self.state.policy_opt
-    if self.meta["stage_step"] == 0:  # a fresh SFT: the optimizer starts empty
+    steps = c.steps
+    if c.init_from_hf:  # start from an existing SFT checkpoint instead
+      policy_params = hf_import.load_hf_checkpoint(c.init_from_hf, self.model_cfg,
+                                                   self.policy_shardings)
+      steps = 0
+    elif self.meta["stage_step"] == 0:  # a fresh SFT: the optimizer starts empty
       opt = jax.jit(self.sft_tx.init, out_shardings=self.state_shardings.policy_opt)(
           policy_params)
-    for step in range(self.meta["stage_step"], c.steps):
+    for step in range(self.meta["stage_step"], steps):
       # Demonstrations of training tasks; the step index seeds the draw, so a
       # resumed SFT sees the same data it would have.
       idx = np.random.default_rng([self.config.seed, 2, step]).integers(
@@ -191,13 +199,12 @@ class _Run:
       policy_params, opt, m = self.sft_step(policy_params, opt, batch)
       _wait(policy_params)
       self.meta["stage_step"] = step + 1
-      if (step + 1) % self.config.log_every == 0 or step + 1 == c.steps:
+      if (step + 1) % self.config.log_every == 0 or step + 1 == steps:
         rec = self.metrics.write(step + 1, m, "sft")
-        progress("sft", step + 1, c.steps, rec, ("sft/nll",))
+        progress("sft", step + 1, steps, rec, ("sft/nll",))
       if (step + 1) % self.config.checkpoint.every == 0:
         self.state = self.state.replace(policy=policy_params, policy_opt=opt)
         self._save()
-    del rng
     # RL's actor optimizer starts fresh; the critic starts from the SFT trunk.
     critic = policy.value_params_from_policy(policy_params, self.state.critic)
     # A real copy: the trunk must not alias the policy's (donated) buffers.
@@ -369,7 +376,7 @@ class _Run:
       json.dump(summary, f, indent=2)
     print(f"[done] pass@1 SFT {summary['sft_pass@1']} -> final {summary['final_pass@1']}",
           flush=True)
-    self.ckpt.save(self.meta["ckpt_step"] + 1, self.state, self.meta, force=True)
+    self._save(force=True)
     return summary
 
 

@@ -246,3 +246,40 @@ def test_validation_reasons(mutate, reason):
   mutate(t)
   assert validate(t, TOK.vocab_size, MAX_LEN) == reason
   assert validate(good(), TOK.vocab_size, 5) == "too_long"
+
+
+# --- the three environments ----------------------------------------------------
+
+from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top,wrong-import-position
+from sao_jax.envs.online_style import OnlineStyle, OnlineStyleConfig, judge  # pylint: disable=g-import-not-at-top,wrong-import-position
+import ml_collections  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+@pytest.mark.parametrize("name", registry.ENVIRONMENTS)
+def test_environment_demonstrations_and_model_rollouts_are_valid(name, params):
+  env = registry.make_env(ml_collections.ConfigDict({"name": name, "kwargs": {}}))
+  for i in range(6):
+    task = env.task(i)
+    demo = demonstration_trajectory(env, task, TOK)
+    assert validate(demo, TOK.vocab_size, 512) is None
+    if name != "online_style":  # its reward depends on the current preference
+      ep = env.episode(task)
+      results = [ep.step(a) for a, _ in env.demonstration(task)]
+      assert results[-1].done and results[-1].reward == 1.0, (name, i)
+  engine = PolicyEngine(CFG, params[0], slots=4, max_len=MAX_LEN)
+  out = []
+  RolloutDriver(engine, env, TOK, iter(range(8)), out.append, max_turn_tokens=12).run()
+  assert len(out) == 8
+  assert all(validate(t, TOK.vocab_size, MAX_LEN) is None for t in out)
+
+
+def test_online_style_preference_shifts_on_schedule():
+  env = OnlineStyle(OnlineStyleConfig(switch_every=3))
+  task = env.task(0)
+  line = env.demonstration(task, "cute")[0][0]
+  assert judge(line, task.meta["topic"]) == (True, "cute")
+  rewards = [env.episode(task).step(line).reward for _ in range(12)]
+  # Preferred: academic x3, cute x3, chuuni x3, classical x3.
+  assert rewards == [0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 0]
+  assert judge("cat cat cat dark", "cat")[0] is False  # repetition
+  assert judge("hehe dark tea", "tea") == (True, None)  # tie: no style

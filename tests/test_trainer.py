@@ -161,8 +161,7 @@ TINY_RUN = [
     "--config.value_pretrain.num_trajectories=8", "--config.rl.steps=6",
     "--config.rl.batch_size=8", "--config.rollout.slots=8", "--config.eval.num_tasks=8",
     "--config.eval.slots=8", "--config.log_every=1", "--config.checkpoint.every=2",
-    "--config.tensorboard=False", "--config.rollout.max_len=128",
-    "--config.data.buckets=(128,)",
+    "--config.tensorboard=False",
 ]
 
 

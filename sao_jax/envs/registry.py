@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from sao_jax.envs.code_fix import CodeFix, CodeFixConfig
+from sao_jax.envs.online_style import OnlineStyle, OnlineStyleConfig
 from sao_jax.envs.python_tool import PythonTool, PythonToolConfig
 from sao_jax.envs.sandbox import SandboxLimits
 from sao_jax.envs.tokenizer import CharTokenizer, HFTokenizer
@@ -15,7 +17,14 @@ def make_tokenizer(env_config):
 def make_env(env_config):
   name = env_config.name
   kwargs = dict(env_config.get("kwargs", {}))
+  limits = SandboxLimits(**dict(env_config.get("sandbox", {})))
   if name == "python_tool":
-    limits = SandboxLimits(**dict(env_config.get("sandbox", {})))
     return PythonTool(PythonToolConfig(**kwargs), limits)
-  raise ValueError(f"Unknown environment {name!r}; known: python_tool")
+  if name == "code_fix":
+    return CodeFix(CodeFixConfig(**kwargs), limits)
+  if name == "online_style":
+    return OnlineStyle(OnlineStyleConfig(**kwargs))
+  raise ValueError(f"Unknown environment {name!r}; known: {ENVIRONMENTS}")
+
+
+ENVIRONMENTS = ("python_tool", "code_fix", "online_style")

@@ -1,0 +1,22 @@
+"""Single rollout, no critic: A = R - mean of the last W rewards, DIS loss.
+
+    python launch/train.py --config=configs/running_mean.py --workdir=workdirs/running_mean
+
+Everything else as configs/sao_tiny.py (same SFT start, same budget), so the
+held-out pass@1 of the runs compare directly.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+import common  # pylint: disable=g-import-not-at-top
+
+
+def get_config(arg=None):
+  del arg
+  c = common.get_config()
+  c.rl.advantage = 'running_mean'
+  c.rl.critic_updates = 0
+  c.value_pretrain.steps = 0
+  return c

@@ -1,0 +1,59 @@
+"""SAO on Qwen3-30B-A3B (30.5B total / 3.3B active parameters), on a TPU pod.
+
+    python launch/train.py --config=configs/sao_moe.py --workdir=gs://BUCKET/sao_moe \
+        --config.sft.init_from_hf=/path/to/Qwen3-30B-A3B-SFT \
+        --config.env.tokenizer_path=/path/to/Qwen3-30B-A3B-SFT/tokenizer.json
+
+Starts from an SFT checkpoint in Hugging Face safetensors layout (loaded one
+tensor at a time into its shardings) instead of running SFT. Mesh: fsdp over
+16 chips x expert parallelism over 8, data parallel over the rest; the
+sharding rules below are the whole placement. The trainer runs one SPMD
+program over all hosts of the slice (call jax.distributed.initialize() via
+--config.distributed=True); rollout runs on its own slice (DESIGN.md
+section 5). Settings follow the paper where DESIGN.md gives them (K = 2
+critic updates, frozen critic attention, value pretraining, skip-observation
+GAE with lambda 0.95, one rollout per prompt, async); the DIS region
+(0.2, 0.28), learning rates and batch sizes are this project's choices.
+Cost: not run here (no TPU in this project's CI); the 2-core CPU default is
+configs/sao_tiny.py.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+import common  # pylint: disable=g-import-not-at-top
+
+POD_RULES = (
+    ("batch", ("data", "fsdp")), ("length", None), ("embed", "fsdp"),
+    ("vocab", "tensor"), ("heads", "tensor"), ("kv_heads", None), ("head_dim", None),
+    ("mlp", "tensor"), ("expert", "expert"),
+)
+
+
+def get_config(arg=None):
+  del arg
+  c = common.get_config()
+  c.model.preset = "qwen3_30b_a3b"
+  c.env.tokenizer_path = ""  # required: the model's tokenizer.json
+  c.sharding.mesh = {"data": -1, "fsdp": 16, "expert": 8, "tensor": 1}
+  c.sharding.rules = POD_RULES
+  c.sft.init_from_hf = ""  # required: the SFT checkpoint directory
+  c.sft.steps = 0
+  c.data.buckets = (4096, 8192, 16384, 32768)
+  c.rollout.max_len = 32768
+  c.rollout.max_turn_tokens = 8192
+  c.rollout.slots = 256
+  c.rollout.queue_size = 1024
+  c.value_pretrain.steps = 100
+  c.value_pretrain.num_trajectories = 4096
+  c.rl.steps = 400
+  c.rl.batch_size = 256
+  c.rl.actor_lr = 1e-6
+  c.rl.critic_lr = 5e-6
+  c.rl.warmup = 10
+  c.rl.eval_every = 50
+  c.eval.num_tasks = 1000
+  c.eval.slots = 256
+  c.checkpoint.every = 10
+  return c

@@ -1,0 +1,20 @@
+"""Ablation: step-level GAE, a step's value is the mean of its token values.
+
+    python launch/train.py --config=configs/sao_step_gae_mean.py --workdir=workdirs/sao_step_gae_mean
+
+Everything else as configs/sao_tiny.py (same SFT start, same budget), so the
+held-out pass@1 of the runs compare directly.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+import common  # pylint: disable=g-import-not-at-top
+
+
+def get_config(arg=None):
+  del arg
+  c = common.get_config()
+  c.rl.advantage = 'step_gae_mean'
+  return c

@@ -1,0 +1,20 @@
+"""SAO's losses and critic in the classic synchronous loop (generate the whole batch, wait, train).
+
+    python launch/train.py --config=configs/sao_sync.py --workdir=workdirs/sao_sync
+
+Everything else as configs/sao_tiny.py (same SFT start, same budget), so the
+held-out pass@1 of the runs compare directly.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+import common  # pylint: disable=g-import-not-at-top
+
+
+def get_config(arg=None):
+  del arg
+  c = common.get_config()
+  c.rl.mode = 'sync'
+  return c

@@ -1,0 +1,20 @@
+"""Ablation: naive token-level GAE (observation tokens stay in the recursion).
+
+    python launch/train.py --config=configs/sao_token_gae.py --workdir=workdirs/sao_token_gae
+
+Everything else as configs/sao_tiny.py (same SFT start, same budget), so the
+held-out pass@1 of the runs compare directly.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+import common  # pylint: disable=g-import-not-at-top
+
+
+def get_config(arg=None):
+  del arg
+  c = common.get_config()
+  c.rl.advantage = 'token_gae'
+  return c

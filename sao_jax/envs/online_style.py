@@ -1,0 +1,103 @@
+"""online_style: a non-stationary writing task whose preferred style shifts.
+
+The prompt asks for one line about a topic ("write about rain\n"); the agent
+answers in one turn. A deterministic judge scores it:
+
+  * quality: the topic word appears, 3-12 words, no word used more than
+    twice, only letters and spaces;
+  * style: the style whose marker words the line uses most (ties: none).
+
+The reward is 1 when quality holds and the style is the one currently
+preferred. The preference cycles through four styles (academic, cute,
+chuunibyou, classical, like the paper's simulation) every `switch_every`
+episodes started, so a policy that settled on one style must re-adapt after
+each switch: the online-learning setting where SAO's critic recovers faster
+than a running-mean baseline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+
+import numpy as np
+
+from sao_jax.envs.base import StepResult, Task
+
+STYLES = {
+    "academic": ("thus", "hence", "indeed"),
+    "cute": ("uwu", "nya", "hehe"),
+    "chuuni": ("dark", "flame", "fate"),
+    "classical": ("thou", "doth", "hath"),
+}
+TOPICS = ("cat", "rain", "moon", "tea", "road", "sea", "tree", "bell")
+_FILLER = ("the", "a", "is", "so", "my", "and", "soft", "old", "bright", "still")
+
+
+@dataclasses.dataclass(frozen=True)
+class OnlineStyleConfig:
+  seed: int = 0
+  switch_every: int = 2000
+  # The style preferred first; then the next in STYLES' order, cyclically.
+  first_style: int = 0
+
+
+def judge(text: str, topic: str) -> tuple[bool, str | None]:
+  """(quality ok, detected style or None)."""
+  words = text.split()
+  quality = (topic in words and 3 <= len(words) <= 12
+             and all(w.isalpha() for w in words)
+             and max((words.count(w) for w in words), default=0) <= 2)
+  counts = {s: sum(w in markers for w in words) for s, markers in STYLES.items()}
+  best = max(counts.values())
+  winners = [s for s, c in counts.items() if c == best]
+  style = winners[0] if best > 0 and len(winners) == 1 else None
+  return quality, style
+
+
+class _Episode:
+
+  def __init__(self, env: "OnlineStyle", task: Task, preferred: str):
+    self._env, self._task, self.preferred = env, task, preferred
+
+  def step(self, action: str) -> StepResult:
+    quality, style = judge(action.strip(), self._task.meta["topic"])
+    ok = quality and style == self.preferred
+    return StepResult("", float(ok), True, {"correct": ok, "style": style,
+                                            "preferred": self.preferred})
+
+
+class OnlineStyle:
+  name = "online_style"
+  max_turns = 1
+
+  def __init__(self, config: OnlineStyleConfig = OnlineStyleConfig()):
+    self.config = config
+    self._episodes = itertools.count()
+    self._lock = threading.Lock()
+
+  def preferred_style(self, episode_number: int) -> str:
+    names = list(STYLES)
+    k = episode_number // self.config.switch_every + self.config.first_style
+    return names[k % len(names)]
+
+  def task(self, index: int) -> Task:
+    rng = np.random.default_rng([self.config.seed, index])
+    topic = TOPICS[int(rng.integers(len(TOPICS)))]
+    return Task(index, f"write about {topic}\n", None, {"topic": topic})
+
+  def episode(self, task: Task) -> _Episode:
+    with self._lock:
+      n = next(self._episodes)
+    return _Episode(self, task, self.preferred_style(n))
+
+  def demonstration(self, task: Task, style: str | None = None) -> list[tuple[str, str]]:
+    """A good line in `style` (default: one drawn per task, all styles alike)."""
+    rng = np.random.default_rng([self.config.seed, task.index, 1])
+    style = style or list(STYLES)[int(rng.integers(len(STYLES)))]
+    markers = list(STYLES[style])
+    rng.shuffle(markers)
+    filler = list(rng.choice(_FILLER, size=3, replace=False))
+    words = [filler[0], task.meta["topic"], markers[0], filler[1], filler[2], markers[1]]
+    return [(" ".join(words), "")]

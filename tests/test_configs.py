@@ -1,0 +1,50 @@
+"""Every config loads, names a valid arm, and states its launch command."""
+
+import glob
+import importlib.util
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from sao_jax import trainer
+from sao_jax.models import policy
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+CONFIGS = sorted(p for p in glob.glob(os.path.join(CONFIG_DIR, "*.py"))
+                 if not p.endswith("common.py"))
+
+
+def load(path):
+  spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_config_is_valid(path):
+  module = load(path)
+  name = os.path.basename(path)
+  assert f"--config=configs/{name}" in module.__doc__, "docstring must give the launch command"
+  c = module.get_config()
+  step = trainer.step_config(c)  # raises on an unknown arm
+  if step.advantage == "group":
+    assert c.rollout.samples_per_prompt >= 2
+    assert c.rl.batch_size % c.rollout.samples_per_prompt == 0
+  assert c.rl.mode in ("async", "sync")
+  assert max(c.data.buckets) >= c.rollout.max_len
+  if c.model.preset == "qwen3_30b_a3b":
+    cfg = trainer.build_model_config(c)
+    shapes = jax.eval_shape(lambda: policy.init_params(cfg, jax.random.key(0)))
+    total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+    assert 30.3e9 < total < 30.7e9
+    assert {r[0] for r in c.sharding.rules} >= {"batch", "embed", "expert", "heads", "vocab"}
+
+
+def test_ablation_table_arms_all_have_configs():
+  names = {os.path.basename(p)[:-3] for p in CONFIGS}
+  assert {"sao_tiny", "sao_sync", "grpo", "grpo_dis", "running_mean", "sao_k1",
+          "sao_no_freeze", "sao_token_gae", "sao_step_gae_mean", "sao_step_gae_last",
+          "sao_moe"} <= names
