@@ -74,7 +74,8 @@ class _Run:
   """Everything one run holds; methods are the stages, in order."""
 
   # ---------------------------------------------------------------- set up
-  def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str,
+               restore_step: int | None = None):
     self.config, self.workdir = config, workdir
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
@@ -116,8 +117,9 @@ class _Run:
 
     # Restore: the latest checkpoint decides where the run resumes.
     if self.ckpt.latest_step() is not None:
-      self.state, self.meta = self.ckpt.restore(abstract_like(self.state))
-      print(f"Resumed from checkpoint {self.ckpt.latest_step()} at stage "
+      restore_step = restore_step or self.ckpt.latest_step()
+      self.state, self.meta = self.ckpt.restore(abstract_like(self.state), restore_step)
+      print(f"Resumed from checkpoint {restore_step} at stage "
             f"{self.meta['stage']} step {self.meta['stage_step']}", flush=True)
 
     with self.mesh, nn.logical_axis_rules(self.rules):
@@ -391,13 +393,27 @@ def _wait(tree):
   jax.block_until_ready(tree)
 
 
-def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Runs (or resumes) the whole chain; returns the summary."""
+def train(config: ml_collections.ConfigDict, workdir: str, until: str = "done") -> dict:
+  """Runs (or resumes) the chain up to stage `until`; the summary when it ends."""
+  if until not in STAGES:
+    raise ValueError(f"until must be one of {STAGES}, got {until!r}")
   run = _Run(config, workdir)
   try:
-    while run.meta["stage"] != "done":
+    while run.meta["stage"] != until:
       getattr(run, run.meta["stage"])()
-    return run.done()
+    return run.done() if until == "done" else dict(run.meta["evals"])
+  finally:
+    run.ckpt.close()
+    run.metrics.close()
+
+
+def evaluate(config: ml_collections.ConfigDict, workdir: str, step: int | None = None) -> dict:
+  """pass@1 of the policy in checkpoint `step` (default: the latest) of a run."""
+  run = _Run(config, workdir, restore_step=step)
+  try:
+    if run.ckpt.latest_step() is None:
+      raise FileNotFoundError(f"no checkpoint under {workdir}")
+    return run._eval(f"checkpoint_{step or run.ckpt.latest_step()}", run.state.policy)  # pylint: disable=protected-access
   finally:
     run.ckpt.close()
     run.metrics.close()

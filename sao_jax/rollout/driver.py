@@ -88,7 +88,8 @@ class RolloutDriver:
   def __init__(self, engine: PolicyEngine, env: Environment, tokenizer,
                prompts: Iterator[int], emit: Callable[[Trajectory], None], *,
                samples_per_prompt: int = 1, max_turn_tokens: int = 32,
-               env_workers: int = 4, swap_policy: str = "recompute"):
+               env_workers: int = 4, swap_policy: str = "recompute",
+               static_batching: bool = False):
     if swap_policy not in SWAP_POLICIES:
       raise ValueError(f"swap_policy must be one of {SWAP_POLICIES}, got {swap_policy!r}")
     if samples_per_prompt < 1:
@@ -99,6 +100,9 @@ class RolloutDriver:
     self.samples_per_prompt = samples_per_prompt
     self.max_turn_tokens = max_turn_tokens
     self.swap_policy = swap_policy
+    # The baseline of benchmarks/rollout.py: admit only when every slot is
+    # free, i.e. one static batch at a time.
+    self.static_batching = static_batching
     self.max_len = engine.max_prefill_length
     self.stats = DriverStats()
     self._slots: list[_Slot | None] = [None] * engine.max_concurrent_decodes
@@ -219,6 +223,8 @@ class RolloutDriver:
     return self._queued.pop()
 
   def _admit(self):
+    if self.static_batching and self.busy_slots:
+      return
     for i, s in enumerate(self._slots):
       if s is not None:
         continue

@@ -1,0 +1,29 @@
+"""The supervised warm start alone (the paper's SFT baseline).
+
+    python launch/sft.py --config=configs/sao_tiny.py --workdir=workdirs/sao_tiny
+
+Trains the policy on the environment's demonstrations and evaluates it on
+held-out tasks. `launch/train.py` on the same workdir then continues with
+value pretraining and RL from this warm start instead of redoing it.
+"""
+
+import json
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from sao_jax import trainer
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (resumes from it).")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  print(json.dumps(trainer.train(_CONFIG.value, _WORKDIR.value, until="value_pretrain")))
+
+
+if __name__ == "__main__":
+  app.run(main)
