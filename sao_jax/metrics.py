@@ -51,10 +51,11 @@ class MetricsWriter:
       self._tb.close()
 
 
-def progress(stage: str, step: int, total: int, metrics: dict, keys: tuple[str, ...]) -> None:
+def progress(stage: str, step: int, total: int, metrics: dict, keys: dict[str, str]) -> None:
+  """One terminal line: `keys` maps metric names to short labels."""
   parts = [f"[{stage}] {step}/{total}"]
-  for k in keys:
+  for k, label in keys.items():
     if k in metrics:
       v = metrics[k]
-      parts.append(f"{k.split('/')[-1]}={v:.4g}" if isinstance(v, float) else f"{k}={v}")
+      parts.append(f"{label}={v:.4g}" if isinstance(v, float) else f"{label}={v}")
   print("  ".join(parts), flush=True)

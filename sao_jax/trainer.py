@@ -203,7 +203,7 @@ class _Run:
       self.meta["stage_step"] = step + 1
       if (step + 1) % self.config.log_every == 0 or step + 1 == steps:
         rec = self.metrics.write(step + 1, m, "sft")
-        progress("sft", step + 1, steps, rec, ("sft/nll",))
+        progress("sft", step + 1, steps, rec, {"sft/nll": "nll"})
       if (step + 1) % self.config.checkpoint.every == 0:
         self.state = self.state.replace(policy=policy_params, policy_opt=opt)
         self._save()
@@ -252,7 +252,7 @@ class _Run:
       if (step + 1) % self.config.log_every == 0 or step + 1 == c.steps:
         rec = self.metrics.write(step + 1, m, "value_pretrain")
         progress("value_pretrain", step + 1, c.steps, rec,
-                 ("critic/value_loss", "critic/explained_variance"))
+                 {"critic/value_loss": "value_loss", "critic/explained_variance": "expl_var"})
       if (step + 1) % self.config.checkpoint.every == 0:
         self._save()
     self._advance("rl")
@@ -354,10 +354,11 @@ class _Run:
         m.update({f"queue/rejected_{k}": v for k, v in trajq.rejected.items()})
         if (step + 1) % self.config.log_every == 0 or step + 1 == c.steps:
           rec = self.metrics.write(step + 1, m, "rl")
-          progress("rl", step + 1, c.steps, rec,
-                   ("rollout/reward_mean", "policy/loss", "critic/explained_variance",
-                    "policy/masked_low_frac", "policy/masked_high_frac", "policy_lag/mean",
-                    "trainer/idle_fraction"))
+          progress("rl", step + 1, c.steps, rec, {
+              "rollout/reward_mean": "reward", "policy/loss": "pi_loss",
+              "critic/explained_variance": "expl_var", "policy/masked_low_frac": "dis_low",
+              "policy/masked_high_frac": "dis_high", "policy_lag/mean": "lag",
+              "trainer/idle_fraction": "idle"})
         if c.eval_every and (step + 1) % c.eval_every == 0 and step + 1 < c.steps:
           self._eval(f"rl_step_{step + 1}", self.state.policy)
         if (step + 1) % self.config.checkpoint.every == 0:
@@ -405,6 +406,11 @@ def train(config: ml_collections.ConfigDict, workdir: str, until: str = "done") 
   finally:
     run.ckpt.close()
     run.metrics.close()
+
+
+def load_run(config: ml_collections.ConfigDict, workdir: str, step: int | None = None) -> _Run:
+  """A run restored from `workdir` (fresh if it has no checkpoint), for tools."""
+  return _Run(config, workdir, restore_step=step)
 
 
 def evaluate(config: ml_collections.ConfigDict, workdir: str, step: int | None = None) -> dict:

@@ -1,0 +1,43 @@
+"""Serves a policy through JetStream's gRPC server (evaluation and demos).
+
+    python launch/serve.py --config=configs/sao_tiny.py --workdir=workdirs/sao_tiny --port=9000
+
+Loads the latest checkpoint's policy (fresh params if the workdir has none)
+and serves it until interrupted. Needs the `jetstream` extra. Query it with
+JetStream's own client, e.g. `jetstream.core.proto.jetstream_pb2_grpc.
+OrchestratorStub(channel).Decode(DecodeRequest(text_content=...))`.
+"""
+
+import threading
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from sao_jax import trainer
+from sao_jax.rollout import jetstream_bridge
+from sao_jax.rollout.engine import PolicyEngine, SamplingConfig
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory whose latest checkpoint to serve.")
+_PORT = flags.DEFINE_integer("port", 9000, "gRPC port.")
+_SLOTS = flags.DEFINE_integer("slots", 8, "Concurrent decode slots.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  run = trainer.load_run(_CONFIG.value, _WORKDIR.value)
+  r = _CONFIG.value.rollout
+  engine = PolicyEngine(run.model_cfg, run.state.policy, slots=_SLOTS.value, max_len=r.max_len,
+                        sampling=SamplingConfig(r.temperature, r.top_k, r.top_p))
+  server = jetstream_bridge.serve(jetstream_bridge.JetStreamEngine(engine, run.tok), _PORT.value)
+  print(f"JetStream server on port {_PORT.value}", flush=True)
+  try:
+    threading.Event().wait()
+  finally:
+    server.stop()
+
+
+if __name__ == "__main__":
+  app.run(main)
