@@ -283,3 +283,18 @@ def test_online_style_preference_shifts_on_schedule():
   assert rewards == [0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 0]
   assert judge("cat cat cat dark", "cat")[0] is False  # repetition
   assert judge("hehe dark tea", "tea") == (True, None)  # tie: no style
+
+
+def test_hf_tokenizer_file(tmp_path):
+  tokenizers = pytest.importorskip("tokenizers")
+  vocab = {c: i for i, c in enumerate(["<pad>", "<s>", "</s>", "\n", " "] + list("abc123+"))}
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
+  path = str(tmp_path / "tokenizer.json")
+  tok.save(path)
+  cfg = ml_collections.ConfigDict({"name": "python_tool", "tokenizer_path": path})
+  hf = registry.make_tokenizer(cfg)
+  assert hf.vocab_size == len(vocab) and hf.turn_end_id == vocab["\n"]
+  ids = hf.encode("ab 12\n")
+  assert ids == [vocab[c] for c in "ab 12\n"]
+  assert hf.decode(ids).replace(" ", "") == "ab12\n".replace(" ", "")

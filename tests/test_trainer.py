@@ -165,12 +165,13 @@ TINY_RUN = [
 ]
 
 
-def launch(workdir, *extra, wait=True):
+def launch(workdir, *extra, wait=True, script="train.py", config="sao_tiny.py",
+           run_flags=TINY_RUN):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
              JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-  cmd = [sys.executable, os.path.join(ROOT, "launch", "train.py"),
-         f"--config={os.path.join(ROOT, 'configs', 'sao_tiny.py')}", f"--workdir={workdir}",
-         "--config.sharding.mesh={'data': 8}", *TINY_RUN, *extra]
+  cmd = [sys.executable, os.path.join(ROOT, "launch", script),
+         f"--config={os.path.join(ROOT, 'configs', config)}", f"--workdir={workdir}",
+         "--config.sharding.mesh={'data': 8}", *run_flags, *extra]
   proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, cwd=ROOT)
   if not wait:
@@ -200,6 +201,20 @@ def test_trainer_runs_and_resumes(tmp_path, mode):
   assert "Resumed from checkpoint" in out2
   rl2 = [r for r in read_metrics(workdir) if r["stage"] == "rl"]
   assert [r["step"] for r in rl2] == list(range(1, 7))  # "done" stays done
+  if mode == "async":  # launch/eval.py on the finished run's checkpoint
+    out3 = launch(workdir, script="eval.py", run_flags=["--config.eval.num_tasks=8",
+                                                        "--config.eval.slots=8"])
+    result = json.loads(out3.strip().splitlines()[-1])
+    assert result["tasks"] == 8 and 0.0 <= result["pass@1"] <= 1.0
+
+
+def test_group_arm_runs_end_to_end(tmp_path):
+  workdir = str(tmp_path / "grpo")
+  launch(workdir, "--config.rl.steps=3", config="grpo.py")
+  rl = [r for r in read_metrics(workdir) if r["stage"] == "rl"]
+  assert [r["step"] for r in rl] == [1, 2, 3]
+  assert "critic/value_loss" not in rl[0] and np.isfinite(rl[0]["policy/clip_frac"])
+  assert not any(r["stage"] == "value_pretrain" for r in read_metrics(workdir))
 
 
 def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
