@@ -19,6 +19,8 @@ def get_config():
   c.log_every = 10
   # Write TensorBoard event files beside metrics.jsonl.
   c.tensorboard = True
+  # Multi-host (TPU pod): call jax.distributed.initialize() before anything else.
+  c.distributed = False
 
   c.model = ml_collections.ConfigDict()
   # A preset in sao_jax/models/config.py: tiny, small, qwen3_30b_a3b.

@@ -4,6 +4,7 @@ Intentionally kept short: flags in, one call into sao_jax.trainer.
 Override any field: --config.rl.steps=200 --config.rollout.max_staleness=4.
 """
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -17,6 +18,8 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
+  if _CONFIG.value.distributed:
+    jax.distributed.initialize()
   trainer.train(_CONFIG.value, _WORKDIR.value)
 
 
