@@ -14,7 +14,6 @@ import argparse
 import functools
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp

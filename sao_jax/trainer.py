@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 
 from sao_jax import advantages as adv
 from sao_jax import optim, sharding

@@ -1,13 +1,12 @@
 """Engine, driver, environments and sandbox."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sao_jax.data.trajectory import Trajectory, validate
+from sao_jax.data.trajectory import validate
 from sao_jax.envs import sandbox
 from sao_jax.envs.base import StepResult, Task
 from sao_jax.envs.demonstrations import demonstration_trajectory
