@@ -73,3 +73,34 @@ def test_grpc_server_streams_a_completion(engine):
       assert health.is_live
   finally:
     server.stop()
+
+
+def test_launch_serve_answers_on_localhost(tmp_path):
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  port = portpicker.pick_unused_port()
+  proc = subprocess.Popen(
+      [sys.executable, os.path.join(root, "launch", "serve.py"),
+       f"--config={os.path.join(root, 'configs', 'sao_tiny.py')}",
+       f"--workdir={tmp_path / 'serve'}", f"--port={port}", "--config.tensorboard=False"],
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+      env=dict(os.environ, PYTHONUNBUFFERED="1"))
+  try:
+    for line in proc.stdout:  # blocks until the server says it is up (or exits)
+      if "JetStream server on port" in line:
+        break
+    else:
+      pytest.fail("serve.py exited before serving")
+    with grpc.insecure_channel(f"localhost:{port}") as channel:
+      stub = jetstream_pb2_grpc.OrchestratorStub(channel)
+      request = jetstream_pb2.DecodeRequest(
+          text_content=jetstream_pb2.DecodeRequest.TextContent(text="4 plus 4\n"),
+          max_tokens=8)
+      n = sum(len(s.token_ids) for r in stub.Decode(request, timeout=120)
+              for s in r.stream_content.samples)
+      assert n >= 1
+  finally:
+    proc.kill()
+    proc.wait()
