@@ -50,6 +50,28 @@ from sao_jax.train_step import StepConfig, TrainState, jit_sharded, make_sft_ste
 STAGES = ("sft", "value_pretrain", "rl", "done")
 
 
+def validate_config(config) -> None:
+  """Fails fast, before any training, on settings that cannot work together."""
+  if config.model.preset not in model_config.PRESETS:
+    raise ValueError(f"model.preset {config.model.preset!r} is not one of "
+                     f"{sorted(model_config.PRESETS)}")
+  if config.rl.mode not in ("async", "sync"):
+    raise ValueError(f"rl.mode must be 'async' or 'sync', got {config.rl.mode!r}")
+  step = step_config(config)  # raises on an unknown advantage / policy loss
+  g = config.rollout.samples_per_prompt
+  if step.advantage == "group" and g < 2:
+    raise ValueError("the group advantage needs rollout.samples_per_prompt >= 2")
+  if config.rl.batch_size % g:
+    raise ValueError(f"rl.batch_size ({config.rl.batch_size}) must be a multiple of "
+                     f"rollout.samples_per_prompt ({g}): batches hold whole groups")
+  if max(config.data.buckets) < config.rollout.max_len:
+    raise ValueError(f"the largest data.buckets entry ({max(config.data.buckets)}) must be >= "
+                     f"rollout.max_len ({config.rollout.max_len})")
+  if config.rollout.swap_policy not in ("recompute", "keep", "drain"):
+    raise ValueError(f"rollout.swap_policy {config.rollout.swap_policy!r} is not one of "
+                     "recompute, keep, drain")
+
+
 def build_model_config(config, tokenizer=None) -> model_config.ModelConfig:
   preset = model_config.PRESETS[config.model.preset]
   if config.model.vocab_from_tokenizer and config.model.preset in ("tiny", "small"):
@@ -75,6 +97,7 @@ class _Run:
   # ---------------------------------------------------------------- set up
   def __init__(self, config: ml_collections.ConfigDict, workdir: str,
                restore_step: int | None = None):
+    validate_config(config)
     self.config, self.workdir = config, workdir
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
@@ -269,10 +292,6 @@ class _Run:
     if self.meta["prompt_state"] is not None:
       prompt_iter.set_state(self.meta["prompt_state"])
     group_size = r.samples_per_prompt
-    if self.step_cfg.advantage == "group" and group_size < 2:
-      raise ValueError("the group advantage needs rollout.samples_per_prompt >= 2")
-    if c.mode not in ("async", "sync"):
-      raise ValueError(f"rl.mode must be 'async' or 'sync', got {c.mode!r}")
     rm_state = adv.running_mean_init(c.running_mean_window)
     if self.meta["running_mean"] is not None:
       rm_state = adv.RunningMeanState(*(jnp.asarray(x) for x in self.meta["running_mean"]))

@@ -29,12 +29,7 @@ def test_config_is_valid(path):
   name = os.path.basename(path)
   assert f"--config=configs/{name}" in module.__doc__, "docstring must give the launch command"
   c = module.get_config()
-  step = trainer.step_config(c)  # raises on an unknown arm
-  if step.advantage == "group":
-    assert c.rollout.samples_per_prompt >= 2
-    assert c.rl.batch_size % c.rollout.samples_per_prompt == 0
-  assert c.rl.mode in ("async", "sync")
-  assert max(c.data.buckets) >= c.rollout.max_len
+  trainer.validate_config(c)
   if c.model.preset == "qwen3_30b_a3b":
     cfg = trainer.build_model_config(c)
     shapes = jax.eval_shape(lambda: policy.init_params(cfg, jax.random.key(0)))
@@ -48,3 +43,19 @@ def test_ablation_table_arms_all_have_configs():
   assert {"sao_tiny", "sao_sync", "grpo", "grpo_dis", "running_mean", "sao_k1",
           "sao_no_freeze", "sao_token_gae", "sao_step_gae_mean", "sao_step_gae_last",
           "sao_moe"} <= names
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("model.preset", "huge", "model.preset"),
+    ("rl.mode", "semi", "rl.mode"),
+    ("rl.advantage", "gae", "advantage must be one of"),
+    ("rl.batch_size", 6, "multiple of"),
+    ("data.buckets", (64,), "largest data.buckets"),
+    ("rollout.swap_policy", "pause", "swap_policy"),
+])
+def test_bad_config_fails_fast(field, value, message):
+  c = load(os.path.join(CONFIG_DIR, "grpo.py")).get_config()
+  section, name = field.split(".")
+  c[section][name] = value
+  with pytest.raises(ValueError, match=message):
+    trainer.validate_config(c)
