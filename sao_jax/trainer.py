@@ -100,8 +100,6 @@ class _Run:
     validate_config(config)
     self.config, self.workdir = config, workdir
     os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
-      f.write(config.to_json_best_effort(indent=2))
     self.tok = registry.make_tokenizer(config.env)
     self.env = registry.make_env(config.env)
     self.model_cfg = build_model_config(config, self.tok)
@@ -417,6 +415,10 @@ def train(config: ml_collections.ConfigDict, workdir: str, until: str = "done") 
   if until not in STAGES:
     raise ValueError(f"until must be one of {STAGES}, got {until!r}")
   run = _Run(config, workdir)
+  # Only training records its config: eval / serve tools reuse _Run on the
+  # same workdir and must not overwrite the run's record.
+  with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
+    f.write(config.to_json_best_effort(indent=2))
   try:
     while run.meta["stage"] != until:
       getattr(run, run.meta["stage"])()

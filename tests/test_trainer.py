@@ -206,6 +206,8 @@ def test_trainer_runs_and_resumes(tmp_path, mode):
                                                         "--config.eval.slots=8"])
     result = json.loads(out3.strip().splitlines()[-1])
     assert result["tasks"] == 8 and 0.0 <= result["pass@1"] <= 1.0
+    recorded = json.load(open(os.path.join(workdir, "config.json"), encoding="utf-8"))
+    assert recorded["rl"]["steps"] == 8  # the last training launch, not eval's config
 
 
 def test_group_arm_runs_end_to_end(tmp_path):
