@@ -9,10 +9,17 @@ A checkpoint at step s holds two items:
 
 Saving is asynchronous (orbax writes in the background) and atomic: a run
 killed mid-save leaves the previous checkpoint as the latest complete one.
+A new save first waits for the one in flight, so at any moment at most one
+save is incomplete: a run that checkpoints every `e` steps and is killed
+after step k resumes from a step >= k - 2e (the save of the last multiple
+of e may not have started or may still be in flight; the one before it is
+complete).
+`committed_checkpoints` reads what is complete on disk, from any process.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -57,3 +64,22 @@ def abstract_like(tree):
   return jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
       tree)
+
+
+def committed_checkpoints(directory: str) -> dict[int, dict[str, Any]]:
+  """{step: meta} of the checkpoints under `directory` that are complete.
+
+  Orbax writes a step under a temporary name and renames it when the save
+  is finalised, so a directory named by its step number alone is complete
+  (on filesystems without atomic rename, orbax's commit marker says so).
+  Reads only files: safe to call while another process is training.
+  """
+  out = {}
+  if not os.path.isdir(directory):
+    return out
+  for name in os.listdir(directory):
+    meta_path = os.path.join(directory, name, "meta", "metadata")
+    if name.isdigit() and os.path.exists(meta_path):
+      with open(meta_path, encoding="utf-8") as f:
+        out[int(name)] = json.load(f)
+  return out
