@@ -39,6 +39,10 @@ def get_config():
   c.env.sandbox = {"cpu_seconds": 1, "wall_seconds": 3.0}
   # A tokenizer.json for real models; empty: the shipped character vocabulary.
   c.env.tokenizer_path = ""
+  # Run model-written code even where the sandbox cannot isolate it (no
+  # root: no network namespace, chroot, uid drop, process cleanup). Off:
+  # such a run refuses to start and says what is missing.
+  c.env.allow_unisolated = False
 
   c.data = ml_collections.ConfigDict()
   # Training tasks are indices [0, num_train_tasks); evaluation is disjoint.
@@ -84,6 +88,9 @@ def get_config():
   c.rollout.swap_policy = "recompute"
   # Environment worker threads (sandbox processes run in parallel).
   c.rollout.env_workers = 4
+  # Seconds an environment step may take before its episode ends with
+  # reward 0 ("env_timeout"); the sandbox's own wall clock is shorter.
+  c.rollout.env_timeout = 60.0
   # Bounded ingestion queue (backpressure on the rollout thread).
   c.rollout.queue_size = 64
   # Drop trajectories lagging the policy by more versions than this; None: off (SAO).
@@ -118,6 +125,12 @@ def get_config():
   c.rl.running_mean_window = 64
   # Held-out evaluation every this many RL steps (0: only at the ends).
   c.rl.eval_every = 0
+  # A non-finite loss or gradient skips that update (params unchanged); this
+  # many in a row stop the run cleanly, its last checkpoint intact.
+  c.rl.max_nonfinite_updates = 3
+  # Times a dead rollout thread is restarted (fresh engine, current params)
+  # before the run stops with the thread's error.
+  c.rl.max_rollout_restarts = 3
 
   c.eval = ml_collections.ConfigDict()
   # Held-out tasks for pass@1 at temperature 1.0.
@@ -128,4 +141,26 @@ def get_config():
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 25
   c.checkpoint.keep = 2
+  # Refuse to start with less free space than this under the workdir.
+  c.checkpoint.min_free_gb = 1.0
+
+  # Fault injection for the fault suite and soak runs (sao_jax/faults.py):
+  # every n-th event fails on purpose; 0 is off, the default everywhere else.
+  c.faults = ml_collections.ConfigDict()
+  # Every n-th environment step raises.
+  c.faults.env_error_every = 0
+  # Every n-th environment step returns garbage (not a StepResult).
+  c.faults.env_garbage_every = 0
+  # Every n-th finished trajectory is corrupted before the ingestion queue.
+  c.faults.malformed_every = 0
+  # Every n-th RL batch gets a NaN reward after validation (a non-finite update).
+  c.faults.nonfinite_every = 0
+  # From this RL step on every batch is non-finite (0: never): the run must stop.
+  c.faults.nonfinite_from_step = 0
+  # The rollout thread dies after every n-th trajectory it emits.
+  c.faults.rollout_crash_every = 0
+
+  # Unknown fields are errors: a config file that sets a misspelt field fails
+  # when it loads, instead of running with the default.
+  c.lock()
   return c

@@ -7,10 +7,10 @@ Prints one JSON line: pass@1, tasks, mean length and turns.
 
 import json
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
-from sao_jax import trainer
+from sao_jax import configuration, trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory holding checkpoints/.")
@@ -25,4 +25,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  configuration.run(main)

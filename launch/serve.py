@@ -10,10 +10,10 @@ OrchestratorStub(channel).Decode(DecodeRequest(text_content=...))`.
 
 import threading
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
-from sao_jax import trainer
+from sao_jax import configuration, trainer
 from sao_jax.rollout import jetstream_bridge
 from sao_jax.rollout.engine import PolicyEngine, SamplingConfig
 
@@ -40,4 +40,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  configuration.run(main)

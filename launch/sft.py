@@ -9,10 +9,10 @@ value pretraining and RL from this warm start instead of redoing it.
 
 import json
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
-from sao_jax import trainer
+from sao_jax import configuration, trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (resumes from it).")
@@ -26,4 +26,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  configuration.run(main)

@@ -120,14 +120,16 @@ def _critic_updates(model_cfg, cfg, critic_tx, state, batch, metrics):
     return loss + cfg.load_balance_coef * aux["load_balance_loss"], vm
 
   critic, opt = state.critic, state.critic_opt
+  skipped = jnp.zeros((), jnp.int32)
   for k in range(cfg.critic_updates):
     (_, vm), grads = jax.value_and_grad(critic_loss, has_aux=True)(critic)
     if k == 0:  # the fit before this step's updates: what GAE used
       metrics.update({f"critic/{n}": x for n, x in vm.items()})
       metrics.update({f"critic/grad_norm_{n}": x
                       for n, x in group_norms(grads, _NORM_GROUPS).items()})
-    updates, opt = critic_tx.update(grads, opt, critic)
-    critic = optax.apply_updates(critic, updates)
+    critic, opt, ok = apply_if_finite(critic_tx, grads, opt, critic, vm["value_loss"])
+    skipped = skipped + (1 - ok.astype(jnp.int32))
+  metrics["critic/updates_skipped"] = skipped
   n = jnp.maximum(m.sum(), 1)
   metrics["advantage_mean"] = jnp.where(m, advantages, 0).sum() / n
   metrics["advantage_abs_mean"] = jnp.where(m, jnp.abs(advantages), 0).sum() / n
@@ -164,7 +166,9 @@ def make_train_step(model_cfg: ModelConfig, cfg: StepConfig, policy_tx, critic_t
       return loss + cfg.load_balance_coef * aux["load_balance_loss"], (loss, pm)
 
     (_, (pi_loss, pm)), grads = jax.value_and_grad(actor_loss, has_aux=True)(state.policy)
-    updates, opt = policy_tx.update(grads, state.policy_opt, state.policy)
+    new_policy, opt, ok = apply_if_finite(policy_tx, grads, state.policy_opt, state.policy,
+                                          pi_loss)
+    metrics["policy/update_skipped"] = 1 - ok.astype(jnp.int32)
     metrics.update({f"policy/{k}": v for k, v in pm.items()})
     metrics["policy/loss"] = pi_loss
     metrics.update({f"policy/grad_norm_{k}": v
@@ -172,11 +176,27 @@ def make_train_step(model_cfg: ModelConfig, cfg: StepConfig, policy_tx, critic_t
     lag = jnp.where(m, state.step - batch["policy_version"], 0)
     metrics["policy_lag/mean"] = lag.sum() / n
     metrics["policy_lag/max"] = lag.max()
-    state = state.replace(step=state.step + 1, policy=optax.apply_updates(state.policy, updates),
+    # A skipped update is not a new policy version.
+    state = state.replace(step=state.step + ok.astype(state.step.dtype), policy=new_policy,
                           policy_opt=opt)
     return state, metrics
 
   return train_step
+
+
+def apply_if_finite(tx, grads, opt_state, params, loss):
+  """One optimizer update, or none at all if the loss or a gradient is not finite.
+
+  Returns (params, opt_state, ok). When not ok, params and optimizer state
+  come back bit-identical: a NaN batch must not poison Adam's moments. The
+  selects are elementwise on each leaf, so XLA fuses them into the update
+  and a sharded step needs no second copy of its state.
+  """
+  ok = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
+  updates, new_opt = tx.update(grads, opt_state, params)
+  keep = lambda new, old: jnp.where(ok, new, old)
+  new_params = optax.apply_updates(params, updates)
+  return jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_opt, opt_state), ok
 
 
 def _num_segments(segment_ids):
@@ -196,9 +216,9 @@ def make_sft_step(model_cfg: ModelConfig, tx, load_balance_coef: float = 0.01) -
       return nll + load_balance_coef * aux["load_balance_loss"], nll
 
     (_, nll), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, {"sft/nll": nll,
-                                                             "sft/grad_norm": optax.global_norm(grads)}
+    params, opt_state, ok = apply_if_finite(tx, grads, opt_state, params, nll)
+    return params, opt_state, {"sft/nll": nll, "sft/grad_norm": optax.tree.norm(grads),
+                               "sft/update_skipped": 1 - ok.astype(jnp.int32)}
 
   return sft_step
 

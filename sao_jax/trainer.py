@@ -33,13 +33,14 @@ import ml_collections
 import numpy as np
 
 from sao_jax import advantages as adv
-from sao_jax import optim, sharding
+from sao_jax import configuration, optim, sharding
 from sao_jax.checkpoint import Checkpointer, abstract_like
 from sao_jax.data import packing, prompts as prompt_data, store
 from sao_jax.data.ingestion import TrajectoryQueue
 from sao_jax.envs import registry
 from sao_jax.envs.demonstrations import demonstration_trajectory
 from sao_jax.evaluation import pass_at_1
+from sao_jax.faults import FaultInjector
 from sao_jax.metrics import MetricsWriter, progress
 from sao_jax.models import config as model_config
 from sao_jax.models import hf_import, policy
@@ -51,25 +52,8 @@ STAGES = ("sft", "value_pretrain", "rl", "done")
 
 
 def validate_config(config) -> None:
-  """Fails fast, before any training, on settings that cannot work together."""
-  if config.model.preset not in model_config.PRESETS:
-    raise ValueError(f"model.preset {config.model.preset!r} is not one of "
-                     f"{sorted(model_config.PRESETS)}")
-  if config.rl.mode not in ("async", "sync"):
-    raise ValueError(f"rl.mode must be 'async' or 'sync', got {config.rl.mode!r}")
-  step = step_config(config)  # raises on an unknown advantage / policy loss
-  g = config.rollout.samples_per_prompt
-  if step.advantage == "group" and g < 2:
-    raise ValueError("the group advantage needs rollout.samples_per_prompt >= 2")
-  if config.rl.batch_size % g:
-    raise ValueError(f"rl.batch_size ({config.rl.batch_size}) must be a multiple of "
-                     f"rollout.samples_per_prompt ({g}): batches hold whole groups")
-  if max(config.data.buckets) < config.rollout.max_len:
-    raise ValueError(f"the largest data.buckets entry ({max(config.data.buckets)}) must be >= "
-                     f"rollout.max_len ({config.rollout.max_len})")
-  if config.rollout.swap_policy not in ("recompute", "keep", "drain"):
-    raise ValueError(f"rollout.swap_policy {config.rollout.swap_policy!r} is not one of "
-                     "recompute, keep, drain")
+  """Fails fast, before anything is written, on settings that cannot work."""
+  configuration.validate(config)
 
 
 def build_model_config(config, tokenizer=None) -> model_config.ModelConfig:
@@ -97,11 +81,15 @@ class _Run:
   # ---------------------------------------------------------------- set up
   def __init__(self, config: ml_collections.ConfigDict, workdir: str,
                restore_step: int | None = None):
+    # Everything that can refuse the run does so before anything is written.
     validate_config(config)
     self.config, self.workdir = config, workdir
-    os.makedirs(workdir, exist_ok=True)
     self.tok = registry.make_tokenizer(config.env)
-    self.env = registry.make_env(config.env)
+    self.env = registry.make_env(config.env)  # refuses unisolated code execution
+    configuration.check_workdir(workdir, config.checkpoint.min_free_gb)
+    self.faults = FaultInjector.from_config(config.get("faults"))
+    if self.faults.active:
+      print(f"[faults] injecting faults: {config.faults.to_dict()}", flush=True)
     self.model_cfg = build_model_config(config, self.tok)
     self.step_cfg = step_config(config)
     self.max_len = config.rollout.max_len
@@ -285,7 +273,6 @@ class _Run:
 
   def rl(self):
     c, r = self.config.rl, self.config.rollout
-    version = int(self.state.step)
     prompt_iter = prompt_data.train_prompts(self.config.data.num_train_tasks, self.config.seed)
     if self.meta["prompt_state"] is not None:
       prompt_iter.set_state(self.meta["prompt_state"])
@@ -294,28 +281,66 @@ class _Run:
     if self.meta["running_mean"] is not None:
       rm_state = adv.RunningMeanState(*(jnp.asarray(x) for x in self.meta["running_mean"]))
 
-    engine = self._engine(self.state.policy, version)
+    # The rollout side's state; the driver is replaced if its thread dies.
+    rollout = {"restarts": 0, "driver": None, "gen_tokens": 0}
+    # The engine's (host-side) version: the trainer's state lives on device
+    # and is donated step after step, so the rollout thread must not read it.
     trajq = TrajectoryQueue(r.queue_size, self.tok.vocab_size, self.max_len,
-                            current_version=lambda: engine.version,
+                            current_version=lambda: rollout["driver"].engine.version,
                             max_staleness=r.get("max_staleness"))
-    driver = RolloutDriver(engine, self.env, self.tok, prompt_iter, trajq.put,
-                           samples_per_prompt=group_size, max_turn_tokens=r.max_turn_tokens,
-                           env_workers=r.env_workers, swap_policy=r.swap_policy)
-    per_step = c.batch_size  # trajectories per train step (groups x G for group arms)
-    pending_groups: dict[int, list] = collections.defaultdict(list)
+    env = self.faults.wrap_env(self.env)
+    emit = self.faults.wrap_emit(trajq.put, self.tok.vocab_size)
+
+    def start_driver():
+      """A fresh engine and driver on the current params (after a crash too)."""
+      version = int(self.state.step)
+      engine = self._engine(self.state.policy, version)
+      driver = RolloutDriver(engine, env, self.tok, prompt_iter, emit,
+                             samples_per_prompt=group_size, max_turn_tokens=r.max_turn_tokens,
+                             env_workers=r.env_workers, swap_policy=r.swap_policy,
+                             env_timeout=r.env_timeout)
+      if c.mode == "async":
+        driver.start()
+      rollout["driver"] = driver
+
+    def restart_driver(error: BaseException):
+      """The rollout thread died: restart it, or stop with its error."""
+      dead = rollout["driver"]
+      rollout["gen_tokens"] += dead.stats.generated_tokens
+      dead.stop()
+      rollout["restarts"] += 1
+      last = self.ckpt.latest_step()
+      if rollout["restarts"] > c.max_rollout_restarts:
+        raise configuration.StopTraining(
+            f"the rollout thread failed {rollout['restarts']} times (rl.max_rollout_restarts = "
+            f"{c.max_rollout_restarts}); last error: {error!r}; the last checkpoint "
+            f"({last}) is intact") from error
+      print(f"[rl] rollout thread failed ({error!r}); restart {rollout['restarts']} of "
+            f"{c.max_rollout_restarts}", flush=True)
+      start_driver()
 
     def incoming() -> list:
+      driver = rollout["driver"]
       if c.mode == "sync":  # generate a whole batch, wait for all of it
         if trajq.qsize() == 0:
-          driver.run(max_trajectories=per_step)
+          try:
+            driver.run(max_trajectories=per_step)
+          except Exception as e:  # pylint: disable=broad-except
+            restart_driver(e)
         return trajq.drain()
       try:
         return [trajq.get(timeout=5.0)]
       except queue.Empty:
-        driver.check()
-        if not driver.alive:
-          raise RuntimeError("rollout driver stopped") from None
+        try:
+          driver.check()
+          if not driver.alive:
+            raise RuntimeError("rollout driver stopped without an error")
+        except RuntimeError as e:
+          restart_driver(e.__cause__ or e)
         return []
+
+    per_step = c.batch_size  # trajectories per train step (groups x G for group arms)
+    pending_groups: dict[int, list] = collections.defaultdict(list)
 
     def next_batch():
       """The next `per_step` trajectories in completion order (whole groups for GRPO)."""
@@ -328,9 +353,9 @@ class _Run:
             out.extend(pending_groups.pop(gid))
       return out
 
-    if c.mode == "async":
-      driver.start()
-    wait_total, start_time, gen_start = 0.0, time.time(), driver.stats.generated_tokens
+    start_driver()
+    wait_total, start_time = 0.0, time.time()
+    nonfinite_run = 0  # consecutive skipped actor updates
     try:
       for step in range(self.meta["stage_step"], c.steps):
         t0 = time.time()
@@ -345,36 +370,54 @@ class _Run:
         elif self.step_cfg.advantage == "running_mean":
           rm_state, baseline = adv.running_mean_update(rm_state, jnp.asarray(rewards))
           baseline = np.asarray(baseline)
-        batch = self._put_batch(packing.pack(trajs, per_step, self.config.data.buckets,
-                                             baseline))
+        batch = packing.pack(trajs, per_step, self.config.data.buckets, baseline)
+        batch = self._put_batch(self.faults.poison_batch(step + 1, batch))
         with self.mesh, nn.logical_axis_rules(self.rules):
           self.state, m = self.rl_step(self.state, batch)
           _wait(self.state)
-        version = step + 1
-        if version % c.sync_every == 0:
+        m = dict(jax.device_get(m))
+        # Skipped updates leave params and version unchanged; a run of them
+        # means the run has diverged: stop before writing anything more.
+        nonfinite_run = nonfinite_run + 1 if m["policy/update_skipped"] else 0
+        if nonfinite_run >= c.max_nonfinite_updates:
+          raise configuration.StopTraining(
+              f"{nonfinite_run} consecutive RL steps had a non-finite loss or gradient "
+              f"(rl.max_nonfinite_updates = {c.max_nonfinite_updates}), last at step {step + 1}; "
+              f"params were not updated by them and the last checkpoint "
+              f"({self.ckpt.latest_step()}) is intact")
+        if nonfinite_run:
+          print(f"[rl] step {step + 1}: non-finite loss or gradient, update skipped", flush=True)
+        version = int(self.state.step)
+        driver = rollout["driver"]
+        if (step + 1) % c.sync_every == 0 and not m["policy/update_skipped"]:
           driver.update_params(self.state.policy, version)
         self.meta["stage_step"] = step + 1
         elapsed = time.time() - start_time
-        m = dict(jax.device_get(m))
+        env_faults = dict(getattr(driver.stats, "env_faults", {}))
         m.update({
             "rollout/reward_mean": float(rewards.mean()),
             "rollout/length_mean": float(np.mean([len(t) for t in trajs])),
             "rollout/turns_mean": float(np.mean([t.num_turns for t in trajs])),
             "rollout/generated_tokens_per_s":
-                (driver.stats.generated_tokens - gen_start) / max(elapsed, 1e-6),
+                (rollout["gen_tokens"] + driver.stats.generated_tokens) / max(elapsed, 1e-6),
+            "rollout/restarts": rollout["restarts"],
+            "rollout/env_faults": sum(env_faults.values()),
             "queue/depth": trajq.qsize(),
             "queue/rejected": sum(trajq.rejected.values()),
             "trainer/idle_fraction": wait_total / max(elapsed, 1e-6),
             "trainer/batch_wait_s": wait,
         })
+        m.update({f"rollout/env_fault_{k}": v for k, v in env_faults.items()})
         m.update({f"queue/rejected_{k}": v for k, v in trajq.rejected.items()})
+        if self.faults.active:
+          m.update({f"faults/injected_{k}": v for k, v in self.faults.counts().items()})
         if (step + 1) % self.config.log_every == 0 or step + 1 == c.steps:
           rec = self.metrics.write(step + 1, m, "rl")
           progress("rl", step + 1, c.steps, rec, {
               "rollout/reward_mean": "reward", "policy/loss": "pi_loss",
               "critic/explained_variance": "expl_var", "policy/masked_low_frac": "dis_low",
               "policy/masked_high_frac": "dis_high", "policy_lag/mean": "lag",
-              "trainer/idle_fraction": "idle"})
+              "trainer/idle_fraction": "idle", "queue/rejected": "rejected"})
         if c.eval_every and (step + 1) % c.eval_every == 0 and step + 1 < c.steps:
           self._eval(f"rl_step_{step + 1}", self.state.policy)
         if (step + 1) % self.config.checkpoint.every == 0:
@@ -382,7 +425,7 @@ class _Run:
           self.meta["running_mean"] = [np.asarray(x).tolist() for x in rm_state]
           self._save()
     finally:
-      driver.stop()
+      rollout["driver"].stop()
     self.meta["prompt_state"] = prompt_iter.get_state()
     self._advance("done")
 

@@ -48,7 +48,7 @@ def test_ablation_table_arms_all_have_configs():
 @pytest.mark.parametrize("field,value,message", [
     ("model.preset", "huge", "model.preset"),
     ("rl.mode", "semi", "rl.mode"),
-    ("rl.advantage", "gae", "advantage must be one of"),
+    ("rl.advantage", "gae", "rl.advantage = 'gae': must be one of"),
     ("rl.batch_size", 6, "multiple of"),
     ("data.buckets", (64,), "largest data.buckets"),
     ("rollout.swap_policy", "pause", "swap_policy"),

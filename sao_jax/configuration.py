@@ -1,0 +1,235 @@
+"""Config checks: every bad setting fails before anything is written.
+
+`validate(config)` is called first thing by the trainer and by every launch
+script. It raises `ConfigError` with one line that names the field, the
+value and what is allowed, e.g.
+
+    rl.eps_low = 2.0: must be in (0, 1)
+
+Unknown keys cannot get this far: `configs/common.py` locks the config it
+returns, so a config file that sets a misspelt field fails when it loads,
+and `--config.x.y=...` overrides of unknown fields fail in flag parsing;
+`run(main)` turns both into the same one-line error (exit status 2)
+instead of a traceback.
+
+`check_workdir` is the pre-flight check of the run directory (writable,
+enough free space), also before training.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import sys
+import uuid
+from typing import Any, Callable
+
+from absl import app
+
+from sao_jax.rollout.driver import SWAP_POLICIES
+from sao_jax.train_step import ADVANTAGES, POLICY_LOSSES, StepConfig
+
+MODES = ("async", "sync")
+
+
+class ConfigError(ValueError):
+  """A setting that cannot work; the message is one line naming the field."""
+
+
+def _get(config, field: str):
+  node = config
+  for part in field.split("."):
+    node = node[part]
+  return node
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+# field -> (predicate, what is allowed). Checked in this order.
+_RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("seed", _is_int, "an integer"),
+    ("log_every", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    ("sft.steps", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    ("sft.batch_size", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    ("sft.lr", lambda v: _is_real(v) and v > 0, "a finite number > 0"),
+    ("sft.warmup", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    ("value_pretrain.steps", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    ("value_pretrain.num_trajectories", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    ("data.num_train_tasks", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    ("rollout.slots", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    ("rollout.max_len", lambda v: _is_int(v) and v >= 8, "an integer >= 8"),
+    ("rollout.max_turn_tokens", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    ("rollout.temperature", lambda v: _is_real(v) and v > 0, "a finite number > 0"),
+    ("rollout.samples_per_prompt", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    ("rollout.env_workers", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    ("rollout.env_timeout", lambda v: _is_real(v) and v > 0, "a finite number of seconds > 0"),
+    ("rollout.queue_size", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    ("rollout.max_staleness", lambda v: v is None or (_is_int(v) and v >= 0),
+     "None or an integer >= 0"),
+    ("rl.steps", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    ("rl.batch_size", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    ("rl.eps_low", lambda v: _is_real(v) and 0 < v < 1, "in (0, 1)"),
+    ("rl.eps_high", lambda v: _is_real(v) and v > 0, "a finite number > 0"),
+    ("rl.gamma", lambda v: _is_real(v) and 0 <= v <= 1, "in [0, 1]"),
+    ("rl.lam", lambda v: _is_real(v) and 0 <= v <= 1, "in [0, 1]"),
+    ("rl.critic_updates", lambda v: _is_int(v) and 0 <= v <= 64, "an integer in [0, 64]"),
+    ("rl.actor_lr", lambda v: _is_real(v) and v > 0, "a finite number > 0"),
+    ("rl.critic_lr", lambda v: _is_real(v) and v > 0, "a finite number > 0"),
+    ("rl.warmup", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    ("rl.clip_norm", lambda v: v is None or (_is_real(v) and v > 0), "None or a number > 0"),
+    ("rl.load_balance_coef", lambda v: _is_real(v) and v >= 0, "a finite number >= 0"),
+    ("rl.sync_every", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    ("rl.running_mean_window", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    ("rl.eval_every", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    ("rl.max_nonfinite_updates", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    ("rl.max_rollout_restarts", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    ("eval.num_tasks", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    ("eval.slots", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    ("eval.temperature", lambda v: _is_real(v) and v > 0, "a finite number > 0"),
+    ("checkpoint.every", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    ("checkpoint.keep", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    ("checkpoint.min_free_gb", lambda v: _is_real(v) and v >= 0, "a finite number >= 0"),
+)
+
+
+def _fail(field: str, value, allowed: str):
+  raise ConfigError(f"{field} = {value!r}: must be {allowed}")
+
+
+def validate(config, num_devices: int | None = None) -> None:
+  """Raises ConfigError on the first setting that cannot work.
+
+  `num_devices` (default: all JAX devices of this process) checks that the
+  mesh fits the devices, so a bad mesh fails before the workdir exists.
+  """
+  from sao_jax.models import config as model_config  # pylint: disable=g-import-not-at-top
+
+  if config.model.preset not in model_config.PRESETS:
+    _fail("model.preset", config.model.preset, f"one of {sorted(model_config.PRESETS)}")
+  for field, ok, allowed in _RANGES:
+    try:
+      value = _get(config, field)
+    except (KeyError, AttributeError):
+      raise ConfigError(f"{field}: missing; configs derive from configs/common.py, "
+                        "which defines it") from None
+    if not ok(value):
+      _fail(field, value, allowed)
+  c, r = config.rl, config.rollout
+  if c.mode not in MODES:
+    _fail("rl.mode", c.mode, f"one of {MODES}")
+  if c.advantage not in ADVANTAGES:
+    _fail("rl.advantage", c.advantage, f"one of {ADVANTAGES}")
+  if c.policy_loss not in POLICY_LOSSES:
+    _fail("rl.policy_loss", c.policy_loss, f"one of {POLICY_LOSSES}")
+  if r.swap_policy not in SWAP_POLICIES:
+    _fail("rollout.swap_policy", r.swap_policy, f"one of {SWAP_POLICIES}")
+  uses_critic = StepConfig(advantage=c.advantage).uses_critic
+  if uses_critic and c.critic_updates < 1:
+    _fail("rl.critic_updates", c.critic_updates, f">= 1 with rl.advantage = {c.advantage!r}")
+  if c.advantage == "group" and r.samples_per_prompt < 2:
+    _fail("rollout.samples_per_prompt", r.samples_per_prompt,
+          ">= 2 for the group advantage")
+  if c.batch_size % r.samples_per_prompt:
+    _fail("rl.batch_size", c.batch_size,
+          f"a multiple of rollout.samples_per_prompt ({r.samples_per_prompt}): "
+          "batches hold whole groups")
+  # The train step's log-probs apply the temperature only; truncated sampling
+  # would bias every DIS / PPO ratio (an exactly on-policy step would show
+  # ratios far from 1 and mask most tokens), so it is refused, not ignored.
+  if not (_is_int(r.top_k) and r.top_k == 0):
+    _fail("rollout.top_k", r.top_k, "0: the train step's log-probs do not apply top-k, "
+          "so the importance ratios would be biased")
+  if not (_is_real(r.top_p) and r.top_p == 1.0):
+    _fail("rollout.top_p", r.top_p, "1.0: the train step's log-probs do not apply top-p, "
+          "so the importance ratios would be biased")
+  buckets = tuple(config.data.buckets)
+  if (not buckets or not all(_is_int(b) and b >= 8 for b in buckets)
+      or list(buckets) != sorted(set(buckets))):
+    _fail("data.buckets", buckets, "a non-empty increasing tuple of integers >= 8")
+  if max(buckets) < r.max_len:
+    raise ConfigError(f"data.buckets = {buckets}: the largest data.buckets entry must be "
+                      f">= rollout.max_len ({r.max_len})")
+  if r.max_turn_tokens >= r.max_len:
+    _fail("rollout.max_turn_tokens", r.max_turn_tokens, f"< rollout.max_len ({r.max_len})")
+  _check_mesh(dict(config.sharding.mesh), num_devices)
+  if "faults" in config:
+    for name, value in config.faults.items():
+      if not (_is_int(value) and value >= 0):
+        _fail(f"faults.{name}", value, "an integer >= 0 (0: off)")
+
+
+def _check_mesh(mesh: dict, num_devices: int | None) -> None:
+  sizes = list(mesh.values())
+  if not mesh or not all(_is_int(s) and (s >= 1 or s == -1) for s in sizes):
+    _fail("sharding.mesh", mesh, "a dict of axis name -> size >= 1 (one size may be -1)")
+  if sizes.count(-1) > 1:
+    _fail("sharding.mesh", mesh, "a dict with at most one -1 size")
+  if num_devices is None:
+    import jax  # pylint: disable=g-import-not-at-top
+    num_devices = jax.device_count()
+  known = math.prod(s for s in sizes if s != -1)
+  if (-1 in sizes and num_devices % known) or (-1 not in sizes and known != num_devices):
+    _fail("sharding.mesh", mesh, f"a mesh over the {num_devices} devices present")
+
+
+def check_workdir(workdir: str, min_free_gb: float) -> None:
+  """Creates `workdir` and fails clearly if it is unwritable or nearly full.
+
+  Run before training, so a run never dies at its first checkpoint hours
+  in. A probe file is written, flushed to disk and removed.
+  """
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    probe = os.path.join(workdir, f".write_probe_{uuid.uuid4().hex}")
+    with open(probe, "wb") as f:
+      f.write(b"\0" * 4096)
+      f.flush()
+      os.fsync(f.fileno())
+    os.remove(probe)
+  except OSError as e:
+    raise ConfigError(f"workdir {workdir!r} is not writable: {e.strerror or e}") from None
+  free_gb = shutil.disk_usage(workdir).free / 2**30
+  if free_gb < min_free_gb:
+    raise ConfigError(f"workdir {workdir!r} has {free_gb:.3f} GiB free, less than "
+                      f"checkpoint.min_free_gb = {min_free_gb}")
+
+
+class StopTraining(RuntimeError):
+  """A run that stopped itself cleanly (its checkpoints are intact)."""
+
+
+def run(main: Callable) -> None:
+  """`absl.app.run(main)` with one-line errors for bad configs and clean stops.
+
+  Flag parsing of `--config.rl.stepz=3` or a config file that sets an
+  unknown field would otherwise end in a long traceback.
+  """
+  try:
+    app.run(main)
+  except (ConfigError, StopTraining) as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(2 if isinstance(e, ConfigError) else 1)
+  except (AttributeError, KeyError, TypeError) as e:
+    # Raised by ml_collections while parsing --config(.field) flags.
+    if not _from_config_parsing(e):
+      raise
+    message = str(e).strip("'\"").replace("\\n", " ").replace("\n", " ").replace("\\'", "'")
+    print(f"error: bad config: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _from_config_parsing(e: BaseException) -> bool:
+  tb = e.__traceback__
+  while tb is not None:
+    if "ml_collections" in tb.tb_frame.f_code.co_filename and "config_flags" in (
+        tb.tb_frame.f_code.co_filename):
+      return True
+    tb = tb.tb_next
+  return False

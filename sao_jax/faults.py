@@ -1,0 +1,180 @@
+"""Fault injection: the failures a long run meets, on purpose and on schedule.
+
+The fault suite (tests/faults/) and the soak run (benchmarks/soak.py) drive
+the real trainer with the config's `faults` section turned on; everywhere
+else every rate is 0 and nothing here is in the path. Each rate is "every
+n-th event", counted across threads, so a run's faults are reproducible in
+number if not in timing:
+
+    env_error_every      an environment step raises
+    env_garbage_every    an environment step returns a non-StepResult
+    malformed_every      a finished trajectory is corrupted before the
+                         ingestion queue (cycling through the kinds in
+                         CORRUPTIONS: each must be rejected with its reason)
+    nonfinite_every      an RL batch gets a NaN reward after validation: the
+                         update must be skipped
+    nonfinite_from_step  every batch from this RL step on is NaN: the run
+                         must stop cleanly
+    rollout_crash_every  the rollout thread dies (raises) instead of
+                         emitting a trajectory: the trainer must restart it
+                         or stop with the error
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+from typing import Callable
+
+import numpy as np
+
+from sao_jax.data.trajectory import Trajectory
+
+
+class InjectedFault(RuntimeError):
+  """Raised where a fault was injected (never caught by the fault's target)."""
+
+
+def _out_of_vocab(t: Trajectory, vocab_size: int):
+  t.tokens = t.tokens.copy()
+  t.tokens[0] = vocab_size + 5
+
+
+def _overflow_after_cast(t: Trajectory, vocab_size: int):
+  del vocab_size
+  t.rewards = t.rewards.astype(np.float64)
+  t.rewards[np.flatnonzero(t.action_mask)[-1]] = 1e300  # finite in float64, inf in float32
+
+
+def _nan_logprob(t: Trajectory, vocab_size: int):
+  del vocab_size
+  t.rollout_logprobs = t.rollout_logprobs.copy()
+  t.rollout_logprobs[np.flatnonzero(t.action_mask)[0]] = np.nan
+
+
+def _length_mismatch(t: Trajectory, vocab_size: int):
+  del vocab_size
+  t.action_mask = t.action_mask[:-1]
+
+
+def _bad_turn_starts(t: Trajectory, vocab_size: int):
+  del vocab_size
+  t.turn_starts = np.asarray([len(t) + 3], np.int32)
+
+
+def _positive_logprob(t: Trajectory, vocab_size: int):
+  del vocab_size
+  t.rollout_logprobs = t.rollout_logprobs.copy()
+  t.rollout_logprobs[np.flatnonzero(t.action_mask)[0]] = 0.5
+
+
+CORRUPTIONS: tuple[Callable[[Trajectory, int], None], ...] = (
+    _out_of_vocab, _overflow_after_cast, _nan_logprob, _length_mismatch, _bad_turn_starts,
+    _positive_logprob)
+
+
+class _Counter:
+  """A thread-safe event counter: `hit()` is True on every n-th call."""
+
+  def __init__(self, every: int):
+    self.every, self._count, self._lock = every, itertools.count(1), threading.Lock()
+    self.injected = 0
+
+  def hit(self) -> bool:
+    if not self.every:
+      return False
+    with self._lock:
+      fire = next(self._count) % self.every == 0
+      self.injected += fire
+    return fire
+
+
+class _FaultyEpisode:
+
+  def __init__(self, episode, injector: "FaultInjector"):
+    self._episode, self._injector = episode, injector
+
+  def step(self, action: str):
+    if self._injector.env_error.hit():
+      raise InjectedFault("injected environment error")
+    if self._injector.env_garbage.hit():
+      return {"observation": None, "reward": float("nan")}
+    return self._episode.step(action)
+
+
+class _FaultyEnv:
+  """The wrapped environment; everything but `episode` passes through."""
+
+  def __init__(self, env, injector: "FaultInjector"):
+    self._env, self._injector = env, injector
+
+  def __getattr__(self, name):
+    return getattr(self._env, name)
+
+  def episode(self, task):
+    return _FaultyEpisode(self._env.episode(task), self._injector)
+
+
+@dataclasses.dataclass
+class FaultInjector:
+  """Built from the config's `faults` section (all zero: a no-op)."""
+  env_error_every: int = 0
+  env_garbage_every: int = 0
+  malformed_every: int = 0
+  nonfinite_every: int = 0
+  nonfinite_from_step: int = 0
+  rollout_crash_every: int = 0
+
+  def __post_init__(self):
+    self.env_error = _Counter(self.env_error_every)
+    self.env_garbage = _Counter(self.env_garbage_every)
+    self.malformed = _Counter(self.malformed_every)
+    self.nonfinite = _Counter(self.nonfinite_every)
+    self.crash = _Counter(self.rollout_crash_every)
+    self._kinds = itertools.cycle(CORRUPTIONS)
+    self.nonfinite_batches = 0
+
+  @classmethod
+  def from_config(cls, faults_config) -> "FaultInjector":
+    return cls(**dict(faults_config or {}))
+
+  @property
+  def active(self) -> bool:
+    return any(dataclasses.astuple(self))
+
+  def wrap_env(self, env):
+    if not (self.env_error_every or self.env_garbage_every):
+      return env
+    return _FaultyEnv(env, self)
+
+  def wrap_emit(self, emit: Callable[[Trajectory], object], vocab_size: int):
+    """`emit` as the rollout driver calls it, corrupting / crashing on schedule."""
+    if not (self.malformed_every or self.rollout_crash_every):
+      return emit
+
+    def faulty_emit(t: Trajectory):
+      if self.crash.hit():
+        raise InjectedFault("injected rollout thread crash")
+      if self.malformed.hit():
+        t = dataclasses.replace(t)
+        next(self._kinds)(t, vocab_size)
+      return emit(t)
+
+    return faulty_emit
+
+  def poison_batch(self, step: int, batch: dict) -> dict:
+    """A NaN reward on an action token of a packed batch, on schedule."""
+    late = self.nonfinite_from_step and step >= self.nonfinite_from_step
+    if not (late or self.nonfinite.hit()):
+      return batch
+    batch = dict(batch, rewards=np.array(batch["rewards"], copy=True))
+    rows, cols = np.nonzero(batch["action_mask"])
+    batch["rewards"][rows[-1], cols[-1]] = np.nan
+    self.nonfinite_batches += 1
+    return batch
+
+  def counts(self) -> dict[str, int]:
+    return {"env_error": self.env_error.injected, "env_garbage": self.env_garbage.injected,
+            "malformed": self.malformed.injected, "rollout_crash": self.crash.injected,
+            "nonfinite_batch": self.nonfinite_batches}
