@@ -4,6 +4,10 @@ The only threaded code path (with the driver that feeds it). A bounded
 `queue.Queue` gives backpressure: when the trainer falls behind, `put`
 blocks the rollout thread. Every record is validated on the way in; a bad
 one is dropped with a counted reason, never trained on and never a crash.
+What is enqueued is the canonical copy that was validated (see
+`trajectory.checked`), not the producer's object: the trainer gets exactly
+the dtypes it was checked in, and a producer that reuses or mutates its
+arrays after `put` cannot change a record already accepted.
 An optional `max_staleness` drops trajectories whose oldest token lags the
 current policy version by more than that many versions (off for SAO).
 """
@@ -15,7 +19,7 @@ import queue
 import threading
 from typing import Callable
 
-from sao_jax.data.trajectory import Trajectory, validate
+from sao_jax.data.trajectory import Trajectory, checked
 
 
 class TrajectoryQueue:
@@ -28,24 +32,36 @@ class TrajectoryQueue:
     self.max_staleness = max_staleness
     self.rejected: collections.Counter = collections.Counter()
     self.accepted = 0
+    # repr of the last exception validation raised (counted as
+    # "validation_error"): a label must stay a fixed metric name, the
+    # detail goes here for debugging.
+    self.last_error: str | None = None
     self._lock = threading.Lock()
 
   def put(self, traj: Trajectory, block: bool = True) -> bool:
-    """Validates and enqueues (blocking when full). False if rejected."""
+    """Validates and enqueues the canonical copy (blocking when full).
+
+    False if rejected; the reason is counted in `rejected` (one of
+    trajectory.REJECT_REASONS, or "stale" or "validation_error").
+    """
     version = self._version()
+    canon = None
     try:
-      reason = validate(traj, self._vocab, self._max_len, current_version=version)
+      canon, reason = checked(traj, self._vocab, self._max_len, current_version=version)
     except Exception as e:  # pylint: disable=broad-except
-      reason = f"invalid:{type(e).__name__}"
+      # A bug, or an object whose own methods raise: still a counted reject.
+      reason = "validation_error"
+      with self._lock:
+        self.last_error = repr(e)
     if reason is None and self.max_staleness is not None:
-      oldest = traj.policy_version[traj.action_mask].min()
+      oldest = int(canon.policy_version[canon.action_mask].min())
       if version - oldest > self.max_staleness:
         reason = "stale"
     if reason is not None:
       with self._lock:
         self.rejected[reason] += 1
       return False
-    self._q.put(traj, block=block)
+    self._q.put(canon, block=block)
     with self._lock:
       self.accepted += 1
     return True
