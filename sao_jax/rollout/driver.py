@@ -26,23 +26,57 @@ swap policy for in-flight slots:
     the recorded log-prob is still the one actually sampled from);
   * "drain": stop admitting, let in-flight slots finish under the old params,
     then apply.
+
+Environments are code the driver does not trust (they run model-written code
+and are written against a loose protocol), so no environment failure may stop
+the driver or put a bad record into training. A step that raises, does not
+return within `env_timeout` seconds, or returns garbage ends its episode with
+finish reason "env_error", "env_timeout" or "env_garbage": the trajectory is
+still emitted, so the trainer sees and counts the fault, but with every reward
+zeroed, rewards of earlier turns included. Zeroing the whole episode means a
+broken environment can never pay out: it cannot reward the policy for
+reaching the state that breaks it, and a half-finished episode's partial
+credit is not comparable with finished ones. `env.task` or `env.episode`
+failing at admission skips that prompt (its whole group). Every fault is
+counted in `DriverStats.env_faults` and its message kept, bounded, in
+`DriverStats.env_fault_log`; the other slots go on meanwhile.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import dataclasses
+import math
+import numbers
+import queue
 import threading
 import time
 from typing import Callable, Iterator
 
 import numpy as np
 
-from sao_jax.data.trajectory import Trajectory
+from sao_jax.data.trajectory import FINISH_REASONS, Trajectory
 from sao_jax.envs.base import Environment, StepResult, Task
 from sao_jax.rollout.engine import PolicyEngine
 
 SWAP_POLICIES = ("recompute", "keep", "drain")
+# Finish reasons of episodes that the environment broke (module docstring).
+ENV_FAULTS = ("env_error", "env_timeout", "env_garbage")
+# `DriverStats.env_faults` keys of prompts skipped at admission: `env.task`
+# failed or gave an unusable task, or `env.episode` failed.
+ADMISSION_FAULTS = ("task_error", "episode_error")
+# How many fault messages `DriverStats.env_fault_log` keeps (the latest): enough
+# to diagnose, bounded so that a systematically failing environment cannot
+# grow the driver's memory.
+FAULT_LOG_SIZE = 16
+_MESSAGE_CHARS = 300
+# Prompts skipped in a row before the driver gives up: an environment that
+# cannot open any episode would otherwise spin the driver through the whole
+# (possibly endless) prompt stream without a trajectory or an error.
+MAX_CONSECUTIVE_ADMISSION_FAULTS = 100
+# float32 is what the Trajectory stores: a larger finite reward would become inf.
+_MAX_REWARD = float(np.finfo(np.float32).max)
 
 
 @dataclasses.dataclass
@@ -80,20 +114,246 @@ class DriverStats:
   finished: int = 0
   param_swaps: int = 0
   env_wait_seconds: float = 0.0
+  # Environment faults by reason: the ENV_FAULTS keys count emitted (zero
+  # reward) trajectories, the ADMISSION_FAULTS keys count skipped prompts.
+  env_faults: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  # "<reason> prompt <id> ...: <message>" of the latest faults, for logs.
+  env_fault_log: collections.deque = dataclasses.field(
+      default_factory=lambda: collections.deque(maxlen=FAULT_LOG_SIZE))
+  # Observations cut to `max_observation_chars`; not a fault, the episode goes on.
+  observations_truncated: int = 0
+
+
+# --- environment steps, off the driver thread ---------------------------------
+
+
+class _Garbage(ValueError):
+  """What an environment returned breaks the protocol of `sao_jax.envs.base`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _EnvOutcome:
+  """One environment step as plain, checked values, or the fault that ended it."""
+  seconds: float
+  fault: str | None = None  # one of ENV_FAULTS
+  detail: str = ""
+  observation: str = ""
+  reward: float = 0.0
+  done: bool = False
+  finish_reason: str = "done"
+  truncated: bool = False
+
+
+def _describe(e: BaseException) -> str:
+  """`Type: message` for the fault log, bounded; never raises."""
+  name = type(e).__name__
+  try:
+    message = str(e)
+  except Exception:  # pylint: disable=broad-except  # a broken __str__ is the env's too
+    return name
+  if len(message) > _MESSAGE_CHARS:
+    message = message[:_MESSAGE_CHARS] + "..."
+  if isinstance(e, _Garbage):
+    return message
+  return f"{name}: {message}" if message else name
+
+
+def _check_result(result, max_chars: int) -> _EnvOutcome:
+  """`result` as plain values; raises `_Garbage` where it breaks the protocol.
+
+  A reward must be a finite real number (Python or numpy) that fits float32.
+  A bool reward counts as garbage: `StepResult.reward` is a float, and a bool
+  there almost always means fields in the wrong place, e.g.
+  `StepResult(obs, done, reward)`, which must not pay out as 1.0. `done` must
+  be a bool (numpy's included). An observation must be a str; one longer than
+  `max_chars` is cut there rather than failed, since only the first
+  `max_len` tokens could ever be used. Strs are copied to exact `str`s so that
+  no subclass method of the environment's ever runs on the driver thread.
+  """
+  if not isinstance(result, StepResult):
+    raise _Garbage(f"step returned {type(result).__name__}, not a StepResult")
+  reward, done, observation, info = result.reward, result.done, result.observation, result.info
+  if isinstance(reward, (bool, np.bool_)) or not isinstance(reward, numbers.Real):
+    raise _Garbage(f"reward is a {type(reward).__name__}, not a real number")
+  reward = float(reward)
+  if not (math.isfinite(reward) and abs(reward) <= _MAX_REWARD):
+    raise _Garbage(f"reward {reward!r} is not finite in float32")
+  if not isinstance(done, (bool, np.bool_)):
+    raise _Garbage(f"done is a {type(done).__name__}, not a bool")
+  if not isinstance(observation, str):
+    raise _Garbage(f"observation is a {type(observation).__name__}, not a str")
+  if not isinstance(info, dict):
+    raise _Garbage(f"info is a {type(info).__name__}, not a dict")
+  observation = str.__str__(observation)
+  truncated = len(observation) > max_chars
+  reason = "done"
+  if done:
+    reason = dict.get(info, "finish_reason", "done")
+    if not isinstance(reason, str):
+      raise _Garbage(f"finish_reason is a {type(reason).__name__}, not a str")
+    reason = str.__str__(reason)
+    if reason in ENV_FAULTS:  # the environment reports its own failure
+      return _EnvOutcome(0.0, reason, "reported by the environment")
+    if reason not in FINISH_REASONS:
+      raise _Garbage(f"unknown finish_reason {reason[:40]!r}")
+  return _EnvOutcome(0.0, None, "", observation[:max_chars], reward, bool(done), reason,
+                     truncated)
+
+
+def _env_step(episode, text: str, max_chars: int) -> _EnvOutcome:
+  """Runs in a worker: one `episode.step`, its result checked and made plain.
+
+  Everything that touches the environment's objects happens here, under the
+  step's timeout: a result whose attributes raise or hang cannot hurt the
+  driver thread, which only ever sees an `_EnvOutcome`.
+  """
+  start = time.monotonic()
+  try:
+    result = episode.step(text)
+  except Exception as e:  # pylint: disable=broad-except
+    return _EnvOutcome(time.monotonic() - start, "env_error", _describe(e))
+  try:
+    outcome = _check_result(result, max_chars)
+  except Exception as e:  # pylint: disable=broad-except  # _Garbage, or a raising attribute
+    return _EnvOutcome(time.monotonic() - start, "env_garbage", _describe(e))
+  return dataclasses.replace(outcome, seconds=time.monotonic() - start)
+
+
+class _EnvPool:
+  """Worker threads for environment steps, where a stuck worker can be written off.
+
+  Not a ThreadPoolExecutor, for two reasons. A Python thread cannot be
+  killed, so a step that never returns keeps its worker forever: the
+  executor's pool would shrink with every hang and, once all its workers
+  hang, run nothing; here `abandon` retires the worker of a step past its
+  deadline (it exits if the step ever returns) and starts a replacement, so
+  `size` workers stay free for the other slots. And the executor's workers
+  are joined at interpreter exit, so one hung step would keep the process
+  from exiting; these are daemon threads.
+  """
+
+  def __init__(self, size: int, name: str):
+    self.size = size
+    self._name = name
+    self._queue: queue.SimpleQueue = queue.SimpleQueue()
+    self._lock = threading.Lock()
+    self._running: dict[cf.Future, tuple[threading.Thread, float]] = {}
+    self._retired: set[threading.Thread] = set()  # abandoned, still inside a step
+    self._spawned = 0
+    self._closed = False
+    for _ in range(size):
+      self._spawn()
+
+  def _spawn(self):
+    self._spawned += 1
+    threading.Thread(target=self._work, name=f"{self._name}_{self._spawned}",
+                     daemon=True).start()
+
+  def submit(self, fn, *args) -> cf.Future:
+    if self._closed:
+      raise RuntimeError("the environment worker pool is closed (the driver was stopped)")
+    f = cf.Future()
+    self._queue.put((f, fn, args))
+    return f
+
+  def started(self, f: cf.Future) -> float | None:
+    """When `f` started running (time.monotonic), None if queued or finished."""
+    with self._lock:
+      entry = self._running.get(f)
+    return None if entry is None else entry[1]
+
+  def abandon(self, f: cf.Future) -> bool:
+    """Writes off the worker running `f`; False if `f` is not running (it finished)."""
+    with self._lock:
+      entry = self._running.pop(f, None)
+      if entry is None:
+        return False
+      self._retired.add(entry[0])
+      if not self._closed:
+        self._spawn()
+    return True
+
+  @property
+  def stuck(self) -> int:
+    """Abandoned steps whose workers have not returned yet."""
+    with self._lock:
+      return len(self._retired)
+
+  def close(self) -> None:
+    """Cancels queued steps and lets the free workers exit; idempotent, never blocks."""
+    with self._lock:
+      if self._closed:
+        return
+      self._closed = True
+    while True:
+      try:
+        item = self._queue.get_nowait()
+      except queue.Empty:
+        break
+      if item is not None:
+        item[0].cancel()
+    for _ in range(self.size):
+      self._queue.put(None)
+
+  def _work(self):
+    me = threading.current_thread()
+    while True:
+      item = self._queue.get()
+      if item is None:
+        return
+      f, fn, args = item
+      if not f.set_running_or_notify_cancel():
+        continue
+      with self._lock:
+        self._running[f] = (me, time.monotonic())
+      try:
+        result = fn(*args)
+      except BaseException as e:  # pylint: disable=broad-except  # handed to the driver
+        f.set_exception(e)
+      else:
+        f.set_result(result)
+      # The result is set before `f` leaves `_running`: `abandon` finding
+      # nothing therefore means `f` is done.
+      with self._lock:
+        self._running.pop(f, None)
+        if me in self._retired:  # a replacement took this worker's place
+          self._retired.discard(me)
+          return
+
+
+# --- the driver -------------------------------------------------------------------
 
 
 class RolloutDriver:
-  """Runs episodes of `env` with `engine`, emitting finished Trajectories."""
+  """Runs episodes of `env` with `engine`, emitting finished Trajectories.
+
+  Environment faults (module docstring) are bounded by:
+    env_timeout: seconds one `Episode.step` may run (None: no limit). The
+      environment's sandbox has its own wall clock; this is the last line of
+      defence against an environment that hangs outside it.
+    max_stuck_env_steps: abandoned steps still running at once beyond which
+      the environment is taken as systematically broken and the driver fails
+      (each holds a thread); default 4 * env_workers.
+    max_observation_chars: an observation is cut to this many characters
+      before tokenizing; default 16 * max_len, more than any tokenizer in use
+      fits into max_len tokens, so the cut only spares the tokenizer.
+  """
 
   def __init__(self, engine: PolicyEngine, env: Environment, tokenizer,
                prompts: Iterator[int], emit: Callable[[Trajectory], None], *,
                samples_per_prompt: int = 1, max_turn_tokens: int = 32,
                env_workers: int = 4, swap_policy: str = "recompute",
-               static_batching: bool = False):
+               static_batching: bool = False, env_timeout: float | None = 60.0,
+               max_stuck_env_steps: int | None = None,
+               max_observation_chars: int | None = None):
     if swap_policy not in SWAP_POLICIES:
       raise ValueError(f"swap_policy must be one of {SWAP_POLICIES}, got {swap_policy!r}")
     if samples_per_prompt < 1:
       raise ValueError("samples_per_prompt must be >= 1")
+    if env_workers < 1:
+      raise ValueError("env_workers must be >= 1")
+    if env_timeout is not None and not env_timeout > 0:
+      raise ValueError(f"env_timeout must be > 0 seconds or None, got {env_timeout!r}")
     self.engine, self.env, self.tok = engine, env, tokenizer
     self._prompts = prompts
     self._emit = emit
@@ -104,17 +364,25 @@ class RolloutDriver:
     # free, i.e. one static batch at a time.
     self.static_batching = static_batching
     self.max_len = engine.max_prefill_length
+    self.env_timeout = env_timeout
+    self.max_stuck_env_steps = (4 * env_workers if max_stuck_env_steps is None
+                                else max_stuck_env_steps)
+    self.max_observation_chars = (16 * self.max_len if max_observation_chars is None
+                                  else max_observation_chars)
     self.stats = DriverStats()
     self._slots: list[_Slot | None] = [None] * engine.max_concurrent_decodes
     self._state = engine.init_decode_state()
-    self._pool = cf.ThreadPoolExecutor(env_workers, thread_name_prefix="env")
+    self._pool = _EnvPool(env_workers, "env")
     self._futures: dict[cf.Future, int] = {}
     self._lock = threading.Lock()
     self._pending_params = None
     self._stop = threading.Event()
+    # Done on `stop()`: wakes the driver from its wait for environment steps.
+    self._wake: cf.Future = cf.Future()
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
-    self._queued: list[tuple[Task, int]] = []  # G copies of the current prompt
+    # The G (task, group, episode, prompt tokens) of the current prompt.
+    self._queued: list[tuple[Task, int, object, list]] = []
     self._prompts_done = False
     self._group = 0
 
@@ -141,26 +409,45 @@ class RolloutDriver:
         break
 
   def start(self) -> None:
-    """Runs in a background thread; `check()` re-raises its failure."""
+    """Runs `run()` in a background thread; `check()` re-raises its failure.
+
+    The thread stores its exception rather than letting it vanish into the
+    thread's stderr: the consumer learns of it from `check()` (the trainer
+    calls it whenever no trajectory arrives) and stops waiting.
+    """
+    if self._thread is not None:
+      raise RuntimeError("the rollout driver was already started")
 
     def body():
       try:
         self.run()
-      except BaseException as e:  # pylint: disable=broad-except
+      except BaseException as e:  # pylint: disable=broad-except  # re-raised by check()
         self._error = e
 
     self._thread = threading.Thread(target=body, name="rollout-driver", daemon=True)
     self._thread.start()
 
   def stop(self, timeout: float = 60.0) -> None:
+    """Stops the driver and its environment workers; idempotent, and safe
+    after a failure (which it does not raise: that is `check()`'s job).
+
+    Wakes the driver if it waits for environment steps. Steps still running
+    are left to finish on their own (a thread cannot be killed); their
+    results are dropped, and queued steps are cancelled.
+    """
     self._stop.set()
-    if self._thread is not None:
+    with self._lock:
+      if not self._wake.done():
+        self._wake.set_result(None)
+    if self._thread is not None and self._thread is not threading.current_thread():
       self._thread.join(timeout)
-    self._pool.shutdown(wait=False, cancel_futures=True)
+    self._pool.close()
 
   def check(self) -> None:
+    """Re-raises the failure of the `start()`ed driver thread, if any."""
     if self._error is not None:
-      raise RuntimeError("rollout driver failed") from self._error
+      e = self._error
+      raise RuntimeError(f"rollout driver failed: {type(e).__name__}: {e}") from e
 
   @property
   def alive(self) -> bool:
@@ -169,6 +456,11 @@ class RolloutDriver:
   @property
   def busy_slots(self) -> int:
     return sum(s is not None for s in self._slots)
+
+  @property
+  def stuck_env_steps(self) -> int:
+    """Environment steps abandoned past `env_timeout` whose threads still run."""
+    return self._pool.stuck
 
   # --- the loop -----------------------------------------------------------
 
@@ -208,8 +500,12 @@ class RolloutDriver:
           s.fed = 0
       self._state = self.engine.reset_slots(self._state, in_flight)
 
-  def _next_task(self) -> tuple[Task, int] | None:
-    if not self._queued:
+  # --- admission ------------------------------------------------------------
+
+  def _next_task(self) -> tuple[Task, int, object, list] | None:
+    """The next (task, group, episode, prompt tokens); None when prompts ran out."""
+    skipped = 0
+    while not self._queued:
       if self._prompts_done:
         return None
       try:
@@ -217,10 +513,47 @@ class RolloutDriver:
       except StopIteration:
         self._prompts_done = True
         return None
-      task = self.env.task(int(index))
-      self._group += 1
-      self._queued = [(task, self._group)] * self.samples_per_prompt
+      self._queued = self._open_group(int(index))
+      if not self._queued:
+        skipped += 1
+        if skipped >= MAX_CONSECUTIVE_ADMISSION_FAULTS:
+          raise RuntimeError(
+              f"the environment failed to open {skipped} prompts in a row; latest: "
+              f"{self.stats.env_fault_log[-1]}")
     return self._queued.pop()
+
+  def _open_group(self, index: int) -> list:
+    """The G admissions of prompt `index`, or [] (counted) if the env fails on it.
+
+    All G episodes are opened when the prompt is drawn, so that a failing
+    `env.episode` skips the whole group: a group is emitted complete or not
+    at all (group arms wait for whole groups). `env.task` and `env.episode`
+    run on the driver thread: they must be cheap, only `Episode.step` runs
+    under `env_timeout`.
+    """
+    try:
+      task = self.env.task(index)
+      if not isinstance(task, Task):
+        raise _Garbage(f"env.task returned a {type(task).__name__}, not a Task")
+      if isinstance(task.index, bool) or not isinstance(task.index, numbers.Integral):
+        raise _Garbage(f"task index is a {type(task.index).__name__}, not an int")
+      if not isinstance(task.prompt, str):
+        raise _Garbage(f"task prompt is a {type(task.prompt).__name__}, not a str")
+      prompt = ([self.tok.bos_id] if self.tok.bos_id is not None else []) + self.tok.encode(
+          str.__str__(task.prompt))
+      if len(prompt) >= self.max_len:
+        raise _Garbage(f"a prompt of {len(prompt)} tokens leaves no room for an action "
+                       f"(max_len {self.max_len})")
+    except Exception as e:  # pylint: disable=broad-except  # the environment's failure
+      self._count_fault("task_error", f"prompt {index}", _describe(e))
+      return []
+    try:
+      episodes = [self.env.episode(task) for _ in range(self.samples_per_prompt)]
+    except Exception as e:  # pylint: disable=broad-except
+      self._count_fault("episode_error", f"prompt {index}", _describe(e))
+      return []
+    self._group += 1
+    return [(task, self._group, ep, prompt) for ep in episodes]
 
   def _admit(self):
     if self.static_batching and self.busy_slots:
@@ -231,13 +564,13 @@ class RolloutDriver:
       nxt = self._next_task()
       if nxt is None:
         return
-      task, group = nxt
-      slot = _Slot(task, self.env.episode(task), group, [], [], [], [], [], [], time.time())
-      prompt = ([self.tok.bos_id] if self.tok.bos_id is not None else []) + self.tok.encode(
-          task.prompt)
+      task, group, episode, prompt = nxt
+      slot = _Slot(task, episode, group, [], [], [], [], [], [], time.time())
       slot.append(prompt)
       self._slots[i] = slot
       self._state = self.engine.reset_slots(self._state, np.arange(len(self._slots)) == i)
+
+  # --- the engine -------------------------------------------------------------
 
   def _engine_step(self, ready: list[int]):
     pending = {i: len(self._slots[i].tokens) - self._slots[i].fed for i in ready}
@@ -280,38 +613,105 @@ class RolloutDriver:
       text = self.tok.decode(action_ids)
       s.waiting = True
       s.turn_tokens = 0
-      self._futures[self._pool.submit(self._env_step, s.episode, text)] = i
+      f = self._pool.submit(_env_step, s.episode, text, self.max_observation_chars)
+      self._futures[f] = i
 
-  @staticmethod
-  def _env_step(episode, text: str) -> tuple[StepResult, float]:
-    start = time.time()
-    result = episode.step(text)
-    return result, time.time() - start
+  # --- environment results ------------------------------------------------------
+
+  def _time_to_deadline(self) -> float | None:
+    """Seconds until the earliest running step's deadline (None: no limit).
+
+    A step still queued for a worker starts no earlier than now, so its
+    deadline is no earlier than now + env_timeout: waiting that long at most
+    cannot miss it, even if it starts during the wait.
+    """
+    if self.env_timeout is None:
+      return None
+    now = time.monotonic()
+    earliest = now + self.env_timeout
+    for f in self._futures:
+      started = self._pool.started(f)
+      if started is not None:
+        earliest = min(earliest, started + self.env_timeout)
+    return max(0.0, earliest - now)
 
   def _collect_env_results(self, block: bool):
+    """Hands finished steps back to their slots and ends steps past their deadline.
+
+    With `block`, first waits (event-driven, no polling) until a step
+    finishes, the earliest deadline passes, or `stop()` wakes it.
+    """
     if not self._futures:
       return
     if block:
       start = time.time()
-      done, _ = cf.wait(list(self._futures), return_when=cf.FIRST_COMPLETED)
+      cf.wait([*self._futures, self._wake], timeout=self._time_to_deadline(),
+              return_when=cf.FIRST_COMPLETED)
       self.stats.env_wait_seconds += time.time() - start
-    else:
-      done = [f for f in self._futures if f.done()]
-    for f in done:
-      i = self._futures.pop(f)
-      result, seconds = f.result()  # an environment bug surfaces here
-      s = self._slots[i]
-      s.env_seconds += seconds
-      s.waiting = False
-      s.rewards[-1] += float(result.reward)  # a turn's reward: its last action token
-      if result.done:
-        self._finish(i, result.info.get("finish_reason", "done"))
+    now = time.monotonic()
+    for f, i in list(self._futures.items()):
+      started = None if f.done() else self._pool.started(f)
+      if started is None:
+        if not f.done():
+          continue  # queued for a worker
+      elif self.env_timeout is None or now < started + self.env_timeout:
+        continue  # running, within its deadline
+      elif self._pool.abandon(f):
+        del self._futures[f]
+        self._on_env_timeout(i, now - started)
         continue
-      obs = self.tok.encode_lossy(result.observation)
-      if len(s.tokens) + len(obs) + 1 >= self.max_len:
-        self._finish(i, "length")
-        continue
-      s.append(obs)
+      # Done (perhaps just now, between the checks above).
+      del self._futures[f]
+      self._on_env_result(i, f)
+
+  def _on_env_result(self, i: int, f: cf.Future):
+    s = self._slots[i]
+    if f.cancelled():  # only `stop()` cancels: the slot is dropped
+      self._slots[i] = None
+      return
+    exc = f.exception()  # only what `_env_step` does not catch, e.g. SystemExit
+    out = _EnvOutcome(0.0, "env_error", _describe(exc)) if exc is not None else f.result()
+    s.env_seconds += out.seconds
+    s.waiting = False
+    if out.fault is not None:
+      self._fault(i, out.fault, out.detail)
+      return
+    s.rewards[-1] += out.reward  # a turn's reward: its last action token
+    if out.done:
+      self._finish(i, out.finish_reason)
+      return
+    if out.truncated:
+      self.stats.observations_truncated += 1
+    obs = self.tok.encode_lossy(out.observation)
+    if len(s.tokens) + len(obs) + 1 >= self.max_len:
+      self._finish(i, "length")
+      return
+    s.append(obs)
+
+  def _on_env_timeout(self, i: int, seconds: float):
+    s = self._slots[i]
+    s.env_seconds += seconds
+    s.waiting = False
+    self._fault(i, "env_timeout", f"no result within env_timeout={self.env_timeout}s")
+    stuck = self._pool.stuck
+    if stuck > self.max_stuck_env_steps:
+      raise RuntimeError(
+          f"{stuck} environment steps are stuck past env_timeout={self.env_timeout}s "
+          f"(max_stuck_env_steps={self.max_stuck_env_steps}): the environment is "
+          f"systematically broken; latest faults: {list(self.stats.env_fault_log)[-3:]}")
+
+  # --- faults and finishing --------------------------------------------------------
+
+  def _count_fault(self, reason: str, where: str, detail: str):
+    self.stats.env_faults[reason] += 1
+    self.stats.env_fault_log.append(f"{reason} {where}: {detail}")
+
+  def _fault(self, i: int, reason: str, detail: str):
+    """Ends slot i's episode with fault `reason`: zero reward (module docstring)."""
+    s = self._slots[i]
+    s.rewards = [0.0] * len(s.rewards)
+    self._count_fault(reason, f"prompt {s.task.index} turn {len(s.turn_starts)}", detail)
+    self._finish(i, reason)
 
   def _finish(self, i: int, reason: str):
     s = self._slots[i]
@@ -323,7 +723,7 @@ class RolloutDriver:
         policy_version=np.asarray(s.versions, np.int32),
         rewards=np.asarray(s.rewards, np.float32),
         turn_starts=np.asarray(s.turn_starts, np.int32),
-        prompt_id=s.task.index, group_id=s.group_id, finish_reason=reason,
+        prompt_id=int(s.task.index), group_id=s.group_id, finish_reason=reason,
         start_time=s.start_time, end_time=time.time(), env_seconds=s.env_seconds)
     self.stats.finished += 1
     self._emit(traj)
