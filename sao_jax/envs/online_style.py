@@ -7,6 +7,14 @@ answers in one turn. A deterministic judge scores it:
     twice, only letters and spaces;
   * style: the style whose marker words the line uses most (ties: none).
 
+"Letters" are ASCII letters and "spaces" the ASCII space, and words compare
+case-insensitively (lower-cased), each at most 20 letters long. Without
+that, the repetition rule is evaded by spelling a word differently
+("rain Rain RAIN", a Cyrillic "а" for "a", full-width letters), Unicode
+letters and spaces (tabs, newlines, U+3000) pass `str.isalpha`/`str.split`,
+and a "word" could be a million letters long. A capitalised first word is a
+normal sentence and is fine.
+
 The reward is 1 when quality holds and the style is the one currently
 preferred. The preference cycles through four styles (academic, cute,
 chuunibyou, classical, like the paper's simulation) every `switch_every`
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 import threading
 
 import numpy as np
@@ -43,11 +52,23 @@ class OnlineStyleConfig:
   first_style: int = 0
 
 
+_MAX_WORD_LETTERS = 20
+# Longer than any line of at most 12 words (with a few extra spaces): not
+# a line, and not worth splitting.
+_MAX_CHARS = 400
+_LETTERS_AND_SPACES = re.compile(r"[A-Za-z ]*")
+
+
 def judge(text: str, topic: str) -> tuple[bool, str | None]:
-  """(quality ok, detected style or None)."""
-  words = text.split()
-  quality = (topic in words and 3 <= len(words) <= 12
-             and all(w.isalpha() for w in words)
+  """(quality ok, detected style or None); see the module docstring."""
+  if len(text) > _MAX_CHARS:
+    return False, None
+  # `isascii` before `lower`: some non-ASCII letters lower-case to ASCII
+  # (the Kelvin sign to "k").
+  plain = text.isascii() and _LETTERS_AND_SPACES.fullmatch(text) is not None
+  words = text.lower().split()
+  quality = (plain and topic in words and 3 <= len(words) <= 12
+             and all(len(w) <= _MAX_WORD_LETTERS for w in words)
              and max((words.count(w) for w in words), default=0) <= 2)
   counts = {s: sum(w in markers for w in words) for s, markers in STYLES.items()}
   best = max(counts.values())

@@ -17,11 +17,22 @@ neither `py ...` nor `ans ...` gets an error observation. The number of
 operations is long-tailed (1 + a geometric draw, capped), so trajectory
 lengths are too. Episodes end at the answer or after `max_turns` actions
 (reward 0).
+
+The answer is checked in the trainer, never in the sandbox, and its form is
+strict (`parse_answer`): `ans`, one space, then one integer in canonical
+decimal (ASCII digits, an optional `-`, no leading zeros, no `+`, `_`, `-0`,
+fractions or exponents, at most 100 digits) and nothing else. Python's
+`int()` would also take `+53`, `053`, `5_3`, full-width or Arabic-Indic
+digits and extra spaces: a policy would drift towards whichever spelling it
+met first, and a lenient parser invites probing (a list of numbers, an
+expression). One canonical spelling, and one guess per episode: any action
+starting with `ans` ends it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 
@@ -29,6 +40,15 @@ from sao_jax.envs.base import StepResult, Task
 from sao_jax.envs.sandbox import SandboxLimits, run_python
 
 _OPS = (("plus", "+"), ("minus", "-"), ("times", "*"))
+# `[0-9]`, not `\d` (which matches any Unicode digit); `fullmatch`, not `$`
+# (which also matches before a trailing newline).
+_ANSWER = re.compile(r"ans (0|-?[1-9][0-9]{0,99})")
+
+
+def parse_answer(action: str) -> int | None:
+  """The integer of a well-formed `ans N` action (already stripped), else None."""
+  m = _ANSWER.fullmatch(action)
+  return int(m.group(1)) if m else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +71,9 @@ class _Episode:
   def step(self, action: str) -> StepResult:
     self._turns += 1
     action = action.strip()
-    if action.startswith("ans"):
-      try:
-        value = int(action[3:].strip())
-      except ValueError:
-        value = None
-      correct = value == self._task.answer
+    if action.startswith("ans"):  # any answer ends the episode: one guess
+      value = parse_answer(action)
+      correct = value is not None and value == self._task.answer
       return StepResult("", float(correct), True, {"correct": correct})
     if action.startswith("py"):
       obs = self._env.run_code(action[2:].strip())
