@@ -31,6 +31,8 @@ EXTRAS = {
         "torch==2.13.0",
         "transformers>=4.51",
     ],
+    # Plots of the benchmark and soak scripts.
+    "bench": ["matplotlib>=3.8"],
     # JetStream's Engine API and gRPC server (pulls in seqio / TensorFlow).
     "jetstream": ["google-jetstream==0.2.2"],
 }

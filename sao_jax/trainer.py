@@ -242,13 +242,20 @@ class _Run:
         driver = RolloutDriver(engine, self.env, self.tok,
                                iter(range(10**9, 10**9 + c.num_trajectories)), writer.write,
                                max_turn_tokens=self.config.rollout.max_turn_tokens,
-                               env_workers=self.config.rollout.env_workers)
+                               env_workers=self.config.rollout.env_workers,
+                               env_timeout=self.config.rollout.env_timeout)
         driver.run()
         driver.stop()
       self.meta["value_store_done"] = True
       print(f"[value_pretrain] stored {c.num_trajectories} trajectories of the SFT policy",
             flush=True)
-    data = store.read_trajectories([shard], shuffle_seed=self.config.seed)
+    # Read back through the same validation as the ingestion queue: a record
+    # damaged on disk is dropped with a counted reason, never trained on.
+    data, dropped = store.read_valid_trajectories([shard], self.tok.vocab_size, self.max_len,
+                                                  shuffle_seed=self.config.seed)
+    if dropped:
+      print(f"[value_pretrain] dropped {sum(dropped.values())} stored records: {dict(dropped)}",
+            flush=True)
     b = self.config.rl.batch_size
     for step in range(self.meta["stage_step"], c.steps):
       trajs = [data[(step * b + j) % len(data)] for j in range(b)]
@@ -257,6 +264,7 @@ class _Run:
         self.state, m = self.value_step(self.state, batch)
         _wait(self.state)
       self.meta["stage_step"] = step + 1
+      m = dict(m, **{f"value_pretrain/rejected_{k}": v for k, v in dropped.items()})
       if (step + 1) % self.config.log_every == 0 or step + 1 == c.steps:
         rec = self.metrics.write(step + 1, m, "value_pretrain")
         progress("value_pretrain", step + 1, c.steps, rec,

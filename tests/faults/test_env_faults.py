@@ -26,7 +26,10 @@ from sao_jax.rollout.engine import PolicyEngine
 TOK = CharTokenizer()
 CFG = mcfg.tiny(vocab_size=TOK.vocab_size)
 MAX_LEN = 128
-TIMEOUT = 0.5  # seconds; only hangs that last until the test releases them reach it
+# Seconds. Only hangs (which last until the test releases them) reach it: a
+# healthy step takes microseconds, and would have to be starved of CPU for
+# this long to be cut, far beyond what load on a 2-core machine does.
+TIMEOUT = 2.0
 
 
 def turns_of(i):

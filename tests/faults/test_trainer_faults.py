@@ -1,0 +1,101 @@
+"""The real trainer through injected faults (config `faults`, sao_jax/faults.py).
+
+One workdir, three launches of launch/train.py on 8 simulated devices:
+
+  1. faults that training must survive (environment errors and garbage,
+     malformed trajectories, NaN batches, rollout-thread crashes), then a
+     run of NaN batches from step 7 on: the run stops cleanly after two
+     skipped updates in a row, with a one-line error;
+  2. resumed from the last checkpoint with a rollout thread that dies at
+     once and no restarts allowed: a clear error, checkpoint intact;
+  3. resumed again without faults: finishes from the same checkpoint.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from sao_jax.checkpoint import committed_checkpoints
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+RUN = [
+    "--config.sft.steps=6", "--config.sft.batch_size=8", "--config.value_pretrain.steps=2",
+    "--config.value_pretrain.num_trajectories=8", "--config.rl.batch_size=8",
+    "--config.rollout.slots=8", "--config.eval.num_tasks=8", "--config.eval.slots=8",
+    "--config.log_every=1", "--config.checkpoint.every=2", "--config.tensorboard=False",
+    "--config.sharding.mesh={'data': 8}",
+]
+
+
+def launch(workdir, *flags):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+  cmd = [sys.executable, os.path.join(ROOT, "launch", "train.py"),
+         f"--config={os.path.join(ROOT, 'configs', 'sao_tiny.py')}", f"--workdir={workdir}",
+         *RUN, *flags]
+  return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+
+
+def rl_records(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    return [r for r in map(json.loads, f) if r["stage"] == "rl"]
+
+
+def last_error_line(proc):
+  lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+  return lines[-1] if lines else ""
+
+
+def test_trainer_survives_faults_and_stops_cleanly(tmp_path):
+  workdir = str(tmp_path / "faults")
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+
+  # 1. Survivable faults, then NaN batches from step 7 on.
+  proc = launch(workdir, "--config.rl.steps=12", "--config.rl.max_rollout_restarts=50",
+                "--config.rl.max_nonfinite_updates=2", "--config.faults.env_error_every=5",
+                "--config.faults.env_garbage_every=7", "--config.faults.malformed_every=3",
+                "--config.faults.nonfinite_every=4", "--config.faults.nonfinite_from_step=7",
+                "--config.faults.rollout_crash_every=10")
+  assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+  error = last_error_line(proc)
+  assert error.startswith("error: 2 consecutive RL steps had a non-finite"), error
+  assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  rl = rl_records(workdir)
+  assert [r["step"] for r in rl] == list(range(1, 8))  # step 8 stopped the run
+  skipped = [r["step"] for r in rl if r["policy/update_skipped"]]
+  assert skipped == [4, 7]  # the scheduled NaN batch, then the first of the run
+  last = rl[-1]
+  # Every corrupted trajectory was refused at the queue, and nothing else was.
+  assert last["faults/injected_malformed"] >= 3
+  assert last["queue/rejected"] == last["faults/injected_malformed"]
+  assert sum(v for k, v in last.items() if k.startswith("queue/rejected_")) == last[
+      "queue/rejected"]
+  # Environment faults ended their episodes (counted) and training went on.
+  assert last["rollout/env_fault_env_error"] >= 1 and last["rollout/env_fault_env_garbage"] >= 1
+  assert last["rollout/restarts"] == last["faults/injected_rollout_crash"] >= 1
+  assert all(np.isfinite(r["policy/loss"]) for r in rl if not r["policy/update_skipped"])
+  committed = committed_checkpoints(ckpt_dir)
+  rl_ckpts = sorted(m["stage_step"] for m in committed.values() if m["stage"] == "rl")
+  assert rl_ckpts[-1] == 6
+
+  # 2. The rollout thread dies at once and may not restart: a clear error.
+  proc = launch(workdir, "--config.rl.steps=12", "--config.rl.max_rollout_restarts=0",
+                "--config.faults.rollout_crash_every=1")
+  assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "stage rl step 6" in proc.stdout
+  error = last_error_line(proc)
+  assert error.startswith("error: the rollout thread failed 1 times"), error
+  assert "injected rollout thread crash" in error
+  assert max(m["stage_step"] for m in committed_checkpoints(ckpt_dir).values()
+             if m["stage"] == "rl") == 6
+
+  # 3. Without faults it resumes from the same checkpoint and finishes.
+  proc = launch(workdir, "--config.rl.steps=8")
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "stage rl step 6" in proc.stdout
+  assert [r["step"] for r in rl_records(workdir)][-2:] == [7, 8]
+  assert os.path.exists(os.path.join(workdir, "summary.json"))
