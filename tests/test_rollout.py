@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from sao_jax.data.trajectory import validate
-from sao_jax.envs import sandbox
 from sao_jax.envs.base import StepResult, Task
 from sao_jax.envs.demonstrations import demonstration_trajectory
 from sao_jax.envs.python_tool import PythonTool
@@ -182,42 +181,6 @@ def test_driver_survives_hostile_tool_code(params):
   out, _ = run_driver(params, "recompute", n=2, swap_after=99, slots=2, env=Hostile())
   text = TOK.decode(out[0].tokens)
   assert "killed: cpu time limit" in text and "memoryerror" in text.lower().replace(" ", "")
-
-
-# --- the sandbox -------------------------------------------------------------
-
-LIMITS = sandbox.SandboxLimits(cpu_seconds=1, wall_seconds=3.0, max_output_chars=100)
-
-
-@pytest.mark.parametrize("code,expect", [
-    ("while True: pass", "killed: cpu time limit"),
-    ("import time\ntime.sleep(30)", "killed: wall-clock limit"),
-    ("x = bytearray(8 * 2**30)", "MemoryError"),
-    ("print('y' * 10**8)", "...[truncated]"),
-])
-def test_sandbox_contains(code, expect):
-  r = sandbox.run_python(code, LIMITS)
-  assert not r.ok and expect in r.observation()
-  assert len(r.stdout) <= LIMITS.max_output_chars + len("...[truncated]")
-  assert r.seconds < LIMITS.wall_seconds + 2
-
-
-def test_sandbox_isolation():
-  applied = sandbox.isolation()
-  if "nobody" in applied:  # root: process limit binds
-    r = sandbox.run_python("import os\nfor _ in range(200):\n  os.fork()", LIMITS)
-    assert "BlockingIOError" in r.observation() or "Resource temporarily" in r.observation()
-  if "chroot" in applied:
-    r = sandbox.run_python(f"print(open({__file__!r}).read())", LIMITS)
-    assert "FileNotFoundError" in r.observation()
-  if "netns" in applied:
-    r = sandbox.run_python(
-        "import socket\ns = socket.socket()\ns.settimeout(1)\ns.connect(('127.0.0.1', 22))\n"
-        "print('connected')", LIMITS)
-    assert "connected" not in r.stdout and "Error" in r.observation()
-  assert sandbox.run_python("print(6 * 7)", LIMITS).observation() == "42\n"
-  # Report what applied (visible with -s); the tests above ran what applies.
-  print("sandbox isolation on this machine:", applied)
 
 
 # --- validation ---------------------------------------------------------------

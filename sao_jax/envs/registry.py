@@ -1,7 +1,14 @@
-"""Environments and tokenizers by name, from the config's `env` section."""
+"""Environments and tokenizers by name, from the config's `env` section.
+
+Environments that execute model-written code (python_tool, code_fix) are
+only made after `sandbox.check_isolation` has logged which isolation applies
+on this machine; it refuses when model code would run unisolated, unless the
+config says `env.allow_unisolated = True`.
+"""
 
 from __future__ import annotations
 
+from sao_jax.envs import sandbox
 from sao_jax.envs.code_fix import CodeFix, CodeFixConfig
 from sao_jax.envs.online_style import OnlineStyle, OnlineStyleConfig
 from sao_jax.envs.python_tool import PythonTool, PythonToolConfig
@@ -18,6 +25,8 @@ def make_env(env_config):
   name = env_config.name
   kwargs = dict(env_config.get("kwargs", {}))
   limits = SandboxLimits(**dict(env_config.get("sandbox", {})))
+  if name in ("python_tool", "code_fix") and kwargs.get("use_sandbox", True):
+    sandbox.check_isolation(bool(env_config.get("allow_unisolated", False)), limits)
   if name == "python_tool":
     return PythonTool(PythonToolConfig(**kwargs), limits)
   if name == "code_fix":

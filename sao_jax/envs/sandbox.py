@@ -1,24 +1,100 @@
-"""A sandbox for model-written Python: a separate, limited, isolated process.
+"""A sandbox for model-written Python: a separate, limited, isolated process tree.
 
-`run_python(code, limits)` starts `python -I -S` with an empty environment in
-a fresh private temporary directory, and before the model's code runs the
-child process:
+`run_python(code, limits)` runs `code` with `python -I -S`, an empty
+environment and a fresh private temporary directory, and returns its
+(truncated) output once every process the code started is gone. Model code
+is untrusted: it may loop, fork, daemonize, fill memory, open sockets, read
+files, or signal any process it can reach.
 
-* sets resource limits: CPU seconds (RLIMIT_CPU), address space
-  (RLIMIT_AS), the size of any file it writes (RLIMIT_FSIZE; its output goes
-  to a file, so this caps output too), open files (RLIMIT_NOFILE), and
-  processes (RLIMIT_NPROC);
-* where it can (Linux, as root): moves into a new, empty network namespace
-  (no interfaces but a down loopback, so no network at all), chroots into
-  its temporary directory (the trainer's files are not visible), and drops
-  to the `nobody` user (so RLIMIT_NPROC binds; root ignores it);
-* is killed with its whole process group after a wall-clock timeout.
+Three processes take part, all from one `python -I -S` that the trainer
+starts (the trainer itself never forks: it runs threads):
 
-Which of these applied on this machine is reported by `isolation()` and in
-every `SandboxResult.isolation`; none of them is silently assumed. Without
-root (or on non-Linux platforms) only the resource limits and the wall-clock
-kill apply: run the trainer as root in a container, or in a VM, for the full
-set.
+* the supervisor makes itself a child subreaper, enters new network and IPC
+  namespaces, unshares a PID namespace, forks, enforces the wall-clock limit
+  and, at the end, makes sure nothing is left;
+* its child is PID 1 of that PID namespace: a tiny init that forks the
+  model process and reaps every orphan in the namespace;
+* the model process chroots into the temporary directory, drops to a uid of
+  its own, sets the resource limits and runs the code.
+
+The measures, and the name `isolation()` reports for each:
+
+* "netns": a new, empty network namespace (no interfaces but a down
+  loopback): no network at all. "ipcns": a new IPC namespace, so no SysV
+  shared memory or message queues of anyone else's.
+* "chroot": the temporary directory is the model's `/`; the trainer's files
+  are not visible. Modules the supervisor imported (`math`, `socket`,
+  `signal`, `ctypes`, ...) stay importable; nothing else is.
+* "uid_pool" (root): a uid of its own per concurrent call, leased from a
+  pool, `DEFAULT_UIDS` = 60160-61183 (change it with `set_uid_range` or the
+  environment variable `SAO_SANDBOX_UIDS=first-last`). The range lies above
+  ordinary users (UID_MAX 60000), below systemd's dynamic users
+  (61184-65519) and under 65536, which containers that map 64K uids have;
+  uids in /etc/passwd or not mapped in the trainer's user namespace are
+  skipped. Calls with different uids cannot signal or ptrace each other, and
+  RLIMIT_NPROC, which counts per uid, binds each call on its own: one call's
+  fork bomb (or its zombies) cannot make the next one's forks fail. An
+  exclusive flock per uid in /run/sao_sandbox_uids (else /tmp/...) keeps
+  other processes using the pool (another trainer, test workers) off a uid
+  while it is leased.
+* "pidns": the model's processes live in their own PID namespace. They see
+  and can signal only each other (`kill(-1)` reaches nothing outside), and
+  when the namespace's init exits the kernel SIGKILLs everything left in it
+  and waits until all of it is gone before the init can be reaped.
+* "subreaper": PR_SET_CHILD_SUBREAPER on the supervisor: every orphan of the
+  model's process tree (a double fork, a `setsid()` daemon) is reparented to
+  the supervisor instead of the system's init, so it stays findable and the
+  supervisor reaps it.
+* "userns" (not root, where the kernel allows unprivileged user
+  namespaces): the supervisor first enters a new user namespace, which makes
+  the network, IPC and PID namespaces and the chroot possible without root.
+  The model process then drops every capability (bounding set and capset)
+  and sets no_new_privs, and the supervisor and init are not dumpable (not
+  ptrace-able). The model runs under the trainer's uid as far as the kernel
+  outside is concerned, but sees none of its processes or files, and
+  RLIMIT_NPROC counts within the user namespace.
+
+Why a PID namespace first: it is the only cleanup that needs no search and
+has no race. Killing a process group misses `setsid()`/`setpgid()`;
+scanning /proc for descendants races with forks; but the kernel's teardown
+of a PID namespace kills every member and is complete before its init can be
+reaped, whatever the members did. It also confines `kill(-1)`. It needs
+CAP_SYS_ADMIN (root, or a user namespace), so the subreaper is the fallback
+where it is refused (a container without CAP_SYS_ADMIN, say): as root the
+supervisor then takes the call's uid (`setresuid(uid, uid, 0)`, so the
+kernel's permission check restricts the signal to that uid) and sends
+`kill(-1, SIGKILL)`, which hits every process of the uid at once (a process
+with a pending SIGKILL cannot fork), reaps until it has no children, and
+confirms in /proc that no process of the uid is left; without root it kills
+the children it finds in /proc and reaps, until none remain. The uid pool is
+needed with either: RLIMIT_NPROC only binds a non-root uid, and it is a
+second wall between concurrent calls. The trainer does not become the
+subreaper itself: it would have to reap with waitpid(-1), taking exit
+statuses from every other subprocess user in the process.
+
+A leased uid goes back to the pool only after the supervisor reported that
+none of its processes is left; otherwise (the supervisor was killed, say)
+it is quarantined: kept locked, never reused. The supervisor enforces the
+wall-clock limit (SIGKILL to the init, which takes the namespace down); the
+trainer waits for the supervisor's exit on a pidfd (no polling delay) and,
+should it hang past a grace period, kills its process group and every
+process of the uid itself.
+
+Resource limits, set in the model process: CPU seconds (RLIMIT_CPU; a
+forked child gets an allowance of its own, but the wall-clock kill ends the
+whole tree), address space (RLIMIT_AS), the size of any file it writes
+(RLIMIT_FSIZE; its output goes to a file, so this caps output too), open
+files (RLIMIT_NOFILE) and processes (RLIMIT_NPROC).
+
+Which measures applied is reported by `isolation()` and in every
+`SandboxResult.isolation`; none is silently assumed.
+`check_isolation(allow_unisolated)` logs them and refuses (RuntimeError)
+where network, filesystem, user or process-cleanup isolation is missing,
+unless explicitly allowed; `registry.make_env` calls it for the
+environments that run code. Root on Linux gives every measure; without
+root, unprivileged user namespaces give all but a uid of its own; without
+either, only the rlimits, the subreaper cleanup and the wall-clock kill
+apply, and the code runs as the trainer's user.
 
 Output is truncated to `limits.max_output_chars`, and whatever happened
 (exception, limit hit, timeout) comes back as text for the observation.
@@ -26,61 +102,253 @@ Output is truncated to `limits.max_output_chars`, and whatever happened
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import fcntl
 import functools
 import os
+import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
-# Runs inside the child, before the model's code. Kept free of imports that
-# would touch the filesystem after the chroot.
+# The supervisor, init and model process (see the module docstring). One
+# script, run by `python -I -S -c`, preceded by a line `lim = {...}`; the
+# supervisor and the init always leave through os._exit, so only the model
+# process reaches the `exec` at the end, at the top level, where exceptions,
+# sys.exit, threads and atexit behave as in any script. Kept free of imports
+# that would touch the filesystem after the chroot.
 _RUNNER = r'''
-import os, resource, sys
-lim = {lim!r}
+import os, resource, signal, sys, time
+code = open("code.py", encoding="utf-8").read()
+# Preloaded so that model code can use them after the chroot; the network
+# namespace, not a missing module, is what keeps sockets from connecting.
+import math, socket
+LINUX = sys.platform.startswith("linux")
+if LINUX:
+  import ctypes
+  libc = ctypes.CDLL(None, use_errno=True)
+  def prctl(*args):
+    args = args + (0,) * (5 - len(args))
+    return libc.prctl(*[ctypes.c_ulong(a) for a in args])
+NEWIPC, NEWUSER, NEWPID, NEWNET = 0x8000000, 0x10000000, 0x20000000, 0x40000000
+uid = lim["uid"]
+report = lim["report_fd"]
+applied = []
+
 def setlim(which, value, hard=None):
-    try:
-        resource.setrlimit(which, (value, value if hard is None else hard))
-    except (ValueError, OSError):
+  try:
+    resource.setrlimit(which, (value, value if hard is None else hard))
+  except (ValueError, OSError):
+    pass
+
+pidns = userns = False
+if LINUX:
+  if prctl(36, 1) == 0:  # PR_SET_CHILD_SUBREAPER
+    applied.append("subreaper")
+  if lim["isolate"] and uid is not None:  # root
+    if libc.unshare(NEWNET | NEWIPC) == 0:
+      applied += ["netns", "ipcns"]
+    elif libc.unshare(NEWNET) == 0:
+      applied.append("netns")
+    if lim["pidns"] and libc.unshare(NEWPID) == 0:
+      pidns = True
+  elif lim["isolate"]:
+    euid, egid = os.geteuid(), os.getegid()
+    if libc.unshare(NEWUSER | NEWNET | NEWIPC | (NEWPID if lim["pidns"] else 0)) == 0:
+      pidns, userns = lim["pidns"], True  # with every capability in the new user namespace
+      applied += ["netns", "ipcns"]
+      try:
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{euid} {euid} 1"),
+                           ("gid_map", f"{egid} {egid} 1")):
+          with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+        applied.append("userns")
+      except OSError:
         pass
+  # Not dumpable (after the maps above: it makes /proc/self root's): the model
+  # process cannot ptrace the supervisor or the init, which keep capabilities
+  # in a user namespace.
+  prctl(4, 0)  # PR_SET_DUMPABLE
+
+rfd, wfd = os.pipe()  # init and model process -> supervisor
+child = os.fork()  # in a new PID namespace, the init: its PID 1
+if child:
+  # --- the supervisor --------------------------------------------------------
+  os.close(wfd)
+  timed_out = []
+  def on_alarm(signum, frame):
+    timed_out.append(True)
+    try:  # not reaped yet (WNOWAIT below), so the pid is still ours
+      os.kill(child, signal.SIGKILL)
+    except OSError:
+      pass
+  signal.signal(signal.SIGALRM, on_alarm)
+  signal.setitimer(signal.ITIMER_REAL, lim["wall_seconds"])
+  if hasattr(os, "waitid"):
+    os.waitid(os.P_PID, child, os.WEXITED | os.WNOWAIT)
+  else:
+    while os.waitpid(child, os.WNOHANG) == (0, 0):
+      time.sleep(0.005)
+  signal.setitimer(signal.ITIMER_REAL, 0)
+  signal.signal(signal.SIGALRM, signal.SIG_IGN)
+  status = None
+  try:
+    _, status = os.waitpid(child, 0)
+  except ChildProcessError:
+    pass
+  if pidns:
+    status = None  # the init's; the model process's comes through the pipe
+    applied.append("pidns")
+  # Nothing of the sandbox may outlive this call.
+  clean = True
+  if uid is not None and LINUX:
+    try:  # as the uid, without losing root: kill() then hits that uid only
+      os.setresuid(uid, uid, 0)
+    except OSError:  # not a valid uid here: the model process never ran
+      pass
+    else:
+      try:
+        os.kill(-1, signal.SIGKILL)
+      except OSError:
+        pass
+      os.setresuid(0, 0, 0)
+  if LINUX and uid is None and not pidns:  # no uid of its own: find descendants
+    me = str(os.getpid()).encode()
+    while True:
+      for name in os.listdir("/proc"):
+        try:
+          with open(f"/proc/{name}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+          continue
+        if fields[1] == me:  # our child: only we can reap it, so the pid is safe
+          try:
+            os.kill(int(name), signal.SIGKILL)
+          except OSError:
+            pass
+      try:
+        if os.waitpid(-1, os.WNOHANG) == (0, 0):
+          time.sleep(0.001)
+      except ChildProcessError:
+        break
+  elif not LINUX:
+    try:
+      os.killpg(child, signal.SIGKILL)
+    except OSError:
+      pass
+  while True:  # reap everything reparented to us
+    try:
+      os.waitpid(-1, 0)
+    except ChildProcessError:
+      break
+  if uid is not None and LINUX and not pidns:
+    # Without a PID namespace, confirm that no process of the uid is left
+    # (kill(-1) cannot tell: it succeeds even if it signalled nothing).
+    me = str(uid)
+    for name in os.listdir("/proc"):
+      try:
+        with open(f"/proc/{name}/status", "rb") as f:
+          line = next(x for x in f if x.startswith(b"Uid:"))
+      except (OSError, StopIteration):
+        continue
+      if me.encode() in line.split()[1:]:
+        clean = False
+  data = b""
+  while True:
+    chunk = os.read(rfd, 4096)
+    if not chunk:
+      break
+    data += chunk
+  for line in data.decode().splitlines():
+    key, _, value = line.partition(" ")
+    if key == "applied":
+      applied = [x for x in value.split(",") if x]
+      if pidns:
+        applied.append("pidns")
+    elif key == "status" and pidns:
+      status = int(value)
+  if timed_out:
+    rc = -signal.SIGKILL
+  elif status is None:
+    rc = -signal.SIGKILL
+  else:
+    rc = os.waitstatus_to_exitcode(status)
+  os.write(report, ("rc %d\ntimed_out %d\nclean %d\napplied %s\n" % (
+      rc, bool(timed_out), clean, ",".join(sorted(set(applied))))).encode())
+  os._exit(0)
+
+os.close(rfd)
+os.close(report)
+if pidns:
+  # --- the init: PID 1 of the sandbox's PID namespace ------------------------
+  # Its exit makes the kernel kill and reap everything else in the namespace.
+  prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the supervisor
+  signal.signal(signal.SIGINT, signal.SIG_DFL)
+  model = os.fork()
+  if model:
+    while True:
+      try:
+        pid, status = os.waitpid(-1, 0)
+      except ChildProcessError:
+        os._exit(0)
+      if pid == model:
+        os.write(wfd, b"status %d\n" % status)
+        os._exit(0)
+
+# --- the model process ---------------------------------------------------------
+if lim["isolate"] and LINUX:
+  try:
+    os.chroot(".")
+    os.chdir("/")
+    applied.append("chroot")
+  except OSError:
+    pass
+  if uid is not None:
+    try:
+      os.setgroups([])
+      os.setresgid(uid, uid, uid)
+      os.setresuid(uid, uid, uid)
+      applied.append("uid_pool")
+    except OSError:
+      os._exit(120)  # never run model code as root
+  elif userns:
+    cap = 0
+    while prctl(24, cap) == 0:  # PR_CAPBSET_DROP, until EINVAL past the last
+      cap += 1
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
+    if libc.capset(header, (ctypes.c_uint32 * 6)()) != 0:
+      os._exit(121)  # never run model code with capabilities
+if LINUX:
+  prctl(38, 1)  # PR_SET_NO_NEW_PRIVS
+elif not pidns:
+  os.setpgid(0, 0)  # so that the supervisor can kill the group
 # Soft < hard: SIGXCPU at the soft limit, so the kill is reported as such.
 setlim(resource.RLIMIT_CPU, lim["cpu_seconds"], lim["cpu_seconds"] + 1)
 setlim(resource.RLIMIT_FSIZE, lim["max_file_bytes"])
 setlim(resource.RLIMIT_NOFILE, lim["max_open_files"])
-code = open("code.py").read()
-# Preloaded so that model code can use them after the chroot; the network
-# namespace, not a missing module, is what keeps sockets from connecting.
-import math, socket
-applied = []
-if lim["isolate"]:
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(0x40000000) == 0:  # CLONE_NEWNET
-        applied.append("netns")
-    try:
-        os.chroot(".")
-        os.chdir("/")
-        applied.append("chroot")
-    except OSError:
-        pass
-    try:
-        os.setgroups([])
-        os.setgid(65534)
-        os.setuid(65534)
-        applied.append("nobody")
-    except OSError:
-        pass
 setlim(resource.RLIMIT_NPROC, lim["max_processes"])
 setlim(resource.RLIMIT_AS, lim["memory_bytes"])
-sys.stderr.write("#isolation:" + ",".join(applied) + "\n")
-sys.stderr.flush()
-del os, resource, lim, setlim
-g = {{"__name__": "__main__", "__builtins__": __builtins__}}
+os.write(wfd, ("applied " + ",".join(applied) + "\n").encode())
+os.close(wfd)
+g = {"__name__": "__main__", "__builtins__": __builtins__}
+del lim, uid, report, applied, setlim, rfd, wfd, child, pidns, userns
 exec(compile(code, "<tool>", "exec"), g)
 '''
+
+# Default uid range of the pool (inclusive); see the module docstring.
+DEFAULT_UIDS = (60160, 61183)
+# How long the trainer waits beyond the wall-clock limit for the supervisor,
+# which enforces that limit itself, before it kills it.
+_GRACE_SECONDS = 10.0
+_LOCK_DIRS = ("/run/sao_sandbox_uids", "/tmp/sao_sandbox_uids")
+# Tests switch this off to exercise the cleanup without a PID namespace.
+_PIDNS = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +360,7 @@ class SandboxLimits:
   max_open_files: int = 32
   max_processes: int = 16
   max_output_chars: int = 400
-  # Network namespace, chroot and dropping to `nobody`, where permitted.
+  # Namespaces, chroot and a uid of its own, where permitted.
   isolate: bool = True
 
 
@@ -124,53 +392,252 @@ _SIGNAL_NOTES = {
 }
 
 
-def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
-  """Runs `code` in the sandbox and returns its (truncated) result."""
-  workdir = tempfile.mkdtemp(prefix="sao_sandbox_")
-  start = time.monotonic()
+# --- the uid pool -----------------------------------------------------------------
+
+class UidPool:
+  """Thread-safe leases of uids `first..last` (inclusive), one per sandbox call.
+
+  Within the process a lock and a queue of free uids (least recently used
+  first, so that a uid is reused as late as possible); across processes an
+  exclusive, non-blocking flock on `<lock dir>/<uid>`, held for the lease,
+  so two trainers (or test workers) on one machine never share a uid. A uid
+  goes back only after its supervisor confirmed that none of its processes
+  is left; otherwise it is quarantined (kept locked, never reused).
+  """
+
+  def __init__(self, first: int, last: int, lock_dir: str | None = None):
+    if not 0 < first <= last:
+      raise ValueError(f"bad uid range {first}-{last}")
+    taken, mapped = _passwd_uids(), _mapped_uids()
+    self.first, self.last = first, last
+    self._free = collections.deque(u for u in range(first, last + 1)
+                                   if u not in taken and mapped(u))
+    if not self._free:
+      raise ValueError(f"no uid in {first}-{last} is both free of users in /etc/passwd "
+                       "and mapped in this user namespace")
+    self._lock_dir = lock_dir or _lock_dir()
+    self._held: dict[int, int] = {}
+    self.quarantined: set[int] = set()
+    self._cond = threading.Condition()
+
+  def lease(self, timeout: float = 60.0) -> int:
+    deadline = time.monotonic() + timeout
+    with self._cond:
+      while True:
+        for _ in range(len(self._free)):
+          uid = self._free.popleft()
+          fd = self._try_lock(uid)
+          if fd is not None:
+            self._held[uid] = fd
+            return uid
+          self._free.append(uid)  # another process has it
+        left = deadline - time.monotonic()
+        if left <= 0:
+          raise RuntimeError(
+              f"sandbox: no free uid in {self.first}-{self.last} after {timeout:g}s "
+              f"({len(self._held)} leased here, {len(self.quarantined)} quarantined)")
+        self._cond.wait(min(left, 0.05))  # other processes' locks don't notify
+
+  def release(self, uid: int) -> None:
+    with self._cond:
+      os.close(self._held.pop(uid))
+      self._free.append(uid)
+      self._cond.notify()
+
+  def quarantine(self, uid: int) -> None:
+    with self._cond:
+      self.quarantined.add(uid)  # its lock stays held: no process reuses it
+    _log(f"WARNING: uid {uid} may still have processes; it is quarantined, not reused")
+
+  def _try_lock(self, uid: int) -> int | None:
+    fd = os.open(os.path.join(self._lock_dir, str(uid)),
+                 os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+      os.close(fd)
+      return None
+    return fd
+
+
+def _passwd_uids() -> set[int]:
+  uids = set()
   try:
+    with open("/etc/passwd", encoding="utf-8", errors="replace") as f:
+      for line in f:
+        parts = line.split(":")
+        if len(parts) > 2 and parts[2].isdigit():
+          uids.add(int(parts[2]))
+  except OSError:
+    pass
+  return uids
+
+
+def _mapped_uids():
+  """Whether a uid exists in this user namespace (a container may map few)."""
+  ranges = []
+  try:
+    with open("/proc/self/uid_map", encoding="ascii") as f:
+      for line in f:
+        inside, _, count = map(int, line.split())
+        ranges.append((inside, inside + count))
+  except (OSError, ValueError):
+    return lambda uid: True
+  return lambda uid: any(a <= uid < b for a, b in ranges)
+
+
+def _lock_dir() -> str:
+  """A root-owned directory, writable by root only, for the uid locks."""
+  for path in _LOCK_DIRS:
+    try:
+      os.makedirs(path, mode=0o700, exist_ok=True)
+      st = os.lstat(path)
+    except OSError:
+      continue
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == 0 and not st.st_mode & 0o022:
+      return path
+  raise RuntimeError(f"sandbox: no safe directory for uid locks among {_LOCK_DIRS}")
+
+
+_pool: UidPool | None = None
+_pool_lock = threading.Lock()
+
+
+def set_uid_range(first: int, last: int) -> None:
+  """Leases uids `first..last` (inclusive) from now on (root only)."""
+  global _pool
+  with _pool_lock:
+    _pool = UidPool(first, last)
+
+
+def _uid_pool() -> UidPool:
+  global _pool
+  with _pool_lock:
+    if _pool is None:
+      env = os.environ.get("SAO_SANDBOX_UIDS")
+      first, last = DEFAULT_UIDS
+      if env:
+        first, _, last = env.partition("-")
+        first, last = int(first), int(last or first)
+      _pool = UidPool(first, last)
+    return _pool
+
+
+# --- running code -----------------------------------------------------------------
+
+def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
+  """Runs `code` in the sandbox and returns its (truncated) result.
+
+  Returns only after every process the code started is gone.
+  """
+  start = time.monotonic()
+  linux = sys.platform.startswith("linux")
+  isolate = bool(limits.isolate and linux)
+  pool = _uid_pool() if isolate and os.geteuid() == 0 else None
+  workdir = tempfile.mkdtemp(prefix="sao_sandbox_")
+  uid = None
+  started = clean = False
+  try:
+    uid = pool.lease() if pool else None
     os.chmod(workdir, 0o755)
     with open(os.path.join(workdir, "code.py"), "w", encoding="utf-8") as f:
       f.write(code)
     out_path = os.path.join(workdir, "out.txt")
     err_path = os.path.join(workdir, "err.txt")
     lim = dataclasses.asdict(limits)
-    lim["isolate"] = bool(limits.isolate and os.name == "posix" and os.geteuid() == 0)
-    runner = _RUNNER.format(lim=lim)
-    with open(out_path, "wb") as out, open(err_path, "wb") as err:
-      proc = subprocess.Popen(
-          [sys.executable, "-I", "-S", "-c", runner], cwd=workdir, env={},
-          stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
-          close_fds=True)
-      timed_out = False
+    rfd, wfd = os.pipe()
+    lim.update(isolate=isolate, uid=uid, report_fd=wfd, pidns=_PIDNS)
+    runner = f"lim = {lim!r}\n" + _RUNNER
+    timed_out = False
+    try:
+      with open(out_path, "wb") as out, open(err_path, "wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", runner], cwd=workdir, env={},
+            stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
+            close_fds=True, pass_fds=(wfd,))
+      started = True
+      os.close(wfd)
+      wfd = -1
       try:
-        proc.wait(timeout=limits.wall_seconds)
-      except subprocess.TimeoutExpired:
+        _wait(proc, limits.wall_seconds + _GRACE_SECONDS)
+      except subprocess.TimeoutExpired:  # the supervisor itself is stuck
         timed_out = True
-      finally:
-        try:  # the whole group: forked children die too
-          os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
+        try:
+          os.killpg(proc.pid, signal.SIGKILL)  # not reaped yet: still its group
+        except OSError:
           pass
         proc.wait()
+        if uid is not None:
+          _kill_uid(uid)
+      report = b""
+      while True:
+        chunk = os.read(rfd, 4096)
+        if not chunk:
+          break
+        report += chunk
+    finally:
+      os.close(rfd)
+      if wfd >= 0:
+        os.close(wfd)
+    fields = dict(line.partition(" ")[::2] for line in report.decode().splitlines())
+    rc = int(fields.get("rc", proc.returncode or -signal.SIGKILL))
+    timed_out = timed_out or fields.get("timed_out") == "1"
+    clean = fields.get("clean") == "1"
+    isolation = tuple(x for x in fields.get("applied", "").split(",") if x)
     stdout = _read_head(out_path, limits.max_output_chars)
-    stderr = _read_head(err_path, 20_000)
-    isolation = ()
-    lines = stderr.splitlines()
-    if lines and lines[0].startswith("#isolation:"):
-      isolation = tuple(x for x in lines[0][len("#isolation:"):].split(",") if x)
-      lines = lines[1:]
+    lines = _read_head(err_path, 20_000).splitlines()
     error = lines[-1] if lines else ""
-    rc = proc.returncode
     if timed_out:
       error = f"killed: wall-clock limit {limits.wall_seconds:g}s"
     elif rc < 0:
       error = _SIGNAL_NOTES.get(-rc, f"killed: signal {-rc}")
+    elif rc in (120, 121) and not lines:
+      error = "sandbox: could not drop privileges"
     return SandboxResult(stdout=stdout, error=error[:limits.max_output_chars],
                          returncode=rc, timed_out=timed_out,
                          seconds=time.monotonic() - start, isolation=isolation)
   finally:
+    if uid is not None:
+      if clean or not started:
+        pool.release(uid)
+      else:
+        pool.quarantine(uid)
     shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> None:
+  """`proc.wait(timeout)`, but woken by the exit itself, not by polling.
+
+  (Popen.wait with a timeout polls with growing sleeps, up to 50 ms late.)
+  """
+  try:
+    pidfd = os.pidfd_open(proc.pid)
+  except (AttributeError, OSError):
+    proc.wait(timeout=timeout)
+    return
+  try:
+    poll = select.poll()  # not select(): the trainer may hold over 1024 fds
+    poll.register(pidfd, select.POLLIN)
+    if not poll.poll(timeout * 1000):
+      raise subprocess.TimeoutExpired(proc.args, timeout)
+  finally:
+    os.close(pidfd)
+  proc.wait()
+
+
+def _kill_uid(uid: int) -> None:
+  """SIGKILLs every process of `uid` (found in /proc); for emergencies only."""
+  me = str(uid)
+  for name in os.listdir("/proc"):
+    if not name.isdigit():
+      continue
+    try:
+      with open(f"/proc/{name}/status", encoding="ascii", errors="replace") as f:
+        uids = next(line for line in f if line.startswith("Uid:")).split()[1:]
+      if me in uids:
+        os.kill(int(name), signal.SIGKILL)
+    except (OSError, StopIteration, ValueError):
+      pass
 
 
 def _read_head(path: str, max_chars: int) -> str:
@@ -180,7 +647,55 @@ def _read_head(path: str, max_chars: int) -> str:
   return text[:max_chars] + ("...[truncated]" if len(text) > max_chars else "")
 
 
+# --- reporting and refusal --------------------------------------------------------
+
+# What must apply before model code may run: (measure, the names that
+# provide it, what model code could do without it).
+_REQUIRED = (
+    ("network namespace (netns)", ("netns",), "reach the network"),
+    ("a private root directory (chroot)", ("chroot",), "read and write the trainer's files"),
+    ("a user of its own (uid_pool as root, or userns)", ("uid_pool", "userns"),
+     "signal or ptrace the trainer and other sandboxes, as uid {uid}"),
+    ("process cleanup (pidns or subreaper)", ("pidns", "subreaper"),
+     "leave processes running after the call"),
+)
+
+
 @functools.lru_cache(maxsize=1)
 def isolation() -> tuple[str, ...]:
   """Which isolation measures apply on this machine (besides rlimits)."""
   return run_python("pass").isolation
+
+
+def check_isolation(allow_unisolated: bool = False,
+                    limits: SandboxLimits | None = None) -> tuple[str, ...]:
+  """Logs which isolation applies; refuses to go on without it unless allowed.
+
+  Raises RuntimeError naming every missing measure when model-written code
+  would run without network, filesystem, user or process isolation, unless
+  `allow_unisolated`, in which case it logs a loud warning instead. Returns
+  the measures that apply.
+  """
+  applied = isolation()
+  if limits is not None and not limits.isolate:  # isolation switched off
+    applied = tuple(x for x in applied if x == "subreaper")
+  missing = [(what, risk) for what, names, risk in _REQUIRED if not set(names) & set(applied)]
+  _log(f"isolation: {', '.join(applied) or 'none'}"
+       + (f"; missing: {'; '.join(what for what, _ in missing)}" if missing else ""))
+  if missing:
+    message = (
+        "model-written code would run unisolated, missing: "
+        + "; ".join(what for what, _ in missing) + ". It could "
+        + ", ".join(risk for _, risk in missing).format(uid=os.geteuid()) + ". Run the "
+        "trainer as root on Linux (in a container: with CAP_SYS_ADMIN), or as a user "
+        "where unprivileged user namespaces are allowed, or set env.allow_unisolated=True "
+        "to accept this.")
+    if not allow_unisolated:
+      raise RuntimeError("sandbox: " + message)
+    _log("WARNING: " + "!" * 20 + " UNISOLATED SANDBOX (env.allow_unisolated=True): "
+         + message)
+  return applied
+
+
+def _log(message: str) -> None:
+  print(f"[sandbox] {message}", file=sys.stderr, flush=True)
