@@ -51,9 +51,9 @@ from sao_jax.train_step import StepConfig, TrainState, jit_sharded, make_sft_ste
 STAGES = ("sft", "value_pretrain", "rl", "done")
 
 
-def validate_config(config) -> None:
+def validate_config(config, num_devices: int | None = None) -> None:
   """Fails fast, before anything is written, on settings that cannot work."""
-  configuration.validate(config)
+  configuration.validate(config, num_devices)
 
 
 def build_model_config(config, tokenizer=None) -> model_config.ModelConfig:

@@ -1,6 +1,17 @@
-"""Shared test setup: 8 simulated CPU devices, before JAX initialises."""
+"""Shared test setup: 8 simulated CPU devices, before JAX initialises.
+
+Compiled programs go to a persistent cache shared by the test processes
+(xdist workers and the trainer launches they start): the end-to-end tests
+launch the same tiny programs many times, and a cache hit replaces a
+compile. Cache keys include the program and the JAX version, so a code
+change cannot reuse a stale entry.
+"""
 
 import os
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), "sao_jax_test_compile_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")

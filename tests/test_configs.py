@@ -29,8 +29,9 @@ def test_config_is_valid(path):
   name = os.path.basename(path)
   assert f"--config=configs/{name}" in module.__doc__, "docstring must give the launch command"
   c = module.get_config()
-  trainer.validate_config(c)
-  if c.model.preset == "qwen3_30b_a3b":
+  pod = c.model.preset == "qwen3_30b_a3b"
+  trainer.validate_config(c, num_devices=128 if pod else 8)  # the pod config: a v5p-128
+  if pod:
     cfg = trainer.build_model_config(c)
     shapes = jax.eval_shape(lambda: policy.init_params(cfg, jax.random.key(0)))
     total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))

@@ -1,4 +1,4 @@
-"""Engine, driver, environments and sandbox."""
+"""Engine, driver and environments (the sandbox: tests/test_sandbox.py)."""
 
 
 import jax
