@@ -110,6 +110,9 @@ def get_config():
   c.rl.eps_high = 0.28
   c.rl.gamma = 1.0
   c.rl.lam = 0.95
+  # Lambda of the critic's return targets (None: rl.lam). 1.0 regresses the
+  # critic on Monte Carlo returns instead of its own bootstrapped estimates.
+  c.rl.critic_lam = ml_collections.config_dict.placeholder(float)
   # K critic updates per actor update.
   c.rl.critic_updates = 2
   # Freeze the critic's attention (and embeddings); train MoE/MLP and head.

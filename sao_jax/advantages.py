@@ -141,6 +141,15 @@ def skip_observation_gae(
 # ----------------------------------------------------------------------------
 
 
+def action_span(action_mask: Array, segment_ids: Array | None = None) -> Array:
+  """bool `[B, T]`: True from the first to the last action token of each sequence.
+
+  The positions whose values token-level GAE uses (observations between
+  turns included), i.e. where its critic is regressed.
+  """
+  return _action_span(action_mask, _same_as_next(segment_ids, action_mask.shape))
+
+
 def _action_span(action_mask: Array, same_next: Array) -> Array:
   """True from the first to the last action token of each (packed) sequence."""
   m = action_mask.astype(jnp.float32)
@@ -167,9 +176,12 @@ def token_gae(
       A_t     = delta_t + gamma * lam * A_{t+1}
 
   so an observation token between two turns discounts the bootstrap and
-  injects its own (untrained) value. Output masked to action tokens, returns
-  R_t = A_t + V_t there. This is the ablation arm that skip-observation GAE
-  improves on.
+  injects its own value. Advantages are masked to action tokens; returns
+  R_t = A_t + V_t are given on the whole span (`action_span`), observation
+  tokens included: the arm bootstraps through those values, so its critic
+  must be trained on them too, or the ablation measures an untrained critic
+  rather than the estimator. This is the ablation arm that skip-observation
+  GAE improves on.
   """
   _check_inputs(rewards, values, action_mask)
   m = action_mask.astype(values.dtype)
@@ -180,7 +192,7 @@ def token_gae(
       [(values * span)[:, 1:], jnp.zeros_like(values[:, :1])], axis=1)
   delta = span * (rewards + gamma * next_v - values)
   g = reverse_linear_recurrence(span * keep * (gamma * lam), delta)
-  return m * g, m * (g + values)
+  return m * g, span * (g + values)
 
 
 def step_gae(

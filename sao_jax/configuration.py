@@ -79,6 +79,7 @@ _RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("rl.eps_high", lambda v: _is_real(v) and v > 0, "a finite number > 0"),
     ("rl.gamma", lambda v: _is_real(v) and 0 <= v <= 1, "in [0, 1]"),
     ("rl.lam", lambda v: _is_real(v) and 0 <= v <= 1, "in [0, 1]"),
+    ("rl.critic_lam", lambda v: v is None or (_is_real(v) and 0 <= v <= 1), "None or in [0, 1]"),
     ("rl.critic_updates", lambda v: _is_int(v) and 0 <= v <= 64, "an integer in [0, 64]"),
     ("rl.actor_lr", lambda v: _is_real(v) and v > 0, "a finite number > 0"),
     ("rl.critic_lr", lambda v: _is_real(v) and v > 0, "a finite number > 0"),

@@ -51,6 +51,8 @@ class StepConfig:
   eps_high: float = 0.28
   gamma: float = 1.0
   lam: float = 0.95
+  # Lambda of the critic's return targets; None: the same as `lam`.
+  critic_lam: float | None = None
   # K critic updates per actor update.
   critic_updates: int = 2
   # Weight of the MoE load-balancing loss, for both models.
@@ -90,18 +92,33 @@ def group_norms(tree, groups: dict[str, str]) -> dict[str, jax.Array]:
 _NORM_GROUPS = {"attention": r"/attn/", "moe_mlp": r"/(moe|mlp)/", "all": r".*"}
 
 
-def compute_advantages(cfg: StepConfig, values, batch):
-  """(advantages, returns) `[R, L]` for the configured estimator."""
+def _gae(cfg: StepConfig, values, batch, lam: float):
   r, m, seg = batch["rewards"], batch["action_mask"], batch["segment_ids"]
   if cfg.advantage == "value":
-    return adv.skip_observation_gae(r, values, m, cfg.gamma, cfg.lam, segment_ids=seg)
+    return adv.skip_observation_gae(r, values, m, cfg.gamma, lam, segment_ids=seg)
   if cfg.advantage == "token_gae":
-    return adv.token_gae(r, values, m, cfg.gamma, cfg.lam, segment_ids=seg)
-  if cfg.advantage.startswith("step_gae"):
-    return adv.step_gae(r, values, m, cfg.gamma, cfg.lam, cfg.advantage.split("_")[-1],
-                        segment_ids=seg)
-  a = batch["baseline_advantages"]
-  return a, jnp.zeros_like(a)
+    return adv.token_gae(r, values, m, cfg.gamma, lam, segment_ids=seg)
+  return adv.step_gae(r, values, m, cfg.gamma, lam, cfg.advantage.split("_")[-1],
+                      segment_ids=seg)
+
+
+def compute_advantages(cfg: StepConfig, values, batch):
+  """(advantages, returns, value_mask) `[R, L]` for the configured estimator.
+
+  Advantages use `lam`; the critic's targets (returns) use `critic_lam`
+  when it differs (lambda-returns closer to Monte Carlo at 1.0, less
+  self-bootstrapped). `value_mask` is where the critic is regressed: the
+  action tokens, or for token-level GAE every position its recursion reads.
+  """
+  m, seg = batch["action_mask"], batch["segment_ids"]
+  if not cfg.uses_critic:
+    a = batch["baseline_advantages"]
+    return a, jnp.zeros_like(a), m
+  advantages, returns = _gae(cfg, values, batch, cfg.lam)
+  if cfg.critic_lam is not None and cfg.critic_lam != cfg.lam:
+    _, returns = _gae(cfg, values, batch, cfg.critic_lam)
+  value_mask = adv.action_span(m, seg) if cfg.advantage == "token_gae" else m
+  return advantages, returns, value_mask
 
 
 def _critic_updates(model_cfg, cfg, critic_tx, state, batch, metrics):
@@ -110,12 +127,12 @@ def _critic_updates(model_cfg, cfg, critic_tx, state, batch, metrics):
   m = batch["action_mask"]
   values, _ = policy.token_values(model_cfg, state.critic, *inputs)
   values = jax.lax.stop_gradient(values)
-  advantages, returns = compute_advantages(cfg, values, batch)
+  advantages, returns, value_mask = compute_advantages(cfg, values, batch)
   advantages, returns = jax.lax.stop_gradient((advantages, returns))
 
   def critic_loss(params):
     v, aux = policy.token_values(model_cfg, params, *inputs)
-    loss, vm = losses.value_loss(v, returns, m)
+    loss, vm = losses.value_loss(v, returns, value_mask)
     vm["value_loss"] = loss
     return loss + cfg.load_balance_coef * aux["load_balance_loss"], vm
 

@@ -70,7 +70,7 @@ def build_model_config(config, tokenizer=None) -> model_config.ModelConfig:
 def step_config(config) -> StepConfig:
   t = config.rl
   return StepConfig(advantage=t.advantage, policy_loss=t.policy_loss, eps_low=t.eps_low,
-                    eps_high=t.eps_high, gamma=t.gamma, lam=t.lam,
+                    eps_high=t.eps_high, gamma=t.gamma, lam=t.lam, critic_lam=t.critic_lam,
                     critic_updates=t.critic_updates, load_balance_coef=t.load_balance_coef,
                     temperature=config.rollout.temperature)
 
@@ -135,8 +135,10 @@ class _Run:
           make_train_step(self.model_cfg, self.step_cfg, self.policy_tx, self.critic_tx),
           self.state_shardings, self.batch_sharding)
       self.value_step = jit_sharded(
+          # The arm's own estimator: a token-GAE critic is pretrained where
+          # that arm bootstraps, not on skip-observation targets.
           make_train_step(self.model_cfg, dataclasses.replace(
-              self.step_cfg, advantage="value", critic_updates=1), self.policy_tx,
+              self.step_cfg, critic_updates=1), self.policy_tx,
                           self.critic_tx, update_actor=False),
           self.state_shardings, self.batch_sharding)
       sft = make_sft_step(self.model_cfg, self.sft_tx, config.rl.load_balance_coef)

@@ -39,8 +39,9 @@ def numpy_token_gae(r, v, m, gamma, lam):
       next_v = v[b, t + 1] if t < hi else 0.0
       a = r[b, t] + gamma * next_v - v[b, t] + gamma * lam * next_a
       next_a = a
+      r_out[b, t] = a + v[b, t]  # the critic's target on the whole span
       if m[b, t]:
-        a_out[b, t], r_out[b, t] = a, a + v[b, t]
+        a_out[b, t] = a
   return a_out, r_out
 
 
