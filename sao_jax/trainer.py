@@ -25,6 +25,7 @@ import json
 import os
 import queue
 import time
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -75,6 +76,96 @@ def step_config(config) -> StepConfig:
                     temperature=config.rollout.temperature)
 
 
+@dataclasses.dataclass(frozen=True)
+class Programs:
+  """A run's placement, optimizers and jitted steps on one mesh, from shapes alone.
+
+  Building this touches no device memory (the initialisers are only
+  `eval_shape`d), so the same construction serves the trainer, which then
+  initialises into these shardings and calls these steps, and
+  launch/compile.py, which lowers these very steps for a TPU topology it
+  does not have (DESIGN.md section 8): what the compile proves is about the
+  programs the trainer runs, not about a copy of them.
+  """
+  rules: tuple
+  batch_sharding: Any  # of every [R, L] field of a packed batch
+  policy_init: Callable[[], Any]  # -> boxed params (flax logical-axis metadata)
+  critic_init: Callable[[], Any]
+  policy_shardings: Any
+  critic_shardings: Any
+  sft_tx: Any
+  policy_tx: Any
+  critic_tx: Any
+  state_shardings: TrainState
+  abstract_state: TrainState  # ShapeDtypeStructs carrying state_shardings
+  sft_step: Callable  # (policy, policy_opt, batch) -> (policy, policy_opt, metrics)
+  value_step: Callable  # (state, batch) -> (state, metrics); critic only
+  rl_step: Callable  # (state, batch) -> (state, metrics)
+
+  def init_state(self, policy_params, critic_params) -> TrainState:
+    """The state at step 0 around given params (jit it with state_shardings)."""
+    return TrainState(jnp.zeros((), jnp.int32), policy_params, critic_params,
+                      self.policy_tx.init(policy_params), self.critic_tx.init(critic_params))
+
+
+def build_programs(config, model_cfg: model_config.ModelConfig, step_cfg: StepConfig,
+                   mesh: jax.sharding.Mesh) -> Programs:
+  """Shardings from the config's rules, the optimizers and the jitted steps on `mesh`."""
+  rules = tuple(tuple(r) for r in config.sharding.rules)
+  rng = jax.random.key(config.seed)
+  policy_init = lambda: policy.init_params(model_cfg, rng, boxed=True)
+  critic_init = lambda: policy.init_params(model_cfg, jax.random.fold_in(rng, 1), "value",
+                                           boxed=True)
+  policy_shardings = sharding.logical_shardings(jax.eval_shape(policy_init), mesh, rules)
+  critic_shardings = sharding.logical_shardings(jax.eval_shape(critic_init), mesh, rules)
+  policy_params = jax.eval_shape(lambda: nn.unbox(policy_init()))
+  critic_params = jax.eval_shape(lambda: nn.unbox(critic_init()))
+
+  def policy_tx(lr, steps, warmup):
+    return optim.make_optimizer(policy_params, optim.warmup_cosine(lr, warmup, steps),
+                                clip_norm=config.rl.clip_norm)
+
+  def opt_shardings(tx, params, param_shardings):
+    return sharding.shardings_like_params(jax.eval_shape(tx.init, params), params,
+                                          param_shardings, mesh)
+
+  sft_tx = policy_tx(config.sft.lr, config.sft.steps, config.sft.warmup)
+  rl_tx = policy_tx(config.rl.actor_lr, config.rl.steps, config.rl.warmup)
+  critic_rules = (optim.CRITIC_FREEZE_RULES if config.rl.freeze_critic_attention
+                  else optim.TRAIN_ALL_RULES)
+  critic_tx = optim.make_optimizer(critic_params, config.rl.critic_lr, rules=critic_rules,
+                                   clip_norm=config.rl.clip_norm)
+  state_shardings = TrainState(
+      step=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
+      policy=policy_shardings, critic=critic_shardings,
+      policy_opt=opt_shardings(rl_tx, policy_params, policy_shardings),
+      critic_opt=opt_shardings(critic_tx, critic_params, critic_shardings))
+  batch_sharding = sharding.batch_sharding(mesh, rules)
+
+  with mesh, nn.logical_axis_rules(rules):
+    rl_step = jit_sharded(make_train_step(model_cfg, step_cfg, rl_tx, critic_tx),
+                          state_shardings, batch_sharding)
+    value_step = jit_sharded(
+        # The arm's own estimator: a token-GAE critic is pretrained where
+        # that arm bootstraps, not on skip-observation targets.
+        make_train_step(model_cfg, dataclasses.replace(step_cfg, critic_updates=1), rl_tx,
+                        critic_tx, update_actor=False),
+        state_shardings, batch_sharding)
+    sft = make_sft_step(model_cfg, sft_tx, config.rl.load_balance_coef)
+    sft_step = jax.jit(
+        sft, in_shardings=(policy_shardings, state_shardings.policy_opt, batch_sharding),
+        out_shardings=(policy_shardings, state_shardings.policy_opt, None),
+        donate_argnums=(0, 1))
+
+  programs = Programs(rules, batch_sharding, policy_init, critic_init, policy_shardings,
+                      critic_shardings, sft_tx, rl_tx, critic_tx, state_shardings, None,
+                      sft_step, value_step, rl_step)
+  abstract = jax.eval_shape(programs.init_state, policy_params, critic_params)
+  abstract_state = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, state_shardings)
+  return dataclasses.replace(programs, abstract_state=abstract_state)
+
+
 class _Run:
   """Everything one run holds; methods are the stages, in order."""
 
@@ -86,6 +177,9 @@ class _Run:
     self.config, self.workdir = config, workdir
     self.tok = registry.make_tokenizer(config.env)
     self.env = registry.make_env(config.env)  # refuses unisolated code execution
+    # Evaluation and value pretraining must not advance an environment's own
+    # clock (online_style's preference schedule): only training episodes do.
+    self.frozen_env = self.env.frozen() if hasattr(self.env, "frozen") else self.env
     configuration.check_workdir(workdir, config.checkpoint.min_free_gb)
     self.faults = FaultInjector.from_config(config.get("faults"))
     if self.faults.active:
@@ -96,30 +190,18 @@ class _Run:
     self.metrics = MetricsWriter(workdir, tensorboard=config.get("tensorboard", True))
     self.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep)
 
-    # Mesh and shardings: shapes first (eval_shape), then placement.
-    self.rules = tuple(tuple(r) for r in config.sharding.rules)
+    # Mesh, shardings, optimizers and steps (shapes first, then placement).
     self.mesh = sharding.make_mesh(dict(config.sharding.mesh))
-    self.batch_sharding = sharding.batch_sharding(self.mesh, self.rules)
-    rng = jax.random.key(config.seed)
-    self._policy_init = lambda: policy.init_params(self.model_cfg, rng, boxed=True)
-    self._critic_init = lambda: policy.init_params(self.model_cfg, jax.random.fold_in(rng, 1),
-                                                   "value", boxed=True)
-    policy_params, self.policy_shardings = sharding.sharded_init(self._policy_init, self.mesh,
-                                                                 self.rules)
-    critic_params, self.critic_shardings = sharding.sharded_init(self._critic_init, self.mesh,
-                                                                 self.rules)
-    self.sft_tx = self._policy_tx(config.sft.lr, config.sft.steps, config.sft.warmup)
-    self.policy_tx = self._policy_tx(config.rl.actor_lr, config.rl.steps, config.rl.warmup)
-    critic_rules = (optim.CRITIC_FREEZE_RULES if config.rl.freeze_critic_attention
-                    else optim.TRAIN_ALL_RULES)
-    self.critic_tx = optim.make_optimizer(critic_params, config.rl.critic_lr, rules=critic_rules,
-                                          clip_norm=config.rl.clip_norm)
-    self.state_shardings = TrainState(
-        step=self._replicated(),
-        policy=self.policy_shardings, critic=self.critic_shardings,
-        policy_opt=self._opt_shardings(self.policy_tx, policy_params, self.policy_shardings),
-        critic_opt=self._opt_shardings(self.critic_tx, critic_params, self.critic_shardings))
-    self.state = self._jit_init(policy_params, critic_params)
+    p = build_programs(config, self.model_cfg, self.step_cfg, self.mesh)
+    self.rules, self.batch_sharding = p.rules, p.batch_sharding
+    self.policy_shardings, self.critic_shardings = p.policy_shardings, p.critic_shardings
+    self.sft_tx, self.policy_tx, self.critic_tx = p.sft_tx, p.policy_tx, p.critic_tx
+    self.state_shardings = p.state_shardings
+    self.rl_step, self.value_step, self.sft_step = p.rl_step, p.value_step, p.sft_step
+    policy_params, _ = sharding.sharded_init(p.policy_init, self.mesh, self.rules)
+    critic_params, _ = sharding.sharded_init(p.critic_init, self.mesh, self.rules)
+    self.state = jax.jit(p.init_state, out_shardings=self.state_shardings)(policy_params,
+                                                                           critic_params)
     self.meta = {"stage": "sft", "stage_step": 0, "ckpt_step": 0, "prompt_state": None,
                  "running_mean": None, "evals": {}}
 
@@ -129,42 +211,6 @@ class _Run:
       self.state, self.meta = self.ckpt.restore(abstract_like(self.state), restore_step)
       print(f"Resumed from checkpoint {restore_step} at stage "
             f"{self.meta['stage']} step {self.meta['stage_step']}", flush=True)
-
-    with self.mesh, nn.logical_axis_rules(self.rules):
-      self.rl_step = jit_sharded(
-          make_train_step(self.model_cfg, self.step_cfg, self.policy_tx, self.critic_tx),
-          self.state_shardings, self.batch_sharding)
-      self.value_step = jit_sharded(
-          # The arm's own estimator: a token-GAE critic is pretrained where
-          # that arm bootstraps, not on skip-observation targets.
-          make_train_step(self.model_cfg, dataclasses.replace(
-              self.step_cfg, critic_updates=1), self.policy_tx,
-                          self.critic_tx, update_actor=False),
-          self.state_shardings, self.batch_sharding)
-      sft = make_sft_step(self.model_cfg, self.sft_tx, config.rl.load_balance_coef)
-      self.sft_step = jax.jit(
-          sft, in_shardings=(self.policy_shardings, self.state_shardings.policy_opt,
-                             self.batch_sharding),
-          out_shardings=(self.policy_shardings, self.state_shardings.policy_opt, None),
-          donate_argnums=(0, 1))
-
-  def _replicated(self):
-    return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-
-  def _policy_tx(self, lr, steps, warmup):
-    return optim.make_optimizer(
-        jax.eval_shape(lambda: nn.unbox(self._policy_init())),
-        optim.warmup_cosine(lr, warmup, steps), clip_norm=self.config.rl.clip_norm)
-
-  def _opt_shardings(self, tx, params, param_shardings):
-    return sharding.shardings_like_params(jax.eval_shape(tx.init, params), params,
-                                          param_shardings, self.mesh)
-
-  def _jit_init(self, policy_params, critic_params):
-    def init(p, c):
-      return TrainState(jnp.zeros((), jnp.int32), p, c, self.policy_tx.init(p),
-                        self.critic_tx.init(c))
-    return jax.jit(init, out_shardings=self.state_shardings)(policy_params, critic_params)
 
   def _save(self, force=False):
     self.meta["ckpt_step"] += 1
@@ -179,7 +225,7 @@ class _Run:
 
   def _eval(self, name, params):
     e = self.config.eval
-    result = pass_at_1(self.model_cfg, params, self.env, self.tok, num_tasks=e.num_tasks,
+    result = pass_at_1(self.model_cfg, params, self.frozen_env, self.tok, num_tasks=e.num_tasks,
                        slots=e.slots, max_len=self.max_len,
                        max_turn_tokens=self.config.rollout.max_turn_tokens,
                        temperature=e.temperature, seed=self.config.seed + 7)
@@ -241,7 +287,7 @@ class _Run:
       # Trajectories of the initial policy, into the trajectory store.
       engine = self._engine(self.state.policy, version=0)
       with store.TrajectoryWriter(shard) as writer:
-        driver = RolloutDriver(engine, self.env, self.tok,
+        driver = RolloutDriver(engine, self.frozen_env, self.tok,
                                iter(range(10**9, 10**9 + c.num_trajectories)), writer.write,
                                max_turn_tokens=self.config.rollout.max_turn_tokens,
                                env_workers=self.config.rollout.env_workers,

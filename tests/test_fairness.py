@@ -67,3 +67,16 @@ def test_critic_lam_is_validated():
   c.rl.critic_lam = 1.5
   with pytest.raises(configuration.ConfigError, match="rl.critic_lam"):
     configuration.validate(c, num_devices=8)
+
+
+def test_online_style_schedule_moves_with_training_episodes_only():
+  from sao_jax.envs.online_style import OnlineStyle, OnlineStyleConfig  # pylint: disable=import-outside-toplevel
+  env = OnlineStyle(OnlineStyleConfig(switch_every=2))
+  frozen = env.frozen()
+  task = env.task(0)
+  line = env.demonstration(task, "academic")[0][0]
+  # Evaluation / value-pretraining episodes: the preference of the moment, no advance.
+  assert [frozen.episode(task).step(line).reward for _ in range(5)] == [1.0] * 5
+  assert [env.episode(task).step(line).reward for _ in range(2)] == [1.0, 1.0]
+  assert frozen.episode(task).step(line).reward == 0.0  # two training episodes: switched
+  assert env.episode(task).step(env.demonstration(task, "cute")[0][0]).reward == 1.0

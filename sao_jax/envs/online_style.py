@@ -18,7 +18,8 @@ normal sentence and is fine.
 The reward is 1 when quality holds and the style is the one currently
 preferred. The preference cycles through four styles (academic, cute,
 chuunibyou, classical, like the paper's simulation) every `switch_every`
-episodes started, so a policy that settled on one style must re-adapt after
+training episodes started (evaluation uses `frozen()`, which reads the
+schedule without advancing it), so a policy that settled on one style must re-adapt after
 each switch: the online-learning setting where SAO's critic recovers faster
 than a running-mean baseline.
 """
@@ -26,7 +27,6 @@ than a running-mean baseline.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import re
 import threading
 
@@ -95,7 +95,7 @@ class OnlineStyle:
 
   def __init__(self, config: OnlineStyleConfig = OnlineStyleConfig()):
     self.config = config
-    self._episodes = itertools.count()
+    self._episodes = 0  # training episodes started: the schedule's clock
     self._lock = threading.Lock()
 
   def preferred_style(self, episode_number: int) -> str:
@@ -110,8 +110,18 @@ class OnlineStyle:
 
   def episode(self, task: Task) -> _Episode:
     with self._lock:
-      n = next(self._episodes)
+      n = self._episodes
+      self._episodes += 1
     return _Episode(self, task, self.preferred_style(n))
+
+  def frozen(self) -> "_FrozenView":
+    """This environment for evaluation and value pretraining.
+
+    Its episodes are judged by the preference of the moment but do not
+    advance the schedule, so only training episodes move the preference
+    (held-out evaluations of 400 tasks would otherwise shift it mid-run).
+    """
+    return _FrozenView(self)
 
   def demonstration(self, task: Task, style: str | None = None) -> list[tuple[str, str]]:
     """A good line in `style` (default: one drawn per task, all styles alike)."""
@@ -122,3 +132,22 @@ class OnlineStyle:
     filler = list(rng.choice(_FILLER, size=3, replace=False))
     words = [filler[0], task.meta["topic"], markers[0], filler[1], filler[2], markers[1]]
     return [(" ".join(words), "")]
+
+
+class _FrozenView:
+  """OnlineStyle whose episodes read the schedule without advancing it."""
+
+  def __init__(self, env: OnlineStyle):
+    self._env = env
+    self.name, self.max_turns, self.config = env.name, env.max_turns, env.config
+
+  def task(self, index: int) -> Task:
+    return self._env.task(index)
+
+  def demonstration(self, task: Task, style: str | None = None):
+    return self._env.demonstration(task, style)
+
+  def episode(self, task: Task) -> _Episode:
+    with self._env._lock:  # pylint: disable=protected-access
+      n = self._env._episodes  # pylint: disable=protected-access
+    return _Episode(self._env, task, self._env.preferred_style(n))
