@@ -35,6 +35,10 @@ EXTRAS = {
     "bench": ["matplotlib>=3.8"],
     # JetStream's Engine API and gRPC server (pulls in seqio / TensorFlow).
     "jetstream": ["google-jetstream==0.2.2"],
+    # The TPU compiler (libtpu) for launch/compile.py: ahead-of-time compiles
+    # for a TPU topology on a CPU host. Pinned to the jax it must match
+    # (libtpu is built for one jax release).
+    "aot": ["jax[tpu]==0.10.2"],
 }
 
 setuptools.setup(

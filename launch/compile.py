@@ -1,0 +1,556 @@
+"""Compiles the trainer's and the rollout engine's programs for a TPU topology, on a CPU host.
+
+    python launch/compile.py --config=configs/sao_moe.py --topology=v5p-256 \
+        [--rollout_topology=v5p-64] [--out=compile.json] \
+        [--programs=sft,value,rl,prefill,decode] [--min_headroom=0.10] \
+        [--config.model.overrides.num_layers=2]
+
+No TPU is reachable from the project's machines, but the TPU compiler is:
+libtpu (`pip install -e '.[aot]'`) compiles for a topology it only knows by
+name (DESIGN.md section 8). This script lowers the very programs the
+trainer runs -- `trainer.build_programs` builds them for the trainer too --
+with the config's own mesh, sharding rules and batch shapes, on the
+topology's devices. Inputs are `jax.ShapeDtypeStruct`s carrying shardings,
+from `jax.eval_shape` of the initialisers: nothing is allocated, so a 30B
+model compiles on a laptop.
+
+The TPU compiler refuses a program that does not fit a chip's HBM ("Ran
+out of memory on HBM"), and reports per-chip argument / output / temporary
+/ aliased bytes of one that does. Each program gets a row: compile time,
+those figures, their total against the chip's HBM, the headroom left and
+FITS / DOES NOT FIT; a refused compile is a DOES NOT FIT row with the
+compiler's message, not a crash. The exit status is 0 only when every
+program fits with at least --min_headroom of HBM to spare, so the same
+command is a gate in CI and the first thing to run on a real pod.
+
+Programs and the shapes they are compiled at:
+
+  sft      SFT step: sft.batch_size packed rows of max(data.buckets) tokens
+  value    value-pretraining step (one critic update): rl.batch_size rows
+  rl       RL step (K critic updates + the actor update): rl.batch_size rows
+  prefill  the rollout engine's step appending [rollout.slots, W] tokens to
+           a [slots, rollout.max_len] cache; W = the engine's largest prefill
+           bucket (max_len: a "recompute" weight swap re-feeds whole records)
+  decode   the same step with one token per slot
+
+--rows, --length and --prefill_len override those shapes.
+
+Topologies: Cloud TPU names (v5p-256, v5e-4, v6e-8, v4-16) or libtpu's own
+(v5p:4x4x8, v5e:2x2). Mind that v5p and v4 names count TensorCores, two per
+chip: v5p-128 is 64 chips (4x4x4) and the 128-chip slice is v5p-256.
+
+`--config.model.overrides.FIELD=VALUE` sets a ModelConfig field (e.g.
+num_layers=2) even though the configs' override dicts are empty and locked.
+"""
+
+import ast
+import contextlib
+import dataclasses
+import datetime
+import functools
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import warnings
+
+# The host's own devices only run eval_shape; the programs are compiled for
+# the topology's devices. Without this JAX would try to claim a local TPU.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import flax.linen as nn  # pylint: disable=g-import-not-at-top
+import jax
+import numpy as np
+from absl import flags
+from jax.experimental import topologies
+from ml_collections import config_flags
+
+from sao_jax import configuration, sharding, trainer
+from sao_jax.data import packing
+from sao_jax.models import decoding
+from sao_jax.rollout import engine as engine_lib
+
+PROGRAMS = ("sft", "value", "rl", "prefill", "decode")
+GIB = 2**30
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
+_TOPOLOGY = flags.DEFINE_string(
+    "topology", None, "TPU topology of the trainer: v5p-256, v5e-4, or libtpu's v5p:4x4x8.")
+_ROLLOUT_TOPOLOGY = flags.DEFINE_string(
+    "rollout_topology", None, "Topology of the rollout slice (default: --topology).")
+_OUT = flags.DEFINE_string("out", None, "Write the results here as JSON.")
+_PROGRAMS = flags.DEFINE_list("programs", list(PROGRAMS), f"Which of {PROGRAMS} to compile.")
+_MIN_HEADROOM = flags.DEFINE_float(
+    "min_headroom", 0.10, "Fraction of HBM each program must leave free to count as fitting.")
+_ROWS = flags.DEFINE_integer("rows", None, "Packed rows of the train steps (default: the "
+                             "config's sft.batch_size / rl.batch_size).")
+_LENGTH = flags.DEFINE_integer("length", None, "Tokens per packed row (default: "
+                               "max(data.buckets), the largest bucket).")
+_ROLLOUT_MESH = flags.DEFINE_string(
+    "rollout_mesh", None, "Shard the rollout engine over a mesh of the rollout topology, e.g. "
+    "data:-1,tensor:4 (default: one chip, as the trainer's in-process engine runs).")
+_PREFILL_LEN = flags.DEFINE_integer("prefill_len", None, "Width of the prefill step "
+                                    "(default: the engine's largest bucket, rollout.max_len).")
+_HEARTBEAT_S = flags.DEFINE_integer("heartbeat_s", 60, "Seconds between progress lines.")
+flags.mark_flags_as_required(["config", "topology"])
+
+# HBM per device that the TPU compiler holds programs to (its own "available
+# HBM" figure), by device kind. libtpu's compile-only devices do not report
+# memory (memory_stats() needs an addressable device), so these were read off
+# the compiler's out-of-memory message on each kind with libtpu 0.0.42:
+# v5p 95 GiB per chip, v5e 16 GiB, v6e 32 GiB, less what the runtime keeps;
+# a v4 topology has one device per TensorCore, each with half of the chip's
+# 32 GiB.
+HBM_BYTES = {
+    "TPU v5": 95.74 * GIB, "TPU v5p": 95.74 * GIB,
+    "TPU v5 lite": 15.75 * GIB, "TPU v5e": 15.75 * GIB,
+    "TPU v6 lite": 31.25 * GIB, "TPU v6e": 31.25 * GIB,
+    "TPU v4": 15.25 * GIB,
+}
+
+# Cloud TPU generation names -> (libtpu's name, TensorCores per chip, 3-D torus).
+_GENERATIONS = {"v5p": ("v5p", 2, True), "v4": ("v4", 2, True), "v5e": ("v5e", 1, False),
+                "v5litepod": ("v5e", 1, False), "v6e": ("v6e", 1, False)}
+
+
+def topology_name(name: str) -> str:
+  """libtpu's topology name ("v5p:4x4x8") for a Cloud TPU name ("v5p-256") or itself.
+
+  Cloud names count TensorCores for v4 and v5p (two per chip) and chips for
+  v5e and v6e. The torus shapes are the standard slice shapes: starting at
+  2x2x1 (3-D) or 1x1 (2-D), each doubling doubles the smallest dimension
+  (the last one among equals), which gives v5p-128 = 4x4x4, v5p-256 =
+  4x4x8, v5e-16 = 4x4, v5e-32 = 4x8.
+  """
+  if ":" in name:
+    return name
+  m = re.fullmatch(r"(v5p|v4|v5e|v5litepod|v6e)-(\d+)", name)
+  if not m:
+    raise configuration.ConfigError(
+        f"--topology={name!r}: expected a Cloud TPU name like v5p-256 / v5e-4 / v6e-8, or "
+        "libtpu's like v5p:4x4x8 / v5e:2x2")
+  gen, cores_per_chip, torus3d = _GENERATIONS[m.group(1)]
+  count = int(m.group(2))
+  chips = count // cores_per_chip
+  smallest = 4 if torus3d else 1
+  if count % cores_per_chip or chips < smallest or chips & (chips - 1):
+    raise configuration.ConfigError(
+        f"--topology={name!r}: {m.group(1)} slices here are {smallest} chips or a power of "
+        f"two above ({cores_per_chip} per chip in the name); give libtpu's name (e.g. "
+        f"{gen}:4x4x12) for other shapes")
+  dims = [2, 2, 1] if torus3d else [1, 1]
+  while int(np.prod(dims)) < chips:
+    low = min(dims)
+    i = max(j for j, d in enumerate(dims) if d == low)
+    dims[i] *= 2
+  return f"{gen}:{'x'.join(map(str, dims))}"
+
+
+def topology_devices(name: str):
+  """(libtpu's name, the topology's devices) for compiling without the hardware."""
+  tname = topology_name(name)
+  try:
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=tname)
+  except Exception as e:  # pylint: disable=broad-except
+    raise configuration.ConfigError(f"--topology={name!r} ({tname}): libtpu refused it: "
+                                    f"{_first_line(str(e))}") from None
+  return tname, list(topo.devices)
+
+
+def hbm_bytes(device) -> float:
+  kind = device.device_kind
+  if kind not in HBM_BYTES:
+    raise configuration.ConfigError(f"no HBM size known for device kind {kind!r}; add it to "
+                                    "HBM_BYTES in launch/compile.py")
+  return HBM_BYTES[kind]
+
+
+# --------------------------------------------------------------- config
+
+
+def pop_model_overrides(argv: list[str]) -> dict:
+  """Removes `--config.model.overrides.FIELD=VALUE` from argv; returns {FIELD: VALUE}.
+
+  The configs' `model.overrides` is an empty, locked dict, so ml_collections'
+  flag parser refuses new keys in it; ModelConfig fields (num_layers, and
+  scan / remat / attention switches as they land) are exactly what one
+  wants to vary when sizing a pod. Values are Python literals where they
+  parse (2, True, 0.5) and strings otherwise ("splash").
+  """
+  out, prefix = {}, "--config.model.overrides."
+  for arg in list(argv):
+    if arg.startswith(prefix):
+      key, sep, value = arg[len(prefix):].partition("=")
+      if not sep or not key:
+        raise SystemExit(f"error: {arg!r}: write {prefix}FIELD=VALUE")
+      try:
+        parsed = ast.literal_eval(value)
+      except (ValueError, SyntaxError):
+        parsed = {"true": True, "false": False}.get(value.lower(), value)
+      out[key] = parsed
+      argv.remove(arg)
+  return out
+
+
+_MODEL_OVERRIDES: dict = {}
+
+
+def _git_commit() -> str | None:
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  try:
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                          text=True, check=True, timeout=30).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                           capture_output=True, text=True, check=True, timeout=30).stdout
+    return head + ("+uncommitted" if dirty.strip() else "")
+  except (OSError, subprocess.SubprocessError):
+    return None
+
+
+# --------------------------------------------------------------- programs
+
+
+@dataclasses.dataclass
+class Program:
+  """One program to compile: the jitted function, abstract args, how it is traced."""
+  name: str
+  fn: object  # a jax.jit-wrapped function
+  args: tuple
+  shape: str  # the batch / cache shape, in words
+  topology: str
+  hbm: float
+  context: object = contextlib.nullcontext
+
+
+def abstract_batch(rows: int, length: int, batch_sharding) -> dict:
+  """A packed batch `[rows, length]` of ShapeDtypeStructs, dtypes from `packing.pack`."""
+  example = packing.pack([], 1, (8,))
+  return {k: jax.ShapeDtypeStruct((rows, length), v.dtype, sharding=batch_sharding)
+          for k, v in example.items()}
+
+
+def train_programs(config, progs: trainer.Programs, mesh, topo: str, hbm: float) -> dict:
+  """The trainer's sft / value / rl steps at the largest bucket, as it calls them."""
+  length = _LENGTH.value or max(config.data.buckets)
+  rl_rows = _ROWS.value or config.rl.batch_size
+  sft_rows = _ROWS.value or config.sft.batch_size
+  state = progs.abstract_state
+  # The trainer calls its steps inside the mesh and its logical-axis rules,
+  # which turn the model's activation annotations into sharding constraints.
+  ctx = lambda: _in_mesh(mesh, progs.rules)
+  rl_batch = abstract_batch(rl_rows, length, progs.batch_sharding)
+  sft_batch = abstract_batch(sft_rows, length, progs.batch_sharding)
+  return {
+      "sft": Program("sft", progs.sft_step, (state.policy, state.policy_opt, sft_batch),
+                     f"{sft_rows}x{length}", topo, hbm, ctx),
+      "value": Program("value", progs.value_step, (state, rl_batch), f"{rl_rows}x{length}",
+                       topo, hbm, ctx),
+      "rl": Program("rl", progs.rl_step, (state, rl_batch),
+                    f"{rl_rows}x{length} K={config.rl.critic_updates}", topo, hbm, ctx),
+  }
+
+
+@contextlib.contextmanager
+def _in_mesh(mesh, rules):
+  with mesh, nn.logical_axis_rules(rules):
+    yield
+
+
+def _parse_mesh(text: str) -> dict:
+  """"data:-1,tensor:4" -> {"data": -1, "tensor": 4}."""
+  out = {}
+  for part in text.split(","):
+    name, sep, size = part.partition(":")
+    if not sep or not name.strip():
+      raise configuration.ConfigError(f"--rollout_mesh={text!r}: write AXIS:SIZE,... "
+                                      "(e.g. data:-1,tensor:4)")
+    try:
+      out[name.strip()] = int(size)
+    except ValueError:
+      raise configuration.ConfigError(f"--rollout_mesh={text!r}: {size!r} is not an "
+                                      "integer") from None
+  return out
+
+
+def engine_programs(config, model_cfg, abstract_policy, devices, topo: str,
+                    hbm: float) -> tuple[dict, str]:
+  """The rollout engine's fused step as prefill ([slots, W]) and decode ([slots, 1]).
+
+  Returns ({name: Program}, the engine's layout in words).
+
+  Single device (no --rollout_mesh; what the trainer's in-process engine
+  is): params and the dense [slots, max_len] cache on the rollout
+  topology's first chip. With --rollout_mesh (and an engine that can shard:
+  `engine.engine_shardings`), the engine's own shardings over a mesh of the
+  rollout topology, rules from `engine.rollout_rules`. The function is the
+  engine's module-level `_step`, jitted as `PolicyEngine._step` jits it
+  (same in / out shardings and donation): building an engine would copy
+  real params onto devices. Both steps attend over the whole cache (the
+  engine's largest kv bucket), the worst case.
+  """
+  r = config.rollout
+  abstract_cache = jax.eval_shape(lambda: decoding.init_cache(model_cfg, r.slots, r.max_len))
+  sampling = engine_lib.SamplingConfig(r.temperature, r.top_k, r.top_p)
+  takes_kv = "kv" in inspect.signature(engine_lib._step).parameters  # pylint: disable=protected-access
+  body = functools.partial(engine_lib._step, model_cfg, sampling,  # pylint: disable=protected-access
+                           *((None,) if takes_kv else ()))
+  rng = jax.eval_shape(lambda: jax.random.key(0))
+  width = _PREFILL_LEN.value or r.max_len
+  with_sharding = lambda tree, sh: jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
+
+  if _ROLLOUT_MESH.value:
+    if not hasattr(engine_lib, "engine_shardings"):
+      raise configuration.ConfigError("--rollout_mesh: this version's rollout engine has no "
+                                      "sharded layout (engine.engine_shardings)")
+    mesh = sharding.make_mesh(_parse_mesh(_ROLLOUT_MESH.value), devices=devices)
+    rules = tuple(tuple(x) for x in engine_lib.rollout_rules(mesh))
+    s = engine_lib.engine_shardings(model_cfg, r.slots, r.max_len, mesh, rules)
+    step = jax.jit(body, in_shardings=(s.params, s.cache, s.slots, s.tokens, s.tokens,
+                                       s.replicated),
+                   out_shardings=(s.cache, s.slots, s.slots, s.slots), donate_argnums=(1, 2))
+    params = with_sharding(abstract_policy, s.params)
+    cache = with_sharding(abstract_cache, s.cache)
+    lengths = jax.ShapeDtypeStruct((r.slots,), np.int32, sharding=s.slots)
+    rng = with_sharding(rng, s.replicated)
+    tokens_sh = s.tokens
+    context = lambda: _in_set_mesh(mesh, rules)
+    layout = f"mesh {dict(mesh.shape)}"
+  else:
+    dev = jax.sharding.SingleDeviceSharding(devices[0])
+    place = lambda tree: jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), tree)
+    step = jax.jit(body, donate_argnums=(1,))
+    params, cache, rng = place(abstract_policy), place(abstract_cache), place(rng)
+    lengths = jax.ShapeDtypeStruct((r.slots,), np.int32, sharding=dev)
+    tokens_sh, context, layout = dev, contextlib.nullcontext, "1 chip"
+
+  def args(w):
+    return (params, cache, lengths, jax.ShapeDtypeStruct((r.slots, w), np.int32,
+                                                         sharding=tokens_sh),
+            jax.ShapeDtypeStruct((r.slots, w), np.bool_, sharding=tokens_sh), rng)
+
+  cache_shape = f"cache {r.slots}x{r.max_len}, {layout}"
+  return {
+      "prefill": Program("prefill", step, args(width), f"{r.slots}x{width}, {cache_shape}",
+                         topo, hbm, context),
+      "decode": Program("decode", step, args(1), f"{r.slots}x1, {cache_shape}", topo, hbm,
+                        context),
+  }, layout
+
+
+@contextlib.contextmanager
+def _in_set_mesh(mesh, rules):
+  """The sharded engine's context (PolicyEngine._context): its mesh and rules."""
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    yield
+
+
+# --------------------------------------------------------------- compiling
+
+
+def _first_line(msg: str, limit: int = 400) -> str:
+  lines = [ln.strip() for ln in msg.strip().splitlines() if ln.strip()]
+  pick = next((ln for ln in lines if "memory" in ln.lower()), lines[0] if lines else "")
+  return pick[:limit]
+
+
+def _gib_in(pattern: str, msg: str) -> float | None:
+  m = re.search(pattern + r"\s*\(([\d.]+)([KMGT])\)", msg)
+  if not m:
+    return None
+  return float(m.group(1)) * {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[m.group(2)]
+
+
+@contextlib.contextmanager
+def _heartbeat(name: str, start: float, every: int):
+  """Prints a progress line every `every` seconds while a compile runs (they take minutes)."""
+  done = threading.Event()
+
+  def beat():
+    while not done.wait(every):
+      print(f"[compile] {name}: still compiling, {time.time() - start:.0f} s", flush=True)
+
+  t = threading.Thread(target=beat, daemon=True)
+  t.start()
+  try:
+    yield
+  finally:
+    done.set()
+    t.join()
+
+
+def compile_one(p: Program, min_headroom: float) -> dict:
+  """Lowers and compiles `p`; its row: timings, per-chip bytes and the verdict."""
+  row = {"program": p.name, "shape": p.shape, "topology": p.topology, "hbm_bytes": p.hbm}
+  start = time.time()
+  print(f"[compile] {p.name} ({p.shape}) on {p.topology}: lowering", flush=True)
+  try:
+    with _heartbeat(p.name, start, _HEARTBEAT_S.value):
+      with p.context():
+        lowered = p.fn.lower(*p.args)
+      row["lower_s"] = round(time.time() - start, 2)
+      print(f"[compile] {p.name}: lowered in {row['lower_s']:.1f} s; compiling", flush=True)
+      compiled = lowered.compile()
+  except Exception as e:  # pylint: disable=broad-except
+    msg = str(e)
+    row["compile_s"] = round(time.time() - start, 2)
+    if "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower():
+      row.update(status="DOES NOT FIT", fits=False, message=_first_line(msg),
+                 required_bytes=_gib_in(r"HLO temporaries", msg),
+                 compiler_hbm_bytes=_gib_in(r"available HBM", msg))
+    else:
+      row.update(status="ERROR", fits=False, message=f"{type(e).__name__}: {_first_line(msg)}")
+    print(f"[compile] {p.name}: {row['status']} after {row['compile_s']:.0f} s: "
+          f"{row['message']}", flush=True)
+    return row
+  row["compile_s"] = round(time.time() - start, 2)
+  m = compiled.memory_analysis()
+  arg, out = m.argument_size_in_bytes, m.output_size_in_bytes
+  temp, alias = m.temp_size_in_bytes, m.alias_size_in_bytes
+  code = m.generated_code_size_in_bytes
+  # Donated arguments (alias) are counted in both argument and output bytes
+  # but live once.
+  total = arg + out - alias + temp + code
+  headroom = 1.0 - total / p.hbm
+  fits = headroom >= min_headroom
+  row.update(argument_bytes=arg, output_bytes=out, temp_bytes=temp, alias_bytes=alias,
+             code_bytes=code, total_bytes=total,
+             peak_bytes=getattr(m, "peak_memory_in_bytes", None), headroom=headroom,
+             fits=fits, status="FITS" if fits else "DOES NOT FIT")
+  if not fits:
+    row["message"] = (f"{total / GIB:.2f} GiB of {p.hbm / GIB:.2f} GiB leaves "
+                      f"{headroom:.1%} headroom, less than --min_headroom={min_headroom:.0%}")
+  print(f"[compile] {p.name}: compiled in {row['compile_s']:.0f} s, {total / GIB:.2f} GiB "
+        f"per chip: {row['status']}", flush=True)
+  return row
+
+
+def format_table(rows: list[dict]) -> str:
+  head = (f"{'program':<8} {'shape':<34} {'compile s':>9} {'args GiB':>9} {'out GiB':>8} "
+          f"{'temp GiB':>9} {'alias GiB':>9} {'total GiB':>9} {'HBM GiB':>8} {'headroom':>8}  "
+          "verdict")
+  lines = [head, "-" * len(head)]
+  g = lambda r, k: f"{r[k] / GIB:.3f}" if r.get(k) is not None else "-"
+  for r in rows:
+    total = g(r, "total_bytes")
+    if r.get("total_bytes") is None and r.get("required_bytes"):
+      total = f">{r['required_bytes'] / GIB:.1f}"  # what the refusing compiler needed
+    headroom = f"{r['headroom']:.1%}" if "headroom" in r else "-"
+    lines.append(f"{r['program']:<8} {r['shape']:<34} {r.get('compile_s', 0):>9.1f} "
+                 f"{g(r, 'argument_bytes'):>9} {g(r, 'output_bytes'):>8} {g(r, 'temp_bytes'):>9} "
+                 f"{g(r, 'alias_bytes'):>9} {total:>9} {r['hbm_bytes'] / GIB:>8.2f} "
+                 f"{headroom:>8}  {r['status']}")
+  for r in rows:
+    if r.get("message"):
+      lines.append(f"  {r['program']}: {r['message']}")
+  return "\n".join(lines)
+
+
+# --------------------------------------------------------------- main
+
+
+def main(argv):
+  del argv
+  # The trainer enters its mesh with `with mesh:`; the compile does the same.
+  warnings.filterwarnings("ignore", message=r".*`with mesh:` context manager")
+  jax.config.update("jax_enable_compilation_cache", False)  # AOT TPU programs: nothing to reuse
+  config = _CONFIG.value
+  if _MODEL_OVERRIDES:
+    with config.unlocked():
+      for key, value in _MODEL_OVERRIDES.items():
+        config.model.overrides[key] = value
+  unknown = [p for p in _PROGRAMS.value if p not in PROGRAMS]
+  if unknown or not _PROGRAMS.value:
+    raise configuration.ConfigError(f"--programs={','.join(_PROGRAMS.value)}: each must be "
+                                    f"one of {','.join(PROGRAMS)}")
+  if not 0 <= _MIN_HEADROOM.value <= 1:
+    raise configuration.ConfigError(f"--min_headroom={_MIN_HEADROOM.value}: must be in [0, 1]")
+  for flag in (_ROWS, _LENGTH, _PREFILL_LEN):
+    if flag.value is not None and flag.value < 1:
+      raise configuration.ConfigError(f"--{flag.name}={flag.value}: must be >= 1")
+
+  tname, devices = topology_devices(_TOPOLOGY.value)
+  rname, rdevices = (topology_devices(_ROLLOUT_TOPOLOGY.value) if _ROLLOUT_TOPOLOGY.value
+                     else (tname, devices))
+  try:
+    configuration.validate(config, num_devices=len(devices))
+  except configuration.ConfigError as e:
+    hint = ""
+    if "sharding.mesh" in str(e) and re.fullmatch(r"(v5p|v4)-\d+", _TOPOLOGY.value):
+      hint = (f" ({_TOPOLOGY.value} is {len(devices)} chips: v5p / v4 names count "
+              "TensorCores, two per chip)")
+    raise configuration.ConfigError(f"{e} of {_TOPOLOGY.value} ({tname}){hint}") from None
+  model_cfg = trainer.build_model_config(config)
+  step_cfg = trainer.step_config(config)
+  mesh = sharding.make_mesh(dict(config.sharding.mesh), devices=devices)
+  hbm, rhbm = hbm_bytes(devices[0]), hbm_bytes(rdevices[0])
+
+  print(f"[compile] trainer: {_TOPOLOGY.value} = {tname}, {len(devices)} x "
+        f"{devices[0].device_kind} ({hbm / GIB:.2f} GiB HBM each), mesh "
+        f"{dict(mesh.shape)}", flush=True)
+  if rname != tname or rdevices is not devices:
+    print(f"[compile] rollout: {_ROLLOUT_TOPOLOGY.value} = {rname}, {len(rdevices)} x "
+          f"{rdevices[0].device_kind} ({rhbm / GIB:.2f} GiB HBM each)", flush=True)
+  t0 = time.time()
+  progs = trainer.build_programs(config, model_cfg, step_cfg, mesh)
+  n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(progs.abstract_state.policy))
+  print(f"[compile] model: {config.model.preset} {dict(config.model.overrides)}, "
+        f"{model_cfg.num_layers} layers, {n_params / 1e9:.3f}B policy params; programs built "
+        f"in {time.time() - t0:.1f} s", flush=True)
+
+  wanted, engine_layout = {}, None
+  if {"sft", "value", "rl"} & set(_PROGRAMS.value):
+    wanted.update(train_programs(config, progs, mesh, tname, hbm))
+  if {"prefill", "decode"} & set(_PROGRAMS.value):
+    engine_progs, engine_layout = engine_programs(
+        config, model_cfg, progs.abstract_state.policy, rdevices, rname, rhbm)
+    print(f"[compile] rollout engine: {engine_layout}", flush=True)
+    wanted.update(engine_progs)
+  rows = [compile_one(wanted[name], _MIN_HEADROOM.value)
+          for name in PROGRAMS if name in _PROGRAMS.value]
+
+  table = format_table(rows)
+  print("\n" + table, flush=True)
+  ok = all(r["fits"] for r in rows)
+  result = {
+      "command": " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:] + [
+          f"--config.model.overrides.{k}={v}" for k, v in _MODEL_OVERRIDES.items()]),
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "git_commit": _git_commit(),
+      "jax": jax.__version__,
+      "topology": {"name": _TOPOLOGY.value, "libtpu_name": tname, "devices": len(devices),
+                   "device_kind": devices[0].device_kind, "hbm_bytes": hbm},
+      "rollout_topology": {"name": _ROLLOUT_TOPOLOGY.value or _TOPOLOGY.value,
+                           "libtpu_name": rname, "devices": len(rdevices),
+                           "device_kind": rdevices[0].device_kind, "hbm_bytes": rhbm},
+      "mesh": {k: int(v) for k, v in mesh.shape.items()},
+      "rollout_engine": engine_layout,
+      "model": {"preset": config.model.preset, "overrides": dict(config.model.overrides),
+                "num_layers": model_cfg.num_layers, "policy_params": n_params},
+      "min_headroom": _MIN_HEADROOM.value,
+      "programs": {r["program"]: r for r in rows},
+      "table": table,
+      "ok": ok,
+  }
+  if _OUT.value:
+    os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
+    with open(_OUT.value, "w", encoding="utf-8") as f:
+      json.dump(result, f, indent=2)
+    print(f"[compile] wrote {_OUT.value}", flush=True)
+  if not ok:
+    bad = [f"{r['program']} ({r['status']})" for r in rows if not r["fits"]]
+    print(f"error: does not fit {tname} with {_MIN_HEADROOM.value:.0%} headroom: "
+          f"{', '.join(bad)}", file=sys.stderr, flush=True)
+    sys.exit(1)
+  print(f"[compile] all {len(rows)} programs fit with >= {_MIN_HEADROOM.value:.0%} headroom",
+        flush=True)
+
+
+if __name__ == "__main__":
+  _MODEL_OVERRIDES.update(pop_model_overrides(sys.argv))
+  configuration.run(main)

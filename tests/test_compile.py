@@ -1,0 +1,139 @@
+"""launch/compile.py: the trainer's and the engine's programs compiled for a TPU topology here.
+
+The TPU compiler (libtpu, the `aot` extra that `make test` installs) runs
+on this CPU host for a topology it only knows by name (DESIGN.md section
+8). These tests compile every program of a reduced config -- the tiny
+model under the pod config's sharding rules on a 4-chip v5e mesh -- and
+check what the script reports, that a program which cannot fit fails the
+run with the compiler's own message, and that a topology the config's mesh
+does not match is refused in one line. The script runs in a subprocess, as
+it would be run: absl flags, libtpu's initialisation and the exit status
+are part of what is tested.
+
+Without libtpu there is nothing to compile with; the tests are then
+skipped with a loud reason instead of passing silently.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "launch", "compile.py")
+PROGRAMS = ("sft", "value", "rl", "prefill", "decode")
+GIB = 2**30
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="NOT TESTED: libtpu (the TPU compiler) is not installed, so launch/compile.py "
+    "cannot compile anything; install the aot extra: pip install -e '.[aot]' (make test does)")
+
+# The tiny model with the pod config's rules (fsdp / expert axes) on a mesh
+# of 4 chips, small rollout shapes; --rows / --length shrink the batches.
+CONFIG = textwrap.dedent('''\
+    """Tiny model, configs/sao_moe.py's sharding rules, a 4-chip mesh."""
+    import sys
+    sys.path.insert(0, {configs!r})
+    import common
+    import sao_moe
+
+
+    def get_config(arg=None):
+      c = common.get_config()
+      c.sharding.mesh = {{"data": 1, "fsdp": 2, "expert": 2, "tensor": 1}}
+      c.sharding.rules = sao_moe.POD_RULES
+      c.rollout.slots = 4
+      c.rollout.max_len = 64
+      return c
+    ''')
+
+
+def run_compile(tmp_path, *args, timeout=600):
+  """(exit status, stdout, stderr, the --out JSON or None) of one launch."""
+  config = tmp_path / "tiny_pod.py"
+  config.write_text(CONFIG.format(configs=os.path.join(ROOT, "configs")))
+  out = tmp_path / "compile.json"
+  if out.exists():
+    out.unlink()
+  cmd = [sys.executable, SCRIPT, f"--config={config}", f"--out={out}", *args]
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+  result = json.loads(out.read_text()) if out.exists() else None
+  return proc.returncode, proc.stdout, proc.stderr, result
+
+
+def test_every_program_compiles_and_fits(tmp_path):
+  rc, stdout, stderr, result = run_compile(
+      tmp_path, "--topology=v5e-4", "--rows=4", "--length=64",
+      "--config.model.overrides.num_layers=1")
+  assert rc == 0, stdout[-3000:] + stderr[-3000:]
+  # The Cloud TPU name maps to libtpu's, and the config's mesh is laid on it.
+  assert result["topology"]["libtpu_name"] == "v5e:2x2"
+  assert result["topology"]["devices"] == 4
+  assert result["topology"]["device_kind"] == "TPU v5 lite"
+  assert result["topology"]["hbm_bytes"] == pytest.approx(15.75 * GIB)
+  assert result["mesh"] == {"data": 1, "fsdp": 2, "expert": 2, "tensor": 1}
+  assert result["model"]["num_layers"] == 1  # the override reached the model
+  assert result["rollout_engine"] == "1 chip"
+  assert result["ok"] is True
+  assert set(result["programs"]) == set(PROGRAMS)
+  shapes = {"sft": "4x64", "value": "4x64", "rl": "4x64 K=2", "prefill": "4x64, cache 4x64",
+            "decode": "4x1, cache 4x64"}
+  for name, row in result["programs"].items():
+    assert row["status"] == "FITS" and row["fits"], row
+    assert row["shape"].startswith(shapes[name]), row
+    assert row["compile_s"] > 0
+    for k in ("argument_bytes", "output_bytes", "total_bytes"):
+      assert row[k] > 0, (name, k)
+    # Every program donates its state (train steps) or its cache (engine).
+    assert row["alias_bytes"] > 0, name
+    assert row["temp_bytes"] >= 0
+    assert row["total_bytes"] == (row["argument_bytes"] + row["output_bytes"]
+                                  - row["alias_bytes"] + row["temp_bytes"] + row["code_bytes"])
+    # The bound: ~0.1M parameters (policy + critic + two Adam moments each,
+    # a few MiB) and [4, 64] batches need a few MiB; 256 MiB per chip leaves
+    # room for the compiler's scratch and still catches a program that
+    # replicates or materialises something it should not.
+    assert row["total_bytes"] < 256 * 2**20, (name, row["total_bytes"])
+    assert row["headroom"] > 0.9
+  # One table row per program, and progress lines while compiling.
+  for name in PROGRAMS:
+    assert f"[compile] {name}" in stdout
+    assert any(line.startswith(name) and line.rstrip().endswith("FITS")
+               for line in stdout.splitlines()), name
+
+
+def test_what_does_not_fit_fails_the_run_with_the_reason(tmp_path):
+  # sft at 2048 rows x 4096 tokens materialises ~270 GB of attention logits
+  # per chip: the TPU compiler refuses it. decode fits, but not with all of
+  # HBM to spare (--min_headroom=1).
+  rc, stdout, stderr, result = run_compile(
+      tmp_path, "--topology=v5e:2x2", "--programs=sft,decode", "--rows=2048",
+      "--length=4096", "--min_headroom=1.0")
+  assert rc == 1, stdout[-3000:] + stderr[-3000:]
+  assert "error: does not fit v5e:2x2" in stderr
+  assert result["ok"] is False and set(result["programs"]) == {"sft", "decode"}
+  sft = result["programs"]["sft"]
+  assert sft["status"] == "DOES NOT FIT" and not sft["fits"]
+  assert "Ran out of memory" in sft["message"], sft["message"]
+  assert sft["required_bytes"] > sft["hbm_bytes"]
+  assert sft["compiler_hbm_bytes"] == pytest.approx(15.75 * GIB, rel=1e-3)
+  decode = result["programs"]["decode"]
+  assert decode["status"] == "DOES NOT FIT" and decode["total_bytes"] > 0
+  assert "less than --min_headroom=100%" in decode["message"]
+
+
+def test_a_topology_the_mesh_does_not_fit_is_refused_in_one_line(tmp_path):
+  # v5p names count TensorCores: v5p-128 is 64 chips (4x4x4), and the pod
+  # config's mesh (fsdp 16 x expert 8) needs a multiple of 128.
+  config = os.path.join(ROOT, "configs", "sao_moe.py")
+  proc = subprocess.run([sys.executable, SCRIPT, f"--config={config}", "--topology=v5p-128"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+  error = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+  assert len(error) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  assert "v5p:4x4x4" in error[0] and "64 devices" in error[0] and "two per chip" in error[0]
