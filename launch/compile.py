@@ -511,45 +511,55 @@ def main(argv):
         config, model_cfg, progs.abstract_state.policy, rdevices, rname, rhbm)
     print(f"[compile] rollout engine: {engine_layout}", flush=True)
     wanted.update(engine_progs)
-  rows = [compile_one(wanted[name], _MIN_HEADROOM.value)
-          for name in PROGRAMS if name in _PROGRAMS.value]
+  command = " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:] + [
+      f"--config.model.overrides.{k}={v}" for k, v in _MODEL_OVERRIDES.items()])
+  started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
-  table = format_table(rows)
-  print("\n" + table, flush=True)
-  ok = all(r["fits"] for r in rows)
-  result = {
-      "command": " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:] + [
-          f"--config.model.overrides.{k}={v}" for k, v in _MODEL_OVERRIDES.items()]),
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "git_commit": _git_commit(),
-      "jax": jax.__version__,
-      "topology": {"name": _TOPOLOGY.value, "libtpu_name": tname, "devices": len(devices),
-                   "device_kind": devices[0].device_kind, "hbm_bytes": hbm},
-      "rollout_topology": {"name": _ROLLOUT_TOPOLOGY.value or _TOPOLOGY.value,
-                           "libtpu_name": rname, "devices": len(rdevices),
-                           "device_kind": rdevices[0].device_kind, "hbm_bytes": rhbm},
-      "mesh": {k: int(v) for k, v in mesh.shape.items()},
-      "rollout_engine": engine_layout,
-      "model": {"preset": config.model.preset, "overrides": dict(config.model.overrides),
-                "num_layers": model_cfg.num_layers, "policy_params": n_params},
-      "min_headroom": _MIN_HEADROOM.value,
-      "programs": {r["program"]: r for r in rows},
-      "table": table,
-      "ok": ok,
-  }
-  if _OUT.value:
+  def write(rows, complete):
+    """The results so far as JSON (after every program: a pod-sized run takes
+    hours, and a killed one still leaves what it measured)."""
+    if not _OUT.value:
+      return
+    result = {
+        "command": command, "date": started, "git_commit": _git_commit(),
+        "jax": jax.__version__,
+        "topology": {"name": _TOPOLOGY.value, "libtpu_name": tname, "devices": len(devices),
+                     "device_kind": devices[0].device_kind, "hbm_bytes": hbm},
+        "rollout_topology": {"name": _ROLLOUT_TOPOLOGY.value or _TOPOLOGY.value,
+                             "libtpu_name": rname, "devices": len(rdevices),
+                             "device_kind": rdevices[0].device_kind, "hbm_bytes": rhbm},
+        "mesh": {k: int(v) for k, v in mesh.shape.items()},
+        "rollout_engine": engine_layout,
+        "model": {"preset": config.model.preset, "overrides": dict(config.model.overrides),
+                  "num_layers": model_cfg.num_layers, "policy_params": n_params},
+        "min_headroom": _MIN_HEADROOM.value,
+        "programs": {r["program"]: r for r in rows},
+        "table": format_table(rows),
+        "complete": complete,
+        "ok": complete and all(r["fits"] for r in rows),
+    }
     os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
-    with open(_OUT.value, "w", encoding="utf-8") as f:
+    tmp = _OUT.value + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
       json.dump(result, f, indent=2)
+    os.replace(tmp, _OUT.value)
+
+  rows = []
+  for name in PROGRAMS:
+    if name in _PROGRAMS.value:
+      rows.append(compile_one(wanted[name], _MIN_HEADROOM.value))
+      write(rows, complete=len(rows) == len(_PROGRAMS.value))
+
+  print("\n" + format_table(rows), flush=True)
+  if _OUT.value:
     print(f"[compile] wrote {_OUT.value}", flush=True)
-  if not ok:
+  if not all(r["fits"] for r in rows):
     bad = [f"{r['program']} ({r['status']})" for r in rows if not r["fits"]]
     print(f"error: does not fit {tname} with {_MIN_HEADROOM.value:.0%} headroom: "
           f"{', '.join(bad)}", file=sys.stderr, flush=True)
     sys.exit(1)
   print(f"[compile] all {len(rows)} programs fit with >= {_MIN_HEADROOM.value:.0%} headroom",
         flush=True)
-
 
 if __name__ == "__main__":
   _MODEL_OVERRIDES.update(pop_model_overrides(sys.argv))
