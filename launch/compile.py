@@ -56,7 +56,6 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
 
 # The host's own devices only run eval_shape; the programs are compiled for
 # the topology's devices. Without this JAX would try to claim a local TPU.
@@ -239,8 +238,10 @@ def train_programs(config, progs: trainer.Programs, mesh, topo: str, hbm: float)
   rl_rows = _ROWS.value or config.rl.batch_size
   sft_rows = _ROWS.value or config.sft.batch_size
   state = progs.abstract_state
-  # The trainer calls its steps inside the mesh and its logical-axis rules,
-  # which turn the model's activation annotations into sharding constraints.
+  # The trainer calls its rl and value steps inside its mesh and logical-axis
+  # rules, which turn the model's activation annotations into sharding
+  # constraints. Its sft() calls sft_step outside them (the constraints are
+  # then dropped); here sft is lowered like the other two.
   ctx = lambda: _in_mesh(mesh, progs.rules)
   rl_batch = abstract_batch(rl_rows, length, progs.batch_sharding)
   sft_batch = abstract_batch(sft_rows, length, progs.batch_sharding)
@@ -256,7 +257,13 @@ def train_programs(config, progs: trainer.Programs, mesh, topo: str, hbm: float)
 
 @contextlib.contextmanager
 def _in_mesh(mesh, rules):
-  with mesh, nn.logical_axis_rules(rules):
+  """A mesh and logical-axis rules for tracing, as the trainer and the engine set them.
+
+  `jax.set_mesh`, not `with mesh:`: flax resolves the model's activation
+  constraints against the abstract mesh, which the old context manager no
+  longer sets, so under it every constraint would be silently dropped.
+  """
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     yield
 
 
@@ -318,7 +325,7 @@ def engine_programs(config, model_cfg, abstract_policy, devices, topo: str,
     lengths = jax.ShapeDtypeStruct((r.slots,), np.int32, sharding=s.slots)
     rng = with_sharding(rng, s.replicated)
     tokens_sh = s.tokens
-    context = lambda: _in_set_mesh(mesh, rules)
+    context = lambda: _in_mesh(mesh, rules)
     layout = f"mesh {dict(mesh.shape)}"
   else:
     dev = jax.sharding.SingleDeviceSharding(devices[0])
@@ -341,13 +348,6 @@ def engine_programs(config, model_cfg, abstract_policy, devices, topo: str,
       "decode": Program("decode", step, args(1), f"{r.slots}x1, {cache_shape}", topo, hbm,
                         context),
   }, layout
-
-
-@contextlib.contextmanager
-def _in_set_mesh(mesh, rules):
-  """The sharded engine's context (PolicyEngine._context): its mesh and rules."""
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    yield
 
 
 # --------------------------------------------------------------- compiling
@@ -456,8 +456,6 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv):
   del argv
-  # The trainer enters its mesh with `with mesh:`; the compile does the same.
-  warnings.filterwarnings("ignore", message=r".*`with mesh:` context manager")
   jax.config.update("jax_enable_compilation_cache", False)  # AOT TPU programs: nothing to reuse
   config = _CONFIG.value
   if _MODEL_OVERRIDES:
