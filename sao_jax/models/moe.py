@@ -1,0 +1,321 @@
+"""Expert-parallel mixture-of-experts dispatch: all-to-all over the "expert" axis.
+
+Why this exists. `MoE(moe_impl="ragged")` sorts every token-expert pair of
+the global batch and runs `jax.lax.ragged_dot` on the result. With the expert
+weights sharded over a mesh axis GSPMD has no expert-parallel plan for that
+program: on the 8-device test mesh it hands every device the whole global
+pair list and all-reduces `[N*k, D]` and `[N*k, F]` partial results, so the
+traffic and the memory per device grow with the global batch. Here the
+dispatch is written by hand with `jax.shard_map`:
+
+  1. Each device holds a block of tokens and a block of `E / EP` experts
+     (sharded over the expert axes, `EP` devices). Tokens are sharded over
+     the batch axes and also over any expert axis the batch is not sharded
+     over: those tokens are replicated there, so splitting them is a local
+     slice, and each token is dispatched exactly once.
+  2. Every (token, chosen expert) pair is written into a send buffer
+     `[EP * C, D]`, one block of `C` rows per destination device.
+  3. `all_to_all` over the expert axes delivers each block to the device that
+     owns the expert; the local expert id travels with it.
+  4. There, the `EP * C` received rows are sorted by local expert and fed to
+     `ragged_dot` (a grouped matmul over that device's experts only).
+  5. The reverse `all_to_all` returns each result to the row it came from; the
+     source combines a token's `k` results with its routing weights.
+
+`jax.lax.ragged_all_to_all` (send only the filled rows) would make the
+dropless case cheap in traffic, but XLA:CPU does not implement it, so it
+could not be tested here; this module uses the static `all_to_all`.
+
+Capacity. The buffers need static shapes, so `C` (rows per source ->
+destination device pair) is fixed at trace time:
+
+* `capacity_factor <= 0` (the default): dropless. `C = n * min(k, E / EP)`,
+  the most pairs `n` local tokens can send to one device, so nothing is ever
+  dropped and the result equals the dense path exactly. The cost is buffer
+  memory and all-to-all volume `EP / k`-ish times the balanced size.
+* `capacity_factor = c > 0`: `C = ceil(c * n * k / EP)` (capped at the
+  dropless size): `c = 1` is exactly the balanced load. Pairs past a
+  destination's capacity are dropped (they contribute zero to the token's
+  output; the residual stream carries the token on). Priority is by choice
+  rank, then token order: every token's first choice is placed before any
+  second choice, so drops hit the weakest assignments first. The number of
+  dropped pairs is returned for metrics. Capacity is per device pair, not per
+  expert: experts on one device share it, which drops less than per-expert
+  capacity with the same buffer size.
+
+For RL prefer dropless: with drops, a token's output depends on which other
+tokens share its batch, so the learner's log-probs can differ from the
+sampler's for reasons that are not the policy.
+
+Padding tokens (`token_mask` False) are never dispatched: they use no
+capacity, are not counted as dropped, and their output is zero.
+
+Other mesh axes. The weights' "embed" (D) dimension may be sharded (FSDP):
+each device all-gathers its own experts' slices over those axes (the normal
+FSDP weight gather; its transpose is a reduce-scatter of the gradients), never
+over the expert axes. The "mlp" (F) dimension may be sharded over axes that
+do not shard tokens ("tensor"): each device computes its F slice of the
+SwiGLU, which is exact because the activation is elementwise in F, and the
+partial outputs are summed over those axes at the end, on `[n, D]`.
+
+Communication per device and MoE layer, forward, in elements sent: `n`
+tokens dispatched by the device (its share after step 1), `k` experts per
+token, `D` model width, `F` expert width, `EP` expert-parallel devices, `C`
+the capacity above, `S` the product of the expert axes the batch is not
+sharded over, `T` the size of the F-sharding axes, `fs` of the D-sharding
+(FSDP) axes:
+
+    dispatch all-to-all:          (EP - 1) / EP * EP * C * D
+    return all-to-all:            the same
+        with capacity factor c:   (EP - 1) / EP * c * n * k * D  each way
+        dropless:                 (EP - 1) * n * min(k, E / EP) * D  each way
+    expert ids:                   (EP - 1) / EP * EP * C  (int32)
+    tensor partial sums (T > 1):  2 * (T - 1) / T * n * D  (all-reduce)
+    FSDP weight gather (fs > 1):  3 * (fs - 1) / fs * (E / EP) * D * F / T
+    out re-replication (S > 1):   (S - 1) * n * D  (all-gather, by GSPMD
+                                  outside, when the next op wants the tokens
+                                  replicated over those axes again)
+
+The backward pass moves the same again (an all-to-all transposes to an
+all-to-all, the FSDP gather to a reduce-scatter of the weight gradients, the
+split to an all-gather of x's cotangent), plus the all-reduce of the expert
+weight gradients over the batch axes that do not shard D (plain data
+parallelism). No collective ever gathers the experts of another device.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+Array = jax.Array
+
+
+def ambient_mesh():
+  """The mesh set by `jax.set_mesh` (or the legacy `with mesh:`), else None.
+
+  `jax.set_mesh` sets the abstract mesh, which is what flax 0.12 reads too.
+  The deprecated `with mesh:` sets only the thread resources' physical mesh;
+  code still entering meshes that way gets expert parallelism as well.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty:
+    return mesh
+  try:
+    from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+    mesh = mesh_lib.thread_resources.env.physical_mesh
+  except (ImportError, AttributeError):
+    return None
+  return None if mesh.empty else mesh
+
+
+def _axes(entry) -> tuple[str, ...]:
+  """A PartitionSpec entry (None, a name or a tuple of names) as a tuple."""
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _size(mesh, axes: Sequence[str]) -> int:
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def _name(axes: tuple[str, ...]):
+  """Axis names as collectives take them: one name, or a tuple of several."""
+  return axes[0] if len(axes) == 1 else axes
+
+
+def ragged_moe(x, top_i, top_p, wi_gate, wi_up, wo, token_mask=None):
+  """Dropless top-k MoE on one device (or under GSPMD): sort pairs, ragged_dot.
+
+  The same computation as `MoE(moe_impl="ragged")`; used when the mesh has no
+  expert parallelism. Padding rows get a zero output, as in the parallel path.
+  """
+  n, d = x.shape
+  k = top_i.shape[1]
+  e = wi_gate.shape[0]
+  if token_mask is not None:
+    top_p = top_p * token_mask[:, None].astype(top_p.dtype)
+  flat_e = top_i.reshape(-1)  # [N*k]
+  order = jnp.argsort(flat_e)
+  xs = x[order // k]  # [N*k, D], grouped by expert
+  sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)  # [E]
+  hidden = jax.nn.silu(jax.lax.ragged_dot(xs, wi_gate, sizes)) * jax.lax.ragged_dot(
+      xs, wi_up, sizes)  # [N*k, F]
+  ys = jax.lax.ragged_dot(hidden, wo, sizes)  # [N*k, D]
+  ys = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, d)
+  return jnp.einsum("nkd,nk->nd", ys, top_p)
+
+
+def capacity(n: int, k: int, experts_per_device: int, ep: int,
+             capacity_factor: float) -> int:
+  """Rows per (source, destination) device pair; see the module docstring."""
+  dropless = n * min(k, experts_per_device)
+  if capacity_factor <= 0:
+    return max(dropless, 1)
+  return max(1, min(dropless, math.ceil(capacity_factor * n * k / ep)))
+
+
+def _ep_local(x, top_i, top_p, mask, wg, wu, wo, *, expert_axes, gather_d_axes,
+              gather_f_axes, psum_f_axes, ep, capacity_factor):
+  """One device's share of the expert-parallel MoE (runs inside shard_map).
+
+  Shapes are per device: x [n, D], top_i/top_p [n, k], mask [n],
+  wg/wu [E/EP, D/fs, F/T], wo [E/EP, F/T, D/fs].
+  Returns (out [n, D], dropped [1] int32).
+  """
+  # FSDP: this device's experts, whole in D (and in F where F is sharded over
+  # axes that also shard tokens). Never a gather over the expert axes.
+  if gather_d_axes:
+    wg = jax.lax.all_gather(wg, _name(gather_d_axes), axis=1, tiled=True)
+    wu = jax.lax.all_gather(wu, _name(gather_d_axes), axis=1, tiled=True)
+    wo = jax.lax.all_gather(wo, _name(gather_d_axes), axis=2, tiled=True)
+  if gather_f_axes:
+    wg = jax.lax.all_gather(wg, _name(gather_f_axes), axis=2, tiled=True)
+    wu = jax.lax.all_gather(wu, _name(gather_f_axes), axis=2, tiled=True)
+    wo = jax.lax.all_gather(wo, _name(gather_f_axes), axis=1, tiled=True)
+  e_loc = wg.shape[0]
+  n, d = x.shape
+  k = top_i.shape[1]
+
+  c = capacity(n, k, e_loc, ep, capacity_factor)
+
+  # Pairs in rank-major order (p = r * n + t): all first choices, then all
+  # second choices, ... so that capacity keeps the strongest assignments.
+  pair_e = top_i.T.reshape(-1)  # [n*k] global expert id
+  pair_t = jnp.tile(jnp.arange(n, dtype=jnp.int32), k)  # [n*k] token
+  valid = jnp.tile(mask, k)  # [n*k]
+  dest = pair_e // e_loc  # [n*k] destination device along the expert axes
+  onehot = (dest[:, None] == jnp.arange(ep)[None, :]) & valid[:, None]  # [n*k, EP]
+  rank = jnp.cumsum(onehot.astype(jnp.int32), axis=0) - 1  # [n*k, EP]
+  pos = jnp.take_along_axis(rank, dest[:, None], axis=1)[:, 0]  # [n*k] row in dest block
+  keep = valid & (pos < c)
+  dropped = jnp.sum(valid & ~keep).astype(jnp.int32)
+  slot = jnp.where(keep, dest * c + pos, ep * c)  # [n*k]; ep*c = nowhere
+
+  # The send buffer as a gather from the tokens (its transpose is a
+  # scatter-add into x's gradient). Empty rows read an appended zero row and
+  # carry local expert id e_loc, which no group claims.
+  src = jnp.full((ep * c + 1,), n, jnp.int32).at[slot].set(pair_t)[:ep * c]  # [EP*C]
+  send_e = jnp.full((ep * c + 1,), e_loc, jnp.int32).at[slot].set(pair_e % e_loc)[:ep * c]
+  x_pad = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])  # [n+1, D]
+  send_x = x_pad[src]  # [EP*C, D]
+
+  name = _name(expert_axes)
+  recv_x = jax.lax.all_to_all(send_x, name, 0, 0, tiled=True)  # [EP*C, D], by source
+  recv_e = jax.lax.all_to_all(send_e, name, 0, 0, tiled=True)  # [EP*C]
+
+  # Grouped matmul over this device's experts; empty rows sort last and fall
+  # outside every group, where ragged_dot returns zeros.
+  order = jnp.argsort(recv_e, stable=True)  # [EP*C]
+  sizes = jnp.sum(jax.nn.one_hot(recv_e, e_loc, dtype=jnp.int32), axis=0)  # [E/EP]
+  xs = recv_x[order]
+  hidden = jax.nn.silu(jax.lax.ragged_dot(xs, wg, sizes)) * jax.lax.ragged_dot(
+      xs, wu, sizes)  # [EP*C, F/T]
+  ys = jax.lax.ragged_dot(hidden, wo, sizes)  # [EP*C, D], partial over F/T
+  ys = ys[jnp.argsort(order)]  # back to received order
+
+  back = jax.lax.all_to_all(ys, name, 0, 0, tiled=True)  # [EP*C, D], by send slot
+  back = jnp.concatenate([back, jnp.zeros((1, d), back.dtype)])  # dropped -> 0
+  y_pairs = back[slot].reshape(k, n, d)  # [k, n, D]
+  out = jnp.einsum("knd,nk->nd", y_pairs, top_p.astype(y_pairs.dtype))  # [n, D]
+  if psum_f_axes:
+    out = jax.lax.psum(out, _name(psum_f_axes))
+  return out, dropped[None]
+
+
+def expert_parallel_moe(x: Array, top_i: Array, top_p: Array, wi_gate: Array,
+                        wi_up: Array, wo: Array, *, token_mask: Array | None = None,
+                        capacity_factor: float = 0.0, mesh: Any = None,
+                        rules: Any = None) -> tuple[Array, Array]:
+  """Top-k routed SwiGLU experts, expert-parallel over the mesh.
+
+  Args:
+    x: [N, D] token activations (the flattened batch).
+    top_i: [N, k] int chosen experts per token; top_p: [N, k] their weights.
+    wi_gate, wi_up: [E, D, F]; wo: [E, F, D] expert weights (already in the
+      compute dtype).
+    token_mask: [N] bool, False for padding (not dispatched, output zero).
+    capacity_factor: <= 0 for dropless, else rows per device pair relative to
+      a balanced load (module docstring).
+    mesh: defaults to the ambient mesh (`jax.set_mesh`, or `with mesh:`).
+    rules: logical axis rules; default flax's current `nn.logical_axis_rules`.
+      The token axes are those of "batch" (and "length"), the expert axes
+      those of "expert", and the weights are taken as sharded by
+      ("expert", "embed", "mlp") / ("expert", "mlp", "embed"), as the MoE
+      module declares them.
+
+  Returns:
+    (out [N, D], dropped): `dropped` is the int32 count of (token, expert)
+    pairs dropped for capacity over the whole batch (0 when dropless).
+    Without a mesh or expert parallelism it runs `ragged_moe` (dropless).
+  """
+  n, d = x.shape
+  e, _, f = wi_gate.shape
+  if token_mask is None:
+    token_mask = jnp.ones((n,), bool)
+  token_mask = token_mask.astype(bool)
+  mesh = ambient_mesh() if mesh is None else mesh
+  rules = nn.get_logical_axis_rules() if rules is None else rules
+  zero = jnp.zeros((), jnp.int32)
+  if mesh is None or not rules:
+    return ragged_moe(x, top_i, top_p, wi_gate, wi_up, wo, token_mask), zero
+
+  token_spec = nn.logical_to_mesh_axes(("batch", "length"), rules)
+  token_axes = _axes(token_spec[0]) + _axes(token_spec[1])
+  w_in_spec = nn.logical_to_mesh_axes(("expert", "embed", "mlp"), rules)
+  w_out_spec = nn.logical_to_mesh_axes(("expert", "mlp", "embed"), rules)
+  expert_axes, d_axes, f_axes = (_axes(a) for a in w_in_spec)
+  if (_axes(w_out_spec[0]), _axes(w_out_spec[1]), _axes(w_out_spec[2])) != (
+      expert_axes, f_axes, d_axes):
+    raise ValueError(f"Rules shard wi {w_in_spec} and wo {w_out_spec} inconsistently "
+                     "(\"embed\" and \"mlp\" on one mesh axis?).")
+  for a in token_axes + expert_axes + d_axes + f_axes:
+    if a not in mesh.axis_names:
+      raise ValueError(f"Sharding rule names mesh axis {a!r}; mesh has {mesh.axis_names}")
+  ep = _size(mesh, expert_axes)
+  if ep == 1:
+    return ragged_moe(x, top_i, top_p, wi_gate, wi_up, wo, token_mask), zero
+  for what, dim, axes in (("num_experts", e, expert_axes), ("d_model", d, d_axes),
+                          ("moe_d_ff", f, f_axes)):
+    if dim % _size(mesh, axes):
+      raise ValueError(f"{what}={dim} does not divide over mesh axes {axes} "
+                       f"(size {_size(mesh, axes)}).")
+  # Tokens replicated over some expert axes (the batch is not sharded over
+  # them) are split over those too, so that each token is dispatched once.
+  # Doing it in in_specs makes the split a local slice and its transposes an
+  # all-gather of the output (forward) and of x's cotangent (backward).
+  split_axes = tuple(a for a in expert_axes if a not in token_axes)
+  dispatch_axes = token_axes + split_axes
+  # F sharded over axes that shard tokens cannot be summed at the end (those
+  # devices hold different tokens): gather it instead. Over other axes, keep
+  # it sharded and sum the partial outputs.
+  gather_f = tuple(a for a in f_axes if a in dispatch_axes)
+  psum_f = tuple(a for a in f_axes if a not in dispatch_axes)
+
+  # shard_map needs whole blocks: pad N to the token shards (no-op when the
+  # batch divides, as the trainer's sharded batches do).
+  pad = -n % _size(mesh, dispatch_axes)
+  if pad:
+    x = jnp.pad(x, ((0, pad), (0, 0)))
+    top_i = jnp.pad(top_i, ((0, pad), (0, 0)))
+    top_p = jnp.pad(top_p, ((0, pad), (0, 0)))
+    token_mask = jnp.pad(token_mask, (0, pad))  # False: never dispatched
+
+  tok = _name(dispatch_axes)
+  body = functools.partial(
+      _ep_local, expert_axes=expert_axes, gather_d_axes=d_axes, gather_f_axes=gather_f,
+      psum_f_axes=psum_f, ep=ep, capacity_factor=capacity_factor)
+  out, dropped = jax.shard_map(
+      body, mesh=mesh,
+      in_specs=(P(tok, None), P(tok, None), P(tok, None), P(tok), w_in_spec, w_in_spec,
+                w_out_spec),
+      out_specs=(P(tok, None), P(tok)),
+  )(x, top_i.astype(jnp.int32), top_p, token_mask, wi_gate, wi_up, wo)
+  return out[:n], jnp.sum(dropped)
