@@ -21,20 +21,110 @@ compiles once.
 
 `sao_jax/rollout/jetstream_bridge.py` (the `jetstream` extra) subclasses
 JetStream's abstract Engine with this class; nothing here imports jetstream.
+
+Sharding (`mesh`, `rules`)
+--------------------------
+`mesh=None` (the default) is the single-device engine: params and cache on
+one device. With a Mesh and logical sharding rules (`sao_jax/sharding.py`;
+`rollout_rules(mesh)` gives decode-friendly ones):
+
+  * params are laid out by the rules: the logical axes of every parameter
+    come from `nn.get_partition_spec` of the boxed initialiser, shapes only
+    (`jax.eval_shape`), as in `sharding.sharded_init`;
+  * every KV-cache leaf, `[..., B, S, KVH, head_dim]` (per-layer leaves or
+    stacked with a leading layer axis: the spec is derived from each leaf's
+    ndim), is sharded with slots B over the mesh axes of the "batch" rule and
+    kv heads over those of the "kv_heads" rule (rollout rules map it to
+    "tensor"); S and head_dim stay whole, so appending a token and reading
+    a prefix are local to each device;
+  * per-slot state (`lengths`, `next_tokens`, `active`) and the step's
+    `[B, L]` tokens / valid mask are sharded over slots like the cache, so
+    positions and cache writes never leave the device that holds the slot;
+    the sampling rng is replicated (threefry is partitionable, so the
+    sampled bits do not depend on the layout);
+  * the step is jitted with these in / out shardings and the decode state
+    (cache, lengths) donated; sampled tokens and log-probs come back to the
+    host in one `device_get` per step, the version is host-side.
+
+`slots` must divide by the size of the batch axes and `num_kv_heads` by the
+kv-head axes. Sharded and single-device engines sample the same tokens with
+the same log-probs (up to float reassociation across devices:
+tests/test_engine_sharded.py).
+
+Weight sync
+-----------
+Colocated (the engine's mesh over the trainer's devices, the in-process
+path): `load_params` reshards the trainer's params, which live in the
+trainer's state shardings, into `engine.param_shardings` on device, no host
+round trip, into buffers of the engine's own (a jitted copy with the
+engine's shardings as out_shardings; params on other devices go through
+`jax.device_put(params, engine.param_shardings)` first: `load_params` says
+why device_put alone is not a private copy). It blocks until the copy
+exists, so the trainer may donate its buffers to its next step as soon as
+`driver.update_params` returns (the driver copies in the trainer's thread
+and swaps between steps with `copied=True`).
+
+Separate rollout slice (DESIGN.md section 5): the engine is built on its
+own mesh over its own devices,
+
+    mesh = sharding.make_mesh({"data": -1, "tensor": 4}, devices=rollout_devices)
+    engine = PolicyEngine(cfg, params, slots=256, max_len=32768, mesh=mesh,
+                          rules=rollout_rules(mesh), sampling=...)
+
+and new weights arrive as versioned checkpoints: restore each version
+straight into `engine.param_shardings` (`engine.abstract_params()` gives the
+restore target: shapes, dtypes and shardings) and hand it over with
+`engine.update_params(restored, version, copied=True)`. The transport (which
+version, when) is not this module's.
+
+Cache sizing: a dense cache, attention over the live-length bucket
+------------------------------------------------------------------
+Of the two ways to fit long agentic contexts, bucketed lengths and paging,
+this is the first, for the attention only. Each slot owns `max_len` cache
+positions (no paging): memory is `slots x max_len` per layer, and it is made
+to fit by sharding (slots over the data axes, kv heads over "tensor").
+`cache_bytes_per_device(cfg, slots, max_len, mesh, rules)` is the size per
+device for any mesh, an `AbstractMesh` or an abstract TPU topology's
+included; `param_bytes_per_device` is the same for the params. Qwen3-30B-A3B
+with 256 slots x 32768 positions in bf16 is 96 KiB a token, 768 GiB in all:
+6 GiB per chip on sao_moe's 128-chip mesh {fsdp 16, expert 8} under
+`rollout_rules` (slots over data x fsdp x expert; params 9.6 GiB per chip,
+experts split 8 ways), 48 GiB under the trainer's POD_RULES (slots over
+data x fsdp only), 12 GiB on a 64-chip rollout slice {data 16, tensor 4}.
+
+What is bucketed is the attention. Each step runs the model on the cache
+prefix `[0, kv)`, `kv` the smallest of `kv_buckets` that holds every fed
+slot's new length (the host mirrors the lengths in
+`DecodeState.host_lengths`, so choosing it costs no transfer), then writes
+only the valid new entries back into the full cache. A decode step thus
+reads and attends over the live bucket, not `max_len`, with one compile per
+(width bucket, kv bucket). The bucket is the maximum over the fed slots, so
+with many slots of long-tailed lengths it follows the longest live one;
+attention and memory per slot would need paging (a paged cache and a
+ragged paged-attention kernel), which is not built. A bucketed step copies
+the live prefix once (the model's attention takes a whole cache leaf and
+writes into it), so it moves about twice the bytes of reading that prefix
+in place; the last bucket, `max_len`, runs on the whole cache without the
+copy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import math
 import threading
 from typing import Any, NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sao_jax.models import decoding
+from sao_jax import sharding as shd
+from sao_jax.models import decoding, policy
 from sao_jax.models.config import ModelConfig
 
 Array = jax.Array
@@ -79,10 +169,14 @@ def sample(logits: Array, rng, sampling: SamplingConfig) -> tuple[Array, Array]:
 
 
 class DecodeState(NamedTuple):
-  cache: Any  # per layer {"k", "v"}: [slots, max_len, KVH, hd]
+  cache: Any  # leaves [..., slots, max_len, KVH, hd]: per layer, or stacked over layers
   lengths: Array  # [slots] int32, tokens in each slot's cache
   next_tokens: Array  # [slots] int32, sampled but not yet in the cache
   active: Array  # [slots] bool
+  # numpy [slots] copy of `lengths` the engine keeps on the host, so that it
+  # can pick the kv bucket without a device transfer; None: unknown (the
+  # step then attends over the whole cache).
+  host_lengths: np.ndarray | None = None
 
 
 class Prefix(NamedTuple):
@@ -103,34 +197,243 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
   return buckets[-1]
 
 
+# --- sharding and sizing ------------------------------------------------------------
+
+
+def rollout_rules(mesh: Mesh) -> tuple[tuple[str, Any], ...]:
+  """Decode-friendly sharding rules for an engine on `mesh`.
+
+  Slots (and with them the KV cache, the dominant memory) go over every mesh
+  axis except "tensor"; heads, kv heads, MLP and vocabulary over "tensor";
+  experts over "expert". No parameter is sharded over the data / fsdp axes:
+  a decode step reads every weight for a handful of tokens per slot, so
+  gathering fsdp-sharded weights each step would cost more than the step.
+  Every sharded dimension must divide by its axes' size (a 61-token toy
+  vocabulary over tensor=2 does not: map "vocab" to None there).
+  """
+  names = tuple(mesh.axis_names)
+  tensor = "tensor" if "tensor" in names else None
+  placed = {"batch": tuple(a for a in names if a != "tensor") or None,
+            "vocab": tensor, "heads": tensor, "kv_heads": tensor, "mlp": tensor,
+            "expert": "expert" if "expert" in names else None}
+  # Every other logical axis (length, embed, head_dim, a scanned "layers"
+  # axis, ...) stays whole.
+  return tuple((a, placed.get(a)) for a in dict.fromkeys(shd.LOGICAL_AXES + tuple(placed)))
+
+
+def _mesh_axes(rules, logical: str):
+  """The mesh axes (None, a name or a tuple) that `rules` map `logical` to."""
+  return nn.logical_to_mesh_axes((logical,), rules)[0]
+
+
+def _axes_size(mesh: Mesh, axes) -> int:
+  if axes is None:
+    return 1
+  axes = axes if isinstance(axes, (tuple, list)) else (axes,)
+  return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def cache_spec(ndim: int, batch_axes, kv_axes) -> PartitionSpec:
+  """PartitionSpec of a cache leaf `[..., B, S, KVH, hd]` of `ndim` dims.
+
+  Leading dims (a stacked layer axis) stay whole: every device holds its
+  slots' cache for every layer.
+  """
+  if ndim < 4:
+    raise ValueError(f"a KV-cache leaf has dims [..., B, S, KVH, head_dim], got ndim {ndim}")
+  return PartitionSpec(*([None] * (ndim - 4)), batch_axes, None, kv_axes, None)
+
+
+def _abstract_cache(cfg: ModelConfig, batch: int, cache_len: int, dtype=None):
+  args = () if dtype is None else (dtype,)
+  return jax.eval_shape(lambda: decoding.init_cache(cfg, batch, cache_len, *args))
+
+
+def cache_shardings(cfg: ModelConfig, batch: int, cache_len: int, mesh: Mesh, rules, *,
+                    shard_slots: bool = True, abstract=None):
+  """NamedShardings of a `batch`-slot cache: slots by the "batch" rule, kv heads
+  by the "kv_heads" rule (`shard_slots=False`: slots replicated, for the
+  batch-1 prefill cache)."""
+  shd.check_rules(rules, mesh)
+  batch_axes = _mesh_axes(rules, "batch") if shard_slots else None
+  kv_axes = _mesh_axes(rules, "kv_heads")
+  if batch % _axes_size(mesh, batch_axes):
+    raise ValueError(f"{batch} slots do not divide over the batch axes {batch_axes} "
+                     f"(size {_axes_size(mesh, batch_axes)}) of mesh {dict(mesh.shape)}")
+  if cfg.num_kv_heads % _axes_size(mesh, kv_axes):
+    raise ValueError(f"num_kv_heads {cfg.num_kv_heads} does not divide over the kv_heads "
+                     f"axes {kv_axes} (size {_axes_size(mesh, kv_axes)})")
+  if abstract is None:
+    abstract = _abstract_cache(cfg, batch, cache_len)
+  return jax.tree.map(lambda a: NamedSharding(mesh, cache_spec(a.ndim, batch_axes, kv_axes)),
+                      abstract)
+
+
+def _bytes_per_device(abstract, shardings) -> int:
+  """Bytes of the largest shard set one device holds (shardings: None = unsharded)."""
+  total = 0
+  leaves = jax.tree.leaves(abstract)
+  shards = [None] * len(leaves) if shardings is None else jax.tree.leaves(shardings)
+  for a, s in zip(leaves, shards):
+    shape = a.shape if s is None else s.shard_shape(a.shape)
+    total += math.prod(shape) * np.dtype(a.dtype).itemsize
+  return total
+
+
+def cache_bytes_per_device(cfg: ModelConfig, slots: int, cache_len: int, mesh: Mesh | None = None,
+                           rules=None, dtype=None) -> int:
+  """KV-cache bytes on each device for `slots` x `cache_len` positions.
+
+  Shapes only (nothing is allocated); `mesh` may be an abstract TPU
+  topology's mesh. `mesh=None`: the whole cache (the single-device engine).
+  `rules` default to `rollout_rules(mesh)`.
+  """
+  abstract = _abstract_cache(cfg, slots, cache_len, dtype)
+  if mesh is None:
+    return _bytes_per_device(abstract, None)
+  rules = rollout_rules(mesh) if rules is None else rules
+  return _bytes_per_device(abstract, cache_shardings(cfg, slots, cache_len, mesh, rules,
+                                                     abstract=abstract))
+
+
+def _abstract_params(cfg: ModelConfig):
+  """Boxed (logical-axis annotated) abstract policy params: shapes only."""
+  return jax.eval_shape(lambda: policy.init_params(cfg, jax.random.key(0), boxed=True))
+
+
+def param_bytes_per_device(cfg: ModelConfig, mesh: Mesh | None = None, rules=None) -> int:
+  """Policy parameter bytes on each device under `rules` (default `rollout_rules`)."""
+  boxed = _abstract_params(cfg)
+  if mesh is None:
+    return _bytes_per_device(nn.unbox(boxed), None)
+  rules = rollout_rules(mesh) if rules is None else rules
+  return _bytes_per_device(nn.unbox(boxed), shd.logical_shardings(boxed, mesh, rules))
+
+
+class EngineShardings(NamedTuple):
+  """Where each piece of a sharded engine's state lives."""
+  params: Any  # pytree of NamedSharding, like the params
+  cache: Any  # like init_cache(cfg, slots, max_len)
+  slots: NamedSharding  # [slots] vectors: lengths, next tokens, active, samples
+  tokens: NamedSharding  # [slots, L] step inputs
+  prefix_cache: Any  # the batch-1 prefill cache: slots replicated
+  replicated: NamedSharding
+
+
+def engine_shardings(cfg: ModelConfig, slots: int, max_len: int, mesh: Mesh,
+                     rules) -> EngineShardings:
+  """The shardings a `PolicyEngine(cfg, ..., mesh=mesh, rules=rules)` uses."""
+  batch_axes = _mesh_axes(rules, "batch")
+  return EngineShardings(
+      params=shd.logical_shardings(_abstract_params(cfg), mesh, rules),
+      cache=cache_shardings(cfg, slots, max_len, mesh, rules),
+      slots=NamedSharding(mesh, PartitionSpec(batch_axes)),
+      tokens=NamedSharding(mesh, PartitionSpec(batch_axes, None)),
+      prefix_cache=cache_shardings(cfg, 1, max_len, mesh, rules, shard_slots=False),
+      replicated=NamedSharding(mesh, PartitionSpec()))
+
+
+def default_kv_buckets(max_len: int) -> tuple[int, ...]:
+  """max_len / 8, / 4, / 2, max_len, keeping those of at least 1024 positions.
+
+  Few buckets, because each multiplies the step's compiles by the number of
+  width buckets; none below 1024, where the whole cache is cheap to attend.
+  """
+  return tuple(b for b in (max_len // 8, max_len // 4, max_len // 2) if b >= 1024) + (max_len,)
+
+
+# --- the engine ---------------------------------------------------------------------
+
+
 class PolicyEngine:
-  """The policy model behind the Engine API (see module docstring)."""
+  """The policy model behind the Engine API (see module docstring).
+
+  Args beyond the Engine API's:
+    device: the single device of an unsharded engine (default: the first).
+    mesh, rules: shard params, cache and step over `mesh` (module docstring);
+      `rules` default to `rollout_rules(mesh)`. None: one device.
+    kv_buckets: cache prefix lengths a step may attend over (module
+      docstring); default `default_kv_buckets(max_len)`; max_len is always
+      the last.
+  """
 
   samples_per_slot = 1
 
   def __init__(self, cfg: ModelConfig, params, *, slots: int, max_len: int,
                sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
                version: int = 0, prefill_buckets: tuple[int, ...] = (8, 16, 32, 64, 128, 256),
-               device=None):
+               device=None, mesh: Mesh | None = None, rules=None,
+               kv_buckets: tuple[int, ...] | None = None):
     if max_len > cfg.max_seq_len:
       raise ValueError(f"max_len {max_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
+    if mesh is None and rules is not None:
+      raise ValueError("sharding rules need a mesh")
+    if mesh is not None and device is not None:
+      raise ValueError("give the engine a device or a mesh, not both")
+    kv_buckets = default_kv_buckets(max_len) if kv_buckets is None else tuple(kv_buckets)
+    if any(b < 1 for b in kv_buckets):
+      raise ValueError(f"kv_buckets must be positive, got {kv_buckets}")
     self.cfg = cfg
     self.sampling = sampling
     self.max_concurrent_decodes = slots
     self.max_prefill_length = max_len
     self.prefill_buckets = tuple(b for b in prefill_buckets if b < max_len) + (max_len,)
-    self._device = device or jax.local_devices()[0]
+    self.kv_buckets = tuple(sorted({b for b in kv_buckets if b < max_len})) + (max_len,)
+    self.mesh = mesh
+    self.rules = None
+    self.shardings: EngineShardings | None = None
+    if mesh is not None:
+      self.rules = tuple(tuple(r) for r in (rollout_rules(mesh) if rules is None else rules))
+      self.shardings = engine_shardings(cfg, slots, max_len, mesh, self.rules)
+    self._device = device or (jax.local_devices()[0] if mesh is None else mesh.devices.flat[0])
     self._lock = threading.Lock()
     self._rng = jax.random.key(seed)
+    self._jits: dict[Any, Any] = {}
     self.params = self.load_params(params)
     self.version = version
-    self._step = jax.jit(functools.partial(_step, cfg, sampling), donate_argnums=(1,))
 
   # --- params -----------------------------------------------------------
 
+  @property
+  def param_shardings(self):
+    """The params' NamedShardings (None for a single-device engine)."""
+    return None if self.shardings is None else self.shardings.params
+
+  def abstract_params(self):
+    """ShapeDtypeStructs of the params, with their shardings when sharded:
+    the target to restore a versioned checkpoint straight into."""
+    abstract = nn.unbox(_abstract_params(self.cfg))
+    if self.shardings is None:
+      return abstract
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        abstract, self.shardings.params)
+
   def load_params(self, params):
-    """A private, single-device copy (the trainer may donate its buffers)."""
-    return jax.device_put(jax.tree.map(jnp.copy, params), self._device)
+    """A private copy in the engine's layout (the trainer may donate its buffers).
+
+    Sharded: resharded on device, no host round trip, into fresh buffers,
+    and complete when this returns, so the caller may donate `params` right
+    after. Params on the engine's devices (the colocated trainer's, in its
+    state shardings) go through one jitted copy with the engine's shardings
+    as out_shardings: the reshard and the copy are one program. Params
+    elsewhere (one device, another slice) are first moved with
+    `jax.device_put(params, engine.param_shardings)`; that copy alone is not
+    private: where source and target share devices, device_put hands back
+    the source's buffers as shards (even with may_alias=False: a
+    single-device array spread over a replicated layout keeps its buffer,
+    and a replicated array split over "data" gives shards at the source's
+    addresses), so the jitted copy follows it there too.
+    """
+    if self.mesh is None:
+      return jax.device_put(jax.tree.map(jnp.copy, params), self._device)
+    sh = self.shardings.params
+    copy = self._sharded("copy_params", lambda t: jax.tree.map(jnp.copy, t), sh)
+    devices = tuple(self.mesh.devices.flat)
+    if not all(isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
+               and tuple(x.sharding.mesh.devices.flat) == devices
+               for x in jax.tree.leaves(params)):
+      params = jax.device_put(params, sh)
+    return jax.block_until_ready(copy(params))
 
   def update_params(self, params, version: int, *, copied: bool = False) -> None:
     """Swaps in new params; `copied=True` when they come from `load_params`."""
@@ -142,50 +445,138 @@ class PolicyEngine:
     self._rng, rng = jax.random.split(self._rng)
     return rng
 
+  # --- the jitted step ----------------------------------------------------
+
+  def _context(self):
+    """The mesh and rules the model's activation constraints resolve against."""
+    if self.mesh is None:
+      return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(jax.set_mesh(self.mesh))  # thread-local, like the rules
+    stack.enter_context(nn.logical_axis_rules(self.rules))
+    return stack
+
+  def _step(self, params, cache, lengths, tokens, valid, rng, kv: int | None = None):
+    """`_step` below, jitted once per (batch kind, kv bucket); shapes re-trace it.
+
+    Returns device arrays (new cache, new lengths, sampled tokens, log-probs);
+    `cache` and (sharded) `lengths` are donated.
+    """
+    prefix = lengths.shape[0] != self.max_concurrent_decodes  # a batch-1 prefill
+    fn = self._jits.get((prefix, kv))
+    s = self.shardings
+    if fn is None:
+      body = functools.partial(_step, self.cfg, self.sampling, kv)
+      if s is None:
+        fn = jax.jit(body, donate_argnums=(1,))
+      else:
+        cache_sh = s.prefix_cache if prefix else s.cache
+        vec = s.replicated if prefix else s.slots
+        tok = s.replicated if prefix else s.tokens
+        fn = jax.jit(body, in_shardings=(s.params, cache_sh, vec, tok, tok, s.replicated),
+                     out_shardings=(cache_sh, vec, vec, vec), donate_argnums=(1, 2))
+      self._jits[(prefix, kv)] = fn
+    if s is not None:  # committed args must match in_shardings (numpy ones are sharded by jit)
+      params = _place(params, s.params)
+      cache = _place(cache, s.prefix_cache if prefix else s.cache)
+      lengths = _place(lengths, s.replicated if prefix else s.slots)
+    with self._context():
+      return fn(params, cache, lengths, tokens, valid, rng)
+
+  def _kv_bucket(self, need: int) -> int | None:
+    """The cache prefix a step whose fed slots end at `need` attends over (None: all)."""
+    kv = _bucket(max(need, 1), self.kv_buckets)
+    return None if kv >= self.max_prefill_length else kv
+
+  def _sharded(self, name, fn, out_shardings):
+    """`fn` jitted with `out_shardings`, built once."""
+    if name not in self._jits:
+      self._jits[name] = jax.jit(fn, out_shardings=out_shardings)
+    return self._jits[name]
+
   # --- Engine API -------------------------------------------------------
 
   def init_decode_state(self) -> DecodeState:
-    b = self.max_concurrent_decodes
-    cache = decoding.init_cache(self.cfg, b, self.max_prefill_length)
-    return jax.device_put(DecodeState(cache, jnp.zeros((b,), jnp.int32),
-                                      jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool)),
-                          self._device)
+    b, n = self.max_concurrent_decodes, self.max_prefill_length
+    host = np.zeros((b,), np.int32)
+    if self.mesh is None:
+      cache = decoding.init_cache(self.cfg, b, n)
+      arrays = jax.device_put((cache, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32),
+                               jnp.zeros((b,), bool)), self._device)
+      return DecodeState(*arrays, host_lengths=host)
+    s = self.shardings
+    # Created in place, shard by shard: the whole cache never exists on one device.
+    init = self._sharded("init", lambda: (
+        decoding.init_cache(self.cfg, b, n), jnp.zeros((b,), jnp.int32),
+        jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool)), (s.cache, s.slots, s.slots, s.slots))
+    return DecodeState(*init(), host_lengths=host)
+
+  def _empty_prefix(self) -> Prefix:
+    if self.mesh is None:
+      return Prefix(decoding.init_cache(self.cfg, 1, self.max_prefill_length),
+                    jnp.zeros((1,), jnp.int32))
+    s = self.shardings
+    init = self._sharded("prefix", lambda: Prefix(
+        decoding.init_cache(self.cfg, 1, self.max_prefill_length), jnp.zeros((1,), jnp.int32)),
+                         Prefix(s.prefix_cache, s.replicated))
+    return init()
 
   def prefill(self, *, params=None, existing_prefix: Prefix | None = None,
               padded_tokens, true_length: int) -> tuple[Prefix, ResultTokens]:
     """Runs a prompt (appended to `existing_prefix` if given); samples one token."""
     params = self.params if params is None else params
-    padded = jnp.asarray(padded_tokens, jnp.int32).reshape(1, -1)
+    padded = np.asarray(padded_tokens, np.int32).reshape(1, -1)
     if existing_prefix is None:
-      existing_prefix = Prefix(decoding.init_cache(self.cfg, 1, self.max_prefill_length),
-                               jnp.zeros((1,), jnp.int32))
-    valid = (jnp.arange(padded.shape[1]) < true_length)[None]
+      existing_prefix = self._empty_prefix()
+    valid = (np.arange(padded.shape[1]) < true_length)[None]
     cache, length, tok, logp = self._step(params, existing_prefix.cache, existing_prefix.length,
                                           padded, valid, self._next_rng())
+    tok, logp = jax.device_get((tok, logp))
     return Prefix(cache, length), ResultTokens(np.asarray(tok), np.asarray(logp), self.version)
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int,
              first_token: int | None = None) -> DecodeState:
-    cache = jax.tree.map(lambda c, p: c.at[slot].set(p[0]), decode_state.cache, prefix.cache)
+    # The slot axis of a cache leaf [..., B, S, KVH, hd] is ndim - 4.
+    cache = jax.tree.map(
+        lambda c, p: jax.lax.dynamic_update_slice_in_dim(c, p.astype(c.dtype), slot, c.ndim - 4),
+        decode_state.cache, prefix.cache)
     nxt = decode_state.next_tokens
     if first_token is not None:
       nxt = nxt.at[slot].set(first_token)
-    return DecodeState(cache, decode_state.lengths.at[slot].set(prefix.length[0]), nxt,
-                       decode_state.active.at[slot].set(True))
+    lengths = decode_state.lengths.at[slot].set(prefix.length[0])
+    active = decode_state.active.at[slot].set(True)
+    if self.shardings is not None:
+      s = self.shardings
+      cache, lengths, nxt, active = jax.device_put((cache, lengths, nxt, active),
+                                                   (s.cache, s.slots, s.slots, s.slots))
+    host = decode_state.host_lengths
+    if host is not None:
+      host = host.copy()
+      host[slot] = int(np.asarray(prefix.length)[0])
+    return DecodeState(cache, lengths, nxt, active, host)
 
   def free_resource(self, decode_state: DecodeState, slot: int) -> DecodeState:
+    host = decode_state.host_lengths
+    if host is not None:
+      host = host.copy()
+      host[slot] = 0
     return decode_state._replace(active=decode_state.active.at[slot].set(False),
-                                 lengths=decode_state.lengths.at[slot].set(0))
+                                 lengths=decode_state.lengths.at[slot].set(0),
+                                 host_lengths=host)
 
   def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
     """One decode step: feeds each active slot's next token, samples the next."""
     params = self.params if params is None else params
+    host = decode_state.host_lengths
+    kv = None if host is None else self._kv_bucket(int(host.max()) + 1)
     cache, lengths, tok, logp = self._step(
         params, decode_state.cache, decode_state.lengths, decode_state.next_tokens[:, None],
-        decode_state.active[:, None], self._next_rng())
+        decode_state.active[:, None], self._next_rng(), kv)
     tok = jnp.where(decode_state.active, tok, decode_state.next_tokens)
-    state = DecodeState(cache, lengths, tok, decode_state.active)
-    return state, ResultTokens(np.asarray(tok), np.asarray(logp), self.version)
+    tok_h, logp_h, lengths_h = jax.device_get((tok, logp, lengths))
+    state = DecodeState(cache, lengths, tok, decode_state.active,
+                        None if host is None else np.asarray(lengths_h, np.int32))
+    return state, ResultTokens(np.asarray(tok_h), np.asarray(logp_h), self.version)
 
   # --- the driver's fused step -------------------------------------------
 
@@ -205,22 +596,84 @@ class PolicyEngine:
       params, version = self.params, self.version
     width = _bucket(tokens.shape[1], self.prefill_buckets)
     pad = width - tokens.shape[1]
+    tokens = np.asarray(tokens, np.int32)
+    valid = np.asarray(valid, bool)
     if pad:
       tokens = np.pad(tokens, ((0, 0), (0, pad)))
       valid = np.pad(valid, ((0, 0), (0, pad)))
-    cache, lengths, tok, logp = self._step(params, state.cache, state.lengths,
-                                           jnp.asarray(tokens, jnp.int32), jnp.asarray(valid),
-                                           self._next_rng())
-    tok, logp = jax.device_get((tok, logp))
-    return state._replace(cache=cache, lengths=lengths), tok, logp, version
+    kv, host = None, state.host_lengths
+    if host is not None:
+      fed = valid.sum(1).astype(np.int32)
+      host = (host + fed).astype(np.int32)
+      kv = self._kv_bucket(int(host[fed > 0].max()) if fed.any() else 1)
+    cache, lengths, tok, logp = self._step(params, state.cache, state.lengths, tokens, valid,
+                                           self._next_rng(), kv)
+    tok, logp = jax.device_get((tok, logp))  # the step's one transfer to the host
+    return state._replace(cache=cache, lengths=lengths, host_lengths=host), tok, logp, version
 
   def reset_slots(self, state: DecodeState, slots_mask: np.ndarray) -> DecodeState:
     """Empties the caches of the given slots (their lengths go to 0)."""
-    return state._replace(lengths=jnp.where(jnp.asarray(slots_mask), 0, state.lengths))
+    mask = np.asarray(slots_mask, bool)
+    host = state.host_lengths
+    if host is not None:
+      host = np.where(mask, 0, host).astype(np.int32)
+    if self.shardings is None:
+      lengths = jnp.where(jnp.asarray(mask), 0, state.lengths)
+    else:
+      s = self.shardings
+      reset = self._sharded("reset", lambda l, m: jnp.where(m, 0, l), s.slots)
+      lengths = reset(*jax.device_put((state.lengths, mask), (s.slots, s.slots)))
+    return state._replace(lengths=lengths, host_lengths=host)
 
 
-def _step(cfg, sampling, params, cache, lengths, tokens, valid, rng):
-  logits, cache, new_lengths = decoding.extend(cfg, params, cache, tokens, lengths, valid)
+def _place(tree, shardings):
+  """`tree` on `shardings`, moved only if some leaf is not already there.
+
+  The engine's own state always is; checking costs about a microsecond a
+  leaf, where a no-op `jax.device_put` of the tree costs tens (milliseconds
+  a step for an unscanned 48-layer model's params and cache).
+  """
+  leaves, targets = jax.tree.leaves(tree), jax.tree.leaves(shardings)
+  if len(leaves) == len(targets) and all(
+      isinstance(x, jax.Array) and x.sharding == sh for x, sh in zip(leaves, targets)):
+    return tree
+  return jax.device_put(tree, shardings)  # also the error for a tree of the wrong shape
+
+
+def _write_back(lengths: Array, valid: Array, full: Array, live: Array) -> Array:
+  """Copies the valid new entries of a cache prefix `live` into `full`.
+
+  Args:
+    lengths: int `[B]`, each slot's length before the step.
+    valid: bool `[B, W]`, the step's valid tokens (a prefix of each row).
+    full: `[..., B, S, KVH, hd]`, the whole cache leaf (donated: in place).
+    live: `[..., B, kv, KVH, hd]`, its prefix after the step's writes.
+  """
+  ax = full.ndim - 3  # the positions axis; slots are ax - 1
+  b, w = valid.shape
+  positions = lengths[:, None] + jnp.arange(w, dtype=lengths.dtype)[None]  # [B, W]
+  src = jnp.minimum(positions, live.shape[ax] - 1).reshape((1,) * (ax - 1) + (b, w, 1, 1))
+  new = jnp.take_along_axis(live, src, axis=ax)  # [..., B, W, KVH, hd]
+  dst = jnp.where(valid, positions, full.shape[ax])  # padding: out of range, dropped
+  index = (slice(None),) * (ax - 1) + (jnp.arange(b)[:, None], dst)
+  return full.at[index].set(new, mode="drop")
+
+
+def _step(cfg, sampling, kv, params, cache, lengths, tokens, valid, rng):
+  """Appends tokens, samples each row's next token from its last valid one.
+
+  `kv` None attends over the whole cache. Otherwise the model runs on the
+  cache prefix `[0, kv)`, which holds every valid position (the caller
+  picks kv so), and only the valid new entries are written back: entries a
+  padding token would have written are never read before being overwritten
+  (sao_jax/models/transformer.py), so the result is the same.
+  """
+  if kv is None:
+    logits, cache, new_lengths = decoding.extend(cfg, params, cache, tokens, lengths, valid)
+  else:
+    live = jax.tree.map(lambda c: jax.lax.slice_in_dim(c, 0, kv, axis=c.ndim - 3), cache)
+    logits, live, new_lengths = decoding.extend(cfg, params, live, tokens, lengths, valid)
+    cache = jax.tree.map(functools.partial(_write_back, lengths, valid), cache, live)
   last = jnp.maximum(valid.sum(1) - 1, 0)
   last_logits = jnp.take_along_axis(logits, last[:, None, None], 1)[:, 0]  # [B, V]
   tok, logp = sample(last_logits, rng, sampling)
