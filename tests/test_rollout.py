@@ -9,6 +9,7 @@ import pytest
 from sao_jax.data.trajectory import validate
 from sao_jax.envs.base import StepResult, Task
 from sao_jax.envs.demonstrations import demonstration_trajectory
+from sao_jax.envs import sandbox
 from sao_jax.envs.python_tool import PythonTool
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import config as mcfg
@@ -167,6 +168,10 @@ def test_python_tool_demonstrations_are_valid_and_correct():
 
 
 def test_driver_survives_hostile_tool_code(params):
+  # A generous wall clock, so the 1 s CPU limit is what stops the loop
+  # however loaded the machine is (the wall-clock kill has its own test).
+  limits = sandbox.SandboxLimits(cpu_seconds=1, wall_seconds=120.0)
+
   class Hostile(PythonTool):
     def episode(self, task):
       ep = super().episode(task)
@@ -178,7 +183,8 @@ def test_driver_survives_hostile_tool_code(params):
 
       return Wrapped()
 
-  out, _ = run_driver(params, "recompute", n=2, swap_after=99, slots=2, env=Hostile())
+  out, _ = run_driver(params, "recompute", n=2, swap_after=99, slots=2,
+                      env=Hostile(limits=limits))
   text = TOK.decode(out[0].tokens)
   assert "killed: cpu time limit" in text and "memoryerror" in text.lower().replace(" ", "")
 
