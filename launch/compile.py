@@ -60,6 +60,10 @@ import time
 # The host's own devices only run eval_shape; the programs are compiled for
 # the topology's devices. Without this JAX would try to claim a local TPU.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# libtpu takes an exclusive lock (/tmp/libtpu_lockfile) to own the local
+# chips; compiling for a topology owns none, and two compiles (parallel
+# tests, a background record run) must not refuse each other.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import flax.linen as nn  # pylint: disable=g-import-not-at-top
 import jax

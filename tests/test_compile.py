@@ -109,11 +109,11 @@ def test_every_program_compiles_and_fits(tmp_path):
 
 def test_what_does_not_fit_fails_the_run_with_the_reason(tmp_path):
   # sft at 2048 rows x 4096 tokens materialises ~270 GB of attention logits
-  # per chip: the TPU compiler refuses it. decode fits, but not with all of
-  # HBM to spare (--min_headroom=1).
+  # per chip: the TPU compiler refuses it. decode (the engine sharded over
+  # the 4 chips this time) fits, but not with all of HBM to spare.
   rc, stdout, stderr, result = run_compile(
       tmp_path, "--topology=v5e:2x2", "--programs=sft,decode", "--rows=2048",
-      "--length=4096", "--min_headroom=1.0")
+      "--length=4096", "--min_headroom=1.0", "--rollout_mesh=data:4")
   assert rc == 1, stdout[-3000:] + stderr[-3000:]
   assert "error: does not fit v5e:2x2" in stderr
   assert result["ok"] is False and set(result["programs"]) == {"sft", "decode"}
@@ -123,6 +123,7 @@ def test_what_does_not_fit_fails_the_run_with_the_reason(tmp_path):
   assert sft["required_bytes"] > sft["hbm_bytes"]
   assert sft["compiler_hbm_bytes"] == pytest.approx(15.75 * GIB, rel=1e-3)
   decode = result["programs"]["decode"]
+  assert result["rollout_engine"] == "mesh {'data': 4}"
   assert decode["status"] == "DOES NOT FIT" and decode["total_bytes"] > 0
   assert "less than --min_headroom=100%" in decode["message"]
 
