@@ -7,7 +7,7 @@ import ml_collections
 DATA_PARALLEL_RULES = (
     ("batch", "data"), ("length", None), ("embed", None), ("vocab", None),
     ("heads", None), ("kv_heads", None), ("head_dim", None), ("mlp", None),
-    ("expert", None),
+    ("expert", None), ("layers", None),
 )
 
 

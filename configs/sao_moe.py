@@ -35,7 +35,7 @@ import common  # pylint: disable=g-import-not-at-top
 POD_RULES = (
     ("batch", ("data", "fsdp")), ("length", None), ("embed", "fsdp"),
     ("vocab", "tensor"), ("heads", "tensor"), ("kv_heads", None), ("head_dim", None),
-    ("mlp", "tensor"), ("expert", "expert"),
+    ("mlp", "tensor"), ("expert", "expert"), ("layers", None),
 )
 
 

@@ -9,6 +9,12 @@ mesh axis, a tuple of mesh axes, or None (replicated):
 
 The order of work follows big_vision: `jax.eval_shape` the initialiser, derive
 shardings from the rules, then jit the initialiser with those out_shardings.
+
+Activation constraints (`nn.with_logical_constraint` in the model) resolve
+only where a mesh is set with `jax.set_mesh(mesh)` and rules with
+`nn.logical_axis_rules(rules)` while the function is traced: flax reads the
+abstract mesh, which the deprecated `with mesh:` no longer sets, so under it
+every constraint is silently dropped.
 """
 
 from __future__ import annotations
@@ -22,9 +28,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 Rules = Sequence[tuple[str, Any]]
 
-# Logical axes the model uses (sao_jax/models/transformer.py).
+# Logical axes the model uses (sao_jax/models/transformer.py). "layers" is
+# the stacked axis of scanned layers' parameters (ModelConfig.scan_layers);
+# rules map it to None: every device holds every layer's slice.
 LOGICAL_AXES = ("batch", "length", "embed", "vocab", "heads", "kv_heads",
-                "head_dim", "mlp", "expert")
+                "head_dim", "mlp", "expert", "layers")
 
 
 def make_mesh(axis_sizes: dict[str, int], devices=None) -> Mesh:
@@ -81,7 +89,7 @@ def sharded_init(init_fn: Callable[[], Any], mesh: Mesh, rules: Rules):
   """
   abstract = jax.eval_shape(init_fn)
   shardings = logical_shardings(abstract, mesh, rules)
-  with mesh, nn.logical_axis_rules(rules):
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     params = jax.jit(lambda: nn.unbox(init_fn()), out_shardings=shardings)()
   return params, shardings
 

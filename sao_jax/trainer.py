@@ -142,7 +142,7 @@ def build_programs(config, model_cfg: model_config.ModelConfig, step_cfg: StepCo
       critic_opt=opt_shardings(critic_tx, critic_params, critic_shardings))
   batch_sharding = sharding.batch_sharding(mesh, rules)
 
-  with mesh, nn.logical_axis_rules(rules):
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     rl_step = jit_sharded(make_train_step(model_cfg, step_cfg, rl_tx, critic_tx),
                           state_shardings, batch_sharding)
     value_step = jit_sharded(
@@ -308,7 +308,7 @@ class _Run:
     for step in range(self.meta["stage_step"], c.steps):
       trajs = [data[(step * b + j) % len(data)] for j in range(b)]
       batch = self._put_batch(packing.pack(trajs, b, self.config.data.buckets))
-      with self.mesh, nn.logical_axis_rules(self.rules):
+      with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
         self.state, m = self.value_step(self.state, batch)
         _wait(self.state)
       self.meta["stage_step"] = step + 1
@@ -428,7 +428,7 @@ class _Run:
           baseline = np.asarray(baseline)
         batch = packing.pack(trajs, per_step, self.config.data.buckets, baseline)
         batch = self._put_batch(self.faults.poison_batch(step + 1, batch))
-        with self.mesh, nn.logical_axis_rules(self.rules):
+        with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
           self.state, m = self.rl_step(self.state, batch)
           _wait(self.state)
         m = dict(jax.device_get(m))

@@ -134,10 +134,11 @@ def test_qwen3_30b_a3b_shape_builds_abstractly():
 
 RULES_FSDP = (("batch", ("data", "fsdp")), ("length", None), ("embed", "fsdp"),
               ("vocab", "tensor"), ("heads", "tensor"), ("kv_heads", None),
-              ("head_dim", None), ("mlp", "tensor"), ("expert", None))
+              ("head_dim", None), ("mlp", "tensor"), ("layers", None), ("expert", None))
 RULES_EXPERT = (("batch", "data"), ("length", None), ("embed", None),
                 ("vocab", None), ("heads", None), ("kv_heads", None),
-                ("head_dim", "tensor"), ("mlp", None), ("expert", ("fsdp", "tensor")))
+                ("head_dim", "tensor"), ("mlp", None), ("layers", None),
+                ("expert", ("fsdp", "tensor")))
 
 
 def test_two_rule_sets_give_identical_outputs_on_8_devices():
@@ -150,7 +151,7 @@ def test_two_rule_sets_give_identical_outputs_on_8_devices():
   outs = []
   for rules in (RULES_FSDP, RULES_EXPERT):
     p, shard = sharding.sharded_init(init, mesh, rules)
-    with mesh, nn.logical_axis_rules(rules):
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
       fwd = jax.jit(lambda p, t: policy.token_logprobs(CFG, p, t, pos, seg)[0],
                     in_shardings=(shard, sharding.batch_sharding(mesh, rules)))
       outs.append(np.asarray(fwd(p, tokens)))

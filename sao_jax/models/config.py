@@ -7,6 +7,9 @@ from typing import Any, Literal
 
 import jax.numpy as jnp
 
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+ATTENTION_IMPLS = ("reference", "chunked", "splash")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -36,10 +39,46 @@ class ModelConfig:
   # "dense" evaluates every expert and weights by the (sparse) gates: exact
   # and fastest for a handful of tiny experts. "ragged" sorts token-expert
   # pairs and runs grouped matmuls (jax.lax.ragged_dot): the FLOPs of top-k.
-  moe_impl: Literal["dense", "ragged"] = "dense"
+  # "expert_parallel" dispatches with all-to-all over the mesh's expert axes
+  # (sao_jax/models/moe.py); without expert parallelism it is "ragged".
+  moe_impl: Literal["dense", "ragged", "expert_parallel"] = "dense"
+  # expert_parallel only: <= 0 is dropless (buffers sized for the worst
+  # case); c > 0 gives each device pair c x its balanced share of rows and
+  # drops the overflow (counted in intermediates "moe_dropped").
+  moe_capacity_factor: float = 0.0
   # Parameter and activation dtypes.
   param_dtype: Any = jnp.float32
   dtype: Any = jnp.float32
+  # --- Scale (DESIGN.md section 8). The defaults are the plain reference
+  # path that the tiny / small presets train with; each scale setting has a
+  # CPU test against it (tests/test_model_scale.py).
+  # Run the MoE layers as one `nn.scan` over a stacked "layers" parameter
+  # axis (params "layers/attn/q" [num_moe_layers, D, H, hd]): the program is
+  # one layer long, so compile time and HLO size do not grow with depth.
+  # Dense layers must be a leading prefix 0..k-1 (Qwen's mlp_only_layers
+  # usually are); they stay unrolled as "layer_0" ... "layer_{k-1}".
+  scan_layers: bool = False
+  # Rematerialisation of each layer in the backward pass (REMAT_POLICIES):
+  # "none" stores every activation; "full" stores only each layer's input and
+  # recomputes the layer (activation memory of one layer); "dots_saveable" /
+  # "dots_with_no_batch_dims_saveable" keep matmul outputs and recompute the
+  # elementwise work (jax.checkpoint_policies of the same names).
+  remat: str = "none"
+  # Training-time attention (ATTENTION_IMPLS). "reference" materialises
+  # [B, H, L, L] fp32 logits: the oracle. "chunked" is blockwise attention
+  # with an online softmax over key blocks and a flash-style backward in
+  # pure JAX: memory O(B H L hd + B H block^2). "splash" is the Pallas TPU
+  # kernel, taken when the compile target is a TPU (the mesh set with
+  # jax.set_mesh, else the default backend) and L is a multiple of 128;
+  # elsewhere it is "chunked". The KV-cache (decode) path always uses the
+  # reference math: its logits are [B, H, Lq, S] with short Lq.
+  attention_impl: str = "reference"
+  # Query and key block length of the chunked and splash attention.
+  attention_block: int = 512
+  # Sequence tokens per chunk when token_logprobs takes the log-softmax at
+  # the target token from final hidden states: peak logits [B, chunk, V]
+  # instead of [B, L, V], recomputed in the backward pass. 0: full logits.
+  logits_chunk: int = 0
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -56,8 +95,35 @@ class ModelConfig:
       raise ValueError(f"dense_layers {self.dense_layers} out of range.")
     if self.dense_layers and self.dense_d_ff <= 0:
       raise ValueError("dense_layers needs dense_d_ff > 0.")
-    if self.moe_impl not in ("dense", "ragged"):
-      raise ValueError(f"moe_impl must be 'dense' or 'ragged', got {self.moe_impl!r}")
+    if self.moe_impl not in ("dense", "ragged", "expert_parallel"):
+      raise ValueError("moe_impl must be 'dense', 'ragged' or 'expert_parallel', "
+                       f"got {self.moe_impl!r}")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(
+          f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+    if self.attention_block <= 0:
+      raise ValueError(f"attention_block must be positive, got {self.attention_block}")
+    if self.attention_impl == "splash" and self.attention_block % 128:
+      raise ValueError("attention_impl='splash' needs attention_block a multiple of 128 "
+                       f"(the TPU lane width), got {self.attention_block}")
+    if self.logits_chunk < 0:
+      raise ValueError(f"logits_chunk must be >= 0 (0: full logits), got {self.logits_chunk}")
+    if self.scan_layers:
+      prefix = tuple(range(len(self.dense_layers)))
+      if tuple(sorted(self.dense_layers)) != prefix:
+        raise ValueError(
+            f"scan_layers scans the MoE layers as one homogeneous run, so dense_layers "
+            f"must be a leading prefix 0..k-1; got {self.dense_layers}. Use "
+            "scan_layers=False for interleaved dense layers.")
+      if len(self.dense_layers) == self.num_layers:
+        raise ValueError("scan_layers needs at least one MoE layer to scan.")
+
+  @property
+  def num_scanned_layers(self) -> int:
+    """Length of the "layers" axis: the MoE layers after the dense prefix."""
+    return self.num_layers - len(self.dense_layers) if self.scan_layers else 0
 
   @classmethod
   def from_dict(cls, d) -> "ModelConfig":
@@ -98,7 +164,13 @@ def qwen3_30b_a3b() -> ModelConfig:
       num_kv_heads=4, head_dim=128, num_experts=128, experts_per_token=8,
       moe_d_ff=768, dense_d_ff=6144, rope_theta=1e6, rms_eps=1e-6,
       tie_embeddings=False, max_seq_len=40_960, moe_impl="ragged",
-      param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
+      param_dtype=jnp.bfloat16, dtype=jnp.bfloat16,
+      # Pod-scale settings: 48 layers as one scan with full remat (the
+      # backward keeps one [B, L, D] input per layer), splash attention on
+      # TPU (chunked elsewhere), log-probs over 1024-token chunks (peak
+      # logits [B, 1024, 151936] fp32, not [B, L, 151936]).
+      scan_layers=True, remat="full", attention_impl="splash", attention_block=512,
+      logits_chunk=1024)
 
 
 PRESETS = {"tiny": tiny, "small": small, "qwen3_30b_a3b": qwen3_30b_a3b}

@@ -5,6 +5,10 @@ to every slot (L = prompt bucket for prefill, L = 1 for a decode step), at
 positions `lengths[b], lengths[b] + 1, ...`. A slot whose row is all padding
 (`valid` False) is left as it was, so slots advance independently: that is
 what continuous batching needs.
+
+Attention here is always the reference math over the whole cache (logits
+[B, H, L, S]), whatever `cfg.attention_impl` says: a decode step has L = 1.
+The cache layout follows `cfg.scan_layers` (see `init_cache`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ def extend(cfg: ModelConfig, params, cache: Cache, tokens: Array, lengths: Array
   Args:
     cfg: model shape.
     params: policy parameters.
-    cache: from `init_cache`, `[B, S, ...]` per layer.
+    cache: from `init_cache` (per layer or stacked over scanned layers; every
+      leaf ends in `[B, S, KVH, hd]`).
     tokens: int32 `[B, L]`; row b's valid tokens must be a prefix of the row.
     lengths: int32 `[B]`, tokens already in each slot's cache.
     valid: bool `[B, L]`, True on real tokens.

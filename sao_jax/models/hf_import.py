@@ -13,16 +13,24 @@ at a second copy of the model.
 Both expert layouts are understood: the Hub's per-expert tensors
 (`mlp.experts.{j}.gate_proj.weight`, ...) and the fused 3-D tensors of
 recent `transformers` (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`).
+
+With `cfg.scan_layers` the MoE layers' parameters are stacked ("layers/...",
+[n, ...]). Such a parameter is allocated on the devices first, in its
+sharding, and each HF layer's tensor is read, placed and written into its
+slot before the next is read: host memory still peaks at one layer's
+tensor, device memory at the stacked parameter plus one layer.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
@@ -30,22 +38,29 @@ from sao_jax.models.config import ModelConfig
 
 
 def config_from_hf(path: str, **overrides) -> ModelConfig:
-  """ModelConfig from a Qwen3-MoE `config.json` (file or its directory)."""
+  """ModelConfig from a Qwen3-MoE `config.json` (file or its directory).
+
+  transformers 5.x writes the expert count as `num_local_experts` (its
+  Qwen3MoeConfig maps `num_experts` onto it); earlier versions and the
+  Hub's release files write `num_experts`. Both are read.
+  """
   if os.path.isdir(path):
     path = os.path.join(path, "config.json")
   with open(path, encoding="utf-8") as f:
     hf = json.load(f)
   num_layers = hf["num_hidden_layers"]
+  num_experts = hf.get("num_experts", hf.get("num_local_experts"))
+  if num_experts is None:
+    raise KeyError(f"{path}: neither 'num_experts' nor 'num_local_experts' is set.")
   step = hf.get("decoder_sparse_step", 1) or 1
   dense = set(hf.get("mlp_only_layers", []))
-  dense |= {i for i in range(num_layers)
-            if hf.get("num_experts", 0) == 0 or (i + 1) % step != 0}
+  dense |= {i for i in range(num_layers) if num_experts == 0 or (i + 1) % step != 0}
   rope = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 1e6)
   kw = dict(
       vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], num_layers=num_layers,
       num_heads=hf["num_attention_heads"], num_kv_heads=hf["num_key_value_heads"],
       head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-      num_experts=hf["num_experts"], experts_per_token=hf["num_experts_per_tok"],
+      num_experts=num_experts, experts_per_token=hf["num_experts_per_tok"],
       moe_d_ff=hf["moe_intermediate_size"], dense_d_ff=hf.get("intermediate_size", 0),
       dense_layers=tuple(sorted(dense)), norm_topk_prob=hf.get("norm_topk_prob", True),
       rope_theta=float(rope), rms_eps=hf.get("rms_norm_eps", 1e-6),
@@ -132,6 +147,43 @@ def _layer_tensors(r: _Reader, cfg: ModelConfig, i: int) -> dict[str, Callable[[
   return out
 
 
+def _without_leading_axis(sharding):
+  """The sharding of one layer's slice of a stacked [n, ...] parameter."""
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(
+        *tuple(sharding.spec)[1:]))
+  return sharding  # single-device: any shape
+
+
+@functools.lru_cache(maxsize=None)
+def _stacked_ops(shape, dtype, sharding):
+  """(zeros, write) jitted for one stacked parameter's shape and sharding.
+
+  `write(buf, layer, j)` sets buf[j] = layer in place (buf is donated); j is
+  traced, so one compile serves every layer.
+  """
+  kw = {} if sharding is None else {"out_shardings": sharding}
+  zeros = jax.jit(lambda: jnp.zeros(shape, dtype), **kw)
+  write = jax.jit(lambda buf, x, j: jax.lax.dynamic_update_index_in_dim(buf, x, j, 0),
+                  donate_argnums=0, **kw)
+  return zeros, write
+
+
+def _load_stacked(name: str, loaders, layers, shape, sharding):
+  """A stacked [n, ...] parameter, one HF layer at a time (see module docstring)."""
+  zeros, write = _stacked_ops(tuple(shape.shape), shape.dtype, sharding)
+  layer_sharding = _without_leading_axis(sharding)
+  buf = zeros()
+  for j, (load, layer) in enumerate(zip(loaders, layers)):
+    host = np.asarray(load())
+    if host.shape != tuple(shape.shape[1:]):
+      raise ValueError(f"{name} (model.layers.{layer}): checkpoint shape {host.shape} "
+                       f"!= model {tuple(shape.shape[1:])}")
+    buf = write(buf, jax.device_put(host.astype(shape.dtype), layer_sharding), j)
+    del host
+  return buf
+
+
 def load_hf_checkpoint(path: str, cfg: ModelConfig, shardings=None, *, strict: bool = True):
   """Loads policy params (LM head) from a Qwen3-MoE safetensors checkpoint.
 
@@ -152,18 +204,26 @@ def load_hf_checkpoint(path: str, cfg: ModelConfig, shardings=None, *, strict: b
   }
   if not cfg.tie_embeddings:
     loaders["lm_head"] = lambda: r.get("lm_head.weight").T
-  for i in range(cfg.num_layers):
+  # Unrolled layers have their own entries; scanned ones share a stacked one.
+  unrolled = len(cfg.dense_layers) if cfg.scan_layers else cfg.num_layers
+  for i in range(unrolled):
     for name, fn in _layer_tensors(r, cfg, i).items():
       loaders[f"layer_{i}/{name}"] = fn
+  stacked: dict[str, list] = {}
+  scanned_layers = list(range(unrolled, cfg.num_layers)) if cfg.scan_layers else []
+  for i in scanned_layers:
+    for name, fn in _layer_tensors(r, cfg, i).items():
+      stacked.setdefault(f"layers/{name}", []).append(fn)
 
   from sao_jax.models.policy import init_params  # pylint: disable=g-import-not-at-top
   shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
   flat_shapes = {"/".join(k.key for k in path): leaf
                  for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]}
-  if set(flat_shapes) != set(loaders):
+  mapped = set(loaders) | set(stacked)
+  if set(flat_shapes) != mapped:
     raise ValueError(f"Import mapping mismatch: model-only "
-                     f"{sorted(set(flat_shapes) - set(loaders))}, mapping-only "
-                     f"{sorted(set(loaders) - set(flat_shapes))}")
+                     f"{sorted(set(flat_shapes) - mapped)}, mapping-only "
+                     f"{sorted(mapped - set(flat_shapes))}")
   flat_shardings = {}
   if shardings is not None:
     flat_shardings = {"/".join(k.key for k in path): s
@@ -171,6 +231,10 @@ def load_hf_checkpoint(path: str, cfg: ModelConfig, shardings=None, *, strict: b
 
   flat = {}
   for name, shape in flat_shapes.items():
+    if name in stacked:
+      flat[name] = _load_stacked(name, stacked[name], scanned_layers, shape,
+                                 flat_shardings.get(name))
+      continue
     host = np.asarray(loaders[name]())
     if host.shape != shape.shape:
       raise ValueError(f"{name}: checkpoint shape {host.shape} != model {shape.shape}")

@@ -5,6 +5,12 @@ from the prefix x_<t. `token_logprobs[t] = log pi(x_t | x_<t)` and
 `token_values[t] = V(x_<t)`, the value of emitting x_t onward. Entry 0 of a
 row, and the first token of every packed segment, have no prefix and are 0;
 they are prompt tokens, never actions.
+
+With `cfg.logits_chunk > 0` the log-probs never hold full-vocabulary logits
+for the whole batch: the trunk returns final hidden states and the LM head
+and log-softmax run over `logits_chunk` tokens at a time (a `lax.map` whose
+body is rematerialised, so the backward pass recomputes each chunk's
+[B, chunk, V] logits instead of storing [B, L, V]).
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.transformer import Transformer
+from sao_jax.models.transformer import Transformer, lm_head_weight, lm_logits
 
 Array = jax.Array
 
@@ -41,20 +47,62 @@ def logprobs_from_logits(logits: Array, tokens: Array, temperature: float = 1.0)
   return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
 
 
+def chunked_logprobs(cfg: ModelConfig, hidden: Array, w: Array, tokens: Array,
+                     temperature: float = 1.0) -> Array:
+  """log softmax(hidden @ w / T)[token] `[B, L]`, `cfg.logits_chunk` tokens at a time.
+
+  hidden [B, L, D], w [D, V] (the LM head), tokens [B, L]. Equal to
+  `logprobs_from_logits(lm_logits(cfg, hidden, w), tokens, temperature)`;
+  peak logits [B, chunk, V] fp32 in the forward and the backward pass.
+  """
+  b, length, d = hidden.shape
+  chunk = min(cfg.logits_chunk, length)
+  pad = -length % chunk
+  hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+  tokens = jnp.pad(tokens, ((0, 0), (0, pad)))
+  n = (length + pad) // chunk
+  h_chunks = hidden.reshape(b, n, chunk, d).swapaxes(0, 1)  # [n, B, c, D]
+  t_chunks = tokens.reshape(b, n, chunk).swapaxes(0, 1)  # [n, B, c]
+
+  @jax.checkpoint
+  def one_chunk(h, t, w):
+    logits = nn.with_logical_constraint(lm_logits(cfg, h, w), ("batch", "length", "vocab"))
+    return logprobs_from_logits(logits, t, temperature)  # [B, c]
+
+  # The head enters the loop in fp32 (lm_logits casts it to cfg.dtype, so
+  # the forward is unchanged): the backward sums its gradient over chunks in
+  # fp32, not in a bf16 param dtype.
+  w32 = w.astype(jnp.float32)
+  logp = jax.lax.map(lambda ht: one_chunk(ht[0], ht[1], w32), (h_chunks, t_chunks))
+  return logp.swapaxes(0, 1).reshape(b, n * chunk)[:, :length]
+
+
 def token_logprobs(cfg: ModelConfig, params, tokens: Array, positions: Array,
                    segment_ids: Array, temperature: float = 1.0):
   """Teacher-forced log pi(x_t | x_<t) `[B, L]` and the model's aux losses."""
+  starts = _shift_right(jnp.ones_like(tokens), segment_ids) == 0
+  if cfg.logits_chunk:
+    hidden, aux = Transformer(cfg, "hidden").apply({"params": params}, tokens, positions,
+                                                   segment_ids)
+    # Shifting the hidden state shifts its logits: the head is per token.
+    prev_hidden = _shift_right(hidden, segment_ids)  # predicts x_t
+    logp = chunked_logprobs(cfg, prev_hidden, lm_head_weight(cfg, params), tokens,
+                            temperature)
+    return jnp.where(starts, 0.0, logp), aux
   logits, aux = Transformer(cfg, "lm").apply({"params": params}, tokens, positions,
                                              segment_ids)
   prev_logits = _shift_right(logits, segment_ids)  # predicts x_t
   logp = logprobs_from_logits(prev_logits, tokens, temperature)
-  starts = _shift_right(jnp.ones_like(tokens), segment_ids) == 0
   return jnp.where(starts, 0.0, logp), aux
 
 
 def token_values(cfg: ModelConfig, params, tokens: Array, positions: Array,
                  segment_ids: Array):
-  """V(x_<t) `[B, L]` from the value head, and the model's aux losses."""
+  """V(x_<t) `[B, L]` from the value head, and the model's aux losses.
+
+  The value head is [D, 1]: its output is [B, L] at any length, so unlike
+  the log-probs it needs no chunking.
+  """
   values, aux = Transformer(cfg, "value").apply({"params": params}, tokens, positions,
                                                 segment_ids)
   return _shift_right(values, segment_ids), aux
@@ -64,7 +112,8 @@ def value_params_from_policy(policy_params, value_params):
   """The value model initialised from a policy: trunk copied, head kept fresh.
 
   `value_params` supplies the value head (from `init_params(..., "value")`);
-  every other leaf comes from the policy (whose LM head is dropped).
+  every other leaf comes from the policy (whose LM head is dropped). Works
+  for either layer layout (top-level keys "layer_i" and / or "layers").
   """
   out = {k: v for k, v in policy_params.items() if k != "lm_head"}
   for key in ("value_head", "value_bias"):
@@ -72,4 +121,27 @@ def value_params_from_policy(policy_params, value_params):
   missing = set(value_params) - set(out)
   if missing:
     raise ValueError(f"Policy params lack trunk entries {sorted(missing)}.")
+  return out
+
+
+def scan_params(cfg: ModelConfig, params):
+  """Unscanned params ("layer_i" for every layer) -> the `cfg.scan_layers` layout.
+
+  The dense prefix keeps its "layer_i" entries; the MoE layers' entries are
+  stacked along a new leading axis under "layers". `cfg` is the scanned config.
+  """
+  k = len(cfg.dense_layers)
+  moe = [params[f"layer_{i}"] for i in range(k, cfg.num_layers)]
+  out = {n: v for n, v in params.items()
+         if not (n.startswith("layer_") and int(n[len("layer_"):]) >= k)}
+  out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *moe)
+  return out
+
+
+def unscan_params(cfg: ModelConfig, params):
+  """The inverse of `scan_params`: "layers" split back into "layer_i" entries."""
+  k = len(cfg.dense_layers)
+  out = {n: v for n, v in params.items() if n != "layers"}
+  for j in range(cfg.num_scanned_layers):
+    out[f"layer_{k + j}"] = jax.tree.map(lambda x, j=j: x[j], params["layers"])
   return out

@@ -8,7 +8,10 @@ segment_ids[, cache]):
       -> (logits [B, L, V] or values [B, L], aux)
 
 `aux["load_balance_loss"]` is the MoE auxiliary loss averaged over MoE layers;
-with a cache, `aux["cache"]` is the updated cache.
+with a cache, `aux["cache"]` is the updated cache. `head="hidden"` returns the
+final (normed) hidden states [B, L, D] instead, for heads applied in chunks
+(policy.token_logprobs with `logits_chunk`; `lm_head_weight` and `lm_logits`
+give the same LM head).
 
 Two attention modes:
 
@@ -23,8 +26,16 @@ Two attention modes:
   before being overwritten, because position p is always written before it
   is attended to. `segment_ids` 0 marks padding query tokens.
 
+Layers. With `cfg.scan_layers` the MoE layers run as one `nn.scan`: their
+parameters are stacked under "layers" with a leading axis named "layers"
+(so "layers/attn/q" is [n, D, H, hd]), and the dense prefix stays unrolled
+as "layer_0" ... Each layer is rematerialised as `cfg.remat` says. Training
+attention is `cfg.attention_impl` (sao_jax/models/attention.py).
+
 Every parameter and the main activations carry logical axis names
-(`sao_jax/sharding.py` maps them onto a Mesh with rules from the config).
+(`sao_jax/sharding.py` maps them onto a Mesh with rules from the config):
+the residual stream, q / k / v and the attention output, and the MLP / MoE
+hidden activations are constrained so GSPMD does not replicate them.
 """
 
 from __future__ import annotations
@@ -35,10 +46,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sao_jax.models import moe
+from sao_jax.models import attention as attn_lib
 from sao_jax.models.config import ModelConfig
 
 Array = jax.Array
-Cache = list  # per layer: {"k": [B, S, KVH, hd], "v": [B, S, KVH, hd]}
+# A pytree of {"k", "v"} arrays whose shapes end in [B, S, KVH, hd]: see init_cache.
+Cache = Any
 
 _init = nn.initializers.normal(stddev=0.02)
 
@@ -81,7 +95,14 @@ class Attention(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x, positions, segment_ids, cache):
+  def __call__(self, x, positions, segment_ids, cache, layer=None):
+    """x [B, L, D] -> ([B, L, D], new cache or None).
+
+    `cache` is this layer's {"k", "v"} [B, S, KVH, hd], or with `layer` (an
+    int32 scalar, scanned layers) the stacked [n, B, S, KVH, hd] cache of all
+    scanned layers: only this layer's new entries are written into it, so
+    the scan carries one cache and never copies it per layer.
+    """
     cfg = self.cfg
     d, h, kvh, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     wq = _param(self, "q", (d, h, hd), ("embed", "heads", "head_dim"), cfg.param_dtype)
@@ -97,35 +118,42 @@ class Attention(nn.Module):
     q = rotary(q, positions, cfg.rope_theta)
     k = rotary(k, positions, cfg.rope_theta)
     q = _constrain(q, ("batch", "length", "heads", "head_dim"))
+    k = _constrain(k, ("batch", "length", "kv_heads", "head_dim"))
+    v = _constrain(v, ("batch", "length", "kv_heads", "head_dim"))
 
     if cache is None:
-      idx = jnp.arange(x.shape[1])
-      allowed = ((segment_ids[:, :, None] == segment_ids[:, None, :])
-                 & (segment_ids[:, None, :] != 0)
-                 & (idx[None, :, None] >= idx[None, None, :]))  # [B, Lq, Lk]
+      out = self._packed_attention(q, k, v, segment_ids)
       new_cache = None
     else:
       b_idx = jnp.arange(x.shape[0])[:, None]
-      k_all = cache["k"].at[b_idx, positions].set(k.astype(cache["k"].dtype), mode="drop")
-      v_all = cache["v"].at[b_idx, positions].set(v.astype(cache["v"].dtype), mode="drop")
-      new_cache = {"k": k_all, "v": v_all}
+      new_k, new_v = k.astype(cache["k"].dtype), v.astype(cache["v"].dtype)
+      if layer is None:
+        k_all = cache["k"].at[b_idx, positions].set(new_k, mode="drop")
+        v_all = cache["v"].at[b_idx, positions].set(new_v, mode="drop")
+        new_cache = {"k": k_all, "v": v_all}
+      else:
+        new_cache = {"k": cache["k"].at[layer, b_idx, positions].set(new_k, mode="drop"),
+                     "v": cache["v"].at[layer, b_idx, positions].set(new_v, mode="drop")}
+        k_all, v_all = new_cache["k"][layer], new_cache["v"][layer]  # [B, S, KVH, hd]
       k, v = k_all.astype(dt), v_all.astype(dt)
       key_pos = jnp.arange(k.shape[1])
       allowed = key_pos[None, None, :] <= positions[:, :, None]  # [B, Lq, S]
+      # Logits [B, KVH, H/KVH, Lq, S]: Lq is a decode step or a prompt bucket.
+      out = attn_lib.reference_attention(q, k, v, allowed)
 
-    groups = h // kvh
-    qg = q.reshape(q.shape[:2] + (kvh, groups, hd))
-    logits = jnp.einsum("bqngh,bknh->bngqk", qg, k).astype(jnp.float32)
-    logits = logits / jnp.sqrt(jnp.float32(hd))
-    logits = jnp.where(allowed[:, None, None], logits, -1e30)
-    probs = jax.nn.softmax(logits, axis=-1).astype(dt)
-    out = jnp.einsum("bngqk,bknh->bqngh", probs, v).reshape(q.shape)
+    out = _constrain(out, ("batch", "length", "heads", "head_dim"))
     out = jnp.einsum("blnh,nhd->bld", out, wo.astype(dt))
     return out, new_cache
 
-
-def _swiglu(x, w_gate, w_up, w_down):
-  return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+  def _packed_attention(self, q, k, v, segment_ids):
+    """Training attention over packed rows, by `cfg.attention_impl`."""
+    cfg = self.cfg
+    impl = cfg.attention_impl
+    if impl == "splash" and attn_lib.splash_usable(q.shape[1], cfg.attention_block):
+      return attn_lib.splash_attention(q, k, v, segment_ids, cfg.attention_block)
+    if impl in ("chunked", "splash"):
+      return attn_lib.chunked_attention(q, k, v, segment_ids, cfg.attention_block)
+    return attn_lib.reference_attention(q, k, v, attn_lib.packed_causal_mask(segment_ids))
 
 
 class DenseMLP(nn.Module):
@@ -139,7 +167,9 @@ class DenseMLP(nn.Module):
     wu = _param(self, "wi_up", (d, f), ("embed", "mlp"), cfg.param_dtype)
     wd = _param(self, "wo", (f, d), ("mlp", "embed"), cfg.param_dtype)
     dt = cfg.dtype
-    return _swiglu(x, wg.astype(dt), wu.astype(dt), wd.astype(dt))
+    hidden = jax.nn.silu(x @ wg.astype(dt)) * (x @ wu.astype(dt))  # [B, L, F]
+    hidden = _constrain(hidden, ("batch", "length", "mlp"))
+    return hidden @ wd.astype(dt)
 
 
 class MoE(nn.Module):
@@ -169,7 +199,13 @@ class MoE(nn.Module):
           jnp.arange(xf.shape[0])[:, None], top_i].set(top_p)  # [N, E]
       hidden = jax.nn.silu(jnp.einsum("nd,edf->nef", xf, wg.astype(dt))) * jnp.einsum(
           "nd,edf->nef", xf, wu.astype(dt))
+      hidden = _constrain(hidden, ("batch", "expert", "mlp"))  # [N, E, F], N = B * L
       out = jnp.einsum("nef,efd,ne->nd", hidden, wd.astype(dt), gates)
+    elif cfg.moe_impl == "expert_parallel":
+      out, dropped = moe.expert_parallel_moe(
+          xf, top_i, top_p, wg.astype(dt), wu.astype(dt), wd.astype(dt),
+          token_mask=token_mask.reshape(-1), capacity_factor=cfg.moe_capacity_factor)
+      self.sow("intermediates", "moe_dropped", dropped)
     else:
       flat_e = top_i.reshape(-1)  # [N*k]
       order = jnp.argsort(flat_e)
@@ -193,15 +229,22 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
+  """One pre-norm layer, in the (carry, x) -> (carry, y) form `nn.scan` needs.
+
+  carry = (residual stream [B, L, D], cache); returns ((x, new cache), aux)
+  with aux the MoE load-balancing loss (None for a dense layer). `layer` is
+  the index into a stacked cache (scanned layers), None otherwise.
+  """
   cfg: ModelConfig
   dense: bool
 
   @nn.compact
-  def __call__(self, x, positions, segment_ids, cache):
+  def __call__(self, carry, positions, segment_ids, layer=None):
     cfg = self.cfg
+    x, cache = carry
     h, new_cache = Attention(cfg, name="attn")(
         RMSNorm(cfg.rms_eps, cfg.param_dtype, name="attn_norm")(x),
-        positions, segment_ids, cache)
+        positions, segment_ids, cache, layer)
     x = x + h
     y = RMSNorm(cfg.rms_eps, cfg.param_dtype, name="mlp_norm")(x)
     if self.dense:
@@ -209,35 +252,83 @@ class Block(nn.Module):
     else:
       y, aux = MoE(cfg, name="moe")(y, segment_ids != 0)
     x = _constrain(x + y, ("batch", "length", "embed"))
-    return x, new_cache, aux
+    return (x, new_cache), aux
+
+
+def _block_class(cfg: ModelConfig, scanned: bool):
+  """Block, rematerialised as `cfg.remat` says.
+
+  Under a scan, common-subexpression elimination cannot merge the recomputed
+  forward into the backward across loop iterations, so `prevent_cse` (extra
+  barriers) is only needed for unrolled layers.
+  """
+  if cfg.remat == "none":
+    return Block
+  policy = (jax.checkpoint_policies.nothing_saveable if cfg.remat == "full"
+            else getattr(jax.checkpoint_policies, cfg.remat))
+  return nn.remat(Block, policy=policy, prevent_cse=not scanned)
+
+
+def lm_head_weight(cfg: ModelConfig, params) -> Array:
+  """The LM head [D, V] of policy params (the embedding's transpose when tied)."""
+  return params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+
+
+def lm_logits(cfg: ModelConfig, x: Array, w: Array) -> Array:
+  """fp32 logits [..., V] of final hidden states x [..., D] under head w [D, V]."""
+  return (x @ w.astype(cfg.dtype)).astype(jnp.float32)
 
 
 class Transformer(nn.Module):
-  """The trunk with an LM head ("lm": logits) or a scalar head ("value")."""
+  """The trunk with an LM head ("lm": logits), a scalar head ("value"), or
+  none ("hidden": final hidden states, for a head applied in chunks)."""
   cfg: ModelConfig
   head: str = "lm"
 
   @nn.compact
   def __call__(self, tokens, positions, segment_ids, cache: Cache | None = None):
     cfg = self.cfg
-    if self.head not in ("lm", "value"):
-      raise ValueError(f"head must be 'lm' or 'value', got {self.head!r}")
+    if self.head not in ("lm", "value", "hidden"):
+      raise ValueError(f"head must be 'lm', 'value' or 'hidden', got {self.head!r}")
     embedding = _param(self, "embed", (cfg.vocab_size, cfg.d_model),
                        ("vocab", "embed"), cfg.param_dtype)
     x = jnp.take(embedding, tokens, axis=0).astype(cfg.dtype)
     x = _constrain(x, ("batch", "length", "embed"))
-    new_cache, aux_losses = [], []
-    for i in range(cfg.num_layers):
-      x, layer_cache, aux = Block(cfg, dense=i in cfg.dense_layers, name=f"layer_{i}")(
-          x, positions, segment_ids, None if cache is None else cache[i])
-      new_cache.append(layer_cache)
+    block = _block_class(cfg, scanned=False)
+    # Unrolled layers: all of them, or the dense prefix before the scan.
+    unrolled = len(cfg.dense_layers) if cfg.scan_layers else cfg.num_layers
+    new_cache = {} if cfg.scan_layers else []
+    aux_losses = []
+    for i in range(unrolled):
+      name = f"layer_{i}"
+      layer_cache = None if cache is None else cache[name if cfg.scan_layers else i]
+      (x, layer_cache), aux = block(cfg, dense=i in cfg.dense_layers, name=name)(
+          (x, layer_cache), positions, segment_ids)
+      if cfg.scan_layers:
+        new_cache[name] = layer_cache
+      else:
+        new_cache.append(layer_cache)
       if aux is not None:
-        aux_losses.append(aux)
+        aux_losses.append(aux[None])
+    if cfg.scan_layers:
+      n = cfg.num_scanned_layers
+      scanned = nn.scan(
+          _block_class(cfg, scanned=True),
+          variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
+          in_axes=(nn.broadcast, nn.broadcast, 0), length=n,
+          metadata_params={nn.PARTITION_NAME: "layers"})
+      (x, stacked), layer_aux = scanned(cfg, dense=False, name="layers")(
+          (x, None if cache is None else cache["layers"]), positions, segment_ids,
+          jnp.arange(n, dtype=jnp.int32))
+      new_cache["layers"] = stacked
+      aux_losses.append(layer_aux)  # [n]
     x = RMSNorm(cfg.rms_eps, cfg.param_dtype, name="final_norm")(x)
-    aux = {"load_balance_loss": (jnp.mean(jnp.stack(aux_losses)) if aux_losses
+    aux = {"load_balance_loss": (jnp.mean(jnp.concatenate(aux_losses)) if aux_losses
                                  else jnp.zeros((), jnp.float32))}
     if cache is not None:
       aux["cache"] = new_cache
+    if self.head == "hidden":
+      return _constrain(x, ("batch", "length", "embed")), aux
     if self.head == "value":
       w = _param(self, "value_head", (cfg.d_model, 1), ("embed", None),
                  cfg.param_dtype, nn.initializers.zeros)
@@ -245,18 +336,31 @@ class Transformer(nn.Module):
       values = (x.astype(jnp.float32) @ w.astype(jnp.float32) + b.astype(jnp.float32))[..., 0]
       return values, aux
     if cfg.tie_embeddings:
-      logits = x @ embedding.astype(cfg.dtype).T
+      w = embedding.T
     else:
       w = _param(self, "lm_head", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
                  cfg.param_dtype)
-      logits = x @ w.astype(cfg.dtype)
-    logits = _constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+    logits = _constrain(lm_logits(cfg, x, w), ("batch", "length", "vocab"))
     return logits, aux
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
-  """An empty KV cache of `batch` slots, `max_len` positions each."""
+  """An empty KV cache of `batch` slots, `max_len` positions each.
+
+  Layout (every leaf is a {"k" | "v"} array ending in [B, S, KVH, hd], batch
+  at axis -4, so slot-wise code can index `[..., slot, :, :, :]`):
+
+  * unscanned layers: a list, entry i = layer i's {"k", "v"} [B, S, KVH, hd];
+  * `cfg.scan_layers`: a dict mirroring the parameter names, "layer_i" for
+    each unrolled dense-prefix layer ([B, S, KVH, hd]) and "layers" for the
+    scanned layers, stacked: {"k", "v"} [n, B, S, KVH, hd].
+  """
   shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
   dtype = dtype or cfg.dtype
-  return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
-          for _ in range(cfg.num_layers)]
+  zeros = lambda *lead: {"k": jnp.zeros(lead + shape, dtype),
+                         "v": jnp.zeros(lead + shape, dtype)}
+  if not cfg.scan_layers:
+    return [zeros() for _ in range(cfg.num_layers)]
+  cache = {f"layer_{i}": zeros() for i in range(len(cfg.dense_layers))}
+  cache["layers"] = zeros(cfg.num_scanned_layers)
+  return cache

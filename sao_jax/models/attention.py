@@ -1,0 +1,304 @@
+"""Causal self-attention over packed rows: a reference, a chunked and a TPU kernel.
+
+All three compute the same function of
+
+    q [B, L, H, hd]   (rotary applied)      k, v [B, L, KVH, hd]
+    segment_ids [B, L]  (1, 2, ... per packed sequence, 0 = padding)
+
+namely softmax(q k^T / sqrt(hd)) v over the keys a query may see: keys at
+or before it (index order), in its own segment, not padding. Query heads
+share key heads in groups of H / KVH (grouped-query attention). A padding
+query sees no key; its output is finite garbage that no real token reads.
+
+* `reference_attention` materialises [B, KVH, H/KVH, Lq, Lk] fp32 logits.
+  It is the oracle, and it serves the KV-cache path (Lq short).
+* `chunked_attention` walks query blocks and, inside each, key blocks with
+  an online softmax (running max m, normaliser l, accumulator acc):
+
+      m' = max(m, rowmax(s_j))    l' = l e^(m - m') + rowsum(e^(s_j - m'))
+      acc' = acc e^(m - m') + e^(s_j - m') v_j          out = acc / l
+
+  Key blocks entirely after a query block are skipped (`lax.cond`). Its
+  backward is the flash-attention one (a `custom_vjp`): the forward keeps
+  only out and the log-sum-exp per query, and the backward recomputes each
+  block's probabilities. Memory O(B H L hd + B H block^2), never L x L.
+* `splash_attention` is the Pallas TPU kernel
+  (jax.experimental.pallas.ops.tpu.splash_attention) under `shard_map`,
+  batch and heads split as the logical-axis rules say.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+Array = jax.Array
+
+# Logit of a key a query may not see. Finite, so a row with no visible key
+# (padding) stays finite; exp(_MASKED - m) underflows to 0 for any real m.
+_MASKED = -1e30
+
+
+# --------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------
+
+
+def reference_attention(q: Array, k: Array, v: Array, allowed: Array) -> Array:
+  """Dense attention; `allowed` [B, Lq, Lk] says which keys each query sees.
+
+  q [B, Lq, H, hd], k and v [B, Lk, KVH, hd] -> [B, Lq, H, hd].
+  """
+  hd, kvh = q.shape[-1], k.shape[2]
+  groups = q.shape[2] // kvh
+  qg = q.reshape(q.shape[:2] + (kvh, groups, hd))  # [B, Lq, KVH, G, hd]
+  logits = jnp.einsum("bqngh,bknh->bngqk", qg, k).astype(jnp.float32)
+  logits = logits / jnp.sqrt(jnp.float32(hd))
+  logits = jnp.where(allowed[:, None, None], logits, _MASKED)  # [B, KVH, G, Lq, Lk]
+  probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
+  return jnp.einsum("bngqk,bknh->bqngh", probs, v).reshape(q.shape)
+
+
+def packed_causal_mask(segment_ids: Array) -> Array:
+  """[B, L, L]: query i sees key j <= i of its own (non-padding) segment."""
+  idx = jnp.arange(segment_ids.shape[1])
+  return ((segment_ids[:, :, None] == segment_ids[:, None, :])
+          & (segment_ids[:, None, :] != 0)
+          & (idx[None, :, None] >= idx[None, None, :]))
+
+
+# --------------------------------------------------------------------------
+# Chunked (pure JAX, flash-style backward)
+# --------------------------------------------------------------------------
+
+
+def _to_blocks(x: Array, block: int) -> Array:
+  """[B, L, ...] -> [L / block, B, block, ...] (block axis first, for scan)."""
+  b, length = x.shape[:2]
+  x = x.reshape((b, length // block, block) + x.shape[2:])
+  return jnp.moveaxis(x, 1, 0)
+
+
+def _from_blocks(x: Array) -> Array:
+  """[n, B, block, ...] -> [B, n * block, ...]."""
+  x = jnp.moveaxis(x, 0, 1)
+  return x.reshape((x.shape[0], x.shape[1] * x.shape[2]) + x.shape[3:])
+
+
+def _block_mask(i, j, block_q, block_k, seg_q, seg_k):
+  """[B, bq, bk] visibility of key block j from query block i."""
+  q_idx = i * block_q + jnp.arange(block_q)
+  k_idx = j * block_k + jnp.arange(block_k)
+  return ((seg_q[:, :, None] == seg_k[:, None, :]) & (seg_k[:, None, :] != 0)
+          & (q_idx[None, :, None] >= k_idx[None, None, :]))
+
+
+def _block_needed(i, j, block_q, block_k):
+  """Key block j holds a key at or before the last query of block i."""
+  return j * block_k <= i * block_q + block_q - 1
+
+
+def _scores(qi, kj, hd):
+  """[B, KVH, G, bq, bk] fp32 logits of one block pair."""
+  s = jnp.einsum("bqngh,bknh->bngqk", qi, kj, preferred_element_type=jnp.float32)
+  return s / jnp.sqrt(jnp.float32(hd))
+
+
+def _chunked_forward(q, k, v, segment_ids, block_q, block_k):
+  """(out [B, L, KVH, G, hd], lse [B, L, KVH, G] fp32) for grouped q."""
+  b, _, n, g, hd = q.shape
+  qb, segq = _to_blocks(q, block_q), _to_blocks(segment_ids, block_q)
+  kb, vb, segk = (_to_blocks(x, block_k) for x in (k, v, segment_ids))
+  nq, nk = qb.shape[0], kb.shape[0]
+
+  def query_block(args):
+    i, qi, sq = args  # qi [B, bq, KVH, G, hd]
+
+    def key_block(carry, xs):
+      j, kj, vj, sk = xs
+
+      def update(carry):
+        m, l, acc = carry  # [B, KVH, G, bq], same, [B, KVH, G, bq, hd]
+        s = _scores(qi, kj, hd)
+        s = jnp.where(_block_mask(i, j, block_q, block_k, sq, sk)[:, None, None], s, _MASKED)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.exp(s - m_new[..., None])
+        correction = jnp.exp(m - m_new)
+        l = l * correction + p.sum(-1)
+        pv = jnp.einsum("bngqk,bknh->bngqh", p.astype(vj.dtype), vj,
+                        preferred_element_type=jnp.float32)
+        return m_new, l, acc * correction[..., None] + pv
+
+      carry = jax.lax.cond(_block_needed(i, j, block_q, block_k), update, lambda c: c, carry)
+      return carry, None
+
+    init = (jnp.full((b, n, g, block_q), _MASKED, jnp.float32),
+            jnp.zeros((b, n, g, block_q), jnp.float32),
+            jnp.zeros((b, n, g, block_q, hd), jnp.float32))
+    (m, l, acc), _ = jax.lax.scan(key_block, init, (jnp.arange(nk), kb, vb, segk))
+    out = acc / l[..., None]  # l >= 1: block 0 is never skipped
+    lse = m + jnp.log(l)
+    # -> [B, bq, KVH, G, ...] to match the query layout.
+    return (jnp.moveaxis(out, 3, 1).astype(q.dtype), jnp.moveaxis(lse, 3, 1))
+
+  out, lse = jax.lax.map(query_block, (jnp.arange(nq), qb, segq))
+  return _from_blocks(out), _from_blocks(lse)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _chunked(q, k, v, segment_ids, block_q, block_k):
+  return _chunked_forward(q, k, v, segment_ids, block_q, block_k)[0]
+
+
+def _chunked_fwd(q, k, v, segment_ids, block_q, block_k):
+  out, lse = _chunked_forward(q, k, v, segment_ids, block_q, block_k)
+  return out, (q, k, v, segment_ids, out, lse)
+
+
+def _chunked_bwd(block_q, block_k, residuals, d_out):
+  """Flash-attention backward: per block pair, with P recomputed from lse.
+
+      P = exp(S - lse)     dV = P^T dO     dP = dO V^T
+      dS = P * (dP - rowsum(dO * O))     dQ = dS K / sqrt(hd)   dK = dS^T Q / sqrt(hd)
+  """
+  q, k, v, segment_ids, out, lse = residuals
+  hd = q.shape[-1]
+  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), -1)  # [B, L, KVH, G]
+  qb, dob, deltab, lseb, segq = (_to_blocks(x, block_q)
+                                 for x in (q, d_out, delta, lse, segment_ids))
+  kb, vb, segk = (_to_blocks(x, block_k) for x in (k, v, segment_ids))
+  nq, nk = qb.shape[0], kb.shape[0]
+  scale = 1.0 / jnp.sqrt(jnp.float32(hd))
+
+  def key_block(dq, xs):
+    j, kj, vj, sk = xs
+
+    def query_block(carry, ys):
+      i, qi, doi, di, lsei, sq = ys
+
+      def grads(_):
+        s = _scores(qi, kj, hd)  # [B, KVH, G, bq, bk]
+        visible = _block_mask(i, j, block_q, block_k, sq, sk)[:, None, None]
+        p = jnp.where(visible, jnp.exp(s - jnp.moveaxis(lsei, 1, 3)[..., None]), 0.0)
+        dv = jnp.einsum("bngqk,bqngh->bknh", p, doi.astype(jnp.float32))
+        dp = jnp.einsum("bqngh,bknh->bngqk", doi, vj, preferred_element_type=jnp.float32)
+        ds = p * (dp - jnp.moveaxis(di, 1, 3)[..., None]) * scale
+        dk = jnp.einsum("bngqk,bqngh->bknh", ds, qi.astype(jnp.float32))
+        dqi = jnp.einsum("bngqk,bknh->bqngh", ds, kj.astype(jnp.float32))
+        return dk, dv, dqi
+
+      def skip(_):
+        return (jnp.zeros(kj.shape, jnp.float32), jnp.zeros(vj.shape, jnp.float32),
+                jnp.zeros(qi.shape, jnp.float32))
+
+      dk, dv, dqi = jax.lax.cond(_block_needed(i, j, block_q, block_k), grads, skip, None)
+      return (carry[0] + dk, carry[1] + dv), dqi
+
+    zeros = (jnp.zeros(kj.shape, jnp.float32), jnp.zeros(vj.shape, jnp.float32))
+    (dk, dv), dq_parts = jax.lax.scan(query_block, zeros,
+                                      (jnp.arange(nq), qb, dob, deltab, lseb, segq))
+    return dq + dq_parts, (dk, dv)
+
+  dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(qb.shape, jnp.float32),
+                              (jnp.arange(nk), kb, vb, segk))
+  return (_from_blocks(dq).astype(q.dtype), _from_blocks(dk).astype(k.dtype),
+          _from_blocks(dv).astype(v.dtype), None)
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def chunked_attention(q: Array, k: Array, v: Array, segment_ids: Array, block: int) -> Array:
+  """Packed causal attention in blocks of `block` tokens; no L x L array.
+
+  q [B, L, H, hd], k and v [B, L, KVH, hd], segment_ids [B, L] -> [B, L, H, hd].
+  L is padded up to a multiple of the block with padding tokens (segment 0,
+  seen by no query) and the padded queries are dropped.
+  """
+  b, length, h, hd = q.shape
+  kvh = k.shape[2]
+  block = min(block, length)
+  pad = -length % block
+  if pad:
+    widths = ((0, 0), (0, pad), (0, 0), (0, 0))
+    q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
+    segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)))
+  qg = q.reshape(q.shape[:2] + (kvh, h // kvh, hd))  # [B, L', KVH, G, hd]
+  out = _chunked(qg, k, v, segment_ids, block, block)
+  return out.reshape(b, length + pad, h, hd)[:, :length]
+
+
+# --------------------------------------------------------------------------
+# Splash (Pallas, TPU)
+# --------------------------------------------------------------------------
+
+
+def compile_platform() -> str:
+  """The platform being compiled for: the set mesh's devices, else the default.
+
+  Ahead-of-time compilation for a TPU topology on a CPU host sets a mesh of
+  TPU devices (jax.set_mesh), while jax.default_backend() says "cpu".
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+  platform = getattr(device, "platform", None)
+  return platform or jax.default_backend()
+
+
+def splash_usable(length: int, block: int) -> bool:
+  """Splash runs here: compiling for TPU, and L tiles into 128-multiples."""
+  return compile_platform() == "tpu" and length % 128 == 0 and math.gcd(block, length) % 128 == 0
+
+
+def _mesh_axes(name: str):
+  """The mesh axes the active logical-axis rules give `name` (None if none)."""
+  rules = nn.get_logical_axis_rules()
+  return nn.logical_to_mesh_axes((name,), rules)[0] if rules else None
+
+
+def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array, block: int) -> Array:
+  """The Pallas TPU splash kernel, causal with segment ids; see `chunked_attention`.
+
+  Pallas kernels are opaque to GSPMD (it would gather their operands), so
+  with a mesh set the kernel runs under `shard_map`: batch split as the
+  "batch" rule says, query heads as "heads", key heads as "kv_heads". Each
+  shard must keep the global heads-per-key-head ratio.
+  """
+  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+  b, length, h, hd = q.shape
+  kvh = k.shape[2]
+  blk = math.gcd(block, length)
+  sizes = sk.BlockSizes(block_q=blk, block_kv=blk, block_kv_compute=blk, block_q_dkv=blk,
+                        block_kv_dkv=blk, block_kv_dkv_compute=blk, block_q_dq=blk,
+                        block_kv_dq=blk)
+  # The kernel takes [heads, L, hd] per example and does not scale q.
+  qt = jnp.swapaxes(q / jnp.sqrt(jnp.asarray(hd, q.dtype)), 1, 2)  # [B, H, L, hd]
+  kt, vt = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, KVH, L, hd]
+
+  def kernel(q, k, v, seg):
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads * kvh != kv_heads * h:
+      raise ValueError(
+          f"splash attention: a shard holds {heads} query heads and {kv_heads} key heads; "
+          f"shard 'heads' and 'kv_heads' alike to keep the ratio {h // kvh}.")
+    mask = sm.MultiHeadMask([sm.CausalMask((length, length))] * heads)
+    splash = sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1)
+    return jax.vmap(splash)(q, k, v, segment_ids=sk.SegmentIds(seg, seg))
+
+  if jax.sharding.get_abstract_mesh().empty:
+    out = kernel(qt, kt, vt, segment_ids)
+  else:
+    batch = _mesh_axes("batch")
+    q_spec = PartitionSpec(batch, _mesh_axes("heads"), None, None)
+    kv_spec = PartitionSpec(batch, _mesh_axes("kv_heads"), None, None)
+    out = jax.shard_map(kernel, in_specs=(q_spec, kv_spec, kv_spec, PartitionSpec(batch, None)),
+                        out_specs=q_spec, check_vma=False)(qt, kt, vt, segment_ids)
+  return jnp.swapaxes(out, 1, 2).astype(q.dtype)  # [B, L, H, hd]
