@@ -95,7 +95,8 @@ _LENGTH = flags.DEFINE_integer("length", None, "Tokens per packed row (default: 
                                "max(data.buckets), the largest bucket).")
 _ROLLOUT_MESH = flags.DEFINE_string(
     "rollout_mesh", None, "Shard the rollout engine over a mesh of the rollout topology, e.g. "
-    "data:-1,tensor:4 (default: one chip, as the trainer's in-process engine runs).")
+    "data:-1,tensor:4 (default: the trainer's mesh with rollout.sharded_engine, else one "
+    "chip, as the trainer's in-process engine runs).")
 _PREFILL_LEN = flags.DEFINE_integer("prefill_len", None, "Width of the prefill step "
                                     "(default: the engine's largest bucket, rollout.max_len).")
 _HEARTBEAT_S = flags.DEFINE_integer("heartbeat_s", 60, "Seconds between progress lines.")
@@ -287,17 +288,19 @@ def _parse_mesh(text: str) -> dict:
   return out
 
 
-def engine_programs(config, model_cfg, abstract_policy, devices, topo: str,
-                    hbm: float) -> tuple[dict, str]:
+def engine_programs(config, model_cfg, abstract_policy, devices, topo: str, hbm: float,
+                    train_mesh=None) -> tuple[dict, str]:
   """The rollout engine's fused step as prefill ([slots, W]) and decode ([slots, 1]).
 
   Returns ({name: Program}, the engine's layout in words).
 
-  Single device (no --rollout_mesh; what the trainer's in-process engine
-  is): params and the dense [slots, max_len] cache on the rollout
-  topology's first chip. With --rollout_mesh (and an engine that can shard:
-  `engine.engine_shardings`), the engine's own shardings over a mesh of the
-  rollout topology, rules from `engine.rollout_rules`. The function is the
+  The layout is the one the run would use: with --rollout_mesh, the
+  engine's own shardings (`engine.engine_shardings`, rules from
+  `engine.rollout_rules`) over that mesh of the rollout topology; else with
+  `rollout.sharded_engine` the trainer's colocated engine, on the trainer's
+  mesh (`train_mesh`, None when the rollout has its own topology: then
+  --rollout_mesh is needed); else one device holding params and the dense
+  [slots, max_len] cache, on the rollout topology's first chip. The function is the
   engine's module-level `_step`, jitted as `PolicyEngine._step` jits it
   (same in / out shardings and donation): building an engine would copy
   real params onto devices. Both steps attend over the whole cache (the
@@ -314,11 +317,19 @@ def engine_programs(config, model_cfg, abstract_policy, devices, topo: str,
   with_sharding = lambda tree, sh: jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
 
+  mesh = None
   if _ROLLOUT_MESH.value:
-    if not hasattr(engine_lib, "engine_shardings"):
-      raise configuration.ConfigError("--rollout_mesh: this version's rollout engine has no "
-                                      "sharded layout (engine.engine_shardings)")
     mesh = sharding.make_mesh(_parse_mesh(_ROLLOUT_MESH.value), devices=devices)
+  elif r.get("sharded_engine", False):
+    if train_mesh is None:
+      raise configuration.ConfigError(
+          "rollout.sharded_engine on a separate --rollout_topology: give its mesh with "
+          "--rollout_mesh (e.g. data:-1,tensor:4)")
+    mesh = train_mesh  # colocated: the engine shares the trainer's mesh
+  if mesh is not None:
+    if not hasattr(engine_lib, "engine_shardings"):
+      raise configuration.ConfigError("this version's rollout engine has no sharded layout "
+                                      "(engine.engine_shardings)")
     rules = tuple(tuple(x) for x in engine_lib.rollout_rules(mesh))
     s = engine_lib.engine_shardings(model_cfg, r.slots, r.max_len, mesh, rules)
     step = jax.jit(body, in_shardings=(s.params, s.cache, s.slots, s.tokens, s.tokens,
@@ -435,7 +446,7 @@ def compile_one(p: Program, min_headroom: float) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-  head = (f"{'program':<8} {'shape':<34} {'compile s':>9} {'args GiB':>9} {'out GiB':>8} "
+  head = (f"{'program':<8} {'shape':<46} {'compile s':>9} {'args GiB':>9} {'out GiB':>8} "
           f"{'temp GiB':>9} {'alias GiB':>9} {'total GiB':>9} {'HBM GiB':>8} {'headroom':>8}  "
           "verdict")
   lines = [head, "-" * len(head)]
@@ -445,7 +456,7 @@ def format_table(rows: list[dict]) -> str:
     if r.get("total_bytes") is None and r.get("required_bytes"):
       total = f">{r['required_bytes'] / GIB:.1f}"  # what the refusing compiler needed
     headroom = f"{r['headroom']:.1%}" if "headroom" in r else "-"
-    lines.append(f"{r['program']:<8} {r['shape']:<34} {r.get('compile_s', 0):>9.1f} "
+    lines.append(f"{r['program']:<8} {r['shape']:<46} {r.get('compile_s', 0):>9.1f} "
                  f"{g(r, 'argument_bytes'):>9} {g(r, 'output_bytes'):>8} {g(r, 'temp_bytes'):>9} "
                  f"{g(r, 'alias_bytes'):>9} {total:>9} {r['hbm_bytes'] / GIB:>8.2f} "
                  f"{headroom:>8}  {r['status']}")
@@ -510,7 +521,8 @@ def main(argv):
     wanted.update(train_programs(config, progs, mesh, tname, hbm))
   if {"prefill", "decode"} & set(_PROGRAMS.value):
     engine_progs, engine_layout = engine_programs(
-        config, model_cfg, progs.abstract_state.policy, rdevices, rname, rhbm)
+        config, model_cfg, progs.abstract_state.policy, rdevices, rname, rhbm,
+        train_mesh=None if _ROLLOUT_TOPOLOGY.value else mesh)
     print(f"[compile] rollout engine: {engine_layout}", flush=True)
     wanted.update(engine_progs)
   command = " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:] + [
