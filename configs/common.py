@@ -75,6 +75,9 @@ def get_config():
   c.rollout = ml_collections.ConfigDict()
   # Concurrent decode slots of the engine (continuous batching).
   c.rollout.slots = 16
+  # Lay the engine's params and KV cache out on the trainer's mesh (slots
+  # over the batch axes, kv heads over "tensor"); off: one device holds all.
+  c.rollout.sharded_engine = False
   # Max tokens per trajectory (prompt + actions + observations).
   c.rollout.max_len = 256
   # Max tokens per action turn.

@@ -53,6 +53,7 @@ def get_config(arg=None):
   c.rollout.max_len = 32768
   c.rollout.max_turn_tokens = 8192
   c.rollout.slots = 256
+  c.rollout.sharded_engine = True
   c.rollout.queue_size = 1024
   c.value_pretrain.steps = 100
   c.value_pretrain.num_trajectories = 4096

@@ -46,7 +46,7 @@ from sao_jax.metrics import MetricsWriter, progress
 from sao_jax.models import config as model_config
 from sao_jax.models import hf_import, policy
 from sao_jax.rollout.driver import RolloutDriver
-from sao_jax.rollout.engine import PolicyEngine, SamplingConfig
+from sao_jax.rollout.engine import PolicyEngine, SamplingConfig, rollout_rules
 from sao_jax.train_step import StepConfig, TrainState, jit_sharded, make_sft_step, make_train_step
 
 STAGES = ("sft", "value_pretrain", "rl", "done")
@@ -323,9 +323,14 @@ class _Run:
 
   def _engine(self, params, version):
     r = self.config.rollout
+    # Colocated and sharded: the engine lays params and KV cache out on the
+    # trainer's mesh (slots over the batch axes, kv heads over "tensor") and
+    # weight swaps reshard on device. Off by default on CPU, where one device
+    # serves the tiny model best.
+    mesh = dict(mesh=self.mesh, rules=rollout_rules(self.mesh)) if r.sharded_engine else {}
     return PolicyEngine(self.model_cfg, params, slots=r.slots, max_len=self.max_len,
                         sampling=SamplingConfig(r.temperature, r.top_k, r.top_p),
-                        seed=self.config.seed + int(version), version=version)
+                        seed=self.config.seed + int(version), version=version, **mesh)
 
   def rl(self):
     c, r = self.config.rl, self.config.rollout
