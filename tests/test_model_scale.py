@@ -306,6 +306,31 @@ def test_splash_falls_back_to_chunked_off_tpu(params):
   assert "custom_vjp_call" in programs[0]  # the chunked kernel, not the L x L reference
 
 
+def test_splash_wrapper_equals_reference_in_the_pallas_interpreter():
+  """The splash kernel, interpreted on CPU: layouts, scaling, GQA and masks of
+  the wrapper against the reference, forward and gradients."""
+  rng = np.random.default_rng(1)
+  b, length, h, kvh, hd = 1, 256, 4, 2, 128
+  q = jnp.asarray(rng.normal(size=(b, length, h, hd)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(b, length, kvh, hd)), jnp.float32) for _ in range(2))
+  seg = np.ones((b, length), np.int32)
+  seg[0, 100:200], seg[0, 200:] = 2, 0  # segments straddle the 128-token blocks; padding
+  real = seg != 0
+  seg = jnp.asarray(seg)
+  w = jnp.asarray(rng.normal(size=q.shape), jnp.float32) * real[:, :, None, None]
+
+  def out_and_grads(f):
+    grads = jax.grad(lambda *a: jnp.sum(w * f(*a)), argnums=(0, 1, 2))
+    return jit(lambda *a: (f(*a), grads(*a)))
+
+  ref = lambda q, k, v: attention.reference_attention(q, k, v, attention.packed_causal_mask(seg))
+  splash = lambda q, k, v: attention.splash_attention(q, k, v, seg, 128, interpret=True)
+  (out_ref, g_ref), (out, g) = out_and_grads(ref)(q, k, v), out_and_grads(splash)(q, k, v)
+  np.testing.assert_allclose(np.asarray(out)[real], np.asarray(out_ref)[real], **TOL)
+  for x, y in zip(g, g_ref):
+    np.testing.assert_allclose(x, y, **TOL)
+
+
 def _tpu_topology():
   """A v5e 2x2 TPU topology (libtpu's compiler on this CPU host), else skip."""
   pytest.importorskip("libtpu", reason="jax[tpu] not installed: no TPU compiler here")

@@ -261,8 +261,12 @@ def _mesh_axes(name: str):
   return nn.logical_to_mesh_axes((name,), rules)[0] if rules else None
 
 
-def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array, block: int) -> Array:
+def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array, block: int,
+                     *, interpret: bool = False) -> Array:
   """The Pallas TPU splash kernel, causal with segment ids; see `chunked_attention`.
+
+  `interpret=True` runs the kernel in Pallas' interpreter (any backend, slow):
+  how the CPU tests check this wrapper's layout, scaling and masking.
 
   Pallas kernels are opaque to GSPMD (it would gather their operands), so
   with a mesh set the kernel runs under `shard_map`: batch split as the
@@ -290,7 +294,8 @@ def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array, block: in
           f"splash attention: a shard holds {heads} query heads and {kv_heads} key heads; "
           f"shard 'heads' and 'kv_heads' alike to keep the ratio {h // kvh}.")
     mask = sm.MultiHeadMask([sm.CausalMask((length, length))] * heads)
-    splash = sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1)
+    splash = sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                                interpret=interpret)
     return jax.vmap(splash)(q, k, v, segment_ids=sk.SegmentIds(seg, seg))
 
   if jax.sharding.get_abstract_mesh().empty:
