@@ -158,7 +158,7 @@ def _report(result, args) -> str:
       f"| rollout thread restarts (injected crashes) | {last.get('rollout/restarts')} "
       f"({last.get('faults/injected_rollout_crash')}) |",
       f"| updates skipped as non-finite (injected NaN batches) | "
-      f"{int(sum(r.get('policy/update_skipped', 0) for r in rl))} "
+      f"{last.get('policy/updates_skipped_total')} "
       f"({last.get('faults/injected_nonfinite_batch')}) |",
       f"| training reward, mean of first / last quarter of logged steps | "
       f"{reward[:q].mean():.3f} / {reward[-q:].mean():.3f} |" if len(reward) else "",

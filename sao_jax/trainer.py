@@ -343,7 +343,9 @@ class _Run:
       rm_state = adv.RunningMeanState(*(jnp.asarray(x) for x in self.meta["running_mean"]))
 
     # The rollout side's state; the driver is replaced if its thread dies.
-    rollout = {"restarts": 0, "driver": None, "gen_tokens": 0}
+    # Counters of drivers that died are kept here, so metrics stay cumulative.
+    rollout = {"restarts": 0, "driver": None, "gen_tokens": 0,
+               "env_faults": collections.Counter()}
     # The engine's (host-side) version: the trainer's state lives on device
     # and is donated step after step, so the rollout thread must not read it.
     trajq = TrajectoryQueue(r.queue_size, self.tok.vocab_size, self.max_len,
@@ -368,6 +370,7 @@ class _Run:
       """The rollout thread died: restart it, or stop with its error."""
       dead = rollout["driver"]
       rollout["gen_tokens"] += dead.stats.generated_tokens
+      rollout["env_faults"].update(dead.stats.env_faults)
       dead.stop()
       rollout["restarts"] += 1
       last = self.ckpt.latest_step()
@@ -417,6 +420,7 @@ class _Run:
     start_driver()
     wait_total, start_time = 0.0, time.time()
     nonfinite_run = 0  # consecutive skipped actor updates
+    skipped_total = 0
     try:
       for step in range(self.meta["stage_step"], c.steps):
         t0 = time.time()
@@ -440,6 +444,7 @@ class _Run:
         # Skipped updates leave params and version unchanged; a run of them
         # means the run has diverged: stop before writing anything more.
         nonfinite_run = nonfinite_run + 1 if m["policy/update_skipped"] else 0
+        skipped_total += int(m["policy/update_skipped"])
         if nonfinite_run >= c.max_nonfinite_updates:
           raise configuration.StopTraining(
               f"{nonfinite_run} consecutive RL steps had a non-finite loss or gradient "
@@ -454,7 +459,7 @@ class _Run:
           driver.update_params(self.state.policy, version)
         self.meta["stage_step"] = step + 1
         elapsed = time.time() - start_time
-        env_faults = dict(getattr(driver.stats, "env_faults", {}))
+        env_faults = rollout["env_faults"] + driver.stats.env_faults
         m.update({
             "rollout/reward_mean": float(rewards.mean()),
             "rollout/length_mean": float(np.mean([len(t) for t in trajs])),
@@ -462,6 +467,7 @@ class _Run:
             "rollout/generated_tokens_per_s":
                 (rollout["gen_tokens"] + driver.stats.generated_tokens) / max(elapsed, 1e-6),
             "rollout/restarts": rollout["restarts"],
+            "policy/updates_skipped_total": skipped_total,
             "rollout/env_faults": sum(env_faults.values()),
             "queue/depth": trajq.qsize(),
             "queue/rejected": sum(trajq.rejected.values()),

@@ -68,6 +68,7 @@ def test_trainer_survives_faults_and_stops_cleanly(tmp_path):
   assert [r["step"] for r in rl] == list(range(1, 8))  # step 8 stopped the run
   skipped = [r["step"] for r in rl if r["policy/update_skipped"]]
   assert skipped == [4, 7]  # the scheduled NaN batch, then the first of the run
+  assert rl[-1]["policy/updates_skipped_total"] == 2
   last = rl[-1]
   # Every corrupted trajectory was refused at the queue, and nothing else was.
   assert last["faults/injected_malformed"] >= 3
@@ -77,6 +78,9 @@ def test_trainer_survives_faults_and_stops_cleanly(tmp_path):
   # Environment faults ended their episodes (counted) and training went on.
   assert last["rollout/env_fault_env_error"] >= 1 and last["rollout/env_fault_env_garbage"] >= 1
   assert last["rollout/restarts"] == last["faults/injected_rollout_crash"] >= 1
+  # Fault counts stay cumulative across rollout restarts (never go down).
+  counted = [r["rollout/env_faults"] for r in rl]
+  assert counted == sorted(counted)
   assert all(np.isfinite(r["policy/loss"]) for r in rl if not r["policy/update_skipped"])
   committed = committed_checkpoints(ckpt_dir)
   rl_ckpts = sorted(m["stage_step"] for m in committed.values() if m["stage"] == "rl")
