@@ -11,12 +11,22 @@ sharding rules below are the whole placement. The trainer runs one SPMD
 program over all hosts of the slice (`distributed = True` below makes
 launch/train.py call jax.distributed.initialize()).
 
+Target layout: training on a v5p-256 slice (128 chips, 95.74 GiB HBM each;
+v5p names count TensorCores), mesh data 1 x fsdp 16 x expert 8, the
+rollout engine colocated on the same mesh (`rollout.sharded_engine`), or on
+its own slice with `launch/compile.py --rollout_mesh`. Check it fits with
+
+    python launch/compile.py --config=configs/sao_moe.py --topology=v5p-256
+
+(benchmarks/RESULTS.md, "Pod scale": at full depth the RL step fits at
+64 x 32768 and 256 x 4096 tokens, decode fits; the 256 x 32768 RL / value
+batches and the full-width prefill do not fit yet).
+
 Not yet built for this scale: rollout on its own slice fed through the
-trajectory store and versioned checkpoints (DESIGN.md section 5). In this
-version the rollout engine runs in-process and holds a single-device copy
-of the policy, which a 30B model does not fit; the config is exercised
-abstractly in the tests (shapes, parameter count, sharding rules) and is the
-target of the multi-slice rollout work.
+trajectory store and versioned checkpoints (DESIGN.md section 5, the
+multi-process issue); chunked prefill for long re-feeds. The config is
+compiled for TPU by launch/compile.py and exercised abstractly in the
+tests (shapes, parameter count, sharding rules); it has not run on a pod.
 
 Settings follow the paper where DESIGN.md gives them (K = 2 critic updates,
 frozen critic attention, value pretraining, skip-observation GAE with

@@ -254,7 +254,8 @@ class _Run:
           0, self.config.data.num_train_tasks, c.batch_size)
       trajs = [demonstration_trajectory(self.env, self.env.task(int(i)), self.tok) for i in idx]
       batch = self._put_batch(packing.pack(trajs, c.batch_size, self.config.data.buckets))
-      policy_params, opt, m = self.sft_step(policy_params, opt, batch)
+      with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):  # activation constraints
+        policy_params, opt, m = self.sft_step(policy_params, opt, batch)
       _wait(policy_params)
       self.meta["stage_step"] = step + 1
       if (step + 1) % self.config.log_every == 0 or step + 1 == steps:

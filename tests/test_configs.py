@@ -30,7 +30,7 @@ def test_config_is_valid(path):
   assert f"--config=configs/{name}" in module.__doc__, "docstring must give the launch command"
   c = module.get_config()
   pod = c.model.preset == "qwen3_30b_a3b"
-  trainer.validate_config(c, num_devices=128 if pod else 8)  # the pod config: a v5p-128
+  trainer.validate_config(c, num_devices=128 if pod else 8)  # the pod config: 128 chips, a v5p-256
   if pod:
     cfg = trainer.build_model_config(c)
     shapes = jax.eval_shape(lambda: policy.init_params(cfg, jax.random.key(0)))

@@ -163,7 +163,9 @@ def qwen3_30b_a3b() -> ModelConfig:
       vocab_size=151_936, d_model=2048, num_layers=48, num_heads=32,
       num_kv_heads=4, head_dim=128, num_experts=128, experts_per_token=8,
       moe_d_ff=768, dense_d_ff=6144, rope_theta=1e6, rms_eps=1e-6,
-      tie_embeddings=False, max_seq_len=40_960, moe_impl="ragged",
+      # Expert-parallel (dropless) MoE: measured on v5p-256 at full depth, the
+      # RL step at 16 x 4096 needs 9.8 GiB per chip vs 27.3 GiB with "ragged".
+      tie_embeddings=False, max_seq_len=40_960, moe_impl="expert_parallel",
       param_dtype=jnp.bfloat16, dtype=jnp.bfloat16,
       # Pod-scale settings: 48 layers as one scan with full remat (the
       # backward keeps one [B, L, D] input per layer), splash attention on
