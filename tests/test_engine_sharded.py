@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
+from fakes import EchoEnv  # pylint: disable=g-bad-import-order
 from sao_jax import sharding
 from sao_jax.data.trajectory import validate
-from sao_jax.envs.base import StepResult, Task
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import config as mcfg
 from sao_jax.models import policy
@@ -262,28 +262,6 @@ def test_update_params_reshards_a_trainer_layout_into_a_private_copy(params):
 
 
 # --- the driver's oracle ------------------------------------------------------------------
-
-
-class EchoEnv:
-  """A fast fake environment: 2-4 turns, observations of varying length."""
-  name, max_turns = "echo", 4
-
-  def task(self, i):
-    return Task(i, f"q{i % 10}\n", None, {"turns": 2 + i % 3})
-
-  def episode(self, task):
-    env_turns = task.meta["turns"]
-
-    class Ep:
-      n = 0
-
-      def step(self, action):
-        del action
-        self.n += 1
-        done = self.n >= env_turns
-        return StepResult("" if done else ">" + "ab" * self.n + "\n", float(done), done)
-
-    return Ep()
 
 
 def teacher_forced(params, trajs):

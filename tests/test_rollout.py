@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from sao_jax.data.trajectory import validate
-from sao_jax.envs.base import StepResult, Task
 from sao_jax.envs.demonstrations import demonstration_trajectory
+from fakes import EchoEnv  # pylint: disable=g-bad-import-order
 from sao_jax.envs import sandbox
 from sao_jax.envs.python_tool import PythonTool
 from sao_jax.envs.tokenizer import CharTokenizer
@@ -21,30 +21,6 @@ TOK = CharTokenizer()
 CFG = mcfg.tiny(vocab_size=TOK.vocab_size)
 MAX_LEN = 128
 logprobs_fn = jax.jit(policy.token_logprobs, static_argnums=(0, 5))
-
-
-class EchoEnv:
-  """A fast fake environment: 2-4 turns, observations of varying length."""
-  name, max_turns = "echo", 4
-
-  def task(self, i):
-    return Task(i, f"q{i % 10}\n", None, {"turns": 2 + i % 3})
-
-  def episode(self, task):
-    env_turns = task.meta["turns"]
-
-    class Ep:
-      n = 0
-
-      def step(self, action):
-        self.n += 1
-        done = self.n >= env_turns
-        return StepResult("" if done else ">" + "ab" * self.n + "\n", float(done), done)
-
-    return Ep()
-
-  def demonstration(self, task):
-    return [("x", ">ab\n"), ("y", "")]
 
 
 @pytest.fixture(scope="module")
