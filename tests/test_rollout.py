@@ -242,3 +242,87 @@ def test_hf_tokenizer_file(tmp_path):
   ids = hf.encode("ab 12\n")
   assert ids == [vocab[c] for c in "ab 12\n"]
   assert hf.decode(ids).replace(" ", "") == "ab12\n".replace(" ", "")
+
+
+# --- the multi-token decode loop ------------------------------------------------
+
+
+def _prefilled(params, seed, prompts, kv_buckets=None):
+  """An engine with `prompts` prefilled into its first slots (one step)."""
+  engine = PolicyEngine(CFG, params[0], slots=4, max_len=MAX_LEN, seed=seed,
+                        kv_buckets=kv_buckets)
+  width = max(len(p) for p in prompts)
+  tokens = np.zeros((4, width), np.int32)
+  valid = np.zeros((4, width), bool)
+  for i, p in enumerate(prompts):
+    tokens[i, :len(p)], valid[i, :len(p)] = p, True
+  state, first, first_lp, _ = engine.step(engine.init_decode_state(), tokens, valid)
+  return engine, state, first, first_lp
+
+
+@pytest.mark.parametrize("kv_buckets", [None, (16, 32)])
+def test_decode_loop_equals_one_step_loop_with_per_slot_stops(params, kv_buckets):
+  prompts = [TOK.encode("12 plus 3\n"), TOK.encode("7 times 2 is\n"), TOK.encode("q1\n")]
+  budgets = np.array([11, 4, 0, 0], np.int32)  # slot 2 sits out, slot 3 is empty
+  stop = TOK.turn_end_id
+  # The multi-token loop: one call.
+  engine, state, first, _ = _prefilled(params, 5, prompts, kv_buckets)
+  state, chunk = engine.decode(state, first, budgets, steps=12, stop_token=stop)
+  state, chunk = engine.collect(state, chunk)
+  # The one-step loop, same seed: feed each slot until its budget or stop token.
+  ref, rstate, rfirst, _ = _prefilled(params, 5, prompts, kv_buckets)
+  np.testing.assert_array_equal(first, rfirst)
+  pending, alive = rfirst.copy(), budgets > 0
+  seq = {b: [] for b in range(4)}
+  while alive.any():
+    rstate, tok, lp, _ = ref.step(rstate, pending[:, None], alive[:, None])
+    for b in np.flatnonzero(alive):
+      seq[b].append((int(tok[b]), float(lp[b])))
+      pending[b] = tok[b]
+      alive[b] = len(seq[b]) < budgets[b] and tok[b] != stop
+  for b in range(4):
+    assert chunk.counts[b] == len(seq[b]), b
+    np.testing.assert_array_equal(chunk.tokens[b, :chunk.counts[b]], [t for t, _ in seq[b]])
+    np.testing.assert_allclose(chunk.logprobs[b, :chunk.counts[b]], [l for _, l in seq[b]],
+                               atol=1e-5)
+    assert not chunk.tokens[b, chunk.counts[b]:].any()
+  # Per-slot stops: a slot ends at its budget or right after the stop token.
+  for b in range(2):
+    row = list(chunk.tokens[b, :chunk.counts[b]])
+    assert chunk.counts[b] == budgets[b] or (row[-1] == stop and stop not in row[:-1])
+  # The state moves on the same: lengths, pending tokens, and the rng.
+  np.testing.assert_array_equal(np.asarray(state.lengths), np.asarray(rstate.lengths))
+  np.testing.assert_array_equal(state.host_lengths, rstate.host_lengths)
+  np.testing.assert_array_equal(np.asarray(state.next_tokens)[:2], pending[:2])
+  np.testing.assert_array_equal(jax.random.key_data(engine._rng),  # pylint: disable=protected-access
+                                jax.random.key_data(ref._rng))  # pylint: disable=protected-access
+
+
+def test_decode_stop_token_and_budget_per_slot(params):
+  # Stopping on a token the model samples often: every row stops at its own place.
+  engine, state, first, _ = _prefilled(params, 1, [TOK.encode("ab\n")] * 4)
+  budgets = np.array([40, 40, 40, 3], np.int32)
+  common = np.bincount(np.asarray(engine.generate_batch([TOK.encode("ab\n")] * 4, 40)[0]).ravel(),
+                       minlength=CFG.vocab_size).argmax()
+  state, chunk = engine.decode(state, first, budgets, steps=40, stop_token=int(common))
+  _, chunk = engine.collect(state, chunk)
+  assert chunk.counts[3] <= 3
+  for b in range(4):
+    row = list(chunk.tokens[b, :chunk.counts[b]])
+    stopped = bool(row) and row[-1] == common
+    assert stopped or chunk.counts[b] == budgets[b]
+    assert common not in row[:-1]
+  assert len(set(chunk.counts.tolist())) > 1  # stops are per slot, not per batch
+
+
+def test_generate_batch_logprobs_are_teacher_forced(params):
+  engine = PolicyEngine(CFG, params[0], slots=4, max_len=MAX_LEN, seed=2)
+  prompts = [TOK.encode("12 plus 3\n"), TOK.encode("q\n"), TOK.encode("7 times 2\n")]
+  toks, lps, counts = engine.generate_batch(prompts, 20)
+  assert toks.shape == (3, 20) and (counts == 20).all()
+  for p, t, l in zip(prompts, toks, lps):
+    seq = np.concatenate([p, t])
+    n = len(seq)
+    ref, _ = logprobs_fn(CFG, params[0], seq[None], np.arange(n)[None],
+                         np.ones((1, n), np.int32), 1.0)
+    np.testing.assert_allclose(np.asarray(ref)[0, len(p):], l, atol=2e-4)

@@ -190,6 +190,19 @@ class ResultTokens(NamedTuple):
   version: int
 
 
+class DecodeChunk(NamedTuple):
+  """What one `PolicyEngine.decode` call sampled: up to `steps` tokens a slot.
+
+  Device arrays until `PolicyEngine.collect` fetches them (numpy after).
+  Row b holds `counts[b]` sampled tokens, in order; the rest is padding.
+  """
+  tokens: Any  # [slots, steps] int32
+  logprobs: Any  # [slots, steps] float32, under the exact sampling distribution
+  counts: Any  # [slots] int32
+  version: int  # of the params whose logits produced every token of the chunk
+  budgets: np.ndarray  # [slots] int32, the call's budgets (host side)
+
+
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:
   for b in buckets:
     if n <= b:
@@ -611,6 +624,145 @@ class PolicyEngine:
     tok, logp = jax.device_get((tok, logp))  # the step's one transfer to the host
     return state._replace(cache=cache, lengths=lengths, host_lengths=host), tok, logp, version
 
+  # --- the multi-token decode loop ------------------------------------------
+
+  def decode(self, state: DecodeState, tokens, budgets, *, steps: int,
+             stop_token: int | None = None) -> tuple[DecodeState, DecodeChunk]:
+    """Up to `steps` decode steps of every budgeted slot in one jitted loop.
+
+    Slot b (with `budgets[b] > 0`) feeds `tokens[b]`, its pending token (the
+    last one sampled, not yet in the cache), samples the next, feeds that,
+    and so on, until it has sampled `budgets[b]` tokens or sampled
+    `stop_token`; the loop ends after `steps` iterations or when every slot
+    has stopped. Slots with budget 0 sit out untouched. The caller expresses
+    its stop rules as budgets (the driver: the turn's remaining tokens and
+    the room left before `max_len`).
+
+    The call is asynchronous: it dispatches the loop and returns at once
+    with device arrays; `collect` fetches the chunk in one transfer, so the
+    caller can do host work (admissions, environment results) while the
+    device decodes. Until then `state.host_lengths` is an upper bound
+    (each slot's length plus its budget), which only widens the kv bucket
+    of a step dispatched in between; `collect` makes it exact again.
+
+    RNG contract: iteration k draws with the key of the k-th
+    `self._rng, key = split(self._rng)`, exactly the key the k-th of as
+    many one-token `step` calls would draw with, so the loop samples the
+    same tokens with the same log-probs as `step` fed the same slots one
+    token at a time (tests/test_rollout.py); the engine's key advances by
+    the iterations actually run.
+
+    Args:
+      state: the decode state.
+      tokens: int `[slots]`, each budgeted slot's pending token.
+      budgets: int `[slots]`, the most tokens to sample per slot (0: none).
+      steps: the loop's static length (one compile per value).
+      stop_token: a token that ends a slot's run once sampled (kept in the
+        chunk, left pending); None: budgets only.
+
+    Returns:
+      (new state, `DecodeChunk` of device arrays). `state.next_tokens`
+      holds each slot's new pending token.
+    """
+    with self._lock:
+      params, version = self.params, self.version
+    budgets = np.minimum(np.asarray(budgets, np.int32), steps).astype(np.int32)
+    tokens = np.asarray(tokens, np.int32)
+    kv, host = None, state.host_lengths
+    if host is not None:
+      host = (host + budgets).astype(np.int32)
+      fed = budgets > 0
+      kv = self._kv_bucket(int(host[fed].max()) if fed.any() else 1)
+    stop = -1 if stop_token is None else int(stop_token)
+    key = ("decode", kv, int(steps), stop)
+    fn = self._jits.get(key)
+    s = self.shardings
+    if fn is None:
+      body = functools.partial(_decode, self.cfg, self.sampling, kv, int(steps), stop)
+      if s is None:
+        fn = jax.jit(body, donate_argnums=(1,))
+      else:
+        fn = jax.jit(body, in_shardings=(s.params, s.cache, s.slots, s.slots, s.slots,
+                                         s.replicated),
+                     out_shardings=(s.cache, s.slots, s.slots, s.tokens, s.tokens, s.slots,
+                                    s.replicated), donate_argnums=(1, 2))
+      self._jits[key] = fn
+    cache, lengths = state.cache, state.lengths
+    if s is not None:
+      params, cache, lengths = _place(params, s.params), _place(cache, s.cache), _place(
+          lengths, s.slots)
+    with self._context():
+      cache, lengths, nxt, toks, logp, counts, self._rng = fn(
+          params, cache, lengths, tokens, budgets, self._rng)
+    state = state._replace(cache=cache, lengths=lengths, next_tokens=nxt, host_lengths=host)
+    return state, DecodeChunk(toks, logp, counts, version, budgets)
+
+  def collect(self, state: DecodeState, chunk: DecodeChunk) -> tuple[DecodeState, DecodeChunk]:
+    """Fetches a `decode` chunk to the host (one transfer, blocks until done).
+
+    Returns the state with exact `host_lengths` (the unused budgets taken
+    off) and the chunk as numpy arrays.
+    """
+    toks, logp, counts = jax.device_get((chunk.tokens, chunk.logprobs, chunk.counts))
+    counts = np.asarray(counts, np.int32)
+    host = state.host_lengths
+    if host is not None:
+      host = np.maximum(host - (chunk.budgets - counts), 0).astype(np.int32)
+    return (state._replace(host_lengths=host),
+            chunk._replace(tokens=np.asarray(toks), logprobs=np.asarray(logp), counts=counts))
+
+  def generate_batch(self, prompts, max_new_tokens: int, *, stop_token: int | None = None
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A plain sampler: continues each prompt by up to `max_new_tokens` tokens.
+
+    Stable public API (benchmarks/peers.py times generation with it). One
+    batched prefill of every prompt (one step of bucketed width), then one
+    `decode` loop for the rest: two host calls in all. Empties the slots it
+    uses; nothing else of the engine's state is kept.
+
+    Args:
+      prompts: up to `max_concurrent_decodes` int token sequences, each of
+        at least one token.
+      max_new_tokens: tokens to sample per prompt; prompt plus new tokens
+        must fit in `max_len`.
+      stop_token: ends a row early once sampled (kept); None: never.
+
+    Returns:
+      (tokens int32 `[N, max_new_tokens]`, their log-probs float32 `[N,
+      max_new_tokens]`, counts int32 `[N]`): row n is valid for its first
+      counts[n] entries (all of them without a stop token).
+    """
+    n, b = len(prompts), self.max_concurrent_decodes
+    if not 0 < n <= b:
+      raise ValueError(f"generate_batch takes 1 to {b} prompts (the engine's slots), got {n}")
+    if max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    lens = np.array([len(p) for p in prompts])
+    if lens.min() < 1 or lens.max() + max_new_tokens > self.max_prefill_length:
+      raise ValueError(f"prompts of {lens.min()}..{lens.max()} tokens plus {max_new_tokens} new "
+                       f"ones do not fit max_len {self.max_prefill_length} (or a prompt is empty)")
+    tokens = np.zeros((b, int(lens.max())), np.int32)
+    valid = np.zeros((b, int(lens.max())), bool)
+    for i, p in enumerate(prompts):
+      tokens[i, :len(p)], valid[i, :len(p)] = p, True
+    state = self.init_decode_state()
+    state, first, first_lp, _ = self.step(state, tokens, valid)
+    out = np.zeros((n, max_new_tokens), np.int32)
+    out_lp = np.zeros((n, max_new_tokens), np.float32)
+    out[:, 0], out_lp[:, 0] = first[:n], first_lp[:n]
+    counts = np.ones((n,), np.int32)
+    if max_new_tokens > 1:
+      budgets = np.zeros((b,), np.int32)
+      budgets[:n] = max_new_tokens - 1
+      if stop_token is not None:
+        budgets[:n] = np.where(first[:n] == stop_token, 0, budgets[:n])
+      state, chunk = self.decode(state, first, budgets, steps=max_new_tokens - 1,
+                                 stop_token=stop_token)
+      _, chunk = self.collect(state, chunk)
+      out[:, 1:], out_lp[:, 1:] = chunk.tokens[:n], chunk.logprobs[:n]
+      counts += chunk.counts[:n]
+    return out, out_lp, counts
+
   def reset_slots(self, state: DecodeState, slots_mask: np.ndarray) -> DecodeState:
     """Empties the caches of the given slots (their lengths go to 0)."""
     mask = np.asarray(slots_mask, bool)
@@ -678,3 +830,47 @@ def _step(cfg, sampling, kv, params, cache, lengths, tokens, valid, rng):
   last_logits = jnp.take_along_axis(logits, last[:, None, None], 1)[:, 0]  # [B, V]
   tok, logp = sample(last_logits, rng, sampling)
   return cache, new_lengths, tok, logp
+
+
+def _decode(cfg, sampling, kv, steps, stop_token, params, cache, lengths, tokens, budgets, rng):
+  """`PolicyEngine.decode`'s loop: up to `steps` one-token steps, per-slot stops.
+
+  With `kv` the loop runs on the cache prefix `[0, kv)` (the caller picks
+  kv to hold every position the loop can write) and writes the new entries
+  back once at the end, rather than once per token.
+
+  Returns (cache, lengths, pending tokens `[B]`, sampled tokens `[B, steps]`,
+  their log-probs, counts `[B]`, the advanced rng key).
+  """
+  b = tokens.shape[0]
+  live = cache if kv is None else jax.tree.map(
+      lambda c: jax.lax.slice_in_dim(c, 0, kv, axis=c.ndim - 3), cache)
+
+  def cond(carry):
+    k, alive = carry[0], carry[4]
+    return (k < steps) & alive.any()
+
+  def body(carry):
+    k, live, lens, tok, alive, count, out_tok, out_lp, rng = carry
+    rng, key = jax.random.split(rng)  # the key `PolicyEngine._next_rng` would give
+    logits, live, lens = decoding.extend(cfg, params, live, tok[:, None], lens, alive[:, None])
+    new, lp = sample(logits[:, 0], key, sampling)
+    out_tok = jax.lax.dynamic_update_slice_in_dim(
+        out_tok, jnp.where(alive, new, 0)[:, None], k, 1)
+    out_lp = jax.lax.dynamic_update_slice_in_dim(
+        out_lp, jnp.where(alive, lp, 0.0)[:, None], k, 1)
+    count = count + alive.astype(jnp.int32)
+    tok = jnp.where(alive, new, tok)
+    alive = alive & (count < budgets) & (new != stop_token)
+    return k + 1, live, lens, tok, alive, count, out_tok, out_lp, rng
+
+  carry = (jnp.int32(0), live, lengths, tokens, budgets > 0, jnp.zeros((b,), jnp.int32),
+           jnp.zeros((b, steps), jnp.int32), jnp.zeros((b, steps), jnp.float32), rng)
+  _, live, new_lengths, tok, _, count, out_tok, out_lp, rng = jax.lax.while_loop(
+      cond, body, carry)
+  if kv is None:
+    cache = live
+  else:
+    fed = jnp.arange(steps)[None] < count[:, None]  # [B, steps]: the positions written
+    cache = jax.tree.map(functools.partial(_write_back, lengths, fed), cache, live)
+  return cache, new_lengths, tok, out_tok, out_lp, count, rng
