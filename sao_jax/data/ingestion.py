@@ -44,6 +44,18 @@ class TrajectoryQueue:
     False if rejected; the reason is counted in `rejected` (one of
     trajectory.REJECT_REASONS, or "stale" or "validation_error").
     """
+    canon = self.check(traj)
+    if canon is None:
+      return False
+    self._q.put(canon, block=block)
+    with self._lock:
+      self.accepted += 1
+    return True
+
+  def check(self, traj: Trajectory) -> Trajectory | None:
+    """The canonical copy of `traj` if it is accepted, else None with the
+    reason counted in `rejected`: `put`'s validation without enqueueing,
+    for consumers that keep their own order (the fleet's ShardFeed)."""
     version = self._version()
     canon = None
     try:
@@ -60,11 +72,8 @@ class TrajectoryQueue:
     if reason is not None:
       with self._lock:
         self.rejected[reason] += 1
-      return False
-    self._q.put(canon, block=block)
-    with self._lock:
-      self.accepted += 1
-    return True
+      return None
+    return canon
 
   def get(self, timeout: float | None = None) -> Trajectory:
     """Blocks for the next trajectory; raises queue.Empty after `timeout`."""

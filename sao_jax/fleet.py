@@ -1,0 +1,479 @@
+"""The rollout fleet's transport: trajectories and weights over shared storage.
+
+In `rl.mode = "fleet"` rollout runs in its own processes (launch/rollout.py),
+so generation never waits for training. Nothing travels over a hand-written
+RPC layer: trajectories move as ArrayRecord shards of the trajectory store,
+weights as versioned orbax checkpoints, both under one shared directory
+(`fleet.root`, default `<workdir>/fleet`):
+
+    <root>/weights/<version>/         orbax: the policy params after <version>
+                                      actor updates, and a JSON meta (the
+                                      trainer's consumed-shard watermarks)
+    <root>/trajectories/<rollout_id>-<seq>.array_record
+                                      one closed shard of one rollout process
+    <root>/DONE                       the trainer finished RL: rollouts exit
+
+Visibility is by rename only, so a reader never sees half of anything:
+
+  * a shard is written under `<name>.tmp-<pid>` and renamed when it holds
+    `fleet.shard_trajectories` trajectories or is `fleet.shard_seconds` old
+    (`ShardWriter`, on `store.TrajectoryWriter`). A SIGKILLed rollout loses
+    its open shard only; a restarted one removes its own dead temporaries
+    and continues its sequence numbers after the last renamed shard.
+  * orbax saves a version under a temporary directory and renames it when
+    complete; `committed_checkpoints` lists only complete versions. The
+    trainer keeps the newest `fleet.keep_versions`; a rollout whose restore
+    loses the race with pruning keeps its params and takes the newest
+    version at its next poll.
+
+Trainer side, `ShardFeed` hands out trajectories in completion order: each
+rollout's shards in sequence order, and across rollouts the shard renamed
+first. Shards are read through grain's ArrayRecordDataSource and every record
+is deserialised with the store's hostile-input checks and validated by the
+same `TrajectoryQueue.check` as the in-process queue (staleness included);
+bad shards and records are counted by reason, never trained on, never a
+crash. What was consumed is a cursor that goes into the trainer's checkpoint:
+per rollout, the highest fully consumed sequence number, and (at most one)
+partially consumed shard with the index of its next record. A restarted
+trainer resumes exactly at the cursor of its checkpoint: trajectories trained
+after that checkpoint are trained again (their updates were lost with the
+process), none is skipped, none is trained twice into the same state.
+
+Rollout side, `WeightFollower` polls for the newest complete version and
+restores it into the engine's abstract params. "Newest" may be older than
+what it holds: a trainer killed after publishing versions v+1.. resumes from
+its checkpoint at v, removes those versions (a future it discarded) and
+republishes; the rollouts follow it back.
+
+The watermarks in each version's meta also give backpressure without a
+channel back: a rollout holding `fleet.max_unread_shards` shards the trainer
+has not consumed stops emitting (its driver blocks, like the in-process
+queue's `put`) until a newer version reports progress.
+
+Polling is deliberate: shared filesystems and object stores (GCS) have no
+portable change notification, and the poll interval (`fleet.poll_seconds`)
+is small beside a train step. The store's atomic rename needs a POSIX-like
+shared filesystem (local disk, NFS / Filestore, a gcsfuse mount of a bucket).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from typing import Callable
+
+import grain
+import jax
+
+from sao_jax.checkpoint import Checkpointer, committed_checkpoints
+from sao_jax.data import store
+from sao_jax.data.ingestion import TrajectoryQueue
+from sao_jax.data.trajectory import Trajectory
+
+WEIGHTS = "weights"
+TRAJECTORIES = "trajectories"
+DONE = "DONE"
+SHARD_SUFFIX = ".array_record"
+_SHARD_NAME = re.compile(r"^([A-Za-z0-9_]+)-(\d{8})" + re.escape(SHARD_SUFFIX) + r"$")
+ROLLOUT_ID = re.compile(r"^[A-Za-z0-9_]+$")
+# Finish reasons of episodes an environment broke (rollout.driver.ENV_FAULTS).
+_ENV_FAULTS = ("env_error", "env_timeout", "env_garbage")
+
+
+def root_of(config, workdir: str) -> str:
+  """The fleet's shared directory: `fleet.root`, or `<workdir>/fleet`."""
+  return os.path.abspath(config.fleet.root or os.path.join(workdir, "fleet"))
+
+
+def weights_dir(root: str) -> str:
+  return os.path.join(root, WEIGHTS)
+
+
+def trajectories_dir(root: str) -> str:
+  return os.path.join(root, TRAJECTORIES)
+
+
+def shard_name(rollout_id: str, seq: int) -> str:
+  return f"{rollout_id}-{seq:08d}{SHARD_SUFFIX}"
+
+
+def parse_shard_name(name: str) -> tuple[str, int] | None:
+  """(rollout_id, seq) of a closed shard's file name; None for anything else
+  (temporaries `<name>.tmp-<pid>` included)."""
+  match = _SHARD_NAME.match(name)
+  return (match.group(1), int(match.group(2))) if match else None
+
+
+def mark_done(root: str, version: int) -> None:
+  """Tells the rollouts that RL is over (atomically: temp file, rename)."""
+  os.makedirs(root, exist_ok=True)
+  tmp = os.path.join(root, f"{DONE}.tmp-{os.getpid()}")
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump({"version": int(version), "time": time.time()}, f)
+  os.replace(tmp, os.path.join(root, DONE))
+
+
+def is_done(root: str) -> bool:
+  return os.path.exists(os.path.join(root, DONE))
+
+
+def clear_done(root: str) -> None:
+  try:
+    os.remove(os.path.join(root, DONE))
+  except FileNotFoundError:
+    pass
+
+
+def unread_shards(consumed: dict, rollout_id: str, last_written: int) -> int:
+  """Shards rollout `rollout_id` closed (up to seq `last_written`) that the
+  trainer had not fully consumed by its watermarks `consumed`."""
+  return last_written - int(consumed.get(rollout_id, -1))
+
+
+# --- weights: trainer -> rollouts ----------------------------------------------------
+
+
+class WeightPublisher:
+  """The trainer's side: versioned orbax checkpoints of the policy params.
+
+  Saving is orbax's asynchronous save (the device-to-host copy happens in
+  `publish`, the write in the background), so training goes on while a
+  version is written; a publish waits only for the previous one.
+  """
+
+  def __init__(self, root: str, keep: int, version: int):
+    self.dir = weights_dir(root)
+    os.makedirs(self.dir, exist_ok=True)
+    # Versions beyond the trainer's are a future it discarded (it was killed
+    # after publishing them and resumed from an older checkpoint); orbax's
+    # temporaries are saves that never finished. Neither may be followed.
+    for name in os.listdir(self.dir):
+      if not name.isdigit() or int(name) > version:
+        shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
+    self._ckpt = Checkpointer(self.dir, keep)
+    self.last_publish_s = 0.0
+
+  def publish(self, params, version: int, meta: dict | None = None) -> None:
+    """Starts writing `params` as `version` (a no-op if it is on disk)."""
+    if version in committed_checkpoints(self.dir):
+      return  # the same params: a version is the state after that many updates
+    t0 = time.time()
+    self._ckpt.save(version, params, dict(meta or {}, version=int(version),
+                                          published=time.time()), force=True)
+    self.last_publish_s = time.time() - t0
+
+  def close(self) -> None:
+    """Waits for the save in flight: the last version is complete on return."""
+    self._ckpt.close()
+
+
+def _with_device(abstract):
+  """ShapeDtypeStructs placed on this process's first device where unplaced
+  (the single-device engine's params carry no sharding)."""
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  return jax.tree.map(
+      lambda a: a if getattr(a, "sharding", None) is not None
+      else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
+
+
+class WeightFollower:
+  """A rollout's side: the newest complete version, restored into its params."""
+
+  def __init__(self, root: str, abstract_params):
+    self.dir = weights_dir(root)
+    os.makedirs(self.dir, exist_ok=True)
+    self._abstract = _with_device(abstract_params)
+    self._ckpt: Checkpointer | None = None
+    self.version: int | None = None
+    self.meta: dict = {}
+    self.failed_restores = 0
+
+  def retarget(self, abstract_params) -> None:
+    """Restores later versions into this layout (a sharded engine's)."""
+    self._abstract = _with_device(abstract_params)
+
+  def newest(self) -> tuple[int, dict] | None:
+    """(version, meta) of the newest complete version, or None."""
+    versions = committed_checkpoints(self.dir)
+    if not versions:
+      return None
+    v = max(versions)
+    return v, versions[v]
+
+  def poll(self):
+    """(params, version, meta) when the newest version differs from the one
+    held (newer, or older after a trainer restart), else None."""
+    newest = self.newest()
+    if newest is None:
+      return None
+    version, meta = newest
+    self.meta = meta  # the trainer's progress, for backpressure
+    if version == self.version:
+      return None
+    if self._ckpt is None:
+      # Read-only use of a manager: it never saves here, so it never prunes.
+      self._ckpt = Checkpointer(self.dir, max_to_keep=1 << 30)
+    try:
+      params, meta = self._ckpt.restore(self._abstract, version)
+    except Exception:  # pylint: disable=broad-except
+      # Pruned (or removed as a discarded future) while we read it: the
+      # next poll takes whatever is newest then.
+      self.failed_restores += 1
+      return None
+    self.version, self.meta = version, meta
+    return params, version, meta
+
+  def close(self) -> None:
+    if self._ckpt is not None:
+      self._ckpt.close()
+
+
+# --- trajectories: rollouts -> trainer -----------------------------------------------
+
+
+class ShardWriter:
+  """A rollout's side: rotating atomic shards `<rollout_id>-<seq>.array_record`.
+
+  `write` is called from the driver thread, `rotate_if_older` and `close`
+  from the process's main loop; a lock orders them. A shard is opened with
+  its first trajectory (no empty shards) and closed by count or age.
+  """
+
+  def __init__(self, root: str, rollout_id: str, max_trajectories: int, max_seconds: float):
+    if not ROLLOUT_ID.match(rollout_id):
+      raise ValueError(f"rollout_id {rollout_id!r}: use letters, digits and _ only")
+    self.dir = trajectories_dir(root)
+    os.makedirs(self.dir, exist_ok=True)
+    self.rollout_id = rollout_id
+    self.max_trajectories, self.max_seconds = max_trajectories, max_seconds
+    own = []
+    for name in os.listdir(self.dir):
+      parsed = parse_shard_name(name)
+      if parsed and parsed[0] == rollout_id:
+        own.append(parsed[1])
+      elif name.startswith(f"{rollout_id}-") and ".tmp-" in name:
+        # The open shard of a killed predecessor: never renamed, never read.
+        os.remove(os.path.join(self.dir, name))
+    self.last_closed = max(own, default=-1)  # seq of the newest renamed shard
+    self.first_seq = self.last_closed + 1  # this process's first shard
+    self.trajectories = 0
+    self._writer: store.TrajectoryWriter | None = None
+    self._opened = 0.0
+    self._lock = threading.Lock()
+
+  def write(self, t: Trajectory) -> None:
+    with self._lock:
+      if self._writer is None:
+        path = os.path.join(self.dir, shard_name(self.rollout_id, self.last_closed + 1))
+        self._writer = store.TrajectoryWriter(path)
+        self._opened = time.time()
+      self._writer.write(t)
+      self.trajectories += 1
+      if self._writer.count >= self.max_trajectories:
+        self._close_locked()
+
+  def rotate_if_older(self, now: float | None = None) -> None:
+    with self._lock:
+      if self._writer is not None and (now or time.time()) - self._opened >= self.max_seconds:
+        self._close_locked()
+
+  def close(self) -> None:
+    """Renames the open shard (if any): everything written is visible."""
+    with self._lock:
+      if self._writer is not None:
+        self._close_locked()
+
+  def _close_locked(self):
+    writer, self._writer = self._writer, None
+    writer.close()  # fsync, then the rename that makes it visible
+    self.last_closed += 1
+
+
+class ShardFeed:
+  """The trainer's side: validated trajectories from closed shards, in
+  completion order, with a checkpointable cursor (module docstring).
+
+  `current_version` is the trainer's policy version (for `version_from_future`
+  and `max_staleness`, as in the in-process queue). `state` is what `state()`
+  returned into a checkpoint. Only the shard being handed out is held in
+  memory; the shards on disk are the queue.
+  """
+
+  def __init__(self, root: str, vocab_size: int, max_length: int,
+               current_version: Callable[[], int], max_staleness: int | None = None,
+               state: dict | None = None, poll_seconds: float = 0.5,
+               log: Callable[[str], None] = print):
+    self.dir = trajectories_dir(root)
+    os.makedirs(self.dir, exist_ok=True)
+    self._max_length = max_length
+    self._validator = TrajectoryQueue(1, vocab_size, max_length, current_version, max_staleness)
+    self.poll_seconds = poll_seconds
+    self._log = log
+    state = state or {}
+    # Per rollout: the highest sequence number fully consumed.
+    self.consumed: dict[str, int] = {k: int(v) for k, v in state.get("consumed", {}).items()}
+    # The shard being handed out and the index of its next record.
+    current = state.get("current")
+    self._current: tuple[str, int] | None = (
+        (current["shard"], int(current["offset"])) if current else None)
+    self._buffer: collections.deque = collections.deque()  # (trajectory, record index)
+    self._sizes: dict[str, int] = {}  # records per shard seen on disk (for depth)
+    self._shard_rejects: collections.Counter = collections.Counter()
+    self._in_shard = (0, 0)  # (handed out, rejected) of the current shard
+    # Counters since this feed was made (the trainer's metrics).
+    self.shards_consumed = 0
+    self.trajectories = 0
+    self.generated_tokens = 0
+    self.env_faults: collections.Counter = collections.Counter()
+    self.last_shard_age_s = 0.0
+    self.wait_s = 0.0
+
+  # --- the cursor ------------------------------------------------------------
+
+  def state(self) -> dict:
+    """JSON for the checkpoint: the cursor after the last trajectory handed out."""
+    current = None
+    if self._current is not None:
+      current = {"shard": self._current[0], "offset": self._current[1]}
+    return {"consumed": dict(self.consumed), "current": current}
+
+  # --- reading ---------------------------------------------------------------
+
+  def _pending(self) -> list[tuple[float, str]]:
+    """(mtime, name) of closed shards not yet consumed, the next one first:
+    each rollout's lowest unconsumed sequence number, the oldest of those
+    first (completion order)."""
+    lowest: dict[str, tuple[int, str]] = {}
+    rest = []
+    current = self._current[0] if self._current else None
+    with os.scandir(self.dir) as entries:
+      for e in entries:
+        parsed = parse_shard_name(e.name)
+        if parsed is None or e.name == current:
+          continue
+        rid, seq = parsed
+        if seq <= self.consumed.get(rid, -1):
+          continue
+        try:
+          mtime = e.stat().st_mtime
+        except FileNotFoundError:
+          continue
+        rest.append((mtime, e.name))
+        if rid not in lowest or seq < lowest[rid][0]:
+          lowest[rid] = (seq, e.name)
+    heads = {name for _, name in lowest.values()}
+    return sorted(x for x in rest if x[1] in heads) + sorted(x for x in rest if x[1] not in heads)
+
+  def _open(self, name: str) -> grain.sources.ArrayRecordDataSource | None:
+    try:
+      source = grain.sources.ArrayRecordDataSource([os.path.join(self.dir, name)])
+      self._sizes[name] = len(source)
+      return source
+    except Exception:  # pylint: disable=broad-except  # truncated or not an ArrayRecord file
+      self._shard_rejects["corrupt_shard"] += 1
+      self._sizes[name] = 0
+      return None
+
+  def _load(self, name: str, offset: int) -> None:
+    """Reads records [offset, end) of shard `name` into the buffer, validated."""
+    source = self._open(name)
+    n = self._sizes[name]
+    for i in range(offset, n):
+      try:
+        data = source[i]
+      except Exception:  # pylint: disable=broad-except  # a chunk failing its checksum
+        self._shard_rejects["corrupt_record"] += 1
+        continue
+      try:
+        t = store.deserialize(data, self._max_length)
+      except store.CorruptRecordError as e:
+        self._shard_rejects[e.reason] += 1
+        continue
+      except Exception:  # pylint: disable=broad-except
+        self._shard_rejects["deserialize_error"] += 1
+        continue
+      canon = self._validator.check(t)
+      if canon is not None:
+        self._buffer.append((canon, i))
+    self._in_shard = (0, n - offset - len(self._buffer))
+    self._current = (name, offset)
+    try:
+      self.last_shard_age_s = time.time() - os.path.getmtime(os.path.join(self.dir, name))
+    except OSError:
+      pass
+
+  def _finish_shard(self) -> None:
+    name = self._current[0]
+    rid, seq = parse_shard_name(name)
+    self.consumed[rid] = max(seq, self.consumed.get(rid, -1))
+    self._current = None
+    self._sizes.pop(name, None)
+    self.shards_consumed += 1
+    self._log(f"[fleet] consumed {name}: {self._in_shard[0]} trajectories, "
+              f"{self._in_shard[1]} rejected")
+
+  def _next_shard(self) -> bool:
+    """Loads the next shard with records left; False if none is on disk."""
+    if self._current is not None:  # resuming the partial shard of a checkpoint
+      self._load(*self._current)
+    else:
+      pending = self._pending()
+      if not pending:
+        return False
+      self._load(pending[0][1], 0)
+    if not self._buffer:  # nothing valid left in it
+      self._finish_shard()
+    return True
+
+  def take(self, n: int, on_wait: Callable[[float], None] | None = None) -> list[Trajectory]:
+    """The next `n` valid trajectories, waiting for shards as long as it takes.
+
+    `on_wait(seconds_waited)` is called at every empty poll (a place for the
+    caller's liveness checks; it may raise to give up).
+    """
+    out = []
+    started = None
+    while len(out) < n:
+      if not self._buffer and not self._next_shard():
+        started = started or time.time()
+        if on_wait is not None:
+          on_wait(time.time() - started)
+        time.sleep(self.poll_seconds)
+        continue
+      if not self._buffer:
+        continue
+      t, index = self._buffer.popleft()
+      out.append(t)
+      self._current = (self._current[0], index + 1)
+      self._in_shard = (self._in_shard[0] + 1, self._in_shard[1])
+      self.trajectories += 1
+      self.generated_tokens += int(t.action_mask.sum())
+      if t.finish_reason in _ENV_FAULTS:
+        self.env_faults[t.finish_reason] += 1
+      if not self._buffer:
+        self._finish_shard()
+    if started is not None:
+      self.wait_s += time.time() - started
+    return out
+
+  # --- what the trainer reports ------------------------------------------------
+
+  def qsize(self) -> int:
+    """Trajectories not yet handed out: the buffer plus records of closed
+    shards on disk (counted once per shard, when first seen)."""
+    total = len(self._buffer)
+    for _, name in self._pending():
+      if name not in self._sizes:
+        self._open(name)
+      total += self._sizes[name]
+    return total
+
+  @property
+  def rejected(self) -> collections.Counter:
+    """Dropped shards and records by reason: the store's and validation's."""
+    return self._shard_rejects + self._validator.rejected
