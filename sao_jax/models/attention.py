@@ -11,7 +11,7 @@ share key heads in groups of H / KVH (grouped-query attention). A padding
 query sees no key; its output is finite garbage that no real token reads.
 
 * `reference_attention` materialises [B, KVH, H/KVH, Lq, Lk] fp32 logits.
-  It is the oracle, and it serves the KV-cache path (Lq short).
+  It is the oracle, and it serves the KV-cache path for a decode step.
 * `chunked_attention` walks query blocks and, inside each, key blocks with
   an online softmax (running max m, normaliser l, accumulator acc):
 
@@ -22,6 +22,9 @@ query sees no key; its output is finite garbage that no real token reads.
   backward is the flash-attention one (a `custom_vjp`): the forward keeps
   only out and the log-sum-exp per query, and the backward recomputes each
   block's probabilities. Memory O(B H L hd + B H block^2), never L x L.
+* `cached_attention` is the same online softmax for new tokens over a KV
+  cache (a chunked prefill): queries at absolute positions, key blocks of
+  the cache, forward only.
 * `splash_attention` is the Pallas TPU kernel
   (jax.experimental.pallas.ops.tpu.splash_attention) under `shard_map`,
   batch and heads split as the logical-axis rules say.
@@ -109,44 +112,64 @@ def _scores(qi, kj, hd):
   return s / jnp.sqrt(jnp.float32(hd))
 
 
+def _online_init(b, n, g, lq, hd):
+  """The empty online-softmax state (m, l, acc) for grouped queries [B, lq, n, g, hd]."""
+  return (jnp.full((b, n, g, lq), _MASKED, jnp.float32),
+          jnp.zeros((b, n, g, lq), jnp.float32),
+          jnp.zeros((b, n, g, lq, hd), jnp.float32))
+
+
+def _online_update(carry, qi, kj, vj, visible):
+  """Folds one key block into the online softmax (the module docstring's m, l, acc).
+
+  qi [B, lq, KVH, G, hd], kj / vj [B, bk, KVH, hd], visible [B, lq, bk].
+  """
+  m, l, acc = carry  # [B, KVH, G, lq], same, [B, KVH, G, lq, hd]
+  s = _scores(qi, kj, qi.shape[-1])
+  s = jnp.where(visible[:, None, None], s, _MASKED)
+  m_new = jnp.maximum(m, s.max(-1))
+  p = jnp.exp(s - m_new[..., None])
+  correction = jnp.exp(m - m_new)
+  l = l * correction + p.sum(-1)
+  pv = jnp.einsum("bngqk,bknh->bngqh", p.astype(vj.dtype), vj,
+                  preferred_element_type=jnp.float32)
+  return m_new, l, acc * correction[..., None] + pv
+
+
+def _online_result(carry, dtype):
+  """(out [B, lq, KVH, G, hd], lse [B, lq, KVH, G] fp32) of a finished online softmax.
+
+  Needs l > 0: every query saw at least one block with a visible (or, for a
+  padding query, a masked but finite) key.
+  """
+  m, l, acc = carry
+  out = acc / l[..., None]
+  lse = m + jnp.log(l)
+  return jnp.moveaxis(out, 3, 1).astype(dtype), jnp.moveaxis(lse, 3, 1)
+
+
 def _chunked_forward(q, k, v, segment_ids, block_q, block_k):
   """(out [B, L, KVH, G, hd], lse [B, L, KVH, G] fp32) for grouped q."""
   b, _, n, g, hd = q.shape
   qb, segq = _to_blocks(q, block_q), _to_blocks(segment_ids, block_q)
   kb, vb, segk = (_to_blocks(x, block_k) for x in (k, v, segment_ids))
-  nq, nk = qb.shape[0], kb.shape[0]
+  nk = kb.shape[0]
 
   def query_block(args):
     i, qi, sq = args  # qi [B, bq, KVH, G, hd]
 
     def key_block(carry, xs):
       j, kj, vj, sk = xs
-
-      def update(carry):
-        m, l, acc = carry  # [B, KVH, G, bq], same, [B, KVH, G, bq, hd]
-        s = _scores(qi, kj, hd)
-        s = jnp.where(_block_mask(i, j, block_q, block_k, sq, sk)[:, None, None], s, _MASKED)
-        m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.exp(s - m_new[..., None])
-        correction = jnp.exp(m - m_new)
-        l = l * correction + p.sum(-1)
-        pv = jnp.einsum("bngqk,bknh->bngqh", p.astype(vj.dtype), vj,
-                        preferred_element_type=jnp.float32)
-        return m_new, l, acc * correction[..., None] + pv
-
+      update = lambda c: _online_update(c, qi, kj, vj,
+                                        _block_mask(i, j, block_q, block_k, sq, sk))
       carry = jax.lax.cond(_block_needed(i, j, block_q, block_k), update, lambda c: c, carry)
       return carry, None
 
-    init = (jnp.full((b, n, g, block_q), _MASKED, jnp.float32),
-            jnp.zeros((b, n, g, block_q), jnp.float32),
-            jnp.zeros((b, n, g, block_q, hd), jnp.float32))
-    (m, l, acc), _ = jax.lax.scan(key_block, init, (jnp.arange(nk), kb, vb, segk))
-    out = acc / l[..., None]  # l >= 1: block 0 is never skipped
-    lse = m + jnp.log(l)
-    # -> [B, bq, KVH, G, ...] to match the query layout.
-    return (jnp.moveaxis(out, 3, 1).astype(q.dtype), jnp.moveaxis(lse, 3, 1))
+    carry, _ = jax.lax.scan(key_block, _online_init(b, n, g, block_q, hd),
+                            (jnp.arange(nk), kb, vb, segk))
+    return _online_result(carry, q.dtype)  # block 0 is never skipped: l >= 1
 
-  out, lse = jax.lax.map(query_block, (jnp.arange(nq), qb, segq))
+  out, lse = jax.lax.map(query_block, (jnp.arange(qb.shape[0]), qb, segq))
   return _from_blocks(out), _from_blocks(lse)
 
 
@@ -231,6 +254,46 @@ def chunked_attention(q: Array, k: Array, v: Array, segment_ids: Array, block: i
   qg = q.reshape(q.shape[:2] + (kvh, h // kvh, hd))  # [B, L', KVH, G, hd]
   out = _chunked(qg, k, v, segment_ids, block, block)
   return out.reshape(b, length + pad, h, hd)[:, :length]
+
+
+def cached_attention(q: Array, k: Array, v: Array, positions: Array, block: int) -> Array:
+  """Attention of new tokens over a KV cache, key block by key block; no [Lq, S] array.
+
+  q [B, Lq, H, hd] at absolute cache positions `positions` [B, Lq]; k, v
+  [B, S, KVH, hd] the whole cache, the new tokens' keys already written. The
+  query at position p sees cache entries 0 .. p (the KV-cache rule of
+  sao_jax/models/transformer.py), as `reference_attention` with
+  `allowed[b, i, j] = j <= positions[b, i]` does, but with the online
+  softmax over key blocks of `block` entries: memory O(B H Lq block), not
+  O(B H Lq S). Key blocks after every query's position are skipped. Forward
+  only (decoding never differentiates). A chunked prefill
+  (sao_jax/models/decoding.py) attends this way.
+  """
+  b, lq, h, hd = q.shape
+  kvh = k.shape[2]
+  block = min(block, k.shape[1])
+  pad = -k.shape[1] % block
+  if pad:  # never visible: every real query's position is < S
+    widths = ((0, 0), (0, pad), (0, 0), (0, 0))
+    k, v = jnp.pad(k, widths), jnp.pad(v, widths)
+  qg = q.reshape(b, lq, kvh, h // kvh, hd)
+  last = positions.max()
+
+  def key_block(carry, j):
+    start = j * block
+
+    def update(carry):
+      kj = jax.lax.dynamic_slice_in_dim(k, start, block, 1)
+      vj = jax.lax.dynamic_slice_in_dim(v, start, block, 1)
+      visible = (start + jnp.arange(block))[None, None, :] <= positions[:, :, None]
+      return _online_update(carry, qg, kj, vj, visible)
+
+    # Block 0 always runs, so l > 0 for every query.
+    return jax.lax.cond(start <= last, update, lambda c: c, carry), None
+
+  carry, _ = jax.lax.scan(key_block, _online_init(b, kvh, h // kvh, lq, hd),
+                          jnp.arange(k.shape[1] // block))
+  return _online_result(carry, q.dtype)[0].reshape(q.shape)
 
 
 # --------------------------------------------------------------------------

@@ -70,8 +70,10 @@ class ModelConfig:
   # pure JAX: memory O(B H L hd + B H block^2). "splash" is the Pallas TPU
   # kernel, taken when the compile target is a TPU (the mesh set with
   # jax.set_mesh, else the default backend) and L is a multiple of 128;
-  # elsewhere it is "chunked". The KV-cache (decode) path always uses the
-  # reference math: its logits are [B, H, Lq, S] with short Lq.
+  # elsewhere it is "chunked". On the KV-cache path a decode step (one new
+  # token) always uses the reference math ([B, H, 1, S] logits); several new
+  # tokens use the reference under "reference" and otherwise
+  # attention.cached_attention (key blocks of attention_block entries).
   attention_impl: str = "reference"
   # Query and key block length of the chunked and splash attention.
   attention_block: int = 512
@@ -79,6 +81,13 @@ class ModelConfig:
   # the target token from final hidden states: peak logits [B, chunk, V]
   # instead of [B, L, V], recomputed in the backward pass. 0: full logits.
   logits_chunk: int = 0
+  # New tokens per pass when the engine appends many at once
+  # (decoding.extend_last, a chunked prefill): the KV cache is written chunk
+  # by chunk, and only each row's last hidden state meets the LM head, so
+  # peak activations are those of [B, prefill_chunk] tokens and no
+  # [B, W, V] logits exist. 0: the whole width in one pass with full
+  # logits (decoding.extend), the reference.
+  prefill_chunk: int = 0
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -110,6 +119,8 @@ class ModelConfig:
                        f"(the TPU lane width), got {self.attention_block}")
     if self.logits_chunk < 0:
       raise ValueError(f"logits_chunk must be >= 0 (0: full logits), got {self.logits_chunk}")
+    if self.prefill_chunk < 0:
+      raise ValueError(f"prefill_chunk must be >= 0 (0: one pass), got {self.prefill_chunk}")
     if self.scan_layers:
       prefix = tuple(range(len(self.dense_layers)))
       if tuple(sorted(self.dense_layers)) != prefix:
@@ -172,7 +183,10 @@ def qwen3_30b_a3b() -> ModelConfig:
       # TPU (chunked elsewhere), log-probs over 1024-token chunks (peak
       # logits [B, 1024, 151936] fp32, not [B, L, 151936]).
       scan_layers=True, remat="full", attention_impl="splash", attention_block=512,
-      logits_chunk=1024)
+      logits_chunk=1024,
+      # The engine appends long re-feeds 2048 tokens at a time (chunked
+      # prefill); prompts and observations (<= 2048) are one pass.
+      prefill_chunk=2048)
 
 
 PRESETS = {"tiny": tiny, "small": small, "qwen3_30b_a3b": qwen3_30b_a3b}

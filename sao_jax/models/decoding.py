@@ -1,13 +1,30 @@
 """Incremental decoding over a KV cache with per-slot lengths.
 
-One function serves prefill and decode: `extend` appends up to L new tokens
-to every slot (L = prompt bucket for prefill, L = 1 for a decode step), at
-positions `lengths[b], lengths[b] + 1, ...`. A slot whose row is all padding
-(`valid` False) is left as it was, so slots advance independently: that is
-what continuous batching needs.
+`extend` appends up to L new tokens to every slot (L = prompt bucket for
+prefill, L = 1 for a decode step), at positions `lengths[b], lengths[b] + 1,
+...`, and returns the next-token logits of every new token. A slot whose row
+is all padding (`valid` False) is left as it was, so slots advance
+independently: that is what continuous batching needs.
 
-Attention here is always the reference math over the whole cache (logits
-[B, H, L, S]), whatever `cfg.attention_impl` says: a decode step has L = 1.
+`extend_last` is what a sampler needs: the same cache update, but only the
+logits after each row's last valid token, `[B, V]`. With
+`cfg.prefill_chunk = C > 0` it is a chunked prefill:
+
+    tokens [B, W]  ->  chunks [B, C] x ceil(W / C), in order:
+      run the trunk on the chunk against the cache (writes its keys/values)
+      keep each row's hidden state at its last valid token so far
+    logits = LM head (final hidden [B, D])          # [B, V], never [B, W, V]
+
+Chunk c's queries attend to the cache, which already holds chunks 0 .. c-1,
+so the result is the one-pass result: the KV-cache rule (a token at
+position p sees entries 0 .. p, written before they are read) does not care
+how the new tokens are grouped. Peak activations are those of one [B, C]
+chunk; attention over the cache is `attention.cached_attention` (key blocks,
+no [B, H, C, S] logits) unless `cfg.attention_impl` is "reference". A
+decode step (one new token) uses the reference attention ([B, H, 1, S]).
+`cfg.prefill_chunk = 0` is `extend` followed by a gather of the last valid
+position: the reference, bit for bit what the engine computed before.
+
 The cache layout follows `cfg.scan_layers` (see `init_cache`).
 """
 
@@ -17,11 +34,12 @@ import jax
 import jax.numpy as jnp
 
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.transformer import Cache, Transformer, init_cache
+from sao_jax.models.transformer import (Cache, Transformer, init_cache, lm_head_weight,
+                                        lm_logits)
 
 Array = jax.Array
 
-__all__ = ["extend", "init_cache"]
+__all__ = ["extend", "extend_last", "init_cache"]
 
 
 def extend(cfg: ModelConfig, params, cache: Cache, tokens: Array, lengths: Array,
@@ -45,3 +63,53 @@ def extend(cfg: ModelConfig, params, cache: Cache, tokens: Array, lengths: Array
   logits, aux = Transformer(cfg, "lm").apply(
       {"params": params}, tokens, positions, valid.astype(jnp.int32), cache=cache)
   return logits, aux["cache"], lengths + valid.sum(1).astype(lengths.dtype)
+
+
+def _last_valid(x: Array, valid: Array) -> Array:
+  """x [B, L, ...] at each row's last valid index (index 0 for an empty row)."""
+  last = jnp.maximum(valid.sum(1) - 1, 0)
+  index = last.reshape((-1,) + (1,) * (x.ndim - 1))
+  return jnp.take_along_axis(x, index, 1)[:, 0]
+
+
+def extend_last(cfg: ModelConfig, params, cache: Cache, tokens: Array, lengths: Array,
+                valid: Array) -> tuple[Array, Cache, Array]:
+  """`extend`, returning only the logits after each row's last valid token.
+
+  Arguments as `extend`. Returns (logits `[B, V]` fp32, new cache, new
+  lengths `[B]`). A row with no valid token gets meaningless logits and an
+  unchanged length. With `cfg.prefill_chunk` > 0 the tokens go through in
+  chunks of that many (module docstring); the width is padded up to a
+  whole number of chunks with padding tokens.
+  """
+  width = tokens.shape[1]
+  if not cfg.prefill_chunk:
+    logits, cache, new_lengths = extend(cfg, params, cache, tokens, lengths, valid)
+    return _last_valid(logits, valid), cache, new_lengths
+
+  chunk = min(cfg.prefill_chunk, width)
+  pad = -width % chunk
+  if pad:
+    tokens = jnp.pad(tokens, ((0, 0), (0, pad)))
+    valid = jnp.pad(valid, ((0, 0), (0, pad)))
+  trunk = Transformer(cfg, "hidden")
+
+  def one_chunk(carry, xs):
+    cache, lens, last = carry
+    tok, ok = xs  # [B, C]
+    positions = lens[:, None] + jnp.arange(chunk, dtype=lens.dtype)[None, :]
+    hidden, aux = trunk.apply({"params": params}, tok, positions, ok.astype(jnp.int32),
+                              cache=cache)  # [B, C, D]
+    last = jnp.where(ok.any(1)[:, None], _last_valid(hidden, ok), last)
+    return (aux["cache"], lens + ok.sum(1).astype(lens.dtype), last), None
+
+  last = jnp.zeros((tokens.shape[0], cfg.d_model), cfg.dtype)
+  carry = (cache, lengths, last)
+  n = tokens.shape[1] // chunk
+  if n == 1:
+    carry, _ = one_chunk(carry, (tokens, valid))
+  else:  # [B, n*C] -> [n, B, C]: one chunk per iteration, the cache carried
+    split = lambda x: jnp.moveaxis(x.reshape(x.shape[0], n, chunk), 1, 0)
+    carry, _ = jax.lax.scan(one_chunk, carry, (split(tokens), split(valid)))
+  cache, new_lengths, last = carry
+  return lm_logits(cfg, last, lm_head_weight(cfg, params)), cache, new_lengths

@@ -136,10 +136,13 @@ class Attention(nn.Module):
                      "v": cache["v"].at[layer, b_idx, positions].set(new_v, mode="drop")}
         k_all, v_all = new_cache["k"][layer], new_cache["v"][layer]  # [B, S, KVH, hd]
       k, v = k_all.astype(dt), v_all.astype(dt)
-      key_pos = jnp.arange(k.shape[1])
-      allowed = key_pos[None, None, :] <= positions[:, :, None]  # [B, Lq, S]
-      # Logits [B, KVH, H/KVH, Lq, S]: Lq is a decode step or a prompt bucket.
-      out = attn_lib.reference_attention(q, k, v, allowed)
+      if cfg.attention_impl == "reference" or x.shape[1] == 1:
+        key_pos = jnp.arange(k.shape[1])
+        allowed = key_pos[None, None, :] <= positions[:, :, None]  # [B, Lq, S]
+        # Logits [B, KVH, H/KVH, Lq, S]: a decode step, or the oracle.
+        out = attn_lib.reference_attention(q, k, v, allowed)
+      else:  # several new tokens (a prefill chunk): key blocks, no [Lq, S] logits
+        out = attn_lib.cached_attention(q, k, v, positions, cfg.attention_block)
 
     out = _constrain(out, ("batch", "length", "heads", "head_dim"))
     out = jnp.einsum("blnh,nhd->bld", out, wo.astype(dt))
