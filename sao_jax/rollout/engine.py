@@ -821,13 +821,15 @@ def _step(cfg, sampling, kv, params, cache, lengths, tokens, valid, rng):
   (sao_jax/models/transformer.py), so the result is the same.
   """
   if kv is None:
-    logits, cache, new_lengths = decoding.extend(cfg, params, cache, tokens, lengths, valid)
+    last_logits, cache, new_lengths = decoding.extend_last(cfg, params, cache, tokens, lengths,
+                                                           valid)
   else:
     live = jax.tree.map(lambda c: jax.lax.slice_in_dim(c, 0, kv, axis=c.ndim - 3), cache)
-    logits, live, new_lengths = decoding.extend(cfg, params, live, tokens, lengths, valid)
+    last_logits, live, new_lengths = decoding.extend_last(cfg, params, live, tokens, lengths,
+                                                          valid)
     cache = jax.tree.map(functools.partial(_write_back, lengths, valid), cache, live)
-  last = jnp.maximum(valid.sum(1) - 1, 0)
-  last_logits = jnp.take_along_axis(logits, last[:, None, None], 1)[:, 0]  # [B, V]
+  # last_logits [B, V]: after each row's last valid token (a chunked prefill
+  # with cfg.prefill_chunk, never [B, W, V]).
   tok, logp = sample(last_logits, rng, sampling)
   return cache, new_lengths, tok, logp
 
