@@ -114,6 +114,11 @@ class DriverStats:
   finished: int = 0
   param_swaps: int = 0
   env_wait_seconds: float = 0.0
+  # Seconds from dispatching an engine call to holding its results on the
+  # host (device time plus transfer, less the host work overlapped with it).
+  generate_seconds: float = 0.0
+  # Decode-loop iterations run (one token for each decoding slot each).
+  decode_iterations: int = 0
   # Environment faults by reason: the ENV_FAULTS keys count emitted (zero
   # reward) trajectories, the ADMISSION_FAULTS keys count skipped prompts.
   env_faults: collections.Counter = dataclasses.field(default_factory=collections.Counter)
@@ -200,14 +205,17 @@ def _check_result(result, max_chars: int) -> _EnvOutcome:
                      truncated)
 
 
-def _env_step(episode, text: str, max_chars: int) -> _EnvOutcome:
+def _env_step(episode, text: str, max_chars: int, latency_s: float = 0.0) -> _EnvOutcome:
   """Runs in a worker: one `episode.step`, its result checked and made plain.
 
   Everything that touches the environment's objects happens here, under the
   step's timeout: a result whose attributes raise or hang cannot hurt the
-  driver thread, which only ever sees an `_EnvOutcome`.
+  driver thread, which only ever sees an `_EnvOutcome`. `latency_s` is a
+  simulated tool latency, slept before the step (part of its time).
   """
   start = time.monotonic()
+  if latency_s:
+    time.sleep(latency_s)
   try:
     result = episode.step(text)
   except Exception as e:  # pylint: disable=broad-except
@@ -337,6 +345,14 @@ class RolloutDriver:
     max_observation_chars: an observation is cut to this many characters
       before tokenizing; default 16 * max_len, more than any tokenizer in use
       fits into max_len tokens, so the cut only spares the tokenizer.
+
+  Decoding runs `decode_steps` tokens per engine call (`PolicyEngine.decode`,
+  a jitted loop that stops each slot at its turn-end token, its turn's token
+  budget or `max_len`); a slot whose turn ends inside a call idles for the
+  rest of it, so the value trades host round trips against that idling
+  (1: one token per call). While a call runs on the device the driver does
+  its host work: finished environment steps, admissions, tokenizing.
+  `tool_latency_s` sleeps in every environment step (a simulated tool call).
   """
 
   def __init__(self, engine: PolicyEngine, env: Environment, tokenizer,
@@ -345,13 +361,18 @@ class RolloutDriver:
                env_workers: int = 4, swap_policy: str = "recompute",
                static_batching: bool = False, env_timeout: float | None = 60.0,
                max_stuck_env_steps: int | None = None,
-               max_observation_chars: int | None = None):
+               max_observation_chars: int | None = None, decode_steps: int = 8,
+               tool_latency_s: float = 0.0):
     if swap_policy not in SWAP_POLICIES:
       raise ValueError(f"swap_policy must be one of {SWAP_POLICIES}, got {swap_policy!r}")
     if samples_per_prompt < 1:
       raise ValueError("samples_per_prompt must be >= 1")
     if env_workers < 1:
       raise ValueError("env_workers must be >= 1")
+    if decode_steps < 1:
+      raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
+    if tool_latency_s < 0:
+      raise ValueError(f"tool_latency_s must be >= 0, got {tool_latency_s}")
     if env_timeout is not None and not env_timeout > 0:
       raise ValueError(f"env_timeout must be > 0 seconds or None, got {env_timeout!r}")
     self.engine, self.env, self.tok = engine, env, tokenizer
@@ -360,6 +381,8 @@ class RolloutDriver:
     self.samples_per_prompt = samples_per_prompt
     self.max_turn_tokens = max_turn_tokens
     self.swap_policy = swap_policy
+    self.decode_steps = decode_steps
+    self.tool_latency_s = tool_latency_s
     # The baseline of benchmarks/rollout.py: admit only when every slot is
     # free, i.e. one static batch at a time.
     self.static_batching = static_batching
@@ -476,7 +499,8 @@ class RolloutDriver:
     ready = [i for i, s in enumerate(self._slots)
              if s is not None and not s.waiting and len(s.tokens) > s.fed]
     if ready:
-      self._engine_step(ready)
+      self._engine_step(ready, admit and not (self.swap_policy == "drain"
+                                              and self._pending_params is not None))
       return True
     if self._futures:
       self._collect_env_results(block=True)
@@ -572,10 +596,13 @@ class RolloutDriver:
 
   # --- the engine -------------------------------------------------------------
 
-  def _engine_step(self, ready: list[int]):
+  def _engine_step(self, ready: list[int], admit: bool):
     pending = {i: len(self._slots[i].tokens) - self._slots[i].fed for i in ready}
     long = [i for i in ready if pending[i] > 1]
-    chosen = long if long else ready
+    if not long:
+      self._decode(ready, admit)
+      return
+    chosen = long
     width = min(max(pending[i] for i in chosen), self.engine.prefill_buckets[-1])
     n = len(self._slots)
     tokens = np.zeros((n, width), np.int32)
@@ -585,18 +612,52 @@ class RolloutDriver:
       chunk = s.tokens[s.fed:s.fed + width]
       tokens[i, :len(chunk)] = chunk
       valid[i, :len(chunk)] = True
+    start = time.perf_counter()
     self._state, sampled, logp, version = self.engine.step(self._state, tokens, valid)
+    self.stats.generate_seconds += time.perf_counter() - start
     self.stats.steps += 1
-    if long:
-      self.stats.prefill_steps += 1
-    else:
-      self.stats.decode_steps += 1
+    self.stats.prefill_steps += 1
     for i in chosen:
       s = self._slots[i]
       s.fed += int(valid[i].sum())
       if s.fed < len(s.tokens):
         continue  # a long append continues next step; its sample is discarded
       self._on_sample(i, int(sampled[i]), float(logp[i]), version)
+
+  def _decode(self, ready: list[int], admit: bool):
+    """One `decode` call for the slots with one pending token each.
+
+    Each slot's budget is its turn's remaining tokens, capped by the room
+    left before `max_len`, so the engine stops a slot exactly where
+    `_on_sample` ends its turn or its episode. The host work of the pass
+    (environment results, admissions) runs while the device decodes.
+    """
+    n = len(self._slots)
+    tokens = np.zeros((n,), np.int32)
+    budgets = np.zeros((n,), np.int32)
+    for i in ready:
+      s = self._slots[i]
+      tokens[i] = s.tokens[-1]
+      budgets[i] = min(self.max_turn_tokens - s.turn_tokens, self.max_len - len(s.tokens))
+    start = time.perf_counter()
+    self._state, chunk = self.engine.decode(self._state, tokens, budgets, steps=self.decode_steps,
+                                            stop_token=self.tok.turn_end_id)
+    overlapped = time.perf_counter()
+    self._collect_env_results(block=False)
+    if admit:
+      self._admit()
+    overlapped = time.perf_counter() - overlapped
+    self._state, chunk = self.engine.collect(self._state, chunk)
+    self.stats.generate_seconds += time.perf_counter() - start - overlapped
+    self.stats.steps += 1
+    self.stats.decode_steps += 1
+    self.stats.decode_iterations += int(chunk.counts.max(initial=0))
+    for i in ready:
+      for k in range(int(chunk.counts[i])):
+        if self._slots[i] is None:
+          raise AssertionError(f"the engine decoded slot {i} past the end of its episode")
+        self._slots[i].fed += 1  # the pending token went into the cache
+        self._on_sample(i, int(chunk.tokens[i, k]), float(chunk.logprobs[i, k]), chunk.version)
 
   def _on_sample(self, i: int, token: int, logp: float, version: int):
     s = self._slots[i]
@@ -613,7 +674,8 @@ class RolloutDriver:
       text = self.tok.decode(action_ids)
       s.waiting = True
       s.turn_tokens = 0
-      f = self._pool.submit(_env_step, s.episode, text, self.max_observation_chars)
+      f = self._pool.submit(_env_step, s.episode, text, self.max_observation_chars,
+                            self.tool_latency_s)
       self._futures[f] = i
 
   # --- environment results ------------------------------------------------------
