@@ -1,7 +1,6 @@
 """Every config loads, names a valid arm, and states its launch command."""
 
 import glob
-import importlib.util
 import os
 
 import jax
@@ -11,21 +10,16 @@ import pytest
 from sao_jax import trainer
 from sao_jax.models import policy
 
+from runs import load_config_module  # pylint: disable=g-bad-import-order
+
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 CONFIGS = sorted(p for p in glob.glob(os.path.join(CONFIG_DIR, "*.py"))
                  if not p.endswith("common.py"))
 
 
-def load(path):
-  spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
 def test_config_is_valid(path):
-  module = load(path)
+  module = load_config_module(path)
   name = os.path.basename(path)
   assert f"--config=configs/{name}" in module.__doc__, "docstring must give the launch command"
   c = module.get_config()
@@ -55,7 +49,7 @@ def test_ablation_table_arms_all_have_configs():
     ("rollout.swap_policy", "pause", "swap_policy"),
 ])
 def test_bad_config_fails_fast(field, value, message):
-  c = load(os.path.join(CONFIG_DIR, "grpo.py")).get_config()
+  c = load_config_module("grpo.py").get_config()
   section, name = field.split(".")
   c[section][name] = value
   with pytest.raises(ValueError, match=message):

@@ -5,8 +5,6 @@ import json
 import os
 import queue
 import signal
-import subprocess
-import sys
 import time
 
 import chex
@@ -26,10 +24,11 @@ from sao_jax.models import config as mcfg
 from sao_jax.models import policy
 from sao_jax.train_step import StepConfig, TrainState, make_train_step
 
+from runs import launch, read_metrics  # pylint: disable=g-bad-import-order
+
 TOK = CharTokenizer()
 ENV = PythonTool()
 CFG = mcfg.tiny(vocab_size=TOK.vocab_size)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def demo_trajs(n, start=0):
@@ -157,50 +156,20 @@ def test_step_config_errors():
 
 # --- the real trainer, end to end, on 8 simulated devices --------------------
 
-TINY_RUN = [
-    "--config.sft.steps=6", "--config.sft.batch_size=8", "--config.value_pretrain.steps=2",
-    "--config.value_pretrain.num_trajectories=8", "--config.rl.steps=6",
-    "--config.rl.batch_size=8", "--config.rollout.slots=8", "--config.eval.num_tasks=8",
-    "--config.eval.slots=8", "--config.log_every=1", "--config.checkpoint.every=2",
-    "--config.tensorboard=False",
-]
-
-
-def launch(workdir, *extra, wait=True, script="train.py", config="sao_tiny.py",
-           run_flags=TINY_RUN):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-  cmd = [sys.executable, os.path.join(ROOT, "launch", script),
-         f"--config={os.path.join(ROOT, 'configs', config)}", f"--workdir={workdir}",
-         "--config.sharding.mesh={'data': 8}", *run_flags, *extra]
-  proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, cwd=ROOT)
-  if not wait:
-    return proc
-  out, _ = proc.communicate(timeout=900)
-  assert proc.returncode == 0, out[-4000:]
-  return out
-
-
-def read_metrics(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-    return [json.loads(line) for line in f]
-
-
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_trainer_runs_and_resumes(tmp_path, mode):
   workdir = str(tmp_path / mode)
   out = launch(workdir, f"--config.rl.mode={mode}")
   summary = json.load(open(os.path.join(workdir, "summary.json"), encoding="utf-8"))
   assert summary["rl_steps"] == 6 and summary["sft_pass@1"] is not None
-  rl = [r for r in read_metrics(workdir) if r["stage"] == "rl"]
+  rl = read_metrics(workdir, "rl")
   assert [r["step"] for r in rl] == list(range(1, 7))
   assert all(np.isfinite(r["policy/loss"]) for r in rl)
   assert "[done]" in out
   # A second launch resumes the finished run instead of starting over.
   out2 = launch(workdir, f"--config.rl.mode={mode}", "--config.rl.steps=8")
   assert "Resumed from checkpoint" in out2
-  rl2 = [r for r in read_metrics(workdir) if r["stage"] == "rl"]
+  rl2 = read_metrics(workdir, "rl")
   assert [r["step"] for r in rl2] == list(range(1, 7))  # "done" stays done
   if mode == "async":  # launch/eval.py on the finished run's checkpoint
     out3 = launch(workdir, script="eval.py", run_flags=["--config.eval.num_tasks=8",
@@ -214,7 +183,7 @@ def test_trainer_runs_and_resumes(tmp_path, mode):
 def test_group_arm_runs_end_to_end(tmp_path):
   workdir = str(tmp_path / "grpo")
   launch(workdir, "--config.rl.steps=3", config="grpo.py")
-  rl = [r for r in read_metrics(workdir) if r["stage"] == "rl"]
+  rl = read_metrics(workdir, "rl")
   assert [r["step"] for r in rl] == [1, 2, 3]
   assert "critic/value_loss" not in rl[0] and np.isfinite(rl[0]["policy/clip_frac"])
   assert not any(r["stage"] == "value_pretrain" for r in read_metrics(workdir))
@@ -244,7 +213,7 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
   while time.time() < deadline:
     committed = _committed_rl_steps(workdir)
     if os.path.exists(os.path.join(workdir, "metrics.jsonl")) and committed:
-      steps = [r["step"] for r in read_metrics(workdir) if r["stage"] == "rl"]
+      steps = [r["step"] for r in read_metrics(workdir, "rl")]
       if steps and max(steps) >= 5 and max(committed) >= every:
         break
     if proc.poll() is not None:
@@ -256,12 +225,12 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
   complete_before_kill = max(_committed_rl_steps(workdir))
   proc.send_signal(signal.SIGKILL)
   proc.wait()
-  killed_at = max(r["step"] for r in read_metrics(workdir) if r["stage"] == "rl")
+  killed_at = max(r["step"] for r in read_metrics(workdir, "rl"))
   out = launch(workdir, "--config.rl.steps=12")
   assert "Resumed from checkpoint" in out and "stage rl" in out
   resumed_from = int(out.split("stage rl step ")[1].split()[0])
   assert complete_before_kill <= resumed_from <= killed_at
   assert resumed_from >= killed_at - 2 * every
-  rl = [r for r in read_metrics(workdir) if r["stage"] == "rl"]
+  rl = read_metrics(workdir, "rl")
   assert max(r["step"] for r in rl) == 12
   assert os.path.exists(os.path.join(workdir, "summary.json"))

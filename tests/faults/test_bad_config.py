@@ -1,23 +1,17 @@
 """Bad configs and bad workdirs: one-line errors naming the field, nothing written."""
 
-import importlib.util
 import os
 import subprocess
-import sys
 
 import pytest
 
 from sao_jax import configuration, trainer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from runs import ROOT, load_config_module, run  # pylint: disable=g-bad-import-order
 
 
 def load_config(name="sao_tiny.py"):
-  path = os.path.join(ROOT, "configs", name)
-  spec = importlib.util.spec_from_file_location(name[:-3], path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+  return load_config_module(name).get_config()
 
 
 @pytest.mark.parametrize("field,value", [
@@ -57,14 +51,6 @@ def test_every_shipped_config_is_valid_and_locked():
         c.rl.stepz = 3  # a misspelt field cannot be added
 
 
-def _launch(workdir, *flags):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-  cmd = [sys.executable, os.path.join(ROOT, "launch", "train.py"),
-         f"--config={os.path.join(ROOT, 'configs', 'sao_tiny.py')}", f"--workdir={workdir}",
-         *flags]
-  return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
-
-
 @pytest.mark.parametrize("flag,expect", [
     ("--config.rl.stepz=3", "stepz"),
     ("--config.rollout.slots=0", "rollout.slots = 0"),
@@ -73,7 +59,7 @@ def _launch(workdir, *flags):
 ])
 def test_launch_prints_one_line_and_writes_nothing(flag, expect, tmp_path):
   workdir = tmp_path / "run"
-  proc = _launch(str(workdir), flag)
+  proc = run(str(workdir), flag, run_flags=())
   assert proc.returncode == 2, proc.stderr[-2000:]
   lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
   assert "Traceback" not in proc.stderr, proc.stderr[-2000:]

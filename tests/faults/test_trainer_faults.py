@@ -11,38 +11,13 @@ One workdir, three launches of launch/train.py on 8 simulated devices:
   3. resumed again without faults: finishes from the same checkpoint.
 """
 
-import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 
 from sao_jax.checkpoint import committed_checkpoints
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-RUN = [
-    "--config.sft.steps=6", "--config.sft.batch_size=8", "--config.value_pretrain.steps=2",
-    "--config.value_pretrain.num_trajectories=8", "--config.rl.batch_size=8",
-    "--config.rollout.slots=8", "--config.eval.num_tasks=8", "--config.eval.slots=8",
-    "--config.log_every=1", "--config.checkpoint.every=2", "--config.tensorboard=False",
-    "--config.sharding.mesh={'data': 8}",
-]
-
-
-def launch(workdir, *flags):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-  cmd = [sys.executable, os.path.join(ROOT, "launch", "train.py"),
-         f"--config={os.path.join(ROOT, 'configs', 'sao_tiny.py')}", f"--workdir={workdir}",
-         *RUN, *flags]
-  return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
-
-
-def rl_records(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-    return [r for r in map(json.loads, f) if r["stage"] == "rl"]
+from runs import read_metrics, run as launch  # pylint: disable=g-bad-import-order
 
 
 def last_error_line(proc):
@@ -64,7 +39,7 @@ def test_trainer_survives_faults_and_stops_cleanly(tmp_path):
   error = last_error_line(proc)
   assert error.startswith("error: 2 consecutive RL steps had a non-finite"), error
   assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-  rl = rl_records(workdir)
+  rl = read_metrics(workdir, "rl")
   assert [r["step"] for r in rl] == list(range(1, 8))  # step 8 stopped the run
   skipped = [r["step"] for r in rl if r["policy/update_skipped"]]
   assert skipped == [4, 7]  # the scheduled NaN batch, then the first of the run
@@ -101,5 +76,5 @@ def test_trainer_survives_faults_and_stops_cleanly(tmp_path):
   proc = launch(workdir, "--config.rl.steps=8")
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "stage rl step 6" in proc.stdout
-  assert [r["step"] for r in rl_records(workdir)][-2:] == [7, 8]
+  assert [r["step"] for r in read_metrics(workdir, "rl")][-2:] == [7, 8]
   assert os.path.exists(os.path.join(workdir, "summary.json"))

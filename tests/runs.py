@@ -1,0 +1,76 @@
+"""Launching the real entry points as subprocesses, for the end-to-end tests.
+
+One place for how a test runs `launch/*.py`: the interpreter, the simulated
+devices, the tiny run's flags and reading a run's metrics back. The
+persistent compile cache that tests/conftest.py configures reaches the
+children through the environment.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A whole tiny run in about a minute: every stage, checkpoints every 2 steps.
+TINY_RUN = (
+    "--config.sft.steps=6", "--config.sft.batch_size=8", "--config.value_pretrain.steps=2",
+    "--config.value_pretrain.num_trajectories=8", "--config.rl.steps=6",
+    "--config.rl.batch_size=8", "--config.rollout.slots=8", "--config.eval.num_tasks=8",
+    "--config.eval.slots=8", "--config.log_every=1", "--config.checkpoint.every=2",
+    "--config.tensorboard=False",
+)
+
+
+def child_env(devices: int = 8, **extra) -> dict:
+  """The environment of a child JAX process on `devices` simulated CPU devices."""
+  return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+              JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **extra)
+
+
+def command(script: str, workdir: str, *flags, config: str = "sao_tiny.py",
+            run_flags=TINY_RUN) -> list[str]:
+  """The command line of `launch/<script>` on `configs/<config>` and 8 devices
+  in one data-parallel mesh; later flags win."""
+  return [sys.executable, os.path.join(ROOT, "launch", script),
+          f"--config={os.path.join(ROOT, 'configs', config)}", f"--workdir={workdir}",
+          "--config.sharding.mesh={'data': 8}", *run_flags, *flags]
+
+
+def launch(workdir, *flags, wait=True, script="train.py", config="sao_tiny.py",
+           run_flags=TINY_RUN, check=True):
+  """Runs an entry point; its output (asserting success when `check`), or the
+  running Popen (stdout and stderr merged) when not `wait`."""
+  proc = subprocess.Popen(command(script, workdir, *flags, config=config, run_flags=run_flags),
+                          env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, cwd=ROOT)
+  if not wait:
+    return proc
+  out, _ = proc.communicate(timeout=900)
+  if check:
+    assert proc.returncode == 0, out[-4000:]
+  return out
+
+
+def run(workdir, *flags, script="train.py", config="sao_tiny.py", run_flags=TINY_RUN):
+  """Runs an entry point to its end: the CompletedProcess (stdout and stderr apart)."""
+  return subprocess.run(command(script, workdir, *flags, config=config, run_flags=run_flags),
+                        env=child_env(), capture_output=True, text=True, timeout=900, cwd=ROOT)
+
+
+def read_metrics(workdir, stage=None) -> list[dict]:
+  """The records of `<workdir>/metrics.jsonl`, of one stage if given."""
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    records = [json.loads(line) for line in f]
+  return [r for r in records if stage is None or r["stage"] == stage]
+
+
+def load_config_module(name: str):
+  """The module of `configs/<name>` (a path or a file name), imported by path."""
+  path = name if os.path.isabs(name) else os.path.join(ROOT, "configs", name)
+  spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
