@@ -1,0 +1,1 @@
+"""Experiments: the paper's findings in miniature, one module per finding (see runner.py)."""

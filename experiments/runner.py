@@ -1,0 +1,483 @@
+"""The shared experiment runner: arms x seeds from one SFT start, equal token budgets.
+
+A finding (experiments/headline.py, stability.py, ...) is a list of arms,
+each a config file of configs/ plus field overrides, compared over seeds.
+`main(finding)` is its whole command line:
+
+    python -m experiments.headline                  # the full grid, resumable
+    python -m experiments.headline --smoke          # 1 seed, a few steps (CI)
+    python -m experiments.headline --aggregate_only # tables and plots only
+
+What makes the arms comparable:
+
+  * One SFT start per seed. `launch/sft.py` runs once per seed (into
+    <workdir>/sft/<key>/seed_<s>) and every arm of that seed starts from a
+    copy of its checkpoint, so differences between arms of one seed are
+    differences of RL, not of the warm start. The key covers every field
+    that shapes the SFT or the checkpoint's layout (model, env, sft, data,
+    eval, critic freezing); arms that differ there get their own start.
+  * An equal budget of generated tokens. Every token the policy samples
+    after SFT counts, in every stage that samples: value-pretraining
+    rollouts (the critic's cold-start fix, SAO's cost that GRPO does not
+    pay), RL rollouts, and rollouts generated but never trained on (in
+    flight at a swap, left in the queue at the end). Evaluation does not
+    count. The trainer stops RL at `rl.max_generated_tokens`; the budget is
+    `budget_steps x rl.batch_size x` the SFT policy's mean sampled tokens per
+    episode on the held-out tasks (measured in the shared SFT run), i.e.
+    the tokens of `budget_steps` RL steps at the start. `rl.steps` (the lr
+    schedule's horizon, and a ceiling) is `budget_steps` for every arm, so
+    an arm that spends tokens on warm-up trains fewer RL steps.
+  * Paired comparisons. Each arm is compared to the reference arm (SAO)
+    seed by seed; the report gives the mean difference and a bootstrap
+    confidence interval over seeds (with 3 seeds that interval is coarse:
+    read it as such).
+
+Runs launch as subprocesses (`nice`d: the box is shared) one after the
+other, each in <workdir>/<finding>/<arm>/seed_<s>; a run whose summary.json
+exists is skipped, an unfinished one resumes from its checkpoint (the
+trainer does that). Results (JSON and PNG) go to experiments/results/<finding>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "experiments", "results")
+WORKDIRS = os.path.join(ROOT, "workdirs", "experiments")
+
+# A few steps of everything (CI): the code paths of a full run, not its numbers.
+SMOKE_OVERRIDES = {
+    "sft.steps": 4, "sft.batch_size": 8, "sft.warmup": 1, "value_pretrain.steps": 2,
+    "value_pretrain.num_trajectories": 8, "rl.batch_size": 8, "rl.warmup": 1,
+    "rollout.slots": 8, "eval.num_tasks": 8, "eval.slots": 8, "log_every": 1,
+    "checkpoint.every": 100, "tensorboard": False,
+}
+SMOKE_BUDGET_STEPS = 3
+
+# Config sections whose fields shape the SFT start or the checkpoint layout:
+# arms equal on these share one SFT run per seed.
+_SFT_KEY_FIELDS = ("seed", "model", "env", "sft", "data", "eval", "sharding",
+                   "rl.freeze_critic_attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+  """One way of training: configs/<config>.py with `overrides` (dotted fields)."""
+  name: str
+  config: str
+  overrides: dict = dataclasses.field(default_factory=dict)
+  label: str = ""  # for tables and plots; default: name
+
+  @property
+  def title(self) -> str:
+    return self.label or self.name
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+  """A claim of the paper and the arms x seeds that test it."""
+  name: str
+  claim: str  # the paper's claim, one sentence
+  arms: tuple[Arm, ...]
+  reference: str  # the arm every other is compared to, seed by seed
+  seeds: int
+  budget_steps: int
+  overrides: dict = dataclasses.field(default_factory=dict)  # every arm
+  # Logged RL metrics plotted over generated tokens (mean over seeds).
+  curves: tuple[str, ...] = ("rollout/reward_mean", "policy_lag/mean")
+  # Extra analysis of the collected runs: (finding, runs by arm) -> dict.
+  analyze: Callable[["Finding", dict], dict] | None = None
+
+  def arm(self, name: str) -> Arm:
+    for a in self.arms:
+      if a.name == name:
+        return a
+    raise KeyError(f"no arm {name!r} in {self.name}; arms: {[a.name for a in self.arms]}")
+
+
+# ------------------------------------------------------------------ configs
+def config_path(name: str) -> str:
+  return os.path.join(ROOT, "configs", name if name.endswith(".py") else name + ".py")
+
+
+def load_config(name: str, overrides: dict):
+  """The config of configs/<name>.py with `overrides` (dotted fields) applied."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, os.path.join(ROOT, "configs"))
+  try:
+    spec = importlib.util.spec_from_file_location(f"_experiment_cfg_{name}", config_path(name))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+  finally:
+    sys.path.pop(0)
+  config = module.get_config()
+  for field, value in overrides.items():
+    node = config
+    *parents, leaf = field.split(".")
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return config
+
+
+def flag(field: str, value: Any) -> str:
+  """One `--config.<field>=<value>` flag as ml_collections parses it."""
+  return f"--config.{field}={value if isinstance(value, str) else repr(value)}"
+
+
+def sft_key(config) -> str:
+  """A short hash of everything that shapes the SFT start of `config`."""
+  parts = {}
+  for field in _SFT_KEY_FIELDS:
+    node = config
+    for p in field.split("."):
+      node = node[p]
+    parts[field] = node.to_dict() if hasattr(node, "to_dict") else node
+  blob = json.dumps(parts, sort_keys=True, default=str)
+  return hashlib.sha256(blob.encode()).hexdigest()[:10]
+
+
+# ----------------------------------------------------------------- launching
+@dataclasses.dataclass
+class Launcher:
+  """Runs one stage of one run: a niced subprocess, or in this process (tests)."""
+  nice: int = 15
+  in_process: bool = False
+  env: dict = dataclasses.field(default_factory=dict)
+
+  def __call__(self, script: str, config: str, overrides: dict, workdir: str) -> float:
+    """Runs launch/<script> to completion; its wall seconds. Raises on failure."""
+    os.makedirs(workdir, exist_ok=True)
+    start = time.time()
+    if self.in_process:
+      from sao_jax import trainer  # pylint: disable=g-import-not-at-top
+      until = "value_pretrain" if script == "sft.py" else "done"
+      trainer.train(load_config(config, overrides), workdir, until=until)
+      return time.time() - start
+    cmd = ["nice", "-n", str(self.nice), sys.executable, os.path.join(ROOT, "launch", script),
+           f"--config={config_path(config)}", f"--workdir={workdir}",
+           *(flag(k, v) for k, v in overrides.items())]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(WORKDIRS, ".jax_cache"))
+    with open(os.path.join(workdir, "log.txt"), "a", encoding="utf-8") as log:
+      log.write(f"$ {' '.join(cmd)}\n")
+      log.flush()
+      rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                          check=False).returncode
+    if rc:
+      raise RuntimeError(f"{script} failed (exit {rc}); see {workdir}/log.txt")
+    return time.time() - start
+
+
+def run_dir(workdir: str, finding: Finding, arm: Arm, seed: int) -> str:
+  return os.path.join(workdir, finding.name, arm.name, f"seed_{seed}")
+
+
+def _read_json(path: str):
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def _write_json(path: str, obj) -> None:
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(obj, f, indent=2, default=float)
+  os.replace(tmp, path)
+
+
+def sft_start(launch: Launcher, workdir: str, arm: Arm, overrides: dict, seed: int) -> str:
+  """The seed's shared SFT run for `arm` (run once, then reused): its directory."""
+  key = sft_key(load_config(arm.config, overrides))
+  sft_dir = os.path.join(workdir, "sft", key, f"seed_{seed}")
+  marker = os.path.join(sft_dir, "sft_done.json")
+  if not os.path.exists(marker):
+    print(f"[experiments] SFT start seed {seed} ({key}) -> {sft_dir}", flush=True)
+    wall = launch("sft.py", arm.config, overrides, sft_dir)
+    _write_json(marker, {"wall_s": wall, "key": key})
+  return sft_dir
+
+
+def run_arm(launch: Launcher, workdir: str, finding: Finding, arm: Arm, seed: int,
+            budget_steps: int, base_overrides: dict) -> str:
+  """One arm x seed to completion (skipped when finished): its directory."""
+  rdir = run_dir(workdir, finding, arm, seed)
+  if os.path.exists(os.path.join(rdir, "summary.json")):
+    return rdir
+  overrides = {**finding.overrides, **base_overrides, **arm.overrides, "seed": seed}
+  sft_dir = sft_start(launch, workdir, arm, overrides, seed)
+  if not os.path.exists(os.path.join(rdir, "checkpoints")):
+    # The arm starts from a copy of the seed's SFT checkpoint (stage
+    # value_pretrain, step 0), its SFT evaluation included.
+    shutil.rmtree(rdir, ignore_errors=True)
+    shutil.copytree(sft_dir, rdir, ignore=shutil.ignore_patterns("log.txt", "sft_done.json"))
+  sft_eval = _sft_eval(sft_dir)
+  batch = int(overrides.get("rl.batch_size", load_config(arm.config, overrides).rl.batch_size))
+  budget = int(round(budget_steps * batch * sft_eval["mean_generated"]))
+  overrides.update({"rl.steps": budget_steps, "rl.max_generated_tokens": budget})
+  print(f"[experiments] {finding.name}/{arm.name} seed {seed}: budget {budget} generated "
+        f"tokens (~{budget_steps} steps of {batch}) -> {rdir}", flush=True)
+  wall = launch("train.py", arm.config, overrides, rdir)
+  _write_json(os.path.join(rdir, "runner.json"),
+              {"wall_s": wall, "budget_tokens": budget, "budget_steps": budget_steps,
+               "overrides": overrides, "config": arm.config})
+  return rdir
+
+
+def _sft_eval(sft_dir: str) -> dict:
+  """The SFT evaluation record written by the shared SFT run."""
+  for rec in read_metrics(sft_dir):
+    if rec["stage"] == "eval" and "eval/mean_generated" in rec:
+      return {k[len("eval/"):]: v for k, v in rec.items() if k.startswith("eval/")}
+  raise RuntimeError(f"no SFT evaluation in {sft_dir}/metrics.jsonl")
+
+
+# ---------------------------------------------------------------- collecting
+def read_metrics(rdir: str) -> list[dict]:
+  path = os.path.join(rdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def collect(rdir: str) -> dict | None:
+  """One finished run: final numbers and its logged RL curves; None if unfinished."""
+  path = os.path.join(rdir, "summary.json")
+  if not os.path.exists(path):
+    return None
+  summary = _read_json(path)
+  runner = _read_json(os.path.join(rdir, "runner.json")) if os.path.exists(
+      os.path.join(rdir, "runner.json")) else {}
+  # A resumed run appends to metrics.jsonl: keep the last record of each step.
+  rl = {}
+  evals = []
+  for rec in read_metrics(rdir):
+    if rec["stage"] == "rl":
+      rl[rec["step"]] = rec
+    elif rec["stage"] == "eval":
+      evals.append(rec)
+  curves = {}
+  for step in sorted(rl):
+    for k, v in rl[step].items():
+      if isinstance(v, (int, float)):
+        curves.setdefault(k, []).append(v)
+  final = summary["evals"]["final"]
+  sft = summary["evals"].get("sft", {})
+  return {
+      "sft_pass@1": summary["sft_pass@1"], "final_pass@1": summary["final_pass@1"],
+      "gain": summary["final_pass@1"] - summary["sft_pass@1"],
+      "final_stderr": final.get("pass@1_stderr"), "sft_stderr": sft.get("pass@1_stderr"),
+      "rl_steps": summary["rl_steps"], "generated_tokens": summary.get("generated_tokens"),
+      "budget_tokens": runner.get("budget_tokens"), "wall_s": runner.get("wall_s"),
+      "evals": evals, "curves": curves,
+  }
+
+
+def bootstrap_ci(diffs: Sequence[float], level: float = 0.95, samples: int = 10_000,
+                 seed: int = 0) -> tuple[float, float]:
+  """Percentile bootstrap CI of the mean of paired differences (resampling seeds)."""
+  d = np.asarray(diffs, np.float64)
+  if d.size < 2:
+    return (float("nan"), float("nan"))
+  idx = np.random.default_rng(seed).integers(0, d.size, (samples, d.size))
+  means = d[idx].mean(1)
+  lo, hi = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+  return float(lo), float(hi)
+
+
+def aggregate(finding: Finding, runs: dict[str, dict[int, dict]]) -> dict:
+  """Per arm: mean / std over seeds; per arm vs the reference: paired difference + CI."""
+  out = {"finding": finding.name, "claim": finding.claim, "reference": finding.reference,
+         "arms": {}}
+  ref = runs.get(finding.reference, {})
+  for arm in finding.arms:
+    by_seed = runs.get(arm.name, {})
+    if not by_seed:
+      continue
+    seeds = sorted(by_seed)
+    rec = {"label": arm.title, "config": arm.config, "overrides": arm.overrides,
+           "seeds": seeds}
+    for key in ("sft_pass@1", "final_pass@1", "gain", "rl_steps", "generated_tokens",
+                "wall_s", "final_stderr"):
+      vals = np.array([by_seed[s][key] for s in seeds if by_seed[s].get(key) is not None],
+                      np.float64)
+      if vals.size:
+        rec[key] = {"mean": float(vals.mean()),
+                    "std": float(vals.std(ddof=1)) if vals.size > 1 else 0.0,
+                    "per_seed": vals.tolist()}
+    if arm.name != finding.reference:
+      paired = [s for s in seeds if s in ref]
+      diffs = [by_seed[s]["final_pass@1"] - ref[s]["final_pass@1"] for s in paired]
+      if diffs:
+        lo, hi = bootstrap_ci(diffs)
+        rec["vs_reference"] = {"paired_seeds": paired, "mean_diff": float(np.mean(diffs)),
+                               "per_seed": diffs, "ci95": [lo, hi],
+                               "excludes_zero": bool(lo > 0 or hi < 0)}
+    out["arms"][arm.name] = rec
+  if finding.analyze is not None:
+    out["analysis"] = finding.analyze(finding, runs)
+  return out
+
+
+# ------------------------------------------------------------------ plotting
+def smooth(y: Sequence[float], k: int = 5) -> np.ndarray:
+  y = np.asarray(y, np.float64)
+  if y.size < k:
+    return y
+  return np.convolve(y, np.ones(k) / k, mode="valid")
+
+
+def plot(finding: Finding, runs: dict, result: dict, path: str) -> None:
+  """Final pass@1 per arm (seeds as dots) and each curve over generated tokens."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  arms = [a for a in finding.arms if a.name in result["arms"]]
+  n = 1 + len(finding.curves)
+  fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.6))
+  axes = np.atleast_1d(axes)
+  ax = axes[0]
+  for i, arm in enumerate(arms):
+    rec = result["arms"][arm.name]
+    vals = rec["final_pass@1"]["per_seed"]
+    ax.bar(i, np.mean(vals), color=f"C{i}", alpha=0.6)
+    ax.scatter([i] * len(vals), vals, color="k", s=10, zorder=3)
+  sft = [v for a in arms for v in result["arms"][a.name]["sft_pass@1"]["per_seed"]]
+  ax.axhline(np.mean(sft), color="gray", ls="--", lw=1, label="SFT start")
+  ax.set_xticks(range(len(arms)), [a.title for a in arms], rotation=30, ha="right",
+                fontsize=8)
+  ax.set_ylabel("held-out pass@1")
+  ax.set_title("final pass@1 (dots: seeds)", fontsize=9)
+  ax.legend(fontsize=7)
+  for ax, metric in zip(axes[1:], finding.curves):
+    for i, arm in enumerate(arms):
+      for j, s in enumerate(sorted(runs[arm.name])):
+        c = runs[arm.name][s]["curves"]
+        if metric not in c or "rollout/generated_tokens_total" not in c:
+          continue
+        y = smooth(c[metric])
+        x = np.asarray(c["rollout/generated_tokens_total"])[-len(y):] if len(y) else []
+        ax.plot(x, y, color=f"C{i}", alpha=0.8, lw=1,
+                label=arm.title if j == 0 else None)
+    ax.set_xlabel("generated tokens (all stages)")
+    ax.set_title(metric, fontsize=9)
+  axes[1 if n > 1 else 0].legend(fontsize=7)
+  fig.suptitle(f"{finding.name}: {len(runs.get(finding.reference, {}))} seed(s), "
+               f"budget ~{finding.budget_steps} steps", fontsize=10)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def table(result: dict) -> str:
+  """A markdown table of `aggregate`'s result."""
+  lines = ["| arm | seeds | SFT pass@1 | final pass@1 (mean ± sd) | gain | vs ref: diff "
+           "[95% CI] | RL steps | generated tokens |", "|---|---|---|---|---|---|---|---|"]
+  for name, rec in result["arms"].items():
+    f = rec["final_pass@1"]
+    vs = rec.get("vs_reference")
+    vs_s = ("reference" if name == result["reference"] else
+            f"{vs['mean_diff']:+.3f} [{vs['ci95'][0]:+.3f}, {vs['ci95'][1]:+.3f}]"
+            if vs else "-")
+    lines.append(
+        f"| {rec['label']} | {len(rec['seeds'])} | {rec['sft_pass@1']['mean']:.3f} | "
+        f"{f['mean']:.3f} ± {f['std']:.3f} | {rec['gain']['mean']:+.3f} | {vs_s} | "
+        f"{rec['rl_steps']['mean']:.0f} | {rec.get('generated_tokens', {}).get('mean', 0):.0f} |")
+  return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- main
+def run_finding(finding: Finding, *, seeds: Sequence[int], arms: Sequence[str] | None = None,
+                budget_steps: int | None = None, smoke: bool = False,
+                workdir: str | None = None, results: str | None = None,
+                launch: Launcher | None = None, aggregate_only: bool = False,
+                extra_overrides: dict | None = None) -> dict:
+  """Runs (or resumes) the grid, then writes results.json, results.md and results.png."""
+  launch = launch or Launcher()
+  base = dict(SMOKE_OVERRIDES if smoke else {}, **(extra_overrides or {}))
+  budget_steps = budget_steps or (SMOKE_BUDGET_STEPS if smoke else finding.budget_steps)
+  finding = dataclasses.replace(finding, budget_steps=budget_steps)
+  workdir = workdir or os.path.join(WORKDIRS, "smoke" if smoke else "full")
+  results = results or os.path.join(RESULTS if not smoke else os.path.join(workdir, "results"),
+                                    finding.name)
+  chosen = [finding.arm(a) for a in arms] if arms else list(finding.arms)
+  # Seed-major: a grid stopped early still holds whole seeds of every arm.
+  if not aggregate_only:
+    for seed in seeds:
+      for arm in chosen:
+        run_arm(launch, workdir, finding, arm, seed, budget_steps, base)
+  runs = {}
+  for arm in finding.arms:
+    for seed in seeds:
+      rec = collect(run_dir(workdir, finding, arm, seed))
+      if rec is not None:
+        runs.setdefault(arm.name, {})[seed] = rec
+  result = aggregate(finding, runs)
+  result.update({"budget_steps": budget_steps, "smoke": smoke, "seeds_requested": list(seeds),
+                 "overrides": {**finding.overrides, **base},
+                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                 "machine": _machine()})
+  _write_json(os.path.join(results, "results.json"),
+              dict(result, runs={a: {str(s): {k: v for k, v in r.items() if k != "evals"}
+                                     for s, r in by.items()} for a, by in runs.items()}))
+  with open(os.path.join(results, "results.md"), "w", encoding="utf-8") as f:
+    f.write(f"# {finding.name}\n\n{finding.claim}\n\n{table(result)}\n")
+    if "analysis" in result:
+      f.write("\n```\n" + json.dumps(result["analysis"], indent=1, default=float) + "\n```\n")
+  if runs:
+    plot(finding, runs, result, os.path.join(results, "results.png"))
+  print(table(result), flush=True)
+  return result
+
+
+def _machine() -> str:
+  return f"{os.cpu_count()} CPU cores ({os.uname().machine}), shared; JAX on CPU"
+
+
+def main(finding: Finding, argv: Sequence[str] | None = None) -> dict:
+  parser = argparse.ArgumentParser(description=finding.claim)
+  parser.add_argument("--smoke", action="store_true", help="1 seed, a few steps (CI)")
+  parser.add_argument("--seeds", type=int, default=None, help=f"default {finding.seeds}")
+  parser.add_argument("--first_seed", type=int, default=0)
+  parser.add_argument("--arms", default="", help="comma-separated subset of "
+                      + ",".join(a.name for a in finding.arms))
+  parser.add_argument("--budget_steps", type=int, default=None,
+                      help=f"default {finding.budget_steps} (smoke {SMOKE_BUDGET_STEPS})")
+  parser.add_argument("--workdir", default=None)
+  parser.add_argument("--results", default=None)
+  parser.add_argument("--nice", type=int, default=15)
+  parser.add_argument("--in_process", action="store_true")
+  parser.add_argument("--aggregate_only", action="store_true")
+  parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                      help="an override of every arm, e.g. --set eval.samples_per_task=2")
+  args = parser.parse_args(argv)
+  import ast  # pylint: disable=g-import-not-at-top
+  extra = {}
+  for item in args.set:
+    field, value = item.split("=", 1)
+    try:
+      extra[field] = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+      extra[field] = value
+  n = args.seeds or (1 if args.smoke else finding.seeds)
+  return run_finding(finding, seeds=range(args.first_seed, args.first_seed + n),
+                     arms=[a for a in args.arms.split(",") if a] or None,
+                     budget_steps=args.budget_steps, smoke=args.smoke, workdir=args.workdir,
+                     results=args.results,
+                     launch=Launcher(nice=args.nice, in_process=args.in_process),
+                     aggregate_only=args.aggregate_only, extra_overrides=extra)

@@ -1,0 +1,106 @@
+"""experiments/: the statistics against oracles, every finding's arms valid, one smoke grid end to end."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from experiments import gae_ablations, headline, online, runner, stability, system
+from experiments import value_ablations
+from sao_jax import configuration
+
+FINDINGS = (headline, stability, value_ablations, gae_ablations, online, system)
+
+
+@pytest.mark.parametrize("module", FINDINGS, ids=lambda m: m.FINDING.name)
+def test_every_arm_is_a_valid_config_and_the_reference_is_an_arm(module):
+  f = module.FINDING
+  assert f.arm(f.reference)
+  assert len({a.name for a in f.arms}) == len(f.arms)
+  for arm in f.arms:
+    configuration.validate(runner.load_config(arm.config, {**f.overrides, **arm.overrides}),
+                           num_devices=8)
+
+
+def test_arms_differing_only_in_rl_share_one_sft_start_and_others_do_not():
+  key = lambda name, o=None: runner.sft_key(runner.load_config(name, o or {}))
+  assert key("sao_tiny") == key("grpo") == key("grpo_sync") == key("running_mean")
+  assert key("sao_tiny") != key("sao_tiny", {"seed": 1})
+  # The critic optimizer's layout differs: a checkpoint of one cannot seed the other.
+  assert key("sao_tiny") != key("sao_no_freeze")
+  assert key("sao_tiny") != key("sao_online")
+
+
+def test_bootstrap_ci_matches_a_numpy_loop_and_covers_the_mean():
+  diffs = [0.05, 0.02, 0.08, -0.01, 0.04]
+  lo, hi = runner.bootstrap_ci(diffs, samples=4000, seed=3)
+  rng = np.random.default_rng(3)
+  idx = rng.integers(0, 5, (4000, 5))
+  means = [np.mean([diffs[i] for i in row]) for row in idx]
+  assert (lo, hi) == pytest.approx(tuple(np.quantile(means, [0.025, 0.975])))
+  assert lo < np.mean(diffs) < hi
+  assert lo >= min(diffs) and hi <= max(diffs)
+  assert np.isnan(runner.bootstrap_ci([0.1])[0])  # one seed: no interval
+
+
+def _fake_run(sft, final, steps=10):
+  return {"sft_pass@1": sft, "final_pass@1": final, "gain": final - sft, "final_stderr": 0.02,
+          "rl_steps": steps, "generated_tokens": 1000, "wall_s": 5.0, "evals": [],
+          "curves": {"step": list(range(1, steps + 1)),
+                     "rollout/reward_mean": list(np.linspace(sft, final, steps)),
+                     "rollout/generated_tokens_total": list(range(100, 100 * steps + 1, 100)),
+                     "policy_lag/mean": [1.0] * steps}}
+
+
+def test_aggregate_pairs_arms_by_seed_and_writes_table_and_plot(tmp_path):
+  f = headline.FINDING
+  runs = {"sao": {0: _fake_run(.4, .6), 1: _fake_run(.5, .7), 2: _fake_run(.45, .65)},
+          "grpo": {0: _fake_run(.4, .5), 1: _fake_run(.5, .55)}}  # seed 2 unfinished
+  result = runner.aggregate(f, runs)
+  assert set(result["arms"]) == {"sao", "grpo"}
+  sao = result["arms"]["sao"]
+  assert sao["final_pass@1"]["mean"] == pytest.approx(.65)
+  assert sao["final_pass@1"]["std"] == pytest.approx(np.std([.6, .7, .65], ddof=1))
+  vs = result["arms"]["grpo"]["vs_reference"]
+  assert vs["paired_seeds"] == [0, 1] and vs["per_seed"] == pytest.approx([-.1, -.15])
+  assert vs["mean_diff"] == pytest.approx(-.125) and vs["excludes_zero"]
+  assert "vs_reference" not in sao
+  assert "| SAO | 3 |" in runner.table(result)
+  runner.plot(f, runs, result, str(tmp_path / "r.png"))
+  assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_online_recovery_counts_steps_after_each_shift():
+  f = online.FINDING
+  period = 320 // 16  # steps per style in configs/sao_online.py
+  steps = np.arange(1, 3 * period + 1)
+  # Reward 0.9 before each shift, 0 for the 5 steps after it, then 0.9 again:
+  # the 3-step centred mean first reaches 80% of 0.9 at the 7th step.
+  reward = np.where((steps - 1) % period < 5, 0.0, 0.9)
+  reward[:period] = 0.9
+  run = {"curves": {"step": steps.tolist(), "rollout/reward_mean": reward.tolist()}}
+  out = online.steps_to_recover(f, {"sao": {0: run}})["steps_to_recover_80pct"]["sao"]
+  assert out["per_seed"][0] == [7, 7] and out["shifts_not_recovered"] == 0
+
+
+def test_smoke_grid_end_to_end(tmp_path):
+  """Shared SFT start, copied per arm, token budget, collection, JSON + PNG."""
+  result = runner.main(headline.FINDING, [
+      "--smoke", "--in_process", "--arms", "sao,grpo_sync", "--workdir", str(tmp_path / "w"),
+      "--results", str(tmp_path / "r")])
+  assert set(result["arms"]) == {"sao", "grpo_sync"}
+  sft_dirs = os.listdir(tmp_path / "w" / "sft")
+  assert len(sft_dirs) == 1  # one SFT start served both arms
+  for arm in ("sao", "grpo_sync"):
+    rdir = runner.run_dir(str(tmp_path / "w"), headline.FINDING, headline.FINDING.arm(arm), 0)
+    summary = json.load(open(os.path.join(rdir, "summary.json"), encoding="utf-8"))
+    plan = json.load(open(os.path.join(rdir, "runner.json"), encoding="utf-8"))
+    # Both arms start from the same SFT evaluation; each stops at its budget
+    # (or the step ceiling).
+    assert summary["sft_pass@1"] == result["arms"]["sao"]["sft_pass@1"]["per_seed"][0]
+    assert (summary["generated_tokens"] >= plan["budget_tokens"]
+            or summary["rl_steps"] == runner.SMOKE_BUDGET_STEPS)
+  saved = json.load(open(tmp_path / "r" / "results.json", encoding="utf-8"))
+  assert saved["smoke"] and "vs_reference" in saved["arms"]["grpo_sync"]
+  assert (tmp_path / "r" / "results.png").exists()
