@@ -252,13 +252,20 @@ def step_gae(
 # ----------------------------------------------------------------------------
 
 
-def group_advantages(rewards: Array, group_ids: Array, eps: float = 1e-6) -> Array:
+def group_advantages(rewards: Array, group_ids: Array, eps: float = 1e-6,
+                     std_normalize: bool = True) -> Array:
   """GRPO's group-normalised advantage: A = (R - mean_G) / (std_G + eps).
+
+  With `std_normalize=False` the advantage is R - mean_G, in reward units
+  like SAO's value-baseline advantages (the "Dr. GRPO" form): an
+  experiment that compares the two estimators at one actor lr can switch
+  GRPO's rescaling off, so the step sizes differ only by the baseline.
 
   Args:
     rewards: float `[B]`, one scalar reward per sample.
     group_ids: int `[B]`, samples of the same prompt share an id.
     eps: added to the (population) standard deviation.
+    std_normalize: divide by the group's standard deviation (GRPO as published).
 
   Returns:
     float `[B]`; broadcast it to the sample's action tokens.
@@ -281,6 +288,8 @@ def group_advantages(rewards: Array, group_ids: Array, eps: float = 1e-6) -> Arr
   same = (group_ids[:, None] == group_ids[None, :]).astype(rewards.dtype)  # [B, B]
   count = same.sum(1)
   mean = (same @ rewards) / count
+  if not std_normalize:
+    return rewards - mean
   var = (same * (rewards[None, :] - mean[:, None]) ** 2).sum(1) / count
   return (rewards - mean) / (jnp.sqrt(var) + eps)
 

@@ -80,3 +80,77 @@ def test_online_style_schedule_moves_with_training_episodes_only():
   assert [env.episode(task).step(line).reward for _ in range(2)] == [1.0, 1.0]
   assert frozen.episode(task).step(line).reward == 0.0  # two training episodes: switched
   assert env.episode(task).step(env.demonstration(task, "cute")[0][0]).reward == 1.0
+
+
+# --- GRPO's rescaling, evaluation noise, token budgets ------------------------
+
+def test_group_advantages_without_std_are_group_centred_rewards():
+  rewards = np.array([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.5, 0.0], np.float32)
+  groups = np.array([0, 0, 0, 0, 1, 1, 1, 1], np.int32)
+  centred = np.empty_like(rewards)
+  scaled = np.empty_like(rewards)
+  for g in (0, 1):
+    r = rewards[groups == g]
+    centred[groups == g] = r - r.mean()
+    scaled[groups == g] = (r - r.mean()) / (r.std() + 1e-6)
+  raw = adv.group_advantages(jnp.asarray(rewards), jnp.asarray(groups), std_normalize=False)
+  np.testing.assert_allclose(raw, centred, atol=1e-6)
+  # GRPO as published (the default) divides by the group's std: larger steps
+  # at one lr than SAO's reward-unit advantages when rewards are in [0, 1].
+  np.testing.assert_allclose(adv.group_advantages(jnp.asarray(rewards), jnp.asarray(groups)),
+                             scaled, atol=1e-5)
+  assert np.abs(scaled).sum() > np.abs(centred).sum()
+
+
+def test_budget_and_eval_samples_are_validated():
+  # (rl.group_std_normalize is a bool field: ml_collections refuses other types.)
+  from experiments import runner  # pylint: disable=import-outside-toplevel
+  for field, bad in (("rl.max_generated_tokens", -1), ("eval.samples_per_task", 0)):
+    c = runner.load_config("sao_tiny", {})
+    configuration.validate(c, num_devices=8)
+    node, leaf = c, field.split(".")
+    for p in leaf[:-1]:
+      node = node[p]
+    node[leaf[-1]] = bad
+    with pytest.raises(configuration.ConfigError, match=field.replace(".", r"\.")):
+      configuration.validate(c, num_devices=8)
+
+
+def test_pass_at_1_stderr_is_over_tasks_of_their_success_rates():
+  from sao_jax import evaluation  # pylint: disable=import-outside-toplevel
+
+  class T:  # the fields summarize reads
+
+    def __init__(self, prompt_id, reward):
+      self.prompt_id, self.total_reward, self.num_turns = prompt_id, reward, 1
+      self.action_mask = np.array([0, 1, 1], bool)
+
+    def __len__(self):
+      return 3
+
+  # 3 tasks x 2 samples: success rates 1, 0.5, 0.
+  trajs = [T(0, 1.0), T(1, 0.0), T(0, 1.0), T(2, 0.0), T(1, 1.0), T(2, 0.0)]
+  r = evaluation.summarize(trajs)
+  assert r["tasks"] == 3 and r["samples"] == 6 and r["mean_generated"] == 2
+  assert r["pass@1"] == pytest.approx(0.5)
+  assert r["pass@1_stderr"] == pytest.approx(np.std([1, .5, 0], ddof=1) / np.sqrt(3))
+
+
+def test_token_budget_counts_value_pretraining_rollouts_and_stops_rl(tmp_path):
+  """Sync SAO: after RL step 1 the count is the warm-up's tokens plus that batch's."""
+  from experiments import runner  # pylint: disable=import-outside-toplevel
+  from sao_jax import trainer  # pylint: disable=import-outside-toplevel
+  from sao_jax.data import store  # pylint: disable=import-outside-toplevel
+  overrides = dict(runner.SMOKE_OVERRIDES, **{"rl.steps": 4, "rl.max_generated_tokens": 1})
+  config = runner.load_config("sao_sync", overrides)
+  summary = trainer.train(config, str(tmp_path))
+  shard = tmp_path / "trajectories" / "value_pretrain.array_record"
+  warmup, _ = store.read_valid_trajectories([str(shard)], 10**6, config.rollout.max_len)
+  warmup_tokens = sum(int(t.action_mask.sum()) for t in warmup)
+  assert len(warmup) == config.value_pretrain.num_trajectories and warmup_tokens > 0
+  rl = [r for r in runner.read_metrics(str(tmp_path)) if r["stage"] == "rl"]
+  # The budget (1 token) was spent by the warm-up: one RL step, then stop.
+  assert summary["rl_steps"] == 1 and [r["step"] for r in rl] == [1]
+  # In sync mode step 1 trains on exactly the trajectories generated for it.
+  assert rl[0]["rollout/generated_tokens_total"] == warmup_tokens + rl[0]["policy/tokens"]
+  assert summary["generated_tokens"] == rl[0]["rollout/generated_tokens_total"]
