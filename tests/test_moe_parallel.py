@@ -8,7 +8,9 @@ mesh layout it supports, and must drop exactly the pairs its docstring says.
 
 import contextlib
 import dataclasses
+import os
 import re
+import sys
 import warnings
 
 import flax.linen as nn
@@ -22,7 +24,13 @@ from sao_jax.models import config as mcfg
 from sao_jax.models import moe, policy
 from sao_jax.models.transformer import Transformer
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs"))
+import sao_moe  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 E, K, D, F, N = 8, 2, 32, 48, 64
+# configs/sao_moe.py's own rules (batch over data x fsdp x expert, D over
+# fsdp, experts over expert) on an 8-device mesh shaped like its pod mesh.
+POD = ({"data": 1, "fsdp": 2, "expert": 4, "tensor": 1}, sao_moe.POD_RULES)
 
 
 def _rules(**over):
@@ -46,6 +54,7 @@ LAYOUTS = {
                                      expert="expert")),
     "expert_over_two_axes": ({"data": 2, "fsdp": 2, "tensor": 2},
                              _rules(batch="data", expert=("fsdp", "tensor"))),
+    "pod_rules": POD,
 }
 
 
@@ -220,16 +229,18 @@ def test_uneven_batch_is_padded_to_the_token_shards():
   np.testing.assert_allclose(np.asarray(out)[m], want, atol=1e-5, rtol=1e-5)
 
 
-def test_transformer_expert_parallel_logits_equal_dense():
+@pytest.mark.parametrize("axes,rules", [
+    ({"data": 2, "expert": 4}, _rules(batch="data", expert="expert")), POD],
+                         ids=["batch_over_data", "pod_rules"])
+def test_transformer_expert_parallel_logits_equal_dense(axes, rules):
   cfg = dataclasses.replace(mcfg.tiny(), num_experts=8, experts_per_token=2)
   ep_cfg = dataclasses.replace(cfg, moe_impl="expert_parallel")
-  axes, rules = {"data": 2, "expert": 4}, _rules(batch="data", expert="expert")
   mesh = sharding.make_mesh(axes)
   init = lambda: policy.init_params(cfg, jax.random.key(4), boxed=True)
   params, _ = sharding.sharded_init(init, mesh, rules)
-  tokens = jax.random.randint(jax.random.key(5), (4, 16), 0, cfg.vocab_size)
-  pos = jnp.broadcast_to(jnp.arange(16), (4, 16))
-  seg = jnp.ones((4, 16), jnp.int32).at[1, 11:].set(0).at[3, 5:].set(0)  # padding
+  tokens = jax.random.randint(jax.random.key(5), (8, 16), 0, cfg.vocab_size)  # a row a device
+  pos = jnp.broadcast_to(jnp.arange(16), (8, 16))
+  seg = jnp.ones((8, 16), jnp.int32).at[1, 11:].set(0).at[3, 5:].set(0)  # padding
   real = np.asarray(seg) != 0
 
   def fwd(c):
