@@ -3,6 +3,8 @@
 `MetricsWriter.write(step, metrics)` appends one JSON object per call to
 `<workdir>/metrics.jsonl` (with `step`, `stage` and wall time) and the same
 scalars to TensorBoard; `progress` prints a compact line for long runs.
+In a multi-host run (sao_jax/distributed.py) every process computes the same
+metrics and only process 0 writes or prints them.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import os
 import time
 
 import numpy as np
+
+from sao_jax import distributed
 
 
 def to_python(metrics: dict) -> dict:
@@ -25,18 +29,22 @@ def to_python(metrics: dict) -> dict:
 class MetricsWriter:
 
   def __init__(self, workdir: str, tensorboard: bool = True):
+    self._jsonl = self._tb = None
+    self._start = time.time()
+    if not distributed.is_primary():  # records are process 0's to write
+      return
     os.makedirs(workdir, exist_ok=True)
     self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
-    self._tb = None
     if tensorboard:
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
       self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
-    self._start = time.time()
 
   def write(self, step: int, metrics: dict, stage: str) -> dict:
     scalars = to_python(metrics)
     record = {"stage": stage, "step": int(step), "time": round(time.time() - self._start, 2),
               **scalars}
+    if self._jsonl is None:
+      return record
     self._jsonl.write(json.dumps(record) + "\n")
     self._jsonl.flush()
     if self._tb is not None:
@@ -46,13 +54,16 @@ class MetricsWriter:
     return record
 
   def close(self) -> None:
-    self._jsonl.close()
+    if self._jsonl is not None:
+      self._jsonl.close()
     if self._tb is not None:
       self._tb.close()
 
 
 def progress(stage: str, step: int, total: int, metrics: dict, keys: dict[str, str]) -> None:
-  """One terminal line: `keys` maps metric names to short labels."""
+  """One terminal line (process 0's): `keys` maps metric names to short labels."""
+  if not distributed.is_primary():
+    return
   parts = [f"[{stage}] {step}/{total}"]
   for k, label in keys.items():
     if k in metrics:

@@ -44,7 +44,8 @@ def _first_fit(lengths: Sequence[int], rows: int, width: int) -> list[list[int]]
 
 
 def pack(trajs: Sequence[Trajectory], rows: int, buckets: Sequence[int],
-         baseline_advantages: Sequence[float] | None = None) -> dict[str, np.ndarray]:
+         baseline_advantages: Sequence[float] | None = None,
+         row_ids: Sequence[int] | None = None) -> dict[str, np.ndarray]:
   """Packs `trajs` into `[rows, L]` arrays, L the smallest bucket that fits.
 
   Args:
@@ -53,9 +54,13 @@ def pack(trajs: Sequence[Trajectory], rows: int, buckets: Sequence[int],
     buckets: increasing row lengths.
     baseline_advantages: optional per-trajectory scalar advantage (GRPO,
       running mean), broadcast to the trajectory's action tokens.
+    row_ids: optional; build only these rows, in this order (a host's share
+      of a multi-host batch, sao_jax/distributed.py). The layout and L are
+      still those of the whole batch, so every host agrees on them.
 
   Returns:
-    A dict of numpy arrays `[R, L]` (see FIELDS).
+    A dict of numpy arrays `[R, L]` (see FIELDS), `[len(row_ids), L]` with
+    `row_ids`.
 
   Raises:
     ValueError: if the trajectories do not fit in R rows of the largest bucket.
@@ -68,15 +73,18 @@ def pack(trajs: Sequence[Trajectory], rows: int, buckets: Sequence[int],
   else:
     raise ValueError(f"{len(trajs)} trajectories ({sum(lengths)} tokens, longest "
                      f"{max(lengths, default=0)}) do not fit {rows} rows of {max(buckets)}.")
+  if row_ids is not None:
+    layout = [layout[r] for r in row_ids]
+  built = len(layout)
   out = {
-      "tokens": np.zeros((rows, width), np.int32),
-      "positions": np.zeros((rows, width), np.int32),
-      "segment_ids": np.zeros((rows, width), np.int32),
-      "action_mask": np.zeros((rows, width), bool),
-      "rollout_logprobs": np.zeros((rows, width), np.float32),
-      "rewards": np.zeros((rows, width), np.float32),
-      "policy_version": np.full((rows, width), -1, np.int32),
-      "baseline_advantages": np.zeros((rows, width), np.float32),
+      "tokens": np.zeros((built, width), np.int32),
+      "positions": np.zeros((built, width), np.int32),
+      "segment_ids": np.zeros((built, width), np.int32),
+      "action_mask": np.zeros((built, width), bool),
+      "rollout_logprobs": np.zeros((built, width), np.float32),
+      "rewards": np.zeros((built, width), np.float32),
+      "policy_version": np.full((built, width), -1, np.int32),
+      "baseline_advantages": np.zeros((built, width), np.float32),
   }
   for r, members in enumerate(layout):
     start = 0

@@ -1,0 +1,198 @@
+"""Multi-host training: one SPMD program over many processes.
+
+On a pod every host runs the same trainer. `jax.distributed.initialize`
+joins the processes into one runtime, `jax.devices()` then lists every
+device of every host, and the trainer's mesh (`sharding.make_mesh`) spans
+them all: the jitted steps are one program, the processes only feed it.
+What each host must do differently from a single-process run:
+
+  * Batches. A packed `[R, L]` batch is sharded over the "batch" rule's mesh
+    axes; each host holds the rows its own devices address and packs only
+    those (`pack_batch`). The packing layout (which trajectory goes to which
+    row, and the bucket width L) is computed from the lengths of the whole
+    batch, identically on every host, so the global array is exactly the
+    single-process batch. Data selection stays a function of (seed, step):
+    every host knows the whole batch's trajectories, none builds more rows
+    than its own. `jax.make_array_from_process_local_data` assembles the
+    global array from the hosts' rows:
+
+        rows     0 1 2 3 4 5 6 7        batch over ("data", "fsdp"), 8 devices
+        device   0 1 2 3 4 5 6 7        process 0 holds devices 0-3,
+        process  0 0 0 0 1 1 1 1        process 1 devices 4-7
+
+    Which rows a host holds is read from the sharding itself
+    (`addressable_devices_indices_map`), so it is right for any mesh: with
+    the batch replicated over an axis that spans hosts, both hold the same
+    rows.
+  * Checkpoints. Orbax saves and restores collectively: every process calls
+    save / restore with its shards, process 0 writes the metadata. The
+    workdir must be a filesystem every host sees (GCS on a pod).
+  * Metrics, progress lines, config.json and summary.json: process 0 only.
+  * The in-process engine (value pretraining's generation, evaluation)
+    needs the whole params on one host: every process joins a gather
+    (`host_local_copy`), process 0 runs the engine on its own devices and
+    shares the result (`share_from_primary`: the coordination service's
+    key-value store, with a generous timeout, not a device collective), and
+    the others wait. In-process RL is refused with several processes
+    (configuration.py): its rollout order is not deterministic, so hosts
+    would train on different batches; rollout runs on its own slices there.
+
+Launch (one command per host, same config; see README "Multi-host"):
+
+    python launch/train.py --config=configs/sao_tiny.py --workdir=/shared/run \\
+      --config.distributed.enabled=True \\
+      --config.distributed.coordinator_address=host0:8476 \\
+      --config.distributed.num_processes=2 --config.distributed.process_id=$ID
+
+Fields left empty come from the environment (`JAX_COORDINATOR_ADDRESS`,
+`JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`) or JAX's cluster auto-detection (TPU
+pods, SLURM, Open MPI, Kubernetes). On CPU, JAX's collectives across
+processes are gloo (the `jax_cpu_collectives_implementation` default).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax._src import distributed as _jax_distributed  # the coordination service client
+from jax.sharding import NamedSharding, PartitionSpec
+
+from sao_jax import configuration
+from sao_jax.data import packing
+
+# How long processes wait for process 0's in-process engine work (value
+# pretraining's generation, an evaluation) before failing: a hang guard, not a budget.
+WAIT_FOR_PRIMARY_S = 6 * 3600
+
+_shared = itertools.count()  # every process shares in the same order: unique keys
+
+
+def initialize(dist_config) -> bool:
+  """Joins this process to the others (`jax.distributed.initialize`).
+
+  Must run before anything touches devices. Fields that are unset
+  (coordinator_address "", num_processes 0, process_id -1) fall back to the
+  environment, then to JAX's cluster auto-detection.
+
+  Args:
+    dist_config: the config's `distributed` section.
+
+  Returns:
+    True if this process is now part of a multi-process runtime (or already
+    was), False when `dist_config.enabled` is off (single process, no-op).
+  """
+  configuration.validate_distributed(dist_config)
+  if not dist_config.enabled:
+    return False
+  if _jax_distributed.global_state.client is not None:  # already joined
+    return True
+  env = os.environ
+  address = dist_config.coordinator_address or env.get("JAX_COORDINATOR_ADDRESS") or None
+  num = dist_config.num_processes or int(env.get("JAX_NUM_PROCESSES", 0)) or None
+  pid = dist_config.process_id
+  if pid < 0:
+    pid = int(env["JAX_PROCESS_ID"]) if "JAX_PROCESS_ID" in env else None
+  jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid)
+  return True
+
+
+def is_primary() -> bool:
+  """Process 0: the one that writes metrics, progress and run records."""
+  return jax.process_index() == 0
+
+
+def process_rows(sharding: jax.sharding.Sharding, num_rows: int) -> np.ndarray:
+  """Sorted indices of the batch rows this process's devices hold.
+
+  In the order `jax.make_array_from_process_local_data` expects them: the
+  k-th row of a host's local batch is global row `process_rows(...)[k]`.
+  """
+  ndim = max(1, len(getattr(sharding, "spec", ())))  # only the leading dim matters
+  index_map = sharding.addressable_devices_indices_map((num_rows,) + (1,) * (ndim - 1))
+  rows = set()
+  for index in index_map.values():
+    rows.update(range(*index[0].indices(num_rows)))
+  return np.array(sorted(rows), np.int64)
+
+
+def global_batch(batch: dict[str, np.ndarray], sharding: jax.sharding.Sharding,
+                 num_rows: int) -> dict[str, jax.Array]:
+  """Global `[num_rows, ...]` arrays from a host's rows of a batch.
+
+  Args:
+    batch: numpy arrays holding either this process's rows (in
+      `process_rows` order) or the whole batch (every row; this process
+      then keeps its own).
+    sharding: the batch's sharding on the global mesh.
+    num_rows: R, the global batch's row count.
+  """
+  rows = process_rows(sharding, num_rows)
+  out = {}
+  for key, value in batch.items():
+    if value.shape[0] == num_rows and len(rows) != num_rows:
+      value = value[rows]
+    if value.shape[0] != len(rows):
+      raise ValueError(f"batch[{key!r}] has {value.shape[0]} rows; this process holds "
+                       f"{len(rows)} of {num_rows}")
+    out[key] = jax.make_array_from_process_local_data(sharding, value,
+                                                      (num_rows,) + value.shape[1:])
+  return out
+
+
+def pack_batch(trajs: Sequence[Any], num_rows: int, buckets: Sequence[int],
+               sharding: jax.sharding.Sharding,
+               baseline_advantages: Sequence[float] | None = None) -> dict[str, jax.Array]:
+  """`packing.pack` of the whole batch, with only this process's rows built.
+
+  Every process passes the same `trajs`; the layout is computed from all
+  their lengths, so the result is the single-process batch whatever the
+  process count.
+  """
+  rows = process_rows(sharding, num_rows)
+  local = packing.pack(trajs, num_rows, buckets, baseline_advantages, row_ids=rows)
+  return global_batch(local, sharding, num_rows)
+
+
+def host_local_copy(tree, mesh: jax.sharding.Mesh):
+  """The whole of a pytree sharded over `mesh`, on this process's first device.
+
+  A collective over every process (each gets its own copy), for host-side
+  work that needs whole params: the in-process engine. A single process
+  returns `tree` as it is (its arrays are all addressable already).
+  """
+  if jax.process_count() == 1:
+    return tree
+  replicated = NamedSharding(mesh, PartitionSpec())
+  full = jax.jit(lambda t: t, out_shardings=replicated)(tree)
+  return jax.tree.map(lambda x: x.addressable_data(0), full)
+
+
+def share_from_primary(name: str, compute):
+  """`compute()` on process 0, its JSON-able result returned on every process.
+
+  The others wait (up to WAIT_FOR_PRIMARY_S) on the coordination service's
+  key-value store instead of a device collective, so a long computation on
+  process 0 cannot trip a collective's timeout. Every process must call it,
+  in the same order.
+  """
+  if jax.process_count() == 1:
+    return compute()
+  key = f"sao_jax/shared/{next(_shared)}/{name}"
+  client = _jax_distributed.global_state.client
+  if is_primary():
+    try:
+      value = compute()
+    except BaseException as e:
+      client.key_value_set(key, json.dumps({"error": repr(e)}))
+      raise
+    client.key_value_set(key, json.dumps({"value": value}))
+    return value
+  shared = json.loads(client.blocking_key_value_get(key, WAIT_FOR_PRIMARY_S * 1000))
+  if "error" in shared:
+    raise RuntimeError(f"process 0 failed in {name}: {shared['error']}")
+  return shared["value"]
