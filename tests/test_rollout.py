@@ -30,11 +30,11 @@ def params():
   return {0: p0, 1: p1}
 
 
-def run_driver(params, swap_policy, n=12, swap_after=3, slots=4, env=None):
+def run_driver(params, swap_policy, n=12, swap_after=3, slots=4, env=None, decode_steps=8):
   engine = PolicyEngine(CFG, params[0], slots=slots, max_len=MAX_LEN, seed=3)
   out = []
   driver = RolloutDriver(engine, env or EchoEnv(), TOK, iter(range(1000)), None,
-                         max_turn_tokens=6, swap_policy=swap_policy)
+                         max_turn_tokens=6, swap_policy=swap_policy, decode_steps=decode_steps)
 
   def emit(t):
     out.append(t)
@@ -59,9 +59,25 @@ def assert_logprobs_match_teacher_forcing(trajs, params):
   return checked
 
 
-def test_recorded_logprobs_equal_teacher_forced_across_swap_and_turns(params):
-  trajs, driver = run_driver(params, "recompute")
+def assert_turns_end_at_their_stops(trajs, max_turn_tokens=6):
+  """Each action run ends at the turn-end token, at the turn budget, or at max_len."""
+  for t in trajs:
+    runs = np.split(np.arange(len(t)), np.flatnonzero(np.diff(t.action_mask.astype(int))) + 1)
+    for r in (r for r in runs if t.action_mask[r[0]]):
+      action = t.tokens[r]
+      assert len(action) <= max_turn_tokens
+      assert TOK.turn_end_id not in action[:-1]
+      assert (action[-1] == TOK.turn_end_id or len(action) == max_turn_tokens
+              or (r[-1] == len(t) - 1 and len(t) == MAX_LEN))
+
+
+@pytest.mark.parametrize("decode_steps", [1, 8])
+def test_recorded_logprobs_equal_teacher_forced_across_swap_and_turns(params, decode_steps):
+  trajs, driver = run_driver(params, "recompute", decode_steps=decode_steps)
   assert len(trajs) == 12 and driver.stats.param_swaps == 1
+  assert_turns_end_at_their_stops(trajs)
+  if decode_steps > 1:  # several tokens per engine call
+    assert driver.stats.decode_iterations > driver.stats.decode_steps
   assert all(validate(t, TOK.vocab_size, MAX_LEN) is None for t in trajs)
   assert any(t.num_turns >= 3 for t in trajs)  # multi-turn appends covered
   spanning = [t for t in trajs if {0, 1} <= set(t.policy_version[t.action_mask].tolist())]
