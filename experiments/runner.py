@@ -32,8 +32,9 @@ What makes the arms comparable:
     confidence interval over seeds (with 3 seeds that interval is coarse:
     read it as such).
 
-Runs launch as subprocesses (`nice`d: the box is shared) one after the
-other, each in <workdir>/<finding>/<arm>/seed_<s>; a run whose summary.json
+Runs launch as subprocesses (`nice`d: the box is shared), the arms of a
+seed one after the other and, with --jobs, seeds side by side, each in
+<workdir>/<finding>/<arm>/seed_<s>; a run whose summary.json
 exists is skipped, an unfinished one resumes from its checkpoint (the
 trainer does that). Results (JSON and PNG) go to experiments/results/<finding>/.
 """
@@ -41,6 +42,7 @@ trainer does that). Results (JSON and PNG) go to experiments/results/<finding>/.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -137,15 +139,29 @@ def flag(field: str, value: Any) -> str:
   return f"--config.{field}={value if isinstance(value, str) else repr(value)}"
 
 
+def _flat(tree, prefix=""):
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      out.update(_flat(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
 def sft_key(config) -> str:
-  """A short hash of everything that shapes the SFT start of `config`."""
-  parts = {}
-  for field in _SFT_KEY_FIELDS:
-    node = config
-    for p in field.split("."):
-      node = node[p]
-    parts[field] = node.to_dict() if hasattr(node, "to_dict") else node
-  blob = json.dumps(parts, sort_keys=True, default=str)
+  """A short hash of what shapes the SFT start of `config`.
+
+  Only the fields of the key sections that differ from configs/common.py's
+  defaults enter it, so a field added to common.py later (with a default)
+  does not orphan the SFT starts of a grid that is still running.
+  """
+  default = _flat(load_config("common", {}).to_dict())
+  ours = _flat(config.to_dict())
+  parts = {k: v for k, v in ours.items()
+           if any(k == f or k.startswith(f + ".") for f in _SFT_KEY_FIELDS)
+           and (k not in default or default[k] != v)}
+  blob = json.dumps(sorted(parts.items()), default=str)
   return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
 
@@ -406,7 +422,7 @@ def run_finding(finding: Finding, *, seeds: Sequence[int], arms: Sequence[str] |
                 budget_steps: int | None = None, smoke: bool = False,
                 workdir: str | None = None, results: str | None = None,
                 launch: Launcher | None = None, aggregate_only: bool = False,
-                extra_overrides: dict | None = None) -> dict:
+                extra_overrides: dict | None = None, jobs: int = 1) -> dict:
   """Runs (or resumes) the grid, then writes results.json, results.md and results.png."""
   launch = launch or Launcher()
   base = dict(SMOKE_OVERRIDES if smoke else {}, **(extra_overrides or {}))
@@ -417,10 +433,27 @@ def run_finding(finding: Finding, *, seeds: Sequence[int], arms: Sequence[str] |
                                     finding.name)
   chosen = [finding.arm(a) for a in arms] if arms else list(finding.arms)
   # Seed-major: a grid stopped early still holds whole seeds of every arm.
-  if not aggregate_only:
-    for seed in seeds:
-      for arm in chosen:
+  failed = []
+
+  def run_seed(seed):
+    for arm in chosen:
+      try:
         run_arm(launch, workdir, finding, arm, seed, budget_steps, base)
+      except RuntimeError as e:  # one broken run must not stop the grid
+        if launch.in_process:
+          raise
+        print(f"[experiments] {arm.name} seed {seed} failed: {e}", flush=True)
+        failed.append(f"{arm.name}/seed_{seed}")
+
+  if not aggregate_only:
+    if jobs > 1 and not launch.in_process:
+      # Seeds side by side (each its own SFT start and arms, in order): more
+      # of a shared box's idle cycles for a niced grid, same runs.
+      with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        list(pool.map(run_seed, seeds))
+    else:
+      for seed in seeds:
+        run_seed(seed)
   runs = {}
   for arm in finding.arms:
     for seed in seeds:
@@ -429,6 +462,7 @@ def run_finding(finding: Finding, *, seeds: Sequence[int], arms: Sequence[str] |
         runs.setdefault(arm.name, {})[seed] = rec
   result = aggregate(finding, runs)
   result.update({"budget_steps": budget_steps, "smoke": smoke, "seeds_requested": list(seeds),
+                 "failed": failed,
                  "overrides": {**finding.overrides, **base},
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                  "machine": _machine()})
@@ -462,6 +496,7 @@ def main(finding: Finding, argv: Sequence[str] | None = None) -> dict:
   parser.add_argument("--results", default=None)
   parser.add_argument("--nice", type=int, default=15)
   parser.add_argument("--in_process", action="store_true")
+  parser.add_argument("--jobs", type=int, default=1, help="seeds run side by side")
   parser.add_argument("--aggregate_only", action="store_true")
   parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                       help="an override of every arm, e.g. --set eval.samples_per_task=2")
@@ -480,4 +515,5 @@ def main(finding: Finding, argv: Sequence[str] | None = None) -> dict:
                      budget_steps=args.budget_steps, smoke=args.smoke, workdir=args.workdir,
                      results=args.results,
                      launch=Launcher(nice=args.nice, in_process=args.in_process),
-                     aggregate_only=args.aggregate_only, extra_overrides=extra)
+                     aggregate_only=args.aggregate_only, extra_overrides=extra,
+                     jobs=args.jobs)
