@@ -39,6 +39,11 @@ EXTRAS = {
     # for a TPU topology on a CPU host. Pinned to the jax it must match
     # (libtpu is built for one jax release).
     "aot": ["jax[tpu]==0.10.2"],
+    # The JAX peer that benchmarks/peers.py measures against. Install it in a
+    # separate venv with benchmarks/peers-constraints.txt (it pulls in
+    # transformers, datasets and more; the constraints keep jax / flax / optax
+    # at the project's versions so both sides run under one compiler).
+    "peers": ["google-tunix==0.1.7"],
 }
 
 setuptools.setup(

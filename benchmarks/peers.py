@@ -1,0 +1,376 @@
+"""sao-jax side by side with Tunix, the JAX peer: training, generation, GAE.
+
+    python3 -m venv .venv-peers
+    .venv-peers/bin/pip install -c benchmarks/peers-constraints.txt -e '.[test,peers]'
+    nice -n 10 .venv-peers/bin/python benchmarks/peers.py --out benchmarks/RESULTS.md
+
+One process, both libraries on the same jax / flax / optax (the constraints
+file pins the project's versions; Tunix 0.1.7 accepts them), every
+comparison interleaved (A B A B, median of `--repeats`) so that load on this
+shared machine hits both sides alike: read the ratios, not the absolute
+figures.
+
+The model is Qwen3-MoE's architecture at a tiny shape (2 layers, d_model
+128, 4 heads / 2 kv heads of 32, 4 experts top-2, expert ffn 256, vocab 128,
+fp32), built in both libraries with the same weights: sao-jax's params are
+copied leaf by leaf into Tunix's `Qwen3` (`tunix_state_from_sao`), and the
+script checks that both produce the same logits before timing anything.
+
+Sections (`--sections`), each at the shapes of `--shapes`:
+
+train: one policy update (forward, backward, adamw, jit, donated state) on
+  a batch of B sequences of L tokens (the first quarter prompt, the rest
+  completion). Tunix: its registered "ppo" policy loss (`ppo_policy_loss_fn`,
+  the function its PPO learner trains with) under `jax.value_and_grad` and
+  `optax.adamw`; sao-jax: `make_train_step(advantage="group",
+  policy_loss="ppo_clip")`, the whole actor step with its metrics and the
+  non-finite guard. Same optimizer, same tokens, same advantages.
+generate: B prompts of P tokens, N new tokens each, temperature 1. Tunix:
+  `Sampler.__call__` (its prefill then its jitted decode while-loop);
+  sao-jax: `PolicyEngine.generate_batch` (one prefill, then the engine's
+  jitted multi-token decode loop; log-probs always recorded), and for
+  reference the engine's one-token `step` per host call. Tokens/s counts
+  new tokens. No stop token on either side, so both make B x N tokens.
+gae: 256 x 8192, skip-observation GAE (sao-jax, multi-turn action mask) vs
+  rlax's unmasked truncated GAE (every token an action) and Tunix's masked
+  GAE (`compute_gae_advantages`, which also whitens).
+
+Shapes: "tiny" trains on 32 x 256 and generates for 32 prompts of 64 tokens
+plus 64 new; "long" trains on 16 x 1024 and generates for 16 prompts of 768
+tokens plus 256 new (16 slots of 1024-token contexts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tunix.generate import sampler as tunix_sampler
+from tunix.models.qwen3 import model as tunix_qwen3
+from tunix.rl import algo_core as tunix_algo
+from tunix.rl import common as tunix_common
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import time_fns  # pylint: disable=g-import-not-at-top
+import gae as gae_bench  # pylint: disable=g-import-not-at-top
+
+from sao_jax import advantages as adv  # pylint: disable=g-import-not-at-top
+from sao_jax import train_step as ts
+from sao_jax.models import config as mcfg
+from sao_jax.models import policy
+from sao_jax.rollout.engine import PolicyEngine, SamplingConfig
+
+PAD, EOS = 0, 1  # token ids the data below never contains (Tunix masks pads)
+SHAPES = {
+    # name: (train rows, train length, generation slots, prompt, new tokens)
+    "tiny": (32, 256, 32, 64, 64),
+    "long": (16, 1024, 16, 768, 256),
+}
+LR = 1e-5
+
+
+def sao_config(max_len: int) -> mcfg.ModelConfig:
+  return mcfg.ModelConfig(
+      vocab_size=128, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2,
+      head_dim=32, num_experts=4, experts_per_token=2, moe_d_ff=256,
+      max_seq_len=max_len, rope_theta=1e6, rms_eps=1e-6)
+
+
+def tunix_config(cfg: mcfg.ModelConfig) -> tunix_qwen3.ModelConfig:
+  return tunix_qwen3.ModelConfig(
+      num_layers=cfg.num_layers, vocab_size=cfg.vocab_size, embed_dim=cfg.d_model,
+      hidden_dim=cfg.moe_d_ff, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
+      num_kv_heads=cfg.num_kv_heads, rope_theta=int(cfg.rope_theta), norm_eps=cfg.rms_eps,
+      num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token)
+
+
+def tunix_state_from_sao(cfg: mcfg.ModelConfig, params) -> dict:
+  """sao-jax params -> the nested dict of Tunix `Qwen3` parameter values."""
+  layers = {}
+  for i in range(cfg.num_layers):
+    p = params[f"layer_{i}"]
+    layers[i] = {
+        "input_layernorm": {"w": p["attn_norm"]["scale"]},
+        "post_attention_layernorm": {"w": p["mlp_norm"]["scale"]},
+        "attn": {"q_proj": {"w": p["attn"]["q"]}, "k_proj": {"w": p["attn"]["k"]},
+                 "v_proj": {"w": p["attn"]["v"]}, "o_proj": {"w": p["attn"]["o"]},
+                 "q_norm": {"w": p["attn"]["q_norm"]["scale"]},
+                 "k_norm": {"w": p["attn"]["k_norm"]["scale"]}},
+        "mlp": {"router": {"kernel": p["moe"]["router"]}, "gate_proj": p["moe"]["wi_gate"],
+                "up_proj": p["moe"]["wi_up"], "down_proj": p["moe"]["wo"]},
+    }
+  return {"embedder": {"input_embedding": params["embed"]},
+          "final_norm": {"w": params["final_norm"]["scale"]},
+          "lm_head": {"w": params["lm_head"]}, "layers": layers}
+
+
+def build_models(max_len: int, seed: int = 0):
+  """(sao cfg, sao params, Tunix model) with the same weights."""
+  cfg = sao_config(max_len)
+  params = policy.init_params(cfg, jax.random.key(seed))
+  model = tunix_qwen3.Qwen3(tunix_config(cfg), rngs=nnx.Rngs(seed))
+  state = nnx.state(model, nnx.Param)
+  values = tunix_state_from_sao(cfg, params)
+  flat_state = dict(nnx.to_flat_state(state))
+  flat_values = dict(nnx.to_flat_state(nnx.State(values)))
+  if set(flat_state) != set(flat_values):
+    raise ValueError(f"parameter maps differ: {sorted(set(flat_state) ^ set(flat_values))}")
+  for path, var in flat_state.items():
+    new, old = jnp.asarray(flat_values[path]), var.get_value()
+    if new.shape != old.shape or new.dtype != old.dtype:
+      raise ValueError(f"{path}: {new.shape} {new.dtype} vs {old.shape} {old.dtype}")
+    var.set_value(new)
+  nnx.update(model, state)
+  return cfg, params, model
+
+
+def check_same_logits(cfg, params, model, length: int = 64) -> float:
+  """Max |logit difference| of the two models on one random sequence."""
+  tokens = jax.random.randint(jax.random.key(3), (2, length), 2, cfg.vocab_size)
+  pos = jnp.broadcast_to(jnp.arange(length), tokens.shape)
+  from sao_jax.models.transformer import Transformer  # pylint: disable=g-import-not-at-top
+  ours, _ = Transformer(cfg).apply({"params": params}, tokens, pos, jnp.ones_like(tokens))
+  causal = jnp.tril(jnp.ones((length, length), bool))[None].repeat(2, 0)
+  theirs, _ = model(tokens, pos, None, causal)
+  return float(jnp.abs(ours - theirs).max())
+
+
+# --- training ------------------------------------------------------------------------
+
+
+def train_batch(cfg, rows: int, length: int, seed: int = 1):
+  """One batch in both libraries' formats: (sao-jax batch, Tunix TrainExample)."""
+  rng = np.random.default_rng(seed)
+  prompt = length // 4
+  tokens = rng.integers(2, cfg.vocab_size, (rows, length)).astype(np.int32)
+  action = np.zeros((rows, length), bool)
+  action[:, prompt:] = True
+  adv_row = rng.normal(size=(rows, 1)).astype(np.float32)
+  advantages = np.where(action, adv_row, 0.0).astype(np.float32)
+  old_logp = np.where(action, -np.log(cfg.vocab_size) + 0.05 * rng.normal(size=action.shape),
+                      0.0).astype(np.float32)
+  sao = {
+      "tokens": tokens, "positions": np.broadcast_to(np.arange(length), tokens.shape),
+      "segment_ids": np.ones_like(tokens), "action_mask": action,
+      "rollout_logprobs": old_logp, "rewards": np.zeros_like(advantages),
+      "baseline_advantages": advantages, "policy_version": np.zeros_like(tokens),
+  }
+  sao = jax.tree.map(jnp.asarray, sao)
+  example = tunix_common.TrainExample(
+      prompt_ids=jnp.asarray(tokens[:, :prompt]),
+      prompt_mask=jnp.ones((rows, prompt), jnp.int32),
+      completion_ids=jnp.asarray(tokens[:, prompt:]),
+      completion_mask=jnp.ones((rows, length - prompt), jnp.int32),
+      advantages=jnp.asarray(advantages[:, prompt:]),
+      ref_per_token_logps=None,
+      old_per_token_logps=jnp.asarray(old_logp[:, prompt:]))
+  return sao, example
+
+
+def tunix_train_fn(model, example, eps_low=0.2, eps_high=0.28):
+  """A closure running one Tunix PPO policy update per call (state donated)."""
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  tx = optax.adamw(LR)
+  algo = types.SimpleNamespace(epsilon_low=eps_low, epsilon_high=eps_high,
+                               entropy_coef=0.0, kl_coef=0.0, epsilon_c=None)
+
+  def loss(p, ex):
+    m = nnx.merge(graphdef, p, rest)
+    return tunix_algo.ppo_policy_loss_fn(m, ex, algo, PAD, EOS)
+
+  @jax.jit
+  def init(p):
+    return tx.init(p)
+
+  def step(p, opt, ex):
+    (value, _), grads = jax.value_and_grad(loss, has_aux=True)(p, ex)
+    updates, opt = tx.update(grads, opt, p)
+    return optax.apply_updates(p, updates), opt, value
+
+  step = jax.jit(step, donate_argnums=(0, 1))
+  holder = [jax.tree.map(jnp.copy, params), None]
+  holder[1] = init(holder[0])
+
+  def run():
+    holder[0], holder[1], value = step(holder[0], holder[1], example)
+    return value
+
+  return run
+
+
+def sao_train_fn(cfg, params, batch, eps_low=0.2, eps_high=0.28):
+  """A closure running one sao-jax actor update per call (state donated)."""
+  step_cfg = ts.StepConfig(advantage="group", policy_loss="ppo_clip", eps_low=eps_low,
+                           eps_high=eps_high)
+  tx = optax.adamw(LR)
+  fn = jax.jit(ts.make_train_step(cfg, step_cfg, tx, optax.identity()), donate_argnums=(0,))
+  p = jax.tree.map(jnp.copy, params)
+  holder = [ts.TrainState(step=jnp.zeros((), jnp.int32), policy=p, critic={},
+                          policy_opt=tx.init(p), critic_opt=())]
+
+  def run():
+    holder[0], metrics = fn(holder[0], batch)
+    return metrics["policy/loss"]
+
+  return run
+
+
+def train_section(shape: str, repeats: int):
+  rows, length = SHAPES[shape][:2]
+  cfg, params, model = build_models(length)
+  batch, example = train_batch(cfg, rows, length)
+  fns = {"tunix": tunix_train_fn(model, example), "sao": sao_train_fn(cfg, params, batch)}
+  sec = time_fns(fns, {k: () for k in fns}, repeats=repeats)
+  tps = {k: rows * length / s for k, s in sec.items()}
+  return [f"| train: policy update, {rows} x {length} | {tps['tunix']:,.0f} | "
+          f"{tps['sao']:,.0f} | {tps['sao'] / tps['tunix']:.2f} |"], tps
+
+
+# --- generation ----------------------------------------------------------------------
+
+
+class IdTokenizer:
+  """Token ids written as space-separated integers: Tunix's sampler takes strings."""
+
+  def encode(self, text, **unused):
+    return [int(t) for t in text.split()]
+
+  def decode(self, ids, **unused):
+    return " ".join(str(int(i)) for i in ids)
+
+  def bos_id(self):
+    return 0  # falsy: Tunix adds no BOS
+
+  def eos_id(self):
+    return EOS
+
+  def pad_id(self):
+    return PAD
+
+
+def generate_section(shape: str, repeats: int):
+  _, _, slots, prompt, new = SHAPES[shape]
+  cfg, params, model = build_models(prompt + new)
+  rng = np.random.default_rng(0)
+  prompts = rng.integers(2, cfg.vocab_size, (slots, prompt)).astype(np.int32)
+  strings = [" ".join(map(str, p)) for p in prompts]
+  sampler = tunix_sampler.Sampler(
+      model, IdTokenizer(),
+      tunix_sampler.CacheConfig(cache_size=prompt + new, num_layers=cfg.num_layers,
+                                num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim))
+  engine = PolicyEngine(cfg, params, slots=slots, max_len=prompt + new,
+                        sampling=SamplingConfig(temperature=1.0))
+  seeds = iter(range(10**6))
+
+  def tunix():
+    # top_p=1.0 selects Tunix's temperature sampling (None would be greedy);
+    # an out-of-vocabulary eos never stops a row early.
+    out = sampler(strings, max_generation_steps=new, max_prompt_length=prompt,
+                  temperature=1.0, top_p=1.0, eos_tokens=[-1], seed=next(seeds))
+    return out.tokens
+
+  def sao():
+    return engine.generate_batch(list(prompts), new)[0]
+
+  def sao_one_step():
+    state, tok, _, _ = engine.step(engine.init_decode_state(), prompts,
+                                   np.ones(prompts.shape, bool))
+    alive = np.ones((slots, 1), bool)
+    for _ in range(new - 1):
+      state, tok, _, _ = engine.step(state, tok[:, None], alive)
+    return tok
+
+  fns = {"tunix": tunix, "sao": sao, "sao one-step": sao_one_step}
+  sec = time_fns(fns, {k: () for k in fns}, repeats=repeats)
+  tps = {k: slots * new / s for k, s in sec.items()}
+  lines = [f"| generate: {slots} x ({prompt} + {new}), T=1, `generate_batch` | "
+           f"{tps['tunix']:,.0f} | {tps['sao']:,.0f} | {tps['sao'] / tps['tunix']:.2f} |",
+           f"| generate: same, engine `step` per token (reference) | {tps['tunix']:,.0f} | "
+           f"{tps['sao one-step']:,.0f} | {tps['sao one-step'] / tps['tunix']:.2f} |"]
+  return lines, tps
+
+
+# --- GAE -------------------------------------------------------------------------------
+
+
+def gae_section(repeats: int, b: int = 256, t: int = 8192):
+  r, v, m = gae_bench.make_inputs(b, t)
+  ours = jax.jit(lambda r, v, m: adv.skip_observation_gae(
+      r, v, m, gae_bench.GAMMA, gae_bench.LAM))
+  tunix = lambda r, v, m: tunix_algo.compute_gae_advantages(
+      r, v, m.astype(jnp.float32), gae_bench.GAMMA, gae_bench.LAM)
+  fns = {"sao": ours, "rlax": gae_bench.rlax_gae, "tunix": tunix}
+  sec = time_fns(fns, {"sao": (r, v, m), "rlax": (r, v), "tunix": (r, v, m)},
+                 repeats=repeats)
+  lines = [f"| GAE {b} x {t} (ms): Tunix masked | {sec['tunix'] * 1e3:.1f} | "
+           f"{sec['sao'] * 1e3:.1f} | {sec['tunix'] / sec['sao']:.2f} |",
+           f"| GAE {b} x {t} (ms): rlax unmasked | {sec['rlax'] * 1e3:.1f} | "
+           f"{sec['sao'] * 1e3:.1f} | {sec['rlax'] / sec['sao']:.2f} |"]
+  return lines, sec
+
+
+# --- the table ---------------------------------------------------------------------------
+
+HEADING = "## Side by side with Tunix (issue 12)"
+
+
+def write_section(path: str, body: str) -> None:
+  """Replaces this script's section of RESULTS.md (or appends it)."""
+  text = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+  section = f"{HEADING}\n\n{body.rstrip()}\n"
+  pattern = re.compile(re.escape(HEADING) + r".*?(?=^## |\Z)", re.S | re.M)
+  if pattern.search(text):
+    text = pattern.sub(lambda _: section + "\n", text).rstrip() + "\n"
+  else:
+    text = text.rstrip() + "\n\n" + section
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(text)
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--out", default=None, help="write the table into this RESULTS.md")
+  parser.add_argument("--sections", default="train,generate,gae")
+  parser.add_argument("--shapes", default="tiny,long")
+  parser.add_argument("--repeats", type=int, default=5)
+  args = parser.parse_args()
+  sections = args.sections.split(",")
+
+  cfg, params, model = build_models(256)
+  diff = check_same_logits(cfg, params, model)
+  print(f"same weights: max |logit difference| {diff:.2e}", flush=True)
+  if diff > 1e-3:
+    raise SystemExit("the two models disagree: the weight map is wrong")
+
+  lines = ["| measurement | Tunix 0.1.7 | sao-jax | sao-jax / Tunix |", "|---|---|---|---|"]
+  for shape in args.shapes.split(","):
+    if "train" in sections:
+      out, _ = train_section(shape, args.repeats)
+      lines += out
+      print(*out, sep="\n", flush=True)
+    if "generate" in sections:
+      out, _ = generate_section(shape, args.repeats)
+      lines += out
+      print(*out, sep="\n", flush=True)
+  if "gae" in sections:
+    out, sec = gae_section(args.repeats)
+    lines += out
+    print(*out, sep="\n", flush=True)
+  if args.out:
+    body = (f"    nice -n 10 .venv-peers/bin/python benchmarks/peers.py --out {args.out}\n\n"
+            f"Same weights in both (max |logit difference| {diff:.1e}). Train and generate "
+            "rows are tokens/s, GAE rows milliseconds; the last column is always sao-jax's "
+            "speed over the peer's (above 1: sao-jax faster).\n\n" + "\n".join(lines))
+    write_section(args.out, body)
+
+
+if __name__ == "__main__":
+  main()
