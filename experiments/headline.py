@@ -1,6 +1,6 @@
 """Headline: SAO vs GRPO (async, async + DIS, sync G=4 / G=8) from one SFT start.
 
-    python -m experiments.headline                       # 5 seeds x 6 arms
+    python -m experiments.headline                       # 5 seeds x 6 arms (--jobs 3: seeds side by side)
     python -m experiments.headline --arms sao,grpo_dis,grpo_sync --seeds 3 --budget_steps 80
     python -m experiments.headline --set env.name=code_fix --results experiments/results/headline_code_fix
 
@@ -28,6 +28,10 @@ ARMS = (
     runner.Arm("grpo_sync", "grpo_sync", label="sync GRPO G=4"),
     runner.Arm("grpo_sync_g8", "grpo_sync", {"rollout.samples_per_prompt": 8},
                label="sync GRPO G=8"),
+    # GRPO without its per-group std rescaling (R - mean_G, reward units like
+    # SAO's advantages): separates "group baseline" from "group rescaling".
+    runner.Arm("grpo_dis_nostd", "grpo_dis", {"rl.group_std_normalize": False},
+               label="async GRPO + DIS, no std"),
 )
 
 FINDING = runner.Finding(
