@@ -35,6 +35,12 @@ Programs and the shapes they are compiled at:
 
 --rows, --length and --prefill_len override those shapes.
 
+With `rollout.sharded_engine` on the trainer's own topology (colocated),
+rows "rl+eng" (and "sft+eng", "value+eng") add the engine's resident
+params and KV cache (its step's argument bytes) to each train step's total:
+computed from the compiled figures, not compiled together, and part of
+the exit status.
+
 Topologies: Cloud TPU names (v5p-256, v5e-4, v6e-8, v4-16) or libtpu's own
 (v5p:4x4x8, v5e:2x2). Mind that v5p and v4 names count TensorCores, two per
 chip: v5p-128 is 64 chips (4x4x4) and the 128-chip slice is v5p-256.
@@ -445,6 +451,38 @@ def compile_one(p: Program, min_headroom: float) -> dict:
   return row
 
 
+def colocated_rows(rows: list[dict], min_headroom: float) -> list[dict]:
+  """Train step + the colocated engine's resident state, per chip (computed, not compiled).
+
+  A colocated engine (rollout.sharded_engine on the trainer's mesh) keeps
+  its params and KV cache on the same chips while each train step runs, so
+  what must fit is a train step's total plus the engine step's arguments
+  (params + cache + slot state). Each program's own temporaries are not
+  live at the same time (the trainer and the engine run one after the
+  other), so the engine's temporaries are not added; the larger of the two
+  engine programs' arguments is. One row per train step compiled.
+  """
+  by_name = {r["program"]: r for r in rows}
+  engine = [by_name[n] for n in ("prefill", "decode")
+            if by_name.get(n, {}).get("argument_bytes") is not None]
+  out = []
+  if not engine:
+    return out
+  resident = max(r["argument_bytes"] for r in engine)
+  for name in ("sft", "value", "rl"):
+    r = by_name.get(name)
+    if r is None or r.get("total_bytes") is None:
+      continue
+    total = r["total_bytes"] + resident
+    headroom = 1.0 - total / r["hbm_bytes"]
+    fits = headroom >= min_headroom
+    out.append({"program": f"{name}+eng", "shape": f"{r['shape']} + engine params and cache",
+                "topology": r["topology"], "hbm_bytes": r["hbm_bytes"], "compile_s": 0.0,
+                "argument_bytes": resident, "total_bytes": total, "headroom": headroom,
+                "fits": fits, "status": "FITS" if fits else "DOES NOT FIT", "computed": True})
+  return out
+
+
 def format_table(rows: list[dict]) -> str:
   head = (f"{'program':<8} {'shape':<46} {'compile s':>9} {'args GiB':>9} {'out GiB':>8} "
           f"{'temp GiB':>9} {'alias GiB':>9} {'total GiB':>9} {'HBM GiB':>8} {'headroom':>8}  "
@@ -563,6 +601,12 @@ def main(argv):
     if name in _PROGRAMS.value:
       rows.append(compile_one(wanted[name], _MIN_HEADROOM.value))
       write(rows, complete=len(rows) == len(_PROGRAMS.value))
+  colocated = (colocated_rows(rows, _MIN_HEADROOM.value)
+               if engine_layout is not None and rdevices is devices and not _ROLLOUT_MESH.value
+               and config.rollout.get("sharded_engine", False) else [])
+  rows += colocated
+  if colocated:
+    write(rows, complete=True)
 
   print("\n" + format_table(rows), flush=True)
   if _OUT.value:

@@ -107,6 +107,22 @@ def test_every_program_compiles_and_fits(tmp_path):
                for line in stdout.splitlines()), name
 
 
+def test_colocated_engine_is_added_to_the_train_step(tmp_path):
+  # rollout.sharded_engine on the trainer's own mesh: the engine's params and
+  # cache stay on the chips while the train step runs, and the run says so.
+  rc, stdout, stderr, result = run_compile(
+      tmp_path, "--topology=v5e-4", "--programs=rl,decode", "--rows=4", "--length=64",
+      "--config.rollout.sharded_engine=True", "--config.model.overrides.num_layers=1")
+  assert rc == 0, stdout[-3000:] + stderr[-3000:]
+  assert result["rollout_engine"].startswith("mesh ")
+  assert set(result["programs"]) == {"rl", "decode", "rl+eng"}
+  rl, decode, both = (result["programs"][n] for n in ("rl", "decode", "rl+eng"))
+  assert both["computed"] and both["fits"]
+  assert both["total_bytes"] == rl["total_bytes"] + decode["argument_bytes"]
+  assert both["headroom"] == pytest.approx(1 - both["total_bytes"] / both["hbm_bytes"])
+  assert any(line.startswith("rl+eng") for line in stdout.splitlines())
+
+
 def test_what_does_not_fit_fails_the_run_with_the_reason(tmp_path):
   # sft at 2048 rows x 4096 tokens materialises ~270 GB of attention logits
   # per chip: the TPU compiler refuses it. decode (the engine sharded over
