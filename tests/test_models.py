@@ -1,6 +1,7 @@
 """The MoE transformer: decoding, packing, MoE paths, sharding, freezing, scale."""
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -11,7 +12,7 @@ import pytest
 
 from sao_jax import optim, sharding
 from sao_jax.models import config as mcfg
-from sao_jax.models import decoding, policy
+from sao_jax.models import decoding, moe, policy
 from sao_jax.models.transformer import Transformer
 
 CFG = mcfg.tiny()
@@ -96,6 +97,49 @@ def test_ragged_moe_equals_dense(params):
   np.testing.assert_allclose(dense, ragged, atol=1e-5)
   np.testing.assert_allclose(aux_d["load_balance_loss"], aux_r["load_balance_loss"])
   assert float(aux_d["load_balance_loss"]) >= 1.0 - 1e-5  # minimum is 1 (balanced)
+
+
+@pytest.mark.parametrize("route", ["random", "one_expert", "unused_expert"])
+def test_blocked_moe_kernel_equals_per_token_oracle(route):
+  """Every pair lands in a block of its own expert, whatever the routing skew."""
+  n, d, f, e, k, block = 37, 8, 12, 4, 2, 8
+  ks = jax.random.split(jax.random.key(0), 6)
+  x = jax.random.normal(ks[0], (n, d))
+  wg, wu = (jax.random.normal(kk, (e, d, f)) for kk in ks[1:3])
+  wo = jax.random.normal(ks[3], (e, f, d))
+  top_i = jax.random.randint(ks[4], (n, k), 0, e)
+  if route == "one_expert":  # one expert takes every first choice: its run spans blocks
+    top_i = top_i.at[:, 0].set(2)
+  elif route == "unused_expert":
+    top_i = top_i % 3
+  top_p = jax.nn.softmax(jax.random.normal(ks[5], (n, k)))
+  got = moe.blocked_moe(x, top_i, top_p, wg, wu, wo, block=block)
+  xn, ti, tp = (np.asarray(a, np.float64) for a in (x, top_i, top_p))
+  want = np.zeros((n, d))
+  for t in range(n):
+    for j in range(k):
+      ex = int(ti[t, j])
+      g, u = xn[t] @ np.asarray(wg[ex]), xn[t] @ np.asarray(wu[ex])
+      want[t] += tp[t, j] * ((g / (1 + np.exp(-g)) * u) @ np.asarray(wo[ex]))
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_blocked_moe_equals_dense_with_gradients(params):
+  # 2 x 200 tokens: enough to take the blocked path (N * (E - k) > E * MOE_BLOCK).
+  tokens = jax.random.randint(jax.random.key(2), (2, 200), 0, CFG.vocab_size)
+  pos = jnp.broadcast_to(jnp.arange(200), (2, 200))
+  seg = jnp.ones((2, 200), jnp.int32)
+  blocked_cfg = dataclasses.replace(CFG, moe_impl="blocked")
+
+  def loss(cfg, p):
+    logp, aux = logprobs(cfg, p, tokens, pos, seg)
+    return logp.mean() + aux["load_balance_loss"]
+
+  dense, g_dense = jax.value_and_grad(functools.partial(loss, CFG))(params)
+  blocked, g_blocked = jax.value_and_grad(functools.partial(loss, blocked_cfg))(params)
+  np.testing.assert_allclose(blocked, dense, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g_blocked), jax.tree.leaves(g_dense)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_value_model_from_policy(params):

@@ -153,6 +153,63 @@ def ragged_moe(x, top_i, top_p, wi_gate, wi_up, wo, token_mask=None):
   return jnp.einsum("nkd,nk->nd", ys, top_p)
 
 
+def blocked_moe(x, top_i, top_p, wi_gate, wi_up, wo, block: int = 128):
+  """Dropless top-k MoE as block-sparse batched matmuls: the FLOPs of top-k.
+
+  `MoE(moe_impl="blocked")`. The N*k (token, expert) pairs are sorted by
+  expert and each expert's run is padded to a multiple of `block` rows, so
+  every block of rows belongs to one expert. The row buffer has a static
+  size, N*k rows plus at most one partial block per expert (`N*k // block +
+  E` blocks), so nothing is ever dropped and no shape depends on the routing.
+  Each block is multiplied by its expert's weights, gathered per block
+  (`[blocks, D, F]`), in one batched matmul per projection. Compared with
+  "dense" (every token through every expert) the expert FLOPs drop from E to
+  about k per token; unlike `ragged_dot`, which XLA:CPU runs slowly, it is
+  plain gathers and batched dots on any backend.
+
+  Exact: the same products and sums as the dense path, only in another
+  order. Worth it when N*k is many blocks; decode steps of a few slots are
+  cheaper dense (the MoE module chooses).
+
+  Args:
+    x: `[N, D]` tokens.
+    top_i: int `[N, k]` chosen experts, top_p `[N, k]` their weights.
+    wi_gate, wi_up: `[E, D, F]`; wo: `[E, F, D]`.
+    block: rows per block.
+
+  Returns:
+    `[N, D]`.
+  """
+  n, d = x.shape
+  k = top_i.shape[1]
+  e = wi_gate.shape[0]
+  pairs = n * k
+  flat_e = top_i.reshape(-1)  # [P]
+  order = jnp.argsort(flat_e, stable=True)  # pairs grouped by expert
+  sorted_e = flat_e[order]
+  sizes = jnp.bincount(flat_e, length=e)  # [E]
+  padded = (sizes + block - 1) // block * block
+  padded_end = jnp.cumsum(padded)
+  run_start = jnp.cumsum(sizes) - sizes
+  # Buffer row of the j-th sorted pair: its expert's padded start + rank in run.
+  row = (padded_end - padded)[sorted_e] + jnp.arange(pairs) - run_start[sorted_e]
+  row = row.astype(jnp.int32)
+  blocks = pairs // block + e
+  # Source token of every buffer row; padding rows read an appended zero row.
+  source = jnp.full((blocks * block,), n, jnp.int32).at[row].set(
+      (order // k).astype(jnp.int32))
+  rows = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[source]
+  rows = rows.reshape(blocks, block, d)
+  # Expert of each block; trailing unused blocks (all padding) take the last.
+  block_e = jnp.minimum(
+      jnp.searchsorted(padded_end, jnp.arange(blocks) * block, side="right"), e - 1)
+  hidden = jax.nn.silu(jnp.einsum("brd,bdf->brf", rows, wi_gate[block_e])) * jnp.einsum(
+      "brd,bdf->brf", rows, wi_up[block_e])  # [blocks, block, F]
+  ys = jnp.einsum("brf,bfd->brd", hidden, wo[block_e]).reshape(blocks * block, d)
+  pair_row = jnp.zeros((pairs,), jnp.int32).at[order].set(row)  # pair (n, k) -> row
+  return jnp.einsum("nkd,nk->nd", ys[pair_row].reshape(n, k, d), top_p)
+
+
 def capacity(n: int, k: int, experts_per_device: int, ep: int,
              capacity_factor: float) -> int:
   """Rows per (source, destination) device pair; see the module docstring."""

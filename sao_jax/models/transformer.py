@@ -48,7 +48,7 @@ import jax.numpy as jnp
 
 from sao_jax.models import moe
 from sao_jax.models import attention as attn_lib
-from sao_jax.models.config import ModelConfig
+from sao_jax.models.config import MOE_BLOCK, ModelConfig
 
 Array = jax.Array
 # A pytree of {"k", "v"} arrays whose shapes end in [B, S, KVH, hd]: see init_cache.
@@ -197,7 +197,11 @@ class MoE(nn.Module):
       top_p = top_p / top_p.sum(-1, keepdims=True)
     top_p = top_p.astype(dt)
 
-    if cfg.moe_impl == "dense":
+    # Blocked rows: N*k plus up to a block per expert; dense rows: N*E.
+    if cfg.moe_impl == "blocked" and xf.shape[0] * (e - top_k) > e * MOE_BLOCK:
+      out = moe.blocked_moe(xf, top_i, top_p, wg.astype(dt), wu.astype(dt), wd.astype(dt),
+                            block=MOE_BLOCK)
+    elif cfg.moe_impl in ("dense", "blocked"):
       gates = jnp.zeros_like(probs, dtype=dt).at[
           jnp.arange(xf.shape[0])[:, None], top_i].set(top_p)  # [N, E]
       hidden = jax.nn.silu(jnp.einsum("nd,edf->nef", xf, wg.astype(dt))) * jnp.einsum(
