@@ -125,28 +125,35 @@ def _critic_updates(model_cfg, cfg, critic_tx, state, batch, metrics):
   """Critic forward -> advantages/returns -> K critic updates."""
   inputs = _model_inputs(batch)
   m = batch["action_mask"]
-  values, _ = policy.token_values(model_cfg, state.critic, *inputs)
-  values = jax.lax.stop_gradient(values)
-  advantages, returns, value_mask = compute_advantages(cfg, values, batch)
-  advantages, returns = jax.lax.stop_gradient((advantages, returns))
 
-  def critic_loss(params):
+  def critic_loss(params, targets):
     v, aux = policy.token_values(model_cfg, params, *inputs)
+    if targets is None:
+      # The first update's forward is also the one GAE reads (no separate
+      # no-grad critic forward): targets from its stop-gradient values.
+      targets = compute_advantages(cfg, jax.lax.stop_gradient(v), batch)
+      targets = jax.lax.stop_gradient(targets)
+    _, returns, value_mask = targets
     loss, vm = losses.value_loss(v, returns, value_mask)
     vm["value_loss"] = loss
-    return loss + cfg.load_balance_coef * aux["load_balance_loss"], vm
+    return loss + cfg.load_balance_coef * aux["load_balance_loss"], (vm, targets)
 
   critic, opt = state.critic, state.critic_opt
   skipped = jnp.zeros((), jnp.int32)
+  targets = None  # (advantages, returns, value_mask), from the first update's forward
   for k in range(cfg.critic_updates):
-    (_, vm), grads = jax.value_and_grad(critic_loss, has_aux=True)(critic)
+    (_, (vm, targets)), grads = jax.value_and_grad(critic_loss, has_aux=True)(critic, targets)
+    grad_norm = None
     if k == 0:  # the fit before this step's updates: what GAE used
+      norms = group_norms(grads, _NORM_GROUPS)
+      grad_norm = norms["all"]
       metrics.update({f"critic/{n}": x for n, x in vm.items()})
-      metrics.update({f"critic/grad_norm_{n}": x
-                      for n, x in group_norms(grads, _NORM_GROUPS).items()})
-    critic, opt, ok = apply_if_finite(critic_tx, grads, opt, critic, vm["value_loss"])
+      metrics.update({f"critic/grad_norm_{n}": x for n, x in norms.items()})
+    critic, opt, ok = apply_if_finite(critic_tx, grads, opt, critic, vm["value_loss"],
+                                      grad_norm)
     skipped = skipped + (1 - ok.astype(jnp.int32))
   metrics["critic/updates_skipped"] = skipped
+  advantages = targets[0]
   n = jnp.maximum(m.sum(), 1)
   metrics["advantage_mean"] = jnp.where(m, advantages, 0).sum() / n
   metrics["advantage_abs_mean"] = jnp.where(m, jnp.abs(advantages), 0).sum() / n
@@ -183,13 +190,13 @@ def make_train_step(model_cfg: ModelConfig, cfg: StepConfig, policy_tx, critic_t
       return loss + cfg.load_balance_coef * aux["load_balance_loss"], (loss, pm)
 
     (_, (pi_loss, pm)), grads = jax.value_and_grad(actor_loss, has_aux=True)(state.policy)
+    norms = group_norms(grads, _NORM_GROUPS)
     new_policy, opt, ok = apply_if_finite(policy_tx, grads, state.policy_opt, state.policy,
-                                          pi_loss)
+                                          pi_loss, norms["all"])
     metrics["policy/update_skipped"] = 1 - ok.astype(jnp.int32)
     metrics.update({f"policy/{k}": v for k, v in pm.items()})
     metrics["policy/loss"] = pi_loss
-    metrics.update({f"policy/grad_norm_{k}": v
-                    for k, v in group_norms(grads, _NORM_GROUPS).items()})
+    metrics.update({f"policy/grad_norm_{k}": v for k, v in norms.items()})
     lag = jnp.where(m, state.step - batch["policy_version"], 0)
     metrics["policy_lag/mean"] = lag.sum() / n
     metrics["policy_lag/max"] = lag.max()
@@ -201,15 +208,19 @@ def make_train_step(model_cfg: ModelConfig, cfg: StepConfig, policy_tx, critic_t
   return train_step
 
 
-def apply_if_finite(tx, grads, opt_state, params, loss):
+def apply_if_finite(tx, grads, opt_state, params, loss, grad_norm=None):
   """One optimizer update, or none at all if the loss or a gradient is not finite.
 
   Returns (params, opt_state, ok). When not ok, params and optimizer state
   come back bit-identical: a NaN batch must not poison Adam's moments. The
   selects are elementwise on each leaf, so XLA fuses them into the update
-  and a sharded step needs no second copy of its state.
+  and a sharded step needs no second copy of its state. `grad_norm`: the
+  global norm of `grads` if the caller has it (for its metrics), so it is
+  not reduced over every gradient a second time.
   """
-  ok = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
+  if grad_norm is None:
+    grad_norm = optax.tree.norm(grads)
+  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   updates, new_opt = tx.update(grads, opt_state, params)
   keep = lambda new, old: jnp.where(ok, new, old)
   new_params = optax.apply_updates(params, updates)
@@ -233,8 +244,9 @@ def make_sft_step(model_cfg: ModelConfig, tx, load_balance_coef: float = 0.01) -
       return nll + load_balance_coef * aux["load_balance_loss"], nll
 
     (_, nll), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    params, opt_state, ok = apply_if_finite(tx, grads, opt_state, params, nll)
-    return params, opt_state, {"sft/nll": nll, "sft/grad_norm": optax.tree.norm(grads),
+    grad_norm = optax.tree.norm(grads)
+    params, opt_state, ok = apply_if_finite(tx, grads, opt_state, params, nll, grad_norm)
+    return params, opt_state, {"sft/nll": nll, "sft/grad_norm": grad_norm,
                                "sft/update_skipped": 1 - ok.astype(jnp.int32)}
 
   return sft_step
