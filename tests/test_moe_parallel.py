@@ -148,6 +148,25 @@ def test_forward_and_gradients_equal_dense(layout, dense_reference):
                             for g in gathered), gathered
 
 
+@pytest.mark.parametrize("layout", ["data2_expert4", "pod_rules"])
+def test_dispatch_in_rounds_equals_dense(layout, dense_reference):
+  """dispatch_chunk: rounds of 3 of a device's 8 tokens (padded to 9)."""
+  axes, rules = LAYOUTS[layout]
+  mesh = sharding.make_mesh(axes)
+  x, top_i, top_p, (wg, wu, wo), mask = _problem(0)
+  probe, ref_loss, want, ref_grads = dense_reference
+  ep = lambda *a: moe.expert_parallel_moe(*a, token_mask=mask, dispatch_chunk=3)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    (loss, (out, dropped)), grads = _loss_fn(ep, mask, probe)(x, top_p, wg, wu, wo, top_i)
+  out, mask = np.asarray(out), np.asarray(mask)
+  assert int(dropped) == 0
+  np.testing.assert_allclose(out[mask], want[mask], atol=1e-5, rtol=1e-5)
+  np.testing.assert_array_equal(out[~mask], 0.0)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  for name, g, r in zip(("x", "top_p", "wi_gate", "wi_up", "wo"), grads, ref_grads):
+    np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-5, err_msg=name)
+
+
 def _expected_drops(top_i, mask, blocks, e_loc, ep, c):
   """The documented policy in numpy: per source block, pairs in rank-major
   order, the first `c` pairs for each destination device are kept."""

@@ -43,6 +43,17 @@ destination device pair) is fixed at trace time:
   expert: experts on one device share it, which drops less than per-expert
   capacity with the same buffer size.
 
+Dispatch in rounds. Dropless buffers are `EP * C = EP * n * min(k, E / EP)`
+rows of D per device, sized for the worst case of all of a device's pairs
+going to one device: for Qwen3-30B-A3B (k 8, 16 experts a device) and n =
+2 x 32768 tokens a chip that is 16 GiB a buffer, several of them live in
+the forward and again in the backward. `dispatch_chunk = m` has each
+device dispatch its tokens in rounds of m (a `lax.map`, every round
+rematerialised so the backward keeps only a round's inputs): buffers of
+`EP * m * min(k, E / EP)` rows, the same result when dropless (each token
+is dispatched once, in its round), and `n / m` times the all-to-all
+launches. With a capacity factor, capacity and priority apply per round.
+
 For RL prefer dropless: with drops, a token's output depends on which other
 tokens share its batch, so the learner's log-probs can differ from the
 sampler's for reasons that are not the policy.
@@ -219,24 +230,14 @@ def capacity(n: int, k: int, experts_per_device: int, ep: int,
   return max(1, min(dropless, math.ceil(capacity_factor * n * k / ep)))
 
 
-def _ep_local(x, top_i, top_p, mask, wg, wu, wo, *, expert_axes, gather_d_axes,
-              gather_f_axes, psum_f_axes, ep, capacity_factor):
-  """One device's share of the expert-parallel MoE (runs inside shard_map).
+def _dispatch_combine(x, top_i, top_p, mask, wg, wu, wo, *, expert_axes, ep,
+                      capacity_factor):
+  """Steps 2-5 of the module docstring for one block of a device's tokens.
 
-  Shapes are per device: x [n, D], top_i/top_p [n, k], mask [n],
-  wg/wu [E/EP, D/fs, F/T], wo [E/EP, F/T, D/fs].
-  Returns (out [n, D], dropped [1] int32).
+  x [n, D], top_i/top_p [n, k], mask [n]; wg/wu [E/EP, D, F/T], wo
+  [E/EP, F/T, D] (this device's experts, gathered in D). Returns
+  (out [n, D], partial over F/T; dropped, an int32 scalar).
   """
-  # FSDP: this device's experts, whole in D (and in F where F is sharded over
-  # axes that also shard tokens). Never a gather over the expert axes.
-  if gather_d_axes:
-    wg = jax.lax.all_gather(wg, _name(gather_d_axes), axis=1, tiled=True)
-    wu = jax.lax.all_gather(wu, _name(gather_d_axes), axis=1, tiled=True)
-    wo = jax.lax.all_gather(wo, _name(gather_d_axes), axis=2, tiled=True)
-  if gather_f_axes:
-    wg = jax.lax.all_gather(wg, _name(gather_f_axes), axis=2, tiled=True)
-    wu = jax.lax.all_gather(wu, _name(gather_f_axes), axis=2, tiled=True)
-    wo = jax.lax.all_gather(wo, _name(gather_f_axes), axis=1, tiled=True)
   e_loc = wg.shape[0]
   n, d = x.shape
   k = top_i.shape[1]
@@ -282,6 +283,47 @@ def _ep_local(x, top_i, top_p, mask, wg, wu, wo, *, expert_axes, gather_d_axes,
   back = jnp.concatenate([back, jnp.zeros((1, d), back.dtype)])  # dropped -> 0
   y_pairs = back[slot].reshape(k, n, d)  # [k, n, D]
   out = jnp.einsum("knd,nk->nd", y_pairs, top_p.astype(y_pairs.dtype))  # [n, D]
+  return out, dropped
+
+
+def _ep_local(x, top_i, top_p, mask, wg, wu, wo, *, expert_axes, gather_d_axes,
+              gather_f_axes, psum_f_axes, ep, capacity_factor, chunk):
+  """One device's share of the expert-parallel MoE (runs inside shard_map).
+
+  Shapes are per device: x [n, D], top_i/top_p [n, k], mask [n],
+  wg/wu [E/EP, D/fs, F/T], wo [E/EP, F/T, D/fs].
+  Returns (out [n, D], dropped [1] int32).
+  """
+  # FSDP: this device's experts, whole in D (and in F where F is sharded over
+  # axes that also shard tokens). Never a gather over the expert axes.
+  if gather_d_axes:
+    wg = jax.lax.all_gather(wg, _name(gather_d_axes), axis=1, tiled=True)
+    wu = jax.lax.all_gather(wu, _name(gather_d_axes), axis=1, tiled=True)
+    wo = jax.lax.all_gather(wo, _name(gather_d_axes), axis=2, tiled=True)
+  if gather_f_axes:
+    wg = jax.lax.all_gather(wg, _name(gather_f_axes), axis=2, tiled=True)
+    wu = jax.lax.all_gather(wu, _name(gather_f_axes), axis=2, tiled=True)
+    wo = jax.lax.all_gather(wo, _name(gather_f_axes), axis=1, tiled=True)
+  n, d = x.shape
+  run = functools.partial(_dispatch_combine, expert_axes=expert_axes, ep=ep,
+                          capacity_factor=capacity_factor)
+  if not chunk or n <= chunk:
+    out, dropped = run(x, top_i, top_p, mask, wg, wu, wo)
+  else:
+    # Dispatch rounds of `chunk` tokens (module docstring, "Dispatch in
+    # rounds"). Every device runs the same number of rounds, so the
+    # all-to-alls pair up. Each round is rematerialised: the backward keeps
+    # a round's inputs, not its buffers.
+    pad = -n % chunk
+    if pad:
+      x = jnp.pad(x, ((0, pad), (0, 0)))
+      top_i, top_p = (jnp.pad(a, ((0, pad), (0, 0))) for a in (top_i, top_p))
+      mask = jnp.pad(mask, (0, pad))  # False: never dispatched
+    rounds = lambda a: a.reshape((-1, chunk) + a.shape[1:])
+    one = jax.checkpoint(lambda xs: run(*xs, wg, wu, wo),
+                         policy=jax.checkpoint_policies.nothing_saveable)
+    out, dropped = jax.lax.map(one, tuple(rounds(a) for a in (x, top_i, top_p, mask)))
+    out, dropped = out.reshape(-1, d)[:n], jnp.sum(dropped)
   if psum_f_axes:
     out = jax.lax.psum(out, _name(psum_f_axes))
   return out, dropped[None]
@@ -289,8 +331,8 @@ def _ep_local(x, top_i, top_p, mask, wg, wu, wo, *, expert_axes, gather_d_axes,
 
 def expert_parallel_moe(x: Array, top_i: Array, top_p: Array, wi_gate: Array,
                         wi_up: Array, wo: Array, *, token_mask: Array | None = None,
-                        capacity_factor: float = 0.0, mesh: Any = None,
-                        rules: Any = None) -> tuple[Array, Array]:
+                        capacity_factor: float = 0.0, dispatch_chunk: int = 0,
+                        mesh: Any = None, rules: Any = None) -> tuple[Array, Array]:
   """Top-k routed SwiGLU experts, expert-parallel over the mesh.
 
   Args:
@@ -301,6 +343,8 @@ def expert_parallel_moe(x: Array, top_i: Array, top_p: Array, wi_gate: Array,
     token_mask: [N] bool, False for padding (not dispatched, output zero).
     capacity_factor: <= 0 for dropless, else rows per device pair relative to
       a balanced load (module docstring).
+    dispatch_chunk: > 0: each device dispatches its tokens in rounds of this
+      many (module docstring, "Dispatch in rounds"); 0: all in one round.
     mesh: defaults to the ambient mesh (`jax.set_mesh`, or `with mesh:`).
     rules: logical axis rules; default flax's current `nn.logical_axis_rules`.
       The token axes are those of "batch" (and "length"), the expert axes
@@ -368,7 +412,7 @@ def expert_parallel_moe(x: Array, top_i: Array, top_p: Array, wi_gate: Array,
   tok = _name(dispatch_axes)
   body = functools.partial(
       _ep_local, expert_axes=expert_axes, gather_d_axes=d_axes, gather_f_axes=gather_f,
-      psum_f_axes=psum_f, ep=ep, capacity_factor=capacity_factor)
+      psum_f_axes=psum_f, ep=ep, capacity_factor=capacity_factor, chunk=dispatch_chunk)
   out, dropped = jax.shard_map(
       body, mesh=mesh,
       in_specs=(P(tok, None), P(tok, None), P(tok, None), P(tok), w_in_spec, w_in_spec,

@@ -211,7 +211,8 @@ class MoE(nn.Module):
     elif cfg.moe_impl == "expert_parallel":
       out, dropped = moe.expert_parallel_moe(
           xf, top_i, top_p, wg.astype(dt), wu.astype(dt), wd.astype(dt),
-          token_mask=token_mask.reshape(-1), capacity_factor=cfg.moe_capacity_factor)
+          token_mask=token_mask.reshape(-1), capacity_factor=cfg.moe_capacity_factor,
+          dispatch_chunk=cfg.moe_dispatch_chunk)
       self.sow("intermediates", "moe_dropped", dropped)
     else:
       flat_e = top_i.reshape(-1)  # [N*k]
