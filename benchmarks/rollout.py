@@ -183,7 +183,7 @@ def swap_section(cfg, params, tok, repeats, n, swap_every):
     def fn():
       tps, seconds, swaps, _ = drive(_engine(cfg, params, warm, 1), tok, n, swap=policy_name,
                                      swap_every=swap_every)
-      runs.setdefault(policy_name, []).append((seconds, swaps))
+      runs.setdefault(policy_name or "none", []).append((seconds, swaps))
       return tps
     return fn
 

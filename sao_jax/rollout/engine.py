@@ -400,7 +400,11 @@ class PolicyEngine:
       self.shardings = engine_shardings(cfg, slots, max_len, mesh, self.rules)
     self._device = device or (jax.local_devices()[0] if mesh is None else mesh.devices.flat[0])
     self._lock = threading.Lock()
-    self._rng = jax.random.key(seed)
+    # Committed to the engine's devices from the start: a jitted call sees
+    # the same argument placement on an engine's first call as on its later
+    # ones (an uncommitted key would compile each program a second time).
+    self._rng = jax.device_put(jax.random.key(seed), self._device if mesh is None
+                               else self.shardings.replicated)
     self._jits: dict[Any, Any] = {}
     self.params = self.load_params(params)
     self.version = version
