@@ -10,6 +10,7 @@ import jax.numpy as jnp
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 ATTENTION_IMPLS = ("reference", "chunked", "splash")
 MOE_IMPLS = ("dense", "ragged", "expert_parallel", "blocked")
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # Rows per expert block of moe_impl="blocked".
 MOE_BLOCK = 128
 
@@ -57,7 +58,12 @@ class ModelConfig:
   # expert_parallel only: each device dispatches its tokens in rounds of
   # this many (bounded all-to-all buffers, same result); 0: one round.
   moe_dispatch_chunk: int = 0
-  # Parameter and activation dtypes.
+  # Parameter and activation dtypes (FLOAT_DTYPES; names are accepted).
+  # Mixed precision, bf16 compute with fp32 master weights: dtype
+  # "bfloat16", param_dtype "float32". Every matmul and activation is then
+  # bf16, while RMSNorm statistics, softmaxes, the router and the log-probs
+  # stay fp32; gradients come back fp32 (the transpose of the cast), so
+  # Adam's moments and the update are fp32.
   param_dtype: Any = jnp.float32
   dtype: Any = jnp.float32
   # --- Scale (DESIGN.md section 8). The defaults are the plain reference
@@ -101,6 +107,16 @@ class ModelConfig:
   prefill_chunk: int = 0
 
   def __post_init__(self):
+    for field in ("param_dtype", "dtype"):
+      value = getattr(self, field)
+      try:
+        dtype = jnp.dtype(value)
+      except TypeError:
+        dtype = None
+      if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{field} must be one of {[d.name for d in FLOAT_DTYPES]}, "
+                         f"got {value!r}")
+      object.__setattr__(self, field, dtype)  # one canonical form: equal configs hash alike
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
@@ -153,9 +169,6 @@ class ModelConfig:
   def from_dict(cls, d) -> "ModelConfig":
     """From a plain dict or ml_collections.ConfigDict (dtypes by name)."""
     d = dict(d)
-    for key in ("param_dtype", "dtype"):
-      if isinstance(d.get(key), str):
-        d[key] = jnp.dtype(d[key])
     if "dense_layers" in d:
       d["dense_layers"] = tuple(d["dense_layers"])
     unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
