@@ -61,9 +61,9 @@ class ModelConfig:
   # Parameter and activation dtypes (FLOAT_DTYPES; names are accepted).
   # Mixed precision, bf16 compute with fp32 master weights: dtype
   # "bfloat16", param_dtype "float32". Every matmul and activation is then
-  # bf16, while RMSNorm statistics, softmaxes, the router and the log-probs
-  # stay fp32; gradients come back fp32 (the transpose of the cast), so
-  # Adam's moments and the update are fp32.
+  # bf16, while RMSNorm statistics, the attention and router softmaxes and
+  # the log-probs stay fp32; gradients come back fp32 (the transpose of the
+  # cast), so Adam's moments and the update are fp32.
   param_dtype: Any = jnp.float32
   dtype: Any = jnp.float32
   # --- Scale (DESIGN.md section 8). The defaults are the plain reference
