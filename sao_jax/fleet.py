@@ -7,10 +7,12 @@ weights as versioned orbax checkpoints, both under one shared directory
 (`fleet.root`, default `<workdir>/fleet`):
 
     <root>/weights/<version>/         orbax: the policy params after <version>
-                                      actor updates, and a JSON meta (the
-                                      trainer's consumed-shard watermarks)
+                                      actor updates, and a JSON meta (version,
+                                      publish time)
     <root>/trajectories/<rollout_id>-<seq>.array_record
                                       one closed shard of one rollout process
+    <root>/consumed.json              the trainer's cursor: per rollout, the
+                                      highest shard it has fully read
     <root>/DONE                       the trainer finished RL: rollouts exit
 
 Visibility is by rename only, so a reader never sees half of anything:
@@ -45,10 +47,14 @@ what it holds: a trainer killed after publishing versions v+1.. resumes from
 its checkpoint at v, removes those versions (a future it discarded) and
 republishes; the rollouts follow it back.
 
-The watermarks in each version's meta also give backpressure without a
-channel back: a rollout holding `fleet.max_unread_shards` shards the trainer
-has not consumed stops emitting (its driver blocks, like the in-process
-queue's `put`) until a newer version reports progress.
+The feed's watermarks (`consumed.json`, rewritten atomically whenever a
+shard is finished) also give backpressure without a channel back: a rollout
+holding `fleet.max_unread_shards` closed shards the trainer has not read
+stops emitting (its driver blocks, like the in-process queue's `put`) until
+the trainer reads on. It cannot deadlock: the trainer only waits when it has
+read every closed shard, and then no rollout has any unread. (Progress is
+not taken from the weight versions: a trainer short of a batch publishes
+nothing, and would wait on rollouts that wait on it.)
 
 Polling is deliberate: shared filesystems and object stores (GCS) have no
 portable change notification, and the poll interval (`fleet.poll_seconds`)
@@ -77,6 +83,7 @@ from sao_jax.data.trajectory import Trajectory
 
 WEIGHTS = "weights"
 TRAJECTORIES = "trajectories"
+CONSUMED = "consumed.json"
 DONE = "DONE"
 SHARD_SUFFIX = ".array_record"
 _SHARD_NAME = re.compile(r"^([A-Za-z0-9_]+)-(\d{8})" + re.escape(SHARD_SUFFIX) + r"$")
@@ -109,13 +116,27 @@ def parse_shard_name(name: str) -> tuple[str, int] | None:
   return (match.group(1), int(match.group(2))) if match else None
 
 
-def mark_done(root: str, version: int) -> None:
-  """Tells the rollouts that RL is over (atomically: temp file, rename)."""
-  os.makedirs(root, exist_ok=True)
-  tmp = os.path.join(root, f"{DONE}.tmp-{os.getpid()}")
+def _write_json(path: str, value) -> None:
+  """`value` at `path`, atomically: a temp file, then a rename."""
+  tmp = f"{path}.tmp-{os.getpid()}"
   with open(tmp, "w", encoding="utf-8") as f:
-    json.dump({"version": int(version), "time": time.time()}, f)
-  os.replace(tmp, os.path.join(root, DONE))
+    json.dump(value, f)
+  os.replace(tmp, path)
+
+
+def mark_done(root: str, version: int) -> None:
+  """Tells the rollouts that RL is over."""
+  os.makedirs(root, exist_ok=True)
+  _write_json(os.path.join(root, DONE), {"version": int(version), "time": time.time()})
+
+
+def read_consumed(root: str) -> dict[str, int]:
+  """The trainer's watermarks: rollout id -> highest shard seq fully read."""
+  try:
+    with open(os.path.join(root, CONSUMED), encoding="utf-8") as f:
+      return {str(k): int(v) for k, v in json.load(f).items()}
+  except (FileNotFoundError, ValueError, AttributeError, TypeError):
+    return {}
 
 
 def is_done(root: str) -> bool:
@@ -190,7 +211,7 @@ class WeightFollower:
     self._abstract = _with_device(abstract_params)
     self._ckpt: Checkpointer | None = None
     self.version: int | None = None
-    self.meta: dict = {}
+    self._published = None  # when the held version was published: its identity
     self.failed_restores = 0
 
   def retarget(self, abstract_params) -> None:
@@ -207,13 +228,14 @@ class WeightFollower:
 
   def poll(self):
     """(params, version, meta) when the newest version differs from the one
-    held (newer, or older after a trainer restart), else None."""
+    held, else None. Differs: newer, older after a trainer restart, or the
+    same number published again by a restarted trainer (whose version v is
+    not the discarded run's v), told apart by the publish time."""
     newest = self.newest()
     if newest is None:
       return None
     version, meta = newest
-    self.meta = meta  # the trainer's progress, for backpressure
-    if version == self.version:
+    if (version, meta.get("published")) == (self.version, self._published):
       return None
     if self._ckpt is None:
       # Read-only use of a manager: it never saves here, so it never prunes.
@@ -225,7 +247,7 @@ class WeightFollower:
       # next poll takes whatever is newest then.
       self.failed_restores += 1
       return None
-    self.version, self.meta = version, meta
+    self.version, self._published = version, meta.get("published")
     return params, version, meta
 
   def close(self) -> None:
@@ -310,6 +332,7 @@ class ShardFeed:
                log: Callable[[str], None] = print):
     self.dir = trajectories_dir(root)
     os.makedirs(self.dir, exist_ok=True)
+    self._consumed_path = os.path.join(root, CONSUMED)
     self._max_length = max_length
     self._validator = TrajectoryQueue(1, vocab_size, max_length, current_version, max_staleness)
     self.poll_seconds = poll_seconds
@@ -332,6 +355,7 @@ class ShardFeed:
     self.env_faults: collections.Counter = collections.Counter()
     self.last_shard_age_s = 0.0
     self.wait_s = 0.0
+    _write_json(self._consumed_path, self.consumed)  # a restarted trainer's, too
 
   # --- the cursor ------------------------------------------------------------
 
@@ -414,6 +438,7 @@ class ShardFeed:
     self._current = None
     self._sizes.pop(name, None)
     self.shards_consumed += 1
+    _write_json(self._consumed_path, self.consumed)
     self._log(f"[fleet] consumed {name}: {self._in_shard[0]} trajectories, "
               f"{self._in_shard[1]} rejected")
 

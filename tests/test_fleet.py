@@ -74,6 +74,9 @@ def test_only_renamed_shards_are_read_in_completion_order(tmp_path):
   a2.rotate_if_older(now=time.time() + 2e9)  # by age
   assert [t.prompt_id for t in feed.take(1)] == [7]
   assert feed.state() == {"consumed": {"a": 1, "b": 0}, "current": None}
+  # What rollouts read for backpressure: a's 2 closed shards are both read.
+  assert fleet.read_consumed(root) == {"a": 1, "b": 0}
+  assert fleet.unread_shards(fleet.read_consumed(root), "a", a2.last_closed) == 0
 
 
 def test_cursor_resumes_exactly_once(tmp_path):
@@ -118,7 +121,7 @@ def test_weights_only_complete_versions_and_discarded_futures(tmp_path):
   params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones((3,), jnp.bfloat16)}
   pub = fleet.WeightPublisher(root, keep=3, version=0)
   for v in range(3):
-    pub.publish(jax.tree.map(lambda x, v=v: x + v, params), v, {"consumed": {"r0": v}})
+    pub.publish(jax.tree.map(lambda x, v=v: x + v, params), v, {"note": v})
   pub.close()
   wdir = fleet.weights_dir(root)
   # Half-written versions: orbax's temporary, and a directory with no commit.
@@ -126,7 +129,7 @@ def test_weights_only_complete_versions_and_discarded_futures(tmp_path):
   os.makedirs(os.path.join(wdir, "4", "state"))
   follower = fleet.WeightFollower(root, jax.eval_shape(lambda: params))
   got, version, meta = follower.poll()
-  assert version == 2 and meta["consumed"] == {"r0": 2}
+  assert version == 2 and meta["note"] == 2
   np.testing.assert_array_equal(got["w"], params["w"] + 2)
   assert got["b"].dtype == jnp.bfloat16
   assert follower.poll() is None  # nothing newer
@@ -138,6 +141,13 @@ def test_weights_only_complete_versions_and_discarded_futures(tmp_path):
   got, version, _ = follower.poll()
   assert version == 1
   np.testing.assert_array_equal(got["w"], params["w"] + 1)
+  # Resumed at 0 and trained again to 1: the same number, other params.
+  pub = fleet.WeightPublisher(root, keep=3, version=0)
+  pub.publish(jax.tree.map(lambda x: x - 7, params), 1)
+  pub.close()
+  got, version, _ = follower.poll()
+  assert version == 1
+  np.testing.assert_array_equal(got["w"], params["w"] - 7)
   follower.close()
 
 
@@ -153,3 +163,141 @@ def test_fleet_config_is_checked():
     config[section][name] = value
     with pytest.raises(configuration.ConfigError, match=match):
       configuration.validate(config, num_devices=8)
+
+
+# --- the real trainer and two rollout processes ------------------------------------
+
+RL_STEPS = 16
+RUN = (
+    "--config.rl.mode=fleet", "--config.sft.steps=2", "--config.sft.batch_size=8",
+    "--config.value_pretrain.steps=0", f"--config.rl.steps={RL_STEPS}", "--config.rl.batch_size=8", "--config.rollout.slots=8",
+    "--config.rollout.max_len=128", "--config.eval.num_tasks=1", "--config.eval.slots=1",
+    "--config.log_every=1", "--config.checkpoint.every=2", "--config.tensorboard=False",
+    "--config.fleet.shard_trajectories=4", "--config.fleet.shard_seconds=2.0",
+    "--config.fleet.poll_seconds=0.2", "--config.fleet.max_unread_shards=2",
+)
+HANG_GUARD_S = 600
+
+
+def start(tmp_path, name, script, workdir, *flags, devices):
+  """A launch/<script> child process on `devices` simulated CPU devices, its
+  output in <tmp_path>/<name>.log; the compile cache of tests/conftest.py
+  reaches it through the environment."""
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+  cmd = [sys.executable, os.path.join(ROOT, "launch", script),
+         f"--config={os.path.join(ROOT, 'configs', 'sao_tiny.py')}", f"--workdir={workdir}",
+         f"--config.sharding.mesh={{'data': {devices}}}", *RUN, *flags]
+  log = open(tmp_path / f"{name}.log", "w", encoding="utf-8")  # pylint: disable=consider-using-with
+  return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def log_of(tmp_path, name):
+  return (tmp_path / f"{name}.log").read_text(encoding="utf-8")
+
+
+def wait_for(what, condition, procs):
+  """Polls `condition` until true; fails if a process dies or the guard runs out."""
+  deadline = time.time() + HANG_GUARD_S
+  while time.time() < deadline:
+    if condition():
+      return
+    for name, p in procs.items():
+      if p.poll() is not None:
+        pytest.fail(f"{name} exited ({p.returncode}) while waiting for {what}")
+    time.sleep(0.5)
+  pytest.fail(f"hang guard: no {what} within {HANG_GUARD_S} s")
+
+
+def rl_steps(workdir):
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path, encoding="utf-8") as f:
+    lines = [json.loads(line) for line in f if line.endswith("\n")]
+  return [r["step"] for r in lines if r["stage"] == "rl"]
+
+
+def shards(root, rollout_id):
+  return sorted(n for n in os.listdir(fleet.trajectories_dir(root))
+                if (fleet.parse_shard_name(n) or ("",))[0] == rollout_id)
+
+
+def consumed(log):
+  names = [line.split()[2].rstrip(":") for line in log.splitlines()
+           if line.startswith("[fleet] consumed ")]
+  assert len(names) == len(set(names)), "a shard consumed twice by one trainer"
+  return set(names)
+
+
+def test_trainer_and_two_rollouts_survive_kills(tmp_path):
+  workdir = str(tmp_path / "run")
+  root = os.path.join(workdir, "fleet")
+  os.makedirs(fleet.trajectories_dir(root))
+  procs = {"trainer": start(tmp_path, "trainer1", "train.py", workdir, devices=8)}
+  for rid in ("r0", "r1"):
+    procs[rid] = start(tmp_path, rid, "rollout.py", workdir, f"--rollout_id={rid}", devices=1)
+  try:
+    # 1. SIGKILL a rollout once it has renamed shards and RL is training.
+    # r1 is frozen (SIGSTOP) until the trainer restart: then the trainer's
+    # pace is the restarted r0's, and RL is far from done when it is killed.
+    wait_for("RL steps and shards of r0",
+             lambda: len(rl_steps(workdir)) >= 1 and len(shards(root, "r0")) >= 2, procs)
+    procs["r1"].send_signal(signal.SIGSTOP)
+    procs["r0"].send_signal(signal.SIGKILL)
+    procs["r0"].wait()
+    before_kill = shards(root, "r0")  # every shard renamed before the kill
+    step_at_kill = max(rl_steps(workdir))
+    procs["r0"] = start(tmp_path, "r0_restarted", "rollout.py", workdir, "--rollout_id=r0",
+                        devices=1)
+
+    # 2. Training goes on; SIGKILL the trainer once a later RL checkpoint is complete.
+    def trained_on_after_kill():
+      committed = [m["stage_step"] for m in committed_checkpoints(
+          os.path.join(workdir, "checkpoints")).values() if m["stage"] == "rl"]
+      return committed and max(committed) >= step_at_kill + 2 and len(
+          shards(root, "r0")) > len(before_kill)
+    wait_for("an RL checkpoint after the rollout kill", trained_on_after_kill, procs)
+    procs["trainer"].send_signal(signal.SIGKILL)
+    procs["trainer"].wait()
+    procs["r1"].send_signal(signal.SIGCONT)
+    t1_steps = rl_steps(workdir)
+    restarted_at = time.time()
+    procs["trainer"] = start(tmp_path, "trainer2", "train.py", workdir, devices=8)
+    # (Rollouts exit when it marks RL done, before its final evaluation.)
+    assert procs["trainer"].wait(timeout=HANG_GUARD_S) == 0, log_of(tmp_path, "trainer2")[-3000:]
+    # 3. The rollouts see DONE and exit cleanly, their open shards renamed.
+    for rid in ("r0", "r1"):
+      assert procs[rid].wait(timeout=HANG_GUARD_S) == 0, log_of(tmp_path, rid)[-3000:]
+  finally:
+    for p in procs.values():
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+
+  t1, t2 = log_of(tmp_path, "trainer1"), log_of(tmp_path, "trainer2")
+  assert "[fleet] trainer at version" in t1 and max(t1_steps) < RL_STEPS
+  assert "Resumed from checkpoint" in t2 and "stage rl" in t2
+  resumed_at = int(t2.split("stage rl step ")[1].split()[0])
+  assert resumed_at >= step_at_kill + 2
+  # Training did not stop at the rollout kill, and finished after the restart.
+  assert max(rl_steps(workdir)) == RL_STEPS and os.path.exists(os.path.join(workdir, "summary.json"))
+  # The restarted rollout continued r0's sequence; nothing renamed before
+  # the kill was lost: each such shard was consumed (once per trainer life).
+  assert f"shards from r0-{len(before_kill):08d}" in log_of(tmp_path, "r0_restarted")
+  assert set(before_kill) <= consumed(t1) | consumed(t2)
+  final = committed_checkpoints(os.path.join(workdir, "checkpoints"))
+  cursor = final[max(final)]["fleet"]
+  assert cursor["consumed"]["r0"] >= fleet.parse_shard_name(before_kill[-1])[1]
+  # The rollouts followed the restarted trainer to its last version (the
+  # killed trainer never got there), and shards written after its restart
+  # hold versions beyond its resume point.
+  for name in ("r0_restarted", "r1"):
+    assert f"last version {RL_STEPS}," in log_of(tmp_path, name), log_of(tmp_path, name)[-2000:]
+  later = [os.path.join(fleet.trajectories_dir(root), n)
+           for n in shards(root, "r0") + shards(root, "r1")
+           if os.path.getmtime(os.path.join(fleet.trajectories_dir(root), n)) > restarted_at]
+  trajs, _ = store.read_valid_trajectories(later, TOK.vocab_size, 128)
+  assert "[fleet] consumed" in t2
+  assert max(int(t.policy_version.max()) for t in trajs) > resumed_at
+  assert not any(".tmp-" in n for n in os.listdir(fleet.trajectories_dir(root)))
