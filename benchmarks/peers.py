@@ -24,7 +24,10 @@ train: one policy update (forward, backward, adamw, jit, donated state) on
   the function its PPO learner trains with) under `jax.value_and_grad` and
   `optax.adamw`; sao-jax: `make_train_step(advantage="group",
   policy_loss="ppo_clip")`, the whole actor step with its metrics and the
-  non-finite guard. Same optimizer, same tokens, same advantages.
+  non-finite guard. Same optimizer, same tokens, same advantages. sao-jax
+  runs three model settings: `moe_impl="dense"` (the default: every token
+  through every expert, like Tunix's CPU fallback), `"blocked"` (top-k FLOPs,
+  exact) and "blocked" with bf16 compute.
 generate: B prompts of P tokens, N new tokens each, temperature 1. Tunix:
   `Sampler.__call__` (its prefill then its jitted decode while-loop);
   sao-jax: `PolicyEngine.generate_batch` (one prefill, then the engine's
@@ -43,6 +46,7 @@ tokens plus 256 new (16 slots of 1024-token contexts).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -77,11 +81,11 @@ SHAPES = {
 LR = 1e-5
 
 
-def sao_config(max_len: int) -> mcfg.ModelConfig:
+def sao_config(max_len: int, **overrides) -> mcfg.ModelConfig:
   return mcfg.ModelConfig(
       vocab_size=128, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2,
       head_dim=32, num_experts=4, experts_per_token=2, moe_d_ff=256,
-      max_seq_len=max_len, rope_theta=1e6, rms_eps=1e-6)
+      max_seq_len=max_len, rope_theta=1e6, rms_eps=1e-6, **overrides)
 
 
 def tunix_config(cfg: mcfg.ModelConfig) -> tunix_qwen3.ModelConfig:
@@ -227,11 +231,19 @@ def train_section(shape: str, repeats: int):
   rows, length = SHAPES[shape][:2]
   cfg, params, model = build_models(length)
   batch, example = train_batch(cfg, rows, length)
-  fns = {"tunix": tunix_train_fn(model, example), "sao": sao_train_fn(cfg, params, batch)}
+  # sao-jax's model settings: the default dense MoE (every token through
+  # every expert, as Tunix's CPU path does), the block-sparse top-k MoE, and
+  # the latter with bf16 compute (fp32 master weights; Tunix stays fp32).
+  arms = {"dense MoE, fp32": cfg,
+          "blocked MoE, fp32": dataclasses.replace(cfg, moe_impl="blocked"),
+          "blocked MoE, bf16 compute": dataclasses.replace(cfg, moe_impl="blocked",
+                                                           dtype="bfloat16")}
+  fns = {"tunix": tunix_train_fn(model, example)}
+  fns.update({name: sao_train_fn(c, params, batch) for name, c in arms.items()})
   sec = time_fns(fns, {k: () for k in fns}, repeats=repeats)
   tps = {k: rows * length / s for k, s in sec.items()}
-  return [f"| train: policy update, {rows} x {length} | {tps['tunix']:,.0f} | "
-          f"{tps['sao']:,.0f} | {tps['sao'] / tps['tunix']:.2f} |"], tps
+  return [f"| train: policy update, {rows} x {length}, sao-jax {name} | {tps['tunix']:,.0f} | "
+          f"{tps[name]:,.0f} | {tps[name] / tps['tunix']:.2f} |" for name in arms], tps
 
 
 # --- generation ----------------------------------------------------------------------
