@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -219,10 +220,13 @@ def sft_start(launch: Launcher, workdir: str, arm: Arm, overrides: dict, seed: i
   key = sft_key(load_config(arm.config, overrides))
   sft_dir = os.path.join(workdir, "sft", key, f"seed_{seed}")
   marker = os.path.join(sft_dir, "sft_done.json")
-  if not os.path.exists(marker):
-    print(f"[experiments] SFT start seed {seed} ({key}) -> {sft_dir}", flush=True)
-    wall = launch("sft.py", arm.config, overrides, sft_dir)
-    _write_json(marker, {"wall_s": wall, "key": key})
+  os.makedirs(os.path.dirname(sft_dir), exist_ok=True)
+  with open(sft_dir + ".lock", "w", encoding="utf-8") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # another runner's SFT of this seed: wait for it
+    if not os.path.exists(marker):
+      print(f"[experiments] SFT start seed {seed} ({key}) -> {sft_dir}", flush=True)
+      wall = launch("sft.py", arm.config, overrides, sft_dir)
+      _write_json(marker, {"wall_s": wall, "key": key})
   return sft_dir
 
 
@@ -232,6 +236,19 @@ def run_arm(launch: Launcher, workdir: str, finding: Finding, arm: Arm, seed: in
   rdir = run_dir(workdir, finding, arm, seed)
   if os.path.exists(os.path.join(rdir, "summary.json")):
     return rdir
+  # Two runners on one grid (e.g. different --arms) never train one run twice.
+  os.makedirs(os.path.dirname(rdir), exist_ok=True)
+  with open(rdir + ".lock", "w", encoding="utf-8") as lock:
+    try:
+      fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      print(f"[experiments] {rdir} is being run by another runner; skipped", flush=True)
+      return rdir
+    return _run_arm_locked(launch, workdir, finding, arm, seed, budget_steps, base_overrides,
+                           rdir)
+
+
+def _run_arm_locked(launch, workdir, finding, arm, seed, budget_steps, base_overrides, rdir):
   overrides = {**finding.overrides, **base_overrides, **arm.overrides, "seed": seed}
   sft_dir = sft_start(launch, workdir, arm, overrides, seed)
   if not os.path.exists(os.path.join(rdir, "checkpoints")):

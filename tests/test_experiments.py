@@ -104,3 +104,17 @@ def test_smoke_grid_end_to_end(tmp_path):
   saved = json.load(open(tmp_path / "r" / "results.json", encoding="utf-8"))
   assert saved["smoke"] and "vs_reference" in saved["arms"]["grpo_sync"]
   assert (tmp_path / "r" / "results.png").exists()
+
+
+def test_a_run_held_by_another_runner_is_skipped_not_run_twice(tmp_path):
+  import fcntl  # pylint: disable=g-import-not-at-top
+
+  def launch(*args):
+    raise AssertionError(f"launched {args}")
+
+  f = headline.FINDING
+  rdir = runner.run_dir(str(tmp_path), f, f.arm("sao"), 0)
+  os.makedirs(os.path.dirname(rdir))
+  with open(rdir + ".lock", "w", encoding="utf-8") as held:
+    fcntl.flock(held, fcntl.LOCK_EX)
+    assert runner.run_arm(launch, str(tmp_path), f, f.arm("sao"), 0, 3, {}) == rdir
