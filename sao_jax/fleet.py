@@ -71,7 +71,7 @@ import re
 import shutil
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import grain
 import jax
@@ -80,6 +80,7 @@ from sao_jax.checkpoint import Checkpointer, committed_checkpoints
 from sao_jax.data import store
 from sao_jax.data.ingestion import TrajectoryQueue
 from sao_jax.data.trajectory import Trajectory
+from sao_jax.rollout.driver import ENV_FAULTS
 
 WEIGHTS = "weights"
 TRAJECTORIES = "trajectories"
@@ -88,8 +89,8 @@ DONE = "DONE"
 SHARD_SUFFIX = ".array_record"
 _SHARD_NAME = re.compile(r"^([A-Za-z0-9_]+)-(\d{8})" + re.escape(SHARD_SUFFIX) + r"$")
 ROLLOUT_ID = re.compile(r"^[A-Za-z0-9_]+$")
-# Finish reasons of episodes an environment broke (rollout.driver.ENV_FAULTS).
-_ENV_FAULTS = ("env_error", "env_timeout", "env_garbage")
+# Seconds without a new shard between the feed's "still waiting" lines.
+REPORT_WAIT_S = 60.0
 
 
 def root_of(config, workdir: str) -> str:
@@ -324,12 +325,19 @@ class ShardFeed:
   and `max_staleness`, as in the in-process queue). `state` is what `state()`
   returned into a checkpoint. Only the shard being handed out is held in
   memory; the shards on disk are the queue.
+
+  `share(name, compute)` is how the processes of a multi-host trainer agree
+  on the next shard (`distributed.share_from_primary`: process 0 lists the
+  directory, the others take its answer), so every host trains on the same
+  batches; everything after the choice (reading, validation, the cursor) is
+  deterministic. Default: this process decides alone.
   """
 
   def __init__(self, root: str, vocab_size: int, max_length: int,
                current_version: Callable[[], int], max_staleness: int | None = None,
                state: dict | None = None, poll_seconds: float = 0.5,
-               log: Callable[[str], None] = print):
+               log: Callable[[str], None] = print,
+               share: Callable[[str, Callable[[], Any]], Any] | None = None):
     self.dir = trajectories_dir(root)
     os.makedirs(self.dir, exist_ok=True)
     self._consumed_path = os.path.join(root, CONSUMED)
@@ -337,6 +345,7 @@ class ShardFeed:
     self._validator = TrajectoryQueue(1, vocab_size, max_length, current_version, max_staleness)
     self.poll_seconds = poll_seconds
     self._log = log
+    self._share = share or (lambda name, compute: compute())
     state = state or {}
     # Per rollout: the highest sequence number fully consumed.
     self.consumed: dict[str, int] = {k: int(v) for k, v in state.get("consumed", {}).items()}
@@ -393,6 +402,10 @@ class ShardFeed:
     heads = {name for _, name in lowest.values()}
     return sorted(x for x in rest if x[1] in heads) + sorted(x for x in rest if x[1] not in heads)
 
+  def _next_pending(self) -> str | None:
+    pending = self._pending()
+    return pending[0][1] if pending else None
+
   def _open(self, name: str) -> grain.sources.ArrayRecordDataSource | None:
     try:
       source = grain.sources.ArrayRecordDataSource([os.path.join(self.dir, name)])
@@ -447,27 +460,34 @@ class ShardFeed:
     if self._current is not None:  # resuming the partial shard of a checkpoint
       self._load(*self._current)
     else:
-      pending = self._pending()
-      if not pending:
+      name = self._share("fleet_next_shard", self._next_pending)
+      if name is None:
         return False
-      self._load(pending[0][1], 0)
+      self._load(name, 0)
     if not self._buffer:  # nothing valid left in it
       self._finish_shard()
     return True
 
   def take(self, n: int, on_wait: Callable[[float], None] | None = None) -> list[Trajectory]:
-    """The next `n` valid trajectories, waiting for shards as long as it takes.
+    """The next `n` valid trajectories, waiting for shards as long as it takes
+    (and saying so every `REPORT_WAIT_S`).
 
     `on_wait(seconds_waited)` is called at every empty poll (a place for the
     caller's liveness checks; it may raise to give up).
     """
     out = []
     started = None
+    reported = 0
     while len(out) < n:
       if not self._buffer and not self._next_shard():
         started = started or time.time()
+        waited = time.time() - started
+        if waited >= (reported + 1) * REPORT_WAIT_S:
+          reported = int(waited // REPORT_WAIT_S)
+          self._log(f"[fleet] no new shard for {waited:.0f} s: are rollout processes "
+                    f"(launch/rollout.py) writing to {self.dir}?")
         if on_wait is not None:
-          on_wait(time.time() - started)
+          on_wait(waited)
         time.sleep(self.poll_seconds)
         continue
       if not self._buffer:
@@ -478,7 +498,7 @@ class ShardFeed:
       self._in_shard = (self._in_shard[0] + 1, self._in_shard[1])
       self.trajectories += 1
       self.generated_tokens += int(t.action_mask.sum())
-      if t.finish_reason in _ENV_FAULTS:
+      if t.finish_reason in ENV_FAULTS:
         self.env_faults[t.finish_reason] += 1
       if not self._buffer:
         self._finish_shard()

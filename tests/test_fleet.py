@@ -93,6 +93,27 @@ def test_cursor_resumes_exactly_once(tmp_path):
   assert sorted(first + rest) == list(range(12)) and len(set(first + rest)) == 12
 
 
+def test_processes_of_a_trainer_follow_the_shared_choice(tmp_path):
+  """A multi-host trainer's hosts take process 0's choice of each next shard
+  (here: one that is not this process's own first choice)."""
+  root = str(tmp_path)
+  for rid, start in (("a", 0), ("b", 100)):
+    w = fleet.ShardWriter(root, rid, max_trajectories=2, max_seconds=1e9)
+    for i in range(start, start + 2):
+      w.write(traj(i))
+  asked = []
+
+  def share(name, compute):
+    asked.append((name, compute()))
+    return "b-00000000.array_record" if len(asked) == 1 else compute()
+
+  feed = fleet.ShardFeed(root, TOK.vocab_size, MAX_LEN, current_version=lambda: 10,
+                         log=lambda _: None, share=share)
+  assert [t.prompt_id for t in feed.take(4)] == [100, 101, 0, 1]
+  assert asked == [("fleet_next_shard", "a-00000000.array_record"),
+                   ("fleet_next_shard", "a-00000000.array_record")]
+
+
 def test_bad_shards_and_records_are_counted_not_trained(tmp_path):
   root = str(tmp_path)
   d = fleet.trajectories_dir(root)
