@@ -294,6 +294,10 @@ def collect(rdir: str) -> dict | None:
   summary = _read_json(path)
   runner = _read_json(os.path.join(rdir, "runner.json")) if os.path.exists(
       os.path.join(rdir, "runner.json")) else {}
+  if "budget_tokens" not in runner and os.path.exists(os.path.join(rdir, "config.json")):
+    # A run finished without its runner (stopped meanwhile): its config says.
+    runner["budget_tokens"] = _read_json(os.path.join(rdir, "config.json"))["rl"].get(
+        "max_generated_tokens")
   # A resumed run appends to metrics.jsonl: keep the last record of each step.
   rl = {}
   evals = []
