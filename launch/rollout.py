@@ -69,7 +69,8 @@ def main(argv):
     if first is None:
       stop.wait(f.poll_seconds)
   if first is None:
-    print(f"[rollout {rid}] stopped before any weights were published", flush=True)
+    why = "the trainer is done" if fleet.is_done(root) else "stopped"
+    print(f"[rollout {rid}] {why} before any weights were published", flush=True)
     return
   params, version, _ = first
   engine = trainer.make_engine(config, model_cfg, params, version, seed=seed,
