@@ -46,8 +46,23 @@ Launch (one command per host, same config; see README "Multi-host"):
 
 Fields left empty come from the environment (`JAX_COORDINATOR_ADDRESS`,
 `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`) or JAX's cluster auto-detection (TPU
-pods, SLURM, Open MPI, Kubernetes). On CPU, JAX's collectives across
-processes are gloo (the `jax_cpu_collectives_implementation` default).
+pods, SLURM, Open MPI, Kubernetes).
+
+CPU processes (tests, a laptop cluster) reach each other through gloo,
+which gives up when one process arrives at a collective's first run 30 s
+after another (a constant of XLA's gloo key-value store), so there the
+processes must stay in step:
+
+  * barriers that may wait long go through the coordination service, with
+    timeouts of minutes (orbax's own, its
+    `experimental_orbax_use_distributed_barrier` flag, set here) to hours
+    (`sync`, `share_from_primary`), not through device collectives;
+  * the train steps compile ahead of their first run, then wait for each
+    other (`lockstep`): the compile is where processes drift apart most;
+  * the persistent compilation cache is off: only process 0 writes it and
+    the processes' cache keys differ (measured: the same global program,
+    two keys), so a warm cache makes process 0 fast and the others compile,
+    minutes apart under load.
 """
 
 from __future__ import annotations
@@ -59,6 +74,7 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
+from absl import flags
 from jax._src import distributed as _jax_distributed  # the coordination service client
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -98,7 +114,47 @@ def initialize(dist_config) -> bool:
   if pid < 0:
     pid = int(env["JAX_PROCESS_ID"]) if "JAX_PROCESS_ID" in env else None
   jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid)
+  if jax.default_backend() == "cpu":
+    jax.config.update("jax_enable_compilation_cache", False)
+  import orbax.checkpoint  # pylint: disable=g-import-not-at-top,unused-import  (defines the flag)
+  flags.FLAGS["experimental_orbax_use_distributed_barrier"].value = True
   return True
+
+
+def sync(name: str) -> None:
+  """Waits until every process has called `sync(name)` (the n-th call of each).
+
+  A barrier over the coordination service, for points after host work whose
+  time differs between processes (environment set-up), so that the next
+  device collective starts in step.
+  """
+  if jax.process_count() == 1:
+    return
+  _jax_distributed.global_state.client.wait_at_barrier(
+      f"sao_jax/sync/{next(_shared)}/{name}", WAIT_FOR_PRIMARY_S * 1000)
+
+
+def lockstep(jitted, name: str):
+  """`jitted`, compiled before its first run on each input signature, then `sync`ed.
+
+  Each process compiles the same program at its own pace; without the
+  barrier the first to finish would start the program's collectives and
+  wait for the others (on CPU, 30 s at most). A single process gets
+  `jitted` itself.
+  """
+  if jax.process_count() == 1:
+    return jitted
+  compiled = {}
+
+  def call(*args):
+    leaves, treedef = jax.tree.flatten(args)
+    key = (treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves))
+    if key not in compiled:
+      compiled[key] = jitted.lower(*args).compile()
+      sync(f"compiled/{name}")
+    return compiled[key](*args)
+
+  return call
 
 
 def is_primary() -> bool:
