@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import jax
@@ -25,9 +24,11 @@ from sao_jax.envs.demonstrations import demonstration_trajectory
 from sao_jax.envs.python_tool import PythonTool
 from sao_jax.envs.tokenizer import CharTokenizer
 
+import runs  # pylint: disable=g-bad-import-order
+
 TOK = CharTokenizer()
 ENV = PythonTool()
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = runs.ROOT
 MAX_LEN = 256
 
 
@@ -173,12 +174,10 @@ def test_weights_only_complete_versions_and_discarded_futures(tmp_path):
 
 
 def test_fleet_config_is_checked():
-  sys.path.insert(0, os.path.join(ROOT, "configs"))
-  import common  # pylint: disable=g-import-not-at-top
   for field, value, match in (("fleet.keep_versions", 1, "fleet.keep_versions = 1"),
                               ("fleet.poll_seconds", 0.0, "fleet.poll_seconds"),
                               ("rollout.samples_per_prompt", 2, "rl.mode = 'fleet'")):
-    config = common.get_config()
+    config = runs.load_config_module("sao_tiny.py").get_config()
     config.rl.mode = "fleet"
     section, name = field.split(".")
     config[section][name] = value
@@ -204,13 +203,11 @@ def start(tmp_path, name, script, workdir, *flags, devices):
   """A launch/<script> child process on `devices` simulated CPU devices, its
   output in <tmp_path>/<name>.log; the compile cache of tests/conftest.py
   reaches it through the environment."""
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-             JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-  cmd = [sys.executable, os.path.join(ROOT, "launch", script),
-         f"--config={os.path.join(ROOT, 'configs', 'sao_tiny.py')}", f"--workdir={workdir}",
-         f"--config.sharding.mesh={{'data': {devices}}}", *RUN, *flags]
+  cmd = runs.command(script, workdir, f"--config.sharding.mesh={{'data': {devices}}}", *flags,
+                     run_flags=RUN)
   log = open(tmp_path / f"{name}.log", "w", encoding="utf-8")  # pylint: disable=consider-using-with
-  return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+  return subprocess.Popen(cmd, env=runs.child_env(devices), stdout=log,
+                          stderr=subprocess.STDOUT, cwd=ROOT)
 
 
 def log_of(tmp_path, name):
