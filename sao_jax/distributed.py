@@ -148,7 +148,8 @@ def lockstep(jitted, name: str):
 
   def call(*args):
     leaves, treedef = jax.tree.flatten(args)
-    key = (treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves))
+    key = (treedef, tuple((np.shape(x), getattr(x, "dtype", None), getattr(x, "sharding", None))
+                          for x in leaves))
     if key not in compiled:
       compiled[key] = jitted.lower(*args).compile()
       sync(f"compiled/{name}")
