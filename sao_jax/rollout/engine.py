@@ -17,7 +17,12 @@ The rollout driver uses the fused `step`: append any number of pending tokens
 to chosen slots and sample each slot's next token, in one jitted call (the
 same primitive as prefill and generate, so continuous batching can mix
 observation appends with decoding). Lengths are bucketed so each width
-compiles once.
+compiles once. Decoding goes through `decode`: a jitted loop of up to K
+one-token steps with per-slot stops (a stop token, a per-slot budget), which
+returns every sampled token, log-prob and count in one transfer, and is
+dispatched asynchronously (`collect` fetches it) so the host can work
+meanwhile. `generate_batch(prompts, max_new_tokens)` is the engine as a
+plain sampler (one prefill, one loop).
 
 `sao_jax/rollout/jetstream_bridge.py` (the `jetstream` extra) subclasses
 JetStream's abstract Engine with this class; nothing here imports jetstream.
