@@ -371,10 +371,10 @@ def aggregate(finding: Finding, runs: dict[str, dict[int, dict]]) -> dict:
 
 # ------------------------------------------------------------------ plotting
 def smooth(y: Sequence[float], k: int = 5) -> np.ndarray:
+  """A running mean over up to `k` logged points (fewer on short curves)."""
   y = np.asarray(y, np.float64)
-  if y.size < k:
-    return y
-  return np.convolve(y, np.ones(k) / k, mode="valid")
+  k = max(1, min(k, y.size // 4))
+  return np.convolve(y, np.ones(k) / k, mode="valid") if y.size else y
 
 
 def plot(finding: Finding, runs: dict, result: dict, path: str) -> None:
