@@ -12,7 +12,7 @@ import json
 from absl import flags, logging
 from ml_collections import config_flags
 
-from sao_jax import configuration, trainer
+from sao_jax import configuration, distributed, trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (resumes from it).")
@@ -22,6 +22,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
+  distributed.initialize(_CONFIG.value.distributed)  # before anything touches devices
   print(json.dumps(trainer.train(_CONFIG.value, _WORKDIR.value, until="value_pretrain")))
 
 

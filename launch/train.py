@@ -2,13 +2,15 @@
 
 Intentionally kept short: flags in, one call into sao_jax.trainer.
 Override any field: --config.rl.steps=200 --config.rollout.max_staleness=4.
+Multi-host: the same command on every host, with
+--config.distributed.enabled=True and the coordinator / process fields
+(sao_jax/distributed.py; README "Multi-host training").
 """
 
-import jax
 from absl import flags, logging
 from ml_collections import config_flags
 
-from sao_jax import configuration, trainer
+from sao_jax import configuration, distributed, trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (resumes from it).")
@@ -18,8 +20,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
-  if _CONFIG.value.distributed:
-    jax.distributed.initialize()
+  distributed.initialize(_CONFIG.value.distributed)  # before anything touches devices
   trainer.train(_CONFIG.value, _WORKDIR.value)
 
 

@@ -219,10 +219,11 @@ def host_local_copy(tree, mesh: jax.sharding.Mesh):
   """The whole of a pytree sharded over `mesh`, on this process's first device.
 
   A collective over every process (each gets its own copy), for host-side
-  work that needs whole params: the in-process engine. A single process
-  returns `tree` as it is (its arrays are all addressable already).
+  work that needs whole params: the in-process engine. A tree this process
+  can read whole already (a single process's, or a copy made before) is
+  returned as it is.
   """
-  if jax.process_count() == 1:
+  if all(x.is_fully_addressable for x in jax.tree.leaves(tree)):
     return tree
   replicated = NamedSharding(mesh, PartitionSpec())
   full = jax.jit(lambda t: t, out_shardings=replicated)(tree)
