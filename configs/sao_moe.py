@@ -8,25 +8,32 @@ Starts from an SFT checkpoint in Hugging Face safetensors layout (loaded one
 tensor at a time into its shardings) instead of running SFT. Mesh: fsdp over
 16 chips x expert parallelism over 8, data parallel over the rest; the
 sharding rules below are the whole placement. The trainer runs one SPMD
-program over all hosts of the slice (`distributed = True` below makes
-launch/train.py call jax.distributed.initialize()).
+program over all hosts of the slice (`distributed.enabled = True` below
+makes launch/train.py call jax.distributed.initialize(); on a TPU slice the
+coordinator, process count and index are auto-detected).
 
 Target layout: training on a v5p-256 slice (128 chips, 95.74 GiB HBM each;
-v5p names count TensorCores), mesh data 1 x fsdp 16 x expert 8, the
-rollout engine colocated on the same mesh (`rollout.sharded_engine`), or on
-its own slice with `launch/compile.py --rollout_mesh`. Check it fits with
+v5p names count TensorCores), mesh data 1 x fsdp 16 x expert 8, the batch
+split over all three (256 rows of 32768 tokens: 2 rows a chip), the
+rollout engine colocated on the same mesh (`rollout.sharded_engine`: 256
+slots x 32768 cache positions, slots over all 128 chips), or on its own
+slice with `launch/compile.py --rollout_mesh`. The model preset brings the
+pod-scale paths: 48 scanned layers with full remat, splash attention,
+log-probs over 1024-token chunks, expert-parallel dropless MoE dispatching
+8192 tokens a chip per round, chunked prefill of 2048 tokens. Check it fits
+with
 
     python launch/compile.py --config=configs/sao_moe.py --topology=v5p-256
 
-(benchmarks/RESULTS.md, "Pod scale": at full depth the RL step fits at
-64 x 32768 and 256 x 4096 tokens, decode fits; the 256 x 32768 RL / value
-batches and the full-width prefill do not fit yet).
+(benchmarks/RESULTS.md, "Pod scale": SFT, value pretraining, the RL step
+at 256 x 32768, prefill of [256, 32768] and decode each compile and fit
+with >= 10% headroom, the colocated engine's params and cache included).
 
 Not yet built for this scale: rollout on its own slice fed through the
 trajectory store and versioned checkpoints (DESIGN.md section 5, the
-multi-process issue); chunked prefill for long re-feeds. The config is
-compiled for TPU by launch/compile.py and exercised abstractly in the
-tests (shapes, parameter count, sharding rules); it has not run on a pod.
+multi-process issue); a paged KV cache. The config is compiled for TPU by
+launch/compile.py and exercised abstractly in the tests (shapes, parameter
+count, sharding rules); it has not run on a pod.
 
 Settings follow the paper where DESIGN.md gives them (K = 2 critic updates,
 frozen critic attention, value pretraining, skip-observation GAE with
@@ -42,8 +49,11 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # pylint: disable=g-import-not-at-top
 
+# The batch is split over every axis (data x fsdp x expert: one or two rows
+# a chip), the standard expert-parallel layout: the MoE dispatches each
+# chip's own tokens (models/moe.py), and no chip repeats another's work.
 POD_RULES = (
-    ("batch", ("data", "fsdp")), ("length", None), ("embed", "fsdp"),
+    ("batch", ("data", "fsdp", "expert")), ("length", None), ("embed", "fsdp"),
     ("vocab", "tensor"), ("heads", "tensor"), ("kv_heads", None), ("head_dim", None),
     ("mlp", "tensor"), ("expert", "expert"), ("layers", None),
 )
@@ -52,13 +62,15 @@ POD_RULES = (
 def get_config(arg=None):
   del arg
   c = common.get_config()
-  c.distributed = True
+  c.distributed.enabled = True
   c.model.preset = "qwen3_30b_a3b"
   c.env.tokenizer_path = ""  # required: the model's tokenizer.json
   c.sharding.mesh = {"data": -1, "fsdp": 16, "expert": 8, "tensor": 1}
   c.sharding.rules = POD_RULES
   c.sft.init_from_hf = ""  # required: the SFT checkpoint directory
   c.sft.steps = 0
+  # A whole number of rows per chip (the batch is split 128 ways).
+  c.sft.batch_size = 128
   c.data.buckets = (4096, 8192, 16384, 32768)
   c.rollout.max_len = 32768
   c.rollout.max_turn_tokens = 8192

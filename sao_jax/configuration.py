@@ -30,7 +30,7 @@ from absl import app
 from sao_jax.rollout.driver import SWAP_POLICIES
 from sao_jax.train_step import ADVANTAGES, POLICY_LOSSES, StepConfig
 
-MODES = ("async", "sync")
+MODES = ("async", "sync", "fleet")
 
 
 class ConfigError(ValueError):
@@ -66,6 +66,8 @@ _RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("rollout.slots", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     ("rollout.max_len", lambda v: _is_int(v) and v >= 8, "an integer >= 8"),
     ("rollout.max_turn_tokens", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    ("rollout.decode_steps", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    ("env.tool_latency_s", lambda v: _is_real(v) and v >= 0, "a finite number of seconds >= 0"),
     ("rollout.temperature", lambda v: _is_real(v) and v > 0, "a finite number > 0"),
     ("rollout.samples_per_prompt", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     ("rollout.env_workers", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
@@ -91,9 +93,19 @@ _RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("rl.eval_every", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
     ("rl.max_nonfinite_updates", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     ("rl.max_rollout_restarts", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    ("rl.max_generated_tokens", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0: off)"),
+    ("rl.group_std_normalize", lambda v: isinstance(v, bool), "True or False"),
+    ("fleet.root", lambda v: isinstance(v, str), "a path (\"\": <workdir>/fleet)"),
+    ("fleet.shard_trajectories", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    ("fleet.shard_seconds", lambda v: _is_real(v) and v > 0, "a finite number of seconds > 0"),
+    ("fleet.keep_versions", lambda v: _is_int(v) and v >= 2,
+     "an integer >= 2 (a rollout may be reading the one before the newest)"),
+    ("fleet.poll_seconds", lambda v: _is_real(v) and v > 0, "a finite number of seconds > 0"),
+    ("fleet.max_unread_shards", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     ("eval.num_tasks", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     ("eval.slots", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     ("eval.temperature", lambda v: _is_real(v) and v > 0, "a finite number > 0"),
+    ("eval.samples_per_task", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     ("checkpoint.every", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     ("checkpoint.keep", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     ("checkpoint.min_free_gb", lambda v: _is_real(v) and v >= 0, "a finite number >= 0"),
@@ -104,17 +116,8 @@ def _fail(field: str, value, allowed: str):
   raise ConfigError(f"{field} = {value!r}: must be {allowed}")
 
 
-def validate(config, num_devices: int | None = None) -> None:
-  """Raises ConfigError on the first setting that cannot work.
-
-  `num_devices` (default: all JAX devices of this process) checks that the
-  mesh fits the devices, so a bad mesh fails before the workdir exists.
-  """
-  from sao_jax.models import config as model_config  # pylint: disable=g-import-not-at-top
-
-  if config.model.preset not in model_config.PRESETS:
-    _fail("model.preset", config.model.preset, f"one of {sorted(model_config.PRESETS)}")
-  for field, ok, allowed in _RANGES:
+def _check_ranges(config, ranges) -> None:
+  for field, ok, allowed in ranges:
     try:
       value = _get(config, field)
     except (KeyError, AttributeError):
@@ -122,6 +125,49 @@ def validate(config, num_devices: int | None = None) -> None:
                         "which defines it") from None
     if not ok(value):
       _fail(field, value, allowed)
+
+
+# The `distributed` section, relative to it (sao_jax/distributed.py).
+_DISTRIBUTED_RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("enabled", lambda v: isinstance(v, bool), "True or False"),
+    ("coordinator_address", lambda v: isinstance(v, str),
+     "a string host:port ('' : from the environment)"),
+    ("num_processes", lambda v: _is_int(v) and v >= 0,
+     "an integer >= 0 (0: from the environment)"),
+    ("process_id", lambda v: _is_int(v) and v >= -1,
+     "an integer >= -1 (-1: from the environment)"),
+)
+
+
+def validate_distributed(dist) -> None:
+  """Checks the `distributed` section; run before jax.distributed.initialize."""
+  try:
+    _check_ranges(dist, _DISTRIBUTED_RANGES)
+  except ConfigError as e:
+    raise ConfigError(f"distributed.{e}") from None
+  if dist.num_processes and dist.process_id >= dist.num_processes:
+    _fail("distributed.process_id", dist.process_id,
+          f"< distributed.num_processes ({dist.num_processes})")
+
+
+def validate(config, num_devices: int | None = None, num_processes: int | None = None) -> None:
+  """Raises ConfigError on the first setting that cannot work.
+
+  `num_devices` (default: all JAX devices of every process) checks that the
+  mesh fits the devices, so a bad mesh fails before the workdir exists;
+  `num_processes` (default: the processes JAX runs as) refuses what a
+  multi-host run cannot do.
+  """
+  from sao_jax.models import config as model_config  # pylint: disable=g-import-not-at-top
+
+  if config.model.preset not in model_config.PRESETS:
+    _fail("model.preset", config.model.preset, f"one of {sorted(model_config.PRESETS)}")
+  compute_dtype = config.model.get("compute_dtype", "")
+  dtype_names = [d.name for d in model_config.FLOAT_DTYPES]
+  if compute_dtype and compute_dtype not in dtype_names:
+    _fail("model.compute_dtype", compute_dtype, f"'' or one of {dtype_names}")
+  _check_ranges(config, _RANGES)
+  validate_distributed(config.distributed)
   c, r = config.rl, config.rollout
   if c.mode not in MODES:
     _fail("rl.mode", c.mode, f"one of {MODES}")
@@ -134,6 +180,11 @@ def validate(config, num_devices: int | None = None) -> None:
   uses_critic = StepConfig(advantage=c.advantage).uses_critic
   if uses_critic and c.critic_updates < 1:
     _fail("rl.critic_updates", c.critic_updates, f">= 1 with rl.advantage = {c.advantage!r}")
+  if c.mode == "fleet" and r.samples_per_prompt != 1:
+    # The fleet's checkpointed cursor is per trajectory; a GRPO group split
+    # across a trainer restart would be half trained.
+    _fail("rollout.samples_per_prompt", r.samples_per_prompt,
+          "1 with rl.mode = 'fleet' (single-rollout arms)")
   if c.advantage == "group" and r.samples_per_prompt < 2:
     _fail("rollout.samples_per_prompt", r.samples_per_prompt,
           ">= 2 for the group advantage")
@@ -160,10 +211,22 @@ def validate(config, num_devices: int | None = None) -> None:
   if r.max_turn_tokens >= r.max_len:
     _fail("rollout.max_turn_tokens", r.max_turn_tokens, f"< rollout.max_len ({r.max_len})")
   _check_mesh(dict(config.sharding.mesh), num_devices)
+  # With several processes every host must train on the same batches, and
+  # the in-process rollout's completion order differs from host to host.
+  processes = _process_count() if num_processes is None else num_processes
+  if processes > 1 and c.steps > 0 and c.mode in ("async", "sync"):
+    raise ConfigError(f"rl.mode = {c.mode!r} with {processes} processes: the in-process "
+                      "rollout cannot feed a multi-host trainer; run rollout on its own "
+                      "slices (rl.mode = 'fleet'), or rl.steps = 0")
   if "faults" in config:
     for name, value in config.faults.items():
       if not (_is_int(value) and value >= 0):
         _fail(f"faults.{name}", value, "an integer >= 0 (0: off)")
+
+
+def _process_count() -> int:
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.process_count()
 
 
 def _check_mesh(mesh: dict, num_devices: int | None) -> None:

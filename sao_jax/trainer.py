@@ -34,7 +34,7 @@ import ml_collections
 import numpy as np
 
 from sao_jax import advantages as adv
-from sao_jax import configuration, optim, sharding
+from sao_jax import configuration, distributed, fleet, optim, sharding
 from sao_jax.checkpoint import Checkpointer, abstract_like
 from sao_jax.data import packing, prompts as prompt_data, store
 from sao_jax.data.ingestion import TrajectoryQueue
@@ -65,7 +65,36 @@ def build_model_config(config, tokenizer=None) -> model_config.ModelConfig:
   else:
     base = preset()
   overrides = dict(config.model.get("overrides", {}))
+  if config.model.get("compute_dtype", ""):
+    overrides["dtype"] = config.model.compute_dtype
   return dataclasses.replace(base, **overrides) if overrides else base
+
+
+def make_engine(config, model_cfg: model_config.ModelConfig, params, version: int, *,
+                seed: int | None = None, mesh: jax.sharding.Mesh | None = None) -> PolicyEngine:
+  """The rollout engine a config asks for, on `params` at `version`.
+
+  With `rollout.sharded_engine` and a `mesh`, the engine lays params and KV
+  cache out on it (slots over the batch axes, kv heads over "tensor");
+  otherwise one device holds everything. `seed` defaults to seed + version.
+  """
+  r = config.rollout
+  placement = dict(mesh=mesh, rules=rollout_rules(mesh)) if r.sharded_engine and mesh else {}
+  return PolicyEngine(model_cfg, params, slots=r.slots, max_len=r.max_len,
+                      sampling=SamplingConfig(r.temperature, r.top_k, r.top_p),
+                      seed=config.seed + int(version) if seed is None else seed,
+                      version=version, **placement)
+
+
+def make_driver(config, engine: PolicyEngine, env, tok, prompt_iter, emit) -> RolloutDriver:
+  """The training rollout driver a config asks for (the trainer's thread or a
+  fleet rollout process: the same construction)."""
+  r = config.rollout
+  return RolloutDriver(engine, env, tok, prompt_iter, emit,
+                       samples_per_prompt=r.samples_per_prompt,
+                       max_turn_tokens=r.max_turn_tokens, env_workers=r.env_workers,
+                       swap_policy=r.swap_policy, env_timeout=r.env_timeout,
+                       decode_steps=r.decode_steps, tool_latency_s=config.env.tool_latency_s)
 
 
 def step_config(config) -> StepConfig:
@@ -188,6 +217,7 @@ class _Run:
     self.step_cfg = step_config(config)
     self.max_len = config.rollout.max_len
     self.metrics = MetricsWriter(workdir, tensorboard=config.get("tensorboard", True))
+    distributed.sync("setup")  # the hosts' set-up times differ; collectives follow
     self.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep)
 
     # Mesh, shardings, optimizers and steps (shapes first, then placement).
@@ -197,7 +227,9 @@ class _Run:
     self.policy_shardings, self.critic_shardings = p.policy_shardings, p.critic_shardings
     self.sft_tx, self.policy_tx, self.critic_tx = p.sft_tx, p.policy_tx, p.critic_tx
     self.state_shardings = p.state_shardings
-    self.rl_step, self.value_step, self.sft_step = p.rl_step, p.value_step, p.sft_step
+    self.rl_step, self.value_step, self.sft_step = (
+        distributed.lockstep(f, name) for f, name in
+        ((p.rl_step, "rl_step"), (p.value_step, "value_step"), (p.sft_step, "sft_step")))
     policy_params, _ = sharding.sharded_init(p.policy_init, self.mesh, self.rules)
     critic_params, _ = sharding.sharded_init(p.critic_init, self.mesh, self.rules)
     self.state = jax.jit(p.init_state, out_shardings=self.state_shardings)(policy_params,
@@ -221,14 +253,22 @@ class _Run:
     self._save(force=True)
 
   def _put_batch(self, batch):
-    return jax.device_put(batch, self.batch_sharding)
+    """A whole packed numpy batch as global arrays (each process places its rows)."""
+    return distributed.global_batch(batch, self.batch_sharding, len(batch["tokens"]))
+
+  def _pack(self, trajs, rows, baseline_advantages=None):
+    """The batch of `trajs` in `rows` rows; this process builds only its own rows."""
+    return distributed.pack_batch(trajs, rows, self.config.data.buckets, self.batch_sharding,
+                                  baseline_advantages)
 
   def _eval(self, name, params):
     e = self.config.eval
-    result = pass_at_1(self.model_cfg, params, self.frozen_env, self.tok, num_tasks=e.num_tasks,
-                       slots=e.slots, max_len=self.max_len,
-                       max_turn_tokens=self.config.rollout.max_turn_tokens,
-                       temperature=e.temperature, seed=self.config.seed + 7)
+    params = distributed.host_local_copy(params, self.mesh)  # every process joins
+    result = distributed.share_from_primary(f"eval/{name}", lambda: pass_at_1(
+        self.model_cfg, params, self.frozen_env, self.tok, num_tasks=e.num_tasks,
+        slots=e.slots, max_len=self.max_len, max_turn_tokens=self.config.rollout.max_turn_tokens,
+        temperature=e.temperature, seed=self.config.seed + 7,
+        samples_per_task=e.get("samples_per_task", 1)))
     self.meta["evals"][name] = result
     self.metrics.write(int(self.state.step), {f"eval/{k}": v for k, v in result.items()}, "eval")
     print(f"[eval] {name}: pass@1 {result['pass@1']:.3f} on {result['tasks']} held-out tasks "
@@ -253,7 +293,7 @@ class _Run:
       idx = np.random.default_rng([self.config.seed, 2, step]).integers(
           0, self.config.data.num_train_tasks, c.batch_size)
       trajs = [demonstration_trajectory(self.env, self.env.task(int(i)), self.tok) for i in idx]
-      batch = self._put_batch(packing.pack(trajs, c.batch_size, self.config.data.buckets))
+      batch = self._pack(trajs, c.batch_size)
       with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):  # activation constraints
         policy_params, opt, m = self.sft_step(policy_params, opt, batch)
       _wait(policy_params)
@@ -285,16 +325,25 @@ class _Run:
       return self._advance("rl")
     shard = os.path.join(self.workdir, "trajectories", "value_pretrain.array_record")
     if not self.meta.get("value_store_done"):
-      # Trajectories of the initial policy, into the trajectory store.
-      engine = self._engine(self.state.policy, version=0)
-      with store.TrajectoryWriter(shard) as writer:
-        driver = RolloutDriver(engine, self.frozen_env, self.tok,
-                               iter(range(10**9, 10**9 + c.num_trajectories)), writer.write,
-                               max_turn_tokens=self.config.rollout.max_turn_tokens,
-                               env_workers=self.config.rollout.env_workers,
-                               env_timeout=self.config.rollout.env_timeout)
-        driver.run()
-        driver.stop()
+      # Trajectories of the initial policy, into the trajectory store (by
+      # process 0 of a multi-host run; every process then reads it back).
+      params = distributed.host_local_copy(self.state.policy, self.mesh)
+
+      def generate() -> int:
+        engine = self._engine(params, version=0)
+        with store.TrajectoryWriter(shard) as writer:
+          driver = RolloutDriver(engine, self.frozen_env, self.tok,
+                                 iter(range(10**9, 10**9 + c.num_trajectories)), writer.write,
+                                 max_turn_tokens=self.config.rollout.max_turn_tokens,
+                                 env_workers=self.config.rollout.env_workers,
+                                 env_timeout=self.config.rollout.env_timeout)
+          driver.run()
+          driver.stop()
+        return driver.stats.generated_tokens
+
+      generated = distributed.share_from_primary("value_pretrain_store", generate)
+      # Budgets count every token the policy generates, warm-up included.
+      self.meta["generated_tokens"] = self.meta.get("generated_tokens", 0) + generated
       self.meta["value_store_done"] = True
       print(f"[value_pretrain] stored {c.num_trajectories} trajectories of the SFT policy",
             flush=True)
@@ -308,7 +357,7 @@ class _Run:
     b = self.config.rl.batch_size
     for step in range(self.meta["stage_step"], c.steps):
       trajs = [data[(step * b + j) % len(data)] for j in range(b)]
-      batch = self._put_batch(packing.pack(trajs, b, self.config.data.buckets))
+      batch = self._pack(trajs, b)
       with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
         self.state, m = self.value_step(self.state, batch)
         _wait(self.state)
@@ -323,15 +372,15 @@ class _Run:
     self._advance("rl")
 
   def _engine(self, params, version):
-    r = self.config.rollout
     # Colocated and sharded: the engine lays params and KV cache out on the
     # trainer's mesh (slots over the batch axes, kv heads over "tensor") and
     # weight swaps reshard on device. Off by default on CPU, where one device
     # serves the tiny model best.
-    mesh = dict(mesh=self.mesh, rules=rollout_rules(self.mesh)) if r.sharded_engine else {}
-    return PolicyEngine(self.model_cfg, params, slots=r.slots, max_len=self.max_len,
-                        sampling=SamplingConfig(r.temperature, r.top_k, r.top_p),
-                        seed=self.config.seed + int(version), version=version, **mesh)
+    # With several processes an engine is one host's: its devices, a local copy.
+    engine_mesh = (self.mesh if jax.process_count() == 1
+                   else sharding.make_mesh({"data": -1}, jax.local_devices()))
+    params = distributed.host_local_copy(params, self.mesh)  # collective on a global tree
+    return make_engine(self.config, self.model_cfg, params, version, mesh=engine_mesh)
 
   def rl(self):
     c, r = self.config.rl, self.config.rollout
@@ -345,7 +394,8 @@ class _Run:
 
     # The rollout side's state; the driver is replaced if its thread dies.
     # Counters of drivers that died are kept here, so metrics stay cumulative.
-    rollout = {"restarts": 0, "driver": None, "gen_tokens": 0,
+    rollout = {"restarts": 0, "driver": None, "gen_tokens": 0, "gen_seconds": 0.0,
+               "env_seconds": 0.0,
                "env_faults": collections.Counter()}
     # The engine's (host-side) version: the trainer's state lives on device
     # and is donated step after step, so the rollout thread must not read it.
@@ -359,10 +409,7 @@ class _Run:
       """A fresh engine and driver on the current params (after a crash too)."""
       version = int(self.state.step)
       engine = self._engine(self.state.policy, version)
-      driver = RolloutDriver(engine, env, self.tok, prompt_iter, emit,
-                             samples_per_prompt=group_size, max_turn_tokens=r.max_turn_tokens,
-                             env_workers=r.env_workers, swap_policy=r.swap_policy,
-                             env_timeout=r.env_timeout)
+      driver = make_driver(self.config, engine, env, self.tok, prompt_iter, emit)
       if c.mode == "async":
         driver.start()
       rollout["driver"] = driver
@@ -371,6 +418,8 @@ class _Run:
       """The rollout thread died: restart it, or stop with its error."""
       dead = rollout["driver"]
       rollout["gen_tokens"] += dead.stats.generated_tokens
+      rollout["gen_seconds"] += dead.stats.generate_seconds
+      rollout["env_seconds"] += dead.stats.env_wait_seconds
       rollout["env_faults"].update(dead.stats.env_faults)
       dead.stop()
       rollout["restarts"] += 1
@@ -407,8 +456,27 @@ class _Run:
     per_step = c.batch_size  # trajectories per train step (groups x G for group arms)
     pending_groups: dict[int, list] = collections.defaultdict(list)
 
+    # rl.mode = "fleet": rollout processes (launch/rollout.py) write shards the
+    # feed reads; weights go back as versioned checkpoints (sao_jax/fleet.py).
+    feed = publisher = None
+    if c.mode == "fleet":
+      root = fleet.root_of(self.config, self.workdir)
+      feed = fleet.ShardFeed(root, self.tok.vocab_size, self.max_len,
+                             current_version=lambda: int(self.state.step),
+                             max_staleness=r.get("max_staleness"), state=self.meta.get("fleet"),
+                             poll_seconds=self.config.fleet.poll_seconds,
+                             share=distributed.share_from_primary)
+      publisher = fleet.WeightPublisher(root, self.config.fleet.keep_versions,
+                                        int(self.state.step))
+      publisher.publish(self.state.policy, int(self.state.step))
+      fleet.clear_done(root)
+      print(f"[fleet] trainer at version {int(self.state.step)}; shared storage {root}",
+            flush=True)
+
     def next_batch():
       """The next `per_step` trajectories in completion order (whole groups for GRPO)."""
+      if feed is not None:
+        return feed.take(per_step)
       out = []
       while len(out) < per_step:
         for t in incoming():
@@ -418,9 +486,14 @@ class _Run:
             out.extend(pending_groups.pop(gid))
       return out
 
-    start_driver()
-    wait_total, start_time = 0.0, time.time()
+    if feed is None:
+      start_driver()
+    wait_total, train_total, start_time = 0.0, 0.0, time.time()
     nonfinite_run = 0  # consecutive skipped actor updates
+    # Tokens generated before this launch: value pretraining's and, after a
+    # resume, the RL tokens up to the checkpoint (rl.max_generated_tokens).
+    tokens_before = self.meta.get("generated_tokens", 0)
+    budget = c.get("max_generated_tokens", 0)
     skipped_total = 0
     try:
       for step in range(self.meta["stage_step"], c.steps):
@@ -432,16 +505,19 @@ class _Run:
         baseline = None
         if self.step_cfg.advantage == "group":
           baseline = np.asarray(adv.group_advantages(
-              jnp.asarray(rewards), jnp.asarray([t.group_id for t in trajs])))
+              jnp.asarray(rewards), jnp.asarray([t.group_id for t in trajs]),
+              std_normalize=c.get("group_std_normalize", True)))
         elif self.step_cfg.advantage == "running_mean":
           rm_state, baseline = adv.running_mean_update(rm_state, jnp.asarray(rewards))
           baseline = np.asarray(baseline)
         batch = packing.pack(trajs, per_step, self.config.data.buckets, baseline)
         batch = self._put_batch(self.faults.poison_batch(step + 1, batch))
+        t1 = time.time()
         with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
           self.state, m = self.rl_step(self.state, batch)
           _wait(self.state)
         m = dict(jax.device_get(m))
+        train_total += time.time() - t1
         # Skipped updates leave params and version unchanged; a run of them
         # means the run has diverged: stop before writing anything more.
         nonfinite_run = nonfinite_run + 1 if m["policy/update_skipped"] else 0
@@ -457,29 +533,53 @@ class _Run:
         version = int(self.state.step)
         driver = rollout["driver"]
         if (step + 1) % c.sync_every == 0 and not m["policy/update_skipped"]:
-          driver.update_params(self.state.policy, version)
+          if publisher is not None:
+            publisher.publish(self.state.policy, version)
+            m["fleet/publish_s"] = publisher.last_publish_s
+          else:
+            driver.update_params(self.state.policy, version)
         self.meta["stage_step"] = step + 1
         elapsed = time.time() - start_time
-        env_faults = rollout["env_faults"] + driver.stats.env_faults
+        if feed is None:
+          gen_tokens = rollout["gen_tokens"] + driver.stats.generated_tokens
+          env_faults = rollout["env_faults"] + driver.stats.env_faults
+          source = trajq
+        else:  # what the rollout processes produced, as read from their shards
+          gen_tokens, env_faults, source = feed.generated_tokens, feed.env_faults, feed
+          m.update({"fleet/shards_consumed": feed.shards_consumed,
+                    "fleet/shard_age_s": feed.last_shard_age_s})
+        generated = tokens_before + gen_tokens
+        self.meta["generated_tokens"] = generated
+        budget_spent = bool(budget) and generated >= budget
         m.update({
             "rollout/reward_mean": float(rewards.mean()),
             "rollout/length_mean": float(np.mean([len(t) for t in trajs])),
             "rollout/turns_mean": float(np.mean([t.num_turns for t in trajs])),
-            "rollout/generated_tokens_per_s":
-                (rollout["gen_tokens"] + driver.stats.generated_tokens) / max(elapsed, 1e-6),
+            "rollout/generated_tokens_per_s": gen_tokens / max(elapsed, 1e-6),
+            "rollout/generated_tokens_total": generated,
             "rollout/restarts": rollout["restarts"],
             "policy/updates_skipped_total": skipped_total,
             "rollout/env_faults": sum(env_faults.values()),
-            "queue/depth": trajq.qsize(),
-            "queue/rejected": sum(trajq.rejected.values()),
+            "queue/depth": source.qsize(),
+            "queue/rejected": sum(source.rejected.values()),
             "trainer/idle_fraction": wait_total / max(elapsed, 1e-6),
             "trainer/batch_wait_s": wait,
+            # Wall-clock split: the trainer thread trains or waits for data;
+            # the rollout thread (async: at the same time) generates or waits
+            # on environment steps with no slot to decode.
+            "time/train_frac": train_total / max(elapsed, 1e-6),
+            "time/wait_frac": wait_total / max(elapsed, 1e-6),
         })
+        if feed is None:
+          m["time/generate_frac"] = ((rollout["gen_seconds"] + driver.stats.generate_seconds)
+                                     / max(elapsed, 1e-6))
+          m["time/env_frac"] = ((rollout["env_seconds"] + driver.stats.env_wait_seconds)
+                                / max(elapsed, 1e-6))
         m.update({f"rollout/env_fault_{k}": v for k, v in env_faults.items()})
-        m.update({f"queue/rejected_{k}": v for k, v in trajq.rejected.items()})
+        m.update({f"queue/rejected_{k}": v for k, v in source.rejected.items()})
         if self.faults.active:
           m.update({f"faults/injected_{k}": v for k, v in self.faults.counts().items()})
-        if (step + 1) % self.config.log_every == 0 or step + 1 == c.steps:
+        if (step + 1) % self.config.log_every == 0 or step + 1 == c.steps or budget_spent:
           rec = self.metrics.write(step + 1, m, "rl")
           progress("rl", step + 1, c.steps, rec, {
               "rollout/reward_mean": "reward", "policy/loss": "pi_loss",
@@ -491,9 +591,21 @@ class _Run:
         if (step + 1) % self.config.checkpoint.every == 0:
           self.meta["prompt_state"] = prompt_iter.get_state()
           self.meta["running_mean"] = [np.asarray(x).tolist() for x in rm_state]
+          if feed is not None:
+            self.meta["fleet"] = feed.state()
           self._save()
+        if budget_spent:
+          print(f"[rl] generated-token budget spent ({generated} >= {budget}) at step "
+                f"{step + 1}", flush=True)
+          break
     finally:
-      rollout["driver"].stop()
+      if feed is None:
+        rollout["driver"].stop()
+      else:
+        publisher.close()
+    if feed is not None:
+      self.meta["fleet"] = feed.state()
+      fleet.mark_done(fleet.root_of(self.config, self.workdir), int(self.state.step))
     self.meta["prompt_state"] = prompt_iter.get_state()
     self._advance("done")
 
@@ -501,9 +613,11 @@ class _Run:
     final = self._eval("final", self.state.policy)
     summary = {"sft_pass@1": self.meta["evals"].get("sft", {}).get("pass@1"),
                "final_pass@1": final["pass@1"], "evals": self.meta["evals"],
-               "rl_steps": int(self.state.step)}
-    with open(os.path.join(self.workdir, "summary.json"), "w", encoding="utf-8") as f:
-      json.dump(summary, f, indent=2)
+               "rl_steps": int(self.state.step),
+               "generated_tokens": self.meta.get("generated_tokens", 0)}
+    if distributed.is_primary():
+      with open(os.path.join(self.workdir, "summary.json"), "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2)
     print(f"[done] pass@1 SFT {summary['sft_pass@1']} -> final {summary['final_pass@1']}",
           flush=True)
     self._save(force=True)
@@ -528,8 +642,9 @@ def train(config: ml_collections.ConfigDict, workdir: str, until: str = "done") 
   run = _Run(config, workdir)
   # Only training records its config: eval / serve tools reuse _Run on the
   # same workdir and must not overwrite the run's record.
-  with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
-    f.write(config.to_json_best_effort(indent=2))
+  if distributed.is_primary():
+    with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
+      f.write(config.to_json_best_effort(indent=2))
   try:
     while run.meta["stage"] != until:
       getattr(run, run.meta["stage"])()
