@@ -1,6 +1,11 @@
-"""Fake environments shared by the rollout and engine tests."""
+"""Fakes shared by the tests: a fast environment and random model params."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 from sao_jax.envs.base import StepResult, Task
+from sao_jax.models import policy
 
 
 class EchoEnv:
@@ -25,3 +30,17 @@ class EchoEnv:
 
   def demonstration(self, task):
     return [("x", ">ab\n"), ("y", "")]
+
+
+def random_params(cfg, scale: float, seed: int = 0):
+  """Random params of `cfg`'s shapes, drawn on the host (no init compile):
+  weights N(0, scale^2), norms 1 + N(0, 0.2^2) so their gradients and
+  mapping are exercised."""
+  shapes = jax.eval_shape(lambda: policy.init_params(cfg, jax.random.key(0)))
+  rng = np.random.default_rng(seed)
+
+  def draw(path, leaf):
+    x = rng.normal(size=leaf.shape).astype(np.float32)
+    return jnp.asarray(1.0 + 0.2 * x if "norm" in jax.tree_util.keystr(path) else scale * x)
+
+  return jax.tree_util.tree_map_with_path(draw, shapes)

@@ -22,6 +22,8 @@ from sao_jax.models import attention, decoding, policy
 from sao_jax.models import config as mcfg
 from sao_jax.rollout import engine as engine_lib
 
+from fakes import random_params  # pylint: disable=g-bad-import-order
+
 # One dense layer, then two MoE layers (the scanned run), as in test_model_scale.
 REF = dataclasses.replace(mcfg.tiny(), d_model=32, num_heads=4, num_kv_heads=2, head_dim=8,
                           moe_d_ff=32, num_layers=3, dense_layers=(0,), dense_d_ff=48)
@@ -37,14 +39,7 @@ extend_last = jax.jit(decoding.extend_last, static_argnums=0)
 
 @pytest.fixture(scope="module")
 def params():
-  shapes = jax.eval_shape(lambda: policy.init_params(REF, jax.random.key(0)))
-  rng = np.random.default_rng(0)
-
-  def draw(path, leaf):
-    x = rng.normal(size=leaf.shape).astype(np.float32)
-    return jnp.asarray(1.0 + 0.2 * x if "norm" in jax.tree_util.keystr(path) else 0.3 * x)
-
-  return jax.tree_util.tree_map_with_path(draw, shapes)
+  return random_params(REF, 0.3)
 
 
 def test_cached_attention_equals_reference():

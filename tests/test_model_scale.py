@@ -28,6 +28,8 @@ from sao_jax.models import attention, decoding, hf_import, policy
 from sao_jax.models import config as mcfg
 from sao_jax.models.transformer import Transformer, lm_head_weight
 
+from fakes import random_params  # pylint: disable=g-bad-import-order
+
 # One dense layer first (like `small`), then two MoE layers: the scanned run.
 REF = dataclasses.replace(mcfg.tiny(), d_model=32, num_heads=4, num_kv_heads=2, head_dim=8,
                           moe_d_ff=32, num_layers=3, dense_layers=(0,), dense_d_ff=48)
@@ -78,16 +80,7 @@ extend = jit(decoding.extend, static_argnums=0)
 
 @pytest.fixture(scope="module")
 def params():
-  """Random params of REF's shapes (no init compile); norms 1 + noise so their
-  gradients and mapping are exercised."""
-  shapes = jax.eval_shape(lambda: policy.init_params(REF, jax.random.key(0)))
-  rng = np.random.default_rng(0)
-
-  def draw(path, leaf):
-    x = rng.normal(size=leaf.shape).astype(np.float32)
-    return jnp.asarray(1.0 + 0.2 * x if "norm" in jax.tree_util.keystr(path) else 0.1 * x)
-
-  return jax.tree_util.tree_map_with_path(draw, shapes)
+  return random_params(REF, 0.1)
 
 
 @pytest.fixture(scope="module")
