@@ -31,7 +31,8 @@ EXTRAS = {
         "torch==2.13.0",
         "transformers>=4.51",
     ],
-    # Plots of the benchmark and soak scripts.
+    # Plots: benchmarks, the soak, experiments/ and the quickstart notebook
+    # (the test suite runs the last two, so `make test` installs it).
     "bench": ["matplotlib>=3.8"],
     # JetStream's Engine API and gRPC server (pulls in seqio / TensorFlow).
     "jetstream": ["google-jetstream==0.2.2"],
