@@ -105,11 +105,15 @@ def get_config():
   c.rollout.samples_per_prompt = 1
   # Decode steps per engine call (a jitted loop with per-slot stops; 1: one
   # token per call). benchmarks/RESULTS.md has the measurement.
-  c.rollout.decode_steps = 8
+  c.rollout.decode_steps = 1
   # In-flight slots at a weight swap: recompute, keep or drain. "keep" (the
   # caches stay; every recorded log-prob is still the exact probability its
-  # token was sampled with) costs the least per swap: benchmarks/RESULTS.md.
-  c.rollout.swap_policy = "keep"
+  # token was sampled with) costs the least per swap, but with it and 8
+  # decode steps the CPU main job's rollout outran training, the queue
+  # filled, policy lag rose from ~2 to ~4.7 versions and that run collapsed
+  # (reward 0 from step 40); recompute + 1 step recovered as before
+  # (benchmarks/RESULTS.md, "The main job with the faster rollout defaults").
+  c.rollout.swap_policy = "recompute"
   # Environment worker threads (sandbox processes run in parallel).
   c.rollout.env_workers = 4
   # Seconds an environment step may take before its episode ends with
