@@ -134,6 +134,7 @@ class FaultInjector:
     self.crash = _Counter(self.rollout_crash_every)
     self._kinds = itertools.cycle(CORRUPTIONS)
     self.nonfinite_batches = 0
+    self.malformed_accepted = 0
 
   @classmethod
   def from_config(cls, faults_config) -> "FaultInjector":
@@ -156,10 +157,13 @@ class FaultInjector:
     def faulty_emit(t: Trajectory):
       if self.crash.hit():
         raise InjectedFault("injected rollout thread crash")
-      if self.malformed.hit():
-        t = dataclasses.replace(t)
-        next(self._kinds)(t, vocab_size)
-      return emit(t)
+      if not self.malformed.hit():
+        return emit(t)
+      t = dataclasses.replace(t)
+      next(self._kinds)(t, vocab_size)
+      accepted = emit(t)
+      self.malformed_accepted += bool(accepted)  # a corrupted record got in: a bug
+      return accepted
 
     return faulty_emit
 
@@ -177,4 +181,5 @@ class FaultInjector:
   def counts(self) -> dict[str, int]:
     return {"env_error": self.env_error.injected, "env_garbage": self.env_garbage.injected,
             "malformed": self.malformed.injected, "rollout_crash": self.crash.injected,
-            "nonfinite_batch": self.nonfinite_batches}
+            "nonfinite_batch": self.nonfinite_batches,
+            "malformed_accepted": self.malformed_accepted}

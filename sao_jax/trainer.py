@@ -548,6 +548,7 @@ class _Run:
           gen_tokens, env_faults, source = feed.generated_tokens, feed.env_faults, feed
           m.update({"fleet/shards_consumed": feed.shards_consumed,
                     "fleet/shard_age_s": feed.last_shard_age_s})
+        rejected = dict(source.rejected)  # one copy: the total and its reasons agree
         generated = tokens_before + gen_tokens
         self.meta["generated_tokens"] = generated
         budget_spent = bool(budget) and generated >= budget
@@ -561,7 +562,7 @@ class _Run:
             "policy/updates_skipped_total": skipped_total,
             "rollout/env_faults": sum(env_faults.values()),
             "queue/depth": source.qsize(),
-            "queue/rejected": sum(source.rejected.values()),
+            "queue/rejected": sum(rejected.values()),
             "trainer/idle_fraction": wait_total / max(elapsed, 1e-6),
             "trainer/batch_wait_s": wait,
             # Wall-clock split: the trainer thread trains or waits for data;
@@ -576,7 +577,9 @@ class _Run:
           m["time/env_frac"] = ((rollout["env_seconds"] + driver.stats.env_wait_seconds)
                                 / max(elapsed, 1e-6))
         m.update({f"rollout/env_fault_{k}": v for k, v in env_faults.items()})
-        m.update({f"queue/rejected_{k}": v for k, v in source.rejected.items()})
+        m.update({f"queue/rejected_{k}": v for k, v in rejected.items()})
+        # Read after the queue's counts: an injection is counted before its
+        # rejection, so injected_malformed >= queue/rejected at every step.
         if self.faults.active:
           m.update({f"faults/injected_{k}": v for k, v in self.faults.counts().items()})
         if (step + 1) % self.config.log_every == 0 or step + 1 == c.steps or budget_spent:

@@ -46,13 +46,20 @@ def test_trainer_survives_faults_and_stops_cleanly(tmp_path):
   assert rl[-1]["policy/updates_skipped_total"] == 2
   last = rl[-1]
   # Every corrupted trajectory was refused at the queue, and nothing else was.
+  # (The rollout thread goes on while the metrics are read: a corruption can
+  # be counted before its rejection is, never after.)
   assert last["faults/injected_malformed"] >= 3
-  assert last["queue/rejected"] == last["faults/injected_malformed"]
+  assert all(r["faults/injected_malformed_accepted"] == 0 for r in rl)
+  assert all(r["queue/rejected"] <= r["faults/injected_malformed"] for r in rl)
   assert sum(v for k, v in last.items() if k.startswith("queue/rejected_")) == last[
       "queue/rejected"]
   # Environment faults ended their episodes (counted) and training went on.
   assert last["rollout/env_fault_env_error"] >= 1 and last["rollout/env_fault_env_garbage"] >= 1
-  assert last["rollout/restarts"] == last["faults/injected_rollout_crash"] >= 1
+  # Every crash the trainer noticed was restarted. The newest crash may have
+  # fired in the rollout thread after the trainer last looked at it (it looks
+  # when the queue runs dry), so under load one restart can still be pending.
+  crashes, restarts = last["faults/injected_rollout_crash"], last["rollout/restarts"]
+  assert restarts >= 1 and crashes - 1 <= restarts <= crashes, (crashes, restarts)
   # Fault counts stay cumulative across rollout restarts (never go down).
   counted = [r["rollout/env_faults"] for r in rl]
   assert counted == sorted(counted)
