@@ -86,15 +86,16 @@ def make_engine(config, model_cfg: model_config.ModelConfig, params, version: in
                       version=version, **placement)
 
 
-def make_driver(config, engine: PolicyEngine, env, tok, prompt_iter, emit) -> RolloutDriver:
-  """The training rollout driver a config asks for (the trainer's thread or a
-  fleet rollout process: the same construction)."""
+def make_driver(config, engine: PolicyEngine, env, tok, prompt_iter, emit,
+                **overrides) -> RolloutDriver:
+  """The rollout driver a config asks for: the trainer's thread, a fleet
+  rollout process and value pretraining (with `overrides`) build it here."""
   r = config.rollout
-  return RolloutDriver(engine, env, tok, prompt_iter, emit,
-                       samples_per_prompt=r.samples_per_prompt,
-                       max_turn_tokens=r.max_turn_tokens, env_workers=r.env_workers,
-                       swap_policy=r.swap_policy, env_timeout=r.env_timeout,
-                       decode_steps=r.decode_steps, tool_latency_s=config.env.tool_latency_s)
+  kwargs = dict(samples_per_prompt=r.samples_per_prompt, max_turn_tokens=r.max_turn_tokens,
+                env_workers=r.env_workers, swap_policy=r.swap_policy,
+                env_timeout=r.env_timeout, decode_steps=r.decode_steps,
+                tool_latency_s=config.env.tool_latency_s)
+  return RolloutDriver(engine, env, tok, prompt_iter, emit, **dict(kwargs, **overrides))
 
 
 def step_config(config) -> StepConfig:
@@ -332,11 +333,11 @@ class _Run:
       def generate() -> int:
         engine = self._engine(params, version=0)
         with store.TrajectoryWriter(shard) as writer:
-          driver = RolloutDriver(engine, self.frozen_env, self.tok,
-                                 iter(range(10**9, 10**9 + c.num_trajectories)), writer.write,
-                                 max_turn_tokens=self.config.rollout.max_turn_tokens,
-                                 env_workers=self.config.rollout.env_workers,
-                                 env_timeout=self.config.rollout.env_timeout)
+          # One sample per prompt from a policy that never changes: no weight
+          # swaps to wait for, so several tokens per decode call.
+          driver = make_driver(self.config, engine, self.frozen_env, self.tok,
+                               iter(range(10**9, 10**9 + c.num_trajectories)), writer.write,
+                               samples_per_prompt=1, decode_steps=8)
           driver.run()
           driver.stop()
         return driver.stats.generated_tokens

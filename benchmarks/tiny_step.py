@@ -1,0 +1,146 @@
+"""The CPU default's train steps now vs an earlier commit, side by side.
+
+    python benchmarks/tiny_step.py [--ref 7adb88f] [--rounds 3] [--out benchmarks/RESULTS.md]
+
+Issue 9 changed the model and the trainer for pod scale (scanned layers,
+splash / chunked attention, chunked log-probs, expert-parallel MoE) behind
+config switches, and asks that the tiny CPU default's train step be no
+slower for it. This times the RL step (K critic updates + actor update) and
+the value-pretraining step that `configs/sao_tiny.py` builds
+(`trainer.build_programs`, the trainer's own construction) on one fixed
+packed batch, in this tree and in `--ref` (a `git archive` of it), each in
+its own process, the processes alternating ref, head, ref, head, ... so load
+on this shared box hits both alike. Read the ratio (head / ref time; below
+1: head faster).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Run inside the tree being timed (cwd and sys.path): only the API both trees
+# share (build_programs, Programs.init_state, the steps) is used.
+CHILD = r"""
+import json, sys, time
+import jax, numpy as np
+from flax import linen as nn
+sys.path.insert(0, "configs")
+import sao_tiny
+from sao_jax import trainer
+from sao_jax.envs import registry
+from sao_jax import sharding
+
+steps = int(sys.argv[1])
+config = sao_tiny.get_config()
+tok = registry.make_tokenizer(config.env)
+model_cfg = trainer.build_model_config(config, tok)
+mesh = sharding.make_mesh(dict(config.sharding.mesh))
+p = trainer.build_programs(config, model_cfg, trainer.step_config(config), mesh)
+with jax.set_mesh(mesh):
+  state = jax.jit(lambda: p.init_state(nn.unbox(p.policy_init()), nn.unbox(p.critic_init())),
+                  out_shardings=p.state_shardings)()
+  batch = {k: jax.device_put(v, p.batch_sharding) for k, v in np.load(sys.argv[2]).items()}
+  out = {}
+  for name in ("rl_step", "value_step"):
+    fn = getattr(p, name)
+    for _ in range(3):  # compile and warm up
+      state, m = fn(state, batch)
+    jax.block_until_ready(state)
+    times = []
+    for _ in range(steps):
+      t = time.perf_counter()
+      state, m = fn(state, batch)
+      jax.block_until_ready((state, m))
+      times.append(time.perf_counter() - t)
+    out[name] = float(np.median(times))
+print("RESULT " + json.dumps(out))
+"""
+
+
+def make_batch(path: str, seed: int = 0) -> None:
+  """One packed RL batch of sao_tiny's shape: 16 multi-turn trajectories."""
+  sys.path.insert(0, ROOT)
+  sys.path.insert(0, os.path.join(ROOT, "configs"))
+  import sao_tiny  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  from sao_jax.data import packing  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  from sao_jax.data.trajectory import Trajectory  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  config = sao_tiny.get_config()
+  vocab = registry.make_tokenizer(config.env).vocab_size
+  rng = np.random.default_rng(seed)
+  trajs = []
+  for i in range(config.rl.batch_size):
+    n = int(rng.integers(120, config.rollout.max_len))
+    mask = np.zeros(n, bool)
+    starts, pos = [], int(rng.integers(10, 30))
+    while pos < n:
+      k = min(int(rng.integers(10, 40)), n - pos)
+      mask[pos:pos + k] = True
+      starts.append(pos)
+      pos += k + int(rng.integers(5, 30))
+    rewards = np.zeros(n, np.float32)
+    rewards[np.flatnonzero(mask)[-1]] = float(rng.integers(0, 2))
+    trajs.append(Trajectory(
+        tokens=rng.integers(0, vocab, n).astype(np.int32), action_mask=mask,
+        rollout_logprobs=np.where(mask, -rng.uniform(0.1, 3.0, n), 0.0).astype(np.float32),
+        policy_version=np.zeros(n, np.int32), rewards=rewards,
+        turn_starts=np.asarray(starts, np.int32), prompt_id=i))
+  batch = packing.pack(trajs, config.rl.batch_size, config.data.buckets)
+  np.savez(path, **batch)
+
+
+def run_child(tree: str, batch: str, steps: int) -> dict:
+  proc = subprocess.run([sys.executable, "-c", CHILD, str(steps), batch], cwd=tree,
+                        env=dict(os.environ, PYTHONPATH=tree), capture_output=True, text=True,
+                        check=False)
+  for line in proc.stdout.splitlines():
+    if line.startswith("RESULT "):
+      return json.loads(line[7:])
+  raise RuntimeError(f"timing in {tree} failed:\n{proc.stderr[-3000:]}")
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--ref", default="7adb88f",
+                      help="the commit to compare with (default: before the pod-scale paths)")
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--steps", type=int, default=20, help="timed steps per program per run")
+  parser.add_argument("--out", default=None, help="append the table to this file")
+  args = parser.parse_args()
+  head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                        text=True, check=True).stdout.strip()
+  with tempfile.TemporaryDirectory() as tmp:
+    ref_tree = os.path.join(tmp, "ref")
+    os.makedirs(ref_tree)
+    archive = subprocess.run(["git", "archive", args.ref], cwd=ROOT, capture_output=True,
+                             check=True).stdout
+    subprocess.run(["tar", "-x", "-C", ref_tree], input=archive, check=True)
+    batch = os.path.join(tmp, "batch.npz")
+    make_batch(batch)
+    runs = {"ref": [], "head": []}
+    for r in range(args.rounds):
+      for name, tree in (("ref", ref_tree), ("head", ROOT)):
+        runs[name].append(run_child(tree, batch, args.steps))
+        print(f"round {r + 1} {name}: " + ", ".join(
+            f"{k} {v * 1e3:.1f} ms" for k, v in runs[name][-1].items()), flush=True)
+  lines = [f"| program (sao_tiny, 16 rows) | {args.ref} (ms) | {head} (ms) | {head} / {args.ref} |",
+           "|---|---|---|---|"]
+  for prog in ("rl_step", "value_step"):
+    ref = np.median([x[prog] for x in runs["ref"]])
+    new = np.median([x[prog] for x in runs["head"]])
+    lines.append(f"| {prog} | {ref * 1e3:.1f} | {new * 1e3:.1f} | {new / ref:.2f} |")
+  print("\n".join(lines))
+  if args.out:
+    with open(args.out, "a", encoding="utf-8") as f:
+      f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+  main()
