@@ -32,7 +32,9 @@ train: one policy update (forward, backward, adamw, jit, donated state) on
 generate: B prompts of P tokens, N new tokens each, temperature 1. Tunix:
   `Sampler.__call__` (its prefill then its jitted decode while-loop);
   sao-jax: `PolicyEngine.generate_batch` (one prefill, then the engine's
-  jitted multi-token decode loop; log-probs always recorded), and with
+  jitted multi-token decode loop; log-probs always recorded) with the
+  default and with the fast model settings of the train rows (plus a
+  chunked prefill at 1024 tokens), and with
   `--extra_arms` the engine's one-token `step` per host call. Tokens/s counts
   new tokens. No stop token on either side, so both make B x N tokens.
 gae: 256 x 8192, skip-observation GAE (sao-jax, multi-turn action mask) vs
@@ -231,18 +233,30 @@ def sao_train_fn(cfg, params, batch, eps_low=0.2, eps_high=0.28):
 FAST_NAME = {False: "blocked MoE", True: "blocked MoE, chunked attention"}
 
 
+def fast_settings(cfg: mcfg.ModelConfig, length: int, prefill: bool = False) -> mcfg.ModelConfig:
+  """sao-jax's fast model settings for sequences of `length` tokens.
+
+  The block-sparse top-k MoE, plus chunked attention (causal key blocks
+  skipped) where the rows are long enough for it to pay (measured: 1.76x at
+  1024 tokens with 256-token blocks, 0.86x at 256 tokens); for generation
+  (`prefill`) the prompt then also goes through in chunks of that size, so
+  the prefill uses the same blocked attention over the cache.
+  """
+  fast = dataclasses.replace(cfg, moe_impl="blocked")
+  if length >= 1024:
+    fast = dataclasses.replace(fast, attention_impl="chunked", attention_block=256,
+                               prefill_chunk=256 if prefill else 0)
+  return fast
+
+
 def train_section(shape: str, repeats: int, bf16: bool = False):
   rows, length = SHAPES[shape][:2]
   cfg, params, model = build_models(length)
   batch, example = train_batch(cfg, rows, length)
   # sao-jax's model settings: the defaults (dense MoE, every token through
   # every expert as in Tunix's CPU path; reference attention), and the fast
-  # settings: the block-sparse top-k MoE, plus chunked attention (causal key
-  # blocks skipped) where the rows are long enough for it to pay (measured:
-  # 1.76x at 1024 tokens with 256-token blocks, 0.86x at 256 tokens).
-  fast = dataclasses.replace(cfg, moe_impl="blocked")
-  if length >= 1024:
-    fast = dataclasses.replace(fast, attention_impl="chunked", attention_block=256)
+  # settings (`fast_settings`).
+  fast = fast_settings(cfg, length)
   arms = {"defaults (dense MoE)": cfg, FAST_NAME[length >= 1024]: fast}
   if bf16:
     arms["the same, bf16 compute"] = dataclasses.replace(fast, dtype="bfloat16")
@@ -286,8 +300,12 @@ def generate_section(shape: str, repeats: int, one_step: bool = False):
       model, IdTokenizer(),
       tunix_sampler.CacheConfig(cache_size=prompt + new, num_layers=cfg.num_layers,
                                 num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim))
-  engine = PolicyEngine(cfg, params, slots=slots, max_len=prompt + new,
-                        sampling=SamplingConfig(temperature=1.0))
+  # The same two sets of model settings as the train rows.
+  arms = {"defaults (dense MoE)": cfg,
+          FAST_NAME[prompt + new >= 1024]: fast_settings(cfg, prompt + new, prefill=True)}
+  engines = {name: PolicyEngine(c, params, slots=slots, max_len=prompt + new,
+                                sampling=SamplingConfig(temperature=1.0))
+             for name, c in arms.items()}
   seeds = iter(range(10**6))
 
   def tunix():
@@ -297,10 +315,11 @@ def generate_section(shape: str, repeats: int, one_step: bool = False):
                   temperature=1.0, top_p=1.0, eos_tokens=[-1], seed=next(seeds))
     return out.tokens
 
-  def sao():
-    return engine.generate_batch(list(prompts), new)[0]
+  def sao(engine):
+    return lambda: engine.generate_batch(list(prompts), new)[0]
 
   def sao_one_step():
+    engine = engines["defaults (dense MoE)"]
     state, tok, _, _ = engine.step(engine.init_decode_state(), prompts,
                                    np.ones(prompts.shape, bool))
     alive = np.ones((slots, 1), bool)
@@ -308,15 +327,17 @@ def generate_section(shape: str, repeats: int, one_step: bool = False):
       state, tok, _, _ = engine.step(state, tok[:, None], alive)
     return tok
 
-  fns = {"tunix": tunix, "sao": sao}
+  fns = {"tunix": tunix}
+  fns.update({name: sao(engine) for name, engine in engines.items()})
   if one_step:
     fns["sao one-step"] = sao_one_step
   sec = time_fns(fns, {k: () for k in fns}, repeats=repeats)
   tps = {k: slots * new / s for k, s in sec.items()}
-  lines = [f"| generate: {slots} x ({prompt} + {new}), T=1, `generate_batch` | "
-           f"{tps['tunix']:,.0f} | {tps['sao']:,.0f} | {tps['sao'] / tps['tunix']:.2f} |"]
+  lines = [f"| generate: {slots} x ({prompt} + {new}), T=1, `generate_batch`, sao-jax {name} | "
+           f"{tps['tunix']:,.0f} | {tps[name]:,.0f} | {tps[name] / tps['tunix']:.2f} |"
+           for name in arms]
   if one_step:
-    lines.append(f"| generate: same, engine `step` per token | {tps['tunix']:,.0f} | "
+    lines.append(f"| generate: same, defaults, engine `step` per token | {tps['tunix']:,.0f} | "
                  f"{tps['sao one-step']:,.0f} | {tps['sao one-step'] / tps['tunix']:.2f} |")
   return lines, tps
 
