@@ -313,12 +313,17 @@ def collect(rdir: str) -> dict | None:
         curves.setdefault(k, []).append(v)
   final = summary["evals"]["final"]
   sft = summary["evals"].get("sft", {})
+  # Policy lag (versions between sampling and training) over the logged steps.
+  lag = curves.get("policy_lag/mean")
+  lag_max = curves.get("policy_lag/max")
   return {
       "sft_pass@1": summary["sft_pass@1"], "final_pass@1": summary["final_pass@1"],
       "gain": summary["final_pass@1"] - summary["sft_pass@1"],
       "final_stderr": final.get("pass@1_stderr"), "sft_stderr": sft.get("pass@1_stderr"),
       "rl_steps": summary["rl_steps"], "generated_tokens": summary.get("generated_tokens"),
       "budget_tokens": runner.get("budget_tokens"), "wall_s": runner.get("wall_s"),
+      "lag_mean": float(np.mean(lag)) if lag else None,
+      "lag_max": float(np.max(lag_max)) if lag_max else None,
       "evals": evals, "curves": curves,
   }
 
@@ -348,7 +353,7 @@ def aggregate(finding: Finding, runs: dict[str, dict[int, dict]]) -> dict:
     rec = {"label": arm.title, "config": arm.config, "overrides": arm.overrides,
            "seeds": seeds}
     for key in ("sft_pass@1", "final_pass@1", "gain", "rl_steps", "generated_tokens",
-                "wall_s", "final_stderr"):
+                "wall_s", "final_stderr", "lag_mean", "lag_max"):
       vals = np.array([by_seed[s][key] for s in seeds if by_seed[s].get(key) is not None],
                       np.float64)
       if vals.size:
@@ -421,10 +426,19 @@ def plot(finding: Finding, runs: dict, result: dict, path: str) -> None:
   plt.close(fig)
 
 
+def _lag(rec: dict) -> str:
+  """Mean over seeds of each run's mean lag / the largest lag of any run."""
+  if "lag_mean" not in rec:
+    return "-"
+  top = rec.get("lag_max")
+  return f"{rec['lag_mean']['mean']:.2f} / " + (f"{max(top['per_seed']):.0f}" if top else "-")
+
+
 def table(result: dict) -> str:
   """A markdown table of `aggregate`'s result."""
   lines = ["| arm | seeds | SFT pass@1 | final pass@1 (mean ± sd) | gain | vs ref: diff "
-           "[95% CI] | RL steps | generated tokens |", "|---|---|---|---|---|---|---|---|"]
+           "[95% CI] | RL steps | generated tokens | policy lag: mean / max |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for name, rec in result["arms"].items():
     f = rec["final_pass@1"]
     vs = rec.get("vs_reference")
@@ -434,7 +448,8 @@ def table(result: dict) -> str:
     lines.append(
         f"| {rec['label']} | {len(rec['seeds'])} | {rec['sft_pass@1']['mean']:.3f} | "
         f"{f['mean']:.3f} ± {f['std']:.3f} | {rec['gain']['mean']:+.3f} | {vs_s} | "
-        f"{rec['rl_steps']['mean']:.0f} | {rec.get('generated_tokens', {}).get('mean', 0):.0f} |")
+        f"{rec['rl_steps']['mean']:.0f} | {rec.get('generated_tokens', {}).get('mean', 0):.0f} | "
+        f"{_lag(rec)} |")
   return "\n".join(lines)
 
 

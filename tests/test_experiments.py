@@ -47,6 +47,7 @@ def test_bootstrap_ci_matches_a_numpy_loop_and_covers_the_mean():
 def _fake_run(sft, final, steps=10):
   return {"sft_pass@1": sft, "final_pass@1": final, "gain": final - sft, "final_stderr": 0.02,
           "rl_steps": steps, "generated_tokens": 1000, "wall_s": 5.0, "evals": [],
+          "lag_mean": 1.0, "lag_max": 3.0,
           "curves": {"step": list(range(1, steps + 1)),
                      "rollout/reward_mean": list(np.linspace(sft, final, steps)),
                      "rollout/generated_tokens_total": list(range(100, 100 * steps + 1, 100)),
@@ -67,6 +68,7 @@ def test_aggregate_pairs_arms_by_seed_and_writes_table_and_plot(tmp_path):
   assert vs["mean_diff"] == pytest.approx(-.125) and vs["excludes_zero"]
   assert "vs_reference" not in sao
   assert "| SAO | 3 |" in runner.table(result)
+  assert runner.table(result).splitlines()[2].endswith("| 1.00 / 3 |")  # policy lag
   runner.plot(f, runs, result, str(tmp_path / "r.png"))
   assert (tmp_path / "r.png").stat().st_size > 1000
 
