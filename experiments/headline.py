@@ -1,6 +1,6 @@
 """Headline: SAO vs GRPO (async, async + DIS, sync G=4 / G=8) from one SFT start.
 
-    python -m experiments.headline                       # 5 seeds x 6 arms (--jobs 3: seeds side by side)
+    python -m experiments.headline                       # 5 seeds x 7 arms (--jobs 3: seeds side by side)
     python -m experiments.headline --arms sao,grpo_dis,grpo_sync --seeds 3 --budget_steps 80
     python -m experiments.headline --set env.name=code_fix --results experiments/results/headline_code_fix
 
@@ -8,7 +8,7 @@ The paper (Qwen3-30B-A3B): SAO 97.3 / 74.8 on AIME25 / BeyondAIME vs GRPO
 84.2 / 54.8 and SFT 80.4 / 53.3. Here: the tiny MoE on python_tool, every
 arm from the same SFT checkpoint per seed and the same budget of generated
 tokens (SAO's value-pretraining rollouts included, see runner.py), held-out
-pass@1 on 400 tasks. The full grid is 6 arms x 5 seeds x 600 steps: on the
+pass@1 on 400 tasks. The full grid is 7 arms x 5 seeds x 600 steps: on the
 shared 2-core box about 1 h per run, so it is run in pieces (--arms,
 --first_seed); finished runs are skipped.
 
@@ -23,6 +23,11 @@ from experiments import runner
 
 ARMS = (
     runner.Arm("sao", "sao_tiny", label="SAO"),
+    # SAO's critic updates make its train step slower than GRPO's, so with the
+    # default 64-trajectory queue its rollouts run ~4 versions ahead (GRPO +
+    # DIS: ~1.7). One batch of read-ahead bounds the lag to ~1-2 versions.
+    runner.Arm("sao_q16", "sao_tiny", {"rollout.queue_size": 16},
+               label="SAO, queue of one batch"),
     runner.Arm("grpo", "grpo", label="async GRPO (PPO clip)"),
     runner.Arm("grpo_dis", "grpo_dis", label="async GRPO + DIS"),
     runner.Arm("grpo_sync", "grpo_sync", label="sync GRPO G=4"),
