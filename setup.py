@@ -36,6 +36,10 @@ EXTRAS = {
     "bench": ["matplotlib>=3.8"],
     # JetStream's Engine API and gRPC server (pulls in seqio / TensorFlow).
     "jetstream": ["google-jetstream==0.2.2"],
+    # JetStream's own load generator (benchmarks/benchmark_serving.py in the
+    # google-jetstream wheel) imports these at start-up; benchmarks/serving.py
+    # runs it against launch/serve.py.
+    "serving": ["google-jetstream==0.2.2", "pandas>=2", "nltk>=3.8", "evaluate>=0.4"],
     # The TPU compiler (libtpu) for launch/compile.py: ahead-of-time compiles
     # for a TPU topology on a CPU host. Pinned to the jax it must match
     # (libtpu is built for one jax release).

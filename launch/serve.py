@@ -21,6 +21,11 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_c
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory whose latest checkpoint to serve.")
 _PORT = flags.DEFINE_integer("port", 9000, "gRPC port.")
 _SLOTS = flags.DEFINE_integer("slots", 8, "Concurrent decode slots.")
+_TOKENS_PER_STEP = flags.DEFINE_integer(
+    "tokens_per_step", 8, "Tokens per slot per JetStream generate call (the engine's jitted "
+    "decode loop; 1: one token a call). See benchmarks/RESULTS.md, serving.")
+_IGNORE_EOS = flags.DEFINE_bool(
+    "ignore_eos", False, "Benchmarks only: no stop tokens, every request runs to max_tokens.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -31,7 +36,8 @@ def main(argv):
   r = _CONFIG.value.rollout
   engine = PolicyEngine(run.model_cfg, run.state.policy, slots=_SLOTS.value, max_len=r.max_len,
                         sampling=SamplingConfig(r.temperature, r.top_k, r.top_p))
-  server = jetstream_bridge.serve(jetstream_bridge.JetStreamEngine(engine, run.tok), _PORT.value)
+  server = jetstream_bridge.serve(jetstream_bridge.JetStreamEngine(
+      engine, run.tok, tokens_per_step=_TOKENS_PER_STEP.value, ignore_eos=_IGNORE_EOS.value), _PORT.value)
   print(f"JetStream server on port {_PORT.value}", flush=True)
   try:
     threading.Event().wait()

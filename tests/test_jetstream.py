@@ -30,13 +30,27 @@ def engine():
                    sampling=SamplingConfig(top_k=1)), TOK)
 
 
+def _teacher_forced_argmax(params, prompt, tokens):
+  seq = np.concatenate([prompt, tokens]).astype(np.int32)
+  n = len(seq)
+  logits, _ = policy.Transformer(CFG).apply({"params": params}, seq[None], np.arange(n)[None],
+                                            np.ones((1, n), np.int32))
+  return np.argmax(np.asarray(logits)[0, len(prompt) - 1:n - 1], -1)
+
+
+def _start(js_engine, text: str, slot: int):
+  """A fresh decode state with `text` prefilled into `slot`; (state, prompt ids)."""
+  padded, true_length = js_engine.build_tokenizer(js_engine.get_tokenizer()).encode(
+      text, max_prefill_length=64, jax_padding=False)
+  state = js_engine.insert(js_engine.prefill(params=js_engine.load_params(),
+                                             padded_tokens=padded, true_length=true_length),
+                           js_engine.init_decode_state(), slot=slot)
+  return state, np.asarray(padded)[:true_length]
+
+
 def test_is_a_jetstream_engine_and_matches_teacher_forcing(engine):
   assert isinstance(engine, engine_api.Engine)
-  padded, true_length = engine.build_tokenizer(engine.get_tokenizer()).encode(
-      "12 plus 3\n", max_prefill_length=64, jax_padding=False)
-  state = engine.init_decode_state()
-  state = engine.insert(engine.prefill(params=engine.load_params(), padded_tokens=padded,
-                                       true_length=true_length), state, slot=2)
+  state, prompt = _start(engine, "12 plus 3\n", slot=2)
   tokens = []
   for _ in range(6):
     state, result = engine.generate(engine.load_params(), state)
@@ -45,34 +59,83 @@ def test_is_a_jetstream_engine_and_matches_teacher_forcing(engine):
     tokens.append(int(slot.tokens[0, 0]))
   assert int(result.get_result_at_slot(2).lengths[0]) == 6
   # Greedy decoding through the Engine API equals the teacher-forced argmax.
-  seq = np.concatenate([np.asarray(padded)[:true_length], tokens]).astype(np.int32)
-  n = len(seq)
-  logits, _ = policy.Transformer(CFG).apply({"params": engine.load_params()}, seq[None],
-                                            np.arange(n)[None], np.ones((1, n), np.int32))
-  np.testing.assert_array_equal(np.argmax(np.asarray(logits)[0, true_length - 1:n - 1], -1),
+  np.testing.assert_array_equal(_teacher_forced_argmax(engine.load_params(), prompt, tokens),
                                 tokens)
 
 
-def test_grpc_server_streams_a_completion(engine):
+def test_several_tokens_per_generate_call_match_teacher_forcing(engine):
+  multi = jetstream_bridge.JetStreamEngine(engine.policy_engine, TOK, tokens_per_step=4)
+  state, prompt = _start(multi, "9 minus 4\n", slot=1)
+  tokens = []
+  for call in range(3):
+    state, result = multi.generate(multi.load_params(), state)
+    assert result.data.shape == (4, 2 * 4 + 1)
+    slot = result.get_result_at_slot(1)
+    assert slot.tokens.shape == (1, 4) and slot.valid.tolist() == [[1, 1, 1, 1]]
+    assert int(slot.lengths[0]) == 4 * (call + 1)
+    tokens += slot.tokens[0].tolist()
+    # Slots never inserted stay idle: nothing valid, nothing generated.
+    assert result.get_result_at_slot(0).valid.sum() == 0
+  np.testing.assert_array_equal(_teacher_forced_argmax(multi.load_params(), prompt, tokens),
+                                tokens)
+
+
+def test_several_tokens_per_call_stop_at_the_cache_end():
+  params = policy.init_params(CFG, jax.random.key(0))
+  multi = jetstream_bridge.JetStreamEngine(
+      PolicyEngine(CFG, params, slots=2, max_len=16, seed=1, sampling=SamplingConfig(top_k=1)),
+      TOK, tokens_per_step=4)
+  state = multi.init_decode_state()
+  state = multi.insert(multi.prefill(params=multi.load_params(), padded_tokens=np.arange(3, 10),
+                                     true_length=7), state, slot=0)
+  valid = []
+  for _ in range(4):
+    state, result = multi.generate(multi.load_params(), state)
+    valid.append(int(result.get_result_at_slot(0).valid.sum()))
+  # 6 prompt tokens in the cache, one pending: room for 9 more (max_len 16), then none.
+  assert valid == [4, 4, 1, 0]
+
+
+def test_ignore_eos_declares_no_stop_tokens(engine):
+  assert engine.build_tokenizer(None).stop_tokens == {TOK.eos_id, TOK.turn_end_id}
+  quiet = jetstream_bridge.JetStreamEngine(engine.policy_engine, TOK, ignore_eos=True)
+  assert quiet.build_tokenizer(None).stop_tokens == set()
+
+
+def _stream(js_engine, text: str, max_tokens: int, check_health: bool = False) -> list[int]:
+  """The token ids JetStream's real gRPC server streams for one request."""
   port = portpicker.pick_unused_port()
-  server = jetstream_bridge.serve(engine, port)
+  server = jetstream_bridge.serve(js_engine, port)
   try:
     with grpc.insecure_channel(f"localhost:{port}") as channel:
       grpc.channel_ready_future(channel).result(timeout=30)
       stub = jetstream_pb2_grpc.OrchestratorStub(channel)
       request = jetstream_pb2.DecodeRequest(
-          text_content=jetstream_pb2.DecodeRequest.TextContent(text="7 times 3\n"),
-          max_tokens=12)
-      token_ids = []
-      for response in stub.Decode(request, timeout=120):
-        for sample in response.stream_content.samples:
-          token_ids.extend(sample.token_ids)
-      assert 1 <= len(token_ids) <= 13
-      assert all(0 <= t < TOK.vocab_size for t in token_ids)
-      health = stub.HealthCheck(jetstream_pb2.HealthCheckRequest(), timeout=30)
-      assert health.is_live
+          text_content=jetstream_pb2.DecodeRequest.TextContent(text=text),
+          max_tokens=max_tokens)
+      token_ids = [t for r in stub.Decode(request, timeout=120)
+                   for s in r.stream_content.samples for t in s.token_ids]
+      if check_health:
+        assert stub.HealthCheck(jetstream_pb2.HealthCheckRequest(), timeout=30).is_live
+      return token_ids
   finally:
     server.stop()
+
+
+@pytest.mark.parametrize("max_tokens,expected", [(12, 12), (10, 8)])
+def test_grpc_stream_with_several_tokens_per_call_honours_max_tokens(max_tokens, expected):
+  params = policy.init_params(CFG, jax.random.key(0))
+  multi = jetstream_bridge.JetStreamEngine(
+      PolicyEngine(CFG, params, slots=4, max_len=128, seed=1), TOK, tokens_per_step=4,
+      ignore_eos=True)
+  # Chunks of 4: never past max_tokens; short of it by the chunk that would cross it.
+  assert len(_stream(multi, "7 times 3\n", max_tokens)) == expected
+
+
+def test_grpc_server_streams_a_completion(engine):
+  token_ids = _stream(engine, "7 times 3\n", 12, check_health=True)
+  assert 1 <= len(token_ids) <= 13
+  assert all(0 <= t < TOK.vocab_size for t in token_ids)
 
 
 def test_launch_serve_answers_on_localhost(tmp_path):

@@ -208,6 +208,16 @@ class DecodeChunk(NamedTuple):
   budgets: np.ndarray  # [slots] int32, the call's budgets (host side)
 
 
+def _insert(cache, prefix_cache, lengths, next_tokens, active, slot, length, first):
+  """`PolicyEngine.insert`'s body: prefix cache into `slot`; first < 0 keeps the pending token."""
+  # The slot axis of a cache leaf [..., B, S, KVH, hd] is ndim - 4.
+  cache = jax.tree.map(
+      lambda c, p: jax.lax.dynamic_update_slice_in_dim(c, p.astype(c.dtype), slot, c.ndim - 4),
+      cache, prefix_cache)
+  next_tokens = next_tokens.at[slot].set(jnp.where(first >= 0, first, next_tokens[slot]))
+  return (cache, lengths.at[slot].set(length[0]), next_tokens, active.at[slot].set(True))
+
+
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:
   for b in buckets:
     if n <= b:
@@ -548,6 +558,10 @@ class PolicyEngine:
     """Runs a prompt (appended to `existing_prefix` if given); samples one token."""
     params = self.params if params is None else params
     padded = np.asarray(padded_tokens, np.int32).reshape(1, -1)
+    # Pad to a width bucket: one compile per bucket, not per prompt length.
+    width = _bucket(padded.shape[1], self.prefill_buckets)
+    if width > padded.shape[1]:
+      padded = np.pad(padded, ((0, 0), (0, width - padded.shape[1])))
     if existing_prefix is None:
       existing_prefix = self._empty_prefix()
     valid = (np.arange(padded.shape[1]) < true_length)[None]
@@ -558,19 +572,25 @@ class PolicyEngine:
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int,
              first_token: int | None = None) -> DecodeState:
-    # The slot axis of a cache leaf [..., B, S, KVH, hd] is ndim - 4.
-    cache = jax.tree.map(
-        lambda c, p: jax.lax.dynamic_update_slice_in_dim(c, p.astype(c.dtype), slot, c.ndim - 4),
-        decode_state.cache, prefix.cache)
-    nxt = decode_state.next_tokens
-    if first_token is not None:
-      nxt = nxt.at[slot].set(first_token)
-    lengths = decode_state.lengths.at[slot].set(prefix.length[0])
-    active = decode_state.active.at[slot].set(True)
-    if self.shardings is not None:
-      s = self.shardings
-      cache, lengths, nxt, active = jax.device_put((cache, lengths, nxt, active),
-                                                   (s.cache, s.slots, s.slots, s.slots))
+    """Copies a prefill's cache into `slot` and makes the slot active (one jitted call).
+
+    The decode state's arrays are donated: use the returned state only.
+    """
+    fn = self._jits.get("insert")
+    if fn is None:
+      if self.shardings is None:
+        fn = jax.jit(_insert, donate_argnums=(0, 2, 3, 4))
+      else:
+        s = self.shardings
+        fn = jax.jit(_insert, out_shardings=(s.cache, s.slots, s.slots, s.slots),
+                     donate_argnums=(0, 2, 3, 4))
+      self._jits["insert"] = fn
+    first = -1 if first_token is None else first_token
+    with self._context():
+      cache, lengths, nxt, active = fn(
+          decode_state.cache, prefix.cache, decode_state.lengths, decode_state.next_tokens,
+          decode_state.active, jnp.asarray(slot, jnp.int32), prefix.length,
+          jnp.asarray(first, jnp.int32))
     host = decode_state.host_lengths
     if host is not None:
       host = host.copy()

@@ -40,10 +40,15 @@ from sao_jax.rollout.engine import DecodeState, PolicyEngine, Prefix
 
 
 class JetStreamTokenizer(tokenizer_api.Tokenizer):
-  """Our tokenizer behind JetStream's API. Stops at EOS and at the turn end."""
+  """Our tokenizer behind JetStream's API. Stops at EOS and at the turn end.
 
-  def __init__(self, tokenizer):
+  `ignore_eos=True` (benchmarks only) declares no stop tokens, so every
+  request runs to its `max_tokens`, like other servers' `--ignore-eos`.
+  """
+
+  def __init__(self, tokenizer, ignore_eos: bool = False):
     self._tok = tokenizer
+    self._ignore_eos = ignore_eos
 
   def encode(self, s: str, is_bos: bool = True, max_prefill_length: int | None = None,
              jax_padding: bool = True, **kwargs):
@@ -71,6 +76,8 @@ class JetStreamTokenizer(tokenizer_api.Tokenizer):
 
   @property
   def stop_tokens(self) -> set[int]:
+    if self._ignore_eos:
+      return set()
     return {t for t in (self._tok.eos_id, self._tok.turn_end_id) if t is not None}
 
 
@@ -81,15 +88,32 @@ class _Prefix(NamedTuple):
 
 class _State(NamedTuple):
   inner: DecodeState
-  generated: Any  # int32 [slots], tokens generated since insert
+  generated: np.ndarray  # int32 [slots], tokens generated since insert (host)
+  active: np.ndarray  # bool [slots], host mirror of inner.active
 
 
 class JetStreamEngine(engine_api.Engine):
-  """`PolicyEngine` as a JetStream Engine."""
+  """`PolicyEngine` as a JetStream Engine.
 
-  def __init__(self, engine: PolicyEngine, tokenizer):
+  `tokens_per_step` > 1 makes each `generate` call run the engine's jitted
+  multi-token decode loop (`PolicyEngine.decode`) and return that many
+  tokens a slot, through the Engine API's speculations axis (ResultTokens
+  `[slots, k]` tokens and validity): JetStream's orchestrator streams them
+  in order and stops a request at its first stop token, as it does for one
+  token a call. The orchestrator's host work (queues, detokenising, gRPC)
+  is then paid once per k tokens. A request's `max_tokens` is honoured to
+  the chunk: when it is not a multiple of k, the chunk that would cross it
+  is not sent (the request ends up to k - 1 tokens short, never over).
+  """
+
+  def __init__(self, engine: PolicyEngine, tokenizer, tokens_per_step: int = 1,
+               ignore_eos: bool = False):
+    if tokens_per_step < 1:
+      raise ValueError(f"tokens_per_step must be >= 1, got {tokens_per_step}")
     self._engine = engine
     self._tokenizer = tokenizer
+    self._k = int(tokens_per_step)
+    self._ignore_eos = ignore_eos
     self._mesh = jax.sharding.Mesh(np.asarray([engine._device]), ("data",))  # pylint: disable=protected-access
 
   @property
@@ -114,15 +138,30 @@ class JetStreamEngine(engine_api.Engine):
   def insert(self, prefix, decode_state, slot: int):
     inner = self._engine.insert(prefix.prefix, decode_state.inner, slot,
                                 first_token=prefix.next_token)
-    return _State(inner, decode_state.generated.at[slot].set(0))
+    generated, active = decode_state.generated.copy(), decode_state.active.copy()
+    generated[slot], active[slot] = 0, True
+    return _State(inner, generated, active)
 
   def generate(self, params, decode_state):
-    inner, result = self._engine.generate(params, decode_state.inner)
-    generated = decode_state.generated + inner.active.astype(jnp.int32)
-    data = np.stack([result.tokens, np.asarray(inner.active, np.int32),
-                     np.asarray(generated)], axis=1).astype(np.int32)  # [slots, 3]
-    return _State(inner, generated), engine_api.ResultTokens(
-        data=data, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3),
+    k = self._k
+    if k == 1:
+      inner, result = self._engine.generate(params, decode_state.inner)
+      tokens = np.asarray(result.tokens, np.int32)[:, None]
+      counts = decode_state.active.astype(np.int32)
+    else:
+      if params is not None and params is not self._engine.params:
+        raise ValueError("tokens_per_step > 1 decodes with the engine's own params")
+      inner = decode_state.inner
+      room = self._engine.max_prefill_length - 1 - inner.host_lengths
+      budgets = np.where(decode_state.active, np.clip(room, 0, k), 0).astype(np.int32)
+      inner, chunk = self._engine.decode(inner, inner.next_tokens, budgets, steps=k)
+      inner, chunk = self._engine.collect(inner, chunk)
+      tokens, counts = chunk.tokens.astype(np.int32), chunk.counts
+    generated = decode_state.generated + counts
+    valid = (np.arange(k)[None, :] < counts[:, None]).astype(np.int32)
+    data = np.concatenate([tokens, valid, generated[:, None]], axis=1)  # [slots, 2k + 1]
+    return _State(inner, generated, decode_state.active), engine_api.ResultTokens(
+        data=data, tokens_idx=(0, k), valid_idx=(k, 2 * k), length_idx=(2 * k, 2 * k + 1),
         samples_per_slot=1)
 
   def load_params(self, *args, **kwargs):
@@ -137,12 +176,13 @@ class JetStreamEngine(engine_api.Engine):
 
   def build_tokenizer(self, metadata) -> tokenizer_api.Tokenizer:
     del metadata
-    return JetStreamTokenizer(self._tokenizer)
+    return JetStreamTokenizer(self._tokenizer, ignore_eos=self._ignore_eos)
 
   def init_decode_state(self, *args, **kwargs):
     del args, kwargs
     state = self._engine.init_decode_state()
-    return _State(state, jnp.zeros_like(state.lengths))
+    slots = self._engine.max_concurrent_decodes
+    return _State(state, np.zeros((slots,), np.int32), np.zeros((slots,), bool))
 
   @property
   def max_concurrent_decodes(self) -> int:
