@@ -46,6 +46,7 @@ FINDING = runner.Finding(
     ),
     reference="grpo_dis", seeds=3, budget_steps=600, overrides=STALE,
     curves=("rollout/reward_mean", "policy/masked_low_frac", "policy/masked_high_frac",
+            "policy/masked_corrective_frac",
             "policy/grad_norm_all", "policy_lag/mean"),
     analyze=largest_drop)
 

@@ -87,8 +87,11 @@ def dis_policy_loss(
 
   Returns:
     (loss, metrics) with masked_low_frac / masked_high_frac (fractions of
-    action tokens masked below and above the region), kept_frac, ratio
-    mean / max / min over action tokens, approx_kl and tokens (= N).
+    action tokens masked below and above the region), kept_frac,
+    masked_corrective_frac (the masked tokens PPO's clip would still train
+    on: A_t < 0 above the region, A_t > 0 below it, where its gradient
+    pulls the policy back towards the rollout's), ratio mean / max / min
+    over action tokens, approx_kl and tokens (= N).
   """
   _check(logp, rollout_logp, advantages, action_mask)
   advantages = jax.lax.stop_gradient(advantages)
@@ -103,6 +106,7 @@ def dis_policy_loss(
       masked_low_frac=below.sum() / n,
       masked_high_frac=above.sum() / n,
       kept_frac=keep_mask.sum() / n,
+      masked_corrective_frac=((above & (advantages < 0)) | (below & (advantages > 0))).sum() / n,
   )
   return loss, metrics
 
