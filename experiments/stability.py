@@ -1,6 +1,6 @@
 """Stability: does async GRPO without DIS degrade or collapse, and does DIS prevent it?
 
-    python -m experiments.stability                   # 3 seeds x 3 arms, 600 steps
+    python -m experiments.stability                   # 3 seeds x 4 arms, 600 steps
     python -m experiments.stability --smoke
 
 The paper: vanilla async GRPO (PPO clip against the rollout log-prob)
@@ -43,6 +43,8 @@ FINDING = runner.Finding(
         runner.Arm("grpo", "grpo", label="async GRPO (PPO clip)"),
         runner.Arm("grpo_dis", "grpo_dis", label="async GRPO + DIS"),
         runner.Arm("sao", "sao_tiny", label="SAO"),
+        runner.Arm("sao_ppo", "sao_tiny", {"rl.policy_loss": "ppo_clip"},
+                   label="SAO with PPO clip (no DIS)"),
     ),
     reference="grpo_dis", seeds=3, budget_steps=600, overrides=STALE,
     curves=("rollout/reward_mean", "policy/masked_low_frac", "policy/masked_high_frac",
