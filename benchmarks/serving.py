@@ -22,8 +22,9 @@ What it runs, all on this machine, nothing downloaded:
    wave of `slots` prompts; `--new_tokens` tokens each, no stop token), the
    engine's best case.
 
-The figure is served tokens/s over in-process tokens/s. The two ran one
-after the other (`--rounds` alternations, median), so read the ratio.
+The figure is served tokens/s over in-process tokens/s: every served run
+is bracketed by in-process runs and divided by their mean; the median over
+`--rounds` is reported with every round's ratio.
 """
 
 from __future__ import annotations
@@ -201,27 +202,33 @@ def main(argv=None) -> dict:
         # JetStream's own warm-up (compiles every prefill bucket the requests use).
         run_client(servers[k].port, tokenizer, dataset, args.requests, args.new_tokens, work,
                    warmup=True)
-      for i in range(args.rounds):  # served and in-process alternate
+      # Each served run is bracketed by in-process runs (local, k1, local, k2, ...,
+      # local) and compared with the mean of its two neighbours, so that load
+      # drifting on a shared machine hits both sides of each ratio alike.
+      local.append(local_engine.tokens_per_s(tokenizer, dataset, args.new_tokens))
+      for i in range(args.rounds):
         for k in ks:
           res = run_client(servers[k].port, tokenizer, dataset, args.requests, args.new_tokens,
                            work, warmup=False)
+          local.append(local_engine.tokens_per_s(tokenizer, dataset, args.new_tokens))
+          res["in_process_tokens_per_s"] = (local[-2] + local[-1]) / 2
+          res["ratio"] = res["output_throughput"] / res["in_process_tokens_per_s"]
           served[k].append(res)
           print(f"[serving] round {i}, tokens_per_step {k}: {res['output_throughput']:.0f} "
                 f"tokens/s ({res['total_output_tokens']} tokens, ttft {res['mean_ttft_ms']:.0f} "
-                f"ms, tpot {res['mean_tpot_ms']:.1f} ms)", flush=True)
-        local.append(local_engine.tokens_per_s(tokenizer, dataset, args.new_tokens))
-        print(f"[serving] round {i}, in-process generate_batch: {local[-1]:.0f} tokens/s",
-              flush=True)
+                f"ms, tpot {res['mean_tpot_ms']:.1f} ms); in-process around it "
+                f"{res['in_process_tokens_per_s']:.0f} tokens/s; ratio {res['ratio']:.2f}",
+                flush=True)
     finally:
       for server in servers.values():
         server.close()
-  base = statistics.median(local)
   result = {"slots": args.slots, "requests": args.requests, "new_tokens": args.new_tokens,
-            "in_process_tokens_per_s": base, "served": {}}
+            "in_process_tokens_per_s": statistics.median(local), "served": {}}
   for k, rs in served.items():
-    tput = statistics.median(r["output_throughput"] for r in rs)
     result["served"][k] = {
-        "tokens_per_s": tput, "ratio": tput / base,
+        "tokens_per_s": statistics.median(r["output_throughput"] for r in rs),
+        "ratio_median": statistics.median(r["ratio"] for r in rs),
+        "ratios": [round(r["ratio"], 3) for r in rs],
         "output_tokens": statistics.median(r["total_output_tokens"] for r in rs),
         "mean_ttft_ms": statistics.median(r["mean_ttft_ms"] for r in rs),
         "mean_tpot_ms": statistics.median(r["mean_tpot_ms"] for r in rs)}

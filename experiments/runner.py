@@ -387,6 +387,7 @@ def plot(finding: Finding, runs: dict, result: dict, path: str) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import matplotlib.ticker  # pylint: disable=g-import-not-at-top
 
   arms = [a for a in finding.arms if a.name in result["arms"]]
   n = 1 + len(finding.curves)
@@ -415,6 +416,7 @@ def plot(finding: Finding, runs: dict, result: dict, path: str) -> None:
         x = np.asarray(c["rollout/generated_tokens_total"])[-len(y):] if len(y) else []
         ax.plot(x, y, color=f"C{i}", alpha=0.8, lw=1,
                 label=arm.title if j == 0 else None)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v / 1e3:g}k"))
     ax.set_xlabel("generated tokens (all stages)")
     ax.set_title(metric, fontsize=9)
   axes[1 if n > 1 else 0].legend(fontsize=7)
