@@ -419,6 +419,10 @@ def plot(finding: Finding, runs: dict, result: dict, path: str) -> None:
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v / 1e3:g}k"))
     ax.set_xlabel("generated tokens (all stages)")
     ax.set_title(metric, fontsize=9)
+    if metric.endswith("explained_variance"):
+      # Near-zero return variance (a collapsed run) sends it to -1e5: clip the view.
+      ax.set_ylim(-1.0, 1.0)
+      ax.set_title(metric + " (view clipped to [-1, 1])", fontsize=9)
   axes[1 if n > 1 else 0].legend(fontsize=7)
   fig.suptitle(f"{finding.name}: {len(runs.get(finding.reference, {}))} seed(s), "
                f"budget ~{finding.budget_steps} steps", fontsize=10)
