@@ -578,13 +578,9 @@ class PolicyEngine:
     """
     fn = self._jits.get("insert")
     if fn is None:
-      if self.shardings is None:
-        fn = jax.jit(_insert, donate_argnums=(0, 2, 3, 4))
-      else:
-        s = self.shardings
-        fn = jax.jit(_insert, out_shardings=(s.cache, s.slots, s.slots, s.slots),
-                     donate_argnums=(0, 2, 3, 4))
-      self._jits["insert"] = fn
+      s = self.shardings
+      placed = {} if s is None else {"out_shardings": (s.cache, s.slots, s.slots, s.slots)}
+      fn = self._jits["insert"] = jax.jit(_insert, donate_argnums=(0, 2, 3, 4), **placed)
     first = -1 if first_token is None else first_token
     with self._context():
       cache, lengths, nxt, active = fn(
