@@ -86,6 +86,23 @@ def test_online_recovery_counts_steps_after_each_shift():
   assert out["per_seed"][0] == [7, 7] and out["shifts_not_recovered"] == 0
 
 
+def test_system_target_is_relative_to_each_seeds_sft_start():
+  def run(sft, evals, idle):
+    rec = _fake_run(sft, evals[-1][1])
+    rec["evals"] = [{"time": t, "eval/pass@1": p} for t, p in evals]
+    rec["curves"]["trainer/idle_fraction"] = [0.5, idle]
+    return rec
+  runs = {"sao": {0: run(0.2, [(10.0, 0.22), (20.0, 0.26), (30.0, 0.3)], 0.1),
+                  1: run(0.5, [(12.0, 0.52), (24.0, 0.54)], 0.3)}}
+  out = system.time_to_target(system.FINDING, runs)["by_arm"]["sao"]
+  # Seed 0 reaches 0.25 at its second evaluation; seed 1 never reaches 0.55.
+  assert out["seconds_to_target"] == {0: 20.0, 1: None}
+  assert out["mean_seconds_to_target"] == 20.0 and out["seeds_reaching_target"] == 1
+  assert out["final_idle_fraction"] == {0: 0.1, 1: 0.3}
+  assert out["mean_idle_fraction"] == pytest.approx(0.2)
+  assert out["wall_s"] == {0: 5.0, 1: 5.0}
+
+
 def test_smoke_grid_end_to_end(tmp_path):
   """Shared SFT start, copied per arm, token budget, collection, JSON + PNG."""
   result = runner.main(headline.FINDING, [
