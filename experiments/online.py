@@ -24,24 +24,36 @@ from experiments import runner
 NO_CRITIC = {"rl.critic_updates": 0, "value_pretrain.steps": 0}
 
 
-def steps_to_recover(finding, runs, fraction: float = 0.8, window: int = 5):
-  """Per arm: steps after each shift until the reward regains `fraction` of its pre-shift level."""
+def steps_to_recover(finding, runs, fraction: float = 0.8, window: int = 5,
+                     min_level: float = 0.2):
+  """Per arm: how the training reward fares after each shift of the preferred style.
+
+  A shift counts (is "assessable") when the mean reward over the `window`
+  steps before it is at least `min_level`: the policy had learned the style
+  that just went out of favour. (A run already at 0 would otherwise
+  "recover" to 80% of 0 at once.) For those shifts: the RL steps until the
+  3-step running mean regains `fraction` of that level (None: not within
+  the segment). Also the mean training reward over every step after the
+  first shift, which says whether an arm keeps up at all.
+  """
   switch_every = runner.load_config("sao_online", finding.overrides).env.kwargs["switch_every"]
   out = {}
   for arm, by_seed in runs.items():
     batch = runner.load_config(finding.arm(arm).config, {**finding.overrides,
                                                          **finding.arm(arm).overrides})
     period = switch_every / batch.rl.batch_size  # RL steps per preferred style
-    per_seed = {}
+    per_seed, after_first = {}, {}
     for seed, rec in by_seed.items():
       steps = np.asarray(rec["curves"].get("step", []))
       reward = np.asarray(rec["curves"].get("rollout/reward_mean", []))
+      late = reward[steps > period]
+      after_first[seed] = float(late.mean()) if late.size else None
       shifts = [int(round(k * period)) for k in range(1, int(steps.max(initial=0) // period) + 1)]
       rec_steps = []
       for s in shifts:
         before = reward[(steps > s - window) & (steps <= s)]
         after_idx = np.where((steps > s) & (steps <= s + period))[0]
-        if before.size == 0 or after_idx.size == 0:
+        if before.size == 0 or after_idx.size == 0 or before.mean() < min_level:
           continue
         target = fraction * before.mean()
         y = np.convolve(reward[after_idx], np.ones(3) / 3, mode="same")
@@ -49,9 +61,14 @@ def steps_to_recover(finding, runs, fraction: float = 0.8, window: int = 5):
         rec_steps.append(int(steps[after_idx[hit[0]]] - s) if hit.size else None)
       per_seed[seed] = rec_steps
     done = [x for v in per_seed.values() for x in v if x is not None]
-    out[arm] = {"per_seed": per_seed, "mean_steps_to_recover": float(np.mean(done))
-                if done else None,
-                "shifts_not_recovered": sum(x is None for v in per_seed.values() for x in v)}
+    late_means = [v for v in after_first.values() if v is not None]
+    out[arm] = {"per_seed": per_seed,
+                "shifts_assessable": sum(len(v) for v in per_seed.values()),
+                "shifts_not_recovered": sum(x is None for v in per_seed.values() for x in v),
+                "mean_steps_to_recover": float(np.mean(done)) if done else None,
+                "reward_after_first_shift": after_first,
+                "mean_reward_after_first_shift": float(np.mean(late_means))
+                if late_means else None}
   return {"steps_to_recover_80pct": out}
 
 

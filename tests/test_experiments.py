@@ -82,8 +82,16 @@ def test_online_recovery_counts_steps_after_each_shift():
   reward = np.where((steps - 1) % period < 5, 0.0, 0.9)
   reward[:period] = 0.9
   run = {"curves": {"step": steps.tolist(), "rollout/reward_mean": reward.tolist()}}
-  out = online.steps_to_recover(f, {"sao": {0: run}})["steps_to_recover_80pct"]["sao"]
-  assert out["per_seed"][0] == [7, 7] and out["shifts_not_recovered"] == 0
+  # A run stuck at reward 0 after the first shift: only that shift counts.
+  stuck = np.where(steps <= period, 0.9, 0.0)
+  stuck_run = {"curves": {"step": steps.tolist(), "rollout/reward_mean": stuck.tolist()}}
+  res = online.steps_to_recover(f, {"sao": {0: run, 1: stuck_run}})["steps_to_recover_80pct"]
+  out = res["sao"]
+  assert out["per_seed"][0] == [7, 7] and out["per_seed"][1] == [None]
+  assert out["shifts_assessable"] == 3 and out["shifts_not_recovered"] == 1
+  assert out["mean_steps_to_recover"] == 7
+  assert out["reward_after_first_shift"][1] == 0.0
+  assert out["reward_after_first_shift"][0] == pytest.approx(0.9 * (2 * period - 10) / (2 * period))
 
 
 def test_system_target_is_relative_to_each_seeds_sft_start():

@@ -249,6 +249,22 @@ def test_chunked_attention_equals_reference_with_packing_and_padding():
   np.testing.assert_array_equal(out2[0, :6], out[0, :6])
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 3), (4, 4), (8, 1)])
+def test_decode_attention_equals_reference(heads, kv_heads):
+  """One query a row over a cache with per-row visible prefixes, every GQA grouping."""
+  rng = np.random.default_rng(heads * 10 + kv_heads)
+  b, s, hd = 3, 11, 8
+  q = jnp.asarray(rng.normal(size=(b, 1, heads, hd)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(b, s, kv_heads, hd)), jnp.float32) for _ in range(2))
+  visible = jnp.arange(s)[None] <= jnp.asarray([0, 4, s - 1])[:, None]  # [B, S]
+  want = attention.reference_attention(q, k, v, visible[:, None])
+  got = jit(attention.decode_attention)(q, k, v, visible)
+  np.testing.assert_allclose(got, want, **TOL)
+  # Keys past a row's visible prefix do not matter.
+  got2 = attention.decode_attention(q, k.at[0, 1:].add(5.0), v.at[0, 1:].add(5.0), visible)
+  np.testing.assert_array_equal(got2[0], got[0])
+
+
 def test_pod_path_equals_reference_in_the_model(params, reference):
   """POD: scan + remat + chunked attention (block 4) + log-probs over 5-token
   chunks, on packed rows with padding, against REF (each piece alone is

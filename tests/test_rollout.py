@@ -142,6 +142,25 @@ def test_sampling_distribution_top_k_top_p():
     SamplingConfig(temperature=0.0)
 
 
+def test_sampled_tokens_follow_the_sampling_distribution():
+  """200k draws (fixed keys) from a top-k-truncated distribution: frequencies
+  within 5 standard errors of the probabilities, a masked token never drawn,
+  and each returned log-prob that of its token."""
+  from sao_jax.rollout.engine import sample  # pylint: disable=g-import-not-at-top
+  probs = np.array([0.02, 0.5, 0.0, 0.25, 0.13, 0.1])  # token 2 impossible; top_k=4 drops 0
+  logits = jnp.log(jnp.asarray(np.tile(probs, (1000, 1)) + 1e-30, jnp.float32))
+  sampling = SamplingConfig(top_k=4)
+  want = np.exp(np.asarray(sampling_logprobs(logits[:1], sampling)))[0]
+  draw = jax.jit(lambda key: sample(logits, key, sampling))
+  tokens, lps = zip(*(draw(jax.random.key(i)) for i in range(200)))
+  tokens, lps = np.concatenate(tokens), np.concatenate(lps)
+  freq = np.bincount(tokens, minlength=len(probs)) / tokens.size
+  assert freq[0] == 0 and freq[2] == 0
+  np.testing.assert_array_less(np.abs(freq - want), 5 * np.sqrt(want * (1 - want) / tokens.size)
+                               + 1e-12)
+  np.testing.assert_allclose(lps, np.log(want[tokens]), rtol=1e-5)
+
+
 def test_python_tool_demonstrations_are_valid_and_correct():
   env = PythonTool()
   lengths = []

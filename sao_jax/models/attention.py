@@ -67,6 +67,42 @@ def reference_attention(q: Array, k: Array, v: Array, allowed: Array) -> Array:
   return jnp.einsum("bngqk,bknh->bqngh", probs, v).reshape(q.shape)
 
 
+def decode_attention(q: Array, k: Array, v: Array, visible: Array) -> Array:
+  """One query per row against a KV cache, the cache read as stored.
+
+  q [B, 1, H, hd], k and v [B, S, KVH, hd], visible [B, S] -> [B, 1, H, hd];
+  the same result as `reference_attention` with `allowed = visible[:, None]`.
+
+  `reference_attention`'s matmuls are batched over (B, KVH), which on
+  XLA:CPU makes every decode step transpose the whole cache into
+  [B, KVH, S, hd] and [B, KVH, hd, S] (as costly as the matmuls). Here both
+  matmuls are batched over B alone, on the cache's [B, S, KVH * hd] view:
+  queries go in as a block-diagonal [B, KVH * hd, H] matrix (each head's
+  query in its kv head's rows, zeros elsewhere), so the logits come out as
+  [B, S, H] directly; the values come out for every (head, kv head) pair,
+  [B, H, KVH * hd], and each head keeps its own kv head's block. KVH times
+  the multiply-adds of the GQA form, and no copy of the cache: about half
+  the attention time of a decode step of the tiny model (benchmarks/RESULTS.md).
+  The model uses it for decode steps on CPU only: with the cache sharded
+  over kv heads (pods) the contraction over KVH * hd would need a reduction
+  across shards, which the GQA form does not.
+  """
+  b, _, h, hd = q.shape
+  s, kvh = k.shape[1], k.shape[2]
+  g = h // kvh
+  own = jnp.arange(h) // g == jnp.arange(kvh)[:, None]  # [KVH, H]: head n reads kv head n // g
+  q_bd = jnp.where(own[None, :, None, :], jnp.swapaxes(q[:, 0], 1, 2)[:, None], 0)  # [B, KVH, hd, H]
+  logits = jnp.einsum("bsc,bch->bsh", k.reshape(b, s, kvh * hd),
+                      q_bd.reshape(b, kvh * hd, h)).astype(jnp.float32)
+  logits = logits / jnp.sqrt(jnp.float32(hd))
+  logits = jnp.where(visible[:, :, None], logits, _MASKED)  # [B, S, H]
+  probs = jax.nn.softmax(logits, axis=1).astype(q.dtype)
+  out = jnp.einsum("bsh,bsc->bhc", probs, v.reshape(b, s, kvh * hd))  # [B, H, KVH * hd]
+  out = out.reshape(b, h, kvh, hd)
+  out = jnp.sum(jnp.where(own.T[None, :, :, None], out, 0), axis=2)  # [B, H, hd]
+  return out[:, None]
+
+
 def packed_causal_mask(segment_ids: Array) -> Array:
   """[B, L, L]: query i sees key j <= i of its own (non-padding) segment."""
   idx = jnp.arange(segment_ids.shape[1])

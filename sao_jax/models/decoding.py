@@ -21,7 +21,9 @@ position p sees entries 0 .. p, written before they are read) does not care
 how the new tokens are grouped. Peak activations are those of one [B, C]
 chunk; attention over the cache is `attention.cached_attention` (key blocks,
 no [B, H, C, S] logits) unless `cfg.attention_impl` is "reference". A
-decode step (one new token) uses the reference attention ([B, H, 1, S]).
+decode step (one new token) uses `attention.decode_attention` on CPU
+(the cache read in its stored layout) and the reference attention
+([B, H, 1, S]) elsewhere.
 `cfg.prefill_chunk = 0` is `extend` followed by a gather of the last valid
 position: the reference, bit for bit what the engine computed before.
 

@@ -136,10 +136,16 @@ class Attention(nn.Module):
                      "v": cache["v"].at[layer, b_idx, positions].set(new_v, mode="drop")}
         k_all, v_all = new_cache["k"][layer], new_cache["v"][layer]  # [B, S, KVH, hd]
       k, v = k_all.astype(dt), v_all.astype(dt)
-      if cfg.attention_impl == "reference" or x.shape[1] == 1:
+      if x.shape[1] == 1 and attn_lib.compile_platform() == "cpu":
+        # A decode step on XLA:CPU: the cache read as stored (no per-step
+        # transposes). On TPU / GPU the GQA form below keeps each kv head's
+        # work on its own shard of a kv-head-sharded cache.
+        visible = jnp.arange(k.shape[1])[None, :] <= positions  # [B, S]
+        out = attn_lib.decode_attention(q, k, v, visible)
+      elif cfg.attention_impl == "reference" or x.shape[1] == 1:
         key_pos = jnp.arange(k.shape[1])
         allowed = key_pos[None, None, :] <= positions[:, :, None]  # [B, Lq, S]
-        # Logits [B, KVH, H/KVH, Lq, S]: a decode step, or the oracle.
+        # Logits [B, KVH, H/KVH, Lq, S]: the oracle, and decode steps off CPU.
         out = attn_lib.reference_attention(q, k, v, allowed)
       else:  # several new tokens (a prefill chunk): key blocks, no [Lq, S] logits
         out = attn_lib.cached_attention(q, k, v, positions, cfg.attention_block)
@@ -204,10 +210,15 @@ class MoE(nn.Module):
     elif cfg.moe_impl in ("dense", "blocked"):
       gates = jnp.zeros_like(probs, dtype=dt).at[
           jnp.arange(xf.shape[0])[:, None], top_i].set(top_p)  # [N, E]
-      hidden = jax.nn.silu(jnp.einsum("nd,edf->nef", xf, wg.astype(dt))) * jnp.einsum(
-          "nd,edf->nef", xf, wu.astype(dt))
-      hidden = _constrain(hidden, ("batch", "expert", "mlp"))  # [N, E, F], N = B * L
-      out = jnp.einsum("nef,efd,ne->nd", hidden, wd.astype(dt), gates)
+      # Batched over experts, every weight in its stored [E, ...] layout (no
+      # per-call transpose of the expert weights), the gates applied before
+      # the down projection.
+      xe = jnp.broadcast_to(xf, (e,) + xf.shape)  # [E, N, D]
+      hidden = jax.nn.silu(jnp.einsum("end,edf->enf", xe, wg.astype(dt))) * jnp.einsum(
+          "end,edf->enf", xe, wu.astype(dt))
+      hidden = hidden * gates.T[:, :, None]
+      hidden = _constrain(hidden, ("expert", "batch", "mlp"))  # [E, N, F], N = B * L
+      out = jnp.einsum("enf,efd->end", hidden, wd.astype(dt)).sum(0)
     elif cfg.moe_impl == "expert_parallel":
       out, dropped = moe.expert_parallel_moe(
           xf, top_i, top_p, wg.astype(dt), wu.astype(dt), wd.astype(dt),
