@@ -143,18 +143,15 @@ class InProcess:
 
   def __init__(self, work: str, slots: int, serve_flags: list[str], tokenizer: str,
                dataset: str):
-    from sao_jax import trainer  # pylint: disable=g-import-not-at-top
+    from sao_jax import configuration, trainer  # pylint: disable=g-import-not-at-top
     from sao_jax.rollout.engine import PolicyEngine, SamplingConfig  # pylint: disable=g-import-not-at-top
     sys.path.insert(0, os.path.join(ROOT, "configs"))
     import sao_tiny  # pylint: disable=g-import-not-at-top
     config = sao_tiny.get_config()
     for flag in serve_flags:  # --config.a.b=value, as serve.py got them
       field, value = flag.removeprefix("--config.").split("=", 1)
-      node = config
-      *parents, leaf = field.split(".")
-      for part in parents:
-        node = node[part]
-      node[leaf] = type(node[leaf])(value) if node[leaf] is not None else value
+      old = configuration.get_field(config, field)
+      configuration.set_field(config, field, type(old)(value) if old is not None else value)
     config.tensorboard = False
     run = trainer.load_run(config, os.path.join(work, "policy"))
     r = config.rollout

@@ -118,6 +118,8 @@ def config_path(name: str) -> str:
 def load_config(name: str, overrides: dict):
   """The config of configs/<name>.py with `overrides` (dotted fields) applied."""
   import importlib.util  # pylint: disable=g-import-not-at-top
+
+  from sao_jax import configuration  # pylint: disable=g-import-not-at-top
   sys.path.insert(0, os.path.join(ROOT, "configs"))
   try:
     spec = importlib.util.spec_from_file_location(f"_experiment_cfg_{name}", config_path(name))
@@ -127,11 +129,7 @@ def load_config(name: str, overrides: dict):
     sys.path.pop(0)
   config = module.get_config()
   for field, value in overrides.items():
-    node = config
-    *parents, leaf = field.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
+    configuration.set_field(config, field, value)
   return config
 
 

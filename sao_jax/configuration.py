@@ -37,11 +37,19 @@ class ConfigError(ValueError):
   """A setting that cannot work; the message is one line naming the field."""
 
 
-def _get(config, field: str):
+def get_field(config, field: str):
+  """The value of the dotted `field` ("rl.actor_lr") of `config`."""
   node = config
   for part in field.split("."):
     node = node[part]
   return node
+
+
+def set_field(config, field: str, value) -> None:
+  """Sets the dotted `field` ("rl.actor_lr") of `config` to `value`, in place."""
+  *parents, leaf = field.split(".")
+  node = get_field(config, ".".join(parents)) if parents else config
+  node[leaf] = value
 
 
 def _is_int(x) -> bool:
@@ -119,7 +127,7 @@ def _fail(field: str, value, allowed: str):
 def _check_ranges(config, ranges) -> None:
   for field, ok, allowed in ranges:
     try:
-      value = _get(config, field)
+      value = get_field(config, field)
     except (KeyError, AttributeError):
       raise ConfigError(f"{field}: missing; configs derive from configs/common.py, "
                         "which defines it") from None
