@@ -80,7 +80,7 @@ from ml_collections import config_flags
 
 from sao_jax import configuration, sharding, trainer
 from sao_jax.data import packing
-from sao_jax.models import decoding
+from sao_jax.models import attention, decoding
 from sao_jax.rollout import engine as engine_lib
 
 PROGRAMS = ("sft", "value", "rl", "prefill", "decode")
@@ -355,7 +355,10 @@ def engine_programs(config, model_cfg, abstract_policy, devices, topo: str, hbm:
     step = jax.jit(body, donate_argnums=(1,))
     params, cache, rng = place(abstract_policy), place(abstract_cache), place(rng)
     lengths = jax.ShapeDtypeStruct((r.slots,), np.int32, sharding=dev)
-    tokens_sh, context, layout = dev, contextlib.nullcontext, "1 chip"
+    # No mesh names the target here: say it, so that the model traces the
+    # TPU paths (attention.compile_platform), not the host's.
+    tokens_sh, layout = dev, "1 chip"
+    context = functools.partial(attention.compiling_for, devices[0].platform)
 
   def args(w):
     return (params, cache, lengths, jax.ShapeDtypeStruct((r.slots, w), np.int32,

@@ -265,6 +265,31 @@ def test_decode_attention_equals_reference(heads, kv_heads):
   np.testing.assert_array_equal(got2[0], got[0])
 
 
+def test_decode_steps_take_decode_attention_on_cpu_only(params, monkeypatch):
+  """The gate: a CPU decode step calls `decode_attention`; a step traced for
+  TPU (`compiling_for`, as launch/compile.py's one-chip engine does) and a
+  prefill do not."""
+  called = []
+  real = attention.decode_attention
+  monkeypatch.setattr(attention, "decode_attention",
+                      lambda *a: called.append(1) or real(*a))
+
+  def trace(width):
+    cache = decoding.init_cache(REF, 2, 16)
+    tokens = jnp.ones((2, width), jnp.int32)
+    jax.make_jaxpr(lambda p: decoding.extend(REF, p, cache, tokens, jnp.zeros((2,), jnp.int32),
+                                             jnp.ones((2, width), bool)))(params)
+    return len(called)
+
+  layers = trace(1)
+  assert layers == REF.num_layers  # once a layer
+  assert trace(3) == layers  # a prefill: not called
+  with attention.compiling_for("tpu"):
+    assert attention.compile_platform() == "tpu"
+    assert trace(1) == layers  # traced for TPU: not called
+  assert attention.compile_platform() == "cpu"
+
+
 def test_pod_path_equals_reference_in_the_model(params, reference):
   """POD: scan + remat + chunked attention (block 4) + log-probs over 5-token
   chunks, on packed rows with padding, against REF (each piece alone is

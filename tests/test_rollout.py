@@ -161,6 +161,35 @@ def test_sampled_tokens_follow_the_sampling_distribution():
   np.testing.assert_allclose(lps, np.log(want[tokens]), rtol=1e-5)
 
 
+def test_inverse_cdf_never_lands_on_a_masked_token_of_a_large_vocabulary():
+  """At V = 152k with top_k = 50, XLA's cumsum steps by an ulp across masked
+  tokens; u just past such a step must still give a possible token."""
+  from sao_jax.rollout.engine import inverse_cdf  # pylint: disable=g-import-not-at-top
+  v = 151_936
+  logits = jax.random.normal(jax.random.key(v), (16, v)) * 4
+  logp = jax.jit(lambda x: sampling_logprobs(x, SamplingConfig(top_k=50)))(logits)
+  cdf = np.asarray(jax.jit(lambda lp: jnp.cumsum(jnp.exp(lp), -1))(logp))
+  lp = np.asarray(logp)
+  steps = np.argwhere((lp == -np.inf) & (np.diff(cdf, axis=-1, prepend=0) > 0))
+  if not steps.size:
+    pytest.skip("this XLA's cumsum is exact on these rows: nothing to land on")
+  rows, us = [], []
+  for r, j in steps[:8]:  # u whose threshold falls inside the masked token's ulp step
+    u = np.float32(cdf[r, j - 1] / cdf[r, -1])
+    for _ in range(40):
+      if cdf[r, j - 1] <= np.float32(u * cdf[r, -1]) < cdf[r, j]:
+        rows.append(r)
+        us.append(u)
+        break
+      u = np.nextafter(u, np.float32(1), dtype=np.float32)
+  if not rows:
+    pytest.skip("no float32 u lands inside a masked token's step here")
+  u = np.zeros((16, 1), np.float32)
+  u[rows, 0] = us
+  tokens = np.asarray(jax.jit(inverse_cdf)(logp, jnp.asarray(u)))
+  assert (lp[np.arange(16), tokens] > -np.inf).all()
+
+
 def test_python_tool_demonstrations_are_valid_and_correct():
   env = PythonTool()
   lengths = []

@@ -32,6 +32,8 @@ query sees no key; its output is finite garbage that no real token reads.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 
@@ -337,12 +339,31 @@ def cached_attention(q: Array, k: Array, v: Array, positions: Array, block: int)
 # --------------------------------------------------------------------------
 
 
+_PLATFORM = contextvars.ContextVar("sao_jax_compile_platform", default=None)
+
+
+@contextlib.contextmanager
+def compiling_for(platform: str):
+  """Traces inside say `compile_platform() == platform`, mesh or not.
+
+  For ahead-of-time compiles of a program on one device, where no mesh
+  names the target (launch/compile.py's one-chip engine).
+  """
+  token = _PLATFORM.set(platform)
+  try:
+    yield
+  finally:
+    _PLATFORM.reset(token)
+
+
 def compile_platform() -> str:
-  """The platform being compiled for: the set mesh's devices, else the default.
+  """The platform being compiled for: `compiling_for`'s, the set mesh's devices', else the default.
 
   Ahead-of-time compilation for a TPU topology on a CPU host sets a mesh of
   TPU devices (jax.set_mesh), while jax.default_backend() says "cpu".
   """
+  if _PLATFORM.get() is not None:
+    return _PLATFORM.get()
   mesh = jax.sharding.get_abstract_mesh()
   device = None if mesh.empty else getattr(mesh, "abstract_device", None)
   platform = getattr(device, "platform", None)

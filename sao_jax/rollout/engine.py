@@ -172,18 +172,27 @@ def sample(logits: Array, rng, sampling: SamplingConfig) -> tuple[Array, Array]:
   Inverse-CDF sampling: one uniform a row, and the token is the first whose
   cumulative probability exceeds it. Gumbel-max (`jax.random.categorical`)
   draws V uniforms a row; on XLA:CPU those random bits were 8% of a decode
-  step of the tiny model. The first index whose cumulative mass exceeds u
-  always has positive probability, so a token masked by top-k / top-p is
-  never drawn; in the case rounding leaves u * total at the total (no index
-  above it), the row takes its most likely token.
+  step of the tiny model. A token masked by top-k / top-p is never drawn
+  (`inverse_cdf`); where rounding leaves no possible token above u * total,
+  the row takes its most likely token.
   """
   logp = sampling_logprobs(logits, sampling)
-  cdf = jnp.cumsum(jnp.exp(logp), axis=-1)  # [B, V]
   u = jax.random.uniform(rng, logp.shape[:-1] + (1,), jnp.float32)
-  above = cdf > u * cdf[..., -1:]
-  tokens = jnp.where(above[..., -1], jnp.argmax(above, -1), jnp.argmax(logp, -1))
-  tokens = tokens.astype(jnp.int32)
+  tokens = inverse_cdf(logp, u)
   return tokens, jnp.take_along_axis(logp, tokens[:, None], -1)[:, 0]
+
+
+def inverse_cdf(logp: Array, u: Array) -> Array:
+  """The first token whose cumulative probability exceeds `u` of the total.
+
+  logp `[B, V]` (-inf on tokens that cannot be drawn), u `[B, 1]` in [0, 1).
+  XLA's cumsum is not exact: across a run of impossible tokens it can step
+  by an ulp, so the comparison alone could land on one of them (about 1 in
+  6M draws at V = 152k with top_k = 50); they are excluded explicitly.
+  """
+  cdf = jnp.cumsum(jnp.exp(logp), axis=-1)
+  above = (cdf > u * cdf[..., -1:]) & (logp > -jnp.inf)
+  return jnp.where(above.any(-1), jnp.argmax(above, -1), jnp.argmax(logp, -1)).astype(jnp.int32)
 
 
 class DecodeState(NamedTuple):
