@@ -362,8 +362,9 @@ def compile_platform() -> str:
   Ahead-of-time compilation for a TPU topology on a CPU host sets a mesh of
   TPU devices (jax.set_mesh), while jax.default_backend() says "cpu".
   """
-  if _PLATFORM.get() is not None:
-    return _PLATFORM.get()
+  chosen = _PLATFORM.get()
+  if chosen is not None:
+    return chosen
   mesh = jax.sharding.get_abstract_mesh()
   device = None if mesh.empty else getattr(mesh, "abstract_device", None)
   platform = getattr(device, "platform", None)
