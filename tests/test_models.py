@@ -125,15 +125,21 @@ def test_blocked_moe_kernel_equals_per_token_oracle(route):
 
 
 def test_blocked_moe_equals_dense_with_gradients(params):
-  # 2 x 200 tokens: enough to take the blocked path (N * (E - k) > E * MOE_BLOCK).
+  # 2 x 200 tokens, blocks of 64: the blocked path (N * (E - k) > E * moe_block).
   tokens = jax.random.randint(jax.random.key(2), (2, 200), 0, CFG.vocab_size)
   pos = jnp.broadcast_to(jnp.arange(200), (2, 200))
   seg = jnp.ones((2, 200), jnp.int32)
-  blocked_cfg = dataclasses.replace(CFG, moe_impl="blocked")
+  blocked_cfg = dataclasses.replace(CFG, moe_impl="blocked", moe_block=64)
 
   def loss(cfg, p):
     logp, aux = logprobs(cfg, p, tokens, pos, seg)
     return logp.mean() + aux["load_balance_loss"]
+
+  # The blocked path is taken (its sort), not the dense fallback.
+  def sorts(cfg):
+    return " sort[" in str(jax.make_jaxpr(functools.partial(loss, cfg))(params))
+
+  assert sorts(blocked_cfg) and not sorts(CFG)
 
   dense, g_dense = jax.value_and_grad(functools.partial(loss, CFG))(params)
   blocked, g_blocked = jax.value_and_grad(functools.partial(loss, blocked_cfg))(params)
@@ -268,5 +274,7 @@ def test_config_validation():
     dataclasses.replace(CFG, num_kv_heads=3)
   with pytest.raises(ValueError, match="experts_per_token"):
     dataclasses.replace(CFG, experts_per_token=9)
+  with pytest.raises(ValueError, match="moe_block must be positive"):
+    dataclasses.replace(CFG, moe_block=0)
   with pytest.raises(ValueError, match="Unknown model config"):
     mcfg.ModelConfig.from_dict({**dataclasses.asdict(CFG), "n_layer": 2})

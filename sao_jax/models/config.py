@@ -11,8 +11,6 @@ REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_save
 ATTENTION_IMPLS = ("reference", "chunked", "splash")
 MOE_IMPLS = ("dense", "ragged", "expert_parallel", "blocked")
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-# Rows per expert block of moe_impl="blocked".
-MOE_BLOCK = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,12 +43,17 @@ class ModelConfig:
   # pairs and runs grouped matmuls (jax.lax.ragged_dot): the FLOPs of top-k.
   # "expert_parallel" dispatches with all-to-all over the mesh's expert axes
   # (sao_jax/models/moe.py); without expert parallelism it is "ragged".
-  # "blocked" sorts the pairs into expert-pure blocks of MOE_BLOCK rows and
-  # runs batched matmuls (moe.blocked_moe): the FLOPs of top-k with plain
-  # dots, the fastest exact path on CPU for a train batch (2.1x "dense" for
-  # the MoE forward + backward at 8192 tokens, 4 experts top-2); calls too
+  # "blocked" sorts the pairs into expert-pure blocks of `moe_block` rows
+  # and runs batched matmuls (moe.blocked_moe): the FLOPs of top-k with
+  # plain dots, the fastest exact path on CPU for a train batch; calls too
   # small to fill the blocks (decode steps) run "dense".
   moe_impl: Literal["dense", "ragged", "expert_parallel", "blocked"] = "dense"
+  # blocked only: rows per expert block. Larger blocks pad more (up to one
+  # block per expert) but make bigger matmuls: on XLA:CPU a batch of
+  # [128, 128] x [128, 256] products ran at ~30 GFLOP/s and of [512, ...] at
+  # ~105, and the whole tiny train step was 1.4x faster with 512 than with
+  # 128 (benchmarks/RESULTS.md, "MoE block size").
+  moe_block: int = 512
   # expert_parallel only: <= 0 is dropless (buffers sized for the worst
   # case); c > 0 gives each device pair c x its balanced share of rows and
   # drops the overflow (counted in intermediates "moe_dropped").
@@ -145,6 +148,8 @@ class ModelConfig:
                        f"(the TPU lane width), got {self.attention_block}")
     if self.logits_chunk < 0:
       raise ValueError(f"logits_chunk must be >= 0 (0: full logits), got {self.logits_chunk}")
+    if self.moe_block < 1:
+      raise ValueError(f"moe_block must be positive, got {self.moe_block}")
     if self.moe_dispatch_chunk < 0:
       raise ValueError(
           f"moe_dispatch_chunk must be >= 0 (0: one round), got {self.moe_dispatch_chunk}")

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 
 from sao_jax.models import moe
 from sao_jax.models import attention as attn_lib
-from sao_jax.models.config import MOE_BLOCK, ModelConfig
+from sao_jax.models.config import ModelConfig
 
 Array = jax.Array
 # A pytree of {"k", "v"} arrays whose shapes end in [B, S, KVH, hd]: see init_cache.
@@ -204,9 +204,9 @@ class MoE(nn.Module):
     top_p = top_p.astype(dt)
 
     # Blocked rows: N*k plus up to a block per expert; dense rows: N*E.
-    if cfg.moe_impl == "blocked" and xf.shape[0] * (e - top_k) > e * MOE_BLOCK:
+    if cfg.moe_impl == "blocked" and xf.shape[0] * (e - top_k) > e * cfg.moe_block:
       out = moe.blocked_moe(xf, top_i, top_p, wg.astype(dt), wu.astype(dt), wd.astype(dt),
-                            block=MOE_BLOCK)
+                            block=cfg.moe_block)
     elif cfg.moe_impl in ("dense", "blocked"):
       gates = jnp.zeros_like(probs, dtype=dt).at[
           jnp.arange(xf.shape[0])[:, None], top_i].set(top_p)  # [N, E]
