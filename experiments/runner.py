@@ -467,7 +467,10 @@ def run_finding(finding: Finding, *, seeds: Sequence[int], arms: Sequence[str] |
   launch = launch or Launcher()
   base = dict(SMOKE_OVERRIDES if smoke else {}, **(extra_overrides or {}))
   budget_steps = budget_steps or (SMOKE_BUDGET_STEPS if smoke else finding.budget_steps)
-  finding = dataclasses.replace(finding, budget_steps=budget_steps)
+  # The overrides of every arm (`--set`) are the finding's from here on, so
+  # that an analysis reading a config field (online's switch_every) sees them.
+  finding = dataclasses.replace(finding, budget_steps=budget_steps,
+                                overrides={**finding.overrides, **base})
   workdir = workdir or os.path.join(WORKDIRS, "smoke" if smoke else "full")
   results = results or os.path.join(RESULTS if not smoke else os.path.join(workdir, "results"),
                                     finding.name)

@@ -1,7 +1,9 @@
 """pass@1 on held-out tasks, with its standard error.
 
 Each of the first `num_tasks` held-out tasks is sampled `samples_per_task`
-times; a sample succeeds when its reward is > 0. pass@1 is the mean over
+times; a sample succeeds when its total reward reaches 1, the full reward
+of every environment here (a partial credit such as online_style's
+`quality_credit` is not a success). pass@1 is the mean over
 tasks of each task's success rate, and its standard error is the spread of
 those per-task rates over tasks, std / sqrt(num_tasks), so it covers both
 the choice of tasks and the sampling (at temperature 1 one sample per task
@@ -41,7 +43,7 @@ def summarize(trajs) -> dict:
   """pass@1, its standard error over tasks, and episode shape of sampled episodes."""
   by_task = collections.defaultdict(list)
   for t in trajs:
-    by_task[t.prompt_id].append(float(t.total_reward > 0))
+    by_task[t.prompt_id].append(float(t.total_reward >= 1.0))
   rates = np.array([np.mean(v) for v in by_task.values()])
   stderr = float(rates.std(ddof=1) / np.sqrt(len(rates))) if len(rates) > 1 else float("nan")
   return {

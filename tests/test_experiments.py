@@ -1,5 +1,6 @@
 """experiments/: the statistics against oracles, every finding's arms valid, one smoke grid end to end."""
 
+import dataclasses
 import json
 import os
 
@@ -92,6 +93,29 @@ def test_online_recovery_counts_steps_after_each_shift():
   assert out["mean_steps_to_recover"] == 7
   assert out["reward_after_first_shift"][1] == 0.0
   assert out["reward_after_first_shift"][0] == pytest.approx(0.9 * (2 * period - 10) / (2 * period))
+
+
+def test_online_analysis_reads_the_schedule_of_the_runs_set_overrides(tmp_path):
+  # `--set env.kwargs.switch_every=640` (40 steps a style): the analysis must
+  # cut the curve at the runs' shifts, not at the config file's.
+  seen = {}
+
+  def analyze(finding, runs):
+    seen["overrides"] = finding.overrides
+    return online.steps_to_recover(finding, runs)
+
+  f = dataclasses.replace(online.FINDING, analyze=analyze)
+  result = runner.run_finding(f, seeds=[0], aggregate_only=True, workdir=str(tmp_path / "w"),
+                              results=str(tmp_path / "r"),
+                              extra_overrides={"env.kwargs.switch_every": 640})
+  assert seen["overrides"]["env.kwargs.switch_every"] == 640
+  assert result["overrides"]["env.kwargs.switch_every"] == 640
+  steps = np.arange(1, 81)
+  reward = np.where((steps > 40) & (steps <= 45), 0.0, 0.9)  # one shift, at step 40
+  run = {"curves": {"step": steps.tolist(), "rollout/reward_mean": reward.tolist()}}
+  out = online.steps_to_recover(dataclasses.replace(online.FINDING, overrides=seen["overrides"]),
+                                {"sao": {0: run}})
+  assert out["steps_to_recover_80pct"]["sao"]["per_seed"][0] == [7]
 
 
 def test_system_target_is_relative_to_each_seeds_sft_start():

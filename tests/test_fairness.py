@@ -82,6 +82,32 @@ def test_online_style_schedule_moves_with_training_episodes_only():
   assert env.episode(task).step(env.demonstration(task, "cute")[0][0]).reward == 1.0
 
 
+def test_online_style_quality_credit_rewards_form_but_is_not_a_pass():
+  from sao_jax import evaluation  # pylint: disable=import-outside-toplevel
+  from sao_jax.envs.online_style import OnlineStyle, OnlineStyleConfig  # pylint: disable=import-outside-toplevel
+  env = OnlineStyle(OnlineStyleConfig(switch_every=10**9, quality_credit=0.2))
+  task = env.task(0)
+  preferred = env.demonstration(task, "academic")[0][0]
+  other = env.demonstration(task, "cute")[0][0]
+  assert env.episode(task).step(preferred).reward == 1.0
+  assert env.episode(task).step(other).reward == pytest.approx(0.2)
+  assert env.episode(task).step("no").reward == 0.0  # not a well-formed line
+  with pytest.raises(ValueError, match="quality_credit"):
+    OnlineStyleConfig(quality_credit=1.0)
+
+  class T:  # the fields summarize reads
+
+    def __init__(self, prompt_id, reward):
+      self.prompt_id, self.total_reward, self.num_turns = prompt_id, reward, 1
+      self.action_mask = np.array([1], bool)
+
+    def __len__(self):
+      return 1
+
+  # A partial credit is not a solved task.
+  assert evaluation.summarize([T(0, 1.0), T(1, 0.2)])["pass@1"] == pytest.approx(0.5)
+
+
 # --- GRPO's rescaling, evaluation noise, token budgets ------------------------
 
 def test_group_advantages_without_std_are_group_centred_rewards():

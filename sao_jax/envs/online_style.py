@@ -16,7 +16,10 @@ and a "word" could be a million letters long. A capitalised first word is a
 normal sentence and is fine.
 
 The reward is 1 when quality holds and the style is the one currently
-preferred. The preference cycles through four styles (academic, cute,
+preferred; `quality_credit` (default 0) when quality holds in another style
+or none, 0 otherwise. With credit, a policy that has settled on a style
+that went out of favour still sees a gradient that keeps the form of a line
+(and away from the old style), rather than all-zero rewards. The preference cycles through four styles (academic, cute,
 chuunibyou, classical, like the paper's simulation) every `switch_every`
 training episodes started (evaluation uses `frozen()`, which reads the
 schedule without advancing it), so a policy that settled on one style must re-adapt after
@@ -50,6 +53,14 @@ class OnlineStyleConfig:
   switch_every: int = 2000
   # The style preferred first; then the next in STYLES' order, cyclically.
   first_style: int = 0
+  # Reward of a well-formed line not in the preferred style, in [0, 1).
+  quality_credit: float = 0.0
+
+  def __post_init__(self):
+    if self.switch_every < 1:
+      raise ValueError(f"switch_every must be >= 1, got {self.switch_every}")
+    if not 0.0 <= self.quality_credit < 1.0:
+      raise ValueError(f"quality_credit must be in [0, 1), got {self.quality_credit}")
 
 
 _MAX_WORD_LETTERS = 20
@@ -85,8 +96,9 @@ class _Episode:
   def step(self, action: str) -> StepResult:
     quality, style = judge(action.strip(), self._task.meta["topic"])
     ok = quality and style == self.preferred
-    return StepResult("", float(ok), True, {"correct": ok, "style": style,
-                                            "preferred": self.preferred})
+    reward = 1.0 if ok else (self._env.config.quality_credit if quality else 0.0)
+    return StepResult("", float(reward), True, {"correct": ok, "style": style,
+                                                "preferred": self.preferred})
 
 
 class OnlineStyle:
