@@ -28,7 +28,9 @@ train: one policy update (forward, backward, adamw, jit, donated state) on
   runs with its defaults (`moe_impl="dense"`: every token through every
   expert, like Tunix's CPU fallback) and with its fast settings: `"blocked"`
   MoE (top-k FLOPs, exact), plus chunked attention at 1024 tokens; with
-  `--extra_arms` also the fast settings with bf16 compute.
+  `--extra_arms` also the fast settings with bf16 compute; with
+  `--moe_block N` also the fast settings with blocks of N rows (an A/B of
+  `ModelConfig.moe_block` in the same interleaved run).
 generate: B prompts of P tokens, N new tokens each, temperature 1. Tunix:
   `Sampler.__call__` (its prefill then its jitted decode while-loop);
   sao-jax: `PolicyEngine.generate_batch` (one prefill, then the engine's
@@ -249,7 +251,13 @@ def fast_settings(cfg: mcfg.ModelConfig, length: int, prefill: bool = False) -> 
   return fast
 
 
-def train_section(shape: str, repeats: int, bf16: bool = False):
+def block_arm(arms: dict, fast: mcfg.ModelConfig, moe_block: int) -> None:
+  """Adds the fast settings with blocks of `moe_block` rows to `arms` (0: none)."""
+  if moe_block:
+    arms[f"the same, MoE blocks of {moe_block}"] = dataclasses.replace(fast, moe_block=moe_block)
+
+
+def train_section(shape: str, repeats: int, bf16: bool = False, moe_block: int = 0):
   rows, length = SHAPES[shape][:2]
   cfg, params, model = build_models(length)
   batch, example = train_batch(cfg, rows, length)
@@ -260,6 +268,7 @@ def train_section(shape: str, repeats: int, bf16: bool = False):
   arms = {"defaults (dense MoE)": cfg, FAST_NAME[length >= 1024]: fast}
   if bf16:
     arms["the same, bf16 compute"] = dataclasses.replace(fast, dtype="bfloat16")
+  block_arm(arms, fast, moe_block)
   fns = {"tunix": tunix_train_fn(model, example)}
   fns.update({name: sao_train_fn(c, params, batch) for name, c in arms.items()})
   sec = time_fns(fns, {k: () for k in fns}, repeats=repeats)
@@ -290,7 +299,7 @@ class IdTokenizer:
     return PAD
 
 
-def generate_section(shape: str, repeats: int, one_step: bool = False):
+def generate_section(shape: str, repeats: int, one_step: bool = False, moe_block: int = 0):
   _, _, slots, prompt, new = SHAPES[shape]
   cfg, params, model = build_models(prompt + new)
   rng = np.random.default_rng(0)
@@ -301,8 +310,9 @@ def generate_section(shape: str, repeats: int, one_step: bool = False):
       tunix_sampler.CacheConfig(cache_size=prompt + new, num_layers=cfg.num_layers,
                                 num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim))
   # The same two sets of model settings as the train rows.
-  arms = {"defaults (dense MoE)": cfg,
-          FAST_NAME[prompt + new >= 1024]: fast_settings(cfg, prompt + new, prefill=True)}
+  fast = fast_settings(cfg, prompt + new, prefill=True)
+  arms = {"defaults (dense MoE)": cfg, FAST_NAME[prompt + new >= 1024]: fast}
+  block_arm(arms, fast, moe_block)
   engines = {name: PolicyEngine(c, params, slots=slots, max_len=prompt + new,
                                 sampling=SamplingConfig(temperature=1.0))
              for name, c in arms.items()}
@@ -387,6 +397,8 @@ def main():
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--extra_arms", action="store_true",
                       help="also bf16 compute (train) and one `step` per token (generate)")
+  parser.add_argument("--moe_block", type=int, default=0,
+                      help="also the fast settings with MoE blocks of this many rows")
   args = parser.parse_args()
   sections = args.sections.split(",")
 
@@ -410,9 +422,9 @@ def main():
 
   for shape in args.shapes.split(","):
     if "train" in sections:
-      record(train_section(shape, args.repeats, args.extra_arms)[0])
+      record(train_section(shape, args.repeats, args.extra_arms, args.moe_block)[0])
     if "generate" in sections:
-      record(generate_section(shape, args.repeats, args.extra_arms)[0])
+      record(generate_section(shape, args.repeats, args.extra_arms, args.moe_block)[0])
   if "gae" in sections:
     record(gae_section(args.repeats)[0])
 
