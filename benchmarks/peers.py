@@ -55,6 +55,7 @@ import dataclasses
 import os
 import re
 import sys
+import time
 import types
 
 import jax
@@ -377,10 +378,14 @@ HEADING = "## Side by side with Tunix (issue 12)"
 
 
 def write_section(path: str, body: str) -> None:
-  """Replaces this script's section of RESULTS.md (or appends it)."""
+  """Replaces this script's table in RESULTS.md (or appends the section).
+
+  Only the text between the heading and the section's first subsection
+  ("### ...", the write-ups of earlier runs) is replaced.
+  """
   text = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
   section = f"{HEADING}\n\n{body.rstrip()}\n"
-  pattern = re.compile(re.escape(HEADING) + r".*?(?=^## |\Z)", re.S | re.M)
+  pattern = re.compile(re.escape(HEADING) + r".*?(?=^##+ |\Z)", re.S | re.M)
   if pattern.search(text):
     text = pattern.sub(lambda _: section + "\n", text).rstrip() + "\n"
   else:
@@ -409,12 +414,16 @@ def main():
     raise SystemExit("the two models disagree: the weight map is wrong")
 
   lines = ["| measurement | Tunix 0.1.7 | sao-jax | sao-jax / Tunix |", "|---|---|---|---|"]
+  started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
 
   def record(out):  # the table so far goes to --out after every section
     lines.extend(out)
     print(*out, sep="\n", flush=True)
     if args.out:
-      body = (f"    nice -n 10 .venv-peers/bin/python benchmarks/peers.py --out {args.out}\n\n"
+      body = ("The write-ups of earlier runs follow in the subsections below, the "
+              f"latest last. This table: the run of {started}.\n\n"
+              "    PYTHONPATH=. .venv-peers/bin/python benchmarks/peers.py "
+              f"{' '.join(sys.argv[1:])}\n\n"
               f"Same weights in both (max |logit difference| {diff:.1e}). Train and generate "
               "rows are tokens/s, GAE rows milliseconds; the last column is always sao-jax's "
               "speed over the peer's (above 1: sao-jax faster).\n\n" + "\n".join(lines))
