@@ -24,8 +24,8 @@ def get_config(arg=None):
   c = common.get_config()
   c.env.name = 'online_style'
   # Training episodes per preferred style; the reward of a well-formed line
-  # in another style (0: none; the recoverable variant of
-  # experiments/online.py sets 0.2).
+  # in another style (0: none; experiments/README.md's "online, with partial
+  # credit" run sets 0.2 and 640 episodes a style).
   c.env.kwargs = {'switch_every': 320, 'quality_credit': 0.0}
   # A line is up to ~40 characters of the character vocabulary.
   c.rollout.max_turn_tokens = 48

@@ -28,24 +28,31 @@ def steps_to_recover(finding, runs, fraction: float = 0.8, window: int = 5,
                      min_level: float = 0.2):
   """Per arm: how the training reward fares after each shift of the preferred style.
 
-  A shift counts (is "assessable") when the mean reward over the `window`
-  steps before it is at least `min_level`: the policy had learned the style
-  that just went out of favour. (A run already at 0 would otherwise
-  "recover" to 80% of 0 at once.) For those shifts: the RL steps until the
-  3-step running mean regains `fraction` of that level (None: not within
-  the segment). Also the mean training reward over every step after the
-  first shift, which says whether an arm keeps up at all.
+  The curve is the share of training episodes with the full reward
+  (`rollout/success_frac`; the mean reward for runs that did not log it),
+  so that a partial credit (`env.kwargs.quality_credit`) for the old style
+  does not count as recovering. A shift counts (is "assessable") when that
+  share over the `window` steps before it is at least `min_level`: the
+  policy had learned the style that just went out of favour. (A run
+  already at 0 would otherwise "recover" to 80% of 0 at once.) For those
+  shifts: the RL steps until the 3-step running mean regains `fraction` of
+  that level (None: not within the segment). Also the mean of the curve
+  over every step after the first shift, which says whether an arm keeps up
+  at all. The schedule (switch_every, batch size) is each run's own, from
+  its config.json; the finding's config when a record has none.
   """
-  switch_every = runner.load_config("sao_online", finding.overrides).env.kwargs["switch_every"]
   out = {}
   for arm, by_seed in runs.items():
-    batch = runner.load_config(finding.arm(arm).config, {**finding.overrides,
-                                                         **finding.arm(arm).overrides})
-    period = switch_every / batch.rl.batch_size  # RL steps per preferred style
+    arm_config = runner.load_config(finding.arm(arm).config, {**finding.overrides,
+                                                              **finding.arm(arm).overrides})
     per_seed, after_first = {}, {}
     for seed, rec in by_seed.items():
+      config = rec.get("config") or arm_config.to_dict()
+      # RL steps per preferred style.
+      period = config["env"]["kwargs"]["switch_every"] / config["rl"]["batch_size"]
       steps = np.asarray(rec["curves"].get("step", []))
-      reward = np.asarray(rec["curves"].get("rollout/reward_mean", []))
+      curves = rec["curves"]
+      reward = np.asarray(curves.get("rollout/success_frac", curves.get("rollout/reward_mean", [])))
       late = reward[steps > period]
       after_first[seed] = float(late.mean()) if late.size else None
       shifts = [int(round(k * period)) for k in range(1, int(steps.max(initial=0) // period) + 1)]

@@ -152,10 +152,15 @@ def sft_key(config) -> str:
   """A short hash of what shapes the SFT start of `config`.
 
   Only the fields of the key sections that differ from configs/common.py's
-  defaults enter it, so a field added to common.py later (with a default)
-  does not orphan the SFT starts of a grid that is still running.
+  defaults enter it, and only the `env.kwargs` that differ from the
+  environment's own defaults, so a field added later with a default (to
+  common.py, or to a config's env.kwargs so that `--set` can reach it) does
+  not orphan the SFT starts of a grid that is still running.
   """
+  from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top
   default = _flat(load_config("common", {}).to_dict())
+  default.update({f"env.kwargs.{k}": v
+                  for k, v in registry.kwargs_defaults(config.env.name).items()})
   ours = _flat(config.to_dict())
   parts = {k: v for k, v in ours.items()
            if any(k == f or k.startswith(f + ".") for f in _SFT_KEY_FIELDS)
@@ -292,10 +297,11 @@ def collect(rdir: str) -> dict | None:
   summary = _read_json(path)
   runner = _read_json(os.path.join(rdir, "runner.json")) if os.path.exists(
       os.path.join(rdir, "runner.json")) else {}
-  if "budget_tokens" not in runner and os.path.exists(os.path.join(rdir, "config.json")):
+  config_path = os.path.join(rdir, "config.json")
+  config = _read_json(config_path) if os.path.exists(config_path) else None
+  if "budget_tokens" not in runner and config is not None:
     # A run finished without its runner (stopped meanwhile): its config says.
-    runner["budget_tokens"] = _read_json(os.path.join(rdir, "config.json"))["rl"].get(
-        "max_generated_tokens")
+    runner["budget_tokens"] = config["rl"].get("max_generated_tokens")
   # A resumed run appends to metrics.jsonl: keep the last record of each step.
   rl = {}
   evals = []
@@ -323,6 +329,7 @@ def collect(rdir: str) -> dict | None:
       "lag_mean": float(np.mean(lag)) if lag else None,
       "lag_max": float(np.max(lag_max)) if lag_max else None,
       "evals": evals, "curves": curves,
+      "config": config,  # the run's own config (analyses read its settings)
   }
 
 
@@ -510,7 +517,8 @@ def run_finding(finding: Finding, *, seeds: Sequence[int], arms: Sequence[str] |
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                  "machine": _machine()})
   _write_json(os.path.join(results, "results.json"),
-              dict(result, runs={a: {str(s): {k: v for k, v in r.items() if k != "evals"}
+              dict(result, runs={a: {str(s): {k: v for k, v in r.items()
+                                             if k not in ("evals", "config")}
                                      for s, r in by.items()} for a, by in runs.items()}))
   with open(os.path.join(results, "results.md"), "w", encoding="utf-8") as f:
     f.write(f"# {finding.name}\n\n{finding.claim}\n\n{table(result)}\n")

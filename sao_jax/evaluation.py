@@ -39,11 +39,20 @@ def pass_at_1(model_cfg, params, env, tokenizer, *, num_tasks: int, slots: int, 
   return summarize(trajs)
 
 
+# The full reward of every environment here: an episode that earns it solved its task.
+SUCCESS_REWARD = 1.0
+
+
+def solved(total_reward):
+  """Whether an episode's total reward (or an array of them) counts as a success."""
+  return total_reward >= SUCCESS_REWARD
+
+
 def summarize(trajs) -> dict:
   """pass@1, its standard error over tasks, and episode shape of sampled episodes."""
   by_task = collections.defaultdict(list)
   for t in trajs:
-    by_task[t.prompt_id].append(float(t.total_reward >= 1.0))
+    by_task[t.prompt_id].append(float(solved(t.total_reward)))
   rates = np.array([np.mean(v) for v in by_task.values()])
   stderr = float(rates.std(ddof=1) / np.sqrt(len(rates))) if len(rates) > 1 else float("nan")
   return {

@@ -40,7 +40,7 @@ from sao_jax.data import packing, prompts as prompt_data, store
 from sao_jax.data.ingestion import TrajectoryQueue
 from sao_jax.envs import registry
 from sao_jax.envs.demonstrations import demonstration_trajectory
-from sao_jax.evaluation import pass_at_1
+from sao_jax.evaluation import pass_at_1, solved
 from sao_jax.faults import FaultInjector
 from sao_jax.metrics import MetricsWriter, progress
 from sao_jax.models import config as model_config
@@ -555,6 +555,9 @@ class _Run:
         budget_spent = bool(budget) and generated >= budget
         m.update({
             "rollout/reward_mean": float(rewards.mean()),
+            # Episodes with the full reward (pass@1's rule): differs from the
+            # mean reward where an environment gives partial credit.
+            "rollout/success_frac": float(solved(rewards).mean()),
             "rollout/length_mean": float(np.mean([len(t) for t in trajs])),
             "rollout/turns_mean": float(np.mean([t.num_turns for t in trajs])),
             "rollout/generated_tokens_per_s": gen_tokens / max(elapsed, 1e-6),

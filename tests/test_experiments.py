@@ -118,6 +118,26 @@ def test_online_analysis_reads_the_schedule_of_the_runs_set_overrides(tmp_path):
   assert out["steps_to_recover_80pct"]["sao"]["per_seed"][0] == [7]
 
 
+def test_online_recovery_reads_each_runs_schedule_and_success_not_partial_credit():
+  # A run's own config.json says 40 steps a style (--aggregate_only without
+  # the --set that ran it), and with quality_credit 0.2 a policy stuck on the
+  # old style keeps a mean reward of ~0.2: only the full-reward share
+  # (rollout/success_frac) says whether it re-adapted.
+  config = runner.load_config("sao_online", {"env.kwargs.switch_every": 640,
+                                             "env.kwargs.quality_credit": 0.2}).to_dict()
+  steps = np.arange(1, 121)  # shifts at 40 and 80
+  success = np.where(steps <= 40, 0.9, 0.0)  # never re-adapts
+  reward = np.where(steps <= 40, 0.92, 0.2)  # the credit of the old style's lines
+  stuck = {"config": config, "curves": {"step": steps.tolist(),
+                                         "rollout/reward_mean": reward.tolist(),
+                                         "rollout/success_frac": success.tolist()}}
+  out = online.steps_to_recover(online.FINDING, {"sao": {0: stuck}})["steps_to_recover_80pct"]
+  # Only the shift at 40 follows a learned style, and it is not regained (on
+  # the mean reward the shift at 80 would count and "recover" at once).
+  assert out["sao"]["per_seed"][0] == [None]
+  assert out["sao"]["mean_reward_after_first_shift"] == 0.0
+
+
 def test_system_target_is_relative_to_each_seeds_sft_start():
   def run(sft, evals, idle):
     rec = _fake_run(sft, evals[-1][1])

@@ -136,10 +136,12 @@ def test_blocked_moe_equals_dense_with_gradients(params):
     return logp.mean() + aux["load_balance_loss"]
 
   # The blocked path is taken (its sort), not the dense fallback.
-  def sorts(cfg):
-    return " sort[" in str(jax.make_jaxpr(functools.partial(loss, cfg))(params))
+  def jaxpr(cfg):
+    return str(jax.make_jaxpr(functools.partial(loss, cfg))(params))
 
-  assert sorts(blocked_cfg) and not sorts(CFG)
+  assert " sort[" in jaxpr(blocked_cfg) and " sort[" not in jaxpr(CFG)
+  # Blocks of moe_block rows: 2 * 400 pairs // 64 + 4 experts = 16 blocks of 64.
+  assert f"f32[16,64,{CFG.d_model}]" in jaxpr(blocked_cfg)
 
   dense, g_dense = jax.value_and_grad(functools.partial(loss, CFG))(params)
   blocked, g_blocked = jax.value_and_grad(functools.partial(loss, blocked_cfg))(params)

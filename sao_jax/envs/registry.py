@@ -8,6 +8,8 @@ config says `env.allow_unisolated = True`.
 
 from __future__ import annotations
 
+import dataclasses
+
 from sao_jax.envs import sandbox
 from sao_jax.envs.code_fix import CodeFix, CodeFixConfig
 from sao_jax.envs.online_style import OnlineStyle, OnlineStyleConfig
@@ -27,13 +29,26 @@ def make_env(env_config):
   limits = SandboxLimits(**dict(env_config.get("sandbox", {})))
   if name in ("python_tool", "code_fix") and kwargs.get("use_sandbox", True):
     sandbox.check_isolation(bool(env_config.get("allow_unisolated", False)), limits)
+  if name not in ENV_CONFIGS:
+    raise ValueError(f"Unknown environment {name!r}; known: {ENVIRONMENTS}")
+  env_kwargs = ENV_CONFIGS[name](**kwargs)
   if name == "python_tool":
-    return PythonTool(PythonToolConfig(**kwargs), limits)
+    return PythonTool(env_kwargs, limits)
   if name == "code_fix":
-    return CodeFix(CodeFixConfig(**kwargs), limits)
-  if name == "online_style":
-    return OnlineStyle(OnlineStyleConfig(**kwargs))
-  raise ValueError(f"Unknown environment {name!r}; known: {ENVIRONMENTS}")
+    return CodeFix(env_kwargs, limits)
+  return OnlineStyle(env_kwargs)
 
 
-ENVIRONMENTS = ("python_tool", "code_fix", "online_style")
+# Each environment's `env.kwargs`, as a dataclass.
+ENV_CONFIGS = {"python_tool": PythonToolConfig, "code_fix": CodeFixConfig,
+               "online_style": OnlineStyleConfig}
+ENVIRONMENTS = tuple(ENV_CONFIGS)
+
+
+def kwargs_defaults(name: str) -> dict:
+  """The default `env.kwargs` of environment `name` ({} if unknown)."""
+  config = ENV_CONFIGS.get(name)
+  if config is None:
+    return {}
+  return {f.name: f.default for f in dataclasses.fields(config)
+          if f.default is not dataclasses.MISSING}

@@ -164,7 +164,7 @@ def ragged_moe(x, top_i, top_p, wi_gate, wi_up, wo, token_mask=None):
   return jnp.einsum("nkd,nk->nd", ys, top_p)
 
 
-def blocked_moe(x, top_i, top_p, wi_gate, wi_up, wo, block: int = 128):
+def blocked_moe(x, top_i, top_p, wi_gate, wi_up, wo, block: int):
   """Dropless top-k MoE as block-sparse batched matmuls: the FLOPs of top-k.
 
   `MoE(moe_impl="blocked")`. The N*k (token, expert) pairs are sorted by
@@ -186,7 +186,7 @@ def blocked_moe(x, top_i, top_p, wi_gate, wi_up, wo, block: int = 128):
     x: `[N, D]` tokens.
     top_i: int `[N, k]` chosen experts, top_p `[N, k]` their weights.
     wi_gate, wi_up: `[E, D, F]`; wo: `[E, F, D]`.
-    block: rows per block.
+    block: rows per block (`ModelConfig.moe_block`).
 
   Returns:
     `[N, D]`.
