@@ -96,7 +96,7 @@ FINDING = runner.Finding(
                    label="async GRPO + DIS (G=4)"),
     ),
     reference="sao", seeds=3, budget_steps=240,
-    curves=("rollout/reward_mean", "critic/explained_variance"),
+    curves=("rollout/success_frac", "rollout/reward_mean", "critic/explained_variance"),
     analyze=steps_to_recover)
 
 if __name__ == "__main__":
