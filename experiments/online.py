@@ -50,8 +50,8 @@ def steps_to_recover(finding, runs, fraction: float = 0.8, window: int = 5,
       config = rec.get("config") or arm_config.to_dict()
       # RL steps per preferred style.
       period = config["env"]["kwargs"]["switch_every"] / config["rl"]["batch_size"]
-      steps = np.asarray(rec["curves"].get("step", []))
       curves = rec["curves"]
+      steps = np.asarray(curves.get("step", []))
       reward = np.asarray(curves.get("rollout/success_frac", curves.get("rollout/reward_mean", [])))
       late = reward[steps > period]
       after_first[seed] = float(late.mean()) if late.size else None

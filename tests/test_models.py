@@ -139,9 +139,10 @@ def test_blocked_moe_equals_dense_with_gradients(params):
   def jaxpr(cfg):
     return str(jax.make_jaxpr(functools.partial(loss, cfg))(params))
 
-  assert " sort[" in jaxpr(blocked_cfg) and " sort[" not in jaxpr(CFG)
+  blocked_jaxpr = jaxpr(blocked_cfg)
+  assert " sort[" in blocked_jaxpr and " sort[" not in jaxpr(CFG)
   # Blocks of moe_block rows: 2 * 400 pairs // 64 + 4 experts = 16 blocks of 64.
-  assert f"f32[16,64,{CFG.d_model}]" in jaxpr(blocked_cfg)
+  assert f"f32[16,64,{CFG.d_model}]" in blocked_jaxpr
 
   dense, g_dense = jax.value_and_grad(functools.partial(loss, CFG))(params)
   blocked, g_blocked = jax.value_and_grad(functools.partial(loss, blocked_cfg))(params)

@@ -19,8 +19,8 @@ The reward is 1 when quality holds and the style is the one currently
 preferred; `quality_credit` (default 0) when quality holds in another style
 or none, 0 otherwise. With credit, after a shift a policy that settled on
 the old style still sees rewards that keep the form of a line, rather than
-zero on every sample. The preference cycles through four styles (academic, cute,
-chuunibyou, classical, like the paper's simulation) every `switch_every`
+zero on every sample. The preference cycles through four styles (academic,
+cute, chuunibyou, classical, like the paper's simulation) every `switch_every`
 training episodes started (evaluation uses `frozen()`, which reads the
 schedule without advancing it), so a policy that settled on one style must re-adapt after
 each switch: the online-learning setting where SAO's critic recovers faster
