@@ -37,6 +37,10 @@ seed one after the other and, with --jobs, seeds side by side, each in
 <workdir>/<finding>/<arm>/seed_<s>; a run whose summary.json
 exists is skipped, an unfinished one resumes from its checkpoint (the
 trainer does that). Results (JSON and PNG) go to experiments/results/<finding>/.
+Run directories do not outlive a checkout, but results.json keeps each run's
+numbers and curves: a grid extended later (`--first_seed 3 --seeds 2`, then
+`--aggregate_only --seeds 5`) carries the earlier runs of the same budget and
+overrides over from it (`earlier_runs`) instead of rerunning them.
 """
 
 from __future__ import annotations
@@ -387,6 +391,25 @@ def smooth(y: Sequence[float], k: int = 5) -> np.ndarray:
   return np.convolve(y, np.ones(k) / k, mode="valid") if y.size else y
 
 
+def earlier_runs(path: str, budget_steps: int, overrides: dict) -> dict:
+  """{arm: {seed: record}} of an earlier results.json of the same grid, else {}.
+
+  Run directories (workdirs/) do not outlive a checkout; results.json keeps
+  every run's numbers and curves. A grid extended later (more seeds or
+  arms, in a new checkout) carries those runs over rather than rerunning
+  them, when the budget and the overrides are the same. Their records have
+  no config (and, written before evaluations were kept, no evaluations).
+  """
+  if not os.path.exists(path):
+    return {}
+  old = _read_json(path)
+  if old.get("smoke") or old.get("budget_steps") != budget_steps or json.dumps(
+      old.get("overrides"), sort_keys=True) != json.dumps(overrides, sort_keys=True):
+    return {}
+  return {arm: {int(s): dict(rec, config=None) for s, rec in by_seed.items()}
+          for arm, by_seed in old.get("runs", {}).items()}
+
+
 def plot(finding: Finding, runs: dict, result: dict, path: str) -> None:
   """Final pass@1 per arm (seeds as dots) and each curve over generated tokens."""
   import matplotlib  # pylint: disable=g-import-not-at-top
@@ -504,21 +527,28 @@ def run_finding(finding: Finding, *, seeds: Sequence[int], arms: Sequence[str] |
     else:
       for seed in seeds:
         run_seed(seed)
-  runs = {}
+  runs, carried = {}, []
+  earlier = earlier_runs(os.path.join(results, "results.json"), budget_steps,
+                         finding.overrides) if not smoke else {}
   for arm in finding.arms:
     for seed in seeds:
       rec = collect(run_dir(workdir, finding, arm, seed))
+      if rec is None and seed in earlier.get(arm.name, {}):
+        rec = earlier[arm.name][seed]
+        carried.append(f"{arm.name}/seed_{seed}")
       if rec is not None:
         runs.setdefault(arm.name, {})[seed] = rec
+  if carried:
+    print(f"[experiments] carried over from the earlier results.json (no run directory "
+          f"here): {', '.join(carried)}", flush=True)
   result = aggregate(finding, runs)
   result.update({"budget_steps": budget_steps, "smoke": smoke, "seeds_requested": list(seeds),
-                 "failed": failed,
+                 "failed": failed, "carried_over": carried,
                  "overrides": {**finding.overrides, **base},
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                  "machine": _machine()})
   _write_json(os.path.join(results, "results.json"),
-              dict(result, runs={a: {str(s): {k: v for k, v in r.items()
-                                             if k not in ("evals", "config")}
+              dict(result, runs={a: {str(s): {k: v for k, v in r.items() if k != "config"}
                                      for s, r in by.items()} for a, by in runs.items()}))
   with open(os.path.join(results, "results.md"), "w", encoding="utf-8") as f:
     f.write(f"# {finding.name}\n\n{finding.claim}\n\n{table(result)}\n")

@@ -35,8 +35,9 @@ def time_to_target(finding, runs):
     reach, idle, wall = {}, {}, {}
     for seed, rec in by_seed.items():
       target = rec["sft_pass@1"] + TARGET_GAIN
-      hits = [e["time"] for e in rec["evals"] if e.get("eval/pass@1", 0) >= target]
-      reach[seed] = min(hits) if hits else None
+      if rec.get("evals") is not None:  # None: carried over from a results.json without them
+        hits = [e["time"] for e in rec["evals"] if e.get("eval/pass@1", 0) >= target]
+        reach[seed] = min(hits) if hits else None
       curve = rec["curves"].get("trainer/idle_fraction", [])
       idle[seed] = float(curve[-1]) if curve else None
       wall[seed] = rec.get("wall_s")

@@ -189,3 +189,33 @@ def test_a_run_held_by_another_runner_is_skipped_not_run_twice(tmp_path):
   with open(rdir + ".lock", "w", encoding="utf-8") as held:
     fcntl.flock(held, fcntl.LOCK_EX)
     assert runner.run_arm(launch, str(tmp_path), f, f.arm("sao"), 0, 3, {}) == rdir
+
+
+def test_a_grid_extended_in_a_new_checkout_carries_the_committed_runs_over(tmp_path):
+  # Seeds 0-1 finished in an earlier checkout: only their results.json is
+  # left. Seed 2 has its run directory here. Aggregating seeds 0-2 must use
+  # all three, and a results.json of another budget must not be used.
+  f = dataclasses.replace(headline.FINDING, budget_steps=20)
+  results = tmp_path / "r"
+  results.mkdir()
+  earlier = {"smoke": False, "budget_steps": 20, "overrides": dict(f.overrides),
+             "runs": {"sao": {"0": _fake_run(.4, .6), "1": _fake_run(.5, .7)},
+                      "grpo": {"0": _fake_run(.4, .5)}}}
+  (results / "results.json").write_text(json.dumps(earlier), encoding="utf-8")
+  rdir = runner.run_dir(str(tmp_path / "w"), f, f.arm("sao"), 2)
+  os.makedirs(rdir)
+  summary = {"sft_pass@1": .3, "final_pass@1": .45, "rl_steps": 20,
+             "evals": {"final": {"pass@1_stderr": .02}}}
+  (open(os.path.join(rdir, "summary.json"), "w", encoding="utf-8")).write(json.dumps(summary))
+  args = dict(seeds=range(3), aggregate_only=True, workdir=str(tmp_path / "w"),
+              results=str(results))
+  result = runner.run_finding(f, budget_steps=20, **args)
+  assert result["arms"]["sao"]["final_pass@1"]["per_seed"] == pytest.approx([.6, .7, .45])
+  assert result["arms"]["grpo"]["seeds"] == [0]
+  assert sorted(result["carried_over"]) == ["grpo/seed_0", "sao/seed_0", "sao/seed_1"]
+  # What it wrote keeps the carried runs, so a further extension finds them.
+  again = runner.run_finding(f, budget_steps=20, **args)
+  assert again["arms"]["sao"]["final_pass@1"]["per_seed"] == pytest.approx([.6, .7, .45])
+  # Another budget: the committed runs are not comparable and are not used.
+  other = runner.run_finding(f, budget_steps=40, **args)
+  assert other["arms"]["sao"]["seeds"] == [2] and not other["carried_over"]
