@@ -114,14 +114,76 @@ def test_blocked_moe_kernel_equals_per_token_oracle(route):
     top_i = top_i % 3
   top_p = jax.nn.softmax(jax.random.normal(ks[5], (n, k)))
   got = moe.blocked_moe(x, top_i, top_p, wg, wu, wo, block=block)
+  np.testing.assert_allclose(got, _moe_oracle(x, top_i, top_p, wg, wu, wo), rtol=1e-4, atol=1e-4)
+
+
+def _moe_oracle(x, top_i, top_p, wg, wu, wo):
+  """Top-k SwiGLU experts token by token, in float64."""
   xn, ti, tp = (np.asarray(a, np.float64) for a in (x, top_i, top_p))
-  want = np.zeros((n, d))
-  for t in range(n):
-    for j in range(k):
+  want = np.zeros(xn.shape)
+  for t in range(xn.shape[0]):
+    for j in range(ti.shape[1]):
       ex = int(ti[t, j])
       g, u = xn[t] @ np.asarray(wg[ex]), xn[t] @ np.asarray(wu[ex])
       want[t] += tp[t, j] * ((g / (1 + np.exp(-g)) * u) @ np.asarray(wo[ex]))
-  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+  return want
+
+
+def test_capacity_moe_kernel_equals_oracle_within_capacity_and_drops_past_it():
+  n, d, f, e, k = 32, 8, 12, 4, 2
+  ks = jax.random.split(jax.random.key(1), 6)
+  x = jax.random.normal(ks[0], (n, d))
+  wg, wu = (jax.random.normal(kk, (e, d, f)) for kk in ks[1:3])
+  wo = jax.random.normal(ks[3], (e, f, d))
+  top_p = jax.nn.softmax(jax.random.normal(ks[5], (n, k)))
+  # Token t picks experts t % 4 and (t + 1) % 4: 16 pairs each, under 24.
+  top_i = jnp.stack([jnp.arange(n) % e, (jnp.arange(n) + 1) % e], 1)
+  cap = moe.small_capacity(n, k, e)
+  assert cap == 24
+  got = moe.capacity_moe(x, top_i, top_p, wg, wu, wo, capacity=cap)
+  np.testing.assert_allclose(got, _moe_oracle(x, top_i, top_p, wg, wu, wo), rtol=1e-4, atol=1e-4)
+  # Every first choice on expert 0 (32 > 24 pairs): the kernel alone would
+  # drop 8 of them, which is why the MoE module checks the load first.
+  skew = top_i.at[:, 0].set(0).at[:, 1].set(1 + jnp.arange(n) % 3)
+  dropped = moe.capacity_moe(x, skew, top_p, wg, wu, wo, capacity=cap)
+  assert not np.allclose(dropped, _moe_oracle(x, skew, top_p, wg, wu, wo), rtol=1e-3, atol=1e-3)
+
+
+def test_capacity_or_dense_is_exact_whatever_the_load():
+  n, d, f, e, k = 32, 8, 12, 4, 2
+  ks = jax.random.split(jax.random.key(2), 6)
+  x = jax.random.normal(ks[0], (n, d))
+  wg, wu = (jax.random.normal(kk, (e, d, f)) for kk in ks[1:3])
+  wo = jax.random.normal(ks[3], (e, f, d))
+  top_p = jax.nn.softmax(jax.random.normal(ks[5], (n, k)))
+  taken = []
+
+  def dense(x, top_i, top_p):
+    taken.append("dense")  # traced once: the cond's other branch
+    gates = jnp.zeros((n, e)).at[jnp.arange(n)[:, None], top_i].set(top_p)
+    h = jax.nn.silu(jnp.einsum("nd,edf->enf", x, wg)) * jnp.einsum("nd,edf->enf", x, wu)
+    return jnp.einsum("enf,efd,ne->nd", h, wo, gates)
+
+  run = jax.jit(lambda ti: moe.capacity_or_dense(x, ti, top_p, wg, wu, wo, dense))
+  balanced = jnp.stack([jnp.arange(n) % e, (jnp.arange(n) + 1) % e], 1)
+  skewed = balanced.at[:, 0].set(0).at[:, 1].set(1 + jnp.arange(n) % 3)  # 32 on expert 0
+  for top_i in (balanced, skewed):
+    np.testing.assert_allclose(run(top_i), _moe_oracle(x, top_i, top_p, wg, wu, wo),
+                               rtol=1e-4, atol=1e-4)
+  assert taken == ["dense"]
+
+
+def test_small_blocked_calls_take_the_capacity_path_and_equal_dense(params):
+  # A decode step of 32 slots: too small for blocks, so "blocked" runs
+  # capacity_or_dense (its cond), and the result is dense's.
+  tokens = jax.random.randint(jax.random.key(4), (32, 1), 0, CFG.vocab_size)
+  pos = jnp.full((32, 1), 3)
+  seg = jnp.ones((32, 1), jnp.int32)
+  small_cfg = dataclasses.replace(CFG, moe_impl="blocked")
+  run = lambda cfg: Transformer(cfg).apply({"params": params}, tokens, pos, seg)[0]
+  assert " cond[" in str(jax.make_jaxpr(lambda: run(small_cfg))())
+  assert " cond[" not in str(jax.make_jaxpr(lambda: run(CFG))())
+  np.testing.assert_allclose(run(small_cfg), run(CFG), rtol=1e-5, atol=1e-5)
 
 
 def test_blocked_moe_equals_dense_with_gradients(params):

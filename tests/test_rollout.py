@@ -1,5 +1,6 @@
 """Engine, driver and environments (the sandbox: tests/test_sandbox.py)."""
 
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -379,8 +380,12 @@ def test_decode_stop_token_and_budget_per_slot(params):
   assert len(set(chunk.counts.tolist())) > 1  # stops are per slot, not per batch
 
 
-def test_generate_batch_logprobs_are_teacher_forced(params):
-  engine = PolicyEngine(CFG, params[0], slots=4, max_len=MAX_LEN, seed=2)
+@pytest.mark.parametrize("moe_impl,slots", [("dense", 4), ("blocked", 32)])
+def test_generate_batch_logprobs_are_teacher_forced(params, moe_impl, slots):
+  # "blocked" with 32 slots: the decode steps' MoE runs moe.capacity_or_dense;
+  # the reference is the dense model, teacher-forced.
+  cfg = dataclasses.replace(CFG, moe_impl=moe_impl)
+  engine = PolicyEngine(cfg, params[0], slots=slots, max_len=MAX_LEN, seed=2)
   prompts = [TOK.encode("12 plus 3\n"), TOK.encode("q\n"), TOK.encode("7 times 2\n")]
   toks, lps, counts = engine.generate_batch(prompts, 20)
   assert toks.shape == (3, 20) and (counts == 20).all()

@@ -46,7 +46,9 @@ class ModelConfig:
   # "blocked" sorts the pairs into expert-pure blocks of `moe_block` rows
   # and runs batched matmuls (moe.blocked_moe): the FLOPs of top-k with
   # plain dots, the fastest exact path on CPU for a train batch; calls too
-  # small to fill the blocks (decode steps) run "dense".
+  # small to fill the blocks (decode steps) give each expert 1.5x its
+  # balanced share of rows (moe.capacity_moe), or run "dense" when an
+  # expert's load exceeds that.
   moe_impl: Literal["dense", "ragged", "expert_parallel", "blocked"] = "dense"
   # blocked only: rows per expert block. Larger blocks pad more (up to one
   # block per expert) but make bigger matmuls: on XLA:CPU a batch of

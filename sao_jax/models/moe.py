@@ -179,8 +179,8 @@ def blocked_moe(x, top_i, top_p, wi_gate, wi_up, wo, block: int):
   plain gathers and batched dots on any backend.
 
   Exact: the same products and sums as the dense path, only in another
-  order. Worth it when N*k is many blocks; decode steps of a few slots are
-  cheaper dense (the MoE module chooses).
+  order. Worth it when N*k is many blocks; decode steps of a few slots take
+  `capacity_moe` (the MoE module chooses).
 
   Args:
     x: `[N, D]` tokens.
@@ -219,6 +219,57 @@ def blocked_moe(x, top_i, top_p, wi_gate, wi_up, wo, block: int):
   ys = jnp.einsum("brf,bfd->brd", hidden, wo[block_e]).reshape(blocks * block, d)
   pair_row = jnp.zeros((pairs,), jnp.int32).at[order].set(row)  # pair (n, k) -> row
   return jnp.einsum("nkd,nk->nd", ys[pair_row].reshape(n, k, d), top_p)
+
+
+def small_capacity(n: int, k: int, e: int) -> int:
+  """Rows per expert of `capacity_moe` for a call of `n` tokens: 1.5x the
+  balanced load, rounded up to 8 (`n` or more: none, run dense)."""
+  return -(-(3 * n * k) // (2 * e) // 8) * 8 if n * k > e else n
+
+
+def capacity_moe(x, top_i, top_p, wi_gate, wi_up, wo, capacity: int):
+  """Top-k MoE with `capacity` rows per expert; exact while no expert gets more.
+
+  For calls too small for `blocked_moe` (a decode step of a few dozen
+  slots), where "dense" runs every token through every expert (E rows a
+  token): each expert takes its first `capacity` (token, expert) pairs into
+  a `[E, capacity, D]` buffer (E * capacity rows, 1.5 k a token with
+  `small_capacity`), and the results are scatter-added back to their
+  tokens. Pairs past an expert's capacity would be dropped: the caller
+  checks the largest load and runs dense instead (`MoE`), so nothing is
+  ever dropped. Measured: 1.2-1.3x faster than dense at 32 tokens, 4
+  experts, top-2 (benchmarks/RESULTS.md, session 8).
+
+  Args as `blocked_moe`; `capacity` rows per expert. Returns `[N, D]`.
+  """
+  n, d = x.shape
+  k = top_i.shape[1]
+  e = wi_gate.shape[0]
+  flat_e = top_i.reshape(-1)  # [P]
+  order = jnp.argsort(flat_e, stable=True)  # pairs grouped by expert
+  sizes = jnp.bincount(flat_e, length=e)  # [E]
+  start = jnp.cumsum(sizes) - sizes
+  j = jnp.arange(capacity)[None]
+  used = j < sizes[:, None]  # [E, C]
+  pair = order[jnp.minimum(start[:, None] + j, n * k - 1)]  # [E, C]; unused rows: any pair
+  tok = pair // k
+  rows = x[tok]  # [E, C, D]
+  hidden = jax.nn.silu(jnp.einsum("ecd,edf->ecf", rows, wi_gate)) * jnp.einsum(
+      "ecd,edf->ecf", rows, wi_up)
+  weight = jnp.where(used, top_p.reshape(-1)[pair], 0)  # unused rows add zero
+  ys = jnp.einsum("ecf,efd->ecd", hidden * weight[..., None], wo)
+  return jnp.zeros_like(x).at[tok.reshape(-1)].add(ys.reshape(-1, d))
+
+
+def capacity_or_dense(x, top_i, top_p, wi_gate, wi_up, wo, dense):
+  """`capacity_moe` when no expert's load exceeds `small_capacity`, else
+  `dense(x, top_i, top_p)`: exact (dropless) whatever the routing."""
+  n, k = top_i.shape
+  e = wi_gate.shape[0]
+  cap = small_capacity(n, k, e)
+  fits = jnp.bincount(top_i.reshape(-1), length=e).max() <= cap
+  capped = functools.partial(capacity_moe, wi_gate=wi_gate, wi_up=wi_up, wo=wo, capacity=cap)
+  return jax.lax.cond(fits, capped, dense, x, top_i, top_p)
 
 
 def capacity(n: int, k: int, experts_per_device: int, ep: int,

@@ -203,12 +203,8 @@ class MoE(nn.Module):
       top_p = top_p / top_p.sum(-1, keepdims=True)
     top_p = top_p.astype(dt)
 
-    # Blocked rows: N*k plus up to a block per expert; dense rows: N*E.
-    if cfg.moe_impl == "blocked" and xf.shape[0] * (e - top_k) > e * cfg.moe_block:
-      out = moe.blocked_moe(xf, top_i, top_p, wg.astype(dt), wu.astype(dt), wd.astype(dt),
-                            block=cfg.moe_block)
-    elif cfg.moe_impl in ("dense", "blocked"):
-      gates = jnp.zeros_like(probs, dtype=dt).at[
+    def dense(xf, top_i, top_p):
+      gates = jnp.zeros((xf.shape[0], e), dt).at[
           jnp.arange(xf.shape[0])[:, None], top_i].set(top_p)  # [N, E]
       # Batched over experts, every weight in its stored [E, ...] layout (no
       # per-call transpose of the expert weights), the gates applied before
@@ -218,7 +214,20 @@ class MoE(nn.Module):
           "end,edf->enf", xe, wu.astype(dt))
       hidden = hidden * gates.T[:, :, None]
       hidden = _constrain(hidden, ("expert", "batch", "mlp"))  # [E, N, F], N = B * L
-      out = jnp.einsum("enf,efd->end", hidden, wd.astype(dt)).sum(0)
+      return jnp.einsum("enf,efd->end", hidden, wd.astype(dt)).sum(0)
+
+    n = xf.shape[0]
+    # Blocked rows: N*k plus up to a block per expert; dense rows: N*E;
+    # capacity rows (calls too small to block): E * small_capacity, when no
+    # expert's load exceeds it (else dense, so nothing is dropped).
+    if cfg.moe_impl == "blocked" and n * (e - top_k) > e * cfg.moe_block:
+      out = moe.blocked_moe(xf, top_i, top_p, wg.astype(dt), wu.astype(dt), wd.astype(dt),
+                            block=cfg.moe_block)
+    elif cfg.moe_impl == "blocked" and moe.small_capacity(n, top_k, e) < n:
+      out = moe.capacity_or_dense(xf, top_i, top_p, wg.astype(dt), wu.astype(dt),
+                                  wd.astype(dt), dense)
+    elif cfg.moe_impl in ("dense", "blocked"):
+      out = dense(xf, top_i, top_p)
     elif cfg.moe_impl == "expert_parallel":
       out, dropped = moe.expert_parallel_moe(
           xf, top_i, top_p, wg.astype(dt), wu.astype(dt), wd.astype(dt),
