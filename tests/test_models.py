@@ -129,33 +129,37 @@ def _moe_oracle(x, top_i, top_p, wg, wu, wo):
   return want
 
 
-def test_capacity_moe_kernel_equals_oracle_within_capacity_and_drops_past_it():
-  n, d, f, e, k = 32, 8, 12, 4, 2
-  ks = jax.random.split(jax.random.key(1), 6)
+def _decode_sized_moe(seed, n=32, d=8, f=12, e=4, k=2):
+  """A 32-token MoE call, 4 experts top-2: inputs, weights and two routings.
+
+  balanced: token t picks experts t % 4 and (t + 1) % 4 (16 pairs each,
+  under the capacity of 24); skewed: every first choice on expert 0 (32).
+  """
+  ks = jax.random.split(jax.random.key(seed), 6)
   x = jax.random.normal(ks[0], (n, d))
   wg, wu = (jax.random.normal(kk, (e, d, f)) for kk in ks[1:3])
   wo = jax.random.normal(ks[3], (e, f, d))
   top_p = jax.nn.softmax(jax.random.normal(ks[5], (n, k)))
-  # Token t picks experts t % 4 and (t + 1) % 4: 16 pairs each, under 24.
-  top_i = jnp.stack([jnp.arange(n) % e, (jnp.arange(n) + 1) % e], 1)
-  cap = moe.small_capacity(n, k, e)
+  balanced = jnp.stack([jnp.arange(n) % e, (jnp.arange(n) + 1) % e], 1)
+  skewed = balanced.at[:, 0].set(0).at[:, 1].set(1 + jnp.arange(n) % 3)
+  return x, top_p, (wg, wu, wo), balanced, skewed
+
+
+def test_capacity_moe_kernel_equals_oracle_within_capacity_and_drops_past_it():
+  x, top_p, w, balanced, skewed = _decode_sized_moe(1)
+  cap = moe.small_capacity(32, 2, 4)
   assert cap == 24
-  got = moe.capacity_moe(x, top_i, top_p, wg, wu, wo, capacity=cap)
-  np.testing.assert_allclose(got, _moe_oracle(x, top_i, top_p, wg, wu, wo), rtol=1e-4, atol=1e-4)
-  # Every first choice on expert 0 (32 > 24 pairs): the kernel alone would
-  # drop 8 of them, which is why the MoE module checks the load first.
-  skew = top_i.at[:, 0].set(0).at[:, 1].set(1 + jnp.arange(n) % 3)
-  dropped = moe.capacity_moe(x, skew, top_p, wg, wu, wo, capacity=cap)
-  assert not np.allclose(dropped, _moe_oracle(x, skew, top_p, wg, wu, wo), rtol=1e-3, atol=1e-3)
+  got = moe.capacity_moe(x, balanced, top_p, *w, capacity=cap)
+  np.testing.assert_allclose(got, _moe_oracle(x, balanced, top_p, *w), rtol=1e-4, atol=1e-4)
+  # 32 > 24 pairs on expert 0: the kernel alone would drop 8 of them, which
+  # is why the MoE module checks the load first.
+  dropped = moe.capacity_moe(x, skewed, top_p, *w, capacity=cap)
+  assert not np.allclose(dropped, _moe_oracle(x, skewed, top_p, *w), rtol=1e-3, atol=1e-3)
 
 
 def test_capacity_or_dense_is_exact_whatever_the_load():
-  n, d, f, e, k = 32, 8, 12, 4, 2
-  ks = jax.random.split(jax.random.key(2), 6)
-  x = jax.random.normal(ks[0], (n, d))
-  wg, wu = (jax.random.normal(kk, (e, d, f)) for kk in ks[1:3])
-  wo = jax.random.normal(ks[3], (e, f, d))
-  top_p = jax.nn.softmax(jax.random.normal(ks[5], (n, k)))
+  x, top_p, (wg, wu, wo), balanced, skewed = _decode_sized_moe(2)
+  n, e = 32, 4
   taken = []
 
   def dense(x, top_i, top_p):
@@ -165,8 +169,6 @@ def test_capacity_or_dense_is_exact_whatever_the_load():
     return jnp.einsum("enf,efd,ne->nd", h, wo, gates)
 
   run = jax.jit(lambda ti: moe.capacity_or_dense(x, ti, top_p, wg, wu, wo, dense))
-  balanced = jnp.stack([jnp.arange(n) % e, (jnp.arange(n) + 1) % e], 1)
-  skewed = balanced.at[:, 0].set(0).at[:, 1].set(1 + jnp.arange(n) % 3)  # 32 on expert 0
   for top_i in (balanced, skewed):
     np.testing.assert_allclose(run(top_i), _moe_oracle(x, top_i, top_p, wg, wu, wo),
                                rtol=1e-4, atol=1e-4)
