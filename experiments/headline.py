@@ -19,7 +19,34 @@ for every arm.
 
 import sys
 
+import numpy as np
+
 from experiments import runner
+
+
+def reward_by_quarter(finding, runs):
+  """Per arm: the mean training reward in each quarter of the RL steps.
+
+  Whether a run was long enough (the issue: >= 600 steps, or until the
+  curve flattens): the last quarter's mean minus the third's, per seed,
+  and its mean over seeds. Near zero: flat at the end; clearly positive:
+  still rising when the budget ran out.
+  """
+  del finding
+  out = {}
+  for arm, by_seed in runs.items():
+    quarters, late_rise = {}, {}
+    for seed, rec in by_seed.items():
+      y = np.asarray(rec["curves"].get("rollout/reward_mean", []), float)
+      if len(y) < 4:
+        continue
+      q = [float(part.mean()) for part in np.array_split(y, 4)]
+      quarters[seed], late_rise[seed] = q, q[3] - q[2]
+    if quarters:
+      out[arm] = {"reward_by_quarter": quarters, "last_minus_third_quarter": late_rise,
+                  "mean_last_minus_third": float(np.mean(list(late_rise.values())))}
+  return {"training_reward_by_quarter": out}
+
 
 ARMS = (
     runner.Arm("sao", "sao_tiny", label="SAO"),
@@ -48,7 +75,8 @@ FINDING = runner.Finding(
     claim=("SAO (single rollout, value baseline, DIS, async) beats GRPO from the same SFT "
            "start at the same budget (paper: 97.3 vs 84.2 on AIME25, SFT 80.4)."),
     arms=ARMS, reference="sao", seeds=5, budget_steps=600,
-    curves=("rollout/reward_mean", "policy_lag/mean", "policy/masked_low_frac"))
+    curves=("rollout/reward_mean", "policy_lag/mean", "policy/masked_low_frac"),
+    analyze=reward_by_quarter)
 
 if __name__ == "__main__":
   runner.main(FINDING, sys.argv[1:])

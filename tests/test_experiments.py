@@ -219,3 +219,16 @@ def test_a_grid_extended_in_a_new_checkout_carries_the_committed_runs_over(tmp_p
   # Another budget: the committed runs are not comparable and are not used.
   other = runner.run_finding(f, budget_steps=40, **args)
   assert other["arms"]["sao"]["seeds"] == [2] and not other["carried_over"]
+
+
+def test_headline_reward_by_quarter_says_whether_a_curve_still_rises():
+  flat = _fake_run(.4, .6, steps=40)
+  flat["curves"]["rollout/reward_mean"] = [0.2] * 10 + [0.5] * 10 + [0.6] * 20
+  rising = _fake_run(.4, .6, steps=40)
+  rising["curves"]["rollout/reward_mean"] = list(np.linspace(0.0, 0.8, 40))
+  out = headline.reward_by_quarter(headline.FINDING, {"sao": {0: flat, 1: rising}})
+  sao = out["training_reward_by_quarter"]["sao"]
+  assert sao["reward_by_quarter"][0] == pytest.approx([0.2, 0.5, 0.6, 0.6])
+  assert sao["last_minus_third_quarter"][0] == pytest.approx(0.0)
+  assert sao["last_minus_third_quarter"][1] == pytest.approx(0.8 * 10 / 39)
+  assert sao["mean_last_minus_third"] == pytest.approx(0.4 * 10 / 39)
