@@ -492,9 +492,15 @@ def run_finding(finding: Finding, *, seeds: Sequence[int], arms: Sequence[str] |
                 budget_steps: int | None = None, smoke: bool = False,
                 workdir: str | None = None, results: str | None = None,
                 launch: Launcher | None = None, aggregate_only: bool = False,
-                extra_overrides: dict | None = None, jobs: int = 1) -> dict:
-  """Runs (or resumes) the grid, then writes results.json, results.md and results.png."""
+                extra_overrides: dict | None = None, jobs: int = 1,
+                reference: str | None = None) -> dict:
+  """Runs (or resumes) the grid, then writes results.json, results.md and results.png.
+
+  `reference` replaces the finding's reference arm (a grid run without it).
+  """
   launch = launch or Launcher()
+  if reference is not None:
+    finding = dataclasses.replace(finding, reference=finding.arm(reference).name)
   base = dict(SMOKE_OVERRIDES if smoke else {}, **(extra_overrides or {}))
   budget_steps = budget_steps or (SMOKE_BUDGET_STEPS if smoke else finding.budget_steps)
   # The overrides of every arm (`--set`) are the finding's from here on, so
@@ -579,6 +585,8 @@ def main(finding: Finding, argv: Sequence[str] | None = None) -> dict:
   parser.add_argument("--in_process", action="store_true")
   parser.add_argument("--jobs", type=int, default=1, help="seeds run side by side")
   parser.add_argument("--aggregate_only", action="store_true")
+  parser.add_argument("--reference", default=None,
+                      help=f"the arm the others are compared to (default {finding.reference})")
   parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                       help="an override of every arm, e.g. --set eval.samples_per_task=2")
   args = parser.parse_args(argv)
@@ -597,4 +605,4 @@ def main(finding: Finding, argv: Sequence[str] | None = None) -> dict:
                      results=args.results,
                      launch=Launcher(nice=args.nice, in_process=args.in_process),
                      aggregate_only=args.aggregate_only, extra_overrides=extra,
-                     jobs=args.jobs)
+                     jobs=args.jobs, reference=args.reference)

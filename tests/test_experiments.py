@@ -216,6 +216,12 @@ def test_a_grid_extended_in_a_new_checkout_carries_the_committed_runs_over(tmp_p
   # What it wrote keeps the carried runs, so a further extension finds them.
   again = runner.run_finding(f, budget_steps=20, **args)
   assert again["arms"]["sao"]["final_pass@1"]["per_seed"] == pytest.approx([.6, .7, .45])
+  # Another reference arm: the pairs are taken against it.
+  vs_grpo = runner.run_finding(f, budget_steps=20, reference="grpo", **args)
+  assert vs_grpo["reference"] == "grpo"
+  assert vs_grpo["arms"]["sao"]["vs_reference"]["per_seed"] == pytest.approx([.1])
+  with pytest.raises(KeyError):
+    runner.run_finding(f, budget_steps=20, reference="nope", **args)
   # Another budget: the committed runs are not comparable and are not used.
   other = runner.run_finding(f, budget_steps=40, **args)
   assert other["arms"]["sao"]["seeds"] == [2] and not other["carried_over"]
