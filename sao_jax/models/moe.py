@@ -263,10 +263,13 @@ def capacity_moe(x, top_i, top_p, wi_gate, wi_up, wo, capacity: int):
 
 def capacity_or_dense(x, top_i, top_p, wi_gate, wi_up, wo, dense):
   """`capacity_moe` when no expert's load exceeds `small_capacity`, else
-  `dense(x, top_i, top_p)`: exact (dropless) whatever the routing."""
+  `dense(x, top_i, top_p)`: exact (dropless) whatever the routing. Calls
+  whose capacity would not be below the token count run dense outright."""
   n, k = top_i.shape
   e = wi_gate.shape[0]
   cap = small_capacity(n, k, e)
+  if cap >= n:
+    return dense(x, top_i, top_p)
   fits = jnp.bincount(top_i.reshape(-1), length=e).max() <= cap
   capped = functools.partial(capacity_moe, wi_gate=wi_gate, wi_up=wi_up, wo=wo, capacity=cap)
   return jax.lax.cond(fits, capped, dense, x, top_i, top_p)

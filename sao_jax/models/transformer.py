@@ -216,17 +216,16 @@ class MoE(nn.Module):
       hidden = _constrain(hidden, ("expert", "batch", "mlp"))  # [E, N, F], N = B * L
       return jnp.einsum("enf,efd->end", hidden, wd.astype(dt)).sum(0)
 
-    n = xf.shape[0]
     # Blocked rows: N*k plus up to a block per expert; dense rows: N*E;
-    # capacity rows (calls too small to block): E * small_capacity, when no
-    # expert's load exceeds it (else dense, so nothing is dropped).
-    if cfg.moe_impl == "blocked" and n * (e - top_k) > e * cfg.moe_block:
+    # calls too small to block: E * small_capacity rows when no expert's
+    # load exceeds it, else dense (capacity_or_dense: nothing is dropped).
+    if cfg.moe_impl == "blocked" and xf.shape[0] * (e - top_k) > e * cfg.moe_block:
       out = moe.blocked_moe(xf, top_i, top_p, wg.astype(dt), wu.astype(dt), wd.astype(dt),
                             block=cfg.moe_block)
-    elif cfg.moe_impl == "blocked" and moe.small_capacity(n, top_k, e) < n:
+    elif cfg.moe_impl == "blocked":
       out = moe.capacity_or_dense(xf, top_i, top_p, wg.astype(dt), wu.astype(dt),
                                   wd.astype(dt), dense)
-    elif cfg.moe_impl in ("dense", "blocked"):
+    elif cfg.moe_impl == "dense":
       out = dense(xf, top_i, top_p)
     elif cfg.moe_impl == "expert_parallel":
       out, dropped = moe.expert_parallel_moe(
