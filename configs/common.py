@@ -220,6 +220,9 @@ def get_config():
   c.faults.nonfinite_from_step = 0
   # The rollout thread dies after every n-th trajectory it emits.
   c.faults.rollout_crash_every = 0
+  # The trainer SIGKILLs itself once this RL step is done (0: never), its
+  # checkpoint save possibly still in flight: a kill at a known step.
+  c.faults.sigkill_after_rl_step = 0
 
   # Unknown fields are errors: a config file that sets a misspelt field fails
   # when it loads, instead of running with the default.

@@ -18,12 +18,19 @@ number if not in timing:
     rollout_crash_every  the rollout thread dies (raises) instead of
                          emitting a trajectory: the trainer must restart it
                          or stop with the error
+    sigkill_after_rl_step
+                         the trainer process SIGKILLs itself once RL step n
+                         is done (its metrics written, its checkpoint save
+                         started, not waited for): a kill at a known step,
+                         whatever the machine's speed, for the resume test
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
+import signal
 import threading
 from typing import Callable
 
@@ -125,6 +132,7 @@ class FaultInjector:
   nonfinite_every: int = 0
   nonfinite_from_step: int = 0
   rollout_crash_every: int = 0
+  sigkill_after_rl_step: int = 0
 
   def __post_init__(self):
     self.env_error = _Counter(self.env_error_every)
@@ -177,6 +185,13 @@ class FaultInjector:
     batch["rewards"][rows[-1], cols[-1]] = np.nan
     self.nonfinite_batches += 1
     return batch
+
+  def after_rl_step(self, step: int) -> None:
+    """Ends the process with SIGKILL (nothing flushed, nothing cleaned up)
+    once RL step `step` is done, on schedule."""
+    if self.sigkill_after_rl_step and step == self.sigkill_after_rl_step:
+      print(f"[faults] SIGKILL after RL step {step}", flush=True)
+      os.kill(os.getpid(), signal.SIGKILL)
 
   def counts(self) -> dict[str, int]:
     return {"env_error": self.env_error.injected, "env_garbage": self.env_garbage.injected,

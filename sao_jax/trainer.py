@@ -601,6 +601,7 @@ class _Run:
           if feed is not None:
             self.meta["fleet"] = feed.state()
           self._save()
+        self.faults.after_rl_step(step + 1)
         if budget_spent:
           print(f"[rl] generated-token budget spent ({generated} >= {budget}) at step "
                 f"{step + 1}", flush=True)

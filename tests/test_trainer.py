@@ -5,7 +5,6 @@ import json
 import os
 import queue
 import signal
-import time
 
 import chex
 import jax
@@ -198,39 +197,31 @@ def _committed_rl_steps(workdir):
 def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
   """SIGKILL mid-RL: the restart resumes from the last complete checkpoint.
 
-  The guarantee does not depend on how fast the machine is: checkpoints
-  are written asynchronously, so the one of the last multiple of
-  `checkpoint.every` may still be in flight at the kill, but every save
-  waits for the previous one, so the run resumes from at least the newest
-  checkpoint that was complete on disk before the kill, and loses at most
-  2 x every steps.
+  The run kills itself with SIGKILL right after RL step 5
+  (`faults.sigkill_after_rl_step`), so the kill lands at the same step on
+  any machine under any load; nothing here polls or waits on a clock.
+  Checkpoints are written asynchronously, so the save of step 4 may still
+  be in flight at the kill, but every save waits for the previous one: the
+  run resumes from the newest checkpoint complete on disk, at least step
+  5 - 2 x every.
   """
-  every = 2
+  every, kill_at = 2, 5
   workdir = str(tmp_path / "killed")
-  proc = launch(workdir, "--config.rl.steps=40", wait=False)
-  # Kill it hard once an RL checkpoint is complete on disk and RL has moved on.
-  deadline = time.time() + 600
-  while time.time() < deadline:
-    committed = _committed_rl_steps(workdir)
-    if os.path.exists(os.path.join(workdir, "metrics.jsonl")) and committed:
-      steps = [r["step"] for r in read_metrics(workdir, "rl")]
-      if steps and max(steps) >= 5 and max(committed) >= every:
-        break
-    if proc.poll() is not None:
-      pytest.fail("run ended before it could be killed:\n" + proc.stdout.read()[-3000:])
-    time.sleep(0.5)
-  else:
-    proc.kill()
-    pytest.fail("no RL checkpoint was committed within 600 s")
-  complete_before_kill = max(_committed_rl_steps(workdir))
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
+  proc = launch(workdir, "--config.rl.steps=40", f"--config.faults.sigkill_after_rl_step={kill_at}",
+                wait=False)
+  out, _ = proc.communicate(timeout=900)
+  assert proc.returncode == -signal.SIGKILL, out[-3000:]
+  assert f"[faults] SIGKILL after RL step {kill_at}" in out
   killed_at = max(r["step"] for r in read_metrics(workdir, "rl"))
+  assert killed_at == kill_at
+  # Nothing is written after a SIGKILL: what is committed now was complete
+  # at the kill; an interrupted save must not count.
+  complete_at_kill = max(_committed_rl_steps(workdir))
+  assert killed_at - 2 * every <= complete_at_kill <= killed_at
   out = launch(workdir, "--config.rl.steps=12")
   assert "Resumed from checkpoint" in out and "stage rl" in out
   resumed_from = int(out.split("stage rl step ")[1].split()[0])
-  assert complete_before_kill <= resumed_from <= killed_at
-  assert resumed_from >= killed_at - 2 * every
+  assert resumed_from == complete_at_kill
   rl = read_metrics(workdir, "rl")
   assert max(r["step"] for r in rl) == 12
   assert os.path.exists(os.path.join(workdir, "summary.json"))
