@@ -7,11 +7,11 @@ import os
 import numpy as np
 import pytest
 
-from experiments import gae_ablations, headline, online, runner, stability, system
+from experiments import gae_ablations, headline, lr_sweep, online, runner, stability, system
 from experiments import value_ablations
 from sao_jax import configuration
 
-FINDINGS = (headline, stability, value_ablations, gae_ablations, online, system)
+FINDINGS = (headline, stability, value_ablations, gae_ablations, online, system, lr_sweep)
 
 
 @pytest.mark.parametrize("module", FINDINGS, ids=lambda m: m.FINDING.name)
@@ -238,3 +238,26 @@ def test_headline_reward_by_quarter_says_whether_a_curve_still_rises():
   assert sao["last_minus_third_quarter"][0] == pytest.approx(0.0)
   assert sao["last_minus_third_quarter"][1] == pytest.approx(0.8 * 10 / 39)
   assert sao["mean_last_minus_third"] == pytest.approx(0.4 * 10 / 39)
+
+
+def test_lr_sweep_arms_differ_only_in_actor_lr_and_compare_each_at_its_best():
+  f = lr_sweep.FINDING
+  common = runner.load_config("sao_tiny", {})
+  assert common.rl.actor_lr == lr_sweep.DEFAULT_LR
+  key = lambda arm: runner.sft_key(runner.load_config(arm.config, arm.overrides))
+  assert len({key(a) for a in f.arms}) == 1  # one SFT start per seed for all six
+  assert sorted(runner.load_config(a.config, a.overrides).rl.actor_lr
+                for a in f.arms) == sorted(lr_sweep.LRS * 2)
+  # SAO is best at 1e-4 (one collapse at 1e-3), GRPO at 1e-3.
+  finals = {"sao_lr1e-04": (.62, .60, .58), "sao": (.55, .50, .60), "sao_lr1e-03": (.50, .0, .55),
+            "grpo_sync_lr1e-04": (.45, .45, .45), "grpo_sync": (.50, .52, .48),
+            "grpo_sync_lr1e-03": (.56, .57, .58)}
+  runs = {arm: {s: _fake_run(.4, v) for s, v in enumerate(vals)} for arm, vals in finals.items()}
+  out = lr_sweep.best_lr_comparison(f, runs)["lr_sweep"]
+  assert out["sao"]["best_lr"] == "1e-04" and out["grpo_sync"]["best_lr"] == "1e-03"
+  assert out["sao"]["by_lr"]["1e-03"]["collapsed"] == 1
+  assert out["sao"]["by_lr"]["3e-04"]["mean_final"] == pytest.approx(0.55)
+  best = out["best_vs_best"]
+  assert best["arms"] == ["sao_lr1e-04", "grpo_sync_lr1e-03"]
+  assert best["per_seed"] == pytest.approx([0.06, 0.03, 0.0])
+  assert best["ci95"][0] <= best["mean_diff"] <= best["ci95"][1]
