@@ -77,6 +77,9 @@ SMOKE_BUDGET_STEPS = 3
 # arms equal on these share one SFT run per seed.
 _SFT_KEY_FIELDS = ("seed", "model", "env", "sft", "data", "eval", "sharding",
                    "rl.freeze_critic_attention")
+# Inside those sections but not shaping the SFT checkpoint or its
+# evaluation's pass@1: a simulated tool wait only delays environment steps.
+_NOT_SFT_SHAPING = ("env.tool_latency_s",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +162,8 @@ def sft_key(config) -> str:
   defaults enter it, and only the `env.kwargs` that differ from the
   environment's own defaults, so a field added later with a default (to
   common.py, or to a config's env.kwargs so that `--set` can reach it) does
-  not orphan the SFT starts of a grid that is still running.
+  not orphan the SFT starts of a grid that is still running. Fields that
+  shape neither the checkpoint nor its pass@1 (`_NOT_SFT_SHAPING`) stay out.
   """
   from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top
   default = _flat(load_config("common", {}).to_dict())
@@ -168,7 +172,7 @@ def sft_key(config) -> str:
   ours = _flat(config.to_dict())
   parts = {k: v for k, v in ours.items()
            if any(k == f or k.startswith(f + ".") for f in _SFT_KEY_FIELDS)
-           and (k not in default or default[k] != v)}
+           and k not in _NOT_SFT_SHAPING and (k not in default or default[k] != v)}
   blob = json.dumps(sorted(parts.items()), default=str)
   return hashlib.sha256(blob.encode()).hexdigest()[:10]
 

@@ -28,6 +28,8 @@ def test_arms_differing_only_in_rl_share_one_sft_start_and_others_do_not():
   key = lambda name, o=None: runner.sft_key(runner.load_config(name, o or {}))
   assert key("sao_tiny") == key("grpo") == key("grpo_sync") == key("running_mean")
   assert key("sao_tiny") != key("sao_tiny", {"seed": 1})
+  # A simulated tool wait delays environment steps, nothing the SFT start learns.
+  assert key("sao_tiny") == key("sao_tiny", {"env.tool_latency_s": 0.1})
   # The critic optimizer's layout differs: a checkpoint of one cannot seed the other.
   assert key("sao_tiny") != key("sao_no_freeze")
   assert key("sao_tiny") != key("sao_online")
