@@ -1,6 +1,6 @@
 """Actor learning rate: is the comparison of SAO and GRPO an artefact of one shared lr?
 
-    python -m experiments.lr_sweep                      # 3 seeds x 6 arms, 150 steps
+    python -m experiments.lr_sweep                      # 3 seeds x 7 arms, 150 steps
     python -m experiments.lr_sweep --smoke
 
 Every other finding runs every arm at `rl.actor_lr = 3e-4`, untuned. Adam
@@ -36,9 +36,30 @@ def arm_name(family: str, lr: float) -> str:
   return family if lr == DEFAULT_LR else f"{family}_lr{lr:.0e}"
 
 
+# Added after SAO (DIS) collapsed at lr 1e-3 in its first two seeds: the
+# same lr with PPO's clipped surrogate, everything else SAO's. Paired with
+# SAO at that lr, it says whether the collapse is DIS's or the step size's.
+DIAGNOSTIC = runner.Arm("sao_ppo_lr1e-03", "sao_tiny",
+                        {"rl.policy_loss": "ppo_clip", "rl.actor_lr": 1e-3},
+                        label="SAO with PPO clip, lr 1e-03")
+PAIRS = (("sao_ppo_lr1e-03", "sao_lr1e-03"),)
+
+
+def paired(runs, a: str, b: str) -> dict | None:
+  """Final pass@1 of arm a minus arm b over their common seeds, with a bootstrap CI."""
+  seeds = sorted(set(runs.get(a, {})) & set(runs.get(b, {})))
+  if not seeds:
+    return None
+  diffs = [runs[a][s]["final_pass@1"] - runs[b][s]["final_pass@1"] for s in seeds]
+  lo, hi = runner.bootstrap_ci(diffs)
+  return {"arms": [a, b], "paired_seeds": seeds, "per_seed": diffs,
+          "mean_diff": float(np.mean(diffs)), "ci95": [lo, hi]}
+
+
 def best_lr_comparison(finding, runs):
   """Per family: mean final pass@1 at each lr and the best lr; then SAO at
-  its best lr minus sync GRPO at its best, paired by seed, with a bootstrap CI."""
+  its best lr minus sync GRPO at its best, and each of PAIRS, paired by
+  seed, with a bootstrap CI."""
   out, best = {}, {}
   for family, _, _ in FAMILIES:
     by_lr = {}
@@ -55,14 +76,11 @@ def best_lr_comparison(finding, runs):
       best[family] = arm_name(family, float(top))
       out[family] = {"by_lr": by_lr, "best_lr": top}
   a, b = (best.get(f) for f, _, _ in FAMILIES)
-  if a and b:
-    paired = sorted(set(runs[a]) & set(runs[b]))
-    diffs = [runs[a][s]["final_pass@1"] - runs[b][s]["final_pass@1"] for s in paired]
-    if diffs:
-      lo, hi = runner.bootstrap_ci(diffs)
-      out["best_vs_best"] = {"arms": [a, b], "paired_seeds": paired,
-                             "per_seed": diffs, "mean_diff": float(np.mean(diffs)),
-                             "ci95": [lo, hi]}
+  if a and b and (best_vs_best := paired(runs, a, b)):
+    out["best_vs_best"] = best_vs_best
+  for x, y in PAIRS:
+    if pair := paired(runs, x, y):
+      out[f"{x}_vs_{y}"] = pair
   return {"lr_sweep": out}
 
 
@@ -73,7 +91,7 @@ FINDING = runner.Finding(
     arms=tuple(
         runner.Arm(arm_name(family, lr), config, {} if lr == DEFAULT_LR else {"rl.actor_lr": lr},
                    label=f"{label}, lr {lr:.0e}")
-        for family, config, label in FAMILIES for lr in LRS),
+        for family, config, label in FAMILIES for lr in LRS) + (DIAGNOSTIC,),
     reference="sao", seeds=3, budget_steps=150,
     curves=("rollout/reward_mean", "policy/approx_kl", "rollout/length_mean"),
     analyze=best_lr_comparison)

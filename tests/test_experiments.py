@@ -249,11 +249,13 @@ def test_lr_sweep_arms_differ_only_in_actor_lr_and_compare_each_at_its_best():
   key = lambda arm: runner.sft_key(runner.load_config(arm.config, arm.overrides))
   assert len({key(a) for a in f.arms}) == 1  # one SFT start per seed for all six
   assert sorted(runner.load_config(a.config, a.overrides).rl.actor_lr
-                for a in f.arms) == sorted(lr_sweep.LRS * 2)
+                for a in f.arms) == sorted(lr_sweep.LRS * 2 + (1e-3,))
+  assert runner.load_config("sao_tiny", f.arm("sao_ppo_lr1e-03").overrides
+                            ).rl.policy_loss == "ppo_clip"
   # SAO is best at 1e-4 (one collapse at 1e-3), GRPO at 1e-3.
   finals = {"sao_lr1e-04": (.62, .60, .58), "sao": (.55, .50, .60), "sao_lr1e-03": (.50, .0, .55),
             "grpo_sync_lr1e-04": (.45, .45, .45), "grpo_sync": (.50, .52, .48),
-            "grpo_sync_lr1e-03": (.56, .57, .58)}
+            "grpo_sync_lr1e-03": (.56, .57, .58), "sao_ppo_lr1e-03": (.60, .50, .55)}
   runs = {arm: {s: _fake_run(.4, v) for s, v in enumerate(vals)} for arm, vals in finals.items()}
   out = lr_sweep.best_lr_comparison(f, runs)["lr_sweep"]
   assert out["sao"]["best_lr"] == "1e-04" and out["grpo_sync"]["best_lr"] == "1e-03"
@@ -263,3 +265,5 @@ def test_lr_sweep_arms_differ_only_in_actor_lr_and_compare_each_at_its_best():
   assert best["arms"] == ["sao_lr1e-04", "grpo_sync_lr1e-03"]
   assert best["per_seed"] == pytest.approx([0.06, 0.03, 0.0])
   assert best["ci95"][0] <= best["mean_diff"] <= best["ci95"][1]
+  pair = out["sao_ppo_lr1e-03_vs_sao_lr1e-03"]
+  assert pair["per_seed"] == pytest.approx([0.10, 0.50, 0.0])
