@@ -439,6 +439,10 @@ def plot(finding: Finding, runs: dict, result: dict, path: str) -> None:
   ax.set_title("final pass@1 (dots: seeds)", fontsize=9)
   ax.legend(fontsize=7)
   for ax, metric in zip(axes[1:], finding.curves):
+    if not any(metric in rec["curves"] for by_seed in runs.values() for rec in by_seed.values()):
+      # E.g. DIS's masked fractions in a grid of PPO-clip arms: say so, not a blank panel.
+      ax.text(0.5, 0.5, "not logged by these arms", ha="center", va="center",
+              transform=ax.transAxes, fontsize=8, color="gray")
     for i, arm in enumerate(arms):
       for j, s in enumerate(sorted(runs[arm.name])):
         c = runs[arm.name][s]["curves"]
