@@ -45,42 +45,32 @@ DIAGNOSTIC = runner.Arm("sao_ppo_lr1e-03", "sao_tiny",
 PAIRS = (("sao_ppo_lr1e-03", "sao_lr1e-03"),)
 
 
-def paired(runs, a: str, b: str) -> dict | None:
-  """Final pass@1 of arm a minus arm b over their common seeds, with a bootstrap CI."""
-  seeds = sorted(set(runs.get(a, {})) & set(runs.get(b, {})))
-  if not seeds:
-    return None
-  diffs = [runs[a][s]["final_pass@1"] - runs[b][s]["final_pass@1"] for s in seeds]
-  lo, hi = runner.bootstrap_ci(diffs)
-  return {"arms": [a, b], "paired_seeds": seeds, "per_seed": diffs,
-          "mean_diff": float(np.mean(diffs)), "ci95": [lo, hi]}
-
-
 def best_lr_comparison(finding, runs):
   """Per family: mean final pass@1 at each lr and the best lr; then SAO at
   its best lr minus sync GRPO at its best, and each of PAIRS, paired by
   seed, with a bootstrap CI."""
   out, best = {}, {}
   for family, _, _ in FAMILIES:
-    by_lr = {}
+    by_lr, means = {}, {}
     for lr in LRS:
       seeds = runs.get(arm_name(family, lr), {})
       if seeds:
-        by_lr[f"{lr:.0e}"] = {
-            "mean_final": float(np.mean([r["final_pass@1"] for r in seeds.values()])),
+        means[lr] = float(np.mean([r["final_pass@1"] for r in seeds.values()]))
+        by_lr[f"{lr:g}"] = {
+            "arm": arm_name(family, lr), "mean_final": means[lr],
             # Ended below half its SFT start: the collapses of experiments/README.md.
             "collapsed": sum(r["final_pass@1"] < 0.5 * r["sft_pass@1"] for r in seeds.values()),
             "seeds": len(seeds)}
-    if by_lr:
-      top = max(by_lr, key=lambda k: by_lr[k]["mean_final"])
-      best[family] = arm_name(family, float(top))
+    if means:
+      top = max(means, key=means.get)
+      best[family] = arm_name(family, top)
       out[family] = {"by_lr": by_lr, "best_lr": top}
   a, b = (best.get(f) for f, _, _ in FAMILIES)
-  if a and b and (best_vs_best := paired(runs, a, b)):
-    out["best_vs_best"] = best_vs_best
+  if a and b and (vs := runner.paired_difference(runs[a], runs[b])):
+    out["best_vs_best"] = dict(vs, arms=[a, b])
   for x, y in PAIRS:
-    if pair := paired(runs, x, y):
-      out[f"{x}_vs_{y}"] = pair
+    if vs := runner.paired_difference(runs.get(x, {}), runs.get(y, {})):
+      out[f"{x}_vs_{y}"] = dict(vs, arms=[x, y])
   return {"lr_sweep": out}
 
 

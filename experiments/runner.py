@@ -341,6 +341,18 @@ def collect(rdir: str) -> dict | None:
   }
 
 
+def paired_difference(a: dict, b: dict) -> dict | None:
+  """Final pass@1 of runs `a` minus runs `b` ({seed: record} each) over their
+  common seeds, with a bootstrap CI; None when they share no seed."""
+  seeds = sorted(set(a) & set(b))
+  if not seeds:
+    return None
+  diffs = [a[s]["final_pass@1"] - b[s]["final_pass@1"] for s in seeds]
+  lo, hi = bootstrap_ci(diffs)
+  return {"paired_seeds": seeds, "mean_diff": float(np.mean(diffs)), "per_seed": diffs,
+          "ci95": [lo, hi], "excludes_zero": bool(lo > 0 or hi < 0)}
+
+
 def bootstrap_ci(diffs: Sequence[float], level: float = 0.95, samples: int = 10_000,
                  seed: int = 0) -> tuple[float, float]:
   """Percentile bootstrap CI of the mean of paired differences (resampling seeds)."""
@@ -373,14 +385,8 @@ def aggregate(finding: Finding, runs: dict[str, dict[int, dict]]) -> dict:
         rec[key] = {"mean": float(vals.mean()),
                     "std": float(vals.std(ddof=1)) if vals.size > 1 else 0.0,
                     "per_seed": vals.tolist()}
-    if arm.name != finding.reference:
-      paired = [s for s in seeds if s in ref]
-      diffs = [by_seed[s]["final_pass@1"] - ref[s]["final_pass@1"] for s in paired]
-      if diffs:
-        lo, hi = bootstrap_ci(diffs)
-        rec["vs_reference"] = {"paired_seeds": paired, "mean_diff": float(np.mean(diffs)),
-                               "per_seed": diffs, "ci95": [lo, hi],
-                               "excludes_zero": bool(lo > 0 or hi < 0)}
+    if arm.name != finding.reference and (vs := paired_difference(by_seed, ref)):
+      rec["vs_reference"] = vs
     out["arms"][arm.name] = rec
   if finding.analyze is not None:
     out["analysis"] = finding.analyze(finding, runs)
@@ -439,7 +445,8 @@ def plot(finding: Finding, runs: dict, result: dict, path: str) -> None:
   ax.set_title("final pass@1 (dots: seeds)", fontsize=9)
   ax.legend(fontsize=7)
   for ax, metric in zip(axes[1:], finding.curves):
-    if not any(metric in rec["curves"] for by_seed in runs.values() for rec in by_seed.values()):
+    if not any(metric in c and "rollout/generated_tokens_total" in c
+               for c in (rec["curves"] for a in arms for rec in runs[a.name].values())):
       # E.g. DIS's masked fractions in a grid of PPO-clip arms: say so, not a blank panel.
       ax.text(0.5, 0.5, "not logged by these arms", ha="center", va="center",
               transform=ax.transAxes, fontsize=8, color="gray")

@@ -230,6 +230,10 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
     for name, value in config.faults.items():
       if not (_is_int(value) and value >= 0):
         _fail(f"faults.{name}", value, "an integer >= 0 (0: off)")
+    kill = config.faults.get("sigkill_after_rl_step", 0)
+    if _is_int(kill) and kill > c.steps:
+      # It would never fire: the run would end normally, not be killed.
+      _fail("faults.sigkill_after_rl_step", kill, f"<= rl.steps ({c.steps})")
 
 
 def _process_count() -> int:

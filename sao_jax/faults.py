@@ -1,10 +1,11 @@
 """Fault injection: the failures a long run meets, on purpose and on schedule.
 
-The fault suite (tests/faults/) and the soak run (benchmarks/soak.py) drive
-the real trainer with the config's `faults` section turned on; everywhere
-else every rate is 0 and nothing here is in the path. Each rate is "every
+The fault suite (tests/faults/), the kill-and-resume test
+(tests/test_trainer.py) and the soak run (benchmarks/soak.py) drive the real
+trainer with the config's `faults` section turned on; everywhere else every
+field is 0 and nothing here is in the path. Each `*_every` rate is "every
 n-th event", counted across threads, so a run's faults are reproducible in
-number if not in timing:
+number if not in timing; the other two fields name an RL step:
 
     env_error_every      an environment step raises
     env_garbage_every    an environment step returns a non-StepResult
@@ -20,9 +21,10 @@ number if not in timing:
                          or stop with the error
     sigkill_after_rl_step
                          the trainer process SIGKILLs itself once RL step n
-                         is done (its metrics written, its checkpoint save
-                         started, not waited for): a kill at a known step,
-                         whatever the machine's speed, for the resume test
+                         is done (its metrics written and, at a checkpoint
+                         step, its asynchronous save started, not waited
+                         for): a kill at a known step, whatever the
+                         machine's speed, for the resume test
 """
 
 from __future__ import annotations

@@ -47,6 +47,9 @@ def test_ablation_table_arms_all_have_configs():
     ("rl.batch_size", 6, "multiple of"),
     ("data.buckets", (64,), "largest data.buckets"),
     ("rollout.swap_policy", "pause", "swap_policy"),
+    # A kill scheduled after the last RL step would never happen.
+    ("faults.sigkill_after_rl_step", 10**6,
+     r"faults.sigkill_after_rl_step = 1000000: must be <= rl.steps"),
 ])
 def test_bad_config_fails_fast(field, value, message):
   c = load_config_module("grpo.py").get_config()

@@ -258,12 +258,13 @@ def test_lr_sweep_arms_differ_only_in_actor_lr_and_compare_each_at_its_best():
             "grpo_sync_lr1e-03": (.56, .57, .58), "sao_ppo_lr1e-03": (.60, .50, .55)}
   runs = {arm: {s: _fake_run(.4, v) for s, v in enumerate(vals)} for arm, vals in finals.items()}
   out = lr_sweep.best_lr_comparison(f, runs)["lr_sweep"]
-  assert out["sao"]["best_lr"] == "1e-04" and out["grpo_sync"]["best_lr"] == "1e-03"
-  assert out["sao"]["by_lr"]["1e-03"]["collapsed"] == 1
-  assert out["sao"]["by_lr"]["3e-04"]["mean_final"] == pytest.approx(0.55)
+  assert out["sao"]["best_lr"] == 1e-4 and out["grpo_sync"]["best_lr"] == 1e-3
+  assert out["sao"]["by_lr"]["0.001"]["collapsed"] == 1
+  assert out["sao"]["by_lr"]["0.0003"] == {"arm": "sao", "mean_final": pytest.approx(0.55),
+                                           "collapsed": 0, "seeds": 3}
   best = out["best_vs_best"]
   assert best["arms"] == ["sao_lr1e-04", "grpo_sync_lr1e-03"]
   assert best["per_seed"] == pytest.approx([0.06, 0.03, 0.0])
-  assert best["ci95"][0] <= best["mean_diff"] <= best["ci95"][1]
+  assert best["ci95"][0] <= best["mean_diff"] <= best["ci95"][1] and not best["excludes_zero"]
   pair = out["sao_ppo_lr1e-03_vs_sao_lr1e-03"]
   assert pair["per_seed"] == pytest.approx([0.10, 0.50, 0.0])

@@ -5,6 +5,7 @@ import json
 import os
 import queue
 import signal
+import subprocess
 
 import chex
 import jax
@@ -197,19 +198,24 @@ def _committed_rl_steps(workdir):
 def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
   """SIGKILL mid-RL: the restart resumes from the last complete checkpoint.
 
-  The run kills itself with SIGKILL right after RL step 5
-  (`faults.sigkill_after_rl_step`), so the kill lands at the same step on
-  any machine under any load; nothing here polls or waits on a clock.
-  Checkpoints are written asynchronously, so the save of step 4 may still
-  be in flight at the kill, but every save waits for the previous one: the
-  run resumes from the newest checkpoint complete on disk, at least step
-  5 - 2 x every.
+  The run kills itself with SIGKILL right after RL step 4
+  (`faults.sigkill_after_rl_step`), just after that step's asynchronous
+  checkpoint save was started, so the kill lands at the same step on any
+  machine under any load, most often in the middle of the save; nothing
+  here polls or waits on a clock. Every save waits for the previous one:
+  the run resumes from the newest checkpoint complete on disk (step 4 if
+  its save finished in time, else step 2), at least 4 - 2 x every.
   """
-  every, kill_at = 2, 5
+  every, kill_at = 2, 4
   workdir = str(tmp_path / "killed")
-  proc = launch(workdir, "--config.rl.steps=40", f"--config.faults.sigkill_after_rl_step={kill_at}",
-                wait=False)
-  out, _ = proc.communicate(timeout=900)
+  proc = launch(workdir, "--config.rl.steps=40", "--config.log_every=1",
+                f"--config.checkpoint.every={every}",
+                f"--config.faults.sigkill_after_rl_step={kill_at}", wait=False)
+  try:
+    out, _ = proc.communicate(timeout=900)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    raise
   assert proc.returncode == -signal.SIGKILL, out[-3000:]
   assert f"[faults] SIGKILL after RL step {kill_at}" in out
   killed_at = max(r["step"] for r in read_metrics(workdir, "rl"))
