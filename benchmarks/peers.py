@@ -36,7 +36,9 @@ generate: B prompts of P tokens, N new tokens each, temperature 1. Tunix:
   sao-jax: `PolicyEngine.generate_batch` (one prefill, then the engine's
   jitted multi-token decode loop; log-probs always recorded) with the
   default and with the fast model settings of the train rows (plus a
-  chunked prefill at 1024 tokens), and with
+  chunked prefill at 1024 tokens), the fast settings again with the slots
+  split into `--lanes` engine lanes (default 2: two programs of half the
+  slots each, run from two threads, so both cores decode), and with
   `--extra_arms` the engine's one-token `step` per host call. Tokens/s counts
   new tokens. No stop token on either side, so both make B x N tokens.
 gae: 256 x 8192, skip-observation GAE (sao-jax, multi-turn action mask) vs
@@ -300,7 +302,8 @@ class IdTokenizer:
     return PAD
 
 
-def generate_section(shape: str, repeats: int, one_step: bool = False, moe_block: int = 0):
+def generate_section(shape: str, repeats: int, one_step: bool = False, moe_block: int = 0,
+                     lanes_arm: int = 2):
   _, _, slots, prompt, new = SHAPES[shape]
   cfg, params, model = build_models(prompt + new)
   rng = np.random.default_rng(0)
@@ -312,10 +315,15 @@ def generate_section(shape: str, repeats: int, one_step: bool = False, moe_block
                                 num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim))
   # The same two sets of model settings as the train rows.
   fast = fast_settings(cfg, prompt + new, prefill=True)
-  arms = {"defaults (dense MoE)": cfg, FAST_NAME[prompt + new >= 1024]: fast}
+  fast_name = FAST_NAME[prompt + new >= 1024]
+  arms = {"defaults (dense MoE)": cfg, fast_name: fast}
   block_arm(arms, fast, moe_block)
+  lanes = {name: 1 for name in arms}
+  if lanes_arm > 1:  # the fast settings again, the slots split into engine lanes
+    name = f"{fast_name}, {lanes_arm} lanes"
+    arms[name], lanes[name] = fast, lanes_arm
   engines = {name: PolicyEngine(c, params, slots=slots, max_len=prompt + new,
-                                sampling=SamplingConfig(temperature=1.0))
+                                sampling=SamplingConfig(temperature=1.0), lanes=lanes[name])
              for name, c in arms.items()}
   seeds = iter(range(10**6))
 
@@ -404,6 +412,9 @@ def main():
                       help="also bf16 compute (train) and one `step` per token (generate)")
   parser.add_argument("--moe_block", type=int, default=0,
                       help="also the fast settings with MoE blocks of this many rows")
+  parser.add_argument("--lanes", type=int, default=2,
+                      help="also generation with the fast settings in this many engine lanes "
+                      "(PolicyEngine(lanes=...); 1: no such arm)")
   args = parser.parse_args()
   sections = args.sections.split(",")
 
@@ -433,7 +444,8 @@ def main():
     if "train" in sections:
       record(train_section(shape, args.repeats, args.extra_arms, args.moe_block)[0])
     if "generate" in sections:
-      record(generate_section(shape, args.repeats, args.extra_arms, args.moe_block)[0])
+      record(generate_section(shape, args.repeats, args.extra_arms, args.moe_block,
+                              args.lanes)[0])
   if "gae" in sections:
     record(gae_section(args.repeats)[0])
 

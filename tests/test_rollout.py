@@ -380,12 +380,14 @@ def test_decode_stop_token_and_budget_per_slot(params):
   assert len(set(chunk.counts.tolist())) > 1  # stops are per slot, not per batch
 
 
-@pytest.mark.parametrize("moe_impl,slots", [("dense", 4), ("blocked", 32)])
-def test_generate_batch_logprobs_are_teacher_forced(params, moe_impl, slots):
+@pytest.mark.parametrize("moe_impl,slots,lanes", [("dense", 4, 1), ("blocked", 32, 1),
+                                                  ("dense", 4, 2)])
+def test_generate_batch_logprobs_are_teacher_forced(params, moe_impl, slots, lanes):
   # "blocked" with 32 slots: the decode steps' MoE runs moe.capacity_or_dense;
-  # the reference is the dense model, teacher-forced.
+  # the reference is the dense model, teacher-forced. Two lanes of 2 slots:
+  # the first takes two prompts, the second one.
   cfg = dataclasses.replace(CFG, moe_impl=moe_impl)
-  engine = PolicyEngine(cfg, params[0], slots=slots, max_len=MAX_LEN, seed=2)
+  engine = PolicyEngine(cfg, params[0], slots=slots, max_len=MAX_LEN, seed=2, lanes=lanes)
   prompts = [TOK.encode("12 plus 3\n"), TOK.encode("q\n"), TOK.encode("7 times 2\n")]
   toks, lps, counts = engine.generate_batch(prompts, 20)
   assert toks.shape == (3, 20) and (counts == 20).all()
@@ -395,3 +397,40 @@ def test_generate_batch_logprobs_are_teacher_forced(params, moe_impl, slots):
     ref, _ = logprobs_fn(CFG, params[0], seq[None], np.arange(n)[None],
                          np.ones((1, n), np.int32), 1.0)
     np.testing.assert_allclose(np.asarray(ref)[0, len(p):], l, atol=2e-4)
+
+
+def test_generate_batch_lanes_sample_as_one_lane_engines_of_their_size(params):
+  # Each lane is a one-lane engine of ceil(slots / lanes) slots on its own key:
+  # lane i's key is split(the engine's next key, lanes)[i].
+  prompts = [TOK.encode(t) for t in ("12 plus 3\n", "q\n", "7 times 2\n", "ab\n", "9\n")]
+  laned = PolicyEngine(CFG, params[0], slots=6, max_len=MAX_LEN, seed=4, lanes=2)
+  _, after = jax.random.split(laned._rng)  # pylint: disable=protected-access
+  keys = jax.random.split(after, 2)
+  toks, lps, counts = laned.generate_batch(prompts, 12)
+  assert toks.shape == (5, 12) and (counts == 12).all()
+  for lane, rows in ((0, slice(0, 3)), (1, slice(3, 5))):
+    one = PolicyEngine(CFG, params[0], slots=3, max_len=MAX_LEN, seed=0)
+    one._rng = keys[lane]  # pylint: disable=protected-access
+    ref_toks, ref_lps, _ = one.generate_batch(prompts[rows], 12)
+    np.testing.assert_array_equal(toks[rows], ref_toks)
+    np.testing.assert_allclose(lps[rows], ref_lps, atol=1e-6)
+  # The lanes draw from different keys: the same prompt in both lanes diverges.
+  same = [TOK.encode("ab\n")] * 6
+  toks, _, _ = laned.generate_batch(same, 24)
+  assert not np.array_equal(toks[:3], toks[3:])
+  # A stop token ends rows in either lane, and the engine's key moved on.
+  common = int(np.bincount(toks.ravel(), minlength=CFG.vocab_size).argmax())
+  toks, _, counts = laned.generate_batch(same, 24, stop_token=common)
+  assert (counts < 24).any()
+  for t, c in zip(toks, counts):
+    assert common not in t[:c - 1].tolist()
+
+
+def test_engine_rejects_bad_lanes(params):
+  with pytest.raises(ValueError, match="lanes must be between 1 and slots"):
+    PolicyEngine(CFG, params[0], slots=2, max_len=MAX_LEN, lanes=3)
+  with pytest.raises(ValueError, match="lanes must be between 1 and slots"):
+    PolicyEngine(CFG, params[0], slots=2, max_len=MAX_LEN, lanes=0)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+  with pytest.raises(ValueError, match="single-device engine"):
+    PolicyEngine(CFG, params[0], slots=2, max_len=MAX_LEN, lanes=2, mesh=mesh)

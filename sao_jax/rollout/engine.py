@@ -24,6 +24,22 @@ dispatched asynchronously (`collect` fetches it) so the host can work
 meanwhile. `generate_batch(prompts, max_new_tokens)` is the engine as a
 plain sampler (one prefill, one loop).
 
+Lanes (`lanes`)
+---------------
+On XLA:CPU one program mostly keeps one core busy: a decode step's ops are
+too small for the intra-op threads (measured: `generate_batch` of 32 slots
+uses about 1.3 of 2 cores), and separate programs overlap only when they
+are launched from separate threads (async dispatch from one thread runs
+them one after the other). `lanes=L` splits `generate_batch`'s slots into L
+groups of `ceil(slots / L)`; each lane has its own decode state and key and
+runs its prefill and decode loop from its own thread, so the L programs
+execute at once. Each lane samples exactly as a one-lane engine of its
+size would (its log-probs are teacher-forced exact, tests/test_rollout.py);
+the tokens differ from `lanes=1` only through the keys. Throughput on 2
+cores: benchmarks/RESULTS.md. Only `generate_batch` uses lanes; the
+Engine API calls and the driver's `step` / `decode` work on one decode
+state of all the slots.
+
 `sao_jax/rollout/jetstream_bridge.py` (the `jetstream` extra) subclasses
 JetStream's abstract Engine with this class; nothing here imports jetstream.
 
@@ -115,6 +131,7 @@ copy.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import dataclasses
 import functools
@@ -400,6 +417,9 @@ class PolicyEngine:
 
   Args beyond the Engine API's:
     device: the single device of an unsharded engine (default: the first).
+    lanes: `generate_batch` splits its slots into this many lanes, each
+      decoded by its own program from its own thread (module docstring,
+      "Lanes"). 1: one program for all slots. Single-device engines only.
     mesh, rules: shard params, cache and step over `mesh` (module docstring);
       `rules` default to `rollout_rules(mesh)`. None: one device.
     kv_buckets: cache prefix lengths a step may attend over (module
@@ -413,13 +433,18 @@ class PolicyEngine:
                sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
                version: int = 0, prefill_buckets: tuple[int, ...] = (8, 16, 32, 64, 128, 256),
                device=None, mesh: Mesh | None = None, rules=None,
-               kv_buckets: tuple[int, ...] | None = None):
+               kv_buckets: tuple[int, ...] | None = None, lanes: int = 1):
     if max_len > cfg.max_seq_len:
       raise ValueError(f"max_len {max_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
     if mesh is None and rules is not None:
       raise ValueError("sharding rules need a mesh")
     if mesh is not None and device is not None:
       raise ValueError("give the engine a device or a mesh, not both")
+    if not 1 <= lanes <= slots:
+      raise ValueError(f"lanes must be between 1 and slots ({slots}), got {lanes}")
+    if lanes > 1 and mesh is not None:
+      raise ValueError("lanes > 1 is for a single-device engine; a sharded engine's step "
+                       "already spans its mesh")
     kv_buckets = default_kv_buckets(max_len) if kv_buckets is None else tuple(kv_buckets)
     if any(b < 1 for b in kv_buckets):
       raise ValueError(f"kv_buckets must be positive, got {kv_buckets}")
@@ -443,6 +468,9 @@ class PolicyEngine:
     self._rng = jax.device_put(jax.random.key(seed), self._device if mesh is None
                                else self.shardings.replicated)
     self._jits: dict[Any, Any] = {}
+    self._jit_lock = threading.Lock()  # lanes build jits from their own threads
+    self.lanes = lanes
+    self._lane_pool: cf.ThreadPoolExecutor | None = None
     self.params = self.load_params(params)
     self.version = version
 
@@ -516,20 +544,20 @@ class PolicyEngine:
     Returns device arrays (new cache, new lengths, sampled tokens, log-probs);
     `cache` and (sharded) `lengths` are donated.
     """
-    prefix = lengths.shape[0] != self.max_concurrent_decodes  # a batch-1 prefill
-    fn = self._jits.get((prefix, kv))
+    prefix = lengths.shape[0] != self.max_concurrent_decodes  # a batch-1 prefill (or a lane)
     s = self.shardings
-    if fn is None:
+
+    def build():
       body = functools.partial(_step, self.cfg, self.sampling, kv)
       if s is None:
-        fn = jax.jit(body, donate_argnums=(1,))
-      else:
-        cache_sh = s.prefix_cache if prefix else s.cache
-        vec = s.replicated if prefix else s.slots
-        tok = s.replicated if prefix else s.tokens
-        fn = jax.jit(body, in_shardings=(s.params, cache_sh, vec, tok, tok, s.replicated),
+        return jax.jit(body, donate_argnums=(1,))
+      cache_sh = s.prefix_cache if prefix else s.cache
+      vec = s.replicated if prefix else s.slots
+      tok = s.replicated if prefix else s.tokens
+      return jax.jit(body, in_shardings=(s.params, cache_sh, vec, tok, tok, s.replicated),
                      out_shardings=(cache_sh, vec, vec, vec), donate_argnums=(1, 2))
-      self._jits[(prefix, kv)] = fn
+
+    fn = self._jit((prefix, kv), build)
     if s is not None:  # committed args must match in_shardings (numpy ones are sharded by jit)
       params = _place(params, s.params)
       cache = _place(cache, s.prefix_cache if prefix else s.cache)
@@ -542,16 +570,29 @@ class PolicyEngine:
     kv = _bucket(max(need, 1), self.kv_buckets)
     return None if kv >= self.max_prefill_length else kv
 
+  def _jit(self, key, build):
+    """The jitted function cached under `key`, made by `build()` on first use.
+
+    Under a lock: lanes ask from their own threads, and two jit objects of
+    one program would each compile it.
+    """
+    with self._jit_lock:
+      fn = self._jits.get(key)
+      if fn is None:
+        fn = self._jits[key] = build()
+      return fn
+
   def _sharded(self, name, fn, out_shardings):
     """`fn` jitted with `out_shardings`, built once."""
-    if name not in self._jits:
-      self._jits[name] = jax.jit(fn, out_shardings=out_shardings)
-    return self._jits[name]
+    return self._jit(name, lambda: jax.jit(fn, out_shardings=out_shardings))
 
   # --- Engine API -------------------------------------------------------
 
-  def init_decode_state(self) -> DecodeState:
-    b, n = self.max_concurrent_decodes, self.max_prefill_length
+  def init_decode_state(self, slots: int | None = None) -> DecodeState:
+    """An empty decode state; `slots` (unsharded engines): a lane's, not all of them."""
+    b, n = slots or self.max_concurrent_decodes, self.max_prefill_length
+    if b != self.max_concurrent_decodes and self.mesh is not None:
+      raise ValueError("a sharded engine's decode state has all of its slots")
     host = np.zeros((b,), np.int32)
     if self.mesh is None:
       cache = decoding.init_cache(self.cfg, b, n)
@@ -598,11 +639,9 @@ class PolicyEngine:
 
     The decode state's arrays are donated: use the returned state only.
     """
-    fn = self._jits.get("insert")
-    if fn is None:
-      s = self.shardings
-      placed = {} if s is None else {"out_shardings": (s.cache, s.slots, s.slots, s.slots)}
-      fn = self._jits["insert"] = jax.jit(_insert, donate_argnums=(0, 2, 3, 4), **placed)
+    s = self.shardings
+    placed = {} if s is None else {"out_shardings": (s.cache, s.slots, s.slots, s.slots)}
+    fn = self._jit("insert", lambda: jax.jit(_insert, donate_argnums=(0, 2, 3, 4), **placed))
     first = -1 if first_token is None else first_token
     with self._context():
       cache, lengths, nxt, active = fn(
@@ -654,6 +693,10 @@ class PolicyEngine:
     """
     with self._lock:
       params, version = self.params, self.version
+    return self._fused_step(params, state, tokens, valid, self._next_rng()) + (version,)
+
+  def _fused_step(self, params, state, tokens, valid, rng):
+    """`step` with the params and the key given (a lane passes its own), no version."""
     width = _bucket(tokens.shape[1], self.prefill_buckets)
     pad = width - tokens.shape[1]
     tokens = np.asarray(tokens, np.int32)
@@ -667,9 +710,9 @@ class PolicyEngine:
       host = (host + fed).astype(np.int32)
       kv = self._kv_bucket(int(host[fed > 0].max()) if fed.any() else 1)
     cache, lengths, tok, logp = self._step(params, state.cache, state.lengths, tokens, valid,
-                                           self._next_rng(), kv)
+                                           rng, kv)
     tok, logp = jax.device_get((tok, logp))  # the step's one transfer to the host
-    return state._replace(cache=cache, lengths=lengths, host_lengths=host), tok, logp, version
+    return state._replace(cache=cache, lengths=lengths, host_lengths=host), tok, logp
 
   # --- the multi-token decode loop ------------------------------------------
 
@@ -713,6 +756,12 @@ class PolicyEngine:
     """
     with self._lock:
       params, version = self.params, self.version
+    state, chunk, self._rng = self._decode_loop(params, version, state, tokens, budgets, steps,
+                                                stop_token, self._rng)
+    return state, chunk
+
+  def _decode_loop(self, params, version, state, tokens, budgets, steps, stop_token, rng):
+    """`decode` with the params and key given; also returns the advanced key."""
     budgets = np.minimum(np.asarray(budgets, np.int32), steps).astype(np.int32)
     tokens = np.asarray(tokens, np.int32)
     kv, host = None, state.host_lengths
@@ -721,28 +770,27 @@ class PolicyEngine:
       fed = budgets > 0
       kv = self._kv_bucket(int(host[fed].max()) if fed.any() else 1)
     stop = -1 if stop_token is None else int(stop_token)
-    key = ("decode", kv, int(steps), stop)
-    fn = self._jits.get(key)
     s = self.shardings
-    if fn is None:
+
+    def build():
       body = functools.partial(_decode, self.cfg, self.sampling, kv, int(steps), stop)
       if s is None:
-        fn = jax.jit(body, donate_argnums=(1,))
-      else:
-        fn = jax.jit(body, in_shardings=(s.params, s.cache, s.slots, s.slots, s.slots,
+        return jax.jit(body, donate_argnums=(1,))
+      return jax.jit(body, in_shardings=(s.params, s.cache, s.slots, s.slots, s.slots,
                                          s.replicated),
                      out_shardings=(s.cache, s.slots, s.slots, s.tokens, s.tokens, s.slots,
                                     s.replicated), donate_argnums=(1, 2))
-      self._jits[key] = fn
+
+    fn = self._jit(("decode", kv, int(steps), stop), build)
     cache, lengths = state.cache, state.lengths
     if s is not None:
       params, cache, lengths = _place(params, s.params), _place(cache, s.cache), _place(
           lengths, s.slots)
     with self._context():
-      cache, lengths, nxt, toks, logp, counts, self._rng = fn(
-          params, cache, lengths, tokens, budgets, self._rng)
+      cache, lengths, nxt, toks, logp, counts, rng = fn(
+          params, cache, lengths, tokens, budgets, rng)
     state = state._replace(cache=cache, lengths=lengths, next_tokens=nxt, host_lengths=host)
-    return state, DecodeChunk(toks, logp, counts, version, budgets)
+    return state, DecodeChunk(toks, logp, counts, version, budgets), rng
 
   def collect(self, state: DecodeState, chunk: DecodeChunk) -> tuple[DecodeState, DecodeChunk]:
     """Fetches a `decode` chunk to the host (one transfer, blocks until done).
@@ -764,8 +812,12 @@ class PolicyEngine:
 
     Stable public API (benchmarks/peers.py times generation with it). One
     batched prefill of every prompt (one step of bucketed width), then one
-    `decode` loop for the rest: two host calls in all. Empties the slots it
-    uses; nothing else of the engine's state is kept.
+    `decode` loop for the rest: two host calls in all, per lane. With
+    `lanes` > 1 the prompts are dealt to the lanes in order (each takes up
+    to `ceil(slots / lanes)` of them) and the lanes run concurrently, each
+    from its own thread with its own decode state and key (module
+    docstring, "Lanes"). Empties the slots it uses; nothing else of the
+    engine's state is kept.
 
     Args:
       prompts: up to `max_concurrent_decodes` int token sequences, each of
@@ -788,27 +840,54 @@ class PolicyEngine:
     if lens.min() < 1 or lens.max() + max_new_tokens > self.max_prefill_length:
       raise ValueError(f"prompts of {lens.min()}..{lens.max()} tokens plus {max_new_tokens} new "
                        f"ones do not fit max_len {self.max_prefill_length} (or a prompt is empty)")
-    tokens = np.zeros((b, int(lens.max())), np.int32)
-    valid = np.zeros((b, int(lens.max())), bool)
+    with self._lock:
+      params, version = self.params, self.version
+    lane = -(-b // self.lanes)  # slots a lane
+    run = functools.partial(self._generate_lane, params, version, max_new_tokens=max_new_tokens,
+                            stop_token=stop_token, slots=lane)
+    if self.lanes == 1:  # the engine's own key chain, as `step` then `decode` would use it
+      out, self._rng = run(list(prompts), rng=self._rng)
+      return out
+    groups = [list(prompts[i:i + lane]) for i in range(0, n, lane)]
+    keys = jax.random.split(self._next_rng(), len(groups))
+    if self._lane_pool is None:
+      self._lane_pool = cf.ThreadPoolExecutor(self.lanes, thread_name_prefix="engine-lane")
+    futures = [self._lane_pool.submit(run, g, rng=keys[i]) for i, g in enumerate(groups)]
+    parts = [f.result()[0] for f in futures]
+    return tuple(np.concatenate(x) for x in zip(*parts))
+
+  def _generate_lane(self, params, version, prompts, *, max_new_tokens: int,
+                     stop_token: int | None, slots: int, rng):
+    """`generate_batch` of `prompts` in a decode state of `slots` slots.
+
+    `rng` is the lane's key chain: the prefill draws with `split(rng)[1]`
+    and the decode loop continues the chain (`step` then `decode`'s
+    contract). Returns ((tokens, log-probs, counts), the advanced key).
+    """
+    n = len(prompts)
+    width = max(len(p) for p in prompts)
+    tokens = np.zeros((slots, width), np.int32)
+    valid = np.zeros((slots, width), bool)
     for i, p in enumerate(prompts):
       tokens[i, :len(p)], valid[i, :len(p)] = p, True
-    state = self.init_decode_state()
-    state, first, first_lp, _ = self.step(state, tokens, valid)
+    state = self.init_decode_state(slots)
+    rng, key = jax.random.split(rng)
+    state, first, first_lp = self._fused_step(params, state, tokens, valid, key)
     out = np.zeros((n, max_new_tokens), np.int32)
     out_lp = np.zeros((n, max_new_tokens), np.float32)
     out[:, 0], out_lp[:, 0] = first[:n], first_lp[:n]
     counts = np.ones((n,), np.int32)
     if max_new_tokens > 1:
-      budgets = np.zeros((b,), np.int32)
+      budgets = np.zeros((slots,), np.int32)
       budgets[:n] = max_new_tokens - 1
       if stop_token is not None:
         budgets[:n] = np.where(first[:n] == stop_token, 0, budgets[:n])
-      state, chunk = self.decode(state, first, budgets, steps=max_new_tokens - 1,
-                                 stop_token=stop_token)
+      state, chunk, rng = self._decode_loop(params, version, state, first, budgets,
+                                            max_new_tokens - 1, stop_token, rng)
       _, chunk = self.collect(state, chunk)
       out[:, 1:], out_lp[:, 1:] = chunk.tokens[:n], chunk.logprobs[:n]
       counts += chunk.counts[:n]
-    return out, out_lp, counts
+    return (out, out_lp, counts), rng
 
   def reset_slots(self, state: DecodeState, slots_mask: np.ndarray) -> DecodeState:
     """Empties the caches of the given slots (their lengths go to 0)."""
