@@ -149,6 +149,8 @@ def test_capacity_moe_kernel_equals_oracle_within_capacity_and_drops_past_it():
   x, top_p, w, balanced, skewed = _decode_sized_moe(1)
   cap = moe.small_capacity(32, 2, 4)
   assert cap == 24
+  assert moe.small_capacity(16, 2, 4) == 12  # below 16 tokens: capacity, not dense
+  assert moe.small_capacity(8, 2, 4) == 8  # 6 rounds up to 8 = n: dense
   got = moe.capacity_moe(x, balanced, top_p, *w, capacity=cap)
   np.testing.assert_allclose(got, _moe_oracle(x, balanced, top_p, *w), rtol=1e-4, atol=1e-4)
   # 32 > 24 pairs on expert 0: the kernel alone would drop 8 of them, which

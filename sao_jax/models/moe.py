@@ -223,8 +223,12 @@ def blocked_moe(x, top_i, top_p, wi_gate, wi_up, wo, block: int):
 
 def small_capacity(n: int, k: int, e: int) -> int:
   """Rows per expert of `capacity_moe` for a call of `n` tokens: 1.5x the
-  balanced load, rounded up to 8 (`n` or more: none, run dense)."""
-  return -(-(3 * n * k) // (2 * e) // 8) * 8 if n * k > e else n
+  balanced load, rounded up to 4 (`n` or more: none, run dense).
+
+  Rounding to 4, not 8, lets a 16-token call (a lane of 16 decode slots, 4
+  experts, top-2) take 12 rows an expert instead of running dense: 113
+  against 146 us a call (benchmarks/RESULTS.md, session 11)."""
+  return -(-(3 * n * k) // (2 * e) // 4) * 4 if n * k > e else n
 
 
 def capacity_moe(x, top_i, top_p, wi_gate, wi_up, wo, capacity: int):

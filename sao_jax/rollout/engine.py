@@ -193,8 +193,13 @@ def sample(logits: Array, rng, sampling: SamplingConfig) -> tuple[Array, Array]:
   (`inverse_cdf`); where rounding leaves no possible token above u * total,
   the row takes its most likely token.
   """
+  return sample_with(logits, jax.random.uniform(rng, logits.shape[:-1] + (1,), jnp.float32),
+                     sampling)
+
+
+def sample_with(logits: Array, u: Array, sampling: SamplingConfig) -> tuple[Array, Array]:
+  """`sample` with its uniforms `u` `[B, 1]` given (drawn ahead by a decode loop)."""
   logp = sampling_logprobs(logits, sampling)
-  u = jax.random.uniform(rng, logp.shape[:-1] + (1,), jnp.float32)
   tokens = inverse_cdf(logp, u)
   return tokens, jnp.take_along_axis(logp, tokens[:, None], -1)[:, 0]
 
@@ -245,6 +250,38 @@ class DecodeChunk(NamedTuple):
   counts: Any  # [slots] int32
   version: int  # of the params whose logits produced every token of the chunk
   budgets: np.ndarray  # [slots] int32, the call's budgets (host side)
+
+
+class KeyStream(NamedTuple):
+  """The engine's sampling keys: draw n uses `fold_in(base, n)`.
+
+  Counter-based rather than a chain of splits, so a decode loop can make
+  all of its iterations' uniforms in one batched draw before the loop
+  (`_decode`) and still draw exactly what as many one-token steps would.
+  Both fields are device arrays, so the count advances on the device and an
+  asynchronous `decode` needs no transfer to know where the next call
+  starts.
+  """
+  base: Array  # a PRNG key
+  draws: Array  # int32 scalar, draws taken so far
+
+
+@jax.jit
+def _take(stream: KeyStream) -> tuple[Array, KeyStream]:
+  """(the next draw's key, the stream after it)."""
+  return jax.random.fold_in(stream.base, stream.draws), stream._replace(draws=stream.draws + 1)
+
+
+def _uniforms(stream: KeyStream, steps: int, rows: int) -> Array:
+  """`[steps, rows, 1]`: the uniforms of the stream's next `steps` draws, one batched call.
+
+  Row k equals what `sample` draws with `_take`'s k-th key (vmap of the same
+  threefry calls: tests/test_rollout.py checks the loop against one-token
+  steps).
+  """
+  keys = jax.vmap(jax.random.fold_in, (None, 0))(
+      stream.base, stream.draws + jnp.arange(steps, dtype=stream.draws.dtype))
+  return jax.vmap(lambda k: jax.random.uniform(k, (rows, 1), jnp.float32))(keys)
 
 
 def _insert(cache, prefix_cache, lengths, next_tokens, active, slot, length, first):
@@ -465,8 +502,8 @@ class PolicyEngine:
     # Committed to the engine's devices from the start: a jitted call sees
     # the same argument placement on an engine's first call as on its later
     # ones (an uncommitted key would compile each program a second time).
-    self._rng = jax.device_put(jax.random.key(seed), self._device if mesh is None
-                               else self.shardings.replicated)
+    self._rng = jax.device_put(KeyStream(jax.random.key(seed), jnp.int32(0)),
+                               self._device if mesh is None else self.shardings.replicated)
     self._jits: dict[Any, Any] = {}
     self._jit_lock = threading.Lock()  # lanes build jits from their own threads
     self.lanes = lanes
@@ -524,7 +561,7 @@ class PolicyEngine:
       self.params, self.version = new, int(version)
 
   def _next_rng(self):
-    self._rng, rng = jax.random.split(self._rng)
+    rng, self._rng = _take(self._rng)
     return rng
 
   # --- the jitted step ----------------------------------------------------
@@ -735,12 +772,13 @@ class PolicyEngine:
     (each slot's length plus its budget), which only widens the kv bucket
     of a step dispatched in between; `collect` makes it exact again.
 
-    RNG contract: iteration k draws with the key of the k-th
-    `self._rng, key = split(self._rng)`, exactly the key the k-th of as
-    many one-token `step` calls would draw with, so the loop samples the
+    RNG contract: iteration k draws with the engine's k-th next key
+    (`KeyStream`: `fold_in(base, draws + k)`), exactly the key the k-th of
+    as many one-token `step` calls would draw with, so the loop samples the
     same tokens with the same log-probs as `step` fed the same slots one
-    token at a time (tests/test_rollout.py); the engine's key advances by
-    the iterations actually run.
+    token at a time (tests/test_rollout.py); the stream advances by the
+    iterations actually run. The loop draws all `steps` iterations'
+    uniforms in one batched call before it starts.
 
     Args:
       state: the decode state.
@@ -849,10 +887,11 @@ class PolicyEngine:
       out, self._rng = run(list(prompts), rng=self._rng)
       return out
     groups = [list(prompts[i:i + lane]) for i in range(0, n, lane)]
-    keys = jax.random.split(self._next_rng(), len(groups))
+    key = self._next_rng()
+    streams = [KeyStream(jax.random.fold_in(key, i), jnp.int32(0)) for i in range(len(groups))]
     if self._lane_pool is None:
       self._lane_pool = cf.ThreadPoolExecutor(self.lanes, thread_name_prefix="engine-lane")
-    futures = [self._lane_pool.submit(run, g, rng=keys[i]) for i, g in enumerate(groups)]
+    futures = [self._lane_pool.submit(run, g, rng=r) for g, r in zip(groups, streams)]
     parts = [f.result()[0] for f in futures]
     return tuple(np.concatenate(x) for x in zip(*parts))
 
@@ -860,9 +899,9 @@ class PolicyEngine:
                      stop_token: int | None, slots: int, rng):
     """`generate_batch` of `prompts` in a decode state of `slots` slots.
 
-    `rng` is the lane's key chain: the prefill draws with `split(rng)[1]`
-    and the decode loop continues the chain (`step` then `decode`'s
-    contract). Returns ((tokens, log-probs, counts), the advanced key).
+    `rng` is the lane's `KeyStream`: the prefill takes its next key and the
+    decode loop the ones after (`step` then `decode`'s contract). Returns
+    ((tokens, log-probs, counts), the advanced stream).
     """
     n = len(prompts)
     width = max(len(p) for p in prompts)
@@ -871,7 +910,7 @@ class PolicyEngine:
     for i, p in enumerate(prompts):
       tokens[i, :len(p)], valid[i, :len(p)] = p, True
     state = self.init_decode_state(slots)
-    rng, key = jax.random.split(rng)
+    key, rng = _take(rng)
     state, first, first_lp = self._fused_step(params, state, tokens, valid, key)
     out = np.zeros((n, max_new_tokens), np.int32)
     out_lp = np.zeros((n, max_new_tokens), np.float32)
@@ -968,7 +1007,7 @@ def _decode(cfg, sampling, kv, steps, stop_token, params, cache, lengths, tokens
   back once at the end, rather than once per token.
 
   Returns (cache, lengths, pending tokens `[B]`, sampled tokens `[B, steps]`,
-  their log-probs, counts `[B]`, the advanced rng key).
+  their log-probs, counts `[B]`, the advanced `KeyStream`).
   """
   b = tokens.shape[0]
   live = cache if kv is None else jax.tree.map(
@@ -979,10 +1018,9 @@ def _decode(cfg, sampling, kv, steps, stop_token, params, cache, lengths, tokens
     return (k < steps) & alive.any()
 
   def body(carry):
-    k, live, lens, tok, alive, count, out_tok, out_lp, rng = carry
-    rng, key = jax.random.split(rng)  # the key `PolicyEngine._next_rng` would give
+    k, live, lens, tok, alive, count, out_tok, out_lp = carry
     logits, live, lens = decoding.extend(cfg, params, live, tok[:, None], lens, alive[:, None])
-    new, lp = sample(logits[:, 0], key, sampling)
+    new, lp = sample_with(logits[:, 0], uniforms[k], sampling)  # the k-th key's draw
     out_tok = jax.lax.dynamic_update_slice_in_dim(
         out_tok, jnp.where(alive, new, 0)[:, None], k, 1)
     out_lp = jax.lax.dynamic_update_slice_in_dim(
@@ -990,12 +1028,13 @@ def _decode(cfg, sampling, kv, steps, stop_token, params, cache, lengths, tokens
     count = count + alive.astype(jnp.int32)
     tok = jnp.where(alive, new, tok)
     alive = alive & (count < budgets) & (new != stop_token)
-    return k + 1, live, lens, tok, alive, count, out_tok, out_lp, rng
+    return k + 1, live, lens, tok, alive, count, out_tok, out_lp
 
   carry = (jnp.int32(0), live, lengths, tokens, budgets > 0, jnp.zeros((b,), jnp.int32),
-           jnp.zeros((b, steps), jnp.int32), jnp.zeros((b, steps), jnp.float32), rng)
-  _, live, new_lengths, tok, _, count, out_tok, out_lp, rng = jax.lax.while_loop(
-      cond, body, carry)
+           jnp.zeros((b, steps), jnp.int32), jnp.zeros((b, steps), jnp.float32))
+  uniforms = _uniforms(rng, steps, b)  # [steps, B, 1]: every iteration's, drawn at once
+  ran, live, new_lengths, tok, _, count, out_tok, out_lp = jax.lax.while_loop(cond, body, carry)
+  rng = rng._replace(draws=rng.draws + ran)
   if kv is None:
     cache = live
   else:
