@@ -27,7 +27,8 @@ train: one policy update (forward, backward, adamw, jit, donated state) on
   non-finite guard. Same optimizer, same tokens, same advantages. sao-jax
   runs with its defaults (`moe_impl="dense"`: every token through every
   expert, like Tunix's CPU fallback) and with its fast settings: `"blocked"`
-  MoE (top-k FLOPs, exact), plus chunked attention at 1024 tokens; with
+  MoE (top-k FLOPs, exact), plus chunked attention in blocks of a quarter
+  of the length, at most 256 (`fast_settings`); with
   `--extra_arms` also the fast settings with bf16 compute; with
   `--moe_block N` also the fast settings with blocks of N rows (an A/B of
   `ModelConfig.moe_block` in the same interleaved run).
@@ -235,23 +236,32 @@ def sao_train_fn(cfg, params, batch, eps_low=0.2, eps_high=0.28):
   return run
 
 
-FAST_NAME = {False: "blocked MoE", True: "blocked MoE, chunked attention"}
-
-
 def fast_settings(cfg: mcfg.ModelConfig, length: int, prefill: bool = False) -> mcfg.ModelConfig:
   """sao-jax's fast model settings for sequences of `length` tokens.
 
   The block-sparse top-k MoE, plus chunked attention (causal key blocks
-  skipped) where the rows are long enough for it to pay (measured: 1.76x at
-  1024 tokens with 256-token blocks, 0.86x at 256 tokens); for generation
-  (`prefill`) the prompt then also goes through in chunks of that size, so
-  the prefill uses the same blocked attention over the cache.
+  skipped) where it pays. Measured (benchmarks/RESULTS.md): training at
+  1024 tokens 1.76x with 256-token blocks; at 256 tokens 0.86x with one
+  256-token block but 1.2x with 64-token blocks (session 11), so training
+  takes blocks of a quarter of the length, at most 256. Generation chunks
+  only at 1024 tokens, where the prompt then also goes through in chunks of
+  the block size (`prefill`), so the prefill uses the same blocked
+  attention over the cache.
   """
   fast = dataclasses.replace(cfg, moe_impl="blocked")
   if length >= 1024:
     fast = dataclasses.replace(fast, attention_impl="chunked", attention_block=256,
                                prefill_chunk=256 if prefill else 0)
+  elif length >= 256 and not prefill:
+    fast = dataclasses.replace(fast, attention_impl="chunked", attention_block=length // 4)
   return fast
+
+
+def fast_name(fast: mcfg.ModelConfig) -> str:
+  """The table label of a `fast_settings` config."""
+  if fast.attention_impl == "chunked":
+    return f"blocked MoE, chunked attention ({fast.attention_block}-token blocks)"
+  return "blocked MoE"
 
 
 def block_arm(arms: dict, fast: mcfg.ModelConfig, moe_block: int) -> None:
@@ -268,7 +278,7 @@ def train_section(shape: str, repeats: int, bf16: bool = False, moe_block: int =
   # every expert as in Tunix's CPU path; reference attention), and the fast
   # settings (`fast_settings`).
   fast = fast_settings(cfg, length)
-  arms = {"defaults (dense MoE)": cfg, FAST_NAME[length >= 1024]: fast}
+  arms = {"defaults (dense MoE)": cfg, fast_name(fast): fast}
   if bf16:
     arms["the same, bf16 compute"] = dataclasses.replace(fast, dtype="bfloat16")
   block_arm(arms, fast, moe_block)
@@ -315,12 +325,11 @@ def generate_section(shape: str, repeats: int, one_step: bool = False, moe_block
                                 num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim))
   # The same two sets of model settings as the train rows.
   fast = fast_settings(cfg, prompt + new, prefill=True)
-  fast_name = FAST_NAME[prompt + new >= 1024]
-  arms = {"defaults (dense MoE)": cfg, fast_name: fast}
+  arms = {"defaults (dense MoE)": cfg, fast_name(fast): fast}
   block_arm(arms, fast, moe_block)
   lanes = {name: 1 for name in arms}
   if lanes_arm > 1:  # the fast settings again, the slots split into engine lanes
-    name = f"{fast_name}, {lanes_arm} lanes"
+    name = f"{fast_name(fast)}, {lanes_arm} lanes"
     arms[name], lanes[name] = fast, lanes_arm
   engines = {name: PolicyEngine(c, params, slots=slots, max_len=prompt + new,
                                 sampling=SamplingConfig(temperature=1.0), lanes=lanes[name])
