@@ -36,8 +36,9 @@ generate: B prompts of P tokens, N new tokens each, temperature 1. Tunix:
   `Sampler.__call__` (its prefill then its jitted decode while-loop);
   sao-jax: `PolicyEngine.generate_batch` (one prefill, then the engine's
   jitted multi-token decode loop; log-probs always recorded) with the
-  default and with the fast model settings of the train rows (plus a
-  chunked prefill at 1024 tokens), the fast settings again with the slots
+  default and with `fast_settings(prefill=True)` (the blocked MoE; at 1024
+  tokens also the train rows' chunked attention and a chunked prefill; at
+  128 the attention stays the reference), the fast settings again with the slots
   split into `--lanes` engine lanes (default 2: two programs of half the
   slots each, run from two threads, so both cores decode), and with
   `--extra_arms` the engine's one-token `step` per host call. Tokens/s counts
@@ -323,7 +324,7 @@ def generate_section(shape: str, repeats: int, one_step: bool = False, moe_block
       model, IdTokenizer(),
       tunix_sampler.CacheConfig(cache_size=prompt + new, num_layers=cfg.num_layers,
                                 num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim))
-  # The same two sets of model settings as the train rows.
+  # The defaults and the fast settings for generation (`fast_settings`).
   fast = fast_settings(cfg, prompt + new, prefill=True)
   arms = {"defaults (dense MoE)": cfg, fast_name(fast): fast}
   block_arm(arms, fast, moe_block)

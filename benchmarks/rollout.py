@@ -1,6 +1,6 @@
 """Rollout throughput: the engine's decode loop, continuous batching, weight swaps.
 
-    python benchmarks/rollout.py [--out benchmarks/RESULTS.md] [--sections engine,batching,swap]
+    python benchmarks/rollout.py [--out benchmarks/RESULTS.md] [--sections engine,batching,lanes,swap]
 
 Tiny model (random init), one process, every comparison interleaved (A B A
 B, median of `--repeats`) so that load on this shared machine hits each
@@ -19,6 +19,12 @@ batching: the driver on 96 requests whose number of turns is long-tailed
   frees; each with `decode_steps` 1 and 8. Instant environment steps, and
   30 ms of simulated tool latency per step.
 
+lanes: the engine's lanes (`PolicyEngine(lanes=2)`: two programs of half
+  the slots, run from two threads) on `generate_batch` (32 prompts of 64
+  tokens, 64 new), and evaluation in lanes (`evaluation.pass_at_1(lanes=2)`:
+  two drivers of 16 slots, each with its own engine and thread) against one
+  driver of 32 slots, on `--requests` long-tailed tasks. Generated tokens/s.
+
 swap: the cost of a weight swap under each `rollout.swap_policy`: the driver
   gets new params every `--swap_every` finished trajectories (as from a
   trainer) and its generated tokens/s is compared with no swaps at all.
@@ -31,6 +37,7 @@ import time
 import jax
 import numpy as np
 
+from sao_jax import evaluation
 from sao_jax.envs.base import StepResult, Task
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import config as mcfg
@@ -173,6 +180,34 @@ def batching_section(cfg, params, tok, repeats, n):
   return lines
 
 
+def lanes_section(cfg, params, tok, repeats, n, slots=32, prompt_len=64, new=64):
+  prompts = list(np.random.default_rng(0).integers(2, cfg.vocab_size, (slots, prompt_len)))
+  engines = {lanes: PolicyEngine(cfg, params, slots=slots, max_len=MAX_LEN, lanes=lanes)
+             for lanes in (1, 2)}
+
+  def sample(lanes):
+    def fn():
+      start = time.perf_counter()
+      engines[lanes].generate_batch(prompts, new)
+      return slots * new / (time.perf_counter() - start)
+    return fn
+
+  def evaluate(lanes):
+    def fn():
+      start = time.perf_counter()
+      r = evaluation.pass_at_1(cfg, params, LongTailEnv(), tok, num_tasks=n, slots=slots,
+                               max_len=MAX_LEN, max_turn_tokens=12, lanes=lanes)
+      return r["samples"] * r["mean_generated"] / (time.perf_counter() - start)
+    return fn
+
+  res = _interleaved({("generate_batch", 1): sample(1), ("generate_batch", 2): sample(2),
+                      ("pass_at_1", 1): evaluate(1), ("pass_at_1", 2): evaluate(2)}, repeats)
+  lines = [f"| {what} | {lanes} | {tps:,.0f} | {tps / res[(what, 1)]:.2f} |"
+           for (what, lanes), tps in res.items()]
+  print("\n".join(lines), flush=True)
+  return lines
+
+
 def swap_section(cfg, params, tok, repeats, n, swap_every):
   warm = _engine(cfg, params, None, 0)
   drive(warm, tok, 16)
@@ -207,7 +242,7 @@ def main():
   parser.add_argument("--requests", type=int, default=96)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--swap_every", type=int, default=4)
-  parser.add_argument("--sections", default="engine,batching,swap")
+  parser.add_argument("--sections", default="engine,batching,lanes,swap")
   args = parser.parse_args()
   sections = args.sections.split(",")
   tok = CharTokenizer()
@@ -224,6 +259,10 @@ def main():
     out += ["", "| tool latency | batching | decode_steps | tokens/s | vs static, 1 step "
             "| engine calls |", "|---|---|---|---|---|---|"]
     out += batching_section(cfg, params, tok, args.repeats, args.requests)
+  if "lanes" in sections:
+    out += ["", "| call (32 slots) | lanes | generated tokens/s | vs 1 lane |",
+            "|---|---|---|---|"]
+    out += lanes_section(cfg, params, tok, args.repeats, args.requests)
   if "swap" in sections:
     out += ["", f"| swap policy (every {args.swap_every} trajectories) | tokens/s | vs no swaps "
             "| swaps | cost per swap (ms) |", "|---|---|---|---|---|"]

@@ -402,11 +402,11 @@ def test_generate_batch_logprobs_are_teacher_forced(params, moe_impl, slots, lan
 
 def test_generate_batch_lanes_sample_as_one_lane_engines_of_their_size(params):
   # Each lane is a one-lane engine of ceil(slots / lanes) slots on its own
-  # key stream: lane i's base is fold_in(the engine's next key, i).
+  # key stream: lane i's base is fold_in(the engine's next key, i). Five
+  # prompts over two lanes: three, then two.
   prompts = [TOK.encode(t) for t in ("12 plus 3\n", "q\n", "7 times 2\n", "ab\n", "9\n")]
   laned = PolicyEngine(CFG, params[0], slots=6, max_len=MAX_LEN, seed=4, lanes=2)
-  stream = laned._rng  # pylint: disable=protected-access
-  key = jax.random.fold_in(stream.base, stream.draws)
+  key = laned._rng.key()  # pylint: disable=protected-access
   toks, lps, counts = laned.generate_batch(prompts, 12)
   assert toks.shape == (5, 12) and (counts == 12).all()
   for lane, rows in ((0, slice(0, 3)), (1, slice(3, 5))):
@@ -419,9 +419,12 @@ def test_generate_batch_lanes_sample_as_one_lane_engines_of_their_size(params):
   same = [TOK.encode("ab\n")] * 6
   toks, _, _ = laned.generate_batch(same, 24)
   assert not np.array_equal(toks[:3], toks[3:])
-  # A stop token ends rows in either lane, and the engine's key moved on.
+  # A stop token ends rows in either lane; each call takes one draw of the
+  # engine's own stream (the lanes draw from theirs).
   common = int(np.bincount(toks.ravel(), minlength=CFG.vocab_size).argmax())
+  assert int(laned._rng.draws) == 2  # pylint: disable=protected-access
   toks, _, counts = laned.generate_batch(same, 24, stop_token=common)
+  assert int(laned._rng.draws) == 3  # pylint: disable=protected-access
   assert (counts < 24).any()
   for t, c in zip(toks, counts):
     assert common not in t[:c - 1].tolist()
@@ -435,3 +438,40 @@ def test_engine_rejects_bad_lanes(params):
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
   with pytest.raises(ValueError, match="single-device engine"):
     PolicyEngine(CFG, params[0], slots=2, max_len=MAX_LEN, lanes=2, mesh=mesh)
+
+
+def test_generate_batch_is_a_prefill_step_then_one_decode_loop(params):
+  # One lane: generate_batch samples what `step` (the prefill) then `decode`
+  # on the same engine stream would, and advances the stream by 1 + the
+  # loop's iterations.
+  prompts = [TOK.encode("12 plus 3\n"), TOK.encode("q\n"), TOK.encode("7 times 2\n")]
+  engine = PolicyEngine(CFG, params[0], slots=4, max_len=MAX_LEN, seed=6)
+  toks, lps, counts = engine.generate_batch(prompts, 10)
+  assert int(engine._rng.draws) == 10  # pylint: disable=protected-access
+  ref = PolicyEngine(CFG, params[0], slots=4, max_len=MAX_LEN, seed=6)
+  tokens = np.zeros((4, max(map(len, prompts))), np.int32)
+  valid = np.zeros(tokens.shape, bool)
+  for i, p in enumerate(prompts):
+    tokens[i, :len(p)], valid[i, :len(p)] = p, True
+  state, first, first_lp, _ = ref.step(ref.init_decode_state(), tokens, valid)
+  state, chunk = ref.decode(state, first, np.array([9, 9, 9, 0], np.int32), steps=9)
+  _, chunk = ref.collect(state, chunk)
+  np.testing.assert_array_equal(toks[:, 0], first[:3])
+  np.testing.assert_array_equal(toks[:, 1:], chunk.tokens[:3])
+  np.testing.assert_allclose(lps[:, 0], first_lp[:3], atol=1e-6)
+  np.testing.assert_allclose(lps[:, 1:], chunk.logprobs[:3], atol=1e-6)
+  assert (counts == 10).all()
+  assert int(ref._rng.draws) == 10  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 3])
+def test_pass_at_1_in_lanes_runs_every_episode_once(params, lanes):
+  # Lanes deal the episodes round-robin to their own drivers and engines:
+  # every held-out task is sampled samples_per_task times, none twice more.
+  from sao_jax import evaluation  # pylint: disable=import-outside-toplevel
+  r = evaluation.pass_at_1(CFG, params[0], EchoEnv(), TOK, num_tasks=5, slots=4,
+                           max_len=MAX_LEN, max_turn_tokens=6, samples_per_task=2, lanes=lanes)
+  assert r["tasks"] == 5 and r["samples"] == 10
+  with pytest.raises(ValueError, match="eval lanes must be between 1 and slots"):
+    evaluation.pass_at_1(CFG, params[0], EchoEnv(), TOK, num_tasks=1, slots=2, max_len=MAX_LEN,
+                         max_turn_tokens=6, lanes=3)

@@ -193,8 +193,12 @@ def sample(logits: Array, rng, sampling: SamplingConfig) -> tuple[Array, Array]:
   (`inverse_cdf`); where rounding leaves no possible token above u * total,
   the row takes its most likely token.
   """
-  return sample_with(logits, jax.random.uniform(rng, logits.shape[:-1] + (1,), jnp.float32),
-                     sampling)
+  return sample_with(logits, row_uniforms(rng, logits.shape[0]), sampling)
+
+
+def row_uniforms(key, rows: int) -> Array:
+  """`[rows, 1]` float32 uniforms: `sample`'s draw, and each iteration's of `_uniforms`."""
+  return jax.random.uniform(key, (rows, 1), jnp.float32)
 
 
 def sample_with(logits: Array, u: Array, sampling: SamplingConfig) -> tuple[Array, Array]:
@@ -265,11 +269,25 @@ class KeyStream(NamedTuple):
   base: Array  # a PRNG key
   draws: Array  # int32 scalar, draws taken so far
 
+  def key(self, ahead=0):
+    """The key of the draw `ahead` draws after the next one (an int or int array)."""
+    return jax.random.fold_in(self.base, self.draws + ahead)
+
+  @classmethod
+  def start(cls, key, device) -> "KeyStream":
+    """A stream of no draws on `key`, committed to `device` (a device or a sharding).
+
+    Committed, so that a jitted call sees the same argument placement on
+    an engine's first call as on its later ones (an uncommitted key would
+    compile each program a second time).
+    """
+    return jax.device_put(cls(key, jnp.int32(0)), device)
+
 
 @jax.jit
 def _take(stream: KeyStream) -> tuple[Array, KeyStream]:
   """(the next draw's key, the stream after it)."""
-  return jax.random.fold_in(stream.base, stream.draws), stream._replace(draws=stream.draws + 1)
+  return stream.key(), stream._replace(draws=stream.draws + 1)
 
 
 def _uniforms(stream: KeyStream, steps: int, rows: int) -> Array:
@@ -279,9 +297,8 @@ def _uniforms(stream: KeyStream, steps: int, rows: int) -> Array:
   threefry calls: tests/test_rollout.py checks the loop against one-token
   steps).
   """
-  keys = jax.vmap(jax.random.fold_in, (None, 0))(
-      stream.base, stream.draws + jnp.arange(steps, dtype=stream.draws.dtype))
-  return jax.vmap(lambda k: jax.random.uniform(k, (rows, 1), jnp.float32))(keys)
+  keys = jax.vmap(stream.key)(jnp.arange(steps, dtype=stream.draws.dtype))
+  return jax.vmap(lambda k: row_uniforms(k, rows))(keys)
 
 
 def _insert(cache, prefix_cache, lengths, next_tokens, active, slot, length, first):
@@ -457,6 +474,8 @@ class PolicyEngine:
     lanes: `generate_batch` splits its slots into this many lanes, each
       decoded by its own program from its own thread (module docstring,
       "Lanes"). 1: one program for all slots. Single-device engines only.
+      Lane threads trace new programs without the caller's thread-local
+      JAX settings (e.g. a `jax.default_matmul_precision` context).
     mesh, rules: shard params, cache and step over `mesh` (module docstring);
       `rules` default to `rollout_rules(mesh)`. None: one device.
     kv_buckets: cache prefix lengths a step may attend over (module
@@ -499,15 +518,13 @@ class PolicyEngine:
       self.shardings = engine_shardings(cfg, slots, max_len, mesh, self.rules)
     self._device = device or (jax.local_devices()[0] if mesh is None else mesh.devices.flat[0])
     self._lock = threading.Lock()
-    # Committed to the engine's devices from the start: a jitted call sees
-    # the same argument placement on an engine's first call as on its later
-    # ones (an uncommitted key would compile each program a second time).
-    self._rng = jax.device_put(KeyStream(jax.random.key(seed), jnp.int32(0)),
-                               self._device if mesh is None else self.shardings.replicated)
+    self._rng = KeyStream.start(jax.random.key(seed), self._device if mesh is None
+                                else self.shardings.replicated)
     self._jits: dict[Any, Any] = {}
     self._jit_lock = threading.Lock()  # lanes build jits from their own threads
     self.lanes = lanes
-    self._lane_pool: cf.ThreadPoolExecutor | None = None
+    self._lane_pool = (cf.ThreadPoolExecutor(lanes, thread_name_prefix="engine-lane")
+                       if lanes > 1 else None)
     self.params = self.load_params(params)
     self.version = version
 
@@ -560,6 +577,11 @@ class PolicyEngine:
     with self._lock:
       self.params, self.version = new, int(version)
 
+  def _snapshot(self):
+    """(params, version), read together: a swap lands between calls, never inside one."""
+    with self._lock:
+      return self.params, self.version
+
   def _next_rng(self):
     rng, self._rng = _take(self._rng)
     return rng
@@ -610,8 +632,9 @@ class PolicyEngine:
   def _jit(self, key, build):
     """The jitted function cached under `key`, made by `build()` on first use.
 
-    Under a lock: lanes ask from their own threads, and two jit objects of
-    one program would each compile it.
+    Under a lock, so lanes asking from their own threads share one jit
+    object (two objects of one program would each compile it; two lanes
+    calling a new one at once may still trace it twice).
     """
     with self._jit_lock:
       fn = self._jits.get(key)
@@ -728,8 +751,7 @@ class PolicyEngine:
       (new state, sampled tokens `[slots]`, log-probs `[slots]`, version).
       Rows with no valid token are unchanged and their samples meaningless.
     """
-    with self._lock:
-      params, version = self.params, self.version
+    params, version = self._snapshot()
     return self._fused_step(params, state, tokens, valid, self._next_rng()) + (version,)
 
   def _fused_step(self, params, state, tokens, valid, rng):
@@ -792,8 +814,7 @@ class PolicyEngine:
       (new state, `DecodeChunk` of device arrays). `state.next_tokens`
       holds each slot's new pending token.
     """
-    with self._lock:
-      params, version = self.params, self.version
+    params, version = self._snapshot()
     state, chunk, self._rng = self._decode_loop(params, version, state, tokens, budgets, steps,
                                                 stop_token, self._rng)
     return state, chunk
@@ -851,11 +872,12 @@ class PolicyEngine:
     Stable public API (benchmarks/peers.py times generation with it). One
     batched prefill of every prompt (one step of bucketed width), then one
     `decode` loop for the rest: two host calls in all, per lane. With
-    `lanes` > 1 the prompts are dealt to the lanes in order (each takes up
-    to `ceil(slots / lanes)` of them) and the lanes run concurrently, each
-    from its own thread with its own decode state and key (module
-    docstring, "Lanes"). Empties the slots it uses; nothing else of the
-    engine's state is kept.
+    `lanes` > 1 the prompts are dealt to the lanes in order,
+    `ceil(N / lanes)` each, every lane a program of `ceil(slots / lanes)`
+    slots, and the lanes run concurrently, each from its own thread with
+    its own decode state and key stream (lane i's base key is
+    `fold_in(the engine's next key, i)`; module docstring, "Lanes").
+    Empties the slots it uses; nothing else of the engine's state is kept.
 
     Args:
       prompts: up to `max_concurrent_decodes` int token sequences, each of
@@ -878,20 +900,20 @@ class PolicyEngine:
     if lens.min() < 1 or lens.max() + max_new_tokens > self.max_prefill_length:
       raise ValueError(f"prompts of {lens.min()}..{lens.max()} tokens plus {max_new_tokens} new "
                        f"ones do not fit max_len {self.max_prefill_length} (or a prompt is empty)")
-    with self._lock:
-      params, version = self.params, self.version
+    params, version = self._snapshot()
     lane = -(-b // self.lanes)  # slots a lane
     run = functools.partial(self._generate_lane, params, version, max_new_tokens=max_new_tokens,
                             stop_token=stop_token, slots=lane)
     if self.lanes == 1:  # the engine's own key chain, as `step` then `decode` would use it
       out, self._rng = run(list(prompts), rng=self._rng)
       return out
-    groups = [list(prompts[i:i + lane]) for i in range(0, n, lane)]
+    per = -(-n // self.lanes)  # prompts a lane: every lane works, in programs of `lane` slots
+    groups = [list(prompts[i:i + per]) for i in range(0, n, per)]
     key = self._next_rng()
-    streams = [KeyStream(jax.random.fold_in(key, i), jnp.int32(0)) for i in range(len(groups))]
-    if self._lane_pool is None:
-      self._lane_pool = cf.ThreadPoolExecutor(self.lanes, thread_name_prefix="engine-lane")
+    streams = [KeyStream.start(jax.random.fold_in(key, i), self._device)
+               for i in range(len(groups))]
     futures = [self._lane_pool.submit(run, g, rng=r) for g, r in zip(groups, streams)]
+    cf.wait(futures)  # no lane left running when another's failure is raised
     parts = [f.result()[0] for f in futures]
     return tuple(np.concatenate(x) for x in zip(*parts))
 
