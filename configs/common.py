@@ -198,9 +198,6 @@ def get_config():
   # Episodes sampled per held-out task; pass@1 averages them and reports its
   # standard error over tasks (more samples cut the sampling noise).
   c.eval.samples_per_task = 1
-  # Drivers evaluating side by side, each with its own engine of slots / lanes
-  # slots in its own thread (evaluation.pass_at_1): on a CPU host, one per core.
-  c.eval.lanes = 1
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 25

@@ -114,7 +114,6 @@ _RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("eval.slots", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     ("eval.temperature", lambda v: _is_real(v) and v > 0, "a finite number > 0"),
     ("eval.samples_per_task", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    ("eval.lanes", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     ("checkpoint.every", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     ("checkpoint.keep", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     ("checkpoint.min_free_gb", lambda v: _is_real(v) and v >= 0, "a finite number >= 0"),
@@ -219,9 +218,6 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
                       f">= rollout.max_len ({r.max_len})")
   if r.max_turn_tokens >= r.max_len:
     _fail("rollout.max_turn_tokens", r.max_turn_tokens, f"< rollout.max_len ({r.max_len})")
-  lanes = config.eval.get("lanes", 1)
-  if _is_int(lanes) and lanes > config.eval.slots:
-    _fail("eval.lanes", lanes, f"<= eval.slots ({config.eval.slots}): every lane needs a slot")
   _check_mesh(dict(config.sharding.mesh), num_devices)
   # With several processes every host must train on the same batches, and
   # the in-process rollout's completion order differs from host to host.

@@ -24,38 +24,18 @@ from sao_jax.rollout.engine import PolicyEngine, SamplingConfig
 
 def pass_at_1(model_cfg, params, env, tokenizer, *, num_tasks: int, slots: int, max_len: int,
               max_turn_tokens: int, temperature: float = 1.0, seed: int = 0,
-              samples_per_task: int = 1, lanes: int = 1) -> dict:
-  """Samples `samples_per_task` episodes of each of the first `num_tasks` held-out tasks.
-
-  `lanes` > 1 deals the episodes round-robin to that many drivers of
-  `ceil(slots / lanes)` slots, each with its own engine (seed `seed + i`)
-  running in its own thread: on XLA:CPU one engine keeps about one core
-  busy, so the lanes evaluate on all of them (sao_jax/rollout/engine.py,
-  "Lanes"). Every episode runs exactly once either way; the samples differ
-  from `lanes=1` only through the keys.
-  """
-  if not 1 <= lanes <= slots:
-    raise ValueError(f"eval lanes must be between 1 and slots ({slots}), got {lanes}")
+              samples_per_task: int = 1) -> dict:
+  """Samples `samples_per_task` episodes of each of the first `num_tasks` held-out tasks."""
+  engine = PolicyEngine(model_cfg, params, slots=slots, max_len=max_len,
+                        sampling=SamplingConfig(temperature=temperature), seed=seed)
   trajs = []
   prompts = [i for i in prompt_data.eval_indices(num_tasks) for _ in range(samples_per_task)]
-  lanes = min(lanes, len(prompts))
-  drivers = []
+  driver = RolloutDriver(engine, env, tokenizer, iter(prompts), trajs.append,
+                         max_turn_tokens=max_turn_tokens)
   try:
-    for i in range(lanes):
-      engine = PolicyEngine(model_cfg, params, slots=-(-slots // lanes), max_len=max_len,
-                            sampling=SamplingConfig(temperature=temperature), seed=seed + i)
-      drivers.append(RolloutDriver(engine, env, tokenizer, iter(prompts[i::lanes]),
-                                   trajs.append, max_turn_tokens=max_turn_tokens))
-    if lanes == 1:
-      drivers[0].run()
-    else:
-      for d in drivers:
-        d.start()
-      for d in drivers:
-        d.join()
+    driver.run()
   finally:
-    for d in drivers:
-      d.stop()
+    driver.stop()
   return summarize(trajs)
 
 

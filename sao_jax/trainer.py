@@ -269,7 +269,7 @@ class _Run:
         self.model_cfg, params, self.frozen_env, self.tok, num_tasks=e.num_tasks,
         slots=e.slots, max_len=self.max_len, max_turn_tokens=self.config.rollout.max_turn_tokens,
         temperature=e.temperature, seed=self.config.seed + 7,
-        samples_per_task=e.get("samples_per_task", 1), lanes=e.get("lanes", 1)))
+        samples_per_task=e.get("samples_per_task", 1)))
     self.meta["evals"][name] = result
     self.metrics.write(int(self.state.step), {f"eval/{k}": v for k, v in result.items()}, "eval")
     print(f"[eval] {name}: pass@1 {result['pass@1']:.3f} on {result['tasks']} held-out tasks "

@@ -462,16 +462,3 @@ def test_generate_batch_is_a_prefill_step_then_one_decode_loop(params):
   np.testing.assert_allclose(lps[:, 1:], chunk.logprobs[:3], atol=1e-6)
   assert (counts == 10).all()
   assert int(ref._rng.draws) == 10  # pylint: disable=protected-access
-
-
-@pytest.mark.parametrize("lanes", [1, 2, 3])
-def test_pass_at_1_in_lanes_runs_every_episode_once(params, lanes):
-  # Lanes deal the episodes round-robin to their own drivers and engines:
-  # every held-out task is sampled samples_per_task times, none twice more.
-  from sao_jax import evaluation  # pylint: disable=import-outside-toplevel
-  r = evaluation.pass_at_1(CFG, params[0], EchoEnv(), TOK, num_tasks=5, slots=4,
-                           max_len=MAX_LEN, max_turn_tokens=6, samples_per_task=2, lanes=lanes)
-  assert r["tasks"] == 5 and r["samples"] == 10
-  with pytest.raises(ValueError, match="eval lanes must be between 1 and slots"):
-    evaluation.pass_at_1(CFG, params[0], EchoEnv(), TOK, num_tasks=1, slots=2, max_len=MAX_LEN,
-                         max_turn_tokens=6, lanes=3)

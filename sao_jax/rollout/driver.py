@@ -460,14 +460,6 @@ class RolloutDriver:
     self._thread = threading.Thread(target=body, name="rollout-driver", daemon=True)
     self._thread.start()
 
-  def join(self) -> None:
-    """Waits until the `start()`ed driver has run out of prompts (or was
-    stopped); re-raises its failure as `check()` does."""
-    if self._thread is None:
-      raise RuntimeError("the rollout driver was not started")
-    self._thread.join()
-    self.check()
-
   def stop(self, timeout: float = 60.0) -> None:
     """Stops the driver and its environment workers; idempotent, and safe
     after a failure (which it does not raise: that is `check()`'s job).
