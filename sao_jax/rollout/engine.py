@@ -904,7 +904,7 @@ class PolicyEngine:
     lane = -(-b // self.lanes)  # slots a lane
     run = functools.partial(self._generate_lane, params, version, max_new_tokens=max_new_tokens,
                             stop_token=stop_token, slots=lane)
-    if self.lanes == 1:  # the engine's own key chain, as `step` then `decode` would use it
+    if self.lanes == 1:  # the engine's own key stream, as `step` then `decode` would use it
       out, self._rng = run(list(prompts), rng=self._rng)
       return out
     per = -(-n // self.lanes)  # prompts a lane: every lane works, in programs of `lane` slots
