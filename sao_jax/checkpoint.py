@@ -70,9 +70,12 @@ def committed_checkpoints(directory: str) -> dict[int, dict[str, Any]]:
   """{step: meta} of the checkpoints under `directory` that are complete.
 
   Orbax writes a step under a temporary name and renames it when the save
-  is finalised, so a directory named by its step number alone is complete
-  (on filesystems without atomic rename, orbax's commit marker says so).
-  Reads only files: safe to call while another process is training.
+  is finalised, so a directory named by its step number, with its meta
+  item, is complete. That holds on filesystems with atomic rename, which
+  are the only ones this reads (it lists with `os`): on object stores
+  orbax writes in place and marks the end with a commit file, which this
+  does not check. Reads only files: safe to call while another process is
+  training.
   """
   out = {}
   if not os.path.isdir(directory):

@@ -48,7 +48,12 @@ def launch(workdir, *flags, wait=True, script="train.py", config="sao_tiny.py",
                           text=True, cwd=ROOT)
   if not wait:
     return proc
-  out, _ = proc.communicate(timeout=900)
+  try:
+    out, _ = proc.communicate(timeout=900)
+  except subprocess.TimeoutExpired:
+    proc.kill()  # a hung run must not outlive its test
+    out, _ = proc.communicate()
+    raise AssertionError(f"{script} ran past 900 s; its last output:\n{out[-4000:]}") from None
   if check:
     assert proc.returncode == 0, out[-4000:]
   return out
