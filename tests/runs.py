@@ -48,14 +48,23 @@ def launch(workdir, *flags, wait=True, script="train.py", config="sao_tiny.py",
                           text=True, cwd=ROOT)
   if not wait:
     return proc
-  try:
-    out, _ = proc.communicate(timeout=900)
-  except subprocess.TimeoutExpired:
-    proc.kill()  # a hung run must not outlive its test
-    out, _ = proc.communicate()
-    raise AssertionError(f"{script} ran past 900 s; its last output:\n{out[-4000:]}") from None
+  out = finish(proc)
   if check:
     assert proc.returncode == 0, out[-4000:]
+  return out
+
+
+def finish(proc, timeout: float = 900) -> str:
+  """Waits for a `launch(wait=False)` child; its merged output. A child
+  still running after `timeout` seconds is killed (a hung run must not
+  outlive its test) and the test fails with its last output."""
+  try:
+    out, _ = proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    out, _ = proc.communicate()
+    raise AssertionError(f"{proc.args[:3]} ran past {timeout:.0f} s; its last output:\n"
+                         f"{out[-4000:]}") from None
   return out
 
 

@@ -5,7 +5,6 @@ import json
 import os
 import queue
 import signal
-import subprocess
 
 import chex
 import jax
@@ -24,7 +23,7 @@ from sao_jax.models import config as mcfg
 from sao_jax.models import policy
 from sao_jax.train_step import StepConfig, TrainState, make_train_step
 
-from runs import launch, read_metrics  # pylint: disable=g-bad-import-order
+from runs import finish, launch, read_metrics  # pylint: disable=g-bad-import-order
 
 TOK = CharTokenizer()
 ENV = PythonTool()
@@ -211,11 +210,7 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
   proc = launch(workdir, "--config.rl.steps=40", "--config.log_every=1",
                 f"--config.checkpoint.every={every}",
                 f"--config.faults.sigkill_after_rl_step={kill_at}", wait=False)
-  try:
-    out, _ = proc.communicate(timeout=900)
-  except subprocess.TimeoutExpired:
-    proc.kill()
-    raise
+  out = finish(proc)
   assert proc.returncode == -signal.SIGKILL, out[-3000:]
   assert f"[faults] SIGKILL after RL step {kill_at}" in out
   killed_at = max(r["step"] for r in read_metrics(workdir, "rl"))
