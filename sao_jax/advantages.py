@@ -17,7 +17,8 @@ work on CPU).
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+import dataclasses
+from typing import Callable, Literal, NamedTuple
 
 import chex
 import jax
@@ -333,3 +334,79 @@ def running_mean_update(
       jnp.minimum(state.count + recent.shape[0], window).astype(jnp.int32),
       ((state.index + recent.shape[0]) % window).astype(jnp.int32))
   return new_state, advantages
+
+
+# ----------------------------------------------------------------------------
+# The estimators by name (`rl.advantage`): one record each.
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimator:
+  """An advantage estimator as the train step and the trainer use it.
+
+  A critic estimator has `gae(rewards, values, action_mask, gamma, lam,
+  segment_ids) -> (advantages, returns)`, run inside the jitted step on the
+  critic's values; `critic_span` regresses the critic on every position the
+  recursion reads (the span from a segment's first to last action token),
+  not only on action tokens. A critic-free estimator has a host-side
+  `baseline(state, rewards [B], group_ids [B], rl_config) -> (state,
+  advantages [B])`, run by the trainer on each batch's total rewards; its
+  state starts as `init_state(rl_config)` and is checkpointed as a list of
+  arrays. `min_group` is the smallest `rollout.samples_per_prompt` it needs.
+
+  Adding an estimator is one record in `ESTIMATORS` (and its kernel here).
+  """
+  name: str
+  gae: Callable | None = None
+  critic_span: bool = False
+  baseline: Callable | None = None
+  init_state: Callable | None = None
+  min_group: int = 1
+
+  def __post_init__(self):
+    if (self.gae is None) == (self.baseline is None):
+      raise ValueError(f"estimator {self.name!r}: exactly one of gae and baseline")
+
+  @property
+  def uses_critic(self) -> bool:
+    return self.gae is not None
+
+
+def _step_gae(step_value):
+  def gae(rewards, values, action_mask, gamma, lam, segment_ids=None):
+    return step_gae(rewards, values, action_mask, gamma, lam, step_value,
+                    segment_ids=segment_ids)
+  return gae
+
+
+def _group_baseline(state, rewards, group_ids, rl_config):
+  adv = group_advantages(jnp.asarray(rewards), jnp.asarray(group_ids),
+                         std_normalize=rl_config.get("group_std_normalize", True))
+  return state, np.asarray(adv)
+
+
+def _running_mean_baseline(state, rewards, group_ids, rl_config):
+  del group_ids, rl_config
+  state, adv = running_mean_update(RunningMeanState(*(jnp.asarray(x) for x in state)),
+                                   jnp.asarray(rewards))
+  return [np.asarray(x) for x in state], np.asarray(adv)
+
+
+ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (
+    Estimator("value", gae=skip_observation_gae),
+    Estimator("token_gae", gae=token_gae, critic_span=True),
+    Estimator("step_gae_mean", gae=_step_gae("mean")),
+    Estimator("step_gae_last", gae=_step_gae("last")),
+    Estimator("group", baseline=_group_baseline, min_group=2),
+    Estimator("running_mean", baseline=_running_mean_baseline,
+              init_state=lambda rl: [np.asarray(x) for x in running_mean_init(
+                  rl.running_mean_window)]),
+)}
+
+
+def estimator(name: str) -> Estimator:
+  """The estimator called `name`; ValueError listing the known ones."""
+  if name not in ESTIMATORS:
+    raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(ESTIMATORS)}")
+  return ESTIMATORS[name]

@@ -27,8 +27,9 @@ from typing import Any, Callable
 
 from absl import app
 
+from sao_jax.advantages import ESTIMATORS
+from sao_jax.losses import POLICY_LOSSES
 from sao_jax.rollout.driver import SWAP_POLICIES
-from sao_jax.train_step import ADVANTAGES, POLICY_LOSSES, StepConfig
 
 MODES = ("async", "sync", "fleet")
 
@@ -179,13 +180,14 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
   c, r = config.rl, config.rollout
   if c.mode not in MODES:
     _fail("rl.mode", c.mode, f"one of {MODES}")
-  if c.advantage not in ADVANTAGES:
-    _fail("rl.advantage", c.advantage, f"one of {ADVANTAGES}")
+  if c.advantage not in ESTIMATORS:
+    _fail("rl.advantage", c.advantage, f"one of {sorted(ESTIMATORS)}")
   if c.policy_loss not in POLICY_LOSSES:
-    _fail("rl.policy_loss", c.policy_loss, f"one of {POLICY_LOSSES}")
+    _fail("rl.policy_loss", c.policy_loss, f"one of {sorted(POLICY_LOSSES)}")
   if r.swap_policy not in SWAP_POLICIES:
     _fail("rollout.swap_policy", r.swap_policy, f"one of {SWAP_POLICIES}")
-  uses_critic = StepConfig(advantage=c.advantage).uses_critic
+  estimator = ESTIMATORS[c.advantage]
+  uses_critic = estimator.uses_critic
   if uses_critic and c.critic_updates < 1:
     _fail("rl.critic_updates", c.critic_updates, f">= 1 with rl.advantage = {c.advantage!r}")
   if c.mode == "fleet" and r.samples_per_prompt != 1:
@@ -193,9 +195,9 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
     # across a trainer restart would be half trained.
     _fail("rollout.samples_per_prompt", r.samples_per_prompt,
           "1 with rl.mode = 'fleet' (single-rollout arms)")
-  if c.advantage == "group" and r.samples_per_prompt < 2:
+  if r.samples_per_prompt < estimator.min_group:
     _fail("rollout.samples_per_prompt", r.samples_per_prompt,
-          ">= 2 for the group advantage")
+          f">= {estimator.min_group} for rl.advantage = {c.advantage!r}")
   if c.batch_size % r.samples_per_prompt:
     _fail("rl.batch_size", c.batch_size,
           f"a multiple of rollout.samples_per_prompt ({r.samples_per_prompt}): "

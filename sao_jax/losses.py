@@ -192,3 +192,19 @@ def value_loss(
       tokens=n,
   )
   return loss, metrics
+
+
+# The policy losses by name (`rl.policy_loss`). Each is
+# fn(logp, rollout_logp, advantages, action_mask, eps_low, eps_high) -> (loss, metrics);
+# adding one is a function here and its entry.
+POLICY_LOSSES = {
+    "dis": dis_policy_loss,
+    "ppo_clip": ppo_clip_policy_loss,
+}
+
+
+def policy_loss(name: str):
+  """The policy loss called `name`; ValueError listing the known ones."""
+  if name not in POLICY_LOSSES:
+    raise ValueError(f"unknown policy loss {name!r}; known: {sorted(POLICY_LOSSES)}")
+  return POLICY_LOSSES[name]

@@ -30,8 +30,9 @@ from sao_jax import losses
 from sao_jax.models import policy
 from sao_jax.models.config import ModelConfig
 
-ADVANTAGES = ("value", "token_gae", "step_gae_mean", "step_gae_last", "group", "running_mean")
-POLICY_LOSSES = ("dis", "ppo_clip")
+# The names `rl.advantage` and `rl.policy_loss` take: the records' tables.
+ADVANTAGES = tuple(adv.ESTIMATORS)
+POLICY_LOSSES = tuple(losses.POLICY_LOSSES)
 
 
 @flax.struct.dataclass
@@ -61,16 +62,18 @@ class StepConfig:
   temperature: float = 1.0
 
   def __post_init__(self):
-    if self.advantage not in ADVANTAGES:
-      raise ValueError(f"advantage must be one of {ADVANTAGES}, got {self.advantage!r}")
-    if self.policy_loss not in POLICY_LOSSES:
-      raise ValueError(f"policy_loss must be one of {POLICY_LOSSES}, got {self.policy_loss!r}")
+    adv.estimator(self.advantage)  # unknown names raise, listing the known ones
+    losses.policy_loss(self.policy_loss)
     if self.critic_updates < (1 if self.uses_critic else 0):
       raise ValueError("critic_updates must be >= 1 with a value baseline")
 
   @property
+  def estimator(self) -> adv.Estimator:
+    return adv.estimator(self.advantage)
+
+  @property
   def uses_critic(self) -> bool:
-    return self.advantage in ("value", "token_gae", "step_gae_mean", "step_gae_last")
+    return self.estimator.uses_critic
 
 
 def _model_inputs(batch):
@@ -93,13 +96,8 @@ _NORM_GROUPS = {"attention": r"/attn/", "moe_mlp": r"/(moe|mlp)/", "all": r".*"}
 
 
 def _gae(cfg: StepConfig, values, batch, lam: float):
-  r, m, seg = batch["rewards"], batch["action_mask"], batch["segment_ids"]
-  if cfg.advantage == "value":
-    return adv.skip_observation_gae(r, values, m, cfg.gamma, lam, segment_ids=seg)
-  if cfg.advantage == "token_gae":
-    return adv.token_gae(r, values, m, cfg.gamma, lam, segment_ids=seg)
-  return adv.step_gae(r, values, m, cfg.gamma, lam, cfg.advantage.split("_")[-1],
-                      segment_ids=seg)
+  return cfg.estimator.gae(batch["rewards"], values, batch["action_mask"], cfg.gamma, lam,
+                           segment_ids=batch["segment_ids"])
 
 
 def compute_advantages(cfg: StepConfig, values, batch):
@@ -117,7 +115,7 @@ def compute_advantages(cfg: StepConfig, values, batch):
   advantages, returns = _gae(cfg, values, batch, cfg.lam)
   if cfg.critic_lam is not None and cfg.critic_lam != cfg.lam:
     _, returns = _gae(cfg, values, batch, cfg.critic_lam)
-  value_mask = adv.action_span(m, seg) if cfg.advantage == "token_gae" else m
+  value_mask = adv.action_span(m, seg) if cfg.estimator.critic_span else m
   return advantages, returns, value_mask
 
 
@@ -179,7 +177,7 @@ def make_train_step(model_cfg: ModelConfig, cfg: StepConfig, policy_tx, critic_t
     if not update_actor:
       return state, metrics
 
-    loss_fn = losses.dis_policy_loss if cfg.policy_loss == "dis" else losses.ppo_clip_policy_loss
+    loss_fn = losses.policy_loss(cfg.policy_loss)
 
     def actor_loss(params):
       logp, aux = policy.token_logprobs(model_cfg, params, *_model_inputs(batch),

@@ -33,7 +33,6 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from sao_jax import advantages as adv
 from sao_jax import configuration, distributed, fleet, optim, sharding
 from sao_jax.checkpoint import Checkpointer, abstract_like
 from sao_jax.data import packing, prompts as prompt_data, store
@@ -389,9 +388,11 @@ class _Run:
     if self.meta["prompt_state"] is not None:
       prompt_iter.set_state(self.meta["prompt_state"])
     group_size = r.samples_per_prompt
-    rm_state = adv.running_mean_init(c.running_mean_window)
-    if self.meta["running_mean"] is not None:
-      rm_state = adv.RunningMeanState(*(jnp.asarray(x) for x in self.meta["running_mean"]))
+    # A critic-free estimator's host state (the running mean's window), checkpointed.
+    estimator = self.step_cfg.estimator
+    baseline_state = self.meta["running_mean"]
+    if baseline_state is None and estimator.init_state is not None:
+      baseline_state = estimator.init_state(c)
 
     # The rollout side's state; the driver is replaced if its thread dies.
     # Counters of drivers that died are kept here, so metrics stay cumulative.
@@ -504,13 +505,9 @@ class _Run:
         wait_total += wait
         rewards = np.array([t.total_reward for t in trajs], np.float32)
         baseline = None
-        if self.step_cfg.advantage == "group":
-          baseline = np.asarray(adv.group_advantages(
-              jnp.asarray(rewards), jnp.asarray([t.group_id for t in trajs]),
-              std_normalize=c.get("group_std_normalize", True)))
-        elif self.step_cfg.advantage == "running_mean":
-          rm_state, baseline = adv.running_mean_update(rm_state, jnp.asarray(rewards))
-          baseline = np.asarray(baseline)
+        if estimator.baseline is not None:
+          group_ids = np.asarray([t.group_id for t in trajs], np.int32)
+          baseline_state, baseline = estimator.baseline(baseline_state, rewards, group_ids, c)
         batch = packing.pack(trajs, per_step, self.config.data.buckets, baseline)
         batch = self._put_batch(self.faults.poison_batch(step + 1, batch))
         t1 = time.time()
@@ -597,7 +594,8 @@ class _Run:
           self._eval(f"rl_step_{step + 1}", self.state.policy)
         if (step + 1) % self.config.checkpoint.every == 0:
           self.meta["prompt_state"] = prompt_iter.get_state()
-          self.meta["running_mean"] = [np.asarray(x).tolist() for x in rm_state]
+          self.meta["running_mean"] = (None if baseline_state is None else
+                                       [np.asarray(x).tolist() for x in baseline_state])
           if feed is not None:
             self.meta["fleet"] = feed.state()
           self._save()
