@@ -1,0 +1,633 @@
+"""Chat formats: how prompts, sampled turns and observations become token ids.
+
+The rollout driver never re-tokenizes a transcript. It renders the prompt
+once (`prompt_ids`), appends what the policy samples up to and including
+the turn-end token (the action tokens), then appends each observation as
+the format's *bridge* to the next turn (`observation_ids`, not action
+tokens). A demonstration is built the same way, with `action_ids` standing
+in for what the model would have sampled. So the trained tokens are exactly
+the sampled ones, and for a tool cycle the transcript is also what Qwen3's
+official chat template renders for the same conversation (`render`).
+
+A Qwen3 transcript with one tool call (`enable_thinking=True`):
+
+    ids                                                   action   built by
+    <|im_start|>system\\n{system}\\n\\n# Tools ... <tools>   False    prompt_ids
+      {"type": "function", ...}\\n</tools> ...<|im_end|>\\n
+    <|im_start|>user\\n{question}<|im_end|>\\n               False
+    <|im_start|>assistant\\n                                False    (generation prompt)
+    <think>\\n{reasoning}\\n</think>\\n\\n{content}\\n         True     sampled (action_ids)
+    <tool_call>\\n{"name": "python", "arguments": {..}}\\n    True
+    </tool_call><|im_end|>                                True     the turn end is sampled
+    \\n<|im_start|>user\\n<tool_response>\\n{output}\\n        False    observation_ids:
+      </tool_response><|im_end|>\\n<|im_start|>assistant\\n  False      the bridge
+    <think>\\n...\\n</think>\\n\\nThe answer is 53.<|im_end|>  True     sampled
+
+Control tokens (`<|im_start|>`, `<tool_call>`, `<think>`, ...) enter by id
+(`tokenizer.special_id`) and every piece of text by `tokenizer.encode`,
+which never yields a control token. Text that spells `<|im_end|>` in a
+message, a tool schema or a program's output therefore stays text. This is
+one deliberate difference from Hugging Face's `apply_chat_template`, which
+renders a string and lets the tokenizer match added tokens inside it, so a
+user message containing "<|im_end|>" would end the turn there. Where no
+content spells a control token, `render` equals the official template
+tokenized that way, token for token (tests/test_chat.py checks it), including
+the control tokens the template itself writes as text: the instructions of
+its tools block contain "<tool_call></tool_call>" and an example call, and
+those come out as ids 151657 / 151658, as the official tokenizer makes them.
+
+Tool calls are parsed from ids (`parse_turn`): a call is what lies between
+the `<tool_call>` and `</tool_call>` ids, so a turn that writes the text
+"<tool_call>" has made no call. Formats:
+
+    "raw"    the toy environments' format: the prompt text (after <bos>), each
+             action then the tokenizer's turn end, observations as text.
+    "plain"  role-free text for base models: message contents joined by
+             blank lines; the turn end is <eos>.
+    "qwen3"  Qwen3's chat template (Qwen3-30B-A3B), with tools and thinking.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import math
+from typing import Any, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+  name: str
+  arguments: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedTurn:
+  text: str  # the turn decoded, without the turn end
+  content: str  # outside tool calls and <think>...</think>, stripped
+  reasoning: str  # inside <think>...</think> ("" if none)
+  tool_calls: tuple[ToolCall, ...]  # well-formed calls only
+  # (reason, message) of malformed calls: "bad_json", "not_an_object",
+  # "missing_name", "bad_arguments", "unclosed".
+  errors: tuple[tuple[str, str], ...]
+  ended: bool  # the turn end was sampled (False: cut at the turn limit)
+
+
+CALL_ERRORS = ("bad_json", "not_an_object", "missing_name", "bad_arguments", "unclosed")
+
+
+class ChatFormat:
+  """The interface the driver and the demonstrations use; see the module docstring."""
+
+  name = "base"
+  turn_end_id: int
+
+  def __init__(self, tokenizer):
+    self.tok = tokenizer
+
+  def prompt_ids(self, prompt, tools=()) -> list[int]:
+    """A task's prompt (text, or messages), ending with the generation prompt."""
+    raise NotImplementedError
+
+  def observation_ids(self, observation) -> list[int]:
+    """The bridge after a sampled turn end: text, or tool / user messages."""
+    raise NotImplementedError
+
+  def action_ids(self, message) -> list[int]:
+    """A demonstration's assistant turn as the model would sample it, turn end included."""
+    raise NotImplementedError
+
+  def parse_turn(self, ids: Sequence[int]) -> ParsedTurn:
+    """One sampled turn (its turn end, if sampled, the last id)."""
+    raise NotImplementedError
+
+  def render(self, messages, tools=(), add_generation_prompt: bool = False) -> list[int]:
+    """A whole conversation (system / user / assistant / tool messages)."""
+    raise NotImplementedError
+
+
+# --- text formats: raw and plain -------------------------------------------------
+
+
+class _TextFormat(ChatFormat):
+  """A format without roles or control tokens: every piece is text.
+
+  Its generation prompt is empty, so a conversation rendered whole is just
+  the driver's concatenation: the prompt, then each assistant turn, then
+  each run of tool / user messages as one observation.
+  """
+
+  def _check_no_tools(self, tools):
+    if tools:
+      raise ValueError(f"the {self.name!r} chat format cannot show tools to the model; "
+                       "use chat_format 'qwen3' for tasks with tools")
+
+  def _bos(self) -> list[int]:
+    return [self.tok.bos_id] if self.tok.bos_id is not None else []
+
+  def _action_text(self, message) -> str:
+    if isinstance(message, str):
+      return message
+    if message.get("tool_calls"):
+      raise ValueError(f"the {self.name!r} chat format has no tool calls")
+    if message.get("reasoning_content"):
+      raise ValueError(f"the {self.name!r} chat format has no reasoning channel")
+    return message.get("content") or ""
+
+  def action_ids(self, message) -> list[int]:
+    return self.tok.encode(self._action_text(message)) + [self.turn_end_id]
+
+  def parse_turn(self, ids: Sequence[int]) -> ParsedTurn:
+    ids = list(ids)
+    ended = bool(ids) and ids[-1] == self.turn_end_id
+    # Every turn-end id is dropped, as the driver always did; the engine stops
+    # at the first, so only the last id can be one.
+    text = self.tok.decode([t for t in ids if t != self.turn_end_id])
+    return ParsedTurn(text=text, content=text, reasoning="", tool_calls=(), errors=(),
+                      ended=ended)
+
+  def _prompt_from(self, messages) -> Any:
+    raise NotImplementedError
+
+  def render(self, messages, tools=(), add_generation_prompt: bool = False) -> list[int]:
+    del add_generation_prompt  # empty in a text format
+    messages = list(messages)
+    first = next((k for k, m in enumerate(messages) if m["role"] == "assistant"),
+                 len(messages))
+    ids = self.prompt_ids(self._prompt_from(messages[:first]), tools)
+    k = first
+    while k < len(messages):
+      if messages[k]["role"] == "assistant":
+        ids += self.action_ids(messages[k])
+        k += 1
+        continue
+      run = []
+      while k < len(messages) and messages[k]["role"] != "assistant":
+        run.append(messages[k])
+        k += 1
+      ids += self.observation_ids(run)
+    return ids
+
+
+class RawFormat(_TextFormat):
+  """The toy environments' format, as the driver and demonstrations always built it.
+
+  Prompt: <bos> (if the tokenizer has one) + the prompt text; an action: its
+  text + the tokenizer's turn end; an observation: its text (`encode_lossy`,
+  so that a tool's output can never fail the episode). No roles, no tools.
+  """
+
+  name = "raw"
+
+  def __init__(self, tokenizer):
+    super().__init__(tokenizer)
+    self.turn_end_id = tokenizer.turn_end_id
+
+  def prompt_ids(self, prompt, tools=()) -> list[int]:
+    self._check_no_tools(tools)
+    if not isinstance(prompt, str):
+      raise ValueError("the 'raw' chat format takes a text prompt, not messages; "
+                       "use chat_format 'plain' or 'qwen3' for chat messages")
+    return self._bos() + self.tok.encode(prompt)
+
+  def observation_ids(self, observation) -> list[int]:
+    if isinstance(observation, str):
+      return self.tok.encode_lossy(observation)
+    return self.tok.encode_lossy("".join(m["content"] for m in observation))
+
+  def _prompt_from(self, messages):
+    if len(messages) != 1 or messages[0]["role"] != "user":
+      raise ValueError("the 'raw' chat format renders one user prompt, then turns")
+    return messages[0]["content"]
+
+
+class PlainFormat(_TextFormat):
+  """Role-free text, for a base model: contents joined by blank lines.
+
+  Prompt: <bos> + the message contents joined by "\\n\\n", then "\\n"; an
+  action: its text + <eos> (the tokenizer's turn end if it has no eos); an
+  observation: its text (messages: their contents joined alike). No tools.
+  """
+
+  name = "plain"
+
+  def __init__(self, tokenizer):
+    super().__init__(tokenizer)
+    self.turn_end_id = tokenizer.eos_id if tokenizer.eos_id is not None else (
+        tokenizer.turn_end_id)
+
+  @staticmethod
+  def _join(messages) -> str:
+    return "\n\n".join(m["content"] for m in messages) + "\n" if messages else ""
+
+  def prompt_ids(self, prompt, tools=()) -> list[int]:
+    self._check_no_tools(tools)
+    text = prompt + "\n" if isinstance(prompt, str) else self._join(list(prompt))
+    return self._bos() + self.tok.encode(text)
+
+  def observation_ids(self, observation) -> list[int]:
+    if isinstance(observation, str):
+      return self.tok.encode_lossy(observation)
+    return self.tok.encode_lossy(self._join(list(observation)))
+
+  def _prompt_from(self, messages):
+    return messages
+
+
+# --- qwen3 --------------------------------------------------------------------------
+
+# Qwen3's tools block, as its template writes it. The instructions name the
+# <tool_call> tags in text that the official tokenizer turns into the control
+# tokens, so they are ids here (_TOOL_CALL / _TOOL_CALL_END markers).
+_TOOLS_INTRO = ("# Tools\n\nYou may call one or more functions to assist with the user "
+                "query.\n\nYou are provided with function signatures within <tools></tools> "
+                "XML tags:\n<tools>")
+_TOOLS_OUTRO_1 = ("\n</tools>\n\nFor each function call, return a json object with function "
+                  "name and arguments within ")
+_TOOLS_OUTRO_2 = " XML tags:\n"
+_TOOLS_EXAMPLE = '\n{"name": <function-name>, "arguments": <args-json-object>}\n'
+
+_QWEN3_CONTROL = ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+                  "<tool_response>", "</tool_response>", "<think>", "</think>")
+
+
+class _Special(int):
+  """A control token's id in a list of pieces (text pieces are strs)."""
+
+
+def function_schema(tool: dict) -> dict:
+  """A tool's function dict, from an OpenAI schema or the bare function dict."""
+  fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+  if not isinstance(fn.get("name"), str):
+    raise ValueError(f"tool schema without a function name: {str(tool)[:80]}")
+  return fn
+
+
+def _openai_tool(tool: dict) -> dict:
+  """The {"type": "function", "function": {...}} form Qwen3 was trained to read."""
+  return tool if isinstance(tool.get("function"), dict) else {"type": "function",
+                                                                "function": tool}
+
+
+class Qwen3Format(ChatFormat):
+  """Qwen3's chat template (Qwen3-30B-A3B's tokenizer_config.json), token in / token out.
+
+  `render` follows the template line by line: the tools block in the system
+  turn; tool results as user turns wrapped in <tool_response> (consecutive
+  tool messages share one); `<think>` shown only for assistant turns after
+  the last real user query (tool responses are not queries); the generation
+  prompt with an empty think block when thinking is off. Differences, all
+  deliberate: content that spells a control token stays text; an unknown
+  role raises instead of vanishing; an assistant's `content: None` is "".
+
+  The driver's transcript (prompt, sampled turns, bridges) equals `render`
+  of the same conversation for tool cycles with thinking on. With thinking
+  off it keeps the empty think block of each generation prompt, which the
+  template drops from earlier turns: the transcript is what the model saw.
+  """
+
+  name = "qwen3"
+
+  def __init__(self, tokenizer, enable_thinking: bool = True):
+    super().__init__(tokenizer)
+    try:
+      ids = {t: tokenizer.special_id(t) for t in _QWEN3_CONTROL}
+    except KeyError as e:
+      raise ValueError(f"chat_format 'qwen3' needs Qwen3's tokenizer (env.tokenizer = "
+                       f"'qwen3'): {e.args[0]}") from None
+    self.enable_thinking = bool(enable_thinking)
+    self.im_start, self.im_end = _Special(ids["<|im_start|>"]), _Special(ids["<|im_end|>"])
+    self.call_start = _Special(ids["<tool_call>"])
+    self.call_end = _Special(ids["</tool_call>"])
+    self.response_start = _Special(ids["<tool_response>"])
+    self.response_end = _Special(ids["</tool_response>"])
+    self.think_start, self.think_end = _Special(ids["<think>"]), _Special(ids["</think>"])
+    self.turn_end_id = int(self.im_end)
+
+  # --- pieces -> ids --------------------------------------------------------------
+
+  def _ids(self, pieces: list) -> list[int]:
+    """Control ids as they are; each run of text between them encoded as one string.
+
+    Encoding the whole run at once matters: BPE merges across what the
+    template writes as separate strings ("assistant\\n" + content), exactly
+    as the official tokenizer does when it splits the rendered string only
+    at control tokens.
+    """
+    out, text = [], []
+    for piece in pieces:
+      if isinstance(piece, _Special):
+        if text:
+          out += self.tok.encode("".join(text))
+          text = []
+        out.append(int(piece))
+      else:
+        text.append(piece)
+    if text:
+      out += self.tok.encode("".join(text))
+    return out
+
+  def _generation_prompt(self) -> list:
+    pieces = [self.im_start, "assistant\n"]
+    if not self.enable_thinking:
+      pieces += [self.think_start, "\n\n", self.think_end, "\n\n"]
+    return pieces
+
+  def _tools_block(self, system: str | None, tools) -> list:
+    pieces = [self.im_start, "system\n"]
+    if system is not None:
+      pieces.append(system + "\n\n")
+    pieces.append(_TOOLS_INTRO)
+    for tool in tools:  # transformers' `tojson`: ensure_ascii=False, ", " and ": "
+      pieces.append("\n" + json.dumps(_openai_tool(tool), ensure_ascii=False))
+    return pieces + [_TOOLS_OUTRO_1, self.call_start, self.call_end, _TOOLS_OUTRO_2,
+                     self.call_start, _TOOLS_EXAMPLE, self.call_end, self.im_end, "\n"]
+
+  @staticmethod
+  def _split_reasoning(message: dict) -> tuple[str, str]:
+    """(content, reasoning) as the template takes them from an assistant message."""
+    content = message.get("content") or ""
+    if message.get("reasoning_content") is not None:
+      return content, message["reasoning_content"]
+    if "</think>" in content:
+      head = content.split("</think>")[0]
+      return (content.split("</think>")[-1].lstrip("\n"),
+              head.rstrip("\n").split("<think>")[-1].lstrip("\n"))
+    return content, ""
+
+  def _calls(self, content: str, tool_calls) -> list:
+    pieces = []
+    for k, call in enumerate(tool_calls or ()):
+      if k > 0 or content:
+        pieces.append("\n")
+      if isinstance(call.get("function"), dict):
+        call = call["function"]
+      arguments = call.get("arguments", {})
+      if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+      pieces += [self.call_start, '\n{"name": "' + call["name"] + '", "arguments": '
+                 + arguments + "}\n", self.call_end]
+    return pieces
+
+  def _assistant(self, message: dict, show_thinking: bool | None) -> list:
+    """An assistant turn after its "<|im_start|>assistant\\n", through <|im_end|>.
+
+    show_thinking None: as sampled (a think block iff reasoning_content is
+    given); True / False: the template's rule for this position.
+    """
+    content, reasoning = self._split_reasoning(message)
+    if show_thinking is None:
+      show_thinking = message.get("reasoning_content") is not None
+    pieces = []
+    if show_thinking:
+      pieces += [self.think_start, "\n" + reasoning.strip("\n") + "\n", self.think_end,
+                 "\n\n" + content.lstrip("\n")]
+    else:
+      pieces.append(content)
+    return pieces + self._calls(content, message.get("tool_calls")) + [self.im_end]
+
+  def _tool_run(self, contents: list[str]) -> list:
+    pieces = [self.im_start, "user"]
+    for c in contents:
+      pieces += ["\n", self.response_start, "\n" + c + "\n", self.response_end]
+    return pieces + [self.im_end, "\n"]
+
+  def _user(self, role: str, content: str) -> list:
+    return [self.im_start, role + "\n" + content, self.im_end, "\n"]
+
+  # --- the interface ----------------------------------------------------------------
+
+  def render(self, messages, tools=(), add_generation_prompt: bool = False) -> list[int]:
+    messages = [dict(m) for m in messages]
+    for k, m in enumerate(messages):
+      if m.get("role") not in ("system", "user", "assistant", "tool"):
+        raise ValueError(f"message {k}: role {m.get('role')!r} is not system / user / "
+                         "assistant / tool")
+      if m["role"] != "assistant" and not isinstance(m.get("content"), str):
+        raise ValueError(f"message {k} ({m['role']}): content must be a str")
+    pieces = []
+    system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
+    if tools:
+      pieces += self._tools_block(system, tools)
+    elif system is not None:
+      pieces += self._user("system", system)
+    # The last user turn that is a real query, not a wrapped tool response.
+    last_query = len(messages) - 1
+    for k in range(len(messages) - 1, -1, -1):
+      c = messages[k]["content"]
+      if messages[k]["role"] == "user" and not (c.startswith("<tool_response>")
+                                                and c.endswith("</tool_response>")):
+        last_query = k
+        break
+    k = 0
+    while k < len(messages):
+      m = messages[k]
+      if m["role"] == "user" or (m["role"] == "system" and k > 0):
+        pieces += self._user(m["role"], m["content"])
+      elif m["role"] == "assistant":
+        _, reasoning = self._split_reasoning(m)
+        show = k > last_query and (k == len(messages) - 1 or bool(reasoning))
+        pieces += [self.im_start, "assistant\n"] + self._assistant(m, show) + ["\n"]
+      elif m["role"] == "tool":
+        run = []
+        while k < len(messages) and messages[k]["role"] == "tool":
+          run.append(messages[k]["content"])
+          k += 1
+        pieces += self._tool_run(run)
+        continue
+      k += 1
+    if add_generation_prompt:
+      pieces += self._generation_prompt()
+    return self._ids(pieces)
+
+  def prompt_ids(self, prompt, tools=()) -> list[int]:
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return self.render(messages, tools, add_generation_prompt=True)
+
+  def action_ids(self, message) -> list[int]:
+    if isinstance(message, str):
+      message = {"role": "assistant", "content": message}
+    return self._ids(self._assistant(message, None))
+
+  def observation_ids(self, observation) -> list[int]:
+    """ "\\n" (after the sampled <|im_end|>), the new turns, the generation prompt.
+
+    A str is one user message; "" or [] adds no turn (two assistant turns
+    in a row, as the template renders them).
+    """
+    if isinstance(observation, str):
+      observation = [{"role": "user", "content": observation}] if observation else []
+    observation = list(observation)
+    pieces, k = ["\n"], 0
+    while k < len(observation):
+      role = observation[k]["role"]
+      if role == "tool":
+        run = []
+        while k < len(observation) and observation[k]["role"] == "tool":
+          run.append(observation[k]["content"])
+          k += 1
+        pieces += self._tool_run(run)
+        continue
+      if role != "user":
+        raise ValueError(f"observation message {k}: role {role!r} is not tool / user")
+      pieces += self._user("user", observation[k]["content"])
+      k += 1
+    return self._ids(pieces + self._generation_prompt())
+
+  def parse_turn(self, ids: Sequence[int]) -> ParsedTurn:
+    """Content, reasoning and tool calls, split at control-token ids only.
+
+    Reasoning is what lies inside <think>...</think> (or before a lone
+    </think>, or after a <think> that never closed); a call is what lies
+    between <tool_call> and </tool_call>, read as {"name": str, "arguments":
+    object} (arguments may also be a JSON string of an object). A malformed
+    call is reported in `errors` and the rest of the turn still parsed.
+    """
+    ids = [int(t) for t in ids]
+    ended = bool(ids) and ids[-1] == self.turn_end_id
+    body = ids[:-1] if ended else ids
+    text = self.tok.decode(body)
+    if self.think_end in body:
+      cut = body.index(self.think_end)
+      start = body.index(self.think_start) + 1 if self.think_start in body[:cut] else 0
+      reasoning_ids, rest = body[start:cut], body[cut + 1:]
+      outside = body[:max(start - 1, 0)] + rest
+    elif self.think_start in body:  # thinking cut off
+      start = body.index(self.think_start)
+      reasoning_ids, outside = body[start + 1:], body[:start]
+    else:
+      reasoning_ids, outside = [], body
+    content_ids, calls, errors, k = [], [], [], 0
+    while k < len(outside):
+      if outside[k] != self.call_start:
+        content_ids.append(outside[k])
+        k += 1
+        continue
+      if self.call_end not in outside[k + 1:]:
+        errors.append(("unclosed", "a <tool_call> without </tool_call> (the turn was cut)"))
+        break
+      end = outside.index(self.call_end, k + 1)
+      call, error = _read_call(self.tok.decode(outside[k + 1:end]))
+      if call is not None:
+        calls.append(call)
+      else:
+        errors.append(error)
+      k = end + 1
+    return ParsedTurn(text=text, content=self.tok.decode(content_ids).strip(),
+                      reasoning=self.tok.decode(reasoning_ids).strip("\n"),
+                      tool_calls=tuple(calls), errors=tuple(errors), ended=ended)
+
+
+def _read_call(body: str) -> tuple[ToolCall | None, tuple[str, str] | None]:
+  """One call's JSON, as (ToolCall, None) or (None, (reason, message))."""
+  try:
+    obj = json.loads(body)
+  except (json.JSONDecodeError, RecursionError) as e:
+    return None, ("bad_json", f"the tool call is not JSON: {str(e)[:80]}")
+  if not isinstance(obj, dict):
+    return None, ("not_an_object", f"the tool call is a JSON {type(obj).__name__}, "
+                  "not an object")
+  name = obj.get("name")
+  if not isinstance(name, str) or not name:
+    return None, ("missing_name", "the tool call has no \"name\" string")
+  arguments = obj.get("arguments", {})
+  if isinstance(arguments, str):  # OpenAI style: the arguments as a JSON string
+    try:
+      arguments = json.loads(arguments)
+    except (json.JSONDecodeError, RecursionError):
+      return None, ("bad_arguments", f"{name[:60]!r}: arguments are not a JSON object")
+  if not isinstance(arguments, dict):
+    return None, ("bad_arguments", f"{name[:60]!r}: arguments are a "
+                  f"{type(arguments).__name__}, not an object")
+  return ToolCall(name, arguments), None
+
+
+# --- tool calls and tool output -------------------------------------------------------
+
+_JSON_TYPES = {
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: (isinstance(v, int) and not isinstance(v, bool)) or (
+        isinstance(v, float) and math.isfinite(v) and v.is_integer()),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "array": lambda v: isinstance(v, list),
+    "object": lambda v: isinstance(v, dict),
+    "null": lambda v: v is None,
+}
+
+
+def validate_call(call: ToolCall, tools) -> str | None:
+  """Why `call` does not fit the declared `tools`, or None if it does.
+
+  "unknown_tool": no tool of that name. "bad_arguments": a required
+  argument missing, one the schema does not declare (unless
+  `additionalProperties` allows it), or one of the wrong JSON type. Only the
+  top level of `parameters` is checked (types, required, properties): enough
+  to turn a wrong call into an error message rather than a crash in the
+  tool, without a JSON-schema dependency.
+  """
+  schema = next((fn for fn in map(function_schema, tools) if fn["name"] == call.name), None)
+  if schema is None:
+    return "unknown_tool"
+  parameters = schema.get("parameters") or {}
+  properties = parameters.get("properties") or {}
+  if any(name not in call.arguments for name in parameters.get("required") or ()):
+    return "bad_arguments"
+  extra_ok = parameters.get("additionalProperties", False) not in (False, None)
+  for name, value in call.arguments.items():
+    if name not in properties:
+      if not extra_ok:
+        return "bad_arguments"
+      continue
+    declared = properties[name].get("type") if isinstance(properties[name], dict) else None
+    types = [declared] if isinstance(declared, str) else list(declared or ())
+    known = [t for t in types if t in _JSON_TYPES]
+    if known and not any(_JSON_TYPES[t](value) for t in known):
+      return "bad_arguments"
+  return None
+
+
+def cap_tokens(ids: Sequence[int], max_tokens: int, tokenizer) -> tuple[list[int], bool]:
+  """`ids` cut to at most `max_tokens`: head and tail kept, a marker between.
+
+  The marker "\\n...[N tokens truncated]...\\n" (N: the ids left out) is
+  encoded with `encode_lossy` and counted in the budget, so the result is
+  exactly `max_tokens` long when cut. Head and tail both matter for tool
+  output: the head says what ran, the tail holds the error or the result.
+  Too small a budget for the marker keeps the head only.
+  """
+  ids = list(ids)
+  if len(ids) <= max_tokens:
+    return ids, False
+  dropped = len(ids) - max_tokens
+  for _ in range(8):  # the marker's length depends on N's digits: settle it
+    marker = tokenizer.encode_lossy(f"\n...[{dropped} tokens truncated]...\n")
+    kept = max_tokens - len(marker)
+    if kept < 2:
+      return ids[:max_tokens], True
+    if len(ids) - kept == dropped:
+      break
+    dropped = len(ids) - kept
+  head = (kept + 1) // 2
+  tail = kept - head
+  return ids[:head] + marker + (ids[len(ids) - tail:] if tail else []), True
+
+
+# --- the table ---------------------------------------------------------------------
+
+FORMATS: dict[str, type] = {"raw": RawFormat, "plain": PlainFormat, "qwen3": Qwen3Format}
+
+
+def make_format(name: str, tokenizer, **options) -> ChatFormat:
+  """The chat format `name` over `tokenizer`; `options` are the format's own (qwen3:
+  enable_thinking)."""
+  if name not in FORMATS:
+    raise ValueError(f"unknown chat format {name!r}: one of {sorted(FORMATS)}")
+  cls = FORMATS[name]
+  accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "tokenizer"}
+  unknown = sorted(set(options) - accepted)
+  if unknown:
+    raise ValueError(f"chat format {name!r} takes no option {unknown}; "
+                     f"its options: {sorted(accepted) or 'none'}")
+  return cls(tokenizer, **options)
