@@ -74,18 +74,27 @@ class HFTokenizer:
   """A Hugging Face `tokenizer.json` (needs the `tokenizers` package).
 
   `encode` treats its text as plain text: added and special tokens written
-  in it (`"<|im_end|>"`) are encoded as the characters they spell, never as
-  the control token (`encode_special_tokens`), so nothing an environment or
-  a program prints can become one. Control tokens are put in by id
+  in it (`"<|im_end|>"`, and `"<think>"`, which Qwen3's file does not flag
+  special) are encoded as the characters they spell, never as the control
+  token (`encode_special_tokens`, with every added token flagged special),
+  so nothing an environment or a program prints can become one. Control tokens are put in by id
   (`special_id`). The `tokenizer_config.json` beside the file, if any, gives
   the bos / eos / pad tokens where they are not passed.
   """
 
   def __init__(self, path: str, turn_end: str | None = None, bos: str | None = None,
                eos: str | None = None, pad: str | None = None):
-    from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
+    from tokenizers import AddedToken, Tokenizer  # pylint: disable=g-import-not-at-top
     self.path = path
     self._tok = Tokenizer.from_file(path)
+    # `encode_special_tokens` leaves text alone only where an added token is
+    # flagged special; Qwen3's <tool_call>, <think> and FIM tokens are not, so
+    # text spelling them would still become them. Re-flag every added token
+    # special (same text, same id) so that none can come from text.
+    self._tok.add_special_tokens([
+        AddedToken(t.content, single_word=t.single_word, lstrip=t.lstrip, rstrip=t.rstrip,
+                   normalized=t.normalized, special=True)
+        for t in self._tok.get_added_tokens_decoder().values() if not t.special])
     self._tok.encode_special_tokens = True
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     self._added = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items()}
