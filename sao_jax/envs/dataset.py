@@ -1,0 +1,261 @@
+"""dataset: train on a user's rows (verl's format) with tools and a verifier.
+
+    env.name = "dataset"
+    env.kwargs = {"path": "train.jsonl", "heldout_path": "test.jsonl",
+                  "tools": ("python",), "verifier": "math"}
+
+Each row (`sao_jax.data.datasets`) is one task: its prompt messages, its
+ground truth, optional tool schemas and an optional demonstration
+(`completion`). Task `i` is training row `i % n` (the prompt stream draws
+indices, so the order stays grain's, deterministic and checkpointable);
+held-out tasks (indices from `prompts.EVAL_OFFSET`) are the rows of
+`heldout_path`, or a seeded `heldout_fraction` of `path` kept out of
+training. Bad rows are reported with their file, line and reason when the
+environment is built, before training, and never become tasks.
+
+An episode, turn by turn:
+
+    the policy calls tools      -> each call's output as a tool message
+      (a malformed call, an unknown tool or wrong arguments -> an error tool
+       message; the episode goes on)
+    the policy answers without  -> the verifier scores the answer (text
+      a tool call                  outside tool calls and <think>); done
+    max_turns turns of tool calls -> done, reward 0 ("max_turns")
+
+The verifier runs here, in the trainer-side process (the driver's worker
+threads), never in the sandbox: "math" (`verify.MathVerifier`: the last
+`\\boxed{}`, `####` or `Answer:`; integers exactly, the rest with
+math-verify in a subprocess under a wall clock), "exact" (string match of
+the extracted answer), or an import string `fn(response, ground_truth) ->
+float | bool`. A verifier timeout scores 0 and is reported as the event
+"verifier_timeout" (counted in the driver's `env_events`), never silently.
+
+Tools: "python" runs its `code` argument in `sao_jax.envs.sandbox` and
+returns stdout and the error line; `tool_functions` maps further names to
+import strings of `fn(**arguments) -> str`, run in the worker thread (they
+are the user's own code, not the model's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable
+
+from sao_jax.data.prompts import EVAL_OFFSET
+from sao_jax.envs.base import StepResult, Task
+from sao_jax.envs.sandbox import SandboxLimits, run_python
+
+PYTHON_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "python",
+        "description": "Run Python code and return what it prints (stdout) and its error, "
+                       "if any. Use print() to see a value.",
+        "parameters": {
+            "type": "object",
+            "properties": {"code": {"type": "string",
+                                    "description": "The Python program to run."}},
+            "required": ["code"],
+        },
+    },
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetConfig:
+  # A .jsonl, .jsonl.gz or .parquet file of verl-style rows (required).
+  path: str = ""
+  # Held-out rows; "": a seeded `heldout_fraction` of `path`.
+  heldout_path: str = ""
+  heldout_fraction: float = 0.1
+  seed: int = 0
+  # A system message for rows whose prompt has none ("": none).
+  system_prompt: str = ""
+  # "math", "exact", or an import string fn(response, ground_truth) -> float | bool.
+  verifier: str = "math"
+  verifier_timeout_s: float = 5.0
+  # Built-in tools offered to every row ("python"), besides a row's own `tools`.
+  tools: tuple = ()
+  # Further tools by name: {"search": "my_pkg.tools:search"}, fn(**arguments) -> str.
+  tool_functions: dict = dataclasses.field(default_factory=dict)
+  # Turns an episode may take (each a tool-calling turn, the last the answer).
+  max_turns: int = 8
+  # Any bad row fails the build (default: bad rows are skipped and reported).
+  strict: bool = False
+  # Test-only: without the sandbox the python tool refuses to run.
+  use_sandbox: bool = True
+
+  @property
+  def needs_sandbox(self) -> bool:
+    """Only the python tool runs model-written code."""
+    return "python" in self.tools
+
+
+class DatasetEnv:
+  """The environment family over a dataset's rows (module docstring)."""
+  name = "dataset"
+
+  def __init__(self, config: DatasetConfig, limits: SandboxLimits = SandboxLimits()):
+    if not config.path:
+      raise ValueError("env.kwargs.path: the dataset environment needs a file of rows")
+    if not 0 < config.max_turns:
+      raise ValueError(f"env.kwargs.max_turns = {config.max_turns}: must be >= 1")
+    unknown = sorted(set(config.tools) - {"python"} - set(config.tool_functions))
+    if unknown:
+      raise ValueError(f"env.kwargs.tools {unknown}: the built-in tool is 'python'; "
+                       "others need an entry in tool_functions")
+    self.config, self.limits = config, limits
+    self.max_turns = config.max_turns
+    self.runs_code = config.needs_sandbox
+    from sao_jax.data import datasets  # pylint: disable=g-import-not-at-top
+    rows, rejected = datasets.load_rows(config.path, strict=config.strict)
+    if config.heldout_path:
+      heldout, bad = datasets.load_rows(config.heldout_path, strict=config.strict)
+      rejected = rejected + bad
+      train = rows
+    else:
+      train, heldout = datasets.split_rows(rows, config.heldout_fraction, config.seed)
+    if not train or not heldout:
+      raise ValueError(f"dataset {config.path}: {len(train)} training and {len(heldout)} "
+                       "held-out rows; both splits need at least one")
+    self.train_rows, self.heldout_rows, self.rejected = train, heldout, rejected
+    self.num_eval_tasks = len(heldout)
+    self._demo_rows = [i for i, r in enumerate(train) if r.completion]
+    _report(config, train, heldout, rejected)
+    self._functions = _tool_functions(config)
+    self._offered = tuple(
+        schema for name, schema in (("python", PYTHON_TOOL),) if name in config.tools) + tuple(
+            _schema_stub(n) for n in config.tool_functions if n in config.tools)
+    self._verify = _make_verifier(config)
+
+  # --- tasks ------------------------------------------------------------------
+
+  def _row(self, index: int):
+    if index >= EVAL_OFFSET:
+      return self.heldout_rows[(index - EVAL_OFFSET) % len(self.heldout_rows)]
+    return self.train_rows[index % len(self.train_rows)]
+
+  def task(self, index: int) -> Task:
+    row = self._row(index)
+    messages = list(row.messages)
+    if self.config.system_prompt and messages[0]["role"] != "system":
+      messages.insert(0, {"role": "system", "content": self.config.system_prompt})
+    tools = self._offered + tuple(t for t in row.tools
+                                  if _tool_name(t) not in {_tool_name(o) for o in self._offered})
+    return Task(index, tuple(messages), row.ground_truth,
+                {"data_source": row.data_source, "extra_info": row.extra_info,
+                 "where": row.where, "completion": row.completion}, tools)
+
+  def demonstration_task(self, index: int) -> Task:
+    """The task of training row `index`, among the rows that have a demonstration."""
+    if not self._demo_rows:
+      raise ValueError(f"dataset {self.config.path}: no row has a completion to train "
+                       "SFT on; set sft.steps = 0 or add completions")
+    return self.task(self._demo_rows[index % len(self._demo_rows)])
+
+  def demonstration(self, task: Task) -> list[tuple[Any, Any]]:
+    """The row's completion as (assistant message, tool messages) turns."""
+    completion = task.meta["completion"]
+    if not completion:
+      raise ValueError(f"{task.meta['where']}: the row has no completion")
+    turns = []
+    for message in completion:
+      if message["role"] == "assistant":
+        turns.append((message, []))
+      else:  # tool results answer the assistant turn before them
+        turns[-1][1].append({"role": "tool", "content": message["content"]})
+    return turns
+
+  def episode(self, task: Task) -> "_Episode":
+    return _Episode(self, task)
+
+  # --- tools --------------------------------------------------------------------
+
+  def call_tool(self, name: str, arguments: dict) -> str:
+    if name == "python" and "python" in self.config.tools:
+      if not self.config.use_sandbox:
+        raise RuntimeError("the python tool without the sandbox is for tests only")
+      return run_python(arguments["code"], self.limits).observation()
+    fn = self._functions.get(name)
+    if fn is None:
+      return f"error: no tool {name!r}"
+    out = fn(**arguments)
+    return out if isinstance(out, str) else repr(out)
+
+
+class _Episode:
+
+  def __init__(self, env: DatasetEnv, task: Task):
+    self._env, self._task, self._turns = env, task, 0
+
+  def step(self, action: str) -> StepResult:
+    self._turns += 1
+    calls = getattr(action, "tool_calls", ())
+    errors = getattr(action, "tool_errors", ())
+    if not calls and not errors:  # an answer
+      parsed = getattr(action, "parsed", None)
+      verdict = self._env._verify(parsed.content if parsed is not None else str(action),
+                                  str(self._task.answer))
+      events = ["verifier_timeout"] if verdict.reason == "timeout" else []
+      return StepResult("", float(verdict.correct), True,
+                        {"correct": verdict.correct, "verdict": verdict.reason,
+                         "events": events})
+    messages = [{"role": "tool", "content": f"error: {message}"} for _, message in errors]
+    for call in calls:
+      messages.append({"role": "tool", "content": self._env.call_tool(call.name,
+                                                                      call.arguments)})
+    done = self._turns >= self._env.max_turns
+    info = {"correct": False, "events": ["tool_error"] if errors else []}
+    if done:
+      info["finish_reason"] = "max_turns"
+    return StepResult(messages, 0.0, done, info)
+
+
+# --- helpers --------------------------------------------------------------------
+
+
+def _tool_name(schema: dict) -> str:
+  return schema.get("function", schema).get("name", "")
+
+
+def _schema_stub(name: str) -> dict:
+  # A user tool's schema comes from its rows (`tools`); offered by name only
+  # it takes any arguments.
+  return {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+
+
+def _tool_functions(config: DatasetConfig) -> dict[str, Callable]:
+  from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top
+  return {name: registry.resolve(target, f"env.kwargs.tool_functions[{name!r}]")
+          for name, target in dict(config.tool_functions).items()}
+
+
+def _make_verifier(config: DatasetConfig) -> Callable:
+  from sao_jax.envs import verify  # pylint: disable=g-import-not-at-top
+  if config.verifier == "math":
+    checker = verify.MathVerifier(timeout_s=config.verifier_timeout_s)
+    return checker.verify
+  if config.verifier == "exact":
+    return verify.exact_match
+  from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top
+  fn = registry.resolve(config.verifier, "env.kwargs.verifier")
+
+  def user_verifier(response: str, ground_truth: str) -> verify.Verdict:
+    score = fn(response, ground_truth)
+    return verify.Verdict(bool(score), "user")
+
+  return user_verifier
+
+
+_REPORT_LOCK = threading.Lock()
+
+
+def _report(config, train, heldout, rejected) -> None:
+  with _REPORT_LOCK:
+    print(f"[dataset] {config.path}: {len(train)} training rows, {len(heldout)} held-out, "
+          f"{len(rejected)} rejected", flush=True)
+    for where, reason in rejected[:20]:
+      print(f"[dataset]   rejected {where}: {reason}", flush=True)
+    if len(rejected) > 20:
+      print(f"[dataset]   ... and {len(rejected) - 20} more", flush=True)

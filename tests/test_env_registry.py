@@ -1,0 +1,115 @@
+"""Environments by built-in name or import string, and a replaced reward.
+
+The user's package lives outside the repository (tmp_path), as it would:
+`env.name` names its factory, `env.kwargs` reach it, `env.reward` replaces
+its reward, and an unknown name fails validation with one line.
+"""
+
+import sys
+import textwrap
+
+import pytest
+
+from sao_jax import configuration
+from sao_jax.envs import registry
+from sao_jax.envs.base import Action, StepResult
+
+from test_configs import load_config_module  # pylint: disable=g-bad-import-order
+
+USER_ENV = '''
+from sao_jax.envs.base import StepResult, Task
+
+class Echo:
+  name = "echo"
+  runs_code = False
+
+  def __init__(self, word="hi", max_turns=2):
+    self.word, self.max_turns = word, max_turns
+
+  def task(self, index):
+    return Task(index, f"say {self.word}\\n", self.word)
+
+  def episode(self, task):
+    return Episode(task)
+
+  def demonstration(self, task):
+    return [(task.answer, "")]
+
+class Episode:
+  def __init__(self, task):
+    self.task = task
+
+  def step(self, action):
+    return StepResult("", float(action.strip() == self.task.answer), True, {})
+
+def make_env(**kwargs):
+  return Echo(**kwargs)
+
+def half(task, response, info):
+  return 0.5 if response else 0.0
+'''
+
+
+@pytest.fixture
+def user_pkg(tmp_path, monkeypatch):
+  pkg = tmp_path / "user_site" / "my_tasks"
+  pkg.mkdir(parents=True)
+  (pkg / "__init__.py").write_text("")
+  (pkg / "env.py").write_text(textwrap.dedent(USER_ENV))
+  monkeypatch.syspath_prepend(str(tmp_path / "user_site"))
+  yield pkg
+  for name in [m for m in sys.modules if m.startswith("my_tasks")]:
+    del sys.modules[name]
+
+
+def _config(**fields):
+  c = load_config_module("sao_tiny.py").get_config()
+  for field, value in fields.items():
+    configuration.set_field(c, field, value)
+  return c
+
+
+def test_module_import_string_builds_the_users_env_with_its_kwargs(user_pkg):
+  c = _config(**{"env.name": "my_tasks.env:make_env", "env.kwargs": {"word": "yo"}})
+  configuration.validate(c, num_devices=8)
+  env = registry.make_env(c.env)
+  task = env.task(3)
+  assert task.prompt == "say yo\n"
+  assert env.episode(task).step(Action("yo")).reward == 1.0
+
+
+def test_file_import_string_and_a_replaced_reward(user_pkg):
+  path = str(user_pkg / "env.py")
+  c = _config(**{"env.name": f"{path}:make_env", "env.reward": f"{path}:half"})
+  configuration.validate(c, num_devices=8)
+  env = registry.make_env(c.env)
+  result = env.episode(env.task(0)).step(Action("wrong"))
+  assert isinstance(result, StepResult) and result.done and result.reward == 0.5
+  # Loading the same file twice gives the same module (one class, not two).
+  assert type(registry.make_env(c.env)._env) is type(env._env)  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("env.name", "pythn_tool", "env.name = 'pythn_tool': not a built-in environment"),
+    ("env.name", "no_such_pkg.mod:make", "cannot import 'no_such_pkg.mod'"),
+    ("env.name", "sao_jax.envs.registry:no_such_factory", "has no 'no_such_factory'"),
+    ("env.reward", "sao_jax.envs.registry:nope", "env.reward"),
+    ("env.kwargs", {"max_opz": 3}, "not options of 'python_tool'"),
+    ("env.tokenizer", "gpt2", "env.tokenizer = 'gpt2': must be one of"),
+    ("env.chat_format", "chatml", "env.chat_format = 'chatml': must be one of"),
+])
+def test_unknown_env_names_fail_validation_in_one_line(field, value, message):
+  with pytest.raises(configuration.ConfigError, match=message) as e:
+    configuration.validate(_config(**{field: value}), num_devices=8)
+  assert "\n" not in str(e.value)
+  if field == "env.name" and ":" not in value:
+    assert all(name in str(e.value) for name in registry.ENVIRONMENTS)
+
+
+def test_a_reward_that_is_not_a_number_raises_for_the_driver_to_count(user_pkg, tmp_path):
+  bad = tmp_path / "bad_reward.py"
+  bad.write_text("def reward(task, response, info):\n  return 'lots'\n")
+  c = _config(**{"env.name": "my_tasks.env:make_env", "env.reward": f"{bad}:reward"})
+  env = registry.make_env(c.env)
+  with pytest.raises(TypeError, match="not a finite real number"):
+    env.episode(env.task(0)).step(Action("hi"))
