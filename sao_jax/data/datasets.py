@@ -1,0 +1,340 @@
+"""datasets: read a user's task rows (verl's format), keeping the bad ones apart.
+
+A row, one JSON object per line of a `.jsonl` / `.jsonl.gz` file or one row
+of a `.parquet` file:
+
+    {"prompt": [{"role": "user", "content": "What is 2+3?"}],   # or a string
+     "reward_model": {"ground_truth": "5"},                      # or "answer": "5"
+     "data_source": "toy", "extra_info": {...},                  # optional
+     "tools": [{"type": "function", "function": {...}}],         # optional
+     "completion": "... \\boxed{5}"}                              # optional demonstration
+
+`load_rows` returns the valid rows and, apart, every rejected one as
+`(where, reason)`: `where` is "file:line" (1-based, as an editor counts) or
+"file:row N" (parquet, 0-based, as pyarrow indexes); `reason` is a short,
+stable sentence naming the field ("message N" counts a list from 0). A dataset of thousands of rows usually
+has a few broken ones, and one bad line should neither stop a run nor
+disappear silently: the caller reports them before training starts.
+`strict=True` raises on the first instead. A file that cannot be read, or
+holds no valid row, is a `DatasetError` either way.
+
+Rows are read line by line with a size cap (`max_row_bytes`): a runaway
+line is rejected without being held in memory, and a line that is not UTF-8
+is rejected alone, the rest still read. Parquet needs pyarrow (imported
+only for parquet files); its nested columns arrive as Python objects, and
+since parquet unifies the struct type of a column across rows, message
+keys that are None (a field another row has) are dropped; `extra_info`, the
+user's own data, is kept as read. A ground truth read as a whole float
+(parquet's double column: 5.0) becomes the integer text "5".
+
+A completion (top level, or `extra_info.completion`) is a string (one
+assistant message) or a list of assistant / tool messages starting with an
+assistant one. Assistant `tool_calls` are normalised to
+`{"name", "arguments": dict}` (OpenAI's `{"type": "function", "function":
+{"name", "arguments": "<json>"}}` is accepted).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import math
+import os
+import zlib
+from typing import Any, Iterator
+
+import numpy as np
+
+MAX_ROW_BYTES = 1 << 20
+
+PROMPT_ROLES = ("system", "user", "assistant")
+
+
+class DatasetError(ValueError):
+  """The file cannot be used: unreadable, no valid row, or a bad row in strict mode."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  messages: tuple[dict, ...]
+  ground_truth: str
+  data_source: str
+  extra_info: dict
+  tools: tuple[dict, ...]
+  # A demonstration: assistant / tool messages, () if the row has none.
+  completion: tuple[dict, ...]
+  where: str
+
+
+class _Bad(Exception):
+  """A row's rejection reason."""
+
+
+# --- validation ------------------------------------------------------------------
+
+
+def _message(m: Any, label: str, roles: tuple[str, ...]) -> dict:
+  if not isinstance(m, dict):
+    raise _Bad(f"{label}: must be an object")
+  m = {k: v for k, v in m.items() if v is not None}
+  if m.get("role") not in roles:
+    raise _Bad(f"{label}: role must be one of {'/'.join(roles)}")
+  if not isinstance(m.get("content", None), str):
+    raise _Bad(f"{label}: content must be a string")
+  return m
+
+
+def _messages(prompt: Any) -> tuple[dict, ...]:
+  if prompt is None:
+    raise _Bad("prompt missing")
+  if isinstance(prompt, str):
+    prompt = [{"role": "user", "content": prompt}]
+  if not isinstance(prompt, (list, tuple)):
+    raise _Bad("prompt must be a string or a list of messages")
+  if not prompt:
+    raise _Bad("prompt is empty")
+  return tuple(_message(m, f"message {i}", PROMPT_ROLES) for i, m in enumerate(prompt))
+
+
+def _ground_truth(row: dict) -> str:
+  reward_model = row.get("reward_model")
+  if reward_model is not None and not isinstance(reward_model, dict):
+    raise _Bad("reward_model must be an object")
+  gt = (reward_model or {}).get("ground_truth")
+  if gt is None:
+    gt = row.get("answer")
+  if gt is None:
+    raise _Bad("no ground truth (reward_model.ground_truth or answer)")
+  if isinstance(gt, bool) or not isinstance(gt, (str, int, float)):
+    raise _Bad("ground truth must be a string or a number")
+  if isinstance(gt, float):
+    if not math.isfinite(gt):
+      raise _Bad("ground truth must be a finite number")
+    if gt.is_integer():  # parquet's double column: 5.0 is the integer 5
+      gt = int(gt)
+  gt = str(gt).strip()
+  if not gt:
+    raise _Bad("ground truth is empty")
+  return gt
+
+
+def _json_field(value: Any, field: str) -> Any:
+  # Parquet stores heterogeneous nested data (tool schemas) as JSON strings.
+  if isinstance(value, str):
+    try:
+      return json.loads(value)
+    except ValueError as e:
+      raise _Bad(f"{field}: bad JSON: {e}") from e
+  return value
+
+
+def _tools(value: Any) -> tuple[dict, ...]:
+  if value is None:
+    return ()
+  value = _json_field(value, "tools")
+  bad = _Bad("tools must be a list of function schemas")
+  if not isinstance(value, (list, tuple)):
+    raise bad
+  for t in value:
+    fn = t.get("function", t) if isinstance(t, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+      raise bad
+  return tuple(value)
+
+
+def _tool_call(call: Any) -> dict:
+  if not isinstance(call, dict):
+    raise ValueError
+  fn = call.get("function", call)
+  if not isinstance(fn, dict):
+    raise ValueError
+  name, arguments = fn.get("name"), fn.get("arguments", {})
+  if isinstance(arguments, str):
+    arguments = json.loads(arguments)
+  if not isinstance(name, str) or not name or not isinstance(arguments, dict):
+    raise ValueError
+  return {"name": name, "arguments": arguments}
+
+
+def _completion(value: Any) -> tuple[dict, ...]:
+  if value is None:
+    return ()
+  if isinstance(value, str):
+    return ({"role": "assistant", "content": value},)
+  if not isinstance(value, (list, tuple)):
+    raise _Bad("completion must be a string or a list of messages")
+  out = []
+  for i, m in enumerate(value):
+    label = f"completion message {i}"
+    if isinstance(m, dict) and m.get("role") == "assistant" and m.get("content") is None:
+      m = {**m, "content": ""}  # OpenAI: a turn of tool calls only
+    m = _message(m, label, ("assistant", "tool"))
+    if "tool_calls" in m:
+      if m["role"] != "assistant" or not isinstance(m["tool_calls"], (list, tuple)):
+        raise _Bad(f"{label}: tool_calls must be a list of {{name, arguments}}")
+      try:
+        m["tool_calls"] = [_tool_call(c) for c in m["tool_calls"]]
+      except ValueError:
+        raise _Bad(f"{label}: tool_calls must be a list of {{name, arguments}}") from None
+    if not isinstance(m.get("reasoning_content", ""), str):
+      raise _Bad(f"{label}: reasoning_content must be a string")
+    out.append(m)
+  if out and out[0]["role"] != "assistant":
+    raise _Bad("completion must start with an assistant message")
+  return tuple(out)
+
+
+def parse_row(row: Any, where: str) -> Row:
+  """A validated `Row`, or `_Bad` with the reason."""
+  if not isinstance(row, dict):
+    raise _Bad("not a JSON object")
+  messages = _messages(row.get("prompt"))
+  ground_truth = _ground_truth(row)
+  data_source = row.get("data_source")
+  if data_source is None:
+    data_source = ""
+  if not isinstance(data_source, str):
+    raise _Bad("data_source must be a string")
+  extra_info = row.get("extra_info")
+  if extra_info is None:
+    extra_info = {}
+  if not isinstance(extra_info, dict):
+    raise _Bad("extra_info must be an object")
+  tools = _tools(row.get("tools"))
+  completion = row.get("completion")
+  if completion is None:
+    completion = extra_info.get("completion")
+  return Row(messages, ground_truth, data_source, extra_info, tools,
+             _completion(completion), where)
+
+
+# --- readers ---------------------------------------------------------------------
+
+
+def _lines(f, max_row_bytes: int) -> Iterator[tuple[int, bytes | None, int]]:
+  """(1-based line number, the line without its end or None if over the cap, size).
+
+  `size` counts the line's bytes without its end; only `limit` bytes of a
+  long line are ever held.
+  """
+  limit = max_row_bytes + 3  # the cap, "\r\n", and one byte to see it overflow
+  number = 0
+  while True:
+    line = f.readline(limit)
+    if not line:
+      return
+    number += 1
+    if len(line) == limit and not line.endswith(b"\n"):
+      size = len(line)
+      while line and not line.endswith(b"\n"):  # skip the rest, a chunk at a time
+        line = f.readline(1 << 20)
+        size += len(line.rstrip(b"\r\n"))
+      yield number, None, size
+      continue
+    content = line.rstrip(b"\r\n")
+    yield number, (content if len(content) <= max_row_bytes else None), len(content)
+
+
+def _jsonl_rows(path: str, opener, max_row_bytes: int) -> Iterator[tuple[str, Any]]:
+  with opener(path, "rb") as f:
+    for number, line, size in _lines(f, max_row_bytes):
+      where = f"{path}:{number}"
+      if line is None:
+        yield where, _Bad(f"row is over max_row_bytes ({size} > {max_row_bytes} bytes)")
+        continue
+      if number == 1 and line.startswith(b"\xef\xbb\xbf"):
+        line = line[3:]  # a UTF-8 byte order mark
+      try:
+        text = line.decode("utf-8")
+      except UnicodeDecodeError as e:
+        yield where, _Bad(f"not UTF-8 (byte {e.start})")
+        continue
+      if not text.strip():
+        continue
+      try:
+        yield where, json.loads(text)
+      except RecursionError:
+        yield where, _Bad("bad JSON: nested too deeply")
+      except ValueError as e:  # JSONDecodeError, or an integer over Python's digit limit
+        detail = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else e
+        yield where, _Bad(f"bad JSON: {detail}")
+
+
+def _parquet_rows(path: str) -> Iterator[tuple[str, Any]]:
+  try:
+    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise DatasetError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from e
+  try:
+    parquet = pq.ParquetFile(path)
+  except Exception as e:  # pylint: disable=broad-except  (pyarrow's own error types)
+    raise DatasetError(f"{path}: not a readable parquet file: {e}") from e
+  index = 0
+  try:
+    for batch in parquet.iter_batches(batch_size=1024):
+      for row in batch.to_pylist():
+        yield f"{path}:row {index}", row
+        index += 1
+  except Exception as e:  # pylint: disable=broad-except
+    raise DatasetError(f"{path}: cannot read row {index}: {e}") from e
+
+
+def _rows(path: str, max_row_bytes: int) -> Iterator[tuple[str, Any]]:
+  name = path.lower()
+  if name.endswith(".jsonl"):
+    return _jsonl_rows(path, open, max_row_bytes)
+  if name.endswith(".jsonl.gz"):
+    return _jsonl_rows(path, gzip.open, max_row_bytes)
+  if name.endswith(".parquet"):
+    return _parquet_rows(path)
+  raise DatasetError(f"{path}: unknown file type; use .jsonl, .jsonl.gz or .parquet")
+
+
+def load_rows(path: str | os.PathLike, *, strict: bool = False,
+              max_row_bytes: int = MAX_ROW_BYTES) -> tuple[list[Row], list[tuple[str, str]]]:
+  """(valid rows, [(where, reason)] of the rejected ones); see the module docstring."""
+  path = os.fspath(path)
+  rows: list[Row] = []
+  rejected: list[tuple[str, str]] = []
+  try:
+    for where, value in _rows(path, max_row_bytes):
+      try:
+        if isinstance(value, _Bad):
+          raise value
+        rows.append(parse_row(value, where))
+      except _Bad as e:
+        if strict:
+          raise DatasetError(f"{where}: {e}") from None
+        rejected.append((where, str(e)))
+  except (OSError, EOFError, zlib.error) as e:  # gzip's errors included
+    raise DatasetError(f"{path}: cannot read: {e}") from e
+  if not rows:
+    first = f"; first: {rejected[0][0]}: {rejected[0][1]}" if rejected else ""
+    raise DatasetError(f"{path}: no valid rows ({len(rejected)} rejected{first})")
+  return rows, rejected
+
+
+def split_rows(rows: list[Row], heldout_fraction: float,
+               seed: int) -> tuple[list[Row], list[Row]]:
+  """(train, heldout): a seeded `heldout_fraction` of the rows held out.
+
+  Deterministic in (len(rows), heldout_fraction, seed); each side keeps file
+  order. With 0 < fraction < 1 and at least two rows, each side gets one.
+  """
+  if not 0.0 <= heldout_fraction <= 1.0:
+    raise ValueError(f"heldout_fraction = {heldout_fraction}: must be in [0, 1]")
+  n = len(rows)
+  k = int(round(n * heldout_fraction))
+  if 0.0 < heldout_fraction < 1.0 and n >= 2:
+    k = min(max(k, 1), n - 1)
+  held = set(np.random.default_rng(seed).permutation(n)[:k].tolist())
+  train = [r for i, r in enumerate(rows) if i not in held]
+  heldout = [r for i, r in enumerate(rows) if i in held]
+  return train, heldout
+
+
+def rows_dataset(rows: list[Row]):
+  """The rows as a `grain.MapDataset` (index, shuffle, batch as grain does)."""
+  import grain  # pylint: disable=g-import-not-at-top
+  return grain.MapDataset.source(rows)
