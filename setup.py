@@ -79,7 +79,8 @@ setuptools.setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=setuptools.find_packages(include=["sao_jax", "sao_jax.*"]),
-    package_data={"sao_jax": ["py.typed"]},
+    # The shipped math set of math_tool (sao_jax/data/math_problems.py).
+    package_data={"sao_jax": ["py.typed", "data/math_tool/*.jsonl.gz"]},
     install_requires=CORE,
     extras_require=EXTRAS,
 )

@@ -60,8 +60,23 @@ class MetricsWriter:
       self._tb.close()
 
 
+# (stage -> (step, time)) of each stage's first progress line in this process.
+_PROGRESS_START: dict[str, tuple[int, float]] = {}
+
+
+def _duration(seconds: float) -> str:
+  seconds = int(round(seconds))
+  return (f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else
+          f"{seconds // 60}m{seconds % 60:02d}s")
+
+
 def progress(stage: str, step: int, total: int, metrics: dict, keys: dict[str, str]) -> None:
-  """One terminal line (process 0's): `keys` maps metric names to short labels."""
+  """One terminal line (process 0's): `keys` maps metric names to short labels.
+
+  From a stage's second line on it also shows the rate (steps/s since its
+  first line in this process, so a resumed run does not count restored
+  steps) and the ETA of the stage at that rate.
+  """
   if not distributed.is_primary():
     return
   parts = [f"[{stage}] {step}/{total}"]
@@ -69,4 +84,10 @@ def progress(stage: str, step: int, total: int, metrics: dict, keys: dict[str, s
     if k in metrics:
       v = metrics[k]
       parts.append(f"{label}={v:.4g}" if isinstance(v, float) else f"{label}={v}")
+  now = time.time()
+  first_step, first_time = _PROGRESS_START.setdefault(stage, (step, now))
+  if step > first_step and now > first_time:
+    rate = (step - first_step) / (now - first_time)
+    parts.append(f"{rate:.3g} steps/s" if rate >= 0.1 else f"{1 / rate:.3g} s/step")
+    parts.append(f"eta {_duration(max(total - step, 0) / rate)}")
   print("  ".join(parts), flush=True)

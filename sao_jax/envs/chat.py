@@ -95,8 +95,16 @@ class ChatFormat:
     raise NotImplementedError
 
   def action_ids(self, message) -> list[int]:
-    """A demonstration's assistant turn as the model would sample it, turn end included."""
+    """An assistant turn exactly as given, turn end included."""
     raise NotImplementedError
+
+  def demonstration_ids(self, message) -> list[int]:
+    """A demonstration's assistant turn as this format's policy samples it (SFT's target).
+
+    The same as `action_ids` unless the format's generation prompt decides
+    part of the turn (qwen3's thinking switch).
+    """
+    return self.action_ids(message)
 
   def parse_turn(self, ids: Sequence[int]) -> ParsedTurn:
     """One sampled turn (its turn end, if sampled, the last id)."""
@@ -449,6 +457,22 @@ class Qwen3Format(ChatFormat):
     if isinstance(message, str):
       message = {"role": "assistant", "content": message}
     return self._ids(self._assistant(message, None))
+
+  def demonstration_ids(self, message) -> list[int]:
+    """The turn as a Qwen3 policy samples it in this thinking mode.
+
+    Thinking on: Qwen3 opens every turn with a think block, so a message
+    without `reasoning_content` gets an empty one (`<think>\\n\\n</think>\\n\\n`,
+    as the template writes the last turn). SFT then teaches the layout the
+    driver will sample instead of turns that skip the block. Thinking off:
+    the generation prompt already holds the empty block, so any reasoning
+    is dropped and the turn is its content and calls.
+    """
+    if isinstance(message, str):
+      message = {"role": "assistant", "content": message}
+    content, reasoning = self._split_reasoning(message)
+    message = dict(message, content=content, reasoning_content=reasoning)
+    return self._ids(self._assistant(message, self.enable_thinking))
 
   def observation_ids(self, observation) -> list[int]:
     """ "\\n" (after the sampled <|im_end|>), the new turns, the generation prompt.
