@@ -203,7 +203,8 @@ def global_batch(batch: dict[str, np.ndarray], sharding: jax.sharding.Sharding,
 
 def pack_batch(trajs: Sequence[Any], num_rows: int, buckets: Sequence[int],
                sharding: jax.sharding.Sharding,
-               baseline_advantages: Sequence[float] | None = None) -> dict[str, jax.Array]:
+               baseline_advantages: Sequence[float] | None = None,
+               action_index: bool = False) -> dict[str, jax.Array]:
   """`packing.pack` of the whole batch, with only this process's rows built.
 
   Every process passes the same `trajs`; the layout is computed from all
@@ -211,7 +212,8 @@ def pack_batch(trajs: Sequence[Any], num_rows: int, buckets: Sequence[int],
   process count.
   """
   rows = process_rows(sharding, num_rows)
-  local = packing.pack(trajs, num_rows, buckets, baseline_advantages, row_ids=rows)
+  local = packing.pack(trajs, num_rows, buckets, baseline_advantages, row_ids=rows,
+                       action_index=action_index)
   return global_batch(local, sharding, num_rows)
 
 

@@ -43,9 +43,24 @@ def _first_fit(lengths: Sequence[int], rows: int, width: int) -> list[list[int]]
   return layout
 
 
+def action_width(counts: Sequence[int], width: int) -> int:
+  """A, the `action_index` width for rows of `width` with these action counts.
+
+  The smallest of width/8, width/4, width/2 and width that holds the row
+  with the most action tokens, so the train step compiles at most four
+  head widths per length bucket.
+  """
+  most = max(counts, default=0)
+  for a in (width // 8, width // 4, width // 2):
+    if a >= max(most, 1):
+      return a
+  return width
+
+
 def pack(trajs: Sequence[Trajectory], rows: int, buckets: Sequence[int],
          baseline_advantages: Sequence[float] | None = None,
-         row_ids: Sequence[int] | None = None) -> dict[str, np.ndarray]:
+         row_ids: Sequence[int] | None = None,
+         action_index: bool = False) -> dict[str, np.ndarray]:
   """Packs `trajs` into `[rows, L]` arrays, L the smallest bucket that fits.
 
   Args:
@@ -57,10 +72,16 @@ def pack(trajs: Sequence[Trajectory], rows: int, buckets: Sequence[int],
     row_ids: optional; build only these rows, in this order (a host's share
       of a multi-host batch, sao_jax/distributed.py). The layout and L are
       still those of the whole batch, so every host agrees on them.
+    action_index: also return `action_index` `[R, A]` int32: each row's
+      action-token positions in order, then -1. The policy computes its
+      vocabulary-wide head only there (`policy.token_logprobs`): with a
+      large vocabulary the head is most of a small model's step, and most
+      tokens of an agentic row are prompt and tool output. A
+      (`action_width`) is decided by the whole batch, like L.
 
   Returns:
     A dict of numpy arrays `[R, L]` (see FIELDS), `[len(row_ids), L]` with
-    `row_ids`.
+    `row_ids`; and `action_index` `[R, A]` if asked.
 
   Raises:
     ValueError: if the trajectories do not fit in R rows of the largest bucket.
@@ -73,6 +94,9 @@ def pack(trajs: Sequence[Trajectory], rows: int, buckets: Sequence[int],
   else:
     raise ValueError(f"{len(trajs)} trajectories ({sum(lengths)} tokens, longest "
                      f"{max(lengths, default=0)}) do not fit {rows} rows of {max(buckets)}.")
+  if action_index:
+    counts = [sum(int(np.sum(trajs[i].action_mask)) for i in members) for members in layout]
+    actions = action_width(counts, width)
   if row_ids is not None:
     layout = [layout[r] for r in row_ids]
   built = len(layout)
@@ -102,4 +126,9 @@ def pack(trajs: Sequence[Trajectory], rows: int, buckets: Sequence[int],
         out["baseline_advantages"][r, span] = np.where(
             t.action_mask, baseline_advantages[i], 0.0)
       start += n
+  if action_index:
+    out["action_index"] = np.full((built, actions), -1, np.int32)
+    for r in range(built):
+      where = np.flatnonzero(out["action_mask"][r])
+      out["action_index"][r, :len(where)] = where
   return out

@@ -77,10 +77,42 @@ def chunked_logprobs(cfg: ModelConfig, hidden: Array, w: Array, tokens: Array,
   return logp.swapaxes(0, 1).reshape(b, n * chunk)[:, :length]
 
 
+def _logprobs_at(cfg: ModelConfig, params, hidden: Array, tokens: Array, index: Array,
+                 temperature: float) -> Array:
+  """log pi(x_t | x_<t) at the positions `index` `[B, A]` (-1: none) of each row, `[B, L]`.
+
+  The head meets only the A gathered hidden states, so its cost is A / L
+  of the full head's; every other position's log-prob is 0.
+  """
+  valid = index >= 0
+  safe = jnp.where(valid, index, 0)
+  h = jnp.take_along_axis(hidden, safe[..., None], axis=1)  # [B, A, D]
+  t = jnp.take_along_axis(tokens, safe, axis=1)  # [B, A]
+  w = lm_head_weight(cfg, params)
+  if cfg.logits_chunk:
+    logp = chunked_logprobs(cfg, h, w, t, temperature)
+  else:
+    logp = logprobs_from_logits(lm_logits(cfg, h, w), t, temperature)
+  rows = jnp.arange(index.shape[0])[:, None]
+  return jnp.zeros(tokens.shape, logp.dtype).at[rows, safe].add(jnp.where(valid, logp, 0.0))
+
+
 def token_logprobs(cfg: ModelConfig, params, tokens: Array, positions: Array,
-                   segment_ids: Array, temperature: float = 1.0):
-  """Teacher-forced log pi(x_t | x_<t) `[B, L]` and the model's aux losses."""
+                   segment_ids: Array, temperature: float = 1.0,
+                   action_index: Array | None = None):
+  """Teacher-forced log pi(x_t | x_<t) `[B, L]` and the model's aux losses.
+
+  With `action_index` `[B, A]` (`packing.pack(..., action_index=True)`),
+  only those positions' log-probs are computed (the rest are 0): the
+  vocabulary-wide head runs on A positions a row instead of L.
+  """
   starts = _shift_right(jnp.ones_like(tokens), segment_ids) == 0
+  if action_index is not None:
+    hidden, aux = Transformer(cfg, "hidden").apply({"params": params}, tokens, positions,
+                                                   segment_ids)
+    prev_hidden = _shift_right(hidden, segment_ids)  # predicts x_t
+    logp = _logprobs_at(cfg, params, prev_hidden, tokens, action_index, temperature)
+    return jnp.where(starts, 0.0, logp), aux
   if cfg.logits_chunk:
     hidden, aux = Transformer(cfg, "hidden").apply({"params": params}, tokens, positions,
                                                    segment_ids)
