@@ -268,6 +268,8 @@ def _check_env(env) -> None:
     _fail("env.tokenizer", env.tokenizer, f"one of {sorted(tokenizer.TOKENIZERS)}")
   if env.chat_format not in registry.CHAT_FORMATS:
     _fail("env.chat_format", env.chat_format, f"one of {registry.CHAT_FORMATS}")
+  if env.name == "humaneval" and env.chat_format == "raw":  # its prompts are chat messages
+    _fail("env.chat_format", env.chat_format, "'qwen3' or 'plain' for env.name = 'humaneval'")
   if not isinstance(env.thinking, bool):
     _fail("env.thinking", env.thinking, "True or False")
   if not (_is_int(env.max_tool_output_tokens) and env.max_tool_output_tokens >= 0):

@@ -9,28 +9,40 @@ those per-task rates over tasks, std / sqrt(num_tasks), so it covers both
 the choice of tasks and the sampling (at temperature 1 one sample per task
 leaves about 2.5 points of error on 400 tasks; more samples per task shrink
 the sampling part).
+
+Per-sample records (`pass_at_1(samples=[])`, written as JSONL by
+`launch/eval.py`) hold what a person checks by reading: the transcript and
+each action turn decoded, the reward, and the last step's `info` (an
+environment's verdict, e.g. humaneval's "passed" / "failed" / "timeout"),
+which the evaluation's own episode wrapper keeps, since a Trajectory
+carries tokens and rewards only.
 """
 
 from __future__ import annotations
 
 import collections
+import json
+import os
 
 import numpy as np
 
 from sao_jax.data import prompts as prompt_data
+from sao_jax.envs.base import StepResult
 from sao_jax.rollout.driver import RolloutDriver
 from sao_jax.rollout.engine import PolicyEngine, SamplingConfig
 
 
 def pass_at_1(model_cfg, params, env, tokenizer, *, num_tasks: int, slots: int, max_len: int,
               max_turn_tokens: int, temperature: float = 1.0, seed: int = 0,
-              samples_per_task: int = 1, **driver_options) -> dict:
+              samples_per_task: int = 1, samples: list | None = None,
+              **driver_options) -> dict:
   """Samples `samples_per_task` episodes of each of the first `num_tasks` held-out tasks.
 
   An environment with a finite held-out set (`env.num_eval_tasks`, e.g. a
   dataset's held-out rows) is evaluated on at most that many tasks, so no
   task is counted twice. `driver_options` go to the `RolloutDriver` (the
-  chat format, the tool-output cap).
+  chat format, the tool-output cap). A `samples` list gets one record
+  (`sample_record`) per sampled episode.
   """
   limit = getattr(env, "num_eval_tasks", None)
   if limit is not None:
@@ -39,6 +51,10 @@ def pass_at_1(model_cfg, params, env, tokenizer, *, num_tasks: int, slots: int, 
                         sampling=SamplingConfig(temperature=temperature), seed=seed)
   trajs = []
   prompts = [i for i in prompt_data.eval_indices(num_tasks) for _ in range(samples_per_task)]
+  if samples is not None:
+    env = _Recording(env)
+    driver_options["on_finish"] = lambda traj, episode: samples.append(
+        sample_record(traj, episode, tokenizer))
   driver = RolloutDriver(engine, env, tokenizer, iter(prompts), trajs.append,
                          max_turn_tokens=max_turn_tokens, **driver_options)
   try:
@@ -74,3 +90,71 @@ def summarize(trajs) -> dict:
       "mean_generated": float(np.mean([int(np.sum(t.action_mask)) for t in trajs])),
       "mean_turns": float(np.mean([t.num_turns for t in trajs])),
   }
+
+
+# --- per-sample records ----------------------------------------------------------
+
+
+class _RecordingEpisode:
+  """An episode that keeps its last step's info, as JSON-safe data."""
+
+  def __init__(self, episode):
+    self._episode, self.info = episode, {}
+
+  def step(self, action):
+    result = self._episode.step(action)
+    if isinstance(result, StepResult):
+      self.info = _json_safe(result.info)
+    return result
+
+
+class _Recording:
+  """`env` with every episode wrapped in a `_RecordingEpisode`."""
+
+  def __init__(self, env):
+    self._env = env
+
+  def __getattr__(self, attr):  # name, max_turns, task, num_eval_tasks, ...
+    return getattr(self._env, attr)
+
+  def episode(self, task):
+    return _RecordingEpisode(self._env.episode(task))
+
+
+def _json_safe(info) -> dict:
+  try:
+    return json.loads(json.dumps(info, default=repr))
+  except (TypeError, ValueError, RecursionError):
+    return {"unserializable": repr(type(info))}
+
+
+def sample_record(traj, episode, tokenizer) -> dict:
+  """One sampled episode as plain data: what `launch/eval.py` writes per line."""
+  tokens = traj.tokens.tolist()
+  actions = []
+  for start in traj.turn_starts.tolist():
+    end = start
+    while end < len(tokens) and traj.action_mask[end]:
+      end += 1
+    actions.append(tokenizer.decode(tokens[start:end]))
+  return {
+      "task": traj.prompt_id - prompt_data.EVAL_OFFSET,
+      "prompt_id": traj.prompt_id,
+      "reward": traj.total_reward,
+      "success": bool(solved(traj.total_reward)),
+      "turns": traj.num_turns,
+      "finish_reason": traj.finish_reason,
+      "info": getattr(episode, "info", {}),
+      "actions": actions,
+      "transcript": tokenizer.decode(tokens),
+  }
+
+
+def write_samples(path: str, samples: list) -> None:
+  """`samples` as JSONL at `path` (by task), written whole under a temporary name."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    for record in sorted(samples, key=lambda r: r["prompt_id"]):
+      f.write(json.dumps(record, ensure_ascii=False) + "\n")
+  os.replace(tmp, path)

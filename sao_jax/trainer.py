@@ -39,7 +39,7 @@ from sao_jax.data import packing, prompts as prompt_data, store
 from sao_jax.data.ingestion import TrajectoryQueue
 from sao_jax.envs import registry
 from sao_jax.envs.demonstrations import demonstration_trajectory
-from sao_jax.evaluation import pass_at_1, solved
+from sao_jax.evaluation import pass_at_1, solved, write_samples
 from sao_jax.faults import FaultInjector
 from sao_jax.metrics import MetricsWriter, progress
 from sao_jax.models import config as model_config
@@ -264,7 +264,7 @@ class _Run:
     return distributed.pack_batch(trajs, rows, self.config.data.buckets, self.batch_sharding,
                                   baseline_advantages)
 
-  def _eval(self, name, params):
+  def _eval(self, name, params, samples=None):
     e = self.config.eval
     params = distributed.host_local_copy(params, self.mesh)  # every process joins
     result = distributed.share_from_primary(f"eval/{name}", lambda: pass_at_1(
@@ -272,7 +272,7 @@ class _Run:
         slots=e.slots, max_len=self.max_len, max_turn_tokens=self.config.rollout.max_turn_tokens,
         temperature=e.temperature, seed=self.config.seed + 7,
         samples_per_task=e.get("samples_per_task", 1), chat_format=self.format,
-        max_tool_output_tokens=self.config.env.max_tool_output_tokens))
+        max_tool_output_tokens=self.config.env.max_tool_output_tokens, samples=samples))
     self.meta["evals"][name] = result
     self.metrics.write(int(self.state.step), {f"eval/{k}": v for k, v in result.items()}, "eval")
     print(f"[eval] {name}: pass@1 {result['pass@1']:.3f} on {result['tasks']} held-out tasks "
@@ -673,13 +673,24 @@ def load_run(config: ml_collections.ConfigDict, workdir: str, step: int | None =
   return _Run(config, workdir, restore_step=step)
 
 
-def evaluate(config: ml_collections.ConfigDict, workdir: str, step: int | None = None) -> dict:
-  """pass@1 of the policy in checkpoint `step` (default: the latest) of a run."""
+def evaluate(config: ml_collections.ConfigDict, workdir: str, step: int | None = None,
+             out: str | None = None) -> dict:
+  """pass@1 of the policy in checkpoint `step` (default: the latest) of a run.
+
+  Every sample is also written as one JSON line (`evaluation.sample_record`)
+  to `out`, default `<workdir>/eval/checkpoint_<step>.jsonl`, whose path the
+  result names as "samples_file".
+  """
   run = _Run(config, workdir, restore_step=step)
   try:
     if run.ckpt.latest_step() is None:
       raise FileNotFoundError(f"no checkpoint under {workdir}")
-    return run._eval(f"checkpoint_{step or run.ckpt.latest_step()}", run.state.policy)  # pylint: disable=protected-access
+    name, samples = f"checkpoint_{step or run.ckpt.latest_step()}", []
+    result = run._eval(name, run.state.policy, samples)  # pylint: disable=protected-access
+    out = out or os.path.join(workdir, "eval", f"{name}.jsonl")
+    if distributed.is_primary():
+      write_samples(out, samples)
+    return {**result, "samples_file": out}
   finally:
     run.ckpt.close()
     run.metrics.close()

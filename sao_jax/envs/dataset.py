@@ -201,18 +201,30 @@ class _Episode:
       return StepResult("", float(verdict.correct), True,
                         {"correct": verdict.correct, "verdict": verdict.reason,
                          "events": events})
-    messages = [{"role": "tool", "content": f"error: {message}"} for _, message in errors]
-    for call in calls:
-      messages.append({"role": "tool", "content": self._env.call_tool(call.name,
-                                                                      call.arguments)})
+    messages, events = answer_tool_calls(action, self._env.call_tool)
     done = self._turns >= self._env.max_turns
-    info = {"correct": False, "events": ["tool_error"] if errors else []}
+    info = {"correct": False, "events": events}
     if done:
       info["finish_reason"] = "max_turns"
     return StepResult(messages, 0.0, done, info)
 
 
 # --- helpers --------------------------------------------------------------------
+
+
+def answer_tool_calls(action, call_tool: Callable[[str, dict], str]) -> tuple[list, list]:
+  """The tool messages that answer a turn's calls, and its events.
+
+  Each malformed call (`action.tool_errors`) is answered with its error,
+  then each well-formed one with `call_tool(name, arguments)`, in order;
+  the events are ["tool_error"] if any call was malformed. Shared by every
+  environment that offers tools, so they answer calls alike.
+  """
+  errors = getattr(action, "tool_errors", ())
+  messages = [{"role": "tool", "content": f"error: {message}"} for _, message in errors]
+  for call in getattr(action, "tool_calls", ()):
+    messages.append({"role": "tool", "content": call_tool(call.name, call.arguments)})
+  return messages, ["tool_error"] if errors else []
 
 
 def _tool_name(schema: dict) -> str:

@@ -57,12 +57,14 @@ class EnvSpec:
 
 
 def _builtin_specs():
+  from sao_jax.envs import humaneval  # pylint: disable=g-import-not-at-top
   from sao_jax.envs import dataset  # pylint: disable=g-import-not-at-top
   return (
       EnvSpec("python_tool", PythonToolConfig, PythonTool, runs_code=True),
       EnvSpec("code_fix", CodeFixConfig, CodeFix, runs_code=True),
       EnvSpec("online_style", OnlineStyleConfig, lambda c, limits: OnlineStyle(c)),
       EnvSpec("dataset", dataset.DatasetConfig, dataset.DatasetEnv, runs_code=True),
+      EnvSpec("humaneval", humaneval.HumanEvalConfig, humaneval.HumanEval, runs_code=True),
   )
 
 

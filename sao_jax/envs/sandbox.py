@@ -129,6 +129,13 @@ code = open("code.py", encoding="utf-8").read()
 # Preloaded so that model code can use them after the chroot; the network
 # namespace, not a missing module, is what keeps sockets from connecting.
 import math, socket
+# A caller's extra modules (`run_python(preload=...)`), for the same reason.
+name = None
+for name in lim["preload"]:
+  try:
+    __import__(name)
+  except ImportError:
+    pass
 LINUX = sys.platform.startswith("linux")
 if LINUX:
   import ctypes
@@ -337,7 +344,7 @@ setlim(resource.RLIMIT_AS, lim["memory_bytes"])
 os.write(wfd, ("applied " + ",".join(applied) + "\n").encode())
 os.close(wfd)
 g = {"__name__": "__main__", "__builtins__": __builtins__}
-del lim, uid, report, applied, setlim, rfd, wfd, child, pidns, userns
+del lim, uid, report, applied, setlim, rfd, wfd, child, pidns, userns, name
 exec(compile(code, "<tool>", "exec"), g)
 '''
 
@@ -525,10 +532,14 @@ def _uid_pool() -> UidPool:
 
 # --- running code -----------------------------------------------------------------
 
-def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
+def run_python(code: str, limits: SandboxLimits = SandboxLimits(),
+               preload: tuple[str, ...] = ()) -> SandboxResult:
   """Runs `code` in the sandbox and returns its (truncated) result.
 
-  Returns only after every process the code started is gone.
+  `preload` names standard modules to import before the chroot, which
+  leaves only already-imported modules importable (a benchmark's prompts
+  import `typing`, its solutions `hashlib`, ...). Returns only after every
+  process the code started is gone.
   """
   start = time.monotonic()
   linux = sys.platform.startswith("linux")
@@ -546,7 +557,7 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
     err_path = os.path.join(workdir, "err.txt")
     lim = dataclasses.asdict(limits)
     rfd, wfd = os.pipe()
-    lim.update(isolate=isolate, uid=uid, report_fd=wfd, pidns=_PIDNS)
+    lim.update(isolate=isolate, uid=uid, report_fd=wfd, pidns=_PIDNS, preload=tuple(preload))
     runner = f"lim = {lim!r}\n" + _RUNNER
     timed_out = False
     try:

@@ -427,6 +427,9 @@ class RolloutDriver:
   (1: one token per call). While a call runs on the device the driver does
   its host work: finished environment steps, admissions, tokenizing.
   `tool_latency_s` sleeps in every environment step (a simulated tool call).
+  `on_finish(trajectory, episode)`, if given, is called with each finished
+  trajectory and the episode that produced it, just before it is emitted
+  (evaluation reads what its own episode wrapper recorded, e.g. a verdict).
   """
 
   def __init__(self, engine: PolicyEngine, env: Environment, tokenizer,
@@ -437,7 +440,8 @@ class RolloutDriver:
                max_stuck_env_steps: int | None = None,
                max_observation_chars: int | None = None, decode_steps: int = 8,
                tool_latency_s: float = 0.0, chat_format=None,
-               max_tool_output_tokens: int = 0):
+               max_tool_output_tokens: int = 0,
+               on_finish: Callable[[Trajectory, object], None] | None = None):
     if swap_policy not in SWAP_POLICIES:
       raise ValueError(f"swap_policy must be one of {SWAP_POLICIES}, got {swap_policy!r}")
     if samples_per_prompt < 1:
@@ -462,6 +466,7 @@ class RolloutDriver:
     self.max_tool_output_tokens = max_tool_output_tokens
     self._prompts = prompts
     self._emit = emit
+    self._on_finish = on_finish
     self.samples_per_prompt = samples_per_prompt
     self.max_turn_tokens = max_turn_tokens
     self.swap_policy = swap_policy
@@ -920,4 +925,6 @@ class RolloutDriver:
         prompt_id=int(s.task.index), group_id=s.group_id, finish_reason=reason,
         start_time=s.start_time, end_time=time.time(), env_seconds=s.env_seconds)
     self.stats.finished += 1
+    if self._on_finish is not None:
+      self._on_finish(traj, s.episode)
     self._emit(traj)
