@@ -154,9 +154,21 @@ def get_config():
   c.rl.advantage = "value"
   # dis (the paper's) or ppo_clip. Measured at tiny scale (experiments/README.md):
   # SAO with DIS collapsed in 3 of 10 runs, SAO with PPO clip in 0 of 5.
+  # Variants (issue 27): dis_rollout_kl, dis_corrective, dis_seq_geo, cispo.
   c.rl.policy_loss = "dis"
   c.rl.eps_low = 0.2
   c.rl.eps_high = 0.28
+  # Options of DIS's variants (sao_jax/losses.py; each ignored by the other losses).
+  # dis_rollout_kl: beta of its k3 penalty on KL(rollout policy || current), per action token.
+  c.rl.rollout_kl_coef = 0.1
+  # dis_corrective: which out-of-window corrective tokens it keeps, "low" (A > 0
+  # below the window; their weight r < 1 - eps_low is bounded) or "high" (A < 0
+  # above it; r unbounded, as under PPO clip).
+  c.rl.corrective_side = "low"
+  # dis_seq_geo: a whole sequence is masked when its geometric mean ratio
+  # exp(mean log r) leaves (1 - geo_eps_low, 1 + geo_eps_high).
+  c.rl.geo_eps_low = 0.05
+  c.rl.geo_eps_high = 0.05
   c.rl.gamma = 1.0
   c.rl.lam = 0.95
   # Lambda of the critic's return targets (None: rl.lam). 1.0 regresses the

@@ -28,7 +28,7 @@ from typing import Any, Callable
 from absl import app
 
 from sao_jax.advantages import ESTIMATORS
-from sao_jax.losses import POLICY_LOSSES
+from sao_jax.losses import CORRECTIVE_SIDES, POLICY_LOSSES
 from sao_jax.rollout.driver import SWAP_POLICIES
 
 MODES = ("async", "sync", "fleet")
@@ -121,6 +121,15 @@ _RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 )
 
 
+# The options of DIS's variants (sao_jax/losses.py, issue 27), checked for every loss.
+_POLICY_LOSS_RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("rl.rollout_kl_coef", lambda v: _is_real(v) and v >= 0, "a finite number >= 0"),
+    ("rl.corrective_side", lambda v: v in CORRECTIVE_SIDES, f"one of {CORRECTIVE_SIDES}"),
+    ("rl.geo_eps_low", lambda v: _is_real(v) and 0 < v < 1, "in (0, 1)"),
+    ("rl.geo_eps_high", lambda v: _is_real(v) and v > 0, "a finite number > 0"),
+)
+
+
 def _fail(field: str, value, allowed: str):
   raise ConfigError(f"{field} = {value!r}: must be {allowed}")
 
@@ -176,6 +185,7 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
   if compute_dtype and compute_dtype not in dtype_names:
     _fail("model.compute_dtype", compute_dtype, f"'' or one of {dtype_names}")
   _check_ranges(config, _RANGES)
+  _check_ranges(config, _POLICY_LOSS_RANGES)
   validate_distributed(config.distributed)
   _check_env(config.env)
   c, r = config.rl, config.rollout

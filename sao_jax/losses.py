@@ -11,6 +11,8 @@ Inputs are `[B, T]`. `advantages` and `returns` are treated as constants
 
 from __future__ import annotations
 
+import inspect
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -38,10 +40,15 @@ def _masked_stats(x: Array, action_mask: Array, n: Array, prefix: str) -> dict:
   }
 
 
+def log_importance_ratio(logp: Array, rollout_logp: Array, action_mask: Array) -> Array:
+  """log r_t clamped to +-_MAX_LOG_RATIO on action tokens, 0 elsewhere."""
+  log_ratio = jnp.where(action_mask, logp - rollout_logp, 0.0)
+  return jnp.clip(log_ratio, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+
+
 def importance_ratio(logp: Array, rollout_logp: Array, action_mask: Array) -> Array:
   """r_t = exp(logp_t - rollout_logp_t) on action tokens, 1 elsewhere."""
-  log_ratio = jnp.where(action_mask, logp - rollout_logp, 0.0)
-  return jnp.exp(jnp.clip(log_ratio, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+  return jnp.exp(log_importance_ratio(logp, rollout_logp, action_mask))
 
 
 def _normaliser(action_mask: Array, dtype) -> Array:
@@ -55,6 +62,47 @@ def _ratio_metrics(ratio, logp, rollout_logp, action_mask, n) -> dict:
   metrics["approx_kl"] = jnp.where(
       action_mask, ratio - 1.0 - log_ratio, 0.0).sum() / n
   metrics["tokens"] = n
+  return metrics
+
+
+def dis_regions(ratio: Array, advantages: Array, action_mask: Array, eps_low: float,
+                eps_high: float) -> tuple[Array, Array, Array, Array]:
+  """DIS's partition of the action tokens, each a bool `[B, T]`.
+
+      below_t      = mask_t and r_t <= 1 - eps_low
+      above_t      = mask_t and r_t >= 1 + eps_high
+      inside_t     = mask_t and 1 - eps_low < r_t < 1 + eps_high
+      corrective_t = (above_t and A_t < 0) or (below_t and A_t > 0)
+
+  Corrective tokens are the out-of-window tokens whose policy gradient
+  pulls the ratio back towards 1: PPO's clip keeps them, DIS drops them.
+
+  Returns:
+    (below, above, inside, corrective); non-action tokens are in none.
+  """
+  below = action_mask & (ratio <= 1.0 - eps_low)
+  above = action_mask & (ratio >= 1.0 + eps_high)
+  inside = action_mask & ~below & ~above
+  corrective = (above & (advantages < 0)) | (below & (advantages > 0))
+  return below, above, inside, corrective
+
+
+def _dis_surrogate(ratio, advantages, keep_mask, n):
+  return -jnp.where(keep_mask, ratio * advantages, 0.0).sum() / n
+
+
+def _dis_metrics(ratio, logp, rollout_logp, advantages, action_mask, n, below, above,
+                 keep_mask) -> dict:
+  """DIS's metrics for a loss that trains on `keep_mask`; masked = action and not kept."""
+  masked = action_mask & ~keep_mask
+  metrics = _ratio_metrics(ratio, logp, rollout_logp, action_mask, n)
+  metrics.update(
+      masked_low_frac=(below & masked).sum() / n,
+      masked_high_frac=(above & masked).sum() / n,
+      kept_frac=keep_mask.sum() / n,
+      masked_corrective_frac=(masked & (((above & (advantages < 0))
+                                         | (below & (advantages > 0))))).sum() / n,
+  )
   return metrics
 
 
@@ -97,18 +145,10 @@ def dis_policy_loss(
   advantages = jax.lax.stop_gradient(advantages)
   n = _normaliser(action_mask, logp.dtype)
   ratio = importance_ratio(logp, rollout_logp, action_mask)
-  below = action_mask & (ratio <= 1.0 - eps_low)
-  above = action_mask & (ratio >= 1.0 + eps_high)
-  keep_mask = action_mask & ~below & ~above
-  loss = -jnp.where(keep_mask, ratio * advantages, 0.0).sum() / n
-  metrics = _ratio_metrics(ratio, logp, rollout_logp, action_mask, n)
-  metrics.update(
-      masked_low_frac=below.sum() / n,
-      masked_high_frac=above.sum() / n,
-      kept_frac=keep_mask.sum() / n,
-      masked_corrective_frac=((above & (advantages < 0)) | (below & (advantages > 0))).sum() / n,
-  )
-  return loss, metrics
+  below, above, inside, _ = dis_regions(ratio, advantages, action_mask, eps_low, eps_high)
+  loss = _dis_surrogate(ratio, advantages, inside, n)
+  return loss, _dis_metrics(ratio, logp, rollout_logp, advantages, action_mask, n,
+                            below, above, inside)
 
 
 def ppo_clip_policy_loss(
@@ -136,6 +176,233 @@ def ppo_clip_policy_loss(
   loss = -jnp.where(action_mask, surrogate, 0.0).sum() / n
   metrics = _ratio_metrics(ratio, logp, rollout_logp, action_mask, n)
   metrics["clip_frac"] = (action_mask & (clipped < unclipped)).sum() / n
+  return loss, metrics
+
+
+def dis_rollout_kl_policy_loss(
+    logp: Array,
+    rollout_logp: Array,
+    advantages: Array,
+    action_mask: Array,
+    eps_low: float,
+    eps_high: float,
+    *,
+    rollout_kl_coef: float = 0.1,
+) -> tuple[Array, dict]:
+  """DIS plus a penalty on the KL divergence to the rollout policy.
+
+      k3_t = r_t - 1 - log r_t                       (>= 0, 0 at r_t = 1)
+      L    = L_dis + beta * sum_t mask_t * k3_t / N,   beta = rollout_kl_coef
+
+  L_dis is `dis_policy_loss`'s. The gradient with respect to logp_t is
+
+      -keep_t * r_t * A_t / N + beta * mask_t * (r_t - 1) / N,
+
+  so a token outside DIS's window still gets the penalty's pull back
+  towards r = 1 (hardest on the tokens furthest above it), and an in-window
+  token gets both terms.
+
+  Why k3 and not k2 = 0.5 (log r)^2: the tokens were sampled from the
+  rollout policy mu, and under mu both the value and the gradient of k3 are
+  unbiased for KL(mu || pi): E_mu[r - 1 - log r] = KL(mu || pi), and
+  E_mu[(r - 1) grad log pi] = E_pi[grad log pi] - E_mu[grad log pi]
+  = grad KL(mu || pi). k2's gradient, E_mu[log r grad log pi], is the
+  gradient of no divergence under mu's samples. k3 is also the `approx_kl`
+  every loss reports (and the lag diagnostics plot), so the penalty shrinks
+  the quantity that is watched.
+
+  Returns:
+    (loss, metrics): DIS's metrics, plus rollout_kl (the penalty's mean k3,
+    before beta), kl_penalty (beta times it) and dis_loss (L_dis).
+  """
+  _check(logp, rollout_logp, advantages, action_mask)
+  advantages = jax.lax.stop_gradient(advantages)
+  n = _normaliser(action_mask, logp.dtype)
+  log_ratio = log_importance_ratio(logp, rollout_logp, action_mask)
+  ratio = jnp.exp(log_ratio)
+  below, above, inside, _ = dis_regions(ratio, advantages, action_mask, eps_low, eps_high)
+  dis_loss = _dis_surrogate(ratio, advantages, inside, n)
+  kl = jnp.where(action_mask, ratio - 1.0 - log_ratio, 0.0).sum() / n
+  metrics = _dis_metrics(ratio, logp, rollout_logp, advantages, action_mask, n,
+                         below, above, inside)
+  metrics.update(rollout_kl=kl, kl_penalty=rollout_kl_coef * kl, dis_loss=dis_loss)
+  return dis_loss + rollout_kl_coef * kl, metrics
+
+
+CORRECTIVE_SIDES = ("low", "high")
+
+
+def dis_corrective_policy_loss(
+    logp: Array,
+    rollout_logp: Array,
+    advantages: Array,
+    action_mask: Array,
+    eps_low: float,
+    eps_high: float,
+    *,
+    corrective_side: str = "low",
+) -> tuple[Array, dict]:
+  """DIS that also trains on the corrective tokens of one side of the window.
+
+      keep_t = inside_t or (side = "low"  and r_t <= 1 - eps_low  and A_t > 0)
+                        or (side = "high" and r_t >= 1 + eps_high and A_t < 0)
+      L      = - sum_t keep_t * r_t * A_t / N
+
+  (inside_t as in `dis_regions`.) Every other out-of-window token is masked
+  as in DIS: zero value, zero gradient. The gradient is -keep_t r_t A_t / N.
+
+  "low" keeps the tokens the policy made less likely although their
+  advantage is positive; their weight r_t is below 1 - eps_low, so each
+  such token's gradient is smaller than an in-window one's. "high" keeps
+  the tokens made more likely although their advantage is negative; r_t is
+  unbounded there (it is PPO clip's unclipped side), so its gradient can be
+  large.
+
+  Returns:
+    (loss, metrics): DIS's metrics (masked_* count only the tokens this
+    loss masks) plus kept_corrective_frac.
+  """
+  if corrective_side not in CORRECTIVE_SIDES:
+    raise ValueError(f"corrective_side {corrective_side!r}: must be one of {CORRECTIVE_SIDES}")
+  _check(logp, rollout_logp, advantages, action_mask)
+  advantages = jax.lax.stop_gradient(advantages)
+  n = _normaliser(action_mask, logp.dtype)
+  ratio = importance_ratio(logp, rollout_logp, action_mask)
+  below, above, inside, _ = dis_regions(ratio, advantages, action_mask, eps_low, eps_high)
+  if corrective_side == "low":
+    corrective = below & (advantages > 0)
+  else:
+    corrective = above & (advantages < 0)
+  keep_mask = inside | corrective
+  loss = _dis_surrogate(ratio, advantages, keep_mask, n)
+  metrics = _dis_metrics(ratio, logp, rollout_logp, advantages, action_mask, n,
+                         below, above, keep_mask)
+  metrics["kept_corrective_frac"] = corrective.sum() / n
+  return loss, metrics
+
+
+def sequence_mean_log_ratio(log_ratio: Array, action_mask: Array,
+                            segment_ids: Array | None = None) -> Array:
+  """Per token, the mean of log r over the action tokens of its sequence.
+
+      g_s = sum_{t in s} mask_t log r_t / max(1, sum_{t in s} mask_t)
+
+  A sequence is a segment of a packed row (`segment_ids`, int `[B, T]`,
+  ids in [0, T], 0 padding), or the whole row when `segment_ids` is None.
+  Returns float `[B, T]`: g of each token's sequence (0 for a sequence
+  without action tokens).
+  """
+  b, t = log_ratio.shape
+  if segment_ids is None:
+    segment_ids = jnp.ones((b, t), jnp.int32)
+  chex.assert_equal_shape([log_ratio, action_mask, segment_ids])
+  # One id per (row, segment) pair, so segments never mix across rows.
+  ids = (jnp.arange(b, dtype=jnp.int32)[:, None] * (t + 1) + segment_ids).ravel()
+  num = b * (t + 1)
+  total = jax.ops.segment_sum(jnp.where(action_mask, log_ratio, 0.0).ravel(), ids, num)
+  count = jax.ops.segment_sum(action_mask.astype(log_ratio.dtype).ravel(), ids, num)
+  mean = total / jnp.maximum(count, 1.0)
+  return mean[ids].reshape(b, t)
+
+
+def dis_seq_geo_policy_loss(
+    logp: Array,
+    rollout_logp: Array,
+    advantages: Array,
+    action_mask: Array,
+    eps_low: float,
+    eps_high: float,
+    *,
+    segment_ids: Array | None = None,
+    geo_eps_low: float = 0.05,
+    geo_eps_high: float = 0.05,
+) -> tuple[Array, dict]:
+  """DIS inside a sequence-level mask on the geometric mean ratio.
+
+      G_s     = exp(mean over the action tokens t of sequence s of log r_t)
+      keep_t  = inside_t and (1 - geo_eps_low < G_{s(t)} < 1 + geo_eps_high)
+      L       = - sum_t keep_t * r_t * A_t / N
+
+  (inside_t: token-level DIS's window, as in `dis_regions`.) A sequence
+  whose geometric mean ratio leaves its window is dropped whole: every one
+  of its tokens gets zero value and zero gradient; the mask is a hard
+  indicator, so the gradient of a kept token is -r_t A_t / N, as in DIS.
+  Sequences are `segment_ids`' segments (int `[B, T]`, 0 padding), or
+  whole rows when it is None (see `sequence_mean_log_ratio`).
+
+  Returns:
+    (loss, metrics): DIS's metrics (masked_low / high count the
+    token-level window only), plus seq_masked_frac (the fraction of
+    sequences with action tokens that the geometric mask drops) and
+    seq_masked_token_frac (their action tokens, over N).
+  """
+  _check(logp, rollout_logp, advantages, action_mask)
+  advantages = jax.lax.stop_gradient(advantages)
+  n = _normaliser(action_mask, logp.dtype)
+  log_ratio = log_importance_ratio(logp, rollout_logp, action_mask)
+  ratio = jnp.exp(log_ratio)
+  below, above, inside, _ = dis_regions(ratio, advantages, action_mask, eps_low, eps_high)
+  geo = jnp.exp(sequence_mean_log_ratio(log_ratio, action_mask, segment_ids))
+  seq_kept = (geo > 1.0 - geo_eps_low) & (geo < 1.0 + geo_eps_high)
+  keep_mask = inside & seq_kept
+  loss = _dis_surrogate(ratio, advantages, keep_mask, n)
+  metrics = _dis_metrics(ratio, logp, rollout_logp, advantages, action_mask, n,
+                         below, above, inside)
+  metrics["kept_frac"] = keep_mask.sum() / n
+  dropped = action_mask & ~seq_kept
+  # Each sequence counted once, at its first action token.
+  seg = jnp.ones(action_mask.shape, jnp.int32) if segment_ids is None else segment_ids
+  starts = seg != jnp.pad(seg[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+  first = action_mask & (_segment_cumsum(action_mask, starts) == 1)
+  num_seqs = jnp.maximum(first.sum(), 1)
+  metrics.update(seq_masked_frac=(first & dropped).sum() / num_seqs,
+                 seq_masked_token_frac=dropped.sum() / n)
+  return loss, metrics
+
+
+def _segment_cumsum(x: Array, starts: Array) -> Array:
+  """Inclusive running sum of bool `x` along axis 1, restarting where `starts`."""
+  x = x.astype(jnp.int32)
+  total = jnp.cumsum(x, axis=1)
+  # The running total just before each start, carried forward to the next start.
+  base = jnp.where(starts, total - x, 0)
+  base = jax.lax.cummax(base, axis=1)
+  return total - base
+
+
+def cispo_policy_loss(
+    logp: Array,
+    rollout_logp: Array,
+    advantages: Array,
+    action_mask: Array,
+    eps_low: float,
+    eps_high: float,
+) -> tuple[Array, dict]:
+  """CISPO: a clipped, stop-gradient importance weight on the log-prob.
+
+      w_t = sg(clip(r_t, 1 - eps_low, 1 + eps_high)),   r_t against rollout_logp
+      L   = - sum_t mask_t * w_t * A_t * logp_t / N
+
+  (MiniMax-M1's CISPO, anchored on the log-prob saved at rollout.) The
+  clip bounds each token's weight but, unlike DIS or PPO's clip, removes no
+  token's gradient: d L / d logp_t = -mask_t * w_t * A_t / N for every
+  action token. The loss value is a REINFORCE-style sum over logp, not a
+  surrogate of r * A; only its gradient is comparable with DIS's.
+
+  Returns:
+    (loss, metrics): ratio mean / max / min, approx_kl, tokens, and
+    clip_low_frac / clip_high_frac (action tokens whose weight was clipped
+    up to 1 - eps_low / down to 1 + eps_high).
+  """
+  _check(logp, rollout_logp, advantages, action_mask)
+  advantages = jax.lax.stop_gradient(advantages)
+  n = _normaliser(action_mask, logp.dtype)
+  ratio = importance_ratio(logp, rollout_logp, action_mask)
+  weight = jax.lax.stop_gradient(jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high))
+  loss = -jnp.where(action_mask, weight * advantages * logp, 0.0).sum() / n
+  metrics = _ratio_metrics(ratio, logp, rollout_logp, action_mask, n)
+  metrics.update(clip_low_frac=(action_mask & (ratio < 1.0 - eps_low)).sum() / n,
+                 clip_high_frac=(action_mask & (ratio > 1.0 + eps_high)).sum() / n)
   return loss, metrics
 
 
@@ -195,12 +462,23 @@ def value_loss(
 
 
 # The policy losses by name (`rl.policy_loss`). Each is
-# fn(logp, rollout_logp, advantages, action_mask, eps_low, eps_high) -> (loss, metrics);
-# adding one is a function here and its entry.
+# fn(logp, rollout_logp, advantages, action_mask, eps_low, eps_high, **options)
+# -> (loss, metrics); adding one is a function here and its entry. A loss
+# receives those of POLICY_LOSS_OPTIONS it names as keyword parameters
+# (`call_policy_loss`), so a record that needs none takes none.
 POLICY_LOSSES = {
     "dis": dis_policy_loss,
     "ppo_clip": ppo_clip_policy_loss,
+    "dis_rollout_kl": dis_rollout_kl_policy_loss,
+    "dis_corrective": dis_corrective_policy_loss,
+    "dis_seq_geo": dis_seq_geo_policy_loss,
+    "cispo": cispo_policy_loss,
 }
+
+# The keyword options the train step offers every policy loss: the packed
+# batch's segment ids, and StepConfig's fields of the same names.
+POLICY_LOSS_OPTIONS = ("segment_ids", "rollout_kl_coef", "corrective_side", "geo_eps_low",
+                       "geo_eps_high")
 
 
 def policy_loss(name: str):
@@ -208,3 +486,17 @@ def policy_loss(name: str):
   if name not in POLICY_LOSSES:
     raise ValueError(f"policy_loss {name!r} is unknown; known: {sorted(POLICY_LOSSES)}")
   return POLICY_LOSSES[name]
+
+
+def call_policy_loss(fn, logp, rollout_logp, advantages, action_mask, eps_low, eps_high,
+                     **options):
+  """fn(logp, ..., eps_high, **those of `options` that fn names as parameters).
+
+  A loss with a `**kwargs` parameter gets every option.
+  """
+  params = inspect.signature(fn).parameters.values()
+  if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+    names = {p.name for p in params if p.kind in (inspect.Parameter.KEYWORD_ONLY,
+                                                  inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+    options = {k: v for k, v in options.items() if k in names}
+  return fn(logp, rollout_logp, advantages, action_mask, eps_low, eps_high, **options)

@@ -8,8 +8,15 @@ One RL step on a packed batch (DESIGN.md section 2):
 The advantage comes from the critic (skip-observation GAE for SAO, token- or
 step-level GAE for the ablations) or from a critic-free baseline computed on
 the host and carried in `batch["baseline_advantages"]` (GRPO's group
-normalisation, the running mean). The policy loss is DIS or PPO-clip. The
-policy version is `state.step`, the number of actor updates applied.
+normalisation, the running mean). The policy loss is a record of
+`losses.POLICY_LOSSES` (DIS, PPO-clip and DIS's variants). The policy
+version is `state.step`, the number of actor updates applied.
+
+Every actor update also logs how far the batch is from the policy it
+trains (`lag_diagnostics`, under `dis/`): per lag bucket the quantiles of
+the importance ratio, the approx KL to the rollout policy and the share of
+tokens outside DIS's window, and the corrective tokens' share of tokens
+and of |r A|. `dis_warnings` turns a record of them into progress lines.
 
 All functions here are pure; `jit_sharded` adds shardings and donation.
 """
@@ -17,9 +24,11 @@ All functions here are pure; `jit_sharded` adds shardings and donation.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any, Callable
 
+import chex
 import flax
 import jax
 import jax.numpy as jnp
@@ -29,6 +38,8 @@ from sao_jax import advantages as adv
 from sao_jax import losses
 from sao_jax.models import policy
 from sao_jax.models.config import ModelConfig
+
+Array = jax.Array
 
 # The names `rl.advantage` and `rl.policy_loss` take: the records' tables.
 ADVANTAGES = tuple(adv.ESTIMATORS)
@@ -60,10 +71,24 @@ class StepConfig:
   load_balance_coef: float = 0.01
   # Sampling temperature of the rollout (the policy's logits are scaled alike).
   temperature: float = 1.0
+  # The policy-loss variants' options (losses.POLICY_LOSS_OPTIONS); a loss
+  # that does not name one ignores it.
+  # "dis_rollout_kl": beta of the k3 penalty on KL(rollout || current).
+  rollout_kl_coef: float = 0.1
+  # "dis_corrective": the side whose corrective tokens are kept, "low"
+  # (A > 0 below the window) or "high" (A < 0 above it).
+  corrective_side: str = "low"
+  # "dis_seq_geo": a sequence is kept while its geometric mean ratio is in
+  # (1 - geo_eps_low, 1 + geo_eps_high).
+  geo_eps_low: float = 0.05
+  geo_eps_high: float = 0.05
 
   def __post_init__(self):
     adv.estimator(self.advantage)  # unknown names raise, listing the known ones
     losses.policy_loss(self.policy_loss)
+    if self.corrective_side not in losses.CORRECTIVE_SIDES:
+      raise ValueError(f"corrective_side {self.corrective_side!r}: must be one of "
+                       f"{losses.CORRECTIVE_SIDES}")
     if self.critic_updates < (1 if self.uses_critic else 0):
       raise ValueError("critic_updates must be >= 1 with a value baseline")
 
@@ -158,6 +183,171 @@ def _critic_updates(model_cfg, cfg, critic_tx, state, batch, metrics):
   return state.replace(critic=critic, critic_opt=opt), advantages
 
 
+# --- DIS under lag: diagnostics -----------------------------------------------------
+
+# Lag buckets (inclusive versions; None: no upper end) and their metric suffixes.
+# A lag below 0 (a version ahead of the step: not expected) falls in the first.
+LAG_BUCKETS = ((0, 0), (1, 1), (2, 2), (3, 4), (5, 8), (9, None))
+# Quantiles of the importance ratio logged per bucket (`ratio_q01_lag1`, ...).
+RATIO_QUANTILES = (0.01, 0.10, 0.50, 0.90, 0.99)
+
+
+def lag_bucket_name(lo: int, hi: int | None) -> str:
+  """"lag1", "lag3_4", "lag9up"."""
+  if hi is None:
+    return f"lag{lo}up"
+  return f"lag{lo}" if lo == hi else f"lag{lo}_{hi}"
+
+
+def masked_quantiles(x: Array, groups: Array, num_groups: int,
+                     quantiles: tuple[float, ...]) -> Array:
+  """Quantiles of `x` within each group, with static shapes. float `[G, Q]`.
+
+  `groups` (int, the shape of `x`) holds each element's group in
+  [0, num_groups); any other value leaves the element out. One sort orders
+  the elements by (group, x): group g then occupies [start_g, start_g + n_g)
+  and its q-quantile is numpy's default "linear" one,
+
+      pos = q (n_g - 1),  lo = floor(pos)
+      Q   = x_(lo) + (pos - lo) (x_(lo + 1) - x_(lo)),
+
+  with x_(k) the group's k-th smallest. An empty group's quantiles are NaN.
+  """
+  x, groups = x.ravel(), groups.ravel()
+  groups = jnp.where((groups >= 0) & (groups < num_groups), groups, num_groups)
+  _, sorted_x = jax.lax.sort((groups, x), num_keys=2)
+  counts = (groups[None, :] == jnp.arange(num_groups)[:, None]).sum(axis=1)  # [G]
+  starts = jnp.cumsum(counts) - counts
+  q = jnp.asarray(quantiles, x.dtype)[None, :]  # [1, Q]
+  pos = q * (jnp.maximum(counts, 1) - 1).astype(x.dtype)[:, None]  # [G, Q]
+  lo = jnp.floor(pos)
+  frac = pos - lo
+  lo = lo.astype(jnp.int32)
+  hi = jnp.minimum(lo + 1, jnp.maximum(counts, 1)[:, None] - 1)
+  last = x.shape[0] - 1
+  x_lo = sorted_x[jnp.clip(starts[:, None] + lo, 0, last)]
+  x_hi = sorted_x[jnp.clip(starts[:, None] + hi, 0, last)]
+  out = x_lo + frac * (x_hi - x_lo)
+  return jnp.where(counts[:, None] > 0, out, jnp.nan)
+
+
+def lag_diagnostics(logp: Array, rollout_logp: Array, advantages: Array, action_mask: Array,
+                    lag: Array, eps_low: float, eps_high: float) -> dict:
+  """How far a batch's action tokens are from the policy being trained, by lag.
+
+  With r_t = exp(logp_t - rollout_logp_t) and DIS's regions
+  (`losses.dis_regions`, window (1 - eps_low, 1 + eps_high)), over the
+  action tokens (all `[B, T]`; `lag` int, the actor step minus the version
+  that sampled the token):
+
+      corrective_token_frac = #corrective / N
+      corrective_mass_frac  = sum_corrective |r A| / sum_action |r A|   (0 if no mass)
+      outside_frac          = #(below or above) / N
+
+  and per lag bucket b of LAG_BUCKETS (suffix `lag_bucket_name`):
+
+      tokens_<b>           n_b, the bucket's action tokens
+      ratio_qXX_<b>        the RATIO_QUANTILES of r over the bucket (XX = 100 q)
+      approx_kl_<b>        mean over the bucket of k3 = r - 1 - log r
+      outside_frac_<b>     the bucket's share outside the window
+
+  An empty bucket's ratio quantiles, approx_kl and outside_frac are NaN
+  (not 0, which would read as "on-policy"); its tokens is 0. The metrics
+  writer passes NaN through (JSON `NaN`, which Python's json reads back).
+  Nothing here is differentiated: `logp` is taken as a constant.
+  """
+  chex.assert_equal_shape([logp, rollout_logp, advantages, action_mask, lag])
+  logp = jax.lax.stop_gradient(logp)
+  advantages = jax.lax.stop_gradient(advantages)
+  n = jnp.maximum(action_mask.sum(), 1).astype(logp.dtype)
+  log_ratio = losses.log_importance_ratio(logp, rollout_logp, action_mask)
+  ratio = jnp.exp(log_ratio)
+  below, above, _, corrective = losses.dis_regions(ratio, advantages, action_mask, eps_low,
+                                                   eps_high)
+  outside = below | above
+  mass = jnp.where(action_mask, jnp.abs(ratio * advantages), 0.0)
+  total_mass = mass.sum()
+  out = {
+      "corrective_token_frac": corrective.sum() / n,
+      # 0 / tiny = 0 when there is no mass at all (every A = 0).
+      "corrective_mass_frac": jnp.where(corrective, mass, 0.0).sum() / jnp.maximum(
+          total_mass, jnp.finfo(mass.dtype).tiny),
+      "outside_frac": outside.sum() / n,
+  }
+  # Bucket index per token: how many upper edges its lag exceeds.
+  bucket = sum((lag > hi).astype(jnp.int32) for _, hi in LAG_BUCKETS[:-1])
+  bucket = jnp.where(action_mask, bucket, len(LAG_BUCKETS))  # [B, T]
+  quantiles = masked_quantiles(ratio, bucket, len(LAG_BUCKETS), RATIO_QUANTILES)
+  k3 = ratio - 1.0 - log_ratio
+  for b, (lo, hi) in enumerate(LAG_BUCKETS):
+    name = lag_bucket_name(lo, hi)
+    in_b = bucket == b
+    count = in_b.sum()
+    denom = jnp.maximum(count, 1).astype(logp.dtype)
+    empty = count == 0
+    out[f"tokens_{name}"] = count
+    out[f"approx_kl_{name}"] = jnp.where(empty, jnp.nan, jnp.where(in_b, k3, 0.0).sum() / denom)
+    out[f"outside_frac_{name}"] = jnp.where(empty, jnp.nan, (in_b & outside).sum() / denom)
+    for j, q in enumerate(RATIO_QUANTILES):
+      out[f"ratio_q{round(100 * q):02d}_{name}"] = quantiles[b, j]
+  return out
+
+
+# Levels above which `dis_warnings` speaks. Starting points from issue 27's
+# runs, where the default queue (lag 4-5) put 2-9% of action tokens outside
+# DIS's window and the corrective tokens carried up to 17.5% of a step's
+# |r A| mass.
+DIS_WARNING_LEVELS = {
+    # Share of action tokens outside DIS's window (all lags).
+    "outside_frac": 0.10,
+    # Corrective tokens' share of the step's |r A|: what DIS drops and PPO clip trains on.
+    "corrective_mass_frac": 0.10,
+    # Per lag bucket, the k3 approx KL to the rollout policy (nats per token).
+    "approx_kl": 0.05,
+}
+
+
+def dis_warnings(metrics: dict, levels: dict | None = None) -> list[str]:
+  """One line per DIS diagnostic of a step's record that is above its level.
+
+  `metrics`: a record with `lag_diagnostics`' keys under "dis/" (host
+  scalars, e.g. what `MetricsWriter.write` returns). `levels`: overrides of
+  DIS_WARNING_LEVELS. Missing keys and NaN (empty buckets) never warn.
+  Returns [] when all is well.
+  """
+  levels = {**DIS_WARNING_LEVELS, **(levels or {})}
+
+  def value(key):
+    v = metrics.get(f"dis/{key}")
+    try:
+      v = float(v)
+    except (TypeError, ValueError):
+      return None
+    return v if math.isfinite(v) else None
+
+  lines = []
+  v = value("outside_frac")
+  if v is not None and v > levels["outside_frac"]:
+    lines.append(f"dis: {v:.1%} of action tokens outside the DIS window "
+                 f"(warning level {levels['outside_frac']:.0%})")
+  v = value("corrective_mass_frac")
+  if v is not None and v > levels["corrective_mass_frac"]:
+    tokens = value("corrective_token_frac")
+    share = "" if tokens is None else f" on {tokens:.1%} of the tokens"
+    lines.append(f"dis: corrective tokens (DIS drops, PPO clip keeps) carry {v:.1%} of "
+                 f"|r A|{share} (warning level {levels['corrective_mass_frac']:.0%})")
+  high = []
+  for lo, hi in LAG_BUCKETS:
+    name = lag_bucket_name(lo, hi)
+    v = value(f"approx_kl_{name}")
+    if v is not None and v > levels["approx_kl"]:
+      high.append(f"{v:.3g} at {name}")
+  if high:
+    lines.append(f"dis: approx KL to the rollout policy {', '.join(high)} "
+                 f"(warning level {levels['approx_kl']:.3g})")
+  return lines
+
+
 def make_train_step(model_cfg: ModelConfig, cfg: StepConfig, policy_tx, critic_tx,
                     *, update_actor: bool = True) -> Callable:
   """train_step(state, batch) -> (state, metrics). `update_actor=False` is value pretraining."""
@@ -179,15 +369,20 @@ def make_train_step(model_cfg: ModelConfig, cfg: StepConfig, policy_tx, critic_t
 
     loss_fn = losses.policy_loss(cfg.policy_loss)
 
+    options = {k: getattr(cfg, k) for k in losses.POLICY_LOSS_OPTIONS if hasattr(cfg, k)}
+    options["segment_ids"] = batch["segment_ids"]
+
     def actor_loss(params):
       logp, aux = policy.token_logprobs(model_cfg, params, *_model_inputs(batch),
                                         cfg.temperature)
-      loss, pm = loss_fn(logp, batch["rollout_logprobs"], advantages, m, cfg.eps_low,
-                         cfg.eps_high)
+      loss, pm = losses.call_policy_loss(loss_fn, logp, batch["rollout_logprobs"], advantages,
+                                         m, cfg.eps_low, cfg.eps_high, **options)
       pm["load_balance_loss"] = aux["load_balance_loss"]
-      return loss + cfg.load_balance_coef * aux["load_balance_loss"], (loss, pm)
+      return (loss + cfg.load_balance_coef * aux["load_balance_loss"],
+              (loss, pm, jax.lax.stop_gradient(logp)))
 
-    (_, (pi_loss, pm)), grads = jax.value_and_grad(actor_loss, has_aux=True)(state.policy)
+    (_, (pi_loss, pm, logp)), grads = jax.value_and_grad(actor_loss, has_aux=True)(
+        state.policy)
     norms = group_norms(grads, _NORM_GROUPS)
     new_policy, opt, ok = apply_if_finite(policy_tx, grads, state.policy_opt, state.policy,
                                           pi_loss, norms["all"])
@@ -198,6 +393,9 @@ def make_train_step(model_cfg: ModelConfig, cfg: StepConfig, policy_tx, critic_t
     lag = jnp.where(m, state.step - batch["policy_version"], 0)
     metrics["policy_lag/mean"] = lag.sum() / n
     metrics["policy_lag/max"] = lag.max()
+    diagnostics = lag_diagnostics(logp, batch["rollout_logprobs"], advantages, m, lag,
+                                  cfg.eps_low, cfg.eps_high)
+    metrics.update({f"dis/{k}": v for k, v in diagnostics.items()})
     # A skipped update is not a new policy version.
     state = state.replace(step=state.step + ok.astype(state.step.dtype), policy=new_policy,
                           policy_opt=opt)

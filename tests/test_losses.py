@@ -103,6 +103,265 @@ class PpoClipTest(parameterized.TestCase):
     np.testing.assert_allclose(metrics["clip_frac"], (m & ~trained).sum() / n)
 
 
+# --- DIS's variants (issue 27): NumPy references -------------------------------
+
+BETA, GEO_LOW, GEO_HIGH = 0.3, 0.1, 0.1
+
+
+def np_regions(r, a, m, eps_low=EPS_LOW, eps_high=EPS_HIGH):
+  below = m & (r <= 1 - eps_low)
+  above = m & (r >= 1 + eps_high)
+  return below, above, m & ~below & ~above
+
+
+def np_dis_rollout_kl(logp, rollout, a, m):
+  """(loss, dloss/dlogp) of DIS + beta * mean k3."""
+  r = np.exp(logp - rollout)
+  _, _, inside = np_regions(r, a, m)
+  n = m.sum()
+  k3 = r - 1 - (logp - rollout)
+  loss = -(inside * r * a).sum() / n + BETA * (m * k3).sum() / n
+  grad = (-(inside * r * a) + BETA * m * (r - 1)) / n
+  return loss, grad
+
+
+def np_dis_corrective(logp, rollout, a, m, side):
+  r = np.exp(logp - rollout)
+  below, above, inside = np_regions(r, a, m)
+  extra = below & (a > 0) if side == "low" else above & (a < 0)
+  keep = inside | extra
+  n = m.sum()
+  return -(keep * r * a).sum() / n, -(keep * r * a) / n, keep
+
+
+def np_dis_seq_geo(logp, rollout, a, m, seg):
+  """Loops: each (row, segment)'s geometric mean ratio gates its tokens."""
+  r = np.exp(logp - rollout)
+  _, _, inside = np_regions(r, a, m)
+  keep = np.zeros_like(m)
+  dropped_seqs, seqs, dropped_tokens = 0, 0, 0
+  for i in range(m.shape[0]):
+    for s in np.unique(seg[i]):
+      tokens = [t for t in range(m.shape[1]) if seg[i, t] == s and m[i, t]]
+      if not tokens:
+        continue
+      seqs += 1
+      g = np.exp(np.mean([logp[i, t] - rollout[i, t] for t in tokens]))
+      if 1 - GEO_LOW < g < 1 + GEO_HIGH:
+        for t in tokens:
+          keep[i, t] = inside[i, t]
+      else:
+        dropped_seqs += 1
+        dropped_tokens += len(tokens)
+  n = m.sum()
+  return (-(keep * r * a).sum() / n, -(keep * r * a) / n, keep, dropped_seqs / seqs,
+          dropped_tokens / n)
+
+
+def np_cispo(logp, rollout, a, m):
+  r = np.exp(logp - rollout)
+  w = np.clip(r, 1 - EPS_LOW, 1 + EPS_HIGH)
+  n = m.sum()
+  return -(m * w * a * logp).sum() / n, -(m * w * a) / n
+
+
+def packed_batch(seed=0, b=4, t=24):
+  """A batch of packed rows: 2-3 segments then padding; per segment its own drift.
+
+  Each segment's log-ratios are centred on a drift drawn per segment, so some
+  segments' geometric mean ratios stay in the window and others leave it.
+  """
+  rng = np.random.default_rng(seed)
+  seg = np.zeros((b, t), np.int32)
+  logp = np.zeros((b, t), np.float32)
+  rollout = rng.normal(-1.0, 0.3, (b, t)).astype(np.float32)
+  for i in range(b):
+    cuts = np.sort(rng.choice(np.arange(4, t - 4), size=2, replace=False))
+    end = t - rng.integers(0, 4)
+    bounds = [0, cuts[0], cuts[1], end]
+    for s in range(3):
+      seg[i, bounds[s]:bounds[s + 1]] = s + 1
+      drift = rng.choice([0.0, 0.3, -0.3])
+      span = slice(bounds[s], bounds[s + 1])
+      logp[i, span] = rollout[i, span] + drift + rng.normal(0, 0.1, bounds[s + 1] - bounds[s])
+  m = (rng.random((b, t)) < 0.7) & (seg > 0)
+  a = np.where(m, rng.normal(size=(b, t)), 0.0).astype(np.float32)
+  return logp.astype(np.float32), rollout, a, m, seg
+
+
+class DisVariantsTest(parameterized.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_rollout_kl_value_and_gradient(self):
+    logp, rollout, a, m = batch(4)
+    fn = lambda lp: losses.dis_rollout_kl_policy_loss(lp, rollout, a, m, EPS_LOW, EPS_HIGH,
+                                                      rollout_kl_coef=BETA)
+    (loss, metrics), grad = self.variant(jax.value_and_grad(fn, has_aux=True))(logp)
+    want_loss, want_grad = np_dis_rollout_kl(logp, rollout, a, m)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(np.asarray(grad)[~m], 0.0)
+    r = np.exp(logp - rollout)
+    kl = (m * (r - 1 - (logp - rollout))).sum() / m.sum()
+    np.testing.assert_allclose(metrics["rollout_kl"], kl, rtol=1e-5)
+    np.testing.assert_allclose(metrics["kl_penalty"], BETA * kl, rtol=1e-5)
+    np.testing.assert_allclose(metrics["approx_kl"], kl, rtol=1e-5)
+    dis, _ = losses.dis_policy_loss(logp, rollout, a, m, EPS_LOW, EPS_HIGH)
+    np.testing.assert_allclose(metrics["dis_loss"], dis, rtol=1e-6)
+    # The penalty reaches tokens DIS masks: the window's outside has gradient.
+    below, above, _ = np_regions(r, a, m)
+    self.assertTrue((np.asarray(grad)[below | above] != 0).all())
+
+  def test_rollout_kl_with_zero_coefficient_is_dis(self):
+    logp, rollout, a, m = batch(5)
+    got = jax.grad(lambda lp: losses.dis_rollout_kl_policy_loss(
+        lp, rollout, a, m, EPS_LOW, EPS_HIGH, rollout_kl_coef=0.0)[0])(logp)
+    want = jax.grad(lambda lp: losses.dis_policy_loss(
+        lp, rollout, a, m, EPS_LOW, EPS_HIGH)[0])(logp)
+    np.testing.assert_array_equal(got, want)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.parameters("low", "high")
+  def test_corrective_value_and_gradient(self, side):
+    logp, rollout, a, m = batch(6, b=4, t=16)
+    fn = lambda lp: losses.dis_corrective_policy_loss(lp, rollout, a, m, EPS_LOW, EPS_HIGH,
+                                                      corrective_side=side)
+    (loss, metrics), grad = self.variant(jax.value_and_grad(fn, has_aux=True))(logp)
+    want_loss, want_grad, keep = np_dis_corrective(logp, rollout, a, m, side)
+    r = np.exp(logp - rollout)
+    below, above, inside = np_regions(r, a, m)
+    kept_side = below if side == "low" else above
+    other_side = above if side == "low" else below
+    # The case exercises both: corrective tokens kept on one side, masked on the other.
+    self.assertTrue((keep & kept_side).any() and (~keep & kept_side).any())
+    self.assertTrue(other_side.any() and not (keep & other_side).any())
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(np.asarray(grad)[~keep], 0.0)
+    n = m.sum()
+    np.testing.assert_allclose(metrics["kept_corrective_frac"], (keep & ~inside).sum() / n)
+    np.testing.assert_allclose(metrics["kept_frac"], keep.sum() / n)
+    np.testing.assert_allclose(metrics["masked_low_frac"], (below & ~keep).sum() / n)
+    np.testing.assert_allclose(metrics["masked_high_frac"], (above & ~keep).sum() / n)
+
+  def test_corrective_side_is_checked(self):
+    logp, rollout, a, m = batch()
+    with self.assertRaisesRegex(ValueError, "corrective_side"):
+      losses.dis_corrective_policy_loss(logp, rollout, a, m, EPS_LOW, EPS_HIGH,
+                                        corrective_side="both")
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_seq_geo_value_and_gradient(self):
+    logp, rollout, a, m, seg = packed_batch()
+    fn = lambda lp, s: losses.dis_seq_geo_policy_loss(
+        lp, rollout, a, m, EPS_LOW, EPS_HIGH, segment_ids=s, geo_eps_low=GEO_LOW,
+        geo_eps_high=GEO_HIGH)
+    (loss, metrics), grad = self.variant(jax.value_and_grad(fn, has_aux=True))(logp, seg)
+    want_loss, want_grad, keep, dropped, dropped_tokens = np_dis_seq_geo(
+        logp, rollout, a, m, seg)
+    r = np.exp(logp - rollout)
+    _, _, inside = np_regions(r, a, m)
+    # Whole sequences dropped although some of their tokens are inside DIS's window.
+    self.assertTrue(0 < dropped < 1 and (inside & ~keep).any() and keep.any())
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(np.asarray(grad)[~keep], 0.0)
+    np.testing.assert_allclose(metrics["seq_masked_frac"], dropped, rtol=1e-6)
+    np.testing.assert_allclose(metrics["kept_frac"], keep.sum() / m.sum(), rtol=1e-6)
+    np.testing.assert_allclose(metrics["seq_masked_token_frac"], dropped_tokens, rtol=1e-6)
+
+  def test_seq_geo_by_hand(self):
+    # Row 0, segment 1: log r = 0, 0.02, G = e^0.01 = 1.01, kept. Segment 2:
+    # log r = 0.2, 0.1, G = e^0.15 = 1.16, dropped, though its r = 1.22 and
+    # 1.11 are inside DIS's (0.8, 1.28). Row 1 is one segment of all four:
+    # G = e^0.08 = 1.083, out of (0.95, 1.05): dropped.
+    rollout = np.zeros((2, 5), np.float32)
+    logp = np.array([[0.0, 0.02, 0.2, 0.1, 0.0]] * 2, np.float32)
+    seg = np.array([[1, 1, 2, 2, 0], [1, 1, 1, 1, 0]], np.int32)
+    m = np.array([[True, True, True, True, False]] * 2)
+    a = np.where(m, 1.0, 0.0).astype(np.float32)
+    r = np.exp(logp)
+
+    def grad(segment_ids, geo_eps_high):
+      return np.asarray(jax.grad(lambda lp: losses.dis_seq_geo_policy_loss(
+          lp, rollout, a, m, 0.2, 0.28, segment_ids=segment_ids, geo_eps_low=0.05,
+          geo_eps_high=geo_eps_high)[0])(logp))
+
+    g = grad(seg, 0.05)
+    np.testing.assert_allclose(g[0], [-r[0, 0] / 8, -r[0, 1] / 8, 0, 0, 0], rtol=1e-6)
+    np.testing.assert_array_equal(g[1], 0.0)
+    # Without segment ids each row is one sequence (G = 1.083 in both rows):
+    # dropped at (0.95, 1.05), kept at (0.95, 1.1).
+    np.testing.assert_array_equal(grad(None, 0.05), 0.0)
+    np.testing.assert_allclose(grad(None, 0.1), -(m * r) / 8, rtol=1e-6)
+
+  def test_sequence_mean_log_ratio(self):
+    logp, rollout, a, m, seg = packed_batch(1)
+    del a
+    lr = logp - rollout
+    got = np.asarray(losses.sequence_mean_log_ratio(lr, m, seg))
+    for i in range(m.shape[0]):
+      for s in np.unique(seg[i]):
+        sel = seg[i] == s
+        want = lr[i][sel & m[i]].mean() if (sel & m[i]).any() else 0.0
+        np.testing.assert_allclose(got[i][sel], want, rtol=1e-5, atol=1e-6)
+    rows = np.asarray(losses.sequence_mean_log_ratio(lr, m))
+    np.testing.assert_allclose(rows, np.broadcast_to(
+        (lr * m).sum(1, keepdims=True) / m.sum(1, keepdims=True), m.shape), rtol=1e-5)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_cispo_value_and_gradient(self):
+    logp, rollout, a, m = batch(7)
+    fn = lambda lp: losses.cispo_policy_loss(lp, rollout, a, m, EPS_LOW, EPS_HIGH)
+    (loss, metrics), grad = self.variant(jax.value_and_grad(fn, has_aux=True))(logp)
+    want_loss, want_grad = np_cispo(logp, rollout, a, m)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-7)
+    grad = np.asarray(grad)
+    # No action token's gradient is removed, the out-of-window ones included.
+    r = np.exp(logp - rollout)
+    below, above, _ = np_regions(r, a, m)
+    self.assertTrue(below.any() and above.any())
+    self.assertTrue((grad[m & (a != 0)] != 0).all())
+    np.testing.assert_array_equal(grad[~m], 0.0)
+    n = m.sum()
+    np.testing.assert_allclose(metrics["clip_low_frac"], (m & (r < 1 - EPS_LOW)).sum() / n)
+    np.testing.assert_allclose(metrics["clip_high_frac"], (m & (r > 1 + EPS_HIGH)).sum() / n)
+
+
+class PolicyLossTableTest(parameterized.TestCase):
+
+  def test_options_reach_only_the_losses_that_name_them(self):
+    logp, rollout, a, m = batch()
+    seen = {}
+
+    def plain(logp, rollout_logp, advantages, action_mask, eps_low, eps_high):
+      return logp.sum(), {}
+
+    def wants_kl(logp, rollout_logp, advantages, action_mask, eps_low, eps_high, *,
+                 rollout_kl_coef=0.0):
+      seen["kl"] = rollout_kl_coef
+      return logp.sum(), {}
+
+    def wants_all(*args, **options):
+      seen["all"] = sorted(options)
+      return args[0].sum(), {}
+
+    options = dict(segment_ids=None, rollout_kl_coef=0.5, corrective_side="low")
+    for fn in (plain, wants_kl, wants_all):
+      losses.call_policy_loss(fn, logp, rollout, a, m, EPS_LOW, EPS_HIGH, **options)
+    self.assertEqual(seen, {"kl": 0.5, "all": sorted(options)})
+
+  @parameterized.parameters("dis_rollout_kl", "dis_corrective", "dis_seq_geo", "cispo")
+  def test_variants_are_records_with_the_shared_signature(self, name):
+    logp, rollout, a, m = batch(8)
+    fn = losses.policy_loss(name)
+    loss, metrics = losses.call_policy_loss(fn, logp, rollout, a, m, EPS_LOW, EPS_HIGH,
+                                            segment_ids=np.ones(m.shape, np.int32))
+    self.assertTrue(np.isfinite(float(loss)))
+    self.assertEqual(float(metrics["tokens"]), m.sum())
+
+
 class ValueLossTest(parameterized.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
