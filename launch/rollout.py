@@ -56,7 +56,11 @@ def main(argv):
   faults = FaultInjector.from_config(config.get("faults"))
   env = faults.wrap_env(registry.make_env(config.env))
   model_cfg = trainer.build_model_config(config, tok)
-  writer = fleet.ShardWriter(root, rid, f.shard_trajectories, f.shard_seconds)
+  # Each shard carries what the driver's counters grew by while it was open
+  # (`driver` is bound below, before anything is written).
+  writer = fleet.ShardWriter(
+      root, rid, f.shard_trajectories, f.shard_seconds,
+      counters=lambda: {k: getattr(driver.stats, k) for k in fleet.SHARD_COUNTERS})
   # Each process (and each restart of it) draws its own prompt order and samples.
   seed = zlib.crc32(f"{config.seed}/{rid}/{writer.first_seq}".encode())
   follower = fleet.WeightFollower(

@@ -11,6 +11,10 @@ weights as versioned orbax checkpoints, both under one shared directory
                                       publish time)
     <root>/trajectories/<rollout_id>-<seq>.array_record
                                       one closed shard of one rollout process
+    <root>/trajectories/<rollout_id>-<seq>.array_record.stats.json
+                                      its driver's counters (malformed tool
+                                      calls, environment events) since the
+                                      previous shard, if any
     <root>/consumed.json              the trainer's cursor: per rollout, the
                                       highest shard it has fully read
     <root>/DONE                       the trainer finished RL: rollouts exit
@@ -34,8 +38,14 @@ first. Shards are read through grain's ArrayRecordDataSource and every record
 is deserialised with the store's hostile-input checks and validated by the
 same `TrajectoryQueue.check` as the in-process queue (staleness included);
 bad shards and records are counted by reason, never trained on, never a
-crash. What was consumed is a cursor that goes into the trainer's checkpoint:
-per rollout, the highest fully consumed sequence number, and (at most one)
+crash. Counts that are no trajectory's (the driver's `tool_call_errors` and
+`env_events`, `SHARD_COUNTERS`) travel beside the shard: its writer records
+what they grew by while the shard was open in a `.stats.json` written before
+the shard's rename, and the feed adds them when it finishes the shard; a
+stats file that is not what a writer writes is logged and ignored.
+
+What was consumed is a cursor that goes into the trainer's checkpoint: per
+rollout, the highest fully consumed sequence number, and (at most one)
 partially consumed shard with the index of its next record. A restarted
 trainer resumes exactly at the cursor of its checkpoint: trajectories trained
 after that checkpoint are trained again (their updates were lost with the
@@ -89,6 +99,12 @@ DONE = "DONE"
 SHARD_SUFFIX = ".array_record"
 _SHARD_NAME = re.compile(r"^([A-Za-z0-9_]+)-(\d{8})" + re.escape(SHARD_SUFFIX) + r"$")
 ROLLOUT_ID = re.compile(r"^[A-Za-z0-9_]+$")
+# The driver's counters (DriverStats fields) a shard carries in its stats file.
+SHARD_COUNTERS = ("tool_call_errors", "env_events")
+STATS_SUFFIX = ".stats.json"
+# Bounds on a stats file read back: it comes from another process, like the shard.
+_STATS_MAX_BYTES = 1 << 16
+_STATS_MAX_NAMES = 256
 # Seconds without a new shard between the feed's "still waiting" lines.
 REPORT_WAIT_S = 60.0
 
@@ -265,9 +281,14 @@ class ShardWriter:
   `write` is called from the driver thread, `rotate_if_older` and `close`
   from the process's main loop; a lock orders them. A shard is opened with
   its first trajectory (no empty shards) and closed by count or age.
+
+  `counters()`, if given, returns the driver's `SHARD_COUNTERS` (name ->
+  Counter, cumulative, possibly growing in another thread); each shard's
+  stats file holds what they grew by since the previous shard closed.
   """
 
-  def __init__(self, root: str, rollout_id: str, max_trajectories: int, max_seconds: float):
+  def __init__(self, root: str, rollout_id: str, max_trajectories: int, max_seconds: float,
+               counters: Callable[[], dict] | None = None):
     if not ROLLOUT_ID.match(rollout_id):
       raise ValueError(f"rollout_id {rollout_id!r}: use letters, digits and _ only")
     self.dir = trajectories_dir(root)
@@ -275,25 +296,32 @@ class ShardWriter:
     self.rollout_id = rollout_id
     self.max_trajectories, self.max_seconds = max_trajectories, max_seconds
     own = []
-    for name in os.listdir(self.dir):
+    names = set(os.listdir(self.dir))
+    for name in names:
       parsed = parse_shard_name(name)
       if parsed and parsed[0] == rollout_id:
         own.append(parsed[1])
-      elif name.startswith(f"{rollout_id}-") and ".tmp-" in name:
-        # The open shard of a killed predecessor: never renamed, never read.
+      elif name.startswith(f"{rollout_id}-") and (
+          ".tmp-" in name or (name.endswith(STATS_SUFFIX)
+                              and name[:-len(STATS_SUFFIX)] not in names)):
+        # The open shard (or the stats written just before its rename) of a
+        # killed predecessor: never renamed, never read.
         os.remove(os.path.join(self.dir, name))
     self.last_closed = max(own, default=-1)  # seq of the newest renamed shard
     self.first_seq = self.last_closed + 1  # this process's first shard
     self.trajectories = 0
     self._writer: store.TrajectoryWriter | None = None
+    self._path = ""
     self._opened = 0.0
     self._lock = threading.Lock()
+    self._counters = counters
+    self._counted: dict[str, dict] = {}  # the counters when the last shard closed
 
   def write(self, t: Trajectory) -> None:
     with self._lock:
       if self._writer is None:
-        path = os.path.join(self.dir, shard_name(self.rollout_id, self.last_closed + 1))
-        self._writer = store.TrajectoryWriter(path)
+        self._path = os.path.join(self.dir, shard_name(self.rollout_id, self.last_closed + 1))
+        self._writer = store.TrajectoryWriter(self._path)
         self._opened = time.time()
       self._writer.write(t)
       self.trajectories += 1
@@ -313,8 +341,24 @@ class ShardWriter:
 
   def _close_locked(self):
     writer, self._writer = self._writer, None
+    self._write_stats()  # before the rename: visible no later than the shard
     writer.close()  # fsync, then the rename that makes it visible
     self.last_closed += 1
+
+  def _write_stats(self):
+    if self._counters is None:
+      return
+    # dict(): one copy under the GIL of a Counter the driver thread updates.
+    now = {k: dict(v) for k, v in self._counters().items() if k in SHARD_COUNTERS}
+    grown = {}
+    for name, counts in now.items():
+      before = self._counted.get(name, {})
+      delta = {k: v - before.get(k, 0) for k, v in counts.items() if v > before.get(k, 0)}
+      if delta:
+        grown[name] = delta
+    self._counted = now
+    if grown:
+      _write_json(self._path + STATS_SUFFIX, grown)
 
 
 class ShardFeed:
@@ -362,6 +406,9 @@ class ShardFeed:
     self.trajectories = 0
     self.generated_tokens = 0
     self.env_faults: collections.Counter = collections.Counter()
+    # The driver's SHARD_COUNTERS, from the stats files of finished shards.
+    self.tool_call_errors: collections.Counter = collections.Counter()
+    self.env_events: collections.Counter = collections.Counter()
     self.last_shard_age_s = 0.0
     self.wait_s = 0.0
     _write_json(self._consumed_path, self.consumed)  # a restarted trainer's, too
@@ -444,8 +491,36 @@ class ShardFeed:
     except OSError:
       pass
 
+  def _read_stats(self, name: str) -> None:
+    """Adds shard `name`'s stats file (if it has one) to the SHARD_COUNTERS."""
+    path = os.path.join(self.dir, name + STATS_SUFFIX)
+    try:
+      with open(path, "rb") as f:
+        raw = f.read(_STATS_MAX_BYTES + 1)
+    except FileNotFoundError:
+      return  # nothing grew while the shard was open
+    except OSError as e:
+      self._log(f"[fleet] ignored the counters of {name}: {e}")
+      return
+    try:
+      if len(raw) > _STATS_MAX_BYTES:
+        raise ValueError(f"more than {_STATS_MAX_BYTES} bytes")
+      stats = json.loads(raw)
+      if not isinstance(stats, dict) or set(stats) - set(SHARD_COUNTERS):
+        raise ValueError(f"not an object of {SHARD_COUNTERS}")
+      for counts in stats.values():
+        if not (isinstance(counts, dict) and len(counts) <= _STATS_MAX_NAMES and all(
+            0 < len(k) <= 64 and type(v) is int and v > 0 for k, v in counts.items())):
+          raise ValueError("counts must be {name: positive int}")
+    except (ValueError, RecursionError) as e:  # json's errors included
+      self._log(f"[fleet] ignored the counters of {name}: {str(e)[:200]}")
+      return
+    for counter, counts in stats.items():
+      getattr(self, counter).update(counts)
+
   def _finish_shard(self) -> None:
     name = self._current[0]
+    self._read_stats(name)
     rid, seq = parse_shard_name(name)
     self.consumed[rid] = max(seq, self.consumed.get(rid, -1))
     self._current = None

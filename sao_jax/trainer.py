@@ -197,6 +197,94 @@ def build_programs(config, model_cfg: model_config.ModelConfig, step_cfg: StepCo
   return dataclasses.replace(programs, abstract_state=abstract_state)
 
 
+# --- the RL step's metrics ---------------------------------------------------------
+
+
+def _copy(counter) -> collections.Counter:
+  """A snapshot of a Counter another thread may be adding keys to.
+
+  `dict(c)` copies in one C call under the GIL; iterating `c` in Python (as
+  `Counter.__add__` does) could meet a key the driver thread just inserted.
+  """
+  return collections.Counter(dict(counter))
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutCounts:
+  """What the rollout side has done in this launch, for the RL metrics.
+
+  In-process, the sum over this launch's drivers: a driver that died and was
+  replaced keeps counting (`plus` its stats before it goes). In fleet mode,
+  what the consumed shards carried (`fleet.ShardFeed`); the generate and
+  environment-wait seconds are the rollout processes' own there (None).
+  """
+  generated_tokens: int = 0
+  generate_seconds: float | None = 0.0
+  env_wait_seconds: float | None = 0.0
+  env_faults: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  # Malformed tool calls by reason (chat.CALL_ERRORS, "unknown_tool", ...).
+  tool_call_errors: collections.Counter = dataclasses.field(
+      default_factory=collections.Counter)
+  # What environments reported in `info["events"]`, by name.
+  env_events: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+  def plus(self, stats) -> RolloutCounts:
+    """These counts and a driver's `DriverStats` (read while it may run)."""
+    return RolloutCounts(
+        self.generated_tokens + stats.generated_tokens,
+        self.generate_seconds + stats.generate_seconds,
+        self.env_wait_seconds + stats.env_wait_seconds,
+        self.env_faults + _copy(stats.env_faults),
+        self.tool_call_errors + _copy(stats.tool_call_errors),
+        self.env_events + _copy(stats.env_events))
+
+
+def rl_metrics(trajs, rewards: np.ndarray, counts: RolloutCounts, *, generated_total: int,
+               elapsed: float, wait: float, wait_total: float, train_total: float,
+               restarts: int, updates_skipped: int, queue_depth: int,
+               rejected: dict) -> dict:
+  """The rollout, queue and time metrics of one RL step (the train step's are apart).
+
+  Counters are cumulative over the launch, so a plot of one shows its rate;
+  each counter with reasons is written as a total and one metric per reason
+  seen. `rejected` is one copy of the queue's rejections, so that the total
+  and its reasons agree.
+  """
+  per_s = lambda x: x / max(elapsed, 1e-6)
+  m = {
+      "rollout/reward_mean": float(rewards.mean()),
+      # Episodes with the full reward (pass@1's rule): differs from the
+      # mean reward where an environment gives partial credit.
+      "rollout/success_frac": float(solved(rewards).mean()),
+      "rollout/length_mean": float(np.mean([len(t) for t in trajs])),
+      "rollout/turns_mean": float(np.mean([t.num_turns for t in trajs])),
+      "rollout/generated_tokens_per_s": per_s(counts.generated_tokens),
+      "rollout/generated_tokens_total": generated_total,
+      "rollout/restarts": restarts,
+      "policy/updates_skipped_total": updates_skipped,
+      "rollout/env_faults": sum(counts.env_faults.values()),
+      "rollout/tool_call_errors": sum(counts.tool_call_errors.values()),
+      "queue/depth": queue_depth,
+      "queue/rejected": sum(rejected.values()),
+      "trainer/idle_fraction": per_s(wait_total),
+      "trainer/batch_wait_s": wait,
+      # Wall-clock split: the trainer thread trains or waits for data; the
+      # rollout thread (async: at the same time) generates or waits on
+      # environment steps with no slot to decode.
+      "time/train_frac": per_s(train_total),
+      "time/wait_frac": per_s(wait_total),
+  }
+  if counts.generate_seconds is not None:
+    m["time/generate_frac"] = per_s(counts.generate_seconds)
+  if counts.env_wait_seconds is not None:
+    m["time/env_frac"] = per_s(counts.env_wait_seconds)
+  m.update({f"rollout/env_fault_{k}": v for k, v in counts.env_faults.items()})
+  m.update({f"rollout/tool_call_error_{k}": v for k, v in counts.tool_call_errors.items()})
+  m.update({f"rollout/env_event_{k}": v for k, v in counts.env_events.items()})
+  m.update({f"queue/rejected_{k}": v for k, v in rejected.items()})
+  return m
+
+
 class _Run:
   """Everything one run holds; methods are the stages, in order."""
 
@@ -403,10 +491,8 @@ class _Run:
       baseline_state = estimator.init_state(c)
 
     # The rollout side's state; the driver is replaced if its thread dies.
-    # Counters of drivers that died are kept here, so metrics stay cumulative.
-    rollout = {"restarts": 0, "driver": None, "gen_tokens": 0, "gen_seconds": 0.0,
-               "env_seconds": 0.0,
-               "env_faults": collections.Counter()}
+    # Counts of drivers that died are kept here, so metrics stay cumulative.
+    rollout = {"restarts": 0, "driver": None, "dead": RolloutCounts()}
     # The engine's (host-side) version: the trainer's state lives on device
     # and is donated step after step, so the rollout thread must not read it.
     trajq = TrajectoryQueue(r.queue_size, self.tok.vocab_size, self.max_len,
@@ -427,11 +513,8 @@ class _Run:
     def restart_driver(error: BaseException):
       """The rollout thread died: restart it, or stop with its error."""
       dead = rollout["driver"]
-      rollout["gen_tokens"] += dead.stats.generated_tokens
-      rollout["gen_seconds"] += dead.stats.generate_seconds
-      rollout["env_seconds"] += dead.stats.env_wait_seconds
-      rollout["env_faults"].update(dead.stats.env_faults)
       dead.stop()
+      rollout["dead"] = rollout["dead"].plus(dead.stats)
       rollout["restarts"] += 1
       last = self.ckpt.latest_step()
       if rollout["restarts"] > c.max_rollout_restarts:
@@ -547,46 +630,21 @@ class _Run:
         self.meta["stage_step"] = step + 1
         elapsed = time.time() - start_time
         if feed is None:
-          gen_tokens = rollout["gen_tokens"] + driver.stats.generated_tokens
-          env_faults = rollout["env_faults"] + driver.stats.env_faults
-          source = trajq
+          counts, source = rollout["dead"].plus(driver.stats), trajq
         else:  # what the rollout processes produced, as read from their shards
-          gen_tokens, env_faults, source = feed.generated_tokens, feed.env_faults, feed
+          counts = RolloutCounts(feed.generated_tokens, None, None, feed.env_faults,
+                                 feed.tool_call_errors, feed.env_events)
+          source = feed
           m.update({"fleet/shards_consumed": feed.shards_consumed,
                     "fleet/shard_age_s": feed.last_shard_age_s})
-        rejected = dict(source.rejected)  # one copy: the total and its reasons agree
-        generated = tokens_before + gen_tokens
+        generated = tokens_before + counts.generated_tokens
         self.meta["generated_tokens"] = generated
         budget_spent = bool(budget) and generated >= budget
-        m.update({
-            "rollout/reward_mean": float(rewards.mean()),
-            # Episodes with the full reward (pass@1's rule): differs from the
-            # mean reward where an environment gives partial credit.
-            "rollout/success_frac": float(solved(rewards).mean()),
-            "rollout/length_mean": float(np.mean([len(t) for t in trajs])),
-            "rollout/turns_mean": float(np.mean([t.num_turns for t in trajs])),
-            "rollout/generated_tokens_per_s": gen_tokens / max(elapsed, 1e-6),
-            "rollout/generated_tokens_total": generated,
-            "rollout/restarts": rollout["restarts"],
-            "policy/updates_skipped_total": skipped_total,
-            "rollout/env_faults": sum(env_faults.values()),
-            "queue/depth": source.qsize(),
-            "queue/rejected": sum(rejected.values()),
-            "trainer/idle_fraction": wait_total / max(elapsed, 1e-6),
-            "trainer/batch_wait_s": wait,
-            # Wall-clock split: the trainer thread trains or waits for data;
-            # the rollout thread (async: at the same time) generates or waits
-            # on environment steps with no slot to decode.
-            "time/train_frac": train_total / max(elapsed, 1e-6),
-            "time/wait_frac": wait_total / max(elapsed, 1e-6),
-        })
-        if feed is None:
-          m["time/generate_frac"] = ((rollout["gen_seconds"] + driver.stats.generate_seconds)
-                                     / max(elapsed, 1e-6))
-          m["time/env_frac"] = ((rollout["env_seconds"] + driver.stats.env_wait_seconds)
-                                / max(elapsed, 1e-6))
-        m.update({f"rollout/env_fault_{k}": v for k, v in env_faults.items()})
-        m.update({f"queue/rejected_{k}": v for k, v in rejected.items()})
+        m.update(rl_metrics(
+            trajs, rewards, counts, generated_total=generated, elapsed=elapsed,
+            wait=wait, wait_total=wait_total, train_total=train_total,
+            restarts=rollout["restarts"], updates_skipped=skipped_total,
+            queue_depth=source.qsize(), rejected=dict(source.rejected)))
         # Read after the queue's counts: an injection is counted before its
         # rejection, so injected_malformed >= queue/rejected at every step.
         if self.faults.active:

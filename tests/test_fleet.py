@@ -6,6 +6,7 @@ metrics lines, checkpoints committed), each behind a long hang guard; no
 assertion depends on how fast this machine is.
 """
 
+import collections
 import json
 import os
 import signal
@@ -136,6 +137,57 @@ def test_bad_shards_and_records_are_counted_not_trained(tmp_path):
   assert dict(feed.rejected) == {"token_out_of_vocab": 1, "version_from_future": 1,
                                  "corrupt_shard": 1, "not_npz": 1}
   assert feed.qsize() == 0
+
+
+def test_driver_counters_cross_the_shard_boundary(tmp_path):
+  """Malformed tool calls and environment events are no trajectory's: each
+  shard carries what they grew by while it was open, and the feed adds a
+  shard's when it finishes it, once."""
+  root = str(tmp_path)
+  stats = {"tool_call_errors": collections.Counter(), "env_events": collections.Counter()}
+  w = fleet.ShardWriter(root, "r0", max_trajectories=2, max_seconds=1e9,
+                        counters=lambda: stats)
+  stats["tool_call_errors"].update({"bad_json": 2})
+  w.write(traj(0))
+  stats["env_events"].update({"verifier_timeout": 1})
+  w.write(traj(1))  # closes r0-00000000 with both
+  stats["tool_call_errors"].update({"bad_json": 1, "unknown_tool": 1})
+  w.write(traj(2))
+  w.write(traj(3))  # r0-00000001: only what grew since
+  w.write(traj(4))
+  w.write(traj(5))  # r0-00000002: nothing grew, no stats file
+  d = fleet.trajectories_dir(root)
+  with open(os.path.join(d, fleet.shard_name("r0", 1) + fleet.STATS_SUFFIX)) as f:
+    assert json.load(f) == {"tool_call_errors": {"bad_json": 1, "unknown_tool": 1}}
+  assert not os.path.exists(os.path.join(d, fleet.shard_name("r0", 2) + fleet.STATS_SUFFIX))
+  logged = []
+  feed = make_feed(root, log=logged.append)
+  feed.take(3)  # r0-00000001 is not finished yet
+  assert feed.tool_call_errors == {"bad_json": 2}
+  assert feed.env_events == {"verifier_timeout": 1}
+  feed.take(3)
+  assert feed.tool_call_errors == {"bad_json": 3, "unknown_tool": 1}
+  assert feed.env_events == {"verifier_timeout": 1}
+  # A rollout restarted under the same id counts from zero again; a stats file
+  # a killed predecessor wrote for a shard it never renamed is removed.
+  orphan = os.path.join(d, fleet.shard_name("r0", 3) + fleet.STATS_SUFFIX)
+  with open(orphan, "w") as f:
+    json.dump({"env_events": {"ghost": 9}}, f)
+  fresh = {"tool_call_errors": collections.Counter({"unclosed": 1}),
+           "env_events": collections.Counter()}
+  w2 = fleet.ShardWriter(root, "r0", max_trajectories=1, max_seconds=1e9,
+                         counters=lambda: fresh)
+  assert not os.path.exists(orphan)
+  w2.write(traj(6))
+  # A stats file that is not what a writer writes is logged and ignored.
+  w3 = fleet.ShardWriter(root, "r1", max_trajectories=1, max_seconds=1e9)
+  w3.write(traj(7))
+  with open(os.path.join(d, fleet.shard_name("r1", 0) + fleet.STATS_SUFFIX), "w") as f:
+    json.dump({"env_events": {"x": -5}}, f)
+  feed.take(2)
+  assert feed.tool_call_errors == {"bad_json": 3, "unknown_tool": 1, "unclosed": 1}
+  assert feed.env_events == {"verifier_timeout": 1}
+  assert any("ignored the counters of r1-00000000" in line for line in logged)
 
 
 def test_weights_only_complete_versions_and_discarded_futures(tmp_path):

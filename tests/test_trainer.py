@@ -21,7 +21,9 @@ from sao_jax.envs.python_tool import PythonTool
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import config as mcfg
 from sao_jax.models import policy
+from sao_jax.rollout.driver import DriverStats
 from sao_jax.train_step import StepConfig, TrainState, make_train_step
+from sao_jax.trainer import RolloutCounts, rl_metrics
 
 from runs import finish, launch, read_metrics  # pylint: disable=g-bad-import-order
 
@@ -154,6 +156,44 @@ def test_step_config_errors():
 
 
 # --- the real trainer, end to end, on 8 simulated devices --------------------
+
+def test_rl_metrics_are_cumulative_over_driver_restarts():
+  """What _Run.rl writes each logged step: a dead driver's counts plus the live one's."""
+  dead = DriverStats(generated_tokens=100, generate_seconds=2.0, env_wait_seconds=1.0)
+  dead.env_faults.update({"env_error": 1})
+  dead.tool_call_errors.update({"bad_json": 2, "unknown_tool": 1})
+  dead.env_events.update({"verifier_timeout": 1})
+  live = DriverStats(generated_tokens=50, generate_seconds=1.0, env_wait_seconds=3.0)
+  live.tool_call_errors.update({"bad_json": 1, "unclosed": 4})
+  live.env_events.update({"verifier_timeout": 2, "sandbox_oom": 1})
+  counts = RolloutCounts().plus(dead).plus(live)
+  trajs = demo_trajs(4)
+  rewards = np.array([t.total_reward for t in trajs], np.float32)
+  m = rl_metrics(trajs, rewards, counts, generated_total=1150, elapsed=10.0, wait=0.5,
+                 wait_total=2.0, train_total=5.0, restarts=1, updates_skipped=0,
+                 queue_depth=3, rejected={"too_long": 2})
+  assert {k: v for k, v in m.items() if k.startswith(("rollout/tool", "rollout/env"))} == {
+      "rollout/tool_call_errors": 8, "rollout/tool_call_error_bad_json": 3,
+      "rollout/tool_call_error_unknown_tool": 1, "rollout/tool_call_error_unclosed": 4,
+      "rollout/env_event_verifier_timeout": 3, "rollout/env_event_sandbox_oom": 1,
+      "rollout/env_faults": 1, "rollout/env_fault_env_error": 1}
+  assert m["rollout/generated_tokens_per_s"] == 15.0
+  assert m["rollout/generated_tokens_total"] == 1150
+  assert m["time/generate_frac"] == pytest.approx(0.3)
+  assert m["time/env_frac"] == pytest.approx(0.4)
+  assert m["rollout/reward_mean"] == pytest.approx(0.5)  # demo_trajs fails i % 3 == 0
+  assert m["queue/rejected"] == 2 and m["queue/rejected_too_long"] == 2
+  # The dead driver's counters are copies: counting on in it changes nothing.
+  dead.tool_call_errors["bad_json"] += 10
+  assert counts.tool_call_errors["bad_json"] == 3
+  # Fleet mode: no generate / env seconds of the rollout processes here.
+  fleet_counts = RolloutCounts(7, None, None, tool_call_errors=live.tool_call_errors)
+  m = rl_metrics(trajs, rewards, fleet_counts, generated_total=7, elapsed=1.0, wait=0.0,
+                 wait_total=0.0, train_total=1.0, restarts=0, updates_skipped=0,
+                 queue_depth=0, rejected={})
+  assert "time/generate_frac" not in m and "time/env_frac" not in m
+  assert m["rollout/tool_call_error_unclosed"] == 4 and m["rollout/tool_call_errors"] == 5
+
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_trainer_runs_and_resumes(tmp_path, mode):

@@ -5,24 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from sao_jax.data.trajectory import Trajectory
+from sao_jax.envs import chat
 from sao_jax.envs.base import Environment, Task
-
-
-class _Raw:
-  """The toys' raw text format: text as it is, the tokenizer's turn end."""
-
-  def __init__(self, tok):
-    self.tok = tok
-
-  def prompt_ids(self, prompt, tools=()):
-    del tools
-    return ([self.tok.bos_id] if self.tok.bos_id is not None else []) + self.tok.encode(prompt)
-
-  def action_ids(self, action):
-    return self.tok.encode(action) + [self.tok.turn_end_id]
-
-  def observation_ids(self, observation):
-    return self.tok.encode(observation)
 
 
 def demonstration_trajectory(env: Environment, task: Task, tokenizer,
@@ -33,9 +17,10 @@ def demonstration_trajectory(env: Environment, task: Task, tokenizer,
   action turn with its turn end (action tokens, log-prob 0, version 0: they
   were not sampled), each observation but the last turn's as the format's
   bridge (not action tokens). The episode reward sits on the last action
-  token, as the driver would put it.
+  token, as the driver would put it. `chat_format` None: the toys' raw
+  text format.
   """
-  fmt = chat_format if chat_format is not None else _Raw(tokenizer)
+  fmt = chat_format if chat_format is not None else chat.RawFormat(tokenizer)
   tokens = list(fmt.prompt_ids(task.prompt, task.tools))
   mask, turn_starts = [False] * len(tokens), []
   turns = list(env.demonstration(task))

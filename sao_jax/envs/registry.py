@@ -33,7 +33,7 @@ import os
 import sys
 from typing import Any, Callable
 
-from sao_jax.envs import sandbox
+from sao_jax.envs import chat, sandbox
 from sao_jax.envs.base import StepResult, Task
 from sao_jax.envs.code_fix import CodeFix, CodeFixConfig
 from sao_jax.envs.online_style import OnlineStyle, OnlineStyleConfig
@@ -159,18 +159,15 @@ def make_tokenizer(env_config):
   return TOKENIZERS[name]()
 
 
-# `env.chat_format` names; "raw" is the toys' text format, built into the driver.
+# `env.chat_format` names (sao_jax/envs/chat.py); "raw" is the toys' text format.
 CHAT_FORMATS = ("raw", "plain", "qwen3")
 
 
 def make_format(env_config, tokenizer):
-  """The chat format `env.chat_format` over `tokenizer` (None: "raw")."""
+  """The chat format `env.chat_format` (default "raw") over `tokenizer`."""
   name = env_config.get("chat_format", "raw")
   if name not in CHAT_FORMATS:
     raise ValueError(f"env.chat_format = {name!r}: one of {CHAT_FORMATS}")
-  if name == "raw":
-    return None
-  from sao_jax.envs import chat  # pylint: disable=g-import-not-at-top
   options = {"enable_thinking": bool(env_config.get("thinking", True))} if name == "qwen3" else {}
   return chat.make_format(name, tokenizer, **options)
 

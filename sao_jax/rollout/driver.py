@@ -67,6 +67,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from sao_jax.data.trajectory import FINISH_REASONS, Trajectory
+from sao_jax.envs import chat
 from sao_jax.envs.base import Action, Environment, StepResult, Task
 from sao_jax.rollout.engine import PolicyEngine
 
@@ -458,11 +459,9 @@ class RolloutDriver:
       raise ValueError(f"max_tool_output_tokens must be >= 0, got {max_tool_output_tokens}")
     self.engine, self.env, self.tok = engine, env, tokenizer
     # How prompts, turn ends and observations become tokens (sao_jax/envs/chat.py);
-    # None: the toys' raw text (the prompt and observations encoded as they
-    # are, the tokenizer's turn end).
-    self.format = chat_format
-    self.turn_end_id = (tokenizer.turn_end_id if chat_format is None
-                        else chat_format.turn_end_id)
+    # None (for direct callers): the toys' raw text format.
+    self.format = chat_format if chat_format is not None else chat.RawFormat(tokenizer)
+    self.turn_end_id = self.format.turn_end_id
     self.max_tool_output_tokens = max_tool_output_tokens
     self._prompts = prompts
     self._emit = emit
@@ -762,12 +761,6 @@ class RolloutDriver:
       self._futures[f] = i
 
   def _prompt_ids(self, task: Task) -> list[int]:
-    if self.format is None:
-      if not isinstance(task.prompt, str):
-        raise _Garbage(f"task prompt is a {type(task.prompt).__name__}, not a str (the raw "
-                       "format takes text; messages need a chat format)")
-      bos = [self.tok.bos_id] if self.tok.bos_id is not None else []
-      return bos + self.tok.encode(str.__str__(task.prompt))
     return self.format.prompt_ids(_plain_prompt(task.prompt), _plain_tools(task.tools))
 
   def _action(self, task: Task, ids: list) -> Action:
@@ -778,9 +771,6 @@ class RolloutDriver:
     here and handed to the environment as an error (it answers it), never
     raised.
     """
-    if self.format is None:
-      return Action(self.tok.decode([t for t in ids if t != self.turn_end_id]))
-    from sao_jax.envs import chat  # pylint: disable=g-import-not-at-top
     parsed = self.format.parse_turn(ids)
     calls, errors = [], list(parsed.errors)
     for call in parsed.tool_calls:
@@ -796,11 +786,6 @@ class RolloutDriver:
 
   def _observation_ids(self, observation) -> list[int]:
     """An observation's tokens (the format's bridge), tool output capped in tokens."""
-    if self.format is None:  # raw text; messages' contents one after the other
-      if not isinstance(observation, str):
-        observation = "".join(m["content"] for m in observation)
-      return self.tok.encode_lossy(observation)
-    from sao_jax.envs import chat  # pylint: disable=g-import-not-at-top
     cap = self.max_tool_output_tokens
     if cap and not isinstance(observation, str):
       capped = []
