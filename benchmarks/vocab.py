@@ -18,7 +18,9 @@ load on this shared machine hits both arms alike; read the ratios):
                 (math_tool's prompt length), 64 new tokens each
 
 at vocabulary 151,669 (qwen3) and at the character tokenizer's size, same
-shapes, same logits chunking (128 tokens, as math_tool_tiny).
+shapes, same logits chunking (128 tokens, as math_tool_tiny); and at 151,669
+with the head at action tokens only (`data.logits_at_actions`, "qwen3+act":
+the batch carries `action_index`, the head runs on a quarter of the row).
 """
 
 import argparse
@@ -31,10 +33,12 @@ from flax import linen as nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import time_fns  # pylint: disable=g-import-not-at-top,wrong-import-position
+# configs/ has a `common` module of its own, which the config file imports.
+del sys.modules["common"]
 sys.path.insert(0, os.path.join(ROOT, "configs"))
-
 import math_tool_tiny  # pylint: disable=g-import-not-at-top,wrong-import-position
-from benchmarks.common import time_fns  # pylint: disable=wrong-import-position
 from sao_jax import sharding, trainer  # pylint: disable=wrong-import-position
 from sao_jax.data import packing  # pylint: disable=wrong-import-position
 from sao_jax.data.trajectory import Trajectory  # pylint: disable=wrong-import-position
@@ -54,7 +58,7 @@ def config_for(tokenizer: str):
   return c
 
 
-def packed_batch(vocab: int, seed: int = 0) -> dict:
+def packed_batch(vocab: int, at_actions: bool, seed: int = 0) -> dict:
   """ROWS trajectories of LENGTH tokens: a prompt, then turns and observations."""
   rng = np.random.default_rng(seed)
   trajs = []
@@ -73,11 +77,12 @@ def packed_batch(vocab: int, seed: int = 0) -> dict:
         rollout_logprobs=np.where(mask, -rng.uniform(0.1, 3.0, LENGTH), 0.0).astype(np.float32),
         policy_version=np.zeros(LENGTH, np.int32), rewards=rewards,
         turn_starts=np.asarray(starts, np.int32), prompt_id=i))
-  return packing.pack(trajs, ROWS, (LENGTH,))
+  return packing.pack(trajs, ROWS, (LENGTH,), action_index=at_actions)
 
 
-def arm(tokenizer: str):
-  """(the timed functions, their arguments, facts) of one vocabulary."""
+def arm(name: str):
+  """(the timed functions, facts) of one arm: "char", "qwen3" or "qwen3+act"."""
+  tokenizer, at_actions = name.split("+")[0], name.endswith("+act")
   config = config_for(tokenizer)
   tok = TOKENIZERS[tokenizer]()
   model_cfg = trainer.build_model_config(config, tok)
@@ -86,7 +91,7 @@ def arm(tokenizer: str):
   with jax.set_mesh(mesh):
     state = jax.jit(lambda: p.init_state(nn.unbox(p.policy_init()), nn.unbox(p.critic_init())),
                     out_shardings=p.state_shardings)()
-  batch = packed_batch(tok.vocab_size)
+  batch = packed_batch(tok.vocab_size, at_actions)
   device_batch = {k: jax.device_put(v, p.batch_sharding) for k, v in batch.items()}
   holder = {"state": state}
 
@@ -97,7 +102,9 @@ def arm(tokenizer: str):
 
   params = jax.device_get(state.policy)
   args = (batch["tokens"], batch["positions"], batch["segment_ids"])
-  logprobs = jax.jit(lambda prm, t, q, s: policy.token_logprobs(model_cfg, prm, t, q, s)[0])
+  index = batch.get("action_index")
+  logprobs = jax.jit(lambda prm, t, q, s, i: policy.token_logprobs(
+      model_cfg, prm, t, q, s, action_index=i)[0])
   trunk = jax.jit(lambda prm, t, q, s: Transformer(model_cfg, "hidden").apply(
       {"params": prm}, t, q, s)[0])
   engine = PolicyEngine(model_cfg, params, slots=ROWS, max_len=config.rollout.max_len, seed=0)
@@ -106,10 +113,11 @@ def arm(tokenizer: str):
   def generate():
     return engine.generate_batch(prompts, NEW)[0]
 
-  fns = {f"rl_step/{tokenizer}": rl_step,
-         f"forward/{tokenizer}": lambda: logprobs(params, *args),
-         f"trunk/{tokenizer}": lambda: trunk(params, *args),
-         f"generate/{tokenizer}": generate}
+  fns = {f"rl_step/{name}": rl_step,
+         f"forward/{name}": lambda: logprobs(params, *args, index),
+         f"trunk/{name}": lambda: trunk(params, *args)}
+  if not at_actions:  # the engine does not use action_index
+    fns[f"generate/{name}"] = generate
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
   return fns, {"vocab": tok.vocab_size, "params": n_params,
                "actions": int(batch["action_mask"].sum())}
@@ -121,7 +129,7 @@ def main():
   parser.add_argument("--out", default=None, help="append the table to this file")
   args = parser.parse_args()
   fns, facts = {}, {}
-  for name in ("char", "qwen3"):
+  for name in ("char", "qwen3", "qwen3+act"):
     f, facts[name] = arm(name)
     fns.update(f)
   t = time_fns(fns, {k: () for k in fns}, repeats=args.repeats)
@@ -131,10 +139,14 @@ def main():
       f"{c['params'] / 1e6:.2f}M vs {q['params'] / 1e6:.2f}M policy parameters; "
       f"RL batch {ROWS} x {LENGTH} ({q['actions']} action tokens); generation {ROWS} x "
       f"({PROMPT} prompt + {NEW} new) tokens; median of {args.repeats}, interleaved.",
-      "", "| program | char (ms) | qwen3 (ms) | qwen3 / char |", "|---|---|---|---|"]
+      "", "| program | char (ms) | qwen3 (ms) | qwen3+act (ms) | qwen3 / char | "
+      "qwen3+act / qwen3 |", "|---|---|---|---|---|---|"]
   for prog in ("rl_step", "forward", "trunk", "generate"):
     a, b = t[f"{prog}/char"], t[f"{prog}/qwen3"]
-    lines.append(f"| {prog} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f} |")
+    c = t.get(f"{prog}/qwen3+act")
+    act = ("-", "-") if c is None else (f"{c * 1e3:.1f}", f"{c / b:.2f}")
+    lines.append(f"| {prog} | {a * 1e3:.1f} | {b * 1e3:.1f} | {act[0]} | {b / a:.2f} | "
+                 f"{act[1]} |")
   head = 1 - t["trunk/qwen3"] / t["forward/qwen3"]
   lines += ["", f"The LM head's share of the qwen3 forward pass: {head:.0%} "
             f"(1 - trunk / forward)."]

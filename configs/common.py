@@ -84,6 +84,12 @@ def get_config():
   c.data.num_train_tasks = 100_000
   # Packed row lengths; the train step compiles once per bucket.
   c.data.buckets = (64, 128, 256)
+  # Compute the policy's vocabulary-wide head at action tokens only (SFT and
+  # RL steps; packing.pack's action_index): with a large vocabulary the head
+  # is most of a small model's step and most of an agentic row is prompt
+  # and tool output. Up to 4 more compiles per bucket (the head's width is
+  # bucketed too); off for the toys' 64-token vocabulary, where it saves nothing.
+  c.data.logits_at_actions = False
 
   c.sharding = ml_collections.ConfigDict()
   # Mesh axis sizes; -1 takes the remaining devices.

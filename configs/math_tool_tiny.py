@@ -38,8 +38,11 @@ def get_config(arg=None):
   c.rollout.max_len = 512
   c.rollout.max_turn_tokens = 64
   c.data.buckets = (384, 512)
-  # The logits matmul over 151,669 tokens is chunked (as on the pod).
-  c.model.overrides = {"logits_chunk": 128}
+  # The head over 151,669 tokens at action tokens only (a quarter of a row).
+  c.data.logits_at_actions = True
+  # The logits over 151,669 tokens are chunked in training, and a prompt's
+  # prefill meets the head at its last token only (as on the pod).
+  c.model.overrides = {"logits_chunk": 128, "prefill_chunk": 256}
   c.sft.steps = 150
   c.sft.batch_size = 16
   c.sft.lr = 3e-3

@@ -2,7 +2,15 @@
 
     python launch/train.py --config=configs/sao_moe.py --workdir=gs://BUCKET/sao_moe \
         --config.sft.init_from_hf=/path/to/Qwen3-30B-A3B-SFT \
-        --config.env.tokenizer_path=/path/to/Qwen3-30B-A3B-SFT/tokenizer.json
+        --config.env.kwargs='{"path": "/data/train.parquet", "heldout_path": "/data/test.parquet"}'
+
+The task is the paper's agentic reasoning by default: `math_tool` (math
+with a `python` tool run in the sandbox, up to 50 turns, the final answer
+in \\boxed{} checked by the math verifier) over a verl-style dataset whose
+path is the `env.kwargs` above (a local or mounted file on every host;
+without it, the small generated set the repository ships), with Qwen3's
+tokenizer (built offline, no download) and chat template, thinking on.
+`env.tokenizer_path` may still name the checkpoint's own tokenizer.json.
 
 Starts from an SFT checkpoint in Hugging Face safetensors layout (loaded one
 tensor at a time into its shardings) instead of running SFT. Mesh: fsdp over
@@ -64,7 +72,16 @@ def get_config(arg=None):
   c = common.get_config()
   c.distributed.enabled = True
   c.model.preset = "qwen3_30b_a3b"
-  c.env.tokenizer_path = ""  # required: the model's tokenizer.json
+  # The paper's reasoning task: math with a python tool, up to 50 turns
+  # (sao_jax/envs/math_tool.py); the dataset goes in env.kwargs.path /
+  # heldout_path (module docstring).
+  c.env.name = "math_tool"
+  c.env.kwargs = {"max_turns": 50}
+  c.env.tokenizer = "qwen3"
+  c.env.chat_format = "qwen3"
+  c.env.thinking = True
+  # Tool output (a program's stdout) is capped at this many tokens a call.
+  c.env.max_tool_output_tokens = 2048
   c.sharding.mesh = {"data": -1, "fsdp": 16, "expert": 8, "tensor": 1}
   c.sharding.rules = POD_RULES
   c.sft.init_from_hf = ""  # required: the SFT checkpoint directory

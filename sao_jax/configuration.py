@@ -256,17 +256,26 @@ def _check_env(env) -> None:
   the workdir exists; built-in environments' kwargs are checked against
   their config dataclass.
   """
-  from sao_jax.envs import registry, tokenizer  # pylint: disable=g-import-not-at-top
+  from sao_jax.envs import chat, registry, tokenizer  # pylint: disable=g-import-not-at-top
   try:
     registry.check_env_name(env.name)
   except ValueError as e:
     raise ConfigError(str(e)) from None
+  if env.chat_format not in registry.CHAT_FORMATS:
+    _fail("env.chat_format", env.chat_format, f"one of {registry.CHAT_FORMATS}")
   if not registry.is_import_string(env.name):
     spec = registry.ENVIRONMENTS[env.name]
     try:
-      registry.builtin_kwargs(spec, dict(env.kwargs))
+      kwargs = registry.builtin_kwargs(spec, dict(env.kwargs))
     except (TypeError, ValueError) as e:
       raise ConfigError(f"env.kwargs = {dict(env.kwargs)!r}: {e}") from None
+    if spec.chat_prompts and env.chat_format == "raw":  # the toys' format takes text
+      _fail("env.chat_format", env.chat_format,
+            f"'qwen3' or 'plain' for env.name = {env.name!r} (its prompts are chat messages)")
+    if getattr(kwargs, "tools", ()) and not chat.FORMATS[env.chat_format].renders_tools:
+      _fail("env.chat_format", env.chat_format,
+            f"a format that renders tools ('qwen3') for env.kwargs.tools = "
+            f"{tuple(kwargs.tools)}")
   if env.reward:
     try:
       fn = registry.resolve(env.reward, "env.reward")
@@ -276,10 +285,6 @@ def _check_env(env) -> None:
       _fail("env.reward", env.reward, "an import string of a callable")
   if not env.tokenizer_path and env.tokenizer not in tokenizer.TOKENIZERS:
     _fail("env.tokenizer", env.tokenizer, f"one of {sorted(tokenizer.TOKENIZERS)}")
-  if env.chat_format not in registry.CHAT_FORMATS:
-    _fail("env.chat_format", env.chat_format, f"one of {registry.CHAT_FORMATS}")
-  if env.name == "humaneval" and env.chat_format == "raw":  # its prompts are chat messages
-    _fail("env.chat_format", env.chat_format, "'qwen3' or 'plain' for env.name = 'humaneval'")
   if not isinstance(env.thinking, bool):
     _fail("env.thinking", env.thinking, "True or False")
   if not (_is_int(env.max_tool_output_tokens) and env.max_tool_output_tokens >= 0):

@@ -374,7 +374,8 @@ def make_train_step(model_cfg: ModelConfig, cfg: StepConfig, policy_tx, critic_t
 
     def actor_loss(params):
       logp, aux = policy.token_logprobs(model_cfg, params, *_model_inputs(batch),
-                                        cfg.temperature)
+                                        cfg.temperature,
+                                        action_index=batch.get("action_index"))
       loss, pm = losses.call_policy_loss(loss_fn, logp, batch["rollout_logprobs"], advantages,
                                          m, cfg.eps_low, cfg.eps_high, **options)
       pm["load_balance_loss"] = aux["load_balance_loss"]
@@ -435,7 +436,8 @@ def make_sft_step(model_cfg: ModelConfig, tx, load_balance_coef: float = 0.01) -
     m = batch["action_mask"]
 
     def loss_fn(p):
-      logp, aux = policy.token_logprobs(model_cfg, p, *_model_inputs(batch))
+      logp, aux = policy.token_logprobs(model_cfg, p, *_model_inputs(batch),
+                                        action_index=batch.get("action_index"))
       nll = -jnp.where(m, logp, 0.0).sum() / jnp.maximum(m.sum(), 1)
       return nll + load_balance_coef * aux["load_balance_loss"], nll
 

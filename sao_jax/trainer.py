@@ -46,7 +46,8 @@ from sao_jax.models import config as model_config
 from sao_jax.models import hf_import, policy
 from sao_jax.rollout.driver import RolloutDriver
 from sao_jax.rollout.engine import PolicyEngine, SamplingConfig, rollout_rules
-from sao_jax.train_step import StepConfig, TrainState, jit_sharded, make_sft_step, make_train_step
+from sao_jax.train_step import (StepConfig, TrainState, dis_warnings, jit_sharded, make_sft_step,
+                                 make_train_step)
 
 STAGES = ("sft", "value_pretrain", "rl", "done")
 
@@ -104,7 +105,9 @@ def step_config(config) -> StepConfig:
   return StepConfig(advantage=t.advantage, policy_loss=t.policy_loss, eps_low=t.eps_low,
                     eps_high=t.eps_high, gamma=t.gamma, lam=t.lam, critic_lam=t.critic_lam,
                     critic_updates=t.critic_updates, load_balance_coef=t.load_balance_coef,
-                    temperature=config.rollout.temperature)
+                    temperature=config.rollout.temperature,
+                    rollout_kl_coef=t.rollout_kl_coef, corrective_side=t.corrective_side,
+                    geo_eps_low=t.geo_eps_low, geo_eps_high=t.geo_eps_high)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,7 +353,8 @@ class _Run:
   def _pack(self, trajs, rows, baseline_advantages=None):
     """The batch of `trajs` in `rows` rows; this process builds only its own rows."""
     return distributed.pack_batch(trajs, rows, self.config.data.buckets, self.batch_sharding,
-                                  baseline_advantages)
+                                  baseline_advantages,
+                                  action_index=self.config.data.logits_at_actions)
 
   def _eval(self, name, params, samples=None):
     e = self.config.eval
@@ -599,7 +603,8 @@ class _Run:
         if estimator.baseline is not None:
           group_ids = np.asarray([t.group_id for t in trajs], np.int32)
           baseline_state, baseline = estimator.baseline(baseline_state, rewards, group_ids, c)
-        batch = packing.pack(trajs, per_step, self.config.data.buckets, baseline)
+        batch = packing.pack(trajs, per_step, self.config.data.buckets, baseline,
+                             action_index=self.config.data.logits_at_actions)
         batch = self._put_batch(self.faults.poison_batch(step + 1, batch))
         t1 = time.time()
         with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
@@ -656,6 +661,9 @@ class _Run:
               "critic/explained_variance": "expl_var", "policy/masked_low_frac": "dis_low",
               "policy/masked_high_frac": "dis_high", "policy_lag/mean": "lag",
               "trainer/idle_fraction": "idle", "queue/rejected": "rejected"})
+          if distributed.is_primary():  # DIS diagnostics past their warning levels
+            for line in dis_warnings(rec):
+              print(f"[rl] {step + 1}/{c.steps} warning: {line}", flush=True)
         if c.eval_every and (step + 1) % c.eval_every == 0 and step + 1 < c.steps:
           self._eval(f"rl_step_{step + 1}", self.state.policy)
         if (step + 1) % self.config.checkpoint.every == 0:

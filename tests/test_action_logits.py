@@ -35,9 +35,11 @@ def _traj(n, starts, lengths, seed):
 def test_action_width_is_the_smallest_bucket_that_holds_the_row():
   assert packing.action_width([3, 7], 64) == 8
   assert packing.action_width([9], 64) == 16
-  assert packing.action_width([17, 0], 64) == 32
-  assert packing.action_width([33], 64) == 64
+  assert packing.action_width([17, 0], 64) == 24
+  assert packing.action_width([33], 64) == 40
+  assert packing.action_width([64], 64) == 64
   assert packing.action_width([0], 64) == 8
+  assert packing.action_width([5], 4) == 4
 
 
 def test_pack_lists_each_rows_action_positions():

@@ -109,8 +109,13 @@ def test_tasks_prompts_split_and_demonstration():
   code = (ENV.problems[5]["prompt"] + ENV.problems[5]["canonical_solution"]).strip("\n")
   assert message["content"] == f"```python\n{code}\n```" and observation == []
   tok = Qwen3Tokenizer()
-  traj = demonstration_trajectory(ENV, task, tok, chat.make_format("qwen3", tok))
-  assert tok.decode(traj.tokens[traj.action_mask].tolist()) == message["content"] + "<|im_end|>"
+  # Thinking off: the turn is the answer; on: it opens with the (empty) think
+  # block a thinking Qwen3 samples first.
+  for thinking, head in ((False, ""), (True, "<think>\n\n</think>\n\n")):
+    fmt = chat.make_format("qwen3", tok, enable_thinking=thinking)
+    traj = demonstration_trajectory(ENV, task, tok, fmt)
+    assert tok.decode(traj.tokens[traj.action_mask].tolist()) == (
+        head + message["content"] + "<|im_end|>")
 
 
 def test_registry_config_validation_and_missing_package(monkeypatch, tmp_path):

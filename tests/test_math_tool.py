@@ -20,6 +20,7 @@ from sao_jax import evaluation, trainer
 from sao_jax.data import math_problems, store
 from sao_jax.data.ingestion import TrajectoryQueue
 from sao_jax.envs import chat, registry
+from sao_jax.envs.base import Action
 from sao_jax.envs.demonstrations import demonstration_trajectory
 from sao_jax.envs.math_tool import MathTool, MathToolConfig
 from sao_jax.envs.sandbox import SandboxLimits, run_python
@@ -114,6 +115,18 @@ def test_demonstrations_use_the_tool_and_its_real_output(env):
     assert verdict.correct, (task.answer, turns[-1][0]["content"])
 
 
+def test_python_tool_imports_the_standard_library(env):
+  code = ("import fractions, statistics, re\n"
+          "print(fractions.Fraction(1, 3) + fractions.Fraction(1, 6), statistics.median([3, 1, 2]))")
+  ids = FMT.action_ids({"role": "assistant", "content": "", "tool_calls": [
+      {"name": "python", "arguments": {"code": code}}]})
+  parsed = FMT.parse_turn(ids)
+  action = Action(parsed.text, parsed=parsed, tool_calls=parsed.tool_calls,
+                  tool_errors=parsed.errors)
+  step = env.episode(env.task(0)).step(action)
+  assert step.observation[0]["content"].strip() == "1/2 2" and not step.done
+
+
 def test_demonstration_transcripts_have_the_sampled_layout(env):
   for i in range(40):
     task = env.demonstration_task(i)
@@ -202,3 +215,16 @@ def test_end_to_end_with_qwen3_formats(tmp_path, monkeypatch):
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
     stages = [json.loads(line)["stage"] for line in f]
   assert {"sft", "value_pretrain", "rl", "eval"} <= set(stages)
+
+
+def test_config_needs_a_chat_format_that_renders_its_tools():
+  from sao_jax import configuration  # pylint: disable=g-import-not-at-top
+  c = _config()
+  configuration.validate(c, num_devices=8)
+  for chat_format, message in (("raw", "'qwen3' or 'plain'"), ("plain", "renders tools")):
+    configuration.set_field(c, "env.chat_format", chat_format)
+    with pytest.raises(configuration.ConfigError, match=message) as e:
+      configuration.validate(c, num_devices=8)
+    assert "\n" not in str(e.value)
+  configuration.set_field(c, "env.kwargs", {"tools": ()})  # no tools: plain renders it
+  configuration.validate(c, num_devices=8)

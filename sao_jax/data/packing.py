@@ -46,15 +46,14 @@ def _first_fit(lengths: Sequence[int], rows: int, width: int) -> list[list[int]]
 def action_width(counts: Sequence[int], width: int) -> int:
   """A, the `action_index` width for rows of `width` with these action counts.
 
-  The smallest of width/8, width/4, width/2 and width that holds the row
-  with the most action tokens, so the train step compiles at most four
-  head widths per length bucket.
+  The smallest multiple of width/8 that holds the row with the most action
+  tokens, so the train step compiles at most eight head widths per length
+  bucket (in practice one or two: a task's share of action tokens is
+  steady).
   """
-  most = max(counts, default=0)
-  for a in (width // 8, width // 4, width // 2):
-    if a >= max(most, 1):
-      return a
-  return width
+  step = max(width // 8, 1)
+  most = max(max(counts, default=0), 1)
+  return min(-(-most // step) * step, width)
 
 
 def pack(trajs: Sequence[Trajectory], rows: int, buckets: Sequence[int],

@@ -82,6 +82,8 @@ class ChatFormat:
 
   name = "base"
   turn_end_id: int
+  # Whether the format renders tool schemas and parses tool calls.
+  renders_tools = False
 
   def __init__(self, tokenizer):
     self.tok = tokenizer
@@ -296,6 +298,7 @@ class Qwen3Format(ChatFormat):
   """
 
   name = "qwen3"
+  renders_tools = True
 
   def __init__(self, tokenizer, enable_thinking: bool = True):
     super().__init__(tokenizer)

@@ -26,7 +26,7 @@ def demonstration_trajectory(env: Environment, task: Task, tokenizer,
   turns = list(env.demonstration(task))
   for k, (action, observation) in enumerate(turns):
     turn_starts.append(len(tokens))
-    ids = fmt.action_ids(action)
+    ids = fmt.demonstration_ids(action)  # as this format's policy samples the turn
     tokens += ids
     mask += [True] * len(ids)
     if k + 1 < len(turns):  # the last turn ends the episode: nothing follows it

@@ -49,22 +49,29 @@ class EnvSpec:
   `build(kwargs_dataclass, sandbox_limits)` makes the environment;
   `runs_code` environments get the sandbox isolation check first (unless
   their kwargs say `use_sandbox=False`, a test-only switch).
+  `chat_prompts` environments give chat messages (and may offer tools):
+  they need a chat format that renders roles, not the toys' "raw".
   """
   name: str
   config: type
   build: Callable
   runs_code: bool = False
+  chat_prompts: bool = False
 
 
 def _builtin_specs():
   from sao_jax.envs import humaneval  # pylint: disable=g-import-not-at-top
-  from sao_jax.envs import dataset  # pylint: disable=g-import-not-at-top
+  from sao_jax.envs import dataset, math_tool  # pylint: disable=g-import-not-at-top
   return (
       EnvSpec("python_tool", PythonToolConfig, PythonTool, runs_code=True),
       EnvSpec("code_fix", CodeFixConfig, CodeFix, runs_code=True),
       EnvSpec("online_style", OnlineStyleConfig, lambda c, limits: OnlineStyle(c)),
-      EnvSpec("dataset", dataset.DatasetConfig, dataset.DatasetEnv, runs_code=True),
-      EnvSpec("humaneval", humaneval.HumanEvalConfig, humaneval.HumanEval, runs_code=True),
+      EnvSpec("dataset", dataset.DatasetConfig, dataset.DatasetEnv, runs_code=True,
+              chat_prompts=True),
+      EnvSpec("humaneval", humaneval.HumanEvalConfig, humaneval.HumanEval, runs_code=True,
+              chat_prompts=True),
+      EnvSpec("math_tool", math_tool.MathToolConfig, math_tool.MathTool, runs_code=True,
+              chat_prompts=True),
   )
 
 
