@@ -3,8 +3,10 @@
     python launch/serve.py --config=configs/sao_tiny.py --workdir=workdirs/sao_tiny --port=9000
 
 Loads the latest checkpoint's policy (fresh params if the workdir has none)
-and serves it until interrupted. Needs the `jetstream` extra. Query it with
-JetStream's own client, e.g. `jetstream.core.proto.jetstream_pb2_grpc.
+and serves it until interrupted on `--host` (default 127.0.0.1: this machine
+only). The endpoint has no authentication and no TLS; a host beyond loopback
+(`--host=0.0.0.0`) logs a warning saying so. Needs the `jetstream` extra.
+Query it with JetStream's own client, e.g. `jetstream.core.proto.jetstream_pb2_grpc.
 OrchestratorStub(channel).Decode(DecodeRequest(text_content=...))`.
 """
 
@@ -19,6 +21,9 @@ from sao_jax.rollout.engine import PolicyEngine, SamplingConfig
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory whose latest checkpoint to serve.")
+_HOST = flags.DEFINE_string(
+    "host", jetstream_bridge.LOOPBACK_HOST, "Address to bind. Beyond loopback the endpoint is "
+    "reachable by anyone on the network, unauthenticated and unencrypted (a warning is logged).")
 _PORT = flags.DEFINE_integer("port", 9000, "gRPC port.")
 _SLOTS = flags.DEFINE_integer("slots", 8, "Concurrent decode slots.")
 _TOKENS_PER_STEP = flags.DEFINE_integer(
@@ -37,8 +42,9 @@ def main(argv):
   engine = PolicyEngine(run.model_cfg, run.state.policy, slots=_SLOTS.value, max_len=r.max_len,
                         sampling=SamplingConfig(r.temperature, r.top_k, r.top_p))
   server = jetstream_bridge.serve(jetstream_bridge.JetStreamEngine(
-      engine, run.tok, tokens_per_step=_TOKENS_PER_STEP.value, ignore_eos=_IGNORE_EOS.value), _PORT.value)
-  print(f"JetStream server on port {_PORT.value}", flush=True)
+      engine, run.tok, tokens_per_step=_TOKENS_PER_STEP.value, ignore_eos=_IGNORE_EOS.value), _PORT.value,
+      host=_HOST.value)
+  print(f"JetStream server on port {_PORT.value} ({_HOST.value})", flush=True)
   try:
     threading.Event().wait()
   finally:

@@ -1,5 +1,8 @@
 """The policy behind JetStream's Engine API, served by JetStream's real gRPC server."""
 
+import ipaddress
+import os
+
 import numpy as np
 import pytest
 
@@ -138,8 +141,74 @@ def test_grpc_server_streams_a_completion(engine):
   assert all(0 <= t < TOK.vocab_size for t in token_ids)
 
 
+def _listening_addresses(port: int) -> set[str]:
+  """The local addresses of this machine's listening TCP sockets on `port`."""
+  found = set()
+  for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+    try:
+      with open(table) as f:
+        rows = f.read().splitlines()[1:]
+    except OSError:
+      continue
+    for row in rows:
+      local, state = row.split()[1], row.split()[3]
+      address, hex_port = local.split(":")
+      if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+        # The kernel prints each 32-bit word of the address in host (little-endian) order.
+        raw = b"".join(bytes.fromhex(address[i:i + 8])[::-1] for i in range(0, width, 8))
+        found.add(str(ipaddress.ip_address(raw)))
+  return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's socket table")
+def test_server_listens_on_loopback_only_by_default(engine):
+  port = portpicker.pick_unused_port()
+  server = jetstream_bridge.serve(engine, port)
+  try:
+    addresses = _listening_addresses(port)
+  finally:
+    server.stop()
+  assert addresses, "nothing listens on the port"
+  # gRPC may hold 127.0.0.1 on an IPv6 socket, listed as ::ffff:127.0.0.1.
+  assert all(jetstream_bridge.is_loopback(a) for a in addresses), addresses
+  assert not addresses & {"0.0.0.0", "::"}
+
+
+@pytest.mark.parametrize("host,loopback", [
+    ("127.0.0.1", True), ("127.0.1.1", True), ("::1", True), ("[::1]", True),
+    ("::ffff:127.0.0.1", True), ("::ffff:10.0.0.1", False),
+    ("localhost", True), ("LOCALHOST", True),
+    ("0.0.0.0", False), ("::", False), ("[::]", False), ("10.1.2.3", False),
+    ("192.168.0.7", False), ("fe80::1", False), ("example.com", False)])
+def test_exposure_warning_beyond_loopback(host, loopback):
+  # Checks the address only: nothing is bound here.
+  warning = jetstream_bridge.exposure_warning(host)
+  assert (warning is None) == loopback
+  if not loopback:
+    assert "unauthenticated" in warning and "unencrypted" in warning and host in warning
+
+
+def test_serve_logs_the_exposure_warning(monkeypatch):
+  logged = []
+  monkeypatch.setattr(jetstream_bridge.logging, "warning", lambda fmt, *a: logged.append(fmt % a))
+
+  class Refused(Exception):
+    pass
+
+  class NoParams:  # stops serve() right after the warning, before anything binds
+    def load_params(self):
+      raise Refused
+
+  with pytest.raises(Refused):
+    jetstream_bridge.serve(NoParams(), 0, host="0.0.0.0")
+  assert len(logged) == 1 and "unauthenticated" in logged[0]
+  logged.clear()
+  with pytest.raises(Refused):
+    jetstream_bridge.serve(NoParams(), 0)
+  assert not logged
+
+
 def test_launch_serve_answers_on_localhost(tmp_path):
-  import os  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

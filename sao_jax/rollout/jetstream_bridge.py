@@ -7,7 +7,8 @@ Needs the `jetstream` extra (`pip install -e '.[jetstream]'`, google-jetstream
   around `PolicyEngine`, so JetStream's orchestrator (continuous batching,
   gRPC streaming) can serve the policy for evaluation and demos;
 * `JetStreamTokenizer`, our tokenizers behind JetStream's Tokenizer API;
-* `serve(...)`, JetStream's real gRPC server over that engine.
+* `serve(...)`, JetStream's real gRPC server over that engine, bound to
+  loopback unless told otherwise (it has no authentication and no TLS).
 
 The RL path does not go through here: JetStream's responses carry token ids
 and text only (no log-probs, no versions), and its params cannot be swapped
@@ -22,8 +23,13 @@ removed, which is restored below before jetstream is imported.
 
 from __future__ import annotations
 
+import asyncio
+from concurrent import futures
+import ipaddress
+import threading
 from typing import Any, NamedTuple
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,6 +40,7 @@ if not hasattr(jax, "tree_map"):  # removed from JAX; jetstream 0.2.2 calls it
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import grpc
 from jetstream.core import orchestrator, server_lib
+from jetstream.core.proto import jetstream_pb2_grpc
 from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
 
 from sao_jax.rollout.engine import DecodeState, PolicyEngine, Prefix
@@ -205,13 +212,77 @@ class JetStreamEngine(engine_api.Engine):
     return None
 
 
-def serve(engine: JetStreamEngine, port: int, threads: int = 4) -> server_lib.JetStreamServer:
-  """Starts JetStream's gRPC server (insecure, for localhost) over `engine`."""
+LOOPBACK_HOST = "127.0.0.1"
+
+
+def is_loopback(host: str) -> bool:
+  """True for 127.0.0.0/8 (also IPv4-mapped), ::1 and `localhost`; `[::1]` too."""
+  host = host.strip().strip("[]")
+  if host.lower() == "localhost":
+    return True
+  try:
+    address = ipaddress.ip_address(host)
+  except ValueError:  # a host name: it may resolve anywhere
+    return False
+  mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+  return (mapped or address).is_loopback
+
+
+def exposure_warning(host: str) -> str | None:
+  """The warning for serving on `host`, or None when `host` is loopback only.
+
+  JetStream's server has no authentication and serves plain-text gRPC here:
+  anyone who can reach the address can run the policy.
+  """
+  if is_loopback(host):
+    return None
+  return (f"serving on {host}, beyond loopback: the JetStream endpoint is unauthenticated "
+          "and unencrypted (no TLS); anyone who can reach it can query the policy. "
+          f"Use --host={LOOPBACK_HOST} and a tunnel, or a proxy with TLS and auth.")
+
+
+class _Server(server_lib.JetStreamServer):
+  """JetStream 0.2.2's server bound to `host:port`.
+
+  `server_lib.JetStreamServer` always binds `[::]` (every interface); this
+  is its constructor with the address as an argument, and its start / stop
+  unchanged.
+  """
+
+  def __init__(self, driver: orchestrator.Driver, threads: int, host: str, port: int,
+               credentials):  # pylint: disable=super-init-not-called
+    self._executor = futures.ThreadPoolExecutor(max_workers=threads)
+    self._loop = asyncio.new_event_loop()
+    self._loop.set_default_executor(self._executor)
+    self._loop_thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+    self._loop_thread.start()
+
+    async def make_server():
+      return grpc.aio.server(self._executor)
+
+    self._grpc_server = asyncio.run_coroutine_threadsafe(make_server(), self._loop).result()
+    self._driver = driver
+    jetstream_pb2_grpc.add_OrchestratorServicer_to_server(
+        orchestrator.LLMOrchestrator(driver=driver), self._grpc_server)
+    address = host.strip("[]")
+    address = f"[{address}]" if ":" in address else address
+    self._grpc_server.add_secure_port(f"{address}:{port}", credentials)
+
+
+def serve(engine: JetStreamEngine, port: int, threads: int = 4,
+          host: str = LOOPBACK_HOST) -> server_lib.JetStreamServer:
+  """Starts JetStream's gRPC server over `engine` on `host:port`.
+
+  Plain-text gRPC without authentication, so the default is loopback only;
+  any other `host` logs `exposure_warning(host)`.
+  """
+  warning = exposure_warning(host)
+  if warning:
+    logging.warning("%s", warning)
   params = engine.load_params()
   driver = orchestrator.Driver(prefill_engines=[engine], generate_engines=[engine],
                                prefill_params=[params], generate_params=[params],
                                interleaved_mode=True)
-  server = server_lib.JetStreamServer(driver, threads, port,
-                                      grpc.insecure_server_credentials())
+  server = _Server(driver, threads, host, port, grpc.insecure_server_credentials())
   server.start()
   return server
