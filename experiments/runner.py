@@ -60,6 +60,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from sao_jax import files
+from sao_jax.configuration import parse_literal
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "experiments", "results")
 WORKDIRS = os.path.join(ROOT, "workdirs", "experiments")
@@ -219,11 +222,7 @@ def _read_json(path: str):
 
 
 def _write_json(path: str, obj) -> None:
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(obj, f, indent=2, default=float)
-  os.replace(tmp, path)
+  files.write_json(path, obj, indent=2, default=float)
 
 
 def sft_start(launch: Launcher, workdir: str, arm: Arm, overrides: dict, seed: int) -> str:
@@ -605,14 +604,10 @@ def main(finding: Finding, argv: Sequence[str] | None = None) -> dict:
   parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                       help="an override of every arm, e.g. --set eval.samples_per_task=2")
   args = parser.parse_args(argv)
-  import ast  # pylint: disable=g-import-not-at-top
   extra = {}
   for item in args.set:
     field, value = item.split("=", 1)
-    try:
-      extra[field] = ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-      extra[field] = value
+    extra[field] = parse_literal(value)
   n = args.seeds or (1 if args.smoke else finding.seeds)
   return run_finding(finding, seeds=range(args.first_seed, args.first_seed + n),
                      arms=[a for a in args.arms.split(",") if a] or None,

@@ -18,6 +18,7 @@ enough free space), also before training.
 
 from __future__ import annotations
 
+import ast
 import math
 import os
 import shutil
@@ -36,6 +37,15 @@ MODES = ("async", "sync", "fleet")
 
 class ConfigError(ValueError):
   """A setting that cannot work; the message is one line naming the field."""
+
+
+def parse_literal(text: str):
+  """A command-line override's value: a Python literal where one parses (2,
+  0.5, True, "(1, 2)"), `true` / `false` in any case as bools, else the text."""
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return {"true": True, "false": False}.get(text.lower(), text)
 
 
 def get_field(config, field: str):

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 
 import numpy as np
 
+from sao_jax import files
 from sao_jax.data import prompts as prompt_data
 from sao_jax.envs.base import StepResult
 from sao_jax.rollout.driver import RolloutDriver
@@ -151,10 +151,6 @@ def sample_record(traj, episode, tokenizer) -> dict:
 
 
 def write_samples(path: str, samples: list) -> None:
-  """`samples` as JSONL at `path` (by task), written whole under a temporary name."""
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    for record in sorted(samples, key=lambda r: r["prompt_id"]):
-      f.write(json.dumps(record, ensure_ascii=False) + "\n")
-  os.replace(tmp, path)
+  """`samples` as JSONL at `path` (by task), written whole (`files.write_text`)."""
+  files.write_text(path, "".join(json.dumps(record, ensure_ascii=False) + "\n"
+                                 for record in sorted(samples, key=lambda r: r["prompt_id"])))

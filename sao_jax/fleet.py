@@ -86,6 +86,7 @@ from typing import Any, Callable
 import grain
 import jax
 
+from sao_jax import files
 from sao_jax.checkpoint import Checkpointer, committed_checkpoints
 from sao_jax.data import store
 from sao_jax.data.ingestion import TrajectoryQueue
@@ -133,18 +134,10 @@ def parse_shard_name(name: str) -> tuple[str, int] | None:
   return (match.group(1), int(match.group(2))) if match else None
 
 
-def _write_json(path: str, value) -> None:
-  """`value` at `path`, atomically: a temp file, then a rename."""
-  tmp = f"{path}.tmp-{os.getpid()}"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(value, f)
-  os.replace(tmp, path)
-
-
 def mark_done(root: str, version: int) -> None:
   """Tells the rollouts that RL is over."""
   os.makedirs(root, exist_ok=True)
-  _write_json(os.path.join(root, DONE), {"version": int(version), "time": time.time()})
+  files.write_json(os.path.join(root, DONE), {"version": int(version), "time": time.time()})
 
 
 def read_consumed(root: str) -> dict[str, int]:
@@ -358,7 +351,7 @@ class ShardWriter:
         grown[name] = delta
     self._counted = now
     if grown:
-      _write_json(self._path + STATS_SUFFIX, grown)
+      files.write_json(self._path + STATS_SUFFIX, grown)
 
 
 class ShardFeed:
@@ -411,7 +404,7 @@ class ShardFeed:
     self.env_events: collections.Counter = collections.Counter()
     self.last_shard_age_s = 0.0
     self.wait_s = 0.0
-    _write_json(self._consumed_path, self.consumed)  # a restarted trainer's, too
+    files.write_json(self._consumed_path, self.consumed)  # a restarted trainer's, too
 
   # --- the cursor ------------------------------------------------------------
 
@@ -526,7 +519,7 @@ class ShardFeed:
     self._current = None
     self._sizes.pop(name, None)
     self.shards_consumed += 1
-    _write_json(self._consumed_path, self.consumed)
+    files.write_json(self._consumed_path, self.consumed)
     self._log(f"[fleet] consumed {name}: {self._in_shard[0]} trajectories, "
               f"{self._in_shard[1]} rejected")
 

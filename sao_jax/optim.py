@@ -31,7 +31,12 @@ TRAIN_ALL_RULES = ((r".*", TRAIN),)
 
 
 def param_path(path) -> str:
-  return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+  """A pytree key path as "a/b/0": dict keys, attribute names, sequence indices.
+
+  The one spelling of a parameter's path: freezing rules, sharding lookups,
+  gradient-norm groups and checkpoint import all match against it.
+  """
+  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
 def partition_labels(params, rules: Sequence[tuple[str, str]]):

@@ -26,6 +26,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from sao_jax.optim import param_path
+
 Rules = Sequence[tuple[str, Any]]
 
 # Logical axes the model uses (sao_jax/models/transformer.py). "layers" is
@@ -100,10 +102,6 @@ def batch_sharding(mesh: Mesh, rules: Rules, ndim: int = 2) -> NamedSharding:
   return NamedSharding(mesh, spec)
 
 
-def _path_str(path) -> str:
-  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-
-
 def shardings_like_params(tree, params, param_shardings, mesh: Mesh):
   """Shardings for a pytree that mirrors params in places (e.g. Adam moments).
 
@@ -113,11 +111,11 @@ def shardings_like_params(tree, params, param_shardings, mesh: Mesh):
   by_path = {}
   for (path, leaf), sh in zip(jax.tree_util.tree_leaves_with_path(params),
                               jax.tree.leaves(param_shardings)):
-    by_path[_path_str(path)] = (leaf.shape, sh)
+    by_path[param_path(path)] = (leaf.shape, sh)
   replicated = NamedSharding(mesh, PartitionSpec())
 
   def pick(path, leaf):
-    p = _path_str(path)
+    p = param_path(path)
     for name, (shape, sh) in by_path.items():
       if (p == name or p.endswith("/" + name)) and tuple(leaf.shape) == tuple(shape):
         return sh

@@ -38,6 +38,7 @@ from sao_jax import advantages as adv
 from sao_jax import losses
 from sao_jax.models import policy
 from sao_jax.models.config import ModelConfig
+from sao_jax.optim import param_path
 
 Array = jax.Array
 
@@ -107,7 +108,7 @@ def _model_inputs(batch):
 
 def group_norms(tree, groups: dict[str, str]) -> dict[str, jax.Array]:
   """Global L2 norm of the leaves whose path matches each regex."""
-  flat = [("/".join(str(getattr(k, "key", k)) for k in path), leaf)
+  flat = [(param_path(path), leaf)
           for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
   out = {}
   for name, rx in groups.items():

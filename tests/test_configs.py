@@ -57,3 +57,21 @@ def test_bad_config_fails_fast(field, value, message):
   c[section][name] = value
   with pytest.raises(ValueError, match=message):
     trainer.validate_config(c)
+
+
+@pytest.mark.parametrize("text,value", [
+    ("2", 2), ("0.5", 0.5), ("True", True), ("true", True), ("FALSE", False),
+    ("(1, 2)", (1, 2)), ("{'a': 1}", {"a": 1}), ("splash", "splash"), ("", "")])
+def test_override_values_parse_as_literals_else_text(text, value):
+  from sao_jax.configuration import parse_literal  # pylint: disable=g-import-not-at-top
+  assert parse_literal(text) == value and type(parse_literal(text)) is type(value)
+
+
+def test_write_json_replaces_whole_and_leaves_no_temporary(tmp_path):
+  import json  # pylint: disable=g-import-not-at-top
+  from sao_jax import files  # pylint: disable=g-import-not-at-top
+  path = tmp_path / "sub" / "x.json"
+  files.write_json(str(path), {"a": 1})
+  files.write_json(str(path), {"b": [1, 2]}, indent=2)
+  assert json.loads(path.read_text()) == {"b": [1, 2]}
+  assert os.listdir(path.parent) == ["x.json"]

@@ -35,6 +35,7 @@ import numpy as np
 from safetensors import safe_open
 
 from sao_jax.models.config import ModelConfig
+from sao_jax.optim import param_path
 
 
 def config_from_hf(path: str, **overrides) -> ModelConfig:
@@ -217,7 +218,7 @@ def load_hf_checkpoint(path: str, cfg: ModelConfig, shardings=None, *, strict: b
 
   from sao_jax.models.policy import init_params  # pylint: disable=g-import-not-at-top
   shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
-  flat_shapes = {"/".join(k.key for k in path): leaf
+  flat_shapes = {param_path(path): leaf
                  for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]}
   mapped = set(loaders) | set(stacked)
   if set(flat_shapes) != mapped:
@@ -226,7 +227,7 @@ def load_hf_checkpoint(path: str, cfg: ModelConfig, shardings=None, *, strict: b
                      f"{sorted(mapped - set(flat_shapes))}")
   flat_shardings = {}
   if shardings is not None:
-    flat_shardings = {"/".join(k.key for k in path): s
+    flat_shardings = {param_path(path): s
                       for path, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
 
   flat = {}
