@@ -1,8 +1,11 @@
 """The ingestion queue between the rollout thread and the trainer.
 
-The only threaded code path (with the driver that feeds it). A bounded
-`queue.Queue` gives backpressure: when the trainer falls behind, `put`
-blocks the rollout thread. Every record is validated on the way in; a bad
+Where the async loop's two threads meet: the driver's rollout thread puts,
+the trainer's main thread takes. It is not the only threaded code: the
+driver's environment workers, the engine's decode lanes and a fleet
+rollout's shard writer run threads too (docs/DESIGN.md section 3 lists
+them). A bounded `queue.Queue` gives backpressure: when the trainer falls
+behind, `put` blocks the rollout thread. Every record is validated on the way in; a bad
 one is dropped with a counted reason, never trained on and never a crash.
 What is enqueued is the canonical copy that was validated (see
 `trajectory.checked`), not the producer's object: the trainer gets exactly
