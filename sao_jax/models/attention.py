@@ -83,8 +83,9 @@ def decode_attention(q: Array, k: Array, v: Array, visible: Array) -> Array:
   query in its kv head's rows, zeros elsewhere), so the logits come out as
   [B, S, H] directly; the values come out for every (head, kv head) pair,
   [B, H, KVH * hd], and each head keeps its own kv head's block. KVH times
-  the multiply-adds of the GQA form, and no copy of the cache: about half
-  the attention time of a decode step of the tiny model (benchmarks/RESULTS.md).
+  the multiply-adds of the GQA form, and no copy of the cache, which costs
+  less on CPU (benchmarks/RESULTS.md, "Session 6: the decode step without
+  cache transposes").
   The model uses it for decode steps on CPU only: with the cache sharded
   over kv heads (pods) the contraction over KVH * hd would need a reduction
   across shards, which the GQA form does not.

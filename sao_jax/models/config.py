@@ -51,10 +51,9 @@ class ModelConfig:
   # expert's load exceeds that.
   moe_impl: Literal["dense", "ragged", "expert_parallel", "blocked"] = "dense"
   # blocked only: rows per expert block. Larger blocks pad more (up to one
-  # block per expert) but make bigger matmuls: on XLA:CPU a batch of
-  # [128, 128] x [128, 256] products ran at ~30 GFLOP/s and of [512, ...] at
-  # ~105, and the whole tiny train step was 1.4x faster with 512 than with
-  # 128 (benchmarks/RESULTS.md, "MoE block size").
+  # block per expert) but make bigger matmuls, which XLA:CPU runs at a much
+  # higher rate; 512 was the fastest tiny train step measured
+  # (benchmarks/RESULTS.md, "Session 7: the MoE block size").
   moe_block: int = 512
   # expert_parallel only: <= 0 is dropless (buffers sized for the worst
   # case); c > 0 gives each device pair c x its balanced share of rows and
@@ -211,8 +210,8 @@ def qwen3_30b_a3b() -> ModelConfig:
       # RL step at 16 x 4096 needs 9.8 GiB per chip vs 27.3 GiB with "ragged".
       tie_embeddings=False, max_seq_len=40_960, moe_impl="expert_parallel",
       # Dispatch rounds of 8192 tokens a chip: dropless all-to-all buffers
-      # of 2 GiB instead of 16 GiB at 2 x 32768 tokens a chip (measured: the
-      # RL step at 256 x 32768 needs 116 GiB of temporaries in one round).
+      # of 2 GiB instead of 16 GiB at 2 x 32768 tokens a chip (in one round
+      # the RL step at 256 x 32768 does not fit: benchmarks/RESULTS.md, "Pod scale").
       moe_dispatch_chunk=8192,
       param_dtype=jnp.bfloat16, dtype=jnp.bfloat16,
       # Pod-scale settings: 48 layers as one scan with full remat (the

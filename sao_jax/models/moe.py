@@ -226,8 +226,8 @@ def small_capacity(n: int, k: int, e: int) -> int:
   balanced load, rounded up to 4 (`n` or more: none, run dense).
 
   Rounding to 4, not 8, lets a 16-token call (a lane of 16 decode slots, 4
-  experts, top-2) take 12 rows an expert instead of running dense: 113
-  against 146 us a call (benchmarks/RESULTS.md, session 11)."""
+  experts, top-2) take 12 rows an expert instead of running dense, which
+  was faster on CPU (benchmarks/RESULTS.md, session 11)."""
   return -(-(3 * n * k) // (2 * e) // 4) * 4 if n * k > e else n
 
 
@@ -241,8 +241,8 @@ def capacity_moe(x, top_i, top_p, wi_gate, wi_up, wo, capacity: int):
   `small_capacity`), and the results are scatter-added back to their
   tokens. Pairs past an expert's capacity would be dropped: the caller
   checks the largest load and runs dense instead (`MoE`), so nothing is
-  ever dropped. Measured: 1.2-1.3x faster than dense at 32 tokens, 4
-  experts, top-2 (benchmarks/RESULTS.md, session 8).
+  ever dropped. Faster than dense for decode-sized calls on CPU
+  (benchmarks/RESULTS.md, session 8).
 
   Args as `blocked_moe`; `capacity` rows per expert. Returns `[N, D]`.
   """

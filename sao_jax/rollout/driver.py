@@ -27,15 +27,16 @@ swap policy for in-flight slots:
   * "drain": stop admitting, let in-flight slots finish under the old params,
     then apply.
 
-"keep" is the cheapest: measured per swap on the tiny model (16 slots, a swap
-every 4 finished trajectories, benchmarks/rollout.py), recompute cost about
-7x keep's time and cut generated tokens/s to 0.19x of no swaps (keep 0.77x,
-drain 0.70x with most swaps coalesced while it drains). The configs still
-default to "recompute": in the CPU main job the cheaper swaps let rollout
-outrun training and raised policy lag (benchmarks/RESULTS.md). Keep's log-probs
-are still exactly those its tokens were sampled with (the behaviour
-probability DIS divides by); the version of a token is that of the weights
-whose logits produced it, over a cache that may hold older versions' keys.
+"keep" is the cheapest per swap and "recompute" the dearest (it re-feeds
+every in-flight record; `benchmarks/rollout.py` measures the three:
+benchmarks/RESULTS.md, "Weight swaps: cost per swap by policy"). The
+configs still default to "recompute": in the CPU main job the cheaper swaps
+let rollout outrun training and raised policy lag (docs/DESIGN.md,
+"Decisions"; benchmarks/RESULTS.md, "The main job with the faster rollout
+defaults"). Keep's log-probs are still exactly those its tokens were
+sampled with (the behaviour probability DIS divides by); the version of a
+token is that of the weights whose logits produced it, over a cache that may
+hold older versions' keys.
 
 Environments are code the driver does not trust (they run model-written code
 and are written against a loose protocol), so no environment failure may stop
