@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import time_fns  # pylint: disable=g-import-not-at-top
+from timing import time_fns  # pylint: disable=g-import-not-at-top
 
 from sao_jax.models import config as mcfg
 from sao_jax.models import decoding, policy

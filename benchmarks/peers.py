@@ -73,7 +73,7 @@ from tunix.rl import algo_core as tunix_algo
 from tunix.rl import common as tunix_common
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import time_fns  # pylint: disable=g-import-not-at-top
+from timing import time_fns  # pylint: disable=g-import-not-at-top
 import gae as gae_bench  # pylint: disable=g-import-not-at-top
 
 from sao_jax import advantages as adv  # pylint: disable=g-import-not-at-top

@@ -70,28 +70,15 @@ def make_batch(path: str, seed: int = 0) -> None:
   sys.path.insert(0, os.path.join(ROOT, "configs"))
   import sao_tiny  # pylint: disable=g-import-not-at-top,import-outside-toplevel
   from sao_jax.data import packing  # pylint: disable=g-import-not-at-top,import-outside-toplevel
-  from sao_jax.data.trajectory import Trajectory  # pylint: disable=g-import-not-at-top,import-outside-toplevel
   from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top,import-outside-toplevel
   config = sao_tiny.get_config()
   vocab = registry.make_tokenizer(config.env).vocab_size
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  from timing import random_trajectory  # pylint: disable=g-import-not-at-top,import-outside-toplevel
   rng = np.random.default_rng(seed)
-  trajs = []
-  for i in range(config.rl.batch_size):
-    n = int(rng.integers(120, config.rollout.max_len))
-    mask = np.zeros(n, bool)
-    starts, pos = [], int(rng.integers(10, 30))
-    while pos < n:
-      k = min(int(rng.integers(10, 40)), n - pos)
-      mask[pos:pos + k] = True
-      starts.append(pos)
-      pos += k + int(rng.integers(5, 30))
-    rewards = np.zeros(n, np.float32)
-    rewards[np.flatnonzero(mask)[-1]] = float(rng.integers(0, 2))
-    trajs.append(Trajectory(
-        tokens=rng.integers(0, vocab, n).astype(np.int32), action_mask=mask,
-        rollout_logprobs=np.where(mask, -rng.uniform(0.1, 3.0, n), 0.0).astype(np.float32),
-        policy_version=np.zeros(n, np.int32), rewards=rewards,
-        turn_starts=np.asarray(starts, np.int32), prompt_id=i))
+  trajs = [random_trajectory(rng, int(rng.integers(120, config.rollout.max_len)), vocab,
+                             int(rng.integers(10, 30)), (10, 40), (5, 30), i)
+           for i in range(config.rl.batch_size)]
   batch = packing.pack(trajs, config.rl.batch_size, config.data.buckets)
   np.savez(path, **batch)
 

@@ -34,14 +34,11 @@ from flax import linen as nn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import time_fns  # pylint: disable=g-import-not-at-top,wrong-import-position
-# configs/ has a `common` module of its own, which the config file imports.
-del sys.modules["common"]
+from timing import random_trajectory, time_fns  # pylint: disable=g-import-not-at-top,wrong-import-position
 sys.path.insert(0, os.path.join(ROOT, "configs"))
 import math_tool_tiny  # pylint: disable=g-import-not-at-top,wrong-import-position
 from sao_jax import sharding, trainer  # pylint: disable=wrong-import-position
 from sao_jax.data import packing  # pylint: disable=wrong-import-position
-from sao_jax.data.trajectory import Trajectory  # pylint: disable=wrong-import-position
 from sao_jax.envs.tokenizer import TOKENIZERS  # pylint: disable=wrong-import-position
 from sao_jax.models import policy  # pylint: disable=wrong-import-position
 from sao_jax.models.transformer import Transformer  # pylint: disable=wrong-import-position
@@ -61,22 +58,8 @@ def config_for(tokenizer: str):
 def packed_batch(vocab: int, at_actions: bool, seed: int = 0) -> dict:
   """ROWS trajectories of LENGTH tokens: a prompt, then turns and observations."""
   rng = np.random.default_rng(seed)
-  trajs = []
-  for i in range(ROWS):
-    mask = np.zeros(LENGTH, bool)
-    starts, pos = [], PROMPT
-    while pos < LENGTH:
-      k = min(int(rng.integers(30, 60)), LENGTH - pos)
-      mask[pos:pos + k] = True
-      starts.append(pos)
-      pos += k + int(rng.integers(15, 40))
-    rewards = np.zeros(LENGTH, np.float32)
-    rewards[np.flatnonzero(mask)[-1]] = float(rng.integers(0, 2))
-    trajs.append(Trajectory(
-        tokens=rng.integers(0, vocab, LENGTH).astype(np.int32), action_mask=mask,
-        rollout_logprobs=np.where(mask, -rng.uniform(0.1, 3.0, LENGTH), 0.0).astype(np.float32),
-        policy_version=np.zeros(LENGTH, np.int32), rewards=rewards,
-        turn_starts=np.asarray(starts, np.int32), prompt_id=i))
+  trajs = [random_trajectory(rng, LENGTH, vocab, PROMPT, (30, 60), (15, 40), i)
+           for i in range(ROWS)]
   return packing.pack(trajs, ROWS, (LENGTH,), action_index=at_actions)
 
 
