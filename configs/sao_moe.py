@@ -37,16 +37,18 @@ with
 at 256 x 32768, prefill of [256, 32768] and decode each compile and fit
 with >= 10% headroom, the colocated engine's params and cache included).
 
-Not yet built for this scale: rollout on its own slice fed through the
-trajectory store and versioned checkpoints (DESIGN.md section 5, the
-multi-process issue); a paged KV cache. The config is compiled for TPU by
+Rollout on its own slice is `--config.rl.mode=fleet` with launch/rollout.py
+on the rollout hosts, fed through the trajectory store and versioned
+checkpoints (docs/DESIGN.md section 5; README.md, "Rollout fleet"). Not yet
+built for this scale: a paged KV cache. The config is compiled for TPU by
 launch/compile.py and exercised abstractly in the tests (shapes, parameter
 count, sharding rules); it has not run on a pod.
 
-Settings follow the paper where DESIGN.md gives them (K = 2 critic updates,
-frozen critic attention, value pretraining, skip-observation GAE with
-lambda 0.95, one rollout per prompt, async); the DIS region (0.2, 0.28),
-learning rates and batch sizes are this project's choices.
+Settings follow the paper where docs/DESIGN.md section 1 gives them (K = 2
+critic updates, frozen critic attention, value pretraining,
+skip-observation GAE with lambda 0.95, one rollout per prompt, async); the
+DIS region (0.2, 0.28), learning rates and batch sizes are this project's
+choices.
 Cost: not run here (no TPU in this project's CI); the 2-core CPU default is
 configs/sao_tiny.py.
 """

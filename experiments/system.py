@@ -7,7 +7,7 @@ Same engine, same budget of generated tokens, held-out evaluation every 50
 steps (its time is inside the wall clock of every arm alike). On one CPU
 box rollout and training share the same cores, so asynchrony pays only
 where time is spent waiting: sandboxed tool calls and stragglers of the
-long-tailed python_tool length mix (DESIGN.md section 7); read the
+long-tailed python_tool length mix (docs/DESIGN.md section 7); read the
 wall-clock figures as that, not as a TPU-pod speed-up. `analysis` reports,
 per arm and seed, the wall seconds (from the start of the RL process, value
 pretraining included) at which held-out pass@1 first reached the seed's SFT

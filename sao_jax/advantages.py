@@ -1,4 +1,4 @@
-"""Advantage estimators for SAO and its baselines (DESIGN.md section 2).
+"""Advantage estimators for SAO and its baselines (docs/DESIGN.md section 2).
 
 All estimators take batch-major arrays `[B, T]` over a token sequence
 x_0 .. x_{T-1}. `action_mask[b, t]` is True where x_t was sampled from the

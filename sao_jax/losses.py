@@ -1,4 +1,4 @@
-"""Policy and value losses (DESIGN.md section 2).
+"""Policy and value losses (docs/DESIGN.md section 2).
 
 Every loss is a token-level sum divided by an explicit normaliser
 N = number of action tokens in the batch (at least 1), returned as

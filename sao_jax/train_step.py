@@ -1,6 +1,6 @@
 """The pure train steps: SFT, value pretraining, and the SAO / baseline RL step.
 
-One RL step on a packed batch (DESIGN.md section 2):
+One RL step on a packed batch (docs/DESIGN.md section 2):
 
     critic forward (no grad) -> advantages and returns (stop-gradient)
       -> K critic updates on L_V -> one actor update on L_pi

@@ -118,7 +118,7 @@ class Programs:
   `eval_shape`d), so the same construction serves the trainer, which then
   initialises into these shardings and calls these steps, and
   launch/compile.py, which lowers these very steps for a TPU topology it
-  does not have (DESIGN.md section 8): what the compile proves is about the
+  does not have (docs/DESIGN.md section 8): what the compile proves is about the
   programs the trainer runs, not about a copy of them.
   """
   rules: tuple

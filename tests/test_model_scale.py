@@ -1,4 +1,4 @@
-"""Pod-scale model paths against the plain reference path (DESIGN.md section 8).
+"""Pod-scale model paths against the plain reference path (docs/DESIGN.md section 8).
 
 Each scale setting of ModelConfig (scanned layers, remat, chunked / splash
 attention, chunked log-probs) must compute what the reference computes: the

@@ -326,7 +326,7 @@ def test_critic_optimizer_freezes_attention_and_trains_the_rest(params):
 
 
 def test_optax_masked_alone_does_not_freeze(params):
-  # The trap DESIGN.md warns about, kept as a regression check of the docs.
+  # The trap docs/DESIGN.md section 2 warns about, kept as a regression check of the docs.
   grads = jax.tree.map(jnp.ones_like, params)
   tx = optax.masked(optax.adam(1e-2), jax.tree.map(lambda _: False, params))
   updates, _ = tx.update(grads, tx.init(params), params)

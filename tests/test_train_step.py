@@ -1,4 +1,4 @@
-"""The RL step against a plain re-statement of DESIGN.md section 2's step.
+"""The RL step against a plain re-statement of docs/DESIGN.md section 2's step.
 
 The step computes GAE from the first critic update's own forward pass (no
 separate no-grad critic forward) and hands the actor's global gradient norm
@@ -21,7 +21,7 @@ from test_trainer import CFG, demo_trajs, make_state  # pylint: disable=g-bad-im
 
 
 def reference_step(step_cfg, ptx, ctx, state, batch):
-  """DESIGN.md's step, written plainly: (new state, advantages, first value loss)."""
+  """docs/DESIGN.md's step, written plainly: (new state, advantages, first value loss)."""
   inputs = (batch["tokens"], batch["positions"], batch["segment_ids"])
   values, _ = policy.token_values(CFG, state.critic, *inputs)
   advantages, returns, value_mask = compute_advantages(step_cfg, values, batch)

@@ -166,8 +166,8 @@ def make_tokenizer(env_config):
   return TOKENIZERS[name]()
 
 
-# `env.chat_format` names (sao_jax/envs/chat.py); "raw" is the toys' text format.
-CHAT_FORMATS = ("raw", "plain", "qwen3")
+# `env.chat_format` names: chat.FORMATS' keys; "raw" is the toys' text format.
+CHAT_FORMATS = tuple(chat.FORMATS)
 
 
 def make_format(env_config, tokenizer):

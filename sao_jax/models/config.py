@@ -70,7 +70,7 @@ class ModelConfig:
   # cast), so Adam's moments and the update are fp32.
   param_dtype: Any = jnp.float32
   dtype: Any = jnp.float32
-  # --- Scale (DESIGN.md section 8). The defaults are the plain reference
+  # --- Scale (docs/DESIGN.md section 8). The defaults are the plain reference
   # path that the tiny / small presets train with; each scale setting has a
   # CPU test against it (tests/test_model_scale.py).
   # Run the MoE layers as one `nn.scan` over a stacked "layers" parameter

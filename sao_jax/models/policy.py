@@ -1,4 +1,4 @@
-"""Policy and value views of the transformer, aligned to DESIGN.md section 2.
+"""Policy and value views of the transformer, aligned to docs/DESIGN.md section 2.
 
 Both return per-token arrays indexed like the tokens: entry t is computed
 from the prefix x_<t. `token_logprobs[t] = log pi(x_t | x_<t)` and
