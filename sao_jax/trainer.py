@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import os
 import queue
 import time
@@ -33,7 +32,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from sao_jax import configuration, distributed, fleet, optim, sharding
+from sao_jax import configuration, distributed, files, fleet, optim, sharding
 from sao_jax.checkpoint import Checkpointer, abstract_like
 from sao_jax.data import packing, prompts as prompt_data, store
 from sao_jax.data.ingestion import TrajectoryQueue
@@ -696,8 +695,8 @@ class _Run:
                "rl_steps": int(self.state.step),
                "generated_tokens": self.meta.get("generated_tokens", 0)}
     if distributed.is_primary():
-      with open(os.path.join(self.workdir, "summary.json"), "w", encoding="utf-8") as f:
-        json.dump(summary, f, indent=2)
+      # Written whole: a summary.json that exists marks a finished run (experiments/).
+      files.write_json(os.path.join(self.workdir, "summary.json"), summary, indent=2)
     print(f"[done] pass@1 SFT {summary['sft_pass@1']} -> final {summary['final_pass@1']}",
           flush=True)
     self._save(force=True)
@@ -723,8 +722,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, until: str = "done") 
   # Only training records its config: eval / serve tools reuse _Run on the
   # same workdir and must not overwrite the run's record.
   if distributed.is_primary():
-    with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
-      f.write(config.to_json_best_effort(indent=2))
+    files.write_text(os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
   try:
     while run.meta["stage"] != until:
       getattr(run, run.meta["stage"])()
