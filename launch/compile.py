@@ -2,7 +2,7 @@
 
     python launch/compile.py --config=configs/sao_moe.py --topology=v5p-256 \
         [--rollout_topology=v5p-64] [--out=compile.json] \
-        [--programs=sft,value,rl,prefill,decode] [--min_headroom=0.10] \
+        [--programs=sft,value,rl,prefill,decode,decode_loop] [--min_headroom=0.10] \
         [--config.model.overrides.num_layers=2]
 
 No TPU is reachable from the project's machines, but the TPU compiler is:
@@ -31,7 +31,9 @@ Programs and the shapes they are compiled at:
   prefill  the rollout engine's step appending [rollout.slots, W] tokens to
            a [slots, rollout.max_len] cache; W = the engine's largest prefill
            bucket (max_len: a "recompute" weight swap re-feeds whole records)
-  decode   the same step with one token per slot
+  decode   the same step with one token per slot (`PolicyEngine.generate`)
+  decode_loop  the driver's decode (`PolicyEngine.decode`): the jitted while
+           loop of rollout.decode_steps one-token steps with per-slot stops
 
 --rows, --length and --prefill_len override those shapes.
 
@@ -53,8 +55,6 @@ import ast
 import contextlib
 import dataclasses
 import datetime
-import functools
-import inspect
 import json
 import os
 import re
@@ -80,10 +80,10 @@ from ml_collections import config_flags
 
 from sao_jax import configuration, sharding, trainer
 from sao_jax.data import packing
-from sao_jax.models import attention, decoding
 from sao_jax.rollout import engine as engine_lib
+from sao_jax.rollout import programs as programs_lib
 
-PROGRAMS = ("sft", "value", "rl", "prefill", "decode")
+PROGRAMS = ("sft", "value", "rl", "prefill", "decode", "decode_loop")
 GIB = 2**30
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
@@ -296,7 +296,7 @@ def _parse_mesh(text: str) -> dict:
 
 def engine_programs(config, model_cfg, abstract_policy, devices, topo: str, hbm: float,
                     train_mesh=None) -> tuple[dict, str]:
-  """The rollout engine's fused step as prefill ([slots, W]) and decode ([slots, 1]).
+  """The rollout engine's programs: prefill, decode (one token) and decode_loop.
 
   Returns ({name: Program}, the engine's layout in words).
 
@@ -306,22 +306,20 @@ def engine_programs(config, model_cfg, abstract_policy, devices, topo: str, hbm:
   `rollout.sharded_engine` the trainer's colocated engine, on the trainer's
   mesh (`train_mesh`, None when the rollout has its own topology: then
   --rollout_mesh is needed); else one device holding params and the dense
-  [slots, max_len] cache, on the rollout topology's first chip. The function is the
-  engine's module-level `_step`, jitted as `PolicyEngine._step` jits it
-  (same in / out shardings and donation): building an engine would copy
-  real params onto devices. Both steps attend over the whole cache (the
-  engine's largest kv bucket), the worst case.
+  [slots, max_len] cache, on the rollout topology's first chip.
+
+  The programs are the engine's own (`programs.EnginePrograms`: the same
+  jitted functions, static args, shardings and donation `PolicyEngine`
+  runs), built without an engine, which would copy real params onto
+  devices. prefill and decode are `PolicyEngine.step` at [slots, W] and
+  [slots, 1]; decode_loop is `PolicyEngine.decode`, the driver's decode,
+  at `rollout.decode_steps` iterations, with no stop token (the driver's
+  turn-end id is a constant of the loop, not a shape). All attend over the
+  whole cache (kv bucket max_len).
   """
   r = config.rollout
-  abstract_cache = jax.eval_shape(lambda: decoding.init_cache(model_cfg, r.slots, r.max_len))
   sampling = engine_lib.SamplingConfig(r.temperature, r.top_k, r.top_p)
-  takes_kv = "kv" in inspect.signature(engine_lib._step).parameters  # pylint: disable=protected-access
-  body = functools.partial(engine_lib._step, model_cfg, sampling,  # pylint: disable=protected-access
-                           *((None,) if takes_kv else ()))
-  rng = jax.eval_shape(lambda: jax.random.key(0))
   width = _PREFILL_LEN.value or r.max_len
-  with_sharding = lambda tree, sh: jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
 
   mesh = None
   if _ROLLOUT_MESH.value:
@@ -333,44 +331,30 @@ def engine_programs(config, model_cfg, abstract_policy, devices, topo: str, hbm:
           "--rollout_mesh (e.g. data:-1,tensor:4)")
     mesh = train_mesh  # colocated: the engine shares the trainer's mesh
   if mesh is not None:
-    if not hasattr(engine_lib, "engine_shardings"):
-      raise configuration.ConfigError("this version's rollout engine has no sharded layout "
-                                      "(engine.engine_shardings)")
     rules = tuple(tuple(x) for x in engine_lib.rollout_rules(mesh))
-    s = engine_lib.engine_shardings(model_cfg, r.slots, r.max_len, mesh, rules)
-    step = jax.jit(body, in_shardings=(s.params, s.cache, s.slots, s.tokens, s.tokens,
-                                       s.replicated),
-                   out_shardings=(s.cache, s.slots, s.slots, s.slots), donate_argnums=(1, 2))
-    params = with_sharding(abstract_policy, s.params)
-    cache = with_sharding(abstract_cache, s.cache)
-    lengths = jax.ShapeDtypeStruct((r.slots,), np.int32, sharding=s.slots)
-    rng = with_sharding(rng, s.replicated)
-    tokens_sh = s.tokens
-    context = lambda: _in_mesh(mesh, rules)
+    shardings = engine_lib.engine_shardings(model_cfg, r.slots, r.max_len, mesh, rules)
+    progs = programs_lib.EnginePrograms(model_cfg, sampling, r.slots, r.max_len, mesh=mesh,
+                                        rules=rules, shardings=shardings)
     layout = f"mesh {dict(mesh.shape)}"
   else:
-    dev = jax.sharding.SingleDeviceSharding(devices[0])
-    place = lambda tree: jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), tree)
-    step = jax.jit(body, donate_argnums=(1,))
-    params, cache, rng = place(abstract_policy), place(abstract_cache), place(rng)
-    lengths = jax.ShapeDtypeStruct((r.slots,), np.int32, sharding=dev)
-    # No mesh names the target here: say it, so that the model traces the
-    # TPU paths (attention.compile_platform), not the host's.
-    tokens_sh, layout = dev, "1 chip"
-    context = functools.partial(attention.compiling_for, devices[0].platform)
+    # No mesh names the target: the device does, so that the model traces
+    # the TPU paths (attention.compile_platform), not the host's.
+    progs = programs_lib.EnginePrograms(model_cfg, sampling, r.slots, r.max_len,
+                                        device=devices[0])
+    layout = "1 chip"
 
-  def args(w):
-    return (params, cache, lengths, jax.ShapeDtypeStruct((r.slots, w), np.int32,
-                                                         sharding=tokens_sh),
-            jax.ShapeDtypeStruct((r.slots, w), np.bool_, sharding=tokens_sh), rng)
-
+  steps = r.decode_steps
   cache_shape = f"cache {r.slots}x{r.max_len}, {layout}"
+  step = progs.step(None)
   return {
-      "prefill": Program("prefill", step, args(width), f"{r.slots}x{width}, {cache_shape}",
-                         topo, hbm, context),
-      "decode": Program("decode", step, args(1), f"{r.slots}x1, {cache_shape}", topo, hbm,
-                        context),
+      "prefill": Program("prefill", step, progs.step_args(abstract_policy, width),
+                         f"{r.slots}x{width}, {cache_shape}", topo, hbm, progs.context),
+      "decode": Program("decode", step, progs.step_args(abstract_policy, 1),
+                        f"{r.slots}x1, {cache_shape}", topo, hbm, progs.context),
+      "decode_loop": Program("decode_loop", progs.decode(None, steps, -1),
+                             progs.decode_args(abstract_policy),
+                             f"{r.slots}x1 x {steps} steps, {cache_shape}", topo, hbm,
+                             progs.context),
   }, layout
 
 
@@ -466,11 +450,11 @@ def colocated_rows(rows: list[dict], min_headroom: float) -> list[dict]:
   what must fit is a train step's total plus the engine step's arguments
   (params + cache + slot state). Each program's own temporaries are not
   live at the same time (the trainer and the engine run one after the
-  other), so the engine's temporaries are not added; the larger of the two
+  other), so the engine's temporaries are not added; the largest of the
   engine programs' arguments is. One row per train step compiled.
   """
   by_name = {r["program"]: r for r in rows}
-  engine = [by_name[n] for n in ("prefill", "decode")
+  engine = [by_name[n] for n in ("prefill", "decode", "decode_loop")
             if by_name.get(n, {}).get("argument_bytes") is not None]
   out = []
   if not engine:
@@ -491,7 +475,7 @@ def colocated_rows(rows: list[dict], min_headroom: float) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-  head = (f"{'program':<9} {'shape':<46} {'compile s':>9} {'cpu s':>7} {'args GiB':>9} "
+  head = (f"{'program':<11} {'shape':<46} {'compile s':>9} {'cpu s':>7} {'args GiB':>9} "
           f"{'out GiB':>8} {'temp GiB':>9} {'alias GiB':>9} {'total GiB':>9} {'HBM GiB':>8} "
           f"{'headroom':>8}  verdict")
   lines = [head, "-" * len(head)]
@@ -502,7 +486,7 @@ def format_table(rows: list[dict]) -> str:
       total = f">{r['required_bytes'] / GIB:.1f}"  # what the refusing compiler needed
     headroom = f"{r['headroom']:.1%}" if "headroom" in r else "-"
     cpu = f"{r['cpu_s']:.0f}" if r.get("cpu_s") is not None else "-"
-    lines.append(f"{r['program']:<9} {r['shape']:<46} {r.get('compile_s', 0):>9.1f} {cpu:>7} "
+    lines.append(f"{r['program']:<11} {r['shape']:<46} {r.get('compile_s', 0):>9.1f} {cpu:>7} "
                  f"{g(r, 'argument_bytes'):>9} {g(r, 'output_bytes'):>8} {g(r, 'temp_bytes'):>9} "
                  f"{g(r, 'alias_bytes'):>9} {total:>9} {r['hbm_bytes'] / GIB:>8.2f} "
                  f"{headroom:>8}  {r['status']}")
@@ -565,7 +549,7 @@ def main(argv):
   wanted, engine_layout = {}, None
   if {"sft", "value", "rl"} & set(_PROGRAMS.value):
     wanted.update(train_programs(config, progs, mesh, tname, hbm))
-  if {"prefill", "decode"} & set(_PROGRAMS.value):
+  if {"prefill", "decode", "decode_loop"} & set(_PROGRAMS.value):
     engine_progs, engine_layout = engine_programs(
         config, model_cfg, progs.abstract_state.policy, rdevices, rname, rhbm,
         train_mesh=None if _ROLLOUT_TOPOLOGY.value else mesh)

@@ -25,7 +25,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "launch", "compile.py")
-PROGRAMS = ("sft", "value", "rl", "prefill", "decode")
+PROGRAMS = ("sft", "value", "rl", "prefill", "decode", "decode_loop")
 GIB = 2**30
 
 pytestmark = pytest.mark.skipif(
@@ -81,8 +81,9 @@ def test_every_program_compiles_and_fits(tmp_path):
   assert result["rollout_engine"] == "1 chip"
   assert result["ok"] is True
   assert set(result["programs"]) == set(PROGRAMS)
+  # decode_loop: the driver's decode, at the config's rollout.decode_steps (1).
   shapes = {"sft": "4x64", "value": "4x64", "rl": "4x64 K=2", "prefill": "4x64, cache 4x64",
-            "decode": "4x1, cache 4x64"}
+            "decode": "4x1, cache 4x64", "decode_loop": "4x1 x 1 steps, cache 4x64"}
   for name, row in result["programs"].items():
     assert row["status"] == "FITS" and row["fits"], row
     assert row["shape"].startswith(shapes[name]), row

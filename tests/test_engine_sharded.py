@@ -319,3 +319,44 @@ def test_cache_bytes_for_the_pod_config():
   # sao_moe's 128-chip mesh, abstractly: slots over data x fsdp x expert.
   pod = AbstractMesh((1, 16, 8, 1), ("data", "fsdp", "expert", "tensor"))
   assert eng.cache_bytes_per_device(cfg, 256, 32768, pod) == total // 128 == 6 * 2**30
+
+
+# --- the programs launch/compile.py lowers ---------------------------------------------
+
+
+def _abstract(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                      if isinstance(x, jax.Array) else x, tree)
+
+
+@pytest.mark.parametrize("name", [None, "data4_tensor2"])
+def test_compile_lowers_the_programs_the_engine_runs(name, params):
+  """launch/compile.py lowers `engine.programs` at `step_args` / `decode_args`
+  (abstract params, no engine). Lowered at the arguments a real engine
+  passes, the one-token step and the driver's decode loop must give the
+  same program text, shardings included; otherwise the AOT report would
+  size a different program than the one that runs."""
+  if name is None:
+    engine = PolicyEngine(CFG, params[0], **ENGINE_KW)
+  else:
+    engine = sharded_engine(name, params[0])
+  progs = engine.programs
+  abstract_params = jax.eval_shape(lambda: policy.init_params(CFG, jax.random.key(0)))
+  state = engine.init_decode_state()
+  # Host arrays as jit places them: on the in_shardings (sharded), the device (not).
+  vec_sh = state.lengths.sharding
+  tok_sh = vec_sh if name is None else engine.shardings.tokens
+  vec = jax.device_put(np.zeros((SLOTS,), np.int32), vec_sh)
+  stream = engine._rng  # pylint: disable=protected-access
+  real = _abstract((engine.params, state.cache, state.lengths, vec, vec, stream))
+  step_real = _abstract((engine.params, state.cache, state.lengths,
+                         jax.device_put(np.zeros((SLOTS, 1), np.int32), tok_sh),
+                         jax.device_put(np.ones((SLOTS, 1), bool), tok_sh),
+                         jax.device_put(jax.random.key(0), stream.base.sharding)))
+  with progs.context():
+    loop = progs.decode(None, 3, -1)
+    assert "while" in loop.lower(*real).as_text()
+    assert loop.lower(*real).as_text() == loop.lower(*progs.decode_args(abstract_params)).as_text()
+    step = progs.step(None)
+    assert step.lower(*step_real).as_text() == step.lower(
+        *progs.step_args(abstract_params, 1)).as_text()

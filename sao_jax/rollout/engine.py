@@ -42,6 +42,9 @@ state of all the slots.
 
 `sao_jax/rollout/jetstream_bridge.py` (the `jetstream` extra) subclasses
 JetStream's abstract Engine with this class; nothing here imports jetstream.
+Sampling and the key stream are `sampling.py`'s; every program the engine
+jits (its function, static args, shardings and donation) is defined once in
+`programs.py`, which `launch/compile.py` lowers for a TPU topology.
 
 Sharding (`mesh`, `rules`)
 --------------------------
@@ -132,8 +135,6 @@ copy.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
-import dataclasses
 import functools
 import math
 import threading
@@ -148,77 +149,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from sao_jax import sharding as shd
 from sao_jax.models import decoding, policy
 from sao_jax.models.config import ModelConfig
+from sao_jax.rollout.programs import EnginePrograms
+# Sampling and the key stream live in sampling.py; these names stay importable from here.
+from sao_jax.rollout.sampling import (  # pylint: disable=unused-import
+    KeyStream, SamplingConfig, inverse_cdf, sample, sampling_logprobs, take)
 
 Array = jax.Array
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-  temperature: float = 1.0
-  top_k: int = 0  # 0: off
-  top_p: float = 1.0  # 1.0: off
-
-  def __post_init__(self):
-    if self.temperature <= 0:
-      raise ValueError(f"temperature must be > 0, got {self.temperature}")
-    if not 0 < self.top_p <= 1:
-      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-    if self.top_k < 0:
-      raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-
-
-def sampling_logprobs(logits: Array, sampling: SamplingConfig) -> Array:
-  """log-probs `[..., V]` of the distribution tokens are actually drawn from."""
-  x = logits.astype(jnp.float32) / sampling.temperature
-  if sampling.top_k:
-    kth = jax.lax.top_k(x, sampling.top_k)[0][..., -1:]
-    x = jnp.where(x < kth, -jnp.inf, x)
-  if sampling.top_p < 1.0:
-    probs = jax.nn.softmax(x, -1)
-    sorted_p = jnp.sort(probs, -1)[..., ::-1]
-    # Keep the smallest set of top tokens whose mass reaches top_p.
-    before = jnp.cumsum(sorted_p, -1) - sorted_p
-    cutoff = jnp.min(jnp.where(before < sampling.top_p, sorted_p, jnp.inf), -1, keepdims=True)
-    x = jnp.where(probs < cutoff, -jnp.inf, x)
-  return jax.nn.log_softmax(x, -1)
-
-
-def sample(logits: Array, rng, sampling: SamplingConfig) -> tuple[Array, Array]:
-  """(tokens `[B]`, their log-probs `[B]`) from logits `[B, V]`.
-
-  Inverse-CDF sampling: one uniform a row, and the token is the first whose
-  cumulative probability exceeds it. Gumbel-max (`jax.random.categorical`)
-  draws V uniforms a row; on XLA:CPU those random bits were 8% of a decode
-  step of the tiny model. A token masked by top-k / top-p is never drawn
-  (`inverse_cdf`); where rounding leaves no possible token above u * total,
-  the row takes its most likely token.
-  """
-  return sample_with(logits, row_uniforms(rng, logits.shape[0]), sampling)
-
-
-def row_uniforms(key, rows: int) -> Array:
-  """`[rows, 1]` float32 uniforms: `sample`'s draw, and each iteration's of `_uniforms`."""
-  return jax.random.uniform(key, (rows, 1), jnp.float32)
-
-
-def sample_with(logits: Array, u: Array, sampling: SamplingConfig) -> tuple[Array, Array]:
-  """`sample` with its uniforms `u` `[B, 1]` given (drawn ahead by a decode loop)."""
-  logp = sampling_logprobs(logits, sampling)
-  tokens = inverse_cdf(logp, u)
-  return tokens, jnp.take_along_axis(logp, tokens[:, None], -1)[:, 0]
-
-
-def inverse_cdf(logp: Array, u: Array) -> Array:
-  """The first token whose cumulative probability exceeds `u` of the total.
-
-  logp `[B, V]` (-inf on tokens that cannot be drawn), u `[B, 1]` in [0, 1).
-  XLA's cumsum is not exact: across a run of impossible tokens it can step
-  by an ulp, so the comparison alone could land on one of them (about 1 in
-  6M draws at V = 152k with top_k = 50); they are excluded explicitly.
-  """
-  cdf = jnp.cumsum(jnp.exp(logp), axis=-1)
-  above = (cdf > u * cdf[..., -1:]) & (logp > -jnp.inf)
-  return jnp.where(above.any(-1), jnp.argmax(above, -1), jnp.argmax(logp, -1)).astype(jnp.int32)
 
 
 class DecodeState(NamedTuple):
@@ -227,9 +163,8 @@ class DecodeState(NamedTuple):
   next_tokens: Array  # [slots] int32, sampled but not yet in the cache
   active: Array  # [slots] bool
   # numpy [slots] copy of `lengths` the engine keeps on the host, so that it
-  # can pick the kv bucket without a device transfer; None: unknown (the
-  # step then attends over the whole cache).
-  host_lengths: np.ndarray | None = None
+  # can pick the kv bucket without a device transfer.
+  host_lengths: np.ndarray
 
 
 class Prefix(NamedTuple):
@@ -254,61 +189,6 @@ class DecodeChunk(NamedTuple):
   counts: Any  # [slots] int32
   version: int  # of the params whose logits produced every token of the chunk
   budgets: np.ndarray  # [slots] int32, the call's budgets (host side)
-
-
-class KeyStream(NamedTuple):
-  """The engine's sampling keys: draw n uses `fold_in(base, n)`.
-
-  Counter-based rather than a chain of splits, so a decode loop can make
-  all of its iterations' uniforms in one batched draw before the loop
-  (`_decode`) and still draw exactly what as many one-token steps would.
-  Both fields are device arrays, so the count advances on the device and an
-  asynchronous `decode` needs no transfer to know where the next call
-  starts.
-  """
-  base: Array  # a PRNG key
-  draws: Array  # int32 scalar, draws taken so far
-
-  def key(self, ahead=0):
-    """The key of the draw `ahead` draws after the next one (an int or int array)."""
-    return jax.random.fold_in(self.base, self.draws + ahead)
-
-  @classmethod
-  def start(cls, key, device) -> "KeyStream":
-    """A stream of no draws on `key`, committed to `device` (a device or a sharding).
-
-    Committed, so that a jitted call sees the same argument placement on
-    an engine's first call as on its later ones (an uncommitted key would
-    compile each program a second time).
-    """
-    return jax.device_put(cls(key, jnp.int32(0)), device)
-
-
-@jax.jit
-def _take(stream: KeyStream) -> tuple[Array, KeyStream]:
-  """(the next draw's key, the stream after it)."""
-  return stream.key(), stream._replace(draws=stream.draws + 1)
-
-
-def _uniforms(stream: KeyStream, steps: int, rows: int) -> Array:
-  """`[steps, rows, 1]`: the uniforms of the stream's next `steps` draws, one batched call.
-
-  Row k equals what `sample` draws with `_take`'s k-th key (vmap of the same
-  threefry calls: tests/test_rollout.py checks the loop against one-token
-  steps).
-  """
-  keys = jax.vmap(stream.key)(jnp.arange(steps, dtype=stream.draws.dtype))
-  return jax.vmap(lambda k: row_uniforms(k, rows))(keys)
-
-
-def _insert(cache, prefix_cache, lengths, next_tokens, active, slot, length, first):
-  """`PolicyEngine.insert`'s body: prefix cache into `slot`; first < 0 keeps the pending token."""
-  # The slot axis of a cache leaf [..., B, S, KVH, hd] is ndim - 4.
-  cache = jax.tree.map(
-      lambda c, p: jax.lax.dynamic_update_slice_in_dim(c, p.astype(c.dtype), slot, c.ndim - 4),
-      cache, prefix_cache)
-  next_tokens = next_tokens.at[slot].set(jnp.where(first >= 0, first, next_tokens[slot]))
-  return (cache, lengths.at[slot].set(length[0]), next_tokens, active.at[slot].set(True))
 
 
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:
@@ -517,6 +397,10 @@ class PolicyEngine:
       self.rules = tuple(tuple(r) for r in (rollout_rules(mesh) if rules is None else rules))
       self.shardings = engine_shardings(cfg, slots, max_len, mesh, self.rules)
     self._device = device or (jax.local_devices()[0] if mesh is None else mesh.devices.flat[0])
+    # Every jitted program of the engine (programs.py), also what launch/compile.py lowers.
+    self.programs = EnginePrograms(cfg, sampling, slots, max_len, mesh=mesh, rules=self.rules,
+                                   shardings=self.shardings,
+                                   device=self._device if mesh is None else None)
     self._lock = threading.Lock()
     self._rng = KeyStream.start(jax.random.key(seed), self._device if mesh is None
                                 else self.shardings.replicated)
@@ -563,7 +447,7 @@ class PolicyEngine:
     if self.mesh is None:
       return jax.device_put(jax.tree.map(jnp.copy, params), self._device)
     sh = self.shardings.params
-    copy = self._sharded("copy_params", lambda t: jax.tree.map(jnp.copy, t), sh)
+    copy = self._jit("copy_params", self.programs.copy_params)
     devices = tuple(self.mesh.devices.flat)
     if not all(isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
                and tuple(x.sharding.mesh.devices.flat) == devices
@@ -583,40 +467,24 @@ class PolicyEngine:
       return self.params, self.version
 
   def _next_rng(self):
-    rng, self._rng = _take(self._rng)
+    rng, self._rng = take(self._rng)
     return rng
 
   # --- the jitted step ----------------------------------------------------
 
   def _context(self):
-    """The mesh and rules the model's activation constraints resolve against."""
-    if self.mesh is None:
-      return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    stack.enter_context(jax.set_mesh(self.mesh))  # thread-local, like the rules
-    stack.enter_context(nn.logical_axis_rules(self.rules))
-    return stack
+    """The mesh and rules (or the device's platform) the programs trace under."""
+    return self.programs.context()
 
   def _step(self, params, cache, lengths, tokens, valid, rng, kv: int | None = None):
-    """`_step` below, jitted once per (batch kind, kv bucket); shapes re-trace it.
+    """`programs.step`, jitted once per (batch kind, kv bucket); shapes re-trace it.
 
     Returns device arrays (new cache, new lengths, sampled tokens, log-probs);
     `cache` and (sharded) `lengths` are donated.
     """
     prefix = lengths.shape[0] != self.max_concurrent_decodes  # a batch-1 prefill (or a lane)
+    fn = self._jit((prefix, kv), lambda: self.programs.step(kv, prefix=prefix))
     s = self.shardings
-
-    def build():
-      body = functools.partial(_step, self.cfg, self.sampling, kv)
-      if s is None:
-        return jax.jit(body, donate_argnums=(1,))
-      cache_sh = s.prefix_cache if prefix else s.cache
-      vec = s.replicated if prefix else s.slots
-      tok = s.replicated if prefix else s.tokens
-      return jax.jit(body, in_shardings=(s.params, cache_sh, vec, tok, tok, s.replicated),
-                     out_shardings=(cache_sh, vec, vec, vec), donate_argnums=(1, 2))
-
-    fn = self._jit((prefix, kv), build)
     if s is not None:  # committed args must match in_shardings (numpy ones are sharded by jit)
       params = _place(params, s.params)
       cache = _place(cache, s.prefix_cache if prefix else s.cache)
@@ -642,10 +510,6 @@ class PolicyEngine:
         fn = self._jits[key] = build()
       return fn
 
-  def _sharded(self, name, fn, out_shardings):
-    """`fn` jitted with `out_shardings`, built once."""
-    return self._jit(name, lambda: jax.jit(fn, out_shardings=out_shardings))
-
   # --- Engine API -------------------------------------------------------
 
   def init_decode_state(self, slots: int | None = None) -> DecodeState:
@@ -659,22 +523,14 @@ class PolicyEngine:
       arrays = jax.device_put((cache, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32),
                                jnp.zeros((b,), bool)), self._device)
       return DecodeState(*arrays, host_lengths=host)
-    s = self.shardings
     # Created in place, shard by shard: the whole cache never exists on one device.
-    init = self._sharded("init", lambda: (
-        decoding.init_cache(self.cfg, b, n), jnp.zeros((b,), jnp.int32),
-        jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool)), (s.cache, s.slots, s.slots, s.slots))
-    return DecodeState(*init(), host_lengths=host)
+    return DecodeState(*self._jit("init", self.programs.init_state)(), host_lengths=host)
 
   def _empty_prefix(self) -> Prefix:
     if self.mesh is None:
       return Prefix(decoding.init_cache(self.cfg, 1, self.max_prefill_length),
                     jnp.zeros((1,), jnp.int32))
-    s = self.shardings
-    init = self._sharded("prefix", lambda: Prefix(
-        decoding.init_cache(self.cfg, 1, self.max_prefill_length), jnp.zeros((1,), jnp.int32)),
-                         Prefix(s.prefix_cache, s.replicated))
-    return init()
+    return Prefix(*self._jit("prefix", self.programs.init_prefix)())
 
   def prefill(self, *, params=None, existing_prefix: Prefix | None = None,
               padded_tokens, true_length: int) -> tuple[Prefix, ResultTokens]:
@@ -699,26 +555,20 @@ class PolicyEngine:
 
     The decode state's arrays are donated: use the returned state only.
     """
-    s = self.shardings
-    placed = {} if s is None else {"out_shardings": (s.cache, s.slots, s.slots, s.slots)}
-    fn = self._jit("insert", lambda: jax.jit(_insert, donate_argnums=(0, 2, 3, 4), **placed))
+    fn = self._jit("insert", self.programs.insert)
     first = -1 if first_token is None else first_token
     with self._context():
       cache, lengths, nxt, active = fn(
           decode_state.cache, prefix.cache, decode_state.lengths, decode_state.next_tokens,
           decode_state.active, jnp.asarray(slot, jnp.int32), prefix.length,
           jnp.asarray(first, jnp.int32))
-    host = decode_state.host_lengths
-    if host is not None:
-      host = host.copy()
-      host[slot] = int(np.asarray(prefix.length)[0])
+    host = decode_state.host_lengths.copy()
+    host[slot] = int(np.asarray(prefix.length)[0])
     return DecodeState(cache, lengths, nxt, active, host)
 
   def free_resource(self, decode_state: DecodeState, slot: int) -> DecodeState:
-    host = decode_state.host_lengths
-    if host is not None:
-      host = host.copy()
-      host[slot] = 0
+    host = decode_state.host_lengths.copy()
+    host[slot] = 0
     return decode_state._replace(active=decode_state.active.at[slot].set(False),
                                  lengths=decode_state.lengths.at[slot].set(0),
                                  host_lengths=host)
@@ -726,15 +576,14 @@ class PolicyEngine:
   def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
     """One decode step: feeds each active slot's next token, samples the next."""
     params = self.params if params is None else params
-    host = decode_state.host_lengths
-    kv = None if host is None else self._kv_bucket(int(host.max()) + 1)
+    kv = self._kv_bucket(int(decode_state.host_lengths.max()) + 1)
     cache, lengths, tok, logp = self._step(
         params, decode_state.cache, decode_state.lengths, decode_state.next_tokens[:, None],
         decode_state.active[:, None], self._next_rng(), kv)
     tok = jnp.where(decode_state.active, tok, decode_state.next_tokens)
     tok_h, logp_h, lengths_h = jax.device_get((tok, logp, lengths))
     state = DecodeState(cache, lengths, tok, decode_state.active,
-                        None if host is None else np.asarray(lengths_h, np.int32))
+                        np.asarray(lengths_h, np.int32))
     return state, ResultTokens(np.asarray(tok_h), np.asarray(logp_h), self.version)
 
   # --- the driver's fused step -------------------------------------------
@@ -763,11 +612,9 @@ class PolicyEngine:
     if pad:
       tokens = np.pad(tokens, ((0, 0), (0, pad)))
       valid = np.pad(valid, ((0, 0), (0, pad)))
-    kv, host = None, state.host_lengths
-    if host is not None:
-      fed = valid.sum(1).astype(np.int32)
-      host = (host + fed).astype(np.int32)
-      kv = self._kv_bucket(int(host[fed > 0].max()) if fed.any() else 1)
+    fed = valid.sum(1).astype(np.int32)
+    host = (state.host_lengths + fed).astype(np.int32)
+    kv = self._kv_bucket(int(host[fed > 0].max()) if fed.any() else 1)
     cache, lengths, tok, logp = self._step(params, state.cache, state.lengths, tokens, valid,
                                            rng, kv)
     tok, logp = jax.device_get((tok, logp))  # the step's one transfer to the host
@@ -823,25 +670,13 @@ class PolicyEngine:
     """`decode` with the params and key given; also returns the advanced key."""
     budgets = np.minimum(np.asarray(budgets, np.int32), steps).astype(np.int32)
     tokens = np.asarray(tokens, np.int32)
-    kv, host = None, state.host_lengths
-    if host is not None:
-      host = (host + budgets).astype(np.int32)
-      fed = budgets > 0
-      kv = self._kv_bucket(int(host[fed].max()) if fed.any() else 1)
+    host = (state.host_lengths + budgets).astype(np.int32)
+    fed = budgets > 0
+    kv = self._kv_bucket(int(host[fed].max()) if fed.any() else 1)
     stop = -1 if stop_token is None else int(stop_token)
-    s = self.shardings
-
-    def build():
-      body = functools.partial(_decode, self.cfg, self.sampling, kv, int(steps), stop)
-      if s is None:
-        return jax.jit(body, donate_argnums=(1,))
-      return jax.jit(body, in_shardings=(s.params, s.cache, s.slots, s.slots, s.slots,
-                                         s.replicated),
-                     out_shardings=(s.cache, s.slots, s.slots, s.tokens, s.tokens, s.slots,
-                                    s.replicated), donate_argnums=(1, 2))
-
-    fn = self._jit(("decode", kv, int(steps), stop), build)
-    cache, lengths = state.cache, state.lengths
+    fn = self._jit(("decode", kv, int(steps), stop),
+                   lambda: self.programs.decode(kv, int(steps), stop))
+    cache, lengths, s = state.cache, state.lengths, self.shardings
     if s is not None:
       params, cache, lengths = _place(params, s.params), _place(cache, s.cache), _place(
           lengths, s.slots)
@@ -859,9 +694,7 @@ class PolicyEngine:
     """
     toks, logp, counts = jax.device_get((chunk.tokens, chunk.logprobs, chunk.counts))
     counts = np.asarray(counts, np.int32)
-    host = state.host_lengths
-    if host is not None:
-      host = np.maximum(host - (chunk.budgets - counts), 0).astype(np.int32)
+    host = np.maximum(state.host_lengths - (chunk.budgets - counts), 0).astype(np.int32)
     return (state._replace(host_lengths=host),
             chunk._replace(tokens=np.asarray(toks), logprobs=np.asarray(logp), counts=counts))
 
@@ -932,7 +765,7 @@ class PolicyEngine:
     for i, p in enumerate(prompts):
       tokens[i, :len(p)], valid[i, :len(p)] = p, True
     state = self.init_decode_state(slots)
-    key, rng = _take(rng)
+    key, rng = take(rng)
     state, first, first_lp = self._fused_step(params, state, tokens, valid, key)
     out = np.zeros((n, max_new_tokens), np.int32)
     out_lp = np.zeros((n, max_new_tokens), np.float32)
@@ -953,14 +786,12 @@ class PolicyEngine:
   def reset_slots(self, state: DecodeState, slots_mask: np.ndarray) -> DecodeState:
     """Empties the caches of the given slots (their lengths go to 0)."""
     mask = np.asarray(slots_mask, bool)
-    host = state.host_lengths
-    if host is not None:
-      host = np.where(mask, 0, host).astype(np.int32)
+    host = np.where(mask, 0, state.host_lengths).astype(np.int32)
     if self.shardings is None:
       lengths = jnp.where(jnp.asarray(mask), 0, state.lengths)
     else:
       s = self.shardings
-      reset = self._sharded("reset", lambda l, m: jnp.where(m, 0, l), s.slots)
+      reset = self._jit("reset", self.programs.reset_lengths)
       lengths = reset(*jax.device_put((state.lengths, mask), (s.slots, s.slots)))
     return state._replace(lengths=lengths, host_lengths=host)
 
@@ -977,89 +808,3 @@ def _place(tree, shardings):
       isinstance(x, jax.Array) and x.sharding == sh for x, sh in zip(leaves, targets)):
     return tree
   return jax.device_put(tree, shardings)  # also the error for a tree of the wrong shape
-
-
-def _write_back(lengths: Array, valid: Array, full: Array, live: Array) -> Array:
-  """Copies the valid new entries of a cache prefix `live` into `full`.
-
-  Args:
-    lengths: int `[B]`, each slot's length before the step.
-    valid: bool `[B, W]`, the step's valid tokens (a prefix of each row).
-    full: `[..., B, S, KVH, hd]`, the whole cache leaf (donated: in place).
-    live: `[..., B, kv, KVH, hd]`, its prefix after the step's writes.
-  """
-  ax = full.ndim - 3  # the positions axis; slots are ax - 1
-  b, w = valid.shape
-  positions = lengths[:, None] + jnp.arange(w, dtype=lengths.dtype)[None]  # [B, W]
-  src = jnp.minimum(positions, live.shape[ax] - 1).reshape((1,) * (ax - 1) + (b, w, 1, 1))
-  new = jnp.take_along_axis(live, src, axis=ax)  # [..., B, W, KVH, hd]
-  dst = jnp.where(valid, positions, full.shape[ax])  # padding: out of range, dropped
-  index = (slice(None),) * (ax - 1) + (jnp.arange(b)[:, None], dst)
-  return full.at[index].set(new, mode="drop")
-
-
-def _step(cfg, sampling, kv, params, cache, lengths, tokens, valid, rng):
-  """Appends tokens, samples each row's next token from its last valid one.
-
-  `kv` None attends over the whole cache. Otherwise the model runs on the
-  cache prefix `[0, kv)`, which holds every valid position (the caller
-  picks kv so), and only the valid new entries are written back: entries a
-  padding token would have written are never read before being overwritten
-  (sao_jax/models/transformer.py), so the result is the same.
-  """
-  if kv is None:
-    last_logits, cache, new_lengths = decoding.extend_last(cfg, params, cache, tokens, lengths,
-                                                           valid)
-  else:
-    live = jax.tree.map(lambda c: jax.lax.slice_in_dim(c, 0, kv, axis=c.ndim - 3), cache)
-    last_logits, live, new_lengths = decoding.extend_last(cfg, params, live, tokens, lengths,
-                                                          valid)
-    cache = jax.tree.map(functools.partial(_write_back, lengths, valid), cache, live)
-  # last_logits [B, V]: after each row's last valid token (a chunked prefill
-  # with cfg.prefill_chunk, never [B, W, V]).
-  tok, logp = sample(last_logits, rng, sampling)
-  return cache, new_lengths, tok, logp
-
-
-def _decode(cfg, sampling, kv, steps, stop_token, params, cache, lengths, tokens, budgets, rng):
-  """`PolicyEngine.decode`'s loop: up to `steps` one-token steps, per-slot stops.
-
-  With `kv` the loop runs on the cache prefix `[0, kv)` (the caller picks
-  kv to hold every position the loop can write) and writes the new entries
-  back once at the end, rather than once per token.
-
-  Returns (cache, lengths, pending tokens `[B]`, sampled tokens `[B, steps]`,
-  their log-probs, counts `[B]`, the advanced `KeyStream`).
-  """
-  b = tokens.shape[0]
-  live = cache if kv is None else jax.tree.map(
-      lambda c: jax.lax.slice_in_dim(c, 0, kv, axis=c.ndim - 3), cache)
-
-  def cond(carry):
-    k, alive = carry[0], carry[4]
-    return (k < steps) & alive.any()
-
-  def body(carry):
-    k, live, lens, tok, alive, count, out_tok, out_lp = carry
-    logits, live, lens = decoding.extend(cfg, params, live, tok[:, None], lens, alive[:, None])
-    new, lp = sample_with(logits[:, 0], uniforms[k], sampling)  # the k-th key's draw
-    out_tok = jax.lax.dynamic_update_slice_in_dim(
-        out_tok, jnp.where(alive, new, 0)[:, None], k, 1)
-    out_lp = jax.lax.dynamic_update_slice_in_dim(
-        out_lp, jnp.where(alive, lp, 0.0)[:, None], k, 1)
-    count = count + alive.astype(jnp.int32)
-    tok = jnp.where(alive, new, tok)
-    alive = alive & (count < budgets) & (new != stop_token)
-    return k + 1, live, lens, tok, alive, count, out_tok, out_lp
-
-  carry = (jnp.int32(0), live, lengths, tokens, budgets > 0, jnp.zeros((b,), jnp.int32),
-           jnp.zeros((b, steps), jnp.int32), jnp.zeros((b, steps), jnp.float32))
-  uniforms = _uniforms(rng, steps, b)  # [steps, B, 1]: every iteration's, drawn at once
-  ran, live, new_lengths, tok, _, count, out_tok, out_lp = jax.lax.while_loop(cond, body, carry)
-  rng = rng._replace(draws=rng.draws + ran)
-  if kv is None:
-    cache = live
-  else:
-    fed = jnp.arange(steps)[None] < count[:, None]  # [B, steps]: the positions written
-    cache = jax.tree.map(functools.partial(_write_back, lengths, fed), cache, live)
-  return cache, new_lengths, tok, out_tok, out_lp, count, rng
