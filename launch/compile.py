@@ -7,7 +7,7 @@
 
 No TPU is reachable from the project's machines, but the TPU compiler is:
 libtpu (`pip install -e '.[aot]'`) compiles for a topology it only knows by
-name (DESIGN.md section 8). This script lowers the very programs the
+name (docs/DESIGN.md section 8). This script lowers the very programs the
 trainer runs -- `trainer.build_programs` builds them for the trainer too --
 with the config's own mesh, sharding rules and batch shapes, on the
 topology's devices. Inputs are `jax.ShapeDtypeStruct`s carrying shardings,
@@ -51,11 +51,9 @@ chip: v5p-128 is 64 chips (4x4x4) and the 128-chip slice is v5p-256.
 num_layers=2) even though the configs' override dicts are empty and locked.
 """
 
-import ast
 import contextlib
 import dataclasses
 import datetime
-import json
 import os
 import re
 import subprocess
@@ -78,7 +76,7 @@ from absl import flags
 from jax.experimental import topologies
 from ml_collections import config_flags
 
-from sao_jax import configuration, sharding, trainer
+from sao_jax import configuration, files, sharding, trainer
 from sao_jax.data import packing
 from sao_jax.rollout import engine as engine_lib
 from sao_jax.rollout import programs as programs_lib
@@ -197,11 +195,7 @@ def pop_model_overrides(argv: list[str]) -> dict:
       key, sep, value = arg[len(prefix):].partition("=")
       if not sep or not key:
         raise SystemExit(f"error: {arg!r}: write {prefix}FIELD=VALUE")
-      try:
-        parsed = ast.literal_eval(value)
-      except (ValueError, SyntaxError):
-        parsed = {"true": True, "false": False}.get(value.lower(), value)
-      out[key] = parsed
+      out[key] = configuration.parse_literal(value)
       argv.remove(arg)
   return out
 
@@ -249,10 +243,9 @@ def train_programs(config, progs: trainer.Programs, mesh, topo: str, hbm: float)
   rl_rows = _ROWS.value or config.rl.batch_size
   sft_rows = _ROWS.value or config.sft.batch_size
   state = progs.abstract_state
-  # The trainer calls its rl and value steps inside its mesh and logical-axis
-  # rules, which turn the model's activation annotations into sharding
-  # constraints. Its sft() calls sft_step outside them (the constraints are
-  # then dropped); here sft is lowered like the other two.
+  # The trainer calls its sft, value and rl steps inside its mesh and
+  # logical-axis rules, which turn the model's activation annotations into
+  # sharding constraints; all three are lowered the same way here.
   ctx = lambda: _in_mesh(mesh, progs.rules)
   rl_batch = abstract_batch(rl_rows, length, progs.batch_sharding)
   sft_batch = abstract_batch(sft_rows, length, progs.batch_sharding)
@@ -582,11 +575,7 @@ def main(argv):
         "complete": complete,
         "ok": complete and all(r["fits"] for r in rows),
     }
-    os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
-    tmp = _OUT.value + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-      json.dump(result, f, indent=2)
-    os.replace(tmp, _OUT.value)
+    files.write_json(_OUT.value, result, indent=2)
 
   rows = []
   for name in PROGRAMS:

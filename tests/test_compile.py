@@ -1,7 +1,7 @@
 """launch/compile.py: the trainer's and the engine's programs compiled for a TPU topology here.
 
 The TPU compiler (libtpu, the `aot` extra that `make test` installs) runs
-on this CPU host for a topology it only knows by name (DESIGN.md section
+on this CPU host for a topology it only knows by name (docs/DESIGN.md section
 8). These tests compile every program of a reduced config -- the tiny
 model under the pod config's sharding rules on a 4-chip v5e mesh -- and
 check what the script reports, that a program which cannot fit fails the

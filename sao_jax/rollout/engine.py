@@ -27,8 +27,8 @@ plain sampler (one prefill, one loop).
 Lanes (`lanes`)
 ---------------
 On XLA:CPU one program mostly keeps one core busy: a decode step's ops are
-too small for the intra-op threads (measured: `generate_batch` of 32 slots
-uses about 1.3 of 2 cores), and separate programs overlap only when they
+too small for the intra-op threads (benchmarks/RESULTS.md, "Session 11:
+engine lanes on both cores"), and separate programs overlap only when they
 are launched from separate threads (async dispatch from one thread runs
 them one after the other). `lanes=L` splits `generate_batch`'s slots into L
 groups of `ceil(slots / L)`; each lane has its own decode state and key and
@@ -88,7 +88,7 @@ exists, so the trainer may donate its buffers to its next step as soon as
 `driver.update_params` returns (the driver copies in the trainer's thread
 and swaps between steps with `copied=True`).
 
-Separate rollout slice (DESIGN.md section 5): the engine is built on its
+Separate rollout slice (docs/DESIGN.md section 5): the engine is built on its
 own mesh over its own devices,
 
     mesh = sharding.make_mesh({"data": -1, "tensor": 4}, devices=rollout_devices)
