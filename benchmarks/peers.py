@@ -11,8 +11,8 @@ shared machine hits both sides alike: read the ratios, not the absolute
 figures.
 
 The model is Qwen3-MoE's architecture at a tiny shape (2 layers, d_model
-128, 4 heads / 2 kv heads of 32, 4 experts top-2, expert ffn 256, vocab 128,
-fp32), built in both libraries with the same weights: sao-jax's params are
+128, 4 heads / 2 kv heads of 32, 4 experts top-2, expert ffn 256, vocab 128
+or `--vocab`, fp32), built in both libraries with the same weights: sao-jax's params are
 copied leaf by leaf into Tunix's `Qwen3` (`tunix_state_from_sao`), and the
 script checks that both produce the same logits before timing anything.
 
@@ -91,9 +91,14 @@ SHAPES = {
 LR = 1e-5
 
 
+# The model's vocabulary; `--vocab 151669` measures both sides at Qwen3's,
+# where the logits dominate a small model's step.
+VOCAB = 128
+
+
 def sao_config(max_len: int, **overrides) -> mcfg.ModelConfig:
   return mcfg.ModelConfig(
-      vocab_size=128, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2,
+      vocab_size=VOCAB, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2,
       head_dim=32, num_experts=4, experts_per_token=2, moe_d_ff=256,
       max_seq_len=max_len, rope_theta=1e6, rms_eps=1e-6, **overrides)
 
@@ -422,11 +427,15 @@ def main():
                       help="also bf16 compute (train) and one `step` per token (generate)")
   parser.add_argument("--moe_block", type=int, default=0,
                       help="also the fast settings with MoE blocks of this many rows")
+  parser.add_argument("--vocab", type=int, default=128,
+                      help="the tiny model's vocabulary (151669: Qwen3's)")
   parser.add_argument("--lanes", type=int, default=2,
                       help="also generation with the fast settings in this many engine lanes "
                       "(PolicyEngine(lanes=...); 1: no such arm)")
   args = parser.parse_args()
   sections = args.sections.split(",")
+  global VOCAB  # pylint: disable=global-statement
+  VOCAB = args.vocab
 
   cfg, params, model = build_models(256)
   diff = check_same_logits(cfg, params, model)

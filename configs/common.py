@@ -87,8 +87,9 @@ def get_config():
   # Compute the policy's vocabulary-wide head at action tokens only (SFT and
   # RL steps; packing.pack's action_index): with a large vocabulary the head
   # is most of a small model's step and most of an agentic row is prompt
-  # and tool output. Up to 4 more compiles per bucket (the head's width is
-  # bucketed too); off for the toys' 64-token vocabulary, where it saves nothing.
+  # and tool output. The head's width is bucketed to a multiple of L/8, so
+  # up to 8 compiles of the SFT and RL steps per length bucket (in practice
+  # one or two); off for the toys' 64-token vocabulary, where it saves nothing.
   c.data.logits_at_actions = False
 
   c.sharding = ml_collections.ConfigDict()

@@ -1,8 +1,19 @@
 """SAO on Qwen3-30B-A3B (30.5B total / 3.3B active parameters), on a TPU pod.
 
-    python launch/train.py --config=configs/sao_moe.py --workdir=gs://BUCKET/sao_moe \
+    # every host of the training slice
+    python launch/train.py --config=configs/sao_moe.py --workdir=/mnt/shared/sao_moe \
         --config.sft.init_from_hf=/path/to/Qwen3-30B-A3B-SFT \
         --config.env.kwargs='{"path": "/data/train.parquet", "heldout_path": "/data/test.parquet"}'
+    # every rollout host, each with its own id (same config and overrides)
+    python launch/rollout.py --config=configs/sao_moe.py --workdir=/mnt/shared/sao_moe \
+        --rollout_id=r0 --config.env.kwargs='{...the same...}'
+
+The workdir is a POSIX path every host mounts (Filestore / NFS, or a
+gcsfuse mount of a bucket): checkpoints, the fleet's shards and weight
+versions and the metrics all live there. A multi-host trainer cannot run
+rollout in its own process (`rl.mode` async / sync), so RL runs in fleet
+mode: the rollout hosts generate with the policy versions the trainer
+publishes and write trajectory shards it reads.
 
 The task is the paper's agentic reasoning by default: `math_tool` (math
 with a `python` tool run in the sandbox, up to 50 turns, the final answer
@@ -84,6 +95,9 @@ def get_config(arg=None):
   c.env.thinking = True
   # Tool output (a program's stdout) is capped at this many tokens a call.
   c.env.max_tool_output_tokens = 2048
+  # The sandbox's own output cut must not undercut the token cap above; a
+  # reasoning model's programs get more time than the toys'.
+  c.env.sandbox = {"cpu_seconds": 10, "wall_seconds": 30.0, "max_output_chars": 16384}
   c.sharding.mesh = {"data": -1, "fsdp": 16, "expert": 8, "tensor": 1}
   c.sharding.rules = POD_RULES
   c.sft.init_from_hf = ""  # required: the SFT checkpoint directory
@@ -98,6 +112,8 @@ def get_config(arg=None):
   c.rollout.queue_size = 1024
   c.value_pretrain.steps = 100
   c.value_pretrain.num_trajectories = 4096
+  # A multi-host trainer is fed by rollout hosts (launch/rollout.py).
+  c.rl.mode = "fleet"
   c.rl.steps = 400
   c.rl.batch_size = 256
   c.rl.actor_lr = 1e-6

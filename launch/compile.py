@@ -230,9 +230,13 @@ class Program:
   context: object = contextlib.nullcontext
 
 
-def abstract_batch(rows: int, length: int, batch_sharding) -> dict:
-  """A packed batch `[rows, length]` of ShapeDtypeStructs, dtypes from `packing.pack`."""
-  example = packing.pack([], 1, (8,))
+def abstract_batch(rows: int, length: int, batch_sharding, action_index: bool = False) -> dict:
+  """A packed batch `[rows, length]` of ShapeDtypeStructs, dtypes from `packing.pack`.
+
+  With `action_index` (`data.logits_at_actions`) the batch carries it at its
+  widest, `[rows, length]` (a row of action tokens only): the head's worst case.
+  """
+  example = packing.pack([], 1, (8,), action_index=action_index)
   return {k: jax.ShapeDtypeStruct((rows, length), v.dtype, sharding=batch_sharding)
           for k, v in example.items()}
 
@@ -247,13 +251,15 @@ def train_programs(config, progs: trainer.Programs, mesh, topo: str, hbm: float)
   # logical-axis rules, which turn the model's activation annotations into
   # sharding constraints; all three are lowered the same way here.
   ctx = lambda: _in_mesh(mesh, progs.rules)
-  rl_batch = abstract_batch(rl_rows, length, progs.batch_sharding)
-  sft_batch = abstract_batch(sft_rows, length, progs.batch_sharding)
+  at_actions = config.data.get("logits_at_actions", False)
+  rl_batch = abstract_batch(rl_rows, length, progs.batch_sharding, at_actions)
+  sft_batch = abstract_batch(sft_rows, length, progs.batch_sharding, at_actions)
   return {
       "sft": Program("sft", progs.sft_step, (state.policy, state.policy_opt, sft_batch),
                      f"{sft_rows}x{length}", topo, hbm, ctx),
-      "value": Program("value", progs.value_step, (state, rl_batch), f"{rl_rows}x{length}",
-                       topo, hbm, ctx),
+      "value": Program("value", progs.value_step,  # packed without action_index
+                       (state, abstract_batch(rl_rows, length, progs.batch_sharding)),
+                       f"{rl_rows}x{length}", topo, hbm, ctx),
       "rl": Program("rl", progs.rl_step, (state, rl_batch),
                     f"{rl_rows}x{length} K={config.rl.critic_updates}", topo, hbm, ctx),
   }

@@ -324,8 +324,13 @@ def check_workdir(workdir: str, min_free_gb: float) -> None:
   """Creates `workdir` and fails clearly if it is unwritable or nearly full.
 
   Run before training, so a run never dies at its first checkpoint hours
-  in. A probe file is written, flushed to disk and removed.
+  in. A probe file is written, flushed to disk and removed. A URL
+  (gs://...) is refused: metrics, the fleet and the markers use POSIX
+  files, and os.makedirs would make a local folder named "gs:".
   """
+  if "://" in workdir:
+    raise ConfigError(f"workdir {workdir!r}: a URL; give a POSIX path every host mounts "
+                      "(e.g. a gcsfuse mount of the bucket)")
   try:
     os.makedirs(workdir, exist_ok=True)
     probe = os.path.join(workdir, f".write_probe_{uuid.uuid4().hex}")

@@ -10,6 +10,7 @@ metrics and only process 0 writes or prints them.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
@@ -31,6 +32,7 @@ class MetricsWriter:
   def __init__(self, workdir: str, tensorboard: bool = True):
     self._jsonl = self._tb = None
     self._start = time.time()
+    _PROGRESS_START.clear()  # a new run (or a resumed one) times its own stages
     if not distributed.is_primary():  # records are process 0's to write
       return
     os.makedirs(workdir, exist_ok=True)
@@ -45,7 +47,12 @@ class MetricsWriter:
               **scalars}
     if self._jsonl is None:
       return record
-    self._jsonl.write(json.dumps(record) + "\n")
+    # Strict JSON: a non-finite value (an empty lag bucket's quantile is NaN)
+    # is written as null, which every JSON reader takes; the record returned
+    # keeps the float.
+    line = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in record.items()}
+    self._jsonl.write(json.dumps(line, allow_nan=False) + "\n")
     self._jsonl.flush()
     if self._tb is not None:
       for k, v in scalars.items():

@@ -349,11 +349,16 @@ class _Run:
     """A whole packed numpy batch as global arrays (each process places its rows)."""
     return distributed.global_batch(batch, self.batch_sharding, len(batch["tokens"]))
 
-  def _pack(self, trajs, rows, baseline_advantages=None):
-    """The batch of `trajs` in `rows` rows; this process builds only its own rows."""
-    return distributed.pack_batch(trajs, rows, self.config.data.buckets, self.batch_sharding,
-                                  baseline_advantages,
-                                  action_index=self.config.data.logits_at_actions)
+  def _pack(self, trajs, rows, baseline_advantages=None, policy_head=True):
+    """The batch of `trajs` in `rows` rows; this process builds only its own rows.
+
+    `policy_head`: the step computes the policy's log-probs (SFT, RL), so
+    with `data.logits_at_actions` the batch carries `action_index`; the
+    value step reads none, and a batch without it compiles once per bucket.
+    """
+    return distributed.pack_batch(
+        trajs, rows, self.config.data.buckets, self.batch_sharding, baseline_advantages,
+        action_index=policy_head and self.config.data.logits_at_actions)
 
   def _eval(self, name, params, samples=None):
     e = self.config.eval
@@ -456,7 +461,7 @@ class _Run:
     b = self.config.rl.batch_size
     for step in range(self.meta["stage_step"], c.steps):
       trajs = [data[(step * b + j) % len(data)] for j in range(b)]
-      batch = self._pack(trajs, b)
+      batch = self._pack(trajs, b, policy_head=False)
       with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
         self.state, m = self.value_step(self.state, batch)
         _wait(self.state)

@@ -155,3 +155,19 @@ def test_a_topology_the_mesh_does_not_fit_is_refused_in_one_line(tmp_path):
   error = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
   assert len(error) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
   assert "v5p:4x4x4" in error[0] and "64 devices" in error[0] and "two per chip" in error[0]
+
+
+def test_the_head_at_action_tokens_compiles_at_its_widest(tmp_path):
+  """With data.logits_at_actions the RL batch carries action_index at its
+  widest (A = L), as the trainer packs it for the head at action tokens."""
+  args = ("--topology=v5e-4", "--rows=4", "--length=64", "--programs=rl",
+          "--config.model.overrides.num_layers=1")
+  rows = {}
+  for flag in (False, True):
+    rc, stdout, stderr, result = run_compile(tmp_path, *args,
+                                             f"--config.data.logits_at_actions={flag}")
+    assert rc == 0, stdout[-3000:] + stderr[-3000:]
+    rows[flag] = result["programs"]["rl"]
+    assert rows[flag]["fits"]
+  # The same program but for action_index, [4, 64] int32: a chip holds part of it.
+  assert 0 < rows[True]["argument_bytes"] - rows[False]["argument_bytes"] <= 4 * 64 * 4

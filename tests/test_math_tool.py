@@ -228,3 +228,31 @@ def test_config_needs_a_chat_format_that_renders_its_tools():
     assert "\n" not in str(e.value)
   configuration.set_field(c, "env.kwargs", {"tools": ()})  # no tools: plain renders it
   configuration.validate(c, num_devices=8)
+
+
+def test_python_modules_are_checked_when_the_environment_is_built():
+  for modules, message in ((("math", "no_such_module_x"), "cannot be imported"),
+                           ("math", "a tuple of module names")):
+    with pytest.raises(ValueError, match=message):
+      MathTool(MathToolConfig(python_modules=modules))
+
+
+def test_tool_responses_answer_calls_in_the_order_they_were_written(env):
+  """Qwen3's tool responses carry no call ids: a malformed call between two
+  good ones is answered between their outputs."""
+  call, call_end = TOK.special_id("<tool_call>"), TOK.special_id("</tool_call>")
+
+  def body(text):
+    return [call] + TOK.encode(text) + [call_end]
+
+  ids = (body('\n{"name": "python", "arguments": {"code": "print(1)"}}\n') + TOK.encode("\n")
+         + body("\n{not json\n") + TOK.encode("\n")
+         + body('\n{"name": "python", "arguments": {"code": "print(3)"}}\n') + [IM_END])
+  parsed = FMT.parse_turn(ids)
+  assert [type(x).__name__ for x in parsed.sequence] == ["ToolCall", "tuple", "ToolCall"]
+  action = Action(parsed.text, parsed=parsed, tool_calls=parsed.tool_calls,
+                  tool_errors=parsed.errors, tool_sequence=parsed.sequence)
+  step = env.episode(env.task(0)).step(action)
+  contents = [m["content"].strip() for m in step.observation]
+  assert contents[0] == "1" and contents[1].startswith("error:") and contents[2] == "3"
+  assert step.info["events"] == ["tool_error"]

@@ -8,15 +8,16 @@ demonstration that solves it the way the policy should, by calling the
 `python` tool and answering in `\\boxed{}`:
 
     user       A shop sells pens at 7 dollars each. Maya buys 12 pens and
-               pays with a 100-dollar bill. How much change does she get?
-    assistant  <think>The change is 100 - 7 * 12. I will compute it with
-               Python.</think>
+               pays with 100 dollars. How much change does she get?
+    assistant  (reasoning: I will compute it with Python.)
                <tool_call>{"name": "python", "arguments": {"code":
                "print(100 - 7 * 12)"}}</tool_call>
     tool       16
-    assistant  The answer is \\boxed{16}.
+    assistant  (reasoning: The tool printed 16.)
+               The answer is \\boxed{16}.
 
-About a third of the word problems take two tool calls (an intermediate
+About one row in nine takes two tool calls (35% of the distance, sharing
+and area problems: an intermediate
 quantity, then the answer from the tool's output). The tool outputs in the
 demonstrations are what the sandbox prints for that code (the code is this
 module's own, run here in-process). Rows are verl's format

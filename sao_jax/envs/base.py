@@ -48,13 +48,17 @@ class Action(str):
   each malformed one (bad JSON, unknown tool, wrong arguments, cut off), so
   that an environment can answer it with an error; `parsed` is the whole
   `chat.ParsedTurn` (content and reasoning apart from the calls).
+  `tool_sequence` holds both kinds in the order the turn wrote them (each
+  a `ToolCall` or a `(reason, message)`), the order tool responses answer
+  in; empty, it is the errors, then the calls.
   Environments that take plain text use it as the `str` it is.
   """
 
   def __new__(cls, text: str, *, parsed=None, tool_calls: tuple = (),
-              tool_errors: tuple = ()):
+              tool_errors: tuple = (), tool_sequence: tuple = ()):
     self = super().__new__(cls, text)
     self.parsed, self.tool_calls, self.tool_errors = parsed, tool_calls, tool_errors
+    self.tool_sequence = tool_sequence or tuple(tool_errors) + tuple(tool_calls)
     return self
 
 

@@ -72,6 +72,10 @@ class ParsedTurn:
   # "missing_name", "bad_arguments", "unclosed".
   errors: tuple[tuple[str, str], ...]
   ended: bool  # the turn end was sampled (False: cut at the turn limit)
+  # The calls and the malformed ones together, in the order the turn wrote
+  # them: Qwen3's tool responses carry no call ids, so they must answer in
+  # this order.
+  sequence: tuple = ()
 
 
 CALL_ERRORS = ("bad_json", "not_an_object", "missing_name", "bad_arguments", "unclosed")
@@ -525,7 +529,7 @@ class Qwen3Format(ChatFormat):
       reasoning_ids, outside = body[start + 1:], body[:start]
     else:
       reasoning_ids, outside = [], body
-    content_ids, calls, errors, k = [], [], [], 0
+    content_ids, calls, errors, sequence, k = [], [], [], [], 0
     while k < len(outside):
       if outside[k] != self.call_start:
         content_ids.append(outside[k])
@@ -533,6 +537,7 @@ class Qwen3Format(ChatFormat):
         continue
       if self.call_end not in outside[k + 1:]:
         errors.append(("unclosed", "a <tool_call> without </tool_call> (the turn was cut)"))
+        sequence.append(errors[-1])
         break
       end = outside.index(self.call_end, k + 1)
       call, error = _read_call(self.tok.decode(outside[k + 1:end]))
@@ -540,10 +545,12 @@ class Qwen3Format(ChatFormat):
         calls.append(call)
       else:
         errors.append(error)
+      sequence.append(call if call is not None else error)
       k = end + 1
     return ParsedTurn(text=text, content=self.tok.decode(content_ids).strip(),
                       reasoning=self.tok.decode(reasoning_ids).strip("\n"),
-                      tool_calls=tuple(calls), errors=tuple(errors), ended=ended)
+                      tool_calls=tuple(calls), errors=tuple(errors), ended=ended,
+                      sequence=tuple(sequence))
 
 
 def _read_call(body: str) -> tuple[ToolCall | None, tuple[str, str] | None]:

@@ -39,6 +39,7 @@ are the user's own code, not the model's).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import threading
 from typing import Any, Callable
 
@@ -115,6 +116,7 @@ class DatasetEnv:
     if unknown:
       raise ValueError(f"env.kwargs.tools {unknown}: the built-in tool is 'python'; "
                        "others need an entry in tool_functions")
+    _check_python_modules(config.python_modules)
     self.config, self.limits = config, limits
     self.max_turns = config.max_turns
     self.runs_code = config.needs_sandbox
@@ -226,16 +228,24 @@ class _Episode:
 def answer_tool_calls(action, call_tool: Callable[[str, dict], str]) -> tuple[list, list]:
   """The tool messages that answer a turn's calls, and its events.
 
-  Each malformed call (`action.tool_errors`) is answered with its error,
-  then each well-formed one with `call_tool(name, arguments)`, in order;
-  the events are ["tool_error"] if any call was malformed. Shared by every
-  environment that offers tools, so they answer calls alike.
+  One message per call, in the order the turn wrote them
+  (`action.tool_sequence`; Qwen3's responses carry no call ids): a
+  malformed call is answered with its error, a well-formed one with
+  `call_tool(name, arguments)`. The events are ["tool_error"] if any call
+  was malformed. Shared by every environment that offers tools, so they
+  answer calls alike.
   """
-  errors = getattr(action, "tool_errors", ())
-  messages = [{"role": "tool", "content": f"error: {message}"} for _, message in errors]
-  for call in getattr(action, "tool_calls", ()):
-    messages.append({"role": "tool", "content": call_tool(call.name, call.arguments)})
-  return messages, ["tool_error"] if errors else []
+  sequence = getattr(action, "tool_sequence", None)
+  if sequence is None:
+    sequence = tuple(getattr(action, "tool_errors", ())) + tuple(getattr(action, "tool_calls", ()))
+  messages, malformed = [], False
+  for item in sequence:
+    if isinstance(item, tuple):  # (reason, message)
+      messages.append({"role": "tool", "content": f"error: {item[1]}"})
+      malformed = True
+    else:
+      messages.append({"role": "tool", "content": call_tool(item.name, item.arguments)})
+  return messages, ["tool_error"] if malformed else []
 
 
 def _tool_name(schema: dict) -> str:
@@ -246,6 +256,16 @@ def _schema_stub(name: str) -> dict:
   # A user tool's schema comes from its rows (`tools`); offered by name only
   # it takes any arguments.
   return {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+
+
+def _check_python_modules(modules) -> None:
+  """`python_modules` is a tuple of importable module names (a typo fails here,
+  not as a ModuleNotFoundError in every tool call)."""
+  if isinstance(modules, str) or not all(isinstance(m, str) and m for m in modules):
+    raise ValueError(f"env.kwargs.python_modules = {modules!r}: a tuple of module names")
+  missing = sorted(m for m in modules if importlib.util.find_spec(m) is None)
+  if missing:
+    raise ValueError(f"env.kwargs.python_modules: {missing} cannot be imported here")
 
 
 def _tool_functions(config: DatasetConfig) -> dict[str, Callable]:

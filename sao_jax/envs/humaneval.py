@@ -140,7 +140,9 @@ def load_problems(path: str = "") -> tuple[dict, ...]:
 
 # --- answers --------------------------------------------------------------------
 
-_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
+# Any case of the info string: models write ```Python as often as ```python.
+_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)",
+                    re.DOTALL | re.IGNORECASE)
 
 
 def extract_code(text: str) -> str:

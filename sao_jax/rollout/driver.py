@@ -773,17 +773,18 @@ class RolloutDriver:
     raised.
     """
     parsed = self.format.parse_turn(ids)
-    calls, errors = [], list(parsed.errors)
-    for call in parsed.tool_calls:
-      problem = chat.validate_call(call, task.tools)
-      if problem is None:
-        calls.append(call)
-      else:
-        errors.append((problem, f"{call.name[:60]!r}: {problem}"))
+    calls, errors, sequence = [], [], []
+    for item in parsed.sequence:  # in the order the turn wrote them
+      if isinstance(item, chat.ToolCall):
+        problem = chat.validate_call(item, task.tools)
+        if problem is not None:
+          item = (problem, f"{item.name[:60]!r}: {problem}")
+      (calls if isinstance(item, chat.ToolCall) else errors).append(item)
+      sequence.append(item)
     for reason, _ in errors:
       self.stats.tool_call_errors[reason] += 1
     return Action(parsed.text, parsed=parsed, tool_calls=tuple(calls),
-                  tool_errors=tuple(errors))
+                  tool_errors=tuple(errors), tool_sequence=tuple(sequence))
 
   def _observation_ids(self, observation) -> list[int]:
     """An observation's tokens (the format's bridge), tool output capped in tokens."""
