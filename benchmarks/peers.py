@@ -49,7 +49,9 @@ gae: 256 x 8192, skip-observation GAE (sao-jax, multi-turn action mask) vs
 
 Shapes: "tiny" trains on 32 x 256 and generates for 32 prompts of 64 tokens
 plus 64 new; "long" trains on 16 x 1024 and generates for 16 prompts of 768
-tokens plus 256 new (16 slots of 1024-token contexts).
+tokens plus 256 new (16 slots of 1024-token contexts); "vocab" (for
+`--vocab 151669`) trains on 8 x 256 and generates for 16 prompts of 240
+tokens plus 64 new.
 """
 
 from __future__ import annotations
@@ -87,6 +89,9 @@ SHAPES = {
     # name: (train rows, train length, generation slots, prompt, new tokens)
     "tiny": (32, 256, 32, 64, 64),
     "long": (16, 1024, 16, 768, 256),
+    # For --vocab 151669: a full [B, L, V] fp32 logits tensor is 4.9 GB at
+    # 32 x 256, and the peer's training holds several; 8 x 256 fits in 24 GiB.
+    "vocab": (8, 256, 16, 240, 64),
 }
 LR = 1e-5
 

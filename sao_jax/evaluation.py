@@ -61,7 +61,15 @@ def pass_at_1(model_cfg, params, env, tokenizer, *, num_tasks: int, slots: int, 
     driver.run()
   finally:
     driver.stop()
-  return summarize(trajs)
+  result = summarize(trajs)
+  # A prompt that cannot be rendered or does not fit max_len, or an
+  # environment fault, leaves no episode: say so, never a silently smaller set.
+  result["samples_dropped"] = len(prompts) - len(trajs)
+  if result["samples_dropped"]:
+    print(f"[eval] warning: {result['samples_dropped']} of {len(prompts)} samples gave no "
+          f"episode (faults: {dict(driver.stats.env_faults)}); pass@1 is over the "
+          f"{result['tasks']} tasks that did", flush=True)
+  return result
 
 
 # The full reward of every environment here: an episode that earns it solved its task.

@@ -56,7 +56,8 @@ class MetricsWriter:
     self._jsonl.flush()
     if self._tb is not None:
       for k, v in scalars.items():
-        if isinstance(v, (int, float)):
+        # A non-finite value (an empty lag bucket) is no point on a curve.
+        if isinstance(v, (int, float)) and math.isfinite(v):
           self._tb.add_scalar(f"{stage}/{k}", v, step)
     return record
 

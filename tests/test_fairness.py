@@ -162,6 +162,29 @@ def test_pass_at_1_stderr_is_over_tasks_of_their_success_rates():
   assert r["pass@1_stderr"] == pytest.approx(np.std([1, .5, 0], ddof=1) / np.sqrt(3))
 
 
+def test_pass_at_1_says_how_many_samples_gave_no_episode(capsys):
+  """A prompt too long for max_len leaves no episode: the result and a warning
+  line say how many, never a silently smaller evaluation set."""
+  from fakes import EchoEnv, random_params  # pylint: disable=import-outside-toplevel
+  from sao_jax import evaluation  # pylint: disable=import-outside-toplevel
+  from sao_jax.envs.base import Task  # pylint: disable=import-outside-toplevel
+  from sao_jax.envs.tokenizer import CharTokenizer  # pylint: disable=import-outside-toplevel
+  from sao_jax.models import config as mcfg  # pylint: disable=import-outside-toplevel
+
+  class OddTasksTooLong(EchoEnv):
+
+    def task(self, i):
+      task = super().task(i)
+      return Task(i, "q" * 40 + "\n", None, task.meta) if i % 2 else task
+
+  tok = CharTokenizer()
+  cfg = mcfg.tiny(vocab_size=tok.vocab_size)
+  r = evaluation.pass_at_1(cfg, random_params(cfg, 0.02), OddTasksTooLong(), tok, num_tasks=4,
+                           slots=4, max_len=32, max_turn_tokens=4)
+  assert r["samples_dropped"] == 2 and r["tasks"] == 2 and r["samples"] == 2
+  assert "2 of 4 samples gave no episode" in capsys.readouterr().out
+
+
 def test_token_budget_counts_value_pretraining_rollouts_and_stops_rl(tmp_path):
   """Sync SAO: after RL step 1 the count is the warm-up's tokens plus that batch's."""
   from experiments import runner  # pylint: disable=import-outside-toplevel
