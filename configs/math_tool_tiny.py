@@ -7,13 +7,15 @@ tool (the shipped generated set, `sao_jax/data/math_problems.py`), Qwen3's
 151,669-token vocabulary, the qwen3 chat template with thinking on, tool
 calls parsed from the sampled ids and run in the sandbox, answers checked
 by the math verifier. SFT on the shipped tool-using transcripts -> value
-pretraining -> async SAO -> held-out pass@1 on the 400 held-out rows.
+pretraining -> async SAO -> held-out pass@1 on 200 of the 400 held-out rows.
 
 The vocabulary dominates the tiny model's cost (its embedding and output
 layers are 19.4M of its parameters; every logit row is 151,669 wide), so
-batches and step counts are smaller than sao_tiny.py's.
-benchmarks/RESULTS.md ("math_tool with Qwen3's vocabulary") has a run's
-figures and its command.
+batches and step counts are smaller than sao_tiny.py's, and the head runs
+at action tokens only (`data.logits_at_actions`). Cost and result of one
+run (~40 min on 2 cores; after 150 SFT steps the tiny model solves none
+of the held-out problems, so RL has no reward to learn from): see
+benchmarks/RESULTS.md, "math_tool with Qwen3's vocabulary".
 """
 
 import os

@@ -236,8 +236,9 @@ def test_a_call_cut_at_the_turn_limit_is_unclosed():
   assert env.actions[0].parsed.ended is False
   runs = spans(traj)
   assert runs[1] == (True, cut[:limit])  # cut there, no <|im_end|> sampled
-  # The bridge still starts a new turn after the cut one.
-  assert runs[2][1] == bridge("error: " + env.actions[0].tool_errors[0][1])
+  # The format closes the cut turn (an <|im_end|> that is not an action
+  # token), then the bridge starts a new turn, as after a sampled turn end.
+  assert runs[2][1] == [IM_END] + bridge("error: " + env.actions[0].tool_errors[0][1])
   assert traj.finish_reason == "done" and traj.num_turns == 2
 
 

@@ -43,9 +43,10 @@ def check_transcript(traj, prompt_ids, max_turn_tokens=None):
 
   The prompt is the format's render, not actions; every action run follows
   the generation prompt, holds no <|im_start|> and no <|im_end|> but its
-  last token, which is the sampled <|im_end|> (a run without it was cut at
-  the turn limit or the length cap and is the trajectory's last); every
-  non-action run between two turns is a bridge: "\\n<|im_start|>user\\n...
+  last token, which is the sampled <|im_end|> (a run without it was cut:
+  at the turn limit, and then an unsampled <|im_end|> closes it, or at the
+  length cap, and it is the trajectory's last); every non-action run
+  between two turns is a bridge: "\\n<|im_start|>user\\n...
   <|im_end|>\\n<|im_start|>assistant\\n". Versions and log-probs are set
   on action tokens only.
   """
@@ -60,12 +61,15 @@ def check_transcript(traj, prompt_ids, max_turn_tokens=None):
   for k, (s, e) in enumerate(runs):
     turn = tokens[s:e].tolist()
     assert IM_START not in turn and IM_END not in turn[:-1]
-    if turn[-1] != IM_END:  # cut: the last turn, at a cap
-      assert k == len(runs) - 1
-      assert e == len(tokens) and (len(turn) == max_turn_tokens or max_turn_tokens is None
-                                   or traj.finish_reason != "done"), (k, len(turn))
+    cut = turn[-1] != IM_END  # at the turn limit, or the last turn at max_len
+    if cut:
+      assert len(turn) == max_turn_tokens or (k == len(runs) - 1 and e == len(tokens)), (
+          k, len(turn))
     if k + 1 < len(runs):
       bridge = tokens[e:runs[k + 1][0]].tolist()
+      if cut:  # the format closes a cut turn, unsampled
+        assert bridge[0] == IM_END
+        bridge = bridge[1:]
       assert bridge[:2] == [TOK.encode("\n")[0], IM_START] and bridge[-3:] == GEN_PROMPT
       assert bridge[-len(GEN_PROMPT) - 2:-len(GEN_PROMPT)] == [IM_END, TOK.encode("\n")[0]]
   assert e == len(tokens)  # nothing follows the last turn

@@ -104,6 +104,15 @@ class ChatFormat:
     """An assistant turn exactly as given, turn end included."""
     raise NotImplementedError
 
+  def cut_turn_ids(self) -> list[int]:
+    """What closes a turn cut at the turn limit before the bridge (not action tokens).
+
+    Text formats: nothing (the toys' transcripts always ran on). Role
+    formats close the turn with their turn end, so the next bridge starts
+    where the template expects it.
+    """
+    return []
+
   def demonstration_ids(self, message) -> list[int]:
     """A demonstration's assistant turn as this format's policy samples it (SFT's target).
 
@@ -464,6 +473,11 @@ class Qwen3Format(ChatFormat):
     if isinstance(message, str):
       message = {"role": "assistant", "content": message}
     return self._ids(self._assistant(message, None))
+
+  def cut_turn_ids(self) -> list[int]:
+    """<|im_end|>: a turn cut before its sampled turn end is closed, unsampled, so
+    the bridge's "\\n<|im_start|>user" follows a closed assistant turn."""
+    return [self.turn_end_id]
 
   def demonstration_ids(self, message) -> list[int]:
     """The turn as a Qwen3 policy samples it in this thinking mode.

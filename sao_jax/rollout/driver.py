@@ -869,6 +869,8 @@ class RolloutDriver:
     if out.truncated:
       self.stats.observations_truncated += 1
     obs = self._observation_ids(out.observation)
+    if s.tokens[-1] != self.turn_end_id:  # cut at the turn limit: the format closes it
+      obs = self.format.cut_turn_ids() + obs
     if len(s.tokens) + len(obs) + 1 >= self.max_len:
       self._finish(i, "length")
       return
