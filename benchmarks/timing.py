@@ -50,3 +50,11 @@ def random_trajectory(rng, n: int, vocab: int, first: int, turn: tuple[int, int]
       rollout_logprobs=np.where(mask, -rng.uniform(0.1, 3.0, n), 0.0).astype(np.float32),
       policy_version=np.zeros(n, np.int32), rewards=rewards,
       turn_starts=np.asarray(starts, np.int32), prompt_id=prompt_id)
+
+
+def report(lines: list[str], out: str | None = None) -> None:
+  """Prints a result table and, with `out`, appends it to that file (RESULTS.md)."""
+  print("\n".join(lines))
+  if out:
+    with open(out, "a", encoding="utf-8") as f:
+      f.write("\n".join(lines) + "\n")

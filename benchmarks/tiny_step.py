@@ -94,6 +94,8 @@ def run_child(tree: str, batch: str, steps: int) -> dict:
 
 
 def main():
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  from timing import report  # pylint: disable=g-import-not-at-top,import-outside-toplevel
   parser = argparse.ArgumentParser()
   parser.add_argument("--ref", default="7adb88f",
                       help="the commit to compare with (default: before the pod-scale paths)")
@@ -123,10 +125,7 @@ def main():
     ref = np.median([x[prog] for x in runs["ref"]])
     new = np.median([x[prog] for x in runs["head"]])
     lines.append(f"| {prog} | {ref * 1e3:.1f} | {new * 1e3:.1f} | {new / ref:.2f} |")
-  print("\n".join(lines))
-  if args.out:
-    with open(args.out, "a", encoding="utf-8") as f:
-      f.write("\n".join(lines) + "\n")
+  report(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from flax import linen as nn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import random_trajectory, time_fns  # pylint: disable=g-import-not-at-top,wrong-import-position
+from timing import random_trajectory, report, time_fns  # pylint: disable=g-import-not-at-top,wrong-import-position
 sys.path.insert(0, os.path.join(ROOT, "configs"))
 import math_tool_tiny  # pylint: disable=g-import-not-at-top,wrong-import-position
 from sao_jax import sharding, trainer  # pylint: disable=wrong-import-position
@@ -133,10 +133,7 @@ def main():
   head = 1 - t["trunk/qwen3"] / t["forward/qwen3"]
   lines += ["", f"The LM head's share of the qwen3 forward pass: {head:.0%} "
             f"(1 - trunk / forward)."]
-  print("\n".join(lines))
-  if args.out:
-    with open(args.out, "a", encoding="utf-8") as f:
-      f.write("\n".join(lines) + "\n")
+  report(lines, args.out)
 
 
 if __name__ == "__main__":
