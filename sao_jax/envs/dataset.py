@@ -235,11 +235,8 @@ def answer_tool_calls(action, call_tool: Callable[[str, dict], str]) -> tuple[li
   was malformed. Shared by every environment that offers tools, so they
   answer calls alike.
   """
-  sequence = getattr(action, "tool_sequence", None)
-  if sequence is None:
-    sequence = tuple(getattr(action, "tool_errors", ())) + tuple(getattr(action, "tool_calls", ()))
   messages, malformed = [], False
-  for item in sequence:
+  for item in getattr(action, "tool_sequence", ()):  # an Action always has one; a str none
     if isinstance(item, tuple):  # (reason, message)
       messages.append({"role": "tool", "content": f"error: {item[1]}"})
       malformed = True

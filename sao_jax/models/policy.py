@@ -107,19 +107,16 @@ def token_logprobs(cfg: ModelConfig, params, tokens: Array, positions: Array,
   vocabulary-wide head runs on A positions a row instead of L.
   """
   starts = _shift_right(jnp.ones_like(tokens), segment_ids) == 0
-  if action_index is not None:
-    hidden, aux = Transformer(cfg, "hidden").apply({"params": params}, tokens, positions,
-                                                   segment_ids)
-    prev_hidden = _shift_right(hidden, segment_ids)  # predicts x_t
-    logp = _logprobs_at(cfg, params, prev_hidden, tokens, action_index, temperature)
-    return jnp.where(starts, 0.0, logp), aux
-  if cfg.logits_chunk:
+  if action_index is not None or cfg.logits_chunk:  # the head apart from the trunk
     hidden, aux = Transformer(cfg, "hidden").apply({"params": params}, tokens, positions,
                                                    segment_ids)
     # Shifting the hidden state shifts its logits: the head is per token.
     prev_hidden = _shift_right(hidden, segment_ids)  # predicts x_t
-    logp = chunked_logprobs(cfg, prev_hidden, lm_head_weight(cfg, params), tokens,
-                            temperature)
+    if action_index is not None:
+      logp = _logprobs_at(cfg, params, prev_hidden, tokens, action_index, temperature)
+    else:
+      logp = chunked_logprobs(cfg, prev_hidden, lm_head_weight(cfg, params), tokens,
+                              temperature)
     return jnp.where(starts, 0.0, logp), aux
   logits, aux = Transformer(cfg, "lm").apply({"params": params}, tokens, positions,
                                              segment_ids)
