@@ -92,8 +92,7 @@ def engine_alone(config, base: str, trajectories: int) -> float:
     once(16)  # compile
     return float(np.median([once(trajectories) for _ in range(2)]))
   finally:
-    run.ckpt.close()
-    run.metrics.close()
+    run.close()
 
 
 def main():

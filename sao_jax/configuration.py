@@ -32,8 +32,6 @@ from sao_jax.advantages import ESTIMATORS
 from sao_jax.losses import CORRECTIVE_SIDES, POLICY_LOSSES
 from sao_jax.rollout.driver import SWAP_POLICIES
 
-MODES = ("async", "sync", "fleet")
-
 
 class ConfigError(ValueError):
   """A setting that cannot work; the message is one line naming the field."""
@@ -199,8 +197,9 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
   validate_distributed(config.distributed)
   _check_env(config.env)
   c, r = config.rl, config.rollout
-  if c.mode not in MODES:
-    _fail("rl.mode", c.mode, f"one of {MODES}")
+  from sao_jax.sources import SOURCES  # pylint: disable=g-import-not-at-top
+  if c.mode not in SOURCES:
+    _fail("rl.mode", c.mode, f"one of {tuple(SOURCES)}")
   if c.advantage not in ESTIMATORS:
     _fail("rl.advantage", c.advantage, f"one of {sorted(ESTIMATORS)}")
   if c.policy_loss not in POLICY_LOSSES:

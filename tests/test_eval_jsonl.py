@@ -30,9 +30,8 @@ def test_eval_writes_one_json_line_per_sample(tmp_path):
   for field, value in FLAGS.items():
     configuration.set_field(config, field, value)
   run = trainer.load_run(config, workdir)
-  run._save(force=True)  # pylint: disable=protected-access
-  run.ckpt.close()
-  run.metrics.close()
+  run.save(force=True)
+  run.close()
 
   out_path = str(tmp_path / "samples.jsonl")
   flags = [f"--config.{k}={v}" for k, v in FLAGS.items()]

@@ -71,7 +71,7 @@ def worker(workdir, num_processes, process_id, port):
   from sao_jax import distributed  # pylint: disable=g-import-not-at-top
   distributed.initialize(config.distributed)
   import jax  # pylint: disable=g-import-not-at-top
-  from sao_jax import trainer  # pylint: disable=g-import-not-at-top
+  from sao_jax import stages, trainer  # pylint: disable=g-import-not-at-top
   from sao_jax.checkpoint import Checkpointer, abstract_like  # pylint: disable=g-import-not-at-top
   from sao_jax.data import store  # pylint: disable=g-import-not-at-top
   from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top
@@ -93,18 +93,17 @@ def worker(workdir, num_processes, process_id, port):
 
   assert distributed.share_from_primary("write_store", write_store) == 24
 
-  run = trainer._Run(config, workdir)  # pylint: disable=protected-access
-  run._eval = lambda name, params: {"pass@1": 0.0}  # pylint: disable=protected-access
+  run = trainer.load_run(config, workdir)
+  run.evaluate = lambda name, params: {"pass@1": 0.0}
   rows = distributed.process_rows(run.batch_sharding, 8).tolist()
-  run.sft()
+  stages.sft(run)
   # Evaluation's gather: the whole policy on this process's first device.
   local = distributed.host_local_copy(run.state.policy, run.mesh)
   local_sums = [float(np.sum(np.asarray(x, np.float64))) for x in jax.tree.leaves(local)]
   run.meta["value_store_done"] = True
-  run.value_pretrain()
+  stages.value_pretrain(run)
   saved = _fingerprint(run.state)
-  run.ckpt.close()
-  run.metrics.close()
+  run.close()
   # A fresh checkpointer on the workdir (what a resumed run restores with)
   # reads back what the processes saved together.
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))

@@ -23,7 +23,8 @@ from sao_jax.models import config as mcfg
 from sao_jax.models import policy
 from sao_jax.rollout.driver import DriverStats
 from sao_jax.train_step import StepConfig, TrainState, make_train_step
-from sao_jax.trainer import RolloutCounts, rl_metrics
+from sao_jax.rl_loop import rl_metrics
+from sao_jax.sources import RolloutCounts
 
 from runs import finish, launch, read_metrics  # pylint: disable=g-bad-import-order
 
@@ -158,7 +159,7 @@ def test_step_config_errors():
 # --- the real trainer, end to end, on 8 simulated devices --------------------
 
 def test_rl_metrics_are_cumulative_over_driver_restarts():
-  """What _Run.rl writes each logged step: a dead driver's counts plus the live one's."""
+  """What rl_loop.rl writes each logged step: a dead driver's counts plus the live one's."""
   dead = DriverStats(generated_tokens=100, generate_seconds=2.0, env_wait_seconds=1.0)
   dead.env_faults.update({"env_error": 1})
   dead.tool_call_errors.update({"bad_json": 2, "unknown_tool": 1})

@@ -1,0 +1,172 @@
+"""One factory per object a run is made of, from its config.
+
+The trainer, evaluation, the fleet's rollout worker, serving, launch/compile.py
+and the benchmarks all build models, engines, drivers and jitted programs
+here, so a config field reaches its object in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from sao_jax import configuration, optim, sharding
+from sao_jax.envs import registry
+from sao_jax.models import config as model_config
+from sao_jax.models import policy
+from sao_jax.rollout.driver import RolloutDriver
+from sao_jax.rollout.engine import PolicyEngine, SamplingConfig, rollout_rules
+from sao_jax.train_step import (StepConfig, TrainState, jit_sharded, make_sft_step,
+                                 make_train_step)
+
+
+def validate_config(config, num_devices: int | None = None) -> None:
+  """Fails fast, before anything is written, on settings that cannot work."""
+  configuration.validate(config, num_devices)
+
+
+def build_model_config(config, tokenizer=None) -> model_config.ModelConfig:
+  preset = model_config.PRESETS[config.model.preset]
+  if config.model.vocab_from_tokenizer and config.model.preset in ("tiny", "small"):
+    tokenizer = tokenizer or registry.make_tokenizer(config.env)
+    base = preset(vocab_size=tokenizer.vocab_size)
+  else:
+    base = preset()
+  overrides = dict(config.model.get("overrides", {}))
+  if config.model.get("compute_dtype", ""):
+    overrides["dtype"] = config.model.compute_dtype
+  return dataclasses.replace(base, **overrides) if overrides else base
+
+
+def make_engine(config, model_cfg: model_config.ModelConfig, params, version: int, *,
+                seed: int | None = None, mesh: jax.sharding.Mesh | None = None) -> PolicyEngine:
+  """The rollout engine a config asks for, on `params` at `version`.
+
+  With `rollout.sharded_engine` and a `mesh`, the engine lays params and KV
+  cache out on it (slots over the batch axes, kv heads over "tensor");
+  otherwise one device holds everything. `seed` defaults to seed + version.
+  """
+  r = config.rollout
+  placement = dict(mesh=mesh, rules=rollout_rules(mesh)) if r.sharded_engine and mesh else {}
+  return PolicyEngine(model_cfg, params, slots=r.slots, max_len=r.max_len,
+                      sampling=SamplingConfig(r.temperature, r.top_k, r.top_p),
+                      seed=config.seed + int(version) if seed is None else seed,
+                      version=version, **placement)
+
+
+def make_driver(config, engine: PolicyEngine, env, tok, prompt_iter, emit,
+                **overrides) -> RolloutDriver:
+  """The rollout driver a config asks for: the trainer's thread, a fleet
+  rollout process and value pretraining (with `overrides`) build it here."""
+  r = config.rollout
+  kwargs = dict(samples_per_prompt=r.samples_per_prompt, max_turn_tokens=r.max_turn_tokens,
+                env_workers=r.env_workers, swap_policy=r.swap_policy,
+                env_timeout=r.env_timeout, decode_steps=r.decode_steps,
+                tool_latency_s=config.env.tool_latency_s,
+                chat_format=registry.make_format(config.env, tok),
+                max_tool_output_tokens=config.env.max_tool_output_tokens)
+  return RolloutDriver(engine, env, tok, prompt_iter, emit, **dict(kwargs, **overrides))
+
+
+def step_config(config) -> StepConfig:
+  t = config.rl
+  return StepConfig(advantage=t.advantage, policy_loss=t.policy_loss, eps_low=t.eps_low,
+                    eps_high=t.eps_high, gamma=t.gamma, lam=t.lam, critic_lam=t.critic_lam,
+                    critic_updates=t.critic_updates, load_balance_coef=t.load_balance_coef,
+                    temperature=config.rollout.temperature,
+                    rollout_kl_coef=t.rollout_kl_coef, corrective_side=t.corrective_side,
+                    geo_eps_low=t.geo_eps_low, geo_eps_high=t.geo_eps_high)
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+  """A run's placement, optimizers and jitted steps on one mesh, from shapes alone.
+
+  Building this touches no device memory (the initialisers are only
+  `eval_shape`d), so the same construction serves the trainer, which then
+  initialises into these shardings and calls these steps, and
+  launch/compile.py, which lowers these very steps for a TPU topology it
+  does not have (docs/DESIGN.md section 8): what the compile proves is about the
+  programs the trainer runs, not about a copy of them.
+  """
+  rules: tuple
+  batch_sharding: Any  # of every [R, L] field of a packed batch
+  policy_init: Callable[[], Any]  # -> boxed params (flax logical-axis metadata)
+  critic_init: Callable[[], Any]
+  policy_shardings: Any
+  critic_shardings: Any
+  sft_tx: Any
+  policy_tx: Any
+  critic_tx: Any
+  state_shardings: TrainState
+  abstract_state: TrainState  # ShapeDtypeStructs carrying state_shardings
+  sft_step: Callable  # (policy, policy_opt, batch) -> (policy, policy_opt, metrics)
+  value_step: Callable  # (state, batch) -> (state, metrics); critic only
+  rl_step: Callable  # (state, batch) -> (state, metrics)
+
+  def init_state(self, policy_params, critic_params) -> TrainState:
+    """The state at step 0 around given params (jit it with state_shardings)."""
+    return TrainState(jnp.zeros((), jnp.int32), policy_params, critic_params,
+                      self.policy_tx.init(policy_params), self.critic_tx.init(critic_params))
+
+
+def build_programs(config, model_cfg: model_config.ModelConfig, step_cfg: StepConfig,
+                   mesh: jax.sharding.Mesh) -> Programs:
+  """Shardings from the config's rules, the optimizers and the jitted steps on `mesh`."""
+  rules = tuple(tuple(r) for r in config.sharding.rules)
+  rng = jax.random.key(config.seed)
+  policy_init = lambda: policy.init_params(model_cfg, rng, boxed=True)
+  critic_init = lambda: policy.init_params(model_cfg, jax.random.fold_in(rng, 1), "value",
+                                           boxed=True)
+  policy_shardings = sharding.logical_shardings(jax.eval_shape(policy_init), mesh, rules)
+  critic_shardings = sharding.logical_shardings(jax.eval_shape(critic_init), mesh, rules)
+  policy_params = jax.eval_shape(lambda: nn.unbox(policy_init()))
+  critic_params = jax.eval_shape(lambda: nn.unbox(critic_init()))
+
+  def policy_tx(lr, steps, warmup):
+    return optim.make_optimizer(policy_params, optim.warmup_cosine(lr, warmup, steps),
+                                clip_norm=config.rl.clip_norm)
+
+  def opt_shardings(tx, params, param_shardings):
+    return sharding.shardings_like_params(jax.eval_shape(tx.init, params), params,
+                                          param_shardings, mesh)
+
+  sft_tx = policy_tx(config.sft.lr, config.sft.steps, config.sft.warmup)
+  rl_tx = policy_tx(config.rl.actor_lr, config.rl.steps, config.rl.warmup)
+  critic_rules = (optim.CRITIC_FREEZE_RULES if config.rl.freeze_critic_attention
+                  else optim.TRAIN_ALL_RULES)
+  critic_tx = optim.make_optimizer(critic_params, config.rl.critic_lr, rules=critic_rules,
+                                   clip_norm=config.rl.clip_norm)
+  state_shardings = TrainState(
+      step=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
+      policy=policy_shardings, critic=critic_shardings,
+      policy_opt=opt_shardings(rl_tx, policy_params, policy_shardings),
+      critic_opt=opt_shardings(critic_tx, critic_params, critic_shardings))
+  batch_sharding = sharding.batch_sharding(mesh, rules)
+
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    rl_step = jit_sharded(make_train_step(model_cfg, step_cfg, rl_tx, critic_tx),
+                          state_shardings, batch_sharding)
+    value_step = jit_sharded(
+        # The arm's own estimator: a token-GAE critic is pretrained where
+        # that arm bootstraps, not on skip-observation targets.
+        make_train_step(model_cfg, dataclasses.replace(step_cfg, critic_updates=1), rl_tx,
+                        critic_tx, update_actor=False),
+        state_shardings, batch_sharding)
+    sft = make_sft_step(model_cfg, sft_tx, config.rl.load_balance_coef)
+    sft_step = jax.jit(
+        sft, in_shardings=(policy_shardings, state_shardings.policy_opt, batch_sharding),
+        out_shardings=(policy_shardings, state_shardings.policy_opt, None),
+        donate_argnums=(0, 1))
+
+  programs = Programs(rules, batch_sharding, policy_init, critic_init, policy_shardings,
+                      critic_shardings, sft_tx, rl_tx, critic_tx, state_shardings, None,
+                      sft_step, value_step, rl_step)
+  abstract = jax.eval_shape(programs.init_state, policy_params, critic_params)
+  abstract_state = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, state_shardings)
+  return dataclasses.replace(programs, abstract_state=abstract_state)

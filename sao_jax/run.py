@@ -1,0 +1,200 @@
+"""A run: what the stages of training work on, built, then opened on a workdir.
+
+    run = build(config)          # validates, builds models, mesh, programs and
+                                 # the initial state; writes nothing
+    open_workdir(run, workdir)   # checkpointer and metrics; restores the
+                                 # latest checkpoint if there is one
+    stages.STAGES[run.meta["stage"]](run)   # sao_jax/stages.py
+
+`load(config, workdir)` does the first two. Tools (launch/serve.py,
+launch/eval.py, the benchmarks) use this public API: `run.state.policy`,
+`run.model_cfg`, `run.tok`, `run.env`, `run.engine(...)`, `run.evaluate(...)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import ml_collections
+
+from sao_jax import configuration, distributed, factories, sharding
+from sao_jax.checkpoint import Checkpointer, abstract_like
+from sao_jax.envs import registry
+from sao_jax.evaluation import pass_at_1
+from sao_jax.faults import FaultInjector
+from sao_jax.metrics import MetricsWriter
+from sao_jax.models import config as model_config
+from sao_jax.rollout.driver import RolloutDriver
+from sao_jax.rollout.engine import PolicyEngine
+from sao_jax.train_step import StepConfig, TrainState
+
+
+@dataclasses.dataclass
+class Run:
+  """Everything one run holds. `state` and `meta` change as the stages go."""
+  config: ml_collections.ConfigDict
+  tok: Any
+  format: Any  # the chat format (registry.make_format)
+  env: Any
+  # Evaluation and value pretraining must not advance an environment's own
+  # clock (online_style's preference schedule): only training episodes do.
+  frozen_env: Any
+  faults: FaultInjector
+  model_cfg: model_config.ModelConfig
+  step_cfg: StepConfig
+  mesh: jax.sharding.Mesh
+  programs: factories.Programs
+  rl_step: Any  # the programs' steps, in lockstep across processes
+  value_step: Any
+  sft_step: Any
+  state: TrainState
+  meta: dict
+  workdir: str | None = None  # set by open_workdir, with ckpt and metrics
+  ckpt: Checkpointer | None = None
+  metrics: MetricsWriter | None = None
+
+  @property
+  def rules(self):
+    return self.programs.rules
+
+  @property
+  def batch_sharding(self):
+    return self.programs.batch_sharding
+
+  # --------------------------------------------------------------- checkpoints
+  def save(self, force: bool = False) -> None:
+    self.meta["ckpt_step"] += 1
+    self.ckpt.save(self.meta["ckpt_step"], self.state, self.meta, force=force)
+
+  def advance(self, stage: str) -> None:
+    """The current stage is complete: checkpoint at the start of `stage`."""
+    self.meta.update(stage=stage, stage_step=0)
+    self.save(force=True)
+
+  def close(self) -> None:
+    if self.ckpt is not None:
+      self.ckpt.close()
+    if self.metrics is not None:
+      self.metrics.close()
+
+  # --------------------------------------------------------------- batches
+  def put_batch(self, batch):
+    """A whole packed numpy batch as global arrays (each process places its rows)."""
+    return distributed.global_batch(batch, self.batch_sharding, len(batch["tokens"]))
+
+  def pack(self, trajs, rows, baseline_advantages=None, policy_head=True):
+    """The batch of `trajs` in `rows` rows, placed; this process builds only its own rows.
+
+    `policy_head`: the step computes the policy's log-probs (SFT, RL), so
+    with `data.logits_at_actions` the batch carries `action_index`; the
+    value step reads none, and a batch without it compiles once per bucket.
+    """
+    return distributed.pack_batch(
+        trajs, rows, self.config.data.buckets, self.batch_sharding, baseline_advantages,
+        action_index=policy_head and self.config.data.logits_at_actions)
+
+  # --------------------------------------------------------------- rollout
+  def engine(self, params, version: int, **kwargs) -> PolicyEngine:
+    """A rollout engine on `params` (a global tree of the trainer's mesh).
+
+    Colocated and sharded: with `rollout.sharded_engine` the engine lays params
+    and KV cache out on the trainer's mesh (slots over the batch axes, kv
+    heads over "tensor") and weight swaps reshard on device. Off by default on
+    CPU, where one device serves the tiny model best. With several processes
+    an engine is one host's: its devices, a local copy.
+    """
+    engine_mesh = (self.mesh if jax.process_count() == 1
+                   else sharding.make_mesh({"data": -1}, jax.local_devices()))
+    params = distributed.host_local_copy(params, self.mesh)  # collective on a global tree
+    return factories.make_engine(self.config, self.model_cfg, params, version, mesh=engine_mesh,
+                                 **kwargs)
+
+  def driver(self, engine: PolicyEngine, env, prompt_iter, emit, **overrides) -> RolloutDriver:
+    return factories.make_driver(self.config, engine, env, self.tok, prompt_iter, emit,
+                                 **overrides)
+
+  def evaluate(self, name: str, params, samples: list | None = None) -> dict:
+    """Held-out pass@1 of `params`, recorded in meta["evals"][name] and the metrics."""
+    e = self.config.eval
+    params = distributed.host_local_copy(params, self.mesh)  # every process joins
+    result = distributed.share_from_primary(f"eval/{name}", lambda: pass_at_1(
+        self.model_cfg, params, self.frozen_env, self.tok, num_tasks=e.num_tasks,
+        slots=e.slots, max_len=self.config.rollout.max_len,
+        max_turn_tokens=self.config.rollout.max_turn_tokens, temperature=e.temperature,
+        seed=self.config.seed + 7, samples_per_task=e.get("samples_per_task", 1),
+        chat_format=self.format, max_tool_output_tokens=self.config.env.max_tool_output_tokens,
+        samples=samples))
+    self.meta["evals"][name] = result
+    self.metrics.write(int(self.state.step), {f"eval/{k}": v for k, v in result.items()}, "eval")
+    print(f"[eval] {name}: pass@1 {result['pass@1']:.3f} on {result['tasks']} held-out tasks "
+          f"(mean {result['mean_turns']:.2f} turns)", flush=True)
+    return result
+
+
+def wait(tree):
+  """Blocks until a sharded step has finished on every device.
+
+  With several (simulated) devices on few CPU cores, XLA:CPU can deadlock in
+  a collective's rendezvous when many multi-device programs are dispatched
+  ahead; one step in flight at a time avoids it. The host loop needs each
+  step's metrics anyway, so this costs no overlap worth having.
+  """
+  jax.block_until_ready(tree)
+
+
+def build(config: ml_collections.ConfigDict) -> Run:
+  """A run at step 0 from its config: everything but the workdir. Writes nothing.
+
+  Everything that can refuse the run (the config, an environment that would
+  run code unisolated) does so here, before a workdir exists.
+  """
+  factories.validate_config(config)
+  tok = registry.make_tokenizer(config.env)
+  env = registry.make_env(config.env)  # refuses unisolated code execution
+  faults = FaultInjector.from_config(config.get("faults"))
+  model_cfg = factories.build_model_config(config, tok)
+  step_cfg = factories.step_config(config)
+  # Mesh, shardings, optimizers and steps (shapes first, then placement).
+  mesh = sharding.make_mesh(dict(config.sharding.mesh))
+  p = factories.build_programs(config, model_cfg, step_cfg, mesh)
+  rl_step, value_step, sft_step = (
+      distributed.lockstep(f, name) for f, name in
+      ((p.rl_step, "rl_step"), (p.value_step, "value_step"), (p.sft_step, "sft_step")))
+  policy_params, _ = sharding.sharded_init(p.policy_init, mesh, p.rules)
+  critic_params, _ = sharding.sharded_init(p.critic_init, mesh, p.rules)
+  state = jax.jit(p.init_state, out_shardings=p.state_shardings)(policy_params, critic_params)
+  meta = {"stage": "sft", "stage_step": 0, "ckpt_step": 0, "source": None,
+          "running_mean": None, "evals": {}}
+  return Run(config, tok, registry.make_format(config.env, tok), env,
+             env.frozen() if hasattr(env, "frozen") else env, faults, model_cfg, step_cfg,
+             mesh, p, rl_step, value_step, sft_step, state, meta)
+
+
+def open_workdir(run: Run, workdir: str, restore_step: int | None = None) -> Run:
+  """Attaches `workdir` (checkpoints, metrics) and restores its latest checkpoint.
+
+  `restore_step`: that checkpoint instead of the latest. A workdir without a
+  checkpoint leaves the run at step 0.
+  """
+  config = run.config
+  configuration.check_workdir(workdir, config.checkpoint.min_free_gb)
+  if run.faults.active:
+    print(f"[faults] injecting faults: {config.faults.to_dict()}", flush=True)
+  run.workdir = workdir
+  run.metrics = MetricsWriter(workdir, tensorboard=config.get("tensorboard", True))
+  distributed.sync("setup")  # the hosts' set-up times differ; collectives follow
+  run.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep)
+  if run.ckpt.latest_step() is not None:
+    restore_step = restore_step or run.ckpt.latest_step()
+    run.state, run.meta = run.ckpt.restore(abstract_like(run.state), restore_step)
+    print(f"Resumed from checkpoint {restore_step} at stage "
+          f"{run.meta['stage']} step {run.meta['stage_step']}", flush=True)
+  return run
+
+
+def load(config: ml_collections.ConfigDict, workdir: str, step: int | None = None) -> Run:
+  """A run restored from `workdir` (fresh if it has no checkpoint)."""
+  return open_workdir(build(config), workdir, step)
