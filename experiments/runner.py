@@ -110,7 +110,8 @@ class Finding:
   overrides: dict = dataclasses.field(default_factory=dict)  # every arm
   # Logged RL metrics plotted over generated tokens (mean over seeds).
   curves: tuple[str, ...] = ("rollout/reward_mean", "policy_lag/mean")
-  # Extra analysis of the collected runs: (finding, runs by arm) -> dict.
+  # Extra analysis of the collected runs: (finding, runs by arm) -> dict. Its
+  # "markdown" entry (a str), if any, goes into results.md as markdown.
   analyze: Callable[["Finding", dict], dict] | None = None
 
   def arm(self, name: str) -> Arm:
@@ -573,10 +574,16 @@ def run_finding(finding: Finding, *, seeds: Sequence[int], arms: Sequence[str] |
   with open(os.path.join(results, "results.md"), "w", encoding="utf-8") as f:
     f.write(f"# {finding.name}\n\n{finding.claim}\n\n{table(result)}\n")
     if "analysis" in result:
-      f.write("\n```\n" + json.dumps(result["analysis"], indent=1, default=float) + "\n```\n")
+      # An analysis's "markdown" (e.g. a table of its own) is written as is, the rest as JSON.
+      analysis = dict(result["analysis"])
+      if isinstance(md := analysis.pop("markdown", None), str):
+        f.write(f"\n{md}\n")
+      f.write("\n```\n" + json.dumps(analysis, indent=1, default=float) + "\n```\n")
   if runs:
     plot(finding, runs, result, os.path.join(results, "results.png"))
   print(table(result), flush=True)
+  if isinstance(md := result.get("analysis", {}).get("markdown"), str):
+    print(md, flush=True)
   return result
 
 

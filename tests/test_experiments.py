@@ -7,11 +7,12 @@ import os
 import numpy as np
 import pytest
 
-from experiments import gae_ablations, headline, lr_sweep, online, runner, stability, system
-from experiments import value_ablations
+from experiments import dis_stability, gae_ablations, headline, lr_sweep, online, runner
+from experiments import stability, system, value_ablations
 from sao_jax import configuration
 
-FINDINGS = (headline, stability, value_ablations, gae_ablations, online, system, lr_sweep)
+FINDINGS = (headline, stability, value_ablations, gae_ablations, online, system, lr_sweep,
+            dis_stability)
 
 
 @pytest.mark.parametrize("module", FINDINGS, ids=lambda m: m.FINDING.name)
@@ -268,3 +269,104 @@ def test_lr_sweep_arms_differ_only_in_actor_lr_and_compare_each_at_its_best():
   assert best["ci95"][0] <= best["mean_diff"] <= best["ci95"][1] and not best["excludes_zero"]
   pair = out["sao_ppo_lr1e-03_vs_sao_lr1e-03"]
   assert pair["per_seed"] == pytest.approx([0.10, 0.50, 0.0])
+
+
+def test_dis_stability_clopper_pearson_matches_known_intervals():
+  cp = dis_stability.clopper_pearson
+  assert cp(0, 8) == pytest.approx((0.0, 0.3694), abs=1e-4)  # 1 - 0.025 ** (1 / 8)
+  assert cp(8, 8) == pytest.approx((0.6306, 1.0), abs=1e-4)
+  assert cp(3, 10) == pytest.approx((0.0667, 0.6525), abs=1e-4)
+  # The defining tails: P(X >= k | lo) = P(X <= k | hi) = 2.5%.
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  lo, hi = cp(9, 34)
+  assert stats.binom.sf(8, 34, lo) == pytest.approx(0.025)
+  assert stats.binom.cdf(9, 34, hi) == pytest.approx(0.025)
+  assert cp(0, 0) == (0.0, 1.0)
+  with pytest.raises(ValueError):
+    cp(3, 2)
+
+
+def test_dis_stability_arms_share_one_sft_start_and_differ_in_what_they_say():
+  f = dis_stability.FINDING
+  assert (f.seeds, f.budget_steps, f.reference) == (8, 150, "grpo_sync")
+  names = [a.name for a in f.arms]
+  assert names[:3] == ["sao_sync", "dis_q64", "ppo_q64"]
+  assert names.index("dis_q16") > max(names.index(n) for n in names if n.endswith("_q64"))
+  key = lambda arm: runner.sft_key(runner.load_config(arm.config, arm.overrides))
+  assert len({key(a) for a in f.arms}) == 1
+  cfg = lambda name: runner.load_config(f.arm(name).config, f.arm(name).overrides)
+  assert cfg("sao_sync").rl.mode == "sync" and cfg("grpo_sync").rl.mode == "sync"
+  for stem, _, _ in dis_stability.ASYNC_ARMS:
+    for q in (16, 64):
+      c = cfg(f"{stem}_q{q}")
+      assert c.rl.mode == "async" and c.rollout.queue_size == q
+      assert c.rl.advantage == "value" and c.rollout.samples_per_prompt == 1
+  assert (cfg("dis_wide_q64").rl.eps_low, cfg("dis_wide_q64").rl.eps_high) == (0.5, 4.0)
+  assert cfg("ppo_q16").rl.policy_loss == "ppo_clip"
+  assert cfg("dis_kl_q64").rl.policy_loss == "dis_rollout_kl"
+  assert cfg("cispo_q64").rl.policy_loss == "cispo"
+  assert all(a in names and b in names for a, b in dis_stability.CONTRASTS)
+
+
+def test_dis_stability_counts_collapses_relative_to_the_sft_start(tmp_path):
+  collapsed = dis_stability.collapsed
+  assert collapsed(_fake_run(0.4, 0.0)) and collapsed(_fake_run(0.4, 0.099))
+  assert not collapsed(_fake_run(0.4, 0.1)) and not collapsed(_fake_run(0.2, 0.06))
+  assert not collapsed(_fake_run(0.0, 0.0))  # an SFT start at 0 cannot collapse
+  assert collapsed({"final_pass@1": 0.1}) is None
+  f = dis_stability.FINDING
+  dis = {s: _fake_run(0.4, v) for s, v in enumerate((0.0, 0.5, 0.01, 0.6, 0.45))}
+  for s, rec in dis.items():
+    steps = len(rec["curves"]["step"])
+    rec["curves"].update({"policy/approx_kl": [0.01] * (steps - 1) + [0.05],
+                          "dis/tokens_lag0": [10] * steps, "dis/tokens_lag1": [30] * steps})
+    rec["curves"].update({f"dis/tokens_{b}": [0] * steps
+                          for b in ("lag2", "lag3_4", "lag5_8", "lag9up")})
+    rec["curves"]["dis/ratio_q99_lag1"] = [1.5] * steps
+  grpo = {s: _fake_run(0.4, 0.5) for s in range(4)}  # seed 4 unfinished
+  out = dis_stability.collapse_rates(f, {"dis_q64": dis, "grpo_sync": grpo,
+                                         "ppo_q64": {0: _fake_run(0.4, 0.5)}})
+  rec = out["by_arm"]["dis_q64"]
+  assert (rec["runs"], rec["collapses"], rec["collapsed_seeds"]) == (5, 2, [0, 2])
+  assert rec["rate"] == 0.4
+  assert rec["ci95"] == pytest.approx(list(dis_stability.clopper_pearson(2, 5)))
+  assert rec["final_over_sft"][2] == pytest.approx(0.025)
+  assert rec["vs_reference"]["paired_seeds"] == [0, 1, 2, 3]
+  assert rec["vs_reference"]["mean_diff"] == pytest.approx((-0.5 + 0 - 0.49 + 0.1) / 4)
+  assert out["by_arm"]["grpo_sync"]["vs_reference"] is None
+  assert rec["lag_mean"] == 1.0
+  diag = rec["lag_diagnostics"]
+  assert diag["policy/approx_kl"]["max"] == pytest.approx(0.05)
+  assert diag["by_lag"]["lag0"]["token_share"] == pytest.approx(0.25)
+  assert diag["by_lag"]["lag1"]["ratio_q99"]["mean"] == pytest.approx(1.5)
+  assert "ratio_q99" not in diag["by_lag"].get("lag2", {})  # empty buckets: nothing logged
+  assert out["contrasts"]["dis_q64_vs_ppo_q64"]["collapses"] == [2, 0]
+  md = out["markdown"].splitlines()
+  row = next(line for line in md if line.startswith("| async SAO, DIS (0.2, 0.28), queue 64 |"))
+  assert "| 5 | 2 | 40% | [0.05, 0.85] |" in row and "| 1.00 |" in row
+  assert next(line for line in md if line.startswith("| sync GRPO")).endswith(
+      "| reference | 1.00 |")
+  # The runner writes the table into results.md as markdown, the rest as JSON.
+  result = runner.run_finding(f, seeds=range(5), aggregate_only=True,
+                              workdir=str(tmp_path / "w"), results=str(tmp_path / "r"))
+  text = (tmp_path / "r" / "results.md").read_text(encoding="utf-8")
+  assert "| arm | runs | collapses | rate | 95% CI |" in text
+  assert '"markdown"' not in text and result["analysis"]["by_arm"] == {}
+
+
+def test_dis_stability_smoke_grid(tmp_path):
+  """One seed, 3 steps of one async arm: its lag diagnostics reach the analysis and results.md.
+
+  (One arm keeps it short; the grid's other arms differ only in config
+  fields, which the arm test above validates.)
+  """
+  result = runner.main(dis_stability.FINDING, [
+      "--smoke", "--in_process", "--arms", "dis_q16", "--workdir",
+      str(tmp_path / "w"), "--results", str(tmp_path / "r")])
+  assert set(result["arms"]) == {"dis_q16"}
+  rec = result["analysis"]["by_arm"]["dis_q16"]
+  assert rec["runs"] == 1 and rec["collapses"] in (0, 1) and rec["lag_mean"] is not None
+  diag = rec["lag_diagnostics"]
+  assert "dis/outside_frac" in diag and "lag0" in diag["by_lag"]
+  text = (tmp_path / "r" / "results.md").read_text(encoding="utf-8")
+  assert "| async SAO, DIS (0.2, 0.28), queue 16 | 1 |" in text

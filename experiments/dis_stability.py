@@ -1,0 +1,302 @@
+"""DIS under lag (issue 27, item 3): does DIS collapse because of policy lag, and what fixes it?
+
+    python -m experiments.dis_stability                     # 8 seeds x 14 arms, ~150 steps
+    python -m experiments.dis_stability --arms sao_sync,dis_q64,ppo_q64 --seeds 8
+    python -m experiments.dis_stability --smoke --arms sao_sync,dis_q16
+    python -m experiments.dis_stability --aggregate_only    # tables and plots only
+
+Pooled over the earlier grids (experiments/README.md), async SAO with DIS
+(eps_low 0.2, eps_high 0.28) collapsed, pass@1 to ~0 within 20-30 RL
+steps, in 9 of 34 runs, and with PPO clip in 0 of 19. Those runs mixed
+tasks, SFT starts and lags, and no grid had more than 5 seeds an arm, so a
+30% collapse rate could not be told from 0% in any single arm. Here every
+arm runs on the same 8 SFT starts (one per seed, shared by all arms) at the
+same budget of generated tokens, ~150 RL steps of 16 trajectories (the
+budget of the headline's measured grids, where the collapses were seen;
+`--budget_steps` to change it), at the shared actor lr of 3e-4.
+
+The arms, most informative first (the runner runs a seed's arms in this
+order, so a grid stopped early still holds the comparisons that matter):
+
+  sao_sync        SAO in the synchronous loop (configs/sao_sync.py): every
+                  batch is sampled by the policy it trains, one actor update
+                  per batch, so the ratio is 1 and DIS, PPO clip and the
+                  plain policy gradient give the same update. The control:
+                  if it collapses too, "single-rollout PG at lr 3e-4 is
+                  marginal and PPO's corrective term rescues it" explains
+                  the collapses, not "DIS destabilises under lag".
+  dis_q64         async SAO, DIS (0.2, 0.28) (the paper's), the default
+                  queue of 64 trajectories (lag ~4-5 versions).
+  ppo_q64         the same with PPO's clipped surrogate (same eps).
+  dis_wide_q64    DIS with SkyRL's fully-async window (0.5, 4.0).
+  dis_narrow_q64  DIS with a narrow window (0.1, 0.1): if masking the
+                  out-of-window tokens is what destabilises, more of it
+                  should collapse more often.
+  grpo_sync       sync GRPO G=4 (configs/grpo_sync.py): the reference for
+                  final pass@1 (the runner's paired differences are to it).
+  dis_kl_q64      DIS + a k3 penalty on KL(rollout || current) (issue 27
+                  item 2, `dis_rollout_kl`), beta = rl.rollout_kl_coef's
+                  default 0.1.
+  cispo_q64       CISPO (`cispo`): every token's gradient kept, its
+                  stop-gradient weight clipped to the same (0.2, 0.28)
+                  window as dis_q64, so the two differ only in dropping
+                  vs bounding the out-of-window tokens.
+  *_q16           the six async arms again with a queue of 16 (one batch;
+                  lag ~1.5).
+
+Collapse, applied mechanically to every run (`collapsed`): the run's final
+held-out pass@1 is below 25% of its seed's SFT pass@1 (COLLAPSE_FRACTION).
+Why that line: over the 131 distinct runs on python_tool and code_fix in
+the committed results (experiments/results/, the online task excluded)
+final / SFT pass@1 is bimodal: 21 runs ended at 0.00-0.11 of their SFT
+start (0.000-0.022 absolute, training reward <= 0.06 over their last three
+logged steps) and every other run at 0.33 or more, so any line in
+(0.11, 0.33) splits them the same way.
+Relative rather than absolute because SFT starts range 0.2-0.6 between
+seeds and tasks. A seed whose SFT pass@1 is 0 cannot collapse.
+
+`analysis` (also rendered as a markdown table into results.md):
+
+  * per arm: runs, collapses and their rate with an exact (Clopper-Pearson)
+    95% binomial interval; the collapsed seeds and every run's final / SFT
+    ratio (to re-apply another line); mean final pass@1 and its paired
+    difference to sync GRPO with a bootstrap CI over seeds
+    (`runner.paired_difference`); the mean policy lag;
+  * per arm, the lag diagnostics the RL step logs (`dis/` metrics of
+    sao_jax/train_step.py's `lag_diagnostics`, and `policy/approx_kl`),
+    as the mean and the largest value over a run's logged steps, averaged
+    over seeds: the share of action tokens in each lag bucket, the ratio's
+    1% and 99% quantiles and the approx KL per bucket, the share outside
+    the window and the corrective tokens' share of tokens and of |r A|.
+    outside_frac and the corrective shares are measured against each arm's
+    own window (wider for dis_wide, narrower for dis_narrow); the ratio
+    quantiles and approx KL are window-free and compare across arms;
+  * `contrasts`: collapse counts of pairs of arms with Fisher's exact
+    two-sided p-value (dis vs ppo clip, async vs sync, the windows, queue
+    16 vs 64).
+
+Curves (mean over seeds, over generated tokens): training reward, policy
+lag, approx KL, the share outside the window, the corrective mass and the
+episode length (collapsed runs ran to the length cap).
+
+Cost: ~5-8 min a run on an idle 2-core box (sync GRPO the fastest, async
+SAO at queue 64 the slowest; experiments/README.md), so the full grid
+(112 runs + 8 SFT starts) is ~10-15 h: run it in pieces (--arms,
+--first_seed/--seeds); finished runs are skipped and carried over.
+"""
+
+import sys
+
+import numpy as np
+from scipy import stats
+
+from experiments import runner
+
+# A run collapsed when its final pass@1 is below this fraction of its SFT pass@1.
+COLLAPSE_FRACTION = 0.25
+REFERENCE = "grpo_sync"
+
+# (name stem, overrides, label) of the async SAO arms, run at each queue.
+ASYNC_ARMS = (
+    ("dis", {"rl.policy_loss": "dis", "rl.eps_low": 0.2, "rl.eps_high": 0.28},
+     "DIS (0.2, 0.28)"),
+    ("ppo", {"rl.policy_loss": "ppo_clip", "rl.eps_low": 0.2, "rl.eps_high": 0.28},
+     "PPO clip (0.2, 0.28)"),
+    ("dis_wide", {"rl.policy_loss": "dis", "rl.eps_low": 0.5, "rl.eps_high": 4.0},
+     "DIS (0.5, 4.0)"),
+    ("dis_narrow", {"rl.policy_loss": "dis", "rl.eps_low": 0.1, "rl.eps_high": 0.1},
+     "DIS (0.1, 0.1)"),
+    ("dis_kl", {"rl.policy_loss": "dis_rollout_kl", "rl.eps_low": 0.2, "rl.eps_high": 0.28,
+                "rl.rollout_kl_coef": 0.1}, "DIS + rollout KL 0.1"),
+    ("cispo", {"rl.policy_loss": "cispo", "rl.eps_low": 0.2, "rl.eps_high": 0.28},
+     "CISPO (0.2, 0.28)"),
+)
+
+
+def _async_arm(stem: str, queue: int) -> runner.Arm:
+  overrides, label = next((o, l) for s, o, l in ASYNC_ARMS if s == stem)
+  return runner.Arm(f"{stem}_q{queue}", "sao_tiny", {**overrides, "rollout.queue_size": queue},
+                    label=f"async SAO, {label}, queue {queue}")
+
+
+ARMS = (
+    runner.Arm("sao_sync", "sao_sync", label="sync SAO (on-policy: DIS = PPO clip = PG)"),
+    *(_async_arm(s, 64) for s in ("dis", "ppo", "dis_wide", "dis_narrow")),
+    runner.Arm(REFERENCE, "grpo_sync", label="sync GRPO G=4"),
+    *(_async_arm(s, 64) for s in ("dis_kl", "cispo")),
+    *(_async_arm(s, 16) for s, _, _ in ASYNC_ARMS),
+)
+
+# Pairs of arms whose collapse counts are compared (Fisher's exact test).
+CONTRASTS = (("dis_q64", "ppo_q64"), ("dis_q64", "sao_sync"), ("ppo_q64", "sao_sync"),
+             ("dis_q64", "dis_wide_q64"), ("dis_q64", "dis_narrow_q64"),
+             ("dis_q64", "dis_kl_q64"), ("dis_q64", "cispo_q64"), ("dis_q64", "dis_q16"),
+             ("dis_q16", "ppo_q16"))
+
+# Logged per step, summarised per arm (besides the per-bucket ones below).
+DIAGNOSTICS = ("policy/approx_kl", "dis/outside_frac", "dis/corrective_token_frac",
+               "dis/corrective_mass_frac")
+# Per lag bucket (`dis/<key>_<bucket>`).
+BUCKET_DIAGNOSTICS = ("ratio_q01", "ratio_q99", "approx_kl")
+
+
+def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
+  """The exact (Clopper-Pearson) binomial interval of k successes in n trials.
+
+      lower = Beta^-1(a / 2; k, n - k + 1)       (0 when k = 0)
+      upper = Beta^-1(1 - a / 2; k + 1, n - k)   (1 when k = n),   a = 1 - level
+
+  n = 0: the whole of [0, 1].
+  """
+  if not 0 <= k <= n:
+    raise ValueError(f"need 0 <= k <= n, got k={k}, n={n}")
+  if n == 0:
+    return 0.0, 1.0
+  a = 1.0 - level
+  lo = 0.0 if k == 0 else float(stats.beta.ppf(a / 2, k, n - k + 1))
+  hi = 1.0 if k == n else float(stats.beta.ppf(1 - a / 2, k + 1, n - k))
+  return lo, hi
+
+
+def collapsed(rec: dict) -> bool | None:
+  """Whether a run record (`runner.collect`) collapsed: final < COLLAPSE_FRACTION x SFT pass@1.
+
+  None (not judged, not counted) for a record without its SFT pass@1.
+  """
+  sft = rec.get("sft_pass@1")
+  if sft is None:
+    return None
+  return bool(rec["final_pass@1"] < COLLAPSE_FRACTION * sft)
+
+
+def _finite(values) -> list[float]:
+  out = []
+  for v in values:
+    if isinstance(v, (int, float)) and np.isfinite(v):
+      out.append(float(v))
+  return out
+
+
+def _summary(per_run: list[list[float]]) -> dict | None:
+  """Mean and largest value of each run's logged values, then their means over runs."""
+  per_run = [v for v in per_run if v]
+  if not per_run:
+    return None
+  return {"mean": float(np.mean([np.mean(v) for v in per_run])),
+          "max": float(np.mean([np.max(v) for v in per_run]))}
+
+
+def _bucket_names() -> list[str]:
+  from sao_jax import train_step  # pylint: disable=g-import-not-at-top
+  return [train_step.lag_bucket_name(lo, hi) for lo, hi in train_step.LAG_BUCKETS]
+
+
+def lag_diagnostics(by_seed: dict) -> dict:
+  """An arm's logged lag diagnostics, summarised over steps, then seeds (see the docstring)."""
+  curves = [rec.get("curves", {}) for rec in by_seed.values()]
+  out = {}
+  for key in DIAGNOSTICS:
+    if (s := _summary([_finite(c.get(key, [])) for c in curves])) is not None:
+      out[key] = s
+  buckets = _bucket_names()
+  shares = {b: [] for b in buckets}
+  for c in curves:
+    counts = [c.get(f"dis/tokens_{b}") for b in buckets]
+    if any(x is None for x in counts) or len({len(x) for x in counts}) != 1:
+      continue
+    total = np.sum(np.asarray(counts, np.float64), axis=0)
+    for b, x in zip(buckets, counts):
+      shares[b].append(_finite(np.asarray(x, np.float64)[total > 0] / total[total > 0]))
+  for b in buckets:
+    entry = {}
+    if (s := _summary(shares[b])) is not None:
+      entry["token_share"] = s["mean"]
+    for key in BUCKET_DIAGNOSTICS:
+      # An empty bucket's quantiles are logged as null: absent from the curve.
+      if (s := _summary([_finite(c.get(f"dis/{key}_{b}", [])) for c in curves])) is not None:
+        entry[key] = s
+    if entry:
+      out.setdefault("by_lag", {})[b] = entry
+  return out
+
+
+def _fmt_diff(vs: dict | None) -> str:
+  if vs is None:
+    return "-"
+  lo, hi = vs["ci95"]
+  ci = "n/a" if not (np.isfinite(lo) and np.isfinite(hi)) else f"{lo:+.3f}, {hi:+.3f}"
+  return f"{vs['mean_diff']:+.3f} [{ci}]"
+
+
+def markdown(by_arm: dict, reference: str, reference_label: str) -> str:
+  """The collapse-rate table of `collapse_rates`' per-arm records."""
+  lines = [f"Collapse: final pass@1 < {COLLAPSE_FRACTION:g} x the seed's SFT pass@1. "
+           "95% CI: exact (Clopper-Pearson) for the rate; bootstrap over paired seeds for "
+           f"the difference to {reference_label}.", "",
+           "| arm | runs | collapses | rate | 95% CI | final pass@1 (mean ± sd) | "
+           f"minus {reference_label} [95% CI] | policy lag, mean |",
+           "|---|---|---|---|---|---|---|---|"]
+  for rec in by_arm.values():
+    lo, hi = rec["ci95"]
+    f = rec["final_pass@1"]
+    diff = "reference" if rec["arm"] == reference else _fmt_diff(rec["vs_reference"])
+    lag = "-" if rec["lag_mean"] is None else f"{rec['lag_mean']:.2f}"
+    rate = "-" if rec["rate"] is None else f"{rec['rate']:.0%}"
+    lines.append(f"| {rec['label']} | {rec['runs']} | {rec['collapses']} | "
+                 f"{rate} | [{lo:.2f}, {hi:.2f}] | {f['mean']:.3f} ± {f['std']:.3f} | "
+                 f"{diff} | {lag} |")
+  return "\n".join(lines)
+
+
+def collapse_rates(finding, runs):
+  """Per arm: collapses with an exact CI, pass@1 against sync GRPO, lag and its diagnostics."""
+  reference = runs.get(finding.reference, {})
+  by_arm = {}
+  for arm in finding.arms:
+    by_seed = runs.get(arm.name, {})
+    if not by_seed:
+      continue
+    seeds = sorted(by_seed)
+    flags = {s: c for s in seeds if (c := collapsed(by_seed[s])) is not None}
+    k, n = sum(flags.values()), len(flags)
+    finals = np.array([by_seed[s]["final_pass@1"] for s in seeds], np.float64)
+    lags = _finite(by_seed[s].get("lag_mean") for s in seeds)
+    by_arm[arm.name] = {
+        "arm": arm.name, "label": arm.title, "runs": n, "collapses": k,
+        "rate": k / n if n else None,
+        "ci95": list(clopper_pearson(k, n)),
+        "collapsed_seeds": [s for s in seeds if flags.get(s)],
+        "final_over_sft": {s: (by_seed[s]["final_pass@1"] / by_seed[s]["sft_pass@1"]
+                               if by_seed[s].get("sft_pass@1") else None) for s in seeds},
+        "final_pass@1": {"mean": float(finals.mean()),
+                         "std": float(finals.std(ddof=1)) if len(seeds) > 1 else 0.0},
+        "vs_reference": (None if arm.name == finding.reference
+                         else runner.paired_difference(by_seed, reference)),
+        "lag_mean": float(np.mean(lags)) if lags else None,
+        "lag_diagnostics": lag_diagnostics(by_seed),
+    }
+  contrasts = {}
+  for a, b in CONTRASTS:
+    if a in by_arm and b in by_arm:
+      ka, na, kb, nb = (by_arm[a]["collapses"], by_arm[a]["runs"], by_arm[b]["collapses"],
+                        by_arm[b]["runs"])
+      p = stats.fisher_exact([[ka, na - ka], [kb, nb - kb]])[1]
+      contrasts[f"{a}_vs_{b}"] = {"collapses": [ka, kb], "runs": [na, nb],
+                                  "fisher_p": float(p)}
+  return {"collapse_criterion": f"final_pass@1 < {COLLAPSE_FRACTION:g} x sft_pass@1",
+          "reference": finding.reference, "by_arm": by_arm, "contrasts": contrasts,
+          "markdown": markdown(by_arm, finding.reference, finding.arm(finding.reference).title)}
+
+
+FINDING = runner.Finding(
+    name="dis_stability",
+    claim=("DIS (paper's window 0.2 / 0.28) collapses async SAO under policy lag where PPO "
+           "clip does not; sync SAO (on-policy, DIS = PPO = PG) is the control, wider / "
+           "narrower windows, a rollout-KL penalty and CISPO the candidate fixes."),
+    arms=ARMS, reference=REFERENCE, seeds=8, budget_steps=150,
+    curves=("rollout/reward_mean", "policy_lag/mean", "policy/approx_kl", "dis/outside_frac",
+            "dis/corrective_mass_frac", "rollout/length_mean"),
+    analyze=collapse_rates)
+
+if __name__ == "__main__":
+  runner.main(FINDING, sys.argv[1:])
