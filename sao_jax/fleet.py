@@ -1,7 +1,8 @@
 """The rollout fleet's transport: trajectories and weights over shared storage.
 
-In `rl.mode = "fleet"` rollout runs in its own processes (launch/rollout.py),
-so generation never waits for training. Nothing travels over a hand-written
+In `rl.mode = "fleet"` rollout runs in its own processes (launch/rollout.py
+around `fleet_worker.run_rollout_worker`, which uses the pieces here), so
+generation never waits for training. Nothing travels over a hand-written
 RPC layer: trajectories move as ArrayRecord shards of the trajectory store,
 weights as versioned orbax checkpoints, both under one shared directory
 (`fleet.root`, default `<workdir>/fleet`):
@@ -36,7 +37,7 @@ Trainer side, `ShardFeed` hands out trajectories in completion order: each
 rollout's shards in sequence order, and across rollouts the shard renamed
 first. Shards are read through grain's ArrayRecordDataSource and every record
 is deserialised with the store's hostile-input checks and validated by the
-same `TrajectoryQueue.check` as the in-process queue (staleness included);
+in-process queue's validation, `ingestion.check` (staleness included);
 bad shards and records are counted by reason, never trained on, never a
 crash. Counts that are no trajectory's (the driver's `tool_call_errors` and
 `env_events`, `SHARD_COUNTERS`) travel beside the shard: its writer records
@@ -88,8 +89,7 @@ import jax
 
 from sao_jax import files
 from sao_jax.checkpoint import Checkpointer, committed_checkpoints
-from sao_jax.data import store
-from sao_jax.data.ingestion import TrajectoryQueue
+from sao_jax.data import ingestion, store
 from sao_jax.data.trajectory import Trajectory
 from sao_jax.rollout.driver import ENV_FAULTS
 
@@ -379,7 +379,8 @@ class ShardFeed:
     os.makedirs(self.dir, exist_ok=True)
     self._consumed_path = os.path.join(root, CONSUMED)
     self._max_length = max_length
-    self._validator = TrajectoryQueue(1, vocab_size, max_length, current_version, max_staleness)
+    self._vocab_size = vocab_size
+    self._current_version, self._max_staleness = current_version, max_staleness
     self.poll_seconds = poll_seconds
     self._log = log
     self._share = share or (lambda name, compute: compute())
@@ -392,7 +393,9 @@ class ShardFeed:
         (current["shard"], int(current["offset"])) if current else None)
     self._buffer: collections.deque = collections.deque()  # (trajectory, record index)
     self._sizes: dict[str, int] = {}  # records per shard seen on disk (for depth)
-    self._shard_rejects: collections.Counter = collections.Counter()
+    # Dropped shards and records by reason: the store's and validation's.
+    self._rejected: collections.Counter = collections.Counter()
+    self.last_error: str | None = None  # as TrajectoryQueue.last_error
     self._in_shard = (0, 0)  # (handed out, rejected) of the current shard
     # Counters since this feed was made (the trainer's metrics).
     self.shards_consumed = 0
@@ -452,7 +455,7 @@ class ShardFeed:
       self._sizes[name] = len(source)
       return source
     except Exception:  # pylint: disable=broad-except  # truncated or not an ArrayRecord file
-      self._shard_rejects["corrupt_shard"] += 1
+      self._rejected["corrupt_shard"] += 1
       self._sizes[name] = 0
       return None
 
@@ -464,19 +467,23 @@ class ShardFeed:
       try:
         data = source[i]
       except Exception:  # pylint: disable=broad-except  # a chunk failing its checksum
-        self._shard_rejects["corrupt_record"] += 1
+        self._rejected["corrupt_record"] += 1
         continue
       try:
         t = store.deserialize(data, self._max_length)
       except store.CorruptRecordError as e:
-        self._shard_rejects[e.reason] += 1
+        self._rejected[e.reason] += 1
         continue
       except Exception:  # pylint: disable=broad-except
-        self._shard_rejects["deserialize_error"] += 1
+        self._rejected["deserialize_error"] += 1
         continue
-      canon = self._validator.check(t)
-      if canon is not None:
-        self._buffer.append((canon, i))
+      canon, reason, error = ingestion.check(t, self._vocab_size, self._max_length,
+                                             self._current_version(), self._max_staleness)
+      if reason is not None:
+        self._rejected[reason] += 1
+        self.last_error = error or self.last_error
+        continue
+      self._buffer.append((canon, i))
     self._in_shard = (0, n - offset - len(self._buffer))
     self._current = (name, offset)
     try:
@@ -589,4 +596,4 @@ class ShardFeed:
   @property
   def rejected(self) -> collections.Counter:
     """Dropped shards and records by reason: the store's and validation's."""
-    return self._shard_rejects + self._validator.rejected
+    return +self._rejected

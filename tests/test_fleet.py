@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import jax
@@ -18,12 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sao_jax import configuration, fleet
+from sao_jax import configuration, fleet, fleet_worker, trainer
 from sao_jax.checkpoint import committed_checkpoints
 from sao_jax.data import store
 from sao_jax.envs.demonstrations import demonstration_trajectory
 from sao_jax.envs.python_tool import PythonTool
 from sao_jax.envs.tokenizer import CharTokenizer
+from sao_jax.models import policy
 
 import runs  # pylint: disable=g-bad-import-order
 
@@ -237,6 +239,74 @@ def test_fleet_config_is_checked():
       configuration.validate(config, num_devices=8)
 
 
+def test_rollout_worker_in_process(tmp_path):
+  """The rollout worker of launch/rollout.py, in a thread: it waits for the
+  first weights, writes valid shards, follows a new version and returns
+  when the trainer marks RL done, its open shard renamed."""
+  config = runs.load_config_module("sao_tiny.py").get_config()
+  for field, value in (("rl.mode", "fleet"), ("rollout.slots", 4), ("rollout.max_len", 128),
+                       ("rollout.max_turn_tokens", 16), ("fleet.shard_trajectories", 2),
+                       ("fleet.shard_seconds", 1.0), ("fleet.poll_seconds", 0.05)):
+    section, name = field.split(".")
+    config[section][name] = value
+  config.lock()
+  workdir = str(tmp_path)
+  root = fleet.root_of(config, workdir)
+  lines, out = [], {}
+
+  def work():
+    try:
+      out["counts"] = fleet_worker.run_rollout_worker(config, workdir, "w0", stop, lines.append)
+    except BaseException as e:  # pylint: disable=broad-except
+      out["error"] = e
+
+  def wait_for(what, condition):
+    deadline = time.time() + HANG_GUARD_S
+    while not condition():
+      assert worker.is_alive(), (what, out.get("error"), lines)
+      assert time.time() < deadline, f"hang guard: no {what}; {lines}"
+      time.sleep(0.05)
+
+  stop = threading.Event()
+  worker = threading.Thread(target=work, daemon=True)
+  worker.start()
+  try:
+    wait_for("the wait line", lambda: lines)
+    assert lines == [f"[rollout w0] waiting for weights under {root}"]
+    params = policy.init_params(trainer.build_model_config(config), jax.random.key(0))
+    pub = fleet.WeightPublisher(root, keep=3, version=0)
+    pub.publish(params, 0)
+    pub.close()
+    wait_for("a shard", lambda: shards(root, "w0"))
+    pub = fleet.WeightPublisher(root, keep=3, version=1)
+    pub.publish(jax.tree.map(lambda x: x * 0.5, params), 1)
+    pub.close()
+    wait_for("version 1", lambda: "[rollout w0] weights version 0 -> 1" in lines)
+    fleet.mark_done(root, 1)
+    worker.join(HANG_GUARD_S)
+  finally:
+    stop.set()
+    worker.join(HANG_GUARD_S)
+  assert not worker.is_alive() and "error" not in out, (out, lines)
+  counts = out["counts"]
+  assert counts["version"] == 1 and counts["trajectories"] >= 1
+  assert lines[1] == "[rollout w0] generating at version 0, shards from w0-00000000.array_record"
+  assert lines[-2:] == ["[rollout w0] the trainer is done",
+                        f"[rollout w0] exiting: {counts['trajectories']} trajectories, shards "
+                        f"up to {counts['last_shard']}, last version 1, "
+                        f"{counts['generated_tokens']} tokens"]
+  names = shards(root, "w0")
+  assert names == [fleet.shard_name("w0", i) for i in range(counts["last_shard"] + 1)]
+  assert not any(".tmp-" in n for n in os.listdir(fleet.trajectories_dir(root)))
+  feed = fleet.ShardFeed(root, TOK.vocab_size, 128, current_version=lambda: 1,
+                         log=lambda _: None)
+  got = feed.take(counts["trajectories"])
+  assert not feed.rejected and feed.qsize() == 0
+  # Sampled tokens of episodes still open at the end were never written.
+  assert 0 < sum(int(t.action_mask.sum()) for t in got) <= counts["generated_tokens"]
+  assert {int(v) for t in got for v in t.policy_version[t.action_mask]} <= {0, 1}
+
+
 # --- the real trainer and two rollout processes ------------------------------------
 
 RL_STEPS = 16
@@ -357,7 +427,7 @@ def test_trainer_and_two_rollouts_survive_kills(tmp_path):
   assert f"shards from r0-{len(before_kill):08d}" in log_of(tmp_path, "r0_restarted")
   assert set(before_kill) <= consumed(t1) | consumed(t2)
   final = committed_checkpoints(os.path.join(workdir, "checkpoints"))
-  cursor = final[max(final)]["fleet"]
+  cursor = final[max(final)]["source"]
   assert cursor["consumed"]["r0"] >= fleet.parse_shard_name(before_kill[-1])[1]
   # The rollouts followed the restarted trainer to its last version (the
   # killed trainer never got there), and shards written after its restart

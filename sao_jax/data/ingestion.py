@@ -25,6 +25,29 @@ from typing import Callable
 from sao_jax.data.trajectory import Trajectory, checked
 
 
+def check(traj: Trajectory, vocab_size: int, max_length: int, current_version: int,
+          max_staleness: int | None = None) -> tuple[Trajectory | None, str | None, str | None]:
+  """Ingestion's validation, the one place for it (the queue's `put` and the
+  fleet's ShardFeed): (canonical copy, None, None) if `traj` is accepted,
+  else (None, reason, error). `reason` is one of trajectory.REJECT_REASONS,
+  "stale" (its oldest token lags `current_version` by more than
+  `max_staleness` versions) or "validation_error" (validation raised: a
+  bug, or an object whose own methods raise), and `error` is that
+  exception's repr, else None. Never raises.
+  """
+  try:
+    canon, reason = checked(traj, vocab_size, max_length, current_version=current_version)
+  except Exception as e:  # pylint: disable=broad-except
+    return None, "validation_error", repr(e)
+  if reason is not None:
+    return None, reason, None
+  if max_staleness is not None:
+    oldest = int(canon.policy_version[canon.action_mask].min())
+    if current_version - oldest > max_staleness:
+      return None, "stale", None
+  return canon, None, None
+
+
 class TrajectoryQueue:
 
   def __init__(self, maxsize: int, vocab_size: int, max_length: int,
@@ -57,25 +80,15 @@ class TrajectoryQueue:
 
   def check(self, traj: Trajectory) -> Trajectory | None:
     """The canonical copy of `traj` if it is accepted, else None with the
-    reason counted in `rejected`: `put`'s validation without enqueueing,
-    for consumers that keep their own order (the fleet's ShardFeed)."""
-    version = self._version()
-    canon = None
-    try:
-      canon, reason = checked(traj, self._vocab, self._max_len, current_version=version)
-    except Exception as e:  # pylint: disable=broad-except
-      # A bug, or an object whose own methods raise: still a counted reject.
-      reason = "validation_error"
-      with self._lock:
-        self.last_error = repr(e)
-    if reason is None and self.max_staleness is not None:
-      oldest = int(canon.policy_version[canon.action_mask].min())
-      if version - oldest > self.max_staleness:
-        reason = "stale"
+    reason counted in `rejected`: `put`'s validation (module-level `check`)
+    without enqueueing."""
+    canon, reason, error = check(traj, self._vocab, self._max_len, self._version(),
+                                 self.max_staleness)
     if reason is not None:
       with self._lock:
         self.rejected[reason] += 1
-      return None
+        if error is not None:
+          self.last_error = error
     return canon
 
   def get(self, timeout: float | None = None) -> Trajectory:

@@ -1,0 +1,124 @@
+"""A fleet rollout worker: generation apart from the trainer (rl.mode = "fleet").
+
+`run_rollout_worker` is the whole of a rollout process (launch/rollout.py
+adds only flags, signal handlers and faulthandler around it). It waits for
+the trainer's first published weights, then runs the engine and driver of
+the in-process mode (trainer.make_engine / make_driver) on this process's
+devices, writes finished trajectories into atomic shards of the trajectory
+store (fleet.ShardWriter), waits while the trainer is `fleet.max_unread_shards`
+shards behind (backpressure), follows newer weight versions as they are
+published (fleet.WeightFollower), and returns when the trainer marks RL
+done or `stop` is set, its open shard renamed. A SIGKILLed process loses
+only its open shard; started again with the same rollout id it continues
+its shard sequence. The transport is sao_jax/fleet.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from typing import Callable
+
+import jax
+
+from sao_jax import configuration, fleet, sharding, trainer
+from sao_jax.data import prompts as prompt_data
+from sao_jax.envs import registry
+from sao_jax.faults import FaultInjector
+from sao_jax.models import policy
+
+
+def _print(line: str) -> None:
+  print(line, flush=True)
+
+
+def run_rollout_worker(config, workdir: str, rollout_id: str, stop: threading.Event,
+                       log: Callable[[str], None] = _print) -> dict:
+  """Generates into the fleet under `fleet.root_of(config, workdir)` until
+  the trainer marks RL done or `stop` is set (set on return, too).
+
+  `config` is the trainer's (not modified: the engine's mesh is this
+  process's devices, not the trainer's); `rollout_id` names this worker's
+  shards (letters, digits, _). `log` gets the progress lines. Returns the
+  counts: trajectories written, the last renamed shard's sequence number
+  (`last_shard`, -1 for none), the last weight version held (`version`,
+  None if none was ever published) and the tokens generated. A dead driver
+  thread raises its error (after everything is closed).
+  """
+  config = config.copy_and_resolve_references()
+  with config.unlocked():  # the trainer's mesh is not ours: this process's devices
+    config.sharding.mesh = {"data": -1}
+  configuration.validate(config)
+  f = config.fleet
+  rid = rollout_id
+  root = fleet.root_of(config, workdir)
+
+  tok = registry.make_tokenizer(config.env)
+  faults = FaultInjector.from_config(config.get("faults"))
+  env = faults.wrap_env(registry.make_env(config.env))
+  model_cfg = trainer.build_model_config(config, tok)
+  # Each shard carries what the driver's counters grew by while it was open
+  # (`driver` is bound below, before anything is written).
+  writer = fleet.ShardWriter(
+      root, rid, f.shard_trajectories, f.shard_seconds,
+      counters=lambda: {k: getattr(driver.stats, k) for k in fleet.SHARD_COUNTERS})
+  # Each process (and each restart of it) draws its own prompt order and samples.
+  seed = zlib.crc32(f"{config.seed}/{rid}/{writer.first_seq}".encode())
+  follower = fleet.WeightFollower(
+      root, jax.eval_shape(lambda: policy.init_params(model_cfg, jax.random.key(0))))
+
+  log(f"[rollout {rid}] waiting for weights under {root}")
+  first = None
+  while first is None and not stop.is_set() and not fleet.is_done(root):
+    first = follower.poll()
+    if first is None:
+      stop.wait(f.poll_seconds)
+  if first is None:
+    why = "the trainer is done" if fleet.is_done(root) else "stopped"
+    log(f"[rollout {rid}] {why} before any weights were published")
+    stop.set()
+    return dict(trajectories=0, last_shard=writer.last_closed, version=None,
+                generated_tokens=0)
+  params, version, _ = first
+  engine = trainer.make_engine(config, model_cfg, params, version, seed=seed,
+                               mesh=sharding.make_mesh({"data": -1}, jax.local_devices()))
+  follower.retarget(engine.abstract_params())  # later versions restore into its layout
+
+  def emit(t):
+    # Backpressure: wait while the trainer is behind on this process's shards.
+    while (not stop.is_set() and fleet.unread_shards(fleet.read_consumed(root), rid,
+                                                      writer.last_closed) >= f.max_unread_shards):
+      stop.wait(f.poll_seconds)
+    writer.write(t)
+
+  driver = trainer.make_driver(
+      config, engine, env, tok,
+      prompt_data.train_prompts(config.data.num_train_tasks, seed),
+      faults.wrap_emit(emit, tok.vocab_size))
+  driver.start()
+  log(f"[rollout {rid}] generating at version {version}, shards from "
+      f"{fleet.shard_name(rid, writer.first_seq)}")
+  try:
+    while not stop.wait(f.poll_seconds):
+      driver.check()  # a dead driver thread ends the worker with its error
+      # DONE is written after the last version is complete: poll once more.
+      done = fleet.is_done(root)
+      held = follower.version
+      got = follower.poll()
+      if got is not None:
+        driver.update_params(got[0], got[1])
+        log(f"[rollout {rid}] weights version {held} -> {got[1]}")
+      writer.rotate_if_older()
+      if done:
+        log(f"[rollout {rid}] the trainer is done")
+        break
+  finally:
+    stop.set()  # releases an emit waiting on backpressure
+    driver.stop()
+    writer.close()
+    follower.close()
+    log(f"[rollout {rid}] exiting: {writer.trajectories} trajectories, shards up to "
+        f"{writer.last_closed}, last version {follower.version}, "
+        f"{driver.stats.generated_tokens} tokens")
+  return dict(trajectories=writer.trajectories, last_shard=writer.last_closed,
+              version=follower.version, generated_tokens=driver.stats.generated_tokens)
