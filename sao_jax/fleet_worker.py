@@ -3,7 +3,7 @@
 `run_rollout_worker` is the whole of a rollout process (launch/rollout.py
 adds only flags, signal handlers and faulthandler around it). It waits for
 the trainer's first published weights, then runs the engine and driver of
-the in-process mode (trainer.make_engine / make_driver) on this process's
+the in-process mode (factories.make_engine / make_driver) on this process's
 devices, writes finished trajectories into atomic shards of the trajectory
 store (fleet.ShardWriter), waits while the trainer is `fleet.max_unread_shards`
 shards behind (backpressure), follows newer weight versions as they are
@@ -21,7 +21,7 @@ from typing import Callable
 
 import jax
 
-from sao_jax import configuration, fleet, sharding, trainer
+from sao_jax import configuration, factories, fleet, sharding
 from sao_jax.data import prompts as prompt_data
 from sao_jax.envs import registry
 from sao_jax.faults import FaultInjector
@@ -56,7 +56,7 @@ def run_rollout_worker(config, workdir: str, rollout_id: str, stop: threading.Ev
   tok = registry.make_tokenizer(config.env)
   faults = FaultInjector.from_config(config.get("faults"))
   env = faults.wrap_env(registry.make_env(config.env))
-  model_cfg = trainer.build_model_config(config, tok)
+  model_cfg = factories.build_model_config(config, tok)
   # Each shard carries what the driver's counters grew by while it was open
   # (`driver` is bound below, before anything is written).
   writer = fleet.ShardWriter(
@@ -80,7 +80,7 @@ def run_rollout_worker(config, workdir: str, rollout_id: str, stop: threading.Ev
     return dict(trajectories=0, last_shard=writer.last_closed, version=None,
                 generated_tokens=0)
   params, version, _ = first
-  engine = trainer.make_engine(config, model_cfg, params, version, seed=seed,
+  engine = factories.make_engine(config, model_cfg, params, version, seed=seed,
                                mesh=sharding.make_mesh({"data": -1}, jax.local_devices()))
   follower.retarget(engine.abstract_params())  # later versions restore into its layout
 
@@ -91,7 +91,7 @@ def run_rollout_worker(config, workdir: str, rollout_id: str, stop: threading.Ev
       stop.wait(f.poll_seconds)
     writer.write(t)
 
-  driver = trainer.make_driver(
+  driver = factories.make_driver(
       config, engine, env, tok,
       prompt_data.train_prompts(config.data.num_train_tasks, seed),
       faults.wrap_emit(emit, tok.vocab_size))

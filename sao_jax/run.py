@@ -190,9 +190,23 @@ def open_workdir(run: Run, workdir: str, restore_step: int | None = None) -> Run
   if run.ckpt.latest_step() is not None:
     restore_step = restore_step or run.ckpt.latest_step()
     run.state, run.meta = run.ckpt.restore(abstract_like(run.state), restore_step)
+    _upgrade_meta(run.meta, config.rl.mode)
     print(f"Resumed from checkpoint {restore_step} at stage "
           f"{run.meta['stage']} step {run.meta['stage_step']}", flush=True)
   return run
+
+
+def _upgrade_meta(meta: dict, mode: str) -> None:
+  """A checkpoint written before trajectory sources (sao_jax/sources.py) kept
+  the source's state under keys of its own: the fleet's cursor under "fleet",
+  the in-process prompt order under "prompt_state". Moved to "source"."""
+  if "source" in meta:
+    return
+  fleet_cursor, prompt_state = meta.pop("fleet", None), meta.pop("prompt_state", None)
+  if mode == "fleet":
+    meta["source"] = fleet_cursor
+  else:
+    meta["source"] = None if prompt_state is None else {"prompt_state": prompt_state}
 
 
 def load(config: ml_collections.ConfigDict, workdir: str, step: int | None = None) -> Run:

@@ -1,10 +1,11 @@
-"""Advantage estimators and policy losses are records in one table each.
+"""Advantage estimators, policy losses and trajectory sources are records in one table each.
 
 Adding one is one entry: config validation, the train step and the trainer
 all read the table, so a new record is usable everywhere and an unknown
 name fails validation with one line listing the known ones.
 """
 
+import json
 import os
 
 import jax
@@ -13,8 +14,9 @@ import numpy as np
 import pytest
 
 from sao_jax import advantages as adv
-from sao_jax import configuration, losses
-from sao_jax.data import packing
+from sao_jax import configuration, losses, rl_loop, sources
+from sao_jax import run as run_lib
+from sao_jax.data import packing, store
 from sao_jax.train_step import StepConfig
 
 from test_configs import load_config_module  # pylint: disable=g-bad-import-order
@@ -95,3 +97,58 @@ def test_running_mean_baseline_state_round_trips_through_lists():
   restored = [np.asarray(x).tolist() for x in state]  # what the checkpoint's meta holds
   _, a = e.baseline(restored, np.array([1.0], np.float32), np.array([0]), rl)
   np.testing.assert_allclose(a, [0.5])  # baseline: mean of the two rewards seen
+
+
+class ReplaySource:
+  """Stored trajectories, round and round (docs/DESIGN.md section 11's example)."""
+
+  def __init__(self, trajs, position=0):
+    self.trajs, self.position = trajs, position
+
+  def take(self, n):
+    out = [self.trajs[(self.position + i) % len(self.trajs)] for i in range(n)]
+    self.position += n
+    return out
+
+  def publish(self, params, version):
+    del params, version
+    return {}
+
+  def report(self):
+    return sources.SourceReport(sources.RolloutCounts(), 0, 0, {})
+
+  def state(self):
+    return {"position": self.position}
+
+  def close(self, finished):
+    del finished
+
+
+def _replay(run, saved):
+  shard = os.path.join(run.workdir, "replay.array_record")
+  trajs, _ = store.read_valid_trajectories([shard], run.tok.vocab_size,
+                                           run.config.rollout.max_len)
+  return ReplaySource(trajs, (saved or {}).get("position", 0))
+
+
+def test_a_new_trajectory_source_is_one_record(monkeypatch, tmp_path):
+  monkeypatch.setitem(sources.SOURCES, "replay", _replay)
+  config = _config(**{"rl.mode": "replay", "rl.steps": 3, "rl.batch_size": 8,
+                      "log_every": 1, "checkpoint.every": 2, "tensorboard": False})
+  workdir = str(tmp_path / "run")
+  os.makedirs(workdir)
+  with store.TrajectoryWriter(os.path.join(workdir, "replay.array_record")) as writer:
+    for t in demo_trajs(6):
+      writer.write(t)
+  run = run_lib.load(config, workdir)
+  try:
+    run.meta["stage"] = "rl"  # straight to RL: the source is what is under test
+    rl_loop.rl(run)
+    assert run.meta["stage"] == "done" and int(run.state.step) == 3
+    assert run.meta["source"] == {"position": 24}  # checkpointed with the run
+  finally:
+    run.close()
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    rl_records = [r for r in map(json.loads, f) if r.get("stage") == "rl"]
+  assert [r["step"] for r in rl_records] == [1, 2, 3]
+  assert all(np.isfinite(r["policy/loss"]) for r in rl_records)

@@ -173,3 +173,18 @@ def test_the_registry_is_what_config_validation_accepts():
     config.rl.mode = "pipelined"
   with pytest.raises(configuration.ConfigError, match="rl.mode"):
     configuration.validate(config)
+
+
+@pytest.mark.parametrize("mode,old,expected", [
+    ("async", {"prompt_state": {"i": 3}, "fleet": None}, {"prompt_state": {"i": 3}}),
+    ("sync", {"prompt_state": None}, None),
+    ("fleet", {"prompt_state": {"i": 3}, "fleet": {"consumed": {"r0": 2}}},
+     {"consumed": {"r0": 2}}),
+])
+def test_checkpoints_from_before_sources_resume_their_state(mode, old, expected):
+  from sao_jax import run as run_lib  # pylint: disable=g-import-not-at-top
+  meta = dict(old, stage="rl")
+  run_lib._upgrade_meta(meta, mode)  # pylint: disable=protected-access
+  assert meta == {"stage": "rl", "source": expected}
+  run_lib._upgrade_meta(meta, mode)  # pylint: disable=protected-access
+  assert meta["source"] == expected  # idempotent
