@@ -209,7 +209,7 @@ def test_cache_state_and_params_are_sharded(params):
           leaf.ndim)
       assert {s.data.shape[-4:] for s in leaf.addressable_shards} == {
           (SLOTS // 4, MAX_LEN, kvh // 2, hd)}
-    for vec in (state.lengths, state.next_tokens, state.active):
+    for vec in (state.lengths, state.next_tokens):
       assert vec.sharding.is_equivalent_to(NamedSharding(engine.mesh, P("data")), 1)
 
   check(state)
@@ -233,6 +233,21 @@ def test_cache_state_and_params_are_sharded(params):
   with pytest.raises(ValueError, match="slots do not divide"):
     PolicyEngine(CFG, params[0], mesh=engine.mesh, rules=engine.rules,
                  **dict(ENGINE_KW, slots=6))
+
+
+def test_without_a_mesh_the_engine_is_the_same_layout_on_one_device(params):
+  """One layout: no mesh is a mesh of one device (the first local one, or
+  `device`), with the same shardings, programs and decode state."""
+  for device in (None, jax.devices()[1]):
+    engine = PolicyEngine(CFG, params[0], device=device, **ENGINE_KW)
+    assert engine.mesh.devices.tolist() == [device or jax.local_devices()[0]]
+    assert engine.mesh.axis_names == ("data",) and engine.programs.mesh is engine.mesh
+    state = engine.init_decode_state()
+    for x in jax.tree.leaves((engine.params, state.cache, state.lengths, state.next_tokens)):
+      assert isinstance(x.sharding, NamedSharding) and x.sharding.mesh == engine.mesh
+      assert x.devices() == {engine.mesh.devices.flat[0]}
+  with pytest.raises(ValueError, match="a device or a mesh"):
+    PolicyEngine(CFG, params[0], device=jax.devices()[0], mesh=engine.mesh, **ENGINE_KW)
 
 
 def test_update_params_reshards_a_trainer_layout_into_a_private_copy(params):

@@ -66,6 +66,22 @@ def test_is_a_jetstream_engine_and_matches_teacher_forcing(engine):
                                 tokens)
 
 
+def test_prefill_onto_an_existing_prefix_equals_one_prefill(engine):
+  params = engine.load_params()
+  head, tail, whole = (np.asarray(TOK.encode(t), np.int32) for t in ("12 pl", "us 3\n",
+                                                                      "12 plus 3\n"))
+  prefix = engine.prefill(params=params, padded_tokens=head, true_length=len(head))
+  prefix = engine.prefill(params=params, existing_prefix=prefix, padded_tokens=tail,
+                          true_length=len(tail))
+  state = engine.insert(prefix, engine.init_decode_state(), slot=0)
+  state = engine.insert(engine.prefill(params=params, padded_tokens=whole,
+                                       true_length=len(whole)), state, slot=3)
+  for _ in range(5):  # greedy: both slots hold the same sequence, so sample the same
+    state, result = engine.generate(params, state)
+    np.testing.assert_array_equal(result.get_result_at_slot(0).tokens,
+                                  result.get_result_at_slot(3).tokens)
+
+
 def test_several_tokens_per_generate_call_match_teacher_forcing(engine):
   multi = jetstream_bridge.JetStreamEngine(engine.policy_engine, TOK, tokens_per_step=4)
   state, prompt = _start(multi, "9 minus 4\n", slot=1)

@@ -107,24 +107,30 @@ def test_samples_per_prompt_share_group_ids(params):
   assert all(len(v) == 1 for v in groups.values())
 
 
-def test_jetstream_api_prefill_insert_generate(params):
+def test_slots_filled_one_at_a_time_then_decoded_are_teacher_forced(params):
+  # The JetStream bridge's use of `step` (jetstream_bridge.py): a prompt
+  # appended to one slot by a step where only its row is valid, then steps
+  # feeding every filled slot's pending token.
   engine = PolicyEngine(CFG, params[0], slots=3, max_len=MAX_LEN)
   state = engine.init_decode_state()
   prompts = [TOK.encode("12 plus 3\n"), TOK.encode("7 times 2\n")]
   seqs, lps = {}, {}
+  pending, filled = np.zeros(3, np.int32), np.zeros(3, bool)
   for slot, prompt in zip((0, 2), prompts):
-    padded = np.zeros(16, np.int32)
-    padded[:len(prompt)] = prompt
-    prefix, first = engine.prefill(params=engine.params, padded_tokens=padded,
-                                   true_length=len(prompt))
-    state = engine.insert(prefix, state, slot, first_token=int(first.tokens[0]))
-    seqs[slot], lps[slot] = list(prompt) + [int(first.tokens[0])], [float(first.logprobs[0])]
+    tokens = np.zeros((3, 16), np.int32)
+    valid = np.zeros((3, 16), bool)
+    tokens[slot, :len(prompt)], valid[slot, :len(prompt)] = prompt, True
+    state, tok, lp, version = engine.step(state, tokens, valid)
+    assert version == 0
+    pending[slot], filled[slot] = tok[slot], True
+    seqs[slot], lps[slot] = list(prompt) + [int(tok[slot])], [float(lp[slot])]
   for _ in range(5):
-    state, result = engine.generate(engine.params, state)
-    assert result.version == 0
+    state, tok, lp, version = engine.step(state, pending[:, None], filled[:, None])
+    assert version == 0
     for slot in seqs:
-      seqs[slot].append(int(result.tokens[slot]))
-      lps[slot].append(float(result.logprobs[slot]))
+      seqs[slot].append(int(tok[slot]))
+      lps[slot].append(float(lp[slot]))
+    pending = np.where(filled, tok, pending).astype(np.int32)
   for slot, prompt in zip((0, 2), prompts):
     n = len(seqs[slot])
     lp, _ = logprobs_fn(CFG, params[0], np.asarray(seqs[slot])[None], np.arange(n)[None],
@@ -440,7 +446,7 @@ def test_engine_rejects_bad_lanes(params):
     PolicyEngine(CFG, params[0], slots=2, max_len=MAX_LEN, lanes=3)
   with pytest.raises(ValueError, match="lanes must be between 1 and slots"):
     PolicyEngine(CFG, params[0], slots=2, max_len=MAX_LEN, lanes=0)
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
   with pytest.raises(ValueError, match="single-device engine"):
     PolicyEngine(CFG, params[0], slots=2, max_len=MAX_LEN, lanes=2, mesh=mesh)
 

@@ -1,28 +1,33 @@
-"""PolicyEngine: the policy behind JetStream's Engine API, with log-probs and versions.
+"""PolicyEngine: the policy as a sampler with log-probs and versions.
 
 The engine owns a batched KV cache of `max_concurrent_decodes` slots and the
-current params with their version. Its JetStream-shaped surface:
-
-    prefix, first = engine.prefill(params=p, existing_prefix=None,
-                                   padded_tokens=toks, true_length=n)
-    state = engine.insert(prefix, state, slot)
-    state, result = engine.generate(p, state)      # one token per active slot
-
-and `load_params`, `init_decode_state`, `free_resource`, `max_concurrent_decodes`,
-`max_prefill_length`, `samples_per_slot`. Each sampled token comes with its
+current params with their version. Each sampled token comes with its
 log-prob under the exact sampling distribution (temperature, top-k, top-p
-applied, renormalised) and the version of the params whose logits produced it.
+applied, renormalised) and the version of the params whose logits produced
+it. Its API is the rollout driver's:
 
-The rollout driver uses the fused `step`: append any number of pending tokens
-to chosen slots and sample each slot's next token, in one jitted call (the
-same primitive as prefill and generate, so continuous batching can mix
-observation appends with decoding). Lengths are bucketed so each width
-compiles once. Decoding goes through `decode`: a jitted loop of up to K
-one-token steps with per-slot stops (a stop token, a per-slot budget), which
-returns every sampled token, log-prob and count in one transfer, and is
-dispatched asynchronously (`collect` fetches it) so the host can work
-meanwhile. `generate_batch(prompts, max_new_tokens)` is the engine as a
-plain sampler (one prefill, one loop).
+  * `init_decode_state()`, an empty decode state of every slot;
+  * `step(state, tokens, valid)`: append any number of pending tokens to
+    chosen slots and sample each slot's next token, in one jitted call, so
+    continuous batching can mix prompt and observation appends with
+    decoding. Widths are bucketed so each compiles once;
+  * `decode(state, tokens, budgets, steps=K)`: a jitted loop of up to K
+    one-token steps with per-slot stops (a stop token, a per-slot budget),
+    which returns every sampled token, log-prob and count in one transfer,
+    dispatched asynchronously (`collect` fetches it) so the host can work
+    meanwhile;
+  * `reset_slots`, `update_params` / `load_params`, `abstract_params`;
+
+and `generate_batch(prompts, max_new_tokens)`, the engine as a plain
+sampler (one prefill step, one decode loop).
+
+`sao_jax/rollout/jetstream_bridge.py` (the `jetstream` extra) puts JetStream's
+Engine API (prefill / insert / generate) on top of `step` and `decode`;
+nothing here imports jetstream. Sampling and the key stream are
+`sampling.py`'s; the layout (shardings and sizing) is `layout.py`'s; every
+program the engine jits (its function, static args, shardings and donation)
+is defined once in `programs.py`, which `launch/compile.py` lowers for a TPU
+topology.
 
 Lanes (`lanes`)
 ---------------
@@ -36,42 +41,22 @@ runs its prefill and decode loop from its own thread, so the L programs
 execute at once. Each lane samples exactly as a one-lane engine of its
 size would (its log-probs are teacher-forced exact, tests/test_rollout.py);
 the tokens differ from `lanes=1` only through the keys. Throughput on 2
-cores: benchmarks/RESULTS.md. Only `generate_batch` uses lanes; the
-Engine API calls and the driver's `step` / `decode` work on one decode
-state of all the slots.
+cores: benchmarks/RESULTS.md. Only `generate_batch` uses lanes, and only on
+one device; the driver's `step` / `decode` work on one decode state of all
+the slots.
 
-`sao_jax/rollout/jetstream_bridge.py` (the `jetstream` extra) subclasses
-JetStream's abstract Engine with this class; nothing here imports jetstream.
-Sampling and the key stream are `sampling.py`'s; every program the engine
-jits (its function, static args, shardings and donation) is defined once in
-`programs.py`, which `launch/compile.py` lowers for a TPU topology.
-
-Sharding (`mesh`, `rules`)
---------------------------
-`mesh=None` (the default) is the single-device engine: params and cache on
-one device. With a Mesh and logical sharding rules (`sao_jax/sharding.py`;
-`rollout_rules(mesh)` gives decode-friendly ones):
-
-  * params are laid out by the rules: the logical axes of every parameter
-    come from `nn.get_partition_spec` of the boxed initialiser, shapes only
-    (`jax.eval_shape`), as in `sharding.sharded_init`;
-  * every KV-cache leaf, `[..., B, S, KVH, head_dim]` (per-layer leaves or
-    stacked with a leading layer axis: the spec is derived from each leaf's
-    ndim), is sharded with slots B over the mesh axes of the "batch" rule and
-    kv heads over those of the "kv_heads" rule (rollout rules map it to
-    "tensor"); S and head_dim stay whole, so appending a token and reading
-    a prefix are local to each device;
-  * per-slot state (`lengths`, `next_tokens`, `active`) and the step's
-    `[B, L]` tokens / valid mask are sharded over slots like the cache, so
-    positions and cache writes never leave the device that holds the slot;
-    the sampling rng is replicated (threefry is partitionable, so the
-    sampled bits do not depend on the layout);
-  * the step is jitted with these in / out shardings and the decode state
-    (cache, lengths) donated; sampled tokens and log-probs come back to the
-    host in one `device_get` per step, the version is host-side.
-
-`slots` must divide by the size of the batch axes and `num_kv_heads` by the
-kv-head axes. Sharded and single-device engines sample the same tokens with
+Layout (`mesh`, `rules`)
+------------------------
+One layout: the engine's params, cache and per-slot state live on a Mesh by
+logical sharding rules (layout.py; `rollout_rules(mesh)` is the default,
+decode-friendly). Without a mesh the engine builds one over one device
+(`device`, default the first local one: `layout.one_device_mesh`), where
+every sharding is whole; the code path is the same. With a mesh of many
+devices, slots (and the cache with them) go over the batch axes and kv
+heads over "tensor"; the step is jitted with the layout's in / out
+shardings and the decode state (cache, lengths) donated; sampled tokens and
+log-probs come back to the host in one `device_get` per step, the version
+is host-side. Sharded and single-device engines sample the same tokens with
 the same log-probs (up to float reassociation across devices:
 tests/test_engine_sharded.py).
 
@@ -136,19 +121,20 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import functools
-import math
 import threading
 from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
-from sao_jax import sharding as shd
-from sao_jax.models import decoding, policy
 from sao_jax.models.config import ModelConfig
+from sao_jax.rollout import layout
+# The layout's names stay importable from here (launch/compile.py, tests).
+from sao_jax.rollout.layout import (  # pylint: disable=unused-import
+    EngineShardings, cache_bytes_per_device, cache_shardings, cache_spec, engine_shardings,
+    param_bytes_per_device, rollout_rules)
 from sao_jax.rollout.programs import EnginePrograms
 # Sampling and the key stream live in sampling.py; these names stay importable from here.
 from sao_jax.rollout.sampling import (  # pylint: disable=unused-import
@@ -160,22 +146,10 @@ Array = jax.Array
 class DecodeState(NamedTuple):
   cache: Any  # leaves [..., slots, max_len, KVH, hd]: per layer, or stacked over layers
   lengths: Array  # [slots] int32, tokens in each slot's cache
-  next_tokens: Array  # [slots] int32, sampled but not yet in the cache
-  active: Array  # [slots] bool
+  next_tokens: Array  # [slots] int32, the pending tokens `decode` sampled last
   # numpy [slots] copy of `lengths` the engine keeps on the host, so that it
   # can pick the kv bucket without a device transfer.
   host_lengths: np.ndarray
-
-
-class Prefix(NamedTuple):
-  cache: Any  # batch-1 cache
-  length: Array  # [1]
-
-
-class ResultTokens(NamedTuple):
-  tokens: np.ndarray  # [slots] or [1]
-  logprobs: np.ndarray
-  version: int
 
 
 class DecodeChunk(NamedTuple):
@@ -198,142 +172,6 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
   return buckets[-1]
 
 
-# --- sharding and sizing ------------------------------------------------------------
-
-
-def rollout_rules(mesh: Mesh) -> tuple[tuple[str, Any], ...]:
-  """Decode-friendly sharding rules for an engine on `mesh`.
-
-  Slots (and with them the KV cache, the dominant memory) go over every mesh
-  axis except "tensor"; heads, kv heads, MLP and vocabulary over "tensor";
-  experts over "expert". No parameter is sharded over the data / fsdp axes:
-  a decode step reads every weight for a handful of tokens per slot, so
-  gathering fsdp-sharded weights each step would cost more than the step.
-  Every sharded dimension must divide by its axes' size (a 61-token toy
-  vocabulary over tensor=2 does not: map "vocab" to None there).
-  """
-  names = tuple(mesh.axis_names)
-  tensor = "tensor" if "tensor" in names else None
-  placed = {"batch": tuple(a for a in names if a != "tensor") or None,
-            "vocab": tensor, "heads": tensor, "kv_heads": tensor, "mlp": tensor,
-            "expert": "expert" if "expert" in names else None}
-  # Every other logical axis (length, embed, head_dim, a scanned "layers"
-  # axis, ...) stays whole.
-  return tuple((a, placed.get(a)) for a in dict.fromkeys(shd.LOGICAL_AXES + tuple(placed)))
-
-
-def _mesh_axes(rules, logical: str):
-  """The mesh axes (None, a name or a tuple) that `rules` map `logical` to."""
-  return nn.logical_to_mesh_axes((logical,), rules)[0]
-
-
-def _axes_size(mesh: Mesh, axes) -> int:
-  if axes is None:
-    return 1
-  axes = axes if isinstance(axes, (tuple, list)) else (axes,)
-  return int(np.prod([mesh.shape[a] for a in axes]))
-
-
-def cache_spec(ndim: int, batch_axes, kv_axes) -> PartitionSpec:
-  """PartitionSpec of a cache leaf `[..., B, S, KVH, hd]` of `ndim` dims.
-
-  Leading dims (a stacked layer axis) stay whole: every device holds its
-  slots' cache for every layer.
-  """
-  if ndim < 4:
-    raise ValueError(f"a KV-cache leaf has dims [..., B, S, KVH, head_dim], got ndim {ndim}")
-  return PartitionSpec(*([None] * (ndim - 4)), batch_axes, None, kv_axes, None)
-
-
-def _abstract_cache(cfg: ModelConfig, batch: int, cache_len: int, dtype=None):
-  args = () if dtype is None else (dtype,)
-  return jax.eval_shape(lambda: decoding.init_cache(cfg, batch, cache_len, *args))
-
-
-def cache_shardings(cfg: ModelConfig, batch: int, cache_len: int, mesh: Mesh, rules, *,
-                    shard_slots: bool = True, abstract=None):
-  """NamedShardings of a `batch`-slot cache: slots by the "batch" rule, kv heads
-  by the "kv_heads" rule (`shard_slots=False`: slots replicated, for the
-  batch-1 prefill cache)."""
-  shd.check_rules(rules, mesh)
-  batch_axes = _mesh_axes(rules, "batch") if shard_slots else None
-  kv_axes = _mesh_axes(rules, "kv_heads")
-  if batch % _axes_size(mesh, batch_axes):
-    raise ValueError(f"{batch} slots do not divide over the batch axes {batch_axes} "
-                     f"(size {_axes_size(mesh, batch_axes)}) of mesh {dict(mesh.shape)}")
-  if cfg.num_kv_heads % _axes_size(mesh, kv_axes):
-    raise ValueError(f"num_kv_heads {cfg.num_kv_heads} does not divide over the kv_heads "
-                     f"axes {kv_axes} (size {_axes_size(mesh, kv_axes)})")
-  if abstract is None:
-    abstract = _abstract_cache(cfg, batch, cache_len)
-  return jax.tree.map(lambda a: NamedSharding(mesh, cache_spec(a.ndim, batch_axes, kv_axes)),
-                      abstract)
-
-
-def _bytes_per_device(abstract, shardings) -> int:
-  """Bytes of the largest shard set one device holds (shardings: None = unsharded)."""
-  total = 0
-  leaves = jax.tree.leaves(abstract)
-  shards = [None] * len(leaves) if shardings is None else jax.tree.leaves(shardings)
-  for a, s in zip(leaves, shards):
-    shape = a.shape if s is None else s.shard_shape(a.shape)
-    total += math.prod(shape) * np.dtype(a.dtype).itemsize
-  return total
-
-
-def cache_bytes_per_device(cfg: ModelConfig, slots: int, cache_len: int, mesh: Mesh | None = None,
-                           rules=None, dtype=None) -> int:
-  """KV-cache bytes on each device for `slots` x `cache_len` positions.
-
-  Shapes only (nothing is allocated); `mesh` may be an abstract TPU
-  topology's mesh. `mesh=None`: the whole cache (the single-device engine).
-  `rules` default to `rollout_rules(mesh)`.
-  """
-  abstract = _abstract_cache(cfg, slots, cache_len, dtype)
-  if mesh is None:
-    return _bytes_per_device(abstract, None)
-  rules = rollout_rules(mesh) if rules is None else rules
-  return _bytes_per_device(abstract, cache_shardings(cfg, slots, cache_len, mesh, rules,
-                                                     abstract=abstract))
-
-
-def _abstract_params(cfg: ModelConfig):
-  """Boxed (logical-axis annotated) abstract policy params: shapes only."""
-  return jax.eval_shape(lambda: policy.init_params(cfg, jax.random.key(0), boxed=True))
-
-
-def param_bytes_per_device(cfg: ModelConfig, mesh: Mesh | None = None, rules=None) -> int:
-  """Policy parameter bytes on each device under `rules` (default `rollout_rules`)."""
-  boxed = _abstract_params(cfg)
-  if mesh is None:
-    return _bytes_per_device(nn.unbox(boxed), None)
-  rules = rollout_rules(mesh) if rules is None else rules
-  return _bytes_per_device(nn.unbox(boxed), shd.logical_shardings(boxed, mesh, rules))
-
-
-class EngineShardings(NamedTuple):
-  """Where each piece of a sharded engine's state lives."""
-  params: Any  # pytree of NamedSharding, like the params
-  cache: Any  # like init_cache(cfg, slots, max_len)
-  slots: NamedSharding  # [slots] vectors: lengths, next tokens, active, samples
-  tokens: NamedSharding  # [slots, L] step inputs
-  prefix_cache: Any  # the batch-1 prefill cache: slots replicated
-  replicated: NamedSharding
-
-
-def engine_shardings(cfg: ModelConfig, slots: int, max_len: int, mesh: Mesh,
-                     rules) -> EngineShardings:
-  """The shardings a `PolicyEngine(cfg, ..., mesh=mesh, rules=rules)` uses."""
-  batch_axes = _mesh_axes(rules, "batch")
-  return EngineShardings(
-      params=shd.logical_shardings(_abstract_params(cfg), mesh, rules),
-      cache=cache_shardings(cfg, slots, max_len, mesh, rules),
-      slots=NamedSharding(mesh, PartitionSpec(batch_axes)),
-      tokens=NamedSharding(mesh, PartitionSpec(batch_axes, None)),
-      prefix_cache=cache_shardings(cfg, 1, max_len, mesh, rules, shard_slots=False),
-      replicated=NamedSharding(mesh, PartitionSpec()))
-
-
 def default_kv_buckets(max_len: int) -> tuple[int, ...]:
   """max_len / 8, / 4, / 2, max_len, keeping those of at least 1024 positions.
 
@@ -347,23 +185,30 @@ def default_kv_buckets(max_len: int) -> tuple[int, ...]:
 
 
 class PolicyEngine:
-  """The policy model behind the Engine API (see module docstring).
+  """The policy model as the rollout driver's sampler (see module docstring).
 
-  Args beyond the Engine API's:
-    device: the single device of an unsharded engine (default: the first).
-    lanes: `generate_batch` splits its slots into this many lanes, each
-      decoded by its own program from its own thread (module docstring,
-      "Lanes"). 1: one program for all slots. Single-device engines only.
-      Lane threads trace new programs without the caller's thread-local
-      JAX settings (e.g. a `jax.default_matmul_precision` context).
-    mesh, rules: shard params, cache and step over `mesh` (module docstring);
-      `rules` default to `rollout_rules(mesh)`. None: one device.
+  Args:
+    cfg, params: the model and its params (copied into the engine's layout).
+    slots: concurrent decode slots (`max_concurrent_decodes`).
+    max_len: cache positions per slot (`max_prefill_length`).
+    sampling: temperature, top-k, top-p.
+    seed: of the sampling key stream.
+    version: of `params`.
+    prefill_buckets: the widths a `step`'s tokens are padded to; max_len is
+      always the last.
+    device: the device of a single-device engine (default: the first local
+      one); its mesh is `layout.one_device_mesh(device)`.
+    mesh, rules: the engine's layout (module docstring); `rules` default to
+      `rollout_rules(mesh)`. No mesh: one device.
     kv_buckets: cache prefix lengths a step may attend over (module
       docstring); default `default_kv_buckets(max_len)`; max_len is always
       the last.
+    lanes: `generate_batch` splits its slots into this many lanes, each
+      decoded by its own program from its own thread (module docstring,
+      "Lanes"). 1: one program for all slots. One device only. Lane
+      threads trace new programs without the caller's thread-local JAX
+      settings (e.g. a `jax.default_matmul_precision` context).
   """
-
-  samples_per_slot = 1
 
   def __init__(self, cfg: ModelConfig, params, *, slots: int, max_len: int,
                sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
@@ -372,13 +217,18 @@ class PolicyEngine:
                kv_buckets: tuple[int, ...] | None = None, lanes: int = 1):
     if max_len > cfg.max_seq_len:
       raise ValueError(f"max_len {max_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
-    if mesh is None and rules is not None:
-      raise ValueError("sharding rules need a mesh")
     if mesh is not None and device is not None:
       raise ValueError("give the engine a device or a mesh, not both")
     if not 1 <= lanes <= slots:
       raise ValueError(f"lanes must be between 1 and slots ({slots}), got {lanes}")
-    if lanes > 1 and mesh is not None:
+    # Every jitted program of the engine (programs.py), also what launch/compile.py
+    # lowers; it holds the layout (a mesh of one device without `mesh`).
+    self.programs = EnginePrograms(cfg, sampling, slots, max_len, mesh=mesh, rules=rules,
+                                   device=device)
+    self.mesh: Mesh = self.programs.mesh
+    self.rules = self.programs.rules
+    self.shardings: EngineShardings = self.programs.shardings
+    if lanes > 1 and self.mesh.size > 1:
       raise ValueError("lanes > 1 is for a single-device engine; a sharded engine's step "
                        "already spans its mesh")
     kv_buckets = default_kv_buckets(max_len) if kv_buckets is None else tuple(kv_buckets)
@@ -390,20 +240,8 @@ class PolicyEngine:
     self.max_prefill_length = max_len
     self.prefill_buckets = tuple(b for b in prefill_buckets if b < max_len) + (max_len,)
     self.kv_buckets = tuple(sorted({b for b in kv_buckets if b < max_len})) + (max_len,)
-    self.mesh = mesh
-    self.rules = None
-    self.shardings: EngineShardings | None = None
-    if mesh is not None:
-      self.rules = tuple(tuple(r) for r in (rollout_rules(mesh) if rules is None else rules))
-      self.shardings = engine_shardings(cfg, slots, max_len, mesh, self.rules)
-    self._device = device or (jax.local_devices()[0] if mesh is None else mesh.devices.flat[0])
-    # Every jitted program of the engine (programs.py), also what launch/compile.py lowers.
-    self.programs = EnginePrograms(cfg, sampling, slots, max_len, mesh=mesh, rules=self.rules,
-                                   shardings=self.shardings,
-                                   device=self._device if mesh is None else None)
     self._lock = threading.Lock()
-    self._rng = KeyStream.start(jax.random.key(seed), self._device if mesh is None
-                                else self.shardings.replicated)
+    self._rng = KeyStream.start(jax.random.key(seed), self.shardings.replicated)
     self._jits: dict[Any, Any] = {}
     self._jit_lock = threading.Lock()  # lanes build jits from their own threads
     self.lanes = lanes
@@ -416,48 +254,44 @@ class PolicyEngine:
 
   @property
   def param_shardings(self):
-    """The params' NamedShardings (None for a single-device engine)."""
-    return None if self.shardings is None else self.shardings.params
+    """The params' NamedShardings."""
+    return self.shardings.params
 
   def abstract_params(self):
-    """ShapeDtypeStructs of the params, with their shardings when sharded:
-    the target to restore a versioned checkpoint straight into."""
-    abstract = nn.unbox(_abstract_params(self.cfg))
-    if self.shardings is None:
-      return abstract
+    """ShapeDtypeStructs of the params with their shardings: the target to
+    restore a versioned checkpoint straight into."""
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        abstract, self.shardings.params)
+                        nn.unbox(layout.abstract_params(self.cfg)), self.shardings.params)
 
   def load_params(self, params):
     """A private copy in the engine's layout (the trainer may donate its buffers).
 
-    Sharded: resharded on device, no host round trip, into fresh buffers,
-    and complete when this returns, so the caller may donate `params` right
+    Resharded on device, no host round trip, into fresh buffers, and
+    complete when this returns, so the caller may donate `params` right
     after. Params on the engine's devices (the colocated trainer's, in its
     state shardings) go through one jitted copy with the engine's shardings
     as out_shardings: the reshard and the copy are one program. Params
-    elsewhere (one device, another slice) are first moved with
-    `jax.device_put(params, engine.param_shardings)`; that copy alone is not
-    private: where source and target share devices, device_put hands back
-    the source's buffers as shards (even with may_alias=False: a
-    single-device array spread over a replicated layout keeps its buffer,
-    and a replicated array split over "data" gives shards at the source's
-    addresses), so the jitted copy follows it there too.
+    elsewhere (one device, another slice, or not a NamedSharding) are first
+    moved with `jax.device_put(params, engine.param_shardings)`; that copy
+    alone is not private: where source and target share devices,
+    device_put hands back the source's buffers as shards (even with
+    may_alias=False: a single-device array spread over a replicated layout
+    keeps its buffer, and a replicated array split over "data" gives shards
+    at the source's addresses), so the jitted copy follows it there too.
     """
-    if self.mesh is None:
-      return jax.device_put(jax.tree.map(jnp.copy, params), self._device)
-    sh = self.shardings.params
     copy = self._jit("copy_params", self.programs.copy_params)
     devices = tuple(self.mesh.devices.flat)
     if not all(isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
                and tuple(x.sharding.mesh.devices.flat) == devices
                for x in jax.tree.leaves(params)):
-      params = jax.device_put(params, sh)
+      params = jax.device_put(params, self.shardings.params)
     return jax.block_until_ready(copy(params))
 
   def update_params(self, params, version: int, *, copied: bool = False) -> None:
-    """Swaps in new params; `copied=True` when they come from `load_params`."""
-    new = params if copied else self.load_params(params)
+    """Swaps in new params; `copied=True` when they are the engine's already
+    (from `load_params`, or restored into `abstract_params()`): then only
+    moved if some leaf is not on `param_shardings`."""
+    new = _place(params, self.shardings.params) if copied else self.load_params(params)
     with self._lock:
       self.params, self.version = new, int(version)
 
@@ -470,32 +304,11 @@ class PolicyEngine:
     rng, self._rng = take(self._rng)
     return rng
 
-  # --- the jitted step ----------------------------------------------------
+  # --- the jitted programs ------------------------------------------------
 
   def _context(self):
-    """The mesh and rules (or the device's platform) the programs trace under."""
+    """The mesh and rules the programs trace under."""
     return self.programs.context()
-
-  def _step(self, params, cache, lengths, tokens, valid, rng, kv: int | None = None):
-    """`programs.step`, jitted once per (batch kind, kv bucket); shapes re-trace it.
-
-    Returns device arrays (new cache, new lengths, sampled tokens, log-probs);
-    `cache` and (sharded) `lengths` are donated.
-    """
-    prefix = lengths.shape[0] != self.max_concurrent_decodes  # a batch-1 prefill (or a lane)
-    fn = self._jit((prefix, kv), lambda: self.programs.step(kv, prefix=prefix))
-    s = self.shardings
-    if s is not None:  # committed args must match in_shardings (numpy ones are sharded by jit)
-      params = _place(params, s.params)
-      cache = _place(cache, s.prefix_cache if prefix else s.cache)
-      lengths = _place(lengths, s.replicated if prefix else s.slots)
-    with self._context():
-      return fn(params, cache, lengths, tokens, valid, rng)
-
-  def _kv_bucket(self, need: int) -> int | None:
-    """The cache prefix a step whose fed slots end at `need` attends over (None: all)."""
-    kv = _bucket(max(need, 1), self.kv_buckets)
-    return None if kv >= self.max_prefill_length else kv
 
   def _jit(self, key, build):
     """The jitted function cached under `key`, made by `build()` on first use.
@@ -510,81 +323,43 @@ class PolicyEngine:
         fn = self._jits[key] = build()
       return fn
 
-  # --- Engine API -------------------------------------------------------
+  def _step(self, params, cache, lengths, tokens, valid, rng, kv: int | None = None):
+    """`programs.step`, jitted once per kv bucket; shapes (widths, a lane's
+    slots) re-trace it.
+
+    Returns device arrays (new cache, new lengths, sampled tokens, log-probs);
+    `cache` and `lengths` are donated. Committed arguments must be on the
+    program's in_shardings: the engine's params and decode states are
+    (load_params, init_decode_state and every program's out_shardings).
+    """
+    fn = self._jit(("step", kv), lambda: self.programs.step(kv))
+    with self._context():
+      return fn(params, cache, lengths, tokens, valid, rng)
+
+  def _kv_bucket(self, need: int) -> int | None:
+    """The cache prefix a step whose fed slots end at `need` attends over (None: all)."""
+    kv = _bucket(max(need, 1), self.kv_buckets)
+    return None if kv >= self.max_prefill_length else kv
+
+  # --- the decode state -----------------------------------------------------
 
   def init_decode_state(self, slots: int | None = None) -> DecodeState:
-    """An empty decode state; `slots` (unsharded engines): a lane's, not all of them."""
-    b, n = slots or self.max_concurrent_decodes, self.max_prefill_length
-    if b != self.max_concurrent_decodes and self.mesh is not None:
-      raise ValueError("a sharded engine's decode state has all of its slots")
-    host = np.zeros((b,), np.int32)
-    if self.mesh is None:
-      cache = decoding.init_cache(self.cfg, b, n)
-      arrays = jax.device_put((cache, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32),
-                               jnp.zeros((b,), bool)), self._device)
-      return DecodeState(*arrays, host_lengths=host)
-    # Created in place, shard by shard: the whole cache never exists on one device.
-    return DecodeState(*self._jit("init", self.programs.init_state)(), host_lengths=host)
+    """An empty decode state; `slots` (one-device engines): a lane's, not all of them.
 
-  def _empty_prefix(self) -> Prefix:
-    if self.mesh is None:
-      return Prefix(decoding.init_cache(self.cfg, 1, self.max_prefill_length),
-                    jnp.zeros((1,), jnp.int32))
-    return Prefix(*self._jit("prefix", self.programs.init_prefix)())
-
-  def prefill(self, *, params=None, existing_prefix: Prefix | None = None,
-              padded_tokens, true_length: int) -> tuple[Prefix, ResultTokens]:
-    """Runs a prompt (appended to `existing_prefix` if given); samples one token."""
-    params = self.params if params is None else params
-    padded = np.asarray(padded_tokens, np.int32).reshape(1, -1)
-    # Pad to a width bucket: one compile per bucket, not per prompt length.
-    width = _bucket(padded.shape[1], self.prefill_buckets)
-    if width > padded.shape[1]:
-      padded = np.pad(padded, ((0, 0), (0, width - padded.shape[1])))
-    if existing_prefix is None:
-      existing_prefix = self._empty_prefix()
-    valid = (np.arange(padded.shape[1]) < true_length)[None]
-    cache, length, tok, logp = self._step(params, existing_prefix.cache, existing_prefix.length,
-                                          padded, valid, self._next_rng())
-    tok, logp = jax.device_get((tok, logp))
-    return Prefix(cache, length), ResultTokens(np.asarray(tok), np.asarray(logp), self.version)
-
-  def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int,
-             first_token: int | None = None) -> DecodeState:
-    """Copies a prefill's cache into `slot` and makes the slot active (one jitted call).
-
-    The decode state's arrays are donated: use the returned state only.
+    Created in place, shard by shard: the whole cache never exists on one device.
     """
-    fn = self._jit("insert", self.programs.insert)
-    first = -1 if first_token is None else first_token
-    with self._context():
-      cache, lengths, nxt, active = fn(
-          decode_state.cache, prefix.cache, decode_state.lengths, decode_state.next_tokens,
-          decode_state.active, jnp.asarray(slot, jnp.int32), prefix.length,
-          jnp.asarray(first, jnp.int32))
-    host = decode_state.host_lengths.copy()
-    host[slot] = int(np.asarray(prefix.length)[0])
-    return DecodeState(cache, lengths, nxt, active, host)
+    b = slots or self.max_concurrent_decodes
+    if b != self.max_concurrent_decodes and self.mesh.size > 1:
+      raise ValueError("a sharded engine's decode state has all of its slots")
+    arrays = self._jit(("init", b), lambda: self.programs.init_state(b))()
+    return DecodeState(*arrays, host_lengths=np.zeros((b,), np.int32))
 
-  def free_resource(self, decode_state: DecodeState, slot: int) -> DecodeState:
-    host = decode_state.host_lengths.copy()
-    host[slot] = 0
-    return decode_state._replace(active=decode_state.active.at[slot].set(False),
-                                 lengths=decode_state.lengths.at[slot].set(0),
-                                 host_lengths=host)
-
-  def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
-    """One decode step: feeds each active slot's next token, samples the next."""
-    params = self.params if params is None else params
-    kv = self._kv_bucket(int(decode_state.host_lengths.max()) + 1)
-    cache, lengths, tok, logp = self._step(
-        params, decode_state.cache, decode_state.lengths, decode_state.next_tokens[:, None],
-        decode_state.active[:, None], self._next_rng(), kv)
-    tok = jnp.where(decode_state.active, tok, decode_state.next_tokens)
-    tok_h, logp_h, lengths_h = jax.device_get((tok, logp, lengths))
-    state = DecodeState(cache, lengths, tok, decode_state.active,
-                        np.asarray(lengths_h, np.int32))
-    return state, ResultTokens(np.asarray(tok_h), np.asarray(logp_h), self.version)
+  def reset_slots(self, state: DecodeState, slots_mask: np.ndarray) -> DecodeState:
+    """Empties the caches of the given slots (their lengths go to 0)."""
+    mask = np.asarray(slots_mask, bool)
+    host = np.where(mask, 0, state.host_lengths).astype(np.int32)
+    lengths = self._jit("reset", self.programs.reset_lengths)(state.lengths, mask)
+    return state._replace(lengths=lengths, host_lengths=host)
 
   # --- the driver's fused step -------------------------------------------
 
@@ -676,13 +451,9 @@ class PolicyEngine:
     stop = -1 if stop_token is None else int(stop_token)
     fn = self._jit(("decode", kv, int(steps), stop),
                    lambda: self.programs.decode(kv, int(steps), stop))
-    cache, lengths, s = state.cache, state.lengths, self.shardings
-    if s is not None:
-      params, cache, lengths = _place(params, s.params), _place(cache, s.cache), _place(
-          lengths, s.slots)
     with self._context():
       cache, lengths, nxt, toks, logp, counts, rng = fn(
-          params, cache, lengths, tokens, budgets, rng)
+          params, state.cache, state.lengths, tokens, budgets, rng)
     state = state._replace(cache=cache, lengths=lengths, next_tokens=nxt, host_lengths=host)
     return state, DecodeChunk(toks, logp, counts, version, budgets), rng
 
@@ -743,7 +514,7 @@ class PolicyEngine:
     per = -(-n // self.lanes)  # prompts a lane: every lane works, in programs of `lane` slots
     groups = [list(prompts[i:i + per]) for i in range(0, n, per)]
     key = self._next_rng()
-    streams = [KeyStream.start(jax.random.fold_in(key, i), self._device)
+    streams = [KeyStream.start(jax.random.fold_in(key, i), self.shardings.replicated)
                for i in range(len(groups))]
     futures = [self._lane_pool.submit(run, g, rng=r) for g, r in zip(groups, streams)]
     cf.wait(futures)  # no lane left running when another's failure is raised
@@ -783,25 +554,14 @@ class PolicyEngine:
       counts += chunk.counts[:n]
     return (out, out_lp, counts), rng
 
-  def reset_slots(self, state: DecodeState, slots_mask: np.ndarray) -> DecodeState:
-    """Empties the caches of the given slots (their lengths go to 0)."""
-    mask = np.asarray(slots_mask, bool)
-    host = np.where(mask, 0, state.host_lengths).astype(np.int32)
-    if self.shardings is None:
-      lengths = jnp.where(jnp.asarray(mask), 0, state.lengths)
-    else:
-      s = self.shardings
-      reset = self._jit("reset", self.programs.reset_lengths)
-      lengths = reset(*jax.device_put((state.lengths, mask), (s.slots, s.slots)))
-    return state._replace(lengths=lengths, host_lengths=host)
 
 
 def _place(tree, shardings):
   """`tree` on `shardings`, moved only if some leaf is not already there.
 
-  The engine's own state always is; checking costs about a microsecond a
-  leaf, where a no-op `jax.device_put` of the tree costs tens (milliseconds
-  a step for an unscanned 48-layer model's params and cache).
+  Checking costs about a microsecond a leaf, where a no-op `jax.device_put`
+  of the tree costs tens (milliseconds for an unscanned 48-layer model's
+  params).
   """
   leaves, targets = jax.tree.leaves(tree), jax.tree.leaves(shardings)
   if len(leaves) == len(targets) and all(

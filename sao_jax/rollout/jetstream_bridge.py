@@ -15,10 +15,11 @@ and text only (no log-probs, no versions), and its params cannot be swapped
 while it serves. The trainer drives `PolicyEngine` in-process instead.
 
 Two adaptations to JetStream 0.2.2's contract: its `prefill` returns only a
-prefix and the first generated token comes from `generate`, so `prefill`
-here feeds all but the last prompt token and leaves that one as the slot's
-next input; and 0.2.2 still calls the `jax.tree_map` alias that current JAX
-removed, which is restored below before jetstream is imported.
+prefix and the first generated token comes from `generate`, so all but the
+last prompt token go into the slot's cache (at `insert`) and that one is
+left as the slot's next input; and 0.2.2 still calls the `jax.tree_map`
+alias that current JAX removed, which is restored below before jetstream is
+imported.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from typing import Any, NamedTuple
 
 from absl import logging
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 if not hasattr(jax, "tree_map"):  # removed from JAX; jetstream 0.2.2 calls it
@@ -43,7 +43,7 @@ from jetstream.core import orchestrator, server_lib
 from jetstream.core.proto import jetstream_pb2_grpc
 from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
 
-from sao_jax.rollout.engine import DecodeState, PolicyEngine, Prefix
+from sao_jax.rollout.engine import DecodeState, PolicyEngine
 
 
 class JetStreamTokenizer(tokenizer_api.Tokenizer):
@@ -89,18 +89,36 @@ class JetStreamTokenizer(tokenizer_api.Tokenizer):
 
 
 class _Prefix(NamedTuple):
-  prefix: Prefix
+  tokens: Any  # int32 [n], the prompt but its last token: `insert` feeds them
   next_token: Any  # int32 [], the last prompt token, fed by the first generate
 
 
 class _State(NamedTuple):
   inner: DecodeState
+  next_tokens: np.ndarray  # int32 [slots], each slot's pending token (host)
   generated: np.ndarray  # int32 [slots], tokens generated since insert (host)
-  active: np.ndarray  # bool [slots], host mirror of inner.active
+  active: np.ndarray  # bool [slots], slots holding a request
 
 
 class JetStreamEngine(engine_api.Engine):
-  """`PolicyEngine` as a JetStream Engine.
+  """`PolicyEngine` as a JetStream Engine, on the engine's driver API.
+
+  JetStream's calls map onto `PolicyEngine.step` / `decode`, the calls the
+  rollout driver makes:
+
+    prefill   host only: the prompt (after `existing_prefix`'s tokens, if
+              any) split into the tokens to feed and the last one, left
+              pending (JetStream 0.2.2's prefill returns no first token: it
+              comes from `generate`);
+    insert    empties the slot (`reset_slots`) and appends the prompt to it
+              with one `step` over the slots (only that row valid); the
+              step's sample is dropped;
+    generate  one `step` feeding each active slot's pending token, or with
+              `tokens_per_step` k > 1 one `decode` loop of k tokens a slot.
+
+  Every call samples with the engine's own params and key stream (the
+  params JetStream passes are `load_params()`'s, the engine's own). Slots
+  are freed by the next insert; JetStream 0.2.2 has no free call.
 
   `tokens_per_step` > 1 makes each `generate` call run the engine's jitted
   multi-token decode loop (`PolicyEngine.decode`) and return that many
@@ -121,53 +139,59 @@ class JetStreamEngine(engine_api.Engine):
     self._tokenizer = tokenizer
     self._k = int(tokens_per_step)
     self._ignore_eos = ignore_eos
-    self._mesh = jax.sharding.Mesh(np.asarray([engine._device]), ("data",))  # pylint: disable=protected-access
 
   @property
   def policy_engine(self) -> PolicyEngine:
     return self._engine
 
+  def _check_params(self, params) -> None:
+    if params is not None and params is not self._engine.params:
+      raise ValueError("the bridge samples with the engine's own params (load_params())")
+
   def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length: int):
-    tokens = np.asarray(padded_tokens, np.int32).reshape(-1)[:true_length]
+    self._check_params(params)
     if true_length < 1:
       raise ValueError("prefill needs at least one token")
-    inner_prefix = None
-    if existing_prefix is not None:  # its pending token goes in first
-      inner_prefix = existing_prefix.prefix
-      tokens = np.concatenate([[int(existing_prefix.next_token)], tokens]).astype(np.int32)
-      true_length += 1
-    head = np.zeros(max(len(tokens), 1), np.int32)
-    head[:true_length - 1] = tokens[:true_length - 1]
-    prefix, _ = self._engine.prefill(params=params, existing_prefix=inner_prefix,
-                                     padded_tokens=head, true_length=true_length - 1)
-    return _Prefix(prefix, jnp.asarray(tokens[true_length - 1], jnp.int32))
+    tokens = np.asarray(padded_tokens, np.int32).reshape(-1)[:true_length]
+    if existing_prefix is not None:  # its tokens and its pending token go in first
+      tokens = np.concatenate([np.asarray(existing_prefix.tokens, np.int32).reshape(-1),
+                               [int(existing_prefix.next_token)], tokens]).astype(np.int32)
+    return _Prefix(tokens[:-1], np.int32(tokens[-1]))
 
   def insert(self, prefix, decode_state, slot: int):
-    inner = self._engine.insert(prefix.prefix, decode_state.inner, slot,
-                                first_token=prefix.next_token)
-    generated, active = decode_state.generated.copy(), decode_state.active.copy()
-    generated[slot], active[slot] = 0, True
-    return _State(inner, generated, active)
+    head = np.asarray(prefix.tokens, np.int32).reshape(-1)
+    slots = self._engine.max_concurrent_decodes
+    row = np.arange(slots) == slot
+    inner = self._engine.reset_slots(decode_state.inner, row)
+    if len(head):
+      tokens = np.zeros((slots, len(head)), np.int32)
+      tokens[slot] = head
+      inner, *_ = self._engine.step(inner, tokens, np.broadcast_to(row[:, None], tokens.shape))
+    next_tokens, generated, active = (decode_state.next_tokens.copy(),
+                                      decode_state.generated.copy(), decode_state.active.copy())
+    next_tokens[slot], generated[slot], active[slot] = int(prefix.next_token), 0, True
+    return _State(inner, next_tokens, generated, active)
 
   def generate(self, params, decode_state):
-    k = self._k
+    self._check_params(params)
+    k, inner, active = self._k, decode_state.inner, decode_state.active
+    pending = decode_state.next_tokens
     if k == 1:
-      inner, result = self._engine.generate(params, decode_state.inner)
-      tokens = np.asarray(result.tokens, np.int32)[:, None]
-      counts = decode_state.active.astype(np.int32)
+      inner, tok, _, _ = self._engine.step(inner, pending[:, None], active[:, None])
+      pending = np.where(active, tok, pending).astype(np.int32)
+      tokens, counts = pending[:, None], active.astype(np.int32)
     else:
-      if params is not None and params is not self._engine.params:
-        raise ValueError("tokens_per_step > 1 decodes with the engine's own params")
-      inner = decode_state.inner
       room = self._engine.max_prefill_length - 1 - inner.host_lengths
-      budgets = np.where(decode_state.active, np.clip(room, 0, k), 0).astype(np.int32)
-      inner, chunk = self._engine.decode(inner, inner.next_tokens, budgets, steps=k)
+      budgets = np.where(active, np.clip(room, 0, k), 0).astype(np.int32)
+      inner, chunk = self._engine.decode(inner, pending, budgets, steps=k)
       inner, chunk = self._engine.collect(inner, chunk)
       tokens, counts = chunk.tokens.astype(np.int32), chunk.counts
+      last = tokens[np.arange(len(counts)), np.maximum(counts - 1, 0)]
+      pending = np.where(counts > 0, last, pending).astype(np.int32)
     generated = decode_state.generated + counts
     valid = (np.arange(k)[None, :] < counts[:, None]).astype(np.int32)
     data = np.concatenate([tokens, valid, generated[:, None]], axis=1)  # [slots, 2k + 1]
-    return _State(inner, generated, decode_state.active), engine_api.ResultTokens(
+    return _State(inner, pending, generated, active), engine_api.ResultTokens(
         data=data, tokens_idx=(0, k), valid_idx=(k, 2 * k), length_idx=(2 * k, 2 * k + 1),
         samples_per_slot=1)
 
@@ -189,7 +213,8 @@ class JetStreamEngine(engine_api.Engine):
     del args, kwargs
     state = self._engine.init_decode_state()
     slots = self._engine.max_concurrent_decodes
-    return _State(state, np.zeros((slots,), np.int32), np.zeros((slots,), bool))
+    return _State(state, np.zeros((slots,), np.int32), np.zeros((slots,), np.int32),
+                  np.zeros((slots,), bool))
 
   @property
   def max_concurrent_decodes(self) -> int:
@@ -205,7 +230,7 @@ class JetStreamEngine(engine_api.Engine):
 
   @property
   def mesh(self) -> jax.sharding.Mesh:
-    return self._mesh
+    return self._engine.mesh
 
   @property
   def colocated_cpus(self):

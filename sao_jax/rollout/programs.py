@@ -7,142 +7,112 @@ of what the driver runs. `EnginePrograms` holds what they are built from
 returns a new jitted callable -- function, static args, in / out shardings
 and donation -- which the engine caches per static key:
 
-  step(kv, prefix)         `_step`: append `[B, W]` tokens, sample each row's
-                           next token. The engine's prefill and one-token
-                           `generate`, and the driver's appends (`step`).
-                           Donates cache (and, sharded, lengths).
+  step(kv)                 `_step`: append `[B, W]` tokens, sample each row's
+                           next token: the driver's appends and one-token
+                           decodes (`PolicyEngine.step`), `generate_batch`'s
+                           prefill. Donates cache and lengths.
   decode(kv, steps, stop)  `_decode`: up to `steps` one-token steps in a
                            while loop with per-slot stops: the driver's
                            decode (`PolicyEngine.decode`). Donates cache
-                           (and, sharded, lengths).
-  insert()                 `_insert`: a batch-1 prefill's cache into a slot.
-  init_state()             an empty decode state, created in its shardings.
-  init_prefix()            an empty batch-1 prefill cache.
+                           and lengths.
+  init_state(batch)        an empty decode state, created in its shardings.
   copy_params()            params copied into the engine's own buffers.
   reset_lengths()          lengths set to 0 where a mask says.
 
-The last four exist only with a mesh (a single-device engine makes those
-arrays eagerly). `kv` is the cache prefix a step attends over (None: the
-whole cache; module docstring of engine.py, "Cache sizing"). `step_args`
-and `decode_args` give the abstract arguments to lower `step` and `decode`
-at, and `context` the mesh / rules / target platform to trace them under.
+There is one layout (layout.py): a mesh and rules, a mesh of one device for
+a single-device engine. `kv` is the cache prefix a step attends over (None:
+the whole cache; module docstring of engine.py, "Cache sizing").
+`step_args` and `decode_args` give the abstract arguments to lower `step`
+and `decode` at, and `context` the mesh and rules to trace them under (the
+mesh's devices name the target platform: a mesh of TPU devices compiles the
+TPU paths on a CPU host).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sao_jax.models import attention, decoding
+from sao_jax.models import decoding
 from sao_jax.models.config import ModelConfig
+from sao_jax.rollout import layout
 from sao_jax.rollout import sampling as sampling_lib
-
-if TYPE_CHECKING:
-  from sao_jax.rollout.engine import EngineShardings
 
 Array = jax.Array
 
 
-@dataclasses.dataclass(frozen=True, eq=False)  # its fields hold meshes and pytrees
 class EnginePrograms:
   """The jitted programs of an engine of `slots` x `max_len` on one layout.
 
-  `shardings` (with `mesh` and `rules`) for a sharded engine, from
-  `engine.engine_shardings`; else `device`, the single device (its
-  platform is the one the model is traced for: a TPU device compiles the
-  TPU paths on a CPU host).
+  The layout: `mesh` with `rules` (default `layout.rollout_rules(mesh)`)
+  and `shardings` (default `layout.engine_shardings` of those), or
+  `device` alone: a one-device mesh over it (`layout.one_device_mesh`;
+  launch/compile.py's one-chip engine passes an abstract TPU device).
   """
-  cfg: ModelConfig
-  sampling: sampling_lib.SamplingConfig
-  slots: int
-  max_len: int
-  mesh: Any = None  # jax.sharding.Mesh, or None: one device
-  rules: Any = None  # logical-axis rules, with a mesh
-  shardings: EngineShardings | None = None
-  device: Any = None  # the device of an unsharded engine
 
-  def __post_init__(self):
-    if (self.mesh is None) != (self.shardings is None) or (self.mesh is None) == (
-        self.device is None):
-      raise ValueError("EnginePrograms takes a mesh with rules and shardings, or a device")
+  def __init__(self, cfg: ModelConfig, sampling: sampling_lib.SamplingConfig, slots: int,
+               max_len: int, *, mesh=None, rules=None, shardings=None, device=None):
+    if mesh is not None and device is not None:
+      raise ValueError("EnginePrograms takes a mesh or a device, not both")
+    self.cfg, self.sampling, self.slots, self.max_len = cfg, sampling, slots, max_len
+    self.mesh = layout.one_device_mesh(device) if mesh is None else mesh
+    self.rules = tuple(tuple(r) for r in (layout.rollout_rules(self.mesh) if rules is None
+                                          else rules))
+    self.shardings: layout.EngineShardings = (
+        layout.engine_shardings(cfg, slots, max_len, self.mesh, self.rules)
+        if shardings is None else shardings)
 
   def context(self):
     """What the programs are traced under: the mesh and rules the model's
-    activation constraints resolve against, or the single device's platform."""
-    if self.mesh is None:
-      return attention.compiling_for(self.device.platform)
+    activation constraints resolve against (thread-local, both)."""
     stack = contextlib.ExitStack()
-    stack.enter_context(jax.set_mesh(self.mesh))  # thread-local, like the rules
+    stack.enter_context(jax.set_mesh(self.mesh))
     stack.enter_context(nn.logical_axis_rules(self.rules))
     return stack
 
   # --- the programs ---------------------------------------------------------
 
-  def step(self, kv: int | None, *, prefix: bool = False):
+  def step(self, kv: int | None):
     """`_step` jitted: (params, cache, lengths, tokens, valid, key) ->
-    (cache, lengths, tokens, log-probs). `prefix`: on a batch-1 prefill
-    cache (slots replicated), not the decode state's."""
-    body = functools.partial(_step, self.cfg, self.sampling, kv)
+    (cache, lengths, tokens, log-probs)."""
     s = self.shardings
-    if s is None:
-      return jax.jit(body, donate_argnums=(1,))
-    cache = s.prefix_cache if prefix else s.cache
-    vec = s.replicated if prefix else s.slots
-    tok = s.replicated if prefix else s.tokens
-    return jax.jit(body, in_shardings=(s.params, cache, vec, tok, tok, s.replicated),
-                   out_shardings=(cache, vec, vec, vec), donate_argnums=(1, 2))
+    return jax.jit(functools.partial(_step, self.cfg, self.sampling, kv),
+                   in_shardings=(s.params, s.cache, s.slots, s.tokens, s.tokens, s.replicated),
+                   out_shardings=(s.cache, s.slots, s.slots, s.slots), donate_argnums=(1, 2))
 
   def decode(self, kv: int | None, steps: int, stop: int):
     """`_decode` jitted: (params, cache, lengths, tokens, budgets, KeyStream) ->
     (cache, lengths, pending tokens, sampled tokens, log-probs, counts,
     KeyStream). `stop` -1: budgets only."""
-    body = functools.partial(_decode, self.cfg, self.sampling, kv, int(steps), int(stop))
     s = self.shardings
-    if s is None:
-      return jax.jit(body, donate_argnums=(1,))
-    return jax.jit(body, in_shardings=(s.params, s.cache, s.slots, s.slots, s.slots,
-                                       s.replicated),
-                   out_shardings=(s.cache, s.slots, s.slots, s.tokens, s.tokens, s.slots,
-                                  s.replicated), donate_argnums=(1, 2))
+    return jax.jit(
+        functools.partial(_decode, self.cfg, self.sampling, kv, int(steps), int(stop)),
+        in_shardings=(s.params, s.cache, s.slots, s.slots, s.slots, s.replicated),
+        out_shardings=(s.cache, s.slots, s.slots, s.tokens, s.tokens, s.slots, s.replicated),
+        donate_argnums=(1, 2))
 
-  def insert(self):
-    """`_insert` jitted; the decode state's arrays donated."""
-    s = self.shardings
-    placed = {} if s is None else {"out_shardings": (s.cache, s.slots, s.slots, s.slots)}
-    return jax.jit(_insert, donate_argnums=(0, 2, 3, 4), **placed)
-
-  def init_state(self):
-    """() -> (cache, lengths, next tokens, active), zeros, created in place
-    shard by shard: the whole cache never exists on one device."""
-    s, b, n = self._sharded(), self.slots, self.max_len
+  def init_state(self, batch: int | None = None):
+    """() -> (cache, lengths, pending tokens) of `batch` slots (default all),
+    zeros, created in place shard by shard: the whole cache never exists on
+    one device. (Another `batch` than `slots` is a lane's, on one device.)"""
+    s, b, n = self.shardings, batch or self.slots, self.max_len
     return jax.jit(lambda: (decoding.init_cache(self.cfg, b, n), jnp.zeros((b,), jnp.int32),
-                            jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool)),
-                   out_shardings=(s.cache, s.slots, s.slots, s.slots))
-
-  def init_prefix(self):
-    """() -> (batch-1 cache, length `[1]`), zeros, slots replicated."""
-    s, n = self._sharded(), self.max_len
-    return jax.jit(lambda: (decoding.init_cache(self.cfg, 1, n), jnp.zeros((1,), jnp.int32)),
-                   out_shardings=(s.prefix_cache, s.replicated))
+                            jnp.zeros((b,), jnp.int32)),
+                   out_shardings=(s.cache, s.slots, s.slots))
 
   def copy_params(self):
     """params -> a copy in fresh buffers of the engine's param shardings."""
-    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=self._sharded().params)
+    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=self.shardings.params)
 
   def reset_lengths(self):
     """(lengths, mask) -> lengths with 0 where mask."""
-    return jax.jit(lambda l, m: jnp.where(m, 0, l), out_shardings=self._sharded().slots)
-
-  def _sharded(self) -> EngineShardings:
-    if self.shardings is None:
-      raise ValueError("only a sharded engine jits this program")
-    return self.shardings
+    s = self.shardings.slots
+    return jax.jit(lambda l, m: jnp.where(m, 0, l), in_shardings=(s, s), out_shardings=s)
 
   # --- abstract arguments, to lower a program without allocating ------------
 
@@ -166,17 +136,13 @@ class EnginePrograms:
                                        self._placed(stream, "replicated"))
 
   def _state_args(self, params) -> tuple:
-    cache = jax.eval_shape(lambda: decoding.init_cache(self.cfg, self.slots, self.max_len))
+    cache = layout.abstract_cache(self.cfg, self.slots, self.max_len)
     lengths = jax.ShapeDtypeStruct((self.slots,), jnp.int32)
     return (self._placed(params, "params"), self._placed(cache, "cache"),
             self._placed(lengths, "slots"))
 
   def _placed(self, tree, field: str):
-    """`tree`'s ShapeDtypeStructs on the shardings' `field` (one device unsharded)."""
-    if self.shardings is None:
-      device = jax.sharding.SingleDeviceSharding(self.device)
-      return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-                          tree)
+    """`tree`'s ShapeDtypeStructs on the shardings' `field`."""
     sh = getattr(self.shardings, field)
     if isinstance(sh, jax.sharding.Sharding):
       return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree)
@@ -184,16 +150,6 @@ class EnginePrograms:
 
 
 # --- the programs' bodies ------------------------------------------------------
-
-
-def _insert(cache, prefix_cache, lengths, next_tokens, active, slot, length, first):
-  """`PolicyEngine.insert`'s body: prefix cache into `slot`; first < 0 keeps the pending token."""
-  # The slot axis of a cache leaf [..., B, S, KVH, hd] is ndim - 4.
-  cache = jax.tree.map(
-      lambda c, p: jax.lax.dynamic_update_slice_in_dim(c, p.astype(c.dtype), slot, c.ndim - 4),
-      cache, prefix_cache)
-  next_tokens = next_tokens.at[slot].set(jnp.where(first >= 0, first, next_tokens[slot]))
-  return (cache, lengths.at[slot].set(length[0]), next_tokens, active.at[slot].set(True))
 
 
 def _write_back(lengths: Array, valid: Array, full: Array, live: Array) -> Array:

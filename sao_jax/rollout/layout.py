@@ -1,0 +1,174 @@
+"""Where the rollout engine's arrays live, and how many bytes that is per device.
+
+The engine has one layout: a Mesh and logical sharding rules. A single-device
+engine is the same layout over a mesh of one device (`one_device_mesh`),
+where every sharding below is trivially whole. With more devices:
+
+  * params are laid out by the rules: the logical axes of every parameter
+    come from `nn.get_partition_spec` of the boxed initialiser, shapes only
+    (`jax.eval_shape`), as in `sharding.sharded_init`;
+  * every KV-cache leaf, `[..., B, S, KVH, head_dim]` (per-layer leaves or
+    stacked with a leading layer axis: the spec is derived from each leaf's
+    ndim), is sharded with slots B over the mesh axes of the "batch" rule and
+    kv heads over those of the "kv_heads" rule (`rollout_rules` maps it to
+    "tensor"); S and head_dim stay whole, so appending a token and reading
+    a prefix are local to each device;
+  * per-slot vectors (lengths, pending tokens, samples) and a step's
+    `[B, L]` tokens / valid mask are sharded over slots like the cache, so
+    positions and cache writes never leave the device that holds the slot;
+    the sampling key is replicated (threefry is partitionable, so the
+    sampled bits do not depend on the layout).
+
+`slots` must divide by the size of the batch axes and `num_kv_heads` by the
+kv-head axes. `cache_bytes_per_device` / `param_bytes_per_device` size any
+mesh, an `AbstractMesh` or an abstract TPU topology's included (shapes only,
+nothing allocated); engine.py's module docstring has the figures for
+Qwen3-30B-A3B.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+
+from sao_jax import sharding as shd
+from sao_jax.models import decoding, policy
+from sao_jax.models.config import ModelConfig
+
+
+def one_device_mesh(device=None) -> Mesh:
+  """The single-device engine's mesh: `device` (default: the first local one) on "data"."""
+  return Mesh(np.asarray([device or jax.local_devices()[0]]), ("data",))
+
+
+def rollout_rules(mesh) -> tuple[tuple[str, Any], ...]:
+  """Decode-friendly sharding rules for an engine on `mesh`.
+
+  Slots (and with them the KV cache, the dominant memory) go over every mesh
+  axis except "tensor"; heads, kv heads, MLP and vocabulary over "tensor";
+  experts over "expert". No parameter is sharded over the data / fsdp axes:
+  a decode step reads every weight for a handful of tokens per slot, so
+  gathering fsdp-sharded weights each step would cost more than the step.
+  Every sharded dimension must divide by its axes' size (a 61-token toy
+  vocabulary over tensor=2 does not: map "vocab" to None there).
+  """
+  names = tuple(mesh.axis_names)
+  tensor = "tensor" if "tensor" in names else None
+  placed = {"batch": tuple(a for a in names if a != "tensor") or None,
+            "vocab": tensor, "heads": tensor, "kv_heads": tensor, "mlp": tensor,
+            "expert": "expert" if "expert" in names else None}
+  # Every other logical axis (length, embed, head_dim, a scanned "layers"
+  # axis, ...) stays whole.
+  return tuple((a, placed.get(a)) for a in dict.fromkeys(shd.LOGICAL_AXES + tuple(placed)))
+
+
+def _mesh_axes(rules, logical: str):
+  """The mesh axes (None, a name or a tuple) that `rules` map `logical` to."""
+  return nn.logical_to_mesh_axes((logical,), rules)[0]
+
+
+def _axes_size(mesh, axes) -> int:
+  if axes is None:
+    return 1
+  axes = axes if isinstance(axes, (tuple, list)) else (axes,)
+  return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def cache_spec(ndim: int, batch_axes, kv_axes) -> PartitionSpec:
+  """PartitionSpec of a cache leaf `[..., B, S, KVH, hd]` of `ndim` dims.
+
+  Leading dims (a stacked layer axis) stay whole: every device holds its
+  slots' cache for every layer.
+  """
+  if ndim < 4:
+    raise ValueError(f"a KV-cache leaf has dims [..., B, S, KVH, head_dim], got ndim {ndim}")
+  return PartitionSpec(*([None] * (ndim - 4)), batch_axes, None, kv_axes, None)
+
+
+def abstract_cache(cfg: ModelConfig, batch: int, cache_len: int, dtype=None):
+  """ShapeDtypeStructs of a `batch` x `cache_len` KV cache (nothing allocated)."""
+  args = () if dtype is None else (dtype,)
+  return jax.eval_shape(lambda: decoding.init_cache(cfg, batch, cache_len, *args))
+
+
+def cache_shardings(cfg: ModelConfig, batch: int, cache_len: int, mesh, rules, *,
+                    abstract=None):
+  """NamedShardings of a `batch`-slot cache: slots by the "batch" rule, kv heads
+  by the "kv_heads" rule."""
+  shd.check_rules(rules, mesh)
+  batch_axes = _mesh_axes(rules, "batch")
+  kv_axes = _mesh_axes(rules, "kv_heads")
+  if batch % _axes_size(mesh, batch_axes):
+    raise ValueError(f"{batch} slots do not divide over the batch axes {batch_axes} "
+                     f"(size {_axes_size(mesh, batch_axes)}) of mesh {dict(mesh.shape)}")
+  if cfg.num_kv_heads % _axes_size(mesh, kv_axes):
+    raise ValueError(f"num_kv_heads {cfg.num_kv_heads} does not divide over the kv_heads "
+                     f"axes {kv_axes} (size {_axes_size(mesh, kv_axes)})")
+  if abstract is None:
+    abstract = abstract_cache(cfg, batch, cache_len)
+  return jax.tree.map(lambda a: NamedSharding(mesh, cache_spec(a.ndim, batch_axes, kv_axes)),
+                      abstract)
+
+
+def _bytes_per_device(abstract, shardings) -> int:
+  """Bytes of the largest shard set one device holds."""
+  return sum(math.prod(s.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
+             for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)))
+
+
+def _sized_mesh(mesh):
+  """`mesh`, or a one-device abstract mesh for None (the whole array on one device)."""
+  return AbstractMesh((1,), ("data",)) if mesh is None else mesh
+
+
+def cache_bytes_per_device(cfg: ModelConfig, slots: int, cache_len: int, mesh=None,
+                           rules=None, dtype=None) -> int:
+  """KV-cache bytes on each device for `slots` x `cache_len` positions.
+
+  Shapes only (nothing is allocated); `mesh` may be an abstract TPU
+  topology's mesh. `mesh=None`: one device, the whole cache. `rules`
+  default to `rollout_rules(mesh)`.
+  """
+  mesh = _sized_mesh(mesh)
+  rules = rollout_rules(mesh) if rules is None else rules
+  abstract = abstract_cache(cfg, slots, cache_len, dtype)
+  return _bytes_per_device(abstract, cache_shardings(cfg, slots, cache_len, mesh, rules,
+                                                     abstract=abstract))
+
+
+def abstract_params(cfg: ModelConfig):
+  """Boxed (logical-axis annotated) abstract policy params: shapes only."""
+  return jax.eval_shape(lambda: policy.init_params(cfg, jax.random.key(0), boxed=True))
+
+
+def param_bytes_per_device(cfg: ModelConfig, mesh=None, rules=None) -> int:
+  """Policy parameter bytes on each device under `rules` (default `rollout_rules`)."""
+  mesh = _sized_mesh(mesh)
+  rules = rollout_rules(mesh) if rules is None else rules
+  boxed = abstract_params(cfg)
+  return _bytes_per_device(nn.unbox(boxed), shd.logical_shardings(boxed, mesh, rules))
+
+
+class EngineShardings(NamedTuple):
+  """Where each piece of an engine's state lives."""
+  params: Any  # pytree of NamedSharding, like the params
+  cache: Any  # like init_cache(cfg, slots, max_len)
+  slots: NamedSharding  # [slots] vectors: lengths, pending tokens, samples
+  tokens: NamedSharding  # [slots, L] step inputs
+  replicated: NamedSharding  # the sampling key stream
+
+
+def engine_shardings(cfg: ModelConfig, slots: int, max_len: int, mesh, rules) -> EngineShardings:
+  """The shardings a `PolicyEngine(cfg, ..., mesh=mesh, rules=rules)` uses."""
+  batch_axes = _mesh_axes(rules, "batch")
+  return EngineShardings(
+      params=shd.logical_shardings(abstract_params(cfg), mesh, rules),
+      cache=cache_shardings(cfg, slots, max_len, mesh, rules),
+      slots=NamedSharding(mesh, PartitionSpec(batch_axes)),
+      tokens=NamedSharding(mesh, PartitionSpec(batch_axes, None)),
+      replicated=NamedSharding(mesh, PartitionSpec()))
