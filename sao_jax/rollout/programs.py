@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any
 
 import flax.linen as nn
 import jax
