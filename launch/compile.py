@@ -336,8 +336,9 @@ def engine_programs(config, model_cfg, abstract_policy, devices, topo: str, hbm:
                                         rules=rules, shardings=shardings)
     layout = f"mesh {dict(mesh.shape)}"
   else:
-    # No mesh names the target: the device does, so that the model traces
-    # the TPU paths (attention.compile_platform), not the host's.
+    # A one-device mesh on the target's first chip (EnginePrograms(device=)),
+    # so that the model traces the TPU paths (attention.compile_platform),
+    # not the host's.
     progs = programs_lib.EnginePrograms(model_cfg, sampling, r.slots, r.max_len,
                                         device=devices[0])
     layout = "1 chip"

@@ -205,7 +205,8 @@ class WeightPublisher:
 
 def _with_device(abstract):
   """ShapeDtypeStructs placed on this process's first device where unplaced
-  (the single-device engine's params carry no sharding)."""
+  (a follower starts from the initialiser's eval_shape, which carries no
+  sharding, until `retarget` gives it the engine's layout)."""
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   return jax.tree.map(
       lambda a: a if getattr(a, "sharding", None) is not None
