@@ -1,0 +1,170 @@
+"""The paged KV cache's host side: a page allocator over a fixed pool.
+
+A paged engine (`PolicyEngine(..., kv_cache="paged")`) keeps its KV cache
+as a pool of `num_pages` fixed-size pages of `page_size` positions shared by
+all slots (sao_jax/models/paged.py holds the device side: the pool's
+layout, the writes into pages and attention over them), and each slot a
+row of a page table: entry j of slot b is the page holding the slot's
+positions `[j * page_size, (j + 1) * page_size)`. This module is that
+table and the free list behind it, host-side numpy only:
+
+  * `ensure(slot, tokens)` gives a slot pages until they cover its first
+    `tokens` positions (allocated as its length grows), or returns False
+    and changes nothing when the pool has too few free pages: exhaustion
+    is reported, never raised, so a caller can wait;
+  * `release(slot)` returns all of a slot's pages when its trajectory ends
+    (or when its cache is emptied to be re-fed);
+  * `can_admit(tokens)` says whether the free pages would cover `tokens`
+    more positions: admission is bounded by free pages, not by
+    slots x max_len.
+
+Pages are allocated in slot order of positions, so a slot's table row is a
+prefix of allocated entries followed by `-1` (no page). `device_table()`
+is the `[slots, pages_per_slot]` int32 table the jitted programs take, with
+the unallocated entries pointing at page 0: attention never weighs a
+position past a slot's length, and writes of padding tokens are dropped
+(models/paged.py), so what an unallocated entry names is never used.
+
+Groups (sharded engines). With the slots split over `groups` devices (the
+mesh's batch axes), slot b's cache may only live on its own device, so the
+pool is split alike: group g = b // (slots / groups) allocates from its
+own `num_pages / groups` pages, and the table holds page ids local to the
+group (what each device indexes its own shard of the pool with). Every
+count (`free_pages`, `can_admit`) is then per group.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class PagePool:
+  """A free list over `num_pages` pages and the per-slot page table.
+
+  Args:
+    num_pages: pages in the pool (all groups together).
+    page_size: positions a page holds.
+    slots: the engine's decode slots.
+    pages_per_slot: table columns: a slot's most pages
+      (ceil(max_len / page_size)).
+    groups: slot / pool partitions (module docstring); must divide
+      `slots` and `num_pages`.
+  """
+
+  def __init__(self, num_pages: int, page_size: int, slots: int, pages_per_slot: int,
+               groups: int = 1):
+    if page_size < 1 or slots < 1 or pages_per_slot < 1 or groups < 1:
+      raise ValueError(f"page_size, slots, pages_per_slot and groups must be >= 1, got "
+                       f"{page_size}, {slots}, {pages_per_slot}, {groups}")
+    if slots % groups or num_pages % groups:
+      raise ValueError(f"{groups} groups must divide the slots ({slots}) and the pages "
+                       f"({num_pages})")
+    if num_pages // groups < 1:
+      raise ValueError(f"a pool of {num_pages} pages has none for each of {groups} groups")
+    self.num_pages, self.page_size, self.slots = num_pages, page_size, slots
+    self.pages_per_slot, self.groups = pages_per_slot, groups
+    self.group_pages = num_pages // groups
+    self._group_slots = slots // groups
+    self.table = np.full((slots, pages_per_slot), -1, np.int32)
+    self._held = np.zeros((slots,), np.int32)  # pages each slot holds
+    # Each group's free pages as a stack; popping gives the lowest id first.
+    self._free = [list(range(self.group_pages - 1, -1, -1)) for _ in range(groups)]
+    # Set on every change of the table; the engine clears it once it has
+    # copied the table to the device.
+    self.dirty = True
+
+  # --- sizes ------------------------------------------------------------------
+
+  def pages_for(self, tokens: int) -> int:
+    """Pages that hold `tokens` positions."""
+    return -(-max(int(tokens), 0) // self.page_size)
+
+  @property
+  def capacity(self) -> int:
+    """Positions a slot's table can address (pages_per_slot x page_size)."""
+    return self.pages_per_slot * self.page_size
+
+  def group_of(self, slot: int) -> int:
+    return int(slot) // self._group_slots
+
+  def free_pages(self, group: int = 0) -> int:
+    """Free pages of `group`."""
+    return len(self._free[group])
+
+  @property
+  def total_free(self) -> int:
+    return sum(len(f) for f in self._free)
+
+  @property
+  def used_pages(self) -> int:
+    return self.num_pages - self.total_free
+
+  def held(self, slot: int) -> int:
+    """Pages slot `slot` holds."""
+    return int(self._held[slot])
+
+  def covered(self, slot: int) -> int:
+    """Positions slot `slot`'s pages cover."""
+    return int(self._held[slot]) * self.page_size
+
+  # --- allocation -------------------------------------------------------------
+
+  def can_admit(self, tokens: int, group: int = 0) -> bool:
+    """Whether `group`'s free pages cover a new slot's first `tokens` positions."""
+    need = self.pages_for(min(int(tokens), self.capacity))
+    return need <= self.free_pages(group)
+
+  def ensure(self, slot: int, tokens: int) -> bool:
+    """Pages for slot `slot`'s first `tokens` positions (capped at `capacity`).
+
+    Allocates only the missing pages. Returns False, allocating nothing,
+    when its group has too few free pages: the caller waits or frees.
+    """
+    need = self.pages_for(min(int(tokens), self.capacity))
+    have = int(self._held[slot])
+    if need <= have:
+      return True
+    free = self._free[self.group_of(slot)]
+    if need - have > len(free):
+      return False
+    for j in range(have, need):
+      self.table[slot, j] = free.pop()
+    self._held[slot] = need
+    self.dirty = True
+    return True
+
+  def release(self, slot: int) -> int:
+    """Returns all of slot `slot`'s pages to the free list; how many."""
+    have = int(self._held[slot])
+    if have:
+      free = self._free[self.group_of(slot)]
+      free.extend(int(p) for p in self.table[slot, have - 1::-1])  # lowest page on top
+      self.table[slot, :have] = -1
+      self._held[slot] = 0
+      self.dirty = True
+    return have
+
+  def release_all(self) -> None:
+    for slot in range(self.slots):
+      self.release(slot)
+
+  def device_table(self) -> np.ndarray:
+    """The int32 `[slots, pages_per_slot]` table the programs take (no page: 0)."""
+    return np.maximum(self.table, 0)
+
+  def check(self) -> None:
+    """Raises AssertionError unless every page is free or held by exactly one slot
+    (each group's pages within its own range)."""
+    for g in range(self.groups):
+      rows = self.table[g * self._group_slots:(g + 1) * self._group_slots]
+      held = rows[rows >= 0].tolist()
+      free = self._free[g]
+      assert len(set(held)) == len(held), f"group {g}: a page is held twice"
+      assert len(set(free)) == len(free), f"group {g}: a page is free twice"
+      assert not set(held) & set(free), f"group {g}: a page is both free and held"
+      assert sorted(held + free) == list(range(self.group_pages)), f"group {g}: pages leaked"
+    counts = (self.table >= 0).sum(1)
+    assert (counts == self._held).all(), "held counts disagree with the table"
+    for b in range(self.slots):  # allocated entries are a prefix of each row
+      assert (self.table[b, :self._held[b]] >= 0).all() and (
+          self.table[b, self._held[b]:] < 0).all(), f"slot {b}: table row is not a prefix"
