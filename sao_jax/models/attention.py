@@ -106,6 +106,31 @@ def decode_attention(q: Array, k: Array, v: Array, visible: Array) -> Array:
   return out[:, None]
 
 
+def cache_attention(q: Array, k: Array, v: Array, positions: Array, impl: str,
+                    block: int) -> Array:
+  """New tokens' attention over a KV cache view, as the model's decoding picks it.
+
+  q [B, Lq, H, hd] at cache positions `positions` [B, Lq]; k, v [B, S, KVH,
+  hd] hold the new tokens' keys and values already; the query at p sees
+  entries 0 .. p. A decode step (Lq = 1) is `decode_attention` on XLA:CPU
+  (the cache read as stored) and the reference (GQA form) elsewhere: on
+  TPU / GPU it keeps each kv head's work on its own shard of a
+  kv-head-sharded cache. Several new tokens (a prefill chunk) are the
+  reference when `impl` is "reference", else `cached_attention` in key
+  blocks of `block` (no [Lq, S] logits). The dense cache (transformer.py)
+  and the paged cache's view of a slot's pages (paged.py) both attend here.
+  """
+  if q.shape[1] == 1 and compile_platform() == "cpu":
+    visible = jnp.arange(k.shape[1])[None, :] <= positions  # [B, S]
+    return decode_attention(q, k, v, visible)
+  if impl == "reference" or q.shape[1] == 1:
+    key_pos = jnp.arange(k.shape[1])
+    allowed = key_pos[None, None, :] <= positions[:, :, None]  # [B, Lq, S]
+    # Logits [B, KVH, H/KVH, Lq, S]: the oracle, and decode steps off CPU.
+    return reference_attention(q, k, v, allowed)
+  return cached_attention(q, k, v, positions, block)
+
+
 def packed_causal_mask(segment_ids: Array) -> Array:
   """[B, L, L]: query i sees key j <= i of its own (non-padding) segment."""
   idx = jnp.arange(segment_ids.shape[1])

@@ -27,7 +27,9 @@ decode step (one new token) uses `attention.decode_attention` on CPU
 `cfg.prefill_chunk = 0` is `extend` followed by a gather of the last valid
 position: the reference, bit for bit what the engine computed before.
 
-The cache layout follows `cfg.scan_layers` (see `init_cache`).
+The cache layout follows `cfg.scan_layers` (see `init_cache`). Given a
+`page_table`, the cache is a paged pool instead (`paged.init_pages`,
+sao_jax/models/paged.py): the same results, the slot's entries in pages.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ __all__ = ["extend", "extend_last", "init_cache"]
 
 
 def extend(cfg: ModelConfig, params, cache: Cache, tokens: Array, lengths: Array,
-           valid: Array) -> tuple[Array, Cache, Array]:
+           valid: Array, page_table: Array | None = None) -> tuple[Array, Cache, Array]:
   """Appends tokens to the cache and returns their next-token logits.
 
   Args:
@@ -56,6 +58,8 @@ def extend(cfg: ModelConfig, params, cache: Cache, tokens: Array, lengths: Array
     tokens: int32 `[B, L]`; row b's valid tokens must be a prefix of the row.
     lengths: int32 `[B]`, tokens already in each slot's cache.
     valid: bool `[B, L]`, True on real tokens.
+    page_table: int `[B, M]` when `cache` is a page pool
+      (`paged.init_pages`): slot b's pages, in position order.
 
   Returns:
     (logits `[B, L, V]` predicting the token after each input token,
@@ -63,7 +67,8 @@ def extend(cfg: ModelConfig, params, cache: Cache, tokens: Array, lengths: Array
   """
   positions = lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
   logits, aux = Transformer(cfg, "lm").apply(
-      {"params": params}, tokens, positions, valid.astype(jnp.int32), cache=cache)
+      {"params": params}, tokens, positions, valid.astype(jnp.int32), cache=cache,
+      page_table=page_table)
   return logits, aux["cache"], lengths + valid.sum(1).astype(lengths.dtype)
 
 
@@ -75,7 +80,8 @@ def _last_valid(x: Array, valid: Array) -> Array:
 
 
 def extend_last(cfg: ModelConfig, params, cache: Cache, tokens: Array, lengths: Array,
-                valid: Array) -> tuple[Array, Cache, Array]:
+                valid: Array, page_table: Array | None = None
+                ) -> tuple[Array, Cache, Array]:
   """`extend`, returning only the logits after each row's last valid token.
 
   Arguments as `extend`. Returns (logits `[B, V]` fp32, new cache, new
@@ -86,7 +92,7 @@ def extend_last(cfg: ModelConfig, params, cache: Cache, tokens: Array, lengths: 
   """
   width = tokens.shape[1]
   if not cfg.prefill_chunk:
-    logits, cache, new_lengths = extend(cfg, params, cache, tokens, lengths, valid)
+    logits, cache, new_lengths = extend(cfg, params, cache, tokens, lengths, valid, page_table)
     return _last_valid(logits, valid), cache, new_lengths
 
   chunk = min(cfg.prefill_chunk, width)
@@ -101,7 +107,7 @@ def extend_last(cfg: ModelConfig, params, cache: Cache, tokens: Array, lengths: 
     tok, ok = xs  # [B, C]
     positions = lens[:, None] + jnp.arange(chunk, dtype=lens.dtype)[None, :]
     hidden, aux = trunk.apply({"params": params}, tok, positions, ok.astype(jnp.int32),
-                              cache=cache)  # [B, C, D]
+                              cache=cache, page_table=page_table)  # [B, C, D]
     last = jnp.where(ok.any(1)[:, None], _last_valid(hidden, ok), last)
     return (aux["cache"], lens + ok.sum(1).astype(lens.dtype), last), None
 

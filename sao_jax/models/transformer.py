@@ -24,7 +24,10 @@ Two attention modes:
   are written there, and a token at position p attends to cache entries
   0 .. p. Entries past p may hold stale or padding keys; they are never read
   before being overwritten, because position p is always written before it
-  is attended to. `segment_ids` 0 marks padding query tokens.
+  is attended to. `segment_ids` 0 marks padding query tokens. With a
+  `page_table` [B, M] the cache is a pool of fixed-size pages shared by the
+  slots, row b naming slot b's pages (sao_jax/models/paged.py); padding
+  tokens are then not written.
 
 Layers. With `cfg.scan_layers` the MoE layers run as one `nn.scan`: their
 parameters are stacked under "layers" with a leading axis named "layers"
@@ -48,6 +51,7 @@ import jax.numpy as jnp
 
 from sao_jax.models import moe
 from sao_jax.models import attention as attn_lib
+from sao_jax.models import paged
 from sao_jax.models.config import ModelConfig
 
 Array = jax.Array
@@ -95,13 +99,15 @@ class Attention(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x, positions, segment_ids, cache, layer=None):
+  def __call__(self, x, positions, segment_ids, cache, layer=None, page_table=None):
     """x [B, L, D] -> ([B, L, D], new cache or None).
 
     `cache` is this layer's {"k", "v"} [B, S, KVH, hd], or with `layer` (an
     int32 scalar, scanned layers) the stacked [n, B, S, KVH, hd] cache of all
     scanned layers: only this layer's new entries are written into it, so
-    the scan carries one cache and never copies it per layer.
+    the scan carries one cache and never copies it per layer. With
+    `page_table` [B, M] the cache is a page pool instead (leaves
+    [KVH, P, page, hd], stacked [n, KVH, P, page, hd]; models/paged.py).
     """
     cfg = self.cfg
     d, h, kvh, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -124,6 +130,9 @@ class Attention(nn.Module):
     if cache is None:
       out = self._packed_attention(q, k, v, segment_ids)
       new_cache = None
+    elif page_table is not None:  # a paged cache: this layer's pool (models/paged.py)
+      out, new_cache = paged.attend(cfg, q, k, v, cache, page_table, positions,
+                                    segment_ids != 0, layer)
     else:
       b_idx = jnp.arange(x.shape[0])[:, None]
       new_k, new_v = k.astype(cache["k"].dtype), v.astype(cache["v"].dtype)
@@ -136,19 +145,10 @@ class Attention(nn.Module):
                      "v": cache["v"].at[layer, b_idx, positions].set(new_v, mode="drop")}
         k_all, v_all = new_cache["k"][layer], new_cache["v"][layer]  # [B, S, KVH, hd]
       k, v = k_all.astype(dt), v_all.astype(dt)
-      if x.shape[1] == 1 and attn_lib.compile_platform() == "cpu":
-        # A decode step on XLA:CPU: the cache read as stored (no per-step
-        # transposes). On TPU / GPU the GQA form below keeps each kv head's
-        # work on its own shard of a kv-head-sharded cache.
-        visible = jnp.arange(k.shape[1])[None, :] <= positions  # [B, S]
-        out = attn_lib.decode_attention(q, k, v, visible)
-      elif cfg.attention_impl == "reference" or x.shape[1] == 1:
-        key_pos = jnp.arange(k.shape[1])
-        allowed = key_pos[None, None, :] <= positions[:, :, None]  # [B, Lq, S]
-        # Logits [B, KVH, H/KVH, Lq, S]: the oracle, and decode steps off CPU.
-        out = attn_lib.reference_attention(q, k, v, allowed)
-      else:  # several new tokens (a prefill chunk): key blocks, no [Lq, S] logits
-        out = attn_lib.cached_attention(q, k, v, positions, cfg.attention_block)
+      # A decode step on CPU reads the cache as stored; a prefill chunk
+      # attends in key blocks (attention.cache_attention says which when).
+      out = attn_lib.cache_attention(q, k, v, positions, cfg.attention_impl,
+                                     cfg.attention_block)
 
     out = _constrain(out, ("batch", "length", "heads", "head_dim"))
     out = jnp.einsum("blnh,nhd->bld", out, wo.astype(dt))
@@ -260,18 +260,19 @@ class Block(nn.Module):
 
   carry = (residual stream [B, L, D], cache); returns ((x, new cache), aux)
   with aux the MoE load-balancing loss (None for a dense layer). `layer` is
-  the index into a stacked cache (scanned layers), None otherwise.
+  the index into a stacked cache (scanned layers), None otherwise;
+  `page_table` [B, M] when the cache is a page pool (models/paged.py).
   """
   cfg: ModelConfig
   dense: bool
 
   @nn.compact
-  def __call__(self, carry, positions, segment_ids, layer=None):
+  def __call__(self, carry, positions, segment_ids, layer=None, page_table=None):
     cfg = self.cfg
     x, cache = carry
     h, new_cache = Attention(cfg, name="attn")(
         RMSNorm(cfg.rms_eps, cfg.param_dtype, name="attn_norm")(x),
-        positions, segment_ids, cache, layer)
+        positions, segment_ids, cache, layer, page_table)
     x = x + h
     y = RMSNorm(cfg.rms_eps, cfg.param_dtype, name="mlp_norm")(x)
     if self.dense:
@@ -313,7 +314,8 @@ class Transformer(nn.Module):
   head: str = "lm"
 
   @nn.compact
-  def __call__(self, tokens, positions, segment_ids, cache: Cache | None = None):
+  def __call__(self, tokens, positions, segment_ids, cache: Cache | None = None,
+               page_table=None):
     cfg = self.cfg
     if self.head not in ("lm", "value", "hidden"):
       raise ValueError(f"head must be 'lm', 'value' or 'hidden', got {self.head!r}")
@@ -330,7 +332,7 @@ class Transformer(nn.Module):
       name = f"layer_{i}"
       layer_cache = None if cache is None else cache[name if cfg.scan_layers else i]
       (x, layer_cache), aux = block(cfg, dense=i in cfg.dense_layers, name=name)(
-          (x, layer_cache), positions, segment_ids)
+          (x, layer_cache), positions, segment_ids, None, page_table)
       if cfg.scan_layers:
         new_cache[name] = layer_cache
       else:
@@ -342,11 +344,11 @@ class Transformer(nn.Module):
       scanned = nn.scan(
           _block_class(cfg, scanned=True),
           variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
-          in_axes=(nn.broadcast, nn.broadcast, 0), length=n,
+          in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast), length=n,
           metadata_params={nn.PARTITION_NAME: "layers"})
       (x, stacked), layer_aux = scanned(cfg, dense=False, name="layers")(
           (x, None if cache is None else cache["layers"]), positions, segment_ids,
-          jnp.arange(n, dtype=jnp.int32))
+          jnp.arange(n, dtype=jnp.int32), page_table)
       new_cache["layers"] = stacked
       aux_losses.append(layer_aux)  # [n]
     x = RMSNorm(cfg.rms_eps, cfg.param_dtype, name="final_norm")(x)

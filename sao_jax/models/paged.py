@@ -1,0 +1,209 @@
+"""The paged KV cache's device side: the pool, writes into pages, attention over them.
+
+The host side (the allocator, the page table) is sao_jax/rollout/paging.py.
+
+Layout
+------
+A pool leaf is `[KVH, P, page, hd]`: kv heads, then P pages of `page`
+positions each, then the head dim (stacked over scanned layers:
+`[n, KVH, P, page, hd]`; the tree mirrors `init_cache`'s). This is the
+layout of JAX's Pallas TPU kernel
+(`jax.experimental.pallas.ops.tpu.paged_attention`: k_pages
+`[kv_heads, total_pages, page_size, head_dim]`), so on TPU a decode step
+hands the pool to the kernel as it is stored, with no copy of the cache per
+step; kv heads lead, so they shard over "tensor" as the dense cache's do,
+and the page axis shards over the batch axes (each device's slots page
+into their own part of the pool; `PagePool` groups). A slot's page table
+row `[M]` names the page of each of its `page`-position blocks.
+
+Writes
+------
+`write` scatters the new tokens' keys / values `[B, L, KVH, hd]` to
+`(page_table[b, p // page], p % page)` for each valid token at position p.
+Padding tokens (and positions past the table) are dropped, never written:
+unlike a dense slot's own row, a page past a slot's length may be unowned
+or another slot's.
+
+Attention
+---------
+On CPU (and wherever the kernel does not apply) `gather` assembles each
+slot's pages into the dense view `[B, M * page, KVH, hd]`, the very array a
+dense cache of M * page positions would hold at every position below the
+slot's length, and the dense path's attention runs on it unchanged
+(`attention.cache_attention`: `decode_attention` for a decode step on CPU,
+key blocks for a prefill chunk). What the view holds past a slot's length
+(stale pages, page 0 for unallocated entries) is masked out like a dense
+cache's stale entries, so a paged step computes what the dense step
+computes (tests/test_paged.py: equal to 1e-5 on random data; the engines
+sample the same tokens). The gather is one copy of the live pages per
+layer per step, the price of the reference path.
+
+Compiling for TPU (`attention.compile_platform`), a decode step (one new
+token a slot) calls the Pallas kernel instead (`kernel_usable`): it reads
+only each slot's pages below its length, per kv head, and the pool stays in
+place. Prefill chunks take the gather path on TPU too.
+
+With a mesh of more than one device the write and the attention run under
+`shard_map` (Pallas kernels and data-dependent page indices are opaque to
+GSPMD): slots, the table and the pool's pages split over the "batch" rule's
+axes, kv heads over "kv_heads", query heads over "heads"; the table holds
+page ids local to each device's part of the pool.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from sao_jax.models import attention as attn_lib
+from sao_jax.models.config import ModelConfig
+
+Array = jax.Array
+
+
+def init_pages(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None):
+  """An empty pool of `num_pages` pages of `page_size` positions, per layer.
+
+  The tree is `init_cache`'s (a list per layer, or "layer_i" plus stacked
+  "layers" with `cfg.scan_layers`); every leaf is `[..., KVH, P, page, hd]`.
+  """
+  shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+  dtype = dtype or cfg.dtype
+  zeros = lambda *lead: {"k": jnp.zeros(lead + shape, dtype),
+                         "v": jnp.zeros(lead + shape, dtype)}
+  if not cfg.scan_layers:
+    return [zeros() for _ in range(cfg.num_layers)]
+  pool = {f"layer_{i}": zeros() for i in range(len(cfg.dense_layers))}
+  pool["layers"] = zeros(cfg.num_scanned_layers)
+  return pool
+
+
+def pool_spec(ndim: int, batch_axes, kv_axes) -> PartitionSpec:
+  """PartitionSpec of a pool leaf `[..., KVH, P, page, hd]`: kv heads over
+  `kv_axes`, pages over `batch_axes`, leading (layer) dims whole."""
+  if ndim < 4:
+    raise ValueError(f"a page-pool leaf has dims [..., KVH, P, page, hd], got ndim {ndim}")
+  return PartitionSpec(*([None] * (ndim - 4)), kv_axes, batch_axes, None, None)
+
+
+def write(leaf: Array, new: Array, page_table: Array, positions: Array, valid: Array,
+          layer=None) -> Array:
+  """`leaf` with the valid new entries written into their pages.
+
+  Args:
+    leaf: `[KVH, P, page, hd]`, or `[n, KVH, P, page, hd]` with `layer`.
+    new: `[B, L, KVH, hd]`, the new tokens' keys or values.
+    page_table: int `[B, M]`, page ids into `leaf`'s P axis.
+    positions: int `[B, L]`, each new token's position in its slot.
+    valid: bool `[B, L]`; invalid tokens are not written.
+    layer: index into a stacked leaf's first axis, or None.
+  """
+  kvh, p, page = leaf.shape[-4:-1]
+  m = page_table.shape[1]
+  block = positions // page
+  ok = valid & (positions >= 0) & (block < m)
+  ids = jnp.take_along_axis(page_table, jnp.clip(block, 0, m - 1), axis=1)
+  ids = jnp.where(ok, ids, p)  # out of range: dropped
+  index = (jnp.arange(kvh)[:, None, None], ids[None], (positions % page)[None])
+  if layer is not None:
+    index = (layer,) + index
+  update = jnp.moveaxis(new, 2, 0).astype(leaf.dtype)  # [KVH, B, L, hd]
+  return leaf.at[index].set(update, mode="drop")
+
+
+def gather(leaf: Array, page_table: Array, layer=None) -> Array:
+  """Each slot's pages as a dense cache view `[B, M * page, KVH, hd]`."""
+  if layer is not None:
+    leaf = jax.lax.dynamic_index_in_dim(leaf, layer, 0, keepdims=False)
+  pages = jnp.take(leaf, page_table, axis=1, mode="clip")  # [KVH, B, M, page, hd]
+  kvh, b, m, page, hd = pages.shape
+  return jnp.transpose(pages, (1, 2, 3, 0, 4)).reshape(b, m * page, kvh, hd)
+
+
+def kernel_usable(cfg: ModelConfig, new_tokens: int, page_size: int) -> bool:
+  """The Pallas TPU paged-attention kernel runs this step: compiling for TPU,
+  one new token a slot, TPU-tileable head dim and page size."""
+  return (attn_lib.compile_platform() == "tpu" and new_tokens == 1
+          and cfg.head_dim % 128 == 0 and page_size % 8 == 0)
+
+
+def decode_kernel(q: Array, k_leaf: Array, v_leaf: Array, page_table: Array,
+                  positions: Array) -> Array:
+  """One query a slot over its pages with the Pallas TPU kernel.
+
+  q `[B, 1, H, hd]`, leaves `[KVH, P, page, hd]`, positions `[B, 1]` (the
+  query at p sees positions 0 .. p) -> `[B, 1, H, hd]`. The kernel does not
+  scale q; every row gets at least one position (a slot that is not fed
+  reads its own first page, and its output is discarded).
+  """
+  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as kernel
+
+  hd = q.shape[-1]
+  m, page = page_table.shape[1], k_leaf.shape[2]
+  lengths = jnp.clip(positions[:, 0] + 1, 1, m * page).astype(jnp.int32)
+  block = math.gcd(m, 8)  # pages per compute block: must divide the table's width
+  qs = (q[:, 0] / jnp.sqrt(jnp.asarray(hd, q.dtype))).astype(q.dtype)
+  out = kernel(qs, k_leaf, v_leaf, lengths, page_table.astype(jnp.int32),
+               pages_per_compute_block=block)
+  return out[:, None].astype(q.dtype)
+
+
+def _local_attend(q, k, v, pool, page_table, positions, valid, layer, *, impl: str,
+                  block: int, use_kernel: bool):
+  """`attend` on one device's slots and its part of the pool."""
+  pool = {"k": write(pool["k"], k, page_table, positions, valid, layer),
+          "v": write(pool["v"], v, page_table, positions, valid, layer)}
+  if use_kernel:
+    leaves = [pool[n] if layer is None else
+              jax.lax.dynamic_index_in_dim(pool[n], layer, 0, keepdims=False)
+              for n in ("k", "v")]
+    return decode_kernel(q, *leaves, page_table, positions), pool
+  k_all = gather(pool["k"], page_table, layer).astype(q.dtype)
+  v_all = gather(pool["v"], page_table, layer).astype(q.dtype)
+  return attn_lib.cache_attention(q, k_all, v_all, positions, impl, block), pool
+
+
+def _mesh_axes(name: str):
+  rules = nn.get_logical_axis_rules()
+  return nn.logical_to_mesh_axes((name,), rules)[0] if rules else None
+
+
+def attend(cfg: ModelConfig, q: Array, k: Array, v: Array, pool, page_table: Array,
+           positions: Array, valid: Array, layer=None):
+  """Writes the new keys / values into their pages and attends over each slot's pages.
+
+  Args:
+    q: `[B, L, H, hd]` (rotary applied); k, v: `[B, L, KVH, hd]`.
+    pool: this layer's {"k", "v"} leaves `[KVH, P, page, hd]`, or with
+      `layer` the stacked `[n, KVH, P, page, hd]` leaves of all scanned
+      layers (only this layer's entries are written).
+    page_table: int `[B, M]`; positions `[B, L]`; valid bool `[B, L]`.
+
+  Returns:
+    (attention output `[B, L, H, hd]`, the new pool).
+  """
+  use_kernel = kernel_usable(cfg, q.shape[1], pool["k"].shape[-2])
+  fn = functools.partial(_local_attend, impl=cfg.attention_impl, block=cfg.attention_block,
+                         use_kernel=use_kernel)
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return fn(q, k, v, pool, page_table, positions, valid, layer)
+  batch, heads, kv_heads = _mesh_axes("batch"), _mesh_axes("heads"), _mesh_axes("kv_heads")
+  q_spec = PartitionSpec(batch, None, heads, None)
+  kv_spec = PartitionSpec(batch, None, kv_heads, None)
+  row = PartitionSpec(batch, None)
+  pool_specs = {n: pool_spec(pool[n].ndim, batch, kv_heads) for n in ("k", "v")}
+  if layer is None:
+    local = lambda q, k, v, pool, t, p, ok: fn(q, k, v, pool, t, p, ok, None)
+    args, specs = (q, k, v, pool, page_table, positions, valid), ()
+  else:
+    local, args, specs = fn, (q, k, v, pool, page_table, positions, valid, layer), (
+        PartitionSpec(),)
+  return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, pool_specs, row, row, row)
+                       + specs, out_specs=(q_spec, pool_specs), check_vma=False)(*args)
