@@ -122,6 +122,18 @@ def get_config():
   c.rollout.sharded_engine = False
   # Max tokens per trajectory (prompt + actions + observations).
   c.rollout.max_len = 256
+  # The engine's KV cache: "dense" (every slot owns max_len positions) or
+  # "paged" (a pool of fixed-size pages the slots share; admission waits for
+  # free pages; sao_jax/rollout/engine.py, "Paged cache").
+  # benchmarks/RESULTS.md, "Paged KV cache", has the measurement.
+  c.rollout.kv_cache = "dense"
+  # Positions a page holds (paged); must divide max_len.
+  c.rollout.page_size = 16
+  # Pages in the pool (paged); 0: the dense cache's size, slots x max_len /
+  # page_size. Fewer pages, less memory: a long-tailed length mix needs
+  # pages for its live tokens only. At least max_len / page_size per slot
+  # group (one device of a sharded engine's batch axes).
+  c.rollout.kv_pages = 0
   # Max tokens per action turn.
   c.rollout.max_turn_tokens = 24
   c.rollout.temperature = 1.0

@@ -305,7 +305,8 @@ def engine_programs(config, model_cfg, abstract_policy, devices, topo: str, hbm:
   `rollout.sharded_engine` the trainer's colocated engine, on the trainer's
   mesh (`train_mesh`, None when the rollout has its own topology: then
   --rollout_mesh is needed); else one device holding params and the dense
-  [slots, max_len] cache, on the rollout topology's first chip.
+  [slots, max_len] cache (or, with `rollout.kv_cache` "paged", the pool of
+  pages), on the rollout topology's first chip.
 
   The programs are the engine's own (`programs.EnginePrograms`: the same
   jitted functions, static args, shardings and donation `PolicyEngine`
@@ -329,22 +330,28 @@ def engine_programs(config, model_cfg, abstract_policy, devices, topo: str, hbm:
           "rollout.sharded_engine on a separate --rollout_topology: give its mesh with "
           "--rollout_mesh (e.g. data:-1,tensor:4)")
     mesh = train_mesh  # colocated: the engine shares the trainer's mesh
+  # rollout.kv_cache "paged": the engine's pool of pages and its page table
+  # (sao_jax/models/paged.py); the decode step runs the Pallas paged-attention kernel.
+  pages = (dict(page_size=r.page_size, num_pages=r.kv_pages)
+           if r.get("kv_cache", "dense") == "paged" else {})
   if mesh is not None:
     rules = tuple(tuple(x) for x in engine_lib.rollout_rules(mesh))
-    shardings = engine_lib.engine_shardings(model_cfg, r.slots, r.max_len, mesh, rules)
     progs = programs_lib.EnginePrograms(model_cfg, sampling, r.slots, r.max_len, mesh=mesh,
-                                        rules=rules, shardings=shardings)
+                                        rules=rules, **pages)
     layout = f"mesh {dict(mesh.shape)}"
   else:
     # A one-device mesh on the target's first chip (EnginePrograms(device=)),
     # so that the model traces the TPU paths (attention.compile_platform),
     # not the host's.
     progs = programs_lib.EnginePrograms(model_cfg, sampling, r.slots, r.max_len,
-                                        device=devices[0])
+                                        device=devices[0], **pages)
     layout = "1 chip"
 
   steps = r.decode_steps
   cache_shape = f"cache {r.slots}x{r.max_len}, {layout}"
+  if progs.paged:
+    cache_shape = (f"cache {r.slots}x{r.max_len} paged: {progs.num_pages} pages of "
+                   f"{progs.page_size}, {layout}")
   step = progs.step(None)
   return {
       "prefill": Program("prefill", step, progs.step_args(abstract_policy, width),

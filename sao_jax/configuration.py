@@ -31,6 +31,7 @@ from absl import app
 from sao_jax.advantages import ESTIMATORS
 from sao_jax.losses import CORRECTIVE_SIDES, POLICY_LOSSES
 from sao_jax.rollout.driver import SWAP_POLICIES
+from sao_jax.rollout.engine import KV_CACHES
 
 
 class ConfigError(ValueError):
@@ -83,6 +84,10 @@ _RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("rollout.slots", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     ("rollout.max_len", lambda v: _is_int(v) and v >= 8, "an integer >= 8"),
     ("rollout.max_turn_tokens", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    ("rollout.kv_cache", lambda v: v in KV_CACHES, f"one of {KV_CACHES}"),
+    ("rollout.page_size", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    ("rollout.kv_pages", lambda v: _is_int(v) and v >= 0,
+     "an integer >= 0 (0: the dense cache's size)"),
     ("rollout.decode_steps", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     ("env.tool_latency_s", lambda v: _is_real(v) and v >= 0, "a finite number of seconds >= 0"),
     ("rollout.temperature", lambda v: _is_real(v) and v > 0, "a finite number > 0"),
@@ -240,6 +245,13 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
                       f">= rollout.max_len ({r.max_len})")
   if r.max_turn_tokens >= r.max_len:
     _fail("rollout.max_turn_tokens", r.max_turn_tokens, f"< rollout.max_len ({r.max_len})")
+  if r.kv_cache == "paged":
+    if r.max_len % r.page_size:
+      _fail("rollout.page_size", r.page_size, f"a divisor of rollout.max_len ({r.max_len})")
+    if 0 < r.kv_pages < r.max_len // r.page_size:
+      _fail("rollout.kv_pages", r.kv_pages,
+            f"0 or >= rollout.max_len / rollout.page_size ({r.max_len // r.page_size}): "
+            "the pool must hold one whole trajectory")
   _check_mesh(dict(config.sharding.mesh), num_devices)
   # With several processes every host must train on the same batches, and
   # the in-process rollout's completion order differs from host to host.

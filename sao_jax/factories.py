@@ -49,13 +49,17 @@ def make_engine(config, model_cfg: model_config.ModelConfig, params, version: in
   With `rollout.sharded_engine` and a `mesh`, the engine lays params and KV
   cache out on it (slots over the batch axes, kv heads over "tensor");
   otherwise one device holds everything. `seed` defaults to seed + version.
+  `rollout.kv_cache` / `page_size` / `kv_pages` choose the dense or the paged
+  cache (configs/common.py).
   """
   r = config.rollout
   placement = dict(mesh=mesh, rules=rollout_rules(mesh)) if r.sharded_engine and mesh else {}
   return PolicyEngine(model_cfg, params, slots=r.slots, max_len=r.max_len,
                       sampling=SamplingConfig(r.temperature, r.top_k, r.top_p),
                       seed=config.seed + int(version) if seed is None else seed,
-                      version=version, **placement)
+                      version=version, kv_cache=r.get("kv_cache", "dense"),
+                      page_size=r.get("page_size", 16), kv_pages=r.get("kv_pages", 0),
+                      **placement)
 
 
 def make_driver(config, engine: PolicyEngine, env, tok, prompt_iter, emit,

@@ -124,6 +124,20 @@ def test_colocated_engine_is_added_to_the_train_step(tmp_path):
   assert any(line.startswith("rl+eng") for line in stdout.splitlines())
 
 
+def test_paged_engine_compiles(tmp_path):
+  # rollout.kv_cache "paged" on the colocated engine: the pool of pages and
+  # the page table; head_dim 128 so the decode step takes the Pallas
+  # paged-attention kernel (under shard_map), prefill the gather path.
+  rc, stdout, stderr, result = run_compile(
+      tmp_path, "--topology=v5e-4", "--programs=prefill,decode,decode_loop",
+      "--config.rollout.sharded_engine=True", "--config.rollout.kv_cache=paged",
+      "--config.model.overrides.head_dim=128", "--config.model.overrides.num_layers=1")
+  assert rc == 0, stdout[-3000:] + stderr[-3000:]
+  assert set(result["programs"]) == {"prefill", "decode", "decode_loop"}
+  for r in result["programs"].values():
+    assert r["fits"] and "cache 4x64 paged: 16 pages of 16, mesh" in r["shape"]
+
+
 def test_what_does_not_fit_fails_the_run_with_the_reason(tmp_path):
   # sft at 2048 rows x 4096 tokens materialises ~270 GB of attention logits
   # per chip: the TPU compiler refuses it. decode (the engine sharded over

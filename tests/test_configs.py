@@ -47,6 +47,9 @@ def test_ablation_table_arms_all_have_configs():
     ("rl.batch_size", 6, "multiple of"),
     ("data.buckets", (64,), "largest data.buckets"),
     ("rollout.swap_policy", "pause", "swap_policy"),
+    ("rollout.kv_cache", "ragged", r"rollout.kv_cache = 'ragged': must be one of"),
+    ("rollout.page_size", 0, "rollout.page_size = 0"),
+    ("rollout.kv_pages", -1, "rollout.kv_pages = -1"),
     # A kill scheduled after the last RL step would never happen.
     ("faults.sigkill_after_rl_step", 10**6,
      r"faults.sigkill_after_rl_step = 1000000: must be <= rl.steps"),
@@ -57,6 +60,19 @@ def test_bad_config_fails_fast(field, value, message):
   c[section][name] = value
   with pytest.raises(ValueError, match=message):
     trainer.validate_config(c)
+
+
+@pytest.mark.parametrize("page_size,kv_pages,message", [
+    (24, 0, "rollout.page_size = 24: must be a divisor of rollout.max_len"),
+    (16, 8, "rollout.kv_pages = 8: must be 0 or >= rollout.max_len / rollout.page_size"),
+])
+def test_bad_paged_cache_fails_fast(page_size, kv_pages, message):
+  c = load_config_module("sao_tiny.py").get_config()
+  c.rollout.kv_cache, c.rollout.page_size, c.rollout.kv_pages = "paged", page_size, kv_pages
+  with pytest.raises(ValueError, match=message):
+    trainer.validate_config(c)
+  c.rollout.page_size, c.rollout.kv_pages = 16, 16
+  trainer.validate_config(c)
 
 
 @pytest.mark.parametrize("text,value", [

@@ -159,6 +159,32 @@ def test_sharded_engine_samples_what_the_single_device_engine_samples(name, para
   np.testing.assert_array_equal(np.asarray(state.lengths), state.host_lengths)
 
 
+@pytest.mark.parametrize("name", [None] + sorted(MESHES))
+def test_paged_engine_samples_what_the_dense_engine_samples(name, params, reference):
+  # The paged cache (pages of 8: the kv bucket of 32 is the table's first 4
+  # columns), on one device and sharded (slots and the pool's pages over
+  # the batch axes, one page group a device): the dense single-device
+  # engine's samples, step for step. Re-admitted slots take freed pages.
+  placement = {} if name is None else dict(zip(("mesh", "rules"), mesh_and_rules(name)))
+  engine = PolicyEngine(CFG, params[0], kv_cache="paged", page_size=8, **placement,
+                        **ENGINE_KW)
+  inputs, expected = reference
+  _, got, state = scripted_run(engine, params[1], inputs)
+  for step, ((tok, logp, version), (tok0, logp0, version0)) in enumerate(zip(got, expected)):
+    np.testing.assert_array_equal(tok, tok0, err_msg=f"step {step}")
+    np.testing.assert_allclose(logp, logp0, atol=1e-5, err_msg=f"step {step}")
+    assert version == version0
+  pages = state.pages
+  pages.check()
+  assert pages.groups == (1 if name is None else engine.mesh.shape["data"])
+  for b in range(SLOTS):  # each slot holds exactly the pages of its length
+    assert pages.held(b) == pages.pages_for(state.host_lengths[b])
+  if name is not None:  # the pool's pages and the table really split over "data"
+    leaf = jax.tree.leaves(state.cache)[0]
+    assert leaf.sharding.spec[1] == "data"
+    assert state.page_table.sharding.spec[0] == "data"
+
+
 def stacked(params, scfg):
   """Unscanned params in the layout of `scfg` (scan_layers): the scanned layers'
   parameters stacked on a leading axis, the same weights."""

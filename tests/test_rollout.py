@@ -16,6 +16,7 @@ from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import config as mcfg
 from sao_jax.models import policy
 from sao_jax.rollout.driver import RolloutDriver
+from sao_jax.rollout import engine as eng_lib
 from sao_jax.rollout.engine import KeyStream, PolicyEngine, SamplingConfig, sampling_logprobs
 
 TOK = CharTokenizer()
@@ -31,8 +32,14 @@ def params():
   return {0: p0, 1: p1}
 
 
-def run_driver(params, swap_policy, n=12, swap_after=3, slots=4, env=None, decode_steps=8):
-  engine = PolicyEngine(CFG, params[0], slots=slots, max_len=MAX_LEN, seed=3)
+# The paged cache of the tests: pages of 8 positions, the dense size's pool by default.
+PAGED = dict(kv_cache="paged", page_size=8)
+
+
+def run_driver(params, swap_policy, n=12, swap_after=3, slots=4, env=None, decode_steps=8,
+               kv_cache="dense"):
+  kw = PAGED if kv_cache == "paged" else {}
+  engine = PolicyEngine(CFG, params[0], slots=slots, max_len=MAX_LEN, seed=3, **kw)
   out = []
   driver = RolloutDriver(engine, env or EchoEnv(), TOK, iter(range(1000)), None,
                          max_turn_tokens=6, swap_policy=swap_policy, decode_steps=decode_steps)
@@ -72,9 +79,11 @@ def assert_turns_end_at_their_stops(trajs, max_turn_tokens=6):
               or (r[-1] == len(t) - 1 and len(t) == MAX_LEN))
 
 
+@pytest.mark.parametrize("kv_cache", ["dense", "paged"])
 @pytest.mark.parametrize("decode_steps", [1, 8])
-def test_recorded_logprobs_equal_teacher_forced_across_swap_and_turns(params, decode_steps):
-  trajs, driver = run_driver(params, "recompute", decode_steps=decode_steps)
+def test_recorded_logprobs_equal_teacher_forced_across_swap_and_turns(params, decode_steps,
+                                                                      kv_cache):
+  trajs, driver = run_driver(params, "recompute", decode_steps=decode_steps, kv_cache=kv_cache)
   assert len(trajs) == 12 and driver.stats.param_swaps == 1
   assert_turns_end_at_their_stops(trajs)
   if decode_steps > 1:  # several tokens per engine call
@@ -84,6 +93,106 @@ def test_recorded_logprobs_equal_teacher_forced_across_swap_and_turns(params, de
   spanning = [t for t in trajs if {0, 1} <= set(t.policy_version[t.action_mask].tolist())]
   assert spanning, "some trajectory should span the weight swap"
   assert assert_logprobs_match_teacher_forcing(trajs, params) > 100
+
+
+def _multi_turn(engine, turns=4):
+  """The same calls into any engine: four prompts, then turns of a decode
+  call (a stop token, per-slot budgets) and an observation appended by a
+  step; slot 2's trajectory ends after turn 1 and a new prompt takes the
+  slot (a paged engine reuses the freed pages). Returns every sample."""
+  rng = np.random.default_rng(7)
+  slots = engine.max_concurrent_decodes
+  prompts = [TOK.encode(t) for t in ("12 plus 3\n", "q\n", "7 times 2\n", "ab\n")]
+  tokens = np.zeros((slots, 16), np.int32)
+  valid = np.zeros((slots, 16), bool)
+  for i, p in enumerate(prompts):
+    tokens[i, :len(p)], valid[i, :len(p)] = p, True
+  state, pending, lp, _ = engine.step(engine.init_decode_state(), tokens, valid)
+  out = [(pending.copy(), lp.copy())]
+  for turn in range(turns):
+    budgets = rng.integers(3, 12, slots).astype(np.int32)
+    state, chunk = engine.decode(state, pending, budgets, steps=12, stop_token=TOK.turn_end_id)
+    state, chunk = engine.collect(state, chunk)
+    out.append((chunk.tokens, chunk.logprobs))
+    if turn == 1:  # slot 2's trajectory ends; a new prompt takes the slot
+      state = engine.reset_slots(state, np.arange(slots) == 2)
+    # Observations of varying length (slot 2's new prompt at turn 1), after
+    # each slot's last sampled (pending) token.
+    width = 8
+    obs = rng.integers(1, TOK.vocab_size, (slots, width)).astype(np.int32)
+    n = rng.integers(1, width, slots)
+    last = chunk.tokens[np.arange(slots), np.maximum(chunk.counts - 1, 0)]
+    last = np.where(chunk.counts > 0, last, pending)
+    obs[:, 0] = np.where(np.arange(slots) == 2, obs[:, 0], last) if turn == 1 else last
+    valid = np.arange(width)[None] < n[:, None]
+    state, pending, lp, _ = engine.step(state, obs, valid)
+    out.append((pending.copy(), lp.copy()))
+  return out, state
+
+
+@pytest.mark.parametrize("kv_buckets", [None, (32, 64)])
+def test_paged_engine_samples_and_logprobs_equal_the_dense_engine(params, kv_buckets):
+  # Same seed, same calls: the same tokens and log-probs over several turns,
+  # a freed slot re-admitted, with and without kv buckets (the table's
+  # first columns).
+  dense = PolicyEngine(CFG, params[0], slots=4, max_len=MAX_LEN, seed=9, kv_buckets=kv_buckets)
+  paged = PolicyEngine(CFG, params[0], slots=4, max_len=MAX_LEN, seed=9, kv_buckets=kv_buckets,
+                       **PAGED)
+  ref, dstate = _multi_turn(dense)
+  got, pstate = _multi_turn(paged)
+  assert dstate.host_lengths.max() > 32  # past the first bucket
+  for (t0, l0), (t1, l1) in zip(ref, got):
+    np.testing.assert_array_equal(t1, t0)
+    np.testing.assert_allclose(l1, l0, atol=1e-6, rtol=0)
+  np.testing.assert_array_equal(pstate.host_lengths, dstate.host_lengths)
+  pages = pstate.pages
+  pages.check()
+  for b in range(4):  # pages as the slot grew: its length plus its last budget, at most
+    assert pages.pages_for(pstate.host_lengths[b]) <= pages.held(b) <= pages.pages_for(
+        pstate.host_lengths[b] + 12)
+  # Paged memory is the pool: kv_pages=0 is the dense cache's size.
+  assert paged.kv_pages * paged.page_size == 4 * MAX_LEN
+
+
+def test_paged_engine_reports_exhaustion_and_checks_its_pool(params):
+  with pytest.raises(ValueError, match="fewer than one max_len trajectory"):
+    PolicyEngine(CFG, params[0], slots=4, max_len=MAX_LEN, kv_pages=15, **PAGED)
+  with pytest.raises(ValueError, match="divide max_len"):
+    PolicyEngine(CFG, params[0], slots=4, max_len=MAX_LEN, kv_cache="paged", page_size=7)
+  with pytest.raises(ValueError, match="kv_cache must be one of"):
+    PolicyEngine(CFG, params[0], slots=4, max_len=MAX_LEN, kv_cache="ragged")
+  engine = PolicyEngine(CFG, params[0], slots=4, max_len=MAX_LEN, kv_pages=16, **PAGED)
+  state = engine.init_decode_state()
+  assert engine.reserve(state, 0, 100) and not engine.reserve(state, 1, 40)  # 13 + 5 > 16
+  assert engine.reserve(state, 1, 24) and state.pages.free_pages() == 0
+  tokens = np.ones((4, 8), np.int32)
+  with pytest.raises(eng_lib.PagePoolExhausted, match="slot 2 needs pages"):
+    engine.step(state, tokens, np.arange(4)[:, None] == 2 + 0 * tokens)
+
+
+@pytest.mark.parametrize("max_turn_tokens,slots", [(6, 8), (24, 4)])
+def test_paged_driver_with_a_small_pool_waits_and_returns_every_page(params, max_turn_tokens,
+                                                                     slots):
+  # A pool of 16 pages (one max_len trajectory; the dense cache is 16 a
+  # slot): admission waits for pages, and with long turns every slot blocks,
+  # so the youngest is preempted and re-fed. All trajectories finish,
+  # teacher-forced, and every page comes back.
+  engine = PolicyEngine(CFG, params[0], slots=slots, max_len=MAX_LEN, seed=3, kv_pages=16,
+                        **PAGED)
+  out = []
+  driver = RolloutDriver(engine, EchoEnv(), TOK, iter(range(14)), out.append,
+                         max_turn_tokens=max_turn_tokens, decode_steps=8)
+  driver.run()
+  assert len(out) == 14 and sorted(t.prompt_id for t in out) == list(range(14))
+  assert driver.stats.page_waits > 0
+  if max_turn_tokens == 24:
+    assert driver.stats.preemptions > 0
+  pages = driver._state.pages  # pylint: disable=protected-access
+  pages.check()
+  assert pages.used_pages == 0 and (pages.table == -1).all()
+  assert all(validate(t, TOK.vocab_size, MAX_LEN) is None for t in out)
+  assert any(t.num_turns >= 3 for t in out)
+  assert assert_logprobs_match_teacher_forcing(out, params) > 100
 
 
 def test_drain_never_mixes_versions_and_keep_does(params):

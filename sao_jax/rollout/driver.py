@@ -51,6 +51,28 @@ credit is not comparable with finished ones. `env.task` or `env.episode`
 failing at admission skips that prompt (its whole group). Every fault is
 counted in `DriverStats.env_faults` and its message kept, bounded, in
 `DriverStats.env_fault_log`; the other slots go on meanwhile.
+
+Paged cache (an engine with `kv_cache="paged"`): admission is bounded by
+free pages, not by free slots. The rule is to reserve a turn ahead: before
+a slot is fed (its prompt, an observation, or its turn's decoding) it
+holds pages for everything it can write until its turn ends,
+`min(len(record) + max_turn_tokens - turn_tokens, max_len)` positions
+(`PolicyEngine.reserve`). That need stays constant while a turn decodes
+(each sampled token adds one to both terms), so a decode call never needs
+a page it was not given, and grows only when an observation arrives and a
+new turn starts. In-flight slots reserve first, oldest first; a slot whose
+reservation fails waits with its input pending ("blocked"), and no prompt
+is admitted into its group of slots while one waits. A prompt is admitted
+only if its first turn's pages can be reserved, else it waits, queued.
+When every slot of a group is blocked (none decoding, none at an
+environment, so no pages will come back), the youngest slot holding pages
+is preempted: its pages go back and its record is re-fed from the start
+once pages allow (as a "recompute" swap re-feeds; its recorded tokens,
+log-probs and versions stand). The oldest then always proceeds, since a
+group's pages hold one max_len trajectory (the engine checks), so every
+trajectory finishes. A finished trajectory's pages go back at once.
+`DriverStats.page_waits` counts passes that deferred an admission or
+blocked a slot, `preemptions` the preempted slots.
 """
 
 from __future__ import annotations
@@ -107,6 +129,7 @@ class _Slot:
   turn_tokens: int = 0
   waiting: bool = False
   env_seconds: float = 0.0
+  admitted: int = 0  # admission order (a paged engine's pages go oldest first)
 
   def append(self, tokens, action=False, logprob=0.0, version=-1):
     for t in tokens:
@@ -147,6 +170,10 @@ class DriverStats:
   # What environments report in `StepResult.info["events"]` (e.g. a verifier
   # timeout), by name.
   env_events: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  # A paged engine's: passes where an admission or a slot waited for pages,
+  # and slots preempted (pages returned, record re-fed) to unblock a group.
+  page_waits: int = 0
+  preemptions: int = 0
 
 
 # --- environment steps, off the driver thread ---------------------------------
@@ -497,6 +524,11 @@ class RolloutDriver:
     self._queued: list[tuple[Task, int, object, list]] = []
     self._prompts_done = False
     self._group = 0
+    # A paged engine's pages (module docstring, "Paged cache"); engines
+    # without `reserve` (test doubles) have every slot's positions.
+    self._paged = bool(getattr(engine, "paged", False))
+    self._admissions = 0
+    self._blocked: set[int] = set()  # slots waiting for pages, as of the last reservation
 
   # --- public -----------------------------------------------------------
 
@@ -585,8 +617,9 @@ class RolloutDriver:
     self._collect_env_results(block=False)
     if admit and not (self.swap_policy == "drain" and self._pending_params is not None):
       self._admit()
-    ready = [i for i, s in enumerate(self._slots)
-             if s is not None and not s.waiting and len(s.tokens) > s.fed]
+    ready = self._reserve_pages()
+    if self._blocked:
+      self._preempt()  # where a whole group of slots waits for pages
     if ready:
       self._engine_step(ready, admit)
       return True
@@ -594,6 +627,53 @@ class RolloutDriver:
       self._collect_env_results(block=True)
       return True
     return self.busy_slots > 0 or (admit and not self._prompts_done)
+
+  # --- pages (a paged engine) ---------------------------------------------------
+
+  def _page_need(self, s: _Slot) -> int:
+    """Positions slot `s` can write before its turn ends: what it reserves."""
+    return min(len(s.tokens) + self.max_turn_tokens - s.turn_tokens, self.max_len)
+
+  def _reserve_pages(self, count: bool = True) -> list[int]:
+    """The slots with pending input that hold their pages (module docstring,
+    "Paged cache"): in-flight slots reserve, oldest first; the rest wait
+    (a pass with one counts in `page_waits`, if `count`)."""
+    pending = [i for i, s in enumerate(self._slots)
+               if s is not None and not s.waiting and len(s.tokens) > s.fed]
+    if not self._paged:
+      return pending
+    ready, blocked = [], set()
+    for i in sorted(pending, key=lambda i: self._slots[i].admitted):
+      if self.engine.reserve(self._state, i, self._page_need(self._slots[i])):
+        ready.append(i)
+      else:
+        blocked.add(i)
+    if blocked and count:
+      self.stats.page_waits += 1
+    self._blocked = blocked
+    return sorted(ready)
+
+  def _blocked_groups(self) -> set[int]:
+    pages = self._state.pages
+    return {pages.group_of(i) for i in self._blocked}
+
+  def _preempt(self):
+    """Frees pages in each group where every slot waits for pages: its
+    youngest slot holding pages gives them back and will re-feed its record."""
+    pages = self._state.pages
+    for g in sorted(self._blocked_groups()):
+      members = [i for i, s in enumerate(self._slots)
+                 if s is not None and pages.group_of(i) == g]
+      if any(i not in self._blocked for i in members):
+        continue  # a slot decodes or is at its environment: pages will come back
+      oldest = min(members, key=lambda i: self._slots[i].admitted)
+      holders = [i for i in members if i != oldest and pages.held(i) > 0]
+      if not holders:
+        raise AssertionError(f"slot group {g} is blocked with no pages to preempt")
+      victim = max(holders, key=lambda i: self._slots[i].admitted)
+      self._slots[victim].fed = 0
+      self._state = self.engine.reset_slots(self._state, np.arange(len(self._slots)) == victim)
+      self.stats.preemptions += 1
 
   def _maybe_swap_params(self):
     with self._lock:
@@ -667,17 +747,33 @@ class RolloutDriver:
   def _admit(self):
     if self.static_batching and self.busy_slots:
       return
+    full: set[int] = set()  # a paged engine's slot groups without pages to admit into
+    if self._paged:
+      self._reserve_pages(count=False)  # in-flight slots take their pages first
+      full = self._blocked_groups()
     for i, s in enumerate(self._slots):
       if s is not None:
+        continue
+      if self._paged and self._state.pages.group_of(i) in full:
         continue
       nxt = self._next_task()
       if nxt is None:
         return
       task, group, episode, prompt = nxt
-      slot = _Slot(task, episode, group, [], [], [], [], [], [], time.time())
+      need = min(len(prompt) + self.max_turn_tokens, self.max_len)
+      if self._paged and not self._state.pages.can_admit(need, self._state.pages.group_of(i)):
+        self._queued.append(nxt)  # it waits for pages, first in line
+        full.add(self._state.pages.group_of(i))
+        self.stats.page_waits += 1
+        continue
+      self._state = self.engine.reset_slots(self._state, np.arange(len(self._slots)) == i)
+      if self._paged and not self.engine.reserve(self._state, i, need):
+        raise AssertionError(f"slot {i}: pages that can_admit promised were not there")
+      slot = _Slot(task, episode, group, [], [], [], [], [], [], time.time(),
+                   admitted=self._admissions)
+      self._admissions += 1
       slot.append(prompt)
       self._slots[i] = slot
-      self._state = self.engine.reset_slots(self._state, np.arange(len(self._slots)) == i)
 
   # --- the engine -------------------------------------------------------------
 
@@ -853,6 +949,7 @@ class RolloutDriver:
     s = self._slots[i]
     if f.cancelled():  # only `stop()` cancels: the slot is dropped
       self._slots[i] = None
+      self._release(i)
       return
     exc = f.exception()  # only what `_env_step` does not catch, e.g. SystemExit
     out = _EnvOutcome(0.0, "env_error", _describe(exc)) if exc is not None else f.result()
@@ -890,6 +987,12 @@ class RolloutDriver:
 
   # --- faults and finishing --------------------------------------------------------
 
+  def _release(self, i: int):
+    """A paged engine's slot `i` gives its pages back (host-side: no device call)."""
+    if self._paged:
+      self.engine.release_pages(self._state, np.arange(len(self._slots)) == i)
+      self._blocked.discard(i)
+
   def _count_fault(self, reason: str, where: str, detail: str):
     self.stats.env_faults[reason] += 1
     self.stats.env_fault_log.append(f"{reason} {where}: {detail}")
@@ -904,6 +1007,7 @@ class RolloutDriver:
   def _finish(self, i: int, reason: str):
     s = self._slots[i]
     self._slots[i] = None
+    self._release(i)
     traj = Trajectory(
         tokens=np.asarray(s.tokens, np.int32),
         action_mask=np.asarray(s.action_mask, bool),

@@ -108,13 +108,41 @@ slot's new length (the host mirrors the lengths in
 only the valid new entries back into the full cache. A decode step thus
 reads and attends over the live bucket, not `max_len`, with one compile per
 (width bucket, kv bucket). The bucket is the maximum over the fed slots, so
-with many slots of long-tailed lengths it follows the longest live one;
-attention and memory per slot would need paging (a paged cache and a
-ragged paged-attention kernel), which is not built. A bucketed step copies
+with many slots of long-tailed lengths it follows the longest live one
+(the paged cache below sizes memory per live token instead). A bucketed step copies
 the live prefix once (the model's attention takes a whole cache leaf and
 writes into it), so it moves about twice the bytes of reading that prefix
 in place; the last bucket, `max_len`, runs on the whole cache without the
 copy.
+
+Paged cache (`kv_cache="paged"`)
+--------------------------------
+The cache is a pool of `kv_pages` pages of `page_size` positions that all
+slots share, and each slot a row of a page table naming its pages in
+position order (device side: sao_jax/models/paged.py; host side, the free
+list and the table: rollout/paging.py's `PagePool`, in
+`DecodeState.pages`). Memory is the pool, sized for the live tokens of a
+long-tailed length mix rather than slots x max_len; `kv_pages=0` is the
+dense cache's size (no saving, the same capacity). A slot gets pages as it
+grows: `step` and `decode` allocate what their fed slots' new lengths
+need before dispatching (a decode call: length plus budget), and raise
+`PagePoolExhausted` when the pool has too few; a caller that may fill the
+pool reserves pages ahead with `reserve(state, slot, tokens)`, which only
+reports failure, and waits (the driver: rollout/driver.py, "Paged
+cache"). `reset_slots` (and `release_pages`, host-side only) give a
+slot's pages back. The table's device copy is refreshed before a call
+only when the allocator changed it. The turns of a trajectory share its
+pages: an observation or the next turn is appended after the slot's
+cached prefix, which is never re-prefilled.
+
+Samples and log-probs equal the dense engine's (tests/test_rollout.py,
+same seed): a step attends over each slot's pages gathered into the dense
+view of the same kv bucket (on CPU; compiling for TPU, a decode step runs
+the Pallas paged-attention kernel on the pool in place), and new entries
+are scattered into their pages, so there is no prefix copy or write-back.
+With a sharded engine each device of the batch axes holds its slots'
+part of the pool (`PagePool` groups: every group must hold one max_len
+trajectory).
 """
 
 from __future__ import annotations
@@ -135,6 +163,7 @@ from sao_jax.rollout import layout
 from sao_jax.rollout.layout import (  # pylint: disable=unused-import
     EngineShardings, cache_bytes_per_device, cache_shardings, cache_spec, engine_shardings,
     param_bytes_per_device, rollout_rules)
+from sao_jax.rollout.paging import PagePool
 from sao_jax.rollout.programs import EnginePrograms
 # Sampling and the key stream live in sampling.py; these names stay importable from here.
 from sao_jax.rollout.sampling import (  # pylint: disable=unused-import
@@ -144,12 +173,28 @@ Array = jax.Array
 
 
 class DecodeState(NamedTuple):
-  cache: Any  # leaves [..., slots, max_len, KVH, hd]: per layer, or stacked over layers
+  # Leaves [..., slots, max_len, KVH, hd]: per layer, or stacked over layers;
+  # a paged engine's: the page pool, leaves [..., KVH, pages, page_size, hd].
+  cache: Any
   lengths: Array  # [slots] int32, tokens in each slot's cache
   next_tokens: Array  # [slots] int32, the pending tokens `decode` sampled last
   # numpy [slots] copy of `lengths` the engine keeps on the host, so that it
   # can pick the kv bucket without a device transfer.
   host_lengths: np.ndarray
+  # A paged engine's: the host page allocator and table (paging.PagePool, one
+  # object the states of one run share) and the table's device copy,
+  # refreshed before a call whenever the allocator changed it.
+  pages: PagePool | None = None
+  page_table: Any = None
+
+
+class PagePoolExhausted(RuntimeError):
+  """A paged engine's step needed pages its pool did not have.
+
+  The engine allocates pages as slots grow; a caller that may fill the pool
+  (the rollout driver) reserves them ahead (`PolicyEngine.reserve`) and
+  waits when that fails, so this is a caller's bug, not a state to handle.
+  """
 
 
 class DecodeChunk(NamedTuple):
@@ -163,6 +208,9 @@ class DecodeChunk(NamedTuple):
   counts: Any  # [slots] int32
   version: int  # of the params whose logits produced every token of the chunk
   budgets: np.ndarray  # [slots] int32, the call's budgets (host side)
+
+
+KV_CACHES = ("dense", "paged")
 
 
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:
@@ -205,26 +253,57 @@ class PolicyEngine:
       the last.
     lanes: `generate_batch` splits its slots into this many lanes, each
       decoded by its own program from its own thread (module docstring,
-      "Lanes"). 1: one program for all slots. One device only. Lane
-      threads trace new programs without the caller's thread-local JAX
-      settings (e.g. a `jax.default_matmul_precision` context).
+      "Lanes"). 1: one program for all slots. One device only, dense cache
+      only. Lane threads trace new programs without the caller's
+      thread-local JAX settings (e.g. a `jax.default_matmul_precision`
+      context).
+    kv_cache: "dense" (each slot owns max_len positions) or "paged" (a
+      shared pool of pages; module docstring, "Paged cache").
+    page_size: positions a page holds (paged); must divide max_len.
+    kv_pages: pages in the pool (paged); 0: the dense cache's size,
+      slots x max_len / page_size. Each group of slots (one per device of
+      the batch axes) must hold one max_len trajectory: at least
+      max_len / page_size pages a group.
   """
 
   def __init__(self, cfg: ModelConfig, params, *, slots: int, max_len: int,
                sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
                version: int = 0, prefill_buckets: tuple[int, ...] = (8, 16, 32, 64, 128, 256),
                device=None, mesh: Mesh | None = None, rules=None,
-               kv_buckets: tuple[int, ...] | None = None, lanes: int = 1):
+               kv_buckets: tuple[int, ...] | None = None, lanes: int = 1,
+               kv_cache: str = "dense", page_size: int = 16, kv_pages: int = 0):
     if max_len > cfg.max_seq_len:
       raise ValueError(f"max_len {max_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
     if mesh is not None and device is not None:
       raise ValueError("give the engine a device or a mesh, not both")
     if not 1 <= lanes <= slots:
       raise ValueError(f"lanes must be between 1 and slots ({slots}), got {lanes}")
+    if kv_cache not in KV_CACHES:
+      raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {kv_cache!r}")
+    self.paged = kv_cache == "paged"
+    if self.paged:
+      if page_size < 1 or max_len % page_size:
+        raise ValueError(f"page_size must be >= 1 and divide max_len ({max_len}), "
+                         f"got {page_size}")
+      if kv_pages < 0:
+        raise ValueError(f"kv_pages must be >= 0 (0: the dense size), got {kv_pages}")
+      if lanes > 1:
+        raise ValueError("lanes > 1 is for the dense cache (a paged engine's slots share "
+                         "one pool)")
     # Every jitted program of the engine (programs.py), also what launch/compile.py
     # lowers; it holds the layout (a mesh of one device without `mesh`).
     self.programs = EnginePrograms(cfg, sampling, slots, max_len, mesh=mesh, rules=rules,
-                                   device=device)
+                                   device=device, page_size=page_size if self.paged else None,
+                                   num_pages=kv_pages)
+    self.page_size = page_size if self.paged else 0
+    self.kv_pages = self.programs.num_pages  # 0: dense
+    self.page_groups = layout.batch_groups(self.programs.mesh, self.programs.rules)
+    if self.paged and self.kv_pages // self.page_groups < self.programs.pages_per_slot:
+      raise ValueError(
+          f"kv_pages {self.kv_pages} over {self.page_groups} slot groups leaves "
+          f"{self.kv_pages // self.page_groups} pages a group, fewer than one max_len "
+          f"trajectory's {self.programs.pages_per_slot} (max_len {max_len} / page_size "
+          f"{page_size})")
     self.mesh: Mesh = self.programs.mesh
     self.rules = self.programs.rules
     self.shardings: EngineShardings = self.programs.shardings
@@ -323,9 +402,9 @@ class PolicyEngine:
         fn = self._jits[key] = build()
       return fn
 
-  def _step(self, params, cache, lengths, tokens, valid, rng, kv: int | None = None):
-    """`programs.step`, jitted once per kv bucket; shapes (widths, a lane's
-    slots) re-trace it.
+  def _step(self, params, state, tokens, valid, rng, kv: int | None = None):
+    """`programs.step` on `state`'s cache, jitted once per kv bucket; shapes
+    (widths, a lane's slots) re-trace it.
 
     Returns device arrays (new cache, new lengths, sampled tokens, log-probs);
     `cache` and `lengths` are donated. Committed arguments must be on the
@@ -333,8 +412,9 @@ class PolicyEngine:
     (load_params, init_decode_state and every program's out_shardings).
     """
     fn = self._jit(("step", kv), lambda: self.programs.step(kv))
+    table = (state.page_table,) if self.paged else ()
     with self._context():
-      return fn(params, cache, lengths, tokens, valid, rng)
+      return fn(params, state.cache, state.lengths, *table, tokens, valid, rng)
 
   def _kv_bucket(self, need: int) -> int | None:
     """The cache prefix a step whose fed slots end at `need` attends over (None: all)."""
@@ -352,14 +432,64 @@ class PolicyEngine:
     if b != self.max_concurrent_decodes and self.mesh.size > 1:
       raise ValueError("a sharded engine's decode state has all of its slots")
     arrays = self._jit(("init", b), lambda: self.programs.init_state(b))()
-    return DecodeState(*arrays, host_lengths=np.zeros((b,), np.int32))
+    state = DecodeState(*arrays, host_lengths=np.zeros((b,), np.int32))
+    if self.paged:
+      pages = PagePool(self.kv_pages, self.page_size, b, self.programs.pages_per_slot,
+                       self.page_groups)
+      state = self._sync_table(state._replace(pages=pages))
+    return state
 
   def reset_slots(self, state: DecodeState, slots_mask: np.ndarray) -> DecodeState:
-    """Empties the caches of the given slots (their lengths go to 0)."""
+    """Empties the caches of the given slots (their lengths go to 0; a paged
+    engine's slots give their pages back)."""
     mask = np.asarray(slots_mask, bool)
+    self.release_pages(state, mask)
     host = np.where(mask, 0, state.host_lengths).astype(np.int32)
     lengths = self._jit("reset", self.programs.reset_lengths)(state.lengths, mask)
     return state._replace(lengths=lengths, host_lengths=host)
+
+  # --- pages (a paged engine; module docstring, "Paged cache") ----------------
+
+  def reserve(self, state: DecodeState, slot: int, tokens: int) -> bool:
+    """Pages for slot `slot`'s first `tokens` positions, allocated now.
+
+    False (nothing allocated) when its group of the pool has too few free
+    pages: the caller waits, or frees some. A dense engine has every slot's
+    max_len positions: always True. Host-side only; the table reaches the
+    device with the next call.
+    """
+    return True if state.pages is None else state.pages.ensure(slot, tokens)
+
+  def release_pages(self, state: DecodeState, slots_mask: np.ndarray) -> None:
+    """A paged engine's slots give their pages back (host-side only): the
+    slots' caches are gone, so they must be reset before they are fed
+    again (`reset_slots` does both)."""
+    if state.pages is not None:
+      for b in np.flatnonzero(np.asarray(slots_mask, bool)):
+        state.pages.release(int(b))
+
+  def _sync_table(self, state: DecodeState) -> DecodeState:
+    """`state` with the device copy of its page table current."""
+    if state.pages is None or not state.pages.dirty:
+      return state
+    table = jax.device_put(state.pages.device_table(), self.shardings.tokens)
+    state.pages.dirty = False
+    return state._replace(page_table=table)
+
+  def _with_pages(self, state: DecodeState, need: np.ndarray, fed: np.ndarray) -> DecodeState:
+    """Allocates the pages every fed slot's first `need[b]` positions lack (a
+    paged engine), or raises `PagePoolExhausted`; syncs the table."""
+    if state.pages is None:
+      return state
+    for b in np.flatnonzero(fed):
+      if not state.pages.ensure(int(b), int(need[b])):
+        raise PagePoolExhausted(
+            f"slot {b} needs pages for {int(need[b])} positions, holds "
+            f"{state.pages.held(int(b))}, and its group has "
+            f"{state.pages.free_pages(state.pages.group_of(int(b)))} free of "
+            f"{self.kv_pages}; reserve pages ahead (PolicyEngine.reserve) and wait when "
+            "that fails")
+    return self._sync_table(state)
 
   # --- the driver's fused step -------------------------------------------
 
@@ -390,8 +520,8 @@ class PolicyEngine:
     fed = valid.sum(1).astype(np.int32)
     host = (state.host_lengths + fed).astype(np.int32)
     kv = self._kv_bucket(int(host[fed > 0].max()) if fed.any() else 1)
-    cache, lengths, tok, logp = self._step(params, state.cache, state.lengths, tokens, valid,
-                                           rng, kv)
+    state = self._with_pages(state, host, fed > 0)
+    cache, lengths, tok, logp = self._step(params, state, tokens, valid, rng, kv)
     tok, logp = jax.device_get((tok, logp))  # the step's one transfer to the host
     return state._replace(cache=cache, lengths=lengths, host_lengths=host), tok, logp
 
@@ -448,12 +578,14 @@ class PolicyEngine:
     host = (state.host_lengths + budgets).astype(np.int32)
     fed = budgets > 0
     kv = self._kv_bucket(int(host[fed].max()) if fed.any() else 1)
+    state = self._with_pages(state, host, fed)
     stop = -1 if stop_token is None else int(stop_token)
     fn = self._jit(("decode", kv, int(steps), stop),
                    lambda: self.programs.decode(kv, int(steps), stop))
+    table = (state.page_table,) if self.paged else ()
     with self._context():
       cache, lengths, nxt, toks, logp, counts, rng = fn(
-          params, state.cache, state.lengths, tokens, budgets, rng)
+          params, state.cache, state.lengths, *table, tokens, budgets, rng)
     state = state._replace(cache=cache, lengths=lengths, next_tokens=nxt, host_lengths=host)
     return state, DecodeChunk(toks, logp, counts, version, budgets), rng
 

@@ -24,6 +24,11 @@ kv-head axes. `cache_bytes_per_device` / `param_bytes_per_device` size any
 mesh, an `AbstractMesh` or an abstract TPU topology's included (shapes only,
 nothing allocated); engine.py's module docstring has the figures for
 Qwen3-30B-A3B.
+
+A paged engine's cache is a pool of pages (sao_jax/models/paged.py), leaves
+`[..., KVH, P, page, hd]`: pages over the batch axes (each device's slots
+page into their own part, `paging.PagePool` groups), kv heads over the
+"kv_heads" rule's; `pool_bytes_per_device` sizes it.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from sao_jax import sharding as shd
-from sao_jax.models import decoding, policy
+from sao_jax.models import decoding, paged, policy
 from sao_jax.models.config import ModelConfig
 
 
@@ -154,21 +159,76 @@ def param_bytes_per_device(cfg: ModelConfig, mesh=None, rules=None) -> int:
   return _bytes_per_device(nn.unbox(boxed), shd.logical_shardings(boxed, mesh, rules))
 
 
+def batch_groups(mesh, rules) -> int:
+  """How many ways slots split over the mesh (the "batch" rule's axes): a
+  paged engine's pool splits alike (`paging.PagePool` groups)."""
+  return _axes_size(mesh, _mesh_axes(rules, "batch"))
+
+
+def default_pages(slots: int, max_len: int, page_size: int) -> int:
+  """The pool of the dense cache's size: every slot's max_len positions in pages."""
+  return slots * -(-max_len // page_size)
+
+
+def abstract_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None):
+  """ShapeDtypeStructs of a paged cache's pool (models/paged.py; nothing allocated)."""
+  args = () if dtype is None else (dtype,)
+  return jax.eval_shape(lambda: paged.init_pages(cfg, num_pages, page_size, *args))
+
+
+def pool_shardings(cfg: ModelConfig, num_pages: int, page_size: int, mesh, rules, *,
+                   abstract=None):
+  """NamedShardings of a page pool: pages over the "batch" rule's axes (each
+  device holds its slots' pages), kv heads by the "kv_heads" rule."""
+  shd.check_rules(rules, mesh)
+  batch_axes = _mesh_axes(rules, "batch")
+  kv_axes = _mesh_axes(rules, "kv_heads")
+  if num_pages % _axes_size(mesh, batch_axes):
+    raise ValueError(f"{num_pages} pages do not divide over the batch axes {batch_axes} "
+                     f"(size {_axes_size(mesh, batch_axes)}) of mesh {dict(mesh.shape)}")
+  if cfg.num_kv_heads % _axes_size(mesh, kv_axes):
+    raise ValueError(f"num_kv_heads {cfg.num_kv_heads} does not divide over the kv_heads "
+                     f"axes {kv_axes} (size {_axes_size(mesh, kv_axes)})")
+  if abstract is None:
+    abstract = abstract_pool(cfg, num_pages, page_size)
+  return jax.tree.map(lambda a: NamedSharding(mesh, paged.pool_spec(a.ndim, batch_axes,
+                                                                    kv_axes)), abstract)
+
+
+def pool_bytes_per_device(cfg: ModelConfig, num_pages: int, page_size: int, mesh=None,
+                          rules=None, dtype=None) -> int:
+  """A paged cache's pool bytes on each device (as `cache_bytes_per_device`)."""
+  mesh = _sized_mesh(mesh)
+  rules = rollout_rules(mesh) if rules is None else rules
+  abstract = abstract_pool(cfg, num_pages, page_size, dtype)
+  return _bytes_per_device(abstract, pool_shardings(cfg, num_pages, page_size, mesh, rules,
+                                                    abstract=abstract))
+
+
 class EngineShardings(NamedTuple):
   """Where each piece of an engine's state lives."""
   params: Any  # pytree of NamedSharding, like the params
-  cache: Any  # like init_cache(cfg, slots, max_len)
+  cache: Any  # like init_cache(cfg, slots, max_len), or a paged engine's pool
   slots: NamedSharding  # [slots] vectors: lengths, pending tokens, samples
   tokens: NamedSharding  # [slots, L] step inputs
   replicated: NamedSharding  # the sampling key stream
 
 
-def engine_shardings(cfg: ModelConfig, slots: int, max_len: int, mesh, rules) -> EngineShardings:
-  """The shardings a `PolicyEngine(cfg, ..., mesh=mesh, rules=rules)` uses."""
+def engine_shardings(cfg: ModelConfig, slots: int, max_len: int, mesh, rules, *,
+                     pages: tuple[int, int] | None = None) -> EngineShardings:
+  """The shardings a `PolicyEngine(cfg, ..., mesh=mesh, rules=rules)` uses;
+  `pages` (num_pages, page_size): a paged engine's, the cache a page pool."""
   batch_axes = _mesh_axes(rules, "batch")
+  if pages is None:
+    cache = cache_shardings(cfg, slots, max_len, mesh, rules)
+  else:
+    cache = pool_shardings(cfg, *pages, mesh, rules)
+    if slots % _axes_size(mesh, batch_axes):
+      raise ValueError(f"{slots} slots do not divide over the batch axes {batch_axes} "
+                       f"(size {_axes_size(mesh, batch_axes)}) of mesh {dict(mesh.shape)}")
   return EngineShardings(
       params=shd.logical_shardings(abstract_params(cfg), mesh, rules),
-      cache=cache_shardings(cfg, slots, max_len, mesh, rules),
+      cache=cache,
       slots=NamedSharding(mesh, PartitionSpec(batch_axes)),
       tokens=NamedSharding(mesh, PartitionSpec(batch_axes, None)),
       replicated=NamedSharding(mesh, PartitionSpec()))

@@ -22,6 +22,13 @@ and donation -- which the engine caches per static key:
 There is one layout (layout.py): a mesh and rules, a mesh of one device for
 a single-device engine. `kv` is the cache prefix a step attends over (None:
 the whole cache; module docstring of engine.py, "Cache sizing").
+
+A paged engine (`page_size` given) keeps a pool of pages instead of the
+dense cache (sao_jax/models/paged.py) and its step and decode programs take
+the page table `[slots, pages_per_slot]` after the lengths: (params, pool,
+lengths, table, ...). There `kv` names the table's first ceil(kv / page)
+columns: the slots' pages a step attends over. New entries go straight
+into their pages: no prefix copy, no write-back.
 `step_args` and `decode_args` give the abstract arguments to lower `step`
 and `decode` at, and `context` the mesh and rules to trace them under (the
 mesh's devices name the target platform: a mesh of TPU devices compiles the
@@ -37,7 +44,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sao_jax.models import decoding
+from sao_jax.models import decoding, paged
 from sao_jax.models.config import ModelConfig
 from sao_jax.rollout import layout
 from sao_jax.rollout import sampling as sampling_lib
@@ -55,16 +62,44 @@ class EnginePrograms:
   """
 
   def __init__(self, cfg: ModelConfig, sampling: sampling_lib.SamplingConfig, slots: int,
-               max_len: int, *, mesh=None, rules=None, shardings=None, device=None):
+               max_len: int, *, mesh=None, rules=None, shardings=None, device=None,
+               page_size: int | None = None, num_pages: int = 0):
     if mesh is not None and device is not None:
       raise ValueError("EnginePrograms takes a mesh or a device, not both")
     self.cfg, self.sampling, self.slots, self.max_len = cfg, sampling, slots, max_len
     self.mesh = layout.one_device_mesh(device) if mesh is None else mesh
     self.rules = tuple(tuple(r) for r in (layout.rollout_rules(self.mesh) if rules is None
                                           else rules))
+    # Paged: a pool of `num_pages` pages of `page_size` (0: the dense cache's
+    # size, rounded up to whole pages a group); None: the dense cache.
+    self.page_size = page_size
+    self.num_pages = 0
+    self.pages_per_slot = 0
+    if page_size is not None:
+      if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+      groups = layout.batch_groups(self.mesh, self.rules)
+      self.pages_per_slot = -(-max_len // page_size)
+      pages = num_pages or layout.default_pages(slots, max_len, page_size)
+      self.num_pages = -(-pages // groups) * groups
     self.shardings: layout.EngineShardings = (
-        layout.engine_shardings(cfg, slots, max_len, self.mesh, self.rules)
+        layout.engine_shardings(cfg, slots, max_len, self.mesh, self.rules,
+                                pages=self._pages())
         if shardings is None else shardings)
+
+  @property
+  def paged(self) -> bool:
+    return self.page_size is not None
+
+  def _pages(self):
+    return (self.num_pages, self.page_size) if self.paged else None
+
+  def _columns(self, kv: int | None) -> int | None:
+    """The page-table columns that cover the cache prefix `kv` (None: all)."""
+    if kv is None:
+      return None
+    cols = -(-kv // self.page_size)
+    return None if cols >= self.pages_per_slot else cols
 
   def context(self):
     """What the programs are traced under: the mesh and rules the model's
@@ -78,8 +113,15 @@ class EnginePrograms:
 
   def step(self, kv: int | None):
     """`_step` jitted: (params, cache, lengths, tokens, valid, key) ->
-    (cache, lengths, tokens, log-probs)."""
+    (cache, lengths, tokens, log-probs); paged: (params, pool, lengths,
+    table, tokens, valid, key) -> (pool, lengths, tokens, log-probs)."""
     s = self.shardings
+    if self.paged:
+      return jax.jit(
+          functools.partial(_paged_step, self.cfg, self.sampling, self._columns(kv)),
+          in_shardings=(s.params, s.cache, s.slots, s.tokens, s.tokens, s.tokens,
+                        s.replicated),
+          out_shardings=(s.cache, s.slots, s.slots, s.slots), donate_argnums=(1, 2))
     return jax.jit(functools.partial(_step, self.cfg, self.sampling, kv),
                    in_shardings=(s.params, s.cache, s.slots, s.tokens, s.tokens, s.replicated),
                    out_shardings=(s.cache, s.slots, s.slots, s.slots), donate_argnums=(1, 2))
@@ -87,21 +129,29 @@ class EnginePrograms:
   def decode(self, kv: int | None, steps: int, stop: int):
     """`_decode` jitted: (params, cache, lengths, tokens, budgets, KeyStream) ->
     (cache, lengths, pending tokens, sampled tokens, log-probs, counts,
-    KeyStream). `stop` -1: budgets only."""
+    KeyStream). `stop` -1: budgets only. Paged: the table after the lengths."""
     s = self.shardings
+    outs = (s.cache, s.slots, s.slots, s.tokens, s.tokens, s.slots, s.replicated)
+    if self.paged:
+      return jax.jit(
+          functools.partial(_paged_decode, self.cfg, self.sampling, self._columns(kv),
+                            int(steps), int(stop)),
+          in_shardings=(s.params, s.cache, s.slots, s.tokens, s.slots, s.slots, s.replicated),
+          out_shardings=outs, donate_argnums=(1, 2))
     return jax.jit(
         functools.partial(_decode, self.cfg, self.sampling, kv, int(steps), int(stop)),
         in_shardings=(s.params, s.cache, s.slots, s.slots, s.slots, s.replicated),
-        out_shardings=(s.cache, s.slots, s.slots, s.tokens, s.tokens, s.slots, s.replicated),
-        donate_argnums=(1, 2))
+        out_shardings=outs, donate_argnums=(1, 2))
 
   def init_state(self, batch: int | None = None):
     """() -> (cache, lengths, pending tokens) of `batch` slots (default all),
     zeros, created in place shard by shard: the whole cache never exists on
-    one device. (Another `batch` than `slots` is a lane's, on one device.)"""
+    one device. (Another `batch` than `slots` is a lane's, on one device.)
+    Paged: the cache is the pool of `num_pages` pages."""
     s, b, n = self.shardings, batch or self.slots, self.max_len
-    return jax.jit(lambda: (decoding.init_cache(self.cfg, b, n), jnp.zeros((b,), jnp.int32),
-                            jnp.zeros((b,), jnp.int32)),
+    cache = ((lambda: paged.init_pages(self.cfg, self.num_pages, self.page_size))
+             if self.paged else (lambda: decoding.init_cache(self.cfg, b, n)))
+    return jax.jit(lambda: (cache(), jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32)),
                    out_shardings=(s.cache, s.slots, s.slots))
 
   def copy_params(self):
@@ -135,10 +185,18 @@ class EnginePrograms:
                                        self._placed(stream, "replicated"))
 
   def _state_args(self, params) -> tuple:
-    cache = layout.abstract_cache(self.cfg, self.slots, self.max_len)
+    """(params, cache, lengths), and a paged engine's page table after them."""
+    if self.paged:
+      cache = layout.abstract_pool(self.cfg, self.num_pages, self.page_size)
+    else:
+      cache = layout.abstract_cache(self.cfg, self.slots, self.max_len)
     lengths = jax.ShapeDtypeStruct((self.slots,), jnp.int32)
-    return (self._placed(params, "params"), self._placed(cache, "cache"),
-            self._placed(lengths, "slots"))
+    out = (self._placed(params, "params"), self._placed(cache, "cache"),
+           self._placed(lengths, "slots"))
+    if self.paged:
+      table = jax.ShapeDtypeStruct((self.slots, self.pages_per_slot), jnp.int32)
+      out += (self._placed(table, "tokens"),)
+    return out
 
   def _placed(self, tree, field: str):
     """`tree`'s ShapeDtypeStructs on the shardings' `field`."""
@@ -193,19 +251,24 @@ def _step(cfg, sampling, kv, params, cache, lengths, tokens, valid, rng):
   return cache, new_lengths, tok, logp
 
 
-def _decode(cfg, sampling, kv, steps, stop_token, params, cache, lengths, tokens, budgets, rng):
-  """`PolicyEngine.decode`'s loop: up to `steps` one-token steps, per-slot stops.
+def _paged_step(cfg, sampling, cols, params, pool, lengths, table, tokens, valid, rng):
+  """`_step` on a page pool: the model writes into the slots' pages and
+  attends over the table's first `cols` columns (None: all)."""
+  table = table if cols is None else table[:, :cols]
+  last_logits, pool, new_lengths = decoding.extend_last(cfg, params, pool, tokens, lengths,
+                                                        valid, table)
+  tok, logp = sampling_lib.sample(last_logits, rng, sampling)
+  return pool, new_lengths, tok, logp
 
-  With `kv` the loop runs on the cache prefix `[0, kv)` (the caller picks
-  kv to hold every position the loop can write) and writes the new entries
-  back once at the end, rather than once per token.
 
-  Returns (cache, lengths, pending tokens `[B]`, sampled tokens `[B, steps]`,
-  their log-probs, counts `[B]`, the advanced `KeyStream`).
+def _decode_loop(cfg, sampling, steps, stop_token, params, live, lengths, tokens, budgets, rng,
+                 table=None):
+  """The while loop of `_decode` over a cache (`live`) or a pool with `table`.
+
+  Returns (live, new lengths, pending tokens, counts, sampled tokens,
+  log-probs, advanced KeyStream).
   """
   b = tokens.shape[0]
-  live = cache if kv is None else jax.tree.map(
-      lambda c: jax.lax.slice_in_dim(c, 0, kv, axis=c.ndim - 3), cache)
 
   def cond(carry):
     k, alive = carry[0], carry[4]
@@ -213,7 +276,8 @@ def _decode(cfg, sampling, kv, steps, stop_token, params, cache, lengths, tokens
 
   def body(carry):
     k, live, lens, tok, alive, count, out_tok, out_lp = carry
-    logits, live, lens = decoding.extend(cfg, params, live, tok[:, None], lens, alive[:, None])
+    logits, live, lens = decoding.extend(cfg, params, live, tok[:, None], lens, alive[:, None],
+                                         table)
     # The k-th key's draw.
     new, lp = sampling_lib.sample_with(logits[:, 0], uniforms[k], sampling)
     out_tok = jax.lax.dynamic_update_slice_in_dim(
@@ -229,10 +293,37 @@ def _decode(cfg, sampling, kv, steps, stop_token, params, cache, lengths, tokens
            jnp.zeros((b, steps), jnp.int32), jnp.zeros((b, steps), jnp.float32))
   uniforms = sampling_lib.uniforms(rng, steps, b)  # [steps, B, 1]: every iteration's, drawn at once
   ran, live, new_lengths, tok, _, count, out_tok, out_lp = jax.lax.while_loop(cond, body, carry)
-  rng = rng._replace(draws=rng.draws + ran)
+  return live, new_lengths, tok, count, out_tok, out_lp, rng._replace(draws=rng.draws + ran)
+
+
+def _decode(cfg, sampling, kv, steps, stop_token, params, cache, lengths, tokens, budgets, rng):
+  """`PolicyEngine.decode`'s loop: up to `steps` one-token steps, per-slot stops.
+
+  With `kv` the loop runs on the cache prefix `[0, kv)` (the caller picks
+  kv to hold every position the loop can write) and writes the new entries
+  back once at the end, rather than once per token.
+
+  Returns (cache, lengths, pending tokens `[B]`, sampled tokens `[B, steps]`,
+  their log-probs, counts `[B]`, the advanced `KeyStream`).
+  """
+  live = cache if kv is None else jax.tree.map(
+      lambda c: jax.lax.slice_in_dim(c, 0, kv, axis=c.ndim - 3), cache)
+  live, new_lengths, tok, count, out_tok, out_lp, rng = _decode_loop(
+      cfg, sampling, steps, stop_token, params, live, lengths, tokens, budgets, rng)
   if kv is None:
     cache = live
   else:
     fed = jnp.arange(steps)[None] < count[:, None]  # [B, steps]: the positions written
     cache = jax.tree.map(functools.partial(_write_back, lengths, fed), cache, live)
   return cache, new_lengths, tok, out_tok, out_lp, count, rng
+
+
+def _paged_decode(cfg, sampling, cols, steps, stop_token, params, pool, lengths, table, tokens,
+                  budgets, rng):
+  """`_decode` on a page pool: the loop writes into the slots' pages itself
+  (no prefix, no write-back) and attends over the table's first `cols`
+  columns (None: all)."""
+  table = table if cols is None else table[:, :cols]
+  pool, new_lengths, tok, count, out_tok, out_lp, rng = _decode_loop(
+      cfg, sampling, steps, stop_token, params, pool, lengths, tokens, budgets, rng, table)
+  return pool, new_lengths, tok, out_tok, out_lp, count, rng
