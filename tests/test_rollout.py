@@ -17,6 +17,7 @@ from sao_jax.models import config as mcfg
 from sao_jax.models import policy
 from sao_jax.rollout.driver import RolloutDriver
 from sao_jax.rollout import engine as eng_lib
+from sao_jax.rollout import programs as programs_lib
 from sao_jax.rollout.engine import KeyStream, PolicyEngine, SamplingConfig, sampling_logprobs
 
 TOK = CharTokenizer()
@@ -130,11 +131,16 @@ def _multi_turn(engine, turns=4):
   return out, state
 
 
-@pytest.mark.parametrize("kv_buckets", [None, (32, 64)])
-def test_paged_engine_samples_and_logprobs_equal_the_dense_engine(params, kv_buckets):
+@pytest.mark.parametrize("kv_buckets,in_place", [(None, False), ((32, 64), False),
+                                                 ((32, 64), True)])
+def test_paged_engine_samples_and_logprobs_equal_the_dense_engine(params, kv_buckets, in_place,
+                                                                  monkeypatch):
   # Same seed, same calls: the same tokens and log-probs over several turns,
   # a freed slot re-admitted, with and without kv buckets (the table's
-  # first columns).
+  # first columns). The decode loop runs on the pages gathered once per
+  # call, or (in_place, the TPU kernel's loop) writes and reads the pages
+  # at every step.
+  monkeypatch.setattr(programs_lib, "_decode_in_place", lambda cfg, page: in_place)
   dense = PolicyEngine(CFG, params[0], slots=4, max_len=MAX_LEN, seed=9, kv_buckets=kv_buckets)
   paged = PolicyEngine(CFG, params[0], slots=4, max_len=MAX_LEN, seed=9, kv_buckets=kv_buckets,
                        **PAGED)

@@ -36,7 +36,9 @@ key blocks for a prefill chunk). What the view holds past a slot's length
 cache's stale entries, so a paged step computes what the dense step
 computes (tests/test_paged.py: equal to 1e-5 on random data; the engines
 sample the same tokens). The gather is one copy of the live pages per
-layer per step, the price of the reference path.
+layer per step, the price of the reference path; the engine's decode loop
+pays it once per call instead (`view` before the loop, the dense loop on
+it, `write_view` of the new entries after: rollout/programs.py).
 
 Compiling for TPU (`attention.compile_platform`), a decode step (one new
 token a slot) calls the Pallas kernel instead (`kernel_usable`): it reads
@@ -103,17 +105,20 @@ def write(leaf: Array, new: Array, page_table: Array, positions: Array, valid: A
     valid: bool `[B, L]`; invalid tokens are not written.
     layer: index into a stacked leaf's first axis, or None.
   """
-  kvh, p, page = leaf.shape[-4:-1]
+  p, page = leaf.shape[-3:-1]
   m = page_table.shape[1]
   block = positions // page
   ok = valid & (positions >= 0) & (block < m)
   ids = jnp.take_along_axis(page_table, jnp.clip(block, 0, m - 1), axis=1)
   ids = jnp.where(ok, ids, p)  # out of range: dropped
-  index = (jnp.arange(kvh)[:, None, None], ids[None], (positions % page)[None])
-  if layer is not None:
-    index = (layer,) + index
-  update = jnp.moveaxis(new, 2, 0).astype(leaf.dtype)  # [KVH, B, L, hd]
-  return leaf.at[index].set(update, mode="drop")
+  # One scatter index a token, its kv heads in the update window (XLA:CPU
+  # runs a scatter as a loop over its indices).
+  if layer is None:  # [KVH, B, L, hd] at [:, ids, offsets]
+    return leaf.at[:, ids, positions % page].set(jnp.moveaxis(new, 2, 0).astype(leaf.dtype),
+                                                 mode="drop")
+  # A scalar layer index and the token indices are split by the kv-head
+  # slice: the indexed dims lead, so the update is [B, L, KVH, hd].
+  return leaf.at[layer, :, ids, positions % page].set(new.astype(leaf.dtype), mode="drop")
 
 
 def gather(leaf: Array, page_table: Array, layer=None) -> Array:
@@ -123,6 +128,32 @@ def gather(leaf: Array, page_table: Array, layer=None) -> Array:
   pages = jnp.take(leaf, page_table, axis=1, mode="clip")  # [KVH, B, M, page, hd]
   kvh, b, m, page, hd = pages.shape
   return jnp.transpose(pages, (1, 2, 3, 0, 4)).reshape(b, m * page, kvh, hd)
+
+
+def view(leaf: Array, page_table: Array) -> Array:
+  """Every slot's pages of a leaf with any leading (layer) dims as the dense
+  cache leaf `[..., B, M * page, KVH, hd]` (`init_cache`'s layout)."""
+  pages = jnp.take(leaf, page_table, axis=leaf.ndim - 3, mode="clip")  # [..., KVH, B, M, page, hd]
+  pages = jnp.moveaxis(pages, -5, -2)  # [..., B, M, page, KVH, hd]
+  return pages.reshape(pages.shape[:-5] + (pages.shape[-5], -1) + pages.shape[-2:])
+
+
+def write_view(leaf: Array, dense: Array, page_table: Array, lengths: Array,
+               fed: Array) -> Array:
+  """`leaf` with the entries a dense view (`view`) gained written back into their pages.
+
+  dense `[..., B, S, KVH, hd]`; slot b gained `fed[b, :]` (a prefix, `[B, F]`)
+  entries from position `lengths[b]` on.
+  """
+  positions = lengths[:, None] + jnp.arange(fed.shape[1], dtype=lengths.dtype)[None]  # [B, F]
+  ax = dense.ndim - 3
+  src = jnp.minimum(positions, dense.shape[ax] - 1).reshape(
+      (1,) * (ax - 1) + positions.shape + (1, 1))
+  new = jnp.take_along_axis(dense, src, axis=ax)  # [..., B, F, KVH, hd]
+  one = functools.partial(write, page_table=page_table, positions=positions, valid=fed)
+  for _ in range(leaf.ndim - 4):  # leading (layer) dims, written alike
+    one = jax.vmap(one)
+  return one(leaf, new)
 
 
 def kernel_usable(cfg: ModelConfig, new_tokens: int, page_size: int) -> bool:

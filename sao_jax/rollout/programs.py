@@ -318,12 +318,32 @@ def _decode(cfg, sampling, kv, steps, stop_token, params, cache, lengths, tokens
   return cache, new_lengths, tok, out_tok, out_lp, count, rng
 
 
+def _decode_in_place(cfg, page: int) -> bool:
+  """The paged decode loop works on the pool in place: where its one-token
+  steps run the Pallas kernel (tests force it on CPU)."""
+  return paged.kernel_usable(cfg, 1, page)
+
+
 def _paged_decode(cfg, sampling, cols, steps, stop_token, params, pool, lengths, table, tokens,
                   budgets, rng):
-  """`_decode` on a page pool: the loop writes into the slots' pages itself
-  (no prefix, no write-back) and attends over the table's first `cols`
-  columns (None: all)."""
+  """`_decode` on a page pool, over the table's first `cols` columns (None: all).
+
+  Where a decode step runs the Pallas paged-attention kernel (compiling for
+  TPU), the loop reads and writes the pages in place. Elsewhere the step
+  would gather every slot's pages once per token; the loop instead runs the
+  dense loop on the pages gathered once (`paged.view`: the dense cache's
+  prefix) and writes the new entries back into their pages at the end
+  (`paged.write_view`), as the dense engine's bucketed loop does.
+  """
   table = table if cols is None else table[:, :cols]
-  pool, new_lengths, tok, count, out_tok, out_lp, rng = _decode_loop(
-      cfg, sampling, steps, stop_token, params, pool, lengths, tokens, budgets, rng, table)
+  if _decode_in_place(cfg, jax.tree.leaves(pool)[0].shape[-2]):
+    pool, new_lengths, tok, count, out_tok, out_lp, rng = _decode_loop(
+        cfg, sampling, steps, stop_token, params, pool, lengths, tokens, budgets, rng, table)
+  else:
+    live = jax.tree.map(lambda leaf: paged.view(leaf, table), pool)
+    live, new_lengths, tok, count, out_tok, out_lp, rng = _decode_loop(
+        cfg, sampling, steps, stop_token, params, live, lengths, tokens, budgets, rng)
+    fed = jnp.arange(steps)[None] < count[:, None]  # [B, steps]: the positions written
+    pool = jax.tree.map(lambda leaf, v: paged.write_view(leaf, v, table, lengths, fed), pool,
+                        live)
   return pool, new_lengths, tok, out_tok, out_lp, count, rng
