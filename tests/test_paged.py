@@ -103,15 +103,18 @@ def test_paged_decoding_equals_dense_decoding(variant):
     np.testing.assert_allclose(p, d, atol=1e-5, rtol=0)
 
 
-def test_paged_decoding_under_a_mesh_equals_dense_on_one_device():
+@pytest.mark.parametrize("scanned", [False, True])
+def test_paged_decoding_under_a_mesh_equals_dense_on_one_device(scanned):
   # Four slots and the pool's pages over "data" (2 groups, local page ids),
   # kv heads and query heads over "tensor": the write and the attention run
-  # under shard_map.
-  params = policy.init_params(CFG, jax.random.key(0))
-  ref, _ = _run(CFG, params, slots=4)  # dense, one device
+  # under shard_map (scanned: on the layer's slice of the stacked pool).
+  cfg = (dataclasses.replace(CFG, scan_layers=True, num_layers=3, dense_layers=(0,),
+                             dense_d_ff=32) if scanned else CFG)
+  params = policy.init_params(cfg, jax.random.key(0))
+  ref, _ = _run(cfg, params, slots=4)  # dense, one device
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "tensor"))
   rules = tuple((a, None if a == "vocab" else r) for a, r in layout.rollout_rules(mesh))
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    out, _ = _run(CFG, params, pool_pages=20, slots=4, groups=2)
+    out, _ = _run(cfg, params, pool_pages=20, slots=4, groups=2)
   for r, o in zip(ref, out):
     np.testing.assert_allclose(o, r, atol=1e-5, rtol=0)

@@ -229,12 +229,20 @@ def attend(cfg: ModelConfig, q: Array, k: Array, v: Array, pool, page_table: Arr
   q_spec = PartitionSpec(batch, None, heads, None)
   kv_spec = PartitionSpec(batch, None, kv_heads, None)
   row = PartitionSpec(batch, None)
-  pool_specs = {n: pool_spec(pool[n].ndim, batch, kv_heads) for n in ("k", "v")}
-  if layer is None:
-    local = lambda q, k, v, pool, t, p, ok: fn(q, k, v, pool, t, p, ok, None)
-    args, specs = (q, k, v, pool, page_table, positions, valid), ()
-  else:
-    local, args, specs = fn, (q, k, v, pool, page_table, positions, valid, layer), (
-        PartitionSpec(),)
-  return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, pool_specs, row, row, row)
-                       + specs, out_specs=(q_spec, pool_specs), check_vma=False)(*args)
+  # Only this layer's pages enter the manual region: a stacked pool passed
+  # whole is copied at the boundary (the TPU compiler's temporaries: the
+  # whole pool, against one layer's slice this way), and written back into
+  # the stacked pool in place.
+  stacked = pool if layer is not None else None
+  if layer is not None:
+    pool = {n: jax.lax.dynamic_index_in_dim(pool[n], layer, 0, keepdims=False)
+            for n in ("k", "v")}
+  specs = {n: pool_spec(4, batch, kv_heads) for n in ("k", "v")}
+  local = lambda q, k, v, pool, t, p, ok: fn(q, k, v, pool, t, p, ok, None)
+  out, pool = jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, specs, row, row, row),
+                            out_specs=(q_spec, specs), check_vma=False)(
+                                q, k, v, pool, page_table, positions, valid)
+  if layer is not None:
+    pool = {n: jax.lax.dynamic_update_index_in_dim(stacked[n], pool[n], layer, 0)
+            for n in ("k", "v")}
+  return out, pool
