@@ -50,10 +50,11 @@ with >= 10% headroom, the colocated engine's params and cache included).
 
 Rollout on its own slice is `--config.rl.mode=fleet` with launch/rollout.py
 on the rollout hosts, fed through the trajectory store and versioned
-checkpoints (docs/DESIGN.md section 5; README.md, "Rollout fleet"). Not yet
-built for this scale: a paged KV cache. The config is compiled for TPU by
-launch/compile.py and exercised abstractly in the tests (shapes, parameter
-count, sharding rules); it has not run on a pod.
+checkpoints (docs/DESIGN.md section 5; README.md, "Rollout fleet"). The
+engine's KV cache is paged, half the dense cache's size (below). The
+config is compiled for TPU by launch/compile.py and exercised abstractly
+in the tests (shapes, parameter count, sharding rules); it has not run on
+a pod.
 
 Settings follow the paper where docs/DESIGN.md section 1 gives them (K = 2
 critic updates, frozen critic attention, value pretraining,
@@ -109,6 +110,17 @@ def get_config(arg=None):
   c.rollout.max_turn_tokens = 8192
   c.rollout.slots = 256
   c.rollout.sharded_engine = True
+  # The paged KV cache: pages of 128 positions (the Pallas paged-attention
+  # kernel's decode reads them in place), a pool of half the dense cache's
+  # positions. Each chip's 2 slots page into that chip's part of the pool,
+  # which must hold one max_len trajectory: half is the floor here, and
+  # the simulated long-tailed mix needs 0.56 of dense to never wait
+  # (benchmarks/RESULTS.md, "Paged KV cache"); admission waits for pages,
+  # it never fails. A reference, so it follows max_len (sao_moe_128k).
+  c.rollout.kv_cache = "paged"
+  c.rollout.page_size = 128
+  c.rollout.kv_pages = (c.rollout.get_ref("slots") * c.rollout.get_ref("max_len")
+                        // c.rollout.get_ref("page_size") // 2)
   c.rollout.queue_size = 1024
   c.value_pretrain.steps = 100
   c.value_pretrain.num_trajectories = 4096
