@@ -63,6 +63,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from sao_jax.models import attention as attn_lib
+from sao_jax.models import transformer
 from sao_jax.models.config import ModelConfig
 
 Array = jax.Array
@@ -74,15 +75,8 @@ def init_pages(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None):
   The tree is `init_cache`'s (a list per layer, or "layer_i" plus stacked
   "layers" with `cfg.scan_layers`); every leaf is `[..., KVH, P, page, hd]`.
   """
-  shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
-  dtype = dtype or cfg.dtype
-  zeros = lambda *lead: {"k": jnp.zeros(lead + shape, dtype),
-                         "v": jnp.zeros(lead + shape, dtype)}
-  if not cfg.scan_layers:
-    return [zeros() for _ in range(cfg.num_layers)]
-  pool = {f"layer_{i}": zeros() for i in range(len(cfg.dense_layers))}
-  pool["layers"] = zeros(cfg.num_scanned_layers)
-  return pool
+  return transformer.kv_tree(cfg, (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim),
+                             dtype)
 
 
 def pool_spec(ndim: int, batch_axes, kv_axes) -> PartitionSpec:

@@ -384,12 +384,17 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
     each unrolled dense-prefix layer ([B, S, KVH, hd]) and "layers" for the
     scanned layers, stacked: {"k", "v"} [n, B, S, KVH, hd].
   """
-  shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+  return kv_tree(cfg, (batch, max_len, cfg.num_kv_heads, cfg.head_dim), dtype)
+
+
+def kv_tree(cfg: ModelConfig, shape: tuple[int, ...], dtype=None) -> Cache:
+  """Zero {"k", "v"} leaves of `shape` per layer, in `init_cache`'s tree layout:
+  a list per layer, or "layer_i" plus stacked "layers" with `cfg.scan_layers`."""
   dtype = dtype or cfg.dtype
   zeros = lambda *lead: {"k": jnp.zeros(lead + shape, dtype),
                          "v": jnp.zeros(lead + shape, dtype)}
   if not cfg.scan_layers:
     return [zeros() for _ in range(cfg.num_layers)]
-  cache = {f"layer_{i}": zeros() for i in range(len(cfg.dense_layers))}
-  cache["layers"] = zeros(cfg.num_scanned_layers)
-  return cache
+  tree = {f"layer_{i}": zeros() for i in range(len(cfg.dense_layers))}
+  tree["layers"] = zeros(cfg.num_scanned_layers)
+  return tree

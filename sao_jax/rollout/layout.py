@@ -101,19 +101,26 @@ def abstract_cache(cfg: ModelConfig, batch: int, cache_len: int, dtype=None):
   return jax.eval_shape(lambda: decoding.init_cache(cfg, batch, cache_len, *args))
 
 
-def cache_shardings(cfg: ModelConfig, batch: int, cache_len: int, mesh, rules, *,
-                    abstract=None):
-  """NamedShardings of a `batch`-slot cache: slots by the "batch" rule, kv heads
-  by the "kv_heads" rule."""
+def _kv_axes(cfg: ModelConfig, mesh, rules, count: int, what: str):
+  """The mesh axes of the "batch" and "kv_heads" rules, checked to divide
+  `count` (slots or pages, `what`) and the kv heads."""
   shd.check_rules(rules, mesh)
   batch_axes = _mesh_axes(rules, "batch")
   kv_axes = _mesh_axes(rules, "kv_heads")
-  if batch % _axes_size(mesh, batch_axes):
-    raise ValueError(f"{batch} slots do not divide over the batch axes {batch_axes} "
+  if count % _axes_size(mesh, batch_axes):
+    raise ValueError(f"{count} {what} do not divide over the batch axes {batch_axes} "
                      f"(size {_axes_size(mesh, batch_axes)}) of mesh {dict(mesh.shape)}")
   if cfg.num_kv_heads % _axes_size(mesh, kv_axes):
     raise ValueError(f"num_kv_heads {cfg.num_kv_heads} does not divide over the kv_heads "
                      f"axes {kv_axes} (size {_axes_size(mesh, kv_axes)})")
+  return batch_axes, kv_axes
+
+
+def cache_shardings(cfg: ModelConfig, batch: int, cache_len: int, mesh, rules, *,
+                    abstract=None):
+  """NamedShardings of a `batch`-slot cache: slots by the "batch" rule, kv heads
+  by the "kv_heads" rule."""
+  batch_axes, kv_axes = _kv_axes(cfg, mesh, rules, batch, "slots")
   if abstract is None:
     abstract = abstract_cache(cfg, batch, cache_len)
   return jax.tree.map(lambda a: NamedSharding(mesh, cache_spec(a.ndim, batch_axes, kv_axes)),
@@ -180,15 +187,7 @@ def pool_shardings(cfg: ModelConfig, num_pages: int, page_size: int, mesh, rules
                    abstract=None):
   """NamedShardings of a page pool: pages over the "batch" rule's axes (each
   device holds its slots' pages), kv heads by the "kv_heads" rule."""
-  shd.check_rules(rules, mesh)
-  batch_axes = _mesh_axes(rules, "batch")
-  kv_axes = _mesh_axes(rules, "kv_heads")
-  if num_pages % _axes_size(mesh, batch_axes):
-    raise ValueError(f"{num_pages} pages do not divide over the batch axes {batch_axes} "
-                     f"(size {_axes_size(mesh, batch_axes)}) of mesh {dict(mesh.shape)}")
-  if cfg.num_kv_heads % _axes_size(mesh, kv_axes):
-    raise ValueError(f"num_kv_heads {cfg.num_kv_heads} does not divide over the kv_heads "
-                     f"axes {kv_axes} (size {_axes_size(mesh, kv_axes)})")
+  batch_axes, kv_axes = _kv_axes(cfg, mesh, rules, num_pages, "pages")
   if abstract is None:
     abstract = abstract_pool(cfg, num_pages, page_size)
   return jax.tree.map(lambda a: NamedSharding(mesh, paged.pool_spec(a.ndim, batch_axes,
