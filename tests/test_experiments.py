@@ -291,18 +291,20 @@ def test_dis_stability_arms_share_one_sft_start_and_differ_in_what_they_say():
   assert (f.seeds, f.budget_steps, f.reference) == (8, 150, "grpo_sync")
   names = [a.name for a in f.arms]
   assert names[:3] == ["sao_sync", "dis_q64", "ppo_q64"]
-  assert names.index("dis_q16") > max(names.index(n) for n in names if n.endswith("_q64"))
+  assert names.index("dis_stale") < names.index("grpo_sync") < names.index("cispo_stale")
   key = lambda arm: runner.sft_key(runner.load_config(arm.config, arm.overrides))
   assert len({key(a) for a in f.arms}) == 1
   cfg = lambda name: runner.load_config(f.arm(name).config, f.arm(name).overrides)
   assert cfg("sao_sync").rl.mode == "sync" and cfg("grpo_sync").rl.mode == "sync"
   for stem, _, _ in dis_stability.ASYNC_ARMS:
-    for q in (16, 64):
-      c = cfg(f"{stem}_q{q}")
-      assert c.rl.mode == "async" and c.rollout.queue_size == q
+    for lag in ("q64", "stale"):
+      c = cfg(f"{stem}_{lag}")
+      assert c.rl.mode == "async" and c.rollout.queue_size == 64
       assert c.rl.advantage == "value" and c.rollout.samples_per_prompt == 1
+      stale = lag == "stale"
+      assert (c.rollout.slots, c.rl.sync_every) == ((48, 4) if stale else (16, 1))
   assert (cfg("dis_wide_q64").rl.eps_low, cfg("dis_wide_q64").rl.eps_high) == (0.5, 4.0)
-  assert cfg("ppo_q16").rl.policy_loss == "ppo_clip"
+  assert cfg("ppo_stale").rl.policy_loss == "ppo_clip"
   assert cfg("dis_kl_q64").rl.policy_loss == "dis_rollout_kl"
   assert cfg("cispo_q64").rl.policy_loss == "cispo"
   assert all(a in names and b in names for a, b in dis_stability.CONTRASTS)
@@ -361,12 +363,12 @@ def test_dis_stability_smoke_grid(tmp_path):
   fields, which the arm test above validates.)
   """
   result = runner.main(dis_stability.FINDING, [
-      "--smoke", "--in_process", "--arms", "dis_q16", "--workdir",
+      "--smoke", "--in_process", "--arms", "dis_stale", "--workdir",
       str(tmp_path / "w"), "--results", str(tmp_path / "r")])
-  assert set(result["arms"]) == {"dis_q16"}
-  rec = result["analysis"]["by_arm"]["dis_q16"]
+  assert set(result["arms"]) == {"dis_stale"}
+  rec = result["analysis"]["by_arm"]["dis_stale"]
   assert rec["runs"] == 1 and rec["collapses"] in (0, 1) and rec["lag_mean"] is not None
   diag = rec["lag_diagnostics"]
   assert "dis/outside_frac" in diag and "lag0" in diag["by_lag"]
   text = (tmp_path / "r" / "results.md").read_text(encoding="utf-8")
-  assert "| async SAO, DIS (0.2, 0.28), queue 16 | 1 |" in text
+  assert "| async SAO, DIS (0.2, 0.28), forced lag (48 slots, sync every 4) | 1 |" in text
