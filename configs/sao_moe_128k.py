@@ -1,7 +1,8 @@
 """sao_moe at the paper's context: 131,072 tokens a trajectory (issue 28).
 
+    # the whole chain: the training slice's steps and one rollout host's engine
     python launch/compile.py --config=configs/sao_moe_128k.py --topology=v5p-256 \
-        --programs=sft,value,rl
+        --rollout_topology=v5p-8 --rollout_mesh=expert:2,tensor:2
 
 The train steps keep sao_moe's tokens per chip (65,536) by splitting each
 128K row over two chips: the mesh gains a `context` axis of 2 and the
@@ -12,9 +13,44 @@ shard_map with length unsplit, so XLA gathers the row's q, k and v within
 each context pair (K and V are small: 4 key heads) and both chips of the
 pair compute the row's attention (2x attention FLOPs; memory stays O(L)
 in the kernel). Batch: 64 rows of 131,072 over data x fsdp x expert = 64
-chip pairs. Measured by the TPU compiler: benchmarks/RESULTS.md, "The
-paper's context". The rollout engine at this length needs the paged KV
-cache (a dense [256, 131072] cache per layer is ~3.3 TB).
+chip pairs. Training slice: v5p-256 (128 chips).
+
+Rollout runs on a slice of its own (rl.mode "fleet", as sao_moe): every
+rollout host runs launch/rollout.py, one engine over the host's own 4
+chips, so what must fit is one host's engine, compiled above on
+`--rollout_topology=v5p-8` (one v5p host, 2x2x1); a rollout slice of N
+hosts runs N of them (a v5p-64: 8 engines, 512 slots). The engine's mesh
+is expert 2 x tensor 2 (`--rollout_mesh`; slots over "expert", 2 slot
+groups of 32): with tensor 4 (the most Qwen3-30B-A3B's 4 kv heads allow)
+and no expert axis the experts' width of 768 splits into 192-wide
+slices, not a multiple of the TPU's 128 lanes, the compiler copied the
+stacked expert weights into a padded layout (12 GiB of temporaries) and
+the MoE sorted all 131,072 tokens of a prefill chunk at once (4 GiB
+buffers): prefill 86.67 GiB a chip, under 10% headroom. Expert 4 would
+pool pages over groups of 16 slots only. Params are 15 GiB a chip here
+(data 4, replicated, would be 56.9 GiB before any cache). Mind that
+launch/rollout.py builds its engine on {"data": -1} over the host's chips
+today: the config has no field for the engine's mesh yet.
+
+At 128K the cache must be paged (a dense [256, 131072] cache per layer is
+~3.3 TB): per host 64 slots share a pool of 18,432 pages of 128 positions,
+2,359,296 live tokens, 0.281 of the dense 64 x 131,072: 9,216 pages a slot
+group, 9 max_len trajectories (54 GiB a chip, 48 KiB a token a chip). The
+simulated long-tailed mix of benchmarks/paged_kv.py (lognormal lengths,
+median 8K, p99 83K, turns of 8,192 reserved ahead) peaks at 8,793 pages
+for 32 slots (0.268 of their dense cache), so no trajectory of that mix
+waits; admission waits for pages otherwise, it never fails. decode_steps
+8: one host round trip per 8 tokens (per-slot stops end a call early;
+benchmarks/RESULTS.md, "The driver: decode_steps").
+
+The prefill compiled is the driver's widest step, [64, 131072]: the
+engine pads a step's width up to its prefill buckets (8 ... 256, then
+max_len: factories.make_engine passes none), so any append longer than 256
+tokens (a prompt, a 2,048-token tool output) and a "recompute" weight
+swap, which re-feeds whole records, are max_len wide; the model runs the
+step 2,048 tokens at a time (model.prefill_chunk), so the width sizes the
+token arrays, not the activations. Measured by the TPU compiler:
+benchmarks/RESULTS.md, "The paper's context".
 """
 
 import os
@@ -37,4 +73,11 @@ def get_config(arg=None):
   # Rows split 64 ways (data x fsdp x expert), each over a context pair.
   c.sft.batch_size = 64
   c.rl.batch_size = 64
+  # One rollout host's engine (module docstring): 64 slots in 2 groups of
+  # 32, each group's 9,216 pages holding 9 max_len trajectories, 8 tokens a
+  # decode call.
+  c.rollout.slots = 64
+  c.rollout.page_size = 128
+  c.rollout.kv_pages = 2 * 9 * CONTEXT // 128  # 18,432 pages: 2,359,296 live tokens
+  c.rollout.decode_steps = 8
   return c

@@ -1,7 +1,7 @@
 """Compiles the trainer's and the rollout engine's programs for a TPU topology, on a CPU host.
 
     python launch/compile.py --config=configs/sao_moe.py --topology=v5p-256 \
-        [--rollout_topology=v5p-64] [--out=compile.json] \
+        [--rollout_topology=v5p-8 --rollout_mesh=expert:2,tensor:2] [--out=compile.json] \
         [--programs=sft,value,rl,prefill,decode,decode_loop] [--min_headroom=0.10] \
         [--config.model.overrides.num_layers=2]
 
@@ -30,12 +30,31 @@ Programs and the shapes they are compiled at:
   rl       RL step (K critic updates + the actor update): rl.batch_size rows
   prefill  the rollout engine's step appending [rollout.slots, W] tokens to
            a [slots, rollout.max_len] cache; W = the engine's largest prefill
-           bucket (max_len: a "recompute" weight swap re-feeds whole records)
+           bucket, max_len: the widest step the driver sends (a "recompute"
+           weight swap re-feeds whole records, and an append wider than the
+           engine's 256-token bucket is padded to max_len); the model runs
+           it model.prefill_chunk tokens at a time, so W changes the token
+           arrays' size, not the per-chunk activations
   decode   the same step with one token per slot (`PolicyEngine.generate`)
   decode_loop  the driver's decode (`PolicyEngine.decode`): the jitted while
            loop of rollout.decode_steps one-token steps with per-slot stops
 
 --rows, --length and --prefill_len override those shapes.
+
+The engine's KV capacity is reported with its programs (a "rollout KV"
+line, the engine rows' shapes, and "rollout_pool" in the JSON): the live
+tokens its cache holds -- a paged pool's pages x page_size, a dense cache's
+slots x max_len -- in all and per slot group (a sharded engine's pool
+splits over the batch axes, each group serving its own slots), as a
+fraction of slots x max_len, in max_len trajectories a group, and in bytes
+a chip.
+
+The rollout on a slice of its own (rl.mode "fleet": each launch/rollout.py
+process runs an engine over its host's chips): --rollout_topology names
+what one engine spans (v5p-8: one v5p host, 4 chips) and --rollout_mesh
+its mesh (launch/rollout.py itself lays its engine on {"data": -1} today);
+the trainer's programs are compiled on --topology in the same run, the
+whole chain in one command (configs/sao_moe_128k.py gives it).
 
 With `rollout.sharded_engine` on the trainer's own topology (colocated),
 rows "rl+eng" (and "sft+eng", "value+eng") add the engine's resident
@@ -293,11 +312,31 @@ def _parse_mesh(text: str) -> dict:
   return out
 
 
+def _size(n: float) -> str:
+  for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+    if n >= size:
+      return f"{n / size:.2f} {unit}"
+  return f"{n:.0f} B"
+
+
+def format_capacity(cap: dict) -> str:
+  """An engine's KV capacity (`EnginePrograms.capacity`) in one line."""
+  groups = (f", {cap['groups']} slot groups of {cap['slots_per_group']} slots: "
+            f"{cap['live_tokens_per_group']:,} a group" if cap["groups"] > 1 else "")
+  head = (f"paged: {cap['pages']:,} pages of {cap['page_size']} = "
+          if cap["kind"] == "paged" else "dense: ")
+  return (f"{head}{cap['live_tokens']:,} live tokens, {cap['fraction_of_dense']:.3f} of "
+          f"slots x max_len ({cap['slots']} x {cap['max_len']:,}){groups}; "
+          f"{cap['max_len_trajectories_per_group']:.2f} max_len trajectories a group; "
+          f"{_size(cap['bytes_per_device'])} a chip")
+
+
 def engine_programs(config, model_cfg, abstract_policy, devices, topo: str, hbm: float,
-                    train_mesh=None) -> tuple[dict, str]:
+                    train_mesh=None) -> tuple[dict, str, dict]:
   """The rollout engine's programs: prefill, decode (one token) and decode_loop.
 
-  Returns ({name: Program}, the engine's layout in words).
+  Returns ({name: Program}, the engine's layout in words, its KV capacity:
+  `EnginePrograms.capacity`, the live tokens its cache or page pool holds).
 
   The layout is the one the run would use: with --rollout_mesh, the
   engine's own shardings (`engine.engine_shardings`, rules from
@@ -334,24 +373,33 @@ def engine_programs(config, model_cfg, abstract_policy, devices, topo: str, hbm:
   # (sao_jax/models/paged.py); the decode step runs the Pallas paged-attention kernel.
   pages = (dict(page_size=r.page_size, num_pages=r.kv_pages)
            if r.get("kv_cache", "dense") == "paged" else {})
-  if mesh is not None:
-    rules = tuple(tuple(x) for x in engine_lib.rollout_rules(mesh))
-    progs = programs_lib.EnginePrograms(model_cfg, sampling, r.slots, r.max_len, mesh=mesh,
-                                        rules=rules, **pages)
-    layout = f"mesh {dict(mesh.shape)}"
-  else:
-    # A one-device mesh on the target's first chip (EnginePrograms(device=)),
-    # so that the model traces the TPU paths (attention.compile_platform),
-    # not the host's.
-    progs = programs_lib.EnginePrograms(model_cfg, sampling, r.slots, r.max_len,
-                                        device=devices[0], **pages)
-    layout = "1 chip"
+  try:
+    if mesh is not None:
+      rules = tuple(tuple(x) for x in engine_lib.rollout_rules(mesh))
+      progs = programs_lib.EnginePrograms(model_cfg, sampling, r.slots, r.max_len, mesh=mesh,
+                                          rules=rules, **pages)
+      layout = f"mesh {dict(mesh.shape)}"
+    else:
+      # A one-device mesh on the target's first chip (EnginePrograms(device=)),
+      # so that the model traces the TPU paths (attention.compile_platform),
+      # not the host's.
+      progs = programs_lib.EnginePrograms(model_cfg, sampling, r.slots, r.max_len,
+                                          device=devices[0], **pages)
+      layout = "1 chip"
+  except ValueError as e:  # slots or pages that do not split over the mesh
+    where = (f"--rollout_mesh={_ROLLOUT_MESH.value}" if _ROLLOUT_MESH.value else
+             "one chip" if mesh is None else "the trainer's mesh (colocated)")
+    raise configuration.ConfigError(
+        f"the rollout engine on {where}: {e}; give the rollout slice its own layout "
+        "(--rollout_topology, --rollout_mesh) or compile --programs=sft,value,rl") from None
 
   steps = r.decode_steps
+  cap = progs.capacity()
   cache_shape = f"cache {r.slots}x{r.max_len}, {layout}"
   if progs.paged:
     cache_shape = (f"cache {r.slots}x{r.max_len} paged: {progs.num_pages} pages of "
-                   f"{progs.page_size}, {layout}")
+                   f"{progs.page_size} = {cap['live_tokens']:,} live tokens "
+                   f"({cap['fraction_of_dense']:.3f} of slots x max_len), {layout}")
   step = progs.step(None)
   return {
       "prefill": Program("prefill", step, progs.step_args(abstract_policy, width),
@@ -362,7 +410,7 @@ def engine_programs(config, model_cfg, abstract_policy, devices, topo: str, hbm:
                              progs.decode_args(abstract_policy),
                              f"{r.slots}x1 x {steps} steps, {cache_shape}", topo, hbm,
                              progs.context),
-  }, layout
+  }, layout, cap
 
 
 # --------------------------------------------------------------- compiling
@@ -553,14 +601,15 @@ def main(argv):
         f"{model_cfg.num_layers} layers, {n_params / 1e9:.3f}B policy params; programs built "
         f"in {time.time() - t0:.1f} s", flush=True)
 
-  wanted, engine_layout = {}, None
+  wanted, engine_layout, pool = {}, None, None
   if {"sft", "value", "rl"} & set(_PROGRAMS.value):
     wanted.update(train_programs(config, progs, mesh, tname, hbm))
   if {"prefill", "decode", "decode_loop"} & set(_PROGRAMS.value):
-    engine_progs, engine_layout = engine_programs(
+    engine_progs, engine_layout, pool = engine_programs(
         config, model_cfg, progs.abstract_state.policy, rdevices, rname, rhbm,
         train_mesh=None if _ROLLOUT_TOPOLOGY.value else mesh)
     print(f"[compile] rollout engine: {engine_layout}", flush=True)
+    print(f"[compile] rollout KV {format_capacity(pool)}", flush=True)
     wanted.update(engine_progs)
   command = " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:] + [
       f"--config.model.overrides.{k}={v}" for k, v in _MODEL_OVERRIDES.items()])
@@ -581,11 +630,13 @@ def main(argv):
                              "device_kind": rdevices[0].device_kind, "hbm_bytes": rhbm},
         "mesh": {k: int(v) for k, v in mesh.shape.items()},
         "rollout_engine": engine_layout,
+        # The live tokens the engine's cache holds (EnginePrograms.capacity).
+        "rollout_pool": pool,
         "model": {"preset": config.model.preset, "overrides": dict(config.model.overrides),
                   "num_layers": model_cfg.num_layers, "policy_params": n_params},
         "min_headroom": _MIN_HEADROOM.value,
         "programs": {r["program"]: r for r in rows},
-        "table": format_table(rows),
+        "table": format_table(rows) + (f"\nrollout KV {format_capacity(pool)}" if pool else ""),
         "complete": complete,
         "ok": complete and all(r["fits"] for r in rows),
     }
@@ -604,11 +655,14 @@ def main(argv):
     write(rows, complete=True)
 
   print("\n" + format_table(rows), flush=True)
+  if pool is not None:
+    print(f"rollout KV {format_capacity(pool)}", flush=True)
   if _OUT.value:
     print(f"[compile] wrote {_OUT.value}", flush=True)
   if not all(r["fits"] for r in rows):
     bad = [f"{r['program']} ({r['status']})" for r in rows if not r["fits"]]
-    print(f"error: does not fit {tname} with {_MIN_HEADROOM.value:.0%} headroom: "
+    where = sorted({r["topology"] for r in rows if not r["fits"]})
+    print(f"error: does not fit {' / '.join(where)} with {_MIN_HEADROOM.value:.0%} headroom: "
           f"{', '.join(bad)}", file=sys.stderr, flush=True)
     sys.exit(1)
   print(f"[compile] all {len(rows)} programs fit with >= {_MIN_HEADROOM.value:.0%} headroom",

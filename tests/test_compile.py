@@ -101,6 +101,11 @@ def test_every_program_compiles_and_fits(tmp_path):
     # replicates or materialises something it should not.
     assert row["total_bytes"] < 256 * 2**20, (name, row["total_bytes"])
     assert row["headroom"] > 0.9
+  # The engine's KV capacity: a dense cache holds slots x max_len live tokens.
+  pool = result["rollout_pool"]
+  assert (pool["kind"], pool["live_tokens"], pool["fraction_of_dense"]) == ("dense", 256, 1.0)
+  assert pool["groups"] == 1 and pool["max_len_trajectories_per_group"] == 4.0
+  assert "rollout KV dense: 256 live tokens, 1.000 of slots x max_len (4 x 64)" in stdout
   # One table row per program, and progress lines while compiling.
   for name in PROGRAMS:
     assert f"[compile] {name}" in stdout
@@ -135,7 +140,52 @@ def test_paged_engine_compiles(tmp_path):
   assert rc == 0, stdout[-3000:] + stderr[-3000:]
   assert set(result["programs"]) == {"prefill", "decode", "decode_loop"}
   for r in result["programs"].values():
-    assert r["fits"] and "cache 4x64 paged: 16 pages of 16, mesh" in r["shape"]
+    assert r["fits"] and ("cache 4x64 paged: 16 pages of 16 = 256 live tokens (1.000 of "
+                          "slots x max_len), mesh") in r["shape"]
+  # kv_pages 0: the dense size; the 4 slots split over the 4 chips, one a group.
+  pool = result["rollout_pool"]
+  assert (pool["kind"], pool["pages"], pool["page_size"], pool["live_tokens"]) == (
+      "paged", 16, 16, 256)
+  assert (pool["groups"], pool["slots_per_group"], pool["live_tokens_per_group"]) == (4, 1, 64)
+  assert pool["bytes_per_device"] <= result["programs"]["decode"]["argument_bytes"]
+
+
+def test_the_rollout_slice_compiles_on_its_own_topology(tmp_path):
+  # The trainer's RL step on its 4 chips and the engine on a slice of 8 with
+  # a mesh of its own, in one run: 16 slots in 8 groups of 2 paging into a
+  # pool of half their dense cache (4 pages a group: one max_len trajectory).
+  rc, stdout, stderr, result = run_compile(
+      tmp_path, "--topology=v5e-4", "--rollout_topology=v5e-8", "--rollout_mesh=data:-1",
+      "--programs=rl,decode", "--rows=4", "--length=64", "--config.rollout.sharded_engine=True",
+      "--config.rollout.slots=16", "--config.rollout.kv_cache=paged",
+      "--config.rollout.kv_pages=32", "--config.model.overrides.num_layers=1")
+  assert rc == 0, stdout[-3000:] + stderr[-3000:]
+  assert result["rollout_topology"]["libtpu_name"] == "v5e:2x4"
+  assert result["rollout_engine"] == "mesh {'data': 8}"
+  rl, decode = result["programs"]["rl"], result["programs"]["decode"]
+  assert (rl["topology"], decode["topology"]) == ("v5e:2x2", "v5e:2x4")
+  assert "rl+eng" not in result["programs"]  # the engine is not on the trainer's chips
+  pool = result["rollout_pool"]
+  assert (pool["live_tokens"], pool["dense_tokens"], pool["fraction_of_dense"]) == (
+      512, 1024, 0.5)
+  assert (pool["groups"], pool["slots_per_group"], pool["pages_per_group"]) == (8, 2, 4)
+  assert pool["max_len_trajectories_per_group"] == 1.0
+  assert ("rollout KV paged: 32 pages of 16 = 512 live tokens, 0.500 of slots x max_len "
+          "(16 x 64), 8 slot groups of 2 slots: 64 a group; 1.00 max_len trajectories a group"
+          ) in stdout
+  assert "= 512 live tokens (0.500 of slots x max_len)" in decode["shape"]
+  assert "rollout KV paged" in result["table"]
+
+
+def test_an_engine_whose_slots_do_not_split_is_refused_in_one_line(tmp_path):
+  # Colocated on the trainer's 4 chips, 2 slots cannot split 4 ways.
+  rc, stdout, stderr, _ = run_compile(
+      tmp_path, "--topology=v5e-4", "--programs=decode", "--config.rollout.slots=2",
+      "--config.rollout.sharded_engine=True", "--config.model.overrides.num_layers=1")
+  assert rc == 2, stdout[-2000:] + stderr[-2000:]
+  error = [ln for ln in stderr.splitlines() if ln.startswith("error:")]
+  assert len(error) == 1 and "Traceback" not in stderr, stderr[-2000:]
+  assert "the trainer's mesh (colocated)" in error[0] and "--rollout_topology" in error[0]
 
 
 def test_what_does_not_fit_fails_the_run_with_the_reason(tmp_path):

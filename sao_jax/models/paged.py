@@ -22,7 +22,12 @@ Writes
 `(page_table[b, p // page], p % page)` for each valid token at position p.
 Padding tokens (and positions past the table) are dropped, never written:
 unlike a dense slot's own row, a page past a slot's length may be unowned
-or another slot's.
+or another slot's. Compiling for TPU, writes and gathers index the leaf as
+rows (`[KVH * P * page, hd]`, `[KVH * P, page, hd]`: one index a kv head),
+so that only the minor dims are in the window: with the kv heads in the
+window the compiler laid the loop-carried pool out kv heads minor and
+copied the whole pool in and out of the decode loop and the chunked
+prefill (a second pool in HBM).
 
 Attention
 ---------
@@ -87,8 +92,20 @@ def pool_spec(ndim: int, batch_axes, kv_axes) -> PartitionSpec:
   return PartitionSpec(*([None] * (ndim - 4)), kv_axes, batch_axes, None, None)
 
 
+def _by_rows() -> bool:
+  """Writes and gathers index rows of the pool with its kv heads and pages
+  flattened (`write` / `gather`): compiling for TPU, where a scatter or
+  gather whose window spans the kv-head dim (major in the pool) made the
+  compiler lay a loop-carried pool out kv heads minor, and copy the whole
+  pool in and out of the driver's decode loop and the chunked prefill
+  (benchmarks/RESULTS.md, "The paper's context"). Elsewhere one index a
+  token, its kv heads in the window: XLA:CPU runs a scatter as a loop over
+  its indices."""
+  return attn_lib.compile_platform() == "tpu"
+
+
 def write(leaf: Array, new: Array, page_table: Array, positions: Array, valid: Array,
-          layer=None) -> Array:
+          layer=None, by_rows: bool | None = None) -> Array:
   """`leaf` with the valid new entries written into their pages.
 
   Args:
@@ -98,12 +115,28 @@ def write(leaf: Array, new: Array, page_table: Array, positions: Array, valid: A
     positions: int `[B, L]`, each new token's position in its slot.
     valid: bool `[B, L]`; invalid tokens are not written.
     layer: index into a stacked leaf's first axis, or None.
+    by_rows: index the leaf as rows `[KVH * P * page, hd]`, one index a kv
+      head and token (default `_by_rows()`: when compiling for TPU); the
+      result is the same.
   """
-  p, page = leaf.shape[-3:-1]
+  kvh, p, page, hd = leaf.shape[-4:]
   m = page_table.shape[1]
   block = positions // page
   ok = valid & (positions >= 0) & (block < m)
   ids = jnp.take_along_axis(page_table, jnp.clip(block, 0, m - 1), axis=1)
+  if by_rows is None:
+    by_rows = _by_rows()
+  if by_rows:
+    # Row of (kv head h, token) in the leaf as [KVH * P * page, hd]: only the
+    # head dim in the window, the minor one in the pool's own layout.
+    rows = ((jnp.arange(kvh, dtype=ids.dtype)[:, None, None] * p + ids[None]) * page
+            + (positions % page)[None])  # [KVH, B, L]
+    rows = jnp.where(ok[None], rows, kvh * p * page).reshape(-1)  # out of range: dropped
+    upd = jnp.moveaxis(new, 2, 0).reshape(-1, hd).astype(leaf.dtype)  # [KVH * B * L, hd]
+    if layer is None:
+      return leaf.reshape(-1, hd).at[rows].set(upd, mode="drop").reshape(leaf.shape)
+    flat = leaf.reshape(leaf.shape[0], -1, hd)
+    return flat.at[layer, rows].set(upd, mode="drop").reshape(leaf.shape)
   ids = jnp.where(ok, ids, p)  # out of range: dropped
   # One scatter index a token, its kv heads in the update window (XLA:CPU
   # runs a scatter as a loop over its indices).
@@ -115,12 +148,20 @@ def write(leaf: Array, new: Array, page_table: Array, positions: Array, valid: A
   return leaf.at[layer, :, ids, positions % page].set(new.astype(leaf.dtype), mode="drop")
 
 
-def gather(leaf: Array, page_table: Array, layer=None) -> Array:
-  """Each slot's pages as a dense cache view `[B, M * page, KVH, hd]`."""
+def gather(leaf: Array, page_table: Array, layer=None, by_rows: bool | None = None) -> Array:
+  """Each slot's pages as a dense cache view `[B, M * page, KVH, hd]`
+  (`by_rows`: from the leaf as `[KVH * P, page, hd]`, as `write`)."""
   if layer is not None:
     leaf = jax.lax.dynamic_index_in_dim(leaf, layer, 0, keepdims=False)
-  pages = jnp.take(leaf, page_table, axis=1, mode="clip")  # [KVH, B, M, page, hd]
-  kvh, b, m, page, hd = pages.shape
+  kvh, p, page, hd = leaf.shape
+  if _by_rows() if by_rows is None else by_rows:
+    ids = (jnp.arange(kvh, dtype=page_table.dtype)[:, None, None] * p
+           + jnp.clip(page_table, 0, p - 1)[None])  # [KVH, B, M]
+    # [KVH, B, M, page, hd]
+    pages = jnp.take(leaf.reshape(kvh * p, page, hd), ids, axis=0, mode="clip")
+  else:
+    pages = jnp.take(leaf, page_table, axis=1, mode="clip")  # [KVH, B, M, page, hd]
+  _, b, m, _, _ = pages.shape
   return jnp.transpose(pages, (1, 2, 3, 0, 4)).reshape(b, m * page, kvh, hd)
 
 

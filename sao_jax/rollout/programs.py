@@ -29,6 +29,8 @@ the page table `[slots, pages_per_slot]` after the lengths: (params, pool,
 lengths, table, ...). There `kv` names the table's first ceil(kv / page)
 columns: the slots' pages a step attends over. New entries go straight
 into their pages: no prefix copy, no write-back.
+`capacity()` says how many live tokens the cache holds (the pool's pages x
+page size, or slots x max_len), in all and per slot group.
 `step_args` and `decode_args` give the abstract arguments to lower `step`
 and `decode` at, and `context` the mesh and rules to trace them under (the
 mesh's devices name the target platform: a mesh of TPU devices compiles the
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 
 import flax.linen as nn
 import jax
@@ -100,6 +103,43 @@ class EnginePrograms:
       return None
     cols = -(-kv // self.page_size)
     return None if cols >= self.pages_per_slot else cols
+
+  @property
+  def groups(self) -> int:
+    """Slot groups: how many ways slots (and a paged engine's pool) split
+    over the mesh's batch axes; each group's pages serve only its slots."""
+    return layout.batch_groups(self.mesh, self.rules)
+
+  def capacity(self) -> dict:
+    """How many live tokens the engine's KV cache holds, in all and per slot group.
+
+    Paged: `num_pages` x `page_size` positions shared by the slots (per
+    group: its part of the pool); dense: every slot's `max_len`. Also the
+    fraction of slots x max_len (what a dense cache of the same slots
+    holds), how many max_len trajectories a group's part holds (a paged
+    group needs >= 1: paging.PagePool), and the cache's bytes on each device.
+    """
+    groups, dense = self.groups, self.slots * self.max_len
+    if self.paged:
+      tokens, abstract = self.num_pages * self.page_size, layout.abstract_pool(
+          self.cfg, self.num_pages, self.page_size)
+    else:
+      tokens, abstract = dense, layout.abstract_cache(self.cfg, self.slots, self.max_len)
+    per_device = sum(
+        math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
+        for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(self.shardings.cache)))
+    total_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract))
+    out = {"kind": "paged" if self.paged else "dense", "slots": self.slots,
+           "max_len": self.max_len, "groups": groups, "slots_per_group": self.slots // groups,
+           "live_tokens": tokens, "live_tokens_per_group": tokens // groups,
+           "dense_tokens": dense, "fraction_of_dense": tokens / dense,
+           "max_len_trajectories_per_group": tokens / groups / self.max_len,
+           "bytes": total_bytes, "bytes_per_token": total_bytes / tokens,
+           "bytes_per_device": per_device}
+    if self.paged:
+      out.update(page_size=self.page_size, pages=self.num_pages,
+                 pages_per_group=self.num_pages // groups)
+    return out
 
   def context(self):
     """What the programs are traced under: the mesh and rules the model's
