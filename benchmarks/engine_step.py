@@ -33,10 +33,11 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Run with this tree and the renamed ref package importable: only the engine
-# API both share (the constructor, init_decode_state, step, decode, collect,
-# generate_batch) is used.
+# API both share (init_decode_state, step, decode, collect, generate_batch)
+# is used, and the constructor the package has (the rollout section, or an
+# earlier commit's keyword args), both for the same dense engine.
 CHILD = r"""
-import dataclasses, importlib, json, sys, time
+import dataclasses, importlib, importlib.util, json, sys, time
 import jax, numpy as np
 sys.path.insert(0, "configs")
 import sao_tiny
@@ -59,9 +60,15 @@ def paths(pkg):
   cfg = mcfg.PRESETS[config.model.preset](vocab_size=tok.vocab_size)
   overrides = dict(config.model.get("overrides", {}))
   cfg = dataclasses.replace(cfg, **overrides) if overrides else cfg
-  engine = eng.PolicyEngine(cfg, policy.init_params(cfg, jax.random.key(0)), slots=slots,
-                            max_len=r.max_len, seed=0,
-                            sampling=eng.SamplingConfig(r.temperature, r.top_k, r.top_p))
+  params = policy.init_params(cfg, jax.random.key(0))
+  if importlib.util.find_spec(pkg + ".sections") is not None:  # takes the rollout section
+    sections = importlib.import_module(pkg + ".sections")
+    rollout = sections.Rollout(slots=slots, max_len=r.max_len, kv_cache="dense",
+                               temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
+    engine = eng.PolicyEngine(cfg, params, rollout, seed=0)
+  else:  # an earlier commit: the engine's own keyword args
+    engine = eng.PolicyEngine(cfg, params, slots=slots, max_len=r.max_len, seed=0,
+                              sampling=eng.SamplingConfig(r.temperature, r.top_k, r.top_p))
 
   def generate():
     engine.generate_batch(prompts, new)

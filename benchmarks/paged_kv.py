@@ -47,6 +47,7 @@ import time
 import jax
 import numpy as np
 
+from sao_jax import sections
 from sao_jax.envs.base import StepResult, Task
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import config as mcfg
@@ -168,8 +169,12 @@ def throughput_section(repeats: int, requests: int, decode_steps: int
   warm = {}
 
   def run(name):
-    kw = dict(arms[name])
-    engine = PolicyEngine(cfg, params, max_len=MAX_LEN, seed=1, page_size=PAGE, **kw)
+    # The arm's engine; the driver's turns of TURN tokens, `decode_steps`, and
+    # its former defaults otherwise (keep; 4 env workers, 60 s timeout).
+    rollout = sections.Rollout(max_len=MAX_LEN, page_size=PAGE, max_turn_tokens=TURN,
+                               decode_steps=decode_steps, swap_policy="keep", env_workers=4,
+                               env_timeout=60.0, **arms[name])
+    engine = PolicyEngine(cfg, params, rollout, seed=1)
     if name in warm:  # the compiled programs of the same shapes
       engine._jits = warm[name]  # pylint: disable=protected-access
     warm[name] = engine._jits  # pylint: disable=protected-access
@@ -189,8 +194,7 @@ def throughput_section(repeats: int, requests: int, decode_steps: int
       return decode(state, *a, **k)
 
     engine.step, engine.decode = step_, decode_
-    driver = RolloutDriver(engine, LongTailEnv(), tok, iter(range(requests)), lambda t: None,
-                           max_turn_tokens=TURN, decode_steps=decode_steps)
+    driver = RolloutDriver(engine, LongTailEnv(), tok, iter(range(requests)), lambda t: None)
     start = time.perf_counter()
     driver.run()
     seconds = time.perf_counter() - start

@@ -79,10 +79,11 @@ from timing import time_fns  # pylint: disable=g-import-not-at-top
 import gae as gae_bench  # pylint: disable=g-import-not-at-top
 
 from sao_jax import advantages as adv  # pylint: disable=g-import-not-at-top
+from sao_jax import sections
 from sao_jax import train_step as ts
 from sao_jax.models import config as mcfg
 from sao_jax.models import policy
-from sao_jax.rollout.engine import PolicyEngine, SamplingConfig
+from sao_jax.rollout.engine import PolicyEngine
 
 PAD, EOS = 0, 1  # token ids the data below never contains (Tunix masks pads)
 SHAPES = {
@@ -342,8 +343,8 @@ def generate_section(shape: str, repeats: int, one_step: bool = False, moe_block
   if lanes_arm > 1:  # the fast settings again, the slots split into engine lanes
     name = f"{fast_name(fast)}, {lanes_arm} lanes"
     arms[name], lanes[name] = fast, lanes_arm
-  engines = {name: PolicyEngine(c, params, slots=slots, max_len=prompt + new,
-                                sampling=SamplingConfig(temperature=1.0), lanes=lanes[name])
+  rollout = sections.Rollout(slots=slots, max_len=prompt + new, temperature=1.0)
+  engines = {name: PolicyEngine(c, params, rollout, lanes=lanes[name])
              for name, c in arms.items()}
   seeds = iter(range(10**6))
 
@@ -438,7 +439,7 @@ def main():
                       help="also generation with the fast settings in this many engine lanes "
                       "(PolicyEngine(lanes=...); 1: no such arm)")
   args = parser.parse_args()
-  sections = args.sections.split(",")
+  wanted = args.sections.split(",")
   global VOCAB  # pylint: disable=global-statement
   VOCAB = args.vocab
 
@@ -465,12 +466,12 @@ def main():
       write_section(args.out, body)
 
   for shape in args.shapes.split(","):
-    if "train" in sections:
+    if "train" in wanted:
       record(train_section(shape, args.repeats, args.extra_arms, args.moe_block)[0])
-    if "generate" in sections:
+    if "generate" in wanted:
       record(generate_section(shape, args.repeats, args.extra_arms, args.moe_block,
                               args.lanes)[0])
-  if "gae" in sections:
+  if "gae" in wanted:
     record(gae_section(args.repeats)[0])
 
 

@@ -37,6 +37,7 @@ import time
 import jax
 import numpy as np
 
+from sao_jax import sections
 from sao_jax.envs.base import StepResult, Task
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import config as mcfg
@@ -66,7 +67,7 @@ class LongTailEnv:
 
 
 def _engine(cfg, params, warm, seed, slots=SLOTS):
-  engine = PolicyEngine(cfg, params, slots=slots, max_len=MAX_LEN, seed=seed)
+  engine = PolicyEngine(cfg, params, sections.Rollout(slots=slots, max_len=MAX_LEN), seed=seed)
   if warm is not None:  # reuse the compiled programs (same shapes, same config)
     engine._jits = warm._jits  # pylint: disable=protected-access
   return engine
@@ -137,9 +138,10 @@ def drive(engine, tok, n, *, static=False, decode_steps=8, latency=0.0, swap=Non
           swap_every=4):
   """Runs n requests; (generated tokens/s, seconds, swaps, engine calls)."""
   out = []
-  driver = RolloutDriver(engine, LongTailEnv(), tok, iter(range(n)), None, max_turn_tokens=12,
-                         env_workers=16, static_batching=static, decode_steps=decode_steps,
-                         tool_latency_s=latency, swap_policy=swap or "keep")
+  rollout = engine.rollout.replace(max_turn_tokens=12, env_workers=16, decode_steps=decode_steps,
+                                   swap_policy=swap or "keep")
+  driver = RolloutDriver(engine, LongTailEnv(), tok, iter(range(n)), None, rollout,
+                         static_batching=static, tool_latency_s=latency)
 
   def emit(t):
     out.append(t)
@@ -181,8 +183,8 @@ def batching_section(cfg, params, tok, repeats, n):
 
 def lanes_section(cfg, params, tok, repeats, n, slots=32, prompt_len=64, new=64):
   prompts = list(np.random.default_rng(0).integers(2, cfg.vocab_size, (slots, prompt_len)))
-  engines = {lanes: PolicyEngine(cfg, params, slots=slots, max_len=MAX_LEN, lanes=lanes)
-             for lanes in (1, 2)}
+  rollout = sections.Rollout(slots=slots, max_len=MAX_LEN)
+  engines = {lanes: PolicyEngine(cfg, params, rollout, lanes=lanes) for lanes in (1, 2)}
 
   def sample(lanes):
     def fn():
@@ -240,26 +242,26 @@ def main():
   parser.add_argument("--swap_every", type=int, default=4)
   parser.add_argument("--sections", default="engine,batching,lanes,swap")
   args = parser.parse_args()
-  sections = args.sections.split(",")
+  wanted = args.sections.split(",")
   tok = CharTokenizer()
   cfg = mcfg.tiny(vocab_size=tok.vocab_size)
   params = policy.init_params(cfg, jax.random.key(0))
   out = []
-  if "engine" in sections:
+  if "engine" in wanted:
     out += ["", "| slots | engine loop | tokens/s | vs one-step |", "|---|---|---|---|"]
     for slots in (16, 32):
       _, lines = engine_section(cfg, params, args.repeats, slots)
       out += lines
       print("\n".join(lines), flush=True)
-  if "batching" in sections:
+  if "batching" in wanted:
     out += ["", "| tool latency | batching | decode_steps | tokens/s | vs static, 1 step "
             "| engine calls |", "|---|---|---|---|---|---|"]
     out += batching_section(cfg, params, tok, args.repeats, args.requests)
-  if "lanes" in sections:
+  if "lanes" in wanted:
     out += ["", "| call (32 slots) | lanes | generated tokens/s | vs generate_batch, 1 lane |",
             "|---|---|---|---|"]
     out += lanes_section(cfg, params, tok, args.repeats, args.requests)
-  if "swap" in sections:
+  if "swap" in wanted:
     out += ["", f"| swap policy (every {args.swap_every} trajectories) | tokens/s | vs no swaps "
             "| swaps | cost per swap (ms) |", "|---|---|---|---|---|"]
     out += swap_section(cfg, params, tok, args.repeats, args.requests, args.swap_every)

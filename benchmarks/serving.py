@@ -143,8 +143,7 @@ class InProcess:
 
   def __init__(self, work: str, slots: int, serve_flags: list[str], tokenizer: str,
                dataset: str):
-    from sao_jax import configuration, trainer  # pylint: disable=g-import-not-at-top
-    from sao_jax.rollout.engine import PolicyEngine, SamplingConfig  # pylint: disable=g-import-not-at-top
+    from sao_jax import configuration, factories, trainer  # pylint: disable=g-import-not-at-top
     sys.path.insert(0, os.path.join(ROOT, "configs"))
     import sao_tiny  # pylint: disable=g-import-not-at-top
     config = sao_tiny.get_config()
@@ -154,9 +153,9 @@ class InProcess:
       configuration.set_field(config, field, type(old)(value) if old is not None else value)
     config.tensorboard = False
     run = trainer.load_run(config, os.path.join(work, "policy"))
-    r = config.rollout
-    self.engine = PolicyEngine(run.model_cfg, run.state.policy, slots=slots, max_len=r.max_len,
-                               sampling=SamplingConfig(r.temperature, r.top_k, r.top_p))
+    # The server's engine (launch/serve.py): the run's rollout section with `slots`.
+    self.engine = factories.make_engine(config, run.model_cfg, run.state.policy, seed=0,
+                                        slots=slots)
     # The client's prompts, tokenized as it does, in waves of `slots`.
     import sentencepiece as spm  # pylint: disable=g-import-not-at-top
     sp = spm.SentencePieceProcessor(model_file=tokenizer)

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import random_trajectory, report, time_fns  # pylint: disable=g-import-not-at-top,wrong-import-position
 sys.path.insert(0, os.path.join(ROOT, "configs"))
 import math_tool_tiny  # pylint: disable=g-import-not-at-top,wrong-import-position
-from sao_jax import sharding, trainer  # pylint: disable=wrong-import-position
+from sao_jax import sections, sharding, trainer  # pylint: disable=wrong-import-position
 from sao_jax.data import packing  # pylint: disable=wrong-import-position
 from sao_jax.envs.tokenizer import TOKENIZERS  # pylint: disable=wrong-import-position
 from sao_jax.models import policy  # pylint: disable=wrong-import-position
@@ -90,7 +90,8 @@ def arm(name: str):
       model_cfg, prm, t, q, s, action_index=i)[0])
   trunk = jax.jit(lambda prm, t, q, s: Transformer(model_cfg, "hidden").apply(
       {"params": prm}, t, q, s)[0])
-  engine = PolicyEngine(model_cfg, params, slots=ROWS, max_len=config.rollout.max_len, seed=0)
+  engine = PolicyEngine(model_cfg, params,
+                        sections.Rollout(slots=ROWS, max_len=config.rollout.max_len), seed=0)
   prompts = [list(np.random.default_rng(i).integers(0, tok.vocab_size, PROMPT)) for i in range(ROWS)]
 
   def generate():

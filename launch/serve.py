@@ -15,9 +15,8 @@ import threading
 from absl import flags, logging
 from ml_collections import config_flags
 
-from sao_jax import configuration, trainer
+from sao_jax import configuration, factories, trainer
 from sao_jax.rollout import jetstream_bridge
-from sao_jax.rollout.engine import PolicyEngine, SamplingConfig
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory whose latest checkpoint to serve.")
@@ -38,9 +37,10 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   run = trainer.load_run(_CONFIG.value, _WORKDIR.value)
-  r = _CONFIG.value.rollout
-  engine = PolicyEngine(run.model_cfg, run.state.policy, slots=_SLOTS.value, max_len=r.max_len,
-                        sampling=SamplingConfig(r.temperature, r.top_k, r.top_p))
+  # The run's engine (its rollout section: max_len, sampling, the cache) with
+  # the server's slots, on one device.
+  engine = factories.make_engine(_CONFIG.value, run.model_cfg, run.state.policy, seed=0,
+                                 slots=_SLOTS.value)
   server = jetstream_bridge.serve(jetstream_bridge.JetStreamEngine(
       engine, run.tok, tokens_per_step=_TOKENS_PER_STEP.value, ignore_eos=_IGNORE_EOS.value), _PORT.value,
       host=_HOST.value)

@@ -6,6 +6,11 @@ value and what is allowed, e.g.
 
     rl.eps_low = 2.0: must be in (0, 1)
 
+Each field's own check, and the rules between fields of one section, live
+with the field in its typed section (sao_jax/sections.py); what is here is
+the model, the environment and the mesh (checked against registries and
+devices), and the rules that join sections.
+
 Unknown keys cannot get this far: `configs/common.py` locks the config it
 returns, so a config file that sets a misspelt field fails when it loads,
 and `--config.x.y=...` overrides of unknown fields fail in flag parsing;
@@ -24,18 +29,16 @@ import os
 import shutil
 import sys
 import uuid
-from typing import Any, Callable
+from typing import Callable
 
 from absl import app
 
+from sao_jax import sections
 from sao_jax.advantages import ESTIMATORS
-from sao_jax.losses import CORRECTIVE_SIDES, POLICY_LOSSES
-from sao_jax.rollout.driver import SWAP_POLICIES
-from sao_jax.rollout.engine import KV_CACHES
 
 
-class ConfigError(ValueError):
-  """A setting that cannot work; the message is one line naming the field."""
+# The error every check raises; defined beside the section records.
+ConfigError = sections.ConfigError
 
 
 def parse_literal(text: str):
@@ -45,6 +48,9 @@ def parse_literal(text: str):
     return ast.literal_eval(text)
   except (ValueError, SyntaxError):
     return {"true": True, "false": False}.get(text.lower(), text)
+
+
+_fail = sections.fail
 
 
 def get_field(config, field: str):
@@ -62,123 +68,9 @@ def set_field(config, field: str, value) -> None:
   node[leaf] = value
 
 
-def _is_int(x) -> bool:
-  return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_real(x) -> bool:
-  return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-# field -> (predicate, what is allowed). Checked in this order.
-_RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("seed", _is_int, "an integer"),
-    ("log_every", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    ("sft.steps", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
-    ("sft.batch_size", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    ("sft.lr", lambda v: _is_real(v) and v > 0, "a finite number > 0"),
-    ("sft.warmup", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
-    ("value_pretrain.steps", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
-    ("value_pretrain.num_trajectories", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    ("data.num_train_tasks", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    ("rollout.slots", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    ("rollout.max_len", lambda v: _is_int(v) and v >= 8, "an integer >= 8"),
-    ("rollout.max_turn_tokens", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    ("rollout.kv_cache", lambda v: v in KV_CACHES, f"one of {KV_CACHES}"),
-    ("rollout.page_size", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    ("rollout.kv_pages", lambda v: _is_int(v) and v >= 0,
-     "an integer >= 0 (0: the dense cache's size)"),
-    ("rollout.decode_steps", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    ("env.tool_latency_s", lambda v: _is_real(v) and v >= 0, "a finite number of seconds >= 0"),
-    ("rollout.temperature", lambda v: _is_real(v) and v > 0, "a finite number > 0"),
-    ("rollout.samples_per_prompt", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    ("rollout.env_workers", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    ("rollout.env_timeout", lambda v: _is_real(v) and v > 0, "a finite number of seconds > 0"),
-    ("rollout.queue_size", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    ("rollout.max_staleness", lambda v: v is None or (_is_int(v) and v >= 0),
-     "None or an integer >= 0"),
-    ("rl.steps", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
-    ("rl.batch_size", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    ("rl.eps_low", lambda v: _is_real(v) and 0 < v < 1, "in (0, 1)"),
-    ("rl.eps_high", lambda v: _is_real(v) and v > 0, "a finite number > 0"),
-    ("rl.gamma", lambda v: _is_real(v) and 0 <= v <= 1, "in [0, 1]"),
-    ("rl.lam", lambda v: _is_real(v) and 0 <= v <= 1, "in [0, 1]"),
-    ("rl.critic_lam", lambda v: v is None or (_is_real(v) and 0 <= v <= 1), "None or in [0, 1]"),
-    ("rl.critic_updates", lambda v: _is_int(v) and 0 <= v <= 64, "an integer in [0, 64]"),
-    ("rl.actor_lr", lambda v: _is_real(v) and v > 0, "a finite number > 0"),
-    ("rl.critic_lr", lambda v: _is_real(v) and v > 0, "a finite number > 0"),
-    ("rl.warmup", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
-    ("rl.clip_norm", lambda v: v is None or (_is_real(v) and v > 0), "None or a number > 0"),
-    ("rl.load_balance_coef", lambda v: _is_real(v) and v >= 0, "a finite number >= 0"),
-    ("rl.sync_every", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    ("rl.running_mean_window", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    ("rl.eval_every", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
-    ("rl.max_nonfinite_updates", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    ("rl.max_rollout_restarts", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
-    ("rl.max_generated_tokens", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0: off)"),
-    ("rl.group_std_normalize", lambda v: isinstance(v, bool), "True or False"),
-    ("fleet.root", lambda v: isinstance(v, str), "a path (\"\": <workdir>/fleet)"),
-    ("fleet.shard_trajectories", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    ("fleet.shard_seconds", lambda v: _is_real(v) and v > 0, "a finite number of seconds > 0"),
-    ("fleet.keep_versions", lambda v: _is_int(v) and v >= 2,
-     "an integer >= 2 (a rollout may be reading the one before the newest)"),
-    ("fleet.poll_seconds", lambda v: _is_real(v) and v > 0, "a finite number of seconds > 0"),
-    ("fleet.max_unread_shards", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    ("eval.num_tasks", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    ("eval.slots", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    ("eval.temperature", lambda v: _is_real(v) and v > 0, "a finite number > 0"),
-    ("eval.samples_per_task", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    ("checkpoint.every", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    ("checkpoint.keep", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    ("checkpoint.min_free_gb", lambda v: _is_real(v) and v >= 0, "a finite number >= 0"),
-)
-
-
-# The options of DIS's variants (sao_jax/losses.py, issue 27), checked for every loss.
-_POLICY_LOSS_RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("rl.rollout_kl_coef", lambda v: _is_real(v) and v >= 0, "a finite number >= 0"),
-    ("rl.corrective_side", lambda v: v in CORRECTIVE_SIDES, f"one of {CORRECTIVE_SIDES}"),
-    ("rl.geo_eps_low", lambda v: _is_real(v) and 0 < v < 1, "in (0, 1)"),
-    ("rl.geo_eps_high", lambda v: _is_real(v) and v > 0, "a finite number > 0"),
-)
-
-
-def _fail(field: str, value, allowed: str):
-  raise ConfigError(f"{field} = {value!r}: must be {allowed}")
-
-
-def _check_ranges(config, ranges) -> None:
-  for field, ok, allowed in ranges:
-    try:
-      value = get_field(config, field)
-    except (KeyError, AttributeError):
-      raise ConfigError(f"{field}: missing; configs derive from configs/common.py, "
-                        "which defines it") from None
-    if not ok(value):
-      _fail(field, value, allowed)
-
-
-# The `distributed` section, relative to it (sao_jax/distributed.py).
-_DISTRIBUTED_RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("enabled", lambda v: isinstance(v, bool), "True or False"),
-    ("coordinator_address", lambda v: isinstance(v, str),
-     "a string host:port ('' : from the environment)"),
-    ("num_processes", lambda v: _is_int(v) and v >= 0,
-     "an integer >= 0 (0: from the environment)"),
-    ("process_id", lambda v: _is_int(v) and v >= -1,
-     "an integer >= -1 (-1: from the environment)"),
-)
-
-
 def validate_distributed(dist) -> None:
   """Checks the `distributed` section; run before jax.distributed.initialize."""
-  try:
-    _check_ranges(dist, _DISTRIBUTED_RANGES)
-  except ConfigError as e:
-    raise ConfigError(f"distributed.{e}") from None
-  if dist.num_processes and dist.process_id >= dist.num_processes:
-    _fail("distributed.process_id", dist.process_id,
-          f"< distributed.num_processes ({dist.num_processes})")
+  sections.Distributed.from_config(dist)
 
 
 def validate(config, num_devices: int | None = None, num_processes: int | None = None) -> None:
@@ -197,24 +89,18 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
   dtype_names = [d.name for d in model_config.FLOAT_DTYPES]
   if compute_dtype and compute_dtype not in dtype_names:
     _fail("model.compute_dtype", compute_dtype, f"'' or one of {dtype_names}")
-  _check_ranges(config, _RANGES)
-  _check_ranges(config, _POLICY_LOSS_RANGES)
-  validate_distributed(config.distributed)
+  for field, check in (("seed", sections.integer()), ("log_every", sections.integer(1))):
+    if field not in config:
+      raise ConfigError(f"{field}: missing; configs derive from configs/common.py, "
+                        "which defines it")
+    if not check.ok(config[field]):
+      _fail(field, config[field], check.describe())
+  # Every field of every typed section, and the rules within a section.
+  typed = sections.load(config)
   _check_env(config.env)
-  c, r = config.rl, config.rollout
-  from sao_jax.sources import SOURCES  # pylint: disable=g-import-not-at-top
-  if c.mode not in SOURCES:
-    _fail("rl.mode", c.mode, f"one of {tuple(SOURCES)}")
-  if c.advantage not in ESTIMATORS:
-    _fail("rl.advantage", c.advantage, f"one of {sorted(ESTIMATORS)}")
-  if c.policy_loss not in POLICY_LOSSES:
-    _fail("rl.policy_loss", c.policy_loss, f"one of {sorted(POLICY_LOSSES)}")
-  if r.swap_policy not in SWAP_POLICIES:
-    _fail("rollout.swap_policy", r.swap_policy, f"one of {SWAP_POLICIES}")
+  # The rules that join sections.
+  c, r = typed.rl, typed.rollout
   estimator = ESTIMATORS[c.advantage]
-  uses_critic = estimator.uses_critic
-  if uses_critic and c.critic_updates < 1:
-    _fail("rl.critic_updates", c.critic_updates, f">= 1 with rl.advantage = {c.advantage!r}")
   if c.mode == "fleet" and r.samples_per_prompt != 1:
     # The fleet's checkpointed cursor is per trajectory; a GRPO group split
     # across a trainer restart would be half trained.
@@ -230,28 +116,18 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
   # The train step's log-probs apply the temperature only; truncated sampling
   # would bias every DIS / PPO ratio (an exactly on-policy step would show
   # ratios far from 1 and mask most tokens), so it is refused, not ignored.
-  if not (_is_int(r.top_k) and r.top_k == 0):
+  if r.top_k != 0:
     _fail("rollout.top_k", r.top_k, "0: the train step's log-probs do not apply top-k, "
           "so the importance ratios would be biased")
-  if not (_is_real(r.top_p) and r.top_p == 1.0):
+  if r.top_p != 1.0:
     _fail("rollout.top_p", r.top_p, "1.0: the train step's log-probs do not apply top-p, "
           "so the importance ratios would be biased")
-  buckets = tuple(config.data.buckets)
-  if (not buckets or not all(_is_int(b) and b >= 8 for b in buckets)
-      or list(buckets) != sorted(set(buckets))):
-    _fail("data.buckets", buckets, "a non-empty increasing tuple of integers >= 8")
+  if r.max_turn_tokens >= r.max_len:
+    _fail("rollout.max_turn_tokens", r.max_turn_tokens, f"< rollout.max_len ({r.max_len})")
+  buckets = typed.data.buckets
   if max(buckets) < r.max_len:
     raise ConfigError(f"data.buckets = {buckets}: the largest data.buckets entry must be "
                       f">= rollout.max_len ({r.max_len})")
-  if r.max_turn_tokens >= r.max_len:
-    _fail("rollout.max_turn_tokens", r.max_turn_tokens, f"< rollout.max_len ({r.max_len})")
-  if r.kv_cache == "paged":
-    if r.max_len % r.page_size:
-      _fail("rollout.page_size", r.page_size, f"a divisor of rollout.max_len ({r.max_len})")
-    if 0 < r.kv_pages < r.max_len // r.page_size:
-      _fail("rollout.kv_pages", r.kv_pages,
-            f"0 or >= rollout.max_len / rollout.page_size ({r.max_len // r.page_size}): "
-            "the pool must hold one whole trajectory")
   _check_mesh(dict(config.sharding.mesh), num_devices)
   # With several processes every host must train on the same batches, and
   # the in-process rollout's completion order differs from host to host.
@@ -260,14 +136,10 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
     raise ConfigError(f"rl.mode = {c.mode!r} with {processes} processes: the in-process "
                       "rollout cannot feed a multi-host trainer; run rollout on its own "
                       "slices (rl.mode = 'fleet'), or rl.steps = 0")
-  if "faults" in config:
-    for name, value in config.faults.items():
-      if not (_is_int(value) and value >= 0):
-        _fail(f"faults.{name}", value, "an integer >= 0 (0: off)")
-    kill = config.faults.get("sigkill_after_rl_step", 0)
-    if _is_int(kill) and kill > c.steps:
-      # It would never fire: the run would end normally, not be killed.
-      _fail("faults.sigkill_after_rl_step", kill, f"<= rl.steps ({c.steps})")
+  if typed.faults.sigkill_after_rl_step > c.steps:
+    # It would never fire: the run would end normally, not be killed.
+    _fail("faults.sigkill_after_rl_step", typed.faults.sigkill_after_rl_step,
+          f"<= rl.steps ({c.steps})")
 
 
 def _check_env(env) -> None:
@@ -308,7 +180,7 @@ def _check_env(env) -> None:
     _fail("env.tokenizer", env.tokenizer, f"one of {sorted(tokenizer.TOKENIZERS)}")
   if not isinstance(env.thinking, bool):
     _fail("env.thinking", env.thinking, "True or False")
-  if not (_is_int(env.max_tool_output_tokens) and env.max_tool_output_tokens >= 0):
+  if not (sections.is_int(env.max_tool_output_tokens) and env.max_tool_output_tokens >= 0):
     _fail("env.max_tool_output_tokens", env.max_tool_output_tokens, "an integer >= 0 (0: no cap)")
 
 
@@ -319,7 +191,7 @@ def _process_count() -> int:
 
 def _check_mesh(mesh: dict, num_devices: int | None) -> None:
   sizes = list(mesh.values())
-  if not mesh or not all(_is_int(s) and (s >= 1 or s == -1) for s in sizes):
+  if not mesh or not all(sections.is_int(s) and (s >= 1 or s == -1) for s in sizes):
     _fail("sharding.mesh", mesh, "a dict of axis name -> size >= 1 (one size may be -1)")
   if sizes.count(-1) > 1:
     _fail("sharding.mesh", mesh, "a dict with at most one -1 size")

@@ -28,35 +28,38 @@ import numpy as np
 from sao_jax import files
 from sao_jax.data import prompts as prompt_data
 from sao_jax.envs.base import StepResult
-from sao_jax.rollout.driver import RolloutDriver
-from sao_jax.rollout.engine import PolicyEngine, SamplingConfig
 
 
-def pass_at_1(model_cfg, params, env, tokenizer, *, num_tasks: int, slots: int, max_len: int,
-              max_turn_tokens: int, temperature: float = 1.0, seed: int = 0,
-              samples_per_task: int = 1, samples: list | None = None,
-              **driver_options) -> dict:
-  """Samples `samples_per_task` episodes of each of the first `num_tasks` held-out tasks.
+def pass_at_1(config, model_cfg, params, env, tokenizer, *, seed: int,
+              samples: list | None = None) -> dict:
+  """Samples `eval.samples_per_task` episodes of each of the first `eval.num_tasks`
+  held-out tasks of `config`.
 
-  An environment with a finite held-out set (`env.num_eval_tasks`, e.g. a
-  dataset's held-out rows) is evaluated on at most that many tasks, so no
-  task is counted twice. `driver_options` go to the `RolloutDriver` (the
-  chat format, the tool-output cap). A `samples` list gets one record
-  (`sample_record`) per sampled episode.
+  The engine and driver are the run's (`factories.make_engine` /
+  `make_driver`: the rollout section, the chat format, the tool-output
+  cap) with the eval section's slots, temperature and decode_steps and no
+  simulated tool latency. An environment with a finite held-out set
+  (`env.num_eval_tasks`, e.g. a dataset's held-out rows) is evaluated on
+  at most that many tasks, so no task is counted twice. A `samples` list
+  gets one record (`sample_record`) per sampled episode.
   """
+  from sao_jax import factories  # pylint: disable=g-import-not-at-top
+  e = config.eval
+  num_tasks, samples_per_task = e.num_tasks, e.samples_per_task
   limit = getattr(env, "num_eval_tasks", None)
   if limit is not None:
     num_tasks = min(num_tasks, int(limit))
-  engine = PolicyEngine(model_cfg, params, slots=slots, max_len=max_len,
-                        sampling=SamplingConfig(temperature=temperature), seed=seed)
+  engine = factories.make_engine(config, model_cfg, params, seed=seed, slots=e.slots,
+                                 temperature=e.temperature, decode_steps=e.decode_steps)
   trajs = []
   prompts = [i for i in prompt_data.eval_indices(num_tasks) for _ in range(samples_per_task)]
+  options = {}
   if samples is not None:
     env = _Recording(env)
-    driver_options["on_finish"] = lambda traj, episode: samples.append(
+    options["on_finish"] = lambda traj, episode: samples.append(
         sample_record(traj, episode, tokenizer))
-  driver = RolloutDriver(engine, env, tokenizer, iter(prompts), trajs.append,
-                         max_turn_tokens=max_turn_tokens, **driver_options)
+  driver = factories.make_driver(config, engine, env, tokenizer, iter(prompts), trajs.append,
+                                 tool_latency_s=0.0, **options)
   try:
     driver.run()
   finally:

@@ -14,12 +14,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sao_jax import configuration, optim, sharding
+from sao_jax import configuration, optim, sections, sharding
 from sao_jax.envs import registry
 from sao_jax.models import config as model_config
 from sao_jax.models import policy
 from sao_jax.rollout.driver import RolloutDriver
-from sao_jax.rollout.engine import PolicyEngine, SamplingConfig, rollout_rules
+from sao_jax.rollout.engine import PolicyEngine, rollout_rules
 from sao_jax.train_step import (StepConfig, TrainState, jit_sharded, make_sft_step,
                                  make_train_step)
 
@@ -42,38 +42,40 @@ def build_model_config(config, tokenizer=None) -> model_config.ModelConfig:
   return dataclasses.replace(base, **overrides) if overrides else base
 
 
-def make_engine(config, model_cfg: model_config.ModelConfig, params, version: int, *,
-                seed: int | None = None, mesh: jax.sharding.Mesh | None = None) -> PolicyEngine:
+def make_engine(config, model_cfg: model_config.ModelConfig, params, version: int = 0, *,
+                seed: int | None = None, mesh: jax.sharding.Mesh | None = None,
+                **rollout_changes) -> PolicyEngine:
   """The rollout engine a config asks for, on `params` at `version`.
 
-  With `rollout.sharded_engine` and a `mesh`, the engine lays params and KV
+  It takes the config's rollout section whole (sao_jax/sections.py: slots,
+  max_len, sampling, the dense or paged cache), with `rollout_changes`
+  applied (evaluation's own slots and temperature, serving's slots). With
+  `rollout.sharded_engine` and a `mesh`, the engine lays params and KV
   cache out on it (slots over the batch axes, kv heads over "tensor");
   otherwise one device holds everything. `seed` defaults to seed + version.
-  `rollout.kv_cache` / `page_size` / `kv_pages` choose the dense or the paged
-  cache (configs/common.py).
   """
-  r = config.rollout
+  r = sections.rollout(config)
+  if rollout_changes:
+    r = r.replace(**rollout_changes)
   placement = dict(mesh=mesh, rules=rollout_rules(mesh)) if r.sharded_engine and mesh else {}
-  return PolicyEngine(model_cfg, params, slots=r.slots, max_len=r.max_len,
-                      sampling=SamplingConfig(r.temperature, r.top_k, r.top_p),
+  return PolicyEngine(model_cfg, params, r,
                       seed=config.seed + int(version) if seed is None else seed,
-                      version=version, kv_cache=r.get("kv_cache", "dense"),
-                      page_size=r.get("page_size", 16), kv_pages=r.get("kv_pages", 0),
-                      **placement)
+                      version=version, **placement)
 
 
 def make_driver(config, engine: PolicyEngine, env, tok, prompt_iter, emit,
-                **overrides) -> RolloutDriver:
+                rollout: sections.Rollout | None = None, **options) -> RolloutDriver:
   """The rollout driver a config asks for: the trainer's thread, a fleet
-  rollout process and value pretraining (with `overrides`) build it here."""
-  r = config.rollout
-  kwargs = dict(samples_per_prompt=r.samples_per_prompt, max_turn_tokens=r.max_turn_tokens,
-                env_workers=r.env_workers, swap_policy=r.swap_policy,
-                env_timeout=r.env_timeout, decode_steps=r.decode_steps,
-                tool_latency_s=config.env.tool_latency_s,
-                chat_format=registry.make_format(config.env, tok),
-                max_tool_output_tokens=config.env.max_tool_output_tokens)
-  return RolloutDriver(engine, env, tok, prompt_iter, emit, **dict(kwargs, **overrides))
+  rollout process, value pretraining and evaluation build it here.
+
+  It takes the engine's rollout section (or `rollout`) whole, the chat
+  format and the tool-output cap of the config's environment, and
+  `options` of the driver itself (on_finish, static_batching, ...).
+  """
+  options.setdefault("tool_latency_s", config.env.tool_latency_s)
+  return RolloutDriver(engine, env, tok, prompt_iter, emit, rollout,
+                       chat_format=registry.make_format(config.env, tok),
+                       max_tool_output_tokens=config.env.max_tool_output_tokens, **options)
 
 
 def step_config(config) -> StepConfig:

@@ -112,21 +112,19 @@ class Run:
     return factories.make_engine(self.config, self.model_cfg, params, version, mesh=engine_mesh,
                                  **kwargs)
 
-  def driver(self, engine: PolicyEngine, env, prompt_iter, emit, **overrides) -> RolloutDriver:
+  def driver(self, engine: PolicyEngine, env, prompt_iter, emit, rollout=None,
+             **options) -> RolloutDriver:
+    """A rollout driver (`factories.make_driver`): the engine's rollout section,
+    or `rollout` (e.g. value pretraining's own samples and decode steps)."""
     return factories.make_driver(self.config, engine, env, self.tok, prompt_iter, emit,
-                                 **overrides)
+                                 rollout, **options)
 
   def evaluate(self, name: str, params, samples: list | None = None) -> dict:
     """Held-out pass@1 of `params`, recorded in meta["evals"][name] and the metrics."""
-    e = self.config.eval
     params = distributed.host_local_copy(params, self.mesh)  # every process joins
     result = distributed.share_from_primary(f"eval/{name}", lambda: pass_at_1(
-        self.model_cfg, params, self.frozen_env, self.tok, num_tasks=e.num_tasks,
-        slots=e.slots, max_len=self.config.rollout.max_len,
-        max_turn_tokens=self.config.rollout.max_turn_tokens, temperature=e.temperature,
-        seed=self.config.seed + 7, samples_per_task=e.get("samples_per_task", 1),
-        chat_format=self.format, max_tool_output_tokens=self.config.env.max_tool_output_tokens,
-        samples=samples))
+        self.config, self.model_cfg, params, self.frozen_env, self.tok,
+        seed=self.config.seed + 7, samples=samples))
     self.meta["evals"][name] = result
     self.metrics.write(int(self.state.step), {f"eval/{k}": v for k, v in result.items()}, "eval")
     print(f"[eval] {name}: pass@1 {result['pass@1']:.3f} on {result['tasks']} held-out tasks "

@@ -93,7 +93,7 @@ def _store_initial_rollouts(run: Run, shard: str, num_trajectories: int) -> int:
       # swaps to wait for, so several tokens per decode call.
       driver = run.driver(engine, run.frozen_env,
                           iter(range(10**9, 10**9 + num_trajectories)), writer.write,
-                          samples_per_prompt=1, decode_steps=8)
+                          engine.rollout.replace(samples_per_prompt=1, decode_steps=8))
       driver.run()
       driver.stop()
     return driver.stats.generated_tokens

@@ -13,6 +13,7 @@ import types
 import numpy as np
 import pytest
 
+from sao_jax import sections
 from sao_jax.envs import chat
 from sao_jax.envs.base import StepResult, Task
 from sao_jax.envs.tokenizer import TOKENIZERS
@@ -155,9 +156,11 @@ def rollout(turns, env=None, max_turn_tokens=256, max_tool_output_tokens=0):
   script = [(t, -0.001 * (k + 1)) for k, t in enumerate(ids)]
   engine = ScriptedEngine(script)
   out = []
-  driver = RolloutDriver(engine, env, TOK, iter([0]), out.append, chat_format=FMT,
-                         max_turn_tokens=max_turn_tokens, env_workers=1, decode_steps=4,
-                         env_timeout=30.0, max_tool_output_tokens=max_tool_output_tokens)
+  section = sections.Rollout(slots=1, max_len=engine.max_prefill_length,
+                             max_turn_tokens=max_turn_tokens, env_workers=1, decode_steps=4,
+                             env_timeout=30.0, swap_policy="keep")
+  driver = RolloutDriver(engine, env, TOK, iter([0]), out.append, section, chat_format=FMT,
+                         max_tool_output_tokens=max_tool_output_tokens)
   try:
     driver.run()
   finally:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from sao_jax import sections
 from sao_jax.models import attention, decoding, policy
 from sao_jax.models import config as mcfg
 from sao_jax.rollout import engine as engine_lib
@@ -118,10 +119,10 @@ def test_prefill_chunk_zero_is_extend_bit_for_bit(params):
 
 
 def test_engine_with_chunked_prefill_samples_as_the_reference(params):
-  sampling = engine_lib.SamplingConfig(temperature=1.0)
+  rollout = sections.Rollout(slots=3, max_len=32, temperature=1.0)
   out = {}
   for name, cfg in (("ref", REF), ("chunked", CHUNKED)):
-    eng = engine_lib.PolicyEngine(cfg, params, slots=3, max_len=32, sampling=sampling, seed=3)
+    eng = engine_lib.PolicyEngine(cfg, params, rollout, seed=3)
     state = eng.init_decode_state()
     tokens, valid = _ragged_feed(7, [13, 5, 9])
     state, tok, logp, _ = eng.step(state, tokens, valid)

@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 from fakes import EchoEnv  # pylint: disable=g-bad-import-order
-from sao_jax import sharding
+from sao_jax import sections, sharding
 from sao_jax.data.trajectory import validate
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import config as mcfg
@@ -33,9 +33,10 @@ TOK = CharTokenizer()
 # Two kv heads: they split over tensor=2.
 CFG = dataclasses.replace(mcfg.tiny(vocab_size=TOK.vocab_size), num_kv_heads=2)
 SLOTS, MAX_LEN, KV = 8, 64, 32
+ROLLOUT = sections.Rollout(slots=SLOTS, max_len=MAX_LEN)
 # Widths 8 / 1 / 64 and a kv bucket of 32: steps attend over the cache
 # prefix [0, 32) until some slot grows past it, then over all of it.
-ENGINE_KW = dict(slots=SLOTS, max_len=MAX_LEN, prefill_buckets=(8,), kv_buckets=(KV,), seed=5)
+ENGINE_KW = dict(prefill_buckets=(8,), kv_buckets=(KV,), seed=5)
 MESHES = {"data4_tensor2": {"data": 4, "tensor": 2}, "data8": {"data": 8}}
 # Like a trainer's: embeddings fsdp-style over "data", so every weight sync
 # really moves data between layouts.
@@ -56,7 +57,7 @@ def mesh_and_rules(name):
 
 def sharded_engine(name, params):
   mesh, rules = mesh_and_rules(name)
-  return PolicyEngine(CFG, params, mesh=mesh, rules=rules, **ENGINE_KW)
+  return PolicyEngine(CFG, params, ROLLOUT, mesh=mesh, rules=rules, **ENGINE_KW)
 
 
 def trainer_copy(params, mesh):
@@ -138,7 +139,7 @@ def scripted_run(engine, params1, inputs=None):
 
 @pytest.fixture(scope="module")
 def reference(params):
-  engine = PolicyEngine(CFG, params[0], **ENGINE_KW)
+  engine = PolicyEngine(CFG, params[0], ROLLOUT, **ENGINE_KW)
   inputs, outputs, state = scripted_run(engine, params[1])
   assert state.host_lengths.max() > KV  # both the kv-32 and the full-cache programs ran
   return inputs, outputs
@@ -166,8 +167,8 @@ def test_paged_engine_samples_what_the_dense_engine_samples(name, params, refere
   # the batch axes, one page group a device): the dense single-device
   # engine's samples, step for step. Re-admitted slots take freed pages.
   placement = {} if name is None else dict(zip(("mesh", "rules"), mesh_and_rules(name)))
-  engine = PolicyEngine(CFG, params[0], kv_cache="paged", page_size=8, **placement,
-                        **ENGINE_KW)
+  paged = ROLLOUT.replace(kv_cache="paged", page_size=8)
+  engine = PolicyEngine(CFG, params[0], paged, **placement, **ENGINE_KW)
   inputs, expected = reference
   _, got, state = scripted_run(engine, params[1], inputs)
   for step, ((tok, logp, version), (tok0, logp0, version0)) in enumerate(zip(got, expected)):
@@ -183,6 +184,11 @@ def test_paged_engine_samples_what_the_dense_engine_samples(name, params, refere
     leaf = jax.tree.leaves(state.cache)[0]
     assert leaf.sharding.spec[1] == "data"
     assert state.page_table.sharding.spec[0] == "data"
+    # A pool that holds one trajectory (all the rollout section checks) but
+    # not one a slot group: the engine refuses it.
+    with pytest.raises(ValueError, match="fewer than one max_len trajectory"):
+      PolicyEngine(CFG, params[0], paged.replace(kv_pages=MAX_LEN // 8), **placement,
+                   **ENGINE_KW)
 
 
 def stacked(params, scfg):
@@ -203,7 +209,8 @@ def test_scanned_layers_stacked_cache_matches_the_unscanned_reference(params, re
   single-device engine samples."""
   scfg = dataclasses.replace(CFG, scan_layers=True)
   mesh, rules = mesh_and_rules("data4_tensor2")
-  engine = PolicyEngine(scfg, stacked(params[0], scfg), mesh=mesh, rules=rules, **ENGINE_KW)
+  engine = PolicyEngine(scfg, stacked(params[0], scfg), ROLLOUT, mesh=mesh, rules=rules,
+                        **ENGINE_KW)
   stacked_leaves = [x for x in jax.tree.leaves(engine.init_decode_state().cache) if x.ndim == 5]
   assert stacked_leaves
   for leaf in stacked_leaves:
@@ -257,15 +264,15 @@ def test_cache_state_and_params_are_sharded(params):
     assert q.sharding.is_equivalent_to(
         NamedSharding(engine.mesh, P(*[None] * (q.ndim - 2), "tensor", None)), q.ndim)
   with pytest.raises(ValueError, match="slots do not divide"):
-    PolicyEngine(CFG, params[0], mesh=engine.mesh, rules=engine.rules,
-                 **dict(ENGINE_KW, slots=6))
+    PolicyEngine(CFG, params[0], ROLLOUT.replace(slots=6), mesh=engine.mesh, rules=engine.rules,
+                 **ENGINE_KW)
 
 
 def test_without_a_mesh_the_engine_is_the_same_layout_on_one_device(params):
   """One layout: no mesh is a mesh of one device (the first local one, or
   `device`), with the same shardings, programs and decode state."""
   for device in (None, jax.devices()[1]):
-    engine = PolicyEngine(CFG, params[0], device=device, **ENGINE_KW)
+    engine = PolicyEngine(CFG, params[0], ROLLOUT, device=device, **ENGINE_KW)
     assert engine.mesh.devices.tolist() == [device or jax.local_devices()[0]]
     assert engine.mesh.axis_names == ("data",) and engine.programs.mesh is engine.mesh
     state = engine.init_decode_state()
@@ -273,7 +280,8 @@ def test_without_a_mesh_the_engine_is_the_same_layout_on_one_device(params):
       assert isinstance(x.sharding, NamedSharding) and x.sharding.mesh == engine.mesh
       assert x.devices() == {engine.mesh.devices.flat[0]}
   with pytest.raises(ValueError, match="a device or a mesh"):
-    PolicyEngine(CFG, params[0], device=jax.devices()[0], mesh=engine.mesh, **ENGINE_KW)
+    PolicyEngine(CFG, params[0], ROLLOUT, device=jax.devices()[0], mesh=engine.mesh,
+                 **ENGINE_KW)
 
 
 def test_update_params_reshards_a_trainer_layout_into_a_private_copy(params):
@@ -322,7 +330,8 @@ def test_driver_logprobs_equal_teacher_forced_with_sharded_engine(name, params):
   engine = sharded_engine(name, params[0])
   out = []
   driver = RolloutDriver(engine, EchoEnv(), TOK, iter(range(1000)), None,
-                         max_turn_tokens=6, swap_policy="recompute")
+                         ROLLOUT.replace(max_turn_tokens=6, swap_policy="recompute",
+                                         decode_steps=8))
 
   def emit(t):
     out.append(t)
@@ -378,7 +387,7 @@ def test_compile_lowers_the_programs_the_engine_runs(name, params):
   same program text, shardings included; otherwise the AOT report would
   size a different program than the one that runs."""
   if name is None:
-    engine = PolicyEngine(CFG, params[0], **ENGINE_KW)
+    engine = PolicyEngine(CFG, params[0], ROLLOUT, **ENGINE_KW)
   else:
     engine = sharded_engine(name, params[0])
   progs = engine.programs

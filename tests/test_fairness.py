@@ -170,6 +170,7 @@ def test_pass_at_1_says_how_many_samples_gave_no_episode(capsys):
   from sao_jax.envs.base import Task  # pylint: disable=import-outside-toplevel
   from sao_jax.envs.tokenizer import CharTokenizer  # pylint: disable=import-outside-toplevel
   from sao_jax.models import config as mcfg  # pylint: disable=import-outside-toplevel
+  from runs import load_config_module  # pylint: disable=import-outside-toplevel
 
   class OddTasksTooLong(EchoEnv):
 
@@ -179,8 +180,16 @@ def test_pass_at_1_says_how_many_samples_gave_no_episode(capsys):
 
   tok = CharTokenizer()
   cfg = mcfg.tiny(vocab_size=tok.vocab_size)
-  r = evaluation.pass_at_1(cfg, random_params(cfg, 0.02), OddTasksTooLong(), tok, num_tasks=4,
-                           slots=4, max_len=32, max_turn_tokens=4)
+  # The tiny run's config with the evaluation this test measures: 4 tasks on
+  # 4 slots at temperature 1, turns of 4 tokens in max_len 32, the raw
+  # format, no tool-output cap, the driver's former defaults.
+  config = load_config_module("sao_tiny.py").get_config()
+  config.eval.update(num_tasks=4, slots=4, temperature=1.0, samples_per_task=1, decode_steps=8)
+  config.rollout.update(max_len=32, max_turn_tokens=4, kv_cache="dense", top_k=0, top_p=1.0,
+                        samples_per_prompt=1, swap_policy="keep", env_workers=4,
+                        env_timeout=60.0)
+  config.env.update(chat_format="raw", max_tool_output_tokens=0)
+  r = evaluation.pass_at_1(config, cfg, random_params(cfg, 0.02), OddTasksTooLong(), tok, seed=0)
   assert r["samples_dropped"] == 2 and r["tasks"] == 2 and r["samples"] == 2
   assert "2 of 4 samples gave no episode" in capsys.readouterr().out
 

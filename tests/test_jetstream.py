@@ -12,11 +12,12 @@ import grpc  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import portpicker  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+from sao_jax import sections  # pylint: disable=g-import-not-at-top,wrong-import-position
 from sao_jax.envs.tokenizer import CharTokenizer  # pylint: disable=g-import-not-at-top,wrong-import-position
 from sao_jax.models import config as mcfg  # pylint: disable=g-import-not-at-top,wrong-import-position
 from sao_jax.models import policy  # pylint: disable=g-import-not-at-top,wrong-import-position
 from sao_jax.rollout import jetstream_bridge  # pylint: disable=g-import-not-at-top,wrong-import-position
-from sao_jax.rollout.engine import PolicyEngine, SamplingConfig  # pylint: disable=g-import-not-at-top,wrong-import-position
+from sao_jax.rollout.engine import PolicyEngine  # pylint: disable=g-import-not-at-top,wrong-import-position
 from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc  # pylint: disable=g-import-not-at-top,wrong-import-position
 from jetstream.engine import engine_api  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -29,8 +30,7 @@ def engine():
   params = policy.init_params(CFG, jax.random.key(0))
   return jetstream_bridge.JetStreamEngine(
       # top_k=1: greedy, so the stream can be checked token by token.
-      PolicyEngine(CFG, params, slots=4, max_len=128, seed=1,
-                   sampling=SamplingConfig(top_k=1)), TOK)
+      PolicyEngine(CFG, params, sections.Rollout(slots=4, max_len=128, top_k=1), seed=1), TOK)
 
 
 def _teacher_forced_argmax(params, prompt, tokens):
@@ -102,7 +102,7 @@ def test_several_tokens_per_generate_call_match_teacher_forcing(engine):
 def test_several_tokens_per_call_stop_at_the_cache_end():
   params = policy.init_params(CFG, jax.random.key(0))
   multi = jetstream_bridge.JetStreamEngine(
-      PolicyEngine(CFG, params, slots=2, max_len=16, seed=1, sampling=SamplingConfig(top_k=1)),
+      PolicyEngine(CFG, params, sections.Rollout(slots=2, max_len=16, top_k=1), seed=1),
       TOK, tokens_per_step=4)
   state = multi.init_decode_state()
   state = multi.insert(multi.prefill(params=multi.load_params(), padded_tokens=np.arange(3, 10),
@@ -145,8 +145,8 @@ def _stream(js_engine, text: str, max_tokens: int, check_health: bool = False) -
 def test_grpc_stream_with_several_tokens_per_call_honours_max_tokens(max_tokens, expected):
   params = policy.init_params(CFG, jax.random.key(0))
   multi = jetstream_bridge.JetStreamEngine(
-      PolicyEngine(CFG, params, slots=4, max_len=128, seed=1), TOK, tokens_per_step=4,
-      ignore_eos=True)
+      PolicyEngine(CFG, params, sections.Rollout(slots=4, max_len=128), seed=1), TOK,
+      tokens_per_step=4, ignore_eos=True)
   # Chunks of 4: never past max_tokens; short of it by the chunk that would cross it.
   assert len(_stream(multi, "7 times 3\n", max_tokens)) == expected
 

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from sao_jax import sections
 from sao_jax.data.trajectory import validate
 from sao_jax.envs.demonstrations import demonstration_trajectory
 from fakes import EchoEnv  # pylint: disable=g-bad-import-order
@@ -40,10 +41,11 @@ PAGED = dict(kv_cache="paged", page_size=8)
 def run_driver(params, swap_policy, n=12, swap_after=3, slots=4, env=None, decode_steps=8,
                kv_cache="dense"):
   kw = PAGED if kv_cache == "paged" else {}
-  engine = PolicyEngine(CFG, params[0], slots=slots, max_len=MAX_LEN, seed=3, **kw)
+  rollout = sections.Rollout(slots=slots, max_len=MAX_LEN, max_turn_tokens=6,
+                             swap_policy=swap_policy, decode_steps=decode_steps, **kw)
+  engine = PolicyEngine(CFG, params[0], rollout, seed=3)
   out = []
-  driver = RolloutDriver(engine, env or EchoEnv(), TOK, iter(range(1000)), None,
-                         max_turn_tokens=6, swap_policy=swap_policy, decode_steps=decode_steps)
+  driver = RolloutDriver(engine, env or EchoEnv(), TOK, iter(range(1000)), None)
 
   def emit(t):
     out.append(t)
@@ -141,9 +143,10 @@ def test_paged_engine_samples_and_logprobs_equal_the_dense_engine(params, kv_buc
   # call, or (in_place, the TPU kernel's loop) writes and reads the pages
   # at every step.
   monkeypatch.setattr(programs_lib, "_decode_in_place", lambda cfg, page: in_place)
-  dense = PolicyEngine(CFG, params[0], slots=4, max_len=MAX_LEN, seed=9, kv_buckets=kv_buckets)
-  paged = PolicyEngine(CFG, params[0], slots=4, max_len=MAX_LEN, seed=9, kv_buckets=kv_buckets,
-                       **PAGED)
+  dense = PolicyEngine(CFG, params[0], sections.Rollout(slots=4, max_len=MAX_LEN), seed=9,
+                       kv_buckets=kv_buckets)
+  paged = PolicyEngine(CFG, params[0], sections.Rollout(slots=4, max_len=MAX_LEN, **PAGED),
+                       seed=9, kv_buckets=kv_buckets)
   ref, dstate = _multi_turn(dense)
   got, pstate = _multi_turn(paged)
   assert dstate.host_lengths.max() > 32  # past the first bucket
@@ -161,13 +164,21 @@ def test_paged_engine_samples_and_logprobs_equal_the_dense_engine(params, kv_buc
 
 
 def test_paged_engine_reports_exhaustion_and_checks_its_pool(params):
-  with pytest.raises(ValueError, match="fewer than one max_len trajectory"):
-    PolicyEngine(CFG, params[0], slots=4, max_len=MAX_LEN, kv_pages=15, **PAGED)
-  with pytest.raises(ValueError, match="divide max_len"):
-    PolicyEngine(CFG, params[0], slots=4, max_len=MAX_LEN, kv_cache="paged", page_size=7)
-  with pytest.raises(ValueError, match="kv_cache must be one of"):
-    PolicyEngine(CFG, params[0], slots=4, max_len=MAX_LEN, kv_cache="ragged")
-  engine = PolicyEngine(CFG, params[0], slots=4, max_len=MAX_LEN, kv_pages=16, **PAGED)
+  # The rollout section checks the pool and the page size (a ConfigError, a
+  # ValueError); the engine checks the pool per slot group (test_engine_sharded.py).
+  with pytest.raises(sections.ConfigError,
+                     match=r"rollout.kv_pages = 15: must be 0 or >= rollout.max_len / "
+                           r"rollout.page_size \(16\): the pool must hold one whole trajectory"):
+    PolicyEngine(CFG, params[0], sections.Rollout(slots=4, max_len=MAX_LEN, kv_pages=15, **PAGED))
+  with pytest.raises(sections.ConfigError,
+                     match=r"rollout.page_size = 7: must be a divisor of rollout.max_len \(128\)"):
+    PolicyEngine(CFG, params[0], sections.Rollout(slots=4, max_len=MAX_LEN, kv_cache="paged",
+                                                  page_size=7))
+  with pytest.raises(sections.ConfigError,
+                     match=r"rollout.kv_cache = 'ragged': must be one of \('dense', 'paged'\)"):
+    PolicyEngine(CFG, params[0], sections.Rollout(slots=4, max_len=MAX_LEN, kv_cache="ragged"))
+  engine = PolicyEngine(CFG, params[0], sections.Rollout(slots=4, max_len=MAX_LEN, kv_pages=16,
+                                                         **PAGED))
   state = engine.init_decode_state()
   assert engine.reserve(state, 0, 100) and not engine.reserve(state, 1, 40)  # 13 + 5 > 16
   assert engine.reserve(state, 1, 24) and state.pages.free_pages() == 0
@@ -183,11 +194,11 @@ def test_paged_driver_with_a_small_pool_waits_and_returns_every_page(params, max
   # slot): admission waits for pages, and with long turns every slot blocks,
   # so the youngest is preempted and re-fed. All trajectories finish,
   # teacher-forced, and every page comes back.
-  engine = PolicyEngine(CFG, params[0], slots=slots, max_len=MAX_LEN, seed=3, kv_pages=16,
-                        **PAGED)
+  engine = PolicyEngine(CFG, params[0], sections.Rollout(
+      slots=slots, max_len=MAX_LEN, kv_pages=16, max_turn_tokens=max_turn_tokens,
+      swap_policy="keep", decode_steps=8, **PAGED), seed=3)
   out = []
-  driver = RolloutDriver(engine, EchoEnv(), TOK, iter(range(14)), out.append,
-                         max_turn_tokens=max_turn_tokens, decode_steps=8)
+  driver = RolloutDriver(engine, EchoEnv(), TOK, iter(range(14)), out.append)
   driver.run()
   assert len(out) == 14 and sorted(t.prompt_id for t in out) == list(range(14))
   assert driver.stats.page_waits > 0
@@ -211,10 +222,11 @@ def test_drain_never_mixes_versions_and_keep_does(params):
 
 
 def test_samples_per_prompt_share_group_ids(params):
-  engine = PolicyEngine(CFG, params[0], slots=4, max_len=MAX_LEN)
+  engine = PolicyEngine(CFG, params[0], sections.Rollout(
+      slots=4, max_len=MAX_LEN, samples_per_prompt=4, max_turn_tokens=4, swap_policy="keep",
+      decode_steps=8))
   out = []
-  RolloutDriver(engine, EchoEnv(), TOK, iter(range(3)), out.append, samples_per_prompt=4,
-                max_turn_tokens=4).run()
+  RolloutDriver(engine, EchoEnv(), TOK, iter(range(3)), out.append).run()
   groups = {}
   for t in out:
     groups.setdefault(t.group_id, set()).add(t.prompt_id)
@@ -226,7 +238,7 @@ def test_slots_filled_one_at_a_time_then_decoded_are_teacher_forced(params):
   # The JetStream bridge's use of `step` (jetstream_bridge.py): a prompt
   # appended to one slot by a step where only its row is valid, then steps
   # feeding every filled slot's pending token.
-  engine = PolicyEngine(CFG, params[0], slots=3, max_len=MAX_LEN)
+  engine = PolicyEngine(CFG, params[0], sections.Rollout(slots=3, max_len=MAX_LEN))
   state = engine.init_decode_state()
   prompts = [TOK.encode("12 plus 3\n"), TOK.encode("7 times 2\n")]
   seqs, lps = {}, {}
@@ -401,9 +413,10 @@ def test_environment_demonstrations_and_model_rollouts_are_valid(name, params):
       ep = env.episode(task)
       results = [ep.step(a) for a, _ in env.demonstration(task)]
       assert results[-1].done and results[-1].reward == 1.0, (name, i)
-  engine = PolicyEngine(CFG, params[0], slots=4, max_len=MAX_LEN)
+  engine = PolicyEngine(CFG, params[0], sections.Rollout(
+      slots=4, max_len=MAX_LEN, max_turn_tokens=12, swap_policy="keep", decode_steps=8))
   out = []
-  RolloutDriver(engine, env, TOK, iter(range(8)), out.append, max_turn_tokens=12).run()
+  RolloutDriver(engine, env, TOK, iter(range(8)), out.append).run()
   assert len(out) == 8
   assert all(validate(t, TOK.vocab_size, MAX_LEN) is None for t in out)
 
@@ -440,7 +453,7 @@ def test_hf_tokenizer_file(tmp_path):
 
 def _prefilled(params, seed, prompts, kv_buckets=None):
   """An engine with `prompts` prefilled into its first slots (one step)."""
-  engine = PolicyEngine(CFG, params[0], slots=4, max_len=MAX_LEN, seed=seed,
+  engine = PolicyEngine(CFG, params[0], sections.Rollout(slots=4, max_len=MAX_LEN), seed=seed,
                         kv_buckets=kv_buckets)
   width = max(len(p) for p in prompts)
   tokens = np.zeros((4, width), np.int32)
@@ -514,7 +527,8 @@ def test_generate_batch_logprobs_are_teacher_forced(params, moe_impl, slots, lan
   # the first takes two prompts, the second one. Lanes of 16 slots with
   # "blocked": the decode MoE's capacity path at 16 tokens.
   cfg = dataclasses.replace(CFG, moe_impl=moe_impl)
-  engine = PolicyEngine(cfg, params[0], slots=slots, max_len=MAX_LEN, seed=2, lanes=lanes)
+  engine = PolicyEngine(cfg, params[0], sections.Rollout(slots=slots, max_len=MAX_LEN), seed=2,
+                        lanes=lanes)
   prompts = [TOK.encode("12 plus 3\n"), TOK.encode("q\n"), TOK.encode("7 times 2\n")]
   toks, lps, counts = engine.generate_batch(prompts, 20)
   assert toks.shape == (3, 20) and (counts == 20).all()
@@ -531,12 +545,13 @@ def test_generate_batch_lanes_sample_as_one_lane_engines_of_their_size(params):
   # key stream: lane i's base is fold_in(the engine's next key, i). Five
   # prompts over two lanes: three, then two.
   prompts = [TOK.encode(t) for t in ("12 plus 3\n", "q\n", "7 times 2\n", "ab\n", "9\n")]
-  laned = PolicyEngine(CFG, params[0], slots=6, max_len=MAX_LEN, seed=4, lanes=2)
+  laned = PolicyEngine(CFG, params[0], sections.Rollout(slots=6, max_len=MAX_LEN), seed=4,
+                       lanes=2)
   key = laned._rng.key()  # pylint: disable=protected-access
   toks, lps, counts = laned.generate_batch(prompts, 12)
   assert toks.shape == (5, 12) and (counts == 12).all()
   for lane, rows in ((0, slice(0, 3)), (1, slice(3, 5))):
-    one = PolicyEngine(CFG, params[0], slots=3, max_len=MAX_LEN, seed=0)
+    one = PolicyEngine(CFG, params[0], sections.Rollout(slots=3, max_len=MAX_LEN), seed=0)
     one._rng = KeyStream(jax.random.fold_in(key, lane), jnp.int32(0))  # pylint: disable=protected-access
     ref_toks, ref_lps, _ = one.generate_batch(prompts[rows], 12)
     np.testing.assert_array_equal(toks[rows], ref_toks)
@@ -558,12 +573,12 @@ def test_generate_batch_lanes_sample_as_one_lane_engines_of_their_size(params):
 
 def test_engine_rejects_bad_lanes(params):
   with pytest.raises(ValueError, match="lanes must be between 1 and slots"):
-    PolicyEngine(CFG, params[0], slots=2, max_len=MAX_LEN, lanes=3)
+    PolicyEngine(CFG, params[0], sections.Rollout(slots=2, max_len=MAX_LEN), lanes=3)
   with pytest.raises(ValueError, match="lanes must be between 1 and slots"):
-    PolicyEngine(CFG, params[0], slots=2, max_len=MAX_LEN, lanes=0)
+    PolicyEngine(CFG, params[0], sections.Rollout(slots=2, max_len=MAX_LEN), lanes=0)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
   with pytest.raises(ValueError, match="single-device engine"):
-    PolicyEngine(CFG, params[0], slots=2, max_len=MAX_LEN, lanes=2, mesh=mesh)
+    PolicyEngine(CFG, params[0], sections.Rollout(slots=2, max_len=MAX_LEN), lanes=2, mesh=mesh)
 
 
 def test_generate_batch_is_a_prefill_step_then_one_decode_loop(params):
@@ -571,10 +586,10 @@ def test_generate_batch_is_a_prefill_step_then_one_decode_loop(params):
   # on the same engine stream would, and advances the stream by 1 + the
   # loop's iterations.
   prompts = [TOK.encode("12 plus 3\n"), TOK.encode("q\n"), TOK.encode("7 times 2\n")]
-  engine = PolicyEngine(CFG, params[0], slots=4, max_len=MAX_LEN, seed=6)
+  engine = PolicyEngine(CFG, params[0], sections.Rollout(slots=4, max_len=MAX_LEN), seed=6)
   toks, lps, counts = engine.generate_batch(prompts, 10)
   assert int(engine._rng.draws) == 10  # pylint: disable=protected-access
-  ref = PolicyEngine(CFG, params[0], slots=4, max_len=MAX_LEN, seed=6)
+  ref = PolicyEngine(CFG, params[0], sections.Rollout(slots=4, max_len=MAX_LEN), seed=6)
   tokens = np.zeros((4, max(map(len, prompts))), np.int32)
   valid = np.zeros(tokens.shape, bool)
   for i, p in enumerate(prompts):

@@ -89,12 +89,13 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from sao_jax import sections
 from sao_jax.data.trajectory import FINISH_REASONS, Trajectory
 from sao_jax.envs import chat
 from sao_jax.envs.base import Action, Environment, StepResult, Task
 from sao_jax.rollout.engine import PolicyEngine
 
-SWAP_POLICIES = ("recompute", "keep", "drain")
+SWAP_POLICIES = sections.SWAP_POLICIES
 # Finish reasons of episodes that the environment broke (module docstring).
 ENV_FAULTS = ("env_error", "env_timeout", "env_garbage")
 # `DriverStats.env_faults` keys of prompts skipped at admission: `env.task`
@@ -438,8 +439,12 @@ def _plain_tools(tools):
 class RolloutDriver:
   """Runs episodes of `env` with `engine`, emitting finished Trajectories.
 
+  `rollout` (default: the engine's) is the config's rollout section
+  (sao_jax/sections.py), of which the driver reads samples_per_prompt,
+  max_turn_tokens, decode_steps, swap_policy, env_workers and env_timeout.
+
   Environment faults (module docstring) are bounded by:
-    env_timeout: seconds one `Episode.step` may run (None: no limit). The
+    rollout.env_timeout: seconds one `Episode.step` may run (None: no limit). The
       environment's sandbox has its own wall clock; this is the last line of
       defence against an environment that hangs outside it.
     max_stuck_env_steps: abandoned steps still running at once beyond which
@@ -462,29 +467,20 @@ class RolloutDriver:
   """
 
   def __init__(self, engine: PolicyEngine, env: Environment, tokenizer,
-               prompts: Iterator[int], emit: Callable[[Trajectory], None], *,
-               samples_per_prompt: int = 1, max_turn_tokens: int = 32,
-               env_workers: int = 4, swap_policy: str = "keep",
-               static_batching: bool = False, env_timeout: float | None = 60.0,
+               prompts: Iterator[int], emit: Callable[[Trajectory], None],
+               rollout: sections.Rollout | None = None, *, static_batching: bool = False,
                max_stuck_env_steps: int | None = None,
-               max_observation_chars: int | None = None, decode_steps: int = 8,
-               tool_latency_s: float = 0.0, chat_format=None,
-               max_tool_output_tokens: int = 0,
+               max_observation_chars: int | None = None, tool_latency_s: float = 0.0,
+               chat_format=None, max_tool_output_tokens: int = 0,
                on_finish: Callable[[Trajectory, object], None] | None = None):
-    if swap_policy not in SWAP_POLICIES:
-      raise ValueError(f"swap_policy must be one of {SWAP_POLICIES}, got {swap_policy!r}")
-    if samples_per_prompt < 1:
-      raise ValueError("samples_per_prompt must be >= 1")
-    if env_workers < 1:
-      raise ValueError("env_workers must be >= 1")
-    if decode_steps < 1:
-      raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
+    r = engine.rollout if rollout is None else rollout
+    if not isinstance(r, sections.Rollout):
+      raise TypeError(f"rollout must be a sections.Rollout, got {type(r).__name__}")
     if tool_latency_s < 0:
       raise ValueError(f"tool_latency_s must be >= 0, got {tool_latency_s}")
-    if env_timeout is not None and not env_timeout > 0:
-      raise ValueError(f"env_timeout must be > 0 seconds or None, got {env_timeout!r}")
     if max_tool_output_tokens < 0:
       raise ValueError(f"max_tool_output_tokens must be >= 0, got {max_tool_output_tokens}")
+    self.rollout = r
     self.engine, self.env, self.tok = engine, env, tokenizer
     # How prompts, turn ends and observations become tokens (sao_jax/envs/chat.py);
     # None (for direct callers): the toys' raw text format.
@@ -494,24 +490,24 @@ class RolloutDriver:
     self._prompts = prompts
     self._emit = emit
     self._on_finish = on_finish
-    self.samples_per_prompt = samples_per_prompt
-    self.max_turn_tokens = max_turn_tokens
-    self.swap_policy = swap_policy
-    self.decode_steps = decode_steps
+    self.samples_per_prompt = r.samples_per_prompt
+    self.max_turn_tokens = r.max_turn_tokens
+    self.swap_policy = r.swap_policy
+    self.decode_steps = r.decode_steps
     self.tool_latency_s = tool_latency_s
     # The baseline of benchmarks/rollout.py: admit only when every slot is
     # free, i.e. one static batch at a time.
     self.static_batching = static_batching
     self.max_len = engine.max_prefill_length
-    self.env_timeout = env_timeout
-    self.max_stuck_env_steps = (4 * env_workers if max_stuck_env_steps is None
+    self.env_timeout = r.env_timeout
+    self.max_stuck_env_steps = (4 * r.env_workers if max_stuck_env_steps is None
                                 else max_stuck_env_steps)
     self.max_observation_chars = (16 * self.max_len if max_observation_chars is None
                                   else max_observation_chars)
     self.stats = DriverStats()
     self._slots: list[_Slot | None] = [None] * engine.max_concurrent_decodes
     self._state = engine.init_decode_state()
-    self._pool = _EnvPool(env_workers, "env")
+    self._pool = _EnvPool(r.env_workers, "env")
     self._futures: dict[cf.Future, int] = {}
     self._lock = threading.Lock()
     self._pending_params = None

@@ -157,6 +157,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from sao_jax import sections
 from sao_jax.models.config import ModelConfig
 from sao_jax.rollout import layout
 # The layout's names stay importable from here (launch/compile.py, tests).
@@ -210,9 +211,6 @@ class DecodeChunk(NamedTuple):
   budgets: np.ndarray  # [slots] int32, the call's budgets (host side)
 
 
-KV_CACHES = ("dense", "paged")
-
-
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:
   for b in buckets:
     if n <= b:
@@ -237,9 +235,15 @@ class PolicyEngine:
 
   Args:
     cfg, params: the model and its params (copied into the engine's layout).
-    slots: concurrent decode slots (`max_concurrent_decodes`).
-    max_len: cache positions per slot (`max_prefill_length`).
-    sampling: temperature, top-k, top-p.
+    rollout: the config's rollout section (sao_jax/sections.py), of which
+      the engine reads: slots (concurrent decode slots,
+      `max_concurrent_decodes`); max_len (cache positions per slot,
+      `max_prefill_length`); temperature, top_k, top_p (sampling);
+      kv_cache, "dense" (each slot owns max_len positions) or "paged" (a
+      shared pool of pages; module docstring, "Paged cache"); page_size
+      (positions a page holds, paged); kv_pages (pages in the pool; 0: the
+      dense cache's size, slots x max_len / page_size; each group of slots,
+      one per device of the batch axes, must hold one max_len trajectory).
     seed: of the sampling key stream.
     version: of `params`.
     prefill_buckets: the widths a `step`'s tokens are padded to; max_len is
@@ -257,44 +261,32 @@ class PolicyEngine:
       only. Lane threads trace new programs without the caller's
       thread-local JAX settings (e.g. a `jax.default_matmul_precision`
       context).
-    kv_cache: "dense" (each slot owns max_len positions) or "paged" (a
-      shared pool of pages; module docstring, "Paged cache").
-    page_size: positions a page holds (paged); must divide max_len.
-    kv_pages: pages in the pool (paged); 0: the dense cache's size,
-      slots x max_len / page_size. Each group of slots (one per device of
-      the batch axes) must hold one max_len trajectory: at least
-      max_len / page_size pages a group.
   """
 
-  def __init__(self, cfg: ModelConfig, params, *, slots: int, max_len: int,
-               sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
+  def __init__(self, cfg: ModelConfig, params, rollout: sections.Rollout, *, seed: int = 0,
                version: int = 0, prefill_buckets: tuple[int, ...] = (8, 16, 32, 64, 128, 256),
                device=None, mesh: Mesh | None = None, rules=None,
-               kv_buckets: tuple[int, ...] | None = None, lanes: int = 1,
-               kv_cache: str = "dense", page_size: int = 16, kv_pages: int = 0):
+               kv_buckets: tuple[int, ...] | None = None, lanes: int = 1):
+    if not isinstance(rollout, sections.Rollout):
+      raise TypeError(f"rollout must be a sections.Rollout, got {type(rollout).__name__}")
+    slots, max_len = rollout.slots, rollout.max_len
     if max_len > cfg.max_seq_len:
       raise ValueError(f"max_len {max_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
     if mesh is not None and device is not None:
       raise ValueError("give the engine a device or a mesh, not both")
     if not 1 <= lanes <= slots:
       raise ValueError(f"lanes must be between 1 and slots ({slots}), got {lanes}")
-    if kv_cache not in KV_CACHES:
-      raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {kv_cache!r}")
-    self.paged = kv_cache == "paged"
-    if self.paged:
-      if page_size < 1 or max_len % page_size:
-        raise ValueError(f"page_size must be >= 1 and divide max_len ({max_len}), "
-                         f"got {page_size}")
-      if kv_pages < 0:
-        raise ValueError(f"kv_pages must be >= 0 (0: the dense size), got {kv_pages}")
-      if lanes > 1:
-        raise ValueError("lanes > 1 is for the dense cache (a paged engine's slots share "
-                         "one pool)")
+    self.rollout = rollout
+    self.paged = rollout.kv_cache == "paged"
+    page_size = rollout.page_size
+    if self.paged and lanes > 1:
+      raise ValueError("lanes > 1 is for the dense cache (a paged engine's slots share one pool)")
+    sampling = SamplingConfig(rollout.temperature, rollout.top_k, rollout.top_p)
     # Every jitted program of the engine (programs.py), also what launch/compile.py
     # lowers; it holds the layout (a mesh of one device without `mesh`).
     self.programs = EnginePrograms(cfg, sampling, slots, max_len, mesh=mesh, rules=rules,
                                    device=device, page_size=page_size if self.paged else None,
-                                   num_pages=kv_pages)
+                                   num_pages=rollout.kv_pages)
     self.page_size = page_size if self.paged else 0
     self.kv_pages = self.programs.num_pages  # 0: dense
     self.page_groups = layout.batch_groups(self.programs.mesh, self.programs.rules)

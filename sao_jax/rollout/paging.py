@@ -1,6 +1,6 @@
 """The paged KV cache's host side: a page allocator over a fixed pool.
 
-A paged engine (`PolicyEngine(..., kv_cache="paged")`) keeps its KV cache
+A paged engine (a `PolicyEngine` whose rollout section has `kv_cache="paged"`) keeps its KV cache
 as a pool of `num_pages` fixed-size pages of `page_size` positions shared by
 all slots (sao_jax/models/paged.py holds the device side: the pool's
 layout, the writes into pages and attention over them), and each slot a

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 
+from sao_jax import sections
 from sao_jax.data.trajectory import validate
 from sao_jax.envs.base import StepResult, Task
 from sao_jax.envs.tokenizer import CharTokenizer
@@ -30,6 +31,11 @@ MAX_LEN = 128
 # healthy step takes microseconds, and would have to be starved of CPU for
 # this long to be cut, far beyond what load on a 2-core machine does.
 TIMEOUT = 2.0
+# The engine's and the drivers' section: turns of 6 tokens, 2 environment
+# workers and the timeout above (swap policy and decode steps: the driver's
+# former defaults).
+ROLLOUT = sections.Rollout(slots=4, max_len=MAX_LEN, max_turn_tokens=6, env_workers=2,
+                           env_timeout=TIMEOUT, swap_policy="keep", decode_steps=8)
 
 
 def turns_of(i):
@@ -101,19 +107,16 @@ class Hang:
 @pytest.fixture(scope="module")
 def engine():
   # One engine for the module: its compiled steps are reused by every driver.
-  return PolicyEngine(CFG, policy.init_params(CFG, jax.random.key(0)), slots=4,
-                      max_len=MAX_LEN, seed=3)
+  return PolicyEngine(CFG, policy.init_params(CFG, jax.random.key(0)), ROLLOUT, seed=3)
 
 
-def make_driver(engine, env, prompts, out, **kw):
-  kw.setdefault("env_workers", 2)
-  kw.setdefault("env_timeout", TIMEOUT)
-  return RolloutDriver(engine, env, TOK, iter(prompts), out.append, max_turn_tokens=6, **kw)
+def make_driver(engine, env, prompts, out, rollout=ROLLOUT, **kw):
+  return RolloutDriver(engine, env, TOK, iter(prompts), out.append, rollout, **kw)
 
 
-def run_driver(engine, env, prompts, **kw):
+def run_driver(engine, env, prompts, rollout=ROLLOUT, **kw):
   out = []
-  driver = make_driver(engine, env, prompts, out, **kw)
+  driver = make_driver(engine, env, prompts, out, rollout, **kw)
   try:
     driver.run()
   finally:
@@ -292,7 +295,7 @@ def test_systematic_hangs_fail_the_driver_clearly(engine):
 def test_stop_wakes_a_driver_waiting_on_a_hung_step(engine):
   hang = Hang()
   driver = make_driver(engine, FaultyEnv({i: at_turn(1, hang) for i in range(4)}), range(4),
-                       [], env_timeout=None)
+                       [], ROLLOUT.replace(env_timeout=None))
   try:
     driver.start()
     assert hang.entered.wait(60)
@@ -329,7 +332,7 @@ class AdmissionFaultsEnv(FaultyEnv):
 
 def test_admission_faults_skip_the_prompt(engine):
   env = AdmissionFaultsEnv()
-  out, driver = run_driver(engine, env, range(8), samples_per_prompt=2)
+  out, driver = run_driver(engine, env, range(8), ROLLOUT.replace(samples_per_prompt=2))
   kept = [0, 1, 5, 7]
   check_outcomes(out, kept + kept, {})
   groups = collections.Counter(t.group_id for t in out)
@@ -354,7 +357,7 @@ def test_an_env_that_opens_no_episode_fails_the_driver(engine):
 
 def test_bad_arguments(engine):
   with pytest.raises(ValueError, match="env_timeout"):
-    make_driver(engine, FaultyEnv(), range(1), [], env_timeout=0)
+    make_driver(engine, FaultyEnv(), range(1), [], ROLLOUT.replace(env_timeout=0))
   driver = make_driver(engine, FaultyEnv(), range(1), [])
   driver.stop()  # never started: safe, and twice
   driver.stop()

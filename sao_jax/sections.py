@@ -1,0 +1,511 @@
+"""Typed config sections: each field's default, meaning and check, in one place.
+
+A run's config is an `ml_collections.ConfigDict` (so that launch flags such
+as `--config.rl.steps=3` reach it), built by configs/common.py from the
+section records here: every field is declared once, as
+
+    slots: int = knob(16, "Concurrent decode slots of the engine.", integer(1))
+
+with its default, its documentation and its check. A record is frozen and
+checks itself on construction (each field, then the rules between fields
+of the same section), so `Rollout(slots=0)` fails with
+
+    ConfigError: rollout.slots = 0: must be an integer >= 1
+
+and the objects that use a section take it whole: `PolicyEngine(cfg,
+params, rollout)`, `RolloutDriver(..., rollout=rollout)`. `load(config)`
+turns a ConfigDict into its records (configuration.validate does this
+first); rules that join fields of different sections stay in
+`configuration.validate`.
+
+Fields whose allowed values are a registry that users extend (rl.mode,
+rl.advantage, rl.policy_loss) look the registry up when checked, so a
+registered extension is accepted without touching this file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, ClassVar
+
+import ml_collections
+
+# The engine's KV caches (sao_jax/rollout/engine.py) and the driver's
+# weight-swap policies (sao_jax/rollout/driver.py): fixed enumerations,
+# defined here because they are the allowed values of config fields.
+KV_CACHES = ("dense", "paged")
+SWAP_POLICIES = ("recompute", "keep", "drain")
+
+
+class ConfigError(ValueError):
+  """A setting that cannot work; the message is one line naming the field."""
+
+
+def fail(field: str, value, allowed: str):
+  raise ConfigError(f"{field} = {value!r}: must be {allowed}")
+
+
+# ------------------------------------------------------------------ checks
+@dataclasses.dataclass(frozen=True)
+class Check:
+  """A predicate on a field's value and, for the error, what is allowed."""
+  ok: Callable[[Any], bool]
+  allowed: str | Callable[[], str]
+
+  def describe(self) -> str:
+    return self.allowed() if callable(self.allowed) else self.allowed
+
+
+def is_int(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_real(x) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def integer(lo: int | None = None, hi: int | None = None, note: str = "") -> Check:
+  """An integer in [lo, hi] (either end open when None)."""
+  if lo is not None and hi is not None:
+    allowed = f"an integer in [{lo}, {hi}]"
+  elif lo is not None:
+    allowed = f"an integer >= {lo}"
+  else:
+    allowed = "an integer"
+  return Check(lambda v: is_int(v) and (lo is None or v >= lo) and (hi is None or v <= hi),
+               allowed + note)
+
+
+def real(lo: float | None = None, *, above: bool = False, unit: str = "a finite number",
+         note: str = "") -> Check:
+  """A finite number >= lo (> lo with `above`)."""
+  if lo is None:
+    return Check(is_real, unit + note)
+  return Check(lambda v: is_real(v) and (v > lo if above else v >= lo),
+               f"{unit} {'>' if above else '>='} {lo:g}{note}")
+
+
+def unit_interval(open_low: bool = False, open_high: bool = False) -> Check:
+  """A number in [0, 1], either end open."""
+  return Check(lambda v: is_real(v) and (v > 0 if open_low else v >= 0)
+               and (v < 1 if open_high else v <= 1),
+               f"in {'(' if open_low else '['}0, 1{')' if open_high else ']'}")
+
+
+def one_of(values: tuple | Callable[[], Any]) -> Check:
+  """One of `values`, or of the keys of a registry that `values()` returns
+  (looked up when checked, so registered extensions count)."""
+  get = values if callable(values) else (lambda: values)
+  show = lambda: (f"one of {sorted(get())}" if isinstance(get(), dict)
+                  else f"one of {tuple(get())}")
+  return Check(lambda v: v in get(), show)
+
+
+def optional(check: Check, none_means: str = "") -> Check:
+  return Check(lambda v: v is None or check.ok(v),
+               lambda: f"None{none_means} or {check.describe()}")
+
+
+BOOL = Check(lambda v: isinstance(v, bool), "True or False")
+STRING = Check(lambda v: isinstance(v, str), "a string")
+
+
+def knob(default, doc: str, check: Check | None = None, *, placeholder: type | None = None):
+  """A section field: its default, what it means, and its check.
+
+  `placeholder`: the type a None default takes in the ConfigDict (so that
+  `--config.rl.critic_lam=1.0` parses as that type).
+  """
+  return dataclasses.field(default=default,
+                           metadata={"doc": doc, "check": check, "placeholder": placeholder})
+
+
+# ----------------------------------------------------------------- sections
+@dataclasses.dataclass(frozen=True)
+class Section:
+  """A frozen record of one config section that checks itself on construction."""
+  NAME: ClassVar[str] = ""
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      check = f.metadata.get("check")
+      value = getattr(self, f.name)
+      if check is not None and not check.ok(value):
+        fail(f"{self.NAME}.{f.name}", value, check.describe())
+    self.check_together()
+
+  def check_together(self) -> None:
+    """Rules between fields of this section (override); cross-section rules
+    live in configuration.validate."""
+
+  def replace(self, **changes) -> "Section":
+    """A copy with `changes`, checked again."""
+    return dataclasses.replace(self, **changes)
+
+  @classmethod
+  def from_config(cls, node) -> "Section":
+    """The record of a ConfigDict section (every field must be present)."""
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+      try:
+        value = node[f.name]
+      except (KeyError, AttributeError):
+        raise ConfigError(f"{cls.NAME}.{f.name}: missing; configs derive from "
+                          "configs/common.py, which defines it") from None
+      kwargs[f.name] = _plain(value)
+    return cls(**kwargs)
+
+  @classmethod
+  def defaults(cls) -> ml_collections.ConfigDict:
+    """The section's defaults as a ConfigDict (what configs/common.py holds)."""
+    c = ml_collections.ConfigDict()
+    for f in dataclasses.fields(cls):
+      placeholder = f.metadata.get("placeholder")
+      if f.default is None and placeholder is not None:
+        c[f.name] = ml_collections.config_dict.placeholder(placeholder)
+      else:
+        c[f.name] = f.default
+    return c
+
+  @classmethod
+  def docs(cls) -> dict[str, str]:
+    """field -> its documentation (for docs and `--help`-style listings)."""
+    return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(cls)}
+
+
+def _plain(value):
+  if isinstance(value, ml_collections.ConfigDict):
+    return value.to_dict()
+  if isinstance(value, list):
+    return tuple(value)
+  return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Distributed(Section):
+  """Multi-host training (sao_jax/distributed.py): one SPMD trainer over
+  many processes. Per-host values go in flags, e.g.
+  --config.distributed.process_id=1."""
+  NAME: ClassVar[str] = "distributed"
+  enabled: bool = knob(False, "Join the processes (jax.distributed.initialize) before "
+                       "anything else.", BOOL)
+  coordinator_address: str = knob(
+      "", "Process 0's \"host:port\"; \"\": JAX_COORDINATOR_ADDRESS or auto-detection "
+      "(TPU, SLURM).", Check(lambda v: isinstance(v, str),
+                             "a string host:port ('' : from the environment)"))
+  num_processes: int = knob(0, "0: JAX_NUM_PROCESSES or auto-detection.",
+                            integer(0, note=" (0: from the environment)"))
+  process_id: int = knob(-1, "This process's index; -1: JAX_PROCESS_ID or auto-detection.",
+                         integer(-1, note=" (-1: from the environment)"))
+
+  def check_together(self):
+    if self.num_processes and self.process_id >= self.num_processes:
+      fail("distributed.process_id", self.process_id,
+           f"< distributed.num_processes ({self.num_processes})")
+
+
+@dataclasses.dataclass(frozen=True)
+class Data(Section):
+  NAME: ClassVar[str] = "data"
+  num_train_tasks: int = knob(100_000, "Training tasks are indices [0, num_train_tasks); "
+                              "evaluation is disjoint.", integer(1))
+  buckets: tuple = knob((64, 128, 256), "Packed row lengths; the train step compiles once "
+                        "per bucket.", Check(
+                            lambda b: (isinstance(b, tuple) and bool(b)
+                                       and all(is_int(x) and x >= 8 for x in b)
+                                       and list(b) == sorted(set(b))),
+                            "a non-empty increasing tuple of integers >= 8"))
+  logits_at_actions: bool = knob(
+      False, "Compute the policy's vocabulary-wide head at action tokens only (SFT and RL "
+      "steps; packing.pack's action_index): with a large vocabulary the head is most of a "
+      "small model's step and most of an agentic row is prompt and tool output. The head's "
+      "width is bucketed to a multiple of L/8, so up to 8 compiles of the SFT and RL steps "
+      "per length bucket (in practice one or two); off for the toys' 64-token vocabulary, "
+      "where it saves nothing.", BOOL)
+
+
+@dataclasses.dataclass(frozen=True)
+class SFT(Section):
+  """Supervised warm start on demonstrations (the paper's SFT baseline)."""
+  NAME: ClassVar[str] = "sft"
+  steps: int = knob(200, "200 steps leave the tiny model at ~50% pass@1 on python_tool: "
+                    "headroom for RL (300 steps reach ~90%).", integer(0))
+  batch_size: int = knob(32, "Packed rows per SFT step.", integer(1))
+  lr: float = knob(3e-3, "Peak learning rate (warmup, then cosine decay).", real(0, above=True))
+  warmup: int = knob(20, "Linear warmup steps.", integer(0))
+  init_from_hf: str = knob("", "A Hugging Face safetensors SFT checkpoint to start from "
+                           "instead of SFT.", STRING)
+
+
+@dataclasses.dataclass(frozen=True)
+class ValuePretrain(Section):
+  """Critic-only steps on trajectories of the initial policy (cold start fix)."""
+  NAME: ClassVar[str] = "value_pretrain"
+  steps: int = knob(50, "Critic-only steps.", integer(0))
+  num_trajectories: int = knob(256, "How many such trajectories to generate into the "
+                               "trajectory store.", integer(1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout(Section):
+  """The rollout engine (sao_jax/rollout/engine.py) and its driver
+  (sao_jax/rollout/driver.py); both take this section whole."""
+  NAME: ClassVar[str] = "rollout"
+  slots: int = knob(16, "Concurrent decode slots of the engine (continuous batching).",
+                    integer(1))
+  sharded_engine: bool = knob(
+      False, "Lay the engine's params and KV cache out on the trainer's mesh (slots over "
+      "the batch axes, kv heads over \"tensor\"); off: one device holds all.", BOOL)
+  max_len: int = knob(256, "Max tokens per trajectory (prompt + actions + observations).",
+                      integer(8))
+  kv_cache: str = knob(
+      "dense", "The engine's KV cache: \"dense\" (every slot owns max_len positions) or "
+      "\"paged\" (a pool of fixed-size pages the slots share; admission waits for free "
+      "pages; sao_jax/rollout/engine.py, \"Paged cache\"). benchmarks/RESULTS.md, \"Paged "
+      "KV cache\", has the measurement.", one_of(KV_CACHES))
+  page_size: int = knob(16, "Positions a page holds (paged); must divide max_len.",
+                        integer(1))
+  kv_pages: int = knob(
+      0, "Pages in the pool (paged); 0: the dense cache's size, slots x max_len / "
+      "page_size. Fewer pages, less memory: a long-tailed length mix needs pages for its "
+      "live tokens only. At least max_len / page_size per slot group (one device of a "
+      "sharded engine's batch axes).", integer(0, note=" (0: the dense cache's size)"))
+  max_turn_tokens: int = knob(24, "Max tokens per action turn.", integer(1))
+  temperature: float = knob(1.0, "Sampling temperature.", real(0, above=True))
+  top_k: int = knob(0, "Top-k sampling (0: off). Training refuses anything but 0: the "
+                    "train step's log-probs do not apply it.", integer(0))
+  top_p: float = knob(1.0, "Nucleus sampling (1.0: off). Training refuses anything but "
+                      "1.0, as for top_k.", Check(lambda v: is_real(v) and 0 < v <= 1,
+                                                  "in (0, 1]"))
+  samples_per_prompt: int = knob(1, "1 for SAO; G >= 2 for the GRPO arms.", integer(1))
+  decode_steps: int = knob(
+      1, "Decode steps per engine call (a jitted loop with per-slot stops; 1: one token "
+      "per call). benchmarks/RESULTS.md has the measurement.", integer(1))
+  swap_policy: str = knob(
+      "recompute", "In-flight slots at a weight swap: recompute, keep or drain. \"keep\" "
+      "(the caches stay; every recorded log-prob is still the exact probability its token "
+      "was sampled with) costs the least per swap, but with it and 8 decode steps the CPU "
+      "main job's rollout outran training, the queue filled, policy lag rose from ~2 to "
+      "~4.7 versions and that run collapsed (reward 0 from step 40); recompute + 1 step "
+      "recovered as before (benchmarks/RESULTS.md, \"The main job with the faster rollout "
+      "defaults\").", one_of(SWAP_POLICIES))
+  env_workers: int = knob(4, "Environment worker threads (sandbox processes run in "
+                          "parallel).", integer(1))
+  env_timeout: float | None = knob(
+      60.0, "Seconds an environment step may take before its episode ends with reward 0 "
+      "(\"env_timeout\"); the sandbox's own wall clock is shorter. None: no limit.",
+      optional(real(0, above=True, unit="a finite number of seconds"), " (no limit)"))
+  queue_size: int = knob(64, "Bounded ingestion queue (backpressure on the rollout "
+                         "thread).", integer(1))
+  max_staleness: int | None = knob(
+      None, "Drop trajectories lagging the policy by more versions than this; None: off "
+      "(SAO).", optional(integer(0)))
+
+  def check_together(self):
+    if self.kv_cache == "paged":
+      if self.max_len % self.page_size:
+        fail("rollout.page_size", self.page_size, f"a divisor of rollout.max_len ({self.max_len})")
+      if 0 < self.kv_pages < self.max_len // self.page_size:
+        fail("rollout.kv_pages", self.kv_pages,
+             f"0 or >= rollout.max_len / rollout.page_size ({self.max_len // self.page_size}):"
+             " the pool must hold one whole trajectory")
+
+
+def _sources():
+  from sao_jax.sources import SOURCES  # pylint: disable=g-import-not-at-top
+  return SOURCES
+
+
+def _estimators():
+  from sao_jax.advantages import ESTIMATORS  # pylint: disable=g-import-not-at-top
+  return ESTIMATORS
+
+
+def _policy_losses():
+  from sao_jax.losses import POLICY_LOSSES  # pylint: disable=g-import-not-at-top
+  return POLICY_LOSSES
+
+
+def _corrective_sides():
+  from sao_jax.losses import CORRECTIVE_SIDES  # pylint: disable=g-import-not-at-top
+  return CORRECTIVE_SIDES
+
+
+@dataclasses.dataclass(frozen=True)
+class RL(Section):
+  NAME: ClassVar[str] = "rl"
+  mode: str = knob("async", "async (SAO) or sync (generate the whole batch, wait, train) in "
+                   "one process; fleet: rollout in separate processes (the fleet section). "
+                   "The trajectory sources registered in sao_jax/sources.py.", one_of(_sources))
+  steps: int = knob(150, "RL steps.", integer(0))
+  batch_size: int = knob(16, "Trajectories per train step (packed into this many rows).",
+                         integer(1))
+  advantage: str = knob("value", "An estimator of sao_jax/advantages.py: value "
+                        "(skip-observation GAE), token_gae, step_gae_mean, step_gae_last, "
+                        "group, running_mean.", one_of(_estimators))
+  policy_loss: str = knob(
+      "dis", "A loss of sao_jax/losses.py: dis (the paper's) or ppo_clip; DIS's variants "
+      "(issue 27) dis_rollout_kl, dis_corrective, dis_seq_geo, cispo. Measured at tiny scale "
+      "(experiments/README.md): SAO with DIS collapsed in 3 of 10 runs, SAO with PPO clip in "
+      "0 of 5.", one_of(_policy_losses))
+  eps_low: float = knob(0.2, "Ratio window's lower width: 1 - eps_low.",
+                        unit_interval(open_low=True, open_high=True))
+  eps_high: float = knob(0.28, "Ratio window's upper width: 1 + eps_high.", real(0, above=True))
+  rollout_kl_coef: float = knob(0.1, "dis_rollout_kl: beta of its k3 penalty on KL(rollout "
+                                "policy || current), per action token.", real(0))
+  corrective_side: str = knob(
+      "low", "dis_corrective: which out-of-window corrective tokens it keeps, \"low\" (A > 0 "
+      "below the window; their weight r < 1 - eps_low is bounded) or \"high\" (A < 0 above "
+      "it; r unbounded, as under PPO clip).", one_of(_corrective_sides))
+  geo_eps_low: float = knob(0.05, "dis_seq_geo: a whole sequence is masked when its "
+                            "geometric mean ratio exp(mean log r) leaves (1 - geo_eps_low, "
+                            "1 + geo_eps_high).", unit_interval(open_low=True, open_high=True))
+  geo_eps_high: float = knob(0.05, "dis_seq_geo: see geo_eps_low.", real(0, above=True))
+  gamma: float = knob(1.0, "Discount.", unit_interval())
+  lam: float = knob(0.95, "GAE lambda.", unit_interval())
+  critic_lam: float | None = knob(
+      None, "Lambda of the critic's return targets (None: rl.lam). 1.0 regresses the critic "
+      "on Monte Carlo returns instead of its own bootstrapped estimates.",
+      optional(unit_interval()), placeholder=float)
+  critic_updates: int = knob(2, "K critic updates per actor update.", integer(0, 64))
+  freeze_critic_attention: bool = knob(
+      True, "Freeze the critic's attention (and embeddings); train MoE/MLP and head.", BOOL)
+  actor_lr: float = knob(3e-4, "Actor learning rate.", real(0, above=True))
+  critic_lr: float = knob(1e-3, "Critic learning rate.", real(0, above=True))
+  warmup: int = knob(5, "Actor warmup steps.", integer(0))
+  clip_norm: float | None = knob(1.0, "Global gradient-norm clip (None: off).",
+                                 optional(real(0, above=True, unit="a number")))
+  load_balance_coef: float = knob(0.01, "MoE load-balancing loss weight.", real(0))
+  sync_every: int = knob(1, "Push params to the rollout engine every this many actor "
+                         "updates.", integer(1))
+  max_generated_tokens: int = knob(
+      0, "Stop RL once this many tokens have been generated by the policy, counted over "
+      "every stage that generates (value-pretraining rollouts included, evaluation not); "
+      "0: off, rl.steps alone ends the run. Equal budgets across arms (experiments/) are "
+      "equal numbers of generated tokens.", integer(0, note=" (0: off)"))
+  group_std_normalize: bool = knob(
+      True, "GRPO arms: divide the group-centred reward by the group's std (GRPO as "
+      "published); False: R - mean_G, in reward units like SAO's advantages.", BOOL)
+  running_mean_window: int = knob(64, "Window W of the running-mean baseline arm.",
+                                  integer(1))
+  eval_every: int = knob(0, "Held-out evaluation every this many RL steps (0: only at the "
+                         "ends).", integer(0))
+  max_nonfinite_updates: int = knob(
+      3, "A non-finite loss or gradient skips that update (params unchanged); this many in "
+      "a row stop the run cleanly, its last checkpoint intact.", integer(1))
+  max_rollout_restarts: int = knob(
+      3, "Times a dead rollout thread is restarted (fresh engine, current params) before "
+      "the run stops with the thread's error.", integer(0))
+
+  def check_together(self):
+    estimator = _estimators()[self.advantage]
+    if estimator.uses_critic and self.critic_updates < 1:
+      fail("rl.critic_updates", self.critic_updates,
+           f">= 1 with rl.advantage = {self.advantage!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fleet(Section):
+  """rl.mode = "fleet": rollout processes (launch/rollout.py) apart from the
+  trainer, trajectories and weights through shared storage (sao_jax/fleet.py)."""
+  NAME: ClassVar[str] = "fleet"
+  root: str = knob("", "The shared directory (local, NFS, a gcsfuse mount); \"\": "
+                   "<workdir>/fleet.", Check(lambda v: isinstance(v, str),
+                                             "a path (\"\": <workdir>/fleet)"))
+  shard_trajectories: int = knob(16, "A rollout closes (renames) its shard after this many "
+                                 "trajectories...", integer(1))
+  shard_seconds: float = knob(10.0, "...or when its first trajectory is this many seconds "
+                              "old.", real(0, above=True, unit="a finite number of seconds"))
+  keep_versions: int = knob(3, "Published weight versions kept on disk (older ones are "
+                            "pruned).", Check(lambda v: is_int(v) and v >= 2,
+                                              "an integer >= 2 (a rollout may be reading the "
+                                              "one before the newest)"))
+  poll_seconds: float = knob(0.5, "Seconds between polls for new shards (trainer) and new "
+                             "versions (rollouts).",
+                             real(0, above=True, unit="a finite number of seconds"))
+  max_unread_shards: int = knob(8, "A rollout with this many closed shards the trainer has "
+                                "not consumed waits (backpressure, like rollout.queue_size "
+                                "in-process).", integer(1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Eval(Section):
+  NAME: ClassVar[str] = "eval"
+  num_tasks: int = knob(400, "Held-out tasks for pass@1.", integer(1))
+  slots: int = knob(32, "The evaluation engine's decode slots.", integer(1))
+  temperature: float = knob(1.0, "Sampling temperature of evaluation.", real(0, above=True))
+  samples_per_task: int = knob(
+      1, "Episodes sampled per held-out task; pass@1 averages them and reports its "
+      "standard error over tasks (more samples cut the sampling noise).", integer(1))
+  decode_steps: int = knob(
+      8, "Decode steps per engine call of evaluation (no weight swaps there, so a long "
+      "loop only saves host round trips).", integer(1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint(Section):
+  NAME: ClassVar[str] = "checkpoint"
+  every: int = knob(25, "Steps between checkpoints.", integer(1))
+  keep: int = knob(2, "Checkpoints kept.", integer(1))
+  min_free_gb: float = knob(1.0, "Refuse to start with less free space than this under the "
+                            "workdir.", real(0))
+
+
+@dataclasses.dataclass(frozen=True)
+class Faults(Section):
+  """Fault injection for the fault suite and soak runs (sao_jax/faults.py):
+  every n-th event fails on purpose; 0 is off, the default everywhere else."""
+  NAME: ClassVar[str] = "faults"
+  env_error_every: int = knob(0, "Every n-th environment step raises.",
+                              integer(0, note=" (0: off)"))
+  env_garbage_every: int = knob(0, "Every n-th environment step returns garbage (not a "
+                                "StepResult).", integer(0, note=" (0: off)"))
+  malformed_every: int = knob(0, "Every n-th finished trajectory is corrupted before the "
+                              "ingestion queue.", integer(0, note=" (0: off)"))
+  nonfinite_every: int = knob(0, "Every n-th RL batch gets a NaN reward after validation (a "
+                              "non-finite update).", integer(0, note=" (0: off)"))
+  nonfinite_from_step: int = knob(0, "From this RL step on every batch is non-finite (0: "
+                                  "never): the run must stop.", integer(0, note=" (0: off)"))
+  rollout_crash_every: int = knob(0, "The rollout thread dies after every n-th trajectory it "
+                                  "emits.", integer(0, note=" (0: off)"))
+  sigkill_after_rl_step: int = knob(
+      0, "The trainer SIGKILLs itself once this RL step is done (0: never), its checkpoint "
+      "save possibly still in flight: a kill at a known step.", integer(0, note=" (0: off)"))
+
+
+# The typed sections of a run's config, by attribute name.
+SECTIONS: dict[str, type[Section]] = {
+    s.NAME: s for s in (Distributed, Data, SFT, ValuePretrain, Rollout, RL, Fleet, Eval,
+                        Checkpoint, Faults)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sections:
+  """A config's typed sections (`load`)."""
+  distributed: Distributed
+  data: Data
+  sft: SFT
+  value_pretrain: ValuePretrain
+  rollout: Rollout
+  rl: RL
+  fleet: Fleet
+  eval: Eval
+  checkpoint: Checkpoint
+  faults: Faults
+
+
+def load(config) -> Sections:
+  """The typed, checked sections of a ConfigDict; ConfigError on the first bad field."""
+  out = {}
+  for name, cls in SECTIONS.items():
+    if name not in config:
+      raise ConfigError(f"{name}: missing; configs derive from configs/common.py, which "
+                        "defines it")
+    out[name] = cls.from_config(config[name])
+  return Sections(**out)
+
+
+def rollout(config) -> Rollout:
+  """The config's rollout section (engine and driver factories)."""
+  return Rollout.from_config(config.rollout)

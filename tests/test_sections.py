@@ -1,0 +1,105 @@
+"""Typed config sections: one declaration per field, checked on construction."""
+
+import dataclasses
+
+import pytest
+
+from sao_jax import advantages, configuration, sections
+
+from runs import load_config_module  # pylint: disable=g-bad-import-order
+
+
+@pytest.mark.parametrize("name", sorted(sections.SECTIONS))
+def test_every_field_is_documented_and_its_default_passes_its_check(name):
+  cls = sections.SECTIONS[name]
+  record = cls()  # the defaults construct: every check passes on them
+  for f in dataclasses.fields(cls):
+    assert f.metadata["doc"].strip(), f"{name}.{f.name} has no documentation"
+    assert f.metadata["check"] is not None, f"{name}.{f.name} has no check"
+  assert cls.from_config(cls.defaults()) == record
+
+
+def test_common_config_is_built_from_the_sections():
+  c = load_config_module("sao_tiny.py").get_config()
+  typed = sections.load(c)
+  for name, cls in sections.SECTIONS.items():
+    assert set(c[name].keys()) == {f.name for f in dataclasses.fields(cls)}, name
+    assert isinstance(getattr(typed, name), cls)
+  assert typed.rollout.max_len == c.rollout.max_len and typed.rl.policy_loss == c.rl.policy_loss
+
+
+@pytest.mark.parametrize("section,changes,message", [
+    (sections.Rollout, {"slots": 0}, r"^rollout.slots = 0: must be an integer >= 1$"),
+    (sections.Rollout, {"slots": True}, r"rollout.slots = True: must be an integer"),
+    (sections.Rollout, {"kv_cache": "ragged"},
+     r"rollout.kv_cache = 'ragged': must be one of \('dense', 'paged'\)"),
+    (sections.Rollout, {"kv_cache": "paged", "page_size": 7, "max_len": 64},
+     r"rollout.page_size = 7: must be a divisor of rollout.max_len \(64\)"),
+    (sections.Rollout, {"env_timeout": 0}, r"rollout.env_timeout = 0: must be None"),
+    (sections.Rollout, {"temperature": float("nan")}, r"rollout.temperature = nan"),
+    (sections.RL, {"eps_low": 2.0}, r"^rl.eps_low = 2.0: must be in \(0, 1\)$"),
+    (sections.RL, {"advantage": "gae"}, r"rl.advantage = 'gae': must be one of \["),
+    (sections.RL, {"critic_lam": 1.5}, r"rl.critic_lam = 1.5: must be None or in \[0, 1\]"),
+    (sections.RL, {"advantage": "value", "critic_updates": 0},
+     r"rl.critic_updates = 0: must be >= 1 with rl.advantage = 'value'"),
+    (sections.Data, {"buckets": (128, 64)}, r"data.buckets = \(128, 64\): must be a non-empty"),
+    (sections.Fleet, {"keep_versions": 1}, r"fleet.keep_versions = 1: must be an integer >= 2"),
+    (sections.Distributed, {"num_processes": 2, "process_id": 2},
+     r"distributed.process_id = 2: must be < distributed.num_processes \(2\)"),
+])
+def test_a_bad_field_fails_in_one_line_naming_it(section, changes, message):
+  with pytest.raises(sections.ConfigError, match=message):
+    section(**changes)
+  with pytest.raises(sections.ConfigError, match=message):  # replace checks again
+    section().replace(**changes)
+
+
+def test_records_are_frozen():
+  r = sections.Rollout()
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    r.slots = 3  # pylint: disable=assigning-non-slot
+  assert r.replace(slots=3).slots == 3 and r.slots == 16
+
+
+def test_a_missing_field_names_common_py():
+  c = load_config_module("sao_tiny.py").get_config().to_dict()
+  del c["rollout"]["decode_steps"]
+  with pytest.raises(sections.ConfigError, match="rollout.decode_steps: missing; configs derive"):
+    sections.load(c)
+
+
+def test_registries_are_read_when_checked(monkeypatch):
+  """A registered estimator is a valid rl.advantage without touching sections.py."""
+  with pytest.raises(sections.ConfigError, match="rl.advantage = 'mine'"):
+    sections.RL(advantage="mine")
+  monkeypatch.setitem(advantages.ESTIMATORS, "mine", advantages.ESTIMATORS["group"])
+  assert sections.RL(advantage="mine").advantage == "mine"
+
+
+def test_validate_reports_section_errors_and_cross_section_rules():
+  c = load_config_module("sao_tiny.py").get_config()
+  c.rollout.env_workers = 0
+  with pytest.raises(configuration.ConfigError, match=r"^rollout.env_workers = 0"):
+    configuration.validate(c, num_devices=8)
+  c = load_config_module("sao_tiny.py").get_config()
+  c.rollout.max_turn_tokens = c.rollout.max_len
+  with pytest.raises(configuration.ConfigError, match="rollout.max_turn_tokens .* < rollout.max_len"):
+    configuration.validate(c, num_devices=8)
+
+
+def test_the_factories_hand_the_section_whole(tmp_path):
+  import jax  # pylint: disable=g-import-not-at-top
+  from sao_jax import factories  # pylint: disable=g-import-not-at-top
+  from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top
+  from sao_jax.models import policy  # pylint: disable=g-import-not-at-top
+  c = load_config_module("sao_tiny.py").get_config()
+  c.rollout.decode_steps = 3
+  model_cfg = factories.build_model_config(c)
+  params = policy.init_params(model_cfg, jax.random.key(0))
+  engine = factories.make_engine(c, model_cfg, params, slots=4, temperature=0.5)
+  assert engine.rollout == sections.rollout(c).replace(slots=4, temperature=0.5)
+  assert engine.max_concurrent_decodes == 4 and engine.sampling.temperature == 0.5
+  tok = registry.make_tokenizer(c.env)
+  driver = factories.make_driver(c, engine, registry.make_env(c.env), tok, iter(()), None)
+  assert driver.rollout is engine.rollout and driver.decode_steps == 3
+  driver.stop()
