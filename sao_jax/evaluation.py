@@ -37,8 +37,8 @@ def pass_at_1(config, model_cfg, params, env, tokenizer, *, seed: int,
 
   The engine and driver are the run's (`factories.make_engine` /
   `make_driver`: the rollout section, the chat format, the tool-output
-  cap) with the eval section's slots, temperature and decode_steps and no
-  simulated tool latency. An environment with a finite held-out set
+  cap) with the eval section's slots, temperature and decode_steps, one
+  episode per prompt and no simulated tool latency. An environment with a finite held-out set
   (`env.num_eval_tasks`, e.g. a dataset's held-out rows) is evaluated on
   at most that many tasks, so no task is counted twice. A `samples` list
   gets one record (`sample_record`) per sampled episode.
@@ -49,8 +49,11 @@ def pass_at_1(config, model_cfg, params, env, tokenizer, *, seed: int,
   limit = getattr(env, "num_eval_tasks", None)
   if limit is not None:
     num_tasks = min(num_tasks, int(limit))
+  # One episode per prompt (a GRPO arm's groups are a training matter):
+  # samples_per_task repeats the prompt instead.
   engine = factories.make_engine(config, model_cfg, params, seed=seed, slots=e.slots,
-                                 temperature=e.temperature, decode_steps=e.decode_steps)
+                                 temperature=e.temperature, decode_steps=e.decode_steps,
+                                 samples_per_prompt=1)
   trajs = []
   prompts = [i for i in prompt_data.eval_indices(num_tasks) for _ in range(samples_per_task)]
   options = {}
