@@ -4,7 +4,7 @@
 
 With one lambda for both, the critic's targets are its own lambda-returns
 (self-bootstrapped); with rl.critic_lam = 1.0 they are the observed returns.
-Everything else as configs/sao_tiny.py (same SFT start, same budget), so the
+Everything else as configs/sao_dis.py (same SFT start, same budget), so the
 held-out pass@1 of the runs compare directly.
 """
 

@@ -2,7 +2,7 @@
 
     python launch/train.py --config=configs/sao_k1.py --workdir=workdirs/sao_k1
 
-Everything else as configs/sao_tiny.py (same SFT start, same budget), so the
+Everything else as configs/sao_dis.py (same SFT start, same budget), so the
 held-out pass@1 of the runs compare directly.
 """
 

@@ -59,8 +59,10 @@ a pod.
 Settings follow the paper where docs/DESIGN.md section 1 gives them (K = 2
 critic updates, frozen critic attention, value pretraining,
 skip-observation GAE with lambda 0.95, one rollout per prompt, async); the
-DIS region (0.2, 0.28), learning rates and batch sizes are this project's
-choices.
+policy loss is PPO clip against the rollout log-prob in the (0.2, 0.28)
+window rather than the paper's DIS mask (the CPU default's choice, from
+measurements at tiny scale: experiments/README.md, "DIS under lag");
+learning rates and batch sizes are this project's choices.
 Cost: not run here (no TPU in this project's CI); the 2-core CPU default is
 configs/sao_tiny.py.
 """
@@ -127,6 +129,10 @@ def get_config(arg=None):
   # A multi-host trainer is fed by rollout hosts (launch/rollout.py).
   c.rl.mode = "fleet"
   c.rl.steps = 400
+  # PPO's clipped surrogate in place of the paper's DIS mask, as in
+  # configs/sao_tiny.py (why: experiments/README.md, "DIS under lag");
+  # --config.rl.policy_loss=dis is the paper's loss.
+  c.rl.policy_loss = "ppo_clip"
   c.rl.batch_size = 256
   c.rl.actor_lr = 1e-6
   c.rl.critic_lr = 5e-6

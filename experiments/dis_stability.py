@@ -131,7 +131,7 @@ LAGS = {
 def _async_arm(stem: str, lag: str) -> runner.Arm:
   overrides, label = next((o, l) for s, o, l in ASYNC_ARMS if s == stem)
   lag_overrides, lag_label = LAGS[lag]
-  return runner.Arm(f"{stem}_{lag}", "sao_tiny", {**overrides, **lag_overrides},
+  return runner.Arm(f"{stem}_{lag}", "sao_dis", {**overrides, **lag_overrides},
                     label=f"async SAO, {label}, {lag_label}")
 
 

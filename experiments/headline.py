@@ -50,15 +50,15 @@ def reward_by_quarter(finding, runs):
 
 
 ARMS = (
-    runner.Arm("sao", "sao_tiny", label="SAO"),
+    runner.Arm("sao", "sao_dis", label="SAO"),
     # SAO's critic updates make its train step slower than GRPO's, so with the
     # default 64-trajectory queue its rollouts run ~4 versions ahead (GRPO +
     # DIS: ~1.7). One batch of read-ahead bounds the lag to ~1-2 versions.
-    runner.Arm("sao_q16", "sao_tiny", {"rollout.queue_size": 16},
+    runner.Arm("sao_q16", "sao_dis", {"rollout.queue_size": 16},
                label="SAO, queue of one batch"),
     # SAO with PPO's clipped surrogate in place of DIS: everything else SAO's.
     # Separates DIS from the rest of SAO where SAO runs collapse.
-    runner.Arm("sao_ppo", "sao_tiny", {"rl.policy_loss": "ppo_clip"},
+    runner.Arm("sao_ppo", "sao_dis", {"rl.policy_loss": "ppo_clip"},
                label="SAO with PPO clip (no DIS)"),
     runner.Arm("grpo", "grpo", label="async GRPO (PPO clip)"),
     runner.Arm("grpo_dis", "grpo_dis", label="async GRPO + DIS"),

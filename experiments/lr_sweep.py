@@ -29,7 +29,7 @@ from experiments import runner
 DEFAULT_LR = 3e-4
 LRS = (1e-4, DEFAULT_LR, 1e-3)
 # (family, configs/ file, label): the two arms whose lr is swept.
-FAMILIES = (("sao", "sao_tiny", "SAO"), ("grpo_sync", "grpo_sync", "sync GRPO G=4"))
+FAMILIES = (("sao", "sao_dis", "SAO"), ("grpo_sync", "grpo_sync", "sync GRPO G=4"))
 
 
 def arm_name(family: str, lr: float) -> str:
@@ -39,7 +39,7 @@ def arm_name(family: str, lr: float) -> str:
 # Added after SAO (DIS) collapsed at lr 1e-3 in its first two seeds: the
 # same lr with PPO's clipped surrogate, everything else SAO's. Paired with
 # SAO at that lr, it says whether the collapse is DIS's or the step size's.
-DIAGNOSTIC = runner.Arm("sao_ppo_lr1e-03", "sao_tiny",
+DIAGNOSTIC = runner.Arm("sao_ppo_lr1e-03", "sao_dis",
                         {"rl.policy_loss": "ppo_clip", "rl.actor_lr": 1e-3},
                         label="SAO with PPO clip, lr 1e-03")
 PAIRS = (("sao_ppo_lr1e-03", "sao_lr1e-03"),)

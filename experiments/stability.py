@@ -42,8 +42,8 @@ FINDING = runner.Finding(
     arms=(
         runner.Arm("grpo", "grpo", label="async GRPO (PPO clip)"),
         runner.Arm("grpo_dis", "grpo_dis", label="async GRPO + DIS"),
-        runner.Arm("sao", "sao_tiny", label="SAO"),
-        runner.Arm("sao_ppo", "sao_tiny", {"rl.policy_loss": "ppo_clip"},
+        runner.Arm("sao", "sao_dis", label="SAO"),
+        runner.Arm("sao_ppo", "sao_dis", {"rl.policy_loss": "ppo_clip"},
                    label="SAO with PPO clip (no DIS)"),
     ),
     reference="grpo_dis", seeds=3, budget_steps=600, overrides=STALE,

@@ -56,7 +56,7 @@ FINDING = runner.Finding(
     claim=("Asynchronous single-rollout training reaches a given pass@1 sooner in wall-clock "
            "time than synchronous grouped rollouts, with less trainer idle time."),
     arms=(
-        runner.Arm("sao", "sao_tiny", label="async SAO"),
+        runner.Arm("sao", "sao_dis", label="async SAO"),
         runner.Arm("sao_sync", "sao_sync", label="sync SAO"),
         runner.Arm("grpo_dis", "grpo_dis", label="async GRPO + DIS (G=4)"),
         runner.Arm("grpo_sync", "grpo_sync", label="sync GRPO (G=4)"),

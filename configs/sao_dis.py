@@ -1,0 +1,23 @@
+"""SAO exactly as the paper specifies: the DIS loss (window 0.2 / 0.28).
+
+    python launch/train.py --config=configs/sao_dis.py --workdir=workdirs/sao_dis
+
+configs/sao_tiny.py with `rl.policy_loss = "dis"` (the library-wide default
+of sao_jax/sections.py): the arm every experiment calls "SAO". The CPU
+default (sao_tiny) trains with PPO clip instead, because SAO with DIS
+collapses at this scale in a share of runs (experiments/README.md, "DIS
+under lag").
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+import common  # pylint: disable=g-import-not-at-top
+
+
+def get_config(arg=None):
+  del arg
+  c = common.get_config()
+  c.rl.policy_loss = "dis"
+  return c
