@@ -180,6 +180,8 @@ def _check_env(env) -> None:
     _fail("env.tokenizer", env.tokenizer, f"one of {sorted(tokenizer.TOKENIZERS)}")
   if not isinstance(env.thinking, bool):
     _fail("env.thinking", env.thinking, "True or False")
+  if not (sections.is_real(env.tool_latency_s) and env.tool_latency_s >= 0):
+    _fail("env.tool_latency_s", env.tool_latency_s, "a finite number of seconds >= 0")
   if not (sections.is_int(env.max_tool_output_tokens) and env.max_tool_output_tokens >= 0):
     _fail("env.max_tool_output_tokens", env.max_tool_output_tokens, "an integer >= 0 (0: no cap)")
 

@@ -50,6 +50,7 @@ def test_ablation_table_arms_all_have_configs():
     ("rollout.kv_cache", "ragged", r"rollout.kv_cache = 'ragged': must be one of"),
     ("rollout.page_size", 0, "rollout.page_size = 0"),
     ("rollout.kv_pages", -1, "rollout.kv_pages = -1"),
+    ("env.tool_latency_s", -0.5, r"env.tool_latency_s = -0.5: must be a finite number"),
     # A kill scheduled after the last RL step would never happen.
     ("faults.sigkill_after_rl_step", 10**6,
      r"faults.sigkill_after_rl_step = 1000000: must be <= rl.steps"),
