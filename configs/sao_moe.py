@@ -35,11 +35,12 @@ Target layout: training on a v5p-256 slice (128 chips, 95.74 GiB HBM each;
 v5p names count TensorCores), mesh data 1 x fsdp 16 x expert 8, the batch
 split over all three (256 rows of 32768 tokens: 2 rows a chip), the
 rollout engine colocated on the same mesh (`rollout.sharded_engine`: 256
-slots x 32768 cache positions, slots over all 128 chips), or on its own
-slice with `launch/compile.py --rollout_mesh`. The model preset brings the
-pod-scale paths: 48 scanned layers with full remat, splash attention,
-log-probs over 1024-token chunks, expert-parallel dropless MoE dispatching
-8192 tokens a chip per round, chunked prefill of 2048 tokens. Check it fits
+slots x 32768 cache positions, slots over all 128 chips), or on a slice
+of its own with `rollout.mesh` (compiled by `launch/compile.py
+--rollout_topology`). The model preset brings the pod-scale paths: 48
+scanned layers with full remat, splash attention, log-probs over
+1024-token chunks, expert-parallel dropless MoE dispatching 8192 tokens a
+chip per round, chunked prefill of 2048 tokens. Check it fits
 with
 
     python launch/compile.py --config=configs/sao_moe.py --topology=v5p-256

@@ -2,7 +2,7 @@
 
     # the whole chain: the training slice's steps and one rollout host's engine
     python launch/compile.py --config=configs/sao_moe_128k.py --topology=v5p-256 \
-        --rollout_topology=v5p-8 --rollout_mesh=expert:2,tensor:2
+        --rollout_topology=v5p-8
 
 The train steps keep sao_moe's tokens per chip (65,536) by splitting each
 128K row over two chips: the mesh gains a `context` axis of 2 and the
@@ -20,7 +20,8 @@ rollout host runs launch/rollout.py, one engine over the host's own 4
 chips, so what must fit is one host's engine, compiled above on
 `--rollout_topology=v5p-8` (one v5p host, 2x2x1); a rollout slice of N
 hosts runs N of them (a v5p-64: 8 engines, 512 slots). The engine's mesh
-is expert 2 x tensor 2 (`--rollout_mesh`; slots over "expert", 2 slot
+is expert 2 x tensor 2 (`rollout.mesh`, which launch/rollout.py, evaluation
+and launch/compile.py all lay the engine on: slots over "expert", 2 slot
 groups of 32): with tensor 4 (the most Qwen3-30B-A3B's 4 kv heads allow)
 and no expert axis the experts' width of 768 splits into 192-wide
 slices, not a multiple of the TPU's 128 lanes, the compiler copied the
@@ -28,9 +29,7 @@ stacked expert weights into a padded layout (12 GiB of temporaries) and
 the MoE sorted all 131,072 tokens of a prefill chunk at once (4 GiB
 buffers): prefill 86.67 GiB a chip, under 10% headroom. Expert 4 would
 pool pages over groups of 16 slots only. Params are 15 GiB a chip here
-(data 4, replicated, would be 56.9 GiB before any cache). Mind that
-launch/rollout.py builds its engine on {"data": -1} over the host's chips
-today: the config has no field for the engine's mesh yet.
+(data 4, replicated, would be 56.9 GiB before any cache).
 
 At 128K the cache must be paged (a dense [256, 131072] cache per layer is
 ~3.3 TB): per host 64 slots share a pool of 18,432 pages of 128 positions,
@@ -44,12 +43,13 @@ waits; admission waits for pages otherwise, it never fails. decode_steps
 benchmarks/RESULTS.md, "The driver: decode_steps").
 
 The prefill compiled is the driver's widest step, [64, 131072]: the
-engine pads a step's width up to its prefill buckets (8 ... 256, then
-max_len: factories.make_engine passes none), so any append longer than 256
-tokens (a prompt, a 2,048-token tool output) and a "recompute" weight
-swap, which re-feeds whole records, are max_len wide; the model runs the
-step 2,048 tokens at a time (model.prefill_chunk), so the width sizes the
-token arrays, not the activations. Measured by the TPU compiler:
+engine pads a step's width up to its prefill buckets (rollout.
+prefill_buckets, here 8 ... 256, then 4x apart up to 16,384, then max_len),
+so a 2,048-token tool output pads to 4,096 and only a "recompute" weight
+swap, which re-feeds whole records, or an append over 16,384 tokens runs
+max_len wide; the model runs a step 2,048 tokens at a time
+(model.prefill_chunk), so the width sizes the token arrays, not the
+activations. Measured by the TPU compiler:
 benchmarks/RESULTS.md, "The paper's context".
 """
 
@@ -80,4 +80,6 @@ def get_config(arg=None):
   c.rollout.page_size = 128
   c.rollout.kv_pages = 2 * 9 * CONTEXT // 128  # 18,432 pages: 2,359,296 live tokens
   c.rollout.decode_steps = 8
+  c.rollout.mesh = "expert:2,tensor:2"
+  c.rollout.prefill_buckets = (8, 16, 32, 64, 128, 256, 1024, 4096, 16384)
   return c

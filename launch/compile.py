@@ -51,10 +51,11 @@ a chip.
 
 The rollout on a slice of its own (rl.mode "fleet": each launch/rollout.py
 process runs an engine over its host's chips): --rollout_topology names
-what one engine spans (v5p-8: one v5p host, 4 chips) and --rollout_mesh
-its mesh (launch/rollout.py itself lays its engine on {"data": -1} today);
-the trainer's programs are compiled on --topology in the same run, the
-whole chain in one command (configs/sao_moe_128k.py gives it).
+what one engine spans (v5p-8: one v5p host, 4 chips) and the config's
+rollout.mesh (or --rollout_mesh) its mesh, the one launch/rollout.py lays
+its engine on (`factories.engine_mesh`); the trainer's programs are
+compiled on --topology in the same run, the whole chain in one command
+(configs/sao_moe_128k.py gives it).
 
 With `rollout.sharded_engine` on the trainer's own topology (colocated),
 rows "rl+eng" (and "sft+eng", "value+eng") add the engine's resident
@@ -95,9 +96,8 @@ from absl import flags
 from jax.experimental import topologies
 from ml_collections import config_flags
 
-from sao_jax import configuration, files, sharding, trainer
+from sao_jax import configuration, factories, files, sections, sharding, trainer
 from sao_jax.data import packing
-from sao_jax.rollout import engine as engine_lib
 from sao_jax.rollout import programs as programs_lib
 
 PROGRAMS = ("sft", "value", "rl", "prefill", "decode", "decode_loop")
@@ -117,9 +117,9 @@ _ROWS = flags.DEFINE_integer("rows", None, "Packed rows of the train steps (defa
 _LENGTH = flags.DEFINE_integer("length", None, "Tokens per packed row (default: "
                                "max(data.buckets), the largest bucket).")
 _ROLLOUT_MESH = flags.DEFINE_string(
-    "rollout_mesh", None, "Shard the rollout engine over a mesh of the rollout topology, e.g. "
-    "data:-1,tensor:4 (default: the trainer's mesh with rollout.sharded_engine, else one "
-    "chip, as the trainer's in-process engine runs).")
+    "rollout_mesh", None, "The rollout engine's mesh over the rollout topology, e.g. "
+    "expert:2,tensor:2: sets rollout.mesh (default: the config's rollout.mesh; empty, the "
+    "trainer's mesh with rollout.sharded_engine, else one chip, as the run's engine).")
 _PREFILL_LEN = flags.DEFINE_integer("prefill_len", None, "Width of the prefill step "
                                     "(default: the engine's largest bucket, rollout.max_len).")
 _HEARTBEAT_S = flags.DEFINE_integer("heartbeat_s", 60, "Seconds between progress lines.")
@@ -296,22 +296,6 @@ def _in_mesh(mesh, rules):
     yield
 
 
-def _parse_mesh(text: str) -> dict:
-  """"data:-1,tensor:4" -> {"data": -1, "tensor": 4}."""
-  out = {}
-  for part in text.split(","):
-    name, sep, size = part.partition(":")
-    if not sep or not name.strip():
-      raise configuration.ConfigError(f"--rollout_mesh={text!r}: write AXIS:SIZE,... "
-                                      "(e.g. data:-1,tensor:4)")
-    try:
-      out[name.strip()] = int(size)
-    except ValueError:
-      raise configuration.ConfigError(f"--rollout_mesh={text!r}: {size!r} is not an "
-                                      "integer") from None
-  return out
-
-
 def _size(n: float) -> str:
   for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
     if n >= size:
@@ -331,6 +315,17 @@ def format_capacity(cap: dict) -> str:
           f"{_size(cap['bytes_per_device'])} a chip")
 
 
+def rollout_section(config) -> sections.Rollout:
+  """The config's rollout section, with --rollout_mesh as its mesh when given."""
+  r = sections.rollout(config)
+  if _ROLLOUT_MESH.value:
+    try:
+      r = r.replace(mesh=_ROLLOUT_MESH.value)
+    except configuration.ConfigError as e:
+      raise configuration.ConfigError(f"--rollout_mesh={_ROLLOUT_MESH.value}: {e}") from None
+  return r
+
+
 def engine_programs(config, model_cfg, abstract_policy, devices, topo: str, hbm: float,
                     train_mesh=None) -> tuple[dict, str, dict]:
   """The rollout engine's programs: prefill, decode (one token) and decode_loop.
@@ -338,60 +333,45 @@ def engine_programs(config, model_cfg, abstract_policy, devices, topo: str, hbm:
   Returns ({name: Program}, the engine's layout in words, its KV capacity:
   `EnginePrograms.capacity`, the live tokens its cache or page pool holds).
 
-  The layout is the one the run would use: with --rollout_mesh, the
-  engine's own shardings (`engine.engine_shardings`, rules from
-  `engine.rollout_rules`) over that mesh of the rollout topology; else with
-  `rollout.sharded_engine` the trainer's colocated engine, on the trainer's
-  mesh (`train_mesh`, None when the rollout has its own topology: then
-  --rollout_mesh is needed); else one device holding params and the dense
-  [slots, max_len] cache (or, with `rollout.kv_cache` "paged", the pool of
-  pages), on the rollout topology's first chip.
+  The layout is the one the run would use (`factories.engine_mesh`):
+  `rollout.mesh` (or --rollout_mesh, which sets it) over the rollout
+  topology's devices; else with `rollout.sharded_engine` the trainer's
+  colocated engine on the trainer's mesh (`train_mesh`), or, on a rollout
+  topology of its own, {"data": -1} over its devices (a fleet rollout
+  process's engine over its host's chips); else one device holding params
+  and the dense [slots, max_len] cache (or, with `rollout.kv_cache`
+  "paged", the pool of pages), on the rollout topology's first chip.
 
-  The programs are the engine's own (`programs.EnginePrograms`: the same
-  jitted functions, static args, shardings and donation `PolicyEngine`
-  runs), built without an engine, which would copy real params onto
-  devices. prefill and decode are `PolicyEngine.step` at [slots, W] and
-  [slots, 1]; decode_loop is `PolicyEngine.decode`, the driver's decode,
-  at `rollout.decode_steps` iterations, with no stop token (the driver's
-  turn-end id is a constant of the loop, not a shape). All attend over the
-  whole cache (kv bucket max_len).
+  The programs are the engine's own (`EnginePrograms.for_rollout`: the
+  same jitted functions, static args, shardings and donation
+  `PolicyEngine` runs), built without an engine, which would copy real
+  params onto devices. prefill and decode are `PolicyEngine.step` at
+  [slots, W] and [slots, 1]; decode_loop is `PolicyEngine.decode`, the
+  driver's decode, at `rollout.decode_steps` iterations, with no stop
+  token (the driver's turn-end id is a constant of the loop, not a shape).
+  All attend over the whole cache (kv bucket max_len).
   """
-  r = config.rollout
-  sampling = engine_lib.SamplingConfig(r.temperature, r.top_k, r.top_p)
+  r = rollout_section(config)
   width = _PREFILL_LEN.value or r.max_len
-
-  mesh = None
-  if _ROLLOUT_MESH.value:
-    mesh = sharding.make_mesh(_parse_mesh(_ROLLOUT_MESH.value), devices=devices)
-  elif r.get("sharded_engine", False):
-    if train_mesh is None:
-      raise configuration.ConfigError(
-          "rollout.sharded_engine on a separate --rollout_topology: give its mesh with "
-          "--rollout_mesh (e.g. data:-1,tensor:4)")
-    mesh = train_mesh  # colocated: the engine shares the trainer's mesh
-  # rollout.kv_cache "paged": the engine's pool of pages and its page table
-  # (sao_jax/models/paged.py); the decode step runs the Pallas paged-attention kernel.
-  pages = (dict(page_size=r.page_size, num_pages=r.kv_pages)
-           if r.get("kv_cache", "dense") == "paged" else {})
+  where = (f"rollout.mesh={r.mesh}" if r.mesh else "one chip" if not r.sharded_engine
+           else "the trainer's mesh (colocated)" if train_mesh is not None
+           else "data:-1 over the rollout topology")
   try:
+    mesh = factories.engine_mesh(r, devices, trainer_mesh=train_mesh)
     if mesh is not None:
-      rules = tuple(tuple(x) for x in engine_lib.rollout_rules(mesh))
-      progs = programs_lib.EnginePrograms(model_cfg, sampling, r.slots, r.max_len, mesh=mesh,
-                                          rules=rules, **pages)
+      progs = programs_lib.EnginePrograms.for_rollout(model_cfg, r, mesh=mesh)
       layout = f"mesh {dict(mesh.shape)}"
     else:
       # A one-device mesh on the target's first chip (EnginePrograms(device=)),
       # so that the model traces the TPU paths (attention.compile_platform),
       # not the host's.
-      progs = programs_lib.EnginePrograms(model_cfg, sampling, r.slots, r.max_len,
-                                          device=devices[0], **pages)
+      progs = programs_lib.EnginePrograms.for_rollout(model_cfg, r, device=devices[0])
       layout = "1 chip"
-  except ValueError as e:  # slots or pages that do not split over the mesh
-    where = (f"--rollout_mesh={_ROLLOUT_MESH.value}" if _ROLLOUT_MESH.value else
-             "one chip" if mesh is None else "the trainer's mesh (colocated)")
+  except ValueError as e:  # a mesh, slots or pages that do not split over the devices
     raise configuration.ConfigError(
         f"the rollout engine on {where}: {e}; give the rollout slice its own layout "
-        "(--rollout_topology, --rollout_mesh) or compile --programs=sft,value,rl") from None
+        "(--rollout_topology, rollout.mesh or --rollout_mesh) or compile "
+        "--programs=sft,value,rl") from None
 
   steps = r.decode_steps
   cap = progs.capacity()
@@ -648,8 +628,8 @@ def main(argv):
       rows.append(compile_one(wanted[name], _MIN_HEADROOM.value))
       write(rows, complete=len(rows) == len(_PROGRAMS.value))
   colocated = (colocated_rows(rows, _MIN_HEADROOM.value)
-               if engine_layout is not None and rdevices is devices and not _ROLLOUT_MESH.value
-               and config.rollout.get("sharded_engine", False) else [])
+               if engine_layout is not None and rdevices is devices
+               and not rollout_section(config).mesh and config.rollout.sharded_engine else [])
   rows += colocated
   if colocated:
     write(rows, complete=True)

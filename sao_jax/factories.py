@@ -8,6 +8,7 @@ here, so a config field reaches its object in one place.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -42,22 +43,49 @@ def build_model_config(config, tokenizer=None) -> model_config.ModelConfig:
   return dataclasses.replace(base, **overrides) if overrides else base
 
 
+def engine_mesh(rollout: sections.Rollout, devices=None,
+                trainer_mesh: jax.sharding.Mesh | None = None) -> jax.sharding.Mesh | None:
+  """The mesh a rollout section puts its engine on; None: one device.
+
+  `rollout.mesh` ("expert:2,tensor:2") over `devices` (default: this
+  host's), the first of them when no size is -1; else, with
+  `rollout.sharded_engine`, the trainer's mesh when the engine is colocated
+  (`trainer_mesh`) or {"data": -1} over `devices` (a fleet rollout process,
+  a process of a multi-host run). launch/compile.py compiles the engine on
+  the same mesh over the rollout topology's devices.
+  """
+  devices = list(jax.local_devices() if devices is None else devices)
+  if rollout.mesh:
+    axes = sections.parse_mesh(rollout.mesh)
+    size = math.prod(axes.values())
+    if size > 0 and size < len(devices):
+      devices = devices[:size]  # the host's first devices; -1 takes them all
+    try:
+      return sharding.make_mesh(axes, devices)
+    except ValueError as e:
+      raise sections.ConfigError(f"rollout.mesh = {rollout.mesh!r}: {e}") from None
+  if not rollout.sharded_engine:
+    return None
+  return trainer_mesh if trainer_mesh is not None else sharding.make_mesh({"data": -1}, devices)
+
+
 def make_engine(config, model_cfg: model_config.ModelConfig, params, version: int = 0, *,
-                seed: int | None = None, mesh: jax.sharding.Mesh | None = None,
+                seed: int | None = None, mesh: jax.sharding.Mesh | None = None, devices=None,
                 **rollout_changes) -> PolicyEngine:
   """The rollout engine a config asks for, on `params` at `version`.
 
   It takes the config's rollout section whole (sao_jax/sections.py: slots,
-  max_len, sampling, the dense or paged cache), with `rollout_changes`
-  applied (evaluation's own slots and temperature, serving's slots). With
-  `rollout.sharded_engine` and a `mesh`, the engine lays params and KV
-  cache out on it (slots over the batch axes, kv heads over "tensor");
-  otherwise one device holds everything. `seed` defaults to seed + version.
+  max_len, sampling, the dense or paged cache, prefill buckets), with
+  `rollout_changes` applied (evaluation's own slots and temperature,
+  serving's slots), on `engine_mesh(rollout, devices, mesh)`: the
+  section's own mesh, the trainer's `mesh` for a colocated sharded engine,
+  or one device. `seed` defaults to seed + version.
   """
   r = sections.rollout(config)
   if rollout_changes:
     r = r.replace(**rollout_changes)
-  placement = dict(mesh=mesh, rules=rollout_rules(mesh)) if r.sharded_engine and mesh else {}
+  on = engine_mesh(r, devices, trainer_mesh=mesh)
+  placement = dict(mesh=on, rules=rollout_rules(on)) if on is not None else {}
   return PolicyEngine(model_cfg, params, r,
                       seed=config.seed + int(version) if seed is None else seed,
                       version=version, **placement)

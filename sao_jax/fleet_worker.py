@@ -21,7 +21,7 @@ from typing import Callable
 
 import jax
 
-from sao_jax import configuration, factories, fleet, sharding
+from sao_jax import configuration, factories, fleet
 from sao_jax.data import prompts as prompt_data
 from sao_jax.envs import registry
 from sao_jax.faults import FaultInjector
@@ -80,8 +80,10 @@ def run_rollout_worker(config, workdir: str, rollout_id: str, stop: threading.Ev
     return dict(trajectories=0, last_shard=writer.last_closed, version=None,
                 generated_tokens=0)
   params, version, _ = first
+  # rollout.mesh over this host's devices; else {"data": -1} over them with
+  # rollout.sharded_engine; else one device (factories.engine_mesh).
   engine = factories.make_engine(config, model_cfg, params, version, seed=seed,
-                               mesh=sharding.make_mesh({"data": -1}, jax.local_devices()))
+                                 devices=jax.local_devices())
   follower.retarget(engine.abstract_params())  # later versions restore into its layout
 
   def emit(t):

@@ -104,13 +104,14 @@ class Run:
     and KV cache out on the trainer's mesh (slots over the batch axes, kv
     heads over "tensor") and weight swaps reshard on device. Off by default on
     CPU, where one device serves the tiny model best. With several processes
-    an engine is one host's: its devices, a local copy.
+    an engine is one host's: its devices, a local copy. `rollout.mesh` gives
+    the engine a mesh of its own (`factories.engine_mesh`).
     """
-    engine_mesh = (self.mesh if jax.process_count() == 1
-                   else sharding.make_mesh({"data": -1}, jax.local_devices()))
+    single = jax.process_count() == 1
     params = distributed.host_local_copy(params, self.mesh)  # collective on a global tree
-    return factories.make_engine(self.config, self.model_cfg, params, version, mesh=engine_mesh,
-                                 **kwargs)
+    return factories.make_engine(
+        self.config, self.model_cfg, params, version, mesh=self.mesh if single else None,
+        devices=list(self.mesh.devices.flat) if single else jax.local_devices(), **kwargs)
 
   def driver(self, engine: PolicyEngine, env, prompt_iter, emit, rollout=None,
              **options) -> RolloutDriver:

@@ -111,6 +111,52 @@ BOOL = Check(lambda v: isinstance(v, bool), "True or False")
 STRING = Check(lambda v: isinstance(v, str), "a string")
 
 
+def parse_mesh(text: str) -> dict[str, int]:
+  """A mesh written on one line: "expert:2,tensor:2" -> {"expert": 2, "tensor": 2}.
+
+  Axis names are unique; sizes are integers >= 1, or -1 for one axis (the
+  devices left over). Raises ConfigError naming what is wrong.
+  """
+  axes: dict[str, int] = {}
+  for part in text.split(","):
+    name, sep, size = (x.strip() for x in part.partition(":"))
+    if not sep or not name.isidentifier():
+      raise ConfigError(f"mesh {text!r}: write AXIS:SIZE,... (e.g. expert:2,tensor:2)")
+    if name in axes:
+      raise ConfigError(f"mesh {text!r}: axis {name!r} appears twice")
+    try:
+      axes[name] = int(size)
+    except ValueError:
+      raise ConfigError(f"mesh {text!r}: {size!r} is not an integer") from None
+    if axes[name] < 1 and axes[name] != -1:
+      raise ConfigError(f"mesh {text!r}: axis {name!r} has size {axes[name]} "
+                        "(>= 1, or -1 for the devices left over)")
+  if list(axes.values()).count(-1) > 1:
+    raise ConfigError(f"mesh {text!r}: at most one axis may be -1")
+  return axes
+
+
+def _is_mesh(text) -> bool:
+  if not isinstance(text, str):
+    return False
+  try:
+    return text == "" or bool(parse_mesh(text))
+  except ConfigError:
+    return False
+
+
+MESH = Check(_is_mesh, "\"\" or a mesh written AXIS:SIZE,... (e.g. \"expert:2,tensor:2\"; "
+             "one size may be -1)")
+
+
+def increasing(lo: int) -> Check:
+  """A non-empty increasing tuple of integers >= lo."""
+  return Check(lambda b: (isinstance(b, tuple) and bool(b)
+                          and all(is_int(x) and x >= lo for x in b)
+                          and list(b) == sorted(set(b))),
+               f"a non-empty increasing tuple of integers >= {lo}")
+
+
 def knob(default, doc: str, check: Check | None = None, *, placeholder: type | None = None):
   """A section field: its default, what it means, and its check.
 
@@ -211,11 +257,7 @@ class Data(Section):
   num_train_tasks: int = knob(100_000, "Training tasks are indices [0, num_train_tasks); "
                               "evaluation is disjoint.", integer(1))
   buckets: tuple = knob((64, 128, 256), "Packed row lengths; the train step compiles once "
-                        "per bucket.", Check(
-                            lambda b: (isinstance(b, tuple) and bool(b)
-                                       and all(is_int(x) and x >= 8 for x in b)
-                                       and list(b) == sorted(set(b))),
-                            "a non-empty increasing tuple of integers >= 8"))
+                        "per bucket.", increasing(8))
   logits_at_actions: bool = knob(
       False, "Compute the policy's vocabulary-wide head at action tokens only (SFT and RL "
       "steps; packing.pack's action_index): with a large vocabulary the head is most of a "
@@ -256,7 +298,17 @@ class Rollout(Section):
                     integer(1))
   sharded_engine: bool = knob(
       False, "Lay the engine's params and KV cache out on the trainer's mesh (slots over "
-      "the batch axes, kv heads over \"tensor\"); off: one device holds all.", BOOL)
+      "the batch axes, kv heads over \"tensor\"); a fleet rollout process, which has no "
+      "trainer's mesh, uses {\"data\": -1} over its host's devices. Off (and no "
+      "rollout.mesh): one device holds all.", BOOL)
+  mesh: str = knob(
+      "", "The engine's own mesh, AXIS:SIZE,... over the devices of its host (e.g. "
+      "\"expert:2,tensor:2\"; one size may be -1: the devices left over; without -1 the "
+      "engine takes the host's first devices): slots over every axis but \"tensor\", "
+      "heads, MLP and vocabulary over \"tensor\", experts over \"expert\" "
+      "(sao_jax/rollout/layout.py). Set, it wins over sharded_engine, for the trainer's "
+      "engine, a fleet rollout process, evaluation and serving alike, and launch/compile.py "
+      "compiles the engine on it. \"\": see sharded_engine.", MESH)
   max_len: int = knob(256, "Max tokens per trajectory (prompt + actions + observations).",
                       integer(8))
   kv_cache: str = knob(
@@ -272,6 +324,12 @@ class Rollout(Section):
       "live tokens only. At least max_len / page_size per slot group (one device of a "
       "sharded engine's batch axes).", integer(0, note=" (0: the dense cache's size)"))
   max_turn_tokens: int = knob(24, "Max tokens per action turn.", integer(1))
+  prefill_buckets: tuple = knob(
+      (8, 16, 32, 64, 128, 256), "Widths an engine step's new tokens are padded to (one "
+      "compiled program each); max_len is always the last, so an append wider than the "
+      "largest bucket below max_len (a long prompt or tool output, a \"recompute\" swap's "
+      "re-feed) runs max_len wide. Long contexts want buckets up to a few thousand tokens.",
+      increasing(1))
   temperature: float = knob(1.0, "Sampling temperature.", real(0, above=True))
   top_k: int = knob(0, "Top-k sampling (0: off). Training refuses anything but 0: the "
                     "train step's log-probs do not apply it.", integer(0))

@@ -155,7 +155,7 @@ def test_the_rollout_slice_compiles_on_its_own_topology(tmp_path):
   # a mesh of its own, in one run: 16 slots in 8 groups of 2 paging into a
   # pool of half their dense cache (4 pages a group: one max_len trajectory).
   rc, stdout, stderr, result = run_compile(
-      tmp_path, "--topology=v5e-4", "--rollout_topology=v5e-8", "--rollout_mesh=data:-1",
+      tmp_path, "--topology=v5e-4", "--rollout_topology=v5e-8", "--config.rollout.mesh=data:-1",
       "--programs=rl,decode", "--rows=4", "--length=64", "--config.rollout.sharded_engine=True",
       "--config.rollout.slots=16", "--config.rollout.kv_cache=paged",
       "--config.rollout.kv_pages=32", "--config.model.overrides.num_layers=1")

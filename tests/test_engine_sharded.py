@@ -33,10 +33,10 @@ TOK = CharTokenizer()
 # Two kv heads: they split over tensor=2.
 CFG = dataclasses.replace(mcfg.tiny(vocab_size=TOK.vocab_size), num_kv_heads=2)
 SLOTS, MAX_LEN, KV = 8, 64, 32
-ROLLOUT = sections.Rollout(slots=SLOTS, max_len=MAX_LEN)
+ROLLOUT = sections.Rollout(slots=SLOTS, max_len=MAX_LEN, prefill_buckets=(8,))
 # Widths 8 / 1 / 64 and a kv bucket of 32: steps attend over the cache
 # prefix [0, 32) until some slot grows past it, then over all of it.
-ENGINE_KW = dict(prefill_buckets=(8,), kv_buckets=(KV,), seed=5)
+ENGINE_KW = dict(kv_buckets=(KV,), seed=5)
 MESHES = {"data4_tensor2": {"data": 4, "tensor": 2}, "data8": {"data": 8}}
 # Like a trainer's: embeddings fsdp-style over "data", so every weight sync
 # really moves data between layouts.

@@ -103,3 +103,73 @@ def test_the_factories_hand_the_section_whole(tmp_path):
   driver = factories.make_driver(c, engine, registry.make_env(c.env), tok, iter(()), None)
   assert driver.rollout is engine.rollout and driver.decode_steps == 3
   driver.stop()
+
+
+@pytest.mark.parametrize("text,axes", [
+    ("expert:2,tensor:2", {"expert": 2, "tensor": 2}),
+    (" data : -1 , tensor : 4 ", {"data": -1, "tensor": 4}),
+    ("data:8", {"data": 8}),
+])
+def test_a_mesh_on_one_line_parses(text, axes):
+  assert sections.parse_mesh(text) == axes
+  assert sections.Rollout(mesh=text).mesh == text
+
+
+@pytest.mark.parametrize("text,why", [
+    ("expert=2", "write AXIS:SIZE"), ("data:two", "not an integer"),
+    ("data:0", "has size 0"), ("data:-1,tensor:-1", "at most one axis may be -1"),
+    ("data:2,data:2", "appears twice"), (":2", "write AXIS:SIZE"),
+])
+def test_a_bad_mesh_is_refused_naming_the_field(text, why):
+  with pytest.raises(sections.ConfigError, match=why):
+    sections.parse_mesh(text)
+  with pytest.raises(sections.ConfigError, match=r"rollout\.mesh = .*AXIS:SIZE"):
+    sections.Rollout(mesh=text)
+
+
+@pytest.mark.parametrize("buckets", [(), (8, 8), (16, 8), (0, 8), [8, 16], (8.0,)])
+def test_prefill_buckets_are_an_increasing_tuple(buckets):
+  with pytest.raises(sections.ConfigError, match="rollout.prefill_buckets"):
+    sections.Rollout(prefill_buckets=buckets)
+
+
+def test_the_engine_mesh_comes_from_the_rollout_section():
+  """`factories.engine_mesh`: rollout.mesh over the host's first devices (or all
+  with -1); else the trainer's mesh or data:-1 with sharded_engine; else none."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from sao_jax import factories, sharding  # pylint: disable=g-import-not-at-top
+  devices = jax.devices()
+  assert len(devices) == 8  # tests/conftest.py: 8 simulated CPU devices
+  r = sections.Rollout()
+  assert factories.engine_mesh(r, devices) is None
+  trainer = sharding.make_mesh({"data": 2, "fsdp": 4}, devices)
+  sharded = r.replace(sharded_engine=True)
+  assert factories.engine_mesh(sharded, devices, trainer_mesh=trainer) is trainer
+  assert dict(factories.engine_mesh(sharded, devices).shape) == {"data": 8}
+  own = factories.engine_mesh(sharded.replace(mesh="expert:2,tensor:2"), devices,
+                              trainer_mesh=trainer)
+  assert dict(own.shape) == {"expert": 2, "tensor": 2}
+  assert list(own.devices.flat) == devices[:4]  # the host's first devices
+  rest = factories.engine_mesh(r.replace(mesh="data:-1,tensor:2"), devices)
+  assert dict(rest.shape) == {"data": 4, "tensor": 2}
+  with pytest.raises(sections.ConfigError, match=r"rollout.mesh = 'data:16'.*needs 16"):
+    factories.engine_mesh(r.replace(mesh="data:16"), devices)
+  with pytest.raises(sections.ConfigError, match=r"rollout.mesh = 'data:-1,tensor:3'"):
+    factories.engine_mesh(r.replace(mesh="data:-1,tensor:3"), devices)
+
+
+def test_make_engine_lays_the_engine_on_the_sections_mesh_with_its_buckets():
+  import jax  # pylint: disable=g-import-not-at-top
+  from sao_jax import factories  # pylint: disable=g-import-not-at-top
+  from sao_jax.models import policy  # pylint: disable=g-import-not-at-top
+  c = load_config_module("sao_tiny.py").get_config()
+  c.rollout.mesh = "data:2"
+  c.rollout.prefill_buckets = (4, 32, 1024)
+  model_cfg = factories.build_model_config(c)
+  params = policy.init_params(model_cfg, jax.random.key(0))
+  engine = factories.make_engine(c, model_cfg, params, slots=4)
+  assert dict(engine.mesh.shape) == {"data": 2}
+  assert engine.page_groups == 2  # the slots split over the engine's own mesh
+  assert engine.prefill_buckets == (4, 32, c.rollout.max_len)  # max_len closes the list
+  assert {d for x in jax.tree.leaves(engine.params) for d in x.devices()} == set(
+      jax.devices()[:2])

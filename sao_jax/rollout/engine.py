@@ -243,11 +243,12 @@ class PolicyEngine:
       shared pool of pages; module docstring, "Paged cache"); page_size
       (positions a page holds, paged); kv_pages (pages in the pool; 0: the
       dense cache's size, slots x max_len / page_size; each group of slots,
-      one per device of the batch axes, must hold one max_len trajectory).
+      one per device of the batch axes, must hold one max_len trajectory);
+      prefill_buckets (the widths a `step`'s tokens are padded to; max_len
+      is always the last). Its mesh field is the factories' business
+      (`factories.engine_mesh`): the engine takes the mesh it is given.
     seed: of the sampling key stream.
     version: of `params`.
-    prefill_buckets: the widths a `step`'s tokens are padded to; max_len is
-      always the last.
     device: the device of a single-device engine (default: the first local
       one); its mesh is `layout.one_device_mesh(device)`.
     mesh, rules: the engine's layout (module docstring); `rules` default to
@@ -264,8 +265,7 @@ class PolicyEngine:
   """
 
   def __init__(self, cfg: ModelConfig, params, rollout: sections.Rollout, *, seed: int = 0,
-               version: int = 0, prefill_buckets: tuple[int, ...] = (8, 16, 32, 64, 128, 256),
-               device=None, mesh: Mesh | None = None, rules=None,
+               version: int = 0, device=None, mesh: Mesh | None = None, rules=None,
                kv_buckets: tuple[int, ...] | None = None, lanes: int = 1):
     if not isinstance(rollout, sections.Rollout):
       raise TypeError(f"rollout must be a sections.Rollout, got {type(rollout).__name__}")
@@ -281,12 +281,11 @@ class PolicyEngine:
     page_size = rollout.page_size
     if self.paged and lanes > 1:
       raise ValueError("lanes > 1 is for the dense cache (a paged engine's slots share one pool)")
-    sampling = SamplingConfig(rollout.temperature, rollout.top_k, rollout.top_p)
     # Every jitted program of the engine (programs.py), also what launch/compile.py
     # lowers; it holds the layout (a mesh of one device without `mesh`).
-    self.programs = EnginePrograms(cfg, sampling, slots, max_len, mesh=mesh, rules=rules,
-                                   device=device, page_size=page_size if self.paged else None,
-                                   num_pages=rollout.kv_pages)
+    self.programs = EnginePrograms.for_rollout(cfg, rollout, mesh=mesh, rules=rules,
+                                               device=device)
+    sampling = self.programs.sampling
     self.page_size = page_size if self.paged else 0
     self.kv_pages = self.programs.num_pages  # 0: dense
     self.page_groups = layout.batch_groups(self.programs.mesh, self.programs.rules)
@@ -309,7 +308,7 @@ class PolicyEngine:
     self.sampling = sampling
     self.max_concurrent_decodes = slots
     self.max_prefill_length = max_len
-    self.prefill_buckets = tuple(b for b in prefill_buckets if b < max_len) + (max_len,)
+    self.prefill_buckets = tuple(b for b in rollout.prefill_buckets if b < max_len) + (max_len,)
     self.kv_buckets = tuple(sorted({b for b in kv_buckets if b < max_len})) + (max_len,)
     self._lock = threading.Lock()
     self._rng = KeyStream.start(jax.random.key(seed), self.shardings.replicated)

@@ -3,7 +3,9 @@
 `PolicyEngine` runs these programs and `launch/compile.py` lowers the very
 same ones for a TPU topology, so the AOT report's memory figures are those
 of what the driver runs. `EnginePrograms` holds what they are built from
-(model, sampling, slots, max_len, layout); each of its program methods
+(model, sampling, slots, max_len, layout; `for_rollout` reads them from a
+config's rollout section, for the engine and launch/compile.py alike); each
+of its program methods
 returns a new jitted callable -- function, static args, in / out shardings
 and donation -- which the engine caches per static key:
 
@@ -47,6 +49,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sao_jax import sections
 from sao_jax.models import decoding, paged
 from sao_jax.models.config import ModelConfig
 from sao_jax.rollout import layout
@@ -89,6 +92,18 @@ class EnginePrograms:
         layout.engine_shardings(cfg, slots, max_len, self.mesh, self.rules,
                                 pages=self._pages())
         if shardings is None else shardings)
+
+  @classmethod
+  def for_rollout(cls, cfg: ModelConfig, rollout: sections.Rollout, *, mesh=None, rules=None,
+                  device=None) -> "EnginePrograms":
+    """The programs of the engine a rollout section describes: its sampling,
+    slots, max_len and cache (dense, or paged: page_size, kv_pages), on
+    `mesh` with `rules` or on `device` (neither: the first local device)."""
+    sampling = sampling_lib.SamplingConfig(rollout.temperature, rollout.top_k, rollout.top_p)
+    paged_cache = rollout.kv_cache == "paged"
+    return cls(cfg, sampling, rollout.slots, rollout.max_len, mesh=mesh, rules=rules,
+               device=device, page_size=rollout.page_size if paged_cache else None,
+               num_pages=rollout.kv_pages if paged_cache else 0)
 
   @property
   def paged(self) -> bool:
