@@ -39,7 +39,7 @@ import sys
 import jax
 import numpy as np
 
-from sao_jax import trainer
+from sao_jax import factories, trainer
 from sao_jax.data import prompts as prompt_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,9 +81,9 @@ def engine_alone(config, base: str, trajectories: int) -> float:
   run = trainer.load_run(config, base)
   try:
     def once(n):
-      engine = trainer.make_engine(config, run.model_cfg, run.state.policy, int(run.state.step))
+      engine = factories.make_engine(config, run.model_cfg, run.state.policy, int(run.state.step))
       prompts = prompt_data.train_prompts(config.data.num_train_tasks, config.seed + 1)
-      driver = trainer.make_driver(config, engine, run.env, run.tok, prompts, lambda t: None)
+      driver = factories.make_driver(config, engine, run.env, run.tok, prompts, lambda t: None)
       start = time.perf_counter()
       driver.run(max_trajectories=n)
       seconds = time.perf_counter() - start

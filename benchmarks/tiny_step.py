@@ -1,6 +1,7 @@
 """The CPU default's train steps now vs an earlier commit, side by side.
 
-    python benchmarks/tiny_step.py [--ref 7adb88f] [--rounds 3] [--out benchmarks/RESULTS.md]
+    python benchmarks/tiny_step.py [--ref 7adb88f] [--rounds 3] [--policy_loss dis] \
+        [--out benchmarks/RESULTS.md]
 
 Issue 9 changed the model and the trainer for pod scale (scanned layers,
 splash / chunked attention, chunked log-probs, expert-parallel MoE) behind
@@ -39,6 +40,8 @@ from sao_jax import sharding
 
 steps = int(sys.argv[1])
 config = sao_tiny.get_config()
+if sys.argv[3]:  # --policy_loss: the same loss in both trees
+  config.rl.policy_loss = sys.argv[3]
 tok = registry.make_tokenizer(config.env)
 model_cfg = trainer.build_model_config(config, tok)
 mesh = sharding.make_mesh(dict(config.sharding.mesh))
@@ -83,8 +86,8 @@ def make_batch(path: str, seed: int = 0) -> None:
   np.savez(path, **batch)
 
 
-def run_child(tree: str, batch: str, steps: int) -> dict:
-  proc = subprocess.run([sys.executable, "-c", CHILD, str(steps), batch], cwd=tree,
+def run_child(tree: str, batch: str, steps: int, policy_loss: str = "") -> dict:
+  proc = subprocess.run([sys.executable, "-c", CHILD, str(steps), batch, policy_loss], cwd=tree,
                         env=dict(os.environ, PYTHONPATH=tree), capture_output=True, text=True,
                         check=False)
   for line in proc.stdout.splitlines():
@@ -102,6 +105,9 @@ def main():
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--steps", type=int, default=20, help="timed steps per program per run")
   parser.add_argument("--out", default=None, help="append the table to this file")
+  parser.add_argument("--policy_loss", default="",
+                      help="rl.policy_loss in both trees (default: each tree's sao_tiny's; "
+                      "the CPU default moved from dis to ppo_clip in edcd23b)")
   args = parser.parse_args()
   head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                         text=True, check=True).stdout.strip()
@@ -116,10 +122,11 @@ def main():
     runs = {"ref": [], "head": []}
     for r in range(args.rounds):
       for name, tree in (("ref", ref_tree), ("head", ROOT)):
-        runs[name].append(run_child(tree, batch, args.steps))
+        runs[name].append(run_child(tree, batch, args.steps, args.policy_loss))
         print(f"round {r + 1} {name}: " + ", ".join(
             f"{k} {v * 1e3:.1f} ms" for k, v in runs[name][-1].items()), flush=True)
-  lines = [f"| program (sao_tiny, 16 rows) | {args.ref} (ms) | {head} (ms) | {head} / {args.ref} |",
+  shape = "sao_tiny, 16 rows" + (f", {args.policy_loss}" if args.policy_loss else "")
+  lines = [f"| program ({shape}) | {args.ref} (ms) | {head} (ms) | {head} / {args.ref} |",
            "|---|---|---|---|"]
   for prog in ("rl_step", "value_step"):
     ref = np.median([x[prog] for x in runs["ref"]])

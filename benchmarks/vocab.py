@@ -9,7 +9,7 @@ logits wide. This times, in one process with the calls interleaved (so
 load on this shared machine hits both arms alike; read the ratios):
 
     rl_step     the trainer's RL step (K = 2 critic updates + the actor
-                update, `trainer.build_programs`) on one packed batch of
+                update, `factories.build_programs`) on one packed batch of
                 math_tool's shape: 16 rows x 512 tokens, a quarter of them
                 action tokens
     forward     the policy's teacher-forced log-probs alone, and the trunk
@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import random_trajectory, report, time_fns  # pylint: disable=g-import-not-at-top,wrong-import-position
 sys.path.insert(0, os.path.join(ROOT, "configs"))
 import math_tool_tiny  # pylint: disable=g-import-not-at-top,wrong-import-position
-from sao_jax import sections, sharding, trainer  # pylint: disable=wrong-import-position
+from sao_jax import factories, sections, sharding  # pylint: disable=wrong-import-position
 from sao_jax.data import packing  # pylint: disable=wrong-import-position
 from sao_jax.envs.tokenizer import TOKENIZERS  # pylint: disable=wrong-import-position
 from sao_jax.models import policy  # pylint: disable=wrong-import-position
@@ -68,9 +68,9 @@ def arm(name: str):
   tokenizer, at_actions = name.split("+")[0], name.endswith("+act")
   config = config_for(tokenizer)
   tok = TOKENIZERS[tokenizer]()
-  model_cfg = trainer.build_model_config(config, tok)
+  model_cfg = factories.build_model_config(config, tok)
   mesh = sharding.make_mesh(dict(config.sharding.mesh))
-  p = trainer.build_programs(config, model_cfg, trainer.step_config(config), mesh)
+  p = factories.build_programs(config, model_cfg, factories.step_config(config), mesh)
   with jax.set_mesh(mesh):
     state = jax.jit(lambda: p.init_state(nn.unbox(p.policy_init()), nn.unbox(p.critic_init())),
                     out_shardings=p.state_shardings)()

@@ -8,7 +8,7 @@
 No TPU is reachable from the project's machines, but the TPU compiler is:
 libtpu (`pip install -e '.[aot]'`) compiles for a topology it only knows by
 name (docs/DESIGN.md section 8). This script lowers the very programs the
-trainer runs -- `trainer.build_programs` builds them for the trainer too --
+trainer runs -- `factories.build_programs` builds them for the trainer too --
 with the config's own mesh, sharding rules and batch shapes, on the
 topology's devices. Inputs are `jax.ShapeDtypeStruct`s carrying shardings,
 from `jax.eval_shape` of the initialisers: nothing is allocated, so a 30B
@@ -96,7 +96,7 @@ from absl import flags
 from jax.experimental import topologies
 from ml_collections import config_flags
 
-from sao_jax import configuration, factories, files, sections, sharding, trainer
+from sao_jax import configuration, factories, files, sections, sharding
 from sao_jax.data import packing
 from sao_jax.rollout import programs as programs_lib
 
@@ -260,7 +260,7 @@ def abstract_batch(rows: int, length: int, batch_sharding, action_index: bool = 
           for k, v in example.items()}
 
 
-def train_programs(config, progs: trainer.Programs, mesh, topo: str, hbm: float) -> dict:
+def train_programs(config, progs: factories.Programs, mesh, topo: str, hbm: float) -> dict:
   """The trainer's sft / value / rl steps at the largest bucket, as it calls them."""
   length = _LENGTH.value or max(config.data.buckets)
   rl_rows = _ROWS.value or config.rl.batch_size
@@ -563,8 +563,8 @@ def main(argv):
       hint = (f" ({_TOPOLOGY.value} is {len(devices)} chips: v5p / v4 names count "
               "TensorCores, two per chip)")
     raise configuration.ConfigError(f"{e} of {_TOPOLOGY.value} ({tname}){hint}") from None
-  model_cfg = trainer.build_model_config(config)
-  step_cfg = trainer.step_config(config)
+  model_cfg = factories.build_model_config(config)
+  step_cfg = factories.step_config(config)
   mesh = sharding.make_mesh(dict(config.sharding.mesh), devices=devices)
   hbm, rhbm = hbm_bytes(devices[0]), hbm_bytes(rdevices[0])
 
@@ -575,7 +575,7 @@ def main(argv):
     print(f"[compile] rollout: {_ROLLOUT_TOPOLOGY.value} = {rname}, {len(rdevices)} x "
           f"{rdevices[0].device_kind} ({rhbm / GIB:.2f} GiB HBM each)", flush=True)
   t0 = time.time()
-  progs = trainer.build_programs(config, model_cfg, step_cfg, mesh)
+  progs = factories.build_programs(config, model_cfg, step_cfg, mesh)
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(progs.abstract_state.policy))
   print(f"[compile] model: {config.model.preset} {dict(config.model.overrides)}, "
         f"{model_cfg.num_layers} layers, {n_params / 1e9:.3f}B policy params; programs built "

@@ -31,15 +31,18 @@ def validate_config(config, num_devices: int | None = None) -> None:
 
 
 def build_model_config(config, tokenizer=None) -> model_config.ModelConfig:
-  preset = model_config.PRESETS[config.model.preset]
-  if config.model.vocab_from_tokenizer and config.model.preset in ("tiny", "small"):
+  """The ModelConfig of the config's model section: its preset (the toys'
+  vocabulary sized to the tokenizer's), its overrides and compute dtype."""
+  m = sections.Model.from_config(config.model)
+  preset = model_config.PRESETS[m.preset]
+  if m.vocab_from_tokenizer and m.preset in ("tiny", "small"):
     tokenizer = tokenizer or registry.make_tokenizer(config.env)
     base = preset(vocab_size=tokenizer.vocab_size)
   else:
     base = preset()
-  overrides = dict(config.model.get("overrides", {}))
-  if config.model.get("compute_dtype", ""):
-    overrides["dtype"] = config.model.compute_dtype
+  overrides = dict(m.overrides)
+  if m.compute_dtype:
+    overrides["dtype"] = m.compute_dtype
   return dataclasses.replace(base, **overrides) if overrides else base
 
 

@@ -163,8 +163,10 @@ def knob(default, doc: str, check: Check | None = None, *, placeholder: type | N
   `placeholder`: the type a None default takes in the ConfigDict (so that
   `--config.rl.critic_lam=1.0` parses as that type).
   """
-  return dataclasses.field(default=default,
-                           metadata={"doc": doc, "check": check, "placeholder": placeholder})
+  metadata = {"doc": doc, "check": check, "placeholder": placeholder}
+  if isinstance(default, dict):  # a fresh copy for each record
+    return dataclasses.field(default_factory=lambda: dict(default), metadata=metadata)
+  return dataclasses.field(default=default, metadata=metadata)
 
 
 # ----------------------------------------------------------------- sections
@@ -208,10 +210,11 @@ class Section:
     c = ml_collections.ConfigDict()
     for f in dataclasses.fields(cls):
       placeholder = f.metadata.get("placeholder")
-      if f.default is None and placeholder is not None:
+      default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+      if default is None and placeholder is not None:
         c[f.name] = ml_collections.config_dict.placeholder(placeholder)
       else:
-        c[f.name] = f.default
+        c[f.name] = default
     return c
 
   @classmethod
@@ -226,6 +229,167 @@ def _plain(value):
   if isinstance(value, list):
     return tuple(value)
   return value
+
+
+def _model_presets():
+  from sao_jax.models import config as model_config  # pylint: disable=g-import-not-at-top
+  return model_config.PRESETS
+
+
+def _compute_dtypes():
+  from sao_jax.models import config as model_config  # pylint: disable=g-import-not-at-top
+  return ("",) + tuple(d.name for d in model_config.FLOAT_DTYPES)
+
+
+def _chat_formats():
+  from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top
+  return registry.CHAT_FORMATS
+
+
+DICT = Check(lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v),
+             "a dict with string keys")
+
+# Logical axis -> mesh axis rules (sao_jax/sharding.py): data parallel on a
+# single host, the default; the pod configs shard further.
+DATA_PARALLEL_RULES = (
+    ("batch", "data"), ("length", None), ("embed", None), ("vocab", None),
+    ("heads", None), ("kv_heads", None), ("head_dim", None), ("mlp", None),
+    ("expert", None), ("layers", None),
+)
+
+
+def _is_mesh_dict(mesh) -> bool:
+  sizes = list(mesh.values()) if isinstance(mesh, dict) else []
+  return (bool(sizes) and all(isinstance(k, str) for k in mesh)
+          and all(is_int(x) and (x >= 1 or x == -1) for x in sizes) and sizes.count(-1) <= 1)
+
+
+def _is_rules(rules) -> bool:
+  def axes_ok(axes):
+    return axes is None or isinstance(axes, str) or (
+        isinstance(axes, (tuple, list)) and all(isinstance(a, str) for a in axes))
+  return isinstance(rules, tuple) and bool(rules) and all(
+      isinstance(r, (tuple, list)) and len(r) == 2 and isinstance(r[0], str) and axes_ok(r[1])
+      for r in rules)
+
+
+@dataclasses.dataclass(frozen=True)
+class Model(Section):
+  """The policy and critic architecture (sao_jax/models/config.py); the
+  factories build its ModelConfig (`factories.build_model_config`)."""
+  NAME: ClassVar[str] = "model"
+  preset: str = knob("tiny", "A preset of sao_jax/models/config.py: tiny, small, "
+                     "qwen3_30b_a3b.", one_of(_model_presets))
+  overrides: dict = knob({}, "ModelConfig field overrides of the preset, e.g. "
+                         "{\"num_layers\": 3}.", DICT)
+  vocab_from_tokenizer: bool = knob(True, "Size the tiny / small presets' vocabulary to the "
+                                    "tokenizer's.", BOOL)
+  compute_dtype: str = knob(
+      "", "Activation / matmul dtype: \"float32\", or \"bfloat16\" for bf16 compute with "
+      "fp32 master weights (params and optimizer state stay in the preset's param_dtype). "
+      "\"\": the preset's own dtype.", one_of(_compute_dtypes))
+
+  def check_together(self):
+    from sao_jax.models import config as model_config  # pylint: disable=g-import-not-at-top
+    known = {f.name for f in dataclasses.fields(model_config.ModelConfig)}
+    unknown = sorted(set(self.overrides) - known)
+    if unknown:
+      fail("model.overrides", self.overrides,
+           f"ModelConfig fields (sao_jax/models/config.py); not {unknown}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Env(Section):
+  """The task: environment, tokenizer, chat format, reward and sandbox
+  (sao_jax/envs/registry.py builds each from this section)."""
+  NAME: ClassVar[str] = "env"
+  name: str = knob(
+      "python_tool", "A built-in environment (python_tool, code_fix, online_style, "
+      "dataset, math_tool, humaneval) or a user's factory as an import string, "
+      "\"my_pkg.my_env:make_env\" or \"path/to/my_env.py:make_env\" "
+      "(sao_jax/envs/registry.py).", Check(lambda v: isinstance(v, str) and bool(v),
+                                           "a non-empty string"))
+  kwargs: dict = knob({}, "Keyword arguments of the built-in's config dataclass, or of the "
+                      "factory.", DICT)
+  reward: str = knob(
+      "", "\"\": the environment's own reward; \"pkg.module:fn\": fn(task, response, info) "
+      "-> float replaces it (run in the trainer-side process, never in the sandbox).", STRING)
+  tokenizer: str = knob(
+      "char", "Tokenizer by name: \"char\" (the toys' character vocabulary) or \"qwen3\" "
+      "(Qwen3's, offline); env.tokenizer_path, if set, takes precedence.", STRING)
+  chat_format: str = knob(
+      "raw", "How prompts, turn ends and observations become tokens (sao_jax/envs/chat.py): "
+      "\"raw\" (the toys' text format), \"plain\", or \"qwen3\" (Qwen3's chat template).",
+      one_of(_chat_formats))
+  thinking: bool = knob(
+      True, "qwen3: thinking on (the model may write <think>...</think>) or off (the "
+      "generation prompt carries an empty think block, as Qwen3 defines it).", BOOL)
+  max_tool_output_tokens: int = knob(
+      512, "Tool output (observation messages) is cut to this many tokens, with a visible "
+      "marker; 0: no cap.", integer(0, note=" (0: no cap)"))
+  sandbox: dict = knob({"cpu_seconds": 1, "wall_seconds": 3.0},
+                       "Sandbox limits (sao_jax/envs/sandbox.py SandboxLimits fields).", DICT)
+  tool_latency_s: float = knob(
+      0.0, "Simulated tool latency: seconds slept in every RL environment step (an agentic "
+      "tool call's wait; benchmarks/loop.py). 0: none.",
+      real(0, unit="a finite number of seconds"))
+  tokenizer_path: str = knob(
+      "", "A user's tokenizer.json (with its tokenizer_config.json beside it for the special "
+      "tokens); empty: env.tokenizer.", STRING)
+  allow_unisolated: bool = knob(
+      False, "Run model-written code even where the sandbox cannot isolate it (no root: no "
+      "network namespace, chroot, uid drop, process cleanup). Off: such a run refuses to "
+      "start and says what is missing.", BOOL)
+
+  def check_together(self):
+    """The names resolve: an import string is imported (not called), so a
+    typo fails before the workdir exists; a built-in's kwargs are checked
+    against its config dataclass."""
+    # pylint: disable=g-import-not-at-top
+    from sao_jax.envs import chat, registry, sandbox, tokenizer
+    try:
+      registry.check_env_name(self.name)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+    if not registry.is_import_string(self.name):
+      spec = registry.ENVIRONMENTS[self.name]
+      try:
+        kwargs = registry.builtin_kwargs(spec, dict(self.kwargs))
+      except (TypeError, ValueError) as e:
+        raise ConfigError(f"env.kwargs = {dict(self.kwargs)!r}: {e}") from None
+      if spec.chat_prompts and self.chat_format == "raw":  # the toys' format takes text
+        fail("env.chat_format", self.chat_format,
+             f"'qwen3' or 'plain' for env.name = {self.name!r} (its prompts are chat messages)")
+      if getattr(kwargs, "tools", ()) and not chat.FORMATS[self.chat_format].renders_tools:
+        fail("env.chat_format", self.chat_format,
+             f"a format that renders tools ('qwen3') for env.kwargs.tools = "
+             f"{tuple(kwargs.tools)}")
+    if self.reward:
+      try:
+        fn = registry.resolve(self.reward, "env.reward")
+      except ValueError as e:
+        raise ConfigError(str(e)) from None
+      if not callable(fn):
+        fail("env.reward", self.reward, "an import string of a callable")
+    if not self.tokenizer_path and self.tokenizer not in tokenizer.TOKENIZERS:
+      fail("env.tokenizer", self.tokenizer, f"one of {sorted(tokenizer.TOKENIZERS)}")
+    limits = {f.name for f in dataclasses.fields(sandbox.SandboxLimits)}
+    if set(self.sandbox) - limits:
+      fail("env.sandbox", self.sandbox, f"a dict of SandboxLimits fields {sorted(limits)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding(Section):
+  """The trainer's mesh and the logical-axis rules (sao_jax/sharding.py);
+  whether the mesh fits the devices present is checked by
+  configuration.validate, which knows them."""
+  NAME: ClassVar[str] = "sharding"
+  mesh: dict = knob({"data": -1}, "Mesh axis sizes; -1 takes the remaining devices.",
+                    Check(_is_mesh_dict, "a dict of axis name -> size >= 1 (at most one size "
+                          "may be -1)"))
+  rules: tuple = knob(DATA_PARALLEL_RULES, "Logical axis -> mesh axes rules "
+                      "(sao_jax/sharding.py); the default is data parallel.",
+                      Check(_is_rules, "a non-empty tuple of (logical axis, mesh axes) pairs"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -534,13 +698,16 @@ class Faults(Section):
 
 # The typed sections of a run's config, by attribute name.
 SECTIONS: dict[str, type[Section]] = {
-    s.NAME: s for s in (Distributed, Data, SFT, ValuePretrain, Rollout, RL, Fleet, Eval,
-                        Checkpoint, Faults)}
+    s.NAME: s for s in (Model, Env, Sharding, Distributed, Data, SFT, ValuePretrain, Rollout,
+                        RL, Fleet, Eval, Checkpoint, Faults)}
 
 
 @dataclasses.dataclass(frozen=True)
 class Sections:
   """A config's typed sections (`load`)."""
+  model: Model
+  env: Env
+  sharding: Sharding
   distributed: Distributed
   data: Data
   sft: SFT

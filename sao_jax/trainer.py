@@ -26,7 +26,10 @@ from sao_jax import distributed, files
 from sao_jax import run as run_lib
 from sao_jax import stages
 from sao_jax.evaluation import write_samples
-# The factories and the RL loop's pieces, under the names tools have used.
+# The factories and the RL loop's pieces under their pre-house names: user
+# code, and benchmarks that run the same script in an older tree
+# (tiny_step.py --ref), call them here; the project's own code imports
+# sao_jax.factories.
 from sao_jax.factories import (Programs, build_model_config, build_programs,  # noqa: F401
                                make_driver, make_engine, step_config, validate_config)
 from sao_jax.rl_loop import rl_metrics  # noqa: F401

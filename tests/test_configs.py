@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from sao_jax import trainer
+from sao_jax import factories
 from sao_jax.models import policy
 
 from runs import load_config_module  # pylint: disable=g-bad-import-order
@@ -24,9 +24,9 @@ def test_config_is_valid(path):
   assert f"--config=configs/{name}" in module.__doc__, "docstring must give the launch command"
   c = module.get_config()
   pod = c.model.preset == "qwen3_30b_a3b"
-  trainer.validate_config(c, num_devices=128 if pod else 8)  # the pod config: 128 chips, a v5p-256
+  factories.validate_config(c, num_devices=128 if pod else 8)  # the pod config: 128 chips, a v5p-256
   if pod:
-    cfg = trainer.build_model_config(c)
+    cfg = factories.build_model_config(c)
     shapes = jax.eval_shape(lambda: policy.init_params(cfg, jax.random.key(0)))
     total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
     assert 30.3e9 < total < 30.7e9
@@ -60,7 +60,7 @@ def test_bad_config_fails_fast(field, value, message):
   section, name = field.split(".")
   c[section][name] = value
   with pytest.raises(ValueError, match=message):
-    trainer.validate_config(c)
+    factories.validate_config(c)
 
 
 @pytest.mark.parametrize("page_size,kv_pages,message", [
@@ -71,9 +71,9 @@ def test_bad_paged_cache_fails_fast(page_size, kv_pages, message):
   c = load_config_module("sao_tiny.py").get_config()
   c.rollout.kv_cache, c.rollout.page_size, c.rollout.kv_pages = "paged", page_size, kv_pages
   with pytest.raises(ValueError, match=message):
-    trainer.validate_config(c)
+    factories.validate_config(c)
   c.rollout.page_size, c.rollout.kv_pages = 16, 16
-  trainer.validate_config(c)
+  factories.validate_config(c)
 
 
 @pytest.mark.parametrize("text,value", [

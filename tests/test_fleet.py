@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sao_jax import configuration, fleet, fleet_worker, trainer
+from sao_jax import configuration, factories, fleet, fleet_worker
 from sao_jax.checkpoint import committed_checkpoints
 from sao_jax.data import store
 from sao_jax.envs.demonstrations import demonstration_trajectory
@@ -273,7 +273,7 @@ def test_rollout_worker_in_process(tmp_path):
   try:
     wait_for("the wait line", lambda: lines)
     assert lines == [f"[rollout w0] waiting for weights under {root}"]
-    params = policy.init_params(trainer.build_model_config(config), jax.random.key(0))
+    params = policy.init_params(factories.build_model_config(config), jax.random.key(0))
     pub = fleet.WeightPublisher(root, keep=3, version=0)
     pub.publish(params, 0)
     pub.close()

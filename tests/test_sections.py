@@ -173,3 +173,33 @@ def test_make_engine_lays_the_engine_on_the_sections_mesh_with_its_buckets():
   assert engine.prefill_buckets == (4, 32, c.rollout.max_len)  # max_len closes the list
   assert {d for x in jax.tree.leaves(engine.params) for d in x.devices()} == set(
       jax.devices()[:2])
+
+
+@pytest.mark.parametrize("section,field,value,why", [
+    ("model", "preset", "huge", r"model.preset = 'huge': must be one of \["),
+    ("model", "overrides", {"num_layerz": 3}, r"model.overrides = .*not \['num_layerz'\]"),
+    ("model", "compute_dtype", "float8", r"model.compute_dtype = 'float8'"),
+    ("env", "name", "", r"env.name = '': must be a non-empty string"),
+    ("env", "name", "no_such_env", r"no_such_env"),
+    ("env", "chat_format", "chatml", r"env.chat_format = 'chatml': must be one of"),
+    ("env", "sandbox", {"cpu_secs": 1}, r"env.sandbox = .*SandboxLimits fields"),
+    ("env", "tokenizer", "gpt2", r"env.tokenizer = 'gpt2'"),
+    ("env", "tool_latency_s", -1.0, r"env.tool_latency_s = -1.0"),
+    ("sharding", "mesh", {"data": 0}, r"sharding.mesh = .*size >= 1"),
+    ("sharding", "mesh", {"data": -1, "fsdp": -1}, r"at most one size"),
+    ("sharding", "rules", (("batch",),), r"sharding.rules = .*pairs"),
+])
+def test_model_env_and_sharding_check_themselves(section, field, value, why):
+  c = load_config_module("sao_tiny.py").get_config()
+  with c.unlocked():
+    c[section][field] = value
+  with pytest.raises(sections.ConfigError, match=why):
+    sections.load(c)
+  with pytest.raises(sections.ConfigError, match=why):
+    configuration.validate(c, num_devices=8)
+
+
+def test_dict_fields_are_fresh_for_each_record():
+  a, b = sections.Model(), sections.Model()
+  assert a.overrides == {} and a.overrides is not b.overrides
+  assert sections.Env().sandbox == {"cpu_seconds": 1, "wall_seconds": 3.0}
