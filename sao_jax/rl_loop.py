@@ -29,7 +29,9 @@ from sao_jax.train_step import dis_warnings
 PROGRESS_KEYS = {
     "rollout/reward_mean": "reward", "policy/loss": "pi_loss",
     "critic/explained_variance": "expl_var", "policy/masked_low_frac": "dis_low",
-    "policy/masked_high_frac": "dis_high", "policy_lag/mean": "lag",
+    "policy/masked_high_frac": "dis_high", "policy/clip_frac": "clipped",
+    "policy/clip_low_frac": "clip_low", "policy/clip_high_frac": "clip_high",
+    "policy_lag/mean": "lag",
     "trainer/idle_fraction": "idle", "queue/rejected": "rejected"}
 
 
