@@ -120,10 +120,16 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
   if max(buckets) < r.max_len:
     raise ConfigError(f"data.buckets = {buckets}: the largest data.buckets entry must be "
                       f">= rollout.max_len ({r.max_len})")
+  if num_devices is None:
+    import jax  # pylint: disable=g-import-not-at-top
+    num_devices = jax.device_count()
   _check_mesh(typed.sharding.mesh, num_devices)
+  processes = _process_count() if num_processes is None else num_processes
+  if r.mesh:
+    # An engine spans devices of its own host: fail now, not after SFT.
+    _check_engine_mesh(r.mesh, max(num_devices // max(processes, 1), 1))
   # With several processes every host must train on the same batches, and
   # the in-process rollout's completion order differs from host to host.
-  processes = _process_count() if num_processes is None else num_processes
   if processes > 1 and c.steps > 0 and c.mode in ("async", "sync"):
     raise ConfigError(f"rl.mode = {c.mode!r} with {processes} processes: the in-process "
                       "rollout cannot feed a multi-host trainer; run rollout on its own "
@@ -139,15 +145,22 @@ def _process_count() -> int:
   return jax.process_count()
 
 
-def _check_mesh(mesh: dict, num_devices: int | None) -> None:
+def _check_mesh(mesh: dict, num_devices: int) -> None:
   """The mesh (well formed: sections.Sharding) spans the devices present."""
   sizes = list(mesh.values())
-  if num_devices is None:
-    import jax  # pylint: disable=g-import-not-at-top
-    num_devices = jax.device_count()
   known = math.prod(s for s in sizes if s != -1)
   if (-1 in sizes and num_devices % known) or (-1 not in sizes and known != num_devices):
     _fail("sharding.mesh", mesh, f"a mesh over the {num_devices} devices present")
+
+
+def _check_engine_mesh(text: str, host_devices: int) -> None:
+  """rollout.mesh fits one host's devices (factories.engine_mesh takes the
+  first of them; a -1 size takes the rest)."""
+  sizes = list(sections.parse_mesh(text).values())
+  known = math.prod(s for s in sizes if s != -1)
+  if known > host_devices or (-1 in sizes and host_devices % known):
+    _fail("rollout.mesh", text, f"a mesh over at most the {host_devices} devices of one "
+          "host" + (" (a -1 size must leave a whole number)" if -1 in sizes else ""))
 
 
 def check_workdir(workdir: str, min_free_gb: float) -> None:

@@ -203,3 +203,21 @@ def test_dict_fields_are_fresh_for_each_record():
   a, b = sections.Model(), sections.Model()
   assert a.overrides == {} and a.overrides is not b.overrides
   assert sections.Env().sandbox == {"cpu_seconds": 1, "wall_seconds": 3.0}
+
+
+@pytest.mark.parametrize("mesh,devices,processes,ok", [
+    ("expert:2,tensor:2", 8, 1, True), ("data:-1,tensor:2", 8, 1, True),
+    ("data:16", 8, 1, False), ("data:-1,tensor:3", 8, 1, False),
+    ("expert:2,tensor:2", 128, 32, True),  # a v5p-256 run: 4 chips a host
+    ("data:8", 128, 32, False),
+])
+def test_validate_refuses_an_engine_mesh_larger_than_a_host(mesh, devices, processes, ok):
+  c = load_config_module("sao_tiny.py").get_config()
+  c.rollout.mesh = mesh
+  c.rl.mode, c.rl.steps = "fleet", 1  # a multi-process run needs the fleet
+  c.sharding.mesh = {"data": -1}
+  if ok:
+    configuration.validate(c, num_devices=devices, num_processes=processes)
+  else:
+    with pytest.raises(sections.ConfigError, match=r"rollout.mesh = .*devices of one host"):
+      configuration.validate(c, num_devices=devices, num_processes=processes)
