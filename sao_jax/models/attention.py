@@ -419,6 +419,17 @@ def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array, block: in
   with a mesh set the kernel runs under `shard_map`: batch split as the
   "batch" rule says, query heads as "heads", key heads as "kv_heads". Each
   shard must keep the global heads-per-key-head ratio.
+
+  Context parallelism: where the "length" rule splits rows over a mesh
+  axis of c devices (configs/sao_moe_128k.py: "context"), each device
+  keeps its L / c queries and all-gathers the row's keys, values and
+  segment ids over that axis inside the shard_map; the kernel is built
+  with `q_seq_shards=c` and its mask info split the same way, so each
+  device computes attention for its own queries only (no duplicate work)
+  and the backward's all-gather transpose sums the key and value
+  gradients over the axis. Needs L / c to tile into the kernel's blocks;
+  otherwise the length stays whole in the kernel (XLA gathers it and every
+  device of the axis computes the whole row).
   """
   # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
@@ -445,12 +456,65 @@ def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array, block: in
                                 interpret=interpret)
     return jax.vmap(splash)(q, k, v, segment_ids=sk.SegmentIds(seg, seg))
 
-  if jax.sharding.get_abstract_mesh().empty:
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
     out = kernel(qt, kt, vt, segment_ids)
   else:
     batch = _mesh_axes("batch")
-    q_spec = PartitionSpec(batch, _mesh_axes("heads"), None, None)
-    kv_spec = PartitionSpec(batch, _mesh_axes("kv_heads"), None, None)
-    out = jax.shard_map(kernel, in_specs=(q_spec, kv_spec, kv_spec, PartitionSpec(batch, None)),
-                        out_specs=q_spec, check_vma=False)(qt, kt, vt, segment_ids)
+    context = _mesh_axes("length")
+    shards = _axes_size(mesh, context)
+    if shards > 1 and (length // shards) % blk == 0:
+      out = _context_split_splash(qt, kt, vt, segment_ids, mesh, batch, context, shards, h,
+                                  sizes, interpret)
+    else:
+      q_spec = PartitionSpec(batch, _mesh_axes("heads"), None, None)
+      kv_spec = PartitionSpec(batch, _mesh_axes("kv_heads"), None, None)
+      out = jax.shard_map(kernel,
+                          in_specs=(q_spec, kv_spec, kv_spec, PartitionSpec(batch, None)),
+                          out_specs=q_spec, check_vma=False)(qt, kt, vt, segment_ids)
   return jnp.swapaxes(out, 1, 2).astype(q.dtype)  # [B, L, H, hd]
+
+
+def _axes_size(mesh, axes) -> int:
+  if axes is None:
+    return 1
+  axes = axes if isinstance(axes, (tuple, list)) else (axes,)
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def _context_split_splash(qt, kt, vt, segment_ids, mesh, batch, context, shards, h, sizes,
+                          interpret):
+  """`splash_attention` with the queries split over the `context` mesh axes
+  (its docstring): qt [B, H, L, hd], kt / vt [B, KVH, L, hd], all split
+  over `context` along L on the way in; the output [B, H, L, hd] stays so."""
+  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+  length, kvh = qt.shape[2], kt.shape[1]
+  heads_axes, kv_axes = _mesh_axes("heads"), _mesh_axes("kv_heads")
+  local_heads = h // _axes_size(mesh, heads_axes)
+  if local_heads * _axes_size(mesh, heads_axes) != h or (
+      local_heads * kvh != (kvh // _axes_size(mesh, kv_axes)) * h):
+    raise ValueError(
+        f"splash attention: {h} query heads over {heads_axes} and {kvh} key heads over "
+        f"{kv_axes} do not keep the ratio {h // kvh} in every shard")
+  mask = sm.MultiHeadMask([sm.CausalMask((length, length))] * local_heads)
+  splash = sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=shards,
+                              interpret=interpret)
+  # The kernel's mask info splits over the queries like the queries do.
+  splash_spec = splash.manual_sharding_spec(
+      jax.sharding.NamedSharding(mesh, PartitionSpec(None, context)))
+  q_spec = PartitionSpec(batch, heads_axes, context, None)
+  kv_spec = PartitionSpec(batch, kv_axes, context, None)
+  seg_spec = PartitionSpec(batch, context)
+
+  def kernel(q, k, v, seg, splash):
+    # The row's keys, values and segment ids, gathered over the context axes.
+    k, v = (jax.lax.all_gather(x, context, axis=2, tiled=True) for x in (k, v))
+    seg_kv = jax.lax.all_gather(seg, context, axis=1, tiled=True)
+    return jax.vmap(lambda q, k, v, sq, skv: splash(q, k, v, segment_ids=sk.SegmentIds(sq, skv)))(
+        q, k, v, seg, seg_kv)
+
+  return jax.shard_map(kernel, in_specs=(q_spec, kv_spec, kv_spec, seg_spec, splash_spec),
+                       out_specs=q_spec, check_vma=False)(qt, kt, vt, segment_ids, splash)
