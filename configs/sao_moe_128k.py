@@ -8,11 +8,12 @@ The train steps keep sao_moe's tokens per chip (65,536) by splitting each
 128K row over two chips: the mesh gains a `context` axis of 2 and the
 "length" logical axis maps onto it, so every token-wise op (norms, MLP,
 MoE, the log-prob head, the losses) works on half a row a chip. Attention
-is the one op that needs the whole row: the splash kernel runs under
-shard_map with length unsplit, so XLA gathers the row's q, k and v within
-each context pair (K and V are small: 4 key heads) and both chips of the
-pair compute the row's attention (2x attention FLOPs; memory stays O(L)
-in the kernel). Batch: 64 rows of 131,072 over data x fsdp x expert = 64
+is the one op that needs the whole row: each chip of a context pair keeps
+its half of the row's queries and all-gathers the row's keys and values
+(small: 4 key heads) inside the splash kernel's shard_map, the kernel
+built for two query shards (sao_jax/models/attention.py), so no chip
+computes the other's attention; the split is contiguous, so the chip with
+the later half does 3/4 of the pair's causal attention work. Batch: 64 rows of 131,072 over data x fsdp x expert = 64
 chip pairs. Training slice: v5p-256 (128 chips).
 
 Rollout runs on a slice of its own (rl.mode "fleet", as sao_moe): every

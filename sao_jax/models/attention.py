@@ -427,7 +427,10 @@ def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array, block: in
   with `q_seq_shards=c` and its mask info split the same way, so each
   device computes attention for its own queries only (no duplicate work)
   and the backward's all-gather transpose sums the key and value
-  gradients over the axis. Needs L / c to tile into the kernel's blocks;
+  gradients over the axis. The split is contiguous, so causal work is
+  unbalanced: with c = 2 the later half's queries see 3/4 of the row's
+  (query, key) pairs, the busier device doing 3/4 of the unsplit work, not
+  1/2 (a zigzag order of the row's chunks would balance it; not done). Needs L / c to tile into the kernel's blocks;
   otherwise the length stays whole in the kernel (XLA gathers it and every
   device of the axis computes the whole row).
   """
