@@ -556,7 +556,8 @@ def main(argv):
   rname, rdevices = (topology_devices(_ROLLOUT_TOPOLOGY.value) if _ROLLOUT_TOPOLOGY.value
                      else (tname, devices))
   try:
-    configuration.validate(config, num_devices=len(devices))
+    # rollout.mesh must fit the engine's own slice (--rollout_topology).
+    configuration.validate(config, num_devices=len(devices), host_devices=len(rdevices))
   except configuration.ConfigError as e:
     hint = ""
     if "sharding.mesh" in str(e) and re.fullmatch(r"(v5p|v4)-\d+", _TOPOLOGY.value):

@@ -38,8 +38,8 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   run = trainer.load_run(_CONFIG.value, _WORKDIR.value)
   # The run's engine (its rollout section: max_len, sampling, the cache) with
-  # the server's slots, on one device, or on rollout.mesh over this host's
-  # devices when the config sets one (factories.engine_mesh).
+  # the server's slots: on rollout.mesh over this host's devices when the
+  # config sets one, else on one device (factories.engine_mesh).
   engine = factories.make_engine(_CONFIG.value, run.model_cfg, run.state.policy, seed=0,
                                  slots=_SLOTS.value)
   server = jetstream_bridge.serve(jetstream_bridge.JetStreamEngine(

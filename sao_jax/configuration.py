@@ -73,13 +73,16 @@ def validate_distributed(dist) -> None:
   sections.Distributed.from_config(dist)
 
 
-def validate(config, num_devices: int | None = None, num_processes: int | None = None) -> None:
+def validate(config, num_devices: int | None = None, num_processes: int | None = None,
+             host_devices: int | None = None) -> None:
   """Raises ConfigError on the first setting that cannot work.
 
   `num_devices` (default: all JAX devices of every process) checks that the
   mesh fits the devices, so a bad mesh fails before the workdir exists;
   `num_processes` (default: the processes JAX runs as) refuses what a
-  multi-host run cannot do.
+  multi-host run cannot do; `host_devices` (default: num_devices /
+  num_processes) is what `rollout.mesh` must fit (launch/compile.py gives
+  the rollout topology's).
   """
   for field, check in (("seed", sections.integer()), ("log_every", sections.integer(1))):
     if field not in config:
@@ -127,7 +130,7 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
   processes = _process_count() if num_processes is None else num_processes
   if r.mesh:
     # An engine spans devices of its own host: fail now, not after SFT.
-    _check_engine_mesh(r.mesh, max(num_devices // max(processes, 1), 1))
+    _check_engine_mesh(r.mesh, host_devices or max(num_devices // max(processes, 1), 1))
   # With several processes every host must train on the same batches, and
   # the in-process rollout's completion order differs from host to host.
   if processes > 1 and c.steps > 0 and c.mode in ("async", "sync"):

@@ -53,10 +53,13 @@ def engine_mesh(rollout: sections.Rollout, devices=None,
   `rollout.mesh` ("expert:2,tensor:2") over `devices` (default: this
   host's), the first of them when no size is -1; else, with
   `rollout.sharded_engine`, the trainer's mesh when the engine is colocated
-  (`trainer_mesh`) or {"data": -1} over `devices` (a fleet rollout process,
-  a process of a multi-host run). launch/compile.py compiles the engine on
-  the same mesh over the rollout topology's devices.
+  (`trainer_mesh`) or {"data": -1} over `devices` when the caller gives
+  them (a fleet rollout process, a process of a multi-host run); else
+  (evaluation, serving, the engine off the mesh) one device.
+  launch/compile.py compiles the engine on the same mesh over the rollout
+  topology's devices.
   """
+  given = devices is not None
   devices = list(jax.local_devices() if devices is None else devices)
   if rollout.mesh:
     axes = sections.parse_mesh(rollout.mesh)
@@ -69,7 +72,9 @@ def engine_mesh(rollout: sections.Rollout, devices=None,
       raise sections.ConfigError(f"rollout.mesh = {rollout.mesh!r}: {e}") from None
   if not rollout.sharded_engine:
     return None
-  return trainer_mesh if trainer_mesh is not None else sharding.make_mesh({"data": -1}, devices)
+  if trainer_mesh is not None:
+    return trainer_mesh
+  return sharding.make_mesh({"data": -1}, devices) if given else None
 
 
 def make_engine(config, model_cfg: model_config.ModelConfig, params, version: int = 0, *,

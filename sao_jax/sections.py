@@ -111,42 +111,37 @@ BOOL = Check(lambda v: isinstance(v, bool), "True or False")
 STRING = Check(lambda v: isinstance(v, str), "a string")
 
 
+# The mesh axes the project's rules name (sao_jax/sharding.py, rollout/layout.py).
+MESH_AXES = ("data", "fsdp", "expert", "tensor", "context")
+
+
 def parse_mesh(text: str) -> dict[str, int]:
   """A mesh written on one line: "expert:2,tensor:2" -> {"expert": 2, "tensor": 2}.
 
-  Axis names are unique; sizes are integers >= 1, or -1 for one axis (the
-  devices left over). Raises ConfigError naming what is wrong.
+  Axis names are unique and among MESH_AXES (a misspelt "tensr" would
+  silently become a batch axis of the engine); sizes are integers >= 1, or
+  -1 for one axis (the devices left over). Raises ConfigError saying what
+  is wrong (callers prefix the field).
   """
   axes: dict[str, int] = {}
   for part in text.split(","):
     name, sep, size = (x.strip() for x in part.partition(":"))
-    if not sep or not name.isidentifier():
-      raise ConfigError(f"mesh {text!r}: write AXIS:SIZE,... (e.g. expert:2,tensor:2)")
+    if not sep or not name:
+      raise ConfigError("write AXIS:SIZE,... (e.g. expert:2,tensor:2)")
+    if name not in MESH_AXES:
+      raise ConfigError(f"axis {name!r} is not one of {MESH_AXES}")
     if name in axes:
-      raise ConfigError(f"mesh {text!r}: axis {name!r} appears twice")
+      raise ConfigError(f"axis {name!r} appears twice")
     try:
       axes[name] = int(size)
     except ValueError:
-      raise ConfigError(f"mesh {text!r}: {size!r} is not an integer") from None
+      raise ConfigError(f"{size!r} is not an integer") from None
     if axes[name] < 1 and axes[name] != -1:
-      raise ConfigError(f"mesh {text!r}: axis {name!r} has size {axes[name]} "
+      raise ConfigError(f"axis {name!r} has size {axes[name]} "
                         "(>= 1, or -1 for the devices left over)")
   if list(axes.values()).count(-1) > 1:
-    raise ConfigError(f"mesh {text!r}: at most one axis may be -1")
+    raise ConfigError("at most one axis may be -1")
   return axes
-
-
-def _is_mesh(text) -> bool:
-  if not isinstance(text, str):
-    return False
-  try:
-    return text == "" or bool(parse_mesh(text))
-  except ConfigError:
-    return False
-
-
-MESH = Check(_is_mesh, "\"\" or a mesh written AXIS:SIZE,... (e.g. \"expert:2,tensor:2\"; "
-             "one size may be -1)")
 
 
 def increasing(lo: int) -> Check:
@@ -164,8 +159,9 @@ def knob(default, doc: str, check: Check | None = None, *, placeholder: type | N
   `--config.rl.critic_lam=1.0` parses as that type).
   """
   metadata = {"doc": doc, "check": check, "placeholder": placeholder}
-  if isinstance(default, dict):  # a fresh copy for each record
-    return dataclasses.field(default_factory=lambda: dict(default), metadata=metadata)
+  if isinstance(default, dict):  # a fresh copy for each record; not part of its hash
+    return dataclasses.field(default_factory=lambda: dict(default), hash=False,
+                             metadata=metadata)
   return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -380,9 +376,11 @@ class Env(Section):
 
 @dataclasses.dataclass(frozen=True)
 class Sharding(Section):
-  """The trainer's mesh and the logical-axis rules (sao_jax/sharding.py);
-  whether the mesh fits the devices present is checked by
-  configuration.validate, which knows them."""
+  """The trainer's mesh and the logical-axis rules (sao_jax/sharding.py).
+  Checked here: the mesh's sizes and the rules' shape; whether the mesh
+  fits the devices present is checked by configuration.validate, which
+  knows them, and whether the rules cover every logical axis by
+  `sharding.check_rules` when the programs are built."""
   NAME: ClassVar[str] = "sharding"
   mesh: dict = knob({"data": -1}, "Mesh axis sizes; -1 takes the remaining devices.",
                     Check(_is_mesh_dict, "a dict of axis name -> size >= 1 (at most one size "
@@ -461,10 +459,11 @@ class Rollout(Section):
   slots: int = knob(16, "Concurrent decode slots of the engine (continuous batching).",
                     integer(1))
   sharded_engine: bool = knob(
-      False, "Lay the engine's params and KV cache out on the trainer's mesh (slots over "
-      "the batch axes, kv heads over \"tensor\"); a fleet rollout process, which has no "
-      "trainer's mesh, uses {\"data\": -1} over its host's devices. Off (and no "
-      "rollout.mesh): one device holds all.", BOOL)
+      False, "Lay the trainer's engine's params and KV cache out on the trainer's mesh "
+      "(slots over the batch axes, kv heads over \"tensor\"); a fleet rollout process, "
+      "and each process of a multi-host run, on {\"data\": -1} over its host's devices; "
+      "evaluation and serving stay on one device. Off (and no rollout.mesh): one device "
+      "holds all.", BOOL)
   mesh: str = knob(
       "", "The engine's own mesh, AXIS:SIZE,... over the devices of its host (e.g. "
       "\"expert:2,tensor:2\"; one size may be -1: the devices left over; without -1 the "
@@ -472,7 +471,7 @@ class Rollout(Section):
       "heads, MLP and vocabulary over \"tensor\", experts over \"expert\" "
       "(sao_jax/rollout/layout.py). Set, it wins over sharded_engine, for the trainer's "
       "engine, a fleet rollout process, evaluation and serving alike, and launch/compile.py "
-      "compiles the engine on it. \"\": see sharded_engine.", MESH)
+      "compiles the engine on it. \"\": see sharded_engine.", STRING)
   max_len: int = knob(256, "Max tokens per trajectory (prompt + actions + observations).",
                       integer(8))
   kv_cache: str = knob(
@@ -525,6 +524,11 @@ class Rollout(Section):
       "(SAO).", optional(integer(0)))
 
   def check_together(self):
+    if self.mesh:
+      try:
+        parse_mesh(self.mesh)
+      except ConfigError as e:
+        raise ConfigError(f"rollout.mesh = {self.mesh!r}: {e}") from None
     if self.kv_cache == "paged":
       if self.max_len % self.page_size:
         fail("rollout.page_size", self.page_size, f"a divisor of rollout.max_len ({self.max_len})")

@@ -119,11 +119,12 @@ def test_a_mesh_on_one_line_parses(text, axes):
     ("expert=2", "write AXIS:SIZE"), ("data:two", "not an integer"),
     ("data:0", "has size 0"), ("data:-1,tensor:-1", "at most one axis may be -1"),
     ("data:2,data:2", "appears twice"), (":2", "write AXIS:SIZE"),
+    ("tensr:2", "'tensr' is not one of"),
 ])
 def test_a_bad_mesh_is_refused_naming_the_field(text, why):
   with pytest.raises(sections.ConfigError, match=why):
     sections.parse_mesh(text)
-  with pytest.raises(sections.ConfigError, match=r"rollout\.mesh = .*AXIS:SIZE"):
+  with pytest.raises(sections.ConfigError, match=rf"rollout\.mesh = '{text}': .*{why}"):
     sections.Rollout(mesh=text)
 
 
@@ -146,6 +147,8 @@ def test_the_engine_mesh_comes_from_the_rollout_section():
   sharded = r.replace(sharded_engine=True)
   assert factories.engine_mesh(sharded, devices, trainer_mesh=trainer) is trainer
   assert dict(factories.engine_mesh(sharded, devices).shape) == {"data": 8}
+  # Evaluation and serving give no devices: one device, as before rollout.mesh.
+  assert factories.engine_mesh(sharded) is None
   own = factories.engine_mesh(sharded.replace(mesh="expert:2,tensor:2"), devices,
                               trainer_mesh=trainer)
   assert dict(own.shape) == {"expert": 2, "tensor": 2}
@@ -202,6 +205,7 @@ def test_model_env_and_sharding_check_themselves(section, field, value, why):
 def test_dict_fields_are_fresh_for_each_record():
   a, b = sections.Model(), sections.Model()
   assert a.overrides == {} and a.overrides is not b.overrides
+  assert hash(a) == hash(b)  # dict fields stay out of the hash
   assert sections.Env().sandbox == {"cpu_seconds": 1, "wall_seconds": 3.0}
 
 
@@ -221,3 +225,11 @@ def test_validate_refuses_an_engine_mesh_larger_than_a_host(mesh, devices, proce
   else:
     with pytest.raises(sections.ConfigError, match=r"rollout.mesh = .*devices of one host"):
       configuration.validate(c, num_devices=devices, num_processes=processes)
+
+
+def test_compile_checks_the_engine_mesh_against_the_rollout_slice():
+  c = load_config_module("sao_tiny.py").get_config()
+  c.rollout.mesh = "data:8"
+  configuration.validate(c, num_devices=4, host_devices=8)  # a rollout slice of 8
+  with pytest.raises(sections.ConfigError, match="devices of one host"):
+    configuration.validate(c, num_devices=4)

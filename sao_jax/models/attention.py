@@ -430,9 +430,10 @@ def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array, block: in
   gradients over the axis. The split is contiguous, so causal work is
   unbalanced: with c = 2 the later half's queries see 3/4 of the row's
   (query, key) pairs, the busier device doing 3/4 of the unsplit work, not
-  1/2 (a zigzag order of the row's chunks would balance it; not done). Needs L / c to tile into the kernel's blocks;
-  otherwise the length stays whole in the kernel (XLA gathers it and every
-  device of the axis computes the whole row).
+  1/2 (a zigzag order of the row's chunks would balance it; not done).
+  Needs L / c to tile into the kernel's blocks; otherwise the length stays
+  whole in the kernel (XLA gathers it and every device of the axis
+  computes the whole row).
   """
   # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
@@ -466,7 +467,7 @@ def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array, block: in
     batch = _mesh_axes("batch")
     context = _mesh_axes("length")
     shards = _axes_size(mesh, context)
-    if shards > 1 and (length // shards) % blk == 0:
+    if shards > 1 and length % (shards * blk) == 0:
       out = _context_split_splash(qt, kt, vt, segment_ids, mesh, batch, context, shards, h,
                                   sizes, interpret)
     else:
