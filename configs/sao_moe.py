@@ -33,21 +33,29 @@ coordinator, process count and index are auto-detected).
 
 Target layout: training on a v5p-256 slice (128 chips, 95.74 GiB HBM each;
 v5p names count TensorCores), mesh data 1 x fsdp 16 x expert 8, the batch
-split over all three (256 rows of 32768 tokens: 2 rows a chip), the
-rollout engine colocated on the same mesh (`rollout.sharded_engine`: 256
-slots x 32768 cache positions, slots over all 128 chips), or on a slice
-of its own with `rollout.mesh` (compiled by `launch/compile.py
---rollout_topology`). The model preset brings the pod-scale paths: 48
-scanned layers with full remat, splash attention, log-probs over
-1024-token chunks, expert-parallel dropless MoE dispatching 8192 tokens a
-chip per round, chunked prefill of 2048 tokens. Check it fits
-with
+split over all three (256 rows of 32768 tokens: 2 rows a chip). Every
+engine of the run -- value pretraining's and evaluation's on the
+trainer's process 0, each rollout host's (launch/rollout.py) -- spans one
+v5p host's 4 chips on a mesh of its own, `rollout.mesh =
+"expert:2,tensor:2"` (slots and experts over "expert", heads, MLP and
+vocabulary over "tensor": 15 GiB of params a chip), 64 slots paging into
+a pool of half their dense cache. Until session 16 the engine was laid
+out on the trainer's 128-chip mesh (`rollout.sharded_engine`), which only
+a single-process run can use; with a process a host it fell back to
+{"data": -1} over the host's chips: the 57 GiB of params on every chip
+beside a 103 GiB share of a 256-slot pool, which does not fit. The model
+preset brings the pod-scale paths: 48 scanned layers with full remat,
+splash attention, log-probs over 1024-token chunks, expert-parallel
+dropless MoE dispatching 8192 tokens a chip per round, chunked prefill of
+2048 tokens. Check it fits with
 
-    python launch/compile.py --config=configs/sao_moe.py --topology=v5p-256
+    python launch/compile.py --config=configs/sao_moe.py --topology=v5p-256 \
+        --rollout_topology=v5p-8
 
-(benchmarks/RESULTS.md, "Pod scale": SFT, value pretraining, the RL step
-at 256 x 32768, prefill of [256, 32768] and decode each compile and fit
-with >= 10% headroom, the colocated engine's params and cache included).
+(benchmarks/RESULTS.md, "Pod scale": SFT, value pretraining and the RL
+step at 256 x 32768 on the training slice, one host's engine -- prefill of
+[64, 32768], decode and the decode loop -- on a v5p host, each with >= 10%
+headroom).
 
 Rollout on its own slice is `--config.rl.mode=fleet` with launch/rollout.py
 on the rollout hosts, fed through the trajectory store and versioned
@@ -111,14 +119,15 @@ def get_config(arg=None):
   c.data.buckets = (4096, 8192, 16384, 32768)
   c.rollout.max_len = 32768
   c.rollout.max_turn_tokens = 8192
-  c.rollout.slots = 256
-  c.rollout.sharded_engine = True
+  # One engine a v5p host (module docstring): 64 slots on expert 2 x tensor 2.
+  c.rollout.slots = 64
+  c.rollout.mesh = "expert:2,tensor:2"
   # The paged KV cache: pages of 128 positions (the Pallas paged-attention
   # kernel's decode reads them in place), a pool of half the dense cache's
-  # positions. Each chip's 2 slots page into that chip's part of the pool,
-  # which must hold one max_len trajectory: half is the floor here, and
-  # the simulated long-tailed mix needs 0.56 of dense to never wait
-  # (benchmarks/RESULTS.md, "Paged KV cache"); admission waits for pages,
+  # positions. Each slot group (32 slots, a chip pair over "expert") pages
+  # into its part of the pool, 16 max_len trajectories; the simulated
+  # long-tailed mix needs 0.56 of dense with 2 slots a group and less with
+  # 32 (benchmarks/RESULTS.md, "Paged KV cache"); admission waits for pages,
   # it never fails. A reference, so it follows max_len (sao_moe_128k).
   c.rollout.kv_cache = "paged"
   c.rollout.page_size = 128
@@ -140,6 +149,6 @@ def get_config(arg=None):
   c.rl.warmup = 10
   c.rl.eval_every = 50
   c.eval.num_tasks = 1000
-  c.eval.slots = 256
+  c.eval.slots = 64
   c.checkpoint.every = 10
   return c

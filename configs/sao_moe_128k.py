@@ -80,7 +80,6 @@ def get_config(arg=None):
   c.rollout.slots = 64
   c.rollout.page_size = 128
   c.rollout.kv_pages = 2 * 9 * CONTEXT // 128  # 18,432 pages: 2,359,296 live tokens
-  c.rollout.decode_steps = 8
-  c.rollout.mesh = "expert:2,tensor:2"
+  c.rollout.decode_steps = 8  # rollout.mesh "expert:2,tensor:2": sao_moe's
   c.rollout.prefill_buckets = (8, 16, 32, 64, 128, 256, 1024, 4096, 16384)
   return c
