@@ -43,7 +43,7 @@ a pool of half their dense cache. Until session 16 the engine was laid
 out on the trainer's 128-chip mesh (`rollout.sharded_engine`), which only
 a single-process run can use; with a process a host it fell back to
 {"data": -1} over the host's chips: the 57 GiB of params on every chip
-beside a 103 GiB share of a 256-slot pool, which does not fit. The model
+beside a 96 GiB share of a 256-slot pool, which does not fit. The model
 preset brings the pod-scale paths: 48 scanned layers with full remat,
 splash attention, log-probs over 1024-token chunks, expert-parallel
 dropless MoE dispatching 8192 tokens a chip per round, chunked prefill of
