@@ -148,22 +148,29 @@ def _process_count() -> int:
   return jax.process_count()
 
 
+def _mesh_fits(axes: dict, devices: int, *, first_of: bool = False) -> bool:
+  """A mesh of `axes` (one size may be -1: the rest) spans `devices`, or with
+  `first_of` the first of them (factories.engine_mesh)."""
+  sizes = list(axes.values())
+  known = math.prod(s for s in sizes if s != -1)
+  if -1 in sizes:
+    return devices % known == 0
+  return known <= devices if first_of else known == devices
+
+
 def _check_mesh(mesh: dict, num_devices: int) -> None:
   """The mesh (well formed: sections.Sharding) spans the devices present."""
-  sizes = list(mesh.values())
-  known = math.prod(s for s in sizes if s != -1)
-  if (-1 in sizes and num_devices % known) or (-1 not in sizes and known != num_devices):
+  if not _mesh_fits(mesh, num_devices):
     _fail("sharding.mesh", mesh, f"a mesh over the {num_devices} devices present")
 
 
 def _check_engine_mesh(text: str, host_devices: int) -> None:
   """rollout.mesh fits one host's devices (factories.engine_mesh takes the
   first of them; a -1 size takes the rest)."""
-  sizes = list(sections.parse_mesh(text).values())
-  known = math.prod(s for s in sizes if s != -1)
-  if known > host_devices or (-1 in sizes and host_devices % known):
+  axes = sections.parse_mesh(text)
+  if not _mesh_fits(axes, host_devices, first_of=True):
     _fail("rollout.mesh", text, f"a mesh over at most the {host_devices} devices of one "
-          "host" + (" (a -1 size must leave a whole number)" if -1 in sizes else ""))
+          "host" + (" (a -1 size must leave a whole number)" if -1 in axes.values() else ""))
 
 
 def check_workdir(workdir: str, min_free_gb: float) -> None:

@@ -37,6 +37,14 @@ LOGICAL_AXES = ("batch", "length", "embed", "vocab", "heads", "kv_heads",
                 "head_dim", "mlp", "expert", "layers")
 
 
+def axes_size(mesh, axes) -> int:
+  """Devices along `axes` of `mesh` (None, an axis name or a tuple of them)."""
+  if axes is None:
+    return 1
+  axes = axes if isinstance(axes, (tuple, list)) else (axes,)
+  return int(np.prod([mesh.shape[a] for a in axes]))
+
+
 def make_mesh(axis_sizes: dict[str, int], devices=None) -> Mesh:
   """A Mesh with the named axes; one size may be -1 (all remaining devices)."""
   devices = list(devices if devices is not None else jax.devices())

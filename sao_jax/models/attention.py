@@ -42,6 +42,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from sao_jax import sharding
+
 Array = jax.Array
 
 # Logit of a key a query may not see. Finite, so a row with no visible key
@@ -466,7 +468,7 @@ def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array, block: in
   else:
     batch = _mesh_axes("batch")
     context = _mesh_axes("length")
-    shards = _axes_size(mesh, context)
+    shards = sharding.axes_size(mesh, context)
     if shards > 1 and length % (shards * blk) == 0:
       out = _context_split_splash(qt, kt, vt, segment_ids, mesh, batch, context, shards, h,
                                   sizes, interpret)
@@ -477,13 +479,6 @@ def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array, block: in
                           in_specs=(q_spec, kv_spec, kv_spec, PartitionSpec(batch, None)),
                           out_specs=q_spec, check_vma=False)(qt, kt, vt, segment_ids)
   return jnp.swapaxes(out, 1, 2).astype(q.dtype)  # [B, L, H, hd]
-
-
-def _axes_size(mesh, axes) -> int:
-  if axes is None:
-    return 1
-  axes = axes if isinstance(axes, (tuple, list)) else (axes,)
-  return math.prod(mesh.shape[a] for a in axes)
 
 
 def _context_split_splash(qt, kt, vt, segment_ids, mesh, batch, context, shards, h, sizes,
@@ -497,9 +492,9 @@ def _context_split_splash(qt, kt, vt, segment_ids, mesh, batch, context, shards,
 
   length, kvh = qt.shape[2], kt.shape[1]
   heads_axes, kv_axes = _mesh_axes("heads"), _mesh_axes("kv_heads")
-  local_heads = h // _axes_size(mesh, heads_axes)
-  if local_heads * _axes_size(mesh, heads_axes) != h or (
-      local_heads * kvh != (kvh // _axes_size(mesh, kv_axes)) * h):
+  local_heads = h // sharding.axes_size(mesh, heads_axes)
+  if local_heads * sharding.axes_size(mesh, heads_axes) != h or (
+      local_heads * kvh != (kvh // sharding.axes_size(mesh, kv_axes)) * h):
     raise ValueError(
         f"splash attention: {h} query heads over {heads_axes} and {kvh} key heads over "
         f"{kv_axes} do not keep the ratio {h // kvh} in every shard")

@@ -77,13 +77,6 @@ def _mesh_axes(rules, logical: str):
   return nn.logical_to_mesh_axes((logical,), rules)[0]
 
 
-def _axes_size(mesh, axes) -> int:
-  if axes is None:
-    return 1
-  axes = axes if isinstance(axes, (tuple, list)) else (axes,)
-  return int(np.prod([mesh.shape[a] for a in axes]))
-
-
 def cache_spec(ndim: int, batch_axes, kv_axes) -> PartitionSpec:
   """PartitionSpec of a cache leaf `[..., B, S, KVH, hd]` of `ndim` dims.
 
@@ -107,12 +100,12 @@ def _kv_axes(cfg: ModelConfig, mesh, rules, count: int, what: str):
   shd.check_rules(rules, mesh)
   batch_axes = _mesh_axes(rules, "batch")
   kv_axes = _mesh_axes(rules, "kv_heads")
-  if count % _axes_size(mesh, batch_axes):
+  if count % shd.axes_size(mesh, batch_axes):
     raise ValueError(f"{count} {what} do not divide over the batch axes {batch_axes} "
-                     f"(size {_axes_size(mesh, batch_axes)}) of mesh {dict(mesh.shape)}")
-  if cfg.num_kv_heads % _axes_size(mesh, kv_axes):
+                     f"(size {shd.axes_size(mesh, batch_axes)}) of mesh {dict(mesh.shape)}")
+  if cfg.num_kv_heads % shd.axes_size(mesh, kv_axes):
     raise ValueError(f"num_kv_heads {cfg.num_kv_heads} does not divide over the kv_heads "
-                     f"axes {kv_axes} (size {_axes_size(mesh, kv_axes)})")
+                     f"axes {kv_axes} (size {shd.axes_size(mesh, kv_axes)})")
   return batch_axes, kv_axes
 
 
@@ -169,7 +162,7 @@ def param_bytes_per_device(cfg: ModelConfig, mesh=None, rules=None) -> int:
 def batch_groups(mesh, rules) -> int:
   """How many ways slots split over the mesh (the "batch" rule's axes): a
   paged engine's pool splits alike (`paging.PagePool` groups)."""
-  return _axes_size(mesh, _mesh_axes(rules, "batch"))
+  return shd.axes_size(mesh, _mesh_axes(rules, "batch"))
 
 
 def default_pages(slots: int, max_len: int, page_size: int) -> int:
@@ -222,9 +215,9 @@ def engine_shardings(cfg: ModelConfig, slots: int, max_len: int, mesh, rules, *,
     cache = cache_shardings(cfg, slots, max_len, mesh, rules)
   else:
     cache = pool_shardings(cfg, *pages, mesh, rules)
-    if slots % _axes_size(mesh, batch_axes):
+    if slots % shd.axes_size(mesh, batch_axes):
       raise ValueError(f"{slots} slots do not divide over the batch axes {batch_axes} "
-                       f"(size {_axes_size(mesh, batch_axes)}) of mesh {dict(mesh.shape)}")
+                       f"(size {shd.axes_size(mesh, batch_axes)}) of mesh {dict(mesh.shape)}")
   return EngineShardings(
       params=shd.logical_shardings(abstract_params(cfg), mesh, rules),
       cache=cache,
