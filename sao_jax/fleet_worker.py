@@ -21,7 +21,7 @@ from typing import Callable
 
 import jax
 
-from sao_jax import configuration, factories, fleet
+from sao_jax import configuration, factories, fleet, precision
 from sao_jax.data import prompts as prompt_data
 from sao_jax.envs import registry
 from sao_jax.faults import FaultInjector
@@ -64,8 +64,9 @@ def run_rollout_worker(config, workdir: str, rollout_id: str, stop: threading.Ev
       counters=lambda: {k: getattr(driver.stats, k) for k in fleet.SHARD_COUNTERS})
   # Each process (and each restart of it) draws its own prompt order and samples.
   seed = zlib.crc32(f"{config.seed}/{rid}/{writer.first_seq}".encode())
-  follower = fleet.WeightFollower(
-      root, jax.eval_shape(lambda: policy.init_params(model_cfg, jax.random.key(0))))
+  # Versions are published in the compute dtype the engine holds (precision.py).
+  follower = fleet.WeightFollower(root, jax.eval_shape(
+      lambda: policy.init_params(precision.serving_config(model_cfg), jax.random.key(0))))
 
   log(f"[rollout {rid}] waiting for weights under {root}")
   first = None

@@ -75,8 +75,12 @@ def make_optimizer(
       partition_labels(params, rules))
 
 
+# Where the cosine of `warmup_cosine` ends, as a fraction of its peak.
+END_FRACTION = 0.1
+
+
 def warmup_cosine(peak: float, warmup_steps: int, total_steps: int,
-                  end_fraction: float = 0.1) -> optax.Schedule:
+                  end_fraction: float = END_FRACTION) -> optax.Schedule:
   """Linear warmup to `peak`, cosine decay to `end_fraction * peak`."""
   return optax.warmup_cosine_decay_schedule(
       0.0, peak, max(warmup_steps, 1), max(total_steps, warmup_steps + 1),

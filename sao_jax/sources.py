@@ -28,10 +28,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import queue
 from typing import Any, Callable, Protocol
 
-from sao_jax import configuration, distributed, fleet
+import jax
+
+from sao_jax import configuration, distributed, fleet, precision
 from sao_jax.data import prompts as prompt_data
 from sao_jax.data.ingestion import TrajectoryQueue
 from sao_jax.data.trajectory import Trajectory
@@ -206,12 +209,15 @@ class FleetSource:
 
   Publishes the current weights at once (the rollouts wait for a first
   version), reads their shards through `fleet.ShardFeed` and marks RL done
-  when it closes after a normal finish, so that the rollouts exit.
+  when it closes after a normal finish, so that the rollouts exit. A
+  version is published as the engines hold it: `serving_cast` (the cast to
+  the compute dtype, precision.py) runs once per version before the write.
   """
 
   def __init__(self, root: str, feed: fleet.ShardFeed, publisher: fleet.WeightPublisher,
-               params, version: int):
+               params, version: int, serving_cast: Callable = lambda p: p):
     self._root, self._feed, self._publisher = root, feed, publisher
+    self._cast = serving_cast
     self._version = version
     self.publish(params, version)
     fleet.clear_done(root)
@@ -221,7 +227,7 @@ class FleetSource:
     return self._feed.take(n)
 
   def publish(self, params, version: int) -> dict:
-    self._publisher.publish(params, version)
+    self._publisher.publish(self._cast(params), version)
     self._version = version
     return {"fleet/publish_s": self._publisher.last_publish_s}
 
@@ -274,7 +280,8 @@ def _fleet_source(run, saved) -> FleetSource:
                          share=distributed.share_from_primary)
   version = int(run.state.step)
   return FleetSource(root, feed, fleet.WeightPublisher(root, config.fleet.keep_versions, version),
-                     run.state.policy, version)
+                     run.state.policy, version,
+                     jax.jit(functools.partial(precision.cast_for_serving, run.model_cfg)))
 
 
 # rl.mode -> (run, the state a checkpoint saved or None) -> TrajectorySource.

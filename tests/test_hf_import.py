@@ -134,3 +134,23 @@ def test_logits_match_transformers(hf_model, checkpoint_dir):
   np.testing.assert_allclose(
       lp[:, 1:], np.take_along_axis(ref_lp[:, :-1], tokens[:, 1:, None], -1)[..., 0],
       atol=1e-4)
+
+
+def test_a_bf16_checkpoint_imports_into_fp32_master_weights_exactly(checkpoint_dir, tmp_path):
+  """Qwen3 releases store bf16: the import reads them (safetensors' numpy
+  reader cannot) and the fp32 master weights hold the checkpoint's values
+  exactly; the pod preset's param_dtype is float32."""
+  from safetensors.torch import save_file as save_torch  # pylint: disable=g-import-not-at-top
+  path, tensors = checkpoint_dir
+  bf16 = {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in tensors.items()}
+  save_torch(bf16, str(tmp_path / "model.safetensors"))
+  (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
+  cfg = hf_import.config_from_hf(str(tmp_path))
+  assert cfg.param_dtype == jnp.float32
+  params = hf_import.load_hf_checkpoint(str(tmp_path), cfg)
+  want = {k: v.float().numpy() for k, v in bf16.items()}
+  np.testing.assert_array_equal(params["embed"], want["model.embed_tokens.weight"])
+  np.testing.assert_array_equal(params["layer_0"]["moe"]["wo"][3],
+                                want["model.layers.0.mlp.experts.3.down_proj.weight"].T)
+  np.testing.assert_array_equal(params["final_norm"]["scale"], want["model.norm.weight"])
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))

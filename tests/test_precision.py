@@ -94,3 +94,169 @@ def test_bf16_rl_step_updates_fp32_params():
   assert float_dtypes(new.policy) == float_dtypes(new.policy_opt) == {jnp.dtype(jnp.float32)}
   assert any(np.any(np.asarray(a) != np.asarray(b))
              for a, b in zip(jax.tree.leaves(new.policy), jax.tree.leaves(params)))
+
+
+# --- every shipped config's steps move its weights (sao_jax/precision.py) ----
+
+import functools
+import glob
+import importlib.util
+import os
+
+from sao_jax import configuration, factories, optim, precision
+
+CONFIG_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "configs")
+SHIPPED = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(CONFIG_DIR, "*.py"))
+                 if not p.endswith("common.py"))
+
+
+def load_config(name):
+  spec = importlib.util.spec_from_file_location(name, os.path.join(CONFIG_DIR, name + ".py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def stage_steps(config):
+  """(field, learning rate, head) of each training stage the config runs, at
+  the peak and at the schedule's floor: SFT and the actor train the policy,
+  value pretraining and RL's critic updates the value model."""
+  out = []
+  if config.sft.steps:
+    lr = config.sft.lr
+    out += [("sft.lr", lr, "lm"), ("sft.lr floor", precision.schedule_floor(lr, True), "lm")]
+  if config.rl.steps:
+    lr = config.rl.actor_lr
+    out += [("rl.actor_lr", lr, "lm"),
+            ("rl.actor_lr floor", precision.schedule_floor(lr, True), "lm")]
+  if config.rl.steps or config.value_pretrain.steps:
+    out.append(("rl.critic_lr", config.rl.critic_lr, "value"))
+  return out
+
+
+@functools.lru_cache(maxsize=None)
+def changed_fraction(cfg, head, lr, clip_norm):
+  """The fraction of weights one step of the run's optimizer (AdamW with the
+  run's clip) changes, from the fp32 init cast to cfg.param_dtype. The value
+  head starts at zero (its body would get no gradient): here it is drawn
+  like the other weights."""
+  init = policy.init_params(dataclasses.replace(cfg, param_dtype=jnp.float32),
+                            jax.random.key(0), head)
+  init = jax.tree.map(lambda x: x if np.any(np.asarray(x)) else
+                      0.02 * jax.random.normal(jax.random.key(1), x.shape), init)
+  params = jax.tree.map(lambda x: x.astype(cfg.param_dtype), init)
+  b = jax.tree.map(jnp.asarray, fixed_batch(cfg))
+  m = b["action_mask"]
+
+  def loss(p):
+    if head == "lm":
+      logp, _ = policy.token_logprobs(cfg, p, b["tokens"], b["positions"], b["segment_ids"])
+      return -jnp.where(m, logp, 0.0).sum() / m.sum()
+    v = policy.token_values(cfg, p, b["tokens"], b["positions"], b["segment_ids"])
+    v = v[0] if isinstance(v, tuple) else v
+    return 0.5 * jnp.where(m, (v - 1.0) ** 2, 0.0).sum() / m.sum()
+
+  @jax.jit
+  def step(p):
+    tx = optim.make_optimizer(p, lr, clip_norm=clip_norm)
+    updates, _ = tx.update(jax.grad(loss)(p), tx.init(p), p)
+    new = optax.apply_updates(p, updates)
+    return sum(jnp.sum(a != b) for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(p)))
+
+  return int(step(params)) / sum(x.size for x in jax.tree.leaves(params))
+
+
+def small_model_with_dtypes_of(config):
+  """The tiny shape with the dtypes the config trains in (its preset's,
+  overrides and compute dtype)."""
+  big = factories.build_model_config(config)
+  return dataclasses.replace(FP32, param_dtype=big.param_dtype, dtype=big.dtype)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_each_shipped_config_moves_its_weights_like_fp32_master_weights(name):
+  config = load_config(name)
+  cfg = small_model_with_dtypes_of(config)
+  reference = dataclasses.replace(cfg, param_dtype=jnp.float32)
+  for field, lr, head in stage_steps(config):
+    got = changed_fraction(cfg, head, lr, config.rl.clip_norm)
+    want = changed_fraction(reference, head, lr, config.rl.clip_norm)
+    assert want > 0.9, (field, want)  # the fp32 reference moves (nearly) every weight
+    assert got >= want, f"{name}: {field} = {lr:g} changed {got:.3f} of the weights, " \
+                        f"fp32 master weights {want:.3f}"
+
+
+def test_bf16_params_at_the_pod_lr_fail_the_same_check_and_the_guard():
+  """The old qwen3_30b_a3b preset (bf16 params) at sao_moe's lr: one step
+  changes a few percent of the weights, and validate refuses the config."""
+  bf16 = dataclasses.replace(FP32, param_dtype="bfloat16", dtype="bfloat16")
+  got = changed_fraction(bf16, "lm", 1e-6, 1.0)
+  want = changed_fraction(FP32, "lm", 1e-6, 1.0)
+  assert want > 0.9 and got < 0.1, (got, want)
+  config = load_config("sao_moe")
+  config.model.overrides = {"param_dtype": "bfloat16"}
+  with pytest.raises(configuration.ConfigError,
+                     match=r"^rl.actor_lr = 1e-06 \(down to 1e-07 .*bfloat16 params"):
+    configuration.validate(config, num_devices=128, num_processes=32, host_devices=4)
+
+
+def test_half_ulp_and_the_guard_threshold():
+  assert precision.half_ulp(jnp.bfloat16, 1.0) == 2.0 ** -8
+  assert precision.half_ulp(jnp.bfloat16, 0.02) == 2.0 ** -14
+  assert precision.half_ulp(jnp.float32, 1.0) == 2.0 ** -24
+  # The oracle: adding the threshold to 1.0 in the dtype keeps it only just
+  # above it (a tie rounds to even), and just below it rounds away.
+  one = jnp.ones((), jnp.bfloat16)
+  assert one + jnp.bfloat16(0.9 * 2.0 ** -8) == one
+  assert one + jnp.bfloat16(1.1 * 2.0 ** -8) != one
+  assert precision.updates_lost(jnp.bfloat16, 3e-3) and not precision.updates_lost(
+      jnp.bfloat16, 4e-3)
+  assert precision.check_updates_kept(jnp.float32, {"rl.actor_lr": (1e-6, 1e-7)}) is None
+  assert precision.check_updates_kept(jnp.float32, {"rl.actor_lr": (1e-7, 1e-8)})
+
+
+def test_the_pod_preset_keeps_fp32_master_weights_and_serves_bf16():
+  cfg = mcfg.qwen3_30b_a3b()
+  assert cfg.param_dtype == jnp.float32 and cfg.dtype == jnp.bfloat16
+  serving = precision.serving_config(cfg)
+  assert serving.param_dtype == serving.dtype == jnp.bfloat16
+  assert precision.serving_config(FP32) is FP32
+
+
+def test_the_engine_serves_a_bf16_copy_with_the_trainers_forward():
+  """The engine's copy is the compute-dtype cast, and its forward (every
+  weight cast to bf16 where used) equals the trainer's from fp32 weights bit
+  for bit, once XLA may not skip the casts: by default
+  (xla_allow_excess_precision) XLA:CPU drops a weight's f32 -> bf16 -> f32
+  round trip into its f32 matmul, so the trainer's forward is a little more
+  precise than the engine's (the gap is asserted too, so this records it)."""
+  params = policy.init_params(BF16, jax.random.key(1))
+  served = precision.cast_for_serving(BF16, params)
+  assert float_dtypes(served) == {jnp.dtype(jnp.bfloat16)}
+  b = fixed_batch(BF16)
+  args = (b["tokens"], b["positions"], b["segment_ids"])
+  engine_cfg = precision.serving_config(BF16)
+  trainer_fn = jax.jit(lambda p: policy.token_logprobs(BF16, p, *args)[0])
+  engine_fn = jax.jit(lambda p: policy.token_logprobs(engine_cfg, p, *args)[0])
+  strict = {"xla_allow_excess_precision": False}
+  trainer = trainer_fn.lower(params).compile(compiler_options=strict)(params)
+  engine = engine_fn.lower(served).compile(compiler_options=strict)(served)
+  np.testing.assert_array_equal(np.asarray(engine), np.asarray(trainer))
+  gap = np.abs(np.asarray(trainer_fn(params)) - np.asarray(engine_fn(served))).max()
+  assert 0 < gap < 0.05, gap
+  assert precision.serving_bytes(BF16, params) * 2 == sum(
+      x.nbytes for x in jax.tree.leaves(params))
+
+
+def test_an_engine_holds_and_restores_into_the_compute_dtype():
+  from sao_jax import sections  # pylint: disable=g-import-not-at-top
+  from sao_jax.rollout.engine import PolicyEngine  # pylint: disable=g-import-not-at-top
+  params = policy.init_params(BF16, jax.random.key(2))
+  engine = PolicyEngine(BF16, params, sections.Rollout(slots=2, max_len=64))
+  assert float_dtypes(engine.params) == {jnp.dtype(jnp.bfloat16)}
+  assert float_dtypes(engine.abstract_params()) == {jnp.dtype(jnp.bfloat16)}
+  want = precision.cast_for_serving(BF16, params)
+  for a, b in zip(jax.tree.leaves(engine.params), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  engine.update_params(jax.tree.map(lambda x: x + 1, params), 1)  # a new version: cast again
+  assert float_dtypes(engine.params) == {jnp.dtype(jnp.bfloat16)} and engine.version == 1

@@ -213,7 +213,11 @@ def qwen3_30b_a3b() -> ModelConfig:
       # of 2 GiB instead of 16 GiB at 2 x 32768 tokens a chip (in one round
       # the RL step at 256 x 32768 does not fit: benchmarks/RESULTS.md, "Pod scale").
       moe_dispatch_chunk=8192,
-      param_dtype=jnp.bfloat16, dtype=jnp.bfloat16,
+      # Mixed precision: float32 master weights, bfloat16 compute. bf16
+      # params would round the RL updates away (a step of lr 1e-6 is far
+      # below half an ulp of a 0.02 weight, 6.1e-5: sao_jax/precision.py);
+      # the engines hold bf16 copies, cast once per version.
+      param_dtype=jnp.float32, dtype=jnp.bfloat16,
       # Pod-scale settings: 48 layers as one scan with full remat (the
       # backward keeps one [B, L, D] input per layer), splash attention on
       # TPU (chunked elsewhere), log-probs over 1024-token chunks (peak

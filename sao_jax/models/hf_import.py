@@ -31,8 +31,8 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
-from safetensors import safe_open
 
 from sao_jax.models.config import ModelConfig
 from sao_jax.optim import param_path
@@ -71,8 +71,43 @@ def config_from_hf(path: str, **overrides) -> ModelConfig:
   return ModelConfig(**kw)
 
 
+# safetensors' dtype codes (the format's header) -> numpy dtypes. bfloat16,
+# which every Qwen3 release stores, is not a numpy dtype, so safetensors'
+# numpy reader refuses it ("data type 'bfloat16' not understood"): tensors
+# are read here from the documented layout instead (an 8-byte little-endian
+# header length, a JSON header of dtype / shape / data_offsets, the data).
+SAFETENSORS_DTYPES = {
+    "BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
+    "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64, "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+def read_safetensors_header(file: str) -> tuple[dict, int]:
+  """(tensor name -> {"dtype", "shape", "data_offsets"}, where the data starts)."""
+  with open(file, "rb") as f:
+    n = int.from_bytes(f.read(8), "little")
+    header = json.loads(f.read(n))
+  header.pop("__metadata__", None)
+  return header, 8 + n
+
+
+def read_safetensor(file: str, entry: dict, data_start: int) -> np.ndarray:
+  """One tensor of a safetensors file as a numpy array (bfloat16 included)."""
+  code = entry["dtype"]
+  if code not in SAFETENSORS_DTYPES:
+    raise ValueError(f"{file}: tensor dtype {code} is not supported "
+                     f"(supported: {sorted(SAFETENSORS_DTYPES)})")
+  begin, end = entry["data_offsets"]
+  dtype = np.dtype(SAFETENSORS_DTYPES[code])
+  with open(file, "rb") as f:
+    f.seek(data_start + begin)
+    data = f.read(end - begin)
+  return np.frombuffer(data, dtype).reshape(entry["shape"]).copy()
+
+
 class _Reader:
-  """Name -> tensor over a directory of safetensors shards, opened lazily."""
+  """Name -> tensor over a directory of safetensors shards, read lazily."""
 
   def __init__(self, path: str):
     index = os.path.join(path, "model.safetensors.index.json")
@@ -87,9 +122,9 @@ class _Reader:
       raise FileNotFoundError(f"No .safetensors files at {path!r}.")
     self._where = {}
     for file in files:
-      with safe_open(file, "np") as f:
-        for name in f.keys():
-          self._where[name] = file
+      header, start = read_safetensors_header(file)
+      for name, entry in header.items():
+        self._where[name] = (file, entry, start)
     self.used = set()
 
   def __contains__(self, name):
@@ -99,8 +134,7 @@ class _Reader:
     if name not in self._where:
       raise KeyError(f"Checkpoint has no tensor {name!r}.")
     self.used.add(name)
-    with safe_open(self._where[name], "np") as f:
-      return f.get_tensor(name)
+    return read_safetensor(*self._where[name])
 
   def unused(self):
     return sorted(set(self._where) - self.used)

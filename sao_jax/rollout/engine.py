@@ -304,7 +304,7 @@ class PolicyEngine:
     kv_buckets = default_kv_buckets(max_len) if kv_buckets is None else tuple(kv_buckets)
     if any(b < 1 for b in kv_buckets):
       raise ValueError(f"kv_buckets must be positive, got {kv_buckets}")
-    self.cfg = cfg
+    self.cfg = self.programs.cfg  # params in the compute dtype (precision.py)
     self.sampling = sampling
     self.max_concurrent_decodes = slots
     self.max_prefill_length = max_len

@@ -49,7 +49,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sao_jax import sections
+from sao_jax import precision, sections
 from sao_jax.models import decoding, paged
 from sao_jax.models.config import ModelConfig
 from sao_jax.rollout import layout
@@ -72,6 +72,9 @@ class EnginePrograms:
                page_size: int | None = None, num_pages: int = 0):
     if mesh is not None and device is not None:
       raise ValueError("EnginePrograms takes a mesh or a device, not both")
+    # The engine holds its params in the compute dtype (precision.py: the
+    # same forward as the trainer's from float32 master weights, half the bytes).
+    cfg = precision.serving_config(cfg)
     self.cfg, self.sampling, self.slots, self.max_len = cfg, sampling, slots, max_len
     self.mesh = layout.one_device_mesh(device) if mesh is None else mesh
     self.rules = tuple(tuple(r) for r in (layout.rollout_rules(self.mesh) if rules is None
@@ -210,8 +213,10 @@ class EnginePrograms:
                    out_shardings=(s.cache, s.slots, s.slots))
 
   def copy_params(self):
-    """params -> a copy in fresh buffers of the engine's param shardings."""
-    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=self.shardings.params)
+    """params -> a copy in fresh buffers of the engine's param shardings, in
+    the compute dtype (the cast of a new version, once: precision.py)."""
+    cast = lambda t: jax.tree.map(jnp.copy, precision.cast_for_serving(self.cfg, t))
+    return jax.jit(cast, out_shardings=self.shardings.params)
 
   def reset_lengths(self):
     """(lengths, mask) -> lengths with 0 where mask."""
@@ -224,7 +229,8 @@ class EnginePrograms:
     """`step(kv)`'s arguments for the decode state's cache and `[slots, width]` tokens.
 
     `params`: the params' ShapeDtypeStructs (e.g. the trainer's abstract
-    policy, which `load_params` copies); placed here in the engine's layout.
+    policy, which `load_params` copies); placed here in the engine's layout
+    and compute dtype.
     """
     tokens = self._placed(jax.ShapeDtypeStruct((self.slots, width), jnp.int32), "tokens")
     valid = self._placed(jax.ShapeDtypeStruct((self.slots, width), jnp.bool_), "tokens")
@@ -246,6 +252,7 @@ class EnginePrograms:
     else:
       cache = layout.abstract_cache(self.cfg, self.slots, self.max_len)
     lengths = jax.ShapeDtypeStruct((self.slots,), jnp.int32)
+    params = jax.eval_shape(functools.partial(precision.cast_for_serving, self.cfg), params)
     out = (self._placed(params, "params"), self._placed(cache, "cache"),
            self._placed(lengths, "slots"))
     if self.paged:
