@@ -73,6 +73,7 @@ num_layers=2) even though the configs' override dicts are empty and locked.
 
 import contextlib
 import dataclasses
+import math
 import datetime
 import os
 import re
@@ -91,12 +92,13 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import flax.linen as nn  # pylint: disable=g-import-not-at-top
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import flags
 from jax.experimental import topologies
 from ml_collections import config_flags
 
-from sao_jax import configuration, factories, files, sections, sharding
+from sao_jax import configuration, factories, files, precision, sections, sharding
 from sao_jax.data import packing
 from sao_jax.rollout import programs as programs_lib
 
@@ -313,6 +315,22 @@ def format_capacity(cap: dict) -> str:
           f"slots x max_len ({cap['slots']} x {cap['max_len']:,}){groups}; "
           f"{cap['max_len_trajectories_per_group']:.2f} max_len trajectories a group; "
           f"{_size(cap['bytes_per_device'])} a chip")
+
+
+def precision_report(model_cfg, abstract_policy) -> dict:
+  """The trained params' dtype and bytes, and the engines' copy (precision.py):
+  its dtype and bytes are what one policy version moves to each engine."""
+  master = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(abstract_policy))
+  return {"param_dtype": jnp.dtype(model_cfg.param_dtype).name,
+          "compute_dtype": jnp.dtype(model_cfg.dtype).name, "master_bytes": master,
+          "serving_dtype": jnp.dtype(precision.serving_config(model_cfg).param_dtype).name,
+          "version_bytes": precision.serving_bytes(model_cfg, abstract_policy)}
+
+
+def format_precision(p: dict) -> str:
+  return (f"{p['param_dtype']} master weights ({p['master_bytes'] / GIB:.2f} GiB), "
+          f"{p['compute_dtype']} compute; engines hold {p['serving_dtype']} "
+          f"({p['version_bytes'] / GIB:.2f} GiB a version)")
 
 
 def rollout_section(config) -> sections.Rollout:
@@ -581,6 +599,8 @@ def main(argv):
   print(f"[compile] model: {config.model.preset} {dict(config.model.overrides)}, "
         f"{model_cfg.num_layers} layers, {n_params / 1e9:.3f}B policy params; programs built "
         f"in {time.time() - t0:.1f} s", flush=True)
+  precision_line = precision_report(model_cfg, progs.abstract_state.policy)
+  print(f"[compile] precision: {format_precision(precision_line)}", flush=True)
 
   wanted, engine_layout, pool = {}, None, None
   if {"sft", "value", "rl"} & set(_PROGRAMS.value):
@@ -615,6 +635,8 @@ def main(argv):
         "rollout_pool": pool,
         "model": {"preset": config.model.preset, "overrides": dict(config.model.overrides),
                   "num_layers": model_cfg.num_layers, "policy_params": n_params},
+        # Master weights vs the engines' copy: the bytes one version moves.
+        "precision": precision_line,
         "min_headroom": _MIN_HEADROOM.value,
         "programs": {r["program"]: r for r in rows},
         "table": format_table(rows) + (f"\nrollout KV {format_capacity(pool)}" if pool else ""),
