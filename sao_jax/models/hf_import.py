@@ -3,7 +3,8 @@
     cfg = config_from_hf("ckpt/config.json")
     params = load_hf_checkpoint("ckpt/", cfg, shardings=param_shardings)
 
-Reads `*.safetensors` shards (through `model.safetensors.index.json` when
+The name and layout of every tensor is `hf_layout`'s table (shared with
+`hf_export`). Reads `*.safetensors` shards (through `model.safetensors.index.json` when
 present), one target parameter at a time: a tensor is read from disk, laid
 out as this library expects (transposes, per-expert stacking), cast, and
 placed with its sharding before the next one is read. Host memory therefore
@@ -27,13 +28,12 @@ import functools
 import glob
 import json
 import os
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from sao_jax.models import hf_layout
 from sao_jax.models.config import ModelConfig
 from sao_jax.optim import param_path
 
@@ -140,48 +140,6 @@ class _Reader:
     return sorted(set(self._where) - self.used)
 
 
-def _layer_tensors(r: _Reader, cfg: ModelConfig, i: int) -> dict[str, Callable[[], np.ndarray]]:
-  """Target path -> loader for layer i (loaders defer the disk read)."""
-  pre = f"model.layers.{i}."
-  d, h, kvh, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  out = {
-      "attn_norm/scale": lambda: r.get(pre + "input_layernorm.weight"),
-      "mlp_norm/scale": lambda: r.get(pre + "post_attention_layernorm.weight"),
-      "attn/q": lambda: r.get(pre + "self_attn.q_proj.weight").T.reshape(d, h, hd),
-      "attn/k": lambda: r.get(pre + "self_attn.k_proj.weight").T.reshape(d, kvh, hd),
-      "attn/v": lambda: r.get(pre + "self_attn.v_proj.weight").T.reshape(d, kvh, hd),
-      "attn/o": lambda: r.get(pre + "self_attn.o_proj.weight").T.reshape(h, hd, d),
-      "attn/q_norm/scale": lambda: r.get(pre + "self_attn.q_norm.weight"),
-      "attn/k_norm/scale": lambda: r.get(pre + "self_attn.k_norm.weight"),
-  }
-  if i in cfg.dense_layers:
-    for ours, theirs in (("wi_gate", "gate_proj"), ("wi_up", "up_proj"), ("wo", "down_proj")):
-      out[f"mlp/{ours}"] = (lambda t=theirs: r.get(pre + f"mlp.{t}.weight").T)
-    return out
-
-  out["moe/router"] = lambda: r.get(pre + "mlp.gate.weight").T
-  fused = pre + "mlp.experts.gate_up_proj"
-  f = cfg.moe_d_ff
-
-  def stacked(theirs):
-    first = r.get(pre + f"mlp.experts.0.{theirs}.weight").T
-    buf = np.empty((cfg.num_experts,) + first.shape, first.dtype)
-    buf[0] = first
-    for j in range(1, cfg.num_experts):
-      buf[j] = r.get(pre + f"mlp.experts.{j}.{theirs}.weight").T
-    return buf
-
-  if fused in r:
-    out["moe/wi_gate"] = lambda: np.swapaxes(r.get(fused)[:, :f], 1, 2)
-    out["moe/wi_up"] = lambda: np.swapaxes(r.get(fused)[:, f:], 1, 2)
-    out["moe/wo"] = lambda: np.swapaxes(r.get(pre + "mlp.experts.down_proj"), 1, 2)
-  else:
-    out["moe/wi_gate"] = lambda: stacked("gate_proj")
-    out["moe/wi_up"] = lambda: stacked("up_proj")
-    out["moe/wo"] = lambda: stacked("down_proj")
-  return out
-
-
 def _without_leading_axis(sharding):
   """The sharding of one layer's slice of a stacked [n, ...] parameter."""
   if isinstance(sharding, jax.sharding.NamedSharding):
@@ -233,22 +191,17 @@ def load_hf_checkpoint(path: str, cfg: ModelConfig, shardings=None, *, strict: b
     The params pytree, in `cfg.param_dtype`.
   """
   r = _Reader(path)
-  loaders = {
-      "embed": lambda: r.get("model.embed_tokens.weight"),
-      "final_norm/scale": lambda: r.get("model.norm.weight"),
-  }
-  if not cfg.tie_embeddings:
-    loaders["lm_head"] = lambda: r.get("lm_head.weight").T
+  loaders = {t.ours: functools.partial(t.to_ours, r) for t in hf_layout.top_tensors(cfg)}
   # Unrolled layers have their own entries; scanned ones share a stacked one.
-  unrolled = len(cfg.dense_layers) if cfg.scan_layers else cfg.num_layers
+  unrolled = hf_layout.unrolled_layers(cfg)
   for i in range(unrolled):
-    for name, fn in _layer_tensors(r, cfg, i).items():
-      loaders[f"layer_{i}/{name}"] = fn
+    for t in hf_layout.layer_tensors(cfg, i):
+      loaders[f"layer_{i}/{t.ours}"] = functools.partial(t.to_ours, r)
   stacked: dict[str, list] = {}
-  scanned_layers = list(range(unrolled, cfg.num_layers)) if cfg.scan_layers else []
+  scanned_layers = list(range(unrolled, cfg.num_layers))
   for i in scanned_layers:
-    for name, fn in _layer_tensors(r, cfg, i).items():
-      stacked.setdefault(f"layers/{name}", []).append(fn)
+    for t in hf_layout.layer_tensors(cfg, i):
+      stacked.setdefault(f"layers/{t.ours}", []).append(functools.partial(t.to_ours, r))
 
   from sao_jax.models.policy import init_params  # pylint: disable=g-import-not-at-top
   shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
