@@ -177,8 +177,9 @@ def _load_stacked(name: str, loaders, layers, shape, sharding):
   return buf
 
 
-def load_hf_checkpoint(path: str, cfg: ModelConfig, shardings=None, *, strict: bool = True):
-  """Loads policy params (LM head) from a Qwen3-MoE safetensors checkpoint.
+def load_hf_checkpoint(path: str, cfg: ModelConfig, shardings=None, *, strict: bool = True,
+                       head: str = "lm"):
+  """Loads params from a Qwen3-MoE safetensors checkpoint.
 
   Args:
     path: a directory of shards, or one `.safetensors` file.
@@ -186,12 +187,14 @@ def load_hf_checkpoint(path: str, cfg: ModelConfig, shardings=None, *, strict: b
     shardings: optional pytree of `jax.sharding.Sharding` matching the params;
       each tensor goes straight to its sharded placement.
     strict: raise if the checkpoint holds tensors this model does not use.
+    head: "lm" (the policy) or "value" (a critic exported by `hf_export`, its
+      head as `score`).
 
   Returns:
     The params pytree, in `cfg.param_dtype`.
   """
   r = _Reader(path)
-  loaders = {t.ours: functools.partial(t.to_ours, r) for t in hf_layout.top_tensors(cfg)}
+  loaders = {t.ours: functools.partial(t.to_ours, r) for t in hf_layout.top_tensors(cfg, head)}
   # Unrolled layers have their own entries; scanned ones share a stacked one.
   unrolled = hf_layout.unrolled_layers(cfg)
   for i in range(unrolled):
@@ -204,7 +207,7 @@ def load_hf_checkpoint(path: str, cfg: ModelConfig, shardings=None, *, strict: b
       stacked.setdefault(f"layers/{t.ours}", []).append(functools.partial(t.to_ours, r))
 
   from sao_jax.models.policy import init_params  # pylint: disable=g-import-not-at-top
-  shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+  shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), head))
   flat_shapes = {param_path(path): leaf
                  for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]}
   mapped = set(loaders) | set(stacked)

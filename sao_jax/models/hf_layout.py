@@ -6,7 +6,9 @@ ours (a path inside one layer, "attn/q", or a top-level one, "embed"), the
 HF tensors it is made of, and the two conversions:
 
     to_ours(reader) -> our array       reader: .get(hf name), `name in reader`
-    to_hf(our array) -> [(hf name, array), ...]
+    to_hf(our array) -> [(hf name, array), ...]     in the order of `hf`; views
+                                                   (reshape, .T, x[j]) only, so
+                                                   `jax.eval_shape` plans with it
 
 Our layout keeps heads and experts as axes ([d, heads, head_dim], one
 [experts, d, f] tensor per MoE matrix) and stores matrices as [in, out]; HF
@@ -53,7 +55,7 @@ def _linear(ours: str, name: str, unflatten: Callable[[tuple], tuple] | None = N
 
   def to_hf(x):
     flat = x.reshape(int(np.prod(x.shape[:in_axes])), -1)
-    return [(name, np.ascontiguousarray(flat.T))]
+    return [(name, flat.T)]
 
   return Tensor(ours, (name,), to_ours, to_hf)
 
@@ -85,7 +87,7 @@ def _experts(ours: str, pre: str, theirs: str, cfg: ModelConfig) -> Tensor:
     return buf
 
   def to_hf(x):
-    return [(n, np.ascontiguousarray(x[j].T)) for j, n in enumerate(names)]
+    return [(n, x[j].T) for j, n in enumerate(names)]
 
   return Tensor(ours, names, to_ours, to_hf)
 

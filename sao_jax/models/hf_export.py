@@ -1,0 +1,231 @@
+"""Export params as a Hugging Face Qwen3-MoE model directory.
+
+    stats = export_params(params, cfg, "out/")            # bf16, 5 GiB shards
+
+writes what vLLM, SGLang, lm-eval and `transformers` load:
+
+    out/config.json                          Qwen3-MoE (`hf_layout.hf_config`)
+    out/model-00001-of-0000N.safetensors     the tensors, in `hf_layout`'s names
+    out/model.safetensors.index.json         tensor -> shard, total size
+    out/<tokenizer files>                    `extra_files`, copied
+
+Streaming. The shards' headers are planned from shapes alone
+(`jax.eval_shape` of each conversion), then the data is written one unit
+at a time: a unit is one parameter, or one layer's slice of a stacked
+(`scan_layers`) one. Each unit is gathered to host (`process_allgather`
+when the array spans processes: every process must call this in the same
+order; only process 0 writes), converted, checked and written before the
+next is gathered, so host memory peaks at one unit (`peak_host_bytes`:
+one layer's experts for the largest), never at the model.
+
+Refusals. A non-finite value (in the params, or made by the cast, e.g. a
+float32 beyond bf16's range) stops the export with the parameter's name;
+the directory is written as `<out>.partial` and renamed when complete, so
+a refused or killed export leaves no directory that looks loadable. Only
+the params given are written: a TrainState's optimizer moments never are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from sao_jax.models import hf_layout
+from sao_jax.models.config import ModelConfig
+from sao_jax.models.hf_import import SAFETENSORS_DTYPES
+from sao_jax.optim import param_path
+
+DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
+_CODES = {np.dtype(v): k for k, v in SAFETENSORS_DTYPES.items()}
+INDEX = "model.safetensors.index.json"
+
+
+class ExportError(ValueError):
+  """An export that cannot be written as asked; the message is one line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unit:
+  """One gather: `leaf` (a flat param path), optionally its slice `index`, and the
+  layout entry that turns it into HF tensors."""
+  leaf: str
+  index: int | None
+  tensor: hf_layout.Tensor
+  outputs: tuple  # ((hf name, shape), ...)
+
+
+def _plan(cfg: ModelConfig, flat: dict, head: str) -> list[_Unit]:
+  """Every unit in write order; raises if the params and the layout disagree."""
+  units, wanted = [], []
+  entries = [(t.ours, None, t) for t in hf_layout.top_tensors(cfg, head)]
+  unrolled = hf_layout.unrolled_layers(cfg)
+  for i in range(cfg.num_layers):
+    for t in hf_layout.layer_tensors(cfg, i):
+      if i < unrolled:
+        entries.append((f"layer_{i}/{t.ours}", None, t))
+      else:
+        entries.append((f"layers/{t.ours}", i - unrolled, t))
+  for leaf, index, t in entries:
+    wanted.append(leaf)
+    if leaf not in flat:
+      continue
+    shape = flat[leaf].shape if index is None else flat[leaf].shape[1:]
+    outs = jax.eval_shape(lambda x, t=t: [a for _, a in t.to_hf(x)],
+                          jax.ShapeDtypeStruct(shape, np.float32))
+    units.append(_Unit(leaf, index, t, tuple((n, tuple(s.shape)) for n, s in zip(t.hf, outs))))
+  missing, extra = sorted(set(wanted) - set(flat)), sorted(set(flat) - set(wanted))
+  if missing or extra:
+    raise ExportError(f"params do not match the {head!r} model of this config: missing "
+                      f"{missing[:5]}, not exportable {extra[:5]}")
+  return units
+
+
+def _shards(units: list[_Unit], itemsize: int, shard_bytes: int) -> list[list[tuple]]:
+  """Tensors (name, shape) grouped into shards of at most `shard_bytes` (a tensor
+  larger than that gets a shard of its own), in write order."""
+  shards, size = [[]], 0
+  for u in units:
+    for name, shape in u.outputs:
+      n = int(np.prod(shape)) * itemsize
+      if shards[-1] and size + n > shard_bytes:
+        shards.append([])
+        size = 0
+      shards[-1].append((name, shape))
+      size += n
+  return shards
+
+
+def _header(tensors: list[tuple], code: str, itemsize: int) -> bytes:
+  """A safetensors header: 8-byte little-endian length, JSON padded to 8 bytes."""
+  entries, offset = {"__metadata__": {"format": "pt"}}, 0
+  for name, shape in tensors:
+    n = int(np.prod(shape)) * itemsize
+    entries[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + n]}
+    offset += n
+  text = json.dumps(entries, separators=(",", ":")).encode()
+  text += b" " * (-len(text) % 8)
+  return len(text).to_bytes(8, "little") + text
+
+
+def _to_host(x, index):
+  """One unit on this host as numpy (a collective when `x` spans processes)."""
+  if index is not None:
+    x = x[index]
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    x = multihost_utils.process_allgather(x, tiled=True)
+  return np.asarray(jax.device_get(x))
+
+
+def _check_finite(name: str, a: np.ndarray, what: str) -> None:
+  if a.dtype.kind == "f" or a.dtype == ml_dtypes.bfloat16:
+    bad = ~np.isfinite(a.astype(np.float32) if a.dtype == ml_dtypes.bfloat16 else a)
+    if bad.any():
+      raise ExportError(f"{name}: {int(bad.sum())} non-finite values {what}; refusing to "
+                        "export a model that holds NaN or inf")
+
+
+def export_params(params, cfg: ModelConfig, out: str, *, dtype: str = "bfloat16",
+                  head: str = "lm", shard_bytes: int = 5 * 2**30,
+                  extra_files: dict[str, str] | None = None,
+                  notes: dict | None = None) -> dict:
+  """Writes `params` as an HF model directory `out` (module docstring).
+
+  Args:
+    params: the policy's params (`head="lm"`) or the critic's (`head="value"`:
+      written as a one-label `Qwen3MoeForTokenClassification`, the value head
+      as `score`); global arrays of any sharding, or numpy.
+    cfg: the model shape.
+    dtype: "bfloat16" (default), "float16" or "float32".
+    shard_bytes: the most bytes of tensors per safetensors file.
+    extra_files: file name in `out` -> source path (tokenizer files).
+    notes: written as `sao_jax_export.json` with the export's own record.
+
+  Returns:
+    {"dir", "files", "tensors", "bytes", "peak_host_bytes", "seconds"}.
+  """
+  start = time.time()
+  if dtype not in DTYPES:
+    raise ExportError(f"dtype = {dtype!r}: must be one of {sorted(DTYPES)}")
+  if shard_bytes < 1:
+    raise ExportError(f"shard_bytes = {shard_bytes}: must be >= 1")
+  target = np.dtype(DTYPES[dtype])
+  code, itemsize = _CODES[target], target.itemsize
+  flat = {param_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+  units = _plan(cfg, flat, head)
+  shards = _shards(units, itemsize, shard_bytes)
+  names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+  where = {name: names[k] for k, shard in enumerate(shards) for name, _ in shard}
+
+  primary = jax.process_index() == 0
+  out = os.path.abspath(out)
+  partial = out + ".partial"
+  if primary:
+    if os.path.exists(out) and os.listdir(out):
+      raise ExportError(f"{out} exists and is not empty; export into a new directory")
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+  handles: dict[str, object] = {}
+  peak = 0
+  try:
+    for u in units:
+      host = _to_host(flat[u.leaf], u.index)
+      label = u.leaf if u.index is None else f"{u.leaf}[{u.index}]"
+      _check_finite(label, host, "in the params")
+      cast = host.astype(target)
+      _check_finite(label, cast, f"after the cast to {dtype}")
+      peak = max(peak, host.nbytes + cast.nbytes)
+      del host
+      for name, tensor in u.tensor.to_hf(cast):
+        if not primary:
+          continue
+        file = where[name]
+        if file not in handles:
+          for h in handles.values():
+            h.close()
+          handles.clear()
+          handles[file] = open(os.path.join(partial, file), "wb")
+          handles[file].write(_header(shards[names.index(file)], code, itemsize))
+        handles[file].write(np.ascontiguousarray(tensor).tobytes())
+      del cast
+  except BaseException:
+    for h in handles.values():
+      h.close()
+    if primary:
+      shutil.rmtree(partial, ignore_errors=True)
+    raise
+  for h in handles.values():
+    h.close()
+
+  total = sum(int(np.prod(s)) * itemsize for shard in shards for _, s in shard)
+  stats = {"dir": out, "files": names, "tensors": len(where), "bytes": total,
+           "peak_host_bytes": peak}
+  if primary:
+    with open(os.path.join(partial, INDEX), "w", encoding="utf-8") as f:
+      json.dump({"metadata": {"total_size": total}, "weight_map": where}, f, indent=2)
+    with open(os.path.join(partial, "config.json"), "w", encoding="utf-8") as f:
+      json.dump(hf_layout.hf_config(cfg, dtype, head), f, indent=2)
+    for name, src in (extra_files or {}).items():
+      shutil.copyfile(src, os.path.join(partial, name))
+    with open(os.path.join(partial, "sao_jax_export.json"), "w", encoding="utf-8") as f:
+      json.dump({"dtype": dtype, "head": head, **(notes or {})}, f, indent=2)
+    if os.path.exists(out):
+      os.rmdir(out)  # empty (checked above)
+    os.replace(partial, out)
+  stats["seconds"] = round(time.time() - start, 3)
+  return stats
+
+
+# How the critic's exported head is read (written beside the value model).
+VALUE_HEAD_NOTE = (
+    "The sao-jax critic as a one-label Qwen3MoeForTokenClassification: score.weight [1, d] "
+    "and score.bias [1] are the value head. Its output at position t-1 is the value V_t of "
+    "emitting token t (sao-jax shifts values right by one: the value of a token is "
+    "computed from its prefix); the first token of a sequence has no value.")
