@@ -1,5 +1,6 @@
 """Import of Qwen3-MoE safetensors checkpoints, and parity with transformers."""
 
+import functools
 import json
 
 import jax
@@ -116,6 +117,13 @@ def test_import_rejects_wrong_shapes_and_extra_tensors(checkpoint_dir, tmp_path)
     hf_import.load_hf_checkpoint(str(tmp_path / "e.safetensors"), cfg)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(cfg, params, tokens):
+  """Our logits [B, L, V] (one compile for the tests that share a config)."""
+  pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+  return Transformer(cfg).apply({"params": params}, tokens, pos, jnp.ones_like(tokens))[0]
+
+
 def test_logits_match_transformers(hf_model, checkpoint_dir):
   path, _ = checkpoint_dir
   cfg = hf_import.config_from_hf(str(path))
@@ -123,11 +131,10 @@ def test_logits_match_transformers(hf_model, checkpoint_dir):
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 20))
   with torch.no_grad():
     ref = hf_model(torch.tensor(tokens)).logits.numpy()
-  pos = jnp.broadcast_to(jnp.arange(20), (2, 20))
-  ours, _ = jax.jit(lambda p, t: Transformer(cfg).apply(
-      {"params": p}, t, pos, jnp.ones_like(t)))(params, jnp.asarray(tokens, jnp.int32))
+  ours = _logits(cfg, params, jnp.asarray(tokens, jnp.int32))
   np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=1e-4)
   # And the log-probs view agrees with log_softmax of the reference logits.
+  pos = np.broadcast_to(np.arange(20, dtype=np.int32), (2, 20))
   lp, _ = policy.token_logprobs(cfg, params, tokens.astype(np.int32), pos,
                                 np.ones((2, 20), np.int32))
   ref_lp = torch.log_softmax(torch.tensor(ref), -1).numpy()
@@ -154,3 +161,25 @@ def test_a_bf16_checkpoint_imports_into_fp32_master_weights_exactly(checkpoint_d
                                 want["model.layers.0.mlp.experts.3.down_proj.weight"].T)
   np.testing.assert_array_equal(params["final_norm"]["scale"], want["model.norm.weight"])
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
+
+
+def test_transformers_loads_an_export_and_its_logits_match(checkpoint_dir, tmp_path):
+  """Export (bf16, the default) of a sao-jax model that was never an HF one:
+  transformers' Qwen3MoE reads the directory, and its logits equal ours on
+  the same (bf16-rounded) weights."""
+  from sao_jax.models import hf_export  # pylint: disable=g-import-not-at-top
+  path, _ = checkpoint_dir
+  cfg = hf_import.config_from_hf(str(path))  # a dense layer among MoE ones
+  rng = np.random.default_rng(3)  # random weights from shapes alone (no init compile)
+  params = jax.tree.map(
+      lambda s: (0.1 * rng.standard_normal(s.shape)).astype(np.float32),
+      jax.eval_shape(lambda: policy.init_params(cfg, jax.random.key(0))))
+  hf_export.export_params(params, cfg, str(tmp_path / "out"))
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      str(tmp_path / "out"), dtype=torch.float32).eval()
+  rounded = hf_import.load_hf_checkpoint(str(tmp_path / "out"), cfg)
+  tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 20))
+  with torch.no_grad():
+    ref = model(torch.tensor(tokens)).logits.numpy()
+  ours = _logits(cfg, rounded, jnp.asarray(tokens, jnp.int32))
+  np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=1e-4)

@@ -179,7 +179,8 @@ def export_params(params, cfg: ModelConfig, out: str, *, dtype: str = "bfloat16"
       host = _to_host(flat[u.leaf], u.index)
       label = u.leaf if u.index is None else f"{u.leaf}[{u.index}]"
       _check_finite(label, host, "in the params")
-      cast = host.astype(target)
+      with np.errstate(over="ignore"):  # an overflow is the inf checked next
+        cast = host.astype(target)
       _check_finite(label, cast, f"after the cast to {dtype}")
       peak = max(peak, host.nbytes + cast.nbytes)
       del host

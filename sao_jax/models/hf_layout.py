@@ -152,9 +152,7 @@ def hf_config(cfg: ModelConfig, dtype: str = "bfloat16", head: str = "lm") -> di
       "model_type": "qwen3_moe",
       "vocab_size": cfg.vocab_size,
       "hidden_size": cfg.d_model,
-      # Dense layers' MLP width; unused by a model without dense layers, where
-      # transformers still wants a value.
-      "intermediate_size": cfg.dense_d_ff or cfg.moe_d_ff,
+      "intermediate_size": cfg.dense_d_ff,  # dense (mlp_only) layers' width
       "moe_intermediate_size": cfg.moe_d_ff,
       "num_hidden_layers": cfg.num_layers,
       "num_attention_heads": cfg.num_heads,
