@@ -1,13 +1,21 @@
-"""pass@1 at temperature 1.0 on held-out tasks, for any checkpoint of a run.
+"""Evaluates a checkpoint of a run, or an HF directory, on `eval.sets` as the paper does.
 
     python launch/eval.py --config=configs/sao_tiny.py --workdir=workdirs/sao_tiny \
-        [--step=N] [--out=FILE]
+        [--step=N | --hf_dir=DIR] [--out=DIR] \
+        [--config.eval.sets="('heldout','python_tool')"] [--config.eval.samples_per_task=4]
 
-Prints one JSON line: pass@1 and its standard error, tasks, samples, mean
-length and turns, and "samples_file": the JSONL with one line per sample
-(task, prompt id, reward, success, turns, the last step's info such as a
-verdict, the action turns and the whole transcript decoded), by default
-`<workdir>/eval/checkpoint_<step>.jsonl`.
+Samples `eval.samples_per_task` (k) episodes of each task of each set at
+`eval.temperature` / `eval.top_p` (1.0 / 1.0 by default, the paper's) under
+the config's turn and length budgets. Prints the per-set table (pass@1 and
+pass@k, each +- its standard error over tasks, mean turns, tool-call errors
+per sample, the fraction cut by the length budget) and one JSON line: the
+first set's numbers, every set's under "sets", and "out". Each set's
+samples (task, prompt id, reward, success, turns, events, the last step's
+info, the action turns and the whole transcript decoded) and summary go to
+`OUT/<set>/samples.jsonl` and `OUT/<set>/summary.json`, by default
+`<workdir>/eval/checkpoint_<step>` (`hf_<name>` for --hf_dir). `--hf_dir`
+evaluates an HF Qwen3-MoE directory (launch/export.py's, or a Hub
+release) with the run's tokenizer and chat format.
 """
 
 import json
@@ -15,20 +23,27 @@ import json
 from absl import flags, logging
 from ml_collections import config_flags
 
-from sao_jax import configuration, trainer
+from sao_jax import configuration, distributed, evaluation, trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory holding checkpoints/.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
-_OUT = flags.DEFINE_string("out", None, "Per-sample JSONL (default: "
-                           "<workdir>/eval/checkpoint_<step>.jsonl).")
+_HF_DIR = flags.DEFINE_string("hf_dir", None, "Evaluate this HF Qwen3-MoE directory instead "
+                              "of a checkpoint.")
+_OUT = flags.DEFINE_string("out", None, "Directory of the per-set samples and summaries "
+                           "(default: <workdir>/eval/checkpoint_<step>).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  print(json.dumps(trainer.evaluate(_CONFIG.value, _WORKDIR.value, _STEP.value, _OUT.value)))
+  distributed.initialize(_CONFIG.value.distributed)
+  result = trainer.evaluate(_CONFIG.value, _WORKDIR.value, _STEP.value, _OUT.value,
+                            hf_dir=_HF_DIR.value)
+  if distributed.is_primary():
+    print(evaluation.table(result), flush=True)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

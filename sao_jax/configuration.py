@@ -117,6 +117,14 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
   if r.top_p != 1.0:
     _fail("rollout.top_p", r.top_p, "1.0: the train step's log-probs do not apply top-p, "
           "so the importance ratios would be biased")
+  from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top
+  for name, spec in sections.parse_eval_sets(typed.eval.sets):
+    env_name = ("math_tool" if typed.env.name not in ("dataset", "math_tool") else
+                typed.env.name) if spec.endswith(sections.EVAL_SET_FILES) else spec
+    builtin = registry.ENVIRONMENTS.get(env_name)
+    if builtin is not None and builtin.chat_prompts and typed.env.chat_format == "raw":
+      _fail("eval.sets", typed.eval.sets, f"sets whose prompts are chat messages (set "
+            f"{name!r}: {env_name}) need env.chat_format 'qwen3' or 'plain', not 'raw'")
   if r.max_turn_tokens >= r.max_len:
     _fail("rollout.max_turn_tokens", r.max_turn_tokens, f"< rollout.max_len ({r.max_len})")
   buckets = typed.data.buckets

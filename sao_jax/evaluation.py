@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 
+import ml_collections
 import numpy as np
 
 from sao_jax import files
@@ -52,22 +54,23 @@ def pass_at_1(config, model_cfg, params, env, tokenizer, *, seed: int,
   # One episode per prompt (a GRPO arm's groups are a training matter):
   # samples_per_task repeats the prompt instead.
   engine = factories.make_engine(config, model_cfg, params, seed=seed, slots=e.slots,
-                                 temperature=e.temperature, decode_steps=e.decode_steps,
-                                 samples_per_prompt=1)
-  trajs = []
+                                 temperature=e.temperature, top_p=e.top_p,
+                                 decode_steps=e.decode_steps, samples_per_prompt=1)
+  trajs, records = [], []
   prompts = [i for i in prompt_data.eval_indices(num_tasks) for _ in range(samples_per_task)]
-  options = {}
-  if samples is not None:
-    env = _Recording(env)
-    options["on_finish"] = lambda traj, episode: samples.append(
-        sample_record(traj, episode, tokenizer))
-  driver = factories.make_driver(config, engine, env, tokenizer, iter(prompts), trajs.append,
-                                 tool_latency_s=0.0, **options)
+  driver = factories.make_driver(
+      config, engine, _Recording(env), tokenizer, iter(prompts), trajs.append,
+      tool_latency_s=0.0,
+      on_finish=lambda traj, episode: records.append(sample_record(traj, episode, tokenizer)))
   try:
     driver.run()
   finally:
     driver.stop()
-  result = summarize(trajs)
+  result = summarize(trajs, ks=pass_ks(samples_per_task))
+  result["tool_call_errors"] = (
+      float(np.mean([r["events"].get("tool_error", 0) for r in records])) if records else 0.0)
+  if samples is not None:
+    samples.extend(records)
   # A prompt that cannot be rendered or does not fit max_len, or an
   # environment fault, leaves no episode: say so, never a silently smaller set.
   result["samples_dropped"] = len(prompts) - len(trajs)
@@ -76,6 +79,75 @@ def pass_at_1(config, model_cfg, params, env, tokenizer, *, seed: int,
           f"episode (faults: {dict(driver.stats.env_faults)}); pass@1 is over the "
           f"{result['tasks']} tasks that did", flush=True)
   return result
+
+
+def set_environments(config, run_env) -> dict:
+  """name -> environment of each of `eval.sets` (sections.parse_eval_sets).
+
+  "heldout" is `run_env` (the run's frozen environment); a built-in or an
+  import string is that environment under its defaults, with the run's
+  sandbox; a file of rows is the held-out rows of the run's dataset
+  environment (its kwargs, `heldout_path` replaced), or of math_tool's
+  when the run's environment is not a dataset one. The run's `env.reward`
+  applies to its own held-out tasks only.
+  """
+  from sao_jax import sections  # pylint: disable=g-import-not-at-top
+  from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top
+  out = {}
+  for name, spec in sections.parse_eval_sets(tuple(config.eval.sets)):
+    if spec == "heldout":
+      out[name] = run_env
+      continue
+    env_config = config.env.to_dict()
+    env_config["reward"] = ""
+    if spec.endswith(sections.EVAL_SET_FILES):
+      if env_config["name"] in ("dataset", "math_tool"):
+        env_config["kwargs"] = dict(env_config["kwargs"], heldout_path=spec)
+      else:
+        env_config.update(name="math_tool", kwargs={"heldout_path": spec})
+    else:
+      env_config.update(name=spec, kwargs={})
+    out[name] = registry.make_env(ml_collections.ConfigDict(env_config))
+  return out
+
+
+def evaluate_sets(config, model_cfg, params, envs: dict, tokenizer, *, seed: int,
+                  out_dir: str | None = None) -> dict:
+  """`pass_at_1` on each set of `envs`; with `out_dir`, each set's samples
+  (`<out_dir>/<set>/samples.jsonl`) and summary (`<out_dir>/<set>/summary.json`).
+
+  Returns the first set's result with every set's under "sets" (the first
+  set's numbers stay where a one-set evaluation has always put them).
+  """
+  per_set = {}
+  for name, env in envs.items():
+    samples = []
+    result = pass_at_1(config, model_cfg, params, env, tokenizer, seed=seed, samples=samples)
+    if out_dir is not None:
+      where = os.path.join(out_dir, name)
+      write_samples(os.path.join(where, "samples.jsonl"), samples)
+      result["samples_file"] = os.path.join(where, "samples.jsonl")
+      files.write_json(os.path.join(where, "summary.json"), dict(result, set=name), indent=2)
+    per_set[name] = result
+  first = next(iter(per_set.values()))
+  return {**first, "sets": per_set}
+
+
+def table(result: dict) -> str:
+  """The per-set table of an `evaluate_sets` result, for the terminal."""
+  sets = result.get("sets", {"": result})
+  ks = sorted({int(k[5:]) for r in sets.values() for k in r
+               if k.startswith("pass@") and not k.endswith("_stderr")})
+  head = ["set", "tasks", "samples"] + [f"pass@{k}" for k in ks] + [
+      "turns", "tool_err", "truncated"]
+  rows = [head]
+  for name, r in sets.items():
+    rows.append([name, str(r["tasks"]), str(r["samples"])] + [
+        f"{r.get(f'pass@{k}', float('nan')):.3f}+-{r.get(f'pass@{k}_stderr', float('nan')):.3f}"
+        for k in ks] + [f"{r['mean_turns']:.2f}", f"{r.get('tool_call_errors', 0.0):.2f}",
+                        f"{r['truncated']:.2f}"])
+  widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+  return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows)
 
 
 # The full reward of every environment here: an episode that earns it solved its task.
@@ -87,22 +159,71 @@ def solved(total_reward):
   return total_reward >= SUCCESS_REWARD
 
 
-def summarize(trajs) -> dict:
-  """pass@1, its standard error over tasks, and episode shape of sampled episodes."""
+def pass_at_k(n: int, c: int, k: int) -> float:
+  """The unbiased pass@k of a task from n samples with c successes (Chen et al. 2021):
+
+      pass@k = 1 - C(n - c, k) / C(n, k)       (n >= k)
+
+  the chance that k of the n samples drawn without replacement hold a
+  success, computed as 1 - prod_{i = n-c+1}^{n} (1 - k / i) to stay exact
+  in floating point for large n.
+  """
+  if not 1 <= k <= n or not 0 <= c <= n:
+    raise ValueError(f"pass@k needs 1 <= k <= n and 0 <= c <= n; got n={n}, c={c}, k={k}")
+  if n - c < k:
+    return 1.0
+  return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def pass_ks(samples_per_task: int) -> tuple[int, ...]:
+  """The k of pass@k reported for n samples per task: 1, 2, 4, ... and n."""
+  ks = {1, samples_per_task}
+  k = 2
+  while k < samples_per_task:
+    ks.add(k)
+    k *= 2
+  return tuple(sorted(ks))
+
+
+def _mean_stderr(rates) -> tuple[float, float]:
+  rates = np.asarray(rates, np.float64)
+  if not len(rates):
+    return float("nan"), float("nan")
+  stderr = float(rates.std(ddof=1) / np.sqrt(len(rates))) if len(rates) > 1 else float("nan")
+  return float(rates.mean()), stderr
+
+
+def summarize(trajs, ks: tuple[int, ...] = (1,)) -> dict:
+  """pass@1 and pass@k with their standard errors over tasks, and the episodes' shape.
+
+  pass@1 is the mean over tasks of each task's success rate (the mean over
+  its samples); pass@k (k in `ks`, k > 1) the mean over tasks of
+  `pass_at_k`, over the tasks with at least k samples. Each standard error
+  is the spread of the per-task values over tasks, std / sqrt(tasks).
+  """
   by_task = collections.defaultdict(list)
   for t in trajs:
-    by_task[t.prompt_id].append(float(solved(t.total_reward)))
-  rates = np.array([np.mean(v) for v in by_task.values()])
-  stderr = float(rates.std(ddof=1) / np.sqrt(len(rates))) if len(rates) > 1 else float("nan")
+    by_task[t.prompt_id].append(bool(solved(t.total_reward)))
+  rates = [np.mean(v) for v in by_task.values()]
+  out = dict(zip(("pass@1", "pass@1_stderr"), _mean_stderr(rates)))
+  for k in ks:
+    if k > 1:
+      per_task = [pass_at_k(len(v), sum(v), k) for v in by_task.values() if len(v) >= k]
+      out[f"pass@{k}"], out[f"pass@{k}_stderr"] = _mean_stderr(per_task)
+  reasons = collections.Counter(t.finish_reason for t in trajs)
+  n = max(len(trajs), 1)
   return {
-      "pass@1": float(rates.mean()),
-      "pass@1_stderr": stderr,
+      **out,
       "tasks": len(rates),
       "samples": len(trajs),
       "mean_length": float(np.mean([len(t) for t in trajs])),
       # Sampled (action) tokens per episode: what a generated-token budget counts.
       "mean_generated": float(np.mean([int(np.sum(t.action_mask)) for t in trajs])),
       "mean_turns": float(np.mean([t.num_turns for t in trajs])),
+      # Episodes cut by the length budget (rollout.max_len / max_turn_tokens)
+      # and by the turn budget, as fractions of the samples.
+      "truncated": reasons["length"] / n,
+      "max_turns": reasons["max_turns"] / n,
   }
 
 
@@ -114,11 +235,15 @@ class _RecordingEpisode:
 
   def __init__(self, episode):
     self._episode, self.info = episode, {}
+    self.events = collections.Counter()  # info["events"] over the episode's steps
 
   def step(self, action):
     result = self._episode.step(action)
     if isinstance(result, StepResult):
       self.info = _json_safe(result.info)
+      events = self.info.get("events", ()) if isinstance(self.info, dict) else ()
+      if isinstance(events, (list, tuple)):
+        self.events.update(str(e) for e in events)
     return result
 
 
@@ -159,6 +284,7 @@ def sample_record(traj, episode, tokenizer) -> dict:
       "turns": traj.num_turns,
       "finish_reason": traj.finish_reason,
       "info": getattr(episode, "info", {}),
+      "events": dict(getattr(episode, "events", {})),
       "actions": actions,
       "transcript": tokenizer.decode(tokens),
   }

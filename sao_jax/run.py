@@ -23,7 +23,7 @@ import ml_collections
 from sao_jax import configuration, distributed, factories, sharding
 from sao_jax.checkpoint import Checkpointer, abstract_like
 from sao_jax.envs import registry
-from sao_jax.evaluation import pass_at_1
+from sao_jax.evaluation import evaluate_sets, set_environments
 from sao_jax.faults import FaultInjector
 from sao_jax.metrics import MetricsWriter
 from sao_jax.models import config as model_config
@@ -55,6 +55,7 @@ class Run:
   workdir: str | None = None  # set by open_workdir, with ckpt and metrics
   ckpt: Checkpointer | None = None
   metrics: MetricsWriter | None = None
+  eval_envs: dict | None = None  # eval.sets' environments by name (the first is reported flat)
 
   @property
   def rules(self):
@@ -120,17 +121,30 @@ class Run:
     return factories.make_driver(self.config, engine, env, self.tok, prompt_iter, emit,
                                  rollout, **options)
 
-  def evaluate(self, name: str, params, samples: list | None = None) -> dict:
-    """Held-out pass@1 of `params`, recorded in meta["evals"][name] and the metrics."""
+  def evaluate(self, name: str, params, out_dir: str | None = None) -> dict:
+    """`eval.sets` pass@1 / pass@k of `params`, recorded in meta["evals"][name] and
+    the metrics ("eval/<field>" for the first set, "eval/<set>/<field>" for
+    each); every sample and each set's summary.json go to `out_dir`
+    (default `<workdir>/eval/<name>`)."""
     params = distributed.host_local_copy(params, self.mesh)  # every process joins
-    result = distributed.share_from_primary(f"eval/{name}", lambda: pass_at_1(
-        self.config, self.model_cfg, params, self.frozen_env, self.tok,
-        seed=self.config.seed + 7, samples=samples))
+    if out_dir is None and self.workdir is not None:
+      out_dir = os.path.join(self.workdir, "eval", name)
+    result = distributed.share_from_primary(f"eval/{name}", lambda: evaluate_sets(
+        self.config, self.model_cfg, params, self.eval_envs, self.tok,
+        seed=self.config.seed + 7, out_dir=out_dir))
     self.meta["evals"][name] = result
-    self.metrics.write(int(self.state.step), {f"eval/{k}": v for k, v in result.items()}, "eval")
-    print(f"[eval] {name}: pass@1 {result['pass@1']:.3f} on {result['tasks']} held-out tasks "
-          f"(mean {result['mean_turns']:.2f} turns)", flush=True)
+    scalars = {f"eval/{k}": v for k, v in result.items() if _is_number(v)}
+    for set_name, r in result["sets"].items():
+      scalars.update({f"eval/{set_name}/{k}": v for k, v in r.items() if _is_number(v)})
+    self.metrics.write(int(self.state.step), scalars, "eval")
+    for set_name, r in result["sets"].items():
+      print(f"[eval] {name} {set_name}: pass@1 {r['pass@1']:.3f} on {r['tasks']} tasks "
+            f"(mean {r['mean_turns']:.2f} turns)", flush=True)
     return result
+
+
+def _is_number(v) -> bool:
+  return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def wait(tree):
@@ -167,9 +181,10 @@ def build(config: ml_collections.ConfigDict) -> Run:
   state = jax.jit(p.init_state, out_shardings=p.state_shardings)(policy_params, critic_params)
   meta = {"stage": "sft", "stage_step": 0, "ckpt_step": 0, "source": None,
           "running_mean": None, "evals": {}}
-  return Run(config, tok, registry.make_format(config.env, tok), env,
-             env.frozen() if hasattr(env, "frozen") else env, faults, model_cfg, step_cfg,
-             mesh, p, rl_step, value_step, sft_step, state, meta)
+  frozen_env = env.frozen() if hasattr(env, "frozen") else env
+  return Run(config, tok, registry.make_format(config.env, tok), env, frozen_env, faults,
+             model_cfg, step_cfg, mesh, p, rl_step, value_step, sft_step, state, meta,
+             eval_envs=set_environments(config, frozen_env))
 
 
 def open_workdir(run: Run, workdir: str, restore_step: int | None = None) -> Run:

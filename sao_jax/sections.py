@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import re
 from typing import Any, Callable, ClassVar
 
 import ml_collections
@@ -667,6 +669,60 @@ class Eval(Section):
   decode_steps: int = knob(
       8, "Decode steps per engine call of evaluation (no weight swaps there, so a long "
       "loop only saves host round trips).", integer(1))
+  top_p: float = knob(1.0, "Nucleus sampling of evaluation (1.0: off, the paper's setting).",
+                      Check(lambda v: is_real(v) and 0 < v <= 1, "in (0, 1]"))
+  sets: tuple = knob(
+      (), "Named evaluation sets, each \"NAME=SPEC\" or \"SPEC\": SPEC is \"heldout\" (the "
+      "run's own held-out tasks), a built-in environment or import string (its held-out "
+      "tasks, e.g. \"humaneval\", \"math_tool\"), or a file of rows (.jsonl, .jsonl.gz, "
+      ".parquet) run as held-out rows of the run's dataset environment (math_tool's tools "
+      "and verifier if the run's is not one). (): the run's held-out tasks, named "
+      "\"heldout\". Every set uses the run's tokenizer, chat format and budgets.",
+      Check(lambda v: isinstance(v, tuple) and all(isinstance(x, str) for x in v),
+            "a tuple of strings \"NAME=SPEC\" or \"SPEC\""))
+
+  def check_together(self):
+    try:
+      parse_eval_sets(self.sets)
+    except ValueError as e:
+      fail("eval.sets", self.sets, str(e))
+
+
+EVAL_SET_FILES = (".jsonl", ".jsonl.gz", ".parquet")
+_SET_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def parse_eval_sets(sets: tuple) -> list[tuple[str, str]]:
+  """`eval.sets` as [(name, spec)], the default [("heldout", "heldout")].
+
+  Raises ValueError saying what is wrong (a bad or repeated name, a file
+  that does not exist, an unknown environment).
+  """
+  from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top
+  out = []
+  for item in sets or ("heldout",):
+    name, sep, spec = item.partition("=")
+    if not sep:
+      spec = name
+      base = os.path.basename(spec.rstrip("/"))
+      for ext in EVAL_SET_FILES:
+        base = base[: -len(ext)] if base.endswith(ext) else base
+      name = base.split(":")[-1]
+    name, spec = name.strip(), spec.strip()
+    if not _SET_NAME.match(name):
+      raise ValueError(f"set name {name!r} is not 1-64 letters, digits, '_', '.', '-'")
+    if name in {n for n, _ in out}:
+      raise ValueError(f"set name {name!r} appears twice")
+    if spec.endswith(EVAL_SET_FILES):
+      if not os.path.isfile(spec):
+        raise ValueError(f"set {name!r}: no file {spec!r}")
+    elif spec != "heldout":
+      try:
+        registry.check_env_name(spec)
+      except ValueError as e:
+        raise ValueError(f"set {name!r}: {e}") from None
+    out.append((name, spec))
+  return out
 
 
 @dataclasses.dataclass(frozen=True)

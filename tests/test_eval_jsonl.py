@@ -33,13 +33,16 @@ def test_eval_writes_one_json_line_per_sample(tmp_path):
   run.save(force=True)
   run.close()
 
-  out_path = str(tmp_path / "samples.jsonl")
+  out_dir = str(tmp_path / "eval")
   flags = [f"--config.{k}={v}" for k, v in FLAGS.items()]
-  out = launch(workdir, f"--out={out_path}", script="eval.py", run_flags=flags)
+  out = launch(workdir, f"--out={out_dir}", script="eval.py", run_flags=flags)
   result = json.loads(out.strip().splitlines()[-1])
-  assert "[eval] checkpoint_1: pass@1" in out
+  assert "[eval] checkpoint_1 heldout: pass@1" in out
   assert result["tasks"] == 4 and result["samples"] == 8
-  assert result["samples_file"] == out_path
+  out_path = os.path.join(out_dir, "heldout", "samples.jsonl")
+  assert result["sets"]["heldout"]["samples_file"] == out_path
+  with open(os.path.join(out_dir, "heldout", "summary.json"), encoding="utf-8") as f:
+    assert json.load(f)["pass@1"] == result["pass@1"]
 
   with open(out_path, encoding="utf-8") as f:
     lines = [json.loads(line) for line in f]

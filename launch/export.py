@@ -1,0 +1,47 @@
+"""Exports a run's policy (and value model) as Hugging Face Qwen3-MoE directories.
+
+    python launch/export.py --config=configs/sao_tiny.py --workdir=workdirs/sao_tiny \
+        --out=exports/sao_tiny [--step=N] [--dtype=bfloat16] [--shard_gb=5] [--novalue]
+
+Writes OUT (config.json, model-0000x-of-0000y.safetensors, the index, the
+tokenizer files where the run's tokenizer has them, sao_jax_export.json
+naming the checkpoint) and OUT-value (the critic as a one-label
+Qwen3MoeForTokenClassification, its value head as `score`), bf16 by
+default. Multi-host: the same command on every host (the gathers are
+collective; process 0 writes, one parameter at a time). Prints one JSON
+line: per directory its files, tensors, bytes, peak host bytes and seconds.
+"""
+
+import json
+
+from absl import flags, logging
+from ml_collections import config_flags
+
+from sao_jax import configuration, distributed, trainer
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory holding checkpoints/.")
+_OUT = flags.DEFINE_string("out", None, "The policy's HF directory (new or empty).")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
+_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"],
+                           "Tensor dtype in the files.")
+_SHARD_GB = flags.DEFINE_float("shard_gb", 5.0, "Most GiB of tensors per safetensors file.")
+_VALUE = flags.DEFINE_bool("value", True, "Also export the value model to OUT-value.")
+flags.mark_flags_as_required(["config", "workdir", "out"])
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  distributed.initialize(_CONFIG.value.distributed)
+  result = trainer.export(_CONFIG.value, _WORKDIR.value, _OUT.value, _STEP.value,
+                          dtype=_DTYPE.value, shard_bytes=max(1, int(_SHARD_GB.value * 2**30)),
+                          value_out="" if _VALUE.value else None)
+  if distributed.is_primary():
+    print(json.dumps({k: {f: v[f] for f in ("dir", "tensors", "bytes", "peak_host_bytes",
+                                            "seconds")} | {"files": len(v["files"])}
+                      for k, v in result.items()}))
+
+
+if __name__ == "__main__":
+  configuration.run(main)
