@@ -16,7 +16,7 @@ $(VENV)/.installed-base: setup.py
 	@touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed-base
-	$(PY) -m pip install -q -e '.[test,parity,jetstream,aot,bench]'
+	$(PY) -m pip install -q -e '.[test,parity,jetstream,aot,bench,wandb]'
 	@touch $@
 
 # The main job on its CPU default.

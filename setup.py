@@ -53,6 +53,8 @@ EXTRAS = {
         "torch==2.13.0",
         "transformers>=4.51",
     ],
+    # Weights & Biases logging (logging.wandb; sao_jax/metrics.py).
+    "wandb": ["wandb>=0.17"],
     # Plots: benchmarks, the soak, experiments/ and the quickstart notebook
     # (the test suite runs the last two, so `make test` installs it).
     "bench": ["matplotlib>=3.8"],

@@ -2,7 +2,7 @@
 
 Every section is built from its record in sao_jax/sections.py (model, env,
 sharding, distributed, data, sft, value_pretrain, rollout, rl, fleet, eval,
-checkpoint, faults), where each field is documented and checked.
+logging, checkpoint, faults), where each field is documented and checked.
 """
 
 import ml_collections
@@ -35,6 +35,7 @@ def get_config():
   c.rl = sections.RL.defaults()
   c.fleet = sections.Fleet.defaults()
   c.eval = sections.Eval.defaults()
+  c.logging = sections.Logging.defaults()
   c.checkpoint = sections.Checkpoint.defaults()
   c.faults = sections.Faults.defaults()
 

@@ -1,8 +1,15 @@
-"""Metrics: a JSON-lines file, TensorBoard event files, and a terminal line.
+"""Metrics: a JSON-lines file, TensorBoard, Weights & Biases, and a terminal line.
 
 `MetricsWriter.write(step, metrics)` appends one JSON object per call to
-`<workdir>/metrics.jsonl` (with `step`, `stage` and wall time) and the same
-scalars to TensorBoard; `progress` prints a compact line for long runs.
+`<workdir>/metrics.jsonl` (with `step`, `stage` and wall time), the same
+scalars to TensorBoard as "<stage>/<metric>" at `step`, and, with
+`logging.wandb`, to W&B under the same names. A W&B run's step must only
+grow, while each stage counts its own steps from 0, so every stage gets
+its own step metric: "<stage>/<metric>" is plotted against "<stage>/step"
+(`define_metric`), which is TensorBoard's step. The W&B run id is kept in
+`<workdir>/wandb_run_id`, so a resumed run continues the same W&B run
+(`resume="allow"`; offline runs of one id are merged by `wandb sync`).
+`progress` prints a compact line for long runs.
 In a multi-host run (sao_jax/distributed.py) every process computes the same
 metrics and only process 0 writes or prints them.
 """
@@ -12,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import time
 
 import numpy as np
@@ -27,10 +35,48 @@ def to_python(metrics: dict) -> dict:
   return out
 
 
+class WandbSink:
+  """One W&B run per workdir (module docstring); `logging` is sections.Logging."""
+
+  def __init__(self, workdir: str, logging, config: dict | None = None):
+    import wandb  # pylint: disable=g-import-not-at-top
+    id_file = os.path.join(workdir, "wandb_run_id")
+    if os.path.exists(id_file):
+      with open(id_file, encoding="utf-8") as f:
+        run_id = f.read().strip()
+    else:
+      run_id = secrets.token_hex(4)  # W&B ids: lowercase letters and digits
+      with open(id_file, "w", encoding="utf-8") as f:
+        f.write(run_id + "\n")
+    self._wandb = wandb
+    self.run = wandb.init(
+        project=logging.wandb_project, entity=logging.wandb_entity or None,
+        name=logging.wandb_run_name or os.path.basename(os.path.abspath(workdir)),
+        mode=logging.wandb_mode, dir=workdir, id=run_id, resume="allow", config=config,
+        settings=wandb.Settings(console="off", x_disable_stats=True))
+    self._stages: set[str] = set()
+
+  def log(self, stage: str, step: int, scalars: dict) -> None:
+    if stage not in self._stages:
+      self.run.define_metric(f"{stage}/step")
+      self.run.define_metric(f"{stage}/*", step_metric=f"{stage}/step")
+      self._stages.add(stage)
+    self.run.log({**{f"{stage}/{k}": v for k, v in scalars.items()}, f"{stage}/step": step})
+
+  def close(self) -> None:
+    self.run.finish()
+    # finish() can return before W&B's service has written the run file out;
+    # teardown waits for it (a later run in this process starts a new one).
+    self._wandb.teardown()
+
+
 class MetricsWriter:
 
-  def __init__(self, workdir: str, tensorboard: bool = True):
-    self._jsonl = self._tb = None
+  def __init__(self, workdir: str, tensorboard: bool = True, wandb=None,
+               config: dict | None = None):
+    """`wandb`: a sections.Logging with `wandb` on, or None; `config`: the run's
+    config as plain data, recorded in the W&B run."""
+    self._jsonl = self._tb = self._wandb = None
     self._start = time.time()
     _PROGRESS_START.clear()  # a new run (or a resumed one) times its own stages
     if not distributed.is_primary():  # records are process 0's to write
@@ -40,6 +86,8 @@ class MetricsWriter:
     if tensorboard:
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
       self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+    if wandb is not None and wandb.wandb:
+      self._wandb = WandbSink(workdir, wandb, config)
 
   def write(self, step: int, metrics: dict, stage: str) -> dict:
     scalars = to_python(metrics)
@@ -54,11 +102,14 @@ class MetricsWriter:
             for k, v in record.items()}
     self._jsonl.write(json.dumps(line, allow_nan=False) + "\n")
     self._jsonl.flush()
+    # A non-finite value (an empty lag bucket) is no point on a curve.
+    points = {k: v for k, v in scalars.items()
+              if isinstance(v, (int, float)) and math.isfinite(v)}
     if self._tb is not None:
-      for k, v in scalars.items():
-        # A non-finite value (an empty lag bucket) is no point on a curve.
-        if isinstance(v, (int, float)) and math.isfinite(v):
-          self._tb.add_scalar(f"{stage}/{k}", v, step)
+      for k, v in points.items():
+        self._tb.add_scalar(f"{stage}/{k}", v, step)
+    if self._wandb is not None:
+      self._wandb.log(stage, int(step), points)
     return record
 
   def close(self) -> None:
@@ -66,6 +117,8 @@ class MetricsWriter:
       self._jsonl.close()
     if self._tb is not None:
       self._tb.close()
+    if self._wandb is not None:
+      self._wandb.close()
 
 
 # (stage -> (step, time)) of each stage's first progress line in this process.

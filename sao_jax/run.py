@@ -14,13 +14,14 @@ launch/eval.py, the benchmarks) use this public API: `run.state.policy`,
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Any
 
 import jax
 import ml_collections
 
-from sao_jax import configuration, distributed, factories, sharding
+from sao_jax import configuration, distributed, factories, sections, sharding
 from sao_jax.checkpoint import Checkpointer, abstract_like
 from sao_jax.envs import registry
 from sao_jax.evaluation import evaluate_sets, set_environments
@@ -198,7 +199,10 @@ def open_workdir(run: Run, workdir: str, restore_step: int | None = None) -> Run
   if run.faults.active:
     print(f"[faults] injecting faults: {config.faults.to_dict()}", flush=True)
   run.workdir = workdir
-  run.metrics = MetricsWriter(workdir, tensorboard=config.get("tensorboard", True))
+  logging = sections.Logging.from_config(config.logging)
+  run.metrics = MetricsWriter(
+      workdir, tensorboard=config.get("tensorboard", True), wandb=logging,
+      config=json.loads(config.to_json_best_effort()) if logging.wandb else None)
   distributed.sync("setup")  # the hosts' set-up times differ; collectives follow
   run.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep)
   if run.ckpt.latest_step() is not None:

@@ -726,6 +726,30 @@ def parse_eval_sets(sets: tuple) -> list[tuple[str, str]]:
 
 
 @dataclasses.dataclass(frozen=True)
+class Logging(Section):
+  """Where metrics go besides <workdir>/metrics.jsonl (and TensorBoard, the top-level
+  `tensorboard` switch): Weights & Biases (sao_jax/metrics.py; the `wandb` extra)."""
+  NAME: ClassVar[str] = "logging"
+  wandb: bool = knob(False, "Send every metric to Weights & Biases too, under the names and "
+                     "steps TensorBoard gets (\"<stage>/<metric>\" against \"<stage>/step\").",
+                     BOOL)
+  wandb_project: str = knob("sao-jax", "The W&B project.", Check(
+      lambda v: isinstance(v, str) and bool(v), "a non-empty string"))
+  wandb_entity: str = knob("", "The W&B entity (team or user); \"\": the account's default.",
+                           STRING)
+  wandb_run_name: str = knob("", "The run's display name; \"\": the workdir's name.", STRING)
+  wandb_mode: str = knob("online", "\"online\", or \"offline\" (files under "
+                         "<workdir>/wandb, uploaded later with `wandb sync`).",
+                         one_of(("online", "offline")))
+
+  def check_together(self):
+    import importlib.util  # pylint: disable=g-import-not-at-top
+    if self.wandb and importlib.util.find_spec("wandb") is None:
+      fail("logging.wandb", self.wandb, "False without the wandb package (pip install -e "
+           "'.[wandb]')")
+
+
+@dataclasses.dataclass(frozen=True)
 class Checkpoint(Section):
   NAME: ClassVar[str] = "checkpoint"
   every: int = knob(25, "Steps between checkpoints.", integer(1))
@@ -759,7 +783,7 @@ class Faults(Section):
 # The typed sections of a run's config, by attribute name.
 SECTIONS: dict[str, type[Section]] = {
     s.NAME: s for s in (Model, Env, Sharding, Distributed, Data, SFT, ValuePretrain, Rollout,
-                        RL, Fleet, Eval, Checkpoint, Faults)}
+                        RL, Fleet, Eval, Logging, Checkpoint, Faults)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -776,6 +800,7 @@ class Sections:
   rl: RL
   fleet: Fleet
   eval: Eval
+  logging: Logging
   checkpoint: Checkpoint
   faults: Faults
 

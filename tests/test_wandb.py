@@ -1,0 +1,118 @@
+"""Weights & Biases logging, in W&B's offline mode (no network): the run files read
+back hold every TensorBoard scalar under the same name and step, and a resumed
+writer continues the same W&B run."""
+
+import glob
+import math
+import os
+import struct
+
+import numpy as np
+import pytest
+
+from sao_jax import sections
+from sao_jax.metrics import MetricsWriter
+
+wandb = pytest.importorskip("wandb", reason="the 'wandb' extra (make test installs it)")
+from wandb.proto import wandb_internal_pb2  # noqa: E402  pylint: disable=g-import-not-at-top
+from tensorboardX.proto import event_pb2  # noqa: E402  pylint: disable=g-import-not-at-top
+
+OFFLINE = sections.Logging(wandb=True, wandb_project="sao-jax-test", wandb_mode="offline")
+
+
+def wandb_records(path):
+  """The records of a W&B run file (a LevelDB-style log: a 7-byte ":W&B" header,
+  32 KiB blocks of [crc32 u32, length u16, type u8, data] chunks; FULL = 1,
+  FIRST / MIDDLE / LAST = 2 / 3 / 4), read without W&B's reader."""
+  with open(path, "rb") as f:
+    data = f.read()
+  assert data[:4] == b":W&B"
+  i, buf, out = 7, b"", []
+  while i + 7 <= len(data):
+    left = 32768 - i % 32768
+    if left < 7:
+      i += left
+      continue
+    _, n, kind = struct.unpack("<IHB", data[i:i + 7])
+    if n == 0 and kind == 0:  # block padding
+      i += left
+      continue
+    buf += data[i + 7:i + 7 + n]
+    i += 7 + n
+    if kind in (1, 4):
+      record = wandb_internal_pb2.Record()
+      record.ParseFromString(buf)
+      out.append(record)
+      buf = b""
+  return out
+
+
+def wandb_history(run_file):
+  """(run id, [{key: value}] per logged row) of one offline run file."""
+  run_id, rows = None, []
+  for r in wandb_records(run_file):
+    kind = r.WhichOneof("record_type")
+    if kind == "run":
+      run_id = r.run.run_id
+    elif kind == "history":
+      row = {item.key or "/".join(item.nested_key): float(item.value_json)
+             for item in r.history.item}
+      rows.append({k: v for k, v in row.items() if not k.startswith("_")})  # W&B's own
+  return run_id, rows
+
+
+def tensorboard_scalars(directory):
+  """{(tag, step): value} of the TFRecord event files under `directory`."""
+  out = {}
+  for file in glob.glob(os.path.join(directory, "events.out.tfevents.*")):
+    with open(file, "rb") as f:
+      data = f.read()
+    i = 0
+    while i < len(data):
+      (n,) = struct.unpack("<Q", data[i:i + 8])
+      event = event_pb2.Event()
+      event.ParseFromString(data[i + 12:i + 12 + n])
+      i += 12 + n + 4
+      for v in event.summary.value:
+        out[(v.tag, event.step)] = v.simple_value
+  return out
+
+
+def test_every_tensorboard_scalar_reaches_wandb_and_a_resume_continues_the_run(tmp_path):
+  workdir = str(tmp_path)
+  writer = MetricsWriter(workdir, tensorboard=True, wandb=OFFLINE, config={"seed": 3})
+  for step in (1, 2):
+    writer.write(step, {"loss": np.float32(1.0 / step), "lag_p90": float("nan")}, "sft")
+  for step in (1, 2, 3):  # a later stage counts its own steps from 1 again
+    writer.write(step, {"policy/loss": 0.5 * step, "ratio_mean": np.float32(1.0)}, "rl")
+  writer.close()
+  # Resumed: the same W&B run, its history going on from RL step 4.
+  writer = MetricsWriter(workdir, tensorboard=True, wandb=OFFLINE)
+  writer.write(4, {"policy/loss": 2.0, "ratio_mean": 1.0}, "rl")
+  writer.close()
+
+  runs = sorted(glob.glob(os.path.join(workdir, "wandb", "offline-run-*", "run-*.wandb")))
+  assert len(runs) == 2
+  (id1, rows1), (id2, rows2) = wandb_history(runs[0]), wandb_history(runs[1])
+  with open(os.path.join(workdir, "wandb_run_id"), encoding="utf-8") as f:
+    assert id1 == id2 == f.read().strip()
+
+  # W&B: "<stage>/<metric>" at "<stage>/step"; TensorBoard: the tag at its step.
+  logged = {}
+  for row in rows1 + rows2:
+    stage = next(k[:-5] for k in row if k.endswith("/step"))
+    for k, v in row.items():
+      if k != f"{stage}/step":
+        logged[(k, int(row[f"{stage}/step"]))] = v
+  tb = tensorboard_scalars(os.path.join(workdir, "tensorboard"))
+  assert logged.keys() == tb.keys()
+  assert all(math.isclose(logged[k], tb[k], rel_tol=1e-6) for k in tb)
+  assert ("rl/policy/loss", 4) in logged and ("sft/loss", 2) in logged
+  assert not any("lag_p90" in k for k, _ in logged)  # non-finite: no point, as in TB
+
+
+def test_logging_fields_are_checked():
+  with pytest.raises(sections.ConfigError, match="logging.wandb_mode = 'cloud'"):
+    sections.Logging(wandb=True, wandb_mode="cloud")
+  with pytest.raises(sections.ConfigError, match="logging.wandb_project = ''"):
+    sections.Logging(wandb_project="")
