@@ -87,27 +87,34 @@ def test_every_tensorboard_scalar_reaches_wandb_and_a_resume_continues_the_run(t
     writer.write(step, {"policy/loss": 0.5 * step, "ratio_mean": np.float32(1.0)}, "rl")
   writer.close()
   # Resumed: the same W&B run, its history going on from RL step 4.
-  writer = MetricsWriter(workdir, tensorboard=True, wandb=OFFLINE)
+  # (Without TensorBoard: a second event file opened in the same second
+  # would take the first one's name.)
+  writer = MetricsWriter(workdir, tensorboard=False, wandb=OFFLINE)
   writer.write(4, {"policy/loss": 2.0, "ratio_mean": 1.0}, "rl")
   writer.close()
 
   runs = sorted(glob.glob(os.path.join(workdir, "wandb", "offline-run-*", "run-*.wandb")))
-  assert len(runs) == 2
-  (id1, rows1), (id2, rows2) = wandb_history(runs[0]), wandb_history(runs[1])
+  histories = [wandb_history(run) for run in runs]
   with open(os.path.join(workdir, "wandb_run_id"), encoding="utf-8") as f:
-    assert id1 == id2 == f.read().strip()
+    assert {run_id for run_id, _ in histories} == {f.read().strip()}
+  rows = [row for _, h in histories for row in h]
 
-  # W&B: "<stage>/<metric>" at "<stage>/step"; TensorBoard: the tag at its step.
-  logged = {}
-  for row in rows1 + rows2:
-    stage = next(k[:-5] for k in row if k.endswith("/step"))
-    for k, v in row.items():
-      if k != f"{stage}/step":
-        logged[(k, int(row[f"{stage}/step"]))] = v
+  def points(rows):
+    out = {}
+    for row in rows:
+      stage = next(k[:-5] for k in row if k.endswith("/step"))
+      for k, v in row.items():
+        if k != f"{stage}/step":
+          out[(k, int(row[f"{stage}/step"]))] = v
+    return out
+
+  logged = {k: v for k, v in points(rows).items() if k[1] < 4}
   tb = tensorboard_scalars(os.path.join(workdir, "tensorboard"))
   assert logged.keys() == tb.keys()
   assert all(math.isclose(logged[k], tb[k], rel_tol=1e-6) for k in tb)
-  assert ("rl/policy/loss", 4) in logged and ("sft/loss", 2) in logged
+  assert ("sft/loss", 2) in logged and ("rl/policy/loss", 3) in logged
+  resumed = {k: v for k, v in points(rows).items() if k[1] == 4}
+  assert resumed == {("rl/policy/loss", 4): 2.0, ("rl/ratio_mean", 4): 1.0}
   assert not any("lag_p90" in k for k, _ in logged)  # non-finite: no point, as in TB
 
 
