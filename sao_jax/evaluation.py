@@ -291,6 +291,9 @@ def sample_record(traj, episode, tokenizer) -> dict:
 
 
 def write_samples(path: str, samples: list) -> None:
-  """`samples` as JSONL at `path` (by task), written whole (`files.write_text`)."""
+  """`samples` as JSONL at `path`, written whole (`files.write_text`): by task, and
+  within a task by transcript (the order samples finish in varies from run to
+  run; the file does not)."""
+  order = sorted(samples, key=lambda r: (r["prompt_id"], r["transcript"]))
   files.write_text(path, "".join(json.dumps(record, ensure_ascii=False) + "\n"
-                                 for record in sorted(samples, key=lambda r: r["prompt_id"])))
+                                 for record in order))

@@ -150,6 +150,7 @@ def test_pass_at_1_stderr_is_over_tasks_of_their_success_rates():
     def __init__(self, prompt_id, reward):
       self.prompt_id, self.total_reward, self.num_turns = prompt_id, reward, 1
       self.action_mask = np.array([0, 1, 1], bool)
+      self.finish_reason = "done"
 
     def __len__(self):
       return 3
