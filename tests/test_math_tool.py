@@ -192,9 +192,9 @@ def test_end_to_end_with_qwen3_formats(tmp_path, monkeypatch):
   monkeypatch.setattr(TrajectoryQueue, "put", record_put)
   summarize = evaluation.summarize
 
-  def record_summarize(trajs):
+  def record_summarize(trajs, **kwargs):
     seen["eval"].extend(trajs)
-    return summarize(trajs)
+    return summarize(trajs, **kwargs)
 
   monkeypatch.setattr(evaluation, "summarize", record_summarize)
   workdir = str(tmp_path / "run")
