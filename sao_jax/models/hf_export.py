@@ -9,8 +9,8 @@ writes what vLLM, SGLang, lm-eval and `transformers` load:
     out/model.safetensors.index.json         tensor -> shard, total size
     out/<tokenizer files>                    `extra_files`, copied
 
-Streaming. The shards' headers are planned from shapes alone
-(`jax.eval_shape` of each conversion), then the data is written one unit
+Streaming. The shards' headers are planned from shapes alone (each
+conversion applied to a zero-strided view), then the data is written one unit
 at a time: a unit is one parameter, or one layer's slice of a stacked
 (`scan_layers`) one. Each unit is gathered to host (`process_allgather`
 when the array spans processes: every process must call this in the same
@@ -77,9 +77,10 @@ def _plan(cfg: ModelConfig, flat: dict, head: str) -> list[_Unit]:
     if leaf not in flat:
       continue
     shape = flat[leaf].shape if index is None else flat[leaf].shape[1:]
-    outs = jax.eval_shape(lambda x, t=t: [a for _, a in t.to_hf(x)],
-                          jax.ShapeDtypeStruct(shape, np.float32))
-    units.append(_Unit(leaf, index, t, tuple((n, tuple(s.shape)) for n, s in zip(t.hf, outs))))
+    # The conversions are views (reshape, .T, x[j]): on a zero-strided array
+    # they give the output shapes without allocating the tensor.
+    outs = t.to_hf(np.broadcast_to(np.float32(0), shape))
+    units.append(_Unit(leaf, index, t, tuple((n, a.shape) for n, a in outs)))
   missing, extra = sorted(set(wanted) - set(flat)), sorted(set(flat) - set(wanted))
   if missing or extra:
     raise ExportError(f"params do not match the {head!r} model of this config: missing "

@@ -8,7 +8,8 @@ HF tensors it is made of, and the two conversions:
     to_ours(reader) -> our array       reader: .get(hf name), `name in reader`
     to_hf(our array) -> [(hf name, array), ...]     in the order of `hf`; views
                                                    (reshape, .T, x[j]) only, so
-                                                   `jax.eval_shape` plans with it
+                                                   export plans shards with it
+                                                   on a zero-strided array
 
 Our layout keeps heads and experts as axes ([d, heads, head_dim], one
 [experts, d, f] tensor per MoE matrix) and stores matrices as [in, out]; HF
