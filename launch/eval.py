@@ -19,6 +19,7 @@ release) with the run's tokenizer and chat format.
 """
 
 import json
+import sys
 
 from absl import flags, logging
 from ml_collections import config_flags
@@ -39,8 +40,12 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   distributed.initialize(_CONFIG.value.distributed)
-  result = trainer.evaluate(_CONFIG.value, _WORKDIR.value, _STEP.value, _OUT.value,
-                            hf_dir=_HF_DIR.value)
+  try:
+    result = trainer.evaluate(_CONFIG.value, _WORKDIR.value, _STEP.value, _OUT.value,
+                              hf_dir=_HF_DIR.value)
+  except FileNotFoundError as e:  # no checkpoint, no such HF directory: one line
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
   if distributed.is_primary():
     print(evaluation.table(result), flush=True)
     print(json.dumps(result))

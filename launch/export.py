@@ -13,11 +13,13 @@ line: per directory its files, tensors, bytes, peak host bytes and seconds.
 """
 
 import json
+import sys
 
 from absl import flags, logging
 from ml_collections import config_flags
 
 from sao_jax import configuration, distributed, trainer
+from sao_jax.models import hf_export
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory holding checkpoints/.")
@@ -34,9 +36,13 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   distributed.initialize(_CONFIG.value.distributed)
-  result = trainer.export(_CONFIG.value, _WORKDIR.value, _OUT.value, _STEP.value,
-                          dtype=_DTYPE.value, shard_bytes=max(1, int(_SHARD_GB.value * 2**30)),
-                          value_out="" if _VALUE.value else None)
+  try:
+    result = trainer.export(_CONFIG.value, _WORKDIR.value, _OUT.value, _STEP.value,
+                            dtype=_DTYPE.value, shard_bytes=max(1, int(_SHARD_GB.value * 2**30)),
+                            value_out="" if _VALUE.value else None)
+  except (hf_export.ExportError, FileNotFoundError) as e:  # one line, no traceback
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
   if distributed.is_primary():
     print(json.dumps({k: {f: v[f] for f in ("dir", "tensors", "bytes", "peak_host_bytes",
                                             "seconds")} | {"files": len(v["files"])}
