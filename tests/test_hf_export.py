@@ -1,9 +1,13 @@
 """Export to a Hugging Face Qwen3-MoE directory: the round trip through import, the
-streaming bound, and the refusals (non-finite values, non-parameter leaves)."""
+streaming bound, the refusals (non-finite values, non-parameter leaves), and an
+export from two processes whose params no process holds whole."""
 
 import dataclasses
 import json
 import os
+import socket
+import subprocess
+import sys
 
 import jax
 import ml_dtypes
@@ -128,3 +132,44 @@ def test_leaves_that_are_not_model_params_are_refused(params, tmp_path):
   (tmp_path / "full" / "x").write_text("")
   with pytest.raises(hf_export.ExportError, match="not empty"):
     hf_export.export_params(params, TINY, str(tmp_path / "full"))
+
+
+def export_worker(out, process_id, port):
+  """One of two processes (2 CPU devices each): params sharded over all 4 devices,
+  so no process can read a whole parameter; both call the export."""
+  import jax  # pylint: disable=g-import-not-at-top,redefined-outer-name,reimport
+  jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2,
+                             process_id=process_id)
+  params = random_params(TINY)  # the same values in both processes (seeded)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("expert",))
+
+  def place(x):
+    spec = jax.sharding.PartitionSpec("expert" if x.shape[0] % 4 == 0 else None)
+    return jax.make_array_from_callback(x.shape, jax.sharding.NamedSharding(mesh, spec),
+                                        lambda index: x[index])
+
+  placed = jax.tree.map(place, params)
+  assert not placed["embed"].is_fully_addressable
+  stats = hf_export.export_params(placed, TINY, out, dtype="float32")
+  # One unit at a time on every process, the largest [4, 64, 64] MoE matrix
+  # (float32 and its cast): never the model.
+  assert stats["peak_host_bytes"] == 2 * 4 * 64 * 64 * 4
+
+
+def test_two_processes_export_what_neither_holds_whole(tmp_path):
+  with socket.socket() as sock:
+    sock.bind(("localhost", 0))
+    port = sock.getsockname()[1]
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([root, os.path.join(
+      root, "tests")]), XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  code = "import sys, test_hf_export as t; t.export_worker(sys.argv[1], int(sys.argv[2]), " \
+         "int(sys.argv[3]))"
+  procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "m"), str(i), str(port)],
+                            env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True) for i in range(2)]
+  for p in procs:
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out[-3000:]
+  # Process 0 wrote it; it holds exactly the params.
+  assert _equal(hf_import.load_hf_checkpoint(str(tmp_path / "m"), TINY), random_params(TINY))
