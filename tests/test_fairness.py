@@ -100,6 +100,7 @@ def test_online_style_quality_credit_rewards_form_but_is_not_a_pass():
     def __init__(self, prompt_id, reward):
       self.prompt_id, self.total_reward, self.num_turns = prompt_id, reward, 1
       self.action_mask = np.array([1], bool)
+      self.finish_reason = "done"
 
     def __len__(self):
       return 1
