@@ -1,18 +1,24 @@
-"""pass@1 on held-out tasks, with its standard error.
+"""Evaluation as the paper runs it: named sets, pass@1 and pass@k with standard errors.
 
-Each of the first `num_tasks` held-out tasks is sampled `samples_per_task`
-times; a sample succeeds when its total reward reaches 1, the full reward
-of every environment here (a partial credit such as online_style's
-`quality_credit` is not a success). pass@1 is the mean over
-tasks of each task's success rate, and its standard error is the spread of
-those per-task rates over tasks, std / sqrt(num_tasks), so it covers both
-the choice of tasks and the sampling (at temperature 1 one sample per task
-leaves about 2.5 points of error on 400 tasks; more samples per task shrink
-the sampling part).
+`eval.sets` names the sets (sections.parse_eval_sets; `set_environments`
+builds each one's environment); `evaluate_sets` runs `pass_at_1` on each
+and writes `<out>/<set>/samples.jsonl` and `<out>/<set>/summary.json`.
 
-Per-sample records (`pass_at_1(samples=[])`, written as JSONL by
-`launch/eval.py`) hold what a person checks by reading: the transcript and
-each action turn decoded, the reward, and the last step's `info` (an
+Each of the first `num_tasks` held-out tasks of a set is sampled
+`samples_per_task` (k) times at `eval.temperature` / `eval.top_p`; a
+sample succeeds when its total reward reaches 1, the full reward of every
+environment here (a partial credit such as online_style's `quality_credit`
+is not a success). pass@1 is the mean over tasks of each task's success
+rate, and its standard error is the spread of those per-task rates over
+tasks, std / sqrt(num_tasks), so it covers both the choice of tasks and
+the sampling (at temperature 1 one sample per task leaves about 2.5 points
+of error on 400 tasks; more samples per task shrink the sampling part).
+pass@k (k = 2, 4, ... and k itself) is the unbiased estimator
+`pass_at_k` averaged over tasks, its standard error the same way.
+
+Per-sample records (`sample_record`) hold what a person checks by reading:
+the transcript and each action turn decoded, the reward, the events the
+environment reported (e.g. "tool_error") and the last step's `info` (an
 environment's verdict, e.g. humaneval's "passed" / "failed" / "timeout"),
 which the evaluation's own episode wrapper keeps, since a Trajectory
 carries tokens and rewards only.
@@ -35,11 +41,12 @@ from sao_jax.envs.base import StepResult
 def pass_at_1(config, model_cfg, params, env, tokenizer, *, seed: int,
               samples: list | None = None) -> dict:
   """Samples `eval.samples_per_task` episodes of each of the first `eval.num_tasks`
-  held-out tasks of `config`.
+  held-out tasks of `env` (one set); its `summarize` (pass@1 and pass@k),
+  tool-call errors per sample and dropped samples.
 
   The engine and driver are the run's (`factories.make_engine` /
   `make_driver`: the rollout section, the chat format, the tool-output
-  cap) with the eval section's slots, temperature and decode_steps, one
+  cap) with the eval section's slots, temperature, top_p and decode_steps, one
   episode per prompt and no simulated tool latency. An environment with a finite held-out set
   (`env.num_eval_tasks`, e.g. a dataset's held-out rows) is evaluated on
   at most that many tasks, so no task is counted twice. A `samples` list
