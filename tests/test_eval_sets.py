@@ -94,12 +94,59 @@ def test_two_sets_on_a_checkpoint_and_on_its_export(tmp_path):
   exported = trainer.export(config, workdir, str(tmp_path / "hf"), dtype="float32",
                             value_out=None)
   assert list(exported) == ["policy"]
+  configuration.set_field(config, "eval.sets", ("heldout",))  # one set is enough here
   hf = trainer.evaluate(config, workdir, hf_dir=str(tmp_path / "hf"))
-  assert hf["out"].endswith(os.path.join("eval", "hf_hf"))
-  for name in ckpt["sets"]:
-    for r in (ckpt, hf):
+  assert hf["out"].endswith(os.path.join("eval", "hf_hf")) and list(hf["sets"]) == ["heldout"]
+  for r in (ckpt, hf):
+    for name in r["sets"]:
       with open(os.path.join(r["out"], name, "samples.jsonl"), encoding="utf-8") as f:
         records = [json.loads(line) for line in f]
       assert sorted(x["task"] for x in records) == [0, 0, 1, 1]
       assert r["sets"][name]["pass@1"] == np.mean([x["success"] for x in records])
   assert "pass@2" in evaluation.table(hf).splitlines()[0]
+
+
+def test_a_file_set_is_held_out_rows_of_the_runs_dataset_environment(tmp_path):
+  """math_tool run: a file of rows keeps the run's tools, verifier and turn budget
+  (its kwargs), with the file as the held-out split; "heldout" is the run's env."""
+  from sao_jax.data.prompts import EVAL_OFFSET  # pylint: disable=g-import-not-at-top
+  rows = tmp_path / "aime_mini.jsonl"
+  rows.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{i} + 1?"}],
+                                      "reward_model": {"ground_truth": str(i + 1)}}) + "\n"
+                          for i in range(3)))
+  config = load_config_module("math_tool_tiny.py").get_config()
+  configuration.set_field(config, "eval.sets", (str(rows), "he=humaneval", "heldout"))
+  configuration.validate(config, num_devices=8)
+  run_env = object()
+  envs = evaluation.set_environments(config, run_env)
+  assert list(envs) == ["aime_mini", "he", "heldout"] and envs["heldout"] is run_env
+  aime = envs["aime_mini"]
+  assert aime.num_eval_tasks == 3 and aime.max_turns == 4  # the run's max_turns
+  task = aime.task(EVAL_OFFSET + 2)
+  assert task.prompt[-1]["content"] == "2 + 1?" and task.answer == "3"
+  assert [t["function"]["name"] for t in task.tools] == ["python"]
+  assert envs["he"].num_eval_tasks == 164
+
+
+def test_recorded_episodes_count_the_events_the_environment_reports():
+  from sao_jax.envs.base import StepResult  # pylint: disable=g-import-not-at-top
+
+  class Episode:
+    def __init__(self):
+      self.infos = [{"events": ["tool_error"]}, {"events": []},
+                    {"events": ["tool_error", "verifier_timeout"]}]
+
+    def step(self, action):
+      return StepResult("obs", 0.0, False, self.infos.pop(0))
+
+  class Env:
+    name = "fake"
+
+    def episode(self, task):
+      return Episode()
+
+  episode = evaluation._Recording(Env()).episode(None)  # pylint: disable=protected-access
+  for _ in range(3):
+    episode.step("a")
+  assert dict(episode.events) == {"tool_error": 2, "verifier_timeout": 1}
+  assert episode.info == {"events": ["tool_error", "verifier_timeout"]}
