@@ -124,6 +124,8 @@ _ROLLOUT_MESH = flags.DEFINE_string(
     "trainer's mesh with rollout.sharded_engine, else one chip, as the run's engine).")
 _PREFILL_LEN = flags.DEFINE_integer("prefill_len", None, "Width of the prefill step "
                                     "(default: the engine's largest bucket, rollout.max_len).")
+_DUMP_HLO = flags.DEFINE_string("dump_hlo", None, "Write each compiled program's HLO text "
+                                "here (<program>.hlo.txt).")
 _HEARTBEAT_S = flags.DEFINE_integer("heartbeat_s", 60, "Seconds between progress lines.")
 flags.mark_flags_as_required(["config", "topology"])
 
@@ -474,7 +476,12 @@ def compile_one(p: Program, min_headroom: float) -> dict:
   # CPU seconds of this process (all its threads): on a shared host the wall
   # time says more about the neighbours than about the program.
   row["cpu_s"] = round(time.process_time() - cpu_start, 2)
-  row["collectives"] = collectives(compiled.as_text())
+  hlo = compiled.as_text()
+  row["collectives"] = collectives(hlo)
+  if _DUMP_HLO.value:
+    os.makedirs(_DUMP_HLO.value, exist_ok=True)
+    with open(os.path.join(_DUMP_HLO.value, f"{p.name}.hlo.txt"), "w", encoding="utf-8") as f:
+      f.write(hlo)
   m = compiled.memory_analysis()
   arg, out = m.argument_size_in_bytes, m.output_size_in_bytes
   temp, alias = m.temp_size_in_bytes, m.alias_size_in_bytes
