@@ -138,6 +138,16 @@ def get_config(arg=None):
   c.value_pretrain.num_trajectories = 4096
   # A multi-host trainer is fed by rollout hosts (launch/rollout.py).
   c.rl.mode = "fleet"
+  # launch/pod.py: 32 trainer processes (a v5p-256 slice's hosts, 4 chips
+  # each) and 8 rollout hosts (a v5p-8 slice each), placed on Ray by their
+  # TPU resources or emitted as a JobSet (--emit=jobset).
+  c.pod.trainer_hosts = 32
+  c.pod.rollout_hosts = 8
+  c.pod.trainer_resources = {"TPU": 4}
+  c.pod.rollout_resources = {"TPU": 4}
+  c.pod.tpu_type = "tpu-v5p-slice"
+  c.pod.trainer_topology = "4x4x8"
+  c.pod.rollout_topology = "2x2x1"
   c.rl.steps = 400
   # PPO's clipped surrogate in place of the paper's DIS mask, as in
   # configs/sao_tiny.py (why: experiments/README.md, "DIS under lag");

@@ -655,6 +655,59 @@ class Fleet(Section):
                                 "in-process).", integer(1))
 
 
+def _is_str_dict(v) -> bool:
+  return isinstance(v, dict) and all(isinstance(k, str) for k in v)
+
+
+def _is_resources(v) -> bool:
+  return _is_str_dict(v) and all(is_real(x) and x >= 0 for x in v.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class Pod(Section):
+  """launch/pod.py: one command starts, places and supervises every host
+  (sao_jax/pod.py): the trainer's processes and the rollout hosts, on Ray
+  or as a Kubernetes JobSet."""
+  NAME: ClassVar[str] = "pod"
+  trainer_hosts: int = knob(1, "Trainer processes, one a host of the training slice "
+                            "(jax.distributed over them when > 1).", integer(1))
+  rollout_hosts: int = knob(0, "Rollout processes (launch/rollout.py), one a rollout host; "
+                            "> 0 needs rl.mode = \"fleet\".", integer(0))
+  trainer_resources: dict = knob(
+      {}, "Ray resources one trainer host takes (e.g. {\"TPU\": 4}); {}: one CPU.",
+      Check(_is_resources, "a dict of Ray resource name -> amount >= 0"))
+  rollout_resources: dict = knob(
+      {}, "Ray resources one rollout host takes; {}: one CPU.",
+      Check(_is_resources, "a dict of Ray resource name -> amount >= 0"))
+  host_env: dict = knob({}, "Environment variables of every host's process.",
+                        Check(lambda v: _is_str_dict(v) and all(isinstance(x, str)
+                                                                 for x in v.values()),
+                              "a dict of str -> str"))
+  max_trainer_restarts: int = knob(
+      3, "Restarts of the trainer group (all its processes, from the last checkpoint) "
+      "before the job fails.", integer(0))
+  max_rollout_restarts: int = knob(
+      10, "Restarts of each rollout host (same rollout_id: it resumes its shard "
+      "sequence) before the job fails.", integer(0))
+  coordinator_port: int = knob(
+      0, "jax.distributed's port on trainer host 0; 0: a free port, new at each start.",
+      integer(0, 65535))
+  finish_seconds: float = knob(
+      600.0, "After the trainer finishes, how long rollout hosts get to see DONE and exit "
+      "before they are stopped.", real(0, unit="a finite number of seconds"))
+  image: str = knob("sao-jax:latest", "Container image of the emitted JobSet (Dockerfile).",
+                    Check(lambda v: isinstance(v, str) and v, "a non-empty image name"))
+  tpu_type: str = knob("tpu-v5p-slice", "GKE TPU accelerator of the emitted JobSet "
+                       "(cloud.google.com/gke-tpu-accelerator).",
+                       Check(lambda v: isinstance(v, str) and v, "a GKE TPU accelerator"))
+  trainer_topology: str = knob("4x4x8", "TPU topology of the training slice "
+                               "(cloud.google.com/gke-tpu-topology).",
+                               Check(lambda v: isinstance(v, str) and v, "e.g. \"4x4x8\""))
+  rollout_topology: str = knob("2x2x1", "TPU topology of one rollout host's slice.",
+                               Check(lambda v: isinstance(v, str) and v, "e.g. \"2x2x1\""))
+  chips_per_host: int = knob(4, "TPU chips a host (google.com/tpu of each pod).", integer(1))
+
+
 @dataclasses.dataclass(frozen=True)
 class Eval(Section):
   NAME: ClassVar[str] = "eval"
@@ -703,7 +756,7 @@ class Faults(Section):
 # The typed sections of a run's config, by attribute name.
 SECTIONS: dict[str, type[Section]] = {
     s.NAME: s for s in (Model, Env, Sharding, Distributed, Data, SFT, ValuePretrain, Rollout,
-                        RL, Fleet, Eval, Checkpoint, Faults)}
+                        RL, Fleet, Pod, Eval, Checkpoint, Faults)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -719,6 +772,7 @@ class Sections:
   rollout: Rollout
   rl: RL
   fleet: Fleet
+  pod: Pod
   eval: Eval
   checkpoint: Checkpoint
   faults: Faults
