@@ -95,10 +95,10 @@ SAO at queue 64 the slowest; experiments/README.md), so the full grid
 import sys
 
 import numpy as np
-from scipy import stats
 
 from experiments import runner
 from experiments import stability
+from experiments import stats
 
 # A run collapsed when its final pass@1 is below this fraction of its SFT pass@1.
 COLLAPSE_FRACTION = 0.25
@@ -159,22 +159,7 @@ DIAGNOSTICS = ("policy/approx_kl", "dis/outside_frac", "dis/corrective_token_fra
 BUCKET_DIAGNOSTICS = ("ratio_q01", "ratio_q99", "approx_kl")
 
 
-def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
-  """The exact (Clopper-Pearson) binomial interval of k successes in n trials.
-
-      lower = Beta^-1(a / 2; k, n - k + 1)       (0 when k = 0)
-      upper = Beta^-1(1 - a / 2; k + 1, n - k)   (1 when k = n),   a = 1 - level
-
-  n = 0: the whole of [0, 1].
-  """
-  if not 0 <= k <= n:
-    raise ValueError(f"need 0 <= k <= n, got k={k}, n={n}")
-  if n == 0:
-    return 0.0, 1.0
-  a = 1.0 - level
-  lo = 0.0 if k == 0 else float(stats.beta.ppf(a / 2, k, n - k + 1))
-  hi = 1.0 if k == n else float(stats.beta.ppf(1 - a / 2, k + 1, n - k))
-  return lo, hi
+clopper_pearson = stats.clopper_pearson  # (experiments/stats.py)
 
 
 def collapsed(rec: dict) -> bool | None:
@@ -239,26 +224,18 @@ def lag_diagnostics(by_seed: dict) -> dict:
   return out
 
 
-def _fmt_diff(vs: dict | None) -> str:
-  if vs is None:
-    return "-"
-  lo, hi = vs["ci95"]
-  ci = "n/a" if not (np.isfinite(lo) and np.isfinite(hi)) else f"{lo:+.3f}, {hi:+.3f}"
-  return f"{vs['mean_diff']:+.3f} [{ci}]"
-
-
 def markdown(by_arm: dict, reference: str, reference_label: str) -> str:
   """The collapse-rate table of `collapse_rates`' per-arm records."""
   lines = [f"Collapse: final pass@1 < {COLLAPSE_FRACTION:g} x the seed's SFT pass@1. "
-           "95% CI: exact (Clopper-Pearson) for the rate; bootstrap over paired seeds for "
-           f"the difference to {reference_label}.", "",
+           "95% CI: exact (Clopper-Pearson) for the rate; Student t over paired seeds, with "
+           f"the exact sign-flip p, for the difference to {reference_label}.", "",
            "| arm | runs | collapses | rate | 95% CI | final pass@1 (mean ± sd) | "
-           f"minus {reference_label} [95% CI] | policy lag, mean |",
+           f"minus {reference_label} [95% t-interval] p (seeds) | policy lag, mean |",
            "|---|---|---|---|---|---|---|---|"]
   for rec in by_arm.values():
     lo, hi = rec["ci95"]
     f = rec["final_pass@1"]
-    diff = "reference" if rec["arm"] == reference else _fmt_diff(rec["vs_reference"])
+    diff = "reference" if rec["arm"] == reference else stats.fmt_paired(rec["vs_reference"])
     lag = "-" if rec["lag_mean"] is None else f"{rec['lag_mean']:.2f}"
     rate = "-" if rec["rate"] is None else f"{rec['rate']:.0%}"
     lines.append(f"| {rec['label']} | {rec['runs']} | {rec['collapses']} | "
@@ -299,7 +276,7 @@ def collapse_rates(finding, runs):
     if a in by_arm and b in by_arm:
       ka, na, kb, nb = (by_arm[a]["collapses"], by_arm[a]["runs"], by_arm[b]["collapses"],
                         by_arm[b]["runs"])
-      p = stats.fisher_exact([[ka, na - ka], [kb, nb - kb]])[1]
+      p = stats.fisher_exact_p(ka, na, kb, nb)
       contrasts[f"{a}_vs_{b}"] = {"collapses": [ka, kb], "runs": [na, nb],
                                   "fisher_p": float(p)}
   return {"collapse_criterion": f"final_pass@1 < {COLLAPSE_FRACTION:g} x sft_pass@1",

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from experiments import dis_stability, gae_ablations, headline, lr_sweep, online, runner
-from experiments import stability, system, value_ablations
+from experiments import stability, stats, system, value_ablations
 from sao_jax import configuration
 
 FINDINGS = (headline, stability, value_ablations, gae_ablations, online, system, lr_sweep,
@@ -38,14 +38,14 @@ def test_arms_differing_only_in_rl_share_one_sft_start_and_others_do_not():
 
 def test_bootstrap_ci_matches_a_numpy_loop_and_covers_the_mean():
   diffs = [0.05, 0.02, 0.08, -0.01, 0.04]
-  lo, hi = runner.bootstrap_ci(diffs, samples=4000, seed=3)
+  lo, hi = stats.bootstrap_ci(diffs, samples=4000, seed=3)
   rng = np.random.default_rng(3)
   idx = rng.integers(0, 5, (4000, 5))
   means = [np.mean([diffs[i] for i in row]) for row in idx]
   assert (lo, hi) == pytest.approx(tuple(np.quantile(means, [0.025, 0.975])))
   assert lo < np.mean(diffs) < hi
   assert lo >= min(diffs) and hi <= max(diffs)
-  assert np.isnan(runner.bootstrap_ci([0.1])[0])  # one seed: no interval
+  assert np.isnan(stats.bootstrap_ci([0.1])[0])  # one seed: no interval
 
 
 def _fake_run(sft, final, steps=10):
@@ -69,7 +69,10 @@ def test_aggregate_pairs_arms_by_seed_and_writes_table_and_plot(tmp_path):
   assert sao["final_pass@1"]["std"] == pytest.approx(np.std([.6, .7, .65], ddof=1))
   vs = result["arms"]["grpo"]["vs_reference"]
   assert vs["paired_seeds"] == [0, 1] and vs["per_seed"] == pytest.approx([-.1, -.15])
-  assert vs["mean_diff"] == pytest.approx(-.125) and vs["excludes_zero"]
+  assert vs["mean_diff"] == pytest.approx(-.125)
+  # Two seeds: the t-interval (t_0.975,1 = 12.7) spans 0, and p is 0.5.
+  assert not vs["excludes_zero"] and vs["t_ci95"][0] < 0 < vs["t_ci95"][1]
+  assert vs["sign_flip_p"] == pytest.approx(0.5) and vs["n"] == 2
   assert "vs_reference" not in sao
   assert "| SAO | 3 |" in runner.table(result)
   assert runner.table(result).splitlines()[2].endswith("| 1.00 / 3 |")  # policy lag
@@ -372,3 +375,20 @@ def test_dis_stability_smoke_grid(tmp_path):
   assert "dis/outside_frac" in diag and "lag0" in diag["by_lag"]
   text = (tmp_path / "r" / "results.md").read_text(encoding="utf-8")
   assert "| async SAO, DIS (0.2, 0.28), forced lag (48 slots, sync every 4) | 1 |" in text
+
+
+def test_check_commits_refuses_an_arm_whose_seeds_ran_on_two_commits():
+  runs = {"sao": {0: dict(_fake_run(.4, .6), commit="aaa"), 1: dict(_fake_run(.4, .6),
+                                                                  commit="aaa")},
+          "grpo": {0: dict(_fake_run(.4, .5), commit="aaa"), 1: dict(_fake_run(.4, .5),
+                                                                   commit="bbb")},
+          "old": {0: _fake_run(.4, .5), 1: dict(_fake_run(.4, .5), commit="ccc")}}
+  with pytest.raises(ValueError, match="grpo: seed 0 aaa, seed 1 bbb"):
+    runner.check_commits(runs)
+  out = runner.check_commits(runs, allow_mixed=True)
+  assert out["grpo"] == {0: "aaa", 1: "bbb"}
+  # A record from before commits were recorded is never a second commit.
+  assert out["old"] == {0: "unrecorded", 1: "ccc"}
+  del runs["grpo"]
+  assert runner.check_commits(runs)["sao"] == {0: "aaa", 1: "aaa"}
+  assert runner.git_commit() is None or len(runner.git_commit().split("-")[0]) == 40
