@@ -25,7 +25,8 @@ order, so a grid stopped early still holds the comparisons that matter):
                   if it collapses too, "single-rollout PG at lr 3e-4 is
                   marginal and PPO's corrective term rescues it" explains
                   the collapses, not "DIS destabilises under lag".
-  dis_q64         async SAO, DIS (0.2, 0.28) (the paper's), the default
+  dis_q64         async SAO, DIS (0.2, 0.28) (the project's window: the
+                  paper gives no epsilon values), the default
                   queue of 64 trajectories (measured lag 1.9 versions on
                   this box: generation and the actor step keep pace, so
                   the queue seldom fills).
@@ -36,13 +37,17 @@ order, so a grid stopped early still holds the comparisons that matter):
                   should collapse more often.
   grpo_sync       sync GRPO G=4 (configs/grpo_sync.py): the reference for
                   final pass@1 (the runner's paired differences are to it).
-  dis_kl_q64      DIS + a k3 penalty on KL(rollout || current) (issue 27
-                  item 2, `dis_rollout_kl`), beta = rl.rollout_kl_coef's
-                  default 0.1.
-  cispo_q64       CISPO (`cispo`): every token's gradient kept, its
-                  stop-gradient weight clipped to the same (0.2, 0.28)
-                  window as dis_q64, so the two differ only in dropping
-                  vs bounding the out-of-window tokens.
+  dis_kl_q64      DIS + a k3 penalty with a token mean on KL(rollout ||
+                  current) (issue 27 item 2, `dis_rollout_kl` with
+                  rollout_kl_estimator k3, rollout_kl_reduction token: not
+                  SkyRL's k2 / per-sequence mean, the loss's default now),
+                  beta 0.1.
+  cispo_q64       CISPO with a two-sided clip (`cispo_two_sided`; not
+                  MiniMax-M1's CISPO, which clips from above only): every
+                  token's gradient kept, its stop-gradient weight clipped
+                  to the same (0.2, 0.28) window as dis_q64, so the two
+                  differ only in dropping vs bounding the out-of-window
+                  tokens.
   *_stale         the six async arms again under forced lag: 48 decode
                   slots (3 batches in flight) and weights pushed to the
                   engine every 4 actor updates (experiments/stability.py's
@@ -114,10 +119,14 @@ ASYNC_ARMS = (
      "DIS (0.5, 4.0)"),
     ("dis_narrow", {"rl.policy_loss": "dis", "rl.eps_low": 0.1, "rl.eps_high": 0.1},
      "DIS (0.1, 0.1)"),
+    # The k3 / token-mean penalty and the two-sided CISPO clip these arms ran
+    # (before `dis_rollout_kl` defaulted to SkyRL's k2 / sequence mean and
+    # `cispo` became MiniMax-M1's upper clip), named so their runs reproduce.
     ("dis_kl", {"rl.policy_loss": "dis_rollout_kl", "rl.eps_low": 0.2, "rl.eps_high": 0.28,
-                "rl.rollout_kl_coef": 0.1}, "DIS + rollout KL 0.1"),
-    ("cispo", {"rl.policy_loss": "cispo", "rl.eps_low": 0.2, "rl.eps_high": 0.28},
-     "CISPO (0.2, 0.28)"),
+                "rl.rollout_kl_coef": 0.1, "rl.rollout_kl_estimator": "k3",
+                "rl.rollout_kl_reduction": "token"}, "DIS + rollout KL 0.1 (k3, token mean)"),
+    ("cispo", {"rl.policy_loss": "cispo_two_sided", "rl.eps_low": 0.2, "rl.eps_high": 0.28},
+     "CISPO, two-sided clip (0.2, 0.28)"),
 )
 
 
@@ -286,9 +295,9 @@ def collapse_rates(finding, runs):
 
 FINDING = runner.Finding(
     name="dis_stability",
-    claim=("DIS (paper's window 0.2 / 0.28) collapses async SAO under policy lag where PPO "
+    claim=("DIS (the project's window 0.2 / 0.28) collapses async SAO under policy lag where PPO "
            "clip does not; sync SAO (on-policy, DIS = PPO = PG) is the control, wider / "
-           "narrower windows, a rollout-KL penalty and CISPO the candidate fixes."),
+           "narrower windows, a rollout-KL penalty and two-sided CISPO the candidate fixes."),
     arms=ARMS, reference=REFERENCE, seeds=8, budget_steps=150,
     curves=("rollout/reward_mean", "policy_lag/mean", "policy/approx_kl", "dis/outside_frac",
             "dis/corrective_mass_frac", "rollout/length_mean"),

@@ -309,7 +309,10 @@ def test_dis_stability_arms_share_one_sft_start_and_differ_in_what_they_say():
   assert (cfg("dis_wide_q64").rl.eps_low, cfg("dis_wide_q64").rl.eps_high) == (0.5, 4.0)
   assert cfg("ppo_stale").rl.policy_loss == "ppo_clip"
   assert cfg("dis_kl_q64").rl.policy_loss == "dis_rollout_kl"
-  assert cfg("cispo_q64").rl.policy_loss == "cispo"
+  assert cfg("cispo_q64").rl.policy_loss == "cispo_two_sided"
+  # What these arms ran: k3 with a token mean, not the loss's k2 / sequence default.
+  assert (cfg("dis_kl_stale").rl.rollout_kl_estimator, cfg("dis_kl_stale").rl.rollout_kl_reduction
+          ) == ("k3", "token")
   assert all(a in names and b in names for a, b in dis_stability.CONTRASTS)
 
 
