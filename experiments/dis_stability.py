@@ -56,7 +56,8 @@ order, so a grid stopped early still holds the comparisons that matter):
                   so a queue of 16 would give no contrast; the stale arms
                   give the high-lag side of it.
 
-Collapse, applied mechanically to every run (`collapsed`): the run's final
+Collapse, applied mechanically to every run (`stats.collapsed`, the rule of
+every finding): the run's final
 held-out pass@1 is below 25% of its seed's SFT pass@1 (COLLAPSE_FRACTION).
 Why that line: over the 131 distinct runs on python_tool and code_fix in
 the committed results (experiments/results/, the online task excluded)
@@ -72,8 +73,9 @@ seeds and tasks. A seed whose SFT pass@1 is 0 cannot collapse.
   * per arm: runs, collapses and their rate with an exact (Clopper-Pearson)
     95% binomial interval; the collapsed seeds and every run's final / SFT
     ratio (to re-apply another line); mean final pass@1 and its paired
-    difference to sync GRPO with a bootstrap CI over seeds
-    (`runner.paired_difference`); the mean policy lag;
+    difference to sync GRPO with its t-interval and exact sign-flip p
+    over seeds, the bootstrap CI beside them (`runner.paired_difference`);
+    the mean policy lag;
   * per arm, the lag diagnostics the RL step logs (`dis/` metrics of
     sao_jax/train_step.py's `lag_diagnostics`, and `policy/approx_kl`),
     as the mean and the largest value over a run's logged steps, averaged
@@ -105,8 +107,7 @@ from experiments import runner
 from experiments import stability
 from experiments import stats
 
-# A run collapsed when its final pass@1 is below this fraction of its SFT pass@1.
-COLLAPSE_FRACTION = 0.25
+COLLAPSE_FRACTION = stats.COLLAPSE_FRACTION
 REFERENCE = "grpo_sync"
 
 # (name stem, overrides, label) of the async SAO arms, run at each queue.
@@ -171,15 +172,7 @@ BUCKET_DIAGNOSTICS = ("ratio_q01", "ratio_q99", "approx_kl")
 clopper_pearson = stats.clopper_pearson  # (experiments/stats.py)
 
 
-def collapsed(rec: dict) -> bool | None:
-  """Whether a run record (`runner.collect`) collapsed: final < COLLAPSE_FRACTION x SFT pass@1.
-
-  None (not judged, not counted) for a record without its SFT pass@1.
-  """
-  sft = rec.get("sft_pass@1")
-  if sft is None:
-    return None
-  return bool(rec["final_pass@1"] < COLLAPSE_FRACTION * sft)
+collapsed = stats.collapsed  # the one collapse rule (experiments/stats.py)
 
 
 def _finite(values) -> list[float]:
@@ -236,10 +229,11 @@ def lag_diagnostics(by_seed: dict) -> dict:
 def markdown(by_arm: dict, reference: str, reference_label: str) -> str:
   """The collapse-rate table of `collapse_rates`' per-arm records."""
   lines = [f"Collapse: final pass@1 < {COLLAPSE_FRACTION:g} x the seed's SFT pass@1. "
-           "95% CI: exact (Clopper-Pearson) for the rate; Student t over paired seeds, with "
-           f"the exact sign-flip p, for the difference to {reference_label}.", "",
+           "95% CI: exact (Clopper-Pearson) for the rate; Student t over paired seeds (the "
+           f"percentile bootstrap beside it), with the exact sign-flip p, for the difference "
+           f"to {reference_label}.", "",
            "| arm | runs | collapses | rate | 95% CI | final pass@1 (mean ± sd) | "
-           f"minus {reference_label} [95% t-interval] p (seeds) | policy lag, mean |",
+           f"minus {reference_label} [95% t-interval; bootstrap] p (seeds) | policy lag, mean |",
            "|---|---|---|---|---|---|---|---|"]
   for rec in by_arm.values():
     lo, hi = rec["ci95"]

@@ -505,7 +505,7 @@ def _lag(rec: dict) -> str:
 def table(result: dict) -> str:
   """A markdown table of `aggregate`'s result."""
   lines = ["| arm | seeds | SFT pass@1 | final pass@1 (mean ± sd) | gain | vs ref: diff "
-           "[95% t-interval] sign-flip p (paired seeds) | RL steps | generated tokens | "
+           "[95% t-interval; bootstrap] sign-flip p (paired seeds) | RL steps | generated tokens | "
            "policy lag: mean / max |",
            "|---|---|---|---|---|---|---|---|---|"]
   for name, rec in result["arms"].items():
@@ -593,20 +593,25 @@ def run_finding(finding: Finding, *, seeds: Sequence[int], arms: Sequence[str] |
   _write_json(os.path.join(results, "results.json"),
               dict(result, runs={a: {str(s): {k: v for k, v in r.items() if k != "config"}
                                      for s, r in by.items()} for a, by in runs.items()}))
-  with open(os.path.join(results, "results.md"), "w", encoding="utf-8") as f:
-    f.write(f"# {finding.name}\n\n{finding.claim}\n\n{table(result)}\n")
-    if "analysis" in result:
-      # An analysis's "markdown" (e.g. a table of its own) is written as is, the rest as JSON.
-      analysis = dict(result["analysis"])
-      if isinstance(md := analysis.pop("markdown", None), str):
-        f.write(f"\n{md}\n")
-      f.write("\n```\n" + json.dumps(analysis, indent=1, default=float) + "\n```\n")
+  write_results_md(os.path.join(results, "results.md"), result)
   if runs:
     plot(finding, runs, result, os.path.join(results, "results.png"))
   print(table(result), flush=True)
   if isinstance(md := result.get("analysis", {}).get("markdown"), str):
     print(md, flush=True)
   return result
+
+
+def write_results_md(path: str, result: dict) -> None:
+  """results.md of `aggregate`'s result: the claim, `table`, the analysis."""
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(f"# {result['finding']}\n\n{result['claim']}\n\n{table(result)}\n")
+    if "analysis" in result:
+      # An analysis's "markdown" (e.g. a table of its own) is written as is, the rest as JSON.
+      analysis = dict(result["analysis"])
+      if isinstance(md := analysis.pop("markdown", None), str):
+        f.write(f"\n{md}\n")
+      f.write("\n```\n" + json.dumps(analysis, indent=1, default=float) + "\n```\n")
 
 
 def _machine() -> str:

@@ -16,7 +16,8 @@ What a claim is worded by here:
     seeds, 0.125 at 4, 0.0078 at 8, whatever the effect size.
 
 `bootstrap_ci` stays beside them (earlier results.json files carry it).
-`clopper_pearson` is the exact interval of a rate (collapses in n runs).
+`clopper_pearson` is the exact interval of a rate (collapses in n runs),
+`collapsed` the one collapse rule every finding applies.
 Everything here is a pure function of its arguments.
 """
 
@@ -27,6 +28,10 @@ from typing import Sequence
 
 import numpy as np
 from scipy import stats as _scipy_stats
+
+# A run collapsed when its final pass@1 is below this fraction of its seed's
+# SFT pass@1 (why this line: experiments/dis_stability.py's docstring).
+COLLAPSE_FRACTION = 0.25
 
 # Exhaustive sign flips beyond this many seeds (2^20 ~ 1e6 assignments) are
 # refused rather than approximated: no grid here has that many.
@@ -101,7 +106,8 @@ def paired_stats(diffs: Sequence[float], level: float = 0.95) -> dict:
   Keys: n, mean_diff, sd, t_ci95 (Student t), sign_flip_p (exact),
   min_sign_flip_p (the best p n seeds allow), ci95 (percentile bootstrap,
   kept for earlier results), wins (seeds with a positive difference),
-  excludes_zero (the t-interval's, the one claims are worded by).
+  excludes_zero (the t-interval's, the one claims are worded by) and
+  bootstrap_excludes_zero.
   """
   d = _values(diffs)
   if d.size == 0:
@@ -112,7 +118,8 @@ def paired_stats(diffs: Sequence[float], level: float = 0.95) -> dict:
           "sd": float(d.std(ddof=1)) if d.size > 1 else 0.0,
           "t_ci95": [t_lo, t_hi], "sign_flip_p": sign_flip_p(d),
           "min_sign_flip_p": min_sign_flip_p(d.size), "ci95": [b_lo, b_hi],
-          "wins": int((d > 0).sum()), "excludes_zero": bool(t_lo > 0 or t_hi < 0)}
+          "wins": int((d > 0).sum()), "excludes_zero": bool(t_lo > 0 or t_hi < 0),
+          "bootstrap_excludes_zero": bool(b_lo > 0 or b_hi < 0)}
 
 
 def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
@@ -133,13 +140,26 @@ def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
   return lo, hi
 
 
+def collapsed(rec: dict) -> bool | None:
+  """Whether a run record collapsed: final pass@1 < COLLAPSE_FRACTION x its SFT pass@1.
+
+  None (not judged, not counted) for a record without its SFT pass@1; a
+  seed whose SFT pass@1 is 0 cannot collapse.
+  """
+  sft = rec.get("sft_pass@1")
+  if sft is None:
+    return None
+  return bool(rec["final_pass@1"] < COLLAPSE_FRACTION * sft)
+
+
 def fisher_exact_p(k_a: int, n_a: int, k_b: int, n_b: int) -> float:
   """Two-sided Fisher exact p of k_a events in n_a runs against k_b in n_b."""
   return float(_scipy_stats.fisher_exact([[k_a, n_a - k_a], [k_b, n_b - k_b]])[1])
 
 
 def fmt_paired(vs: dict | None) -> str:
-  """'+0.034 [t: -0.021, +0.089] p=0.16 (n=8)' of a `paired_stats` record; '-' for None.
+  """'+0.034 [t: -0.008, +0.077; boot: +0.002, +0.068] p=0.16 (n=8)' of a
+  `paired_stats` record (t-interval, bootstrap CI, sign-flip p); '-' for None.
 
   A record of an earlier results.json without the t-interval shows its
   bootstrap interval, marked as such.
@@ -149,6 +169,8 @@ def fmt_paired(vs: dict | None) -> str:
   if "t_ci95" not in vs:
     lo, hi = vs["ci95"]
     return f"{vs['mean_diff']:+.3f} [bootstrap: {lo:+.3f}, {hi:+.3f}]"
-  lo, hi = vs["t_ci95"]
-  ci = "n/a" if not (np.isfinite(lo) and np.isfinite(hi)) else f"{lo:+.3f}, {hi:+.3f}"
-  return f"{vs['mean_diff']:+.3f} [t: {ci}] p={vs['sign_flip_p']:.2g} (n={vs['n']})"
+  def ci(lo, hi):
+    return "n/a" if not (np.isfinite(lo) and np.isfinite(hi)) else f"{lo:+.3f}, {hi:+.3f}"
+
+  return (f"{vs['mean_diff']:+.3f} [t: {ci(*vs['t_ci95'])}; boot: {ci(*vs['ci95'])}] "
+          f"p={vs['sign_flip_p']:.2g} (n={vs['n']})")
