@@ -395,3 +395,31 @@ def test_check_commits_refuses_an_arm_whose_seeds_ran_on_two_commits():
   del runs["grpo"]
   assert runner.check_commits(runs)["sao"] == {0: "aaa", 1: "aaa"}
   assert runner.git_commit() is None or len(runner.git_commit().split("-")[0]) == 40
+
+
+def test_restat_adds_the_new_statistics_to_old_results_and_keeps_their_values(tmp_path):
+  from experiments import restat  # pylint: disable=g-import-not-at-top
+  f = headline.FINDING
+  runs = {"sao": {s: _fake_run(.4, v) for s, v in enumerate((.6, .7, .65))},
+          "grpo": {s: _fake_run(.4, v) for s, v in enumerate((.5, .55, .66))}}
+  result = runner.aggregate(f, runs)
+  # An earlier results.json: a bootstrap interval only.
+  old_vs = {k: result["arms"]["grpo"]["vs_reference"][k]
+            for k in ("paired_seeds", "mean_diff", "per_seed", "ci95", "excludes_zero")}
+  result["arms"]["grpo"]["vs_reference"] = dict(old_vs)
+  result["runs"] = {a: {str(s): r for s, r in by.items()} for a, by in runs.items()}
+  os.makedirs(tmp_path / "headline")
+  with open(tmp_path / "headline" / "results.json", "w", encoding="utf-8") as fh:
+    json.dump(result, fh)
+  text = restat.main(["--results", str(tmp_path), "--update"])
+  # sao - grpo: +0.1, +0.15, -0.01 (2 of 3 ahead): p = 0.5 by enumeration.
+  lo, hi = stats.t_interval([0.1, 0.15, -0.01])
+  assert "| sao - grpo | 3 | +0.080 |" in text and f"[{lo:+.3f}, {hi:+.3f}]" in text
+  assert "| 0.5 | 2 of 3 |" in text
+  assert (tmp_path / "STATS.md").read_text(encoding="utf-8") == text
+  with open(tmp_path / "headline" / "results.json", encoding="utf-8") as fh:
+    vs = json.load(fh)["arms"]["grpo"]["vs_reference"]
+  assert all(vs[k] == v for k, v in old_vs.items() if k != "excludes_zero")
+  assert vs["t_ci95"] == pytest.approx([-hi, -lo]) and vs["sign_flip_p"] == pytest.approx(0.5)
+  assert vs["bootstrap_excludes_zero"] == old_vs["excludes_zero"] and not vs["excludes_zero"]
+  assert "[t: " in (tmp_path / "headline" / "results.md").read_text(encoding="utf-8")
