@@ -178,8 +178,12 @@ def test_smoke_grid_end_to_end(tmp_path):
     assert summary["sft_pass@1"] == result["arms"]["sao"]["sft_pass@1"]["per_seed"][0]
     assert (summary["generated_tokens"] >= plan["budget_tokens"]
             or summary["rl_steps"] == runner.SMOKE_BUDGET_STEPS)
+    # Each run records the commit it ran on, and results.json carries it per seed.
+    assert plan["commit"] == runner.git_commit()
   saved = json.load(open(tmp_path / "r" / "results.json", encoding="utf-8"))
   assert saved["smoke"] and "vs_reference" in saved["arms"]["grpo_sync"]
+  assert saved["commits"]["sao"] == {"0": runner.git_commit() or "unrecorded"}
+  assert "t_ci95" in saved["arms"]["grpo_sync"]["vs_reference"]
   assert (tmp_path / "r" / "results.png").exists()
 
 
