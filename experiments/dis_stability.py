@@ -6,8 +6,9 @@
     python -m experiments.dis_stability --aggregate_only    # tables and plots only
 
 Pooled over the earlier grids (experiments/README.md), async SAO with DIS
-(eps_low 0.2, eps_high 0.28) collapsed, pass@1 to ~0 within 20-30 RL
-steps, in 9 of 34 runs, and with PPO clip in 0 of 19. Those runs mixed
+(eps_low 0.2, eps_high 0.28: the project's window) collapsed, pass@1 to ~0
+within 20-30 RL steps, in 6 of 21 runs, and async SAO with PPO clip in 0
+of 16 (async GRPO + DIS: 3 of 13; async GRPO with PPO clip 0 of 3). Those runs mixed
 tasks, SFT starts and lags, and no grid had more than 5 seeds an arm, so a
 30% collapse rate could not be told from 0% in any single arm. Here every
 arm runs on the same 8 SFT starts (one per seed, shared by all arms) at the

@@ -586,7 +586,8 @@ class RL(Section):
       "clip only), cispo_two_sided. Measured at tiny scale "
       "(experiments/README.md): SAO with DIS collapsed in 3 of 10 runs, SAO with PPO clip in "
       "0 of 5.", one_of(_policy_losses))
-  eps_low: float = knob(0.2, "Ratio window's lower width: 1 - eps_low.",
+  eps_low: float = knob(0.2, "Ratio window's lower width: 1 - eps_low (0.2 / 0.28: this "
+                        "project's choice; the paper gives no values).",
                         unit_interval(open_low=True, open_high=True))
   eps_high: float = knob(0.28, "Ratio window's upper width: 1 + eps_high.", real(0, above=True))
   rollout_kl_coef: float = knob(0.1, "dis_rollout_kl: beta of its penalty on the KL "
