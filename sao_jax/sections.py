@@ -553,6 +553,16 @@ def _policy_losses():
   return POLICY_LOSSES
 
 
+def _rollout_kl_estimators():
+  from sao_jax.losses import ROLLOUT_KL_ESTIMATORS  # pylint: disable=g-import-not-at-top
+  return ROLLOUT_KL_ESTIMATORS
+
+
+def _rollout_kl_reductions():
+  from sao_jax.losses import ROLLOUT_KL_REDUCTIONS  # pylint: disable=g-import-not-at-top
+  return ROLLOUT_KL_REDUCTIONS
+
+
 def _corrective_sides():
   from sao_jax.losses import CORRECTIVE_SIDES  # pylint: disable=g-import-not-at-top
   return CORRECTIVE_SIDES
@@ -572,14 +582,24 @@ class RL(Section):
                         "group, running_mean.", one_of(_estimators))
   policy_loss: str = knob(
       "dis", "A loss of sao_jax/losses.py: dis (the paper's) or ppo_clip; DIS's variants "
-      "(issue 27) dis_rollout_kl, dis_corrective, dis_seq_geo, cispo. Measured at tiny scale "
+      "(issue 27) dis_rollout_kl, dis_corrective, dis_seq_geo, cispo (MiniMax-M1's: upper "
+      "clip only), cispo_two_sided. Measured at tiny scale "
       "(experiments/README.md): SAO with DIS collapsed in 3 of 10 runs, SAO with PPO clip in "
       "0 of 5.", one_of(_policy_losses))
-  eps_low: float = knob(0.2, "Ratio window's lower width: 1 - eps_low.",
+  eps_low: float = knob(0.2, "Ratio window's lower width: 1 - eps_low (0.2 / 0.28: this "
+                        "project's choice; the paper gives no values).",
                         unit_interval(open_low=True, open_high=True))
   eps_high: float = knob(0.28, "Ratio window's upper width: 1 + eps_high.", real(0, above=True))
-  rollout_kl_coef: float = knob(0.1, "dis_rollout_kl: beta of its k3 penalty on KL(rollout "
-                                "policy || current), per action token.", real(0))
+  rollout_kl_coef: float = knob(0.1, "dis_rollout_kl: beta of its penalty on the KL "
+                                "divergence from the rollout policy.", real(0))
+  rollout_kl_estimator: str = knob(
+      "k2", "dis_rollout_kl: the per-token KL estimator, k2 = 0.5 (log r)^2 (SkyRL's "
+      "proposal) or k3 = r - 1 - log r (what issue 27's dis_kl arms ran).",
+      one_of(_rollout_kl_estimators))
+  rollout_kl_reduction: str = knob(
+      "sequence", "dis_rollout_kl: the penalty's mean, \"sequence\" (each sequence's token "
+      "mean, then the mean over sequences: SkyRL's proposal) or \"token\" (over the batch's "
+      "action tokens: what issue 27's dis_kl arms ran).", one_of(_rollout_kl_reductions))
   corrective_side: str = knob(
       "low", "dis_corrective: which out-of-window corrective tokens it keeps, \"low\" (A > 0 "
       "below the window; their weight r < 1 - eps_low is bounded) or \"high\" (A < 0 above "
