@@ -175,6 +175,10 @@ class Job:
     """Starts the trainer group, process 0's actor first: its node and a port
     free there are the group's jax.distributed coordinator."""
     names = self._trainer_names()
+    for n in names:  # the old group's actors free their resources first
+      old = self.actors.pop(n, None)
+      if old is not None:
+        ray.kill(old, no_restart=True)
     actors = {n: HostProcess.options(**self.options[n]).remote() for n in names}
     coordinator = self._coordinator(actors[names[0]])
     for name in names:
