@@ -454,15 +454,7 @@ def cispo_policy_loss(
     (loss, metrics): ratio mean / max / min, approx_kl, tokens, and
     clip_high_frac (action tokens whose weight was clipped down to 1 + eps_high).
   """
-  _check(logp, rollout_logp, advantages, action_mask)
-  advantages = jax.lax.stop_gradient(advantages)
-  n = _normaliser(action_mask, logp.dtype)
-  ratio = importance_ratio(logp, rollout_logp, action_mask)
-  weight = jax.lax.stop_gradient(jnp.minimum(ratio, 1.0 + eps_high))
-  loss = -jnp.where(action_mask, weight * advantages * logp, 0.0).sum() / n
-  metrics = _ratio_metrics(ratio, logp, rollout_logp, action_mask, n)
-  metrics["clip_high_frac"] = (action_mask & (ratio > 1.0 + eps_high)).sum() / n
-  return loss, metrics
+  return _weighted_logp_loss(logp, rollout_logp, advantages, action_mask, None, eps_high)
 
 
 def cispo_two_sided_policy_loss(
@@ -486,15 +478,23 @@ def cispo_two_sided_policy_loss(
     (loss, metrics): `cispo_policy_loss`'s, plus clip_low_frac (action
     tokens whose weight was clipped up to 1 - eps_low).
   """
+  return _weighted_logp_loss(logp, rollout_logp, advantages, action_mask, eps_low, eps_high)
+
+
+def _weighted_logp_loss(logp, rollout_logp, advantages, action_mask, eps_low, eps_high):
+  """CISPO's loss with the weight clipped to [1 - eps_low, 1 + eps_high]
+  (no lower bound when eps_low is None), and its clip fractions."""
   _check(logp, rollout_logp, advantages, action_mask)
   advantages = jax.lax.stop_gradient(advantages)
   n = _normaliser(action_mask, logp.dtype)
   ratio = importance_ratio(logp, rollout_logp, action_mask)
-  weight = jax.lax.stop_gradient(jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high))
+  low = None if eps_low is None else 1.0 - eps_low
+  weight = jax.lax.stop_gradient(jnp.clip(ratio, low, 1.0 + eps_high))
   loss = -jnp.where(action_mask, weight * advantages * logp, 0.0).sum() / n
   metrics = _ratio_metrics(ratio, logp, rollout_logp, action_mask, n)
-  metrics.update(clip_low_frac=(action_mask & (ratio < 1.0 - eps_low)).sum() / n,
-                 clip_high_frac=(action_mask & (ratio > 1.0 + eps_high)).sum() / n)
+  if low is not None:
+    metrics["clip_low_frac"] = (action_mask & (ratio < low)).sum() / n
+  metrics["clip_high_frac"] = (action_mask & (ratio > 1.0 + eps_high)).sum() / n
   return loss, metrics
 
 
