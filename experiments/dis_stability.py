@@ -6,8 +6,9 @@
     python -m experiments.dis_stability --aggregate_only    # tables and plots only
 
 Pooled over the earlier grids (experiments/README.md), async SAO with DIS
-(eps_low 0.2, eps_high 0.28) collapsed, pass@1 to ~0 within 20-30 RL
-steps, in 9 of 34 runs, and with PPO clip in 0 of 19. Those runs mixed
+(eps_low 0.2, eps_high 0.28: the project's window) collapsed, pass@1 to ~0
+within 20-30 RL steps, in 6 of 21 runs, and async SAO with PPO clip in 0
+of 16 (async GRPO + DIS: 3 of 13; async GRPO with PPO clip 0 of 3). Those runs mixed
 tasks, SFT starts and lags, and no grid had more than 5 seeds an arm, so a
 30% collapse rate could not be told from 0% in any single arm. Here every
 arm runs on the same 8 SFT starts (one per seed, shared by all arms) at the
@@ -25,7 +26,8 @@ order, so a grid stopped early still holds the comparisons that matter):
                   if it collapses too, "single-rollout PG at lr 3e-4 is
                   marginal and PPO's corrective term rescues it" explains
                   the collapses, not "DIS destabilises under lag".
-  dis_q64         async SAO, DIS (0.2, 0.28) (the paper's), the default
+  dis_q64         async SAO, DIS (0.2, 0.28) (the project's window: the
+                  paper gives no epsilon values), the default
                   queue of 64 trajectories (measured lag 1.9 versions on
                   this box: generation and the actor step keep pace, so
                   the queue seldom fills).
@@ -36,13 +38,17 @@ order, so a grid stopped early still holds the comparisons that matter):
                   should collapse more often.
   grpo_sync       sync GRPO G=4 (configs/grpo_sync.py): the reference for
                   final pass@1 (the runner's paired differences are to it).
-  dis_kl_q64      DIS + a k3 penalty on KL(rollout || current) (issue 27
-                  item 2, `dis_rollout_kl`), beta = rl.rollout_kl_coef's
-                  default 0.1.
-  cispo_q64       CISPO (`cispo`): every token's gradient kept, its
-                  stop-gradient weight clipped to the same (0.2, 0.28)
-                  window as dis_q64, so the two differ only in dropping
-                  vs bounding the out-of-window tokens.
+  dis_kl_q64      DIS + a k3 penalty with a token mean on KL(rollout ||
+                  current) (issue 27 item 2, `dis_rollout_kl` with
+                  rollout_kl_estimator k3, rollout_kl_reduction token: not
+                  SkyRL's k2 / per-sequence mean, the loss's default now),
+                  beta 0.1.
+  cispo_q64       CISPO with a two-sided clip (`cispo_two_sided`; not
+                  MiniMax-M1's CISPO, which clips from above only): every
+                  token's gradient kept, its stop-gradient weight clipped
+                  to the same (0.2, 0.28) window as dis_q64, so the two
+                  differ only in dropping vs bounding the out-of-window
+                  tokens.
   *_stale         the six async arms again under forced lag: 48 decode
                   slots (3 batches in flight) and weights pushed to the
                   engine every 4 actor updates (experiments/stability.py's
@@ -51,7 +57,8 @@ order, so a grid stopped early still holds the comparisons that matter):
                   so a queue of 16 would give no contrast; the stale arms
                   give the high-lag side of it.
 
-Collapse, applied mechanically to every run (`collapsed`): the run's final
+Collapse, applied mechanically to every run (`stats.collapsed`, the rule of
+every finding): the run's final
 held-out pass@1 is below 25% of its seed's SFT pass@1 (COLLAPSE_FRACTION).
 Why that line: over the 131 distinct runs on python_tool and code_fix in
 the committed results (experiments/results/, the online task excluded)
@@ -67,8 +74,9 @@ seeds and tasks. A seed whose SFT pass@1 is 0 cannot collapse.
   * per arm: runs, collapses and their rate with an exact (Clopper-Pearson)
     95% binomial interval; the collapsed seeds and every run's final / SFT
     ratio (to re-apply another line); mean final pass@1 and its paired
-    difference to sync GRPO with a bootstrap CI over seeds
-    (`runner.paired_difference`); the mean policy lag;
+    difference to sync GRPO with its t-interval and exact sign-flip p
+    over seeds, the bootstrap CI beside them (`runner.paired_difference`);
+    the mean policy lag;
   * per arm, the lag diagnostics the RL step logs (`dis/` metrics of
     sao_jax/train_step.py's `lag_diagnostics`, and `policy/approx_kl`),
     as the mean and the largest value over a run's logged steps, averaged
@@ -95,13 +103,12 @@ SAO at queue 64 the slowest; experiments/README.md), so the full grid
 import sys
 
 import numpy as np
-from scipy import stats
 
 from experiments import runner
 from experiments import stability
+from experiments import stats
 
-# A run collapsed when its final pass@1 is below this fraction of its SFT pass@1.
-COLLAPSE_FRACTION = 0.25
+COLLAPSE_FRACTION = stats.COLLAPSE_FRACTION
 REFERENCE = "grpo_sync"
 
 # (name stem, overrides, label) of the async SAO arms, run at each queue.
@@ -114,10 +121,14 @@ ASYNC_ARMS = (
      "DIS (0.5, 4.0)"),
     ("dis_narrow", {"rl.policy_loss": "dis", "rl.eps_low": 0.1, "rl.eps_high": 0.1},
      "DIS (0.1, 0.1)"),
+    # The k3 / token-mean penalty and the two-sided CISPO clip these arms ran
+    # (before `dis_rollout_kl` defaulted to SkyRL's k2 / sequence mean and
+    # `cispo` became MiniMax-M1's upper clip), named so their runs reproduce.
     ("dis_kl", {"rl.policy_loss": "dis_rollout_kl", "rl.eps_low": 0.2, "rl.eps_high": 0.28,
-                "rl.rollout_kl_coef": 0.1}, "DIS + rollout KL 0.1"),
-    ("cispo", {"rl.policy_loss": "cispo", "rl.eps_low": 0.2, "rl.eps_high": 0.28},
-     "CISPO (0.2, 0.28)"),
+                "rl.rollout_kl_coef": 0.1, "rl.rollout_kl_estimator": "k3",
+                "rl.rollout_kl_reduction": "token"}, "DIS + rollout KL 0.1 (k3, token mean)"),
+    ("cispo", {"rl.policy_loss": "cispo_two_sided", "rl.eps_low": 0.2, "rl.eps_high": 0.28},
+     "CISPO, two-sided clip (0.2, 0.28)"),
 )
 
 
@@ -159,33 +170,10 @@ DIAGNOSTICS = ("policy/approx_kl", "dis/outside_frac", "dis/corrective_token_fra
 BUCKET_DIAGNOSTICS = ("ratio_q01", "ratio_q99", "approx_kl")
 
 
-def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
-  """The exact (Clopper-Pearson) binomial interval of k successes in n trials.
-
-      lower = Beta^-1(a / 2; k, n - k + 1)       (0 when k = 0)
-      upper = Beta^-1(1 - a / 2; k + 1, n - k)   (1 when k = n),   a = 1 - level
-
-  n = 0: the whole of [0, 1].
-  """
-  if not 0 <= k <= n:
-    raise ValueError(f"need 0 <= k <= n, got k={k}, n={n}")
-  if n == 0:
-    return 0.0, 1.0
-  a = 1.0 - level
-  lo = 0.0 if k == 0 else float(stats.beta.ppf(a / 2, k, n - k + 1))
-  hi = 1.0 if k == n else float(stats.beta.ppf(1 - a / 2, k + 1, n - k))
-  return lo, hi
+clopper_pearson = stats.clopper_pearson  # (experiments/stats.py)
 
 
-def collapsed(rec: dict) -> bool | None:
-  """Whether a run record (`runner.collect`) collapsed: final < COLLAPSE_FRACTION x SFT pass@1.
-
-  None (not judged, not counted) for a record without its SFT pass@1.
-  """
-  sft = rec.get("sft_pass@1")
-  if sft is None:
-    return None
-  return bool(rec["final_pass@1"] < COLLAPSE_FRACTION * sft)
+collapsed = stats.collapsed  # the one collapse rule (experiments/stats.py)
 
 
 def _finite(values) -> list[float]:
@@ -239,26 +227,19 @@ def lag_diagnostics(by_seed: dict) -> dict:
   return out
 
 
-def _fmt_diff(vs: dict | None) -> str:
-  if vs is None:
-    return "-"
-  lo, hi = vs["ci95"]
-  ci = "n/a" if not (np.isfinite(lo) and np.isfinite(hi)) else f"{lo:+.3f}, {hi:+.3f}"
-  return f"{vs['mean_diff']:+.3f} [{ci}]"
-
-
 def markdown(by_arm: dict, reference: str, reference_label: str) -> str:
   """The collapse-rate table of `collapse_rates`' per-arm records."""
   lines = [f"Collapse: final pass@1 < {COLLAPSE_FRACTION:g} x the seed's SFT pass@1. "
-           "95% CI: exact (Clopper-Pearson) for the rate; bootstrap over paired seeds for "
-           f"the difference to {reference_label}.", "",
+           "95% CI: exact (Clopper-Pearson) for the rate; Student t over paired seeds (the "
+           f"percentile bootstrap beside it), with the exact sign-flip p, for the difference "
+           f"to {reference_label}.", "",
            "| arm | runs | collapses | rate | 95% CI | final pass@1 (mean ± sd) | "
-           f"minus {reference_label} [95% CI] | policy lag, mean |",
+           f"minus {reference_label} [95% t-interval; bootstrap] p (seeds) | policy lag, mean |",
            "|---|---|---|---|---|---|---|---|"]
   for rec in by_arm.values():
     lo, hi = rec["ci95"]
     f = rec["final_pass@1"]
-    diff = "reference" if rec["arm"] == reference else _fmt_diff(rec["vs_reference"])
+    diff = "reference" if rec["arm"] == reference else stats.fmt_paired(rec["vs_reference"])
     lag = "-" if rec["lag_mean"] is None else f"{rec['lag_mean']:.2f}"
     rate = "-" if rec["rate"] is None else f"{rec['rate']:.0%}"
     lines.append(f"| {rec['label']} | {rec['runs']} | {rec['collapses']} | "
@@ -299,7 +280,7 @@ def collapse_rates(finding, runs):
     if a in by_arm and b in by_arm:
       ka, na, kb, nb = (by_arm[a]["collapses"], by_arm[a]["runs"], by_arm[b]["collapses"],
                         by_arm[b]["runs"])
-      p = stats.fisher_exact([[ka, na - ka], [kb, nb - kb]])[1]
+      p = stats.fisher_exact_p(ka, na, kb, nb)
       contrasts[f"{a}_vs_{b}"] = {"collapses": [ka, kb], "runs": [na, nb],
                                   "fisher_p": float(p)}
   return {"collapse_criterion": f"final_pass@1 < {COLLAPSE_FRACTION:g} x sft_pass@1",
@@ -309,9 +290,9 @@ def collapse_rates(finding, runs):
 
 FINDING = runner.Finding(
     name="dis_stability",
-    claim=("DIS (paper's window 0.2 / 0.28) collapses async SAO under policy lag where PPO "
+    claim=("DIS (the project's window 0.2 / 0.28) collapses async SAO under policy lag where PPO "
            "clip does not; sync SAO (on-policy, DIS = PPO = PG) is the control, wider / "
-           "narrower windows, a rollout-KL penalty and CISPO the candidate fixes."),
+           "narrower windows, a rollout-KL penalty and two-sided CISPO the candidate fixes."),
     arms=ARMS, reference=REFERENCE, seeds=8, budget_steps=150,
     curves=("rollout/reward_mean", "policy_lag/mean", "policy/approx_kl", "dis/outside_frac",
             "dis/corrective_mass_frac", "rollout/length_mean"),

@@ -24,6 +24,7 @@ import sys
 import numpy as np
 
 from experiments import runner
+from experiments import stats
 
 # configs/common.py's rl.actor_lr, which every other finding runs at.
 DEFAULT_LR = 3e-4
@@ -48,7 +49,7 @@ PAIRS = (("sao_ppo_lr1e-03", "sao_lr1e-03"),)
 def best_lr_comparison(finding, runs):
   """Per family: mean final pass@1 at each lr and the best lr; then SAO at
   its best lr minus sync GRPO at its best, and each of PAIRS, paired by
-  seed, with a bootstrap CI."""
+  seed, with the t-interval and exact sign-flip p (`runner.paired_difference`)."""
   out, best = {}, {}
   for family, _, _ in FAMILIES:
     by_lr, means = {}, {}
@@ -58,8 +59,8 @@ def best_lr_comparison(finding, runs):
         means[lr] = float(np.mean([r["final_pass@1"] for r in seeds.values()]))
         by_lr[f"{lr:g}"] = {
             "arm": arm_name(family, lr), "mean_final": means[lr],
-            # Ended below half its SFT start: the collapses of experiments/README.md.
-            "collapsed": sum(r["final_pass@1"] < 0.5 * r["sft_pass@1"] for r in seeds.values()),
+            # The one collapse rule (experiments/stats.py).
+            "collapsed": sum(bool(stats.collapsed(r)) for r in seeds.values()),
             "seeds": len(seeds)}
     if means:
       top = max(means, key=means.get)

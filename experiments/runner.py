@@ -28,9 +28,10 @@ What makes the arms comparable:
     schedule's horizon, and a ceiling) is `budget_steps` for every arm, so
     an arm that spends tokens on warm-up trains fewer RL steps.
   * Paired comparisons. Each arm is compared to the reference arm (SAO)
-    seed by seed; the report gives the mean difference and a bootstrap
-    confidence interval over seeds (with 3 seeds that interval is coarse:
-    read it as such).
+    seed by seed; the report gives the mean difference, its Student-t
+    interval and the exact sign-flip p over seeds (experiments/stats.py;
+    with n seeds no p can be below 2 / 2^n), the percentile bootstrap
+    beside them only for comparison with earlier results.
 
 Runs launch as subprocesses (`nice`d: the box is shared), the arms of a
 seed one after the other and, with --jobs, seeds side by side, each in
@@ -60,6 +61,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from experiments import stats
 from sao_jax import files
 from sao_jax.configuration import parse_literal
 
@@ -273,11 +275,40 @@ def _run_arm_locked(launch, workdir, finding, arm, seed, budget_steps, base_over
   overrides.update({"rl.steps": budget_steps, "rl.max_generated_tokens": budget})
   print(f"[experiments] {finding.name}/{arm.name} seed {seed}: budget {budget} generated "
         f"tokens (~{budget_steps} steps of {batch}) -> {rdir}", flush=True)
+  commit = git_commit()
   wall = launch("train.py", arm.config, overrides, rdir)
   _write_json(os.path.join(rdir, "runner.json"),
               {"wall_s": wall, "budget_tokens": budget, "budget_steps": budget_steps,
-               "overrides": overrides, "config": arm.config})
+               "overrides": overrides, "config": arm.config, "commit": commit})
   return rdir
+
+
+def git_commit(root: str = ROOT) -> str | None:
+  """The checkout's commit (`-dirty` when tracked files differ from it); None outside git."""
+  try:
+    head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return None
+  return head + ("-dirty" if dirty else "")
+
+
+def check_commits(runs: dict[str, dict[int, dict]], allow_mixed: bool = False) -> dict:
+  """{arm: {seed: commit}} of `runs`; ValueError when one arm's seeds ran on different
+  commits, unless `allow_mixed`. Records without a commit (written before runs
+  recorded it) are "unrecorded" and never count as a second commit."""
+  out, mixed = {}, []
+  for arm, by_seed in runs.items():
+    commits = {s: rec.get("commit") or "unrecorded" for s, rec in sorted(by_seed.items())}
+    out[arm] = commits
+    if len(set(commits.values()) - {"unrecorded"}) > 1:
+      mixed.append(f"{arm}: " + ", ".join(f"seed {s} {c[:12]}" for s, c in commits.items()))
+  if mixed and not allow_mixed:
+    raise ValueError("seeds of one arm ran on different commits (pass --allow_mixed_commits "
+                     "to aggregate them anyway): " + "; ".join(mixed))
+  return out
 
 
 def _sft_eval(sft_dir: str) -> dict:
@@ -334,6 +365,7 @@ def collect(rdir: str) -> dict | None:
       "final_stderr": final.get("pass@1_stderr"), "sft_stderr": sft.get("pass@1_stderr"),
       "rl_steps": summary["rl_steps"], "generated_tokens": summary.get("generated_tokens"),
       "budget_tokens": runner.get("budget_tokens"), "wall_s": runner.get("wall_s"),
+      "commit": runner.get("commit"),
       "lag_mean": float(np.mean(lag)) if lag else None,
       "lag_max": float(np.max(lag_max)) if lag_max else None,
       "evals": evals, "curves": curves,
@@ -343,26 +375,13 @@ def collect(rdir: str) -> dict | None:
 
 def paired_difference(a: dict, b: dict) -> dict | None:
   """Final pass@1 of runs `a` minus runs `b` ({seed: record} each) over their
-  common seeds, with a bootstrap CI; None when they share no seed."""
+  common seeds: `stats.paired_stats` (t-interval, exact sign-flip p, the
+  bootstrap CI beside them) plus the seeds; None when they share no seed."""
   seeds = sorted(set(a) & set(b))
   if not seeds:
     return None
   diffs = [a[s]["final_pass@1"] - b[s]["final_pass@1"] for s in seeds]
-  lo, hi = bootstrap_ci(diffs)
-  return {"paired_seeds": seeds, "mean_diff": float(np.mean(diffs)), "per_seed": diffs,
-          "ci95": [lo, hi], "excludes_zero": bool(lo > 0 or hi < 0)}
-
-
-def bootstrap_ci(diffs: Sequence[float], level: float = 0.95, samples: int = 10_000,
-                 seed: int = 0) -> tuple[float, float]:
-  """Percentile bootstrap CI of the mean of paired differences (resampling seeds)."""
-  d = np.asarray(diffs, np.float64)
-  if d.size < 2:
-    return (float("nan"), float("nan"))
-  idx = np.random.default_rng(seed).integers(0, d.size, (samples, d.size))
-  means = d[idx].mean(1)
-  lo, hi = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
-  return float(lo), float(hi)
+  return {"paired_seeds": seeds, "per_seed": diffs, **stats.paired_stats(diffs)}
 
 
 def aggregate(finding: Finding, runs: dict[str, dict[int, dict]]) -> dict:
@@ -486,14 +505,13 @@ def _lag(rec: dict) -> str:
 def table(result: dict) -> str:
   """A markdown table of `aggregate`'s result."""
   lines = ["| arm | seeds | SFT pass@1 | final pass@1 (mean ± sd) | gain | vs ref: diff "
-           "[95% CI] | RL steps | generated tokens | policy lag: mean / max |",
+           "[95% t-interval; bootstrap] sign-flip p (paired seeds) | RL steps | generated tokens | "
+           "policy lag: mean / max |",
            "|---|---|---|---|---|---|---|---|---|"]
   for name, rec in result["arms"].items():
     f = rec["final_pass@1"]
     vs = rec.get("vs_reference")
-    vs_s = ("reference" if name == result["reference"] else
-            f"{vs['mean_diff']:+.3f} [{vs['ci95'][0]:+.3f}, {vs['ci95'][1]:+.3f}]"
-            if vs else "-")
+    vs_s = "reference" if name == result["reference"] else stats.fmt_paired(vs)
     lines.append(
         f"| {rec['label']} | {len(rec['seeds'])} | {rec['sft_pass@1']['mean']:.3f} | "
         f"{f['mean']:.3f} ± {f['std']:.3f} | {rec['gain']['mean']:+.3f} | {vs_s} | "
@@ -508,10 +526,12 @@ def run_finding(finding: Finding, *, seeds: Sequence[int], arms: Sequence[str] |
                 workdir: str | None = None, results: str | None = None,
                 launch: Launcher | None = None, aggregate_only: bool = False,
                 extra_overrides: dict | None = None, jobs: int = 1,
-                reference: str | None = None) -> dict:
+                reference: str | None = None, allow_mixed_commits: bool = False) -> dict:
   """Runs (or resumes) the grid, then writes results.json, results.md and results.png.
 
   `reference` replaces the finding's reference arm (a grid run without it).
+  Every run records its commit; seeds of one arm from different commits are
+  refused (`check_commits`) unless `allow_mixed_commits`.
   """
   launch = launch or Launcher()
   if reference is not None:
@@ -562,8 +582,10 @@ def run_finding(finding: Finding, *, seeds: Sequence[int], arms: Sequence[str] |
   if carried:
     print(f"[experiments] carried over from the earlier results.json (no run directory "
           f"here): {', '.join(carried)}", flush=True)
+  commits = check_commits(runs, allow_mixed_commits)
   result = aggregate(finding, runs)
-  result.update({"budget_steps": budget_steps, "smoke": smoke, "seeds_requested": list(seeds),
+  result.update({"commits": commits, "mixed_commits_allowed": allow_mixed_commits,
+                 "budget_steps": budget_steps, "smoke": smoke, "seeds_requested": list(seeds),
                  "failed": failed, "carried_over": carried,
                  "overrides": {**finding.overrides, **base},
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -571,20 +593,25 @@ def run_finding(finding: Finding, *, seeds: Sequence[int], arms: Sequence[str] |
   _write_json(os.path.join(results, "results.json"),
               dict(result, runs={a: {str(s): {k: v for k, v in r.items() if k != "config"}
                                      for s, r in by.items()} for a, by in runs.items()}))
-  with open(os.path.join(results, "results.md"), "w", encoding="utf-8") as f:
-    f.write(f"# {finding.name}\n\n{finding.claim}\n\n{table(result)}\n")
-    if "analysis" in result:
-      # An analysis's "markdown" (e.g. a table of its own) is written as is, the rest as JSON.
-      analysis = dict(result["analysis"])
-      if isinstance(md := analysis.pop("markdown", None), str):
-        f.write(f"\n{md}\n")
-      f.write("\n```\n" + json.dumps(analysis, indent=1, default=float) + "\n```\n")
+  write_results_md(os.path.join(results, "results.md"), result)
   if runs:
     plot(finding, runs, result, os.path.join(results, "results.png"))
   print(table(result), flush=True)
   if isinstance(md := result.get("analysis", {}).get("markdown"), str):
     print(md, flush=True)
   return result
+
+
+def write_results_md(path: str, result: dict) -> None:
+  """results.md of `aggregate`'s result: the claim, `table`, the analysis."""
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(f"# {result['finding']}\n\n{result['claim']}\n\n{table(result)}\n")
+    if "analysis" in result:
+      # An analysis's "markdown" (e.g. a table of its own) is written as is, the rest as JSON.
+      analysis = dict(result["analysis"])
+      if isinstance(md := analysis.pop("markdown", None), str):
+        f.write(f"\n{md}\n")
+      f.write("\n```\n" + json.dumps(analysis, indent=1, default=float) + "\n```\n")
 
 
 def _machine() -> str:
@@ -608,6 +635,8 @@ def main(finding: Finding, argv: Sequence[str] | None = None) -> dict:
   parser.add_argument("--aggregate_only", action="store_true")
   parser.add_argument("--reference", default=None,
                       help=f"the arm the others are compared to (default {finding.reference})")
+  parser.add_argument("--allow_mixed_commits", action="store_true",
+                      help="aggregate an arm whose seeds ran on different commits")
   parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                       help="an override of every arm, e.g. --set eval.samples_per_task=2")
   args = parser.parse_args(argv)
@@ -622,4 +651,5 @@ def main(finding: Finding, argv: Sequence[str] | None = None) -> dict:
                      results=args.results,
                      launch=Launcher(nice=args.nice, in_process=args.in_process),
                      aggregate_only=args.aggregate_only, extra_overrides=extra,
-                     jobs=args.jobs, reference=args.reference)
+                     jobs=args.jobs, reference=args.reference,
+                     allow_mixed_commits=args.allow_mixed_commits)

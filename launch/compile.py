@@ -124,6 +124,8 @@ _ROLLOUT_MESH = flags.DEFINE_string(
     "trainer's mesh with rollout.sharded_engine, else one chip, as the run's engine).")
 _PREFILL_LEN = flags.DEFINE_integer("prefill_len", None, "Width of the prefill step "
                                     "(default: the engine's largest bucket, rollout.max_len).")
+_DUMP_HLO = flags.DEFINE_string("dump_hlo", None, "Write each compiled program's HLO text "
+                                "here (<program>.hlo.txt).")
 _HEARTBEAT_S = flags.DEFINE_integer("heartbeat_s", 60, "Seconds between progress lines.")
 flags.mark_flags_as_required(["config", "topology"])
 
@@ -474,6 +476,12 @@ def compile_one(p: Program, min_headroom: float) -> dict:
   # CPU seconds of this process (all its threads): on a shared host the wall
   # time says more about the neighbours than about the program.
   row["cpu_s"] = round(time.process_time() - cpu_start, 2)
+  hlo = compiled.as_text()
+  row["collectives"] = collectives(hlo)
+  if _DUMP_HLO.value:
+    os.makedirs(_DUMP_HLO.value, exist_ok=True)
+    with open(os.path.join(_DUMP_HLO.value, f"{p.name}.hlo.txt"), "w", encoding="utf-8") as f:
+      f.write(hlo)
   m = compiled.memory_analysis()
   arg, out = m.argument_size_in_bytes, m.output_size_in_bytes
   temp, alias = m.temp_size_in_bytes, m.alias_size_in_bytes
@@ -493,6 +501,36 @@ def compile_one(p: Program, min_headroom: float) -> dict:
   print(f"[compile] {p.name}: compiled in {row['compile_s']:.0f} s ({row['cpu_s']:.0f} CPU s), "
         f"{total / GIB:.2f} GiB per chip: {row['status']}", flush=True)
   return row
+
+
+_COLLECTIVE = re.compile(
+    r"= (.+?) (all-reduce|reduce-scatter|all-gather|all-to-all|collective-permute)"
+    r"(?:-start)?\(")
+_TYPED = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|f8e4m3fn|f8e5m2|bf16|f16|f32|f64)"
+                    r"\[([0-9,]*)\]")
+
+
+def collectives(hlo_text: str) -> dict:
+  """{op: {dtype: {"count", "bytes"}}} over the compiled program's cross-chip collectives.
+
+  What each collective carries decides the precision of the sums crossing
+  chips (a gradient reduce-scattered in bf16 is summed in bf16) and the
+  bytes on the interconnect: the element types and sizes of each
+  collective's result, per chip (an async "-start" op's result tuple holds
+  its operand too, so its bytes count both).
+  """
+  out: dict = {}
+  for m in _COLLECTIVE.finditer(hlo_text):
+    for dtype, dims in _TYPED.findall(m.group(1)):
+      size = math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dtype]
+      entry = out.setdefault(m.group(2), {}).setdefault(dtype, {"count": 0, "bytes": 0})
+      entry["count"] += 1
+      entry["bytes"] += size
+  return out
+
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
+                "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 
 
 def colocated_rows(rows: list[dict], min_headroom: float) -> list[dict]:

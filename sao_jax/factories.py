@@ -120,7 +120,9 @@ def step_config(config) -> StepConfig:
                     eps_high=t.eps_high, gamma=t.gamma, lam=t.lam, critic_lam=t.critic_lam,
                     critic_updates=t.critic_updates, load_balance_coef=t.load_balance_coef,
                     temperature=config.rollout.temperature,
-                    rollout_kl_coef=t.rollout_kl_coef, corrective_side=t.corrective_side,
+                    rollout_kl_coef=t.rollout_kl_coef,
+                    rollout_kl_estimator=t.rollout_kl_estimator,
+                    rollout_kl_reduction=t.rollout_kl_reduction, corrective_side=t.corrective_side,
                     geo_eps_low=t.geo_eps_low, geo_eps_high=t.geo_eps_high)
 
 

@@ -179,6 +179,40 @@ def ppo_clip_policy_loss(
   return loss, metrics
 
 
+ROLLOUT_KL_ESTIMATORS = ("k2", "k3")
+ROLLOUT_KL_REDUCTIONS = ("sequence", "token")
+
+
+def rollout_kl_terms(log_ratio: Array, estimator: str) -> Array:
+  """Per token, an estimator of the KL divergence between rollout and current policy.
+
+      k2_t = 0.5 * (log r_t)^2          (d / d logp_t = log r_t)
+      k3_t = r_t - 1 - log r_t          (d / d logp_t = r_t - 1)
+
+  Both are >= 0 and 0 at r_t = 1; `log_ratio` is log r (0 off action tokens).
+  """
+  if estimator == "k2":
+    return 0.5 * jnp.square(log_ratio)
+  if estimator == "k3":
+    return jnp.exp(log_ratio) - 1.0 - log_ratio
+  raise ValueError(f"rollout_kl_estimator {estimator!r}: must be one of {ROLLOUT_KL_ESTIMATORS}")
+
+
+def sequence_mean_weights(action_mask: Array, segment_ids: Array | None = None,
+                          dtype=jnp.float32) -> Array:
+  """Per-token weights w_t with sum_t w_t x_t = the mean over sequences of each
+  sequence's mean of x over its action tokens:
+
+      w_t = mask_t / (|s(t)| * S),   |s| = action tokens of sequence s,
+                                     S   = sequences with an action token
+
+  Sequences as in `sequence_mean_log_ratio`. All zero without action tokens.
+  """
+  count = _sequence_action_counts(action_mask, segment_ids, dtype)
+  per_token = jnp.where(action_mask, 1.0 / jnp.maximum(count, 1.0), 0.0).astype(dtype)
+  return per_token / jnp.maximum(per_token.sum(), 1.0)
+
+
 def dis_rollout_kl_policy_loss(
     logp: Array,
     rollout_logp: Array,
@@ -188,33 +222,43 @@ def dis_rollout_kl_policy_loss(
     eps_high: float,
     *,
     rollout_kl_coef: float = 0.1,
+    rollout_kl_estimator: str = "k2",
+    rollout_kl_reduction: str = "sequence",
+    segment_ids: Array | None = None,
 ) -> tuple[Array, dict]:
-  """DIS plus a penalty on the KL divergence to the rollout policy.
+  """DIS plus a penalty on the divergence from the rollout policy.
 
-      k3_t = r_t - 1 - log r_t                       (>= 0, 0 at r_t = 1)
-      L    = L_dis + beta * sum_t mask_t * k3_t / N,   beta = rollout_kl_coef
+      L = L_dis + beta * KL,   beta = rollout_kl_coef
+      KL (reduction "sequence") = (1 / S) sum_s (1 / |s|) sum_{t in s} k_t
+      KL (reduction "token")    = sum_t mask_t k_t / N
 
-  L_dis is `dis_policy_loss`'s. The gradient with respect to logp_t is
+  L_dis is `dis_policy_loss`'s; k_t is `rollout_kl_terms`' k2 (default) or
+  k3; the sequence mean is `sequence_mean_weights`' (sequences are
+  `segment_ids`' segments, whole rows when None). The defaults, k2 with a
+  per-sequence mean, are the rollout-KL penalty as SkyRL proposes it; k3
+  with a token mean (the `approx_kl` every loss reports) is the variant
+  issue 27's experiments ran (experiments/dis_stability.py's dis_kl arms
+  set it explicitly). With token mean the gradient with respect to logp_t is
 
-      -keep_t * r_t * A_t / N + beta * mask_t * (r_t - 1) / N,
+      -keep_t r_t A_t / N + beta * mask_t * g_t / N,   g = log r (k2), r - 1 (k3)
 
-  so a token outside DIS's window still gets the penalty's pull back
-  towards r = 1 (hardest on the tokens furthest above it), and an in-window
-  token gets both terms.
+  and with sequence mean the penalty's term is beta * g_t / (|s(t)| S) in
+  place of beta * g_t / N. Either way an out-of-window token still gets the
+  penalty's pull back towards r = 1.
 
-  Why k3 and not k2 = 0.5 (log r)^2: the tokens were sampled from the
-  rollout policy mu, and under mu both the value and the gradient of k3 are
-  unbiased for KL(mu || pi): E_mu[r - 1 - log r] = KL(mu || pi), and
-  E_mu[(r - 1) grad log pi] = E_pi[grad log pi] - E_mu[grad log pi]
-  = grad KL(mu || pi). k2's gradient, E_mu[log r grad log pi], is the
-  gradient of no divergence under mu's samples. k3 is also the `approx_kl`
-  every loss reports (and the lag diagnostics plot), so the penalty shrinks
-  the quantity that is watched.
+  Which estimator: under samples from the rollout policy mu, k3's value and
+  gradient are unbiased for KL(mu || pi) and its gradient; k2's gradient
+  E_mu[log r grad log pi] is that of KL(pi || mu) only where pi ~ mu
+  (tokens near r = 1). k2's pull back is weaker than k3's above r = 1
+  (log r < r - 1) and stronger below it.
 
   Returns:
-    (loss, metrics): DIS's metrics, plus rollout_kl (the penalty's mean k3,
-    before beta), kl_penalty (beta times it) and dis_loss (L_dis).
+    (loss, metrics): DIS's metrics, plus rollout_kl (the penalty's KL before
+    beta), kl_penalty (beta times it) and dis_loss (L_dis).
   """
+  if rollout_kl_reduction not in ROLLOUT_KL_REDUCTIONS:
+    raise ValueError(f"rollout_kl_reduction {rollout_kl_reduction!r}: must be one of "
+                     f"{ROLLOUT_KL_REDUCTIONS}")
   _check(logp, rollout_logp, advantages, action_mask)
   advantages = jax.lax.stop_gradient(advantages)
   n = _normaliser(action_mask, logp.dtype)
@@ -222,7 +266,11 @@ def dis_rollout_kl_policy_loss(
   ratio = jnp.exp(log_ratio)
   below, above, inside, _ = dis_regions(ratio, advantages, action_mask, eps_low, eps_high)
   dis_loss = _dis_surrogate(ratio, advantages, inside, n)
-  kl = jnp.where(action_mask, ratio - 1.0 - log_ratio, 0.0).sum() / n
+  terms = jnp.where(action_mask, rollout_kl_terms(log_ratio, rollout_kl_estimator), 0.0)
+  if rollout_kl_reduction == "token":
+    kl = terms.sum() / n
+  else:
+    kl = (sequence_mean_weights(action_mask, segment_ids, logp.dtype) * terms).sum()
   metrics = _dis_metrics(ratio, logp, rollout_logp, advantages, action_mask, n,
                          below, above, inside)
   metrics.update(rollout_kl=kl, kl_penalty=rollout_kl_coef * kl, dis_loss=dis_loss)
@@ -292,17 +340,28 @@ def sequence_mean_log_ratio(log_ratio: Array, action_mask: Array,
   Returns float `[B, T]`: g of each token's sequence (0 for a sequence
   without action tokens).
   """
-  b, t = log_ratio.shape
-  if segment_ids is None:
-    segment_ids = jnp.ones((b, t), jnp.int32)
-  chex.assert_equal_shape([log_ratio, action_mask, segment_ids])
-  # One id per (row, segment) pair, so segments never mix across rows.
-  ids = (jnp.arange(b, dtype=jnp.int32)[:, None] * (t + 1) + segment_ids).ravel()
-  num = b * (t + 1)
+  chex.assert_equal_shape([log_ratio, action_mask])
+  ids, num = _sequence_ids(action_mask, segment_ids)
   total = jax.ops.segment_sum(jnp.where(action_mask, log_ratio, 0.0).ravel(), ids, num)
   count = jax.ops.segment_sum(action_mask.astype(log_ratio.dtype).ravel(), ids, num)
   mean = total / jnp.maximum(count, 1.0)
-  return mean[ids].reshape(b, t)
+  return mean[ids].reshape(log_ratio.shape)
+
+
+def _sequence_ids(action_mask: Array, segment_ids: Array | None) -> tuple[Array, int]:
+  """One flat id per (row, segment) pair, so segments never mix across rows; and their count."""
+  b, t = action_mask.shape
+  if segment_ids is None:
+    segment_ids = jnp.ones((b, t), jnp.int32)
+  chex.assert_equal_shape([action_mask, segment_ids])
+  return (jnp.arange(b, dtype=jnp.int32)[:, None] * (t + 1) + segment_ids).ravel(), b * (t + 1)
+
+
+def _sequence_action_counts(action_mask: Array, segment_ids: Array | None, dtype) -> Array:
+  """Per token, the number of action tokens of its sequence."""
+  ids, num = _sequence_ids(action_mask, segment_ids)
+  count = jax.ops.segment_sum(action_mask.astype(dtype).ravel(), ids, num)
+  return count[ids].reshape(action_mask.shape)
 
 
 def dis_seq_geo_policy_loss(
@@ -378,31 +437,64 @@ def cispo_policy_loss(
     eps_low: float,
     eps_high: float,
 ) -> tuple[Array, dict]:
-  """CISPO: a clipped, stop-gradient importance weight on the log-prob.
+  """CISPO as MiniMax-M1 defines it: an upper-clipped, stop-gradient weight on the log-prob.
 
-      w_t = sg(clip(r_t, 1 - eps_low, 1 + eps_high)),   r_t against rollout_logp
+      w_t = sg(min(r_t, 1 + eps_high)),   r_t against rollout_logp
       L   = - sum_t mask_t * w_t * A_t * logp_t / N
 
-  (MiniMax-M1's CISPO, anchored on the log-prob saved at rollout.) The
-  clip bounds each token's weight but, unlike DIS or PPO's clip, removes no
+  MiniMax-M1 clips the importance weight from above only (its lower bound
+  is set so large that none applies); `eps_low` is not used. The clip
+  bounds each token's weight but, unlike DIS or PPO's clip, removes no
   token's gradient: d L / d logp_t = -mask_t * w_t * A_t / N for every
   action token. The loss value is a REINFORCE-style sum over logp, not a
-  surrogate of r * A; only its gradient is comparable with DIS's.
+  surrogate of r * A; only its gradient is comparable with DIS's. The
+  two-sided clip is `cispo_two_sided_policy_loss`.
 
   Returns:
     (loss, metrics): ratio mean / max / min, approx_kl, tokens, and
-    clip_low_frac / clip_high_frac (action tokens whose weight was clipped
-    up to 1 - eps_low / down to 1 + eps_high).
+    clip_high_frac (action tokens whose weight was clipped down to 1 + eps_high).
   """
+  return _weighted_logp_loss(logp, rollout_logp, advantages, action_mask, None, eps_high)
+
+
+def cispo_two_sided_policy_loss(
+    logp: Array,
+    rollout_logp: Array,
+    advantages: Array,
+    action_mask: Array,
+    eps_low: float,
+    eps_high: float,
+) -> tuple[Array, dict]:
+  """CISPO's weight clipped on both sides: not MiniMax-M1's, a named option.
+
+      w_t = sg(clip(r_t, 1 - eps_low, 1 + eps_high))
+      L   = - sum_t mask_t * w_t * A_t * logp_t / N
+
+  What issue 27's experiments ran as "CISPO (0.2, 0.28)" (called `cispo`
+  then; experiments/dis_stability.py's cispo arms). d L / d logp_t =
+  -mask_t * w_t * A_t / N.
+
+  Returns:
+    (loss, metrics): `cispo_policy_loss`'s, plus clip_low_frac (action
+    tokens whose weight was clipped up to 1 - eps_low).
+  """
+  return _weighted_logp_loss(logp, rollout_logp, advantages, action_mask, eps_low, eps_high)
+
+
+def _weighted_logp_loss(logp, rollout_logp, advantages, action_mask, eps_low, eps_high):
+  """CISPO's loss with the weight clipped to [1 - eps_low, 1 + eps_high]
+  (no lower bound when eps_low is None), and its clip fractions."""
   _check(logp, rollout_logp, advantages, action_mask)
   advantages = jax.lax.stop_gradient(advantages)
   n = _normaliser(action_mask, logp.dtype)
   ratio = importance_ratio(logp, rollout_logp, action_mask)
-  weight = jax.lax.stop_gradient(jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high))
+  low = None if eps_low is None else 1.0 - eps_low
+  weight = jax.lax.stop_gradient(jnp.clip(ratio, low, 1.0 + eps_high))
   loss = -jnp.where(action_mask, weight * advantages * logp, 0.0).sum() / n
   metrics = _ratio_metrics(ratio, logp, rollout_logp, action_mask, n)
-  metrics.update(clip_low_frac=(action_mask & (ratio < 1.0 - eps_low)).sum() / n,
-                 clip_high_frac=(action_mask & (ratio > 1.0 + eps_high)).sum() / n)
+  if low is not None:
+    metrics["clip_low_frac"] = (action_mask & (ratio < low)).sum() / n
+  metrics["clip_high_frac"] = (action_mask & (ratio > 1.0 + eps_high)).sum() / n
   return loss, metrics
 
 
@@ -473,12 +565,13 @@ POLICY_LOSSES = {
     "dis_corrective": dis_corrective_policy_loss,
     "dis_seq_geo": dis_seq_geo_policy_loss,
     "cispo": cispo_policy_loss,
+    "cispo_two_sided": cispo_two_sided_policy_loss,
 }
 
 # The keyword options the train step offers every policy loss: the packed
 # batch's segment ids, and StepConfig's fields of the same names.
-POLICY_LOSS_OPTIONS = ("segment_ids", "rollout_kl_coef", "corrective_side", "geo_eps_low",
-                       "geo_eps_high")
+POLICY_LOSS_OPTIONS = ("segment_ids", "rollout_kl_coef", "rollout_kl_estimator",
+                       "rollout_kl_reduction", "corrective_side", "geo_eps_low", "geo_eps_high")
 
 
 def policy_loss(name: str):

@@ -555,6 +555,16 @@ def _policy_losses():
   return POLICY_LOSSES
 
 
+def _rollout_kl_estimators():
+  from sao_jax.losses import ROLLOUT_KL_ESTIMATORS  # pylint: disable=g-import-not-at-top
+  return ROLLOUT_KL_ESTIMATORS
+
+
+def _rollout_kl_reductions():
+  from sao_jax.losses import ROLLOUT_KL_REDUCTIONS  # pylint: disable=g-import-not-at-top
+  return ROLLOUT_KL_REDUCTIONS
+
+
 def _corrective_sides():
   from sao_jax.losses import CORRECTIVE_SIDES  # pylint: disable=g-import-not-at-top
   return CORRECTIVE_SIDES
@@ -574,14 +584,24 @@ class RL(Section):
                         "group, running_mean.", one_of(_estimators))
   policy_loss: str = knob(
       "dis", "A loss of sao_jax/losses.py: dis (the paper's) or ppo_clip; DIS's variants "
-      "(issue 27) dis_rollout_kl, dis_corrective, dis_seq_geo, cispo. Measured at tiny scale "
+      "(issue 27) dis_rollout_kl, dis_corrective, dis_seq_geo, cispo (MiniMax-M1's: upper "
+      "clip only), cispo_two_sided. Measured at tiny scale "
       "(experiments/README.md): SAO with DIS collapsed in 3 of 10 runs, SAO with PPO clip in "
       "0 of 5.", one_of(_policy_losses))
-  eps_low: float = knob(0.2, "Ratio window's lower width: 1 - eps_low.",
+  eps_low: float = knob(0.2, "Ratio window's lower width: 1 - eps_low (0.2 / 0.28: this "
+                        "project's choice; the paper gives no values).",
                         unit_interval(open_low=True, open_high=True))
   eps_high: float = knob(0.28, "Ratio window's upper width: 1 + eps_high.", real(0, above=True))
-  rollout_kl_coef: float = knob(0.1, "dis_rollout_kl: beta of its k3 penalty on KL(rollout "
-                                "policy || current), per action token.", real(0))
+  rollout_kl_coef: float = knob(0.1, "dis_rollout_kl: beta of its penalty on the KL "
+                                "divergence from the rollout policy.", real(0))
+  rollout_kl_estimator: str = knob(
+      "k2", "dis_rollout_kl: the per-token KL estimator, k2 = 0.5 (log r)^2 (SkyRL's "
+      "proposal) or k3 = r - 1 - log r (what issue 27's dis_kl arms ran).",
+      one_of(_rollout_kl_estimators))
+  rollout_kl_reduction: str = knob(
+      "sequence", "dis_rollout_kl: the penalty's mean, \"sequence\" (each sequence's token "
+      "mean, then the mean over sequences: SkyRL's proposal) or \"token\" (over the batch's "
+      "action tokens: what issue 27's dis_kl arms ran).", one_of(_rollout_kl_reductions))
   corrective_side: str = knob(
       "low", "dis_corrective: which out-of-window corrective tokens it keeps, \"low\" (A > 0 "
       "below the window; their weight r < 1 - eps_low is bounded) or \"high\" (A < 0 above "
@@ -655,6 +675,59 @@ class Fleet(Section):
   max_unread_shards: int = knob(8, "A rollout with this many closed shards the trainer has "
                                 "not consumed waits (backpressure, like rollout.queue_size "
                                 "in-process).", integer(1))
+
+
+def _is_str_dict(v) -> bool:
+  return isinstance(v, dict) and all(isinstance(k, str) for k in v)
+
+
+def _is_resources(v) -> bool:
+  return _is_str_dict(v) and all(is_real(x) and x >= 0 for x in v.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class Pod(Section):
+  """launch/pod.py: one command starts, places and supervises every host
+  (sao_jax/pod.py): the trainer's processes and the rollout hosts, on Ray
+  or as a Kubernetes JobSet."""
+  NAME: ClassVar[str] = "pod"
+  trainer_hosts: int = knob(1, "Trainer processes, one a host of the training slice "
+                            "(jax.distributed over them when > 1).", integer(1))
+  rollout_hosts: int = knob(0, "Rollout processes (launch/rollout.py), one a rollout host; "
+                            "> 0 needs rl.mode = \"fleet\".", integer(0))
+  trainer_resources: dict = knob(
+      {}, "Ray resources one trainer host takes (e.g. {\"TPU\": 4}); {}: one CPU.",
+      Check(_is_resources, "a dict of Ray resource name -> amount >= 0"))
+  rollout_resources: dict = knob(
+      {}, "Ray resources one rollout host takes; {}: one CPU.",
+      Check(_is_resources, "a dict of Ray resource name -> amount >= 0"))
+  host_env: dict = knob({}, "Environment variables of every host's process.",
+                        Check(lambda v: _is_str_dict(v) and all(isinstance(x, str)
+                                                                 for x in v.values()),
+                              "a dict of str -> str"))
+  max_trainer_restarts: int = knob(
+      3, "Restarts of the trainer group (all its processes, from the last checkpoint) "
+      "before the job fails.", integer(0))
+  max_rollout_restarts: int = knob(
+      10, "Restarts of each rollout host (same rollout_id: it resumes its shard "
+      "sequence) before the job fails.", integer(0))
+  coordinator_port: int = knob(
+      0, "jax.distributed's port on trainer host 0; 0: a free port, new at each start.",
+      integer(0, 65535))
+  finish_seconds: float = knob(
+      600.0, "After the trainer finishes, how long rollout hosts get to see DONE and exit "
+      "before they are stopped.", real(0, unit="a finite number of seconds"))
+  image: str = knob("sao-jax:latest", "Container image of the emitted JobSet (Dockerfile).",
+                    Check(lambda v: isinstance(v, str) and v, "a non-empty image name"))
+  tpu_type: str = knob("tpu-v5p-slice", "GKE TPU accelerator of the emitted JobSet "
+                       "(cloud.google.com/gke-tpu-accelerator).",
+                       Check(lambda v: isinstance(v, str) and v, "a GKE TPU accelerator"))
+  trainer_topology: str = knob("4x4x8", "TPU topology of the training slice "
+                               "(cloud.google.com/gke-tpu-topology).",
+                               Check(lambda v: isinstance(v, str) and v, "e.g. \"4x4x8\""))
+  rollout_topology: str = knob("2x2x1", "TPU topology of one rollout host's slice.",
+                               Check(lambda v: isinstance(v, str) and v, "e.g. \"2x2x1\""))
+  chips_per_host: int = knob(4, "TPU chips a host (google.com/tpu of each pod).", integer(1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -783,7 +856,7 @@ class Faults(Section):
 # The typed sections of a run's config, by attribute name.
 SECTIONS: dict[str, type[Section]] = {
     s.NAME: s for s in (Model, Env, Sharding, Distributed, Data, SFT, ValuePretrain, Rollout,
-                        RL, Fleet, Eval, Logging, Checkpoint, Faults)}
+                        RL, Fleet, Pod, Eval, Logging, Checkpoint, Faults)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -799,6 +872,7 @@ class Sections:
   rollout: Rollout
   rl: RL
   fleet: Fleet
+  pod: Pod
   eval: Eval
   logging: Logging
   checkpoint: Checkpoint

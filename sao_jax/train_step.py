@@ -74,8 +74,11 @@ class StepConfig:
   temperature: float = 1.0
   # The policy-loss variants' options (losses.POLICY_LOSS_OPTIONS); a loss
   # that does not name one ignores it.
-  # "dis_rollout_kl": beta of the k3 penalty on KL(rollout || current).
+  # "dis_rollout_kl": beta of its KL penalty, the per-token estimator
+  # ("k2" / "k3") and the mean ("sequence" / "token"; losses.py).
   rollout_kl_coef: float = 0.1
+  rollout_kl_estimator: str = "k2"
+  rollout_kl_reduction: str = "sequence"
   # "dis_corrective": the side whose corrective tokens are kept, "low"
   # (A > 0 below the window) or "high" (A < 0 above it).
   corrective_side: str = "low"
@@ -87,6 +90,12 @@ class StepConfig:
   def __post_init__(self):
     adv.estimator(self.advantage)  # unknown names raise, listing the known ones
     losses.policy_loss(self.policy_loss)
+    if self.rollout_kl_estimator not in losses.ROLLOUT_KL_ESTIMATORS:
+      raise ValueError(f"rollout_kl_estimator {self.rollout_kl_estimator!r}: must be one of "
+                       f"{losses.ROLLOUT_KL_ESTIMATORS}")
+    if self.rollout_kl_reduction not in losses.ROLLOUT_KL_REDUCTIONS:
+      raise ValueError(f"rollout_kl_reduction {self.rollout_kl_reduction!r}: must be one of "
+                       f"{losses.ROLLOUT_KL_REDUCTIONS}")
     if self.corrective_side not in losses.CORRECTIVE_SIDES:
       raise ValueError(f"corrective_side {self.corrective_side!r}: must be one of "
                        f"{losses.CORRECTIVE_SIDES}")

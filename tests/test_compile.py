@@ -101,6 +101,23 @@ def test_every_program_compiles_and_fits(tmp_path):
     # replicates or materialises something it should not.
     assert row["total_bytes"] < 256 * 2**20, (name, row["total_bytes"])
     assert row["headroom"] > 0.9
+  # The precision line: the tiny config trains and serves float32, so one
+  # version moves the master weights' bytes.
+  prec = result["precision"]
+  assert (prec["param_dtype"], prec["compute_dtype"], prec["serving_dtype"]) == ("float32",) * 3
+  assert prec["version_bytes"] == prec["master_bytes"] > 0
+  assert "[compile] precision: float32 master weights" in stdout
+  # What crosses chips: the RL step reduces its fsdp-sharded gradients, and
+  # in an fp32 program every sum across chips is f32. (Its weight
+  # all-gathers are bf16: at default precision the TPU compiler feeds f32
+  # matmuls bf16 operands, and gathers them so.)
+  coll = result["programs"]["rl"]["collectives"]
+  reductions = {op: coll[op] for op in ("all-reduce", "reduce-scatter") if op in coll}
+  assert reductions, coll
+  for op, by_dtype in reductions.items():
+    assert "f32" in by_dtype and {"bf16", "f16"}.isdisjoint(by_dtype), (op, by_dtype)
+  for op, by_dtype in coll.items():
+    assert all(v["count"] > 0 and v["bytes"] > 0 for v in by_dtype.values()), (op, by_dtype)
   # The engine's KV capacity: a dense cache holds slots x max_len live tokens.
   pool = result["rollout_pool"]
   assert (pool["kind"], pool["live_tokens"], pool["fraction_of_dense"]) == ("dense", 256, 1.0)

@@ -195,12 +195,14 @@ def test_variant_passes_validation_and_trains_in_the_jitted_step(name, monkeypat
   monkeypatch.setitem(losses.POLICY_LOSSES, name, spy)
   state, step = make_state(ts.StepConfig(policy_loss=name, critic_updates=1,
                                          corrective_side="high", geo_eps_low=0.5,
-                                         geo_eps_high=1.0))
+                                         geo_eps_high=1.0, rollout_kl_estimator="k3",
+                                         rollout_kl_reduction="token"))
   batch = _lagged_packed_batch()
   new, metrics = jax.jit(step)(state, batch)
   assert int(new.step) == 1 and np.isfinite(float(metrics["policy/loss"]))
   # Every option reaches the record; the batch's segment ids among them.
   assert seen["corrective_side"] == "high" and seen["geo_eps_high"] == 1.0
+  assert (seen["rollout_kl_estimator"], seen["rollout_kl_reduction"]) == ("k3", "token")
   assert seen["segment_ids"].shape == batch["segment_ids"].shape
   # The diagnostics: every action token in one bucket, NaN only where a bucket is empty.
   m = batch["action_mask"]
@@ -241,7 +243,8 @@ def test_step_diagnostics_are_the_kernels_on_the_steps_own_log_probs():
 
 @pytest.mark.parametrize("field,value", [
     ("rl.corrective_side", "both"), ("rl.rollout_kl_coef", -0.1),
-    ("rl.rollout_kl_coef", float("inf")), ("rl.geo_eps_low", 1.0), ("rl.geo_eps_high", 0.0)])
+    ("rl.rollout_kl_coef", float("inf")), ("rl.geo_eps_low", 1.0), ("rl.geo_eps_high", 0.0),
+    ("rl.rollout_kl_estimator", "k1"), ("rl.rollout_kl_reduction", "row")])
 def test_bad_variant_options_fail_validation(field, value):
   with pytest.raises(configuration.ConfigError) as e:
     configuration.validate(_config(**{field: value}), num_devices=8)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from experiments import dis_stability, gae_ablations, headline, lr_sweep, online, runner
-from experiments import stability, system, value_ablations
+from experiments import stability, stats, system, value_ablations
 from sao_jax import configuration
 
 FINDINGS = (headline, stability, value_ablations, gae_ablations, online, system, lr_sweep,
@@ -38,14 +38,14 @@ def test_arms_differing_only_in_rl_share_one_sft_start_and_others_do_not():
 
 def test_bootstrap_ci_matches_a_numpy_loop_and_covers_the_mean():
   diffs = [0.05, 0.02, 0.08, -0.01, 0.04]
-  lo, hi = runner.bootstrap_ci(diffs, samples=4000, seed=3)
+  lo, hi = stats.bootstrap_ci(diffs, samples=4000, seed=3)
   rng = np.random.default_rng(3)
   idx = rng.integers(0, 5, (4000, 5))
   means = [np.mean([diffs[i] for i in row]) for row in idx]
   assert (lo, hi) == pytest.approx(tuple(np.quantile(means, [0.025, 0.975])))
   assert lo < np.mean(diffs) < hi
   assert lo >= min(diffs) and hi <= max(diffs)
-  assert np.isnan(runner.bootstrap_ci([0.1])[0])  # one seed: no interval
+  assert np.isnan(stats.bootstrap_ci([0.1])[0])  # one seed: no interval
 
 
 def _fake_run(sft, final, steps=10):
@@ -69,7 +69,10 @@ def test_aggregate_pairs_arms_by_seed_and_writes_table_and_plot(tmp_path):
   assert sao["final_pass@1"]["std"] == pytest.approx(np.std([.6, .7, .65], ddof=1))
   vs = result["arms"]["grpo"]["vs_reference"]
   assert vs["paired_seeds"] == [0, 1] and vs["per_seed"] == pytest.approx([-.1, -.15])
-  assert vs["mean_diff"] == pytest.approx(-.125) and vs["excludes_zero"]
+  assert vs["mean_diff"] == pytest.approx(-.125)
+  # Two seeds: the t-interval (t_0.975,1 = 12.7) spans 0, and p is 0.5.
+  assert not vs["excludes_zero"] and vs["t_ci95"][0] < 0 < vs["t_ci95"][1]
+  assert vs["sign_flip_p"] == pytest.approx(0.5) and vs["n"] == 2
   assert "vs_reference" not in sao
   assert "| SAO | 3 |" in runner.table(result)
   assert runner.table(result).splitlines()[2].endswith("| 1.00 / 3 |")  # policy lag
@@ -175,8 +178,12 @@ def test_smoke_grid_end_to_end(tmp_path):
     assert summary["sft_pass@1"] == result["arms"]["sao"]["sft_pass@1"]["per_seed"][0]
     assert (summary["generated_tokens"] >= plan["budget_tokens"]
             or summary["rl_steps"] == runner.SMOKE_BUDGET_STEPS)
+    # Each run records the commit it ran on, and results.json carries it per seed.
+    assert plan["commit"] == runner.git_commit()
   saved = json.load(open(tmp_path / "r" / "results.json", encoding="utf-8"))
   assert saved["smoke"] and "vs_reference" in saved["arms"]["grpo_sync"]
+  assert saved["commits"]["sao"] == {"0": runner.git_commit() or "unrecorded"}
+  assert "t_ci95" in saved["arms"]["grpo_sync"]["vs_reference"]
   assert (tmp_path / "r" / "results.png").exists()
 
 
@@ -306,7 +313,10 @@ def test_dis_stability_arms_share_one_sft_start_and_differ_in_what_they_say():
   assert (cfg("dis_wide_q64").rl.eps_low, cfg("dis_wide_q64").rl.eps_high) == (0.5, 4.0)
   assert cfg("ppo_stale").rl.policy_loss == "ppo_clip"
   assert cfg("dis_kl_q64").rl.policy_loss == "dis_rollout_kl"
-  assert cfg("cispo_q64").rl.policy_loss == "cispo"
+  assert cfg("cispo_q64").rl.policy_loss == "cispo_two_sided"
+  # What these arms ran: k3 with a token mean, not the loss's k2 / sequence default.
+  assert (cfg("dis_kl_stale").rl.rollout_kl_estimator, cfg("dis_kl_stale").rl.rollout_kl_reduction
+          ) == ("k3", "token")
   assert all(a in names and b in names for a, b in dis_stability.CONTRASTS)
 
 
@@ -372,3 +382,48 @@ def test_dis_stability_smoke_grid(tmp_path):
   assert "dis/outside_frac" in diag and "lag0" in diag["by_lag"]
   text = (tmp_path / "r" / "results.md").read_text(encoding="utf-8")
   assert "| async SAO, DIS (0.2, 0.28), forced lag (48 slots, sync every 4) | 1 |" in text
+
+
+def test_check_commits_refuses_an_arm_whose_seeds_ran_on_two_commits():
+  runs = {"sao": {0: dict(_fake_run(.4, .6), commit="aaa"), 1: dict(_fake_run(.4, .6),
+                                                                  commit="aaa")},
+          "grpo": {0: dict(_fake_run(.4, .5), commit="aaa"), 1: dict(_fake_run(.4, .5),
+                                                                   commit="bbb")},
+          "old": {0: _fake_run(.4, .5), 1: dict(_fake_run(.4, .5), commit="ccc")}}
+  with pytest.raises(ValueError, match="grpo: seed 0 aaa, seed 1 bbb"):
+    runner.check_commits(runs)
+  out = runner.check_commits(runs, allow_mixed=True)
+  assert out["grpo"] == {0: "aaa", 1: "bbb"}
+  # A record from before commits were recorded is never a second commit.
+  assert out["old"] == {0: "unrecorded", 1: "ccc"}
+  del runs["grpo"]
+  assert runner.check_commits(runs)["sao"] == {0: "aaa", 1: "aaa"}
+  assert runner.git_commit() is None or len(runner.git_commit().split("-")[0]) == 40
+
+
+def test_restat_adds_the_new_statistics_to_old_results_and_keeps_their_values(tmp_path):
+  from experiments import restat  # pylint: disable=g-import-not-at-top
+  f = headline.FINDING
+  runs = {"sao": {s: _fake_run(.4, v) for s, v in enumerate((.6, .7, .65))},
+          "grpo": {s: _fake_run(.4, v) for s, v in enumerate((.5, .55, .66))}}
+  result = runner.aggregate(f, runs)
+  # An earlier results.json: a bootstrap interval only.
+  old_vs = {k: result["arms"]["grpo"]["vs_reference"][k]
+            for k in ("paired_seeds", "mean_diff", "per_seed", "ci95", "excludes_zero")}
+  result["arms"]["grpo"]["vs_reference"] = dict(old_vs)
+  result["runs"] = {a: {str(s): r for s, r in by.items()} for a, by in runs.items()}
+  os.makedirs(tmp_path / "headline")
+  with open(tmp_path / "headline" / "results.json", "w", encoding="utf-8") as fh:
+    json.dump(result, fh)
+  text = restat.main(["--results", str(tmp_path), "--update"])
+  # sao - grpo: +0.1, +0.15, -0.01 (2 of 3 ahead): p = 0.5 by enumeration.
+  lo, hi = stats.t_interval([0.1, 0.15, -0.01])
+  assert "| sao - grpo | 3 | +0.080 |" in text and f"[{lo:+.3f}, {hi:+.3f}]" in text
+  assert "| 0.5 | 2 of 3 |" in text
+  assert (tmp_path / "STATS.md").read_text(encoding="utf-8") == text
+  with open(tmp_path / "headline" / "results.json", encoding="utf-8") as fh:
+    vs = json.load(fh)["arms"]["grpo"]["vs_reference"]
+  assert all(vs[k] == v for k, v in old_vs.items() if k != "excludes_zero")
+  assert vs["t_ci95"] == pytest.approx([-hi, -lo]) and vs["sign_flip_p"] == pytest.approx(0.5)
+  assert vs["bootstrap_excludes_zero"] == old_vs["excludes_zero"] and not vs["excludes_zero"]
+  assert "[t: " in (tmp_path / "headline" / "results.md").read_text(encoding="utf-8")

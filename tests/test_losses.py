@@ -114,15 +114,27 @@ def np_regions(r, a, m, eps_low=EPS_LOW, eps_high=EPS_HIGH):
   return below, above, m & ~below & ~above
 
 
-def np_dis_rollout_kl(logp, rollout, a, m):
-  """(loss, dloss/dlogp) of DIS + beta * mean k3."""
+def np_dis_rollout_kl(logp, rollout, a, m, estimator="k2", reduction="sequence", seg=None):
+  """(loss, dloss/dlogp, KL) of DIS + beta * KL, the sequence mean by loops."""
   r = np.exp(logp - rollout)
+  lr = logp - rollout
   _, _, inside = np_regions(r, a, m)
   n = m.sum()
-  k3 = r - 1 - (logp - rollout)
-  loss = -(inside * r * a).sum() / n + BETA * (m * k3).sum() / n
-  grad = (-(inside * r * a) + BETA * m * (r - 1)) / n
-  return loss, grad
+  k, g = (0.5 * lr ** 2, lr) if estimator == "k2" else (r - 1 - lr, r - 1)
+  if reduction == "token":
+    w = m / n
+  else:
+    seg = np.ones(m.shape, np.int32) if seg is None else seg
+    w = np.zeros(m.shape)
+    seqs = [(i, s) for i in range(m.shape[0]) for s in np.unique(seg[i])
+            if (m[i] & (seg[i] == s)).any()]
+    for i, s in seqs:
+      sel = m[i] & (seg[i] == s)
+      w[i][sel] = 1.0 / (sel.sum() * len(seqs))
+  kl = (w * k).sum()
+  loss = -(inside * r * a).sum() / n + BETA * kl
+  grad = -(inside * r * a) / n + BETA * w * g
+  return loss, grad, kl
 
 
 def np_dis_corrective(logp, rollout, a, m, side):
@@ -158,9 +170,9 @@ def np_dis_seq_geo(logp, rollout, a, m, seg):
           dropped_tokens / n)
 
 
-def np_cispo(logp, rollout, a, m):
+def np_cispo(logp, rollout, a, m, two_sided=False):
   r = np.exp(logp - rollout)
-  w = np.clip(r, 1 - EPS_LOW, 1 + EPS_HIGH)
+  w = np.clip(r, 1 - EPS_LOW, 1 + EPS_HIGH) if two_sided else np.minimum(r, 1 + EPS_HIGH)
   n = m.sum()
   return -(m * w * a * logp).sum() / n, -(m * w * a) / n
 
@@ -192,25 +204,54 @@ def packed_batch(seed=0, b=4, t=24):
 class DisVariantsTest(parameterized.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
-  def test_rollout_kl_value_and_gradient(self):
-    logp, rollout, a, m = batch(4)
-    fn = lambda lp: losses.dis_rollout_kl_policy_loss(lp, rollout, a, m, EPS_LOW, EPS_HIGH,
-                                                      rollout_kl_coef=BETA)
+  @parameterized.product(estimator=("k2", "k3"), reduction=("sequence", "token"))
+  def test_rollout_kl_value_and_gradient(self, estimator, reduction):
+    logp, rollout, a, m, seg = packed_batch(4)
+    fn = lambda lp: losses.dis_rollout_kl_policy_loss(
+        lp, rollout, a, m, EPS_LOW, EPS_HIGH, rollout_kl_coef=BETA,
+        rollout_kl_estimator=estimator, rollout_kl_reduction=reduction, segment_ids=seg)
     (loss, metrics), grad = self.variant(jax.value_and_grad(fn, has_aux=True))(logp)
-    want_loss, want_grad = np_dis_rollout_kl(logp, rollout, a, m)
+    want_loss, want_grad, kl = np_dis_rollout_kl(logp, rollout, a, m, estimator, reduction,
+                                                 seg)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-7)
     np.testing.assert_array_equal(np.asarray(grad)[~m], 0.0)
     r = np.exp(logp - rollout)
-    kl = (m * (r - 1 - (logp - rollout))).sum() / m.sum()
     np.testing.assert_allclose(metrics["rollout_kl"], kl, rtol=1e-5)
     np.testing.assert_allclose(metrics["kl_penalty"], BETA * kl, rtol=1e-5)
-    np.testing.assert_allclose(metrics["approx_kl"], kl, rtol=1e-5)
+    if (estimator, reduction) == ("k3", "token"):  # the reported approx_kl
+      np.testing.assert_allclose(metrics["approx_kl"], kl, rtol=1e-5)
     dis, _ = losses.dis_policy_loss(logp, rollout, a, m, EPS_LOW, EPS_HIGH)
     np.testing.assert_allclose(metrics["dis_loss"], dis, rtol=1e-6)
     # The penalty reaches tokens DIS masks: the window's outside has gradient.
     below, above, _ = np_regions(r, a, m)
     self.assertTrue((np.asarray(grad)[below | above] != 0).all())
+
+  def test_rollout_kl_by_hand(self):
+    # One row, two sequences: log r = (0.2, -0.2 | 0.4); A = 0 leaves the penalty.
+    lr = np.array([[0.2, -0.2, 0.4]], np.float32)
+    m, a = np.ones((1, 3), bool), np.zeros((1, 3), np.float32)
+    zero, seg = np.zeros((1, 3), np.float32), np.array([[1, 1, 2]], np.int32)
+
+    def loss(lp, **kw):
+      return losses.dis_rollout_kl_policy_loss(lp, zero, a, m, EPS_LOW, EPS_HIGH,
+                                               rollout_kl_coef=1.0, segment_ids=seg, **kw)[0]
+
+    # k2, sequence mean (the default): (0.5 * (0.04 + 0.04) / 2 + 0.5 * 0.16) / 2 = 0.05;
+    # gradient log r / (|s| S): (0.2 / 4, -0.2 / 4, 0.4 / 2).
+    np.testing.assert_allclose(loss(lr), 0.05, rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(loss)(lr), [[0.05, -0.05, 0.2]], rtol=1e-6)
+    # k2, token mean: 0.5 * 0.24 / 3 = 0.04; gradient log r / 3.
+    np.testing.assert_allclose(loss(lr, rollout_kl_reduction="token"), 0.04, rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(lambda x: loss(x, rollout_kl_reduction="token"))(lr),
+                               lr / 3, rtol=1e-6)
+    # k3, token mean: sum(e^x - 1 - x) / 3.
+    k3 = (np.exp(lr) - 1 - lr).sum() / 3
+    np.testing.assert_allclose(loss(lr, rollout_kl_estimator="k3",
+                                    rollout_kl_reduction="token"), k3, rtol=1e-5)
+    for kw in ({"rollout_kl_estimator": "k1"}, {"rollout_kl_reduction": "row"}):
+      with self.assertRaisesRegex(ValueError, "must be one of"):
+        loss(lr, **kw)
 
   def test_rollout_kl_with_zero_coefficient_is_dis(self):
     logp, rollout, a, m = batch(5)
@@ -309,12 +350,25 @@ class DisVariantsTest(parameterized.TestCase):
     np.testing.assert_allclose(rows, np.broadcast_to(
         (lr * m).sum(1, keepdims=True) / m.sum(1, keepdims=True), m.shape), rtol=1e-5)
 
+  def test_cispo_clips_the_weight_from_above_only(self):
+    # r = 0.5 (below 1 - eps_low), 1.0, 2.0 (above 1 + eps_high); A = 1, N = 3.
+    rollout = np.zeros((1, 3), np.float32)
+    logp = np.log(np.array([[0.5, 1.0, 2.0]], np.float32))
+    a, m = np.ones((1, 3), np.float32), np.ones((1, 3), bool)
+    grad = lambda fn: jax.grad(lambda lp: fn(lp, rollout, a, m, EPS_LOW, EPS_HIGH)[0])(logp)
+    np.testing.assert_allclose(grad(losses.cispo_policy_loss),
+                               [[-0.5 / 3, -1 / 3, -(1 + EPS_HIGH) / 3]], rtol=1e-6)
+    np.testing.assert_allclose(grad(losses.cispo_two_sided_policy_loss),
+                               [[-(1 - EPS_LOW) / 3, -1 / 3, -(1 + EPS_HIGH) / 3]], rtol=1e-6)
+
   @chex.variants(with_jit=True, without_jit=True)
-  def test_cispo_value_and_gradient(self):
+  @parameterized.parameters(False, True)
+  def test_cispo_value_and_gradient(self, two_sided):
     logp, rollout, a, m = batch(7)
-    fn = lambda lp: losses.cispo_policy_loss(lp, rollout, a, m, EPS_LOW, EPS_HIGH)
+    loss_fn = losses.cispo_two_sided_policy_loss if two_sided else losses.cispo_policy_loss
+    fn = lambda lp: loss_fn(lp, rollout, a, m, EPS_LOW, EPS_HIGH)
     (loss, metrics), grad = self.variant(jax.value_and_grad(fn, has_aux=True))(logp)
-    want_loss, want_grad = np_cispo(logp, rollout, a, m)
+    want_loss, want_grad = np_cispo(logp, rollout, a, m, two_sided)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-7)
     grad = np.asarray(grad)
@@ -325,7 +379,10 @@ class DisVariantsTest(parameterized.TestCase):
     self.assertTrue((grad[m & (a != 0)] != 0).all())
     np.testing.assert_array_equal(grad[~m], 0.0)
     n = m.sum()
-    np.testing.assert_allclose(metrics["clip_low_frac"], (m & (r < 1 - EPS_LOW)).sum() / n)
+    if two_sided:
+      np.testing.assert_allclose(metrics["clip_low_frac"], (m & (r < 1 - EPS_LOW)).sum() / n)
+    else:
+      self.assertNotIn("clip_low_frac", metrics)
     np.testing.assert_allclose(metrics["clip_high_frac"], (m & (r > 1 + EPS_HIGH)).sum() / n)
 
 
@@ -352,7 +409,8 @@ class PolicyLossTableTest(parameterized.TestCase):
       losses.call_policy_loss(fn, logp, rollout, a, m, EPS_LOW, EPS_HIGH, **options)
     self.assertEqual(seen, {"kl": 0.5, "all": sorted(options)})
 
-  @parameterized.parameters("dis_rollout_kl", "dis_corrective", "dis_seq_geo", "cispo")
+  @parameterized.parameters("dis_rollout_kl", "dis_corrective", "dis_seq_geo", "cispo",
+                            "cispo_two_sided")
   def test_variants_are_records_with_the_shared_signature(self, name):
     logp, rollout, a, m = batch(8)
     fn = losses.policy_loss(name)

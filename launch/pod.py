@@ -1,0 +1,101 @@
+"""One command for a pod job: starts, places and supervises every trainer and rollout host.
+
+    # on a Ray cluster (or a laptop: a local Ray instance is started)
+    python launch/pod.py --config=configs/sao_moe.py --workdir=/mnt/shared/run \
+        [--ray_address=auto] [--config.pod.rollout_hosts=8] [--config.FIELD=VALUE ...]
+
+    # GKE without Ray: write the same job as a Kubernetes JobSet
+    python launch/pod.py --config=configs/sao_moe.py --workdir=/mnt/shared/run \
+        --emit=jobset --out=sao_moe.jobset.json [--name=sao-moe]
+
+Every host runs the command a user would type on it (launch/train.py on
+each trainer process with its jax.distributed flags, launch/rollout.py on
+each rollout host with its own --rollout_id), with this command's config
+file and --config.* overrides; sao_jax/pod.py has the plan and the restart
+policy, sao_jax/pod_ray.py the Ray runtime, sao_jax/pod_jobset.py the
+JobSet. The `pod` config section sets the hosts, their resources and the
+restart budgets.
+"""
+
+import json
+import os
+import sys
+
+from absl import flags
+from ml_collections import config_flags
+
+from sao_jax import configuration, pod, sections
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory every host sees.")
+_EMIT = flags.DEFINE_enum("emit", "ray", ["ray", "jobset"],
+                          "ray: run the job on Ray; jobset: write a Kubernetes JobSet.")
+_OUT = flags.DEFINE_string("out", None, "--emit=jobset: write it here (default: stdout).")
+_NAME = flags.DEFINE_string("name", None, "--emit=jobset: the JobSet's name (default: the "
+                            "workdir's last component).")
+_RAY_ADDRESS = flags.DEFINE_string("ray_address", None, "Ray cluster to join ('auto': the "
+                                   "one this host belongs to); unset: a local Ray instance.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def config_overrides(argv) -> list[str]:
+  """The --config.FIELD=VALUE flags of this command, in order: every host gets them."""
+  out = []
+  args = iter(argv[1:])
+  for a in args:
+    if a.startswith("--config.") and "=" in a:
+      out.append(a)
+    elif a.startswith("--config.") and not a.startswith("--config="):
+      out.append(f"{a}={next(args, '')}")
+  return out
+
+
+def _k8s_name(text: str) -> str:
+  name = "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
+  return (name or "sao-jax")[:40].rstrip("-")
+
+
+def main(argv):
+  config = _CONFIG.value
+  section = sections.load(config).pod
+  pod.check(config, section)
+  overrides = config_overrides(sys.argv)
+  config_file = config_flags.get_config_filename(flags.FLAGS["config"])
+  if _EMIT.value == "jobset":
+    from sao_jax import pod_jobset  # pylint: disable=g-import-not-at-top
+    rel = os.path.relpath(os.path.abspath(config_file), pod.ROOT)
+    name = _k8s_name(_NAME.value or os.path.basename(os.path.normpath(_WORKDIR.value)))
+    manifest = pod_jobset.jobset(name, rel if not rel.startswith("..") else config_file,
+                                 _WORKDIR.value, overrides, section)
+    text = json.dumps(manifest, indent=2) + "\n"
+    if _OUT.value:
+      with open(_OUT.value, "w", encoding="utf-8") as f:
+        f.write(text)
+      print(f"[pod] wrote JobSet {name!r} ({section.trainer_hosts} trainer, "
+            f"{section.rollout_hosts} rollout hosts) to {_OUT.value}")
+    else:
+      sys.stdout.write(text)
+    return
+  try:
+    import ray  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise sections.ConfigError("--emit=ray needs Ray: pip install -e '.[pod]'") from None
+  from sao_jax import pod_ray  # pylint: disable=g-import-not-at-top
+  workdir = os.path.abspath(_WORKDIR.value)
+  hosts = pod.plan(os.path.abspath(config_file), workdir, overrides, section)
+  # A local instance gets a logical CPU a host: the actors only watch their
+  # host's process (what the processes compute is not Ray's to schedule).
+  local = {} if _RAY_ADDRESS.value else {"num_cpus": len(hosts)}
+  ray.init(address=_RAY_ADDRESS.value, include_dashboard=False, log_to_driver=False,
+           configure_logging=False, **local)
+  print(f"[pod] {len(hosts)} hosts on Ray ({section.trainer_hosts} trainer, "
+        f"{section.rollout_hosts} rollout); workdir {workdir}", flush=True)
+  try:
+    code = pod_ray.Job(hosts, section, log=lambda line: print(line, flush=True)).run()
+  finally:
+    ray.shutdown()
+  sys.exit(code)
+
+
+if __name__ == "__main__":
+  configuration.run(main)
