@@ -1,7 +1,7 @@
 """Defaults shared by every config; each config file overrides what it changes.
 
 Every section is built from its record in sao_jax/sections.py (model, env,
-sharding, distributed, data, sft, value_pretrain, rollout, rl, fleet, eval,
+sharding, distributed, data, sft, value_pretrain, rollout, rl, fleet, pod, eval,
 logging, checkpoint, faults), where each field is documented and checked.
 """
 
