@@ -97,6 +97,9 @@ def test_file_import_string_and_a_replaced_reward(user_pkg):
     ("env.kwargs", {"max_opz": 3}, "not options of 'python_tool'"),
     ("env.tokenizer", "gpt2", "env.tokenizer = 'gpt2': must be one of"),
     ("env.chat_format", "chatml", "env.chat_format = 'chatml': must be one of"),
+    ("env.tool_calls_per_turn", -1, "env.tool_calls_per_turn = -1: must be an integer >= 0"),
+    ("env.tool_seconds_per_turn", 60.0,
+     r"env.tool_seconds_per_turn = 60.0: must be < rollout.env_timeout \(60\)"),
 ])
 def test_unknown_env_names_fail_validation_in_one_line(field, value, message):
   with pytest.raises(configuration.ConfigError, match=message) as e:

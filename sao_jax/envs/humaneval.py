@@ -98,7 +98,8 @@ import threading
 
 from sao_jax.data.prompts import EVAL_OFFSET
 from sao_jax.envs.base import GraderError, StepResult, Task
-from sao_jax.envs.dataset import PYTHON_TOOL, answer_tool_calls
+from sao_jax.envs.dataset import (PYTHON_TOOL, ToolBudget, ToolMeter, answer_tool_calls,
+                                  sandbox_limits_within)
 from sao_jax.envs.sandbox import SandboxLimits, run_python
 
 NUM_PROBLEMS = 164
@@ -489,6 +490,7 @@ class _Episode:
 
   def __init__(self, env: "HumanEval", task: Task):
     self._env, self._task, self._turns = env, task, 0
+    self._meter = ToolMeter(env.tool_budget)
 
   def step(self, action: str) -> StepResult:
     self._turns += 1
@@ -503,7 +505,7 @@ class _Episode:
                         {"correct": passed, "verdict": verdict, "detail": detail,
                          "task_id": self._task.meta["task_id"],
                          "events": ["grader_retry"] * min(retries, 8)})
-    messages, events = answer_tool_calls(action, self._env.call_tool)
+    messages, events = answer_tool_calls(action, self._env.call_tool, self._meter)
     info = {"correct": False, "events": events}
     done = self._turns >= self._env.max_turns
     if done:
@@ -536,6 +538,8 @@ class HumanEval:
     self._tools = (PYTHON_TOOL,) if "python" in config.tools else ()
     self._calls: dict[str, tuple[str, ...]] = {}
     self._locks = {p["task_id"]: threading.Lock() for p in self.problems}
+    # Bounds on each turn's tool calls (registry.make_env sets env config's).
+    self.tool_budget = ToolBudget()
 
   # --- tasks ------------------------------------------------------------------
 
@@ -563,12 +567,13 @@ class HumanEval:
 
   # --- tools and grading ----------------------------------------------------------
 
-  def call_tool(self, name: str, arguments: dict) -> str:
+  def call_tool(self, name: str, arguments: dict, seconds: float | None = None) -> str:
     if name != "python" or "python" not in self.config.tools:
       return f"error: no tool {name!r}"
     if not self.config.use_sandbox:
       raise RuntimeError("the python tool without the sandbox is for tests only")
-    return run_python(arguments["code"], self.limits, PRELOAD).observation()
+    return run_python(arguments["code"], sandbox_limits_within(self.limits, seconds),
+                      PRELOAD).observation()
 
   def recorded_calls(self, problem: dict) -> tuple[str, ...]:
     """The arguments `check` passes, one literal per call (step 1, cached)."""

@@ -36,6 +36,7 @@ from typing import Any, Callable
 from sao_jax.envs import chat, sandbox
 from sao_jax.envs.base import StepResult, Task
 from sao_jax.envs.code_fix import CodeFix, CodeFixConfig
+from sao_jax.envs.dataset import ToolBudget
 from sao_jax.envs.online_style import OnlineStyle, OnlineStyleConfig
 from sao_jax.envs.python_tool import PythonTool, PythonToolConfig
 from sao_jax.envs.sandbox import SandboxLimits
@@ -197,6 +198,10 @@ def make_env(env_config):
         config, "needs_sandbox", True):
       sandbox.check_isolation(allow, limits)
     env = spec.build(config, limits)
+  if hasattr(env, "tool_budget"):  # the built-ins that answer tool calls
+    env.tool_budget = ToolBudget(int(env_config.get("tool_calls_per_turn", 0)),
+                                 float(env_config.get("tool_seconds_per_turn", 0.0)),
+                                 float(env_config.get("tool_seconds_per_episode", 0.0)))
   reward = env_config.get("reward", "")
   if reward:
     env = RewardOverride(env, resolve(reward, "env.reward"))
