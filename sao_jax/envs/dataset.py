@@ -128,8 +128,10 @@ class DatasetEnv:
     rows, rejected = datasets.load_rows(config.path, strict=config.strict)
     if config.heldout_path:
       heldout, bad = datasets.load_rows(config.heldout_path, strict=config.strict)
-      rejected = rejected + bad
-      train = rows
+      train, overlap = datasets.without_heldout(rows, heldout)
+      if overlap and config.strict:
+        raise datasets.DatasetError(f"{overlap[0][0]}: {overlap[0][1]}")
+      rejected = rejected + bad + overlap
     else:
       train, heldout = datasets.split_rows(rows, config.heldout_fraction, config.seed)
     if not train or not heldout:
@@ -362,9 +364,11 @@ _REPORT_LOCK = threading.Lock()
 
 
 def _report(config, train, heldout, rejected) -> None:
+  from sao_jax.data import datasets  # pylint: disable=g-import-not-at-top
+  counts = ", ".join(f"{n} {k}" for k, n in datasets.hygiene_counts(rejected).items() if n)
   with _REPORT_LOCK:
     print(f"[dataset] {config.path}: {len(train)} training rows, {len(heldout)} held-out, "
-          f"{len(rejected)} rejected", flush=True)
+          f"{len(rejected)} rejected" + (f" ({counts})" if counts else ""), flush=True)
     for where, reason in rejected[:20]:
       print(f"[dataset]   rejected {where}: {reason}", flush=True)
     if len(rejected) > 20:
