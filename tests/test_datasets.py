@@ -270,6 +270,11 @@ def test_repeated_and_conflicting_prompts_are_dropped_with_their_lines(tmp_path)
       "assistant_final": 0, "other": 0}
   with pytest.raises(DatasetError, match=f"{path}:2: duplicate prompt"):
     load_rows(path, strict=True)
+  # "report": same-truth repeats are kept and listed; conflicts still go.
+  repeats = []
+  kept, rejected = load_rows(path, keep_repeats=True, repeats=repeats)
+  assert [r.where for r in kept] == [f"{path}:{i}" for i in (1, 2, 4, 6)]
+  assert repeats == [(f"{path}:2", f"duplicate prompt of {path}:1")] and len(rejected) == 2
 
 
 @pytest.mark.parametrize("prompt,reason", [

@@ -91,6 +91,8 @@ def test_heldout_questions_are_not_trained_on(env):
   assert len(env.train_rows) == 4000 and env.num_eval_tasks == 400
   assert not train & {r.messages[0]["content"] for r in env.heldout_rows}
   assert not env.rejected
+  # The generated file's repeated questions (same answers) are kept and reported.
+  assert len(env.repeats) == 389
 
 
 def test_defaults_are_the_papers_setting(env):

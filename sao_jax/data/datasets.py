@@ -306,13 +306,16 @@ def _truth_key(ground_truth: str) -> str:
   return " ".join(ground_truth.split())
 
 
-def dedupe_rows(rows: list[Row]) -> tuple[list[Row], list[tuple[str, str]]]:
-  """(rows with each prompt once, [(where, reason)] of the dropped ones).
+def dedupe_rows(rows: list[Row], keep_repeats: bool = False
+                ) -> tuple[list[Row], list[tuple[str, str]], list[tuple[str, str]]]:
+  """(rows kept, [(where, reason)] of the dropped ones, [(where, reason)] of
+  repeats kept).
 
   A repeat of a prompt (`prompt_key`) with the same ground truth is dropped,
-  the first kept. A prompt that comes with different ground truths is
-  dropped in every row: which one is right cannot be told, and training on
-  either would reward a wrong answer half of the time.
+  the first kept (with `keep_repeats`: kept, and listed). A prompt that
+  comes with different ground truths is dropped in every row, always:
+  which one is right cannot be told, and training on either would reward a
+  wrong answer half of the time.
   """
   first: dict[tuple, Row] = {}
   truths: dict[tuple, set] = {}
@@ -320,7 +323,7 @@ def dedupe_rows(rows: list[Row]) -> tuple[list[Row], list[tuple[str, str]]]:
     key = prompt_key(r)
     first.setdefault(key, r)
     truths.setdefault(key, set()).add(_truth_key(r.ground_truth))
-  kept, dropped = [], []
+  kept, dropped, repeats = [], [], []
   for r in rows:
     key = prompt_key(r)
     head = first[key]
@@ -330,10 +333,13 @@ def dedupe_rows(rows: list[Row]) -> tuple[list[Row], list[tuple[str, str]]]:
                                f"{others[0][:40]!r} for the same prompt elsewhere"
                                + (f" (first at {head.where})" if head is not r else "")))
     elif head is not r:
-      dropped.append((r.where, f"duplicate prompt of {head.where}"))
+      (repeats if keep_repeats else dropped).append(
+          (r.where, f"duplicate prompt of {head.where}"))
+      if keep_repeats:
+        kept.append(r)
     else:
       kept.append(r)
-  return kept, dropped
+  return kept, dropped, repeats
 
 
 def without_heldout(train: list[Row], heldout: list[Row]) -> tuple[list[Row], list[tuple[str, str]]]:
@@ -372,11 +378,13 @@ def hygiene_counts(rejected: list[tuple[str, str]]) -> dict[str, int]:
 
 
 def load_rows(path: str | os.PathLike, *, strict: bool = False,
-              max_row_bytes: int = MAX_ROW_BYTES) -> tuple[list[Row], list[tuple[str, str]]]:
+              max_row_bytes: int = MAX_ROW_BYTES, keep_repeats: bool = False,
+              repeats: list | None = None) -> tuple[list[Row], list[tuple[str, str]]]:
   """(valid rows, [(where, reason)] of the rejected ones); see the module docstring.
 
   Repeated prompts are dropped as `dedupe_rows` says (with `strict`, the
-  first is a DatasetError).
+  first is a DatasetError); `keep_repeats` keeps same-truth repeats (their
+  rows are then in `repeats`, a list the caller passes in, to report).
   """
   path = os.fspath(path)
   rows: list[Row] = []
@@ -393,10 +401,12 @@ def load_rows(path: str | os.PathLike, *, strict: bool = False,
         rejected.append((where, str(e)))
   except (OSError, EOFError, zlib.error) as e:  # gzip's errors included
     raise DatasetError(f"{path}: cannot read: {e}") from e
-  rows, repeats = dedupe_rows(rows)
-  if repeats and strict:
-    raise DatasetError(f"{repeats[0][0]}: {repeats[0][1]}")
-  rejected += repeats
+  rows, dropped, kept_repeats = dedupe_rows(rows, keep_repeats)
+  if dropped and strict:
+    raise DatasetError(f"{dropped[0][0]}: {dropped[0][1]}")
+  rejected += dropped
+  if repeats is not None:
+    repeats += kept_repeats
   if not rows:
     first = f"; first: {rejected[0][0]}: {rejected[0][1]}" if rejected else ""
     raise DatasetError(f"{path}: no valid rows ({len(rejected)} rejected{first})")

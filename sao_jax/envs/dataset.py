@@ -96,6 +96,11 @@ class DatasetConfig:
   max_turns: int = 8
   # Any bad row fails the build (default: bad rows are skipped and reported).
   strict: bool = False
+  # A prompt repeated with the same ground truth: "drop" the repeats (each
+  # reported with its line) or "report" them (kept, reported). Conflicting
+  # ground truths and training prompts that are also held out are dropped
+  # either way.
+  duplicates: str = "drop"
   # Test-only: without the sandbox the python tool refuses to run.
   use_sandbox: bool = True
 
@@ -125,9 +130,14 @@ class DatasetEnv:
     self.max_turns = config.max_turns
     self.runs_code = config.needs_sandbox
     from sao_jax.data import datasets  # pylint: disable=g-import-not-at-top
-    rows, rejected = datasets.load_rows(config.path, strict=config.strict)
+    if config.duplicates not in ("drop", "report"):
+      raise ValueError(f"env.kwargs.duplicates = {config.duplicates!r}: 'drop' or 'report'")
+    keep, repeats = config.duplicates == "report", []
+    rows, rejected = datasets.load_rows(config.path, strict=config.strict, keep_repeats=keep,
+                                        repeats=repeats)
     if config.heldout_path:
-      heldout, bad = datasets.load_rows(config.heldout_path, strict=config.strict)
+      heldout, bad = datasets.load_rows(config.heldout_path, strict=config.strict,
+                                        keep_repeats=keep, repeats=repeats)
       train, overlap = datasets.without_heldout(rows, heldout)
       if overlap and config.strict:
         raise datasets.DatasetError(f"{overlap[0][0]}: {overlap[0][1]}")
@@ -138,9 +148,11 @@ class DatasetEnv:
       raise ValueError(f"dataset {config.path}: {len(train)} training and {len(heldout)} "
                        "held-out rows; both splits need at least one")
     self.train_rows, self.heldout_rows, self.rejected = train, heldout, rejected
+    # Same-truth repeats kept (duplicates="report"), as (where, reason).
+    self.repeats = repeats
     self.num_eval_tasks = len(heldout)
     self._demo_rows = [i for i, r in enumerate(train) if r.completion]
-    _report(config, train, heldout, rejected)
+    _report(config, train, heldout, rejected, repeats)
     self._functions = _tool_functions(config)
     self._offered = tuple(
         schema for name, schema in (("python", PYTHON_TOOL),) if name in config.tools) + tuple(
@@ -363,13 +375,17 @@ def _make_verifier(config: DatasetConfig) -> Callable:
 _REPORT_LOCK = threading.Lock()
 
 
-def _report(config, train, heldout, rejected) -> None:
+def _report(config, train, heldout, rejected, repeats=()) -> None:
   from sao_jax.data import datasets  # pylint: disable=g-import-not-at-top
   counts = ", ".join(f"{n} {k}" for k, n in datasets.hygiene_counts(rejected).items() if n)
   with _REPORT_LOCK:
     print(f"[dataset] {config.path}: {len(train)} training rows, {len(heldout)} held-out, "
-          f"{len(rejected)} rejected" + (f" ({counts})" if counts else ""), flush=True)
+          f"{len(rejected)} rejected" + (f" ({counts})" if counts else "")
+          + (f", {len(repeats)} repeated prompts kept (duplicates='report')" if repeats else ""),
+          flush=True)
     for where, reason in rejected[:20]:
       print(f"[dataset]   rejected {where}: {reason}", flush=True)
     if len(rejected) > 20:
       print(f"[dataset]   ... and {len(rejected) - 20} more", flush=True)
+    for where, reason in repeats[:5]:
+      print(f"[dataset]   kept {where}: {reason}", flush=True)
