@@ -27,8 +27,9 @@ threads), never in the sandbox: "math" (`verify.MathVerifier`: the last
 `\\boxed{}`, `####` or `Answer:`; integers exactly, the rest with
 math-verify in a subprocess under a wall clock), "exact" (string match of
 the extracted answer), or an import string `fn(response, ground_truth) ->
-float | bool`. A verifier timeout scores 0 and is reported as the event
-"verifier_timeout" (counted in the driver's `env_events`), never silently.
+float | bool`. A verifier timeout, or an answer nested too deeply to hand to math-verify,
+scores 0 and is reported as the event "verifier_timeout" /
+"verifier_too_nested" (counted in the driver's `env_events`), never silently.
 
 Tools: "python" runs its `code` argument in `sao_jax.envs.sandbox` and
 returns stdout and the error line; `tool_functions` maps further names to
@@ -230,7 +231,9 @@ class _Episode:
       parsed = getattr(action, "parsed", None)
       verdict = self._env._verify(parsed.content if parsed is not None else str(action),
                                   str(self._task.answer))
-      events = ["verifier_timeout"] if verdict.reason == "timeout" else []
+      # Answers the verifier did not judge are counted, never silent.
+      events = ([f"verifier_{verdict.reason}"] if verdict.reason in ("timeout", "too_nested")
+                else [])
       return StepResult("", float(verdict.correct), True,
                         {"correct": verdict.correct, "verdict": verdict.reason,
                          "events": events})
