@@ -567,3 +567,28 @@ def test_data_file_is_the_packaged_one():
   with gzip.open(_DATA_PATH, "rt", encoding="utf-8") as f:
     assert sum(1 for _ in f) == humaneval.NUM_PROBLEMS
   assert dataclasses.asdict(HumanEvalConfig())["tools"] == ()
+
+
+def test_64_concurrent_gradings_none_lost():
+  # The load test: 64 gradings from 16 threads (the driver's workers grade
+  # this way), of every kind: canonical, Counter and Fraction answers that
+  # pass, wrong ones, a crash and a non-data result; each verdict is the
+  # one it gets alone, and no grading is lost to a grader failure.
+  env = HumanEval(HumanEvalConfig(problems=(2, 111)), LIMITS)
+  trunc, hist = env.problems
+  kinds = [(trunc, _canonical(trunc), "passed"),
+           (hist, _canonical(hist), "passed"),
+           (hist, "```python\nimport collections\ndef histogram(test):\n"
+                  "    c = collections.Counter(test.split())\n    m = max(c.values(), default=0)\n"
+                  "    return collections.Counter({k: v for k, v in c.items() if v == m})\n```",
+            "passed"),
+           (trunc, "```python\nfrom fractions import Fraction\ndef truncate_number(number):\n"
+                   "    return Fraction(number) % 1\n```", "passed"),
+           (trunc, "    return number\n", "failed"),
+           (hist, "    raise SystemExit(0)\n", "error"),
+           (hist, "    return object()\n", "error"),
+           (trunc, "", "no_code")]
+  cases = [kinds[i % len(kinds)] for i in range(64)]
+  with cf.ThreadPoolExecutor(16) as pool:
+    got = list(pool.map(lambda c: env.grade_counted(c[0], c[1]), cases))
+  assert [v for v, _, _ in got] == [c[2] for c in cases]

@@ -6,6 +6,7 @@ succeed get a timeout far from any machine's speed, and concurrency is made
 certain with a barrier.
 """
 
+import concurrent.futures as cf
 import os
 import sys
 import threading
@@ -276,3 +277,21 @@ def test_worker_exits_when_its_stdin_closes():
   proc.stdin.close()  # as when the parent dies
   assert proc.wait(timeout=SLOW_OK) == 0
   v.close()
+
+
+def test_64_concurrent_verifications_none_lost(verifier):
+  # The load test of the grading paths: 64 calls from 16 threads, of every
+  # kind (integer fast path, exact string, math-verify, no answer, too
+  # nested); each verdict is the one it gets alone.
+  kinds = [(r"\boxed{1\,000}", "1000", Verdict(True, "exact")),
+           (r"\boxed{x + 1}", "x + 1", Verdict(True, "exact")),
+           (r"\boxed{\frac{1}{2}}", "0.5", Verdict(True, "equivalent")),
+           (r"\boxed{\frac{1}{3}}", "0.5", Verdict(False, "mismatch")),
+           ("no answer", "3", Verdict(False, "no_answer")),
+           (r"\boxed{" + "(" * 12 + "x" + ")" * 12 + "}", "x", Verdict(False, "too_nested")),
+           (r"\boxed {7}", "7", Verdict(True, "exact")),
+           (r"\boxed{73}", "073", Verdict(True, "exact"))]
+  cases = [kinds[i % len(kinds)] for i in range(64)]
+  with cf.ThreadPoolExecutor(16) as pool:
+    got = list(pool.map(lambda c: verifier.verify(c[0], c[1]), cases))
+  assert got == [c[2] for c in cases]
