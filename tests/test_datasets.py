@@ -299,6 +299,7 @@ def test_a_held_out_prompt_leaves_training_and_duplicates_split_together(tmp_pat
   env = DatasetEnv(DatasetConfig(path=train, heldout_path=held, use_sandbox=False))
   assert [r.messages[0]["content"] for r in env.train_rows] == ["q0", "q1", "q3", "q4", "q5"]
   assert env.rejected == [(f"{train}:3", f"prompt also held out at {held}:1")]
+  assert env.data_counts["in_heldout"] == 1 and sum(env.data_counts.values()) == 1
   with pytest.raises(DatasetError, match="prompt also held out"):
     DatasetEnv(DatasetConfig(path=train, heldout_path=held, use_sandbox=False, strict=True))
   # heldout_fraction splits distinct prompts: rows of one prompt stay together.

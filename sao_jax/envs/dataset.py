@@ -151,6 +151,9 @@ class DatasetEnv:
     self.train_rows, self.heldout_rows, self.rejected = train, heldout, rejected
     # Same-truth repeats kept (duplicates="report"), as (where, reason).
     self.repeats = repeats
+    # Rows left out at load by kind, and repeats kept: the RL metrics'
+    # data/rows_<kind> (rl_loop.py).
+    self.data_counts = {**datasets.hygiene_counts(rejected), "repeats_kept": len(repeats)}
     self.num_eval_tasks = len(heldout)
     self._demo_rows = [i for i, r in enumerate(train) if r.completion]
     _report(config, train, heldout, rejected, repeats)
