@@ -43,7 +43,7 @@ Before math-verify, an answer is bounded in cost: at most
 `MAX_ANSWER_CHARS`, and brackets nested at most `MAX_NESTING` deep (deeper:
 "too_nested", no worker call; math-verify's parse grows steeply with
 nesting). `\boxed {x}` (spaces before the brace) is a box, and an integer
-written in LaTeX digit groups (`1\,000`, `1{,}000`) is compared as one.
+written in LaTeX digit groups (`1\\,000`, `1{,}000`) is compared as one.
 
 Verdict reasons: "exact", "mismatch", "no_answer", "equivalent" (math-verify
 said yes), "timeout", "too_nested", "error" (the worker failed or the
