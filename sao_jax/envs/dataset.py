@@ -32,7 +32,10 @@ scores 0 and is reported as the event "verifier_timeout" /
 "verifier_too_nested" (counted in the driver's `env_events`), never silently.
 
 Tools: "python" runs its `code` argument in `sao_jax.envs.sandbox` and
-returns stdout and the error line; `tool_functions` maps further names to
+returns stdout and the error line (or its exit status, if it said nothing);
+every turn's calls are bounded by env config's tool budget
+(`tool_calls_per_turn`, `tool_seconds_per_turn`, `tool_seconds_per_episode`:
+`ToolBudget`, `answer_tool_calls`), calls past it answered with an error; `tool_functions` maps further names to
 import strings of `fn(**arguments) -> str`, run in the worker thread (they
 are the user's own code, not the model's).
 """

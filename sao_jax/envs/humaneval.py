@@ -80,7 +80,8 @@ exited early, a result of a type the grader does not compare, garbage on the cha
 only tool calls until the turn limit). `info["detail"]` says more.
 
 With `tools=("python",)` the dataset environment's `python` tool is offered
-and answered exactly as there (`dataset.answer_tool_calls`); a turn
+and answered exactly as there (`dataset.answer_tool_calls`, under env
+config's tool budget: calls and seconds per turn, seconds per episode); a turn
 without tool calls is the answer and is graded. Without tools the first
 turn is graded whatever it holds (`max_turns` is then 1).
 """
