@@ -35,9 +35,10 @@ Tools: "python" runs its `code` argument in `sao_jax.envs.sandbox` and
 returns stdout and the error line (or its exit status, if it said nothing);
 every turn's calls are bounded by env config's tool budget
 (`tool_calls_per_turn`, `tool_seconds_per_turn`, `tool_seconds_per_episode`:
-`ToolBudget`, `answer_tool_calls`), calls past it answered with an error; `tool_functions` maps further names to
-import strings of `fn(**arguments) -> str`, run in the worker thread (they
-are the user's own code, not the model's).
+`ToolBudget`, `answer_tool_calls`), calls past it answered with an error.
+`tool_functions` maps further names to import strings of `fn(**arguments)
+-> str`, run in the worker thread (they are the user's own code, not the
+model's; a time budget does not cut them short, it only refuses later calls).
 """
 
 from __future__ import annotations
