@@ -125,6 +125,12 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
     if builtin is not None and builtin.chat_prompts and typed.env.chat_format == "raw":
       _fail("eval.sets", typed.eval.sets, f"sets whose prompts are chat messages (set "
             f"{name!r}: {env_name}) need env.chat_format 'qwen3' or 'plain', not 'raw'")
+  e = typed.env
+  if r.env_timeout is not None and e.tool_seconds_per_turn >= r.env_timeout:
+    # The tools would run into the step's timeout and the episode end as env_timeout.
+    _fail("env.tool_seconds_per_turn", e.tool_seconds_per_turn,
+          f"< rollout.env_timeout ({r.env_timeout:g}): a turn's tools must finish before "
+          "its environment step times out")
   if r.max_turn_tokens >= r.max_len:
     _fail("rollout.max_turn_tokens", r.max_turn_tokens, f"< rollout.max_len ({r.max_len})")
   buckets = typed.data.buckets

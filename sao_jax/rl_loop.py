@@ -195,6 +195,9 @@ def rl(run: Run) -> None:
           train_total=clock.train_total, restarts=report.restarts,
           updates_skipped=skips.total, queue_depth=report.queue_depth,
           rejected=report.rejected))
+      # What the environment left out of its data at load (the dataset env's
+      # duplicates, conflicts, held-out overlap, ...), constant over the run.
+      m.update({f"data/rows_{k}": v for k, v in getattr(run.env, "data_counts", {}).items()})
       # Read after the source's counts: an injection is counted before its
       # rejection, so injected_malformed >= queue/rejected at every step.
       if run.faults.active:

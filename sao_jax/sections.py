@@ -338,6 +338,18 @@ class Env(Section):
       False, "Run model-written code even where the sandbox cannot isolate it (no root: no "
       "network namespace, chroot, uid drop, process cleanup). Off: such a run refuses to "
       "start and says what is missing.", BOOL)
+  tool_calls_per_turn: int = knob(
+      8, "Tool calls one turn may make (dataset, math_tool, humaneval); further calls are "
+      "not run but answered with an error (event \"tool_budget_calls\"). 0: no bound.",
+      integer(0, note=" (0: no bound)"))
+  tool_seconds_per_turn: float = knob(
+      30.0, "Seconds of tool time one turn may use: a call starts only with time left and "
+      "its sandbox's wall clock is cut to it; later calls are answered with an error (event "
+      "\"tool_budget_time\"). Below rollout.env_timeout. 0: no bound.",
+      real(0, unit="a finite number of seconds"))
+  tool_seconds_per_episode: float = knob(
+      0.0, "Seconds of tool time one episode may use, all turns together (as "
+      "tool_seconds_per_turn). 0: no bound.", real(0, unit="a finite number of seconds"))
 
   def check_together(self):
     """The names resolve: an import string is imported (not called), so a

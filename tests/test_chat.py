@@ -244,6 +244,18 @@ CONTROL_TEXT_CASES = {
 }
 
 
+def test_tool_calls_without_content_render_as_empty_content(tok):
+  # An assistant turn of tool calls only: OpenAI's shape has content None or
+  # no "content" key; both render as the template renders content "" (the
+  # template itself fails on either: it tests '</think>' in the content).
+  call = {"name": "python", "arguments": {"code": "print(2+2)"}}
+  shaped = [[USER, {"role": "assistant", **extra, "tool_calls": [call]},
+             {"role": "tool", "content": "4"}] for extra in ({"content": ""}, {"content": None}, {})]
+  fmt = chat.make_format("qwen3", tok)
+  expected = official_ids(tok, shaped[0], (PYTHON,))
+  assert all(fmt.render(m, (PYTHON,)) == expected for m in shaped)
+
+
 @pytest.mark.parametrize("thinking", [True, False])
 @pytest.mark.parametrize("case", sorted(CONTROL_TEXT_CASES))
 def test_render_text_equals_template_with_control_text(tok, case, thinking):

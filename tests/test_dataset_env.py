@@ -8,13 +8,16 @@ verifier.
 """
 
 import json
+import time
 
 import numpy as np
 import pytest
 
+from sao_jax import sections
 from sao_jax.envs import chat, registry
 from sao_jax.envs.base import Action
-from sao_jax.envs.dataset import DatasetConfig, DatasetEnv
+from sao_jax.envs.dataset import (DatasetConfig, DatasetEnv, ToolBudget, ToolMeter,
+                                  answer_tool_calls)
 from sao_jax.envs.demonstrations import demonstration_trajectory
 from sao_jax.envs.tokenizer import Qwen3Tokenizer
 from sao_jax.data.prompts import EVAL_OFFSET
@@ -86,3 +89,60 @@ def test_episode_runs_the_tool_answers_errors_and_verifies(env):
 def test_registry_builds_the_dataset_env_and_refuses_unknown_kwargs(env, tmp_path):
   with pytest.raises(ValueError, match="not options of 'dataset'"):
     registry.builtin_kwargs(registry.ENVIRONMENTS["dataset"], {"paht": "x"})
+
+
+def _calls_action(*codes):
+  return Action("calls", tool_calls=tuple(chat.ToolCall("python", {"code": c}) for c in codes))
+
+
+def test_tool_budget_refuses_calls_past_the_count_and_the_time():
+  # Calls past the per-turn count are answered with an error, never run.
+  ran = []
+
+  def call_tool(name, arguments, seconds=None):
+    ran.append((name, arguments["code"], seconds))
+    return "ok"
+
+  meter = ToolMeter(ToolBudget(calls_per_turn=3))
+  messages, events = answer_tool_calls(_calls_action(*"abcde"), call_tool, meter)
+  assert [c for _, c, _ in ran] == ["a", "b", "c"] and all(s is None for *_, s in ran)
+  assert [m["content"] for m in messages][:3] == ["ok"] * 3
+  assert all("at most 3 tool calls per turn" in m["content"] for m in messages[3:])
+  assert len(messages) == 5 and events == ["tool_budget_calls"]
+
+  # A tool that uses all the time it is given: the turn's budget is spent by
+  # the first call, whatever the machine's load, so the rest are refused.
+  def sleepy(name, arguments, seconds=None):
+    del name, arguments
+    ran.append(seconds)
+    time.sleep(seconds)
+    return "slept"
+
+  ran.clear()
+  meter = ToolMeter(ToolBudget(seconds_per_turn=0.2, seconds_per_episode=0.5))
+  messages, events = answer_tool_calls(_calls_action("x", "y", "z"), sleepy, meter)
+  assert ran == [0.2] and events == ["tool_budget_time"]
+  assert [m["content"] for m in messages][0] == "slept"
+  assert all("tool time is spent" in m["content"] for m in messages[1:])
+  # The next turn has 0.2 s again, but the episode only what is left of 0.5 s.
+  messages, events = answer_tool_calls(_calls_action("x"), sleepy, meter)
+  assert ran[1] <= 0.2 and events == []
+  answer_tool_calls(_calls_action("x"), sleepy, meter)
+  messages, events = answer_tool_calls(_calls_action("x"), sleepy, meter)
+  assert events == ["tool_budget_time"] and meter.episode_seconds >= 0.5
+
+
+def test_a_sleeping_python_call_is_cut_to_the_turns_tool_time(env):
+  # Six sleeping calls in one turn under the sandbox's 3 s wall clock: the
+  # first is cut to the turn's 1 s, the other five are not run.
+  c = sections.Env.defaults()
+  c.update(name="dataset", tool_seconds_per_turn=1.0, allow_unisolated=True,
+           kwargs={"path": env.config.path, "tools": ("python",)})
+  episode_env = registry.make_env(c)
+  assert episode_env.tool_budget == ToolBudget(8, 1.0, 0.0)  # env config's, via the registry
+  step = episode_env.episode(episode_env.task(0)).step(
+      _calls_action(*["import time\ntime.sleep(30)"] * 6))
+  contents = [m["content"] for m in step.observation]
+  assert "wall-clock limit 1s" in contents[0], contents[0]
+  assert all("tool time is spent" in c for c in contents[1:]) and len(contents) == 6
+  assert step.info["events"] == ["tool_budget_time"]

@@ -249,3 +249,64 @@ def test_rows_dataset():
   ds = datasets.rows_dataset(rows)
   assert len(ds) == 5 and ds[2] is rows[2]
   assert sorted(r.where for r in ds.shuffle(seed=1)) == sorted(r.where for r in rows)
+
+
+def test_repeated_and_conflicting_prompts_are_dropped_with_their_lines(tmp_path):
+  rows = [{"prompt": "What is 2+3?", "answer": "5"},          # 1: kept
+          {"prompt": "What  is 2+3? ", "answer": " 5"},       # 2: the same, spaced: dropped
+          {"prompt": "Name a prime.", "answer": "2"},          # 3: conflicts with 5
+          {"prompt": "Say 7.", "answer": "7"},                 # 4: kept
+          {"prompt": "Name a prime.", "answer": "3"},          # 5: conflicts with 3
+          {"prompt": [{"role": "system", "content": "Be brief."},
+                      {"role": "user", "content": "Say 7."}], "answer": "7"}]  # 6: another prompt
+  path = write_jsonl(tmp_path / "dup.jsonl", rows)
+  kept, rejected = load_rows(path)
+  assert [r.where for r in kept] == [f"{path}:1", f"{path}:4", f"{path}:6"]
+  assert [(w, r.split(":")[0]) for w, r in rejected] == [
+      (f"{path}:2", f"duplicate prompt of {path}"), (f"{path}:3", "conflicting ground truth"),
+      (f"{path}:5", "conflicting ground truth")]
+  assert datasets.hygiene_counts(rejected) == {
+      "duplicate": 1, "conflicting": 2, "in_heldout": 0, "empty_prompt": 0,
+      "assistant_final": 0, "other": 0}
+  with pytest.raises(DatasetError, match=f"{path}:2: duplicate prompt"):
+    load_rows(path, strict=True)
+  # "report": same-truth repeats are kept and listed; conflicts still go.
+  repeats = []
+  kept, rejected = load_rows(path, keep_repeats=True, repeats=repeats)
+  assert [r.where for r in kept] == [f"{path}:{i}" for i in (1, 2, 4, 6)]
+  assert repeats == [(f"{path}:2", f"duplicate prompt of {path}:1")] and len(rejected) == 2
+
+
+@pytest.mark.parametrize("prompt,reason", [
+    ("", "prompt has no text"), ("  \n", "prompt has no text"),
+    ([{"role": "system", "content": ""}, {"role": "user", "content": " "}], "prompt has no text"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}],
+     "prompt ends with an assistant message"),
+])
+def test_empty_and_assistant_final_prompts_are_refused(tmp_path, prompt, reason):
+  path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": prompt, "answer": "1"}, GOOD[1]])
+  rows, rejected = load_rows(path)
+  assert len(rows) == 1 and rejected[0][0] == f"{path}:1"
+  assert rejected[0][1].startswith(reason)
+
+
+def test_a_held_out_prompt_leaves_training_and_duplicates_split_together(tmp_path):
+  from sao_jax.envs.dataset import DatasetConfig, DatasetEnv  # pylint: disable=g-import-not-at-top
+  train = write_jsonl(tmp_path / "train.jsonl",
+                      [{"prompt": f"q{i}", "answer": str(i)} for i in range(6)])
+  held = write_jsonl(tmp_path / "held.jsonl", [{"prompt": " q2\n",
+                                                "answer": "2"}, {"prompt": "h", "answer": "0"}])
+  env = DatasetEnv(DatasetConfig(path=train, heldout_path=held, use_sandbox=False))
+  assert [r.messages[0]["content"] for r in env.train_rows] == ["q0", "q1", "q3", "q4", "q5"]
+  assert env.rejected == [(f"{train}:3", f"prompt also held out at {held}:1")]
+  assert env.data_counts["in_heldout"] == 1 and sum(env.data_counts.values()) == 1
+  with pytest.raises(DatasetError, match="prompt also held out"):
+    DatasetEnv(DatasetConfig(path=train, heldout_path=held, use_sandbox=False, strict=True))
+  # heldout_fraction splits distinct prompts: rows of one prompt stay together.
+  rows = make_rows(20) + [Row(({"role": "user", "content": f" {i}"},), str(i), "", {}, (), (),
+                              f"g:{i}") for i in range(20)]
+  for seed in range(5):
+    train_rows, heldout = split_rows(rows, 0.25, seed)
+    assert len(heldout) == 10  # 5 of 20 prompts, two rows each
+    keys = {datasets.prompt_key(r) for r in heldout}
+    assert not keys & {datasets.prompt_key(r) for r in train_rows}

@@ -9,8 +9,11 @@ for several of them, so the suite can fail. The python tool variant runs a
 scripted episode: a tool call, a malformed call, then the answer.
 """
 
+import collections
 import concurrent.futures as cf
 import dataclasses
+import decimal
+import fractions
 import gzip
 import json
 import os
@@ -22,7 +25,7 @@ from runs import load_config_module  # pylint: disable=g-bad-import-order
 from sao_jax import configuration
 from sao_jax.data.prompts import EVAL_OFFSET
 from sao_jax.envs import chat, humaneval, registry, sandbox
-from sao_jax.envs.base import Action
+from sao_jax.envs.base import Action, GraderError
 from sao_jax.envs.demonstrations import demonstration_trajectory
 from sao_jax.envs.humaneval import HumanEval, HumanEvalConfig
 from sao_jax.envs.sandbox import SandboxLimits, run_python
@@ -144,18 +147,89 @@ def test_registry_config_validation_and_missing_package(monkeypatch, tmp_path):
   assert HumanEval(HumanEvalConfig(path=str(path)), LIMITS).problems == [ENV.problems[4]]
 
 
-def test_parse_plain_takes_plain_data_only():
-  values = [None, True, 0, -7, 2**80, 1.5, -0.0, float("inf"), "a'\"\n\\", [1, (2,), {3: "x"}],
-            (), set(), {1, 2}, {"k": [None, False]}, ("x", [[]])]
+def _codec():
+  """The sandbox's encoder and decoder, run here on trusted values."""
+  scope = {}
+  exec(humaneval._ENC_DEF + humaneval._DEC_DEF, scope)  # pylint: disable=exec-used,protected-access
+  return scope["_sao_enc"], scope["_sao_dec"]
+
+
+def test_tagged_data_round_trips_and_takes_tagged_json_only():
+  enc, dec = _codec()
+  values = [None, True, 0, -7, 2**80, 1.5, -0.0, float("inf"), "a'\"\n\\\ud800", [1, (2,), {3: "x"}],
+            (), set(), {1, 2}, frozenset({"a"}), {"k": [None, False]}, ("x", [[]]),
+            collections.Counter("abca"), collections.OrderedDict([(2, "b"), (1, "a")]),
+            collections.defaultdict(list, {"a": [1]}), fractions.Fraction(-3, 4),
+            decimal.Decimal("1.10")]
   for v in values:
-    assert humaneval.parse_plain(humaneval.plain_source(v)) == v
-  nan = humaneval.parse_plain("float('nan')")
+    back = dec(humaneval.parse_tagged(enc(v)))
+    assert back == v and type(back) is type(v), v
+  nan = dec(humaneval.parse_tagged(enc(float("nan"))))
   assert nan != nan
-  for text in ["__import__('os').system('true')", "(lambda: 1)()", "[1, 2][0]", "a", "1 + 1",
-               "{**{}}", "b'x'", "1j", "float('1e5')", "set([1])", "print", "[1,", "-'x'",
-               "{[]: 1}", "[" * 200 + "]" * 200, "[" * 10**5, "not True", "...", "f'{1}'"]:
+  with pytest.raises(TypeError):  # a subclass of the candidate's is not data
+    enc(type("D", (dict,), {"__eq__": lambda s, o: True})())
+  for text in ["NaN", "Infinity", '{"a": 1}', '["os.system", "true"]', "[]", '["float", "1"]',
+               '["float"]', '["dict", [1]]', '["dict", [1, 2, 3]]', '["Fraction", 1, 0]',
+               '["Fraction", 1.5, 2]', '["Decimal", 1]', '["Decimal", "' + "1" * 200 + '"]',
+               '["list", ' * 60 + "1" + "]" * 60, "[" * 10**5, "[1,", "1 2", "x"]:
     with pytest.raises(ValueError):
-      humaneval.parse_plain(text)
+      humaneval.parse_tagged(text)
+
+
+def test_counter_ordereddict_defaultdict_and_fraction_answers_score_as_check_does():
+  env = HumanEval(HumanEvalConfig(problems=(2, 111)), LIMITS)
+  histogram = """```python
+import collections
+def histogram(test):
+    c = collections.Counter(test.split())
+    best = max(c.values(), default=0)
+    return KIND({k: v for k, v in c.items() if v == best})
+```"""
+  for kind, verdict in [("collections.Counter", "passed"), ("collections.OrderedDict", "passed"),
+                        ("lambda kv: collections.defaultdict(int, kv)", "passed"),
+                        ("dict", "passed"), ("list", "failed"),
+                        ("type('D', (dict,), {'__eq__': lambda s, o: True})", "error")]:
+    answer = histogram.replace("KIND(", f"({kind})(")
+    assert env.grade(env.problems[1], answer)[0] == verdict, kind
+  fraction = ("```python\nfrom fractions import Fraction\ndef truncate_number(number):\n"
+              "    return Fraction(number) % 1\n```")
+  assert env.grade(env.problems[0], fraction)[0] == "passed"
+  assert env.grade(env.problems[0], fraction.replace("% 1", "% 2"))[0] == "failed"
+
+
+def test_grader_failures_are_retried_counted_and_never_a_wrong_answer(monkeypatch):
+  # Deterministic injected failures of the grader's own sandbox runs, call
+  # by call: the run raises, comes back as a sandbox that did not start, or
+  # (the replay) without a verdict line.
+  env = HumanEval(HumanEvalConfig(problems=(0,)), LIMITS)
+  problem = env.problems[0]
+  env.recorded_calls(problem)  # recorded before the failures start
+  real, script = humaneval.run_python, []
+
+  def flaky(code, *args):
+    kind = script.pop(0) if script else None
+    if kind == "raise":
+      raise OSError("fork failed")
+    if kind == "sandbox":
+      return dataclasses.replace(real("pass", LIMITS), returncode=121, stdout="",
+                                 error="sandbox: could not drop privileges")
+    result = real(code, *args)
+    return dataclasses.replace(result, stdout="") if kind == "no_verdict" else result
+
+  monkeypatch.setattr(humaneval, "run_python", flaky)
+  task = env.task(EVAL_OFFSET)
+  # (the candidate's run, the replay) per attempt; None: the real run.
+  for calls, retries in ((["raise"], 1), ([None, "no_verdict", "sandbox"], 2)):
+    script[:] = calls
+    r = env.episode(task).step(Action(_canonical(problem)))
+    assert (r.reward, r.info["verdict"]) == (1.0, "passed"), r.info
+    assert r.info["events"] == ["grader_retry"] * retries and not script
+  script[:] = ["raise", None, "no_verdict", "sandbox"]
+  with pytest.raises(GraderError, match="grading failed 3 times"):
+    env.episode(task).step(Action(_canonical(problem)))
+  assert not script
+  # A wrong answer is still a wrong answer, not a grader error.
+  assert env.grade(problem, "    return True\n")[0] == "failed"
 
 
 # --- reward hacks ---------------------------------------------------------------
@@ -493,3 +567,28 @@ def test_data_file_is_the_packaged_one():
   with gzip.open(_DATA_PATH, "rt", encoding="utf-8") as f:
     assert sum(1 for _ in f) == humaneval.NUM_PROBLEMS
   assert dataclasses.asdict(HumanEvalConfig())["tools"] == ()
+
+
+def test_64_concurrent_gradings_none_lost():
+  # The load test: 64 gradings from 16 threads (the driver's workers grade
+  # this way), of every kind: canonical, Counter and Fraction answers that
+  # pass, wrong ones, a crash and a non-data result; each verdict is the
+  # one it gets alone, and no grading is lost to a grader failure.
+  env = HumanEval(HumanEvalConfig(problems=(2, 111)), LIMITS)
+  trunc, hist = env.problems
+  kinds = [(trunc, _canonical(trunc), "passed"),
+           (hist, _canonical(hist), "passed"),
+           (hist, "```python\nimport collections\ndef histogram(test):\n"
+                  "    c = collections.Counter(test.split())\n    m = max(c.values(), default=0)\n"
+                  "    return collections.Counter({k: v for k, v in c.items() if v == m})\n```",
+            "passed"),
+           (trunc, "```python\nfrom fractions import Fraction\ndef truncate_number(number):\n"
+                   "    return Fraction(number) % 1\n```", "passed"),
+           (trunc, "    return number\n", "failed"),
+           (hist, "    raise SystemExit(0)\n", "error"),
+           (hist, "    return object()\n", "error"),
+           (trunc, "", "no_code")]
+  cases = [kinds[i % len(kinds)] for i in range(64)]
+  with cf.ThreadPoolExecutor(16) as pool:
+    got = list(pool.map(lambda c: env.grade_counted(c[0], c[1]), cases))
+  assert [v for v, _, _ in got] == [c[2] for c in cases]

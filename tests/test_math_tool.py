@@ -91,6 +91,8 @@ def test_heldout_questions_are_not_trained_on(env):
   assert len(env.train_rows) == 4000 and env.num_eval_tasks == 400
   assert not train & {r.messages[0]["content"] for r in env.heldout_rows}
   assert not env.rejected
+  # The generated file's repeated questions (same answers) are kept and reported.
+  assert len(env.repeats) == 389
 
 
 def test_defaults_are_the_papers_setting(env):
@@ -217,8 +219,11 @@ def test_end_to_end_with_qwen3_formats(tmp_path, monkeypatch):
         raise AssertionError(f"{name} trajectory of task {traj.prompt_id}: "
                              f"{TOK.decode(traj.tokens.tolist())!r}") from e
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-    stages = [json.loads(line)["stage"] for line in f]
-  assert {"sft", "value_pretrain", "rl", "eval"} <= set(stages)
+    records = [json.loads(line) for line in f]
+  assert {"sft", "value_pretrain", "rl", "eval"} <= {r["stage"] for r in records}
+  # The data's load counts are in the RL metrics.
+  rl = [r for r in records if r["stage"] == "rl"]
+  assert all(r["data/rows_repeats_kept"] == 389 and r["data/rows_duplicate"] == 0 for r in rl)
 
 
 def test_config_needs_a_chat_format_that_renders_its_tools():

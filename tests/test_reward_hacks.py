@@ -13,6 +13,7 @@ Forgers know the shown test cases' wanted values (a policy learns them from
 `run`'s "want N"), but not the fixed function.
 """
 
+import concurrent.futures as cf
 import json
 
 import pytest
@@ -424,3 +425,20 @@ def test_online_style_honest_line_scores_one(index):
   assert ONLINE_STYLE.episode(task).step(line).reward == 1.0
   # Capitalised the way a sentence is, the line is the same line.
   assert ONLINE_STYLE.episode(task).step(line.capitalize()).reward == 1.0
+
+
+def test_64_concurrent_code_fix_episodes_none_lost():
+  # The load test for code_fix's grader: 64 episodes from 16 threads, the
+  # honest demonstration (1.0) and an unfixed submit (0.0) alternating;
+  # each scores what it scores alone.
+  def play(i):
+    task = CODE_FIX.task(i % 8)
+    ep = CODE_FIX.episode(task)
+    actions = [a for a, _ in CODE_FIX.demonstration(task)]
+    if i % 2:
+      actions = actions[-1:]  # submit without the fix
+    return [ep.step(a) for a in actions][-1].reward
+
+  with cf.ThreadPoolExecutor(16) as pool:
+    rewards = list(pool.map(play, range(64)))
+  assert rewards == [0.0 if i % 2 else 1.0 for i in range(64)]

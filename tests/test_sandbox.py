@@ -410,3 +410,13 @@ def test_make_env_checks_isolation(monkeypatch, name):
   assert registry.make_env(config) is not None
   # Environments that run no code don't ask.
   registry.make_env(ml_collections.ConfigDict({"name": "online_style", "kwargs": {}}))
+
+
+def test_a_silent_nonzero_exit_still_tells_the_model_something():
+  result = sandbox.run_python("import os\nos._exit(3)", LIMITS)
+  assert (result.returncode, result.error) == (3, "")
+  assert result.observation() == "error: exited with status 3 (nothing on stderr)"
+  printed = sandbox.run_python("print('partial', flush=True)\nimport sys\nsys.stderr.close()\n"
+                       "raise SystemExit(4)", LIMITS)
+  assert printed.observation().startswith("partial\n")
+  assert printed.observation().endswith("\nerror: exited with status 4 (nothing on stderr)")

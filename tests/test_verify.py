@@ -6,6 +6,7 @@ succeed get a timeout far from any machine's speed, and concurrency is made
 certain with a barrier.
 """
 
+import concurrent.futures as cf
 import os
 import sys
 import threading
@@ -57,7 +58,9 @@ def fake_worker(handler_source: str) -> list[str]:
     (r"#### 9 then \boxed{10}", "10"),  # a box before ####
     ("no answer here", None),
     (r"\boxed{}", None),
-    (r"\boxed {7}", None),  # strict: `\boxed{` only
+    (r"\boxed {7}", "7"),  # spaces before the brace
+    ("\\boxed \t{8}", "8"),
+    (r"\boxed x{7}", None),  # anything else between: not a box
     (r"\boxed{3} then \boxed{\frac{1}{2}", "3"),  # the last box never closes
     (r"\boxed{\frac{1}{2}", None),  # unbalanced and nothing else
     ("Answer:   \n", None),
@@ -95,6 +98,10 @@ def test_exact_match():
     ("-5", "5", Verdict(False, "mismatch")),
     ("-0", "0", Verdict(True, "exact")),
     ("41", " 42 ", Verdict(False, "mismatch")),
+    (r"1\,000", "1000", Verdict(True, "exact")),  # LaTeX digit groups
+    (r"1{,}000", "1000", Verdict(True, "exact")),
+    (r"-12\,345\,678", "-12345678", Verdict(True, "exact")),
+    (r"1\,000", "1001", Verdict(False, "mismatch")),
 ])
 def test_integers_need_no_worker(answer, gold, verdict):
   # Every worker dies at once: an answer that reached one would be "error".
@@ -102,6 +109,18 @@ def test_integers_need_no_worker(answer, gold, verdict):
     assert v.verify(rf"\boxed{{{answer}}}", gold) == verdict
     assert v.verify(f"Answer: {answer}", int(gold)) == verdict
     assert v.counts == {verdict.reason: 2}
+
+
+def test_deep_nesting_never_reaches_the_worker():
+  # Every worker dies at once: an answer that reached one would be "error".
+  deep = r"\boxed{" + "(" * (verify.MAX_NESTING + 1) + "x" + ")" * (verify.MAX_NESTING + 1) + "}"
+  mixed = r"\boxed{" + "([{" * 4 + "x" + "}])" * 4 + "}"
+  with MathVerifier(worker_command=[sys.executable, "-c", "raise SystemExit(3)"]) as v:
+    assert v.verify(deep, "x") == v.verify(mixed, "x") == Verdict(False, "too_nested")
+    assert v.counts == {"too_nested": 2}
+    at_limit = r"\boxed{" + "(" * verify.MAX_NESTING + "x" + ")" * verify.MAX_NESTING + "}"
+    with pytest.warns(RuntimeWarning, match="worker failed"):
+      assert v.verify(at_limit, "y") == Verdict(False, "error")  # it did reach the worker
 
 
 def test_a_dead_worker_is_an_error_not_a_mismatch():
@@ -258,3 +277,21 @@ def test_worker_exits_when_its_stdin_closes():
   proc.stdin.close()  # as when the parent dies
   assert proc.wait(timeout=SLOW_OK) == 0
   v.close()
+
+
+def test_64_concurrent_verifications_none_lost(verifier):
+  # The load test of the grading paths: 64 calls from 16 threads, of every
+  # kind (integer fast path, exact string, math-verify, no answer, too
+  # nested); each verdict is the one it gets alone.
+  kinds = [(r"\boxed{1\,000}", "1000", Verdict(True, "exact")),
+           (r"\boxed{x + 1}", "x + 1", Verdict(True, "exact")),
+           (r"\boxed{\frac{1}{2}}", "0.5", Verdict(True, "equivalent")),
+           (r"\boxed{\frac{1}{3}}", "0.5", Verdict(False, "mismatch")),
+           ("no answer", "3", Verdict(False, "no_answer")),
+           (r"\boxed{" + "(" * 12 + "x" + ")" * 12 + "}", "x", Verdict(False, "too_nested")),
+           (r"\boxed {7}", "7", Verdict(True, "exact")),
+           (r"\boxed{73}", "073", Verdict(True, "exact"))]
+  cases = [kinds[i % len(kinds)] for i in range(64)]
+  with cf.ThreadPoolExecutor(16) as pool:
+    got = list(pool.map(lambda c: verifier.verify(c[0], c[1]), cases))
+  assert got == [c[2] for c in cases]

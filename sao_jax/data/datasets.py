@@ -94,7 +94,12 @@ def _messages(prompt: Any) -> tuple[dict, ...]:
     raise _Bad("prompt must be a string or a list of messages")
   if not prompt:
     raise _Bad("prompt is empty")
-  return tuple(_message(m, f"message {i}", PROMPT_ROLES) for i, m in enumerate(prompt))
+  messages = tuple(_message(m, f"message {i}", PROMPT_ROLES) for i, m in enumerate(prompt))
+  if not any(m["content"].strip() for m in messages):
+    raise _Bad("prompt has no text")
+  if messages[-1]["role"] == "assistant":
+    raise _Bad("prompt ends with an assistant message (that turn is the policy's to write)")
+  return messages
 
 
 def _ground_truth(row: dict) -> str:
@@ -291,9 +296,96 @@ def _rows(path: str, max_row_bytes: int) -> Iterator[tuple[str, Any]]:
   raise DatasetError(f"{path}: unknown file type; use .jsonl, .jsonl.gz or .parquet")
 
 
+def prompt_key(row: Row) -> tuple:
+  """What makes two prompts the same: each message's role and its text with
+  whitespace runs made one space and the ends stripped."""
+  return tuple((m["role"], " ".join(m["content"].split())) for m in row.messages)
+
+
+def _truth_key(ground_truth: str) -> str:
+  return " ".join(ground_truth.split())
+
+
+def dedupe_rows(rows: list[Row], keep_repeats: bool = False
+                ) -> tuple[list[Row], list[tuple[str, str]], list[tuple[str, str]]]:
+  """(rows kept, [(where, reason)] of the dropped ones, [(where, reason)] of
+  repeats kept).
+
+  A repeat of a prompt (`prompt_key`) with the same ground truth is dropped,
+  the first kept (with `keep_repeats`: kept, and listed). A prompt that
+  comes with different ground truths is dropped in every row, always:
+  which one is right cannot be told, and training on either would reward a
+  wrong answer half of the time.
+  """
+  first: dict[tuple, Row] = {}
+  truths: dict[tuple, set] = {}
+  for r in rows:
+    key = prompt_key(r)
+    first.setdefault(key, r)
+    truths.setdefault(key, set()).add(_truth_key(r.ground_truth))
+  kept, dropped, repeats = [], [], []
+  for r in rows:
+    key = prompt_key(r)
+    head = first[key]
+    if len(truths[key]) > 1:
+      others = sorted(truths[key] - {_truth_key(r.ground_truth)})
+      dropped.append((r.where, f"conflicting ground truth: {r.ground_truth[:40]!r} here, "
+                               f"{others[0][:40]!r} for the same prompt elsewhere"
+                               + (f" (first at {head.where})" if head is not r else "")))
+    elif head is not r:
+      (repeats if keep_repeats else dropped).append(
+          (r.where, f"duplicate prompt of {head.where}"))
+      if keep_repeats:
+        kept.append(r)
+    else:
+      kept.append(r)
+  return kept, dropped, repeats
+
+
+def without_heldout(train: list[Row], heldout: list[Row]) -> tuple[list[Row], list[tuple[str, str]]]:
+  """(training rows whose prompt is not held out, [(where, reason)] of the others):
+  a held-out prompt seen in training would measure memory, not skill."""
+  held = {}
+  for r in heldout:
+    held.setdefault(prompt_key(r), r.where)
+  kept, dropped = [], []
+  for r in train:
+    where = held.get(prompt_key(r))
+    if where is None:
+      kept.append(r)
+    else:
+      dropped.append((r.where, f"prompt also held out at {where}"))
+  return kept, dropped
+
+
+# The reasons `dedupe_rows` and `without_heldout` give, by their first words
+# (`hygiene_counts`).
+HYGIENE_REASONS = {"duplicate prompt": "duplicate", "conflicting ground truth": "conflicting",
+                   "prompt also held out": "in_heldout", "prompt has no text": "empty_prompt",
+                   "prompt is empty": "empty_prompt",
+                   "prompt ends with an assistant": "assistant_final"}
+
+
+def hygiene_counts(rejected: list[tuple[str, str]]) -> dict[str, int]:
+  """Rejections by kind: the hygiene kinds of `HYGIENE_REASONS`, the rest "other"."""
+  counts = dict.fromkeys(dict.fromkeys(HYGIENE_REASONS.values()), 0)
+  counts["other"] = 0
+  for _, reason in rejected:
+    kind = next((k for prefix, k in HYGIENE_REASONS.items() if reason.startswith(prefix)),
+                "other")
+    counts[kind] += 1
+  return counts
+
+
 def load_rows(path: str | os.PathLike, *, strict: bool = False,
-              max_row_bytes: int = MAX_ROW_BYTES) -> tuple[list[Row], list[tuple[str, str]]]:
-  """(valid rows, [(where, reason)] of the rejected ones); see the module docstring."""
+              max_row_bytes: int = MAX_ROW_BYTES, keep_repeats: bool = False,
+              repeats: list | None = None) -> tuple[list[Row], list[tuple[str, str]]]:
+  """(valid rows, [(where, reason)] of the rejected ones); see the module docstring.
+
+  Repeated prompts are dropped as `dedupe_rows` says (with `strict`, the
+  first is a DatasetError); `keep_repeats` keeps same-truth repeats (their
+  rows are then in `repeats`, a list the caller passes in, to report).
+  """
   path = os.fspath(path)
   rows: list[Row] = []
   rejected: list[tuple[str, str]] = []
@@ -309,6 +401,12 @@ def load_rows(path: str | os.PathLike, *, strict: bool = False,
         rejected.append((where, str(e)))
   except (OSError, EOFError, zlib.error) as e:  # gzip's errors included
     raise DatasetError(f"{path}: cannot read: {e}") from e
+  rows, dropped, kept_repeats = dedupe_rows(rows, keep_repeats)
+  if dropped and strict:
+    raise DatasetError(f"{dropped[0][0]}: {dropped[0][1]}")
+  rejected += dropped
+  if repeats is not None:
+    repeats += kept_repeats
   if not rows:
     first = f"; first: {rejected[0][0]}: {rejected[0][1]}" if rejected else ""
     raise DatasetError(f"{path}: no valid rows ({len(rejected)} rejected{first})")
@@ -319,18 +417,22 @@ def split_rows(rows: list[Row], heldout_fraction: float,
                seed: int) -> tuple[list[Row], list[Row]]:
   """(train, heldout): a seeded `heldout_fraction` of the rows held out.
 
-  Deterministic in (len(rows), heldout_fraction, seed); each side keeps file
-  order. With 0 < fraction < 1 and at least two rows, each side gets one.
+  Rows with the same prompt (`prompt_key`) go to the same side: the
+  fraction is of distinct prompts. Deterministic in (the prompts' grouping,
+  heldout_fraction, seed); each side keeps file order. With 0 < fraction <
+  1 and at least two distinct prompts, each side gets one.
   """
   if not 0.0 <= heldout_fraction <= 1.0:
     raise ValueError(f"heldout_fraction = {heldout_fraction}: must be in [0, 1]")
-  n = len(rows)
+  group: dict[tuple, int] = {}
+  of_row = [group.setdefault(prompt_key(r), len(group)) for r in rows]
+  n = len(group)
   k = int(round(n * heldout_fraction))
   if 0.0 < heldout_fraction < 1.0 and n >= 2:
     k = min(max(k, 1), n - 1)
   held = set(np.random.default_rng(seed).permutation(n)[:k].tolist())
-  train = [r for i, r in enumerate(rows) if i not in held]
-  heldout = [r for i, r in enumerate(rows) if i in held]
+  train = [r for r, g in zip(rows, of_row) if g not in held]
+  heldout = [r for r, g in zip(rows, of_row) if g in held]
   return train, heldout
 
 

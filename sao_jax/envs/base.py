@@ -88,3 +88,15 @@ class Environment(Protocol):
 
   def demonstration(self, task: Task) -> Sequence[tuple[str | dict, str | Sequence[dict]]]:
     """A correct transcript: [(action, observation), ...] for the SFT start."""
+
+
+class GraderError(Exception):
+  """The grader itself failed (not the answer): raised by `Episode.step`.
+
+  For failures that are nobody's answer's fault (a sandbox that could not
+  start, a trusted program that died without a verdict) after the
+  environment's own bounded retries. The rollout driver does not score the
+  episode: it counts a `grader_error` and runs the episode again from its
+  prompt (sao_jax/rollout/driver.py), so a right answer is never trained on
+  as a wrong one.
+  """

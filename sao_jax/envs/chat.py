@@ -305,9 +305,14 @@ class Qwen3Format(ChatFormat):
   role raises instead of vanishing; an assistant's `content: None` is "".
 
   The driver's transcript (prompt, sampled turns, bridges) equals `render`
-  of the same conversation for tool cycles with thinking on. With thinking
-  off it keeps the empty think block of each generation prompt, which the
-  template drops from earlier turns: the transcript is what the model saw.
+  of the same conversation for tool cycles with thinking on where every
+  sampled turn's think block holds reasoning. A turn whose think block is
+  empty keeps it in the transcript, while the template drops an empty
+  block from turns before the last (a tool turn with `<think>\n\n</think>`
+  makes the transcript longer than the re-render, 331 vs 327 tokens in one
+  case); with thinking off the transcript keeps the empty think block of
+  each generation prompt, which the template drops from earlier turns. In
+  both cases the transcript is what the model saw, which is what trains.
   """
 
   name = "qwen3"
@@ -439,7 +444,7 @@ class Qwen3Format(ChatFormat):
     # The last user turn that is a real query, not a wrapped tool response.
     last_query = len(messages) - 1
     for k in range(len(messages) - 1, -1, -1):
-      c = messages[k]["content"]
+      c = messages[k].get("content") or ""  # an assistant turn of tool calls only has none
       if messages[k]["role"] == "user" and not (c.startswith("<tool_response>")
                                                 and c.endswith("</tool_response>")):
         last_query = k

@@ -27,20 +27,27 @@ threads), never in the sandbox: "math" (`verify.MathVerifier`: the last
 `\\boxed{}`, `####` or `Answer:`; integers exactly, the rest with
 math-verify in a subprocess under a wall clock), "exact" (string match of
 the extracted answer), or an import string `fn(response, ground_truth) ->
-float | bool`. A verifier timeout scores 0 and is reported as the event
-"verifier_timeout" (counted in the driver's `env_events`), never silently.
+float | bool`. A verifier timeout, or an answer nested too deeply to hand to math-verify,
+scores 0 and is reported as the event "verifier_timeout" /
+"verifier_too_nested" (counted in the driver's `env_events`), never silently.
 
 Tools: "python" runs its `code` argument in `sao_jax.envs.sandbox` and
-returns stdout and the error line; `tool_functions` maps further names to
-import strings of `fn(**arguments) -> str`, run in the worker thread (they
-are the user's own code, not the model's).
+returns stdout and the error line (or its exit status, if it said nothing);
+every turn's calls are bounded by env config's tool budget
+(`tool_calls_per_turn`, `tool_seconds_per_turn`, `tool_seconds_per_episode`:
+`ToolBudget`, `answer_tool_calls`), calls past it answered with an error.
+`tool_functions` maps further names to import strings of `fn(**arguments)
+-> str`, run in the worker thread (they are the user's own code, not the
+model's; a time budget does not cut them short, it only refuses later calls).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import threading
+import time
 from typing import Any, Callable
 
 from sao_jax.data.prompts import EVAL_OFFSET
@@ -94,6 +101,11 @@ class DatasetConfig:
   max_turns: int = 8
   # Any bad row fails the build (default: bad rows are skipped and reported).
   strict: bool = False
+  # A prompt repeated with the same ground truth: "drop" the repeats (each
+  # reported with its line) or "report" them (kept, reported). Conflicting
+  # ground truths and training prompts that are also held out are dropped
+  # either way.
+  duplicates: str = "drop"
   # Test-only: without the sandbox the python tool refuses to run.
   use_sandbox: bool = True
 
@@ -118,23 +130,37 @@ class DatasetEnv:
                        "others need an entry in tool_functions")
     _check_python_modules(config.python_modules)
     self.config, self.limits = config, limits
+    # Bounds on each turn's tool calls (registry.make_env sets env config's).
+    self.tool_budget = ToolBudget()
     self.max_turns = config.max_turns
     self.runs_code = config.needs_sandbox
     from sao_jax.data import datasets  # pylint: disable=g-import-not-at-top
-    rows, rejected = datasets.load_rows(config.path, strict=config.strict)
+    if config.duplicates not in ("drop", "report"):
+      raise ValueError(f"env.kwargs.duplicates = {config.duplicates!r}: 'drop' or 'report'")
+    keep, repeats = config.duplicates == "report", []
+    rows, rejected = datasets.load_rows(config.path, strict=config.strict, keep_repeats=keep,
+                                        repeats=repeats)
     if config.heldout_path:
-      heldout, bad = datasets.load_rows(config.heldout_path, strict=config.strict)
-      rejected = rejected + bad
-      train = rows
+      heldout, bad = datasets.load_rows(config.heldout_path, strict=config.strict,
+                                        keep_repeats=keep, repeats=repeats)
+      train, overlap = datasets.without_heldout(rows, heldout)
+      if overlap and config.strict:
+        raise datasets.DatasetError(f"{overlap[0][0]}: {overlap[0][1]}")
+      rejected = rejected + bad + overlap
     else:
       train, heldout = datasets.split_rows(rows, config.heldout_fraction, config.seed)
     if not train or not heldout:
       raise ValueError(f"dataset {config.path}: {len(train)} training and {len(heldout)} "
                        "held-out rows; both splits need at least one")
     self.train_rows, self.heldout_rows, self.rejected = train, heldout, rejected
+    # Same-truth repeats kept (duplicates="report"), as (where, reason).
+    self.repeats = repeats
+    # Rows left out at load by kind, and repeats kept: the RL metrics'
+    # data/rows_<kind> (rl_loop.py).
+    self.data_counts = {**datasets.hygiene_counts(rejected), "repeats_kept": len(repeats)}
     self.num_eval_tasks = len(heldout)
     self._demo_rows = [i for i, r in enumerate(train) if r.completion]
-    _report(config, train, heldout, rejected)
+    _report(config, train, heldout, rejected, repeats)
     self._functions = _tool_functions(config)
     self._offered = tuple(
         schema for name, schema in (("python", PYTHON_TOOL),) if name in config.tools) + tuple(
@@ -184,11 +210,12 @@ class DatasetEnv:
 
   # --- tools --------------------------------------------------------------------
 
-  def call_tool(self, name: str, arguments: dict) -> str:
+  def call_tool(self, name: str, arguments: dict, seconds: float | None = None) -> str:
+    """A tool's answer; the python tool's sandbox gets at most `seconds` of wall clock."""
     if name == "python" and "python" in self.config.tools:
       if not self.config.use_sandbox:
         raise RuntimeError("the python tool without the sandbox is for tests only")
-      return run_python(arguments["code"], self.limits,
+      return run_python(arguments["code"], sandbox_limits_within(self.limits, seconds),
                         preload=tuple(self.config.python_modules)).observation()
     fn = self._functions.get(name)
     if fn is None:
@@ -201,6 +228,7 @@ class _Episode:
 
   def __init__(self, env: DatasetEnv, task: Task):
     self._env, self._task, self._turns = env, task, 0
+    self._meter = ToolMeter(env.tool_budget)
 
   def step(self, action: str) -> StepResult:
     self._turns += 1
@@ -210,11 +238,13 @@ class _Episode:
       parsed = getattr(action, "parsed", None)
       verdict = self._env._verify(parsed.content if parsed is not None else str(action),
                                   str(self._task.answer))
-      events = ["verifier_timeout"] if verdict.reason == "timeout" else []
+      # Answers the verifier did not judge are counted, never silent.
+      events = ([f"verifier_{verdict.reason}"] if verdict.reason in ("timeout", "too_nested")
+                else [])
       return StepResult("", float(verdict.correct), True,
                         {"correct": verdict.correct, "verdict": verdict.reason,
                          "events": events})
-    messages, events = answer_tool_calls(action, self._env.call_tool)
+    messages, events = answer_tool_calls(action, self._env.call_tool, self._meter)
     done = self._turns >= self._env.max_turns
     info = {"correct": False, "events": events}
     if done:
@@ -225,24 +255,88 @@ class _Episode:
 # --- helpers --------------------------------------------------------------------
 
 
-def answer_tool_calls(action, call_tool: Callable[[str, dict], str]) -> tuple[list, list]:
+@dataclasses.dataclass(frozen=True)
+class ToolBudget:
+  """Bounds on one turn's tool calls and on their time (0: no bound); env config's
+  tool_calls_per_turn, tool_seconds_per_turn and tool_seconds_per_episode."""
+  calls_per_turn: int = 0
+  seconds_per_turn: float = 0.0
+  seconds_per_episode: float = 0.0
+
+
+class ToolMeter:
+  """One episode's tool time so far, against its `ToolBudget`."""
+
+  def __init__(self, budget: ToolBudget = ToolBudget()):
+    self.budget = budget
+    self.episode_seconds = 0.0
+
+
+def answer_tool_calls(action, call_tool: Callable[..., str],
+                      meter: ToolMeter | None = None) -> tuple[list, list]:
   """The tool messages that answer a turn's calls, and its events.
 
   One message per call, in the order the turn wrote them
   (`action.tool_sequence`; Qwen3's responses carry no call ids): a
   malformed call is answered with its error, a well-formed one with
-  `call_tool(name, arguments)`. The events are ["tool_error"] if any call
-  was malformed. Shared by every environment that offers tools, so they
-  answer calls alike.
+  `call_tool(name, arguments, seconds)`, where `seconds` is what the
+  budget leaves (None: no time bound; the python tool cuts its sandbox's
+  wall clock to it). With a `meter`, calls past its budget are not run but
+  answered with an error: past `calls_per_turn` calls ("tool_budget_calls"),
+  or once the turn's or the episode's tool seconds are spent
+  ("tool_budget_time"). The events are ["tool_error"] if any call was
+  malformed, and each budget event once if it refused a call. Shared by
+  every environment that offers tools, so they answer calls alike.
   """
-  messages, malformed = [], False
+  budget = meter.budget if meter is not None else ToolBudget()
+  messages, events, calls, turn_seconds = [], [], 0, 0.0
   for item in getattr(action, "tool_sequence", ()):  # an Action always has one; a str none
     if isinstance(item, tuple):  # (reason, message)
       messages.append({"role": "tool", "content": f"error: {item[1]}"})
-      malformed = True
+      events.append("tool_error")
+      continue
+    calls += 1
+    left = _seconds_left(budget, turn_seconds, meter)
+    if budget.calls_per_turn and calls > budget.calls_per_turn:
+      refusal = (f"error: tool budget: at most {budget.calls_per_turn} tool calls per turn; "
+                 "this call was not run", "tool_budget_calls")
+    elif left is not None and left <= 0:
+      refusal = ("error: tool budget: the turn's or the episode's tool time is spent "
+                 f"({budget.seconds_per_turn:g} s per turn, {budget.seconds_per_episode:g} s "
+                 "per episode; 0: no bound); this call was not run", "tool_budget_time")
     else:
-      messages.append({"role": "tool", "content": call_tool(item.name, item.arguments)})
-  return messages, ["tool_error"] if malformed else []
+      start = time.monotonic()
+      try:
+        out = call_tool(item.name, item.arguments, left) if left is not None else call_tool(
+            item.name, item.arguments)
+      finally:
+        spent = time.monotonic() - start
+        turn_seconds += spent
+        if meter is not None:
+          meter.episode_seconds += spent
+      messages.append({"role": "tool", "content": out})
+      continue
+    messages.append({"role": "tool", "content": refusal[0]})
+    events.append(refusal[1])
+  return messages, list(dict.fromkeys(events))
+
+
+def _seconds_left(budget: ToolBudget, turn_seconds: float, meter) -> float | None:
+  """Tool seconds the turn may still use (None: no time bound)."""
+  left = []
+  if budget.seconds_per_turn:
+    left.append(budget.seconds_per_turn - turn_seconds)
+  if budget.seconds_per_episode and meter is not None:
+    left.append(budget.seconds_per_episode - meter.episode_seconds)
+  return min(left) if left else None
+
+
+def sandbox_limits_within(limits: SandboxLimits, seconds: float | None) -> SandboxLimits:
+  """`limits` with the wall clock (and CPU time) cut to `seconds` (None: as they are)."""
+  if seconds is None or seconds >= limits.wall_seconds:
+    return limits
+  return dataclasses.replace(limits, wall_seconds=max(seconds, 0.05),
+                             cpu_seconds=max(1, min(limits.cpu_seconds, math.ceil(seconds))))
 
 
 def _tool_name(schema: dict) -> str:
@@ -291,11 +385,17 @@ def _make_verifier(config: DatasetConfig) -> Callable:
 _REPORT_LOCK = threading.Lock()
 
 
-def _report(config, train, heldout, rejected) -> None:
+def _report(config, train, heldout, rejected, repeats=()) -> None:
+  from sao_jax.data import datasets  # pylint: disable=g-import-not-at-top
+  counts = ", ".join(f"{n} {k}" for k, n in datasets.hygiene_counts(rejected).items() if n)
   with _REPORT_LOCK:
     print(f"[dataset] {config.path}: {len(train)} training rows, {len(heldout)} held-out, "
-          f"{len(rejected)} rejected", flush=True)
+          f"{len(rejected)} rejected" + (f" ({counts})" if counts else "")
+          + (f", {len(repeats)} repeated prompts kept (duplicates='report')" if repeats else ""),
+          flush=True)
     for where, reason in rejected[:20]:
       print(f"[dataset]   rejected {where}: {reason}", flush=True)
     if len(rejected) > 20:
       print(f"[dataset]   ... and {len(rejected) - 20} more", flush=True)
+    for where, reason in repeats[:5]:
+      print(f"[dataset]   kept {where}: {reason}", flush=True)

@@ -36,39 +36,52 @@ come back as plain data parsed strictly in the trainer):
        every time. Output: the argument list of every call.
     2. run (the candidate's sandbox): the prompt, the candidate's program,
        then a harness that calls the entry point on those arguments and
-       writes each result (or the name of the exception it raised) as a
-       Python literal of plain data on a channel of its own; the
+       writes each result (or the name of the exception it raised) as
+       tagged JSON (`_ENC_DEF`: None, bool, int, float, str, list, tuple,
+       set, frozenset, dict, Counter, OrderedDict, defaultdict, Fraction,
+       Decimal, matched by exact type) on a channel of its own; the
        candidate's prints go to stderr. No test, no expected value and no
        canonical solution is in this process or its files.
-    3. parse (the trainer): one line, a list with one entry per call, each
-       a literal built only from ints, floats, strs, bools, None, lists,
-       tuples, dicts and sets (`parse_plain`: an AST whitelist, no names,
-       no calls but float('nan') / float('inf') and set()). Anything else
-       is no result: the candidate scores 0.
-    4. replay (a second sandbox; trusted code and plain data only): the
+    3. check (the trainer): one line, a JSON list with one entry per call,
+       read by `json.loads` (thread-safe, no AST, no object of the
+       candidate's) and checked against the tagged grammar
+       (`check_tagged`). Anything else is no result: the candidate scores 0.
+    4. replay (a second sandbox; trusted code and checked data only): the
        canonical program, the test, and `check` on a stand-in for the entry
-       point that returns the parsed results, re-serialized by the trainer,
-       in order, after checking that each call's arguments are the recorded
-       ones. `check`'s asserts run on built-in values here, so an object
-       whose `__eq__` says yes, a patched `assert` or `check`, forged output,
-       `sys.exit(0)` / `os._exit(0)` / `atexit` in the candidate's process
-       all gain nothing: they happen where no test runs.
+       point that returns the results, rebuilt from their canonical JSON as
+       the real types (so a Counter compares as HumanEval's `check` compares
+       it), in order, after checking that each call's arguments are the
+       recorded ones. `check`'s asserts run on values of the standard
+       library's types here, so an object whose `__eq__` says yes, a
+       patched `assert` or `check`, forged output, `sys.exit(0)` /
+       `os._exit(0)` / `atexit` in the candidate's process all gain
+       nothing: they happen where no test runs. The replay says its verdict
+       as one tagged JSON line.
 
 The candidate's sandbox can print anything on the result channel, so a
 forged result line is possible, but it must hold the right values for the
 recorded inputs: computing those is solving the problem. The replay's
-verdict is its exit status and a marker line, trusted because nothing in
-that process came from the model but re-serialized plain data.
+verdict line is trusted because nothing in that process came from the
+model but checked, re-serialized data.
+
+Grader failures are not wrong answers: a sandbox that fails to start
+("sandbox: ..."), a replay that says no verdict, or any exception in the
+grader's own code is retried (`GRADE_ATTEMPTS` in all; each retry is a
+`grader_retry` event), then raises `GraderError`, which the rollout driver
+counts as `grader_error` and answers by running the episode again instead
+of scoring it. The trainer-side `ast.parse` (does the answer define the
+entry point?) runs under a lock: the AST constructor is not thread-safe.
 
 Reward 1.0 iff every test passes, else 0. `info["verdict"]`: "passed",
 "failed" (an assert, or an error raised by the function), "timeout" (the
 candidate's run hit the wall clock or its CPU time limit), "error" (no valid result: crashed,
-exited early, a result that is not plain data, garbage on the channel),
+exited early, a result of a type the grader does not compare, garbage on the channel),
 "syntax_error", "no_code" (an empty answer), or "max_turns" (with tools:
 only tool calls until the turn limit). `info["detail"]` says more.
 
 With `tools=("python",)` the dataset environment's `python` tool is offered
-and answered exactly as there (`dataset.answer_tool_calls`); a turn
+and answered exactly as there (`dataset.answer_tool_calls`, under env
+config's tool budget: calls and seconds per turn, seconds per episode); a turn
 without tool calls is the answer and is graded. Without tools the first
 turn is graded whatever it holds (`max_turns` is then 1).
 """
@@ -80,14 +93,14 @@ import dataclasses
 import functools
 import gzip
 import json
-import math
 import os
 import re
 import threading
 
 from sao_jax.data.prompts import EVAL_OFFSET
-from sao_jax.envs.base import StepResult, Task
-from sao_jax.envs.dataset import PYTHON_TOOL, answer_tool_calls
+from sao_jax.envs.base import GraderError, StepResult, Task
+from sao_jax.envs.dataset import (PYTHON_TOOL, ToolBudget, ToolMeter, answer_tool_calls,
+                                  sandbox_limits_within)
 from sao_jax.envs.sandbox import SandboxLimits, run_python
 
 NUM_PROBLEMS = 164
@@ -99,11 +112,11 @@ SYSTEM_PROMPT = ("Complete the Python function below. Reply with the complete fu
 # the standard modules a solution commonly uses.
 PRELOAD = ("typing", "math", "random", "string", "copy", "collections", "itertools",
            "functools", "re", "hashlib", "heapq", "bisect", "fractions", "decimal",
-           "statistics", "operator")
+           "statistics", "operator", "json")
 # The most a result record may be: HumanEval's largest (100 calls) is a few KB.
 _MAX_RECORD_CHARS = 256 * 2**10
-# The replay's last line when every assert passed.
-_PASSED_MARK = "SAO_HUMANEVAL_PASSED"
+# Attempts at grading one answer before the grader gives up (GraderError).
+GRADE_ATTEMPTS = 3
 # The seed of `random` before `check` runs, in the record and the replay alike.
 _TEST_SEED = 0
 VERDICTS = ("passed", "failed", "timeout", "error", "syntax_error", "no_code", "max_turns")
@@ -151,9 +164,17 @@ def extract_code(text: str) -> str:
   return blocks[-1] if blocks else text
 
 
+# `ast.parse` builds Python objects from the C AST, which is not safe in
+# concurrent threads (CPython 3.11/3.12 can raise "SystemError: AST
+# constructor recursion depth mismatch"): graders run in the driver's
+# worker threads, so every parse here takes this lock.
+_AST_LOCK = threading.Lock()
+
+
 def _defines(code: str, name: str) -> bool:
   try:
-    tree = ast.parse(code)
+    with _AST_LOCK:
+      tree = ast.parse(code)
   except (SyntaxError, ValueError, RecursionError, MemoryError):
     return False
   return any(isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name
@@ -176,119 +197,148 @@ def candidate_program(problem: dict, answer: str) -> tuple[str | None, str]:
   return program, ""
 
 
-# --- plain data -------------------------------------------------------------------
+# --- tagged data -------------------------------------------------------------------
 
-# Serializes a value of plain data as a Python literal, or raises TypeError.
-# Runs in the sandboxes (all three programs), so that the record, the
-# candidate's results and the replay's argument check agree on one
-# spelling; the builtins it uses are bound when it is defined (before any
-# candidate code). Sets are spelled sorted, so the spelling does not depend
-# on the process's hash seed.
-_PLAIN_DEF = r'''
-def _sao_plain(v, _type=type, _int=int, _float=float, _str=str, _bool=bool, _list=list,
-               _tuple=tuple, _dict=dict, _set=set, _sorted=sorted, _len=len,
-               _irepr=int.__repr__, _frepr=float.__repr__, _srepr=str.__repr__,
-               _TypeError=TypeError, _join=", ".join):
+# Values cross between the processes as tagged JSON: null, true, false,
+# numbers and strings stand for themselves (an int's JSON has no '.' or 'e',
+# a float's always does), and every other value is an array whose first
+# element names its type:
+#
+#   ["float", "nan" | "inf" | "-inf"]
+#   ["list" | "tuple" | "set" | "frozenset", item, ...]       (sets sorted)
+#   ["dict" | "Counter" | "OrderedDict" | "defaultdict", [key, value], ...]
+#   ["Fraction", numerator, denominator]       ["Decimal", "its str"]
+#
+# Those are the types HumanEval's solutions return and its `check` compares
+# with `==`, so a Counter, a defaultdict or a Fraction is judged as `check`
+# judges it: the replay rebuilds the real object. The trainer only checks
+# the structure (`check_tagged`, on `json.loads`' output: no object of the
+# candidate's, no AST, nothing that runs) and hands the canonical text on.
+SEQUENCE_TAGS = ("list", "tuple", "set", "frozenset")
+MAPPING_TAGS = ("dict", "Counter", "OrderedDict", "defaultdict")
+TAGS = SEQUENCE_TAGS + MAPPING_TAGS + ("float", "Fraction", "Decimal")
+_SPECIAL_FLOATS = ("nan", "inf", "-inf")
+_MAX_DEPTH = 50
+_MAX_DECIMAL_CHARS = 100
+
+# Serializes a value as tagged JSON, or raises TypeError. Runs in the
+# sandboxes (all three programs), so that the record, the candidate's
+# results and the replay's argument check agree on one spelling; what it
+# uses is bound when it is defined (before any candidate code). Types are
+# matched exactly: a subclass of the candidate's is not data.
+_ENC_DEF = r'''
+def _sao_enc(v, _type=type, _int=int, _float=float, _str=str, _bool=bool, _sorted=sorted,
+             _irepr=int.__repr__, _frepr=float.__repr__, _dstr=__import__("decimal").Decimal.__str__,
+             _qs=__import__("json").encoder.encode_basestring_ascii,
+             _seq={list: "list", tuple: "tuple", set: "set", frozenset: "frozenset"},
+             _map={dict: "dict", __import__("collections").Counter: "Counter",
+                   __import__("collections").OrderedDict: "OrderedDict",
+                   __import__("collections").defaultdict: "defaultdict"},
+             _F=__import__("fractions").Fraction, _D=__import__("decimal").Decimal,
+             _TypeError=TypeError, _join=", ".join, _get=dict.get, _items=dict.items):
   t = _type(v)
   if v is None:
-    return "None"
+    return "null"
   if t is _bool:
-    return "True" if v else "False"
+    return "true" if v else "false"
   if t is _int:
     return _irepr(v)
   if t is _float:
     if v != v:
-      return "float('nan')"
-    if v in (float("inf"), float("-inf")):
-      return "float('inf')" if v > 0 else "float('-inf')"
+      return '["float", "nan"]'
+    if v in (_float("inf"), _float("-inf")):
+      return '["float", "inf"]' if v > 0 else '["float", "-inf"]'
     return _frepr(v)
   if t is _str:
-    return _srepr(v)
-  if t is _list:
-    return "[" + _join([_sao_plain(x) for x in v]) + "]"
-  if t is _tuple:
-    return "(" + _join([_sao_plain(x) for x in v]) + ("," if _len(v) == 1 else "") + ")"
-  if t is _dict:
-    return "{" + _join([_sao_plain(k) + ": " + _sao_plain(x) for k, x in v.items()]) + "}"
-  if t is _set:
-    return "{" + _join(_sorted([_sao_plain(x) for x in v])) + "}" if v else "set()"
+    return _qs(v)
+  tag = _get(_seq, t)
+  if tag is not None:
+    items = [_sao_enc(x) for x in v]
+    if tag in ("set", "frozenset"):
+      items = _sorted(items)
+    return "[" + _join(['"' + tag + '"'] + items) + "]"
+  tag = _get(_map, t)
+  if tag is not None:
+    return "[" + _join(['"' + tag + '"'] + ["[" + _sao_enc(k) + ", " + _sao_enc(x) + "]"
+                                            for k, x in _items(v)]) + "]"
+  if t is _F:
+    return '["Fraction", ' + _irepr(v.numerator) + ", " + _irepr(v.denominator) + "]"
+  if t is _D:
+    return '["Decimal", ' + _qs(_dstr(v)) + "]"
   raise _TypeError(t.__name__)
 '''
 
-_SPECIAL_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-_MAX_DEPTH = 50
+# Rebuilds a value from its checked tagged JSON (trusted processes only).
+_DEC_DEF = r'''
+def _sao_dec(x):
+  import collections, decimal, fractions
+  if type(x) is not list:
+    return x
+  tag, rest = x[0], x[1:]
+  if tag == "float":
+    return float(rest[0])
+  if tag in ("list", "tuple", "set", "frozenset"):
+    return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[tag](
+        _sao_dec(y) for y in rest)
+  if tag == "Fraction":
+    return fractions.Fraction(rest[0], rest[1])
+  if tag == "Decimal":
+    return decimal.Decimal(rest[0])
+  out = {"dict": dict, "Counter": collections.Counter, "OrderedDict": collections.OrderedDict,
+         "defaultdict": lambda: collections.defaultdict(None)}[tag]()
+  for k, v in rest:
+    out[_sao_dec(k)] = _sao_dec(v)
+  return out
+'''
 
 
-def parse_plain(text: str):
-  """The value of a literal of plain data (see `_PLAIN_DEF`), or ValueError.
+def _reject_constant(text):
+  raise ValueError(f"{text} is not tagged data")
 
-  A whitelist over the AST: constants of exact type int, float, str, bool or
-  None; lists, tuples, dicts and sets of those; unary minus on a number;
-  `float('nan' | 'inf' | '-inf')` and `set()`. No other name, call,
-  attribute or operator, so nothing in the text can run or build an object
-  with behaviour of its own.
-  """
+
+def parse_tagged(text: str):
+  """`text` as checked tagged JSON (plain JSON values), or ValueError."""
   try:
-    tree = ast.parse(text, mode="eval")
-  except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
-    raise ValueError(f"not a literal: {type(e).__name__}") from None
-  return _plain_value(tree.body, 0)
+    value = json.loads(text, parse_constant=_reject_constant)
+  except (ValueError, RecursionError, MemoryError) as e:  # JSONDecodeError is a ValueError
+    raise ValueError(f"not JSON: {type(e).__name__}") from None
+  check_tagged(value)
+  return value
 
 
-def _plain_value(node, depth):
+def check_tagged(value, depth: int = 0) -> None:
+  """Raises ValueError unless `value` (from `json.loads`) follows the tagged grammar."""
   if depth > _MAX_DEPTH:
     raise ValueError("nested too deeply")
-  if isinstance(node, ast.Constant):
-    if node.value is None or type(node.value) in (int, float, str, bool):
-      return node.value
-    raise ValueError(f"constant of type {type(node.value).__name__}")
-  if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-    value = _plain_value(node.operand, depth + 1)
-    if type(value) not in (int, float):
-      raise ValueError("minus on a non-number")
-    return -value
-  if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
-    items = [_plain_value(x, depth + 1) for x in node.elts]
-    if isinstance(node, ast.List):
-      return items
-    if isinstance(node, ast.Tuple):
-      return tuple(items)
-    try:
-      return set(items)
-    except TypeError:
-      raise ValueError("unhashable set element") from None
-  if isinstance(node, ast.Dict):
-    if any(k is None for k in node.keys):  # {**x}
-      raise ValueError("dict unpacking")
-    try:
-      return {_plain_value(k, depth + 1): _plain_value(v, depth + 1)
-              for k, v in zip(node.keys, node.values)}
-    except TypeError:
-      raise ValueError("unhashable dict key") from None
-  if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.keywords):
-    if node.func.id == "set" and not node.args:
-      return set()
-    if (node.func.id == "float" and len(node.args) == 1 and isinstance(node.args[0], ast.Constant)
-        and node.args[0].value in _SPECIAL_FLOATS):
-      return _SPECIAL_FLOATS[node.args[0].value]
-  raise ValueError(f"{type(node).__name__} is not plain data")
-
-
-def plain_source(value) -> str:
-  """Source text for a value that `parse_plain` returned (trainer-side `_sao_plain`)."""
   t = type(value)
-  if t is float and not math.isfinite(value):
-    return "float('nan')" if value != value else ("float('inf')" if value > 0
-                                                  else "float('-inf')")
-  if t in (list, tuple):
-    inner = ", ".join(plain_source(x) for x in value)
-    return f"[{inner}]" if t is list else f"({inner}{',' if len(value) == 1 else ''})"
-  if t is dict:
-    return "{" + ", ".join(f"{plain_source(k)}: {plain_source(v)}"
-                           for k, v in value.items()) + "}"
-  if t is set:
-    return "{" + ", ".join(plain_source(x) for x in value) + "}" if value else "set()"
-  return repr(value)  # None, bool, int, finite float, str: exact builtins only
+  if value is None or t in (bool, int, float, str):
+    return
+  if t is not list or not value or value[0] not in TAGS:
+    raise ValueError(f"a {t.__name__} that is not a tagged value")
+  tag, rest = value[0], value[1:]
+  if tag in SEQUENCE_TAGS:
+    for x in rest:
+      check_tagged(x, depth + 1)
+  elif tag in MAPPING_TAGS:
+    for pair in rest:
+      if type(pair) is not list or len(pair) != 2:
+        raise ValueError(f"a {tag} entry that is not a [key, value] pair")
+      check_tagged(pair[0], depth + 1)
+      check_tagged(pair[1], depth + 1)
+  elif tag == "float":
+    if len(rest) != 1 or rest[0] not in _SPECIAL_FLOATS:
+      raise ValueError("a tagged float that is not nan, inf or -inf")
+  elif tag == "Fraction":
+    if len(rest) != 2 or type(rest[0]) is not int or type(rest[1]) is not int or rest[1] <= 0:
+      raise ValueError("a Fraction that is not [int, positive int]")
+  elif tag == "Decimal":
+    if len(rest) != 1 or type(rest[0]) is not str or len(rest[0]) > _MAX_DECIMAL_CHARS:
+      raise ValueError("a Decimal that is not one short str")
+
+
+def _dumps(value) -> str:
+  """Canonical text of checked tagged data (what the replay reads)."""
+  return json.dumps(value, ensure_ascii=True, allow_nan=False)
 
 
 # --- the three programs -------------------------------------------------------------
@@ -296,10 +346,10 @@ def plain_source(value) -> str:
 def _record_program(problem: dict) -> str:
   """Trusted: canonical solution + test; prints each call's arguments, one per line."""
   return (problem["prompt"] + problem["canonical_solution"] + "\n" + problem["test"] + "\n"
-          + _PLAIN_DEF + f"""
+          + _ENC_DEF + f"""
 _sao_calls = []
 def _sao_recorder(*args, **kwargs):
-  _sao_calls.append(_sao_plain((args, kwargs)))
+  _sao_calls.append(_sao_enc((args, kwargs)))
   return {problem["entry_point"]}(*args, **kwargs)
 __import__("random").seed({_TEST_SEED})
 check(_sao_recorder)
@@ -311,28 +361,30 @@ print("\\n".join(_sao_calls))
 # candidate can touch anything) and the result channel, a duplicate of
 # stdout; stdout itself then goes to stderr, so the candidate's prints do
 # not mix with the record. After the candidate's code: one call each, the
-# record written in one piece. An exception (Exception) of the function is
-# recorded by its class name; SystemExit and the like end the process
-# without a record.
+# record written in one piece, a JSON list of ["ok", value], ["raised",
+# exception class name] or ["not_data", type name]. An exception
+# (Exception) of the function is recorded by its class name; SystemExit and
+# the like end the process without a record.
 _RUN_PROLOGUE = """\
-{plain}
-_sao_inputs = [{calls}]
+{enc}
+{dec}
+_sao_inputs = [_sao_dec(__import__("json").loads(c)) for c in {calls!r}]
 _sao_channel = __import__("os").dup(1)
 __import__("os").dup2(2, 1)
 def _sao_run(name, _g=globals(), _write=__import__("os").write, _Exception=Exception,
-             _TypeError=TypeError, _type=type, _plain=_sao_plain, _join=", ".join,
-             _srepr=str.__repr__):
+             _TypeError=TypeError, _type=type, _enc=_sao_enc, _join=", ".join,
+             _qs=__import__("json").encoder.encode_basestring_ascii):
   out = []
   for args, kwargs in _sao_inputs:
     try:
       value = _g[name](*args, **kwargs)
     except _Exception as e:
-      out.append("('raised', " + _srepr(_type(e).__name__) + ")")
+      out.append('["raised", ' + _qs(_type(e).__name__) + "]")
       continue
     try:
-      out.append("('ok', " + _plain(value) + ")")
+      out.append('["ok", ' + _enc(value) + "]")
     except (_TypeError, ValueError, RecursionError):
-      out.append("('not_plain', " + _srepr(_type(value).__name__) + ")")
+      out.append('["not_data", ' + _qs(_type(value).__name__) + "]")
   data = ("[" + _join(out) + "]\\n").encode()
   while data:
     data = data[_write(_sao_channel, data):]
@@ -340,53 +392,97 @@ def _sao_run(name, _g=globals(), _write=__import__("os").write, _Exception=Excep
 
 
 def _run_program(problem: dict, program: str, calls: tuple[str, ...]) -> str:
-  return (_RUN_PROLOGUE.format(plain=_PLAIN_DEF, calls=", ".join(calls)) + program
+  return (_RUN_PROLOGUE.format(enc=_ENC_DEF, dec=_DEC_DEF, calls=list(calls)) + program
           + f"\n_sao_run({problem['entry_point']!r})\n")
 
 
-def _replay_program(problem: dict, calls: tuple[str, ...], results: list) -> str:
-  """Trusted code and plain data: `check` against the candidate's results."""
-  results_src = ", ".join(f"({kind!r}, {plain_source(value)})" for kind, value in results)
+# The replay's verdict line: the marker, then {"verdict": ..., "detail": ...}.
+_VERDICT_MARK = "SAO_HUMANEVAL_VERDICT "
+
+
+def _replay_program(problem: dict, calls: tuple[str, ...], results_text: str) -> str:
+  """Trusted code and checked data: `check` against the candidate's results.
+
+  Says one verdict line: "passed" (every assert held), "failed" (`check`
+  raised: an assert, an error of the function, a call that is not the
+  recorded one) or "bad_result" (the results do not rebuild: a set of
+  unhashable items, say). No line at all is the grader's failure.
+  """
   return (problem["prompt"] + problem["canonical_solution"] + "\n" + problem["test"] + "\n"
-          + _PLAIN_DEF + f"""
+          + _ENC_DEF + _DEC_DEF + f"""
+def _sao_say(verdict, detail="", _dumps=__import__("json").dumps, _print=print):
+  _print({_VERDICT_MARK!r} + _dumps({{"verdict": verdict, "detail": detail[:200]}}))
 class _SaoDiverged(Exception):
   pass
 class _SaoRaised(Exception):
   pass
 _sao_calls = {list(calls)!r}
-_sao_results = [{results_src}]
 _sao_next = [0]
-def _sao_replay(*args, **kwargs):
-  i = _sao_next[0]
-  if i >= len(_sao_calls) or _sao_plain((args, kwargs)) != _sao_calls[i]:
-    raise _SaoDiverged("call %d is not the recorded one" % i)
-  _sao_next[0] = i + 1
-  kind, value = _sao_results[i]
-  if kind == "ok":
-    return value
-  raise _SaoRaised("%s: %s" % (kind, value))
-__import__("random").seed({_TEST_SEED})
-check(_sao_replay)
-print({_PASSED_MARK!r})
+try:
+  _sao_results = [(k, _sao_dec(v) if k == "ok" else v)
+                  for k, v in __import__("json").loads({results_text!r})]
+except Exception as e:
+  _sao_say("bad_result", type(e).__name__)
+else:
+  def _sao_replay(*args, **kwargs):
+    i = _sao_next[0]
+    if i >= len(_sao_calls) or _sao_enc((args, kwargs)) != _sao_calls[i]:
+      raise _SaoDiverged("call %d is not the recorded one" % i)
+    _sao_next[0] = i + 1
+    kind, value = _sao_results[i]
+    if kind == "ok":
+      return value
+    raise _SaoRaised("%s: %s" % (kind, value))
+  __import__("random").seed({_TEST_SEED})
+  try:
+    check(_sao_replay)
+  except BaseException as e:
+    _sao_say("failed", "%s: %s" % (type(e).__name__, str(e)[:150]))
+  else:
+    _sao_say("passed")
 """)
 
 
 def _parse_record(stdout: str, n: int) -> list | None:
-  """[(kind, value)] for `n` calls from the candidate's channel, or None."""
+  """[[kind, value]] for `n` calls from the candidate's channel (checked), or None."""
   if not stdout.endswith("\n") or stdout.count("\n") != 1 or len(stdout) > _MAX_RECORD_CHARS:
     return None
   try:
-    entries = parse_plain(stdout)
-  except ValueError:
+    entries = json.loads(stdout, parse_constant=_reject_constant)
+  except (ValueError, RecursionError, MemoryError):
     return None
   if type(entries) is not list or len(entries) != n:
     return None
   for entry in entries:
-    if not (type(entry) is tuple and len(entry) == 2
-            and entry[0] in ("ok", "raised", "not_plain")
+    if not (type(entry) is list and len(entry) == 2
+            and entry[0] in ("ok", "raised", "not_data")
             and (entry[0] == "ok" or type(entry[1]) is str)):
       return None
+    if entry[0] == "ok":
+      try:
+        check_tagged(entry[1])
+      except (ValueError, RecursionError):
+        return None
   return entries
+
+
+def _parse_verdict(stdout: str) -> tuple[str, str] | None:
+  """The replay's (verdict, detail), or None when it said none (the grader failed)."""
+  lines = [x for x in stdout.splitlines() if x.startswith(_VERDICT_MARK)]
+  if len(lines) != 1:
+    return None
+  try:
+    said = json.loads(lines[0][len(_VERDICT_MARK):])
+  except ValueError:
+    return None
+  if (type(said) is not dict or said.get("verdict") not in ("passed", "failed", "bad_result")
+      or type(said.get("detail")) is not str):
+    return None
+  return said["verdict"], said["detail"]
+
+
+class _GraderFault(Exception):
+  """One grading attempt failed for a reason that is not the answer's."""
 
 
 # --- the environment ---------------------------------------------------------------
@@ -395,6 +491,7 @@ class _Episode:
 
   def __init__(self, env: "HumanEval", task: Task):
     self._env, self._task, self._turns = env, task, 0
+    self._meter = ToolMeter(env.tool_budget)
 
   def step(self, action: str) -> StepResult:
     self._turns += 1
@@ -403,12 +500,13 @@ class _Episode:
     if not self._env.config.tools or not (calls or errors):  # the answer
       parsed = getattr(action, "parsed", None)
       text = parsed.content if parsed is not None else str(action)
-      verdict, detail = self._env.grade(self._task.meta["problem"], text)
+      verdict, detail, retries = self._env.grade_counted(self._task.meta["problem"], text)
       passed = verdict == "passed"
       return StepResult("", float(passed), True,
                         {"correct": passed, "verdict": verdict, "detail": detail,
-                         "task_id": self._task.meta["task_id"], "events": []})
-    messages, events = answer_tool_calls(action, self._env.call_tool)
+                         "task_id": self._task.meta["task_id"],
+                         "events": ["grader_retry"] * min(retries, 8)})
+    messages, events = answer_tool_calls(action, self._env.call_tool, self._meter)
     info = {"correct": False, "events": events}
     done = self._turns >= self._env.max_turns
     if done:
@@ -441,6 +539,8 @@ class HumanEval:
     self._tools = (PYTHON_TOOL,) if "python" in config.tools else ()
     self._calls: dict[str, tuple[str, ...]] = {}
     self._locks = {p["task_id"]: threading.Lock() for p in self.problems}
+    # Bounds on each turn's tool calls (registry.make_env sets env config's).
+    self.tool_budget = ToolBudget()
 
   # --- tasks ------------------------------------------------------------------
 
@@ -468,12 +568,13 @@ class HumanEval:
 
   # --- tools and grading ----------------------------------------------------------
 
-  def call_tool(self, name: str, arguments: dict) -> str:
+  def call_tool(self, name: str, arguments: dict, seconds: float | None = None) -> str:
     if name != "python" or "python" not in self.config.tools:
       return f"error: no tool {name!r}"
     if not self.config.use_sandbox:
       raise RuntimeError("the python tool without the sandbox is for tests only")
-    return run_python(arguments["code"], self.limits, PRELOAD).observation()
+    return run_python(arguments["code"], sandbox_limits_within(self.limits, seconds),
+                      PRELOAD).observation()
 
   def recorded_calls(self, problem: dict) -> tuple[str, ...]:
     """The arguments `check` passes, one literal per call (step 1, cached)."""
@@ -488,7 +589,7 @@ class HumanEval:
           raise RuntimeError(f"{task_id}: recording the test's calls failed: "
                              f"{result.observation()[-300:]}")
         for call in calls:
-          parse_plain(call)  # raises on anything not plain
+          parse_tagged(call)  # raises on anything not tagged data
         self._calls[task_id] = calls
       return self._calls[task_id]
 
@@ -497,25 +598,50 @@ class HumanEval:
     return dataclasses.replace(self.limits, max_output_chars=limit, max_file_bytes=limit)
 
   def grade(self, problem: dict, answer: str) -> tuple[str, str]:
-    """(verdict, detail) of `answer` to `problem`: steps 2-4 of the module docstring."""
+    """(verdict, detail) of `answer` to `problem`: steps 2-4 of the module docstring.
+
+    Raises `GraderError` when grading itself failed `GRADE_ATTEMPTS` times.
+    """
+    verdict, detail, _ = self.grade_counted(problem, answer)
+    return verdict, detail
+
+  def grade_counted(self, problem: dict, answer: str) -> tuple[str, str, int]:
+    """`grade`, and how many attempts failed for the grader's own reasons first."""
     program, verdict = candidate_program(problem, answer)
     if program is None:
-      return verdict, ""
+      return verdict, "", 0
+    last = ""
+    for attempt in range(GRADE_ATTEMPTS):
+      try:
+        return (*self._grade_once(problem, program), attempt)
+      except Exception as e:  # pylint: disable=broad-except  # _GraderFault, or a bug of ours
+        last = f"{type(e).__name__}: {e}"[:300]
+    raise GraderError(f"{problem['task_id']}: grading failed {GRADE_ATTEMPTS} times "
+                      f"(not the answer's fault); last: {last}")
+
+  def _grade_once(self, problem: dict, program: str) -> tuple[str, str]:
+    """One attempt; raises (`_GraderFault` or any other error) when the grader failed."""
     calls = self.recorded_calls(problem)
     limits = dataclasses.replace(
         self.limits, max_output_chars=_MAX_RECORD_CHARS,
         max_file_bytes=max(self.limits.max_file_bytes, _MAX_RECORD_CHARS + 1024))
     run = run_python(_run_program(problem, program, calls), limits, PRELOAD)
+    if run.error.startswith("sandbox:"):  # the sandbox's own failure, before any candidate code
+      raise _GraderFault(run.error)
     if run.timed_out or run.error == "killed: cpu time limit":
       return "timeout", run.error
     results = _parse_record(run.stdout, len(calls)) if run.ok else None
     if results is None:
       return "error", (run.error if not run.ok else "no valid result record")[:200]
     for i, (kind, value) in enumerate(results):
-      if kind == "not_plain":
-        return "error", f"call {i} returned a {value[:40]}, not plain data"
-    replay = run_python(_replay_program(problem, calls, results), self._trusted_limits(),
-                        PRELOAD)
-    if replay.ok and replay.stdout.splitlines()[-1:] == [_PASSED_MARK]:
-      return "passed", ""
-    return "failed", (replay.error or replay.stdout[-200:])[:200]
+      if kind == "not_data":
+        return "error", f"call {i} returned a {value[:40]}, not data the grader compares"
+    replay = run_python(_replay_program(problem, calls, _dumps(results)),
+                        self._trusted_limits(), PRELOAD)
+    said = _parse_verdict(replay.stdout)
+    if said is None:
+      raise _GraderFault(f"the replay gave no verdict: {replay.observation()[-200:]}")
+    verdict, detail = said
+    if verdict == "bad_result":
+      return "error", f"results that do not rebuild: {detail}"[:200]
+    return verdict, detail

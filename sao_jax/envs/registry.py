@@ -31,15 +31,18 @@ import math
 import numbers
 import os
 import sys
+import traceback
 from typing import Any, Callable
 
 from sao_jax.envs import chat, sandbox
 from sao_jax.envs.base import StepResult, Task
 from sao_jax.envs.code_fix import CodeFix, CodeFixConfig
+from sao_jax.envs.dataset import ToolBudget
 from sao_jax.envs.online_style import OnlineStyle, OnlineStyleConfig
 from sao_jax.envs.python_tool import PythonTool, PythonToolConfig
 from sao_jax.envs.sandbox import SandboxLimits
 from sao_jax.envs.tokenizer import TOKENIZERS, HFTokenizer
+from sao_jax.sections import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +111,9 @@ def resolve(target: str, what: str = "env.name") -> Any:
       sys.modules[key] = module
       try:
         spec.loader.exec_module(module)
+      except Exception as e:  # pylint: disable=broad-except  # the user's code: one line
+        del sys.modules[key]
+        raise ValueError(f"{what} = {target!r}: loading {path} failed: {one_line(e)}") from None
       except BaseException:
         del sys.modules[key]
         raise
@@ -115,10 +121,32 @@ def resolve(target: str, what: str = "env.name") -> Any:
     try:
       module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-      raise ValueError(f"{what} = {target!r}: cannot import {module_name!r} ({e})") from None
+      if e.name and module_name.startswith(e.name):  # the module itself is missing
+        raise ValueError(f"{what} = {target!r}: cannot import {module_name!r} ({e})") from None
+      raise ValueError(f"{what} = {target!r}: importing {module_name!r} failed: "
+                       f"{one_line(e)}") from None
+    except Exception as e:  # pylint: disable=broad-except  # the user's code: one line
+      raise ValueError(f"{what} = {target!r}: importing {module_name!r} failed: "
+                       f"{one_line(e)}") from None
   if not hasattr(module, attr):
     raise ValueError(f"{what} = {target!r}: module {module_name!r} has no {attr!r}")
   return getattr(module, attr)
+
+
+def one_line(e: BaseException) -> str:
+  """`Type: message (file:line)` of an error in a user's code, on one line: the
+  line is the SyntaxError's own, else the innermost frame of the traceback."""
+  if isinstance(e, SyntaxError):
+    where = f" ({e.filename}:{e.lineno})" if e.filename else ""
+    message = e.msg
+  else:
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    message = str(e)
+  message = " ".join(message.split())
+  if len(message) > 300:
+    message = message[:300] + "..."
+  return f"{type(e).__name__}: {message}{where}" if message else f"{type(e).__name__}{where}"
 
 
 def check_env_name(name) -> None:
@@ -185,22 +213,49 @@ def make_env(env_config):
   kwargs = dict(env_config.get("kwargs", {}))
   limits = SandboxLimits(**dict(env_config.get("sandbox", {})))
   allow = bool(env_config.get("allow_unisolated", False))
-  check_env_name(name)
+  try:
+    check_env_name(name)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   if is_import_string(name):
-    env = resolve(name)(**kwargs)
+    try:
+      env = resolve(name)(**kwargs)
+      _check_first_task(env)
+    except Exception as e:  # pylint: disable=broad-except  # the user's code: one line
+      raise ConfigError(f"env.name = {name!r}: building the environment failed: "
+                        f"{one_line(e)}") from None
     if getattr(env, "runs_code", True):
       sandbox.check_isolation(allow, limits)
   else:
     spec = ENVIRONMENTS[name]
-    config = builtin_kwargs(spec, kwargs)
+    try:
+      config = builtin_kwargs(spec, kwargs)
+    except (TypeError, ValueError) as e:
+      raise ConfigError(f"env.kwargs = {kwargs!r}: {e}") from None
     if spec.runs_code and getattr(config, "use_sandbox", True) and getattr(
         config, "needs_sandbox", True):
       sandbox.check_isolation(allow, limits)
-    env = spec.build(config, limits)
+    try:
+      env = spec.build(config, limits)
+    except (ImportError, OSError, ValueError) as e:  # a missing package, file or row: one line
+      raise ConfigError(f"env.name = {name!r}: {e}") from None
+  if hasattr(env, "tool_budget"):  # the built-ins that answer tool calls
+    env.tool_budget = ToolBudget(int(env_config.get("tool_calls_per_turn", 0)),
+                                 float(env_config.get("tool_seconds_per_turn", 0.0)),
+                                 float(env_config.get("tool_seconds_per_episode", 0.0)))
   reward = env_config.get("reward", "")
   if reward:
     env = RewardOverride(env, resolve(reward, "env.reward"))
   return env
+
+
+def _check_first_task(env) -> None:
+  """A user environment's `task(0)` is a Task (the driver and SFT need its prompt
+  and tools): checked at build time, not when SFT or rollout first meets it."""
+  task = env.task(0)
+  if not isinstance(task, Task):
+    raise TypeError(f"env.task(0) returned a {type(task).__name__}, not a "
+                    "sao_jax.envs.base.Task (index, prompt, answer, meta, tools)")
 
 
 # --- a replaced reward ---------------------------------------------------------------

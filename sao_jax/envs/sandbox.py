@@ -388,7 +388,8 @@ class SandboxResult:
     """What the agent sees: output, then the error if the run failed."""
     if self.ok:
       return self.stdout
-    return (self.stdout + ("\n" if self.stdout else "") + self.error).strip("\n")
+    error = self.error or f"error: exited with status {self.returncode} (nothing on stderr)"
+    return (self.stdout + ("\n" if self.stdout else "") + error).strip("\n")
 
 
 _SIGNAL_NOTES = {

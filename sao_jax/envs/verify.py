@@ -39,9 +39,15 @@ dies (a watchdog thread), and are killed by `close()` and at interpreter
 exit. Without math-verify every non-integer comparison is "unavailable",
 counted and warned about once, never a silent 0.
 
+Before math-verify, an answer is bounded in cost: at most
+`MAX_ANSWER_CHARS`, and brackets nested at most `MAX_NESTING` deep (deeper:
+"too_nested", no worker call; math-verify's parse grows steeply with
+nesting). `\boxed {x}` (spaces before the brace) is a box, and an integer
+written in LaTeX digit groups (`1\\,000`, `1{,}000`) is compared as one.
+
 Verdict reasons: "exact", "mismatch", "no_answer", "equivalent" (math-verify
-said yes), "timeout", "error" (the worker failed or the ground truth does
-not parse), "unavailable". `counts` tallies them.
+said yes), "timeout", "too_nested", "error" (the worker failed or the
+ground truth does not parse), "unavailable". `counts` tallies them.
 """
 
 from __future__ import annotations
@@ -73,6 +79,34 @@ _HASHES = re.compile(r"####[ \t]*([^\n]*)")
 _ANSWER = re.compile(r"Answer:[ \t]*([^\n]*)")
 # ASCII digits only (`\d` matches any Unicode digit); leading zeros allowed.
 _INTEGER = re.compile(r"[+-]?[0-9]{1,1000}")
+# Digit groups written with LaTeX spacing or a braced comma: 1\,000, 1{,}000, 1\ 000.
+_GROUPED = re.compile(r"[+-]?[0-9]{1,3}(?:(?:\\[,;:! ]|\{,\}|~)[0-9]{3})+")
+_GROUP_MARKS = re.compile(r"\\[,;:! ]|\{,\}|~")
+# Brackets ((), [], {}) nested deeper than this are not handed to
+# math-verify: its parse grows steeply with nesting (20 levels took 2.7-4.1 s,
+# 40 hit a 5 s timeout and cost a worker restart), and no answer needs it.
+MAX_NESTING = 10
+
+
+def _integer(answer: str) -> str | None:
+  """`answer` as plain digits if it is an integer (digit groups allowed), else None."""
+  if _INTEGER.fullmatch(answer):
+    return answer
+  if _GROUPED.fullmatch(answer):
+    return _GROUP_MARKS.sub("", answer)
+  return None
+
+
+def _nesting(text: str) -> int:
+  """The deepest nesting of (), [] and {} in `text` (one pass; unbalanced closes ignored)."""
+  depth = deepest = 0
+  for c in text:
+    if c in "([{":
+      depth += 1
+      deepest = max(deepest, depth)
+    elif c in ")]}" and depth:
+      depth -= 1
+  return deepest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +135,10 @@ def _last_box(text: str) -> str | None:
   for m in _BRACES.finditer(text):
     i = m.start()
     if text[i] == "{":
-      stack.append(i + 1 if text.endswith("\\boxed", 0, i) else -1)
+      j = i  # `\boxed {x}` too: spaces between the command and its brace
+      while j > 0 and text[j - 1] in " \t":
+        j -= 1
+      stack.append(i + 1 if text.endswith("\\boxed", 0, j) else -1)
     elif stack:
       start = stack.pop()
       if start >= 0 and (best is None or start > best[0]):
@@ -328,10 +365,14 @@ class MathVerifier:
     answer = extract_answer(response)
     if answer is None:
       return Verdict(False, "no_answer")
-    if _INTEGER.fullmatch(answer) and _INTEGER.fullmatch(gold):
-      return Verdict(True, "exact") if int(answer) == int(gold) else Verdict(False, "mismatch")
+    whole, whole_gold = _integer(answer), _integer(gold)
+    if whole is not None and whole_gold is not None:
+      return Verdict(True, "exact") if int(whole) == int(whole_gold) else Verdict(
+          False, "mismatch")
     if _normalise(answer) == _normalise(gold):
       return Verdict(True, "exact")
+    if _nesting(answer) > MAX_NESTING:
+      return Verdict(False, "too_nested")
     if self._unavailable:
       return Verdict(False, "unavailable")
     worker = self._idle.get()

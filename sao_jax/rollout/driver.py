@@ -52,6 +52,15 @@ failing at admission skips that prompt (its whole group). Every fault is
 counted in `DriverStats.env_faults` and its message kept, bounded, in
 `DriverStats.env_fault_log`; the other slots go on meanwhile.
 
+A grader that fails (`Episode.step` raises `sao_jax.envs.base.GraderError`:
+the grader itself broke, not the answer) is not a score: the episode is
+counted as `grader_error`, not emitted, and run again from its prompt with a
+fresh episode of the same task in the same group, first in line; only after
+`MAX_GRADER_RERUNS` reruns does it end as an `env_error`. Steps stuck past
+`env_timeout` hold a thread each until they return; beyond
+`max_stuck_env_steps` of them each timeout is also counted as `env_stuck`,
+but the driver never stops for them.
+
 Paged cache (an engine with `kv_cache="paged"`): admission is bounded by
 free pages, not by free slots. The rule is to reserve a turn ahead: before
 a slot is fed (its prompt, an observation, or its turn's decoding) it
@@ -92,12 +101,15 @@ import numpy as np
 from sao_jax import sections
 from sao_jax.data.trajectory import FINISH_REASONS, Trajectory
 from sao_jax.envs import chat
-from sao_jax.envs.base import Action, Environment, StepResult, Task
+from sao_jax.envs.base import Action, Environment, GraderError, StepResult, Task
 from sao_jax.rollout.engine import PolicyEngine
 
 SWAP_POLICIES = sections.SWAP_POLICIES
 # Finish reasons of episodes that the environment broke (module docstring).
 ENV_FAULTS = ("env_error", "env_timeout", "env_garbage")
+# How often one episode is run again after its grader failed (GraderError)
+# before it ends as an env_error instead.
+MAX_GRADER_RERUNS = 2
 # `DriverStats.env_faults` keys of prompts skipped at admission: `env.task`
 # failed or gave an unusable task, or `env.episode` failed.
 ADMISSION_FAULTS = ("task_error", "episode_error")
@@ -131,6 +143,8 @@ class _Slot:
   waiting: bool = False
   env_seconds: float = 0.0
   admitted: int = 0  # admission order (a paged engine's pages go oldest first)
+  reruns: int = 0  # times this episode was run again after a grader_error
+  prompt: list = dataclasses.field(default_factory=list)  # its prompt's tokens
 
   def append(self, tokens, action=False, logprob=0.0, version=-1):
     for t in tokens:
@@ -156,7 +170,9 @@ class DriverStats:
   # Decode-loop iterations run (one token for each decoding slot each).
   decode_iterations: int = 0
   # Environment faults by reason: the ENV_FAULTS keys count emitted (zero
-  # reward) trajectories, the ADMISSION_FAULTS keys count skipped prompts.
+  # reward) trajectories, the ADMISSION_FAULTS keys count skipped prompts,
+  # "grader_error" counts graders that failed (GraderError), "env_stuck"
+  # timeouts while more than max_stuck_env_steps steps were stuck.
   env_faults: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   # "<reason> prompt <id> ...: <message>" of the latest faults, for logs.
   env_fault_log: collections.deque = dataclasses.field(
@@ -175,6 +191,8 @@ class DriverStats:
   # and slots preempted (pages returned, record re-fed) to unblock a group.
   page_waits: int = 0
   preemptions: int = 0
+  # Episodes run again from their prompt after a grader_error (not emitted).
+  reruns: int = 0
 
 
 # --- environment steps, off the driver thread ---------------------------------
@@ -301,6 +319,8 @@ def _env_step(episode, text: str, max_chars: int, latency_s: float = 0.0) -> _En
     time.sleep(latency_s)
   try:
     result = episode.step(text)
+  except GraderError as e:  # the grader failed, not the answer: run the episode again
+    return _EnvOutcome(time.monotonic() - start, "grader_error", _describe(e))
   except Exception as e:  # pylint: disable=broad-except
     return _EnvOutcome(time.monotonic() - start, "env_error", _describe(e))
   try:
@@ -448,8 +468,10 @@ class RolloutDriver:
       environment's sandbox has its own wall clock; this is the last line of
       defence against an environment that hangs outside it.
     max_stuck_env_steps: abandoned steps still running at once beyond which
-      the environment is taken as systematically broken and the driver fails
-      (each holds a thread); default 4 * env_workers.
+      each further timeout is also counted as "env_stuck" (each holds a
+      thread until its step returns); the driver never stops for them (a
+      policy's hanging tool calls must not stop its own training); default
+      4 * env_workers.
     max_observation_chars: an observation is cut to this many characters
       before tokenizing; default 16 * max_len, more than any tokenizer in use
       fits into max_len tokens, so the cut only spares the tokenizer.
@@ -517,7 +539,8 @@ class RolloutDriver:
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
     # The G (task, group, episode, prompt tokens) of the current prompt.
-    self._queued: list[tuple[Task, int, object, list]] = []
+    # (task, group, episode, prompt tokens, reruns so far) waiting for a slot.
+    self._queued: list[tuple[Task, int, object, list, int]] = []
     self._prompts_done = False
     self._group = 0
     # A paged engine's pages (module docstring, "Paged cache"); engines
@@ -690,8 +713,8 @@ class RolloutDriver:
 
   # --- admission ------------------------------------------------------------
 
-  def _next_task(self) -> tuple[Task, int, object, list] | None:
-    """The next (task, group, episode, prompt tokens); None when prompts ran out."""
+  def _next_task(self) -> tuple[Task, int, object, list, int] | None:
+    """The next (task, group, episode, prompt tokens, reruns); None when prompts ran out."""
     skipped = 0
     while not self._queued:
       if self._prompts_done:
@@ -738,7 +761,7 @@ class RolloutDriver:
       self._count_fault("episode_error", f"prompt {index}", _describe(e))
       return []
     self._group += 1
-    return [(task, self._group, ep, prompt) for ep in episodes]
+    return [(task, self._group, ep, prompt, 0) for ep in episodes]
 
   def _admit(self):
     if self.static_batching and self.busy_slots:
@@ -755,7 +778,7 @@ class RolloutDriver:
       nxt = self._next_task()
       if nxt is None:
         return
-      task, group, episode, prompt = nxt
+      task, group, episode, prompt, reruns = nxt
       need = min(len(prompt) + self.max_turn_tokens, self.max_len)
       if self._paged and not self._state.pages.can_admit(need, self._state.pages.group_of(i)):
         self._queued.append(nxt)  # it waits for pages, first in line
@@ -766,7 +789,7 @@ class RolloutDriver:
       if self._paged and not self.engine.reserve(self._state, i, need):
         raise AssertionError(f"slot {i}: pages that can_admit promised were not there")
       slot = _Slot(task, episode, group, [], [], [], [], [], [], time.time(),
-                   admitted=self._admissions)
+                   admitted=self._admissions, reruns=reruns, prompt=prompt)
       self._admissions += 1
       slot.append(prompt)
       self._slots[i] = slot
@@ -952,6 +975,9 @@ class RolloutDriver:
     s.env_seconds += out.seconds
     s.waiting = False
     self.stats.env_events.update(out.events)
+    if out.fault == "grader_error":
+      self._rerun(i, out.detail)
+      return
     if out.fault is not None:
       self._fault(i, out.fault, out.detail)
       return
@@ -976,10 +1002,11 @@ class RolloutDriver:
     self._fault(i, "env_timeout", f"no result within env_timeout={self.env_timeout}s")
     stuck = self._pool.stuck
     if stuck > self.max_stuck_env_steps:
-      raise RuntimeError(
-          f"{stuck} environment steps are stuck past env_timeout={self.env_timeout}s "
-          f"(max_stuck_env_steps={self.max_stuck_env_steps}): the environment is "
-          f"systematically broken; latest faults: {list(self.stats.env_fault_log)[-3:]}")
+      # Counted, never raised: a policy whose tool calls hang must not be able
+      # to stop its own training; each stuck thread exits when its step returns.
+      self._count_fault("env_stuck", f"prompt {s.task.index}",
+                        f"{stuck} steps stuck past env_timeout={self.env_timeout}s "
+                        f"(max_stuck_env_steps={self.max_stuck_env_steps})")
 
   # --- faults and finishing --------------------------------------------------------
 
@@ -999,6 +1026,25 @@ class RolloutDriver:
     s.rewards = [0.0] * len(s.rewards)
     self._count_fault(reason, f"prompt {s.task.index} turn {len(s.turn_starts)}", detail)
     self._finish(i, reason)
+
+  def _rerun(self, i: int, detail: str):
+    """Slot i's grader failed (`GraderError`): its episode is not emitted but run
+    again, from its prompt, with a fresh episode of the same task and group,
+    first in line; past `MAX_GRADER_RERUNS` it ends as an `env_error`."""
+    s = self._slots[i]
+    self._count_fault("grader_error", f"prompt {s.task.index} turn {len(s.turn_starts)}", detail)
+    if s.reruns >= MAX_GRADER_RERUNS:
+      self._fault(i, "env_error", f"the grader failed {s.reruns + 1} times: {detail}")
+      return
+    try:
+      episode = self.env.episode(s.task)
+    except Exception as e:  # pylint: disable=broad-except
+      self._fault(i, "env_error", f"grader_error, then env.episode failed: {_describe(e)}")
+      return
+    self.stats.reruns += 1
+    self._slots[i] = None
+    self._release(i)
+    self._queued.append((s.task, s.group_id, episode, s.prompt, s.reruns + 1))
 
   def _finish(self, i: int, reason: str):
     s = self._slots[i]
