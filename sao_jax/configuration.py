@@ -152,6 +152,7 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
                       "rollout cannot feed a multi-host trainer; run rollout on its own "
                       "slices (rl.mode = 'fleet'), or rl.steps = 0")
   _check_update_precision(typed)
+  _check_weight_path(typed.fleet)
   if typed.faults.sigkill_after_rl_step > c.steps:
     # It would never fire: the run would end normally, not be killed.
     _fail("faults.sigkill_after_rl_step", typed.faults.sigkill_after_rl_step,
@@ -265,3 +266,16 @@ def _from_config_parsing(e: BaseException) -> bool:
       return True
     tb = tb.tb_next
   return False
+
+
+def _check_weight_path(f: sections.Fleet) -> None:
+  """The direct weight path's server address: an IP literal (the transfer
+  library takes "ip:port"), so a host name fails here, not at the first publish."""
+  if f.weights_path == "direct" and f.transfer_host:
+    import ipaddress  # pylint: disable=g-import-not-at-top
+    try:
+      ipaddress.ip_address(f.transfer_host)
+    except ValueError:
+      _fail("fleet.transfer_host", f.transfer_host,
+            "an IP address (the hosts' internal interface) or \"\" with "
+            "fleet.weights_path = 'direct'")

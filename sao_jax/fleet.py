@@ -248,18 +248,26 @@ class WeightFollower:
     version, meta = newest
     if (version, meta.get("published")) == (self.version, self._published):
       return None
+    got = self.restore_version(version)
+    if got is None:
+      return None
+    params, meta = got
+    self.version, self._published = version, meta.get("published")
+    return params, version, meta
+
+  def restore_version(self, version: int):
+    """(params, meta) of a committed `version`, or None (counted in
+    `failed_restores`) if it went while being read."""
     if self._ckpt is None:
       # Read-only use of a manager: it never saves here, so it never prunes.
       self._ckpt = Checkpointer(self.dir, max_to_keep=1 << 30)
     try:
-      params, meta = self._ckpt.restore(self._abstract, version)
+      return self._ckpt.restore(self._abstract, version)
     except Exception:  # pylint: disable=broad-except
       # Pruned (or removed as a discarded future) while we read it: the
       # next poll takes whatever is newest then.
       self.failed_restores += 1
       return None
-    self.version, self._published = version, meta.get("published")
-    return params, version, meta
 
   def close(self) -> None:
     if self._ckpt is not None:

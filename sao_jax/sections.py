@@ -38,6 +38,8 @@ import ml_collections
 # defined here because they are the allowed values of config fields.
 KV_CACHES = ("dense", "paged")
 SWAP_POLICIES = ("recompute", "keep", "drain")
+# How the fleet's weight versions travel (sao_jax/weight_transfer.py, fleet.py).
+WEIGHT_PATHS = ("direct", "checkpoint")
 
 
 class ConfigError(ValueError):
@@ -687,6 +689,30 @@ class Fleet(Section):
   max_unread_shards: int = knob(8, "A rollout with this many closed shards the trainer has "
                                 "not consumed waits (backpressure, like rollout.queue_size "
                                 "in-process).", integer(1))
+  weights_path: str = knob(
+      "direct", "How versions reach the rollouts: \"direct\", each trainer process serves "
+      "its shards and each rollout pulls them into its devices over the network "
+      "(sao_jax/weight_transfer.py), checkpoints as bootstrap and fallback; \"checkpoint\", "
+      "every version as an orbax checkpoint under <root>/weights. Direct falls back to "
+      "checkpoint (counted, logged) where jax.experimental.transfer is unavailable.",
+      one_of(WEIGHT_PATHS))
+  checkpoint_every: int = knob(
+      8, "On the direct path, every this many versions (and the first and last) are also "
+      "written as checkpoints: what a rollout takes when a pull fails.", integer(1))
+  pull_timeout_s: float = knob(
+      300.0, "A direct pull not complete after this many seconds is discarded (counted); "
+      "the rollout keeps its version.", real(0, above=True, unit="a finite number of seconds"))
+  transfer_host: str = knob(
+      "", "The IP address the weight servers bind and advertise (the hosts' internal "
+      "interface: the transfer server has no authentication); \"\": this host name's "
+      "address.", Check(lambda v: isinstance(v, str), "an IP address or \"\""))
+  transfer_sockets: int = knob(4, "Parallel bulk TCP sockets of each weight server.",
+                               integer(1, 64))
+
+  def check_together(self):
+    if self.pull_timeout_s <= self.poll_seconds:
+      fail("fleet.pull_timeout_s", self.pull_timeout_s,
+           f"> fleet.poll_seconds ({self.poll_seconds}): a pull is checked once per poll")
 
 
 def _is_str_dict(v) -> bool:

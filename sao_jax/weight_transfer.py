@@ -1,0 +1,764 @@
+"""Weights at network speed: the trainer's shards straight into each rollout's devices.
+
+The fleet's direct weight path (`fleet.weights_path = "direct"`, the
+default where `jax.experimental.transfer` works). No file holds the bytes:
+
+  * Trainer side (`WeightServer`, one per trainer process): at each publish
+    a jitted copy of the serving params is taken (the next train step
+    donates the live ones, and a donated buffer cannot be served), and the
+    process's share of its distinct shards is offered through JAX's transfer
+    server (a TCP bulk transport in jaxlib, "DCN"). A manifest
+    `<root>/transfer/v<version>.p<process>.json` (atomic rename) says where
+    the server listens and which pieces (leaf, index range) it holds.
+  * Rollout side (`NetFollower`): the newest version whose manifests from
+    every trainer process are present is pulled, piece by piece, each onto
+    the rollout device that needs it (`route`), from all trainer processes
+    at once. A transfer-server entry serves one puller, so the rollout first
+    asks: `<root>/transfer/requests/<rollout>-<uuid>.json`; each trainer
+    process's request thread registers that uuid over its pieces. The pull
+    fills buffers in the background; the worker keeps generating on the
+    version it holds and polls. Only when every piece has arrived are the
+    pieces assembled into the engine's layout (local copies between the
+    rollout's own devices) and handed over: a version is used whole or not
+    at all. A pull that fails (a dead trainer process closes its sockets,
+    which fails the pending pull) or outlives `fleet.pull_timeout_s` (a
+    wall-clock guard: the library's own timeouts fire only at the server's
+    next event) is discarded and counted by reason; the held version stays.
+  * `Follower` joins this to the checkpoint path (`fleet.WeightFollower`):
+    the trainer still writes every `fleet.checkpoint_every`-th version (and
+    its first and last) as an orbax checkpoint, the bootstrap for a late or
+    restarted rollout that cannot pull and the fallback after a failed
+    pull, taken when it is newer than what the rollout holds. A version's
+    identity is (version, the trainer run's nonce) on both paths, so a
+    restarted trainer's republished versions are told apart from the dead
+    one's.
+
+Which bytes move is `plan`: a pure function of the two layouts (the
+trainer's param shardings and the engine's), shared by the rollout (its
+routes) and launch/compile.py (its "transfer" entry: bytes per rollout host
+and per trainer host). Each distinct shard of the trainer's layout crosses
+the network once per rollout host, served by the trainer process holding a
+copy that serves the fewest bytes so far (replicas spread the load).
+
+Safety: the transfer server has no authentication; bind it to the
+internal interface (`fleet.transfer_host`). A server started without bulk
+transport addresses aborts its process on a remote pull; every server here
+is started with `fleet.transfer_sockets` >= 1 of them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime
+import json
+import math
+import os
+import re
+import socket
+import threading
+import time
+from typing import Any, Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sao_jax import files
+
+TRANSFER = "transfer"
+REQUESTS = "requests"
+_MANIFEST = re.compile(r"^v(\d{10})\.p(\d{4})\.json$")
+_REQUEST = re.compile(r"^([A-Za-z0-9_]+)-(\d{1,20})\.json$")
+# Bounds on a manifest read back: it comes from another process.
+_MANIFEST_MAX_BYTES = 64 << 20
+# Snapshots a trainer process keeps serving: the newest and the one before
+# (a rollout may have asked for it just before the newest appeared).
+KEEP_SNAPSHOTS = 2
+
+
+def transfer_dir(root: str) -> str:
+  return os.path.join(root, TRANSFER)
+
+
+def requests_dir(root: str) -> str:
+  return os.path.join(transfer_dir(root), REQUESTS)
+
+
+def manifest_name(version: int, process: int) -> str:
+  return f"v{version:010d}.p{process:04d}.json"
+
+
+def unavailable() -> str | None:
+  """Why the direct path cannot run in this process (None: it can)."""
+  try:
+    from jax.experimental import transfer  # pylint: disable=g-import-not-at-top
+  except Exception as e:  # pylint: disable=broad-except
+    return f"jax.experimental.transfer does not import: {e!r}"[:300]
+  if not hasattr(transfer, "start_transfer_server"):
+    return "jax.experimental.transfer has no start_transfer_server"
+  return None
+
+
+def host_address(host: str) -> str:
+  """The address to bind and advertise: `host`, or this host name's address."""
+  return host or socket.gethostbyname(socket.gethostname())
+
+
+def start_server(host: str, sockets: int):
+  """A transfer server on `host` (an IP address) with `sockets` bulk
+  sockets; never with none (a remote pull would abort this process)."""
+  from jax.experimental import transfer  # pylint: disable=g-import-not-at-top
+  if sockets < 1:
+    raise ValueError(f"a transfer server needs >= 1 bulk socket, not {sockets}")
+  host = host_address(host)
+  return transfer.start_transfer_server(jax.local_devices()[0].client, f"{host}:0",
+                                        [f"{host}:0"] * sockets)
+
+
+# --- the plan: which source shard feeds which destination buffer ----------------------
+
+
+Index = tuple[tuple[int, int], ...]  # [start, stop) per dimension
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+  """One distinct shard of one leaf of the trainer's layout, as served."""
+  leaf: int
+  index: Index
+  process: int  # the trainer process that serves it
+  device: int  # the id of the trainer device whose copy is served
+  nbytes: int
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(b - a for a, b in self.index)
+
+
+def _index(slices, shape) -> Index:
+  return tuple((s.start or 0, n if s.stop is None else s.stop)
+               for s, n in zip(tuple(slices) + (slice(None),) * (len(shape) - len(slices)), shape))
+
+
+def _volume(index: Index) -> int:
+  return math.prod(b - a for a, b in index)
+
+
+def _overlap(a: Index, b: Index) -> Index | None:
+  out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+  return out if all(lo < hi for lo, hi in out) or not out else None
+
+
+def source_pieces(leaves: Iterable[tuple[tuple[int, ...], Any, Any]]) -> list[Piece]:
+  """The distinct shards of (shape, dtype, sharding) leaves, each once.
+
+  A shard held by several devices (replicas) is served by one of them: on
+  the holding process that serves the fewest bytes so far, its lowest
+  device id. Depends only on the global layout, so every trainer process
+  computes the same answer.
+  """
+  served: collections.Counter = collections.Counter()
+  out = []
+  for leaf, (shape, dtype, sharding) in enumerate(leaves):
+    itemsize = jnp.dtype(dtype).itemsize
+    holders: dict[Index, list] = {}
+    for device, slices in sharding.devices_indices_map(tuple(shape)).items():
+      holders.setdefault(_index(slices, shape), []).append(device)
+    for index in sorted(holders):
+      devices = holders[index]
+      process = min({d.process_index for d in devices}, key=lambda p: (served[p], p))
+      device = min(d.id for d in devices if d.process_index == process)
+      nbytes = _volume(index) * itemsize
+      served[process] += nbytes
+      out.append(Piece(leaf, index, process, device, nbytes))
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Where each piece lands in one rollout engine, and the bytes it moves.
+
+  `routes[i]` is the destination device id piece `i` is pulled onto (one
+  whose shard contains it, or at least overlaps it); `fills[device]` lists,
+  for each destination shard, the pieces that make it up: (piece, the
+  overlap's index in global coordinates).
+  """
+  pieces: tuple[Piece, ...]
+  routes: tuple[int, ...]
+  fills: dict  # (leaf, device id) -> [(piece number, overlap Index)]
+  dest_index: dict  # (leaf, device id) -> the destination shard's Index
+
+  def bytes_per_rollout_host(self, process_of: Callable[[int], int]) -> dict[int, int]:
+    """Bytes pulled over the network per rollout host (process)."""
+    out: collections.Counter = collections.Counter()
+    for piece, dev in zip(self.pieces, self.routes):
+      out[process_of(dev)] += piece.nbytes
+    return dict(out)
+
+  def bytes_per_trainer_host(self) -> dict[int, int]:
+    """Bytes each trainer process serves to this engine."""
+    out: collections.Counter = collections.Counter()
+    for piece in self.pieces:
+      out[piece.process] += piece.nbytes
+    return dict(out)
+
+  @property
+  def local_copy_bytes(self) -> int:
+    """Bytes copied between the engine's own devices after the pull (the
+    pieces that also feed shards on devices other than the one they landed on,
+    and partial overlaps)."""
+    total = 0
+    for (_, dev), fills in self.fills.items():
+      for n, overlap in fills:
+        if self.routes[n] != dev or overlap != self.pieces[n].index:
+          total += _volume(overlap) * (self.pieces[n].nbytes // max(_volume(
+              self.pieces[n].index), 1))
+    return total
+
+
+def plan(pieces: list[Piece], dest: Iterable[tuple[tuple[int, ...], Any]]) -> Plan:
+  """Routes `pieces` (source_pieces) into the destination layout: per leaf
+  (shape, the engine's sharding). Pure: no device is touched.
+
+  Each piece is pulled once, onto a destination device whose shard contains
+  it (the one with the fewest bytes routed so far), else onto one it
+  overlaps; a shard that needs pieces that landed elsewhere gets them by a
+  local copy (ICI on a TPU host).
+  """
+  dest_index: dict = {}
+  for leaf, (shape, sharding) in enumerate(dest):
+    for device, slices in sharding.devices_indices_map(tuple(shape)).items():
+      dest_index[(leaf, device.id)] = _index(slices, shape)
+  by_leaf: dict[int, list] = collections.defaultdict(list)
+  for (leaf, dev), index in dest_index.items():
+    by_leaf[leaf].append((dev, index))
+  routed: collections.Counter = collections.Counter()
+  routes, fills = [], collections.defaultdict(list)
+  for n, piece in enumerate(pieces):
+    if piece.leaf not in by_leaf:
+      raise ValueError(f"piece of leaf {piece.leaf}: the destination has no such leaf")
+    overlapping = [(dev, index, _overlap(piece.index, index)) for dev, index in
+                   sorted(by_leaf[piece.leaf])]
+    overlapping = [x for x in overlapping if x[2] is not None]
+    if not overlapping:
+      raise ValueError(f"piece {piece.index} of leaf {piece.leaf} lies outside the array")
+    containing = [x for x in overlapping if x[2] == piece.index]
+    dev = min(containing or overlapping, key=lambda x: (routed[x[0]], x[0]))[0]
+    routed[dev] += piece.nbytes
+    routes.append(dev)
+    for d, _, overlap in overlapping:
+      fills[(piece.leaf, d)].append((n, overlap))
+  return Plan(tuple(pieces), tuple(routes), dict(fills), dest_index)
+
+
+def check_cover(pieces: list[Piece], shapes: list[tuple[int, ...]]) -> str | None:
+  """Why `pieces` do not tile each leaf exactly once (None: they do)."""
+  per_leaf = collections.defaultdict(list)
+  for p in pieces:
+    if not 0 <= p.leaf < len(shapes):
+      return f"piece of leaf {p.leaf}: there are {len(shapes)} leaves"
+    per_leaf[p.leaf].append(p.index)
+  for leaf, shape in enumerate(shapes):
+    indices = per_leaf.get(leaf, [])
+    if any(len(ix) != len(shape) or any(not 0 <= a < b <= n for (a, b), n in zip(ix, shape))
+           for ix in indices) and shape:
+      return f"leaf {leaf}: a piece outside its shape {shape}"
+    if sum(_volume(ix) for ix in indices) != math.prod(shape) or (
+        not shape and len(indices) != 1):
+      return f"leaf {leaf}: pieces do not add up to its shape {shape}"
+    for i, a in enumerate(indices):
+      for b in indices[i + 1:]:
+        if shape and _overlap(a, b) is not None:
+          return f"leaf {leaf}: pieces {a} and {b} overlap"
+  return None
+
+
+def report(src_leaves, dest_leaves, rollout_hosts: int = 1) -> dict:
+  """launch/compile.py's "transfer" entry: the plan from the trainer's layout
+  (shape, serving dtype, sharding per leaf) into one rollout engine's
+  (shape, sharding per leaf), for `rollout_hosts` engines."""
+  src_leaves = list(src_leaves)
+  pieces = source_pieces(src_leaves)
+  p = plan(pieces, dest_leaves)
+  per_trainer = p.bytes_per_trainer_host()
+  version = sum(piece.nbytes for piece in pieces)
+  routed = collections.Counter(p.routes)
+  return {
+      "pieces": len(pieces),
+      "version_bytes": version,
+      # One engine pulls the whole version once, spread over its devices.
+      "bytes_per_rollout_engine": version,
+      "max_bytes_per_rollout_device": max(p.bytes_per_rollout_host(lambda d: d).values(),
+                                          default=0),
+      "local_copy_bytes_per_engine": p.local_copy_bytes,
+      "trainer_hosts": len(per_trainer),
+      # Egress of the busiest trainer host when every engine pulls a version.
+      "max_bytes_per_trainer_host": max(per_trainer.values(), default=0) * rollout_hosts,
+      "min_bytes_per_trainer_host": min(per_trainer.values(), default=0) * rollout_hosts,
+      "rollout_hosts": rollout_hosts,
+      "destination_devices": len(routed),
+  }
+
+# --- trainer side ------------------------------------------------------------------
+
+
+@jax.jit
+def _snapshot(params):
+  """Fresh buffers with the same values and shardings (a donated buffer
+  cannot be served, and the train step donates the live params)."""
+  return jax.tree.map(lambda x: jnp.array(x, copy=True), params)
+
+
+def _piece_dict(p: Piece) -> dict:
+  return {"leaf": p.leaf, "index": [list(ab) for ab in p.index], "device": p.device,
+          "nbytes": p.nbytes}
+
+
+class WeightServer:
+  """One trainer process's side: its pieces of each version, served to pullers.
+
+  `nonce` names the trainer run (the same on all its processes, another
+  after a restart); a version's identity is (version, nonce). Starts a
+  request thread polling `<root>/transfer/requests/` every `poll_seconds`.
+  """
+
+  def __init__(self, root: str, nonce: str, *, host: str = "", sockets: int = 4,
+               poll_seconds: float = 0.5, pull_timeout_s: float = 300.0,
+               log: Callable[[str], None] = print):
+    self.dir = transfer_dir(root)
+    self._requests = requests_dir(root)
+    os.makedirs(self._requests, exist_ok=True)
+    self.process, self.num_processes = jax.process_index(), jax.process_count()
+    # This process's manifests from a previous life: its server is gone.
+    for name in os.listdir(self.dir):
+      m = _MANIFEST.match(name)
+      if m and int(m.group(2)) == self.process:
+        os.remove(os.path.join(self.dir, name))
+    self.nonce = str(nonce)
+    self._server = start_server(host, sockets)
+    self.address = self._server.address()
+    self.poll_seconds, self.pull_timeout_s = poll_seconds, pull_timeout_s
+    self._log = log
+    self._lock = threading.Lock()
+    self._snapshots: collections.OrderedDict = collections.OrderedDict()  # version -> arrays
+    self._seen: set[str] = set()
+    self.served = 0  # pulls registered
+    self.refused: collections.Counter = collections.Counter()  # requests by reason
+    self.last_publish_s = 0.0
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._serve, name="weight-server", daemon=True)
+    self._thread.start()
+
+  def publish(self, params, version: int) -> None:
+    """Serves `params` (the engines' dtype, any sharding) as `version`."""
+    t0 = time.time()
+    snap = _snapshot(params)
+    leaves = jax.tree.leaves(snap)
+    pieces = source_pieces((x.shape, x.dtype, x.sharding) for x in leaves)
+    mine = [p for p in pieces if p.process == self.process]
+    arrays = []
+    for p in mine:
+      shard = next(s for s in leaves[p.leaf].addressable_shards if s.device.id == p.device)
+      arrays.append(shard.data)
+    jax.block_until_ready(arrays)
+    manifest = {
+        "version": int(version), "nonce": self.nonce, "process": self.process,
+        "num_processes": self.num_processes, "address": self.address,
+        "published": time.time(),
+        "leaves": [{"shape": list(x.shape), "dtype": jnp.dtype(x.dtype).name} for x in leaves],
+        "pieces": [_piece_dict(p) for p in mine],
+    }
+    with self._lock:
+      self._snapshots[int(version)] = arrays
+      self._snapshots.move_to_end(int(version))
+      dropped = []
+      while len(self._snapshots) > KEEP_SNAPSHOTS:
+        dropped.append(self._snapshots.popitem(last=False)[0])
+    files.write_json(os.path.join(self.dir, manifest_name(version, self.process)), manifest)
+    for v in dropped:
+      _remove(os.path.join(self.dir, manifest_name(v, self.process)))
+    self.last_publish_s = time.time() - t0
+
+  def _serve(self) -> None:
+    while not self._stop.wait(self.poll_seconds):
+      try:
+        self.serve_requests()
+      except Exception as e:  # pylint: disable=broad-except
+        self._log(f"[fleet] weight server: {e!r}"[:300])
+
+  def serve_requests(self) -> int:
+    """Registers each new request for a version held (the thread's body;
+    callable directly). Returns how many it registered."""
+    try:
+      names = set(os.listdir(self._requests))
+    except FileNotFoundError:
+      return 0
+    self._seen &= names  # forget requests their rollouts removed
+    registered = 0
+    for name in sorted(names - self._seen):
+      m = _REQUEST.match(name)
+      if not m:
+        continue  # a temporary of files.write_json, or not ours
+      self._seen.add(name)
+      uuid = int(m.group(2))
+      try:
+        with open(os.path.join(self._requests, name), encoding="utf-8") as f:
+          req = json.loads(f.read(4096))
+        version, nonce = int(req["version"]), str(req["nonce"])
+      except (OSError, ValueError, KeyError, TypeError):
+        self.refused["bad_request"] += 1
+        continue
+      with self._lock:
+        arrays = self._snapshots.get(version) if nonce == self.nonce else None
+      if arrays is None or uuid >= 1 << 64:
+        self.refused["not_held"] += 1
+        continue
+      deadline = datetime.datetime.now() + datetime.timedelta(seconds=self.pull_timeout_s)
+      self._server.await_pull(uuid, arrays, timeout=deadline)
+      self.served += 1
+      registered += 1
+    return registered
+
+  def withdraw(self) -> None:
+    """Removes this process's manifests: rollouts take the checkpoint path."""
+    with self._lock:
+      versions = list(self._snapshots)
+    for v in versions:
+      _remove(os.path.join(self.dir, manifest_name(v, self.process)))
+
+  def close(self) -> None:
+    self._stop.set()
+    self._thread.join()
+    self.withdraw()
+
+
+def _remove(path: str) -> None:
+  try:
+    os.remove(path)
+  except FileNotFoundError:
+    pass
+
+
+# --- rollout side ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Offer:
+  """A version served by every trainer process: their manifests."""
+  version: int
+  nonce: str
+  manifests: tuple[dict, ...]  # by process
+
+  @property
+  def identity(self) -> tuple[int, str]:
+    return self.version, self.nonce
+
+
+def _read_manifest(path: str) -> dict | None:
+  try:
+    with open(path, "rb") as f:
+      raw = f.read(_MANIFEST_MAX_BYTES + 1)
+    m = json.loads(raw)
+    if len(raw) > _MANIFEST_MAX_BYTES or not isinstance(m, dict):
+      return None
+    int(m["version"]), int(m["process"]), int(m["num_processes"])
+    str(m["nonce"]), str(m["address"]), list(m["pieces"]), list(m["leaves"])
+    return m
+  except (OSError, ValueError, KeyError, TypeError, RecursionError):
+    return None
+
+
+def newest_offer(root: str) -> Offer | None:
+  """The newest version with a manifest from each of its trainer's processes."""
+  d = transfer_dir(root)
+  try:
+    names = os.listdir(d)
+  except FileNotFoundError:
+    return None
+  groups: dict = collections.defaultdict(dict)
+  for name in names:
+    if not _MANIFEST.match(name):
+      continue
+    m = _read_manifest(os.path.join(d, name))
+    if m is not None:
+      groups[(int(m["version"]), str(m["nonce"]), int(m["num_processes"]))][
+          int(m["process"])] = m
+  complete = [(max(float(m.get("published", 0)) for m in ms.values()), key, ms)
+              for key, ms in groups.items() if sorted(ms) == list(range(key[2]))]
+  if not complete:
+    return None
+  _, (version, nonce, n), ms = max(complete, key=lambda x: (x[0], x[1][0]))
+  return Offer(version, nonce, tuple(ms[p] for p in range(n)))
+
+
+def _pieces_of(offer: Offer) -> list[list[Piece]]:
+  """Per trainer process, its pieces in the order it registered them."""
+  out = []
+  for m in offer.manifests:
+    out.append([Piece(int(p["leaf"]), tuple((int(a), int(b)) for a, b in p["index"]),
+                      int(m["process"]), int(p["device"]), int(p["nbytes"]))
+                for p in m["pieces"]])
+  return out
+
+
+class PullError(Exception):
+  """A version that cannot be pulled; `reason` is the counter's key."""
+
+  def __init__(self, reason: str, message: str):
+    super().__init__(message)
+    self.reason = reason
+
+
+@dataclasses.dataclass
+class _Pull:
+  offer: Offer
+  plan: Plan
+  arrays: list  # per trainer process, its pieces' arrays being filled
+  requests: list[str]
+  started: float
+
+
+class NetFollower:
+  """A rollout's direct path: pulls offered versions into `abstract_params`'
+  layout (ShapeDtypeStructs with shardings on this process's devices)."""
+
+  def __init__(self, root: str, rollout_id: str, abstract_params, *, host: str = "",
+               sockets: int = 4, pull_timeout_s: float = 300.0):
+    self.root, self.rollout_id = root, rollout_id
+    self._requests = requests_dir(root)
+    os.makedirs(self._requests, exist_ok=True)
+    for name in os.listdir(self._requests):  # a killed predecessor's requests
+      if name.startswith(f"{rollout_id}-"):
+        _remove(os.path.join(self._requests, name))
+    self.retarget(abstract_params)
+    self._server = start_server(host, sockets)
+    self._connections: dict[str, Any] = {}
+    self.pull_timeout_s = pull_timeout_s
+    self._pull: _Pull | None = None
+    self.pulled_bytes = 0
+    self.pull_seconds = 0.0
+
+  def retarget(self, abstract_params) -> None:
+    leaves, self._treedef = jax.tree.flatten(abstract_params)
+    self._abstract = leaves
+
+  @property
+  def pulling(self) -> Offer | None:
+    return self._pull.offer if self._pull else None
+
+  def start(self, offer: Offer) -> None:
+    """Asks every trainer process for `offer` and posts the pulls (returns at
+    once; `advance` finishes). Raises PullError."""
+    assert self._pull is None, "one pull at a time"
+    shapes = [tuple(a.shape) for a in self._abstract]
+    for m in offer.manifests:
+      theirs = [(tuple(x["shape"]), x["dtype"]) for x in m["leaves"]]
+      ours = [(tuple(a.shape), jnp.dtype(a.dtype).name) for a in self._abstract]
+      if theirs != ours:
+        raise PullError("layout_mismatch", f"version {offer.version}: the trainer's leaves "
+                        "(shapes, dtypes) are not this engine's")
+    per_process = _pieces_of(offer)
+    flat = [p for ps in per_process for p in ps]
+    why = check_cover(flat, shapes)
+    if why:
+      raise PullError("bad_manifest", f"version {offer.version}: {why}")
+    p = plan(flat, [(tuple(a.shape), a.sharding) for a in self._abstract])
+    devices = {d.id: d for a in self._abstract for d in a.sharding.device_set}
+    uuid = int.from_bytes(os.urandom(8), "little") >> 1
+    name = f"{self.rollout_id}-{uuid}.json"
+    files.write_json(os.path.join(self._requests, name),
+                     {"version": offer.version, "nonce": offer.nonce})
+    arrays, n = [], 0
+    try:
+      for m, pieces in zip(offer.manifests, per_process):
+        specs = []
+        for piece in pieces:
+          dtype = self._abstract[piece.leaf].dtype
+          specs.append(jax.ShapeDtypeStruct(piece.shape, dtype, sharding=(
+              jax.sharding.SingleDeviceSharding(devices[p.routes[n]]))))
+          n += 1
+        if not specs:
+          arrays.append([])
+          continue
+        _probe(m["address"])
+        conn = self._connection(m["address"])
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=self.pull_timeout_s)
+        arrays.append(conn.pull(uuid, specs, timeout=deadline))
+    except PullError:
+      _remove(os.path.join(self._requests, name))
+      raise
+    except Exception as e:  # pylint: disable=broad-except
+      _remove(os.path.join(self._requests, name))
+      raise PullError("pull_failed", f"version {offer.version}: {e!r}"[:300]) from None
+    self._pull = _Pull(offer, p, arrays, [name], time.time())
+
+  def _connection(self, address: str):
+    if address not in self._connections:
+      self._connections[address] = self._server.connect(address)
+    return self._connections[address]
+
+  def advance(self, now: float | None = None):
+    """The pulled params (a pytree in the engine's layout) once every piece
+    arrived; None while pieces are in flight. Raises PullError (the pull is
+    discarded) on a failed or timed-out pull."""
+    pull = self._pull
+    if pull is None:
+      return None
+    flat = [a for arrays in pull.arrays for a in arrays]
+    if not all(a.is_ready() for a in flat):
+      if (now or time.time()) - pull.started > self.pull_timeout_s:
+        self._discard()
+        raise PullError("timeout", f"version {pull.offer.version}: not complete after "
+                        f"{self.pull_timeout_s:.0f} s")
+      return None
+    try:
+      jax.block_until_ready(flat)  # ready, so no wait: raises a failed piece's error
+      params = self._assemble(pull.plan, flat)
+    except Exception as e:  # pylint: disable=broad-except
+      self._discard()
+      self._connections.clear()  # a connection that failed is not reused
+      raise PullError("pull_failed", f"version {pull.offer.version}: {e!r}"[:300]) from None
+    self.pulled_bytes += sum(p.nbytes for p in pull.plan.pieces)
+    self.pull_seconds += time.time() - pull.started
+    self._discard()
+    return params
+
+  def _discard(self) -> None:
+    pull, self._pull = self._pull, None
+    if pull is None:
+      return
+    for name in pull.requests:
+      _remove(os.path.join(self._requests, name))
+
+  def abandon(self) -> None:
+    """Drops a pull in flight (its buffers fill, or fail, unseen)."""
+    self._discard()
+
+  def _assemble(self, p: Plan, flat: list):
+    """The engine's arrays from the pulled pieces: a piece that is a whole
+    destination shard on its device is used as it is; other shards are put
+    together from copies of the overlaps."""
+    devices = {d.id: d for a in self._abstract for d in a.sharding.device_set}
+    out = []
+    for leaf, a in enumerate(self._abstract):
+      shards = []
+      for device in a.sharding.addressable_devices:
+        index = p.dest_index[(leaf, device.id)]
+        fills = p.fills[(leaf, device.id)]
+        if (len(fills) == 1 and p.pieces[fills[0][0]].index == index
+            and p.routes[fills[0][0]] == device.id):
+          shards.append(flat[fills[0][0]])
+          continue
+        buf = np.zeros(tuple(b - a0 for a0, b in index), jnp.dtype(a.dtype))
+        buf = jax.device_put(buf, devices[device.id])
+        for n, overlap in fills:
+          src = p.pieces[n].index
+          part = flat[n][tuple(slice(lo - s0, hi - s0) for (lo, hi), (s0, _) in
+                               zip(overlap, src))]
+          part = jax.device_put(part, devices[device.id])
+          buf = buf.at[tuple(slice(lo - d0, hi - d0) for (lo, hi), (d0, _) in
+                             zip(overlap, index))].set(part)
+        shards.append(buf)
+      out.append(jax.make_array_from_single_device_arrays(tuple(a.shape), a.sharding, shards))
+    return jax.tree.unflatten(self._treedef, out)
+
+
+def _probe(address: str) -> None:
+  """Fails fast on a trainer process that is gone: a pull to a closed port
+  would wait forever (the library's timeout fires only at that server's
+  next event), a refused connection is immediate."""
+  host, _, port = address.rpartition(":")
+  try:
+    socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
+  except (OSError, ValueError) as e:
+    raise PullError("unreachable", f"trainer process at {address}: {e}") from None
+
+
+class Follower:
+  """A rollout's weights on the direct path, the checkpoint path behind it.
+
+  `poll()` is `fleet.WeightFollower.poll`'s contract, never blocking on a
+  pull: (params, version, meta) when a whole new version is ready, else
+  None. Counts pulls, failures and fallbacks by reason (`failures`,
+  `fallbacks`) and logs each failure once.
+  """
+
+  def __init__(self, checkpoints, net: NetFollower | None, log: Callable[[str], None] = print):
+    self._ckpt, self._net, self._log = checkpoints, net, log
+    self.version: int | None = None
+    self.identity: tuple | None = None  # (version, trainer nonce) held
+    self._tried: set = set()  # offers pulled or failed: not pulled again
+    self.pulls = 0
+    self.failures: collections.Counter = collections.Counter()
+    self.fallbacks: collections.Counter = collections.Counter()
+    self.last_path: str | None = None
+
+  def retarget(self, abstract_params) -> None:
+    self._ckpt.retarget(abstract_params)
+    if self._net is not None:
+      self._net.retarget(abstract_params)
+
+  def poll(self, final: bool = False):
+    """`final`: the trainer is done (its last version is on disk); a pull in
+    flight is dropped and only the checkpoint path is read."""
+    net = self._net
+    offer = None
+    if net is not None and not final:
+      pulling = net.pulling
+      if pulling is not None:
+        try:
+          params = net.advance()
+        except PullError as e:
+          self._failed(e)
+        else:
+          return None if params is None else self._take(params, pulling, "direct")
+      offer = newest_offer(net.root)
+      if offer is not None and offer.identity != self.identity and \
+          offer.identity not in self._tried:
+        self._tried.add(offer.identity)
+        try:
+          net.start(offer)
+        except PullError as e:
+          self._failed(e)
+        else:
+          return None
+    elif net is not None and net.pulling is not None:
+      net.abandon()
+    return self._from_checkpoint(offer, final)
+
+  def _failed(self, e: PullError) -> None:
+    self.failures[e.reason] += 1
+    self.fallbacks[e.reason] += 1
+    self._log(f"[fleet] direct pull failed ({e.reason}): {e}; the held version "
+              f"{self.version} stays, checkpoints are the fallback")
+
+  def _take(self, params, offer: Offer, path: str):
+    self.pulls += 1
+    self.version, self.identity, self.last_path = offer.version, offer.identity, path
+    return params, offer.version, {"nonce": offer.nonce, "path": path}
+
+  def _from_checkpoint(self, offer: Offer | None, final: bool):
+    newest = self._ckpt.newest()
+    if newest is None:
+      return None
+    version, meta = newest
+    identity = (version, str(meta.get("nonce", meta.get("published"))))
+    if identity == self.identity:
+      return None
+    # With versions offered directly, a checkpoint is a fallback only when it
+    # moves forward; with none offered (a trainer on the checkpoint path, or
+    # done) it is followed as fleet.WeightFollower follows, back included.
+    if offer is not None and not final and self.version is not None and version <= self.version:
+      return None
+    got = self._ckpt.restore_version(version)
+    if got is None:
+      return None
+    params, meta = got
+    self.version, self.identity, self.last_path = version, identity, "checkpoint"
+    return params, version, meta
+
+  def close(self) -> None:
+    if self._net is not None:
+      self._net.abandon()
+    self._ckpt.close()
