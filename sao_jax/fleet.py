@@ -229,6 +229,11 @@ class WeightFollower:
     """Restores later versions into this layout (a sharded engine's)."""
     self._abstract = _with_device(abstract_params)
 
+  @property
+  def abstract(self):
+    """The layout versions are restored into (ShapeDtypeStructs with shardings)."""
+    return self._abstract
+
   def newest(self) -> tuple[int, dict] | None:
     """(version, meta) of the newest complete version, or None."""
     versions = committed_checkpoints(self.dir)
@@ -237,14 +242,15 @@ class WeightFollower:
     v = max(versions)
     return v, versions[v]
 
-  def poll(self):
+  def poll(self, final: bool = False):
     """(params, version, meta) when the newest version differs from the one
-    held, else None. Differs: newer, older after a trainer restart, or the
+    held, else None (`final`, the trainer is done, changes nothing here). Differs: newer, older after a trainer restart, or the
     same number published again by a restarted trainer (whose version v is
     not the discarded run's v), told apart by the publish time."""
     newest = self.newest()
     if newest is None:
       return None
+    del final
     version, meta = newest
     if (version, meta.get("published")) == (self.version, self._published):
       return None

@@ -7,7 +7,8 @@ the in-process mode (factories.make_engine / make_driver) on this process's
 devices, writes finished trajectories into atomic shards of the trajectory
 store (fleet.ShardWriter), waits while the trainer is `fleet.max_unread_shards`
 shards behind (backpressure), follows newer weight versions as they are
-published (fleet.WeightFollower), and returns when the trainer marks RL
+published (over the network, weight_transfer.Follower, or from checkpoints,
+fleet.WeightFollower; generation goes on while a version arrives), and returns when the trainer marks RL
 done or `stop` is set, its open shard renamed. A SIGKILLed process loses
 only its open shard; started again with the same rollout id it continues
 its shard sequence. The transport is sao_jax/fleet.py.
@@ -21,7 +22,7 @@ from typing import Callable
 
 import jax
 
-from sao_jax import configuration, factories, fleet, precision
+from sao_jax import configuration, factories, fleet, precision, weight_transfer
 from sao_jax.data import prompts as prompt_data
 from sao_jax.envs import registry
 from sao_jax.faults import FaultInjector
@@ -65,8 +66,8 @@ def run_rollout_worker(config, workdir: str, rollout_id: str, stop: threading.Ev
   # Each process (and each restart of it) draws its own prompt order and samples.
   seed = zlib.crc32(f"{config.seed}/{rid}/{writer.first_seq}".encode())
   # Versions are published in the compute dtype the engine holds (precision.py).
-  follower = fleet.WeightFollower(root, jax.eval_shape(
-      lambda: policy.init_params(precision.serving_config(model_cfg), jax.random.key(0))))
+  follower = make_follower(config, root, rid, jax.eval_shape(
+      lambda: policy.init_params(precision.serving_config(model_cfg), jax.random.key(0))), log)
 
   log(f"[rollout {rid}] waiting for weights under {root}")
   first = None
@@ -107,7 +108,7 @@ def run_rollout_worker(config, workdir: str, rollout_id: str, stop: threading.Ev
       # DONE is written after the last version is complete: poll once more.
       done = fleet.is_done(root)
       held = follower.version
-      got = follower.poll()
+      got = follower.poll(final=done)
       if got is not None:
         driver.update_params(got[0], got[1])
         log(f"[rollout {rid}] weights version {held} -> {got[1]}")
@@ -124,4 +125,38 @@ def run_rollout_worker(config, workdir: str, rollout_id: str, stop: threading.Ev
         f"{writer.last_closed}, last version {follower.version}, "
         f"{driver.stats.generated_tokens} tokens")
   return dict(trajectories=writer.trajectories, last_shard=writer.last_closed,
-              version=follower.version, generated_tokens=driver.stats.generated_tokens)
+              version=follower.version, generated_tokens=driver.stats.generated_tokens,
+              **weight_counts(follower))
+
+
+def make_follower(config, root: str, rollout_id: str, abstract_params,
+                  log: Callable[[str], None] = _print):
+  """How this rollout follows weight versions: `fleet.weights_path` "direct"
+  (weight_transfer.Follower: pulls, checkpoints as fallback) where the
+  transfer library works, else checkpoints alone (fleet.WeightFollower);
+  a direct path that cannot start is logged with its reason."""
+  f = config.fleet
+  checkpoints = fleet.WeightFollower(root, abstract_params)
+  if f.weights_path != "direct":
+    return checkpoints
+  why = weight_transfer.unavailable()
+  if why is None:
+    try:
+      net = weight_transfer.NetFollower(root, rollout_id, checkpoints.abstract,
+                                        host=f.transfer_host, sockets=f.transfer_sockets,
+                                        pull_timeout_s=f.pull_timeout_s)
+      return weight_transfer.Follower(checkpoints, net, log)
+    except Exception as e:  # pylint: disable=broad-except
+      why = f"the transfer server did not start: {e!r}"[:300]
+  log(f"[rollout {rollout_id}] weights from checkpoints only: {why}")
+  follower = weight_transfer.Follower(checkpoints, None, log)
+  follower.fallbacks["unavailable"] += 1
+  return follower
+
+
+def weight_counts(follower) -> dict:
+  """The worker's weight-path counters (direct pulls, failures by reason)."""
+  if not isinstance(follower, weight_transfer.Follower):
+    return dict(weights_path="checkpoint", pulls=0, pull_failures={})
+  return dict(weights_path="direct", pulls=follower.pulls,
+              pull_failures=dict(follower.failures), fallbacks=dict(follower.fallbacks))

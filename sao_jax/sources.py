@@ -11,7 +11,8 @@ built by the builder registered in `SOURCES`:
     sync   the same driver generates each batch in the trainer's thread and
            stops; the trainer waits for all of it (on-policy)
     fleet  rollout processes (`sao_jax/fleet_worker.py`) write shards of the
-           trajectory store; weights go back as versioned checkpoints
+           trajectory store; weights go back over the network
+           (`sao_jax/weight_transfer.py`) or as versioned checkpoints
            (`sao_jax/fleet.py`)
 
 In-process sources hand out whole groups (rollout.samples_per_prompt > 1,
@@ -29,12 +30,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import os
 import queue
+import time
 from typing import Any, Callable, Protocol
 
 import jax
 
-from sao_jax import configuration, distributed, fleet, precision
+from sao_jax import configuration, distributed, fleet, precision, weight_transfer
 from sao_jax.data import prompts as prompt_data
 from sao_jax.data.ingestion import TrajectoryQueue
 from sao_jax.data.trajectory import Trajectory
@@ -212,38 +215,74 @@ class FleetSource:
   when it closes after a normal finish, so that the rollouts exit. A
   version is published as the engines hold it: `serving_cast` (the cast to
   the compute dtype, precision.py) runs once per version before the write.
+
+  With a `server` (weight_transfer.WeightServer: fleet.weights_path =
+  "direct") every version is served to the rollouts over the network and
+  only every `checkpoint_every`-th, the first and the last also go to disk
+  (the bootstrap and fallback); without one every version is a checkpoint.
+  `direct_unavailable` is why a direct path asked for is not used (logged,
+  and counted in the metrics).
   """
 
   def __init__(self, root: str, feed: fleet.ShardFeed, publisher: fleet.WeightPublisher,
-               params, version: int, serving_cast: Callable = lambda p: p):
+               params, version: int, serving_cast: Callable = lambda p: p, *,
+               server=None, checkpoint_every: int = 1, direct_unavailable: str | None = None):
     self._root, self._feed, self._publisher = root, feed, publisher
     self._cast = serving_cast
+    self._server, self._every = server, checkpoint_every
+    self._direct_unavailable = direct_unavailable
+    self._on_disk: int | None = None  # the newest version written as a checkpoint
     self._version = version
     self.publish(params, version)
     fleet.clear_done(root)
-    print(f"[fleet] trainer at version {version}; shared storage {root}", flush=True)
+    path = (f"direct from {server.address}" if server is not None else
+            f"checkpoints ({direct_unavailable})" if direct_unavailable else "checkpoints")
+    print(f"[fleet] trainer at version {version}; shared storage {root}; weights: {path}",
+          flush=True)
 
   def take(self, n: int) -> list[Trajectory]:
     return self._feed.take(n)
 
+  def _meta(self) -> dict:
+    return {"nonce": self._server.nonce} if self._server is not None else {}
+
   def publish(self, params, version: int) -> dict:
-    self._publisher.publish(self._cast(params), version)
+    cast = self._cast(params)
+    out = {}
+    if self._server is not None:
+      self._server.publish(cast, version)
+      cast = self._server.snapshot  # fresh buffers: the train step donates `params`
+      out["fleet/serve_s"] = self._server.last_publish_s
+    if self._server is None or self._on_disk is None or version % self._every == 0:
+      self._publisher.publish(cast, version, self._meta())
+      self._on_disk = version
+      out["fleet/publish_s"] = self._publisher.last_publish_s
     self._version = version
-    return {"fleet/publish_s": self._publisher.last_publish_s}
+    return out
 
   def report(self) -> SourceReport:
     f = self._feed
     counts = RolloutCounts(f.generated_tokens, None, None, f.env_faults, f.tool_call_errors,
                            f.env_events)
-    return SourceReport(counts, 0, f.qsize(), dict(f.rejected),
-                        {"fleet/shards_consumed": f.shards_consumed,
-                         "fleet/shard_age_s": f.last_shard_age_s})
+    extra = {"fleet/shards_consumed": f.shards_consumed, "fleet/shard_age_s": f.last_shard_age_s}
+    if self._server is not None:
+      extra["fleet/pulls_served"] = self._server.served
+      extra["fleet/pull_requests_refused"] = sum(self._server.refused.values())
+    if self._direct_unavailable:
+      extra["fleet/direct_unavailable"] = 1
+    return SourceReport(counts, 0, f.qsize(), dict(f.rejected), extra)
 
   def state(self) -> dict:
     return self._feed.state()
 
   def close(self, finished: bool) -> None:
+    if finished and self._server is not None and self._on_disk != self._version:
+      # The last version on disk too: rollouts still pulling it when the
+      # servers go take it from there.
+      self._publisher.publish(self._server.snapshot, self._version, self._meta())
     self._publisher.close()
+    if self._server is not None:
+      self._server.close()  # manifests withdrawn: what is left is on disk
     if finished:
       fleet.mark_done(self._root, self._version)
 
@@ -279,9 +318,26 @@ def _fleet_source(run, saved) -> FleetSource:
                          poll_seconds=config.fleet.poll_seconds,
                          share=distributed.share_from_primary)
   version = int(run.state.step)
-  return FleetSource(root, feed, fleet.WeightPublisher(root, config.fleet.keep_versions, version),
+  f = config.fleet
+  server, why = None, None
+  if f.weights_path == "direct":
+    why = weight_transfer.unavailable()
+    if why is None:
+      # One name for this trainer run on all its processes: a version's
+      # identity (a restarted trainer's republished versions are others).
+      nonce = distributed.share_from_primary(
+          "fleet_weights_nonce", lambda: f"{time.time():.6f}.{os.getpid()}")
+      try:
+        server = weight_transfer.WeightServer(
+            root, nonce, host=f.transfer_host, sockets=f.transfer_sockets,
+            poll_seconds=f.poll_seconds, pull_timeout_s=f.pull_timeout_s)
+      except Exception as e:  # pylint: disable=broad-except  # e.g. an address not ours
+        why = f"the weight server did not start: {e!r}"[:300]
+  return FleetSource(root, feed, fleet.WeightPublisher(root, f.keep_versions, version),
                      run.state.policy, version,
-                     jax.jit(functools.partial(precision.cast_for_serving, run.model_cfg)))
+                     jax.jit(functools.partial(precision.cast_for_serving, run.model_cfg)),
+                     server=server, checkpoint_every=f.checkpoint_every,
+                     direct_unavailable=why)
 
 
 # rl.mode -> (run, the state a checkpoint saved or None) -> TrajectorySource.

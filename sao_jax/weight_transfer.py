@@ -346,6 +346,7 @@ class WeightServer:
     self.served = 0  # pulls registered
     self.refused: collections.Counter = collections.Counter()  # requests by reason
     self.last_publish_s = 0.0
+    self.snapshot = None
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._serve, name="weight-server", daemon=True)
     self._thread.start()
@@ -362,6 +363,7 @@ class WeightServer:
       shard = next(s for s in leaves[p.leaf].addressable_shards if s.device.id == p.device)
       arrays.append(shard.data)
     jax.block_until_ready(arrays)
+    self.snapshot = snap  # the newest version's tree (FleetSource checkpoints it)
     manifest = {
         "version": int(version), "nonce": self.nonce, "process": self.process,
         "num_processes": self.num_processes, "address": self.address,
@@ -697,7 +699,7 @@ class Follower:
   def retarget(self, abstract_params) -> None:
     self._ckpt.retarget(abstract_params)
     if self._net is not None:
-      self._net.retarget(abstract_params)
+      self._net.retarget(self._ckpt.abstract)  # unplaced leaves on a device, as there
 
   def poll(self, final: bool = False):
     """`final`: the trainer is done (its last version is on disk); a pull in
