@@ -320,12 +320,13 @@ class WeightServer:
 
   `nonce` names the trainer run (the same on all its processes, another
   after a restart); a version's identity is (version, nonce). Starts a
-  request thread polling `<root>/transfer/requests/` every `poll_seconds`.
+  request thread polling `<root>/transfer/requests/` every `poll_seconds`
+  (`thread=False`: the caller calls `serve_requests` itself).
   """
 
   def __init__(self, root: str, nonce: str, *, host: str = "", sockets: int = 4,
                poll_seconds: float = 0.5, pull_timeout_s: float = 300.0,
-               log: Callable[[str], None] = print):
+               log: Callable[[str], None] = print, thread: bool = True):
     self.dir = transfer_dir(root)
     self._requests = requests_dir(root)
     os.makedirs(self._requests, exist_ok=True)
@@ -348,8 +349,10 @@ class WeightServer:
     self.last_publish_s = 0.0
     self.snapshot = None
     self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._serve, name="weight-server", daemon=True)
-    self._thread.start()
+    self._thread = None
+    if thread:
+      self._thread = threading.Thread(target=self._serve, name="weight-server", daemon=True)
+      self._thread.start()
 
   def publish(self, params, version: int) -> None:
     """Serves `params` (the engines' dtype, any sharding) as `version`."""
@@ -431,7 +434,8 @@ class WeightServer:
 
   def close(self) -> None:
     self._stop.set()
-    self._thread.join()
+    if self._thread is not None:
+      self._thread.join()
     self.withdraw()
 
 
@@ -608,15 +612,20 @@ class NetFollower:
     if pull is None:
       return None
     flat = [a for arrays in pull.arrays for a in arrays]
-    if not all(a.is_ready() for a in flat):
-      if (now or time.time()) - pull.started > self.pull_timeout_s:
-        self._discard()
-        raise PullError("timeout", f"version {pull.offer.version}: not complete after "
-                        f"{self.pull_timeout_s:.0f} s")
-      return None
+    ready = [a.is_ready() for a in flat]
     try:
-      jax.block_until_ready(flat)  # ready, so no wait: raises a failed piece's error
+      # Ready pieces return at once, raising a failed piece's error: a dead
+      # trainer process fails the pull while others' pieces are in flight.
+      jax.block_until_ready([a for a, r in zip(flat, ready) if r])
+      if not all(ready):
+        if (now or time.time()) - pull.started > self.pull_timeout_s:
+          self._discard()
+          raise PullError("timeout", f"version {pull.offer.version}: not complete after "
+                          f"{self.pull_timeout_s:.0f} s")
+        return None
       params = self._assemble(pull.plan, flat)
+    except PullError:
+      raise
     except Exception as e:  # pylint: disable=broad-except
       self._discard()
       self._connections.clear()  # a connection that failed is not reused

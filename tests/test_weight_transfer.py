@@ -1,0 +1,189 @@
+"""The direct weight path (sao_jax/weight_transfer.py): the transfer plan,
+and two trainer processes of a `jax.distributed` job serving a rollout in
+this process over loopback, bit for bit, with a kill mid-pull and the
+checkpoint fallback. Every wait is on an observable event behind a hang guard.
+"""
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from sao_jax import configuration, fleet, weight_transfer as wt
+
+import runs  # pylint: disable=g-bad-import-order
+import transfer_trainer  # pylint: disable=g-bad-import-order
+
+HANG_GUARD_S = 300
+
+
+class FakeDevice:
+  """A device of a topology: what `devices_indices_map` and the plan read."""
+
+  def __init__(self, i, process):
+    self.id, self.process_index = i, process
+
+
+def test_plan_moves_each_byte_once_and_spreads_replicas():
+  devs = jax.devices()
+  src_mesh = Mesh(np.array(devs[:4]).reshape(2, 2), ("fsdp", "expert"))
+  dst_mesh = Mesh(np.array(devs[4:8]).reshape(2, 2), ("expert", "tensor"))
+  leaves = [((8, 6), jnp.bfloat16, NamedSharding(src_mesh, P("fsdp", None)),
+             NamedSharding(dst_mesh, P(None, "tensor"))),
+            ((4, 8), jnp.float32, NamedSharding(src_mesh, P()),
+             NamedSharding(dst_mesh, P("expert", "tensor")))]
+  pieces = wt.source_pieces([(s, d, src) for s, d, src, _ in leaves])
+  # Distinct shards only: 2 row halves of the first leaf, 1 copy of the replicated one.
+  assert [(p.leaf, p.index) for p in pieces] == [
+      (0, ((0, 4), (0, 6))), (0, ((4, 8), (0, 6))), (1, ((0, 4), (0, 8)))]
+  assert wt.check_cover(pieces, [(8, 6), (4, 8)]) is None
+  shifted = dataclasses.replace(pieces[1], index=((2, 6), (0, 6)))  # same size, overlapping
+  assert "overlap" in wt.check_cover([pieces[0], shifted, pieces[2]], [(8, 6), (4, 8)])
+  assert "add up" in wt.check_cover(pieces[1:], [(8, 6), (4, 8)])
+  plan = wt.plan(pieces, [(s, dst) for s, _, _, dst in leaves])
+  assert sum(p.nbytes for p in plan.pieces) == 8 * 6 * 2 + 4 * 8 * 4
+  # Every destination shard is filled from pieces that cover it exactly.
+  for (leaf, dev), index in plan.dest_index.items():
+    fills = plan.fills[(leaf, dev)]
+    assert sum(np.prod([b - a for a, b in o]) for _, o in fills) == np.prod(
+        [b - a for a, b in index])
+  # Pulled onto a device whose shard holds it, when one exists: none here
+  # (every destination shard is a column half), so copies stay local.
+  assert plan.local_copy_bytes > 0
+  # Replicas over two trainer processes: each serves half of the bytes.
+  fake = [FakeDevice(i, i // 2) for i in range(4)]
+
+  class Sharding:
+    def __init__(self, rows):
+      self.rows = rows
+
+    def devices_indices_map(self, shape):
+      n = len(fake) // self.rows
+      return {d: (slice((i // n) * shape[0] // self.rows, (i // n + 1) * shape[0] // self.rows),)
+              for i, d in enumerate(fake)}
+
+  replicated = wt.source_pieces([((8,), jnp.float32, Sharding(1))] * 4)
+  assert sorted(p.process for p in replicated) == [0, 0, 1, 1]
+  rows = wt.source_pieces([((8,), jnp.float32, Sharding(2))])
+  assert [(p.index, p.process) for p in rows] == [(((0, 4),), 0), (((4, 8),), 1)]
+  report = wt.report([(s, d, src) for s, d, src, _ in leaves],
+                     [(s, dst) for s, _, _, dst in leaves], rollout_hosts=3)
+  assert report["version_bytes"] == 8 * 6 * 2 + 4 * 8 * 4 and report["pieces"] == 3
+  assert report["max_bytes_per_trainer_host"] == 3 * report["version_bytes"]
+
+
+def test_weight_config_is_checked():
+  for field, value, match in (("fleet.weights_path", "nfs", "fleet.weights_path"),
+                              ("fleet.pull_timeout_s", 0.1, "fleet.pull_timeout_s"),
+                              ("fleet.transfer_host", "trainer-0", "fleet.transfer_host")):
+    config = runs.load_config_module("sao_tiny.py").get_config()
+    config.rl.mode = "fleet"
+    section, name = field.split(".")
+    config[section][name] = value
+    with pytest.raises(configuration.ConfigError, match=match):
+      configuration.validate(config, num_devices=8)
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _wait(what, condition, procs):
+  deadline = time.time() + HANG_GUARD_S
+  while not condition():
+    for i, p in enumerate(procs):
+      assert p.poll() is None, f"trainer process {i} exited ({p.returncode}) waiting for {what}"
+    assert time.time() < deadline, f"hang guard: no {what}"
+    time.sleep(0.02)
+
+
+def _equal(got, version):
+  want = transfer_trainer.expected(version)
+  for k, v in want.items():
+    g = np.asarray(got[k])
+    assert g.dtype == v.dtype and g.shape == v.shape, k
+    assert g.tobytes() == v.tobytes(), f"{k} of version {version} differs"
+
+
+def test_two_trainer_processes_to_a_rollout_bit_for_bit(tmp_path):
+  root = str(tmp_path)
+  port, nonce = _free_port(), "run1"
+  script = os.path.join(os.path.dirname(__file__), "transfer_trainer.py")
+  procs = [subprocess.Popen([sys.executable, script, root, str(i), "2", str(port), nonce],
+                            env=runs.child_env(2, PYTHONPATH=runs.ROOT), cwd=runs.ROOT,
+                            stdout=open(tmp_path / f"p{i}.log", "w", encoding="utf-8"),  # pylint: disable=consider-using-with
+                            stderr=subprocess.STDOUT) for i in range(2)]
+  try:
+    # The rollout's engine layout: 2 devices, another split than the trainer's.
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tensor",))
+    layout = {"embed": P(None, "tensor"), "experts": P("tensor"), "norm": P("tensor"),
+              "step": P()}
+    abstract = {k: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype),
+                                        sharding=NamedSharding(mesh, layout[k]))
+                for k, (shape, dtype) in transfer_trainer.SHAPES.items()}
+    logged = []
+    net = wt.NetFollower(root, "r0", abstract, host="127.0.0.1", sockets=2)
+    follower = wt.Follower(fleet.WeightFollower(root, abstract), net, logged.append)
+    got = {}
+
+    def poll_until(version):
+      def ready():
+        out = follower.poll()
+        if out is not None:
+          got["params"], got["version"], got["meta"] = out
+        return got.get("version") == version
+      _wait(f"version {version}", ready, procs)
+
+    for version in (1, 2):
+      if version > 1:
+        (tmp_path / f"go-{version}").write_text("go")
+      poll_until(version)
+      assert got["meta"] == {"nonce": nonce, "path": "direct"}
+      _equal(got["params"], version)
+      assert all(got["params"][k].sharding == abstract[k].sharding for k in abstract)
+    assert follower.pulls == 2 and not follower.failures
+    version_bytes = sum(int(np.prod(s)) * jnp.dtype(d).itemsize
+                        for s, d in transfer_trainer.SHAPES.values())
+    assert net.pulled_bytes == 2 * version_bytes  # each byte once per version
+
+    # Version 3 is offered but not served; the pull is in flight when
+    # trainer process 1 dies: discarded, counted, version 2 held.
+    (tmp_path / "go-3").write_text("stall")
+    _wait("a pull of version 3", lambda: follower.poll() is None and net.pulling is not None
+          and net.pulling.version == 3, procs)
+    procs[1].send_signal(signal.SIGKILL)
+    procs[1].wait()
+    deadline = time.time() + HANG_GUARD_S
+    while not follower.failures and time.time() < deadline:
+      assert follower.poll() is None
+      time.sleep(0.02)
+    assert follower.failures == {"pull_failed": 1} and follower.version == 2
+    assert net.pulling is None and "direct pull failed (pull_failed)" in logged[-1]
+    _equal(got["params"], 2)
+    assert follower.poll() is None  # a failed offer is not pulled again
+    # The checkpoint path behind it: version 3 on disk is taken (newer).
+    pub = fleet.WeightPublisher(root, keep=3, version=3)
+    pub.publish({k: jnp.asarray(v) for k, v in transfer_trainer.expected(3).items()}, 3,
+                {"nonce": nonce})
+    pub.close()
+    poll_until(3)
+    assert follower.last_path == "checkpoint"
+    _equal(got["params"], 3)
+    assert not os.listdir(wt.requests_dir(root))  # the rollout removed its requests
+  finally:
+    (tmp_path / "stop").write_text("")
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+      p.wait()

@@ -1,0 +1,68 @@
+"""A stand-in trainer process for tests/test_weight_transfer.py: one process
+of a `jax.distributed` job (2 CPU devices each) whose params are sharded over
+all processes' devices, serving versions through weight_transfer.WeightServer.
+
+    python tests/transfer_trainer.py ROOT PROCESS NUM_PROCESSES PORT NONCE
+
+Publishes version 1, then version v when the file ROOT/go-<v> appears; from
+a version whose go file says "stall", it stops answering pull requests (so
+that a rollout's pull stays in flight until the test kills this process).
+Exits when ROOT/stop appears. `expected(version)` is what it serves.
+"""
+
+import os
+import sys
+import time
+
+import numpy as np
+
+SHAPES = {"embed": ((16, 8), "bfloat16"), "experts": ((4, 8, 6), "bfloat16"),
+          "norm": ((8,), "float32"), "step": ((), "int32")}
+
+
+def expected(version: int) -> dict:
+  """The params of `version` as host arrays (the same in every process)."""
+  import ml_dtypes  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(version)
+  out = {}
+  for name, (shape, dtype) in SHAPES.items():
+    values = rng.standard_normal(shape).astype(np.float32) * 3
+    out[name] = values.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+  return out
+
+
+def main(root, process, num_processes, port, nonce):
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  if num_processes > 1:
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes, process)
+  from sao_jax import weight_transfer  # pylint: disable=g-import-not-at-top
+  devices = np.array(jax.devices()).reshape(num_processes, -1)  # fsdp across processes
+  mesh = Mesh(devices, ("fsdp", "expert"))
+  specs = {"embed": P("fsdp", None), "experts": P("expert", None, "fsdp"), "norm": P(),
+           "step": P()}
+
+  def params(version):
+    host = expected(version)
+    return {k: jax.make_array_from_callback(host[k].shape, NamedSharding(mesh, specs[k]),
+                                            lambda idx, k=k: host[k][idx]) for k in host}
+
+  server = weight_transfer.WeightServer(root, nonce, host="127.0.0.1", sockets=2,
+                                        pull_timeout_s=600, thread=False)
+  server.publish(params(1), 1)
+  version, stalled = 1, False
+  while not os.path.exists(os.path.join(root, "stop")):
+    go = os.path.join(root, f"go-{version + 1}")
+    if os.path.exists(go):
+      with open(go, encoding="utf-8") as f:
+        stalled = stalled or f.read().strip() == "stall"
+      version += 1
+      server.publish(params(version), version)
+    if not stalled:
+      server.serve_requests()
+    time.sleep(0.02)
+  server.close()
+
+
+if __name__ == "__main__":
+  main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
