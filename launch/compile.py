@@ -75,6 +75,7 @@ import contextlib
 import dataclasses
 import math
 import datetime
+import functools
 import os
 import re
 import subprocess
@@ -99,6 +100,7 @@ from jax.experimental import topologies
 from ml_collections import config_flags
 
 from sao_jax import configuration, factories, files, precision, sections, sharding
+from sao_jax import weight_transfer
 from sao_jax.data import packing
 from sao_jax.rollout import programs as programs_lib
 
@@ -327,6 +329,29 @@ def precision_report(model_cfg, abstract_policy) -> dict:
           "compute_dtype": jnp.dtype(model_cfg.dtype).name, "master_bytes": master,
           "serving_dtype": jnp.dtype(precision.serving_config(model_cfg).param_dtype).name,
           "version_bytes": precision.serving_bytes(model_cfg, abstract_policy)}
+
+
+def transfer_report(model_cfg, abstract_policy, engine_params) -> dict:
+  """The direct weight path's plan (weight_transfer.plan) from the trainer's
+  layout of the engines' copy into one rollout engine's: bytes per rollout
+  engine and per trainer host for one version, and the double buffers."""
+  serving = jax.eval_shape(functools.partial(precision.cast_for_serving, model_cfg),
+                           abstract_policy)
+  src = [(x.shape, s.dtype, x.sharding) for x, s in
+         zip(jax.tree.leaves(abstract_policy), jax.tree.leaves(serving))]
+  return weight_transfer.report(src, [(x.shape, x.sharding)
+                                      for x in jax.tree.leaves(engine_params)])
+
+
+def format_transfer(t: dict) -> str:
+  return (f"one version {_size(t['version_bytes'])} in {t['pieces']} pieces, each pulled "
+          f"once per rollout engine over {t['destination_devices']} devices (max "
+          f"{_size(t['max_bytes_per_rollout_device'])} per device, then "
+          f"{_size(t['local_copy_bytes_per_engine'])} of local copies); per trainer host "
+          f"{_size(t['min_bytes_per_trainer_host'])}-{_size(t['max_bytes_per_trainer_host'])} "
+          f"per engine ({t['trainer_hosts']} hosts); double buffers +"
+          f"{_size(t['snapshot_bytes_per_trainer_device'])} per trainer device, +"
+          f"{_size(t['standby_bytes_per_rollout_device'])} per rollout device")
 
 
 def format_precision(p: dict) -> str:
@@ -640,7 +665,7 @@ def main(argv):
   precision_line = precision_report(model_cfg, progs.abstract_state.policy)
   print(f"[compile] precision: {format_precision(precision_line)}", flush=True)
 
-  wanted, engine_layout, pool = {}, None, None
+  wanted, engine_layout, pool, transfer = {}, None, None, None
   if {"sft", "value", "rl"} & set(_PROGRAMS.value):
     wanted.update(train_programs(config, progs, mesh, tname, hbm))
   if {"prefill", "decode", "decode_loop"} & set(_PROGRAMS.value):
@@ -650,6 +675,9 @@ def main(argv):
     print(f"[compile] rollout engine: {engine_layout}", flush=True)
     print(f"[compile] rollout KV {format_capacity(pool)}", flush=True)
     wanted.update(engine_progs)
+    transfer = transfer_report(model_cfg, progs.abstract_state.policy,
+                               engine_progs["decode"].args[0])
+    print(f"[compile] transfer: {format_transfer(transfer)}", flush=True)
   command = " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:] + [
       f"--config.model.overrides.{k}={v}" for k, v in _MODEL_OVERRIDES.items()])
   started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -675,6 +703,8 @@ def main(argv):
                   "num_layers": model_cfg.num_layers, "policy_params": n_params},
         # Master weights vs the engines' copy: the bytes one version moves.
         "precision": precision_line,
+        # The direct weight path into one rollout engine (weight_transfer.report).
+        "transfer": transfer,
         "min_headroom": _MIN_HEADROOM.value,
         "programs": {r["program"]: r for r in rows},
         "table": format_table(rows) + (f"\nrollout KV {format_capacity(pool)}" if pool else ""),

@@ -284,6 +284,16 @@ def report(src_leaves, dest_leaves, rollout_hosts: int = 1) -> dict:
   per_trainer = p.bytes_per_trainer_host()
   version = sum(piece.nbytes for piece in pieces)
   routed = collections.Counter(p.routes)
+  # The double buffers: the trainer's served snapshot, and the rollout's
+  # standby version while the held one keeps generating (per device, the
+  # busiest device).
+  snapshot, standby = collections.Counter(), collections.Counter()
+  for shape, dtype, sharding in src_leaves:
+    for device, slices in sharding.devices_indices_map(tuple(shape)).items():
+      snapshot[device.id] += _volume(_index(slices, shape)) * jnp.dtype(dtype).itemsize
+  itemsizes = [jnp.dtype(dtype).itemsize for _, dtype, _ in src_leaves]
+  for (leaf, dev), index in p.dest_index.items():
+    standby[dev] += _volume(index) * itemsizes[leaf]
   return {
       "pieces": len(pieces),
       "version_bytes": version,
@@ -298,6 +308,8 @@ def report(src_leaves, dest_leaves, rollout_hosts: int = 1) -> dict:
       "min_bytes_per_trainer_host": min(per_trainer.values(), default=0) * rollout_hosts,
       "rollout_hosts": rollout_hosts,
       "destination_devices": len(routed),
+      "snapshot_bytes_per_trainer_device": max(snapshot.values(), default=0),
+      "standby_bytes_per_rollout_device": max(standby.values(), default=0),
   }
 
 # --- trainer side ------------------------------------------------------------------

@@ -192,6 +192,14 @@ def test_the_rollout_slice_compiles_on_its_own_topology(tmp_path):
           ) in stdout
   assert "= 512 live tokens (0.500 of slots x max_len)" in decode["shape"]
   assert "rollout KV paged" in result["table"]
+  # The direct weight path's plan: a version is the engines' copy, pulled
+  # once per engine over its 8 chips, from the trainer's one host.
+  transfer = result["transfer"]
+  assert transfer["version_bytes"] == result["precision"]["version_bytes"]
+  assert transfer["bytes_per_rollout_engine"] == transfer["version_bytes"]
+  assert (transfer["destination_devices"], transfer["trainer_hosts"]) == (8, 1)
+  assert transfer["max_bytes_per_trainer_host"] == transfer["version_bytes"]
+  assert "[compile] transfer: one version " in stdout
 
 
 def test_an_engine_whose_slots_do_not_split_is_refused_in_one_line(tmp_path):
