@@ -56,7 +56,6 @@ def trainer(root, n_leaves, repeats, sockets):
   sharding = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("fsdp",)), P("fsdp", None))
   server = weight_transfer.WeightServer(root, "bench", host="127.0.0.1", sockets=sockets,
                                         poll_seconds=0.01)
-  pub = fleet.WeightPublisher(root, keep=2, version=0)
   for v in range(1, repeats + 1):
     while not os.path.exists(os.path.join(root, f"go-{v}")):
       time.sleep(0.01)
@@ -69,6 +68,7 @@ def trainer(root, n_leaves, repeats, sockets):
     # the checkpoint path runs: the two never share the cores.
     while server.served < v or not os.path.exists(os.path.join(root, f"pulled-{v}")):
       time.sleep(0.01)
+    pub = fleet.WeightPublisher(root, keep=2, version=v)  # close() ends a publisher
     t0 = time.time()
     pub.publish(params, v, {"nonce": "bench"})
     pub.close()
@@ -95,7 +95,8 @@ def measure(args):
                             str(args.repeats), "--leaves", str(n_leaves), "--sockets",
                             str(args.sockets)], env=env)
   # The rollout's layout: columns over its 2 devices (the trainer's: rows).
-  sharding = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("tensor",)), P(None, "tensor"))
+  sharding = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("tensor",)),
+                           P(None, "tensor") if args.layout == "columns" else P("tensor", None))
   abstract = {f"w{i:03d}": jax.ShapeDtypeStruct(LEAF, jnp.bfloat16, sharding=sharding)
               for i in range(n_leaves)}
   net = weight_transfer.NetFollower(root, "bench", abstract, host="127.0.0.1",
@@ -129,8 +130,10 @@ def measure(args):
       assert version == v and all(bool((params[k] == want[k]).all()) for k in want), \
           "checkpoint: not bit for bit"
       del params, want
-      rows.append(dict(t, pull_s=pull_s, restore_s=restore_s))
-      print(f"version {v}: direct serve {t['serve_s']:.2f} s + pull {pull_s:.2f} s; "
+      rows.append(dict(t, pull_s=pull_s, restore_s=restore_s, transfer_s=net.last_transfer_s,
+                       assemble_s=net.last_assemble_s))
+      print(f"version {v}: direct serve {t['serve_s']:.2f} s + pull {pull_s:.2f} s (transfer "
+            f"{net.last_transfer_s:.2f}, assembly {net.last_assemble_s:.2f}); "
             f"checkpoint publish {t['publish_s']:.2f} s + pick-up {restore_s:.2f} s", flush=True)
   finally:
     open(os.path.join(root, "stop"), "w", encoding="utf-8").close()
@@ -199,6 +202,8 @@ def main():
   p.add_argument("--gib", type=float, default=1.0)
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--sockets", type=int, default=4)
+  p.add_argument("--layout", default="columns", choices=("columns", "rows"),
+                 help="the rollout's split of each leaf (the trainer's: rows)")
   p.add_argument("--dir", default=None, help="where the checkpoint path writes (default /tmp)")
   p.add_argument("--trainer", default=None, help=argparse.SUPPRESS)
   p.add_argument("--leaves", type=int, default=0, help=argparse.SUPPRESS)

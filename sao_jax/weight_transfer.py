@@ -556,6 +556,9 @@ class NetFollower:
     self._pull: _Pull | None = None
     self.pulled_bytes = 0
     self.pull_seconds = 0.0
+    # The last complete pull: until every piece was ready (as seen by the
+    # polls), and the assembly into the engine's layout.
+    self.last_transfer_s = self.last_assemble_s = 0.0
 
   def retarget(self, abstract_params) -> None:
     leaves, self._treedef = jax.tree.flatten(abstract_params)
@@ -635,7 +638,10 @@ class NetFollower:
           raise PullError("timeout", f"version {pull.offer.version}: not complete after "
                           f"{self.pull_timeout_s:.0f} s")
         return None
+      t0 = time.time()
+      self.last_transfer_s = t0 - pull.started
       params = self._assemble(pull.plan, flat)
+      self.last_assemble_s = time.time() - t0
     except PullError:
       raise
     except Exception as e:  # pylint: disable=broad-except
