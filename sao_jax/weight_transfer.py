@@ -51,6 +51,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -62,7 +63,6 @@ from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from sao_jax import files
 
@@ -679,18 +679,31 @@ class NetFollower:
             and p.routes[fills[0][0]] == device.id):
           shards.append(flat[fills[0][0]])
           continue
-        buf = np.zeros(tuple(b - a0 for a0, b in index), jnp.dtype(a.dtype))
-        buf = jax.device_put(buf, devices[device.id])
+        parts, where = [], []
         for n, overlap in fills:
           src = p.pieces[n].index
-          part = flat[n][tuple(slice(lo - s0, hi - s0) for (lo, hi), (s0, _) in
-                               zip(overlap, src))]
-          part = jax.device_put(part, devices[device.id])
-          buf = buf.at[tuple(slice(lo - d0, hi - d0) for (lo, hi), (d0, _) in
-                             zip(overlap, index))].set(part)
+          take = tuple((lo - s0, hi - s0) for (lo, hi), (s0, _) in zip(overlap, src))
+          part = flat[n]
+          if p.routes[n] != device.id:  # only the overlap crosses to this device
+            part = jax.device_put(part[tuple(slice(*ab) for ab in take)], devices[device.id])
+            take = tuple((0, hi - lo) for lo, hi in overlap)
+          parts.append(part)
+          where.append((take, tuple((lo - d0, hi - d0) for (lo, hi), (d0, _) in
+                                    zip(overlap, index))))
+        buf = _fill(parts, tuple(b - a0 for a0, b in index), jnp.dtype(a.dtype), tuple(where))
         shards.append(buf)
       out.append(jax.make_array_from_single_device_arrays(tuple(a.shape), a.sharding, shards))
     return jax.tree.unflatten(self._treedef, out)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _fill(parts, shape, dtype, where):
+  """A destination shard of `shape` from `parts` (on its device): part i's
+  range where[i][0] goes to where[i][1]; one program per layout, one copy."""
+  buf = jnp.zeros(shape, dtype)
+  for part, (take, put) in zip(parts, where):
+    buf = buf.at[tuple(slice(*ab) for ab in put)].set(part[tuple(slice(*ab) for ab in take)])
+  return buf
 
 
 def _probe(address: str) -> None:
