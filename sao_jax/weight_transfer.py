@@ -789,9 +789,13 @@ class Follower:
     if identity == self.identity:
       return None
     # With versions offered directly, a checkpoint is a fallback only when it
-    # moves forward; with none offered (a trainer on the checkpoint path, or
-    # done) it is followed as fleet.WeightFollower follows, back included.
-    if offer is not None and not final and self.version is not None and version <= self.version:
+    # moves forward; so it is when it comes from the trainer run whose version
+    # is held (its servers gone: a checkpoint it wrote earlier is no news).
+    # Otherwise (a trainer on the checkpoint path, or a restarted one) it is
+    # followed as fleet.WeightFollower follows, back included.
+    behind = self.version is not None and version <= self.version
+    if behind and ((offer is not None and not final) or (
+        self.identity is not None and identity[1] == self.identity[1])):
       return None
     got = self._ckpt.restore_version(version)
     if got is None:
