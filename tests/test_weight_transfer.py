@@ -187,3 +187,39 @@ def test_two_trainer_processes_to_a_rollout_bit_for_bit(tmp_path):
       if p.poll() is None:
         p.kill()
       p.wait()
+
+
+def test_a_rollout_killed_mid_pull_leaves_the_trainer_serving(tmp_path):
+  """The trainer (this process) registers the pull of a rollout SIGKILLed
+  after posting it, and serves the next rollout the same version."""
+  root = str(tmp_path)
+  server = wt.WeightServer(root, "run1", host="127.0.0.1", sockets=2, thread=False)
+  try:
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    server.publish({k: jax.device_put(v, device)
+                    for k, v in transfer_trainer.expected(5).items()}, 5)
+    doomed = subprocess.Popen(
+        [sys.executable, os.path.join(os.path.dirname(__file__), "transfer_trainer.py"),
+         "pull", root], env=runs.child_env(1, PYTHONPATH=runs.ROOT), cwd=runs.ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+      assert doomed.stdout.readline().strip() == "pulling"  # its pull is posted
+    finally:
+      doomed.kill()
+      doomed.wait()
+    assert server.serve_requests() == 1  # registered for the dead puller
+    abstract = {k: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=device)
+                for k, (shape, dtype) in transfer_trainer.SHAPES.items()}
+    follower = wt.Follower(fleet.WeightFollower(root, abstract),
+                           wt.NetFollower(root, "r1", abstract, host="127.0.0.1", sockets=2))
+    deadline = time.time() + HANG_GUARD_S
+    got = None
+    while got is None:
+      server.serve_requests()
+      got = follower.poll()
+      assert time.time() < deadline, "hang guard: no version 5"
+      time.sleep(0.02)
+    assert got[1] == 5 and server.served == 2 and not follower.failures
+    _equal(got[0], 5)
+  finally:
+    server.close()

@@ -3,6 +3,7 @@ of a `jax.distributed` job (2 CPU devices each) whose params are sharded over
 all processes' devices, serving versions through weight_transfer.WeightServer.
 
     python tests/transfer_trainer.py ROOT PROCESS NUM_PROCESSES PORT NONCE
+    python tests/transfer_trainer.py pull ROOT     (a rollout to kill mid-pull)
 
 Publishes version 1, then version v when the file ROOT/go-<v> appears; from
 a version whose go file says "stall", it stops answering pull requests (so
@@ -64,5 +65,27 @@ def main(root, process, num_processes, port, nonce):
   server.close()
 
 
+def pull(root):
+  """A rollout that posts its pull of the newest version, says so, and waits
+  (to be SIGKILLed with the pull in flight)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from sao_jax import weight_transfer  # pylint: disable=g-import-not-at-top
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract = {k: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=device)
+              for k, (shape, dtype) in SHAPES.items()}
+  net = weight_transfer.NetFollower(root, "doomed", abstract, host="127.0.0.1", sockets=2)
+  offer = None
+  while offer is None:
+    offer = weight_transfer.newest_offer(root)
+    time.sleep(0.02)
+  net.start(offer)
+  print("pulling", flush=True)
+  time.sleep(1000)
+
+
 if __name__ == "__main__":
-  main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+  if sys.argv[1] == "pull":
+    pull(sys.argv[2])
+  else:
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
