@@ -4,7 +4,10 @@ In `rl.mode = "fleet"` rollout runs in its own processes (launch/rollout.py
 around `fleet_worker.run_rollout_worker`, which uses the pieces here), so
 generation never waits for training. Nothing travels over a hand-written
 RPC layer: trajectories move as ArrayRecord shards of the trajectory store,
-weights as versioned orbax checkpoints, both under one shared directory
+weights as versioned orbax checkpoints (on the default direct path,
+`fleet.weights_path = "direct"`, the bytes of most versions go over the
+network instead and these checkpoints are its bootstrap and fallback:
+sao_jax/weight_transfer.py), both under one shared directory
 (`fleet.root`, default `<workdir>/fleet`):
 
     <root>/weights/<version>/         orbax: the policy params after <version>

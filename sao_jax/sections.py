@@ -670,7 +670,8 @@ class RL(Section):
 @dataclasses.dataclass(frozen=True)
 class Fleet(Section):
   """rl.mode = "fleet": rollout processes (launch/rollout.py) apart from the
-  trainer, trajectories and weights through shared storage (sao_jax/fleet.py)."""
+  trainer, trajectories and weights through shared storage (sao_jax/fleet.py),
+  weights over the network on the direct path (sao_jax/weight_transfer.py)."""
   NAME: ClassVar[str] = "fleet"
   root: str = knob("", "The shared directory (local, NFS, a gcsfuse mount); \"\": "
                    "<workdir>/fleet.", Check(lambda v: isinstance(v, str),
