@@ -99,6 +99,7 @@ def run_rollout_worker(config, workdir: str, rollout_id: str, stop: threading.Ev
       config, engine, env, tok,
       prompt_data.train_prompts(config.data.num_train_tasks, seed),
       faults.wrap_emit(emit, tok.vocab_size))
+  pulls = PullWatch(lambda version: log(f"[rollout {rid}] pulling version {version}"))
   driver.start()
   log(f"[rollout {rid}] generating at version {version}, shards from "
       f"{fleet.shard_name(rid, writer.first_seq)}")
@@ -109,6 +110,7 @@ def run_rollout_worker(config, workdir: str, rollout_id: str, stop: threading.Ev
       done = fleet.is_done(root)
       held = follower.version
       got = follower.poll(final=done)
+      pulls.observe(follower, driver.stats.generated_tokens)
       if got is not None:
         driver.update_params(got[0], got[1])
         log(f"[rollout {rid}] weights version {held} -> {got[1]}")
@@ -126,7 +128,29 @@ def run_rollout_worker(config, workdir: str, rollout_id: str, stop: threading.Ev
         f"{driver.stats.generated_tokens} tokens")
   return dict(trajectories=writer.trajectories, last_shard=writer.last_closed,
               version=follower.version, generated_tokens=driver.stats.generated_tokens,
-              **weight_counts(follower))
+              tokens_during_pulls=pulls.tokens, **weight_counts(follower))
+
+
+class PullWatch:
+  """Tokens the driver generated while a direct pull was in flight (the
+  proof that a version arrives without stalling generation)."""
+
+  def __init__(self, on_start: Callable[[int], None]):
+    self._on_start = on_start
+    self._from: int | None = None  # generated tokens at the last poll with a pull in flight
+    self._seen = None  # the offer whose start was reported
+    self.tokens = 0
+
+  def observe(self, follower, generated: int) -> None:
+    pulling = getattr(follower, "pulling", None)
+    if self._from is not None:
+      self.tokens += generated - self._from
+      self._from = None
+    if pulling is not None:
+      self._from = generated
+      if pulling != self._seen:
+        self._seen = pulling
+        self._on_start(pulling.version)
 
 
 def make_follower(config, root: str, rollout_id: str, abstract_params,

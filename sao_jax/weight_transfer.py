@@ -736,6 +736,11 @@ class Follower:
     self.fallbacks: collections.Counter = collections.Counter()
     self.last_path: str | None = None
 
+  @property
+  def pulling(self) -> Offer | None:
+    """The version being pulled (generation goes on meanwhile), or None."""
+    return self._net.pulling if self._net is not None else None
+
   def retarget(self, abstract_params) -> None:
     self._ckpt.retarget(abstract_params)
     if self._net is not None:

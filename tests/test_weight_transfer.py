@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -18,7 +19,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from sao_jax import configuration, fleet, weight_transfer as wt
+from sao_jax import configuration, factories, fleet, fleet_worker, precision
+from sao_jax import weight_transfer as wt
+from sao_jax.models import policy
 
 import runs  # pylint: disable=g-bad-import-order
 import transfer_trainer  # pylint: disable=g-bad-import-order
@@ -223,3 +226,64 @@ def test_a_rollout_killed_mid_pull_leaves_the_trainer_serving(tmp_path):
     _equal(got[0], 5)
   finally:
     server.close()
+
+
+def test_the_rollout_worker_generates_while_a_version_is_pulled(tmp_path):
+  """A fleet rollout worker (in a thread) on the direct path: its pull of
+  version 1 is held back until it has written two more shards, so tokens
+  were generated with the pull in flight; then it swaps in the whole version."""
+  config = runs.load_config_module("sao_tiny.py").get_config()
+  for field, value in (("rl.mode", "fleet"), ("rollout.slots", 4), ("rollout.max_len", 128),
+                       ("rollout.max_turn_tokens", 16), ("fleet.shard_trajectories", 2),
+                       ("fleet.shard_seconds", 1.0), ("fleet.poll_seconds", 0.05),
+                       ("fleet.max_unread_shards", 1000), ("fleet.transfer_host", "127.0.0.1")):
+    section, name = field.split(".")
+    config[section][name] = value
+  config.lock()
+  workdir = str(tmp_path)
+  root = fleet.root_of(config, workdir)
+  server = wt.WeightServer(root, "run1", host="127.0.0.1", sockets=2, thread=False)
+  lines, out = [], {}
+  stop = threading.Event()
+
+  def work():
+    try:
+      out["counts"] = fleet_worker.run_rollout_worker(config, workdir, "w0", stop, lines.append)
+    except BaseException as e:  # pylint: disable=broad-except
+      out["error"] = e
+
+  def wait_for(what, condition, serve=False):
+    deadline = time.time() + HANG_GUARD_S
+    while not condition():
+      assert worker.is_alive(), (what, out.get("error"), lines)
+      assert time.time() < deadline, f"hang guard: no {what}; {lines}"
+      if serve:
+        server.serve_requests()
+      time.sleep(0.02)
+
+  def shards():
+    d = fleet.trajectories_dir(root)
+    return [n for n in os.listdir(d) if fleet.parse_shard_name(n)] if os.path.isdir(d) else []
+
+  params = policy.init_params(precision.serving_config(factories.build_model_config(config)),
+                              jax.random.key(0))
+  server.publish(params, 0)
+  worker = threading.Thread(target=work, daemon=True)
+  worker.start()
+  try:
+    wait_for("version 0", lambda: any("generating at version 0" in x for x in lines), serve=True)
+    server.publish(jax.tree.map(lambda x: x * 0.5, params), 1)
+    wait_for("the pull of version 1", lambda: "[rollout w0] pulling version 1" in lines)
+    written = len(shards())
+    wait_for("two shards during the pull", lambda: len(shards()) >= written + 2)
+    wait_for("version 1", lambda: "[rollout w0] weights version 0 -> 1" in lines, serve=True)
+    fleet.mark_done(root, 1)
+    worker.join(HANG_GUARD_S)
+  finally:
+    stop.set()
+    worker.join(HANG_GUARD_S)
+    server.close()
+  assert not worker.is_alive() and "error" not in out, (out, lines)
+  counts = out["counts"]
+  assert (counts["weights_path"], counts["pulls"], counts["version"]) == ("direct", 2, 1)
+  assert counts["pull_failures"] == {} and counts["tokens_during_pulls"] > 0
