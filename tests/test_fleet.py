@@ -230,7 +230,11 @@ def test_weights_only_complete_versions_and_discarded_futures(tmp_path):
 def test_fleet_config_is_checked():
   for field, value, match in (("fleet.keep_versions", 1, "fleet.keep_versions = 1"),
                               ("fleet.poll_seconds", 0.0, "fleet.poll_seconds"),
-                              ("rollout.samples_per_prompt", 2, "rl.mode = 'fleet'")):
+                              ("rollout.samples_per_prompt", 2, "rl.mode = 'fleet'"),
+                              # The direct weight path's fields (sao_jax/weight_transfer.py).
+                              ("fleet.weights_path", "nfs", "fleet.weights_path"),
+                              ("fleet.pull_timeout_s", 0.1, "fleet.pull_timeout_s"),
+                              ("fleet.transfer_host", "trainer-0", "fleet.transfer_host")):
     config = runs.load_config_module("sao_tiny.py").get_config()
     config.rl.mode = "fleet"
     section, name = field.split(".")
