@@ -15,6 +15,15 @@ after step k resumes from a step >= k - 2e (the save of the last multiple
 of e may not have started or may still be in flight; the one before it is
 complete).
 `committed_checkpoints` reads what is complete on disk, from any process.
+
+On several processes each save ends in barriers over the coordination
+service, keyed by the step number (or by nothing), not by the directory:
+two Checkpointers saving at once in one job (a fleet trainer's run
+checkpoints and its published weights) would meet at the same key and the
+service fails the second waiter ("Barrier ... is already ongoing"). Each
+Checkpointer therefore prefixes its barriers with its `name`, which must be
+the same in every process and differ between Checkpointers that save in
+the same job.
 """
 
 from __future__ import annotations
@@ -29,11 +38,16 @@ import orbax.checkpoint as ocp
 
 class Checkpointer:
 
-  def __init__(self, directory: str, max_to_keep: int = 3):
+  def __init__(self, directory: str, max_to_keep: int = 3, name: str | None = None):
+    """`name` (default: the directory's last component) keys this
+    Checkpointer's multi-process barriers; see the module docstring."""
     self.directory = os.path.abspath(directory)
+    self.name = name or os.path.basename(self.directory)
     self._mngr = ocp.CheckpointManager(
-        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
-                                                             create=True))
+        self.directory, options=ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, create=True,
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                barrier_sync_key_prefix=f"sao_jax/{self.name}")))
 
   def latest_step(self) -> int | None:
     return self._mngr.latest_step()

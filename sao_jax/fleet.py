@@ -189,7 +189,7 @@ class WeightPublisher:
     for name in os.listdir(self.dir):
       if not name.isdigit() or int(name) > version:
         shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
-    self._ckpt = Checkpointer(self.dir, keep)
+    self._ckpt = Checkpointer(self.dir, keep, name="weights")
     self.last_publish_s = 0.0
 
   def publish(self, params, version: int, meta: dict | None = None) -> None:
@@ -269,7 +269,7 @@ class WeightFollower:
     `failed_restores`) if it went while being read."""
     if self._ckpt is None:
       # Read-only use of a manager: it never saves here, so it never prunes.
-      self._ckpt = Checkpointer(self.dir, max_to_keep=1 << 30)
+      self._ckpt = Checkpointer(self.dir, max_to_keep=1 << 30, name="weights")
     try:
       return self._ckpt.restore(self._abstract, version)
     except Exception:  # pylint: disable=broad-except

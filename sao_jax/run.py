@@ -204,7 +204,8 @@ def open_workdir(run: Run, workdir: str, restore_step: int | None = None) -> Run
       workdir, tensorboard=config.get("tensorboard", True), wandb=logging,
       config=json.loads(config.to_json_best_effort()) if logging.wandb else None)
   distributed.sync("setup")  # the hosts' set-up times differ; collectives follow
-  run.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep)
+  run.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep,
+                          name="run")
   if run.ckpt.latest_step() is not None:
     restore_step = restore_step or run.ckpt.latest_step()
     run.state, run.meta = run.ckpt.restore(abstract_like(run.state), restore_step)
