@@ -6,9 +6,9 @@ the coordination service whose keys name the step directory
 ("async_write_complete.<step>") or nothing at all, not the manager's
 directory. A run checkpoint and a weight version with the same number in
 flight together then meet at one barrier key, and the coordination service
-fails the second waiter ("Barrier ... is already ongoing"); a resumed pod
-(weight versions restart at the RL stage's, run steps go on) hit it at its
-third checkpoint. Each `Checkpointer` names its barriers by its own `name`;
+fails the second waiter ("Barrier ... is already ongoing"); a 2-trainer
+pod hit it at RL step 6, where run checkpoint 6 (every 2 steps, after 3
+from SFT and value pretraining) and weight version 6 are written together. Each `Checkpointer` names its barriers by its own `name`;
 this test saves the same step numbers in two of them at once, in both
 processes, and restores what was saved.
 
