@@ -63,6 +63,25 @@ params and KV cache (its step's argument bytes) to each train step's total:
 computed from the compiled figures, not compiled together, and part of
 the exit status.
 
+With --rollout_topology and `fleet.weights_path` "direct" (the default),
+rows "prefill+next", "decode+next" and "decode_loop+next" add the standby
+copy a rollout engine holds while the next version arrives (the transfer
+plan's `standby_bytes_per_rollout_device`) to each engine program, and
+"rl+snapshot" the trainer's `weight_transfer.KEEP_SNAPSHOTS` served
+snapshots (`snapshot_bytes_per_trainer_device` each) to the RL step:
+computed the same way, part of the exit status.
+
+The RL step's time is modeled (sao_jax/steptime.py; a "[compile] step
+time:" line, "step_time" and "version_time" in the JSON): the compiled
+rl program's `cost_analysis()` FLOPs and HBM bytes per chip at the chip's
+published bf16 peak, --mfu of it (default 0.4, an assumption), or its HBM
+bandwidth, whichever binds; XLA counts each while-loop body once, so with
+the scanned layer stack the figure is a lower bound and the layer-scaled
+one (x num_layers) is given beside it. A version's seconds into one
+rollout host follow from the plan's bytes per host at the published v5p
+DCN rate (25 GB/s a 4-chip host) and at the TCP rate peers measured
+(3.59 GB/s); their ratio to the step is the policy lag in steps.
+
 Topologies: Cloud TPU names (v5p-256, v5e-4, v6e-8, v4-16) or libtpu's own
 (v5p:4x4x8, v5e:2x2). Mind that v5p and v4 names count TensorCores, two per
 chip: v5p-128 is 64 chips (4x4x4) and the 128-chip slice is v5p-256.
@@ -790,8 +809,11 @@ def main(argv):
                if engine_layout is not None and rdevices is devices
                and not rollout_section(config).mesh and config.rollout.sharded_engine else [])
   rows += colocated
-  # The direct weight path's double buffers, on the engine's and the trainer's chips.
-  buffered = double_buffer_rows(rows, transfer, _MIN_HEADROOM.value) if transfer else []
+  # The direct weight path's double buffers, on the engine's and the trainer's chips
+  # (on the rollout slice of its own, as a fleet has it, with fleet.weights_path "direct".)
+  direct = (transfer is not None and rdevices is not devices
+            and config.fleet.weights_path == "direct")
+  buffered = double_buffer_rows(rows, transfer, _MIN_HEADROOM.value) if direct else []
   rows += buffered
   model = step_time_model(rows, transfer, devices, rdevices, model_cfg)
   if model is not None:
