@@ -209,7 +209,8 @@ def test_the_rollout_slice_compiles_on_its_own_topology(tmp_path):
   assert nxt["computed"] and nxt["fits"] and nxt["topology"] == "v5e:2x4"
   assert nxt["total_bytes"] == decode["total_bytes"] + transfer["standby_bytes_per_rollout_device"]
   assert transfer["standby_bytes_per_rollout_device"] > 0
-  assert snap["total_bytes"] == rl["total_bytes"] + 2 * transfer["snapshot_bytes_per_trainer_device"]
+  assert snap["total_bytes"] == (rl["total_bytes"]
+                                 + 2 * transfer["snapshot_bytes_per_trainer_device"])
   assert snap["headroom"] == pytest.approx(1 - snap["total_bytes"] / snap["hbm_bytes"])
   assert any(line.startswith("rl+snapshot") for line in stdout.splitlines())
   # The RL step's time from its own cost_analysis() at v5e's peak, and a
