@@ -4,6 +4,12 @@
     python launch/compile.py --config=configs/sao_moe_128k.py --topology=v5p-256 \
         --rollout_topology=v5p-8
 
+That command exits 1 since the direct weight path's double buffers are
+counted (benchmarks/RESULTS.md, "The RL step and a version modeled"): the
+programs fit alone, but "prefill+next" (a version arriving during a 128K
+prefill) needs 96.07 of 95.74 GiB a chip and "rl+snapshot" leaves 8.8%.
+With `--config.fleet.weights_path=checkpoint` neither row is counted.
+
 The train steps keep sao_moe's tokens per chip (65,536) by splitting each
 128K row over two chips: the mesh gains a `context` axis of 2 and the
 "length" logical axis maps onto it, so every token-wise op (norms, MLP,

@@ -63,6 +63,25 @@ params and KV cache (its step's argument bytes) to each train step's total:
 computed from the compiled figures, not compiled together, and part of
 the exit status.
 
+With --rollout_topology and `fleet.weights_path` "direct" (the default),
+rows "prefill+next", "decode+next" and "decode_loop+next" add the standby
+copy a rollout engine holds while the next version arrives (the transfer
+plan's `standby_bytes_per_rollout_device`) to each engine program, and
+"rl+snapshot" the trainer's `weight_transfer.KEEP_SNAPSHOTS` served
+snapshots (`snapshot_bytes_per_trainer_device` each) to the RL step:
+computed the same way, part of the exit status.
+
+The RL step's time is modeled (sao_jax/steptime.py; a "[compile] step
+time:" line, "step_time" and "version_time" in the JSON): the compiled
+rl program's `cost_analysis()` FLOPs and HBM bytes per chip at the chip's
+published bf16 peak, --mfu of it (default 0.4, an assumption), or its HBM
+bandwidth, whichever binds; XLA counts each while-loop body once, so with
+the scanned layer stack the figure is a lower bound and the layer-scaled
+one (x num_layers) is given beside it. A version's seconds into one
+rollout host follow from the plan's bytes per host at the published v5p
+DCN rate (25 GB/s a 4-chip host) and at the TCP rate peers measured
+(3.59 GB/s); their ratio to the step is the policy lag in steps.
+
 Topologies: Cloud TPU names (v5p-256, v5e-4, v6e-8, v4-16) or libtpu's own
 (v5p:4x4x8, v5e:2x2). Mind that v5p and v4 names count TensorCores, two per
 chip: v5p-128 is 64 chips (4x4x4) and the 128-chip slice is v5p-256.
@@ -100,7 +119,7 @@ from jax.experimental import topologies
 from ml_collections import config_flags
 
 from sao_jax import configuration, factories, files, precision, sections, sharding
-from sao_jax import weight_transfer
+from sao_jax import steptime, weight_transfer
 from sao_jax.data import packing
 from sao_jax.rollout import programs as programs_lib
 
@@ -128,6 +147,8 @@ _PREFILL_LEN = flags.DEFINE_integer("prefill_len", None, "Width of the prefill s
                                     "(default: the engine's largest bucket, rollout.max_len).")
 _DUMP_HLO = flags.DEFINE_string("dump_hlo", None, "Write each compiled program's HLO text "
                                 "here (<program>.hlo.txt).")
+_MFU = flags.DEFINE_float("mfu", 0.4, "Fraction of the chip's peak bf16 FLOP/s the modeled "
+                          "RL step reaches (an assumption: the step-time model's one knob).")
 _HEARTBEAT_S = flags.DEFINE_integer("heartbeat_s", 60, "Seconds between progress lines.")
 flags.mark_flags_as_required(["config", "topology"])
 
@@ -503,6 +524,10 @@ def compile_one(p: Program, min_headroom: float) -> dict:
   row["cpu_s"] = round(time.process_time() - cpu_start, 2)
   hlo = compiled.as_text()
   row["collectives"] = collectives(hlo)
+  # Per-chip FLOPs and HBM bytes as XLA's cost model counts them (each
+  # while-loop body once): the RL step's time model (sao_jax/steptime.py).
+  row["cost"] = steptime.cost(compiled)
+  row["while_loops"] = steptime.while_loops(hlo)
   if _DUMP_HLO.value:
     os.makedirs(_DUMP_HLO.value, exist_ok=True)
     with open(os.path.join(_DUMP_HLO.value, f"{p.name}.hlo.txt"), "w", encoding="utf-8") as f:
@@ -578,16 +603,72 @@ def colocated_rows(rows: list[dict], min_headroom: float) -> list[dict]:
   resident = max(r["argument_bytes"] for r in engine)
   for name in ("sft", "value", "rl"):
     r = by_name.get(name)
-    if r is None or r.get("total_bytes") is None:
-      continue
-    total = r["total_bytes"] + resident
-    headroom = 1.0 - total / r["hbm_bytes"]
-    fits = headroom >= min_headroom
-    out.append({"program": f"{name}+eng", "shape": f"{r['shape']} + engine params and cache",
-                "topology": r["topology"], "hbm_bytes": r["hbm_bytes"], "compile_s": 0.0,
-                "argument_bytes": resident, "total_bytes": total, "headroom": headroom,
-                "fits": fits, "status": "FITS" if fits else "DOES NOT FIT", "computed": True})
+    if r is not None and r.get("total_bytes") is not None:
+      out.append(_added_row(r, f"{name}+eng", "engine params and cache", resident,
+                            min_headroom))
   return out
+
+
+def _added_row(r: dict, name: str, what: str, added: float, min_headroom: float) -> dict:
+  """Row `r`'s program with `added` bytes a chip resident beside it (computed, not compiled);
+  `argument_bytes` holds the bytes added."""
+  total = r["total_bytes"] + added
+  headroom = 1.0 - total / r["hbm_bytes"]
+  fits = headroom >= min_headroom
+  row = {"program": name, "shape": f"{r['shape']} + {what}", "topology": r["topology"],
+         "hbm_bytes": r["hbm_bytes"], "compile_s": 0.0, "argument_bytes": added,
+         "total_bytes": total, "headroom": headroom, "fits": fits,
+         "status": "FITS" if fits else "DOES NOT FIT", "computed": True}
+  if not fits:
+    row["message"] = (f"{total / GIB:.2f} GiB of {r['hbm_bytes'] / GIB:.2f} GiB leaves "
+                      f"{headroom:.1%} headroom, less than --min_headroom={min_headroom:.0%}")
+  return row
+
+
+def double_buffer_rows(rows: list[dict], transfer: dict, min_headroom: float) -> list[dict]:
+  """The direct weight path's second copies, per chip (computed, not compiled).
+
+  While a version arrives the rollout engine keeps generating with the one
+  it holds, so each engine program runs beside the standby copy
+  (`standby_bytes_per_rollout_device`): rows "prefill+next", "decode+next",
+  "decode_loop+next". The trainer serves the newest `KEEP_SNAPSHOTS`
+  versions from snapshots on its chips while it trains: row
+  "rl+snapshot" adds that many `snapshot_bytes_per_trainer_device`.
+  """
+  by_name = {r["program"]: r for r in rows}
+  out = []
+  for name in ("prefill", "decode", "decode_loop"):
+    r = by_name.get(name)
+    if r is not None and r.get("total_bytes") is not None:
+      out.append(_added_row(r, f"{name}+next", "next version",
+                            transfer["standby_bytes_per_rollout_device"], min_headroom))
+  r = by_name.get("rl")
+  if r is not None and r.get("total_bytes") is not None:
+    keep = weight_transfer.KEEP_SNAPSHOTS
+    out.append(_added_row(r, "rl+snapshot", f"{keep} snapshots",
+                          keep * transfer["snapshot_bytes_per_trainer_device"], min_headroom))
+  return out
+
+
+def step_time_model(rows: list[dict], transfer: dict | None, devices, rdevices,
+                    model_cfg) -> tuple[dict, dict | None] | None:
+  """(the RL step's modeled time, a version's) from the rl row's cost and the plan, or None
+  without an rl row. A scanned layer stack's loop runs num_layers times: the
+  layer-scaled estimate."""
+  rl = next((r for r in rows if r["program"] == "rl"), None)
+  if rl is None:
+    return None
+  if not rl.get("fits") and rl.get("total_bytes") is None:
+    step = {"available": False, "reason": "the RL step did not compile"}
+  else:
+    scale = model_cfg.num_layers if getattr(model_cfg, "scan_layers", False) else 1
+    step = steptime.step_model(rl.get("cost"), devices[0].device_kind, _MFU.value,
+                               loops=rl.get("while_loops", 0), loop_scale=scale)
+  version = None
+  if transfer is not None:
+    version = steptime.version_model(transfer["bytes_per_rollout_engine"], len(rdevices),
+                                     rdevices[0].device_kind, step)
+  return step, version
 
 
 def format_table(rows: list[dict]) -> str:
@@ -627,6 +708,8 @@ def main(argv):
   if unknown or not _PROGRAMS.value:
     raise configuration.ConfigError(f"--programs={','.join(_PROGRAMS.value)}: each must be "
                                     f"one of {','.join(PROGRAMS)}")
+  if not 0 < _MFU.value <= 1:
+    raise configuration.ConfigError(f"--mfu={_MFU.value}: must be in (0, 1]")
   if not 0 <= _MIN_HEADROOM.value <= 1:
     raise configuration.ConfigError(f"--min_headroom={_MIN_HEADROOM.value}: must be in [0, 1]")
   for flag in (_ROWS, _LENGTH, _PREFILL_LEN):
@@ -705,6 +788,10 @@ def main(argv):
         "precision": precision_line,
         # The direct weight path into one rollout engine (weight_transfer.report).
         "transfer": transfer,
+        # The RL step and a version's transfer modeled at the chips' peaks
+        # (sao_jax/steptime.py): a model, not a measurement.
+        "step_time": model[0] if model else None,
+        "version_time": model[1] if model else None,
         "min_headroom": _MIN_HEADROOM.value,
         "programs": {r["program"]: r for r in rows},
         "table": format_table(rows) + (f"\nrollout KV {format_capacity(pool)}" if pool else ""),
@@ -713,7 +800,7 @@ def main(argv):
     }
     files.write_json(_OUT.value, result, indent=2)
 
-  rows = []
+  rows, model = [], None
   for name in PROGRAMS:
     if name in _PROGRAMS.value:
       rows.append(compile_one(wanted[name], _MIN_HEADROOM.value))
@@ -722,7 +809,16 @@ def main(argv):
                if engine_layout is not None and rdevices is devices
                and not rollout_section(config).mesh and config.rollout.sharded_engine else [])
   rows += colocated
-  if colocated:
+  # The direct weight path's double buffers, on the engine's and the trainer's chips
+  # (on the rollout slice of its own, as a fleet has it, with fleet.weights_path "direct".)
+  direct = (transfer is not None and rdevices is not devices
+            and config.fleet.weights_path == "direct")
+  buffered = double_buffer_rows(rows, transfer, _MIN_HEADROOM.value) if direct else []
+  rows += buffered
+  model = step_time_model(rows, transfer, devices, rdevices, model_cfg)
+  if model is not None:
+    print(f"[compile] step time: {steptime.format_model(*model)}", flush=True)
+  if colocated or buffered or model is not None:
     write(rows, complete=True)
 
   print("\n" + format_table(rows), flush=True)

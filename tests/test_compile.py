@@ -144,6 +144,8 @@ def test_colocated_engine_is_added_to_the_train_step(tmp_path):
   assert both["total_bytes"] == rl["total_bytes"] + decode["argument_bytes"]
   assert both["headroom"] == pytest.approx(1 - both["total_bytes"] / both["hbm_bytes"])
   assert any(line.startswith("rl+eng") for line in stdout.splitlines())
+  # A colocated engine swaps in place: no direct path, no double-buffer rows.
+  assert not any(n.endswith(("+next", "+snapshot")) for n in result["programs"])
 
 
 def test_paged_engine_compiles(tmp_path):
@@ -182,6 +184,7 @@ def test_the_rollout_slice_compiles_on_its_own_topology(tmp_path):
   rl, decode = result["programs"]["rl"], result["programs"]["decode"]
   assert (rl["topology"], decode["topology"]) == ("v5e:2x2", "v5e:2x4")
   assert "rl+eng" not in result["programs"]  # the engine is not on the trainer's chips
+  assert set(result["programs"]) == {"rl", "decode", "decode+next", "rl+snapshot"}
   pool = result["rollout_pool"]
   assert (pool["live_tokens"], pool["dense_tokens"], pool["fraction_of_dense"]) == (
       512, 1024, 0.5)
@@ -200,6 +203,29 @@ def test_the_rollout_slice_compiles_on_its_own_topology(tmp_path):
   assert (transfer["destination_devices"], transfer["trainer_hosts"]) == (8, 1)
   assert transfer["max_bytes_per_trainer_host"] == transfer["version_bytes"]
   assert "[compile] transfer: one version " in stdout
+  # The direct path's double buffers in the fit: the engine step beside the
+  # next version's standby copy, the RL step beside the served snapshots.
+  nxt, snap = result["programs"]["decode+next"], result["programs"]["rl+snapshot"]
+  assert nxt["computed"] and nxt["fits"] and nxt["topology"] == "v5e:2x4"
+  assert nxt["total_bytes"] == decode["total_bytes"] + transfer["standby_bytes_per_rollout_device"]
+  assert transfer["standby_bytes_per_rollout_device"] > 0
+  assert snap["total_bytes"] == (rl["total_bytes"]
+                                 + 2 * transfer["snapshot_bytes_per_trainer_device"])
+  assert snap["headroom"] == pytest.approx(1 - snap["total_bytes"] / snap["hbm_bytes"])
+  assert any(line.startswith("rl+snapshot") for line in stdout.splitlines())
+  # The RL step's time from its own cost_analysis() at v5e's peak, and a
+  # version's seconds into the one 8-chip host: 200 Gbps line rate.
+  step, version = result["step_time"], result["version_time"]
+  assert step["available"] and step["device"] == "v5e" and step["mfu"] == 0.4
+  assert step["flops_per_chip"] > 0 and step["bytes_accessed_per_chip"] > 0
+  assert step["seconds"] == pytest.approx(max(
+      step["flops_per_chip"] / (0.4 * 197e12), step["bytes_accessed_per_chip"] / 819e9))
+  assert step["while_loops"] >= 1 and step["lower_bound"]  # the K critic updates' loop
+  assert version["rollout_hosts_per_engine"] == 1
+  assert version["bytes_per_rollout_host"] == transfer["bytes_per_rollout_engine"]
+  assert version["seconds_line_rate"] == pytest.approx(transfer["version_bytes"] / 25e9)
+  assert version["lag_steps_tcp"] == pytest.approx(version["seconds_tcp"] / step["seconds"])
+  assert "[compile] step time: RL step " in stdout and "policy lag" in stdout
 
 
 def test_an_engine_whose_slots_do_not_split_is_refused_in_one_line(tmp_path):
