@@ -4,11 +4,16 @@
     python launch/compile.py --config=configs/sao_moe_128k.py --topology=v5p-256 \
         --rollout_topology=v5p-8
 
-That command exits 1 since the direct weight path's double buffers are
-counted (benchmarks/RESULTS.md, "The RL step and a version modeled"): the
-programs fit alone, but "prefill+next" (a version arriving during a 128K
-prefill) needs 96.07 of 95.74 GiB a chip and "rl+snapshot" leaves 8.8%.
-With `--config.fleet.weights_path=checkpoint` neither row is counted.
+Weights reach the rollout hosts through checkpoints here
+(`fleet.weights_path = "checkpoint"`), not sao_moe's direct path: with the
+direct path's double buffers counted (benchmarks/RESULTS.md, "The RL step
+and a version modeled") the programs fit alone, but "prefill+next" (a
+version arriving during a 128K prefill) needs 96.07 of 95.74 GiB a chip
+and "rl+snapshot" leaves 8.8%, so that command exited 1. The checkpoint
+path holds no second copy, at the cost of policy lag (a version takes
+minutes, not seconds); a smaller page pool, pulls held back during long
+prefills, or one served snapshot would bring the direct path back, each
+at a cost not yet measured.
 
 The train steps keep sao_moe's tokens per chip (65,536) by splitting each
 128K row over two chips: the mesh gains a `context` axis of 2 and the
@@ -88,4 +93,7 @@ def get_config(arg=None):
   c.rollout.kv_pages = 2 * 9 * CONTEXT // 128  # 18,432 pages: 2,359,296 live tokens
   c.rollout.decode_steps = 8  # rollout.mesh "expert:2,tensor:2": sao_moe's
   c.rollout.prefill_buckets = (8, 16, 32, 64, 128, 256, 1024, 4096, 16384)
+  # The direct weight path's standby copy does not fit beside the 128K
+  # engine's page pool (module docstring): versions travel as checkpoints.
+  c.fleet.weights_path = "checkpoint"
   return c
