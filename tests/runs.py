@@ -9,6 +9,7 @@ children through the environment.
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -88,3 +89,36 @@ def load_config_module(name: str):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
+
+
+def free_port() -> int:
+  """A TCP port free on localhost now (a jax.distributed coordinator's)."""
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def run_together(jobs, log_dir, timeout: float) -> None:
+  """Starts every `(name, argv, env)` of `jobs` at once (output in
+  `<log_dir>/<name>.log`, cwd the repository), waits for all, kills what is
+  left after `timeout` s or on an error, and asserts each exited 0 (the
+  failing one's log tail in the message)."""
+  procs, logs = [], []
+  try:
+    for name, argv, env in jobs:
+      log = open(os.path.join(log_dir, f"{name}.log"), "w", encoding="utf-8")  # pylint: disable=consider-using-with
+      logs.append(log)
+      procs.append(subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log,
+                                    stderr=subprocess.STDOUT))
+    for p in procs:
+      p.wait(timeout=timeout)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+    for log in logs:
+      log.close()
+  for p, log in zip(procs, logs):
+    with open(log.name, encoding="utf-8") as f:
+      assert p.returncode == 0, f"{log.name}:\n{f.read()[-5000:]}"

@@ -18,9 +18,9 @@ The workers are this file run as a script:
 
 import json
 import os
-import socket
-import subprocess
 import sys
+
+import runs  # pylint: disable=g-bad-import-order
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HANG_GUARD_S = 180  # a hang guard only: the test takes seconds (a collision hangs it)
@@ -61,36 +61,13 @@ def worker(workdir, process_id, port):
     json.dump(restored, f)
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
 def test_two_checkpointers_save_the_same_steps_at_once(tmp_path):
-  port = _free_port()
+  port = runs.free_port()
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
              XLA_FLAGS="--xla_force_host_platform_device_count=2")
-  procs, logs = [], []
-  try:
-    for pid in range(2):
-      log = open(tmp_path / f"worker_{pid}.log", "w", encoding="utf-8")
-      logs.append(log)
-      procs.append(subprocess.Popen(
-          [sys.executable, os.path.abspath(__file__), str(tmp_path), str(pid), str(port)],
-          env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
-    for p in procs:
-      p.wait(timeout=HANG_GUARD_S)
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-    for log in logs:
-      log.close()
-  for p, log in zip(procs, logs):
-    with open(log.name, encoding="utf-8") as f:
-      assert p.returncode == 0, f"{log.name}:\n{f.read()[-5000:]}"
+  runs.run_together([(f"worker_{pid}", [sys.executable, os.path.abspath(__file__),
+                                        str(tmp_path), str(pid), str(port)], env)
+                     for pid in range(2)], tmp_path, HANG_GUARD_S)
   for pid in range(2):
     with open(tmp_path / f"worker_{pid}.json", encoding="utf-8") as f:
       r = json.load(f)

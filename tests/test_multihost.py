@@ -20,11 +20,11 @@ WORKDIR NUM_PROCESSES PROCESS_ID PORT`.
 
 import json
 import os
-import socket
-import subprocess
 import sys
 
 import numpy as np
+
+import runs as run_lib  # pylint: disable=g-bad-import-order
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = 8
@@ -173,18 +173,11 @@ def test_config_checks():
   assert distributed.initialize(c.distributed) is False  # enabled is off: a no-op
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
-def _launch(workdir, num_processes, process_id, port, log):
+def _job(name, workdir, num_processes, process_id, port):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
              XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES // num_processes}")
-  return subprocess.Popen(
-      [sys.executable, os.path.abspath(__file__), workdir, str(num_processes),
-       str(process_id), str(port)], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+  return (f"{name}_{process_id}", [sys.executable, os.path.abspath(__file__), workdir,
+                                   str(num_processes), str(process_id), str(port)], env)
 
 
 def _losses(workdir):
@@ -200,27 +193,12 @@ def _losses(workdir):
 
 def test_two_processes_match_one(tmp_path):
   runs = {"multi": (2, str(tmp_path / "multi")), "single": (1, str(tmp_path / "single"))}
-  procs, logs = [], []
-  try:
-    for name, (n, workdir) in runs.items():
-      os.makedirs(workdir)
-      port = _free_port()
-      for pid in range(n):
-        log = open(os.path.join(tmp_path, f"{name}_{pid}.log"), "w", encoding="utf-8")
-        logs.append(log)
-        procs.append(_launch(workdir, n, pid, port, log))
-    for p in procs:
-      p.wait(timeout=HANG_GUARD_S)
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-    for log in logs:
-      log.close()
-  for p, log in zip(procs, logs):
-    with open(log.name, encoding="utf-8") as f:
-      assert p.returncode == 0, f"{log.name}:\n{f.read()[-5000:]}"
+  jobs = []
+  for name, (n, workdir) in runs.items():
+    os.makedirs(workdir)
+    port = run_lib.free_port()
+    jobs += [_job(name, workdir, n, pid, port) for pid in range(n)]
+  run_lib.run_together(jobs, tmp_path, HANG_GUARD_S)
 
   multi, single = _losses(runs["multi"][1]), _losses(runs["single"][1])
   expected = [("sft", s) for s in (1, 2, 3)] + [("value_pretrain", s) for s in (1, 2, 3)]

@@ -7,7 +7,6 @@ checkpoint fallback. Every wait is on an observable event behind a hang guard.
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -83,12 +82,6 @@ def test_plan_moves_each_byte_once_and_spreads_replicas():
   assert report["max_bytes_per_trainer_host"] == 3 * report["version_bytes"]
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _wait(what, condition, procs):
   deadline = time.time() + HANG_GUARD_S
   while not condition():
@@ -108,7 +101,7 @@ def _equal(got, version):
 
 def test_two_trainer_processes_to_a_rollout_bit_for_bit(tmp_path):
   root = str(tmp_path)
-  port, nonce = _free_port(), "run1"
+  port, nonce = runs.free_port(), "run1"
   script = os.path.join(os.path.dirname(__file__), "transfer_trainer.py")
   procs = [subprocess.Popen([sys.executable, script, root, str(i), "2", str(port), nonce],
                             env=runs.child_env(2, PYTHONPATH=runs.ROOT), cwd=runs.ROOT,
