@@ -145,7 +145,6 @@ class Job:
     self.running: set[str] = set()
     self.options: dict[str, dict] = {}
     self.groups = []
-    self.config = None
 
   def _options(self):
     for role in (pod_lib.TRAINER, pod_lib.ROLLOUT):
