@@ -151,6 +151,9 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
     raise ConfigError(f"rl.mode = {c.mode!r} with {processes} processes: the in-process "
                       "rollout cannot feed a multi-host trainer; run rollout on its own "
                       "slices (rl.mode = 'fleet'), or rl.steps = 0")
+  if typed.model.vocab_subset and typed.sft.init_from_hf:
+    _fail("model.vocab_subset", typed.model.vocab_subset,
+          "\"\" with sft.init_from_hf: an imported checkpoint keeps its full head")
   _check_update_precision(typed)
   _check_weight_path(typed.fleet)
   if typed.faults.sigkill_after_rl_step > c.steps:

@@ -30,9 +30,11 @@ def validate_config(config, num_devices: int | None = None) -> None:
   configuration.validate(config, num_devices)
 
 
-def build_model_config(config, tokenizer=None) -> model_config.ModelConfig:
+def build_model_config(config, tokenizer=None, env=None) -> model_config.ModelConfig:
   """The ModelConfig of the config's model section: its preset (the toys'
-  vocabulary sized to the tokenizer's), its overrides and compute dtype."""
+  vocabulary sized to the tokenizer's), its overrides and compute dtype, and
+  with `model.vocab_subset` the head's ids (sao_jax/envs/head_vocab.py, from
+  `env` when the caller has built it)."""
   m = sections.Model.from_config(config.model)
   preset = model_config.PRESETS[m.preset]
   if m.vocab_from_tokenizer and m.preset in ("tiny", "small"):
@@ -43,6 +45,9 @@ def build_model_config(config, tokenizer=None) -> model_config.ModelConfig:
   overrides = dict(m.overrides)
   if m.compute_dtype:
     overrides["dtype"] = m.compute_dtype
+  if m.vocab_subset == "env":
+    from sao_jax.envs import head_vocab  # pylint: disable=g-import-not-at-top
+    overrides["vocab_ids"] = head_vocab.ids_for(config.env, env, tokenizer)
   return dataclasses.replace(base, **overrides) if overrides else base
 
 

@@ -169,7 +169,7 @@ def build(config: ml_collections.ConfigDict) -> Run:
   tok = registry.make_tokenizer(config.env)
   env = registry.make_env(config.env)  # refuses unisolated code execution
   faults = FaultInjector.from_config(config.get("faults"))
-  model_cfg = factories.build_model_config(config, tok)
+  model_cfg = factories.build_model_config(config, tok, env)
   step_cfg = factories.step_config(config)
   # Mesh, shardings, optimizers and steps (shapes first, then placement).
   mesh = sharding.make_mesh(dict(config.sharding.mesh))

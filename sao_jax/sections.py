@@ -288,6 +288,14 @@ class Model(Section):
       "", "Activation / matmul dtype: \"float32\", or \"bfloat16\" for bf16 compute with "
       "fp32 master weights (params and optimizer state stay in the preset's param_dtype). "
       "\"\": the preset's own dtype.", one_of(_compute_dtypes))
+  vocab_subset: str = knob(
+      "", "\"env\": the embedding and LM head cover only the token ids the environment's "
+      "prompts and demonstrations use, plus the tokenizer's added tokens and every printable "
+      "ASCII character (sao_jax/envs/head_vocab.py), for a model trained from scratch: ids "
+      "stay the tokenizer's outside the model, the policy's distribution is over the subset. "
+      "Needs an environment with a finite row list (dataset, math_tool); refused with "
+      "sft.init_from_hf (a real checkpoint keeps its full head). \"\": the full head.",
+      one_of(("", "env")))
 
   def check_together(self):
     from sao_jax.models import config as model_config  # pylint: disable=g-import-not-at-top

@@ -10,6 +10,7 @@ package's ranks. `HFTokenizer` wraps a user's `tokenizer.json` (the
     encode(text)        plain text -> ids; never yields a control token
     encode_lossy(text)  the same for hostile text (tool output): never raises
     special_id(token)   a control token's id, by its text ("<|im_end|>")
+    added_tokens        every control token's text (special_id takes each)
     decode(ids)         ids -> text (control tokens as their text)
 
 Control tokens enter a transcript by id only (`sao_jax.envs.chat`); text
@@ -59,6 +60,8 @@ class CharTokenizer:
     """For tool output: lower-cases, then maps unknown characters to one."""
     rep = self._ids.get(replacement, self._ids[" "])
     return [self._ids.get(c, rep) for c in text.lower()]
+
+  added_tokens = SPECIALS
 
   def special_id(self, token: str) -> int:
     if token not in SPECIALS:
@@ -122,6 +125,10 @@ class HFTokenizer:
       raise ValueError(f"{what} token {token!r} is not in {self.path}")
     return i
 
+  @property
+  def added_tokens(self) -> tuple[str, ...]:
+    return tuple(self._added)
+
   def special_id(self, token: str) -> int:
     """The id of an added or special token, by its text."""
     if token not in self._added:
@@ -182,6 +189,7 @@ class Qwen3Tokenizer:
   """
 
   vocab_size = QWEN3_FIRST_SPECIAL + len(QWEN3_SPECIALS)  # 151,669
+  added_tokens = QWEN3_SPECIALS
 
   def __init__(self):
     import tiktoken  # pylint: disable=g-import-not-at-top

@@ -109,6 +109,14 @@ class ModelConfig:
   # [B, W, V] logits exist. 0: the whole width in one pass with full
   # logits (decoding.extend), the reference.
   prefill_chunk: int = 0
+  # The head over a subset of the vocabulary, for a model trained from
+  # scratch (sao_jax/models/head_vocab.py): the sorted token ids it covers.
+  # Ids stay the tokenizer's everywhere outside the model: the embedding has
+  # a row per covered id plus one shared by every other id, the LM head a
+  # column per covered id, sampling returns tokenizer ids and the log-probs
+  # are those of the distribution over the subset. (): the full head over
+  # `vocab_size` (every imported checkpoint).
+  vocab_ids: tuple[int, ...] = dataclasses.field(default=(), repr=False)
 
   def __post_init__(self):
     for field in ("param_dtype", "dtype"):
@@ -156,6 +164,12 @@ class ModelConfig:
           f"moe_dispatch_chunk must be >= 0 (0: one round), got {self.moe_dispatch_chunk}")
     if self.prefill_chunk < 0:
       raise ValueError(f"prefill_chunk must be >= 0 (0: one pass), got {self.prefill_chunk}")
+    if self.vocab_ids:
+      ids = tuple(int(i) for i in self.vocab_ids)
+      if list(ids) != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= self.vocab_size:
+        raise ValueError("vocab_ids must be distinct token ids in increasing order, in "
+                         f"[0, vocab_size={self.vocab_size})")
+      object.__setattr__(self, "vocab_ids", ids)
     if self.scan_layers:
       prefix = tuple(range(len(self.dense_layers)))
       if tuple(sorted(self.dense_layers)) != prefix:
@@ -167,6 +181,11 @@ class ModelConfig:
         raise ValueError("scan_layers needs at least one MoE layer to scan.")
 
   @property
+  def head_size(self) -> int:
+    """Columns of the LM head: the subset's size (`vocab_ids`), else `vocab_size`."""
+    return len(self.vocab_ids) if self.vocab_ids else self.vocab_size
+
+  @property
   def num_scanned_layers(self) -> int:
     """Length of the "layers" axis: the MoE layers after the dense prefix."""
     return self.num_layers - len(self.dense_layers) if self.scan_layers else 0
@@ -175,8 +194,9 @@ class ModelConfig:
   def from_dict(cls, d) -> "ModelConfig":
     """From a plain dict or ml_collections.ConfigDict (dtypes by name)."""
     d = dict(d)
-    if "dense_layers" in d:
-      d["dense_layers"] = tuple(d["dense_layers"])
+    for name in ("dense_layers", "vocab_ids"):
+      if name in d:
+        d[name] = tuple(d[name])
     unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
     if unknown:
       raise ValueError(f"Unknown model config fields: {sorted(unknown)}")

@@ -19,6 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sao_jax.models import head_vocab
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.transformer import Transformer, lm_head_weight, lm_logits
 
@@ -105,23 +106,31 @@ def token_logprobs(cfg: ModelConfig, params, tokens: Array, positions: Array,
   With `action_index` `[B, A]` (`packing.pack(..., action_index=True)`),
   only those positions' log-probs are computed (the rest are 0): the
   vocabulary-wide head runs on A positions a row instead of L.
+
+  With a head subset (`cfg.vocab_ids`) the log-probs are those of the
+  distribution over the subset, and a target outside it (never an action)
+  gets 0, as a segment's first token does.
   """
   starts = _shift_right(jnp.ones_like(tokens), segment_ids) == 0
+  if cfg.vocab_ids:
+    starts = starts | ~head_vocab.covered(cfg, tokens)
+  # The trunk embeds tokenizer ids; the head's targets are its columns.
+  targets = jnp.where(starts, 0, head_vocab.index(cfg, tokens))
   if action_index is not None or cfg.logits_chunk:  # the head apart from the trunk
     hidden, aux = Transformer(cfg, "hidden").apply({"params": params}, tokens, positions,
                                                    segment_ids)
     # Shifting the hidden state shifts its logits: the head is per token.
     prev_hidden = _shift_right(hidden, segment_ids)  # predicts x_t
     if action_index is not None:
-      logp = _logprobs_at(cfg, params, prev_hidden, tokens, action_index, temperature)
+      logp = _logprobs_at(cfg, params, prev_hidden, targets, action_index, temperature)
     else:
-      logp = chunked_logprobs(cfg, prev_hidden, lm_head_weight(cfg, params), tokens,
+      logp = chunked_logprobs(cfg, prev_hidden, lm_head_weight(cfg, params), targets,
                               temperature)
     return jnp.where(starts, 0.0, logp), aux
   logits, aux = Transformer(cfg, "lm").apply({"params": params}, tokens, positions,
                                              segment_ids)
   prev_logits = _shift_right(logits, segment_ids)  # predicts x_t
-  logp = logprobs_from_logits(prev_logits, tokens, temperature)
+  logp = logprobs_from_logits(prev_logits, targets, temperature)
   return jnp.where(starts, 0.0, logp), aux
 
 

@@ -7,6 +7,10 @@ segment_ids[, cache]):
                                       segment_ids, cache=None)
       -> (logits [B, L, V] or values [B, L], aux)
 
+(V is `cfg.head_size`: the vocabulary, or a subset of it with
+`cfg.vocab_ids`, sao_jax/models/head_vocab.py; tokens are always the
+tokenizer's ids.)
+
 `aux["load_balance_loss"]` is the MoE auxiliary loss averaged over MoE layers;
 with a cache, `aux["cache"]` is the updated cache. `head="hidden"` returns the
 final (normed) hidden states [B, L, D] instead, for heads applied in chunks
@@ -49,7 +53,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sao_jax.models import moe
+from sao_jax.models import head_vocab, moe
 from sao_jax.models import attention as attn_lib
 from sao_jax.models import paged
 from sao_jax.models.config import ModelConfig
@@ -298,8 +302,13 @@ def _block_class(cfg: ModelConfig, scanned: bool):
 
 
 def lm_head_weight(cfg: ModelConfig, params) -> Array:
-  """The LM head [D, V] of policy params (the embedding's transpose when tied)."""
-  return params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+  """The LM head [D, V] of policy params (the embedding's transpose when tied).
+
+  V is `cfg.head_size`: the vocabulary, or the subset of `cfg.vocab_ids`.
+  """
+  if cfg.tie_embeddings:
+    return params["embed"][:cfg.head_size].T
+  return params["lm_head"]
 
 
 def lm_logits(cfg: ModelConfig, x: Array, w: Array) -> Array:
@@ -319,9 +328,11 @@ class Transformer(nn.Module):
     cfg = self.cfg
     if self.head not in ("lm", "value", "hidden"):
       raise ValueError(f"head must be 'lm', 'value' or 'hidden', got {self.head!r}")
-    embedding = _param(self, "embed", (cfg.vocab_size, cfg.d_model),
+    # Tokens are the tokenizer's ids; with a head subset (cfg.vocab_ids) the
+    # table has a row per covered id and one shared by the rest.
+    embedding = _param(self, "embed", (head_vocab.embedding_rows(cfg), cfg.d_model),
                        ("vocab", "embed"), cfg.param_dtype)
-    x = jnp.take(embedding, tokens, axis=0).astype(cfg.dtype)
+    x = jnp.take(embedding, head_vocab.index(cfg, tokens), axis=0).astype(cfg.dtype)
     x = _constrain(x, ("batch", "length", "embed"))
     block = _block_class(cfg, scanned=False)
     # Unrolled layers: all of them, or the dense prefix before the scan.
@@ -365,9 +376,9 @@ class Transformer(nn.Module):
       values = (x.astype(jnp.float32) @ w.astype(jnp.float32) + b.astype(jnp.float32))[..., 0]
       return values, aux
     if cfg.tie_embeddings:
-      w = embedding.T
+      w = embedding[:cfg.head_size].T
     else:
-      w = _param(self, "lm_head", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
+      w = _param(self, "lm_head", (cfg.d_model, cfg.head_size), ("embed", "vocab"),
                  cfg.param_dtype)
     logits = _constrain(lm_logits(cfg, x, w), ("batch", "length", "vocab"))
     return logits, aux

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from sao_jax import precision, sections
-from sao_jax.models import decoding, paged
+from sao_jax.models import decoding, head_vocab, paged
 from sao_jax.models.config import ModelConfig
 from sao_jax.rollout import layout
 from sao_jax.rollout import sampling as sampling_lib
@@ -310,6 +310,7 @@ def _step(cfg, sampling, kv, params, cache, lengths, tokens, valid, rng):
   # last_logits [B, V]: after each row's last valid token (a chunked prefill
   # with cfg.prefill_chunk, never [B, W, V]).
   tok, logp = sampling_lib.sample(last_logits, rng, sampling)
+  tok = head_vocab.token_ids(cfg, tok)  # head columns -> tokenizer ids
   return cache, new_lengths, tok, logp
 
 
@@ -320,6 +321,7 @@ def _paged_step(cfg, sampling, cols, params, pool, lengths, table, tokens, valid
   last_logits, pool, new_lengths = decoding.extend_last(cfg, params, pool, tokens, lengths,
                                                         valid, table)
   tok, logp = sampling_lib.sample(last_logits, rng, sampling)
+  tok = head_vocab.token_ids(cfg, tok)  # head columns -> tokenizer ids
   return pool, new_lengths, tok, logp
 
 
@@ -342,6 +344,7 @@ def _decode_loop(cfg, sampling, steps, stop_token, params, live, lengths, tokens
                                          table)
     # The k-th key's draw.
     new, lp = sampling_lib.sample_with(logits[:, 0], uniforms[k], sampling)
+    new = head_vocab.token_ids(cfg, new)  # head columns -> tokenizer ids
     out_tok = jax.lax.dynamic_update_slice_in_dim(
         out_tok, jnp.where(alive, new, 0)[:, None], k, 1)
     out_lp = jax.lax.dynamic_update_slice_in_dim(
