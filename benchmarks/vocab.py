@@ -20,7 +20,10 @@ load on this shared machine hits both arms alike; read the ratios):
 at vocabulary 151,669 (qwen3) and at the character tokenizer's size, same
 shapes, same logits chunking (128 tokens, as math_tool_tiny); and at 151,669
 with the head at action tokens only (`data.logits_at_actions`, "qwen3+act":
-the batch carries `action_index`, the head runs on a quarter of the row).
+the batch carries `action_index`, the head runs on a quarter of the row);
+and with the head over the ids math_tool uses (`model.vocab_subset = "env"`,
+"qwen3+subset": 320 columns, configs/math_tool_cpu.py's head; the batch's
+and prompts' ids drawn from the subset), with and without `action_index`.
 """
 
 import argparse
@@ -55,26 +58,37 @@ def config_for(tokenizer: str):
   return c
 
 
-def packed_batch(vocab: int, at_actions: bool, seed: int = 0) -> dict:
-  """ROWS trajectories of LENGTH tokens: a prompt, then turns and observations."""
+def packed_batch(vocab: int, at_actions: bool, seed: int = 0, ids=()) -> dict:
+  """ROWS trajectories of LENGTH tokens: a prompt, then turns and observations
+  (their ids drawn from `ids` when given)."""
   rng = np.random.default_rng(seed)
   trajs = [random_trajectory(rng, LENGTH, vocab, PROMPT, (30, 60), (15, 40), i)
            for i in range(ROWS)]
+  if ids:
+    for t in trajs:
+      t.tokens[:] = np.asarray(ids, np.int32)[t.tokens % len(ids)]
   return packing.pack(trajs, ROWS, (LENGTH,), action_index=at_actions)
 
 
+ARMS = ("char", "qwen3", "qwen3+act", "qwen3+subset", "qwen3+subset+act")
+
+
 def arm(name: str):
-  """(the timed functions, facts) of one arm: "char", "qwen3" or "qwen3+act"."""
-  tokenizer, at_actions = name.split("+")[0], name.endswith("+act")
+  """(the timed functions, facts) of one arm of ARMS."""
+  parts = name.split("+")
+  tokenizer, at_actions, subset = parts[0], "act" in parts, "subset" in parts
   config = config_for(tokenizer)
+  if subset:
+    config.model.vocab_subset = "env"
   tok = TOKENIZERS[tokenizer]()
   model_cfg = factories.build_model_config(config, tok)
+  ids = model_cfg.vocab_ids
   mesh = sharding.make_mesh(dict(config.sharding.mesh))
   p = factories.build_programs(config, model_cfg, factories.step_config(config), mesh)
   with jax.set_mesh(mesh):
     state = jax.jit(lambda: p.init_state(nn.unbox(p.policy_init()), nn.unbox(p.critic_init())),
                     out_shardings=p.state_shardings)()
-  batch = packed_batch(tok.vocab_size, at_actions)
+  batch = packed_batch(tok.vocab_size, at_actions, ids=ids)
   device_batch = {k: jax.device_put(v, p.batch_sharding) for k, v in batch.items()}
   holder = {"state": state}
 
@@ -93,6 +107,8 @@ def arm(name: str):
   engine = PolicyEngine(model_cfg, params,
                         sections.Rollout(slots=ROWS, max_len=config.rollout.max_len), seed=0)
   prompts = [list(np.random.default_rng(i).integers(0, tok.vocab_size, PROMPT)) for i in range(ROWS)]
+  if ids:
+    prompts = [[int(ids[t % len(ids)]) for t in p] for p in prompts]
 
   def generate():
     return engine.generate_batch(prompts, NEW)[0]
@@ -103,7 +119,7 @@ def arm(name: str):
   if not at_actions:  # the engine does not use action_index
     fns[f"generate/{name}"] = generate
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-  return fns, {"vocab": tok.vocab_size, "params": n_params,
+  return fns, {"vocab": tok.vocab_size, "params": n_params, "head": model_cfg.head_size,
                "actions": int(batch["action_mask"].sum())}
 
 
@@ -113,27 +129,32 @@ def main():
   parser.add_argument("--out", default=None, help="append the table to this file")
   args = parser.parse_args()
   fns, facts = {}, {}
-  for name in ("char", "qwen3", "qwen3+act"):
+  for name in ARMS:
     f, facts[name] = arm(name)
     fns.update(f)
   t = time_fns(fns, {k: () for k in fns}, repeats=args.repeats)
-  q, c = facts["qwen3"], facts["char"]
+  q, c, s = facts["qwen3"], facts["char"], facts["qwen3+subset"]
   lines = [
       f"Tiny MoE model, vocabulary {c['vocab']} (char) vs {q['vocab']} (qwen3): "
-      f"{c['params'] / 1e6:.2f}M vs {q['params'] / 1e6:.2f}M policy parameters; "
+      f"{c['params'] / 1e6:.2f}M vs {q['params'] / 1e6:.2f}M policy parameters "
+      f"({s['params'] / 1e6:.2f}M with the head over {s['head']} ids, qwen3+subset); "
       f"RL batch {ROWS} x {LENGTH} ({q['actions']} action tokens); generation {ROWS} x "
       f"({PROMPT} prompt + {NEW} new) tokens; median of {args.repeats}, interleaved.",
-      "", "| program | char (ms) | qwen3 (ms) | qwen3+act (ms) | qwen3 / char | "
-      "qwen3+act / qwen3 |", "|---|---|---|---|---|---|"]
+      "", "| program | " + " | ".join(f"{a} (ms)" for a in ARMS) +
+      " | qwen3 / char | qwen3+act / qwen3 | qwen3+subset / qwen3 | qwen3+subset+act / qwen3 |",
+      "|---|" + "---|" * (len(ARMS) + 4)]
   for prog in ("rl_step", "forward", "trunk", "generate"):
-    a, b = t[f"{prog}/char"], t[f"{prog}/qwen3"]
-    c = t.get(f"{prog}/qwen3+act")
-    act = ("-", "-") if c is None else (f"{c * 1e3:.1f}", f"{c / b:.2f}")
-    lines.append(f"| {prog} | {a * 1e3:.1f} | {b * 1e3:.1f} | {act[0]} | {b / a:.2f} | "
-                 f"{act[1]} |")
+    ms = [t.get(f"{prog}/{a}") for a in ARMS]
+    cells = ["-" if x is None else f"{x * 1e3:.1f}" for x in ms]
+    base = t[f"{prog}/qwen3"]
+    ratios = [f"{base / t[f'{prog}/char']:.2f}"] + [
+        "-" if t.get(f"{prog}/{a}") is None else f"{t[f'{prog}/{a}'] / base:.2f}"
+        for a in ("qwen3+act", "qwen3+subset", "qwen3+subset+act")]
+    lines.append(f"| {prog} | " + " | ".join(cells + ratios) + " |")
   head = 1 - t["trunk/qwen3"] / t["forward/qwen3"]
-  lines += ["", f"The LM head's share of the qwen3 forward pass: {head:.0%} "
-            f"(1 - trunk / forward)."]
+  head_s = 1 - t["trunk/qwen3+subset"] / t["forward/qwen3+subset"]
+  lines += ["", f"The LM head's share of the forward pass: {head:.0%} at qwen3, {head_s:.0%} "
+            f"at qwen3+subset (1 - trunk / forward)."]
   report(lines, args.out)
 
 

@@ -76,6 +76,7 @@ def pass_at_1(config, model_cfg, params, env, tokenizer, *, seed: int,
   result = summarize(trajs, ks=pass_ks(samples_per_task))
   result["tool_call_errors"] = (
       float(np.mean([r["events"].get("tool_error", 0) for r in records])) if records else 0.0)
+  result.update(call_and_verdict_counts(driver.stats, records))
   if samples is not None:
     samples.extend(records)
   # A prompt that cannot be rendered or does not fit max_len, or an
@@ -86,6 +87,29 @@ def pass_at_1(config, model_cfg, params, env, tokenizer, *, seed: int,
           f"episode (faults: {dict(driver.stats.env_faults)}); pass@1 is over the "
           f"{result['tasks']} tasks that did", flush=True)
   return result
+
+
+def call_and_verdict_counts(stats, records: list) -> dict:
+  """The sampled tool calls and the answers' verdicts of one evaluation.
+
+  valid_tool_calls: the fraction of the tool calls the policy wrote that
+  parsed and named a declared tool (1.0 when it wrote none), with each
+  malformed one counted by reason (`tool_call_error_<reason>`, the
+  driver's `DriverStats.tool_call_errors`); `verdict_<reason>`: the
+  fraction of episodes whose last step carried that verdict (the math
+  verifier's "correct", "mismatch", "no_answer", ...; "none": the episode
+  ended without an answer, e.g. at the turn or length budget).
+  """
+  errors = dict(stats.tool_call_errors)
+  written = stats.tool_calls + sum(errors.values())
+  out = {"valid_tool_calls": stats.tool_calls / written if written else 1.0,
+         "tool_calls_per_sample": written / max(len(records), 1)}
+  out.update({f"tool_call_error_{k}": v for k, v in sorted(errors.items())})
+  verdicts = collections.Counter(
+      str(r["info"].get("verdict", "none")) if isinstance(r["info"], dict) else "none"
+      for r in records)
+  out.update({f"verdict_{k}": v / max(len(records), 1) for k, v in sorted(verdicts.items())})
+  return out
 
 
 def set_environments(config, run_env) -> dict:

@@ -139,8 +139,11 @@ class Run:
       scalars.update({f"eval/{set_name}/{k}": v for k, v in r.items() if _is_number(v)})
     self.metrics.write(int(self.state.step), scalars, "eval")
     for set_name, r in result["sets"].items():
+      verdicts = ", ".join(f"{k[len('verdict_'):]} {v:.2f}" for k, v in r.items()
+                           if k.startswith("verdict_"))
       print(f"[eval] {name} {set_name}: pass@1 {r['pass@1']:.3f} on {r['tasks']} tasks "
-            f"(mean {r['mean_turns']:.2f} turns)", flush=True)
+            f"(mean {r['mean_turns']:.2f} turns, valid tool calls "
+            f"{r.get('valid_tool_calls', 1.0):.2f}; verdicts: {verdicts or '-'})", flush=True)
     return result
 
 

@@ -149,6 +149,7 @@ class DatasetEnv:
       rejected = rejected + bad + overlap
     else:
       train, heldout = datasets.split_rows(rows, config.heldout_fraction, config.seed)
+    train, heldout = [r for r in train if self.keeps(r)], [r for r in heldout if self.keeps(r)]
     if not train or not heldout:
       raise ValueError(f"dataset {config.path}: {len(train)} training and {len(heldout)} "
                        "held-out rows; both splits need at least one")
@@ -166,6 +167,11 @@ class DatasetEnv:
         schema for name, schema in (("python", PYTHON_TOOL),) if name in config.tools) + tuple(
             _schema_stub(n) for n in config.tool_functions if n in config.tools)
     self._verify = _make_verifier(config)
+
+  def keeps(self, row) -> bool:
+    """Whether a loaded row is one of the environment's tasks (all, here)."""
+    del row
+    return True
 
   # --- tasks ------------------------------------------------------------------
 

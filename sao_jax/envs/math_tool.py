@@ -41,8 +41,22 @@ class MathToolConfig(DatasetConfig):
   # The generated training file repeats 389 of its 4000 questions (same
   # answers): kept, as every documented run trained on them, and reported.
   duplicates: str = "report"
+  # A curriculum from the shipped set: only rows whose extra_info.family is
+  # one of these (math_problems.FAMILIES: "remainder", "expression", ...),
+  # in training and held out alike. (): every row.
+  families: tuple = ()
+
+  def __post_init__(self):
+    unknown = sorted(set(self.families) - set(math_problems.FAMILIES))
+    if unknown:
+      raise ValueError(f"families {unknown}: the shipped set's are "
+                       f"{sorted(math_problems.FAMILIES)}")
 
 
 class MathTool(DatasetEnv):
   """The dataset environment under math_tool's defaults (module docstring)."""
   name = "math_tool"
+
+  def keeps(self, row) -> bool:
+    families = self.config.families
+    return not families or (row.extra_info or {}).get("family") in families

@@ -184,6 +184,9 @@ class DriverStats:
   # the episode goes on, the environment answers with an error.
   tool_call_errors: collections.Counter = dataclasses.field(
       default_factory=collections.Counter)
+  # Well-formed tool calls handed to the environment (the valid-call rate is
+  # tool_calls / (tool_calls + sum(tool_call_errors))).
+  tool_calls: int = 0
   # What environments report in `StepResult.info["events"]` (e.g. a verifier
   # timeout), by name.
   env_events: collections.Counter = dataclasses.field(default_factory=collections.Counter)
@@ -898,6 +901,7 @@ class RolloutDriver:
       sequence.append(item)
     for reason, _ in errors:
       self.stats.tool_call_errors[reason] += 1
+    self.stats.tool_calls += len(calls)
     return Action(parsed.text, parsed=parsed, tool_calls=tuple(calls),
                   tool_errors=tuple(errors), tool_sequence=tuple(sequence))
 
