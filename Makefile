@@ -7,7 +7,7 @@ WORKDIR ?= workdirs/sao_tiny
 # The tests simulate 8 devices themselves (tests/conftest.py); the CPU run
 # uses the real device, since simulated devices only add overhead on 2 cores.
 
-.PHONY: train test bench clean
+.PHONY: train train-math test bench clean
 
 $(VENV)/.installed-base: setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,12 @@ $(VENV)/.installed-test: $(VENV)/.installed-base
 # The main job on its CPU default.
 train: $(VENV)/.installed-base
 	$(PY) launch/train.py --config=configs/sao_tiny.py --workdir=$(WORKDIR)
+
+# The paper's task shape on CPU: math_tool with Qwen3's tokenizer and chat
+# template, the python tool, the math verifier (configs/math_tool_cpu.py).
+MATH_WORKDIR ?= workdirs/math_tool_cpu
+train-math: $(VENV)/.installed-base
+	$(PY) launch/train.py --config=configs/math_tool_cpu.py --workdir=$(MATH_WORKDIR)
 
 # The test suite (what .ci/run calls).
 test: $(VENV)/.installed-test

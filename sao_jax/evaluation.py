@@ -97,7 +97,7 @@ def call_and_verdict_counts(stats, records: list) -> dict:
   malformed one counted by reason (`tool_call_error_<reason>`, the
   driver's `DriverStats.tool_call_errors`); `verdict_<reason>`: the
   fraction of episodes whose last step carried that verdict (the math
-  verifier's "correct", "mismatch", "no_answer", ...; "none": the episode
+  verifier's "exact", "equivalent", "mismatch", "no_answer", ...; "none": the episode
   ended without an answer, e.g. at the turn or length budget).
   """
   errors = dict(stats.tool_call_errors)

@@ -1,7 +1,8 @@
 """math_tool: the shipped generated set, its demonstrations, and the whole chain with Qwen3's formats.
 
-The end-to-end test runs the real trainer in-process on configs/math_tool_tiny.py
-(a tiny model with Qwen3's 151,669-token vocabulary, the qwen3 chat format,
+The end-to-end test runs the real trainer in-process on configs/math_tool_cpu.py
+(`make train-math`'s config with tiny budgets: a tiny model with Qwen3's
+tokenizer and its head over the ids the task uses, the qwen3 chat format,
 the shipped JSONL set and the math verifier) through SFT on the shipped
 solutions, value pretraining, async SAO and evaluation, and checks every
 trajectory the run produced, stored or trained on or evaluated: the action
@@ -164,7 +165,7 @@ def test_demonstration_ids_follow_the_thinking_switch():
 
 def _config():
   spec = importlib.util.spec_from_file_location(
-      "math_tool_tiny", os.path.join(ROOT, "configs", "math_tool_tiny.py"))
+      "math_tool_cpu", os.path.join(ROOT, "configs", "math_tool_cpu.py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   c = module.get_config()
@@ -203,7 +204,9 @@ def test_end_to_end_with_qwen3_formats(tmp_path, monkeypatch):
   summary = trainer.train(config, workdir)
   assert summary["rl_steps"] == 2 and 0.0 <= summary["final_pass@1"] <= 1.0
 
-  math_env = MathTool(MathToolConfig(max_turns=4))
+  math_env = registry.make_env(config.env)
+  head_ids = set(trainer.build_model_config(config, TOK, math_env).vocab_ids)
+  assert head_ids and len(head_ids) < TOK.vocab_size // 100
   stored, dropped = store.read_valid_trajectories(
       [os.path.join(workdir, "trajectories", "value_pretrain.array_record")], TOK.vocab_size,
       config.rollout.max_len)
@@ -218,6 +221,15 @@ def test_end_to_end_with_qwen3_formats(tmp_path, monkeypatch):
       except AssertionError as e:
         raise AssertionError(f"{name} trajectory of task {traj.prompt_id}: "
                              f"{TOK.decode(traj.tokens.tolist())!r}") from e
+      # Sampled ids are Qwen3's, from the head's subset.
+      assert set(traj.tokens[traj.action_mask].tolist()) <= head_ids
+  for stage in ("sft", "final"):  # tool calls and verdicts are counted
+    r = summary["evals"][stage]
+    assert 0.0 <= r["valid_tool_calls"] <= 1.0
+    verdicts = {k: v for k, v in r.items() if k.startswith("verdict_")}
+    assert verdicts and abs(sum(verdicts.values()) - 1.0) < 1e-9
+    solved = r.get("verdict_exact", 0.0) + r.get("verdict_equivalent", 0.0)
+    assert abs(solved - r["pass@1"]) < 1e-9
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
     records = [json.loads(line) for line in f]
   assert {"sft", "value_pretrain", "rl", "eval"} <= {r["stage"] for r in records}
