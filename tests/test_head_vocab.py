@@ -21,6 +21,8 @@ from sao_jax.models import config as mcfg
 from sao_jax.models import head_vocab, policy
 from sao_jax.rollout.engine import PolicyEngine
 
+from runs import load_config_module  # pylint: disable=g-bad-import-order
+
 FULL = 300
 IDS = tuple(range(0, 300, 7)) + (299,)  # 44 ids, the last and first included
 CFG = dataclasses.replace(mcfg.tiny(vocab_size=FULL), vocab_ids=IDS)
@@ -117,11 +119,19 @@ def test_the_engine_samples_subset_ids_whose_logprobs_the_trainer_recomputes():
 
 
 def test_config_refuses_a_subset_with_an_imported_checkpoint():
-  from configs import math_tool_tiny  # pylint: disable=g-import-not-at-top
-  c = math_tool_tiny.get_config()
-  configuration.set_field(c, "model.vocab_subset", "env")
+  c = load_config_module("math_tool_cpu.py").get_config()
+  assert c.model.vocab_subset == "env"
   configuration.validate(c, num_devices=8)
   configuration.set_field(c, "sft.init_from_hf", "/some/hf_dir")
   with pytest.raises(sections.ConfigError, match="full head") as e:
     configuration.validate(c, num_devices=8)
+  assert "\n" not in str(e.value)
+
+
+def test_an_environment_without_a_row_list_is_refused():
+  from sao_jax import factories  # pylint: disable=g-import-not-at-top
+  c = load_config_module("sao_tiny.py").get_config()  # python_tool: generated tasks
+  c.model.vocab_subset = "env"
+  with pytest.raises(sections.ConfigError, match="finite row list") as e:
+    factories.build_model_config(c)
   assert "\n" not in str(e.value)
