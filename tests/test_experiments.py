@@ -427,3 +427,30 @@ def test_restat_adds_the_new_statistics_to_old_results_and_keeps_their_values(tm
   assert vs["t_ci95"] == pytest.approx([-hi, -lo]) and vs["sign_flip_p"] == pytest.approx(0.5)
   assert vs["bootstrap_excludes_zero"] == old_vs["excludes_zero"] and not vs["excludes_zero"]
   assert "[t: " in (tmp_path / "headline" / "results.md").read_text(encoding="utf-8")
+
+
+def test_math_cpu_pairs_each_seeds_sft_and_rl_and_skips_finished_seeds(tmp_path):
+  from experiments import math_cpu  # pylint: disable=g-import-not-at-top
+  results, workdir = str(tmp_path / "results"), str(tmp_path / "work")
+  for seed, (sft, final) in enumerate(((0.50, 0.60), (0.40, 0.44), (0.55, 0.54))):
+    rdir = os.path.join(workdir, f"seed_{seed}")
+    os.makedirs(rdir)
+    evals = {"sft": {"pass@1": sft, "valid_tool_calls": 0.9, "verdict_exact": sft,
+                     "verdict_mismatch": 1 - sft, "tool_call_error_unclosed": 2},
+             "final": {"pass@1": final, "valid_tool_calls": 1.0, "verdict_exact": final,
+                       "verdict_mismatch": 1 - final}}
+    with open(os.path.join(rdir, "summary.json"), "w", encoding="utf-8") as f:
+      json.dump({"evals": evals, "rl_steps": 3, "generated_tokens": 10}, f)
+    # A finished run is read, not launched (no train.py runs here).
+    rec = math_cpu.run_seed(seed, workdir, results, [])
+    assert rec["sft"]["verdicts"] == {"exact": sft, "mismatch": 1 - sft}
+    assert abs(rec["change"] - (final - sft)) < 1e-12 and rec["wall_s"] is None
+  assert math_cpu.run_seed(0, workdir, results, [])["sft"]["tool_call_errors"] == {"unclosed": 2}
+  agg = math_cpu.aggregate(results)
+  changes = [0.10, 0.04, -0.01]
+  assert [s["seed"] for s in agg["seeds"]] == [0, 1, 2]
+  np.testing.assert_allclose(agg["mean_change"], np.mean(changes))
+  np.testing.assert_allclose(agg["change_t_interval"], stats.t_interval(changes))
+  assert agg["change_sign_flip_p"] == stats.sign_flip_p(changes)
+  assert os.path.exists(os.path.join(results, "results.json"))
+  assert "| mean | 0.483 | 0.527 | +0.043" in math_cpu.markdown(agg)
