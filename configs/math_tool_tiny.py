@@ -16,6 +16,8 @@ at action tokens only (`data.logits_at_actions`). Cost and result of one
 run (~40 min on 2 cores; after 150 SFT steps the tiny model solves none
 of the held-out problems, so RL has no reward to learn from): see
 benchmarks/RESULTS.md, "math_tool with Qwen3's vocabulary".
+configs/math_tool_cpu.py (`make train-math`) is the variant that learns:
+the head over the task's ids and a curriculum of the shipped set.
 """
 
 import os
