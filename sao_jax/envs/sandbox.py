@@ -637,6 +637,10 @@ class Workspace:
   """
   directory: str
   path: str = "/repo"
+  # Host directories hidden under an empty one where the system directories
+  # would show them (say, task data or the trainer's package installed under
+  # /usr): the shell cannot read what lies there.
+  hide: tuple[str, ...] = ()
 
 
 def run_shell(command: str, workspace: Workspace,
@@ -654,7 +658,7 @@ def run_shell(command: str, workspace: Workspace,
   return _run("", limits, (), workspace, ("/bin/sh", "-c", command), shell_env)
 
 
-def _system_binds(workdir: str) -> list:
+def _system_binds(workdir: str, hide: tuple[str, ...] = ()) -> list:
   """Prepares `workdir` as a shell's root: mount points, symlinks, /tmp; the binds."""
   binds, dirs = [], list(SYSTEM_DIRS)
   prefix = os.path.realpath(sys.base_prefix)
@@ -675,6 +679,12 @@ def _system_binds(workdir: str) -> list:
       binds.append((d, workdir + d, True, False))
   os.makedirs(os.path.join(workdir, "tmp"))
   os.chmod(os.path.join(workdir, "tmp"), 0o1777)
+  bound = [source for source, _, _, required in binds if required]
+  empty = os.path.join(workdir, ".hidden")
+  for path in sorted({os.path.realpath(h) for h in hide}):
+    if os.path.isdir(path) and any(path == b or path.startswith(b + "/") for b in bound):
+      os.makedirs(empty, mode=0o755, exist_ok=True)
+      binds.append((empty, workdir + path, False, True))  # mounted after what it covers
   return binds
 
 
@@ -693,6 +703,8 @@ def _unmount_points(workdir: str, binds: list) -> bool:
   """Removes the (unmounted) mount points; False if one is still in use."""
   ok = True
   for _, target, _, _ in binds:
+    if not os.path.lexists(target):  # a hidden path's mount point lay in a bound directory
+      continue
     try:
       (os.rmdir if os.path.isdir(target) and not os.path.islink(target) else os.unlink)(target)
     except OSError:
@@ -721,7 +733,7 @@ def _run(code: str, limits: SandboxLimits, preload: tuple, workspace: Workspace 
     if workspace is not None:
       host_cwd = os.path.realpath(workspace.directory)
       if isolate:
-        binds = _system_binds(workdir)
+        binds = _system_binds(workdir, tuple(workspace.hide))
         cwd = "/" + workspace.path.strip("/")
         os.makedirs(workdir + cwd, mode=0o755)
         binds.append((host_cwd, workdir + cwd, True, True))
