@@ -127,6 +127,12 @@ def parse_task(row: Any, where: str, base_dir: str = "") -> RepoTask:
   repo = os.path.normpath(os.path.join(base_dir, repo))
   if not (os.path.isdir(repo) or (os.path.isfile(repo) and repo.endswith(_TARBALL))):
     raise datasets.BadRow(f"repo {row['repo']!r}: no such directory or .tar/.tar.gz/.tgz file")
+  if not os.path.isdir(repo):
+    try:
+      with tarfile.open(repo) as tar:
+        _tar_members(tar, repo)
+    except (OSError, tarfile.TarError) as e:
+      raise datasets.BadRow(f"repo {row['repo']!r}: not a readable tarball ({e})") from None
   instance_id = row.get("instance_id", where)
   if not isinstance(instance_id, str):
     raise datasets.BadRow("instance_id must be a string")
@@ -183,10 +189,19 @@ def extract_snapshot(repo: str, dest: str) -> None:
                     ignore=shutil.ignore_patterns("__pycache__", ".git"))
     return
   with tarfile.open(repo) as tar:
-    members = [m for m in tar.getmembers() if m.isfile() or m.isdir()]
-    for m in members:
-      safe_relative(m.name, f"repo {repo}")
-    tar.extractall(dest, members=members, filter="data")
+    tar.extractall(dest, members=_tar_members(tar, repo), filter="data")
+
+
+def _tar_members(tar: tarfile.TarFile, repo: str) -> list[tarfile.TarInfo]:
+  """The regular files and directories of a snapshot tarball; BadRow for a
+  member whose path leaves the tree."""
+  members = []
+  for m in tar.getmembers():
+    if os.path.normpath(m.name) == "." or not (m.isfile() or m.isdir()):
+      continue
+    safe_relative(m.name, f"repo {repo}")
+    members.append(m)
+  return members
 
 
 # --- mutation ----------------------------------------------------------------------
@@ -437,11 +452,16 @@ def _projects(corpus: str) -> list[tuple[str, str, str, str]]:
   return out
 
 
-def generate(corpus: str = CORPUS_DIR, out_dir: str | None = None) -> tuple[list[dict], list[dict]]:
-  """(training rows, held-out rows) of the corpus; written to out_dir if given."""
+def generate(corpus: str = CORPUS_DIR, out_dir: str | None = None,
+             repo_base: str | None = None) -> tuple[list[dict], list[dict]]:
+  """(training rows, held-out rows) of the corpus; written to out_dir if given.
+
+  Rows name their snapshot relative to `repo_base` (default: out_dir, where
+  the rows are read from; else the shipped sets' directory).
+  """
   rows_by_split: dict[str, list[dict]] = {"train": [], "heldout": []}
   function_index = 0
-  base = os.path.abspath(out_dir) if out_dir else os.path.abspath(SHIPPED_DIR)
+  base = os.path.abspath(repo_base or out_dir or SHIPPED_DIR)
   for project, rel, module, test_file in _projects(corpus):
     repo = os.path.join(corpus, project, "repo")
     tests_dir = os.path.join(corpus, project, "tests")
