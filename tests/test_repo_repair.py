@@ -330,3 +330,36 @@ def test_a_user_row_is_graded_by_its_test_command(tmp_path):
   for action, _ in env.demonstration(task):
     out = ep.step(_act((action["tool_calls"][0]["name"], action["tool_calls"][0]["arguments"])))
   assert out.reward == 1.0 and out.info["verdict"] == "passed"
+
+
+# --- the chain on CPU -------------------------------------------------------------------
+
+
+@needs_shell
+def test_tiny_config_runs_sft_then_rl(tmp_path):
+  """configs/repo_repair_tiny.py, cut to a few steps: SFT on the demonstrations,
+  value pretraining, SAO steps and the held-out evaluation all run."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  from sao_jax import trainer  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  spec = importlib.util.spec_from_file_location(
+      "repo_repair_tiny", os.path.join(root, "configs", "repo_repair_tiny.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  c = module.get_config()
+  c.sharding.mesh = {"data": 8}
+  c.sft.steps, c.sft.batch_size = 1, 8
+  c.value_pretrain.steps, c.value_pretrain.num_trajectories = 1, 8
+  c.rl.steps, c.rl.batch_size = 1, 8
+  c.rollout.slots = 8
+  c.rollout.max_len, c.data.buckets = 1024, (1024,)
+  c.rollout.max_turn_tokens, c.env.max_tool_output_tokens = 24, 32
+  c.env.kwargs = dict(c.env.kwargs, max_turns=2)
+  c.eval.num_tasks, c.eval.slots = 8, 8
+  c.log_every, c.tensorboard = 1, False
+  c.checkpoint.every = 100
+  summary = trainer.train(c, str(tmp_path / "run"))
+  assert summary["rl_steps"] == 1 and 0.0 <= summary["final_pass@1"] <= 1.0
+  with open(tmp_path / "run" / "metrics.jsonl", encoding="utf-8") as f:
+    stages = {json.loads(line)["stage"] for line in f}
+  assert {"sft", "value_pretrain", "rl", "eval"} <= stages
