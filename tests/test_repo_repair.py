@@ -1,5 +1,8 @@
 """repo_repair: the tools, their confinement, the grader's independence, the task rows.
 
+The chain test (configs/repo_repair_tiny.py cut to one step of each stage) runs
+with SAO_REPO_REPAIR_CHAIN_TEST=1 (about 110 s of CPU).
+
 Every tool call is driven the way the rollout driver drives it: an `Action`
 whose tool calls the chat format parsed (or failed to parse). The shell
 checks need the sandbox's shell isolation; they skip with the reason where
@@ -336,6 +339,9 @@ def test_a_user_row_is_graded_by_its_test_command(tmp_path):
 
 
 @needs_shell
+@pytest.mark.skipif(os.environ.get("SAO_REPO_REPAIR_CHAIN_TEST") != "1", reason=(
+    "the chain at Qwen3's vocabulary and a 1024-token context costs ~110 s of CPU, over "
+    "the suite's budget: SAO_REPO_REPAIR_CHAIN_TEST=1 runs it"))
 def test_tiny_config_runs_sft_then_rl(tmp_path):
   """configs/repo_repair_tiny.py, cut to a few steps: SFT on the demonstrations,
   value pretraining, SAO steps and the held-out evaluation all run."""
