@@ -204,6 +204,18 @@ def resolve(root: str, path: str, mount: str = "/repo") -> str:
   return real
 
 
+def _remove(path: str) -> None:
+  """Removes `path` if there: a real directory with its tree, anything else itself."""
+  try:
+    st = os.lstat(path)
+  except FileNotFoundError:
+    return
+  if stat.S_ISDIR(st.st_mode):
+    shutil.rmtree(path)
+  else:
+    os.unlink(path)
+
+
 def write_inside(root: str, rel: str, text: str) -> None:
   """Writes `rel` (a safe relative path) under `root`, replacing whatever is on
   the way that is not a real directory (links are removed, never followed)."""
@@ -220,15 +232,7 @@ def write_inside(root: str, rel: str, text: str) -> None:
       os.unlink(cur)
       os.mkdir(cur, 0o755)
   target = os.path.join(cur, parts[-1])
-  try:
-    st = os.lstat(target)
-  except FileNotFoundError:
-    pass
-  else:
-    if stat.S_ISDIR(st.st_mode):
-      shutil.rmtree(target)
-    else:
-      os.unlink(target)
+  _remove(target)
   fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
   with os.fdopen(fd, "w", encoding="utf-8") as f:
     f.write(text)
@@ -404,6 +408,7 @@ class RepoRepair:
           copy_tree(tree, copy, self.config.max_tree_files, self.config.max_tree_bytes)
         except TreeTooLarge as e:
           return "tree_too_large", str(e)
+        _remove(os.path.join(copy, _GRADER_DIR))  # whatever the candidate left there
         for rel, text in row.tests:
           write_inside(copy, rel, text)
         nonce = secrets.token_hex(16)
@@ -415,8 +420,9 @@ class RepoRepair:
           command = row.test_command
         result = sandbox.run_shell(command, Workspace(copy, hide=self.hide), self.test_limits,
                                    env={"SAO_VERDICT_NONCE": nonce})
-        if result.mount_error or "sandbox:" in result.stdout.split("\n", 1)[0]:
-          problem = result.mount_error or result.stdout[:200]
+        # Said by the sandbox itself, never by the candidate's output.
+        if result.mount_error or result.error.startswith("sandbox:"):
+          problem = result.mount_error or result.error
           continue
         if result.timed_out:
           return "timeout", f"the tests ran past {self.test_limits.wall_seconds:g}s"

@@ -369,8 +369,6 @@ if lim["isolate"] and LINUX:
       applied.append("chroot")
     except OSError:
       pass
-  else:  # a shell without its mounts runs in the workspace itself, unconfined
-    os.chdir(lim["host_cwd"])
   if uid is not None:
     try:
       os.setgroups([])
@@ -386,6 +384,8 @@ if lim["isolate"] and LINUX:
     header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
     if libc.capset(header, (ctypes.c_uint32 * 6)()) != 0:
       os._exit(121)  # never run model code with capabilities
+if lim["host_cwd"] and "chroot" not in applied:
+  os.chdir(lim["host_cwd"])  # a shell without its mounts runs in the workspace itself
 if LINUX:
   prctl(38, 1)  # PR_SET_NO_NEW_PRIVS
 elif not pidns:
@@ -865,6 +865,13 @@ _REQUIRED = (
 )
 
 
+# And for a shell (`run_shell`), which finds its programs through the mounts.
+_SHELL_REQUIRED = (
+    ("a shell's read-only system directories (mounts)", ("mounts",),
+     "run without a chroot, in the trainer's filesystem"),
+)
+
+
 @functools.lru_cache(maxsize=1)
 def isolation() -> tuple[str, ...]:
   """Which isolation measures apply on this machine (besides rlimits)."""
@@ -879,7 +886,11 @@ def shell_isolation() -> tuple[tuple[str, ...], str]:
     result = run_shell("true", Workspace(workspace))
   finally:
     shutil.rmtree(workspace, ignore_errors=True)
-  return result.isolation, result.mount_error
+  if result.mount_error or result.ok:
+    return result.isolation, result.mount_error
+  # Mounted, but no shell ran: the chroot has no working /bin/sh.
+  return (tuple(x for x in result.isolation if x != "mounts"),
+          f"the probe shell failed: {result.observation()[:200]}")
 
 
 def check_isolation(allow_unisolated: bool = False,
@@ -898,7 +909,8 @@ def check_isolation(allow_unisolated: bool = False,
     _log(f"shell workspace mounts failed: {mount_error}")
   if limits is not None and not limits.isolate:  # isolation switched off
     applied = tuple(x for x in applied if x == "subreaper")
-  missing = [(what, risk) for what, names, risk in _REQUIRED if not set(names) & set(applied)]
+  required = _REQUIRED + (_SHELL_REQUIRED if shell else ())
+  missing = [(what, risk) for what, names, risk in required if not set(names) & set(applied)]
   _log(f"isolation: {', '.join(applied) or 'none'}"
        + (f"; missing: {'; '.join(what for what, _ in missing)}" if missing else ""))
   if missing:
