@@ -25,7 +25,9 @@ Reported per setting, over `seeds` batches:
            trainer's forward: `Transformer(..., routing=)`);
   tail%    sampled tokens whose ratio exp(dlp) leaves [0.8, 1.28] (the
            clip window of the project's losses), without and with replay;
-  cost     trainer log-prob time with replay / without (one batch, median of 5).
+  cost     the trainer's log-prob program with replay / without: XLA's FLOP
+           count (deterministic) and the median of 5 timed calls (noisy on a
+           shared machine).
 
 Precision settings: "f32" (params and compute float32), "bf16" (the pod
 preset's policy: float32 masters, bfloat16 compute; the engine holds the
@@ -49,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from sao_jax import precision
+from sao_jax import precision, steptime
 from sao_jax.models import config as mcfg
 from sao_jax.models import decoding, policy, routing
 from sao_jax.models.transformer import Transformer, init_cache
@@ -166,7 +168,9 @@ def measure(name, cfg, params_for, seeds):
     acc["dlp"].append(np.asarray(plain - engine_lp).ravel())
     acc["dlp_replay"].append(np.asarray(replayed - engine_lp).ravel())
     if seed == 0:
-      cost.append(timed(lp_replay, params, tokens, engine_r) / timed(lp_plain, params, tokens))
+      counted = lambda fn, *a: steptime.cost(fn.lower(*a).compile())["flops"]
+      cost.append((counted(lp_replay, params, tokens, engine_r) / counted(lp_plain, params, tokens),
+                   timed(lp_replay, params, tokens, engine_r) / timed(lp_plain, params, tokens)))
   cat = {k: np.concatenate(v) for k, v in acc.items()}
   tail = lambda d: float(np.mean((np.exp(d) < LOW) | (np.exp(d) > HIGH)))
   return {
@@ -180,7 +184,8 @@ def measure(name, cfg, params_for, seeds):
       "dlp_replay_max": float(np.abs(cat["dlp_replay"]).max()),
       "tail": tail(cat["dlp"]),
       "tail_replay": tail(cat["dlp_replay"]),
-      "replay_cost": cost[0],
+      "replay_flops_ratio": cost[0][0],
+      "replay_time_ratio": cost[0][1],
       "tokens": int(cat["dlp"].size),
   }
 
@@ -217,7 +222,7 @@ def main(argv):
   rows = []
   header = (f"{'model':<28} {'setting':<14} {'prompt tok':>10} {'sampled tok':>11} "
             f"{'decisions':>9} {'|dlp| mean/max':>16} {'replay':>16} {'tail':>6} "
-            f"{'replay':>6} {'cost':>5}")
+            f"{'replay':>6} {'flops':>5} {'time':>5}")
   print(header)
   for label, base, params_for in models():
     for mode, cfg in precision_modes(base):
@@ -231,7 +236,8 @@ def main(argv):
               f"{row['sampled_tok_differ']:>11.2%} {row['decisions_differ']:>9.2%} "
               f"{row['dlp_mean']:>8.1e}/{row['dlp_max']:<7.1e} "
               f"{row['dlp_replay_mean']:>8.1e}/{row['dlp_replay_max']:<7.1e} "
-              f"{row['tail']:>6.2%} {row['tail_replay']:>6.2%} {row['replay_cost']:>5.2f}",
+              f"{row['tail']:>6.2%} {row['tail_replay']:>6.2%} {row['replay_flops_ratio']:>5.2f} "
+              f"{row['replay_time_ratio']:>5.2f}",
               flush=True)
   if _OUT.value:
     with open(_OUT.value, "w") as f:
