@@ -742,7 +742,8 @@ def _run(code: str, limits: SandboxLimits, preload: tuple, workspace: Workspace 
     lim = dataclasses.asdict(limits)
     rfd, wfd = os.pipe()
     lim.update(isolate=isolate, uid=uid, report_fd=wfd, pidns=_PIDNS, preload=tuple(preload),
-               mountns=_MOUNTNS, binds=binds, cwd=cwd, host_cwd=host_cwd, argv=list(argv or ()), env=env or {})
+               mountns=_MOUNTNS, binds=binds, cwd=cwd, host_cwd=host_cwd,
+               argv=list(argv or ()), env=env or {})
     runner = f"lim = {lim!r}\n" + _RUNNER
     timed_out = False
     try:
