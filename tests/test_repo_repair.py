@@ -83,6 +83,12 @@ def test_output_cap_timeouts_and_fork_bombs_are_counted_not_fatal(env):
   assert "wall-clock" in out.observation[0]["content"] and "bash_timeout" in out.info["events"]
   out = ep.step(_act(("bash", {"command": "f() { f | f & }; f"})))
   assert not out.done  # whatever the bomb did, it is over and the episode goes on
+  # A command far over an argument's size limit, a NUL, a lone surrogate: answered.
+  out = ep.step(_act(("bash", {"command": "echo " + "y" * 300_000 + " | wc -c"}),
+                     ("bash", {"command": "echo \x00"}), ("create", {"path": "a",
+                                                                  "content": "\ud800"})))
+  answers = [m["content"] for m in out.observation]
+  assert answers[0] == "300001\n" and all(a.startswith("error:") for a in answers[1:])
   out = ep.step(_act(("bash", {"command": "echo alive"})))
   assert out.observation[0]["content"] == "alive\n"
 

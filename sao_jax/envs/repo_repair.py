@@ -608,6 +608,13 @@ def _arg(arguments: dict, name: str, kind: type, default: Any = _MISSING):
     raise _BadArgument(f"missing argument {name!r}")
   if value is not default and (isinstance(value, bool) or not isinstance(value, kind)):
     raise _BadArgument(f"argument {name!r} must be {kind.__name__}")
+  if isinstance(value, str):
+    if "\x00" in value:
+      raise _BadArgument(f"argument {name!r} holds a NUL character")
+    try:
+      value.encode("utf-8")
+    except UnicodeEncodeError:
+      raise _BadArgument(f"argument {name!r} is not valid Unicode text") from None
   return value
 
 

@@ -137,6 +137,7 @@ import time
 _RUNNER = r'''
 import os, resource, signal, sys, time
 code = open("code.py", encoding="utf-8").read()
+script = os.path.abspath("code.py")
 # Preloaded so that model code can use them after the chroot; the network
 # namespace, not a missing module, is what keeps sockets from connecting.
 import math, socket
@@ -398,9 +399,10 @@ setlim(resource.RLIMIT_NPROC, lim["max_processes"])
 setlim(resource.RLIMIT_AS, lim["memory_bytes"])
 os.write(wfd, ("applied " + ",".join(applied) + "\n").encode())
 os.close(wfd)
-if lim["argv"]:  # a shell command (`run_shell`), not Python
+if lim["argv"]:  # a shell command (`run_shell`), not Python: the script is code.py
   try:
-    os.execve(lim["argv"][0], lim["argv"], lim["env"])
+    os.execve(lim["argv"][0], lim["argv"] + ["/code.py" if "chroot" in applied else script],
+              lim["env"])
   except OSError as e:
     os.write(2, f"sandbox: cannot run {lim['argv'][0]}: {e.strerror}\n".encode())
     os._exit(127)
@@ -646,7 +648,7 @@ class Workspace:
 def run_shell(command: str, workspace: Workspace,
               limits: SandboxLimits = SandboxLimits(),
               env: dict | None = None) -> SandboxResult:
-  """Runs `/bin/sh -c command` in the sandbox with `workspace` as its working directory.
+  """Runs `command` with /bin/sh in the sandbox, `workspace` its working directory.
 
   The same isolation, limits and cleanup as `run_python`, plus the
   workspace's mounts. `env` adds to the shell's environment (PATH, HOME=/tmp,
@@ -655,7 +657,9 @@ def run_shell(command: str, workspace: Workspace,
   """
   shell_env = {"PATH": SHELL_PATH, "HOME": "/tmp", "LANG": "C.UTF-8",
                "PYTHONDONTWRITEBYTECODE": "1", **(env or {})}
-  return _run("", limits, (), workspace, ("/bin/sh", "-c", command), shell_env)
+  # The command travels as a script file, like run_python's code (an argument's
+  # size is limited).
+  return _run(command, limits, (), workspace, ("/bin/sh",), shell_env)
 
 
 def _system_binds(workdir: str, hide: tuple[str, ...] = ()) -> list:
