@@ -188,8 +188,8 @@ def test_a_grader_that_cannot_run_raises_grader_error(env, monkeypatch):
 @needs_shell
 def test_without_mount_namespaces_the_shell_says_why_and_is_refused(monkeypatch, tmp_path):
   monkeypatch.setattr(sandbox, "_MOUNTNS", False)
-  result = sandbox.run_shell("pwd", sandbox.Workspace(str(tmp_path)))
-  assert result.mount_error
+  result = sandbox.run_shell("touch ran", sandbox.Workspace(str(tmp_path)))
+  assert result.mount_error and "not run" in result.stdout and not os.listdir(tmp_path)
   assert "chroot" not in result.isolation and "mounts" not in result.isolation
   sandbox.shell_isolation.cache_clear()
   try:

@@ -441,7 +441,7 @@ print("made", os.path.exists(os.path.join(work, "made.txt")))
 @needs_linux
 def test_unprivileged_shell_gets_its_mounts_or_says_why():
   """As `nobody`: a user namespace's mount namespace gives the shell its chroot;
-  where it is refused the result names the reason instead."""
+  where it is refused the command does not run and the result says why."""
   exe = _python_for_nobody()
   if exe is None:
     pytest.skip("no Python that user nobody may run")
@@ -452,9 +452,10 @@ def test_unprivileged_shell_gets_its_mounts_or_says_why():
   lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
   applied = lines["applied"].split(",")
   print("unprivileged shell isolation:", applied, lines["mount_error"])
-  assert lines["made"] == "True"  # the workspace is the shell's working directory either way
   if "mounts" in applied:
     assert {"userns", "chroot"} <= set(applied) and lines["mount_error"] == "-"
     assert lines["out"].startswith("/repo|") and "Read-only file system" in lines["out"]
-  else:
+    assert lines["made"] == "True"  # the workspace is the shell's working directory
+  else:  # never run unconfined
     assert "chroot" not in applied and lines["mount_error"] != "-"
+    assert lines["made"] == "False" and "not run" in lines["out"]

@@ -102,10 +102,11 @@ more: "mounts". The supervisor also enters a new mount namespace (private
 propagation first, so nothing reaches the trainer's), bind-mounts the system
 directories read-only into the chroot and the workspace directory read-write
 at its `path`, which is the shell's working directory; the mounts vanish with
-the namespace. Where mount namespaces are refused the shell runs without the
-chroot in the directory itself, the result says why (`mount_error`), and
-`check_isolation(shell=True)` refuses that unless allowed. A shell's stderr
-goes to its output, interleaved as written.
+the namespace. Where mount namespaces are refused the command is not run
+(never unconfined): the result says why (`mount_error`), and
+`check_isolation(shell=True)` refuses to start such a run unless allowed
+(`SandboxLimits(isolate=False)` then runs shells in the directory itself,
+unisolated). A shell's stderr goes to its output, interleaved as written.
 
 Output is truncated to `limits.max_output_chars`, and whatever happened
 (exception, limit hit, timeout) comes back as text for the observation.
@@ -170,7 +171,7 @@ def setlim(which, value, hard=None):
 pidns = userns = False
 # A shell's filesystem (`Workspace`): bind mounts into the chroot, made in a
 # mount namespace of the supervisor's before the model process forks. Not
-# possible -> the model process runs without the chroot, and says why.
+# possible -> the model process does not run the command, and says why.
 mount_error = "mount namespace refused or switched off" if lim["binds"] else ""
 
 def mount_binds(have_namespace):
@@ -197,7 +198,7 @@ def mount_binds(have_namespace):
     except OSError:
       have = 0
     flags |= sum(v for k, v in locked.items() if have & k)
-    if libc.mount(None, target.encode(), None, flags, None) != 0:
+    if libc.mount(None, target.encode(), None, flags, None) != 0 and required:
       return f"read-only remount of {source} failed: " + os.strerror(ctypes.get_errno())
   applied.append("mounts")
   return ""
@@ -363,13 +364,16 @@ if pidns:
 
 # --- the model process ---------------------------------------------------------
 if lim["isolate"] and LINUX:
-  if not mount_error:
-    try:
-      os.chroot(".")
-      os.chdir(lim["cwd"] or "/")
-      applied.append("chroot")
-    except OSError:
-      pass
+  if mount_error:  # a shell without its mounts is never run unconfined
+    os.write(2, ("sandbox: the shell's mounts failed (%s); the command was not run\n"
+                 % mount_error).encode())
+    os._exit(126)
+  try:
+    os.chroot(".")
+    os.chdir(lim["cwd"] or "/")
+    applied.append("chroot")
+  except OSError:
+    pass
   if uid is not None:
     try:
       os.setgroups([])
@@ -386,7 +390,7 @@ if lim["isolate"] and LINUX:
     if libc.capset(header, (ctypes.c_uint32 * 6)()) != 0:
       os._exit(121)  # never run model code with capabilities
 if lim["host_cwd"] and "chroot" not in applied:
-  os.chdir(lim["host_cwd"])  # a shell without its mounts runs in the workspace itself
+  os.chdir(lim["host_cwd"])  # isolation switched off: the shell runs in the workspace itself
 if LINUX:
   prctl(38, 1)  # PR_SET_NO_NEW_PRIVS
 elif not pidns:
@@ -633,9 +637,10 @@ class Workspace:
   private propagation, so the trainer never sees them, and they vanish with
   the sandbox. As root the directory is handed to the call's uid first
   (`lchown`, never following links). Where mount namespaces are refused the
-  result's isolation lacks "mounts" and "chroot", `SandboxResult.mount_error`
-  says why, and the shell runs in `directory` itself, unconfined
-  (`check_isolation(shell=True)` refuses that unless allowed).
+  command is not run: the result's isolation lacks "mounts" and "chroot" and
+  `SandboxResult.mount_error` says why (`check_isolation(shell=True)` refuses
+  such a machine unless allowed). With `SandboxLimits(isolate=False)` the
+  shell runs in `directory` itself, unisolated.
   """
   directory: str
   path: str = "/repo"
