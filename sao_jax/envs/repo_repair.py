@@ -156,9 +156,11 @@ class RepoRepairConfig:
   strict: bool = False
   # The most characters a tool answer holds (bash output, a view).
   max_output_chars: int = 2000
-  # A bash call's wall clock and CPU seconds; the grading run's wall clock.
+  # A bash call's wall clock and CPU seconds; the grading run's wall clock. A
+  # step's tools (env.tool_seconds_per_turn) plus the grading run must fit in
+  # rollout.env_timeout (60 s by default), or the driver gives up on the step.
   bash_seconds: float = 10.0
-  test_seconds: float = 60.0
+  test_seconds: float = 20.0
   # The largest file the sandbox may write and the edit tools read or write.
   max_file_bytes: int = 1 << 20
   # The repository copy's limits, checked after every bash call.
