@@ -89,8 +89,11 @@ setuptools.setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=setuptools.find_packages(include=["sao_jax", "sao_jax.*"]),
-    # The shipped math set of math_tool (sao_jax/data/math_problems.py).
-    package_data={"sao_jax": ["py.typed", "data/math_tool/*.jsonl.gz"]},
+    # The shipped math set of math_tool (sao_jax/data/math_problems.py); the
+    # repo_repair corpus and its generated sets (sao_jax/data/repo_tasks.py).
+    package_data={"sao_jax": ["py.typed", "data/math_tool/*.jsonl.gz",
+                              "data/repo_repair/*.jsonl.gz", "data/repo_corpus/*/repo/*/*.py",
+                              "data/repo_corpus/*/tests/*.py"]},
     install_requires=CORE,
     extras_require=EXTRAS,
 )
