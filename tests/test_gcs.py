@@ -1,0 +1,166 @@
+"""gs:// workdirs against a local GCS emulator (tests/gcs_emulator.py).
+
+The workdir's files (sao_jax/files.py), the trajectory store's publication
+(a shard appears whole or not at all), the fleet's shards, cursor and
+weight versions, orbax checkpoints through tensorstore's gcs driver, and
+the workdir check's one-line errors. The end-to-end fleet run on a gs://
+workdir (a trainer and a rollout process, the trainer killed and resumed
+from its gs:// checkpoint) is `test_fleet_run_on_gs_survives_a_trainer_kill`.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import time
+import uuid
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sao_jax import configuration, files, fleet
+from sao_jax.checkpoint import COMMIT_FILE, Checkpointer, committed_checkpoints
+from sao_jax.data import store
+
+import gcs_emulator  # pylint: disable=g-bad-import-order
+import runs  # pylint: disable=g-bad-import-order
+from test_fleet import TOK, make_feed, traj  # pylint: disable=g-bad-import-order
+
+pytestmark = gcs_emulator.needs_emulator
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+  e = gcs_emulator.start(str(tmp_path_factory.mktemp("gcs") / "emulator.log"))
+  e.apply_here()
+  yield e
+  e.stop()
+
+
+@pytest.fixture
+def url(emu):
+  """A fresh prefix of the emulator's bucket."""
+  return emu.url(uuid.uuid4().hex[:12])
+
+
+def test_workdir_files_publish_whole_and_list(url, tmp_path):
+  files.write_json(files.join(url, "a", "x.json"), {"v": 1})
+  assert files.read_json(files.join(url, "a", "x.json")) == {"v": 1}
+  assert files.listdir(files.join(url, "a")) == ["x.json"]
+  [(name, mtime)] = files.scan(files.join(url, "a"))
+  assert name == "x.json" and abs(mtime - time.time()) < 600
+  assert files.scan(files.join(url, "nothing")) == []
+  with pytest.raises(FileNotFoundError):
+    files.listdir(files.join(url, "nothing"))
+  # A metrics-like file: a resumed writer continues the object.
+  for lines in (["1\n", "2\n"], ["3\n"]):
+    a = files.Appender(files.join(url, "m.jsonl"))
+    for line in lines:
+      a.write(line)
+    a.close()
+  assert files.read_text(files.join(url, "m.jsonl")) == "1\n2\n3\n"
+  # A file staged locally is invisible until published.
+  dest = files.join(url, "a", "shard.bin")
+  staging = files.staging_path(dest)
+  assert not staging.startswith("gs:") and os.path.exists(staging)
+  with open(staging, "wb") as f:
+    f.write(b"abc")
+  assert not files.exists(dest)
+  files.publish(staging, dest)
+  assert files.read_bytes(dest) == b"abc" and not os.path.exists(staging)
+  files.rmtree(files.join(url, "a"))
+  assert not files.exists(dest)
+
+
+def test_workdir_check_accepts_a_bucket_and_names_what_is_wrong(url, tmp_path):
+  configuration.check_workdir(url, min_free_gb=1e9)  # no free-space limit on a bucket
+  with pytest.raises(configuration.ConfigError,
+                     match=r"^workdir 'gs://no-such-bucket/run': not writable: the bucket "
+                     r"'no-such-bucket' does not exist"):
+    configuration.check_workdir("gs://no-such-bucket/run", 0.0)
+  configuration.check_workdir(str(tmp_path / "posix"), 0.0)  # POSIX as before
+  with pytest.raises(configuration.ConfigError, match="GiB free"):
+    configuration.check_workdir(str(tmp_path / "posix"), 1e9)
+
+
+def test_trajectory_store_publishes_a_shard_whole(url):
+  path = files.join(url, "trajectories", "value_pretrain.array_record")
+  with store.TrajectoryWriter(path) as w:
+    for i in range(3):
+      w.write(traj(i))
+    assert not files.exists(path)  # nothing under the final name while open
+  got, dropped = store.read_valid_trajectories([path], TOK.vocab_size, 256)
+  assert len(got) == 3 and not dropped
+  assert [int(t.prompt_id) for t in got] == [0, 1, 2]
+  # An aborted writer publishes nothing; a missing shard is counted.
+  with pytest.raises(RuntimeError):
+    with store.TrajectoryWriter(files.join(url, "trajectories", "b.array_record")) as w:
+      w.write(traj(5))
+      raise RuntimeError("collection failed")
+  _, dropped = store.read_valid_trajectories(
+      [path, files.join(url, "trajectories", "b.array_record")], TOK.vocab_size, 256)
+  assert dropped == {"missing_shard": 1}
+
+
+def test_fleet_shards_and_cursor_over_gs(url):
+  root = files.join(url, "fleet")
+  a = fleet.ShardWriter(root, "a", max_trajectories=2, max_seconds=1e9)
+  for i in range(5):
+    a.write(traj(i))  # a-0, a-1 closed; a-2 open with one trajectory
+  assert sorted(files.listdir(fleet.trajectories_dir(root))) == [
+      fleet.shard_name("a", 0), fleet.shard_name("a", 1)]
+  feed = make_feed(root)
+  got = feed.take(3)
+  assert [int(t.prompt_id) for t in got] == [0, 1, 2]
+  state = feed.state()
+  assert state == {"consumed": {"a": 0}, "current": {"shard": fleet.shard_name("a", 1),
+                                                     "offset": 1}}
+  assert fleet.read_consumed(root) == {"a": 0}
+  a.close()
+  # A restarted trainer resumes at the cursor; a restarted writer continues
+  # the sequence after the last published shard.
+  feed2 = make_feed(root, state=state)
+  assert [int(t.prompt_id) for t in feed2.take(2)] == [3, 4]
+  b = fleet.ShardWriter(root, "a", max_trajectories=2, max_seconds=1e9)
+  assert b.first_seq == 3
+  fleet.mark_done(root, 7)
+  assert fleet.is_done(root)
+  fleet.clear_done(root)
+  assert not fleet.is_done(root)
+
+
+def test_checkpoints_and_weight_versions_over_gs(url):
+  params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones((3,), jnp.bfloat16)}
+  ckpt = Checkpointer(files.join(url, "checkpoints"), max_to_keep=2, name="run")
+  for step in (1, 2, 3):
+    ckpt.save(step, jax.tree.map(lambda x, s=step: x + s, params), {"stage": "rl", "s": step})
+  ckpt.close()
+  done = committed_checkpoints(files.join(url, "checkpoints"))
+  assert sorted(done) == [2, 3] and done[3]["s"] == 3
+  # A step written in place without orbax's commit file is not complete.
+  files.write_json(files.join(url, "checkpoints", "4", "meta", "metadata"), {"s": 4})
+  assert sorted(committed_checkpoints(files.join(url, "checkpoints"))) == [2, 3]
+  again = Checkpointer(files.join(url, "checkpoints"), max_to_keep=2, name="run")
+  state, meta = again.restore(jax.eval_shape(lambda: params))
+  again.close()
+  assert meta["s"] == 3
+  np.testing.assert_array_equal(state["w"], params["w"] + 3)
+  # The fleet's weights: complete versions only; a resumed trainer's
+  # discarded future is removed.
+  root = files.join(url, "fleet")
+  pub = fleet.WeightPublisher(root, keep=3, version=0)
+  for v in range(3):
+    pub.publish(jax.tree.map(lambda x, v=v: x + v, params), v)
+  pub.close()
+  follower = fleet.WeightFollower(root, jax.eval_shape(lambda: params))
+  got, version, _ = follower.poll()
+  assert version == 2
+  np.testing.assert_array_equal(got["w"], params["w"] + 2)
+  assert got["b"].dtype == jnp.bfloat16
+  fleet.WeightPublisher(root, keep=3, version=1).close()
+  assert sorted(committed_checkpoints(fleet.weights_dir(root))) == [0, 1]
+  assert follower.poll()[1] == 1
+  follower.close()
+  assert files.exists(files.join(fleet.weights_dir(root), "1", COMMIT_FILE))
