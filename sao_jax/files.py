@@ -27,7 +27,10 @@ them with a commit file (`renames_atomically`).
 One client serves every gs:// access of a process: etils.epath (orbax's
 path layer) would pick TensorFlow's GCS client whenever TensorFlow is
 importable; `EPATH_USE_TF=false` (unless the user set it) keeps it on
-fsspec / gcsfs, the client the rest of this module uses.
+fsspec / gcsfs, the client the rest of this module uses. gcsfs caches
+listings for ever by default, which is wrong where other processes write:
+a rollout's orbax, having listed the weights once, would never see a new
+version; the listings cache is off for gs:// (fsspec's config, unless set).
 """
 
 from __future__ import annotations
@@ -42,6 +45,18 @@ import uuid
 import weakref
 
 os.environ.setdefault("EPATH_USE_TF", "false")
+
+
+def _configure_fsspec() -> None:
+  try:
+    import fsspec.config  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return  # no object stores in this process
+  for protocol in ("gs", "gcs"):
+    fsspec.config.conf.setdefault(protocol, {}).setdefault("use_listings_cache", False)
+
+
+_configure_fsspec()
 
 
 class StorageError(OSError):
@@ -291,17 +306,25 @@ class LocalCopies:
 
 
 class Appender:
-  """A text file that grows by lines (metrics.jsonl): appended and flushed on
-  POSIX; for an object store, a local copy (the existing object's bytes
-  first, so a resumed run continues it) uploaded whole after each `write`."""
+  """A text file that grows by lines (metrics.jsonl).
 
-  def __init__(self, path: str):
+  POSIX: appended and flushed at each `write`. An object store: a local copy
+  (the existing object's bytes first, so a resumed run continues it),
+  uploaded whole at the first `write`, then at most every `sync_seconds`,
+  and at `close`: a killed writer loses at most the last `sync_seconds` of
+  lines (a resumed run records its steps after the checkpoint again anyway).
+  """
+
+  def __init__(self, path: str, sync_seconds: float = 5.0):
     self.path = path
+    self.sync_seconds = sync_seconds
+    self._synced = float("-inf")
+    self._dirty = False
     if not is_url(path):
       os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-      self._local, self._remove = path, False
+      self._local, self._object = path, False
     else:
-      self._local, self._remove = staging_path(path), True
+      self._local, self._object = staging_path(path), True
       try:
         data = read_bytes(path)
       except FileNotFoundError:
@@ -313,13 +336,22 @@ class Appender:
   def write(self, text: str) -> None:
     self._f.write(text)
     self._f.flush()
-    if self._remove:
+    if self._object:
+      self._dirty = True
+      if time.monotonic() - self._synced >= self.sync_seconds:
+        self.sync()
+
+  def sync(self) -> None:
+    """Uploads what was written (object stores; a no-op on POSIX)."""
+    if self._object and self._dirty:
       fs, p = _fs(self.path)
       fs.put_file(self._local, p)
+      self._synced, self._dirty = time.monotonic(), False
 
   def close(self) -> None:
     self._f.close()
-    if self._remove:
+    if self._object:
+      self.sync()
       os.remove(self._local)
 
 

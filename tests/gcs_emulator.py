@@ -1,7 +1,7 @@
 """A local GCS emulator for the gs:// tests: gcp-storage-emulator on 127.0.0.1.
 
-`emulator()` starts `gcp-storage-emulator` (in memory, one bucket) on a free
-loopback port and returns the environment that points every client of a
+`start()` runs `gcp-storage-emulator` (in memory, one bucket; with the
+generation headers of tests/gcs_emulator_serve.py) on a free loopback port and returns the environment that points every client of a
 process at it: gcsfs (STORAGE_EMULATOR_HOST, anonymous), tensorstore (its
 HTTP URL and a test token), google-cloud-storage (tensorboardX), with no
 Google metadata-server probe (its addresses point at a closed loopback
@@ -21,6 +21,7 @@ import pytest
 
 import runs  # pylint: disable=g-bad-import-order
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 BUCKET = "sao-test"
 MISSING = []
 if importlib.util.find_spec("gcsfs") is None:
@@ -74,11 +75,9 @@ class Emulator:
 
 def start(log_path: str) -> Emulator:
   port = runs.free_port()
-  exe = os.path.join(os.path.dirname(sys.executable), "gcp-storage-emulator")
   log = open(log_path, "w", encoding="utf-8")  # pylint: disable=consider-using-with
-  proc = subprocess.Popen([exe, "start", "--host", "127.0.0.1", "--port", str(port),
-                           "--in-memory", "--default-bucket", BUCKET, "-q"],
-                          stdout=log, stderr=subprocess.STDOUT)
+  proc = subprocess.Popen([sys.executable, os.path.join(HERE, "gcs_emulator_serve.py"),
+                           str(port), BUCKET], stdout=log, stderr=subprocess.STDOUT)
   deadline = time.time() + 60
   while time.time() < deadline:
     if proc.poll() is not None:

@@ -56,9 +56,11 @@ def test_workdir_files_publish_whole_and_list(url, tmp_path):
     files.listdir(files.join(url, "nothing"))
   # A metrics-like file: a resumed writer continues the object.
   for lines in (["1\n", "2\n"], ["3\n"]):
-    a = files.Appender(files.join(url, "m.jsonl"))
+    a = files.Appender(files.join(url, "m.jsonl"), sync_seconds=1e9)
     for line in lines:
       a.write(line)
+    # The first write is uploaded at once, later ones by `sync_seconds` or at close.
+    assert files.read_text(files.join(url, "m.jsonl")).endswith(lines[0])
     a.close()
   assert files.read_text(files.join(url, "m.jsonl")) == "1\n2\n3\n"
   # A file staged locally is invisible until published.
@@ -164,3 +166,88 @@ def test_checkpoints_and_weight_versions_over_gs(url):
   assert follower.poll()[1] == 1
   follower.close()
   assert files.exists(files.join(fleet.weights_dir(root), "1", COMMIT_FILE))
+
+
+# --- the real trainer and a rollout process on a gs:// workdir ----------------------
+
+RL_STEPS = 4
+RUN = tuple(f for f in __import__("test_fleet").RUN if not f.startswith("--config.rl.steps"))
+HANG_GUARD_S = 600
+
+
+def start(emu, tmp_path, name, script, workdir, *flags, devices):
+  cmd = runs.command(script, workdir, f"--config.sharding.mesh={{'data': {devices}}}",
+                     *RUN, f"--config.rl.steps={RL_STEPS}", "--config.tensorboard=True",
+                     # Versions travel as orbax checkpoints in the bucket.
+                     "--config.fleet.weights_path=checkpoint",
+                     *flags, run_flags=())
+  log = open(tmp_path / f"{name}.log", "w", encoding="utf-8")  # pylint: disable=consider-using-with
+  return subprocess.Popen(cmd, env=runs.child_env(devices, **emu.env), stdout=log,
+                          stderr=subprocess.STDOUT, cwd=runs.ROOT)
+
+
+def rl_steps(workdir):
+  try:
+    text = files.read_text(files.join(workdir, "metrics.jsonl"))
+  except FileNotFoundError:
+    return []
+  return [json.loads(line)["step"] for line in text.splitlines(keepends=True)
+          if line.endswith("\n") and '"stage": "rl"' in line]
+
+
+def test_fleet_run_on_gs_survives_a_trainer_kill(emu, tmp_path):
+  workdir = emu.url(uuid.uuid4().hex[:12], "run")
+  ckpts = files.join(workdir, "checkpoints")
+  procs = {"trainer": start(emu, tmp_path, "trainer1", "train.py", workdir, devices=8),
+           "r0": start(emu, tmp_path, "r0", "rollout.py", workdir, "--rollout_id=r0",
+                       devices=1)}
+
+  files_of = {"trainer": "trainer1", "r0": "r0"}
+
+  def log(name):
+    return (tmp_path / f"{name}.log").read_text(encoding="utf-8")
+
+  def wait_for(what, condition):
+    deadline = time.time() + HANG_GUARD_S
+    while time.time() < deadline:
+      if condition():
+        return
+      for name, p in procs.items():
+        if p.poll() is not None:
+          pytest.fail(f"{name} exited ({p.returncode}) waiting for {what}:\n"
+                      f"{log(files_of[name])[-3000:]}")
+      time.sleep(0.5)
+    pytest.fail(f"hang guard: no {what} within {HANG_GUARD_S} s")
+
+  try:
+    wait_for("an RL checkpoint on gs://", lambda: any(
+        m["stage"] == "rl" and m["stage_step"] >= 2
+        for m in committed_checkpoints(ckpts).values()))
+    procs["trainer"].send_signal(signal.SIGKILL)
+    procs["trainer"].wait()
+    assert max(rl_steps(workdir), default=0) < RL_STEPS
+    procs["trainer"] = start(emu, tmp_path, "trainer2", "train.py", workdir, devices=8)
+    files_of["trainer"] = "trainer2"
+    assert procs["trainer"].wait(timeout=HANG_GUARD_S) == 0, log("trainer2")[-3000:]
+    assert procs["r0"].wait(timeout=HANG_GUARD_S) == 0, log("r0")[-3000:]
+  finally:
+    for p in procs.values():
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  t2 = log("trainer2")
+  assert "Resumed from checkpoint" in t2 and "stage rl" in t2, t2[-3000:]
+  assert f"shared storage {files.join(workdir, 'fleet')}; weights: checkpoints\n" in t2
+  assert max(rl_steps(workdir)) == RL_STEPS
+  summary = files.read_json(files.join(workdir, "summary.json"))
+  assert summary
+  # Everything lives in the bucket: shards, versions, the cursor, the events.
+  root = files.join(workdir, "fleet")
+  names = files.listdir(fleet.trajectories_dir(root))
+  assert names and all(fleet.parse_shard_name(n) or n.endswith(fleet.STATS_SUFFIX)
+                       for n in names), names
+  assert fleet.read_consumed(root)["r0"] >= 0
+  assert max(committed_checkpoints(fleet.weights_dir(root))) == RL_STEPS
+  assert files.listdir(files.join(workdir, "tensorboard"))
+  r0 = log("r0")
+  assert f"last version {RL_STEPS}," in r0 and "pulling version" not in r0, r0[-2000:]
