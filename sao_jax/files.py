@@ -36,6 +36,7 @@ version; the listings cache is off for gs:// (fsspec's config, unless set).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import posixpath
 import shutil
@@ -84,14 +85,16 @@ def absolute(path: str) -> str:
 
 
 def _fs(path: str):
-  """(fsspec filesystem, the path in its terms) for a URL."""
+  """(fsspec filesystem, the path in its terms) for a URL; StorageError if
+  this process has no client for its scheme."""
+  scheme = path.split("://", 1)[0]
   try:
     import fsspec  # pylint: disable=g-import-not-at-top
     return fsspec.core.url_to_fs(path)
-  except ImportError as e:
-    scheme = path.split("://", 1)[0]
+  except (ImportError, ValueError) as e:  # the client is not installed / an unknown scheme
     hint = " (pip install -e '.[gcs]')" if scheme in ("gs", "gcs") else ""
-    raise StorageError(f"{path}: no filesystem for {scheme}://{hint}: {e}") from None
+    raise StorageError(f"no client for {scheme}:// URLs{hint}: "
+                       f"{' '.join(str(e).split())[:200]}") from None
 
 
 def makedirs(path: str) -> None:
@@ -374,15 +377,23 @@ def check_writable(path: str) -> float | None:
     except OSError as e:
       raise StorageError(f"not writable: {e.strerror or e}") from None
     return shutil.disk_usage(path).free / 2**30
-  t0 = time.time()
   try:
     fs, p = _fs(probe)
+  except StorageError as e:
+    raise StorageError(f"not writable: {e}") from None
+  # The client logs each failed retry with its traceback; the error below
+  # says it in one line.
+  client_log = logging.getLogger(type(fs).__module__.split(".")[0])
+  level = client_log.level
+  client_log.setLevel(logging.CRITICAL)
+  t0 = time.time()
+  try:
     fs.pipe_file(p, b"\0" * 4096)
     fs.rm_file(p)
-  except StorageError:
-    raise
   except Exception as e:  # pylint: disable=broad-except  # each client raises its own
     raise StorageError(_object_store_error(path, e, time.time() - t0)) from None
+  finally:
+    client_log.setLevel(level)
   return None
 
 

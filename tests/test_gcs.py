@@ -82,6 +82,9 @@ def test_workdir_check_accepts_a_bucket_and_names_what_is_wrong(url, tmp_path):
                      match=r"^workdir 'gs://no-such-bucket/run': not writable: the bucket "
                      r"'no-such-bucket' does not exist"):
     configuration.check_workdir("gs://no-such-bucket/run", 0.0)
+  with pytest.raises(configuration.ConfigError,
+                     match=r"^workdir 'nosuch://b/run': not writable: no client for nosuch://"):
+    configuration.check_workdir("nosuch://b/run", 0.0)
   configuration.check_workdir(str(tmp_path / "posix"), 0.0)  # POSIX as before
   with pytest.raises(configuration.ConfigError, match="GiB free"):
     configuration.check_workdir(str(tmp_path / "posix"), 1e9)
