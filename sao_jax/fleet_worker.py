@@ -88,11 +88,17 @@ def run_rollout_worker(config, workdir: str, rollout_id: str, stop: threading.Ev
                                  devices=jax.local_devices())
   follower.retarget(engine.abstract_params())  # later versions restore into its layout
 
+  checked = [None]  # writer.last_closed when the trainer was last seen close enough
+
   def emit(t):
     # Backpressure: wait while the trainer is behind on this process's shards.
-    while (not stop.is_set() and fleet.unread_shards(fleet.read_consumed(root), rid,
-                                                      writer.last_closed) >= f.max_unread_shards):
-      stop.wait(f.poll_seconds)
+    # What is unread grows only when a shard closes, so the watermarks
+    # (one read, an object GET on gs://) are checked once per closed shard.
+    if writer.last_closed != checked[0]:
+      while (not stop.is_set() and fleet.unread_shards(
+          fleet.read_consumed(root), rid, writer.last_closed) >= f.max_unread_shards):
+        stop.wait(f.poll_seconds)
+      checked[0] = writer.last_closed
     writer.write(t)
 
   driver = factories.make_driver(
