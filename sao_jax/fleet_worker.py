@@ -53,6 +53,9 @@ def run_rollout_worker(config, workdir: str, rollout_id: str, stop: threading.Ev
   f = config.fleet
   rid = rollout_id
   root = fleet.root_of(config, workdir)
+  # An unreachable or unwritable root (a missing bucket, no credentials) is
+  # one line here, not a traceback at the first shard.
+  configuration.check_workdir(root, min_free_gb=0.0)
 
   tok = registry.make_tokenizer(config.env)
   faults = FaultInjector.from_config(config.get("faults"))

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 import uuid
 
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sao_jax import configuration, files, fleet
+from sao_jax import configuration, files, fleet, fleet_worker
 from sao_jax.checkpoint import COMMIT_FILE, Checkpointer, committed_checkpoints
 from sao_jax.data import store
 
@@ -88,6 +89,16 @@ def test_workdir_check_accepts_a_bucket_and_names_what_is_wrong(url, tmp_path):
   configuration.check_workdir(str(tmp_path / "posix"), 0.0)  # POSIX as before
   with pytest.raises(configuration.ConfigError, match="GiB free"):
     configuration.check_workdir(str(tmp_path / "posix"), 1e9)
+
+
+def test_a_rollout_on_a_missing_bucket_stops_in_one_line(emu):
+  config = runs.load_config_module("sao_tiny.py").get_config()
+  config.rl.mode = "fleet"
+  with pytest.raises(configuration.ConfigError,
+                     match=r"^workdir 'gs://no-such-bucket/run/fleet': not writable: the "
+                     r"bucket 'no-such-bucket' does not exist"):
+    fleet_worker.run_rollout_worker(config, "gs://no-such-bucket/run", "r0",
+                                    threading.Event())
 
 
 def test_trajectory_store_publishes_a_shard_whole(url):
