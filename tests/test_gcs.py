@@ -252,7 +252,8 @@ def test_fleet_run_on_gs_survives_a_trainer_kill(emu, tmp_path):
         p.kill()
         p.wait()
   t2 = log("trainer2")
-  assert "Resumed from checkpoint" in t2 and "stage rl" in t2, t2[-3000:]
+  assert "Resumed from checkpoint" in t2 and "stage rl step " in t2, t2[-3000:]
+  assert int(t2.split("stage rl step ")[1].split()[0]) >= 2  # the RL checkpoint waited for
   assert f"shared storage {files.join(workdir, 'fleet')}; weights: checkpoints\n" in t2
   assert max(rl_steps(workdir)) == RL_STEPS
   assert files.read_json(files.join(workdir, "summary.json"))["evals"]
