@@ -64,7 +64,8 @@ from typing import Any
 
 from absl import logging
 
-from sao_jax.envs import chat
+from sao_jax import fleet
+from sao_jax.envs import chat, registry
 from sao_jax.rollout import loopback, serving, sessions
 
 DEFAULT_SESSION = "default"
@@ -565,3 +566,47 @@ class Server:
     self._http.shutdown()
     self._http.server_close()
     self._thread.join(10.0)
+
+
+class Endpoint:
+  """A run's engine served over HTTP, its rewarded sessions written to the fleet's shards.
+
+  `launch/serve.py --api=openai` is this plus flags. `config` is the run's
+  (its chat format, `rollout.max_turn_tokens` / `decode_steps`, and the
+  fleet's shard rotation: `fleet.shard_trajectories`, `fleet.shard_seconds`);
+  `root` the fleet directory (`fleet.root_of(config, workdir)`), whose
+  `trajectories/<rollout_id>-<seq>.array_record` shards a trainer in
+  `rl.mode = "fleet"` reads. `rotate()` closes a shard older than
+  `fleet.shard_seconds` (call it now and then); `close()` stops serving and
+  renames the open shard, so everything written is visible.
+  """
+
+  def __init__(self, config, engine, tokenizer, root: str, *, host: str = loopback.LOOPBACK_HOST,
+               port: int = 0, model_name: str = "sao-jax", api_key: str | None = None,
+               rollout_id: str = "openai", max_sessions: int = 1024,
+               idle_seconds: float = 3600.0, decode_steps: int | None = None):
+    chat_format = registry.make_format(config.env, tokenizer)
+    f = config.fleet
+    self.writer = fleet.ShardWriter(root, rollout_id, f.shard_trajectories, f.shard_seconds)
+    self.batcher = serving.Batcher(engine, chat_format.turn_end_id,
+                                   decode_steps=decode_steps or config.rollout.decode_steps)
+    self.book = sessions.SessionBook(chat_format, tokenizer.vocab_size,
+                                     engine.max_prefill_length, self.writer.write,
+                                     current_version=lambda: engine.version,
+                                     max_sessions=max_sessions, idle_seconds=idle_seconds)
+    self.app = OpenAIApp(self.batcher, chat_format, tokenizer, self.book, model_name=model_name,
+                         max_turn_tokens=config.rollout.max_turn_tokens, api_key=api_key)
+    try:
+      self.server = Server(self.app, host, port)
+    except BaseException:
+      self.batcher.close()
+      raise
+    self.url = self.server.url
+
+  def rotate(self) -> None:
+    self.writer.rotate_if_older()
+
+  def close(self) -> None:
+    self.server.close()
+    self.batcher.close()
+    self.writer.close()
