@@ -406,12 +406,15 @@ def _one_rl_step(served, trajs):
   from sao_jax.train_step import TrainState, make_train_step  # pylint: disable=g-import-not-at-top
   cfg = served.model_cfg
   p = served.params
-  c = policy.value_params_from_policy(p, policy.init_params(cfg, jax.random.key(1), "value"))
+  # A fresh value head (zeros) on the policy's trunk, without compiling an init.
+  head = jax.eval_shape(lambda: policy.init_params(cfg, jax.random.key(1), "value"))
+  c = policy.value_params_from_policy(p, {k: jax.numpy.zeros(head[k].shape, head[k].dtype)
+                                          for k in ("value_head", "value_bias")})
   ptx = optim.make_optimizer(p, 1e-3)
   ctx = optim.make_optimizer(c, 1e-3, rules=optim.CRITIC_FREEZE_RULES)
   state = TrainState(jax.numpy.zeros((), jax.numpy.int32), p, c, ptx.init(p), ctx.init(c))
   step = make_train_step(cfg, factories.step_config(served.config), ptx, ctx)
-  batch = packing.pack(trajs, len(trajs), (MAX_LEN,), action_index=True)
+  batch = packing.pack(trajs, len(trajs), (256, MAX_LEN), action_index=True)
   return jax.jit(step)(state, batch)
 
 
