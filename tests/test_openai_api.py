@@ -380,7 +380,7 @@ def _mini_swe_agent(tmp_path):
   for k, v in (("MSWEA_SILENT_STARTUP", "1"), ("MSWEA_GLOBAL_CONFIG_DIR", str(tmp_path / "mswea")),
                ("MSWEA_COST_TRACKING", "ignore_errors"), ("LITELLM_LOCAL_MODEL_COST_MAP", "True")):
     os.environ.setdefault(k, v)
-  agents = pytest.importorskip("minisweagent.agents.default")
+  from minisweagent.agents import default as agents  # pylint: disable=g-import-not-at-top
   from minisweagent.environments.local import LocalEnvironment  # pylint: disable=g-import-not-at-top
   from minisweagent.models import litellm_model  # pylint: disable=g-import-not-at-top
   from minisweagent.models.utils.actions_toolcall import BASH_TOOL  # pylint: disable=g-import-not-at-top
