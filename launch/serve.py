@@ -21,6 +21,8 @@ session is recorded token for token; `POST /v1/sessions/<id>/reward` with
 shards (`fleet.root`, default `<workdir>/fleet`), which a trainer of the
 same config with `--config.rl.mode=fleet` trains on. Point a harness at
 `http://127.0.0.1:<port>/sessions/<id>/v1` (any API key unless `--api_key`).
+With `--follow_weights` it serves the newest version that trainer publishes,
+as a rollout process does.
 """
 
 import threading
@@ -56,6 +58,10 @@ _API_KEY = flags.DEFINE_string("api_key", None, "openai: if set, requests must s
 _ROLLOUT_ID = flags.DEFINE_string("rollout_id", "openai", "openai: the name of this server's "
                                   "trajectory shards under the fleet root.")
 _MAX_SESSIONS = flags.DEFINE_integer("max_sessions", 1024, "openai: open sessions at most.")
+_FOLLOW_WEIGHTS = flags.DEFINE_bool(
+    "follow_weights", False, "openai: serve the newest policy version a fleet trainer "
+    "(--config.rl.mode=fleet, the same fleet root) publishes, polled every "
+    "fleet.poll_seconds, instead of the checkpoint loaded at start.")
 _SESSION_IDLE_S = flags.DEFINE_float("session_idle_s", 3600.0, "openai: a session unused this "
                                      "long is discarded (nothing written).")
 flags.mark_flags_as_required(["config", "workdir"])
@@ -81,13 +87,16 @@ def _serve_openai(config, run, engine):
       config, engine, run.tok, root, host=_HOST.value, port=_PORT.value,
       model_name=_MODEL_NAME.value, api_key=_API_KEY.value, rollout_id=_ROLLOUT_ID.value,
       max_sessions=_MAX_SESSIONS.value, idle_seconds=_SESSION_IDLE_S.value,
-      decode_steps=_TOKENS_PER_STEP.value)
+      decode_steps=_TOKENS_PER_STEP.value, follow_weights=_FOLLOW_WEIGHTS.value)
   print(f"OpenAI-compatible endpoint at {endpoint.url}/v1 (model {_MODEL_NAME.value!r}, "
         f"policy version {engine.version}); sessions at {endpoint.url}/sessions/<id>/v1; "
         f"trajectories to {fleet.trajectories_dir(root)}", flush=True)
   try:
     while not threading.Event().wait(config.fleet.poll_seconds):
       endpoint.rotate()  # a shard becomes visible by count or by age
+      version = endpoint.poll_weights()
+      if version is not None:
+        print(f"serving policy version {version}", flush=True)
   finally:
     endpoint.close()
 

@@ -474,3 +474,24 @@ def test_mini_swe_agent_runs_against_the_endpoint_and_its_session_trains(served,
   moved = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), state.policy,
                        served.params)
   assert any(jax.tree.leaves(moved))
+
+
+def test_the_endpoint_follows_the_versions_a_fleet_trainer_publishes(served, tmp_path):
+  engine = served.endpoint.batcher.engine
+  root = str(tmp_path / "fleet")
+  endpoint = openai_api.Endpoint(served.config, engine, TOK, root, model_name=MODEL,
+                                 rollout_id="follow", follow_weights=True)
+  try:
+    assert endpoint.poll_weights() is None  # nothing published yet: the given params
+    publisher = fleet.WeightPublisher(root, 2, VERSION + 2)
+    publisher.publish(served.params, VERSION + 2)
+    publisher.close()
+    assert endpoint.poll_weights() == VERSION + 2 and endpoint.poll_weights() is None
+    c = openai.OpenAI(base_url=f"{endpoint.url}/v1", api_key="none", max_retries=0)
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                  max_tokens=2, extra_body={"return_token_ids": True})
+    assert set(sao(r)["completion_versions"]) == {VERSION + 2}
+    assert endpoint.app.stats()["weights/updates"] == 1
+  finally:
+    endpoint.close()
+    engine.update_params(served.params, VERSION)  # the module's engine, as it was

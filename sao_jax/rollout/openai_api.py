@@ -57,6 +57,7 @@ import collections
 import http.server
 import json
 import re
+import socket
 import threading
 import time
 import uuid
@@ -534,11 +535,50 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     self._serve("PUT")
 
 
+class _HTTPServer(http.server.ThreadingHTTPServer):
+  """A thread a connection, every one of which `close` ends and joins.
+
+  A harness keeps its connection open between requests (keep-alive), so
+  its handler thread sits in a read; `close_connections` shuts those
+  sockets down so the threads return, and `server_close` joins them
+  (threads are not daemons), so none is left to wake during interpreter
+  shutdown.
+  """
+
+  daemon_threads = False
+  block_on_close = True
+
+  def __init__(self, address, handler):
+    self._open: set = set()
+    self._open_lock = threading.Lock()
+    super().__init__(address, handler)
+
+  def process_request(self, request, client_address):
+    with self._open_lock:
+      self._open.add(request)
+    super().process_request(request, client_address)
+
+  def shutdown_request(self, request):
+    with self._open_lock:
+      self._open.discard(request)
+    super().shutdown_request(request)
+
+  def close_connections(self):
+    with self._open_lock:
+      conns = list(self._open)
+    for conn in conns:
+      try:
+        conn.shutdown(socket.SHUT_RDWR)
+      except OSError:
+        pass  # closed meanwhile
+
+
 class Server:
   """`app` over HTTP on `host:port` (0: a free port), a thread a connection.
 
-  `port` is the bound port; `close` stops serving (the batcher is the
-  caller's to close).
+  `port` is the bound port; `close` stops serving and ends every connection
+  (a request in flight is answered first); the batcher is the caller's to
+  close, after.
   """
 
   def __init__(self, app: OpenAIApp, host: str = loopback.LOOPBACK_HOST, port: int = 0,
@@ -548,8 +588,7 @@ class Server:
     if warning:
       logging.warning("%s", warning)
     self.app = app
-    self._http = http.server.ThreadingHTTPServer((host, port), _Handler)
-    self._http.daemon_threads = True
+    self._http = _HTTPServer((host, port), _Handler)
     self._http.app = app
     # Room for a whole context of text: a token is a few bytes, JSON escapes double some.
     self._http.max_body_bytes = max_body_bytes or max(1 << 20, 64 * app.max_len)
@@ -563,8 +602,9 @@ class Server:
     return f"http://{self.host}:{self.port}"
 
   def close(self) -> None:
-    self._http.shutdown()
-    self._http.server_close()
+    self._http.shutdown()  # no new connections
+    self._http.close_connections()
+    self._http.server_close()  # joins the connections' threads
     self._thread.join(10.0)
 
 
@@ -579,12 +619,19 @@ class Endpoint:
   `rl.mode = "fleet"` reads. `rotate()` closes a shard older than
   `fleet.shard_seconds` (call it now and then); `close()` stops serving and
   renames the open shard, so everything written is visible.
+
+  `follow_weights`: `poll_weights()` (call it now and then) takes the
+  newest policy version a fleet trainer published under `root` into the
+  engine, as a rollout process does (`fleet.WeightFollower`); requests in
+  flight go on over their caches, and each token records the version
+  that sampled it. Without it the endpoint serves the params it was given.
   """
 
   def __init__(self, config, engine, tokenizer, root: str, *, host: str = loopback.LOOPBACK_HOST,
                port: int = 0, model_name: str = "sao-jax", api_key: str | None = None,
                rollout_id: str = "openai", max_sessions: int = 1024,
-               idle_seconds: float = 3600.0, decode_steps: int | None = None):
+               idle_seconds: float = 3600.0, decode_steps: int | None = None,
+               follow_weights: bool = False):
     chat_format = registry.make_format(config.env, tokenizer)
     f = config.fleet
     self.writer = fleet.ShardWriter(root, rollout_id, f.shard_trajectories, f.shard_seconds)
@@ -602,11 +649,25 @@ class Endpoint:
       self.batcher.close()
       raise
     self.url = self.server.url
+    self.follower = (fleet.WeightFollower(root, engine.abstract_params()) if follow_weights
+                     else None)
 
   def rotate(self) -> None:
     self.writer.rotate_if_older()
+
+  def poll_weights(self) -> int | None:
+    """The version taken into the engine, if the fleet published a different one."""
+    got = None if self.follower is None else self.follower.poll()
+    if got is None:
+      return None
+    params, version, _ = got
+    self.batcher.update_params(params, version, copied=True)
+    self.app.count("weights/updates")
+    return version
 
   def close(self) -> None:
     self.server.close()
     self.batcher.close()
     self.writer.close()
+    if self.follower is not None:
+      self.follower.close()

@@ -123,9 +123,10 @@ class Batcher:
       raise Overloaded(f"{self._queue.maxsize} requests are waiting already") from None
     return request.future
 
-  def update_params(self, params, version: int) -> None:
-    """New params for the tokens sampled from the next engine call on (thread-safe)."""
-    self.engine.update_params(params, version)
+  def update_params(self, params, version: int, *, copied: bool = False) -> None:
+    """New params for the tokens sampled from the next engine call on (thread-safe);
+    `copied`: already in the engine's layout (`PolicyEngine.update_params`)."""
+    self.engine.update_params(params, version, copied=copied)
 
   @property
   def busy_slots(self) -> int:
