@@ -495,3 +495,35 @@ def test_the_endpoint_follows_the_versions_a_fleet_trainer_publishes(served, tmp
   finally:
     endpoint.close()
     engine.update_params(served.params, VERSION)  # the module's engine, as it was
+
+
+def test_concurrent_sessions_record_the_exact_logprobs_of_their_tokens(served):
+  """Four sessions at once over the engine's two slots: each trajectory's recorded
+  log-probs are the model's teacher-forced ones at its own tokens."""
+  import concurrent.futures as cf  # pylint: disable=g-import-not-at-top
+  from sao_jax.data import packing  # pylint: disable=g-import-not-at-top
+  from sao_jax.models import policy  # pylint: disable=g-import-not-at-top
+  before = served.endpoint.writer.last_closed
+
+  def session(k):
+    c = client(served, f"par{k}")
+    messages = [{"role": "user", "content": f"Count to {k + 2}."}]
+    r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4 + k)
+    messages += [as_message(r.choices[0]), {"role": "user", "content": "Go on."}]
+    r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4 + k)
+    assert sao(r)["extended"]
+    return httpx.post(f"{served.endpoint.url}/v1/sessions/par{k}/reward",
+                      json={"reward": float(k)}).json()["written"]
+
+  with cf.ThreadPoolExecutor(4) as pool:
+    assert list(pool.map(session, range(4))) == [1] * 4
+  trajs = written_since(served, before)
+  assert sorted(t.total_reward for t in trajs) == [0.0, 1.0, 2.0, 3.0]
+  batch = packing.pack(trajs, 4, (256,), action_index=True)
+  lp, _ = jax.jit(policy.token_logprobs, static_argnums=(0, 5))(
+      served.model_cfg, served.params, batch["tokens"], batch["positions"],
+      batch["segment_ids"], served.config.rollout.temperature, batch["action_index"])
+  actions = batch["action_mask"]
+  assert actions.sum() == sum(int(t.action_mask.sum()) for t in trajs)
+  np.testing.assert_allclose(np.asarray(lp)[actions], batch["rollout_logprobs"][actions],
+                             atol=2e-4)

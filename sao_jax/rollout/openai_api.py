@@ -480,6 +480,7 @@ def _json(body: bytes | None):
 class _Handler(http.server.BaseHTTPRequestHandler):
   protocol_version = "HTTP/1.1"  # keep-alive: a harness reuses its connection
   server_version = "sao-jax"
+  timeout = 600  # seconds a connection may sit idle or trickle a request in
 
   def log_message(self, format, *args):  # pylint: disable=redefined-builtin
     logging.debug("openai endpoint: " + format, *args)

@@ -146,14 +146,14 @@ class Batcher:
   def _run(self):
     try:
       while not self._closed.is_set():
-        self._admit(block=self.busy_slots == 0)
-        if self.busy_slots == 0:
-          continue
         try:
-          self._pass()
+          self._admit(block=self.busy_slots == 0)
+          if self.busy_slots:
+            self._pass()
         except Exception as e:  # pylint: disable=broad-except
           self._fail_in_flight(e)
     finally:
+      self._closed.set()  # later submits are refused, not left waiting
       error = Closed("the batcher is closed")
       for r in list(self._slots) + list(self._waiting):
         if r is not None and not r.future.done():
