@@ -527,3 +527,24 @@ def test_concurrent_sessions_record_the_exact_logprobs_of_their_tokens(served):
   assert actions.sum() == sum(int(t.action_mask.sum()) for t in trajs)
   np.testing.assert_allclose(np.asarray(lp)[actions], batch["rollout_logprobs"][actions],
                              atol=2e-4)
+
+
+def test_sessions_stay_bounded_in_number_size_and_age():
+  book = sessions.SessionBook(FMT, TOK.vocab_size, MAX_LEN, [].append, max_sessions=2,
+                              max_trajectories=2)
+  s = book.get("a")
+  for k in range(3):  # three histories that do not extend each other
+    messages = [{"role": "user", "content": f"task {k}"}]
+    prompt, _ = s.prompt_ids(messages, [])
+    s.record(prompt, serving.Completion((11, IM_END), (-1.0, -1.0), (0, 0), True), messages,
+             [], {"role": "assistant", "content": "x"}, False)
+  assert s.num_trajectories == 2 and book.counts["trajectories/dropped_session_full"] == 1
+  book.get("b")
+  with pytest.raises(sessions.TooManySessions):
+    book.get("c")
+  with pytest.raises(ValueError):
+    book.get("no spaces")
+  book.idle_seconds = -1.0  # everything idle is expired when a session opens
+  book.get("c")
+  assert book.open_sessions == 1 and book.counts["sessions/expired"] == 2
+  assert book.reward("a", 1.0) is None  # expired: nothing to write

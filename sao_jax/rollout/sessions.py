@@ -123,9 +123,11 @@ class Recorded:
 class Session:
   """One agent session's trajectories (module docstring). Use under `lock`."""
 
-  def __init__(self, session_id: str, chat_format, max_len: int, counts: collections.Counter):
+  def __init__(self, session_id: str, chat_format, max_len: int, counts: collections.Counter,
+               max_trajectories: int = 64):
     self.id = session_id
     self.format, self.max_len, self._counts = chat_format, max_len, counts
+    self.max_trajectories = max_trajectories
     self.lock = threading.Lock()
     self.closed: list[_Record] = []  # finished trajectories, waiting for the reward
     self.current: _Record | None = None
@@ -173,6 +175,9 @@ class Session:
       if r is not None:
         self.closed.append(r)
         self._counts["trajectories/not_extending"] += 1
+        if len(self.closed) >= self.max_trajectories:  # memory stays bounded: oldest out
+          self.closed.pop(0)
+          self._counts["trajectories/dropped_session_full"] += 1
       else:
         self._counts["trajectories/new_session"] += 1
       r = self.current = _Record(start_time=now)
@@ -216,15 +221,20 @@ class SessionBook:
     max_sessions: open sessions beyond which a new one is refused.
     idle_seconds: a session unused this long is discarded (counted
       `sessions/expired`) when the next session opens.
+    max_trajectories: a session holding this many trajectories drops its
+      oldest to start another (counted `trajectories/dropped_session_full`),
+      so a harness that never extends cannot grow the server's memory
+      without bound.
   """
 
   def __init__(self, chat_format, vocab_size: int, max_len: int,
                sink: Callable[[Trajectory], None], *,
                current_version: Callable[[], int] | None = None, max_sessions: int = 1024,
-               idle_seconds: float = 3600.0):
+               idle_seconds: float = 3600.0, max_trajectories: int = 64):
     self.format, self.vocab_size, self.max_len = chat_format, vocab_size, max_len
     self._sink, self._current_version = sink, current_version
     self.max_sessions, self.idle_seconds = max_sessions, idle_seconds
+    self.max_trajectories = max_trajectories
     self._sessions: dict[str, Session] = {}
     self._lock = threading.Lock()
     self.counts: collections.Counter = collections.Counter()
@@ -242,7 +252,7 @@ class SessionBook:
       if len(self._sessions) >= self.max_sessions:
         raise TooManySessions(f"{self.max_sessions} sessions are open; reward or delete some")
       s = self._sessions[session_id] = Session(session_id, self.format, self.max_len,
-                                               self.counts)
+                                               self.counts, self.max_trajectories)
       self.counts["sessions/opened"] += 1
       return s
 
