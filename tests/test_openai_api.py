@@ -236,6 +236,8 @@ def test_hostile_requests_are_openai_errors_with_counted_reasons(served):
        "unknown_session"),
       (httpx.post(f"{url}/v1/sessions/nobody/reward", content=b'{"reward": NaN}'), 400,
        "bad_reward"),
+      (httpx.post(f"{url}/v1/sessions/nobody/reward", content=b'{"reward": 1' + b"0" * 400
+                  + b"}"), 400, "bad_reward"),
       (httpx.post(f"{url}/v1/chat/completions", content=b"x" * (2 << 20)), 413,
        "body_too_large"),
   ]
@@ -319,10 +321,15 @@ def test_tool_calls_are_parsed_from_the_sampled_ids_and_answered_into_one_trajec
   written = []
   book = sessions.SessionBook(FMT, TOK.vocab_size, MAX_LEN, written.append,
                               current_version=lambda: VERSION)
-  app = openai_api.OpenAIApp(batcher, FMT, TOK, book, model_name=MODEL, max_turn_tokens=64)
+  app = openai_api.OpenAIApp(batcher, FMT, TOK, book, model_name=MODEL, max_turn_tokens=64,
+                             api_key="k3y")
   server = openai_api.Server(app)
   try:
-    c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    for key in (None, "wrong"):
+      headers = {"Authorization": f"Bearer {key}"} if key else {}
+      refused = httpx.get(f"{server.url}/v1/models", headers=headers)
+      assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="k3y", max_retries=0)
     messages = [SYSTEM, {"role": "user", "content": "What is here?"}]
     r1 = c.chat.completions.create(model=MODEL, messages=messages, tools=[BASH])
     choice = r1.choices[0]
@@ -342,7 +349,8 @@ def test_tool_calls_are_parsed_from_the_sampled_ids_and_answered_into_one_trajec
     bridge = FMT.observation_ids([{"role": "tool", "content": "calc.py"}])
     # The engine was fed each request's prompt whole (no prefix cache).
     assert engine.fed[:len(prompt1)] == prompt1
-    httpx.post(f"{server.url}/v1/sessions/default/reward", json={"reward": 1.0})
+    httpx.post(f"{server.url}/v1/sessions/default/reward", json={"reward": 1.0},
+               headers={"Authorization": "Bearer k3y"})
     (t,) = written
     np.testing.assert_array_equal(t.tokens, prompt1 + turn1 + bridge + turn2)
     np.testing.assert_array_equal(np.flatnonzero(t.action_mask), list(range(

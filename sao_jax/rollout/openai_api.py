@@ -54,8 +54,10 @@ binds 127.0.0.1 unless told otherwise (`loopback.exposure_warning`).
 from __future__ import annotations
 
 import collections
+import hmac
 import http.server
 import json
+import math
 import re
 import socket
 import threading
@@ -263,8 +265,8 @@ class OpenAIApp:
   def _check_key(self, headers: dict):
     if self.api_key is None:
       return
-    given = headers.get("authorization", "")
-    if given != f"Bearer {self.api_key}":
+    given = headers.get("authorization", "").encode("utf-8", "replace")
+    if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
       raise ApiError(401, "unauthorized", "a missing or wrong API key (Authorization: Bearer)",
                      kind="invalid_request_error", code="invalid_api_key")
 
@@ -308,8 +310,11 @@ class OpenAIApp:
     if not isinstance(body, dict):
       raise _bad("bad_reward", "the body must be a JSON object {\"reward\": number}")
     reward = body.get("reward")
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not (
-        abs(float(reward)) < float("inf")):
+    try:
+      finite = not isinstance(reward, bool) and math.isfinite(reward)
+    except (TypeError, OverflowError):  # not a number; an int beyond any float
+      finite = False
+    if not finite:
       raise _bad("bad_reward", "reward must be a finite number", "reward")
     prompt_id = body.get("prompt_id")
     if prompt_id is not None and (isinstance(prompt_id, bool) or not isinstance(prompt_id, int)
