@@ -67,12 +67,10 @@ _SESSION_IDLE_S = flags.DEFINE_float("session_idle_s", 3600.0, "openai: a sessio
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def _serve_jetstream(config, run, engine):
-  from sao_jax.rollout import jetstream_bridge  # pylint: disable=g-import-not-at-top
+def _serve_jetstream(jetstream_bridge, run, engine):
   server = jetstream_bridge.serve(jetstream_bridge.JetStreamEngine(
       engine, run.tok, tokens_per_step=_TOKENS_PER_STEP.value, ignore_eos=_IGNORE_EOS.value),
       _PORT.value, host=_HOST.value)
-  del config
   print(f"JetStream server on port {_PORT.value} ({_HOST.value})", flush=True)
   try:
     threading.Event().wait()
@@ -103,6 +101,11 @@ def _serve_openai(config, run, engine):
 
 def main(argv):
   del argv
+  bridge = None
+  if _API.value == "jetstream":
+    # Imported only here (it needs the jetstream extra), and before the verbosity
+    # is set: importing jetstream sets up logging of its own.
+    from sao_jax.rollout import jetstream_bridge as bridge  # pylint: disable=g-import-not-at-top
   logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value
   run = trainer.load_run(config, _WORKDIR.value)
@@ -117,7 +120,7 @@ def main(argv):
   if _API.value == "openai":
     _serve_openai(config, run, engine)
   else:
-    _serve_jetstream(config, run, engine)
+    _serve_jetstream(bridge, run, engine)
 
 
 if __name__ == "__main__":
