@@ -556,3 +556,43 @@ def test_sessions_stay_bounded_in_number_size_and_age():
   book.get("c")
   assert book.open_sessions == 1 and book.counts["sessions/expired"] == 2
   assert book.reward("a", 1.0) is None  # expired: nothing to write
+
+
+def test_launch_serve_api_openai_serves_and_writes_a_rewarded_session(tmp_path):
+  """The entry point itself, on sao_tiny (character vocabulary, the raw format)."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  workdir = tmp_path / "serve"
+  proc = subprocess.Popen(
+      [sys.executable, os.path.join(root, "launch", "serve.py"), "--api=openai",
+       f"--config={os.path.join(root, 'configs', 'sao_tiny.py')}", f"--workdir={workdir}",
+       f"--port={port}", "--model_name=tiny", "--config.tensorboard=False",
+       "--config.fleet.shard_trajectories=1"],
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+      env=dict(os.environ, PYTHONUNBUFFERED="1"))
+  try:
+    for line in proc.stdout:  # blocks until the server says it is up (or exits)
+      if "OpenAI-compatible endpoint at" in line:
+        break
+    else:
+      pytest.fail("serve.py exited before serving")
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/sessions/s1/v1", api_key="none",
+                      max_retries=0)
+    r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "4+4="}],
+                                  max_tokens=4, extra_body={"return_token_ids": True})
+    assert r.usage.completion_tokens == len(sao(r)["completion_token_ids"]) >= 1
+    out = httpx.post(f"http://127.0.0.1:{port}/v1/sessions/s1/reward",
+                     json={"reward": 1.0}).json()
+    assert out["written"] == 1
+  finally:
+    proc.kill()
+    proc.wait()
+  shard = os.path.join(fleet.trajectories_dir(str(workdir / "fleet")),
+                       fleet.shard_name("openai", 0))
+  (t,), _ = store.read_valid_trajectories([shard], TOKENIZERS["char"]().vocab_size, 1 << 16)
+  np.testing.assert_array_equal(t.tokens, sao(r)["prompt_token_ids"]
+                                + sao(r)["completion_token_ids"])
