@@ -383,10 +383,12 @@ def test_a_malformed_trajectory_is_refused_and_counted_not_written():
 
 
 def _mini_swe_agent(tmp_path):
-  """mini-swe-agent's modules, offline: no start-up banner, no config in $HOME, and
-  litellm's bundled model cost map instead of its download."""
+  """mini-swe-agent's modules, offline: no start-up banner, no config in $HOME,
+  litellm's bundled model cost map instead of its download, no retries."""
   for k, v in (("MSWEA_SILENT_STARTUP", "1"), ("MSWEA_GLOBAL_CONFIG_DIR", str(tmp_path / "mswea")),
-               ("MSWEA_COST_TRACKING", "ignore_errors"), ("LITELLM_LOCAL_MODEL_COST_MAP", "True")):
+               ("MSWEA_COST_TRACKING", "ignore_errors"), ("LITELLM_LOCAL_MODEL_COST_MAP", "True"),
+               # A server error fails the test at once, not after minutes of backoff.
+               ("MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT", "1")):
     os.environ.setdefault(k, v)
   from minisweagent.agents import default as agents  # pylint: disable=g-import-not-at-top
   from minisweagent.environments.local import LocalEnvironment  # pylint: disable=g-import-not-at-top
@@ -596,3 +598,53 @@ def test_launch_serve_api_openai_serves_and_writes_a_rewarded_session(tmp_path):
   (t,), _ = store.read_valid_trajectories([shard], TOKENIZERS["char"]().vocab_size, 1 << 16)
   np.testing.assert_array_equal(t.tokens, sao(r)["prompt_token_ids"]
                                 + sao(r)["completion_token_ids"])
+
+
+def test_mini_swe_agent_session_with_tool_calls_is_one_trajectory(served, tmp_path):
+  """mini-swe-agent driven by a scripted sampler that calls its bash tool: it runs the
+  calls in the repository, answers them, submits, and the whole session is one
+  trajectory of two action turns with the harness's tool output as the bridge."""
+  DefaultAgent, LitellmModel, LocalEnvironment, bash_tool = _mini_swe_agent(tmp_path)
+  repo, hidden = _task(tmp_path)
+
+  def call(command):
+    body = '{"name": "bash", "arguments": {"command": "%s"}}' % command
+    return [CALL] + TOK.encode("\n" + body + "\n") + [CALL_END]
+
+  turn1 = TOK.encode("Let me look.\n") + call("cat calc.py") + [IM_END]
+  turn2 = call("sed -i 's/a - b/a + b/' calc.py && echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT") + [
+      IM_END]
+  root = str(tmp_path / "fleet")
+  endpoint = openai_api.Endpoint(served.config, ScriptedEngine(_script(turn1 + turn2)), TOK,
+                                 root, model_name=MODEL, rollout_id="scripted")
+  try:
+    model = LitellmModel(model_name=f"openai/{MODEL}", cost_tracking="ignore_errors",
+                         model_kwargs={"api_base": f"{endpoint.url}/sessions/swe2/v1",
+                                       "api_key": "none", "num_retries": 0,
+                                       "max_tokens": 64})
+    agent = DefaultAgent(model, LocalEnvironment(cwd=str(repo), timeout=10),
+                         system_template="You fix bugs with the bash tool.",
+                         instance_template="{{task}}", step_limit=5, cost_limit=0)
+    result = agent.run("add() in calc.py subtracts. Fix it.")
+    assert result["exit_status"] == "Submitted"
+    import subprocess  # pylint: disable=g-import-not-at-top
+    import sys  # pylint: disable=g-import-not-at-top
+    passed = subprocess.run([sys.executable, str(hidden), str(repo)], capture_output=True,
+                            check=False).returncode == 0
+    assert passed  # the scripted fix, run by the harness, is what the hidden test sees
+    out = httpx.post(f"{endpoint.url}/v1/sessions/swe2/reward",
+                     json={"reward": float(passed)}).json()
+    counts = endpoint.app.stats()
+  finally:
+    endpoint.close()
+  assert out["written"] == out["trajectories"] == 1
+  assert counts["turns/extended"] == 1 and counts["prompts/bridged"] == 1
+  (t,) = fleet.ShardFeed(root, TOK.vocab_size, MAX_LEN, current_version=lambda: VERSION).take(1)
+  system, user, _, tool = agent.messages[:4]
+  assert tool["role"] == "tool" and "a - b" in tool["content"]  # what `cat calc.py` printed
+  prompt = official_ids(TOK, [{"role": m["role"], "content": m["content"]} for m in (system, user)],
+                        [bash_tool], add_generation_prompt=True)
+  bridge = FMT.observation_ids([{"role": "tool", "content": tool["content"]}])
+  np.testing.assert_array_equal(t.tokens, prompt + turn1 + bridge + turn2)
+  assert t.action_mask.sum() == len(turn1) + len(turn2) and t.num_turns == 2
+  assert t.total_reward == 1.0 and t.rewards[-1] == 1.0
