@@ -19,7 +19,7 @@ import numpy as np
 import openai
 import pytest
 
-from sao_jax import factories, fleet, sections
+from sao_jax import factories, fleet
 from sao_jax.data import store
 from sao_jax.data.trajectory import Trajectory
 from sao_jax.envs import chat
