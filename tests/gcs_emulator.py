@@ -59,12 +59,25 @@ class Emulator:
     return "/".join([f"gs://{BUCKET}", *parts])
 
   def apply_here(self) -> None:
-    """Points this (the pytest) process's clients at the emulator."""
+    """Points this (the pytest) process's clients at the emulator, until `stop`."""
+    import fsspec  # pylint: disable=g-import-not-at-top  # (its config reads the env once)
+    self._saved = {k: os.environ.get(k) for k in self.env}
+    self._saved_token = fsspec.config.conf.setdefault("gs", {}).get("token")
     os.environ.update(self.env)
-    import fsspec  # pylint: disable=g-import-not-at-top
-    fsspec.config.conf.setdefault("gs", {})["token"] = "anon"
+    fsspec.config.conf["gs"]["token"] = "anon"
 
   def stop(self) -> None:
+    for k, v in getattr(self, "_saved", {}).items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
+    if hasattr(self, "_saved_token"):
+      import fsspec  # pylint: disable=g-import-not-at-top
+      if self._saved_token is None:
+        fsspec.config.conf["gs"].pop("token", None)
+      else:
+        fsspec.config.conf["gs"]["token"] = self._saved_token
     self.proc.terminate()
     try:
       self.proc.wait(timeout=10)
