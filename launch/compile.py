@@ -118,7 +118,7 @@ from absl import flags
 from jax.experimental import topologies
 from ml_collections import config_flags
 
-from sao_jax import configuration, factories, files, precision, sections, sharding
+from sao_jax import advantages, configuration, factories, files, precision, sections, sharding
 from sao_jax import steptime, weight_transfer
 from sao_jax.data import packing
 from sao_jax.rollout import programs as programs_lib
@@ -651,10 +651,11 @@ def double_buffer_rows(rows: list[dict], transfer: dict, min_headroom: float) ->
 
 
 def step_time_model(rows: list[dict], transfer: dict | None, devices, rdevices,
-                    model_cfg) -> tuple[dict, dict | None] | None:
+                    model_cfg, config) -> tuple[dict, dict | None] | None:
   """(the RL step's modeled time, a version's) from the rl row's cost and the plan, or None
   without an rl row. A scanned layer stack's loop runs num_layers times: the
-  layer-scaled estimate."""
+  layer-scaled estimate. Beside them, the step counted from the model's shape
+  (`steptime.rl_step_flops` at the rl program's rows x length)."""
   rl = next((r for r in rows if r["program"] == "rl"), None)
   if rl is None:
     return None
@@ -664,6 +665,16 @@ def step_time_model(rows: list[dict], transfer: dict | None, devices, rdevices,
     scale = model_cfg.num_layers if getattr(model_cfg, "scan_layers", False) else 1
     step = steptime.step_model(rl.get("cost"), devices[0].device_kind, _MFU.value,
                                loops=rl.get("while_loops", 0), loop_scale=scale)
+    if step.get("available"):
+      counted = steptime.rl_step_flops(
+          model_cfg, _ROWS.value or config.rl.batch_size,
+          _LENGTH.value or max(config.data.buckets),
+          critic_updates=(config.rl.critic_updates
+                          if advantages.ESTIMATORS[config.rl.advantage].uses_critic else 0),
+          remat=model_cfg.remat != "none", causal_skip=model_cfg.attention_impl == "splash")
+      step["analytic"] = {**steptime.analytic_step(counted["total"], len(devices),
+                                                   devices[0].device_kind, _MFU.value),
+                          "flops": counted}
   version = None
   if transfer is not None:
     version = steptime.version_model(transfer["bytes_per_rollout_engine"], len(rdevices),
@@ -815,7 +826,7 @@ def main(argv):
             and config.fleet.weights_path == "direct")
   buffered = double_buffer_rows(rows, transfer, _MIN_HEADROOM.value) if direct else []
   rows += buffered
-  model = step_time_model(rows, transfer, devices, rdevices, model_cfg)
+  model = step_time_model(rows, transfer, devices, rdevices, model_cfg, config)
   if model is not None:
     print(f"[compile] step time: {steptime.format_model(*model)}", flush=True)
   if colocated or buffered or model is not None:

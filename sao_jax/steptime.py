@@ -15,7 +15,11 @@ program with loops -- the scanned layer stack, the K critic updates --
 is under-counted; `step_model` says so and gives, beside the figure as
 counted (a lower bound), the figure scaled by the scanned layer count: an
 estimate that over-counts what runs outside the layer loop and under-counts
-loops nested in it.
+loops nested in it. Beside both, `rl_step_flops` counts the step's matmul
+FLOPs from the model's shape and the step's passes (the usual "6ND" count
+made specific: K critic updates, the actor update, full remat, causal
+attention): no loop is missed, though nothing slower than a matmul at the
+assumed MFU is seen either. It is the figure to plan a pod with.
 """
 
 import math
@@ -112,6 +116,63 @@ def step_model(step_cost: dict | None, device_kind: str, mfu: float, *, loops: i
   return out
 
 
+def forward_flops_per_token(cfg, attended: float, head: bool = True) -> float:
+  """Matmul FLOPs of one token's forward pass through `cfg` (a ModelConfig).
+
+  A multiply-add is 2 FLOPs. Per layer: the q / k / v / o projections;
+  attention's scores and weighted values against `attended` keys (`L` for
+  an implementation that computes every query-key pair of a row, `(L+1)/2`
+  on average for one that skips the masked half of a causal row, as
+  splash's block mask does); a MoE layer's router and its top-k experts'
+  SwiGLU (dropless: every token's k experts, no padding) or a dense layer's
+  SwiGLU; and, with `head`, the vocabulary-wide LM head. Norms, softmax
+  and the other elementwise work are left out (a few percent at these
+  shapes: tests/test_steptime.py compares with XLA's count).
+  """
+  d, h, kvh, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  attn = 2 * d * (h + 2 * kvh) * hd + 2 * h * hd * d + 4 * h * hd * attended
+  moe = 2 * d * cfg.num_experts + cfg.experts_per_token * 6 * d * cfg.moe_d_ff
+  dense = 6 * d * (cfg.dense_d_ff or 0)
+  n_dense = len(cfg.dense_layers)
+  flops = cfg.num_layers * attn + (cfg.num_layers - n_dense) * moe + n_dense * dense
+  return float(flops + (2 * d * cfg.vocab_size if head else 0))
+
+
+def rl_step_flops(cfg, rows: int, length: int, *, critic_updates: int, remat: bool,
+                  head_fraction: float = 1.0, causal_skip: bool = True) -> dict:
+  """Matmul FLOPs of one RL step (`train_step.make_train_step`) over `rows x length`
+  tokens, by what the step runs: `critic_updates` value-model updates and one
+  actor update, each a forward and a backward (the backward is twice the
+  forward's matmuls: gradients of inputs and of weights), plus a second
+  forward under full rematerialisation (`remat`). The actor's head runs at
+  `head_fraction` of the tokens (1: every token; `data.logits_at_actions`:
+  the action tokens'); the critic's value head is a dot product.
+
+  An upper-side count for a frozen-attention critic (its attention weights
+  get no gradient, which saves a sixth or less of its backward) and for
+  packed rows (shorter segments attend over fewer keys).
+  """
+  attended = (length + 1) / 2 if causal_skip else float(length)
+  passes = 3 + (1 if remat else 0)  # forward + backward (2x) [+ the recomputed forward]
+  trunk = forward_flops_per_token(cfg, attended, head=False)
+  head = 2 * cfg.d_model * cfg.vocab_size
+  tokens = rows * length
+  actor = passes * (trunk + head * head_fraction) * tokens
+  critic = critic_updates * passes * trunk * tokens
+  return {"actor": actor, "critic": critic, "total": actor + critic,
+          "per_token_forward": trunk + head, "tokens": tokens, "attended": attended}
+
+
+def analytic_step(flops_total: float, chips: int, device_kind: str, mfu: float) -> dict:
+  """The RL step's seconds from `rl_step_flops`' total, spread evenly over `chips`."""
+  peaks = TPU_PEAKS.get(device_kind)
+  if peaks is None:
+    return {"available": False, "reason": f"no peak figures for device kind {device_kind!r}"}
+  per_chip = flops_total / chips
+  return {"available": True, "flops_per_chip": per_chip,
+          "seconds": per_chip / (peaks["bf16_flops"] * mfu), "mfu": mfu}
+
+
 def version_model(bytes_per_rollout_engine: int, rollout_devices: int, device_kind: str,
                   step: dict) -> dict:
   """Seconds a version takes into one rollout host, at line rate and at TCP rate, and the
@@ -131,6 +192,8 @@ def version_model(bytes_per_rollout_engine: int, rollout_devices: int, device_ki
       v = out[f"seconds_{rate}"]
       out[f"lag_steps_{rate}"] = v / step["seconds"]
       out[f"lag_steps_{rate}_layer_scaled"] = v / step["layer_scaled_seconds"]
+      if step.get("analytic", {}).get("available"):
+        out[f"lag_steps_{rate}_analytic"] = v / step["analytic"]["seconds"]
   return out
 
 
@@ -146,6 +209,10 @@ def format_model(step: dict, version: dict | None) -> str:
     if step["lower_bound"]:
       head += (f", a lower bound ({step['while_loops']} while loops, each body counted once; "
                f"x layers: {step['layer_scaled_seconds']:.1f} s)")
+    if step.get("analytic", {}).get("available"):
+      a = step["analytic"]
+      head += (f"; counted from the model's shape: {a['flops_per_chip'] / 1e12:.0f} TFLOP a "
+               f"chip, {a['seconds']:.1f} s")
   if not version or not version.get("available"):
     return head
   tail = (f"; a version {version['bytes_per_rollout_host'] / 1e9:.1f} GB per rollout host: "
@@ -158,4 +225,7 @@ def format_model(step: dict, version: dict | None) -> str:
     if step["lower_bound"]:
       tail += (f" ({version['lag_steps_line_rate_layer_scaled']:.2f}-"
                f"{version['lag_steps_tcp_layer_scaled']:.2f} at the layer-scaled step)")
+    if "lag_steps_line_rate_analytic" in version:
+      tail += (f", {version['lag_steps_line_rate_analytic']:.2f}-"
+               f"{version['lag_steps_tcp_analytic']:.2f} at the shape-counted step")
   return head + tail

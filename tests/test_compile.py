@@ -226,6 +226,14 @@ def test_the_rollout_slice_compiles_on_its_own_topology(tmp_path):
   assert version["seconds_line_rate"] == pytest.approx(transfer["version_bytes"] / 25e9)
   assert version["lag_steps_tcp"] == pytest.approx(version["seconds_tcp"] / step["seconds"])
   assert "[compile] step time: RL step " in stdout and "policy lag" in stdout
+  # Beside it, the step counted from the model's shape, over the trainer's chips.
+  analytic = step["analytic"]
+  assert analytic["available"] and analytic["flops"]["total"] > 0
+  assert analytic["seconds"] == pytest.approx(
+      analytic["flops"]["total"] / result["topology"]["devices"] / (0.4 * 197e12))
+  assert version["lag_steps_tcp_analytic"] == pytest.approx(
+      version["seconds_tcp"] / analytic["seconds"])
+  assert "counted from the model's shape" in stdout
 
 
 def test_an_engine_whose_slots_do_not_split_is_refused_in_one_line(tmp_path):

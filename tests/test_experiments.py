@@ -7,12 +7,12 @@ import os
 import numpy as np
 import pytest
 
-from experiments import dis_stability, gae_ablations, headline, lr_sweep, online, runner
+from experiments import dis_stability, gae_ablations, headline, lr_by_lag, lr_sweep, online, runner
 from experiments import stability, stats, system, value_ablations
 from sao_jax import configuration
 
 FINDINGS = (headline, stability, value_ablations, gae_ablations, online, system, lr_sweep,
-            dis_stability)
+            dis_stability, lr_by_lag)
 
 
 @pytest.mark.parametrize("module", FINDINGS, ids=lambda m: m.FINDING.name)
@@ -427,6 +427,28 @@ def test_restat_adds_the_new_statistics_to_old_results_and_keeps_their_values(tm
   assert vs["t_ci95"] == pytest.approx([-hi, -lo]) and vs["sign_flip_p"] == pytest.approx(0.5)
   assert vs["bootstrap_excludes_zero"] == old_vs["excludes_zero"] and not vs["excludes_zero"]
   assert "[t: " in (tmp_path / "headline" / "results.md").read_text(encoding="utf-8")
+
+
+def test_lr_by_lag_reruns_the_forced_lag_pair_at_1e4_and_pairs_ppo_minus_dis():
+  f = lr_by_lag.FINDING
+  cfg = lambda name: runner.load_config(f.arm(name).config, f.arm(name).overrides)
+  dis, ppo = cfg("dis_stale_lr1e4"), cfg("ppo_stale_lr1e4")
+  earlier = dis_stability.FINDING
+  for new, old in ((dis, "dis_stale"), (ppo, "ppo_stale")):
+    ref = runner.load_config(earlier.arm(old).config, earlier.arm(old).overrides)
+    assert new.rl.actor_lr == 1e-4 != ref.rl.actor_lr
+    assert (new.rollout.slots, new.rl.sync_every, new.rl.policy_loss) == (
+        ref.rollout.slots, ref.rl.sync_every, ref.rl.policy_loss)
+    assert runner.sft_key(new) == runner.sft_key(ref)  # the same SFT starts
+  moving = lambda sft, final, kl: {**_fake_run(sft, final), "curves": {
+      **_fake_run(sft, final)["curves"], "policy/approx_kl": [kl] * 10}}
+  runs = {"dis_stale_lr1e4": {s: moving(0.4, 0.40 + 0.01 * s, 1e-3) for s in range(4)},
+          "ppo_stale_lr1e4": {s: moving(0.4, 0.45 + 0.01 * s, 5e-4) for s in range(4)}}
+  got = lr_by_lag.by_lr(f, runs)["1e-4"]
+  assert got["ppo_minus_dis"]["mean_diff"] == pytest.approx(0.05)
+  assert got["ppo_minus_dis"]["wins"] == 4 and got["collapses"] == [0, 0]
+  assert got["movement"]["dis"]["policy/approx_kl"] == pytest.approx(1e-3)
+  assert "1e-4 (this finding)" in lr_by_lag.by_lr(f, runs)["markdown"]
 
 
 def test_math_cpu_pairs_each_seeds_sft_and_rl_and_skips_finished_seeds(tmp_path):

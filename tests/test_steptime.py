@@ -76,3 +76,45 @@ def test_the_step_and_the_version_at_v5p_peaks():
   v1 = steptime.version_model(50e9, 4, V5P, {"available": False})
   assert v1["rollout_hosts_per_engine"] == 1 and v1["seconds_line_rate"] == pytest.approx(2.0)
   assert "lag_steps_line_rate" not in v1
+
+
+def test_the_shape_count_matches_xla_on_a_loop_free_model():
+  """Forward and forward + backward of an unrolled model whose every expert is
+  chosen (so the dense MoE does exactly top-k's work) and whose attention
+  computes every query-key pair: XLA's count and the formula agree within 10%."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from sao_jax.models import config as mcfg  # pylint: disable=g-import-not-at-top
+  from sao_jax.models import policy  # pylint: disable=g-import-not-at-top
+  cfg = dataclasses.replace(mcfg.tiny(1024), moe_impl="dense", experts_per_token=4)
+  params = policy.init_params(cfg, jax.random.PRNGKey(0))
+  b, length = 4, 128
+  tokens = jnp.zeros((b, length), jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(length), (b, length))
+  loss = lambda p: policy.token_logprobs(cfg, p, tokens, positions, jnp.ones_like(tokens))[0].sum()
+  fwd = steptime.cost(jax.jit(loss).lower(params).compile())["flops"]
+  both = steptime.cost(jax.jit(jax.grad(loss)).lower(params).compile())["flops"]
+  per_token = steptime.forward_flops_per_token(cfg, attended=length)
+  assert fwd / (b * length) == pytest.approx(per_token, rel=0.1)
+  counted = steptime.rl_step_flops(cfg, b, length, critic_updates=0, remat=False,
+                                   causal_skip=False)
+  assert counted["total"] == pytest.approx(3 * per_token * b * length)
+  assert both == pytest.approx(counted["total"], rel=0.1)
+
+
+def test_the_rl_step_count_adds_critic_updates_remat_and_the_head_fraction():
+  from sao_jax.models import config as mcfg  # pylint: disable=g-import-not-at-top
+  cfg = mcfg.qwen3_30b_a3b()
+  base = steptime.rl_step_flops(cfg, 1, 1024, critic_updates=0, remat=False)
+  trunk = steptime.forward_flops_per_token(cfg, (1024 + 1) / 2, head=False)
+  head = 2 * cfg.d_model * cfg.vocab_size
+  assert base["total"] == pytest.approx(3 * (trunk + head) * 1024)
+  k2 = steptime.rl_step_flops(cfg, 1, 1024, critic_updates=2, remat=True, head_fraction=0.25)
+  assert k2["critic"] == pytest.approx(2 * 4 * trunk * 1024)
+  assert k2["actor"] == pytest.approx(4 * (trunk + 0.25 * head) * 1024)
+  # Qwen3-30B-A3B's ~3.3B active weights a token, less the embedding lookup:
+  # 2 FLOPs each in the forward, attention at a short context aside.
+  short = steptime.forward_flops_per_token(cfg, attended=1)
+  assert 5.0e9 < short < 7.0e9
+  step = steptime.analytic_step(k2["total"], 4, V5P, 0.5)
+  assert step["seconds"] == pytest.approx(k2["total"] / 4 / (0.5 * 459e12))
+  assert not steptime.analytic_step(1.0, 1, "TPU v9", 0.5)["available"]

@@ -190,6 +190,11 @@ class ModelConfig:
     """Length of the "layers" axis: the MoE layers after the dense prefix."""
     return self.num_layers - len(self.dense_layers) if self.scan_layers else 0
 
+  @property
+  def num_moe_layers(self) -> int:
+    """MoE layers (routing replay's leading axis, `Transformer`'s `routing`)."""
+    return self.num_layers - len(self.dense_layers)
+
   @classmethod
   def from_dict(cls, d) -> "ModelConfig":
     """From a plain dict or ml_collections.ConfigDict (dtypes by name)."""

@@ -100,12 +100,13 @@ def _logprobs_at(cfg: ModelConfig, params, hidden: Array, tokens: Array, index: 
 
 def token_logprobs(cfg: ModelConfig, params, tokens: Array, positions: Array,
                    segment_ids: Array, temperature: float = 1.0,
-                   action_index: Array | None = None):
+                   action_index: Array | None = None, routing: Array | None = None):
   """Teacher-forced log pi(x_t | x_<t) `[B, L]` and the model's aux losses.
 
   With `action_index` `[B, A]` (`packing.pack(..., action_index=True)`),
   only those positions' log-probs are computed (the rest are 0): the
-  vocabulary-wide head runs on A positions a row instead of L.
+  vocabulary-wide head runs on A positions a row instead of L. `routing`
+  `[M, B, L, k]` replays MoE expert choices (`models/routing.py`).
 
   With a head subset (`cfg.vocab_ids`) the log-probs are those of the
   distribution over the subset, and a target outside it (never an action)
@@ -118,7 +119,7 @@ def token_logprobs(cfg: ModelConfig, params, tokens: Array, positions: Array,
   targets = jnp.where(starts, 0, head_vocab.index(cfg, tokens))
   if action_index is not None or cfg.logits_chunk:  # the head apart from the trunk
     hidden, aux = Transformer(cfg, "hidden").apply({"params": params}, tokens, positions,
-                                                   segment_ids)
+                                                   segment_ids, routing=routing)
     # Shifting the hidden state shifts its logits: the head is per token.
     prev_hidden = _shift_right(hidden, segment_ids)  # predicts x_t
     if action_index is not None:
@@ -128,7 +129,7 @@ def token_logprobs(cfg: ModelConfig, params, tokens: Array, positions: Array,
                               temperature)
     return jnp.where(starts, 0.0, logp), aux
   logits, aux = Transformer(cfg, "lm").apply({"params": params}, tokens, positions,
-                                             segment_ids)
+                                             segment_ids, routing=routing)
   prev_logits = _shift_right(logits, segment_ids)  # predicts x_t
   logp = logprobs_from_logits(prev_logits, targets, temperature)
   return jnp.where(starts, 0.0, logp), aux

@@ -190,7 +190,15 @@ class MoE(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x, token_mask):
+  def __call__(self, x, token_mask, routing=None):
+    """x [B, L, D], token_mask [B, L]; `routing` [B, L, k] int replays expert
+    choices (routing replay: -1 at a token keeps the router's own top-k).
+
+    The router's choices [B*L, k] are sown as intermediates "moe_top_i"
+    (free unless the caller asks for intermediates). Replayed choices take
+    their gate weights from this router's probabilities at those experts,
+    renormalised as `norm_topk_prob` says, so the router still learns.
+    """
     cfg = self.cfg
     d, f, e, top_k = cfg.d_model, cfg.moe_d_ff, cfg.num_experts, cfg.experts_per_token
     router = _param(self, "router", (d, e), ("embed", None), cfg.param_dtype)
@@ -203,6 +211,12 @@ class MoE(nn.Module):
     router_logits = (xf @ router.astype(dt)).astype(jnp.float32)  # [N, E]
     probs = jax.nn.softmax(router_logits, -1)
     top_p, top_i = jax.lax.top_k(probs, top_k)  # [N, k]
+    self.sow("intermediates", "moe_top_i", top_i)
+    if routing is not None:
+      forced = routing.reshape(-1, top_k).astype(top_i.dtype)
+      replay = (forced >= 0).all(-1, keepdims=True)
+      top_i = jnp.where(replay, forced, top_i)
+      top_p = jnp.take_along_axis(probs, top_i, axis=-1)
     if cfg.norm_topk_prob:
       top_p = top_p / top_p.sum(-1, keepdims=True)
     top_p = top_p.astype(dt)
@@ -271,7 +285,8 @@ class Block(nn.Module):
   dense: bool
 
   @nn.compact
-  def __call__(self, carry, positions, segment_ids, layer=None, page_table=None):
+  def __call__(self, carry, positions, segment_ids, layer=None, page_table=None,
+               routing=None):
     cfg = self.cfg
     x, cache = carry
     h, new_cache = Attention(cfg, name="attn")(
@@ -282,7 +297,7 @@ class Block(nn.Module):
     if self.dense:
       y, aux = DenseMLP(cfg, name="mlp")(y), None
     else:
-      y, aux = MoE(cfg, name="moe")(y, segment_ids != 0)
+      y, aux = MoE(cfg, name="moe")(y, segment_ids != 0, routing)
     x = _constrain(x + y, ("batch", "length", "embed"))
     return (x, new_cache), aux
 
@@ -324,7 +339,9 @@ class Transformer(nn.Module):
 
   @nn.compact
   def __call__(self, tokens, positions, segment_ids, cache: Cache | None = None,
-               page_table=None):
+               page_table=None, routing=None):
+    """`routing` [M, B, L, k] int: expert choices to replay in the M MoE
+    layers, in layer order (`MoE`; -1 rows keep the router's choice)."""
     cfg = self.cfg
     if self.head not in ("lm", "value", "hidden"):
       raise ValueError(f"head must be 'lm', 'value' or 'hidden', got {self.head!r}")
@@ -339,11 +356,15 @@ class Transformer(nn.Module):
     unrolled = len(cfg.dense_layers) if cfg.scan_layers else cfg.num_layers
     new_cache = {} if cfg.scan_layers else []
     aux_losses = []
+    moe_index = 0  # the next MoE layer's row of `routing`
     for i in range(unrolled):
       name = f"layer_{i}"
       layer_cache = None if cache is None else cache[name if cfg.scan_layers else i]
-      (x, layer_cache), aux = block(cfg, dense=i in cfg.dense_layers, name=name)(
-          (x, layer_cache), positions, segment_ids, None, page_table)
+      dense = i in cfg.dense_layers
+      layer_routing = None if routing is None or dense else routing[moe_index]
+      moe_index += not dense
+      (x, layer_cache), aux = block(cfg, dense=dense, name=name)(
+          (x, layer_cache), positions, segment_ids, None, page_table, layer_routing)
       if cfg.scan_layers:
         new_cache[name] = layer_cache
       else:
@@ -355,11 +376,12 @@ class Transformer(nn.Module):
       scanned = nn.scan(
           _block_class(cfg, scanned=True),
           variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
-          in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast), length=n,
+          in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, 0), length=n,
           metadata_params={nn.PARTITION_NAME: "layers"})
       (x, stacked), layer_aux = scanned(cfg, dense=False, name="layers")(
           (x, None if cache is None else cache["layers"]), positions, segment_ids,
-          jnp.arange(n, dtype=jnp.int32), page_table)
+          jnp.arange(n, dtype=jnp.int32), page_table,
+          None if routing is None else routing[moe_index:])
       new_cache["layers"] = stacked
       aux_losses.append(layer_aux)  # [n]
     x = RMSNorm(cfg.rms_eps, cfg.param_dtype, name="final_norm")(x)

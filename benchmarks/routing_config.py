@@ -1,0 +1,19 @@
+"""sao_tiny with 32 experts, top-4: the trained policy benchmarks/routing.py measures.
+
+    python launch/train.py --config=benchmarks/routing_config.py --workdir=/tmp/routing_run
+    python benchmarks/routing.py --config=benchmarks/routing_config.py --workdir=/tmp/routing_run
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs"))
+import common  # pylint: disable=g-import-not-at-top
+
+
+def get_config(arg=None):
+  del arg
+  c = common.get_config()
+  c.rl.policy_loss = "ppo_clip"
+  c.model.overrides = {"num_experts": 32, "experts_per_token": 4}
+  return c

@@ -1,0 +1,72 @@
+"""MoE routing: read the experts a forward pass chose, compare and replay them.
+
+Why. The rollout engine and the trainer run the same router on the same
+tokens but not the same program: the engine decodes one token at a time
+against a KV cache in its serving dtype, the trainer runs the whole
+sequence at once, with its own fusions and reduction orders. A top-k
+choice between two near-tied experts can flip between the two, and then
+the token's MLP output, every later hidden state and its log-prob differ
+for a reason that is not the policy. For Qwen3-30B-A3B GRPO that has been
+reported as a cause of collapse; "routing replay" feeds the engine's
+choices to the trainer's forward so that the two agree.
+
+The pieces, all pure:
+
+* `Transformer(...).apply(..., mutable=["intermediates"])` sows every MoE
+  layer's choices as "moe_top_i"; `collect` turns those into one array
+  `[M, B, L, k]` (M MoE layers in layer order), the layout the model's
+  `routing` argument takes back.
+* `Transformer(..., routing=r)` uses `r`'s experts (rows of -1 keep the
+  router's own choice) with gate weights from the router's probabilities at
+  those experts (`transformer.MoE`).
+* `differ` marks the tokens whose expert *sets* differ between two routings
+  (order within the top-k does not matter to the output).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from sao_jax.models.config import ModelConfig
+
+Array = jax.Array
+
+__all__ = ["NONE", "collect", "differ"]
+
+NONE = -1  # a routing row that replays nothing (the router's own top-k)
+
+
+def collect(cfg: ModelConfig, intermediates, batch: int, length: int) -> Array:
+  """The sown "moe_top_i" of one forward, as int32 `[M, B, L, k]`.
+
+  `intermediates` is the "intermediates" collection of a `Transformer`
+  applied to `[batch, length]` tokens. Unrolled layers appear as
+  "layer_i", scanned ones stacked under "layers" after them, which is the
+  model's layer order.
+  """
+  k = cfg.experts_per_token
+  rows = []
+  for i in range(cfg.num_layers):
+    entry = intermediates.get(f"layer_{i}")
+    if entry is not None and "moe" in entry:
+      (top_i,) = entry["moe"]["moe_top_i"]
+      rows.append(top_i.reshape(1, batch, length, k))
+  if "layers" in intermediates:
+    (top_i,) = intermediates["layers"]["moe"]["moe_top_i"]
+    rows.append(top_i.reshape(-1, batch, length, k))
+  if not rows:
+    raise ValueError("no MoE layer sowed its routing: was the model applied with "
+                     "mutable=['intermediates']?")
+  out = jnp.concatenate(rows, 0).astype(jnp.int32)
+  if out.shape[0] != cfg.num_moe_layers:
+    raise ValueError(f"collected {out.shape[0]} MoE layers, the config has "
+                     f"{cfg.num_moe_layers}")
+  return out
+
+
+def differ(a: Array, b: Array) -> Array:
+  """bool `[..., ]`: True where the expert sets of `a` and `b` `[..., k]` differ."""
+  a = jnp.sort(a, -1)
+  b = jnp.sort(b, -1)
+  return (a != b).any(-1)
