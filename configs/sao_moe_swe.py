@@ -31,7 +31,7 @@ weights through checkpoints. The environment changes the rollout side
 only (what the engine is fed, not its shapes), so the train programs are
 sao_moe_128k's, whose fit is in benchmarks/RESULTS.md ("The paper's
 context"); the engine's at this config is there too ("The coding-agent
-variant").
+variant at the paper's context").
 
 Tool time: a bash call gets `bash_seconds` (cut to the turn's
 env.tool_seconds_per_turn), the hidden tests `test_seconds`; a step's
