@@ -392,8 +392,10 @@ class ShardFeed:
                current_version: Callable[[], int], max_staleness: int | None = None,
                state: dict | None = None, poll_seconds: float = 0.5,
                log: Callable[[str], None] = print,
-               share: Callable[[str, Callable[[], Any]], Any] | None = None):
+               share: Callable[[str, Callable[[], Any]], Any] | None = None,
+               routing_shape: tuple[int, int, int] | None = None):
     self.dir = trajectories_dir(root)
+    self._routing_shape = routing_shape
     os.makedirs(self.dir, exist_ok=True)
     self._consumed_path = os.path.join(root, CONSUMED)
     self._max_length = max_length
@@ -496,7 +498,8 @@ class ShardFeed:
         self._rejected["deserialize_error"] += 1
         continue
       canon, reason, error = ingestion.check(t, self._vocab_size, self._max_length,
-                                             self._current_version(), self._max_staleness)
+                                             self._current_version(), self._max_staleness,
+                                             self._routing_shape)
       if reason is not None:
         self._rejected[reason] += 1
         self.last_error = error or self.last_error

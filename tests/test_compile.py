@@ -294,3 +294,21 @@ def test_the_head_at_action_tokens_compiles_at_its_widest(tmp_path):
     assert rows[flag]["fits"]
   # The same program but for action_index, [4, 64] int32: a chip holds part of it.
   assert 0 < rows[True]["argument_bytes"] - rows[False]["argument_bytes"] <= 4 * 64 * 4
+
+
+def test_routing_replay_compiles_with_its_batch_and_the_recording_engine(tmp_path):
+  """rl.routing_replay: the RL batch carries routing [R, L, M, k] int16 and the
+  engine's decode loop returns the fed tokens' choices [slots, steps, M, k]."""
+  args = ("--topology=v5e-4", "--rows=4", "--length=64", "--programs=rl,decode_loop",
+          "--config.model.overrides.num_layers=1", "--config.rollout.slots=4")
+  rows = {}
+  for flag in (False, True):
+    rc, stdout, stderr, result = run_compile(tmp_path, *args,
+                                             f"--config.rl.routing_replay={flag}")
+    assert rc == 0, stdout[-3000:] + stderr[-3000:]
+    rows[flag] = result["programs"]
+    assert rows[flag]["rl"]["fits"] and rows[flag]["decode_loop"]["fits"]
+  m, k = 1, 2  # the tiny preset at one layer: one MoE layer, top-2
+  added = rows[True]["rl"]["argument_bytes"] - rows[False]["rl"]["argument_bytes"]
+  assert 0 < added <= 4 * 64 * m * k * 2
+  assert rows[True]["decode_loop"]["output_bytes"] > rows[False]["decode_loop"]["output_bytes"]

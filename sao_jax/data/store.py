@@ -40,11 +40,15 @@ import grain
 import numpy as np
 from array_record.python import array_record_module
 
-from sao_jax.data.trajectory import ARRAY_FIELDS, Trajectory, checked
+from sao_jax.data.trajectory import ARRAY_FIELDS, OPTIONAL_ARRAY_FIELDS, Trajectory, checked
 
 _ARRAYS = ARRAY_FIELDS
-_SCALARS = tuple(f.name for f in dataclasses.fields(Trajectory) if f.name not in _ARRAYS)
+_OPTIONAL = OPTIONAL_ARRAY_FIELDS
+_SCALARS = tuple(f.name for f in dataclasses.fields(Trajectory)
+                 if f.name not in _ARRAYS + _OPTIONAL)
 _MEMBERS = frozenset(f"{k}.npy" for k in ("header",) + _ARRAYS)
+# The optional members a record may add to _MEMBERS.
+_OPTIONAL_MEMBERS = frozenset(f"{k}.npy" for k in _OPTIONAL)
 
 # The default cap when a caller does not say how long a trajectory may be.
 DEFAULT_MAX_LENGTH = 1 << 16
@@ -54,7 +58,10 @@ DEFAULT_MAX_LENGTH = 1 << 16
 # sensibly use); the JSON header holds six scalars.
 _NPY_HEADER_CAP = 4096
 _HEADER_JSON_CAP = 4096
-_ZIP_OVERHEAD = 4096  # local and central headers of 7 members, zip64 extras
+_ZIP_OVERHEAD = 4096  # local and central headers of 8 members, zip64 extras
+# A routing record (routing replay) is [T, M, k] int16: capped at this many
+# bytes a token (M x k <= 2048 choices; Qwen3-30B-A3B has 48 x 8 = 384).
+_ROUTING_BYTES_PER_TOKEN = 4096
 
 # The labels read_valid_trajectories counts besides deserialize's and
 # validate's reasons.
@@ -94,6 +101,8 @@ def serialize(t: Trajectory) -> bytes:
   buf = io.BytesIO()
   header = {k: _builtin(getattr(t, k)) for k in _SCALARS}
   arrays = {k: np.asarray(getattr(t, k)) for k in _ARRAYS}
+  arrays.update({k: np.asarray(getattr(t, k)) for k in _OPTIONAL
+                 if getattr(t, k, None) is not None})
   for k, a in arrays.items():
     if a.dtype.hasobject:
       raise ValueError(f"Trajectory.{k} has dtype {a.dtype}: the store never pickles.")
@@ -101,11 +110,13 @@ def serialize(t: Trajectory) -> bytes:
   return buf.getvalue()
 
 
-def _caps(max_length: int) -> tuple[int, int, int]:
-  """(per array member, header member, whole record) uncompressed byte caps."""
+def _caps(max_length: int) -> tuple[int, int, int, int]:
+  """(per array member, header member, routing member, whole record)
+  uncompressed byte caps."""
   member = _NPY_HEADER_CAP + 8 * int(max_length)
   header = _NPY_HEADER_CAP + _HEADER_JSON_CAP
-  return member, header, member * len(_ARRAYS) + header
+  routing = _NPY_HEADER_CAP + _ROUTING_BYTES_PER_TOKEN * int(max_length)
+  return member, header, routing, member * len(_ARRAYS) + header + routing
 
 
 def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
@@ -196,7 +207,7 @@ def deserialize(data: bytes, max_length: int = DEFAULT_MAX_LENGTH) -> Trajectory
   """
   if not isinstance(data, (bytes, bytearray, memoryview)):
     raise CorruptRecordError("not_bytes", type(data).__name__)
-  member_cap, header_cap, total_cap = _caps(max_length)
+  member_cap, header_cap, routing_cap, total_cap = _caps(max_length)
   if len(data) > total_cap + _ZIP_OVERHEAD:
     raise CorruptRecordError("record_too_large",
                              f"{len(data)} bytes, cap {total_cap + _ZIP_OVERHEAD} "
@@ -210,12 +221,14 @@ def deserialize(data: bytes, max_length: int = DEFAULT_MAX_LENGTH) -> Trajectory
   with zf:
     infos = zf.infolist()
     names = [i.filename for i in infos]
-    if len(names) != len(set(names)) or set(names) != _MEMBERS:
+    if (len(names) != len(set(names)) or not _MEMBERS <= set(names)
+        or not set(names) <= _MEMBERS | _OPTIONAL_MEMBERS):
       raise CorruptRecordError("bad_members", f"{sorted(names)[:10]}")
     # Every cap before anything is decompressed.
     total = 0
     for info in infos:
-      cap = header_cap if info.filename == "header.npy" else member_cap
+      cap = {"header.npy": header_cap, "routing.npy": routing_cap}.get(info.filename,
+                                                                       member_cap)
       if info.file_size > cap:
         raise CorruptRecordError(
             "member_too_large", f"{info.filename} declares {info.file_size} bytes "
