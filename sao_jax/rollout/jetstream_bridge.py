@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 from concurrent import futures
-import ipaddress
 import threading
 from typing import Any, NamedTuple
 
@@ -44,6 +43,10 @@ from jetstream.core.proto import jetstream_pb2_grpc
 from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
 
 from sao_jax.rollout.engine import DecodeState, PolicyEngine
+# Where the server may listen (shared with the OpenAI-compatible server); these
+# names stay importable from here.
+from sao_jax.rollout.loopback import (  # pylint: disable=unused-import
+    LOOPBACK_HOST, exposure_warning, is_loopback)
 
 
 class JetStreamTokenizer(tokenizer_api.Tokenizer):
@@ -235,35 +238,6 @@ class JetStreamEngine(engine_api.Engine):
   @property
   def colocated_cpus(self):
     return None
-
-
-LOOPBACK_HOST = "127.0.0.1"
-
-
-def is_loopback(host: str) -> bool:
-  """True for 127.0.0.0/8 (also IPv4-mapped), ::1 and `localhost`; `[::1]` too."""
-  host = host.strip().strip("[]")
-  if host.lower() == "localhost":
-    return True
-  try:
-    address = ipaddress.ip_address(host)
-  except ValueError:  # a host name: it may resolve anywhere
-    return False
-  mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1
-  return (mapped or address).is_loopback
-
-
-def exposure_warning(host: str) -> str | None:
-  """The warning for serving on `host`, or None when `host` is loopback only.
-
-  JetStream's server has no authentication and serves plain-text gRPC here:
-  anyone who can reach the address can run the policy.
-  """
-  if is_loopback(host):
-    return None
-  return (f"serving on {host}, beyond loopback: the JetStream endpoint is unauthenticated "
-          "and unencrypted (no TLS); anyone who can reach it can query the policy. "
-          f"Use --host={LOOPBACK_HOST} and a tunnel, or a proxy with TLS and auth.")
 
 
 class _Server(server_lib.JetStreamServer):
