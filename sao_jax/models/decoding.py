@@ -65,8 +65,8 @@ def extend(cfg: ModelConfig, params, cache: Cache, tokens: Array, lengths: Array
   Returns:
     (logits `[B, L, V]` predicting the token after each input token,
      new cache, new lengths `[B]`), and with `record_routing` the MoE
-    layers' expert choices for each input token, int32 `[B, L, M, k]`
-    (models/routing.py; meaningless at padding).
+    layers' expert choices for each input token, int32 `[B, L, M * k]`
+    (`routing.collect(..., flat=True)`; meaningless at padding).
   """
   positions = lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
   (logits, aux), chosen = _apply(cfg, Transformer(cfg, "lm"), params, tokens, positions,
@@ -76,14 +76,13 @@ def extend(cfg: ModelConfig, params, cache: Cache, tokens: Array, lengths: Array
 
 
 def _apply(cfg, model, params, tokens, positions, valid, cache, page_table, record_routing):
-  """model.apply on the cache, and the routing it used `[B, L, M, k]` (or None)."""
+  """model.apply on the cache, and the routing it used `[B, L, M * k]` (or None)."""
   args = ({"params": params}, tokens, positions, valid.astype(jnp.int32))
   if not record_routing:
     return model.apply(*args, cache=cache, page_table=page_table), None
   out, state = model.apply(*args, cache=cache, page_table=page_table,
                            mutable=["intermediates"])
-  chosen = routing.collect(cfg, state["intermediates"], *tokens.shape)  # [M, B, L, k]
-  return out, jnp.moveaxis(chosen, 0, 2)
+  return out, routing.collect(cfg, state["intermediates"], *tokens.shape, flat=True)
 
 
 def _last_valid(x: Array, valid: Array) -> Array:
@@ -103,7 +102,7 @@ def extend_last(cfg: ModelConfig, params, cache: Cache, tokens: Array, lengths: 
   unchanged length. With `cfg.prefill_chunk` > 0 the tokens go through in
   chunks of that many (module docstring); the width is padded up to a
   whole number of chunks with padding tokens. With `record_routing` a
-  fourth output: every input token's expert choices `[B, W, M, k]`
+  fourth output: every input token's expert choices `[B, W, M * k]`
   (`extend`'s).
   """
   width = tokens.shape[1]
@@ -136,9 +135,8 @@ def extend_last(cfg: ModelConfig, params, cache: Cache, tokens: Array, lengths: 
   else:  # [B, n*C] -> [n, B, C]: one chunk per iteration, the cache carried
     split = lambda x: jnp.moveaxis(x.reshape(x.shape[0], n, chunk), 1, 0)
     carry, chosen = jax.lax.scan(one_chunk, carry, (split(tokens), split(valid)))
-    if record_routing:  # [n, B, C, M, k] -> [B, n*C, M, k]
-      chosen = jnp.moveaxis(chosen, 0, 1).reshape((chosen.shape[1], n * chunk)
-                                                  + chosen.shape[3:])
+    if record_routing:  # [n, B, C, M*k] -> [B, n*C, M*k]
+      chosen = jnp.moveaxis(chosen, 0, 1).reshape(chosen.shape[1], n * chunk, -1)
   cache, new_lengths, last = carry
   out = (lm_logits(cfg, last, lm_head_weight(cfg, params)), cache, new_lengths)
   return out + (chosen[:, :width],) if record_routing else out

@@ -147,7 +147,7 @@ class _Slot:
   reruns: int = 0  # times this episode was run again after a grader_error
   prompt: list = dataclasses.field(default_factory=list)  # its prompt's tokens
   # A recording engine's (rl.routing_replay): the expert choices of the fed
-  # tokens, arrays [n, M, k] in feeding order (their rows total `fed`).
+  # tokens, arrays [n, M * k] in feeding order (their rows total `fed`).
   routing: list = dataclasses.field(default_factory=list)
 
   def refeed(self):
@@ -454,7 +454,7 @@ def _routing_rows(s: _Slot, engine) -> np.ndarray | None:
   fed = np.concatenate(s.routing, 0) if s.routing else rows[:0]
   if fed.shape[0] != s.fed:
     raise AssertionError(f"{fed.shape[0]} routing rows for {s.fed} fed tokens")
-  rows[:s.fed] = fed
+  rows[:s.fed] = fed.reshape(fed.shape[0], *rows.shape[1:])
   return rows
 
 

@@ -187,7 +187,7 @@ class DecodeState(NamedTuple):
   # refreshed before a call whenever the allocator changed it.
   pages: PagePool | None = None
   page_table: Any = None
-  # With record_routing: numpy [slots, W, M, k], the MoE expert choices of
+  # With record_routing: numpy [slots, W, M * k], the MoE expert choices of
   # the tokens the last `step` fed (row b's first fed[b] entries; the rest
   # is padding). None otherwise.
   routing: np.ndarray | None = None
@@ -213,7 +213,7 @@ class DecodeChunk(NamedTuple):
   counts: Any  # [slots] int32
   version: int  # of the params whose logits produced every token of the chunk
   budgets: np.ndarray  # [slots] int32, the call's budgets (host side)
-  # With record_routing: [slots, steps, M, k], column k the expert choices of
+  # With record_routing: [slots, steps, M * k], column k the expert choices of
   # the token fed at iteration k (the pending token, then each sample but
   # the last); row b's first counts[b] columns are real. None otherwise.
   routing: Any = None

@@ -78,7 +78,7 @@ class EnginePrograms:
     cfg = precision.serving_config(cfg)
     self.cfg, self.sampling, self.slots, self.max_len = cfg, sampling, slots, max_len
     # Routing replay (rl.routing_replay): step and decode also return the
-    # MoE expert choices of every token they feed, [slots, W, M, k].
+    # MoE expert choices of every token they feed, [slots, W, M * k].
     if record_routing and cfg.num_moe_layers == 0:
       raise ValueError("record_routing needs a model with MoE layers")
     self.record_routing = record_routing
@@ -180,7 +180,7 @@ class EnginePrograms:
     """`_step` jitted: (params, cache, lengths, tokens, valid, key) ->
     (cache, lengths, tokens, log-probs); paged: (params, pool, lengths,
     table, tokens, valid, key) -> (pool, lengths, tokens, log-probs).
-    With `record_routing`, the fed tokens' routing `[slots, W, M, k]` last."""
+    With `record_routing`, the fed tokens' routing `[slots, W, M * k]` last."""
     s = self.shardings
     outs = (s.cache, s.slots, s.slots, s.slots) + ((s.tokens,) if self.record_routing else ())
     if self.paged:
@@ -200,7 +200,7 @@ class EnginePrograms:
     (cache, lengths, pending tokens, sampled tokens, log-probs, counts,
     KeyStream). `stop` -1: budgets only. Paged: the table after the lengths.
     With `record_routing`, the routing of the token fed at each iteration
-    `[slots, steps, M, k]` last."""
+    `[slots, steps, M * k]` last."""
     s = self.shardings
     outs = (s.cache, s.slots, s.slots, s.tokens, s.tokens, s.slots, s.replicated) + (
         (s.tokens,) if self.record_routing else ())
@@ -345,7 +345,7 @@ def _decode_loop(cfg, sampling, steps, stop_token, params, live, lengths, tokens
 
   Returns (live, new lengths, pending tokens, counts, sampled tokens,
   log-probs, advanced KeyStream), and with `record` the routing of the
-  token fed at each iteration `[B, steps, M, k]`.
+  token fed at each iteration `[B, steps, M * k]`.
   """
   b = tokens.shape[0]
 
@@ -357,7 +357,7 @@ def _decode_loop(cfg, sampling, steps, stop_token, params, live, lengths, tokens
     k, live, lens, tok, alive, count, out_tok, out_lp, *out_r = carry
     logits, live, lens, *chosen = decoding.extend(
         cfg, params, live, tok[:, None], lens, alive[:, None], table, record_routing=record)
-    if record:  # [B, 1, M, k] into column k
+    if record:  # [B, 1, M*k] into column k
       out_r = [jax.lax.dynamic_update_slice_in_dim(out_r[0], chosen[0], k, 1)]
     # The k-th key's draw.
     new, lp = sampling_lib.sample_with(logits[:, 0], uniforms[k], sampling)
@@ -373,7 +373,7 @@ def _decode_loop(cfg, sampling, steps, stop_token, params, live, lengths, tokens
   carry = (jnp.int32(0), live, lengths, tokens, budgets > 0, jnp.zeros((b,), jnp.int32),
            jnp.zeros((b, steps), jnp.int32), jnp.zeros((b, steps), jnp.float32))
   if record:
-    carry += (jnp.full((b, steps, cfg.num_moe_layers, cfg.experts_per_token), routing.NONE,
+    carry += (jnp.full((b, steps, cfg.num_moe_layers * cfg.experts_per_token), routing.NONE,
                        jnp.int32),)
   uniforms = sampling_lib.uniforms(rng, steps, b)  # [steps, B, 1]: every iteration's, drawn at once
   ran, live, new_lengths, tok, _, count, out_tok, out_lp, *out_r = jax.lax.while_loop(
