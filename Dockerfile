@@ -14,7 +14,7 @@ WORKDIR /app
 # Dependencies first (a cached layer while the code changes).
 COPY setup.py README.md ./
 RUN mkdir -p sao_jax && touch sao_jax/__init__.py && \
-    pip install --no-cache-dir -e '.[aot,math,parquet,humaneval,pod]' && \
+    pip install --no-cache-dir -e '.[aot,math,parquet,humaneval,pod,gcs]' && \
     rm -rf sao_jax
 COPY . .
 RUN pip install --no-cache-dir --no-deps -e . && \

@@ -39,6 +39,10 @@ EXTRAS = {
         # launch/pod.py's Ray runtime and the JobSet's Kubernetes models.
         "ray>=2.40",
         "kubernetes>=29",
+        # gs:// workdirs against a local GCS emulator (tests/test_gcs.py).
+        "gcsfs>=2024.6",
+        "google-cloud-storage>=2.10",
+        "gcp-storage-emulator==2026.7.19",  # tests/gcs_emulator_serve.py patches its download handler
         # The OpenAI-compatible endpoint (sao_jax/rollout/openai_api.py) is tested
         # with the real client and driven by a real agent harness (its LiteLLM
         # without the release that was compromised on PyPI).
@@ -56,6 +60,10 @@ EXTRAS = {
     # launch/pod.py: Ray as the job runtime; the kubernetes client checks the
     # emitted JobSet's Job templates.
     "pod": ["ray>=2.40", "kubernetes>=29"],
+    # gs:// workdirs and fleet roots (sao_jax/files.py): fsspec's GCS client,
+    # and google-cloud-storage for tensorboardX's gs:// event writer; orbax
+    # and tensorstore speak gs:// themselves.
+    "gcs": ["gcsfs>=2024.6", "google-cloud-storage>=2.10"],
     # Parquet datasets (sao_jax/data/datasets.py); .jsonl needs nothing.
     "parquet": ["pyarrow>=14"],
     # Parity of the flax model with the reference Qwen3-MoE implementation.
@@ -95,8 +103,11 @@ setuptools.setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=setuptools.find_packages(include=["sao_jax", "sao_jax.*"]),
-    # The shipped math set of math_tool (sao_jax/data/math_problems.py).
-    package_data={"sao_jax": ["py.typed", "data/math_tool/*.jsonl.gz"]},
+    # The shipped math set of math_tool (sao_jax/data/math_problems.py); the
+    # repo_repair corpus and its generated sets (sao_jax/data/repo_tasks.py).
+    package_data={"sao_jax": ["py.typed", "data/math_tool/*.jsonl.gz",
+                              "data/repo_repair/*.jsonl.gz", "data/repo_corpus/*/repo/*/*.py",
+                              "data/repo_corpus/*/tests/*.py"]},
     install_requires=CORE,
     extras_require=EXTRAS,
 )

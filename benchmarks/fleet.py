@@ -22,18 +22,26 @@ weights: `WeightPublisher.publish` then `close` (the version complete on
   by that rate (see RESULTS.md for what that extrapolation ignores).
 
 Prints markdown tables (medians of `--repeats`).
+
+    nice -n 10 python benchmarks/fleet.py --gcs_emulator [--repeats 3]
+
+runs every row twice, side by side: on the local disk and on a gs:// root
+served by a local GCS emulator (tests/gcs_emulator.py: gcp-storage-emulator,
+a single-threaded Python server on 127.0.0.1, in memory). The emulator is
+not GCS: its figures are the clients' and the emulator's costs on this
+machine, no forecast of a bucket's throughput or latency.
 """
 
 import argparse
 import os
-import shutil
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sao_jax import fleet
+from sao_jax import files, fleet
 from sao_jax.data import store
 from sao_jax.data.trajectory import Trajectory
 from sao_jax.models import config as mcfg
@@ -60,13 +68,13 @@ def synthetic_trajectory(i: int, length: int) -> Trajectory:
       finish_reason="done", start_time=0.0, end_time=1.0)
 
 
-def store_row(d: str, n: int, length: int, repeats: int) -> list[str]:
+def store_row(d: str, n: int, length: int, repeats: int, label: str = "") -> list[str]:
   trajs = [synthetic_trajectory(i, length) for i in range(n)]
   record_mb = sum(len(store.serialize(t)) for t in trajs) / 2**20
   writes, reads, sizes = [], [], []
   for r in range(repeats):
-    root = os.path.join(d, f"store_{length}_{r}")
-    shutil.rmtree(root, ignore_errors=True)
+    root = files.join(d, f"store_{length}_{r}")
+    files.rmtree(root)
     writer = fleet.ShardWriter(root, "bench", max_trajectories=16, max_seconds=1e9)
     t0 = time.perf_counter()
     for t in trajs:
@@ -74,16 +82,18 @@ def store_row(d: str, n: int, length: int, repeats: int) -> list[str]:
     writer.close()
     writes.append(time.perf_counter() - t0)
     tdir = fleet.trajectories_dir(root)
-    sizes.append(sum(os.path.getsize(os.path.join(tdir, f)) for f in os.listdir(tdir)))
+    if not files.is_url(tdir):  # (object sizes are not this benchmark's business)
+      sizes.append(sum(os.path.getsize(os.path.join(tdir, f)) for f in os.listdir(tdir)))
     feed = fleet.ShardFeed(root, VOCAB, length, current_version=lambda: 10,
                            log=lambda _: None)
     t0 = time.perf_counter()
     got = feed.take(n)
     reads.append(time.perf_counter() - t0)
     assert len(got) == n and not feed.rejected, feed.rejected
-    shutil.rmtree(root)
-  w, rd, disk_mb = float(np.median(writes)), float(np.median(reads)), sizes[0] / 2**20
-  return [f"| {length} | {n} | {record_mb:.1f} | {disk_mb:.1f} | {n / w:,.0f} "
+    files.rmtree(root)
+  w, rd = float(np.median(writes)), float(np.median(reads))
+  disk = f"{sizes[0] / 2**20:.1f}" if sizes else "-"
+  return [f"| {label}{length} | {n} | {record_mb:.1f} | {disk} | {n / w:,.0f} "
           f"| {record_mb / w:.1f} | {n / rd:,.0f} | {record_mb / rd:.1f} |"]
 
 
@@ -91,12 +101,12 @@ def tree_bytes(tree) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def weights_row(d: str, name: str, params, repeats: int) -> tuple[str, float]:
+def weights_row(d: str, name: str, params, repeats: int, label: str = "") -> tuple[str, float]:
   publish, pickup = [], []
   abstract = jax.eval_shape(lambda: params)
   for r in range(repeats):
-    root = os.path.join(d, f"weights_{name}_{r}")
-    shutil.rmtree(root, ignore_errors=True)
+    root = files.join(d, f"weights_{name.split()[0]}_{r}")
+    files.rmtree(root)
     pub = fleet.WeightPublisher(root, keep=2, version=0)
     t0 = time.perf_counter()
     pub.publish(params, 1)
@@ -109,11 +119,11 @@ def weights_row(d: str, name: str, params, repeats: int) -> tuple[str, float]:
     pickup.append(time.perf_counter() - t0)
     assert got[1] == 1
     follower.close()
-    shutil.rmtree(root)
+    files.rmtree(root)
   nbytes = tree_bytes(params)
   p, q = float(np.median(publish)), float(np.median(pickup))
   mb = nbytes / 2**20
-  row = (f"| {name} | {mb:,.1f} | {p:.3f} | {mb / p:,.1f} | {q:.3f} | {mb / q:,.1f} |")
+  row = (f"| {label}{name} | {mb:,.1f} | {p:.3f} | {mb / p:,.1f} | {q:.3f} | {mb / q:,.1f} |")
   return row, nbytes / (p + q)
 
 
@@ -121,15 +131,28 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--dir", default="/tmp/fleet_bench")
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--gcs_emulator", action="store_true",
+                      help="also on a gs:// root of a local GCS emulator, side by side")
+  parser.add_argument("--big_mib", type=int, default=1024,
+                      help="size of the synthetic bf16 tree (MiB, a multiple of 32)")
   args = parser.parse_args()
   os.makedirs(args.dir, exist_ok=True)
+  places = [("", args.dir)]
+  if args.gcs_emulator:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__))), "tests"))
+    import gcs_emulator  # pylint: disable=g-import-not-at-top
+    emu = gcs_emulator.start(os.path.join(args.dir, "emulator.log"))
+    emu.apply_here()
+    places = [("disk: ", args.dir), ("gs:// emulator: ", emu.url("fleet_bench"))]
 
   out = ["### Trajectory store (ShardWriter -> ShardFeed)", "",
          "| tokens / trajectory | trajectories | record MB | MB on disk | write traj/s "
          "| write MB/s | read+validate traj/s | read MB/s |", "|---|---|---|---|---|---|---|---|"]
   for length, n in ((256, 512), (4096, 128)):
-    out += store_row(args.dir, n, length, args.repeats)
-    print(out[-1], flush=True)
+    for label, d in places:
+      out += store_row(d, n, length, args.repeats, label)
+      print(out[-1], flush=True)
 
   out += ["", "### Weight publish and pick-up (WeightPublisher -> WeightFollower)", "",
           "| params | MB | publish s | publish MB/s | pick-up s | pick-up MB/s |",
@@ -139,21 +162,26 @@ def main():
       "tiny (fp32)": policy.init_params(mcfg.tiny(VOCAB), key),
       "small (fp32)": policy.init_params(mcfg.small(VOCAB), key),
       # Random values: constant leaves would compress to nothing on disk.
-      "synthetic 1 GiB (bf16)": {
-          f"w{i}": jax.random.normal(jax.random.fold_in(key, i), (4096, 4096), jnp.bfloat16)
+      f"synthetic {args.big_mib} MiB (bf16)": {
+          f"w{i}": jax.random.normal(jax.random.fold_in(key, i), (args.big_mib * 4, 4096),
+                                     jnp.bfloat16)
           for i in range(32)},
   }
   rate = None
   for name, params in trees.items():
-    row, rate = weights_row(args.dir, name, params, args.repeats)
-    out.append(row)
-    print(row, flush=True)
+    for label, d in places:
+      row, place_rate = weights_row(d, name, params, args.repeats, label)
+      rate = place_rate if not label.startswith("gs") else rate
+      out.append(row)
+      print(row, flush=True)
   qwen = jax.eval_shape(lambda: policy.init_params(mcfg.qwen3_30b_a3b(), key))
   qbytes = tree_bytes(qwen)
   out += ["", f"Qwen3-30B-A3B policy params: {qbytes / 2**30:.1f} GiB in bf16; at the "
-          f"1 GiB row's publish + pick-up rate ({rate / 2**20:,.0f} MB/s) one weight "
+          f"synthetic row's (disk) publish + pick-up rate ({rate / 2**20:,.0f} MB/s) one weight "
           f"sync would take {qbytes / rate:,.0f} s on this disk from one process."]
   print("\n".join(out))
+  if args.gcs_emulator:
+    emu.stop()
 
 
 if __name__ == "__main__":

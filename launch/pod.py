@@ -24,10 +24,11 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from sao_jax import configuration, pod, sections
+from sao_jax import configuration, files, pod, sections
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory every host sees.")
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Run directory every host sees: a shared POSIX path or gs://BUCKET/run.")
 _EMIT = flags.DEFINE_enum("emit", "ray", ["ray", "jobset"],
                           "ray: run the job on Ray; jobset: write a Kubernetes JobSet.")
 _OUT = flags.DEFINE_string("out", None, "--emit=jobset: write it here (default: stdout).")
@@ -81,7 +82,7 @@ def main(argv):
   except ImportError:
     raise sections.ConfigError("--emit=ray needs Ray: pip install -e '.[pod]'") from None
   from sao_jax import pod_ray  # pylint: disable=g-import-not-at-top
-  workdir = os.path.abspath(_WORKDIR.value)
+  workdir = files.absolute(_WORKDIR.value)
   hosts = pod.plan(os.path.abspath(config_file), workdir, overrides, section)
   # A local instance gets a logical CPU a host: the actors only watch their
   # host's process (what the processes compute is not Ray's to schedule).

@@ -13,7 +13,8 @@ from ml_collections import config_flags
 from sao_jax import configuration, distributed, trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (resumes from it).")
+_WORKDIR = flags.DEFINE_string("workdir", None,
+                               "Run directory, a POSIX path or gs://BUCKET/run (resumes from it).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 

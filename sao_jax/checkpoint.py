@@ -28,12 +28,17 @@ the same job.
 
 from __future__ import annotations
 
-import json
-import os
+import posixpath
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+from sao_jax import files
+
+# What orbax writes into a step directory when it finalises a save on a
+# store without atomic renames (an object store), and the meta item's file.
+COMMIT_FILE = "commit_success.txt"
 
 
 class Checkpointer:
@@ -41,8 +46,8 @@ class Checkpointer:
   def __init__(self, directory: str, max_to_keep: int = 3, name: str | None = None):
     """`name` (default: the directory's last component) keys this
     Checkpointer's multi-process barriers; see the module docstring."""
-    self.directory = os.path.abspath(directory)
-    self.name = name or os.path.basename(self.directory)
+    self.directory = files.absolute(directory)
+    self.name = name or posixpath.basename(self.directory.rstrip("/"))
     self._mngr = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, create=True,
@@ -83,20 +88,27 @@ def abstract_like(tree):
 def committed_checkpoints(directory: str) -> dict[int, dict[str, Any]]:
   """{step: meta} of the checkpoints under `directory` that are complete.
 
-  Orbax writes a step under a temporary name and renames it when the save
-  is finalised, so a directory named by its step number, with its meta
-  item, is complete. That holds on filesystems with atomic rename, which
-  are the only ones this reads (it lists with `os`): on object stores
-  orbax writes in place and marks the end with a commit file, which this
-  does not check. Reads only files: safe to call while another process is
-  training.
+  On a POSIX filesystem orbax writes a step under a temporary name and
+  renames it when the save is finalised, so a directory named by its step
+  number, with its meta item, is complete. On an object store (gs://) it
+  writes in place and marks the end with `COMMIT_FILE` in the step's
+  directory, which is then required too. Reads only files: safe to call
+  while another process is training.
   """
   out = {}
-  if not os.path.isdir(directory):
+  try:
+    names = files.listdir(directory)
+  except FileNotFoundError:
     return out
-  for name in os.listdir(directory):
-    meta_path = os.path.join(directory, name, "meta", "metadata")
-    if name.isdigit() and os.path.exists(meta_path):
-      with open(meta_path, encoding="utf-8") as f:
-        out[int(name)] = json.load(f)
+  marked = not files.renames_atomically(directory)
+  for name in names:
+    if not name.isdigit():
+      continue
+    step_dir = files.join(directory, name)
+    if marked and not files.exists(files.join(step_dir, COMMIT_FILE)):
+      continue
+    try:
+      out[int(name)] = files.read_json(files.join(step_dir, "meta", "metadata"))
+    except (FileNotFoundError, NotADirectoryError):
+      continue
   return out

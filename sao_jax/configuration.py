@@ -25,15 +25,12 @@ from __future__ import annotations
 
 import ast
 import math
-import os
-import shutil
 import sys
-import uuid
 from typing import Callable
 
 from absl import app
 
-from sao_jax import precision, sections
+from sao_jax import files, precision, sections
 from sao_jax.advantages import ESTIMATORS
 
 
@@ -226,25 +223,16 @@ def check_workdir(workdir: str, min_free_gb: float) -> None:
   """Creates `workdir` and fails clearly if it is unwritable or nearly full.
 
   Run before training, so a run never dies at its first checkpoint hours
-  in. A probe file is written, flushed to disk and removed. A URL
-  (gs://...) is refused: metrics, the fleet and the markers use POSIX
-  files, and os.makedirs would make a local folder named "gs:".
+  in. A probe file is written (flushed to disk) and removed: a POSIX path,
+  or an object-store URL such as gs://bucket/run (`files.check_writable`:
+  a missing bucket, missing credentials and an unreachable store are each
+  one line). Free space is checked on POSIX only.
   """
-  if "://" in workdir:
-    raise ConfigError(f"workdir {workdir!r}: a URL; give a POSIX path every host mounts "
-                      "(e.g. a gcsfuse mount of the bucket)")
   try:
-    os.makedirs(workdir, exist_ok=True)
-    probe = os.path.join(workdir, f".write_probe_{uuid.uuid4().hex}")
-    with open(probe, "wb") as f:
-      f.write(b"\0" * 4096)
-      f.flush()
-      os.fsync(f.fileno())
-    os.remove(probe)
-  except OSError as e:
-    raise ConfigError(f"workdir {workdir!r} is not writable: {e.strerror or e}") from None
-  free_gb = shutil.disk_usage(workdir).free / 2**30
-  if free_gb < min_free_gb:
+    free_gb = files.check_writable(workdir)
+  except files.StorageError as e:
+    raise ConfigError(f"workdir {workdir!r}: {e}") from None
+  if free_gb is not None and free_gb < min_free_gb:
     raise ConfigError(f"workdir {workdir!r} has {free_gb:.3f} GiB free, less than "
                       f"checkpoint.min_free_gb = {min_free_gb}")
 

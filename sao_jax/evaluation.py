@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 
 import ml_collections
 import numpy as np
@@ -131,10 +130,10 @@ def evaluate_sets(config, model_cfg, params, envs: dict, tokenizer, *, seed: int
     samples = []
     result = pass_at_1(config, model_cfg, params, env, tokenizer, seed=seed, samples=samples)
     if out_dir is not None:
-      where = os.path.join(out_dir, name)
-      write_samples(os.path.join(where, "samples.jsonl"), samples)
-      result["samples_file"] = os.path.join(where, "samples.jsonl")
-      files.write_json(os.path.join(where, "summary.json"), dict(result, set=name), indent=2)
+      where = files.join(out_dir, name)
+      write_samples(files.join(where, "samples.jsonl"), samples)
+      result["samples_file"] = files.join(where, "samples.jsonl")
+      files.write_json(files.join(where, "summary.json"), dict(result, set=name), indent=2)
     per_set[name] = result
   first = next(iter(per_set.values()))
   return {**first, "sets": per_set}

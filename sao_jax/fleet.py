@@ -72,17 +72,20 @@ nothing, and would wait on rollouts that wait on it.)
 
 Polling is deliberate: shared filesystems and object stores (GCS) have no
 portable change notification, and the poll interval (`fleet.poll_seconds`)
-is small beside a train step. The store's atomic rename needs a POSIX-like
-shared filesystem (local disk, NFS / Filestore, a gcsfuse mount of a bucket).
+is small beside a train step. The root is a POSIX directory every host
+mounts (local disk, NFS / Filestore, a gcsfuse mount) or an object-store URL
+(gs://bucket/run/fleet), through sao_jax/files.py: there a shard is written
+locally and uploaded on close (an object appears whole or not at all, so
+its name is its own marker, and no temporary is ever seen under the root),
+a version is complete when orbax has written its commit file, and the
+trainer downloads a shard before reading it.
 """
 
 from __future__ import annotations
 
 import collections
 import json
-import os
 import re
-import shutil
 import threading
 import time
 from typing import Any, Callable
@@ -115,15 +118,15 @@ REPORT_WAIT_S = 60.0
 
 def root_of(config, workdir: str) -> str:
   """The fleet's shared directory: `fleet.root`, or `<workdir>/fleet`."""
-  return os.path.abspath(config.fleet.root or os.path.join(workdir, "fleet"))
+  return files.absolute(config.fleet.root or files.join(workdir, "fleet"))
 
 
 def weights_dir(root: str) -> str:
-  return os.path.join(root, WEIGHTS)
+  return files.join(root, WEIGHTS)
 
 
 def trajectories_dir(root: str) -> str:
-  return os.path.join(root, TRAJECTORIES)
+  return files.join(root, TRAJECTORIES)
 
 
 def shard_name(rollout_id: str, seq: int) -> str:
@@ -139,28 +142,23 @@ def parse_shard_name(name: str) -> tuple[str, int] | None:
 
 def mark_done(root: str, version: int) -> None:
   """Tells the rollouts that RL is over."""
-  os.makedirs(root, exist_ok=True)
-  files.write_json(os.path.join(root, DONE), {"version": int(version), "time": time.time()})
+  files.write_json(files.join(root, DONE), {"version": int(version), "time": time.time()})
 
 
 def read_consumed(root: str) -> dict[str, int]:
   """The trainer's watermarks: rollout id -> highest shard seq fully read."""
   try:
-    with open(os.path.join(root, CONSUMED), encoding="utf-8") as f:
-      return {str(k): int(v) for k, v in json.load(f).items()}
+    return {str(k): int(v) for k, v in files.read_json(files.join(root, CONSUMED)).items()}
   except (FileNotFoundError, ValueError, AttributeError, TypeError):
     return {}
 
 
 def is_done(root: str) -> bool:
-  return os.path.exists(os.path.join(root, DONE))
+  return files.exists(files.join(root, DONE))
 
 
 def clear_done(root: str) -> None:
-  try:
-    os.remove(os.path.join(root, DONE))
-  except FileNotFoundError:
-    pass
+  files.remove(files.join(root, DONE))
 
 
 def unread_shards(consumed: dict, rollout_id: str, last_written: int) -> int:
@@ -182,13 +180,17 @@ class WeightPublisher:
 
   def __init__(self, root: str, keep: int, version: int):
     self.dir = weights_dir(root)
-    os.makedirs(self.dir, exist_ok=True)
+    files.makedirs(self.dir)
     # Versions beyond the trainer's are a future it discarded (it was killed
     # after publishing them and resumed from an older checkpoint); orbax's
     # temporaries are saves that never finished. Neither may be followed.
-    for name in os.listdir(self.dir):
+    try:
+      names = files.listdir(self.dir)
+    except FileNotFoundError:
+      names = []
+    for name in names:
       if not name.isdigit() or int(name) > version:
-        shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
+        files.rmtree(files.join(self.dir, name))
     self._ckpt = Checkpointer(self.dir, keep, name="weights")
     self.last_publish_s = 0.0
 
@@ -221,7 +223,7 @@ class WeightFollower:
 
   def __init__(self, root: str, abstract_params):
     self.dir = weights_dir(root)
-    os.makedirs(self.dir, exist_ok=True)
+    files.makedirs(self.dir)
     self._abstract = _with_device(abstract_params)
     self._ckpt: Checkpointer | None = None
     self.version: int | None = None
@@ -303,21 +305,24 @@ class ShardWriter:
     if not ROLLOUT_ID.match(rollout_id):
       raise ValueError(f"rollout_id {rollout_id!r}: use letters, digits and _ only")
     self.dir = trajectories_dir(root)
-    os.makedirs(self.dir, exist_ok=True)
+    files.makedirs(self.dir)
     self.rollout_id = rollout_id
     self.max_trajectories, self.max_seconds = max_trajectories, max_seconds
     own = []
-    names = set(os.listdir(self.dir))
+    try:
+      names = set(files.listdir(self.dir))
+    except FileNotFoundError:
+      names = set()
     for name in names:
       parsed = parse_shard_name(name)
       if parsed and parsed[0] == rollout_id:
         own.append(parsed[1])
       elif name.startswith(f"{rollout_id}-") and (
-          ".tmp-" in name or (name.endswith(STATS_SUFFIX)
-                              and name[:-len(STATS_SUFFIX)] not in names)):
+          files.TMP_MARK in name or (name.endswith(STATS_SUFFIX)
+                                     and name[:-len(STATS_SUFFIX)] not in names)):
         # The open shard (or the stats written just before its rename) of a
         # killed predecessor: never renamed, never read.
-        os.remove(os.path.join(self.dir, name))
+        files.remove(files.join(self.dir, name))
     self.last_closed = max(own, default=-1)  # seq of the newest renamed shard
     self.first_seq = self.last_closed + 1  # this process's first shard
     self.trajectories = 0
@@ -331,7 +336,7 @@ class ShardWriter:
   def write(self, t: Trajectory) -> None:
     with self._lock:
       if self._writer is None:
-        self._path = os.path.join(self.dir, shard_name(self.rollout_id, self.last_closed + 1))
+        self._path = files.join(self.dir, shard_name(self.rollout_id, self.last_closed + 1))
         self._writer = store.TrajectoryWriter(self._path)
         self._opened = time.time()
       self._writer.write(t)
@@ -396,8 +401,9 @@ class ShardFeed:
                routing_shape: tuple[int, int, int] | None = None):
     self.dir = trajectories_dir(root)
     self._routing_shape = routing_shape
-    os.makedirs(self.dir, exist_ok=True)
-    self._consumed_path = os.path.join(root, CONSUMED)
+    files.makedirs(self.dir)
+    self._consumed_path = files.join(root, CONSUMED)
+    self._copies = files.LocalCopies()  # shards of an object store, downloaded to read
     self._max_length = max_length
     self._vocab_size = vocab_size
     self._current_version, self._max_staleness = current_version, max_staleness
@@ -447,21 +453,16 @@ class ShardFeed:
     lowest: dict[str, tuple[int, str]] = {}
     rest = []
     current = self._current[0] if self._current else None
-    with os.scandir(self.dir) as entries:
-      for e in entries:
-        parsed = parse_shard_name(e.name)
-        if parsed is None or e.name == current:
-          continue
-        rid, seq = parsed
-        if seq <= self.consumed.get(rid, -1):
-          continue
-        try:
-          mtime = e.stat().st_mtime
-        except FileNotFoundError:
-          continue
-        rest.append((mtime, e.name))
-        if rid not in lowest or seq < lowest[rid][0]:
-          lowest[rid] = (seq, e.name)
+    for name, mtime in files.scan(self.dir):
+      parsed = parse_shard_name(name)
+      if parsed is None or name == current:
+        continue
+      rid, seq = parsed
+      if seq <= self.consumed.get(rid, -1):
+        continue
+      rest.append((mtime, name))
+      if rid not in lowest or seq < lowest[rid][0]:
+        lowest[rid] = (seq, name)
     heads = {name for _, name in lowest.values()}
     return sorted(x for x in rest if x[1] in heads) + sorted(x for x in rest if x[1] not in heads)
 
@@ -471,7 +472,8 @@ class ShardFeed:
 
   def _open(self, name: str) -> grain.sources.ArrayRecordDataSource | None:
     try:
-      source = grain.sources.ArrayRecordDataSource([os.path.join(self.dir, name)])
+      local = self._copies.get(files.join(self.dir, name))
+      source = grain.sources.ArrayRecordDataSource([local])
       self._sizes[name] = len(source)
       return source
     except Exception:  # pylint: disable=broad-except  # truncated or not an ArrayRecord file
@@ -508,16 +510,15 @@ class ShardFeed:
     self._in_shard = (0, n - offset - len(self._buffer))
     self._current = (name, offset)
     try:
-      self.last_shard_age_s = time.time() - os.path.getmtime(os.path.join(self.dir, name))
+      self.last_shard_age_s = time.time() - files.mtime(files.join(self.dir, name))
     except OSError:
       pass
 
   def _read_stats(self, name: str) -> None:
     """Adds shard `name`'s stats file (if it has one) to the SHARD_COUNTERS."""
-    path = os.path.join(self.dir, name + STATS_SUFFIX)
+    path = files.join(self.dir, name + STATS_SUFFIX)
     try:
-      with open(path, "rb") as f:
-        raw = f.read(_STATS_MAX_BYTES + 1)
+      raw = files.read_bytes(path, _STATS_MAX_BYTES + 1)
     except FileNotFoundError:
       return  # nothing grew while the shard was open
     except OSError as e:
@@ -546,6 +547,7 @@ class ShardFeed:
     self.consumed[rid] = max(seq, self.consumed.get(rid, -1))
     self._current = None
     self._sizes.pop(name, None)
+    self._copies.drop(files.join(self.dir, name))
     self.shards_consumed += 1
     files.write_json(self._consumed_path, self.consumed)
     self._log(f"[fleet] consumed {name}: {self._in_shard[0]} trajectories, "

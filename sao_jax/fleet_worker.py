@@ -53,6 +53,9 @@ def run_rollout_worker(config, workdir: str, rollout_id: str, stop: threading.Ev
   f = config.fleet
   rid = rollout_id
   root = fleet.root_of(config, workdir)
+  # An unreachable or unwritable root (a missing bucket, no credentials) is
+  # one line here, not a traceback at the first shard.
+  configuration.check_workdir(root, min_free_gb=0.0)
 
   tok = registry.make_tokenizer(config.env)
   faults = FaultInjector.from_config(config.get("faults"))
@@ -89,11 +92,17 @@ def run_rollout_worker(config, workdir: str, rollout_id: str, stop: threading.Ev
                                  record_routing=bool(config.rl.routing_replay))
   follower.retarget(engine.abstract_params())  # later versions restore into its layout
 
+  checked = [None]  # writer.last_closed when the trainer was last seen close enough
+
   def emit(t):
     # Backpressure: wait while the trainer is behind on this process's shards.
-    while (not stop.is_set() and fleet.unread_shards(fleet.read_consumed(root), rid,
-                                                      writer.last_closed) >= f.max_unread_shards):
-      stop.wait(f.poll_seconds)
+    # What is unread grows only when a shard closes, so the watermarks
+    # (one read, an object GET on gs://) are checked once per closed shard.
+    if writer.last_closed != checked[0]:
+      while (not stop.is_set() and fleet.unread_shards(
+          fleet.read_consumed(root), rid, writer.last_closed) >= f.max_unread_shards):
+        stop.wait(f.poll_seconds)
+      checked[0] = writer.last_closed
     writer.write(t)
 
   driver = factories.make_driver(

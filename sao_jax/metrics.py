@@ -12,6 +12,10 @@ its own step metric: "<stage>/<metric>" is plotted against "<stage>/step"
 `progress` prints a compact line for long runs.
 In a multi-host run (sao_jax/distributed.py) every process computes the same
 metrics and only process 0 writes or prints them.
+On an object-store workdir (gs://) metrics.jsonl is uploaded whole after
+each record (`files.Appender`), TensorBoard writes its event files there
+itself (tensorboardX's GCS writer) and W&B keeps its local files in its
+default directory.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import time
 
 import numpy as np
 
-from sao_jax import distributed
+from sao_jax import distributed, files
 
 
 def to_python(metrics: dict) -> dict:
@@ -40,19 +44,17 @@ class WandbSink:
 
   def __init__(self, workdir: str, logging, config: dict | None = None):
     import wandb  # pylint: disable=g-import-not-at-top
-    id_file = os.path.join(workdir, "wandb_run_id")
-    if os.path.exists(id_file):
-      with open(id_file, encoding="utf-8") as f:
-        run_id = f.read().strip()
-    else:
+    id_file = files.join(workdir, "wandb_run_id")
+    try:
+      run_id = files.read_text(id_file).strip()
+    except FileNotFoundError:
       run_id = secrets.token_hex(4)  # W&B ids: lowercase letters and digits
-      with open(id_file, "w", encoding="utf-8") as f:
-        f.write(run_id + "\n")
+      files.write_text(id_file, run_id + "\n")
     self._wandb = wandb
     self.run = wandb.init(
         project=logging.wandb_project, entity=logging.wandb_entity or None,
-        name=logging.wandb_run_name or os.path.basename(os.path.abspath(workdir)),
-        mode=logging.wandb_mode, dir=workdir, id=run_id, resume="allow", config=config,
+        name=logging.wandb_run_name or os.path.basename(files.absolute(workdir).rstrip("/")),
+        mode=logging.wandb_mode, dir=None if files.is_url(workdir) else workdir, id=run_id, resume="allow", config=config,
         settings=wandb.Settings(console="off", x_disable_stats=True))
     self._stages: set[str] = set()
 
@@ -81,11 +83,11 @@ class MetricsWriter:
     _PROGRESS_START.clear()  # a new run (or a resumed one) times its own stages
     if not distributed.is_primary():  # records are process 0's to write
       return
-    os.makedirs(workdir, exist_ok=True)
-    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
+    files.makedirs(workdir)
+    self._jsonl = files.Appender(files.join(workdir, "metrics.jsonl"))
     if tensorboard:
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      self._tb = SummaryWriter(files.join(workdir, "tensorboard"))
     if wandb is not None and wandb.wandb:
       self._wandb = WandbSink(workdir, wandb, config)
 
@@ -101,7 +103,6 @@ class MetricsWriter:
     line = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
             for k, v in record.items()}
     self._jsonl.write(json.dumps(line, allow_nan=False) + "\n")
-    self._jsonl.flush()
     # A non-finite value (an empty lag bucket) is no point on a curve.
     points = {k: v for k, v in scalars.items()
               if isinstance(v, (int, float)) and math.isfinite(v)}

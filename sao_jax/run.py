@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from typing import Any
 
 import jax
 import ml_collections
 
-from sao_jax import configuration, distributed, factories, sections, sharding
+from sao_jax import configuration, distributed, factories, files, sections, sharding
 from sao_jax.checkpoint import Checkpointer, abstract_like
 from sao_jax.envs import registry
 from sao_jax.evaluation import evaluate_sets, set_environments
@@ -138,7 +137,7 @@ class Run:
     (default `<workdir>/eval/<name>`)."""
     params = distributed.host_local_copy(params, self.mesh)  # every process joins
     if out_dir is None and self.workdir is not None:
-      out_dir = os.path.join(self.workdir, "eval", name)
+      out_dir = files.join(self.workdir, "eval", name)
     result = distributed.share_from_primary(f"eval/{name}", lambda: evaluate_sets(
         self.config, self.model_cfg, params, self.eval_envs, self.tok,
         seed=self.config.seed + 7, out_dir=out_dir))
@@ -213,7 +212,7 @@ def open_workdir(run: Run, workdir: str, restore_step: int | None = None) -> Run
       workdir, tensorboard=config.get("tensorboard", True), wandb=logging,
       config=json.loads(config.to_json_best_effort()) if logging.wandb else None)
   distributed.sync("setup")  # the hosts' set-up times differ; collectives follow
-  run.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep,
+  run.ckpt = Checkpointer(files.join(workdir, "checkpoints"), config.checkpoint.keep,
                           name="run")
   if run.ckpt.latest_step() is not None:
     restore_step = restore_step or run.ckpt.latest_step()

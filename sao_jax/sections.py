@@ -305,7 +305,7 @@ class Env(Section):
   NAME: ClassVar[str] = "env"
   name: str = knob(
       "python_tool", "A built-in environment (python_tool, code_fix, online_style, "
-      "dataset, math_tool, humaneval) or a user's factory as an import string, "
+      "dataset, math_tool, humaneval, repo_repair) or a user's factory as an import string, "
       "\"my_pkg.my_env:make_env\" or \"path/to/my_env.py:make_env\" "
       "(sao_jax/envs/registry.py).", Check(lambda v: isinstance(v, str) and bool(v),
                                            "a non-empty string"))
@@ -341,7 +341,8 @@ class Env(Section):
       "network namespace, chroot, uid drop, process cleanup). Off: such a run refuses to "
       "start and says what is missing.", BOOL)
   tool_calls_per_turn: int = knob(
-      8, "Tool calls one turn may make (dataset, math_tool, humaneval); further calls are "
+      8, "Tool calls one turn may make (dataset, math_tool, humaneval, repo_repair); further "
+      "calls are "
       "not run but answered with an error (event \"tool_budget_calls\"). 0: no bound.",
       integer(0, note=" (0: no bound)"))
   tool_seconds_per_turn: float = knob(

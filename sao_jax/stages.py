@@ -14,7 +14,6 @@ a restarted run resumes at the stage and step of its latest checkpoint.
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import flax.linen as nn
@@ -105,7 +104,7 @@ def value_pretrain(run: Run) -> None:
   c, config = run.config.value_pretrain, run.config
   if c.steps == 0 or not run.step_cfg.uses_critic:
     return run.advance("rl")
-  shard = os.path.join(run.workdir, "trajectories", "value_pretrain.array_record")
+  shard = files.join(run.workdir, "trajectories", "value_pretrain.array_record")
   if not run.meta.get("value_store_done"):
     generated = _store_initial_rollouts(run, shard, c.num_trajectories)
     # Budgets count every token the policy generates, warm-up included.
@@ -148,7 +147,7 @@ def done(run: Run) -> dict:
              "generated_tokens": run.meta.get("generated_tokens", 0)}
   if distributed.is_primary():
     # Written whole: a summary.json that exists marks a finished run (experiments/).
-    files.write_json(os.path.join(run.workdir, "summary.json"), summary, indent=2)
+    files.write_json(files.join(run.workdir, "summary.json"), summary, indent=2)
   print(f"[done] pass@1 SFT {summary['sft_pass@1']} -> final {summary['final_pass@1']}",
         flush=True)
   run.save(force=True)

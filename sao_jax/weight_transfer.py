@@ -78,11 +78,11 @@ KEEP_SNAPSHOTS = 2
 
 
 def transfer_dir(root: str) -> str:
-  return os.path.join(root, TRANSFER)
+  return files.join(root, TRANSFER)
 
 
 def requests_dir(root: str) -> str:
-  return os.path.join(transfer_dir(root), REQUESTS)
+  return files.join(transfer_dir(root), REQUESTS)
 
 
 def manifest_name(version: int, process: int) -> str:
@@ -341,13 +341,13 @@ class WeightServer:
                log: Callable[[str], None] = print, thread: bool = True):
     self.dir = transfer_dir(root)
     self._requests = requests_dir(root)
-    os.makedirs(self._requests, exist_ok=True)
+    files.makedirs(self._requests)
     self.process, self.num_processes = jax.process_index(), jax.process_count()
     # This process's manifests from a previous life: its server is gone.
-    for name in os.listdir(self.dir):
+    for name in _listdir(self.dir):
       m = _MANIFEST.match(name)
       if m and int(m.group(2)) == self.process:
-        os.remove(os.path.join(self.dir, name))
+        files.remove(files.join(self.dir, name))
     self.nonce = str(nonce)
     self._server = start_server(host, sockets)
     self.address = self._server.address()
@@ -392,9 +392,9 @@ class WeightServer:
       dropped = []
       while len(self._snapshots) > KEEP_SNAPSHOTS:
         dropped.append(self._snapshots.popitem(last=False)[0])
-    files.write_json(os.path.join(self.dir, manifest_name(version, self.process)), manifest)
+    files.write_json(files.join(self.dir, manifest_name(version, self.process)), manifest)
     for v in dropped:
-      _remove(os.path.join(self.dir, manifest_name(v, self.process)))
+      files.remove(files.join(self.dir, manifest_name(v, self.process)))
     self.last_publish_s = time.time() - t0
 
   def _serve(self) -> None:
@@ -408,7 +408,7 @@ class WeightServer:
     """Registers each new request for a version held (the thread's body;
     callable directly). Returns how many it registered."""
     try:
-      names = set(os.listdir(self._requests))
+      names = set(files.listdir(self._requests))
     except FileNotFoundError:
       return 0
     self._seen &= names  # forget requests their rollouts removed
@@ -420,8 +420,7 @@ class WeightServer:
       self._seen.add(name)
       uuid = int(m.group(2))
       try:
-        with open(os.path.join(self._requests, name), encoding="utf-8") as f:
-          req = json.loads(f.read(4096))
+        req = json.loads(files.read_bytes(files.join(self._requests, name), 4096))
         version, nonce = int(req["version"]), str(req["nonce"])
       except (OSError, ValueError, KeyError, TypeError):
         self.refused["bad_request"] += 1
@@ -442,7 +441,7 @@ class WeightServer:
     with self._lock:
       versions = list(self._snapshots)
     for v in versions:
-      _remove(os.path.join(self.dir, manifest_name(v, self.process)))
+      files.remove(files.join(self.dir, manifest_name(v, self.process)))
 
   def close(self) -> None:
     self._stop.set()
@@ -451,11 +450,11 @@ class WeightServer:
     self.withdraw()
 
 
-def _remove(path: str) -> None:
+def _listdir(path: str) -> list[str]:
   try:
-    os.remove(path)
+    return files.listdir(path)
   except FileNotFoundError:
-    pass
+    return []
 
 
 # --- rollout side ------------------------------------------------------------------
@@ -475,8 +474,7 @@ class Offer:
 
 def _read_manifest(path: str) -> dict | None:
   try:
-    with open(path, "rb") as f:
-      raw = f.read(_MANIFEST_MAX_BYTES + 1)
+    raw = files.read_bytes(path, _MANIFEST_MAX_BYTES + 1)
     m = json.loads(raw)
     if len(raw) > _MANIFEST_MAX_BYTES or not isinstance(m, dict):
       return None
@@ -491,14 +489,14 @@ def newest_offer(root: str) -> Offer | None:
   """The newest version with a manifest from each of its trainer's processes."""
   d = transfer_dir(root)
   try:
-    names = os.listdir(d)
+    names = files.listdir(d)
   except FileNotFoundError:
     return None
   groups: dict = collections.defaultdict(dict)
   for name in names:
     if not _MANIFEST.match(name):
       continue
-    m = _read_manifest(os.path.join(d, name))
+    m = _read_manifest(files.join(d, name))
     if m is not None:
       groups[(int(m["version"]), str(m["nonce"]), int(m["num_processes"]))][
           int(m["process"])] = m
@@ -545,10 +543,10 @@ class NetFollower:
                sockets: int = 4, pull_timeout_s: float = 300.0):
     self.root, self.rollout_id = root, rollout_id
     self._requests = requests_dir(root)
-    os.makedirs(self._requests, exist_ok=True)
-    for name in os.listdir(self._requests):  # a killed predecessor's requests
+    files.makedirs(self._requests)
+    for name in _listdir(self._requests):  # a killed predecessor's requests
       if name.startswith(f"{rollout_id}-"):
-        _remove(os.path.join(self._requests, name))
+        files.remove(files.join(self._requests, name))
     self.retarget(abstract_params)
     self._server = start_server(host, sockets)
     self._connections: dict[str, Any] = {}
@@ -588,7 +586,7 @@ class NetFollower:
     devices = {d.id: d for a in self._abstract for d in a.sharding.device_set}
     uuid = int.from_bytes(os.urandom(8), "little") >> 1
     name = f"{self.rollout_id}-{uuid}.json"
-    files.write_json(os.path.join(self._requests, name),
+    files.write_json(files.join(self._requests, name),
                      {"version": offer.version, "nonce": offer.nonce})
     arrays, n = [], 0
     try:
@@ -607,10 +605,10 @@ class NetFollower:
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=self.pull_timeout_s)
         arrays.append(conn.pull(uuid, specs, timeout=deadline))
     except PullError:
-      _remove(os.path.join(self._requests, name))
+      files.remove(files.join(self._requests, name))
       raise
     except Exception as e:  # pylint: disable=broad-except
-      _remove(os.path.join(self._requests, name))
+      files.remove(files.join(self._requests, name))
       raise PullError("pull_failed", f"version {offer.version}: {e!r}"[:300]) from None
     self._pull = _Pull(offer, p, arrays, [name], time.time())
 
@@ -658,7 +656,7 @@ class NetFollower:
     if pull is None:
       return
     for name in pull.requests:
-      _remove(os.path.join(self._requests, name))
+      files.remove(files.join(self._requests, name))
 
   def abandon(self) -> None:
     """Drops a pull in flight (its buffers fill, or fail, unseen)."""

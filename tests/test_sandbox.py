@@ -420,3 +420,42 @@ def test_a_silent_nonzero_exit_still_tells_the_model_something():
                        "raise SystemExit(4)", LIMITS)
   assert printed.observation().startswith("partial\n")
   assert printed.observation().endswith("\nerror: exited with status 4 (nothing on stderr)")
+
+
+_SHELL_AS_NOBODY = """\
+import importlib.util, os, sys, tempfile
+spec = importlib.util.spec_from_file_location("sandbox", {path!r})
+sandbox = importlib.util.module_from_spec(spec)
+sys.modules["sandbox"] = sandbox
+spec.loader.exec_module(sandbox)
+work = tempfile.mkdtemp()
+r = sandbox.run_shell("pwd; echo made > made.txt; touch /usr/x", sandbox.Workspace(work))
+print("applied", ",".join(r.isolation))
+print("mount_error", r.mount_error or "-")
+print("out", r.stdout.replace(chr(10), "|"))
+print("made", os.path.exists(os.path.join(work, "made.txt")))
+"""
+
+
+@needs_root
+@needs_linux
+def test_unprivileged_shell_gets_its_mounts_or_says_why():
+  """As `nobody`: a user namespace's mount namespace gives the shell its chroot;
+  where it is refused the command does not run and the result says why."""
+  exe = _python_for_nobody()
+  if exe is None:
+    pytest.skip("no Python that user nobody may run")
+  out = subprocess.run([exe, "-I", "-c", _SHELL_AS_NOBODY.format(path=sandbox.__file__)],
+                       user=65534, group=65534, extra_groups=[], capture_output=True,
+                       text=True, check=False, cwd="/", env={}, timeout=120)
+  assert out.returncode == 0, out.stderr
+  lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+  applied = lines["applied"].split(",")
+  print("unprivileged shell isolation:", applied, lines["mount_error"])
+  if "mounts" in applied:
+    assert {"userns", "chroot"} <= set(applied) and lines["mount_error"] == "-"
+    assert lines["out"].startswith("/repo|") and "Read-only file system" in lines["out"]
+    assert lines["made"] == "True"  # the workspace is the shell's working directory
+  else:  # never run unconfined
+    assert "chroot" not in applied and lines["mount_error"] != "-"
+    assert lines["made"] == "False" and "not run" in lines["out"]

@@ -42,7 +42,7 @@ import json
 import math
 import os
 import zlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -67,8 +67,11 @@ class Row:
   where: str
 
 
-class _Bad(Exception):
-  """A row's rejection reason."""
+class BadRow(Exception):
+  """A row's rejection reason (raised by a row parser; see `read_rows`)."""
+
+
+_Bad = BadRow
 
 
 # --- validation ------------------------------------------------------------------
@@ -377,6 +380,38 @@ def hygiene_counts(rejected: list[tuple[str, str]]) -> dict[str, int]:
   return counts
 
 
+def read_rows(path: str | os.PathLike, parse: Callable[[Any, str], Any], *,
+              strict: bool = False, max_row_bytes: int = MAX_ROW_BYTES,
+              allow_empty: bool = False) -> tuple[list, list[tuple[str, str]]]:
+  """(parsed rows, [(where, reason)] of the rejected ones) of any row schema.
+
+  The reader of `load_rows` (line cap, UTF-8, JSON, parquet) with the row
+  check `parse(value, where)`, which returns a row or raises `BadRow` with
+  the reason. `strict` raises DatasetError on the first bad row; a file that
+  cannot be read, or (unless `allow_empty`) holds no valid row, is a
+  DatasetError either way.
+  """
+  path = os.fspath(path)
+  rows: list = []
+  rejected: list[tuple[str, str]] = []
+  try:
+    for where, value in _rows(path, max_row_bytes):
+      try:
+        if isinstance(value, BadRow):
+          raise value
+        rows.append(parse(value, where))
+      except BadRow as e:
+        if strict:
+          raise DatasetError(f"{where}: {e}") from None
+        rejected.append((where, str(e)))
+  except (OSError, EOFError, zlib.error) as e:  # gzip's errors included
+    raise DatasetError(f"{path}: cannot read: {e}") from e
+  if not rows and not allow_empty:
+    first = f"; first: {rejected[0][0]}: {rejected[0][1]}" if rejected else ""
+    raise DatasetError(f"{path}: no valid rows ({len(rejected)} rejected{first})")
+  return rows, rejected
+
+
 def load_rows(path: str | os.PathLike, *, strict: bool = False,
               max_row_bytes: int = MAX_ROW_BYTES, keep_repeats: bool = False,
               repeats: list | None = None) -> tuple[list[Row], list[tuple[str, str]]]:
@@ -387,20 +422,8 @@ def load_rows(path: str | os.PathLike, *, strict: bool = False,
   rows are then in `repeats`, a list the caller passes in, to report).
   """
   path = os.fspath(path)
-  rows: list[Row] = []
-  rejected: list[tuple[str, str]] = []
-  try:
-    for where, value in _rows(path, max_row_bytes):
-      try:
-        if isinstance(value, _Bad):
-          raise value
-        rows.append(parse_row(value, where))
-      except _Bad as e:
-        if strict:
-          raise DatasetError(f"{where}: {e}") from None
-        rejected.append((where, str(e)))
-  except (OSError, EOFError, zlib.error) as e:  # gzip's errors included
-    raise DatasetError(f"{path}: cannot read: {e}") from e
+  rows, rejected = read_rows(path, parse_row, strict=strict, max_row_bytes=max_row_bytes,
+                             allow_empty=True)
   rows, dropped, kept_repeats = dedupe_rows(rows, keep_repeats)
   if dropped and strict:
     raise DatasetError(f"{dropped[0][0]}: {dropped[0][1]}")

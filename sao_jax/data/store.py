@@ -23,6 +23,9 @@ tampered with, so reading trusts nothing:
   the canonical copies of valid ones; it raises only if none is left.
 * `TrajectoryWriter` writes `<path>.tmp-<pid>` and renames it to `<path>` on
   close, so a killed writer never leaves a half shard under the final name.
+  On an object store (a gs:// path) it writes a local temporary file and
+  uploads it on close: the object appears whole or not at all
+  (sao_jax/files.py). Readers download such a shard before reading it.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import grain
 import numpy as np
 from array_record.python import array_record_module
 
+from sao_jax import files
 from sao_jax.data.trajectory import ARRAY_FIELDS, OPTIONAL_ARRAY_FIELDS, Trajectory, checked
 
 _ARRAYS = ARRAY_FIELDS
@@ -257,12 +261,13 @@ class TrajectoryWriter:
   take explicit shard paths), and leaving the `with` block by an exception
   discards the temporary file, because a run that failed mid-collection
   collects again on resume. A `path` written before is replaced whole.
+  For an object store the temporary file is local and `close` uploads it
+  (`files.staging_path` / `files.publish`).
   """
 
   def __init__(self, path: str):
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     self.path = path
-    self.tmp_path = f"{path}.tmp-{os.getpid()}"
+    self.tmp_path = files.staging_path(path)
     self._writer = array_record_module.ArrayRecordWriter(self.tmp_path, "group_size:1")
     if not self._writer.ok():
       raise OSError(f"Cannot write the trajectory shard {self.tmp_path}.")
@@ -282,12 +287,7 @@ class TrajectoryWriter:
     self._closed = True
     try:
       self._writer.close()
-      fd = os.open(self.tmp_path, os.O_RDONLY)
-      try:
-        os.fsync(fd)  # the data is on disk before the name points at it
-      finally:
-        os.close(fd)
-      os.replace(self.tmp_path, self.path)
+      files.publish(self.tmp_path, self.path)
     except BaseException:
       _remove(self.tmp_path)
       raise
@@ -328,9 +328,21 @@ def _read_shard(path: str, counts: collections.Counter) -> list[bytes]:
   as one corrupt shard; in a shard that opens, a record whose chunk fails
   its hash is counted alone and the others are kept.
   """
-  if not os.path.isfile(path):
-    counts["missing_shard"] += 1
-    return []
+  copies = files.LocalCopies()
+  try:
+    local = copies.get(path)
+  except (FileNotFoundError, IsADirectoryError):
+    local = None
+  try:
+    if local is None or not os.path.isfile(local):
+      counts["missing_shard"] += 1
+      return []
+    return _read_local_shard(local, counts)
+  finally:
+    copies.close()
+
+
+def _read_local_shard(path: str, counts: collections.Counter) -> list[bytes]:
   try:
     reader = array_record_module.ArrayRecordReader(path)
   except Exception:  # pylint: disable=broad-except
@@ -416,7 +428,8 @@ def read_trajectories(paths: list[str], shuffle_seed: int | None = None,
   (with a reason) when it is reached, and an unreadable shard makes grain
   raise when the dataset is built. Records come back canonicalized, and
   validated too when `vocab_size` is given. The trainer uses
-  `read_valid_trajectories`, which skips and counts instead.
+  `read_valid_trajectories`, which skips and counts instead. Local paths
+  only (grain opens the files itself).
   """
   ds = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(paths))
   if shuffle_seed is not None:

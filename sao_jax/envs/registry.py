@@ -64,7 +64,7 @@ class EnvSpec:
 
 def _builtin_specs():
   from sao_jax.envs import humaneval  # pylint: disable=g-import-not-at-top
-  from sao_jax.envs import dataset, math_tool  # pylint: disable=g-import-not-at-top
+  from sao_jax.envs import dataset, math_tool, repo_repair  # pylint: disable=g-import-not-at-top
   return (
       EnvSpec("python_tool", PythonToolConfig, PythonTool, runs_code=True),
       EnvSpec("code_fix", CodeFixConfig, CodeFix, runs_code=True),
@@ -75,6 +75,8 @@ def _builtin_specs():
               chat_prompts=True),
       EnvSpec("math_tool", math_tool.MathToolConfig, math_tool.MathTool, runs_code=True,
               chat_prompts=True),
+      EnvSpec("repo_repair", repo_repair.RepoRepairConfig, repo_repair.RepoRepair,
+              runs_code=True, chat_prompts=True),
   )
 
 
@@ -234,7 +236,7 @@ def make_env(env_config):
       raise ConfigError(f"env.kwargs = {kwargs!r}: {e}") from None
     if spec.runs_code and getattr(config, "use_sandbox", True) and getattr(
         config, "needs_sandbox", True):
-      sandbox.check_isolation(allow, limits)
+      sandbox.check_isolation(allow, limits, shell=getattr(config, "needs_shell", False))
     try:
       env = spec.build(config, limits)
     except (ImportError, OSError, ValueError) as e:  # a missing package, file or row: one line

@@ -96,6 +96,18 @@ root, unprivileged user namespaces give all but a uid of its own; without
 either, only the rlimits, the subreaper cleanup and the wall-clock kill
 apply, and the code runs as the trainer's user.
 
+Shell commands (`run_shell(command, Workspace(directory))`, the repo_repair
+environment's bash tool) run `/bin/sh` under the same measures, with one
+more: "mounts". The supervisor also enters a new mount namespace (private
+propagation first, so nothing reaches the trainer's), bind-mounts the system
+directories read-only into the chroot and the workspace directory read-write
+at its `path`, which is the shell's working directory; the mounts vanish with
+the namespace. Where mount namespaces are refused the command is not run
+(never unconfined): the result says why (`mount_error`), and
+`check_isolation(shell=True)` refuses to start such a run unless allowed
+(`SandboxLimits(isolate=False)` then runs shells in the directory itself,
+unisolated). A shell's stderr goes to its output, interleaved as written.
+
 Output is truncated to `limits.max_output_chars`, and whatever happened
 (exception, limit hit, timeout) comes back as text for the observation.
 """
@@ -126,6 +138,7 @@ import time
 _RUNNER = r'''
 import os, resource, signal, sys, time
 code = open("code.py", encoding="utf-8").read()
+script = os.path.abspath("code.py")
 # Preloaded so that model code can use them after the chroot; the network
 # namespace, not a missing module, is what keeps sockets from connecting.
 import math, socket
@@ -143,7 +156,8 @@ if LINUX:
   def prctl(*args):
     args = args + (0,) * (5 - len(args))
     return libc.prctl(*[ctypes.c_ulong(a) for a in args])
-NEWIPC, NEWUSER, NEWPID, NEWNET = 0x8000000, 0x10000000, 0x20000000, 0x40000000
+NEWNS, NEWIPC, NEWUSER = 0x20000, 0x8000000, 0x10000000
+NEWPID, NEWNET = 0x20000000, 0x40000000
 uid = lim["uid"]
 report = lim["report_fd"]
 applied = []
@@ -155,6 +169,40 @@ def setlim(which, value, hard=None):
     pass
 
 pidns = userns = False
+# A shell's filesystem (`Workspace`): bind mounts into the chroot, made in a
+# mount namespace of the supervisor's before the model process forks. Not
+# possible -> the model process does not run the command, and says why.
+mount_error = "mount namespace refused or switched off" if lim["binds"] else ""
+
+def mount_binds(have_namespace):
+  if not have_namespace:
+    return "mount namespace refused: " + os.strerror(ctypes.get_errno())
+  ms_rdonly, ms_nosuid, ms_nodev, ms_noexec = 1, 2, 4, 8
+  ms_remount, ms_bind, ms_rec, ms_private = 32, 4096, 16384, 1 << 18
+  # Flags of a mount that a user namespace may not clear on a bind's remount.
+  locked = {1: ms_rdonly, 2: ms_nosuid, 4: ms_nodev, 8: ms_noexec, 1024: 1024, 2048: 2048,
+            4096: 1 << 21}
+  libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
+                         ctypes.c_void_p)
+  # First, nothing mounted here may propagate back to the trainer's namespace.
+  if libc.mount(b"none", b"/", None, ms_rec | ms_private, None) != 0:
+    return "making mounts private failed: " + os.strerror(ctypes.get_errno())
+  for source, target, writable, required in lim["binds"]:
+    if libc.mount(source.encode(), target.encode(), None, ms_bind | ms_rec, None) != 0:
+      if required:
+        return f"bind mount of {source} failed: " + os.strerror(ctypes.get_errno())
+      continue
+    flags = ms_bind | ms_remount | ms_nosuid | (0 if writable else ms_rdonly)
+    try:
+      have = os.statvfs(source).f_flag
+    except OSError:
+      have = 0
+    flags |= sum(v for k, v in locked.items() if have & k)
+    if libc.mount(None, target.encode(), None, flags, None) != 0 and required:
+      return f"read-only remount of {source} failed: " + os.strerror(ctypes.get_errno())
+  applied.append("mounts")
+  return ""
+
 if LINUX:
   if prctl(36, 1) == 0:  # PR_SET_CHILD_SUBREAPER
     applied.append("subreaper")
@@ -165,9 +213,12 @@ if LINUX:
       applied.append("netns")
     if lim["pidns"] and libc.unshare(NEWPID) == 0:
       pidns = True
+    if lim["binds"] and lim["mountns"]:
+      mount_error = mount_binds(libc.unshare(NEWNS) == 0)
   elif lim["isolate"]:
     euid, egid = os.geteuid(), os.getegid()
-    if libc.unshare(NEWUSER | NEWNET | NEWIPC | (NEWPID if lim["pidns"] else 0)) == 0:
+    newns = NEWNS if lim["binds"] and lim["mountns"] else 0
+    if libc.unshare(NEWUSER | NEWNET | NEWIPC | newns | (NEWPID if lim["pidns"] else 0)) == 0:
       pidns, userns = lim["pidns"], True  # with every capability in the new user namespace
       applied += ["netns", "ipcns"]
       try:
@@ -178,6 +229,8 @@ if LINUX:
         applied.append("userns")
       except OSError:
         pass
+      if newns:
+        mount_error = mount_binds(True)
   # Not dumpable (after the maps above: it makes /proc/self root's): the model
   # process cannot ptrace the supervisor or the init, which keep capabilities
   # in a user namespace.
@@ -286,8 +339,9 @@ if child:
     rc = -signal.SIGKILL
   else:
     rc = os.waitstatus_to_exitcode(status)
-  os.write(report, ("rc %d\ntimed_out %d\nclean %d\napplied %s\n" % (
-      rc, bool(timed_out), clean, ",".join(sorted(set(applied))))).encode())
+  os.write(report, ("rc %d\ntimed_out %d\nclean %d\napplied %s\nmount_error %s\n" % (
+      rc, bool(timed_out), clean, ",".join(sorted(set(applied))),
+      " ".join(mount_error.split()))).encode())
   os._exit(0)
 
 os.close(rfd)
@@ -310,9 +364,13 @@ if pidns:
 
 # --- the model process ---------------------------------------------------------
 if lim["isolate"] and LINUX:
+  if mount_error:  # a shell without its mounts is never run unconfined
+    os.write(2, ("sandbox: the shell's mounts failed (%s); the command was not run\n"
+                 % mount_error).encode())
+    os._exit(126)
   try:
     os.chroot(".")
-    os.chdir("/")
+    os.chdir(lim["cwd"] or "/")
     applied.append("chroot")
   except OSError:
     pass
@@ -331,6 +389,8 @@ if lim["isolate"] and LINUX:
     header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
     if libc.capset(header, (ctypes.c_uint32 * 6)()) != 0:
       os._exit(121)  # never run model code with capabilities
+if lim["host_cwd"] and "chroot" not in applied:
+  os.chdir(lim["host_cwd"])  # isolation switched off: the shell runs in the workspace itself
 if LINUX:
   prctl(38, 1)  # PR_SET_NO_NEW_PRIVS
 elif not pidns:
@@ -343,6 +403,13 @@ setlim(resource.RLIMIT_NPROC, lim["max_processes"])
 setlim(resource.RLIMIT_AS, lim["memory_bytes"])
 os.write(wfd, ("applied " + ",".join(applied) + "\n").encode())
 os.close(wfd)
+if lim["argv"]:  # a shell command (`run_shell`), not Python: the script is code.py
+  try:
+    os.execve(lim["argv"][0], lim["argv"] + ["/code.py" if "chroot" in applied else script],
+              lim["env"])
+  except OSError as e:
+    os.write(2, f"sandbox: cannot run {lim['argv'][0]}: {e.strerror}\n".encode())
+    os._exit(127)
 g = {"__name__": "__main__", "__builtins__": __builtins__}
 del lim, uid, report, applied, setlim, rfd, wfd, child, pidns, userns, name
 exec(compile(code, "<tool>", "exec"), g)
@@ -356,6 +423,8 @@ _GRACE_SECONDS = 10.0
 _LOCK_DIRS = ("/run/sao_sandbox_uids", "/tmp/sao_sandbox_uids")
 # Tests switch this off to exercise the cleanup without a PID namespace.
 _PIDNS = True
+# Tests switch this off to exercise a shell where mount namespaces are refused.
+_MOUNTNS = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -379,6 +448,8 @@ class SandboxResult:
   timed_out: bool
   seconds: float
   isolation: tuple[str, ...]
+  # Why a shell's workspace could not be mounted ("": it was, or none was asked).
+  mount_error: str = ""
 
   @property
   def ok(self) -> bool:
@@ -542,6 +613,116 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(),
   import `typing`, its solutions `hashlib`, ...). Returns only after every
   process the code started is gone.
   """
+  return _run(code, limits, tuple(preload), None, None)
+
+
+# Where a shell finds its programs: these host directories appear read-only at
+# the same paths in the chroot (a symlink, as /bin -> usr/bin is on merged-/usr
+# systems, is recreated as the same symlink), with the interpreter's prefix.
+SYSTEM_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/usr")
+# Device files a shell expects, bound where the kernel allows (else absent).
+_DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom")
+SHELL_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+@dataclasses.dataclass(frozen=True)
+class Workspace:
+  """A shell's filesystem in the sandbox (`run_shell`).
+
+  The chroot gets the system directories (`SYSTEM_DIRS`, and
+  `sys.base_prefix` when it lies elsewhere) bind-mounted read-only, /dev/null,
+  /dev/zero and /dev/urandom, an empty writable /tmp, and `directory` (a host
+  directory) bind-mounted read-write at `path`, the shell's working directory.
+  The mounts are made in a mount namespace of the sandbox's own, with
+  private propagation, so the trainer never sees them, and they vanish with
+  the sandbox. As root the directory is handed to the call's uid first
+  (`lchown`, never following links). Where mount namespaces are refused the
+  command is not run: the result's isolation lacks "mounts" and "chroot" and
+  `SandboxResult.mount_error` says why (`check_isolation(shell=True)` refuses
+  such a machine unless allowed). With `SandboxLimits(isolate=False)` the
+  shell runs in `directory` itself, unisolated.
+  """
+  directory: str
+  path: str = "/repo"
+  # Host directories hidden under an empty one where the system directories
+  # would show them (say, task data or the trainer's package installed under
+  # /usr): the shell cannot read what lies there.
+  hide: tuple[str, ...] = ()
+
+
+def run_shell(command: str, workspace: Workspace,
+              limits: SandboxLimits = SandboxLimits(),
+              env: dict | None = None) -> SandboxResult:
+  """Runs `command` with /bin/sh in the sandbox, `workspace` its working directory.
+
+  The same isolation, limits and cleanup as `run_python`, plus the
+  workspace's mounts. `env` adds to the shell's environment (PATH, HOME=/tmp,
+  LANG=C.UTF-8, PYTHONDONTWRITEBYTECODE=1). Returns once every process the
+  command started is gone.
+  """
+  shell_env = {"PATH": SHELL_PATH, "HOME": "/tmp", "LANG": "C.UTF-8",
+               "PYTHONDONTWRITEBYTECODE": "1", **(env or {})}
+  # The command travels as a script file, like run_python's code (an argument's
+  # size is limited).
+  return _run(command, limits, (), workspace, ("/bin/sh",), shell_env)
+
+
+def _system_binds(workdir: str, hide: tuple[str, ...] = ()) -> list:
+  """Prepares `workdir` as a shell's root: mount points, symlinks, /tmp; the binds."""
+  binds, dirs = [], list(SYSTEM_DIRS)
+  prefix = os.path.realpath(sys.base_prefix)
+  if not any(prefix == d or prefix.startswith(d + "/") for d in dirs):
+    dirs.append(prefix)
+  for d in dirs:
+    target = workdir + d
+    if os.path.islink(d):
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+      os.symlink(os.readlink(d), target)
+    elif os.path.isdir(d):
+      os.makedirs(target, mode=0o755, exist_ok=True)
+      binds.append((d, target, False, True))
+  os.makedirs(os.path.join(workdir, "dev"), mode=0o755)
+  for d in _DEVICES:
+    if os.path.exists(d):
+      open(workdir + d, "w").close()
+      binds.append((d, workdir + d, True, False))
+  os.makedirs(os.path.join(workdir, "tmp"))
+  os.chmod(os.path.join(workdir, "tmp"), 0o1777)
+  bound = [source for source, _, _, required in binds if required]
+  empty = os.path.join(workdir, ".hidden")
+  for path in sorted({os.path.realpath(h) for h in hide}):
+    if os.path.isdir(path) and any(path == b or path.startswith(b + "/") for b in bound):
+      os.makedirs(empty, mode=0o755, exist_ok=True)
+      binds.append((empty, workdir + path, False, True))  # mounted after what it covers
+  return binds
+
+
+def _hand_to(directory: str, uid: int) -> None:
+  """Every file under `directory` (links themselves, never followed) to `uid`."""
+  os.lchown(directory, uid, uid)
+  for root, dirs, files in os.walk(directory, followlinks=False):
+    for name in dirs + files:
+      try:
+        os.lchown(os.path.join(root, name), uid, uid)
+      except OSError:
+        pass
+
+
+def _unmount_points(workdir: str, binds: list) -> bool:
+  """Removes the (unmounted) mount points; False if one is still in use."""
+  ok = True
+  for _, target, _, _ in binds:
+    if not os.path.lexists(target):  # a hidden path's mount point lay in a bound directory
+      continue
+    try:
+      (os.rmdir if os.path.isdir(target) and not os.path.islink(target) else os.unlink)(target)
+    except OSError:
+      ok = False
+  return ok
+
+
+def _run(code: str, limits: SandboxLimits, preload: tuple, workspace: Workspace | None,
+         argv: tuple | None = None, env: dict | None = None) -> SandboxResult:
   start = time.monotonic()
   linux = sys.platform.startswith("linux")
   isolate = bool(limits.isolate and linux)
@@ -549,6 +730,7 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(),
   workdir = tempfile.mkdtemp(prefix="sao_sandbox_")
   uid = None
   started = clean = False
+  binds = []
   try:
     uid = pool.lease() if pool else None
     os.chmod(workdir, 0o755)
@@ -556,16 +738,29 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(),
       f.write(code)
     out_path = os.path.join(workdir, "out.txt")
     err_path = os.path.join(workdir, "err.txt")
+    cwd = host_cwd = ""
+    if workspace is not None:
+      host_cwd = os.path.realpath(workspace.directory)
+      if isolate:
+        binds = _system_binds(workdir, tuple(workspace.hide))
+        cwd = "/" + workspace.path.strip("/")
+        os.makedirs(workdir + cwd, mode=0o755)
+        binds.append((host_cwd, workdir + cwd, True, True))
+        if uid is not None:
+          _hand_to(host_cwd, uid)
     lim = dataclasses.asdict(limits)
     rfd, wfd = os.pipe()
-    lim.update(isolate=isolate, uid=uid, report_fd=wfd, pidns=_PIDNS, preload=tuple(preload))
+    lim.update(isolate=isolate, uid=uid, report_fd=wfd, pidns=_PIDNS, preload=tuple(preload),
+               mountns=_MOUNTNS, binds=binds, cwd=cwd, host_cwd=host_cwd,
+               argv=list(argv or ()), env=env or {})
     runner = f"lim = {lim!r}\n" + _RUNNER
     timed_out = False
     try:
       with open(out_path, "wb") as out, open(err_path, "wb") as err:
         proc = subprocess.Popen(
             [sys.executable, "-I", "-S", "-c", runner], cwd=workdir, env={},
-            stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
+            stdin=subprocess.DEVNULL, stdout=out, stderr=err if workspace is None else out,
+            start_new_session=True,
             close_fds=True, pass_fds=(wfd,))
       started = True
       os.close(wfd)
@@ -596,9 +791,12 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(),
     timed_out = timed_out or fields.get("timed_out") == "1"
     clean = fields.get("clean") == "1"
     isolation = tuple(x for x in fields.get("applied", "").split(",") if x)
+    mount_error = fields.get("mount_error", "") if binds else ""
     stdout = _read_head(out_path, limits.max_output_chars)
     lines = _read_head(err_path, 20_000).splitlines()
     error = lines[-1] if lines else ""
+    if workspace is not None:  # a shell's stderr went to its output, in order
+      error = ""
     if timed_out:
       error = f"killed: wall-clock limit {limits.wall_seconds:g}s"
     elif rc < 0:
@@ -607,14 +805,18 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(),
       error = "sandbox: could not drop privileges"
     return SandboxResult(stdout=stdout, error=error[:limits.max_output_chars],
                          returncode=rc, timed_out=timed_out,
-                         seconds=time.monotonic() - start, isolation=isolation)
+                         seconds=time.monotonic() - start, isolation=isolation,
+                         mount_error=mount_error)
   finally:
     if uid is not None:
       if clean or not started:
         pool.release(uid)
       else:
         pool.quarantine(uid)
-    shutil.rmtree(workdir, ignore_errors=True)
+    if _unmount_points(workdir, binds):
+      shutil.rmtree(workdir, ignore_errors=True)
+    else:  # never delete through a mount that is somehow still there
+      _log(f"WARNING: {workdir} still has a mount; left in place")
 
 
 def _wait(proc: subprocess.Popen, timeout: float) -> None:
@@ -673,25 +875,52 @@ _REQUIRED = (
 )
 
 
+# And for a shell (`run_shell`), which finds its programs through the mounts.
+_SHELL_REQUIRED = (
+    ("a shell's read-only system directories (mounts)", ("mounts",),
+     "run without a chroot, in the trainer's filesystem"),
+)
+
+
 @functools.lru_cache(maxsize=1)
 def isolation() -> tuple[str, ...]:
   """Which isolation measures apply on this machine (besides rlimits)."""
   return run_python("pass").isolation
 
 
+@functools.lru_cache(maxsize=1)
+def shell_isolation() -> tuple[tuple[str, ...], str]:
+  """Which isolation a shell (`run_shell`) gets here, and why its mounts failed ("")."""
+  workspace = tempfile.mkdtemp(prefix="sao_shell_probe_")
+  try:
+    result = run_shell("true", Workspace(workspace))
+  finally:
+    shutil.rmtree(workspace, ignore_errors=True)
+  if result.mount_error or result.ok:
+    return result.isolation, result.mount_error
+  # Mounted, but no shell ran: the chroot has no working /bin/sh.
+  return (tuple(x for x in result.isolation if x != "mounts"),
+          f"the probe shell failed: {result.observation()[:200]}")
+
+
 def check_isolation(allow_unisolated: bool = False,
-                    limits: SandboxLimits | None = None) -> tuple[str, ...]:
+                    limits: SandboxLimits | None = None,
+                    shell: bool = False) -> tuple[str, ...]:
   """Logs which isolation applies; refuses to go on without it unless allowed.
 
   Raises RuntimeError naming every missing measure when model-written code
   would run without network, filesystem, user or process isolation, unless
   `allow_unisolated`, in which case it logs a loud warning instead. Returns
-  the measures that apply.
+  the measures that apply. `shell`: for shell commands (`run_shell`), whose
+  chroot needs the workspace's mounts (the reason they failed is logged).
   """
-  applied = isolation()
+  applied, mount_error = shell_isolation() if shell else (isolation(), "")
+  if mount_error:
+    _log(f"shell workspace mounts failed: {mount_error}")
   if limits is not None and not limits.isolate:  # isolation switched off
     applied = tuple(x for x in applied if x == "subreaper")
-  missing = [(what, risk) for what, names, risk in _REQUIRED if not set(names) & set(applied)]
+  required = _REQUIRED + (_SHELL_REQUIRED if shell else ())
+  missing = [(what, risk) for what, names, risk in required if not set(names) & set(applied)]
   _log(f"isolation: {', '.join(applied) or 'none'}"
        + (f"; missing: {'; '.join(what for what, _ in missing)}" if missing else ""))
   if missing:

@@ -1,0 +1,1 @@
+"""convkit: conversions between notations."""

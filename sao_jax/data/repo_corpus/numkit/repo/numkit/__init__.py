@@ -1,0 +1,1 @@
+"""numkit: small statistics on lists of numbers."""

@@ -1,0 +1,1 @@
+"""seqkit: helpers for lists."""

@@ -1,0 +1,1 @@
+"""textkit: small string utilities."""
