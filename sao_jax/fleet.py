@@ -492,7 +492,9 @@ class ShardFeed:
         self._rejected["corrupt_record"] += 1
         continue
       try:
-        t = store.deserialize(data, self._max_length)
+        t = store.deserialize(data, self._max_length, max(
+            store.DEFAULT_ROUTING_CHOICES,
+            self._routing_shape[0] * self._routing_shape[1] if self._routing_shape else 0))
       except store.CorruptRecordError as e:
         self._rejected[e.reason] += 1
         continue

@@ -133,6 +133,11 @@ def test_routing_survives_the_store_and_is_refused_by_reason():
                  MAX_LEN)[1] == "bad_routing"  # not a row per token
   assert checked(dataclasses.replace(t, routing=t.routing.astype(np.float32)),
                  TOK.vocab_size, MAX_LEN)[1] == "bad_routing"
+  # The routing member is capped like the others, by choices a token.
+  wide = dataclasses.replace(t, routing=np.zeros((len(t), 100, 8), np.int16))
+  with pytest.raises(store.CorruptRecordError, match="member_too_large"):
+    store.deserialize(store.serialize(wide), MAX_LEN, routing_choices=384)
+  assert store.deserialize(store.serialize(wide), MAX_LEN, routing_choices=800).routing.shape[1:] == (100, 8)
   with pytest.raises(ValueError, match="routing record"):
     packing.pack([no_routing], rows=1, buckets=(MAX_LEN,), routing=shape[:2])
 

@@ -63,9 +63,10 @@ DEFAULT_MAX_LENGTH = 1 << 16
 _NPY_HEADER_CAP = 4096
 _HEADER_JSON_CAP = 4096
 _ZIP_OVERHEAD = 4096  # local and central headers of 8 members, zip64 extras
-# A routing record (routing replay) is [T, M, k] int16: capped at this many
-# bytes a token (M x k <= 2048 choices; Qwen3-30B-A3B has 48 x 8 = 384).
-_ROUTING_BYTES_PER_TOKEN = 4096
+# A routing record (routing replay) is [T, M, k] int16, 2 bytes a choice: a
+# reader allows this many choices a token unless told more (Qwen3-30B-A3B
+# has M x k = 48 x 8 = 384).
+DEFAULT_ROUTING_CHOICES = 384
 
 # The labels read_valid_trajectories counts besides deserialize's and
 # validate's reasons.
@@ -114,12 +115,12 @@ def serialize(t: Trajectory) -> bytes:
   return buf.getvalue()
 
 
-def _caps(max_length: int) -> tuple[int, int, int, int]:
+def _caps(max_length: int, routing_choices: int) -> tuple[int, int, int, int]:
   """(per array member, header member, routing member, whole record)
   uncompressed byte caps."""
   member = _NPY_HEADER_CAP + 8 * int(max_length)
   header = _NPY_HEADER_CAP + _HEADER_JSON_CAP
-  routing = _NPY_HEADER_CAP + _ROUTING_BYTES_PER_TOKEN * int(max_length)
+  routing = _NPY_HEADER_CAP + 2 * int(routing_choices) * int(max_length)
   return member, header, routing, member * len(_ARRAYS) + header + routing
 
 
@@ -201,17 +202,19 @@ def _parse_header(a: np.ndarray) -> dict:
   return header
 
 
-def deserialize(data: bytes, max_length: int = DEFAULT_MAX_LENGTH) -> Trajectory:
+def deserialize(data: bytes, max_length: int = DEFAULT_MAX_LENGTH,
+                routing_choices: int = DEFAULT_ROUTING_CHOICES) -> Trajectory:
   """The Trajectory in `data`, or CorruptRecordError(reason).
 
   Structural checks only: the values are as stored (any numeric dtype);
   `trajectory.checked` canonicalizes and validates them. `max_length` (the
   longest trajectory the reader accepts) bounds what the record may declare
   before a byte of it is decompressed; see the module docstring.
+  `routing_choices` (M x k) bounds a routing record's member the same way.
   """
   if not isinstance(data, (bytes, bytearray, memoryview)):
     raise CorruptRecordError("not_bytes", type(data).__name__)
-  member_cap, header_cap, routing_cap, total_cap = _caps(max_length)
+  member_cap, header_cap, routing_cap, total_cap = _caps(max_length, routing_choices)
   if len(data) > total_cap + _ZIP_OVERHEAD:
     raise CorruptRecordError("record_too_large",
                              f"{len(data)} bytes, cap {total_cap + _ZIP_OVERHEAD} "
