@@ -135,7 +135,7 @@ def test_routing_survives_the_store_and_is_refused_by_reason():
                  TOK.vocab_size, MAX_LEN)[1] == "bad_routing"
   # The routing member is capped like the others, by choices a token.
   wide = dataclasses.replace(t, routing=np.zeros((len(t), 1000, 8), np.int16))
-  with pytest.raises(store.CorruptRecordError, match="member_too_large"):
+  with pytest.raises(store.CorruptRecordError, match="too_large"):
     store.deserialize(store.serialize(wide), MAX_LEN, routing_choices=384)
   assert store.deserialize(store.serialize(wide), MAX_LEN,
                            routing_choices=8000).routing.shape[1:] == (1000, 8)
