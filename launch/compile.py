@@ -276,18 +276,23 @@ class Program:
   context: object = contextlib.nullcontext
 
 
-def abstract_batch(rows: int, length: int, batch_sharding, action_index: bool = False) -> dict:
+def abstract_batch(rows: int, length: int, batch_sharding, action_index: bool = False,
+                   routing: tuple[int, int] | None = None) -> dict:
   """A packed batch `[rows, length]` of ShapeDtypeStructs, dtypes from `packing.pack`.
 
   With `action_index` (`data.logits_at_actions`) the batch carries it at its
   widest, `[rows, length]` (a row of action tokens only): the head's worst case.
+  With `routing` (M, k) (`rl.routing_replay`) it carries the recorded expert
+  choices `[rows, length, M, k]`.
   """
-  example = packing.pack([], 1, (8,), action_index=action_index)
-  return {k: jax.ShapeDtypeStruct((rows, length), v.dtype, sharding=batch_sharding)
+  example = packing.pack([], 1, (8,), action_index=action_index, routing=routing)
+  return {k: jax.ShapeDtypeStruct((rows, length) + v.shape[2:], v.dtype,
+                                  sharding=batch_sharding)
           for k, v in example.items()}
 
 
-def train_programs(config, progs: factories.Programs, mesh, topo: str, hbm: float) -> dict:
+def train_programs(config, progs: factories.Programs, mesh, topo: str, hbm: float,
+                   model_cfg) -> dict:
   """The trainer's sft / value / rl steps at the largest bucket, as it calls them."""
   length = _LENGTH.value or max(config.data.buckets)
   rl_rows = _ROWS.value or config.rl.batch_size
@@ -298,7 +303,9 @@ def train_programs(config, progs: factories.Programs, mesh, topo: str, hbm: floa
   # sharding constraints; all three are lowered the same way here.
   ctx = lambda: _in_mesh(mesh, progs.rules)
   at_actions = config.data.get("logits_at_actions", False)
-  rl_batch = abstract_batch(rl_rows, length, progs.batch_sharding, at_actions)
+  replay = ((model_cfg.num_moe_layers, model_cfg.experts_per_token)
+            if config.rl.get("routing_replay") else None)
+  rl_batch = abstract_batch(rl_rows, length, progs.batch_sharding, at_actions, replay)
   sft_batch = abstract_batch(sft_rows, length, progs.batch_sharding, at_actions)
   return {
       "sft": Program("sft", progs.sft_step, (state.policy, state.policy_opt, sft_batch),
@@ -425,13 +432,15 @@ def engine_programs(config, model_cfg, abstract_policy, devices, topo: str, hbm:
   try:
     mesh = factories.engine_mesh(r, devices, trainer_mesh=train_mesh)
     if mesh is not None:
-      progs = programs_lib.EnginePrograms.for_rollout(model_cfg, r, mesh=mesh)
+      progs = programs_lib.EnginePrograms.for_rollout(
+          model_cfg, r, mesh=mesh, record_routing=bool(config.rl.get("routing_replay")))
       layout = f"mesh {dict(mesh.shape)}"
     else:
       # A one-device mesh on the target's first chip (EnginePrograms(device=)),
       # so that the model traces the TPU paths (attention.compile_platform),
       # not the host's.
-      progs = programs_lib.EnginePrograms.for_rollout(model_cfg, r, device=devices[0])
+      progs = programs_lib.EnginePrograms.for_rollout(
+          model_cfg, r, device=devices[0], record_routing=bool(config.rl.get("routing_replay")))
       layout = "1 chip"
   except ValueError as e:  # a mesh, slots or pages that do not split over the devices
     raise configuration.ConfigError(
@@ -761,7 +770,7 @@ def main(argv):
 
   wanted, engine_layout, pool, transfer = {}, None, None, None
   if {"sft", "value", "rl"} & set(_PROGRAMS.value):
-    wanted.update(train_programs(config, progs, mesh, tname, hbm))
+    wanted.update(train_programs(config, progs, mesh, tname, hbm, model_cfg))
   if {"prefill", "decode", "decode_loop"} & set(_PROGRAMS.value):
     engine_progs, engine_layout, pool = engine_programs(
         config, model_cfg, progs.abstract_state.policy, rdevices, rname, rhbm,

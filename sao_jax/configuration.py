@@ -153,10 +153,25 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
           "\"\" with sft.init_from_hf: an imported checkpoint keeps its full head")
   _check_update_precision(typed)
   _check_weight_path(typed.fleet)
+  _check_routing_replay(typed)
   if typed.faults.sigkill_after_rl_step > c.steps:
     # It would never fire: the run would end normally, not be killed.
     _fail("faults.sigkill_after_rl_step", typed.faults.sigkill_after_rl_step,
           f"<= rl.steps ({c.steps})")
+
+
+def _check_routing_replay(typed: sections.Sections) -> None:
+  """rl.routing_replay needs MoE layers to replay."""
+  if not typed.rl.routing_replay:
+    return
+  from sao_jax.models import config as model_config  # pylint: disable=g-import-not-at-top
+  m = typed.model
+  arch = model_config.PRESETS[m.preset]()
+  layers = m.overrides.get("num_layers", arch.num_layers)
+  dense = m.overrides.get("dense_layers", arch.dense_layers)
+  if layers - len(tuple(dense)) < 1:
+    _fail("rl.routing_replay", True, f"False for a model without MoE layers (model.preset "
+          f"{m.preset!r}: {layers} layers, dense_layers {tuple(dense)})")
 
 
 def _check_update_precision(typed: sections.Sections) -> None:

@@ -204,7 +204,8 @@ def global_batch(batch: dict[str, np.ndarray], sharding: jax.sharding.Sharding,
 def pack_batch(trajs: Sequence[Any], num_rows: int, buckets: Sequence[int],
                sharding: jax.sharding.Sharding,
                baseline_advantages: Sequence[float] | None = None,
-               action_index: bool = False) -> dict[str, jax.Array]:
+               action_index: bool = False,
+               routing: tuple[int, int] | None = None) -> dict[str, jax.Array]:
   """`packing.pack` of the whole batch, with only this process's rows built.
 
   Every process passes the same `trajs`; the layout is computed from all
@@ -213,7 +214,7 @@ def pack_batch(trajs: Sequence[Any], num_rows: int, buckets: Sequence[int],
   """
   rows = process_rows(sharding, num_rows)
   local = packing.pack(trajs, num_rows, buckets, baseline_advantages, row_ids=rows,
-                       action_index=action_index)
+                       action_index=action_index, routing=routing)
   return global_batch(local, sharding, num_rows)
 
 

@@ -84,7 +84,7 @@ def engine_mesh(rollout: sections.Rollout, devices=None,
 
 def make_engine(config, model_cfg: model_config.ModelConfig, params, version: int = 0, *,
                 seed: int | None = None, mesh: jax.sharding.Mesh | None = None, devices=None,
-                **rollout_changes) -> PolicyEngine:
+                record_routing: bool = False, **rollout_changes) -> PolicyEngine:
   """The rollout engine a config asks for, on `params` at `version`.
 
   It takes the config's rollout section whole (sao_jax/sections.py: slots,
@@ -92,7 +92,9 @@ def make_engine(config, model_cfg: model_config.ModelConfig, params, version: in
   `rollout_changes` applied (evaluation's own slots and temperature,
   serving's slots), on `engine_mesh(rollout, devices, mesh)`: the
   section's own mesh, the trainer's `mesh` for a colocated sharded engine,
-  or one device. `seed` defaults to seed + version.
+  or one device. `seed` defaults to seed + version. `record_routing`: the
+  engine records MoE expert choices (the RL rollout's, with
+  `rl.routing_replay`; evaluation and value pretraining need none).
   """
   r = sections.rollout(config)
   if rollout_changes:
@@ -101,7 +103,7 @@ def make_engine(config, model_cfg: model_config.ModelConfig, params, version: in
   placement = dict(mesh=on, rules=rollout_rules(on)) if on is not None else {}
   return PolicyEngine(model_cfg, params, r,
                       seed=config.seed + int(version) if seed is None else seed,
-                      version=version, **placement)
+                      version=version, record_routing=record_routing, **placement)
 
 
 def make_driver(config, engine: PolicyEngine, env, tok, prompt_iter, emit,

@@ -397,8 +397,10 @@ class ShardFeed:
                current_version: Callable[[], int], max_staleness: int | None = None,
                state: dict | None = None, poll_seconds: float = 0.5,
                log: Callable[[str], None] = print,
-               share: Callable[[str, Callable[[], Any]], Any] | None = None):
+               share: Callable[[str, Callable[[], Any]], Any] | None = None,
+               routing_shape: tuple[int, int, int] | None = None):
     self.dir = trajectories_dir(root)
+    self._routing_shape = routing_shape
     files.makedirs(self.dir)
     self._consumed_path = files.join(root, CONSUMED)
     self._copies = files.LocalCopies()  # shards of an object store, downloaded to read
@@ -490,7 +492,9 @@ class ShardFeed:
         self._rejected["corrupt_record"] += 1
         continue
       try:
-        t = store.deserialize(data, self._max_length)
+        t = store.deserialize(data, self._max_length, max(
+            store.DEFAULT_ROUTING_CHOICES,
+            self._routing_shape[0] * self._routing_shape[1] if self._routing_shape else 0))
       except store.CorruptRecordError as e:
         self._rejected[e.reason] += 1
         continue
@@ -498,7 +502,8 @@ class ShardFeed:
         self._rejected["deserialize_error"] += 1
         continue
       canon, reason, error = ingestion.check(t, self._vocab_size, self._max_length,
-                                             self._current_version(), self._max_staleness)
+                                             self._current_version(), self._max_staleness,
+                                             self._routing_shape)
       if reason is not None:
         self._rejected[reason] += 1
         self.last_error = error or self.last_error

@@ -88,7 +88,8 @@ def run_rollout_worker(config, workdir: str, rollout_id: str, stop: threading.Ev
   # rollout.mesh over this host's devices; else {"data": -1} over them with
   # rollout.sharded_engine; else one device (factories.engine_mesh).
   engine = factories.make_engine(config, model_cfg, params, version, seed=seed,
-                                 devices=jax.local_devices())
+                                 devices=jax.local_devices(),
+                                 record_routing=bool(config.rl.routing_replay))
   follower.retarget(engine.abstract_params())  # later versions restore into its layout
 
   checked = [None]  # writer.last_closed when the trainer was last seen close enough

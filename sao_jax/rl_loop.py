@@ -178,7 +178,8 @@ def rl(run: Run) -> None:
         group_ids = np.asarray([t.group_id for t in trajs], np.int32)
         baseline_state, baseline = estimator.baseline(baseline_state, rewards, group_ids, c)
       batch = packing.pack(trajs, c.batch_size, config.data.buckets, baseline,
-                           action_index=config.data.logits_at_actions)
+                           action_index=config.data.logits_at_actions,
+                           routing=run.routing_shape and run.routing_shape[:2])
       with clock.training():
         m = _train_step(run, run.put_batch(run.faults.poison_batch(step, batch)))
       skips.record(bool(m["policy/update_skipped"]), step)

@@ -65,6 +65,15 @@ class Run:
   def batch_sharding(self):
     return self.programs.batch_sharding
 
+  @property
+  def routing_shape(self) -> tuple[int, int, int] | None:
+    """(MoE layers, experts a token, experts) with `rl.routing_replay`, else None:
+    what every RL trajectory must carry and the RL batch holds."""
+    if not self.config.rl.routing_replay:
+      return None
+    c = self.model_cfg
+    return (c.num_moe_layers, c.experts_per_token, c.num_experts)
+
   # --------------------------------------------------------------- checkpoints
   def save(self, force: bool = False) -> None:
     self.meta["ckpt_step"] += 1

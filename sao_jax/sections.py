@@ -648,6 +648,13 @@ class RL(Section):
   clip_norm: float | None = knob(1.0, "Global gradient-norm clip (None: off).",
                                  optional(real(0, above=True, unit="a number")))
   load_balance_coef: float = knob(0.01, "MoE load-balancing loss weight.", real(0))
+  routing_replay: bool = knob(
+      False, "Routing replay: the rollout engine records the MoE experts it chose for every "
+      "token it fed, trajectories carry them (int16 [T, M, k]; one without is refused as "
+      "missing_routing) and the actor's forward uses them instead of its own top-k, so the "
+      "trainer's log-probs are those of the engine's routing (benchmarks/RESULTS.md, \"MoE "
+      "routing between the engine and the trainer\"). MoE models, the project's engine.",
+      BOOL)
   sync_every: int = knob(1, "Push params to the rollout engine every this many actor "
                          "updates.", integer(1))
   max_generated_tokens: int = knob(

@@ -126,7 +126,8 @@ class DriverSource:
                prompt_iter, *, synchronous: bool, queue_size: int, vocab_size: int,
                max_len: int, max_staleness: int | None, group_size: int, max_restarts: int,
                wrap_emit: Callable[[Callable], Callable] = lambda emit: emit,
-               last_checkpoint: Callable[[], int | None] = lambda: None):
+               last_checkpoint: Callable[[], int | None] = lambda: None,
+               routing_shape: tuple[int, int, int] | None = None):
     self._new_driver, self._prompt_iter = new_driver, prompt_iter
     self._synchronous, self._group_size = synchronous, group_size
     self._max_restarts, self._last_checkpoint = max_restarts, last_checkpoint
@@ -134,7 +135,7 @@ class DriverSource:
     # and is donated step after step, so the rollout thread must not read it.
     self._queue = TrajectoryQueue(queue_size, vocab_size, max_len,
                                   current_version=lambda: self._driver.engine.version,
-                                  max_staleness=max_staleness)
+                                  max_staleness=max_staleness, routing_shape=routing_shape)
     self._emit = wrap_emit(self._queue.put)
     self._pending: dict[int, list[Trajectory]] = collections.defaultdict(list)
     self._dead = RolloutCounts()  # counts of drivers that died, so metrics stay cumulative
@@ -298,7 +299,8 @@ def _driver_source(run, saved, *, synchronous: bool) -> DriverSource:
 
   def new_driver(emit):
     """A fresh engine and driver on the trainer's current params."""
-    engine = run.engine(run.state.policy, int(run.state.step))
+    engine = run.engine(run.state.policy, int(run.state.step),
+                        record_routing=run.routing_shape is not None)
     return run.driver(engine, env, prompt_iter, emit)
 
   return DriverSource(
@@ -306,7 +308,7 @@ def _driver_source(run, saved, *, synchronous: bool) -> DriverSource:
       vocab_size=run.tok.vocab_size, max_len=r.max_len, max_staleness=r.get("max_staleness"),
       group_size=r.samples_per_prompt, max_restarts=config.rl.max_rollout_restarts,
       wrap_emit=lambda put: run.faults.wrap_emit(put, run.tok.vocab_size),
-      last_checkpoint=run.ckpt.latest_step)
+      last_checkpoint=run.ckpt.latest_step, routing_shape=run.routing_shape)
 
 
 def _fleet_source(run, saved) -> FleetSource:
@@ -316,7 +318,8 @@ def _fleet_source(run, saved) -> FleetSource:
                          current_version=lambda: int(run.state.step),
                          max_staleness=config.rollout.get("max_staleness"), state=saved,
                          poll_seconds=config.fleet.poll_seconds,
-                         share=distributed.share_from_primary)
+                         share=distributed.share_from_primary,
+                         routing_shape=run.routing_shape)
   version = int(run.state.step)
   f = config.fleet
   server, why = None, None

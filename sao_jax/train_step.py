@@ -382,10 +382,17 @@ def make_train_step(model_cfg: ModelConfig, cfg: StepConfig, policy_tx, critic_t
     options = {k: getattr(cfg, k) for k in losses.POLICY_LOSS_OPTIONS if hasattr(cfg, k)}
     options["segment_ids"] = batch["segment_ids"]
 
+    # Routing replay (rl.routing_replay): the experts the engine chose for
+    # each token, [B, L, M, k] in the batch, [M, B, L, k] for the model.
+    replay = batch.get("routing")
+    if replay is not None:
+      replay = jnp.moveaxis(replay.astype(jnp.int32), 2, 0)
+
     def actor_loss(params):
       logp, aux = policy.token_logprobs(model_cfg, params, *_model_inputs(batch),
                                         cfg.temperature,
-                                        action_index=batch.get("action_index"))
+                                        action_index=batch.get("action_index"),
+                                        routing=replay)
       loss, pm = losses.call_policy_loss(loss_fn, logp, batch["rollout_logprobs"], advantages,
                                          m, cfg.eps_low, cfg.eps_high, **options)
       pm["load_balance_loss"] = aux["load_balance_loss"]

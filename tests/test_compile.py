@@ -294,3 +294,19 @@ def test_the_head_at_action_tokens_compiles_at_its_widest(tmp_path):
     assert rows[flag]["fits"]
   # The same program but for action_index, [4, 64] int32: a chip holds part of it.
   assert 0 < rows[True]["argument_bytes"] - rows[False]["argument_bytes"] <= 4 * 64 * 4
+
+
+def test_routing_replay_compiles_with_its_batch_and_the_recording_engine(tmp_path):
+  """rl.routing_replay: the RL batch carries routing [R, L, M, k] int16 (as
+  packing builds it) and the RL step and the recording engine's decode loop
+  (which returns the fed tokens' choices) compile and fit."""
+  rc, stdout, stderr, result = run_compile(
+      tmp_path, "--topology=v5e-4", "--rows=4", "--length=64", "--programs=rl,decode_loop",
+      "--config.model.overrides.num_layers=1", "--config.rl.routing_replay=True")
+  assert rc == 0, stdout[-3000:] + stderr[-3000:]
+  assert result["programs"]["rl"]["fits"] and result["programs"]["decode_loop"]["fits"]
+  # abstract_batch's fields and dtypes: packing's, routing [R, L, M, k] int16.
+  from sao_jax.data import packing  # pylint: disable=g-import-not-at-top
+  example = packing.pack([], 1, (8,), routing=(1, 2))  # one MoE layer, top-2
+  assert example["routing"].shape == (1, 8, 1, 2) and example["routing"].dtype == "int16"
+  assert "[compile] rl: compiled" in stdout

@@ -6,10 +6,15 @@ template (tests/test_chat.py's jinja oracle) and the format's bridge; the
 recorded trajectory against the ids, log-probs and versions the server
 returned; tool calls against a scripted sampler whose ids the test wrote
 (the only way to make a random model call a tool); errors against OpenAI's
-error shape and status codes, each counted.
+error shape and status codes, each counted. The harness (mini-swe-agent from
+PyPI) works on a shipped held-out repo_repair task, materialised as the
+environment does it, and its final tree is scored by repo_repair's own grader
+(the hidden tests in a fresh sandbox), the reward posted to the session.
 """
 
+import json
 import os
+import shlex
 import socket
 import types
 
@@ -21,8 +26,9 @@ import pytest
 
 from sao_jax import factories, fleet
 from sao_jax.data import store
+from sao_jax.data.prompts import EVAL_OFFSET
 from sao_jax.data.trajectory import Trajectory
-from sao_jax.envs import chat
+from sao_jax.envs import chat, repo_repair, sandbox
 from sao_jax.envs.tokenizer import TOKENIZERS
 from sao_jax.rollout import openai_api, serving, sessions
 from fakes import random_params  # pylint: disable=g-bad-import-order
@@ -379,7 +385,15 @@ def test_a_malformed_trajectory_is_refused_and_counted_not_written():
   assert isinstance(s.trajectories(1.0, 0)[0], Trajectory)
 
 
-# --- a real harness from PyPI: mini-swe-agent on a small repository ----------------------------
+# --- a real harness from PyPI: mini-swe-agent on a held-out repo_repair task ---------------------
+
+# A one-line bug (`total` starts at 1) in a function never trained on; its row's fix is
+# the scripted sampler's edit.
+HELDOUT = "numkit__stats__running_sum__constant_1"
+needs_shell = pytest.mark.skipif(
+    not {"chroot", "mounts"} <= set(sandbox.shell_isolation()[0]),
+    reason="repo_repair's grader needs the sandbox's isolated shell "
+           f"({sandbox.shell_isolation()[1] or ', '.join(sandbox.shell_isolation()[0])})")
 
 
 def _mini_swe_agent(tmp_path):
@@ -397,15 +411,22 @@ def _mini_swe_agent(tmp_path):
   return agents.DefaultAgent, litellm_model.LitellmModel, LocalEnvironment, BASH_TOOL
 
 
-def _task(tmp_path):
-  """A repository with a bug, and a hidden test kept outside it."""
+@pytest.fixture(scope="module")
+def repair():
+  """repo_repair over its shipped sets: the tasks' rows and the grader its reward uses."""
+  return repo_repair.RepoRepair(repo_repair.RepoRepairConfig(test_seconds=30.0))
+
+
+def _task(repair, tmp_path):
+  """A held-out repo_repair task as the environment materialises it: its starting tree
+  (the snapshot, no hidden tests) in a fresh directory and its user message (the
+  problem statement, the test command, the file list)."""
+  index = next(k for k, row in enumerate(repair.heldout_tasks) if row.instance_id == HELDOUT)
+  row = repair.row(EVAL_OFFSET + index)
   repo = tmp_path / "repo"
   repo.mkdir()
-  (repo / "calc.py").write_text("def add(a, b):\n  return a - b\n")
-  hidden = tmp_path / "hidden_test.py"
-  hidden.write_text("import sys\nsys.path.insert(0, sys.argv[1])\nfrom calc import add\n"
-                    "assert add(2, 3) == 5\n")
-  return repo, hidden
+  repo_repair.start_tree(row, str(repo))
+  return row, repo, repair.task(EVAL_OFFSET + index).prompt[1]["content"]
 
 
 def _one_rl_step(served, trajs):
@@ -428,9 +449,11 @@ def _one_rl_step(served, trajs):
   return jax.jit(step)(state, batch)
 
 
-def test_mini_swe_agent_runs_against_the_endpoint_and_its_session_trains(served, tmp_path):
+@needs_shell
+def test_mini_swe_agent_runs_against_the_endpoint_and_its_session_trains(served, repair,
+                                                                       tmp_path):
   DefaultAgent, LitellmModel, LocalEnvironment, bash_tool = _mini_swe_agent(tmp_path)
-  repo, hidden = _task(tmp_path)
+  row, repo, problem = _task(repair, tmp_path)
   engine = served.endpoint.batcher.engine
   root = str(tmp_path / "fleet")
   endpoint = openai_api.Endpoint(served.config, engine, TOK, root, model_name=MODEL,
@@ -439,26 +462,24 @@ def test_mini_swe_agent_runs_against_the_endpoint_and_its_session_trains(served,
     model = LitellmModel(
         model_name=f"openai/{MODEL}", cost_tracking="ignore_errors",
         model_kwargs={"api_base": f"{endpoint.url}/sessions/swe1/v1", "api_key": "none",
-                      "max_tokens": 8, "num_retries": 0})
+                      "max_tokens": 8, "num_retries": 0,
+                      "extra_body": {"return_token_ids": True}})
     agent = DefaultAgent(model, LocalEnvironment(cwd=str(repo), timeout=10),
                          system_template="You fix bugs with the bash tool.",
                          instance_template="{{task}}", step_limit=3, cost_limit=0,
                          max_consecutive_format_errors=0)
-    result = agent.run("add() in calc.py subtracts. Fix it.")
+    result = agent.run(problem)
     assert result["exit_status"] == "LimitsExceeded"  # 3 model calls, then the step limit
     counts = endpoint.app.stats()
     assert counts["completions"] == 3 and not any(k.startswith("errors/") for k in counts)
-    # The caller's verifier: the hidden test on the final tree, outside the agent's reach.
-    import shutil  # pylint: disable=g-import-not-at-top
-    import subprocess  # pylint: disable=g-import-not-at-top
-    import sys  # pylint: disable=g-import-not-at-top
-    final = shutil.copytree(repo, tmp_path / "final")
-    passed = subprocess.run([sys.executable, str(hidden), str(final)], capture_output=True,
-                            check=False).returncode == 0
+    # repo_repair's own grader (its reward's): the hidden tests on a copy of the final
+    # tree in a fresh sandbox, outside the agent's reach.
+    verdict, _ = repair.grade(row, str(repo))
     out = httpx.post(f"{endpoint.url}/v1/sessions/swe1/reward",
-                     json={"reward": float(passed)}).json()
+                     json={"reward": float(verdict == "passed")}).json()
   finally:
     endpoint.close()
+  assert verdict == "failed"  # the bug is still there
   # The random model calls no tool, so each turn is answered with mini-swe-agent's
   # format error and no assistant message: every request's history is new.
   assert out["written"] == out["trajectories"] == 3 and counts["trajectories/not_extending"] == 2
@@ -468,6 +489,7 @@ def test_mini_swe_agent_runs_against_the_endpoint_and_its_session_trains(served,
   # What the harness sent (its messages before each call) and what it got back.
   sent = [m for m in agent.messages if m["role"] != "exit"]
   replies = [m["extra"]["response"]["choices"][0]["message"]["content"] for m in sent[2:]]
+  served_ids = [m["extra"]["response"]["sao"] for m in sent[2:]]  # return_token_ids
   for k, t in enumerate(trajs):
     history = [{"role": m["role"], "content": m["content"]} for m in sent[:2 + k]]
     prompt = official_ids(TOK, history, [bash_tool], add_generation_prompt=True)
@@ -477,8 +499,10 @@ def test_mini_swe_agent_runs_against_the_endpoint_and_its_session_trains(served,
         actions)
     body = actions[:-1] if actions[-1] == IM_END else actions
     assert TOK.decode(body).strip() == (replies[k] or "")
-    assert t.total_reward == float(passed) == 0.0 and set(t.policy_version[t.action_mask]) == {
-        VERSION}
+    # The recorded trajectory is token for token what the server served.
+    np.testing.assert_array_equal(t.tokens, served_ids[k]["prompt_token_ids"]
+                                  + served_ids[k]["completion_token_ids"])
+    assert t.total_reward == 0.0 and set(t.policy_version[t.action_mask]) == {VERSION}
   state, metrics = _one_rl_step(served, trajs)
   assert int(state.step) == 1 and np.isfinite(float(metrics["policy/loss"]))
   moved = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), state.policy,
@@ -600,19 +624,25 @@ def test_launch_serve_api_openai_serves_and_writes_a_rewarded_session(tmp_path):
                                 + sao(r)["completion_token_ids"])
 
 
-def test_mini_swe_agent_session_with_tool_calls_is_one_trajectory(served, tmp_path):
-  """mini-swe-agent driven by a scripted sampler that calls its bash tool: it runs the
-  calls in the repository, answers them, submits, and the whole session is one
-  trajectory of two action turns with the harness's tool output as the bridge."""
+@needs_shell
+def test_mini_swe_agent_session_with_tool_calls_is_one_trajectory(served, repair, tmp_path):
+  """mini-swe-agent driven by a scripted sampler that calls its bash tool on a held-out
+  repo_repair task: it finds the buggy line, applies the row's fix, submits; repo_repair's
+  grader passes the final tree, and the whole session is one trajectory of two action
+  turns with the harness's tool output as the bridge."""
   DefaultAgent, LitellmModel, LocalEnvironment, bash_tool = _mini_swe_agent(tmp_path)
-  repo, hidden = _task(tmp_path)
+  row, repo, problem = _task(repair, tmp_path)
+  ((path, old, new),) = row.fix
 
   def call(command):
-    body = '{"name": "bash", "arguments": {"command": "%s"}}' % command
+    body = json.dumps({"name": "bash", "arguments": {"command": command}})
     return [CALL] + TOK.encode("\n" + body + "\n") + [CALL_END]
 
-  turn1 = TOK.encode("Let me look.\n") + call("cat calc.py") + [IM_END]
-  turn2 = call("sed -i 's/a - b/a + b/' calc.py && echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT") + [
+  edit = (f"import pathlib; p = pathlib.Path({path!r}); "
+          f"p.write_text(p.read_text().replace({old!r}, {new!r}, 1))")
+  turn1 = TOK.encode("Let me look.\n") + call(f"grep -nF {shlex.quote(old.strip())} {path}") + [
+      IM_END]
+  turn2 = call(f"python3 -c {shlex.quote(edit)} && echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT") + [
       IM_END]
   root = str(tmp_path / "fleet")
   endpoint = openai_api.Endpoint(served.config, ScriptedEngine(_script(turn1 + turn2)), TOK,
@@ -621,19 +651,17 @@ def test_mini_swe_agent_session_with_tool_calls_is_one_trajectory(served, tmp_pa
     model = LitellmModel(model_name=f"openai/{MODEL}", cost_tracking="ignore_errors",
                          model_kwargs={"api_base": f"{endpoint.url}/sessions/swe2/v1",
                                        "api_key": "none", "num_retries": 0,
-                                       "max_tokens": 64})
+                                       "max_tokens": 128})
     agent = DefaultAgent(model, LocalEnvironment(cwd=str(repo), timeout=10),
                          system_template="You fix bugs with the bash tool.",
                          instance_template="{{task}}", step_limit=5, cost_limit=0)
-    result = agent.run("add() in calc.py subtracts. Fix it.")
+    result = agent.run(problem)
     assert result["exit_status"] == "Submitted"
-    import subprocess  # pylint: disable=g-import-not-at-top
-    import sys  # pylint: disable=g-import-not-at-top
-    passed = subprocess.run([sys.executable, str(hidden), str(repo)], capture_output=True,
-                            check=False).returncode == 0
-    assert passed  # the scripted fix, run by the harness, is what the hidden test sees
+    # repo_repair's own grader (its reward's) on the tree the harness left.
+    verdict, detail = repair.grade(row, str(repo))
+    assert verdict == "passed", detail  # the scripted fix, run by the harness
     out = httpx.post(f"{endpoint.url}/v1/sessions/swe2/reward",
-                     json={"reward": float(passed)}).json()
+                     json={"reward": float(verdict == "passed")}).json()
     counts = endpoint.app.stats()
   finally:
     endpoint.close()
@@ -641,7 +669,8 @@ def test_mini_swe_agent_session_with_tool_calls_is_one_trajectory(served, tmp_pa
   assert counts["turns/extended"] == 1 and counts["prompts/bridged"] == 1
   (t,) = fleet.ShardFeed(root, TOK.vocab_size, MAX_LEN, current_version=lambda: VERSION).take(1)
   system, user, _, tool = agent.messages[:4]
-  assert tool["role"] == "tool" and "a - b" in tool["content"]  # what `cat calc.py` printed
+  assert user["content"] == problem
+  assert tool["role"] == "tool" and old.strip() in tool["content"]  # what grep printed
   prompt = official_ids(TOK, [{"role": m["role"], "content": m["content"]} for m in (system, user)],
                         [bash_tool], add_generation_prompt=True)
   bridge = FMT.observation_ids([{"role": "tool", "content": tool["content"]}])

@@ -26,17 +26,21 @@ from sao_jax.data.trajectory import Trajectory, checked
 
 
 def check(traj: Trajectory, vocab_size: int, max_length: int, current_version: int,
-          max_staleness: int | None = None) -> tuple[Trajectory | None, str | None, str | None]:
+          max_staleness: int | None = None, routing_shape: tuple[int, int, int] | None = None
+          ) -> tuple[Trajectory | None, str | None, str | None]:
   """Ingestion's validation, the one place for it (the queue's `put` and the
   fleet's ShardFeed): (canonical copy, None, None) if `traj` is accepted,
   else (None, reason, error). `reason` is one of trajectory.REJECT_REASONS,
   "stale" (its oldest token lags `current_version` by more than
   `max_staleness` versions) or "validation_error" (validation raised: a
   bug, or an object whose own methods raise), and `error` is that
-  exception's repr, else None. Never raises.
+  exception's repr, else None. Never raises. `routing_shape` (M, k, E):
+  the trainer replays MoE routing, so a record must carry it
+  (`trajectory.checked`).
   """
   try:
-    canon, reason = checked(traj, vocab_size, max_length, current_version=current_version)
+    canon, reason = checked(traj, vocab_size, max_length, current_version=current_version,
+                            routing_shape=routing_shape)
   except Exception as e:  # pylint: disable=broad-except
     return None, "validation_error", repr(e)
   if reason is not None:
@@ -51,11 +55,13 @@ def check(traj: Trajectory, vocab_size: int, max_length: int, current_version: i
 class TrajectoryQueue:
 
   def __init__(self, maxsize: int, vocab_size: int, max_length: int,
-               current_version: Callable[[], int], max_staleness: int | None = None):
+               current_version: Callable[[], int], max_staleness: int | None = None,
+               routing_shape: tuple[int, int, int] | None = None):
     self._q: queue.Queue = queue.Queue(maxsize)
     self._vocab, self._max_len = vocab_size, max_length
     self._version = current_version
     self.max_staleness = max_staleness
+    self.routing_shape = routing_shape
     self.rejected: collections.Counter = collections.Counter()
     self.accepted = 0
     # repr of the last exception validation raised (counted as
@@ -83,7 +89,7 @@ class TrajectoryQueue:
     reason counted in `rejected`: `put`'s validation (module-level `check`)
     without enqueueing."""
     canon, reason, error = check(traj, self._vocab, self._max_len, self._version(),
-                                 self.max_staleness)
+                                 self.max_staleness, self.routing_shape)
     if reason is not None:
       with self._lock:
         self.rejected[reason] += 1

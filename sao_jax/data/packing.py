@@ -59,7 +59,8 @@ def action_width(counts: Sequence[int], width: int) -> int:
 def pack(trajs: Sequence[Trajectory], rows: int, buckets: Sequence[int],
          baseline_advantages: Sequence[float] | None = None,
          row_ids: Sequence[int] | None = None,
-         action_index: bool = False) -> dict[str, np.ndarray]:
+         action_index: bool = False,
+         routing: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
   """Packs `trajs` into `[rows, L]` arrays, L the smallest bucket that fits.
 
   Args:
@@ -77,6 +78,10 @@ def pack(trajs: Sequence[Trajectory], rows: int, buckets: Sequence[int],
       large vocabulary the head is most of a small model's step, and most
       tokens of an agentic row are prompt and tool output. A
       (`action_width`) is decided by the whole batch, like L.
+    routing: (M, k): also return `routing` `[R, L, M, k]` int16, each token's
+      recorded MoE expert choices (routing replay; every trajectory must
+      carry them, `trajectory.checked(..., routing_shape=)`), -1 at padding
+      and at tokens the engine never fed.
 
   Returns:
     A dict of numpy arrays `[R, L]` (see FIELDS), `[len(row_ids), L]` with
@@ -96,6 +101,10 @@ def pack(trajs: Sequence[Trajectory], rows: int, buckets: Sequence[int],
   if action_index:
     counts = [sum(int(np.sum(trajs[i].action_mask)) for i in members) for members in layout]
     actions = action_width(counts, width)
+  if routing is not None and any(t.routing is None or t.routing.shape[1:] != tuple(routing)
+                                 for t in trajs):
+    raise ValueError(f"routing replay: every trajectory needs a routing record [T, "
+                     f"{routing[0]}, {routing[1]}]")
   if row_ids is not None:
     layout = [layout[r] for r in row_ids]
   built = len(layout)
@@ -109,6 +118,8 @@ def pack(trajs: Sequence[Trajectory], rows: int, buckets: Sequence[int],
       "policy_version": np.full((built, width), -1, np.int32),
       "baseline_advantages": np.zeros((built, width), np.float32),
   }
+  if routing is not None:
+    out["routing"] = np.full((built, width) + tuple(routing), -1, np.int16)
   for r, members in enumerate(layout):
     start = 0
     for seg, i in enumerate(members, start=1):
@@ -121,6 +132,8 @@ def pack(trajs: Sequence[Trajectory], rows: int, buckets: Sequence[int],
       out["rollout_logprobs"][r, span] = t.rollout_logprobs
       out["rewards"][r, span] = t.rewards
       out["policy_version"][r, span] = t.policy_version
+      if routing is not None:
+        out["routing"][r, span] = t.routing
       if baseline_advantages is not None:
         out["baseline_advantages"][r, span] = np.where(
             t.action_mask, baseline_advantages[i], 0.0)

@@ -44,11 +44,15 @@ import numpy as np
 from array_record.python import array_record_module
 
 from sao_jax import files
-from sao_jax.data.trajectory import ARRAY_FIELDS, Trajectory, checked
+from sao_jax.data.trajectory import ARRAY_FIELDS, OPTIONAL_ARRAY_FIELDS, Trajectory, checked
 
 _ARRAYS = ARRAY_FIELDS
-_SCALARS = tuple(f.name for f in dataclasses.fields(Trajectory) if f.name not in _ARRAYS)
+_OPTIONAL = OPTIONAL_ARRAY_FIELDS
+_SCALARS = tuple(f.name for f in dataclasses.fields(Trajectory)
+                 if f.name not in _ARRAYS + _OPTIONAL)
 _MEMBERS = frozenset(f"{k}.npy" for k in ("header",) + _ARRAYS)
+# The optional members a record may add to _MEMBERS.
+_OPTIONAL_MEMBERS = frozenset(f"{k}.npy" for k in _OPTIONAL)
 
 # The default cap when a caller does not say how long a trajectory may be.
 DEFAULT_MAX_LENGTH = 1 << 16
@@ -58,7 +62,11 @@ DEFAULT_MAX_LENGTH = 1 << 16
 # sensibly use); the JSON header holds six scalars.
 _NPY_HEADER_CAP = 4096
 _HEADER_JSON_CAP = 4096
-_ZIP_OVERHEAD = 4096  # local and central headers of 7 members, zip64 extras
+_ZIP_OVERHEAD = 4096  # local and central headers of 8 members, zip64 extras
+# A routing record (routing replay) is [T, M, k] int16, 2 bytes a choice: a
+# reader allows this many choices a token unless told more (Qwen3-30B-A3B
+# has M x k = 48 x 8 = 384).
+DEFAULT_ROUTING_CHOICES = 384
 
 # The labels read_valid_trajectories counts besides deserialize's and
 # validate's reasons.
@@ -98,6 +106,8 @@ def serialize(t: Trajectory) -> bytes:
   buf = io.BytesIO()
   header = {k: _builtin(getattr(t, k)) for k in _SCALARS}
   arrays = {k: np.asarray(getattr(t, k)) for k in _ARRAYS}
+  arrays.update({k: np.asarray(getattr(t, k)) for k in _OPTIONAL
+                 if getattr(t, k, None) is not None})
   for k, a in arrays.items():
     if a.dtype.hasobject:
       raise ValueError(f"Trajectory.{k} has dtype {a.dtype}: the store never pickles.")
@@ -105,11 +115,13 @@ def serialize(t: Trajectory) -> bytes:
   return buf.getvalue()
 
 
-def _caps(max_length: int) -> tuple[int, int, int]:
-  """(per array member, header member, whole record) uncompressed byte caps."""
+def _caps(max_length: int, routing_choices: int) -> tuple[int, int, int, int]:
+  """(per array member, header member, routing member, whole record)
+  uncompressed byte caps."""
   member = _NPY_HEADER_CAP + 8 * int(max_length)
   header = _NPY_HEADER_CAP + _HEADER_JSON_CAP
-  return member, header, member * len(_ARRAYS) + header
+  routing = _NPY_HEADER_CAP + 2 * int(routing_choices) * int(max_length)
+  return member, header, routing, member * len(_ARRAYS) + header + routing
 
 
 def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
@@ -190,17 +202,19 @@ def _parse_header(a: np.ndarray) -> dict:
   return header
 
 
-def deserialize(data: bytes, max_length: int = DEFAULT_MAX_LENGTH) -> Trajectory:
+def deserialize(data: bytes, max_length: int = DEFAULT_MAX_LENGTH,
+                routing_choices: int = DEFAULT_ROUTING_CHOICES) -> Trajectory:
   """The Trajectory in `data`, or CorruptRecordError(reason).
 
   Structural checks only: the values are as stored (any numeric dtype);
   `trajectory.checked` canonicalizes and validates them. `max_length` (the
   longest trajectory the reader accepts) bounds what the record may declare
   before a byte of it is decompressed; see the module docstring.
+  `routing_choices` (M x k) bounds a routing record's member the same way.
   """
   if not isinstance(data, (bytes, bytearray, memoryview)):
     raise CorruptRecordError("not_bytes", type(data).__name__)
-  member_cap, header_cap, total_cap = _caps(max_length)
+  member_cap, header_cap, routing_cap, total_cap = _caps(max_length, routing_choices)
   if len(data) > total_cap + _ZIP_OVERHEAD:
     raise CorruptRecordError("record_too_large",
                              f"{len(data)} bytes, cap {total_cap + _ZIP_OVERHEAD} "
@@ -214,12 +228,14 @@ def deserialize(data: bytes, max_length: int = DEFAULT_MAX_LENGTH) -> Trajectory
   with zf:
     infos = zf.infolist()
     names = [i.filename for i in infos]
-    if len(names) != len(set(names)) or set(names) != _MEMBERS:
+    if (len(names) != len(set(names)) or not _MEMBERS <= set(names)
+        or not set(names) <= _MEMBERS | _OPTIONAL_MEMBERS):
       raise CorruptRecordError("bad_members", f"{sorted(names)[:10]}")
     # Every cap before anything is decompressed.
     total = 0
     for info in infos:
-      cap = header_cap if info.filename == "header.npy" else member_cap
+      cap = {"header.npy": header_cap, "routing.npy": routing_cap}.get(info.filename,
+                                                                       member_cap)
       if info.file_size > cap:
         raise CorruptRecordError(
             "member_too_large", f"{info.filename} declares {info.file_size} bytes "

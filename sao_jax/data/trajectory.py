@@ -8,6 +8,9 @@ Host side, ragged numpy, one finished episode:
     policy_version    int32[T]    version whose logits produced the token (-1 off-action)
     rewards           float32[T]  per-token rewards, on action tokens only
     turn_starts       int32[K]    index of the first token of each action turn
+    routing           int16[T, M, k] or None: the engine's MoE expert choices
+                      for each token it fed (-1 rows: none recorded), for
+                      routing replay (`rl.routing_replay`, models/routing.py)
 
 plus the prompt id (and group id for GRPO arms), why it finished, and timing.
 
@@ -39,6 +42,8 @@ FINISH_REASONS = ("done", "max_turns", "length", "env_error", "env_timeout", "en
 
 ARRAY_FIELDS = ("tokens", "action_mask", "rollout_logprobs", "policy_version", "rewards",
                 "turn_starts")
+# Arrays a record may leave out (None): routing replay's expert choices.
+OPTIONAL_ARRAY_FIELDS = ("routing",)
 # The per-token arrays: all of length T (turn_starts has its own length K).
 _PER_TOKEN = ARRAY_FIELDS[:5]
 
@@ -58,6 +63,8 @@ REJECT_REASONS = (
     "turn_start_off_action", "missing_first_turn_start",
     # scalars
     "bad_prompt_id", "bad_group_id", "bad_finish_reason", "bad_time",
+    # routing replay (`checked(..., routing_shape=)`)
+    "bad_routing", "missing_routing", "routing_out_of_range",
 )
 
 _INT32 = np.iinfo(np.int32)
@@ -78,6 +85,7 @@ class Trajectory:
   start_time: float = 0.0
   end_time: float = 0.0
   env_seconds: float = 0.0
+  routing: np.ndarray | None = None
 
   def __len__(self) -> int:
     return int(self.tokens.shape[0])
@@ -172,7 +180,9 @@ def canonicalize(t) -> Trajectory:
   finish_reason = getattr(t, "finish_reason", "done")
   if not isinstance(finish_reason, str):
     raise InvalidTrajectory("bad_finish_reason")
+  routing = _routing(getattr(t, "routing", None), tokens.shape[0])
   return Trajectory(
+      routing=routing,
       tokens=tokens, action_mask=mask, rollout_logprobs=logprobs, policy_version=version,
       rewards=rewards, turn_starts=turn_starts,
       prompt_id=_int_scalar(getattr(t, "prompt_id", None), "bad_prompt_id"),
@@ -181,6 +191,36 @@ def canonicalize(t) -> Trajectory:
       start_time=_time(getattr(t, "start_time", 0.0)),
       end_time=_time(getattr(t, "end_time", 0.0)),
       env_seconds=_time(getattr(t, "env_seconds", 0.0)))
+
+
+_INT16 = np.iinfo(np.int16)
+
+
+def _routing(r, n: int) -> np.ndarray | None:
+  """An int16 copy of a routing record `[n, M, k]` (None stays None)."""
+  if r is None:
+    return None
+  if (not isinstance(r, np.ndarray) or r.ndim != 3 or r.shape[0] != n
+      or r.dtype.kind not in "iu"):
+    raise InvalidTrajectory("bad_routing")
+  if r.size and (int(r.min()) < -1 or int(r.max()) > _INT16.max):
+    raise InvalidTrajectory("routing_out_of_range")
+  return np.array(r, np.int16)
+
+
+def _check_routing(t: Trajectory, shape: tuple[int, int, int]) -> str | None:
+  """`t.routing` is `[T, M, k]` of experts below E (rows all -1: none), for
+  `shape` = (M, k, E) of the model that replays it."""
+  m, k, e = shape
+  if t.routing is None:
+    return "missing_routing"
+  if t.routing.shape[1:] != (m, k):
+    return "bad_routing"
+  none = (t.routing == -1).all(axis=(1, 2))
+  rest = t.routing[~none]
+  if rest.size and (rest.min() < 0 or rest.max() >= e):
+    return "routing_out_of_range"
+  return None
 
 
 def _check_turns(t: Trajectory) -> str | None:
@@ -234,13 +274,16 @@ def _check_values(t: Trajectory, vocab_size: int, current_version: int | None) -
   return None
 
 
-def checked(t, vocab_size: int, max_length: int,
-            current_version: int | None = None) -> tuple[Trajectory | None, str | None]:
+def checked(t, vocab_size: int, max_length: int, current_version: int | None = None,
+            routing_shape: tuple[int, int, int] | None = None
+            ) -> tuple[Trajectory | None, str | None]:
   """(canonical copy, None) if `t` is well-formed, else (None, reason).
 
   Length is checked before anything is copied, so an oversized record costs
   no more than its shape. Raises only on a bug (or an object whose own
   methods raise); callers that must not crash catch that too.
+  `routing_shape` (M, k, E): the consumer replays MoE routing, so `t` must
+  carry a routing record of that model's shape.
   """
   try:
     n = _shape(t)
@@ -252,6 +295,8 @@ def checked(t, vocab_size: int, max_length: int,
   except InvalidTrajectory as e:
     return None, e.reason
   reason = _check_values(c, vocab_size, current_version)
+  if reason is None and routing_shape is not None:
+    reason = _check_routing(c, routing_shape)
   return (None, reason) if reason is not None else (c, None)
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from sao_jax.models import routing
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.transformer import (Cache, Transformer, init_cache, lm_head_weight,
                                         lm_logits)
@@ -47,7 +48,7 @@ __all__ = ["extend", "extend_last", "init_cache"]
 
 
 def extend(cfg: ModelConfig, params, cache: Cache, tokens: Array, lengths: Array,
-           valid: Array, page_table: Array | None = None) -> tuple[Array, Cache, Array]:
+           valid: Array, page_table: Array | None = None, *, record_routing: bool = False):
   """Appends tokens to the cache and returns their next-token logits.
 
   Args:
@@ -63,13 +64,25 @@ def extend(cfg: ModelConfig, params, cache: Cache, tokens: Array, lengths: Array
 
   Returns:
     (logits `[B, L, V]` predicting the token after each input token,
-     new cache, new lengths `[B]`).
+     new cache, new lengths `[B]`), and with `record_routing` the MoE
+    layers' expert choices for each input token, int32 `[B, L, M * k]`
+    (`routing.collect(..., flat=True)`; meaningless at padding).
   """
   positions = lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
-  logits, aux = Transformer(cfg, "lm").apply(
-      {"params": params}, tokens, positions, valid.astype(jnp.int32), cache=cache,
-      page_table=page_table)
-  return logits, aux["cache"], lengths + valid.sum(1).astype(lengths.dtype)
+  (logits, aux), chosen = _apply(cfg, Transformer(cfg, "lm"), params, tokens, positions,
+                                 valid, cache, page_table, record_routing)
+  out = (logits, aux["cache"], lengths + valid.sum(1).astype(lengths.dtype))
+  return out + (chosen,) if record_routing else out
+
+
+def _apply(cfg, model, params, tokens, positions, valid, cache, page_table, record_routing):
+  """model.apply on the cache, and the routing it used `[B, L, M * k]` (or None)."""
+  args = ({"params": params}, tokens, positions, valid.astype(jnp.int32))
+  if not record_routing:
+    return model.apply(*args, cache=cache, page_table=page_table), None
+  out, state = model.apply(*args, cache=cache, page_table=page_table,
+                           mutable=["intermediates"])
+  return out, routing.collect(cfg, state["intermediates"], *tokens.shape, flat=True)
 
 
 def _last_valid(x: Array, valid: Array) -> Array:
@@ -80,20 +93,23 @@ def _last_valid(x: Array, valid: Array) -> Array:
 
 
 def extend_last(cfg: ModelConfig, params, cache: Cache, tokens: Array, lengths: Array,
-                valid: Array, page_table: Array | None = None
-                ) -> tuple[Array, Cache, Array]:
+                valid: Array, page_table: Array | None = None, *,
+                record_routing: bool = False):
   """`extend`, returning only the logits after each row's last valid token.
 
   Arguments as `extend`. Returns (logits `[B, V]` fp32, new cache, new
   lengths `[B]`). A row with no valid token gets meaningless logits and an
   unchanged length. With `cfg.prefill_chunk` > 0 the tokens go through in
   chunks of that many (module docstring); the width is padded up to a
-  whole number of chunks with padding tokens.
+  whole number of chunks with padding tokens. With `record_routing` a
+  fourth output: every input token's expert choices `[B, W, M * k]`
+  (`extend`'s).
   """
   width = tokens.shape[1]
   if not cfg.prefill_chunk:
-    logits, cache, new_lengths = extend(cfg, params, cache, tokens, lengths, valid, page_table)
-    return _last_valid(logits, valid), cache, new_lengths
+    out = extend(cfg, params, cache, tokens, lengths, valid, page_table,
+                 record_routing=record_routing)
+    return (_last_valid(out[0], valid),) + out[1:]
 
   chunk = min(cfg.prefill_chunk, width)
   pad = -width % chunk
@@ -106,18 +122,21 @@ def extend_last(cfg: ModelConfig, params, cache: Cache, tokens: Array, lengths: 
     cache, lens, last = carry
     tok, ok = xs  # [B, C]
     positions = lens[:, None] + jnp.arange(chunk, dtype=lens.dtype)[None, :]
-    hidden, aux = trunk.apply({"params": params}, tok, positions, ok.astype(jnp.int32),
-                              cache=cache, page_table=page_table)  # [B, C, D]
+    (hidden, aux), chosen = _apply(cfg, trunk, params, tok, positions, ok, cache, page_table,
+                                   record_routing)  # [B, C, D]
     last = jnp.where(ok.any(1)[:, None], _last_valid(hidden, ok), last)
-    return (aux["cache"], lens + ok.sum(1).astype(lens.dtype), last), None
+    return (aux["cache"], lens + ok.sum(1).astype(lens.dtype), last), chosen
 
   last = jnp.zeros((tokens.shape[0], cfg.d_model), cfg.dtype)
   carry = (cache, lengths, last)
   n = tokens.shape[1] // chunk
   if n == 1:
-    carry, _ = one_chunk(carry, (tokens, valid))
+    carry, chosen = one_chunk(carry, (tokens, valid))
   else:  # [B, n*C] -> [n, B, C]: one chunk per iteration, the cache carried
     split = lambda x: jnp.moveaxis(x.reshape(x.shape[0], n, chunk), 1, 0)
-    carry, _ = jax.lax.scan(one_chunk, carry, (split(tokens), split(valid)))
+    carry, chosen = jax.lax.scan(one_chunk, carry, (split(tokens), split(valid)))
+    if record_routing:  # [n, B, C, M*k] -> [B, n*C, M*k]
+      chosen = jnp.moveaxis(chosen, 0, 1).reshape(chosen.shape[1], n * chunk, -1)
   cache, new_lengths, last = carry
-  return lm_logits(cfg, last, lm_head_weight(cfg, params)), cache, new_lengths
+  out = (lm_logits(cfg, last, lm_head_weight(cfg, params)), cache, new_lengths)
+  return out + (chosen[:, :width],) if record_routing else out

@@ -37,13 +37,16 @@ __all__ = ["NONE", "collect", "differ"]
 NONE = -1  # a routing row that replays nothing (the router's own top-k)
 
 
-def collect(cfg: ModelConfig, intermediates, batch: int, length: int) -> Array:
-  """The sown "moe_top_i" of one forward, as int32 `[M, B, L, k]`.
+def collect(cfg: ModelConfig, intermediates, batch: int, length: int, *,
+            flat: bool = False) -> Array:
+  """The sown "moe_top_i" of one forward, as int32 `[M, B, L, k]`, or with
+  `flat` `[B, L, M * k]` (the engine's layout: a minor dimension of M x k,
+  384 for Qwen3-30B-A3B, where k alone would be padded to a TPU tile).
 
   `intermediates` is the "intermediates" collection of a `Transformer`
   applied to `[batch, length]` tokens. Unrolled layers appear as
   "layer_i", scanned ones stacked under "layers" after them, which is the
-  model's layer order.
+  model's layer order; each layer's entry is `[k, B*L]` (transformer.MoE).
   """
   k = cfg.experts_per_token
   rows = []
@@ -51,18 +54,20 @@ def collect(cfg: ModelConfig, intermediates, batch: int, length: int) -> Array:
     entry = intermediates.get(f"layer_{i}")
     if entry is not None and "moe" in entry:
       (top_i,) = entry["moe"]["moe_top_i"]
-      rows.append(top_i.reshape(1, batch, length, k))
+      rows.append(top_i.reshape(1, k, batch, length))
   if "layers" in intermediates:
     (top_i,) = intermediates["layers"]["moe"]["moe_top_i"]
-    rows.append(top_i.reshape(-1, batch, length, k))
+    rows.append(top_i.reshape(-1, k, batch, length))
   if not rows:
     raise ValueError("no MoE layer sowed its routing: was the model applied with "
                      "mutable=['intermediates']?")
-  out = jnp.concatenate(rows, 0).astype(jnp.int32)
+  out = jnp.concatenate(rows, 0).astype(jnp.int32)  # [M, k, B, L]
   if out.shape[0] != cfg.num_moe_layers:
     raise ValueError(f"collected {out.shape[0]} MoE layers, the config has "
                      f"{cfg.num_moe_layers}")
-  return out
+  if flat:
+    return jnp.transpose(out, (2, 3, 0, 1)).reshape(batch, length, -1)
+  return jnp.transpose(out, (0, 2, 3, 1))
 
 
 def differ(a: Array, b: Array) -> Array:

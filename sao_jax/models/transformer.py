@@ -194,8 +194,8 @@ class MoE(nn.Module):
     """x [B, L, D], token_mask [B, L]; `routing` [B, L, k] int replays expert
     choices (routing replay: -1 at a token keeps the router's own top-k).
 
-    The router's choices [B*L, k] are sown as intermediates "moe_top_i"
-    (free unless the caller asks for intermediates). Replayed choices take
+    The router's choices are sown as intermediates "moe_top_i", [k, B*L]
+    (free unless the caller asks for intermediates; models/routing.py reads them). Replayed choices take
     their gate weights from this router's probabilities at those experts,
     renormalised as `norm_topk_prob` says, so the router still learns.
     """
@@ -211,7 +211,9 @@ class MoE(nn.Module):
     router_logits = (xf @ router.astype(dt)).astype(jnp.float32)  # [N, E]
     probs = jax.nn.softmax(router_logits, -1)
     top_p, top_i = jax.lax.top_k(probs, top_k)  # [N, k]
-    self.sow("intermediates", "moe_top_i", top_i)
+    # Sown as [k, N]: a minor dimension of k (8) would be padded to a TPU
+    # tile's 128 lanes in every buffer that stacks it (16x the bytes).
+    self.sow("intermediates", "moe_top_i", top_i.T)
     if routing is not None:
       forced = routing.reshape(-1, top_k).astype(top_i.dtype)
       replay = (forced >= 0).all(-1, keepdims=True)

@@ -102,6 +102,7 @@ from sao_jax import sections
 from sao_jax.data.trajectory import FINISH_REASONS, Trajectory
 from sao_jax.envs import chat
 from sao_jax.envs.base import Action, Environment, GraderError, StepResult, Task
+from sao_jax.models import routing as routing_lib
 from sao_jax.rollout.engine import PolicyEngine
 
 SWAP_POLICIES = sections.SWAP_POLICIES
@@ -145,6 +146,15 @@ class _Slot:
   admitted: int = 0  # admission order (a paged engine's pages go oldest first)
   reruns: int = 0  # times this episode was run again after a grader_error
   prompt: list = dataclasses.field(default_factory=list)  # its prompt's tokens
+  # A recording engine's (rl.routing_replay): the expert choices of the fed
+  # tokens, arrays [n, M * k] in feeding order (their rows total `fed`).
+  routing: list = dataclasses.field(default_factory=list)
+
+  def refeed(self):
+    """The cache dropped this slot's entries: its record is fed again from the
+    start (and its routing recorded again, as the new feeding chooses)."""
+    self.fed = 0
+    self.routing.clear()
 
   def append(self, tokens, action=False, logprob=0.0, version=-1):
     for t in tokens:
@@ -435,6 +445,22 @@ class _EnvPool:
           return
 
 
+def _routing_rows(s: _Slot, engine) -> np.ndarray | None:
+  """A slot's recorded expert choices, one row per token `[T, M, k]` int16: the
+  fed tokens' as the engine chose them, NONE for the tokens never fed (the
+  last sample). None when the engine does not record."""
+  if not getattr(engine, "record_routing", False):
+    return None
+  cfg = engine.cfg
+  rows = np.full((len(s.tokens), cfg.num_moe_layers, cfg.experts_per_token), routing_lib.NONE,
+                 np.int16)
+  fed = np.concatenate(s.routing, 0) if s.routing else rows[:0]
+  if fed.shape[0] != s.fed:
+    raise AssertionError(f"{fed.shape[0]} routing rows for {s.fed} fed tokens")
+  rows[:s.fed] = fed.reshape(fed.shape[0], *rows.shape[1:])
+  return rows
+
+
 def _plain_prompt(prompt):
   """A task's prompt as exact strs: a str, or a tuple of {"role", "content"} messages."""
   if isinstance(prompt, str):
@@ -693,7 +719,7 @@ class RolloutDriver:
       if not holders:
         raise AssertionError(f"slot group {g} is blocked with no pages to preempt")
       victim = max(holders, key=lambda i: self._slots[i].admitted)
-      self._slots[victim].fed = 0
+      self._slots[victim].refeed()
       self._state = self.engine.reset_slots(self._state, np.arange(len(self._slots)) == victim)
       self.stats.preemptions += 1
 
@@ -711,7 +737,7 @@ class RolloutDriver:
       in_flight = np.array([s is not None for s in self._slots])
       for s in self._slots:
         if s is not None:
-          s.fed = 0
+          s.refeed()
       self._state = self.engine.reset_slots(self._state, in_flight)
 
   # --- admission ------------------------------------------------------------
@@ -822,6 +848,8 @@ class RolloutDriver:
     self.stats.prefill_steps += 1
     for i in chosen:
       s = self._slots[i]
+      if self._state.routing is not None:
+        s.routing.append(self._state.routing[i, :int(valid[i].sum())])
       s.fed += int(valid[i].sum())
       if s.fed < len(s.tokens):
         continue  # a long append continues next step; its sample is discarded
@@ -859,6 +887,8 @@ class RolloutDriver:
       for k in range(int(chunk.counts[i])):
         if self._slots[i] is None:
           raise AssertionError(f"the engine decoded slot {i} past the end of its episode")
+        if chunk.routing is not None:  # the pending token's experts, as it was fed
+          self._slots[i].routing.append(chunk.routing[i, k:k + 1])
         self._slots[i].fed += 1  # the pending token went into the cache
         self._on_sample(i, int(chunk.tokens[i, k]), float(chunk.logprobs[i, k]), chunk.version)
 
@@ -1055,6 +1085,7 @@ class RolloutDriver:
     self._slots[i] = None
     self._release(i)
     traj = Trajectory(
+        routing=_routing_rows(s, self.engine),
         tokens=np.asarray(s.tokens, np.int32),
         action_mask=np.asarray(s.action_mask, bool),
         rollout_logprobs=np.asarray(s.logprobs, np.float32),

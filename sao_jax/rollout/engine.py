@@ -187,6 +187,10 @@ class DecodeState(NamedTuple):
   # refreshed before a call whenever the allocator changed it.
   pages: PagePool | None = None
   page_table: Any = None
+  # With record_routing: numpy [slots, W, M * k], the MoE expert choices of
+  # the tokens the last `step` fed (row b's first fed[b] entries; the rest
+  # is padding). None otherwise.
+  routing: np.ndarray | None = None
 
 
 class PagePoolExhausted(RuntimeError):
@@ -209,6 +213,10 @@ class DecodeChunk(NamedTuple):
   counts: Any  # [slots] int32
   version: int  # of the params whose logits produced every token of the chunk
   budgets: np.ndarray  # [slots] int32, the call's budgets (host side)
+  # With record_routing: [slots, steps, M * k], column k the expert choices of
+  # the token fed at iteration k (the pending token, then each sample but
+  # the last); row b's first counts[b] columns are real. None otherwise.
+  routing: Any = None
 
 
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:
@@ -262,11 +270,15 @@ class PolicyEngine:
       only. Lane threads trace new programs without the caller's
       thread-local JAX settings (e.g. a `jax.default_matmul_precision`
       context).
+    record_routing: also return the MoE expert choices of every token the
+      engine feeds (routing replay, `rl.routing_replay`): `state.routing`
+      after `step`, `chunk.routing` after `decode` (models/routing.py).
   """
 
   def __init__(self, cfg: ModelConfig, params, rollout: sections.Rollout, *, seed: int = 0,
                version: int = 0, device=None, mesh: Mesh | None = None, rules=None,
-               kv_buckets: tuple[int, ...] | None = None, lanes: int = 1):
+               kv_buckets: tuple[int, ...] | None = None, lanes: int = 1,
+               record_routing: bool = False):
     if not isinstance(rollout, sections.Rollout):
       raise TypeError(f"rollout must be a sections.Rollout, got {type(rollout).__name__}")
     slots, max_len = rollout.slots, rollout.max_len
@@ -281,10 +293,13 @@ class PolicyEngine:
     page_size = rollout.page_size
     if self.paged and lanes > 1:
       raise ValueError("lanes > 1 is for the dense cache (a paged engine's slots share one pool)")
+    if record_routing and lanes > 1:
+      raise ValueError("record_routing is for lanes=1 (generate_batch's lanes return no routing)")
     # Every jitted program of the engine (programs.py), also what launch/compile.py
     # lowers; it holds the layout (a mesh of one device without `mesh`).
     self.programs = EnginePrograms.for_rollout(cfg, rollout, mesh=mesh, rules=rules,
-                                               device=device)
+                                               device=device, record_routing=record_routing)
+    self.record_routing = record_routing
     sampling = self.programs.sampling
     self.page_size = page_size if self.paged else 0
     self.kv_pages = self.programs.num_pages  # 0: dense
@@ -512,9 +527,10 @@ class PolicyEngine:
     host = (state.host_lengths + fed).astype(np.int32)
     kv = self._kv_bucket(int(host[fed > 0].max()) if fed.any() else 1)
     state = self._with_pages(state, host, fed > 0)
-    cache, lengths, tok, logp = self._step(params, state, tokens, valid, rng, kv)
-    tok, logp = jax.device_get((tok, logp))  # the step's one transfer to the host
-    return state._replace(cache=cache, lengths=lengths, host_lengths=host), tok, logp
+    cache, lengths, tok, logp, *chosen = self._step(params, state, tokens, valid, rng, kv)
+    tok, logp, chosen = jax.device_get((tok, logp, chosen))  # the step's one transfer
+    return state._replace(cache=cache, lengths=lengths, host_lengths=host,
+                          routing=chosen[0] if chosen else None), tok, logp
 
   # --- the multi-token decode loop ------------------------------------------
 
@@ -575,10 +591,11 @@ class PolicyEngine:
                    lambda: self.programs.decode(kv, int(steps), stop))
     table = (state.page_table,) if self.paged else ()
     with self._context():
-      cache, lengths, nxt, toks, logp, counts, rng = fn(
+      cache, lengths, nxt, toks, logp, counts, rng, *chosen = fn(
           params, state.cache, state.lengths, *table, tokens, budgets, rng)
     state = state._replace(cache=cache, lengths=lengths, next_tokens=nxt, host_lengths=host)
-    return state, DecodeChunk(toks, logp, counts, version, budgets), rng
+    return state, DecodeChunk(toks, logp, counts, version, budgets,
+                              chosen[0] if chosen else None), rng
 
   def collect(self, state: DecodeState, chunk: DecodeChunk) -> tuple[DecodeState, DecodeChunk]:
     """Fetches a `decode` chunk to the host (one transfer, blocks until done).
@@ -586,11 +603,13 @@ class PolicyEngine:
     Returns the state with exact `host_lengths` (the unused budgets taken
     off) and the chunk as numpy arrays.
     """
-    toks, logp, counts = jax.device_get((chunk.tokens, chunk.logprobs, chunk.counts))
+    toks, logp, counts, chosen = jax.device_get((chunk.tokens, chunk.logprobs, chunk.counts,
+                                                 chunk.routing))
     counts = np.asarray(counts, np.int32)
     host = np.maximum(state.host_lengths - (chunk.budgets - counts), 0).astype(np.int32)
     return (state._replace(host_lengths=host),
-            chunk._replace(tokens=np.asarray(toks), logprobs=np.asarray(logp), counts=counts))
+            chunk._replace(tokens=np.asarray(toks), logprobs=np.asarray(logp), counts=counts,
+                           routing=None if chosen is None else np.asarray(chosen)))
 
   def generate_batch(self, prompts, max_new_tokens: int, *, stop_token: int | None = None
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from sao_jax import precision, sections
-from sao_jax.models import decoding, head_vocab, paged
+from sao_jax.models import decoding, head_vocab, paged, routing
 from sao_jax.models.config import ModelConfig
 from sao_jax.rollout import layout
 from sao_jax.rollout import sampling as sampling_lib
@@ -69,13 +69,19 @@ class EnginePrograms:
 
   def __init__(self, cfg: ModelConfig, sampling: sampling_lib.SamplingConfig, slots: int,
                max_len: int, *, mesh=None, rules=None, shardings=None, device=None,
-               page_size: int | None = None, num_pages: int = 0):
+               page_size: int | None = None, num_pages: int = 0,
+               record_routing: bool = False):
     if mesh is not None and device is not None:
       raise ValueError("EnginePrograms takes a mesh or a device, not both")
     # The engine holds its params in the compute dtype (precision.py: the
     # same forward as the trainer's from float32 master weights, half the bytes).
     cfg = precision.serving_config(cfg)
     self.cfg, self.sampling, self.slots, self.max_len = cfg, sampling, slots, max_len
+    # Routing replay (rl.routing_replay): step and decode also return the
+    # MoE expert choices of every token they feed, [slots, W, M * k].
+    if record_routing and cfg.num_moe_layers == 0:
+      raise ValueError("record_routing needs a model with MoE layers")
+    self.record_routing = record_routing
     self.mesh = layout.one_device_mesh(device) if mesh is None else mesh
     self.rules = tuple(tuple(r) for r in (layout.rollout_rules(self.mesh) if rules is None
                                           else rules))
@@ -98,7 +104,7 @@ class EnginePrograms:
 
   @classmethod
   def for_rollout(cls, cfg: ModelConfig, rollout: sections.Rollout, *, mesh=None, rules=None,
-                  device=None) -> "EnginePrograms":
+                  device=None, record_routing: bool = False) -> "EnginePrograms":
     """The programs of the engine a rollout section describes: its sampling,
     slots, max_len and cache (dense, or paged: page_size, kv_pages), on
     `mesh` with `rules` or on `device` (neither: the first local device)."""
@@ -106,7 +112,8 @@ class EnginePrograms:
     paged_cache = rollout.kv_cache == "paged"
     return cls(cfg, sampling, rollout.slots, rollout.max_len, mesh=mesh, rules=rules,
                device=device, page_size=rollout.page_size if paged_cache else None,
-               num_pages=rollout.kv_pages if paged_cache else 0)
+               num_pages=rollout.kv_pages if paged_cache else 0,
+               record_routing=record_routing)
 
   @property
   def paged(self) -> bool:
@@ -172,32 +179,40 @@ class EnginePrograms:
   def step(self, kv: int | None):
     """`_step` jitted: (params, cache, lengths, tokens, valid, key) ->
     (cache, lengths, tokens, log-probs); paged: (params, pool, lengths,
-    table, tokens, valid, key) -> (pool, lengths, tokens, log-probs)."""
+    table, tokens, valid, key) -> (pool, lengths, tokens, log-probs).
+    With `record_routing`, the fed tokens' routing `[slots, W, M * k]` last."""
     s = self.shardings
+    outs = (s.cache, s.slots, s.slots, s.slots) + ((s.tokens,) if self.record_routing else ())
     if self.paged:
       return jax.jit(
-          functools.partial(_paged_step, self.cfg, self.sampling, self._columns(kv)),
+          functools.partial(_paged_step, self.cfg, self.sampling, self._columns(kv),
+                            record=self.record_routing),
           in_shardings=(s.params, s.cache, s.slots, s.tokens, s.tokens, s.tokens,
                         s.replicated),
-          out_shardings=(s.cache, s.slots, s.slots, s.slots), donate_argnums=(1, 2))
-    return jax.jit(functools.partial(_step, self.cfg, self.sampling, kv),
+          out_shardings=outs, donate_argnums=(1, 2))
+    return jax.jit(functools.partial(_step, self.cfg, self.sampling, kv,
+                                     record=self.record_routing),
                    in_shardings=(s.params, s.cache, s.slots, s.tokens, s.tokens, s.replicated),
-                   out_shardings=(s.cache, s.slots, s.slots, s.slots), donate_argnums=(1, 2))
+                   out_shardings=outs, donate_argnums=(1, 2))
 
   def decode(self, kv: int | None, steps: int, stop: int):
     """`_decode` jitted: (params, cache, lengths, tokens, budgets, KeyStream) ->
     (cache, lengths, pending tokens, sampled tokens, log-probs, counts,
-    KeyStream). `stop` -1: budgets only. Paged: the table after the lengths."""
+    KeyStream). `stop` -1: budgets only. Paged: the table after the lengths.
+    With `record_routing`, the routing of the token fed at each iteration
+    `[slots, steps, M * k]` last."""
     s = self.shardings
-    outs = (s.cache, s.slots, s.slots, s.tokens, s.tokens, s.slots, s.replicated)
+    outs = (s.cache, s.slots, s.slots, s.tokens, s.tokens, s.slots, s.replicated) + (
+        (s.tokens,) if self.record_routing else ())
     if self.paged:
       return jax.jit(
           functools.partial(_paged_decode, self.cfg, self.sampling, self._columns(kv),
-                            int(steps), int(stop)),
+                            int(steps), int(stop), record=self.record_routing),
           in_shardings=(s.params, s.cache, s.slots, s.tokens, s.slots, s.slots, s.replicated),
           out_shardings=outs, donate_argnums=(1, 2))
     return jax.jit(
-        functools.partial(_decode, self.cfg, self.sampling, kv, int(steps), int(stop)),
+        functools.partial(_decode, self.cfg, self.sampling, kv, int(steps), int(stop),
+                          record=self.record_routing),
         in_shardings=(s.params, s.cache, s.slots, s.slots, s.slots, s.replicated),
         out_shardings=outs, donate_argnums=(1, 2))
 
@@ -290,7 +305,7 @@ def _write_back(lengths: Array, valid: Array, full: Array, live: Array) -> Array
   return full.at[index].set(new, mode="drop")
 
 
-def _step(cfg, sampling, kv, params, cache, lengths, tokens, valid, rng):
+def _step(cfg, sampling, kv, params, cache, lengths, tokens, valid, rng, *, record=False):
   """Appends tokens, samples each row's next token from its last valid one.
 
   `kv` None attends over the whole cache. Otherwise the model runs on the
@@ -300,37 +315,39 @@ def _step(cfg, sampling, kv, params, cache, lengths, tokens, valid, rng):
   (sao_jax/models/transformer.py), so the result is the same.
   """
   if kv is None:
-    last_logits, cache, new_lengths = decoding.extend_last(cfg, params, cache, tokens, lengths,
-                                                           valid)
+    last_logits, cache, new_lengths, *chosen = decoding.extend_last(
+        cfg, params, cache, tokens, lengths, valid, record_routing=record)
   else:
     live = jax.tree.map(lambda c: jax.lax.slice_in_dim(c, 0, kv, axis=c.ndim - 3), cache)
-    last_logits, live, new_lengths = decoding.extend_last(cfg, params, live, tokens, lengths,
-                                                          valid)
+    last_logits, live, new_lengths, *chosen = decoding.extend_last(
+        cfg, params, live, tokens, lengths, valid, record_routing=record)
     cache = jax.tree.map(functools.partial(_write_back, lengths, valid), cache, live)
   # last_logits [B, V]: after each row's last valid token (a chunked prefill
   # with cfg.prefill_chunk, never [B, W, V]).
   tok, logp = sampling_lib.sample(last_logits, rng, sampling)
   tok = head_vocab.token_ids(cfg, tok)  # head columns -> tokenizer ids
-  return cache, new_lengths, tok, logp
+  return (cache, new_lengths, tok, logp, *chosen)
 
 
-def _paged_step(cfg, sampling, cols, params, pool, lengths, table, tokens, valid, rng):
+def _paged_step(cfg, sampling, cols, params, pool, lengths, table, tokens, valid, rng, *,
+                record=False):
   """`_step` on a page pool: the model writes into the slots' pages and
   attends over the table's first `cols` columns (None: all)."""
   table = table if cols is None else table[:, :cols]
-  last_logits, pool, new_lengths = decoding.extend_last(cfg, params, pool, tokens, lengths,
-                                                        valid, table)
+  last_logits, pool, new_lengths, *chosen = decoding.extend_last(
+      cfg, params, pool, tokens, lengths, valid, table, record_routing=record)
   tok, logp = sampling_lib.sample(last_logits, rng, sampling)
   tok = head_vocab.token_ids(cfg, tok)  # head columns -> tokenizer ids
-  return pool, new_lengths, tok, logp
+  return (pool, new_lengths, tok, logp, *chosen)
 
 
 def _decode_loop(cfg, sampling, steps, stop_token, params, live, lengths, tokens, budgets, rng,
-                 table=None):
+                 table=None, record=False):
   """The while loop of `_decode` over a cache (`live`) or a pool with `table`.
 
   Returns (live, new lengths, pending tokens, counts, sampled tokens,
-  log-probs, advanced KeyStream).
+  log-probs, advanced KeyStream), and with `record` the routing of the
+  token fed at each iteration `[B, steps, M * k]`.
   """
   b = tokens.shape[0]
 
@@ -339,9 +356,11 @@ def _decode_loop(cfg, sampling, steps, stop_token, params, live, lengths, tokens
     return (k < steps) & alive.any()
 
   def body(carry):
-    k, live, lens, tok, alive, count, out_tok, out_lp = carry
-    logits, live, lens = decoding.extend(cfg, params, live, tok[:, None], lens, alive[:, None],
-                                         table)
+    k, live, lens, tok, alive, count, out_tok, out_lp, *out_r = carry
+    logits, live, lens, *chosen = decoding.extend(
+        cfg, params, live, tok[:, None], lens, alive[:, None], table, record_routing=record)
+    if record:  # [B, 1, M*k] into column k
+      out_r = [jax.lax.dynamic_update_slice_in_dim(out_r[0], chosen[0], k, 1)]
     # The k-th key's draw.
     new, lp = sampling_lib.sample_with(logits[:, 0], uniforms[k], sampling)
     new = head_vocab.token_ids(cfg, new)  # head columns -> tokenizer ids
@@ -352,16 +371,22 @@ def _decode_loop(cfg, sampling, steps, stop_token, params, live, lengths, tokens
     count = count + alive.astype(jnp.int32)
     tok = jnp.where(alive, new, tok)
     alive = alive & (count < budgets) & (new != stop_token)
-    return k + 1, live, lens, tok, alive, count, out_tok, out_lp
+    return (k + 1, live, lens, tok, alive, count, out_tok, out_lp, *out_r)
 
   carry = (jnp.int32(0), live, lengths, tokens, budgets > 0, jnp.zeros((b,), jnp.int32),
            jnp.zeros((b, steps), jnp.int32), jnp.zeros((b, steps), jnp.float32))
+  if record:
+    carry += (jnp.full((b, steps, cfg.num_moe_layers * cfg.experts_per_token), routing.NONE,
+                       jnp.int32),)
   uniforms = sampling_lib.uniforms(rng, steps, b)  # [steps, B, 1]: every iteration's, drawn at once
-  ran, live, new_lengths, tok, _, count, out_tok, out_lp = jax.lax.while_loop(cond, body, carry)
-  return live, new_lengths, tok, count, out_tok, out_lp, rng._replace(draws=rng.draws + ran)
+  ran, live, new_lengths, tok, _, count, out_tok, out_lp, *out_r = jax.lax.while_loop(
+      cond, body, carry)
+  return (live, new_lengths, tok, count, out_tok, out_lp,
+          rng._replace(draws=rng.draws + ran), *out_r)
 
 
-def _decode(cfg, sampling, kv, steps, stop_token, params, cache, lengths, tokens, budgets, rng):
+def _decode(cfg, sampling, kv, steps, stop_token, params, cache, lengths, tokens, budgets, rng,
+            *, record=False):
   """`PolicyEngine.decode`'s loop: up to `steps` one-token steps, per-slot stops.
 
   With `kv` the loop runs on the cache prefix `[0, kv)` (the caller picks
@@ -373,14 +398,15 @@ def _decode(cfg, sampling, kv, steps, stop_token, params, cache, lengths, tokens
   """
   live = cache if kv is None else jax.tree.map(
       lambda c: jax.lax.slice_in_dim(c, 0, kv, axis=c.ndim - 3), cache)
-  live, new_lengths, tok, count, out_tok, out_lp, rng = _decode_loop(
-      cfg, sampling, steps, stop_token, params, live, lengths, tokens, budgets, rng)
+  live, new_lengths, tok, count, out_tok, out_lp, rng, *out_r = _decode_loop(
+      cfg, sampling, steps, stop_token, params, live, lengths, tokens, budgets, rng,
+      record=record)
   if kv is None:
     cache = live
   else:
     fed = jnp.arange(steps)[None] < count[:, None]  # [B, steps]: the positions written
     cache = jax.tree.map(functools.partial(_write_back, lengths, fed), cache, live)
-  return cache, new_lengths, tok, out_tok, out_lp, count, rng
+  return (cache, new_lengths, tok, out_tok, out_lp, count, rng, *out_r)
 
 
 def _decode_in_place(cfg, page: int) -> bool:
@@ -390,7 +416,7 @@ def _decode_in_place(cfg, page: int) -> bool:
 
 
 def _paged_decode(cfg, sampling, cols, steps, stop_token, params, pool, lengths, table, tokens,
-                  budgets, rng):
+                  budgets, rng, *, record=False):
   """`_decode` on a page pool, over the table's first `cols` columns (None: all).
 
   Where a decode step runs the Pallas paged-attention kernel (compiling for
@@ -402,13 +428,15 @@ def _paged_decode(cfg, sampling, cols, steps, stop_token, params, pool, lengths,
   """
   table = table if cols is None else table[:, :cols]
   if _decode_in_place(cfg, jax.tree.leaves(pool)[0].shape[-2]):
-    pool, new_lengths, tok, count, out_tok, out_lp, rng = _decode_loop(
-        cfg, sampling, steps, stop_token, params, pool, lengths, tokens, budgets, rng, table)
+    pool, new_lengths, tok, count, out_tok, out_lp, rng, *out_r = _decode_loop(
+        cfg, sampling, steps, stop_token, params, pool, lengths, tokens, budgets, rng, table,
+        record=record)
   else:
     live = jax.tree.map(lambda leaf: paged.view(leaf, table), pool)
-    live, new_lengths, tok, count, out_tok, out_lp, rng = _decode_loop(
-        cfg, sampling, steps, stop_token, params, live, lengths, tokens, budgets, rng)
+    live, new_lengths, tok, count, out_tok, out_lp, rng, *out_r = _decode_loop(
+        cfg, sampling, steps, stop_token, params, live, lengths, tokens, budgets, rng,
+        record=record)
     fed = jnp.arange(steps)[None] < count[:, None]  # [B, steps]: the positions written
     pool = jax.tree.map(lambda leaf, v: paged.write_view(leaf, v, table, lengths, fed), pool,
                         live)
-  return pool, new_lengths, tok, out_tok, out_lp, count, rng
+  return (pool, new_lengths, tok, out_tok, out_lp, count, rng, *out_r)

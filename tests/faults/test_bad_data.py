@@ -171,6 +171,14 @@ CASES = {
     "inf_end_time": (setf(end_time=float("inf")), "bad_time"),
     "str_env_seconds": (setf(env_seconds="0.5"), "bad_time"),
     "time_overflows_float": (setf(end_time=10**400), "bad_time"),
+    # routing replay's record (its missing_routing needs a consumer that
+    # replays: tests/test_routing_replay.py)
+    "routing_not_per_token": (setf(routing=np.zeros((8, 1, 2), np.int16)), "bad_routing"),
+    "routing_rank_2": (setf(routing=np.zeros((9, 2), np.int16)), "bad_routing"),
+    "routing_float": (setf(routing=np.zeros((9, 1, 2), np.float32)), "bad_routing"),
+    "routing_below_none": (setf(routing=np.full((9, 1, 2), -2, np.int32)), "routing_out_of_range"),
+    "routing_past_int16": (setf(routing=np.full((9, 1, 2), 2**15, np.int32)),
+                           "routing_out_of_range"),
 }
 
 
@@ -179,7 +187,7 @@ def test_every_reason_is_a_snake_case_label_and_exercised():
   for reason in (REJECT_REASONS + store.RECORD_REASONS + store.SHARD_REASONS
                  + ("stale", "validation_error")):
     assert pattern.match(reason) and len(reason) <= 32, reason
-  exercised = {r for _, r in CASES.values()} | {"version_from_future"}
+  exercised = {r for _, r in CASES.values()} | {"version_from_future", "missing_routing"}
   assert exercised == set(REJECT_REASONS)
   assert {"env_error", "env_timeout", "env_garbage"} <= set(FINISH_REASONS)
 
@@ -410,7 +418,9 @@ def test_npy_header_declaring_a_huge_shape_is_refused_before_allocation():
     (lambda: b"", "not_npz"),
     (lambda: np.random.default_rng(0).bytes(2000), "not_npz"),
     (lambda: "a str", "not_bytes"),
-    (lambda: bytes(10**7), "record_too_large"),
+    # Over the whole-record cap at the default max_length (6 arrays, and a
+    # routing record of 384 choices a token: ~53 MB).
+    (lambda: bytes(10**8), "record_too_large"),
     (lambda: zip_of({k: v for k, v in members_of(store.serialize(good())).items()
                      if k != "turn_starts.npy"}), "bad_members"),
     (lambda: with_member("evil.npy", npy(np.zeros(3))), "bad_members"),
