@@ -10,7 +10,6 @@ mask is exactly the sampled turns (each closed by its sampled <|im_end|>
 unless cut), never the prompt or a bridge.
 """
 
-import importlib.util
 import json
 import os
 
@@ -27,7 +26,8 @@ from sao_jax.envs.math_tool import MathTool, MathToolConfig
 from sao_jax.envs.sandbox import SandboxLimits, run_python
 from sao_jax.envs.tokenizer import Qwen3Tokenizer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from runs import load_config_module  # pylint: disable=g-bad-import-order
+
 TOK = Qwen3Tokenizer()
 FMT = chat.make_format("qwen3", TOK)
 IM_START, IM_END = TOK.special_id("<|im_start|>"), TOK.special_id("<|im_end|>")
@@ -166,11 +166,7 @@ def test_demonstration_ids_follow_the_thinking_switch():
 
 
 def _config():
-  spec = importlib.util.spec_from_file_location(
-      "math_tool_cpu", os.path.join(ROOT, "configs", "math_tool_cpu.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  c = module.get_config()
+  c = load_config_module("math_tool_cpu.py").get_config()
   c.sharding.mesh = {"data": 8}
   c.sft.steps, c.sft.batch_size = 2, 8
   c.value_pretrain.steps, c.value_pretrain.num_trajectories = 1, 8

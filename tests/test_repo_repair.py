@@ -351,14 +351,9 @@ def test_a_user_row_is_graded_by_its_test_command(tmp_path):
 def test_tiny_config_runs_sft_then_rl(tmp_path):
   """configs/repo_repair_tiny.py, cut to a few steps: SFT on the demonstrations,
   value pretraining, SAO steps and the held-out evaluation all run."""
-  import importlib.util  # pylint: disable=g-import-not-at-top
   from sao_jax import trainer  # pylint: disable=g-import-not-at-top
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  spec = importlib.util.spec_from_file_location(
-      "repo_repair_tiny", os.path.join(root, "configs", "repo_repair_tiny.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  c = module.get_config()
+  from runs import load_config_module  # pylint: disable=g-import-not-at-top
+  c = load_config_module("repo_repair_tiny.py").get_config()
   c.sharding.mesh = {"data": 8}
   c.sft.steps, c.sft.batch_size = 1, 8
   c.value_pretrain.steps, c.value_pretrain.num_trajectories = 1, 8
