@@ -21,7 +21,7 @@ import jax
 import ml_collections
 
 from sao_jax import configuration, distributed, factories, files, sections, sharding
-from sao_jax.checkpoint import Checkpointer, abstract_like
+from sao_jax.checkpoint import Checkpointer, abstract_like, committed_checkpoints
 from sao_jax.envs import registry
 from sao_jax.evaluation import evaluate_sets, set_environments
 from sao_jax.faults import FaultInjector
@@ -192,7 +192,9 @@ def build(config: ml_collections.ConfigDict) -> Run:
   critic_params, _ = sharding.sharded_init(p.critic_init, mesh, p.rules)
   state = jax.jit(p.init_state, out_shardings=p.state_shardings)(policy_params, critic_params)
   meta = {"stage": "sft", "stage_step": 0, "ckpt_step": 0, "source": None,
-          "running_mean": None, "evals": {}}
+          "running_mean": None, "evals": {},
+          # model.vocab_subset's head ids: a restore under other ids is refused.
+          "vocab_ids": list(model_cfg.vocab_ids) or None}
   frozen_env = env.frozen() if hasattr(env, "frozen") else env
   return Run(config, tok, registry.make_format(config.env, tok), env, frozen_env, faults,
              model_cfg, step_cfg, mesh, p, rl_step, value_step, sft_step, state, meta,
@@ -219,11 +221,26 @@ def open_workdir(run: Run, workdir: str, restore_step: int | None = None) -> Run
                           name="run")
   if run.ckpt.latest_step() is not None:
     restore_step = restore_step or run.ckpt.latest_step()
+    _check_vocab_ids(run, restore_step)
     run.state, run.meta = run.ckpt.restore(abstract_like(run.state), restore_step)
     _upgrade_meta(run.meta, config.rl.mode)
     print(f"Resumed from checkpoint {restore_step} at stage "
           f"{run.meta['stage']} step {run.meta['stage_step']}", flush=True)
   return run
+
+
+def _check_vocab_ids(run: Run, step: int) -> None:
+  """The checkpoint's head was trained over the ids this run's head has
+  (model.vocab_subset: computed from the environment's rows, so another
+  dataset gives another head); else one line, before orbax's shape error."""
+  saved = committed_checkpoints(files.join(run.workdir, "checkpoints")).get(step, {})
+  theirs, ours = saved.get("vocab_ids"), list(run.model_cfg.vocab_ids) or None
+  if "vocab_ids" in saved and theirs != ours:
+    describe = lambda ids: f"a head over {len(ids)} token ids" if ids else "the full head"
+    raise configuration.ConfigError(
+        f"model.vocab_subset: checkpoint {step} in {run.workdir} has {describe(theirs)}, this "
+        f"run's config gives {describe(ours)} (another dataset or vocab_subset setting); "
+        "resume with the config the run was started with, or use a new workdir")
 
 
 def _upgrade_meta(meta: dict, mode: str) -> None:

@@ -135,3 +135,21 @@ def test_an_environment_without_a_row_list_is_refused():
   with pytest.raises(sections.ConfigError, match="finite row list") as e:
     factories.build_model_config(c)
   assert "\n" not in str(e.value)
+
+
+def test_a_checkpoint_of_another_head_is_refused_in_one_line(tmp_path):
+  """A restore under other head ids (another dataset, or vocab_subset switched)
+  is one line naming the field, before orbax's shape error."""
+  import types  # pylint: disable=g-import-not-at-top
+  from sao_jax import run as run_lib  # pylint: disable=g-import-not-at-top
+  from sao_jax.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
+  ckpt = Checkpointer(str(tmp_path / "checkpoints"), name="run")
+  ckpt.save(1, {"w": np.zeros(3, np.float32)}, {"vocab_ids": list(IDS)}, force=True)
+  ckpt.wait()
+  ckpt.close()
+  same = types.SimpleNamespace(workdir=str(tmp_path), model_cfg=CFG)
+  run_lib._check_vocab_ids(same, 1)  # pylint: disable=protected-access
+  for other in (dataclasses.replace(CFG, vocab_ids=IDS[:-1]), mcfg.tiny(vocab_size=FULL)):
+    with pytest.raises(sections.ConfigError, match="model.vocab_subset") as e:
+      run_lib._check_vocab_ids(types.SimpleNamespace(workdir=str(tmp_path), model_cfg=other), 1)  # pylint: disable=protected-access
+    assert "\n" not in str(e.value)
