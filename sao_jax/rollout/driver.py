@@ -448,9 +448,7 @@ class _EnvPool:
 def _routing_rows(s: _Slot, engine) -> np.ndarray | None:
   """A slot's recorded expert choices, one row per token `[T, M, k]` int16: the
   fed tokens' as the engine chose them, NONE for the tokens never fed (the
-  last sample). None when the engine does not record."""
-  if not getattr(engine, "record_routing", False):
-    return None
+  last sample)."""
   cfg = engine.cfg
   rows = np.full((len(s.tokens), cfg.num_moe_layers, cfg.experts_per_token), routing_lib.NONE,
                  np.int16)
@@ -533,6 +531,10 @@ class RolloutDriver:
       raise ValueError(f"max_tool_output_tokens must be >= 0, got {max_tool_output_tokens}")
     self.rollout = r
     self.engine, self.env, self.tok = engine, env, tokenizer
+    # A recording engine (rl.routing_replay): each slot keeps its fed tokens'
+    # expert choices and the trajectory carries them. An engine without the
+    # attribute (the JetStream bridge, a test's scripted engine) records none.
+    self.record_routing = bool(getattr(engine, "record_routing", False))
     # How prompts, turn ends and observations become tokens (sao_jax/envs/chat.py);
     # None (for direct callers): the toys' raw text format.
     self.format = chat_format if chat_format is not None else chat.RawFormat(tokenizer)
@@ -848,7 +850,7 @@ class RolloutDriver:
     self.stats.prefill_steps += 1
     for i in chosen:
       s = self._slots[i]
-      if self._state.routing is not None:
+      if self.record_routing:
         s.routing.append(self._state.routing[i, :int(valid[i].sum())])
       s.fed += int(valid[i].sum())
       if s.fed < len(s.tokens):
@@ -887,7 +889,7 @@ class RolloutDriver:
       for k in range(int(chunk.counts[i])):
         if self._slots[i] is None:
           raise AssertionError(f"the engine decoded slot {i} past the end of its episode")
-        if chunk.routing is not None:  # the pending token's experts, as it was fed
+        if self.record_routing:  # the pending token's experts, as it was fed
           self._slots[i].routing.append(chunk.routing[i, k:k + 1])
         self._slots[i].fed += 1  # the pending token went into the cache
         self._on_sample(i, int(chunk.tokens[i, k]), float(chunk.logprobs[i, k]), chunk.version)
@@ -1085,7 +1087,7 @@ class RolloutDriver:
     self._slots[i] = None
     self._release(i)
     traj = Trajectory(
-        routing=_routing_rows(s, self.engine),
+        routing=_routing_rows(s, self.engine) if self.record_routing else None,
         tokens=np.asarray(s.tokens, np.int32),
         action_mask=np.asarray(s.action_mask, bool),
         rollout_logprobs=np.asarray(s.logprobs, np.float32),
