@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -122,3 +123,22 @@ def run_together(jobs, log_dir, timeout: float) -> None:
   for p, log in zip(procs, logs):
     with open(log.name, encoding="utf-8") as f:
       assert p.returncode == 0, f"{log.name}:\n{f.read()[-5000:]}"
+
+
+def wait_for(what: str, condition, procs: dict, guard_s: float, *, tail=None,
+             poll_s: float = 0.5) -> None:
+  """Polls `condition` until true, failing the test (pytest.fail) when a process
+  of `procs` ({name: Popen}) exits first or the hang guard of `guard_s` runs
+  out; `tail(name)` (None: the whole output, for the guard) adds the end of
+  a log to the message."""
+  import pytest  # pylint: disable=g-import-not-at-top
+  tail = tail or (lambda name: "")
+  deadline = time.time() + guard_s
+  while time.time() < deadline:
+    if condition():
+      return
+    for name, p in procs.items():
+      if p.poll() is not None:
+        pytest.fail(f"{name} exited ({p.returncode}) waiting for {what}:\n{tail(name)}")
+    time.sleep(poll_s)
+  pytest.fail(f"hang guard: no {what} within {guard_s} s:\n{tail(None)}")

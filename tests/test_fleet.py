@@ -342,15 +342,7 @@ def log_of(tmp_path, name):
 
 def wait_for(what, condition, procs):
   """Polls `condition` until true; fails if a process dies or the guard runs out."""
-  deadline = time.time() + HANG_GUARD_S
-  while time.time() < deadline:
-    if condition():
-      return
-    for name, p in procs.items():
-      if p.poll() is not None:
-        pytest.fail(f"{name} exited ({p.returncode}) while waiting for {what}")
-    time.sleep(0.5)
-  pytest.fail(f"hang guard: no {what} within {HANG_GUARD_S} s")
+  runs.wait_for(what, condition, procs, HANG_GUARD_S)
 
 
 def rl_steps(workdir):

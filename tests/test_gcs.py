@@ -224,16 +224,8 @@ def test_fleet_run_on_gs_survives_a_trainer_kill(emu, tmp_path):
     return (tmp_path / f"{name}.log").read_text(encoding="utf-8")
 
   def wait_for(what, condition):
-    deadline = time.time() + HANG_GUARD_S
-    while time.time() < deadline:
-      if condition():
-        return
-      for name, p in procs.items():
-        if p.poll() is not None:
-          pytest.fail(f"{name} exited ({p.returncode}) waiting for {what}:\n"
-                      f"{log(files_of[name])[-3000:]}")
-      time.sleep(0.5)
-    pytest.fail(f"hang guard: no {what} within {HANG_GUARD_S} s")
+    runs.wait_for(what, condition, procs, HANG_GUARD_S,
+                  tail=lambda name: log(files_of[name])[-3000:] if name else "")
 
   try:
     wait_for("an RL checkpoint on gs://", lambda: any(

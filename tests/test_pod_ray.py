@@ -18,7 +18,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -81,15 +80,8 @@ def test_pod_job_survives_a_dead_rollout_host_and_a_dead_trainer(tmp_path, train
     return int(re.findall(rf"^\[pod\] {host} started \(pid (\d+)\)$", text(), re.M)[-1])
 
   def wait_for(what, condition):
-    deadline = time.time() + HANG_GUARD_S
-    while time.time() < deadline:
-      if condition():
-        return
-      if proc.poll() is not None:
-        pytest.fail(f"launch/pod.py exited ({proc.returncode}) waiting for {what}:\n"
-                    f"{text()[-4000:]}")
-      time.sleep(0.2)
-    pytest.fail(f"hang guard: no {what} within {HANG_GUARD_S} s:\n{text()[-4000:]}")
+    runs.wait_for(what, condition, {"launch/pod.py": proc}, HANG_GUARD_S,
+                  tail=lambda name: text()[-4000:], poll_s=0.2)
 
   try:
     wait_for("an RL step", lambda: rl_steps(workdir))
