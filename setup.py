@@ -60,7 +60,7 @@ EXTRAS = {
     # launch/pod.py: Ray as the job runtime; the kubernetes client checks the
     # emitted JobSet's Job templates.
     "pod": ["ray>=2.40", "kubernetes>=29"],
-    # gs:// workdirs and fleet roots (sao_jax/files.py): fsspec's GCS client,
+    # gs:// workdirs and fleet roots (sao_jax/data/files.py): fsspec's GCS client,
     # and google-cloud-storage for tensorboardX's gs:// event writer; orbax
     # and tensorstore speak gs:// themselves.
     "gcs": ["gcsfs>=2024.6", "google-cloud-storage>=2.10"],
@@ -73,7 +73,7 @@ EXTRAS = {
         "torch==2.13.0",
         "transformers>=4.51",
     ],
-    # Weights & Biases logging (logging.wandb; sao_jax/metrics.py).
+    # Weights & Biases logging (logging.wandb; sao_jax/train/metrics.py).
     "wandb": ["wandb>=0.17"],
     # Plots: benchmarks, the soak, experiments/ and the quickstart notebook
     # (the test suite runs the last two, so `make test` installs it).

@@ -61,8 +61,10 @@ def paths(pkg):
   overrides = dict(config.model.get("overrides", {}))
   cfg = dataclasses.replace(cfg, **overrides) if overrides else cfg
   params = policy.init_params(cfg, jax.random.key(0))
-  if importlib.util.find_spec(pkg + ".sections") is not None:  # takes the rollout section
-    sections = importlib.import_module(pkg + ".sections")
+  where = [m for m in (pkg + ".config.sections", pkg + ".sections")  # layered (issue 41) or flat
+           if importlib.util.find_spec(m.rsplit(".", 1)[0]) and importlib.util.find_spec(m)]
+  if where:  # takes the rollout section
+    sections = importlib.import_module(where[0])
     rollout = sections.Rollout(slots=slots, max_len=r.max_len, kv_cache="dense",
                                temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
     engine = eng.PolicyEngine(cfg, params, rollout, seed=0)

@@ -22,7 +22,7 @@ import rlax
 sys.path.insert(0, os.path.dirname(__file__))
 from timing import time_fns  # pylint: disable=g-import-not-at-top
 
-from sao_jax import advantages
+from sao_jax.algo import advantages
 
 GAMMA, LAM = 1.0, 0.95
 SIZES = [(64, 1024), (64, 4096), (256, 1024), (256, 4096), (256, 8192)]

@@ -5,7 +5,7 @@
 One warm start (a short SFT and value pretraining of the tiny model on
 python_tool, `configs/sao_tiny.py` otherwise) is made once in
 `<workdir>/base`; every arm then runs the RL stage of the real trainer
-(`sao_jax.trainer.train(..., until="done")`, no final evaluation) from a copy
+(`sao_jax.train.trainer.train(..., until="done")`, no final evaluation) from a copy
 of it, in this process, with the same config except `rl.mode` and
 `env.tool_latency_s`, arms interleaved (async, sync, async, sync, ...).
 
@@ -39,7 +39,8 @@ import sys
 import jax
 import numpy as np
 
-from sao_jax import factories, trainer
+from sao_jax.train import factories
+from sao_jax.train import trainer
 from sao_jax.data import prompts as prompt_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

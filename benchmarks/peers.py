@@ -78,9 +78,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from timing import time_fns  # pylint: disable=g-import-not-at-top
 import gae as gae_bench  # pylint: disable=g-import-not-at-top
 
-from sao_jax import advantages as adv  # pylint: disable=g-import-not-at-top
-from sao_jax import sections
-from sao_jax import train_step as ts
+from sao_jax.algo import advantages as adv  # pylint: disable=g-import-not-at-top
+from sao_jax.config import sections
+from sao_jax.train import train_step as ts
 from sao_jax.models import config as mcfg
 from sao_jax.models import policy
 from sao_jax.rollout.engine import PolicyEngine

@@ -25,7 +25,8 @@ import numpy as np
 import optax
 from absl import app, flags
 
-from sao_jax import optim, precision
+from sao_jax.algo import optim
+from sao_jax.models import precision
 from sao_jax.models import config as mcfg
 from sao_jax.models import policy
 

@@ -37,7 +37,7 @@ import time
 import jax
 import numpy as np
 
-from sao_jax import sections
+from sao_jax.config import sections
 from sao_jax.envs.base import StepResult, Task
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import config as mcfg

@@ -51,7 +51,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from sao_jax import precision, steptime
+from sao_jax.models import precision
+from sao_jax.train import steptime
 from sao_jax.models import config as mcfg
 from sao_jax.models import decoding, policy, routing
 from sao_jax.models.transformer import Transformer, init_cache
@@ -193,7 +194,7 @@ def measure(name, cfg, params_for, seeds):
 def models():
   """(label, trainer base config, params_for(seed, trainer config)) to measure."""
   if _WORKDIR.value:
-    from sao_jax import trainer  # pylint: disable=g-import-not-at-top
+    from sao_jax.train import trainer  # pylint: disable=g-import-not-at-top
     from ml_collections import config_flags  # noqa: F401  pylint: disable=g-import-not-at-top
     import importlib.util  # pylint: disable=g-import-not-at-top
     spec = importlib.util.spec_from_file_location("run_config", _CONFIG.value)

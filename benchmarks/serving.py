@@ -143,7 +143,9 @@ class InProcess:
 
   def __init__(self, work: str, slots: int, serve_flags: list[str], tokenizer: str,
                dataset: str):
-    from sao_jax import configuration, factories, trainer  # pylint: disable=g-import-not-at-top
+    from sao_jax.train import configuration  # pylint: disable=g-import-not-at-top
+    from sao_jax.train import factories
+    from sao_jax.train import trainer
     sys.path.insert(0, os.path.join(ROOT, "configs"))
     import sao_tiny  # pylint: disable=g-import-not-at-top
     config = sao_tiny.get_config()

@@ -34,9 +34,12 @@ import jax, numpy as np
 from flax import linen as nn
 sys.path.insert(0, "configs")
 import sao_tiny
-from sao_jax import trainer
 from sao_jax.envs import registry
-from sao_jax import sharding
+try:  # the layered package (issue 41) or a ref tree from before it
+  from sao_jax.train import trainer
+  from sao_jax.models import sharding
+except ImportError:
+  from sao_jax import sharding, trainer
 
 steps = int(sys.argv[1])
 config = sao_tiny.get_config()

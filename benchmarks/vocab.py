@@ -41,7 +41,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import random_trajectory, report, time_fns  # pylint: disable=g-import-not-at-top,wrong-import-position
 sys.path.insert(0, os.path.join(ROOT, "configs"))
 import math_tool_tiny  # pylint: disable=g-import-not-at-top,wrong-import-position
-from sao_jax import factories, sections, sharding  # pylint: disable=wrong-import-position
+from sao_jax.train import factories  # pylint: disable=wrong-import-position
+from sao_jax.config import sections
+from sao_jax.models import sharding
 from sao_jax.data import packing  # pylint: disable=wrong-import-position
 from sao_jax.envs.tokenizer import TOKENIZERS  # pylint: disable=wrong-import-position
 from sao_jax.models import policy  # pylint: disable=wrong-import-position

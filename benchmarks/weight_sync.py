@@ -1,5 +1,5 @@
-"""Weight sync: the direct path (sao_jax/weight_transfer.py) against the
-checkpoint path (sao_jax/fleet.py), side by side in one run, and the plan's
+"""Weight sync: the direct path (sao_jax/data/weight_transfer.py) against the
+checkpoint path (sao_jax/data/fleet.py), side by side in one run, and the plan's
 bytes for a pod.
 
     nice -n 10 python benchmarks/weight_sync.py --gib 1 --repeats 3
@@ -52,7 +52,8 @@ def trainer(root, n_leaves, repeats, sockets):
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from sao_jax import fleet, weight_transfer  # pylint: disable=g-import-not-at-top
+  from sao_jax.data import fleet  # pylint: disable=g-import-not-at-top
+  from sao_jax.data import weight_transfer
   sharding = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("fsdp",)), P("fsdp", None))
   server = weight_transfer.WeightServer(root, "bench", host="127.0.0.1", sockets=sockets,
                                         poll_seconds=0.01)
@@ -86,7 +87,8 @@ def measure(args):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from sao_jax import fleet, weight_transfer  # pylint: disable=g-import-not-at-top
+  from sao_jax.data import fleet  # pylint: disable=g-import-not-at-top
+  from sao_jax.data import weight_transfer
   n_leaves = max(1, round(args.gib * GIB / (LEAF[0] * LEAF[1] * 2)))
   nbytes = n_leaves * LEAF[0] * LEAF[1] * 2
   root = tempfile.mkdtemp(prefix="weight_sync_", dir=args.dir)
@@ -157,7 +159,11 @@ def measure(args):
 def plan(args):
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
-  from sao_jax import factories, sections, sharding, weight_transfer, precision  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import factories  # pylint: disable=g-import-not-at-top
+  from sao_jax.config import sections
+  from sao_jax.models import sharding
+  from sao_jax.data import weight_transfer
+  from sao_jax.models import precision
   from sao_jax.rollout import programs as programs_lib  # pylint: disable=g-import-not-at-top
   import functools  # pylint: disable=g-import-not-at-top
   import importlib.util  # pylint: disable=g-import-not-at-top

@@ -1,13 +1,13 @@
 """Defaults shared by every config; each config file overrides what it changes.
 
-Every section is built from its record in sao_jax/sections.py (model, env,
+Every section is built from its record in sao_jax/config/sections.py (model, env,
 sharding, distributed, data, sft, value_pretrain, rollout, rl, fleet, pod, eval,
 logging, checkpoint, faults), where each field is documented and checked.
 """
 
 import ml_collections
 
-from sao_jax import sections
+from sao_jax.config import sections
 
 # The default logical-axis rules (data parallel), under the name tests use.
 DATA_PARALLEL_RULES = sections.DATA_PARALLEL_RULES
@@ -21,7 +21,7 @@ def get_config():
   c.log_every = 10
   # Write TensorBoard event files beside metrics.jsonl.
   c.tensorboard = True
-  # The typed sections (sao_jax/sections.py) hold each field's default, its
+  # The typed sections (sao_jax/config/sections.py) hold each field's default, its
   # documentation and its check; read them there.
   c.distributed = sections.Distributed.defaults()
 

@@ -78,7 +78,7 @@ seeds and tasks. A seed whose SFT pass@1 is 0 cannot collapse.
     over seeds, the bootstrap CI beside them (`runner.paired_difference`);
     the mean policy lag;
   * per arm, the lag diagnostics the RL step logs (`dis/` metrics of
-    sao_jax/train_step.py's `lag_diagnostics`, and `policy/approx_kl`),
+    sao_jax/train/train_step.py's `lag_diagnostics`, and `policy/approx_kl`),
     as the mean and the largest value over a run's logged steps, averaged
     over seeds: the share of action tokens in each lag bucket, the ratio's
     1% and 99% quantiles and the approx KL per bucket, the share outside
@@ -194,7 +194,7 @@ def _summary(per_run: list[list[float]]) -> dict | None:
 
 
 def _bucket_names() -> list[str]:
-  from sao_jax import train_step  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import train_step  # pylint: disable=g-import-not-at-top
   return [train_step.lag_bucket_name(lo, hi) for lo, hi in train_step.LAG_BUCKETS]
 
 

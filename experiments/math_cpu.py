@@ -29,7 +29,7 @@ import time
 
 from experiments import stats
 from experiments.runner import git_commit
-from sao_jax import files
+from sao_jax.data import files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/math_tool_cpu.py"

@@ -62,8 +62,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from experiments import stats
-from sao_jax import files
-from sao_jax.configuration import parse_literal
+from sao_jax.data import files
+from sao_jax.train.configuration import parse_literal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "experiments", "results")
@@ -132,7 +132,7 @@ def load_config(name: str, overrides: dict):
   """The config of configs/<name>.py with `overrides` (dotted fields) applied."""
   import importlib.util  # pylint: disable=g-import-not-at-top
 
-  from sao_jax import configuration  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import configuration  # pylint: disable=g-import-not-at-top
   sys.path.insert(0, os.path.join(ROOT, "configs"))
   try:
     spec = importlib.util.spec_from_file_location(f"_experiment_cfg_{name}", config_path(name))
@@ -196,7 +196,7 @@ class Launcher:
     os.makedirs(workdir, exist_ok=True)
     start = time.time()
     if self.in_process:
-      from sao_jax import trainer  # pylint: disable=g-import-not-at-top
+      from sao_jax.train import trainer  # pylint: disable=g-import-not-at-top
       until = "value_pretrain" if script == "sft.py" else "done"
       trainer.train(load_config(config, overrides), workdir, until=until)
       return time.time() - start

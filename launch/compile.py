@@ -71,7 +71,7 @@ plan's `standby_bytes_per_rollout_device`) to each engine program, and
 snapshots (`snapshot_bytes_per_trainer_device` each) to the RL step:
 computed the same way, part of the exit status.
 
-The RL step's time is modeled (sao_jax/steptime.py; a "[compile] step
+The RL step's time is modeled (sao_jax/train/steptime.py; a "[compile] step
 time:" line, "step_time" and "version_time" in the JSON): the compiled
 rl program's `cost_analysis()` FLOPs and HBM bytes per chip at the chip's
 published bf16 peak, --mfu of it (default 0.4, an assumption), or its HBM
@@ -118,8 +118,15 @@ from absl import flags
 from jax.experimental import topologies
 from ml_collections import config_flags
 
-from sao_jax import advantages, configuration, factories, files, precision, sections, sharding
-from sao_jax import steptime, weight_transfer
+from sao_jax.algo import advantages
+from sao_jax.train import configuration
+from sao_jax.train import factories
+from sao_jax.data import files
+from sao_jax.models import precision
+from sao_jax.config import sections
+from sao_jax.models import sharding
+from sao_jax.train import steptime
+from sao_jax.data import weight_transfer
 from sao_jax.data import packing
 from sao_jax.rollout import programs as programs_lib
 
@@ -534,7 +541,7 @@ def compile_one(p: Program, min_headroom: float) -> dict:
   hlo = compiled.as_text()
   row["collectives"] = collectives(hlo)
   # Per-chip FLOPs and HBM bytes as XLA's cost model counts them (each
-  # while-loop body once): the RL step's time model (sao_jax/steptime.py).
+  # while-loop body once): the RL step's time model (sao_jax/train/steptime.py).
   row["cost"] = steptime.cost(compiled)
   row["while_loops"] = steptime.while_loops(hlo)
   if _DUMP_HLO.value:
@@ -809,7 +816,7 @@ def main(argv):
         # The direct weight path into one rollout engine (weight_transfer.report).
         "transfer": transfer,
         # The RL step and a version's transfer modeled at the chips' peaks
-        # (sao_jax/steptime.py): a model, not a measurement.
+        # (sao_jax/train/steptime.py): a model, not a measurement.
         "step_time": model[0] if model else None,
         "version_time": model[1] if model else None,
         "min_headroom": _MIN_HEADROOM.value,

@@ -24,7 +24,10 @@ import sys
 from absl import flags, logging
 from ml_collections import config_flags
 
-from sao_jax import configuration, distributed, evaluation, trainer
+from sao_jax.train import configuration
+from sao_jax.train import distributed
+from sao_jax.train import evaluation
+from sao_jax.train import trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory holding checkpoints/.")

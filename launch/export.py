@@ -18,7 +18,9 @@ import sys
 from absl import flags, logging
 from ml_collections import config_flags
 
-from sao_jax import configuration, distributed, trainer
+from sao_jax.train import configuration
+from sao_jax.train import distributed
+from sao_jax.train import trainer
 from sao_jax.models import hf_export
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)

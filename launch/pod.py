@@ -11,8 +11,8 @@
 Every host runs the command a user would type on it (launch/train.py on
 each trainer process with its jax.distributed flags, launch/rollout.py on
 each rollout host with its own --rollout_id), with this command's config
-file and --config.* overrides; sao_jax/pod.py has the plan and the restart
-policy, sao_jax/pod_ray.py the Ray runtime, sao_jax/pod_jobset.py the
+file and --config.* overrides; sao_jax/pod/hosts.py has the plan and the restart
+policy, sao_jax/pod/ray_runtime.py the Ray runtime, sao_jax/pod/jobset.py the
 JobSet. The `pod` config section sets the hosts, their resources and the
 restart budgets.
 """
@@ -24,7 +24,10 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from sao_jax import configuration, files, pod, sections
+from sao_jax.train import configuration
+from sao_jax.data import files
+from sao_jax.pod import hosts as pod
+from sao_jax.config import sections
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string(
@@ -63,7 +66,7 @@ def main(argv):
   overrides = config_overrides(sys.argv)
   config_file = config_flags.get_config_filename(flags.FLAGS["config"])
   if _EMIT.value == "jobset":
-    from sao_jax import pod_jobset  # pylint: disable=g-import-not-at-top
+    from sao_jax.pod import jobset as pod_jobset  # pylint: disable=g-import-not-at-top
     rel = os.path.relpath(os.path.abspath(config_file), pod.ROOT)
     name = _k8s_name(_NAME.value or os.path.basename(os.path.normpath(_WORKDIR.value)))
     manifest = pod_jobset.jobset(name, rel if not rel.startswith("..") else config_file,
@@ -81,7 +84,7 @@ def main(argv):
     import ray  # pylint: disable=g-import-not-at-top
   except ImportError:
     raise sections.ConfigError("--emit=ray needs Ray: pip install -e '.[pod]'") from None
-  from sao_jax import pod_ray  # pylint: disable=g-import-not-at-top
+  from sao_jax.pod import ray_runtime as pod_ray  # pylint: disable=g-import-not-at-top
   workdir = files.absolute(_WORKDIR.value)
   hosts = pod.plan(os.path.abspath(config_file), workdir, overrides, section)
   # A local instance gets a logical CPU a host: the actors only watch their

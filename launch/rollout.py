@@ -5,7 +5,7 @@
 
 Same config and workdir (or --config.fleet.root) as the trainer. Intentionally
 kept short: flags and signals in, one call into
-sao_jax.fleet_worker.run_rollout_worker (what the process does). SIGTERM /
+sao_jax.train.fleet_worker.run_rollout_worker (what the process does). SIGTERM /
 SIGINT: stop, rename the open shard, exit 0. SIGKILL loses only the open
 shard; start it again with the same --rollout_id and it continues its shard
 sequence. `kill -USR1 <pid>`: every thread's stack on stderr.
@@ -19,7 +19,8 @@ import threading
 from absl import flags, logging
 from ml_collections import config_flags
 
-from sao_jax import configuration, fleet_worker
+from sao_jax.train import configuration
+from sao_jax.train import fleet_worker
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "The trainer's run directory.")

@@ -31,7 +31,10 @@ import time
 from absl import flags, logging
 from ml_collections import config_flags
 
-from sao_jax import configuration, factories, fleet, trainer
+from sao_jax.train import configuration
+from sao_jax.train import factories
+from sao_jax.data import fleet
+from sao_jax.train import trainer
 from sao_jax.rollout import loopback
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)

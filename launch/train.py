@@ -1,16 +1,18 @@
 """Trains SAO (or a baseline arm): python launch/train.py --config=configs/sao_tiny.py.
 
-Intentionally kept short: flags in, one call into sao_jax.trainer.
+Intentionally kept short: flags in, one call into sao_jax.train.trainer.
 Override any field: --config.rl.steps=200 --config.rollout.max_staleness=4.
 Multi-host: the same command on every host, with
 --config.distributed.enabled=True and the coordinator / process fields
-(sao_jax/distributed.py; README "Multi-host training").
+(sao_jax/train/distributed.py; README "Multi-host training").
 """
 
 from absl import flags, logging
 from ml_collections import config_flags
 
-from sao_jax import configuration, distributed, trainer
+from sao_jax.train import configuration
+from sao_jax.train import distributed
+from sao_jax.train import trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None,

@@ -1,6 +1,6 @@
 """sao-jax: Single-Rollout Asynchronous Optimization (SAO) for agentic RL, in JAX.
 
-Start with `sao_jax.trainer.train(config, workdir)` (what launch/train.py
+Start with `sao_jax.train.trainer.train(config, workdir)` (what launch/train.py
 calls), or the pure pieces: `advantages`, `losses`, `train_step`, `models`.
 """
 

@@ -8,7 +8,7 @@ import pytest
 import rlax
 from absl.testing import parameterized
 
-from sao_jax import advantages as adv
+from sao_jax.algo import advantages as adv
 
 GAMMA, LAM = 0.97, 0.9
 

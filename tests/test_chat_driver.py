@@ -13,7 +13,7 @@ import types
 import numpy as np
 import pytest
 
-from sao_jax import sections
+from sao_jax.config import sections
 from sao_jax.envs import chat
 from sao_jax.envs.base import StepResult, Task
 from sao_jax.envs.tokenizer import TOKENIZERS

@@ -31,7 +31,7 @@ def worker(workdir, process_id, port):
   from absl import flags  # pylint: disable=g-import-not-at-top
   flags.FLAGS.mark_as_parsed()
   import ml_collections  # pylint: disable=g-import-not-at-top
-  from sao_jax import distributed  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import distributed  # pylint: disable=g-import-not-at-top
   distributed.initialize(ml_collections.ConfigDict(dict(
       enabled=True, coordinator_address=f"localhost:{port}", num_processes=2,
       process_id=process_id)))
@@ -39,7 +39,7 @@ def worker(workdir, process_id, port):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
-  from sao_jax.checkpoint import Checkpointer, abstract_like  # pylint: disable=g-import-not-at-top
+  from sao_jax.data.checkpoint import Checkpointer, abstract_like  # pylint: disable=g-import-not-at-top
   assert jax.process_count() == 2
   mesh = jax.make_mesh((jax.device_count(),), ("d",))
   sharding = NamedSharding(mesh, PartitionSpec("d"))

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sao_jax import sections
+from sao_jax.config import sections
 from sao_jax.models import attention, decoding, policy
 from sao_jax.models import config as mcfg
 from sao_jax.rollout import engine as engine_lib

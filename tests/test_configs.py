@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from sao_jax import factories
+from sao_jax.train import factories
 from sao_jax.models import policy
 
 from runs import load_config_module  # pylint: disable=g-bad-import-order
@@ -80,13 +80,13 @@ def test_bad_paged_cache_fails_fast(page_size, kv_pages, message):
     ("2", 2), ("0.5", 0.5), ("True", True), ("true", True), ("FALSE", False),
     ("(1, 2)", (1, 2)), ("{'a': 1}", {"a": 1}), ("splash", "splash"), ("", "")])
 def test_override_values_parse_as_literals_else_text(text, value):
-  from sao_jax.configuration import parse_literal  # pylint: disable=g-import-not-at-top
+  from sao_jax.train.configuration import parse_literal  # pylint: disable=g-import-not-at-top
   assert parse_literal(text) == value and type(parse_literal(text)) is type(value)
 
 
 def test_write_json_replaces_whole_and_leaves_no_temporary(tmp_path):
   import json  # pylint: disable=g-import-not-at-top
-  from sao_jax import files  # pylint: disable=g-import-not-at-top
+  from sao_jax.data import files  # pylint: disable=g-import-not-at-top
   path = tmp_path / "sub" / "x.json"
   files.write_json(str(path), {"a": 1})
   files.write_json(str(path), {"b": [1, 2]}, indent=2)

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sao_jax import factories, sharding
+from sao_jax.train import factories
+from sao_jax.models import sharding
 from sao_jax.data import packing
 from sao_jax.models import attention
 

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from sao_jax import sections
+from sao_jax.config import sections
 from sao_jax.envs import chat, registry
 from sao_jax.envs.base import Action
 from sao_jax.envs.dataset import (DatasetConfig, DatasetEnv, ToolBudget, ToolMeter,

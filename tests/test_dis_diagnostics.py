@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 from absl.testing import absltest, parameterized
 
-from sao_jax import configuration, losses
-from sao_jax import train_step as ts
+from sao_jax.train import configuration
+from sao_jax.algo import losses
+from sao_jax.train import train_step as ts
 from sao_jax.data import packing
-from sao_jax.metrics import MetricsWriter
+from sao_jax.train.metrics import MetricsWriter
 
 from test_configs import load_config_module  # pylint: disable=g-bad-import-order
 from test_trainer import demo_trajs, make_state  # pylint: disable=g-bad-import-order

@@ -20,7 +20,8 @@ import pytest
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 from fakes import EchoEnv  # pylint: disable=g-bad-import-order
-from sao_jax import sections, sharding
+from sao_jax.config import sections
+from sao_jax.models import sharding
 from sao_jax.data.trajectory import validate
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import config as mcfg

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from sao_jax import configuration
+from sao_jax.train import configuration
 from sao_jax.envs import registry
 from sao_jax.envs.base import Action, StepResult
 

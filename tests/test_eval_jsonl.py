@@ -12,7 +12,8 @@ import os
 import numpy as np
 
 from runs import launch, load_config_module  # pylint: disable=g-bad-import-order
-from sao_jax import configuration, trainer
+from sao_jax.train import configuration
+from sao_jax.train import trainer
 from sao_jax.data.prompts import EVAL_OFFSET
 from sao_jax.envs import humaneval
 

@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 
 from runs import load_config_module  # pylint: disable=g-bad-import-order
-from sao_jax import configuration, evaluation, sections, trainer
+from sao_jax.train import configuration
+from sao_jax.train import evaluation
+from sao_jax.config import sections
+from sao_jax.train import trainer
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 6])

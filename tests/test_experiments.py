@@ -9,7 +9,7 @@ import pytest
 
 from experiments import dis_stability, gae_ablations, headline, lr_by_lag, lr_sweep, online, runner
 from experiments import stability, stats, system, value_ablations
-from sao_jax import configuration
+from sao_jax.train import configuration
 
 FINDINGS = (headline, stability, value_ablations, gae_ablations, online, system, lr_sweep,
             dis_stability, lr_by_lag)

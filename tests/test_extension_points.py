@@ -13,11 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sao_jax import advantages as adv
-from sao_jax import configuration, losses, rl_loop, sources
-from sao_jax import run as run_lib
+from sao_jax.algo import advantages as adv
+from sao_jax.train import configuration
+from sao_jax.algo import losses
+from sao_jax.train import rl_loop
+from sao_jax.train import sources
+from sao_jax.train import run as run_lib
 from sao_jax.data import packing, store
-from sao_jax.train_step import StepConfig
+from sao_jax.train.train_step import StepConfig
 
 from test_configs import load_config_module  # pylint: disable=g-bad-import-order
 from test_trainer import demo_trajs, make_state  # pylint: disable=g-bad-import-order

@@ -4,9 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sao_jax import advantages as adv
-from sao_jax import configuration
-from sao_jax.train_step import StepConfig, compute_advantages
+from sao_jax.algo import advantages as adv
+from sao_jax.train import configuration
+from sao_jax.train.train_step import StepConfig, compute_advantages
 
 # One packed row: [prompt | turn 1 | observation | turn 2 | pad], then a
 # second sequence [prompt | turn]. The token-GAE recursion reads values on
@@ -83,7 +83,7 @@ def test_online_style_schedule_moves_with_training_episodes_only():
 
 
 def test_online_style_quality_credit_rewards_form_but_is_not_a_pass():
-  from sao_jax import evaluation  # pylint: disable=import-outside-toplevel
+  from sao_jax.train import evaluation  # pylint: disable=import-outside-toplevel
   from sao_jax.envs.online_style import OnlineStyle, OnlineStyleConfig  # pylint: disable=import-outside-toplevel
   env = OnlineStyle(OnlineStyleConfig(switch_every=10**9, quality_credit=0.2))
   task = env.task(0)
@@ -144,7 +144,7 @@ def test_budget_and_eval_samples_are_validated():
 
 
 def test_pass_at_1_stderr_is_over_tasks_of_their_success_rates():
-  from sao_jax import evaluation  # pylint: disable=import-outside-toplevel
+  from sao_jax.train import evaluation  # pylint: disable=import-outside-toplevel
 
   class T:  # the fields summarize reads
 
@@ -168,7 +168,7 @@ def test_pass_at_1_says_how_many_samples_gave_no_episode(capsys):
   """A prompt too long for max_len leaves no episode: the result and a warning
   line say how many, never a silently smaller evaluation set."""
   from fakes import EchoEnv, random_params  # pylint: disable=import-outside-toplevel
-  from sao_jax import evaluation  # pylint: disable=import-outside-toplevel
+  from sao_jax.train import evaluation  # pylint: disable=import-outside-toplevel
   from sao_jax.envs.base import Task  # pylint: disable=import-outside-toplevel
   from sao_jax.envs.tokenizer import CharTokenizer  # pylint: disable=import-outside-toplevel
   from sao_jax.models import config as mcfg  # pylint: disable=import-outside-toplevel
@@ -200,7 +200,7 @@ def test_pass_at_1_says_how_many_samples_gave_no_episode(capsys):
 def test_token_budget_counts_value_pretraining_rollouts_and_stops_rl(tmp_path):
   """Sync SAO: after RL step 1 the count is the warm-up's tokens plus that batch's."""
   from experiments import runner  # pylint: disable=import-outside-toplevel
-  from sao_jax import trainer  # pylint: disable=import-outside-toplevel
+  from sao_jax.train import trainer  # pylint: disable=import-outside-toplevel
   from sao_jax.data import store  # pylint: disable=import-outside-toplevel
   overrides = dict(runner.SMOKE_OVERRIDES, **{"rl.steps": 4, "rl.max_generated_tokens": 1})
   config = runner.load_config("sao_sync", overrides)

@@ -1,5 +1,5 @@
 """The rollout fleet: shards and weights over shared storage, and the real
-trainer with two rollout processes, killed and restarted (sao_jax/fleet.py).
+trainer with two rollout processes, killed and restarted (sao_jax/data/fleet.py).
 
 The end-to-end test waits only on observable events (files appearing,
 metrics lines, checkpoints committed), each behind a long hang guard; no
@@ -19,8 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sao_jax import configuration, factories, fleet, fleet_worker
-from sao_jax.checkpoint import committed_checkpoints
+from sao_jax.train import configuration
+from sao_jax.train import factories
+from sao_jax.data import fleet
+from sao_jax.train import fleet_worker
+from sao_jax.data.checkpoint import committed_checkpoints
 from sao_jax.data import store
 from sao_jax.envs.demonstrations import demonstration_trajectory
 from sao_jax.envs.python_tool import PythonTool
@@ -231,7 +234,7 @@ def test_fleet_config_is_checked():
   for field, value, match in (("fleet.keep_versions", 1, "fleet.keep_versions = 1"),
                               ("fleet.poll_seconds", 0.0, "fleet.poll_seconds"),
                               ("rollout.samples_per_prompt", 2, "rl.mode = 'fleet'"),
-                              # The direct weight path's fields (sao_jax/weight_transfer.py).
+                              # The direct weight path's fields (sao_jax/data/weight_transfer.py).
                               ("fleet.weights_path", "nfs", "fleet.weights_path"),
                               ("fleet.pull_timeout_s", 0.1, "fleet.pull_timeout_s"),
                               ("fleet.transfer_host", "trainer-0", "fleet.transfer_host")):

@@ -1,6 +1,6 @@
 """gs:// workdirs against a local GCS emulator (tests/gcs_emulator.py).
 
-The workdir's files (sao_jax/files.py), the trajectory store's publication
+The workdir's files (sao_jax/data/files.py), the trajectory store's publication
 (a shard appears whole or not at all), the fleet's shards, cursor and
 weight versions, orbax checkpoints through tensorstore's gcs driver, and
 the workdir check's one-line errors. The end-to-end fleet run on a gs://
@@ -21,8 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sao_jax import configuration, files, fleet, fleet_worker
-from sao_jax.checkpoint import COMMIT_FILE, Checkpointer, committed_checkpoints
+from sao_jax.train import configuration
+from sao_jax.data import files
+from sao_jax.data import fleet
+from sao_jax.train import fleet_worker
+from sao_jax.data.checkpoint import COMMIT_FILE, Checkpointer, committed_checkpoints
 from sao_jax.data import store
 
 import gcs_emulator  # pylint: disable=g-bad-import-order

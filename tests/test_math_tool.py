@@ -16,7 +16,8 @@ import os
 import numpy as np
 import pytest
 
-from sao_jax import evaluation, trainer
+from sao_jax.train import evaluation
+from sao_jax.train import trainer
 from sao_jax.data import math_problems, store
 from sao_jax.data.ingestion import TrajectoryQueue
 from sao_jax.envs import chat, registry
@@ -237,7 +238,7 @@ def test_end_to_end_with_qwen3_formats(tmp_path, monkeypatch):
 
 
 def test_config_needs_a_chat_format_that_renders_its_tools():
-  from sao_jax import configuration  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import configuration  # pylint: disable=g-import-not-at-top
   c = _config()
   configuration.validate(c, num_devices=8)
   for chat_format, message in (("raw", "'qwen3' or 'plain'"), ("plain", "renders tools")):

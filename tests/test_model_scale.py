@@ -23,7 +23,8 @@ import optax
 import pytest
 from safetensors.numpy import save_file
 
-from sao_jax import optim, sharding
+from sao_jax.algo import optim
+from sao_jax.models import sharding
 from sao_jax.models import attention, decoding, hf_import, policy
 from sao_jax.models import config as mcfg
 from sao_jax.models.transformer import Transformer, lm_head_weight

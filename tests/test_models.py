@@ -10,7 +10,8 @@ import numpy as np
 import optax
 import pytest
 
-from sao_jax import optim, sharding
+from sao_jax.algo import optim
+from sao_jax.models import sharding
 from sao_jax.models import config as mcfg
 from sao_jax.models import decoding, moe, policy
 from sao_jax.models.transformer import Transformer

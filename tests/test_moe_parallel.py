@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sao_jax import sharding
+from sao_jax.models import sharding
 from sao_jax.models import config as mcfg
 from sao_jax.models import moe, policy
 from sao_jax.models.transformer import Transformer

@@ -1,7 +1,7 @@
 """Multi-host training: 2 CPU processes (gloo) against 1 process, same 8 devices.
 
 Two processes with 4 simulated CPU devices each join over a localhost
-coordinator (sao_jax/distributed.py) and run the real trainer's SFT and
+coordinator (sao_jax/train/distributed.py) and run the real trainer's SFT and
 value-pretraining stages on one global mesh; a third process runs the same
 stages with 8 devices of its own. The per-step losses must agree to 1e-5,
 and what the two processes checkpointed together must restore, in both,
@@ -68,11 +68,12 @@ def worker(workdir, num_processes, process_id, port):
   config = _config(num_processes, process_id, port)
   from absl import flags  # pylint: disable=g-import-not-at-top
   flags.FLAGS.mark_as_parsed()  # as absl.app does in launch/train.py
-  from sao_jax import distributed  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import distributed  # pylint: disable=g-import-not-at-top
   distributed.initialize(config.distributed)
   import jax  # pylint: disable=g-import-not-at-top
-  from sao_jax import stages, trainer  # pylint: disable=g-import-not-at-top
-  from sao_jax.checkpoint import Checkpointer, abstract_like  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import stages  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import trainer
+  from sao_jax.data.checkpoint import Checkpointer, abstract_like  # pylint: disable=g-import-not-at-top
   from sao_jax.data import store  # pylint: disable=g-import-not-at-top
   from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top
   from sao_jax.envs import demonstrations  # pylint: disable=g-import-not-at-top
@@ -137,7 +138,8 @@ def test_host_rows_are_rows_of_the_whole_batch():
 
 def test_single_process_batch_is_the_device_put_batch():
   import jax  # pylint: disable=g-import-not-at-top
-  from sao_jax import distributed, sharding  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import distributed  # pylint: disable=g-import-not-at-top
+  from sao_jax.models import sharding
   from sao_jax.data import packing  # pylint: disable=g-import-not-at-top
   mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
   spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("fsdp", "data"), None))
@@ -153,7 +155,8 @@ def test_single_process_batch_is_the_device_put_batch():
 
 def test_config_checks():
   import pytest  # pylint: disable=g-import-not-at-top
-  from sao_jax import configuration, distributed  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import configuration  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import distributed
   c = _config(1, 0, 0)
   c.rl.steps = 5
   configuration.validate(c, num_devices=DEVICES, num_processes=1)

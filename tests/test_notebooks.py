@@ -17,7 +17,7 @@ def test_there_are_notebooks():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
 def test_code_cells_parse_and_use_real_names(path):
   nb = json.load(open(path, encoding="utf-8"))
-  from sao_jax import trainer  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import trainer  # pylint: disable=g-import-not-at-top
   for cell in nb["cells"]:
     if cell["cell_type"] != "code":
       continue

@@ -24,7 +24,8 @@ import numpy as np
 import openai
 import pytest
 
-from sao_jax import factories, fleet
+from sao_jax.train import factories
+from sao_jax.data import fleet
 from sao_jax.data import store
 from sao_jax.data.prompts import EVAL_OFFSET
 from sao_jax.data.trajectory import Trajectory
@@ -431,10 +432,10 @@ def _task(repair, tmp_path):
 
 def _one_rl_step(served, trajs):
   """One SAO train step (critic, GAE, DIS) on `trajs` with the served params."""
-  from sao_jax import optim  # pylint: disable=g-import-not-at-top
+  from sao_jax.algo import optim  # pylint: disable=g-import-not-at-top
   from sao_jax.data import packing  # pylint: disable=g-import-not-at-top
   from sao_jax.models import policy  # pylint: disable=g-import-not-at-top
-  from sao_jax.train_step import TrainState, make_train_step  # pylint: disable=g-import-not-at-top
+  from sao_jax.train.train_step import TrainState, make_train_step  # pylint: disable=g-import-not-at-top
   cfg = served.model_cfg
   p = served.params
   # A fresh value head (zeros) on the policy's trunk, without compiling an init.

@@ -1,4 +1,4 @@
-"""The pod job's plan, restart policy and JobSet (sao_jax/pod.py, pod_jobset.py), without Ray."""
+"""The pod job's plan, restart policy and JobSet (sao_jax/pod/hosts.py, jobset.py), without Ray."""
 
 import importlib.util
 import os
@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-from sao_jax import pod, pod_jobset, sections
+from sao_jax.pod import hosts as pod
+from sao_jax.pod import jobset as pod_jobset
+from sao_jax.config import sections
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "configs"))

@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from sao_jax.checkpoint import committed_checkpoints
+from sao_jax.data.checkpoint import committed_checkpoints
 
 import runs  # pylint: disable=g-bad-import-order
 

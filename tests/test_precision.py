@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from sao_jax import train_step as ts
+from sao_jax.train import train_step as ts
 from sao_jax.models import config as mcfg
 from sao_jax.models import policy
 
@@ -96,14 +96,17 @@ def test_bf16_rl_step_updates_fp32_params():
              for a, b in zip(jax.tree.leaves(new.policy), jax.tree.leaves(params)))
 
 
-# --- every shipped config's steps move its weights (sao_jax/precision.py) ----
+# --- every shipped config's steps move its weights (sao_jax/models/precision.py) ----
 
 import functools
 import glob
 import importlib.util
 import os
 
-from sao_jax import configuration, factories, optim, precision
+from sao_jax.train import configuration
+from sao_jax.train import factories
+from sao_jax.algo import optim
+from sao_jax.models import precision
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "configs")
 SHIPPED = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(CONFIG_DIR, "*.py"))
@@ -249,7 +252,7 @@ def test_the_engine_serves_a_bf16_copy_with_the_trainers_forward():
 
 
 def test_an_engine_holds_and_restores_into_the_compute_dtype():
-  from sao_jax import sections  # pylint: disable=g-import-not-at-top
+  from sao_jax.config import sections  # pylint: disable=g-import-not-at-top
   from sao_jax.rollout.engine import PolicyEngine  # pylint: disable=g-import-not-at-top
   params = policy.init_params(BF16, jax.random.key(2))
   engine = PolicyEngine(BF16, params, sections.Rollout(slots=2, max_len=64))

@@ -2,7 +2,8 @@
 
 import pytest
 
-from sao_jax import metrics, rl_loop
+from sao_jax.train import metrics
+from sao_jax.train import rl_loop
 
 
 @pytest.mark.parametrize("loss_metrics,shown", [

@@ -351,7 +351,7 @@ def test_a_user_row_is_graded_by_its_test_command(tmp_path):
 def test_tiny_config_runs_sft_then_rl(tmp_path):
   """configs/repo_repair_tiny.py, cut to a few steps: SFT on the demonstrations,
   value pretraining, SAO steps and the held-out evaluation all run."""
-  from sao_jax import trainer  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import trainer  # pylint: disable=g-import-not-at-top
   from runs import load_config_module  # pylint: disable=g-import-not-at-top
   c = load_config_module("repo_repair_tiny.py").get_config()
   c.sharding.mesh = {"data": 8}

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sao_jax import sections
+from sao_jax.config import sections
 from sao_jax.data.trajectory import validate
 from sao_jax.envs.demonstrations import demonstration_trajectory
 from fakes import EchoEnv  # pylint: disable=g-bad-import-order

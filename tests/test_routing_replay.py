@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sao_jax import configuration, sections
+from sao_jax.train import configuration
+from sao_jax.config import sections
 from sao_jax.data import packing, store
 from sao_jax.data.trajectory import checked
 from sao_jax.models import config as mcfg

@@ -4,7 +4,9 @@ import dataclasses
 
 import pytest
 
-from sao_jax import advantages, configuration, sections
+from sao_jax.algo import advantages
+from sao_jax.train import configuration
+from sao_jax.config import sections
 
 from runs import load_config_module  # pylint: disable=g-bad-import-order
 
@@ -89,7 +91,7 @@ def test_validate_reports_section_errors_and_cross_section_rules():
 
 def test_the_factories_hand_the_section_whole(tmp_path):
   import jax  # pylint: disable=g-import-not-at-top
-  from sao_jax import factories  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import factories  # pylint: disable=g-import-not-at-top
   from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top
   from sao_jax.models import policy  # pylint: disable=g-import-not-at-top
   c = load_config_module("sao_tiny.py").get_config()
@@ -138,7 +140,8 @@ def test_the_engine_mesh_comes_from_the_rollout_section():
   """`factories.engine_mesh`: rollout.mesh over the host's first devices (or all
   with -1); else the trainer's mesh or data:-1 with sharded_engine; else none."""
   import jax  # pylint: disable=g-import-not-at-top
-  from sao_jax import factories, sharding  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import factories  # pylint: disable=g-import-not-at-top
+  from sao_jax.models import sharding
   devices = jax.devices()
   assert len(devices) == 8  # tests/conftest.py: 8 simulated CPU devices
   r = sections.Rollout()
@@ -163,7 +166,7 @@ def test_the_engine_mesh_comes_from_the_rollout_section():
 
 def test_make_engine_lays_the_engine_on_the_sections_mesh_with_its_buckets():
   import jax  # pylint: disable=g-import-not-at-top
-  from sao_jax import factories  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import factories  # pylint: disable=g-import-not-at-top
   from sao_jax.models import policy  # pylint: disable=g-import-not-at-top
   c = load_config_module("sao_tiny.py").get_config()
   c.rollout.mesh = "data:2"

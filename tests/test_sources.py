@@ -1,4 +1,4 @@
-"""Trajectory sources (sao_jax/sources.py) against a fake driver: grouping,
+"""Trajectory sources (sao_jax/train/sources.py) against a fake driver: grouping,
 sync vs async generation, restarts, counted rejections, state, the registry."""
 
 import dataclasses
@@ -7,7 +7,8 @@ import threading
 import numpy as np
 import pytest
 
-from sao_jax import configuration, sources
+from sao_jax.train import configuration
+from sao_jax.train import sources
 from sao_jax.data import prompts as prompt_data
 from sao_jax.envs import python_tool, tokenizer
 from sao_jax.envs.demonstrations import demonstration_trajectory
@@ -182,7 +183,7 @@ def test_the_registry_is_what_config_validation_accepts():
      {"consumed": {"r0": 2}}),
 ])
 def test_checkpoints_from_before_sources_resume_their_state(mode, old, expected):
-  from sao_jax import run as run_lib  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import run as run_lib  # pylint: disable=g-import-not-at-top
   meta = dict(old, stage="rl")
   run_lib._upgrade_meta(meta, mode)  # pylint: disable=protected-access
   assert meta == {"stage": "rl", "source": expected}

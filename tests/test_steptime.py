@@ -1,10 +1,10 @@
-"""sao_jax/steptime.py: the RL step and a weight version modeled at a chip's peak."""
+"""sao_jax/train/steptime.py: the RL step and a weight version modeled at a chip's peak."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from sao_jax import steptime
+from sao_jax.train import steptime
 
 V5P = "TPU v5"
 

@@ -12,10 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sao_jax import losses, optim
+from sao_jax.algo import losses
+from sao_jax.algo import optim
 from sao_jax.data import packing
 from sao_jax.models import policy
-from sao_jax.train_step import StepConfig, apply_if_finite, compute_advantages
+from sao_jax.train.train_step import StepConfig, apply_if_finite, compute_advantages
 
 from test_trainer import CFG, demo_trajs, make_state  # pylint: disable=g-bad-import-order
 

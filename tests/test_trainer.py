@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sao_jax import optim
-from sao_jax.checkpoint import committed_checkpoints
+from sao_jax.algo import optim
+from sao_jax.data.checkpoint import committed_checkpoints
 from sao_jax.data import packing
 from sao_jax.data.ingestion import TrajectoryQueue
 from sao_jax.envs.demonstrations import demonstration_trajectory
@@ -22,9 +22,9 @@ from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import config as mcfg
 from sao_jax.models import policy
 from sao_jax.rollout.driver import DriverStats
-from sao_jax.train_step import StepConfig, TrainState, make_train_step
-from sao_jax.rl_loop import rl_metrics
-from sao_jax.sources import RolloutCounts
+from sao_jax.train.train_step import StepConfig, TrainState, make_train_step
+from sao_jax.train.rl_loop import rl_metrics
+from sao_jax.train.sources import RolloutCounts
 
 from runs import finish, launch, read_metrics  # pylint: disable=g-bad-import-order
 

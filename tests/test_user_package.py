@@ -29,7 +29,9 @@ import time
 
 import pytest
 
-from sao_jax import configuration, fleet, trainer
+from sao_jax.train import configuration
+from sao_jax.data import fleet
+from sao_jax.train import trainer
 from sao_jax.data import store
 from sao_jax.envs import registry
 from sao_jax.envs.base import Action

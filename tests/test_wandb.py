@@ -10,8 +10,8 @@ import struct
 import numpy as np
 import pytest
 
-from sao_jax import sections
-from sao_jax.metrics import MetricsWriter
+from sao_jax.config import sections
+from sao_jax.train.metrics import MetricsWriter
 
 wandb = pytest.importorskip("wandb", reason="the 'wandb' extra (make test installs it)")
 from wandb.proto import wandb_internal_pb2  # noqa: E402  pylint: disable=g-import-not-at-top

@@ -1,4 +1,4 @@
-"""The direct weight path (sao_jax/weight_transfer.py): the transfer plan,
+"""The direct weight path (sao_jax/data/weight_transfer.py): the transfer plan,
 and two trainer processes of a `jax.distributed` job serving a rollout in
 this process over loopback, bit for bit, with a kill mid-pull and the
 checkpoint fallback. Every wait is on an observable event behind a hang guard.
@@ -17,8 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from sao_jax import factories, fleet, fleet_worker, precision
-from sao_jax import weight_transfer as wt
+from sao_jax.train import factories
+from sao_jax.data import fleet
+from sao_jax.train import fleet_worker
+from sao_jax.models import precision
+from sao_jax.data import weight_transfer as wt
 from sao_jax.models import policy
 
 import runs  # pylint: disable=g-bad-import-order

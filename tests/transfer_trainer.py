@@ -37,7 +37,7 @@ def main(root, process, num_processes, port, nonce):
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   if num_processes > 1:
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes, process)
-  from sao_jax import weight_transfer  # pylint: disable=g-import-not-at-top
+  from sao_jax.data import weight_transfer  # pylint: disable=g-import-not-at-top
   devices = np.array(jax.devices()).reshape(num_processes, -1)  # fsdp across processes
   mesh = Mesh(devices, ("fsdp", "expert"))
   specs = {"embed": P("fsdp", None), "experts": P("expert", None, "fsdp"), "norm": P(),
@@ -70,7 +70,7 @@ def pull(root):
   (to be SIGKILLed with the pull in flight)."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from sao_jax import weight_transfer  # pylint: disable=g-import-not-at-top
+  from sao_jax.data import weight_transfer  # pylint: disable=g-import-not-at-top
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   abstract = {k: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=device)
               for k, (shape, dtype) in SHAPES.items()}

@@ -70,7 +70,7 @@ def pack(trajs: Sequence[Trajectory], rows: int, buckets: Sequence[int],
     baseline_advantages: optional per-trajectory scalar advantage (GRPO,
       running mean), broadcast to the trajectory's action tokens.
     row_ids: optional; build only these rows, in this order (a host's share
-      of a multi-host batch, sao_jax/distributed.py). The layout and L are
+      of a multi-host batch, sao_jax/train/distributed.py). The layout and L are
       still those of the whole batch, so every host agrees on them.
     action_index: also return `action_index` `[R, A]` int32: each row's
       action-token positions in order, then -1. The policy computes its

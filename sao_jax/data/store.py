@@ -25,7 +25,7 @@ tampered with, so reading trusts nothing:
   close, so a killed writer never leaves a half shard under the final name.
   On an object store (a gs:// path) it writes a local temporary file and
   uploads it on close: the object appears whole or not at all
-  (sao_jax/files.py). Readers download such a shard before reading it.
+  (sao_jax/data/files.py). Readers download such a shard before reading it.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import grain
 import numpy as np
 from array_record.python import array_record_module
 
-from sao_jax import files
+from sao_jax.data import files
 from sao_jax.data.trajectory import ARRAY_FIELDS, OPTIONAL_ARRAY_FIELDS, Trajectory, checked
 
 _ARRAYS = ARRAY_FIELDS

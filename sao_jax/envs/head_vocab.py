@@ -27,7 +27,7 @@ import string
 from sao_jax.data.prompts import EVAL_OFFSET
 from sao_jax.envs import registry
 from sao_jax.envs.demonstrations import demonstration_trajectory
-from sao_jax.sections import ConfigError
+from sao_jax.config.sections import ConfigError
 
 
 def env_ids(env, tok, fmt) -> tuple[int, ...]:

@@ -42,7 +42,7 @@ from sao_jax.envs.online_style import OnlineStyle, OnlineStyleConfig
 from sao_jax.envs.python_tool import PythonTool, PythonToolConfig
 from sao_jax.envs.sandbox import SandboxLimits
 from sao_jax.envs.tokenizer import TOKENIZERS, HFTokenizer
-from sao_jax.sections import ConfigError
+from sao_jax.config.sections import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

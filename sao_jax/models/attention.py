@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from sao_jax import sharding
+from sao_jax.models import sharding
 
 Array = jax.Array
 

@@ -240,7 +240,7 @@ def qwen3_30b_a3b() -> ModelConfig:
       moe_dispatch_chunk=8192,
       # Mixed precision: float32 master weights, bfloat16 compute. bf16
       # params would round the RL updates away (a step of lr 1e-6 is far
-      # below half an ulp of a 0.02 weight, 6.1e-5: sao_jax/precision.py);
+      # below half an ulp of a 0.02 weight, 6.1e-5: sao_jax/models/precision.py);
       # the engines hold bf16 copies, cast once per version.
       param_dtype=jnp.float32, dtype=jnp.bfloat16,
       # Pod-scale settings: 48 layers as one scan with full remat (the

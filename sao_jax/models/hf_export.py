@@ -40,7 +40,7 @@ import numpy as np
 from sao_jax.models import hf_layout
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.hf_import import SAFETENSORS_DTYPES
-from sao_jax.optim import param_path
+from sao_jax.algo.optim import param_path
 
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
 _CODES = {np.dtype(v): k for k, v in SAFETENSORS_DTYPES.items()}

@@ -35,7 +35,7 @@ import numpy as np
 
 from sao_jax.models import hf_layout
 from sao_jax.models.config import ModelConfig
-from sao_jax.optim import param_path
+from sao_jax.algo.optim import param_path
 
 
 def config_from_hf(path: str, **overrides) -> ModelConfig:

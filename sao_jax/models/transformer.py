@@ -40,7 +40,7 @@ as "layer_0" ... Each layer is rematerialised as `cfg.remat` says. Training
 attention is `cfg.attention_impl` (sao_jax/models/attention.py).
 
 Every parameter and the main activations carry logical axis names
-(`sao_jax/sharding.py` maps them onto a Mesh with rules from the config):
+(`sao_jax/models/sharding.py` maps them onto a Mesh with rules from the config):
 the residual stream, q / k / v and the attention output, and the MLP / MoE
 hidden activations are constrained so GSPMD does not replicate them.
 """

@@ -98,7 +98,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from sao_jax import sections
+from sao_jax.config import sections
 from sao_jax.data.trajectory import FINISH_REASONS, Trajectory
 from sao_jax.envs import chat
 from sao_jax.envs.base import Action, Environment, GraderError, StepResult, Task
@@ -487,7 +487,7 @@ class RolloutDriver:
   """Runs episodes of `env` with `engine`, emitting finished Trajectories.
 
   `rollout` (default: the engine's) is the config's rollout section
-  (sao_jax/sections.py), of which the driver reads samples_per_prompt,
+  (sao_jax/config/sections.py), of which the driver reads samples_per_prompt,
   max_turn_tokens, decode_steps, swap_policy, env_workers and env_timeout.
 
   Environment faults (module docstring) are bounded by:

@@ -157,7 +157,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from sao_jax import sections
+from sao_jax.config import sections
 from sao_jax.models.config import ModelConfig
 from sao_jax.rollout import layout
 # The layout's names stay importable from here (launch/compile.py, tests).
@@ -243,7 +243,7 @@ class PolicyEngine:
 
   Args:
     cfg, params: the model and its params (copied into the engine's layout).
-    rollout: the config's rollout section (sao_jax/sections.py), of which
+    rollout: the config's rollout section (sao_jax/config/sections.py), of which
       the engine reads: slots (concurrent decode slots,
       `max_concurrent_decodes`); max_len (cache positions per slot,
       `max_prefill_length`); temperature, top_k, top_p (sampling);

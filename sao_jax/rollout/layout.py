@@ -41,7 +41,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from sao_jax import sharding as shd
+from sao_jax.models import sharding as shd
 from sao_jax.models import decoding, paged, policy
 from sao_jax.models.config import ModelConfig
 

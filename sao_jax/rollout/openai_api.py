@@ -67,7 +67,7 @@ from typing import Any
 
 from absl import logging
 
-from sao_jax import fleet
+from sao_jax.data import fleet
 from sao_jax.envs import chat, registry
 from sao_jax.rollout import loopback, serving, sessions
 

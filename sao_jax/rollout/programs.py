@@ -49,7 +49,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sao_jax import precision, sections
+from sao_jax.models import precision
+from sao_jax.config import sections
 from sao_jax.models import decoding, head_vocab, paged, routing
 from sao_jax.models.config import ModelConfig
 from sao_jax.rollout import layout

@@ -5,7 +5,8 @@ import subprocess
 
 import pytest
 
-from sao_jax import configuration, trainer
+from sao_jax.train import configuration
+from sao_jax.train import trainer
 
 from runs import ROOT, load_config_module, run  # pylint: disable=g-bad-import-order
 

@@ -8,14 +8,14 @@ import textwrap
 import jax
 import numpy as np
 
-from sao_jax.checkpoint import Checkpointer, committed_checkpoints
+from sao_jax.data.checkpoint import Checkpointer, committed_checkpoints
 
 # Step 1 is saved and waited for; step 2 (64 MiB, so the async save is
 # still writing) is started, and the process kills itself without waiting.
 _WRITER = textwrap.dedent("""
     import os, signal, sys
     import jax.numpy as jnp, numpy as np
-    from sao_jax.checkpoint import Checkpointer
+    from sao_jax.data.checkpoint import Checkpointer
     ckpt = Checkpointer(sys.argv[1], max_to_keep=3)
     def state(seed, n):
       r = np.random.default_rng(seed)

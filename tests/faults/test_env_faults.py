@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from sao_jax import sections
+from sao_jax.config import sections
 from sao_jax.data.trajectory import validate
 from sao_jax.envs.base import GraderError, StepResult, Task
 from sao_jax.envs.tokenizer import CharTokenizer

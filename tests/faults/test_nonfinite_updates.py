@@ -6,14 +6,14 @@ import numpy as np
 import optax
 import pytest
 
-from sao_jax import optim
+from sao_jax.algo import optim
 from sao_jax.data import packing
 from sao_jax.envs.demonstrations import demonstration_trajectory
 from sao_jax.envs.python_tool import PythonTool
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import config as mcfg
 from sao_jax.models import policy
-from sao_jax.train_step import (StepConfig, TrainState, apply_if_finite, make_sft_step,
+from sao_jax.train.train_step import (StepConfig, TrainState, apply_if_finite, make_sft_step,
                                 make_train_step)
 
 TOK = CharTokenizer()

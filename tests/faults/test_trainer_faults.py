@@ -1,4 +1,4 @@
-"""The real trainer through injected faults (config `faults`, sao_jax/faults.py).
+"""The real trainer through injected faults (config `faults`, sao_jax/train/faults.py).
 
 One workdir, three launches of launch/train.py on 8 simulated devices:
 
@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from sao_jax.checkpoint import committed_checkpoints
+from sao_jax.data.checkpoint import committed_checkpoints
 
 from runs import read_metrics, run as launch  # pylint: disable=g-bad-import-order
 

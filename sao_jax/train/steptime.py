@@ -102,7 +102,7 @@ def step_model(step_cost: dict | None, device_kind: str, mfu: float, *, loops: i
     return {"available": False, "reason": "cost_analysis() not available for this program"}
   if peaks is None:
     return {"available": False, "reason": f"no peak figures for device kind {device_kind!r} "
-                                          "(TPU_PEAKS in sao_jax/steptime.py)"}
+                                          "(TPU_PEAKS in sao_jax/train/steptime.py)"}
   s = roofline_seconds(step_cost["flops"], step_cost["bytes_accessed"], peaks["bf16_flops"],
                        peaks["hbm_bytes_per_s"], mfu)
   out = {"available": True, "device": peaks["name"], "source": peaks["source"], "mfu": mfu,

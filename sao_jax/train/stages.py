@@ -5,7 +5,7 @@
                     returns of trajectories the initial policy generated,
                     read back from the trajectory store
     rl              SAO or a baseline arm over a trajectory source
-                    (sao_jax/rl_loop.py, sao_jax/sources.py)
+                    (sao_jax/train/rl_loop.py, sao_jax/train/sources.py)
     done            final evaluation written to <workdir>/summary.json
 
 Each stage checkpoints as it goes and ends with `run.advance(next stage)`, so
@@ -21,13 +21,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sao_jax import distributed, files
+from sao_jax.train import distributed
+from sao_jax.data import files
 from sao_jax.data import store
 from sao_jax.envs.demonstrations import demonstration_trajectory
-from sao_jax.metrics import progress
+from sao_jax.train.metrics import progress
 from sao_jax.models import hf_import, policy
-from sao_jax.rl_loop import rl
-from sao_jax.run import Run, wait
+from sao_jax.train.rl_loop import rl
+from sao_jax.train.run import Run, wait
 
 
 def sft(run: Run) -> None:

@@ -34,11 +34,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from sao_jax import advantages as adv
-from sao_jax import losses
+from sao_jax.algo import advantages as adv
+from sao_jax.algo import losses
 from sao_jax.models import policy
 from sao_jax.models.config import ModelConfig
-from sao_jax.optim import param_path
+from sao_jax.algo.optim import param_path
 
 Array = jax.Array
 

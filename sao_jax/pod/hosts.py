@@ -9,10 +9,10 @@ TPU pod", the low-level path): the same config file and `--config.*`
 overrides, plus its own distributed or rollout-id flags. Two runtimes
 start them:
 
-  * Ray (`sao_jax/pod_ray.py`): one actor a host, placed by its resources
+  * Ray (`sao_jax/pod/ray_runtime.py`): one actor a host, placed by its resources
     (TPU hosts by slice placement groups), its output streamed to the
     driver with the host named, supervised by `Supervisor` below;
-  * Kubernetes (`sao_jax/pod_jobset.py`): a JobSet with a trainer and a
+  * Kubernetes (`sao_jax/pod/jobset.py`): a JobSet with a trainer and a
     rollout replicated job, the same commands with the host index taken
     from the pod's completion index.
 
@@ -40,7 +40,7 @@ import os
 import sys
 from typing import Sequence
 
-from sao_jax import sections
+from sao_jax.config import sections
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINER, ROLLOUT = "trainer", "rollout"

@@ -15,13 +15,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sao_jax import configuration, optim, sections, sharding
+from sao_jax.train import configuration
+from sao_jax.algo import optim
+from sao_jax.config import sections
+from sao_jax.models import sharding
 from sao_jax.envs import registry
 from sao_jax.models import config as model_config
 from sao_jax.models import policy
 from sao_jax.rollout.driver import RolloutDriver
 from sao_jax.rollout.engine import PolicyEngine, rollout_rules
-from sao_jax.train_step import (StepConfig, TrainState, jit_sharded, make_sft_step,
+from sao_jax.train.train_step import (StepConfig, TrainState, jit_sharded, make_sft_step,
                                  make_train_step)
 
 
@@ -87,7 +90,7 @@ def make_engine(config, model_cfg: model_config.ModelConfig, params, version: in
                 record_routing: bool = False, **rollout_changes) -> PolicyEngine:
   """The rollout engine a config asks for, on `params` at `version`.
 
-  It takes the config's rollout section whole (sao_jax/sections.py: slots,
+  It takes the config's rollout section whole (sao_jax/config/sections.py: slots,
   max_len, sampling, the dense or paged cache, prefill buckets), with
   `rollout_changes` applied (evaluation's own slots and temperature,
   serving's slots), on `engine_mesh(rollout, devices, mesh)`: the

@@ -64,7 +64,7 @@ from typing import Any, Callable, Iterable
 import jax
 import jax.numpy as jnp
 
-from sao_jax import files
+from sao_jax.data import files
 
 TRANSFER = "transfer"
 REQUESTS = "requests"

@@ -1,6 +1,6 @@
 """Trajectory sources: where the RL loop's batches come from.
 
-The RL loop (`sao_jax/rl_loop.py`) asks a source for the next batch, hands
+The RL loop (`sao_jax/train/rl_loop.py`) asks a source for the next batch, hands
 it new weights, reads its counters for the metrics, checkpoints its state and
 closes it; it never knows which source it has. One source per `rl.mode`,
 built by the builder registered in `SOURCES`:
@@ -10,14 +10,14 @@ built by the builder registered in `SOURCES`:
            completion order while generation goes on
     sync   the same driver generates each batch in the trainer's thread and
            stops; the trainer waits for all of it (on-policy)
-    fleet  rollout processes (`sao_jax/fleet_worker.py`) write shards of the
+    fleet  rollout processes (`sao_jax/train/fleet_worker.py`) write shards of the
            trajectory store; weights go back over the network
-           (`sao_jax/weight_transfer.py`) or as versioned checkpoints
-           (`sao_jax/fleet.py`)
+           (`sao_jax/data/weight_transfer.py`) or as versioned checkpoints
+           (`sao_jax/data/fleet.py`)
 
 In-process sources hand out whole groups (rollout.samples_per_prompt > 1,
 GRPO) and restart a driver whose thread died, up to rl.max_rollout_restarts.
-Fault injection (`sao_jax/faults.py`) wraps their environment and their
+Fault injection (`sao_jax/train/faults.py`) wraps their environment and their
 emit, so an injected malformed trajectory meets the same validation as a
 real one and is counted the same way.
 
@@ -37,7 +37,11 @@ from typing import Any, Callable, Protocol
 
 import jax
 
-from sao_jax import configuration, distributed, fleet, precision, weight_transfer
+from sao_jax.train import configuration
+from sao_jax.train import distributed
+from sao_jax.data import fleet
+from sao_jax.models import precision
+from sao_jax.data import weight_transfer
 from sao_jax.data import prompts as prompt_data
 from sao_jax.data.ingestion import TrajectoryQueue
 from sao_jax.data.trajectory import Trajectory
@@ -209,7 +213,7 @@ class DriverSource:
 
 # ----------------------------------------------------------------- fleet
 class FleetSource:
-  """Rollout processes apart from the trainer, over shared storage (sao_jax/fleet.py).
+  """Rollout processes apart from the trainer, over shared storage (sao_jax/data/fleet.py).
 
   Publishes the current weights at once (the rollouts wait for a first
   version), reads their shards through `fleet.ShardFeed` and marks RL done

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sao_jax.optim import param_path
+from sao_jax.algo.optim import param_path
 
 Rules = Sequence[tuple[str, Any]]
 

@@ -32,8 +32,8 @@ import time
 
 import ray
 
-from sao_jax import pod as pod_lib
-from sao_jax import sections
+from sao_jax.pod import hosts as pod_lib
+from sao_jax.config import sections
 
 POLL_SECONDS = 0.5
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from sao_jax import pod as pod_lib
-from sao_jax import sections
+from sao_jax.pod import hosts as pod_lib
+from sao_jax.config import sections
 
 API_VERSION = "jobset.x-k8s.io/v1alpha2"
 DEFAULT_PORT = 8476  # jax.distributed's usual coordinator port

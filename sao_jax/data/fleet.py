@@ -7,7 +7,7 @@ RPC layer: trajectories move as ArrayRecord shards of the trajectory store,
 weights as versioned orbax checkpoints (on the default direct path,
 `fleet.weights_path = "direct"`, the bytes of most versions go over the
 network instead and these checkpoints are its bootstrap and fallback:
-sao_jax/weight_transfer.py), both under one shared directory
+sao_jax/data/weight_transfer.py), both under one shared directory
 (`fleet.root`, default `<workdir>/fleet`):
 
     <root>/weights/<version>/         orbax: the policy params after <version>
@@ -74,7 +74,7 @@ Polling is deliberate: shared filesystems and object stores (GCS) have no
 portable change notification, and the poll interval (`fleet.poll_seconds`)
 is small beside a train step. The root is a POSIX directory every host
 mounts (local disk, NFS / Filestore, a gcsfuse mount) or an object-store URL
-(gs://bucket/run/fleet), through sao_jax/files.py: there a shard is written
+(gs://bucket/run/fleet), through sao_jax/data/files.py: there a shard is written
 locally and uploaded on close (an object appears whole or not at all, so
 its name is its own marker, and no temporary is ever seen under the root),
 a version is complete when orbax has written its commit file, and the
@@ -93,8 +93,8 @@ from typing import Any, Callable
 import grain
 import jax
 
-from sao_jax import files
-from sao_jax.checkpoint import Checkpointer, committed_checkpoints
+from sao_jax.data import files
+from sao_jax.data.checkpoint import Checkpointer, committed_checkpoints
 from sao_jax.data import ingestion, store
 from sao_jax.data.trajectory import Trajectory
 from sao_jax.rollout.driver import ENV_FAULTS

@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from sao_jax import files
+from sao_jax.data import files
 
 # What orbax writes into a step directory when it finalises a save on a
 # store without atomic renames (an object store), and the meta item's file.

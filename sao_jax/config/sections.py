@@ -38,7 +38,7 @@ import ml_collections
 # defined here because they are the allowed values of config fields.
 KV_CACHES = ("dense", "paged")
 SWAP_POLICIES = ("recompute", "keep", "drain")
-# How the fleet's weight versions travel (sao_jax/weight_transfer.py, fleet.py).
+# How the fleet's weight versions travel (sao_jax/data/weight_transfer.py, fleet.py).
 WEIGHT_PATHS = ("direct", "checkpoint")
 
 
@@ -115,7 +115,7 @@ BOOL = Check(lambda v: isinstance(v, bool), "True or False")
 STRING = Check(lambda v: isinstance(v, str), "a string")
 
 
-# The mesh axes the project's rules name (sao_jax/sharding.py, rollout/layout.py).
+# The mesh axes the project's rules name (sao_jax/models/sharding.py, rollout/layout.py).
 MESH_AXES = ("data", "fsdp", "expert", "tensor", "context")
 
 
@@ -249,7 +249,7 @@ def _chat_formats():
 DICT = Check(lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v),
              "a dict with string keys")
 
-# Logical axis -> mesh axis rules (sao_jax/sharding.py): data parallel on a
+# Logical axis -> mesh axis rules (sao_jax/models/sharding.py): data parallel on a
 # single host, the default; the pod configs shard further.
 DATA_PARALLEL_RULES = (
     ("batch", "data"), ("length", None), ("embed", None), ("vocab", None),
@@ -401,7 +401,7 @@ class Env(Section):
 
 @dataclasses.dataclass(frozen=True)
 class Sharding(Section):
-  """The trainer's mesh and the logical-axis rules (sao_jax/sharding.py).
+  """The trainer's mesh and the logical-axis rules (sao_jax/models/sharding.py).
   Checked here: the mesh's sizes and the rules' shape; whether the mesh
   fits the devices present is checked by configuration.validate, which
   knows them, and whether the rules cover every logical axis by
@@ -411,13 +411,13 @@ class Sharding(Section):
                     Check(_is_mesh_dict, "a dict of axis name -> size >= 1 (at most one size "
                           "may be -1)"))
   rules: tuple = knob(DATA_PARALLEL_RULES, "Logical axis -> mesh axes rules "
-                      "(sao_jax/sharding.py); the default is data parallel.",
+                      "(sao_jax/models/sharding.py); the default is data parallel.",
                       Check(_is_rules, "a non-empty tuple of (logical axis, mesh axes) pairs"))
 
 
 @dataclasses.dataclass(frozen=True)
 class Distributed(Section):
-  """Multi-host training (sao_jax/distributed.py): one SPMD trainer over
+  """Multi-host training (sao_jax/train/distributed.py): one SPMD trainer over
   many processes. Per-host values go in flags, e.g.
   --config.distributed.process_id=1."""
   NAME: ClassVar[str] = "distributed"
@@ -564,32 +564,32 @@ class Rollout(Section):
 
 
 def _sources():
-  from sao_jax.sources import SOURCES  # pylint: disable=g-import-not-at-top
+  from sao_jax.train.sources import SOURCES  # pylint: disable=g-import-not-at-top
   return SOURCES
 
 
 def _estimators():
-  from sao_jax.advantages import ESTIMATORS  # pylint: disable=g-import-not-at-top
+  from sao_jax.algo.advantages import ESTIMATORS  # pylint: disable=g-import-not-at-top
   return ESTIMATORS
 
 
 def _policy_losses():
-  from sao_jax.losses import POLICY_LOSSES  # pylint: disable=g-import-not-at-top
+  from sao_jax.algo.losses import POLICY_LOSSES  # pylint: disable=g-import-not-at-top
   return POLICY_LOSSES
 
 
 def _rollout_kl_estimators():
-  from sao_jax.losses import ROLLOUT_KL_ESTIMATORS  # pylint: disable=g-import-not-at-top
+  from sao_jax.algo.losses import ROLLOUT_KL_ESTIMATORS  # pylint: disable=g-import-not-at-top
   return ROLLOUT_KL_ESTIMATORS
 
 
 def _rollout_kl_reductions():
-  from sao_jax.losses import ROLLOUT_KL_REDUCTIONS  # pylint: disable=g-import-not-at-top
+  from sao_jax.algo.losses import ROLLOUT_KL_REDUCTIONS  # pylint: disable=g-import-not-at-top
   return ROLLOUT_KL_REDUCTIONS
 
 
 def _corrective_sides():
-  from sao_jax.losses import CORRECTIVE_SIDES  # pylint: disable=g-import-not-at-top
+  from sao_jax.algo.losses import CORRECTIVE_SIDES  # pylint: disable=g-import-not-at-top
   return CORRECTIVE_SIDES
 
 
@@ -598,15 +598,15 @@ class RL(Section):
   NAME: ClassVar[str] = "rl"
   mode: str = knob("async", "async (SAO) or sync (generate the whole batch, wait, train) in "
                    "one process; fleet: rollout in separate processes (the fleet section). "
-                   "The trajectory sources registered in sao_jax/sources.py.", one_of(_sources))
+                   "The trajectory sources registered in sao_jax/train/sources.py.", one_of(_sources))
   steps: int = knob(150, "RL steps.", integer(0))
   batch_size: int = knob(16, "Trajectories per train step (packed into this many rows).",
                          integer(1))
-  advantage: str = knob("value", "An estimator of sao_jax/advantages.py: value "
+  advantage: str = knob("value", "An estimator of sao_jax/algo/advantages.py: value "
                         "(skip-observation GAE), token_gae, step_gae_mean, step_gae_last, "
                         "group, running_mean.", one_of(_estimators))
   policy_loss: str = knob(
-      "dis", "A loss of sao_jax/losses.py: dis (the paper's) or ppo_clip; DIS's variants "
+      "dis", "A loss of sao_jax/algo/losses.py: dis (the paper's) or ppo_clip; DIS's variants "
       "(issue 27) dis_rollout_kl, dis_corrective, dis_seq_geo, cispo (MiniMax-M1's: upper "
       "clip only), cispo_two_sided. Measured at tiny scale "
       "(experiments/README.md): SAO with DIS collapsed in 3 of 10 runs, SAO with PPO clip in "
@@ -686,8 +686,8 @@ class RL(Section):
 @dataclasses.dataclass(frozen=True)
 class Fleet(Section):
   """rl.mode = "fleet": rollout processes (launch/rollout.py) apart from the
-  trainer, trajectories and weights through shared storage (sao_jax/fleet.py),
-  weights over the network on the direct path (sao_jax/weight_transfer.py)."""
+  trainer, trajectories and weights through shared storage (sao_jax/data/fleet.py),
+  weights over the network on the direct path (sao_jax/data/weight_transfer.py)."""
   NAME: ClassVar[str] = "fleet"
   root: str = knob("", "The shared directory (local, NFS, a gcsfuse mount); \"\": "
                    "<workdir>/fleet.", Check(lambda v: isinstance(v, str),
@@ -709,7 +709,7 @@ class Fleet(Section):
   weights_path: str = knob(
       "direct", "How versions reach the rollouts: \"direct\", each trainer process serves "
       "its shards and each rollout pulls them into its devices over the network "
-      "(sao_jax/weight_transfer.py), checkpoints as bootstrap and fallback; \"checkpoint\", "
+      "(sao_jax/data/weight_transfer.py), checkpoints as bootstrap and fallback; \"checkpoint\", "
       "every version as an orbax checkpoint under <root>/weights. Direct falls back to "
       "checkpoint (counted, logged) where jax.experimental.transfer is unavailable.",
       one_of(WEIGHT_PATHS))
@@ -743,7 +743,7 @@ def _is_resources(v) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Pod(Section):
   """launch/pod.py: one command starts, places and supervises every host
-  (sao_jax/pod.py): the trainer's processes and the rollout hosts, on Ray
+  (sao_jax/pod/hosts.py): the trainer's processes and the rollout hosts, on Ray
   or as a Kubernetes JobSet."""
   NAME: ClassVar[str] = "pod"
   trainer_hosts: int = knob(1, "Trainer processes, one a host of the training slice "
@@ -856,7 +856,7 @@ def parse_eval_sets(sets: tuple) -> list[tuple[str, str]]:
 @dataclasses.dataclass(frozen=True)
 class Logging(Section):
   """Where metrics go besides <workdir>/metrics.jsonl (and TensorBoard, the top-level
-  `tensorboard` switch): Weights & Biases (sao_jax/metrics.py; the `wandb` extra)."""
+  `tensorboard` switch): Weights & Biases (sao_jax/train/metrics.py; the `wandb` extra)."""
   NAME: ClassVar[str] = "logging"
   wandb: bool = knob(False, "Send every metric to Weights & Biases too, under the names and "
                      "steps TensorBoard gets (\"<stage>/<metric>\" against \"<stage>/step\").",
@@ -888,7 +888,7 @@ class Checkpoint(Section):
 
 @dataclasses.dataclass(frozen=True)
 class Faults(Section):
-  """Fault injection for the fault suite and soak runs (sao_jax/faults.py):
+  """Fault injection for the fault suite and soak runs (sao_jax/train/faults.py):
   every n-th event fails on purpose; 0 is off, the default everywhere else."""
   NAME: ClassVar[str] = "faults"
   env_error_every: int = knob(0, "Every n-th environment step raises.",

@@ -1,8 +1,8 @@
 """The RL stage: one loop over a trajectory source, whatever the source is.
 
-Each step takes a batch from the source (sao_jax/sources.py: async, sync or
+Each step takes a batch from the source (sao_jax/train/sources.py: async, sync or
 fleet), computes the estimator's host-side baseline if it has one, packs,
-runs the jitted RL step (sao_jax/train_step.py), publishes weights every
+runs the jitted RL step (sao_jax/train/train_step.py), publishes weights every
 `rl.sync_every` updates, writes the metrics and checkpoints (the source's
 state included). It stops at `rl.steps` or when the budget of generated
 tokens (`rl.max_generated_tokens`, counted over every stage) is spent.
@@ -18,12 +18,14 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from sao_jax import configuration, distributed, sources
+from sao_jax.train import configuration
+from sao_jax.train import distributed
+from sao_jax.train import sources
 from sao_jax.data import packing
-from sao_jax.evaluation import solved
-from sao_jax.metrics import progress
-from sao_jax.run import Run, wait
-from sao_jax.train_step import dis_warnings
+from sao_jax.train.evaluation import solved
+from sao_jax.train.metrics import progress
+from sao_jax.train.run import Run, wait
+from sao_jax.train.train_step import dis_warnings
 
 # What the progress line shows of an RL step's metrics.
 PROGRESS_KEYS = {

@@ -5,7 +5,7 @@ here, so a workdir may be a POSIX path (local disk, NFS / Filestore, a
 gcsfuse mount) or an object-store URL such as `gs://bucket/run`. POSIX is
 the fast path: plain `os` calls, as before. A URL goes through fsspec (for
 gs://, gcsfs: the `gcs` extra); orbax and tensorstore speak gs:// natively
-(sao_jax/checkpoint.py hands them the URL).
+(sao_jax/data/checkpoint.py hands them the URL).
 
 Publication is atomic either way, so a reader (another process, a
 restarted run, a rollout host) sees the old file or the new one, never a

@@ -53,7 +53,7 @@ def half_ulp(dtype, magnitude: float = 1.0) -> float:
 def schedule_floor(peak: float, decays: bool) -> float:
   """The smallest learning rate a stage applies after warmup: the cosine's
   end (optim.END_FRACTION of the peak) for a decaying schedule, else the peak."""
-  from sao_jax import optim  # pylint: disable=g-import-not-at-top
+  from sao_jax.algo import optim  # pylint: disable=g-import-not-at-top
   return peak * optim.END_FRACTION if decays else peak
 
 

@@ -11,7 +11,7 @@ published (over the network, weight_transfer.Follower, or from checkpoints,
 fleet.WeightFollower; generation goes on while a version arrives), and returns when the trainer marks RL
 done or `stop` is set, its open shard renamed. A SIGKILLed process loses
 only its open shard; started again with the same rollout id it continues
-its shard sequence. The transport is sao_jax/fleet.py.
+its shard sequence. The transport is sao_jax/data/fleet.py.
 """
 
 from __future__ import annotations
@@ -22,10 +22,14 @@ from typing import Callable
 
 import jax
 
-from sao_jax import configuration, factories, fleet, precision, weight_transfer
+from sao_jax.train import configuration
+from sao_jax.train import factories
+from sao_jax.data import fleet
+from sao_jax.models import precision
+from sao_jax.data import weight_transfer
 from sao_jax.data import prompts as prompt_data
 from sao_jax.envs import registry
-from sao_jax.faults import FaultInjector
+from sao_jax.train.faults import FaultInjector
 from sao_jax.models import policy
 
 

@@ -78,7 +78,7 @@ from absl import flags
 from jax._src import distributed as _jax_distributed  # the coordination service client
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sao_jax import configuration
+from sao_jax.train import configuration
 from sao_jax.data import packing
 
 # How long processes wait for process 0's in-process engine work (value

@@ -4,7 +4,7 @@
                                  # the initial state; writes nothing
     open_workdir(run, workdir)   # checkpointer and metrics; restores the
                                  # latest checkpoint if there is one
-    stages.STAGES[run.meta["stage"]](run)   # sao_jax/stages.py
+    stages.STAGES[run.meta["stage"]](run)   # sao_jax/train/stages.py
 
 `load(config, workdir)` does the first two. Tools (launch/serve.py,
 launch/eval.py, the benchmarks) use this public API: `run.state.policy`,
@@ -20,16 +20,21 @@ from typing import Any
 import jax
 import ml_collections
 
-from sao_jax import configuration, distributed, factories, files, sections, sharding
-from sao_jax.checkpoint import Checkpointer, abstract_like, committed_checkpoints
+from sao_jax.train import configuration
+from sao_jax.train import distributed
+from sao_jax.train import factories
+from sao_jax.data import files
+from sao_jax.config import sections
+from sao_jax.models import sharding
+from sao_jax.data.checkpoint import Checkpointer, abstract_like, committed_checkpoints
 from sao_jax.envs import registry
-from sao_jax.evaluation import evaluate_sets, set_environments
-from sao_jax.faults import FaultInjector
-from sao_jax.metrics import MetricsWriter
+from sao_jax.train.evaluation import evaluate_sets, set_environments
+from sao_jax.train.faults import FaultInjector
+from sao_jax.train.metrics import MetricsWriter
 from sao_jax.models import config as model_config
 from sao_jax.rollout.driver import RolloutDriver
 from sao_jax.rollout.engine import PolicyEngine
-from sao_jax.train_step import StepConfig, TrainState
+from sao_jax.train.train_step import StepConfig, TrainState
 
 
 @dataclasses.dataclass
@@ -244,7 +249,7 @@ def _check_vocab_ids(run: Run, step: int) -> None:
 
 
 def _upgrade_meta(meta: dict, mode: str) -> None:
-  """A checkpoint written before trajectory sources (sao_jax/sources.py) kept
+  """A checkpoint written before trajectory sources (sao_jax/train/sources.py) kept
   the source's state under keys of its own: the fleet's cursor under "fleet",
   the in-process prompt order under "prompt_state". Moved to "source"."""
   if "source" in meta:

@@ -10,7 +10,7 @@ its own step metric: "<stage>/<metric>" is plotted against "<stage>/step"
 `<workdir>/wandb_run_id`, so a resumed run continues the same W&B run
 (`resume="allow"`; offline runs of one id are merged by `wandb sync`).
 `progress` prints a compact line for long runs.
-In a multi-host run (sao_jax/distributed.py) every process computes the same
+In a multi-host run (sao_jax/train/distributed.py) every process computes the same
 metrics and only process 0 writes or prints them.
 On an object-store workdir (gs://) metrics.jsonl is uploaded whole after
 each record (`files.Appender`), TensorBoard writes its event files there
@@ -28,7 +28,8 @@ import time
 
 import numpy as np
 
-from sao_jax import distributed, files
+from sao_jax.train import distributed
+from sao_jax.data import files
 
 
 def to_python(metrics: dict) -> dict:

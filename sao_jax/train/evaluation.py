@@ -32,7 +32,7 @@ import json
 import ml_collections
 import numpy as np
 
-from sao_jax import files
+from sao_jax.data import files
 from sao_jax.data import prompts as prompt_data
 from sao_jax.envs.base import StepResult
 
@@ -51,7 +51,7 @@ def pass_at_1(config, model_cfg, params, env, tokenizer, *, seed: int,
   at most that many tasks, so no task is counted twice. A `samples` list
   gets one record (`sample_record`) per sampled episode.
   """
-  from sao_jax import factories  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import factories  # pylint: disable=g-import-not-at-top
   e = config.eval
   num_tasks, samples_per_task = e.num_tasks, e.samples_per_task
   limit = getattr(env, "num_eval_tasks", None)
@@ -121,7 +121,7 @@ def set_environments(config, run_env) -> dict:
   when the run's environment is not a dataset one. The run's `env.reward`
   applies to its own held-out tasks only.
   """
-  from sao_jax import sections  # pylint: disable=g-import-not-at-top
+  from sao_jax.config import sections  # pylint: disable=g-import-not-at-top
   from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top
   out = {}
   for name, spec in sections.parse_eval_sets(tuple(config.eval.sets)):

@@ -7,7 +7,7 @@ value and what is allowed, e.g.
     rl.eps_low = 2.0: must be in (0, 1)
 
 Each field's own check, and the rules between fields of one section, live
-with the field in its typed section (sao_jax/sections.py); what is here is
+with the field in its typed section (sao_jax/config/sections.py); what is here is
 the top-level fields, whether the mesh fits the devices present, and the
 rules that join sections.
 
@@ -30,8 +30,10 @@ from typing import Callable
 
 from absl import app
 
-from sao_jax import files, precision, sections
-from sao_jax.advantages import ESTIMATORS
+from sao_jax.data import files
+from sao_jax.models import precision
+from sao_jax.config import sections
+from sao_jax.algo.advantages import ESTIMATORS
 
 
 # The error every check raises; defined beside the section records.
