@@ -33,6 +33,8 @@ from typing import Any, Callable, ClassVar
 
 import ml_collections
 
+from sao_jax.config import import_strings
+
 # The engine's KV caches (sao_jax/rollout/engine.py) and the driver's
 # weight-swap policies (sao_jax/rollout/driver.py): fixed enumerations,
 # defined here because they are the allowed values of config fields.
@@ -372,7 +374,7 @@ class Env(Section):
       registry.check_env_name(self.name)
     except ValueError as e:
       raise ConfigError(str(e)) from None
-    if not registry.is_import_string(self.name):
+    if not import_strings.is_import_string(self.name):
       spec = registry.ENVIRONMENTS[self.name]
       try:
         kwargs = registry.builtin_kwargs(spec, dict(self.kwargs))
@@ -387,7 +389,7 @@ class Env(Section):
              f"{tuple(kwargs.tools)}")
     if self.reward:
       try:
-        fn = registry.resolve(self.reward, "env.reward")
+        fn = import_strings.resolve(self.reward, "env.reward")
       except ValueError as e:
         raise ConfigError(str(e)) from None
       if not callable(fn):

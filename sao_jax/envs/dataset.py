@@ -50,6 +50,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from sao_jax.config import import_strings
 from sao_jax.data.prompts import EVAL_OFFSET
 from sao_jax.envs.base import StepResult, Task
 from sao_jax.envs.sandbox import SandboxLimits, run_python
@@ -366,8 +367,7 @@ def _check_python_modules(modules) -> None:
 
 
 def _tool_functions(config: DatasetConfig) -> dict[str, Callable]:
-  from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top
-  return {name: registry.resolve(target, f"env.kwargs.tool_functions[{name!r}]")
+  return {name: import_strings.resolve(target, f"env.kwargs.tool_functions[{name!r}]")
           for name, target in dict(config.tool_functions).items()}
 
 
@@ -378,8 +378,7 @@ def _make_verifier(config: DatasetConfig) -> Callable:
     return checker.verify
   if config.verifier == "exact":
     return verify.exact_match
-  from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top
-  fn = registry.resolve(config.verifier, "env.kwargs.verifier")
+  fn = import_strings.resolve(config.verifier, "env.kwargs.verifier")
 
   def user_verifier(response: str, ground_truth: str) -> verify.Verdict:
     score = fn(response, ground_truth)

@@ -24,16 +24,12 @@ a user's environment is checked unless it declares `runs_code = False`.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import importlib
-import importlib.util
 import math
 import numbers
 import os
-import sys
-import traceback
 from typing import Any, Callable
 
+from sao_jax.config import import_strings
 from sao_jax.envs import chat, sandbox
 from sao_jax.envs.base import StepResult, Task
 from sao_jax.envs.code_fix import CodeFix, CodeFixConfig
@@ -83,78 +79,10 @@ def _builtin_specs():
 ENVIRONMENTS: dict[str, EnvSpec] = {s.name: s for s in _builtin_specs()}
 
 
-# --- import strings ------------------------------------------------------------
-
-
-def is_import_string(name: str) -> bool:
-  return isinstance(name, str) and ":" in name
-
-
-def resolve(target: str, what: str = "env.name") -> Any:
-  """The object an import string names: `pkg.module:attr` or `path/file.py:attr`.
-
-  Raises ValueError with one line saying what could not be found. A file is
-  loaded under a module name derived from its absolute path, so loading it
-  twice (or in two threads' worth of builds) gives the same module.
-  """
-  module_name, sep, attr = target.rpartition(":")
-  if not sep or not module_name or not attr:
-    raise ValueError(f"{what} = {target!r}: an import string is 'pkg.module:name' or "
-                     "'path/to/file.py:name'")
-  if module_name.endswith(".py"):
-    path = os.path.abspath(module_name)
-    if not os.path.isfile(path):
-      raise ValueError(f"{what} = {target!r}: no file {path}")
-    key = "sao_jax_user_" + hashlib.sha1(path.encode()).hexdigest()[:12]
-    module = sys.modules.get(key)
-    if module is None:
-      spec = importlib.util.spec_from_file_location(key, path)
-      module = importlib.util.module_from_spec(spec)
-      sys.modules[key] = module
-      try:
-        spec.loader.exec_module(module)
-      except Exception as e:  # pylint: disable=broad-except  # the user's code: one line
-        del sys.modules[key]
-        raise ValueError(f"{what} = {target!r}: loading {path} failed: {one_line(e)}") from None
-      except BaseException:
-        del sys.modules[key]
-        raise
-  else:
-    try:
-      module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-      if e.name and module_name.startswith(e.name):  # the module itself is missing
-        raise ValueError(f"{what} = {target!r}: cannot import {module_name!r} ({e})") from None
-      raise ValueError(f"{what} = {target!r}: importing {module_name!r} failed: "
-                       f"{one_line(e)}") from None
-    except Exception as e:  # pylint: disable=broad-except  # the user's code: one line
-      raise ValueError(f"{what} = {target!r}: importing {module_name!r} failed: "
-                       f"{one_line(e)}") from None
-  if not hasattr(module, attr):
-    raise ValueError(f"{what} = {target!r}: module {module_name!r} has no {attr!r}")
-  return getattr(module, attr)
-
-
-def one_line(e: BaseException) -> str:
-  """`Type: message (file:line)` of an error in a user's code, on one line: the
-  line is the SyntaxError's own, else the innermost frame of the traceback."""
-  if isinstance(e, SyntaxError):
-    where = f" ({e.filename}:{e.lineno})" if e.filename else ""
-    message = e.msg
-  else:
-    frames = traceback.extract_tb(e.__traceback__)
-    where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-    message = str(e)
-  message = " ".join(message.split())
-  if len(message) > 300:
-    message = message[:300] + "..."
-  return f"{type(e).__name__}: {message}{where}" if message else f"{type(e).__name__}{where}"
-
-
 def check_env_name(name) -> None:
   """Raises ValueError (one line, the known names listed) for an unusable env.name."""
-  if is_import_string(name):
-    factory = resolve(name)
+  if import_strings.is_import_string(name):
+    factory = import_strings.resolve(name)
     if not callable(factory):
       raise ValueError(f"env.name = {name!r}: {type(factory).__name__} is not callable")
     return
@@ -219,13 +147,13 @@ def make_env(env_config):
     check_env_name(name)
   except ValueError as e:
     raise ConfigError(str(e)) from None
-  if is_import_string(name):
+  if import_strings.is_import_string(name):
     try:
-      env = resolve(name)(**kwargs)
+      env = import_strings.resolve(name)(**kwargs)
       _check_first_task(env)
     except Exception as e:  # pylint: disable=broad-except  # the user's code: one line
       raise ConfigError(f"env.name = {name!r}: building the environment failed: "
-                        f"{one_line(e)}") from None
+                        f"{import_strings.one_line(e)}") from None
     if getattr(env, "runs_code", True):
       sandbox.check_isolation(allow, limits)
   else:
@@ -247,7 +175,7 @@ def make_env(env_config):
                                  float(env_config.get("tool_seconds_per_episode", 0.0)))
   reward = env_config.get("reward", "")
   if reward:
-    env = RewardOverride(env, resolve(reward, "env.reward"))
+    env = RewardOverride(env, import_strings.resolve(reward, "env.reward"))
   return env
 
 

@@ -1,0 +1,134 @@
+"""The package's layers (docs/DESIGN.md section 6): no import circle, no arrow up.
+
+Every `import` in sao_jax counts, deferred ones inside functions too: a
+deferred import still makes the lower module know the upper one. The
+layers, low to high, are the folders of sao_jax/ below; a module may import
+its own layer and the layers under it.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+import sao_jax
+
+LAYERS = ("algo", "models", "config", "data", "envs", "rollout", "train", "pod")
+PACKAGE = pathlib.Path(sao_jax.__file__).parent
+# Toy repositories shipped as data (their own packages, never imported by sao_jax).
+NOT_CODE = ("sao_jax/data/repo_corpus/",)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+  out = {}
+  for path in sorted(PACKAGE.rglob("*.py")):
+    rel = path.relative_to(PACKAGE.parent).as_posix()
+    if rel.startswith(NOT_CODE):
+      continue
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+      parts.pop()
+    out[".".join(parts)] = path
+  return out
+
+
+def _imports(name: str, path: pathlib.Path, modules: dict) -> set[str]:
+  """The sao_jax modules `name` imports, anywhere in its file."""
+  found = set()
+  package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    targets = []
+    if isinstance(node, ast.Import):
+      targets = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+      targets = [f"{base}.{a.name}" for a in node.names] + [base]
+    for t in targets:
+      while t and t not in modules:
+        t = t.rpartition(".")[0]
+      if t and t != name and t != "sao_jax":
+        found.add(t)
+  return found
+
+
+def _graph() -> dict[str, set[str]]:
+  modules = _modules()
+  return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _layer(module: str) -> int | None:
+  parts = module.split(".")
+  return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """Strongly connected components of more than one module (Tarjan)."""
+  index, low, stack, on, out = {}, {}, [], set(), []
+
+  def visit(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on.add(v)
+    for w in sorted(graph[v]):
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      comp = []
+      while True:
+        w = stack.pop()
+        on.discard(w)
+        comp.append(w)
+        if w == v:
+          break
+      if len(comp) > 1:
+        out.append(sorted(comp))
+
+  for v in sorted(graph):
+    if v not in index:
+      visit(v)
+  return out
+
+
+def test_every_module_has_a_layer():
+  loose = [m for m in _modules() if m != "sao_jax" and _layer(m) is None]
+  assert not loose, (f"modules outside the layer folders {LAYERS}: {loose}; put each in the "
+                     "folder of its layer (docs/DESIGN.md section 6)")
+
+
+def test_no_import_arrow_goes_up():
+  up = [f"{m} ({LAYERS[_layer(m)]}) imports {t} ({LAYERS[_layer(t)]})"
+        for m, targets in sorted(_graph().items()) if _layer(m) is not None
+        for t in sorted(targets) if _layer(t) is not None and _layer(t) > _layer(m)]
+  assert not up, "imports from a higher layer:\n  " + "\n  ".join(up)
+
+
+def test_no_import_circle():
+  cycles = _cycles(_graph())
+  assert not cycles, "import circles:\n  " + "\n  ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_walk_sees_deferred_and_relative_imports(tmp_path):
+  """The checker itself: a deferred import and a relative one are arrows."""
+  pkg = tmp_path / "sao_jax"
+  (pkg / "algo").mkdir(parents=True)
+  (pkg / "algo" / "__init__.py").write_text("")
+  (pkg / "algo" / "low.py").write_text("def f():\n  from sao_jax.train import high\n")
+  (pkg / "algo" / "rel.py").write_text("from . import low\n")
+  modules = {"sao_jax.algo": pkg / "algo" / "__init__.py", "sao_jax.algo.low": pkg / "algo" /
+             "low.py", "sao_jax.algo.rel": pkg / "algo" / "rel.py",
+             "sao_jax.train.high": pkg / "high.py"}
+  assert _imports("sao_jax.algo.low", modules["sao_jax.algo.low"], modules) == {
+      "sao_jax.train.high"}
+  assert _imports("sao_jax.algo.rel", modules["sao_jax.algo.rel"], modules) == {
+      "sao_jax.algo.low", "sao_jax.algo"}
+  assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_each_layer_folder_exists(layer):
+  assert (PACKAGE / layer / "__init__.py").is_file()
