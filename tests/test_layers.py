@@ -132,3 +132,18 @@ def test_the_walk_sees_deferred_and_relative_imports(tmp_path):
 @pytest.mark.parametrize("layer", LAYERS)
 def test_each_layer_folder_exists(layer):
   assert (PACKAGE / layer / "__init__.py").is_file()
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_is_longer_than_80_lines():
+  """A function that does not fit a screen does more than one thing (issue 41)."""
+  long = []
+  for name, path in _modules().items():
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        lines = node.end_lineno - node.lineno + 1
+        if lines > MAX_FUNCTION_LINES:
+          long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({lines})")
+  assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n  " + "\n  ".join(sorted(long))

@@ -107,6 +107,19 @@ def pack(trajs: Sequence[Trajectory], rows: int, buckets: Sequence[int],
                      f"{routing[0]}, {routing[1]}]")
   if row_ids is not None:
     layout = [layout[r] for r in row_ids]
+  out = _fill(trajs, layout, width, baseline_advantages, routing)
+  built = len(layout)
+  if action_index:
+    out["action_index"] = np.full((built, actions), -1, np.int32)
+    for r in range(built):
+      where = np.flatnonzero(out["action_mask"][r])
+      out["action_index"][r, :len(where)] = where
+  return out
+
+
+def _fill(trajs, layout, width: int, baseline_advantages, routing) -> dict[str, np.ndarray]:
+  """The `[len(layout), width]` arrays of FIELDS: row r holds `layout[r]`'s
+  trajectories back to back, segment ids from 1, zeros (version -1) after."""
   built = len(layout)
   out = {
       "tokens": np.zeros((built, width), np.int32),
@@ -123,7 +136,7 @@ def pack(trajs: Sequence[Trajectory], rows: int, buckets: Sequence[int],
   for r, members in enumerate(layout):
     start = 0
     for seg, i in enumerate(members, start=1):
-      t, n = trajs[i], lengths[i]
+      t, n = trajs[i], len(trajs[i])
       span = slice(start, start + n)
       out["tokens"][r, span] = t.tokens
       out["positions"][r, span] = np.arange(n)
@@ -138,9 +151,4 @@ def pack(trajs: Sequence[Trajectory], rows: int, buckets: Sequence[int],
         out["baseline_advantages"][r, span] = np.where(
             t.action_mask, baseline_advantages[i], 0.0)
       start += n
-  if action_index:
-    out["action_index"] = np.full((built, actions), -1, np.int32)
-    for r in range(built):
-      where = np.flatnonzero(out["action_mask"][r])
-      out["action_index"][r, :len(where)] = where
   return out

@@ -158,7 +158,7 @@ def export_params(params, cfg: ModelConfig, out: str, *, dtype: str = "bfloat16"
   if shard_bytes < 1:
     raise ExportError(f"shard_bytes = {shard_bytes}: must be >= 1")
   target = np.dtype(DTYPES[dtype])
-  code, itemsize = _CODES[target], target.itemsize
+  itemsize = target.itemsize
   flat = {param_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
   units = _plan(cfg, flat, head)
   shards = _shards(units, itemsize, shard_bytes)
@@ -173,6 +173,24 @@ def export_params(params, cfg: ModelConfig, out: str, *, dtype: str = "bfloat16"
       raise ExportError(f"{out} exists and is not empty; export into a new directory")
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
+  peak = _stream_units(units, flat, target, (shards, names, where), partial if primary else None)
+  total = sum(int(np.prod(s)) * itemsize for shard in shards for _, s in shard)
+  stats = {"dir": out, "files": names, "tensors": len(where), "bytes": total,
+           "peak_host_bytes": peak}
+  if primary:
+    _publish(partial, out, {"metadata": {"total_size": total}, "weight_map": where},
+             hf_layout.hf_config(cfg, dtype, head), extra_files,
+             {"dtype": dtype, "head": head, **(notes or {})})
+  stats["seconds"] = round(time.time() - start, 3)
+  return stats
+
+
+def _stream_units(units, flat, target, layout, partial: str | None) -> int:
+  """Casts and writes each unit's tensors into their safetensors files, one
+  unit on the host at a time; the peak host bytes. `partial` None: this
+  process holds shards but writes nothing (not the primary)."""
+  shards, names, where = layout
+  code, itemsize = _CODES[target], target.itemsize
   handles: dict[str, object] = {}
   peak = 0
   try:
@@ -182,11 +200,11 @@ def export_params(params, cfg: ModelConfig, out: str, *, dtype: str = "bfloat16"
       _check_finite(label, host, "in the params")
       with np.errstate(over="ignore"):  # an overflow is the inf checked next
         cast = host.astype(target)
-      _check_finite(label, cast, f"after the cast to {dtype}")
+      _check_finite(label, cast, f"after the cast to {target.name}")
       peak = max(peak, host.nbytes + cast.nbytes)
       del host
       for name, tensor in u.tensor.to_hf(cast):
-        if not primary:
+        if partial is None:
           continue
         file = where[name]
         if file not in handles:
@@ -200,29 +218,25 @@ def export_params(params, cfg: ModelConfig, out: str, *, dtype: str = "bfloat16"
   except BaseException:
     for h in handles.values():
       h.close()
-    if primary:
+    if partial is not None:
       shutil.rmtree(partial, ignore_errors=True)
     raise
   for h in handles.values():
     h.close()
+  return peak
 
-  total = sum(int(np.prod(s)) * itemsize for shard in shards for _, s in shard)
-  stats = {"dir": out, "files": names, "tensors": len(where), "bytes": total,
-           "peak_host_bytes": peak}
-  if primary:
-    with open(os.path.join(partial, INDEX), "w", encoding="utf-8") as f:
-      json.dump({"metadata": {"total_size": total}, "weight_map": where}, f, indent=2)
-    with open(os.path.join(partial, "config.json"), "w", encoding="utf-8") as f:
-      json.dump(hf_layout.hf_config(cfg, dtype, head), f, indent=2)
-    for name, src in (extra_files or {}).items():
-      shutil.copyfile(src, os.path.join(partial, name))
-    with open(os.path.join(partial, "sao_jax_export.json"), "w", encoding="utf-8") as f:
-      json.dump({"dtype": dtype, "head": head, **(notes or {})}, f, indent=2)
-    if os.path.exists(out):
-      os.rmdir(out)  # empty (checked above)
-    os.replace(partial, out)
-  stats["seconds"] = round(time.time() - start, 3)
-  return stats
+
+def _publish(partial: str, out: str, index: dict, config: dict, extra_files, record: dict):
+  """The directory's index, config, extra files and export record, then
+  `partial` renamed to `out` in one step."""
+  for name, obj in ((INDEX, index), ("config.json", config), ("sao_jax_export.json", record)):
+    with open(os.path.join(partial, name), "w", encoding="utf-8") as f:
+      json.dump(obj, f, indent=2)
+  for name, src in (extra_files or {}).items():
+    shutil.copyfile(src, os.path.join(partial, name))
+  if os.path.exists(out):
+    os.rmdir(out)  # empty (checked by the caller)
+  os.replace(partial, out)
 
 
 # How the critic's exported head is read (written beside the value model).

@@ -387,6 +387,35 @@ def _ep_local(x, top_i, top_p, mask, wg, wu, wo, *, expert_axes, gather_d_axes,
   return out, dropped[None]
 
 
+def _expert_layout(mesh, rules, w_shape: tuple[int, int, int]):
+  """The mesh axes of tokens, experts, d_model and d_ff under `rules`, checked.
+
+  Returns (token_axes, expert_axes, d_axes, f_axes, wi spec, wo spec); raises
+  ValueError (one line) when the rules shard wi and wo inconsistently, name an
+  axis the mesh lacks, or a dimension does not divide over its axes.
+  """
+  e, d, f = w_shape
+  token_spec = nn.logical_to_mesh_axes(("batch", "length"), rules)
+  token_axes = _axes(token_spec[0]) + _axes(token_spec[1])
+  w_in_spec = nn.logical_to_mesh_axes(("expert", "embed", "mlp"), rules)
+  w_out_spec = nn.logical_to_mesh_axes(("expert", "mlp", "embed"), rules)
+  expert_axes, d_axes, f_axes = (_axes(a) for a in w_in_spec)
+  if (_axes(w_out_spec[0]), _axes(w_out_spec[1]), _axes(w_out_spec[2])) != (
+      expert_axes, f_axes, d_axes):
+    raise ValueError(f"Rules shard wi {w_in_spec} and wo {w_out_spec} inconsistently "
+                     "(\"embed\" and \"mlp\" on one mesh axis?).")
+  for a in token_axes + expert_axes + d_axes + f_axes:
+    if a not in mesh.axis_names:
+      raise ValueError(f"Sharding rule names mesh axis {a!r}; mesh has {mesh.axis_names}")
+  if _size(mesh, expert_axes) > 1:
+    for what, dim, axes in (("num_experts", e, expert_axes), ("d_model", d, d_axes),
+                            ("moe_d_ff", f, f_axes)):
+      if dim % _size(mesh, axes):
+        raise ValueError(f"{what}={dim} does not divide over mesh axes {axes} "
+                         f"(size {_size(mesh, axes)}).")
+  return token_axes, expert_axes, d_axes, f_axes, w_in_spec, w_out_spec
+
+
 def expert_parallel_moe(x: Array, top_i: Array, top_p: Array, wi_gate: Array,
                         wi_up: Array, wo: Array, *, token_mask: Array | None = None,
                         capacity_factor: float = 0.0, dispatch_chunk: int = 0,
@@ -415,8 +444,7 @@ def expert_parallel_moe(x: Array, top_i: Array, top_p: Array, wi_gate: Array,
     pairs dropped for capacity over the whole batch (0 when dropless).
     Without a mesh or expert parallelism it runs `ragged_moe` (dropless).
   """
-  n, d = x.shape
-  e, _, f = wi_gate.shape
+  n = x.shape[0]
   if token_mask is None:
     token_mask = jnp.ones((n,), bool)
   token_mask = token_mask.astype(bool)
@@ -426,26 +454,11 @@ def expert_parallel_moe(x: Array, top_i: Array, top_p: Array, wi_gate: Array,
   if mesh is None or not rules:
     return ragged_moe(x, top_i, top_p, wi_gate, wi_up, wo, token_mask), zero
 
-  token_spec = nn.logical_to_mesh_axes(("batch", "length"), rules)
-  token_axes = _axes(token_spec[0]) + _axes(token_spec[1])
-  w_in_spec = nn.logical_to_mesh_axes(("expert", "embed", "mlp"), rules)
-  w_out_spec = nn.logical_to_mesh_axes(("expert", "mlp", "embed"), rules)
-  expert_axes, d_axes, f_axes = (_axes(a) for a in w_in_spec)
-  if (_axes(w_out_spec[0]), _axes(w_out_spec[1]), _axes(w_out_spec[2])) != (
-      expert_axes, f_axes, d_axes):
-    raise ValueError(f"Rules shard wi {w_in_spec} and wo {w_out_spec} inconsistently "
-                     "(\"embed\" and \"mlp\" on one mesh axis?).")
-  for a in token_axes + expert_axes + d_axes + f_axes:
-    if a not in mesh.axis_names:
-      raise ValueError(f"Sharding rule names mesh axis {a!r}; mesh has {mesh.axis_names}")
+  token_axes, expert_axes, d_axes, f_axes, w_in_spec, w_out_spec = _expert_layout(
+      mesh, rules, wi_gate.shape)
   ep = _size(mesh, expert_axes)
   if ep == 1:
     return ragged_moe(x, top_i, top_p, wi_gate, wi_up, wo, token_mask), zero
-  for what, dim, axes in (("num_experts", e, expert_axes), ("d_model", d, d_axes),
-                          ("moe_d_ff", f, f_axes)):
-    if dim % _size(mesh, axes):
-      raise ValueError(f"{what}={dim} does not divide over mesh axes {axes} "
-                       f"(size {_size(mesh, axes)}).")
   # Tokens replicated over some expert axes (the batch is not sharded over
   # them) are split over those too, so that each token is dispatched once.
   # Doing it in in_specs makes the split a local slice and its transposes an
