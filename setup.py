@@ -39,7 +39,7 @@ EXTRAS = {
         # launch/pod.py's Ray runtime and the JobSet's Kubernetes models.
         "ray>=2.40",
         "kubernetes>=29",
-        # gs:// workdirs against a local GCS emulator (tests/test_gcs.py).
+        # gs:// workdirs against a local GCS emulator (tests/data/test_gcs.py).
         "gcsfs>=2024.6",
         "google-cloud-storage>=2.10",
         "gcp-storage-emulator==2026.7.19",  # tests/gcs_emulator_serve.py patches its download handler

@@ -15,3 +15,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), "sao_jax_test_compile_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
+# The suites sit beside the layer they test (tests/algo/, tests/models/, ...)
+# and share helpers by module name (`from test_trainer import demo_trajs`):
+# every test folder is importable, whichever file pytest collects first.
+import sys  # pylint: disable=g-import-not-at-top,g-bad-import-order
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _entry in sorted(os.listdir(_HERE)):
+  _folder = os.path.join(_HERE, _entry)
+  if os.path.isdir(_folder) and not _entry.startswith((".", "_")) and _folder not in sys.path:
+    sys.path.append(_folder)

@@ -1,4 +1,4 @@
-"""A stand-in trainer process for tests/test_weight_transfer.py: one process
+"""A stand-in trainer process for tests/data/test_weight_transfer.py: one process
 of a `jax.distributed` job (2 CPU devices each) whose params are sharded over
 all processes' devices, serving versions through weight_transfer.WeightServer.
 

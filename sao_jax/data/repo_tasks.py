@@ -40,7 +40,7 @@ passes (mutants that hang are dropped). The problem statement quotes the
 first failing test and its error. Functions are split between training and
 held-out rows (every fifth function held out), so a held-out bug is never
 in a function trained on. Output is byte-for-byte the same for the same
-corpus and Python (tests/test_repo_repair.py regenerates and compares):
+corpus and Python (tests/envs/test_repo_repair.py regenerates and compares):
 
     python -m sao_jax.data.repo_tasks --out_dir=sao_jax/data/repo_repair
 """

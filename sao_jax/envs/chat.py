@@ -31,7 +31,7 @@ one deliberate difference from Hugging Face's `apply_chat_template`, which
 renders a string and lets the tokenizer match added tokens inside it, so a
 user message containing "<|im_end|>" would end the turn there. Where no
 content spells a control token, `render` equals the official template
-tokenized that way, token for token (tests/test_chat.py checks it), including
+tokenized that way, token for token (tests/envs/test_chat.py checks it), including
 the control tokens the template itself writes as text: the instructions of
 its tools block contain "<tool_call></tool_call>" and an example call, and
 those come out as ids 151657 / 151658, as the official tokenizer makes them.

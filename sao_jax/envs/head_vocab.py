@@ -16,7 +16,7 @@ same ids:
     still spell any ASCII text.
 
 For the shipped math set under Qwen3's tokenizer and chat template this is
-1,386 of 151,669 ids (`ids_for(config.env)`; tests/test_head_vocab.py).
+1,386 of 151,669 ids (`ids_for(config.env)`; tests/models/test_head_vocab.py).
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ class ModelConfig:
   dtype: Any = jnp.float32
   # --- Scale (docs/DESIGN.md section 8). The defaults are the plain reference
   # path that the tiny / small presets train with; each scale setting has a
-  # CPU test against it (tests/test_model_scale.py).
+  # CPU test against it (tests/models/test_model_scale.py).
   # Run the MoE layers as one `nn.scan` over a stacked "layers" parameter
   # axis (params "layers/attn/q" [num_moe_layers, D, H, hd]): the program is
   # one layer long, so compile time and HLO size do not grow with depth.

@@ -39,7 +39,7 @@ slot's length, and the dense path's attention runs on it unchanged
 key blocks for a prefill chunk). What the view holds past a slot's length
 (stale pages, page 0 for unallocated entries) is masked out like a dense
 cache's stale entries, so a paged step computes what the dense step
-computes (tests/test_paged.py: equal to 1e-5 on random data; the engines
+computes (tests/models/test_paged.py: equal to 1e-5 on random data; the engines
 sample the same tokens). The gather is one copy of the live pages per
 layer per step, the price of the reference path; the engine's decode loop
 pays it once per call instead (`view` before the loop, the dense loop on

@@ -39,7 +39,7 @@ them one after the other). `lanes=L` splits `generate_batch`'s slots into L
 groups of `ceil(slots / L)`; each lane has its own decode state and key and
 runs its prefill and decode loop from its own thread, so the L programs
 execute at once. Each lane samples exactly as a one-lane engine of its
-size would (its log-probs are teacher-forced exact, tests/test_rollout.py);
+size would (its log-probs are teacher-forced exact, tests/rollout/test_rollout.py);
 the tokens differ from `lanes=1` only through the keys. Throughput on 2
 cores: benchmarks/RESULTS.md. Only `generate_batch` uses lanes, and only on
 one device; the driver's `step` / `decode` work on one decode state of all
@@ -58,7 +58,7 @@ shardings and the decode state (cache, lengths) donated; sampled tokens and
 log-probs come back to the host in one `device_get` per step, the version
 is host-side. Sharded and single-device engines sample the same tokens with
 the same log-probs (up to float reassociation across devices:
-tests/test_engine_sharded.py).
+tests/rollout/test_engine_sharded.py).
 
 Weight sync
 -----------
@@ -135,7 +135,7 @@ only when the allocator changed it. The turns of a trajectory share its
 pages: an observation or the next turn is appended after the slot's
 cached prefix, which is never re-prefilled.
 
-Samples and log-probs equal the dense engine's (tests/test_rollout.py,
+Samples and log-probs equal the dense engine's (tests/rollout/test_rollout.py,
 same seed): a step attends over each slot's pages gathered into the dense
 view of the same kv bucket (on CPU; compiling for TPU, a decode step runs
 the Pallas paged-attention kernel on the pool in place), and new entries
@@ -557,7 +557,7 @@ class PolicyEngine:
     (`KeyStream`: `fold_in(base, draws + k)`), exactly the key the k-th of
     as many one-token `step` calls would draw with, so the loop samples the
     same tokens with the same log-probs as `step` fed the same slots one
-    token at a time (tests/test_rollout.py); the stream advances by the
+    token at a time (tests/rollout/test_rollout.py); the stream advances by the
     iterations actually run. The loop draws all `steps` iterations'
     uniforms in one batched call before it starts.
 

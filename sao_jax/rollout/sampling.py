@@ -127,7 +127,7 @@ def uniforms(stream: KeyStream, steps: int, rows: int) -> Array:
   """`[steps, rows, 1]`: the uniforms of the stream's next `steps` draws, one batched call.
 
   Row k equals what `sample` draws with `take`'s k-th key (vmap of the same
-  threefry calls: tests/test_rollout.py checks the loop against one-token
+  threefry calls: tests/rollout/test_rollout.py checks the loop against one-token
   steps).
   """
   keys = jax.vmap(stream.key)(jnp.arange(steps, dtype=stream.draws.dtype))

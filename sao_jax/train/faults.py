@@ -1,7 +1,7 @@
 """Fault injection: the failures a long run meets, on purpose and on schedule.
 
 The fault suite (tests/faults/), the kill-and-resume test
-(tests/test_trainer.py) and the soak run (benchmarks/soak.py) drive the real
+(tests/train/test_trainer.py) and the soak run (benchmarks/soak.py) drive the real
 trainer with the config's `faults` section turned on; everywhere else every
 field is 0 and nothing here is in the path. Each `*_every` rate is "every
 n-th event", counted across threads, so a run's faults are reproducible in

@@ -127,7 +127,7 @@ def forward_flops_per_token(cfg, attended: float, head: bool = True) -> float:
   SwiGLU (dropless: every token's k experts, no padding) or a dense layer's
   SwiGLU; and, with `head`, the vocabulary-wide LM head. Norms, softmax
   and the other elementwise work are left out (a few percent at these
-  shapes: tests/test_steptime.py compares with XLA's count).
+  shapes: tests/train/test_steptime.py compares with XLA's count).
   """
   d, h, kvh, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   attn = 2 * d * (h + 2 * kvh) * hd + 2 * h * hd * d + 4 * h * hd * attended

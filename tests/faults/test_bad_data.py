@@ -172,7 +172,7 @@ CASES = {
     "str_env_seconds": (setf(env_seconds="0.5"), "bad_time"),
     "time_overflows_float": (setf(end_time=10**400), "bad_time"),
     # routing replay's record (its missing_routing needs a consumer that
-    # replays: tests/test_routing_replay.py)
+    # replays: tests/rollout/test_routing_replay.py)
     "routing_not_per_token": (setf(routing=np.zeros((8, 1, 2), np.int16)), "bad_routing"),
     "routing_rank_2": (setf(routing=np.zeros((9, 2), np.int16)), "bad_routing"),
     "routing_float": (setf(routing=np.zeros((9, 1, 2), np.float32)), "bad_routing"),

@@ -24,7 +24,7 @@ from sao_jax.models import config as mcfg
 from sao_jax.models import moe, policy
 from sao_jax.models.transformer import Transformer
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "configs"))
 import sao_moe  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 E, K, D, F, N = 8, 2, 32, 48, 64

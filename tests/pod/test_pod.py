@@ -10,7 +10,7 @@ from sao_jax.pod import hosts as pod
 from sao_jax.pod import jobset as pod_jobset
 from sao_jax.config import sections
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "configs"))
 import sao_moe  # pylint: disable=g-import-not-at-top,wrong-import-position
 import sao_tiny  # pylint: disable=g-import-not-at-top,wrong-import-position

@@ -26,7 +26,7 @@ import numpy as np
 
 import runs as run_lib  # pylint: disable=g-bad-import-order
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEVICES = 8
 HANG_GUARD_S = 600  # a hang guard only: the whole test takes about a minute
 
@@ -177,7 +177,7 @@ def test_config_checks():
 
 
 def _job(name, workdir, num_processes, process_id, port):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
              XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES // num_processes}")
   return (f"{name}_{process_id}", [sys.executable, os.path.abspath(__file__), workdir,
                                    str(num_processes), str(process_id), str(port)], env)

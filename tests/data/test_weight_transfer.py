@@ -105,7 +105,7 @@ def _equal(got, version):
 def test_two_trainer_processes_to_a_rollout_bit_for_bit(tmp_path):
   root = str(tmp_path)
   port, nonce = runs.free_port(), "run1"
-  script = os.path.join(os.path.dirname(__file__), "transfer_trainer.py")
+  script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "transfer_trainer.py")
   procs = [subprocess.Popen([sys.executable, script, root, str(i), "2", str(port), nonce],
                             env=runs.child_env(2, PYTHONPATH=runs.ROOT), cwd=runs.ROOT,
                             stdout=open(tmp_path / f"p{i}.log", "w", encoding="utf-8"),  # pylint: disable=consider-using-with
@@ -185,7 +185,7 @@ def test_a_rollout_killed_mid_pull_leaves_the_trainer_serving(tmp_path):
     server.publish({k: jax.device_put(v, device)
                     for k, v in transfer_trainer.expected(5).items()}, 5)
     doomed = subprocess.Popen(
-        [sys.executable, os.path.join(os.path.dirname(__file__), "transfer_trainer.py"),
+        [sys.executable, os.path.join(os.path.dirname(os.path.dirname(__file__)), "transfer_trainer.py"),
          "pull", root], env=runs.child_env(1, PYTHONPATH=runs.ROOT), cwd=runs.ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:

@@ -108,7 +108,7 @@ from sao_jax.train import factories
 from sao_jax.algo import optim
 from sao_jax.models import precision
 
-CONFIG_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "configs")
+CONFIG_DIR = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "configs")
 SHIPPED = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(CONFIG_DIR, "*.py"))
                  if not p.endswith("common.py"))
 

@@ -2,7 +2,7 @@
 127.0.0.1, the tiny model with Qwen3's tokenizer and chat format.
 
 What is checked against what: prompt ids against Qwen3's official chat
-template (tests/test_chat.py's jinja oracle) and the format's bridge; the
+template (tests/envs/test_chat.py's jinja oracle) and the format's bridge; the
 recorded trajectory against the ids, log-probs and versions the server
 returned; tool calls against a scripted sampler whose ids the test wrote
 (the only way to make a random model call a tool); errors against OpenAI's
@@ -589,7 +589,7 @@ def test_launch_serve_api_openai_serves_and_writes_a_rewarded_session(tmp_path):
   """The entry point itself, on sao_tiny (character vocabulary, the raw format)."""
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]

@@ -160,7 +160,7 @@ def test_two_processes_export_what_neither_holds_whole(tmp_path):
   with socket.socket() as sock:
     sock.bind(("localhost", 0))
     port = sock.getsockname()[1]
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([root, os.path.join(
       root, "tests")]), XLA_FLAGS="--xla_force_host_platform_device_count=2")
   code = "import sys, test_hf_export as t; t.export_worker(sys.argv[1], int(sys.argv[2]), " \

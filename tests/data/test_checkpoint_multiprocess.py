@@ -22,7 +22,7 @@ import sys
 
 import runs  # pylint: disable=g-bad-import-order
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HANG_GUARD_S = 180  # a hang guard only: the test takes seconds (a collision hangs it)
 STEPS = (1, 2, 3)
 
@@ -63,7 +63,7 @@ def worker(workdir, process_id, port):
 
 def test_two_checkpointers_save_the_same_steps_at_once(tmp_path):
   port = runs.free_port()
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
              XLA_FLAGS="--xla_force_host_platform_device_count=2")
   runs.run_together([(f"worker_{pid}", [sys.executable, os.path.abspath(__file__),
                                         str(tmp_path), str(pid), str(port)], env)

@@ -1,4 +1,4 @@
-"""Engine, driver and environments (the sandbox: tests/test_sandbox.py)."""
+"""Engine, driver and environments (the sandbox: tests/envs/test_sandbox.py)."""
 
 import dataclasses
 
@@ -399,7 +399,7 @@ import ml_collections  # pylint: disable=g-import-not-at-top,wrong-import-positi
 
 # The toys, in the character vocabulary and the raw format. The dataset
 # environment needs a file of rows; environments that prompt with messages or
-# declare tools need a chat format (tests/test_dataset_env.py and their own).
+# declare tools need a chat format (tests/envs/test_dataset_env.py and their own).
 @pytest.mark.parametrize("name", [n for n in registry.ENVIRONMENTS if n != "dataset"])
 def test_environment_demonstrations_and_model_rollouts_are_valid(name, params):
   env = registry.make_env(ml_collections.ConfigDict({"name": name, "kwargs": {}}))

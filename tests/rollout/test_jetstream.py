@@ -227,7 +227,7 @@ def test_serve_logs_the_exposure_warning(monkeypatch):
 def test_launch_serve_answers_on_localhost(tmp_path):
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   port = portpicker.pick_unused_port()
   proc = subprocess.Popen(
       [sys.executable, os.path.join(root, "launch", "serve.py"),

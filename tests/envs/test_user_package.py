@@ -11,9 +11,9 @@ to logs in tmp_path, with the calling process's pid: which process built the
 environment with which kwargs, and which process paid the rewards.
 
 Unknown names fail validation with one line listing the known ones:
-env.name in tests/test_env_registry.py
+env.name in tests/envs/test_env_registry.py
 (`test_unknown_env_names_fail_validation_in_one_line`), rl.advantage and
-rl.policy_loss in tests/test_extension_points.py
+rl.policy_loss in tests/train/test_extension_points.py
 (`test_unknown_names_fail_validation_with_the_known_ones`).
 """
 

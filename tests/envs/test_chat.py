@@ -1,6 +1,6 @@
 """Chat formats against independent oracles.
 
-qwen3: Qwen3's official chat template (tests/data/qwen3_chat_template.jinja,
+qwen3: Qwen3's official chat template (tests/fixtures/qwen3_chat_template.jinja,
 Qwen's published template, Apache-2.0; see qwen3_chat_template.NOTICE.md),
 rendered with jinja2 the way transformers' `apply_chat_template` renders it,
 then tokenized the way a Hugging Face tokenizer tokenizes that string (split
@@ -33,7 +33,7 @@ CALL, CALL_END, RESPONSE, RESPONSE_END = 151657, 151658, 151665, 151666
 THINK, THINK_END = 151667, 151668
 NEWLINE, BLANK_LINE = 198, 271  # "\n", "\n\n"
 
-TEMPLATE_PATH = os.path.join(os.path.dirname(__file__), "data", "qwen3_chat_template.jinja")
+TEMPLATE_PATH = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "qwen3_chat_template.jinja")
 
 
 @pytest.fixture(scope="module")

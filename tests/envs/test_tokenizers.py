@@ -4,7 +4,7 @@
 hub is reachable here. Three kinds of oracle stand in for it:
 
 - ids the official tokenizers produced, copied from public repositories into
-  tests/data/qwen3_tokenizer_cases.json (each group names its source):
+  tests/fixtures/qwen3_tokenizer_cases.json (each group names its source):
   llama.cpp's qwen2 vocabulary test, transformers' Qwen2 tokenizer tests,
   and PrimeIntellect renderers' golden Qwen3-8B renders (sha256 digests).
   Qwen1.5 / 2 / 2.5 / 3 share the vocabulary and the pre-tokenizer, so
@@ -35,7 +35,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from sao_jax.envs import tokenizer as tk  # pylint: disable=g-import-not-at-top
 
-CASES_PATH = os.path.join(os.path.dirname(__file__), "data", "qwen3_tokenizer_cases.json")
+CASES_PATH = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "qwen3_tokenizer_cases.json")
 FIRST = tk.QWEN3_FIRST_SPECIAL
 # Qwen3's added tokens by id (its tokenizer_config.json's added_tokens_decoder),
 # written out here rather than read from the module under test.
