@@ -18,6 +18,34 @@ PACKAGE = pathlib.Path(sao_jax.__file__).parent
 # Toy repositories shipped as data (their own packages, never imported by sao_jax).
 NOT_CODE = ("sao_jax/data/repo_corpus/",)
 
+# What the move into layers has not removed yet, listed exactly (issue 41's
+# closing note): a new violation fails, and so does a listed one that is
+# gone, so these lists only shrink. Empty them, do not extend them.
+KNOWN_UPWARD = {
+    # Env.check_together's registry checks and rl.mode's one_of(SOURCES):
+    # to move into the layers that own those registries (envs/registry,
+    # train/configuration) as build-time checks.
+    ("sao_jax.config.sections", "sao_jax.envs"),
+    ("sao_jax.config.sections", "sao_jax.envs.chat"),
+    ("sao_jax.config.sections", "sao_jax.envs.registry"),
+    ("sao_jax.config.sections", "sao_jax.envs.sandbox"),
+    ("sao_jax.config.sections", "sao_jax.envs.tokenizer"),
+    ("sao_jax.config.sections", "sao_jax.train.sources"),
+}
+KNOWN_CIRCLES = [
+    ["sao_jax.models.paged", "sao_jax.models.transformer"],
+    # closed only by sections' upward imports above
+    ["sao_jax.config.sections", "sao_jax.envs.registry", "sao_jax.rollout.driver",
+     "sao_jax.rollout.engine", "sao_jax.rollout.programs", "sao_jax.train.configuration",
+     "sao_jax.train.distributed", "sao_jax.train.sources"],
+]
+KNOWN_LONG = {
+    "sao_jax/envs/sandbox.py _run",
+    "sao_jax/models/transformer.py __call__",
+    "sao_jax/train/configuration.py validate",
+    "sao_jax/train/fleet_worker.py run_rollout_worker",
+}
+
 
 def _modules() -> dict[str, pathlib.Path]:
   out = {}
@@ -101,15 +129,20 @@ def test_every_module_has_a_layer():
 
 
 def test_no_import_arrow_goes_up():
-  up = [f"{m} ({LAYERS[_layer(m)]}) imports {t} ({LAYERS[_layer(t)]})"
-        for m, targets in sorted(_graph().items()) if _layer(m) is not None
-        for t in sorted(targets) if _layer(t) is not None and _layer(t) > _layer(m)]
-  assert not up, "imports from a higher layer:\n  " + "\n  ".join(up)
+  up = {(m, t) for m, targets in _graph().items() if _layer(m) is not None
+        for t in targets if _layer(t) is not None and _layer(t) > _layer(m)}
+  new = [f"{m} ({LAYERS[_layer(m)]}) imports {t} ({LAYERS[_layer(t)]})"
+         for m, t in sorted(up - KNOWN_UPWARD)]
+  assert not new, "imports from a higher layer:\n  " + "\n  ".join(new)
+  assert not KNOWN_UPWARD - up, f"gone, drop from KNOWN_UPWARD: {sorted(KNOWN_UPWARD - up)}"
 
 
 def test_no_import_circle():
   cycles = _cycles(_graph())
-  assert not cycles, "import circles:\n  " + "\n  ".join(" <-> ".join(c) for c in cycles)
+  new = [c for c in cycles if c not in KNOWN_CIRCLES]
+  assert not new, "import circles:\n  " + "\n  ".join(" <-> ".join(c) for c in new)
+  gone = [c for c in KNOWN_CIRCLES if c not in cycles]
+  assert not gone, f"gone or changed, update KNOWN_CIRCLES: {gone}"
 
 
 def test_the_walk_sees_deferred_and_relative_imports(tmp_path):
@@ -139,11 +172,15 @@ MAX_FUNCTION_LINES = 80
 
 def test_no_function_is_longer_than_80_lines():
   """A function that does not fit a screen does more than one thing (issue 41)."""
-  long = []
+  long, names = [], set()
   for name, path in _modules().items():
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
       if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         lines = node.end_lineno - node.lineno + 1
+        where = f"{path.relative_to(PACKAGE.parent).as_posix()} {node.name}"
         if lines > MAX_FUNCTION_LINES:
-          long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({lines})")
+          names.add(where)
+          if where not in KNOWN_LONG:
+            long.append(f"{where} (line {node.lineno}, {lines} lines)")
   assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n  " + "\n  ".join(sorted(long))
+  assert not KNOWN_LONG - names, f"now short, drop from KNOWN_LONG: {sorted(KNOWN_LONG - names)}"

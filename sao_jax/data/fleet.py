@@ -96,8 +96,7 @@ import jax
 from sao_jax.data import files
 from sao_jax.data.checkpoint import Checkpointer, committed_checkpoints
 from sao_jax.data import ingestion, store
-from sao_jax.data.trajectory import Trajectory
-from sao_jax.rollout.driver import ENV_FAULTS
+from sao_jax.data.trajectory import ENV_FAULTS, Trajectory
 
 WEIGHTS = "weights"
 TRAJECTORIES = "trajectories"

@@ -39,6 +39,8 @@ import numpy as np
 # "env_*": the rollout driver ends an episode whose environment raised, timed
 # out or returned something unusable with these, rather than crashing.
 FINISH_REASONS = ("done", "max_turns", "length", "env_error", "env_timeout", "env_garbage")
+# Finish reasons of episodes that the environment broke (sao_jax/rollout/driver.py).
+ENV_FAULTS = FINISH_REASONS[3:]
 
 ARRAY_FIELDS = ("tokens", "action_mask", "rollout_logprobs", "policy_version", "rewards",
                 "turn_starts")

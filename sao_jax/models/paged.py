@@ -68,7 +68,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from sao_jax.models import attention as attn_lib
-from sao_jax.models import transformer
+from sao_jax.models import kv_layout
 from sao_jax.models.config import ModelConfig
 
 Array = jax.Array
@@ -80,8 +80,8 @@ def init_pages(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None):
   The tree is `init_cache`'s (a list per layer, or "layer_i" plus stacked
   "layers" with `cfg.scan_layers`); every leaf is `[..., KVH, P, page, hd]`.
   """
-  return transformer.kv_tree(cfg, (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim),
-                             dtype)
+  return kv_layout.kv_tree(cfg, (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim),
+                           dtype)
 
 
 def pool_spec(ndim: int, batch_axes, kv_axes) -> PartitionSpec:

@@ -47,20 +47,21 @@ hidden activations are constrained so GSPMD does not replicate them.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sao_jax.models import head_vocab, moe
+from sao_jax.models import head_vocab, kv_layout, moe
 from sao_jax.models import attention as attn_lib
 from sao_jax.models import paged
 from sao_jax.models.config import ModelConfig
 
 Array = jax.Array
 # A pytree of {"k", "v"} arrays whose shapes end in [B, S, KVH, hd]: see init_cache.
-Cache = Any
+Cache = kv_layout.Cache
 
 _init = nn.initializers.normal(stddev=0.02)
 
@@ -202,11 +203,11 @@ class MoE(nn.Module):
     cfg = self.cfg
     d, f, e, top_k = cfg.d_model, cfg.moe_d_ff, cfg.num_experts, cfg.experts_per_token
     router = _param(self, "router", (d, e), ("embed", None), cfg.param_dtype)
-    wg = _param(self, "wi_gate", (e, d, f), ("expert", "embed", "mlp"), cfg.param_dtype)
-    wu = _param(self, "wi_up", (e, d, f), ("expert", "embed", "mlp"), cfg.param_dtype)
-    wd = _param(self, "wo", (e, f, d), ("expert", "mlp", "embed"), cfg.param_dtype)
     dt = cfg.dtype
-    shape = x.shape
+    wg, wu, wd = (_param(self, name, shape, axes, cfg.param_dtype).astype(dt)
+                  for name, shape, axes in (("wi_gate", (e, d, f), ("expert", "embed", "mlp")),
+                                            ("wi_up", (e, d, f), ("expert", "embed", "mlp")),
+                                            ("wo", (e, f, d), ("expert", "mlp", "embed"))))
     xf = x.reshape(-1, d)  # [N, D]
     router_logits = (xf @ router.astype(dt)).astype(jnp.float32)  # [N, E]
     probs = jax.nn.softmax(router_logits, -1)
@@ -222,57 +223,66 @@ class MoE(nn.Module):
     if cfg.norm_topk_prob:
       top_p = top_p / top_p.sum(-1, keepdims=True)
     top_p = top_p.astype(dt)
-
-    def dense(xf, top_i, top_p):
-      gates = jnp.zeros((xf.shape[0], e), dt).at[
-          jnp.arange(xf.shape[0])[:, None], top_i].set(top_p)  # [N, E]
-      # Batched over experts, every weight in its stored [E, ...] layout (no
-      # per-call transpose of the expert weights), the gates applied before
-      # the down projection.
-      xe = jnp.broadcast_to(xf, (e,) + xf.shape)  # [E, N, D]
-      hidden = jax.nn.silu(jnp.einsum("end,edf->enf", xe, wg.astype(dt))) * jnp.einsum(
-          "end,edf->enf", xe, wu.astype(dt))
-      hidden = hidden * gates.T[:, :, None]
-      hidden = _constrain(hidden, ("expert", "batch", "mlp"))  # [E, N, F], N = B * L
-      return jnp.einsum("enf,efd->end", hidden, wd.astype(dt)).sum(0)
+    dense = functools.partial(_dense_experts, wg=wg, wu=wu, wd=wd)
 
     # Blocked rows: N*k plus up to a block per expert; dense rows: N*E;
     # calls too small to block: E * small_capacity rows when no expert's
     # load exceeds it, else dense (capacity_or_dense: nothing is dropped).
     if cfg.moe_impl == "blocked" and xf.shape[0] * (e - top_k) > e * cfg.moe_block:
-      out = moe.blocked_moe(xf, top_i, top_p, wg.astype(dt), wu.astype(dt), wd.astype(dt),
-                            block=cfg.moe_block)
+      out = moe.blocked_moe(xf, top_i, top_p, wg, wu, wd, block=cfg.moe_block)
     elif cfg.moe_impl == "blocked":
-      out = moe.capacity_or_dense(xf, top_i, top_p, wg.astype(dt), wu.astype(dt),
-                                  wd.astype(dt), dense)
+      out = moe.capacity_or_dense(xf, top_i, top_p, wg, wu, wd, dense)
     elif cfg.moe_impl == "dense":
       out = dense(xf, top_i, top_p)
     elif cfg.moe_impl == "expert_parallel":
       out, dropped = moe.expert_parallel_moe(
-          xf, top_i, top_p, wg.astype(dt), wu.astype(dt), wd.astype(dt),
-          token_mask=token_mask.reshape(-1), capacity_factor=cfg.moe_capacity_factor,
-          dispatch_chunk=cfg.moe_dispatch_chunk)
+          xf, top_i, top_p, wg, wu, wd, token_mask=token_mask.reshape(-1),
+          capacity_factor=cfg.moe_capacity_factor, dispatch_chunk=cfg.moe_dispatch_chunk)
       self.sow("intermediates", "moe_dropped", dropped)
     else:
-      flat_e = top_i.reshape(-1)  # [N*k]
-      order = jnp.argsort(flat_e)
-      xs = xf[order // top_k]  # [N*k, D], grouped by expert
-      sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
-      hidden = jax.nn.silu(jax.lax.ragged_dot(xs, wg.astype(dt), sizes)) * jax.lax.ragged_dot(
-          xs, wu.astype(dt), sizes)
-      ys = jax.lax.ragged_dot(hidden, wd.astype(dt), sizes)  # [N*k, D]
-      ys = jnp.zeros_like(ys).at[order].set(ys).reshape(-1, top_k, d)
-      out = jnp.einsum("nkd,nk->nd", ys, top_p)
+      out = _ragged_experts(xf, top_i, top_p, wg, wu, wd)
+    return out.reshape(x.shape), _load_balance(top_i, probs, token_mask)
 
-    # Load balancing (Switch / Qwen3-MoE form): E * sum_e f_e * P_e over the
-    # real tokens, f_e = top-k assignments to e per token, P_e = mean prob.
-    w = token_mask.reshape(-1).astype(jnp.float32)
-    n = jnp.maximum(w.sum(), 1.0)
-    assign = jax.nn.one_hot(top_i, e, dtype=jnp.float32).sum(1)  # [N, E]
-    f_e = (assign * w[:, None]).sum(0) / n
-    p_e = (probs * w[:, None]).sum(0) / n
-    aux = e * jnp.sum(f_e * p_e)
-    return out.reshape(shape), aux
+
+def _dense_experts(xf, top_i, top_p, *, wg, wu, wd):
+  """Every expert on every row [N, D], the top-k gates [N, k] applied before
+  the down projection (N*E rows of work; nothing dropped)."""
+  e = wg.shape[0]
+  gates = jnp.zeros((xf.shape[0], e), top_p.dtype).at[
+      jnp.arange(xf.shape[0])[:, None], top_i].set(top_p)  # [N, E]
+  # Batched over experts, every weight in its stored [E, ...] layout (no
+  # per-call transpose of the expert weights).
+  xe = jnp.broadcast_to(xf, (e,) + xf.shape)  # [E, N, D]
+  hidden = jax.nn.silu(jnp.einsum("end,edf->enf", xe, wg)) * jnp.einsum("end,edf->enf", xe, wu)
+  hidden = hidden * gates.T[:, :, None]
+  hidden = _constrain(hidden, ("expert", "batch", "mlp"))  # [E, N, F], N = B * L
+  return jnp.einsum("enf,efd->end", hidden, wd).sum(0)
+
+
+def _ragged_experts(xf, top_i, top_p, wg, wu, wd):
+  """The N*k (row, expert) pairs sorted by expert and run as grouped matmuls
+  (`jax.lax.ragged_dot`), then scattered back and summed under the gates."""
+  top_k, e, d = top_i.shape[-1], wg.shape[0], xf.shape[-1]
+  flat_e = top_i.reshape(-1)  # [N*k]
+  order = jnp.argsort(flat_e)
+  xs = xf[order // top_k]  # [N*k, D], grouped by expert
+  sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
+  hidden = jax.nn.silu(jax.lax.ragged_dot(xs, wg, sizes)) * jax.lax.ragged_dot(xs, wu, sizes)
+  ys = jax.lax.ragged_dot(hidden, wd, sizes)  # [N*k, D]
+  ys = jnp.zeros_like(ys).at[order].set(ys).reshape(-1, top_k, d)
+  return jnp.einsum("nkd,nk->nd", ys, top_p)
+
+
+def _load_balance(top_i, probs, token_mask):
+  """Load balancing (Switch / Qwen3-MoE form): E * sum_e f_e * P_e over the
+  real tokens, f_e = top-k assignments to e per token, P_e = mean prob."""
+  e = probs.shape[-1]
+  w = token_mask.reshape(-1).astype(jnp.float32)
+  n = jnp.maximum(w.sum(), 1.0)
+  assign = jax.nn.one_hot(top_i, e, dtype=jnp.float32).sum(1)  # [N, E]
+  f_e = (assign * w[:, None]).sum(0) / n
+  p_e = (probs * w[:, None]).sum(0) / n
+  return e * jnp.sum(f_e * p_e)
 
 
 class Block(nn.Module):
@@ -419,17 +429,4 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
     each unrolled dense-prefix layer ([B, S, KVH, hd]) and "layers" for the
     scanned layers, stacked: {"k", "v"} [n, B, S, KVH, hd].
   """
-  return kv_tree(cfg, (batch, max_len, cfg.num_kv_heads, cfg.head_dim), dtype)
-
-
-def kv_tree(cfg: ModelConfig, shape: tuple[int, ...], dtype=None) -> Cache:
-  """Zero {"k", "v"} leaves of `shape` per layer, in `init_cache`'s tree layout:
-  a list per layer, or "layer_i" plus stacked "layers" with `cfg.scan_layers`."""
-  dtype = dtype or cfg.dtype
-  zeros = lambda *lead: {"k": jnp.zeros(lead + shape, dtype),
-                         "v": jnp.zeros(lead + shape, dtype)}
-  if not cfg.scan_layers:
-    return [zeros() for _ in range(cfg.num_layers)]
-  tree = {f"layer_{i}": zeros() for i in range(len(cfg.dense_layers))}
-  tree["layers"] = zeros(cfg.num_scanned_layers)
-  return tree
+  return kv_layout.kv_tree(cfg, (batch, max_len, cfg.num_kv_heads, cfg.head_dim), dtype)

@@ -42,7 +42,7 @@ from typing import Sequence
 
 from sao_jax.config import sections
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAINER, ROLLOUT = "trainer", "rollout"
 # Where a trainer's command names jax.distributed's coordinator until the
 # runtime knows it (Ray: process 0's node and a free port, new at each start).

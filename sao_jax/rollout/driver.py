@@ -99,15 +99,13 @@ from typing import Callable, Iterator
 import numpy as np
 
 from sao_jax.config import sections
-from sao_jax.data.trajectory import FINISH_REASONS, Trajectory
+from sao_jax.data.trajectory import ENV_FAULTS, FINISH_REASONS, Trajectory
 from sao_jax.envs import chat
 from sao_jax.envs.base import Action, Environment, GraderError, StepResult, Task
 from sao_jax.models import routing as routing_lib
 from sao_jax.rollout.engine import PolicyEngine
 
 SWAP_POLICIES = sections.SWAP_POLICIES
-# Finish reasons of episodes that the environment broke (module docstring).
-ENV_FAULTS = ("env_error", "env_timeout", "env_garbage")
 # How often one episode is run again after its grader failed (GraderError)
 # before it ends as an env_error instead.
 MAX_GRADER_RERUNS = 2

@@ -77,11 +77,7 @@ def run_rollout_worker(config, workdir: str, rollout_id: str, stop: threading.Ev
       lambda: policy.init_params(precision.serving_config(model_cfg), jax.random.key(0))), log)
 
   log(f"[rollout {rid}] waiting for weights under {root}")
-  first = None
-  while first is None and not stop.is_set() and not fleet.is_done(root):
-    first = follower.poll()
-    if first is None:
-      stop.wait(f.poll_seconds)
+  first = _first_version(follower, root, stop, f.poll_seconds)
   if first is None:
     why = "the trainer is done" if fleet.is_done(root) else "stopped"
     log(f"[rollout {rid}] {why} before any weights were published")
@@ -96,42 +92,17 @@ def run_rollout_worker(config, workdir: str, rollout_id: str, stop: threading.Ev
                                  record_routing=bool(config.rl.routing_replay))
   follower.retarget(engine.abstract_params())  # later versions restore into its layout
 
-  checked = [None]  # writer.last_closed when the trainer was last seen close enough
-
-  def emit(t):
-    # Backpressure: wait while the trainer is behind on this process's shards.
-    # What is unread grows only when a shard closes, so the watermarks
-    # (one read, an object GET on gs://) are checked once per closed shard.
-    if writer.last_closed != checked[0]:
-      while (not stop.is_set() and fleet.unread_shards(
-          fleet.read_consumed(root), rid, writer.last_closed) >= f.max_unread_shards):
-        stop.wait(f.poll_seconds)
-      checked[0] = writer.last_closed
-    writer.write(t)
-
   driver = factories.make_driver(
       config, engine, env, tok,
       prompt_data.train_prompts(config.data.num_train_tasks, seed),
-      faults.wrap_emit(emit, tok.vocab_size))
+      faults.wrap_emit(_backpressured(writer, root, rid, f, stop), tok.vocab_size))
   pulls = PullWatch(lambda version: log(f"[rollout {rid}] pulling version {version}"))
   driver.start()
   log(f"[rollout {rid}] generating at version {version}, shards from "
       f"{fleet.shard_name(rid, writer.first_seq)}")
   try:
-    while not stop.wait(f.poll_seconds):
-      driver.check()  # a dead driver thread ends the worker with its error
-      # DONE is written after the last version is complete: poll once more.
-      done = fleet.is_done(root)
-      held = follower.version
-      got = follower.poll(final=done)
-      pulls.observe(follower, driver.stats.generated_tokens)
-      if got is not None:
-        driver.update_params(got[0], got[1])
-        log(f"[rollout {rid}] weights version {held} -> {got[1]}")
-      writer.rotate_if_older()
-      if done:
-        log(f"[rollout {rid}] the trainer is done")
-        break
+    _follow(driver, follower, writer, pulls, root, stop, f.poll_seconds,
+            lambda line: log(f"[rollout {rid}] {line}"))
   finally:
     stop.set()  # releases an emit waiting on backpressure
     driver.stop()
@@ -143,6 +114,57 @@ def run_rollout_worker(config, workdir: str, rollout_id: str, stop: threading.Ev
   return dict(trajectories=writer.trajectories, last_shard=writer.last_closed,
               version=follower.version, generated_tokens=driver.stats.generated_tokens,
               tokens_during_pulls=pulls.tokens, **weight_counts(follower))
+
+
+def _first_version(follower, root: str, stop: threading.Event, poll_seconds: float):
+  """The first published version (params, version, meta), or None when the
+  trainer is done or `stop` is set before one appears."""
+  while not stop.is_set() and not fleet.is_done(root):
+    first = follower.poll()
+    if first is not None:
+      return first
+    stop.wait(poll_seconds)
+  return None
+
+
+def _backpressured(writer, root: str, rid: str, f, stop: threading.Event):
+  """The driver's emit: writes a trajectory into the open shard, first waiting
+  while the trainer is `f.max_unread_shards` shards behind on this process.
+
+  What is unread grows only when a shard closes, so the watermarks (one read,
+  an object GET on gs://) are checked once per closed shard."""
+  checked = [None]  # writer.last_closed when the trainer was last seen close enough
+
+  def emit(t):
+    if writer.last_closed != checked[0]:
+      while (not stop.is_set() and fleet.unread_shards(
+          fleet.read_consumed(root), rid, writer.last_closed) >= f.max_unread_shards):
+        stop.wait(f.poll_seconds)
+      checked[0] = writer.last_closed
+    writer.write(t)
+
+  return emit
+
+
+def _follow(driver, follower, writer, pulls, root: str, stop: threading.Event,
+            poll_seconds: float, log: Callable[[str], None]) -> None:
+  """Until the trainer is done or `stop` is set: checks the driver thread
+  (its error ends the worker), swaps in each complete new version, rotates
+  an old open shard."""
+  while not stop.wait(poll_seconds):
+    driver.check()
+    # DONE is written after the last version is complete: poll once more.
+    done = fleet.is_done(root)
+    held = follower.version
+    got = follower.poll(final=done)
+    pulls.observe(follower, driver.stats.generated_tokens)
+    if got is not None:
+      driver.update_params(got[0], got[1])
+      log(f"weights version {held} -> {got[1]}")
+    writer.rotate_if_older()
+    if done:
+      log("the trainer is done")
+      return
 
 
 class PullWatch:

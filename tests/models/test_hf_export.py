@@ -161,8 +161,9 @@ def test_two_processes_export_what_neither_holds_whole(tmp_path):
     sock.bind(("localhost", 0))
     port = sock.getsockname()[1]
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([root, os.path.join(
-      root, "tests")]), XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  path = os.pathsep.join([root, os.path.join(root, "tests"), os.path.dirname(os.path.abspath(__file__))])
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path,
+             XLA_FLAGS="--xla_force_host_platform_device_count=2")
   code = "import sys, test_hf_export as t; t.export_worker(sys.argv[1], int(sys.argv[2]), " \
          "int(sys.argv[3]))"
   procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "m"), str(i), str(port)],
