@@ -33,7 +33,6 @@ KNOWN_UPWARD = {
     ("sao_jax.config.sections", "sao_jax.train.sources"),
 }
 KNOWN_CIRCLES = [
-    ["sao_jax.models.paged", "sao_jax.models.transformer"],
     # closed only by sections' upward imports above
     ["sao_jax.config.sections", "sao_jax.envs.registry", "sao_jax.rollout.driver",
      "sao_jax.rollout.engine", "sao_jax.rollout.programs", "sao_jax.train.configuration",
@@ -41,9 +40,7 @@ KNOWN_CIRCLES = [
 ]
 KNOWN_LONG = {
     "sao_jax/envs/sandbox.py _run",
-    "sao_jax/models/transformer.py __call__",
     "sao_jax/train/configuration.py validate",
-    "sao_jax/train/fleet_worker.py run_rollout_worker",
 }
 
 
