@@ -18,9 +18,13 @@ turns a ConfigDict into its records (configuration.validate does this
 first); rules that join fields of different sections stay in
 `configuration.validate`.
 
-Fields whose allowed values are a registry that users extend (rl.mode,
-rl.advantage, rl.policy_loss) look the registry up when checked, so a
-registered extension is accepted without touching this file.
+Fields whose allowed values are a registry that users extend look the
+registry up when checked, so a registered extension is accepted without
+touching this file: here for the registries of the layers below this one
+(rl.advantage, rl.policy_loss); a registry above it (env.name,
+env.chat_format, env.tokenizer, rl.mode) is checked by its own layer, which
+`configuration.validate` calls (docs/DESIGN.md section 6: a lower layer
+never imports a higher one).
 """
 
 from __future__ import annotations
@@ -115,6 +119,10 @@ def optional(check: Check, none_means: str = "") -> Check:
 
 BOOL = Check(lambda v: isinstance(v, bool), "True or False")
 STRING = Check(lambda v: isinstance(v, str), "a string")
+# A name in a registry of a layer above this one (an environment, a chat
+# format, an rl.mode): checked here as a name, looked up by that layer's own
+# check (train/configuration.validate calls them all).
+REGISTERED_NAME = Check(lambda v: isinstance(v, str) and bool(v), "a non-empty string")
 
 
 # The mesh axes the project's rules name (sao_jax/models/sharding.py, rollout/layout.py).
@@ -243,11 +251,6 @@ def _compute_dtypes():
   return ("",) + tuple(d.name for d in model_config.FLOAT_DTYPES)
 
 
-def _chat_formats():
-  from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top
-  return registry.CHAT_FORMATS
-
-
 DICT = Check(lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v),
              "a dict with string keys")
 
@@ -317,8 +320,7 @@ class Env(Section):
       "python_tool", "A built-in environment (python_tool, code_fix, online_style, "
       "dataset, math_tool, humaneval, repo_repair) or a user's factory as an import string, "
       "\"my_pkg.my_env:make_env\" or \"path/to/my_env.py:make_env\" "
-      "(sao_jax/envs/registry.py).", Check(lambda v: isinstance(v, str) and bool(v),
-                                           "a non-empty string"))
+      "(sao_jax/envs/registry.py).", REGISTERED_NAME)
   kwargs: dict = knob({}, "Keyword arguments of the built-in's config dataclass, or of the "
                       "factory.", DICT)
   reward: str = knob(
@@ -330,7 +332,7 @@ class Env(Section):
   chat_format: str = knob(
       "raw", "How prompts, turn ends and observations become tokens (sao_jax/envs/chat.py): "
       "\"raw\" (the toys' text format), \"plain\", or \"qwen3\" (Qwen3's chat template).",
-      one_of(_chat_formats))
+      REGISTERED_NAME)
   thinking: bool = knob(
       True, "qwen3: thinking on (the model may write <think>...</think>) or off (the "
       "generation prompt carries an empty think block, as Qwen3 defines it).", BOOL)
@@ -365,28 +367,10 @@ class Env(Section):
       "tool_seconds_per_turn). 0: no bound.", real(0, unit="a finite number of seconds"))
 
   def check_together(self):
-    """The names resolve: an import string is imported (not called), so a
-    typo fails before the workdir exists; a built-in's kwargs are checked
-    against its config dataclass."""
-    # pylint: disable=g-import-not-at-top
-    from sao_jax.envs import chat, registry, sandbox, tokenizer
-    try:
-      registry.check_env_name(self.name)
-    except ValueError as e:
-      raise ConfigError(str(e)) from None
-    if not import_strings.is_import_string(self.name):
-      spec = registry.ENVIRONMENTS[self.name]
-      try:
-        kwargs = registry.builtin_kwargs(spec, dict(self.kwargs))
-      except (TypeError, ValueError) as e:
-        raise ConfigError(f"env.kwargs = {dict(self.kwargs)!r}: {e}") from None
-      if spec.chat_prompts and self.chat_format == "raw":  # the toys' format takes text
-        fail("env.chat_format", self.chat_format,
-             f"'qwen3' or 'plain' for env.name = {self.name!r} (its prompts are chat messages)")
-      if getattr(kwargs, "tools", ()) and not chat.FORMATS[self.chat_format].renders_tools:
-        fail("env.chat_format", self.chat_format,
-             f"a format that renders tools ('qwen3') for env.kwargs.tools = "
-             f"{tuple(kwargs.tools)}")
+    """The reward's import string resolves (imported, not called). Whether
+    the environment, tokenizer, chat format and sandbox limits name what
+    the envs layer has is asked of that layer (registry.check_env_section,
+    from configuration.validate): this layer sits below it."""
     if self.reward:
       try:
         fn = import_strings.resolve(self.reward, "env.reward")
@@ -394,11 +378,6 @@ class Env(Section):
         raise ConfigError(str(e)) from None
       if not callable(fn):
         fail("env.reward", self.reward, "an import string of a callable")
-    if not self.tokenizer_path and self.tokenizer not in tokenizer.TOKENIZERS:
-      fail("env.tokenizer", self.tokenizer, f"one of {sorted(tokenizer.TOKENIZERS)}")
-    limits = {f.name for f in dataclasses.fields(sandbox.SandboxLimits)}
-    if set(self.sandbox) - limits:
-      fail("env.sandbox", self.sandbox, f"a dict of SandboxLimits fields {sorted(limits)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -565,11 +544,6 @@ class Rollout(Section):
              " the pool must hold one whole trajectory")
 
 
-def _sources():
-  from sao_jax.train.sources import SOURCES  # pylint: disable=g-import-not-at-top
-  return SOURCES
-
-
 def _estimators():
   from sao_jax.algo.advantages import ESTIMATORS  # pylint: disable=g-import-not-at-top
   return ESTIMATORS
@@ -600,7 +574,7 @@ class RL(Section):
   NAME: ClassVar[str] = "rl"
   mode: str = knob("async", "async (SAO) or sync (generate the whole batch, wait, train) in "
                    "one process; fleet: rollout in separate processes (the fleet section). "
-                   "The trajectory sources registered in sao_jax/train/sources.py.", one_of(_sources))
+                   "The trajectory sources registered in sao_jax/train/sources.py.", REGISTERED_NAME)
   steps: int = knob(150, "RL steps.", integer(0))
   batch_size: int = knob(16, "Trajectories per train step (packed into this many rows).",
                          integer(1))
@@ -826,9 +800,10 @@ def parse_eval_sets(sets: tuple) -> list[tuple[str, str]]:
   """`eval.sets` as [(name, spec)], the default [("heldout", "heldout")].
 
   Raises ValueError saying what is wrong (a bad or repeated name, a file
-  that does not exist, an unknown environment).
+  that does not exist); whether an environment's name is registered is
+  the envs layer's check (registry.check_env_name, from
+  configuration.validate).
   """
-  from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top
   out = []
   for item in sets or ("heldout",):
     name, sep, spec = item.partition("=")
@@ -846,11 +821,6 @@ def parse_eval_sets(sets: tuple) -> list[tuple[str, str]]:
     if spec.endswith(EVAL_SET_FILES):
       if not os.path.isfile(spec):
         raise ValueError(f"set {name!r}: no file {spec!r}")
-    elif spec != "heldout":
-      try:
-        registry.check_env_name(spec)
-      except ValueError as e:
-        raise ValueError(f"set {name!r}: {e}") from None
     out.append((name, spec))
   return out
 

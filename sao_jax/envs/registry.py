@@ -38,7 +38,7 @@ from sao_jax.envs.online_style import OnlineStyle, OnlineStyleConfig
 from sao_jax.envs.python_tool import PythonTool, PythonToolConfig
 from sao_jax.envs.sandbox import SandboxLimits
 from sao_jax.envs.tokenizer import TOKENIZERS, HFTokenizer
-from sao_jax.config.sections import ConfigError
+from sao_jax.config.sections import ConfigError, fail
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +90,39 @@ def check_env_name(name) -> None:
     raise ValueError(f"env.name = {name!r}: not a built-in environment "
                      f"({', '.join(sorted(ENVIRONMENTS))}) nor an import string "
                      "'pkg.module:factory'")
+
+
+def check_env_section(e) -> None:
+  """Raises ConfigError (one line naming the field) when the env section `e`
+  (sections.Env) names what this layer lacks: an environment (an import
+  string is imported, not called, so a typo fails before the workdir
+  exists; a built-in's kwargs are checked against its config dataclass), a
+  chat format, a tokenizer, sandbox limits; or a built-in whose prompts or
+  tools its chat format cannot render."""
+  try:
+    check_env_name(e.name)
+  except ValueError as err:
+    raise ConfigError(str(err)) from None
+  if e.chat_format not in CHAT_FORMATS:
+    fail("env.chat_format", e.chat_format, f"one of {CHAT_FORMATS}")
+  if not e.tokenizer_path and e.tokenizer not in TOKENIZERS:
+    fail("env.tokenizer", e.tokenizer, f"one of {sorted(TOKENIZERS)}")
+  limits = {f.name for f in dataclasses.fields(SandboxLimits)}
+  if set(e.sandbox) - limits:
+    fail("env.sandbox", e.sandbox, f"a dict of SandboxLimits fields {sorted(limits)}")
+  if import_strings.is_import_string(e.name):
+    return
+  spec = ENVIRONMENTS[e.name]
+  try:
+    kwargs = builtin_kwargs(spec, dict(e.kwargs))
+  except (TypeError, ValueError) as err:
+    raise ConfigError(f"env.kwargs = {dict(e.kwargs)!r}: {err}") from None
+  if spec.chat_prompts and e.chat_format == "raw":  # the toys' format takes text
+    fail("env.chat_format", e.chat_format,
+          f"'qwen3' or 'plain' for env.name = {e.name!r} (its prompts are chat messages)")
+  if getattr(kwargs, "tools", ()) and not chat.FORMATS[e.chat_format].renders_tools:
+    fail("env.chat_format", e.chat_format,
+          f"a format that renders tools ('qwen3') for env.kwargs.tools = {tuple(kwargs.tools)}")
 
 
 def kwargs_defaults(name: str) -> dict:

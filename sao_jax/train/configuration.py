@@ -33,6 +33,9 @@ from absl import app
 from sao_jax.data import files
 from sao_jax.models import precision
 from sao_jax.config import sections
+from sao_jax.envs import registry
+from sao_jax.train import sources
+from sao_jax.train.stopping import StopTraining  # noqa: F401  (re-exported for launch/)
 from sao_jax.algo.advantages import ESTIMATORS
 
 
@@ -67,11 +70,6 @@ def set_field(config, field: str, value) -> None:
   node[leaf] = value
 
 
-def validate_distributed(dist) -> None:
-  """Checks the `distributed` section; run before jax.distributed.initialize."""
-  sections.Distributed.from_config(dist)
-
-
 def validate(config, num_devices: int | None = None, num_processes: int | None = None,
              host_devices: int | None = None) -> None:
   """Raises ConfigError on the first setting that cannot work.
@@ -90,16 +88,58 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
     if not check.ok(config[field]):
       _fail(field, config[field], check.describe())
   # Every field of every typed section, and the rules within a section
-  # (the environment's names resolve, the mesh is well formed, ...).
+  # (the mesh is well formed, ...); then the names that the layers above
+  # the sections own.
   typed = sections.load(config)
-  # The rules that join sections.
-  c, r = typed.rl, typed.rollout
+  registry.check_env_section(typed.env)
+  spec = _source_spec(typed.rl.mode)
+  _check_eval_sets(typed)
+  _check_rollout(typed, spec)
+  if num_devices is None:
+    import jax  # pylint: disable=g-import-not-at-top
+    num_devices = jax.device_count()
+  _check_mesh(typed.sharding.mesh, num_devices)
+  processes = _process_count() if num_processes is None else num_processes
+  if typed.rollout.mesh:
+    # An engine spans devices of its own host: fail now, not after SFT.
+    _check_engine_mesh(typed.rollout.mesh,
+                       host_devices or max(num_devices // max(processes, 1), 1))
+  # With several processes every host must train on the same batches, and
+  # an in-process rollout's completion order differs from host to host.
+  c = typed.rl
+  if processes > 1 and c.steps > 0 and spec.in_process:
+    raise ConfigError(f"rl.mode = {c.mode!r} with {processes} processes: the in-process "
+                      "rollout cannot feed a multi-host trainer; run rollout on its own "
+                      "slices (rl.mode = 'fleet'), or rl.steps = 0")
+  if typed.model.vocab_subset and typed.sft.init_from_hf:
+    _fail("model.vocab_subset", typed.model.vocab_subset,
+          "\"\" with sft.init_from_hf: an imported checkpoint keeps its full head")
+  _check_update_precision(typed)
+  _check_weight_path(typed.fleet)
+  _check_routing_replay(typed)
+  if typed.faults.sigkill_after_rl_step > c.steps:
+    # It would never fire: the run would end normally, not be killed.
+    _fail("faults.sigkill_after_rl_step", typed.faults.sigkill_after_rl_step,
+          f"<= rl.steps ({c.steps})")
+
+
+def _source_spec(mode: str) -> sources.SourceSpec:
+  """The registered trajectory source of `rl.mode` (sources.SOURCES)."""
+  if mode not in sources.SOURCES:
+    _fail("rl.mode", mode, f"one of {sorted(sources.SOURCES)} (sao_jax/train/sources.py)")
+  return sources.SOURCES[mode]
+
+
+def _check_rollout(typed: sections.Sections, spec: sources.SourceSpec) -> None:
+  """The rules joining the rollout section to the source, the estimator,
+  the batch, the environment's tool clock and the data buckets."""
+  c, r, e = typed.rl, typed.rollout, typed.env
   estimator = ESTIMATORS[c.advantage]
-  if c.mode == "fleet" and r.samples_per_prompt != 1:
-    # The fleet's checkpointed cursor is per trajectory; a GRPO group split
+  if not spec.groups and r.samples_per_prompt != 1:
+    # The source's checkpointed cursor is per trajectory; a GRPO group split
     # across a trainer restart would be half trained.
     _fail("rollout.samples_per_prompt", r.samples_per_prompt,
-          "1 with rl.mode = 'fleet' (single-rollout arms)")
+          f"1 with rl.mode = {c.mode!r} (single-rollout arms)")
   if r.samples_per_prompt < estimator.min_group:
     _fail("rollout.samples_per_prompt", r.samples_per_prompt,
           f">= {estimator.min_group} for rl.advantage = {c.advantage!r}")
@@ -116,15 +156,6 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
   if r.top_p != 1.0:
     _fail("rollout.top_p", r.top_p, "1.0: the train step's log-probs do not apply top-p, "
           "so the importance ratios would be biased")
-  from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top
-  for name, spec in sections.parse_eval_sets(typed.eval.sets):
-    env_name = ("math_tool" if typed.env.name not in ("dataset", "math_tool") else
-                typed.env.name) if spec.endswith(sections.EVAL_SET_FILES) else spec
-    builtin = registry.ENVIRONMENTS.get(env_name)
-    if builtin is not None and builtin.chat_prompts and typed.env.chat_format == "raw":
-      _fail("eval.sets", typed.eval.sets, f"sets whose prompts are chat messages (set "
-            f"{name!r}: {env_name}) need env.chat_format 'qwen3' or 'plain', not 'raw'")
-  e = typed.env
   if r.env_timeout is not None and e.tool_seconds_per_turn >= r.env_timeout:
     # The tools would run into the step's timeout and the episode end as env_timeout.
     _fail("env.tool_seconds_per_turn", e.tool_seconds_per_turn,
@@ -136,30 +167,23 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
   if max(buckets) < r.max_len:
     raise ConfigError(f"data.buckets = {buckets}: the largest data.buckets entry must be "
                       f">= rollout.max_len ({r.max_len})")
-  if num_devices is None:
-    import jax  # pylint: disable=g-import-not-at-top
-    num_devices = jax.device_count()
-  _check_mesh(typed.sharding.mesh, num_devices)
-  processes = _process_count() if num_processes is None else num_processes
-  if r.mesh:
-    # An engine spans devices of its own host: fail now, not after SFT.
-    _check_engine_mesh(r.mesh, host_devices or max(num_devices // max(processes, 1), 1))
-  # With several processes every host must train on the same batches, and
-  # the in-process rollout's completion order differs from host to host.
-  if processes > 1 and c.steps > 0 and c.mode in ("async", "sync"):
-    raise ConfigError(f"rl.mode = {c.mode!r} with {processes} processes: the in-process "
-                      "rollout cannot feed a multi-host trainer; run rollout on its own "
-                      "slices (rl.mode = 'fleet'), or rl.steps = 0")
-  if typed.model.vocab_subset and typed.sft.init_from_hf:
-    _fail("model.vocab_subset", typed.model.vocab_subset,
-          "\"\" with sft.init_from_hf: an imported checkpoint keeps its full head")
-  _check_update_precision(typed)
-  _check_weight_path(typed.fleet)
-  _check_routing_replay(typed)
-  if typed.faults.sigkill_after_rl_step > c.steps:
-    # It would never fire: the run would end normally, not be killed.
-    _fail("faults.sigkill_after_rl_step", typed.faults.sigkill_after_rl_step,
-          f"<= rl.steps ({c.steps})")
+
+
+def _check_eval_sets(typed: sections.Sections) -> None:
+  """Each of eval.sets names a registered environment (or a file, or the
+  held-out split), and a set of chat prompts meets a chat format."""
+  for name, spec in sections.parse_eval_sets(typed.eval.sets):
+    if not spec.endswith(sections.EVAL_SET_FILES) and spec != "heldout":
+      try:
+        registry.check_env_name(spec)
+      except ValueError as e:
+        _fail("eval.sets", typed.eval.sets, f"set {name!r}: {e}")
+    env_name = ("math_tool" if typed.env.name not in ("dataset", "math_tool") else
+                typed.env.name) if spec.endswith(sections.EVAL_SET_FILES) else spec
+    builtin = registry.ENVIRONMENTS.get(env_name)
+    if builtin is not None and builtin.chat_prompts and typed.env.chat_format == "raw":
+      _fail("eval.sets", typed.eval.sets, f"sets whose prompts are chat messages (set "
+            f"{name!r}: {env_name}) need env.chat_format 'qwen3' or 'plain', not 'raw'")
 
 
 def _check_routing_replay(typed: sections.Sections) -> None:
@@ -240,10 +264,6 @@ def check_workdir(workdir: str, min_free_gb: float) -> None:
   if free_gb is not None and free_gb < min_free_gb:
     raise ConfigError(f"workdir {workdir!r} has {free_gb:.3f} GiB free, less than "
                       f"checkpoint.min_free_gb = {min_free_gb}")
-
-
-class StopTraining(RuntimeError):
-  """A run that stopped itself cleanly (its checkpoints are intact)."""
 
 
 def run(main: Callable) -> None:

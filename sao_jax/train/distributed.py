@@ -78,7 +78,7 @@ from absl import flags
 from jax._src import distributed as _jax_distributed  # the coordination service client
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sao_jax.train import configuration
+from sao_jax.config import sections
 from sao_jax.data import packing
 
 # How long processes wait for process 0's in-process engine work (value
@@ -102,7 +102,7 @@ def initialize(dist_config) -> bool:
     True if this process is now part of a multi-process runtime (or already
     was), False when `dist_config.enabled` is off (single process, no-op).
   """
-  configuration.validate_distributed(dist_config)
+  sections.Distributed.from_config(dist_config)  # one line on a bad field
   if not dist_config.enabled:
     return False
   if _jax_distributed.global_state.client is not None:  # already joined

@@ -18,7 +18,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from sao_jax.train import configuration
+from sao_jax.train import stopping
 from sao_jax.train import distributed
 from sao_jax.train import sources
 from sao_jax.data import packing
@@ -123,7 +123,7 @@ class _SkipGuard:
     self.run_length = self.run_length + 1 if skipped else 0
     self.total += int(skipped)
     if self.run_length >= self.limit:
-      raise configuration.StopTraining(
+      raise stopping.StopTraining(
           f"{self.run_length} consecutive RL steps had a non-finite loss or gradient "
           f"(rl.max_nonfinite_updates = {self.limit}), last at step {step}; "
           f"params were not updated by them and the last checkpoint "

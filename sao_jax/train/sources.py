@@ -21,8 +21,8 @@ Fault injection (`sao_jax/train/faults.py`) wraps their environment and their
 emit, so an injected malformed trajectory meets the same validation as a
 real one and is counted the same way.
 
-Adding a source is one class with the protocol's five methods and one entry
-in `SOURCES` (docs/DESIGN.md, "Extension points").
+Adding a source is one class with the protocol's five methods and one
+`SourceSpec` in `SOURCES` (docs/DESIGN.md, "Extension points").
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from typing import Any, Callable, Protocol
 
 import jax
 
-from sao_jax.train import configuration
 from sao_jax.train import distributed
 from sao_jax.data import fleet
 from sao_jax.models import precision
@@ -46,6 +45,7 @@ from sao_jax.data import prompts as prompt_data
 from sao_jax.data.ingestion import TrajectoryQueue
 from sao_jax.data.trajectory import Trajectory
 from sao_jax.rollout.driver import RolloutDriver
+from sao_jax.train.stopping import StopTraining
 
 
 def _copy(counter) -> collections.Counter:
@@ -158,7 +158,7 @@ class DriverSource:
     self._dead = self._dead.plus(self._driver.stats)
     self._restarts += 1
     if self._restarts > self._max_restarts:
-      raise configuration.StopTraining(
+      raise StopTraining(
           f"the rollout thread failed {self._restarts} times (rl.max_rollout_restarts = "
           f"{self._max_restarts}); last error: {error!r}; the last checkpoint "
           f"({self._last_checkpoint()}) is intact") from error
@@ -347,14 +347,32 @@ def _fleet_source(run, saved) -> FleetSource:
                      direct_unavailable=why)
 
 
-# rl.mode -> (run, the state a checkpoint saved or None) -> TrajectorySource.
-SOURCES: dict[str, Callable[[Any, Any], TrajectorySource]] = {
-    "async": lambda run, saved: _driver_source(run, saved, synchronous=False),
-    "sync": lambda run, saved: _driver_source(run, saved, synchronous=True),
-    "fleet": _fleet_source,
+@dataclasses.dataclass(frozen=True)
+class SourceSpec:
+  """One `rl.mode`: how to build its source, and what the config checks need
+  to know of it (train/configuration.py asks these, never the mode's name).
+
+  Attributes:
+    build: (run, the state a checkpoint saved or None) -> TrajectorySource.
+    in_process: generation runs in the trainer's own process. Such a source
+      cannot feed a multi-host trainer: every host must train on the same
+      batches, and each host's rollout finishes episodes in its own order.
+    groups: it can hand out whole GRPO groups (rollout.samples_per_prompt
+      > 1); a source whose resume cursor is per trajectory cannot (a group
+      split by a restart would be half trained).
+  """
+  build: Callable[[Any, Any], TrajectorySource]
+  in_process: bool = True
+  groups: bool = True
+
+
+SOURCES: dict[str, SourceSpec] = {
+    "async": SourceSpec(lambda run, saved: _driver_source(run, saved, synchronous=False)),
+    "sync": SourceSpec(lambda run, saved: _driver_source(run, saved, synchronous=True)),
+    "fleet": SourceSpec(_fleet_source, in_process=False, groups=False),
 }
 
 
 def make_source(run, saved=None) -> TrajectorySource:
   """The source `run.config.rl.mode` names, resumed from `saved` (a `state()`)."""
-  return SOURCES[run.config.rl.mode](run, saved)
+  return SOURCES[run.config.rl.mode].build(run, saved)

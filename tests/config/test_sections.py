@@ -186,10 +186,6 @@ def test_make_engine_lays_the_engine_on_the_sections_mesh_with_its_buckets():
     ("model", "overrides", {"num_layerz": 3}, r"model.overrides = .*not \['num_layerz'\]"),
     ("model", "compute_dtype", "float8", r"model.compute_dtype = 'float8'"),
     ("env", "name", "", r"env.name = '': must be a non-empty string"),
-    ("env", "name", "no_such_env", r"no_such_env"),
-    ("env", "chat_format", "chatml", r"env.chat_format = 'chatml': must be one of"),
-    ("env", "sandbox", {"cpu_secs": 1}, r"env.sandbox = .*SandboxLimits fields"),
-    ("env", "tokenizer", "gpt2", r"env.tokenizer = 'gpt2'"),
     ("env", "tool_latency_s", -1.0, r"env.tool_latency_s = -1.0"),
     ("sharding", "mesh", {"data": 0}, r"sharding.mesh = .*size >= 1"),
     ("sharding", "mesh", {"data": -1, "fsdp": -1}, r"at most one size"),
@@ -201,6 +197,26 @@ def test_model_env_and_sharding_check_themselves(section, field, value, why):
     c[section][field] = value
   with pytest.raises(sections.ConfigError, match=why):
     sections.load(c)
+  with pytest.raises(sections.ConfigError, match=why):
+    configuration.validate(c, num_devices=8)
+
+
+@pytest.mark.parametrize("field,value,why", [
+    ("name", "no_such_env", r"no_such_env"),
+    ("chat_format", "chatml", r"env.chat_format = 'chatml': must be one of"),
+    ("sandbox", {"cpu_secs": 1}, r"env.sandbox = .*SandboxLimits fields"),
+    ("tokenizer", "gpt2", r"env.tokenizer = 'gpt2'"),
+])
+def test_env_names_are_checked_by_the_envs_layer(field, value, why):
+  """The env section checks its fields' types; the names it holds are the
+  registry's to check (the config layer sits below envs), before any stage."""
+  from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top
+  c = load_config_module("sao_tiny.py").get_config()
+  with c.unlocked():
+    c.env[field] = value
+  env = sections.load(c).env  # a well-typed section
+  with pytest.raises(sections.ConfigError, match=why):
+    registry.check_env_section(env)
   with pytest.raises(sections.ConfigError, match=why):
     configuration.validate(c, num_devices=8)
 

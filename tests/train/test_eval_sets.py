@@ -61,13 +61,16 @@ def test_eval_sets_are_checked(tmp_path):
       ("aime", str(rows)), ("he", "humaneval")]
   for sets, match in ((("a=heldout", "a=code_fix"), "'a' appears twice"),
                       (("x=nope.jsonl",), "no file 'nope.jsonl'"),
-                      (("no_such_env",), "not a built-in environment"),
                       (("a b=heldout",), "is not 1-64 letters")):
     with pytest.raises(sections.ConfigError, match="eval.sets = .*" + match):
       sections.Eval(sets=sets)
   with pytest.raises(sections.ConfigError, match=r"eval.top_p = 0: must be in \(0, 1\]"):
     sections.Eval(top_p=0)
-  config = load_config_module("sao_tiny.py").get_config()  # raw format: chat sets refused
+  config = load_config_module("sao_tiny.py").get_config()
+  configuration.set_field(config, "eval.sets", ("no_such_env",))  # the envs layer's name check
+  with pytest.raises(sections.ConfigError, match="eval.sets = .*not a built-in environment"):
+    configuration.validate(config, num_devices=8)
+  # raw format: chat sets refused
   configuration.set_field(config, "eval.sets", ("heldout", "humaneval"))
   with pytest.raises(sections.ConfigError, match="eval.sets = .*'humaneval'.*not 'raw'"):
     configuration.validate(config, num_devices=8)

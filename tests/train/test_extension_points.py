@@ -135,7 +135,7 @@ def _replay(run, saved):
 
 
 def test_a_new_trajectory_source_is_one_record(monkeypatch, tmp_path):
-  monkeypatch.setitem(sources.SOURCES, "replay", _replay)
+  monkeypatch.setitem(sources.SOURCES, "replay", sources.SourceSpec(_replay))
   config = _config(**{"rl.mode": "replay", "rl.steps": 3, "rl.batch_size": 8,
                       "log_every": 1, "checkpoint.every": 2, "tensorboard": False})
   workdir = str(tmp_path / "run")
