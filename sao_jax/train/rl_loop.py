@@ -151,8 +151,10 @@ def _log(run: Run, step: int, m: dict, force: bool) -> None:
 
 def _checkpoint(run: Run, source: sources.TrajectorySource, baseline_state) -> None:
   run.meta["source"] = source.state()
-  run.meta["running_mean"] = (None if baseline_state is None else
-                              [np.asarray(x).tolist() for x in baseline_state])
+  # Under the estimator's own name: a resume with another rl.advantage
+  # starts that estimator afresh instead of misreading this one's state.
+  run.meta["estimator_state"] = ({} if baseline_state is None else {
+      run.config.rl.advantage: [np.asarray(x).tolist() for x in baseline_state]})
   run.save()
 
 
@@ -160,7 +162,7 @@ def rl(run: Run) -> None:
   c, config = run.config.rl, run.config
   # A critic-free estimator's host state (the running mean's window), checkpointed.
   estimator = run.step_cfg.estimator
-  baseline_state = run.meta["running_mean"]
+  baseline_state = run.meta["estimator_state"].get(c.advantage)
   if baseline_state is None and estimator.init_state is not None:
     baseline_state = estimator.init_state(c)
   source = sources.make_source(run, run.meta.get("source"))

@@ -197,7 +197,7 @@ def build(config: ml_collections.ConfigDict) -> Run:
   critic_params, _ = sharding.sharded_init(p.critic_init, mesh, p.rules)
   state = jax.jit(p.init_state, out_shardings=p.state_shardings)(policy_params, critic_params)
   meta = {"stage": "sft", "stage_step": 0, "ckpt_step": 0, "source": None,
-          "running_mean": None, "evals": {},
+          "estimator_state": {}, "evals": {},
           # model.vocab_subset's head ids: a restore under other ids is refused.
           "vocab_ids": list(model_cfg.vocab_ids) or None}
   frozen_env = env.frozen() if hasattr(env, "frozen") else env
@@ -228,7 +228,7 @@ def open_workdir(run: Run, workdir: str, restore_step: int | None = None) -> Run
     restore_step = restore_step or run.ckpt.latest_step()
     _check_vocab_ids(run, restore_step)
     run.state, run.meta = run.ckpt.restore(abstract_like(run.state), restore_step)
-    _upgrade_meta(run.meta, config.rl.mode)
+    _upgrade_meta(run.meta, config.rl.mode, config.rl.advantage)
     print(f"Resumed from checkpoint {restore_step} at stage "
           f"{run.meta['stage']} step {run.meta['stage_step']}", flush=True)
   return run
@@ -248,17 +248,24 @@ def _check_vocab_ids(run: Run, step: int) -> None:
         "resume with the config the run was started with, or use a new workdir")
 
 
-def _upgrade_meta(meta: dict, mode: str) -> None:
-  """A checkpoint written before trajectory sources (sao_jax/train/sources.py) kept
-  the source's state under keys of its own: the fleet's cursor under "fleet",
-  the in-process prompt order under "prompt_state". Moved to "source"."""
-  if "source" in meta:
-    return
-  fleet_cursor, prompt_state = meta.pop("fleet", None), meta.pop("prompt_state", None)
-  if mode == "fleet":
-    meta["source"] = fleet_cursor
-  else:
-    meta["source"] = None if prompt_state is None else {"prompt_state": prompt_state}
+def _upgrade_meta(meta: dict, mode: str, advantage: str) -> None:
+  """Moves the keys of checkpoints written by earlier versions to today's.
+
+  Before trajectory sources (sao_jax/train/sources.py) a source's state had
+  keys of its own: the fleet's cursor under "fleet", the in-process prompt
+  order under "prompt_state"; now both are "source". A critic-free
+  estimator's host state was kept under "running_mean" whatever the
+  estimator; now "estimator_state" maps the estimator's name (the run's
+  `rl.advantage`, whose state it was) to it. Idempotent."""
+  if "source" not in meta:
+    fleet_cursor, prompt_state = meta.pop("fleet", None), meta.pop("prompt_state", None)
+    if mode == "fleet":
+      meta["source"] = fleet_cursor
+    else:
+      meta["source"] = None if prompt_state is None else {"prompt_state": prompt_state}
+  if "estimator_state" not in meta:
+    old = meta.pop("running_mean", None)
+    meta["estimator_state"] = {} if old is None else {advantage: old}
 
 
 def load(config: ml_collections.ConfigDict, workdir: str, step: int | None = None) -> Run:

@@ -185,7 +185,19 @@ def test_the_registry_is_what_config_validation_accepts():
 def test_checkpoints_from_before_sources_resume_their_state(mode, old, expected):
   from sao_jax.train import run as run_lib  # pylint: disable=g-import-not-at-top
   meta = dict(old, stage="rl")
-  run_lib._upgrade_meta(meta, mode)  # pylint: disable=protected-access
-  assert meta == {"stage": "rl", "source": expected}
-  run_lib._upgrade_meta(meta, mode)  # pylint: disable=protected-access
+  run_lib._upgrade_meta(meta, mode, "value")  # pylint: disable=protected-access
+  assert meta == {"stage": "rl", "source": expected, "estimator_state": {}}
+  run_lib._upgrade_meta(meta, mode, "value")  # pylint: disable=protected-access
   assert meta["source"] == expected  # idempotent
+
+
+def test_an_old_running_mean_key_restores_under_the_estimators_name():
+  """Checkpoints before estimator_state kept any estimator's host state under
+  "running_mean"; it belongs to the run's rl.advantage."""
+  from sao_jax.train import run as run_lib  # pylint: disable=g-import-not-at-top
+  window = [[0.5, 1.0], [2.0]]
+  meta = {"stage": "rl", "source": None, "running_mean": window}
+  run_lib._upgrade_meta(meta, "async", "running_mean")  # pylint: disable=protected-access
+  assert meta == {"stage": "rl", "source": None, "estimator_state": {"running_mean": window}}
+  run_lib._upgrade_meta(meta, "async", "running_mean")  # pylint: disable=protected-access
+  assert meta["estimator_state"] == {"running_mean": window}
