@@ -177,9 +177,9 @@ def task_meta(task: TaskProtocol):
   return _optional(task, TASK_OPTIONAL, "meta")
 
 
-def task_tools(task: TaskProtocol) -> tuple:
-  """`task.tools` (function schemas), or () for a task that offers none."""
-  return tuple(_optional(task, TASK_OPTIONAL, "tools"))
+def task_tools(task: TaskProtocol) -> Sequence[dict]:
+  """`task.tools` (function schemas, as the task holds them), or () for a task that offers none."""
+  return _optional(task, TASK_OPTIONAL, "tools")
 
 
 def env_name(env) -> str:

@@ -7,7 +7,7 @@ import string naming a user's factory:
     env.name = "path/to/my_env.py:make_env"    # a file, relative to the cwd
 
 The factory is called as `factory(**env.kwargs)` and returns an object with
-the `sao_jax.envs.base.Environment` protocol. Import strings are resolved
+the `sao_jax.envs.base.EnvironmentProtocol`. Import strings are resolved
 with `importlib` in whichever process builds the environment (the trainer,
 and each fleet rollout process), so nothing depends on a registration call
 having run in that process. `env.reward = "pkg.module:fn"` replaces the

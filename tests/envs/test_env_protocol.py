@@ -174,5 +174,5 @@ def test_the_builtin_environments_pass_the_check(name, tmp_path, monkeypatch):
   assert base.environment_problem(env) is None
   task = env.task(0)
   assert base.task_problem(task) is None
-  assert isinstance(base.task_tools(task), tuple) and base.env_name(env)
+  assert isinstance(base.task_tools(task), (list, tuple)) and base.env_name(env)
   assert isinstance(base.runs_code(env), bool)
