@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 
 from sao_jax.data.trajectory import Trajectory
-from sao_jax.envs import chat
-from sao_jax.envs.base import Environment, Task
+from sao_jax.envs import base, chat
+from sao_jax.envs.base import Environment, TaskProtocol
 
 
-def demonstration_trajectory(env: Environment, task: Task, tokenizer,
+def demonstration_trajectory(env: Environment, task: TaskProtocol, tokenizer,
                              chat_format=None) -> Trajectory:
   """A correct episode of `task` in the driver's token layout.
 
@@ -18,10 +18,11 @@ def demonstration_trajectory(env: Environment, task: Task, tokenizer,
   were not sampled), each observation but the last turn's as the format's
   bridge (not action tokens). The episode reward sits on the last action
   token, as the driver would put it. `chat_format` None: the toys' raw
-  text format.
+  text format. `task` is any `TaskProtocol` (its tools read by
+  `base.task_tools`: none if it has no `tools`).
   """
   fmt = chat_format if chat_format is not None else chat.RawFormat(tokenizer)
-  tokens = list(fmt.prompt_ids(task.prompt, task.tools))
+  tokens = list(fmt.prompt_ids(task.prompt, base.task_tools(task)))
   mask, turn_starts = [False] * len(tokens), []
   turns = list(env.demonstration(task))
   for k, (action, observation) in enumerate(turns):

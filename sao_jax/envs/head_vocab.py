@@ -25,7 +25,7 @@ import json
 import string
 
 from sao_jax.data.prompts import EVAL_OFFSET
-from sao_jax.envs import registry
+from sao_jax.envs import base, registry
 from sao_jax.envs.demonstrations import demonstration_trajectory
 from sao_jax.config.sections import ConfigError
 
@@ -43,8 +43,8 @@ def env_ids(env, tok, fmt) -> tuple[int, ...]:
   for index in [*range(len(env.train_rows)),
                 *(EVAL_OFFSET + j for j in range(len(env.heldout_rows)))]:
     task = env.task(index)
-    ids.update(fmt.prompt_ids(task.prompt, task.tools))
-    if index < EVAL_OFFSET and task.meta.get("completion"):
+    ids.update(fmt.prompt_ids(task.prompt, base.task_tools(task)))
+    if index < EVAL_OFFSET and base.task_meta(task).get("completion"):
       ids.update(int(t) for t in demonstration_trajectory(env, task, tok, fmt).tokens)
   ids.update(tok.special_id(t) for t in tok.added_tokens)
   for c in string.printable:

@@ -7,7 +7,7 @@ import string naming a user's factory:
     env.name = "path/to/my_env.py:make_env"    # a file, relative to the cwd
 
 The factory is called as `factory(**env.kwargs)` and returns an object with
-the `sao_jax.envs.base.Environment` protocol. Import strings are resolved
+the `sao_jax.envs.base.EnvironmentProtocol`. Import strings are resolved
 with `importlib` in whichever process builds the environment (the trainer,
 and each fleet rollout process), so nothing depends on a registration call
 having run in that process. `env.reward = "pkg.module:fn"` replaces the
@@ -19,6 +19,10 @@ Environments that execute model-written code are only made after
 machine; it refuses when model code would run unisolated, unless the config
 says `env.allow_unisolated = True`. A built-in declares this in its record;
 a user's environment is checked unless it declares `runs_code = False`.
+
+Every environment, built-in or a user's, is checked against the protocols
+of `sao_jax.envs.base` once built (`check_protocol`): a missing method, or
+a first task without `index` or `prompt`, fails here in one line.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import os
 from typing import Any, Callable
 
 from sao_jax.config import import_strings
-from sao_jax.envs import chat, sandbox
+from sao_jax.envs import base, chat, sandbox
 from sao_jax.envs.base import StepResult, Task
 from sao_jax.envs.code_fix import CodeFix, CodeFixConfig
 from sao_jax.envs.dataset import ToolBudget
@@ -183,11 +187,11 @@ def make_env(env_config):
   if import_strings.is_import_string(name):
     try:
       env = import_strings.resolve(name)(**kwargs)
-      _check_first_task(env)
     except Exception as e:  # pylint: disable=broad-except  # the user's code: one line
       raise ConfigError(f"env.name = {name!r}: building the environment failed: "
                         f"{import_strings.one_line(e)}") from None
-    if getattr(env, "runs_code", True):
+    check_protocol(env, f"env.name = {name!r}")
+    if base.runs_code(env):
       sandbox.check_isolation(allow, limits)
   else:
     spec = ENVIRONMENTS[name]
@@ -202,6 +206,7 @@ def make_env(env_config):
       env = spec.build(config, limits)
     except (ImportError, OSError, ValueError) as e:  # a missing package, file or row: one line
       raise ConfigError(f"env.name = {name!r}: {e}") from None
+    check_protocol(env, f"env.name = {name!r}")
   if hasattr(env, "tool_budget"):  # the built-ins that answer tool calls
     env.tool_budget = ToolBudget(int(env_config.get("tool_calls_per_turn", 0)),
                                  float(env_config.get("tool_seconds_per_turn", 0.0)),
@@ -212,13 +217,26 @@ def make_env(env_config):
   return env
 
 
-def _check_first_task(env) -> None:
-  """A user environment's `task(0)` is a Task (the driver and SFT need its prompt
-  and tools): checked at build time, not when SFT or rollout first meets it."""
-  task = env.task(0)
-  if not isinstance(task, Task):
-    raise TypeError(f"env.task(0) returned a {type(task).__name__}, not a "
-                    "sao_jax.envs.base.Task (index, prompt, answer, meta, tools)")
+def check_protocol(env, where: str) -> None:
+  """Raises ConfigError (one line) if `env` or its first task lacks a required member.
+
+  The environment's methods and the attributes of `env.task(0)` (a training
+  task: cheap, as the driver needs every `task` to be) are checked against
+  `sao_jax.envs.base`'s protocols when the environment is built, so that a
+  missing one fails here, naming the class, the member and what it should
+  be, not in whichever stage first reads it.
+  """
+  head = f"{where}: environment {base.class_path(env)}"
+  problem = base.environment_problem(env)
+  if problem is not None:
+    raise ConfigError(f"{head} {problem}")
+  try:
+    task = env.task(0)
+  except Exception as e:  # pylint: disable=broad-except  # the user's code: one line
+    raise ConfigError(f"{head}: task(0) failed: {import_strings.one_line(e)}") from None
+  problem = base.task_problem(task)
+  if problem is not None:
+    raise ConfigError(f"{head}: its tasks ({type(task).__name__}) have {problem}")
 
 
 # --- a replaced reward ---------------------------------------------------------------
@@ -238,16 +256,14 @@ class RewardOverride:
 
   def __init__(self, env, fn: Callable):
     self._env, self._fn = env, fn
-    self.name = f"{getattr(env, 'name', 'env')}+reward"
-    self.max_turns = env.max_turns
+    self.name = f"{base.env_name(env)}+reward"
 
-  def __getattr__(self, attr):  # task, demonstration, runs_code, num_eval_tasks, ...
+  def __getattr__(self, attr):  # task, demonstration, max_turns, runs_code, ...
     return getattr(self._env, attr)
 
   def frozen(self):
     """The frozen twin (online_style's evaluation view), with the same reward."""
-    inner = self._env.frozen() if hasattr(self._env, "frozen") else self._env
-    return RewardOverride(inner, self._fn)
+    return RewardOverride(base.frozen_view(self._env), self._fn)
 
   def episode(self, task: Task):
     return _OverriddenEpisode(self._env.episode(task), task, self._fn)

@@ -100,7 +100,7 @@ import numpy as np
 
 from sao_jax.config import sections
 from sao_jax.data.trajectory import ENV_FAULTS, FINISH_REASONS, Trajectory
-from sao_jax.envs import chat
+from sao_jax.envs import base, chat
 from sao_jax.envs.base import Action, Environment, GraderError, StepResult, Task
 from sao_jax.models import routing as routing_lib
 from sao_jax.rollout.engine import PolicyEngine
@@ -773,10 +773,10 @@ class RolloutDriver:
     """
     try:
       task = self.env.task(index)
-      if not isinstance(task, Task):
-        raise _Garbage(f"env.task returned a {type(task).__name__}, not a Task")
-      if isinstance(task.index, bool) or not isinstance(task.index, numbers.Integral):
-        raise _Garbage(f"task index is a {type(task.index).__name__}, not an int")
+      problem = base.task_problem(task)
+      if problem is not None:
+        raise _Garbage(f"env.task returned a {type(task).__name__} that is not a Task: "
+                       f"it has {problem}")
       prompt = self._prompt_ids(task)
       if len(prompt) >= self.max_len:
         raise _Garbage(f"a prompt of {len(prompt)} tokens leaves no room for an action "
@@ -910,7 +910,7 @@ class RolloutDriver:
       self._futures[f] = i
 
   def _prompt_ids(self, task: Task) -> list[int]:
-    return self.format.prompt_ids(_plain_prompt(task.prompt), _plain_tools(task.tools))
+    return self.format.prompt_ids(_plain_prompt(task.prompt), _plain_tools(base.task_tools(task)))
 
   def _action(self, task: Task, ids: list) -> Action:
     """One sampled turn as the environment sees it: its text and parsed tool calls.
@@ -924,7 +924,7 @@ class RolloutDriver:
     calls, errors, sequence = [], [], []
     for item in parsed.sequence:  # in the order the turn wrote them
       if isinstance(item, chat.ToolCall):
-        problem = chat.validate_call(item, task.tools)
+        problem = chat.validate_call(item, base.task_tools(task))
         if problem is not None:
           item = (problem, f"{item.name[:60]!r}: {problem}")
       (calls if isinstance(item, chat.ToolCall) else errors).append(item)

@@ -34,6 +34,7 @@ import numpy as np
 
 from sao_jax.data import files
 from sao_jax.data import prompts as prompt_data
+from sao_jax.envs import base
 from sao_jax.envs.base import StepResult
 
 
@@ -54,7 +55,7 @@ def pass_at_1(config, model_cfg, params, env, tokenizer, *, seed: int,
   from sao_jax.train import factories  # pylint: disable=g-import-not-at-top
   e = config.eval
   num_tasks, samples_per_task = e.num_tasks, e.samples_per_task
-  limit = getattr(env, "num_eval_tasks", None)
+  limit = base.num_eval_tasks(env)
   if limit is not None:
     num_tasks = min(num_tasks, int(limit))
   # One episode per prompt (a GRPO arm's groups are a training matter):

@@ -27,7 +27,7 @@ from sao_jax.data import files
 from sao_jax.config import sections
 from sao_jax.models import sharding
 from sao_jax.data.checkpoint import Checkpointer, abstract_like, committed_checkpoints
-from sao_jax.envs import registry
+from sao_jax.envs import base, registry
 from sao_jax.train.evaluation import evaluate_sets, set_environments
 from sao_jax.train.faults import FaultInjector
 from sao_jax.train.metrics import MetricsWriter
@@ -200,7 +200,7 @@ def build(config: ml_collections.ConfigDict) -> Run:
           "estimator_state": {}, "evals": {},
           # model.vocab_subset's head ids: a restore under other ids is refused.
           "vocab_ids": list(model_cfg.vocab_ids) or None}
-  frozen_env = env.frozen() if hasattr(env, "frozen") else env
+  frozen_env = base.frozen_view(env)
   return Run(config, tok, registry.make_format(config.env, tok), env, frozen_env, faults,
              model_cfg, step_cfg, mesh, p, rl_step, value_step, sft_step, state, meta,
              eval_envs=set_environments(config, frozen_env))

@@ -24,6 +24,7 @@ import numpy as np
 from sao_jax.train import distributed
 from sao_jax.data import files
 from sao_jax.data import store
+from sao_jax.envs import base
 from sao_jax.envs.demonstrations import demonstration_trajectory
 from sao_jax.train.metrics import progress
 from sao_jax.models import hf_import, policy
@@ -42,16 +43,15 @@ def sft(run: Run) -> None:
     steps = 0
   elif run.meta["stage_step"] == 0:  # a fresh SFT: the optimizer starts empty
     opt = jax.jit(run.programs.sft_tx.init, out_shardings=shardings.policy_opt)(policy_params)
-  # An environment whose tasks do not all have a demonstration (a dataset's
-  # rows without a solution) maps the draw onto those that do.
-  demo_task = getattr(run.env, "demonstration_task", run.env.task)
   for step in range(run.meta["stage_step"], steps):
     # Demonstrations of training tasks; the step index seeds the draw, so a
-    # resumed SFT sees the same data it would have.
+    # resumed SFT sees the same data it would have. An environment whose tasks do
+    # not all have a demonstration (a dataset's rows without a solution) maps the
+    # draw onto those that do (`demonstration_task`).
     idx = np.random.default_rng([config.seed, 2, step]).integers(
         0, config.data.num_train_tasks, c.batch_size)
-    trajs = [demonstration_trajectory(run.env, demo_task(int(i)), run.tok, run.format)
-             for i in idx]
+    tasks = [base.demonstration_task(run.env, int(i)) for i in idx]
+    trajs = [demonstration_trajectory(run.env, t, run.tok, run.format) for t in tasks]
     batch = run.pack(trajs, c.batch_size)
     with jax.set_mesh(run.mesh), nn.logical_axis_rules(run.rules):  # activation constraints
       policy_params, opt, m = run.sft_step(policy_params, opt, batch)

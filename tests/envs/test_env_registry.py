@@ -154,8 +154,8 @@ def test_a_broken_user_package_and_factory_fail_in_one_line(user_pkg, tmp_path):
                                 r"name 'nothing_here' .*bad\.py:2\)"),
       ("my_tasks.raising:make_env", r"building the environment failed: NameError: name "
                                     r"'undefined_helper' is not defined \(.*raising\.py:4\)"),
-      ("my_tasks.raising:no_tools", "building the environment failed: TypeError: env.task.0. "
-                                    "returned a T, not a sao_jax.envs.base.Task"),
+      ("my_tasks.raising:no_tools", "environment my_tasks.raising:NoTools has no method "
+                                    "'episode' .episode.task. -> a fresh Episode"),
   ]:
     with pytest.raises(configuration.ConfigError, match=message) as e:
       c = _config(**{"env.name": name})
