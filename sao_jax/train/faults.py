@@ -38,6 +38,7 @@ from typing import Callable
 
 import numpy as np
 
+from sao_jax.config import sections
 from sao_jax.data.trajectory import Trajectory
 
 
@@ -125,43 +126,39 @@ class _FaultyEnv:
     return _FaultyEpisode(self._env.episode(task), self._injector)
 
 
-@dataclasses.dataclass
 class FaultInjector:
-  """Built from the config's `faults` section (all zero: a no-op)."""
-  env_error_every: int = 0
-  env_garbage_every: int = 0
-  malformed_every: int = 0
-  nonfinite_every: int = 0
-  nonfinite_from_step: int = 0
-  rollout_crash_every: int = 0
-  sigkill_after_rl_step: int = 0
+  """The config's `faults` section (sections.Faults, every field 0: a no-op)
+  put to work: the schedules are the section's fields, read from it (this
+  class declares none of its own); the counters are what it injected."""
 
-  def __post_init__(self):
-    self.env_error = _Counter(self.env_error_every)
-    self.env_garbage = _Counter(self.env_garbage_every)
-    self.malformed = _Counter(self.malformed_every)
-    self.nonfinite = _Counter(self.nonfinite_every)
-    self.crash = _Counter(self.rollout_crash_every)
+  def __init__(self, spec: sections.Faults | None = None):
+    self.spec = spec or sections.Faults()
+    self.env_error = _Counter(self.spec.env_error_every)
+    self.env_garbage = _Counter(self.spec.env_garbage_every)
+    self.malformed = _Counter(self.spec.malformed_every)
+    self.nonfinite = _Counter(self.spec.nonfinite_every)
+    self.crash = _Counter(self.spec.rollout_crash_every)
     self._kinds = itertools.cycle(CORRUPTIONS)
     self.nonfinite_batches = 0
     self.malformed_accepted = 0
 
   @classmethod
   def from_config(cls, faults_config) -> "FaultInjector":
-    return cls(**dict(faults_config or {}))
+    """From the ConfigDict's `faults` section (checked like every section)."""
+    return cls(sections.Faults.from_config(faults_config))
 
   @property
   def active(self) -> bool:
-    return any(dataclasses.astuple(self))
+    return any(dataclasses.astuple(self.spec))
 
   def wrap_env(self, env):
-    if not (self.env_error_every or self.env_garbage_every):
+    if not (self.spec.env_error_every or self.spec.env_garbage_every):
       return env
     return _FaultyEnv(env, self)
 
   def wrap_emit(self, emit: Callable[[Trajectory], object], vocab_size: int):
     """`emit` as the rollout driver calls it, corrupting / crashing on schedule."""
-    if not (self.malformed_every or self.rollout_crash_every):
+    if not (self.spec.malformed_every or self.spec.rollout_crash_every):
       return emit
 
     def faulty_emit(t: Trajectory):
@@ -179,7 +176,7 @@ class FaultInjector:
 
   def poison_batch(self, step: int, batch: dict) -> dict:
     """A NaN reward on an action token of a packed batch, on schedule."""
-    late = self.nonfinite_from_step and step >= self.nonfinite_from_step
+    late = self.spec.nonfinite_from_step and step >= self.spec.nonfinite_from_step
     if not (late or self.nonfinite.hit()):
       return batch
     batch = dict(batch, rewards=np.array(batch["rewards"], copy=True))
@@ -191,7 +188,7 @@ class FaultInjector:
   def after_rl_step(self, step: int) -> None:
     """Ends the process with SIGKILL (nothing flushed, nothing cleaned up)
     once RL step `step` is done, on schedule."""
-    if self.sigkill_after_rl_step and step == self.sigkill_after_rl_step:
+    if self.spec.sigkill_after_rl_step and step == self.spec.sigkill_after_rl_step:
       print(f"[faults] SIGKILL after RL step {step}", flush=True)
       os.kill(os.getpid(), signal.SIGKILL)
 
