@@ -39,7 +39,6 @@ KNOWN_CIRCLES = [
      "sao_jax.train.distributed", "sao_jax.train.sources"],
 ]
 KNOWN_LONG = {
-    "sao_jax/envs/sandbox.py _run",
     "sao_jax/train/configuration.py validate",
 }
 
