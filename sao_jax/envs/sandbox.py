@@ -7,7 +7,8 @@ is untrusted: it may loop, fork, daemonize, fill memory, open sockets, read
 files, or signal any process it can reach.
 
 Three processes take part, all from one `python -I -S` that the trainer
-starts (the trainer itself never forks: it runs threads):
+starts (the trainer itself never forks: it runs threads), their code in
+sandbox_runner.py:
 
 * the supervisor makes itself a child subreaper, enters new network and IPC
   namespaces, unshares a PID namespace, forks, enforces the wall-clock limit
