@@ -18,16 +18,6 @@ PACKAGE = pathlib.Path(sao_jax.__file__).parent
 # Toy repositories shipped as data (their own packages, never imported by sao_jax).
 NOT_CODE = ("sao_jax/data/repo_corpus/",)
 
-# What the move into layers has not removed yet, listed exactly (issue 41's
-# closing note): a new violation fails, and so does a listed one that is
-# gone, so these lists only shrink. Empty them, do not extend them.
-KNOWN_UPWARD: set = set()
-KNOWN_CIRCLES: list = []
-KNOWN_LONG = {
-    "sao_jax/envs/sandbox.py _run",
-}
-
-
 def _modules() -> dict[str, pathlib.Path]:
   out = {}
   for path in sorted(PACKAGE.rglob("*.py")):
@@ -110,20 +100,15 @@ def test_every_module_has_a_layer():
 
 
 def test_no_import_arrow_goes_up():
-  up = {(m, t) for m, targets in _graph().items() if _layer(m) is not None
-        for t in targets if _layer(t) is not None and _layer(t) > _layer(m)}
-  new = [f"{m} ({LAYERS[_layer(m)]}) imports {t} ({LAYERS[_layer(t)]})"
-         for m, t in sorted(up - KNOWN_UPWARD)]
-  assert not new, "imports from a higher layer:\n  " + "\n  ".join(new)
-  assert not KNOWN_UPWARD - up, f"gone, drop from KNOWN_UPWARD: {sorted(KNOWN_UPWARD - up)}"
+  up = [f"{m} ({LAYERS[_layer(m)]}) imports {t} ({LAYERS[_layer(t)]})"
+        for m, targets in sorted(_graph().items()) if _layer(m) is not None
+        for t in sorted(targets) if _layer(t) is not None and _layer(t) > _layer(m)]
+  assert not up, "imports from a higher layer:\n  " + "\n  ".join(up)
 
 
 def test_no_import_circle():
   cycles = _cycles(_graph())
-  new = [c for c in cycles if c not in KNOWN_CIRCLES]
-  assert not new, "import circles:\n  " + "\n  ".join(" <-> ".join(c) for c in new)
-  gone = [c for c in KNOWN_CIRCLES if c not in cycles]
-  assert not gone, f"gone or changed, update KNOWN_CIRCLES: {gone}"
+  assert not cycles, "import circles:\n  " + "\n  ".join(" <-> ".join(c) for c in cycles)
 
 
 def test_the_walk_sees_deferred_and_relative_imports(tmp_path):
@@ -153,15 +138,12 @@ MAX_FUNCTION_LINES = 80
 
 def test_no_function_is_longer_than_80_lines():
   """A function that does not fit a screen does more than one thing (issue 41)."""
-  long, names = [], set()
-  for name, path in _modules().items():
+  long = []
+  for path in _modules().values():
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
       if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         lines = node.end_lineno - node.lineno + 1
-        where = f"{path.relative_to(PACKAGE.parent).as_posix()} {node.name}"
         if lines > MAX_FUNCTION_LINES:
-          names.add(where)
-          if where not in KNOWN_LONG:
-            long.append(f"{where} (line {node.lineno}, {lines} lines)")
+          long.append(f"{path.relative_to(PACKAGE.parent).as_posix()}:{node.lineno} "
+                      f"{node.name} ({lines})")
   assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n  " + "\n  ".join(sorted(long))
-  assert not KNOWN_LONG - names, f"now short, drop from KNOWN_LONG: {sorted(KNOWN_LONG - names)}"

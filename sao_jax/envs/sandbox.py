@@ -7,7 +7,8 @@ is untrusted: it may loop, fork, daemonize, fill memory, open sockets, read
 files, or signal any process it can reach.
 
 Three processes take part, all from one `python -I -S` that the trainer
-starts (the trainer itself never forks: it runs threads):
+starts (the trainer itself never forks: it runs threads), their code in
+sandbox_runner.py:
 
 * the supervisor makes itself a child subreaper, enters new network and IPC
   namespaces, unshares a PID namespace, forks, enforces the wall-clock limit
@@ -129,291 +130,17 @@ import tempfile
 import threading
 import time
 
-# The supervisor, init and model process (see the module docstring). One
-# script, run by `python -I -S -c`, preceded by a line `lim = {...}`; the
-# supervisor and the init always leave through os._exit, so only the model
-# process reaches the `exec` at the end, at the top level, where exceptions,
-# sys.exit, threads and atexit behave as in any script. Kept free of imports
-# that would touch the filesystem after the chroot.
-_RUNNER = r'''
-import os, resource, signal, sys, time
-code = open("code.py", encoding="utf-8").read()
-script = os.path.abspath("code.py")
-# Preloaded so that model code can use them after the chroot; the network
-# namespace, not a missing module, is what keeps sockets from connecting.
-import math, socket
-# A caller's extra modules (`run_python(preload=...)`), for the same reason.
-name = None
-for name in lim["preload"]:
-  try:
-    __import__(name)
-  except ImportError:
-    pass
-LINUX = sys.platform.startswith("linux")
-if LINUX:
-  import ctypes
-  libc = ctypes.CDLL(None, use_errno=True)
-  def prctl(*args):
-    args = args + (0,) * (5 - len(args))
-    return libc.prctl(*[ctypes.c_ulong(a) for a in args])
-NEWNS, NEWIPC, NEWUSER = 0x20000, 0x8000000, 0x10000000
-NEWPID, NEWNET = 0x20000000, 0x40000000
-uid = lim["uid"]
-report = lim["report_fd"]
-applied = []
+# The supervisor, init and model process (see the module docstring) are one
+# script, sandbox_runner.py next to this file, run by `python -I -S -c` with a
+# last line `exec(*main({...}))` added (see that file's docstring).
+_RUNNER_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_runner.py")
 
-def setlim(which, value, hard=None):
-  try:
-    resource.setrlimit(which, (value, value if hard is None else hard))
-  except (ValueError, OSError):
-    pass
 
-pidns = userns = False
-# A shell's filesystem (`Workspace`): bind mounts into the chroot, made in a
-# mount namespace of the supervisor's before the model process forks. Not
-# possible -> the model process does not run the command, and says why.
-mount_error = "mount namespace refused or switched off" if lim["binds"] else ""
-
-def mount_binds(have_namespace):
-  if not have_namespace:
-    return "mount namespace refused: " + os.strerror(ctypes.get_errno())
-  ms_rdonly, ms_nosuid, ms_nodev, ms_noexec = 1, 2, 4, 8
-  ms_remount, ms_bind, ms_rec, ms_private = 32, 4096, 16384, 1 << 18
-  # Flags of a mount that a user namespace may not clear on a bind's remount.
-  locked = {1: ms_rdonly, 2: ms_nosuid, 4: ms_nodev, 8: ms_noexec, 1024: 1024, 2048: 2048,
-            4096: 1 << 21}
-  libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
-                         ctypes.c_void_p)
-  # First, nothing mounted here may propagate back to the trainer's namespace.
-  if libc.mount(b"none", b"/", None, ms_rec | ms_private, None) != 0:
-    return "making mounts private failed: " + os.strerror(ctypes.get_errno())
-  for source, target, writable, required in lim["binds"]:
-    if libc.mount(source.encode(), target.encode(), None, ms_bind | ms_rec, None) != 0:
-      if required:
-        return f"bind mount of {source} failed: " + os.strerror(ctypes.get_errno())
-      continue
-    flags = ms_bind | ms_remount | ms_nosuid | (0 if writable else ms_rdonly)
-    try:
-      have = os.statvfs(source).f_flag
-    except OSError:
-      have = 0
-    flags |= sum(v for k, v in locked.items() if have & k)
-    if libc.mount(None, target.encode(), None, flags, None) != 0 and required:
-      return f"read-only remount of {source} failed: " + os.strerror(ctypes.get_errno())
-  applied.append("mounts")
-  return ""
-
-if LINUX:
-  if prctl(36, 1) == 0:  # PR_SET_CHILD_SUBREAPER
-    applied.append("subreaper")
-  if lim["isolate"] and uid is not None:  # root
-    if libc.unshare(NEWNET | NEWIPC) == 0:
-      applied += ["netns", "ipcns"]
-    elif libc.unshare(NEWNET) == 0:
-      applied.append("netns")
-    if lim["pidns"] and libc.unshare(NEWPID) == 0:
-      pidns = True
-    if lim["binds"] and lim["mountns"]:
-      mount_error = mount_binds(libc.unshare(NEWNS) == 0)
-  elif lim["isolate"]:
-    euid, egid = os.geteuid(), os.getegid()
-    newns = NEWNS if lim["binds"] and lim["mountns"] else 0
-    if libc.unshare(NEWUSER | NEWNET | NEWIPC | newns | (NEWPID if lim["pidns"] else 0)) == 0:
-      pidns, userns = lim["pidns"], True  # with every capability in the new user namespace
-      applied += ["netns", "ipcns"]
-      try:
-        for name, text in (("setgroups", "deny"), ("uid_map", f"{euid} {euid} 1"),
-                           ("gid_map", f"{egid} {egid} 1")):
-          with open(f"/proc/self/{name}", "w") as f:
-            f.write(text)
-        applied.append("userns")
-      except OSError:
-        pass
-      if newns:
-        mount_error = mount_binds(True)
-  # Not dumpable (after the maps above: it makes /proc/self root's): the model
-  # process cannot ptrace the supervisor or the init, which keep capabilities
-  # in a user namespace.
-  prctl(4, 0)  # PR_SET_DUMPABLE
-
-rfd, wfd = os.pipe()  # init and model process -> supervisor
-child = os.fork()  # in a new PID namespace, the init: its PID 1
-if child:
-  # --- the supervisor --------------------------------------------------------
-  os.close(wfd)
-  timed_out = []
-  def on_alarm(signum, frame):
-    timed_out.append(True)
-    try:  # not reaped yet (WNOWAIT below), so the pid is still ours
-      os.kill(child, signal.SIGKILL)
-    except OSError:
-      pass
-  signal.signal(signal.SIGALRM, on_alarm)
-  signal.setitimer(signal.ITIMER_REAL, lim["wall_seconds"])
-  if hasattr(os, "waitid"):
-    os.waitid(os.P_PID, child, os.WEXITED | os.WNOWAIT)
-  else:
-    while os.waitpid(child, os.WNOHANG) == (0, 0):
-      time.sleep(0.005)
-  signal.setitimer(signal.ITIMER_REAL, 0)
-  signal.signal(signal.SIGALRM, signal.SIG_IGN)
-  status = None
-  try:
-    _, status = os.waitpid(child, 0)
-  except ChildProcessError:
-    pass
-  if pidns:
-    status = None  # the init's; the model process's comes through the pipe
-    applied.append("pidns")
-  # Nothing of the sandbox may outlive this call.
-  clean = True
-  if uid is not None and LINUX:
-    try:  # as the uid, without losing root: kill() then hits that uid only
-      os.setresuid(uid, uid, 0)
-    except OSError:  # not a valid uid here: the model process never ran
-      pass
-    else:
-      try:
-        os.kill(-1, signal.SIGKILL)
-      except OSError:
-        pass
-      os.setresuid(0, 0, 0)
-  if LINUX and uid is None and not pidns:  # no uid of its own: find descendants
-    me = str(os.getpid()).encode()
-    while True:
-      for name in os.listdir("/proc"):
-        try:
-          with open(f"/proc/{name}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
-          continue
-        if fields[1] == me:  # our child: only we can reap it, so the pid is safe
-          try:
-            os.kill(int(name), signal.SIGKILL)
-          except OSError:
-            pass
-      try:
-        if os.waitpid(-1, os.WNOHANG) == (0, 0):
-          time.sleep(0.001)
-      except ChildProcessError:
-        break
-  elif not LINUX:
-    try:
-      os.killpg(child, signal.SIGKILL)
-    except OSError:
-      pass
-  while True:  # reap everything reparented to us
-    try:
-      os.waitpid(-1, 0)
-    except ChildProcessError:
-      break
-  if uid is not None and LINUX and not pidns:
-    # Without a PID namespace, confirm that no process of the uid is left
-    # (kill(-1) cannot tell: it succeeds even if it signalled nothing).
-    me = str(uid)
-    for name in os.listdir("/proc"):
-      try:
-        with open(f"/proc/{name}/status", "rb") as f:
-          line = next(x for x in f if x.startswith(b"Uid:"))
-      except (OSError, StopIteration):
-        continue
-      if me.encode() in line.split()[1:]:
-        clean = False
-  data = b""
-  while True:
-    chunk = os.read(rfd, 4096)
-    if not chunk:
-      break
-    data += chunk
-  for line in data.decode().splitlines():
-    key, _, value = line.partition(" ")
-    if key == "applied":
-      applied = [x for x in value.split(",") if x]
-      if pidns:
-        applied.append("pidns")
-    elif key == "status" and pidns:
-      status = int(value)
-  if timed_out:
-    rc = -signal.SIGKILL
-  elif status is None:
-    rc = -signal.SIGKILL
-  else:
-    rc = os.waitstatus_to_exitcode(status)
-  os.write(report, ("rc %d\ntimed_out %d\nclean %d\napplied %s\nmount_error %s\n" % (
-      rc, bool(timed_out), clean, ",".join(sorted(set(applied))),
-      " ".join(mount_error.split()))).encode())
-  os._exit(0)
-
-os.close(rfd)
-os.close(report)
-if pidns:
-  # --- the init: PID 1 of the sandbox's PID namespace ------------------------
-  # Its exit makes the kernel kill and reap everything else in the namespace.
-  prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the supervisor
-  signal.signal(signal.SIGINT, signal.SIG_DFL)
-  model = os.fork()
-  if model:
-    while True:
-      try:
-        pid, status = os.waitpid(-1, 0)
-      except ChildProcessError:
-        os._exit(0)
-      if pid == model:
-        os.write(wfd, b"status %d\n" % status)
-        os._exit(0)
-
-# --- the model process ---------------------------------------------------------
-if lim["isolate"] and LINUX:
-  if mount_error:  # a shell without its mounts is never run unconfined
-    os.write(2, ("sandbox: the shell's mounts failed (%s); the command was not run\n"
-                 % mount_error).encode())
-    os._exit(126)
-  try:
-    os.chroot(".")
-    os.chdir(lim["cwd"] or "/")
-    applied.append("chroot")
-  except OSError:
-    pass
-  if uid is not None:
-    try:
-      os.setgroups([])
-      os.setresgid(uid, uid, uid)
-      os.setresuid(uid, uid, uid)
-      applied.append("uid_pool")
-    except OSError:
-      os._exit(120)  # never run model code as root
-  elif userns:
-    cap = 0
-    while prctl(24, cap) == 0:  # PR_CAPBSET_DROP, until EINVAL past the last
-      cap += 1
-    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
-    if libc.capset(header, (ctypes.c_uint32 * 6)()) != 0:
-      os._exit(121)  # never run model code with capabilities
-if lim["host_cwd"] and "chroot" not in applied:
-  os.chdir(lim["host_cwd"])  # isolation switched off: the shell runs in the workspace itself
-if LINUX:
-  prctl(38, 1)  # PR_SET_NO_NEW_PRIVS
-elif not pidns:
-  os.setpgid(0, 0)  # so that the supervisor can kill the group
-# Soft < hard: SIGXCPU at the soft limit, so the kill is reported as such.
-setlim(resource.RLIMIT_CPU, lim["cpu_seconds"], lim["cpu_seconds"] + 1)
-setlim(resource.RLIMIT_FSIZE, lim["max_file_bytes"])
-setlim(resource.RLIMIT_NOFILE, lim["max_open_files"])
-setlim(resource.RLIMIT_NPROC, lim["max_processes"])
-setlim(resource.RLIMIT_AS, lim["memory_bytes"])
-os.write(wfd, ("applied " + ",".join(applied) + "\n").encode())
-os.close(wfd)
-if lim["argv"]:  # a shell command (`run_shell`), not Python: the script is code.py
-  try:
-    os.execve(lim["argv"][0], lim["argv"] + ["/code.py" if "chroot" in applied else script],
-              lim["env"])
-  except OSError as e:
-    os.write(2, f"sandbox: cannot run {lim['argv'][0]}: {e.strerror}\n".encode())
-    os._exit(127)
-g = {"__name__": "__main__", "__builtins__": __builtins__}
-del lim, uid, report, applied, setlim, rfd, wfd, child, pidns, userns, name
-exec(compile(code, "<tool>", "exec"), g)
-'''
+@functools.lru_cache(maxsize=1)
+def _runner() -> str:
+  """The runner's text (read by path: this module also runs loaded from its file alone)."""
+  with open(_RUNNER_PATH, encoding="utf-8") as f:
+    return f.read()
 
 # Default uid range of the pool (inclusive); see the module docstring.
 DEFAULT_UIDS = (60160, 61183)
@@ -721,102 +448,145 @@ def _unmount_points(workdir: str, binds: list) -> bool:
   return ok
 
 
+@dataclasses.dataclass
+class _Progress:
+  """How far a call got, which its cleanup needs to know.
+
+  The mount points made ready (removed at the end), whether the supervisor
+  started, and whether it reported that no process of the uid is left (else
+  the uid is quarantined).
+  """
+  binds: list = dataclasses.field(default_factory=list)
+  started: bool = False
+  clean: bool = False
+
+
 def _run(code: str, limits: SandboxLimits, preload: tuple, workspace: Workspace | None,
          argv: tuple | None = None, env: dict | None = None) -> SandboxResult:
+  """One call: its directory and uid, the runner, the result; then the cleanup."""
   start = time.monotonic()
   linux = sys.platform.startswith("linux")
   isolate = bool(limits.isolate and linux)
   pool = _uid_pool() if isolate and os.geteuid() == 0 else None
   workdir = tempfile.mkdtemp(prefix="sao_sandbox_")
   uid = None
-  started = clean = False
-  binds = []
+  progress = _Progress()
   try:
     uid = pool.lease() if pool else None
-    os.chmod(workdir, 0o755)
-    with open(os.path.join(workdir, "code.py"), "w", encoding="utf-8") as f:
-      f.write(code)
-    out_path = os.path.join(workdir, "out.txt")
-    err_path = os.path.join(workdir, "err.txt")
-    cwd = host_cwd = ""
-    if workspace is not None:
-      host_cwd = os.path.realpath(workspace.directory)
-      if isolate:
-        binds = _system_binds(workdir, tuple(workspace.hide))
-        cwd = "/" + workspace.path.strip("/")
-        os.makedirs(workdir + cwd, mode=0o755)
-        binds.append((host_cwd, workdir + cwd, True, True))
-        if uid is not None:
-          _hand_to(host_cwd, uid)
+    cwd, host_cwd = _prepare(workdir, code, workspace, isolate, uid, progress)
     lim = dataclasses.asdict(limits)
-    rfd, wfd = os.pipe()
-    lim.update(isolate=isolate, uid=uid, report_fd=wfd, pidns=_PIDNS, preload=tuple(preload),
-               mountns=_MOUNTNS, binds=binds, cwd=cwd, host_cwd=host_cwd,
+    lim.update(isolate=isolate, uid=uid, report_fd=None, pidns=_PIDNS, preload=tuple(preload),
+               mountns=_MOUNTNS, binds=progress.binds, cwd=cwd, host_cwd=host_cwd,
                argv=list(argv or ()), env=env or {})
-    runner = f"lim = {lim!r}\n" + _RUNNER
-    timed_out = False
-    try:
-      with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", runner], cwd=workdir, env={},
-            stdin=subprocess.DEVNULL, stdout=out, stderr=err if workspace is None else out,
-            start_new_session=True,
-            close_fds=True, pass_fds=(wfd,))
-      started = True
-      os.close(wfd)
-      wfd = -1
-      try:
-        _wait(proc, limits.wall_seconds + _GRACE_SECONDS)
-      except subprocess.TimeoutExpired:  # the supervisor itself is stuck
-        timed_out = True
-        try:
-          os.killpg(proc.pid, signal.SIGKILL)  # not reaped yet: still its group
-        except OSError:
-          pass
-        proc.wait()
-        if uid is not None:
-          _kill_uid(uid)
-      report = b""
-      while True:
-        chunk = os.read(rfd, 4096)
-        if not chunk:
-          break
-        report += chunk
-    finally:
-      os.close(rfd)
-      if wfd >= 0:
-        os.close(wfd)
-    fields = dict(line.partition(" ")[::2] for line in report.decode().splitlines())
-    rc = int(fields.get("rc", proc.returncode or -signal.SIGKILL))
-    timed_out = timed_out or fields.get("timed_out") == "1"
-    clean = fields.get("clean") == "1"
-    isolation = tuple(x for x in fields.get("applied", "").split(",") if x)
-    mount_error = fields.get("mount_error", "") if binds else ""
-    stdout = _read_head(out_path, limits.max_output_chars)
-    lines = _read_head(err_path, 20_000).splitlines()
-    error = lines[-1] if lines else ""
-    if workspace is not None:  # a shell's stderr went to its output, in order
-      error = ""
-    if timed_out:
-      error = f"killed: wall-clock limit {limits.wall_seconds:g}s"
-    elif rc < 0:
-      error = _SIGNAL_NOTES.get(-rc, f"killed: signal {-rc}")
-    elif rc in (120, 121) and not lines:
-      error = "sandbox: could not drop privileges"
-    return SandboxResult(stdout=stdout, error=error[:limits.max_output_chars],
-                         returncode=rc, timed_out=timed_out,
-                         seconds=time.monotonic() - start, isolation=isolation,
-                         mount_error=mount_error)
+    report, returncode, timed_out = _launch(workdir, lim, limits, workspace is None, progress)
+    return _result(report, returncode, timed_out, workdir, limits, workspace, start, progress)
   finally:
     if uid is not None:
-      if clean or not started:
+      if progress.clean or not progress.started:
         pool.release(uid)
       else:
         pool.quarantine(uid)
-    if _unmount_points(workdir, binds):
+    if _unmount_points(workdir, progress.binds):
       shutil.rmtree(workdir, ignore_errors=True)
     else:  # never delete through a mount that is somehow still there
       _log(f"WARNING: {workdir} still has a mount; left in place")
+
+
+def _prepare(workdir: str, code: str, workspace: Workspace | None, isolate: bool,
+             uid: int | None, progress: _Progress) -> tuple[str, str]:
+  """Writes the code into `workdir` and, for a shell, prepares its mounts.
+
+  Returns the shell's working directory in the chroot and on the host ("" for
+  Python); the mounts go into `progress.binds` as they are made ready.
+  """
+  os.chmod(workdir, 0o755)
+  with open(os.path.join(workdir, "code.py"), "w", encoding="utf-8") as f:
+    f.write(code)
+  cwd = host_cwd = ""
+  if workspace is not None:
+    host_cwd = os.path.realpath(workspace.directory)
+    if isolate:
+      progress.binds = _system_binds(workdir, tuple(workspace.hide))
+      cwd = "/" + workspace.path.strip("/")
+      os.makedirs(workdir + cwd, mode=0o755)
+      progress.binds.append((host_cwd, workdir + cwd, True, True))
+      if uid is not None:
+        _hand_to(host_cwd, uid)
+  return cwd, host_cwd
+
+
+def _launch(workdir: str, lim: dict, limits: SandboxLimits, stderr_apart: bool,
+            progress: _Progress) -> tuple[bytes, int, bool]:
+  """Runs the runner with `lim` and waits for it; (its report, exit status, timed out).
+
+  Output goes to out.txt in `workdir`, stderr to err.txt (`stderr_apart`) or to
+  the output. Should the supervisor hang past the grace period, it and every
+  process of the uid are killed here.
+  """
+  rfd, wfd = os.pipe()
+  lim["report_fd"] = wfd
+  runner = _runner() + f"\nexec(*main({lim!r}))\n"
+  timed_out = False
+  try:
+    with (open(os.path.join(workdir, "out.txt"), "wb") as out,
+          open(os.path.join(workdir, "err.txt"), "wb") as err):
+      proc = subprocess.Popen(
+          [sys.executable, "-I", "-S", "-c", runner], cwd=workdir, env={},
+          stdin=subprocess.DEVNULL, stdout=out, stderr=err if stderr_apart else out,
+          start_new_session=True,
+          close_fds=True, pass_fds=(wfd,))
+    progress.started = True
+    os.close(wfd)
+    wfd = -1
+    try:
+      _wait(proc, limits.wall_seconds + _GRACE_SECONDS)
+    except subprocess.TimeoutExpired:  # the supervisor itself is stuck
+      timed_out = True
+      try:
+        os.killpg(proc.pid, signal.SIGKILL)  # not reaped yet: still its group
+      except OSError:
+        pass
+      proc.wait()
+      if lim["uid"] is not None:
+        _kill_uid(lim["uid"])
+    report = b""
+    while True:
+      chunk = os.read(rfd, 4096)
+      if not chunk:
+        break
+      report += chunk
+  finally:
+    os.close(rfd)
+    if wfd >= 0:
+      os.close(wfd)
+  return report, proc.returncode, timed_out
+
+
+def _result(report: bytes, returncode: int, timed_out: bool, workdir: str,
+            limits: SandboxLimits, workspace: Workspace | None, start: float,
+            progress: _Progress) -> SandboxResult:
+  """The result from the supervisor's report and the output files in `workdir`."""
+  fields = dict(line.partition(" ")[::2] for line in report.decode().splitlines())
+  rc = int(fields.get("rc", returncode or -signal.SIGKILL))
+  timed_out = timed_out or fields.get("timed_out") == "1"
+  progress.clean = fields.get("clean") == "1"
+  isolation = tuple(x for x in fields.get("applied", "").split(",") if x)
+  mount_error = fields.get("mount_error", "") if progress.binds else ""
+  stdout = _read_head(os.path.join(workdir, "out.txt"), limits.max_output_chars)
+  lines = _read_head(os.path.join(workdir, "err.txt"), 20_000).splitlines()
+  error = lines[-1] if lines else ""
+  if workspace is not None:  # a shell's stderr went to its output, in order
+    error = ""
+  if timed_out:
+    error = f"killed: wall-clock limit {limits.wall_seconds:g}s"
+  elif rc < 0:
+    error = _SIGNAL_NOTES.get(-rc, f"killed: signal {-rc}")
+  elif rc in (120, 121) and not lines:
+    error = "sandbox: could not drop privileges"
+  return SandboxResult(stdout=stdout, error=error[:limits.max_output_chars],
+                       returncode=rc, timed_out=timed_out,
+                       seconds=time.monotonic() - start, isolation=isolation,
+                       mount_error=mount_error)
 
 
 def _wait(proc: subprocess.Popen, timeout: float) -> None:
