@@ -233,8 +233,8 @@ def tunix_train_fn(model, example, eps_low=0.2, eps_high=0.28):
 
 def sao_train_fn(cfg, params, batch, eps_low=0.2, eps_high=0.28):
   """A closure running one sao-jax actor update per call (state donated)."""
-  step_cfg = ts.StepConfig(advantage="group", policy_loss="ppo_clip", eps_low=eps_low,
-                           eps_high=eps_high)
+  step_cfg = ts.StepConfig.of(advantage="group", policy_loss="ppo_clip", eps_low=eps_low,
+                              eps_high=eps_high)
   tx = optax.adamw(LR)
   fn = jax.jit(ts.make_train_step(cfg, step_cfg, tx, optax.identity()), donate_argnums=(0,))
   p = jax.tree.map(jnp.copy, params)

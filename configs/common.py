@@ -5,8 +5,6 @@ sharding, distributed, data, sft, value_pretrain, rollout, rl, fleet, pod, eval,
 logging, checkpoint, faults), where each field is documented and checked.
 """
 
-import ml_collections
-
 from sao_jax.config import sections
 
 # The default logical-axis rules (data parallel), under the name tests use.
@@ -14,13 +12,8 @@ DATA_PARALLEL_RULES = sections.DATA_PARALLEL_RULES
 
 
 def get_config():
-  c = ml_collections.ConfigDict()
-  # Seeds model init, prompt order, sampling.
-  c.seed = 0
-  # Steps between metrics lines / JSONL records.
-  c.log_every = 10
-  # Write TensorBoard event files beside metrics.jsonl.
-  c.tensorboard = True
+  # The top-level fields: seed, log_every, tensorboard (sections.TopLevel).
+  c = sections.TopLevel.defaults()
   # The typed sections (sao_jax/config/sections.py) hold each field's default, its
   # documentation and its check; read them there.
   c.distributed = sections.Distributed.defaults()

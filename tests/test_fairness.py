@@ -30,7 +30,7 @@ def test_action_span_is_where_token_gae_reads_values():
 
 def test_token_gae_critic_is_regressed_on_the_observations_it_bootstraps_through():
   values = jnp.asarray(np.random.default_rng(0).normal(size=ACTION.shape), jnp.float32)
-  a, ret, value_mask = compute_advantages(StepConfig(advantage="token_gae"), values, _batch())
+  a, ret, value_mask = compute_advantages(StepConfig.of(advantage="token_gae"), values, _batch())
   np.testing.assert_array_equal(value_mask, SPAN)
   observation = SPAN & ~ACTION
   assert observation.any()
@@ -38,15 +38,15 @@ def test_token_gae_critic_is_regressed_on_the_observations_it_bootstraps_through
   assert np.all(np.asarray(ret)[~SPAN] == 0)
   assert np.all(np.asarray(a)[~ACTION] == 0)
   # The skip-observation arm trains on action tokens only.
-  _, _, skip_mask = compute_advantages(StepConfig(advantage="value"), values, _batch())
+  _, _, skip_mask = compute_advantages(StepConfig.of(advantage="value"), values, _batch())
   np.testing.assert_array_equal(skip_mask, ACTION)
 
 
 @pytest.mark.parametrize("arm", ["value", "token_gae", "step_gae_mean", "step_gae_last"])
 def test_critic_lambda_one_gives_monte_carlo_targets_and_keeps_the_actor(arm):
   values = jnp.asarray(np.random.default_rng(1).normal(size=ACTION.shape), jnp.float32)
-  base = compute_advantages(StepConfig(advantage=arm, lam=0.9), values, _batch())
-  mc = compute_advantages(StepConfig(advantage=arm, lam=0.9, critic_lam=1.0), values, _batch())
+  base = compute_advantages(StepConfig.of(advantage=arm, lam=0.9), values, _batch())
+  mc = compute_advantages(StepConfig.of(advantage=arm, lam=0.9, critic_lam=1.0), values, _batch())
   np.testing.assert_allclose(mc[0], base[0])  # the actor's advantages do not change
   if arm == "value":  # gamma 1, lambda 1: the return is the sum of later rewards
     expect = np.where(ACTION, [[1, 1, 1, 1, 0, 0, 0, 1, 1, 0, 0, .5, .5, 0]], 0)

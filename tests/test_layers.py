@@ -147,3 +147,25 @@ def test_no_function_is_longer_than_80_lines():
           long.append(f"{path.relative_to(PACKAGE.parent).as_posix()}:{node.lineno} "
                       f"{node.name} ({lines})")
   assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n  " + "\n  ".join(sorted(long))
+
+
+# Where a ConfigDict may still be held: the flag edge. sections builds the
+# defaults configs/common.py starts from and reads a loaded config;
+# configuration is the launch scripts' edge (flag errors, `--set` fields);
+# trainer and run take the flags' config (config.json, run.build loads it).
+CONFIGDICT_EDGE = {"sao_jax.config.sections", "sao_jax.train.configuration",
+                   "sao_jax.train.trainer", "sao_jax.train.run"}
+
+
+def test_the_configdict_stops_at_the_flag_edge():
+  """Below run.build everything reads the typed sections (issue 41)."""
+  holders = set()
+  for name, path in _modules().items():
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      if isinstance(node, ast.Import) and any(a.name.startswith("ml_collections")
+                                              for a in node.names):
+        holders.add(name)
+      elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ml_collections"):
+        holders.add(name)
+  assert holders <= CONFIGDICT_EDGE, (
+      f"ml_collections imported below the flag edge: {sorted(holders - CONFIGDICT_EDGE)}")

@@ -382,7 +382,7 @@ def _step_gae(step_value):
 
 def _group_baseline(state, rewards, group_ids, rl_config):
   adv = group_advantages(jnp.asarray(rewards), jnp.asarray(group_ids),
-                         std_normalize=rl_config.get("group_std_normalize", True))
+                         std_normalize=rl_config.group_std_normalize)
   return state, np.asarray(adv)
 
 

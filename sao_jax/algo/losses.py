@@ -569,9 +569,14 @@ POLICY_LOSSES = {
 }
 
 # The keyword options the train step offers every policy loss: the packed
-# batch's segment ids, and StepConfig's fields of the same names.
-POLICY_LOSS_OPTIONS = ("segment_ids", "rollout_kl_coef", "rollout_kl_estimator",
-                       "rollout_kl_reduction", "corrective_side", "geo_eps_low", "geo_eps_high")
+# batch's segment ids, and the rl section's fields of the same names.
+BATCH_OPTIONS = ("segment_ids",)
+CONFIG_OPTIONS = ("rollout_kl_coef", "rollout_kl_estimator", "rollout_kl_reduction",
+                  "corrective_side", "geo_eps_low", "geo_eps_high")
+POLICY_LOSS_OPTIONS = BATCH_OPTIONS + CONFIG_OPTIONS
+
+# The inputs every policy loss takes first, positionally.
+_LOSS_INPUTS = 6
 
 
 def policy_loss(name: str):
@@ -579,6 +584,20 @@ def policy_loss(name: str):
   if name not in POLICY_LOSSES:
     raise ValueError(f"policy_loss {name!r} is unknown; known: {sorted(POLICY_LOSSES)}")
   return POLICY_LOSSES[name]
+
+
+def check_policy_loss(name: str) -> None:
+  """Raises ValueError (one line) when the policy loss `name` takes a keyword
+  option that the train step does not offer (not in POLICY_LOSS_OPTIONS): it
+  would run at the loss's own default whatever the config says."""
+  params = list(inspect.signature(policy_loss(name)).parameters.values())[_LOSS_INPUTS:]
+  unknown = [p.name for p in params
+             if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+             and p.name not in POLICY_LOSS_OPTIONS]
+  if unknown:
+    raise ValueError(f"policy loss {name!r} takes {unknown}, which the train step does not "
+                     f"offer (losses.POLICY_LOSS_OPTIONS = {POLICY_LOSS_OPTIONS}): add each to "
+                     "CONFIG_OPTIONS and declare it in the rl section")
 
 
 def call_policy_loss(fn, logp, rollout_logp, advantages, action_mask, eps_low, eps_high,

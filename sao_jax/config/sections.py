@@ -190,12 +190,17 @@ class Section:
       check = f.metadata.get("check")
       value = getattr(self, f.name)
       if check is not None and not check.ok(value):
-        fail(f"{self.NAME}.{f.name}", value, check.describe())
+        fail(self.field_name(f.name), value, check.describe())
     self.check_together()
 
   def check_together(self) -> None:
     """Rules between fields of this section (override); cross-section rules
     live in configuration.validate."""
+
+  @classmethod
+  def field_name(cls, field: str) -> str:
+    """The dotted name of `field` in a config ("rl.steps"; "seed" at the top)."""
+    return f"{cls.NAME}.{field}" if cls.NAME else field
 
   def replace(self, **changes) -> "Section":
     """A copy with `changes`, checked again."""
@@ -209,10 +214,20 @@ class Section:
       try:
         value = node[f.name]
       except (KeyError, AttributeError):
-        raise ConfigError(f"{cls.NAME}.{f.name}: missing; configs derive from "
+        raise ConfigError(f"{cls.field_name(f.name)}: missing; configs derive from "
                           "configs/common.py, which defines it") from None
       kwargs[f.name] = _plain(value)
     return cls(**kwargs)
+
+  @classmethod
+  def of(cls, node) -> "Section":
+    """This section's record from a record (returned as is), a ConfigDict or a
+    dict that may leave fields out (they take the record's defaults): for
+    callers that hold one section, not a whole config (tools, tests)."""
+    if isinstance(node, cls):
+      return node
+    items = node.items() if hasattr(node, "items") else dict(node).items()
+    return cls(**{k: _plain(v) for k, v in items})
 
   @classmethod
   def defaults(cls) -> ml_collections.ConfigDict:
@@ -657,6 +672,18 @@ class RL(Section):
     if estimator.uses_critic and self.critic_updates < 1:
       fail("rl.critic_updates", self.critic_updates,
            f">= 1 with rl.advantage = {self.advantage!r}")
+    # A loss option is set here or nowhere: one the loss takes that the train
+    # step does not offer, or one offered that this section lacks, would
+    # run at a default no config can change.
+    from sao_jax.algo import losses  # pylint: disable=g-import-not-at-top
+    try:
+      losses.check_policy_loss(self.policy_loss)
+    except ValueError as e:
+      raise ConfigError(f"rl.policy_loss = {self.policy_loss!r}: {e}") from None
+    missing = [k for k in losses.CONFIG_OPTIONS if not hasattr(self, k)]
+    if missing:
+      raise ConfigError(f"losses.CONFIG_OPTIONS {missing}: not fields of the rl section "
+                        "(sao_jax/config/sections.py RL); declare each here")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -880,6 +907,15 @@ class Faults(Section):
       "save possibly still in flight: a kill at a known step.", integer(0, note=" (0: off)"))
 
 
+@dataclasses.dataclass(frozen=True)
+class TopLevel(Section):
+  """The run-wide fields at the config's top level (no section of their own)."""
+  NAME: ClassVar[str] = ""
+  seed: int = knob(0, "Seeds model init, prompt order, sampling.", integer())
+  log_every: int = knob(10, "Steps between metrics lines / JSONL records.", integer(1))
+  tensorboard: bool = knob(True, "Write TensorBoard event files beside metrics.jsonl.", BOOL)
+
+
 # The typed sections of a run's config, by attribute name.
 SECTIONS: dict[str, type[Section]] = {
     s.NAME: s for s in (Model, Env, Sharding, Distributed, Data, SFT, ValuePretrain, Rollout,
@@ -888,7 +924,9 @@ SECTIONS: dict[str, type[Section]] = {
 
 @dataclasses.dataclass(frozen=True)
 class Sections:
-  """A config's typed sections (`load`)."""
+  """A run's config, typed and checked (`load`): what everything below the
+  flag edge reads. The ConfigDict stays at that edge (launch/, experiments'
+  `--set`, config.json); `run.build` turns it into this."""
   model: Model
   env: Env
   sharding: Sharding
@@ -904,19 +942,46 @@ class Sections:
   logging: Logging
   checkpoint: Checkpoint
   faults: Faults
+  top: TopLevel = dataclasses.field(default_factory=TopLevel)
+
+  @property
+  def seed(self) -> int:
+    return self.top.seed
+
+  @property
+  def log_every(self) -> int:
+    return self.top.log_every
+
+  @property
+  def tensorboard(self) -> bool:
+    return self.top.tensorboard
+
+  def replace(self, **changes) -> "Sections":
+    """A copy with whole sections replaced (`sharding=s.sharding.replace(...)`)."""
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict:
+    """The config as plain nested data, in a ConfigDict's shape (W&B, logs)."""
+    out = dataclasses.asdict(self.top)
+    for name in SECTIONS:
+      out[name] = dataclasses.asdict(getattr(self, name))
+    return out
 
 
 def load(config) -> Sections:
-  """The typed, checked sections of a ConfigDict; ConfigError on the first bad field."""
+  """The typed, checked config of a ConfigDict (a Sections passes through);
+  ConfigError on the first bad or missing field."""
+  if isinstance(config, Sections):
+    return config
   out = {}
   for name, cls in SECTIONS.items():
     if name not in config:
       raise ConfigError(f"{name}: missing; configs derive from configs/common.py, which "
                         "defines it")
     out[name] = cls.from_config(config[name])
-  return Sections(**out)
+  return Sections(**out, top=TopLevel.from_config(config))
 
 
 def rollout(config) -> Rollout:
-  """The config's rollout section (engine and driver factories)."""
-  return Rollout.from_config(config.rollout)
+  """The rollout section of a Sections or a ConfigDict (engine and driver factories)."""
+  return config.rollout if isinstance(config, Sections) else Rollout.from_config(config.rollout)

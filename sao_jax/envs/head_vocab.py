@@ -21,12 +21,14 @@ For the shipped math set under Qwen3's tokenizer and chat template this is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import string
 
 from sao_jax.data.prompts import EVAL_OFFSET
 from sao_jax.envs import base, registry
 from sao_jax.envs.demonstrations import demonstration_trajectory
+from sao_jax.config import sections
 from sao_jax.config.sections import ConfigError
 
 
@@ -55,21 +57,17 @@ def env_ids(env, tok, fmt) -> tuple[int, ...]:
 _CACHE: dict[str, tuple[int, ...]] = {}
 
 
-class _Config(dict):
-  """A plain dict read like the env section (attribute or `get`)."""
-  __getattr__ = dict.__getitem__
-
-
 def ids_for(env_config, env=None, tok=None) -> tuple[int, ...]:
   """`env_ids` of the environment an env section builds, once per process.
 
-  `env` / `tok`: that section's environment and tokenizer when the caller
-  has built them already (else they are built here).
+  `env_config`: the env section (sections.Env, or a ConfigDict / dict of its
+  fields); `env` / `tok`: that section's environment and tokenizer when the
+  caller has built them already (else they are built here).
   """
-  data = env_config.to_dict() if hasattr(env_config, "to_dict") else dict(env_config)
-  key = json.dumps(data, sort_keys=True, default=str)
+  e = sections.Env.of(env_config)
+  key = json.dumps(dataclasses.asdict(e), sort_keys=True, default=str)
   if key not in _CACHE:
-    tok = tok or registry.make_tokenizer(_Config(data))
-    env = env or registry.make_env(_Config(data))
-    _CACHE[key] = env_ids(env, tok, registry.make_format(_Config(data), tok))
+    tok = tok or registry.make_tokenizer(e)
+    env = env or registry.make_env(e)
+    _CACHE[key] = env_ids(env, tok, registry.make_format(e, tok))
   return _CACHE[key]

@@ -42,6 +42,7 @@ from sao_jax.envs.online_style import OnlineStyle, OnlineStyleConfig
 from sao_jax.envs.python_tool import PythonTool, PythonToolConfig
 from sao_jax.envs.sandbox import SandboxLimits
 from sao_jax.envs.tokenizer import TOKENIZERS, HFTokenizer
+from sao_jax.config import sections
 from sao_jax.config.sections import ConfigError, fail
 
 
@@ -150,71 +151,74 @@ def builtin_kwargs(spec: EnvSpec, kwargs: dict):
 # --- building ------------------------------------------------------------------
 
 
-def make_tokenizer(env_config):
-  """`env.tokenizer_path` (a user's tokenizer.json) if set, else `env.tokenizer` by name."""
-  path = env_config.get("tokenizer_path")
-  if path:
-    return HFTokenizer(path)
-  name = env_config.get("tokenizer", "char")
-  if name not in TOKENIZERS:
-    raise ValueError(f"env.tokenizer = {name!r}: one of {sorted(TOKENIZERS)}")
-  return TOKENIZERS[name]()
+def make_tokenizer(env):
+  """`env.tokenizer_path` (a user's tokenizer.json) if set, else `env.tokenizer` by name.
+
+  `env`: the env section (sections.Env; a ConfigDict or dict of some of its
+  fields is read as one, the rest at their defaults)."""
+  e = sections.Env.of(env)
+  if e.tokenizer_path:
+    return HFTokenizer(e.tokenizer_path)
+  if e.tokenizer not in TOKENIZERS:
+    raise ValueError(f"env.tokenizer = {e.tokenizer!r}: one of {sorted(TOKENIZERS)}")
+  return TOKENIZERS[e.tokenizer]()
 
 
 # `env.chat_format` names: chat.FORMATS' keys; "raw" is the toys' text format.
 CHAT_FORMATS = tuple(chat.FORMATS)
 
 
-def make_format(env_config, tokenizer):
-  """The chat format `env.chat_format` (default "raw") over `tokenizer`."""
-  name = env_config.get("chat_format", "raw")
-  if name not in CHAT_FORMATS:
-    raise ValueError(f"env.chat_format = {name!r}: one of {CHAT_FORMATS}")
-  options = {"enable_thinking": bool(env_config.get("thinking", True))} if name == "qwen3" else {}
-  return chat.make_format(name, tokenizer, **options)
+def make_format(env, tokenizer):
+  """The chat format `env.chat_format` over `tokenizer` (`env` as in make_tokenizer)."""
+  e = sections.Env.of(env)
+  if e.chat_format not in CHAT_FORMATS:
+    raise ValueError(f"env.chat_format = {e.chat_format!r}: one of {CHAT_FORMATS}")
+  options = {"enable_thinking": e.thinking} if e.chat_format == "qwen3" else {}
+  return chat.make_format(e.chat_format, tokenizer, **options)
 
 
-def make_env(env_config):
-  """The environment of `env_config`, its reward replaced if `env.reward` is set."""
-  name = env_config.name
-  kwargs = dict(env_config.get("kwargs", {}))
-  limits = SandboxLimits(**dict(env_config.get("sandbox", {})))
-  allow = bool(env_config.get("allow_unisolated", False))
+def make_env(env):
+  """The environment of the env section `env` (as in make_tokenizer), its
+  reward replaced if `env.reward` is set; checked against the protocols."""
+  e = sections.Env.of(env)
+  name, kwargs = e.name, dict(e.kwargs)
+  limits = SandboxLimits(**dict(e.sandbox))
   try:
     check_env_name(name)
-  except ValueError as e:
-    raise ConfigError(str(e)) from None
+  except ValueError as err:
+    raise ConfigError(str(err)) from None
   if import_strings.is_import_string(name):
     try:
-      env = import_strings.resolve(name)(**kwargs)
-    except Exception as e:  # pylint: disable=broad-except  # the user's code: one line
+      built = import_strings.resolve(name)(**kwargs)
+    except Exception as err:  # pylint: disable=broad-except  # the user's code: one line
       raise ConfigError(f"env.name = {name!r}: building the environment failed: "
-                        f"{import_strings.one_line(e)}") from None
-    check_protocol(env, f"env.name = {name!r}")
-    if base.runs_code(env):
-      sandbox.check_isolation(allow, limits)
+                        f"{import_strings.one_line(err)}") from None
+    check_protocol(built, f"env.name = {name!r}")
+    if base.runs_code(built):
+      sandbox.check_isolation(e.allow_unisolated, limits)
   else:
-    spec = ENVIRONMENTS[name]
-    try:
-      config = builtin_kwargs(spec, kwargs)
-    except (TypeError, ValueError) as e:
-      raise ConfigError(f"env.kwargs = {kwargs!r}: {e}") from None
-    if spec.runs_code and getattr(config, "use_sandbox", True) and getattr(
-        config, "needs_sandbox", True):
-      sandbox.check_isolation(allow, limits, shell=getattr(config, "needs_shell", False))
-    try:
-      env = spec.build(config, limits)
-    except (ImportError, OSError, ValueError) as e:  # a missing package, file or row: one line
-      raise ConfigError(f"env.name = {name!r}: {e}") from None
-    check_protocol(env, f"env.name = {name!r}")
-  if hasattr(env, "tool_budget"):  # the built-ins that answer tool calls
-    env.tool_budget = ToolBudget(int(env_config.get("tool_calls_per_turn", 0)),
-                                 float(env_config.get("tool_seconds_per_turn", 0.0)),
-                                 float(env_config.get("tool_seconds_per_episode", 0.0)))
-  reward = env_config.get("reward", "")
-  if reward:
-    env = RewardOverride(env, import_strings.resolve(reward, "env.reward"))
-  return env
+    built = _build_builtin(ENVIRONMENTS[name], kwargs, limits, e.allow_unisolated)
+    check_protocol(built, f"env.name = {name!r}")
+  if hasattr(built, "tool_budget"):  # the built-ins that answer tool calls
+    built.tool_budget = ToolBudget(e.tool_calls_per_turn, e.tool_seconds_per_turn,
+                                   e.tool_seconds_per_episode)
+  if e.reward:
+    built = RewardOverride(built, import_strings.resolve(e.reward, "env.reward"))
+  return built
+
+
+def _build_builtin(spec: EnvSpec, kwargs: dict, limits: SandboxLimits, allow_unisolated: bool):
+  try:
+    config = builtin_kwargs(spec, kwargs)
+  except (TypeError, ValueError) as err:
+    raise ConfigError(f"env.kwargs = {kwargs!r}: {err}") from None
+  if spec.runs_code and getattr(config, "use_sandbox", True) and getattr(
+      config, "needs_sandbox", True):
+    sandbox.check_isolation(allow_unisolated, limits, shell=getattr(config, "needs_shell", False))
+  try:
+    return spec.build(config, limits)
+  except (ImportError, OSError, ValueError) as err:  # a missing package, file or row: one line
+    raise ConfigError(f"env.name = {spec.name!r}: {err}") from None
 
 
 def check_protocol(env, where: str) -> None:

@@ -81,15 +81,10 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
   num_processes) is what `rollout.mesh` must fit (launch/compile.py gives
   the rollout topology's).
   """
-  for field, check in (("seed", sections.integer()), ("log_every", sections.integer(1))):
-    if field not in config:
-      raise ConfigError(f"{field}: missing; configs derive from configs/common.py, "
-                        "which defines it")
-    if not check.ok(config[field]):
-      _fail(field, config[field], check.describe())
-  # Every field of every typed section, and the rules within a section
-  # (the mesh is well formed, ...); then the names that the layers above
-  # the sections own.
+  # Every field of every typed section (the top-level ones too), and the
+  # rules within a section (the mesh is well formed, ...); then the names
+  # that the layers above the sections own. `config`: a ConfigDict or the
+  # Sections it loads into.
   typed = sections.load(config)
   registry.check_env_section(typed.env)
   spec = _source_spec(typed.rl.mode)

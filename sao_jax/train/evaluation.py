@@ -29,9 +29,9 @@ from __future__ import annotations
 import collections
 import json
 
-import ml_collections
 import numpy as np
 
+from sao_jax.config import sections
 from sao_jax.data import files
 from sao_jax.data import prompts as prompt_data
 from sao_jax.envs import base
@@ -122,23 +122,22 @@ def set_environments(config, run_env) -> dict:
   when the run's environment is not a dataset one. The run's `env.reward`
   applies to its own held-out tasks only.
   """
-  from sao_jax.config import sections  # pylint: disable=g-import-not-at-top
   from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top
+  config = sections.load(config)
   out = {}
-  for name, spec in sections.parse_eval_sets(tuple(config.eval.sets)):
+  for name, spec in sections.parse_eval_sets(config.eval.sets):
     if spec == "heldout":
       out[name] = run_env
       continue
-    env_config = config.env.to_dict()
-    env_config["reward"] = ""
+    e = config.env.replace(reward="")
     if spec.endswith(sections.EVAL_SET_FILES):
-      if env_config["name"] in ("dataset", "math_tool"):
-        env_config["kwargs"] = dict(env_config["kwargs"], heldout_path=spec)
+      if e.name in ("dataset", "math_tool"):
+        e = e.replace(kwargs=dict(e.kwargs, heldout_path=spec))
       else:
-        env_config.update(name="math_tool", kwargs={"heldout_path": spec})
+        e = e.replace(name="math_tool", kwargs={"heldout_path": spec})
     else:
-      env_config.update(name=spec, kwargs={})
-    out[name] = registry.make_env(ml_collections.ConfigDict(env_config))
+      e = e.replace(name=spec, kwargs={})
+    out[name] = registry.make_env(e)
   return out
 
 

@@ -38,7 +38,7 @@ def build_model_config(config, tokenizer=None, env=None) -> model_config.ModelCo
   vocabulary sized to the tokenizer's), its overrides and compute dtype, and
   with `model.vocab_subset` the head's ids (sao_jax/envs/head_vocab.py, from
   `env` when the caller has built it)."""
-  m = sections.Model.from_config(config.model)
+  m = sections.Model.of(config.model)
   preset = model_config.PRESETS[m.preset]
   if m.vocab_from_tokenizer and m.preset in ("tiny", "small"):
     tokenizer = tokenizer or registry.make_tokenizer(config.env)
@@ -125,15 +125,9 @@ def make_driver(config, engine: PolicyEngine, env, tok, prompt_iter, emit,
 
 
 def step_config(config) -> StepConfig:
-  t = config.rl
-  return StepConfig(advantage=t.advantage, policy_loss=t.policy_loss, eps_low=t.eps_low,
-                    eps_high=t.eps_high, gamma=t.gamma, lam=t.lam, critic_lam=t.critic_lam,
-                    critic_updates=t.critic_updates, load_balance_coef=t.load_balance_coef,
-                    temperature=config.rollout.temperature,
-                    rollout_kl_coef=t.rollout_kl_coef,
-                    rollout_kl_estimator=t.rollout_kl_estimator,
-                    rollout_kl_reduction=t.rollout_kl_reduction, corrective_side=t.corrective_side,
-                    geo_eps_low=t.geo_eps_low, geo_eps_high=t.geo_eps_high)
+  """The train steps' view of a config (a Sections or a ConfigDict)."""
+  typed = sections.load(config)
+  return StepConfig(typed.rl, typed.rollout.temperature)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,7 @@ from typing import Callable
 
 import jax
 
+from sao_jax.config import sections
 from sao_jax.train import configuration
 from sao_jax.train import factories
 from sao_jax.data import fleet
@@ -50,9 +51,9 @@ def run_rollout_worker(config, workdir: str, rollout_id: str, stop: threading.Ev
   None if none was ever published) and the tokens generated. A dead driver
   thread raises its error (after everything is closed).
   """
-  config = config.copy_and_resolve_references()
-  with config.unlocked():  # the trainer's mesh is not ours: this process's devices
-    config.sharding.mesh = {"data": -1}
+  config = sections.load(config)
+  # The trainer's mesh is not ours: this process's devices.
+  config = config.replace(sharding=config.sharding.replace(mesh={"data": -1}))
   configuration.validate(config)
   f = config.fleet
   rid = rollout_id
@@ -62,7 +63,7 @@ def run_rollout_worker(config, workdir: str, rollout_id: str, stop: threading.Ev
   configuration.check_workdir(root, min_free_gb=0.0)
 
   tok = registry.make_tokenizer(config.env)
-  faults = FaultInjector.from_config(config.get("faults"))
+  faults = FaultInjector(config.faults)
   env = faults.wrap_env(registry.make_env(config.env))
   model_cfg = factories.build_model_config(config, tok)
   # Each shard carries what the driver's counters grew by while it was open

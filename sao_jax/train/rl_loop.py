@@ -170,7 +170,7 @@ def rl(run: Run) -> None:
   # Tokens generated before this launch: value pretraining's and, after a
   # resume, the RL tokens up to the checkpoint (rl.max_generated_tokens).
   tokens_before = run.meta.get("generated_tokens", 0)
-  budget = c.get("max_generated_tokens", 0)
+  budget = c.max_generated_tokens
   finished = False
   try:
     for step in range(run.meta["stage_step"] + 1, c.steps + 1):

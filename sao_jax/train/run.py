@@ -14,7 +14,6 @@ launch/eval.py, the benchmarks) use this public API: `run.state.policy`,
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 import jax
@@ -40,7 +39,7 @@ from sao_jax.train.train_step import StepConfig, TrainState
 @dataclasses.dataclass
 class Run:
   """Everything one run holds. `state` and `meta` change as the stages go."""
-  config: ml_collections.ConfigDict
+  config: sections.Sections  # the typed config (run.build loads the flags' ConfigDict)
   tok: Any
   format: Any  # the chat format (registry.make_format)
   env: Any
@@ -175,16 +174,19 @@ def wait(tree):
   jax.block_until_ready(tree)
 
 
-def build(config: ml_collections.ConfigDict) -> Run:
+def build(config: ml_collections.ConfigDict | sections.Sections) -> Run:
   """A run at step 0 from its config: everything but the workdir. Writes nothing.
 
   Everything that can refuse the run (the config, an environment that would
-  run code unisolated) does so here, before a workdir exists.
+  run code unisolated) does so here, before a workdir exists. The
+  ConfigDict of the flags stops here: the run holds, and everything below
+  reads, its typed sections (`Run.config`, a sections.Sections).
   """
   factories.validate_config(config)
+  config = sections.load(config)
   tok = registry.make_tokenizer(config.env)
   env = registry.make_env(config.env)  # refuses unisolated code execution
-  faults = FaultInjector.from_config(config.get("faults"))
+  faults = FaultInjector(config.faults)
   model_cfg = factories.build_model_config(config, tok, env)
   step_cfg = factories.step_config(config)
   # Mesh, shardings, optimizers and steps (shapes first, then placement).
@@ -215,12 +217,10 @@ def open_workdir(run: Run, workdir: str, restore_step: int | None = None) -> Run
   config = run.config
   configuration.check_workdir(workdir, config.checkpoint.min_free_gb)
   if run.faults.active:
-    print(f"[faults] injecting faults: {config.faults.to_dict()}", flush=True)
+    print(f"[faults] injecting faults: {dataclasses.asdict(config.faults)}", flush=True)
   run.workdir = workdir
-  logging = sections.Logging.from_config(config.logging)
-  run.metrics = MetricsWriter(
-      workdir, tensorboard=config.get("tensorboard", True), wandb=logging,
-      config=json.loads(config.to_json_best_effort()) if logging.wandb else None)
+  run.metrics = MetricsWriter(workdir, tensorboard=config.tensorboard, wandb=config.logging,
+                              config=config.to_dict() if config.logging.wandb else None)
   distributed.sync("setup")  # the hosts' set-up times differ; collectives follow
   run.ckpt = Checkpointer(files.join(workdir, "checkpoints"), config.checkpoint.keep,
                           name="run")
@@ -268,6 +268,7 @@ def _upgrade_meta(meta: dict, mode: str, advantage: str) -> None:
     meta["estimator_state"] = {} if old is None else {advantage: old}
 
 
-def load(config: ml_collections.ConfigDict, workdir: str, step: int | None = None) -> Run:
+def load(config: ml_collections.ConfigDict | sections.Sections, workdir: str,
+         step: int | None = None) -> Run:
   """A run restored from `workdir` (fresh if it has no checkpoint)."""
   return open_workdir(build(config), workdir, step)

@@ -320,7 +320,7 @@ def _fleet_source(run, saved) -> FleetSource:
   root = fleet.root_of(config, run.workdir)
   feed = fleet.ShardFeed(root, run.tok.vocab_size, config.rollout.max_len,
                          current_version=lambda: int(run.state.step),
-                         max_staleness=config.rollout.get("max_staleness"), state=saved,
+                         max_staleness=config.rollout.max_staleness, state=saved,
                          poll_seconds=config.fleet.poll_seconds,
                          share=distributed.share_from_primary,
                          routing_shape=run.routing_shape)

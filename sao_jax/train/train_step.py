@@ -39,6 +39,7 @@ from sao_jax.algo import losses
 from sao_jax.models import policy
 from sao_jax.models.config import ModelConfig
 from sao_jax.algo.optim import param_path
+from sao_jax.config import sections
 
 Array = jax.Array
 
@@ -58,57 +59,46 @@ class TrainState:
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
-  advantage: str = "value"
-  policy_loss: str = "dis"
-  eps_low: float = 0.2
-  eps_high: float = 0.28
-  gamma: float = 1.0
-  lam: float = 0.95
-  # Lambda of the critic's return targets; None: the same as `lam`.
-  critic_lam: float | None = None
-  # K critic updates per actor update.
-  critic_updates: int = 2
-  # Weight of the MoE load-balancing loss, for both models.
-  load_balance_coef: float = 0.01
-  # Sampling temperature of the rollout (the policy's logits are scaled alike).
-  temperature: float = 1.0
-  # The policy-loss variants' options (losses.POLICY_LOSS_OPTIONS); a loss
-  # that does not name one ignores it.
-  # "dis_rollout_kl": beta of its KL penalty, the per-token estimator
-  # ("k2" / "k3") and the mean ("sequence" / "token"; losses.py).
-  rollout_kl_coef: float = 0.1
-  rollout_kl_estimator: str = "k2"
-  rollout_kl_reduction: str = "sequence"
-  # "dis_corrective": the side whose corrective tokens are kept, "low"
-  # (A > 0 below the window) or "high" (A < 0 above it).
-  corrective_side: str = "low"
-  # "dis_seq_geo": a sequence is kept while its geometric mean ratio is in
-  # (1 - geo_eps_low, 1 + geo_eps_high).
-  geo_eps_low: float = 0.05
-  geo_eps_high: float = 0.05
+  """What the jitted steps read, as a view of the config: the rl section
+  whole (sections.RL: the estimator, the policy loss and its window, GAE's
+  gamma and lambdas, K critic updates, the load-balancing weight, the loss
+  variants' options) and the rollout's sampling temperature, by which the
+  policy's logits are scaled alike. It declares no option and no default
+  of its own: `cfg.eps_low` is `cfg.rl.eps_low`."""
+  rl: sections.RL
+  temperature: float
 
-  def __post_init__(self):
-    adv.estimator(self.advantage)  # unknown names raise, listing the known ones
-    losses.policy_loss(self.policy_loss)
-    if self.rollout_kl_estimator not in losses.ROLLOUT_KL_ESTIMATORS:
-      raise ValueError(f"rollout_kl_estimator {self.rollout_kl_estimator!r}: must be one of "
-                       f"{losses.ROLLOUT_KL_ESTIMATORS}")
-    if self.rollout_kl_reduction not in losses.ROLLOUT_KL_REDUCTIONS:
-      raise ValueError(f"rollout_kl_reduction {self.rollout_kl_reduction!r}: must be one of "
-                       f"{losses.ROLLOUT_KL_REDUCTIONS}")
-    if self.corrective_side not in losses.CORRECTIVE_SIDES:
-      raise ValueError(f"corrective_side {self.corrective_side!r}: must be one of "
-                       f"{losses.CORRECTIVE_SIDES}")
-    if self.critic_updates < (1 if self.uses_critic else 0):
-      raise ValueError("critic_updates must be >= 1 with a value baseline")
+  def __getattr__(self, name):  # the rl section's fields, read through
+    if name == "rl":  # not set yet (copy, unpickling): no recursion
+      raise AttributeError(name)
+    return getattr(self.rl, name)
+
+  @classmethod
+  def of(cls, temperature: float | None = None, **rl_fields) -> "StepConfig":
+    """From some rl fields (the rest at the section's defaults) and a
+    temperature (the rollout section's default if None): tools and tests."""
+    if temperature is None:
+      temperature = sections.Rollout().temperature
+    return cls(sections.RL(**rl_fields), temperature)
 
   @property
   def estimator(self) -> adv.Estimator:
-    return adv.estimator(self.advantage)
+    return adv.estimator(self.rl.advantage)
 
   @property
   def uses_critic(self) -> bool:
     return self.estimator.uses_critic
+
+  def loss_options(self) -> dict:
+    """The rl section's values of the options the train step offers every
+    policy loss from the config (losses.CONFIG_OPTIONS).
+    An offered option the section does not declare is an error, never a
+    silent drop."""
+    missing = [k for k in losses.CONFIG_OPTIONS if not hasattr(self.rl, k)]
+    if missing:
+      raise ValueError(f"losses.CONFIG_OPTIONS {missing} are not fields of the rl section "
+                       "(sao_jax/config/sections.py RL): declare each there")
+    return {k: getattr(self.rl, k) for k in losses.CONFIG_OPTIONS}
 
 
 def _model_inputs(batch):
@@ -378,9 +368,7 @@ def make_train_step(model_cfg: ModelConfig, cfg: StepConfig, policy_tx, critic_t
       return state, metrics
 
     loss_fn = losses.policy_loss(cfg.policy_loss)
-
-    options = {k: getattr(cfg, k) for k in losses.POLICY_LOSS_OPTIONS if hasattr(cfg, k)}
-    options["segment_ids"] = batch["segment_ids"]
+    options = dict(cfg.loss_options(), segment_ids=batch["segment_ids"])
 
     # Routing replay (rl.routing_replay): the experts the engine chose for
     # each token, [B, L, M, k] in the batch, [M, B, L, k] for the model.

@@ -55,7 +55,7 @@ def _assert_same(a, b):
 ])
 def test_nonfinite_step_leaves_state_bit_identical(arm, poison):
   state, ptx, ctx = _state()
-  step = jax.jit(make_train_step(CFG, StepConfig(**arm), ptx, ctx))
+  step = jax.jit(make_train_step(CFG, StepConfig.of(**arm), ptx, ctx))
   # A healthy step first, so the optimizer moments are non-trivial.
   state, m = step(state, _batch())
   assert int(m["policy/update_skipped"]) == 0 and int(state.step) == 1
@@ -65,7 +65,7 @@ def test_nonfinite_step_leaves_state_bit_identical(arm, poison):
   assert int(after.step) == 1  # a skipped update is not a new policy version
   _assert_same(after.policy, before.policy)
   _assert_same(after.policy_opt, before.policy_opt)
-  if StepConfig(**arm).uses_critic and poison == "rewards":
+  if StepConfig.of(**arm).uses_critic and poison == "rewards":
     assert int(m["critic/updates_skipped"]) == 2
     _assert_same(after.critic, before.critic)
     _assert_same(after.critic_opt, before.critic_opt)

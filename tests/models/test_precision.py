@@ -87,7 +87,7 @@ def test_bf16_rl_step_updates_fp32_params():
   params = policy.init_params(BF16, jax.random.key(0))
   tx = optax.adam(1e-3)
   state = ts.TrainState(jnp.zeros((), jnp.int32), params, {}, tx.init(params), ())
-  step = jax.jit(ts.make_train_step(BF16, ts.StepConfig(advantage="group", critic_updates=0),
+  step = jax.jit(ts.make_train_step(BF16, ts.StepConfig.of(advantage="group", critic_updates=0),
                                     tx, optax.identity()))
   new, metrics = step(state, jax.tree.map(jnp.asarray, fixed_batch(BF16)))
   assert int(new.step) == 1 and np.isfinite(float(metrics["policy/loss"]))

@@ -194,10 +194,10 @@ def test_variant_passes_validation_and_trains_in_the_jitted_step(name, monkeypat
     return losses.call_policy_loss(record, *args, **options)
 
   monkeypatch.setitem(losses.POLICY_LOSSES, name, spy)
-  state, step = make_state(ts.StepConfig(policy_loss=name, critic_updates=1,
-                                         corrective_side="high", geo_eps_low=0.5,
-                                         geo_eps_high=1.0, rollout_kl_estimator="k3",
-                                         rollout_kl_reduction="token"))
+  state, step = make_state(ts.StepConfig.of(policy_loss=name, critic_updates=1,
+                                            corrective_side="high", geo_eps_low=0.5,
+                                            geo_eps_high=1.0, rollout_kl_estimator="k3",
+                                            rollout_kl_reduction="token"))
   batch = _lagged_packed_batch()
   new, metrics = jax.jit(step)(state, batch)
   assert int(new.step) == 1 and np.isfinite(float(metrics["policy/loss"]))
@@ -225,7 +225,7 @@ def test_step_diagnostics_are_the_kernels_on_the_steps_own_log_probs():
   # match lag_diagnostics on the log-probs of the params before the update.
   from sao_jax.models import policy  # pylint: disable=g-import-not-at-top
   from test_trainer import CFG  # pylint: disable=g-import-not-at-top
-  cfg = ts.StepConfig(advantage="group", critic_updates=0)
+  cfg = ts.StepConfig.of(advantage="group", critic_updates=0)
   state, step = make_state(cfg)
   batch = _lagged_packed_batch()
   batch["baseline_advantages"] = np.where(
@@ -254,7 +254,7 @@ def test_bad_variant_options_fail_validation(field, value):
 
 def test_step_config_checks_the_corrective_side():
   with pytest.raises(ValueError, match="corrective_side"):
-    ts.StepConfig(corrective_side="both")
+    ts.StepConfig.of(corrective_side="both")
 
 
 if __name__ == "__main__":

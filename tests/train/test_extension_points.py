@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from sao_jax.config import sections
 from sao_jax.algo import advantages as adv
 from sao_jax.train import configuration
 from sao_jax.algo import losses
@@ -63,7 +64,7 @@ def test_a_new_estimator_is_one_record(monkeypatch):
   monkeypatch.setitem(adv.ESTIMATORS, "constant",
                       adv.Estimator("constant", gae=_constant_gae, critic_span=False))
   configuration.validate(_config(**{"rl.advantage": "constant"}), num_devices=8)
-  state, step = make_state(StepConfig(advantage="constant", critic_updates=1))
+  state, step = make_state(StepConfig.of(advantage="constant", critic_updates=1))
   batch = packing.pack(demo_trajs(4), 4, (256,))
   _, metrics = jax.jit(step)(state, batch)
   # The train step used the record's kernel: every action token's advantage is 0.25.
@@ -79,10 +80,26 @@ def test_a_new_policy_loss_is_one_record(monkeypatch):
 
   monkeypatch.setitem(losses.POLICY_LOSSES, "zero", zero_loss)
   configuration.validate(_config(**{"rl.policy_loss": "zero"}), num_devices=8)
-  state, step = make_state(StepConfig(policy_loss="zero", critic_updates=1))
+  state, step = make_state(StepConfig.of(policy_loss="zero", critic_updates=1))
   batch = packing.pack(demo_trajs(4), 4, (256,))
   _, metrics = jax.jit(step)(state, batch)
   assert calls and "policy/zero" in metrics and float(metrics["policy/loss"]) == 0.0
+
+
+def test_a_policy_loss_option_the_config_lacks_is_an_error(monkeypatch):
+  """A loss whose keyword option the train step does not offer would run at
+  its own default whatever the config says: refused at validation and when
+  the step is made, naming the option."""
+
+  def needs_beta(logp, rollout_logp, advantages, action_mask, eps_low, eps_high, beta=0.3):
+    return beta * jnp.sum(logp), {}
+
+  monkeypatch.setitem(losses.POLICY_LOSSES, "needs_beta", needs_beta)
+  with pytest.raises(configuration.ConfigError, match=r"^rl.policy_loss = 'needs_beta': .*"
+                     r"\['beta'\].*does not offer"):
+    configuration.validate(_config(**{"rl.policy_loss": "needs_beta"}), num_devices=8)
+  with pytest.raises(ValueError, match=r"\['beta'\]"):
+    make_state(StepConfig.of(policy_loss="needs_beta", critic_updates=1))
 
 
 def test_critic_free_estimator_minimum_group_is_validated():
@@ -145,6 +162,7 @@ def test_a_new_trajectory_source_is_one_record(monkeypatch, tmp_path):
       writer.write(t)
   run = run_lib.load(config, workdir)
   try:
+    assert isinstance(run.config, sections.Sections)  # no ConfigDict below run.build
     run.meta["stage"] = "rl"  # straight to RL: the source is what is under test
     rl_loop.rl(run)
     assert run.meta["stage"] == "done" and int(run.state.step) == 3

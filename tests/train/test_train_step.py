@@ -53,7 +53,7 @@ def reference_step(step_cfg, ptx, ctx, state, batch):
 
 @pytest.mark.parametrize("advantage", ["value", "token_gae"])
 def test_rl_step_matches_the_textbook_order(advantage):
-  step_cfg = StepConfig(advantage=advantage, critic_updates=2)
+  step_cfg = StepConfig.of(advantage=advantage, critic_updates=2)
   state, step = make_state(step_cfg)
   # The optimizers make_state builds (stateless definitions, rebuilt alike).
   ptx = optim.make_optimizer(state.policy, 1e-3)
@@ -73,7 +73,7 @@ def test_rl_step_matches_the_textbook_order(advantage):
 
 
 def test_nonfinite_policy_gradient_skips_the_update():
-  state, step = make_state(StepConfig(advantage="group", critic_updates=0))
+  state, step = make_state(StepConfig.of(advantage="group", critic_updates=0))
   batch = packing.pack(demo_trajs(4), 4, (256,), np.array([1.0, -1.0, 0.5, -0.5], np.float32))
   batch = dict(batch)
   # A NaN advantage on one action token: finite loss terms elsewhere, NaN gradient.

@@ -100,7 +100,7 @@ def make_state(step_cfg):
 
 
 def test_train_step_compiles_once_per_bucket_and_freezes_critic_attention():
-  state, step = make_state(StepConfig())
+  state, step = make_state(StepConfig.of())
   counted = jax.jit(chex.assert_max_traces(step, n=2))
   before = jax.tree.map(np.asarray, state.critic)
   policy_before = jax.tree.map(np.asarray, state.policy)
@@ -137,13 +137,13 @@ def test_train_step_compiles_once_per_bucket_and_freezes_critic_attention():
     dict(advantage="running_mean", policy_loss="dis", critic_updates=0),
 ])
 def test_every_arm_trains(arm):
-  state, step = make_state(StepConfig(**arm))
+  state, step = make_state(StepConfig.of(**arm))
   trajs = demo_trajs(4)
   baseline = np.array([1.0, -1.0, 0.5, -0.5], np.float32)
   batch = packing.pack(trajs, 4, (256,), baseline)
   new, metrics = jax.jit(step)(state, batch)
   assert int(new.step) == 1 and np.isfinite(float(metrics["policy/loss"]))
-  uses_critic = StepConfig(**arm).uses_critic
+  uses_critic = StepConfig.of(**arm).uses_critic
   critic_moved = any(np.any(np.asarray(a) != np.asarray(b))
                      for a, b in zip(jax.tree.leaves(state.critic), jax.tree.leaves(new.critic)))
   assert critic_moved == uses_critic
@@ -151,9 +151,9 @@ def test_every_arm_trains(arm):
 
 def test_step_config_errors():
   with pytest.raises(ValueError, match="advantage"):
-    StepConfig(advantage="gae")
+    StepConfig.of(advantage="gae")
   with pytest.raises(ValueError, match="policy_loss"):
-    StepConfig(policy_loss="ppo")
+    StepConfig.of(policy_loss="ppo")
 
 
 # --- the real trainer, end to end, on 8 simulated devices --------------------
