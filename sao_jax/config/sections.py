@@ -527,11 +527,10 @@ class Rollout(Section):
   swap_policy: str = knob(
       "recompute", "In-flight slots at a weight swap: recompute, keep or drain. \"keep\" "
       "(the caches stay; every recorded log-prob is still the exact probability its token "
-      "was sampled with) costs the least per swap, but with it and 8 decode steps the CPU "
-      "main job's rollout outran training, the queue filled, policy lag rose from ~2 to "
-      "~4.7 versions and that run collapsed (reward 0 from step 40); recompute + 1 step "
-      "recovered as before (benchmarks/RESULTS.md, \"The main job with the faster rollout "
-      "defaults\").", one_of(SWAP_POLICIES))
+      "was sampled with) costs the least per swap, but lets the rollout run further ahead "
+      "of training (more policy lag): benchmarks/RESULTS.md, \"The main job with the faster "
+      "rollout defaults\", has what each policy did to the CPU main job.",
+      one_of(SWAP_POLICIES))
   env_workers: int = knob(4, "Environment worker threads (sandbox processes run in "
                           "parallel).", integer(1))
   env_timeout: float | None = knob(

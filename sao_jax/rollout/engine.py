@@ -77,9 +77,11 @@ Separate rollout slice (docs/DESIGN.md section 5): the engine is built on its
 own mesh over its own devices,
 
     mesh = sharding.make_mesh({"data": -1, "tensor": 4}, devices=rollout_devices)
-    engine = PolicyEngine(cfg, params, slots=256, max_len=32768, mesh=mesh,
-                          rules=rollout_rules(mesh), sampling=...)
+    rollout = sections.Rollout(slots=256, max_len=32768, temperature=1.0)
+    engine = PolicyEngine(cfg, params, rollout, mesh=mesh, rules=rollout_rules(mesh))
 
+(`factories.make_engine(config, ...)` builds exactly this from a config's
+rollout section and `rollout.mesh`)
 and new weights arrive as versioned checkpoints: restore each version
 straight into `engine.param_shardings` (`engine.abstract_params()` gives the
 restore target: shapes, dtypes and shardings) and hand it over with
@@ -94,12 +96,9 @@ positions (no paging): memory is `slots x max_len` per layer, and it is made
 to fit by sharding (slots over the data axes, kv heads over "tensor").
 `cache_bytes_per_device(cfg, slots, max_len, mesh, rules)` is the size per
 device for any mesh, an `AbstractMesh` or an abstract TPU topology's
-included; `param_bytes_per_device` is the same for the params. Qwen3-30B-A3B
-with 256 slots x 32768 positions in bf16 is 96 KiB a token, 768 GiB in all:
-6 GiB per chip on sao_moe's 128-chip mesh {fsdp 16, expert 8} under
-`rollout_rules` (slots over data x fsdp x expert; params 9.6 GiB per chip,
-experts split 8 ways), 48 GiB under the trainer's POD_RULES (slots over
-data x fsdp only), 12 GiB on a 64-chip rollout slice {data 16, tensor 4}.
+included; `param_bytes_per_device` is the same for the params
+(launch/compile.py reports both beside the compiler's memory figures for
+the pod configs; benchmarks/RESULTS.md, "Pod scale: AOT compile for TPU", has them).
 
 What is bucketed is the attention. Each step runs the model on the cache
 prefix `[0, kv)`, `kv` the smallest of `kv_buckets` that holds every fed
