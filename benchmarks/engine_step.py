@@ -39,8 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD = r"""
 import dataclasses, importlib, importlib.util, json, sys, time
 import jax, numpy as np
-sys.path.insert(0, "configs")
-import sao_tiny
+from configs import sao_tiny  # this tree's (cwd)
 from sao_jax.envs import registry
 
 repeats = int(sys.argv[1])

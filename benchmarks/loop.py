@@ -44,8 +44,8 @@ from sao_jax.train import trainer
 from sao_jax.data import prompts as prompt_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "configs"))
-import common  # pylint: disable=g-import-not-at-top,wrong-import-position
+sys.path.insert(0, ROOT)
+from configs import common  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def make_config(args, mode="async", latency=0.0):

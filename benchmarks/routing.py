@@ -197,6 +197,10 @@ def models():
     from sao_jax.train import trainer  # pylint: disable=g-import-not-at-top
     from ml_collections import config_flags  # noqa: F401  pylint: disable=g-import-not-at-top
     import importlib.util  # pylint: disable=g-import-not-at-top
+    import os  # pylint: disable=g-import-not-at-top
+    import sys  # pylint: disable=g-import-not-at-top
+    # The config imports the repository's `configs` package (not installed).
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     spec = importlib.util.spec_from_file_location("run_config", _CONFIG.value)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -4,11 +4,7 @@
     python benchmarks/routing.py --config=benchmarks/routing_config.py --workdir=/tmp/routing_run
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs"))
-import common  # pylint: disable=g-import-not-at-top
+from configs import common
 
 
 def get_config(arg=None):

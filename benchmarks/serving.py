@@ -146,8 +146,7 @@ class InProcess:
     from sao_jax.train import configuration  # pylint: disable=g-import-not-at-top
     from sao_jax.train import factories
     from sao_jax.train import trainer
-    sys.path.insert(0, os.path.join(ROOT, "configs"))
-    import sao_tiny  # pylint: disable=g-import-not-at-top
+    from configs import sao_tiny  # pylint: disable=g-import-not-at-top
     config = sao_tiny.get_config()
     for flag in serve_flags:  # --config.a.b=value, as serve.py got them
       field, value = flag.removeprefix("--config.").split("=", 1)

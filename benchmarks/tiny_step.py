@@ -32,8 +32,7 @@ CHILD = r"""
 import json, sys, time
 import jax, numpy as np
 from flax import linen as nn
-sys.path.insert(0, "configs")
-import sao_tiny
+from configs import sao_tiny  # the tree's own (cwd): a package, or a ref tree's plain folder
 from sao_jax.envs import registry
 try:  # the layered package (issue 41) or a ref tree from before it
   from sao_jax.train import trainer
@@ -73,8 +72,7 @@ print("RESULT " + json.dumps(out))
 def make_batch(path: str, seed: int = 0) -> None:
   """One packed RL batch of sao_tiny's shape: 16 multi-turn trajectories."""
   sys.path.insert(0, ROOT)
-  sys.path.insert(0, os.path.join(ROOT, "configs"))
-  import sao_tiny  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  from configs import sao_tiny  # pylint: disable=g-import-not-at-top,import-outside-toplevel
   from sao_jax.data import packing  # pylint: disable=g-import-not-at-top,import-outside-toplevel
   from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top,import-outside-toplevel
   config = sao_tiny.get_config()

@@ -39,8 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import random_trajectory, report, time_fns  # pylint: disable=g-import-not-at-top,wrong-import-position
-sys.path.insert(0, os.path.join(ROOT, "configs"))
-import math_tool_tiny  # pylint: disable=g-import-not-at-top,wrong-import-position
+from configs import math_tool_tiny  # pylint: disable=g-import-not-at-top,wrong-import-position
 from sao_jax.train import factories  # pylint: disable=wrong-import-position
 from sao_jax.config import sections
 from sao_jax.models import sharding

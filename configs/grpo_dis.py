@@ -5,11 +5,7 @@
 configs/grpo.py with one change, so the two arms differ only in that.
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
-import grpo  # pylint: disable=g-import-not-at-top
+from configs import grpo
 
 
 def get_config(arg=None):

@@ -19,11 +19,7 @@ on a heavily shared box, 51 min): held-out pass@1 0.565 after SFT, 0.640
 after 100 SAO steps.
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
-import math_tool_tiny  # pylint: disable=g-import-not-at-top
+from configs import math_tool_tiny
 
 
 # The curriculum: the shipped set's word problems whose code takes the

@@ -20,11 +20,7 @@ configs/math_tool_cpu.py (`make train-math`) is the variant that learns:
 the head over the task's ids and a curriculum of the shipped set.
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
-import common  # pylint: disable=g-import-not-at-top
+from configs import common
 
 
 def get_config(arg=None):

@@ -16,11 +16,7 @@ up to ~150) and a tool answer 256. The paper's setting is `sao_moe`'s 300
 turns in 128K tokens; 6 turns here.
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
-import common  # pylint: disable=g-import-not-at-top
+from configs import common
 
 
 def get_config(arg=None):

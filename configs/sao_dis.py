@@ -11,11 +11,7 @@ and fell behind PPO clip under forced lag (experiments/README.md, "DIS
 under lag").
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
-import common  # pylint: disable=g-import-not-at-top
+from configs import common
 
 
 def get_config(arg=None):

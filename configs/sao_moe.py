@@ -82,11 +82,7 @@ Cost: not run here (no TPU in this project's CI); the 2-core CPU default is
 configs/sao_tiny.py.
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
-import common  # pylint: disable=g-import-not-at-top
+from configs import common
 
 # The batch is split over every axis (data x fsdp x expert: one or two rows
 # a chip), the standard expert-parallel layout: the MoE dispatches each

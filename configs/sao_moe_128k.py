@@ -65,11 +65,7 @@ activations. Measured by the TPU compiler:
 benchmarks/RESULTS.md, "The paper's context".
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
-import sao_moe  # pylint: disable=g-import-not-at-top
+from configs import sao_moe
 
 CONTEXT = 131_072
 RULES_128K = tuple(("length", "context") if name == "length" else (name, axes)

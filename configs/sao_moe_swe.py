@@ -38,11 +38,7 @@ env.tool_seconds_per_turn), the hidden tests `test_seconds`; a step's
 tools plus the grading run fit in rollout.env_timeout.
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
-import sao_moe_128k  # pylint: disable=g-import-not-at-top
+from configs import sao_moe_128k
 
 MAX_TURNS = 300
 

@@ -12,11 +12,7 @@ so 240 steps see 12 shifts. Compare with the running-mean and GRPO arms of
 `python -m experiments.online`.
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
-import common  # pylint: disable=g-import-not-at-top
+from configs import common
 
 
 def get_config(arg=None):

@@ -6,11 +6,7 @@ Everything else as configs/sao_dis.py (same SFT start, same budget), so the
 held-out pass@1 of the runs compare directly.
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
-import common  # pylint: disable=g-import-not-at-top
+from configs import common
 
 
 def get_config(arg=None):

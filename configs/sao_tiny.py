@@ -20,11 +20,7 @@ this config's own queue (lag ~2) the two tie (+0.020, t-interval
 --config.rl.policy_loss=dis.
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
-import common  # pylint: disable=g-import-not-at-top
+from configs import common
 
 
 def get_config(arg=None):

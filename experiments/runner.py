@@ -129,17 +129,16 @@ def config_path(name: str) -> str:
 
 
 def load_config(name: str, overrides: dict):
-  """The config of configs/<name>.py with `overrides` (dotted fields) applied."""
+  """The config of configs/<name>.py with `overrides` (dotted fields) applied.
+
+  The file's own imports (`from configs import common`) resolve through the
+  repository root, on sys.path wherever `experiments` itself imports from."""
   import importlib.util  # pylint: disable=g-import-not-at-top
 
   from sao_jax.train import configuration  # pylint: disable=g-import-not-at-top
-  sys.path.insert(0, os.path.join(ROOT, "configs"))
-  try:
-    spec = importlib.util.spec_from_file_location(f"_experiment_cfg_{name}", config_path(name))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-  finally:
-    sys.path.pop(0)
+  spec = importlib.util.spec_from_file_location(f"_experiment_cfg_{name}", config_path(name))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
   config = module.get_config()
   for field, value in overrides.items():
     configuration.set_field(config, field, value)

@@ -133,6 +133,10 @@ from sao_jax.rollout import programs as programs_lib
 PROGRAMS = ("sft", "value", "rl", "prefill", "decode", "decode_loop")
 GIB = 2**30
 
+# --config files import the repository's `configs` package, which is not
+# installed: this checkout's root joins sys.path, whatever the working directory.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _TOPOLOGY = flags.DEFINE_string(
     "topology", None, "TPU topology of the trainer: v5p-256, v5e-4, or libtpu's v5p:4x4x8.")

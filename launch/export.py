@@ -13,6 +13,7 @@ line: per directory its files, tensors, bytes, peak host bytes and seconds.
 """
 
 import json
+import os
 import sys
 
 from absl import flags, logging
@@ -22,6 +23,10 @@ from sao_jax.train import configuration
 from sao_jax.train import distributed
 from sao_jax.train import trainer
 from sao_jax.models import hf_export
+
+# --config files import the repository's `configs` package, which is not
+# installed: this checkout's root joins sys.path, whatever the working directory.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory holding checkpoints/.")

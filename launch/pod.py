@@ -29,6 +29,10 @@ from sao_jax.data import files
 from sao_jax.pod import hosts as pod
 from sao_jax.config import sections
 
+# --config files import the repository's `configs` package, which is not
+# installed: this checkout's root joins sys.path, whatever the working directory.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Run directory every host sees: a shared POSIX path or gs://BUCKET/run.")

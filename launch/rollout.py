@@ -12,6 +12,7 @@ sequence. `kill -USR1 <pid>`: every thread's stack on stderr.
 """
 
 import faulthandler
+import os
 import signal
 import sys
 import threading
@@ -21,6 +22,10 @@ from ml_collections import config_flags
 
 from sao_jax.train import configuration
 from sao_jax.train import fleet_worker
+
+# --config files import the repository's `configs` package, which is not
+# installed: this checkout's root joins sys.path, whatever the working directory.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "The trainer's run directory.")

@@ -25,6 +25,8 @@ With `--follow_weights` it serves the newest version that trainer publishes,
 as a rollout process does.
 """
 
+import os
+import sys
 import threading
 import time
 
@@ -36,6 +38,10 @@ from sao_jax.train import factories
 from sao_jax.data import fleet
 from sao_jax.train import trainer
 from sao_jax.rollout import loopback
+
+# --config files import the repository's `configs` package, which is not
+# installed: this checkout's root joins sys.path, whatever the working directory.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory whose latest checkpoint to serve.")

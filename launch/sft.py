@@ -8,6 +8,8 @@ value pretraining and RL from this warm start instead of redoing it.
 """
 
 import json
+import os
+import sys
 
 from absl import flags, logging
 from ml_collections import config_flags
@@ -15,6 +17,10 @@ from ml_collections import config_flags
 from sao_jax.train import configuration
 from sao_jax.train import distributed
 from sao_jax.train import trainer
+
+# --config files import the repository's `configs` package, which is not
+# installed: this checkout's root joins sys.path, whatever the working directory.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (resumes from it).")

@@ -22,6 +22,11 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 import sys  # pylint: disable=g-import-not-at-top,g-bad-import-order
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+# The repository root too: the config files import their bases as the
+# `configs` package (`from configs import common`), which is not installed.
+_ROOT = os.path.dirname(_HERE)
+if _ROOT not in (os.path.abspath(p or os.curdir) for p in sys.path):
+  sys.path.append(_ROOT)
 for _entry in sorted(os.listdir(_HERE)):
   _folder = os.path.join(_HERE, _entry)
   if os.path.isdir(_folder) and not _entry.startswith((".", "_")) and _folder not in sys.path:

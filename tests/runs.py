@@ -83,8 +83,18 @@ def read_metrics(workdir, stage=None) -> list[dict]:
   return [r for r in records if stage is None or r["stage"] == stage]
 
 
+def shipped_configs() -> list[str]:
+  """The file names of the run configs in configs/: every module but the
+  package's `__init__.py` and the shared defaults of `common.py`."""
+  return sorted(n for n in os.listdir(os.path.join(ROOT, "configs"))
+                if n.endswith(".py") and n not in ("__init__.py", "common.py"))
+
+
 def load_config_module(name: str):
-  """The module of `configs/<name>` (a path or a file name), imported by path."""
+  """The module of `configs/<name>` (a path or a file name), imported by path.
+
+  Its own imports (`from configs import common`) resolve through the
+  repository root that tests/conftest.py puts on `sys.path`."""
   path = name if os.path.isabs(name) else os.path.join(ROOT, "configs", name)
   spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
   module = importlib.util.module_from_spec(spec)

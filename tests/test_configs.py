@@ -1,6 +1,5 @@
 """Every config loads, names a valid arm, and states its launch command."""
 
-import glob
 import os
 
 import jax
@@ -10,11 +9,9 @@ import pytest
 from sao_jax.train import factories
 from sao_jax.models import policy
 
-from runs import load_config_module  # pylint: disable=g-bad-import-order
+from runs import ROOT, load_config_module, shipped_configs  # pylint: disable=g-bad-import-order
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
-CONFIGS = sorted(p for p in glob.glob(os.path.join(CONFIG_DIR, "*.py"))
-                 if not p.endswith("common.py"))
+CONFIGS = [os.path.join(ROOT, "configs", n) for n in shipped_configs()]
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)

@@ -8,9 +8,7 @@ mesh layout it supports, and must drop exactly the pairs its docstring says.
 
 import contextlib
 import dataclasses
-import os
 import re
-import sys
 import warnings
 
 import flax.linen as nn
@@ -24,8 +22,7 @@ from sao_jax.models import config as mcfg
 from sao_jax.models import moe, policy
 from sao_jax.models.transformer import Transformer
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "configs"))
-import sao_moe  # pylint: disable=g-import-not-at-top,wrong-import-position
+from configs import sao_moe  # pylint: disable=g-bad-import-order
 
 E, K, D, F, N = 8, 2, 32, 48, 64
 # configs/sao_moe.py's own rules (batch over data x fsdp x expert, D over

@@ -99,25 +99,19 @@ def test_bf16_rl_step_updates_fp32_params():
 # --- every shipped config's steps move its weights (sao_jax/models/precision.py) ----
 
 import functools
-import glob
-import importlib.util
-import os
 
 from sao_jax.train import configuration
 from sao_jax.train import factories
 from sao_jax.algo import optim
 from sao_jax.models import precision
 
-CONFIG_DIR = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "configs")
-SHIPPED = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(CONFIG_DIR, "*.py"))
-                 if not p.endswith("common.py"))
+from runs import load_config_module, shipped_configs  # pylint: disable=g-bad-import-order
+
+SHIPPED = [n[:-3] for n in shipped_configs()]
 
 
 def load_config(name):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(CONFIG_DIR, name + ".py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+  return load_config_module(name + ".py").get_config()
 
 
 def stage_steps(config):

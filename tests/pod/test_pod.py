@@ -1,8 +1,6 @@
 """The pod job's plan, restart policy and JobSet (sao_jax/pod/hosts.py, jobset.py), without Ray."""
 
 import importlib.util
-import os
-import sys
 
 import pytest
 
@@ -10,10 +8,8 @@ from sao_jax.pod import hosts as pod
 from sao_jax.pod import jobset as pod_jobset
 from sao_jax.config import sections
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "configs"))
-import sao_moe  # pylint: disable=g-import-not-at-top,wrong-import-position
-import sao_tiny  # pylint: disable=g-import-not-at-top,wrong-import-position
+from configs import sao_moe  # pylint: disable=g-bad-import-order
+from configs import sao_tiny  # pylint: disable=g-bad-import-order
 
 OVERRIDES = ["--config.rl.steps=5", "--config.env.kwargs={'path': '/data/a b.jsonl'}"]
 

@@ -33,8 +33,7 @@ HANG_GUARD_S = 600  # a hang guard only: the whole test takes about a minute
 
 # ------------------------------------------------------------------ worker
 def _config(num_processes, process_id, port):
-  sys.path.insert(0, os.path.join(ROOT, "configs"))
-  import sao_tiny  # pylint: disable=g-import-not-at-top
+  from configs import sao_tiny  # pylint: disable=g-import-not-at-top
   c = sao_tiny.get_config()
   c.distributed.enabled = num_processes > 1
   c.distributed.coordinator_address = f"localhost:{port}" if num_processes > 1 else ""
