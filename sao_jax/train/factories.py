@@ -203,8 +203,8 @@ def build_programs(config, model_cfg: model_config.ModelConfig, step_cfg: StepCo
         # The arm's own estimator: a token-GAE critic is pretrained where
         # that arm bootstraps, not on skip-observation targets.
         make_train_step(model_cfg, dataclasses.replace(
-            step_cfg, rl=step_cfg.rl.replace(critic_updates=1)), rl_tx,
-                        critic_tx, update_actor=False),
+            step_cfg, rl=step_cfg.rl.replace(critic_updates=1)), rl_tx, critic_tx,
+                        update_actor=False),
         state_shardings, batch_sharding)
     sft = make_sft_step(model_cfg, sft_tx, config.rl.load_balance_coef)
     sft_step = jax.jit(

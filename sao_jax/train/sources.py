@@ -309,7 +309,7 @@ def _driver_source(run, saved, *, synchronous: bool) -> DriverSource:
 
   return DriverSource(
       new_driver, prompt_iter, synchronous=synchronous, queue_size=r.queue_size,
-      vocab_size=run.tok.vocab_size, max_len=r.max_len, max_staleness=r.get("max_staleness"),
+      vocab_size=run.tok.vocab_size, max_len=r.max_len, max_staleness=r.max_staleness,
       group_size=r.samples_per_prompt, max_restarts=config.rl.max_rollout_restarts,
       wrap_emit=lambda put: run.faults.wrap_emit(put, run.tok.vocab_size),
       last_checkpoint=run.ckpt.latest_step, routing_shape=run.routing_shape)
