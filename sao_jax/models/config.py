@@ -52,8 +52,8 @@ class ModelConfig:
   moe_impl: Literal["dense", "ragged", "expert_parallel", "blocked"] = "dense"
   # blocked only: rows per expert block. Larger blocks pad more (up to one
   # block per expert) but make bigger matmuls, which XLA:CPU runs at a much
-  # higher rate; 512 was the fastest tiny train step measured
-  # (benchmarks/RESULTS.md, "Session 7: the MoE block size").
+  # higher rate (benchmarks/RESULTS.md, "Session 7: the MoE block size",
+  # has how 512 was chosen).
   moe_block: int = 512
   # expert_parallel only: <= 0 is dropless (buffers sized for the worst
   # case); c > 0 gives each device pair c x its balanced share of rows and
@@ -231,12 +231,13 @@ def qwen3_30b_a3b() -> ModelConfig:
       vocab_size=151_936, d_model=2048, num_layers=48, num_heads=32,
       num_kv_heads=4, head_dim=128, num_experts=128, experts_per_token=8,
       moe_d_ff=768, dense_d_ff=6144, rope_theta=1e6, rms_eps=1e-6,
-      # Expert-parallel (dropless) MoE: measured on v5p-256 at full depth, the
-      # RL step at 16 x 4096 needs 9.8 GiB per chip vs 27.3 GiB with "ragged".
+      # Expert-parallel (dropless) MoE: the RL step at full depth needs a
+      # fraction of "ragged"'s memory per chip (benchmarks/RESULTS.md, "Pod
+      # scale: AOT compile for TPU", has the compiler's figures).
       tie_embeddings=False, max_seq_len=40_960, moe_impl="expert_parallel",
-      # Dispatch rounds of 8192 tokens a chip: dropless all-to-all buffers
-      # of 2 GiB instead of 16 GiB at 2 x 32768 tokens a chip (in one round
-      # the RL step at 256 x 32768 does not fit: benchmarks/RESULTS.md, "Pod scale").
+      # Dispatch rounds of 8192 tokens a chip bound the dropless all-to-all
+      # buffers (in one round the RL step at 256 x 32768 does not fit: same
+      # section).
       moe_dispatch_chunk=8192,
       # Mixed precision: float32 master weights, bfloat16 compute. bf16
       # params would round the RL updates away (a step of lr 1e-6 is far
