@@ -116,7 +116,7 @@ def check_result(result, max_chars: int) -> EnvOutcome:
   if not isinstance(events, (list, tuple)) or len(events) > _MAX_EVENTS or not all(
       isinstance(e, str) and 0 < len(e) <= 40 for e in events):
     raise Garbage(f"info['events'] must be a list of at most {_MAX_EVENTS} names "
-                   "of 1-40 characters")
+                  "of 1-40 characters")
   events = tuple(str.__str__(e) for e in events)
   reason = "done"
   if done:
@@ -153,7 +153,7 @@ def plain_observation(observation, max_chars: int) -> tuple[str | tuple, bool]:
       raise Garbage(f"observation message {k}: role must be one of {_OBSERVATION_ROLES}")
     if not isinstance(content, str):
       raise Garbage(f"observation message {k}: content is a {type(content).__name__}, "
-                     "not a str")
+                    "not a str")
     content = str.__str__(content)
     truncated |= len(content) > max_chars
     messages.append({"role": str.__str__(role), "content": content[:max_chars]})
