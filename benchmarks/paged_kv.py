@@ -9,8 +9,8 @@ memory: cache bytes per live token on a long-tailed length mix, no model
   each growing in turns of `max_turn_tokens` decoded tokens plus a
   16-token observation. Dense holds slots x max_len positions whatever
   the lengths; paged holds, per live trajectory, the pages of its length
-  plus its turn's reservation (the driver's rule: rollout/driver.py,
-  "Paged cache"), and its pool must hold the peak of that over the run
+  plus its turn's reservation (the driver's rule: rollout/admission.py,
+  module docstring), and its pool must hold the peak of that over the run
   (the pool that never makes a trajectory wait). Bytes per live token =
   the cache's bytes / the mean live tokens. Shapes: sao_tiny's (tiny
   model, 16 slots x 256, pages of 16) and Qwen3-30B-A3B's in bf16 (256

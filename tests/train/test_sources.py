@@ -12,7 +12,7 @@ from sao_jax.train import sources
 from sao_jax.data import prompts as prompt_data
 from sao_jax.envs import python_tool, tokenizer
 from sao_jax.envs.demonstrations import demonstration_trajectory
-from sao_jax.rollout.driver import DriverStats
+from sao_jax.rollout.stats import DriverStats
 
 ENV, TOK = python_tool.PythonTool(), tokenizer.CharTokenizer()
 MAX_LEN = 512

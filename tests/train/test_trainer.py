@@ -21,7 +21,7 @@ from sao_jax.envs.python_tool import PythonTool
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import config as mcfg
 from sao_jax.models import policy
-from sao_jax.rollout.driver import DriverStats
+from sao_jax.rollout.stats import DriverStats
 from sao_jax.train.train_step import StepConfig, TrainState, make_train_step
 from sao_jax.train.rl_loop import rl_metrics
 from sao_jax.train.sources import RolloutCounts
