@@ -94,7 +94,7 @@ from sao_jax.data.trajectory import Trajectory
 from sao_jax.envs import base, chat
 from sao_jax.envs.base import Action, Environment, Task
 from sao_jax.models import routing as routing_lib
-from sao_jax.rollout import admission, env_pool
+from sao_jax.rollout import admission, engine_protocol, env_pool
 from sao_jax.rollout.engine import PolicyEngine
 from sao_jax.rollout.stats import DriverStats
 
@@ -204,6 +204,9 @@ class RolloutDriver:
                max_observation_chars: int | None = None, tool_latency_s: float = 0.0,
                chat_format=None, max_tool_output_tokens: int = 0,
                on_finish: Callable[[Trajectory, object], None] | None = None):
+    problem = engine_protocol.engine_problem(engine)
+    if problem is not None:
+      raise TypeError(f"RolloutDriver: engine {type(engine).__name__} {problem}")
     r = engine.rollout if rollout is None else rollout
     if not isinstance(r, sections.Rollout):
       raise TypeError(f"rollout must be a sections.Rollout, got {type(r).__name__}")
