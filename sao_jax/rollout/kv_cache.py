@@ -356,7 +356,8 @@ def _synced(state, shardings: layout.EngineShardings):
 
 
 # The extension point: `rollout.kv_cache` names one of these.
-KV_CACHES: dict[str, type[DenseCache] | type[PagedCache]] = {"dense": DenseCache, "paged": PagedCache}
+KV_CACHES: dict[str, type[DenseCache] | type[PagedCache]] = {
+    "dense": DenseCache, "paged": PagedCache}
 
 
 def build(kind: str | None, cfg: ModelConfig, slots: int, max_len: int, groups: int = 1, *,
