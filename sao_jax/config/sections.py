@@ -498,7 +498,7 @@ class Rollout(Section):
   kv_cache: str = knob(
       "dense", "The engine's KV cache: \"dense\" (every slot owns max_len positions) or "
       "\"paged\" (a pool of fixed-size pages the slots share; admission waits for free "
-      "pages; sao_jax/rollout/engine.py, \"Paged cache\"). benchmarks/RESULTS.md, \"Paged "
+      "pages; sao_jax/rollout/kv_cache.py, \"Paged\"). benchmarks/RESULTS.md, \"Paged "
       "KV cache\", has the measurement.", one_of(KV_CACHES))
   page_size: int = knob(16, "Positions a page holds (paged); must divide max_len.",
                         integer(1))

@@ -23,17 +23,20 @@ trajectory finishes. A finished trajectory's pages go back at once.
 blocked a slot, `preemptions` the preempted slots.
 
 This is a module of its own because it is a policy over pages alone: it
-reads the slots' lengths and admission order, asks the engine's page pool,
-and answers ready, wait or preempt; the episode loop (rollout/driver.py)
-does what it answers and never looks at pages itself. An engine without
-pages (a dense one, or a test's double without `paged`) has every slot's
-positions: every slot with input is ready and every free slot admits.
+reads the slots' lengths and admission order, asks the engine's KV cache
+strategy (`engine.kv_cache`, rollout/kv_cache.py: reservations, slot
+groups, free pages), and answers ready, wait or preempt; the episode loop
+(rollout/driver.py) does what it answers and never looks at pages itself.
+A cache without pages (a dense one, or `kv_cache.KVCache()` for a test's
+double without a strategy) grants every reservation and admission: every
+slot with input is ready and every free slot admits.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from sao_jax.rollout import kv_cache
 from sao_jax.rollout.stats import DriverStats
 
 
@@ -43,14 +46,14 @@ class PageAdmission:
   The slots it is handed are the driver's: None for a free slot, else a
   record with `tokens`, `fed`, `waiting`, `turn_tokens`, `admitted` (its
   admission order) and `refeed()`. `state` is the engine's decode state,
-  whose `pages` is the pool. `blocked` holds the slots that waited for
-  pages at the last reservation.
+  which the engine's KV cache strategy reads its pages from. `blocked`
+  holds the slots that waited for pages at the last reservation.
   """
 
   def __init__(self, engine, max_turn_tokens: int, max_len: int, stats: DriverStats):
     self.engine = engine
-    # Engines without `paged` (test doubles) have every slot's positions.
-    self.paged = bool(getattr(engine, "paged", False))
+    # Engines without a strategy (test doubles) have every slot's positions.
+    self.cache: kv_cache.KVCache = getattr(engine, "kv_cache", None) or kv_cache.KVCache()
     self.max_turn_tokens = max_turn_tokens
     self.max_len = max_len
     self.stats = stats
@@ -66,11 +69,9 @@ class PageAdmission:
     `page_waits`, if `count`)."""
     pending = [i for i, s in enumerate(slots)
                if s is not None and not s.waiting and len(s.tokens) > s.fed]
-    if not self.paged:
-      return pending
     ready, blocked = [], set()
     for i in sorted(pending, key=lambda i: slots[i].admitted):
-      if self.engine.reserve(state, i, self.need(slots[i])):
+      if self.cache.reserve(state, i, self.need(slots[i])):
         ready.append(i)
       else:
         blocked.add(i)
@@ -82,23 +83,19 @@ class PageAdmission:
   def full_groups(self, slots: list, state) -> set[int]:
     """The slot groups closed to admission in this pass: in-flight slots take
     their pages first, and a group where one of them waits admits nothing."""
-    if not self.paged:
-      return set()
     self.reserve(slots, state, count=False)
     return self._blocked_groups(state)
 
   def closed(self, state, i: int, full: set[int]) -> bool:
     """Whether free slot `i` is in one of the `full` groups."""
-    return self.paged and state.pages.group_of(i) in full
+    return self.cache.group_of(state, i) in full
 
   def admits(self, state, i: int, prompt_tokens: int, full: set[int]) -> bool:
     """Whether a prompt of `prompt_tokens` may start in free slot `i`: its
     first turn's pages are free. If not, its group joins `full` and the pass
     counts in `page_waits`."""
-    if not self.paged:
-      return True
-    group = state.pages.group_of(i)
-    if state.pages.can_admit(self._first_turn(prompt_tokens), group):
+    group = self.cache.group_of(state, i)
+    if self.cache.can_admit(state, self._first_turn(prompt_tokens), group):
       return True
     full.add(group)
     self.stats.page_waits += 1
@@ -106,26 +103,26 @@ class PageAdmission:
 
   def take(self, state, i: int, prompt_tokens: int) -> None:
     """Reserves the first turn's pages of the prompt `admits` let into slot `i`."""
-    if self.paged and not self.engine.reserve(state, i, self._first_turn(prompt_tokens)):
+    if not self.cache.reserve(state, i, self._first_turn(prompt_tokens)):
       raise AssertionError(f"slot {i}: pages that can_admit promised were not there")
 
   def release(self, slots: list, state, i: int) -> None:
     """Slot `i` gives its pages back (host-side: no device call)."""
-    if self.paged:
-      self.engine.release_pages(state, np.arange(len(slots)) == i)
-      self.blocked.discard(i)
+    self.cache.release(state, np.arange(len(slots)) == i)
+    self.blocked.discard(i)
 
   def preempt(self, slots: list, state):
     """Frees pages in each group where every slot waits for pages: its
     youngest slot holding pages gives them back and will re-feed its record.
     Returns the decode state with the preempted slots' caches emptied."""
-    pages = state.pages
+    cache = self.cache
     for g in sorted(self._blocked_groups(state)):
-      members = [i for i, s in enumerate(slots) if s is not None and pages.group_of(i) == g]
+      members = [i for i, s in enumerate(slots)
+                 if s is not None and cache.group_of(state, i) == g]
       if any(i not in self.blocked for i in members):
         continue  # a slot decodes or is at its environment: pages will come back
       oldest = min(members, key=lambda i: slots[i].admitted)
-      holders = [i for i in members if i != oldest and pages.held(i) > 0]
+      holders = [i for i in members if i != oldest and cache.held(state, i) > 0]
       if not holders:
         raise AssertionError(f"slot group {g} is blocked with no pages to preempt")
       victim = max(holders, key=lambda i: slots[i].admitted)
@@ -139,4 +136,4 @@ class PageAdmission:
     return min(prompt_tokens + self.max_turn_tokens, self.max_len)
 
   def _blocked_groups(self, state) -> set[int]:
-    return {state.pages.group_of(i) for i in self.blocked}
+    return {self.cache.group_of(state, i) for i in self.blocked}

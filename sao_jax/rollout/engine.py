@@ -117,31 +117,17 @@ copy.
 Paged cache (`kv_cache="paged"`)
 --------------------------------
 The cache is a pool of `kv_pages` pages of `page_size` positions that all
-slots share, and each slot a row of a page table naming its pages in
-position order (device side: sao_jax/models/paged.py; host side, the free
-list and the table: rollout/paging.py's `PagePool`, in
-`DecodeState.pages`). Memory is the pool, sized for the live tokens of a
-long-tailed length mix rather than slots x max_len; `kv_pages=0` is the
-dense cache's size (no saving, the same capacity). A slot gets pages as it
-grows: `step` and `decode` allocate what their fed slots' new lengths
-need before dispatching (a decode call: length plus budget), and raise
-`PagePoolExhausted` when the pool has too few; a caller that may fill the
-pool reserves pages ahead with `reserve(state, slot, tokens)`, which only
-reports failure, and waits (the driver: rollout/driver.py, "Paged
-cache"). `reset_slots` (and `release_pages`, host-side only) give a
-slot's pages back. The table's device copy is refreshed before a call
-only when the allocator changed it. The turns of a trajectory share its
-pages: an observation or the next turn is appended after the slot's
-cached prefix, which is never re-prefilled.
-
-Samples and log-probs equal the dense engine's (tests/rollout/test_rollout.py,
-same seed): a step attends over each slot's pages gathered into the dense
-view of the same kv bucket (on CPU; compiling for TPU, a decode step runs
-the Pallas paged-attention kernel on the pool in place), and new entries
-are scattered into their pages, so there is no prefix copy or write-back.
-With a sharded engine each device of the batch axes holds its slots'
-part of the pool (`PagePool` groups: every group must hold one max_len
-trajectory).
+slots share, each slot a row of a page table. The engine never branches on
+the kind: its strategy (`engine.kv_cache`, rollout/kv_cache.py, whose
+module docstring, "Paged", describes the pool, the table and when pages
+are allocated) builds the cache, readies a decode state before each call
+(a paged one allocates the pages the fed slots' new lengths need, or
+raises `PagePoolExhausted`) and gives the programs their page table.
+`reserve(state, slot, tokens)` takes pages ahead and only reports failure
+(the driver waits: rollout/admission.py); `reset_slots` (and
+`release_pages`, host-side only) give a slot's pages back. Samples and
+log-probs equal the dense engine's (tests/rollout/test_rollout.py, same
+seed).
 """
 
 from __future__ import annotations
@@ -158,7 +144,10 @@ from jax.sharding import Mesh, NamedSharding
 
 from sao_jax.config import sections
 from sao_jax.models.config import ModelConfig
+from sao_jax.rollout import kv_cache as kv_cache_lib
 from sao_jax.rollout import layout
+# The strategy's exception stays importable from here (tests, callers).
+from sao_jax.rollout.kv_cache import PagePoolExhausted  # pylint: disable=unused-import
 # The layout's names stay importable from here (launch/compile.py, tests).
 from sao_jax.rollout.layout import (  # pylint: disable=unused-import
     EngineShardings, cache_bytes_per_device, cache_shardings, cache_spec, engine_shardings,
@@ -190,15 +179,6 @@ class DecodeState(NamedTuple):
   # the tokens the last `step` fed (row b's first fed[b] entries; the rest
   # is padding). None otherwise.
   routing: np.ndarray | None = None
-
-
-class PagePoolExhausted(RuntimeError):
-  """A paged engine's step needed pages its pool did not have.
-
-  The engine allocates pages as slots grow; a caller that may fill the pool
-  (the rollout driver) reserves them ahead (`PolicyEngine.reserve`) and
-  waits when that fails, so this is a caller's bug, not a state to handle.
-  """
 
 
 class DecodeChunk(NamedTuple):
@@ -288,10 +268,6 @@ class PolicyEngine:
     if not 1 <= lanes <= slots:
       raise ValueError(f"lanes must be between 1 and slots ({slots}), got {lanes}")
     self.rollout = rollout
-    self.paged = rollout.kv_cache == "paged"
-    page_size = rollout.page_size
-    if self.paged and lanes > 1:
-      raise ValueError("lanes > 1 is for the dense cache (a paged engine's slots share one pool)")
     if record_routing and lanes > 1:
       raise ValueError("record_routing is for lanes=1 (generate_batch's lanes return no routing)")
     # Every jitted program of the engine (programs.py), also what launch/compile.py
@@ -300,15 +276,10 @@ class PolicyEngine:
                                                device=device, record_routing=record_routing)
     self.record_routing = record_routing
     sampling = self.programs.sampling
-    self.page_size = page_size if self.paged else 0
-    self.kv_pages = self.programs.num_pages  # 0: dense
-    self.page_groups = layout.batch_groups(self.programs.mesh, self.programs.rules)
-    if self.paged and self.kv_pages // self.page_groups < self.programs.pages_per_slot:
-      raise ValueError(
-          f"kv_pages {self.kv_pages} over {self.page_groups} slot groups leaves "
-          f"{self.kv_pages // self.page_groups} pages a group, fewer than one max_len "
-          f"trajectory's {self.programs.pages_per_slot} (max_len {max_len} / page_size "
-          f"{page_size})")
+    # The KV cache's strategy (kv_cache.py): what differs between dense and paged.
+    self.kv_cache: kv_cache_lib.KVCache = self.programs.kv_cache
+    self.kv_cache.check_engine(lanes)
+    self.page_groups = self.programs.groups
     self.mesh: Mesh = self.programs.mesh
     self.rules = self.programs.rules
     self.shardings: EngineShardings = self.programs.shardings
@@ -333,6 +304,23 @@ class PolicyEngine:
                        if lanes > 1 else None)
     self.params = self.load_params(params)
     self.version = version
+
+  # --- the KV cache (kv_cache.py) ------------------------------------------
+
+  @property
+  def paged(self) -> bool:
+    """Whether the slots share a pool of pages (`rollout.kv_cache` "paged")."""
+    return self.kv_cache.paged
+
+  @property
+  def page_size(self) -> int:
+    """Positions a page holds; 0: dense."""
+    return self.kv_cache.page_size or 0
+
+  @property
+  def kv_pages(self) -> int:
+    """Pages in the pool, all slot groups together; 0: dense."""
+    return self.kv_cache.num_pages
 
   # --- params -----------------------------------------------------------
 
@@ -417,7 +405,7 @@ class PolicyEngine:
     (load_params, init_decode_state and every program's out_shardings).
     """
     fn = self._jit(("step", kv), lambda: self.programs.step(kv))
-    table = (state.page_table,) if self.paged else ()
+    table = self.kv_cache.call_args(state)
     with self._context():
       return fn(params, state.cache, state.lengths, *table, tokens, valid, rng)
 
@@ -438,11 +426,7 @@ class PolicyEngine:
       raise ValueError("a sharded engine's decode state has all of its slots")
     arrays = self._jit(("init", b), lambda: self.programs.init_state(b))()
     state = DecodeState(*arrays, host_lengths=np.zeros((b,), np.int32))
-    if self.paged:
-      pages = PagePool(self.kv_pages, self.page_size, b, self.programs.pages_per_slot,
-                       self.page_groups)
-      state = self._sync_table(state._replace(pages=pages))
-    return state
+    return self.kv_cache.attach(state, self.shardings)
 
   def reset_slots(self, state: DecodeState, slots_mask: np.ndarray) -> DecodeState:
     """Empties the caches of the given slots (their lengths go to 0; a paged
@@ -453,7 +437,7 @@ class PolicyEngine:
     lengths = self._jit("reset", self.programs.reset_lengths)(state.lengths, mask)
     return state._replace(lengths=lengths, host_lengths=host)
 
-  # --- pages (a paged engine; module docstring, "Paged cache") ----------------
+  # --- pages (a paged engine; kv_cache.py, "Paged") -------------------------
 
   def reserve(self, state: DecodeState, slot: int, tokens: int) -> bool:
     """Pages for slot `slot`'s first `tokens` positions, allocated now.
@@ -463,38 +447,13 @@ class PolicyEngine:
     max_len positions: always True. Host-side only; the table reaches the
     device with the next call.
     """
-    return True if state.pages is None else state.pages.ensure(slot, tokens)
+    return self.kv_cache.reserve(state, slot, tokens)
 
   def release_pages(self, state: DecodeState, slots_mask: np.ndarray) -> None:
     """A paged engine's slots give their pages back (host-side only): the
     slots' caches are gone, so they must be reset before they are fed
-    again (`reset_slots` does both)."""
-    if state.pages is not None:
-      for b in np.flatnonzero(np.asarray(slots_mask, bool)):
-        state.pages.release(int(b))
-
-  def _sync_table(self, state: DecodeState) -> DecodeState:
-    """`state` with the device copy of its page table current."""
-    if state.pages is None or not state.pages.dirty:
-      return state
-    table = jax.device_put(state.pages.device_table(), self.shardings.tokens)
-    state.pages.dirty = False
-    return state._replace(page_table=table)
-
-  def _with_pages(self, state: DecodeState, need: np.ndarray, fed: np.ndarray) -> DecodeState:
-    """Allocates the pages every fed slot's first `need[b]` positions lack (a
-    paged engine), or raises `PagePoolExhausted`; syncs the table."""
-    if state.pages is None:
-      return state
-    for b in np.flatnonzero(fed):
-      if not state.pages.ensure(int(b), int(need[b])):
-        raise PagePoolExhausted(
-            f"slot {b} needs pages for {int(need[b])} positions, holds "
-            f"{state.pages.held(int(b))}, and its group has "
-            f"{state.pages.free_pages(state.pages.group_of(int(b)))} free of "
-            f"{self.kv_pages}; reserve pages ahead (PolicyEngine.reserve) and wait when "
-            "that fails")
-    return self._sync_table(state)
+    again (`reset_slots` does both). A dense engine's: nothing to give."""
+    self.kv_cache.release(state, slots_mask)
 
   # --- the driver's fused step -------------------------------------------
 
@@ -525,7 +484,7 @@ class PolicyEngine:
     fed = valid.sum(1).astype(np.int32)
     host = (state.host_lengths + fed).astype(np.int32)
     kv = self._kv_bucket(int(host[fed > 0].max()) if fed.any() else 1)
-    state = self._with_pages(state, host, fed > 0)
+    state = self.kv_cache.prepare(state, host, fed > 0, self.shardings)
     cache, lengths, tok, logp, *chosen = self._step(params, state, tokens, valid, rng, kv)
     tok, logp, chosen = jax.device_get((tok, logp, chosen))  # the step's one transfer
     return state._replace(cache=cache, lengths=lengths, host_lengths=host,
@@ -584,11 +543,11 @@ class PolicyEngine:
     host = (state.host_lengths + budgets).astype(np.int32)
     fed = budgets > 0
     kv = self._kv_bucket(int(host[fed].max()) if fed.any() else 1)
-    state = self._with_pages(state, host, fed)
+    state = self.kv_cache.prepare(state, host, fed, self.shardings)
     stop = -1 if stop_token is None else int(stop_token)
     fn = self._jit(("decode", kv, int(steps), stop),
                    lambda: self.programs.decode(kv, int(steps), stop))
-    table = (state.page_table,) if self.paged else ()
+    table = self.kv_cache.call_args(state)
     with self._context():
       cache, lengths, nxt, toks, logp, counts, rng, *chosen = fn(
           params, state.cache, state.lengths, *table, tokens, budgets, rng)

@@ -25,12 +25,14 @@ There is one layout (layout.py): a mesh and rules, a mesh of one device for
 a single-device engine. `kv` is the cache prefix a step attends over (None:
 the whole cache; module docstring of engine.py, "Cache sizing").
 
-A paged engine (`page_size` given) keeps a pool of pages instead of the
-dense cache (sao_jax/models/paged.py) and its step and decode programs take
-the page table `[slots, pages_per_slot]` after the lengths: (params, pool,
-lengths, table, ...). There `kv` names the table's first ceil(kv / page)
-columns: the slots' pages a step attends over. New entries go straight
-into their pages: no prefix copy, no write-back.
+The KV cache is a strategy (kv_cache.py, `EnginePrograms.kv_cache`): the
+empty cache, its shardings and bytes, and the arguments a program takes
+after the lengths are the strategy's; `BODIES` holds each kind's step and
+decode bodies. A paged engine's programs take the page table `[slots,
+pages_per_slot]` after the lengths, (params, pool, lengths, table, ...),
+and there `kv` names the table's first ceil(kv / page) columns: the slots'
+pages a step attends over. New entries go straight into their pages: no
+prefix copy, no write-back.
 `capacity()` says how many live tokens the cache holds (the pool's pages x
 page size, or slots x max_len), in all and per slot group.
 `step_args` and `decode_args` give the abstract arguments to lower `step`
@@ -44,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from typing import Callable, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -53,6 +56,7 @@ from sao_jax.models import precision
 from sao_jax.config import sections
 from sao_jax.models import decoding, head_vocab, paged, routing
 from sao_jax.models.config import ModelConfig
+from sao_jax.rollout import kv_cache as kv_cache_lib
 from sao_jax.rollout import layout
 from sao_jax.rollout import sampling as sampling_lib
 
@@ -63,14 +67,18 @@ class EnginePrograms:
   """The jitted programs of an engine of `slots` x `max_len` on one layout.
 
   The layout: `mesh` with `rules` (default `layout.rollout_rules(mesh)`)
-  and `shardings` (default `layout.engine_shardings` of those), or
+  and `shardings` (default the KV cache's `shardings` of those), or
   `device` alone: a one-device mesh over it (`layout.one_device_mesh`;
   launch/compile.py's one-chip engine passes an abstract TPU device).
+  The KV cache: `kv_cache`, a name in kv_cache.KV_CACHES (None: "paged"
+  when `page_size` is given, else "dense"), with `page_size` and
+  `num_pages` (0: the dense cache's size, rounded up to whole pages a
+  group) for a paged one.
   """
 
   def __init__(self, cfg: ModelConfig, sampling: sampling_lib.SamplingConfig, slots: int,
                max_len: int, *, mesh=None, rules=None, shardings=None, device=None,
-               page_size: int | None = None, num_pages: int = 0,
+               kv_cache: str | None = None, page_size: int | None = None, num_pages: int = 0,
                record_routing: bool = False):
     if mesh is not None and device is not None:
       raise ValueError("EnginePrograms takes a mesh or a device, not both")
@@ -86,22 +94,11 @@ class EnginePrograms:
     self.mesh = layout.one_device_mesh(device) if mesh is None else mesh
     self.rules = tuple(tuple(r) for r in (layout.rollout_rules(self.mesh) if rules is None
                                           else rules))
-    # Paged: a pool of `num_pages` pages of `page_size` (0: the dense cache's
-    # size, rounded up to whole pages a group); None: the dense cache.
-    self.page_size = page_size
-    self.num_pages = 0
-    self.pages_per_slot = 0
-    if page_size is not None:
-      if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
-      groups = layout.batch_groups(self.mesh, self.rules)
-      self.pages_per_slot = -(-max_len // page_size)
-      pages = num_pages or layout.default_pages(slots, max_len, page_size)
-      self.num_pages = -(-pages // groups) * groups
+    # What differs between a dense and a paged cache (kv_cache.py).
+    self.kv_cache: kv_cache_lib.KVCache = kv_cache_lib.build(
+        kv_cache, cfg, slots, max_len, self.groups, page_size=page_size, num_pages=num_pages)
     self.shardings: layout.EngineShardings = (
-        layout.engine_shardings(cfg, slots, max_len, self.mesh, self.rules,
-                                pages=self._pages())
-        if shardings is None else shardings)
+        self.kv_cache.shardings(self.mesh, self.rules) if shardings is None else shardings)
 
   @classmethod
   def for_rollout(cls, cfg: ModelConfig, rollout: sections.Rollout, *, mesh=None, rules=None,
@@ -110,25 +107,27 @@ class EnginePrograms:
     slots, max_len and cache (dense, or paged: page_size, kv_pages), on
     `mesh` with `rules` or on `device` (neither: the first local device)."""
     sampling = sampling_lib.SamplingConfig(rollout.temperature, rollout.top_k, rollout.top_p)
-    paged_cache = rollout.kv_cache == "paged"
     return cls(cfg, sampling, rollout.slots, rollout.max_len, mesh=mesh, rules=rules,
-               device=device, page_size=rollout.page_size if paged_cache else None,
-               num_pages=rollout.kv_pages if paged_cache else 0,
-               record_routing=record_routing)
+               device=device, kv_cache=rollout.kv_cache, page_size=rollout.page_size,
+               num_pages=rollout.kv_pages, record_routing=record_routing)
+
+  # The KV cache's figures (kv_cache.py; a dense cache: no pages, page_size None).
 
   @property
   def paged(self) -> bool:
-    return self.page_size is not None
+    return self.kv_cache.paged
 
-  def _pages(self):
-    return (self.num_pages, self.page_size) if self.paged else None
+  @property
+  def page_size(self) -> int | None:
+    return self.kv_cache.page_size
 
-  def _columns(self, kv: int | None) -> int | None:
-    """The page-table columns that cover the cache prefix `kv` (None: all)."""
-    if kv is None:
-      return None
-    cols = -(-kv // self.page_size)
-    return None if cols >= self.pages_per_slot else cols
+  @property
+  def num_pages(self) -> int:
+    return self.kv_cache.num_pages
+
+  @property
+  def pages_per_slot(self) -> int:
+    return self.kv_cache.pages_per_slot
 
   @property
   def groups(self) -> int:
@@ -146,25 +145,19 @@ class EnginePrograms:
     group needs >= 1: paging.PagePool), and the cache's bytes on each device.
     """
     groups, dense = self.groups, self.slots * self.max_len
-    if self.paged:
-      tokens, abstract = self.num_pages * self.page_size, layout.abstract_pool(
-          self.cfg, self.num_pages, self.page_size)
-    else:
-      tokens, abstract = dense, layout.abstract_cache(self.cfg, self.slots, self.max_len)
+    tokens, abstract = self.kv_cache.live_tokens, self.kv_cache.abstract()
     per_device = sum(
         math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
         for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(self.shardings.cache)))
     total_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract))
-    out = {"kind": "paged" if self.paged else "dense", "slots": self.slots,
+    out = {"kind": self.kv_cache.kind, "slots": self.slots,
            "max_len": self.max_len, "groups": groups, "slots_per_group": self.slots // groups,
            "live_tokens": tokens, "live_tokens_per_group": tokens // groups,
            "dense_tokens": dense, "fraction_of_dense": tokens / dense,
            "max_len_trajectories_per_group": tokens / groups / self.max_len,
            "bytes": total_bytes, "bytes_per_token": total_bytes / tokens,
            "bytes_per_device": per_device}
-    if self.paged:
-      out.update(page_size=self.page_size, pages=self.num_pages,
-                 pages_per_group=self.num_pages // groups)
+    out.update(self.kv_cache.describe())
     return out
 
   def context(self):
@@ -182,19 +175,14 @@ class EnginePrograms:
     (cache, lengths, tokens, log-probs); paged: (params, pool, lengths,
     table, tokens, valid, key) -> (pool, lengths, tokens, log-probs).
     With `record_routing`, the fed tokens' routing `[slots, W, M * k]` last."""
-    s = self.shardings
+    s, cache = self.shardings, self.kv_cache
     outs = (s.cache, s.slots, s.slots, s.slots) + ((s.tokens,) if self.record_routing else ())
-    if self.paged:
-      return jax.jit(
-          functools.partial(_paged_step, self.cfg, self.sampling, self._columns(kv),
-                            record=self.record_routing),
-          in_shardings=(s.params, s.cache, s.slots, s.tokens, s.tokens, s.tokens,
-                        s.replicated),
-          out_shardings=outs, donate_argnums=(1, 2))
-    return jax.jit(functools.partial(_step, self.cfg, self.sampling, kv,
-                                     record=self.record_routing),
-                   in_shardings=(s.params, s.cache, s.slots, s.tokens, s.tokens, s.replicated),
-                   out_shardings=outs, donate_argnums=(1, 2))
+    return jax.jit(
+        functools.partial(BODIES[cache.kind].step, self.cfg, self.sampling, cache.static_kv(kv),
+                          record=self.record_routing),
+        in_shardings=(s.params, s.cache, s.slots, *cache.table_shardings(s), s.tokens, s.tokens,
+                      s.replicated),
+        out_shardings=outs, donate_argnums=(1, 2))
 
   def decode(self, kv: int | None, steps: int, stop: int):
     """`_decode` jitted: (params, cache, lengths, tokens, budgets, KeyStream) ->
@@ -202,19 +190,15 @@ class EnginePrograms:
     KeyStream). `stop` -1: budgets only. Paged: the table after the lengths.
     With `record_routing`, the routing of the token fed at each iteration
     `[slots, steps, M * k]` last."""
-    s = self.shardings
+    s, cache = self.shardings, self.kv_cache
     outs = (s.cache, s.slots, s.slots, s.tokens, s.tokens, s.slots, s.replicated) + (
         (s.tokens,) if self.record_routing else ())
-    if self.paged:
-      return jax.jit(
-          functools.partial(_paged_decode, self.cfg, self.sampling, self._columns(kv),
-                            int(steps), int(stop), record=self.record_routing),
-          in_shardings=(s.params, s.cache, s.slots, s.tokens, s.slots, s.slots, s.replicated),
-          out_shardings=outs, donate_argnums=(1, 2))
     return jax.jit(
-        functools.partial(_decode, self.cfg, self.sampling, kv, int(steps), int(stop),
+        functools.partial(BODIES[cache.kind].decode, self.cfg, self.sampling,
+                          cache.static_kv(kv), int(steps), int(stop),
                           record=self.record_routing),
-        in_shardings=(s.params, s.cache, s.slots, s.slots, s.slots, s.replicated),
+        in_shardings=(s.params, s.cache, s.slots, *cache.table_shardings(s), s.slots, s.slots,
+                      s.replicated),
         out_shardings=outs, donate_argnums=(1, 2))
 
   def init_state(self, batch: int | None = None):
@@ -222,11 +206,10 @@ class EnginePrograms:
     zeros, created in place shard by shard: the whole cache never exists on
     one device. (Another `batch` than `slots` is a lane's, on one device.)
     Paged: the cache is the pool of `num_pages` pages."""
-    s, b, n = self.shardings, batch or self.slots, self.max_len
-    cache = ((lambda: paged.init_pages(self.cfg, self.num_pages, self.page_size))
-             if self.paged else (lambda: decoding.init_cache(self.cfg, b, n)))
-    return jax.jit(lambda: (cache(), jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32)),
-                   out_shardings=(s.cache, s.slots, s.slots))
+    s, b, cache = self.shardings, batch or self.slots, self.kv_cache
+    return jax.jit(
+        lambda: (cache.init(b), jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32)),
+        out_shardings=(s.cache, s.slots, s.slots))
 
   def copy_params(self):
     """params -> a copy in fresh buffers of the engine's param shardings, in
@@ -262,19 +245,15 @@ class EnginePrograms:
                                        self._placed(stream, "replicated"))
 
   def _state_args(self, params) -> tuple:
-    """(params, cache, lengths), and a paged engine's page table after them."""
-    if self.paged:
-      cache = layout.abstract_pool(self.cfg, self.num_pages, self.page_size)
-    else:
-      cache = layout.abstract_cache(self.cfg, self.slots, self.max_len)
+    """(params, cache, lengths), and the cache's arguments after them (a
+    paged engine's page table)."""
+    cache = self.kv_cache
     lengths = jax.ShapeDtypeStruct((self.slots,), jnp.int32)
     params = jax.eval_shape(functools.partial(precision.cast_for_serving, self.cfg), params)
-    out = (self._placed(params, "params"), self._placed(cache, "cache"),
-           self._placed(lengths, "slots"))
-    if self.paged:
-      table = jax.ShapeDtypeStruct((self.slots, self.pages_per_slot), jnp.int32)
-      out += (self._placed(table, "tokens"),)
-    return out
+    table = tuple(jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=sh) for t, sh in
+                  zip(cache.abstract_table(), cache.table_shardings(self.shardings)))
+    return (self._placed(params, "params"), self._placed(cache.abstract(), "cache"),
+            self._placed(lengths, "slots")) + table
 
   def _placed(self, tree, field: str):
     """`tree`'s ShapeDtypeStructs on the shardings' `field`."""
@@ -441,3 +420,13 @@ def _paged_decode(cfg, sampling, cols, steps, stop_token, params, pool, lengths,
     pool = jax.tree.map(lambda leaf, v: paged.write_view(leaf, v, table, lengths, fed), pool,
                         live)
   return (pool, new_lengths, tok, out_tok, out_lp, count, rng, *out_r)
+
+
+class Bodies(NamedTuple):
+  """A KV cache kind's program bodies (`EnginePrograms.step`, `.decode`)."""
+  step: Callable
+  decode: Callable
+
+
+# Each kv_cache.KV_CACHES kind's bodies.
+BODIES = {"dense": Bodies(_step, _decode), "paged": Bodies(_paged_step, _paged_decode)}

@@ -16,10 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from sao_jax.config import sections
 from sao_jax.models import sharding
 from sao_jax.models import config as mcfg
 from sao_jax.models import paged
-from sao_jax.rollout import layout
+from sao_jax.rollout import kv_cache, layout
 from sao_jax.rollout import programs as programs_lib
 from sao_jax.rollout import sampling as sampling_lib
 
@@ -53,6 +54,20 @@ def test_a_paged_pool_holds_its_pages_on_one_device():
   # num_pages 0: the dense cache's size in pages.
   full = programs(page_size=16).capacity()
   assert full["pages"] == 32 and full["fraction_of_dense"] == 1.0
+
+
+def test_every_configurable_kv_cache_has_a_strategy_and_program_bodies():
+  # rollout.kv_cache names a strategy (kv_cache.KV_CACHES) with step and decode bodies.
+  assert tuple(kv_cache.KV_CACHES) == sections.KV_CACHES
+  assert set(programs_lib.BODIES) == set(kv_cache.KV_CACHES)
+  for kind in sections.KV_CACHES:
+    progs = programs(kv_cache=kind, page_size=16)
+    assert progs.kv_cache.kind == progs.capacity()["kind"] == kind
+    assert progs.paged == (kind == "paged")
+  # Without a name, a page_size given means a paged cache.
+  assert programs(page_size=16).kv_cache.kind == "paged" and not programs().paged
+  with pytest.raises(ValueError, match="unknown kv_cache 'ring'; known: dense, paged"):
+    programs(kv_cache="ring")
 
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
