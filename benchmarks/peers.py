@@ -80,6 +80,7 @@ import gae as gae_bench  # pylint: disable=g-import-not-at-top
 
 from sao_jax.algo import advantages as adv  # pylint: disable=g-import-not-at-top
 from sao_jax.config import sections
+from sao_jax.data import packing
 from sao_jax.train import train_step as ts
 from sao_jax.models import config as mcfg
 from sao_jax.models import policy
@@ -282,7 +283,21 @@ def block_arm(arms: dict, fast: mcfg.ModelConfig, moe_block: int) -> None:
     arms[f"the same, MoE blocks of {moe_block}"] = dataclasses.replace(fast, moe_block=moe_block)
 
 
-def train_section(shape: str, repeats: int, bf16: bool = False, moe_block: int = 0):
+def with_action_index(batch: dict) -> dict:
+  """`batch` with `action_index` (each row's action positions, then -1), as the
+  trainer's batches carry it under `data.logits_at_actions`: the head runs at
+  those positions only."""
+  action = np.asarray(batch["action_mask"])
+  width = packing.action_width(action.sum(axis=1).tolist(), action.shape[1])
+  index = np.full((action.shape[0], width), -1, np.int32)
+  for r, row in enumerate(action):
+    where = np.flatnonzero(row)
+    index[r, :len(where)] = where
+  return {**batch, "action_index": jnp.asarray(index)}
+
+
+def train_section(shape: str, repeats: int, bf16: bool = False, moe_block: int = 0,
+                  action_head: bool = False):
   rows, length = SHAPES[shape][:2]
   cfg, params, model = build_models(length)
   batch, example = train_batch(cfg, rows, length)
@@ -294,8 +309,12 @@ def train_section(shape: str, repeats: int, bf16: bool = False, moe_block: int =
   if bf16:
     arms["the same, bf16 compute"] = dataclasses.replace(fast, dtype="bfloat16")
   block_arm(arms, fast, moe_block)
+  batches = {name: batch for name in arms}
+  if action_head:  # the trainer's `data.logits_at_actions`: the head at action tokens
+    name = "the same, head at action tokens (`data.logits_at_actions`)"
+    arms[name], batches[name] = fast, with_action_index(batch)
   fns = {"tunix": tunix_train_fn(model, example)}
-  fns.update({name: sao_train_fn(c, params, batch) for name, c in arms.items()})
+  fns.update({name: sao_train_fn(c, params, batches[name]) for name, c in arms.items()})
   sec = time_fns(fns, {k: () for k in fns}, repeats=repeats)
   tps = {k: rows * length / s for k, s in sec.items()}
   return [f"| train: policy update, {rows} x {length}, sao-jax {name} | {tps['tunix']:,.0f} | "
@@ -433,6 +452,9 @@ def main():
                       help="also bf16 compute (train) and one `step` per token (generate)")
   parser.add_argument("--moe_block", type=int, default=0,
                       help="also the fast settings with MoE blocks of this many rows")
+  parser.add_argument("--action_head", action="store_true",
+                      help="also training with the head at action tokens only (the "
+                      "trainer's `data.logits_at_actions`, the completion's 3/4 of a row)")
   parser.add_argument("--vocab", type=int, default=128,
                       help="the tiny model's vocabulary (151669: Qwen3's)")
   parser.add_argument("--lanes", type=int, default=2,
@@ -467,7 +489,8 @@ def main():
 
   for shape in args.shapes.split(","):
     if "train" in wanted:
-      record(train_section(shape, args.repeats, args.extra_arms, args.moe_block)[0])
+      record(train_section(shape, args.repeats, args.extra_arms, args.moe_block,
+                           args.action_head)[0])
     if "generate" in wanted:
       record(generate_section(shape, args.repeats, args.extra_arms, args.moe_block,
                               args.lanes)[0])

@@ -28,7 +28,7 @@ import sys
 import time
 
 from experiments import stats
-from experiments.runner import git_commit
+from experiments.runner import check_commits, git_commit
 from sao_jax.data import files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,7 +57,9 @@ def run_seed(seed: int, workdir: str, results: str, overrides: list[str]) -> dic
   if os.path.exists(out) and os.path.exists(summary_path):
     with open(out, encoding="utf-8") as f:
       return json.load(f)
-  wall, launches = 0.0, []
+  # The commit the run starts on: a seed that spans a later commit on this
+  # checkout is still the code that trained it.
+  wall, launches, commit = 0.0, [], git_commit(ROOT)
   if not os.path.exists(summary_path):
     os.makedirs(rdir, exist_ok=True)
     cmd = ["nice", "-n", "10", sys.executable, os.path.join(ROOT, "launch", "train.py"),
@@ -71,7 +73,7 @@ def run_seed(seed: int, workdir: str, results: str, overrides: list[str]) -> dic
   with open(summary_path, encoding="utf-8") as f:
     summary = json.load(f)
   sft, final = _evaluation(summary, "sft"), _evaluation(summary, "final")
-  rec = {"seed": seed, "config": CONFIG, "overrides": overrides, "commit": git_commit(ROOT),
+  rec = {"seed": seed, "config": CONFIG, "overrides": overrides, "commit": commit,
          "wall_s": wall or None, "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
          "load_average": os.getloadavg(), "sft": sft, "final": final,
          "change": final["pass@1"] - sft["pass@1"], "rl_steps": summary["rl_steps"],
@@ -81,8 +83,12 @@ def run_seed(seed: int, workdir: str, results: str, overrides: list[str]) -> dic
   return rec
 
 
-def aggregate(results: str) -> dict:
-  """Every seed's record under `results`, and the paired statistics of the change."""
+def aggregate(results: str, allow_mixed_commits: bool = False) -> dict:
+  """Every seed's record under `results`, and the paired statistics of the change.
+
+  Seeds that ran on different commits are refused (ValueError, naming them)
+  unless `allow_mixed_commits`.
+  """
   recs = []
   for path in sorted(glob.glob(os.path.join(results, "seed_*", "results.json"))):
     with open(path, encoding="utf-8") as f:
@@ -90,6 +96,7 @@ def aggregate(results: str) -> dict:
   recs.sort(key=lambda r: r["seed"])
   if not recs:
     return {"seeds": []}
+  commits = check_commits({"math_cpu": {r["seed"]: r for r in recs}}, allow_mixed_commits)
   change = [r["change"] for r in recs]
   sft = [r["sft"]["pass@1"] for r in recs]
   final = [r["final"]["pass@1"] for r in recs]
@@ -103,6 +110,7 @@ def aggregate(results: str) -> dict:
       "change_t_interval": stats.t_interval(change),
       "change_sign_flip_p": stats.sign_flip_p(change),
       "min_sign_flip_p": stats.min_sign_flip_p(len(change)),
+      "commits": commits["math_cpu"], "mixed_commits_allowed": allow_mixed_commits,
   }
   files.write_json(os.path.join(results, "results.json"), agg, indent=2)
   return agg
@@ -132,13 +140,15 @@ def main(argv=None) -> dict:
   parser.add_argument("--set", action="append", default=[],
                       help="a config override for every seed, e.g. rl.steps=10")
   parser.add_argument("--aggregate_only", action="store_true")
+  parser.add_argument("--allow_mixed_commits", action="store_true",
+                      help="aggregate seeds that ran on different commits")
   args = parser.parse_args(argv)
   if not args.aggregate_only:
     for seed in range(args.first_seed, args.first_seed + args.seeds):
       rec = run_seed(seed, args.workdir, args.results, args.set)
       print(f"[math_cpu] seed {seed}: pass@1 {rec['sft']['pass@1']:.3f} -> "
             f"{rec['final']['pass@1']:.3f} ({rec['change']:+.3f})", flush=True)
-  agg = aggregate(args.results)
+  agg = aggregate(args.results, args.allow_mixed_commits)
   print(markdown(agg))
   return agg
 

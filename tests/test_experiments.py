@@ -476,3 +476,13 @@ def test_math_cpu_pairs_each_seeds_sft_and_rl_and_skips_finished_seeds(tmp_path)
   assert agg["change_sign_flip_p"] == stats.sign_flip_p(changes)
   assert os.path.exists(os.path.join(results, "results.json"))
   assert "| mean | 0.483 | 0.527 | +0.043" in math_cpu.markdown(agg)
+  # A seed recorded on another commit is refused unless told.
+  path = os.path.join(results, "seed_2", "results.json")
+  with open(path, encoding="utf-8") as f:
+    rec = json.load(f)
+  rec["commit"] = "0" * 40
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(rec, f)
+  with pytest.raises(ValueError, match="seed 2 000000000000"):
+    math_cpu.aggregate(results)
+  assert math_cpu.aggregate(results, allow_mixed_commits=True)["commits"][2] == "0" * 40
