@@ -8,11 +8,14 @@ bytes for a pod.
 
 Measure: a trainer process (a child, 2 CPU devices, the tree sharded over
 both) publishes each version both ways; this process is the rollout (2 CPU
-devices, another layout). Direct = `WeightServer.publish` (jitted snapshot,
-manifest) + the rollout's pull until the assembled params are in its layout;
-checkpoint = `WeightPublisher.publish` + `close` (the orbax write) + a fresh
-`WeightFollower.poll` (restore onto the rollout's devices). The tree is
-random bf16 [4096, 4096] leaves; every pulled and restored version is
+devices, another layout). The trainer holds float32 params (the precision
+policy's master weights; --master bfloat16 for bf16 ones) and publishes
+their bf16 cast, as FleetSource does: direct = `WeightServer.publish` (the
+cast and the snapshot copy in one jitted program, manifest) + the
+rollout's pull until the assembled params are in its layout; checkpoint =
+the jitted cast + `WeightPublisher.publish` + `close` (the orbax write) +
+a fresh `WeightFollower.poll` (restore onto the rollout's devices). The
+versions are random [4096, 4096] leaves (--gib of bf16); every pulled and restored version is
 checked bit for bit. Over 127.0.0.1 on this host: the loopback path is a
 floor of the library's cost, not a prediction of DCN rates.
 
@@ -39,17 +42,24 @@ LEAF = (4096, 4096)
 GIB = 1 << 30
 
 
-def tree(version, n_leaves, sharding):
+def tree(version, n_leaves, sharding, dtype="bfloat16"):
+  """Version `version`'s leaves in `dtype`: float32 values, rounded to bf16
+  for "bfloat16" (so the bf16 tree is the float32 tree's serving cast)."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   keys = jax.random.split(jax.random.key(version), n_leaves)
-  make = jax.jit(lambda k: jax.random.normal(k, LEAF, jnp.bfloat16), out_shardings=sharding)
+  make = jax.jit(lambda k: jax.random.normal(k, LEAF, jnp.float32).astype(dtype),
+                 out_shardings=sharding)
   return {f"w{i:03d}": make(k) for i, k in enumerate(keys)}
 
 
-def trainer(root, n_leaves, repeats, sockets):
-  """The child: publishes version v both ways when <root>/go-<v> appears."""
+def trainer(root, n_leaves, repeats, sockets, master):
+  """The child: publishes version v both ways when <root>/go-<v> appears,
+  from `master` params cast to bf16 as the trainer's FleetSource does it:
+  inside the server's snapshot on the direct path, by the jitted cast
+  before the write on the checkpoint path."""
   import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   from sao_jax.data import fleet  # pylint: disable=g-import-not-at-top
@@ -57,13 +67,15 @@ def trainer(root, n_leaves, repeats, sockets):
   sharding = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("fsdp",)), P("fsdp", None))
   server = weight_transfer.WeightServer(root, "bench", host="127.0.0.1", sockets=sockets,
                                         poll_seconds=0.01)
+  # precision.cast_for_serving's work for a bf16 engine.
+  cast = jax.jit(lambda t: jax.tree.map(lambda x: x.astype(jnp.bfloat16), t))
   for v in range(1, repeats + 1):
     while not os.path.exists(os.path.join(root, f"go-{v}")):
       time.sleep(0.01)
-    params = tree(v, n_leaves, sharding)
+    params = tree(v, n_leaves, sharding, master)
     jax.block_until_ready(params)
     t0 = time.time()
-    server.publish(params, v)
+    server.publish(params, v, cast)
     serve_s = time.time() - t0
     # Wait until the rollout has pulled it (one pull per version) before
     # the checkpoint path runs: the two never share the cores.
@@ -71,7 +83,7 @@ def trainer(root, n_leaves, repeats, sockets):
       time.sleep(0.01)
     pub = fleet.WeightPublisher(root, keep=2, version=v)  # close() ends a publisher
     t0 = time.time()
-    pub.publish(params, v, {"nonce": "bench"})
+    pub.publish(cast(params), v, {"nonce": "bench"})
     pub.close()
     publish_s = time.time() - t0
     with open(os.path.join(root, f"trainer-{v}.json"), "w", encoding="utf-8") as f:
@@ -95,7 +107,7 @@ def measure(args):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
   child = subprocess.Popen([sys.executable, __file__, "--trainer", root, "--repeats",
                             str(args.repeats), "--leaves", str(n_leaves), "--sockets",
-                            str(args.sockets)], env=env)
+                            str(args.sockets), "--master", args.master], env=env)
   # The rollout's layout: columns over its 2 devices (the trainer's: rows).
   sharding = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("tensor",)),
                            P(None, "tensor") if args.layout == "columns" else P("tensor", None))
@@ -144,8 +156,8 @@ def measure(args):
   direct = med["serve_s"] + med["pull_s"]
   ckpt = med["publish_s"] + med["restore_s"]
   mb = nbytes / 1e6
-  print(f"\n{nbytes / GIB:.2f} GiB of bf16 in {n_leaves} leaves, medians of {len(rows)}, "
-        f"{args.sockets} bulk sockets")
+  print(f"\n{nbytes / GIB:.2f} GiB of bf16 in {n_leaves} leaves (the trainer's params "
+        f"{args.master}), medians of {len(rows)}, {args.sockets} bulk sockets")
   print("| path | publish s | pick-up s | total s | pick-up MB/s | end-to-end MB/s |")
   print("|---|---|---|---|---|---|")
   print(f"| direct (transfer server) | {med['serve_s']:.2f} | {med['pull_s']:.2f} | "
@@ -210,6 +222,9 @@ def main():
   p.add_argument("--sockets", type=int, default=4)
   p.add_argument("--layout", default="columns", choices=("columns", "rows"),
                  help="the rollout's split of each leaf (the trainer's: rows)")
+  p.add_argument("--master", default="float32", choices=("float32", "bfloat16"),
+                 help="the trainer's params, cast to bf16 on publish (float32: the "
+                      "precision policy's master weights)")
   p.add_argument("--dir", default=None, help="where the checkpoint path writes (default /tmp)")
   p.add_argument("--trainer", default=None, help=argparse.SUPPRESS)
   p.add_argument("--leaves", type=int, default=0, help=argparse.SUPPRESS)
@@ -225,7 +240,7 @@ def main():
                  help="GB/s of host TCP peers measured (verl PR #7905: 3.59 on v6e)")
   args = p.parse_args()
   if args.trainer:
-    trainer(args.trainer, args.leaves, args.repeats, args.sockets)
+    trainer(args.trainer, args.leaves, args.repeats, args.sockets, args.master)
   elif args.plan_config:
     plan(args)
   else:

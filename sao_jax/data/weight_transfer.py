@@ -4,8 +4,9 @@ The fleet's direct weight path (`fleet.weights_path = "direct"`, the
 default where `jax.experimental.transfer` works). No file holds the bytes:
 
   * Trainer side (`WeightServer`, one per trainer process): at each publish
-    a jitted copy of the serving params is taken (the next train step
-    donates the live ones, and a donated buffer cannot be served), and the
+    the serving params are taken in one jitted program, the cast to the
+    engines' dtype and the copy together (the next train step donates the
+    live params, and a donated buffer cannot be served), and the
     process's share of its distinct shards is offered through JAX's transfer
     server (a TCP bulk transport in jaxlib, "DCN"). A manifest
     `<root>/transfer/v<version>.p<process>.json` (atomic rename) says where
@@ -315,11 +316,16 @@ def report(src_leaves, dest_leaves, rollout_hosts: int = 1) -> dict:
 # --- trainer side ------------------------------------------------------------------
 
 
-@jax.jit
-def _snapshot(params):
-  """Fresh buffers with the same values and shardings (a donated buffer
-  cannot be served, and the train step donates the live params)."""
-  return jax.tree.map(lambda x: jnp.array(x, copy=True), params)
+def _as_is(params):
+  return params
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _snapshot(cast, params):
+  """`cast(params)` in fresh buffers with the same shardings, in one pass
+  over the bytes (a donated buffer cannot be served, and the train step
+  donates the live params; casting and copying apart would read them twice)."""
+  return jax.tree.map(lambda x: jnp.array(x, copy=True), cast(params))
 
 
 def _piece_dict(p: Piece) -> dict:
@@ -366,10 +372,14 @@ class WeightServer:
       self._thread = threading.Thread(target=self._serve, name="weight-server", daemon=True)
       self._thread.start()
 
-  def publish(self, params, version: int) -> None:
-    """Serves `params` (the engines' dtype, any sharding) as `version`."""
+  def publish(self, params, version: int, cast: Callable = _as_is) -> None:
+    """Serves `cast(params)` (the engines' dtype, any sharding) as `version`.
+
+    `cast` (traceable, hashable: the same function object each version, or
+    the snapshot recompiles) runs inside the snapshot's program.
+    """
     t0 = time.time()
-    snap = _snapshot(params)
+    snap = _snapshot(cast, params)
     leaves = jax.tree.leaves(snap)
     pieces = source_pieces((x.shape, x.dtype, x.sharding) for x in leaves)
     mine = [p for p in pieces if p.process == self.process]

@@ -219,7 +219,8 @@ class FleetSource:
   version), reads their shards through `fleet.ShardFeed` and marks RL done
   when it closes after a normal finish, so that the rollouts exit. A
   version is published as the engines hold it: `serving_cast` (the cast to
-  the compute dtype, precision.py) runs once per version before the write.
+  the compute dtype, precision.py) runs once per version, on the direct
+  path inside the server's snapshot program.
 
   With a `server` (weight_transfer.WeightServer: fleet.weights_path =
   "direct") every version is served to the rollouts over the network and
@@ -252,12 +253,14 @@ class FleetSource:
     return {"nonce": self._server.nonce} if self._server is not None else {}
 
   def publish(self, params, version: int) -> dict:
-    cast = self._cast(params)
     out = {}
     if self._server is not None:
-      self._server.publish(cast, version)
+      # The cast inside the server's snapshot: one pass over the params.
+      self._server.publish(params, version, self._cast)
       cast = self._server.snapshot  # fresh buffers: the train step donates `params`
       out["fleet/serve_s"] = self._server.last_publish_s
+    else:
+      cast = self._cast(params)
     if self._server is None or self._on_disk is None or version % self._every == 0:
       self._publisher.publish(cast, version, self._meta())
       self._on_disk = version

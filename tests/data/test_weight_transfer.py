@@ -270,3 +270,33 @@ def test_the_rollout_worker_generates_while_a_version_is_pulled(tmp_path):
   counts = out["counts"]
   assert (counts["weights_path"], counts["pulls"], counts["version"]) == ("direct", 2, 1)
   assert counts["pull_failures"] == {} and counts["tokens_during_pulls"] > 0
+
+
+def test_publish_casts_and_copies_in_one_program_and_the_donated_params_stay_served(tmp_path):
+  """`publish(params, v, cast)`: the served arrays are `cast(params)` bit for
+  bit, in buffers of their own (deleting the trainer's params, as a donating
+  step does, leaves them intact), and a second version reuses the program."""
+  server = wt.WeightServer(str(tmp_path), "run1", host="127.0.0.1", sockets=1, thread=False)
+  try:
+    mesh = Mesh(np.array(jax.devices()[:2]), ("fsdp",))
+    cast = jax.jit(lambda t: jax.tree.map(
+        lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, t))
+    shardings = {"w": NamedSharding(mesh, P("fsdp", None)), "step": NamedSharding(mesh, P())}
+    misses = []
+    for version in (1, 2):
+      params = {"w": jax.device_put(jax.random.normal(jax.random.key(version), (8, 4)),
+                                    shardings["w"]),
+                "step": jax.device_put(jnp.int32(version), shardings["step"])}
+      want = jax.tree.map(np.asarray, cast(params))
+      before = wt._snapshot._cache_size()  # pylint: disable=protected-access
+      server.publish(params, version, cast)
+      misses.append(wt._snapshot._cache_size() - before)  # pylint: disable=protected-access
+      snap = server.snapshot
+      jax.tree.map(lambda x: x.delete(), params)  # the next train step donates them
+      assert snap["w"].dtype == jnp.bfloat16 and snap["step"].dtype == jnp.int32
+      assert snap["w"].sharding.is_equivalent_to(shardings["w"], 2)
+      for k, v in want.items():
+        assert np.asarray(snap[k]).tobytes() == v.tobytes(), k
+    assert misses == [1, 0]
+  finally:
+    server.close()
