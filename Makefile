@@ -7,7 +7,7 @@ WORKDIR ?= workdirs/sao_tiny
 # The tests simulate 8 devices themselves (tests/conftest.py); the CPU run
 # uses the real device, since simulated devices only add overhead on 2 cores.
 
-.PHONY: train train-math test bench clean
+.PHONY: train train-math test test-all bench clean
 
 $(VENV)/.installed-base: setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,8 +29,13 @@ MATH_WORKDIR ?= workdirs/math_tool_cpu
 train-math: $(VENV)/.installed-base
 	$(PY) launch/train.py --config=configs/math_tool_cpu.py --workdir=$(MATH_WORKDIR)
 
-# The test suite (what .ci/run calls).
+# The test suite (what .ci/run calls): every test but the few marked slow,
+# whose ground the default run covers with lighter ones (tests/conftest.py).
 test: $(VENV)/.installed-test
+	$(PY) -m pytest -n 2 -q -m "not slow" tests
+
+# Every test, the slow ones too.
+test-all: $(VENV)/.installed-test
 	$(PY) -m pytest -n 2 -q tests
 
 bench: $(VENV)/.installed-test

@@ -31,3 +31,11 @@ for _entry in sorted(os.listdir(_HERE)):
   _folder = os.path.join(_HERE, _entry)
   if os.path.isdir(_folder) and not _entry.startswith((".", "_")) and _folder not in sys.path:
     sys.path.append(_folder)
+
+
+def pytest_configure(config):
+  # `make test` (CI) deselects these; `make test-all` runs them. Each one's
+  # ground is covered in the default run by a named lighter test.
+  config.addinivalue_line(
+      "markers", "slow: a heavy end-to-end test whose coverage the default run has "
+      "elsewhere (deselected by `make test`, run by `make test-all`)")

@@ -214,6 +214,9 @@ def rl_steps(workdir):
           if line.endswith("\n") and '"stage": "rl"' in line]
 
 
+# Slow: the default run kills a fleet's trainer and rollouts on local files
+# (tests/data/test_fleet.py) and runs a fleet over gs:// above.
+@pytest.mark.slow
 def test_fleet_run_on_gs_survives_a_trainer_kill(emu, tmp_path):
   workdir = emu.url(uuid.uuid4().hex[:12], "run")
   ckpts = files.join(workdir, "checkpoints")

@@ -196,7 +196,9 @@ def test_rl_metrics_are_cumulative_over_driver_restarts():
   assert m["rollout/tool_call_error_unclosed"] == 4 and m["rollout/tool_call_errors"] == 5
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+# sync: slow; the default run trains sync mode end to end in
+# tests/test_experiments.py's smoke grid (its grpo_sync arm).
+@pytest.mark.parametrize("mode", ["async", pytest.param("sync", marks=pytest.mark.slow)])
 def test_trainer_runs_and_resumes(tmp_path, mode):
   workdir = str(tmp_path / mode)
   out = launch(workdir, f"--config.rl.mode={mode}")
@@ -220,6 +222,7 @@ def test_trainer_runs_and_resumes(tmp_path, mode):
     assert recorded["rl"]["steps"] == 8  # the last training launch, not eval's config
 
 
+@pytest.mark.slow  # the smoke grid's grpo_sync arm runs a group arm end to end by default
 def test_group_arm_runs_end_to_end(tmp_path):
   workdir = str(tmp_path / "grpo")
   launch(workdir, "--config.rl.steps=3", config="grpo.py")
