@@ -1,9 +1,9 @@
 """Sampling: the exact distribution tokens are drawn from, and the engine's key stream.
 
 `sampling_logprobs` is the distribution after temperature, top-k and top-p
-(renormalised); `sample` draws from it by inverse CDF and returns each
-token's log-prob under it, the log-prob the RL step's ratio is taken
-against. `KeyStream` is the engine's counter-based key sequence: draw n
+(renormalised); `sample` draws from it by a two-level inverse CDF
+(`draw`) and returns each token's log-prob under it, the log-prob the RL
+step's ratio is taken against. `KeyStream` is the engine's counter-based key sequence: draw n
 uses `fold_in(base, n)`, so a decode loop draws all of its iterations'
 uniforms at once (`uniforms`) and still samples exactly what as many
 one-token steps (each taking its key with `take`) would.
@@ -58,8 +58,7 @@ def sample(logits: Array, rng, sampling: SamplingConfig) -> tuple[Array, Array]:
   cumulative probability exceeds it. Gumbel-max (`jax.random.categorical`)
   draws V uniforms a row; on XLA:CPU those random bits were 8% of a decode
   step of the tiny model. A token masked by top-k / top-p is never drawn
-  (`inverse_cdf`); where rounding leaves no possible token above u * total,
-  the row takes its most likely token.
+  (`draw`).
   """
   return sample_with(logits, row_uniforms(rng, logits.shape[0]), sampling)
 
@@ -70,23 +69,64 @@ def row_uniforms(key, rows: int) -> Array:
 
 
 def sample_with(logits: Array, u: Array, sampling: SamplingConfig) -> tuple[Array, Array]:
-  """`sample` with its uniforms `u` `[B, 1]` given (drawn ahead by a decode loop)."""
-  logp = sampling_logprobs(logits, sampling)
-  tokens = inverse_cdf(logp, u)
-  return tokens, jnp.take_along_axis(logp, tokens[:, None], -1)[:, 0]
+  """`sample` with its uniforms `u` `[B, 1]` given (drawn ahead by a decode loop).
+
+  At temperature alone the draw reads the scaled logits as they are (the
+  log-probs over the vocabulary are never materialised: at Qwen3's 151,669
+  columns those passes cost a decode step more than the head's matmul);
+  with top-k or top-p it draws from `sampling_logprobs`.
+  """
+  if sampling.top_k or sampling.top_p < 1.0:
+    x = sampling_logprobs(logits, sampling)
+  else:
+    x = logits.astype(jnp.float32) / sampling.temperature
+  return draw(x, u)
+
+
+# Columns per block of the two-level inverse CDF (`draw`).
+BLOCK = 1024
+
+
+def draw(x: Array, u: Array) -> tuple[Array, Array]:
+  """(tokens `[B]`, log-probs `[B]`): inverse-CDF draws from softmax(x).
+
+  x `[B, V]` log-weights, unnormalised (-inf on tokens that cannot be
+  drawn), u `[B, 1]` in [0, 1). Two levels, so that one pass over the row
+  finds the token: the mass of each block of `BLOCK` columns, their
+  cumulative sum, the block where u of the total falls, then the cumulative
+  sum inside that block alone. Each token's probability is its weight over
+  the total, as in one flat cumulative sum; only the rounding differs.
+  Where rounding leaves no block above u * total the row takes its most
+  likely token, and where it leaves no token of the chosen block above it,
+  the block's last possible token (both need u within an ulp of a boundary).
+  The log-prob is x - max - log(total), as `jax.nn.log_softmax` has it.
+  """
+  b, v = x.shape
+  blocks = -(-v // BLOCK)
+  m = jnp.max(x, -1, keepdims=True)
+  xb = jnp.pad(x, ((0, 0), (0, blocks * BLOCK - v)), constant_values=-jnp.inf)
+  xb = xb.reshape(b, blocks, BLOCK)
+  mass = jnp.sum(jnp.exp(xb - m[..., None]), -1)  # [B, blocks]
+  cum = jnp.cumsum(mass, -1)
+  total = cum[:, -1:]
+  target = u * total
+  above = cum > target
+  blk = jnp.argmax(above, -1)
+  before = jnp.take_along_axis(cum - mass, blk[:, None], -1)  # [B, 1]
+  xin = jnp.take_along_axis(xb, blk[:, None, None], 1)[:, 0]  # [B, BLOCK]
+  w = jnp.exp(xin - m)
+  possible = xin > -jnp.inf
+  inside = ((before + jnp.cumsum(w, -1)) > target) & possible
+  last = BLOCK - 1 - jnp.argmax(possible[:, ::-1], -1)
+  col = jnp.where(inside.any(-1), jnp.argmax(inside, -1), last)
+  tokens = jnp.where(above.any(-1), blk * BLOCK + col, jnp.argmax(x, -1)).astype(jnp.int32)
+  logp = jnp.take_along_axis(x, tokens[:, None], -1)[:, 0] - m[:, 0] - jnp.log(total[:, 0])
+  return tokens, logp
 
 
 def inverse_cdf(logp: Array, u: Array) -> Array:
-  """The first token whose cumulative probability exceeds `u` of the total.
-
-  logp `[B, V]` (-inf on tokens that cannot be drawn), u `[B, 1]` in [0, 1).
-  XLA's cumsum is not exact: across a run of impossible tokens it can step
-  by an ulp, so the comparison alone could land on one of them (about 1 in
-  6M draws at V = 152k with top_k = 50); they are excluded explicitly.
-  """
-  cdf = jnp.cumsum(jnp.exp(logp), axis=-1)
-  above = (cdf > u * cdf[..., -1:]) & (logp > -jnp.inf)
-  return jnp.where(above.any(-1), jnp.argmax(above, -1), jnp.argmax(logp, -1)).astype(jnp.int32)
+  """The tokens `draw` takes from log-probs `logp` `[B, V]` (-inf: never) with `u` `[B, 1]`."""
+  return draw(logp, u)[0]
 
 
 class KeyStream(NamedTuple):
