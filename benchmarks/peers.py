@@ -296,6 +296,26 @@ def with_action_index(batch: dict) -> dict:
   return {**batch, "action_index": jnp.asarray(index)}
 
 
+def head_fns(cfg: mcfg.ModelConfig, rows: int, length: int) -> dict:
+  """The LM head alone, forward and backward (the matmul, the log-softmax's
+  logsumexp, the gradients of the hidden states and of the head's weight),
+  at every position of the batch and at its action positions (3/4): what a
+  policy update at this vocabulary cannot do without, whoever runs it."""
+  rng = np.random.default_rng(3)
+  weight = jnp.asarray(rng.normal(size=(cfg.d_model, cfg.vocab_size)) * 0.02, jnp.float32)
+
+  def loss(w, h):
+    return jax.nn.logsumexp(h @ w, axis=-1).sum()
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+  out = {}
+  for name, n in (("head at every position", rows * length),
+                  ("head at action positions", rows * (length - length // 4))):
+    h = jnp.asarray(rng.normal(size=(n, cfg.d_model)), jnp.float32)
+    out[name] = (lambda h=h: grad(weight, h), 6 * n * cfg.d_model * cfg.vocab_size)
+  return out
+
+
 def train_section(shape: str, repeats: int, bf16: bool = False, moe_block: int = 0,
                   action_head: bool = False):
   rows, length = SHAPES[shape][:2]
@@ -315,10 +335,21 @@ def train_section(shape: str, repeats: int, bf16: bool = False, moe_block: int =
     arms[name], batches[name] = fast, with_action_index(batch)
   fns = {"tunix": tunix_train_fn(model, example)}
   fns.update({name: sao_train_fn(c, params, batches[name]) for name, c in arms.items()})
+  heads = head_fns(cfg, rows, length) if action_head else {}
+  fns.update({name: fn for name, (fn, _) in heads.items()})
   sec = time_fns(fns, {k: () for k in fns}, repeats=repeats)
   tps = {k: rows * length / s for k, s in sec.items()}
-  return [f"| train: policy update, {rows} x {length}, sao-jax {name} | {tps['tunix']:,.0f} | "
-          f"{tps[name]:,.0f} | {tps[name] / tps['tunix']:.2f} |" for name in arms], tps
+  out = [f"| train: policy update, {rows} x {length}, sao-jax {name} | {tps['tunix']:,.0f} | "
+         f"{tps[name]:,.0f} | {tps[name] / tps['tunix']:.2f} |" for name in arms]
+  # The bound: a policy update that runs the head at the action positions
+  # takes at least that head's time, so no such update beats Tunix's by more
+  # than Tunix's step over it.
+  for name, (_, flops) in heads.items():
+    out.append(f"| the {name} alone, forward + backward ({flops / 1e9:,.1f} GFLOP, "
+               f"{flops / sec[name] / 1e9:,.1f} GFLOP/s): {sec[name] * 1e3:,.0f} ms; "
+               f"Tunix's update {sec['tunix'] * 1e3:,.0f} ms | {tps['tunix']:,.0f} | "
+               f"{tps[name]:,.0f} (head only) | at most {tps[name] / tps['tunix']:.2f} |")
+  return out, tps
 
 
 # --- generation ----------------------------------------------------------------------
