@@ -16,7 +16,10 @@ rollout's pull until the assembled params are in its layout; checkpoint =
 the jitted cast + `WeightPublisher.publish` + `close` (the orbax write) +
 a fresh `WeightFollower.poll` (restore onto the rollout's devices). The
 versions are random [4096, 4096] leaves (--gib of bf16); every pulled and restored version is
-checked bit for bit. Over 127.0.0.1 on this host: the loopback path is a
+checked bit for bit. With --drop_caches (root) the checkpoint pick-up reads
+the disk: right after the write it would otherwise read the trainer's
+bytes back from this host's page cache, which a rollout host on another
+machine does not share. Over 127.0.0.1 on this host: the loopback path is a
 floor of the library's cost, not a prediction of DCN rates.
 
 Plan (--plan_config): the transfer plan of a config's trainer layout on
@@ -94,6 +97,16 @@ def trainer(root, n_leaves, repeats, sockets, master):
   server.close()
 
 
+def drop_page_cache():
+  """Writes the dirty pages out and drops the clean ones (root only)."""
+  os.sync()
+  try:
+    with open("/proc/sys/vm/drop_caches", "w", encoding="utf-8") as f:
+      f.write("1\n")
+  except OSError as e:
+    raise SystemExit(f"--drop_caches needs root (writing /proc/sys/vm/drop_caches): {e}")
+
+
 def measure(args):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -135,6 +148,8 @@ def measure(args):
         time.sleep(0.01)
       with open(os.path.join(root, f"trainer-{v}.json"), encoding="utf-8") as f:
         t = json.load(f)
+      if args.drop_caches:  # a rollout host elsewhere never saw the write in its page cache
+        drop_page_cache()
       follower = fleet.WeightFollower(root, abstract)
       t0 = time.time()
       params, version, _ = follower.poll()
@@ -157,7 +172,8 @@ def measure(args):
   ckpt = med["publish_s"] + med["restore_s"]
   mb = nbytes / 1e6
   print(f"\n{nbytes / GIB:.2f} GiB of bf16 in {n_leaves} leaves (the trainer's params "
-        f"{args.master}), medians of {len(rows)}, {args.sockets} bulk sockets")
+        f"{args.master}), medians of {len(rows)}, {args.sockets} bulk sockets, checkpoint "
+        f"pick-up {'from disk (page cache dropped)' if args.drop_caches else 'as cached'}")
   print("| path | publish s | pick-up s | total s | pick-up MB/s | end-to-end MB/s |")
   print("|---|---|---|---|---|---|")
   print(f"| direct (transfer server) | {med['serve_s']:.2f} | {med['pull_s']:.2f} | "
@@ -225,6 +241,9 @@ def main():
   p.add_argument("--master", default="float32", choices=("float32", "bfloat16"),
                  help="the trainer's params, cast to bf16 on publish (float32: the "
                       "precision policy's master weights)")
+  p.add_argument("--drop_caches", action="store_true",
+                 help="drop the page cache before each checkpoint pick-up (root only): the "
+                      "restore reads the disk, as a rollout host on another machine would")
   p.add_argument("--dir", default=None, help="where the checkpoint path writes (default /tmp)")
   p.add_argument("--trainer", default=None, help=argparse.SUPPRESS)
   p.add_argument("--leaves", type=int, default=0, help=argparse.SUPPRESS)
