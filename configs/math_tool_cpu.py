@@ -14,9 +14,8 @@ verifier, the shipped set) with what makes the tiny model learn it:
     below), held out alike;
   * 800 SFT steps; RL with the CPU default's PPO clip at actor lr 3e-4.
 
-Measured (benchmarks/RESULTS.md, "math_tool that learns on CPU"; seed 0
-on a heavily shared box, 51 min): held-out pass@1 0.565 after SFT, 0.640
-after 100 SAO steps.
+Measured: benchmarks/RESULTS.md, "math_tool that learns on CPU" (three
+seeds; SFT reaches the bar, RL does not yet add to it).
 """
 
 from configs import math_tool_tiny
