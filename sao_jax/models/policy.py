@@ -48,6 +48,22 @@ def logprobs_from_logits(logits: Array, tokens: Array, temperature: float = 1.0)
   return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
 
 
+def _head_logprobs(cfg: ModelConfig, hidden: Array, w: Array, tokens: Array,
+                   temperature: float) -> Array:
+  """log softmax(hidden @ w / T)[token] `[B, L]` for hidden `[B, L, D]`, the head
+  as one [B * L, D] x [D, V] matmul.
+
+  On XLA:CPU the backward of the [B, L, D] product (its weight gradient
+  contracts two dimensions, B and L) ran 3x slower than the same matmul in
+  two dimensions (benchmarks/RESULTS.md, "The policy update at Qwen3's
+  vocabulary"); the reshapes are free.
+  """
+  b, length, d = hidden.shape
+  logits = lm_logits(cfg, hidden.reshape(b * length, d), w).reshape(b, length, -1)
+  logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+  return logprobs_from_logits(logits, tokens, temperature)
+
+
 def chunked_logprobs(cfg: ModelConfig, hidden: Array, w: Array, tokens: Array,
                      temperature: float = 1.0) -> Array:
   """log softmax(hidden @ w / T)[token] `[B, L]`, `cfg.logits_chunk` tokens at a time.
@@ -93,7 +109,7 @@ def _logprobs_at(cfg: ModelConfig, params, hidden: Array, tokens: Array, index: 
   if cfg.logits_chunk:
     logp = chunked_logprobs(cfg, h, w, t, temperature)
   else:
-    logp = logprobs_from_logits(lm_logits(cfg, h, w), t, temperature)
+    logp = _head_logprobs(cfg, h, w, t, temperature)
   rows = jnp.arange(index.shape[0])[:, None]
   return jnp.zeros(tokens.shape, logp.dtype).at[rows, safe].add(jnp.where(valid, logp, 0.0))
 
@@ -117,21 +133,19 @@ def token_logprobs(cfg: ModelConfig, params, tokens: Array, positions: Array,
     starts = starts | ~head_vocab.covered(cfg, tokens)
   # The trunk embeds tokenizer ids; the head's targets are its columns.
   targets = jnp.where(starts, 0, head_vocab.index(cfg, tokens))
-  if action_index is not None or cfg.logits_chunk:  # the head apart from the trunk
-    hidden, aux = Transformer(cfg, "hidden").apply({"params": params}, tokens, positions,
-                                                   segment_ids, routing=routing)
-    # Shifting the hidden state shifts its logits: the head is per token.
-    prev_hidden = _shift_right(hidden, segment_ids)  # predicts x_t
-    if action_index is not None:
-      logp = _logprobs_at(cfg, params, prev_hidden, targets, action_index, temperature)
-    else:
-      logp = chunked_logprobs(cfg, prev_hidden, lm_head_weight(cfg, params), targets,
-                              temperature)
-    return jnp.where(starts, 0.0, logp), aux
-  logits, aux = Transformer(cfg, "lm").apply({"params": params}, tokens, positions,
-                                             segment_ids, routing=routing)
-  prev_logits = _shift_right(logits, segment_ids)  # predicts x_t
-  logp = logprobs_from_logits(prev_logits, targets, temperature)
+  hidden, aux = Transformer(cfg, "hidden").apply({"params": params}, tokens, positions,
+                                                 segment_ids, routing=routing)
+  # Shifting the hidden state shifts its logits (the head is per token), at
+  # D numbers a token instead of V: shifting [B, L, V] logits cost the step
+  # passes over its largest array, forward and backward.
+  prev_hidden = _shift_right(hidden, segment_ids)  # predicts x_t
+  w = lm_head_weight(cfg, params)
+  if action_index is not None:
+    logp = _logprobs_at(cfg, params, prev_hidden, targets, action_index, temperature)
+  elif cfg.logits_chunk:
+    logp = chunked_logprobs(cfg, prev_hidden, w, targets, temperature)
+  else:
+    logp = _head_logprobs(cfg, prev_hidden, w, targets, temperature)
   return jnp.where(starts, 0.0, logp), aux
 
 
