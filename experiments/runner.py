@@ -571,7 +571,9 @@ def run_finding(finding: Finding, *, seeds: Sequence[int], arms: Sequence[str] |
   earlier = earlier_runs(os.path.join(results, "results.json"), budget_steps,
                          finding.overrides) if not smoke else {}
   for arm in finding.arms:
-    for seed in seeds:
+    # The seeds asked for, and every other seed the earlier results.json
+    # holds: a run of some seeds never drops the others from the file.
+    for seed in sorted(set(seeds) | set(earlier.get(arm.name, {}))):
       rec = collect(run_dir(workdir, finding, arm, seed))
       if rec is None and seed in earlier.get(arm.name, {}):
         rec = earlier[arm.name][seed]

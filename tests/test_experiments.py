@@ -232,6 +232,11 @@ def test_a_grid_extended_in_a_new_checkout_carries_the_committed_runs_over(tmp_p
   assert vs_grpo["arms"]["sao"]["vs_reference"]["per_seed"] == pytest.approx([.1])
   with pytest.raises(KeyError):
     runner.run_finding(f, budget_steps=20, reference="nope", **args)
+  # Seed 2 alone (`--first_seed 2 --seeds 1`): seeds 0-1 stay in the file.
+  alone = runner.run_finding(f, budget_steps=20, **dict(args, seeds=range(2, 3)))
+  assert alone["arms"]["sao"]["final_pass@1"]["per_seed"] == pytest.approx([.6, .7, .45])
+  saved = json.loads((results / "results.json").read_text(encoding="utf-8"))
+  assert sorted(saved["runs"]["sao"]) == ["0", "1", "2"] and list(saved["runs"]["grpo"]) == ["0"]
   # Another budget: the committed runs are not comparable and are not used.
   other = runner.run_finding(f, budget_steps=40, **args)
   assert other["arms"]["sao"]["seeds"] == [2] and not other["carried_over"]
