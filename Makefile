@@ -23,10 +23,16 @@ $(VENV)/.installed-test: $(VENV)/.installed-base
 train: $(VENV)/.installed-base
 	$(PY) launch/train.py --config=configs/sao_tiny.py --workdir=$(WORKDIR)
 
+# The math verifier's symbolic checks (math-verify): without them an answer
+# that is not an integer scores 0 as "unavailable".
+$(VENV)/.installed-math: $(VENV)/.installed-base
+	$(PY) -m pip install -q -e '.[math]'
+	@touch $@
+
 # The paper's task shape on CPU: math_tool with Qwen3's tokenizer and chat
 # template, the python tool, the math verifier (configs/math_tool_cpu.py).
 MATH_WORKDIR ?= workdirs/math_tool_cpu
-train-math: $(VENV)/.installed-base
+train-math: $(VENV)/.installed-math
 	$(PY) launch/train.py --config=configs/math_tool_cpu.py --workdir=$(MATH_WORKDIR)
 
 # The test suite (what .ci/run calls): every test but the few marked slow,
