@@ -49,7 +49,8 @@ def _evaluation(summary: dict, name: str) -> dict:
   return out
 
 
-def run_seed(seed: int, workdir: str, results: str, overrides: list[str]) -> dict:
+def run_seed(seed: int, workdir: str, results: str, overrides: list[str],
+             config: str = CONFIG) -> dict:
   """One whole run of seed `seed` (resumed or skipped when there is one); its record."""
   rdir = os.path.join(workdir, f"seed_{seed}")
   out = os.path.join(results, f"seed_{seed}", "results.json")
@@ -63,7 +64,7 @@ def run_seed(seed: int, workdir: str, results: str, overrides: list[str]) -> dic
   if not os.path.exists(summary_path):
     os.makedirs(rdir, exist_ok=True)
     cmd = ["nice", "-n", "10", sys.executable, os.path.join(ROOT, "launch", "train.py"),
-           f"--config={os.path.join(ROOT, CONFIG)}", f"--workdir={rdir}",
+           f"--config={os.path.join(ROOT, config)}", f"--workdir={rdir}",
            f"--config.seed={seed}"] + [f"--config.{o}" for o in overrides]
     start = time.time()
     with open(os.path.join(rdir, "train.log"), "a", encoding="utf-8") as log:
@@ -73,10 +74,11 @@ def run_seed(seed: int, workdir: str, results: str, overrides: list[str]) -> dic
   with open(summary_path, encoding="utf-8") as f:
     summary = json.load(f)
   sft, final = _evaluation(summary, "sft"), _evaluation(summary, "final")
-  rec = {"seed": seed, "config": CONFIG, "overrides": overrides, "commit": commit,
+  rec = {"seed": seed, "config": config, "overrides": overrides, "commit": commit,
          "wall_s": wall or None, "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
          "load_average": os.getloadavg(), "sft": sft, "final": final,
          "change": final["pass@1"] - sft["pass@1"], "rl_steps": summary["rl_steps"],
+         "sft_stopped_at": summary.get("sft_stopped_at"),
          "generated_tokens": summary["generated_tokens"]}
   os.makedirs(os.path.dirname(out), exist_ok=True)
   files.write_json(out, rec, indent=2)
@@ -135,6 +137,8 @@ def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--seeds", type=int, default=3)
   parser.add_argument("--first_seed", type=int, default=0)
+  parser.add_argument("--config", default=CONFIG,
+                      help="the config file (relative to the repository), with :arg if any")
   parser.add_argument("--workdir", default=WORKDIR)
   parser.add_argument("--results", default=RESULTS)
   parser.add_argument("--set", action="append", default=[],
@@ -145,7 +149,7 @@ def main(argv=None) -> dict:
   args = parser.parse_args(argv)
   if not args.aggregate_only:
     for seed in range(args.first_seed, args.first_seed + args.seeds):
-      rec = run_seed(seed, args.workdir, args.results, args.set)
+      rec = run_seed(seed, args.workdir, args.results, args.set, args.config)
       print(f"[math_cpu] seed {seed}: pass@1 {rec['sft']['pass@1']:.3f} -> "
             f"{rec['final']['pass@1']:.3f} ({rec['change']:+.3f})", flush=True)
   agg = aggregate(args.results, args.allow_mixed_commits)

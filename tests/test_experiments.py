@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from experiments import dis_stability, gae_ablations, headline, lr_by_lag, lr_sweep, online, runner
-from experiments import stability, stats, system, value_ablations
+from experiments import routing_replay, stability, stats, system, value_ablations
 from sao_jax.train import configuration
 
 FINDINGS = (headline, stability, value_ablations, gae_ablations, online, system, lr_sweep,
-            dis_stability, lr_by_lag)
+            dis_stability, lr_by_lag, routing_replay)
 
 
 @pytest.mark.parametrize("module", FINDINGS, ids=lambda m: m.FINDING.name)
@@ -491,3 +491,27 @@ def test_math_cpu_pairs_each_seeds_sft_and_rl_and_skips_finished_seeds(tmp_path)
   with pytest.raises(ValueError, match="seed 2 000000000000"):
     math_cpu.aggregate(results)
   assert math_cpu.aggregate(results, allow_mixed_commits=True)["commits"][2] == "0" * 40
+
+
+def test_routing_replay_arms_differ_in_replay_alone_and_report_lag0_tails():
+  f = routing_replay.FINDING
+  cfg = lambda name: runner.load_config(f.arm(name).config, f.arm(name).overrides)
+  plain, replay = cfg("plain"), cfg("replay")
+  assert (plain.rl.routing_replay, replay.rl.routing_replay) == (False, True)
+  assert plain.model.compute_dtype == "bfloat16" and plain.model.overrides["num_experts"] == 32
+  assert runner.sft_key(plain) == runner.sft_key(replay)  # one SFT start per seed
+  def run(final, q99):
+    r = _fake_run(0.4, final)
+    n = len(r["curves"]["step"])
+    r["curves"].update({"dis/ratio_q99_lag0": [q99] * (n - 1) + [2 * q99],
+                        "dis/ratio_q01_lag0": [0.9] * n, "dis/approx_kl_lag0": [1e-3] * n,
+                        "dis/outside_frac": [0.01] * n})
+    return r
+  runs = {"plain": {s: run(0.40, 1.5) for s in range(3)},
+          "replay": {s: run(0.45 + 0.01 * s, 1.1) for s in range(3)}}
+  got = routing_replay.by_replay(f, runs)
+  assert got["replay"]["vs_plain"]["mean_diff"] == pytest.approx(0.06)
+  assert got["plain"]["vs_plain"] is None and got["plain"]["collapses"] == 0
+  lag0 = got["plain"]["diagnostics"]["by_lag"]["lag0"]["ratio_q99"]
+  assert lag0["max"] == pytest.approx(3.0) and lag0["mean"] == pytest.approx(1.5 * 11 / 10)
+  assert "1.6500 / 3.0000" in got["markdown"] and "routing replay" in got["markdown"]

@@ -459,6 +459,13 @@ class SFT(Section):
   batch_size: int = knob(32, "Packed rows per SFT step.", integer(1))
   lr: float = knob(3e-3, "Peak learning rate (warmup, then cosine decay).", real(0, above=True))
   warmup: int = knob(20, "Linear warmup steps.", integer(0))
+  stop_at_nll: float = knob(
+      0.0, "Stop SFT early, at the first step where the mean training NLL of the last "
+      "`stop_window` steps is at or below this (0: off, every one of `steps` runs; the lr "
+      "schedule's horizon stays `steps`). For warm starts that land alike across seeds "
+      "whose speed of learning differs (benchmarks/RESULTS.md, \"math_tool that learns on "
+      "CPU\").", real(0))
+  stop_window: int = knob(25, "The steps whose mean NLL `stop_at_nll` compares.", integer(1))
   init_from_hf: str = knob("", "A Hugging Face safetensors SFT checkpoint to start from "
                            "instead of SFT.", STRING)
 

@@ -32,6 +32,20 @@ from sao_jax.train.rl_loop import rl
 from sao_jax.train.run import Run, wait
 
 
+def _sft_reached_target(run: Run, c, nll: float) -> bool:
+  """Whether the mean NLL of SFT's last `c.stop_window` steps is <= `c.stop_at_nll` (> 0).
+
+  The window lives in run.meta, so a resumed SFT keeps the steps its
+  checkpoint saw.
+  """
+  if c.stop_at_nll <= 0:
+    return False
+  recent = run.meta.setdefault("sft_recent_nll", [])
+  recent.append(nll)
+  del recent[:-c.stop_window]
+  return len(recent) == c.stop_window and sum(recent) / len(recent) <= c.stop_at_nll
+
+
 def sft(run: Run) -> None:
   c, config = run.config.sft, run.config
   shardings = run.programs.state_shardings
@@ -57,9 +71,15 @@ def sft(run: Run) -> None:
       policy_params, opt, m = run.sft_step(policy_params, opt, batch)
     wait(policy_params)
     run.meta["stage_step"] = step + 1
-    if (step + 1) % config.log_every == 0 or step + 1 == steps:
+    stop = _sft_reached_target(run, c, float(m["sft/nll"]))
+    if (step + 1) % config.log_every == 0 or step + 1 == steps or stop:
       rec = run.metrics.write(step + 1, m, "sft")
       progress("sft", step + 1, steps, rec, {"sft/nll": "nll"})
+    if stop:
+      print(f"[sft] stopped at step {step + 1} of {steps}: mean nll of the last "
+            f"{c.stop_window} steps <= sft.stop_at_nll {c.stop_at_nll:g}", flush=True)
+      run.meta["sft_stopped_at"] = step + 1
+      break
     if (step + 1) % config.checkpoint.every == 0:
       run.state = run.state.replace(policy=policy_params, policy_opt=opt)
       run.save()
@@ -145,6 +165,8 @@ def done(run: Run) -> dict:
   summary = {"sft_pass@1": run.meta["evals"].get("sft", {}).get("pass@1"),
              "final_pass@1": final["pass@1"], "evals": run.meta["evals"],
              "rl_steps": int(run.state.step),
+             # The step sft.stop_at_nll stopped SFT at (None: it ran every step).
+             "sft_stopped_at": run.meta.get("sft_stopped_at"),
              "generated_tokens": run.meta.get("generated_tokens", 0)}
   if distributed.is_primary():
     # Written whole: a summary.json that exists marks a finished run (experiments/).

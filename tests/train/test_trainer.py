@@ -201,9 +201,13 @@ def test_rl_metrics_are_cumulative_over_driver_restarts():
 @pytest.mark.parametrize("mode", ["async", pytest.param("sync", marks=pytest.mark.slow)])
 def test_trainer_runs_and_resumes(tmp_path, mode):
   workdir = str(tmp_path / mode)
-  out = launch(workdir, f"--config.rl.mode={mode}")
+  # Any NLL is <= 100: sft.stop_at_nll ends SFT's 6 steps at the first full window.
+  out = launch(workdir, f"--config.rl.mode={mode}", "--config.sft.stop_at_nll=100",
+               "--config.sft.stop_window=4")
   summary = json.load(open(os.path.join(workdir, "summary.json"), encoding="utf-8"))
   assert summary["rl_steps"] == 6 and summary["sft_pass@1"] is not None
+  assert summary["sft_stopped_at"] == 4 and "[sft] stopped at step 4 of 6" in out
+  assert [r["step"] for r in read_metrics(workdir, "sft")][-1] == 4
   rl = read_metrics(workdir, "rl")
   assert [r["step"] for r in rl] == list(range(1, 7))
   assert all(np.isfinite(r["policy/loss"]) for r in rl)
@@ -270,3 +274,17 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
   rl = read_metrics(workdir, "rl")
   assert max(r["step"] for r in rl) == 12
   assert os.path.exists(os.path.join(workdir, "summary.json"))
+
+
+def test_sft_stops_when_the_window_mean_nll_reaches_the_target():
+  from types import SimpleNamespace  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import stages  # pylint: disable=g-import-not-at-top
+  run = SimpleNamespace(meta={})
+  c = SimpleNamespace(stop_at_nll=0.5, stop_window=3)
+  got = [stages._sft_reached_target(run, c, x)  # pylint: disable=protected-access
+         for x in (0.1, 0.1, 2.0, 0.6, 0.6, 0.3, 0.2)]
+  # Windows: -, -, 2.2/3, 2.7/3, 3.2/3, 1.5/3 = 0.5 (<= target), 1.1/3.
+  assert got == [False, False, False, False, False, True, True]
+  assert run.meta["sft_recent_nll"] == [0.6, 0.3, 0.2]  # the window, checkpointed in meta
+  off = SimpleNamespace(stop_at_nll=0.0, stop_window=3)
+  assert not stages._sft_reached_target(SimpleNamespace(meta={}), off, 0.0)  # pylint: disable=protected-access
