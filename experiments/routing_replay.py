@@ -14,17 +14,23 @@ ratio would be 1 but for the two programs' arithmetic) and in final
 pass@1 or collapses, and does `rl.routing_replay` (the trainer uses the
 engine's recorded choices) remove it?
 
-Both arms: configs/sao_tiny.py (async SAO, its PPO clip at actor lr 3e-4,
-queue 64) with 32 experts / top-4 (`benchmarks/routing_config.py`'s
+Both arms: configs/sao_sync.py (SAO's critic and GAE in the synchronous
+loop: every batch is sampled by the very params it trains, so every
+token is at lag 0 and a ratio away from 1 is the engine and the trainer
+disagreeing, nothing else) with PPO clip (0.2, 0.28) at actor lr 3e-4 (the
+CPU default's loss), 32 experts / top-4 (`benchmarks/routing_config.py`'s
 model) and bf16 compute over fp32 masters (the pod preset's precision),
 the same SFT start per seed; they differ in `rl.routing_replay` alone.
+(In the async loop at the default queue the lag-0 bucket is empty on this
+box: a first try logged lag ~4.7 and no lag-0 token, so the ratio there
+mixes policy movement with routing.)
 
 `by_replay` reports per arm: final pass@1 and collapses (the one rule,
 `stats.collapsed`), the paired replay-minus-plain difference (t-interval,
 exact sign-flip p), and the lag diagnostics the RL step logs
-(`dis_stability.lag_diagnostics`), of which the lag-0 bucket is the
-engine-against-trainer measure: the ratio's 1% / 99% quantiles and the
-mean k3 KL over the tokens sampled by the very params being trained.
+(`dis_stability.lag_diagnostics`): all in the lag-0 bucket here, the
+engine-against-trainer measure: the ratio's 1% / 99% quantiles, the mean
+k3 KL and the share of tokens outside the clip window.
 """
 
 import sys
@@ -34,12 +40,12 @@ from experiments import runner
 from experiments import stats
 
 MODEL = {"model.overrides": {"num_experts": 32, "experts_per_token": 4},
-         "model.compute_dtype": "bfloat16"}
+         "model.compute_dtype": "bfloat16", "rl.policy_loss": "ppo_clip"}
 REFERENCE = "plain"
 ARMS = (
-    runner.Arm(REFERENCE, "sao_tiny", {**MODEL, "rl.routing_replay": False},
+    runner.Arm(REFERENCE, "sao_sync", {**MODEL, "rl.routing_replay": False},
                label="bf16 E32 k4, trainer routes itself"),
-    runner.Arm("replay", "sao_tiny", {**MODEL, "rl.routing_replay": True},
+    runner.Arm("replay", "sao_sync", {**MODEL, "rl.routing_replay": True},
                label="bf16 E32 k4, routing replay"),
 )
 LAG0 = "lag0"
