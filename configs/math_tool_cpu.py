@@ -18,8 +18,8 @@ verifier, the whole shipped set) with what makes the tiny model learn it:
 `:curriculum` (`--config=configs/math_tool_cpu.py:curriculum`) trains on
 four of the nine families (FAMILIES below) instead of the whole set.
 
-Measured: benchmarks/RESULTS.md, "math_tool that learns on CPU" (three
-seeds: SFT 0.36-0.43, RL +0.10 / +0.22 / +0.26).
+Measured: benchmarks/RESULTS.md, "math_tool that learns on CPU" (five
+seeds: SFT 0.36-0.43, RL +0.10 to +0.32).
 """
 
 from configs import math_tool_tiny
