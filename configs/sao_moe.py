@@ -74,8 +74,11 @@ paper's. It is the CPU default's choice, and its only evidence is the
 0.13M-parameter tiny model on python_tool at actor lr 3e-4
 (experiments/README.md, "DIS under lag"): PPO clip ahead of DIS in 8 of 8
 seeds under forced lag ~6 (p = 0.008), a tie at lag ~2 (+0.020, t-interval
-[-0.005, +0.045]). Nothing was measured at this model's size or at its lr
-of 1e-6, where each version moves the policy far less;
+[-0.005, +0.045]), and a tie under forced lag at actor lr 1e-4 where the
+policy moves 6-9x less a step (+0.006, t [-0.014, +0.025], 8 seeds;
+experiments.lr_by_lag): DIS falls behind only when versions move far.
+Nothing was measured at this model's size or at its lr of 1e-6, where
+each version moves the policy far less still;
 --config.rl.policy_loss=dis is the paper's loss. The window, learning
 rates and batch sizes are this project's choices.
 Cost: not run here (no TPU in this project's CI); the 2-core CPU default is

@@ -94,7 +94,7 @@ def by_replay(finding, runs):
 FINDING = runner.Finding(
     name="routing_replay",
     claim=("In bf16 the engine's and the trainer's MoE routing differ; replaying the engine's "
-           "expert choices in the trainer removes the lag-0 ratio tails this causes and keeps "
+           "expert choices in the trainer shrinks the lag-0 ratio tails this causes and keeps "
            "training at least as stable."),
     arms=ARMS, reference=REFERENCE, seeds=4, budget_steps=100,
     curves=("rollout/reward_mean", "policy_lag/mean", "dis/ratio_q99_lag0",

@@ -283,15 +283,23 @@ def _run_arm_locked(launch, workdir, finding, arm, seed, budget_steps, base_over
 
 
 def git_commit(root: str = ROOT) -> str | None:
-  """The checkout's commit (`-dirty` when tracked files differ from it); None outside git."""
+  """The checkout's commit (`-dirty` when tracked files other than experiments' results
+  differ from it: another finding writing its results.json mid-run changes no code);
+  None outside git."""
   try:
     head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True,
                           text=True, check=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+    dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no",
+                            "--", ".", ":(exclude)experiments/results"],
                            capture_output=True, text=True, check=True).stdout.strip()
   except (OSError, subprocess.CalledProcessError):
     return None
   return head + ("-dirty" if dirty else "")
+
+
+def _short(commit: str) -> str:
+  """A commit as a message shows it: 12 hex digits, keeping any `-dirty` suffix."""
+  return commit[:12] + ("-dirty" if commit.endswith("-dirty") else "")
 
 
 def check_commits(runs: dict[str, dict[int, dict]], allow_mixed: bool = False) -> dict:
@@ -303,7 +311,7 @@ def check_commits(runs: dict[str, dict[int, dict]], allow_mixed: bool = False) -
     commits = {s: rec.get("commit") or "unrecorded" for s, rec in sorted(by_seed.items())}
     out[arm] = commits
     if len(set(commits.values()) - {"unrecorded"}) > 1:
-      mixed.append(f"{arm}: " + ", ".join(f"seed {s} {c[:12]}" for s, c in commits.items()))
+      mixed.append(f"{arm}: " + ", ".join(f"seed {s} {_short(c)}" for s, c in commits.items()))
   if mixed and not allow_mixed:
     raise ValueError("seeds of one arm ran on different commits (pass --allow_mixed_commits "
                      "to aggregate them anyway): " + "; ".join(mixed))

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -404,6 +405,28 @@ def test_check_commits_refuses_an_arm_whose_seeds_ran_on_two_commits():
   del runs["grpo"]
   assert runner.check_commits(runs)["sao"] == {0: "aaa", 1: "aaa"}
   assert runner.git_commit() is None or len(runner.git_commit().split("-")[0]) == 40
+  # A dirty checkout of one commit is named as such, not as the same 12 digits twice.
+  head = "f" * 40
+  runs = {"sao": {0: dict(_fake_run(.4, .6), commit=head),
+                  1: dict(_fake_run(.4, .6), commit=head + "-dirty")}}
+  with pytest.raises(ValueError, match=f"seed 0 {head[:12]}, seed 1 {head[:12]}-dirty"):
+    runner.check_commits(runs)
+
+
+def test_git_commit_is_not_dirty_for_results_written_by_another_finding(tmp_path):
+  repo = tmp_path / "repo"
+  (repo / "experiments" / "results").mkdir(parents=True)
+  (repo / "code.py").write_text("x = 1\n")
+  (repo / "experiments" / "results" / "r.json").write_text("{}\n")
+  git = ["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t"]
+  for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "init"]):
+    subprocess.run(git + args, check=True, capture_output=True)
+  clean = runner.git_commit(str(repo))
+  assert clean is not None and not clean.endswith("-dirty")
+  (repo / "experiments" / "results" / "r.json").write_text('{"seed": 1}\n')
+  assert runner.git_commit(str(repo)) == clean
+  (repo / "code.py").write_text("x = 2\n")
+  assert runner.git_commit(str(repo)) == clean + "-dirty"
 
 
 def test_restat_adds_the_new_statistics_to_old_results_and_keeps_their_values(tmp_path):
