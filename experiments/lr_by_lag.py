@@ -11,16 +11,20 @@ SAO with DIS (0.2, 0.28) in 8 of 8 paired seeds (+0.108, exact sign-flip
 p = 0.008; experiments/results/dis_stability). Is that DIS's deficit in
 general, or one of a policy that moves far per version? If it tracks the
 movement, a lower lr (a smaller step per version) should shrink it: here
-the same two arms at actor lr 1e-4, the same 8 SFT starts (seeds 0-7) and
-token budget, with the policy's movement per step logged
-(`policy/approx_kl`, the mean k3 KL between the trainer's policy before
-the update and the rollout's over the batch's action tokens, and the
-fraction of tokens outside the DIS window, `dis/outside_frac`).
+the same two arms at actor lr 1e-4, the same 8 SFT configs and seeds
+(`runner.sft_key`; the SFT runs were rebuilt on later code, so their pass@1
+is close to, not equal to, the 3e-4 grid's) and token budget, with the
+policy's movement per step logged (`policy/approx_kl`, the mean k3 KL
+between the trainer's policy before the update and the rollout's over the
+batch's action tokens, and the fraction of tokens outside the DIS window,
+`dis/outside_frac`).
 
 The 3e-4 arms are not rerun: their per-seed results are read from
 experiments/results/dis_stability/results.json (ran on the commits that
 file records) and shown beside these, labelled as such; the within-lr
-comparisons are paired by seed, the across-lr one is not a paired test.
+comparisons are paired by seed, the across-lr one is not a paired test:
+`by_lr` compares the two lrs' per-seed gaps as unpaired groups (Welch's
+t-interval and an exact permutation p, `stats.unpaired_stats`).
 """
 
 import json
@@ -102,10 +106,19 @@ def by_lr(finding, runs):
     line, rec = _row(f"{LR_NAME} (this finding)", dis, ppo)
     rows.append(line)
     record[LR_NAME] = rec
+  gaps = [record.get(lr, {}).get("ppo_minus_dis") for lr in ("3e-4", LR_NAME)]
+  across = ""
+  if all(g and g.get("per_seed") for g in gaps):
+    record["gap_3e4_minus_1e4"] = u = stats.unpaired_stats(gaps[0]["per_seed"],
+                                                          gaps[1]["per_seed"])
+    lo, hi = u["welch_ci95"]
+    across = (f"\n\nThe gap at 3e-4 minus the gap at {LR_NAME} (separate grids, not paired): "
+              f"{u['diff']:+.3f} [Welch t: {lo:+.3f}, {hi:+.3f}], exact permutation "
+              f"p={u['permutation_p']:.2g} (n={u['n_a']} / {u['n_b']})")
   head = ("| actor lr | seeds DIS / PPO | final DIS | final PPO | PPO - DIS (paired) | "
           "collapses DIS / PPO | approx KL a step DIS / PPO | outside window DIS / PPO |\n"
           "|---|---|---|---|---|---|---|---|")
-  record["markdown"] = head + "\n" + "\n".join(rows)
+  record["markdown"] = head + "\n" + "\n".join(rows) + across
   return record
 
 

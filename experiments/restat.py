@@ -74,6 +74,24 @@ def markdown(name: str, result: dict, runs: dict) -> str:
   return "\n".join(lines)
 
 
+def markdown_within_seed(name: str, result: dict) -> str:
+  """A one-arm finding (math_cpu): final minus SFT pass@1 within each seed."""
+  seeds = result["seeds"]
+  vs = stats.paired_stats([r["final"] - r["sft"] for r in seeds])
+  coll = sum(bool(stats.collapsed({"final_pass@1": r["final"], "sft_pass@1": r["sft"]}))
+             for r in seeds)
+  t_lo, t_hi = vs["t_ci95"]
+  b_lo, b_hi = vs["ci95"]
+  t = "n/a" if vs["n"] < 2 else f"[{t_lo:+.3f}, {t_hi:+.3f}]"
+  b = "n/a" if vs["n"] < 2 else f"[{b_lo:+.3f}, {b_hi:+.3f}]"
+  return "\n".join([
+      f"## {name}", "", "One arm; the comparison is final minus SFT pass@1 within each seed.", "",
+      "| seeds | collapses | final - SFT | bootstrap 95% | t 95% | sign-flip p | RL ahead |",
+      "|---|---|---|---|---|---|---|",
+      f"| {vs['n']} | {coll} of {vs['n']} | {vs['mean_diff']:+.3f} | {b} | {t} | "
+      f"{vs['sign_flip_p']:.3g} | {vs['wins']} of {vs['n']} |"])
+
+
 def _with_stats(vs: dict | None) -> dict | None:
   """A stored paired difference with this module's statistics added (values unchanged)."""
   if not vs or "per_seed" not in vs:
@@ -122,6 +140,9 @@ def main(argv=None) -> str:
   for path in sorted(glob.glob(os.path.join(args.results, "*", "results.json"))):
     name = os.path.basename(os.path.dirname(path))
     result, runs = load_runs(path)
+    if "arms" not in result:  # a one-arm finding of its own shape (math_cpu)
+      parts += [markdown_within_seed(name, result), ""]
+      continue
     parts += [markdown(name, result, runs), ""]
     if args.update:
       update(path)

@@ -15,6 +15,11 @@ What a claim is worded by here:
     normality; its smallest value is 2 / 2^n (`min_sign_flip_p`): 0.25 at 3
     seeds, 0.125 at 4, 0.0078 at 8, whatever the effect size.
 
+For two groups of seeds that are not paired (two separate grids), the
+same two views: `welch_interval` (Student t with Welch-Satterthwaite
+degrees of freedom) and `permutation_p` (exact: every relabelling of the
+pooled values into groups of the two sizes), together in `unpaired_stats`.
+
 `bootstrap_ci` stays beside them (earlier results.json files carry it).
 `clopper_pearson` is the exact interval of a rate (collapses in n runs),
 `collapsed` the one collapse rule every finding applies.
@@ -32,6 +37,10 @@ from scipy import stats as _scipy_stats
 # A run collapsed when its final pass@1 is below this fraction of its seed's
 # SFT pass@1 (why this line: experiments/dis_stability.py's docstring).
 COLLAPSE_FRACTION = 0.25
+
+# Exact two-sample permutations beyond this many pooled values (C(20, 10) ~
+# 1.8e5 relabellings) are refused rather than approximated.
+MAX_PERMUTATION_VALUES = 20
 
 # Exhaustive sign flips beyond this many seeds (2^20 ~ 1e6 assignments) are
 # refused rather than approximated: no grid here has that many.
@@ -120,6 +129,62 @@ def paired_stats(diffs: Sequence[float], level: float = 0.95) -> dict:
           "min_sign_flip_p": min_sign_flip_p(d.size), "ci95": [b_lo, b_hi],
           "wins": int((d > 0).sum()), "excludes_zero": bool(t_lo > 0 or t_hi < 0),
           "bootstrap_excludes_zero": bool(b_lo > 0 or b_hi < 0)}
+
+
+def welch_interval(a: Sequence[float], b: Sequence[float],
+                   level: float = 0.95) -> tuple[float, float]:
+  """Student-t interval of mean(a) - mean(b) for unpaired groups (Welch):
+
+      mean(a) - mean(b) +- t_{(1 + level) / 2, df} * se,
+      se^2 = va / na + vb / nb,   df = se^4 / ((va / na)^2 / (na - 1) + (vb / nb)^2 / (nb - 1))
+
+  (nan, nan) when a group has fewer than 2 values or both have no spread.
+  """
+  x, y = _values(a), _values(b)
+  if x.size < 2 or y.size < 2:
+    return (float("nan"), float("nan"))
+  va, vb = x.var(ddof=1) / x.size, y.var(ddof=1) / y.size
+  se2 = va + vb
+  if se2 == 0:
+    return (float("nan"), float("nan"))
+  df = se2 ** 2 / (va ** 2 / (x.size - 1) + vb ** 2 / (y.size - 1))
+  half = float(_scipy_stats.t.ppf((1 + level) / 2, df)) * np.sqrt(se2)
+  diff = x.mean() - y.mean()
+  return float(diff - half), float(diff + half)
+
+
+def permutation_p(a: Sequence[float], b: Sequence[float]) -> float:
+  """Exact two-sided permutation p of mean(a) - mean(b) for unpaired groups:
+  the share of the C(na + nb, na) ways to split the pooled values into
+  groups of those sizes whose |difference of means| is at least the
+  observed one (ties by a relative tolerance of 1e-12). nan when a group is
+  empty; ValueError past MAX_PERMUTATION_VALUES pooled values.
+  """
+  x, y = _values(a), _values(b)
+  if x.size == 0 or y.size == 0:
+    return float("nan")
+  pooled = np.concatenate([x, y])
+  if pooled.size > MAX_PERMUTATION_VALUES:
+    raise ValueError(f"exact permutations of {pooled.size} values "
+                     f"(> {MAX_PERMUTATION_VALUES}) refused")
+  total = pooled.sum()
+  observed = abs(x.mean() - y.mean())
+  diffs = []
+  for idx in itertools.combinations(range(pooled.size), x.size):
+    sa = pooled[list(idx)].sum()
+    diffs.append(abs(sa / x.size - (total - sa) / y.size))
+  return float(np.mean(np.asarray(diffs) >= observed - 1e-12 * max(observed, 1e-300)))
+
+
+def unpaired_stats(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> dict:
+  """mean(a) - mean(b) for two unpaired groups: n_a, n_b, diff, welch_ci95, permutation_p,
+  excludes_zero (the Welch interval's)."""
+  x, y = _values(a), _values(b)
+  lo, hi = welch_interval(x, y, level)
+  return {"n_a": int(x.size), "n_b": int(y.size),
+          "diff": float(x.mean() - y.mean()) if x.size and y.size else float("nan"),
+          "welch_ci95": [lo, hi], "permutation_p": permutation_p(x, y),
+          "excludes_zero": bool(lo > 0 or hi < 0)}
 
 
 def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:

@@ -455,9 +455,16 @@ def test_restat_adds_the_new_statistics_to_old_results_and_keeps_their_values(tm
   assert vs["t_ci95"] == pytest.approx([-hi, -lo]) and vs["sign_flip_p"] == pytest.approx(0.5)
   assert vs["bootstrap_excludes_zero"] == old_vs["excludes_zero"] and not vs["excludes_zero"]
   assert "[t: " in (tmp_path / "headline" / "results.md").read_text(encoding="utf-8")
+  # A one-arm finding (math_cpu's shape): final minus SFT within each seed.
+  os.makedirs(tmp_path / "math_cpu")
+  with open(tmp_path / "math_cpu" / "results.json", "w", encoding="utf-8") as fh:
+    json.dump({"seeds": [{"seed": s, "sft": .4, "final": f} for s, f in
+                         enumerate((.5, .6, .05))]}, fh)
+  text = restat.main(["--results", str(tmp_path)])
+  assert "## math_cpu" in text and "| 3 | 1 of 3 | -0.017 |" in text and "| 2 of 3 |" in text
 
 
-def test_lr_by_lag_reruns_the_forced_lag_pair_at_1e4_and_pairs_ppo_minus_dis():
+def test_lr_by_lag_reruns_the_forced_lag_pair_at_1e4_and_pairs_ppo_minus_dis(monkeypatch):
   f = lr_by_lag.FINDING
   cfg = lambda name: runner.load_config(f.arm(name).config, f.arm(name).overrides)
   dis, ppo = cfg("dis_stale_lr1e4"), cfg("ppo_stale_lr1e4")
@@ -477,6 +484,16 @@ def test_lr_by_lag_reruns_the_forced_lag_pair_at_1e4_and_pairs_ppo_minus_dis():
   assert got["ppo_minus_dis"]["wins"] == 4 and got["collapses"] == [0, 0]
   assert got["movement"]["dis"]["policy/approx_kl"] == pytest.approx(1e-3)
   assert "1e-4 (this finding)" in lr_by_lag.by_lr(f, runs)["markdown"]
+  # The two lrs' gaps compared unpaired: 3e-4's +0.15 (+-) against 1e-4's +0.05.
+  earlier = {"dis_stale": {s: _fake_run(0.4, 0.30 + 0.01 * s) for s in range(4)},
+             "ppo_stale": {s: _fake_run(0.4, 0.45 + 0.01 * s + 0.01 * (s % 2))
+                           for s in range(4)}}
+  monkeypatch.setattr(lr_by_lag, "_earlier_3e4", lambda: earlier)
+  out = lr_by_lag.by_lr(f, runs)
+  across = out["gap_3e4_minus_1e4"]
+  assert across["diff"] == pytest.approx(0.105) and across["excludes_zero"]
+  assert (across["n_a"], across["n_b"]) == (4, 4)
+  assert "The gap at 3e-4 minus the gap at 1e-4" in out["markdown"]
 
 
 def test_math_cpu_pairs_each_seeds_sft_and_rl_and_skips_finished_seeds(tmp_path):

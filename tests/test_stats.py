@@ -73,3 +73,36 @@ def test_paired_stats_words_claims_by_the_t_interval():
   assert "p=0.25 (n=3)" in stats.fmt_paired(rec)
   # A record of an earlier results.json (bootstrap only) is shown as such.
   assert "bootstrap" in stats.fmt_paired({"mean_diff": 0.1, "ci95": [0.0, 0.2]})
+
+
+def test_welch_interval_matches_scipy():
+  from scipy import stats as scipy_stats  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(3)
+  a, b = rng.normal(0.1, 0.06, 8), rng.normal(0.0, 0.02, 8)
+  want = scipy_stats.ttest_ind(a, b, equal_var=False).confidence_interval(0.95)
+  np.testing.assert_allclose(stats.welch_interval(a, b), (want.low, want.high), rtol=1e-10)
+  assert np.isnan(stats.welch_interval([1.0], [1.0, 2.0])).all()
+  assert np.isnan(stats.welch_interval([1.0, 1.0], [2.0, 2.0])).all()
+
+
+def test_permutation_p_by_hand_and_against_scipy():
+  # Splits of {1, 2, 3, 4} into two pairs: |difference| 2, 2, 1, 1, 0, 0 -> p = 2 / 6.
+  assert stats.permutation_p([1.0, 2.0], [3.0, 4.0]) == pytest.approx(1 / 3)
+  assert stats.permutation_p([1.0, 2.0], [1.0, 2.0]) == 1.0
+  from scipy import stats as scipy_stats  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(4)
+  a, b = rng.normal(0.05, 0.05, 6), rng.normal(0.0, 0.05, 5)
+  want = scipy_stats.permutation_test(
+      (a, b), lambda x, y: abs(np.mean(x) - np.mean(y)), permutation_type="independent",
+      n_resamples=10**6, alternative="greater").pvalue  # |difference|, as permutation_p
+  assert stats.permutation_p(a, b) == pytest.approx(want, rel=1e-9)
+  with pytest.raises(ValueError, match="refused"):
+    stats.permutation_p(np.arange(11.0), np.arange(10.0))
+
+
+def test_unpaired_stats_reports_both_views():
+  out = stats.unpaired_stats([0.3, 0.4, 0.35, 0.45], [0.0, 0.05, -0.02, 0.01])
+  assert (out["n_a"], out["n_b"]) == (4, 4)
+  assert out["diff"] == pytest.approx(0.365)
+  assert out["excludes_zero"] and out["welch_ci95"][0] > 0
+  assert out["permutation_p"] == pytest.approx(2 / 70)  # the least C(8, 4) allows
