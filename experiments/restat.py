@@ -54,6 +54,13 @@ def collapses(runs: dict) -> dict:
   return out
 
 
+def _intervals(vs: dict) -> tuple[str, str]:
+  """The bootstrap and t cells of a `paired_stats` record ("n/a" under 2 seeds)."""
+  if vs["n"] < 2:
+    return "n/a", "n/a"
+  return tuple(f"[{lo:+.3f}, {hi:+.3f}]" for lo, hi in (vs["ci95"], vs["t_ci95"]))
+
+
 def markdown(name: str, result: dict, runs: dict) -> str:
   coll = collapses(runs)
   lines = [f"## {name}", "",
@@ -65,10 +72,7 @@ def markdown(name: str, result: dict, runs: dict) -> str:
   lines += ["", "| A - B | n | mean | bootstrap 95% | t 95% | sign-flip p | A ahead |",
             "|---|---|---|---|---|---|---|"]
   for vs in pairs(result, runs):
-    b_lo, b_hi = vs["ci95"]
-    t_lo, t_hi = vs["t_ci95"]
-    t = "n/a" if vs["n"] < 2 else f"[{t_lo:+.3f}, {t_hi:+.3f}]"
-    b = "n/a" if vs["n"] < 2 else f"[{b_lo:+.3f}, {b_hi:+.3f}]"
+    b, t = _intervals(vs)
     lines.append(f"| {vs['a']} - {vs['b']} | {vs['n']} | {vs['mean_diff']:+.3f} | {b} | {t} "
                  f"| {vs['sign_flip_p']:.3g} | {vs['wins']} of {vs['n']} |")
   return "\n".join(lines)
@@ -80,10 +84,7 @@ def markdown_within_seed(name: str, result: dict) -> str:
   vs = stats.paired_stats([r["final"] - r["sft"] for r in seeds])
   coll = sum(bool(stats.collapsed({"final_pass@1": r["final"], "sft_pass@1": r["sft"]}))
              for r in seeds)
-  t_lo, t_hi = vs["t_ci95"]
-  b_lo, b_hi = vs["ci95"]
-  t = "n/a" if vs["n"] < 2 else f"[{t_lo:+.3f}, {t_hi:+.3f}]"
-  b = "n/a" if vs["n"] < 2 else f"[{b_lo:+.3f}, {b_hi:+.3f}]"
+  b, t = _intervals(vs)
   return "\n".join([
       f"## {name}", "", "One arm; the comparison is final minus SFT pass@1 within each seed.", "",
       "| seeds | collapses | final - SFT | bootstrap 95% | t 95% | sign-flip p | RL ahead |",

@@ -54,8 +54,9 @@ def _values(x: Sequence[float]) -> np.ndarray:
   return d
 
 
-def t_quantile(q: float, df: int) -> float:
-  """The q-quantile of Student's t with `df` degrees of freedom."""
+def t_quantile(q: float, df: float) -> float:
+  """The q-quantile of Student's t with `df` degrees of freedom (not always a
+  whole number: Welch's)."""
   if df < 1:
     raise ValueError(f"t quantile needs df >= 1, got {df}")
   return float(_scipy_stats.t.ppf(q, df))
@@ -68,6 +69,11 @@ def t_interval(x: Sequence[float], level: float = 0.95) -> tuple[float, float]:
     return (float("nan"), float("nan"))
   half = t_quantile((1 + level) / 2, d.size - 1) * d.std(ddof=1) / np.sqrt(d.size)
   return float(d.mean() - half), float(d.mean() + half)
+
+
+def _share_at_least(stats_: np.ndarray, observed: float) -> float:
+  """The share of `stats_` >= `observed`, counting ties within a relative 1e-12 as ties."""
+  return float(np.mean(stats_ >= observed - 1e-12 * max(observed, 1e-300)))
 
 
 def sign_flip_p(x: Sequence[float]) -> float:
@@ -87,7 +93,7 @@ def sign_flip_p(x: Sequence[float]) -> float:
   signs = np.array(list(itertools.product((1.0, -1.0), repeat=n)))
   means = np.abs(signs @ d) / n
   observed = abs(d.mean())
-  return float(np.mean(means >= observed - 1e-12 * max(observed, 1e-300)))
+  return _share_at_least(means, observed)
 
 
 def min_sign_flip_p(n: int) -> float:
@@ -148,7 +154,7 @@ def welch_interval(a: Sequence[float], b: Sequence[float],
   if se2 == 0:
     return (float("nan"), float("nan"))
   df = se2 ** 2 / (va ** 2 / (x.size - 1) + vb ** 2 / (y.size - 1))
-  half = float(_scipy_stats.t.ppf((1 + level) / 2, df)) * np.sqrt(se2)
+  half = t_quantile((1 + level) / 2, df) * np.sqrt(se2)
   diff = x.mean() - y.mean()
   return float(diff - half), float(diff + half)
 
@@ -167,13 +173,10 @@ def permutation_p(a: Sequence[float], b: Sequence[float]) -> float:
   if pooled.size > MAX_PERMUTATION_VALUES:
     raise ValueError(f"exact permutations of {pooled.size} values "
                      f"(> {MAX_PERMUTATION_VALUES}) refused")
-  total = pooled.sum()
-  observed = abs(x.mean() - y.mean())
-  diffs = []
-  for idx in itertools.combinations(range(pooled.size), x.size):
-    sa = pooled[list(idx)].sum()
-    diffs.append(abs(sa / x.size - (total - sa) / y.size))
-  return float(np.mean(np.asarray(diffs) >= observed - 1e-12 * max(observed, 1e-300)))
+  groups = np.array(list(itertools.combinations(range(pooled.size), x.size)))
+  sums_a = pooled[groups].sum(1)
+  diffs = np.abs(sums_a / x.size - (pooled.sum() - sums_a) / y.size)
+  return _share_at_least(diffs, abs(x.mean() - y.mean()))
 
 
 def unpaired_stats(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> dict:
