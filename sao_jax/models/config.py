@@ -1,4 +1,25 @@
-"""Model shapes: one frozen dataclass, presets from a CPU toy to Qwen3-30B-A3B."""
+"""Model shapes: one frozen dataclass whose layers are data, and presets from a
+CPU toy to Qwen3-30B-A3B.
+
+A model is a stack of pre-norm layers, each an attention kind and an MLP kind
+(`LayerSpec`, listed by `ModelConfig.layer_specs`):
+
+    attention  "full"        softmax attention with q/k RMSNorm and RoPE (Qwen3)
+               "gated_full"  the same, its output gated by sigmoid(x W_g) per
+                             head dimension (Qwen3-Next / Qwen3.5's full layers)
+               "linear"      Gated DeltaNet (Qwen3.5's linear layers): declared
+                             here, refused by validation until it is built
+    mlp        "dense"       a SwiGLU MLP of width `dense_d_ff`
+               "moe"         top-k routed SwiGLU experts (Qwen3-MoE)
+               "moe_shared"  routed experts plus a sigmoid-gated shared SwiGLU
+                             expert of width `shared_expert_d_ff` (Qwen3.5-MoE)
+
+The fields say which layer is which: `attention_kinds` (one per layer, or
+() for all "full"), `num_experts` (0: every MLP dense), `dense_layers` (MoE
+models' dense exceptions, Qwen3-MoE's `mlp_only_layers`) and
+`shared_expert_d_ff`. A family (sao_jax/models/families.py) is the
+`config.json` <-> ModelConfig mapping of one Hugging Face `model_type`.
+"""
 
 from __future__ import annotations
 
@@ -11,15 +32,37 @@ REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_save
 ATTENTION_IMPLS = ("reference", "chunked", "splash")
 MOE_IMPLS = ("dense", "ragged", "expert_parallel", "blocked")
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+ATTENTION_KINDS = ("full", "gated_full", "linear")
+MLP_KINDS = ("dense", "moe", "moe_shared")
+# Declared layer kinds that no module implements yet (the Qwen3.5 hybrid
+# family's): a config naming one is refused in one line.
+UNBUILT_KINDS = {
+    "linear": "Gated DeltaNet linear attention is not built yet",
+    "gated_full": "gated full attention is not built yet",
+    "moe_shared": "MoE with a shared expert is not built yet",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+  """One layer's kinds: `attention` in ATTENTION_KINDS, `mlp` in MLP_KINDS."""
+  attention: str = "full"
+  mlp: str = "moe"
+
+  @property
+  def is_moe(self) -> bool:
+    return self.mlp in ("moe", "moe_shared")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """A decoder-only transformer with Qwen3-MoE's architecture.
+  """A decoder-only transformer whose layers are listed by `layer_specs`.
 
-  Layer i is a mixture-of-experts layer unless i is in `dense_layers`
-  (Qwen3-MoE's `mlp_only_layers`), where a dense SwiGLU MLP of width
-  `dense_d_ff` is used instead.
+  Layer i's MLP is dense when `num_experts` is 0 (a dense model: Qwen3) or
+  i is in `dense_layers` (Qwen3-MoE's `mlp_only_layers`): a SwiGLU of width
+  `dense_d_ff`. Otherwise it is a mixture of `num_experts` experts (with a
+  shared expert when `shared_expert_d_ff` > 0). Its attention is
+  `attention_kinds[i]` ("full" when the tuple is empty).
   """
   vocab_size: int
   d_model: int
@@ -27,11 +70,20 @@ class ModelConfig:
   num_heads: int
   num_kv_heads: int
   head_dim: int
+  # 0: a dense model (every MLP is dense; experts_per_token and moe_d_ff 0).
   num_experts: int
   experts_per_token: int
   moe_d_ff: int
   dense_d_ff: int = 0
   dense_layers: tuple[int, ...] = ()
+  # > 0: every MoE layer adds a shared SwiGLU expert of this width, gated
+  # per token by sigmoid(x W_sg) (Qwen3.5-MoE's shared_expert).
+  shared_expert_d_ff: int = 0
+  # Each layer's attention kind (ATTENTION_KINDS), or (): every layer "full".
+  attention_kinds: tuple[str, ...] = ()
+  # The Hugging Face family the weights are laid out and exported as
+  # (sao_jax/models/families.py: qwen3, qwen3_moe).
+  family: str = "qwen3_moe"
   # Qwen3-MoE renormalises the chosen experts' softmax weights to sum to 1.
   norm_topk_prob: bool = True
   rope_theta: float = 1e6
@@ -73,11 +125,13 @@ class ModelConfig:
   # --- Scale (docs/DESIGN.md section 8). The defaults are the plain reference
   # path that the tiny / small presets train with; each scale setting has a
   # CPU test against it (tests/models/test_model_scale.py).
-  # Run the MoE layers as one `nn.scan` over a stacked "layers" parameter
-  # axis (params "layers/attn/q" [num_moe_layers, D, H, hd]): the program is
-  # one layer long, so compile time and HLO size do not grow with depth.
-  # Dense layers must be a leading prefix 0..k-1 (Qwen's mlp_only_layers
-  # usually are); they stay unrolled as "layer_0" ... "layer_{k-1}".
+  # Run the layers as one `nn.scan` over a stacked "layers" parameter axis
+  # (params "layers/attn/q" [n, D, H, hd]): the program is one layer long, so
+  # compile time and HLO size do not grow with depth. What is scanned is the
+  # longest run of identical layers that ends the stack (`scan_prefix`
+  # says where it starts): every layer of a dense model, the MoE layers after
+  # Qwen3-MoE's dense prefix. The layers before it stay unrolled as
+  # "layer_0" ... "layer_{k-1}".
   scan_layers: bool = False
   # Rematerialisation of each layer in the backward pass (REMAT_POLICIES):
   # "none" stores every activation; "full" stores only each layer's input and
@@ -129,20 +183,51 @@ class ModelConfig:
         raise ValueError(f"{field} must be one of {[d.name for d in FLOAT_DTYPES]}, "
                          f"got {value!r}")
       object.__setattr__(self, field, dtype)  # one canonical form: equal configs hash alike
+    for field in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
+                  "head_dim", "max_seq_len"):
+      _check_int(field, getattr(self, field), 1)
+    for field in ("num_experts", "experts_per_token", "moe_d_ff", "dense_d_ff",
+                  "shared_expert_d_ff"):
+      _check_int(field, getattr(self, field), 0)
+    if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
+      raise ValueError(f"rope_theta = {self.rope_theta!r}: must be a number > 0")
+    if not (isinstance(self.rms_eps, (int, float)) and 0 < self.rms_eps < 1):
+      raise ValueError(f"rms_eps = {self.rms_eps!r}: must be in (0, 1)")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
           f"({self.num_kv_heads}).")
     if self.head_dim % 2:
       raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-    if not 0 < self.experts_per_token <= self.num_experts:
-      raise ValueError(
-          f"experts_per_token ({self.experts_per_token}) must be in "
-          f"[1, num_experts={self.num_experts}].")
+    object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
+    object.__setattr__(self, "attention_kinds", tuple(self.attention_kinds))
+    if self.num_experts:
+      if not 0 < self.experts_per_token <= self.num_experts:
+        raise ValueError(
+            f"experts_per_token ({self.experts_per_token}) must be in "
+            f"[1, num_experts={self.num_experts}].")
+      if self.moe_d_ff < 1:
+        raise ValueError(f"moe_d_ff = {self.moe_d_ff}: a model with experts needs it >= 1")
+    elif self.experts_per_token or self.moe_d_ff or self.shared_expert_d_ff:
+      raise ValueError("num_experts = 0 (a dense model) needs experts_per_token, moe_d_ff "
+                       "and shared_expert_d_ff 0, got "
+                       f"{self.experts_per_token}, {self.moe_d_ff}, {self.shared_expert_d_ff}")
     if any(not 0 <= i < self.num_layers for i in self.dense_layers):
       raise ValueError(f"dense_layers {self.dense_layers} out of range.")
-    if self.dense_layers and self.dense_d_ff <= 0:
-      raise ValueError("dense_layers needs dense_d_ff > 0.")
+    if (self.dense_layers or not self.num_experts) and self.dense_d_ff <= 0:
+      raise ValueError("dense layers (dense_layers, or num_experts = 0) need dense_d_ff > 0.")
+    if self.attention_kinds and len(self.attention_kinds) != self.num_layers:
+      raise ValueError(f"attention_kinds has {len(self.attention_kinds)} entries for "
+                       f"{self.num_layers} layers (or () for all 'full')")
+    for kind in self.attention_kinds:
+      if kind not in ATTENTION_KINDS:
+        raise ValueError(f"attention kind {kind!r}: must be one of {ATTENTION_KINDS}")
+    for kind in sorted({k for spec in self.layer_specs for k in (spec.attention, spec.mlp)}):
+      if kind in UNBUILT_KINDS:
+        built = [k for k in ATTENTION_KINDS + MLP_KINDS if k not in UNBUILT_KINDS]
+        raise ValueError(f"layer kind {kind!r}: {UNBUILT_KINDS[kind]} (built: {built})")
+    from sao_jax.models import families  # pylint: disable=g-import-not-at-top
+    families.check(self)
     if self.moe_impl not in MOE_IMPLS:
       raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
     if self.remat not in REMAT_POLICIES:
@@ -170,15 +255,43 @@ class ModelConfig:
         raise ValueError("vocab_ids must be distinct token ids in increasing order, in "
                          f"[0, vocab_size={self.vocab_size})")
       object.__setattr__(self, "vocab_ids", ids)
-    if self.scan_layers:
-      prefix = tuple(range(len(self.dense_layers)))
-      if tuple(sorted(self.dense_layers)) != prefix:
-        raise ValueError(
-            f"scan_layers scans the MoE layers as one homogeneous run, so dense_layers "
-            f"must be a leading prefix 0..k-1; got {self.dense_layers}. Use "
-            "scan_layers=False for interleaved dense layers.")
-      if len(self.dense_layers) == self.num_layers:
-        raise ValueError("scan_layers needs at least one MoE layer to scan.")
+    if self.scan_layers and self.scan_prefix > self.num_layers // 2:
+      raise ValueError(
+          f"scan_layers scans the run of identical layers that ends the stack; with "
+          f"these layers ({self._kinds_summary()}) {self.scan_prefix} of "
+          f"{self.num_layers} would stay unrolled. Use scan_layers=False.")
+
+  def layer_spec(self, i: int) -> LayerSpec:
+    """Layer i's attention and MLP kinds."""
+    attention = self.attention_kinds[i] if self.attention_kinds else "full"
+    if not self.num_experts or i in self.dense_layers:
+      mlp = "dense"
+    else:
+      mlp = "moe_shared" if self.shared_expert_d_ff else "moe"
+    return LayerSpec(attention, mlp)
+
+  @property
+  def layer_specs(self) -> tuple[LayerSpec, ...]:
+    return tuple(self.layer_spec(i) for i in range(self.num_layers))
+
+  def _kinds_summary(self) -> str:
+    return ", ".join(f"{i}: {s.attention}/{s.mlp}" for i, s in enumerate(self.layer_specs))
+
+  @property
+  def scan_prefix(self) -> int:
+    """The layers before the scanned run: the first k such that layers k..n-1
+    share one LayerSpec (0 for a dense or uniform model)."""
+    specs = self.layer_specs
+    k = self.num_layers - 1
+    while k > 0 and specs[k - 1] == specs[-1]:
+      k -= 1
+    return k
+
+  @property
+  def unrolled_layers(self) -> int:
+    """Layers with their own "layer_i" parameters; with scan_layers the rest
+    are stacked under "layers"."""
+    return self.scan_prefix if self.scan_layers else self.num_layers
 
   @property
   def head_size(self) -> int:
@@ -187,25 +300,30 @@ class ModelConfig:
 
   @property
   def num_scanned_layers(self) -> int:
-    """Length of the "layers" axis: the MoE layers after the dense prefix."""
-    return self.num_layers - len(self.dense_layers) if self.scan_layers else 0
+    """Length of the "layers" axis: the layers after `scan_prefix`."""
+    return self.num_layers - self.scan_prefix if self.scan_layers else 0
 
   @property
   def num_moe_layers(self) -> int:
     """MoE layers (routing replay's leading axis, `Transformer`'s `routing`)."""
-    return self.num_layers - len(self.dense_layers)
+    return sum(s.is_moe for s in self.layer_specs)
 
   @classmethod
   def from_dict(cls, d) -> "ModelConfig":
     """From a plain dict or ml_collections.ConfigDict (dtypes by name)."""
     d = dict(d)
-    for name in ("dense_layers", "vocab_ids"):
+    for name in ("dense_layers", "vocab_ids", "attention_kinds"):
       if name in d:
         d[name] = tuple(d[name])
     unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
     if unknown:
       raise ValueError(f"Unknown model config fields: {sorted(unknown)}")
     return cls(**d)
+
+
+def _check_int(field: str, value, low: int) -> None:
+  if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    raise ValueError(f"{field} = {value!r}: must be an integer >= {low}")
 
 
 def tiny(vocab_size: int = 64) -> ModelConfig:
@@ -255,4 +373,48 @@ def qwen3_30b_a3b() -> ModelConfig:
       prefill_chunk=2048)
 
 
-PRESETS = {"tiny": tiny, "small": small, "qwen3_30b_a3b": qwen3_30b_a3b}
+def tiny_dense(vocab_size: int = 64) -> ModelConfig:
+  """A dense Qwen3 of ~0.1M parameters with tied embeddings (the small Qwen3
+  models' layout): the CPU toy of the dense family."""
+  return ModelConfig(
+      vocab_size=vocab_size, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
+      head_dim=16, num_experts=0, experts_per_token=0, moe_d_ff=0, dense_d_ff=128,
+      tie_embeddings=True, max_seq_len=512, rope_theta=10_000.0, family="qwen3")
+
+
+def _qwen3_dense(*, d_model: int, d_ff: int, num_layers: int, num_heads: int,
+                 tie: bool) -> ModelConfig:
+  """A dense Qwen3 release's shape, run with the pod settings of qwen3_30b_a3b
+  (fp32 masters and bf16 compute, every layer in one scan under full remat,
+  splash attention on TPU, chunked log-probs and prefill)."""
+  return ModelConfig(
+      vocab_size=151_936, d_model=d_model, num_layers=num_layers, num_heads=num_heads,
+      num_kv_heads=8, head_dim=128, num_experts=0, experts_per_token=0, moe_d_ff=0,
+      dense_d_ff=d_ff, rope_theta=1e6, rms_eps=1e-6, tie_embeddings=tie,
+      max_seq_len=40_960, family="qwen3", param_dtype=jnp.float32, dtype=jnp.bfloat16,
+      scan_layers=True, remat="full", attention_impl="splash", attention_block=512,
+      logits_chunk=1024, prefill_chunk=2048)
+
+
+# The shapes of the dense Qwen3 releases, from each one's config.json on the
+# Hugging Face Hub (Qwen/Qwen3-0.6B, Qwen/Qwen3-1.7B, Qwen/Qwen3-8B): hidden
+# size, intermediate size, layers, attention heads (8 kv heads and head_dim
+# 128 in all three), and whether the LM head is the embedding's transpose.
+def qwen3_0_6b() -> ModelConfig:
+  """Qwen3-0.6B: 0.60B parameters (0.44B outside the tied embedding)."""
+  return _qwen3_dense(d_model=1024, d_ff=3072, num_layers=28, num_heads=16, tie=True)
+
+
+def qwen3_1_7b() -> ModelConfig:
+  """Qwen3-1.7B: 1.72B parameters (1.41B outside the tied embedding)."""
+  return _qwen3_dense(d_model=2048, d_ff=6144, num_layers=28, num_heads=16, tie=True)
+
+
+def qwen3_8b() -> ModelConfig:
+  """Qwen3-8B: 8.19B parameters, an untied LM head."""
+  return _qwen3_dense(d_model=4096, d_ff=12_288, num_layers=36, num_heads=32, tie=False)
+
+
+PRESETS = {"tiny": tiny, "small": small, "tiny_dense": tiny_dense,
+           "qwen3_0_6b": qwen3_0_6b, "qwen3_1_7b": qwen3_1_7b, "qwen3_8b": qwen3_8b,
+           "qwen3_30b_a3b": qwen3_30b_a3b}

@@ -1,10 +1,11 @@
-"""Export params as a Hugging Face Qwen3-MoE model directory.
+"""Export params as a Hugging Face model directory of `cfg.family` (dense
+Qwen3 or Qwen3-MoE: sao_jax/models/families.py).
 
     stats = export_params(params, cfg, "out/")            # bf16, 5 GiB shards
 
 writes what vLLM, SGLang, lm-eval and `transformers` load:
 
-    out/config.json                          Qwen3-MoE (`hf_layout.hf_config`)
+    out/config.json                          the family's (`families.hf_config`)
     out/model-00001-of-0000N.safetensors     the tensors, in `hf_layout`'s names
     out/model.safetensors.index.json         tensor -> shard, total size
     out/<tokenizer files>                    `extra_files`, copied
@@ -37,7 +38,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from sao_jax.models import hf_layout
+from sao_jax.models import families, hf_layout
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.hf_import import SAFETENSORS_DTYPES
 from sao_jax.algo.optim import param_path
@@ -65,7 +66,7 @@ def _plan(cfg: ModelConfig, flat: dict, head: str) -> list[_Unit]:
   """Every unit in write order; raises if the params and the layout disagree."""
   units, wanted = [], []
   entries = [(t.ours, None, t) for t in hf_layout.top_tensors(cfg, head)]
-  unrolled = hf_layout.unrolled_layers(cfg)
+  unrolled = cfg.unrolled_layers
   for i in range(cfg.num_layers):
     for t in hf_layout.layer_tensors(cfg, i):
       if i < unrolled:
@@ -141,8 +142,9 @@ def export_params(params, cfg: ModelConfig, out: str, *, dtype: str = "bfloat16"
 
   Args:
     params: the policy's params (`head="lm"`) or the critic's (`head="value"`:
-      written as a one-label `Qwen3MoeForTokenClassification`, the value head
-      as `score`); global arrays of any sharding, or numpy.
+      written as a one-label token classifier of the family,
+      `Qwen3MoeForTokenClassification` or `Qwen3ForTokenClassification`, the
+      value head as `score`); global arrays of any sharding, or numpy.
     cfg: the model shape.
     dtype: "bfloat16" (default), "float16" or "float32".
     shard_bytes: the most bytes of tensors per safetensors file.
@@ -179,7 +181,7 @@ def export_params(params, cfg: ModelConfig, out: str, *, dtype: str = "bfloat16"
            "peak_host_bytes": peak}
   if primary:
     _publish(partial, out, {"metadata": {"total_size": total}, "weight_map": where},
-             hf_layout.hf_config(cfg, dtype, head), extra_files,
+             families.hf_config(cfg, dtype, head), extra_files,
              {"dtype": dtype, "head": head, **(notes or {})})
   stats["seconds"] = round(time.time() - start, 3)
   return stats
@@ -241,7 +243,7 @@ def _publish(partial: str, out: str, index: dict, config: dict, extra_files, rec
 
 # How the critic's exported head is read (written beside the value model).
 VALUE_HEAD_NOTE = (
-    "The sao-jax critic as a one-label Qwen3MoeForTokenClassification: score.weight [1, d] "
-    "and score.bias [1] are the value head. Its output at position t-1 is the value V_t of "
+    "The sao-jax critic as a one-label ...ForTokenClassification of its family: score.weight "
+    "[1, d] and score.bias [1] are the value head. Its output at position t-1 is the value V_t of "
     "emitting token t (sao-jax shifts values right by one: the value of a token is "
     "computed from its prefix); the first token of a sequence has no value.")

@@ -1,4 +1,5 @@
-"""Import Qwen3-MoE checkpoints in Hugging Face safetensors layout.
+"""Import Hugging Face safetensors checkpoints of the supported families
+(sao_jax/models/families.py: dense Qwen3 and Qwen3-MoE).
 
     cfg = config_from_hf("ckpt/config.json")
     params = load_hf_checkpoint("ckpt/", cfg, shardings=param_shardings)
@@ -15,8 +16,8 @@ Both expert layouts are understood: the Hub's per-expert tensors
 (`mlp.experts.{j}.gate_proj.weight`, ...) and the fused 3-D tensors of
 recent `transformers` (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`).
 
-With `cfg.scan_layers` the MoE layers' parameters are stacked ("layers/...",
-[n, ...]). Such a parameter is allocated on the devices first, in its
+With `cfg.scan_layers` the scanned layers' parameters are stacked
+("layers/...", [n, ...]). Such a parameter is allocated on the devices first, in its
 sharding, and each HF layer's tensor is read, placed and written into its
 slot before the next is read: host memory still peaks at one layer's
 tensor, device memory at the stacked parameter plus one layer.
@@ -33,42 +34,17 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from sao_jax.models import hf_layout
+from sao_jax.models import families, hf_layout
 from sao_jax.models.config import ModelConfig
 from sao_jax.algo.optim import param_path
 
 
 def config_from_hf(path: str, **overrides) -> ModelConfig:
-  """ModelConfig from a Qwen3-MoE `config.json` (file or its directory).
-
-  transformers 5.x writes the expert count as `num_local_experts` (its
-  Qwen3MoeConfig maps `num_experts` onto it); earlier versions and the
-  Hub's release files write `num_experts`. Both are read.
-  """
-  if os.path.isdir(path):
-    path = os.path.join(path, "config.json")
-  with open(path, encoding="utf-8") as f:
-    hf = json.load(f)
-  num_layers = hf["num_hidden_layers"]
-  num_experts = hf.get("num_experts", hf.get("num_local_experts"))
-  if num_experts is None:
-    raise KeyError(f"{path}: neither 'num_experts' nor 'num_local_experts' is set.")
-  step = hf.get("decoder_sparse_step", 1) or 1
-  dense = set(hf.get("mlp_only_layers", []))
-  dense |= {i for i in range(num_layers) if num_experts == 0 or (i + 1) % step != 0}
-  rope = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 1e6)
-  kw = dict(
-      vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], num_layers=num_layers,
-      num_heads=hf["num_attention_heads"], num_kv_heads=hf["num_key_value_heads"],
-      head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-      num_experts=num_experts, experts_per_token=hf["num_experts_per_tok"],
-      moe_d_ff=hf["moe_intermediate_size"], dense_d_ff=hf.get("intermediate_size", 0),
-      dense_layers=tuple(sorted(dense)), norm_topk_prob=hf.get("norm_topk_prob", True),
-      rope_theta=float(rope), rms_eps=hf.get("rms_norm_eps", 1e-6),
-      tie_embeddings=hf.get("tie_word_embeddings", False),
-      max_seq_len=hf.get("max_position_embeddings", 4096))
-  kw.update(overrides)
-  return ModelConfig(**kw)
+  """ModelConfig from an HF `config.json` (file or its directory), by its
+  `model_type` (sao_jax/models/families.py: qwen3, qwen3_moe); any other is
+  refused in one line naming the supported ones. `overrides` set how the
+  model runs (dtypes, scan, kernels) or replace architecture fields."""
+  return ModelConfig(**{**families.config_kwargs(path), **overrides})
 
 
 # safetensors' dtype codes (the format's header) -> numpy dtypes. bfloat16,
@@ -179,7 +155,7 @@ def _load_stacked(name: str, loaders, layers, shape, sharding):
 
 def load_hf_checkpoint(path: str, cfg: ModelConfig, shardings=None, *, strict: bool = True,
                        head: str = "lm"):
-  """Loads params from a Qwen3-MoE safetensors checkpoint.
+  """Loads params from a safetensors checkpoint of `cfg.family`.
 
   Args:
     path: a directory of shards, or one `.safetensors` file.
@@ -196,7 +172,7 @@ def load_hf_checkpoint(path: str, cfg: ModelConfig, shardings=None, *, strict: b
   r = _Reader(path)
   loaders = {t.ours: functools.partial(t.to_ours, r) for t in hf_layout.top_tensors(cfg, head)}
   # Unrolled layers have their own entries; scanned ones share a stacked one.
-  unrolled = hf_layout.unrolled_layers(cfg)
+  unrolled = cfg.unrolled_layers
   for i in range(unrolled):
     for t in hf_layout.layer_tensors(cfg, i):
       loaders[f"layer_{i}/{t.ours}"] = functools.partial(t.to_ours, r)

@@ -1,4 +1,8 @@
-"""The one table between sao-jax parameter paths and Hugging Face Qwen3-MoE tensors.
+"""The one table between sao-jax parameter paths and Hugging Face tensors.
+
+Tensors are named by layer kind (`ModelConfig.layer_spec`), not by family:
+a dense-MLP layer's tensors are the same in dense Qwen3 and in Qwen3-MoE's
+`mlp_only_layers`, a full-attention layer's in both.
 
 Import (`hf_import.py`) and export (`hf_export.py`) both read it, so a
 name or a transpose is written once. Each `Tensor` names a parameter of
@@ -19,8 +23,8 @@ layout, which export writes) or fused 3-D (`mlp.experts.gate_up_proj`,
 recent transformers' layout, which import also reads).
 
 Layer i's parameters are "layer_{i}/<path>", or, with `cfg.scan_layers`,
-slice j of the stacked "layers/<path>" for the MoE layers after the
-unrolled dense prefix (`unrolled_layers`).
+slice j of the stacked "layers/<path>" for the layers after the unrolled
+ones (`ModelConfig.unrolled_layers`).
 """
 
 from __future__ import annotations
@@ -93,14 +97,6 @@ def _experts(ours: str, pre: str, theirs: str, cfg: ModelConfig) -> Tensor:
   return Tensor(ours, names, to_ours, to_hf)
 
 
-def fused_names(cfg: ModelConfig, i: int) -> tuple[str, ...]:
-  """Layer i's fused expert tensors (recent transformers' layout), which import accepts."""
-  if i in cfg.dense_layers:
-    return ()
-  pre = f"model.layers.{i}."
-  return (pre + "mlp.experts.gate_up_proj", pre + "mlp.experts.down_proj")
-
-
 def layer_tensors(cfg: ModelConfig, i: int) -> list[Tensor]:
   """Layer i's parameters, paths relative to the layer ("attn/q", "moe/wo", ...)."""
   pre = f"model.layers.{i}."
@@ -115,7 +111,7 @@ def layer_tensors(cfg: ModelConfig, i: int) -> list[Tensor]:
       _copy("attn/q_norm/scale", pre + "self_attn.q_norm.weight"),
       _copy("attn/k_norm/scale", pre + "self_attn.k_norm.weight"),
   ]
-  if i in cfg.dense_layers:
+  if cfg.layer_spec(i).mlp == "dense":
     for ours, theirs in (("wi_gate", "gate_proj"), ("wi_up", "up_proj"), ("wo", "down_proj")):
       out.append(_linear(f"mlp/{ours}", pre + f"mlp.{theirs}.weight"))
     return out
@@ -136,50 +132,4 @@ def top_tensors(cfg: ModelConfig, head: str = "lm") -> list[Tensor]:
     out += [_linear("value_head", "score.weight"), _copy("value_bias", "score.bias")]
   elif not cfg.tie_embeddings:
     out.append(_linear("lm_head", "lm_head.weight"))
-  return out
-
-
-def unrolled_layers(cfg: ModelConfig) -> int:
-  """Layers with their own "layer_i" entries; with scan_layers the rest are stacked."""
-  return len(cfg.dense_layers) if cfg.scan_layers else cfg.num_layers
-
-
-def hf_config(cfg: ModelConfig, dtype: str = "bfloat16", head: str = "lm") -> dict:
-  """A Qwen3-MoE `config.json` for `cfg`: what `hf_import.config_from_hf` and
-  transformers' Qwen3MoeConfig read back to the same architecture."""
-  out = {
-      "architectures": ["Qwen3MoeForTokenClassification" if head == "value"
-                        else "Qwen3MoeForCausalLM"],
-      "model_type": "qwen3_moe",
-      "vocab_size": cfg.vocab_size,
-      "hidden_size": cfg.d_model,
-      "intermediate_size": cfg.dense_d_ff,  # dense (mlp_only) layers' width
-      "moe_intermediate_size": cfg.moe_d_ff,
-      "num_hidden_layers": cfg.num_layers,
-      "num_attention_heads": cfg.num_heads,
-      "num_key_value_heads": cfg.num_kv_heads,
-      "head_dim": cfg.head_dim,
-      "num_experts": cfg.num_experts,
-      "num_experts_per_tok": cfg.experts_per_token,
-      "norm_topk_prob": cfg.norm_topk_prob,
-      "decoder_sparse_step": 1,
-      "mlp_only_layers": list(cfg.dense_layers),
-      "rms_norm_eps": cfg.rms_eps,
-      "rope_theta": cfg.rope_theta,
-      "rope_scaling": None,
-      "max_position_embeddings": cfg.max_seq_len,
-      "tie_word_embeddings": cfg.tie_embeddings,
-      "attention_bias": False,
-      "attention_dropout": 0.0,
-      "hidden_act": "silu",
-      "use_sliding_window": False,
-      "sliding_window": None,
-      "output_router_logits": False,
-      "router_aux_loss_coef": 0.001,
-      "initializer_range": 0.02,
-      "use_cache": True,
-      "torch_dtype": dtype,
-  }
-  if head == "value":
-    out["num_labels"] = 1
   return out

@@ -19,13 +19,13 @@ Cache = Any
 
 def kv_tree(cfg: ModelConfig, shape: tuple[int, ...], dtype=None) -> Cache:
   """Zero {"k", "v"} leaves of `shape` per layer: a list entry per layer, or,
-  with `cfg.scan_layers`, "layer_i" for each unrolled dense-prefix layer and
+  with `cfg.scan_layers`, "layer_i" for each unrolled layer before the scanned run and
   "layers" for the scanned ones, stacked on a leading axis."""
   dtype = dtype or cfg.dtype
   zeros = lambda *lead: {"k": jnp.zeros(lead + shape, dtype),
                          "v": jnp.zeros(lead + shape, dtype)}
   if not cfg.scan_layers:
     return [zeros() for _ in range(cfg.num_layers)]
-  tree = {f"layer_{i}": zeros() for i in range(len(cfg.dense_layers))}
+  tree = {f"layer_{i}": zeros() for i in range(cfg.scan_prefix)}
   tree["layers"] = zeros(cfg.num_scanned_layers)
   return tree

@@ -180,20 +180,21 @@ def value_params_from_policy(policy_params, value_params):
 def scan_params(cfg: ModelConfig, params):
   """Unscanned params ("layer_i" for every layer) -> the `cfg.scan_layers` layout.
 
-  The dense prefix keeps its "layer_i" entries; the MoE layers' entries are
-  stacked along a new leading axis under "layers". `cfg` is the scanned config.
+  The layers before the scanned run (`cfg.scan_prefix`) keep their "layer_i"
+  entries; the rest are stacked along a new leading axis under "layers".
+  `cfg` is the scanned config.
   """
-  k = len(cfg.dense_layers)
-  moe = [params[f"layer_{i}"] for i in range(k, cfg.num_layers)]
+  k = cfg.scan_prefix
+  scanned = [params[f"layer_{i}"] for i in range(k, cfg.num_layers)]
   out = {n: v for n, v in params.items()
          if not (n.startswith("layer_") and int(n[len("layer_"):]) >= k)}
-  out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *moe)
+  out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *scanned)
   return out
 
 
 def unscan_params(cfg: ModelConfig, params):
   """The inverse of `scan_params`: "layers" split back into "layer_i" entries."""
-  k = len(cfg.dense_layers)
+  k = cfg.scan_prefix
   out = {n: v for n, v in params.items() if n != "layers"}
   for j in range(cfg.num_scanned_layers):
     out[f"layer_{k + j}"] = jax.tree.map(lambda x, j=j: x[j], params["layers"])

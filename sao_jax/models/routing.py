@@ -55,7 +55,7 @@ def collect(cfg: ModelConfig, intermediates, batch: int, length: int, *,
     if entry is not None and "moe" in entry:
       (top_i,) = entry["moe"]["moe_top_i"]
       rows.append(top_i.reshape(1, k, batch, length))
-  if "layers" in intermediates:
+  if "moe" in intermediates.get("layers", {}):
     (top_i,) = intermediates["layers"]["moe"]["moe_top_i"]
     rows.append(top_i.reshape(-1, k, batch, length))
   if not rows:

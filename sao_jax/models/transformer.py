@@ -1,4 +1,5 @@
-"""A Qwen3-MoE-style decoder in flax linen, with an optional KV cache.
+"""A Qwen3-style decoder in flax linen (dense or MoE layers, as
+`cfg.layer_specs` lists them), with an optional KV cache.
 
 The forward pass is a pure function of (params, tokens, positions,
 segment_ids[, cache]):
@@ -11,7 +12,8 @@ segment_ids[, cache]):
 `cfg.vocab_ids`, sao_jax/models/head_vocab.py; tokens are always the
 tokenizer's ids.)
 
-`aux["load_balance_loss"]` is the MoE auxiliary loss averaged over MoE layers;
+`aux["load_balance_loss"]` is the MoE auxiliary loss averaged over MoE layers
+(0 for a dense model);
 with a cache, `aux["cache"]` is the updated cache. `head="hidden"` returns the
 final (normed) hidden states [B, L, D] instead, for heads applied in chunks
 (policy.token_logprobs with `logits_chunk`; `lm_head_weight` and `lm_logits`
@@ -33,10 +35,13 @@ Two attention modes:
   slots, row b naming slot b's pages (sao_jax/models/paged.py); padding
   tokens are then not written.
 
-Layers. With `cfg.scan_layers` the MoE layers run as one `nn.scan`: their
-parameters are stacked under "layers" with a leading axis named "layers"
-(so "layers/attn/q" is [n, D, H, hd]), and the dense prefix stays unrolled
-as "layer_0" ... Each layer is rematerialised as `cfg.remat` says. Training
+Layers. Layer i is `cfg.layer_spec(i)`: its attention kind and its MLP
+("mlp" params for a dense SwiGLU, "moe" for routed experts). With
+`cfg.scan_layers` the run of identical layers that ends the stack runs as
+one `nn.scan`: their parameters are stacked under "layers" with a leading
+axis named "layers" (so "layers/attn/q" is [n, D, H, hd]), and the layers
+before it (`cfg.scan_prefix`: Qwen3-MoE's dense prefix, none for a dense
+model) stay unrolled as "layer_0" ... Each layer is rematerialised as `cfg.remat` says. Training
 attention is `cfg.attention_impl` (sao_jax/models/attention.py).
 
 Every parameter and the main activations carry logical axis names
@@ -57,7 +62,7 @@ import jax.numpy as jnp
 from sao_jax.models import head_vocab, kv_layout, moe
 from sao_jax.models import attention as attn_lib
 from sao_jax.models import paged
-from sao_jax.models.config import ModelConfig
+from sao_jax.models.config import LayerSpec, ModelConfig
 
 Array = jax.Array
 # A pytree of {"k", "v"} arrays whose shapes end in [B, S, KVH, hd]: see init_cache.
@@ -289,12 +294,13 @@ class Block(nn.Module):
   """One pre-norm layer, in the (carry, x) -> (carry, y) form `nn.scan` needs.
 
   carry = (residual stream [B, L, D], cache); returns ((x, new cache), aux)
-  with aux the MoE load-balancing loss (None for a dense layer). `layer` is
+  with aux the MoE load-balancing loss (None for a dense layer). `spec` is
+  the layer's kinds (`ModelConfig.layer_spec`). `layer` is
   the index into a stacked cache (scanned layers), None otherwise;
   `page_table` [B, M] when the cache is a page pool (models/paged.py).
   """
   cfg: ModelConfig
-  dense: bool
+  spec: LayerSpec
 
   @nn.compact
   def __call__(self, carry, positions, segment_ids, layer=None, page_table=None,
@@ -306,7 +312,7 @@ class Block(nn.Module):
         positions, segment_ids, cache, layer, page_table)
     x = x + h
     y = RMSNorm(cfg.rms_eps, cfg.param_dtype, name="mlp_norm")(x)
-    if self.dense:
+    if self.spec.mlp == "dense":
       y, aux = DenseMLP(cfg, name="mlp")(y), None
     else:
       y, aux = MoE(cfg, name="moe")(y, segment_ids != 0, routing)
@@ -364,18 +370,18 @@ class Transformer(nn.Module):
     x = jnp.take(embedding, head_vocab.index(cfg, tokens), axis=0).astype(cfg.dtype)
     x = _constrain(x, ("batch", "length", "embed"))
     block = _block_class(cfg, scanned=False)
-    # Unrolled layers: all of them, or the dense prefix before the scan.
-    unrolled = len(cfg.dense_layers) if cfg.scan_layers else cfg.num_layers
+    # Unrolled layers: all of them, or those before the scanned run.
+    unrolled = cfg.unrolled_layers
     new_cache = {} if cfg.scan_layers else []
     aux_losses = []
     moe_index = 0  # the next MoE layer's row of `routing`
     for i in range(unrolled):
       name = f"layer_{i}"
       layer_cache = None if cache is None else cache[name if cfg.scan_layers else i]
-      dense = i in cfg.dense_layers
-      layer_routing = None if routing is None or dense else routing[moe_index]
-      moe_index += not dense
-      (x, layer_cache), aux = block(cfg, dense=dense, name=name)(
+      spec = cfg.layer_spec(i)
+      layer_routing = None if routing is None or not spec.is_moe else routing[moe_index]
+      moe_index += spec.is_moe
+      (x, layer_cache), aux = block(cfg, spec=spec, name=name)(
           (x, layer_cache), positions, segment_ids, None, page_table, layer_routing)
       if cfg.scan_layers:
         new_cache[name] = layer_cache
@@ -390,12 +396,14 @@ class Transformer(nn.Module):
           variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
           in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, 0), length=n,
           metadata_params={nn.PARTITION_NAME: "layers"})
-      (x, stacked), layer_aux = scanned(cfg, dense=False, name="layers")(
+      spec = cfg.layer_spec(cfg.num_layers - 1)
+      (x, stacked), layer_aux = scanned(cfg, spec=spec, name="layers")(
           (x, None if cache is None else cache["layers"]), positions, segment_ids,
           jnp.arange(n, dtype=jnp.int32), page_table,
-          None if routing is None else routing[moe_index:])
+          None if routing is None or not spec.is_moe else routing[moe_index:])
       new_cache["layers"] = stacked
-      aux_losses.append(layer_aux)  # [n]
+      if spec.is_moe:
+        aux_losses.append(layer_aux)  # [n]
     x = RMSNorm(cfg.rms_eps, cfg.param_dtype, name="final_norm")(x)
     aux = {"load_balance_loss": (jnp.mean(jnp.concatenate(aux_losses)) if aux_losses
                                  else jnp.zeros((), jnp.float32))}

@@ -24,7 +24,9 @@ enough free space), also before training.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import math
+import os
 import sys
 from typing import Callable
 
@@ -90,6 +92,8 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
   spec = _source_spec(typed.rl.mode)
   _check_eval_sets(typed)
   _check_rollout(typed, spec)
+  _check_model(typed.model)
+  _check_sizes(typed)
   if num_devices is None:
     import jax  # pylint: disable=g-import-not-at-top
     num_devices = jax.device_count()
@@ -164,6 +168,37 @@ def _check_rollout(typed: sections.Sections, spec: sources.SourceSpec) -> None:
                       f">= rollout.max_len ({r.max_len})")
 
 
+def _check_model(m: sections.Model):
+  """The ModelConfig of the preset with `model.overrides`, built as the run
+  builds it: a field's own check (ModelConfig.__post_init__, a ValueError
+  or TypeError) becomes one line naming the override."""
+  from sao_jax.models import config as model_config  # pylint: disable=g-import-not-at-top
+  try:
+    return dataclasses.replace(model_config.PRESETS[m.preset](), **m.overrides)
+  except (TypeError, ValueError) as e:
+    message = " ".join(str(e).split())
+    if any(message.startswith(f"{k} = ") for k in m.overrides):  # "num_layers = -1: ..."
+      raise ConfigError(f"model.overrides.{message}") from None
+    raise ConfigError(f"model.overrides = {m.overrides!r}: {message}") from None
+
+
+def _check_sizes(typed: sections.Sections) -> None:
+  """The sizes whose upper bound another field sets (memory is `check_memory`'s)."""
+  r = typed.rollout
+  # A decode call samples at most one turn's tokens; its outputs are
+  # [slots, decode_steps] whatever the budget.
+  for field, steps in (("rollout.decode_steps", r.decode_steps),
+                       ("eval.decode_steps", typed.eval.decode_steps)):
+    if steps > r.max_turn_tokens:
+      _fail(field, steps, f"an integer in [1, {r.max_turn_tokens}] (rollout.max_turn_tokens)")
+  # Every built-in's turn limit (its default if unset) and a user factory's
+  # if given: every turn takes at least one of rollout.max_len's tokens.
+  turns = {**registry.kwargs_defaults(typed.env.name), **typed.env.kwargs}.get("max_turns")
+  if turns is not None and not (sections.is_int(turns) and 1 <= turns <= r.max_len):
+    _fail("env.kwargs.max_turns", turns,
+          f"an integer in [1, {r.max_len}] (rollout.max_len: a turn takes at least one token)")
+
+
 def _check_eval_sets(typed: sections.Sections) -> None:
   """Each of eval.sets names a registered environment (or a file, or the
   held-out split), and a set of chat prompts meets a chat format."""
@@ -188,11 +223,13 @@ def _check_routing_replay(typed: sections.Sections) -> None:
   from sao_jax.models import config as model_config  # pylint: disable=g-import-not-at-top
   m = typed.model
   arch = model_config.PRESETS[m.preset]()
-  layers = m.overrides.get("num_layers", arch.num_layers)
-  dense = m.overrides.get("dense_layers", arch.dense_layers)
-  if layers - len(tuple(dense)) < 1:
+  try:
+    arch = dataclasses.replace(arch, **m.overrides)
+  except (TypeError, ValueError):
+    return  # the model section's own check names what is wrong
+  if arch.num_moe_layers < 1:
     _fail("rl.routing_replay", True, f"False for a model without MoE layers (model.preset "
-          f"{m.preset!r}: {layers} layers, dense_layers {tuple(dense)})")
+          f"{m.preset!r}: {arch.num_layers} layers, none of them MoE)")
 
 
 def _check_update_precision(typed: sections.Sections) -> None:
@@ -241,6 +278,118 @@ def _check_engine_mesh(text: str, host_devices: int) -> None:
   if not _mesh_fits(axes, host_devices, first_of=True):
     _fail("rollout.mesh", text, f"a mesh over at most the {host_devices} devices of one "
           "host" + (" (a -1 size must leave a whole number)" if -1 in axes.values() else ""))
+
+
+# Host bytes a queued or stored trajectory holds per token (trajectory.canonicalize):
+# tokens and policy_version int32, rollout_logprobs and rewards float32, action_mask bool.
+TRAJECTORY_BYTES_PER_TOKEN = 17
+
+
+def check_memory(typed: sections.Sections, model_cfg, abstract_state) -> None:
+  """Refuses a model or a size that the memory present cannot hold, from
+  shapes alone: `run.build` calls it between the programs' shapes and the
+  first allocation, so nothing has been allocated or written.
+
+  Each check is a floor of what the run holds at once, so a run that fits
+  is never refused: the train state (`abstract_state`, the params and Adam
+  moments of policy and critic, as each device holds its shards), and
+  beside it in turn the rollout engine's KV cache (rollout.slots x
+  rollout.max_len, or rollout.kv_pages), the evaluation engine's (eval.slots),
+  one residual stream [batch, largest data.buckets entry, d_model] of a train
+  step (rl.batch_size, sft.batch_size), and on the host a full ingestion
+  queue or value pretraining's store of rollout.max_len trajectories. On CPU
+  every device is the host's memory (its cgroup limit in a container); on
+  an accelerator each device has its `bytes_limit`, and a cache or batch
+  counts as if spread evenly over the devices. Unknown memory refuses nothing.
+  """
+  import collections  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from sao_jax.rollout import layout  # pylint: disable=g-import-not-at-top
+  nbytes = lambda tree: sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
+                            for x in jax.tree.leaves(tree))
+  state = collections.Counter()  # device -> bytes of the train state's shards on it
+  for x in jax.tree.leaves(abstract_state):
+    for device in x.sharding.addressable_devices:
+      state[device] += math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+  host = host_memory_bytes()
+  if all(d.platform == "cpu" for d in state):
+    device_pool = (host, sum(state.values()), 1, "this host's memory")
+    host_pool = device_pool
+  else:
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in state]
+    device_pool = (None if None in limits else min(limits), max(state.values()), len(state),
+                   f"each of the {len(state)} devices' memory")
+    host_pool = (host, 0, 1, "this host's memory")
+
+  m, r, c = typed.model, typed.rollout, typed.rl
+  capacity, used, _, where = device_pool
+  if capacity is not None and used > capacity:
+    field, value = ("model.overrides", m.overrides) if m.overrides else ("model.preset", m.preset)
+    _fail(field, value, f"a model whose train state fits: the params and Adam moments of "
+          f"policy and critic take {_bytes(used)}, {where} is {_bytes(capacity)}")
+
+  def at_most(pool, field: str, value: int, unit: int, what: str) -> None:
+    capacity, used, spread, where = pool
+    if capacity is None or not value:
+      return
+    most = max(capacity - used, 0) * spread // unit
+    if value > most:
+      _fail(field, value, f"<= {most} here: {what} takes {_bytes(unit)} each, and {where} "
+            f"({_bytes(capacity)}) holds {most} beside the train state ({_bytes(used)})")
+
+  per_slot = layout.cache_bytes_per_device(model_cfg, 1, r.max_len)
+  in_process = bool(c.steps) and _source_spec(c.mode).in_process
+  paged_pool = r.kv_cache == "paged" and r.kv_pages
+  if in_process or typed.value_pretrain.steps:
+    if paged_pool:
+      at_most(device_pool, "rollout.kv_pages", r.kv_pages,
+              nbytes(layout.abstract_pool(model_cfg, 1, r.page_size)), "a KV-cache page")
+    else:
+      at_most(device_pool, "rollout.slots", r.slots, per_slot,
+              f"a slot's KV cache (rollout.max_len {r.max_len} positions)")
+  if not paged_pool:
+    at_most(device_pool, "eval.slots", typed.eval.slots, per_slot,
+            f"a slot's KV cache (rollout.max_len {r.max_len} positions)")
+  row = max(typed.data.buckets) * model_cfg.d_model * np.dtype(model_cfg.dtype).itemsize
+  what = f"a row's residual stream ({max(typed.data.buckets)} tokens x d_model)"
+  if c.steps or typed.value_pretrain.steps:
+    at_most(device_pool, "rl.batch_size", c.batch_size, row, what)
+  if typed.sft.steps and not typed.sft.init_from_hf:
+    at_most(device_pool, "sft.batch_size", typed.sft.batch_size, row, what)
+  trajectory = r.max_len * TRAJECTORY_BYTES_PER_TOKEN
+  what = f"a trajectory of up to rollout.max_len ({r.max_len}) tokens"
+  if in_process:
+    at_most(host_pool, "rollout.queue_size", r.queue_size, trajectory, what)
+  if typed.value_pretrain.steps:
+    at_most(host_pool, "value_pretrain.num_trajectories", typed.value_pretrain.num_trajectories,
+            trajectory, what)
+
+
+def host_memory_bytes() -> int | None:
+  """This host's physical memory, or its cgroup's limit where lower (a
+  container); None where neither can be read."""
+  sizes = []
+  try:
+    sizes.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+  except (ValueError, OSError, AttributeError):
+    pass
+  for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+    try:
+      with open(path, encoding="ascii") as f:
+        text = f.read().strip()
+    except OSError:
+      continue
+    if text.isdigit():  # "max": no limit
+      sizes.append(int(text))
+  return min(sizes, default=None)
+
+
+def _bytes(n: float) -> str:
+  for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if n >= size:
+      return f"{n / size:.3g} {unit}"
+  return f"{int(n)} B"
 
 
 def check_workdir(workdir: str, min_free_gb: float) -> None:

@@ -133,8 +133,8 @@ def forward_flops_per_token(cfg, attended: float, head: bool = True) -> float:
   attn = 2 * d * (h + 2 * kvh) * hd + 2 * h * hd * d + 4 * h * hd * attended
   moe = 2 * d * cfg.num_experts + cfg.experts_per_token * 6 * d * cfg.moe_d_ff
   dense = 6 * d * (cfg.dense_d_ff or 0)
-  n_dense = len(cfg.dense_layers)
-  flops = cfg.num_layers * attn + (cfg.num_layers - n_dense) * moe + n_dense * dense
+  n_moe = cfg.num_moe_layers
+  flops = cfg.num_layers * attn + n_moe * moe + (cfg.num_layers - n_moe) * dense
   return float(flops + (2 * d * cfg.vocab_size if head else 0))
 
 

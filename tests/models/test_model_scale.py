@@ -178,11 +178,14 @@ def test_remat_policies_give_the_same_gradients(params, reference, remat):
   assert_trees_close(policy.unscan_params(SCAN, grads_s), grads)
 
 
-def test_scan_refuses_interleaved_dense_layers():
-  with pytest.raises(ValueError, match="leading prefix"):
+def test_scan_refuses_a_stack_that_would_stay_mostly_unrolled():
+  # Layers 0 moe, 1 dense, 2 moe: the run of identical layers that ends the
+  # stack is one layer long, so two of three would stay unrolled.
+  with pytest.raises(ValueError, match="would stay unrolled"):
     dataclasses.replace(REF, dense_layers=(1,), scan_layers=True)
-  with pytest.raises(ValueError, match="at least one MoE layer"):
-    dataclasses.replace(REF, num_layers=1, dense_layers=(0,), scan_layers=True)
+  # An all-dense stack scans whole (a dense model).
+  all_dense = dataclasses.replace(REF, num_layers=1, dense_layers=(0,), scan_layers=True)
+  assert (all_dense.scan_prefix, all_dense.num_scanned_layers) == (0, 1)
   with pytest.raises(ValueError, match="remat must be one of"):
     dataclasses.replace(REF, remat="some")
   with pytest.raises(ValueError, match="attention_impl must be one of"):
