@@ -115,6 +115,10 @@ def check_env_section(e) -> None:
   limits = {f.name for f in dataclasses.fields(SandboxLimits)}
   if set(e.sandbox) - limits:
     fail("env.sandbox", e.sandbox, f"a dict of SandboxLimits fields {sorted(limits)}")
+  try:
+    SandboxLimits(**dict(e.sandbox))  # each value in its range (SandboxLimits.validate)
+  except ValueError as err:
+    raise ConfigError(f"env.sandbox: {err}") from None
   if import_strings.is_import_string(e.name):
     return
   spec = ENVIRONMENTS[e.name]

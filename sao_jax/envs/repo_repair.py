@@ -29,9 +29,11 @@ file or is too large. Outputs are capped at `max_output_chars` (a cut is
 counted, "output_truncated"); a command killed at the wall clock is counted
 ("bash_timeout"); a call with wrong arguments ("tool_bad_arguments") or
 malformed JSON ("tool_error", as in every tool environment) gets an error
-answer and the episode goes on. After every command the copy's size is
-checked: past `max_tree_files` / `max_tree_bytes` the episode ends unfixed
-("tree_too_large").
+answer and the episode goes on. The copy and the shell's /tmp together are
+held to `max_tree_files` / `max_tree_bytes` while a command runs (the
+sandbox's disk limits): a write past them fails, and the answer says so,
+counted ("bash_disk_limit"). After every step the copy's size is checked:
+past the limits the episode ends unfixed ("tree_too_large").
 
 Reward, once the policy submits or runs out of turns (`max_turns`), by the
 HumanEval grader's rule that nothing the candidate ran can touch the
@@ -163,7 +165,8 @@ class RepoRepairConfig:
   test_seconds: float = 20.0
   # The largest file the sandbox may write and the edit tools read or write.
   max_file_bytes: int = 1 << 20
-  # The repository copy's limits, checked after every bash call.
+  # The repository copy's limits (with the shell's /tmp: held during every
+  # bash call and grading run, as the sandbox's disk limits), checked after every step.
   max_tree_files: int = 2000
   max_tree_bytes: int = 16 << 20
   # Files listed in the prompt (0: none).
@@ -325,7 +328,8 @@ class RepoRepair:
         limits, wall_seconds=config.bash_seconds, cpu_seconds=max(1, int(config.bash_seconds)),
         max_output_chars=config.max_output_chars, max_file_bytes=config.max_file_bytes,
         max_open_files=max(limits.max_open_files, 64),
-        max_processes=max(limits.max_processes, 32))
+        max_processes=max(limits.max_processes, 32),
+        max_disk_bytes=config.max_tree_bytes, max_disk_files=config.max_tree_files)
     self.test_limits = dataclasses.replace(
         self.shell_limits, wall_seconds=config.test_seconds,
         cpu_seconds=max(1, int(config.test_seconds)))
@@ -530,6 +534,8 @@ class _Tools:
     result = sandbox.run_shell(command, Workspace(self.root, hide=self.env.hide), limits)
     if result.timed_out:
       self.events.append("bash_timeout")
+    if result.disk_limit:
+      self.events.append("bash_disk_limit")
     if result.stdout.endswith("...[truncated]"):
       self.events.append("output_truncated")
     out = result.stdout

@@ -85,7 +85,13 @@ Resource limits, set in the model process: CPU seconds (RLIMIT_CPU; a
 forked child gets an allowance of its own, but the wall-clock kill ends the
 whole tree), address space (RLIMIT_AS), the size of any file it writes
 (RLIMIT_FSIZE; its output goes to a file, so this caps output too), open
-files (RLIMIT_NOFILE) and processes (RLIMIT_NPROC).
+files (RLIMIT_NOFILE) and processes (RLIMIT_NPROC). A limit the system
+refuses to set is an error (RuntimeError, naming it), never a call run
+without it. `SandboxLimits` checks every field when it is made (`validate`:
+one line naming the field, its value and the range): none has a "no
+limit" value, and none may exceed what this machine has (its memory, the
+trainer's hard rlimits, which a call that dropped its privileges cannot
+raise).
 
 Which measures applied is reported by `isolation()` and in every
 `SandboxResult.isolation`; none is silently assumed.
@@ -109,6 +115,18 @@ the namespace. Where mount namespaces are refused the command is not run
 (`SandboxLimits(isolate=False)` then runs shells in the directory itself,
 unisolated). A shell's stderr goes to its output, interleaved as written.
 
+A shell's disk limits hold while it runs (sandbox_disk.py): its workspace
+and its /tmp together hold at most `max_disk_bytes` (allocated) and
+`max_disk_files` entries. Where the supervisor may mount a tmpfs (root, or
+a user namespace; reported as "tmpfs") the workspace is copied onto one of
+that size and inode count and copied back after the call, so a write past
+the limit fails at once (ENOSPC) and the host's disk never gets more;
+elsewhere ("disk_watchdog": mounts refused, `isolate=False`) the supervisor
+measures the directories every 10 ms and kills the call past a limit, and
+RLIMIT_FSIZE bounds each file. A call that ended at the limit is not `ok`:
+`SandboxResult.disk_limit`, and its error says so. `check_isolation(shell=True)`
+logs which of the two holds on this machine (`disk_limits()`).
+
 Output is truncated to `limits.max_output_chars`, and whatever happened
 (exception, limit hit, timeout) comes back as text for the observation.
 """
@@ -120,6 +138,7 @@ import dataclasses
 import fcntl
 import functools
 import os
+import resource
 import select
 import shutil
 import signal
@@ -134,13 +153,18 @@ import time
 # script, sandbox_runner.py next to this file, run by `python -I -S -c` with a
 # last line `exec(*main({...}))` added (see that file's docstring).
 _RUNNER_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_runner.py")
+# A shell's disk limits, also run by the supervisor: appended to the runner's text.
+_DISK_PATH = os.path.join(os.path.dirname(_RUNNER_PATH), "sandbox_disk.py")
 
 
 @functools.lru_cache(maxsize=1)
 def _runner() -> str:
   """The runner's text (read by path: this module also runs loaded from its file alone)."""
-  with open(_RUNNER_PATH, encoding="utf-8") as f:
-    return f.read()
+  texts = []
+  for path in (_RUNNER_PATH, _DISK_PATH):
+    with open(path, encoding="utf-8") as f:
+      texts.append(f.read())
+  return "\n".join(texts)
 
 # Default uid range of the pool (inclusive); see the module docstring.
 DEFAULT_UIDS = (60160, 61183)
@@ -152,19 +176,113 @@ _LOCK_DIRS = ("/run/sao_sandbox_uids", "/tmp/sao_sandbox_uids")
 _PIDNS = True
 # Tests switch this off to exercise a shell where mount namespaces are refused.
 _MOUNTNS = True
+# Tests switch this off to exercise the disk watchdog where no tmpfs is mounted.
+_TMPFS = True
+# How often the watchdog measures (sandbox_disk.WATCH_SECONDS), for the log.
+_WATCH_MS = 10
+# Where the supervisor mounts a shell's tmpfs (in the call's directory, a
+# mount point of its own) before binding its repo/ and tmp/ into place.
+_DISK_TOP = ".disk"
 
 
 @dataclasses.dataclass(frozen=True)
 class SandboxLimits:
+  """One call's limits; `validate` (run on construction) refuses what cannot hold."""
   cpu_seconds: int = 2
   wall_seconds: float = 5.0
+  # Address space (RLIMIT_AS).
   memory_bytes: int = 512 * 2**20
+  # The largest file it may write (RLIMIT_FSIZE; its output is a file too).
   max_file_bytes: int = 64 * 2**10
   max_open_files: int = 32
   max_processes: int = 16
   max_output_chars: int = 400
+  # A shell's workspace and /tmp together: bytes allocated (a page per small
+  # file) and entries, held while the call runs (module docstring).
+  max_disk_bytes: int = 16 * 2**20
+  max_disk_files: int = 2000
   # Namespaces, chroot and a uid of its own, where permitted.
   isolate: bool = True
+
+  def __post_init__(self):
+    self.validate()
+
+  def validate(self) -> None:
+    """Raises ValueError, one line naming the field, its value and the allowed
+    range, for a limit the sandbox cannot hold: a wrong type, a value below
+    the least that works (no field has a "no limit" value: -1, 0 and
+    negatives are refused) or above what this machine has."""
+    for name, low, high, why in _ranges():
+      value = getattr(self, name)
+      number = (int, float) if name == "wall_seconds" else int
+      if (not isinstance(value, number) or isinstance(value, bool)
+          or not low <= value <= high):  # NaN too
+        kind = "a number" if name == "wall_seconds" else "an integer"
+        raise ValueError(f"sandbox limit {name} = {value!r}: must be {kind} in "
+                         f"[{low}, {high}] ({why}); no value means 'no limit'")
+    if not isinstance(self.isolate, bool):
+      raise ValueError(f"sandbox limit isolate = {self.isolate!r}: must be True or False")
+
+
+_DAY = 86400.0
+
+
+@functools.lru_cache(maxsize=1)
+def _ranges() -> tuple[tuple[str, float, float, str], ...]:
+  """(field, least, most, why) of each numeric limit, the most from this machine.
+
+  A call's rlimits are set after it dropped its privileges, so none can go
+  above the trainer's hard limit; memory and a shell's tmpfs cannot go
+  above the memory the trainer may use.
+  """
+  memory = _memory_bytes()
+  page = os.sysconf("SC_PAGE_SIZE")
+  try:
+    st = os.statvfs(tempfile.gettempdir())
+    disk = st.f_blocks * st.f_frsize
+  except OSError:
+    disk = 1 << 50
+  return (
+      ("cpu_seconds", 1, min(int(_DAY), _hard("CPU", 1 << 62) - 1),
+       "at most a day, under the trainer's hard RLIMIT_CPU"),
+      ("wall_seconds", 0.01, _DAY, "seconds, at most a day"),
+      ("memory_bytes", 32 << 20, min(memory, _hard("AS", memory)),
+       "from 32 MiB, as the interpreter alone maps 15 MiB, to this host's memory"),
+      ("max_file_bytes", 1, min(disk, _hard("FSIZE", disk)),
+       "up to the size of the temporary directory's filesystem"),
+      ("max_open_files", 8, _hard("NOFILE", 1 << 20),
+       "from 8, the standard streams and a shell's loader, to the trainer's hard RLIMIT_NOFILE"),
+      ("max_processes", 1, _hard("NPROC", _read_int("/proc/sys/kernel/threads-max", 1 << 22)),
+       "1 forbids forking; up to the trainer's hard RLIMIT_NPROC"),
+      ("max_output_chars", 1, 1 << 30, "characters of a tool answer, at most 2**30"),
+      ("max_disk_bytes", page, memory, "from a page to this host's memory, which a tmpfs takes"),
+      ("max_disk_files", 1, 1 << 20, "entries, at most 2**20: each is kernel memory in a tmpfs"),
+  )
+
+
+def _hard(name: str, otherwise: int) -> int:
+  """The trainer's hard RLIMIT_`name`, or `otherwise` where unlimited or unknown."""
+  which = getattr(resource, "RLIMIT_" + name, None)
+  if which is None:
+    return otherwise
+  hard = resource.getrlimit(which)[1]
+  return otherwise if hard == resource.RLIM_INFINITY else hard
+
+
+def _memory_bytes() -> int:
+  """This host's physical memory, or the trainer's cgroup limit where lower."""
+  total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+    total = min(total, _read_int(path, total))
+  return total
+
+
+def _read_int(path: str, otherwise: int) -> int:
+  try:
+    with open(path, encoding="ascii") as f:
+      return int(f.read().strip())
+  except (OSError, ValueError):  # absent, or "max"
+    return otherwise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,10 +295,14 @@ class SandboxResult:
   isolation: tuple[str, ...]
   # Why a shell's workspace could not be mounted ("": it was, or none was asked).
   mount_error: str = ""
+  # A shell's call ended at max_disk_bytes / max_disk_files (module docstring).
+  disk_limit: bool = False
+  # Why its disk limits fell back from a tmpfs to the watchdog ("": they did not).
+  tmpfs_error: str = ""
 
   @property
   def ok(self) -> bool:
-    return self.returncode == 0 and not self.timed_out
+    return self.returncode == 0 and not self.timed_out and not self.disk_limit
 
   def observation(self) -> str:
     """What the agent sees: output, then the error if the run failed."""
@@ -477,7 +599,8 @@ def _run(code: str, limits: SandboxLimits, preload: tuple, workspace: Workspace 
     lim = dataclasses.asdict(limits)
     lim.update(isolate=isolate, uid=uid, report_fd=None, pidns=_PIDNS, preload=tuple(preload),
                mountns=_MOUNTNS, binds=progress.binds, cwd=cwd, host_cwd=host_cwd,
-               argv=list(argv or ()), env=env or {})
+               argv=list(argv or ()), env=env or {},
+               disk=_disk(workdir, cwd, host_cwd, limits, isolate) if workspace else None)
     report, returncode, timed_out = _launch(workdir, lim, limits, workspace is None, progress)
     return _result(report, returncode, timed_out, workdir, limits, workspace, start, progress)
   finally:
@@ -510,9 +633,21 @@ def _prepare(workdir: str, code: str, workspace: Workspace | None, isolate: bool
       cwd = "/" + workspace.path.strip("/")
       os.makedirs(workdir + cwd, mode=0o755)
       progress.binds.append((host_cwd, workdir + cwd, True, True))
+      os.mkdir(os.path.join(workdir, _DISK_TOP), 0o700)
       if uid is not None:
         _hand_to(host_cwd, uid)
   return cwd, host_cwd
+
+
+def _disk(workdir: str, cwd: str, host_cwd: str, limits: SandboxLimits,
+          isolate: bool) -> dict:
+  """A shell's disk limits for the runner (sandbox_disk.py): where the
+  workspace lies on the host and in the chroot, /tmp, the limits, and whether
+  to mount a tmpfs (else the watchdog watches the host's directories)."""
+  return {"host": host_cwd, "target": workdir + cwd if isolate else host_cwd,
+          "tmp": os.path.join(workdir, "tmp") if isolate else "",
+          "top": os.path.join(workdir, _DISK_TOP), "bytes": limits.max_disk_bytes,
+          "files": limits.max_disk_files, "tmpfs": isolate and _TMPFS}
 
 
 def _launch(workdir: str, lim: dict, limits: SandboxLimits, stderr_apart: bool,
@@ -538,8 +673,8 @@ def _launch(workdir: str, lim: dict, limits: SandboxLimits, stderr_apart: bool,
     progress.started = True
     os.close(wfd)
     wfd = -1
-    try:
-      _wait(proc, limits.wall_seconds + _GRACE_SECONDS)
+    try:  # and time for a shell's tmpfs copies (in and out, 100 MB/s at least)
+      _wait(proc, limits.wall_seconds + _GRACE_SECONDS + 2 * limits.max_disk_bytes / 1e8)
     except subprocess.TimeoutExpired:  # the supervisor itself is stuck
       timed_out = True
       try:
@@ -572,13 +707,23 @@ def _result(report: bytes, returncode: int, timed_out: bool, workdir: str,
   progress.clean = fields.get("clean") == "1"
   isolation = tuple(x for x in fields.get("applied", "").split(",") if x)
   mount_error = fields.get("mount_error", "") if progress.binds else ""
+  if fields.get("rlimit_error"):  # the sandbox failed, not the code
+    raise RuntimeError(f"sandbox: {fields['rlimit_error']}; the code was not run")
+  if fields.get("disk_error"):
+    raise RuntimeError(f"sandbox: {fields['disk_error']}")
+  disk_mode = fields.get("disk_mode", "")
+  if disk_mode:
+    isolation += ("tmpfs",) if disk_mode == "tmpfs" else ("disk_watchdog",)
+  disk_limit = fields.get("disk_limit", "no") != "no"
   stdout = _read_head(os.path.join(workdir, "out.txt"), limits.max_output_chars)
   lines = _read_head(os.path.join(workdir, "err.txt"), 20_000).splitlines()
   error = lines[-1] if lines else ""
   if workspace is not None:  # a shell's stderr went to its output, in order
     error = ""
-  if timed_out:
-    error = f"killed: wall-clock limit {limits.wall_seconds:g}s"
+  notes = ([f"killed: wall-clock limit {limits.wall_seconds:g}s"] if timed_out else []) + (
+      [_disk_note(limits, fields["disk_limit"])] if disk_limit else [])
+  if notes:
+    error = "; ".join(notes)
   elif rc < 0:
     error = _SIGNAL_NOTES.get(-rc, f"killed: signal {-rc}")
   elif rc in (120, 121) and not lines:
@@ -586,7 +731,19 @@ def _result(report: bytes, returncode: int, timed_out: bool, workdir: str,
   return SandboxResult(stdout=stdout, error=error[:limits.max_output_chars],
                        returncode=rc, timed_out=timed_out,
                        seconds=time.monotonic() - start, isolation=isolation,
-                       mount_error=mount_error)
+                       mount_error=mount_error, disk_limit=disk_limit,
+                       tmpfs_error=fields.get("tmpfs_error", ""))
+
+
+def _disk_note(limits: SandboxLimits, how: str) -> str:
+  """What the model reads when its call ended at the disk limits: the tmpfs
+  was "full", the watchdog "killed" it, or it was "over" after the call."""
+  where = "in the workspace and /tmp together"
+  if how == "full":
+    return (f"disk limit: at most {limits.max_disk_bytes} bytes and {limits.max_disk_files} "
+            f"entries {where}; writes past that fail (No space left on device)")
+  return (("killed: " if how == "killed" else "") + f"disk limit: went over "
+          f"{limits.max_disk_bytes} bytes or {limits.max_disk_files} entries {where}")
 
 
 def _wait(proc: subprocess.Popen, timeout: float) -> None:
@@ -658,19 +815,33 @@ def isolation() -> tuple[str, ...]:
   return run_python("pass").isolation
 
 
+def _probe_shell() -> SandboxResult:
+  """`true` run by a shell in an empty workspace."""
+  workspace = tempfile.mkdtemp(prefix="sao_shell_probe_")
+  try:
+    return run_shell("true", Workspace(workspace))
+  finally:
+    shutil.rmtree(workspace, ignore_errors=True)
+
+
 @functools.lru_cache(maxsize=1)
 def shell_isolation() -> tuple[tuple[str, ...], str]:
   """Which isolation a shell (`run_shell`) gets here, and why its mounts failed ("")."""
-  workspace = tempfile.mkdtemp(prefix="sao_shell_probe_")
-  try:
-    result = run_shell("true", Workspace(workspace))
-  finally:
-    shutil.rmtree(workspace, ignore_errors=True)
+  result = _probe_shell()
   if result.mount_error or result.ok:
     return result.isolation, result.mount_error
   # Mounted, but no shell ran: the chroot has no working /bin/sh.
   return (tuple(x for x in result.isolation if x != "mounts"),
           f"the probe shell failed: {result.observation()[:200]}")
+
+
+@functools.lru_cache(maxsize=1)
+def disk_limits() -> tuple[str, str]:
+  """How a shell's disk limits hold here: ("tmpfs", "") or ("watchdog", why no tmpfs)."""
+  result = _probe_shell()
+  if "tmpfs" in result.isolation:
+    return "tmpfs", ""
+  return "watchdog", result.tmpfs_error or result.mount_error or "not mounted"
 
 
 def check_isolation(allow_unisolated: bool = False,
@@ -687,6 +858,13 @@ def check_isolation(allow_unisolated: bool = False,
   applied, mount_error = shell_isolation() if shell else (isolation(), "")
   if mount_error:
     _log(f"shell workspace mounts failed: {mount_error}")
+  if shell:
+    mechanism, why = disk_limits()
+    if limits is not None and not limits.isolate:
+      mechanism, why = "watchdog", "isolate=False"
+    _log("shell disk limits (max_disk_bytes, max_disk_files): " + (
+        "tmpfs, held by the kernel" if mechanism == "tmpfs" else
+        f"WARNING: watchdog, polled every {_WATCH_MS} ms, no tmpfs ({why})"))
   if limits is not None and not limits.isolate:  # isolation switched off
     applied = tuple(x for x in applied if x == "subreaper")
   required = _REQUIRED + (_SHELL_REQUIRED if shell else ())

@@ -1,20 +1,24 @@
 """The sandbox's runner: the supervisor, the init and the model process of one call.
 
-`sandbox._run` starts `python -I -S -c` with this file's text followed by one
-line, `exec(*main({...}))`, the call's settings as a dict literal (the
-limits, the uid, the report pipe's fd, the shell's binds, ...), in the call's
-fresh temporary directory, with an empty environment. `main` sets up the
-isolation and forks (see sandbox.py's docstring for the three processes);
-the supervisor and the init always leave through os._exit, so only the model
-process returns from it, with the model code compiled and fresh globals, and
-the `exec` runs it at the top level of the script, where exceptions,
-sys.exit, threads and atexit behave as in any script.
+`sandbox._run` starts `python -I -S -c` with this file's text, then
+sandbox_disk.py's (a shell's disk limits: `mount_disk`, `disk_watchdog`,
+`finish_disk`), then one line, `exec(*main({...}))`, the call's settings as
+a dict literal (the limits, the uid, the report pipe's fd, the shell's
+binds, ...), in the call's fresh temporary directory, with an empty
+environment. `main` sets up the isolation and forks (see sandbox.py's
+docstring for the three processes); the supervisor and the init always
+leave through os._exit, so only the model process returns from it, with the
+model code compiled and fresh globals, and the `exec` runs it at the top
+level of the script, where exceptions, sys.exit, threads and atexit behave
+as in any script.
 
 The protocol with the trainer: the supervisor writes `key value` lines to
-the report fd (rc, timed_out, clean, applied, mount_error); the init and the
-model process write theirs (status, applied) to the supervisor through a
-pipe. Exit statuses 120 and 121 mean privileges could not be dropped, 126
-that a shell's mounts failed, 127 that the shell could not be started.
+the report fd (rc, timed_out, clean, applied, mount_error; for a shell
+disk_mode, disk_limit, disk_error, tmpfs_error; rlimit_error); the init and
+the model process write theirs (status, applied, rlimit_error) to the
+supervisor through a pipe. Exit statuses 120 and 121 mean privileges could
+not be dropped, 122 that a resource limit could not be set, 126 that a
+shell's mounts failed, 127 that the shell could not be started.
 
 The standard library only, and no sao_jax: the file runs on its own, in an
 interpreter without site-packages. After the chroot only modules already
@@ -69,12 +73,14 @@ def preload(names):
       pass
 
 
-def setlim(which, value, hard=None):
-  """Sets a resource limit (hard = soft unless given), where the system allows it."""
+def setlim(name, value, hard=None):
+  """Sets resource limit RLIMIT_`name` (hard = soft unless given); OSError, one
+  line naming it, where the system refuses (never a call with a limit missing)."""
   try:
-    resource.setrlimit(which, (value, value if hard is None else hard))
-  except (ValueError, OSError):
-    pass
+    resource.setrlimit(getattr(resource, "RLIMIT_" + name),
+                       (value, value if hard is None else hard))
+  except (ValueError, OSError) as e:
+    raise OSError("setrlimit(RLIMIT_%s, %d) failed: %s" % (name, value, e)) from None
 
 
 class Call:
@@ -91,6 +97,9 @@ class Call:
     # possible -> the model process does not run the command, and says why.
     self.mount_error = "mount namespace refused or switched off" if lim["binds"] else ""
     self.ctypes = self.libc = None
+    # A shell's disk limits (sandbox_disk.py, appended to this file's text):
+    # held by a tmpfs, or why not (then by the watchdog).
+    self.tmpfs, self.tmpfs_error = False, ""
     if LINUX:
       import ctypes  # pylint: disable=import-outside-toplevel
       self.ctypes = ctypes
@@ -176,6 +185,8 @@ class Call:
       flags |= sum(v for k, v in locked.items() if have & k)
       if libc.mount(None, target.encode(), None, flags, None) != 0 and required:
         return f"read-only remount of {source} failed: " + self.strerror()
+    if self.lim["disk"] and self.lim["disk"]["tmpfs"]:
+      self.tmpfs_error = mount_disk(self)
     self.applied.append("mounts")
     return ""
 
@@ -184,7 +195,8 @@ class Call:
 
 def supervise(call, child, rfd):
   """Waits for the init (wall-clock limit), leaves nothing behind, reports; exits."""
-  timed_out, status = wait_for(child, call.lim["wall_seconds"])
+  watchdog = disk_watchdog(call)  # None where a tmpfs holds a shell's disk limits
+  timed_out, status = wait_for(child, call.lim["wall_seconds"], watchdog)
   if call.pidns:
     status = None  # the init's; the model process's comes through the pipe
     call.applied.append("pidns")
@@ -195,6 +207,7 @@ def supervise(call, child, rfd):
       os.waitpid(-1, 0)
     except ChildProcessError:
       break
+  extra = finish_disk(call, watchdog)  # report lines
   clean = True
   if call.uid is not None and LINUX and not call.pidns:
     # Without a PID namespace, confirm that no process of the uid is left
@@ -209,6 +222,8 @@ def supervise(call, child, rfd):
         applied.append("pidns")
     elif key == "status" and call.pidns:
       status = int(value)
+    elif key == "rlimit_error":
+      extra += "rlimit_error %s\n" % value
   if timed_out:
     rc = -signal.SIGKILL
   elif status is None:
@@ -217,23 +232,34 @@ def supervise(call, child, rfd):
     rc = os.waitstatus_to_exitcode(status)
   os.write(call.report, ("rc %d\ntimed_out %d\nclean %d\napplied %s\nmount_error %s\n" % (
       rc, bool(timed_out), clean, ",".join(sorted(set(applied))),
-      " ".join(call.mount_error.split()))).encode())
+      " ".join(call.mount_error.split())) + extra).encode())
   os._exit(0)
 
 
-def wait_for(child, wall_seconds):
-  """Waits for `child` to exit, SIGKILLing it at the limit; (timed out, its wait status)."""
+def wait_for(child, wall_seconds, check=None):
+  """Waits for `child` to exit, SIGKILLing it at the limit, or once `check()`
+  (a shell's disk watchdog, asked every WATCH_SECONDS) says so; (timed out,
+  its wait status)."""
   timed_out = []
+  deadline = time.monotonic() + wall_seconds
+
+  def arm():
+    left = max(deadline - time.monotonic(), 1e-6)
+    signal.setitimer(signal.ITIMER_REAL, left if check is None else min(left, WATCH_SECONDS))
 
   def on_alarm(signum, frame):  # pylint: disable=unused-argument
-    timed_out.append(True)
+    if time.monotonic() >= deadline:
+      timed_out.append(True)
+    elif check is None or not check():
+      arm()
+      return
     try:  # not reaped yet (WNOWAIT below), so the pid is still ours
       os.kill(child, signal.SIGKILL)
     except OSError:
       pass
 
   signal.signal(signal.SIGALRM, on_alarm)
-  signal.setitimer(signal.ITIMER_REAL, wall_seconds)
+  arm()
   if hasattr(os, "waitid"):
     os.waitid(os.P_PID, child, os.WEXITED | os.WNOWAIT)
   else:
@@ -353,11 +379,15 @@ def enter_model(call, wfd, script):
   elif not call.pidns:
     os.setpgid(0, 0)  # so that the supervisor can kill the group
   # Soft < hard: SIGXCPU at the soft limit, so the kill is reported as such.
-  setlim(resource.RLIMIT_CPU, lim["cpu_seconds"], lim["cpu_seconds"] + 1)
-  setlim(resource.RLIMIT_FSIZE, lim["max_file_bytes"])
-  setlim(resource.RLIMIT_NOFILE, lim["max_open_files"])
-  setlim(resource.RLIMIT_NPROC, lim["max_processes"])
-  setlim(resource.RLIMIT_AS, lim["memory_bytes"])
+  try:
+    setlim("CPU", lim["cpu_seconds"], lim["cpu_seconds"] + 1)
+    setlim("FSIZE", lim["max_file_bytes"])
+    setlim("NOFILE", lim["max_open_files"])
+    setlim("NPROC", lim["max_processes"])
+    setlim("AS", lim["memory_bytes"])
+  except OSError as e:  # reported to the trainer, which raises; no model code runs
+    os.write(wfd, ("rlimit_error %s\n" % " ".join(str(e).split())).encode())
+    os._exit(122)
   os.write(wfd, ("applied " + ",".join(call.applied) + "\n").encode())
   os.close(wfd)
   if lim["argv"]:  # a shell command (`run_shell`), not Python: the script is code.py
