@@ -218,8 +218,13 @@ def topology_name(name: str) -> str:
 def topology_devices(name: str):
   """(libtpu's name, the topology's devices) for compiling without the hardware."""
   tname = topology_name(name)
+  # libtpu's default host is 2x2x1 chips; a slice smaller than that (a v5e-1
+  # or v6e-1, Colab's TPUs) is one host of its own size.
+  dims = [int(d) for d in tname.split(":")[1].split("x")]
+  kw = ({"chips_per_host_bounds": tuple(dims + [1] * (3 - len(dims)))}
+        if int(np.prod(dims)) < 4 else {})
   try:
-    topo = topologies.get_topology_desc(platform="tpu", topology_name=tname)
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=tname, **kw)
   except Exception as e:  # pylint: disable=broad-except
     raise configuration.ConfigError(f"--topology={name!r} ({tname}): libtpu refused it: "
                                     f"{_first_line(str(e))}") from None

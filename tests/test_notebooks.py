@@ -55,3 +55,25 @@ def test_quickstart_executes_headless_on_a_smoke_budget():
                         env=env, capture_output=True, text=True, timeout=900, check=False)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "--- cell" in proc.stdout and "turns, reward" in proc.stdout
+
+
+def test_qwen3_colab_runs_on_a_tiny_checkpoint_transformers_saved(tmp_path):
+  """notebooks/qwen3_colab.ipynb, every cell, on a tiny random Qwen3 that
+  `Qwen3ForCausalLM.save_pretrained` wrote with a tokenizer.json and Qwen3's
+  chat template (tests/hf_fixtures.py): import, the template check, SFT ->
+  value pretraining -> async SAO -> eval, and an export transformers loads."""
+  pytest.importorskip("transformers", reason="the 'parity' extra (make test installs it)")
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import hf_fixtures  # pylint: disable=g-import-not-at-top
+  hf_dir = hf_fixtures.write_tiny_qwen3(str(tmp_path / "tiny_qwen3"))
+  nb_dir = os.path.join(os.path.dirname(__file__), "..", "notebooks")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(SAO_COLAB_SMOKE="1", SAO_COLAB_HF_DIR=hf_dir, MPLBACKEND="Agg",
+             JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", _EXECUTE, "qwen3_colab.ipynb"], cwd=nb_dir,
+                        env=env, capture_output=True, text=True, timeout=1200, check=False)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  out = proc.stdout
+  assert "[model] qwen3 from" in out and "[sft] 2/2" in out and "[rl] 2/2" in out
+  assert "max |logit difference|" in out

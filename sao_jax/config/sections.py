@@ -298,8 +298,18 @@ class Model(Section):
   """The policy and critic architecture (sao_jax/models/config.py); the
   factories build its ModelConfig (`factories.build_model_config`)."""
   NAME: ClassVar[str] = "model"
-  preset: str = knob("tiny", "A preset of sao_jax/models/config.py: tiny, small, "
-                     "qwen3_30b_a3b.", one_of(_model_presets))
+  preset: str = knob("tiny", "A preset of sao_jax/models/config.py: the CPU toys tiny, "
+                     "small (Qwen3-MoE) and tiny_dense (Qwen3); the releases' shapes "
+                     "qwen3_0_6b, qwen3_1_7b, qwen3_8b, qwen3_30b_a3b. With model.hf_dir it "
+                     "only says how the model runs.", one_of(_model_presets))
+  hf_dir: str = knob(
+      "", "A Hugging Face model directory (config.json and *.safetensors: what "
+      "save_pretrained or huggingface_hub.snapshot_download writes) of a supported family "
+      "(sao_jax/models/families.py: qwen3, qwen3_moe). The architecture comes from its "
+      "config.json and the initial policy weights from its safetensors, which SFT then "
+      "trains; model.preset only says how the model runs (dtypes, scan, remat, kernels) "
+      "and model.overrides apply last. \"\": the preset's architecture, randomly "
+      "initialised.", STRING)
   overrides: dict = knob({}, "ModelConfig field overrides of the preset, e.g. "
                          "{\"num_layers\": 3}.", DICT)
   vocab_from_tokenizer: bool = knob(True, "Size the tiny / small presets' vocabulary to the "
@@ -324,6 +334,16 @@ class Model(Section):
     if unknown:
       fail("model.overrides", self.overrides,
            f"ModelConfig fields (sao_jax/models/config.py); not {unknown}")
+    if self.hf_dir:
+      from sao_jax.models import families  # pylint: disable=g-import-not-at-top
+      if self.vocab_subset:
+        fail("model.vocab_subset", self.vocab_subset, "\"\" with model.hf_dir (a real "
+             "checkpoint keeps its full head)")
+      try:
+        families.config_kwargs(self.hf_dir)
+      except (OSError, ValueError) as e:
+        fail("model.hf_dir", self.hf_dir, "a Hugging Face model directory of a supported "
+             f"family ({' '.join(str(e).split())})")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -321,6 +321,25 @@ class ModelConfig:
     return cls(**d)
 
 
+# The fields an HF config.json sets (sao_jax/models/families.py); the rest say
+# how to run the model (dtypes, scan, remat, kernels) and come from a preset.
+ARCHITECTURE_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
+                       "head_dim", "num_experts", "experts_per_token", "moe_d_ff",
+                       "dense_d_ff", "dense_layers", "shared_expert_d_ff", "attention_kinds",
+                       "norm_topk_prob", "rope_theta", "rms_eps", "tie_embeddings",
+                       "max_seq_len", "family")
+
+
+def with_architecture(run_as: ModelConfig, arch: ModelConfig, **overrides) -> ModelConfig:
+  """`arch`'s architecture run as `run_as` says (its dtypes, scan, remat and
+  kernels), then `overrides`. A stack the scan cannot take whole (more than
+  half of it would stay unrolled) runs unscanned."""
+  cfg = dataclasses.replace(run_as, scan_layers=False,
+                            **{f: getattr(arch, f) for f in ARCHITECTURE_FIELDS})
+  scan = run_as.scan_layers and cfg.scan_prefix <= cfg.num_layers // 2
+  return dataclasses.replace(cfg, **{"scan_layers": scan, **overrides})
+
+
 def _check_int(field: str, value, low: int) -> None:
   if isinstance(value, bool) or not isinstance(value, int) or value < low:
     raise ValueError(f"{field} = {value!r}: must be an integer >= {low}")
@@ -414,6 +433,9 @@ def qwen3_8b() -> ModelConfig:
   """Qwen3-8B: 8.19B parameters, an untied LM head."""
   return _qwen3_dense(d_model=4096, d_ff=12_288, num_layers=36, num_heads=32, tie=False)
 
+
+# Presets whose vocabulary follows the run's tokenizer (model.vocab_from_tokenizer).
+TOY_PRESETS = ("tiny", "small", "tiny_dense")
 
 PRESETS = {"tiny": tiny, "small": small, "tiny_dense": tiny_dense,
            "qwen3_0_6b": qwen3_0_6b, "qwen3_1_7b": qwen3_1_7b, "qwen3_8b": qwen3_8b,

@@ -215,3 +215,22 @@ def test_presets_have_the_published_parameter_counts():
     assert abs(n - total) / total < 0.01, (preset.__name__, n)
     assert abs(n - embed - non_embedding) / non_embedding < 0.01, (preset.__name__, n - embed)
     assert families.hf_config(cfg)["model_type"] == "qwen3"
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_the_critic_of_a_dense_model_trains_its_mlps_with_attention_frozen(scan):
+  """The paper freezes the critic's attention and trains its MoE projections;
+  in a dense model the dense MLPs are what trains (and the value head, the
+  norms of the MLPs and the final norm), stacked or not."""
+  from sao_jax.algo import optim  # pylint: disable=g-import-not-at-top
+  cfg = dataclasses.replace(mcfg.tiny_dense(), scan_layers=scan)
+  value = jax.eval_shape(lambda: policy.init_params(cfg, jax.random.key(0), "value"))
+  labels = {optim.param_path(p): l for p, l in jax.tree_util.tree_flatten_with_path(
+      optim.partition_labels(value, optim.CRITIC_FREEZE_RULES))[0]}
+  trained = sorted(n for n, l in labels.items() if l == optim.TRAIN)
+  frozen = sorted(n for n, l in labels.items() if l == optim.FREEZE)
+  layer = "layers" if scan else "layer_1"
+  assert f"{layer}/mlp/wi_gate" in trained and f"{layer}/mlp_norm/scale" in trained
+  assert {"value_head", "value_bias", "final_norm/scale"} <= set(trained)
+  assert f"{layer}/attn/q" in frozen and "embed" in frozen
+  assert not [n for n in trained if "/attn" in n]

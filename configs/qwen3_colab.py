@@ -1,0 +1,76 @@
+"""SAO on a real small dense Qwen3 (Qwen3-0.6B) on one accelerator: math_tool.
+
+    python launch/train.py --config=configs/qwen3_colab.py:/path/to/Qwen3-0.6B \
+        --workdir=workdirs/qwen3_colab
+
+The argument is a Hugging Face model directory (what
+`huggingface_hub.snapshot_download("Qwen/Qwen3-0.6B")` returns;
+notebooks/qwen3_colab.ipynb downloads it in a cell): the architecture comes
+from its config.json (`model.hf_dir`, sao_jax/models/families.py), the
+initial policy from its safetensors (bf16 read exactly into fp32 master
+weights), the tokenizer from its tokenizer.json (`env.tokenizer_path`),
+the chat format is Qwen3's (the notebook checks it renders as the
+checkpoint's own chat template). Without an argument the model is the
+qwen3_0_6b preset's shape, randomly initialised: what launch/compile.py
+compiles.
+
+The chain: SFT on the shipped tool-using transcripts (the format: a python
+tool call, its output, a \\boxed{} answer) -> value pretraining of the
+critic (initialised from the SFT trunk, its attention frozen) -> async SAO
+with the engine colocated -> held-out pass@1. Thinking off: episodes of a
+few hundred tokens.
+
+Memory (benchmarks/RESULTS.md, "Dense Qwen3 on one chip"): fp32 masters
+and Adam for the policy and the critic are ~12 bytes a trained parameter
+each, so the run needs an accelerator of 32 GB or more (a TPU v6e-1, an
+A100 40 GB or larger); it does not fit a 16 GB chip (v5e-1, T4).
+"""
+
+import os
+
+from configs import common
+
+
+def get_config(arg=None):
+  """`arg`: the HF model directory (empty: the preset's shape, random weights)."""
+  c = common.get_config()
+  # How the model runs (fp32 masters, bf16 compute, one scan over the 28
+  # layers with full remat, chunked log-probs and prefill); the
+  # architecture comes from the directory.
+  c.model.preset = "qwen3_0_6b"
+  if arg:
+    c.model.hf_dir = arg
+    c.env.tokenizer_path = os.path.join(arg, "tokenizer.json")
+  else:
+    c.env.tokenizer = "qwen3"
+  c.env.name = "math_tool"
+  c.env.kwargs = {"max_turns": 4}
+  c.env.chat_format = "qwen3"
+  c.env.thinking = False
+  c.env.max_tool_output_tokens = 128
+  # Prompts (system, the tools block, the question) are ~220-245 tokens; a
+  # tool call, its output and the answer a few hundred more.
+  c.rollout.max_len = 1024
+  c.rollout.max_turn_tokens = 256
+  c.rollout.slots = 16
+  c.data.buckets = (512, 1024)
+  # The 151,936-wide head at action tokens only.
+  c.data.logits_at_actions = True
+  # SFT teaches the task's tool-call format to a model that already chats.
+  c.sft.steps = 60
+  c.sft.batch_size = 8
+  c.sft.lr = 1e-5
+  c.sft.warmup = 10
+  c.value_pretrain.steps = 20
+  c.value_pretrain.num_trajectories = 64
+  c.rl.steps = 60
+  c.rl.batch_size = 16
+  c.rl.policy_loss = "ppo_clip"
+  c.rl.actor_lr = 1e-6
+  c.rl.critic_lr = 5e-6
+  c.rl.warmup = 5
+  c.eval.num_tasks = 200
+  c.eval.slots = 32
+  c.checkpoint.every = 20
+  c.log_every = 5
+  return c
