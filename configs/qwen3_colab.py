@@ -38,6 +38,9 @@ def get_config(arg=None):
   # layers with full remat, chunked log-probs and prefill); the
   # architecture comes from the directory.
   c.model.preset = "qwen3_0_6b"
+  # Log-probs over 128-token chunks: a chunk's logits are [rows, 128, 151936]
+  # fp32 (1.2 GB at 16 rows); the preset's 1024 would be the whole row here.
+  c.model.overrides = {"logits_chunk": 128}
   if arg:
     c.model.hf_dir = arg
     c.env.tokenizer_path = os.path.join(arg, "tokenizer.json")

@@ -46,6 +46,24 @@ def _sft_reached_target(run: Run, c, nll: float) -> bool:
   return len(recent) == c.stop_window and sum(recent) / len(recent) <= c.stop_at_nll
 
 
+def _fitting_demonstrations(run: Run, trajs: list, step: int) -> list:
+  """The demonstrations a packed row holds; longer ones (a dataset row's long
+  solution in a small tokenizer's ids) are skipped and counted in run.meta
+  ("sft_skipped_too_long"), never a crash. A step with none left is an error."""
+  longest = max(run.config.data.buckets)
+  kept = [t for t in trajs if len(t) <= longest]
+  skipped = len(trajs) - len(kept)
+  if skipped:
+    total = run.meta["sft_skipped_too_long"] = run.meta.get("sft_skipped_too_long", 0) + skipped
+    print(f"[sft] step {step + 1}: skipped {skipped} demonstrations longer than "
+          f"data.buckets' largest ({longest} tokens; {total} so far)", flush=True)
+  if not kept:
+    raise ValueError(f"SFT step {step + 1}: every demonstration drawn is longer than "
+                     f"data.buckets' largest ({longest} tokens): raise data.buckets and "
+                     "rollout.max_len")
+  return kept
+
+
 def sft(run: Run) -> None:
   c, config = run.config.sft, run.config
   shardings = run.programs.state_shardings
@@ -65,7 +83,8 @@ def sft(run: Run) -> None:
     idx = np.random.default_rng([config.seed, 2, step]).integers(
         0, config.data.num_train_tasks, c.batch_size)
     tasks = [base.demonstration_task(run.env, int(i)) for i in idx]
-    trajs = [demonstration_trajectory(run.env, t, run.tok, run.format) for t in tasks]
+    trajs = _fitting_demonstrations(
+        run, [demonstration_trajectory(run.env, t, run.tok, run.format) for t in tasks], step)
     batch = run.pack(trajs, c.batch_size)
     with jax.set_mesh(run.mesh), nn.logical_axis_rules(run.rules):  # activation constraints
       policy_params, opt, m = run.sft_step(policy_params, opt, batch)
