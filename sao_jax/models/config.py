@@ -199,35 +199,7 @@ class ModelConfig:
           f"({self.num_kv_heads}).")
     if self.head_dim % 2:
       raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-    object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
-    object.__setattr__(self, "attention_kinds", tuple(self.attention_kinds))
-    if self.num_experts:
-      if not 0 < self.experts_per_token <= self.num_experts:
-        raise ValueError(
-            f"experts_per_token ({self.experts_per_token}) must be in "
-            f"[1, num_experts={self.num_experts}].")
-      if self.moe_d_ff < 1:
-        raise ValueError(f"moe_d_ff = {self.moe_d_ff}: a model with experts needs it >= 1")
-    elif self.experts_per_token or self.moe_d_ff or self.shared_expert_d_ff:
-      raise ValueError("num_experts = 0 (a dense model) needs experts_per_token, moe_d_ff "
-                       "and shared_expert_d_ff 0, got "
-                       f"{self.experts_per_token}, {self.moe_d_ff}, {self.shared_expert_d_ff}")
-    if any(not 0 <= i < self.num_layers for i in self.dense_layers):
-      raise ValueError(f"dense_layers {self.dense_layers} out of range.")
-    if (self.dense_layers or not self.num_experts) and self.dense_d_ff <= 0:
-      raise ValueError("dense layers (dense_layers, or num_experts = 0) need dense_d_ff > 0.")
-    if self.attention_kinds and len(self.attention_kinds) != self.num_layers:
-      raise ValueError(f"attention_kinds has {len(self.attention_kinds)} entries for "
-                       f"{self.num_layers} layers (or () for all 'full')")
-    for kind in self.attention_kinds:
-      if kind not in ATTENTION_KINDS:
-        raise ValueError(f"attention kind {kind!r}: must be one of {ATTENTION_KINDS}")
-    for kind in sorted({k for spec in self.layer_specs for k in (spec.attention, spec.mlp)}):
-      if kind in UNBUILT_KINDS:
-        built = [k for k in ATTENTION_KINDS + MLP_KINDS if k not in UNBUILT_KINDS]
-        raise ValueError(f"layer kind {kind!r}: {UNBUILT_KINDS[kind]} (built: {built})")
-    from sao_jax.models import families  # pylint: disable=g-import-not-at-top
-    families.check(self)
+    self._check_layers()
     if self.moe_impl not in MOE_IMPLS:
       raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
     if self.remat not in REMAT_POLICIES:
@@ -260,6 +232,38 @@ class ModelConfig:
           f"scan_layers scans the run of identical layers that ends the stack; with "
           f"these layers ({self._kinds_summary()}) {self.scan_prefix} of "
           f"{self.num_layers} would stay unrolled. Use scan_layers=False.")
+
+  def _check_layers(self):
+    """The layer description: experts, dense layers, attention kinds, family."""
+    object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
+    object.__setattr__(self, "attention_kinds", tuple(self.attention_kinds))
+    if self.num_experts:
+      if not 0 < self.experts_per_token <= self.num_experts:
+        raise ValueError(
+            f"experts_per_token ({self.experts_per_token}) must be in "
+            f"[1, num_experts={self.num_experts}].")
+      if self.moe_d_ff < 1:
+        raise ValueError(f"moe_d_ff = {self.moe_d_ff}: a model with experts needs it >= 1")
+    elif self.experts_per_token or self.moe_d_ff or self.shared_expert_d_ff:
+      raise ValueError("num_experts = 0 (a dense model) needs experts_per_token, moe_d_ff "
+                       "and shared_expert_d_ff 0, got "
+                       f"{self.experts_per_token}, {self.moe_d_ff}, {self.shared_expert_d_ff}")
+    if any(not 0 <= i < self.num_layers for i in self.dense_layers):
+      raise ValueError(f"dense_layers {self.dense_layers} out of range.")
+    if (self.dense_layers or not self.num_experts) and self.dense_d_ff <= 0:
+      raise ValueError("dense layers (dense_layers, or num_experts = 0) need dense_d_ff > 0.")
+    if self.attention_kinds and len(self.attention_kinds) != self.num_layers:
+      raise ValueError(f"attention_kinds has {len(self.attention_kinds)} entries for "
+                       f"{self.num_layers} layers (or () for all 'full')")
+    for kind in self.attention_kinds:
+      if kind not in ATTENTION_KINDS:
+        raise ValueError(f"attention kind {kind!r}: must be one of {ATTENTION_KINDS}")
+    for kind in sorted({k for spec in self.layer_specs for k in (spec.attention, spec.mlp)}):
+      if kind in UNBUILT_KINDS:
+        built = [k for k in ATTENTION_KINDS + MLP_KINDS if k not in UNBUILT_KINDS]
+        raise ValueError(f"layer kind {kind!r}: {UNBUILT_KINDS[kind]} (built: {built})")
+    from sao_jax.models import families  # pylint: disable=g-import-not-at-top
+    families.check(self)
 
   def layer_spec(self, i: int) -> LayerSpec:
     """Layer i's attention and MLP kinds."""
