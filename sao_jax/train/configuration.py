@@ -168,13 +168,19 @@ def _check_rollout(typed: sections.Sections, spec: sources.SourceSpec) -> None:
                       f">= rollout.max_len ({r.max_len})")
 
 
+def _architecture(m: sections.Model):
+  """The model section's ModelConfig as the run builds it (the preset, or
+  model.hf_dir's architecture, with model.overrides): factories.model_architecture."""
+  from sao_jax.train import factories  # pylint: disable=g-import-not-at-top
+  return factories.model_architecture(m)
+
+
 def _check_model(m: sections.Model):
-  """The ModelConfig of the preset with `model.overrides`, built as the run
-  builds it: a field's own check (ModelConfig.__post_init__, a ValueError
-  or TypeError) becomes one line naming the override."""
-  from sao_jax.models import config as model_config  # pylint: disable=g-import-not-at-top
+  """The ModelConfig of the preset (or model.hf_dir) with `model.overrides`,
+  built as the run builds it: a field's own check (ModelConfig.__post_init__,
+  a ValueError or TypeError) becomes one line naming the override."""
   try:
-    return dataclasses.replace(model_config.PRESETS[m.preset](), **m.overrides)
+    return _architecture(m)
   except (TypeError, ValueError) as e:
     message = " ".join(str(e).split())
     if any(message.startswith(f"{k} = ") for k in m.overrides):  # "num_layers = -1: ..."
@@ -220,24 +226,20 @@ def _check_routing_replay(typed: sections.Sections) -> None:
   """rl.routing_replay needs MoE layers to replay."""
   if not typed.rl.routing_replay:
     return
-  from sao_jax.models import config as model_config  # pylint: disable=g-import-not-at-top
   m = typed.model
-  arch = model_config.PRESETS[m.preset]()
   try:
-    arch = dataclasses.replace(arch, **m.overrides)
+    arch = _architecture(m)
   except (TypeError, ValueError):
     return  # the model section's own check names what is wrong
   if arch.num_moe_layers < 1:
-    _fail("rl.routing_replay", True, f"False for a model without MoE layers (model.preset "
-          f"{m.preset!r}: {arch.num_layers} layers, none of them MoE)")
+    _fail("rl.routing_replay", True, f"False for a model without MoE layers ("
+          f"{m.hf_dir or m.preset!r}: {arch.num_layers} layers, none of them MoE)")
 
 
 def _check_update_precision(typed: sections.Sections) -> None:
   """Every stage that trains can move its params: its learning rate, down to
   its schedule's floor, survives rounding in the params' dtype (precision.py)."""
-  from sao_jax.models import config as model_config  # pylint: disable=g-import-not-at-top
-  m = typed.model
-  param_dtype = m.overrides.get("param_dtype", model_config.PRESETS[m.preset]().param_dtype)
+  param_dtype = _architecture(typed.model).param_dtype
   rl, stages = typed.rl, {}
   if typed.sft.steps:
     stages["sft.lr"] = (typed.sft.lr, precision.schedule_floor(typed.sft.lr, decays=True))

@@ -234,3 +234,33 @@ def test_the_critic_of_a_dense_model_trains_its_mlps_with_attention_frozen(scan)
   assert {"value_head", "value_bias", "final_norm/scale"} <= set(trained)
   assert f"{layer}/attn/q" in frozen and "embed" in frozen
   assert not [n for n in trained if "/attn" in n]
+
+
+def test_model_hf_dir_is_checked_before_the_run(saved, tmp_path):
+  """model.hf_dir: a directory of an unsupported family, a head subset, or a
+  dense checkpoint with routing replay are one-line config errors; a good one
+  gives the run its architecture under the preset's way of running."""
+  from configs import qwen3_colab  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import factories  # pylint: disable=g-import-not-at-top
+  _, path = saved
+  config = qwen3_colab.get_config(str(path))
+  cfg = factories.build_model_config(config)
+  assert (cfg.family, cfg.num_layers, cfg.d_model, cfg.vocab_size) == ("qwen3", 3, 48, 96)
+  assert cfg.scan_layers and cfg.param_dtype == jnp.float32 and cfg.dtype == jnp.bfloat16
+  transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
+                          num_attention_heads=2, intermediate_size=32).save_pretrained(
+                              str(tmp_path))
+  cases = ((dict(hf_dir=str(tmp_path)), "model_type 'bert' is not supported"),
+           (dict(vocab_subset="env"), "model.vocab_subset = 'env'"),
+           (dict(hf_dir=str(tmp_path / "missing")), "No such file"))
+  for change, message in cases:
+    bad = qwen3_colab.get_config(str(path))
+    for k, v in change.items():
+      bad.model[k] = v
+    with pytest.raises(sections.ConfigError, match=message) as e:
+      factories.validate_config(bad, num_devices=8)
+    assert "\n" not in str(e.value)
+  replay = qwen3_colab.get_config(str(path))
+  replay.rl.routing_replay = True
+  with pytest.raises(sections.ConfigError, match="without MoE layers"):
+    factories.validate_config(replay, num_devices=8)
