@@ -35,38 +35,49 @@ sandbox's disk limits): a write past them fails, and the answer says so,
 counted ("bash_disk_limit"). After every step the copy's size is checked:
 past the limits the episode ends unfixed ("tree_too_large").
 
-Reward, once the policy submits or runs out of turns (`max_turns`), by the
-HumanEval grader's rule that nothing the candidate ran can touch the
-verdict:
+Reward, once the policy submits or runs out of turns (`max_turns`), from a
+verdict that nothing in the candidate's tree or processes can forge:
 
     1. the final tree is copied (regular files, directories and symlinks as
        links; nothing followed) into a fresh directory; the candidate's
        processes are already dead (each bash call's sandbox saw to that);
-    2. the hidden tests are written into the copy over whatever the
-       candidate left at their paths, and the grader's own runner into
-       .sao_grader/ (a symlink or file the candidate put there is removed
-       first; the trainer never writes through a link);
-    3. a fresh sandbox runs the test command on the copy. With
-       `test_modules` (the generated rows) the command is the grader's
-       runner: it reads a per-run secret from its environment and removes
-       it, imports unittest from the read-only system library before the
-       repository is on sys.path (a repository `unittest.py` cannot stand in
-       for it), runs the modules, and writes one verdict line carrying the
-       secret to a file opened before any repository code ran. The verdict
-       needs the secret, no failure or error, and `num_tests` tests run: an
-       `os._exit(0)` or a forged "OK" at import gains nothing. Without
-       `test_modules` (a user's SWE-bench-style rows) the verdict is the
-       command's exit status.
+    2. the harness is the grader's: anything under the hidden tests'
+       directories that differs from the task's starting tree (a file
+       added, changed or removed, a link) ends grading, verdict
+       "tests_edited" (counted); the task says not to change tests;
+    3. what the import system would prefer to the sources, unless the task
+       ships it, is removed (counted once, "untracked_code_removed"):
+       `__pycache__` and *.pyc / *.pyo caches (an unchecked-hash .pyc is
+       never compared with its source), extension modules (*.so, *.pyd),
+       *.pth, sitecustomize.py, usercustomize.py, conftest.py, and
+       top-level modules named like a standard one (unittest.py);
+    4. with `test_modules` (the generated rows) a fresh sandbox runs
+       `sao_jax/envs/repo_judge.py` (its docstring has the protocol): the
+       judge holds the hidden tests in its own process, not dumpable, and
+       never on disk where the repository's code runs; it runs them with
+       unittest against proxies of the repository's modules, whose code
+       runs in a second process, the server, that answers each call with
+       plain data (tagged JSON, exact types). The assertions run in the
+       judge on those values, and the verdict is the judge's exit status,
+       which the sandbox's supervisor reports: no secret, no verdict line,
+       nothing the repository's code prints, writes or exits with. An
+       `os._exit(0)`, a patched unittest, a forged reply or killing the
+       judge gains nothing: the server can only answer with values, and
+       only the right values for inputs it sees one at a time pass. The
+       hidden tests' non-Python files (data) are written into the copy.
+    5. without `test_modules` (a user's SWE-bench-style rows) the hidden
+       tests are written into the copy and the verdict is the exit status
+       of `test_command`, which the repository's code can forge (an
+       `os._exit(0)` at import): the environment's start-up report counts
+       such rows. Give rows `test_modules` for the guarantee.
 
 Reward 1.0 iff the verdict is "passed". `info["verdict"]`: "passed",
-"failed", "error" (no verdict: the tests crashed or never reported),
-"timeout", or "tree_too_large". What remains reachable: the code under test
-runs in the test process, so it could in principle scan its own memory for
-the secret, as code under test can always subvert an in-process harness
-(SWE-bench's harness is no different); the tests' assertions on values of
-the candidate's types are its own business. A grader that could not run
-(the sandbox did not start, its mounts failed) is retried and then raises
-`GraderError`: the driver runs the episode again instead of scoring it.
+"failed", "error" (no verdict: the judge was killed, the tests crashed),
+"timeout", "tree_too_large" or "tests_edited". A grader that could not run
+(the sandbox did not start, its mounts failed, the judge could not make
+itself undumpable) is retried and then raises `GraderError`: the driver runs
+the episode again instead of scoring it. docs/DESIGN.md ("The repo_repair
+grader's threat model") says what this guarantees and what it does not.
 
 Not SWE-Bench Verified: no Docker images, so a task's environment is the
 machine's /usr (its Python, without site-packages in grading), and the
@@ -76,10 +87,14 @@ shipped tasks are generated bugs in a small corpus (README, "Coding agent").
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
+import json
 import os
-import secrets
+import shlex
 import shutil
 import stat
+import sys
 import tempfile
 import threading
 import weakref
@@ -87,7 +102,7 @@ from typing import Any
 
 from sao_jax.data import repo_tasks
 from sao_jax.data.prompts import EVAL_OFFSET
-from sao_jax.envs import sandbox
+from sao_jax.envs import repo_judge, sandbox
 from sao_jax.envs.base import GraderError, StepResult, Task
 from sao_jax.envs.dataset import ToolBudget, ToolMeter, answer_tool_calls
 from sao_jax.envs.sandbox import SandboxLimits, Workspace
@@ -119,31 +134,17 @@ TOOLS = (
     _tool("submit", "Submit the repository as it is now.", {}, ()),
 )
 TOOL_NAMES = tuple(t["function"]["name"] for t in TOOLS)
-VERDICTS = ("passed", "failed", "error", "timeout", "tree_too_large")
+VERDICTS = ("passed", "failed", "error", "timeout", "tree_too_large", "tests_edited")
 # Attempts at grading one tree before the grader gives up (GraderError).
 GRADE_ATTEMPTS = 3
 _GRADER_DIR = ".sao_grader"
-_VERDICT_TAG = "SAO-VERDICT"
-
-# The grader's test runner (module docstring, step 3), run by the machine's
-# python3 with -I -S: no site-packages, no PYTHON* variables, no script dir
-# on sys.path. Everything it needs is imported before the repository is.
-_RUNNER = r'''
-import os, sys
-nonce = os.environ.pop("SAO_VERDICT_NONCE", "")
-out = os.open(".sao_grader/verdict", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-import unittest, unittest.case, unittest.loader, unittest.result, unittest.runner
-sys.path.insert(0, os.getcwd())
-try:
-  suite = unittest.defaultTestLoader.loadTestsFromNames(sys.argv[1:])
-  result = unittest.TextTestRunner(stream=sys.stderr, verbosity=1).run(suite)
-  line = "%s %s run=%d failures=%d errors=%d\n" % (
-      "SAO-VERDICT", nonce, result.testsRun, len(result.failures), len(result.errors))
-except BaseException as e:
-  line = "SAO-VERDICT %s crashed %s\n" % (nonce, type(e).__name__)
-os.write(out, line.encode())
-os._exit(0)
-'''
+# The judge (module docstring, step 4): its file, and its exit statuses.
+_JUDGE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "repo_judge.py")
+_JUDGE_VERDICTS = {repo_judge.PASSED: "passed", repo_judge.FAILED: "failed",
+                   repo_judge.BROKEN: "error"}
+# What the import system prefers to a source (module docstring, step 3).
+_ARTIFACT_NAMES = ("__pycache__", "sitecustomize.py", "usercustomize.py", "conftest.py")
+_ARTIFACT_SUFFIXES = (".pyc", ".pyo", ".so", ".pyd", ".pth")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,8 +405,15 @@ class RepoRepair:
   def grade(self, row: repo_tasks.RepoTask, tree: str) -> tuple[str, str]:
     """(verdict, detail) of the final `tree` (module docstring); GraderError when
     the grader itself cannot run, after GRADE_ATTEMPTS."""
+    verdict, detail, _ = self.grade_with_events(row, tree)
+    return verdict, detail
+
+  def grade_with_events(self, row: repo_tasks.RepoTask,
+                        tree: str) -> tuple[str, str, tuple[str, ...]]:
+    """`grade`, and the events to count ("tests_edited", "untracked_code_removed")."""
     if not self.config.use_sandbox:
       raise RuntimeError("repo_repair without the sandbox is for tests only")
+    shipped = _shipped(row)
     problem = ""
     for _ in range(GRADE_ATTEMPTS):
       with tempfile.TemporaryDirectory(prefix="sao_repo_grade_") as tmp:
@@ -413,61 +421,124 @@ class RepoRepair:
         try:
           copy_tree(tree, copy, self.config.max_tree_files, self.config.max_tree_bytes)
         except TreeTooLarge as e:
-          return "tree_too_large", str(e)
+          return "tree_too_large", str(e), ()
         _remove(os.path.join(copy, _GRADER_DIR))  # whatever the candidate left there
-        for rel, text in row.tests:
-          write_inside(copy, rel, text)
-        nonce = secrets.token_hex(16)
-        if row.test_modules:
-          write_inside(copy, os.path.join(_GRADER_DIR, "run.py"), _RUNNER)
-          command = (f"{self.python} -I -S {_GRADER_DIR}/run.py "
-                     + " ".join(row.test_modules))
-        else:
-          command = row.test_command
-        result = sandbox.run_shell(command, Workspace(copy, hide=self.hide), self.test_limits,
-                                   env={"SAO_VERDICT_NONCE": nonce})
+        found, want = _inventory(copy, shipped.harness), shipped.entries
+        edited = sorted(rel for rel in set(found) | set(want)
+                        if _under(rel, shipped.harness) and found.get(rel) != want.get(rel))
+        if edited:
+          return ("tests_edited", "changed under the tests' directories: " + ", ".join(edited[:5]),
+                  ("tests_edited",))
+        removed = sorted(rel for rel, print_ in found.items()
+                         if _is_artifact(rel) and want.get(rel) != print_)
+        for rel in removed:  # a directory before what it holds
+          _remove(os.path.join(copy, rel))
+        events = ("untracked_code_removed",) if removed else ()
+        command = self._prepare(row, copy, shipped)
+        result = sandbox.run_shell(command, Workspace(copy, hide=self.hide), self.test_limits)
         # Said by the sandbox itself, never by the candidate's output.
         if result.mount_error or result.error.startswith("sandbox:"):
           problem = result.mount_error or result.error
           continue
         if result.timed_out:
-          return "timeout", f"the tests ran past {self.test_limits.wall_seconds:g}s"
+          return "timeout", f"the tests ran past {self.test_limits.wall_seconds:g}s", events
         if not row.test_modules:
-          return (("passed", "") if result.returncode == 0 else
-                  ("failed", f"exit status {result.returncode}"))
-        return _verdict(_read_small(os.path.join(copy, _GRADER_DIR, "verdict")), nonce,
-                        row.num_tests)
+          return (("passed", "", events) if result.returncode == 0 else
+                  ("failed", f"exit status {result.returncode}", events))
+        report = result.stdout[result.stdout.find("judge: "):] if "judge: " in result.stdout else ""
+        said = " ".join(report.split()) or f"exit status {result.returncode}"
+        if result.returncode == repo_judge.UNPROTECTED:  # before any repository code ran
+          problem = said
+          continue
+        return _JUDGE_VERDICTS.get(result.returncode, "error"), said[:300], events
     raise GraderError(f"repo_repair grader: the test sandbox did not run: {problem}")
 
-
-def _verdict(text: str, nonce: str, num_tests: int) -> tuple[str, str]:
-  lines = [line for line in text.splitlines() if line.startswith(f"{_VERDICT_TAG} {nonce} ")]
-  if len(lines) != 1:
-    return "error", "the tests gave no verdict (crashed, or exited before the end)"
-  fields = lines[0].split()[2:]
-  if fields[:1] == ["crashed"]:
-    return "error", "the test runner crashed: " + " ".join(fields[1:])
-  try:
-    counts = dict(f.split("=", 1) for f in fields)
-    run, failures, errors = (int(counts[k]) for k in ("run", "failures", "errors"))
-  except (KeyError, ValueError):
-    return "error", "a malformed verdict"
-  if failures or errors:
-    return "failed", f"{failures} failures, {errors} errors of {run} tests"
-  if run == 0 or (num_tests and run != num_tests):
-    return "error", f"{run} tests ran, {num_tests or 'some'} expected"
-  return "passed", f"{run} tests"
+  def _prepare(self, row: repo_tasks.RepoTask, copy: str, shipped: "_Shipped") -> str:
+    """Writes the hidden tests (into the copy, or the judge's job) and returns the command."""
+    modules = [(rel, text) for rel, text in row.tests if _is_module_path(rel)]
+    for rel, text in row.tests:
+      if not row.test_modules or (rel, text) not in modules:
+        write_inside(copy, rel, text)
+    if not row.test_modules:
+      return row.test_command
+    write_inside(copy, os.path.join(_GRADER_DIR, "judge.py"), _judge_text())
+    write_inside(copy, repo_judge.JOB, json.dumps({
+        "files": modules, "modules": list(row.test_modules), "num_tests": row.num_tests,
+        "repository": list(shipped.top_names)}))
+    return f"exec {shlex.quote(self.python)} -I -S -B {_GRADER_DIR}/judge.py"
 
 
-def _read_small(path: str, limit: int = 4096) -> str:
-  try:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-  except OSError:
-    return ""
+# --- what the task ships, where the grader judges by path ----------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shipped:
+  """A task's starting tree where grading looks by path: the harness (the hidden
+  tests' directories, or the files themselves at the top), the fingerprints of
+  what lies under it and of import artifacts (`_is_artifact`), and the
+  top-level importable names (the judge proxies those)."""
+  harness: tuple[str, ...]
+  entries: dict
+  top_names: tuple[str, ...]
+
+
+@functools.lru_cache(maxsize=256)
+def _shipped(row: repo_tasks.RepoTask) -> _Shipped:
+  harness = tuple(sorted({os.path.dirname(rel) or rel for rel, _ in row.tests}))
+  with tempfile.TemporaryDirectory(prefix="sao_repo_shipped_") as tmp:
+    start_tree(row, tmp)
+    tops = sorted({n[:-3] if n.endswith(".py") else n for n in os.listdir(tmp)
+                   if (n[:-3] if n.endswith(".py") else n).isidentifier()})
+    return _Shipped(harness, _inventory(tmp, harness), tuple(tops))
+
+
+def _under(rel: str, harness: tuple[str, ...]) -> bool:
+  return any(rel == h or rel.startswith(h + os.sep) for h in harness)
+
+
+def _is_artifact(rel: str) -> bool:
+  """Whether the import system would take `rel` over a source (module docstring, step 3)."""
+  parts = rel.split(os.sep)
+  name = parts[-1]
+  if "__pycache__" in parts or name in _ARTIFACT_NAMES or name.endswith(_ARTIFACT_SUFFIXES):
+    return True
+  return len(parts) == 1 and name.removesuffix(".py") in sys.stdlib_module_names
+
+
+def _is_module_path(rel: str) -> bool:
+  return rel.endswith(".py") and all(p.isidentifier() for p in rel[:-3].split(os.sep))
+
+
+def _inventory(root: str, harness: tuple[str, ...]) -> dict:
+  """{relative path: fingerprint} of what lies under `harness` or is an import
+  artifact, in the tree `root`; nothing followed."""
+  out = {}
+  for top, dirs, names in os.walk(root, followlinks=False):
+    for name in dirs + names:
+      path = os.path.join(top, name)
+      rel = os.path.relpath(path, root)
+      if _under(rel, harness) or _is_artifact(rel):
+        out[rel] = _fingerprint(path)
+  return out
+
+
+def _fingerprint(path: str) -> tuple:
+  st = os.lstat(path)
+  if stat.S_ISLNK(st.st_mode):
+    return ("link", os.readlink(path))
+  if stat.S_ISDIR(st.st_mode):
+    return ("dir",)
+  if not stat.S_ISREG(st.st_mode):
+    return ("other", stat.S_IFMT(st.st_mode))
+  fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
   with os.fdopen(fd, "rb") as f:
-    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-      return ""
-    return f.read(limit).decode("utf-8", errors="replace")
+    return ("file", hashlib.sha256(f.read()).hexdigest())
+
+
+@functools.lru_cache(maxsize=1)
+def _judge_text() -> str:
+  with open(_JUDGE_PATH, encoding="utf-8") as f:
+    return f.read()
 
 
 def _sandbox_python() -> str:
@@ -674,7 +745,8 @@ class _Episode:
         if too_large:
           verdict, detail = "tree_too_large", f"{files} entries, {size} bytes"
         else:
-          verdict, detail = self._env.grade(self._row, self.root)
+          verdict, detail, graded = self._env.grade_with_events(self._row, self.root)
+          events += [e for e in graded if e not in events]
       finally:
         self._cleanup()
       info = {"correct": verdict == "passed", "verdict": verdict, "detail": detail,
@@ -696,4 +768,8 @@ def _report(config: RepoRepairConfig, train, heldout, rejected) -> None:
       print(f"[repo_repair]   refused {where}: {reason}", flush=True)
     if len(rejected) > 20:
       print(f"[repo_repair]   ... and {len(rejected) - 20} more", flush=True)
+    by_status = sum(not t.test_modules for t in train + heldout)
+    if by_status:
+      print(f"[repo_repair] {by_status} rows have no test_modules: graded by their test "
+            "command's exit status, which the repository's code can forge", flush=True)
 

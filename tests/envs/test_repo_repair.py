@@ -173,7 +173,7 @@ def test_nothing_the_candidate_ran_can_change_the_verdict(env, hack, tmp_path):
   out = ep.step(_act(("bash", {"command": command})))
   assert not out.done, out
   out = ep.step(_act(("submit", {})))
-  assert out.reward == 0.0 and out.info["verdict"] in ("failed", "error"), out.info
+  assert out.reward == 0.0 and out.info["verdict"] in ("failed", "error", "tests_edited"), out.info
   assert os.listdir(tmp_path) == []  # the grader never wrote through the candidate's link
 
 
