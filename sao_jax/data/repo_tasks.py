@@ -15,11 +15,12 @@ row), SWE-bench's fields under their SWE-bench names where there is one:
 
 `repo` is relative to the row file's directory unless absolute. The
 starting tree of a task is the snapshot with `setup_files` written over it;
-`tests` are never in it (the grader writes them into a copy of the final
-tree). With `test_modules` the grader runs them with its own runner and
-needs a verdict carrying a per-run secret, and `num_tests` of them run
-(`sao_jax.envs.repo_repair`); without, the verdict is the exit status of
-`test_command`. `fix` is a list of exact replacements (`old` occurs once in
+`tests` are never in it. With `test_modules` a judge process holds them
+in its memory and runs them against the repository's code in another
+process, and `num_tests` of them must pass (`sao_jax.envs.repo_repair`,
+`sao_jax.envs.repo_judge`); without, the tests are written into a copy of
+the final tree and the verdict is the exit status of `test_command`, which
+the repository's code can forge. `fix` is a list of exact replacements (`old` occurs once in
 the file) that repair the starting tree: the demonstration for SFT is then
 `view` of the lines, `str_replace`, `submit`. A user's SWE-bench-style rows
 need only repo, problem_statement, test_command and tests.
