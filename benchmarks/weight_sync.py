@@ -22,6 +22,10 @@ bytes back from this host's page cache, which a rollout host on another
 machine does not share. Over 127.0.0.1 on this host: the loopback path is a
 floor of the library's cost, not a prediction of DCN rates.
 
+Manifest check (--cover N): `check_cover`, which a rollout runs on the
+manifests before each pull, timed on a leaf of N row pieces and on a grid
+of about N pieces, both exact tilings.
+
 Plan (--plan_config): the transfer plan of a config's trainer layout on
 --topology into one engine on --rollout_topology (abstract shapes only,
 nothing compiled), and the modeled seconds per version from it at the
@@ -231,6 +235,19 @@ def plan(args):
           f"{egress:.2f} s -> {max(ingress, egress):.1f} s per version")
 
 
+def cover(n: int):
+  from sao_jax.data import weight_transfer  # pylint: disable=g-import-not-at-top
+  g = round(n ** 0.5)
+  cases = {f"{n} rows": ([((4 * i, 4 * i + 4), (0, 8)) for i in range(n)], (4 * n, 8)),
+           f"{g}x{g} grid": ([((4 * i, 4 * i + 4), (4 * j, 4 * j + 4)) for i in range(g)
+                              for j in range(g)], (4 * g, 4 * g))}
+  for name, (indices, shape) in cases.items():
+    pieces = [weight_transfer.Piece(0, ix, 0, 0, 1) for ix in indices]
+    t0 = time.perf_counter()
+    why = weight_transfer.check_cover(pieces, [shape])
+    print(f"check_cover, {name}: {time.perf_counter() - t0:.3f} s ({why or 'a tiling'})")
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--gib", type=float, default=1.0)
@@ -247,6 +264,8 @@ def main():
   p.add_argument("--dir", default=None, help="where the checkpoint path writes (default /tmp)")
   p.add_argument("--trainer", default=None, help=argparse.SUPPRESS)
   p.add_argument("--leaves", type=int, default=0, help=argparse.SUPPRESS)
+  p.add_argument("--cover", type=int, default=0,
+                 help="time check_cover on manifests of about this many pieces")
   p.add_argument("--plan_config", default=None)
   p.add_argument("--topology", default="v5p:4x4x8")
   p.add_argument("--rollout_topology", default="v5p:2x2x1")
@@ -260,6 +279,8 @@ def main():
   args = p.parse_args()
   if args.trainer:
     trainer(args.trainer, args.leaves, args.repeats, args.sockets, args.master)
+  elif args.cover:
+    cover(args.cover)
   elif args.plan_config:
     plan(args)
   else:

@@ -8,7 +8,10 @@ kept short: flags and signals in, one call into
 sao_jax.train.fleet_worker.run_rollout_worker (what the process does). SIGTERM /
 SIGINT: stop, rename the open shard, exit 0. SIGKILL loses only the open
 shard; start it again with the same --rollout_id and it continues its shard
-sequence. `kill -USR1 <pid>`: every thread's stack on stderr.
+sequence. One process per --rollout_id: while one runs, a second with its id
+exits 1 at start-up with one line (`error: rollout id 'r0' is in use: pid
+... on ... holds ...`), the running one's files untouched.
+`kill -USR1 <pid>`: every thread's stack on stderr.
 """
 
 import faulthandler

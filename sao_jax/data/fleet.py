@@ -19,8 +19,10 @@ sao_jax/data/weight_transfer.py), both under one shared directory
                                       its driver's counters (malformed tool
                                       calls, environment events) since the
                                       previous shard, if any
-    <root>/consumed.json              the trainer's cursor: per rollout, the
-                                      highest shard it has fully read
+    <root>/rollouts/<rollout_id>.lock (POSIX) or .lease (object store)
+                                      held by the one process writing the id
+    <root>/consumed.json              the trainer's watermarks: per rollout,
+                                      the shard up to which it read them all
     <root>/DONE                       the trainer finished RL: rollouts exit
 
 Visibility is by rename only, so a reader never sees half of anything:
@@ -29,7 +31,13 @@ Visibility is by rename only, so a reader never sees half of anything:
     `fleet.shard_trajectories` trajectories or is `fleet.shard_seconds` old
     (`ShardWriter`, on `store.TrajectoryWriter`). A SIGKILLed rollout loses
     its open shard only; a restarted one removes its own dead temporaries
-    and continues its sequence numbers after the last renamed shard.
+    and continues its sequence numbers after the trainer's watermark, at
+    the first number no shard on disk has. One process writes a rollout id:
+    it holds the id's lock (`RolloutLock`: flock, which the kernel drops
+    when the process dies) or, on an object store, its lease
+    (`RolloutLease`: a renewed object a dead holder's successor takes over),
+    and a second process started with a live id is refused with one line
+    (`RolloutIdInUse`) before it touches the first one's files.
   * orbax saves a version under a temporary directory and renames it when
     complete; `committed_checkpoints` lists only complete versions. The
     trainer keeps the newest `fleet.keep_versions`; a rollout whose restore
@@ -49,11 +57,15 @@ the shard's rename, and the feed adds them when it finishes the shard; a
 stats file that is not what a writer writes is logged and ignored.
 
 What was consumed is a cursor that goes into the trainer's checkpoint: per
-rollout, the highest fully consumed sequence number, and (at most one)
-partially consumed shard with the index of its next record. A restarted
-trainer resumes exactly at the cursor of its checkpoint: trajectories trained
-after that checkpoint are trained again (their updates were lost with the
-process), none is skipped, none is trained twice into the same state.
+rollout, a watermark (every shard up to it fully consumed) and the shards
+consumed beyond it, and (at most one) partially consumed shard with the
+index of its next record. Shards are read by what exists, not by the
+highest number seen: a stray file with a high number cannot hide the live
+writer's lower ones, and what the feed does skip is counted (`ShardFeed`).
+A restarted trainer resumes exactly at the cursor of its checkpoint:
+trajectories trained after that checkpoint are trained again (their updates
+were lost with the process), none is skipped, none is trained twice into
+the same state.
 
 Rollout side, `WeightFollower` polls for the newest complete version and
 restores it into the engine's abstract params. "Newest" may be older than
@@ -84,10 +96,16 @@ trainer downloads a shard before reading it.
 from __future__ import annotations
 
 import collections
+import fcntl
 import json
+import math
+import os
 import re
+import socket
 import threading
 import time
+import uuid
+import weakref
 from typing import Any, Callable
 
 import grain
@@ -100,6 +118,7 @@ from sao_jax.data.trajectory import ENV_FAULTS, Trajectory
 
 WEIGHTS = "weights"
 TRAJECTORIES = "trajectories"
+ROLLOUTS = "rollouts"
 CONSUMED = "consumed.json"
 DONE = "DONE"
 SHARD_SUFFIX = ".array_record"
@@ -108,9 +127,19 @@ ROLLOUT_ID = re.compile(r"^[A-Za-z0-9_]+$")
 # The driver's counters (DriverStats fields) a shard carries in its stats file.
 SHARD_COUNTERS = ("tool_call_errors", "env_events")
 STATS_SUFFIX = ".stats.json"
+# A rollout id's lock file (a POSIX root) or lease object (an object store),
+# under <root>/rollouts/.
+LOCK_SUFFIX = ".lock"
+LEASE_SUFFIX = ".lease"
+# A lease's holder renews it every LEASE_S / 3; a process that sees no
+# renewal for LEASE_S takes the holder to be dead.
+LEASE_S = 60.0
 # Bounds on a stats file read back: it comes from another process, like the shard.
 _STATS_MAX_BYTES = 1 << 16
 _STATS_MAX_NAMES = 256
+# Shards of one rollout the feed reads beyond a gap in its sequence before it
+# gives the gap up (a shard that never comes; ShardFeed).
+MAX_AHEAD = 1024
 # Seconds without a new shard between the feed's "still waiting" lines.
 REPORT_WAIT_S = 60.0
 
@@ -126,6 +155,11 @@ def weights_dir(root: str) -> str:
 
 def trajectories_dir(root: str) -> str:
   return files.join(root, TRAJECTORIES)
+
+
+def rollouts_dir(root: str) -> str:
+  """Where the rollout ids' locks and leases are."""
+  return files.join(root, ROLLOUTS)
 
 
 def shard_name(rollout_id: str, seq: int) -> str:
@@ -248,9 +282,10 @@ class WeightFollower:
 
   def poll(self, final: bool = False):
     """(params, version, meta) when the newest version differs from the one
-    held, else None (`final`, the trainer is done, changes nothing here). Differs: newer, older after a trainer restart, or the
-    same number published again by a restarted trainer (whose version v is
-    not the discarded run's v), told apart by the publish time."""
+    held, else None (`final`, the trainer is done, changes nothing here).
+    Differs: newer, older after a trainer restart, or the same number
+    published again by a restarted trainer (whose version v is not the
+    discarded run's v), told apart by the publish time."""
     newest = self.newest()
     if newest is None:
       return None
@@ -284,6 +319,257 @@ class WeightFollower:
       self._ckpt.close()
 
 
+# --- one writer per rollout id -------------------------------------------------------
+
+
+class RolloutIdInUse(RuntimeError):
+  """Another live process writes shards under this rollout id; the message
+  is one line."""
+
+
+def _whoami() -> dict:
+  """This process as a lock names its holder."""
+  try:
+    pidns = os.readlink("/proc/self/ns/pid")  # pids mean something within one namespace
+  except OSError:
+    pidns = ""
+  return {"host": socket.gethostname(), "pid": os.getpid(), "pidns": pidns,
+          "since": time.time()}
+
+
+def _parse_holder(raw: bytes | None) -> dict:
+  try:
+    holder = json.loads(raw or b"{}")
+  except (ValueError, RecursionError):
+    return {}
+  return holder if isinstance(holder, dict) else {}
+
+
+def _in_use(rollout_id: str, holder: dict, path: str) -> str:
+  since = holder.get("since")
+  when = (time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(since))
+          if isinstance(since, (int, float)) and math.isfinite(since) else "")
+  return (f"rollout id {rollout_id!r} is in use: pid {holder.get('pid', '?')} on "
+          f"{holder.get('host', '?')} holds {path}{when}; start this process with "
+          "another --rollout_id, or stop that one first")
+
+
+def _dead_here(holder: dict) -> bool:
+  """Whether the holder ran on this host, in this pid namespace, and its
+  process is gone (on another host only time can tell)."""
+  me = _whoami()
+  pid = holder.get("pid")
+  if (holder.get("host"), holder.get("pidns")) != (me["host"], me["pidns"]) or not (
+      type(pid) is int and pid > 0):
+    return False
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return True
+  except OSError:
+    return False  # alive, another user's
+  return False
+
+
+class RolloutLock:
+  """A rollout id's lock on a POSIX root: flock on `<dir>/<id>.lock`.
+
+  Held while the process lives: the kernel drops it when the process ends,
+  however it ends, so a crashed writer never blocks its restart. On NFS
+  (v4, Filestore) the lock is the server's, across hosts, and a dead host's
+  goes when its NFS lease expires (about 90 s). A gcsfuse mount locks only
+  between the processes of one host: give such a fleet its gs:// URL as
+  `fleet.root` (RolloutLease) instead. A filesystem without locks is
+  noted (`note`), not refused. The file stays: removing a lock file races
+  with a process that has just opened it.
+  """
+
+  def __init__(self, directory: str, rollout_id: str):
+    self.path = os.path.join(directory, rollout_id + LOCK_SUFFIX)
+    self.note: str | None = None
+    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = _parse_holder(os.pread(fd, 4096, 0))
+      os.close(fd)
+      raise RolloutIdInUse(_in_use(rollout_id, holder, self.path)) from None
+    except OSError as e:  # ENOLCK, EOPNOTSUPP: a filesystem without locks
+      self.note = (f"{self.path} cannot be locked ({e.strerror or e}): nothing stops a "
+                   "second process with this rollout id")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(_whoami()).encode(), 0)
+    # Closing the descriptor drops the lock: at release, or when this object goes.
+    self._close = weakref.finalize(self, os.close, fd)
+
+  def check(self) -> None:
+    """Raises RolloutIdInUse if the lock was lost; a flock never is."""
+
+  def release(self) -> None:
+    self._close()
+
+
+class _Objects:
+  """What RolloutLease does to its object: files.py's client, and fsspec's
+  create-only write (GCS: ifGenerationMatch=0)."""
+
+  def read(self, path: str) -> bytes | None:
+    try:
+      return files.read_bytes(path, 1 << 16)
+    except FileNotFoundError:
+      return None
+
+  def create(self, path: str, data: bytes) -> bool:
+    import fsspec  # pylint: disable=g-import-not-at-top  # object stores only
+    fs, p = fsspec.core.url_to_fs(path)
+    try:
+      fs.pipe_file(p, data, mode="create")
+    except FileExistsError:
+      return False
+    return True
+
+  def write(self, path: str, data: bytes) -> None:
+    files.write_bytes(path, data)
+
+  def delete(self, path: str) -> None:
+    files.remove(path)
+
+
+class RolloutLease:
+  """A rollout id's lease on an object store (gs://), which has no locks.
+
+  The object `<dir>/<id>.lease` names its holder (a random token, host,
+  pid) and a beat the holder advances every `ttl_s` / 3 (`renew`: a daemon
+  thread, or the caller with `thread=False`). It is taken by creating it
+  only if absent. A process that finds one watches it: a beat within
+  `ttl_s` is a live holder (RolloutIdInUse); no beat for `ttl_s`, or a
+  holder on this host whose pid is gone (at once), is a dead one's, and the
+  lease is taken over. A holder that finds another token in its lease (it
+  stalled past `ttl_s` and was taken over), or cannot renew it for 2/3 of
+  `ttl_s`, has lost it: `check` raises from then on.
+
+  The limit: taking over is a delete and a create, not one conditional
+  overwrite (the client exposes a generation match only for creating), so
+  two processes taking over one dead id in the same instant can both
+  start; the one whose lease was replaced finds out at its next renewal.
+  `clock` and `sleep` (monotonic seconds) time the waits, `store` reads and
+  writes the object; tests pass fakes.
+  """
+
+  def __init__(self, directory: str, rollout_id: str, *, ttl_s: float = LEASE_S,
+               store=None, clock: Callable[[], float] = time.monotonic,
+               sleep: Callable[[float], None] = time.sleep,
+               log: Callable[[str], None] = print, thread: bool = True):
+    self.path = files.join(directory, rollout_id + LEASE_SUFFIX)
+    self.rollout_id, self.ttl_s = rollout_id, ttl_s
+    self._store = store or _Objects()
+    self._clock, self._sleep, self._log = clock, sleep, log
+    self.token = uuid.uuid4().hex
+    self.note: str | None = None
+    self.lost: str | None = None
+    self._holder = dict(_whoami(), token=self.token, beat=0)
+    self._acquire()
+    self._renewed = clock()
+    self._stop = threading.Event()
+    self._thread = None
+    if thread:
+      # The thread holds the lease weakly: a lease dropped unreleased stops
+      # being renewed (and goes stale) instead of living on in its thread.
+      self._thread = threading.Thread(target=_renew_while_held, name="rollout-lease",
+                                      args=(weakref.ref(self), self._stop, ttl_s / 3),
+                                      daemon=True)
+      self._thread.start()
+
+  def _record(self) -> bytes:
+    return json.dumps(self._holder).encode()
+
+  def _acquire(self) -> None:
+    while True:
+      raw = self._store.read(self.path)
+      if raw is None:
+        if self._store.create(self.path, self._record()):
+          return
+        continue  # another process created it in between: look at theirs
+      holder = _parse_holder(raw)
+      verdict = "dead" if _dead_here(holder) else self._watch(raw, holder)
+      if verdict == "live":
+        raise RolloutIdInUse(_in_use(self.rollout_id, holder, self.path))
+      if verdict == "dead" and self._store.read(self.path) == raw:
+        self._store.delete(self.path)
+
+  def _watch(self, raw: bytes, holder: dict) -> str:
+    """"live" if the lease changes within ttl_s, "gone" if it goes, else "dead"."""
+    self._log(f"[fleet] {self.path} is held by pid {holder.get('pid', '?')} on "
+              f"{holder.get('host', '?')}: waiting up to {self.ttl_s:.0f} s for it to be renewed")
+    start = self._clock()
+    while self._clock() - start < self.ttl_s:
+      self._sleep(self.ttl_s / 12)
+      now = self._store.read(self.path)
+      if now is None:
+        return "gone"
+      if now != raw:
+        return "live"
+    return "dead"
+
+  def renew(self) -> None:
+    """Advances the beat, or finds the lease lost."""
+    if self.lost is not None:
+      return
+    try:
+      holder = _parse_holder(self._store.read(self.path))
+      if holder.get("token") != self.token:
+        self.lost = (f"rollout id {self.rollout_id!r}: the lease {self.path} was taken over "
+                     f"by pid {holder.get('pid', '?')} on {holder.get('host', '?')}; this "
+                     "process stopped writing")
+        return
+      self._holder["beat"] += 1
+      self._store.write(self.path, self._record())
+      self._renewed = self._clock()
+    except Exception as e:  # pylint: disable=broad-except  # the store's errors: retried
+      if self._clock() - self._renewed > self.ttl_s * 2 / 3:
+        self.lost = (f"rollout id {self.rollout_id!r}: the lease {self.path} could not be "
+                     f"renewed for {self._clock() - self._renewed:.0f} s ({e!r:.200}); "
+                     "another process may hold it now")
+
+  def check(self) -> None:
+    """Raises RolloutIdInUse if the lease was lost."""
+    if self.lost is not None:
+      raise RolloutIdInUse(self.lost)
+
+  def release(self) -> None:
+    """Stops renewing and removes the lease if it is still this process's."""
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join()
+      self._thread = None
+    if self.lost is None:
+      try:
+        if _parse_holder(self._store.read(self.path)).get("token") == self.token:
+          self._store.delete(self.path)
+      except OSError:
+        pass  # it goes stale: the next holder waits ttl_s
+      self.lost = f"rollout id {self.rollout_id!r}: the lease {self.path} was released"
+
+
+def _renew_while_held(ref: weakref.ref, stop: threading.Event, interval: float) -> None:
+  while not stop.wait(interval):
+    lease = ref()
+    if lease is None or lease.lost is not None:
+      return
+    lease.renew()
+    del lease
+
+
+def lock_rollout(root: str, rollout_id: str, log: Callable[[str], None] = print):
+  """The lock (POSIX root) or lease (object store) of `rollout_id` under
+  `root`, held by this process; RolloutIdInUse if another process holds it."""
+  d = rollouts_dir(root)
+  files.makedirs(d)
+  if files.is_url(d):
+    return RolloutLease(d, rollout_id, log=log)
+  return RolloutLock(d, rollout_id)
+
+
 # --- trajectories: rollouts -> trainer -----------------------------------------------
 
 
@@ -294,20 +580,30 @@ class ShardWriter:
   from the process's main loop; a lock orders them. A shard is opened with
   its first trajectory (no empty shards) and closed by count or age.
 
-  `counters()`, if given, returns the driver's `SHARD_COUNTERS` (name ->
-  Counter, cumulative, possibly growing in another thread); each shard's
-  stats file holds what they grew by since the previous shard closed.
+  `counters()`, if given (or set as `counters` before the first write),
+  returns the driver's `SHARD_COUNTERS` (name -> Counter, cumulative,
+  possibly growing in another thread); each shard's stats file holds what
+  they grew by since the previous shard closed.
+
+  One process writes an id: the writer holds its lock (`lock_rollout`)
+  from the start, before it clears a dead predecessor's temporaries, until
+  `close`; a second writer of a live id gets RolloutIdInUse. Sequence
+  numbers continue after the trainer's watermark for the id, at the first
+  that no shard on disk has, and a name some other file took meanwhile is
+  passed over (`names_taken`), never overwritten: a stray file with a high
+  number neither moves this writer's sequence nor hides its shards.
   """
 
   def __init__(self, root: str, rollout_id: str, max_trajectories: int, max_seconds: float,
-               counters: Callable[[], dict] | None = None):
+               counters: Callable[[], dict] | None = None,
+               log: Callable[[str], None] = print):
     if not ROLLOUT_ID.match(rollout_id):
       raise ValueError(f"rollout_id {rollout_id!r}: use letters, digits and _ only")
     self.dir = trajectories_dir(root)
-    files.makedirs(self.dir)
+    self.lock = lock_rollout(root, rollout_id, log)
     self.rollout_id = rollout_id
     self.max_trajectories, self.max_seconds = max_trajectories, max_seconds
-    own = []
+    own = set()
     try:
       names = set(files.listdir(self.dir))
     except FileNotFoundError:
@@ -315,25 +611,32 @@ class ShardWriter:
     for name in names:
       parsed = parse_shard_name(name)
       if parsed and parsed[0] == rollout_id:
-        own.append(parsed[1])
+        own.add(parsed[1])
       elif name.startswith(f"{rollout_id}-") and (
           files.TMP_MARK in name or (name.endswith(STATS_SUFFIX)
                                      and name[:-len(STATS_SUFFIX)] not in names)):
         # The open shard (or the stats written just before its rename) of a
         # killed predecessor: never renamed, never read.
         files.remove(files.join(self.dir, name))
-    self.last_closed = max(own, default=-1)  # seq of the newest renamed shard
-    self.first_seq = self.last_closed + 1  # this process's first shard
+    seq = read_consumed(root).get(rollout_id, -1) + 1
+    while seq in own:
+      seq += 1
+    self.first_seq = seq  # this process's first shard
+    self.last_closed = seq - 1  # seq of the newest renamed shard
+    self.names_taken = 0  # sequence numbers passed over: another file had the name
     self.trajectories = 0
+    self._closed = False
     self._writer: store.TrajectoryWriter | None = None
     self._path = ""
     self._opened = 0.0
     self._lock = threading.Lock()
-    self._counters = counters
+    self.counters = counters
     self._counted: dict[str, dict] = {}  # the counters when the last shard closed
 
   def write(self, t: Trajectory) -> None:
     with self._lock:
+      if self._closed:
+        raise ValueError(f"the ShardWriter of {self.rollout_id!r} is closed")
       if self._writer is None:
         self._path = files.join(self.dir, shard_name(self.rollout_id, self.last_closed + 1))
         self._writer = store.TrajectoryWriter(self._path)
@@ -349,22 +652,40 @@ class ShardWriter:
         self._close_locked()
 
   def close(self) -> None:
-    """Renames the open shard (if any): everything written is visible."""
+    """Renames the open shard (if any): everything written is visible; then
+    releases the id. Idempotent; RolloutIdInUse if the id's lease was lost
+    (the open shard is dropped: another process writes the id)."""
     with self._lock:
-      if self._writer is not None:
-        self._close_locked()
+      if self._closed:
+        return
+      self._closed = True
+      try:
+        if self._writer is not None:
+          self._close_locked()
+      finally:
+        self.lock.release()
 
   def _close_locked(self):
     writer, self._writer = self._writer, None
+    try:
+      self.lock.check()
+    except RolloutIdInUse:
+      writer.abort()
+      raise
+    seq = self.last_closed + 1
+    while files.exists(files.join(self.dir, shard_name(self.rollout_id, seq))):
+      seq += 1  # a file this writer did not write: its name is not ours to replace
+      self.names_taken += 1
+    self._path = files.join(self.dir, shard_name(self.rollout_id, seq))
     self._write_stats()  # before the rename: visible no later than the shard
-    writer.close()  # fsync, then the rename that makes it visible
-    self.last_closed += 1
+    writer.close(self._path)  # fsync, then the rename that makes it visible
+    self.last_closed = seq
 
   def _write_stats(self):
-    if self._counters is None:
+    if self.counters is None:
       return
     # dict(): one copy under the GIL of a Counter the driver thread updates.
-    now = {k: dict(v) for k, v in self._counters().items() if k in SHARD_COUNTERS}
+    now = {k: dict(v) for k, v in self.counters().items() if k in SHARD_COUNTERS}
     grown = {}
     for name, counts in now.items():
       before = self._counted.get(name, {})
@@ -374,6 +695,15 @@ class ShardWriter:
     self._counted = now
     if grown:
       files.write_json(self._path + STATS_SUFFIX, grown)
+
+
+def _raise_watermark(low: int, ahead: set[int]) -> int:
+  """The watermark `low` moved up through the consecutive numbers in
+  `ahead`, which are taken out of it."""
+  while low + 1 in ahead:
+    ahead.remove(low + 1)
+    low += 1
+  return low
 
 
 class ShardFeed:
@@ -390,6 +720,15 @@ class ShardFeed:
   directory, the others take its answer), so every host trains on the same
   batches; everything after the choice (reading, validation, the cursor) is
   deterministic. Default: this process decides alone.
+
+  What was read is per rollout a watermark (every shard up to it) and the
+  shards read beyond it (`ahead`), so the feed reads every shard that exists
+  and was not read, whatever its number: a stray file with a high number is
+  read (and its records validated) like any shard, without passing over the
+  live writer's lower ones. Skipped, each counted once in `rejected` and
+  logged: a file whose name is no shard's (`bad_shard_name`), a shard that
+  appears below what was already read (`out_of_order_shard`), and a gap
+  given up once MAX_AHEAD shards beyond it were read (`sequence_gap`).
   """
 
   def __init__(self, root: str, vocab_size: int, max_length: int,
@@ -410,8 +749,13 @@ class ShardFeed:
     self._log = log
     self._share = share or (lambda name, compute: compute())
     state = state or {}
-    # Per rollout: the highest sequence number fully consumed.
+    # Per rollout: the watermark (every shard up to it consumed), and the
+    # shards consumed beyond it.
     self.consumed: dict[str, int] = {k: int(v) for k, v in state.get("consumed", {}).items()}
+    self._ahead: dict[str, set[int]] = {k: {int(s) for s in v}
+                                        for k, v in state.get("ahead", {}).items() if v}
+    self._seen: set[str] | None = None  # shard names listed or read; None before a listing
+    self._skipped_names: set[str] = set()  # files that are no shard's, counted once each
     # The shard being handed out and the index of its next record.
     current = state.get("current")
     self._current: tuple[str, int] | None = (
@@ -441,7 +785,43 @@ class ShardFeed:
     current = None
     if self._current is not None:
       current = {"shard": self._current[0], "offset": self._current[1]}
-    return {"consumed": dict(self.consumed), "current": current}
+    out = {"consumed": dict(self.consumed), "current": current}
+    if self._ahead:
+      out["ahead"] = {k: sorted(v) for k, v in self._ahead.items()}
+    return out
+
+  def _is_consumed(self, rid: str, seq: int) -> bool:
+    return seq <= self.consumed.get(rid, -1) or seq in self._ahead.get(rid, ())
+
+  def _mark_consumed(self, rid: str, seq: int) -> None:
+    """Adds shard `seq` of `rid` to the cursor; the watermark moves up only
+    through shards read (or, past MAX_AHEAD shards read beyond it, a gap
+    given up)."""
+    low = self.consumed.get(rid, -1)
+    ahead = self._ahead.setdefault(rid, set())
+    ahead.add(seq)
+    low = _raise_watermark(low, ahead)
+    if len(ahead) > MAX_AHEAD:
+      self._rejected["sequence_gap"] += 1
+      self._log(f"[fleet] gave up {rid}'s shards {low + 1}..{min(ahead) - 1}: {MAX_AHEAD} "
+                "later shards were read; one that appears now counts as out_of_order_shard")
+      low = _raise_watermark(min(ahead) - 1, ahead)
+    self.consumed[rid] = low
+    if not ahead:
+      del self._ahead[rid]
+
+  def _skip_name(self, name: str, reason: str, why: str) -> None:
+    if name not in self._skipped_names:
+      self._skipped_names.add(name)
+      self._rejected[reason] += 1
+      self._log(f"[fleet] skipped {name} ({reason}): {why}")
+
+  def _known_file(self, name: str) -> bool:
+    """A file a writer leaves beside its shards: a temporary or a stats file."""
+    if files.TMP_MARK in name:
+      return True
+    return name.endswith(STATS_SUFFIX) and parse_shard_name(
+        name[:-len(STATS_SUFFIX)]) is not None
 
   # --- reading ---------------------------------------------------------------
 
@@ -452,12 +832,24 @@ class ShardFeed:
     lowest: dict[str, tuple[int, str]] = {}
     rest = []
     current = self._current[0] if self._current else None
+    first_listing, self._seen = self._seen is None, self._seen or set()
     for name, mtime in files.scan(self.dir):
       parsed = parse_shard_name(name)
-      if parsed is None or name == current:
+      if parsed is None:
+        if not self._known_file(name):
+          self._skip_name(name, "bad_shard_name",
+                          f"not <rollout id>-<8 digits>{SHARD_SUFFIX} nor a writer's file")
         continue
       rid, seq = parsed
-      if seq <= self.consumed.get(rid, -1):
+      new = name not in self._seen
+      self._seen.add(name)
+      if name == current:
+        continue
+      if self._is_consumed(rid, seq):
+        if new and not first_listing:
+          self._skip_name(name, "out_of_order_shard",
+                          f"appeared after {rid}'s shards up to {self.consumed.get(rid, -1)} "
+                          "were read")
         continue
       rest.append((mtime, name))
       if rid not in lowest or seq < lowest[rid][0]:
@@ -482,6 +874,13 @@ class ShardFeed:
 
   def _load(self, name: str, offset: int) -> None:
     """Reads records [offset, end) of shard `name` into the buffer, validated."""
+    rid, seq = parse_shard_name(name)
+    if seq > self.consumed.get(rid, -1) + 1 and offset == 0:
+      self._log(f"[fleet] reading {name} ahead of {rid}'s sequence (next "
+                f"{shard_name(rid, self.consumed.get(rid, -1) + 1)}); the lower ones are "
+                "still read when they appear")
+    if self._seen is not None:
+      self._seen.add(name)  # chosen by process 0 (`share`) or a checkpoint
     source = self._open(name)
     n = self._sizes[name]
     for i in range(offset, n):
@@ -545,7 +944,7 @@ class ShardFeed:
     name = self._current[0]
     self._read_stats(name)
     rid, seq = parse_shard_name(name)
-    self.consumed[rid] = max(seq, self.consumed.get(rid, -1))
+    self._mark_consumed(rid, seq)
     self._current = None
     self._sizes.pop(name, None)
     self._copies.drop(files.join(self.dir, name))

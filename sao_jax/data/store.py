@@ -283,11 +283,13 @@ class TrajectoryWriter:
     self._writer.write(serialize(t))
     self.count += 1
 
-  def close(self) -> None:
-    """Finishes the shard and moves it to `path`. Idempotent."""
+  def close(self, path: str | None = None) -> None:
+    """Finishes the shard and moves it to `path` (default: the one it was
+    opened for; another name beside it, if given). Idempotent."""
     if self._closed:
       return
     self._closed = True
+    self.path = path or self.path
     try:
       self._writer.close()
       files.publish(self.tmp_path, self.path)

@@ -12,7 +12,10 @@ default where `jax.experimental.transfer` works). No file holds the bytes:
     `<root>/transfer/v<version>.p<process>.json` (atomic rename) says where
     the server listens and which pieces (leaf, index range) it holds.
   * Rollout side (`NetFollower`): the newest version whose manifests from
-    every trainer process are present is pulled, piece by piece, each onto
+    every trainer process are present (newest by publish time; a manifest
+    dated more than `CLOCK_SKEW_S` past the rollout's clock is ignored,
+    counted and logged: it would outrank every real version while it
+    stayed) is pulled, piece by piece, each onto
     the rollout device that needs it (`route`), from all trainer processes
     at once. A transfer-server entry serves one puller, so the rollout first
     asks: `<root>/transfer/requests/<rollout>-<uuid>.json`; each trainer
@@ -53,6 +56,7 @@ import collections
 import dataclasses
 import datetime
 import functools
+import itertools
 import json
 import math
 import os
@@ -64,6 +68,7 @@ from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sao_jax.data import files
 
@@ -73,6 +78,9 @@ _MANIFEST = re.compile(r"^v(\d{10})\.p(\d{4})\.json$")
 _REQUEST = re.compile(r"^([A-Za-z0-9_]+)-(\d{1,20})\.json$")
 # Bounds on a manifest read back: it comes from another process.
 _MANIFEST_MAX_BYTES = 64 << 20
+# How far a manifest's publish time may lie ahead of a rollout's clock (the
+# hosts' clocks differ a little); one further ahead is ignored (newest_offer).
+CLOCK_SKEW_S = 60.0
 # Snapshots a trainer process keeps serving: the newest and the one before
 # (a rollout may have asked for it just before the newest appeared).
 KEEP_SNAPSHOTS = 2
@@ -254,7 +262,14 @@ def plan(pieces: list[Piece], dest: Iterable[tuple[tuple[int, ...], Any]]) -> Pl
 
 
 def check_cover(pieces: list[Piece], shapes: list[tuple[int, ...]]) -> str | None:
-  """Why `pieces` do not tile each leaf exactly once (None: they do)."""
+  """Why `pieces` do not tile each leaf exactly once (None: they do).
+
+  Linear in the pieces for a cover that is right (a manifest has thousands):
+  inside the shape, volumes adding up to the shape's, and signed corners
+  that cancel to the shape's own (`_corner_sums`) mean every element is
+  covered exactly once. Only a cover that fails the last test is swept for
+  the overlapping pair to name (`_first_overlap`).
+  """
   per_leaf = collections.defaultdict(list)
   for p in pieces:
     if not 0 <= p.leaf < len(shapes):
@@ -268,11 +283,49 @@ def check_cover(pieces: list[Piece], shapes: list[tuple[int, ...]]) -> str | Non
     if sum(_volume(ix) for ix in indices) != math.prod(shape) or (
         not shape and len(indices) != 1):
       return f"leaf {leaf}: pieces do not add up to its shape {shape}"
-    for i, a in enumerate(indices):
-      for b in indices[i + 1:]:
-        if shape and _overlap(a, b) is not None:
-          return f"leaf {leaf}: pieces {a} and {b} overlap"
+    if shape and _corner_sums(indices) != _corner_sums([tuple((0, n) for n in shape)]):
+      a, b = _first_overlap(indices)
+      return f"leaf {leaf}: pieces {a} and {b} overlap"
   return None
+
+
+def _corner_sums(indices: list[Index]) -> dict:
+  """Each box's corners, signed (-1)^(how many are its stops), summed over
+  the boxes; zero sums left out.
+
+  The sum of the boxes' indicator functions has these as its d-dimensional
+  finite differences (each box's indicator is a product of steps up at its
+  starts and down at its stops), and prefix sums undo differences: boxes
+  whose corner sums are a shape's own sum to 1 on every element of the
+  shape and 0 elsewhere, an exact tiling.
+  """
+  sums: collections.Counter = collections.Counter()
+  for ix in indices:
+    for corner in itertools.product(*(((a, 1), (b, -1)) for a, b in ix)):
+      sums[tuple(c for c, _ in corner)] += math.prod(s for _, s in corner)
+  return {c: s for c, s in sums.items() if s}
+
+
+def _first_overlap(indices: list[Index]) -> tuple[Index, Index]:
+  """The overlapping pair a scan of all pairs in order names first: the
+  lowest-numbered box that overlaps another, and the lowest-numbered box it
+  overlaps (a lowest one can only overlap later ones). Swept along the
+  dimension with the most distinct starts: each box is compared only with
+  the boxes whose ranges there are open at its start."""
+  lo = np.array([[a for a, _ in ix] for ix in indices], np.int64)  # [n, rank]
+  hi = np.array([[b for _, b in ix] for ix in indices], np.int64)  # [n, rank]
+  dim = max(range(lo.shape[1]), key=lambda d: len(np.unique(lo[:, d])))
+  involved = np.zeros(len(indices), bool)
+  active = np.zeros(0, np.int64)  # boxes open along `dim` at the sweep's position
+  for i in np.argsort(lo[:, dim], kind="stable"):
+    active = active[hi[active, dim] > lo[i, dim]]
+    hits = active[np.all((lo[active] < hi[i]) & (lo[i] < hi[active]), axis=1)]
+    if hits.size:
+      involved[hits] = involved[i] = True
+    active = np.append(active, i)
+  first = int(np.argmax(involved))
+  partners = np.nonzero(np.all((lo < hi[first]) & (lo[first] < hi), axis=1))[0]
+  return indices[first], indices[int(partners[partners != first].min())]
 
 
 def report(src_leaves, dest_leaves, rollout_hosts: int = 1) -> dict:
@@ -490,26 +543,41 @@ def _read_manifest(path: str) -> dict | None:
       return None
     int(m["version"]), int(m["process"]), int(m["num_processes"])
     str(m["nonce"]), str(m["address"]), list(m["pieces"]), list(m["leaves"])
+    if not math.isfinite(float(m.get("published", 0))):
+      return None
     return m
   except (OSError, ValueError, KeyError, TypeError, RecursionError):
     return None
 
 
-def newest_offer(root: str) -> Offer | None:
-  """The newest version with a manifest from each of its trainer's processes."""
+def newest_offer(root: str, now: float | None = None,
+                 on_future: Callable[[str, float], None] | None = None) -> Offer | None:
+  """The newest version with a manifest from each of its trainer's processes.
+
+  Newest by publish time; a manifest published after `now` (default: this
+  host's clock) + CLOCK_SKEW_S is left out (a clock gone wrong, or a file
+  no live trainer wrote: it would outrank every real version for as long as
+  it stayed), and `on_future(name, seconds ahead)` is told.
+  """
   d = transfer_dir(root)
   try:
     names = files.listdir(d)
   except FileNotFoundError:
     return None
+  latest = (time.time() if now is None else now) + CLOCK_SKEW_S
   groups: dict = collections.defaultdict(dict)
   for name in names:
     if not _MANIFEST.match(name):
       continue
     m = _read_manifest(files.join(d, name))
-    if m is not None:
-      groups[(int(m["version"]), str(m["nonce"]), int(m["num_processes"]))][
-          int(m["process"])] = m
+    if m is None:
+      continue
+    if float(m.get("published", 0)) > latest:
+      if on_future is not None:
+        on_future(name, float(m["published"]) - latest + CLOCK_SKEW_S)
+      continue
+    groups[(int(m["version"]), str(m["nonce"]), int(m["num_processes"]))][
+        int(m["process"])] = m
   complete = [(max(float(m.get("published", 0)) for m in ms.values()), key, ms)
               for key, ms in groups.items() if sorted(ms) == list(range(key[2]))]
   if not complete:
@@ -731,17 +799,22 @@ class Follower:
   `poll()` is `fleet.WeightFollower.poll`'s contract, never blocking on a
   pull: (params, version, meta) when a whole new version is ready, else
   None. Counts pulls, failures and fallbacks by reason (`failures`,
-  `fallbacks`) and logs each failure once.
+  `fallbacks`) and logs each failure once; a manifest from the future
+  (`newest_offer`) is counted in `ignored_manifests["from_future"]` and
+  logged once. `clock` is the wall clock manifests are judged by.
   """
 
-  def __init__(self, checkpoints, net: NetFollower | None, log: Callable[[str], None] = print):
-    self._ckpt, self._net, self._log = checkpoints, net, log
+  def __init__(self, checkpoints, net: NetFollower | None, log: Callable[[str], None] = print,
+               clock: Callable[[], float] = time.time):
+    self._ckpt, self._net, self._log, self._clock = checkpoints, net, log, clock
     self.version: int | None = None
     self.identity: tuple | None = None  # (version, trainer nonce) held
     self._tried: set = set()  # offers pulled or failed: not pulled again
     self.pulls = 0
     self.failures: collections.Counter = collections.Counter()
     self.fallbacks: collections.Counter = collections.Counter()
+    self.ignored_manifests: collections.Counter = collections.Counter()
+    self._future: set[str] = set()  # manifests from the future, counted once each
     self.last_path: str | None = None
 
   @property
@@ -768,7 +841,7 @@ class Follower:
           self._failed(e)
         else:
           return None if params is None else self._take(params, pulling, "direct")
-      offer = newest_offer(net.root)
+      offer = newest_offer(net.root, self._clock(), self._from_future)
       if offer is not None and offer.identity != self.identity and \
           offer.identity not in self._tried:
         self._tried.add(offer.identity)
@@ -781,6 +854,15 @@ class Follower:
     elif net is not None and net.pulling is not None:
       net.abandon()
     return self._from_checkpoint(offer, final)
+
+  def _from_future(self, name: str, ahead_s: float) -> None:
+    if name in self._future:
+      return
+    self._future.add(name)
+    self.ignored_manifests["from_future"] += 1
+    self._log(f"[fleet] ignored the weight manifest {name}: published {ahead_s:.0f} s "
+              f"after this host's now (more than {CLOCK_SKEW_S:.0f} s of clock skew); "
+              "the newest valid version is pulled")
 
   def _failed(self, e: PullError) -> None:
     self.failures[e.reason] += 1

@@ -11,7 +11,10 @@ published (over the network, weight_transfer.Follower, or from checkpoints,
 fleet.WeightFollower; generation goes on while a version arrives), and returns when the trainer marks RL
 done or `stop` is set, its open shard renamed. A SIGKILLed process loses
 only its open shard; started again with the same rollout id it continues
-its shard sequence. The transport is sao_jax/data/fleet.py.
+its shard sequence. One process per rollout id: a second one started with
+the id of a live one stops at start-up with one line (StopTraining; the
+id's lock, fleet.RolloutLock / RolloutLease), before it touches the first
+one's files. The transport is sao_jax/data/fleet.py.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from sao_jax.data import weight_transfer
 from sao_jax.data import prompts as prompt_data
 from sao_jax.envs import registry
 from sao_jax.train.faults import FaultInjector
+from sao_jax.train.stopping import StopTraining
 from sao_jax.models import policy
 
 
@@ -49,8 +53,18 @@ def run_rollout_worker(config, workdir: str, rollout_id: str, stop: threading.Ev
   counts: trajectories written, the last renamed shard's sequence number
   (`last_shard`, -1 for none), the last weight version held (`version`,
   None if none was ever published) and the tokens generated. A dead driver
-  thread raises its error (after everything is closed).
+  thread raises its error (after everything is closed); a rollout id that
+  another live process holds (at start-up, or a lease lost later) raises
+  StopTraining.
   """
+  try:
+    return _run(config, workdir, rollout_id, stop, log)
+  except fleet.RolloutIdInUse as e:
+    raise StopTraining(str(e)) from None
+
+
+def _run(config, workdir: str, rollout_id: str, stop: threading.Event,
+         log: Callable[[str], None]) -> dict:
   config = sections.load(config)
   # The trainer's mesh is not ours: this process's devices.
   config = config.replace(sharding=config.sharding.replace(mesh={"data": -1}))
@@ -61,16 +75,26 @@ def run_rollout_worker(config, workdir: str, rollout_id: str, stop: threading.Ev
   # An unreachable or unwritable root (a missing bucket, no credentials) is
   # one line here, not a traceback at the first shard.
   configuration.check_workdir(root, min_free_gb=0.0)
+  # The rollout id's lock first: a second process with a live id stops here.
+  writer = fleet.ShardWriter(root, rid, f.shard_trajectories, f.shard_seconds, log=log)
+  try:
+    return _generate(config, root, rid, writer, stop, log)
+  finally:
+    writer.close()  # the id is released however this ends (idempotent)
 
+
+def _generate(config, root: str, rid: str, writer, stop: threading.Event,
+              log: Callable[[str], None]) -> dict:
+  f = config.fleet
+  if writer.lock.note:
+    log(f"[rollout {rid}] {writer.lock.note}")
   tok = registry.make_tokenizer(config.env)
   faults = FaultInjector(config.faults)
   env = faults.wrap_env(registry.make_env(config.env))
   model_cfg = factories.build_model_config(config, tok)
   # Each shard carries what the driver's counters grew by while it was open
   # (`driver` is bound below, before anything is written).
-  writer = fleet.ShardWriter(
-      root, rid, f.shard_trajectories, f.shard_seconds,
-      counters=lambda: {k: getattr(driver.stats, k) for k in fleet.SHARD_COUNTERS})
+  writer.counters = lambda: {k: getattr(driver.stats, k) for k in fleet.SHARD_COUNTERS}
   # Each process (and each restart of it) draws its own prompt order and samples.
   seed = zlib.crc32(f"{config.seed}/{rid}/{writer.first_seq}".encode())
   # Versions are published in the compute dtype the engine holds (precision.py).
@@ -114,7 +138,8 @@ def run_rollout_worker(config, workdir: str, rollout_id: str, stop: threading.Ev
         f"{driver.stats.generated_tokens} tokens")
   return dict(trajectories=writer.trajectories, last_shard=writer.last_closed,
               version=follower.version, generated_tokens=driver.stats.generated_tokens,
-              tokens_during_pulls=pulls.tokens, **weight_counts(follower))
+              tokens_during_pulls=pulls.tokens, shard_names_taken=writer.names_taken,
+              **weight_counts(follower))
 
 
 def _first_version(follower, root: str, stop: threading.Event, poll_seconds: float):
@@ -220,4 +245,5 @@ def weight_counts(follower) -> dict:
   if not isinstance(follower, weight_transfer.Follower):
     return dict(weights_path="checkpoint", pulls=0, pull_failures={})
   return dict(weights_path="direct", pulls=follower.pulls,
-              pull_failures=dict(follower.failures), fallbacks=dict(follower.fallbacks))
+              pull_failures=dict(follower.failures), fallbacks=dict(follower.fallbacks),
+              ignored_manifests=dict(follower.ignored_manifests))

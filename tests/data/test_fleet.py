@@ -10,7 +10,9 @@ import collections
 import json
 import os
 import signal
+import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -73,8 +75,10 @@ def test_only_renamed_shards_are_read_in_completion_order(tmp_path):
   assert [line.split()[2].rstrip(":") for line in consumed] == [
       "a-00000000.array_record", "b-00000000.array_record"]
   assert feed.qsize() == 0
-  # A SIGKILLed writer's successor drops the dead temporary and continues
-  # the sequence after the last renamed shard.
+  # A SIGKILLed writer's successor (the kernel dropped the dead one's lock)
+  # drops the dead temporary and continues the sequence after the last
+  # renamed shard.
+  a.lock.release()
   a2 = fleet.ShardWriter(root, "a", max_trajectories=3, max_seconds=1e9)
   assert a2.first_seq == 1 and not any(".tmp-" in n for n in os.listdir(a2.dir))
   a2.write(traj(7))
@@ -180,6 +184,7 @@ def test_driver_counters_cross_the_shard_boundary(tmp_path):
     json.dump({"env_events": {"ghost": 9}}, f)
   fresh = {"tool_call_errors": collections.Counter({"unclosed": 1}),
            "env_events": collections.Counter()}
+  w.lock.release()  # as a SIGKILL would
   w2 = fleet.ShardWriter(root, "r0", max_trajectories=1, max_seconds=1e9,
                          counters=lambda: fresh)
   assert not os.path.exists(orphan)
@@ -312,6 +317,240 @@ def test_rollout_worker_in_process(tmp_path):
   # Sampled tokens of episodes still open at the end were never written.
   assert 0 < sum(int(t.action_mask.sum()) for t in got) <= counts["generated_tokens"]
   assert {int(v) for t in got for v in t.policy_version[t.action_mask]} <= {0, 1}
+
+
+# --- one writer per rollout id, and a feed a stray file cannot steer ---------------
+
+
+def _ids(trajs):
+  return sorted(int(t.prompt_id) for t in trajs)
+
+
+def _no_wait(waited):
+  raise AssertionError("the feed ran out of shards: some shard was skipped")
+
+
+def _stray(root, rollout_id, seq, prompt_id):
+  """A well-formed shard no writer of `rollout_id` wrote, e.g. a copy from
+  another run."""
+  path = os.path.join(fleet.trajectories_dir(root), fleet.shard_name(rollout_id, seq))
+  with store.TrajectoryWriter(path) as w:
+    w.write(traj(prompt_id))
+
+
+def test_a_second_writer_of_a_live_rollout_id_is_refused(tmp_path):
+  root = str(tmp_path)
+  first = fleet.ShardWriter(root, "r0", max_trajectories=2, max_seconds=1e9)
+  for i in range(3):
+    first.write(traj(i))  # r0-00000000 closed, r0-00000001 open
+  with pytest.raises(fleet.RolloutIdInUse) as refused:
+    fleet.ShardWriter(root, "r0", max_trajectories=2, max_seconds=1e9)
+  message = str(refused.value)
+  assert "\n" not in message and message.startswith(
+      f"rollout id 'r0' is in use: pid {os.getpid()} on {socket.gethostname()} holds "
+      f"{os.path.join(fleet.rollouts_dir(root), 'r0.lock')} since ")
+  # The refused start touched nothing: the first writer's open shard lives on.
+  for i in range(3, 8):
+    first.write(traj(i))
+  first.close()
+  assert _ids(make_feed(root).take(8, on_wait=_no_wait)) == list(range(8))
+  fleet.ShardWriter(root, "r0", max_trajectories=2, max_seconds=1e9).close()  # released
+
+
+def test_the_rollout_worker_refuses_a_live_rollout_id_at_start_up(tmp_path):
+  config = runs.load_config_module("sao_tiny.py").get_config()
+  config.rl.mode = "fleet"
+  config.lock()
+  workdir = str(tmp_path)
+  held = fleet.ShardWriter(fleet.root_of(config, workdir), "w0", 2, 1e9)
+  lines = []
+  stop = threading.Event()
+  stop.set()  # a worker that started anyway returns at once instead of waiting for weights
+  with pytest.raises(configuration.StopTraining, match="^rollout id 'w0' is in use: pid "):
+    fleet_worker.run_rollout_worker(config, workdir, "w0", stop, lines.append)
+  assert not lines  # refused before anything else
+  held.close()
+
+
+def test_a_killed_writers_lock_does_not_block_its_restart(tmp_path):
+  root = str(tmp_path)
+  code = ("import sys; from sao_jax.data import fleet; "
+          "w = fleet.ShardWriter(sys.argv[1], 'r0', 2, 1e9); print('held', flush=True); "
+          "sys.stdin.read()")
+  holder = subprocess.Popen([sys.executable, "-c", code, root], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                            env=runs.child_env(1, PYTHONPATH=ROOT))
+  try:
+    assert holder.stdout.readline() == "held\n"
+    with pytest.raises(fleet.RolloutIdInUse, match=f"pid {holder.pid} "):
+      fleet.ShardWriter(root, "r0", 2, 1e9)
+  finally:
+    holder.kill()
+    holder.wait()
+  fleet.ShardWriter(root, "r0", 2, 1e9).close()  # the kernel dropped the dead one's lock
+
+
+class FakeObjects:
+  """An object store's create-only write, read, overwrite and delete."""
+
+  def __init__(self):
+    self.objects, self.broken = {}, False
+
+  def read(self, path):
+    return self.objects.get(path)
+
+  def create(self, path, data):
+    if path in self.objects:
+      return False
+    self.objects[path] = data
+    return True
+
+  def write(self, path, data):
+    if self.broken:
+      raise OSError("503 from the store")
+    self.objects[path] = data
+
+  def delete(self, path):
+    self.objects.pop(path, None)
+
+
+class FakeClock:
+  """A monotonic clock that moves only when slept on; `during_sleep` runs
+  at each sleep (another process's renewals)."""
+
+  def __init__(self):
+    self.now, self.during_sleep = 0.0, lambda: None
+
+  def __call__(self):
+    return self.now
+
+  def sleep(self, seconds):
+    self.now += seconds
+    self.during_sleep()
+
+
+def test_an_object_store_lease_refuses_a_live_holder_and_passes_from_a_dead_one():
+  objects, clock, lines = FakeObjects(), FakeClock(), []
+
+  def lease(rollout_id="r0"):
+    return fleet.RolloutLease("gs://b/fleet/trajectories", rollout_id, ttl_s=60.0,
+                              store=objects, clock=clock, sleep=clock.sleep,
+                              log=lines.append, thread=False)
+
+  path = "gs://b/fleet/trajectories/r0.lease"
+  a = lease()
+  assert json.loads(objects.read(path))["token"] == a.token
+  # A live holder renews within the wait: refused, well before ttl_s.
+  clock.during_sleep = a.renew
+  with pytest.raises(fleet.RolloutIdInUse, match=f"^rollout id 'r0' is in use: pid {os.getpid()} "):
+    lease()
+  assert 0 < clock.now < 60 and "waiting up to 60 s" in lines[-1]
+  # A holder that stopped renewing (stalled, or dead on another host) is
+  # taken over after ttl_s without a beat; it finds out at its next renewal.
+  clock.during_sleep = lambda: None
+  start = clock.now
+  b = lease()
+  assert clock.now - start >= 60 and json.loads(objects.read(path))["token"] == b.token
+  a.renew()
+  with pytest.raises(fleet.RolloutIdInUse, match="taken over by pid"):
+    a.check()
+  b.check()
+  # A holder on this host whose process is gone: taken over at once.
+  dead = subprocess.Popen(["true"])
+  dead.wait()
+  record = json.loads(objects.read(path))
+  objects.write(path, json.dumps(dict(record, pid=dead.pid, token="x")).encode())
+  start = clock.now
+  c = lease()
+  assert clock.now == start and json.loads(objects.read(path))["token"] == c.token
+  # A holder that cannot renew for 2/3 of ttl_s gives the lease up.
+  objects.broken = True
+  clock.now += 30
+  c.renew()
+  c.check()  # within 2/3 of ttl_s: retried
+  clock.now += 11
+  c.renew()
+  with pytest.raises(fleet.RolloutIdInUse, match="could not be renewed for 41 s"):
+    c.check()
+  # Released, the lease is gone and the next process takes it at once.
+  objects.broken = False
+  d = lease("r1")
+  d.release()
+  assert objects.read("gs://b/fleet/trajectories/r1.lease") is None
+  start = clock.now
+  lease("r1").release()
+  assert clock.now == start
+
+
+def test_a_stray_shard_neither_hides_nor_steers_the_live_writers(tmp_path):
+  """A well-formed shard no writer wrote, with a high number (and one that
+  takes the live writer's next name), is read like any shard; the writer's
+  later shards are all read, the watermark moves only through what was read,
+  and a restarted writer continues after it, not after the stray."""
+  root = str(tmp_path)
+  logged = []
+  w = fleet.ShardWriter(root, "r0", max_trajectories=2, max_seconds=1e9)
+  w.write(traj(0))
+  w.write(traj(1))  # r0-00000000
+  feed = make_feed(root, log=logged.append)
+  assert _ids(feed.take(2, on_wait=_no_wait)) == [0, 1]
+  _stray(root, "r0", 900, 900)
+  _stray(root, "r0", 2, 902)
+  assert _ids(feed.take(2, on_wait=_no_wait)) == [900, 902]  # read ahead of the sequence
+  for i in range(2, 8):
+    w.write(traj(i))  # r0-00000001, then r0-00000003 (the stray has 2), r0-00000004
+  assert _ids(feed.take(6, on_wait=_no_wait)) == list(range(2, 8))
+  assert w.last_closed == 4 and w.names_taken == 1
+  assert any("reading r0-00000002.array_record ahead of r0's sequence" in x for x in logged)
+  assert feed.state() == {"consumed": {"r0": 4}, "current": None, "ahead": {"r0": [900]}}
+  assert fleet.read_consumed(root) == {"r0": 4}
+  assert fleet.unread_shards(fleet.read_consumed(root), "r0", w.last_closed) == 0
+  assert not feed.rejected
+  w.close()
+  w2 = fleet.ShardWriter(root, "r0", max_trajectories=1, max_seconds=1e9)
+  assert w2.first_seq == 5
+  w2.write(traj(8))
+  # A trainer resumed from this cursor reads on from it, the stray not again.
+  resumed = make_feed(root, state=json.loads(json.dumps(feed.state())))
+  assert _ids(resumed.take(1, on_wait=_no_wait)) == [8]
+  assert resumed.state()["consumed"] == {"r0": 5}
+
+
+def test_what_the_feed_skips_is_counted_once_with_its_reason(tmp_path, monkeypatch):
+  monkeypatch.setattr(fleet, "MAX_AHEAD", 2)
+  root = str(tmp_path)
+  d = fleet.trajectories_dir(root)
+  logged = []
+  feed = make_feed(root, log=logged.append)
+  for seq in (0, 2, 3, 4):  # r1-00000001 never came
+    _stray(root, "r1", seq, seq)
+  for name in ("r1-123.array_record", "r1-000000009.array_record", "notes.txt"):
+    with open(os.path.join(d, name), "w") as f:
+      f.write("x")
+  assert feed.qsize() == 4 and feed.qsize() == 4
+  assert dict(feed.rejected) == {"bad_shard_name": 3}
+  # Read beyond the gap: with MAX_AHEAD = 2 shards read past it, it is given up.
+  assert _ids(feed.take(4, on_wait=_no_wait)) == [0, 2, 3, 4]
+  assert feed.state() == {"consumed": {"r1": 4}, "current": None}
+  assert any("gave up r1's shards 1..1" in x for x in logged)
+  # The missing shard turns up after all: below the watermark, skipped and counted.
+  _stray(root, "r1", 1, 1)
+  assert feed.qsize() == 0 and feed.qsize() == 0
+  assert dict(feed.rejected) == {"bad_shard_name": 3, "sequence_gap": 1,
+                                 "out_of_order_shard": 1}
+  assert sum("(out_of_order_shard)" in x for x in logged) == 1
+  assert sum("(bad_shard_name)" in x for x in logged) == 3
+  # Writers' own files are no strays: temporaries and stats files.
+  w = fleet.ShardWriter(root, "r2", max_trajectories=1, max_seconds=1e9)
+  w.write(traj(5))
+  with open(os.path.join(d, fleet.shard_name("r2", 0) + fleet.STATS_SUFFIX), "w") as f:
+    json.dump({"env_events": {"x": 1}}, f)
+  with open(os.path.join(d, fleet.shard_name("r2", 1) + ".tmp-1"), "w") as f:
+    f.write("x")
+  assert _ids(feed.take(1, on_wait=_no_wait)) == [5]
+  assert dict(feed.rejected) == {"bad_shard_name": 3, "sequence_gap": 1,
+                                 "out_of_order_shard": 1}
+  w.close()
 
 
 # --- the real trainer and two rollout processes ------------------------------------
