@@ -308,3 +308,32 @@ def test_routing_replay_compiles_with_its_batch_and_the_recording_engine(tmp_pat
   example = packing.pack([], 1, (8,), routing=(1, 2))  # one MoE layer, top-2
   assert example["routing"].shape == (1, 8, 1, 2) and example["routing"].dtype == "int16"
   assert "[compile] rl: compiled" in stdout
+
+
+def test_a_dense_scanned_model_compiles_on_one_chip(tmp_path):
+  """The dense family on a single-chip slice (Colab's v5e-1): libtpu's host
+  is set to the slice's one chip, and the dense stack compiles as one scan."""
+  config = tmp_path / "tiny_dense.py"
+  config.write_text(textwrap.dedent('''\
+      """A tied dense Qwen3 toy, scanned, on one chip."""
+      from configs import common
+
+
+      def get_config(arg=None):
+        c = common.get_config()
+        c.model.preset = "tiny_dense"
+        c.model.overrides = {"scan_layers": True, "remat": "full"}
+        c.sharding.mesh = {"data": 1}
+        c.rollout.slots = 4
+        c.rollout.max_len = 64
+        return c
+      '''))
+  out = tmp_path / "compile.json"
+  proc = subprocess.run([sys.executable, SCRIPT, f"--config={config}", f"--out={out}",
+                         "--topology=v5e-1", "--programs=rl,decode", "--rows=2",
+                         "--length=64"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  result = json.loads(out.read_text())
+  assert result["ok"] and set(result["programs"]) == {"rl", "decode"}
+  assert "v5e:1x1" in proc.stdout and "1 x TPU v5 lite" in proc.stdout
+  assert all(p["fits"] for p in result["programs"].values())
