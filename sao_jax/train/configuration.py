@@ -314,16 +314,7 @@ def check_memory(typed: sections.Sections, model_cfg, abstract_state) -> None:
   for x in jax.tree.leaves(abstract_state):
     for device in x.sharding.addressable_devices:
       state[device] += math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
-  host = host_memory_bytes()
-  if all(d.platform == "cpu" for d in state):
-    device_pool = (host, sum(state.values()), 1, "this host's memory")
-    host_pool = device_pool
-  else:
-    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in state]
-    device_pool = (None if None in limits else min(limits), max(state.values()), len(state),
-                   f"each of the {len(state)} devices' memory")
-    host_pool = (host, 0, 1, "this host's memory")
-
+  device_pool, host_pool = memory_pools(state)
   m, r, c = typed.model, typed.rollout, typed.rl
   capacity, used, _, where = device_pool
   if capacity is not None and used > capacity:
@@ -366,6 +357,29 @@ def check_memory(typed: sections.Sections, model_cfg, abstract_state) -> None:
   if typed.value_pretrain.steps:
     at_most(host_pool, "value_pretrain.num_trajectories", typed.value_pretrain.num_trajectories,
             trajectory, what)
+
+
+def memory_pools(state: dict) -> tuple[tuple, tuple]:
+  """(device pool, host pool), each (capacity or None, bytes the train state
+  takes of it, devices a cache or batch spreads over, its name), for
+  `state`: device -> bytes of the train state on it. CPU devices share the
+  host's memory; an accelerator's is its `bytes_limit`, the tightest device's."""
+  host = host_memory_bytes()
+  if all(d.platform == "cpu" for d in state):
+    pool = (host, sum(state.values()), 1, "this host's memory")
+    return pool, pool
+
+  def limit(device):
+    try:
+      return (device.memory_stats() or {}).get("bytes_limit")
+    except Exception:  # pylint: disable=broad-except  # a backend without the statistics
+      return None
+
+  limits = [limit(d) for d in state]
+  free = None if None in limits else min(lim - state[d] for d, lim in zip(state, limits))
+  device_pool = (None if free is None else free + max(state.values()), max(state.values()),
+                 len(state), f"each of the {len(state)} devices' memory")
+  return device_pool, (host, 0, 1, "this host's memory")
 
 
 def host_memory_bytes() -> int | None:

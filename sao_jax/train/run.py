@@ -89,10 +89,12 @@ class Run:
     self.save(force=True)
 
   def close(self) -> None:
-    if self.ckpt is not None:
-      self.ckpt.close()
-    if self.metrics is not None:
-      self.metrics.close()
+    try:
+      if self.ckpt is not None:
+        self.ckpt.close()  # raises CheckpointWriteError if the save in flight failed
+    finally:
+      if self.metrics is not None:
+        self.metrics.close()
 
   # --------------------------------------------------------------- batches
   def put_batch(self, batch):
@@ -192,6 +194,9 @@ def build(config: ml_collections.ConfigDict | sections.Sections) -> Run:
   # Mesh, shardings, optimizers and steps (shapes first, then placement).
   mesh = sharding.make_mesh(dict(config.sharding.mesh))
   p = factories.build_programs(config, model_cfg, step_cfg, mesh)
+  # Shapes only so far: what the memory present cannot hold fails before
+  # the first allocation.
+  configuration.check_memory(config, model_cfg, p.abstract_state)
   rl_step, value_step, sft_step = (
       distributed.lockstep(f, name) for f, name in
       ((p.rl_step, "rl_step"), (p.value_step, "value_step"), (p.sft_step, "sft_step")))
@@ -208,11 +213,15 @@ def build(config: ml_collections.ConfigDict | sections.Sections) -> Run:
              eval_envs=set_environments(config, frozen_env))
 
 
-def open_workdir(run: Run, workdir: str, restore_step: int | None = None) -> Run:
+def open_workdir(run: Run, workdir: str, restore_step: int | None = None,
+                 training: bool = False) -> Run:
   """Attaches `workdir` (checkpoints, metrics) and restores its latest checkpoint.
 
   `restore_step`: that checkpoint instead of the latest. A workdir without a
-  checkpoint leaves the run at step 0.
+  checkpoint leaves the run at step 0. Newer checkpoints than the newest
+  that restores are damaged (truncated, files missing): each is skipped and
+  logged, and when `training` (the run that writes this workdir, not a tool
+  reading it) set aside and counted (`_restore_intact`).
   """
   config = run.config
   configuration.check_workdir(workdir, config.checkpoint.min_free_gb)
@@ -225,13 +234,44 @@ def open_workdir(run: Run, workdir: str, restore_step: int | None = None) -> Run
   run.ckpt = Checkpointer(files.join(workdir, "checkpoints"), config.checkpoint.keep,
                           name="run")
   if run.ckpt.latest_step() is not None:
-    restore_step = restore_step or run.ckpt.latest_step()
-    _check_vocab_ids(run, restore_step)
-    run.state, run.meta = run.ckpt.restore(abstract_like(run.state), restore_step)
+    if restore_step:
+      _check_vocab_ids(run, restore_step)
+      run.state, run.meta = run.ckpt.restore(abstract_like(run.state), restore_step)
+    else:
+      restore_step = _restore_intact(run, training)
     _upgrade_meta(run.meta, config.rl.mode, config.rl.advantage)
     print(f"Resumed from checkpoint {restore_step} at stage "
           f"{run.meta['stage']} step {run.meta['stage_step']}", flush=True)
   return run
+
+
+def _restore_intact(run: Run, training: bool) -> int:
+  """Restores the newest checkpoint that restores; its step.
+
+  Each newer one (damaged: truncated, files missing, unreadable) is logged
+  with its step and error. A training run also sets it aside as
+  `damaged-<step>` (process 0; orbax would otherwise count it as the
+  latest step and skip saving that step anew) and counts it in
+  meta["checkpoints_skipped"] (over the run's launches), written to the
+  metrics as "checkpoint/damaged_skipped" (stage "resume"). A tool reading
+  the workdir moves nothing under the trainer that writes it.
+  """
+  readable = committed_checkpoints(files.join(run.workdir, "checkpoints"))
+  if readable:  # the vocabulary's one line, before orbax's shape error
+    _check_vocab_ids(run, max(readable))
+  step, run.state, run.meta, skipped = run.ckpt.restore_intact(
+      abstract_like(run.state), set_aside=training and distributed.is_primary())
+  for bad, why, where in skipped:
+    print(f"[checkpoint] skipped damaged checkpoint {bad} ({why}), resuming from {step}"
+          + (f"; set aside as {where}" if where else ""), flush=True)
+  if skipped and training:
+    distributed.sync("checkpoint_set_aside")
+    run.ckpt.reload()
+    run.meta["checkpoints_skipped"] = run.meta.get("checkpoints_skipped", 0) + len(skipped)
+    run.metrics.write(run.meta["stage_step"],
+                      {"checkpoint/damaged_skipped": run.meta["checkpoints_skipped"],
+                       "checkpoint/resumed_from": step}, "resume")
+  return step
 
 
 def _check_vocab_ids(run: Run, step: int) -> None:
@@ -269,6 +309,7 @@ def _upgrade_meta(meta: dict, mode: str, advantage: str) -> None:
 
 
 def load(config: ml_collections.ConfigDict | sections.Sections, workdir: str,
-         step: int | None = None) -> Run:
-  """A run restored from `workdir` (fresh if it has no checkpoint)."""
-  return open_workdir(build(config), workdir, step)
+         step: int | None = None, training: bool = False) -> Run:
+  """A run restored from `workdir` (fresh if it has no checkpoint); `training`:
+  see `open_workdir`."""
+  return open_workdir(build(config), workdir, step, training)

@@ -3,6 +3,7 @@
 import os
 import subprocess
 
+import jax
 import pytest
 
 from sao_jax.train import configuration
@@ -41,6 +42,119 @@ def test_out_of_range_is_one_line_naming_the_field(field, value, tmp_path):
   with pytest.raises(configuration.ConfigError):
     trainer.train(c, str(workdir))
   assert not workdir.exists()
+
+
+@pytest.mark.parametrize("overrides,expect", [
+    ({"num_layers": -1}, "model.overrides.num_layers = -1: must be"),
+    ({"d_model": 0}, "model.overrides.d_model = 0: must be"),
+    ({"num_heads": 3}, "model.overrides = {'num_heads': 3}: num_heads (3) must be a multiple"),
+    ({"dense_layers": (7,)}, "model.overrides = {'dense_layers': (7,)}: dense_layers"),
+])
+def test_bad_model_override_is_one_line_naming_it(overrides, expect, tmp_path):
+  c = load_config()
+  c.model.overrides = overrides
+  with pytest.raises(configuration.ConfigError) as e:
+    configuration.validate(c, num_devices=8)
+  assert str(e.value).startswith(expect) and "\n" not in str(e.value), str(e.value)
+  with pytest.raises(configuration.ConfigError):
+    trainer.train(c, str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()
+
+
+# Every built-in environment with a turn limit, and what else it needs to validate.
+TURN_LIMITED = [
+    ("python_tool", {}, "raw"), ("code_fix", {}, "raw"), ("math_tool", {}, "qwen3"),
+    ("humaneval", {"tools": ("python",)}, "qwen3"), ("repo_repair", {}, "qwen3"),
+]
+
+
+@pytest.mark.parametrize("env,kwargs,chat_format", TURN_LIMITED)
+@pytest.mark.parametrize("max_turns", [-1, 0, 10**6, 2.5])
+def test_every_environments_max_turns_is_bounded(env, kwargs, chat_format, max_turns):
+  c = load_config()
+  c.env.name, c.env.chat_format = env, chat_format
+  c.env.kwargs = dict(kwargs, max_turns=max_turns)
+  c.env.tokenizer = "qwen3" if chat_format == "qwen3" else c.env.tokenizer
+  with pytest.raises(configuration.ConfigError) as e:
+    configuration.validate(c, num_devices=8)
+  assert str(e.value).startswith(f"env.kwargs.max_turns = {max_turns!r}: must be an integer in "
+                                 f"[1, {c.rollout.max_len}]"), str(e.value)
+  c.env.kwargs = dict(kwargs, max_turns=c.rollout.max_len)  # the bound itself is valid
+  configuration.validate(c, num_devices=8)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("rollout.slots", 10**9), ("eval.slots", 10**9), ("rollout.queue_size", 10**9),
+    ("rl.batch_size", 10**9), ("sft.batch_size", 10**9),
+    ("value_pretrain.num_trajectories", 10**9),
+    ("model.overrides", {"d_model": 2**20, "moe_d_ff": 2**16}),  # ~300 TiB of train state
+    ("rollout.decode_steps", 10**6), ("eval.decode_steps", 10**6),
+])
+def test_sizes_beyond_the_machine_are_one_line_before_anything(field, value, tmp_path):
+  """Each would end in an allocation the host cannot make (or, today, train
+  on): refused from shapes, before the first allocation and the workdir."""
+  c = load_config()
+  c.sharding.mesh = {"data": 8}
+  c.env.allow_unisolated = True  # the run is refused before any code runs
+  configuration.set_field(c, field, value)
+  workdir = tmp_path / "run"
+  with pytest.raises(configuration.ConfigError) as e:
+    trainer.train(c, str(workdir))
+  message = str(e.value)
+  assert message.startswith(f"{field} = ") and "must be" in message, message
+  assert "\n" not in message
+  assert not workdir.exists()
+
+
+def test_memory_bound_is_the_last_size_that_fits(monkeypatch):
+  """With the host's memory set to 1 GiB, rollout.slots' bound is the slots
+  whose KV cache fits beside the train state: the bound passes, one more fails.
+  Oracle: the cache of one slot by hand, the state as 8 data-parallel replicas."""
+  from sao_jax.config import sections  # pylint: disable=g-import-not-at-top
+  from sao_jax.models import sharding  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import factories  # pylint: disable=g-import-not-at-top
+  c = load_config()
+  c.sharding.mesh = {"data": 8}
+  typed = sections.load(c)
+  model_cfg = factories.build_model_config(typed)
+  programs = factories.build_programs(typed, model_cfg, factories.step_config(typed),
+                                      sharding.make_mesh({"data": 8}))
+  state = 8 * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(programs.abstract_state))
+  m = model_cfg
+  per_slot = m.num_layers * 2 * typed.rollout.max_len * m.num_kv_heads * m.head_dim * 4
+  monkeypatch.setattr(configuration, "host_memory_bytes", lambda: 2**30)
+  most = (2**30 - state) // per_slot
+  for slots, fits in ((most, True), (most + 1, False)):
+    checked = typed.replace(rollout=typed.rollout.replace(slots=slots))
+    if fits:
+      configuration.check_memory(checked, model_cfg, programs.abstract_state)
+    else:
+      with pytest.raises(configuration.ConfigError, match=f"rollout.slots = {slots}: must be "
+                         f"<= {most} here"):
+        configuration.check_memory(checked, model_cfg, programs.abstract_state)
+
+
+class _Accelerator:
+  """A device as check_memory reads one: its platform and memory statistics."""
+  platform = "gpu"
+
+  def __init__(self, limit):
+    self.limit = limit
+
+  def memory_stats(self):
+    if self.limit is None:
+      raise RuntimeError("no memory statistics on this backend")
+    return {"bytes_limit": self.limit}
+
+
+def test_accelerator_memory_is_the_tightest_devices_limit(monkeypatch):
+  monkeypatch.setattr(configuration, "host_memory_bytes", lambda: 10**6)
+  device_pool, host_pool = configuration.memory_pools({_Accelerator(100): 30,
+                                                       _Accelerator(80): 40})
+  capacity, used, spread, _ = device_pool
+  assert (capacity - used, used, spread) == (40, 40, 2)  # 80 - 40 left on the second
+  assert host_pool[:3] == (10**6, 0, 1)  # the train state is not in host memory
+  assert configuration.memory_pools({_Accelerator(None): 1})[0][0] is None  # unknown: no bound
 
 
 def test_every_shipped_config_is_valid_and_locked():
