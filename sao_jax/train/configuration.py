@@ -168,11 +168,21 @@ def _check_rollout(typed: sections.Sections, spec: sources.SourceSpec) -> None:
                       f">= rollout.max_len ({r.max_len})")
 
 
-def _architecture(m: sections.Model):
-  """The model section's ModelConfig as the run builds it (the preset, or
-  model.hf_dir's architecture, with model.overrides): factories.model_architecture."""
-  from sao_jax.train import factories  # pylint: disable=g-import-not-at-top
-  return factories.model_architecture(m)
+def model_architecture(m: sections.Model, tokenizer=None):
+  """The model section's ModelConfig before the run's own settings: the preset
+  (a toy preset's vocabulary sized to `tokenizer`'s), with the architecture of
+  `model.hf_dir`'s config.json when set, then `model.overrides`."""
+  from sao_jax.models import config as model_config  # pylint: disable=g-import-not-at-top
+  preset = model_config.PRESETS[m.preset]
+  if tokenizer is not None and m.vocab_from_tokenizer and m.preset in model_config.TOY_PRESETS:
+    base = preset(vocab_size=tokenizer.vocab_size)
+  else:
+    base = preset()
+  if m.hf_dir:
+    from sao_jax.models import hf_import  # pylint: disable=g-import-not-at-top
+    base = model_config.with_architecture(base, hf_import.config_from_hf(m.hf_dir))
+  return dataclasses.replace(base, **m.overrides) if m.overrides else base
+
 
 
 def _check_model(m: sections.Model):
@@ -180,7 +190,7 @@ def _check_model(m: sections.Model):
   built as the run builds it: a field's own check (ModelConfig.__post_init__,
   a ValueError or TypeError) becomes one line naming the override."""
   try:
-    return _architecture(m)
+    return model_architecture(m)
   except (TypeError, ValueError) as e:
     message = " ".join(str(e).split())
     if any(message.startswith(f"{k} = ") for k in m.overrides):  # "num_layers = -1: ..."
@@ -228,7 +238,7 @@ def _check_routing_replay(typed: sections.Sections) -> None:
     return
   m = typed.model
   try:
-    arch = _architecture(m)
+    arch = model_architecture(m)
   except (TypeError, ValueError):
     return  # the model section's own check names what is wrong
   if arch.num_moe_layers < 1:
@@ -239,7 +249,7 @@ def _check_routing_replay(typed: sections.Sections) -> None:
 def _check_update_precision(typed: sections.Sections) -> None:
   """Every stage that trains can move its params: its learning rate, down to
   its schedule's floor, survives rounding in the params' dtype (precision.py)."""
-  param_dtype = _architecture(typed.model).param_dtype
+  param_dtype = model_architecture(typed.model).param_dtype
   rl, stages = typed.rl, {}
   if typed.sft.steps:
     stages["sft.lr"] = (typed.sft.lr, precision.schedule_floor(typed.sft.lr, decays=True))

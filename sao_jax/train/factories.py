@@ -33,30 +33,16 @@ def validate_config(config, num_devices: int | None = None) -> None:
   configuration.validate(config, num_devices)
 
 
-def model_architecture(m: sections.Model, tokenizer=None) -> model_config.ModelConfig:
-  """The model section's ModelConfig before the run's own settings: the preset
-  (a toy preset's vocabulary sized to `tokenizer`'s), with the architecture of
-  `model.hf_dir`'s config.json when set, then `model.overrides`."""
-  preset = model_config.PRESETS[m.preset]
-  if tokenizer is not None and m.vocab_from_tokenizer and m.preset in model_config.TOY_PRESETS:
-    base = preset(vocab_size=tokenizer.vocab_size)
-  else:
-    base = preset()
-  if m.hf_dir:
-    from sao_jax.models import hf_import  # pylint: disable=g-import-not-at-top
-    base = model_config.with_architecture(base, hf_import.config_from_hf(m.hf_dir))
-  return dataclasses.replace(base, **m.overrides) if m.overrides else base
-
-
 def build_model_config(config, tokenizer=None, env=None) -> model_config.ModelConfig:
-  """The ModelConfig of the config's model section: `model_architecture`, the
+  """The ModelConfig of the config's model section: its architecture
+  (`configuration.model_architecture`), the
   compute dtype, and with `model.vocab_subset` the head's ids
   (sao_jax/envs/head_vocab.py, from `env` when the caller has built it)."""
   m = sections.Model.of(config.model)
   if (m.vocab_from_tokenizer and m.preset in model_config.TOY_PRESETS and not m.hf_dir
       and tokenizer is None):
     tokenizer = registry.make_tokenizer(config.env)
-  base = model_architecture(m, tokenizer)
+  base = configuration.model_architecture(m, tokenizer)
   overrides = {}
   if m.compute_dtype:
     overrides["dtype"] = m.compute_dtype

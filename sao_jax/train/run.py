@@ -176,6 +176,22 @@ def wait(tree):
   jax.block_until_ready(tree)
 
 
+def _initial_policy(config: sections.Sections, model_cfg, tok, p: factories.Programs, mesh):
+  """The policy's params at step 0: `model.hf_dir`'s weights, read one tensor at
+  a time into their shardings, else a random initialisation."""
+  hf_dir = config.model.hf_dir
+  if not hf_dir:
+    return sharding.sharded_init(p.policy_init, mesh, p.rules)[0]
+  if tok.vocab_size > model_cfg.vocab_size:
+    raise configuration.ConfigError(
+        f"model.hf_dir = {hf_dir!r}: its vocab_size {model_cfg.vocab_size} is smaller than "
+        f"the run's tokenizer's ({tok.vocab_size}); set env.tokenizer_path to its "
+        "tokenizer.json")
+  from sao_jax.models import hf_import  # pylint: disable=g-import-not-at-top
+  print(f"[model] {model_cfg.family} from {hf_dir}", flush=True)
+  return hf_import.load_hf_checkpoint(hf_dir, model_cfg, p.policy_shardings)
+
+
 def build(config: ml_collections.ConfigDict | sections.Sections) -> Run:
   """A run at step 0 from its config: everything but the workdir. Writes nothing.
 
@@ -200,7 +216,7 @@ def build(config: ml_collections.ConfigDict | sections.Sections) -> Run:
   rl_step, value_step, sft_step = (
       distributed.lockstep(f, name) for f, name in
       ((p.rl_step, "rl_step"), (p.value_step, "value_step"), (p.sft_step, "sft_step")))
-  policy_params, _ = sharding.sharded_init(p.policy_init, mesh, p.rules)
+  policy_params = _initial_policy(config, model_cfg, tok, p, mesh)
   critic_params, _ = sharding.sharded_init(p.critic_init, mesh, p.rules)
   state = jax.jit(p.init_state, out_shardings=p.state_shardings)(policy_params, critic_params)
   meta = {"stage": "sft", "stage_step": 0, "ckpt_step": 0, "source": None,
