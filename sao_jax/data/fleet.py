@@ -601,6 +601,7 @@ class ShardWriter:
       raise ValueError(f"rollout_id {rollout_id!r}: use letters, digits and _ only")
     self.dir = trajectories_dir(root)
     self.lock = lock_rollout(root, rollout_id, log)
+    files.makedirs(self.dir)  # the trainer and tools list it before the first shard
     self.rollout_id = rollout_id
     self.max_trajectories, self.max_seconds = max_trajectories, max_seconds
     own = set()

@@ -544,7 +544,8 @@ def test_config_from_hf_reads_num_local_experts(tmp_path):
   base = dict(vocab_size=96, hidden_size=48, intermediate_size=80, moe_intermediate_size=24,
               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[0],
-              rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
+              rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+              model_type="qwen3_moe")
   cfgs = []
   for key in ("num_experts", "num_local_experts"):
     (tmp_path / key).mkdir()
@@ -557,5 +558,5 @@ def test_config_from_hf_reads_num_local_experts(tmp_path):
   assert scanned.num_scanned_layers == 2
   (tmp_path / "none").mkdir()
   (tmp_path / "none" / "config.json").write_text(json.dumps(base))
-  with pytest.raises(KeyError, match="num_local_experts"):
+  with pytest.raises(ValueError, match="num_local_experts"):
     hf_import.config_from_hf(str(tmp_path / "none"))

@@ -148,7 +148,7 @@ def test_routing_replay_needs_moe_layers():
   config = runs.load_config_module("sao_tiny.py").get_config()
   config.rl.routing_replay = True
   configuration.validate(config, num_devices=1)
-  config.model.overrides = {"num_layers": 1, "dense_layers": (0,)}
+  config.model.overrides = {"num_layers": 1, "dense_layers": (0,), "dense_d_ff": 32}
   with pytest.raises(configuration.ConfigError, match="rl.routing_replay"):
     configuration.validate(config, num_devices=1)
 
