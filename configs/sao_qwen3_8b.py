@@ -1,33 +1,45 @@
-"""SAO on dense Qwen3-8B on one TPU v5p-8 host (4 chips), engine colocated.
+"""SAO on dense Qwen3-8B: a TPU v5p-8 trainer host and v5p-8 rollout hosts.
 
+    # the trainer host
     python launch/train.py --config=configs/sao_qwen3_8b.py --workdir=/mnt/sao_qwen3_8b \
         --config.model.hf_dir=/path/to/Qwen3-8B \
         --config.env.tokenizer_path=/path/to/Qwen3-8B/tokenizer.json
+    # every rollout host, each with its own id (same config and overrides)
+    python launch/rollout.py --config=configs/sao_qwen3_8b.py --workdir=/mnt/sao_qwen3_8b \
+        --rollout_id=r0 --config.model.hf_dir=... --config.env.tokenizer_path=...
 
 The dense family's pod config: `model.hf_dir` gives the architecture and
 the initial policy (Qwen/Qwen3-8B's safetensors, bf16 read exactly into
 fp32 master weights, one tensor at a time into its shardings); without it
 the qwen3_8b preset's shape is initialised randomly (what launch/compile.py
-compiles). SFT on the task's demonstrations -> value pretraining -> async
-SAO, one process driving the host's 4 chips: the trainer's programs and
-the rollout engine share the chips (`rollout.sharded_engine`: the engine's
-bf16 params and its paged KV cache laid out on the trainer's mesh).
+compiles). SFT on the task's demonstrations -> value pretraining -> SAO in
+fleet mode: rollout hosts generate with the versions the trainer publishes
+(README.md, "Rollout fleet"). The task is math_tool with Qwen3's chat
+template and thinking on, episodes up to 8192 tokens.
 
-Layout: FSDP over the 4 chips (params, gradients and Adam moments split
-four ways, the batch too); the 36 layers as one scan under full remat,
-splash attention, log-probs over 1024-token chunks (the qwen3_8b preset).
-The task is math_tool with Qwen3's chat template and thinking on, episodes
-up to 8192 tokens. Check it fits with
+Layout, from the TPU compiler's figures (benchmarks/RESULTS.md, "Dense
+Qwen3 on one chip and one host"): the trainer's 4 chips split params,
+gradients and Adam moments four ways (FSDP; the 36 layers as one scan under
+full remat, splash attention, log-probs over 1024-token chunks). Policy and
+critic with fp32 masters take 40 GiB a chip before any activation, so the
+RL step (two critic updates and the actor update) fits at 4 rows of 8192
+tokens (one a chip: 84.0 GiB of 95.74, 12% to spare) but not at 8 (90.1
+GiB) or 16 (107.8 GiB); with the engine colocated on the same chips
+(8.5-12.2 GiB a chip on a tensor:4 mesh) not even at 4. So the engines run
+on hosts of their own: each rollout host's engine spans its 4 chips on
+`rollout.mesh = "tensor:4"` (heads, MLP and vocabulary split; 12.2 GiB a
+chip for prefill of 32 x 8192 into a paged pool of half the dense cache).
+Value pretraining's and evaluation's engine runs on the trainer between
+steps (the value step at 4 rows, 62.0 GiB, beside it). Check with
 
-    python launch/compile.py --config=configs/sao_qwen3_8b.py --topology=v5p-8
+    python launch/compile.py --config=configs/sao_qwen3_8b.py --topology=v5p-8 \
+        --rollout_topology=v5p-8
 
-(benchmarks/RESULTS.md, "Dense Qwen3 on one chip and one host": the
-compiler's per-chip bytes of each program, the engine's added on the
-colocated rows). Settings follow the paper where docs/DESIGN.md section 1
-gives them (K = 2 critic updates, frozen critic attention, value
-pretraining, skip-observation GAE, one rollout per prompt, async); the
-learning rates and batch sizes are this project's choices. Not run on a
-TPU here: compiled only.
+Settings follow the paper where docs/DESIGN.md section 1 gives them (K = 2
+critic updates, frozen critic attention, value pretraining,
+skip-observation GAE, one rollout per prompt, async); the learning rates
+and batch sizes are this project's choices. Not run on a TPU here:
+compiled only.
 """
 
 from configs import common
@@ -62,7 +74,8 @@ def get_config(arg=None):
   c.rollout.max_len = 8192
   c.rollout.max_turn_tokens = 2048
   c.rollout.slots = 32
-  c.rollout.sharded_engine = True
+  # Each engine spans its host's 4 chips, heads and MLP split over "tensor".
+  c.rollout.mesh = "tensor:4"
   # A paged pool of half the dense cache's positions (pages of 128).
   c.rollout.kv_cache = "paged"
   c.rollout.page_size = 128
@@ -70,15 +83,24 @@ def get_config(arg=None):
                         // c.rollout.get_ref("page_size") // 2)
   c.value_pretrain.steps = 50
   c.value_pretrain.num_trajectories = 512
-  c.rl.mode = "async"
+  # Rollout hosts feed the trainer (launch/rollout.py); one trainer process.
+  c.rl.mode = "fleet"
+  c.pod.trainer_hosts = 1
+  c.pod.rollout_hosts = 2
+  c.pod.trainer_resources = {"TPU": 4}
+  c.pod.rollout_resources = {"TPU": 4}
+  c.pod.tpu_type = "tpu-v5p-slice"
+  c.pod.trainer_topology = "2x2x1"
+  c.pod.rollout_topology = "2x2x1"
   c.rl.steps = 300
-  c.rl.batch_size = 16
+  # One 8192-token row a chip: what the RL step fits (module docstring).
+  c.rl.batch_size = 4
   c.rl.policy_loss = "ppo_clip"
   c.rl.actor_lr = 1e-6
   c.rl.critic_lr = 5e-6
   c.rl.warmup = 10
   c.rl.eval_every = 50
   c.eval.num_tasks = 500
-  c.eval.slots = 32
+  c.eval.slots = 16
   c.checkpoint.every = 20
   return c
