@@ -227,7 +227,7 @@ class ModelConfig:
         raise ValueError("vocab_ids must be distinct token ids in increasing order, in "
                          f"[0, vocab_size={self.vocab_size})")
       object.__setattr__(self, "vocab_ids", ids)
-    if self.scan_layers and self.scan_prefix > self.num_layers // 2:
+    if self.scan_layers and not self.scannable:
       raise ValueError(
           f"scan_layers scans the run of identical layers that ends the stack; with "
           f"these layers ({self._kinds_summary()}) {self.scan_prefix} of "
@@ -292,6 +292,13 @@ class ModelConfig:
     return k
 
   @property
+  def scannable(self) -> bool:
+    """Whether `scan_layers` may take this stack: at most half of it before
+    the scanned run (beyond that the scan saves little and hides a layout
+    that should be unrolled)."""
+    return self.scan_prefix <= self.num_layers // 2
+
+  @property
   def unrolled_layers(self) -> int:
     """Layers with their own "layer_i" parameters; with scan_layers the rest
     are stacked under "layers"."""
@@ -340,7 +347,7 @@ def with_architecture(run_as: ModelConfig, arch: ModelConfig, **overrides) -> Mo
   half of it would stay unrolled) runs unscanned."""
   cfg = dataclasses.replace(run_as, scan_layers=False,
                             **{f: getattr(arch, f) for f in ARCHITECTURE_FIELDS})
-  scan = run_as.scan_layers and cfg.scan_prefix <= cfg.num_layers // 2
+  scan = run_as.scan_layers and cfg.scannable
   return dataclasses.replace(cfg, **{"scan_layers": scan, **overrides})
 
 
@@ -366,6 +373,24 @@ def small(vocab_size: int = 64) -> ModelConfig:
       rope_theta=10_000.0)
 
 
+# How the releases' shapes run on a pod (every preset of a real checkpoint):
+POD_RUN = dict(
+    # Mixed precision: float32 master weights, bfloat16 compute. bf16
+    # params would round the RL updates away (a step of lr 1e-6 is far
+    # below half an ulp of a 0.02 weight, 6.1e-5: sao_jax/models/precision.py);
+    # the engines hold bf16 copies, cast once per version.
+    param_dtype=jnp.float32, dtype=jnp.bfloat16,
+    # The layers as one scan with full remat (the backward keeps one
+    # [B, L, D] input per layer), splash attention on TPU (chunked
+    # elsewhere), log-probs over 1024-token chunks (peak logits
+    # [B, 1024, 151936] fp32, not [B, L, 151936]).
+    scan_layers=True, remat="full", attention_impl="splash", attention_block=512,
+    logits_chunk=1024,
+    # The engine appends long re-feeds 2048 tokens at a time (chunked
+    # prefill); prompts and observations (<= 2048) are one pass.
+    prefill_chunk=2048)
+
+
 def qwen3_30b_a3b() -> ModelConfig:
   """Qwen3-30B-A3B's published shape (config.json of the HF release)."""
   return ModelConfig(
@@ -379,21 +404,7 @@ def qwen3_30b_a3b() -> ModelConfig:
       # Dispatch rounds of 8192 tokens a chip bound the dropless all-to-all
       # buffers (in one round the RL step at 256 x 32768 does not fit: same
       # section).
-      moe_dispatch_chunk=8192,
-      # Mixed precision: float32 master weights, bfloat16 compute. bf16
-      # params would round the RL updates away (a step of lr 1e-6 is far
-      # below half an ulp of a 0.02 weight, 6.1e-5: sao_jax/models/precision.py);
-      # the engines hold bf16 copies, cast once per version.
-      param_dtype=jnp.float32, dtype=jnp.bfloat16,
-      # Pod-scale settings: 48 layers as one scan with full remat (the
-      # backward keeps one [B, L, D] input per layer), splash attention on
-      # TPU (chunked elsewhere), log-probs over 1024-token chunks (peak
-      # logits [B, 1024, 151936] fp32, not [B, L, 151936]).
-      scan_layers=True, remat="full", attention_impl="splash", attention_block=512,
-      logits_chunk=1024,
-      # The engine appends long re-feeds 2048 tokens at a time (chunked
-      # prefill); prompts and observations (<= 2048) are one pass.
-      prefill_chunk=2048)
+      moe_dispatch_chunk=8192, **POD_RUN)
 
 
 def tiny_dense(vocab_size: int = 64) -> ModelConfig:
@@ -407,16 +418,12 @@ def tiny_dense(vocab_size: int = 64) -> ModelConfig:
 
 def _qwen3_dense(*, d_model: int, d_ff: int, num_layers: int, num_heads: int,
                  tie: bool) -> ModelConfig:
-  """A dense Qwen3 release's shape, run with the pod settings of qwen3_30b_a3b
-  (fp32 masters and bf16 compute, every layer in one scan under full remat,
-  splash attention on TPU, chunked log-probs and prefill)."""
+  """A dense Qwen3 release's shape, run as POD_RUN says."""
   return ModelConfig(
       vocab_size=151_936, d_model=d_model, num_layers=num_layers, num_heads=num_heads,
       num_kv_heads=8, head_dim=128, num_experts=0, experts_per_token=0, moe_d_ff=0,
       dense_d_ff=d_ff, rope_theta=1e6, rms_eps=1e-6, tie_embeddings=tie,
-      max_seq_len=40_960, family="qwen3", param_dtype=jnp.float32, dtype=jnp.bfloat16,
-      scan_layers=True, remat="full", attention_impl="splash", attention_block=512,
-      logits_chunk=1024, prefill_chunk=2048)
+      max_seq_len=40_960, family="qwen3", **POD_RUN)
 
 
 # The shapes of the dense Qwen3 releases, from each one's config.json on the

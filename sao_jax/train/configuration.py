@@ -92,7 +92,7 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
   spec = _source_spec(typed.rl.mode)
   _check_eval_sets(typed)
   _check_rollout(typed, spec)
-  _check_model(typed.model)
+  arch = _check_model(typed.model)
   _check_sizes(typed)
   if num_devices is None:
     import jax  # pylint: disable=g-import-not-at-top
@@ -113,9 +113,9 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
   if typed.model.vocab_subset and typed.sft.init_from_hf:
     _fail("model.vocab_subset", typed.model.vocab_subset,
           "\"\" with sft.init_from_hf: an imported checkpoint keeps its full head")
-  _check_update_precision(typed)
+  _check_update_precision(typed, arch)
   _check_weight_path(typed.fleet)
-  _check_routing_replay(typed)
+  _check_routing_replay(typed, arch)
   if typed.faults.sigkill_after_rl_step > c.steps:
     # It would never fire: the run would end normally, not be killed.
     _fail("faults.sigkill_after_rl_step", typed.faults.sigkill_after_rl_step,
@@ -232,24 +232,21 @@ def _check_eval_sets(typed: sections.Sections) -> None:
             f"{name!r}: {env_name}) need env.chat_format 'qwen3' or 'plain', not 'raw'")
 
 
-def _check_routing_replay(typed: sections.Sections) -> None:
-  """rl.routing_replay needs MoE layers to replay."""
+def _check_routing_replay(typed: sections.Sections, arch) -> None:
+  """rl.routing_replay needs MoE layers to replay (`arch`: `_check_model`'s)."""
   if not typed.rl.routing_replay:
     return
   m = typed.model
-  try:
-    arch = model_architecture(m)
-  except (TypeError, ValueError):
-    return  # the model section's own check names what is wrong
   if arch.num_moe_layers < 1:
     _fail("rl.routing_replay", True, f"False for a model without MoE layers ("
           f"{m.hf_dir or m.preset!r}: {arch.num_layers} layers, none of them MoE)")
 
 
-def _check_update_precision(typed: sections.Sections) -> None:
+def _check_update_precision(typed: sections.Sections, arch) -> None:
   """Every stage that trains can move its params: its learning rate, down to
-  its schedule's floor, survives rounding in the params' dtype (precision.py)."""
-  param_dtype = model_architecture(typed.model).param_dtype
+  its schedule's floor, survives rounding in the params' dtype (precision.py;
+  `arch`: `_check_model`'s ModelConfig)."""
+  param_dtype = arch.param_dtype
   rl, stages = typed.rl, {}
   if typed.sft.steps:
     stages["sft.lr"] = (typed.sft.lr, precision.schedule_floor(typed.sft.lr, decays=True))
@@ -328,7 +325,8 @@ def check_memory(typed: sections.Sections, model_cfg, abstract_state) -> None:
   m, r, c = typed.model, typed.rollout, typed.rl
   capacity, used, _, where = device_pool
   if capacity is not None and used > capacity:
-    field, value = ("model.overrides", m.overrides) if m.overrides else ("model.preset", m.preset)
+    field, value = (("model.overrides", m.overrides) if m.overrides else
+                    ("model.hf_dir", m.hf_dir) if m.hf_dir else ("model.preset", m.preset))
     _fail(field, value, f"a model whose train state fits: the params and Adam moments of "
           f"policy and critic take {_bytes(used)}, {where} is {_bytes(capacity)}")
 
