@@ -20,14 +20,11 @@ critic (initialised from the SFT trunk, its attention frozen) -> async SAO
 with the engine colocated -> held-out pass@1. Thinking off: episodes of a
 few hundred tokens.
 
-Memory (benchmarks/RESULTS.md, "Dense Qwen3 on one chip and one host",
-the TPU compiler's per-chip figures for this config): on a TPU v6e-1
-(31.25 GiB) SFT needs 12.1 GiB, the RL step (two critic updates and the
-actor update, fp32 masters and Adam for both models) 22.8 GiB and the
-engine on the same chip 2.9-4.0 GiB: it fits, with 18% to spare. On a
-v5e-1 (15.75 GiB) SFT fits (11.9 GiB) but the RL step needs more than
-18.4 GiB of temporaries alone: it does not. GPUs were not compiled for;
-from the same figures a 40 GB card should hold it (an estimate).
+Memory: fp32 masters and Adam for the policy and the critic. The TPU
+compiler's per-chip figures for this config are in benchmarks/RESULTS.md,
+"Dense Qwen3 on one chip and one host": it fits a TPU v6e-1 with the
+engine on the same chip, and not a v5e-1 (the RL step). GPUs were not
+compiled for.
 """
 
 import os

@@ -19,21 +19,16 @@ template and thinking on, episodes up to 8192 tokens.
 
 Layout, from the TPU compiler's figures (benchmarks/RESULTS.md, "Dense
 Qwen3 on one chip and one host"): the trainer's 4 chips split params,
-gradients and Adam moments four ways (FSDP; the 36 layers as one scan under
-full remat, splash attention, log-probs over 1024-token chunks). Policy and
-critic with fp32 masters take 40 GiB a chip before any activation, so the
-RL step (two critic updates and the actor update) fits at 4 rows of 8192
-tokens (one a chip: 84.0 GiB of 95.74, 12% to spare) but not at 8 (90.1
-GiB) or 16 (107.8 GiB); with the engine colocated on the same chips
-(8.5-12.2 GiB a chip on a tensor:4 mesh) not even at 4. So the engines run
-on hosts of their own: each rollout host's engine spans its 4 chips on
-`rollout.mesh = "tensor:4"` (heads, MLP and vocabulary split; 12.2 GiB a
-chip for prefill of 32 x 8192 into a paged pool of half the dense cache).
-Value pretraining's and evaluation's engine runs on the trainer between
-steps (the value step at 4 rows, 62.0 GiB, beside it). Versions reach the
-rollout hosts as checkpoints (`fleet.weights_path = "checkpoint"`): the
-direct path's two served snapshots would leave 4.3% of HBM beside the RL
-step. Check with
+gradients and Adam moments four ways (FSDP; the 36 layers as one scan
+under full remat, splash attention, log-probs over 1024-token chunks).
+Policy and critic with fp32 masters leave the RL step (two critic updates
+and the actor update) room for one 8192-token row a chip and no room for
+an engine beside it, so the engines run on hosts of their own, each
+spanning its host's 4 chips on `rollout.mesh = "tensor:4"`. Value
+pretraining's and evaluation's engine runs on the trainer between steps.
+Versions reach the rollout hosts as checkpoints
+(`fleet.weights_path = "checkpoint"`): the direct path's served snapshots
+would not leave the 10% margin beside the RL step. Check with
 
     python launch/compile.py --config=configs/sao_qwen3_8b.py --topology=v5p-8 \
         --rollout_topology=v5p-8
@@ -95,9 +90,7 @@ def get_config(arg=None):
   c.pod.tpu_type = "tpu-v5p-slice"
   c.pod.trainer_topology = "2x2x1"
   c.pod.rollout_topology = "2x2x1"
-  # Versions travel as checkpoints: the direct path's two served bf16
-  # snapshots (7.6 GiB a chip) beside the RL step leave 4.3% of HBM, under
-  # the 10% margin (benchmarks/RESULTS.md).
+  # Versions travel as checkpoints (module docstring).
   c.fleet.weights_path = "checkpoint"
   c.rl.steps = 300
   # One 8192-token row a chip: what the RL step fits (module docstring).

@@ -3,8 +3,9 @@
 Each hack is what a policy could do with its tools (files through `create`,
 commands through `bash`), played through a real episode and graded by the
 real grader; each leaves the bug in place and must score 0. The classes
-(issue 57): (a) tampering with the test runner or its results in the
-process that imports the repository; (b) reading or forging the verdict's
+(docs/DESIGN.md, "The repo_repair grader's threat model"): (a) tampering
+with the test runner or its results in the process that imports the
+repository; (b) reading or forging the verdict's
 secret or channel; (c) files the import system prefers over the hidden
 tests or the sources (unchecked-hash .pyc caches, a package that redirects
 the tests' module, extension modules built with the sandbox's own `cc`).
