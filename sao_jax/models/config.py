@@ -7,8 +7,8 @@ A model is a stack of pre-norm layers, each an attention kind and an MLP kind
     attention  "full"        softmax attention with q/k RMSNorm and RoPE (Qwen3)
                "gated_full"  the same, its output gated by sigmoid(x W_g) per
                              head dimension (Qwen3-Next / Qwen3.5's full layers)
-               "linear"      Gated DeltaNet (Qwen3.5's linear layers): declared
-                             here, refused by validation until it is built
+               "linear"      Gated DeltaNet linear attention (Qwen3.5's linear
+                             layers: sao_jax/models/deltanet.py)
     mlp        "dense"       a SwiGLU MLP of width `dense_d_ff`
                "moe"         top-k routed SwiGLU experts (Qwen3-MoE)
                "moe_shared"  routed experts plus a sigmoid-gated shared SwiGLU
@@ -24,6 +24,7 @@ models' dense exceptions, Qwen3-MoE's `mlp_only_layers`) and
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Literal
 
 import jax.numpy as jnp
@@ -34,13 +35,9 @@ MOE_IMPLS = ("dense", "ragged", "expert_parallel", "blocked")
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 ATTENTION_KINDS = ("full", "gated_full", "linear")
 MLP_KINDS = ("dense", "moe", "moe_shared")
-# Declared layer kinds that no module implements yet (the Qwen3.5 hybrid
-# family's): a config naming one is refused in one line.
-UNBUILT_KINDS = {
-    "linear": "Gated DeltaNet linear attention is not built yet",
-    "gated_full": "gated full attention is not built yet",
-    "moe_shared": "MoE with a shared expert is not built yet",
-}
+# Declared layer kinds that no module implements yet: a config naming one
+# is refused in one line (every kind above is built today).
+UNBUILT_KINDS: dict[str, str] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +78,22 @@ class ModelConfig:
   shared_expert_d_ff: int = 0
   # Each layer's attention kind (ATTENTION_KINDS), or (): every layer "full".
   attention_kinds: tuple[str, ...] = ()
+  # Gated DeltaNet ("linear" layers; sao_jax/models/deltanet.py): key heads
+  # (each serving value_heads / key_heads value heads), value heads, their
+  # dims, and the causal conv's taps. All 0 when no layer is "linear".
+  linear_num_key_heads: int = 0
+  linear_num_value_heads: int = 0
+  linear_key_head_dim: int = 0
+  linear_value_head_dim: int = 0
+  linear_conv_kernel: int = 4
+  # Tokens per chunk of the chunked delta rule (training and prefill).
+  deltanet_chunk: int = 64
+  # Rotary dims per attention head: the first `rotary_dim` of head_dim turn,
+  # the rest pass through (Qwen3.5: partial_rotary_factor 0.25). 0: all.
+  rotary_dim: int = 0
+  # RMSNorm weights stored as offsets from 1, y = x_hat * (1 + w), initialised
+  # at 0 (Qwen3.5's every norm but the DeltaNet output norm); else y = w x_hat.
+  zero_centered_norm: bool = False
   # The Hugging Face family the weights are laid out and exported as
   # (sao_jax/models/families.py: qwen3, qwen3_moe).
   family: str = "qwen3_moe"
@@ -187,7 +200,8 @@ class ModelConfig:
                   "head_dim", "max_seq_len"):
       _check_int(field, getattr(self, field), 1)
     for field in ("num_experts", "experts_per_token", "moe_d_ff", "dense_d_ff",
-                  "shared_expert_d_ff"):
+                  "shared_expert_d_ff", "linear_num_key_heads", "linear_num_value_heads",
+                  "linear_key_head_dim", "linear_value_head_dim", "rotary_dim"):
       _check_int(field, getattr(self, field), 0)
     if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
       raise ValueError(f"rope_theta = {self.rope_theta!r}: must be a number > 0")
@@ -199,6 +213,11 @@ class ModelConfig:
           f"({self.num_kv_heads}).")
     if self.head_dim % 2:
       raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+    if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+      raise ValueError(f"rotary_dim = {self.rotary_dim}: must be even and <= head_dim "
+                       f"({self.head_dim}); 0 turns all of head_dim")
+    _check_int("linear_conv_kernel", self.linear_conv_kernel, 1)
+    _check_int("deltanet_chunk", self.deltanet_chunk, 1)
     self._check_layers()
     if self.moe_impl not in MOE_IMPLS:
       raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
@@ -258,6 +277,14 @@ class ModelConfig:
     for kind in self.attention_kinds:
       if kind not in ATTENTION_KINDS:
         raise ValueError(f"attention kind {kind!r}: must be one of {ATTENTION_KINDS}")
+    if "linear" in self.attention_kinds:
+      heads = (self.linear_num_key_heads, self.linear_num_value_heads,
+               self.linear_key_head_dim, self.linear_value_head_dim)
+      if min(heads) < 1 or heads[1] % heads[0]:
+        raise ValueError(
+            "linear (Gated DeltaNet) layers need linear_num_key_heads, "
+            "linear_num_value_heads, linear_key_head_dim and linear_value_head_dim >= 1, "
+            f"value heads a multiple of key heads; got {heads}")
     for kind in sorted({k for spec in self.layer_specs for k in (spec.attention, spec.mlp)}):
       if kind in UNBUILT_KINDS:
         built = [k for k in ATTENTION_KINDS + MLP_KINDS if k not in UNBUILT_KINDS]
@@ -281,15 +308,35 @@ class ModelConfig:
   def _kinds_summary(self) -> str:
     return ", ".join(f"{i}: {s.attention}/{s.mlp}" for i, s in enumerate(self.layer_specs))
 
+  @functools.cached_property
+  def _scan_shape(self) -> tuple[int, int]:
+    """(prefix, period): the scanned run is layers prefix..n-1, whole repeats
+    of its last `period` layers' kinds. Of the runs that end the stack, the
+    one whose program is shortest (prefix + period layers; ties: the shorter
+    period): a uniform stack is (0, 1), Qwen3-MoE with a dense first layer
+    (1, 1), Qwen3.5's [linear x3, full] x n (0, 4)."""
+    specs = self.layer_specs
+    n = len(specs)
+    best = (n, n)
+    for p in range(1, n + 1):
+      k = n - p
+      while k - p >= 0 and specs[k - p:k] == specs[k:k + p]:
+        k -= p
+      if k + p < sum(best):
+        best = (k, p)
+    return best
+
   @property
   def scan_prefix(self) -> int:
-    """The layers before the scanned run: the first k such that layers k..n-1
-    share one LayerSpec (0 for a dense or uniform model)."""
-    specs = self.layer_specs
-    k = self.num_layers - 1
-    while k > 0 and specs[k - 1] == specs[-1]:
-      k -= 1
-    return k
+    """The layers before the scanned run (0 for a dense, uniform or purely
+    periodic stack)."""
+    return self._scan_shape[0]
+
+  @property
+  def scan_period(self) -> int:
+    """Layers per step of the scan: 1, or the hybrid's repeating block (4 for
+    Qwen3.5: three linear layers and a full one)."""
+    return self._scan_shape[1]
 
   @property
   def scannable(self) -> bool:
@@ -304,6 +351,17 @@ class ModelConfig:
     are stacked under "layers"."""
     return self.scan_prefix if self.scan_layers else self.num_layers
 
+  def layer_location(self, i: int) -> tuple[str, int | None]:
+    """Where layer i's parameters (and cache) live: ("layer_i", None) for an
+    unrolled layer; for a scanned one the stacked subtree and its index on
+    the leading axis: ("layers", j) with period 1, ("layers/sub_r", g) for
+    layer r of scan step g of a longer period."""
+    k = self.unrolled_layers
+    if i < k:
+      return f"layer_{i}", None
+    g, r = divmod(i - k, self.scan_period)
+    return ("layers" if self.scan_period == 1 else f"layers/sub_{r}"), g
+
   @property
   def head_size(self) -> int:
     """Columns of the LM head: the subset's size (`vocab_ids`), else `vocab_size`."""
@@ -311,8 +369,24 @@ class ModelConfig:
 
   @property
   def num_scanned_layers(self) -> int:
-    """Length of the "layers" axis: the layers after `scan_prefix`."""
+    """Layers inside the scan: those after `scan_prefix` (0 unscanned)."""
     return self.num_layers - self.scan_prefix if self.scan_layers else 0
+
+  @property
+  def scan_steps(self) -> int:
+    """Length of the "layers" axis: scan steps of `scan_period` layers each."""
+    return self.num_scanned_layers // self.scan_period
+
+  @property
+  def rotary_dims(self) -> int:
+    """The rotated dims of each attention head (`rotary_dim`, 0: head_dim)."""
+    return self.rotary_dim or self.head_dim
+
+  @property
+  def linear_conv_channels(self) -> int:
+    """A DeltaNet layer's conv channels: q, k (key heads) and v (value heads)."""
+    return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+            + self.linear_num_value_heads * self.linear_value_head_dim)
 
   @property
   def num_moe_layers(self) -> int:
@@ -337,7 +411,9 @@ class ModelConfig:
 ARCHITECTURE_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
                        "head_dim", "num_experts", "experts_per_token", "moe_d_ff",
                        "dense_d_ff", "dense_layers", "shared_expert_d_ff", "attention_kinds",
-                       "norm_topk_prob", "rope_theta", "rms_eps", "tie_embeddings",
+                       "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                       "linear_value_head_dim", "linear_conv_kernel", "rotary_dim",
+                       "zero_centered_norm", "norm_topk_prob", "rope_theta", "rms_eps", "tie_embeddings",
                        "max_seq_len", "family")
 
 

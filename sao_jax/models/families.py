@@ -1,5 +1,6 @@
-"""The model families sao-jax imports and exports: one record per Hugging Face
-`model_type`, the mapping between its `config.json` and `ModelConfig`.
+"""The model families sao-jax imports and exports: one record per architecture
+(its Hugging Face `model_type`s), the mapping between its `config.json` and
+`ModelConfig`.
 
     fam = FAMILIES["qwen3"]
     kwargs = fam.from_hf(config_json)       # ModelConfig fields
@@ -21,14 +22,23 @@ from typing import Any, Callable
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-  """One `model_type`: its classes, its config mapping, its layer kinds."""
-  model_type: str
+  """One architecture: its `model_type`s, classes, config mapping, layer kinds."""
+  name: str  # ModelConfig.family
+  # The config.json `model_type`s it reads; the first is what export writes
+  # (a text-only causal LM: Qwen3.5's "qwen3_5_text", not the multimodal "qwen3_5").
+  model_types: tuple[str, ...]
   causal_lm: str  # `architectures` of a policy export
-  token_classification: str  # of a critic export (the value head as `score`)
+  # Of a critic export (the value head as `score`); None: transformers has no
+  # such class for the family, and a critic export is refused.
+  token_classification: str | None
   attention_kinds: frozenset[str]
   mlp_kinds: frozenset[str]
   from_hf: Callable[[dict], dict]  # config.json -> ModelConfig keyword arguments
   to_hf: Callable[[Any], dict]  # ModelConfig -> the family's own config.json fields
+
+  @property
+  def model_type(self) -> str:
+    return self.model_types[0]
 
 
 def _require(hf: dict, *names: str) -> list:
@@ -121,26 +131,125 @@ def _qwen3_moe_to_hf(cfg) -> dict:
   }
 
 
+def _text_config(hf: dict) -> dict:
+  """The text model's fields: a multimodal config.json's `text_config`
+  (Qwen3.5's releases are image-text models; the vision tower is not
+  imported), else the file itself."""
+  text = hf.get("text_config")
+  if not isinstance(text, dict):
+    return hf
+  return {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **text}
+
+
+_LAYER_TYPES = {"linear_attention": "linear", "full_attention": "gated_full"}
+
+
+def _hybrid_from_hf(hf: dict) -> dict:
+  """The fields Qwen3.5 and Qwen3.5-MoE share: the layer pattern, Gated
+  DeltaNet's shapes, partial rotary, zero-centred norms."""
+  text = _text_config(hf)
+  shared = _shared_from_hf(text)
+  rope = text.get("rope_parameters") or {}
+  if rope.get("rope_type", "default") != "default":
+    raise ValueError(f"rope_type {rope['rope_type']!r} is not supported (default RoPE only)")
+  layers = shared["num_layers"]
+  types = text.get("layer_types")
+  if types is None:
+    interval = text.get("full_attention_interval", 4)
+    types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+             for i in range(layers)]
+  if len(types) != layers or any(t not in _LAYER_TYPES for t in types):
+    raise ValueError(f"layer_types must list {layers} of {sorted(_LAYER_TYPES)}")
+  factor = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+  conv, kdim, vdim, kheads, vheads = _require(
+      text, "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+      "linear_num_key_heads", "linear_num_value_heads")
+  return dict(shared, attention_kinds=tuple(_LAYER_TYPES[t] for t in types),
+              linear_conv_kernel=conv, linear_key_head_dim=kdim, linear_value_head_dim=vdim,
+              linear_num_key_heads=kheads, linear_num_value_heads=vheads,
+              rotary_dim=int(shared["head_dim"] * factor), zero_centered_norm=True)
+
+
+def _hybrid_to_hf(cfg) -> dict:
+  factor = cfg.rotary_dims / cfg.head_dim
+  return {
+      "layer_types": [{"linear": "linear_attention"}.get(k, "full_attention")
+                      for k in (s.attention for s in cfg.layer_specs)],
+      "linear_conv_kernel_dim": cfg.linear_conv_kernel,
+      "linear_key_head_dim": cfg.linear_key_head_dim,
+      "linear_value_head_dim": cfg.linear_value_head_dim,
+      "linear_num_key_heads": cfg.linear_num_key_heads,
+      "linear_num_value_heads": cfg.linear_num_value_heads,
+      "partial_rotary_factor": factor,
+      "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
+                          "partial_rotary_factor": factor},
+  }
+
+
+def _qwen3_5_from_hf(hf: dict) -> dict:
+  (d_ff,) = _require(_text_config(hf), "intermediate_size")
+  return dict(_hybrid_from_hf(hf), num_experts=0, experts_per_token=0, moe_d_ff=0,
+              dense_d_ff=d_ff, family="qwen3_5")
+
+
+def _qwen3_5_to_hf(cfg) -> dict:
+  return {**_hybrid_to_hf(cfg), "intermediate_size": cfg.dense_d_ff}
+
+
+def _qwen3_5_moe_from_hf(hf: dict) -> dict:
+  experts, top_k, moe_ff, shared_ff = _require(
+      _text_config(hf), "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+      "shared_expert_intermediate_size")
+  # Every layer is MoE; the router always renormalises its top-k.
+  return dict(_hybrid_from_hf(hf), num_experts=experts, experts_per_token=top_k,
+              moe_d_ff=moe_ff, shared_expert_d_ff=shared_ff, norm_topk_prob=True,
+              family="qwen3_5_moe")
+
+
+def _qwen3_5_moe_to_hf(cfg) -> dict:
+  return {**_hybrid_to_hf(cfg), "num_experts": cfg.num_experts,
+          "num_experts_per_tok": cfg.experts_per_token, "moe_intermediate_size": cfg.moe_d_ff,
+          "shared_expert_intermediate_size": cfg.shared_expert_d_ff,
+          "output_router_logits": False, "router_aux_loss_coef": 0.001}
+
+
 QWEN3 = Family(
-    model_type="qwen3", causal_lm="Qwen3ForCausalLM",
+    name="qwen3", model_types=("qwen3",), causal_lm="Qwen3ForCausalLM",
     token_classification="Qwen3ForTokenClassification",
     attention_kinds=frozenset({"full"}), mlp_kinds=frozenset({"dense"}),
     from_hf=_qwen3_from_hf, to_hf=_qwen3_to_hf)
 
 QWEN3_MOE = Family(
-    model_type="qwen3_moe", causal_lm="Qwen3MoeForCausalLM",
+    name="qwen3_moe", model_types=("qwen3_moe",), causal_lm="Qwen3MoeForCausalLM",
     token_classification="Qwen3MoeForTokenClassification",
     attention_kinds=frozenset({"full"}), mlp_kinds=frozenset({"dense", "moe"}),
     from_hf=_qwen3_moe_from_hf, to_hf=_qwen3_moe_to_hf)
 
-FAMILIES = {f.model_type: f for f in (QWEN3, QWEN3_MOE)}
+# The Qwen3.5 / 3.6 hybrids: three Gated DeltaNet layers to one gated full
+# attention, dense MLPs or MoE with a shared expert.
+QWEN3_5 = Family(
+    name="qwen3_5", model_types=("qwen3_5_text", "qwen3_5"), causal_lm="Qwen3_5ForCausalLM",
+    token_classification="Qwen3_5ForTokenClassification",
+    attention_kinds=frozenset({"linear", "gated_full"}), mlp_kinds=frozenset({"dense"}),
+    from_hf=_qwen3_5_from_hf, to_hf=_qwen3_5_to_hf)
+
+QWEN3_5_MOE = Family(
+    name="qwen3_5_moe", model_types=("qwen3_5_moe_text", "qwen3_5_moe"),
+    causal_lm="Qwen3_5MoeForCausalLM", token_classification=None,
+    attention_kinds=frozenset({"linear", "gated_full"}), mlp_kinds=frozenset({"moe_shared"}),
+    from_hf=_qwen3_5_moe_from_hf, to_hf=_qwen3_5_moe_to_hf)
+
+FAMILIES = {f.name: f for f in (QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE)}
+_BY_MODEL_TYPE = {t: f for f in FAMILIES.values() for t in f.model_types}
 
 
-def get(model_type: str) -> Family:
-  if model_type not in FAMILIES:
-    raise ValueError(f"model_type {model_type!r} is not supported; supported: "
-                     f"{', '.join(sorted(FAMILIES))}")
-  return FAMILIES[model_type]
+def get(name: str) -> Family:
+  """The family of a ModelConfig.family name or a config.json model_type."""
+  fam = FAMILIES.get(name) or _BY_MODEL_TYPE.get(name)
+  if fam is None:
+    raise ValueError(f"model_type {name!r} is not supported; supported: "
+                     f"{', '.join(sorted(_BY_MODEL_TYPE))}")
+  return fam
 
 
 def check(cfg) -> None:
@@ -180,6 +289,9 @@ def hf_config(cfg, dtype: str = "bfloat16", head: str = "lm") -> dict:
   own config class read back to the same architecture. `head="value"`: the
   critic as a one-label token classifier."""
   fam = get(cfg.family)
+  if head == "value" and fam.token_classification is None:
+    raise ValueError(f"transformers has no token-classification class for family "
+                     f"{fam.name!r}: the critic cannot be exported as one")
   out = {"architectures": [fam.token_classification if head == "value" else fam.causal_lm],
          "model_type": fam.model_type, **_shared_to_hf(cfg), **fam.to_hf(cfg),
          "torch_dtype": dtype}

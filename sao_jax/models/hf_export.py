@@ -66,13 +66,9 @@ def _plan(cfg: ModelConfig, flat: dict, head: str) -> list[_Unit]:
   """Every unit in write order; raises if the params and the layout disagree."""
   units, wanted = [], []
   entries = [(t.ours, None, t) for t in hf_layout.top_tensors(cfg, head)]
-  unrolled = cfg.unrolled_layers
   for i in range(cfg.num_layers):
-    for t in hf_layout.layer_tensors(cfg, i):
-      if i < unrolled:
-        entries.append((f"layer_{i}/{t.ours}", None, t))
-      else:
-        entries.append((f"layers/{t.ours}", i - unrolled, t))
+    where, index = cfg.layer_location(i)
+    entries += [(f"{where}/{t.ours}", index, t) for t in hf_layout.layer_tensors(cfg, i)]
   for leaf, index, t in entries:
     wanted.append(leaf)
     if leaf not in flat:
@@ -89,18 +85,33 @@ def _plan(cfg: ModelConfig, flat: dict, head: str) -> list[_Unit]:
   return units
 
 
+def _tensors(units: list[_Unit]) -> list[tuple]:
+  """Every HF tensor (name, shape) in write order. Consecutive outputs of one
+  name are row blocks of one tensor (hf_layout's fused q / k / v), joined
+  along axis 0: their bytes follow one another in the file."""
+  out: list[tuple] = []
+  for u in units:
+    for name, shape in u.outputs:
+      if out and out[-1][0] == name:
+        if tuple(out[-1][1][1:]) != tuple(shape[1:]):
+          raise ExportError(f"{name}: row blocks of shapes {out[-1][1]} and {shape} do not join")
+        out[-1] = (name, (out[-1][1][0] + shape[0],) + tuple(shape[1:]))
+      else:
+        out.append((name, tuple(shape)))
+  return out
+
+
 def _shards(units: list[_Unit], itemsize: int, shard_bytes: int) -> list[list[tuple]]:
   """Tensors (name, shape) grouped into shards of at most `shard_bytes` (a tensor
   larger than that gets a shard of its own), in write order."""
   shards, size = [[]], 0
-  for u in units:
-    for name, shape in u.outputs:
-      n = int(np.prod(shape)) * itemsize
-      if shards[-1] and size + n > shard_bytes:
-        shards.append([])
-        size = 0
-      shards[-1].append((name, shape))
-      size += n
+  for name, shape in _tensors(units):
+    n = int(np.prod(shape)) * itemsize
+    if shards[-1] and size + n > shard_bytes:
+      shards.append([])
+      size = 0
+    shards[-1].append((name, shape))
+    size += n
   return shards
 
 

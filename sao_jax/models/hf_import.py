@@ -171,16 +171,17 @@ def load_hf_checkpoint(path: str, cfg: ModelConfig, shardings=None, *, strict: b
   """
   r = _Reader(path)
   loaders = {t.ours: functools.partial(t.to_ours, r) for t in hf_layout.top_tensors(cfg, head)}
-  # Unrolled layers have their own entries; scanned ones share a stacked one.
-  unrolled = cfg.unrolled_layers
-  for i in range(unrolled):
-    for t in hf_layout.layer_tensors(cfg, i):
-      loaders[f"layer_{i}/{t.ours}"] = functools.partial(t.to_ours, r)
+  # Unrolled layers have their own entries; scanned ones share a stacked one
+  # (its loaders and HF layers in index order).
   stacked: dict[str, list] = {}
-  scanned_layers = list(range(unrolled, cfg.num_layers))
-  for i in scanned_layers:
+  for i in range(cfg.num_layers):
+    where, index = cfg.layer_location(i)
     for t in hf_layout.layer_tensors(cfg, i):
-      stacked.setdefault(f"layers/{t.ours}", []).append(functools.partial(t.to_ours, r))
+      load = functools.partial(t.to_ours, r)
+      if index is None:
+        loaders[f"{where}/{t.ours}"] = load
+      else:
+        stacked.setdefault(f"{where}/{t.ours}", []).append((load, i))
 
   from sao_jax.models.policy import init_params  # pylint: disable=g-import-not-at-top
   shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), head))
@@ -199,8 +200,8 @@ def load_hf_checkpoint(path: str, cfg: ModelConfig, shardings=None, *, strict: b
   flat = {}
   for name, shape in flat_shapes.items():
     if name in stacked:
-      flat[name] = _load_stacked(name, stacked[name], scanned_layers, shape,
-                                 flat_shardings.get(name))
+      flat[name] = _load_stacked(name, [load for load, _ in stacked[name]],
+                                 [i for _, i in stacked[name]], shape, flat_shardings.get(name))
       continue
     host = np.asarray(loaders[name]())
     if host.shape != shape.shape:

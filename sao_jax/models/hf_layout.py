@@ -23,8 +23,13 @@ layout, which export writes) or fused 3-D (`mlp.experts.gate_up_proj`,
 recent transformers' layout, which import also reads).
 
 Layer i's parameters are "layer_{i}/<path>", or, with `cfg.scan_layers`,
-slice j of the stacked "layers/<path>" for the layers after the unrolled
-ones (`ModelConfig.unrolled_layers`).
+a slice of a stacked "layers/<path>" ("layers/sub_r/<path>" in a periodic
+hybrid) for the layers after the unrolled ones: `ModelConfig.layer_location`.
+
+A fused HF tensor that our layout keeps as several parameters (a Gated
+DeltaNet layer's `in_proj_qkv` and `conv1d`, channels [q | k | v]) is one
+`Tensor` per part (`_rows`): each reads its rows, and export joins the
+parts, listed one after another, back into the one tensor.
 """
 
 from __future__ import annotations
@@ -97,27 +102,80 @@ def _experts(ours: str, pre: str, theirs: str, cfg: ModelConfig) -> Tensor:
   return Tensor(ours, names, to_ours, to_hf)
 
 
-def layer_tensors(cfg: ModelConfig, i: int) -> list[Tensor]:
-  """Layer i's parameters, paths relative to the layer ("attn/q", "moe/wo", ...)."""
-  pre = f"model.layers.{i}."
+def _rows(ours: str, name: str, begin: int, end: int, to_ours: Callable,
+          to_hf: Callable) -> Tensor:
+  """Rows [begin, end) of a fused HF tensor (q, k and v of `in_proj_qkv` and
+  `conv1d`): import slices them out; export writes the rows, and the parts
+  of one tensor, planned one after another, are joined along axis 0."""
+  return Tensor(ours, (name,), lambda r: to_ours(r.get(name)[begin:end]),
+                lambda x: [(name, to_hf(x))])
+
+
+def _attention_tensors(cfg: ModelConfig, pre: str, gated: bool) -> list[Tensor]:
+  """A full-attention layer's; `gated`: q_proj holds [query | gate] per head."""
   h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  out = [
-      _copy("attn_norm/scale", pre + "input_layernorm.weight"),
-      _copy("mlp_norm/scale", pre + "post_attention_layernorm.weight"),
-      _linear("attn/q", pre + "self_attn.q_proj.weight", lambda s: (s[0], h, hd)),
+  q_dim = 2 * hd if gated else hd
+  return [
+      _linear("attn/q", pre + "self_attn.q_proj.weight", lambda s: (s[0], h, q_dim)),
       _linear("attn/k", pre + "self_attn.k_proj.weight", lambda s: (s[0], kvh, hd)),
       _linear("attn/v", pre + "self_attn.v_proj.weight", lambda s: (s[0], kvh, hd)),
       _linear("attn/o", pre + "self_attn.o_proj.weight", lambda s: (h, hd, s[1]), in_axes=2),
       _copy("attn/q_norm/scale", pre + "self_attn.q_norm.weight"),
       _copy("attn/k_norm/scale", pre + "self_attn.k_norm.weight"),
   ]
-  if cfg.layer_spec(i).mlp == "dense":
-    for ours, theirs in (("wi_gate", "gate_proj"), ("wi_up", "up_proj"), ("wo", "down_proj")):
-      out.append(_linear(f"mlp/{ours}", pre + f"mlp.{theirs}.weight"))
-    return out
+
+
+def _linear_attention_tensors(cfg: ModelConfig, pre: str) -> list[Tensor]:
+  """A Gated DeltaNet layer's (transformers' `linear_attn`): q, k and v split
+  out of the fused projection and conv (channels [q | k | v])."""
+  pre += "linear_attn."
+  hk, h = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+  dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+  proj, conv = [], []
+  begin = 0
+  for part, n, dim in (("q", hk, dk), ("k", hk, dk), ("v", h, dv)):
+    end = begin + n * dim
+    # in_proj_qkv [C, d] rows -> ours [d, n, dim]; conv1d [C, 1, K] rows -> ours [K, n, dim].
+    proj.append(_rows(f"attn/{part}", pre + "in_proj_qkv.weight", begin, end,
+                      lambda w, n=n, dim=dim: w.T.reshape(w.shape[1], n, dim),
+                      lambda x: x.reshape(x.shape[0], -1).T))
+    conv.append(_rows(f"attn/conv_{part}", pre + "conv1d.weight", begin, end,
+                      lambda w, n=n, dim=dim: w[:, 0, :].T.reshape(w.shape[2], n, dim),
+                      lambda x: x.reshape(x.shape[0], -1).T[:, None, :]))
+    begin = end
+  return proj + conv + [
+      _linear("attn/z", pre + "in_proj_z.weight", lambda s: (s[0], h, dv)),
+      _linear("attn/a", pre + "in_proj_a.weight"),
+      _linear("attn/b", pre + "in_proj_b.weight"),
+      _copy("attn/a_log", pre + "A_log"),
+      _copy("attn/dt_bias", pre + "dt_bias"),
+      _copy("attn/norm", pre + "norm.weight"),
+      _linear("attn/o", pre + "out_proj.weight", lambda s: (h, dv, s[1]), in_axes=2),
+  ]
+
+
+def layer_tensors(cfg: ModelConfig, i: int) -> list[Tensor]:
+  """Layer i's parameters, paths relative to the layer ("attn/q", "moe/wo", ...)."""
+  pre = f"model.layers.{i}."
+  spec = cfg.layer_spec(i)
+  out = [
+      _copy("attn_norm/scale", pre + "input_layernorm.weight"),
+      _copy("mlp_norm/scale", pre + "post_attention_layernorm.weight"),
+  ]
+  if spec.attention == "linear":
+    out += _linear_attention_tensors(cfg, pre)
+  else:
+    out += _attention_tensors(cfg, pre, gated=spec.attention == "gated_full")
+  swiglu = (("wi_gate", "gate_proj"), ("wi_up", "up_proj"), ("wo", "down_proj"))
+  if spec.mlp == "dense":
+    return out + [_linear(f"mlp/{ours}", pre + f"mlp.{theirs}.weight") for ours, theirs in swiglu]
   out.append(_linear("moe/router", pre + "mlp.gate.weight"))
-  for ours, theirs in (("wi_gate", "gate_proj"), ("wi_up", "up_proj"), ("wo", "down_proj")):
+  for ours, theirs in swiglu:
     out.append(_experts(f"moe/{ours}", pre, theirs, cfg))
+  if spec.mlp == "moe_shared":
+    out += [_linear(f"moe/shared/{ours}", pre + f"mlp.shared_expert.{theirs}.weight")
+            for ours, theirs in swiglu]
+    out.append(_linear("moe/shared_gate", pre + "mlp.shared_expert_gate.weight"))
   return out
 
 

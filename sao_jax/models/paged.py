@@ -74,14 +74,16 @@ from sao_jax.models.config import ModelConfig
 Array = jax.Array
 
 
-def init_pages(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None):
+def init_pages(cfg: ModelConfig, num_pages: int, page_size: int, slots: int = 0, dtype=None):
   """An empty pool of `num_pages` pages of `page_size` positions, per layer.
 
   The tree is `init_cache`'s (a list per layer, or "layer_i" plus stacked
-  "layers" with `cfg.scan_layers`); every leaf is `[..., KVH, P, page, hd]`.
+  "layers" with `cfg.scan_layers`); every key / value leaf is
+  `[..., KVH, P, page, hd]`. A linear (Gated DeltaNet) layer holds its
+  recurrent state for `slots` slots instead (kv_layout.py), outside the pages.
   """
   return kv_layout.kv_tree(cfg, (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim),
-                           dtype)
+                           slots, dtype)
 
 
 def pool_spec(ndim: int, batch_axes, kv_axes) -> PartitionSpec:

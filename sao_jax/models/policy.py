@@ -181,21 +181,27 @@ def scan_params(cfg: ModelConfig, params):
   """Unscanned params ("layer_i" for every layer) -> the `cfg.scan_layers` layout.
 
   The layers before the scanned run (`cfg.scan_prefix`) keep their "layer_i"
-  entries; the rest are stacked along a new leading axis under "layers".
+  entries; the rest are stacked along a new leading axis under "layers"
+  ("layers/sub_r" for layer r of each step of a longer `cfg.scan_period`).
   `cfg` is the scanned config.
   """
-  k = cfg.scan_prefix
-  scanned = [params[f"layer_{i}"] for i in range(k, cfg.num_layers)]
+  k, period = cfg.scan_prefix, cfg.scan_period
   out = {n: v for n, v in params.items()
          if not (n.startswith("layer_") and int(n[len("layer_"):]) >= k)}
-  out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *scanned)
+  stacks = [jax.tree.map(lambda *xs: jnp.stack(xs),
+                         *[params[f"layer_{i}"] for i in range(k + r, cfg.num_layers, period)])
+            for r in range(period)]
+  out["layers"] = stacks[0] if period == 1 else {f"sub_{r}": t for r, t in enumerate(stacks)}
   return out
 
 
 def unscan_params(cfg: ModelConfig, params):
   """The inverse of `scan_params`: "layers" split back into "layer_i" entries."""
-  k = cfg.scan_prefix
   out = {n: v for n, v in params.items() if n != "layers"}
-  for j in range(cfg.num_scanned_layers):
-    out[f"layer_{k + j}"] = jax.tree.map(lambda x, j=j: x[j], params["layers"])
+  for i in range(cfg.scan_prefix, cfg.num_layers):
+    where, g = cfg.layer_location(i)
+    tree = params
+    for key in where.split("/"):
+      tree = tree[key]
+    out[f"layer_{i}"] = jax.tree.map(lambda x, g=g: x[g], tree)
   return out

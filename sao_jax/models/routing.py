@@ -44,23 +44,24 @@ def collect(cfg: ModelConfig, intermediates, batch: int, length: int, *,
   384 for Qwen3-30B-A3B, where k alone would be padded to a TPU tile).
 
   `intermediates` is the "intermediates" collection of a `Transformer`
-  applied to `[batch, length]` tokens. Unrolled layers appear as
-  "layer_i", scanned ones stacked under "layers" after them, which is the
-  model's layer order; each layer's entry is `[k, B*L]` (transformer.MoE).
+  applied to `[batch, length]` tokens. Each MoE layer's entry is `[k, B*L]`
+  (transformer.MoE), found where its parameters are
+  (`ModelConfig.layer_location`: "layer_i", or a slice of a scanned stack).
   """
   k = cfg.experts_per_token
   rows = []
-  for i in range(cfg.num_layers):
-    entry = intermediates.get(f"layer_{i}")
-    if entry is not None and "moe" in entry:
-      (top_i,) = entry["moe"]["moe_top_i"]
-      rows.append(top_i.reshape(1, k, batch, length))
-  if "moe" in intermediates.get("layers", {}):
-    (top_i,) = intermediates["layers"]["moe"]["moe_top_i"]
-    rows.append(top_i.reshape(-1, k, batch, length))
-  if not rows:
-    raise ValueError("no MoE layer sowed its routing: was the model applied with "
-                     "mutable=['intermediates']?")
+  for i, spec in enumerate(cfg.layer_specs):
+    if not spec.is_moe:
+      continue
+    where, index = cfg.layer_location(i)
+    entry = intermediates
+    for key in where.split("/") + ["moe"]:
+      entry = entry.get(key, {}) if isinstance(entry, dict) else {}
+    if "moe_top_i" not in entry:
+      raise ValueError("no MoE layer sowed its routing: was the model applied with "
+                       "mutable=['intermediates']?")
+    (top_i,) = entry["moe_top_i"]  # [k, B*L], or [steps, k, B*L] for a scanned layer
+    rows.append((top_i if index is None else top_i[index]).reshape(1, k, batch, length))
   out = jnp.concatenate(rows, 0).astype(jnp.int32)  # [M, k, B, L]
   if out.shape[0] != cfg.num_moe_layers:
     raise ValueError(f"collected {out.shape[0]} MoE layers, the config has "

@@ -59,7 +59,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sao_jax.models import head_vocab, kv_layout, moe
+from sao_jax.models import deltanet, head_vocab, kv_layout, moe
 from sao_jax.models import attention as attn_lib
 from sao_jax.models import paged
 from sao_jax.models.config import LayerSpec, ModelConfig
@@ -80,22 +80,35 @@ def _constrain(x, axes):
 
 
 class RMSNorm(nn.Module):
+  """y = w * x_hat (Qwen3), or with `zero_centered` y = (1 + w) * x_hat in
+  fp32 with w initialised at 0 (Qwen3.5), x_hat = x / rms(x)."""
   eps: float
   param_dtype: Any
   axis_name: str = "embed"
+  zero_centered: bool = False
 
   @nn.compact
   def __call__(self, x):
-    scale = _param(self, "scale", (x.shape[-1],), (self.axis_name,),
-                   self.param_dtype, nn.initializers.ones)
+    init = nn.initializers.zeros if self.zero_centered else nn.initializers.ones
+    scale = _param(self, "scale", (x.shape[-1],), (self.axis_name,), self.param_dtype, init)
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + self.eps)
+    if self.zero_centered:
+      return (x32 * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
     return scale.astype(x.dtype) * x32.astype(x.dtype)
 
 
-def rotary(x: Array, positions: Array, theta: float) -> Array:
-  """Rotary embedding, rotate-half convention. x [B, L, N, hd], positions [B, L]."""
+def _norm(cfg: ModelConfig, name: str, axis_name: str = "embed") -> RMSNorm:
+  return RMSNorm(cfg.rms_eps, cfg.param_dtype, axis_name, cfg.zero_centered_norm, name=name)
+
+
+def rotary(x: Array, positions: Array, theta: float, dims: int | None = None) -> Array:
+  """Rotary embedding, rotate-half convention, on the first `dims` of each
+  head (None: all; the rest pass through). x [B, L, N, hd], positions [B, L]."""
   hd = x.shape[-1]
+  dims = dims or hd
+  if dims < hd:
+    return jnp.concatenate([rotary(x[..., :dims], positions, theta), x[..., dims:]], -1)
   inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
   freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, L, hd/2]
   emb = jnp.concatenate([freqs, freqs], -1)[:, :, None, :]  # [B, L, 1, hd]
@@ -106,7 +119,12 @@ def rotary(x: Array, positions: Array, theta: float) -> Array:
 
 
 class Attention(nn.Module):
+  """Softmax attention; with `gated` (a "gated_full" layer) its output is
+  multiplied by sigmoid(x W_gate) per head and dim before the output
+  projection, W_gate stored with W_q as "q" [D, H, 2 hd], [query | gate]
+  per head (transformers' q_proj)."""
   cfg: ModelConfig
+  gated: bool = False
 
   @nn.compact
   def __call__(self, x, positions, segment_ids, cache, layer=None, page_table=None):
@@ -121,18 +139,22 @@ class Attention(nn.Module):
     """
     cfg = self.cfg
     d, h, kvh, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    wq = _param(self, "q", (d, h, hd), ("embed", "heads", "head_dim"), cfg.param_dtype)
+    # Gated: "q" is [query | gate] per head, as transformers' q_proj.
+    wq = _param(self, "q", (d, h, 2 * hd if self.gated else hd), ("embed", "heads", "head_dim"),
+                cfg.param_dtype)
     wk = _param(self, "k", (d, kvh, hd), ("embed", "kv_heads", "head_dim"), cfg.param_dtype)
     wv = _param(self, "v", (d, kvh, hd), ("embed", "kv_heads", "head_dim"), cfg.param_dtype)
     wo = _param(self, "o", (h, hd, d), ("heads", "head_dim", "embed"), cfg.param_dtype)
     dt = cfg.dtype
     q = jnp.einsum("bld,dnh->blnh", x, wq.astype(dt))
+    if self.gated:
+      q, gate = q[..., :hd], q[..., hd:]
     k = jnp.einsum("bld,dnh->blnh", x, wk.astype(dt))
     v = jnp.einsum("bld,dnh->blnh", x, wv.astype(dt))
-    q = RMSNorm(cfg.rms_eps, cfg.param_dtype, "head_dim", name="q_norm")(q)
-    k = RMSNorm(cfg.rms_eps, cfg.param_dtype, "head_dim", name="k_norm")(k)
-    q = rotary(q, positions, cfg.rope_theta)
-    k = rotary(k, positions, cfg.rope_theta)
+    q = _norm(cfg, "q_norm", "head_dim")(q)
+    k = _norm(cfg, "k_norm", "head_dim")(k)
+    q = rotary(q, positions, cfg.rope_theta, cfg.rotary_dims)
+    k = rotary(k, positions, cfg.rope_theta, cfg.rotary_dims)
     q = _constrain(q, ("batch", "length", "heads", "head_dim"))
     k = _constrain(k, ("batch", "length", "kv_heads", "head_dim"))
     v = _constrain(v, ("batch", "length", "kv_heads", "head_dim"))
@@ -161,6 +183,8 @@ class Attention(nn.Module):
                                      cfg.attention_block)
 
     out = _constrain(out, ("batch", "length", "heads", "head_dim"))
+    if self.gated:
+      out = out * jax.nn.sigmoid(gate)
     out = jnp.einsum("blnh,nhd->bld", out, wo.astype(dt))
     return out, new_cache
 
@@ -175,13 +199,89 @@ class Attention(nn.Module):
     return attn_lib.reference_attention(q, k, v, attn_lib.packed_causal_mask(segment_ids))
 
 
-class DenseMLP(nn.Module):
+# A Gated DeltaNet layer's cache entries: the conv inputs of q, k and v
+# before the next token, and the delta-rule state (LinearAttention).
+LINEAR_CACHE = ("conv_q", "conv_k", "conv_v", "state")
+
+
+class LinearAttention(nn.Module):
+  """Gated DeltaNet (a "linear" layer; the math is sao_jax/models/deltanet.py).
+
+  q, k and v have projections and conv weights of their own (transformers
+  fuses them as in_proj_qkv / conv1d, channels [q | k | v]), so each splits
+  by its own heads on a mesh. Training rows reset the recurrence at packed
+  segment starts. With a cache (this layer's LINEAR_CACHE entries, per slot:
+  conv [B, K-1, heads, dim], state [B, H, Dk, Dv] fp32; stacked [n, ...]
+  with `layer`), a row whose first token is at position 0 starts from zeros
+  and every other row continues its slot's state; a row of padding leaves it
+  as it was. Pages play no part: the state has one size per slot.
+  """
   cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, positions, segment_ids, cache, layer=None):
+    cfg = self.cfg
+    d, hk, h = cfg.d_model, cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, taps, dt, pd = (cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                            cfg.linear_conv_kernel, cfg.dtype, cfg.param_dtype)
+    shapes = {"q": (hk, dk, "kv_heads"), "k": (hk, dk, "kv_heads"), "v": (h, dv, "heads")}
+    mixed, conv_states = {}, {}
+    fresh = None if cache is None else (positions[:, 0] == 0)
+    for name, (n, dim, axis) in shapes.items():
+      w = _param(self, name, (d, n, dim), ("embed", axis, "head_dim"), pd)
+      cw = _param(self, f"conv_{name}", (taps, n, dim), (None, axis, "head_dim"), pd)
+      y = jnp.einsum("bld,dnh->blnh", x, w.astype(dt))
+      b, length = y.shape[:2]
+      state = None if cache is None else self._read(cache, f"conv_{name}", layer, fresh)
+      out, state = deltanet.causal_conv(
+          y.reshape(b, length, n * dim), cw.reshape(taps, n * dim),
+          None if state is None else state.reshape(b, taps - 1, n * dim).astype(dt), segment_ids)
+      mixed[name] = _constrain(out.reshape(b, length, n, dim),
+                               ("batch", "length", axis, "head_dim"))
+      conv_states[f"conv_{name}"] = state.reshape(b, taps - 1, n, dim)
+    wa, wb = (_param(self, name, (d, h), ("embed", "heads"), pd) for name in ("a", "b"))
+    a_log = _param(self, "a_log", (h,), ("heads",), pd, nn.initializers.zeros)
+    dt_bias = _param(self, "dt_bias", (h,), ("heads",), pd, nn.initializers.ones)
+    g, beta = deltanet.decay_and_beta(x @ wa.astype(dt), x @ wb.astype(dt), a_log, dt_bias)
+    rule_args = dict(initial_state=None if cache is None else self._read(cache, "state", layer,
+                                                                         fresh),
+                     segment_ids=segment_ids, use_qk_l2norm_in_kernel=True)
+    if cache is not None and x.shape[1] == 1:
+      out, state = deltanet.recurrent_gated_delta_rule(
+          mixed["q"], mixed["k"], mixed["v"], g, beta, **rule_args)
+    else:
+      out, state = deltanet.chunked_gated_delta_rule(
+          mixed["q"], mixed["k"], mixed["v"], g, beta, chunk=cfg.deltanet_chunk, **rule_args)
+    wz = _param(self, "z", (d, h, dv), ("embed", "heads", "head_dim"), pd)
+    norm = _param(self, "norm", (dv,), ("head_dim",), pd, nn.initializers.ones)
+    out = deltanet.gated_rms_norm(out.astype(dt), jnp.einsum("bld,dnh->blnh", x, wz.astype(dt)),
+                                  norm.astype(dt), cfg.rms_eps)
+    out = _constrain(out, ("batch", "length", "heads", "head_dim"))
+    wo = _param(self, "o", (h, dv, d), ("heads", "head_dim", "embed"), pd)
+    out = jnp.einsum("blnh,nhd->bld", out, wo.astype(dt))
+    if cache is None:
+      return out, None
+    new = dict(conv_states, state=state)
+    if layer is None:
+      return out, {n: new[n].astype(cache[n].dtype) for n in LINEAR_CACHE}
+    return out, {n: cache[n].at[layer].set(new[n].astype(cache[n].dtype)) for n in LINEAR_CACHE}
+
+  @staticmethod
+  def _read(cache, name, layer, fresh):
+    """This layer's slot states of `name`, zeroed where a row starts afresh."""
+    x = cache[name] if layer is None else cache[name][layer]
+    return jnp.where(fresh.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros_like(x), x)
+
+
+class DenseMLP(nn.Module):
+  """A SwiGLU of width `d_ff` (0: `cfg.dense_d_ff`)."""
+  cfg: ModelConfig
+  d_ff: int = 0
 
   @nn.compact
   def __call__(self, x):
     cfg = self.cfg
-    d, f = cfg.d_model, cfg.dense_d_ff
+    d, f = cfg.d_model, self.d_ff or cfg.dense_d_ff
     wg = _param(self, "wi_gate", (d, f), ("embed", "mlp"), cfg.param_dtype)
     wu = _param(self, "wi_up", (d, f), ("embed", "mlp"), cfg.param_dtype)
     wd = _param(self, "wo", (f, d), ("mlp", "embed"), cfg.param_dtype)
@@ -192,7 +292,9 @@ class DenseMLP(nn.Module):
 
 
 class MoE(nn.Module):
-  """Top-k routed SwiGLU experts (Qwen3-MoE's sparse block)."""
+  """Top-k routed SwiGLU experts (Qwen3-MoE's sparse block), plus with
+  `cfg.shared_expert_d_ff` a shared SwiGLU expert every token passes
+  through, scaled by sigmoid(x W_sg) (Qwen3.5-MoE's shared_expert)."""
   cfg: ModelConfig
 
   @nn.compact
@@ -246,7 +348,12 @@ class MoE(nn.Module):
       self.sow("intermediates", "moe_dropped", dropped)
     else:
       out = _ragged_experts(xf, top_i, top_p, wg, wu, wd)
-    return out.reshape(x.shape), _load_balance(top_i, probs, token_mask)
+    out = out.reshape(x.shape)
+    if cfg.shared_expert_d_ff:
+      shared = DenseMLP(cfg, cfg.shared_expert_d_ff, name="shared")(x)
+      w_sg = _param(self, "shared_gate", (d, 1), ("embed", None), cfg.param_dtype)
+      out = out + jax.nn.sigmoid(x @ w_sg.astype(dt)) * shared
+    return out, _load_balance(top_i, probs, token_mask)
 
 
 def _dense_experts(xf, top_i, top_p, *, wg, wu, wd):
@@ -307,11 +414,15 @@ class Block(nn.Module):
                routing=None):
     cfg = self.cfg
     x, cache = carry
-    h, new_cache = Attention(cfg, name="attn")(
-        RMSNorm(cfg.rms_eps, cfg.param_dtype, name="attn_norm")(x),
-        positions, segment_ids, cache, layer, page_table)
+    normed = _norm(cfg, "attn_norm")(x)
+    if self.spec.attention == "linear":
+      h, new_cache = LinearAttention(cfg, name="attn")(normed, positions, segment_ids, cache,
+                                                       layer)
+    else:
+      h, new_cache = Attention(cfg, self.spec.attention == "gated_full", name="attn")(
+          normed, positions, segment_ids, cache, layer, page_table)
     x = x + h
-    y = RMSNorm(cfg.rms_eps, cfg.param_dtype, name="mlp_norm")(x)
+    y = _norm(cfg, "mlp_norm")(x)
     if self.spec.mlp == "dense":
       y, aux = DenseMLP(cfg, name="mlp")(y), None
     else:
@@ -320,18 +431,47 @@ class Block(nn.Module):
     return (x, new_cache), aux
 
 
-def _block_class(cfg: ModelConfig, scanned: bool):
-  """Block, rematerialised as `cfg.remat` says.
+class Group(nn.Module):
+  """`cfg.scan_period` layers in a row ("sub_0", ...): one step of the scan
+  over a periodic stack (Qwen3.5's three linear layers and a full one).
+
+  Same (carry, ...) -> (carry, aux) form as `Block`; the cache is a dict
+  of the sub-layers' caches, `routing` [m, B, L, k] the group's m MoE
+  layers' rows, aux [m] their load-balancing losses (None when m is 0).
+  """
+  cfg: ModelConfig
+  specs: tuple[LayerSpec, ...]
+
+  @nn.compact
+  def __call__(self, carry, positions, segment_ids, layer=None, page_table=None,
+               routing=None):
+    x, cache = carry
+    new_cache, aux, moe_index = {}, [], 0
+    for r, spec in enumerate(self.specs):
+      name = f"sub_{r}"
+      sub_routing = None if routing is None or not spec.is_moe else routing[moe_index]
+      moe_index += spec.is_moe
+      (x, sub_cache), sub_aux = Block(self.cfg, spec, name=name)(
+          (x, None if cache is None else cache[name]), positions, segment_ids, layer,
+          page_table, sub_routing)
+      new_cache[name] = sub_cache
+      if sub_aux is not None:
+        aux.append(sub_aux)
+    return (x, None if cache is None else new_cache), (jnp.stack(aux) if aux else None)
+
+
+def _block_class(cfg: ModelConfig, scanned: bool, cls=Block):
+  """`cls` (a Block, or a scanned Group), rematerialised as `cfg.remat` says.
 
   Under a scan, common-subexpression elimination cannot merge the recomputed
   forward into the backward across loop iterations, so `prevent_cse` (extra
   barriers) is only needed for unrolled layers.
   """
   if cfg.remat == "none":
-    return Block
+    return cls
   policy = (jax.checkpoint_policies.nothing_saveable if cfg.remat == "full"
             else getattr(jax.checkpoint_policies, cfg.remat))
-  return nn.remat(Block, policy=policy, prevent_cse=not scanned)
+  return nn.remat(cls, policy=policy, prevent_cse=not scanned)
 
 
 def lm_head_weight(cfg: ModelConfig, params) -> Array:
@@ -390,21 +530,12 @@ class Transformer(nn.Module):
       if aux is not None:
         aux_losses.append(aux[None])
     if cfg.scan_layers:
-      n = cfg.num_scanned_layers
-      scanned = nn.scan(
-          _block_class(cfg, scanned=True),
-          variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
-          in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, 0), length=n,
-          metadata_params={nn.PARTITION_NAME: "layers"})
-      spec = cfg.layer_spec(cfg.num_layers - 1)
-      (x, stacked), layer_aux = scanned(cfg, spec=spec, name="layers")(
-          (x, None if cache is None else cache["layers"]), positions, segment_ids,
-          jnp.arange(n, dtype=jnp.int32), page_table,
-          None if routing is None or not spec.is_moe else routing[moe_index:])
+      x, stacked, layer_aux = self._scanned(x, positions, segment_ids, cache, page_table,
+                                            None if routing is None else routing[moe_index:])
       new_cache["layers"] = stacked
-      if spec.is_moe:
-        aux_losses.append(layer_aux)  # [n]
-    x = RMSNorm(cfg.rms_eps, cfg.param_dtype, name="final_norm")(x)
+      if layer_aux is not None:
+        aux_losses.append(layer_aux.reshape(-1))  # [steps * MoE layers a step]
+    x = _norm(cfg, "final_norm")(x)
     aux = {"load_balance_loss": (jnp.mean(jnp.concatenate(aux_losses)) if aux_losses
                                  else jnp.zeros((), jnp.float32))}
     if cache is not None:
@@ -425,6 +556,31 @@ class Transformer(nn.Module):
     logits = _constrain(lm_logits(cfg, x, w), ("batch", "length", "vocab"))
     return logits, aux
 
+  def _scanned(self, x, positions, segment_ids, cache, page_table, routing):
+    """The scanned layers (after `cfg.scan_prefix`) as one `nn.scan` of
+    `cfg.scan_steps` steps: a Block each (period 1) or a Group of
+    `cfg.scan_period` layers. Returns (x, the stacked cache, aux [steps, ...]
+    or None without MoE layers); `routing` [M', B, L, k] the scanned MoE
+    layers' rows in layer order, or None."""
+    cfg, period, steps = self.cfg, self.cfg.scan_period, self.cfg.scan_steps
+    specs = cfg.layer_specs[cfg.scan_prefix:cfg.scan_prefix + period]
+    moe_per_step = sum(s.is_moe for s in specs)
+    if period == 1:
+      module, kwargs = Block, {"spec": specs[0]}
+    else:
+      module, kwargs = Group, {"specs": specs}
+      if routing is not None and moe_per_step:
+        routing = routing.reshape((steps, moe_per_step) + routing.shape[1:])
+    scanned = nn.scan(
+        _block_class(cfg, scanned=True, cls=module),
+        variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
+        in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, 0), length=steps,
+        metadata_params={nn.PARTITION_NAME: "layers"})
+    (x, stacked), aux = scanned(cfg, name="layers", **kwargs)(
+        (x, None if cache is None else cache["layers"]), positions, segment_ids,
+        jnp.arange(steps, dtype=jnp.int32), page_table, routing if moe_per_step else None)
+    return x, stacked, (aux if moe_per_step else None)
+
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
   """An empty KV cache of `batch` slots, `max_len` positions each.
@@ -437,4 +593,4 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
     each unrolled dense-prefix layer ([B, S, KVH, hd]) and "layers" for the
     scanned layers, stacked: {"k", "v"} [n, B, S, KVH, hd].
   """
-  return kv_layout.kv_tree(cfg, (batch, max_len, cfg.num_kv_heads, cfg.head_dim), dtype)
+  return kv_layout.kv_tree(cfg, (batch, max_len, cfg.num_kv_heads, cfg.head_dim), batch, dtype)

@@ -257,11 +257,12 @@ class PagedCache(KVCache):
   # --- the device side ------------------------------------------------------
 
   def abstract(self):
-    return layout.abstract_pool(self.cfg, self.num_pages, self.page_size)
+    return layout.abstract_pool(self.cfg, self.num_pages, self.page_size, self.slots)
 
   def init(self, batch: int):
-    del batch  # the pool's size is its pages', whatever the slots
-    return paged.init_pages(self.cfg, self.num_pages, self.page_size)
+    # The pool's size is its pages', whatever the slots; a linear layer's
+    # state is per slot.
+    return paged.init_pages(self.cfg, self.num_pages, self.page_size, batch)
 
   def shardings(self, mesh, rules) -> layout.EngineShardings:
     return layout.engine_shardings(self.cfg, self.slots, self.max_len, mesh, rules,

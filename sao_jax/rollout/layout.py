@@ -42,7 +42,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from sao_jax.models import sharding as shd
-from sao_jax.models import decoding, paged, policy
+from sao_jax.models import decoding, kv_layout, paged, policy
 from sao_jax.models.config import ModelConfig
 
 
@@ -109,6 +109,38 @@ def _kv_axes(cfg: ModelConfig, mesh, rules, count: int, what: str):
   return batch_axes, kv_axes
 
 
+def recurrent_spec(path, ndim: int, batch_axes, head_axes) -> PartitionSpec:
+  """PartitionSpec of a linear layer's state leaf (kv_layout.RECURRENT_LEAVES):
+  slots by the batch axes; heads by `head_axes` (conv inputs
+  `[..., B, K-1, heads, dim]`, the delta-rule state `[..., B, H, Dk, Dv]`)."""
+  lead = [None] * (ndim - 4)
+  if path[-1].key == "state":
+    return PartitionSpec(*lead, batch_axes, head_axes, None, None)
+  return PartitionSpec(*lead, batch_axes, None, head_axes, None)
+
+
+def _linear_head_axes(cfg: ModelConfig, mesh, kv_axes):
+  """The axes a linear layer's state heads split over: the kv heads' where
+  its key heads divide by their size, else none (the state is replicated
+  over them)."""
+  if cfg.linear_num_key_heads and cfg.linear_num_key_heads % shd.axes_size(mesh, kv_axes):
+    return None
+  return kv_axes
+
+
+def _state_shardings(cfg: ModelConfig, abstract, mesh, batch_axes, kv_axes, kv_spec):
+  """NamedShardings of a cache tree: key / value leaves by `kv_spec(ndim)`,
+  recurrent ones by `recurrent_spec`."""
+  head_axes = _linear_head_axes(cfg, mesh, kv_axes)
+
+  def spec(path, a):
+    if kv_layout.is_recurrent(path):
+      return NamedSharding(mesh, recurrent_spec(path, a.ndim, batch_axes, head_axes))
+    return NamedSharding(mesh, kv_spec(a.ndim))
+
+  return jax.tree_util.tree_map_with_path(spec, abstract)
+
+
 def cache_shardings(cfg: ModelConfig, batch: int, cache_len: int, mesh, rules, *,
                     abstract=None):
   """NamedShardings of a `batch`-slot cache: slots by the "batch" rule, kv heads
@@ -116,8 +148,8 @@ def cache_shardings(cfg: ModelConfig, batch: int, cache_len: int, mesh, rules, *
   batch_axes, kv_axes = _kv_axes(cfg, mesh, rules, batch, "slots")
   if abstract is None:
     abstract = abstract_cache(cfg, batch, cache_len)
-  return jax.tree.map(lambda a: NamedSharding(mesh, cache_spec(a.ndim, batch_axes, kv_axes)),
-                      abstract)
+  return _state_shardings(cfg, abstract, mesh, batch_axes, kv_axes,
+                          lambda ndim: cache_spec(ndim, batch_axes, kv_axes))
 
 
 def _bytes_per_device(abstract, shardings) -> int:
@@ -170,29 +202,32 @@ def default_pages(slots: int, max_len: int, page_size: int) -> int:
   return slots * -(-max_len // page_size)
 
 
-def abstract_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None):
-  """ShapeDtypeStructs of a paged cache's pool (models/paged.py; nothing allocated)."""
-  args = () if dtype is None else (dtype,)
-  return jax.eval_shape(lambda: paged.init_pages(cfg, num_pages, page_size, *args))
+def abstract_pool(cfg: ModelConfig, num_pages: int, page_size: int, slots: int = 0,
+                  dtype=None):
+  """ShapeDtypeStructs of a paged cache's pool (models/paged.py; nothing
+  allocated), with the recurrent state of `slots` slots."""
+  return jax.eval_shape(lambda: paged.init_pages(cfg, num_pages, page_size, slots, dtype))
 
 
 def pool_shardings(cfg: ModelConfig, num_pages: int, page_size: int, mesh, rules, *,
-                   abstract=None):
+                   slots: int = 0, abstract=None):
   """NamedShardings of a page pool: pages over the "batch" rule's axes (each
-  device holds its slots' pages), kv heads by the "kv_heads" rule."""
+  device holds its slots' pages), kv heads by the "kv_heads" rule; a linear
+  layer's per-slot state as a dense cache's (`recurrent_spec`)."""
   batch_axes, kv_axes = _kv_axes(cfg, mesh, rules, num_pages, "pages")
   if abstract is None:
-    abstract = abstract_pool(cfg, num_pages, page_size)
-  return jax.tree.map(lambda a: NamedSharding(mesh, paged.pool_spec(a.ndim, batch_axes,
-                                                                    kv_axes)), abstract)
+    abstract = abstract_pool(cfg, num_pages, page_size, slots)
+  return _state_shardings(cfg, abstract, mesh, batch_axes, kv_axes,
+                          lambda ndim: paged.pool_spec(ndim, batch_axes, kv_axes))
 
 
 def pool_bytes_per_device(cfg: ModelConfig, num_pages: int, page_size: int, mesh=None,
-                          rules=None, dtype=None) -> int:
-  """A paged cache's pool bytes on each device (as `cache_bytes_per_device`)."""
+                          rules=None, dtype=None, slots: int = 0) -> int:
+  """A paged cache's pool bytes on each device (as `cache_bytes_per_device`),
+  with `slots` slots' recurrent state."""
   mesh = _sized_mesh(mesh)
   rules = rollout_rules(mesh) if rules is None else rules
-  abstract = abstract_pool(cfg, num_pages, page_size, dtype)
+  abstract = abstract_pool(cfg, num_pages, page_size, slots, dtype)
   return _bytes_per_device(abstract, pool_shardings(cfg, num_pages, page_size, mesh, rules,
                                                     abstract=abstract))
 
@@ -214,7 +249,7 @@ def engine_shardings(cfg: ModelConfig, slots: int, max_len: int, mesh, rules, *,
   if pages is None:
     cache = cache_shardings(cfg, slots, max_len, mesh, rules)
   else:
-    cache = pool_shardings(cfg, *pages, mesh, rules)
+    cache = pool_shardings(cfg, *pages, mesh, rules, slots=slots)
     if slots % shd.axes_size(mesh, batch_axes):
       raise ValueError(f"{slots} slots do not divide over the batch axes {batch_axes} "
                        f"(size {shd.axes_size(mesh, batch_axes)}) of mesh {dict(mesh.shape)}")

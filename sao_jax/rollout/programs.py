@@ -54,7 +54,7 @@ import jax.numpy as jnp
 
 from sao_jax.models import precision
 from sao_jax.config import sections
-from sao_jax.models import decoding, head_vocab, paged, routing
+from sao_jax.models import decoding, head_vocab, kv_layout, paged, routing
 from sao_jax.models.config import ModelConfig
 from sao_jax.rollout import kv_cache as kv_cache_lib
 from sao_jax.rollout import layout
@@ -298,10 +298,10 @@ def _step(cfg, sampling, kv, params, cache, lengths, tokens, valid, rng, *, reco
     last_logits, cache, new_lengths, *chosen = decoding.extend_last(
         cfg, params, cache, tokens, lengths, valid, record_routing=record)
   else:
-    live = jax.tree.map(lambda c: jax.lax.slice_in_dim(c, 0, kv, axis=c.ndim - 3), cache)
+    live = kv_layout.map_kv(lambda c: jax.lax.slice_in_dim(c, 0, kv, axis=c.ndim - 3), cache)
     last_logits, live, new_lengths, *chosen = decoding.extend_last(
         cfg, params, live, tokens, lengths, valid, record_routing=record)
-    cache = jax.tree.map(functools.partial(_write_back, lengths, valid), cache, live)
+    cache = kv_layout.map_kv(functools.partial(_write_back, lengths, valid), cache, live)
   # last_logits [B, V]: after each row's last valid token (a chunked prefill
   # with cfg.prefill_chunk, never [B, W, V]).
   tok, logp = sampling_lib.sample(last_logits, rng, sampling)
@@ -376,7 +376,7 @@ def _decode(cfg, sampling, kv, steps, stop_token, params, cache, lengths, tokens
   Returns (cache, lengths, pending tokens `[B]`, sampled tokens `[B, steps]`,
   their log-probs, counts `[B]`, the advanced `KeyStream`).
   """
-  live = cache if kv is None else jax.tree.map(
+  live = cache if kv is None else kv_layout.map_kv(
       lambda c: jax.lax.slice_in_dim(c, 0, kv, axis=c.ndim - 3), cache)
   live, new_lengths, tok, count, out_tok, out_lp, rng, *out_r = _decode_loop(
       cfg, sampling, steps, stop_token, params, live, lengths, tokens, budgets, rng,
@@ -385,7 +385,7 @@ def _decode(cfg, sampling, kv, steps, stop_token, params, cache, lengths, tokens
     cache = live
   else:
     fed = jnp.arange(steps)[None] < count[:, None]  # [B, steps]: the positions written
-    cache = jax.tree.map(functools.partial(_write_back, lengths, fed), cache, live)
+    cache = kv_layout.map_kv(functools.partial(_write_back, lengths, fed), cache, live)
   return (cache, new_lengths, tok, out_tok, out_lp, count, rng, *out_r)
 
 
@@ -407,18 +407,18 @@ def _paged_decode(cfg, sampling, cols, steps, stop_token, params, pool, lengths,
   (`paged.write_view`), as the dense engine's bucketed loop does.
   """
   table = table if cols is None else table[:, :cols]
-  if _decode_in_place(cfg, jax.tree.leaves(pool)[0].shape[-2]):
+  if _decode_in_place(cfg, kv_layout.kv_leaves(pool)[0].shape[-2]):
     pool, new_lengths, tok, count, out_tok, out_lp, rng, *out_r = _decode_loop(
         cfg, sampling, steps, stop_token, params, pool, lengths, tokens, budgets, rng, table,
         record=record)
   else:
-    live = jax.tree.map(lambda leaf: paged.view(leaf, table), pool)
+    live = kv_layout.map_kv(lambda leaf: paged.view(leaf, table), pool)
     live, new_lengths, tok, count, out_tok, out_lp, rng, *out_r = _decode_loop(
         cfg, sampling, steps, stop_token, params, live, lengths, tokens, budgets, rng,
         record=record)
     fed = jnp.arange(steps)[None] < count[:, None]  # [B, steps]: the positions written
-    pool = jax.tree.map(lambda leaf, v: paged.write_view(leaf, v, table, lengths, fed), pool,
-                        live)
+    pool = kv_layout.map_kv(lambda leaf, v: paged.write_view(leaf, v, table, lengths, fed),
+                            pool, live)
   return (pool, new_lengths, tok, out_tok, out_lp, count, rng, *out_r)
 
 

@@ -178,7 +178,7 @@ def test_unsupported_model_types_are_one_line(tmp_path):
     hf_import.config_from_hf(str(tmp_path))
   msg = str(e.value)
   assert "\n" not in msg and "model_type 'bert' is not supported" in msg
-  assert "qwen3, qwen3_moe" in msg
+  assert "qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe" in msg
   (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
   with pytest.raises(ValueError, match="model_type '' is not supported"):
     hf_import.config_from_hf(str(tmp_path))
@@ -187,10 +187,14 @@ def test_unsupported_model_types_are_one_line(tmp_path):
     hf_import.config_from_hf(str(tmp_path))
 
 
-def test_layer_kinds_a_family_cannot_hold_or_that_are_not_built_are_refused():
+def test_layer_kinds_a_family_cannot_hold_are_refused():
   with pytest.raises(ValueError, match="family 'qwen3' has no full-attention / moe-MLP"):
     dataclasses.replace(mcfg.tiny(), family="qwen3")
-  with pytest.raises(ValueError, match="layer kind 'linear': Gated DeltaNet"):
+  with pytest.raises(ValueError, match="family 'qwen3_moe' has no linear-attention"):
+    dataclasses.replace(mcfg.tiny(), attention_kinds=("full", "linear"), linear_num_key_heads=1,
+                        linear_num_value_heads=2, linear_key_head_dim=8,
+                        linear_value_head_dim=8)
+  with pytest.raises(ValueError, match="linear .Gated DeltaNet. layers need"):
     dataclasses.replace(mcfg.tiny(), attention_kinds=("full", "linear"))
   with pytest.raises(ValueError, match="attention_kinds has 1 entries for 2 layers"):
     dataclasses.replace(mcfg.tiny(), attention_kinds=("full",))
