@@ -492,6 +492,20 @@ def tiny_dense(vocab_size: int = 64) -> ModelConfig:
       tie_embeddings=True, max_seq_len=512, rope_theta=10_000.0, family="qwen3")
 
 
+def tiny_hybrid(vocab_size: int = 64) -> ModelConfig:
+  """A Qwen3.5-MoE of ~0.2M parameters: Gated DeltaNet and gated full attention
+  alternating ([linear, full] x 2, scanned as a period of 2), MoE layers
+  with a shared expert, zero-centred norms, a quarter of each head rotary.
+  The CPU toy of the hybrid family."""
+  return ModelConfig(
+      vocab_size=vocab_size, d_model=64, num_layers=4, num_heads=4, num_kv_heads=2,
+      head_dim=16, num_experts=4, experts_per_token=2, moe_d_ff=64, shared_expert_d_ff=64,
+      attention_kinds=("linear", "gated_full") * 2, linear_num_key_heads=2,
+      linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+      deltanet_chunk=32, rotary_dim=4, zero_centered_norm=True, max_seq_len=512,
+      rope_theta=10_000.0, family="qwen3_5_moe")
+
+
 def _qwen3_dense(*, d_model: int, d_ff: int, num_layers: int, num_heads: int,
                  tie: bool) -> ModelConfig:
   """A dense Qwen3 release's shape, run as POD_RUN says."""
@@ -522,8 +536,8 @@ def qwen3_8b() -> ModelConfig:
 
 
 # Presets whose vocabulary follows the run's tokenizer (model.vocab_from_tokenizer).
-TOY_PRESETS = ("tiny", "small", "tiny_dense")
+TOY_PRESETS = ("tiny", "small", "tiny_dense", "tiny_hybrid")
 
-PRESETS = {"tiny": tiny, "small": small, "tiny_dense": tiny_dense,
+PRESETS = {"tiny": tiny, "small": small, "tiny_dense": tiny_dense, "tiny_hybrid": tiny_hybrid,
            "qwen3_0_6b": qwen3_0_6b, "qwen3_1_7b": qwen3_1_7b, "qwen3_8b": qwen3_8b,
            "qwen3_30b_a3b": qwen3_30b_a3b}

@@ -82,8 +82,25 @@ def read_safetensor(file: str, entry: dict, data_start: int) -> np.ndarray:
   return np.frombuffer(data, dtype).reshape(entry["shape"]).copy()
 
 
+# A Qwen3.5 release is an image-text model: its text model's tensors sit
+# under this prefix, beside a vision tower and an MTP head.
+MULTIMODAL_TEXT = "model.language_model."
+VISION_PREFIX = "model.visual."
+# Multi-token-prediction heads (Qwen3.5's `mtp.*`): not part of the model
+# sao-jax trains; an export carries them over unchanged (`hf_export`'s `carry`).
+MTP_PREFIX = "mtp."
+
+
+def mtp_tensors(path: str) -> list[str]:
+  """The names of a checkpoint's MTP-head tensors (sorted; [] when none)."""
+  return sorted(n for n in _Reader(path).names() if n.startswith(MTP_PREFIX))
+
+
 class _Reader:
-  """Name -> tensor over a directory of safetensors shards, read lazily."""
+  """Name -> tensor over a directory of safetensors shards, read lazily.
+
+  Names are the text model's ("model.layers.0..."); in a multimodal
+  checkpoint they are read from under MULTIMODAL_TEXT."""
 
   def __init__(self, path: str):
     index = os.path.join(path, "model.safetensors.index.json")
@@ -102,18 +119,43 @@ class _Reader:
       for name, entry in header.items():
         self._where[name] = (file, entry, start)
     self.used = set()
+    self.multimodal = any(n.startswith(MULTIMODAL_TEXT) for n in self._where)
+
+  def names(self) -> list[str]:
+    return list(self._where)
+
+  def _stored(self, name: str) -> str:
+    if self.multimodal and name.startswith("model."):
+      return MULTIMODAL_TEXT + name[len("model."):]
+    return name
 
   def __contains__(self, name):
-    return name in self._where
+    return self._stored(name) in self._where
 
   def get(self, name: str) -> np.ndarray:
-    if name not in self._where:
-      raise KeyError(f"Checkpoint has no tensor {name!r}.")
-    self.used.add(name)
-    return read_safetensor(*self._where[name])
+    stored = self._stored(name)
+    if stored not in self._where:
+      raise KeyError(f"Checkpoint has no tensor {stored!r}.")
+    self.used.add(stored)
+    return read_safetensor(*self._where[stored])
 
   def unused(self):
-    return sorted(set(self._where) - self.used)
+    """Tensors nothing read, but the vision tower and MTP head (left out on purpose)."""
+    return sorted(n for n in set(self._where) - self.used
+                  if not n.startswith((VISION_PREFIX, MTP_PREFIX)))
+
+  def left_out(self) -> str:
+    """One line on what an import leaves out on purpose ("" when nothing)."""
+    vision = sum(n.startswith(VISION_PREFIX) for n in self._where)
+    mtp = sum(n.startswith(MTP_PREFIX) for n in self._where)
+    notes = []
+    if vision:
+      notes.append(f"{vision} vision-tower tensors (model.visual.*) not imported: sao-jax "
+                   "trains the text model")
+    if mtp:
+      notes.append(f"{mtp} MTP-head tensors (mtp.*) not trained: an export from this run "
+                   "carries them over unchanged")
+    return "; ".join(notes)
 
 
 def _without_leading_axis(sharding):
@@ -209,6 +251,8 @@ def load_hf_checkpoint(path: str, cfg: ModelConfig, shardings=None, *, strict: b
     host = host.astype(shape.dtype)
     flat[name] = jax.device_put(host, flat_shardings.get(name))
     del host
+  if note := r.left_out():
+    print(f"[model] {path}: {note}", flush=True)
   if strict and (extra := [n for n in r.unused()
                            if not (cfg.tie_embeddings and n == "lm_head.weight")]):
     raise ValueError(f"Checkpoint tensors not used by the model: {extra[:10]}"
