@@ -21,9 +21,11 @@ TRAIN, FREEZE = "train", "freeze"
 # The paper's critic: attention (and its pre-norm) and embeddings frozen;
 # MoE / MLP, their norms, the final norm and the value head train. First
 # matching rule wins; every parameter must match one. "layers/..." are the
-# stacked parameters of scanned layers (ModelConfig.scan_layers).
+# stacked parameters of scanned layers (ModelConfig.scan_layers),
+# "layers/sub_r/..." those of a periodic hybrid's scan. "attn" is every
+# token mixer: softmax attention and Gated DeltaNet alike.
 CRITIC_FREEZE_RULES = (
-    (r"^(layer_\d+|layers)/(attn|attn_norm)/", FREEZE),
+    (r"^(layer_\d+|layers(/sub_\d+)?)/(attn|attn_norm)/", FREEZE),
     (r"^embed$", FREEZE),
     (r".*", TRAIN),
 )

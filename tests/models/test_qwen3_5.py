@@ -244,3 +244,21 @@ def test_engine_logprobs_equal_teacher_forced_for_the_hybrid(kv_cache):
       np.testing.assert_allclose(np.asarray(lp)[0, sel], t.rollout_logprobs[sel], atol=2e-4)
       checked += int(sel.sum())
   assert checked > 30 and driver.stats.param_swaps == 1
+
+
+def test_the_critic_of_the_hybrid_freezes_every_token_mixer():
+  """The paper's frozen critic attention covers the Gated DeltaNet layers too
+  (their projections, conv, decay and output norm), in the periodic scan's
+  "layers/sub_r" layout; the MoE, its shared expert and the norms train."""
+  from sao_jax.algo import optim  # pylint: disable=g-import-not-at-top
+  cfg = dataclasses.replace(mcfg.tiny_hybrid(), scan_layers=True)
+  value = jax.eval_shape(lambda: policy.init_params(cfg, jax.random.key(0), "value"))
+  labels = {optim.param_path(p): l for p, l in jax.tree_util.tree_flatten_with_path(
+      optim.partition_labels(value, optim.CRITIC_FREEZE_RULES))[0]}
+  frozen = {n for n, l in labels.items() if l == optim.FREEZE}
+  assert {"layers/sub_0/attn/conv_q", "layers/sub_0/attn/a_log", "layers/sub_0/attn/norm",
+          "layers/sub_1/attn/q", "layers/sub_1/attn_norm/scale", "embed"} <= frozen
+  trained = {n for n, l in labels.items() if l == optim.TRAIN}
+  assert {"layers/sub_0/moe/shared/wi_gate", "layers/sub_1/moe/shared_gate",
+          "layers/sub_0/mlp_norm/scale", "value_head"} <= trained
+  assert not [n for n in trained if "/attn" in n]
