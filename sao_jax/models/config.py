@@ -535,9 +535,27 @@ def qwen3_8b() -> ModelConfig:
   return _qwen3_dense(d_model=4096, d_ff=12_288, num_layers=36, num_heads=32, tie=False)
 
 
+def qwen3_5_35b_a3b() -> ModelConfig:
+  """Qwen3.5-35B-A3B's published shape (the text_config of the HF release's
+  config.json, Qwen/Qwen3.5-35B-A3B): 40 layers in 10 blocks of three Gated
+  DeltaNet layers (16 key / 32 value heads of 128) and one gated full
+  attention (16 heads, 2 kv heads of 256, a quarter rotary, theta 1e7);
+  every MLP 256 routed experts of 512 (top 8) plus a shared expert of 512;
+  vocabulary 248,320, untied. The scan is one block of four layers."""
+  return ModelConfig(
+      vocab_size=248_320, d_model=2048, num_layers=40, num_heads=16, num_kv_heads=2,
+      head_dim=256, num_experts=256, experts_per_token=8, moe_d_ff=512, shared_expert_d_ff=512,
+      attention_kinds=("linear", "linear", "linear", "gated_full") * 10,
+      linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+      linear_value_head_dim=128, linear_conv_kernel=4, rotary_dim=64,
+      zero_centered_norm=True, rope_theta=1e7, rms_eps=1e-6, tie_embeddings=False,
+      max_seq_len=262_144, family="qwen3_5_moe", moe_impl="expert_parallel",
+      moe_dispatch_chunk=8192, **POD_RUN)
+
+
 # Presets whose vocabulary follows the run's tokenizer (model.vocab_from_tokenizer).
 TOY_PRESETS = ("tiny", "small", "tiny_dense", "tiny_hybrid")
 
 PRESETS = {"tiny": tiny, "small": small, "tiny_dense": tiny_dense, "tiny_hybrid": tiny_hybrid,
            "qwen3_0_6b": qwen3_0_6b, "qwen3_1_7b": qwen3_1_7b, "qwen3_8b": qwen3_8b,
-           "qwen3_30b_a3b": qwen3_30b_a3b}
+           "qwen3_30b_a3b": qwen3_30b_a3b, "qwen3_5_35b_a3b": qwen3_5_35b_a3b}
