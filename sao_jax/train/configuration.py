@@ -229,7 +229,7 @@ def _check_eval_sets(typed: sections.Sections) -> None:
     builtin = registry.ENVIRONMENTS.get(env_name)
     if builtin is not None and builtin.chat_prompts and typed.env.chat_format == "raw":
       _fail("eval.sets", typed.eval.sets, f"sets whose prompts are chat messages (set "
-            f"{name!r}: {env_name}) need env.chat_format 'qwen3' or 'plain', not 'raw'")
+            f"{name!r}: {env_name}) need env.chat_format 'qwen3', 'qwen3_5' or 'plain', not 'raw'")
 
 
 def _check_routing_replay(typed: sections.Sections, arch) -> None:

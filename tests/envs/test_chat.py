@@ -54,32 +54,33 @@ def qwen_nothink(tok):
 # --- the oracle: the official template, tokenized as Hugging Face does -------------
 
 
-def _official_template():
+def official_template(path: str = TEMPLATE_PATH) -> jinja2.Template:
+  """A chat template file, rendered as transformers' apply_chat_template renders it."""
   def raise_exception(message):
     raise jinja2.exceptions.TemplateError(message)
 
   env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
   env.filters["tojson"] = lambda x: json.dumps(x, ensure_ascii=False, indent=None)
   env.globals["raise_exception"] = raise_exception
-  with open(TEMPLATE_PATH, encoding="utf-8") as f:
+  with open(path, encoding="utf-8") as f:
     return env.from_string(f.read())
 
 
-_TEMPLATE = _official_template()
-_ADDED = re.compile("(" + "|".join(map(re.escape, QWEN3_SPECIALS)) + ")")
+_TEMPLATE = official_template()
 
 
-def official_text(messages, tools=(), add_generation_prompt=False, enable_thinking=True):
-  return _TEMPLATE.render(messages=messages, tools=list(tools) or None,
-                          add_generation_prompt=add_generation_prompt,
-                          enable_thinking=enable_thinking)
+def official_text(messages, tools=(), add_generation_prompt=False, enable_thinking=True,
+                  template=_TEMPLATE):
+  return template.render(messages=messages, tools=list(tools) or None,
+                         add_generation_prompt=add_generation_prompt,
+                         enable_thinking=enable_thinking)
 
 
-def hf_tokenize(text: str, tok) -> list[int]:
+def hf_tokenize(text: str, tok, added=QWEN3_SPECIALS) -> list[int]:
   """A rendered template string tokenized as apply_chat_template(tokenize=True) does:
-  added tokens matched in the text, the pieces between them encoded as text."""
+  the `added` tokens matched in the text, the pieces between them encoded as text."""
   ids = []
-  for k, piece in enumerate(_ADDED.split(text)):
+  for k, piece in enumerate(re.split("(" + "|".join(map(re.escape, added)) + ")", text)):
     if k % 2:
       ids.append(tok.special_id(piece))
     elif piece:
@@ -87,9 +88,10 @@ def hf_tokenize(text: str, tok) -> list[int]:
   return ids
 
 
-def official_ids(tok, messages, tools=(), add_generation_prompt=False, enable_thinking=True):
-  return hf_tokenize(official_text(messages, tools, add_generation_prompt, enable_thinking),
-                     tok)
+def official_ids(tok, messages, tools=(), add_generation_prompt=False, enable_thinking=True,
+                 template=_TEMPLATE, added=QWEN3_SPECIALS):
+  return hf_tokenize(official_text(messages, tools, add_generation_prompt, enable_thinking,
+                                   template), tok, added)
 
 
 PYTHON = {"type": "function", "function": {
@@ -421,6 +423,17 @@ def test_parse_arguments_as_json_string(tok, qwen):
     ('\n{"name": "python", "arguments": [1]}\n', "bad_arguments"),
     ('\n{"name": "python", "arguments": "print(1)"}\n', "bad_arguments"),
     ('\n{"name": "python", "arguments": "[1]"}\n', "bad_arguments"),
+    # Hostile JSON is a counted rejection, never an exception: an integer past
+    # Python's digit limit, NaN / Infinity / a float overflow, a lone surrogate,
+    # nesting past the recursion limit.
+    ('{"name": "python", "arguments": {"n": ' + "9" * 5000 + "}}", "bad_json"),
+    ('{"name": "python", "arguments": {"n": NaN}}', "bad_json"),
+    ('{"name": "python", "arguments": {"n": -Infinity}}', "bad_json"),
+    ('{"name": "python", "arguments": {"n": 1e999}}', "bad_json"),
+    ('{"name": "python", "arguments": {"code": "\\ud800"}}', "bad_json"),
+    ('{"name": "\\udfff", "arguments": {}}', "bad_json"),
+    ('{"name": "python", "arguments": ' + "[" * 100_000 + "]" * 100_000 + "}", "bad_json"),
+    ('{"name": "python", "arguments": "{\\"code\\": \\"\\\\ud800\\"}"}', "bad_arguments"),
 ])
 def test_parse_malformed_calls(tok, qwen, body, reason):
   good = _call_ids(tok, '\n{"name": "python", "arguments": {"code": "2"}}\n')
@@ -615,11 +628,11 @@ def test_plain(tok):
 
 
 def test_make_format(tok):
-  assert sorted(chat.FORMATS) == ["plain", "qwen3", "raw"]
+  assert sorted(chat.FORMATS) == ["plain", "qwen3", "qwen3_5", "raw"]
   for name, cls in chat.FORMATS.items():
     fmt = chat.make_format(name, tok)
     assert isinstance(fmt, cls) and isinstance(fmt, chat.ChatFormat) and fmt.name == name
-  with pytest.raises(ValueError, match=r"'plain', 'qwen3', 'raw'"):
+  with pytest.raises(ValueError, match=r"'plain', 'qwen3', 'qwen3_5', 'raw'"):
     chat.make_format("chatml", tok)
   with pytest.raises(ValueError, match="enable_thinking"):
     chat.make_format("raw", tok, enable_thinking=False)
@@ -627,6 +640,8 @@ def test_make_format(tok):
     chat.make_format("qwen3", CharTokenizer())
   assert chat.make_format("qwen3", tok).enable_thinking
   assert not chat.make_format("qwen3", tok, enable_thinking=False).enable_thinking
+  assert chat.format_options("qwen3") == chat.format_options("qwen3_5") == {"enable_thinking"}
+  assert chat.format_options("raw") == chat.format_options("plain") == set()
 
 
 # --- PrimeIntellect-ai/renderers' golden digests ----------------------------------------

@@ -130,7 +130,7 @@ def test_registry_config_validation_and_missing_package(monkeypatch, tmp_path):
   env = registry.make_env(c.env)
   assert isinstance(env, HumanEval) and env.num_eval_tasks == 1
   configuration.set_field(c, "env.chat_format", "raw")
-  with pytest.raises(configuration.ConfigError, match="'qwen3' or 'plain'") as e:
+  with pytest.raises(configuration.ConfigError, match="'qwen3', 'qwen3_5' or 'plain'") as e:
     configuration.validate(c, num_devices=8)
   assert "\n" not in str(e.value)
   # Without the package: one line naming the extra.

@@ -241,7 +241,8 @@ def test_config_needs_a_chat_format_that_renders_its_tools():
   from sao_jax.train import configuration  # pylint: disable=g-import-not-at-top
   c = _config()
   configuration.validate(c, num_devices=8)
-  for chat_format, message in (("raw", "'qwen3' or 'plain'"), ("plain", "renders tools")):
+  for chat_format, message in (("raw", "'qwen3', 'qwen3_5' or 'plain'"),
+                               ("plain", "renders tools")):
     configuration.set_field(c, "env.chat_format", chat_format)
     with pytest.raises(configuration.ConfigError, match=message) as e:
       configuration.validate(c, num_devices=8)

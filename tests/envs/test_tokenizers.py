@@ -79,17 +79,17 @@ def qwen():
   return tk.Qwen3Tokenizer()
 
 
-def with_controls(tok, text: str) -> list[int]:
-  """Ids of `text` where each control-token spelling is that token.
+def with_controls(tok, text: str, added=QWEN3_ADDED) -> list[int]:
+  """Ids of `text` where each control-token spelling (of `added`) is that token.
 
   This is how the official tokenizer read the oracle texts that hold chat
   markup (a rendered prompt); ours encodes only plain text, and control
   tokens go in by id, so the test splits them out and looks them up.
   """
-  names = sorted(QWEN3_ADDED.values(), key=len, reverse=True)
+  names = sorted(added.values(), key=len, reverse=True)
   ids = []
   for part in re.split("(" + "|".join(map(re.escape, names)) + ")", text):
-    if part in QWEN3_ADDED.values():
+    if part in added.values():
       ids.append(tok.special_id(part))
     elif part:
       ids.extend(tok.encode(part))
