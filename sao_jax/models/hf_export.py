@@ -116,10 +116,16 @@ def _shards(units: list[_Unit], itemsize: int, shard_bytes: int) -> list[list[tu
 
 
 def _header(tensors: list[tuple], code: str, itemsize: int) -> bytes:
-  """A safetensors header: 8-byte little-endian length, JSON padded to 8 bytes."""
+  """A safetensors header for (name, shape) tensors of one dtype."""
+  return _header_of([(name, code, shape, int(np.prod(shape)) * itemsize)
+                     for name, shape in tensors])
+
+
+def _header_of(tensors: list[tuple]) -> bytes:
+  """A safetensors header: 8-byte little-endian length, JSON padded to 8 bytes;
+  `tensors` (name, dtype code, shape, bytes) in file order."""
   entries, offset = {"__metadata__": {"format": "pt"}}, 0
-  for name, shape in tensors:
-    n = int(np.prod(shape)) * itemsize
+  for name, code, shape, n in tensors:
     entries[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + n]}
     offset += n
   text = json.dumps(entries, separators=(",", ":")).encode()
@@ -148,7 +154,7 @@ def _check_finite(name: str, a: np.ndarray, what: str) -> None:
 def export_params(params, cfg: ModelConfig, out: str, *, dtype: str = "bfloat16",
                   head: str = "lm", shard_bytes: int = 5 * 2**30,
                   extra_files: dict[str, str] | None = None,
-                  notes: dict | None = None) -> dict:
+                  notes: dict | None = None, carry: tuple[str, list] | None = None) -> dict:
   """Writes `params` as an HF model directory `out` (module docstring).
 
   Args:
@@ -161,6 +167,9 @@ def export_params(params, cfg: ModelConfig, out: str, *, dtype: str = "bfloat16"
     shard_bytes: the most bytes of tensors per safetensors file.
     extra_files: file name in `out` -> source path (tokenizer files).
     notes: written as `sao_jax_export.json` with the export's own record.
+    carry: (a source checkpoint, tensor names): tensors the model does not
+      train (Qwen3.5's MTP head, `hf_import.mtp_tensors`), copied byte for
+      byte in their stored dtype into `CARRIED` and listed in the index.
 
   Returns:
     {"dir", "files", "tensors", "bytes", "peak_host_bytes", "seconds"}.
@@ -188,6 +197,11 @@ def export_params(params, cfg: ModelConfig, out: str, *, dtype: str = "bfloat16"
     os.makedirs(partial)
   peak = _stream_units(units, flat, target, (shards, names, where), partial if primary else None)
   total = sum(int(np.prod(s)) * itemsize for shard in shards for _, s in shard)
+  if carry and carry[1] and primary:
+    carried = _write_carried(partial, *carry)
+    where.update(dict.fromkeys(carried["names"], CARRIED))
+    names.append(CARRIED)
+    total += carried["bytes"]
   stats = {"dir": out, "files": names, "tensors": len(where), "bytes": total,
            "peak_host_bytes": peak}
   if primary:
@@ -237,6 +251,26 @@ def _stream_units(units, flat, target, layout, partial: str | None) -> int:
   for h in handles.values():
     h.close()
   return peak
+
+
+# The file of the tensors an export carries over from the source checkpoint.
+CARRIED = "model-carried.safetensors"
+
+
+def _write_carried(partial: str, source: str, names: list) -> dict:
+  """`names` of the checkpoint `source` copied unchanged (dtype, shape and
+  bytes as stored) into `partial`/CARRIED; {"names", "bytes"}."""
+  # pylint: disable=g-import-not-at-top
+  from sao_jax.models.hf_import import _Reader, read_safetensor
+  reader = _Reader(source)
+  stored = [reader.entry(n) for n in names]
+  sizes = [e["data_offsets"][1] - e["data_offsets"][0] for _, e, _ in stored]
+  with open(os.path.join(partial, CARRIED), "wb") as f:
+    f.write(_header_of([(n, e["dtype"], e["shape"], size)
+                        for n, (_, e, _), size in zip(names, stored, sizes)]))
+    for where in stored:
+      f.write(np.ascontiguousarray(read_safetensor(*where)).tobytes())
+  return {"names": names, "bytes": sum(sizes)}
 
 
 def _publish(partial: str, out: str, index: dict, config: dict, extra_files, record: dict):

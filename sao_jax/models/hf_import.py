@@ -124,6 +124,12 @@ class _Reader:
   def names(self) -> list[str]:
     return list(self._where)
 
+  def entry(self, name: str) -> tuple:
+    """(file, header entry, data start) of a tensor stored under `name`."""
+    if name not in self._where:
+      raise KeyError(f"Checkpoint has no tensor {name!r}.")
+    return self._where[name]
+
   def _stored(self, name: str) -> str:
     if self.multimodal and name.startswith("model."):
       return MULTIMODAL_TEXT + name[len("model."):]

@@ -551,11 +551,13 @@ class RolloutDriver:
     here and handed to the environment as an error (it answers it), never
     raised.
     """
-    parsed = self.format.parse_turn(ids)
+    tools = base.task_tools(task)
+    # The tools type arguments a call syntax leaves text (qwen3_5's XML calls).
+    parsed = self.format.parse_turn(ids, tools)
     calls, errors, sequence = [], [], []
     for item in parsed.sequence:  # in the order the turn wrote them
       if isinstance(item, chat.ToolCall):
-        problem = chat.validate_call(item, base.task_tools(task))
+        problem = chat.validate_call(item, tools)
         if problem is not None:
           item = (problem, f"{item.name[:60]!r}: {problem}")
       (calls if isinstance(item, chat.ToolCall) else errors).append(item)

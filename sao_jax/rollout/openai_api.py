@@ -441,7 +441,7 @@ class OpenAIApp:
 
   def _message(self, completion: serving.Completion, tools) -> tuple[dict, str]:
     """The assistant message of a completion and its finish reason."""
-    parsed = self.format.parse_turn(completion.tokens)
+    parsed = self.format.parse_turn(completion.tokens, tools or ())
     for reason, _ in parsed.errors:
       self.count(f"tool_call_errors/{reason}")
     calls = []

@@ -14,6 +14,7 @@ launch/eval.py, the benchmarks) use this public API: `run.state.policy`,
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
@@ -192,6 +193,15 @@ def _initial_policy(config: sections.Sections, model_cfg, tok, p: factories.Prog
   return hf_import.load_hf_checkpoint(hf_dir, model_cfg, p.policy_shardings)
 
 
+def _carried_tensors(hf_dir: str) -> dict | None:
+  """{"dir", "names"} of `hf_dir`'s MTP-head tensors, or None without any."""
+  if not hf_dir:
+    return None
+  from sao_jax.models import hf_import  # pylint: disable=g-import-not-at-top
+  names = hf_import.mtp_tensors(hf_dir)
+  return {"dir": os.path.abspath(hf_dir), "names": names} if names else None
+
+
 def build(config: ml_collections.ConfigDict | sections.Sections) -> Run:
   """A run at step 0 from its config: everything but the workdir. Writes nothing.
 
@@ -222,7 +232,10 @@ def build(config: ml_collections.ConfigDict | sections.Sections) -> Run:
   meta = {"stage": "sft", "stage_step": 0, "ckpt_step": 0, "source": None,
           "estimator_state": {}, "evals": {},
           # model.vocab_subset's head ids: a restore under other ids is refused.
-          "vocab_ids": list(model_cfg.vocab_ids) or None}
+          "vocab_ids": list(model_cfg.vocab_ids) or None,
+          # What model.hf_dir holds that the run does not train (Qwen3.5's MTP
+          # head): an export carries it over from there (trainer.export).
+          "carried_tensors": _carried_tensors(config.model.hf_dir)}
   frozen_env = base.frozen_view(env)
   return Run(config, tok, registry.make_format(config.env, tok), env, frozen_env, faults,
              model_cfg, step_cfg, mesh, p, rl_step, value_step, sft_step, state, meta,

@@ -163,6 +163,18 @@ def test_a_multimodal_release_imports_its_text_model(saved, tmp_path):
   jax.tree.map(np.testing.assert_array_equal, params,
                hf_import.load_hf_checkpoint(str(path), cfg))
   assert hf_import.mtp_tensors(str(tmp_path)) == ["mtp.fc.weight"]
+  # An export carries the MTP head over unchanged (bytes and dtype as
+  # stored), and transformers still loads the text model from it.
+  out = tmp_path / "export"
+  stats = hf_export.export_params(params, cfg, str(out), dtype="float32",
+                                  carry=(str(tmp_path), ["mtp.fc.weight"]))
+  assert hf_export.CARRIED in stats["files"]
+  index = json.loads((out / "model.safetensors.index.json").read_text())
+  assert index["weight_map"]["mtp.fc.weight"] == hf_export.CARRIED
+  np.testing.assert_array_equal(hf_import._Reader(str(out)).get("mtp.fc.weight"),  # pylint: disable=protected-access
+                                np.ones((4, 4), np.float32))
+  back = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+  assert type(back).__name__ == type(model).__name__
 
 
 def test_packed_rows_leak_no_state_across_segments():
