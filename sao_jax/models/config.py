@@ -139,12 +139,13 @@ class ModelConfig:
   # path that the tiny / small presets train with; each scale setting has a
   # CPU test against it (tests/models/test_model_scale.py).
   # Run the layers as one `nn.scan` over a stacked "layers" parameter axis
-  # (params "layers/attn/q" [n, D, H, hd]): the program is one layer long, so
-  # compile time and HLO size do not grow with depth. What is scanned is the
-  # longest run of identical layers that ends the stack (`scan_prefix`
-  # says where it starts): every layer of a dense model, the MoE layers after
-  # Qwen3-MoE's dense prefix. The layers before it stay unrolled as
-  # "layer_0" ... "layer_{k-1}".
+  # (params "layers/attn/q" [n, D, H, hd]): the program is one layer (one
+  # repeating block) long, so compile time and HLO size do not grow with
+  # depth. What is scanned is the run of repeating layers that ends the
+  # stack (`scan_prefix` says where it starts, `scan_period` how many layers
+  # a step holds): every layer of a dense model, the MoE layers after
+  # Qwen3-MoE's dense prefix, Qwen3.5's blocks of four ("layers/sub_r").
+  # The layers before it stay unrolled as "layer_0" ... "layer_{k-1}".
   scan_layers: bool = False
   # Rematerialisation of each layer in the backward pass (REMAT_POLICIES):
   # "none" stores every activation; "full" stores only each layer's input and

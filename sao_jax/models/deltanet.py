@@ -61,17 +61,19 @@ and H value heads over the same "tensor" size keeps each group on one
 device. The chunk scan runs along the sequence on each device, with no
 collective inside the recurrence.
 
-In the engine a slot's recurrent state per DeltaNet layer is
+In the engine (transformer.LinearAttention, models/kv_layout.py) a slot's
+recurrent state per DeltaNet layer is
 
-    S [slots, H, Dk, Dv] fp32      conv [slots, K-1, 2 Hk Dk + H Dv]
+    S [slots, H, Dk, Dv] fp32     conv_q, conv_k [slots, K-1, Hk, Dk], conv_v [slots, K-1, H, Dv]
 
-beside the slot's KV pages: slots over the batch axes, heads (and the conv
-channels, split as above) over "tensor". Unlike the pages it has a fixed
-size per slot. A prefill chunk passes the slot's state as `initial_state` /
-`conv_state` and writes back the state at its last real token; a decode
-step does the same for one token; a preempted slot swaps it out and back
-with its pages; a new request starts from zeros (`None`), since position 0
-continues whatever state is passed in.
+beside the full-attention layers' KV cache or pages: slots over the batch
+axes, heads over the kv heads' axes (rollout/layout.py, `recurrent_spec`).
+Unlike the pages it has a fixed size per slot. A prefill chunk passes the
+slot's state as `initial_state` / `conv_state` and the slot keeps the state
+at its last real token; a decode step does the same for one token; a row
+whose first token sits at position 0 (a new request, a re-fed record after
+a "recompute" swap or a preemption) starts from zeros; a slot not fed in a
+call keeps its state unchanged (a row of padding).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""A Qwen3-style decoder in flax linen (dense or MoE layers, as
-`cfg.layer_specs` lists them), with an optional KV cache.
+"""A Qwen3-style decoder in flax linen (the layers `cfg.layer_specs` lists:
+softmax or Gated DeltaNet attention, dense or MoE MLPs), with an optional
+decoding cache.
 
 The forward pass is a pure function of (params, tokens, positions,
 segment_ids[, cache]):
@@ -35,14 +36,23 @@ Two attention modes:
   slots, row b naming slot b's pages (sao_jax/models/paged.py); padding
   tokens are then not written.
 
-Layers. Layer i is `cfg.layer_spec(i)`: its attention kind and its MLP
-("mlp" params for a dense SwiGLU, "moe" for routed experts). With
-`cfg.scan_layers` the run of identical layers that ends the stack runs as
-one `nn.scan`: their parameters are stacked under "layers" with a leading
-axis named "layers" (so "layers/attn/q" is [n, D, H, hd]), and the layers
-before it (`cfg.scan_prefix`: Qwen3-MoE's dense prefix, none for a dense
-model) stay unrolled as "layer_0" ... Each layer is rematerialised as `cfg.remat` says. Training
-attention is `cfg.attention_impl` (sao_jax/models/attention.py).
+Layers. Layer i is `cfg.layer_spec(i)`: its attention kind ("attn":
+`Attention`, gated or not, or `LinearAttention`, Gated DeltaNet) and its
+MLP ("mlp" params for a dense SwiGLU, "moe" for routed experts, with a
+"moe/shared" expert in Qwen3.5-MoE). With `cfg.scan_layers` the run of
+repeating layers that ends the stack runs as one `nn.scan`: with period 1
+(identical layers) their parameters are stacked under "layers" with a
+leading axis named "layers" (so "layers/attn/q" is [n, D, H, hd]); with a
+longer period (Qwen3.5's [linear x3, full] block) each step is a `Group`
+and layer r of the block is stacked under "layers/sub_r". The layers before
+the run (`cfg.scan_prefix`: Qwen3-MoE's dense prefix, none otherwise) stay
+unrolled as "layer_0" ... (`ModelConfig.layer_location` says where layer i
+lives). Each layer (each group) is rematerialised as `cfg.remat` says.
+Training attention is `cfg.attention_impl` (sao_jax/models/attention.py).
+
+A linear layer's cache is its recurrent state per slot (`LinearAttention`,
+sao_jax/models/kv_layout.py), not positions: packed training rows restart
+it at each segment, a decode row at position 0 starts it from zeros.
 
 Every parameter and the main activations carry logical axis names
 (`sao_jax/models/sharding.py` maps them onto a Mesh with rules from the config):

@@ -227,13 +227,19 @@ def test_engine_logprobs_equal_teacher_forced_for_the_hybrid(kv_cache):
   """The engine serves the scanned hybrid toy, its DeltaNet layers' conv and
   delta-rule state carried per slot beside the KV cache: every sampled
   token's recorded log-prob is the teacher-forced one, across prefill
-  chunks, multi-turn appends, slot reuse and a weight swap mid-run."""
+  chunks, multi-turn appends, slot reuse and a weight swap mid-run. Dense:
+  the swap re-feeds every in-flight record ("recompute"); paged: a pool of
+  one max_len trajectory, so slots wait, are preempted and re-fed, and the
+  swap keeps the states ("keep")."""
   tok = CharTokenizer()
   cfg = dataclasses.replace(mcfg.tiny_hybrid(tok.vocab_size), scan_layers=True,
                             prefill_chunk=16)
-  params = {0: _params(cfg, 0.1, seed=0), 1: random_params(cfg, 0.1, seed=1)}
-  kw = dict(kv_cache="paged", page_size=8) if kv_cache == "paged" else {}
-  rollout = sections.Rollout(slots=3, max_len=96, max_turn_tokens=6, decode_steps=4, **kw)
+  params = {0: _params(cfg, 0.1, seed=0), 1: _params(cfg, 0.1, seed=1)}
+  kw = dict(max_turn_tokens=6)
+  if kv_cache == "paged":
+    kw = dict(kv_cache="paged", page_size=8, kv_pages=12, max_turn_tokens=24,
+              swap_policy="keep")
+  rollout = sections.Rollout(slots=3, max_len=96, decode_steps=4, **kw)
   engine = PolicyEngine(cfg, params[0], rollout, seed=3)
   out = []
   driver = RolloutDriver(engine, EchoEnv(), tok, iter(range(100)), None)
@@ -256,6 +262,8 @@ def test_engine_logprobs_equal_teacher_forced_for_the_hybrid(kv_cache):
       np.testing.assert_allclose(np.asarray(lp)[0, sel], t.rollout_logprobs[sel], atol=2e-4)
       checked += int(sel.sum())
   assert checked > 30 and driver.stats.param_swaps == 1
+  if kv_cache == "paged":
+    assert driver.stats.preemptions > 0 and any(t.num_turns >= 3 for t in out)
 
 
 def test_the_critic_of_the_hybrid_freezes_every_token_mixer():
