@@ -51,8 +51,9 @@ def main(argv):
     print(f"error: {e}", file=sys.stderr, flush=True)
     sys.exit(2)
   if distributed.is_primary():
-    print(json.dumps({k: {f: v[f] for f in ("dir", "tensors", "bytes", "peak_host_bytes",
-                                            "seconds")} | {"files": len(v["files"])}
+    print(json.dumps({k: v if "skipped" in v else
+                      {f: v[f] for f in ("dir", "tensors", "bytes", "peak_host_bytes",
+                                         "seconds")} | {"files": len(v["files"])}
                       for k, v in result.items()}))
 
 

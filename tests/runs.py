@@ -42,11 +42,13 @@ def command(script: str, workdir: str, *flags, config: str = "sao_tiny.py",
 
 
 def launch(workdir, *flags, wait=True, script="train.py", config="sao_tiny.py",
-           run_flags=TINY_RUN, check=True):
-  """Runs an entry point; its output (asserting success when `check`), or the
-  running Popen (stdout and stderr merged) when not `wait`."""
+           run_flags=TINY_RUN, check=True, devices=8):
+  """Runs an entry point on `devices` simulated devices; its output (asserting
+  success when `check`), or the running Popen (stdout and stderr merged) when
+  not `wait`."""
   proc = subprocess.Popen(command(script, workdir, *flags, config=config, run_flags=run_flags),
-                          env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          env=child_env(devices), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT,
                           text=True, cwd=ROOT)
   if not wait:
     return proc
