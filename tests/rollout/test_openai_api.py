@@ -678,3 +678,44 @@ def test_mini_swe_agent_session_with_tool_calls_is_one_trajectory(served, repair
   np.testing.assert_array_equal(t.tokens, prompt + turn1 + bridge + turn2)
   assert t.action_mask.sum() == len(turn1) + len(turn2) and t.num_turns == 2
   assert t.total_reward == 1.0 and t.rewards[-1] == 1.0
+
+
+def test_the_hybrid_model_serves_sessions_with_exact_logprobs(tmp_path):
+  """The endpoint over a Qwen3.5-style hybrid (tiny_hybrid: Gated DeltaNet
+  state per slot): two sessions of two turns each, over one slot, so a
+  slot's recurrent state is reset and re-fed between them; every recorded
+  log-prob is the teacher-forced one."""
+  from sao_jax.data import packing  # pylint: disable=g-import-not-at-top
+  from sao_jax.models import policy  # pylint: disable=g-import-not-at-top
+  config = tiny_config()
+  config.model.preset = "tiny_hybrid"
+  config.rollout.slots = 1
+  model_cfg = factories.build_model_config(config, TOK)
+  assert "linear" in model_cfg.attention_kinds
+  params = random_params(model_cfg, 0.05)
+  engine = factories.make_engine(config, model_cfg, params, VERSION, seed=0)
+  endpoint = openai_api.Endpoint(config, engine, TOK, str(tmp_path), model_name=MODEL)
+  try:
+    for k in range(2):
+      c = openai.OpenAI(base_url=f"{endpoint.url}/sessions/hy{k}/v1", api_key="none",
+                        max_retries=0)
+      messages = [{"role": "user", "content": f"Count to {k + 2}."}]
+      r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=6)
+      messages += [as_message(r.choices[0]), {"role": "user", "content": "Go on."}]
+      c.chat.completions.create(model=MODEL, messages=messages, max_tokens=6)
+      httpx.post(f"{endpoint.url}/v1/sessions/hy{k}/reward", json={"reward": 1.0})
+    paths = [p for j in range(endpoint.writer.last_closed + 1)
+             if os.path.exists(p := os.path.join(fleet.trajectories_dir(str(tmp_path)),
+                                                 fleet.shard_name("openai", j)))]
+    trajs, _ = store.read_valid_trajectories(paths, TOK.vocab_size, MAX_LEN)
+  finally:
+    endpoint.close()
+  assert len(trajs) == 2
+  batch = packing.pack(trajs, 2, (256,), action_index=True)
+  lp, _ = jax.jit(policy.token_logprobs, static_argnums=(0, 5))(
+      model_cfg, params, batch["tokens"], batch["positions"], batch["segment_ids"],
+      config.rollout.temperature, batch["action_index"])
+  actions = batch["action_mask"]
+  assert actions.sum() > 8
+  np.testing.assert_allclose(np.asarray(lp)[actions], batch["rollout_logprobs"][actions],
+                             atol=2e-4)
