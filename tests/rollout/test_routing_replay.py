@@ -68,13 +68,19 @@ def _trajectories(cfg, params, kv_cache="dense", n=6):
   return out
 
 
-@pytest.mark.parametrize("kv_cache,scan,chunk", [("dense", False, 8), ("paged", True, 0)])
-def test_the_engine_records_what_the_trainer_chooses_in_f32(kv_cache, scan, chunk):
+@pytest.mark.parametrize("kv_cache,scan,chunk,hybrid", [
+    ("dense", False, 8, False), ("paged", True, 0, False), ("dense", True, 16, True)])
+def test_the_engine_records_what_the_trainer_chooses_in_f32(kv_cache, scan, chunk, hybrid):
   """In float32 the engine and the trainer route alike: every fed token's
   recorded experts are the trainer's own, the never-fed last token's row is
   NONE, and each trajectory's rows line up with its tokens (multi-turn, with
-  observations fed as prefill)."""
-  cfg = _cfg(scan_layers=scan, prefill_chunk=chunk)
+  observations fed as prefill). `hybrid`: the Qwen3.5-style toy, its MoE
+  layers inside the periodic scan's blocks."""
+  if hybrid:
+    cfg = dataclasses.replace(mcfg.tiny_hybrid(TOK.vocab_size), scan_layers=scan,
+                              prefill_chunk=chunk)
+  else:
+    cfg = _cfg(scan_layers=scan, prefill_chunk=chunk)
   params = policy.init_params(cfg, jax.random.key(0))
   trajs = _trajectories(cfg, params, kv_cache)
   assert any(t.num_turns >= 2 for t in trajs)
