@@ -411,3 +411,29 @@ def test_compile_lowers_the_programs_the_engine_runs(name, params):
     step = progs.step(None)
     assert step.lower(*step_real).as_text() == step.lower(
         *progs.step_args(abstract_params, 1)).as_text()
+
+
+def test_the_hybrids_recurrent_state_shards_and_samples_what_one_device_samples():
+  """The Qwen3.5-style toy (tiny_hybrid, scanned in blocks of two layers):
+  a paged engine on data 4 x tensor 2 holds each DeltaNet layer's per-slot
+  state with slots over "data" and heads over "tensor", beside the pool,
+  and samples what the single-device dense engine samples through prefill,
+  decode, a swap and re-admitted slots (whose state starts from zeros)."""
+  hcfg = dataclasses.replace(mcfg.tiny_hybrid(TOK.vocab_size), scan_layers=True)
+  p0 = policy.init_params(hcfg, jax.random.key(0))
+  p1 = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape), p0)
+  inputs, expected, _ = scripted_run(PolicyEngine(hcfg, p0, ROLLOUT, **ENGINE_KW), p1)
+  mesh, rules = mesh_and_rules("data4_tensor2")
+  engine = PolicyEngine(hcfg, p0, ROLLOUT.replace(kv_cache="paged", page_size=8), mesh=mesh,
+                        rules=rules, **ENGINE_KW)
+  cache = engine.init_decode_state().cache["layers"]["sub_0"]
+  assert cache["state"].shape == (hcfg.scan_steps, SLOTS, 4, 16, 16)
+  assert cache["state"].sharding.is_equivalent_to(
+      NamedSharding(mesh, P(None, "data", "tensor", None, None)), 5)
+  assert cache["conv_q"].sharding.is_equivalent_to(
+      NamedSharding(mesh, P(None, "data", None, "tensor", None)), 5)
+  _, got, _ = scripted_run(engine, p1, inputs)
+  for step, ((tok, logp, version), (tok0, logp0, version0)) in enumerate(zip(got, expected)):
+    np.testing.assert_array_equal(tok, tok0, err_msg=f"step {step}")
+    np.testing.assert_allclose(logp, logp0, atol=1e-5, err_msg=f"step {step}")
+    assert version == version0
