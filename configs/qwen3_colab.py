@@ -14,6 +14,12 @@ checkpoint's own chat template). Without an argument the model is the
 qwen3_0_6b preset's shape, randomly initialised: what launch/compile.py
 compiles.
 
+A Qwen3.5 / 3.6 directory works the same way (the hybrid family: Gated
+DeltaNet and gated full attention; its multimodal releases load their text
+model): the chat format is then Qwen3.5's ("qwen3_5"), and the preset
+still only says how the model runs (tests/train/test_qwen3_5_run.py runs
+the chain on a tiny Qwen3.5-MoE).
+
 The chain: SFT on the shipped tool-using transcripts (the format: a python
 tool call, its output, a \\boxed{} answer) -> value pretraining of the
 critic (initialised from the SFT trunk, its attention frozen) -> async SAO
@@ -30,6 +36,7 @@ compiled for.
 import os
 
 from configs import common
+from sao_jax.models import families
 
 
 def get_config(arg=None):
@@ -42,14 +49,17 @@ def get_config(arg=None):
   # Log-probs over 128-token chunks: a chunk's logits are [rows, 128, 151936]
   # fp32 (1.2 GB at 16 rows); the preset's 1024 would be the whole row here.
   c.model.overrides = {"logits_chunk": 128}
+  c.env.chat_format = "qwen3"
   if arg:
     c.model.hf_dir = arg
     c.env.tokenizer_path = os.path.join(arg, "tokenizer.json")
+    # A Qwen3.5 / 3.6 checkpoint (the hybrid family) speaks Qwen3.5's format.
+    if families.config_kwargs(arg)["family"].startswith("qwen3_5"):
+      c.env.chat_format = "qwen3_5"
   else:
     c.env.tokenizer = "qwen3"
   c.env.name = "math_tool"
   c.env.kwargs = {"max_turns": 4}
-  c.env.chat_format = "qwen3"
   c.env.thinking = False
   c.env.max_tool_output_tokens = 128
   # Prompts (system, the tools block, the question) are ~220-245 tokens; a
