@@ -103,8 +103,8 @@ class RMSNorm(nn.Module):
     scale = _param(self, "scale", (x.shape[-1],), (self.axis_name,), self.param_dtype, init)
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + self.eps)
-    if self.zero_centered:
-      return (x32 * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
+    if self.zero_centered:  # the scale as the compute dtype holds it (precision.py rule 2)
+      return (x32 * (1.0 + scale.astype(x.dtype).astype(jnp.float32))).astype(x.dtype)
     return scale.astype(x.dtype) * x32.astype(x.dtype)
 
 
@@ -244,7 +244,7 @@ class LinearAttention(nn.Module):
       b, length = y.shape[:2]
       state = None if cache is None else self._read(cache, f"conv_{name}", layer, fresh)
       out, state = deltanet.causal_conv(
-          y.reshape(b, length, n * dim), cw.reshape(taps, n * dim),
+          y.reshape(b, length, n * dim), cw.astype(dt).reshape(taps, n * dim),
           None if state is None else state.reshape(b, taps - 1, n * dim).astype(dt), segment_ids)
       mixed[name] = _constrain(out.reshape(b, length, n, dim),
                                ("batch", "length", axis, "head_dim"))
@@ -252,7 +252,10 @@ class LinearAttention(nn.Module):
     wa, wb = (_param(self, name, (d, h), ("embed", "heads"), pd) for name in ("a", "b"))
     a_log = _param(self, "a_log", (h,), ("heads",), pd, nn.initializers.zeros)
     dt_bias = _param(self, "dt_bias", (h,), ("heads",), pd, nn.initializers.ones)
-    g, beta = deltanet.decay_and_beta(x @ wa.astype(dt), x @ wb.astype(dt), a_log, dt_bias)
+    # Every weight in the compute dtype first, as the engine holds it
+    # (precision.py, rule 2); decay_and_beta then works in fp32.
+    g, beta = deltanet.decay_and_beta(x @ wa.astype(dt), x @ wb.astype(dt), a_log.astype(dt),
+                                      dt_bias.astype(dt))
     rule_args = dict(initial_state=None if cache is None else self._read(cache, "state", layer,
                                                                          fresh),
                      segment_ids=segment_ids, use_qk_l2norm_in_kernel=True)

@@ -220,20 +220,24 @@ def test_the_pod_preset_keeps_fp32_master_weights_and_serves_bf16():
   assert precision.serving_config(FP32) is FP32
 
 
-def test_the_engine_serves_a_bf16_copy_with_the_trainers_forward():
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_the_engine_serves_a_bf16_copy_with_the_trainers_forward(hybrid):
   """The engine's copy is the compute-dtype cast, and its forward (every
   weight cast to bf16 where used) equals the trainer's from fp32 weights bit
   for bit, once XLA may not skip the casts: by default
   (xla_allow_excess_precision) XLA:CPU drops a weight's f32 -> bf16 -> f32
   round trip into its f32 matmul, so the trainer's forward is a little more
-  precise than the engine's (the gap is asserted too, so this records it)."""
-  params = policy.init_params(BF16, jax.random.key(1))
-  served = precision.cast_for_serving(BF16, params)
+  precise than the engine's (the gap is asserted too, so this records it).
+  `hybrid`: the Qwen3.5-style toy, whose DeltaNet decay, conv and
+  zero-centred norms cast too."""
+  cfg = (dataclasses.replace(mcfg.tiny_hybrid(), dtype="bfloat16") if hybrid else BF16)
+  params = policy.init_params(cfg, jax.random.key(1))
+  served = precision.cast_for_serving(cfg, params)
   assert float_dtypes(served) == {jnp.dtype(jnp.bfloat16)}
-  b = fixed_batch(BF16)
+  b = fixed_batch(cfg)
   args = (b["tokens"], b["positions"], b["segment_ids"])
-  engine_cfg = precision.serving_config(BF16)
-  trainer_fn = jax.jit(lambda p: policy.token_logprobs(BF16, p, *args)[0])
+  engine_cfg = precision.serving_config(cfg)
+  trainer_fn = jax.jit(lambda p: policy.token_logprobs(cfg, p, *args)[0])
   engine_fn = jax.jit(lambda p: policy.token_logprobs(engine_cfg, p, *args)[0])
   strict = {"xla_allow_excess_precision": False}
   trainer = trainer_fn.lower(params).compile(compiler_options=strict)(params)
@@ -241,7 +245,7 @@ def test_the_engine_serves_a_bf16_copy_with_the_trainers_forward():
   np.testing.assert_array_equal(np.asarray(engine), np.asarray(trainer))
   gap = np.abs(np.asarray(trainer_fn(params)) - np.asarray(engine_fn(served))).max()
   assert 0 < gap < 0.05, gap
-  assert precision.serving_bytes(BF16, params) * 2 == sum(
+  assert precision.serving_bytes(cfg, params) * 2 == sum(
       x.nbytes for x in jax.tree.leaves(params))
 
 
