@@ -237,7 +237,7 @@ def test_engine_logprobs_equal_teacher_forced_for_the_hybrid(kv_cache):
   params = {0: _params(cfg, 0.1, seed=0), 1: _params(cfg, 0.1, seed=1)}
   kw = dict(max_turn_tokens=6)
   if kv_cache == "paged":
-    kw = dict(kv_cache="paged", page_size=8, kv_pages=12, max_turn_tokens=24,
+    kw = dict(kv_cache="paged", page_size=8, kv_pages=12, max_turn_tokens=16,
               swap_policy="keep")
   rollout = sections.Rollout(slots=3, max_len=96, decode_steps=4, **kw)
   engine = PolicyEngine(cfg, params[0], rollout, seed=3)
