@@ -499,7 +499,11 @@ def _weighted_logp_loss(logp, rollout_logp, advantages, action_mask, eps_low, ep
 
 
 def explained_variance(predictions: Array, targets: Array, action_mask: Array) -> Array:
-  """1 - Var[R - V] / Var[R] over action tokens (1 is perfect, <= 0 useless)."""
+  """1 - Var[R - V] / Var[R] over action tokens (1 is perfect, <= 0 useless).
+
+  NaN where it is undefined: no action tokens, or targets without variance
+  (Var[R] within float rounding of 0), where 1 - 0/0 would read as a perfect
+  fit (sao_jax/train/metrics.py logs no number for NaN)."""
   w = action_mask.astype(targets.dtype)
   n = jnp.maximum(w.sum(), 1.0)
 
@@ -507,7 +511,19 @@ def explained_variance(predictions: Array, targets: Array, action_mask: Array) -
     mean = (w * x).sum() / n
     return (w * (x - mean) ** 2).sum() / n
 
-  return 1.0 - var(targets - predictions) / jnp.maximum(var(targets), 1e-8)
+  var_t = var(targets)
+  scale = (w * targets ** 2).sum() / n
+  defined = (w.sum() > 0) & (var_t > jnp.finfo(targets.dtype).eps * scale)
+  return jnp.where(defined, 1.0 - var(targets - predictions) / jnp.where(defined, var_t, 1.0),
+                   jnp.nan)
+
+
+def undefined_if_empty(metrics: dict, action_mask: Array, keep=("tokens",)) -> dict:
+  """`metrics` (means, fractions, extremes over the action tokens), each NaN
+  when there are no action tokens, but those in `keep` (counts): a statistic
+  over an empty set is undefined, not 0."""
+  empty = ~action_mask.any()
+  return {k: v if k in keep else jnp.where(empty, jnp.nan, v) for k, v in metrics.items()}
 
 
 def value_loss(
@@ -550,7 +566,7 @@ def value_loss(
       return_mean=jnp.where(action_mask, returns, 0.0).sum() / n,
       tokens=n,
   )
-  return loss, metrics
+  return loss, undefined_if_empty(metrics, action_mask)
 
 
 # The policy losses by name (`rl.policy_loss`). Each is
@@ -604,11 +620,13 @@ def call_policy_loss(fn, logp, rollout_logp, advantages, action_mask, eps_low, e
                      **options):
   """fn(logp, ..., eps_high, **those of `options` that fn names as parameters).
 
-  A loss with a `**kwargs` parameter gets every option.
+  A loss with a `**kwargs` parameter gets every option. Its metrics are NaN
+  (undefined) when there are no action tokens (`undefined_if_empty`).
   """
   params = inspect.signature(fn).parameters.values()
   if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
     names = {p.name for p in params if p.kind in (inspect.Parameter.KEYWORD_ONLY,
                                                   inspect.Parameter.POSITIONAL_OR_KEYWORD)}
     options = {k: v for k, v in options.items() if k in names}
-  return fn(logp, rollout_logp, advantages, action_mask, eps_low, eps_high, **options)
+  loss, metrics = fn(logp, rollout_logp, advantages, action_mask, eps_low, eps_high, **options)
+  return loss, undefined_if_empty(metrics, action_mask)

@@ -880,22 +880,30 @@ def parse_eval_sets(sets: tuple) -> list[tuple[str, str]]:
   return out
 
 
+_NAME = optional(Check(lambda v: isinstance(v, str) and bool(v), "a non-empty string"))
+
+
 @dataclasses.dataclass(frozen=True)
 class Logging(Section):
   """Where metrics go besides <workdir>/metrics.jsonl (and TensorBoard, the top-level
   `tensorboard` switch): Weights & Biases (sao_jax/train/metrics.py; the `wandb` extra)."""
   NAME: ClassVar[str] = "logging"
   wandb: bool = knob(False, "Send every metric to Weights & Biases too, under the names and "
-                     "steps TensorBoard gets (\"<stage>/<metric>\" against \"<stage>/step\").",
+                     "steps TensorBoard gets (metrics.metric_name, against \"<stage>/step\").",
                      BOOL)
-  wandb_project: str = knob("sao-jax", "The W&B project.", Check(
-      lambda v: isinstance(v, str) and bool(v), "a non-empty string"))
-  wandb_entity: str = knob("", "The W&B entity (team or user); \"\": the account's default.",
-                           STRING)
-  wandb_run_name: str = knob("", "The run's display name; \"\": the workdir's name.", STRING)
-  wandb_mode: str = knob("online", "\"online\", or \"offline\" (files under "
-                         "<workdir>/wandb, uploaded later with `wandb sync`).",
-                         one_of(("online", "offline")))
+  # None: W&B's environment variable (named in the doc), else the default after it.
+  wandb_project: str | None = knob(
+      None, "The W&B project; None: $WANDB_PROJECT, else \"sao-jax\".", _NAME, placeholder=str)
+  wandb_entity: str | None = knob(
+      None, "The W&B entity (team or user); None: $WANDB_ENTITY, else the account's default.",
+      _NAME, placeholder=str)
+  wandb_run_name: str | None = knob(
+      None, "The run's display name; None: $WANDB_NAME, else the workdir's name.", _NAME,
+      placeholder=str)
+  wandb_mode: str | None = knob(
+      None, "\"online\", or \"offline\" (files under <workdir>/wandb, uploaded later with "
+      "`wandb sync`); None: $WANDB_MODE, else online.",
+      optional(one_of(("online", "offline"))), placeholder=str)
 
   def check_together(self):
     import importlib.util  # pylint: disable=g-import-not-at-top

@@ -1,14 +1,43 @@
 """Metrics: a JSON-lines file, TensorBoard, Weights & Biases, and a terminal line.
 
-`MetricsWriter.write(step, metrics)` appends one JSON object per call to
-`<workdir>/metrics.jsonl` (with `step`, `stage` and wall time), the same
-scalars to TensorBoard as "<stage>/<metric>" at `step`, and, with
-`logging.wandb`, to W&B under the same names. A W&B run's step must only
-grow, while each stage counts its own steps from 0, so every stage gets
-its own step metric: "<stage>/<metric>" is plotted against "<stage>/step"
-(`define_metric`), which is TensorBoard's step. The W&B run id is kept in
+`MetricsWriter.write(step, metrics, stage)` appends one JSON object per call
+to `<workdir>/metrics.jsonl` (with `step`, `stage` and wall time), the same
+scalars to TensorBoard at `step`, and, with `logging.wandb`, to W&B. Every
+sink names a metric by one rule, `metric_name(stage, key)`: the key as the
+stage wrote it, with the stage in front unless the key already starts with
+it (no "sft/sft/nll"); characters are kept as they are ("pass@1" in every
+sink: TensorBoard's tags are plain strings, only tensorboardX's helpers
+rewrite '@' to '_', so the events are written as Summary protos here).
+
+| stage            | key in metrics.jsonl    | name in TensorBoard and W&B         |
+|------------------|-------------------------|-------------------------------------|
+| `sft`            | `sft/nll`               | `sft/nll`                           |
+| `value_pretrain` | `critic/value_loss`     | `value_pretrain/critic/value_loss`  |
+| `rl`             | `policy/loss`           | `rl/policy/loss`                    |
+| `eval`           | `eval/heldout/pass@1`   | `eval/heldout/pass@1`               |
+| `resume`         | `checkpoint/resumed_from` | `resume/checkpoint/resumed_from`  |
+
+(metrics.jsonl keeps the key: its record's `stage` field is the rest of
+the name.) A W&B run's step must only grow, while each stage counts its
+own steps from 0, so every stage gets its own step metric: a stage's
+metrics are plotted against "<stage>/step" (`define_metric`), which is
+TensorBoard's step.
+
+An undefined statistic (explained variance of targets without variance, a
+fraction or mean over an empty set, an empty lag bucket's quantile) is
+NaN where it is computed; no sink logs it as a number: metrics.jsonl
+writes null, TensorBoard and W&B get no point, the terminal line leaves it
+out.
+
+W&B is started by W&B's conventions (`wandb_init_args`): a `logging.wandb_*`
+field set in the config wins, then W&B's own environment variable
+(WANDB_MODE, WANDB_PROJECT, WANDB_ENTITY, WANDB_NAME, WANDB_RUN_ID,
+WANDB_RESUME, WANDB_DIR; WANDB_RUN_GROUP, WANDB_TAGS and the rest W&B reads
+itself), then this project's default. The run id is kept in
 `<workdir>/wandb_run_id`, so a resumed run continues the same W&B run
-(`resume="allow"`; offline runs of one id are merged by `wandb sync`).
+(`resume="allow"`; offline runs of one id are merged by `wandb sync`). An
+offline run reaches no network: no system metrics or machine probes, and
+W&B's error reporting off unless WANDB_ERROR_REPORTING says otherwise.
 `progress` prints a compact line for long runs.
 In a multi-host run (sao_jax/train/distributed.py) every process computes the same
 metrics and only process 0 writes or prints them.
@@ -40,23 +69,54 @@ def to_python(metrics: dict) -> dict:
   return out
 
 
+def metric_name(stage: str, key: str) -> str:
+  """The name of metric `key` of a `stage` record in every sink (module docstring)."""
+  return key if key.startswith(f"{stage}/") else f"{stage}/{key}"
+
+
+def wandb_init_args(workdir: str, logging, environ=None) -> dict:
+  """wandb.init's keyword arguments (but `config`): a `logging` field that is
+  set wins, then W&B's environment variable, then this project's default;
+  None leaves an argument to W&B (it reads its environment itself)."""
+  environ = os.environ if environ is None else environ
+  field = lambda name, env, default=None: (getattr(logging, name) if getattr(logging, name)
+                                           is not None else environ.get(env, default))
+  id_file = files.join(workdir, "wandb_run_id")
+  try:
+    saved_id = files.read_text(id_file).strip()
+  except FileNotFoundError:
+    saved_id = None
+  # W&B ids: lowercase letters and digits
+  run_id = environ.get("WANDB_RUN_ID") or saved_id or secrets.token_hex(4)
+  if run_id != saved_id:
+    files.write_text(id_file, run_id + "\n")
+  mode = field("wandb_mode", "WANDB_MODE")
+  offline = mode in ("offline", "dryrun")
+  return dict(
+      project=field("wandb_project", "WANDB_PROJECT", "sao-jax"),
+      entity=field("wandb_entity", "WANDB_ENTITY"),
+      name=field("wandb_run_name", "WANDB_NAME",
+                 os.path.basename(files.absolute(workdir).rstrip("/"))),
+      mode=mode, id=run_id,
+      resume=None if "WANDB_RESUME" in environ else "allow",
+      dir=None if files.is_url(workdir) or "WANDB_DIR" in environ else workdir,
+      # No system metrics (any run), and offline no machine probes either.
+      settings=dict(console="off", x_disable_stats=True,
+                    **({"x_disable_machine_info": True} if offline else {})))
+
+
 class WandbSink:
   """One W&B run per workdir (module docstring); `logging` is sections.Logging."""
 
   def __init__(self, workdir: str, logging, config: dict | None = None):
     import wandb  # pylint: disable=g-import-not-at-top
-    id_file = files.join(workdir, "wandb_run_id")
-    try:
-      run_id = files.read_text(id_file).strip()
-    except FileNotFoundError:
-      run_id = secrets.token_hex(4)  # W&B ids: lowercase letters and digits
-      files.write_text(id_file, run_id + "\n")
+    args = wandb_init_args(workdir, logging)
+    if args["mode"] in ("offline", "dryrun"):
+      # Read when W&B's service process starts: its error reports go nowhere.
+      os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
     self._wandb = wandb
-    self.run = wandb.init(
-        project=logging.wandb_project, entity=logging.wandb_entity or None,
-        name=logging.wandb_run_name or os.path.basename(files.absolute(workdir).rstrip("/")),
-        mode=logging.wandb_mode, dir=None if files.is_url(workdir) else workdir, id=run_id, resume="allow", config=config,
-        settings=wandb.Settings(console="off", x_disable_stats=True))
+    self.run = wandb.init(**dict(args, settings=wandb.Settings(**args["settings"])),
+                          config=config)
     self._stages: set[str] = set()
 
   def log(self, stage: str, step: int, scalars: dict) -> None:
@@ -64,7 +124,8 @@ class WandbSink:
       self.run.define_metric(f"{stage}/step")
       self.run.define_metric(f"{stage}/*", step_metric=f"{stage}/step")
       self._stages.add(stage)
-    self.run.log({**{f"{stage}/{k}": v for k, v in scalars.items()}, f"{stage}/step": step})
+    self.run.log({**{metric_name(stage, k): v for k, v in scalars.items()},
+                  f"{stage}/step": step})
 
   def close(self) -> None:
     self.run.finish()
@@ -87,8 +148,8 @@ class MetricsWriter:
     files.makedirs(workdir)
     self._jsonl = files.Appender(files.join(workdir, "metrics.jsonl"))
     if tensorboard:
-      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-      self._tb = SummaryWriter(files.join(workdir, "tensorboard"))
+      from tensorboardX import FileWriter  # pylint: disable=g-import-not-at-top
+      self._tb = FileWriter(files.join(workdir, "tensorboard"))
     if wandb is not None and wandb.wandb:
       self._wandb = WandbSink(workdir, wandb, config)
 
@@ -107,9 +168,11 @@ class MetricsWriter:
     # A non-finite value (an empty lag bucket) is no point on a curve.
     points = {k: v for k, v in scalars.items()
               if isinstance(v, (int, float)) and math.isfinite(v)}
-    if self._tb is not None:
-      for k, v in points.items():
-        self._tb.add_scalar(f"{stage}/{k}", v, step)
+    if self._tb is not None and points:  # SummaryWriter.add_scalar: "pass_1"
+      from tensorboardX.proto.summary_pb2 import Summary  # pylint: disable=g-import-not-at-top
+      self._tb.add_summary(Summary(value=[
+          Summary.Value(tag=metric_name(stage, k), simple_value=v) for k, v in points.items()]),
+          int(step))
     if self._wandb is not None:
       self._wandb.log(stage, int(step), points)
     return record
@@ -144,8 +207,8 @@ def progress(stage: str, step: int, total: int, metrics: dict, keys: dict[str, s
     return
   parts = [f"[{stage}] {step}/{total}"]
   for k, label in keys.items():
-    if k in metrics:
-      v = metrics[k]
+    v = metrics.get(k)
+    if v is not None and not (isinstance(v, float) and not math.isfinite(v)):
       parts.append(f"{label}={v:.4g}" if isinstance(v, float) else f"{label}={v}")
   now = time.time()
   first_step, first_time = _PROGRESS_START.setdefault(stage, (step, now))

@@ -177,9 +177,9 @@ def _critic_updates(model_cfg, cfg, critic_tx, state, batch, metrics):
     skipped = skipped + (1 - ok.astype(jnp.int32))
   metrics["critic/updates_skipped"] = skipped
   advantages = targets[0]
-  n = jnp.maximum(m.sum(), 1)
-  metrics["advantage_mean"] = jnp.where(m, advantages, 0).sum() / n
-  metrics["advantage_abs_mean"] = jnp.where(m, jnp.abs(advantages), 0).sum() / n
+  metrics["advantage_mean"] = _mean_or_nan(jnp.where(m, advantages, 0).sum(), m.sum())
+  metrics["advantage_abs_mean"] = _mean_or_nan(jnp.where(m, jnp.abs(advantages), 0).sum(),
+                                               m.sum())
   return state.replace(critic=critic, critic_opt=opt), advantages
 
 
@@ -241,7 +241,7 @@ def lag_diagnostics(logp: Array, rollout_logp: Array, advantages: Array, action_
   that sampled the token):
 
       corrective_token_frac = #corrective / N
-      corrective_mass_frac  = sum_corrective |r A| / sum_action |r A|   (0 if no mass)
+      corrective_mass_frac  = sum_corrective |r A| / sum_action |r A|   (NaN if no mass)
       outside_frac          = #(below or above) / N
 
   and per lag bucket b of LAG_BUCKETS (suffix `lag_bucket_name`):
@@ -253,13 +253,12 @@ def lag_diagnostics(logp: Array, rollout_logp: Array, advantages: Array, action_
 
   An empty bucket's ratio quantiles, approx_kl and outside_frac are NaN
   (not 0, which would read as "on-policy"); its tokens is 0. The metrics
-  writer passes NaN through (JSON `NaN`, which Python's json reads back).
+  writer logs no number for NaN (null in metrics.jsonl, no point elsewhere).
   Nothing here is differentiated: `logp` is taken as a constant.
   """
   chex.assert_equal_shape([logp, rollout_logp, advantages, action_mask, lag])
   logp = jax.lax.stop_gradient(logp)
   advantages = jax.lax.stop_gradient(advantages)
-  n = jnp.maximum(action_mask.sum(), 1).astype(logp.dtype)
   log_ratio = losses.log_importance_ratio(logp, rollout_logp, action_mask)
   ratio = jnp.exp(log_ratio)
   below, above, _, corrective = losses.dis_regions(ratio, advantages, action_mask, eps_low,
@@ -268,11 +267,10 @@ def lag_diagnostics(logp: Array, rollout_logp: Array, advantages: Array, action_
   mass = jnp.where(action_mask, jnp.abs(ratio * advantages), 0.0)
   total_mass = mass.sum()
   out = {
-      "corrective_token_frac": corrective.sum() / n,
-      # 0 / tiny = 0 when there is no mass at all (every A = 0).
-      "corrective_mass_frac": jnp.where(corrective, mass, 0.0).sum() / jnp.maximum(
-          total_mass, jnp.finfo(mass.dtype).tiny),
-      "outside_frac": outside.sum() / n,
+      "corrective_token_frac": _mean_or_nan(corrective.sum(), action_mask.sum()),
+      # NaN when there is no mass at all (every A = 0): a share of nothing.
+      "corrective_mass_frac": _mean_or_nan(jnp.where(corrective, mass, 0.0).sum(), total_mass),
+      "outside_frac": _mean_or_nan(outside.sum(), action_mask.sum()),
   }
   # Bucket index per token: how many upper edges its lag exceeds.
   bucket = sum((lag > hi).astype(jnp.int32) for _, hi in LAG_BUCKETS[:-1])
@@ -354,11 +352,11 @@ def make_train_step(model_cfg: ModelConfig, cfg: StepConfig, policy_tx, critic_t
 
   def train_step(state: TrainState, batch):
     m = batch["action_mask"]
-    n = jnp.maximum(m.sum(), 1)
     metrics = {
         "tokens/action": m.sum(), "tokens/all": (batch["segment_ids"] > 0).sum(),
-        "reward_per_sequence": batch["rewards"].sum() / jnp.maximum(
-            _num_segments(batch["segment_ids"]), 1),
+        # NaN (undefined) in a batch without sequences.
+        "reward_per_sequence": _mean_or_nan(batch["rewards"].sum(),
+                                            _num_segments(batch["segment_ids"])),
     }
     if cfg.uses_critic:
       state, advantages = _critic_updates(model_cfg, cfg, critic_tx, state, batch, metrics)
@@ -397,8 +395,8 @@ def make_train_step(model_cfg: ModelConfig, cfg: StepConfig, policy_tx, critic_t
     metrics["policy/loss"] = pi_loss
     metrics.update({f"policy/grad_norm_{k}": v for k, v in norms.items()})
     lag = jnp.where(m, state.step - batch["policy_version"], 0)
-    metrics["policy_lag/mean"] = lag.sum() / n
-    metrics["policy_lag/max"] = lag.max()
+    metrics["policy_lag/mean"] = _mean_or_nan(lag.sum(), m.sum())
+    metrics["policy_lag/max"] = jnp.where(m.any(), lag.max(), jnp.nan)
     diagnostics = lag_diagnostics(logp, batch["rollout_logprobs"], advantages, m, lag,
                                   cfg.eps_low, cfg.eps_high)
     metrics.update({f"dis/{k}": v for k, v in diagnostics.items()})
@@ -427,6 +425,11 @@ def apply_if_finite(tx, grads, opt_state, params, loss, grad_norm=None):
   keep = lambda new, old: jnp.where(ok, new, old)
   new_params = optax.apply_updates(params, updates)
   return jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_opt, opt_state), ok
+
+
+def _mean_or_nan(total, count):
+  """total / count, NaN (undefined: the metrics writer logs no number) when count is 0."""
+  return jnp.where(count > 0, total / jnp.maximum(count, 1), jnp.nan)
 
 
 def _num_segments(segment_ids):

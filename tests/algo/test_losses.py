@@ -439,6 +439,31 @@ class ValueLossTest(parameterized.TestCase):
     _, perfect = losses.value_loss(ret, ret, m)
     self.assertAlmostEqual(float(perfect["explained_variance"]), 1.0, places=5)
 
+  def test_undefined_statistics_are_nan_not_numbers(self):
+    """Targets without variance (one reward for the whole batch) or no action
+    tokens: explained variance is undefined (NaN, which the metrics writer
+    logs as no number), not 1; so are a loss's means and fractions over no
+    action tokens, while the loss itself stays 0."""
+    rng = np.random.default_rng(4)
+    m = rng.random((3, 8)) < 0.6
+    v = rng.normal(size=(3, 8)).astype(np.float32)
+    for ret in (np.full((3, 8), 0.7, np.float32), np.zeros((3, 8), np.float32)):
+      self.assertTrue(np.isnan(float(losses.explained_variance(v, ret, m))))
+      self.assertTrue(np.isnan(float(losses.explained_variance(ret, ret, m))))
+    none = np.zeros_like(m)
+    loss, metrics = losses.value_loss(v, rng.normal(size=(3, 8)).astype(np.float32), none)
+    self.assertEqual(float(loss), 0.0)
+    for k in ("explained_variance", "value_mean", "return_mean"):
+      self.assertTrue(np.isnan(float(metrics[k])), k)
+    logp, rollout, a, _ = batch(8)
+    none = np.zeros(logp.shape, bool)
+    for name in ("ppo_clip", "dis", "cispo"):
+      loss, metrics = losses.call_policy_loss(losses.policy_loss(name), logp, rollout, a,
+                                              none, EPS_LOW, EPS_HIGH)
+      self.assertEqual(float(loss), 0.0)
+      self.assertTrue(all(np.isnan(float(x)) for k, x in metrics.items() if k != "tokens"),
+                      (name, metrics))
+
   def test_clipped(self):
     v = np.array([[2.0, 0.0]], np.float32)
     old = np.array([[0.0, 0.0]], np.float32)

@@ -106,10 +106,14 @@ class DiagnosticsTest(parameterized.TestCase):
     # Older buckets are further from 1, as the batch was built.
     self.assertLess(got["approx_kl_lag0"], got["approx_kl_lag9up"])
 
-  def test_no_advantage_mass_is_zero_not_nan(self):
+  def test_a_share_of_no_advantage_mass_is_undefined(self):
     logp, rollout, _, m, lag = lagged_batch(1)
     got = ts.lag_diagnostics(logp, rollout, np.zeros_like(logp), m, lag, EPS_LOW, EPS_HIGH)
-    self.assertEqual(float(got["corrective_mass_frac"]), 0.0)
+    self.assertTrue(np.isnan(float(got["corrective_mass_frac"])))  # NaN: logged as no number
+    none = ts.lag_diagnostics(logp, rollout, np.zeros_like(logp), np.zeros_like(m), lag,
+                              EPS_LOW, EPS_HIGH)
+    for k in ("corrective_token_frac", "outside_frac"):  # over no action tokens
+      self.assertTrue(np.isnan(float(none[k])), k)
 
 
 def test_nan_of_an_empty_bucket_is_null_in_the_metrics_file(tmp_path):

@@ -1,17 +1,19 @@
 """Weights & Biases logging, in W&B's offline mode (no network): the run files read
 back hold every TensorBoard scalar under the same name and step, and a resumed
-writer continues the same W&B run."""
+writer continues the same W&B run; W&B's environment variables win over the
+config's defaults; an offline run opens no connection off this machine."""
 
 import glob
 import math
 import os
+import socket
 import struct
 
 import numpy as np
 import pytest
 
 from sao_jax.config import sections
-from sao_jax.train.metrics import MetricsWriter
+from sao_jax.train.metrics import MetricsWriter, metric_name, wandb_init_args
 
 wandb = pytest.importorskip("wandb", reason="the 'wandb' extra (make test installs it)")
 from wandb.proto import wandb_internal_pb2  # noqa: E402  pylint: disable=g-import-not-at-top
@@ -47,13 +49,16 @@ def wandb_records(path):
   return out
 
 
-def wandb_history(run_file):
-  """(run id, [{key: value}] per logged row) of one offline run file."""
+def wandb_history(run_file, run_records=None):
+  """(run id, [{key: value}] per logged row) of one offline run file; the
+  run records are appended to `run_records` if given."""
   run_id, rows = None, []
   for r in wandb_records(run_file):
     kind = r.WhichOneof("record_type")
     if kind == "run":
       run_id = r.run.run_id
+      if run_records is not None:
+        run_records.append(r.run)
     elif kind == "history":
       row = {item.key or "/".join(item.nested_key): float(item.value_json)
              for item in r.history.item}
@@ -123,3 +128,83 @@ def test_logging_fields_are_checked():
     sections.Logging(wandb=True, wandb_mode="cloud")
   with pytest.raises(sections.ConfigError, match="logging.wandb_project = ''"):
     sections.Logging(wandb_project="")
+
+
+def test_one_name_per_metric_in_every_sink(tmp_path):
+  """metric_name: no doubled stage prefix ("sft/sft/nll"), and "pass@1" kept in
+  TensorBoard too (tensorboardX's add_scalar would write "pass_1")."""
+  workdir = str(tmp_path)
+  writer = MetricsWriter(workdir, tensorboard=True, wandb=OFFLINE)
+  writer.write(5, {"sft/nll": 1.5}, "sft")
+  writer.write(6, {"eval/heldout/pass@1": 0.25, "eval/pass@1": 0.25}, "eval")
+  writer.write(7, {"policy/loss": 0.5}, "rl")
+  writer.close()
+  want = {("sft/nll", 5), ("eval/heldout/pass@1", 6), ("eval/pass@1", 6), ("rl/policy/loss", 7)}
+  assert set(tensorboard_scalars(os.path.join(workdir, "tensorboard"))) == want
+  (run,) = glob.glob(os.path.join(workdir, "wandb", "offline-run-*", "run-*.wandb"))
+  logged = {(k, int(row[s + "/step"])) for row in wandb_history(run)[1]
+            for s in ("sft", "eval", "rl") if s + "/step" in row
+            for k in row if k != s + "/step"}
+  assert logged == want
+  assert metric_name("value_pretrain", "critic/value_loss") == "value_pretrain/critic/value_loss"
+
+
+def test_wandb_environment_wins_over_config_defaults_and_set_fields_over_both(
+    tmp_path, monkeypatch):
+  """WANDB_MODE=offline alone runs offline (the config's mode is unset), under
+  W&B's project and name; a field set in the config wins over the variable."""
+  for k in [k for k in os.environ if k.startswith("WANDB_")]:
+    monkeypatch.delenv(k)
+  monkeypatch.setenv("WANDB_MODE", "offline")
+  monkeypatch.setenv("WANDB_PROJECT", "from-env")
+  monkeypatch.setenv("WANDB_NAME", "env-name")
+  monkeypatch.setenv("WANDB_RUN_GROUP", "env-group")
+  writer = MetricsWriter(str(tmp_path), tensorboard=False, wandb=sections.Logging(wandb=True))
+  writer.write(1, {"loss": 1.0}, "sft")
+  writer.close()
+  (run,) = glob.glob(os.path.join(str(tmp_path), "wandb", "offline-run-*", "run-*.wandb"))
+  records = []
+  wandb_history(run, records)
+  assert (records[0].project, records[0].display_name, records[0].run_group) == (
+      "from-env", "env-name", "env-group")
+
+  env = {"WANDB_MODE": "offline", "WANDB_PROJECT": "p", "WANDB_ENTITY": "e",
+         "WANDB_NAME": "n", "WANDB_DIR": "/elsewhere", "WANDB_RESUME": "never"}
+  args = wandb_init_args(str(tmp_path), sections.Logging(wandb=True), env)
+  assert [args[k] for k in ("mode", "project", "entity", "name", "dir", "resume")] == [
+      "offline", "p", "e", "n", None, None]  # None: W&B reads its variable itself
+  set_ = sections.Logging(wandb=True, wandb_mode="online", wandb_project="q",
+                          wandb_entity="f", wandb_run_name="m")
+  args = wandb_init_args(str(tmp_path), set_, env)
+  assert [args[k] for k in ("mode", "project", "entity", "name")] == ["online", "q", "f", "m"]
+  args = wandb_init_args(str(tmp_path), sections.Logging(wandb=True), {})
+  assert [args[k] for k in ("mode", "project", "entity", "name", "dir", "resume")] == [
+      None, "sao-jax", None, os.path.basename(str(tmp_path)), str(tmp_path), "allow"]
+
+
+def test_an_offline_run_connects_to_nothing_off_this_machine(tmp_path, monkeypatch):
+  """Every socket this process opens during an offline run (W&B's service
+  talks to it over loopback) stays on this machine; W&B's service process
+  starts with its error reporting off and no system metrics or machine probes."""
+  tried = []
+  real = {name: getattr(socket.socket, name) for name in ("connect", "connect_ex")}
+
+  def guard(name):
+    def connect(self, address):
+      if self.family in (socket.AF_INET, socket.AF_INET6) and address[0] not in (
+          "127.0.0.1", "::1", "localhost"):
+        tried.append(address)
+        raise OSError(f"network access in an offline run: {address}")
+      return real[name](self, address)
+    return connect
+
+  for name in real:
+    monkeypatch.setattr(socket.socket, name, guard(name))
+  monkeypatch.delenv("WANDB_ERROR_REPORTING", raising=False)
+  writer = MetricsWriter(str(tmp_path), tensorboard=False, wandb=OFFLINE)
+  writer.write(1, {"loss": 1.0}, "sft")
+  writer.close()
+  assert not tried
+  assert os.environ["WANDB_ERROR_REPORTING"] == "false"
+  assert wandb_init_args(str(tmp_path), OFFLINE)["settings"] == {
+      "console": "off", "x_disable_stats": True, "x_disable_machine_info": True}
