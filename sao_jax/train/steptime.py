@@ -119,22 +119,33 @@ def step_model(step_cost: dict | None, device_kind: str, mfu: float, *, loops: i
 def forward_flops_per_token(cfg, attended: float, head: bool = True) -> float:
   """Matmul FLOPs of one token's forward pass through `cfg` (a ModelConfig).
 
-  A multiply-add is 2 FLOPs. Per layer: the q / k / v / o projections;
-  attention's scores and weighted values against `attended` keys (`L` for
-  an implementation that computes every query-key pair of a row, `(L+1)/2`
-  on average for one that skips the masked half of a causal row, as
-  splash's block mask does); a MoE layer's router and its top-k experts'
-  SwiGLU (dropless: every token's k experts, no padding) or a dense layer's
-  SwiGLU; and, with `head`, the vocabulary-wide LM head. Norms, softmax
-  and the other elementwise work are left out (a few percent at these
-  shapes: tests/train/test_steptime.py compares with XLA's count).
+  A multiply-add is 2 FLOPs. Per layer, by its kind (`cfg.layer_specs`):
+  softmax attention's q / k / v / o projections (a "gated_full" layer's
+  output gate one more of q's size) and its scores and weighted values
+  against `attended` keys (`L` for an implementation that computes every
+  query-key pair of a row, `(L+1)/2` on average for one that skips the
+  masked half of a causal row, as splash's block mask does); a Gated
+  DeltaNet layer's projections and, per value head, its chunked delta rule
+  (chunk C: k k^T and q k^T, 2C dk each; the unit-lower solve, C (dk +
+  dv); the intra-chunk product, 2C dv; three [dk, dv] state products),
+  whatever `attended`; a MoE layer's router and its top-k experts' SwiGLU
+  (dropless: every token's k experts, no padding), with a shared expert's
+  SwiGLU and gate where it has one, or a dense layer's SwiGLU; and, with
+  `head`, the vocabulary-wide LM head. Norms, softmax, the conv and the
+  other elementwise work are left out (a few percent at these shapes:
+  tests/train/test_steptime.py compares with XLA's count).
   """
   d, h, kvh, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  attn = 2 * d * (h + 2 * kvh) * hd + 2 * h * hd * d + 4 * h * hd * attended
+  full = 2 * d * (h + 2 * kvh) * hd + 2 * h * hd * d + 4 * h * hd * attended
+  kh, vh = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+  dk, dv, c = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.deltanet_chunk
+  linear = (2 * d * (2 * kh * dk + 2 * vh * dv + 2 * vh) + 2 * vh * dv * d
+            + vh * (c * (5 * dk + 3 * dv) + 6 * dk * dv))
+  attention = {"full": full, "gated_full": full + 2 * d * h * hd, "linear": linear}
   moe = 2 * d * cfg.num_experts + cfg.experts_per_token * 6 * d * cfg.moe_d_ff
-  dense = 6 * d * (cfg.dense_d_ff or 0)
-  n_moe = cfg.num_moe_layers
-  flops = cfg.num_layers * attn + n_moe * moe + (cfg.num_layers - n_moe) * dense
+  mlp = {"dense": 6 * d * (cfg.dense_d_ff or 0), "moe": moe,
+         "moe_shared": moe + 6 * d * cfg.shared_expert_d_ff + 2 * d}
+  flops = sum(attention[s.attention] + mlp[s.mlp] for s in cfg.layer_specs)
   return float(flops + (2 * d * cfg.vocab_size if head else 0))
 
 

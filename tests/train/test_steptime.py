@@ -1,5 +1,7 @@
 """sao_jax/train/steptime.py: the RL step and a weight version modeled at a chip's peak."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -118,3 +120,18 @@ def test_the_rl_step_count_adds_critic_updates_remat_and_the_head_fraction():
   step = steptime.analytic_step(k2["total"], 4, V5P, 0.5)
   assert step["seconds"] == pytest.approx(k2["total"] / 4 / (0.5 * 459e12))
   assert not steptime.analytic_step(1.0, 1, "TPU v9", 0.5)["available"]
+
+
+def test_the_shape_count_goes_by_layer_kind():
+  """Qwen3.5-35B-A3B: only its 10 gated full layers attend over the context
+  (a DeltaNet layer's chunked rule costs the same at any length), and the
+  shared expert is counted."""
+  from sao_jax.models import config as mcfg  # pylint: disable=g-import-not-at-top
+  cfg = mcfg.qwen3_5_35b_a3b()
+  per_key = steptime.forward_flops_per_token(cfg, 1.0) - steptime.forward_flops_per_token(cfg, 0.0)
+  assert per_key == 10 * 4 * cfg.num_heads * cfg.head_dim
+  # The shared expert's SwiGLU is counted in each of the 40 MoE layers.
+  wider = dataclasses.replace(cfg, shared_expert_d_ff=2 * cfg.shared_expert_d_ff)
+  gap = (steptime.forward_flops_per_token(wider, 0.0)
+         - steptime.forward_flops_per_token(cfg, 0.0))
+  assert gap == 40 * 6 * cfg.d_model * cfg.shared_expert_d_ff
