@@ -190,8 +190,13 @@ def test_packed_rows_leak_no_state_across_segments():
   packed = np.asarray(_logits(cfg, params, jnp.asarray(tokens), jnp.asarray(seg),
                               jnp.asarray(pos)))
   for x, sl in ((a, slice(0, 37)), (b, slice(37, 58))):
-    alone = np.asarray(_logits(cfg, params, jnp.asarray(x[None])))
-    np.testing.assert_allclose(packed[0, sl], alone[0], atol=1e-5, rtol=1e-5)
+    # Alone in a row of the same width (one compile), padding after it.
+    row = np.zeros((1, 64), int)
+    row[0, :len(x)] = x
+    alone_seg = (np.arange(64) < len(x)).astype(np.int32)[None]
+    alone = np.asarray(_logits(cfg, params, jnp.asarray(row), jnp.asarray(alone_seg),
+                               jnp.asarray(np.arange(64)[None] * alone_seg)))
+    np.testing.assert_allclose(packed[0, sl], alone[0, :len(x)], atol=1e-5, rtol=1e-5)
 
 
 @functools.partial(jax.jit, static_argnums=0)
