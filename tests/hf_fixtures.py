@@ -72,27 +72,32 @@ def write_tiny_qwen3(out: str, seed: int = 0) -> str:
   return out
 
 
-def write_tiny_qwen3_5(out: str, seed: int = 0) -> str:
-  """A tiny random Qwen3.5-MoE (the hybrid: [Gated DeltaNet, gated full
-  attention] x 2, routed experts plus a shared one), as
-  `Qwen3_5MoeForCausalLM.save_pretrained` writes it in bf16, with the same
-  tokenizer files; returns `out`."""
+def write_tiny_qwen3_5(out: str, seed: int = 0, moe: bool = True) -> str:
+  """A tiny random Qwen3.5 (the hybrid: [Gated DeltaNet, gated full
+  attention] x 2; with `moe` routed experts plus a shared one, else dense
+  MLPs), as `Qwen3_5MoeForCausalLM` / `Qwen3_5ForCausalLM.save_pretrained`
+  writes it in bf16, with the same tokenizer files; returns `out`."""
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
   os.makedirs(out, exist_ok=True)
   vocab = write_tokenizer(out)
-  cfg = transformers.Qwen3_5MoeTextConfig(
+  shape = dict(
       vocab_size=-(-vocab // 64) * 64, hidden_size=64, num_hidden_layers=4,
       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
       layer_types=["linear_attention", "full_attention"] * 2, linear_conv_kernel_dim=4,
       linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-      linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-      shared_expert_intermediate_size=64, max_position_embeddings=2048,
+      linear_num_value_heads=4, max_position_embeddings=2048,
       rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                        "partial_rotary_factor": 0.25},
       tie_word_embeddings=False, eos_token_id=None, bos_token_id=None)
   torch.manual_seed(seed)
-  model = transformers.Qwen3_5MoeForCausalLM(cfg)
+  if moe:
+    model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(
+        **shape, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        shared_expert_intermediate_size=64))
+  else:
+    model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(
+        **shape, intermediate_size=128))
   model.to(torch.bfloat16).save_pretrained(out)
   return out
 

@@ -229,7 +229,9 @@ QWEN3_MOE = Family(
 # attention, dense MLPs or MoE with a shared expert.
 QWEN3_5 = Family(
     name="qwen3_5", model_types=("qwen3_5_text", "qwen3_5"), causal_lm="Qwen3_5ForCausalLM",
-    token_classification="Qwen3_5ForTokenClassification",
+    # Qwen3_5ForTokenClassification exists but reads the multimodal config
+    # (model_type "qwen3_5"): from a text-model directory it loads no weights.
+    token_classification=None,
     attention_kinds=frozenset({"linear", "gated_full"}), mlp_kinds=frozenset({"dense"}),
     from_hf=_qwen3_5_from_hf, to_hf=_qwen3_5_to_hf)
 

@@ -1,8 +1,8 @@
-"""A Qwen3.5-MoE checkpoint as a user brings it, through the whole chain on CPU.
+"""A Qwen3.5 checkpoint as a user brings it, through the whole chain on CPU.
 
-A tiny random `Qwen3_5MoeForCausalLM.save_pretrained` directory (the
-hybrid: Gated DeltaNet and gated full attention, routed plus shared
-experts; tests/hf_fixtures.py) with an MTP head added beside it, given to
+A tiny random `Qwen3_5MoeForCausalLM` / `Qwen3_5ForCausalLM.save_pretrained`
+directory (the hybrid: Gated DeltaNet and gated full attention, routed plus
+shared experts or dense MLPs; tests/hf_fixtures.py) with an MTP head added beside it, given to
 configs/qwen3_colab.py as `model.hf_dir`: SFT -> value pretraining -> async
 SAO -> eval run from its weights, and launch/export.py writes a directory
 transformers loads, the MTP head carried over unchanged.
@@ -38,19 +38,23 @@ def _add_mtp_head(hf_dir: str) -> np.ndarray:
 
 
 @pytest.mark.slow  # ~2-5 min on 2 cores; the hybrid's pieces are tests/models/test_qwen3_5.py
-def test_a_qwen3_5_moe_checkpoint_trains_through_every_stage_and_exports(tmp_path):
-  hf_dir = hf_fixtures.write_tiny_qwen3_5(str(tmp_path / "tiny_qwen3_5"))
+@pytest.mark.parametrize("moe", [True, False], ids=["moe", "dense"])
+def test_a_qwen3_5_checkpoint_trains_through_every_stage_and_exports(tmp_path, moe):
+  hf_dir = hf_fixtures.write_tiny_qwen3_5(str(tmp_path / "tiny_qwen3_5"), moe=moe)
   mtp = _add_mtp_head(hf_dir)
   workdir, out = str(tmp_path / "wd"), str(tmp_path / "export")
   log = runs.launch(workdir, config=f"qwen3_colab.py:{hf_dir}", run_flags=FLAGS, devices=1)
-  assert "[model] qwen3_5_moe from" in log and "MTP-head tensors" in log
+  family = "qwen3_5_moe" if moe else "qwen3_5"
+  assert f"[model] {family} from" in log and "MTP-head tensors" in log
   for stage in ("[sft] 2/2", "[value_pretrain] 2/2", "[rl] 2/2", "[done]"):
     assert stage in log, log[-3000:]
   exported = runs.launch(workdir, f"--out={out}", script="export.py",
                          config=f"qwen3_colab.py:{hf_dir}", run_flags=FLAGS[:1], devices=1)
+  # transformers has no token classifier that loads a Qwen3.5 text model:
+  # the critic is not exported, and the export says so.
   assert "transformers has no token-classification class" in exported
   model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-  assert type(model).__name__ == "Qwen3_5MoeForCausalLM"
+  assert type(model).__name__ == ("Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM")
   index = json.loads(open(os.path.join(out, "model.safetensors.index.json")).read())
   assert index["weight_map"]["mtp.fc.weight"] == "model-carried.safetensors"
   from safetensors.torch import load_file  # pylint: disable=g-import-not-at-top
