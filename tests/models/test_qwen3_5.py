@@ -259,12 +259,16 @@ def test_engine_logprobs_equal_teacher_forced_for_the_hybrid(kv_cache):
   logprobs = jax.jit(policy.token_logprobs, static_argnums=0)
   checked = 0
   for t in out:
-    n = len(t)
+    n = len(t)  # padded to max_len: one compiled program for every record
+    tokens = np.zeros((1, rollout.max_len), np.int32)
+    tokens[0, :n] = t.tokens
+    segments = (np.arange(rollout.max_len) < n).astype(np.int32)[None]
     for version in set(t.policy_version[t.action_mask].tolist()):
-      lp, _ = logprobs(cfg, params[version], t.tokens[None], np.arange(n)[None],
-                       np.ones((1, n), np.int32))
+      lp, _ = logprobs(cfg, params[version], tokens, np.arange(rollout.max_len)[None],
+                       segments)
       sel = t.action_mask & (t.policy_version == version)
-      np.testing.assert_allclose(np.asarray(lp)[0, sel], t.rollout_logprobs[sel], atol=2e-4)
+      np.testing.assert_allclose(np.asarray(lp)[0, :n][sel], t.rollout_logprobs[sel],
+                                 atol=2e-4)
       checked += int(sel.sum())
   assert checked > 30 and driver.stats.param_swaps == 1
   if kv_cache == "paged":
