@@ -49,13 +49,65 @@ class Closed(RuntimeError):
   """The batcher was closed."""
 
 
+# The most stop ids and top_logprobs a request may ask for (OpenAI's top_logprobs limit).
+MAX_STOP_IDS = 16
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestSampling:
+  """How one request samples (the OpenAI fields `temperature`, `top_p`, `seed`, stop ids,
+  `top_logprobs`).
+
+  Attributes:
+    temperature: 0 is greedy (argmax); otherwise the logits' divisor.
+    top_p: nucleus mass kept (1.0: off).
+    seed: makes the request's draws reproducible whatever else is batched
+      with it (its own key stream); None: the engine's stream.
+    stop_ids: token ids that end the turn once sampled (kept as its last
+      token), besides the batcher's stop token.
+    top_logprobs: the most likely alternatives returned per token (0: none).
+  """
+  temperature: float = 1.0
+  top_p: float = 1.0
+  seed: int | None = None
+  stop_ids: tuple[int, ...] = ()
+  top_logprobs: int = 0
+
+  def __post_init__(self):
+    t, p = self.temperature, self.top_p
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
+      raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+      raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+    if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                  or not 0 <= self.seed < 2**63):
+      raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+    ids = self.stop_ids
+    if not isinstance(ids, tuple) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+      raise ValueError(f"stop_ids must be a tuple of token ids >= 0, got {ids!r}")
+    if len(ids) > MAX_STOP_IDS:
+      raise ValueError(f"stop_ids takes at most {MAX_STOP_IDS} ids, got {len(ids)}")
+    k = self.top_logprobs
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS:
+      raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {k!r}")
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0
+
+
+
 @dataclasses.dataclass(frozen=True)
 class Completion:
   """What one request sampled: at least one token."""
   tokens: tuple[int, ...]
-  logprobs: tuple[float, ...]  # under the engine's sampling distribution
+  logprobs: tuple[float, ...]  # under the request's sampling distribution (RequestSampling)
   versions: tuple[int, ...]  # of the params whose logits produced each token
-  stopped: bool  # the last token is the stop token (False: the budget ran out)
+  stopped: bool  # the last token is a stop token (False: the budget ran out)
+  # Per token, with `top_logprobs` k > 0: k (id, log-prob) pairs, most likely first.
+  top_logprobs: tuple = ()
 
 
 @dataclasses.dataclass
@@ -63,6 +115,8 @@ class _Request:
   prompt: list[int]
   budget: int
   future: cf.Future
+  sampling: RequestSampling = RequestSampling()
+  prefix_key: str | None = None
   fed: int = 0  # prompt tokens in the slot's cache
   tokens: list = dataclasses.field(default_factory=list)
   logprobs: list = dataclasses.field(default_factory=list)
@@ -101,13 +155,23 @@ class Batcher:
 
   # --- public -------------------------------------------------------------------
 
-  def submit(self, prompt, max_new_tokens: int) -> cf.Future:
+  def submit(self, prompt, max_new_tokens: int, *, sampling: RequestSampling | None = None,
+             prefix_key: str | None = None) -> cf.Future:
     """A future of the `Completion` of `prompt` (token ids), up to `max_new_tokens` tokens.
+
+    `sampling`: the request's (default `RequestSampling()`). `prefix_key`:
+    the session the request belongs to; a request that extends its
+    session's previous prompt and completion reuses that cache.
 
     Raises ValueError for a request that cannot fit the engine (empty
     prompt, prompt plus budget beyond max_len), `Overloaded` when the queue
     is full, `Closed` after `close`.
     """
+    sampling = RequestSampling() if sampling is None else sampling
+    if not isinstance(sampling, RequestSampling):
+      raise TypeError(f"sampling must be a RequestSampling, got {type(sampling).__name__}")
+    if prefix_key is not None and not isinstance(prefix_key, str):
+      raise TypeError(f"prefix_key must be a str or None, got {type(prefix_key).__name__}")
     prompt = [int(t) for t in prompt]
     if not prompt:
       raise ValueError("empty prompt")
@@ -116,7 +180,7 @@ class Batcher:
                        f"not fit max_len {self.max_len}")
     if self._closed.is_set():
       raise Closed("the batcher is closed")
-    request = _Request(prompt, int(max_new_tokens), cf.Future())
+    request = _Request(prompt, int(max_new_tokens), cf.Future(), sampling, prefix_key)
     try:
       self._queue.put_nowait(request)
     except queue.Full:
