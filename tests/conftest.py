@@ -15,6 +15,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), "sao_jax_test_compile_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+# The tests that load libtpu on purpose (AOT compiles) log into a directory
+# of this session's, removed at its end, not /tmp/tpu_logs. xdist workers
+# inherit the controller's.
+if "TPU_LOG_DIR" not in os.environ:
+  import atexit  # pylint: disable=g-import-not-at-top,g-bad-import-order
+  import shutil  # pylint: disable=g-import-not-at-top,g-bad-import-order
+  os.environ["TPU_LOG_DIR"] = tempfile.mkdtemp(prefix="sao_jax_test_tpu_logs_")
+  atexit.register(shutil.rmtree, os.environ["TPU_LOG_DIR"], True)
 
 # The suites sit beside the layer they test (tests/algo/, tests/models/, ...)
 # and share helpers by module name (`from test_trainer import demo_trajs`):
