@@ -59,6 +59,25 @@ def partition_labels(params, rules: Sequence[tuple[str, str]]):
   return jax.tree_util.tree_map_with_path(label, params)
 
 
+def freeze_rules(patterns: Sequence[str]) -> tuple[tuple[str, str], ...]:
+  """Rules that freeze the parameters matching any of `patterns`, train the rest."""
+  return tuple((rx, FREEZE) for rx in patterns) + TRAIN_ALL_RULES
+
+
+def check_rules_match(params, rules: Sequence[tuple[str, str]], what: str) -> None:
+  """Every rule but the catch-all matches at least one parameter path.
+
+  A rule that matches nothing is a typo or a rule written for another
+  architecture (a router regex on a dense model): it would freeze nothing
+  and say nothing, so it is refused in one line.
+  """
+  names = [param_path(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  dead = [rx for rx, _ in rules if rx != ".*" and not any(re.search(rx, n) for n in names)]
+  if dead:
+    raise ValueError(f"{what}: {dead} match no parameter; parameter paths look like "
+                     f"{names[:3]}.")
+
+
 def make_optimizer(
     params,
     learning_rate: float | optax.Schedule,

@@ -129,6 +129,17 @@ REGISTERED_NAME = Check(lambda v: isinstance(v, str) and bool(v), "a non-empty s
 MESH_AXES = ("data", "fsdp", "expert", "tensor", "context")
 
 
+def _is_regex_tuple(v) -> bool:
+  if not isinstance(v, tuple) or not all(isinstance(x, str) and x for x in v):
+    return False
+  try:
+    for x in v:
+      re.compile(x)
+  except re.error:
+    return False
+  return True
+
+
 def parse_mesh(text: str) -> dict[str, int]:
   """A mesh written on one line: "expert:2,tensor:2" -> {"expert": 2, "tensor": 2}.
 
@@ -661,6 +672,12 @@ class RL(Section):
   critic_updates: int = knob(2, "K critic updates per actor update.", integer(0, 64))
   freeze_critic_attention: bool = knob(
       True, "Freeze the critic's attention (and embeddings); train MoE/MLP and head.", BOOL)
+  actor_frozen: tuple = knob(
+      (), "Regexes over the actor's parameter paths (e.g. r\"/moe/router$\", the MoE "
+      "router) the actor's optimizers never move, in SFT and RL alike (one optimizer-state "
+      "layout for both): their updates are exactly 0 and Adam keeps no moments for them. "
+      "Each must match at least one parameter (checked when the programs are built).",
+      Check(_is_regex_tuple, "a tuple of valid regexes"))
   actor_lr: float = knob(3e-4, "Actor learning rate.", real(0, above=True))
   critic_lr: float = knob(1e-3, "Critic learning rate.", real(0, above=True))
   warmup: int = knob(5, "Actor warmup steps.", integer(0))

@@ -22,6 +22,7 @@ from sao_jax.models import sharding
 from sao_jax.envs import registry
 from sao_jax.models import config as model_config
 from sao_jax.models import policy
+from sao_jax.rollout import backends
 from sao_jax.rollout.driver import RolloutDriver
 from sao_jax.rollout.engine import PolicyEngine, rollout_rules
 from sao_jax.train.train_step import (StepConfig, TrainState, jit_sharded, make_sft_step,
@@ -100,11 +101,23 @@ def make_engine(config, model_cfg: model_config.ModelConfig, params, version: in
   r = sections.rollout(config)
   if rollout_changes:
     r = r.replace(**rollout_changes)
-  on = engine_mesh(r, devices, trainer_mesh=mesh)
+  # The backend's builder (sao_jax/rollout/backends.py; "jax": make_policy_engine).
+  build = backends.get(r.backend).build()
+  return build(config, model_cfg, params, version, rollout=r,
+               seed=config.seed + int(version) if seed is None else seed, mesh=mesh,
+               devices=devices, record_routing=record_routing)
+
+
+def make_policy_engine(config, model_cfg: model_config.ModelConfig, params, version: int, *,
+                       rollout: sections.Rollout, seed: int, mesh=None, devices=None,
+                       record_routing: bool = False) -> PolicyEngine:
+  """The "jax" backend's builder (`make_engine`'s arguments, the section
+  resolved): the project's PolicyEngine on `engine_mesh`."""
+  del config  # the section carries what the JAX engine reads
+  on = engine_mesh(rollout, devices, trainer_mesh=mesh)
   placement = dict(mesh=on, rules=rollout_rules(on)) if on is not None else {}
-  return PolicyEngine(model_cfg, params, r,
-                      seed=config.seed + int(version) if seed is None else seed,
-                      version=version, record_routing=record_routing, **placement)
+  return PolicyEngine(model_cfg, params, rollout, seed=seed, version=version,
+                      record_routing=record_routing, **placement)
 
 
 def make_driver(config, engine: PolicyEngine, env, tok, prompt_iter, emit,
@@ -173,9 +186,14 @@ def build_programs(config, model_cfg: model_config.ModelConfig, step_cfg: StepCo
   policy_params = jax.eval_shape(lambda: nn.unbox(policy_init()))
   critic_params = jax.eval_shape(lambda: nn.unbox(critic_init()))
 
+  # One rule set for both of the actor's optimizers: SFT's state fills the same
+  # checkpoint slot (TrainState.policy_opt) as RL's, so their layouts must agree.
+  actor_rules = optim.freeze_rules(config.rl.actor_frozen)
+  optim.check_rules_match(policy_params, actor_rules, "rl.actor_frozen")
+
   def policy_tx(lr, steps, warmup):
     return optim.make_optimizer(policy_params, optim.warmup_cosine(lr, warmup, steps),
-                                clip_norm=config.rl.clip_norm)
+                                rules=actor_rules, clip_norm=config.rl.clip_norm)
 
   def opt_shardings(tx, params, param_shardings):
     return sharding.shardings_like_params(jax.eval_shape(tx.init, params), params,
