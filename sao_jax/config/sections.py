@@ -856,6 +856,10 @@ class Eval(Section):
       "\"heldout\". Every set uses the run's tokenizer, chat format and budgets.",
       Check(lambda v: isinstance(v, tuple) and all(isinstance(x, str) for x in v),
             "a tuple of strings \"NAME=SPEC\" or \"SPEC\""))
+  strict: bool = knob(
+      True, "A set that lost rows at load (malformed, duplicate, conflicting) fails the "
+      "evaluation, naming the counts, before anything is sampled; False evaluates the rows "
+      "left and reports the counts (rows_rejected) in the table and summary.json.", BOOL)
 
   def check_together(self):
     try:
