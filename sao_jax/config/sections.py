@@ -517,6 +517,12 @@ class Rollout(Section):
   """The rollout engine (sao_jax/rollout/engine.py) and its driver
   (sao_jax/rollout/driver.py); both take this section whole."""
   NAME: ClassVar[str] = "rollout"
+  backend: str = knob(
+      "jax", "The engine that serves the rollout (sao_jax/rollout/backends.py): \"jax\", "
+      "the project's own, in-process (the default); \"vllm\", a vLLM server in its own "
+      "process and virtual environment fed token ids over loopback (`make vllm-env`; "
+      "sao_jax/rollout/vllm_backend.py). The trajectories are the same either way.",
+      REGISTERED_NAME)
   slots: int = knob(16, "Concurrent decode slots of the engine (continuous batching).",
                     integer(1))
   sharded_engine: bool = knob(
@@ -856,10 +862,6 @@ class Eval(Section):
       "\"heldout\". Every set uses the run's tokenizer, chat format and budgets.",
       Check(lambda v: isinstance(v, tuple) and all(isinstance(x, str) for x in v),
             "a tuple of strings \"NAME=SPEC\" or \"SPEC\""))
-  strict: bool = knob(
-      True, "A set that lost rows at load (malformed, duplicate, conflicting) fails the "
-      "evaluation, naming the counts, before anything is sampled; False evaluates the rows "
-      "left and reports the counts (rows_rejected) in the table and summary.json.", BOOL)
 
   def check_together(self):
     try:

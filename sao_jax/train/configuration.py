@@ -36,6 +36,7 @@ from sao_jax.data import files
 from sao_jax.models import precision
 from sao_jax.config import sections
 from sao_jax.envs import registry
+from sao_jax.rollout import backends
 from sao_jax.train import sources
 from sao_jax.train.stopping import StopTraining  # noqa: F401  (re-exported for launch/)
 from sao_jax.algo.advantages import ESTIMATORS
@@ -89,6 +90,7 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
   # Sections it loads into.
   typed = sections.load(config)
   registry.check_env_section(typed.env)
+  backends.check_rollout_section(typed.rollout)
   spec = _source_spec(typed.rl.mode)
   _check_eval_sets(typed)
   _check_rollout(typed, spec)

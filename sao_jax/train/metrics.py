@@ -190,8 +190,7 @@ class MetricsWriter:
 _PROGRESS_START: dict[str, tuple[int, float]] = {}
 
 
-def duration(seconds: float) -> str:
-  """`seconds` as "1m05s" or "2h03m" (an ETA's format)."""
+def _duration(seconds: float) -> str:
   seconds = int(round(seconds))
   return (f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else
           f"{seconds // 60}m{seconds % 60:02d}s")
@@ -216,47 +215,5 @@ def progress(stage: str, step: int, total: int, metrics: dict, keys: dict[str, s
   if step > first_step and now > first_time:
     rate = (step - first_step) / (now - first_time)
     parts.append(f"{rate:.3g} steps/s" if rate >= 0.1 else f"{1 / rate:.3g} s/step")
-    parts.append(f"eta {duration(max(total - step, 0) / rate)}")
+    parts.append(f"eta {_duration(max(total - step, 0) / rate)}")
   print("  ".join(parts), flush=True)
-
-
-class CountProgress:
-  """Progress lines of a count towards a total, with its rate and ETA (process 0's).
-
-  `tick()` counts one item; a line is printed at the first item, then at
-  most every `every_s` seconds, and at the last:
-
-      [eval] heldout: 120/400 samples  3.1 samples/s  eta 1m30s
-
-  The rate is items per second since the first item (a compile before it
-  is not counted against the rate); `clock` is injectable for tests.
-  """
-
-  def __init__(self, label: str, total: int, unit: str = "samples", every_s: float = 10.0,
-               clock=time.monotonic, out=None):
-    self._label, self._total, self._unit, self._every = label, int(total), unit, every_s
-    self._clock, self._out = clock, out
-    self.count, self._first, self._last = 0, None, None
-
-  def tick(self, n: int = 1) -> None:
-    self.count += n
-    now = self._clock()
-    if self._first is None:
-      self._first = now
-    due = self._last is None or now - self._last >= self._every or self.count >= self._total
-    if due and distributed.is_primary():
-      self._last = now
-      print(self.line(now), flush=True, **({"file": self._out} if self._out else {}))
-
-  def line(self, now: float) -> str:
-    parts = [f"{self._label}: {self.count}/{self._total} {self._unit}"]
-    elapsed = now - self._first
-    if self.count > 1 and elapsed > 0:
-      rate = (self.count - 1) / elapsed  # the first item starts the clock
-      parts.append(f"{rate:.3g} {self._unit}/s" if rate >= 0.1 else
-                   f"{1 / rate:.3g} s/{self._unit.rstrip('s')}")
-      if self.count < self._total:
-        parts.append(f"eta {duration((self._total - self.count) / rate)}")
-      else:
-        parts.append(f"took {duration(elapsed)}")
-    return "  ".join(parts)

@@ -1,0 +1,464 @@
+"""The "vllm" rollout backend: a vLLM server as the rollout driver's engine.
+
+Where it runs, and why so. vLLM runs as its own server process
+(`python -m vllm.entrypoints.openai.api_server`, on loopback) from its own
+virtual environment (`.venv-vllm`, `make vllm-env`), and this module talks
+to it over HTTP with nothing beyond the standard library. vLLM pins its own
+torch, transformers and (CUDA) torchvision, which must not leak into the
+JAX environment, and a rollout host of a pod runs it the same way: a
+server beside the driver. The server is started with the policy exported
+by sao-jax (hf_export, the run's own weights in the family's HF layout),
+`--skip-tokenizer-init` (sao-jax renders every prompt and observation as
+ids; vLLM never tokenizes), `--logprobs-mode processed_logprobs` (the
+log-prob of each sampled token under the distribution it was drawn from:
+temperature, top-k, top-p applied, as the JAX engine records), and
+`VLLM_SERVER_DEV_MODE=1` for the RL endpoints.
+
+The engine (`VllmEngine`) presents the driver's protocol
+(rollout/engine_protocol.py), so episodes, tool calls, the chat format,
+budgets and trajectory records are the driver's, whichever engine serves.
+Per slot it keeps the ids fed so far (the server holds no slot state: its
+prefix cache makes re-sending a context cheap), and each `step` / `decode`
+is one `/v1/completions` request per fed slot, all slots at once from a
+thread pool, the prompt given as token ids:
+
+  * `step`: the slot's new tokens appended, one token sampled;
+  * `decode`: the pending token appended, up to min(budget, steps) sampled,
+    stopping at the turn-end id (`stop_token_ids`, EOS ignored: the
+    driver's stop rules only); `collect` waits for the answers.
+
+Every sampled id and its log-prob are vLLM's (`return_token_ids`,
+`logprobs=0`), stored as they come: nothing is re-tokenized. A token's
+version is the engine's version when its request was sent; swaps land
+between the driver's steps, when no request is in flight, so one request
+never spans two versions.
+
+Weights in place. `load_params` exports a version to a fresh directory
+(the copy, in the caller's thread: the trainer may donate its buffers
+after); `update_params` then pauses the server (`/pause?mode=wait`),
+reloads it from that directory and re-packs its MoE experts in one
+`/collective_rpc` call to `sao_vllm_worker_ext.SaoWorkerExtension`
+(rollout/vllm_worker_ext.py: vLLM-CPU packs its expert weights only at
+first load, so a reload without the repack serves wrong MoE log-probs),
+tags the version (`/update_weight_version`) and resumes.
+
+Refused in one line: routing replay (vLLM's returned experts are not
+wired), top_k above the vocabulary. Not run here: vllm-tpu and CUDA vllm
+(same HTTP surface; untested).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import itertools
+import json
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import weakref
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from sao_jax.config import sections
+from sao_jax.rollout import loopback
+
+# Where the server's Python comes from, an already running server, and extra
+# server arguments (shell words), in the environment of the rollout process.
+ENV_PYTHON = "SAO_JAX_VLLM_PYTHON"
+ENV_URL = "SAO_JAX_VLLM_URL"
+ENV_ARGS = "SAO_JAX_VLLM_ARGS"
+SERVED_NAME = "sao-policy"
+WORKER_MODULE = "sao_vllm_worker_ext"
+WORKER_CLASS = f"{WORKER_MODULE}.SaoWorkerExtension"
+# vLLM-CPU's first start (model inspection in a subprocess, warmup) took
+# 60-140 s on the 2-core machine under load.
+START_TIMEOUT_S = 900.0
+REQUEST_TIMEOUT_S = 600.0
+
+
+class VllmError(RuntimeError):
+  """The vLLM server failed or answered what the backend cannot use (one line)."""
+
+
+def default_python() -> str:
+  """$SAO_JAX_VLLM_PYTHON, else this checkout's .venv-vllm (`make vllm-env`)."""
+  if os.environ.get(ENV_PYTHON):
+    return os.environ[ENV_PYTHON]
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  return os.path.join(root, ".venv-vllm", "bin", "python")
+
+
+def serve_dtype(cfg) -> str:
+  """The dtype vLLM serves and the export writes: the model's compute dtype."""
+  return "float32" if np.dtype(cfg.dtype) == np.float32 else "bfloat16"
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind((loopback.LOOPBACK_HOST, 0))
+    return s.getsockname()[1]
+
+
+# --- the server process ----------------------------------------------------------
+
+
+class VllmServer:
+  """A vLLM OpenAI server subprocess on loopback, or one already running at `url`.
+
+  Args:
+    model_dir: the HF directory it starts on (ignored with `url`).
+    workdir: where its log (`vllm_server.log`) and worker shim go.
+    python: the interpreter of vLLM's environment (`default_python()`).
+    dtype, max_len, slots, seed: `--dtype`, `--max-model-len`,
+      `--max-num-seqs`, `--seed`.
+    extra_args: more server arguments (default: $SAO_JAX_VLLM_ARGS, else
+      `--enforce-eager`, which spares CPU startup a compile).
+    url: an already running server (started with the arguments `command`
+      gives); nothing is started or stopped then.
+  """
+
+  def __init__(self, model_dir: str, workdir: str, *, python: str | None = None,
+               dtype: str = "float32", max_len: int = 256, slots: int = 16, seed: int = 0,
+               extra_args: tuple[str, ...] | None = None, url: str | None = None):
+    self.workdir = workdir
+    self.log_path = os.path.join(workdir, "vllm_server.log")
+    self._proc: subprocess.Popen | None = None
+    self._lock = threading.Lock()
+    if url:
+      self.url = url.rstrip("/")
+      return
+    if extra_args is None:
+      extra_args = tuple(shlex.split(os.environ.get(ENV_ARGS, "--enforce-eager")))
+    self.python = python or default_python()
+    if not os.path.exists(self.python):
+      raise VllmError(f"no vLLM interpreter at {self.python}: run `make vllm-env`, or set "
+                      f"{ENV_PYTHON} (or {ENV_URL} for a running server)")
+    port = _free_port()
+    self.url = f"http://{loopback.LOOPBACK_HOST}:{port}"
+    self.command = [
+        self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+        "--served-model-name", SERVED_NAME, "--host", loopback.LOOPBACK_HOST,
+        "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_len),
+        "--max-num-seqs", str(slots), "--seed", str(seed), "--skip-tokenizer-init",
+        "--logprobs-mode", "processed_logprobs", "--worker-extension-cls", WORKER_CLASS,
+        *extra_args]
+
+  def start(self, timeout: float = START_TIMEOUT_S) -> None:
+    """Starts the subprocess (niced, its own process group) and waits for /health."""
+    if self._proc is not None or not hasattr(self, "command"):
+      return self.wait_ready(timeout)
+    shim = os.path.join(self.workdir, "worker_shim")
+    os.makedirs(shim, exist_ok=True)
+    target = os.path.join(shim, WORKER_MODULE + ".py")
+    if not os.path.exists(target):  # the worker extension alone, not sao_jax's tree
+      shutil.copyfile(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                   "vllm_worker_ext.py"), target)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(PYTHONPATH=shim, VLLM_SERVER_DEV_MODE="1", VLLM_NO_USAGE_STATS="1",
+               DO_NOT_TRACK="1", HF_HUB_OFFLINE="1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
+    with open(self.log_path, "ab") as log:
+      self._proc = subprocess.Popen(["nice", "-n", "10", *self.command], stdout=log,
+                                    stderr=subprocess.STDOUT, env=env, cwd=self.workdir,
+                                    start_new_session=True)
+    self.wait_ready(timeout)
+
+  def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+      if self._proc is not None and self._proc.poll() is not None:
+        raise VllmError(f"the vLLM server exited with code {self._proc.returncode} while "
+                        f"starting; its log: {self.log_path} ({self._log_tail()})")
+      try:
+        with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+          if r.status == 200:
+            return
+      except (urllib.error.URLError, ConnectionError, OSError):
+        pass
+      time.sleep(1.0)  # a subprocess's start: nothing to wait on but its port
+    self.close()
+    raise VllmError(f"the vLLM server did not answer /health within {timeout:.0f} s; its "
+                    f"log: {self.log_path}")
+
+  def _log_tail(self) -> str:
+    try:
+      with open(self.log_path, encoding="utf-8", errors="replace") as f:
+        lines = [l.strip() for l in f.readlines()[-40:] if l.strip()]
+      errors = [l for l in lines if "Error" in l or "error" in l]
+      return (errors or lines or ["empty"])[-1][:300]
+    except OSError:
+      return "unreadable"
+
+  def post(self, path: str, body: dict | None = None, timeout: float = REQUEST_TIMEOUT_S):
+    """POSTs `body` as JSON; the decoded answer (None for an empty one)."""
+    data = json.dumps(body if body is not None else {}).encode()
+    req = urllib.request.Request(self.url + path, data=data, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+      with urllib.request.urlopen(req, timeout=timeout) as r:
+        raw = r.read()
+    except urllib.error.HTTPError as e:
+      detail = e.read().decode(errors="replace")[:300]
+      raise VllmError(f"vLLM {path} answered {e.code}: {detail}") from None
+    except (urllib.error.URLError, ConnectionError) as e:
+      raise VllmError(f"vLLM {path} failed: {e}; server log: {self.log_path}") from None
+    return json.loads(raw) if raw.strip() else None
+
+  def close(self) -> None:
+    """Stops the subprocess this object started (SIGTERM, then SIGKILL) ."""
+    proc, self._proc = self._proc, None
+    if proc is None or proc.poll() is not None:
+      return
+    os.killpg(proc.pid, 15)
+    try:
+      proc.wait(30)
+    except subprocess.TimeoutExpired:
+      os.killpg(proc.pid, 9)
+      proc.wait(30)
+
+
+# --- the engine ------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class VllmState:
+  """The driver's decode state: per slot, the ids the engine has been fed."""
+  contexts: list
+
+
+class VllmChunk(NamedTuple):
+  """A `decode` call: the requests in flight until `collect` (then numpy)."""
+  tokens: Any  # [slots, steps] int32 after collect
+  logprobs: Any  # [slots, steps] float32 after collect
+  counts: Any  # [slots] int32 after collect
+  version: int
+  budgets: np.ndarray
+  futures: dict  # slot -> Future of (ids, logprobs)
+  routing: Any = None
+
+
+class VllmEngine:
+  """The driver's engine on a vLLM server (module docstring).
+
+  Args:
+    cfg: the model (its family's HF export is what the server loads).
+    params: the policy's params at `version`.
+    rollout: the rollout section: slots, max_len, sampling.
+    version, seed: of `params`; the base of the per-request seeds.
+    workdir: where exports and the server's log go (default: a new
+      directory under /dev/shm where it exists).
+    url: a running server to use instead of starting one; it is reloaded
+      with `params` first.
+    python, extra_args: `VllmServer`'s.
+  """
+
+  def __init__(self, cfg, params, rollout: sections.Rollout, *, version: int = 0, seed: int = 0,
+               workdir: str | None = None, url: str | None = None, python: str | None = None,
+               extra_args: tuple[str, ...] | None = None):
+    if rollout.top_k and rollout.top_k > cfg.vocab_size:
+      raise ValueError(f"rollout.top_k = {rollout.top_k} exceeds the vocabulary "
+                       f"({cfg.vocab_size})")
+    self.cfg, self.rollout = cfg, rollout
+    self.max_concurrent_decodes = rollout.slots
+    self.max_prefill_length = rollout.max_len
+    self.prefill_buckets = (rollout.max_len,)  # a whole append is one request
+    self.record_routing = False
+    self.dtype = serve_dtype(cfg)
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    self.workdir = workdir or tempfile.mkdtemp(prefix="sao_vllm_", dir=shm)
+    self._owns_workdir = workdir is None
+    os.makedirs(self.workdir, exist_ok=True)
+    # keep_exports: every version's directory stays (a test teacher-forces them).
+    self.keep_exports = False
+    self.exports: dict[int, str] = {}
+    self._seeds = itertools.count(int(seed) * 1_000_003)
+    self._exports = itertools.count()
+    self._pool = cf.ThreadPoolExecutor(max(1, rollout.slots), thread_name_prefix="vllm-req")
+    self._lock = threading.Lock()
+    self.swap_seconds: list[float] = []
+    first = self.load_params(params)
+    self.server = VllmServer(first, self.workdir, python=python, dtype=self.dtype,
+                             max_len=rollout.max_len, slots=rollout.slots, seed=seed,
+                             extra_args=extra_args, url=url)
+    self.version = int(version)
+    self._loaded = first
+    self.exports[self.version] = first
+    # Engines are dropped, not closed, by their builders' callers: the server
+    # stops when this engine is collected, or at exit.
+    self._finalizer = weakref.finalize(self, _shutdown, self.server,
+                                       self.workdir if self._owns_workdir else None)
+    try:
+      self.server.start()
+      if url:
+        self.update_params(first, version, copied=True)
+      else:
+        self.server.post("/update_weight_version", {"new_version": str(version)})
+    except BaseException:
+      self.close()
+      raise
+
+  # --- weights ----------------------------------------------------------
+
+  def load_params(self, params) -> str:
+    """The engine's copy of `params`: an HF export (this dtype) in a fresh directory."""
+    from sao_jax.models import hf_export  # pylint: disable=g-import-not-at-top  # JAX-side
+    out = os.path.join(self.workdir, f"weights-{next(self._exports)}")
+    hf_export.export_params(params, self.cfg, out, dtype=self.dtype)
+    return out
+
+  def update_params(self, params, version: int, *, copied: bool = False) -> None:
+    """Serves `params` from now on as `version`: pause, reload and repack, tag, resume."""
+    path = params if copied else self.load_params(params)
+    start = time.perf_counter()
+    with self._lock:
+      self.server.post("/pause?mode=wait")
+      try:
+        self.server.post("/collective_rpc", {"method": "sao_reload",
+                                             "kwargs": {"weights_path": path}})
+        self.server.post("/update_weight_version", {"new_version": str(int(version))})
+      finally:
+        self.server.post("/resume")
+      old, self._loaded, self.version = self._loaded, path, int(version)
+      self.exports[self.version] = path
+    self.swap_seconds.append(time.perf_counter() - start)
+    if old != path and not self.keep_exports:
+      shutil.rmtree(old, ignore_errors=True)
+
+  # --- requests ----------------------------------------------------------
+
+  def _sampling(self) -> dict:
+    r = self.rollout
+    return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k or -1}
+
+  def _complete(self, prompt: list, max_tokens: int, stop_token: int | None, seed: int):
+    """One request: (sampled ids, their log-probs), vLLM's own."""
+    body = {"model": SERVED_NAME, "prompt": [int(t) for t in prompt],
+            "max_tokens": int(max_tokens), "logprobs": 0, "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "detokenize": False, "ignore_eos": True, "seed": seed,
+            "skip_special_tokens": False, **self._sampling()}
+    if stop_token is not None:
+      body["stop_token_ids"] = [int(stop_token)]
+    choice = self.server.post("/v1/completions", body)["choices"][0]
+    ids = [int(t) for t in choice["token_ids"]]
+    logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+    if len(ids) != len(logprobs) or not ids or len(ids) > max_tokens:
+      raise VllmError(f"vLLM answered {len(ids)} ids and {len(logprobs)} log-probs for "
+                      f"max_tokens={max_tokens}")
+    return ids, logprobs
+
+  def _submit(self, prompt, max_tokens, stop_token) -> cf.Future:
+    return self._pool.submit(self._complete, list(prompt), max_tokens, stop_token,
+                             next(self._seeds) % (2**31))
+
+  # --- the driver's protocol ------------------------------------------------
+
+  def init_decode_state(self) -> VllmState:
+    return VllmState([[] for _ in range(self.max_concurrent_decodes)])
+
+  def reset_slots(self, state: VllmState, slots_mask: np.ndarray) -> VllmState:
+    contexts = [[] if m else c for c, m in zip(state.contexts, np.asarray(slots_mask))]
+    return VllmState(contexts)
+
+  def step(self, state: VllmState, tokens: np.ndarray, valid: np.ndarray):
+    """Appends each valid row's tokens and samples one token per fed slot."""
+    tokens, valid = np.asarray(tokens), np.asarray(valid, bool)
+    n = self.max_concurrent_decodes
+    contexts = list(state.contexts)
+    futures = {}
+    version = self.version
+    for b in range(n):
+      k = int(valid[b].sum())
+      if k:
+        contexts[b] = contexts[b] + [int(t) for t in tokens[b, :k]]
+        futures[b] = self._submit(contexts[b], 1, None)
+    sampled = np.zeros((n,), np.int32)
+    logp = np.zeros((n,), np.float32)
+    for b, f in futures.items():
+      ids, lps = f.result()
+      sampled[b], logp[b] = ids[0], lps[0]
+    return VllmState(contexts), sampled, logp, version
+
+  def decode(self, state: VllmState, tokens, budgets, *, steps: int,
+             stop_token: int | None = None):
+    """Sends each budgeted slot's request (pending token fed, up to
+    min(budget, steps) sampled); `collect` waits for them."""
+    budgets = np.minimum(np.asarray(budgets, np.int32), steps).astype(np.int32)
+    contexts = list(state.contexts)
+    futures = {}
+    for b in np.flatnonzero(budgets > 0):
+      contexts[b] = contexts[b] + [int(tokens[b])]
+      futures[int(b)] = self._submit(contexts[b], int(budgets[b]), stop_token)
+    return VllmState(contexts), VllmChunk(None, None, None, self.version, budgets, futures)
+
+  def collect(self, state: VllmState, chunk: VllmChunk):
+    """Waits for a `decode` call's answers; each slot's samples but the last
+    (pending) join its context."""
+    n, width = self.max_concurrent_decodes, max(1, int(chunk.budgets.max(initial=0)))
+    toks = np.zeros((n, width), np.int32)
+    logp = np.zeros((n, width), np.float32)
+    counts = np.zeros((n,), np.int32)
+    contexts = list(state.contexts)
+    for b, f in chunk.futures.items():
+      ids, lps = f.result()
+      toks[b, :len(ids)], logp[b, :len(ids)], counts[b] = ids, lps, len(ids)
+      contexts[b] = contexts[b] + ids[:-1]
+    return VllmState(contexts), chunk._replace(tokens=toks, logprobs=logp, counts=counts,
+                                               futures={})
+
+  def generate_batch(self, prompts, max_new_tokens: int, *, stop_token: int | None = None):
+    """A plain sampler (PolicyEngine.generate_batch's contract): every prompt
+    one request, all at once; (tokens, log-probs `[N, max_new_tokens]`, counts)."""
+    if not 0 < len(prompts) <= self.max_concurrent_decodes:
+      raise ValueError(f"generate_batch takes 1 to {self.max_concurrent_decodes} prompts, "
+                       f"got {len(prompts)}")
+    futures = [self._submit(p, max_new_tokens, stop_token) for p in prompts]
+    toks = np.zeros((len(prompts), max_new_tokens), np.int32)
+    logp = np.zeros((len(prompts), max_new_tokens), np.float32)
+    counts = np.zeros((len(prompts),), np.int32)
+    for i, f in enumerate(futures):
+      ids, lps = f.result()
+      toks[i, :len(ids)], logp[i, :len(ids)], counts[i] = ids, lps, len(ids)
+    return toks, logp, counts
+
+  def close(self) -> None:
+    """Stops the server this engine started and removes its exports."""
+    self._pool.shutdown(wait=False, cancel_futures=True)
+    finalizer = getattr(self, "_finalizer", None)
+    if finalizer is not None:
+      finalizer()
+    elif self._owns_workdir:
+      shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _shutdown(server: VllmServer, workdir: str | None) -> None:
+  """An engine's end: its server stopped, its own directory removed."""
+  server.close()
+  if workdir is not None:
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def make_vllm_engine(config, model_cfg, params, version: int, *, rollout: sections.Rollout,
+                     seed: int, mesh=None, devices=None, record_routing: bool = False
+                     ) -> VllmEngine:
+  """The "vllm" backend's builder (factories.make_engine's arguments).
+
+  The server is vLLM's own placement: the JAX mesh and devices do not apply.
+  $SAO_JAX_VLLM_URL names a running server to use instead of starting one.
+  """
+  del config, mesh, devices
+  if record_routing:
+    raise ValueError("rollout.backend = 'vllm' does not record MoE routing: set "
+                     "rl.routing_replay = False, or use rollout.backend = 'jax'")
+  return VllmEngine(model_cfg, params, rollout, version=version, seed=seed,
+                    url=os.environ.get(ENV_URL) or None)
+
