@@ -6,22 +6,26 @@ far. A `Session` turns those requests back into the trajectory the rollout
 driver would have built, token for token, out of exactly the ids that were
 served (nothing is re-tokenized after the fact):
 
-  * **Prompt ids.** When a request's messages are the session's previous
-    messages plus the assistant message the server returned for them (same
-    tools, same contents and tool calls), followed only by tool / user
-    messages, its prompt is the previous prompt + completion ids, then the
+  * **Prompt ids.** When a request's messages are one of the session's
+    trajectories' messages plus the assistant message the client received
+    for them (same tools, same contents and tool calls), followed only by
+    tool / user messages, its prompt is that trajectory's ids, then the
     chat format's bridge for the new messages (`observation_ids`; a
-    completion cut at its budget is first closed by `cut_turn_ids`), the
-    driver's transcript rule. Any other request is rendered whole
-    (`render(messages, tools, add_generation_prompt=True)`, what
-    `prompt_ids` gives a task's prompt).
-  * **Extension.** If the prompt ids start with the current trajectory's
-    ids (the previous prompt + completion), the new prompt tokens are
-    observation tokens and the sampled ids the next action turn. Otherwise
-    the current trajectory is closed and a new one starts with this prompt
-    (counted, `trajectories/not_extending`): a harness that rewrote its
-    history (a summary, a dropped turn, an edited message) starts over.
-  * **Reward.** The caller ends a session with its reward
+    completion without a turn end, cut at its budget or a stop string, is
+    first closed by `cut_turn_ids`), the driver's transcript rule. Any
+    other request is rendered whole (`render(messages, tools,
+    add_generation_prompt=True)`, what `prompt_ids` gives a task's prompt).
+  * **Extension.** If the prompt ids start with a trajectory's ids (the
+    newest such), the new prompt tokens are observation tokens and the
+    sampled ids its next action turn. Otherwise a new trajectory starts with
+    this prompt (counted, `trajectories/not_extending`): a harness that
+    rewrote its history (a summary, a dropped turn, an edited message)
+    starts over. Each of a request's `n` > 1 choices is a trajectory of its
+    own; the next request extends the one whose choice it continues.
+  * **Ownership.** Ids are the server's (`SessionBook.open`), and each
+    session has two secrets: `secret`, for the harness's requests, and
+    `owner_secret`, for whoever opened it to read, reward or delete it.
+  * **Reward.** The owner ends a session with its reward
     (`POST /v1/sessions/{id}/reward`): every trajectory of the session gets
     it on its last action token, is validated (`trajectory.checked`, as the
     trainer's queue and the fleet's feed do) and goes to the sink (the
@@ -29,16 +33,19 @@ served (nothing is re-tokenized after the fact):
     reason. A session discarded (`DELETE`) or idle past `idle_seconds`
     writes nothing (counted).
 
-A session serialises its requests (one lock, held from rendering to
-recording), so a harness's turns are recorded in order.
+A session serialises its requests (one lock, held from rendering until the
+reply was sent and recorded), so a harness's turns are recorded in order,
+and only turns whose replies were sent.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import hmac
 import json
 import re
+import secrets
 import threading
 import time
 import zlib
@@ -94,8 +101,10 @@ class _Record:
   turn_starts: list = dataclasses.field(default_factory=list)
   start_time: float = 0.0
   end_time: float = 0.0
-  cut: bool = False  # the last completion ran out of budget (no turn end sampled)
+  cut: bool = False  # the last completion has no turn end (its budget or a stop string)
   full: bool = False  # the last completion reached max_len
+  seen: list = dataclasses.field(default_factory=list)  # message keys served so far
+  tools: str = ""  # tools_key of the last request
 
   def observe(self, ids):
     self.tokens += ids
@@ -116,85 +125,108 @@ class Recorded:
   """Where a request's tokens went."""
   trajectory: int  # index of its trajectory in the session, from 0
   turn: int  # index of its action turn in that trajectory, from 0
-  extended: bool  # it extended the session's current trajectory
+  extended: bool  # it extended one of the session's trajectories
   bridged: bool  # its prompt was the transcript plus the format's bridge
 
 
 class Session:
-  """One agent session's trajectories (module docstring). Use under `lock`."""
+  """One agent session's trajectories (module docstring). Use under `lock`.
+
+  `secret` lets a client use the session (its requests); `owner_secret`
+  lets its owner read, reward or delete it. Both are server-issued.
+  """
 
   def __init__(self, session_id: str, chat_format, max_len: int, counts: collections.Counter,
                max_trajectories: int = 64):
     self.id = session_id
+    self.secret, self.owner_secret = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
     self.format, self.max_len, self._counts = chat_format, max_len, counts
     self.max_trajectories = max_trajectories
     self.lock = threading.Lock()
-    self.closed: list[_Record] = []  # finished trajectories, waiting for the reward
-    self.current: _Record | None = None
-    self._seen: list[tuple] = []  # message keys of the current trajectory's last request
-    self._tools = ""
+    self.records: list[_Record] = []  # oldest first; any of them may be extended
     self.requests = 0
     self.last_used = time.time()
     self.ended = False
 
   @property
   def num_trajectories(self) -> int:
-    return len(self.closed) + (self.current is not None)
+    return len(self.records)
+
+  def allows(self, secret: str | None, owner: bool = False) -> bool:
+    """Whether `secret` is this session's (its owner's, if `owner`)."""
+    want = self.owner_secret if owner else self.secret
+    return secret is not None and hmac.compare_digest(secret.encode("utf-8", "replace"),
+                                                      want.encode())
 
   def prompt_ids(self, messages: list[dict], tools) -> tuple[list[int], bool]:
-    """(the request's prompt ids, whether they were bridged onto the transcript)."""
+    """(the request's prompt ids, whether they were bridged onto a trajectory's ids)."""
     keys = [message_key(m) for m in messages]
-    k = len(self._seen)
-    if (self.current is not None and 0 < k < len(keys) and tools_key(tools) == self._tools
-        and keys[:k] == self._seen
-        and all(m["role"] in _OBSERVATION_ROLES for m in messages[k:])):
+    for r in reversed(self.records):  # the newest trajectory this request continues
+      k = len(r.seen)
+      if not (0 < k < len(keys) and tools_key(tools) == r.tools and keys[:k] == r.seen
+              and all(m["role"] in _OBSERVATION_ROLES for m in messages[k:])):
+        continue
       try:
         bridge = self.format.observation_ids(
             [{"role": m["role"], "content": m["content"]} for m in messages[k:]])
       except ValueError:
-        bridge = None
-      if bridge is not None:
-        cut = self.format.cut_turn_ids() if self.current.cut else []
-        return list(self.current.tokens) + cut + bridge, True
+        break
+      cut = self.format.cut_turn_ids() if r.cut else []
+      return list(r.tokens) + cut + bridge, True
     return self.format.render(messages, tools, add_generation_prompt=True), False
 
-  def record(self, prompt: list[int], completion: Completion, messages: list[dict], tools,
-             returned: dict, bridged: bool) -> Recorded:
-    """Appends a served request: `prompt` its prompt ids, `returned` the assistant
-    message the server answered with."""
+  def _extends(self, prompt: list[int]) -> _Record | None:
+    for r in reversed(self.records):
+      if len(prompt) >= len(r.tokens) and prompt[:len(r.tokens)] == r.tokens:
+        return r
+    return None
+
+  def plan(self, prompt: list[int], *, new: bool = False, offset: int = 0) -> Recorded:
+    """Where `record` would put a request (recording nothing): `offset`, the
+    choices of the same request recorded before it (`new` ones)."""
+    r = None if new else self._extends(prompt)
+    if r is not None:
+      return Recorded(self.records.index(r), len(r.turn_starts), True, False)
+    return Recorded(min(len(self.records) + offset, self.max_trajectories - 1), 0, False, False)
+
+  def record(self, prompt: list[int], completion: Completion, seen: list[tuple] | None,
+             tools, bridged: bool, *, new: bool = False) -> Recorded:
+    """Appends a request that was served and answered.
+
+    `seen`: `message_key`s of the request's messages and of the assistant
+    message the client received (None: a raw completion, which no chat
+    request bridges onto). `new`: a trajectory of its own even if the prompt
+    extends one (each of `n` > 1 choices).
+    """
     now = time.time()
     self.requests += 1
     self.last_used = now
-    r = self.current
-    n = 0 if r is None else len(r.tokens)
-    extended = r is not None and len(prompt) >= n and prompt[:n] == r.tokens
+    r = None if new else self._extends(prompt)
+    extended = r is not None
     if extended:
-      r.observe(prompt[n:])
+      r.observe(prompt[len(r.tokens):])
       self._counts["turns/extended"] += 1
     else:
-      if r is not None:
-        self.closed.append(r)
-        self._counts["trajectories/not_extending"] += 1
-        if len(self.closed) >= self.max_trajectories:  # memory stays bounded: oldest out
-          self.closed.pop(0)
-          self._counts["trajectories/dropped_session_full"] += 1
-      else:
-        self._counts["trajectories/new_session"] += 1
-      r = self.current = _Record(start_time=now)
+      self._counts["trajectories/not_extending" if self.records
+                   else "trajectories/new_session"] += 1
+      if len(self.records) >= self.max_trajectories:  # memory stays bounded: oldest out
+        self.records.pop(0)
+        self._counts["trajectories/dropped_session_full"] += 1
+      r = _Record(start_time=now)
+      self.records.append(r)
       r.observe(prompt)
     self._counts["prompts/bridged" if bridged else "prompts/rendered"] += 1
     r.act(completion)
-    r.cut = not completion.stopped
+    r.cut = completion.tokens[-1] != self.format.turn_end_id
     r.full = len(r.tokens) >= self.max_len
     r.end_time = now
-    self._seen = [message_key(m) for m in messages] + [message_key(returned)]
-    self._tools = tools_key(tools)
-    return Recorded(len(self.closed), len(r.turn_starts) - 1, extended, bridged)
+    r.seen, r.tools = list(seen or ()), tools_key(tools)
+    return Recorded(self.records.index(r), len(r.turn_starts) - 1, extended, bridged)
 
   def trajectories(self, reward: float, prompt_id: int) -> list[Trajectory]:
     """Every trajectory of the session with `reward` on its last action token."""
     out = []
-    for r in self.closed + ([self.current] if self.current is not None else []):
+    for r in self.records:
       mask = np.asarray(r.action_mask, bool)
       rewards = np.zeros(mask.shape, np.float32)
       rewards[np.flatnonzero(mask)[-1]] = reward
@@ -239,22 +271,24 @@ class SessionBook:
     self._lock = threading.Lock()
     self.counts: collections.Counter = collections.Counter()
 
-  def get(self, session_id: str, create: bool = True) -> Session | None:
-    """The open session `session_id` (opened if `create`); raises ValueError for a
-    malformed id, TooManySessions when full."""
-    if not SESSION_ID.match(session_id):
-      raise ValueError(f"session id {session_id[:40]!r}: 1 to 128 of A-Z a-z 0-9 _ . : -")
+  def open(self) -> Session:
+    """A new session with a server-issued id and secrets; TooManySessions when full."""
     with self._lock:
-      s = self._sessions.get(session_id)
-      if s is not None or not create:
-        return s
       self._expire_locked(time.time())
       if len(self._sessions) >= self.max_sessions:
         raise TooManySessions(f"{self.max_sessions} sessions are open; reward or delete some")
+      session_id = "s" + secrets.token_hex(12)
       s = self._sessions[session_id] = Session(session_id, self.format, self.max_len,
                                                self.counts, self.max_trajectories)
       self.counts["sessions/opened"] += 1
       return s
+
+  def get(self, session_id: str) -> Session | None:
+    """The open session `session_id`, or None; ValueError for a malformed id."""
+    if not SESSION_ID.match(session_id):
+      raise ValueError(f"session id {session_id[:40]!r}: 1 to 128 of A-Z a-z 0-9 _ . : -")
+    with self._lock:
+      return self._sessions.get(session_id)
 
   def _expire_locked(self, now: float):
     for sid in [sid for sid, s in self._sessions.items()
@@ -277,7 +311,7 @@ class SessionBook:
     an unknown session. `prompt_id` (default: a hash of the session id) is
     the trajectories' task index.
     """
-    s = self.get(session_id, create=False)
+    s = self.get(session_id)
     if s is None:
       return None
     with s.lock:  # waits for a request in flight
@@ -303,7 +337,7 @@ class SessionBook:
 
   def discard(self, session_id: str) -> bool:
     """Ends the session without writing anything; False if there is none."""
-    s = self.get(session_id, create=False)
+    s = self.get(session_id)
     if s is None:
       return False
     with s.lock:

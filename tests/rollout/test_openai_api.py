@@ -75,9 +75,23 @@ def served(tmp_path_factory):
   endpoint.close()
 
 
-def client(served, session):
-  return openai.OpenAI(base_url=f"{served.endpoint.url}/sessions/{session}/v1", api_key="none",
-                       max_retries=0)
+def open_session(url, api_key="none", owner=None):
+  """A session opened over HTTP: its id, base URL (the harness's), an `openai` client on it,
+  and the owner's headers (its owner secret, or the server's owner key `owner`)."""
+  headers = {"Authorization": f"Bearer {api_key}"}
+  got = httpx.post(f"{url}/v1/sessions", headers=headers).json()
+  owner = {**headers, "X-Session-Owner": owner or got["owner_secret"]}
+  return types.SimpleNamespace(
+      id=got["id"], base_url=got["base_url"], owner=owner, url=f"{url}/v1/sessions/{got['id']}",
+      client=openai.OpenAI(base_url=got["base_url"], api_key=api_key, max_retries=0),
+      reward=lambda reward, **kw: httpx.post(f"{url}/v1/sessions/{got['id']}/reward",
+                                             json={"reward": reward, **kw}, headers=owner))
+
+
+def client(served, session=None):
+  """An `openai` client on a new session (`session`: a label, unused)."""
+  del session
+  return open_session(served.endpoint.url).client
 
 
 def sao(response):
@@ -135,7 +149,8 @@ def test_models_and_a_completion_rendered_as_qwen3s_template(served):
 
 
 def test_a_session_extends_one_trajectory_and_a_rewritten_history_starts_another(served):
-  c = client(served, "extend")
+  sess = open_session(served.endpoint.url)
+  c = sess.client
   before = served.endpoint.writer.last_closed
   counted = stats(served)
   first = [SYSTEM, {"role": "user", "content": "Fix the bug."}]
@@ -161,13 +176,12 @@ def test_a_session_extends_one_trajectory_and_a_rewritten_history_starts_another
   e3 = sao(r3)
   assert (e3["trajectory"], e3["turn"], e3["extended"]) == (1, 0, False)
   assert e3["prompt_token_ids"] == official_ids(TOK, third, [BASH], add_generation_prompt=True)
-  listed = httpx.get(f"{served.endpoint.url}/v1/sessions/extend").json()
+  listed = httpx.get(sess.url, headers=sess.owner).json()
   assert listed["requests"] == 3 and len(listed["trajectories"]) == 2
   assert written_since(served, before) == []  # nothing is written before the reward
 
-  out = httpx.post(f"{served.endpoint.url}/v1/sessions/extend/reward",
-                   json={"reward": 1.5, "prompt_id": 7}).json()
-  assert out == {"session_id": "extend", "trajectories": 2, "written": 2, "refused": {}}
+  out = sess.reward(1.5, prompt_id=7).json()
+  assert out == {"session_id": sess.id, "trajectories": 2, "written": 2, "refused": {}}
   t1, t2 = written_since(served, before)
   # Exactly the ids that were served: prompt, sampled turn, bridge, sampled turn.
   np.testing.assert_array_equal(t1.tokens, e2["prompt_token_ids"] + e2["completion_token_ids"])
@@ -190,9 +204,10 @@ def test_a_session_extends_one_trajectory_and_a_rewritten_history_starts_another
                      ("prompts/bridged", 1), ("sessions/rewarded", 1),
                      ("trajectories/written", 2)):
     assert after.get(key, 0) - counted.get(key, 0) == grown, key
-  # The session is gone: its next request opens a new one.
-  assert httpx.post(f"{served.endpoint.url}/v1/sessions/extend/reward",
-                    json={"reward": 1.0}).status_code == 404
+  # The session is gone: rewarded once, and its base URL serves no more.
+  assert sess.reward(1.0).status_code == 404
+  with pytest.raises(openai.NotFoundError):
+    c.chat.completions.create(model=MODEL, messages=first)
 
 
 def _raw(served, request: bytes) -> bytes:
@@ -203,12 +218,15 @@ def _raw(served, request: bytes) -> bytes:
 
 def test_hostile_requests_are_openai_errors_with_counted_reasons(served):
   url = served.endpoint.url
-  c = client(served, "errors")
+  sess = open_session(url)
+  c = sess.client
   before = stats(served)
   user = [{"role": "user", "content": "hi"}]
   cases = [  # (call, exception, code)
       (dict(model="gpt-4", messages=user), openai.NotFoundError, "model_not_found"),
-      (dict(model=MODEL, messages=user, n=2), openai.BadRequestError, "unsupported_n"),
+      (dict(model=MODEL, messages=user, n=17), openai.BadRequestError, "bad_n"),
+      (dict(model=MODEL, messages=user, logit_bias={"11": 5}), openai.BadRequestError,
+       "unsupported_logit_bias"),
       (dict(model=MODEL, messages=[{"role": "user", "content": "word " * 600}]),
        openai.BadRequestError, "context_length_exceeded"),
       (dict(model=MODEL, messages=user, tools=[{"type": "function", "function": {
@@ -230,8 +248,6 @@ def test_hostile_requests_are_openai_errors_with_counted_reasons(served):
       c.chat.completions.create(**kwargs)
     assert e.value.code == code, kwargs
     assert e.value.body["message"] and e.value.body["type"]
-  with pytest.raises(openai.BadRequestError):  # streaming: refused before any stream starts
-    c.chat.completions.create(model=MODEL, messages=user, stream=True)
   raw = [
       (httpx.post(f"{url}/v1/chat/completions", content=b"{not json"), 400, "bad_json"),
       (httpx.post(f"{url}/v1/chat/completions", content=b"[1, 2]"), 400, "not_an_object"),
@@ -241,10 +257,12 @@ def test_hostile_requests_are_openai_errors_with_counted_reasons(served):
                   json={"model": MODEL, "messages": user}), 400, "bad_session"),
       (httpx.post(f"{url}/v1/sessions/nobody/reward", json={"reward": 1}), 404,
        "unknown_session"),
-      (httpx.post(f"{url}/v1/sessions/nobody/reward", content=b'{"reward": NaN}'), 400,
+      (httpx.post(f"{sess.url}/reward", content=b'{"reward": NaN}', headers=sess.owner), 400,
+       "bad_number"),
+      (httpx.post(f"{sess.url}/reward", content=b'{"reward": 1' + b"0" * 400 + b"}",
+                  headers=sess.owner), 400, "bad_number"),
+      (httpx.post(f"{sess.url}/reward", json={"reward": True}, headers=sess.owner), 400,
        "bad_reward"),
-      (httpx.post(f"{url}/v1/sessions/nobody/reward", content=b'{"reward": 1' + b"0" * 400
-                  + b"}"), 400, "bad_reward"),
       (httpx.post(f"{url}/v1/chat/completions", content=b"x" * (2 << 20)), 413,
        "body_too_large"),
   ]
@@ -256,7 +274,7 @@ def test_hostile_requests_are_openai_errors_with_counted_reasons(served):
                        b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
   assert reply.startswith(b"HTTP/1.1 411")
   after = stats(served)
-  reasons = [code for _, _, code in cases] + ["unsupported_stream"] + [
+  reasons = [code for _, _, code in cases] + [
       code for _, _, code in raw] + ["length_required"]
   for reason in set(reasons):
     key = {"model_not_found": "unknown_model"}.get(reason, reason)
@@ -265,8 +283,7 @@ def test_hostile_requests_are_openai_errors_with_counted_reasons(served):
   # Still serving, and the refused requests recorded nothing.
   ok = c.chat.completions.create(model=MODEL, messages=user, max_tokens=2, temperature=0.0)
   assert sao(ok)["trajectory"] == 0 and sao(ok)["turn"] == 0
-  assert stats(served)["ignored/temperature"] >= 1
-  assert httpx.delete(f"{url}/v1/sessions/errors").json() == {"session_id": "errors",
+  assert httpx.delete(sess.url, headers=sess.owner).json() == {"session_id": sess.id,
                                                               "deleted": True}
 
 
@@ -336,7 +353,8 @@ def test_tool_calls_are_parsed_from_the_sampled_ids_and_answered_into_one_trajec
       headers = {"Authorization": f"Bearer {key}"} if key else {}
       refused = httpx.get(f"{server.url}/v1/models", headers=headers)
       assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
-    c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="k3y", max_retries=0)
+    sess = open_session(server.url, api_key="k3y")
+    c = sess.client
     messages = [SYSTEM, {"role": "user", "content": "What is here?"}]
     r1 = c.chat.completions.create(model=MODEL, messages=messages, tools=[BASH])
     choice = r1.choices[0]
@@ -356,8 +374,7 @@ def test_tool_calls_are_parsed_from_the_sampled_ids_and_answered_into_one_trajec
     bridge = FMT.observation_ids([{"role": "tool", "content": "calc.py"}])
     # The engine was fed each request's prompt whole (no prefix cache).
     assert engine.fed[:len(prompt1)] == prompt1
-    httpx.post(f"{server.url}/v1/sessions/default/reward", json={"reward": 1.0},
-               headers={"Authorization": "Bearer k3y"})
+    assert sess.reward(1.0).json()["written"] == 1
     (t,) = written
     np.testing.assert_array_equal(t.tokens, prompt1 + turn1 + bridge + turn2)
     np.testing.assert_array_equal(np.flatnonzero(t.action_mask), list(range(
@@ -374,13 +391,12 @@ def test_a_malformed_trajectory_is_refused_and_counted_not_written():
   written = []
   book = sessions.SessionBook(FMT, TOK.vocab_size, MAX_LEN, written.append,
                               current_version=lambda: VERSION - 1)  # the server went back
-  s = book.get("s")
+  s = book.open()
   prompt, _ = s.prompt_ids([{"role": "user", "content": "hi"}], [])
   done = serving.Completion((11, IM_END), (-1.0, -2.0), (VERSION, VERSION), True)
   with s.lock:
-    s.record(prompt, done, [{"role": "user", "content": "hi"}], [],
-             {"role": "assistant", "content": "x"}, False)
-  out = book.reward("s", 1.0)
+    s.record(prompt, done, None, [], False)
+  out = book.reward(s.id, 1.0)
   assert out["written"] == 0 and out["refused"] == {"version_from_future": 1}
   assert book.counts["refused/version_from_future"] == 1 and written == []
   assert isinstance(s.trajectories(1.0, 0)[0], Trajectory)
@@ -460,9 +476,10 @@ def test_mini_swe_agent_runs_against_the_endpoint_and_its_session_trains(served,
   endpoint = openai_api.Endpoint(served.config, engine, TOK, root, model_name=MODEL,
                                  rollout_id="swe")
   try:
+    sess = open_session(endpoint.url)
     model = LitellmModel(
         model_name=f"openai/{MODEL}", cost_tracking="ignore_errors",
-        model_kwargs={"api_base": f"{endpoint.url}/sessions/swe1/v1", "api_key": "none",
+        model_kwargs={"api_base": sess.base_url, "api_key": "none",
                       "max_tokens": 8, "num_retries": 0,
                       "extra_body": {"return_token_ids": True}})
     agent = DefaultAgent(model, LocalEnvironment(cwd=str(repo), timeout=10),
@@ -476,8 +493,7 @@ def test_mini_swe_agent_runs_against_the_endpoint_and_its_session_trains(served,
     # repo_repair's own grader (its reward's): the hidden tests on a copy of the final
     # tree in a fresh sandbox, outside the agent's reach.
     verdict, _ = repair.grade(row, str(repo))
-    out = httpx.post(f"{endpoint.url}/v1/sessions/swe1/reward",
-                     json={"reward": float(verdict == "passed")}).json()
+    out = sess.reward(float(verdict == "passed")).json()
   finally:
     endpoint.close()
   assert verdict == "failed"  # the bug is still there
@@ -541,14 +557,14 @@ def test_concurrent_sessions_record_the_exact_logprobs_of_their_tokens(served):
   before = served.endpoint.writer.last_closed
 
   def session(k):
-    c = client(served, f"par{k}")
+    sess = open_session(served.endpoint.url)
+    c = sess.client
     messages = [{"role": "user", "content": f"Count to {k + 2}."}]
     r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4 + k)
     messages += [as_message(r.choices[0]), {"role": "user", "content": "Go on."}]
     r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4 + k)
     assert sao(r)["extended"]
-    return httpx.post(f"{served.endpoint.url}/v1/sessions/par{k}/reward",
-                      json={"reward": float(k)}).json()["written"]
+    return sess.reward(float(k)).json()["written"]
 
   with cf.ThreadPoolExecutor(4) as pool:
     assert list(pool.map(session, range(4))) == [1] * 4
@@ -567,22 +583,22 @@ def test_concurrent_sessions_record_the_exact_logprobs_of_their_tokens(served):
 def test_sessions_stay_bounded_in_number_size_and_age():
   book = sessions.SessionBook(FMT, TOK.vocab_size, MAX_LEN, [].append, max_sessions=2,
                               max_trajectories=2)
-  s = book.get("a")
+  s = book.open()
   for k in range(3):  # three histories that do not extend each other
     messages = [{"role": "user", "content": f"task {k}"}]
     prompt, _ = s.prompt_ids(messages, [])
-    s.record(prompt, serving.Completion((11, IM_END), (-1.0, -1.0), (0, 0), True), messages,
-             [], {"role": "assistant", "content": "x"}, False)
+    s.record(prompt, serving.Completion((11, IM_END), (-1.0, -1.0), (0, 0), True), None, [],
+             False)
   assert s.num_trajectories == 2 and book.counts["trajectories/dropped_session_full"] == 1
-  book.get("b")
+  book.open()
   with pytest.raises(sessions.TooManySessions):
-    book.get("c")
+    book.open()
   with pytest.raises(ValueError):
     book.get("no spaces")
   book.idle_seconds = -1.0  # everything idle is expired when a session opens
-  book.get("c")
+  book.open()
   assert book.open_sessions == 1 and book.counts["sessions/expired"] == 2
-  assert book.reward("a", 1.0) is None  # expired: nothing to write
+  assert book.reward(s.id, 1.0) is None  # expired: nothing to write
 
 
 def test_launch_serve_api_openai_serves_and_writes_a_rewarded_session(tmp_path):
@@ -607,13 +623,11 @@ def test_launch_serve_api_openai_serves_and_writes_a_rewarded_session(tmp_path):
         break
     else:
       pytest.fail("serve.py exited before serving")
-    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/sessions/s1/v1", api_key="none",
-                      max_retries=0)
-    r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "4+4="}],
+    sess = open_session(f"http://127.0.0.1:{port}")
+    r = sess.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "4+4="}],
                                   max_tokens=4, extra_body={"return_token_ids": True})
     assert r.usage.completion_tokens == len(sao(r)["completion_token_ids"]) >= 1
-    out = httpx.post(f"http://127.0.0.1:{port}/v1/sessions/s1/reward",
-                     json={"reward": 1.0}).json()
+    out = sess.reward(1.0).json()
     assert out["written"] == 1
   finally:
     proc.kill()
@@ -649,8 +663,9 @@ def test_mini_swe_agent_session_with_tool_calls_is_one_trajectory(served, repair
   endpoint = openai_api.Endpoint(served.config, ScriptedEngine(_script(turn1 + turn2)), TOK,
                                  root, model_name=MODEL, rollout_id="scripted")
   try:
+    sess = open_session(endpoint.url)
     model = LitellmModel(model_name=f"openai/{MODEL}", cost_tracking="ignore_errors",
-                         model_kwargs={"api_base": f"{endpoint.url}/sessions/swe2/v1",
+                         model_kwargs={"api_base": sess.base_url,
                                        "api_key": "none", "num_retries": 0,
                                        "max_tokens": 128})
     agent = DefaultAgent(model, LocalEnvironment(cwd=str(repo), timeout=10),
@@ -661,8 +676,7 @@ def test_mini_swe_agent_session_with_tool_calls_is_one_trajectory(served, repair
     # repo_repair's own grader (its reward's) on the tree the harness left.
     verdict, detail = repair.grade(row, str(repo))
     assert verdict == "passed", detail  # the scripted fix, run by the harness
-    out = httpx.post(f"{endpoint.url}/v1/sessions/swe2/reward",
-                     json={"reward": float(verdict == "passed")}).json()
+    out = sess.reward(float(verdict == "passed")).json()
     counts = endpoint.app.stats()
   finally:
     endpoint.close()
@@ -697,13 +711,13 @@ def test_the_hybrid_model_serves_sessions_with_exact_logprobs(tmp_path):
   endpoint = openai_api.Endpoint(config, engine, TOK, str(tmp_path), model_name=MODEL)
   try:
     for k in range(2):
-      c = openai.OpenAI(base_url=f"{endpoint.url}/sessions/hy{k}/v1", api_key="none",
-                        max_retries=0)
+      sess = open_session(endpoint.url)
+      c = sess.client
       messages = [{"role": "user", "content": f"Count to {k + 2}."}]
       r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=6)
       messages += [as_message(r.choices[0]), {"role": "user", "content": "Go on."}]
       c.chat.completions.create(model=MODEL, messages=messages, max_tokens=6)
-      httpx.post(f"{endpoint.url}/v1/sessions/hy{k}/reward", json={"reward": 1.0})
+      sess.reward(1.0)
     paths = [p for j in range(endpoint.writer.last_closed + 1)
              if os.path.exists(p := os.path.join(fleet.trajectories_dir(str(tmp_path)),
                                                  fleet.shard_name("openai", j)))]
