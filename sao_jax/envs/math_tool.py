@@ -38,9 +38,6 @@ class MathToolConfig(DatasetConfig):
   tools: tuple = ("python",)
   # The paper's reasoning runs take up to 50 turns of reasoning and tool calls.
   max_turns: int = 50
-  # The generated training file repeats 389 of its 4000 questions (same
-  # answers): kept, as every documented run trained on them, and reported.
-  duplicates: str = "report"
   # A curriculum from the shipped set: only rows whose extra_info.family is
   # one of these (math_problems.FAMILIES: "remainder", "expression", ...),
   # in training and held out alike. (): every row.
