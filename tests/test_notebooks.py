@@ -43,18 +43,21 @@ for i, cell in enumerate(nb["cells"]):
 """
 
 
-def test_quickstart_executes_headless_on_a_smoke_budget():
-  """Every code cell of notebooks/quickstart.ipynb runs, top to bottom, in one namespace."""
+def test_quickstart_executes_headless_on_a_smoke_budget(tmp_path):
+  """Every code cell of notebooks/quickstart.ipynb runs, top to bottom, in one namespace;
+  its workdir (`tempfile.mkdtemp`) lands in the test's tmp dir (TMPDIR), not /tmp."""
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   nb_dir = os.path.join(os.path.dirname(__file__), "..", "notebooks")
   # One CPU device (the notebook's setting), not the tests' simulated eight.
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env.update(SAO_QUICKSTART_SMOKE="1", MPLBACKEND="Agg", JAX_PLATFORMS="cpu")
+  env.update(SAO_QUICKSTART_SMOKE="1", MPLBACKEND="Agg", JAX_PLATFORMS="cpu",
+             TMPDIR=str(tmp_path))
   proc = subprocess.run([sys.executable, "-c", _EXECUTE, "quickstart.ipynb"], cwd=nb_dir,
                         env=env, capture_output=True, text=True, timeout=900, check=False)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "--- cell" in proc.stdout and "turns, reward" in proc.stdout
+  assert glob.glob(str(tmp_path / "sao_quickstart_*" / "metrics.jsonl"))
 
 
 def test_qwen3_colab_runs_on_a_tiny_checkpoint_transformers_saved(tmp_path):
@@ -70,7 +73,7 @@ def test_qwen3_colab_runs_on_a_tiny_checkpoint_transformers_saved(tmp_path):
   nb_dir = os.path.join(os.path.dirname(__file__), "..", "notebooks")
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env.update(SAO_COLAB_SMOKE="1", SAO_COLAB_HF_DIR=hf_dir, MPLBACKEND="Agg",
-             JAX_PLATFORMS="cpu")
+             JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path))  # its workdir: removed with tmp_path
   proc = subprocess.run([sys.executable, "-c", _EXECUTE, "qwen3_colab.ipynb"], cwd=nb_dir,
                         env=env, capture_output=True, text=True, timeout=1200, check=False)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

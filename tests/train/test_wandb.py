@@ -208,3 +208,41 @@ def test_an_offline_run_connects_to_nothing_off_this_machine(tmp_path, monkeypat
   assert os.environ["WANDB_ERROR_REPORTING"] == "false"
   assert wandb_init_args(str(tmp_path), OFFLINE)["settings"] == {
       "console": "off", "x_disable_stats": True, "x_disable_machine_info": True}
+
+
+def test_an_offline_run_sends_no_request_from_wandbs_service_process(tmp_path, monkeypatch):
+  """W&B's service (the wandb-core binary) is its own process, out of reach of a
+  socket guard in this one; its HTTP clients (the API, uploads, error reports)
+  follow the proxy variables, so every proxy variable here points at a trap
+  on loopback that records each request it gets. (With WANDB_MODE=online and
+  a fake key the trap gets the service's CONNECTs to W&B's API host: it sees
+  that process's traffic.) Direct sockets that ignore proxies are not covered."""
+  import threading  # pylint: disable=g-import-not-at-top
+  trap = socket.create_server(("127.0.0.1", 0))
+  requests = []
+
+  def record():
+    while True:
+      try:
+        conn, _ = trap.accept()
+      except OSError:  # closed: the run is over
+        return
+      with conn:
+        conn.settimeout(5)
+        try:
+          requests.append(conn.recv(256).split(b"\r\n")[0])
+        except OSError:
+          requests.append(b"(no request line)")
+
+  threading.Thread(target=record, daemon=True).start()
+  proxy = f"http://127.0.0.1:{trap.getsockname()[1]}"
+  for name in ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy", "ALL_PROXY"):
+    monkeypatch.setenv(name, proxy)
+  for name in ("NO_PROXY", "no_proxy", "WANDB_ERROR_REPORTING"):
+    monkeypatch.delenv(name, raising=False)
+  writer = MetricsWriter(str(tmp_path), tensorboard=False, wandb=OFFLINE)
+  for step in range(3):
+    writer.write(step, {"loss": 1.0 / (step + 1)}, "rl")
+  writer.close()  # W&B's teardown: the service process has exited
+  trap.close()
+  assert not requests
