@@ -794,6 +794,48 @@ def _is_resources(v) -> bool:
   return _is_str_dict(v) and all(is_real(x) and x >= 0 for x in v.values())
 
 
+# Kubernetes names and quantities of the emitted manifests (--emit=jobset / raycluster).
+_K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
+POD_SANDBOXES = ("sys_admin", "gvisor", "none")
+POD_VOLUME_KINDS = ("pvc", "gcs")
+
+
+def _is_k8s_name(v, empty_ok: bool = True) -> bool:
+  return isinstance(v, str) and ((empty_ok and not v) or bool(_K8S_NAME.match(v)))
+
+
+def _is_requests(v) -> bool:
+  return (_is_str_dict(v) and {"cpu", "memory"} <= set(v)
+          and all(isinstance(x, str) and _QUANTITY.match(x) for x in v.values()))
+
+
+def parse_pod_volumes(volumes) -> list[tuple[str, str, str, bool]]:
+  """`pod.volumes` as [(mount path, kind, claim or bucket, read_only)]; ValueError
+  (one line) on a malformed entry, a relative or repeated mount path."""
+  if not isinstance(volumes, tuple) or not all(isinstance(v, str) for v in volumes):
+    raise ValueError("a tuple of strings \"MOUNT=pvc:CLAIM\" or \"MOUNT=gcs:BUCKET\"")
+  out, mounts = [], set()
+  for entry in volumes:
+    mount, _, source = entry.partition("=")
+    kind, _, name = source.partition(":")
+    name, ro, mode = name.partition(":")
+    mount = os.path.normpath(mount) if mount else ""
+    if not (mount.startswith("/") and mount != "/" and kind in POD_VOLUME_KINDS and name
+            and (not ro or mode == "ro")):
+      raise ValueError(f"{entry!r} is not \"MOUNT=pvc:CLAIM\" or \"MOUNT=gcs:BUCKET\" "
+                       "(an absolute MOUNT, \":ro\" at the end for read-only)")
+    if kind == "pvc" and not _K8S_NAME.match(name) or kind == "gcs" and not _BUCKET.match(name):
+      raise ValueError(f"{entry!r}: {name!r} is not a valid "
+                       f"{'claim' if kind == 'pvc' else 'bucket'} name")
+    if mount in mounts:
+      raise ValueError(f"{entry!r}: {mount} is mounted twice")
+    mounts.add(mount)
+    out.append((mount, kind, name, bool(ro)))
+  return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Pod(Section):
   """launch/pod.py: one command starts, places and supervises every host
@@ -837,6 +879,58 @@ class Pod(Section):
   rollout_topology: str = knob("2x2x1", "TPU topology of one rollout host's slice.",
                                Check(lambda v: isinstance(v, str) and v, "e.g. \"2x2x1\""))
   chips_per_host: int = knob(4, "TPU chips a host (google.com/tpu of each pod).", integer(1))
+  # What the emitted Kubernetes manifests (sao_jax/pod/kube.py) need to start on GKE.
+  volumes: tuple = knob(
+      (), "Volumes every pod of an emitted JobSet / RayCluster mounts, each "
+      "\"MOUNT=pvc:CLAIM\" (a PersistentVolumeClaim, e.g. Filestore) or \"MOUNT=gcs:BUCKET\" "
+      "(the gcsfuse CSI driver), \":ro\" at the end for read-only. The workdir, fleet.root "
+      "and every absolute path the config names must lie under one (or be gs://), else "
+      "--emit refuses: each pod would see its own empty disk.",
+      Check(lambda v: isinstance(v, tuple), "a tuple of \"MOUNT=pvc:CLAIM\" / "
+            "\"MOUNT=gcs:BUCKET\" strings"))
+  service_account: str = knob(
+      "", "Kubernetes service account of every pod; with Workload Identity it is bound to "
+      "the Google service account that reaches the buckets. Required (--emit refuses) when "
+      "the workdir, a path or a volume is on GCS.",
+      Check(_is_k8s_name, "\"\" or a Kubernetes name (lowercase letters, digits, '-')"))
+  queue: str = knob(
+      "", "Kueue LocalQueue of an emitted job (label kueue.x-k8s.io/queue-name); \"\": none.",
+      Check(_is_k8s_name, "\"\" or a Kubernetes name (lowercase letters, digits, '-')"))
+  sandbox: str = knob(
+      "sys_admin", "How the emitted pods get the privilege the code sandbox needs "
+      "(sao_jax/envs/sandbox.py makes network, IPC, PID and mount namespaces as root): "
+      "\"sys_admin\", the capability SYS_ADMIN added to the runtime's defaults, AppArmor "
+      "unconfined (its default profile denies mount), seccomp RuntimeDefault (GKE "
+      "Standard; Autopilot refuses it); \"gvisor\", GKE Sandbox (runtimeClassName gvisor, "
+      "SYS_ADMIN inside gVisor's own kernel; single-host TPU slices only); \"none\", no "
+      "privilege (environments that run no code).", one_of(POD_SANDBOXES))
+  trainer_requests: dict = knob(
+      {"cpu": "150", "memory": "350Gi"}, "CPU and memory a trainer pod requests (Kubernetes "
+      "quantities; memory is also its limit, CPU has none). The default fits a v5p host "
+      "(208 vCPUs, 448 GB) beside GKE's reservations.",
+      Check(_is_requests, "a dict of Kubernetes quantities with \"cpu\" and \"memory\""))
+  rollout_requests: dict = knob(
+      {"cpu": "150", "memory": "350Gi"}, "CPU and memory a rollout pod requests (as "
+      "pod.trainer_requests).",
+      Check(_is_requests, "a dict of Kubernetes quantities with \"cpu\" and \"memory\""))
+  head_requests: dict = knob(
+      {"cpu": "8", "memory": "32Gi"}, "CPU and memory of an emitted RayCluster's head pod "
+      "(the driver, launch/pod.py: it only supervises).",
+      Check(_is_requests, "a dict of Kubernetes quantities with \"cpu\" and \"memory\""))
+  checkpoint_seconds: float = knob(
+      300.0, "How long one checkpoint save takes on this job's storage (measured, or "
+      "estimated as a trainer host's checkpoint bytes / its write bandwidth); with "
+      "pod.grace_margin it sizes the pods' terminationGracePeriodSeconds.",
+      real(0, above=True, unit="a finite number of seconds"))
+  grace_margin: float = knob(
+      2.0, "terminationGracePeriodSeconds = ceil(pod.checkpoint_seconds x this): the time a "
+      "stopped pod gets to finish the save in flight.", real(1, unit="a finite number"))
+
+  def check_together(self):
+    try:
+      parse_pod_volumes(self.volumes)
+    except ValueError as e:
+      raise ConfigError(f"pod.volumes = {self.volumes!r}: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -862,6 +956,10 @@ class Eval(Section):
       "\"heldout\". Every set uses the run's tokenizer, chat format and budgets.",
       Check(lambda v: isinstance(v, tuple) and all(isinstance(x, str) for x in v),
             "a tuple of strings \"NAME=SPEC\" or \"SPEC\""))
+  strict: bool = knob(
+      True, "A set that lost rows at load (malformed, duplicate, conflicting) fails the "
+      "evaluation, naming the counts, before anything is sampled; False evaluates the rows "
+      "left and reports the counts (rows_rejected) in the table and summary.json.", BOOL)
 
   def check_together(self):
     try:

@@ -16,24 +16,28 @@ its shard sequence under the same rollout id); a trainer pod that fails
 fails its Job (backoffLimit 0) and the JobSet restarts every job, up to
 `pod.max_trainer_restarts` times (the trainer resumes from its last
 checkpoint, the rollouts from their shard sequences); the JobSet succeeds
-when the trainer job does. Not applied to a cluster here: the test loads
-each Job template through the `kubernetes` client's models and compares
-every host's command with the Ray path's.
+when the trainer job does. Every pod carries what sao_jax/pod/kube.py adds
+(volumes, the sandbox's privilege, requests, the service account, the
+grace period); the JobSet the Kueue queue label. Not applied to a cluster
+here: the tests load each Job template through the `kubernetes` client's
+models, check the whole manifest against the JobSet CRD's published schema
+(tests/pod/crd_schemas/), and compare every host's command with the Ray
+path's.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from sao_jax.pod import hosts as pod_lib
 from sao_jax.config import sections
+from sao_jax.pod import hosts as pod_lib
+from sao_jax.pod import kube
 
 API_VERSION = "jobset.x-k8s.io/v1alpha2"
 DEFAULT_PORT = 8476  # jax.distributed's usual coordinator port
 # Kubernetes expands $(VAR) in a container's command from its env.
 PROCESS_ID = "$(PROCESS_ID)"
 COORDINATOR_ENV = "$(COORDINATOR_ADDRESS)"
-APP_DIR = "/app"
 
 
 def coordinator_address(name: str, pod: sections.Pod) -> str:
@@ -50,28 +54,21 @@ def _env(pod: sections.Pod, index_annotation: str, extra: dict) -> list[dict]:
 
 def _job(role: str, pod: sections.Pod, argv: list[str], *, pods: int, topology: str,
          index_annotation: str, backoff: int, extra_env: dict) -> dict:
-  chips = {"google.com/tpu": str(pod.chips_per_host)}
-  return {
-      "spec": {
-          "parallelism": pods, "completions": pods, "completionMode": "Indexed",
-          "backoffLimit": backoff,
-          "template": {"spec": {
-              "restartPolicy": "Never",
-              "nodeSelector": {"cloud.google.com/gke-tpu-accelerator": pod.tpu_type,
-                               "cloud.google.com/gke-tpu-topology": topology},
-              "containers": [{
-                  "name": role, "image": pod.image, "workingDir": APP_DIR,
-                  "command": argv, "env": _env(pod, index_annotation, extra_env),
-                  "resources": {"limits": chips, "requests": chips},
-              }],
-          }},
-      },
-  }
+  container = {"name": role, "image": pod.image, "workingDir": kube.APP_DIR,
+               "command": argv, "env": _env(pod, index_annotation, extra_env)}
+  template = kube.pod_template(
+      pod, container, requests=kube.role_requests(pod, role), tpu_chips=pod.chips_per_host,
+      node_selector=kube.tpu_node_selector(pod, topology),
+      spec={"restartPolicy": "Never"})
+  return {"spec": {"parallelism": pods, "completions": pods, "completionMode": "Indexed",
+                   "backoffLimit": backoff, "template": template}}
 
 
 def jobset(name: str, config_file: str, workdir: str, overrides: Sequence[str],
            pod: sections.Pod) -> dict:
-  """The JobSet manifest (a dict, for yaml or json) of the pod job `name`."""
+  """The JobSet manifest (a dict, for yaml or json) of the pod job `name`
+  (`kube.check_storage` first: this builds whatever it is given)."""
+  kube.check_sandbox(pod, {pod_lib.TRAINER: pod.trainer_hosts, pod_lib.ROLLOUT: 1})
   trainer_argv = pod_lib.host_argv(pod_lib.TRAINER, PROCESS_ID, config_file, workdir,
                                    overrides, pod, COORDINATOR_ENV)
   jobs = [{
@@ -92,11 +89,13 @@ def jobset(name: str, config_file: str, workdir: str, overrides: Sequence[str],
                          index_annotation="jobset.sigs.k8s.io/job-index",
                          backoff=pod.max_rollout_restarts, extra_env={}),
     })
+  metadata = {"name": name, "annotations": {
+      # One job a node pool: a slice's hosts are not shared between jobs.
+      "alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}}
+  if kube.labels(pod):
+    metadata["labels"] = kube.labels(pod)
   return {
-      "apiVersion": API_VERSION, "kind": "JobSet",
-      "metadata": {"name": name, "annotations": {
-          # One job a node pool: a slice's hosts are not shared between jobs.
-          "alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}},
+      "apiVersion": API_VERSION, "kind": "JobSet", "metadata": metadata,
       "spec": {
           "network": {"enableDNSHostnames": True},
           "failurePolicy": {"maxRestarts": pod.max_trainer_restarts},

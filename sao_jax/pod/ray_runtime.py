@@ -103,6 +103,20 @@ class HostProcess:
     return self.proc.poll()
 
 
+def start_local(num_cpus: int, loopback: bool = False) -> None:
+  """Starts a local Ray instance of `num_cpus` logical CPUs for this driver.
+
+  `loopback`: first move this process into a private network namespace with
+  only loopback (sao_jax/pod/netns.py), so that every Ray server and every
+  host process it starts is reachable from nowhere else; Ray's own options
+  cannot do that (its gRPC servers listen on every interface)."""
+  if loopback:
+    from sao_jax.pod import netns  # pylint: disable=g-import-not-at-top
+    netns.enter_loopback_only()
+  ray.init(num_cpus=num_cpus, include_dashboard=False, dashboard_host="127.0.0.1",
+           log_to_driver=False, configure_logging=False)
+
+
 def _tpu_version(tpu_type: str) -> str:
   """"tpu-v5p-slice" -> "v5p" (GKE's accelerator names)."""
   parts = tpu_type.split("-")

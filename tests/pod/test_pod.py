@@ -111,7 +111,7 @@ def test_the_jobset_runs_the_ray_paths_commands_and_loads_as_kubernetes_jobs():
     pods = spec.parallelism * job["replicas"]
     assert pods == (section.trainer_hosts if role == "trainer" else section.rollout_hosts)
     (container,) = spec.template.spec.containers
-    assert container.resources.limits == {"google.com/tpu": "4"}
+    assert container.resources.limits["google.com/tpu"] == "4"
     topology = spec.template.spec.node_selector["cloud.google.com/gke-tpu-topology"]
     assert topology == (section.trainer_topology if role == "trainer" else
                         section.rollout_topology)
