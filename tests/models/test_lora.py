@@ -1,0 +1,147 @@
+"""LoRA adapters (sao_jax/models/lora.py): merge, gradients, layouts, fingerprints."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sao_jax.algo import optim
+from sao_jax.models import config as model_config
+from sao_jax.models import lora, policy
+
+ACTOR = lora.LoraConfig(rank=4, alpha=8.0, targets=(
+    r"/attn/(q|k|v|o)$", r"/(mlp|moe)/(wi_gate|wi_up|wo)$"))
+
+
+def _params(preset="tiny", **changes):
+  cfg = dataclasses.replace(model_config.PRESETS[preset](), **changes)
+  return cfg, jax.jit(lambda: policy.init_params(cfg, jax.random.key(0)))()
+
+
+def _flat(tree):
+  return {optim.param_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _init(params, cfg, seed=1):
+  return jax.jit(lambda p: lora.init_adapters(p, cfg, jax.random.key(seed)))(params)
+
+
+def _randomise_b(adapters, rng):
+  """Adapters with B drawn too (a trained state: both factors non-zero)."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(adapters)
+  out = [jax.random.normal(jax.random.fold_in(rng, i), x.shape) * 0.1
+         if optim.param_path(p).endswith(lora.B) else x for i, (p, x) in enumerate(leaves)]
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+@pytest.mark.parametrize("base_dtype", [jnp.float32, jnp.bfloat16])
+def test_zero_b_merge_is_the_base_bit_for_bit(base_dtype):
+  _, params = _params()
+  base = jax.tree.map(lambda x: x.astype(base_dtype), params)
+  adapters = _init(base, ACTOR)
+  merged = jax.jit(lora.merge, static_argnums=2)(base, adapters, ACTOR)
+  for name, x in _flat(base).items():
+    y = _flat(merged)[name]
+    assert y.dtype == x.dtype, name
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(x, np.float32))
+  # Every projection got an adapter, fp32, A [.., in, r], B [.., r, out]; norms did not.
+  flat = _flat(adapters)
+  assert flat["layer_0/attn/o/lora_a"].shape == (4 * 16, 4)
+  assert flat["layer_0/attn/o/lora_b"].shape == (4, 64)
+  assert flat["layer_0/attn/q/lora_b"].shape == (4, 4 * 16)
+  assert flat["layer_1/moe/wi_up/lora_a"].shape == (4, 64, 4)  # one per expert
+  assert not any("norm" in n or "router" in n or "embed" in n for n in flat)
+  assert all(x.dtype == jnp.float32 for x in flat.values())
+
+
+def test_merge_adds_the_scaled_product_per_layout():
+  """An oracle in numpy: each matrix, flattened [batch, in, out], gets s A @ B."""
+  cfg, params = _params("tiny", scan_layers=True)
+  adapters = _randomise_b(_init(params, ACTOR), jax.random.key(2))
+  merged = _flat(jax.jit(lora.merge, static_argnums=2)(params, adapters, ACTOR))
+  flat_ad = _flat(adapters)
+  checked = 0
+  for name, w in _flat(params).items():
+    if f"{name}/lora_a" not in flat_ad:
+      np.testing.assert_array_equal(merged[name], w)
+      continue
+    a, b = (np.asarray(flat_ad[f"{name}/{k}"], np.float64) for k in (lora.A, lora.B))
+    batch = a.shape[:-2]  # the stacked layer axis (and experts)
+    assert batch[0] == cfg.num_layers
+    want = np.asarray(w, np.float64) + (ACTOR.scale * a @ b).reshape(w.shape)
+    np.testing.assert_allclose(merged[name], want, rtol=1e-5, atol=1e-6)
+    checked += 1
+  assert checked == 7  # q k v o, wi_gate wi_up wo
+
+
+def test_adapter_gradient_is_the_projection_of_the_full_gradient():
+  """d/dA L(W + s A B) = s G B^T and d/dB = s A^T G, with G = dL/dW' (the full
+  gradient at the merged weights), per layer and per expert."""
+  cfg, params = _params("tiny")
+  adapters = _randomise_b(_init(params, ACTOR), jax.random.key(2))
+  tokens = jax.random.randint(jax.random.key(3), (2, 12), 0, cfg.vocab_size)
+  positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
+  segments = jnp.ones((2, 12), jnp.int32)
+
+  def loss(p):
+    logp, _ = policy.token_logprobs(cfg, p, tokens, positions, segments)
+    return -logp.mean()
+
+  merged = jax.jit(lora.merge, static_argnums=2)(params, adapters, ACTOR)
+  full = _flat(jax.jit(jax.grad(loss))(merged))
+  got = _flat(jax.jit(jax.grad(lambda ad: loss(lora.merge(params, ad, ACTOR))))(adapters))
+  flat_ad = _flat(adapters)
+  for name in ("layer_0/attn/q", "layer_1/attn/o", "layer_0/moe/wo"):
+    batch, n_in, n_out = lora.matrix_shape(name, params_shape(params, name))
+    g = np.asarray(full[name], np.float64).reshape(batch + (n_in, n_out))
+    a, b = (np.asarray(flat_ad[f"{name}/{k}"], np.float64) for k in (lora.A, lora.B))
+    np.testing.assert_allclose(got[f"{name}/lora_a"], ACTOR.scale * g @ np.swapaxes(b, -1, -2),
+                               rtol=2e-4, atol=1e-7)
+    np.testing.assert_allclose(got[f"{name}/lora_b"], ACTOR.scale * np.swapaxes(a, -1, -2) @ g,
+                               rtol=2e-4, atol=1e-7)
+
+
+def params_shape(params, name):
+  return _flat(params)[name].shape
+
+
+def test_rules_frozen_whole_and_bad_targets():
+  _, params = _params()
+  critic = lora.LoraConfig(4, 8.0, (r"/moe/(wi_gate|wi_up|wo)$",), whole=(r"^lm_head$",),
+                           frozen=(r"^layer_1/",))
+  kinds = lora.plan(params, critic)
+  assert kinds["lm_head"] == "whole" and kinds["layer_0/moe/wo"] == "adapter"
+  assert not any(n.startswith("layer_1/") for n in kinds)  # frozen wins
+  with pytest.raises(ValueError, match="match no parameter"):
+    lora.plan(params, dataclasses.replace(critic, targets=(r"/mlp/wq$",)))
+  with pytest.raises(ValueError, match="not a matrix"):
+    lora.plan(params, dataclasses.replace(critic, targets=(r"attn_norm/scale$",)))
+  with pytest.raises(ValueError, match="embedding"):
+    lora.plan(params, dataclasses.replace(critic, targets=(r"^embed$",)))
+
+
+def test_carry_over_and_optimizer_rules():
+  _, params = _params()
+  policy_ad = _randomise_b(_init(params, ACTOR), jax.random.key(2))
+  critic_cfg = dataclasses.replace(ACTOR, whole=(r"^lm_head$",))
+  critic_ad = lora.carry_over(policy_ad, _init(params, critic_cfg, 5))
+  flat_p, flat_c = _flat(policy_ad), _flat(critic_ad)
+  np.testing.assert_array_equal(flat_c["layer_0/attn/q/lora_b"], flat_p["layer_0/attn/q/lora_b"])
+  labels = _flat(optim.partition_labels(
+      critic_ad, lora.optimizer_rules(critic_ad, (r"/moe/",))))
+  assert labels["layer_0/attn/q/lora_a"] == optim.FREEZE
+  assert labels["layer_0/moe/wo/lora_b"] == optim.TRAIN
+  assert labels["lm_head"] == optim.TRAIN
+
+
+def test_fingerprint_sees_one_bit():
+  _, params = _params()
+  fp = lora.fingerprint(params)
+  assert fp == lora.fingerprint(jax.tree.map(jnp.copy, params))
+  flipped = dict(params, embed=params["embed"].at[3, 5].set(
+      jnp.nextafter(params["embed"][3, 5], jnp.inf)))
+  assert lora.fingerprint(flipped) != fp
+  bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  assert lora.fingerprint(bf16) != fp
