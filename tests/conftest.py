@@ -15,14 +15,17 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), "sao_jax_test_compile_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
-# The tests that load libtpu on purpose (AOT compiles) log into a directory
-# of this session's, removed at its end, not /tmp/tpu_logs. xdist workers
-# inherit the controller's.
-if "TPU_LOG_DIR" not in os.environ:
+# What the tests' libraries write outside a test's tmp dir goes to one
+# scratch directory of this session's, removed at its end: libtpu's logs
+# (the AOT compile tests load it on purpose; else /tmp/tpu_logs) and Ray's
+# sessions (else /tmp/ray/session_*). xdist workers inherit the controller's.
+if "SAO_JAX_TEST_SCRATCH" not in os.environ:
   import atexit  # pylint: disable=g-import-not-at-top,g-bad-import-order
   import shutil  # pylint: disable=g-import-not-at-top,g-bad-import-order
-  os.environ["TPU_LOG_DIR"] = tempfile.mkdtemp(prefix="sao_jax_test_tpu_logs_")
-  atexit.register(shutil.rmtree, os.environ["TPU_LOG_DIR"], True)
+  os.environ["SAO_JAX_TEST_SCRATCH"] = tempfile.mkdtemp(prefix="sao_jax_test_")
+  atexit.register(shutil.rmtree, os.environ["SAO_JAX_TEST_SCRATCH"], True)
+os.environ.setdefault("TPU_LOG_DIR", os.path.join(os.environ["SAO_JAX_TEST_SCRATCH"], "tpu_logs"))
+os.environ.setdefault("RAY_TMPDIR", os.path.join(os.environ["SAO_JAX_TEST_SCRATCH"], "ray"))
 
 # The suites sit beside the layer they test (tests/algo/, tests/models/, ...)
 # and share helpers by module name (`from test_trainer import demo_trajs`):
