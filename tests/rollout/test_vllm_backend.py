@@ -20,6 +20,7 @@ import jax
 import numpy as np
 import pytest
 
+import fakes  # pylint: disable=g-bad-import-order
 from fakes import EchoEnv  # pylint: disable=g-bad-import-order
 from sao_jax.config import sections
 from sao_jax.envs.tokenizer import CharTokenizer
@@ -36,9 +37,7 @@ DENSE = dataclasses.replace(mcfg.tiny_dense(TOK.vocab_size), head_dim=32)
 
 
 def random_params(cfg, seed):
-  rng = np.random.default_rng(seed)
-  return jax.tree.map(lambda s: (0.1 * rng.standard_normal(s.shape)).astype(np.float32),
-                      jax.eval_shape(lambda: policy.init_params(cfg, jax.random.key(0))))
+  return fakes.random_params(cfg, 0.1, seed)
 
 
 # --- the registry -------------------------------------------------------------------
