@@ -32,6 +32,7 @@ def get_config():
   c.logging = sections.Logging.defaults()
   c.checkpoint = sections.Checkpoint.defaults()
   c.faults = sections.Faults.defaults()
+  c.lora = sections.Lora.defaults()
 
   # Unknown fields are errors: a config file that sets a misspelt field fails
   # when it loads, instead of running with the default.

@@ -1073,10 +1073,48 @@ class TopLevel(Section):
   tensorboard: bool = knob(True, "Write TensorBoard event files beside metrics.jsonl.", BOOL)
 
 
+# sao_jax/models/lora.py's default targets, regexes over parameter paths.
+LORA_MLP_TARGETS = (r"/(mlp|moe|moe/shared)/(wi_gate|wi_up|wo)$",)
+LORA_ACTOR_TARGETS = (r"/attn/(q|k|v|o)$",) + LORA_MLP_TARGETS
+
+
+@dataclasses.dataclass(frozen=True)
+class Lora(Section):
+  """LoRA adapters over a frozen base for the actor and the critic
+  (sao_jax/models/lora.py): SFT, value pretraining and RL train the adapters
+  only; checkpoints hold them and a fingerprint of the base."""
+  NAME: ClassVar[str] = "lora"
+  enabled: bool = knob(False, "Train LoRA adapters instead of the whole model.", BOOL)
+  rank: int = knob(16, "r, the adapters' inner dimension (actor and critic).", integer(1))
+  alpha: float = knob(32.0, "The scale's numerator: W + (alpha / r) A @ B (peft's "
+                      "lora_alpha).", real(0, above=True))
+  dropout: float = knob(0.0, "Dropout on the adapters' input: not built, must be 0.",
+                        Check(lambda v: v == 0, "0 (adapter dropout is not built)"))
+  actor_targets: tuple = knob(
+      LORA_ACTOR_TARGETS, "Regexes over the actor's parameter paths (optim.param_path: "
+      "\"layer_0/attn/q\", \"layers/moe/wo\") that get adapters: attention, MLP and "
+      "experts by default. A path rl.actor_frozen names gets none.",
+      Check(_is_regex_tuple, "a tuple of valid regexes"))
+  critic_targets: tuple = knob(
+      LORA_MLP_TARGETS, "The critic's adapted paths: its MoE / MLP projections (its "
+      "attention is frozen in SAO). It also carries the SFT policy's adapters on the "
+      "actor's targets, frozen unless named here.",
+      Check(_is_regex_tuple, "a tuple of valid regexes"))
+  critic_whole: tuple = knob(
+      (r"^value_(head|bias)$",), "The critic's leaves trained whole (the new value head).",
+      Check(_is_regex_tuple, "a tuple of valid regexes"))
+  base_dtype: str = knob(
+      "", "The frozen base's dtype: \"\" the model's param_dtype, or \"bfloat16\" (half "
+      "the bytes; the merge sums in float32 and rounds once).",
+      one_of(("", "bfloat16", "float32")))
+
+
 # The typed sections of a run's config, by attribute name.
 SECTIONS: dict[str, type[Section]] = {
     s.NAME: s for s in (Model, Env, Sharding, Distributed, Data, SFT, ValuePretrain, Rollout,
-                        RL, Fleet, Pod, Eval, Logging, Checkpoint, Faults)}
+                        RL, Fleet, Pod, Eval, Logging, Checkpoint, Faults, Lora)}
+# Sections a config written before them may lack: they take their defaults.
+OPTIONAL_SECTIONS = ("lora",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1099,6 +1137,7 @@ class Sections:
   logging: Logging
   checkpoint: Checkpoint
   faults: Faults
+  lora: Lora = dataclasses.field(default_factory=Lora)
   top: TopLevel = dataclasses.field(default_factory=TopLevel)
 
   @property
@@ -1132,6 +1171,9 @@ def load(config) -> Sections:
     return config
   out = {}
   for name, cls in SECTIONS.items():
+    if name not in config and name in OPTIONAL_SECTIONS:
+      out[name] = cls()
+      continue
     if name not in config:
       raise ConfigError(f"{name}: missing; configs derive from configs/common.py, which "
                         "defines it")
