@@ -3,7 +3,8 @@
 Every loss is a token-level sum divided by an explicit normaliser
 N = number of action tokens in the batch (at least 1), returned as
 `(loss, metrics)`. Metrics are scalars a researcher plots; `metrics["tokens"]`
-is N, so sums across micro-batches or hosts can be re-normalised exactly.
+is the number of action tokens (N, but 0 when there are none: the loss is
+then 0), so sums across micro-batches or hosts can be re-normalised exactly.
 
 Inputs are `[B, T]`. `advantages` and `returns` are treated as constants
 (stop-gradient): they come from the critic pass before the update.
@@ -55,13 +56,19 @@ def _normaliser(action_mask: Array, dtype) -> Array:
   return jnp.maximum(action_mask.sum(), 1).astype(dtype)
 
 
+def _token_count(action_mask: Array, dtype) -> Array:
+  """The `tokens` metric: the action tokens counted, 0 for none (the
+  normaliser's floor of 1 keeps the division finite, not the count)."""
+  return action_mask.sum().astype(dtype)
+
+
 def _ratio_metrics(ratio, logp, rollout_logp, action_mask, n) -> dict:
   log_ratio = jnp.where(action_mask, logp - rollout_logp, 0.0)
   metrics = _masked_stats(ratio, action_mask, n, "ratio")
   # k3 estimator of KL(rollout || current), non-negative per token.
   metrics["approx_kl"] = jnp.where(
       action_mask, ratio - 1.0 - log_ratio, 0.0).sum() / n
-  metrics["tokens"] = n
+  metrics["tokens"] = _token_count(action_mask, n.dtype)
   return metrics
 
 
@@ -564,7 +571,7 @@ def value_loss(
       explained_variance=explained_variance(values, returns, action_mask),
       value_mean=jnp.where(action_mask, values, 0.0).sum() / n,
       return_mean=jnp.where(action_mask, returns, 0.0).sum() / n,
-      tokens=n,
+      tokens=_token_count(action_mask, n.dtype),
   )
   return loss, undefined_if_empty(metrics, action_mask)
 

@@ -455,6 +455,7 @@ class ValueLossTest(parameterized.TestCase):
     self.assertEqual(float(loss), 0.0)
     for k in ("explained_variance", "value_mean", "return_mean"):
       self.assertTrue(np.isnan(float(metrics[k])), k)
+    self.assertEqual(float(metrics["tokens"]), 0.0)  # counted, not the normaliser's floor
     logp, rollout, a, _ = batch(8)
     none = np.zeros(logp.shape, bool)
     for name in ("ppo_clip", "dis", "cispo"):
@@ -463,6 +464,7 @@ class ValueLossTest(parameterized.TestCase):
       self.assertEqual(float(loss), 0.0)
       self.assertTrue(all(np.isnan(float(x)) for k, x in metrics.items() if k != "tokens"),
                       (name, metrics))
+      self.assertEqual(float(metrics["tokens"]), 0.0, name)
 
   def test_clipped(self):
     v = np.array([[2.0, 0.0]], np.float32)
