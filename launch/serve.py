@@ -13,16 +13,18 @@ logs a warning saying so.
 JetStream's own client, e.g. `jetstream.core.proto.jetstream_pb2_grpc.
 OrchestratorStub(channel).Decode(DecodeRequest(text_content=...))`.
 
-`--api=openai`: `/v1/chat/completions` (with tools) and `/v1/models`, rendered
-with the run's chat format and sampled by the run's engine
-(sao_jax/rollout/openai_api.py has the routes and fields). Every agent
-session is recorded token for token; `POST /v1/sessions/<id>/reward` with
-`{"reward": r}` ends it and writes its trajectories to the run's fleet
-shards (`fleet.root`, default `<workdir>/fleet`), which a trainer of the
-same config with `--config.rl.mode=fleet` trains on. Point a harness at
-`http://127.0.0.1:<port>/sessions/<id>/v1` (any API key unless `--api_key`).
-With `--follow_weights` it serves the newest version that trainer publishes,
-as a rollout process does.
+`--api=openai`: `/v1/chat/completions` (with tools, streaming, `n`),
+`/v1/completions` and `/v1/models`, rendered with the run's chat format and
+sampled by the run's engine (sao_jax/rollout/openai_api.py has the routes
+and fields). `POST /v1/sessions` opens a session and answers its `base_url`
+(point a harness there; any API key unless `--api_key`) and its
+`owner_secret`; every session is recorded token for token, and
+`POST /v1/sessions/<id>/reward` with `{"reward": r}` and the header
+`X-Session-Owner: <owner_secret>` (or `--owner_key`) ends it and writes its
+trajectories to the run's fleet shards (`fleet.root`, default
+`<workdir>/fleet`), which a trainer of the same config with
+`--config.rl.mode=fleet` trains on. With `--follow_weights` it serves the
+newest version that trainer publishes, as a rollout process does.
 """
 
 import os
@@ -64,6 +66,15 @@ _MODEL_NAME = flags.DEFINE_string("model_name", "sao-jax",
                                   "openai: the name requests give as `model`.")
 _API_KEY = flags.DEFINE_string("api_key", None, "openai: if set, requests must send "
                                "`Authorization: Bearer <key>`.")
+_OWNER_KEY = flags.DEFINE_string(
+    "owner_key", None, "openai: if set, `X-Session-Owner: <key>` may read, reward and delete "
+    "any session (a driver's key; without it only the owner secret of each session, "
+    "returned when it is opened, may).")
+_WORKERS = flags.DEFINE_integer("workers", None, "openai: requests served at once (default: "
+                                "4 per slot, at least 64); beyond them and 1024 waiting, a "
+                                "request is answered 503 with Retry-After.")
+_BACKLOG = flags.DEFINE_integer("backlog", 1024, "openai: the listening socket's backlog "
+                                "(connections the kernel holds before they are accepted).")
 _ROLLOUT_ID = flags.DEFINE_string("rollout_id", "openai", "openai: the name of this server's "
                                   "trajectory shards under the fleet root.")
 _MAX_SESSIONS = flags.DEFINE_integer("max_sessions", 1024, "openai: open sessions at most.")
@@ -92,11 +103,12 @@ def _serve_openai(config, run, engine):
   root = fleet.root_of(config, _WORKDIR.value)
   endpoint = openai_api.Endpoint(
       config, engine, run.tok, root, host=_HOST.value, port=_PORT.value,
-      model_name=_MODEL_NAME.value, api_key=_API_KEY.value, rollout_id=_ROLLOUT_ID.value,
-      max_sessions=_MAX_SESSIONS.value, idle_seconds=_SESSION_IDLE_S.value,
-      decode_steps=_TOKENS_PER_STEP.value, follow_weights=_FOLLOW_WEIGHTS.value)
+      model_name=_MODEL_NAME.value, api_key=_API_KEY.value, owner_key=_OWNER_KEY.value,
+      rollout_id=_ROLLOUT_ID.value, max_sessions=_MAX_SESSIONS.value,
+      idle_seconds=_SESSION_IDLE_S.value, decode_steps=_TOKENS_PER_STEP.value,
+      follow_weights=_FOLLOW_WEIGHTS.value, workers=_WORKERS.value, backlog=_BACKLOG.value)
   print(f"OpenAI-compatible endpoint at {endpoint.url}/v1 (model {_MODEL_NAME.value!r}, "
-        f"policy version {engine.version}); sessions at {endpoint.url}/sessions/<id>/v1; "
+        f"policy version {engine.version}); open a session with POST {endpoint.url}/v1/sessions; "
         f"trajectories to {fleet.trajectories_dir(root)}", flush=True)
   try:
     while not threading.Event().wait(config.fleet.poll_seconds):
