@@ -17,8 +17,15 @@ rewrite '@' to '_', so the events are written as Summary protos here).
 | `eval`           | `eval/heldout/pass@1`   | `eval/heldout/pass@1`               |
 | `resume`         | `checkpoint/resumed_from` | `resume/checkpoint/resumed_from`  |
 
-(metrics.jsonl keeps the key: its record's `stage` field is the rest of
-the name.) A W&B run's step must only grow, while each stage counts its
+metrics.jsonl keeps the key as the stage wrote it, on purpose: each line
+is a record with its `stage` field beside the keys, so (stage, key) is the
+name, and the readers of the file (the notebooks, experiments/runner.py,
+benchmarks/loop.py and soak.py, the tests) filter records by stage and read
+`record["policy/loss"]`; prefixing would make every rl reader spell
+"rl/policy/loss" for a field its filter already fixed, and break the
+files older runs wrote. A record's names in TensorBoard and W&B are
+`sink_scalars(record)`: `metric_name(record["stage"], key)` for each
+number. A W&B run's step must only grow, while each stage counts its
 own steps from 0, so every stage gets its own step metric: a stage's
 metrics are plotted against "<stage>/step" (`define_metric`), which is
 TensorBoard's step.
@@ -72,6 +79,17 @@ def to_python(metrics: dict) -> dict:
 def metric_name(stage: str, key: str) -> str:
   """The name of metric `key` of a `stage` record in every sink (module docstring)."""
   return key if key.startswith(f"{stage}/") else f"{stage}/{key}"
+
+
+def sink_scalars(record: dict) -> dict:
+  """A metrics.jsonl record's numbers under their TensorBoard / W&B names
+  (`metric_name`): what `MetricsWriter.write` sent to those sinks at
+  record["step"]. The bookkeeping fields (stage, step, time) and nulls are
+  not metrics."""
+  stage = record["stage"]
+  return {metric_name(stage, k): v for k, v in record.items()
+          if k not in ("stage", "step", "time") and isinstance(v, (int, float))
+          and not isinstance(v, bool)}
 
 
 def wandb_init_args(workdir: str, logging, environ=None) -> dict:
@@ -190,7 +208,8 @@ class MetricsWriter:
 _PROGRESS_START: dict[str, tuple[int, float]] = {}
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
+  """`seconds` as "1m05s" or "2h03m" (an ETA's format)."""
   seconds = int(round(seconds))
   return (f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else
           f"{seconds // 60}m{seconds % 60:02d}s")
@@ -215,5 +234,47 @@ def progress(stage: str, step: int, total: int, metrics: dict, keys: dict[str, s
   if step > first_step and now > first_time:
     rate = (step - first_step) / (now - first_time)
     parts.append(f"{rate:.3g} steps/s" if rate >= 0.1 else f"{1 / rate:.3g} s/step")
-    parts.append(f"eta {_duration(max(total - step, 0) / rate)}")
+    parts.append(f"eta {duration(max(total - step, 0) / rate)}")
   print("  ".join(parts), flush=True)
+
+
+class CountProgress:
+  """Progress lines of a count towards a total, with its rate and ETA (process 0's).
+
+  `tick()` counts one item; a line is printed at the first item, then at
+  most every `every_s` seconds, and at the last:
+
+      [eval] heldout: 120/400 samples  3.1 samples/s  eta 1m30s
+
+  The rate is items per second since the first item (a compile before it
+  is not counted against the rate); `clock` is injectable for tests.
+  """
+
+  def __init__(self, label: str, total: int, unit: str = "samples", every_s: float = 10.0,
+               clock=time.monotonic, out=None):
+    self._label, self._total, self._unit, self._every = label, int(total), unit, every_s
+    self._clock, self._out = clock, out
+    self.count, self._first, self._last = 0, None, None
+
+  def tick(self, n: int = 1) -> None:
+    self.count += n
+    now = self._clock()
+    if self._first is None:
+      self._first = now
+    due = self._last is None or now - self._last >= self._every or self.count >= self._total
+    if due and distributed.is_primary():
+      self._last = now
+      print(self.line(now), flush=True, **({"file": self._out} if self._out else {}))
+
+  def line(self, now: float) -> str:
+    parts = [f"{self._label}: {self.count}/{self._total} {self._unit}"]
+    elapsed = now - self._first
+    if self.count > 1 and elapsed > 0:
+      rate = (self.count - 1) / elapsed  # the first item starts the clock
+      parts.append(f"{rate:.3g} {self._unit}/s" if rate >= 0.1 else
+                   f"{1 / rate:.3g} s/{self._unit.rstrip('s')}")
+      if self.count < self._total:
+        parts.append(f"eta {duration((self._total - self.count) / rate)}")
+      else:
+        parts.append(f"took {duration(elapsed)}")
+    return "  ".join(parts)

@@ -4,6 +4,7 @@ writer continues the same W&B run; W&B's environment variables win over the
 config's defaults; an offline run opens no connection off this machine."""
 
 import glob
+import json
 import math
 import os
 import socket
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from sao_jax.config import sections
-from sao_jax.train.metrics import MetricsWriter, metric_name, wandb_init_args
+from sao_jax.train.metrics import MetricsWriter, metric_name, sink_scalars, wandb_init_args
 
 wandb = pytest.importorskip("wandb", reason="the 'wandb' extra (make test installs it)")
 from wandb.proto import wandb_internal_pb2  # noqa: E402  pylint: disable=g-import-not-at-top
@@ -147,6 +148,11 @@ def test_one_name_per_metric_in_every_sink(tmp_path):
             for k in row if k != s + "/step"}
   assert logged == want
   assert metric_name("value_pretrain", "critic/value_loss") == "value_pretrain/critic/value_loss"
+  # metrics.jsonl keeps the stage's keys beside "stage"; sink_scalars names them as the sinks do.
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    records = [json.loads(line) for line in f]
+  assert records[2]["policy/loss"] == 0.5 and records[2]["stage"] == "rl"
+  assert {(k, r["step"]) for r in records for k in sink_scalars(r)} == want
 
 
 def test_wandb_environment_wins_over_config_defaults_and_set_fields_over_both(
