@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 
 import numpy as np
 
@@ -36,10 +37,11 @@ from sao_jax.data import files
 from sao_jax.data import prompts as prompt_data
 from sao_jax.envs import base
 from sao_jax.envs.base import StepResult
+from sao_jax.train import metrics
 
 
 def pass_at_1(config, model_cfg, params, env, tokenizer, *, seed: int,
-              samples: list | None = None) -> dict:
+              samples: list | None = None, name: str = "") -> dict:
   """Samples `eval.samples_per_task` episodes of each of the first `eval.num_tasks`
   held-out tasks of `env` (one set); its `summarize` (pass@1 and pass@k),
   tool-call errors per sample and dropped samples.
@@ -50,7 +52,9 @@ def pass_at_1(config, model_cfg, params, env, tokenizer, *, seed: int,
   episode per prompt and no simulated tool latency. An environment with a finite held-out set
   (`env.num_eval_tasks`, e.g. a dataset's held-out rows) is evaluated on
   at most that many tasks, so no task is counted twice. A `samples` list
-  gets one record (`sample_record`) per sampled episode.
+  gets one record (`sample_record`) per sampled episode. Progress lines
+  (`metrics.CountProgress`, labelled `name`) show the samples done, their
+  rate and the ETA.
   """
   from sao_jax.train import factories  # pylint: disable=g-import-not-at-top
   e = config.eval
@@ -65,10 +69,15 @@ def pass_at_1(config, model_cfg, params, env, tokenizer, *, seed: int,
                                  decode_steps=e.decode_steps, samples_per_prompt=1)
   trajs, records = [], []
   prompts = [i for i in prompt_data.eval_indices(num_tasks) for _ in range(samples_per_task)]
+  meter = metrics.CountProgress(f"[eval] {name or getattr(env, 'name', 'set')}", len(prompts))
+
+  def finish(traj, episode):
+    records.append(sample_record(traj, episode, tokenizer))
+    meter.tick()
+
   driver = factories.make_driver(
       config, engine, _Recording(env), tokenizer, iter(prompts), trajs.append,
-      tool_latency_s=0.0,
-      on_finish=lambda traj, episode: records.append(sample_record(traj, episode, tokenizer)))
+      tool_latency_s=0.0, on_finish=finish)
   try:
     driver.run()
   finally:
@@ -77,6 +86,10 @@ def pass_at_1(config, model_cfg, params, env, tokenizer, *, seed: int,
   result["tool_call_errors"] = (
       float(np.mean([r["events"].get("tool_error", 0) for r in records])) if records else 0.0)
   result.update(call_and_verdict_counts(driver.stats, records))
+  result.update(majority_vote(records, samples_per_task))
+  sources = by_source(records)
+  if sources:
+    result["sources"] = sources
   if samples is not None:
     samples.extend(records)
   # A prompt that cannot be rendered or does not fit max_len, or an
@@ -92,8 +105,11 @@ def pass_at_1(config, model_cfg, params, env, tokenizer, *, seed: int,
 def call_and_verdict_counts(stats, records: list) -> dict:
   """The sampled tool calls and the answers' verdicts of one evaluation.
 
-  valid_tool_calls: the fraction of the tool calls the policy wrote that
-  parsed and named a declared tool (1.0 when it wrote none), with each
+  The tool calls are those written in the chat format's tool-call syntax
+  (an environment with its own action protocol, such as python_tool's
+  `py ...` lines, has none). valid_tool_calls: the fraction of them that
+  parsed and named a declared tool, null when the policy wrote none (no
+  rate to report: never 1.0 beside tool_calls_per_sample 0.0), with each
   malformed one counted by reason (`tool_call_error_<reason>`, the
   driver's `DriverStats.tool_call_errors`); `verdict_<reason>`: the
   fraction of episodes whose last step carried that verdict (the math
@@ -102,7 +118,7 @@ def call_and_verdict_counts(stats, records: list) -> dict:
   """
   errors = dict(stats.tool_call_errors)
   written = stats.tool_calls + sum(errors.values())
-  out = {"valid_tool_calls": stats.tool_calls / written if written else 1.0,
+  out = {"valid_tool_calls": stats.tool_calls / written if written else None,
          "tool_calls_per_sample": written / max(len(records), 1)}
   out.update({f"tool_call_error_{k}": v for k, v in sorted(errors.items())})
   verdicts = collections.Counter(
@@ -120,7 +136,9 @@ def set_environments(config, run_env) -> dict:
   sandbox; a file of rows is the held-out rows of the run's dataset
   environment (its kwargs, `heldout_path` replaced), or of math_tool's
   when the run's environment is not a dataset one. The run's `env.reward`
-  applies to its own held-out tasks only.
+  applies to its own held-out tasks only. With `eval.strict` (the default)
+  a set with a rejected row (`set_rejections`) is a ConfigError naming the
+  counts, before anything is sampled.
   """
   from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top
   config = sections.load(config)
@@ -138,7 +156,73 @@ def set_environments(config, run_env) -> dict:
     else:
       e = e.replace(name=spec, kwargs={})
     out[name] = registry.make_env(e)
+  if config.eval.strict:
+    for name, env in out.items():
+      check_rows(name, set_rejections(env))
   return out
+
+
+def set_rejections(env) -> list[tuple[str, str]]:
+  """The rows of `env`'s held-out set rejected when it loaded, as (where, reason).
+
+  An environment that reads rows (dataset, math_tool, repo_repair) keeps
+  every rejection in `rejected`; the set's are those read from the file its
+  held-out tasks come from: `heldout_path`, or `path` when the held-out
+  rows are a fraction of it (any of its rejected rows might have been
+  one). Training rows dropped because they are held out are not the set's.
+  [] for an environment without rows.
+  """
+  rejected = list(getattr(env, "rejected", None) or ())
+  config = getattr(env, "config", None)
+  source = getattr(config, "heldout_path", "") or getattr(config, "path", "")
+  if not source:
+    return rejected
+  return [(where, reason) for where, reason in rejected if str(where).startswith(f"{source}:")]
+
+
+def rejection_counts(rejected: list[tuple[str, str]]) -> dict:
+  """"rows_rejected" and its nonzero kinds ("rows_rejected_<kind>", datasets.hygiene_counts)."""
+  from sao_jax.data import datasets  # pylint: disable=g-import-not-at-top
+  kinds = {f"rows_rejected_{k}": n for k, n in datasets.hygiene_counts(rejected).items() if n}
+  return {"rows_rejected": len(rejected), **kinds}
+
+
+def check_rows(name: str, rejected: list[tuple[str, str]]) -> None:
+  """Raises ConfigError (one line, with the counts and the first) if the set `name`
+  lost any row at load."""
+  if not rejected:
+    return
+  counts = rejection_counts(rejected)
+  kinds = ", ".join(f"{n} {k[len('rows_rejected_'):]}" for k, n in counts.items()
+                    if k != "rows_rejected")
+  where, reason = rejected[0]
+  raise sections.ConfigError(
+      f"eval set {name!r}: {len(rejected)} rows rejected ({kinds}; first: {where}: {reason}); "
+      "an evaluation of the rest would not be the set's: fix the rows, or set "
+      "eval.strict=False to evaluate the rest with the counts reported")
+
+
+def check_policy_dir(hf_dir: str) -> None:
+  """Raises ConfigError (one line) unless `hf_dir` holds a policy to evaluate: its
+  config.json exists and names no `...ForTokenClassification` architecture
+  (launch/export.py's OUT-value, the critic, has no language-model head)."""
+  path = os.path.join(hf_dir, "config.json")
+  if not os.path.isfile(path):
+    raise sections.ConfigError(f"--hf_dir {hf_dir}: no config.json there (an HF model "
+                               "directory, as launch/export.py writes, is needed)")
+  try:
+    with open(path, encoding="utf-8") as f:
+      architectures = json.load(f).get("architectures") or []
+  except (OSError, ValueError, AttributeError) as e:
+    raise sections.ConfigError(f"--hf_dir {hf_dir}: config.json is not a JSON object "
+                               f"({e})") from None
+  value = [a for a in architectures if str(a).endswith("ForTokenClassification")]
+  if value:
+    policy = hf_dir.rstrip("/")
+    policy = policy[:-len("-value")] if policy.endswith("-value") else "the policy's directory"
+    raise sections.ConfigError(
+        f"--hf_dir {hf_dir}: a value model ({value[0]}, launch/export.py's critic export), "
+        f"not a policy: it has no language-model head to sample from; evaluate {policy}")
 
 
 def evaluate_sets(config, model_cfg, params, envs: dict, tokenizer, *, seed: int,
@@ -147,37 +231,94 @@ def evaluate_sets(config, model_cfg, params, envs: dict, tokenizer, *, seed: int
   (`<out_dir>/<set>/samples.jsonl`) and summary (`<out_dir>/<set>/summary.json`).
 
   Returns the first set's result with every set's under "sets" (the first
-  set's numbers stay where a one-set evaluation has always put them).
+  set's numbers stay where a one-set evaluation has always put them). Each
+  set's result counts the rows it lost at load ("rows_rejected", by kind;
+  nonzero only with eval.strict off) and flags a set whose samples mostly
+  hit the length budget ("mostly_truncated").
   """
   per_set = {}
   for name, env in envs.items():
     samples = []
-    result = pass_at_1(config, model_cfg, params, env, tokenizer, seed=seed, samples=samples)
+    rejected = set_rejections(env)
+    if sections.load(config).eval.strict:  # set_environments checked; envs may come from elsewhere
+      check_rows(name, rejected)
+    result = pass_at_1(config, model_cfg, params, env, tokenizer, seed=seed, samples=samples,
+                       name=name)
+    result.update(rejection_counts(rejected))
+    result["mostly_truncated"] = flag_truncation(name, result)
     if out_dir is not None:
       where = files.join(out_dir, name)
       write_samples(files.join(where, "samples.jsonl"), samples)
       result["samples_file"] = files.join(where, "samples.jsonl")
-      files.write_json(files.join(where, "summary.json"), dict(result, set=name), indent=2)
+      files.write_json(files.join(where, "summary.json"), finite_json(dict(result, set=name)),
+                       indent=2, allow_nan=False)
     per_set[name] = result
   first = next(iter(per_set.values()))
   return {**first, "sets": per_set}
 
 
+def finite_json(value):
+  """`value` with every non-finite float (NaN, inf) made None, in nested dicts and
+  lists: strict JSON, which `json.dumps(allow_nan=False)` then guarantees. The
+  statistics here are None where undefined already; this keeps any other
+  number's NaN (an environment's info) out of summary.json too."""
+  if isinstance(value, float):
+    return value if np.isfinite(value) else None
+  if isinstance(value, dict):
+    return {k: finite_json(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [finite_json(v) for v in value]
+  return value
+
+
+# Above this fraction of samples cut by the length budget, a set's pass@k
+# measures the budget more than the policy.
+MOSTLY_TRUNCATED = 0.5
+
+
+def flag_truncation(name: str, result: dict) -> bool:
+  """Whether more than MOSTLY_TRUNCATED of a set's samples hit the length budget;
+  if so, says so in one warning line."""
+  if result.get("truncated", 0.0) <= MOSTLY_TRUNCATED:
+    return False
+  print(f"[eval] warning: set {name!r}: {result['truncated']:.0%} of its {result['samples']} "
+        "samples hit the length budget (rollout.max_len / max_turn_tokens); its pass@k "
+        "measures the budget, not the policy: raise the budget", flush=True)
+  return True
+
+
 def table(result: dict) -> str:
-  """The per-set table of an `evaluate_sets` result, for the terminal."""
+  """The per-set table of an `evaluate_sets` result, for the terminal: pass@k and
+  maj@k (each +- its standard error, "-" where undefined), the rows rejected
+  at load, and under a set with sources, one row per source ("set/source").
+  A set flagged `mostly_truncated` has "!" after its truncated fraction."""
   sets = result.get("sets", {"": result})
-  ks = sorted({int(k[5:]) for r in sets.values() for k in r
-               if k.startswith("pass@") and not k.endswith("_stderr")})
-  head = ["set", "tasks", "samples"] + [f"pass@{k}" for k in ks] + [
-      "turns", "tool_err", "truncated"]
+  cols = sorted({k for r in sets.values() for k in r if k.startswith(("pass@", "maj@"))
+                 and not k.endswith("_stderr")}, key=lambda k: (k[0] == "m", int(k.split("@")[1])))
+  head = ["set", "tasks", "samples"] + cols + ["turns", "tool_err", "truncated", "rejected"]
   rows = [head]
   for name, r in sets.items():
-    rows.append([name, str(r["tasks"]), str(r["samples"])] + [
-        f"{r.get(f'pass@{k}', float('nan')):.3f}+-{r.get(f'pass@{k}_stderr', float('nan')):.3f}"
-        for k in ks] + [f"{r['mean_turns']:.2f}", f"{r.get('tool_call_errors', 0.0):.2f}",
-                        f"{r['truncated']:.2f}"])
+    rows.append(_table_row(name, r, cols))
+    for source, sr in r.get("sources", {}).items():
+      rows.append(_table_row(f"{name}/{source}", sr, cols))
   widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-  return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows)
+  return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def fmt_number(v, digits: int = 3) -> str:
+  """`v` to `digits` places, "-" for None or a non-finite float (an undefined statistic)."""
+  return "-" if v is None or (isinstance(v, float) and not np.isfinite(v)) else f"{v:.{digits}f}"
+
+
+def _table_row(name: str, r: dict, cols: list) -> list[str]:
+  row = [name, str(r["tasks"]), str(r["samples"])]
+  row += [f"{fmt_number(r.get(k))}+-{fmt_number(r.get(f'{k}_stderr'))}" if k in r else ""
+          for k in cols]
+  if "mean_turns" not in r:  # a source's row: pass@1 only
+    return row + ["", "", "", ""]
+  return row + [fmt_number(r["mean_turns"], 2), fmt_number(r.get("tool_call_errors", 0.0), 2),
+                fmt_number(r["truncated"], 2) + ("!" if r.get("mostly_truncated") else ""),
+                str(r.get("rows_rejected", 0))]
 
 
 # The full reward of every environment here: an episode that earns it solved its task.
@@ -215,12 +356,18 @@ def pass_ks(samples_per_task: int) -> tuple[int, ...]:
   return tuple(sorted(ks))
 
 
-def _mean_stderr(rates) -> tuple[float, float]:
+def _mean_stderr(rates) -> tuple[float | None, float | None]:
+  """The mean and its standard error over tasks; None where undefined (no
+  task; one task's spread), so that no NaN reaches a JSON file."""
   rates = np.asarray(rates, np.float64)
   if not len(rates):
-    return float("nan"), float("nan")
-  stderr = float(rates.std(ddof=1) / np.sqrt(len(rates))) if len(rates) > 1 else float("nan")
+    return None, None
+  stderr = float(rates.std(ddof=1) / np.sqrt(len(rates))) if len(rates) > 1 else None
   return float(rates.mean()), stderr
+
+
+def _mean(values) -> float | None:
+  return float(np.mean(values)) if len(values) else None
 
 
 def summarize(trajs, ks: tuple[int, ...] = (1,)) -> dict:
@@ -229,7 +376,9 @@ def summarize(trajs, ks: tuple[int, ...] = (1,)) -> dict:
   pass@1 is the mean over tasks of each task's success rate (the mean over
   its samples); pass@k (k in `ks`, k > 1) the mean over tasks of
   `pass_at_k`, over the tasks with at least k samples. Each standard error
-  is the spread of the per-task values over tasks, std / sqrt(tasks).
+  is the spread of the per-task values over tasks, std / sqrt(tasks). A
+  statistic with nothing to average over (a standard error of one task, a
+  mean over no samples) is None, written as null.
   """
   by_task = collections.defaultdict(list)
   for t in trajs:
@@ -246,10 +395,10 @@ def summarize(trajs, ks: tuple[int, ...] = (1,)) -> dict:
       **out,
       "tasks": len(rates),
       "samples": len(trajs),
-      "mean_length": float(np.mean([len(t) for t in trajs])),
+      "mean_length": _mean([len(t) for t in trajs]),
       # Sampled (action) tokens per episode: what a generated-token budget counts.
-      "mean_generated": float(np.mean([int(np.sum(t.action_mask)) for t in trajs])),
-      "mean_turns": float(np.mean([t.num_turns for t in trajs])),
+      "mean_generated": _mean([int(np.sum(t.action_mask)) for t in trajs]),
+      "mean_turns": _mean([t.num_turns for t in trajs]),
       # Episodes cut by the length budget (rollout.max_len / max_turn_tokens)
       # and by the turn budget, as fractions of the samples.
       "truncated": reasons["length"] / n,
@@ -257,14 +406,69 @@ def summarize(trajs, ks: tuple[int, ...] = (1,)) -> dict:
   }
 
 
+def majority_vote(records: list, samples_per_task: int) -> dict:
+  """maj@n (n = `samples_per_task`) with its standard error over tasks, or {}.
+
+  Each task's samples vote with their extracted answers (`sample_record`'s
+  "answer", runs of whitespace made one space; a sample without one does
+  not vote); the task scores the success of the most voted answer, a tie
+  scoring the mean over the tied answers (the expected score of a random
+  tie-break), and 0 when no sample answered. Reported only where it means
+  something: n > 1 and the environment extracts answers (dataset and
+  math_tool rows do; code environments do not). A task with samples
+  dropped votes with those it has.
+  """
+  if samples_per_task < 2 or all(r.get("answer") is None for r in records):
+    return {}
+  by_task = collections.defaultdict(list)
+  for r in records:
+    by_task[r["prompt_id"]].append(r)
+  mean, stderr = _mean_stderr([_majority_score(v) for v in by_task.values()])
+  return {f"maj@{samples_per_task}": mean, f"maj@{samples_per_task}_stderr": stderr}
+
+
+def _majority_score(samples: list) -> float:
+  outcomes = collections.defaultdict(list)  # answer -> successes of the samples giving it
+  for r in samples:
+    if r.get("answer") is not None:
+      outcomes[" ".join(str(r["answer"]).split())].append(bool(r["success"]))
+  if not outcomes:
+    return 0.0
+  top = max(len(v) for v in outcomes.values())
+  return float(np.mean([np.mean(v) for v in outcomes.values() if len(v) == top]))
+
+
+def by_source(records: list) -> dict:
+  """source -> {tasks, samples, pass@1, pass@1_stderr} of the samples whose rows
+  name a `data_source`, when they name more than one ({} otherwise: one
+  source's numbers are the set's)."""
+  groups = collections.defaultdict(lambda: collections.defaultdict(list))
+  for r in records:
+    if r.get("source") is not None:
+      groups[r["source"]][r["prompt_id"]].append(bool(r["success"]))
+  if len(groups) < 2:
+    return {}
+  out = {}
+  for source in sorted(groups):
+    rates = [np.mean(v) for v in groups[source].values()]
+    mean, stderr = _mean_stderr(rates)
+    out[source] = {"tasks": len(rates), "samples": sum(len(v) for v in groups[source].values()),
+                   "pass@1": mean, "pass@1_stderr": stderr}
+  return out
+
+
 # --- per-sample records ----------------------------------------------------------
 
 
 class _RecordingEpisode:
-  """An episode that keeps its last step's info, as JSON-safe data."""
+  """An episode that keeps its last step's info, as JSON-safe data, and its
+  task's source (a dataset row's `data_source`)."""
 
-  def __init__(self, episode):
+  def __init__(self, episode, task=None):
     self._episode, self.info = episode, {}
+    meta = getattr(task, "meta", None)
+    source = meta.get("data_source") if isinstance(meta, dict) else None
+    self.source = str(source) if source not in (None, "") else None
     self.events = collections.Counter()  # info["events"] over the episode's steps
 
   def step(self, action):
@@ -287,7 +491,7 @@ class _Recording:
     return getattr(self._env, attr)
 
   def episode(self, task):
-    return _RecordingEpisode(self._env.episode(task))
+    return _RecordingEpisode(self._env.episode(task), task)
 
 
 def _json_safe(info) -> dict:
@@ -300,6 +504,7 @@ def _json_safe(info) -> dict:
 def sample_record(traj, episode, tokenizer) -> dict:
   """One sampled episode as plain data: what `launch/eval.py` writes per line."""
   tokens = traj.tokens.tolist()
+  info = getattr(episode, "info", {})
   actions = []
   for start in traj.turn_starts.tolist():
     end = start
@@ -313,7 +518,10 @@ def sample_record(traj, episode, tokenizer) -> dict:
       "success": bool(solved(traj.total_reward)),
       "turns": traj.num_turns,
       "finish_reason": traj.finish_reason,
-      "info": getattr(episode, "info", {}),
+      # The answer the environment extracted (dataset / math_tool), for maj@k.
+      "answer": info.get("answer") if isinstance(info, dict) else None,
+      "source": getattr(episode, "source", None),
+      "info": info,
       "events": dict(getattr(episode, "events", {})),
       "actions": actions,
       "transcript": tokenizer.decode(tokens),
