@@ -10,8 +10,9 @@ for as long as it likes. Here:
                                    ^       (bounded: full -> 503)       |
                                    +------ keep-alive, after a reply ---+
 
-  * one thread accepts and watches the idle connections (a selector); a
-    connection with bytes to read goes to the work queue, and one of
+  * one thread accepts and watches the idle connections, new or kept alive
+    (a selector); a connection with bytes to read goes to the work queue
+    (one that sends nothing holds no worker), and one of
     `workers` threads serves exactly one request on it, then hands it back
     to the selector (keep-alive) or closes it;
   * when the work queue is full (`max_pending` connections already wait for
@@ -20,8 +21,9 @@ for as long as it likes. Here:
     `http/too_many_connections`), and closed gracefully: the server stops
     writing, reads what the client still sends and closes on its EOF, so the
     client reads the 503 instead of a reset;
-  * an idle connection is closed after `idle_seconds`; a request must arrive
-    whole within `request_seconds` of its first byte.
+  * an idle connection is closed after `idle_seconds`; once a request's
+    first bytes arrived, each read of the rest may wait `request_seconds`
+    (a client that trickles its request holds a worker that long a read).
 
 A request is served by the handler class's `handle_one_request` (the
 standard library's parsing); `Responder` writes its reply: one JSON body,
@@ -274,17 +276,19 @@ class PooledHTTPServer:
         continue
       with self._open_lock:
         self._open.add(handler)
-      self._ready(handler, parked=False)
+      # To a worker once its request's bytes arrive: a client that connects and sends
+      # nothing holds no worker (and is closed when idle too long).
+      self._idle[handler] = time.monotonic()
+      self._selector.register(conn, selectors.EVENT_READ, handler)
 
-  def _ready(self, handler, parked: bool = True):
+  def _ready(self, handler):
     """`handler`'s connection has bytes to read: to a worker, or 503 if none is free."""
-    if parked:
-      self._selector.unregister(handler.connection)
-      self._idle.pop(handler, None)
+    self._selector.unregister(handler.connection)
+    self._idle.pop(handler, None)
     try:
       self._work.put_nowait(handler)
     except queue.Full:
-      if parked and _at_eof(handler.connection):  # the client closed its idle connection
+      if _at_eof(handler.connection):  # the client closed its idle connection
         self._close(handler)
         return
       self.count("http/busy")
@@ -395,10 +399,14 @@ class PooledHTTPServer:
         handler.connection.shutdown(socket.SHUT_RD)
       except OSError:
         pass
+    deadline = time.monotonic() + timeout
     for _ in self._threads[:-1]:
-      self._work.put(_STOP)
+      try:
+        self._work.put(_STOP, timeout=max(0.0, deadline - time.monotonic()))
+      except queue.Full:
+        break  # workers still stuck on requests: daemon threads, left behind
     for t in self._threads[:-1]:
-      t.join(timeout)
+      t.join(max(0.0, deadline - time.monotonic()))
     with self._open_lock:
       left = list(self._open)
     for handler in left:  # parked after the selector stopped

@@ -370,6 +370,11 @@ class OpenAIApp:
         f.cancel()
       raise ApiError(503, "overloaded", f"the server is overloaded: {e}", kind="server_error",
                      headers={"Retry-After": "1"}) from None
+    except ValueError as e:  # sampling this engine cannot honour (e.g. no per-request sampling)
+      for f in futures:
+        f.cancel()
+      raise rq.bad("unsupported_sampling", f"this engine cannot sample so: {str(e)[:200]}"
+                   ) from None
     return futures
 
   def _results(self, futures) -> list[serving.Completion]:

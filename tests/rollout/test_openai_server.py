@@ -366,3 +366,24 @@ def test_bad_numbers_are_400s(server, body):
   path = "/v1/completions" if b'"prompt"' in body else "/v1/chat/completions"
   r = HTTP.post(server.url + path, content=body)
   assert r.status_code == 400 and r.json()["error"]["code"].startswith("bad_")
+
+
+def test_an_engine_failure_after_the_stream_began_is_its_last_event(server):
+  a = open_session(server)
+  failing = FakeBatcher()
+  failing.submit = lambda *args, **kw: _failed(RuntimeError("device lost"))
+  server.app.batcher = failing
+  raw = HTTP.post(f"{a['base_url']}/chat/completions",
+                  json={"model": MODEL, "messages": USER, "stream": True})
+  events = [json.loads(line[6:]) for line in raw.text.splitlines() if line.startswith("data: ")]
+  assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+  assert events[-1]["error"]["code"] == "engine_error" and len(events) == 2
+  assert server.app.stats()["errors/engine_error"] == 1
+  assert HTTP.get(f"{server.url}/v1/sessions/{a['id']}",
+                  headers={"X-Session-Owner": a["owner_secret"]}).json()["requests"] == 0
+
+
+def _failed(error):
+  future = cf.Future()
+  future.set_exception(error)
+  return future
