@@ -156,7 +156,7 @@ from sao_jax.rollout.paging import PagePool
 from sao_jax.rollout.programs import EnginePrograms
 # Sampling and the key stream live in sampling.py; these names stay importable from here.
 from sao_jax.rollout.sampling import (  # pylint: disable=unused-import
-    KeyStream, SamplingConfig, inverse_cdf, sample, sampling_logprobs, take)
+    KeyStream, SamplingConfig, SlotSampling, inverse_cdf, sample, sampling_logprobs, take)
 
 Array = jax.Array
 
@@ -196,6 +196,10 @@ class DecodeChunk(NamedTuple):
   # the token fed at iteration k (the pending token, then each sample but
   # the last); row b's first counts[b] columns are real. None otherwise.
   routing: Any = None
+  # A served decode's (`serve_decode`) with top_n > 0: [slots, steps, top_n]
+  # ids and log-probs of the likeliest tokens at each sample. None otherwise.
+  top_ids: Any = None
+  top_logprobs: Any = None
 
 
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:
@@ -395,16 +399,18 @@ class PolicyEngine:
         fn = self._jits[key] = build()
       return fn
 
-  def _step(self, params, state, tokens, valid, rng, kv: int | None = None):
-    """`programs.step` on `state`'s cache, jitted once per kv bucket; shapes
-    (widths, a lane's slots) re-trace it.
+  def _step(self, params, state, tokens, valid, rng, kv: int | None = None,
+            top_n: int | None = None):
+    """`programs.step` on `state`'s cache, jitted once per kv bucket (and
+    served `top_n`); shapes (widths, a lane's slots) re-trace it.
 
     Returns device arrays (new cache, new lengths, sampled tokens, log-probs);
     `cache` and `lengths` are donated. Committed arguments must be on the
     program's in_shardings: the engine's params and decode states are
     (load_params, init_decode_state and every program's out_shardings).
     """
-    fn = self._jit(("step", kv), lambda: self.programs.step(kv))
+    key = ("step", kv) if top_n is None else ("step", kv, top_n)
+    fn = self._jit(key, lambda: self.programs.step(kv, top_n))
     table = self.kv_cache.call_args(state)
     with self._context():
       return fn(params, state.cache, state.lengths, *table, tokens, valid, rng)
@@ -437,6 +443,31 @@ class PolicyEngine:
     lengths = self._jit("reset", self.programs.reset_lengths)(state.lengths, mask)
     return state._replace(lengths=lengths, host_lengths=host)
 
+  @property
+  def can_rewind(self) -> bool:
+    """Whether `rewind` may cut a slot's cache back: a model without recurrent
+    layers, whose cache at a length is that of its first tokens alone."""
+    return "linear" not in self.cfg.attention_kinds
+
+  def rewind(self, state: DecodeState, slot: int, length: int) -> DecodeState:
+    """Slot `slot`'s cache cut back to its first `length` positions (a prefix
+    another request shares); the rest is overwritten as it is fed again.
+
+    Raises ValueError for a model with recurrent (Gated DeltaNet) layers,
+    whose state is that of every cached token (`can_rewind`), and for a
+    length beyond the slot's.
+    """
+    if not self.can_rewind:
+      raise ValueError("a model with recurrent (linear) layers cannot cut a cache back: its "
+                       "state is that of every cached token")
+    if not 0 <= length <= int(state.host_lengths[slot]):
+      raise ValueError(f"slot {slot} holds {int(state.host_lengths[slot])} positions, "
+                       f"cannot keep {length}")
+    mask = np.arange(len(state.host_lengths)) == slot
+    new = np.where(mask, length, state.host_lengths).astype(np.int32)
+    lengths = self._jit("set_lengths", self.programs.set_lengths)(state.lengths, mask, new)
+    return state._replace(lengths=lengths, host_lengths=new)
+
   # --- pages (a paged engine; kv_cache.py, "Paged") -------------------------
 
   def reserve(self, state: DecodeState, slot: int, tokens: int) -> bool:
@@ -448,6 +479,11 @@ class PolicyEngine:
     device with the next call.
     """
     return self.kv_cache.reserve(state, slot, tokens)
+
+  def trim_pages(self, state: DecodeState, slot: int, tokens: int) -> None:
+    """A paged engine's slot gives back its pages past its first `tokens`
+    positions (host-side only); a dense engine's: nothing to give."""
+    self.kv_cache.trim(state, slot, tokens)
 
   def release_pages(self, state: DecodeState, slots_mask: np.ndarray) -> None:
     """A paged engine's slots give their pages back (host-side only): the
@@ -470,10 +506,25 @@ class PolicyEngine:
       Rows with no valid token are unchanged and their samples meaningless.
     """
     params, version = self._snapshot()
-    return self._fused_step(params, state, tokens, valid, self._next_rng()) + (version,)
+    return self._fused_step(params, state, tokens, valid, self._next_rng())[:3] + (version,)
 
-  def _fused_step(self, params, state, tokens, valid, rng):
-    """`step` with the params and the key given (a lane passes its own), no version."""
+  def serve_step(self, state: DecodeState, tokens: np.ndarray, valid: np.ndarray,
+                 slots: SlotSampling, *, top_n: int = 0):
+    """`step` with each slot's own sampling (sampling.py, "per-slot sampling").
+
+    `slots`: a `SlotSampling` of numpy arrays (each slot's temperature,
+    top_p, request key stream and draws taken; its stop ids are `decode`'s
+    business). Returns (new state, sampled tokens `[slots]`, their
+    log-probs under each slot's behaviour distribution, top, version): top
+    is None for `top_n` 0, else (ids, log-probs) `[slots, top_n]`.
+    """
+    params, version = self._snapshot()
+    state, tok, logp, top = self._fused_step(params, state, tokens, valid, slots, top_n)
+    return state, tok, logp, top, version
+
+  def _fused_step(self, params, state, tokens, valid, rng, top_n: int | None = None):
+    """`step` with the params and the key given (a lane passes its own), no
+    version; also returns the served top (None without `top_n`)."""
     width = _bucket(tokens.shape[1], self.prefill_buckets)
     pad = width - tokens.shape[1]
     tokens = np.asarray(tokens, np.int32)
@@ -485,10 +536,11 @@ class PolicyEngine:
     host = (state.host_lengths + fed).astype(np.int32)
     kv = self._kv_bucket(int(host[fed > 0].max()) if fed.any() else 1)
     state = self.kv_cache.prepare(state, host, fed > 0, self.shardings)
-    cache, lengths, tok, logp, *chosen = self._step(params, state, tokens, valid, rng, kv)
-    tok, logp, chosen = jax.device_get((tok, logp, chosen))  # the step's one transfer
+    cache, lengths, tok, logp, *rest = self._step(params, state, tokens, valid, rng, kv, top_n)
+    tok, logp, rest = jax.device_get((tok, logp, rest))  # the step's one transfer
+    top, chosen = (tuple(rest[:2]), rest[2:]) if top_n else (None, rest)
     return state._replace(cache=cache, lengths=lengths, host_lengths=host,
-                          routing=chosen[0] if chosen else None), tok, logp
+                          routing=chosen[0] if chosen else None), tok, logp, top
 
   # --- the multi-token decode loop ------------------------------------------
 
@@ -536,8 +588,22 @@ class PolicyEngine:
                                                 stop_token, self._rng)
     return state, chunk
 
-  def _decode_loop(self, params, version, state, tokens, budgets, steps, stop_token, rng):
-    """`decode` with the params and key given; also returns the advanced key."""
+  def serve_decode(self, state: DecodeState, tokens, budgets, slots: SlotSampling, *, steps: int,
+                   stop_token: int | None = None, top_n: int = 0
+                   ) -> tuple[DecodeState, DecodeChunk]:
+    """`decode` with each slot's own sampling (`serve_step`): a slot also
+    stops at any of its `slots.stops`; with `top_n` > 0 the chunk carries
+    `top_ids` / `top_logprobs` `[slots, steps, top_n]`. The engine's key
+    stream is not used (each slot draws from its request's)."""
+    params, version = self._snapshot()
+    state, chunk, _ = self._decode_loop(params, version, state, tokens, budgets, steps,
+                                        stop_token, slots, top_n)
+    return state, chunk
+
+  def _decode_loop(self, params, version, state, tokens, budgets, steps, stop_token, rng,
+                   top_n: int | None = None):
+    """`decode` with the params and key given; also returns the advanced key
+    (`top_n` an int: `serve_decode`'s program, `rng` a `SlotSampling`)."""
     budgets = np.minimum(np.asarray(budgets, np.int32), steps).astype(np.int32)
     tokens = np.asarray(tokens, np.int32)
     host = (state.host_lengths + budgets).astype(np.int32)
@@ -545,15 +611,16 @@ class PolicyEngine:
     kv = self._kv_bucket(int(host[fed].max()) if fed.any() else 1)
     state = self.kv_cache.prepare(state, host, fed, self.shardings)
     stop = -1 if stop_token is None else int(stop_token)
-    fn = self._jit(("decode", kv, int(steps), stop),
-                   lambda: self.programs.decode(kv, int(steps), stop))
+    fn = self._jit(("decode", kv, int(steps), stop, top_n),
+                   lambda: self.programs.decode(kv, int(steps), stop, top_n))
     table = self.kv_cache.call_args(state)
     with self._context():
-      cache, lengths, nxt, toks, logp, counts, rng, *chosen = fn(
+      cache, lengths, nxt, toks, logp, counts, rng, *rest = fn(
           params, state.cache, state.lengths, *table, tokens, budgets, rng)
+    top, chosen = (rest[:2], rest[2:]) if top_n else ((None, None), rest)
     state = state._replace(cache=cache, lengths=lengths, next_tokens=nxt, host_lengths=host)
     return state, DecodeChunk(toks, logp, counts, version, budgets,
-                              chosen[0] if chosen else None), rng
+                              chosen[0] if chosen else None, *top), rng
 
   def collect(self, state: DecodeState, chunk: DecodeChunk) -> tuple[DecodeState, DecodeChunk]:
     """Fetches a `decode` chunk to the host (one transfer, blocks until done).
@@ -561,13 +628,16 @@ class PolicyEngine:
     Returns the state with exact `host_lengths` (the unused budgets taken
     off) and the chunk as numpy arrays.
     """
-    toks, logp, counts, chosen = jax.device_get((chunk.tokens, chunk.logprobs, chunk.counts,
-                                                 chunk.routing))
+    toks, logp, counts, chosen, top_ids, top_lp = jax.device_get(
+        (chunk.tokens, chunk.logprobs, chunk.counts, chunk.routing, chunk.top_ids,
+         chunk.top_logprobs))
     counts = np.asarray(counts, np.int32)
     host = np.maximum(state.host_lengths - (chunk.budgets - counts), 0).astype(np.int32)
+    numpy = lambda x: None if x is None else np.asarray(x)
     return (state._replace(host_lengths=host),
             chunk._replace(tokens=np.asarray(toks), logprobs=np.asarray(logp), counts=counts,
-                           routing=None if chosen is None else np.asarray(chosen)))
+                           routing=numpy(chosen), top_ids=numpy(top_ids),
+                           top_logprobs=numpy(top_lp)))
 
   def generate_batch(self, prompts, max_new_tokens: int, *, stop_token: int | None = None
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -637,7 +707,7 @@ class PolicyEngine:
       tokens[i, :len(p)], valid[i, :len(p)] = p, True
     state = self.init_decode_state(slots)
     key, rng = take(rng)
-    state, first, first_lp = self._fused_step(params, state, tokens, valid, key)
+    state, first, first_lp, _ = self._fused_step(params, state, tokens, valid, key)
     out = np.zeros((n, max_new_tokens), np.int32)
     out_lp = np.zeros((n, max_new_tokens), np.float32)
     out[:, 0], out_lp[:, 0] = first[:n], first_lp[:n]

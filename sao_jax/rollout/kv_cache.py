@@ -182,6 +182,11 @@ class KVCache:
     """The masked slots give back what they hold (host-side only)."""
     del state, slots_mask
 
+  def trim(self, state, slot: int, tokens: int) -> None:
+    """Slot `slot` gives back what it holds past its first `tokens` positions
+    (host-side only)."""
+    del state, slot, tokens
+
   # --- admission --------------------------------------------------------------
 
   def group_of(self, state, slot: int) -> int:
@@ -334,6 +339,9 @@ class PagedCache(KVCache):
   def release(self, state, slots_mask: np.ndarray) -> None:
     for b in np.flatnonzero(np.asarray(slots_mask, bool)):
       state.pages.release(int(b))
+
+  def trim(self, state, slot: int, tokens: int) -> None:
+    state.pages.shrink(slot, tokens)
 
   # --- admission --------------------------------------------------------------
 

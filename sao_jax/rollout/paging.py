@@ -135,14 +135,20 @@ class PagePool:
 
   def release(self, slot: int) -> int:
     """Returns all of slot `slot`'s pages to the free list; how many."""
-    have = int(self._held[slot])
-    if have:
-      free = self._free[self.group_of(slot)]
-      free.extend(int(p) for p in self.table[slot, have - 1::-1])  # lowest page on top
-      self.table[slot, :have] = -1
-      self._held[slot] = 0
-      self.dirty = True
-    return have
+    return self.shrink(slot, 0)
+
+  def shrink(self, slot: int, tokens: int) -> int:
+    """Returns the pages of slot `slot` past its first `tokens` positions to
+    the free list (a parked cache keeps only its tokens' pages); how many."""
+    have, keep = int(self._held[slot]), self.pages_for(min(int(tokens), self.capacity))
+    if have <= keep:
+      return 0
+    free = self._free[self.group_of(slot)]
+    free.extend(int(p) for p in self.table[slot, keep:have][::-1])  # lowest page on top
+    self.table[slot, keep:have] = -1
+    self._held[slot] = keep
+    self.dirty = True
+    return have - keep
 
   def release_all(self) -> None:
     for slot in range(self.slots):

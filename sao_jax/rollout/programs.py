@@ -170,36 +170,56 @@ class EnginePrograms:
 
   # --- the programs ---------------------------------------------------------
 
-  def step(self, kv: int | None):
+  def step(self, kv: int | None, top_n: int | None = None):
     """`_step` jitted: (params, cache, lengths, tokens, valid, key) ->
     (cache, lengths, tokens, log-probs); paged: (params, pool, lengths,
     table, tokens, valid, key) -> (pool, lengths, tokens, log-probs).
+    `top_n` None: the driver's program (the run's `SamplingConfig`, the
+    engine's key); an int: the server's, whose key argument is a
+    `SlotSampling` and which, with `top_n` > 0, also returns each row's
+    `top_n` likeliest ids and log-probs `[slots, top_n]` after the log-probs.
     With `record_routing`, the fed tokens' routing `[slots, W, M * k]` last."""
     s, cache = self.shardings, self.kv_cache
-    outs = (s.cache, s.slots, s.slots, s.slots) + ((s.tokens,) if self.record_routing else ())
+    sampler, key_sharding, extra = self._sampler(top_n)
+    outs = (s.cache, s.slots, s.slots, s.slots) + extra + (
+        (s.tokens,) if self.record_routing else ())
     return jax.jit(
-        functools.partial(BODIES[cache.kind].step, self.cfg, self.sampling, cache.static_kv(kv),
+        functools.partial(BODIES[cache.kind].step, self.cfg, sampler, cache.static_kv(kv),
                           record=self.record_routing),
         in_shardings=(s.params, s.cache, s.slots, *cache.table_shardings(s), s.tokens, s.tokens,
-                      s.replicated),
+                      key_sharding),
         out_shardings=outs, donate_argnums=(1, 2))
 
-  def decode(self, kv: int | None, steps: int, stop: int):
+  def decode(self, kv: int | None, steps: int, stop: int, top_n: int | None = None):
     """`_decode` jitted: (params, cache, lengths, tokens, budgets, KeyStream) ->
     (cache, lengths, pending tokens, sampled tokens, log-probs, counts,
     KeyStream). `stop` -1: budgets only. Paged: the table after the lengths.
-    With `record_routing`, the routing of the token fed at each iteration
+    `top_n` as for `step`: an int takes a `SlotSampling` (returned as given;
+    its stop ids end a row too) and with `top_n` > 0 returns the top ids and
+    log-probs `[slots, steps, top_n]` after the KeyStream's place. With
+    `record_routing`, the routing of the token fed at each iteration
     `[slots, steps, M * k]` last."""
     s, cache = self.shardings, self.kv_cache
-    outs = (s.cache, s.slots, s.slots, s.tokens, s.tokens, s.slots, s.replicated) + (
+    sampler, key_sharding, extra = self._sampler(top_n)
+    outs = (s.cache, s.slots, s.slots, s.tokens, s.tokens, s.slots, key_sharding) + extra + (
         (s.tokens,) if self.record_routing else ())
     return jax.jit(
-        functools.partial(BODIES[cache.kind].decode, self.cfg, self.sampling,
+        functools.partial(BODIES[cache.kind].decode, self.cfg, sampler,
                           cache.static_kv(kv), int(steps), int(stop),
                           record=self.record_routing),
         in_shardings=(s.params, s.cache, s.slots, *cache.table_shardings(s), s.slots, s.slots,
-                      s.replicated),
+                      key_sharding),
         out_shardings=outs, donate_argnums=(1, 2))
+
+  def _sampler(self, top_n: int | None):
+    """(sampler, its key argument's shardings, the shardings of its extra
+    outputs) of the driver's programs (None) or the server's (`top_n`)."""
+    s = self.shardings
+    if top_n is None:
+      return sampling_lib.ConfigSampler(self.sampling), s.replicated, ()
+    slots = sampling_lib.SlotSampling(s.slots, s.slots, s.tokens, s.slots, s.tokens)
+    return (sampling_lib.SlotSampler(self.sampling.top_k, int(top_n)), slots,
+            (s.tokens, s.tokens) if top_n else ())
 
   def init_state(self, batch: int | None = None):
     """() -> (cache, lengths, pending tokens) of `batch` slots (default all),
@@ -221,6 +241,12 @@ class EnginePrograms:
     """(lengths, mask) -> lengths with 0 where mask."""
     s = self.shardings.slots
     return jax.jit(lambda l, m: jnp.where(m, 0, l), in_shardings=(s, s), out_shardings=s)
+
+  def set_lengths(self):
+    """(lengths, mask, new) -> lengths with `new` where mask (a cache cut back)."""
+    s = self.shardings.slots
+    return jax.jit(lambda l, m, n: jnp.where(m, n, l), in_shardings=(s, s, s),
+                   out_shardings=s)
 
   # --- abstract arguments, to lower a program without allocating ------------
 
@@ -285,7 +311,7 @@ def _write_back(lengths: Array, valid: Array, full: Array, live: Array) -> Array
   return full.at[index].set(new, mode="drop")
 
 
-def _step(cfg, sampling, kv, params, cache, lengths, tokens, valid, rng, *, record=False):
+def _step(cfg, sampler, kv, params, cache, lengths, tokens, valid, rng, *, record=False):
   """Appends tokens, samples each row's next token from its last valid one.
 
   `kv` None attends over the whole cache. Otherwise the model runs on the
@@ -304,68 +330,80 @@ def _step(cfg, sampling, kv, params, cache, lengths, tokens, valid, rng, *, reco
     cache = kv_layout.map_kv(functools.partial(_write_back, lengths, valid), cache, live)
   # last_logits [B, V]: after each row's last valid token (a chunked prefill
   # with cfg.prefill_chunk, never [B, W, V]).
-  tok, logp = sampling_lib.sample(last_logits, rng, sampling)
-  tok = head_vocab.token_ids(cfg, tok)  # head columns -> tokenizer ids
-  return (cache, new_lengths, tok, logp, *chosen)
+  return (cache, new_lengths, *_draw(cfg, sampler.step(last_logits, rng)), *chosen)
 
 
-def _paged_step(cfg, sampling, cols, params, pool, lengths, table, tokens, valid, rng, *,
+def _paged_step(cfg, sampler, cols, params, pool, lengths, table, tokens, valid, rng, *,
                 record=False):
   """`_step` on a page pool: the model writes into the slots' pages and
   attends over the table's first `cols` columns (None: all)."""
   table = table if cols is None else table[:, :cols]
   last_logits, pool, new_lengths, *chosen = decoding.extend_last(
       cfg, params, pool, tokens, lengths, valid, table, record_routing=record)
-  tok, logp = sampling_lib.sample(last_logits, rng, sampling)
-  tok = head_vocab.token_ids(cfg, tok)  # head columns -> tokenizer ids
-  return (pool, new_lengths, tok, logp, *chosen)
+  return (pool, new_lengths, *_draw(cfg, sampler.step(last_logits, rng)), *chosen)
 
 
-def _decode_loop(cfg, sampling, steps, stop_token, params, live, lengths, tokens, budgets, rng,
+def _draw(cfg, drawn) -> tuple:
+  """A sampler's (tokens, log-probs, extra) as a program returns them: tokens
+  (and top ids) as tokenizer ids, the extra outputs (top ids, top log-probs)
+  after the log-probs, nothing where there are none.
+
+  Programs put them before the routing; the driver's (no extra) are
+  (tokens, log-probs) as before.
+  """
+  tok, logp, extra = drawn
+  ids = lambda columns: head_vocab.token_ids(cfg, columns)  # head columns -> tokenizer ids
+  return (ids(tok), logp) + ((ids(extra[0]), extra[1]) if extra else ())
+
+
+def _decode_loop(cfg, sampler, steps, stop_token, params, live, lengths, tokens, budgets, rng,
                  table=None, record=False):
   """The while loop of `_decode` over a cache (`live`) or a pool with `table`.
 
-  Returns (live, new lengths, pending tokens, counts, sampled tokens,
-  log-probs, advanced KeyStream), and with `record` the routing of the
-  token fed at each iteration `[B, steps, M * k]`.
+  `sampler` (sampling.py: `ConfigSampler`, `SlotSampler`) draws from the
+  logits with `rng` (a `KeyStream`, or a `SlotSampling`). Returns (live,
+  new lengths, pending tokens, counts, sampled tokens, log-probs, advanced
+  rng), then the sampler's extra outputs `[B, steps, ...]` (top ids and
+  log-probs), then with `record` the routing of the token fed at each
+  iteration `[B, steps, M * k]`.
   """
   b = tokens.shape[0]
+  put = lambda out, new, k: jax.lax.dynamic_update_slice_in_dim(out, new[:, None], k, 1)
 
   def cond(carry):
     k, alive = carry[0], carry[4]
     return (k < steps) & alive.any()
 
   def body(carry):
-    k, live, lens, tok, alive, count, out_tok, out_lp, *out_r = carry
+    k, live, lens, tok, alive, count, out_tok, out_lp, extra, *out_r = carry
     logits, live, lens, *chosen = decoding.extend(
         cfg, params, live, tok[:, None], lens, alive[:, None], table, record_routing=record)
     if record:  # [B, 1, M*k] into column k
       out_r = [jax.lax.dynamic_update_slice_in_dim(out_r[0], chosen[0], k, 1)]
     # The k-th key's draw.
-    new, lp = sampling_lib.sample_with(logits[:, 0], uniforms[k], sampling)
-    new = head_vocab.token_ids(cfg, new)  # head columns -> tokenizer ids
-    out_tok = jax.lax.dynamic_update_slice_in_dim(
-        out_tok, jnp.where(alive, new, 0)[:, None], k, 1)
-    out_lp = jax.lax.dynamic_update_slice_in_dim(
-        out_lp, jnp.where(alive, lp, 0.0)[:, None], k, 1)
+    new, lp, *top = _draw(cfg, sampler.at(logits[:, 0], drawn, k, rng))
+    out_tok = put(out_tok, jnp.where(alive, new, 0), k)
+    out_lp = put(out_lp, jnp.where(alive, lp, 0.0), k)
+    extra = tuple(put(e, t, k) for e, t in zip(extra, top))
     count = count + alive.astype(jnp.int32)
     tok = jnp.where(alive, new, tok)
-    alive = alive & (count < budgets) & (new != stop_token)
-    return (k + 1, live, lens, tok, alive, count, out_tok, out_lp, *out_r)
+    alive = alive & (count < budgets) & ~sampler.stopped(new, stop_token, rng)
+    return (k + 1, live, lens, tok, alive, count, out_tok, out_lp, extra, *out_r)
 
   carry = (jnp.int32(0), live, lengths, tokens, budgets > 0, jnp.zeros((b,), jnp.int32),
-           jnp.zeros((b, steps), jnp.int32), jnp.zeros((b, steps), jnp.float32))
+           jnp.zeros((b, steps), jnp.int32), jnp.zeros((b, steps), jnp.float32),
+           sampler.extra(b, steps))
   if record:
     carry += (jnp.full((b, steps, cfg.num_moe_layers * cfg.experts_per_token), routing.NONE,
                        jnp.int32),)
-  uniforms = sampling_lib.uniforms(rng, steps, b)  # [steps, B, 1]: every iteration's, drawn at once
-  ran, live, new_lengths, tok, _, count, out_tok, out_lp, *out_r = jax.lax.while_loop(
+  drawn = sampler.ahead(rng, steps, b)  # [steps, B, 1]: every iteration's, drawn at once
+  ran, live, new_lengths, tok, _, count, out_tok, out_lp, extra, *out_r = jax.lax.while_loop(
       cond, body, carry)
-  return (live, new_lengths, tok, count, out_tok, out_lp,
-          rng._replace(draws=rng.draws + ran), *out_r)
+  return (live, new_lengths, tok, count, out_tok, out_lp, sampler.advance(rng, ran), *extra,
+          *out_r)
 
 
-def _decode(cfg, sampling, kv, steps, stop_token, params, cache, lengths, tokens, budgets, rng,
+def _decode(cfg, sampler, kv, steps, stop_token, params, cache, lengths, tokens, budgets, rng,
             *, record=False):
   """`PolicyEngine.decode`'s loop: up to `steps` one-token steps, per-slot stops.
 
@@ -378,15 +416,15 @@ def _decode(cfg, sampling, kv, steps, stop_token, params, cache, lengths, tokens
   """
   live = cache if kv is None else kv_layout.map_kv(
       lambda c: jax.lax.slice_in_dim(c, 0, kv, axis=c.ndim - 3), cache)
-  live, new_lengths, tok, count, out_tok, out_lp, rng, *out_r = _decode_loop(
-      cfg, sampling, steps, stop_token, params, live, lengths, tokens, budgets, rng,
+  live, new_lengths, tok, count, out_tok, out_lp, rng, *outs = _decode_loop(
+      cfg, sampler, steps, stop_token, params, live, lengths, tokens, budgets, rng,
       record=record)
   if kv is None:
     cache = live
   else:
     fed = jnp.arange(steps)[None] < count[:, None]  # [B, steps]: the positions written
     cache = kv_layout.map_kv(functools.partial(_write_back, lengths, fed), cache, live)
-  return (cache, new_lengths, tok, out_tok, out_lp, count, rng, *out_r)
+  return (cache, new_lengths, tok, out_tok, out_lp, count, rng, *outs)
 
 
 def _decode_in_place(cfg, page: int) -> bool:
@@ -395,7 +433,7 @@ def _decode_in_place(cfg, page: int) -> bool:
   return paged.kernel_usable(cfg, 1, page)
 
 
-def _paged_decode(cfg, sampling, cols, steps, stop_token, params, pool, lengths, table, tokens,
+def _paged_decode(cfg, sampler, cols, steps, stop_token, params, pool, lengths, table, tokens,
                   budgets, rng, *, record=False):
   """`_decode` on a page pool, over the table's first `cols` columns (None: all).
 
@@ -408,18 +446,18 @@ def _paged_decode(cfg, sampling, cols, steps, stop_token, params, pool, lengths,
   """
   table = table if cols is None else table[:, :cols]
   if _decode_in_place(cfg, kv_layout.kv_leaves(pool)[0].shape[-2]):
-    pool, new_lengths, tok, count, out_tok, out_lp, rng, *out_r = _decode_loop(
-        cfg, sampling, steps, stop_token, params, pool, lengths, tokens, budgets, rng, table,
+    pool, new_lengths, tok, count, out_tok, out_lp, rng, *outs = _decode_loop(
+        cfg, sampler, steps, stop_token, params, pool, lengths, tokens, budgets, rng, table,
         record=record)
   else:
     live = kv_layout.map_kv(lambda leaf: paged.view(leaf, table), pool)
-    live, new_lengths, tok, count, out_tok, out_lp, rng, *out_r = _decode_loop(
-        cfg, sampling, steps, stop_token, params, live, lengths, tokens, budgets, rng,
+    live, new_lengths, tok, count, out_tok, out_lp, rng, *outs = _decode_loop(
+        cfg, sampler, steps, stop_token, params, live, lengths, tokens, budgets, rng,
         record=record)
     fed = jnp.arange(steps)[None] < count[:, None]  # [B, steps]: the positions written
     pool = kv_layout.map_kv(lambda leaf, v: paged.write_view(leaf, v, table, lengths, fed),
                             pool, live)
-  return (pool, new_lengths, tok, out_tok, out_lp, count, rng, *out_r)
+  return (pool, new_lengths, tok, out_tok, out_lp, count, rng, *outs)
 
 
 class Bodies(NamedTuple):

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
@@ -42,13 +43,19 @@ def sampling_logprobs(logits: Array, sampling: SamplingConfig) -> Array:
     kth = jax.lax.top_k(x, sampling.top_k)[0][..., -1:]
     x = jnp.where(x < kth, -jnp.inf, x)
   if sampling.top_p < 1.0:
-    probs = jax.nn.softmax(x, -1)
-    sorted_p = jnp.sort(probs, -1)[..., ::-1]
-    # Keep the smallest set of top tokens whose mass reaches top_p.
-    before = jnp.cumsum(sorted_p, -1) - sorted_p
-    cutoff = jnp.min(jnp.where(before < sampling.top_p, sorted_p, jnp.inf), -1, keepdims=True)
-    x = jnp.where(probs < cutoff, -jnp.inf, x)
+    x = nucleus(x, sampling.top_p)
   return jax.nn.log_softmax(x, -1)
+
+
+def nucleus(x: Array, top_p) -> Array:
+  """Log-weights `x` `[..., V]` with -inf outside the nucleus: the smallest set of
+  top tokens whose mass reaches `top_p` (a float, or an array broadcasting
+  against `[..., 1]`)."""
+  probs = jax.nn.softmax(x, -1)
+  sorted_p = jnp.sort(probs, -1)[..., ::-1]
+  before = jnp.cumsum(sorted_p, -1) - sorted_p
+  cutoff = jnp.min(jnp.where(before < top_p, sorted_p, jnp.inf), -1, keepdims=True)
+  return jnp.where(probs < cutoff, -jnp.inf, x)
 
 
 def sample(logits: Array, rng, sampling: SamplingConfig) -> tuple[Array, Array]:
@@ -172,3 +179,148 @@ def uniforms(stream: KeyStream, steps: int, rows: int) -> Array:
   """
   keys = jax.vmap(stream.key)(jnp.arange(steps, dtype=stream.draws.dtype))
   return jax.vmap(lambda k: row_uniforms(k, rows))(keys)
+
+
+# --- per-slot sampling: a served batch, each slot its own request -----------------
+#
+# The server's batcher (rollout/serving.py) batches requests that each carry
+# their own temperature, top_p, seed and stop ids. They arrive as arrays, one
+# entry a slot, so one compiled program serves every mix of values. A slot's
+# draws come from its request's own key stream: draw n of a request uses
+# `fold_in(its key, n)`, n counting the tokens the request has sampled, so a
+# seeded request samples the same tokens whatever else is batched with it.
+#
+# The distribution a slot samples from, and the log-prob it records, is the
+# behaviour distribution, as `sampling_logprobs` has it for the driver: the
+# logits over the temperature, the engine's top-k, the request's nucleus,
+# renormalised. Temperature 0 is greedy: the argmax, drawn with probability
+# 1, so its log-prob is 0 (the behaviour distribution is a point mass; an
+# importance ratio against it is the policy's probability of the argmax).
+
+
+class SlotSampling(NamedTuple):
+  """Each slot's sampling, arrays with one row a slot (numpy on the host, device in a program)."""
+  temperature: Array  # [B] float32; 0: greedy
+  top_p: Array  # [B] float32; 1: off
+  keys: Array  # [B, 2] uint32: the key data of each slot's request stream
+  draws: Array  # [B] int32: draws the slot's request has taken
+  stops: Array  # [B, S] int32: ids that end the slot's turn once sampled (-1: none)
+
+
+def seed_key(seed: int):
+  """The key data `[2]` uint32 of a 64-bit seed (`jax.random.key` keeps only 32 bits
+  of it where x64 is off)."""
+  return np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32)
+
+
+def slot_logweights(logits: Array, slots: SlotSampling, top_k: int) -> Array:
+  """`[B, V]` unnormalised log-weights of each slot's behaviour distribution
+  (a greedy slot's: its logits, of which it takes the argmax)."""
+  t = jnp.where(slots.temperature > 0, slots.temperature, 1.0)
+  x = logits.astype(jnp.float32) / t[:, None]
+  if top_k:
+    kth = jax.lax.top_k(x, top_k)[0][..., -1:]
+    x = jnp.where(x < kth, -jnp.inf, x)
+  inside = slots.top_p < 1.0
+  # The sort over the vocabulary runs only when some slot asks for a nucleus.
+  return jax.lax.cond(inside.any(),
+                      lambda x: jnp.where(inside[:, None], nucleus(x, slots.top_p[:, None]), x),
+                      lambda x: x, x)
+
+
+def slot_uniforms(slots: SlotSampling, steps: int) -> Array:
+  """`[steps, B, 1]`: row k is each slot's draw `draws + k` of its own stream."""
+  keys = jax.random.wrap_key_data(slots.keys)
+
+  def one(key, draws):
+    return jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(key, draws + k), (1,)))(
+        jnp.arange(steps, dtype=draws.dtype))  # [steps, 1]
+
+  return jnp.swapaxes(jax.vmap(one)(keys, slots.draws), 0, 1)
+
+
+def sample_slots(logits: Array, u: Array, slots: SlotSampling, top_k: int, top_n: int):
+  """(tokens `[B]`, log-probs `[B]`, top) of each slot's behaviour distribution.
+
+  `u` `[B, 1]`: each slot's uniform. `top` is () for `top_n` 0, else (ids
+  `[B, top_n]`, log-probs `[B, top_n]`) of the most likely tokens under the
+  same distribution (-inf past its support: a greedy slot's holds only the
+  argmax, at 0).
+  """
+  x = slot_logweights(logits, slots, top_k)
+  greedy = slots.temperature <= 0
+  tok, logp = draw(x, u)
+  tok = jnp.where(greedy, jnp.argmax(x, -1).astype(tok.dtype), tok)
+  logp = jnp.where(greedy, 0.0, logp)
+  if not top_n:
+    return tok, logp, ()
+  lp = jax.nn.log_softmax(x, -1)
+  top_lp, top_ids = jax.lax.top_k(lp, top_n)
+  point = jnp.where(jnp.arange(top_n) == 0, 0.0, -jnp.inf)  # a greedy slot's point mass
+  top_lp = jnp.where(greedy[:, None], point[None], top_lp)
+  top_ids = jnp.where(greedy[:, None] & (jnp.arange(top_n) == 0)[None], tok[:, None], top_ids)
+  return tok, logp, (top_ids.astype(jnp.int32), top_lp)
+
+
+def slot_stopped(tokens: Array, slots: SlotSampling) -> Array:
+  """`[B]` bool: the slot sampled one of its stop ids."""
+  return jnp.any(tokens[:, None] == slots.stops, -1)
+
+
+# --- samplers: how a program draws (programs.py) ----------------------------------
+
+
+class ConfigSampler(NamedTuple):
+  """The driver's: one `SamplingConfig` for every slot, the engine's `KeyStream`."""
+  sampling: SamplingConfig
+
+  def step(self, logits, stream):
+    """One draw with the step's key; no extra outputs."""
+    return sample(logits, stream, self.sampling) + ((),)
+
+  def ahead(self, stream, steps: int, rows: int):
+    return uniforms(stream, steps, rows)
+
+  def at(self, logits, drawn, k, stream):
+    del stream
+    return sample_with(logits, drawn[k], self.sampling) + ((),)
+
+  def stopped(self, tokens, stop_token: int, stream):
+    del stream
+    return tokens == stop_token
+
+  def advance(self, stream, ran):
+    return stream._replace(draws=stream.draws + ran)
+
+  def extra(self, rows: int, steps: int) -> tuple:
+    del rows, steps
+    return ()
+
+
+class SlotSampler(NamedTuple):
+  """The server's: a `SlotSampling` a call, the engine's top-k, `top_n` alternatives."""
+  top_k: int
+  top_n: int
+
+  def step(self, logits, slots: SlotSampling):
+    return sample_slots(logits, slot_uniforms(slots, 1)[0], slots, self.top_k, self.top_n)
+
+  def ahead(self, slots: SlotSampling, steps: int, rows: int):
+    del rows
+    return slot_uniforms(slots, steps)
+
+  def at(self, logits, drawn, k, slots: SlotSampling):
+    return sample_slots(logits, drawn[k], slots, self.top_k, self.top_n)
+
+  def stopped(self, tokens, stop_token: int, slots: SlotSampling):
+    return (tokens == stop_token) | slot_stopped(tokens, slots)
+
+  def advance(self, slots: SlotSampling, ran):
+    del ran  # the host counts each slot's draws (its request's tokens)
+    return slots
+
+  def extra(self, rows: int, steps: int) -> tuple:
+    if not self.top_n:
+      return ()
+    return (jnp.zeros((rows, steps, self.top_n), jnp.int32),
+            jnp.full((rows, steps, self.top_n), -jnp.inf, jnp.float32))
