@@ -78,6 +78,7 @@ def pass_at_1(config, model_cfg, params, env, tokenizer, *, seed: int,
   driver = factories.make_driver(
       config, engine, _Recording(env), tokenizer, iter(prompts), trajs.append,
       tool_latency_s=0.0, on_finish=finish)
+  meter.start()
   try:
     driver.run()
   finally:

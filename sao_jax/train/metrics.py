@@ -241,8 +241,9 @@ def progress(stage: str, step: int, total: int, metrics: dict, keys: dict[str, s
 class CountProgress:
   """Progress lines of a count towards a total, with its rate and ETA (process 0's).
 
-  `tick()` counts one item; a line is printed at the first item, then at
-  most every `every_s` seconds, and at the last:
+  `start()` prints the count at 0 (so that a compile before the first item
+  is not silence); `tick()` counts one item; a line is printed at the first
+  item, then at most every `every_s` seconds, and at the last:
 
       [eval] heldout: 120/400 samples  3.1 samples/s  eta 1m30s
 
@@ -255,6 +256,11 @@ class CountProgress:
     self._label, self._total, self._unit, self._every = label, int(total), unit, every_s
     self._clock, self._out = clock, out
     self.count, self._first, self._last = 0, None, None
+
+  def start(self) -> None:
+    if distributed.is_primary():
+      print(f"{self._label}: 0/{self._total} {self._unit}", flush=True,
+            **({"file": self._out} if self._out else {}))
 
   def tick(self, n: int = 1) -> None:
     self.count += n

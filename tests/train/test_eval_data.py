@@ -133,10 +133,12 @@ def test_progress_lines_show_rate_and_eta():
   now = [0.0]
   out = io.StringIO()
   meter = metrics.CountProgress("[eval] heldout", 5, every_s=10.0, clock=lambda: now[0], out=out)
+  meter.start()
   for t in (100.0, 101.0, 111.0, 112.0, 113.0):  # the first sample after a 100 s compile
     now[0] = t
     meter.tick()
   assert out.getvalue().splitlines() == [
+      "[eval] heldout: 0/5 samples",
       "[eval] heldout: 1/5 samples",
       "[eval] heldout: 3/5 samples  0.182 samples/s  eta 0m11s",
       "[eval] heldout: 5/5 samples  0.308 samples/s  took 0m13s"]
