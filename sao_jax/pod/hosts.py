@@ -14,7 +14,9 @@ start them:
     driver with the host named, supervised by `Supervisor` below;
   * Kubernetes (`sao_jax/pod/jobset.py`): a JobSet with a trainer and a
     rollout replicated job, the same commands with the host index taken
-    from the pod's completion index.
+    from the pod's completion index; or Ray on Kubernetes, a KubeRay
+    RayCluster (`sao_jax/pod/raycluster.py`) whose head runs the Ray path.
+    What every emitted pod carries: `sao_jax/pod/kube.py`.
 
 `Supervisor` is the restart policy, a pure state machine over host exits
 (no Ray in it, so it is tested by itself):

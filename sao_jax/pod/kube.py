@@ -42,6 +42,7 @@ import os
 from typing import Iterator
 
 from sao_jax.config import sections
+from sao_jax.pod import hosts as pod_lib
 
 APP_DIR = "/app"  # the image's checkout (Dockerfile WORKDIR)
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -169,7 +170,7 @@ def tpu_node_selector(pod: sections.Pod, topology: str) -> dict:
 
 
 def role_requests(pod: sections.Pod, role: str) -> dict:
-  return pod.trainer_requests if role == "trainer" else pod.rollout_requests
+  return pod.trainer_requests if role == pod_lib.TRAINER else pod.rollout_requests
 
 
 def resources(requests: dict, tpu_chips: int = 0) -> dict:

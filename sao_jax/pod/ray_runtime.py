@@ -15,6 +15,13 @@ the training slice of `pod.trainer_topology`, one slice of
 `pod.rollout_topology` a rollout host). The TPU placement has not run here
 (no TPU is reachable from the project's machines); the CPU path is tested.
 
+Without a cluster address `start_local` starts a local Ray instance;
+`loopback` first moves the driver into a network namespace with only
+loopback (sao_jax/pod/netns.py), since Ray's own servers listen on every
+interface whatever `--node-ip-address` says. On GKE the cluster is a
+KubeRay RayCluster (sao_jax/pod/raycluster.py) and the driver runs on its
+head with `--ray_address=auto`.
+
 Ray carries the control traffic (start, stop, output lines, exit codes);
 trajectories and weights keep their own paths (the fleet's shared
 directory), not Ray's object store.
