@@ -31,6 +31,7 @@ from sao_jax.data.prompts import EVAL_OFFSET
 from sao_jax.data.trajectory import Trajectory
 from sao_jax.envs import chat, repo_repair, sandbox
 from sao_jax.envs.tokenizer import TOKENIZERS
+from sao_jax.rollout import engine as engine_lib
 from sao_jax.rollout import openai_api, serving, sessions
 from fakes import random_params  # pylint: disable=g-bad-import-order
 from test_chat import official_ids  # pylint: disable=g-bad-import-order
@@ -285,6 +286,21 @@ def test_hostile_requests_are_openai_errors_with_counted_reasons(served):
   assert sao(ok)["trajectory"] == 0 and sao(ok)["turn"] == 0
   assert httpx.delete(sess.url, headers=sess.owner).json() == {"session_id": sess.id,
                                                               "deleted": True}
+
+
+@pytest.mark.skipif(not hasattr(engine_lib.PolicyEngine, "serve_step"),
+                    reason="per-request sampling in the engine (issue 60 item 2) not landed")
+def test_temperature_zero_and_a_seed_repeat_their_tokens_through_the_endpoint(served):
+  c = client(served)
+  messages = [{"role": "user", "content": "Say something."}]
+
+  def ids(**kw):
+    r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                  extra_body={"return_token_ids": True}, **kw)
+    return sao(r)["completion_token_ids"]
+
+  assert ids(temperature=0) == ids(temperature=0)
+  assert ids(temperature=1.0, seed=5) == ids(temperature=1.0, seed=5)
 
 
 # --- tool calls, from a sampler whose ids the test writes ------------------------------------
