@@ -69,10 +69,15 @@ def labels(pod: sections.Pod) -> dict:
 
 
 # ---------------------------------------------------------------- storage
+# Strings with these are patterns (e.g. parameter-path rules "/attn/(q|k)$"), not files.
+_REGEX_CHARS = set("()|$^*+?[]{}\\")
+
+
 def config_paths(config, workdir: str) -> Iterator[tuple[str, str, bool]]:
   """(where, path, written) for every place the job reads or writes: the
   workdir and the fleet root (written), then every absolute or gs:// path
-  among the config's strings outside the pod section (read)."""
+  among the config's strings outside the pod section (read; a string with
+  regex metacharacters is a pattern, not a path)."""
   yield "--workdir", workdir, True
   root = config.fleet.root
   if root:
@@ -82,7 +87,7 @@ def config_paths(config, workdir: str) -> Iterator[tuple[str, str, bool]]:
       continue
     if where.startswith("eval.sets"):  # "NAME=SPEC"
       value = value.partition("=")[2] or value
-    if value.startswith("/") or value.startswith("gs://"):
+    if (value.startswith("/") or value.startswith("gs://")) and not _REGEX_CHARS & set(value):
       yield where, value, False
 
 

@@ -110,7 +110,8 @@ def test_emit_refuses_a_job_whose_pods_would_not_share_its_files():
   with pytest.raises(sections.ConfigError, match=r"^env.kwargs.path = '/scratch/train.jsonl'"
                      r": on no volume .* would read its own disk"):
     kube.check_storage(config, WORKDIR, pod)
-  config.env.kwargs = {"path": "/data/train.jsonl", "heldout_path": "data/in_image.jsonl"}
+  config.env.kwargs = {"path": "/data/train.jsonl", "heldout_path": "data/in_image.jsonl",
+                       "rule": "/attn/(q|k)$"}  # a pattern, not a path
   config.sft.init_from_hf = "/data/qwen3-30b-a3b"
   kube.check_storage(config, WORKDIR, pod)  # read-only volume, relative path in the image
   config.fleet.root = "/data/fleet"
