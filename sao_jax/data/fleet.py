@@ -12,7 +12,8 @@ sao_jax/data/weight_transfer.py), both under one shared directory
 
     <root>/weights/<version>/         orbax: the policy params after <version>
                                       actor updates, and a JSON meta (version,
-                                      publish time)
+                                      publish time, the trainer's run id and
+                                      the params' fingerprint: identity.py)
     <root>/trajectories/<rollout_id>-<seq>.array_record
                                       one closed shard of one rollout process
     <root>/trajectories/<rollout_id>-<seq>.array_record.stats.json
@@ -48,9 +49,11 @@ Trainer side, `ShardFeed` hands out trajectories in completion order: each
 rollout's shards in sequence order, and across rollouts the shard renamed
 first. Shards are read through grain's ArrayRecordDataSource and every record
 is deserialised with the store's hostile-input checks and validated by the
-in-process queue's validation, `ingestion.check` (staleness included);
-bad shards and records are counted by reason, never trained on, never a
-crash. Counts that are no trajectory's (the driver's `tool_call_errors` and
+in-process queue's validation, `ingestion.check` (staleness included,
+and, given the trainer's `identity.Published`, the run id and params
+fingerprints each record carries: another run's or other params'
+trajectories are refused); bad shards and records are counted by reason,
+never trained on, never a crash. Counts that are no trajectory's (the driver's `tool_call_errors` and
 `env_events`, `SHARD_COUNTERS`) travel beside the shard: its writer records
 what they grew by while the shard was open in a `.stats.json` written before
 the shard's rename, and the feed adds them when it finishes the shard; a
@@ -114,6 +117,7 @@ import jax
 from sao_jax.data import files
 from sao_jax.data.checkpoint import Checkpointer, committed_checkpoints
 from sao_jax.data import ingestion, store
+from sao_jax.data.identity import Published
 from sao_jax.data.trajectory import ENV_FAULTS, Trajectory
 
 WEIGHTS = "weights"
@@ -712,8 +716,10 @@ class ShardFeed:
   completion order, with a checkpointable cursor (module docstring).
 
   `current_version` is the trainer's policy version (for `version_from_future`
-  and `max_staleness`, as in the in-process queue). `state` is what `state()`
-  returned into a checkpoint. Only the shard being handed out is held in
+  and `max_staleness`, as in the in-process queue); `identity` the trainer's
+  run and published fingerprints (None: not checked), whose `state()` the
+  feed's carries as "identity". `state` is what `state()` returned into a
+  checkpoint. Only the shard being handed out is held in
   memory; the shards on disk are the queue.
 
   `share(name, compute)` is how the processes of a multi-host trainer agree
@@ -737,9 +743,11 @@ class ShardFeed:
                state: dict | None = None, poll_seconds: float = 0.5,
                log: Callable[[str], None] = print,
                share: Callable[[str, Callable[[], Any]], Any] | None = None,
-               routing_shape: tuple[int, int, int] | None = None):
+               routing_shape: tuple[int, int, int] | None = None,
+               identity: Published | None = None):
     self.dir = trajectories_dir(root)
     self._routing_shape = routing_shape
+    self.identity = identity  # its state goes into `state()`, beside the cursor
     files.makedirs(self.dir)
     self._consumed_path = files.join(root, CONSUMED)
     self._copies = files.LocalCopies()  # shards of an object store, downloaded to read
@@ -787,6 +795,8 @@ class ShardFeed:
     if self._current is not None:
       current = {"shard": self._current[0], "offset": self._current[1]}
     out = {"consumed": dict(self.consumed), "current": current}
+    if self.identity is not None:
+      out["identity"] = self.identity.state()
     if self._ahead:
       out["ahead"] = {k: sorted(v) for k, v in self._ahead.items()}
     return out
@@ -902,7 +912,7 @@ class ShardFeed:
         continue
       canon, reason, error = ingestion.check(t, self._vocab_size, self._max_length,
                                              self._current_version(), self._max_staleness,
-                                             self._routing_shape)
+                                             self._routing_shape, self.identity)
       if reason is not None:
         self._rejected[reason] += 1
         self.last_error = error or self.last_error

@@ -13,6 +13,8 @@ the dtypes it was checked in, and a producer that reuses or mutates its
 arrays after `put` cannot change a record already accepted.
 An optional `max_staleness` drops trajectories whose oldest token lags the
 current policy version by more than that many versions (off for SAO).
+An optional `identity` (identity.Published: a fleet trainer's) drops those
+another run or other params produced (identity.REJECT_REASONS).
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ import queue
 import threading
 from typing import Callable
 
+from sao_jax.data.identity import Published
 from sao_jax.data.trajectory import Trajectory, checked
 
 
 def check(traj: Trajectory, vocab_size: int, max_length: int, current_version: int,
-          max_staleness: int | None = None, routing_shape: tuple[int, int, int] | None = None
+          max_staleness: int | None = None, routing_shape: tuple[int, int, int] | None = None,
+          identity: Published | None = None
           ) -> tuple[Trajectory | None, str | None, str | None]:
   """Ingestion's validation, the one place for it (the queue's `put` and the
   fleet's ShardFeed): (canonical copy, None, None) if `traj` is accepted,
@@ -36,7 +40,8 @@ def check(traj: Trajectory, vocab_size: int, max_length: int, current_version: i
   bug, or an object whose own methods raise), and `error` is that
   exception's repr, else None. Never raises. `routing_shape` (M, k, E):
   the trainer replays MoE routing, so a record must carry it
-  (`trajectory.checked`).
+  (`trajectory.checked`). `identity`: the trainer's run and published
+  fingerprints, which the record's must match (identity.REJECT_REASONS).
   """
   try:
     canon, reason = checked(traj, vocab_size, max_length, current_version=current_version,
@@ -49,6 +54,10 @@ def check(traj: Trajectory, vocab_size: int, max_length: int, current_version: i
     oldest = int(canon.policy_version[canon.action_mask].min())
     if current_version - oldest > max_staleness:
       return None, "stale", None
+  if identity is not None:
+    reason = identity.check(canon)
+    if reason is not None:
+      return None, reason, None
   return canon, None, None
 
 
@@ -56,12 +65,14 @@ class TrajectoryQueue:
 
   def __init__(self, maxsize: int, vocab_size: int, max_length: int,
                current_version: Callable[[], int], max_staleness: int | None = None,
-               routing_shape: tuple[int, int, int] | None = None):
+               routing_shape: tuple[int, int, int] | None = None,
+               identity: Published | None = None):
     self._q: queue.Queue = queue.Queue(maxsize)
     self._vocab, self._max_len = vocab_size, max_length
     self._version = current_version
     self.max_staleness = max_staleness
     self.routing_shape = routing_shape
+    self.identity = identity
     self.rejected: collections.Counter = collections.Counter()
     self.accepted = 0
     # repr of the last exception validation raised (counted as
@@ -74,7 +85,8 @@ class TrajectoryQueue:
     """Validates and enqueues the canonical copy (blocking when full).
 
     False if rejected; the reason is counted in `rejected` (one of
-    trajectory.REJECT_REASONS, or "stale" or "validation_error").
+    trajectory.REJECT_REASONS, identity.REJECT_REASONS, or "stale" or
+    "validation_error").
     """
     canon = self.check(traj)
     if canon is None:
@@ -89,7 +101,7 @@ class TrajectoryQueue:
     reason counted in `rejected`: `put`'s validation (module-level `check`)
     without enqueueing."""
     canon, reason, error = check(traj, self._vocab, self._max_len, self._version(),
-                                 self.max_staleness, self.routing_shape)
+                                 self.max_staleness, self.routing_shape, self.identity)
     if reason is not None:
       with self._lock:
         self.rejected[reason] += 1

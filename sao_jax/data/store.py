@@ -59,9 +59,11 @@ DEFAULT_MAX_LENGTH = 1 << 16
 # Bounds on one record, derived from max_length: an array member is an .npy
 # header (numpy writes 128 bytes; anything under 4 KiB is accepted) plus at
 # most 8 bytes per token (int64/float64, the widest dtype a writer could
-# sensibly use); the JSON header holds six scalars.
+# sensibly use); the JSON header holds the scalars and the identity's
+# {version: fingerprint}, at most one version per token.
 _NPY_HEADER_CAP = 4096
 _HEADER_JSON_CAP = 4096
+_FINGERPRINT_ENTRY_CAP = 40  # '"-2147483648": "<16 hex digits>", '
 _ZIP_OVERHEAD = 4096  # local and central headers of 8 members, zip64 extras
 # A routing record (routing replay) is [T, M, k] int16, 2 bytes a choice: a
 # reader allows this many choices a token unless told more (Qwen3-30B-A3B
@@ -96,7 +98,10 @@ class NoValidTrajectoriesError(RuntimeError):
 
 
 def _builtin(x):
-  """A numpy scalar as the Python scalar JSON can hold (np.int64 ids...)."""
+  """A numpy scalar as the Python scalar JSON can hold (np.int64 ids...); a
+  dict's keys as the decimal strings JSON's object keys are."""
+  if isinstance(x, dict):
+    return {str(_builtin(k)): _builtin(v) for k, v in x.items()}
   return x.item() if isinstance(x, np.generic) else x
 
 
@@ -119,7 +124,7 @@ def _caps(max_length: int, routing_choices: int) -> tuple[int, int, int, int]:
   """(per array member, header member, routing member, whole record)
   uncompressed byte caps."""
   member = _NPY_HEADER_CAP + 8 * int(max_length)
-  header = _NPY_HEADER_CAP + _HEADER_JSON_CAP
+  header = _NPY_HEADER_CAP + _HEADER_JSON_CAP + _FINGERPRINT_ENTRY_CAP * int(max_length)
   routing = _NPY_HEADER_CAP + 2 * int(routing_choices) * int(max_length)
   return member, header, routing, member * len(_ARRAYS) + header + routing
 

@@ -12,7 +12,13 @@ Host side, ragged numpy, one finished episode:
                       for each token it fed (-1 rows: none recorded), for
                       routing replay (`rl.routing_replay`, models/routing.py)
 
-plus the prompt id (and group id for GRPO arms), why it finished, and timing.
+plus the prompt id (and group id for GRPO arms), why it finished, timing,
+and whose params sampled it (sao_jax/data/identity.py): `run_id`, the
+trainer run that published them ("" when unknown), and `fingerprints`,
+{version: fingerprint} for the versions its action tokens used (a subset:
+a version it has none for is unknown). A record written before these
+existed reads back without them; a fleet trainer refuses it, counted
+`missing_run_id` (in-process sources and offline reads check nothing).
 
 A record can come from another process or another machine, so nothing about
 it is trusted. `canonicalize` returns a copy in exactly the types the trainer
@@ -33,8 +39,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import numpy as np
+
+from sao_jax.data import identity
 
 # "env_*": the rollout driver ends an episode whose environment raised, timed
 # out or returned something unusable with these, rather than crashing.
@@ -65,6 +74,8 @@ REJECT_REASONS = (
     "turn_start_off_action", "missing_first_turn_start",
     # scalars
     "bad_prompt_id", "bad_group_id", "bad_finish_reason", "bad_time",
+    # identity (sao_jax/data/identity.py)
+    "bad_run_id", "bad_fingerprints",
     # routing replay (`checked(..., routing_shape=)`)
     "bad_routing", "missing_routing", "routing_out_of_range",
 )
@@ -88,6 +99,8 @@ class Trajectory:
   end_time: float = 0.0
   env_seconds: float = 0.0
   routing: np.ndarray | None = None
+  run_id: str = ""
+  fingerprints: dict = dataclasses.field(default_factory=dict)
 
   def __len__(self) -> int:
     return int(self.tokens.shape[0])
@@ -192,7 +205,38 @@ def canonicalize(t) -> Trajectory:
       finish_reason=str(finish_reason),
       start_time=_time(getattr(t, "start_time", 0.0)),
       end_time=_time(getattr(t, "end_time", 0.0)),
-      env_seconds=_time(getattr(t, "env_seconds", 0.0)))
+      env_seconds=_time(getattr(t, "env_seconds", 0.0)),
+      run_id=_run_id(getattr(t, "run_id", "")),
+      fingerprints=_fingerprints(getattr(t, "fingerprints", None)))
+
+
+_VERSION_KEY = re.compile(r"^-?[0-9]{1,10}$")
+
+
+def _run_id(x) -> str:
+  if not isinstance(x, str) or (x and not identity.RUN_ID.match(x)):
+    raise InvalidTrajectory("bad_run_id")
+  return str(x)
+
+
+def _fingerprints(x) -> dict[int, str]:
+  """{version: fingerprint} as ints and hex strings; a JSON object's keys
+  (decimal strings, as the store writes them) are taken as ints."""
+  if x is None:
+    return {}
+  if not isinstance(x, dict):
+    raise InvalidTrajectory("bad_fingerprints")
+  out = {}
+  for k, v in x.items():
+    if isinstance(k, str) and _VERSION_KEY.match(k):
+      k = int(k)
+    if (isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer))
+        or not _INT32.min <= int(k) <= _INT32.max):
+      raise InvalidTrajectory("bad_fingerprints")
+    if not isinstance(v, str) or not identity.FINGERPRINT.match(v):
+      raise InvalidTrajectory("bad_fingerprints")
+    out[int(k)] = str(v)
+  return out
 
 
 _INT16 = np.iinfo(np.int16)
@@ -268,6 +312,8 @@ def _check_values(t: Trajectory, vocab_size: int, current_version: int | None) -
     return "bad_policy_version"
   if current_version is not None and ver.max() > current_version:
     return "version_from_future"
+  if t.fingerprints and not set(t.fingerprints) <= set(np.unique(ver[t.action_mask]).tolist()):
+    return "bad_fingerprints"  # a version no token used
   reason = _check_turns(t)
   if reason is not None:
     return reason

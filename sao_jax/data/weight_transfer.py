@@ -35,7 +35,9 @@ default where `jax.experimental.transfer` works). No file holds the bytes:
     pull, taken when it is newer than what the rollout holds. A version's
     identity is (version, the trainer run's nonce) on both paths, so a
     restarted trainer's republished versions are told apart from the dead
-    one's.
+    one's. The manifests and checkpoints also carry the trainer's run id
+    and the version's params fingerprint (sao_jax/data/identity.py), which
+    the rollout stamps on the trajectories that version samples.
 
 Which bytes move is `plan`: a pure function of the two layouts (the
 trainer's param shardings and the engine's), shared by the rollout (its
@@ -71,6 +73,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sao_jax.data import files
+from sao_jax.data import identity
 
 TRANSFER = "transfer"
 REQUESTS = "requests"
@@ -419,20 +422,26 @@ class WeightServer:
     self.refused: collections.Counter = collections.Counter()  # requests by reason
     self.last_publish_s = 0.0
     self.snapshot = None
+    self.fingerprint: str | None = None  # the newest version's (identity.fingerprint)
     self._stop = threading.Event()
     self._thread = None
     if thread:
       self._thread = threading.Thread(target=self._serve, name="weight-server", daemon=True)
       self._thread.start()
 
-  def publish(self, params, version: int, cast: Callable = _as_is) -> None:
+  def publish(self, params, version: int, cast: Callable = _as_is,
+              run_id: str | None = None) -> None:
     """Serves `cast(params)` (the engines' dtype, any sharding) as `version`.
 
     `cast` (traceable, hashable: the same function object each version, or
-    the snapshot recompiles) runs inside the snapshot's program.
+    the snapshot recompiles) runs inside the snapshot's program. `run_id`:
+    the manifest names the trainer run and the served params' fingerprint
+    (sao_jax/data/identity.py; kept in `fingerprint`), which the rollouts
+    stamp on what this version samples.
     """
     t0 = time.time()
     snap = _snapshot(cast, params)
+    self.fingerprint = None if run_id is None else identity.fingerprint(snap)
     leaves = jax.tree.leaves(snap)
     pieces = source_pieces((x.shape, x.dtype, x.sharding) for x in leaves)
     mine = [p for p in pieces if p.process == self.process]
@@ -449,6 +458,8 @@ class WeightServer:
         "leaves": [{"shape": list(x.shape), "dtype": jnp.dtype(x.dtype).name} for x in leaves],
         "pieces": [_piece_dict(p) for p in mine],
     }
+    if run_id is not None:
+      manifest.update(identity.VersionIdentity(run_id, self.fingerprint).meta())
     with self._lock:
       self._snapshots[int(version)] = arrays
       self._snapshots.move_to_end(int(version))
@@ -873,7 +884,9 @@ class Follower:
   def _take(self, params, offer: Offer, path: str):
     self.pulls += 1
     self.version, self.identity, self.last_path = offer.version, offer.identity, path
-    return params, offer.version, {"nonce": offer.nonce, "path": path}
+    meta = {k: offer.manifests[0][k] for k in ("run_id", "fingerprint")
+            if k in offer.manifests[0]}
+    return params, offer.version, dict(meta, nonce=offer.nonce, path=path)
 
   def _from_checkpoint(self, offer: Offer | None, final: bool):
     newest = self._ckpt.newest()

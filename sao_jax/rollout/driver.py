@@ -42,7 +42,10 @@ let rollout outrun training and raised policy lag (docs/DESIGN.md,
 defaults"). Keep's log-probs are still exactly those its tokens were
 sampled with (the behaviour probability DIS divides by); the version of a
 token is that of the weights whose logits produced it, over a cache that may
-hold older versions' keys.
+hold older versions' keys. A trajectory also carries whose weights those
+were (sao_jax/data/identity.py): the run id and params fingerprint that
+came with each version (`update_params(..., meta)`), noted when the version
+is swapped in, so a fleet trainer can refuse another run's or other params'.
 
 Environments are code the driver does not trust (they run model-written code
 and are written against a loose protocol), so no environment failure may stop
@@ -90,6 +93,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from sao_jax.config import sections
+from sao_jax.data import identity
 from sao_jax.data.trajectory import Trajectory
 from sao_jax.envs import base, chat
 from sao_jax.envs.base import Action, Environment, Task
@@ -132,6 +136,8 @@ class _Slot:
   # A recording engine's (rl.routing_replay): the expert choices of the fed
   # tokens, arrays [n, M * k] in feeding order (their rows total `fed`).
   routing: list = dataclasses.field(default_factory=list)
+  # Whose params sampled its action tokens (identity.Tokens).
+  identities: identity.Tokens = dataclasses.field(default_factory=identity.Tokens)
 
   def refeed(self):
     """The cache dropped this slot's entries: its record is fed again from the
@@ -250,6 +256,9 @@ class RolloutDriver:
                                     tool_latency_s)
     self._lock = threading.Lock()
     self._pending_params = None
+    # The identity (run id, params fingerprint) of each version the engine
+    # held: the engine's first version has none unless its owner notes it.
+    self.identity = identity.Ledger()
     self._stop = threading.Event()
     # Done on `stop()`: wakes the driver from its wait for environment steps.
     self._wake: cf.Future = cf.Future()
@@ -266,15 +275,17 @@ class RolloutDriver:
 
   # --- public -----------------------------------------------------------
 
-  def update_params(self, params, version: int) -> None:
+  def update_params(self, params, version: int, meta: dict | None = None) -> None:
     """Thread-safe: the new params apply between steps, per `swap_policy`.
 
     They are copied now, in the caller's thread: the trainer may donate its
-    buffers to the next step before the driver applies them.
+    buffers to the next step before the driver applies them. `meta`: the
+    version's weights meta, whose run id and fingerprint (identity.py) the
+    trajectories it samples carry; without one they carry none.
     """
     copied = self.engine.load_params(params)
     with self._lock:
-      self._pending_params = (copied, version)
+      self._pending_params = (copied, version, meta)
 
   def run(self, max_trajectories: int | None = None) -> None:
     """Runs in the calling thread until prompts run out, `max_trajectories`
@@ -370,7 +381,9 @@ class RolloutDriver:
       if self.swap_policy == "drain" and self.busy_slots:
         return
       self._pending_params = None
-    self.engine.update_params(*pending, copied=True)
+    params, version, meta = pending
+    self.engine.update_params(params, version, copied=True)
+    self.identity.note(version, meta)  # from now on, its tokens are this version's
     self.stats.param_swaps += 1
     if self.swap_policy == "recompute":
       in_flight = np.array([s is not None for s in self._slots])
@@ -529,6 +542,7 @@ class RolloutDriver:
     if s.turn_tokens == 0:
       s.turn_starts.append(len(s.tokens))
     s.append([token], action=True, logprob=logp, version=version)
+    s.identities.add(version, self.identity.get(version))
     s.turn_tokens += 1
     self.stats.generated_tokens += 1
     if len(s.tokens) >= self.max_len:
@@ -688,7 +702,8 @@ class RolloutDriver:
         rewards=np.asarray(s.rewards, np.float32),
         turn_starts=np.asarray(s.turn_starts, np.int32),
         prompt_id=int(s.task.index), group_id=s.group_id, finish_reason=reason,
-        start_time=s.start_time, end_time=time.time(), env_seconds=s.env_seconds)
+        start_time=s.start_time, end_time=time.time(), env_seconds=s.env_seconds,
+        **s.identities.fields())
     self.stats.finished += 1
     if self._on_finish is not None:
       self._on_finish(traj, s.episode)

@@ -109,7 +109,7 @@ def _generate(config, root: str, rid: str, writer, stop: threading.Event,
     stop.set()
     return dict(trajectories=0, last_shard=writer.last_closed, version=None,
                 generated_tokens=0)
-  params, version, _ = first
+  params, version, first_meta = first
   # rollout.mesh over this host's devices; else {"data": -1} over them with
   # rollout.sharded_engine; else one device (factories.engine_mesh).
   engine = factories.make_engine(config, model_cfg, params, version, seed=seed,
@@ -121,6 +121,7 @@ def _generate(config, root: str, rid: str, writer, stop: threading.Event,
       config, engine, env, tok,
       prompt_data.train_prompts(config.data.num_train_tasks, seed),
       faults.wrap_emit(_backpressured(writer, root, rid, f, stop), tok.vocab_size))
+  driver.identity.note(version, first_meta)  # the run id and fingerprint it came with
   pulls = PullWatch(lambda version: log(f"[rollout {rid}] pulling version {version}"))
   driver.start()
   log(f"[rollout {rid}] generating at version {version}, shards from "
@@ -185,7 +186,7 @@ def _follow(driver, follower, writer, pulls, root: str, stop: threading.Event,
     got = follower.poll(final=done)
     pulls.observe(follower, driver.stats.generated_tokens)
     if got is not None:
-      driver.update_params(got[0], got[1])
+      driver.update_params(got[0], got[1], got[2])
       log(f"weights version {held} -> {got[1]}")
     writer.rotate_if_older()
     if done:

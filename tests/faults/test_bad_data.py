@@ -179,6 +179,15 @@ CASES = {
     "routing_below_none": (setf(routing=np.full((9, 1, 2), -2, np.int32)), "routing_out_of_range"),
     "routing_past_int16": (setf(routing=np.full((9, 1, 2), 2**15, np.int32)),
                            "routing_out_of_range"),
+    # identity (sao_jax/data/identity.py)
+    "run_id_not_str": (setf(run_id=7), "bad_run_id"),
+    "run_id_with_slash": (setf(run_id="../run"), "bad_run_id"),
+    "fingerprints_not_dict": (setf(fingerprints=["0123456789abcdef"]), "bad_fingerprints"),
+    "fingerprint_not_hex": (setf(fingerprints={2: "not a fingerprint"}), "bad_fingerprints"),
+    "fingerprint_key_not_int": (setf(fingerprints={"two": "0123456789abcdef"}),
+                                "bad_fingerprints"),
+    "fingerprint_of_unused_version": (setf(fingerprints={3: "0123456789abcdef"}),
+                                      "bad_fingerprints"),
 }
 
 
