@@ -39,6 +39,7 @@ import jax
 
 from sao_jax.train import distributed
 from sao_jax.data import fleet
+from sao_jax.data import identity as identity_lib
 from sao_jax.models import precision
 from sao_jax.data import weight_transfer
 from sao_jax.data import prompts as prompt_data
@@ -227,13 +228,18 @@ class FleetSource:
   only every `checkpoint_every`-th, the first and the last also go to disk
   (the bootstrap and fallback); without one every version is a checkpoint.
   `direct_unavailable` is why a direct path asked for is not used (logged,
-  and counted in the metrics).
+  and counted in the metrics). With an `identity` (identity.Published, the
+  feed's too) every version is fingerprinted as served and goes out with
+  the run id and its fingerprint, so the feed can refuse trajectories of
+  another run or other params.
   """
 
   def __init__(self, root: str, feed: fleet.ShardFeed, publisher: fleet.WeightPublisher,
                params, version: int, serving_cast: Callable = lambda p: p, *,
-               server=None, checkpoint_every: int = 1, direct_unavailable: str | None = None):
+               server=None, checkpoint_every: int = 1, direct_unavailable: str | None = None,
+               identity: identity_lib.Published | None = None):
     self._root, self._feed, self._publisher = root, feed, publisher
+    self._identity = identity
     self._cast = serving_cast
     self._server, self._every = server, checkpoint_every
     self._direct_unavailable = direct_unavailable
@@ -249,20 +255,29 @@ class FleetSource:
   def take(self, n: int) -> list[Trajectory]:
     return self._feed.take(n)
 
-  def _meta(self) -> dict:
-    return {"nonce": self._server.nonce} if self._server is not None else {}
+  def _meta(self, version: int) -> dict:
+    meta = {"nonce": self._server.nonce} if self._server is not None else {}
+    if self._identity is not None:
+      meta.update(self._identity.identity(version).meta())
+    return meta
 
   def publish(self, params, version: int) -> dict:
     out = {}
     if self._server is not None:
       # The cast inside the server's snapshot: one pass over the params.
-      self._server.publish(params, version, self._cast)
+      self._server.publish(params, version, self._cast,
+                           run_id=self._identity.run_id if self._identity else None)
       cast = self._server.snapshot  # fresh buffers: the train step donates `params`
       out["fleet/serve_s"] = self._server.last_publish_s
     else:
       cast = self._cast(params)
+    if self._identity is not None:
+      t0 = time.time()
+      self._identity.note(version, self._server.fingerprint if self._server is not None
+                          else identity_lib.fingerprint(cast))
+      out["fleet/fingerprint_s"] = time.time() - t0
     if self._server is None or self._on_disk is None or version % self._every == 0:
-      self._publisher.publish(cast, version, self._meta())
+      self._publisher.publish(cast, version, self._meta(version))
       self._on_disk = version
       out["fleet/publish_s"] = self._publisher.last_publish_s
     self._version = version
@@ -287,7 +302,7 @@ class FleetSource:
     if finished and self._server is not None and self._on_disk != self._version:
       # The last version on disk too: rollouts still pulling it when the
       # servers go take it from there.
-      self._publisher.publish(self._server.snapshot, self._version, self._meta())
+      self._publisher.publish(self._server.snapshot, self._version, self._meta(self._version))
     self._publisher.close()
     if self._server is not None:
       self._server.close()  # manifests withdrawn: what is left is on disk
@@ -321,12 +336,17 @@ def _driver_source(run, saved, *, synchronous: bool) -> DriverSource:
 def _fleet_source(run, saved) -> FleetSource:
   config = run.config
   root = fleet.root_of(config, run.workdir)
+  # The run id (kept in the workdir across resumes) and the fingerprints
+  # published up to the checkpoint's version (identity.py).
+  published = identity_lib.Published.restore(
+      identity_lib.run_id(run.workdir, distributed.share_from_primary),
+      (saved or {}).get("identity"), int(run.state.step))
   feed = fleet.ShardFeed(root, run.tok.vocab_size, config.rollout.max_len,
                          current_version=lambda: int(run.state.step),
                          max_staleness=config.rollout.max_staleness, state=saved,
                          poll_seconds=config.fleet.poll_seconds,
                          share=distributed.share_from_primary,
-                         routing_shape=run.routing_shape)
+                         routing_shape=run.routing_shape, identity=published)
   version = int(run.state.step)
   f = config.fleet
   server, why = None, None
@@ -347,7 +367,7 @@ def _fleet_source(run, saved) -> FleetSource:
                      run.state.policy, version,
                      jax.jit(functools.partial(precision.cast_for_serving, run.model_cfg)),
                      server=server, checkpoint_every=f.checkpoint_every,
-                     direct_unavailable=why)
+                     direct_unavailable=why, identity=published)
 
 
 @dataclasses.dataclass(frozen=True)
