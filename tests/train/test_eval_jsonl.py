@@ -39,7 +39,10 @@ def test_eval_writes_one_json_line_per_sample(tmp_path):
   out = launch(workdir, f"--out={out_dir}", script="eval.py", run_flags=flags)
   result = json.loads(out.strip().splitlines()[-1])
   assert "[eval] checkpoint_1 heldout: pass@1" in out
+  assert "[eval] heldout: 0/8 samples" in out and "[eval] heldout: 8/8 samples" in out
   assert result["tasks"] == 4 and result["samples"] == 8
+  # HumanEval's rows are clean and its answers are code: no rejections, no maj@k.
+  assert result["rows_rejected"] == 0 and not any(k.startswith("maj@") for k in result)
   out_path = os.path.join(out_dir, "heldout", "samples.jsonl")
   assert result["sets"]["heldout"]["samples_file"] == out_path
   with open(os.path.join(out_dir, "heldout", "summary.json"), encoding="utf-8") as f:
