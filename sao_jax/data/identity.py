@@ -47,6 +47,7 @@ import dataclasses
 import hashlib
 import re
 import secrets
+import threading
 import zlib
 from typing import Callable, Mapping
 
@@ -218,17 +219,20 @@ class Ledger:
 
   def __init__(self):
     self._table: collections.OrderedDict = collections.OrderedDict()
+    self._lock = threading.Lock()  # an endpoint notes and stamps in different threads
 
   def note(self, version: int, meta: Mapping | None) -> None:
     ident = of_meta(meta)
-    self._table.pop(int(version), None)
-    if ident is not None:
-      self._table[int(version)] = ident
-      while len(self._table) > KEEP_VERSIONS:
-        self._table.popitem(last=False)
+    with self._lock:
+      self._table.pop(int(version), None)
+      if ident is not None:
+        self._table[int(version)] = ident
+        while len(self._table) > KEEP_VERSIONS:
+          self._table.popitem(last=False)
 
   def get(self, version: int) -> VersionIdentity | None:
-    return self._table.get(int(version))
+    with self._lock:
+      return self._table.get(int(version))
 
   def stamp(self, t):
     """`t` with the identity of the versions it used, as known now."""

@@ -83,6 +83,7 @@ import uuid
 from absl import logging
 
 from sao_jax.data import fleet
+from sao_jax.data import identity
 from sao_jax.envs import registry
 from sao_jax.rollout import http_server, loopback, openai_reply, serving, sessions
 from sao_jax.rollout import openai_request as rq
@@ -599,7 +600,10 @@ class Endpoint:
   newest policy version a fleet trainer published under `root` into the
   engine, as a rollout process does (`fleet.WeightFollower`); requests in
   flight go on over their caches, and each token records the version
-  that sampled it. Without it the endpoint serves the params it was given.
+  that sampled it, and each trajectory the trainer's run id and the
+  fingerprints of the versions it used (sao_jax/data/identity.py). Without
+  it the endpoint serves the params it was given, and its trajectories
+  carry no identity: a fleet trainer refuses them (`missing_run_id`).
 
   `open_session()` and `reward(session_id, reward)` are the owner's path in
   this process (no secret needed); `owner_key` gives a driver elsewhere the
@@ -618,10 +622,14 @@ class Endpoint:
     self.writer = fleet.ShardWriter(root, rollout_id, f.shard_trajectories, f.shard_seconds)
     self.batcher = serving.Batcher(engine, chat_format.turn_end_id,
                                    decode_steps=decode_steps or config.rollout.decode_steps)
+    # Whose params each version is (the run id and fingerprint that came with
+    # it, sao_jax/data/identity.py): only followed versions have one.
+    self.identity = identity.Ledger()
     self.book = sessions.SessionBook(chat_format, tokenizer.vocab_size,
                                      engine.max_prefill_length, self.writer.write,
                                      current_version=lambda: engine.version,
-                                     max_sessions=max_sessions, idle_seconds=idle_seconds)
+                                     max_sessions=max_sessions, idle_seconds=idle_seconds,
+                                     identity=self.identity)
     self.app = OpenAIApp(
         self.batcher, chat_format, tokenizer, self.book, model_name=model_name,
         max_turn_tokens=config.rollout.max_turn_tokens, api_key=api_key, owner_key=owner_key,
@@ -655,7 +663,8 @@ class Endpoint:
     got = None if self.follower is None else self.follower.poll()
     if got is None:
       return None
-    params, version, _ = got
+    params, version, meta = got
+    self.identity.note(version, meta)
     self.batcher.update_params(params, version, copied=True)
     self.app.count("weights/updates")
     return version

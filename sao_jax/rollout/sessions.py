@@ -257,13 +257,17 @@ class SessionBook:
       oldest to start another (counted `trajectories/dropped_session_full`),
       so a harness that never extends cannot grow the server's memory
       without bound.
+    identity: the identity (run id, params fingerprint) of each version the
+      engine held (sao_jax/data/identity.py Ledger), stamped on the
+      trajectories; None: they carry none (a fleet trainer refuses them).
   """
 
   def __init__(self, chat_format, vocab_size: int, max_len: int,
                sink: Callable[[Trajectory], None], *,
                current_version: Callable[[], int] | None = None, max_sessions: int = 1024,
-               idle_seconds: float = 3600.0, max_trajectories: int = 64):
+               idle_seconds: float = 3600.0, max_trajectories: int = 64, identity=None):
     self.format, self.vocab_size, self.max_len = chat_format, vocab_size, max_len
+    self.identity = identity
     self._sink, self._current_version = sink, current_version
     self.max_sessions, self.idle_seconds = max_sessions, idle_seconds
     self.max_trajectories = max_trajectories
@@ -322,6 +326,8 @@ class SessionBook:
       version = None if self._current_version is None else self._current_version()
       written, refused = 0, collections.Counter()
       trajectories = s.trajectories(float(reward), pid)
+      if self.identity is not None:
+        trajectories = [self.identity.stamp(t) for t in trajectories]
       for t in trajectories:
         good, reason = checked(t, self.vocab_size, self.max_len, version)
         if good is None:

@@ -26,6 +26,7 @@ import pytest
 
 from sao_jax.train import factories
 from sao_jax.data import fleet
+from sao_jax.data import identity
 from sao_jax.data import store
 from sao_jax.data.prompts import EVAL_OFFSET
 from sao_jax.data.trajectory import Trajectory
@@ -551,14 +552,24 @@ def test_the_endpoint_follows_the_versions_a_fleet_trainer_publishes(served, tmp
   try:
     assert endpoint.poll_weights() is None  # nothing published yet: the given params
     publisher = fleet.WeightPublisher(root, 2, VERSION + 2)
-    publisher.publish(served.params, VERSION + 2)
+    # The trainer's run id and the version's fingerprint go with the weights
+    # (sao_jax/data/identity.py) and onto the session's trajectory.
+    who = {"run_id": "trainer_run", "fingerprint": identity.fingerprint(served.params)}
+    publisher.publish(served.params, VERSION + 2, who)
     publisher.close()
     assert endpoint.poll_weights() == VERSION + 2 and endpoint.poll_weights() is None
-    c = openai.OpenAI(base_url=f"{endpoint.url}/v1", api_key="none", max_retries=0)
-    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                  max_tokens=2, extra_body={"return_token_ids": True})
+    sess = open_session(endpoint.url)
+    r = sess.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        extra_body={"return_token_ids": True})
     assert set(sao(r)["completion_versions"]) == {VERSION + 2}
     assert endpoint.app.stats()["weights/updates"] == 1
+    assert sess.reward(1.0).json()["written"] == 1
+    endpoint.writer.close()
+    (t,), _ = store.read_valid_trajectories(
+        [os.path.join(fleet.trajectories_dir(root), fleet.shard_name("follow", 0))],
+        TOK.vocab_size, MAX_LEN)
+    assert (t.run_id, t.fingerprints) == ("trainer_run", {VERSION + 2: who["fingerprint"]})
   finally:
     endpoint.close()
     engine.update_params(served.params, VERSION)  # the module's engine, as it was
