@@ -24,6 +24,7 @@ import pytest
 from sao_jax.train import configuration
 from sao_jax.train import factories
 from sao_jax.data import fleet
+from sao_jax.data import identity
 from sao_jax.train import fleet_worker
 from sao_jax.data.checkpoint import committed_checkpoints
 from sao_jax.data import store
@@ -286,13 +287,15 @@ def test_rollout_worker_in_process(tmp_path):
     wait_for("the wait line", lambda: lines)
     assert lines == [f"[rollout w0] waiting for weights under {root}"]
     params = policy.init_params(factories.build_model_config(config), jax.random.key(0))
-    pub = fleet.WeightPublisher(root, keep=3, version=0)
-    pub.publish(params, 0)
-    pub.close()
-    wait_for("a shard", lambda: shards(root, "w0"))
-    pub = fleet.WeightPublisher(root, keep=3, version=1)
-    pub.publish(jax.tree.map(lambda x: x * 0.5, params), 1)
-    pub.close()
+    # Each version goes out with the trainer's run id and its fingerprint.
+    published = identity.Published("trainer_run")
+    for version, p in enumerate([params, jax.tree.map(lambda x: x * 0.5, params)]):
+      published.note(version, identity.fingerprint(p))
+      pub = fleet.WeightPublisher(root, keep=3, version=version)
+      pub.publish(p, version, published.identity(version).meta())
+      pub.close()
+      if version == 0:
+        wait_for("a shard", lambda: shards(root, "w0"))
     wait_for("version 1", lambda: "[rollout w0] weights version 0 -> 1" in lines)
     fleet.mark_done(root, 1)
     worker.join(HANG_GUARD_S)
@@ -310,10 +313,14 @@ def test_rollout_worker_in_process(tmp_path):
   names = shards(root, "w0")
   assert names == [fleet.shard_name("w0", i) for i in range(counts["last_shard"] + 1)]
   assert not any(".tmp-" in n for n in os.listdir(fleet.trajectories_dir(root)))
+  # The trainer's feed checks whose params sampled each trajectory: all its own.
   feed = fleet.ShardFeed(root, TOK.vocab_size, 128, current_version=lambda: 1,
-                         log=lambda _: None)
+                         log=lambda _: None, identity=published)
   got = feed.take(counts["trajectories"])
   assert not feed.rejected and feed.qsize() == 0
+  assert {t.run_id for t in got} == {"trainer_run"}
+  assert all(t.fingerprints == {v: published.identity(v).fingerprint for v in set(
+      t.policy_version[t.action_mask].tolist())} for t in got)
   # Sampled tokens of episodes still open at the end were never written.
   assert 0 < sum(int(t.action_mask.sum()) for t in got) <= counts["generated_tokens"]
   assert {int(v) for t in got for v in t.policy_version[t.action_mask]} <= {0, 1}
