@@ -17,6 +17,8 @@ import time
 
 import numpy as np
 
+# The trainer run the manifests name (sao_jax/data/identity.py).
+RUN_ID = "trainer_run"
 SHAPES = {"embed": ((16, 8), "bfloat16"), "experts": ((4, 8, 6), "bfloat16"),
           "norm": ((8,), "float32"), "step": ((), "int32")}
 
@@ -50,7 +52,7 @@ def main(root, process, num_processes, port, nonce):
 
   server = weight_transfer.WeightServer(root, nonce, host="127.0.0.1", sockets=2,
                                         pull_timeout_s=600, thread=False)
-  server.publish(params(1), 1)
+  server.publish(params(1), 1, run_id=RUN_ID)
   version, stalled = 1, False
   while not os.path.exists(os.path.join(root, "stop")):
     go = os.path.join(root, f"go-{version + 1}")
@@ -58,7 +60,7 @@ def main(root, process, num_processes, port, nonce):
       with open(go, encoding="utf-8") as f:
         stalled = stalled or f.read().strip() == "stall"
       version += 1
-      server.publish(params(version), version)
+      server.publish(params(version), version, run_id=RUN_ID)
     if not stalled:
       server.serve_requests()
     time.sleep(0.02)

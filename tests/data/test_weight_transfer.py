@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from sao_jax.train import factories
 from sao_jax.data import files
 from sao_jax.data import fleet
+from sao_jax.data import identity
 from sao_jax.train import fleet_worker
 from sao_jax.models import precision
 from sao_jax.data import weight_transfer as wt
@@ -138,7 +139,10 @@ def test_two_trainer_processes_to_a_rollout_bit_for_bit(tmp_path):
       if version > 1:
         (tmp_path / f"go-{version}").write_text("go")
       poll_until(version)
-      assert got["meta"] == {"nonce": nonce, "path": "direct"}
+      # The run id and fingerprint the two trainer processes computed over
+      # their shards are the fingerprint of the whole params on this host.
+      assert got["meta"] == {"nonce": nonce, "path": "direct", "run_id": transfer_trainer.RUN_ID,
+                             "fingerprint": identity.fingerprint(transfer_trainer.expected(version))}
       _equal(got["params"], version)
       assert all(got["params"][k].sharding == abstract[k].sharding for k in abstract)
     assert follower.pulls == 2 and not follower.failures
