@@ -117,10 +117,9 @@ def main(argv):
   if _EMIT.value != "ray":
     emit(config, section, config_file, overrides)
     return
-  if _RAY_LOOPBACK.value and (_RAY_ADDRESS.value or files.is_url(_WORKDIR.value)):
-    raise sections.ConfigError(
-        "--ray_loopback: a local Ray instance with a local workdir only (the namespace has no "
-        f"network: --ray_address={_RAY_ADDRESS.value}, --workdir={_WORKDIR.value})")
+  if _RAY_LOOPBACK.value:
+    from sao_jax.pod import netns  # pylint: disable=g-import-not-at-top
+    netns.check(_RAY_ADDRESS.value, _WORKDIR.value)
   try:
     import ray  # pylint: disable=g-import-not-at-top
   except ImportError:

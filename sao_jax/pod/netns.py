@@ -30,6 +30,9 @@ import os
 import socket
 import struct
 
+from sao_jax.config import sections
+from sao_jax.data import files
+
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
@@ -78,3 +81,11 @@ def enter_loopback_only() -> None:
                     "namespaces are allowed")
     _map_ids(uid, gid)
   _loopback_up()
+
+
+def check(ray_address: str | None, workdir: str) -> None:
+  """Refuses (one line) --ray_loopback where the job needs the network."""
+  if ray_address or files.is_url(workdir):
+    raise sections.ConfigError(
+        f"--ray_loopback: a local Ray instance and a local workdir only, the namespace has no "
+        f"network (--ray_address={ray_address}, --workdir={workdir})")

@@ -3,12 +3,14 @@
 
 A server in the namespace that binds every interface (as Ray's gRPC servers
 do) answers its own loopback and nothing outside; the slow test starts the
-real local Ray instance there and tries every port it listens on from
-outside.
+real local Ray instance there and finds every process Ray started in that
+namespace, whose only interface is loopback (and, without the flag, Ray's
+ports answering from outside).
 """
 
 import importlib.util
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -46,12 +48,13 @@ sys.stdin.readline()
 """
 
 # Starts a local Ray instance as launch/pod.py does (--ray_loopback: argv[1]
-# "1"), runs a task, reports the namespace's listening TCP ports and holds
-# Ray up until its stdin closes.
+# "1"), runs a task, reports the namespace's listening TCP ports, its
+# interfaces and the network namespace of every process Ray started, and
+# holds Ray up until its stdin closes.
 RAY = """
-import json, sys
-import ray
-from sao_jax.pod import ray_runtime
+import json, os, sys
+import psutil, ray
+from sao_jax.pod import netns, ray_runtime
 ray_runtime.start_local(1, loopback=sys.argv[1] == "1")
 ray.get(ray.remote(lambda: 1).remote())
 ports = []
@@ -61,7 +64,11 @@ for name in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
       local, state = line.split()[1], line.split()[3]
       if state == "0A":
         ports.append(int(local.rsplit(":", 1)[1], 16))
-print(json.dumps({"ports": sorted(set(ports))}), flush=True)
+children = psutil.Process().children(recursive=True)
+print(json.dumps({"ports": sorted(set(ports)), "interfaces": netns.interfaces(),
+                  "netns": os.readlink("/proc/self/ns/net"),
+                  "ray": [(p.name(), os.readlink(f"/proc/{p.pid}/ns/net")) for p in children]}),
+      flush=True)
 sys.stdin.readline()
 ray.shutdown()
 """
@@ -98,6 +105,15 @@ def listening_here() -> set[int]:
   return ports
 
 
+def test_loopback_is_refused_where_the_job_needs_the_network():
+  from sao_jax.config import sections  # pylint: disable=g-import-not-at-top
+  from sao_jax.pod import netns  # pylint: disable=g-import-not-at-top
+  netns.check(None, "/tmp/run")
+  for address, workdir in (("auto", "/tmp/run"), (None, "gs://bucket/run")):
+    with pytest.raises(sections.ConfigError, match=r"^--ray_loopback: a local Ray instance "):
+      netns.check(address, workdir)
+
+
 def test_a_server_on_every_interface_in_the_namespace_answers_only_its_loopback():
   proc = subprocess.Popen([sys.executable, "-c", SERVER], cwd=runs.ROOT, env=runs.child_env(1),
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -112,8 +128,9 @@ def test_a_server_on_every_interface_in_the_namespace_answers_only_its_loopback(
     proc.wait(timeout=30)
 
 
-def reachable_ray_ports(loopback: bool) -> tuple[list[int], list[int]]:
-  """(Ray's listening ports, those a connection from outside its namespace reaches)."""
+def local_ray(loopback: bool) -> tuple[dict, list[int]]:
+  """(what a local Ray instance's driver reports, its ports a connection from
+  outside its namespace reaches)."""
   outside = listening_here()
   proc = subprocess.Popen([sys.executable, "-c", RAY, "1" if loopback else "0"], cwd=runs.ROOT,
                           env=runs.child_env(1), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -123,9 +140,9 @@ def reachable_ray_ports(loopback: bool) -> tuple[list[int], list[int]]:
     while line and not line.startswith("{"):
       line = proc.stdout.readline()
     assert line, "the local Ray instance did not start"
-    ports = json.loads(line)["ports"]
+    report = json.loads(line)
     reached = []
-    for port in ports:
+    for port in report["ports"]:
       if port in outside:  # held before Ray started: another process's
         continue
       for host in ("127.0.0.1", _own_address()):
@@ -135,7 +152,7 @@ def reachable_ray_ports(loopback: bool) -> tuple[list[int], list[int]]:
           break
         except OSError:
           pass
-    return ports, reached
+    return report, reached
   finally:
     proc.stdin.close()
     proc.wait(timeout=120)
@@ -145,8 +162,17 @@ def reachable_ray_ports(loopback: bool) -> tuple[list[int], list[int]]:
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                     reason="NOT TESTED: Ray is not installed (pod extra)")
 def test_local_ray_with_loopback_is_unreachable_from_outside_its_namespace():
-  ports, reached = reachable_ray_ports(loopback=True)
-  assert len(ports) >= 3 and reached == [], (ports, reached)  # GCS, raylet, a worker at least
-  # Without it Ray's servers answer from outside (the check can fail).
-  ports, reached = reachable_ray_ports(loopback=False)
-  assert len(reached) >= 3, (ports, reached)
+  own = os.readlink("/proc/self/ns/net")
+  report, _ = local_ray(loopback=True)
+  # Every Ray process (GCS, raylet, agents, workers) lives in the driver's
+  # namespace, whose only interface is loopback: nothing outside can connect.
+  # (A connection from here could only reach this namespace's listeners.)
+  names = {name for name, _ in report["ray"]}
+  assert {"gcs_server", "raylet"} <= names, names
+  assert report["netns"] != own and report["interfaces"] == ["lo"]
+  assert {ns for _, ns in report["ray"]} == {report["netns"]}, report["ray"]
+  assert len(report["ports"]) >= 3, report["ports"]  # GCS, raylet, a worker at least
+  # Without it Ray's servers share this namespace and answer from outside.
+  report, reached = local_ray(loopback=False)
+  assert {ns for _, ns in report["ray"]} == {own}
+  assert len(reached) >= 3, (report["ports"], reached)
