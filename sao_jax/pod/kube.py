@@ -77,7 +77,9 @@ def config_paths(config, workdir: str) -> Iterator[tuple[str, str, bool]]:
   """(where, path, written) for every place the job reads or writes: the
   workdir and the fleet root (written), then every absolute or gs:// path
   among the config's strings outside the pod section (read; a string with
-  regex metacharacters is a pattern, not a path)."""
+  regex metacharacters is a pattern, not a path). `config`: the run's
+  Sections (a ConfigDict is loaded)."""
+  config = sections.load(config)
   yield "--workdir", workdir, True
   root = config.fleet.root
   if root:
