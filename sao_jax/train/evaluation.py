@@ -1,4 +1,4 @@
-"""Evaluation as the paper runs it: named sets, pass@1 and pass@k with standard errors.
+"""Evaluation as the paper runs it: named sets, pass@1, pass@k and maj@k with standard errors.
 
 `eval.sets` names the sets (sections.parse_eval_sets; `set_environments`
 builds each one's environment); `evaluate_sets` runs `pass_at_1` on each
@@ -14,7 +14,16 @@ tasks, std / sqrt(num_tasks), so it covers both the choice of tasks and
 the sampling (at temperature 1 one sample per task leaves about 2.5 points
 of error on 400 tasks; more samples per task shrink the sampling part).
 pass@k (k = 2, 4, ... and k itself) is the unbiased estimator
-`pass_at_k` averaged over tasks, its standard error the same way.
+`pass_at_k` averaged over tasks, its standard error the same way; maj@k
+(`majority_vote`) where the environment extracts answers; pass@1 per
+source where the rows name several (`by_source`).
+
+Nothing about the data is hidden: with `eval.strict` (the default) a set
+that lost rows at load fails before sampling (`check_rows`); otherwise
+their counts are in the result ("rows_rejected"). A set mostly cut by the
+length budget is warned about and flagged (`flag_truncation`). Undefined
+statistics are None (null in JSON, never NaN: `finite_json`), and each
+set prints its progress (samples, rate, ETA) while it samples.
 
 Per-sample records (`sample_record`) hold what a person checks by reading:
 the transcript and each action turn decoded, the reward, the events the
