@@ -18,20 +18,24 @@ The engine (`VllmEngine`) presents the driver's protocol
 (rollout/engine_protocol.py), so episodes, tool calls, the chat format,
 budgets and trajectory records are the driver's, whichever engine serves.
 Per slot it keeps the ids fed so far (the server holds no slot state: its
-prefix cache makes re-sending a context cheap), and each `step` / `decode`
-is one `/v1/completions` request per fed slot, all slots at once from a
-thread pool, the prompt given as token ids:
+prefix cache makes re-sending a context cheap), and feeds slots with
+`/v1/completions` requests of token ids, sent from a thread pool:
 
-  * `step`: the slot's new tokens appended, one token sampled;
-  * `decode`: the pending token appended, up to min(budget, steps) sampled,
-    stopping at the turn-end id (`stop_token_ids`, EOS ignored: the
-    driver's stop rules only); `collect` waits for the answers.
+  * `step`: the slot's new tokens appended, one token sampled (waited for);
+  * `decode`: for each budgeted slot with no request in flight, the pending
+    token appended and up to its whole budget sampled, stopping at the
+    turn-end id (`stop_token_ids`; EOS ignored: the driver's stop rules
+    only). `rollout.decode_steps` does not cut a request: the server
+    batches the slots' requests continuously, and `collect` returns those
+    that have finished (waiting for one), so a slot whose turn ended goes
+    to its environment while the others still decode.
 
 Every sampled id and its log-prob are vLLM's (`return_token_ids`,
 `logprobs=0`), stored as they come: nothing is re-tokenized. A token's
-version is the engine's version when its request was sent; swaps land
-between the driver's steps, when no request is in flight, so one request
-never spans two versions.
+version is the engine's version when its request was sent: a swap pauses
+the server with `mode=wait`, which lets requests in flight finish on the
+old weights first, and one chunk holds one version (a later version's
+answers wait for the next `collect`).
 
 Weights in place. `load_params` exports a version to a fresh directory
 (the copy, in the caller's thread: the trainer may donate its buffers
@@ -231,18 +235,20 @@ class VllmServer:
 
 @dataclasses.dataclass
 class VllmState:
-  """The driver's decode state: per slot, the ids the engine has been fed."""
+  """The driver's decode state: per slot, the ids the engine has been fed, and
+  the slots whose `decode` request is still in flight: slot -> (future of
+  (ids, log-probs), the version it was sent under)."""
   contexts: list
+  in_flight: dict = dataclasses.field(default_factory=dict)
 
 
 class VllmChunk(NamedTuple):
-  """A `decode` call: the requests in flight until `collect` (then numpy)."""
-  tokens: Any  # [slots, steps] int32 after collect
-  logprobs: Any  # [slots, steps] float32 after collect
-  counts: Any  # [slots] int32 after collect
+  """What one `collect` returns (PolicyEngine's DecodeChunk fields)."""
+  tokens: Any  # [slots, W] int32
+  logprobs: Any  # [slots, W] float32
+  counts: Any  # [slots] int32
   version: int
   budgets: np.ndarray
-  futures: dict  # slot -> Future of (ids, logprobs)
   routing: Any = None
 
 
@@ -315,6 +321,16 @@ class VllmEngine:
     hf_export.export_params(params, self.cfg, out, dtype=self.dtype)
     return out
 
+  def abstract_params(self):
+    """Where a fleet rollout process restores each version before `update_params`
+    exports it: the serving dtype's params on this host's first device."""
+    import jax  # pylint: disable=g-import-not-at-top  # JAX-side, as load_params
+    from sao_jax.models import policy, precision  # pylint: disable=g-import-not-at-top
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    shapes = jax.eval_shape(lambda: policy.init_params(precision.serving_config(self.cfg),
+                                                       jax.random.key(0)))
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one), shapes)
+
   def update_params(self, params, version: int, *, copied: bool = False) -> None:
     """Serves `params` from now on as `version`: pause, reload and repack, tag, resume."""
     path = params if copied else self.load_params(params)
@@ -366,11 +382,14 @@ class VllmEngine:
     return VllmState([[] for _ in range(self.max_concurrent_decodes)])
 
   def reset_slots(self, state: VllmState, slots_mask: np.ndarray) -> VllmState:
-    contexts = [[] if m else c for c, m in zip(state.contexts, np.asarray(slots_mask))]
-    return VllmState(contexts)
+    """Empties the masked slots; a request of theirs still in flight is dropped."""
+    mask = np.asarray(slots_mask, bool)
+    contexts = [[] if m else c for c, m in zip(state.contexts, mask)]
+    return VllmState(contexts, {b: fv for b, fv in state.in_flight.items() if not mask[b]})
 
   def step(self, state: VllmState, tokens: np.ndarray, valid: np.ndarray):
-    """Appends each valid row's tokens and samples one token per fed slot."""
+    """Appends each valid row's tokens and samples one token per fed slot
+    (its request is waited for; other slots' requests stay in flight)."""
     tokens, valid = np.asarray(tokens), np.asarray(valid, bool)
     n = self.max_concurrent_decodes
     contexts = list(state.contexts)
@@ -386,34 +405,44 @@ class VllmEngine:
     for b, f in futures.items():
       ids, lps = f.result()
       sampled[b], logp[b] = ids[0], lps[0]
-    return VllmState(contexts), sampled, logp, version
+    return VllmState(contexts, dict(state.in_flight)), sampled, logp, version
 
   def decode(self, state: VllmState, tokens, budgets, *, steps: int,
              stop_token: int | None = None):
-    """Sends each budgeted slot's request (pending token fed, up to
-    min(budget, steps) sampled); `collect` waits for them."""
-    budgets = np.minimum(np.asarray(budgets, np.int32), steps).astype(np.int32)
-    contexts = list(state.contexts)
-    futures = {}
-    for b in np.flatnonzero(budgets > 0):
-      contexts[b] = contexts[b] + [int(tokens[b])]
-      futures[int(b)] = self._submit(contexts[b], int(budgets[b]), stop_token)
-    return VllmState(contexts), VllmChunk(None, None, None, self.version, budgets, futures)
+    """Sends a request for each budgeted slot with none in flight: its pending
+    token fed, up to its whole budget sampled (the server batches requests
+    continuously, so `steps` does not cut them). `collect` returns the
+    answers that have come."""
+    del steps
+    budgets = np.asarray(budgets, np.int32)
+    contexts, in_flight = list(state.contexts), dict(state.in_flight)
+    for b in map(int, np.flatnonzero(budgets > 0)):
+      if b not in in_flight:  # a slot in flight is handed its same pending token again
+        contexts[b] = contexts[b] + [int(tokens[b])]
+        in_flight[b] = (self._submit(contexts[b], int(budgets[b]), stop_token), self.version)
+    return VllmState(contexts, in_flight), budgets
 
-  def collect(self, state: VllmState, chunk: VllmChunk):
-    """Waits for a `decode` call's answers; each slot's samples but the last
-    (pending) join its context."""
-    n, width = self.max_concurrent_decodes, max(1, int(chunk.budgets.max(initial=0)))
+  def collect(self, state: VllmState, budgets):
+    """The finished requests (waits for one if none has): each slot's samples,
+    all but the last (pending) joining its context. One version a chunk: done
+    requests of a later version wait for the next call."""
+    in_flight = dict(state.in_flight)
+    if in_flight and not any(f.done() for f, _ in in_flight.values()):
+      cf.wait([f for f, _ in in_flight.values()], return_when=cf.FIRST_COMPLETED)
+    done = {b: fv for b, fv in in_flight.items() if fv[0].done()}
+    version = min((v for _, v in done.values()), default=self.version)
+    answers = {b: f.result() for b, (f, v) in done.items() if v == version}
+    n = self.max_concurrent_decodes
+    width = max([len(ids) for ids, _ in answers.values()] + [1])
     toks = np.zeros((n, width), np.int32)
     logp = np.zeros((n, width), np.float32)
     counts = np.zeros((n,), np.int32)
     contexts = list(state.contexts)
-    for b, f in chunk.futures.items():
-      ids, lps = f.result()
+    for b, (ids, lps) in answers.items():
       toks[b, :len(ids)], logp[b, :len(ids)], counts[b] = ids, lps, len(ids)
       contexts[b] = contexts[b] + ids[:-1]
-    return VllmState(contexts), chunk._replace(tokens=toks, logprobs=logp, counts=counts,
-                                               futures={})
+      del in_flight[b]
+    return VllmState(contexts, in_flight), VllmChunk(toks, logp, counts, version, budgets)
 
   def generate_batch(self, prompts, max_new_tokens: int, *, stop_token: int | None = None):
     """A plain sampler (PolicyEngine.generate_batch's contract): every prompt

@@ -15,6 +15,7 @@ in-place swaps equal the JAX model's teacher-forced ones of that version
 
 import dataclasses
 import os
+import time
 
 import jax
 import numpy as np
@@ -130,6 +131,7 @@ class ScriptedServer:
       context.append(token)
       if token in stop:
         break
+    time.sleep(0.002 * len(ids))  # longer answers come later: collect sees some in flight
     return {"choices": [{"token_ids": ids, "logprobs": {"token_logprobs": lps}}]}
 
 
@@ -139,9 +141,19 @@ def test_driver_on_the_vllm_adapter_stores_what_the_server_sampled(monkeypatch, 
                              swap_policy="keep", backend="vllm")
   engine = vllm_backend.VllmEngine(MOE, random_params(MOE, 0), rollout, workdir=str(tmp_path))
   assert engine_protocol.engine_problem(engine) is None
+  abstract = engine.abstract_params()  # a fleet process restores versions into it
+  assert jax.tree.structure(abstract) == jax.tree.structure(random_params(MOE, 0))
   server = ScriptedServer.instances[-1]
   assert server.version == 0
-  out = []
+  out, still_in_flight = [], []
+  collect = engine.collect
+
+  def spy_collect(state, chunk):
+    state, chunk = collect(state, chunk)
+    still_in_flight.append(len(state.in_flight))
+    return state, chunk
+
+  engine.collect = spy_collect
   driver = RolloutDriver(engine, EchoEnv(), TOK, iter(range(100)), None)
 
   def emit(t):
@@ -163,6 +175,7 @@ def test_driver_on_the_vllm_adapter_stores_what_the_server_sampled(monkeypatch, 
       token, lp = scripted(t.tokens[:i].tolist(), v)
       assert t.tokens[i] == token and t.rollout_logprobs[i] == np.float32(lp)
   assert versions == {0, 1}
+  assert max(still_in_flight) > 0  # slots returned while others still decoded
   engine.close()
   assert server.calls[-1] == "close"
 
