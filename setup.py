@@ -116,7 +116,9 @@ setuptools.setup(
     # repo_repair corpus and its generated sets (sao_jax/data/repo_tasks.py).
     package_data={"sao_jax": ["py.typed", "data/math_tool/*.jsonl.gz",
                               "data/repo_repair/*.jsonl.gz", "data/repo_corpus/*/repo/*/*.py",
-                              "data/repo_corpus/*/tests/*.py"]},
+                              "data/repo_corpus/*/tests/*.py",
+                              # The chat templates an export writes (Apache-2.0, NOTICE.md).
+                              "envs/chat_templates/*.jinja", "envs/chat_templates/*.md"]},
     install_requires=CORE,
     extras_require=EXTRAS,
 )

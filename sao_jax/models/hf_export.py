@@ -8,7 +8,10 @@ writes what vLLM, SGLang, lm-eval and `transformers` load:
     out/config.json                          the family's (`families.hf_config`)
     out/model-00001-of-0000N.safetensors     the tensors, in `hf_layout`'s names
     out/model.safetensors.index.json         tensor -> shard, total size
-    out/<tokenizer files>                    `extra_files`, copied
+    out/<tokenizer files>                    `extra_files`, copied or written
+
+A head over a vocabulary subset is first written over the whole vocabulary
+(`full_vocabulary`, at the end of this file).
 
 Streaming. The shards' headers are planned from shapes alone (each
 conversion applied to a zero-strided view), then the data is written one unit
@@ -154,7 +157,8 @@ def _check_finite(name: str, a: np.ndarray, what: str) -> None:
 def export_params(params, cfg: ModelConfig, out: str, *, dtype: str = "bfloat16",
                   head: str = "lm", shard_bytes: int = 5 * 2**30,
                   extra_files: dict[str, str] | None = None,
-                  notes: dict | None = None, carry: tuple[str, list] | None = None) -> dict:
+                  notes: dict | None = None, carry: tuple[str, list] | None = None,
+                  config_extra: dict | None = None) -> dict:
   """Writes `params` as an HF model directory `out` (module docstring).
 
   Args:
@@ -165,11 +169,13 @@ def export_params(params, cfg: ModelConfig, out: str, *, dtype: str = "bfloat16"
     cfg: the model shape.
     dtype: "bfloat16" (default), "float16" or "float32".
     shard_bytes: the most bytes of tensors per safetensors file.
-    extra_files: file name in `out` -> source path (tokenizer files).
+    extra_files: file name in `out` -> a source path to copy, or the bytes to
+      write (tokenizer files, generation_config.json).
     notes: written as `sao_jax_export.json` with the export's own record.
     carry: (a source checkpoint, tensor names): tensors the model does not
       train (Qwen3.5's MTP head, `hf_import.mtp_tensors`), copied byte for
       byte in their stored dtype into `CARRIED` and listed in the index.
+    config_extra: entries added to config.json (bos / eos / pad ids).
 
   Returns:
     {"dir", "files", "tensors", "bytes", "peak_host_bytes", "seconds"}.
@@ -206,7 +212,7 @@ def export_params(params, cfg: ModelConfig, out: str, *, dtype: str = "bfloat16"
            "peak_host_bytes": peak}
   if primary:
     _publish(partial, out, {"metadata": {"total_size": total}, "weight_map": where},
-             families.hf_config(cfg, dtype, head), extra_files,
+             {**families.hf_config(cfg, dtype, head), **(config_extra or {})}, extra_files,
              {"dtype": dtype, "head": head, **(notes or {})})
   stats["seconds"] = round(time.time() - start, 3)
   return stats
@@ -280,7 +286,11 @@ def _publish(partial: str, out: str, index: dict, config: dict, extra_files, rec
     with open(os.path.join(partial, name), "w", encoding="utf-8") as f:
       json.dump(obj, f, indent=2)
   for name, src in (extra_files or {}).items():
-    shutil.copyfile(src, os.path.join(partial, name))
+    if isinstance(src, bytes):
+      with open(os.path.join(partial, name), "wb") as f:
+        f.write(src)
+    else:
+      shutil.copyfile(src, os.path.join(partial, name))
   if os.path.exists(out):
     os.rmdir(out)  # empty (checked by the caller)
   os.replace(partial, out)
@@ -292,3 +302,54 @@ VALUE_HEAD_NOTE = (
     "[1, d] and score.bias [1] are the value head. Its output at position t-1 is the value V_t of "
     "emitting token t (sao-jax shifts values right by one: the value of a token is "
     "computed from its prefix); the first token of a sequence has no value.")
+
+
+# --- a head over a vocabulary subset, written over the whole vocabulary -------------
+
+
+# What the lm_head rows of ids outside a head subset are (sao_jax_export.json).
+OUTSIDE_NOTE = (
+    "every id outside the subset has the same lm_head row, the mean of the covered ids' "
+    "rows: its logit is the mean covered logit, never above the largest, so greedy "
+    "decoding never picks one (an exact tie aside). No lm_head row (Qwen3 has no head bias) "
+    "keeps sampling off them: they are many, and their total probability can be most of "
+    "it. generation_config.json's suppress_tokens removes them in transformers' generate; "
+    "a vLLM or SGLang request must pass allowed_token_ids = `ids`.")
+
+
+def full_vocabulary(params, cfg: ModelConfig, head: str = "lm") -> tuple[dict, ModelConfig, dict]:
+  """Params of a model whose head covers `cfg.vocab_ids` only (sao_jax/models/head_vocab.py)
+  as those of a model over the whole vocabulary, which is what an HF layout holds.
+
+      embedding row of id t   covered: its own row; outside the subset: the shared
+                              row S, through which the model reads every such id
+                              (exact: the export reads any input as the run did)
+      lm_head row of id t     covered: its head column; outside: the mean of the
+                              covered columns (OUTSIDE_NOTE: what that guarantees)
+
+  The lm_head is written untied (a tied run's head is its embedding's first S
+  rows: the rows outside differ from the input's shared row). A critic
+  (`head="value"`) has no lm_head: its embedding alone is expanded.
+
+  Every process calls this (the gathers are collective). Returns (params,
+  the full-vocabulary cfg, a record for sao_jax_export.json: "ids" covered,
+  "outside_ids" the rest).
+  """
+  ids = np.asarray(cfg.vocab_ids, np.int64)
+  rows = cfg.head_size
+  embed = _to_host(params["embed"], None)  # [S + 1, d]
+  full = np.repeat(embed[rows:rows + 1], cfg.vocab_size, axis=0)  # [V, d]
+  full[ids] = embed[:rows]
+  out = dict(params, embed=full)
+  record = {"covered": int(rows), "vocab_size": int(cfg.vocab_size), "ids": ids.tolist(),
+            "outside_embedding": "the shared row every uncovered id is read through",
+            "outside_ids": np.setdiff1d(np.arange(cfg.vocab_size), ids).tolist()}
+  if head == "lm":
+    w = embed[:rows].T if cfg.tie_embeddings else _to_host(params["lm_head"], None)  # [d, S]
+    mean = w.astype(np.float64).mean(axis=1).astype(w.dtype)  # [d]
+    lm_head = np.repeat(mean[:, None], cfg.vocab_size, axis=1)  # [d, V]
+    lm_head[:, ids] = w
+    out["lm_head"] = lm_head
+    record["outside_lm_head"] = OUTSIDE_NOTE
+  full_cfg = dataclasses.replace(cfg, vocab_ids=(), tie_embeddings=False)
+  return out, full_cfg, record
