@@ -4,6 +4,10 @@ A checkpoint at step s holds two items:
 
   * "state": the TrainState pytree (params and optimizer states of policy
     and critic, the policy version), restored straight into its shardings;
+    with LoRA (config section `lora`) its policy and critic are the adapters
+    and their moments only, and the meta's "lora_base" is a fingerprint of
+    the frozen base (`lora.fingerprint`): `check_lora_base` refuses a resume
+    on another base, or a full run's checkpoint in a LoRA run and back;
   * "meta": JSON: the run stage, the prompt iterator's state, the running-
     mean baseline, counters and the host rng seed sequence.
 
@@ -51,7 +55,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from sao_jax.config import import_strings
+from sao_jax.config import import_strings, sections
 from sao_jax.data import files
 
 # What orbax writes into a step directory when it finalises a save on a
@@ -255,6 +259,25 @@ def abstract_like(tree):
   return jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
       tree)
+
+
+def check_lora_base(saved_meta: dict, step: int, ours: str | None, workdir: str) -> None:
+  """Refuses, in one line, to restore checkpoint `step` (its meta `saved_meta`)
+  into a run whose LoRA base fingerprint is `ours` (None: a full run) when
+  the checkpoint was trained on another base or as the other kind of run."""
+  theirs = saved_meta.get("lora_base")
+  if theirs == ours:
+    return
+  where = f"checkpoint {step} in {workdir}"
+  if theirs is None:
+    why = "holds a full model's state, this run trains LoRA adapters (lora.enabled)"
+  elif ours is None:
+    why = "holds LoRA adapters only, this run trains the full model (lora.enabled = False)"
+  else:
+    why = (f"holds LoRA adapters trained on another base (fingerprint {theirs}, this run's "
+           f"base {ours}: another model.hf_dir, seed or lora.base_dtype)")
+  raise sections.ConfigError(f"{where} {why}; resume with the config and base the run was "
+                             "started with, or use a new workdir")
 
 
 def committed_checkpoints(directory: str) -> dict[int, dict[str, Any]]:

@@ -21,12 +21,12 @@ from sao_jax.config import sections
 from sao_jax.models import sharding
 from sao_jax.envs import registry
 from sao_jax.models import config as model_config
-from sao_jax.models import policy
+from sao_jax.models import lora, policy
 from sao_jax.rollout import backends
 from sao_jax.rollout.driver import RolloutDriver
 from sao_jax.rollout.engine import PolicyEngine, rollout_rules
-from sao_jax.train.train_step import (StepConfig, TrainState, jit_sharded, make_sft_step,
-                                 make_train_step)
+from sao_jax.train.train_step import (Adapters, StepConfig, TrainState, full_critic,
+                                      full_policy, jit_sharded, make_sft_step, make_train_step)
 
 
 def validate_config(config, num_devices: int | None = None) -> None:
@@ -142,6 +142,76 @@ def step_config(config) -> StepConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraPrograms:
+  """LoRA's part of the programs (config section `lora`): what the adapters
+  adapt, the bases' dtype and shardings, and the adapters' initial draw."""
+  adapters: Adapters
+  base_dtype: str  # "": the model's param dtype
+  base_shardings: tuple  # (policy, critic): the full params' shardings
+  seed: int
+
+  def init(self, policy_params, critic_params) -> tuple:
+    """(policy adapters, critic adapters) at step 0: B zero, so each model is its base."""
+    rng = jax.random.key(self.seed)
+    return (lora.init_adapters(policy_params, self.adapters.actor, jax.random.fold_in(rng, 2)),
+            lora.init_adapters(critic_params, self.adapters.critic, jax.random.fold_in(rng, 3)))
+
+  def bases(self, policy_params, critic_params) -> tuple:
+    """(policy base, critic base), eagerly (no copy where the dtype is kept): the
+    critic's trunk is the policy's own arrays, its value head from `critic_params`."""
+    cast = lambda t: t if not self.base_dtype else jax.tree.map(
+        lambda x: x.astype(self.base_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, t)
+    base = cast(policy_params)
+    return base, policy.value_params_from_policy(base, cast(critic_params))
+
+
+def _lora_programs(config, c: sections.Lora, policy_params, critic_params, policy_shardings,
+                   critic_shardings) -> LoraPrograms:
+  """The `lora` section's adapters: the actor's targets minus rl.actor_frozen;
+  the critic's targets, plus the actor's (it carries the SFT policy's
+  adapters, `stages.sft`), plus its whole-trained value head."""
+  if config.sft.init_from_hf:
+    raise sections.ConfigError(
+        f"sft.init_from_hf = {config.sft.init_from_hf!r} with lora.enabled: a LoRA run's base "
+        "is fixed when it is built; set model.hf_dir to that checkpoint (and sft.steps = 0)")
+  actor = lora.LoraConfig(c.rank, c.alpha, tuple(c.actor_targets),
+                          frozen=tuple(config.rl.actor_frozen))
+  critic = lora.LoraConfig(c.rank, c.alpha, tuple(c.critic_targets) + tuple(c.actor_targets),
+                           whole=tuple(c.critic_whole))
+  for cfg, params in ((actor, policy_params), (critic, critic_params)):
+    try:
+      lora.plan(params, cfg)
+    except ValueError as e:
+      raise sections.ConfigError(str(e)) from None
+  return LoraPrograms(Adapters(actor, critic), c.base_dtype,
+                      (policy_shardings, critic_shardings), config.seed)
+
+
+def lora_bases(programs: "Programs", policy_params, critic_params) -> tuple | None:
+  """The frozen bases a LoRA run's steps read (None without LoRA)."""
+  if programs.lora is None:
+    return None
+  return programs.lora.bases(policy_params, critic_params)
+
+
+def with_bases(step: Callable, bases) -> Callable:
+  """`step` with the bases bound as its last argument (a run's steps)."""
+  return lambda *args: step(*args, bases)
+
+
+def full_params(programs: "Programs", bases, trainable, which: str = "policy"):
+  """The full params of `trainable` (the state's policy or critic): itself
+  without LoRA, else merged onto its base: what engines serve, evaluation
+  reads and exports write. One jitted merge (a new tree the base's size)."""
+  if programs.lora is None:
+    return trainable
+  view = full_policy if which == "policy" else full_critic
+  shardings = programs.lora.base_shardings[0 if which == "policy" else 1]
+  return jax.jit(view, static_argnums=0, out_shardings=shardings)(
+      programs.lora.adapters, trainable, bases)
+
+
+@dataclasses.dataclass(frozen=True)
 class Programs:
   """A run's placement, optimizers and jitted steps on one mesh, from shapes alone.
 
@@ -166,9 +236,14 @@ class Programs:
   sft_step: Callable  # (policy, policy_opt, batch) -> (policy, policy_opt, metrics)
   value_step: Callable  # (state, batch) -> (state, metrics); critic only
   rl_step: Callable  # (state, batch) -> (state, metrics)
+  # LoRA: the state's policy and critic are adapters, and each step takes the
+  # bases (`lora_bases`) as a last argument (`with_bases`).
+  lora: LoraPrograms | None = None
 
   def init_state(self, policy_params, critic_params) -> TrainState:
     """The state at step 0 around given params (jit it with state_shardings)."""
+    if self.lora is not None:
+      policy_params, critic_params = self.lora.init(policy_params, critic_params)
     return TrainState(jnp.zeros((), jnp.int32), policy_params, critic_params,
                       self.policy_tx.init(policy_params), self.critic_tx.init(critic_params))
 
@@ -190,9 +265,20 @@ def build_programs(config, model_cfg: model_config.ModelConfig, step_cfg: StepCo
   # checkpoint slot (TrainState.policy_opt) as RL's, so their layouts must agree.
   actor_rules = optim.freeze_rules(config.rl.actor_frozen)
   optim.check_rules_match(policy_params, actor_rules, "rl.actor_frozen")
+  lora_c = sections.load(config).lora
+  lora_p = (_lora_programs(config, lora_c, policy_params, critic_params, policy_shardings,
+                           critic_shardings) if lora_c.enabled else None)
+  # What the optimizers move: the params, or with LoRA the adapters (replicated:
+  # a few MB; the merge lays W + s A @ B out as W is).
+  train_policy, train_critic = policy_params, critic_params
+  train_shardings = (policy_shardings, critic_shardings)
+  if lora_p is not None:
+    train_policy, train_critic = jax.eval_shape(lora_p.init, policy_params, critic_params)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    train_shardings = jax.tree.map(lambda _: replicated, (train_policy, train_critic))
 
   def policy_tx(lr, steps, warmup):
-    return optim.make_optimizer(policy_params, optim.warmup_cosine(lr, warmup, steps),
+    return optim.make_optimizer(train_policy, optim.warmup_cosine(lr, warmup, steps),
                                 rules=actor_rules, clip_norm=config.rl.clip_norm)
 
   def opt_shardings(tx, params, param_shardings):
@@ -201,37 +287,59 @@ def build_programs(config, model_cfg: model_config.ModelConfig, step_cfg: StepCo
 
   sft_tx = policy_tx(config.sft.lr, config.sft.steps, config.sft.warmup)
   rl_tx = policy_tx(config.rl.actor_lr, config.rl.steps, config.rl.warmup)
-  critic_rules = (optim.CRITIC_FREEZE_RULES if config.rl.freeze_critic_attention
-                  else optim.TRAIN_ALL_RULES)
-  critic_tx = optim.make_optimizer(critic_params, config.rl.critic_lr, rules=critic_rules,
+  critic_tx = optim.make_optimizer(train_critic, config.rl.critic_lr,
+                                   rules=_critic_rules(config, lora_c, lora_p, train_critic),
                                    clip_norm=config.rl.clip_norm)
   state_shardings = TrainState(
       step=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
-      policy=policy_shardings, critic=critic_shardings,
-      policy_opt=opt_shardings(rl_tx, policy_params, policy_shardings),
-      critic_opt=opt_shardings(critic_tx, critic_params, critic_shardings))
+      policy=train_shardings[0], critic=train_shardings[1],
+      policy_opt=opt_shardings(rl_tx, train_policy, train_shardings[0]),
+      critic_opt=opt_shardings(critic_tx, train_critic, train_shardings[1]))
   batch_sharding = sharding.batch_sharding(mesh, rules)
-
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    rl_step = jit_sharded(make_train_step(model_cfg, step_cfg, rl_tx, critic_tx),
-                          state_shardings, batch_sharding)
-    value_step = jit_sharded(
-        # The arm's own estimator: a token-GAE critic is pretrained where
-        # that arm bootstraps, not on skip-observation targets.
-        make_train_step(model_cfg, dataclasses.replace(
-            step_cfg, rl=step_cfg.rl.replace(critic_updates=1)), rl_tx, critic_tx,
-                        update_actor=False),
-        state_shardings, batch_sharding)
-    sft = make_sft_step(model_cfg, sft_tx, config.rl.load_balance_coef)
-    sft_step = jax.jit(
-        sft, in_shardings=(policy_shardings, state_shardings.policy_opt, batch_sharding),
-        out_shardings=(policy_shardings, state_shardings.policy_opt, None),
-        donate_argnums=(0, 1))
-
+    sft_step, value_step, rl_step = _jit_steps(config, model_cfg, step_cfg, (sft_tx, rl_tx,
+                                               critic_tx), state_shardings, batch_sharding, lora_p)
   programs = Programs(rules, batch_sharding, policy_init, critic_init, policy_shardings,
                       critic_shardings, sft_tx, rl_tx, critic_tx, state_shardings, None,
-                      sft_step, value_step, rl_step)
+                      sft_step, value_step, rl_step, lora_p)
   abstract = jax.eval_shape(programs.init_state, policy_params, critic_params)
   abstract_state = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, state_shardings)
   return dataclasses.replace(programs, abstract_state=abstract_state)
+
+
+def _critic_rules(config, lora_c: sections.Lora, lora_p: LoraPrograms | None, train_critic):
+  """The critic optimizer's freezing rules: the paper's frozen attention (or
+  none), and with LoRA first the carried adapters its targets do not name."""
+  rules = (optim.CRITIC_FREEZE_RULES if config.rl.freeze_critic_attention
+           else optim.TRAIN_ALL_RULES)
+  if lora_p is None:
+    return rules
+  trained = tuple(lora_c.critic_targets) + tuple(lora_c.critic_whole)
+  return lora.optimizer_rules(train_critic, trained)[:-1] + rules
+
+
+def _jit_steps(config, model_cfg, step_cfg: StepConfig, txs: tuple, state_shardings,
+               batch_sharding, lora_p: LoraPrograms | None) -> tuple:
+  """(sft_step, value_step, rl_step), jitted with shardings and donation; with
+  LoRA each takes the bases (policy, critic) as a last, not donated, argument."""
+  sft_tx, rl_tx, critic_tx = txs
+  adapters = None if lora_p is None else lora_p.adapters
+  base = {} if lora_p is None else {"base_shardings": lora_p.base_shardings}
+  rl_step = jit_sharded(make_train_step(model_cfg, step_cfg, rl_tx, critic_tx,
+                                        adapters=adapters),
+                        state_shardings, batch_sharding, **base)
+  value_step = jit_sharded(
+      # The arm's own estimator: a token-GAE critic is pretrained where
+      # that arm bootstraps, not on skip-observation targets.
+      make_train_step(model_cfg, dataclasses.replace(
+          step_cfg, rl=step_cfg.rl.replace(critic_updates=1)), rl_tx, critic_tx,
+                      update_actor=False, adapters=adapters),
+      state_shardings, batch_sharding, **base)
+  sft = make_sft_step(model_cfg, sft_tx, config.rl.load_balance_coef, adapters)
+  policy_in = (state_shardings.policy, state_shardings.policy_opt, batch_sharding)
+  sft_step = jax.jit(
+      sft, in_shardings=policy_in + tuple(base.values()),
+      out_shardings=(state_shardings.policy, state_shardings.policy_opt, None),
+      donate_argnums=(0, 1))
+  return sft_step, value_step, rl_step

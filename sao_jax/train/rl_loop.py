@@ -188,7 +188,7 @@ def rl(run: Run) -> None:
         m = _train_step(run, run.put_batch(run.faults.poison_batch(step, batch)))
       skips.record(bool(m["policy/update_skipped"]), step)
       if step % c.sync_every == 0 and not m["policy/update_skipped"]:
-        m.update(source.publish(run.state.policy, int(run.state.step)))
+        m.update(source.publish(run.policy_params(), int(run.state.step)))
       run.meta["stage_step"] = step
       report = source.report()
       run.meta["generated_tokens"] = tokens_before + report.counts.generated_tokens
@@ -209,7 +209,7 @@ def rl(run: Run) -> None:
         m.update({f"faults/injected_{k}": v for k, v in run.faults.counts().items()})
       _log(run, step, m, force=budget_spent)
       if c.eval_every and step % c.eval_every == 0 and step < c.steps:
-        run.evaluate(f"rl_step_{step}", run.state.policy)
+        run.evaluate(f"rl_step_{step}", run.policy_params())
       if step % config.checkpoint.every == 0:
         _checkpoint(run, source, baseline_state)
       run.faults.after_rl_step(step)

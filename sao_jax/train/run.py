@@ -26,12 +26,14 @@ from sao_jax.train import factories
 from sao_jax.data import files
 from sao_jax.config import sections
 from sao_jax.models import sharding
-from sao_jax.data.checkpoint import Checkpointer, abstract_like, committed_checkpoints
+from sao_jax.data.checkpoint import (Checkpointer, abstract_like, check_lora_base,
+                                     committed_checkpoints)
 from sao_jax.envs import base, registry
 from sao_jax.train.evaluation import evaluate_sets, set_environments
 from sao_jax.train.faults import FaultInjector
 from sao_jax.train.metrics import MetricsWriter
 from sao_jax.models import config as model_config
+from sao_jax.models.lora import fingerprint as lora_fingerprint
 from sao_jax.rollout.driver import RolloutDriver
 from sao_jax.rollout.engine import PolicyEngine
 from sao_jax.train.train_step import StepConfig, TrainState
@@ -61,6 +63,17 @@ class Run:
   ckpt: Checkpointer | None = None
   metrics: MetricsWriter | None = None
   eval_envs: dict | None = None  # eval.sets' environments by name (the first is reported flat)
+  # LoRA: (policy base, critic base), the frozen params the state's adapters apply to.
+  bases: Any = None
+
+  def policy_params(self):
+    """The policy's full params: `state.policy`, or with LoRA its base merged with
+    the adapters (a new tree: what engines serve, evaluation and exports read)."""
+    return factories.full_params(self.programs, self.bases, self.state.policy, "policy")
+
+  def critic_params(self):
+    """The critic's full params (`policy_params`' twin)."""
+    return factories.full_params(self.programs, self.bases, self.state.critic, "critic")
 
   @property
   def rules(self):
@@ -229,17 +242,23 @@ def build(config: ml_collections.ConfigDict | sections.Sections) -> Run:
   policy_params = _initial_policy(config, model_cfg, tok, p, mesh)
   critic_params, _ = sharding.sharded_init(p.critic_init, mesh, p.rules)
   state = jax.jit(p.init_state, out_shardings=p.state_shardings)(policy_params, critic_params)
+  bases = factories.lora_bases(p, policy_params, critic_params)  # None without LoRA
+  if bases is not None:  # the steps read the frozen bases as their last argument
+    rl_step, value_step, sft_step = (factories.with_bases(f, bases)
+                                     for f in (rl_step, value_step, sft_step))
   meta = {"stage": "sft", "stage_step": 0, "ckpt_step": 0, "source": None,
           "estimator_state": {}, "evals": {},
           # model.vocab_subset's head ids: a restore under other ids is refused.
           "vocab_ids": list(model_cfg.vocab_ids) or None,
           # What model.hf_dir holds that the run does not train (Qwen3.5's MTP
           # head): an export carries it over from there (trainer.export).
-          "carried_tensors": _carried_tensors(config.model.hf_dir)}
+          "carried_tensors": _carried_tensors(config.model.hf_dir),
+          # LoRA: the base the adapters were trained on (a resume on another is refused).
+          "lora_base": None if bases is None else lora_fingerprint(bases[0])}
   frozen_env = base.frozen_view(env)
   return Run(config, tok, registry.make_format(config.env, tok), env, frozen_env, faults,
              model_cfg, step_cfg, mesh, p, rl_step, value_step, sft_step, state, meta,
-             eval_envs=set_environments(config, frozen_env))
+             eval_envs=set_environments(config, frozen_env), bases=bases)
 
 
 def open_workdir(run: Run, workdir: str, restore_step: int | None = None,
@@ -308,6 +327,7 @@ def _check_vocab_ids(run: Run, step: int) -> None:
   (model.vocab_subset: computed from the environment's rows, so another
   dataset gives another head); else one line, before orbax's shape error."""
   saved = committed_checkpoints(files.join(run.workdir, "checkpoints")).get(step, {})
+  check_lora_base(saved, step, run.meta.get("lora_base"), run.workdir)
   theirs, ours = saved.get("vocab_ids"), list(run.model_cfg.vocab_ids) or None
   if "vocab_ids" in saved and theirs != ours:
     describe = lambda ids: f"a head over {len(ids)} token ids" if ids else "the full head"

@@ -321,7 +321,7 @@ def _driver_source(run, saved, *, synchronous: bool) -> DriverSource:
 
   def new_driver(emit):
     """A fresh engine and driver on the trainer's current params."""
-    engine = run.engine(run.state.policy, int(run.state.step),
+    engine = run.engine(run.policy_params(), int(run.state.step),
                         record_routing=run.routing_shape is not None)
     return run.driver(engine, env, prompt_iter, emit)
 
@@ -364,7 +364,7 @@ def _fleet_source(run, saved) -> FleetSource:
       except Exception as e:  # pylint: disable=broad-except  # e.g. an address not ours
         why = f"the weight server did not start: {e!r}"[:300]
   return FleetSource(root, feed, fleet.WeightPublisher(root, f.keep_versions, version),
-                     run.state.policy, version,
+                     run.policy_params(), version,
                      jax.jit(functools.partial(precision.cast_for_serving, run.model_cfg)),
                      server=server, checkpoint_every=f.checkpoint_every,
                      direct_unavailable=why, identity=published)

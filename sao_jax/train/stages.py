@@ -10,6 +10,14 @@
 
 Each stage checkpoints as it goes and ends with `run.advance(next stage)`, so
 a restarted run resumes at the stage and step of its latest checkpoint.
+
+With LoRA (config section `lora`) every stage trains adapters: the state's
+policy and critic are adapter trees over frozen bases (`run.bases`), and
+whatever needs the model whole (evaluation, the rollout engine, the value
+store's generation) reads `run.policy_params()`, the merged params. The
+critic starts from the SFT policy as in full fine-tuning: its base trunk is
+the policy's base and its adapters carry the SFT policy's over
+(`lora.carry_over`), so the merged critic trunk is the SFT policy's.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from sao_jax.data import store
 from sao_jax.envs import base
 from sao_jax.envs.demonstrations import demonstration_trajectory
 from sao_jax.train.metrics import progress
-from sao_jax.models import hf_import, policy
+from sao_jax.models import hf_import, lora, policy
 from sao_jax.train.rl_loop import rl
 from sao_jax.train.run import Run, wait
 
@@ -103,10 +111,13 @@ def sft(run: Run) -> None:
       run.state = run.state.replace(policy=policy_params, policy_opt=opt)
       run.save()
   # RL's actor optimizer starts fresh; the critic starts from the SFT trunk.
-  critic = policy.value_params_from_policy(policy_params, run.state.critic)
+  if run.programs.lora is None:
+    critic = policy.value_params_from_policy(policy_params, run.state.critic)
+  else:  # the same trunk: the policy's base, the policy's adapters carried over
+    critic = lora.carry_over(policy_params, run.state.critic)
   # A real copy: the trunk must not alias the policy's (donated) buffers.
   critic = jax.jit(lambda t: jax.tree.map(jnp.copy, t),
-                   out_shardings=run.programs.critic_shardings)(critic)
+                   out_shardings=shardings.critic)(critic)
   run.state = run.state.replace(
       policy=policy_params,
       policy_opt=jax.jit(run.programs.policy_tx.init, out_shardings=shardings.policy_opt)(
@@ -114,7 +125,7 @@ def sft(run: Run) -> None:
       critic=critic,
       critic_opt=jax.jit(run.programs.critic_tx.init, out_shardings=shardings.critic_opt)(
           critic))
-  run.evaluate("sft", run.state.policy)
+  run.evaluate("sft", run.policy_params())
   run.advance("value_pretrain")
 
 
@@ -123,7 +134,7 @@ def _store_initial_rollouts(run: Run, shard: str, num_trajectories: int) -> int:
 
   By process 0 of a multi-host run; every process then reads the store back.
   """
-  params = distributed.host_local_copy(run.state.policy, run.mesh)
+  params = distributed.host_local_copy(run.policy_params(), run.mesh)
 
   def generate() -> int:
     engine = run.engine(params, version=0)
@@ -180,7 +191,7 @@ def value_pretrain(run: Run) -> None:
 
 def done(run: Run) -> dict:
   """The final evaluation; writes <workdir>/summary.json (a finished run's mark)."""
-  final = run.evaluate("final", run.state.policy)
+  final = run.evaluate("final", run.policy_params())
   summary = {"sft_pass@1": run.meta["evals"].get("sft", {}).get("pass@1"),
              "final_pass@1": final["pass@1"], "evals": run.meta["evals"],
              "rl_steps": int(run.state.step),

@@ -18,6 +18,15 @@ the importance ratio, the approx KL to the rollout policy and the share of
 tokens outside DIS's window, and the corrective tokens' share of tokens
 and of |r A|. `dis_warnings` turns a record of them into progress lines.
 
+With LoRA (`Adapters`, sao_jax/models/lora.py) the state's policy and
+critic are adapter trees: each step takes the frozen bases as one more,
+constant argument `bases` = (policy base, critic base), differentiates the
+adapters only (the optimizer states hold their moments only) and runs the
+forward on `lora.merge(base, adapters)`. The merged tree is a temporary of
+the step: it costs one copy of the targeted matrices in the base's dtype,
+and the backward materialises dL/dW' at the targeted matrices (their size,
+in the compute dtype) before projecting it onto A and B.
+
 All functions here are pure; `jit_sharded` adds shardings and donation.
 """
 
@@ -36,7 +45,7 @@ import optax
 
 from sao_jax.algo import advantages as adv
 from sao_jax.algo import losses
-from sao_jax.models import policy
+from sao_jax.models import lora, policy
 from sao_jax.models.config import ModelConfig
 from sao_jax.algo.optim import param_path
 from sao_jax.config import sections
@@ -55,6 +64,23 @@ class TrainState:
   critic: Any
   policy_opt: Any
   critic_opt: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapters:
+  """LoRA's view of the state: its policy and critic adapt these configs' targets."""
+  actor: lora.LoraConfig
+  critic: lora.LoraConfig
+
+
+def full_policy(adapters: Adapters | None, trainable, bases):
+  """The actor's full params: `trainable` itself without LoRA, else merged on bases[0]."""
+  return trainable if adapters is None else lora.merge(bases[0], trainable, adapters.actor)
+
+
+def full_critic(adapters: Adapters | None, trainable, bases):
+  """The critic's full params: `trainable` itself without LoRA, else merged on bases[1]."""
+  return trainable if adapters is None else lora.merge(bases[1], trainable, adapters.critic)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,13 +170,14 @@ def compute_advantages(cfg: StepConfig, values, batch):
   return advantages, returns, value_mask
 
 
-def _critic_updates(model_cfg, cfg, critic_tx, state, batch, metrics):
+def _critic_updates(model_cfg, cfg, critic_tx, state, batch, metrics, adapters=None,
+                    bases=None):
   """Critic forward -> advantages/returns -> K critic updates."""
   inputs = _model_inputs(batch)
   m = batch["action_mask"]
 
   def critic_loss(params, targets):
-    v, aux = policy.token_values(model_cfg, params, *inputs)
+    v, aux = policy.token_values(model_cfg, full_critic(adapters, params, bases), *inputs)
     if targets is None:
       # The first update's forward is also the one GAE reads (no separate
       # no-grad critic forward): targets from its stop-gradient values.
@@ -347,10 +374,11 @@ def dis_warnings(metrics: dict, levels: dict | None = None) -> list[str]:
 
 
 def make_train_step(model_cfg: ModelConfig, cfg: StepConfig, policy_tx, critic_tx,
-                    *, update_actor: bool = True) -> Callable:
-  """train_step(state, batch) -> (state, metrics). `update_actor=False` is value pretraining."""
+                    *, update_actor: bool = True, adapters: Adapters | None = None) -> Callable:
+  """train_step(state, batch, bases=None) -> (state, metrics). `update_actor=False`
+  is value pretraining; `adapters`: LoRA, over `bases` (module docstring)."""
 
-  def train_step(state: TrainState, batch):
+  def train_step(state: TrainState, batch, bases=None):
     m = batch["action_mask"]
     metrics = {
         "tokens/action": m.sum(), "tokens/all": (batch["segment_ids"] > 0).sum(),
@@ -359,7 +387,8 @@ def make_train_step(model_cfg: ModelConfig, cfg: StepConfig, policy_tx, critic_t
                                             _num_segments(batch["segment_ids"])),
     }
     if cfg.uses_critic:
-      state, advantages = _critic_updates(model_cfg, cfg, critic_tx, state, batch, metrics)
+      state, advantages = _critic_updates(model_cfg, cfg, critic_tx, state, batch, metrics,
+                                          adapters, bases)
     else:
       advantages = batch["baseline_advantages"]
     if not update_actor:
@@ -375,7 +404,8 @@ def make_train_step(model_cfg: ModelConfig, cfg: StepConfig, policy_tx, critic_t
       replay = jnp.moveaxis(replay.astype(jnp.int32), 2, 0)
 
     def actor_loss(params):
-      logp, aux = policy.token_logprobs(model_cfg, params, *_model_inputs(batch),
+      logp, aux = policy.token_logprobs(model_cfg, full_policy(adapters, params, bases),
+                                        *_model_inputs(batch),
                                         cfg.temperature,
                                         action_index=batch.get("action_index"),
                                         routing=replay)
@@ -437,14 +467,17 @@ def _num_segments(segment_ids):
   return starts.sum()
 
 
-def make_sft_step(model_cfg: ModelConfig, tx, load_balance_coef: float = 0.01) -> Callable:
-  """sft_step(params, opt_state, batch) -> (params, opt_state, metrics): NLL on actions."""
+def make_sft_step(model_cfg: ModelConfig, tx, load_balance_coef: float = 0.01,
+                  adapters: Adapters | None = None) -> Callable:
+  """sft_step(params, opt_state, batch, bases=None) -> (params, opt_state, metrics):
+  NLL on actions; with `adapters` the params are the actor's adapters over bases[0]."""
 
-  def sft_step(params, opt_state, batch):
+  def sft_step(params, opt_state, batch, bases=None):
     m = batch["action_mask"]
 
     def loss_fn(p):
-      logp, aux = policy.token_logprobs(model_cfg, p, *_model_inputs(batch),
+      logp, aux = policy.token_logprobs(model_cfg, full_policy(adapters, p, bases),
+                                        *_model_inputs(batch),
                                         action_index=batch.get("action_index"))
       nll = -jnp.where(m, logp, 0.0).sum() / jnp.maximum(m.sum(), 1)
       return nll + load_balance_coef * aux["load_balance_loss"], nll
@@ -458,8 +491,11 @@ def make_sft_step(model_cfg: ModelConfig, tx, load_balance_coef: float = 0.01) -
   return sft_step
 
 
-def jit_sharded(fn, state_shardings, batch_sharding, donate: bool = True):
-  """jit with explicit in/out shardings for (state, batch) -> (state, metrics)."""
-  return jax.jit(fn, in_shardings=(state_shardings, batch_sharding),
+def jit_sharded(fn, state_shardings, batch_sharding, donate: bool = True,
+                base_shardings=None):
+  """jit with explicit in/out shardings for (state, batch) -> (state, metrics);
+  with `base_shardings`, (state, batch, bases) (LoRA's frozen bases, not donated)."""
+  bases = () if base_shardings is None else (base_shardings,)
+  return jax.jit(fn, in_shardings=(state_shardings, batch_sharding) + bases,
                  out_shardings=(state_shardings, None),
                  donate_argnums=(0,) if donate else ())

@@ -145,3 +145,60 @@ def test_fingerprint_sees_one_bit():
   assert lora.fingerprint(flipped) != fp
   bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
   assert lora.fingerprint(bf16) != fp
+
+
+def test_peft_export_names_and_refusals(tmp_path):
+  """The adapter file's names are transformers' modules, A^T [r, in] and
+  B^T [out, r]; expert adapters and whole-trained leaves are refused."""
+  from sao_jax.models import peft_export  # pylint: disable=g-import-not-at-top
+  cfg, params = _params("tiny_dense", vocab_size=96, scan_layers=True)
+  adapters = _init(params, ACTOR)
+  tensors = peft_export.peft_tensors(cfg, adapters)
+  name = "base_model.model.model.layers.1.self_attn.o_proj"
+  assert tensors[f"{name}.lora_A.weight"].shape == (4, 4 * 16)
+  assert tensors[f"{name}.lora_B.weight"].shape == (64, 4)
+  np.testing.assert_array_equal(tensors[f"{name}.lora_A.weight"],
+                                np.asarray(adapters["layers"]["attn"]["o"][lora.A][1]).T)
+  assert len(tensors) == 2 * 2 * 7  # layers x (q k v o gate up down) x (A, B)
+  stats = peft_export.export_adapters(adapters, cfg, ACTOR, str(tmp_path / "a"))
+  assert stats["modules"] == 14
+  with pytest.raises(ValueError, match="MoE experts"):
+    _, moe = _params("tiny")
+    peft_export.peft_tensors(model_config.tiny(), _init(moe, ACTOR))
+  with pytest.raises(ValueError, match="trained whole"):
+    peft_export.peft_tensors(cfg, {"lm_head": params["embed"]})
+
+
+@pytest.mark.slow  # torch, transformers and peft imports: ~15 s
+def test_peft_loads_the_adapters_onto_transformers_with_equal_logits(tmp_path):
+  """The base exported as HF float32 weights, the adapters as a PEFT
+  directory: transformers + peft's logits equal ours on lora.merge(base,
+  adapters), and peft's merge_and_unload equals our merged export."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  peft = pytest.importorskip("peft")
+  from sao_jax.models import hf_export, hf_import, peft_export  # pylint: disable=g-import-not-at-top
+  from sao_jax.models.transformer import Transformer  # pylint: disable=g-import-not-at-top
+  cfg, params = _params("tiny_dense", vocab_size=96)
+  adapters = _randomise_b(_init(params, ACTOR), jax.random.key(2))
+  hf_export.export_params(params, cfg, str(tmp_path / "base"), dtype="float32")
+  peft_export.export_adapters(adapters, cfg, ACTOR, str(tmp_path / "adapter"),
+                              base_model=str(tmp_path / "base"))
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      str(tmp_path / "base"), dtype=torch.float32).eval()
+  model = peft.PeftModel.from_pretrained(model, str(tmp_path / "adapter")).eval()
+  tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 20))
+  with torch.no_grad():
+    ref = model(torch.tensor(tokens)).logits.numpy()
+  merged = lora.merge(params, adapters, ACTOR)
+  pos = jnp.broadcast_to(jnp.arange(20), (2, 20))
+  ours = Transformer(cfg).apply({"params": merged}, jnp.asarray(tokens, jnp.int32), pos,
+                                jnp.ones((2, 20), jnp.int32))[0]
+  assert float(np.abs(ref).max()) > 0.1
+  np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=1e-4)
+  hf_export.export_params(merged, cfg, str(tmp_path / "merged"), dtype="float32")
+  theirs = model.merge_and_unload().state_dict()
+  ours_merged = hf_import.load_hf_checkpoint(str(tmp_path / "merged"), cfg)
+  np.testing.assert_allclose(theirs["model.layers.0.self_attn.q_proj.weight"].numpy(),
+                             np.asarray(ours_merged["layer_0"]["attn"]["q"]).reshape(64, -1).T,
+                             atol=1e-6)

@@ -1,0 +1,132 @@
+"""LoRA in training (config section `lora`): adapters only train, checkpoint and resume.
+
+The default run checks the programs (shapes only) and one real SFT step of
+the adapters; the slow test runs the real trainer end to end with LoRA on
+and resumes it, then refuses a resume on another base.
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sao_jax.algo import optim
+from sao_jax.config import sections
+from sao_jax.data import packing
+from sao_jax.data.checkpoint import check_lora_base
+from sao_jax.models import lora, policy
+from sao_jax.models import sharding
+from sao_jax.train import factories
+from sao_jax.train.train_step import Adapters, make_sft_step
+
+from runs import launch, load_config_module, read_metrics  # pylint: disable=g-bad-import-order
+from test_trainer import CFG, demo_trajs  # pylint: disable=g-bad-import-order
+
+ACTOR = lora.LoraConfig(4, 8.0, sections.LORA_ACTOR_TARGETS)
+
+
+def _flat(tree):
+  return {optim.param_path(k): v for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _programs(**lora_fields):
+  c = load_config_module("sao_tiny.py").get_config()
+  c.lora.enabled = True
+  c.lora.rank = 4
+  c.rl.actor_frozen = (r"/moe/router$",)
+  for k, v in lora_fields.items():
+    c.lora[k] = v
+  typed = sections.load(c)
+  mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
+  model_cfg = factories.build_model_config(typed)
+  return factories.build_programs(typed, model_cfg, factories.step_config(typed), mesh)
+
+
+def test_the_state_holds_adapters_and_their_moments_only():
+  """With lora on, the state (what a checkpoint holds) is the adapters: the
+  actor's over attention and experts (no router: rl.actor_frozen wins), the
+  critic's carrying the actor's targets plus its whole value head; Adam's
+  moments are the adapters' size; the critic trains only its MoE adapters and
+  value head (the carried attention adapters are frozen)."""
+  p = _programs()
+  s = p.abstract_state
+  actor, critic = _flat(s.policy), _flat(s.critic)
+  assert all(n.endswith(("/lora_a", "/lora_b")) for n in actor)
+  assert not any("router" in n or "norm" in n or "embed" in n for n in actor)
+  assert {"value_head", "value_bias"} <= set(critic)
+  size = lambda t: sum(x.size for x in jax.tree.leaves(t))
+  assert size(s.policy_opt) == 2 * size(s.policy) + 2  # mu, nu (+ two step counts)
+  assert size(s.policy) < size(jax.eval_shape(p.policy_init)) / 4
+  labels = _flat(optim.partition_labels(s.critic, factories._critic_rules(  # pylint: disable=protected-access
+      sections.load(_config_with_freeze()), sections.Lora(enabled=True), p.lora, s.critic)))
+  assert labels["layer_0/attn/q/lora_a"] == optim.FREEZE
+  assert labels["layer_0/moe/wo/lora_b"] == optim.TRAIN and labels["value_head"] == optim.TRAIN
+
+
+def _config_with_freeze():
+  c = load_config_module("sao_tiny.py").get_config()
+  c.rl.freeze_critic_attention = True
+  return c
+
+
+def test_bad_lora_settings_are_refused_in_one_line():
+  with pytest.raises(sections.ConfigError, match="lora.dropout"):
+    sections.Lora(dropout=0.1)
+  with pytest.raises(sections.ConfigError, match="lora targets"):
+    _programs(actor_targets=(r"/mlp/no_such$",))
+
+
+def test_an_sft_step_moves_the_adapters_and_never_the_base():
+  """SFT on adapters over a frozen base: the base passed in comes back
+  untouched (it is not even an output), the adapters' B leaves the zero
+  start (after the warmup's lr-0 step), and the merged model moves."""
+  base = policy.init_params(CFG, jax.random.key(0))
+  adapters = lora.init_adapters(base, ACTOR, jax.random.key(1))
+  tx = optim.make_optimizer(adapters, optim.warmup_cosine(1e-2, 1, 10))
+  step = jax.jit(make_sft_step(CFG, tx, adapters=Adapters(ACTOR, ACTOR)))
+  before = _flat(base)
+  batch = packing.pack(demo_trajs(4), 4, (128,))
+  ad, opt = adapters, tx.init(adapters)
+  for _ in range(2):
+    ad, opt, m = step(ad, opt, batch, (base, None))
+    assert np.isfinite(float(m["sft/nll"]))
+  assert all(np.array_equal(before[n], x) for n, x in _flat(base).items())
+  assert float(jnp.abs(_flat(ad)["layer_0/attn/q/lora_b"]).max()) > 0
+  merged = _flat(lora.merge(base, ad, ACTOR))
+  assert not np.array_equal(merged["layer_0/attn/q"], before["layer_0/attn/q"])
+  np.testing.assert_array_equal(merged["layer_0/moe/router"], before["layer_0/moe/router"])
+
+
+def test_a_resume_on_another_base_is_refused():
+  check_lora_base({"lora_base": "ab"}, 3, "ab", "/w")
+  check_lora_base({}, 3, None, "/w")  # a full run's checkpoint written before LoRA existed
+  with pytest.raises(sections.ConfigError, match="another base"):
+    check_lora_base({"lora_base": "ab"}, 3, "cd", "/w")
+  with pytest.raises(sections.ConfigError, match="full model's state"):
+    check_lora_base({"lora_base": None}, 3, "cd", "/w")
+  with pytest.raises(sections.ConfigError, match="LoRA adapters only"):
+    check_lora_base({"lora_base": "ab"}, 3, None, "/w")
+
+
+LORA = ("--config.lora.enabled=True", "--config.lora.rank=4")
+
+
+@pytest.mark.slow
+def test_a_lora_run_trains_resumes_and_refuses_another_base(tmp_path):
+  """SFT -> value pretraining -> RL with adapters, on the real trainer: it
+  finishes, its checkpoints hold the adapters only, a second launch resumes,
+  and a launch with another seed (another random base) is refused."""
+  workdir = str(tmp_path / "lora")
+  out = launch(workdir, *LORA)
+  summary = json.load(open(os.path.join(workdir, "summary.json"), encoding="utf-8"))
+  assert summary["rl_steps"] == 6 and "[done]" in out
+  rl = read_metrics(workdir, "rl")
+  assert all(np.isfinite(r["policy/loss"]) for r in rl)
+  assert all(np.isfinite(r["critic/value_loss"]) for r in rl)
+  out2 = launch(workdir, *LORA, "--config.rl.steps=8")
+  assert "Resumed from checkpoint" in out2
+  out3 = launch(workdir, *LORA, "--config.seed=1", check=False)
+  assert "LoRA adapters trained on another base" in out3
