@@ -243,13 +243,15 @@ class _Episode:
     errors = getattr(action, "tool_errors", ())
     if not calls and not errors:  # an answer
       parsed = getattr(action, "parsed", None)
-      verdict = self._env._verify(parsed.content if parsed is not None else str(action),
-                                  str(self._task.answer))
+      response = parsed.content if parsed is not None else str(action)
+      verdict = self._env._verify(response, str(self._task.answer))
       # Answers the verifier did not judge are counted, never silent.
       events = ([f"verifier_{verdict.reason}"] if verdict.reason in ("timeout", "too_nested")
                 else [])
       return StepResult("", float(verdict.correct), True,
                         {"correct": verdict.correct, "verdict": verdict.reason,
+                         # The extracted answer: evaluation's majority vote (maj@k).
+                         "answer": _extracted_answer(response),
                          "events": events})
     messages, events = answer_tool_calls(action, self._env.call_tool, self._meter)
     done = self._turns >= self._env.max_turns
@@ -385,6 +387,11 @@ def _make_verifier(config: DatasetConfig) -> Callable:
     return verify.Verdict(bool(score), "user")
 
   return user_verifier
+
+
+def _extracted_answer(response: str) -> str | None:
+  from sao_jax.envs import verify  # pylint: disable=g-import-not-at-top
+  return verify.extract_answer(response)
 
 
 _REPORT_LOCK = threading.Lock()

@@ -29,7 +29,7 @@ from sao_jax.models import sharding
 from sao_jax.data.checkpoint import (Checkpointer, abstract_like, check_lora_base,
                                      committed_checkpoints)
 from sao_jax.envs import base, registry
-from sao_jax.train.evaluation import evaluate_sets, set_environments
+from sao_jax.train.evaluation import evaluate_sets, fmt_number, set_environments
 from sao_jax.train.faults import FaultInjector
 from sao_jax.train.metrics import MetricsWriter
 from sao_jax.models import config as model_config
@@ -169,9 +169,10 @@ class Run:
     for set_name, r in result["sets"].items():
       verdicts = ", ".join(f"{k[len('verdict_'):]} {v:.2f}" for k, v in r.items()
                            if k.startswith("verdict_"))
-      print(f"[eval] {name} {set_name}: pass@1 {r['pass@1']:.3f} on {r['tasks']} tasks "
-            f"(mean {r['mean_turns']:.2f} turns, valid tool calls "
-            f"{r.get('valid_tool_calls', 1.0):.2f}; verdicts: {verdicts or '-'})", flush=True)
+      print(f"[eval] {name} {set_name}: pass@1 {fmt_number(r['pass@1'])} on {r['tasks']} tasks "
+            f"(mean {fmt_number(r['mean_turns'], 2)} turns, valid tool calls "
+            f"{fmt_number(r.get('valid_tool_calls'), 2)}; verdicts: {verdicts or '-'})",
+            flush=True)
     return result
 
 

@@ -30,15 +30,7 @@ def test_pass_at_k_is_the_chance_that_k_of_the_n_samples_hold_a_success(n):
 
 
 def test_summary_reports_pass_at_k_and_its_stderr_over_tasks():
-  class T:  # the fields summarize reads
-
-    def __init__(self, prompt_id, reward, finish_reason="done"):
-      self.prompt_id, self.total_reward, self.num_turns = prompt_id, reward, 2
-      self.action_mask, self.finish_reason = np.array([0, 1], bool), finish_reason
-
-    def __len__(self):
-      return 2
-
+  from test_eval_data import T  # pylint: disable=g-import-not-at-top
   # 3 tasks x 4 samples: 1, 2 and 0 successes; two samples cut by the length budget.
   wins = {0: [1, 0, 0, 0], 1: [1, 1, 0, 0], 2: [0, 0, 0, 0]}
   trajs = [T(p, float(w), "length" if (p, i) in ((2, 0), (2, 1)) else "done")
