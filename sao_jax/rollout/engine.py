@@ -453,9 +453,12 @@ class PolicyEngine:
     """Slot `slot`'s cache cut back to its first `length` positions (a prefix
     another request shares); the rest is overwritten as it is fed again.
 
-    Raises ValueError for a model with recurrent (Gated DeltaNet) layers,
-    whose state is that of every cached token (`can_rewind`), and for a
-    length beyond the slot's.
+    A paged engine gives back the pages past the kept positions, and where
+    the cut falls inside a page other slots share, it falls to that page's
+    start (paging.py, `PagePool.cut`): the positions kept are the state's
+    `host_lengths[slot]`. Raises ValueError for a model with recurrent
+    (Gated DeltaNet) layers, whose state is that of every cached token
+    (`can_rewind`), and for a length beyond the slot's.
     """
     if not self.can_rewind:
       raise ValueError("a model with recurrent (linear) layers cannot cut a cache back: its "
@@ -463,10 +466,30 @@ class PolicyEngine:
     if not 0 <= length <= int(state.host_lengths[slot]):
       raise ValueError(f"slot {slot} holds {int(state.host_lengths[slot])} positions, "
                        f"cannot keep {length}")
+    return self._set_length(state, slot, self.kv_cache.cut(state, slot, length))
+
+  def _set_length(self, state: DecodeState, slot: int, length: int) -> DecodeState:
     mask = np.arange(len(state.host_lengths)) == slot
     new = np.where(mask, length, state.host_lengths).astype(np.int32)
     lengths = self._jit("set_lengths", self.programs.set_lengths)(state.lengths, mask, new)
     return state._replace(lengths=lengths, host_lengths=new)
+
+  def share_prefix(self, state: DecodeState, slot: int, tokens) -> DecodeState:
+    """Empty slot `slot` starts with the pages other slots hold of the
+    longest page-aligned prefix of `tokens` (`register_prefix`; paging.py,
+    "Shared prefixes"): its length is theirs, read from the state's
+    `host_lengths`. A dense engine, or a model with recurrent layers, shares
+    nothing (length 0)."""
+    if int(state.host_lengths[slot]):
+      raise ValueError(f"slot {slot} holds {int(state.host_lengths[slot])} positions; "
+                       "share_prefix is for an empty slot")
+    shared = self.kv_cache.share(state, slot, tokens)
+    return self._set_length(state, slot, shared) if shared else state
+
+  def register_prefix(self, state: DecodeState, slot: int, tokens) -> None:
+    """Offers slot `slot`'s cached entries, those of `tokens` (what its cache
+    holds from position 0), to `share_prefix` (host-side only)."""
+    self.kv_cache.register(state, slot, tokens)
 
   # --- pages (a paged engine; kv_cache.py, "Paged") -------------------------
 

@@ -187,6 +187,22 @@ class KVCache:
     (host-side only)."""
     del state, slot, tokens
 
+  def cut(self, state, slot: int, length: int) -> int:
+    """Slot `slot`'s cache cut back to at most `length` positions, to be
+    written again after (host-side only); the positions kept."""
+    del state, slot
+    return int(length)
+
+  def share(self, state, slot: int, tokens) -> int:
+    """Gives empty slot `slot` the cached entries other slots hold of a prefix
+    of `tokens` (host-side only); how many positions (0: none)."""
+    del state, slot, tokens
+    return 0
+
+  def register(self, state, slot: int, tokens) -> None:
+    """Offers slot `slot`'s cached entries of `tokens` to `share`."""
+    del state, slot, tokens
+
   # --- admission --------------------------------------------------------------
 
   def group_of(self, state, slot: int) -> int:
@@ -342,6 +358,16 @@ class PagedCache(KVCache):
 
   def trim(self, state, slot: int, tokens: int) -> None:
     state.pages.shrink(slot, tokens)
+
+  def cut(self, state, slot: int, length: int) -> int:
+    return state.pages.cut(slot, length)
+
+  def share(self, state, slot: int, tokens) -> int:
+    # A recurrent layer's state is per slot, not in pages: nothing to share.
+    return 0 if "linear" in self.cfg.attention_kinds else state.pages.share(slot, tokens)
+
+  def register(self, state, slot: int, tokens) -> None:
+    state.pages.register(slot, tokens)
 
   # --- admission --------------------------------------------------------------
 

@@ -25,6 +25,19 @@ the unallocated entries pointing at page 0: attention never weighs a
 position past a slot's length, and writes of padding tokens are dropped
 (models/paged.py), so what an unallocated entry names is never used.
 
+Shared prefixes (the server's sessions). Slots whose tokens begin alike (a
+system prompt and tools) may hold the same full pages: `register(slot,
+tokens)` enters a slot's full pages into an exact index, each keyed by its
+tokens and the page before it, and `share(slot, tokens)` maps the longest
+run of indexed pages that begins another slot's tokens into its table.
+A page is then held by several slots, counted (`refs`): it goes back to
+the free list, and out of the index, when its last holder releases it. A
+slot writes only past its length, and shared pages are full and lie below
+it, so no slot writes into a shared page (a cache cut back into one,
+`cut`, is cut to the page's start instead, and a page about to be
+rewritten leaves the index). Pages are shared only
+within a slot group.
+
 Groups (sharded engines). With the slots split over `groups` devices (the
 mesh's batch axes), slot b's cache may only live on its own device, so the
 pool is split alike: group g = b // (slots / groups) allocates from its
@@ -69,6 +82,11 @@ class PagePool:
     self._held = np.zeros((slots,), np.int32)  # pages each slot holds
     # Each group's free pages as a stack; popping gives the lowest id first.
     self._free = [list(range(self.group_pages - 1, -1, -1)) for _ in range(groups)]
+    # Holders of each page, [groups, group_pages]; 0: free.
+    self.refs = np.zeros((groups, self.group_pages), np.int32)
+    # The prefix index: (group, page before or -1, page's tokens) -> page, and back.
+    self._index: dict[tuple, int] = {}
+    self._key_of: dict[tuple[int, int], tuple] = {}
     # Set on every change of the table; the engine clears it once it has
     # copied the table to the device.
     self.dirty = True
@@ -129,6 +147,7 @@ class PagePool:
       return False
     for j in range(have, need):
       self.table[slot, j] = free.pop()
+      self.refs[self.group_of(slot), self.table[slot, j]] = 1
     self._held[slot] = need
     self.dirty = True
     return True
@@ -143,12 +162,69 @@ class PagePool:
     have, keep = int(self._held[slot]), self.pages_for(min(int(tokens), self.capacity))
     if have <= keep:
       return 0
-    free = self._free[self.group_of(slot)]
-    free.extend(int(p) for p in self.table[slot, keep:have][::-1])  # lowest page on top
+    group = self.group_of(slot)
+    for p in (int(p) for p in self.table[slot, keep:have][::-1]):  # lowest page on top
+      self.refs[group, p] -= 1
+      if not self.refs[group, p]:
+        self._free[group].append(p)
+        self._index.pop(self._key_of.pop((group, p), None), None)
     self.table[slot, keep:have] = -1
     self._held[slot] = keep
     self.dirty = True
     return have - keep
+
+  # --- shared prefixes ----------------------------------------------------------
+
+  def register(self, slot: int, tokens) -> None:
+    """Enters slot `slot`'s full pages into the prefix index; `tokens`: what
+    its cache holds from position 0 (its computed entries). A page already
+    indexed under the same key keeps its place."""
+    group, prev, size = self.group_of(slot), -1, self.page_size
+    for j in range(min(len(tokens) // size, int(self._held[slot]))):
+      key = (group, prev, tuple(tokens[j * size:(j + 1) * size]))
+      page = int(self.table[slot, j])
+      if key not in self._index and (group, page) not in self._key_of:
+        self._index[key], self._key_of[(group, page)] = page, key
+      if self._index.get(key) != page:
+        return  # this slot's later pages follow another page: not on the index's chain
+      prev = page
+
+  def share(self, slot: int, tokens) -> int:
+    """Maps into slot `slot` (holding no pages) the indexed full pages that
+    begin `tokens`, at most its first `len(tokens)` positions; returns the
+    positions they hold (a multiple of page_size; 0: none)."""
+    if self._held[slot]:
+      raise ValueError(f"slot {slot} holds pages already; share is for an empty slot")
+    group, prev, size, pages = self.group_of(slot), -1, self.page_size, []
+    while (len(pages) + 1) * size <= len(tokens) and len(pages) < self.pages_per_slot:
+      j = len(pages)
+      page = self._index.get((group, prev, tuple(tokens[j * size:(j + 1) * size])))
+      if page is None:
+        break
+      pages.append(page)
+      prev = page
+    for j, page in enumerate(pages):
+      self.table[slot, j] = page
+      self.refs[group, page] += 1
+    self._held[slot] = len(pages)
+    self.dirty = self.dirty or bool(pages)
+    return len(pages) * size
+
+  def cut(self, slot: int, length: int) -> int:
+    """Slot `slot`'s cache cut back to at most its first `length` positions,
+    to be written again after: its pages past them go back, and the page
+    the next write lands in leaves the index -- or, when another slot holds
+    it too, goes back as well and the cut falls to its start. Returns the
+    positions kept."""
+    group, j = self.group_of(slot), int(length) // self.page_size
+    if int(length) % self.page_size and j < self._held[slot]:
+      page = int(self.table[slot, j])
+      if self.refs[group, page] > 1:
+        length = j * self.page_size
+      else:
+        self._index.pop(self._key_of.pop((group, page), None), None)
+    self.shrink(slot, length)
+    return int(length)
 
   def release_all(self) -> None:
     for slot in range(self.slots):
@@ -159,16 +235,21 @@ class PagePool:
     return np.maximum(self.table, 0)
 
   def check(self) -> None:
-    """Raises AssertionError unless every page is free or held by exactly one slot
-    (each group's pages within its own range)."""
+    """Raises AssertionError unless every page is free or held, by as many
+    slots as its `refs` say (each group's pages within its own range), and
+    only held pages are indexed."""
     for g in range(self.groups):
       rows = self.table[g * self._group_slots:(g + 1) * self._group_slots]
-      held = rows[rows >= 0].tolist()
+      held = rows[rows >= 0]
       free = self._free[g]
-      assert len(set(held)) == len(held), f"group {g}: a page is held twice"
+      counts = np.bincount(held, minlength=self.group_pages)
+      assert (counts == self.refs[g]).all(), f"group {g}: holders disagree with refs"
       assert len(set(free)) == len(free), f"group {g}: a page is free twice"
-      assert not set(held) & set(free), f"group {g}: a page is both free and held"
-      assert sorted(held + free) == list(range(self.group_pages)), f"group {g}: pages leaked"
+      assert not set(held.tolist()) & set(free), f"group {g}: a page is both free and held"
+      assert sorted(set(held.tolist()) | set(free)) == list(range(self.group_pages)), (
+          f"group {g}: pages leaked")
+      assert all(self.refs[g, p] for gg, p in self._key_of if gg == g), (
+          f"group {g}: a free page is indexed")
     counts = (self.table >= 0).sum(1)
     assert (counts == self._held).all(), "held counts disagree with the table"
     for b in range(self.slots):  # allocated entries are a prefix of each row

@@ -180,6 +180,7 @@ class _Parked:
 
 
 _CLOSE = object()
+_WAKE = object()  # a `forget` for an idle thread
 
 
 class Batcher:
@@ -204,6 +205,8 @@ class Batcher:
     self.per_request_sampling = hasattr(engine, "serve_step")
     # Reusing part of a parked prefix needs the cache cut back (no recurrent layers).
     self._rewindable = bool(getattr(engine, "can_rewind", False))
+    # Pages shared between sessions' common prefixes (a paged engine's).
+    self._shares = hasattr(engine, "share_prefix")
     self._slots: list[_Request | None] = [None] * engine.max_concurrent_decodes
     self._parked: collections.OrderedDict[str, _Parked] = collections.OrderedDict()  # LRU first
     self._forget: collections.deque = collections.deque()  # keys to drop, from other threads
@@ -216,7 +219,8 @@ class Batcher:
     self.generate_seconds = 0.0
     self.engine_errors = 0
     self.prefill_computed = 0  # prompt tokens fed to the engine
-    self.prefill_reused = 0  # prompt tokens found in a parked cache
+    self.prefill_reused = 0  # prompt tokens found in the session's parked cache
+    self.prefill_shared = 0  # prompt tokens found in pages other sessions share
     self.prefix_hits = 0  # requests that reused a parked cache
     self.evictions = 0  # parked caches dropped for another request's slot or pages
     self._thread = threading.Thread(target=self._run, name="completions", daemon=True)
@@ -267,6 +271,10 @@ class Batcher:
   def forget(self, prefix_key: str) -> None:
     """Drops `prefix_key`'s parked cache (thread-safe; done before the next admission)."""
     self._forget.append(prefix_key)
+    try:
+      self._queue.put_nowait(_WAKE)
+    except queue.Full:
+      pass  # the thread is busy: it drops the cache at its next admission
 
   def update_params(self, params, version: int, *, copied: bool = False) -> None:
     """New params for the tokens sampled from the next engine call on (thread-safe);
@@ -286,6 +294,7 @@ class Batcher:
     """The batcher's counts, for a stats endpoint."""
     return {"generated_tokens": self.generated_tokens, "engine_errors": self.engine_errors,
             "prefill_computed": self.prefill_computed, "prefill_reused": self.prefill_reused,
+            "prefill_shared": self.prefill_shared,
             "prefix_hits": self.prefix_hits, "evictions": self.evictions,
             "parked": self.parked, "busy_slots": self.busy_slots}
 
@@ -319,7 +328,7 @@ class Batcher:
           r = self._queue.get_nowait()
         except queue.Empty:
           break
-        if r is not _CLOSE and not r.future.done():
+        if r is not _CLOSE and r is not _WAKE and not r.future.done():
           r.future.set_exception(error)
 
   def _fail_in_flight(self, error: Exception):
@@ -341,7 +350,7 @@ class Batcher:
     if r is _CLOSE:
       self._closed.set()
       return None
-    return r
+    return None if r is _WAKE else r
 
   # --- admission: slots, parked caches, pages ----------------------------------
 
@@ -364,7 +373,7 @@ class Batcher:
     """Puts `r` in a slot with its pages, reusing its session's parked cache;
     False (r placed nowhere, its session's cache still parked) when the pages
     are not there even with every other parked cache evicted."""
-    i, keep, parked = self._slot_for(r)
+    i, keep, shared, parked = self._slot_for(r)
     while not self.engine.reserve(self._state, i, len(r.prompt) + r.budget):
       if not self._evict_lru():
         if parked is not None and keep == len(parked.tokens):
@@ -375,37 +384,51 @@ class Batcher:
     if r.key is None:
       r.key = (sampling_lib.seed_key(r.sampling.seed) if r.sampling.seed is not None
                else self._keys.integers(0, 2**32, size=2, dtype=np.uint32))
-    r.fed, r.admitted_version = keep, int(self.engine.version)
+    r.fed, r.admitted_version = keep + shared, int(self.engine.version)
     self.prefill_reused += keep
+    self.prefill_shared += shared
     self.prefix_hits += keep > 0
     self._slots[i] = r
     return True
 
-  def _slot_for(self, r: _Request) -> tuple[int, int, _Parked | None]:
-    """(slot, cached tokens it keeps, its parked entry) for `r`: its session's
+  def _slot_for(self, r: _Request) -> tuple[int, int, int, _Parked | None]:
+    """(slot, cached tokens of its session it keeps, tokens of other sessions'
+    shared pages it starts with, its parked entry) for `r`: its session's
     parked slot (cut back to the prefix it shares with the prompt, or reset),
-    else a free slot, else the least recently used parked slot, reset."""
+    else a free slot, else the least recently used parked slot, reset; a
+    slot that keeps nothing of its session's takes the pages other slots
+    share of the prompt's start."""
     parked = self._parked.pop(r.prefix_key, None) if r.prefix_key is not None else None
-    if parked is None:
-      free = [i for i in range(len(self._slots)) if self._slots[i] is None
-              and not any(p.slot == i for p in self._parked.values())]
-      if free:
-        i = free[0]
-      else:
-        self._evict_lru()
-        i = next(i for i in range(len(self._slots)) if self._slots[i] is None
-                 and not any(p.slot == i for p in self._parked.values()))
+    if parked is not None:
+      i, keep = parked.slot, _shared_prefix(parked.tokens, r.prompt)
+      if parked.version != int(self.engine.version) or (
+          keep < len(parked.tokens) and not self._rewindable):
+        keep = 0
+      if keep == 0:
+        self._reset(i)
+      elif keep < len(parked.tokens):
+        self._state = self.engine.rewind(self._state, i, keep)
+        keep = int(self._state.host_lengths[i])  # a cut inside a shared page falls to its start
+      if keep:
+        return i, keep, 0, parked
+    else:
+      i = self._free_slot()
       self._reset(i)
-      return i, 0, None
-    keep = _shared_prefix(parked.tokens, r.prompt)
-    if parked.version != int(self.engine.version) or (
-        keep < len(parked.tokens) and not self._rewindable):
-      keep = 0
-    if keep == 0:
-      self._reset(parked.slot)
-    elif keep < len(parked.tokens):
-      self._state = self.engine.rewind(self._state, parked.slot, keep)
-    return parked.slot, keep, parked
+    if not self._shares:
+      return i, 0, 0, parked
+    self._state = self.engine.share_prefix(self._state, i, r.prompt[:-1])
+    return i, 0, int(self._state.host_lengths[i]), parked
+
+  def _free_slot(self) -> int:
+    """A slot neither busy nor parked, the least recently used parked one
+    evicted when there is none."""
+    taken = {p.slot for p in self._parked.values()}
+    free = [i for i, s in enumerate(self._slots) if s is None and i not in taken]
+    if free:
+      return free[0]
+    oldest = next(iter(self._parked.values())).slot
+    self._evict_lru()
+    return oldest
 
   def _reset(self, i: int):
     self._state = self.engine.reset_slots(self._state, np.arange(len(self._slots)) == i)
@@ -432,9 +455,9 @@ class Batcher:
       return
     self._drop(r.prefix_key)  # an older cache of the session (a concurrent request's)
     tokens = r.prompt + r.tokens[:-1]  # the last sampled token was never fed
-    trim = getattr(self.engine, "trim_pages", None)
-    if trim is not None:
-      trim(self._state, i, len(tokens))
+    if self._shares:
+      self.engine.trim_pages(self._state, i, len(tokens))
+      self.engine.register_prefix(self._state, i, tokens)
     # A cache computed by more than one version is never reused (-1 matches none).
     same = all(v == r.admitted_version for v in r.versions)
     self._parked[r.prefix_key] = _Parked(i, tokens, r.admitted_version if same else -1)
@@ -474,6 +497,8 @@ class Batcher:
       r.fed += int(valid[i].sum())
       self.prefill_computed += int(valid[i].sum())
       if r.fed == len(r.prompt):  # the sample at the prompt's last token
+        if self._shares:  # the prompt's full pages, for sessions that begin alike
+          self.engine.register_prefix(self._state, i, r.prompt)
         self._on_sample(i, int(sampled[i]), float(logp[i]), int(version),
                         None if top is None else (top[0][i], top[1][i]))
 

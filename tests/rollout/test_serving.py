@@ -156,7 +156,9 @@ def run_session(batcher, turns, key, s):
   return out
 
 
-@pytest.mark.parametrize("kv_cache", ["dense", "paged"])
+# The paged variant is slow: the eviction and sharing tests below run paged
+# sessions against their from-scratch twins in the default run.
+@pytest.mark.parametrize("kv_cache", ["dense", pytest.param("paged", marks=pytest.mark.slow)])
 def test_a_session_prefills_only_its_new_tokens_and_samples_as_from_scratch(kv_cache):
   batcher, _ = make_batcher(slots=2, kv_cache=kv_cache, page_size=8)
   try:
@@ -198,18 +200,18 @@ def test_parked_caches_are_evicted_least_recently_used_when_pages_run_short():
   try:
     s = R(seed=9)
     history = {}
-    for key in ("a", "b"):
-      prompt = list(range(1, 25))
+    for key, start in (("a", 1), ("b", 25)):  # nothing in common: no page shared
+      prompt = list(range(start, start + 24))
       history[key] = prompt + list(batcher.submit(prompt, 6, sampling=s,
                                                   prefix_key=key).result().tokens)
     assert batcher.parked == 2 and batcher.evictions == 0
-    batcher.submit(list(range(30, 40)), 6, sampling=s).result()
+    batcher.submit(list(range(49, 59)), 6, sampling=s).result()
     assert batcher.evictions == 1 and batcher.parked == 1
     for key, hits, evictions in (("b", 1, 1), ("a", 1, 2)):
       prompt = history[key] + [40, 41]
       c = batcher.submit(prompt, 6, sampling=s, prefix_key=key).result()
-      # "b" reuses its cache (and its from-scratch twin's pages then evict it);
-      # "a" was evicted and starts over.
+      # "b" reuses its cache (its from-scratch twin shares b's full pages);
+      # "a" was evicted and starts over, its pages evicting b's.
       assert (batcher.prefix_hits, batcher.evictions) == (hits, evictions)
       scratch = batcher.submit(prompt, 6, sampling=s).result()
       assert scratch.tokens == c.tokens
@@ -218,12 +220,13 @@ def test_parked_caches_are_evicted_least_recently_used_when_pages_run_short():
     batcher.close()
 
 
-def test_the_hybrid_models_recurrent_state_is_reused_whole_or_not_at_all():
+@pytest.mark.parametrize("kv_cache", ["dense", pytest.param("paged", marks=pytest.mark.slow)])
+def test_the_hybrid_models_recurrent_state_is_reused_whole_or_not_at_all(kv_cache):
   """tiny_hybrid (Gated DeltaNet layers): a session extending its history
   continues the parked recurrent state; a rewritten history starts over
-  (the state cannot be cut back; `rewind` refuses)."""
+  (the state cannot be cut back; `rewind` refuses), and shares no pages."""
   cfg = mcfg.tiny_hybrid(VOCAB)
-  batcher, params = make_batcher(cfg, slots=2)
+  batcher, params = make_batcher(cfg, slots=2, kv_cache=kv_cache, page_size=8)
   try:
     s = R(temperature=0.9, seed=4)
     session = run_session(batcher, [[1, 2, 3, 4], [5, 6], [7]], "h", s)
@@ -237,8 +240,37 @@ def test_the_hybrid_models_recurrent_state_is_reused_whole_or_not_at_all():
     assert batcher.prefix_hits == 2  # started over
     ref = behaviour_logprobs(params, edited, c, s, cfg)
     np.testing.assert_allclose(c.logprobs, ref[np.arange(len(c.tokens)), c.tokens], atol=2e-4)
+    assert batcher.prefill_shared == 0
     engine = batcher.engine
     with pytest.raises(ValueError, match="recurrent"):
       engine.rewind(engine.init_decode_state(), 0, 0)
+  finally:
+    batcher.close()
+
+
+def test_sessions_that_begin_alike_share_the_full_pages_of_their_prefix():
+  """A paged engine (pages of 8): a second session with the same 20-token
+  system prompt starts from the first's two full pages (16 positions),
+  samples exactly the behaviour distribution, and every page comes back."""
+  batcher, params = make_batcher(slots=3, kv_cache="paged", page_size=8)
+  try:
+    system = list(range(1, 21))
+    s = R(temperature=0.8, seed=6)
+    first = batcher.submit(system + [30, 31], 6, sampling=s, prefix_key="x").result()
+    assert batcher.prefill_shared == 0
+    prompt = system + [40, 41, 42]
+    second = batcher.submit(prompt, 6, sampling=s, prefix_key="y").result()
+    assert batcher.prefill_shared == 16
+    ref = behaviour_logprobs(params, prompt, second, s)
+    np.testing.assert_allclose(second.logprobs, ref[np.arange(len(second.tokens)),
+                                                    second.tokens], atol=2e-4)
+    pages = batcher._state.pages  # pylint: disable=protected-access
+    pages.check()
+    assert pages.refs.max() == 2  # the shared pages, held by both parked sessions
+    for key in ("x", "y"):
+      batcher.forget(key)
+    batcher.submit([5], 1).result()  # after the forgets are done
+    pages.check()
+    assert pages.used_pages == 0 and first.tokens
   finally:
     batcher.close()
