@@ -8,6 +8,7 @@ here, so a config field reaches its object in one place.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable
 
@@ -141,7 +142,7 @@ def step_config(config) -> StepConfig:
   return StepConfig(typed.rl, typed.rollout.temperature)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: one per run
 class LoraPrograms:
   """LoRA's part of the programs (config section `lora`): what the adapters
   adapt, the bases' dtype and shardings, and the adapters' initial draw."""
@@ -205,10 +206,15 @@ def full_params(programs: "Programs", bases, trainable, which: str = "policy"):
   reads and exports write. One jitted merge (a new tree the base's size)."""
   if programs.lora is None:
     return trainable
+  return _merger(programs.lora, which)(trainable, bases)
+
+
+@functools.lru_cache(maxsize=8)
+def _merger(lora_p: LoraPrograms, which: str) -> Callable:
+  """The jitted merge of one model (traced once per run, not once per version)."""
   view = full_policy if which == "policy" else full_critic
-  shardings = programs.lora.base_shardings[0 if which == "policy" else 1]
-  return jax.jit(view, static_argnums=0, out_shardings=shardings)(
-      programs.lora.adapters, trainable, bases)
+  shardings = lora_p.base_shardings[0 if which == "policy" else 1]
+  return jax.jit(functools.partial(view, lora_p.adapters), out_shardings=shardings)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -137,12 +137,15 @@ def test_carry_over_and_optimizer_rules():
 
 
 def test_fingerprint_sees_one_bit():
-  _, params = _params()
+  params = {"embed": jax.random.normal(jax.random.key(0), (16, 8)),
+            "layers": {"w": jax.random.normal(jax.random.key(1), (2, 8, 4))}}
   fp = lora.fingerprint(params)
   assert fp == lora.fingerprint(jax.tree.map(jnp.copy, params))
   flipped = dict(params, embed=params["embed"].at[3, 5].set(
       jnp.nextafter(params["embed"][3, 5], jnp.inf)))
   assert lora.fingerprint(flipped) != fp
+  swapped = {"embed": params["embed"], "layers": {"w": params["layers"]["w"][::-1]}}
+  assert lora.fingerprint(swapped) != fp  # the same values elsewhere: another base
   bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
   assert lora.fingerprint(bf16) != fp
 
