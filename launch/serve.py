@@ -136,7 +136,7 @@ def main(argv):
   # Serving for training data draws a new sample stream each launch (seed from the
   # clock); JetStream's demos keep seed 0.
   seed = time.time_ns() % (1 << 31) if _API.value == "openai" else 0
-  engine = factories.make_engine(config, run.model_cfg, run.state.policy, int(run.state.step),
+  engine = factories.make_engine(config, run.model_cfg, run.policy_params(), int(run.state.step),
                                  seed=seed, slots=_SLOTS.value)
   if _API.value == "openai":
     _serve_openai(config, run, engine)
