@@ -35,7 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import math_tool_cpu  # pylint: disable=g-import-not-at-top,wrong-import-position
 from sao_jax.data.prompts import EVAL_OFFSET  # pylint: disable=wrong-import-position
 from sao_jax.envs import base  # pylint: disable=wrong-import-position
-from sao_jax.envs.demonstrations import demonstration_trajectory  # pylint: disable=wrong-import-position
+from sao_jax.envs.demonstrations import (  # pylint: disable=wrong-import-position
+    demonstration_trajectory)
 from sao_jax.models.transformer import Transformer  # pylint: disable=wrong-import-position
 from sao_jax.train import trainer  # pylint: disable=wrong-import-position
 
