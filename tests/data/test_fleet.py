@@ -685,4 +685,9 @@ def test_trainer_and_two_rollouts_survive_kills(tmp_path):
   trajs, _ = store.read_valid_trajectories(later, TOK.vocab_size, 128)
   assert "[fleet] consumed" in t2
   assert max(int(t.policy_version.max()) for t in trajs) > resumed_at
+  # They carry the run's id, the one kept in the workdir across the restart
+  # (sao_jax/data/identity.py), and a fingerprint for every version they used.
+  assert {t.run_id for t in trajs} == {identity.run_id(workdir)}
+  assert all(set(t.fingerprints) == set(t.policy_version[t.action_mask].tolist())
+             for t in trajs)
   assert not any(".tmp-" in n for n in os.listdir(fleet.trajectories_dir(root)))
