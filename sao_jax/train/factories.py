@@ -150,6 +150,7 @@ class LoraPrograms:
   base_dtype: str  # "": the model's param dtype
   base_shardings: tuple  # (policy, critic): the full params' shardings
   seed: int
+  abstract_base: Any = None  # the policy's base, ShapeDtypeStructs with shardings
 
   def init(self, policy_params, critic_params) -> tuple:
     """(policy adapters, critic adapters) at step 0: B zero, so each model is its base."""
@@ -184,8 +185,11 @@ def _lora_programs(config, c: sections.Lora, policy_params, critic_params, polic
       lora.plan(params, cfg)
     except ValueError as e:
       raise sections.ConfigError(str(e)) from None
-  return LoraPrograms(Adapters(actor, critic), c.base_dtype,
-                      (policy_shardings, critic_shardings), config.seed)
+  out = LoraPrograms(Adapters(actor, critic), c.base_dtype,
+                     (policy_shardings, critic_shardings), config.seed)
+  base = jax.eval_shape(lambda p, v: out.bases(p, v)[0], policy_params, critic_params)
+  return dataclasses.replace(out, abstract_base=jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), base, policy_shardings))
 
 
 def lora_bases(programs: "Programs", policy_params, critic_params) -> tuple | None:
@@ -245,6 +249,14 @@ class Programs:
   # LoRA: the state's policy and critic are adapters, and each step takes the
   # bases (`lora_bases`) as a last argument (`with_bases`).
   lora: LoraPrograms | None = None
+
+  @property
+  def abstract_resident(self):
+    """What the trainer holds from the start (memory checks): the state, and
+    with LoRA the frozen base beside it (the critic's trunk is the same arrays)."""
+    if self.lora is None:
+      return self.abstract_state
+    return self.abstract_state, self.lora.abstract_base
 
   def init_state(self, policy_params, critic_params) -> TrainState:
     """The state at step 0 around given params (jit it with state_shardings)."""

@@ -236,7 +236,7 @@ def build(config: ml_collections.ConfigDict | sections.Sections) -> Run:
   p = factories.build_programs(config, model_cfg, step_cfg, mesh)
   # Shapes only so far: what the memory present cannot hold fails before
   # the first allocation.
-  configuration.check_memory(config, model_cfg, p.abstract_state)
+  configuration.check_memory(config, model_cfg, p.abstract_resident)
   rl_step, value_step, sft_step = (
       distributed.lockstep(f, name) for f, name in
       ((p.rl_step, "rl_step"), (p.value_step, "value_step"), (p.sft_step, "sft_step")))
