@@ -160,11 +160,13 @@ class LoraPrograms:
 
   def bases(self, policy_params, critic_params) -> tuple:
     """(policy base, critic base), eagerly (no copy where the dtype is kept): the
-    critic's trunk is the policy's own arrays, its value head from `critic_params`."""
-    cast = lambda t: t if not self.base_dtype else jax.tree.map(
-        lambda x: x.astype(self.base_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, t)
-    base = cast(policy_params)
-    return base, policy.value_params_from_policy(base, cast(critic_params))
+    critic's trunk is the policy's own arrays, its value head `critic_params`'
+    (uncast: the critic trains it whole, from its float32 copy in the state)."""
+    base = policy_params
+    if self.base_dtype:
+      base = jax.tree.map(lambda x: x.astype(self.base_dtype)
+                          if jnp.issubdtype(x.dtype, jnp.floating) else x, policy_params)
+    return base, policy.value_params_from_policy(base, critic_params)
 
 
 def _lora_programs(config, c: sections.Lora, policy_params, critic_params, policy_shardings,
