@@ -68,9 +68,9 @@ def sizes(preset: str, rank: int) -> dict:
   n_b, b_trained = _count(b, lora.optimizer_rules(b, c.critic_targets + c.critic_whole))
   full_state = 4 * n_pol + 8 * n_pol + 4 * n_crit + 8 * crit_trained
   lora_state = 12 * n_a + 4 * n_b + 8 * b_trained
-  targeted = sum(math.prod(x.shape) for n, x in
-                 ((optim.param_path(k), x) for k, x in jax.tree_util.tree_flatten_with_path(pol)[0])
-                 if lora.plan(pol, actor).get(n) == "adapter")
+  kinds = lora.plan(pol, actor)
+  targeted = sum(math.prod(x.shape) for k, x in jax.tree_util.tree_flatten_with_path(pol)[0]
+                 if kinds.get(optim.param_path(k)) == "adapter")
   head = n_crit - n_pol + (math.prod(pol["lm_head"].shape) if "lm_head" in pol else 0)
   return {"preset": preset, "params": n_pol, "actor": n_a, "critic": n_b,
           "critic_trained": b_trained, "full_state": full_state, "lora_state": lora_state,
