@@ -25,6 +25,7 @@ from sao_jax.data import files
 from sao_jax.data.checkpoint import committed_checkpoints
 from sao_jax.envs import hf_tokenizer_export
 from sao_jax.models import families, hf_export
+from sao_jax.train import distributed
 from sao_jax.train import run as run_lib
 
 
@@ -128,7 +129,8 @@ def export(config, workdir: str, out: str, step=None,
     policy, model_cfg, subset = _params(run, "policy"), run.model_cfg, None
     if model_cfg.vocab_ids:
       policy, model_cfg, subset = hf_export.full_vocabulary(policy, run.model_cfg)
-    extra, ids = _tokenizer(run, model_cfg, subset)
+    # Only process 0 writes: the others skip building the tokenizer files.
+    extra, ids = _tokenizer(run, model_cfg, subset) if distributed.is_primary() else ({}, {})
     notes = {"workdir": files.absolute(workdir), "checkpoint": number,
              "training_step": "%s:%d" % training_step(run.meta, run.config),
              "policy_version": int(run.state.step), "stage": run.meta["stage"],
