@@ -285,7 +285,8 @@ def build_programs(config, model_cfg: model_config.ModelConfig, step_cfg: StepCo
   # checkpoint slot (TrainState.policy_opt) as RL's, so their layouts must agree.
   actor_rules = optim.freeze_rules(config.rl.actor_frozen)
   optim.check_rules_match(policy_params, actor_rules, "rl.actor_frozen")
-  lora_c = sections.load(config).lora
+  node = getattr(config, "lora", None)  # a ConfigDict written before the section: off
+  lora_c = sections.Lora() if node is None else sections.Lora.of(node)
   lora_p = (_lora_programs(config, lora_c, policy_params, critic_params, policy_shardings,
                            critic_shardings) if lora_c.enabled else None)
   # What the optimizers move: the params, or with LoRA the adapters (replicated:
