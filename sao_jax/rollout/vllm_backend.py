@@ -120,7 +120,7 @@ class VllmServer:
 
   Args:
     model_dir: the HF directory it starts on (ignored with `url`).
-    workdir: where its log (`vllm_server.log`) and worker shim go.
+    workdir: where its worker shim goes (its log: `log_path`, in the temp dir).
     python: the interpreter of vLLM's environment (`default_python()`).
     dtype, max_len, slots, seed: `--dtype`, `--max-model-len`,
       `--max-num-seqs`, `--seed`.
@@ -134,7 +134,10 @@ class VllmServer:
                dtype: str = "float32", max_len: int = 256, slots: int = 16, seed: int = 0,
                extra_args: tuple[str, ...] | None = None, url: str | None = None):
     self.workdir = workdir
-    self.log_path = os.path.join(workdir, "vllm_server.log")
+    # Outside `workdir` (an engine removes its own when it ends): a failure's
+    # log outlives the engine.
+    fd, self.log_path = tempfile.mkstemp(prefix="sao_vllm_server_", suffix=".log")
+    os.close(fd)
     self._proc: subprocess.Popen | None = None
     self._lock = threading.Lock()
     if url:
@@ -212,7 +215,8 @@ class VllmServer:
         raw = r.read()
     except urllib.error.HTTPError as e:
       detail = e.read().decode(errors="replace")[:300]
-      raise VllmError(f"vLLM {path} answered {e.code}: {detail}") from None
+      raise VllmError(f"vLLM {path} answered {e.code}: {detail}; server log: "
+                      f"{self.log_path}") from None
     except (urllib.error.URLError, ConnectionError) as e:
       raise VllmError(f"vLLM {path} failed: {e}; server log: {self.log_path}") from None
     return json.loads(raw) if raw.strip() else None
