@@ -9,10 +9,12 @@ named by transformers' modules (sao_jax/models/peft_export.py), which
 `peft.PeftModel.from_pretrained(model, OUT)` loads onto the base model
 (`model.hf_dir`, or the base exported by launch/export.py from a run whose
 adapters are zero: its step 0). `--base_model` is recorded as the adapter's
-base_model_name_or_path (default: model.hf_dir). Adapters on MoE experts,
-fused tensors or leaves trained whole have no PEFT form: refused in one
-line (launch/export.py writes the merged weights instead). Prints one JSON
-line: the directory, its modules and parameters.
+base_model_name_or_path (default: model.hf_dir). MoE experts' adapters go
+on transformers' fused expert parameters (peft's `target_parameters`; the
+file's rank is then 2r, see sao_jax/models/peft_export.py). Adapters on a
+part of a fused tensor (Gated DeltaNet's in_proj_qkv) have no PEFT form:
+refused in one line (launch/export.py writes the merged weights instead).
+Prints one JSON line: the directory, its modules, fused parameters, rank.
 """
 
 import json

@@ -152,37 +152,47 @@ def test_fingerprint_sees_one_bit():
 
 def test_peft_export_names_and_refusals(tmp_path):
   """The adapter file's names are transformers' modules, A^T [r, in] and
-  B^T [out, r]; expert adapters and whole-trained leaves are refused."""
+  B^T [out, r]; experts become fused 3-D parameters of rank 2r (the rest
+  zero-padded); fused-tensor parts and whole-trained leaves are refused."""
   from sao_jax.models import peft_export  # pylint: disable=g-import-not-at-top
   cfg, params = _params("tiny_dense", vocab_size=96, scan_layers=True)
   adapters = _init(params, ACTOR)
-  tensors = peft_export.peft_tensors(cfg, adapters)
+  tensors, modules, fused, rank = peft_export.peft_adapter(cfg, adapters, 4)
   name = "base_model.model.model.layers.1.self_attn.o_proj"
   assert tensors[f"{name}.lora_A.weight"].shape == (4, 4 * 16)
   assert tensors[f"{name}.lora_B.weight"].shape == (64, 4)
   np.testing.assert_array_equal(tensors[f"{name}.lora_A.weight"],
                                 np.asarray(adapters["layers"]["attn"]["o"][lora.A][1]).T)
-  assert len(tensors) == 2 * 2 * 7  # layers x (q k v o gate up down) x (A, B)
-  stats = peft_export.export_adapters(adapters, cfg, ACTOR, str(tmp_path / "a"))
-  assert stats["modules"] == 14
-  with pytest.raises(ValueError, match="MoE experts"):
-    _, moe = _params("tiny")
-    peft_export.peft_tensors(model_config.tiny(), _init(moe, ACTOR))
+  assert len(tensors) == 2 * 2 * 7 and len(modules) == 14  # layers x 7 matrices x (A, B)
+  assert not fused and rank == 4
+  assert peft_export.export_adapters(adapters, cfg, ACTOR, str(tmp_path / "a"))["modules"] == 14
+  moe_cfg, moe = _params("tiny")
+  tensors, modules, fused, rank = peft_export.peft_adapter(moe_cfg, _init(moe, ACTOR), 4)
+  assert rank == 8 and fused[:2] == ["model.layers.0.mlp.experts.gate_up_proj",
+                                     "model.layers.0.mlp.experts.down_proj"]
+  inner = "base_model.model.model.layers.0.mlp.experts.base_layer"  # gate_up_proj
+  assert tensors[f"{inner}.lora_A.weight"].shape == (4 * 8, 64)  # [E * 2r, d]
+  assert tensors[f"{inner}.lora_B.weight"].shape == (2 * 64, 8 * 4)  # [2F, 2r * E]
+  assert not tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"][4:].any()
+  hybrid_cfg, hybrid = _params("tiny_hybrid")
+  with pytest.raises(ValueError, match="part of a fused tensor"):
+    peft_export.peft_adapter(hybrid_cfg, _init(hybrid, ACTOR), 4)
   with pytest.raises(ValueError, match="trained whole"):
-    peft_export.peft_tensors(cfg, {"lm_head": params["embed"]})
+    peft_export.peft_adapter(cfg, {"lm_head": params["embed"]}, 4)
 
 
 @pytest.mark.slow  # torch, transformers and peft imports: ~15 s
-def test_peft_loads_the_adapters_onto_transformers_with_equal_logits(tmp_path):
-  """The base exported as HF float32 weights, the adapters as a PEFT
-  directory: transformers + peft's logits equal ours on lora.merge(base,
-  adapters), and peft's merge_and_unload equals our merged export."""
+@pytest.mark.parametrize("preset", ["tiny_dense", "tiny"])
+def test_peft_loads_the_adapters_onto_transformers_with_equal_logits(tmp_path, preset):
+  """The base exported as HF float32 weights (dense Qwen3, Qwen3-MoE), the
+  adapters as a PEFT directory: transformers + peft's logits equal ours on
+  lora.merge(base, adapters), and peft's merge_and_unload equals our merge."""
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   peft = pytest.importorskip("peft")
-  from sao_jax.models import hf_export, hf_import, peft_export  # pylint: disable=g-import-not-at-top
+  from sao_jax.models import hf_export, peft_export  # pylint: disable=g-import-not-at-top
   from sao_jax.models.transformer import Transformer  # pylint: disable=g-import-not-at-top
-  cfg, params = _params("tiny_dense", vocab_size=96)
+  cfg, params = _params(preset, vocab_size=96)
   adapters = _randomise_b(_init(params, ACTOR), jax.random.key(2))
   hf_export.export_params(params, cfg, str(tmp_path / "base"), dtype="float32")
   peft_export.export_adapters(adapters, cfg, ACTOR, str(tmp_path / "adapter"),
@@ -197,11 +207,18 @@ def test_peft_loads_the_adapters_onto_transformers_with_equal_logits(tmp_path):
   pos = jnp.broadcast_to(jnp.arange(20), (2, 20))
   ours = Transformer(cfg).apply({"params": merged}, jnp.asarray(tokens, jnp.int32), pos,
                                 jnp.ones((2, 20), jnp.int32))[0]
-  assert float(np.abs(ref).max()) > 0.1
+  base = Transformer(cfg).apply({"params": params}, jnp.asarray(tokens, jnp.int32), pos,
+                                jnp.ones((2, 20), jnp.int32))[0]
+  assert float(np.abs(np.asarray(ours) - np.asarray(base)).max()) > 1e-2  # the adapters act
   np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=1e-4)
-  hf_export.export_params(merged, cfg, str(tmp_path / "merged"), dtype="float32")
+  if preset == "tiny":  # the experts' adapters count: without them the logits differ
+    no_experts = {k: ({**v, "moe": {}} if k.startswith("layer_") else v)
+                  for k, v in adapters.items()}
+    partial = Transformer(cfg).apply({"params": lora.merge(params, no_experts, ACTOR)},
+                                     jnp.asarray(tokens, jnp.int32), pos,
+                                     jnp.ones((2, 20), jnp.int32))[0]
+    assert float(np.abs(np.asarray(partial) - ref).max()) > 1e-2
   theirs = model.merge_and_unload().state_dict()
-  ours_merged = hf_import.load_hf_checkpoint(str(tmp_path / "merged"), cfg)
   np.testing.assert_allclose(theirs["model.layers.0.self_attn.q_proj.weight"].numpy(),
-                             np.asarray(ours_merged["layer_0"]["attn"]["q"]).reshape(64, -1).T,
+                             np.asarray(merged["layer_0"]["attn"]["q"]).reshape(64, -1).T,
                              atol=1e-6)
