@@ -18,6 +18,18 @@ it. Its API is the rollout driver's:
     meanwhile;
   * `reset_slots`, `update_params` / `load_params`, `abstract_params`;
 
+the server's (rollout/serving.py), where each slot is its own request:
+
+  * `serve_step` / `serve_decode`: `step` / `decode` with per-slot sampling
+    arrays (`SlotSampling`: temperature, 0 greedy; top_p; each request's
+    key stream; stop ids) and optionally each token's `top_n` likeliest
+    alternatives; one compile for any mix of values (sampling.py,
+    "per-slot sampling"). The driver's programs are untouched by them;
+  * prefix reuse: `rewind` (a slot's cache cut back to a shared prefix;
+    refused for recurrent layers, `can_rewind`), `trim_pages`, and
+    `register_prefix` / `share_prefix` (a paged engine's slots share the
+    full pages of a common prefix; paging.py, "Shared prefixes");
+
 and `generate_batch(prompts, max_new_tokens)`, the engine as a plain
 sampler (one prefill step, one decode loop).
 

@@ -19,8 +19,11 @@ cache, page_size and the pool's pages. A strategy answers:
   * the host side, on a decode state: what a new state holds besides its
     arrays (`attach`), pages for a call's fed slots before it is dispatched
     (`prepare`), the call's arguments after the lengths (`call_args`),
-    pages reserved ahead and given back (`reserve`, `release`), and the
-    engine options it rules out (`check_engine`);
+    pages reserved ahead and given back (`reserve`, `release`, `trim`), and
+    the engine options it rules out (`check_engine`);
+  * the server's prefix reuse (rollout/serving.py): a slot's cache cut back
+    (`cut`), and a prefix's entries offered to other slots and taken by an
+    empty one (`register`, `share`; paged only: shared pages);
   * admission (admission.py): the slot group a slot draws pages from
     (`group_of`), whether a group's free pages take a new slot's first
     tokens (`can_admit`), the pages a slot holds (`held`).

@@ -20,6 +20,14 @@ and donation -- which the engine caches per static key:
   init_state(batch)        an empty decode state, created in its shardings.
   copy_params()            params copied into the engine's own buffers.
   reset_lengths()          lengths set to 0 where a mask says.
+  set_lengths()            lengths set where a mask says (a cache cut back).
+
+`step` and `decode` take a `top_n`: None (the driver's programs: the run's
+`SamplingConfig` and the engine's `KeyStream`, sampling.ConfigSampler), or
+an int for the server's (`serve_step` / `serve_decode`): the key argument
+is a `SlotSampling` of per-slot arrays (sampling.SlotSampler), and with
+`top_n` > 0 the programs also return each sample's `top_n` likeliest ids
+and log-probs. The bodies are shared; only the sampler differs.
 
 There is one layout (layout.py): a mesh and rules, a mesh of one device for
 a single-device engine. `kv` is the cache prefix a step attends over (None:

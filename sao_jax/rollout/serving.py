@@ -53,10 +53,19 @@ dropped when the params change version (tokens then record the params
 whose logits produced them, as a fresh prefill's would) and after an
 engine error. A parked slot is evicted, least recently used first, when a
 request needs its slot or its pages (`evictions`); a paged engine's parked
-slot keeps only the pages of its parked tokens. `prefill_computed` and
-`prefill_reused` count the prompt tokens fed and those found in a cache.
-Sessions share no pages with one another (each parked prefix is its own
-slot's).
+slot keeps only the pages of its parked tokens.
+
+Sessions that begin alike (a system prompt and tools) share pages on a
+paged engine: a request that keeps nothing of its own session's starts
+from the full pages other slots hold of its prompt's start (in flight or
+parked; each slot offers its prompt's full pages once prefilled, and its
+parked tokens'), refcounted in the pool (paging.py, "Shared prefixes").
+Only whole pages are shared, so up to page_size - 1 tokens of the common
+prefix are prefilled again; a dense cache, and a model with recurrent
+layers (whose state is per slot, not in pages), share nothing.
+`prefill_computed` counts the prompt tokens fed, `prefill_reused` those
+found in the session's parked cache and `prefill_shared` those found in
+other sessions' pages.
 
 Each sampled token comes with its version of the params (`Completion`).
 New params (`update_params`) swap in between engine calls; requests in
