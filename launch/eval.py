@@ -1,7 +1,7 @@
 """Evaluates a checkpoint of a run, or an HF directory, on `eval.sets` as the paper does.
 
     python launch/eval.py --config=configs/sao_tiny.py --workdir=workdirs/sao_tiny \
-        [--step=N | --hf_dir=DIR] [--out=DIR] \
+        [--step=rl:N | --checkpoint=N | --hf_dir=DIR] [--out=DIR] \
         [--config.eval.sets="('heldout','python_tool')"] [--config.eval.samples_per_task=4]
 
 Samples `eval.samples_per_task` (k) episodes of each task of each set at
@@ -16,7 +16,7 @@ numbers, every set's under "sets", and "out". Each set's samples (task,
 prompt id, reward, success, turns, the extracted answer, the row's source,
 events, the last step's info, the action turns and the whole transcript
 decoded) and summary go to `OUT/<set>/samples.jsonl` and
-`OUT/<set>/summary.json`, by default `<workdir>/eval/checkpoint_<step>`
+`OUT/<set>/summary.json`, by default `<workdir>/eval/checkpoint_<number>`
 (`hf_<name>` for --hf_dir). `--hf_dir` evaluates an HF Qwen3-MoE directory
 (launch/export.py's, or a Hub release) with the run's tokenizer and chat
 format.
@@ -38,6 +38,7 @@ import sys
 from absl import flags, logging
 from ml_collections import config_flags
 
+from sao_jax.models import hf_export
 from sao_jax.train import configuration
 from sao_jax.train import distributed
 from sao_jax.train import evaluation
@@ -49,11 +50,15 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory holding checkpoints/.")
-_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
+_STEP = flags.DEFINE_string("step", None, "A training step: \"rl:50\" (or 50) after 50 RL "
+                            "steps, \"sft:200\" after 200 SFT steps (default: the latest), "
+                            "as launch/export.py takes it.")
+_CHECKPOINT = flags.DEFINE_integer("checkpoint", None, "A checkpoint's number "
+                                   "(checkpoints/<N>) instead of --step.")
 _HF_DIR = flags.DEFINE_string("hf_dir", None, "Evaluate this HF Qwen3-MoE directory instead "
                               "of a checkpoint.")
 _OUT = flags.DEFINE_string("out", None, "Directory of the per-set samples and summaries "
-                           "(default: <workdir>/eval/checkpoint_<step>).")
+                           "(default: <workdir>/eval/checkpoint_<number>).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -65,8 +70,8 @@ def main(argv):
     if _HF_DIR.value is not None:
       evaluation.check_policy_dir(_HF_DIR.value)  # before the run loads: one line
     result = trainer.evaluate(_CONFIG.value, _WORKDIR.value, _STEP.value, _OUT.value,
-                              hf_dir=_HF_DIR.value)
-  except (FileNotFoundError, configuration.ConfigError) as e:
+                              hf_dir=_HF_DIR.value, checkpoint=_CHECKPOINT.value)
+  except (FileNotFoundError, configuration.ConfigError, hf_export.ExportError) as e:
     # No checkpoint, no such HF directory or a value model's, a set that lost rows
     # (eval.strict): one line.
     print(f"error: {e}", file=sys.stderr, flush=True)

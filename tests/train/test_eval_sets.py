@@ -82,7 +82,12 @@ def test_two_sets_on_a_checkpoint_and_on_its_export(tmp_path):
   run = trainer.load_run(config, workdir)
   run.save(force=True)
   run.close()
-  ckpt = trainer.evaluate(config, workdir)
+  # --step is a training step, as export takes it; one not there lists what is.
+  with pytest.raises(FileNotFoundError, match=r"no checkpoint of rl step 50 .*there are: "
+                     r"checkpoint \d+ \(sft step 0\)"):
+    trainer.evaluate(config, workdir, step="rl:50")
+  ckpt = trainer.evaluate(config, workdir, step="sft:0")
+  assert os.path.basename(ckpt["out"]).startswith("checkpoint_")
   assert list(ckpt["sets"]) == ["heldout", "fix"]
   assert ckpt["pass@1"] == ckpt["sets"]["heldout"]["pass@1"]
   for name, r in ckpt["sets"].items():
