@@ -1062,6 +1062,10 @@ class Faults(Section):
   sigkill_after_rl_step: int = knob(
       0, "The trainer SIGKILLs itself once this RL step is done (0: never), its checkpoint "
       "save possibly still in flight: a kill at a known step.", integer(0, note=" (0: off)"))
+  sigterm_after_rl_step: int = knob(
+      0, "The trainer sends itself SIGTERM once this RL step is done (0: never): a "
+      "preemption notice at a known step (sao_jax/train/preemption.py).",
+      integer(0, note=" (0: off)"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -118,10 +118,10 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
   _check_update_precision(typed, arch)
   _check_weight_path(typed.fleet)
   _check_routing_replay(typed, arch)
-  if typed.faults.sigkill_after_rl_step > c.steps:
-    # It would never fire: the run would end normally, not be killed.
-    _fail("faults.sigkill_after_rl_step", typed.faults.sigkill_after_rl_step,
-          f"<= rl.steps ({c.steps})")
+  for name in ("sigkill_after_rl_step", "sigterm_after_rl_step"):
+    if getattr(typed.faults, name) > c.steps:
+      # It would never fire: the run would end normally, not be signalled.
+      _fail(f"faults.{name}", getattr(typed.faults, name), f"<= rl.steps ({c.steps})")
 
 
 def _source_spec(mode: str) -> sources.SourceSpec:

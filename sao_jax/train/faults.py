@@ -25,6 +25,9 @@ number if not in timing; the other two fields name an RL step:
                          step, its asynchronous save started, not waited
                          for): a kill at a known step, whatever the
                          machine's speed, for the resume test
+    sigterm_after_rl_step
+                         the trainer sends itself SIGTERM once RL step n is
+                         done: a preemption notice at a known step
 """
 
 from __future__ import annotations
@@ -186,11 +189,15 @@ class FaultInjector:
     return batch
 
   def after_rl_step(self, step: int) -> None:
-    """Ends the process with SIGKILL (nothing flushed, nothing cleaned up)
-    once RL step `step` is done, on schedule."""
+    """Ends the process with SIGKILL (nothing flushed, nothing cleaned up), or
+    sends it SIGTERM (a preemption notice), once RL step `step` is done, on
+    schedule."""
     if self.spec.sigkill_after_rl_step and step == self.spec.sigkill_after_rl_step:
       print(f"[faults] SIGKILL after RL step {step}", flush=True)
       os.kill(os.getpid(), signal.SIGKILL)
+    if self.spec.sigterm_after_rl_step and step == self.spec.sigterm_after_rl_step:
+      print(f"[faults] SIGTERM after RL step {step}", flush=True)
+      os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice (train/preemption.py)
 
   def counts(self) -> dict[str, int]:
     return {"env_error": self.env_error.injected, "env_garbage": self.env_garbage.injected,

@@ -18,6 +18,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from sao_jax.train import preemption
 from sao_jax.train import stopping
 from sao_jax.train import distributed
 from sao_jax.train import sources
@@ -172,53 +173,61 @@ def rl(run: Run) -> None:
   tokens_before = run.meta.get("generated_tokens", 0)
   budget = c.max_generated_tokens
   finished = False
-  try:
-    for step in range(run.meta["stage_step"] + 1, c.steps + 1):
-      with clock.waiting():
-        trajs = source.take(c.batch_size)
-      rewards = np.array([t.total_reward for t in trajs], np.float32)
-      baseline = None
-      if estimator.baseline is not None:
-        group_ids = np.asarray([t.group_id for t in trajs], np.int32)
-        baseline_state, baseline = estimator.baseline(baseline_state, rewards, group_ids, c)
-      batch = packing.pack(trajs, c.batch_size, config.data.buckets, baseline,
-                           action_index=config.data.logits_at_actions,
-                           routing=run.routing_shape and run.routing_shape[:2])
-      with clock.training():
-        m = _train_step(run, run.put_batch(run.faults.poison_batch(step, batch)))
-      skips.record(bool(m["policy/update_skipped"]), step)
-      if step % c.sync_every == 0 and not m["policy/update_skipped"]:
-        m.update(source.publish(run.policy_params(), int(run.state.step)))
-      run.meta["stage_step"] = step
-      report = source.report()
-      run.meta["generated_tokens"] = tokens_before + report.counts.generated_tokens
-      budget_spent = bool(budget) and run.meta["generated_tokens"] >= budget
-      m.update(report.extra)
-      m.update(rl_metrics(
-          trajs, rewards, report.counts, generated_total=run.meta["generated_tokens"],
-          elapsed=clock.elapsed, wait=clock.last_wait, wait_total=clock.wait_total,
-          train_total=clock.train_total, restarts=report.restarts,
-          updates_skipped=skips.total, queue_depth=report.queue_depth,
-          rejected=report.rejected))
-      # What the environment left out of its data at load (the dataset env's
-      # duplicates, conflicts, held-out overlap, ...), constant over the run.
-      m.update({f"data/rows_{k}": v for k, v in getattr(run.env, "data_counts", {}).items()})
-      # Read after the source's counts: an injection is counted before its
-      # rejection, so injected_malformed >= queue/rejected at every step.
-      if run.faults.active:
-        m.update({f"faults/injected_{k}": v for k, v in run.faults.counts().items()})
-      _log(run, step, m, force=budget_spent)
-      if c.eval_every and step % c.eval_every == 0 and step < c.steps:
-        run.evaluate(f"rl_step_{step}", run.policy_params())
-      if step % config.checkpoint.every == 0:
-        _checkpoint(run, source, baseline_state)
-      run.faults.after_rl_step(step)
-      if budget_spent:
-        print(f"[rl] generated-token budget spent ({run.meta['generated_tokens']} >= "
-              f"{budget}) at step {step}", flush=True)
-        break
-    finished = True
-  finally:
-    source.close(finished)
+  with preemption.Notice() as notice:
+    try:
+      for step in range(run.meta["stage_step"] + 1, c.steps + 1):
+        with clock.waiting():
+          trajs = source.take(c.batch_size)
+        rewards = np.array([t.total_reward for t in trajs], np.float32)
+        baseline = None
+        if estimator.baseline is not None:
+          group_ids = np.asarray([t.group_id for t in trajs], np.int32)
+          baseline_state, baseline = estimator.baseline(baseline_state, rewards, group_ids, c)
+        batch = packing.pack(trajs, c.batch_size, config.data.buckets, baseline,
+                             action_index=config.data.logits_at_actions,
+                             routing=run.routing_shape and run.routing_shape[:2])
+        with clock.training():
+          m = _train_step(run, run.put_batch(run.faults.poison_batch(step, batch)))
+        skips.record(bool(m["policy/update_skipped"]), step)
+        if step % c.sync_every == 0 and not m["policy/update_skipped"]:
+          m.update(source.publish(run.policy_params(), int(run.state.step)))
+        run.meta["stage_step"] = step
+        report = source.report()
+        run.meta["generated_tokens"] = tokens_before + report.counts.generated_tokens
+        budget_spent = bool(budget) and run.meta["generated_tokens"] >= budget
+        m.update(report.extra)
+        m.update(rl_metrics(
+            trajs, rewards, report.counts, generated_total=run.meta["generated_tokens"],
+            elapsed=clock.elapsed, wait=clock.last_wait, wait_total=clock.wait_total,
+            train_total=clock.train_total, restarts=report.restarts,
+            updates_skipped=skips.total, queue_depth=report.queue_depth,
+            rejected=report.rejected))
+        # What the environment left out of its data at load (the dataset env's
+        # duplicates, conflicts, held-out overlap, ...), constant over the run.
+        m.update({f"data/rows_{k}": v for k, v in getattr(run.env, "data_counts", {}).items()})
+        # Read after the source's counts: an injection is counted before its
+        # rejection, so injected_malformed >= queue/rejected at every step.
+        if run.faults.active:
+          m.update({f"faults/injected_{k}": v for k, v in run.faults.counts().items()})
+        _log(run, step, m, force=budget_spent)
+        if c.eval_every and step % c.eval_every == 0 and step < c.steps:
+          run.evaluate(f"rl_step_{step}", run.policy_params())
+        periodic = step % config.checkpoint.every == 0
+        if periodic:
+          _checkpoint(run, source, baseline_state)
+        run.faults.after_rl_step(step)
+        if notice.reached(step):  # every step: multi-host processes agree on the step
+          if not periodic:
+            _checkpoint(run, source, baseline_state)
+          raise stopping.StopTraining(
+              f"preempted (SIGTERM) after RL step {step}: checkpoint {run.meta['ckpt_step']} "
+              "written; start the run again to resume")
+        if budget_spent:
+          print(f"[rl] generated-token budget spent ({run.meta['generated_tokens']} >= "
+                f"{budget}) at step {step}", flush=True)
+          break
+      finished = True
+    finally:
+      source.close(finished)
   run.meta["source"] = source.state()
   run.advance("done")

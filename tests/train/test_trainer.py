@@ -243,7 +243,8 @@ def _committed_rl_steps(workdir):
 
 
 def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
-  """SIGKILL mid-RL: the restart resumes from the last complete checkpoint.
+  """SIGKILL mid-RL: the restart resumes from the last complete checkpoint; a
+  SIGTERM (a preemption notice) checkpoints the step it lands after.
 
   The run kills itself with SIGKILL right after RL step 4
   (`faults.sigkill_after_rl_step`), just after that step's asynchronous
@@ -267,12 +268,21 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
   # at the kill; an interrupted save must not count.
   complete_at_kill = max(_committed_rl_steps(workdir))
   assert killed_at - 2 * every <= complete_at_kill <= killed_at
-  out = launch(workdir, "--config.rl.steps=12")
+  # The restart is preempted: SIGTERM after RL step 7 (not a checkpoint step)
+  # writes a checkpoint at 7, waits for it and exits 1 (the job did not finish).
+  proc = launch(workdir, "--config.rl.steps=12", f"--config.checkpoint.every={every}",
+                "--config.faults.sigterm_after_rl_step=7", wait=False)
+  out = finish(proc)
+  assert proc.returncode == 1, out[-3000:]
   assert "Resumed from checkpoint" in out and "stage rl" in out
   resumed_from = int(out.split("stage rl step ")[1].split()[0])
   assert resumed_from == complete_at_kill
+  assert "error: preempted (SIGTERM) after RL step 7: checkpoint" in out
+  assert max(_committed_rl_steps(workdir)) == 7
+  out = launch(workdir, "--config.rl.steps=8")
+  assert "stage rl step 7" in out
   rl = read_metrics(workdir, "rl")
-  assert max(r["step"] for r in rl) == 12
+  assert max(r["step"] for r in rl) == 8
   assert os.path.exists(os.path.join(workdir, "summary.json"))
 
 
