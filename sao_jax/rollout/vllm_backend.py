@@ -136,10 +136,11 @@ class VllmServer:
                dtype: str = "float32", max_len: int = 256, slots: int = 16, seed: int = 0,
                extra_args: tuple[str, ...] | None = None, url: str | None = None):
     self.workdir = workdir
-    # Outside `workdir` (an engine removes its own when it ends): a failure's
-    # log outlives the engine.
+    # Outside `workdir` (an engine removes its own when it ends): the log of
+    # a server that failed outlives the engine; a clean close removes it.
     fd, self.log_path = tempfile.mkstemp(prefix="sao_vllm_server_", suffix=".log")
     os.close(fd)
+    self.failed = False
     self._proc: subprocess.Popen | None = None
     self._lock = threading.Lock()
     if url:
@@ -185,6 +186,7 @@ class VllmServer:
     deadline = time.time() + timeout
     while time.time() < deadline:
       if self._proc is not None and self._proc.poll() is not None:
+        self.failed = True
         raise VllmError(f"the vLLM server exited with code {self._proc.returncode} while "
                         f"starting; its log: {self.log_path} ({self._log_tail()})")
       try:
@@ -194,6 +196,7 @@ class VllmServer:
       except (urllib.error.URLError, ConnectionError, OSError):
         pass
       time.sleep(1.0)  # a subprocess's start: nothing to wait on but its port
+    self.failed = True
     self.close()
     raise VllmError(f"the vLLM server did not answer /health within {timeout:.0f} s; its "
                     f"log: {self.log_path}")
@@ -216,24 +219,28 @@ class VllmServer:
       with urllib.request.urlopen(req, timeout=timeout) as r:
         raw = r.read()
     except urllib.error.HTTPError as e:
+      self.failed = True
       detail = e.read().decode(errors="replace")[:300]
       raise VllmError(f"vLLM {path} answered {e.code}: {detail}; server log: "
                       f"{self.log_path}") from None
     except (urllib.error.URLError, ConnectionError) as e:
+      self.failed = True
       raise VllmError(f"vLLM {path} failed: {e}; server log: {self.log_path}") from None
     return json.loads(raw) if raw.strip() else None
 
   def close(self) -> None:
-    """Stops the subprocess this object started (SIGTERM, then SIGKILL) ."""
+    """Stops the subprocess this object started (SIGTERM, then SIGKILL); its
+    log is removed unless something failed."""
     proc, self._proc = self._proc, None
-    if proc is None or proc.poll() is not None:
-      return
-    os.killpg(proc.pid, 15)
-    try:
-      proc.wait(30)
-    except subprocess.TimeoutExpired:
-      os.killpg(proc.pid, 9)
-      proc.wait(30)
+    if proc is not None and proc.poll() is None:
+      os.killpg(proc.pid, 15)
+      try:
+        proc.wait(30)
+      except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait(30)
+    if not self.failed and os.path.exists(self.log_path):
+      os.remove(self.log_path)
 
 
 # --- the engine ------------------------------------------------------------------
