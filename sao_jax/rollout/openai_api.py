@@ -116,6 +116,8 @@ class OpenAIApp:
                owner_key: str | None = None,
                default_sampling: serving.RequestSampling | None = None):
     self.batcher, self.format, self.tok, self.book = batcher, chat_format, tokenizer, book
+    # An ended session's parked cache goes at once, not when LRU reaches it.
+    book.on_end = getattr(batcher, "forget", None)
     self.model_name, self.max_turn_tokens, self.api_key = model_name, max_turn_tokens, api_key
     self.owner_key, self.default_sampling = owner_key, default_sampling
     self.max_len = batcher.max_len
@@ -137,6 +139,8 @@ class OpenAIApp:
                 "generated_tokens": self.batcher.generated_tokens,
                 "engine_errors": self.batcher.engine_errors,
                 "policy_version": int(self.batcher.engine.version)})
+    if hasattr(self.batcher, "counters"):  # prefill computed / reused / shared, evictions
+      out.update({f"batcher/{k}": v for k, v in self.batcher.counters().items()})
     return out
 
   # --- dispatch ---------------------------------------------------------------------

@@ -274,6 +274,13 @@ class SessionBook:
     self._sessions: dict[str, Session] = {}
     self._lock = threading.Lock()
     self.counts: collections.Counter = collections.Counter()
+    # Called with a session's id once it ends (rewarded, deleted, expired): the
+    # server drops the session's parked cache (`Batcher.forget`). Must not block.
+    self.on_end: Callable[[str], None] | None = None
+
+  def _ended(self, session_id: str) -> None:
+    if self.on_end is not None:
+      self.on_end(session_id)
 
   def open(self) -> Session:
     """A new session with a server-issued id and secrets; TooManySessions when full."""
@@ -299,6 +306,7 @@ class SessionBook:
                 if now - s.last_used > self.idle_seconds and not s.lock.locked()]:
       self._sessions.pop(sid).ended = True
       self.counts["sessions/expired"] += 1
+      self._ended(sid)
 
   def _pop(self, session_id: str) -> Session | None:
     with self._lock:
@@ -322,6 +330,7 @@ class SessionBook:
       if s.ended or self._pop(session_id) is not s:
         return None
       s.ended = True
+      self._ended(session_id)
       pid = zlib.crc32(session_id.encode()) if prompt_id is None else int(prompt_id)
       version = None if self._current_version is None else self._current_version()
       written, refused = 0, collections.Counter()
@@ -351,4 +360,5 @@ class SessionBook:
         return False
       s.ended = True
       self.counts["sessions/discarded"] += 1
+    self._ended(session_id)
     return True

@@ -43,8 +43,14 @@ class FakeBatcher:
 
   def __init__(self, reply=None, delay: float = 0.0):
     self.reply = reply or (lambda prompt, sampling: TOK.encode("Hello there.") + [IM_END])
-    self.delay, self.submitted = delay, []
+    self.delay, self.submitted, self.forgotten = delay, [], []
     self._lock = threading.Lock()
+
+  def forget(self, prefix_key):
+    self.forgotten.append(prefix_key)
+
+  def counters(self):
+    return {"prefill_reused": 5}
 
   def submit(self, prompt, max_new_tokens, *, sampling=None, prefix_key=None):
     with self._lock:
@@ -169,6 +175,21 @@ def test_sessions_are_owned_by_whoever_opened_them(server):
                     headers={"X-Session-Owner": "driver"}).json()["written"] == 1
   assert HTTP.post(f"{url}/v1/sessions/{b['id']}/reward", json={"reward": 0.0},
                     headers={"X-Session-Owner": "drivers"}).status_code == 403
+
+
+def test_an_ended_session_releases_its_parked_cache_and_stats_show_the_batchers(server):
+  """Rewarded and deleted sessions are forgotten by the batcher at once (their
+  parked slots and pages freed for others), and /v1/stats carries the
+  batcher's prefix counters."""
+  a, b = open_session(server), open_session(server)
+  for s in (a, b):
+    s["client"].chat.completions.create(model=MODEL, messages=USER)
+  owner = lambda s: {"X-Session-Owner": s["owner_secret"]}
+  assert HTTP.post(f"{server.url}/v1/sessions/{a['id']}/reward", json={"reward": 1.0},
+                   headers=owner(a)).status_code == 200
+  assert HTTP.delete(f"{server.url}/v1/sessions/{b['id']}", headers=owner(b)).status_code == 200
+  assert server.app.batcher.forgotten == [a["id"], b["id"]]
+  assert HTTP.get(f"{server.url}/v1/stats").json()["batcher/prefill_reused"] == 5
 
 
 # --- 2. the API surface -------------------------------------------------------------------
