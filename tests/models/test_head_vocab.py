@@ -148,9 +148,9 @@ def test_a_checkpoint_of_another_head_is_refused_in_one_line(tmp_path):
   ckpt.save(1, {"w": np.zeros(3, np.float32)}, {"vocab_ids": list(IDS)}, force=True)
   ckpt.wait()
   ckpt.close()
-  same = types.SimpleNamespace(workdir=str(tmp_path), model_cfg=CFG)
+  same = types.SimpleNamespace(workdir=str(tmp_path), model_cfg=CFG, meta={})
   run_lib._check_vocab_ids(same, 1)  # pylint: disable=protected-access
   for other in (dataclasses.replace(CFG, vocab_ids=IDS[:-1]), mcfg.tiny(vocab_size=FULL)):
     with pytest.raises(sections.ConfigError, match="model.vocab_subset") as e:
-      run_lib._check_vocab_ids(types.SimpleNamespace(workdir=str(tmp_path), model_cfg=other), 1)  # pylint: disable=protected-access
+      run_lib._check_vocab_ids(types.SimpleNamespace(workdir=str(tmp_path), model_cfg=other, meta={}), 1)  # pylint: disable=protected-access
     assert "\n" not in str(e.value)

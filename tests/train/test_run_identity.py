@@ -45,7 +45,8 @@ def trainer(workdir, step, params, saved=None):
   c = config()
   state = types.SimpleNamespace(step=step, policy=params)
   run = types.SimpleNamespace(config=c, workdir=workdir, tok=TOK, routing_shape=None,
-                              model_cfg=factories.build_model_config(c), state=state)
+                              model_cfg=factories.build_model_config(c), state=state,
+                              policy_params=lambda: state.policy)
   return sources.make_source(run, saved), state
 
 
