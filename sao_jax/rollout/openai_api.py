@@ -85,7 +85,7 @@ from absl import logging
 from sao_jax.data import fleet
 from sao_jax.data import identity
 from sao_jax.envs import registry
-from sao_jax.rollout import http_server, loopback, openai_reply, serving, sessions
+from sao_jax.rollout import backends, http_server, loopback, openai_reply, serving, sessions
 from sao_jax.rollout import openai_request as rq
 from sao_jax.rollout.openai_request import ApiError, parse_messages, parse_tools  # pylint: disable=unused-import
 
@@ -624,8 +624,11 @@ class Endpoint:
     chat_format = registry.make_format(config.env, tokenizer)
     f = config.fleet
     self.writer = fleet.ShardWriter(root, rollout_id, f.shard_trajectories, f.shard_seconds)
-    self.batcher = serving.Batcher(engine, chat_format.turn_end_id,
-                                   decode_steps=decode_steps or config.rollout.decode_steps)
+    # The backend's completer: the Batcher over the JAX engine's slots, or
+    # requests handed to a vLLM server as they come (rollout/vllm_serving.py).
+    completer = backends.get(config.rollout.backend).build_completer()
+    self.batcher = completer(engine, chat_format.turn_end_id,
+                             decode_steps=decode_steps or config.rollout.decode_steps)
     # Whose params each version is (the run id and fingerprint that came with
     # it, sao_jax/data/identity.py): only followed versions have one.
     self.identity = identity.Ledger()

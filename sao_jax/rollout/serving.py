@@ -149,6 +149,23 @@ class RequestSampling:
 
 
 
+def check_request(prompt, max_new_tokens: int, sampling, prefix_key, max_len: int) -> list[int]:
+  """`prompt` as a list of ids, once the request is one a completer can take
+  (`Batcher.submit`'s and every other completer's checks); TypeError or
+  ValueError otherwise."""
+  if sampling is not None and not isinstance(sampling, RequestSampling):
+    raise TypeError(f"sampling must be a RequestSampling, got {type(sampling).__name__}")
+  if prefix_key is not None and not isinstance(prefix_key, str):
+    raise TypeError(f"prefix_key must be a str or None, got {type(prefix_key).__name__}")
+  prompt = [int(t) for t in prompt]
+  if not prompt:
+    raise ValueError("empty prompt")
+  if max_new_tokens < 1 or len(prompt) + max_new_tokens > max_len:
+    raise ValueError(f"a prompt of {len(prompt)} tokens plus {max_new_tokens} new ones does "
+                     f"not fit max_len {max_len}")
+  return prompt
+
+
 @dataclasses.dataclass(frozen=True)
 class Completion:
   """What one request sampled: at least one token."""
@@ -250,18 +267,9 @@ class Batcher:
     prompt, prompt plus budget beyond max_len) or sampling it cannot honour,
     `Overloaded` when the queue is full, `Closed` after `close`.
     """
-    if sampling is not None and not isinstance(sampling, RequestSampling):
-      raise TypeError(f"sampling must be a RequestSampling, got {type(sampling).__name__}")
-    if prefix_key is not None and not isinstance(prefix_key, str):
-      raise TypeError(f"prefix_key must be a str or None, got {type(prefix_key).__name__}")
     if sampling is not None and not self.per_request_sampling:
       raise ValueError("this engine samples only with its own distribution (no serve_step)")
-    prompt = [int(t) for t in prompt]
-    if not prompt:
-      raise ValueError("empty prompt")
-    if max_new_tokens < 1 or len(prompt) + max_new_tokens > self.max_len:
-      raise ValueError(f"a prompt of {len(prompt)} tokens plus {max_new_tokens} new ones does "
-                       f"not fit max_len {self.max_len}")
+    prompt = check_request(prompt, max_new_tokens, sampling, prefix_key, self.max_len)
     if self._closed.is_set():
       raise Closed("the batcher is closed")
     request = _Request(prompt, int(max_new_tokens), cf.Future(),

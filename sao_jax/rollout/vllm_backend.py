@@ -160,6 +160,7 @@ class VllmServer:
         "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_len),
         "--max-num-seqs", str(slots), "--seed", str(seed), "--skip-tokenizer-init",
         "--logprobs-mode", "processed_logprobs", "--worker-extension-cls", WORKER_CLASS,
+        "--enable-prefix-caching",
         *extra_args]
 
   def start(self, timeout: float = START_TIMEOUT_S) -> None:
@@ -227,6 +228,15 @@ class VllmServer:
       self.failed = True
       raise VllmError(f"vLLM {path} failed: {e}; server log: {self.log_path}") from None
     return json.loads(raw) if raw.strip() else None
+
+  def get(self, path: str, timeout: float = 30.0) -> str:
+    """GETs `path`; its text (e.g. the Prometheus `/metrics`). VllmError on failure
+    (not counted as the server failing: a GET changes nothing)."""
+    try:
+      with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+        return r.read().decode("utf-8", errors="replace")
+    except (urllib.error.URLError, ConnectionError, OSError) as e:
+      raise VllmError(f"vLLM GET {path} failed: {e}") from None
 
   def close(self) -> None:
     """Stops the subprocess this object started (SIGTERM, then SIGKILL); its
