@@ -779,6 +779,12 @@ class Fleet(Section):
       "address.", Check(lambda v: isinstance(v, str), "an IP address or \"\""))
   transfer_sockets: int = knob(4, "Parallel bulk TCP sockets of each weight server.",
                                integer(1, 64))
+  delta_versions: bool = knob(
+      True, "On the direct path, each version is also offered as its delta from the one "
+      "before (the bf16 elements that changed, sao_jax/data/weight_delta.py) and a rollout "
+      "holding that one pulls only the delta, checked by a checksum per piece (a mismatch: "
+      "counted, the version pulled whole). Costs a rollout one more copy of a version on its "
+      "devices (the held version's pieces). False: whole versions only.", BOOL)
 
   def check_together(self):
     if self.pull_timeout_s <= self.poll_seconds:

@@ -39,6 +39,22 @@ default where `jax.experimental.transfer` works). No file holds the bytes:
     and the version's params fingerprint (sao_jax/data/identity.py), which
     the rollout stamps on the trajectories that version samples.
 
+Delta versions (`fleet.delta_versions`, sao_jax/data/weight_delta.py): at
+the RL learning rates few bf16 elements change from one version to the
+next, so each trainer process also encodes each of its pieces against the
+version before (the changed elements' positions and bits; a piece whose
+delta is no smaller goes whole) and puts in the manifest `delta` (the
+version it applies to) and per piece the delta's size and the new piece's
+checksum. A rollout holding exactly that version (same trainer run) asks
+for the delta (`delta_from` in its request), applies it to the pieces it
+kept of the held version, and checks every piece's checksum before the
+assembly; a mismatch (a held piece not what it should be) discards the
+pull, is counted (`delta_checksum`) and the version is pulled again whole.
+A rollout further behind, a new one, or one that fails pulls whole. The
+cost: the rollout keeps the held version's pieces (one more copy of a
+version on its devices; the engine keeps its own copy of what it is
+handed), and the trainer one encoding pass per version.
+
 Which bytes move is `plan`: a pure function of the two layouts (the
 trainer's param shardings and the engine's), shared by the rollout (its
 routes) and launch/compile.py (its "transfer" entry: bytes per rollout host
@@ -74,6 +90,7 @@ import numpy as np
 
 from sao_jax.data import files
 from sao_jax.data import identity
+from sao_jax.data import weight_delta
 
 TRANSFER = "transfer"
 REQUESTS = "requests"
@@ -389,6 +406,26 @@ def _piece_dict(p: Piece) -> dict:
           "nbytes": p.nbytes}
 
 
+@dataclasses.dataclass(frozen=True)
+class _Served:
+  """One version as this process serves it: its pieces' arrays, and with
+  `delta_from` (the version before, this run) the arrays of its delta: per
+  piece (indices, values), or the whole piece where that was no smaller."""
+  pieces: tuple[Piece, ...]
+  arrays: list
+  delta_from: int | None = None
+  delta_arrays: list | None = None
+
+
+def _delta_manifest(served: _Served, deltas: list, sums: list[int], block: int) -> dict:
+  """The manifest's part for a delta version: what the puller's specs need
+  (each piece's delta size, 0: sent whole) and each new piece's checksum."""
+  return {"delta": {"from": served.delta_from, "block": block},
+          "piece_deltas": [{"size": 0 if d is None else d.size,
+                            "changed": -1 if d is None else d.changed, "checksum": c}
+                           for d, c in zip(deltas, sums)]}
+
+
 class WeightServer:
   """One trainer process's side: its pieces of each version, served to pullers.
 
@@ -400,7 +437,8 @@ class WeightServer:
 
   def __init__(self, root: str, nonce: str, *, host: str = "", sockets: int = 4,
                poll_seconds: float = 0.5, pull_timeout_s: float = 300.0,
-               log: Callable[[str], None] = print, thread: bool = True):
+               log: Callable[[str], None] = print, thread: bool = True,
+               delta_block: int | None = weight_delta.BLOCK):
     self.dir = transfer_dir(root)
     self._requests = requests_dir(root)
     files.makedirs(self._requests)
@@ -416,9 +454,16 @@ class WeightServer:
     self.poll_seconds, self.pull_timeout_s = poll_seconds, pull_timeout_s
     self._log = log
     self._lock = threading.Lock()
-    self._snapshots: collections.OrderedDict = collections.OrderedDict()  # version -> arrays
+    self._snapshots: collections.OrderedDict = collections.OrderedDict()  # version -> _Served
     self._seen: set[str] = set()
     self.served = 0  # pulls registered
+    self.served_deltas = 0  # of which deltas
+    # Each version's delta from the one before (weight_delta.py), in blocks
+    # of this many elements; None: whole versions only.
+    self.delta_block = delta_block
+    # The newest version's delta: seconds, bytes (and the whole pieces'),
+    # changed blocks of the pieces sent as deltas and all their blocks.
+    self.last_delta: dict = {}
     self.refused: collections.Counter = collections.Counter()  # requests by reason
     self.last_publish_s = 0.0
     self.snapshot = None
@@ -451,17 +496,18 @@ class WeightServer:
       arrays.append(shard.data)
     jax.block_until_ready(arrays)
     self.snapshot = snap  # the newest version's tree (FleetSource checkpoints it)
+    served, extra = self._with_delta(_Served(tuple(mine), arrays))
     manifest = {
         "version": int(version), "nonce": self.nonce, "process": self.process,
         "num_processes": self.num_processes, "address": self.address,
         "published": time.time(),
         "leaves": [{"shape": list(x.shape), "dtype": jnp.dtype(x.dtype).name} for x in leaves],
-        "pieces": [_piece_dict(p) for p in mine],
+        "pieces": [_piece_dict(p) for p in mine], **extra,
     }
     if run_id is not None:
       manifest.update(identity.VersionIdentity(run_id, self.fingerprint).meta())
     with self._lock:
-      self._snapshots[int(version)] = arrays
+      self._snapshots[int(version)] = served
       self._snapshots.move_to_end(int(version))
       dropped = []
       while len(self._snapshots) > KEEP_SNAPSHOTS:
@@ -470,6 +516,33 @@ class WeightServer:
     for v in dropped:
       files.remove(files.join(self.dir, manifest_name(v, self.process)))
     self.last_publish_s = time.time() - t0
+
+  def _with_delta(self, served: _Served) -> tuple[_Served, dict]:
+    """`served` with its delta from the newest version held (same pieces),
+    and the manifest's delta fields; as it is without `delta_block` or a
+    version before."""
+    with self._lock:
+      prev = next(reversed(self._snapshots.items()), None)
+    self.last_delta = {}
+    if not self.delta_block or prev is None or prev[1].pieces != served.pieces or any(
+        a.dtype != b.dtype for a, b in zip(prev[1].arrays, served.arrays)):
+      return served, {}
+    t0 = time.time()
+    deltas = weight_delta.encode_pieces(prev[1].arrays, served.arrays, self.delta_block)
+    sums = weight_delta.checksums(served.arrays)
+    delta_arrays = []
+    for d, full in zip(deltas, served.arrays):
+      delta_arrays += [full] if d is None else [d.indices, d.values]
+    jax.block_until_ready(delta_arrays)
+    served = dataclasses.replace(served, delta_from=prev[0], delta_arrays=delta_arrays)
+    self.last_delta = dict(
+        seconds=time.time() - t0, bytes=sum(x.nbytes for x in delta_arrays),
+        full_bytes=sum(p.nbytes for p in served.pieces),
+        changed=sum(d.changed for d in deltas if d is not None),
+        blocks=sum(-(-math.prod(p.shape) // self.delta_block)
+                   for p, d in zip(served.pieces, deltas) if d is not None),
+        whole_pieces=sum(d is None for d in deltas))
+    return served, _delta_manifest(served, deltas, sums, self.delta_block)
 
   def _serve(self) -> None:
     while not self._stop.wait(self.poll_seconds):
@@ -496,14 +569,22 @@ class WeightServer:
       try:
         req = json.loads(files.read_bytes(files.join(self._requests, name), 4096))
         version, nonce = int(req["version"]), str(req["nonce"])
+        delta_from = None if req.get("delta_from") is None else int(req["delta_from"])
       except (OSError, ValueError, KeyError, TypeError):
         self.refused["bad_request"] += 1
         continue
       with self._lock:
-        arrays = self._snapshots.get(version) if nonce == self.nonce else None
-      if arrays is None or uuid >= 1 << 64:
+        served = self._snapshots.get(version) if nonce == self.nonce else None
+      if served is None or uuid >= 1 << 64:
         self.refused["not_held"] += 1
         continue
+      arrays = served.arrays
+      if delta_from is not None:
+        if delta_from != served.delta_from:
+          self.refused["delta_not_held"] += 1
+          continue
+        arrays = served.delta_arrays
+        self.served_deltas += 1
       deadline = datetime.datetime.now() + datetime.timedelta(seconds=self.pull_timeout_s)
       self._server.await_pull(uuid, arrays, timeout=deadline)
       self.served += 1
@@ -608,11 +689,31 @@ def _pieces_of(offer: Offer) -> list[list[Piece]]:
 
 
 class PullError(Exception):
-  """A version that cannot be pulled; `reason` is the counter's key."""
+  """A version that cannot be pulled; `reason` is the counter's key.
+  `retry`: the same version may be pulled again (whole)."""
 
-  def __init__(self, reason: str, message: str):
+  def __init__(self, reason: str, message: str, retry: bool = False):
     super().__init__(message)
-    self.reason = reason
+    self.reason, self.retry = reason, retry
+
+
+@dataclasses.dataclass(frozen=True)
+class _Held:
+  """The version a rollout holds, in the piece layout: what a delta applies to."""
+  identity: tuple[int, str]
+  pieces: dict  # (leaf, Index) -> the piece's array, on the device it was pulled onto
+
+
+@dataclasses.dataclass(frozen=True)
+class _DeltaPull:
+  """A delta pull's recipe: per piece (flat, in the plan's order) the held
+  array and its delta's size (0: the piece comes whole), and the checksum
+  each assembled piece must have."""
+  base: int  # the version it applies to
+  block: int
+  held: list
+  sizes: list[int]
+  checksums: list[int]
 
 
 @dataclasses.dataclass
@@ -622,6 +723,7 @@ class _Pull:
   arrays: list  # per trainer process, its pieces' arrays being filled
   requests: list[str]
   started: float
+  delta: _DeltaPull | None = None
 
 
 class NetFollower:
@@ -629,7 +731,7 @@ class NetFollower:
   layout (ShapeDtypeStructs with shardings on this process's devices)."""
 
   def __init__(self, root: str, rollout_id: str, abstract_params, *, host: str = "",
-               sockets: int = 4, pull_timeout_s: float = 300.0):
+               sockets: int = 4, pull_timeout_s: float = 300.0, delta: bool = True):
     self.root, self.rollout_id = root, rollout_id
     self._requests = requests_dir(root)
     files.makedirs(self._requests)
@@ -641,15 +743,23 @@ class NetFollower:
     self._connections: dict[str, Any] = {}
     self.pull_timeout_s = pull_timeout_s
     self._pull: _Pull | None = None
+    # Pull versions offered as deltas from the one held as deltas (keeping
+    # the held version's pieces: one more copy of a version on the devices).
+    self.delta = delta
+    self._held: _Held | None = None
     self.pulled_bytes = 0
+    self.pulls_by_kind: collections.Counter = collections.Counter()  # "full" / "delta"
+    self.bytes_by_kind: collections.Counter = collections.Counter()
     self.pull_seconds = 0.0
     # The last complete pull: until every piece was ready (as seen by the
-    # polls), and the assembly into the engine's layout.
-    self.last_transfer_s = self.last_assemble_s = 0.0
+    # polls), applying a delta (and checking it), the assembly into the
+    # engine's layout.
+    self.last_transfer_s = self.last_apply_s = self.last_assemble_s = 0.0
 
   def retarget(self, abstract_params) -> None:
     leaves, self._treedef = jax.tree.flatten(abstract_params)
     self._abstract = leaves
+    self._held = None  # pieces of another layout
 
   @property
   def pulling(self) -> Offer | None:
@@ -657,7 +767,8 @@ class NetFollower:
 
   def start(self, offer: Offer) -> None:
     """Asks every trainer process for `offer` and posts the pulls (returns at
-    once; `advance` finishes). Raises PullError."""
+    once; `advance` finishes): its delta when it is one from the version
+    held (`delta`), else the whole version. Raises PullError."""
     assert self._pull is None, "one pull at a time"
     shapes = [tuple(a.shape) for a in self._abstract]
     for m in offer.manifests:
@@ -672,19 +783,20 @@ class NetFollower:
     if why:
       raise PullError("bad_manifest", f"version {offer.version}: {why}")
     p = plan(flat, [(tuple(a.shape), a.sharding) for a in self._abstract])
+    delta = self._delta_for(offer, p)
     devices = {d.id: d for a in self._abstract for d in a.sharding.device_set}
     uuid = int.from_bytes(os.urandom(8), "little") >> 1
     name = f"{self.rollout_id}-{uuid}.json"
-    files.write_json(files.join(self._requests, name),
-                     {"version": offer.version, "nonce": offer.nonce})
+    request = {"version": offer.version, "nonce": offer.nonce}
+    if delta is not None:
+      request["delta_from"] = delta.base
+    files.write_json(files.join(self._requests, name), request)
     arrays, n = [], 0
     try:
       for m, pieces in zip(offer.manifests, per_process):
         specs = []
         for piece in pieces:
-          dtype = self._abstract[piece.leaf].dtype
-          specs.append(jax.ShapeDtypeStruct(piece.shape, dtype, sharding=(
-              jax.sharding.SingleDeviceSharding(devices[p.routes[n]]))))
+          specs += self._specs(piece, devices[p.routes[n]], delta, n)
           n += 1
         if not specs:
           arrays.append([])
@@ -699,7 +811,48 @@ class NetFollower:
     except Exception as e:  # pylint: disable=broad-except
       files.remove(files.join(self._requests, name))
       raise PullError("pull_failed", f"version {offer.version}: {e!r}"[:300]) from None
-    self._pull = _Pull(offer, p, arrays, [name], time.time())
+    self._pull = _Pull(offer, p, arrays, [name], time.time(), delta)
+
+  def _specs(self, piece: Piece, device, delta: _DeltaPull | None, n: int) -> list:
+    """What piece `n` arrives as on `device`: whole, or its delta's
+    (indices, values)."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    dtype = self._abstract[piece.leaf].dtype
+    size = 0 if delta is None else delta.sizes[n]
+    if not size:
+      return [jax.ShapeDtypeStruct(piece.shape, dtype, sharding=sharding)]
+    return [jax.ShapeDtypeStruct((size,), weight_delta.INDEX_DTYPE, sharding=sharding),
+            jax.ShapeDtypeStruct((size, delta.block), weight_delta.word_dtype(dtype),
+                                 sharding=sharding)]
+
+  def _delta_for(self, offer: Offer, p: Plan) -> _DeltaPull | None:
+    """How to pull `offer` as a delta: when every trainer process offers it
+    as one from the version held (this trainer run's), and every piece of
+    the held version is where the plan routes its delta. None: whole."""
+    held = self._held
+    if not self.delta or held is None:
+      return None
+    try:
+      infos = [m["delta"] for m in offer.manifests]
+      bases = {int(d["from"]) for d in infos}
+      blocks = {int(d["block"]) for d in infos}
+      entries = [m["piece_deltas"] for m in offer.manifests]
+      if any(len(e) != len(m["pieces"]) for e, m in zip(entries, offer.manifests)):
+        return None
+      sizes = [int(x["size"]) for e in entries for x in e]
+      sums = [int(x["checksum"]) for e in entries for x in e]
+    except (KeyError, TypeError, ValueError):
+      return None  # no delta offered (or not one this rollout reads)
+    if len(bases) != 1 or len(blocks) != 1 or min(blocks) < 1 or min(sizes, default=0) < 0:
+      return None
+    base = bases.pop()
+    if held.identity != (base, offer.nonce):
+      return None  # too far behind, or another trainer run's
+    arrays = [held.pieces.get((piece.leaf, piece.index)) for piece in p.pieces]
+    if any(a is None or a.is_deleted() or {d.id for d in a.devices()} != {dev}
+           for a, dev in zip(arrays, p.routes)):
+      return None
+    return _DeltaPull(base, blocks.pop(), arrays, sizes, sums)
 
   def _connection(self, address: str):
     if address not in self._connections:
@@ -727,18 +880,46 @@ class NetFollower:
         return None
       t0 = time.time()
       self.last_transfer_s = t0 - pull.started
-      params = self._assemble(pull.plan, flat)
-      self.last_assemble_s = time.time() - t0
+      pieces = self._applied(pull, flat)
+      self.last_apply_s = time.time() - t0
+      params = self._assemble(pull.plan, pieces)
+      self.last_assemble_s = time.time() - t0 - self.last_apply_s
     except PullError:
       raise
     except Exception as e:  # pylint: disable=broad-except
       self._discard()
       self._connections.clear()  # a connection that failed is not reused
       raise PullError("pull_failed", f"version {pull.offer.version}: {e!r}"[:300]) from None
-    self.pulled_bytes += sum(p.nbytes for p in pull.plan.pieces)
+    nbytes = sum(a.nbytes for a in flat)
+    self.pulled_bytes += nbytes
+    kind = "full" if pull.delta is None else "delta"
+    self.pulls_by_kind[kind] += 1
+    self.bytes_by_kind[kind] += nbytes
     self.pull_seconds += time.time() - pull.started
+    self._held = _Held(pull.offer.identity, {(piece.leaf, piece.index): a for piece, a in
+                                             zip(pull.plan.pieces, pieces)}) if self.delta else None
     self._discard()
     return params
+
+  def _applied(self, pull: _Pull, flat: list) -> list:
+    """The pieces of the version pulled: as they came, or (a delta) the held
+    ones with their deltas applied, each checked against its checksum. A
+    mismatch drops the held version (the retry is whole): PullError."""
+    d = pull.delta
+    if d is None:
+      return flat
+    out, arrived = [], iter(flat)
+    for held, size in zip(d.held, d.sizes):
+      out.append(weight_delta.apply(held, next(arrived), next(arrived), block=d.block)
+                 if size else next(arrived))
+    bad = sum(a != b for a, b in zip(weight_delta.checksums(out), d.checksums))
+    if bad:
+      self._held = None
+      self._discard()
+      raise PullError("delta_checksum", f"version {pull.offer.version}: {bad} of {len(out)} "
+                      f"pieces differ from their checksums after the delta from version "
+                      f"{d.base}; the version is pulled whole next", retry=True)
+    return out
 
   def _discard(self) -> None:
     pull, self._pull = self._pull, None
@@ -786,11 +967,15 @@ class NetFollower:
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _fill(parts, shape, dtype, where):
   """A destination shard of `shape` from `parts` (on its device): part i's
-  range where[i][0] goes to where[i][1]; one program per layout, one copy."""
-  buf = jnp.zeros(shape, dtype)
+  range where[i][0] goes to where[i][1]; one program per layout, one copy.
+  Moved as unsigned words: XLA on CPU fills bf16 through float32 and
+  quietens NaN payloads on the way."""
+  words = dtype if dtype == jnp.bool_ else weight_delta.word_dtype(dtype)
+  buf = jnp.zeros(shape, words)
   for part, (take, put) in zip(parts, where):
+    part = jax.lax.bitcast_convert_type(part, words)
     buf = buf.at[tuple(slice(*ab) for ab in put)].set(part[tuple(slice(*ab) for ab in take)])
-  return buf
+  return jax.lax.bitcast_convert_type(buf, dtype)
 
 
 def _probe(address: str) -> None:
@@ -850,6 +1035,8 @@ class Follower:
           params = net.advance()
         except PullError as e:
           self._failed(e)
+          if e.retry:
+            self._tried.discard(pulling.identity)
         else:
           return None if params is None else self._take(params, pulling, "direct")
       offer = newest_offer(net.root, self._clock(), self._from_future)
@@ -866,6 +1053,13 @@ class Follower:
       net.abandon()
     return self._from_checkpoint(offer, final)
 
+  def pull_counts(self) -> dict:
+    """Direct pulls and their bytes, whole ("full") and as deltas ("delta")."""
+    if self._net is None:
+      return {}
+    return dict(pulls_by_kind=dict(self._net.pulls_by_kind),
+                pulled_bytes=dict(self._net.bytes_by_kind))
+
   def _from_future(self, name: str, ahead_s: float) -> None:
     if name in self._future:
       return
@@ -878,8 +1072,9 @@ class Follower:
   def _failed(self, e: PullError) -> None:
     self.failures[e.reason] += 1
     self.fallbacks[e.reason] += 1
+    then = "it is pulled again whole" if e.retry else "checkpoints are the fallback"
     self._log(f"[fleet] direct pull failed ({e.reason}): {e}; the held version "
-              f"{self.version} stays, checkpoints are the fallback")
+              f"{self.version} stays, {then}")
 
   def _take(self, params, offer: Offer, path: str):
     self.pulls += 1

@@ -231,7 +231,8 @@ def make_follower(config, root: str, rollout_id: str, abstract_params,
     try:
       net = weight_transfer.NetFollower(root, rollout_id, checkpoints.abstract,
                                         host=f.transfer_host, sockets=f.transfer_sockets,
-                                        pull_timeout_s=f.pull_timeout_s)
+                                        pull_timeout_s=f.pull_timeout_s,
+                                        delta=f.delta_versions)
       return weight_transfer.Follower(checkpoints, net, log)
     except Exception as e:  # pylint: disable=broad-except
       why = f"the transfer server did not start: {e!r}"[:300]
@@ -242,9 +243,10 @@ def make_follower(config, root: str, rollout_id: str, abstract_params,
 
 
 def weight_counts(follower) -> dict:
-  """The worker's weight-path counters (direct pulls, failures by reason)."""
+  """The worker's weight-path counters (direct pulls, failures by reason,
+  pulls and bytes whole / as deltas)."""
   if not isinstance(follower, weight_transfer.Follower):
     return dict(weights_path="checkpoint", pulls=0, pull_failures={})
   return dict(weights_path="direct", pulls=follower.pulls,
               pull_failures=dict(follower.failures), fallbacks=dict(follower.fallbacks),
-              ignored_manifests=dict(follower.ignored_manifests))
+              ignored_manifests=dict(follower.ignored_manifests), **follower.pull_counts())

@@ -41,6 +41,7 @@ from sao_jax.train import distributed
 from sao_jax.data import fleet
 from sao_jax.data import identity as identity_lib
 from sao_jax.models import precision
+from sao_jax.data import weight_delta
 from sao_jax.data import weight_transfer
 from sao_jax.data import prompts as prompt_data
 from sao_jax.data.ingestion import TrajectoryQueue
@@ -269,6 +270,11 @@ class FleetSource:
                            run_id=self._identity.run_id if self._identity else None)
       cast = self._server.snapshot  # fresh buffers: the train step donates `params`
       out["fleet/serve_s"] = self._server.last_publish_s
+      delta = self._server.last_delta  # this version's delta from the one before
+      if delta:
+        out["fleet/delta_changed_fraction"] = delta["changed"] / max(delta["blocks"], 1)
+        out["fleet/delta_bytes_fraction"] = delta["bytes"] / max(delta["full_bytes"], 1)
+        out["fleet/delta_s"] = delta["seconds"]
     else:
       cast = self._cast(params)
     if self._identity is not None:
@@ -290,6 +296,7 @@ class FleetSource:
     extra = {"fleet/shards_consumed": f.shards_consumed, "fleet/shard_age_s": f.last_shard_age_s}
     if self._server is not None:
       extra["fleet/pulls_served"] = self._server.served
+      extra["fleet/delta_pulls_served"] = self._server.served_deltas
       extra["fleet/pull_requests_refused"] = sum(self._server.refused.values())
     if self._direct_unavailable:
       extra["fleet/direct_unavailable"] = 1
@@ -360,7 +367,8 @@ def _fleet_source(run, saved) -> FleetSource:
       try:
         server = weight_transfer.WeightServer(
             root, nonce, host=f.transfer_host, sockets=f.transfer_sockets,
-            poll_seconds=f.poll_seconds, pull_timeout_s=f.pull_timeout_s)
+            poll_seconds=f.poll_seconds, pull_timeout_s=f.pull_timeout_s,
+            delta_block=weight_delta.BLOCK if f.delta_versions else None)
       except Exception as e:  # pylint: disable=broad-except  # e.g. an address not ours
         why = f"the weight server did not start: {e!r}"[:300]
   return FleetSource(root, feed, fleet.WeightPublisher(root, f.keep_versions, version),

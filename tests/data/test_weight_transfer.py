@@ -1,13 +1,15 @@
 """The direct weight path (sao_jax/data/weight_transfer.py): the transfer plan,
 and two trainer processes of a `jax.distributed` job serving a rollout in
-this process over loopback, bit for bit, with a kill mid-pull and the
-checkpoint fallback. Every wait is on an observable event behind a hang guard.
+this process over loopback, bit for bit, whole and as a chain of deltas
+(sao_jax/data/weight_delta.py), with a delta that no longer fits the held
+version, a kill mid-pull and the checkpoint fallback. Every wait is on an observable event behind a hang guard.
 """
 
 import collections
 import dataclasses
 import itertools
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -106,6 +108,95 @@ def _equal(got, version):
     assert g.tobytes() == v.tobytes(), f"{k} of version {version} differs"
 
 
+def _tamper_held(net, leaf, now, then):
+  """Flips a bit of the rollout's held piece of `leaf` (which holds `now`)
+  at an element `then` leaves unchanged: what a lost delta leaves behind."""
+  n = sorted(now).index(leaf)
+  key = next(k for k in net._held.pieces if k[0] == n)  # pylint: disable=protected-access
+  piece = net._held.pieces[key]  # pylint: disable=protected-access
+  window = tuple(slice(a, b) for a, b in key[1])
+  same = now[leaf][window].view(np.uint16) == then[leaf][window].view(np.uint16)
+  bits = np.asarray(piece).view(np.uint16).copy()
+  bits[tuple(np.argwhere(same)[0])] ^= 1
+  net._held.pieces[key] = jax.device_put(  # pylint: disable=protected-access
+      bits.view(np.asarray(piece).dtype), piece.sharding)
+
+
+@dataclasses.dataclass
+class _Rollout:
+  """The rollout of the two-process test: its follower, and what it got."""
+  net: wt.NetFollower
+  follower: wt.Follower
+  procs: list
+  logged: list
+  got: dict = dataclasses.field(default_factory=dict)
+
+  def poll_until(self, version):
+    def ready():
+      out = self.follower.poll()
+      if out is not None:
+        self.got["params"], self.got["version"], self.got["meta"] = out
+      return self.got.get("version") == version
+    _wait(f"version {version}", ready, self.procs)
+
+
+def _chain_of_deltas(r: _Rollout, tmp_path, abstract, nonce):
+  """Version 1 whole, then 2-4 as deltas, each bit for bit."""
+  version_bytes = sum(int(np.prod(s)) * jnp.dtype(d).itemsize
+                      for s, d in transfer_trainer.SHAPES.values())
+  for version in (1, 2, 3, 4):
+    if version > 1:
+      (tmp_path / f"go-{version}").write_text("go")
+    before = r.net.bytes_by_kind["delta"]
+    r.poll_until(version)
+    # The run id and fingerprint the two trainer processes computed over
+    # their shards are the fingerprint of the whole params on this host.
+    assert r.got["meta"] == {
+        "nonce": nonce, "path": "direct", "run_id": transfer_trainer.RUN_ID,
+        "fingerprint": identity.fingerprint(transfer_trainer.expected(version))}
+    _equal(r.got["params"], version)
+    assert all(r.got["params"][k].sharding == abstract[k].sharding for k in abstract)
+    if version > 1:
+      assert 0 < r.net.bytes_by_kind["delta"] - before < version_bytes / 2
+  assert r.follower.pulls == 4 and not r.follower.failures
+  assert r.follower.pull_counts() == {"pulls_by_kind": {"full": 1, "delta": 3}, "pulled_bytes": {
+      "full": version_bytes, "delta": r.net.bytes_by_kind["delta"]}}
+
+
+def _a_lost_delta(r: _Rollout, tmp_path):
+  """A held piece no longer what version 4 was (one bit of an element
+  version 5 leaves as it is): the delta's checksum catches it, counted, and
+  version 5 is pulled again whole."""
+  _tamper_held(r.net, "embed", transfer_trainer.expected(4), transfer_trainer.expected(5))
+  (tmp_path / "go-5").write_text("go")
+  r.poll_until(5)
+  _equal(r.got["params"], 5)
+  assert r.follower.failures == {"delta_checksum": 1}
+  assert "direct pull failed (delta_checksum)" in r.logged[-1]
+  assert "pulled again whole" in r.logged[-1]
+  assert r.net.pulls_by_kind == {"full": 2, "delta": 3}
+
+
+def _a_trainer_killed_mid_delta(r: _Rollout, tmp_path):
+  """Version 6 is offered but not served; its delta pull is in flight when
+  trainer process 1 dies: discarded, counted, version 5 held."""
+  (tmp_path / "go-6").write_text("stall")
+  _wait("a pull of version 6", lambda: r.follower.poll() is None and r.net.pulling is not None
+        and r.net.pulling.version == 6, r.procs)
+  assert r.net._pull.delta is not None  # pylint: disable=protected-access
+  r.procs[1].send_signal(signal.SIGKILL)
+  r.procs[1].wait()
+  deadline = time.time() + HANG_GUARD_S
+  while r.follower.failures["pull_failed"] == 0 and time.time() < deadline:
+    assert r.follower.poll() is None
+    time.sleep(0.02)
+  assert r.follower.failures == {"delta_checksum": 1, "pull_failed": 1}
+  assert r.follower.version == 5
+  assert r.net.pulling is None and "direct pull failed (pull_failed)" in r.logged[-1]
+  _equal(r.got["params"], 5)
+  assert r.follower.poll() is None  # a failed offer is not pulled again
+
+
 def test_two_trainer_processes_to_a_rollout_bit_for_bit(tmp_path):
   root = str(tmp_path)
   port, nonce = runs.free_port(), "run1"
@@ -124,55 +215,19 @@ def test_two_trainer_processes_to_a_rollout_bit_for_bit(tmp_path):
                 for k, (shape, dtype) in transfer_trainer.SHAPES.items()}
     logged = []
     net = wt.NetFollower(root, "r0", abstract, host="127.0.0.1", sockets=2)
-    follower = wt.Follower(fleet.WeightFollower(root, abstract), net, logged.append)
-    got = {}
-
-    def poll_until(version):
-      def ready():
-        out = follower.poll()
-        if out is not None:
-          got["params"], got["version"], got["meta"] = out
-        return got.get("version") == version
-      _wait(f"version {version}", ready, procs)
-
-    for version in (1, 2):
-      if version > 1:
-        (tmp_path / f"go-{version}").write_text("go")
-      poll_until(version)
-      # The run id and fingerprint the two trainer processes computed over
-      # their shards are the fingerprint of the whole params on this host.
-      assert got["meta"] == {"nonce": nonce, "path": "direct", "run_id": transfer_trainer.RUN_ID,
-                             "fingerprint": identity.fingerprint(transfer_trainer.expected(version))}
-      _equal(got["params"], version)
-      assert all(got["params"][k].sharding == abstract[k].sharding for k in abstract)
-    assert follower.pulls == 2 and not follower.failures
-    version_bytes = sum(int(np.prod(s)) * jnp.dtype(d).itemsize
-                        for s, d in transfer_trainer.SHAPES.values())
-    assert net.pulled_bytes == 2 * version_bytes  # each byte once per version
-
-    # Version 3 is offered but not served; the pull is in flight when
-    # trainer process 1 dies: discarded, counted, version 2 held.
-    (tmp_path / "go-3").write_text("stall")
-    _wait("a pull of version 3", lambda: follower.poll() is None and net.pulling is not None
-          and net.pulling.version == 3, procs)
-    procs[1].send_signal(signal.SIGKILL)
-    procs[1].wait()
-    deadline = time.time() + HANG_GUARD_S
-    while not follower.failures and time.time() < deadline:
-      assert follower.poll() is None
-      time.sleep(0.02)
-    assert follower.failures == {"pull_failed": 1} and follower.version == 2
-    assert net.pulling is None and "direct pull failed (pull_failed)" in logged[-1]
-    _equal(got["params"], 2)
-    assert follower.poll() is None  # a failed offer is not pulled again
-    # The checkpoint path behind it: version 3 on disk is taken (newer).
-    pub = fleet.WeightPublisher(root, keep=3, version=3)
-    pub.publish({k: jnp.asarray(v) for k, v in transfer_trainer.expected(3).items()}, 3,
+    r = _Rollout(net, wt.Follower(fleet.WeightFollower(root, abstract), net, logged.append),
+                 procs, logged)
+    _chain_of_deltas(r, tmp_path, abstract, nonce)
+    _a_lost_delta(r, tmp_path)
+    _a_trainer_killed_mid_delta(r, tmp_path)
+    # The checkpoint path behind it: version 6 on disk is taken (newer).
+    pub = fleet.WeightPublisher(root, keep=3, version=6)
+    pub.publish({k: jnp.asarray(v) for k, v in transfer_trainer.expected(6).items()}, 6,
                 {"nonce": nonce})
     pub.close()
-    poll_until(3)
-    assert follower.last_path == "checkpoint"
-    _equal(got["params"], 3)
+    r.poll_until(6)
+    assert r.follower.last_path == "checkpoint"
+    _equal(r.got["params"], 6)
     assert not os.listdir(wt.requests_dir(root))  # the rollout removed its requests
   finally:
     (tmp_path / "stop").write_text("")
@@ -182,38 +237,62 @@ def test_two_trainer_processes_to_a_rollout_bit_for_bit(tmp_path):
       p.wait()
 
 
-def test_a_rollout_killed_mid_pull_leaves_the_trainer_serving(tmp_path):
-  """The trainer (this process) registers the pull of a rollout SIGKILLed
-  after posting it, and serves the next rollout the same version."""
+def test_a_rollout_killed_mid_delta_leaves_the_trainer_serving(tmp_path):
+  """The trainer (this process) serves a rollout version 5 whole and
+  registers its delta pull of version 6; the rollout is SIGKILLed with that
+  pull posted, and the next rollout (holding nothing) gets version 6 whole."""
   root = str(tmp_path)
   server = wt.WeightServer(root, "run1", host="127.0.0.1", sockets=2, thread=False)
-  try:
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+  def publish(version):
     server.publish({k: jax.device_put(v, device)
-                    for k, v in transfer_trainer.expected(5).items()}, 5)
+                    for k, v in transfer_trainer.expected(version).items()}, version)
+
+  lines = queue.Queue()
+
+  def said(what):  # serving requests until the doomed rollout says `what`
+    deadline = time.time() + HANG_GUARD_S
+    while True:
+      server.serve_requests()
+      try:
+        line = lines.get(timeout=0.02)
+      except queue.Empty:
+        assert time.time() < deadline and doomed.poll() is None, f"hang guard: no {what}"
+        continue
+      assert line.strip() == what
+      return
+
+  try:
+    publish(5)
     doomed = subprocess.Popen(
         [sys.executable, os.path.join(os.path.dirname(os.path.dirname(__file__)), "transfer_trainer.py"),
-         "pull", root], env=runs.child_env(1, PYTHONPATH=runs.ROOT), cwd=runs.ROOT,
+         "pull", root, "delta"], env=runs.child_env(1, PYTHONPATH=runs.ROOT), cwd=runs.ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    threading.Thread(target=lambda: [lines.put(x) for x in doomed.stdout], daemon=True).start()
     try:
-      assert doomed.stdout.readline().strip() == "pulling"  # its pull is posted
+      said("held 5")
+      publish(6)
+      said("pulling")  # its delta pull is posted
     finally:
       doomed.kill()
       doomed.wait()
-    assert server.serve_requests() == 1  # registered for the dead puller
+    server.serve_requests()  # registered for the dead puller, if not yet
+    assert (server.served, server.served_deltas) == (2, 1)
     abstract = {k: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=device)
                 for k, (shape, dtype) in transfer_trainer.SHAPES.items()}
-    follower = wt.Follower(fleet.WeightFollower(root, abstract),
-                           wt.NetFollower(root, "r1", abstract, host="127.0.0.1", sockets=2))
+    net = wt.NetFollower(root, "r1", abstract, host="127.0.0.1", sockets=2)
+    follower = wt.Follower(fleet.WeightFollower(root, abstract), net)
     deadline = time.time() + HANG_GUARD_S
     got = None
     while got is None:
       server.serve_requests()
       got = follower.poll()
-      assert time.time() < deadline, "hang guard: no version 5"
+      assert time.time() < deadline, "hang guard: no version 6"
       time.sleep(0.02)
-    assert got[1] == 5 and server.served == 2 and not follower.failures
-    _equal(got[0], 5)
+    assert got[1] == 6 and server.served == 3 and not follower.failures
+    assert net.pulls_by_kind == {"full": 1}
+    _equal(got[0], 6)
   finally:
     server.close()
 
@@ -232,7 +311,10 @@ def test_the_rollout_worker_generates_while_a_version_is_pulled(tmp_path):
   config.lock()
   workdir = str(tmp_path)
   root = fleet.root_of(config, workdir)
-  server = wt.WeightServer(root, "run1", host="127.0.0.1", sockets=2, thread=False)
+  # Whole versions (version 1 changes every element: its delta would not be
+  # sent, and encoding it would only compile programs here).
+  server = wt.WeightServer(root, "run1", host="127.0.0.1", sockets=2, thread=False,
+                           delta_block=None)
   lines, out = [], {}
   stop = threading.Event()
 
