@@ -372,6 +372,7 @@ def test_dis_stability_counts_collapses_relative_to_the_sft_start(tmp_path):
   assert '"markdown"' not in text and result["analysis"]["by_arm"] == {}
 
 
+@pytest.mark.slow  # test_smoke_grid_end_to_end runs the same runner end to end
 def test_dis_stability_smoke_grid(tmp_path):
   """One seed, 3 steps of one async arm: its lag diagnostics reach the analysis and results.md.
 

@@ -43,6 +43,9 @@ for i, cell in enumerate(nb["cells"]):
 """
 
 
+# The Colab notebook runs headless in the default run (the next test); every
+# notebook's cells parse and name real functions (test_code_cells_parse_...).
+@pytest.mark.slow
 def test_quickstart_executes_headless_on_a_smoke_budget(tmp_path):
   """Every code cell of notebooks/quickstart.ipynb runs, top to bottom, in one namespace;
   its workdir (`tempfile.mkdtemp`) lands in the test's tmp dir (TMPDIR), not /tmp."""

@@ -780,11 +780,14 @@ class Fleet(Section):
   transfer_sockets: int = knob(4, "Parallel bulk TCP sockets of each weight server.",
                                integer(1, 64))
   delta_versions: bool = knob(
-      True, "On the direct path, each version is also offered as its delta from the one "
+      False, "On the direct path, each version is also offered as its delta from the one "
       "before (the bf16 elements that changed, sao_jax/data/weight_delta.py) and a rollout "
       "holding that one pulls only the delta, checked by a checksum per piece (a mismatch: "
       "counted, the version pulled whole). Costs a rollout one more copy of a version on its "
-      "devices (the held version's pieces). False: whole versions only.", BOOL)
+      "devices (the held version's pieces) and the trainer an encode per version; off by "
+      "default: on CPU loopback a delta version took longer than a whole one (the encode "
+      "outweighs the bytes saved; benchmarks/RESULTS.md, delta versions). Turn it on where "
+      "the link between trainer and rollout hosts is the bottleneck.", BOOL)
 
   def check_together(self):
     if self.pull_timeout_s <= self.poll_seconds:

@@ -615,6 +615,9 @@ def consumed(log):
   return set(names)
 
 
+# The same kills through the pod launcher, Ray and a fleet are in the default run:
+# tests/pod/test_pod_ray.py::test_pod_job_survives_a_dead_rollout_host_and_a_dead_trainer.
+@pytest.mark.slow
 def test_trainer_and_two_rollouts_survive_kills(tmp_path):
   workdir = str(tmp_path / "run")
   root = os.path.join(workdir, "fleet")

@@ -198,6 +198,7 @@ FLEET_RUN = tuple(f"--config.{k}={v}" for k, v in TINY.items()) + (
 HANG_GUARD_S = 600
 
 
+@pytest.mark.slow  # test_async_trains_on_the_users_package loads the same package
 def test_fleet_trains_on_the_users_package(user_site, tmp_path):
   """The trainer and a rollout process each import the package from PYTHONPATH;
   the reward is named by its file."""

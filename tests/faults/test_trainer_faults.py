@@ -14,6 +14,7 @@ One workdir, three launches of launch/train.py on 8 simulated devices:
 import os
 
 import numpy as np
+import pytest
 
 from sao_jax.data.checkpoint import committed_checkpoints
 
@@ -25,6 +26,10 @@ def last_error_line(proc):
   return lines[-1] if lines else ""
 
 
+# Three launches on 8 simulated devices (~3-4 min): the default run has each fault
+# lighter: test_nonfinite_updates.py, test_env_faults.py, test_bad_data.py, and
+# test_trainer.py::test_killed_run_resumes_from_its_last_checkpoint.
+@pytest.mark.slow
 def test_trainer_survives_faults_and_stops_cleanly(tmp_path):
   workdir = str(tmp_path / "faults")
   ckpt_dir = os.path.join(workdir, "checkpoints")

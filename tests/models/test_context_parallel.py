@@ -64,8 +64,12 @@ def _model_cfg(impl):
                              dtype=jnp.float32, param_dtype=jnp.float32)
 
 
-@pytest.mark.parametrize("which", ["rl", "sft"])
-@pytest.mark.parametrize("impl", ["reference", "chunked"])
+# Each attention once in the default run (reference with the RL step, chunked
+# with SFT); the other two pairs are slow.
+@pytest.mark.parametrize("impl,which", [
+    ("reference", "rl"), ("chunked", "sft"),
+    pytest.param("chunked", "rl", marks=pytest.mark.slow),
+    pytest.param("reference", "sft", marks=pytest.mark.slow)])
 def test_a_step_over_a_context_axis_equals_one_device(which, impl):
   model_cfg = _model_cfg(impl)
   batch = packing.pack(demo_trajs(4), 4, (256,))

@@ -159,6 +159,9 @@ def test_routing_replay_needs_moe_layers():
     configuration.validate(config, num_devices=1)
 
 
+# The engine records and the trainer replays in the default run (the tests above),
+# and test_compile.py compiles the replayed step with its batch.
+@pytest.mark.slow
 def test_a_run_with_routing_replay_trains(tmp_path):
   """The real trainer, async rollout, replay on: RL steps run on recorded routing."""
   workdir = str(tmp_path / "replay")

@@ -10,6 +10,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from runs import launch, load_config_module  # pylint: disable=g-bad-import-order
 from sao_jax.train import configuration
@@ -25,6 +26,8 @@ FLAGS = {"env.name": "humaneval", "env.tokenizer": "qwen3", "env.chat_format": "
          "tensorboard": False}
 
 
+# test_eval_sets.py runs launch/eval.py on a checkpoint and its export in the default run.
+@pytest.mark.slow
 def test_eval_writes_one_json_line_per_sample(tmp_path):
   workdir = str(tmp_path / "run")
   config = load_config_module("sao_tiny.py").get_config()
