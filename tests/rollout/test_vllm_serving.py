@@ -107,10 +107,10 @@ def served(monkeypatch, tmp_path):
   engine.close()
 
 
-def _written(root):
+def _written(root, max_len=MAX_LEN):
   shards = sorted(os.path.join(fleet.trajectories_dir(root), n)
                   for n in os.listdir(fleet.trajectories_dir(root)) if n.endswith(".array_record"))
-  return store.read_valid_trajectories(shards, TOK.vocab_size, MAX_LEN)[0]
+  return store.read_valid_trajectories(shards, TOK.vocab_size, max_len)[0]
 
 
 def test_the_backend_record_names_the_completer():
@@ -212,7 +212,7 @@ needs_vllm = pytest.mark.skipif(not os.path.exists(vllm_backend.default_python()
 def test_the_endpoint_on_vllm_cpu_records_teacher_forced_logprobs(tmp_path):
   from sao_jax.models import policy  # pylint: disable=g-import-not-at-top
   c = config()
-  c.rollout.max_len = 128
+  c.rollout.max_len = 512  # vLLM-CPU caches whole blocks of 128 tokens: a longer history
   params = {v: random_params(MOE, v) for v in (0, 1)}
   engine = factories.make_engine(c, MOE, params[0], 0, seed=0)
   root = str(tmp_path / "fleet")
@@ -224,23 +224,26 @@ def test_the_endpoint_on_vllm_cpu_records_teacher_forced_logprobs(tmp_path):
         endpoint.batcher.update_params(params[1], 1)
       s = endpoint.open_session()
       url = s["base_url"] + "/completions"
-      context = TOK.encode("abcdefghij" * 3)
+      context = TOK.encode("abcdefghij" * 30)
       for turn in range(3):
         r = httpx.post(url, json={"model": "m", "prompt": context, "max_tokens": 5,
                                   "return_token_ids": True}, timeout=300).json()
         context = context + r["sao"]["completion_token_ids"] + TOK.encode(f"obs{turn}")
       assert endpoint.reward(s["id"], 1.0)["written"] == 1
-      written.append(_written(root)[-1])
+      written.append(_written(root, 512)[-1])
     counts = endpoint.batcher.counters()
-    assert counts.get("prefill_reused", 0) > 0  # the session's history was found cached
+    assert counts.get("prefill_reused", 0) > 0, counts  # the session's history was found cached
+    print(f"vLLM prefix cache: {counts}")
   finally:
     endpoint.close()
     engine.close()
   logprobs_fn = jax.jit(policy.token_logprobs, static_argnums=(0, 5))
   for version, traj in enumerate(written):
-    tokens = np.asarray(traj.tokens)[None]
-    want = np.asarray(logprobs_fn(MOE, params[version], tokens[:, :-1], tokens[:, 1:],
-                                  None, False))[0]
+    seq = np.asarray(traj.tokens)[None]
+    ref, _ = logprobs_fn(MOE, params[version], seq, np.arange(seq.shape[1])[None],
+                         np.ones_like(seq), 1.0)  # [0, i]: log p(seq[i] | seq[:i])
     actions = np.flatnonzero(traj.action_mask)
     assert set(traj.policy_version[actions].tolist()) == {version}
-    np.testing.assert_allclose(traj.rollout_logprobs[actions], want[actions - 1], atol=1e-4)
+    gap = np.abs(traj.rollout_logprobs[actions] - np.asarray(ref)[0, actions]).max()
+    print(f"version {version}: {len(actions)} tokens, largest |vLLM - teacher forced| {gap:.2e}")
+    assert gap < 1e-4
