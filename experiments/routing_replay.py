@@ -4,6 +4,7 @@
     python -m experiments.routing_replay --first_seed 2 --seeds 2
     python -m experiments.routing_replay --smoke            # CI-sized
     python -m experiments.routing_replay --aggregate_only   # tables only
+    python -m experiments.routing_replay --arms frozen,frozen_replay --seeds 2
 
 The question. In bf16 compute the engine's sampling pass and the trainer's
 forward pick different experts for some tokens (benchmarks/RESULTS.md,
@@ -39,6 +40,9 @@ from experiments import dis_stability
 from experiments import runner
 from experiments import stats
 
+# rl.actor_frozen's rule for every MoE layer's gate (its SFT too: both fill one
+# optimizer slot, so a frozen-router arm's SFT start is its own, not plain's).
+ROUTER = r"/moe/router$"
 MODEL = {"model.overrides": {"num_experts": 32, "experts_per_token": 4},
          "model.compute_dtype": "bfloat16", "rl.policy_loss": "ppo_clip"}
 REFERENCE = "plain"
@@ -47,6 +51,14 @@ ARMS = (
                label="bf16 E32 k4, trainer routes itself"),
     runner.Arm("replay", "sao_sync", {**MODEL, "rl.routing_replay": True},
                label="bf16 E32 k4, routing replay"),
+    # The actor's router frozen (issue 62 item 3/4): no version-to-version drift of
+    # the gate, so what is left at lag 0 is the bf16 near-tie flips replay removes.
+    runner.Arm("frozen", "sao_sync", {**MODEL, "rl.routing_replay": False,
+                                      "rl.actor_frozen": (ROUTER,)},
+               label="bf16 E32 k4, frozen router"),
+    runner.Arm("frozen_replay", "sao_sync", {**MODEL, "rl.routing_replay": True,
+                                             "rl.actor_frozen": (ROUTER,)},
+               label="bf16 E32 k4, frozen router and routing replay"),
 )
 LAG0 = "lag0"
 
