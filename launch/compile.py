@@ -82,6 +82,12 @@ rollout host follow from the plan's bytes per host at the published v5p
 DCN rate (25 GB/s a 4-chip host) and at the TCP rate peers measured
 (3.59 GB/s); their ratio to the step is the policy lag in steps.
 
+With `lora.enabled` the train steps take the frozen bases as their last
+argument (`factories.abstract_bases`; the critic's trunk is passed once, as
+the trainer's one set of arrays), the engines the merged params; a
+"[compile] trainer:" line and "lora" / "resident" in the JSON give the rank,
+targets and base dtype, and the state and base a chip holds from the start.
+
 Topologies: Cloud TPU names (v5p-256, v5e-4, v6e-8, v4-16) or libtpu's own
 (v5p:4x4x8, v5e:2x2). Mind that v5p and v4 names count TensorCores, two per
 chip: v5p-128 is 64 chips (4x4x4) and the 128-chip slice is v5p-256.
@@ -122,6 +128,8 @@ from sao_jax.algo import advantages
 from sao_jax.train import configuration
 from sao_jax.train import factories
 from sao_jax.data import files
+from sao_jax.models import lora
+from sao_jax.models import policy
 from sao_jax.models import precision
 from sao_jax.config import sections
 from sao_jax.models import sharding
@@ -308,8 +316,10 @@ def abstract_batch(rows: int, length: int, batch_sharding, action_index: bool = 
 
 
 def train_programs(config, progs: factories.Programs, mesh, topo: str, hbm: float,
-                   model_cfg) -> dict:
-  """The trainer's sft / value / rl steps at the largest bucket, as it calls them."""
+                   model_cfg, bases=None) -> dict:
+  """The trainer's sft / value / rl steps at the largest bucket, as it calls them:
+  with LoRA, the bases (`factories.abstract_bases`) as each step's last
+  argument, the critic's trunk passed once (`shared_trunk`)."""
   length = _LENGTH.value or max(config.data.buckets)
   rl_rows = _ROWS.value or config.rl.batch_size
   sft_rows = _ROWS.value or config.sft.batch_size
@@ -323,15 +333,76 @@ def train_programs(config, progs: factories.Programs, mesh, topo: str, hbm: floa
             if config.rl.get("routing_replay") else None)
   rl_batch = abstract_batch(rl_rows, length, progs.batch_sharding, at_actions, replay)
   sft_batch = abstract_batch(sft_rows, length, progs.batch_sharding, at_actions)
+  step, tail = (lambda fn, donate: fn), ()
+  if bases is not None:
+    step = shared_trunk
+    tail = (bases[0], {k: v for k, v in bases[1].items() if k not in bases[0]})
   return {
-      "sft": Program("sft", progs.sft_step, (state.policy, state.policy_opt, sft_batch),
+      "sft": Program("sft", step(progs.sft_step, (0, 1)),
+                     (state.policy, state.policy_opt, sft_batch) + tail,
                      f"{sft_rows}x{length}", topo, hbm, ctx),
-      "value": Program("value", progs.value_step,  # packed without action_index
-                       (state, abstract_batch(rl_rows, length, progs.batch_sharding)),
+      "value": Program("value", step(progs.value_step, (0,)),  # packed without action_index
+                       (state, abstract_batch(rl_rows, length, progs.batch_sharding)) + tail,
                        f"{rl_rows}x{length}", topo, hbm, ctx),
-      "rl": Program("rl", progs.rl_step, (state, rl_batch),
+      "rl": Program("rl", step(progs.rl_step, (0,)), (state, rl_batch) + tail,
                     f"{rl_rows}x{length} K={config.rl.critic_updates}", topo, hbm, ctx),
   }
+
+
+def shared_trunk(step, donate: tuple):
+  """LoRA's `step(*args, (policy base, critic base))` as a program of
+  `(*args, policy base, critic head)`: the critic base's trunk is the policy
+  base's own arrays (`LoraPrograms.bases`), one buffer when the trainer calls
+  the step, but XLA counts a buffer passed twice twice (the RL step's
+  argument bytes would hold the trunk twice). The jitted step is inlined:
+  the same computation, shardings from the arguments, the same donation."""
+
+  def call(*args):
+    *rest, base, head = args
+    return step(*rest, (base, policy.value_params_from_policy(base, head)))
+
+  return jax.jit(call, donate_argnums=donate)
+
+
+def chip_bytes(tree) -> int:
+  """Bytes a chip holds of a tree of sharded ShapeDtypeStructs (each leaf's shard)."""
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+             for x in jax.tree.leaves(tree))
+
+
+def resident_report(progs: factories.Programs) -> dict:
+  """What the trainer holds a chip from the start (`Programs.abstract_resident`):
+  the state (its optimizer's part apart), with LoRA and the frozen policy base
+  (the critic's trunk is the same arrays)."""
+  state = progs.abstract_state
+  base = chip_bytes(progs.lora.abstract_base) if progs.lora is not None else 0
+  return {"state_bytes_per_chip": chip_bytes(state),
+          "optimizer_bytes_per_chip": chip_bytes((state.policy_opt, state.critic_opt)),
+          "base_bytes_per_chip": base, "resident_bytes_per_chip": chip_bytes(
+              progs.abstract_resident)}
+
+
+def lora_settings(config, progs: factories.Programs) -> dict | None:
+  """LoRA's settings (None without it): rank, targets, the base's dtype, adapters' size."""
+  if progs.lora is None:
+    return None
+  c, state = sections.Lora.of(config.lora), progs.abstract_state
+  return {"rank": c.rank, "alpha": c.alpha, "actor_targets": list(c.actor_targets),
+          "critic_targets": list(c.critic_targets), "critic_whole": list(c.critic_whole),
+          "base_dtype": jnp.dtype(jax.tree.leaves(progs.lora.abstract_base)[0].dtype).name,
+          "adapter_params": lora.count((state.policy, state.critic))}
+
+
+def format_resident(res: dict, lora_s: dict | None, hbm: float) -> str:
+  head = "full fine-tuning" if lora_s is None else (
+      f"LoRA rank {lora_s['rank']} (alpha {lora_s['alpha']:g}) on actor "
+      f"{','.join(lora_s['actor_targets'])}, critic {','.join(lora_s['critic_targets'])}; "
+      f"{lora_s['adapter_params'] / 1e6:.2f}M adapter params over a {lora_s['base_dtype']} "
+      "base")
+  return (f"{head}; resident a chip {_size(res['resident_bytes_per_chip'])} "
+          f"({res['resident_bytes_per_chip'] / hbm:.0%} of HBM) = state "
+          f"{_size(res['state_bytes_per_chip'])} (optimizer "
+          f"{_size(res['optimizer_bytes_per_chip'])}) + base {_size(res['base_bytes_per_chip'])}")
 
 
 @contextlib.contextmanager
@@ -369,7 +440,9 @@ def precision_report(model_cfg, abstract_policy) -> dict:
   """The trained params' dtype and bytes, and the engines' copy (precision.py):
   its dtype and bytes are what one policy version moves to each engine."""
   master = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(abstract_policy))
-  return {"param_dtype": jnp.dtype(model_cfg.param_dtype).name,
+  dtypes = {jnp.dtype(x.dtype).name for x in jax.tree.leaves(abstract_policy)}
+  return {"param_dtype": (dtypes.pop() if len(dtypes) == 1  # a LoRA base's own dtype
+                          else jnp.dtype(model_cfg.param_dtype).name),
           "compute_dtype": jnp.dtype(model_cfg.dtype).name, "master_bytes": master,
           "serving_dtype": jnp.dtype(precision.serving_config(model_cfg).param_dtype).name,
           "version_bytes": precision.serving_bytes(model_cfg, abstract_policy)}
@@ -777,24 +850,29 @@ def main(argv):
           f"{rdevices[0].device_kind} ({rhbm / GIB:.2f} GiB HBM each)", flush=True)
   t0 = time.time()
   progs = factories.build_programs(config, model_cfg, step_cfg, mesh)
-  n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(progs.abstract_state.policy))
+  # With LoRA the state's policy is adapters; the engines serve them merged.
+  bases = factories.abstract_bases(progs)
+  served = factories.abstract_served_policy(progs, bases)
+  n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(served))
   print(f"[compile] model: {config.model.preset} {dict(config.model.overrides)}, "
         f"{model_cfg.num_layers} layers, {n_params / 1e9:.3f}B policy params; programs built "
         f"in {time.time() - t0:.1f} s", flush=True)
-  precision_line = precision_report(model_cfg, progs.abstract_state.policy)
+  precision_line = precision_report(model_cfg, served)
   print(f"[compile] precision: {format_precision(precision_line)}", flush=True)
+  resident, lora_line = resident_report(progs), lora_settings(config, progs)
+  print(f"[compile] trainer: {format_resident(resident, lora_line, hbm)}", flush=True)
 
   wanted, engine_layout, pool, transfer = {}, None, None, None
   if {"sft", "value", "rl"} & set(_PROGRAMS.value):
-    wanted.update(train_programs(config, progs, mesh, tname, hbm, model_cfg))
+    wanted.update(train_programs(config, progs, mesh, tname, hbm, model_cfg, bases))
   if {"prefill", "decode", "decode_loop"} & set(_PROGRAMS.value):
     engine_progs, engine_layout, pool = engine_programs(
-        config, model_cfg, progs.abstract_state.policy, rdevices, rname, rhbm,
+        config, model_cfg, served, rdevices, rname, rhbm,
         train_mesh=None if _ROLLOUT_TOPOLOGY.value else mesh)
     print(f"[compile] rollout engine: {engine_layout}", flush=True)
     print(f"[compile] rollout KV {format_capacity(pool)}", flush=True)
     wanted.update(engine_progs)
-    transfer = transfer_report(model_cfg, progs.abstract_state.policy,
+    transfer = transfer_report(model_cfg, served,
                                engine_progs["decode"].args[0])
     print(f"[compile] transfer: {format_transfer(transfer)}", flush=True)
   command = " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:] + [
@@ -822,6 +900,9 @@ def main(argv):
                   "num_layers": model_cfg.num_layers, "policy_params": n_params},
         # Master weights vs the engines' copy: the bytes one version moves.
         "precision": precision_line,
+        # LoRA's rank, targets and base dtype (None: the whole model trains), and
+        # what the trainer holds a chip: the state, with LoRA the frozen base.
+        "lora": lora_line, "resident": resident,
         # The direct weight path into one rollout engine (weight_transfer.report).
         "transfer": transfer,
         # The RL step and a version's transfer modeled at the chips' peaks

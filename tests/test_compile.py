@@ -16,6 +16,7 @@ skipped with a loud reason instead of passing silently.
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -337,3 +338,65 @@ def test_a_dense_scanned_model_compiles_on_one_chip(tmp_path):
   assert result["ok"] and set(result["programs"]) == {"rl", "decode"}
   assert "v5e:1x1" in proc.stdout and "1 x TPU v5 lite" in proc.stdout
   assert all(p["fits"] for p in result["programs"].values())
+
+
+# Rank 2 on the tiny model's width 64 (the adapters are replicated, the full
+# model's moments split 4 ways: rank 16 would be a quarter of the width).
+LORA = ("--config.lora.enabled=True", "--config.lora.rank=2",
+        "--config.lora.base_dtype=bfloat16", "--topology=v5e-4", "--rows=4", "--length=64",
+        "--config.model.overrides.num_layers=1")
+
+
+def _optimizer_bytes_per_chip(config) -> int:
+  """The Adam moments a chip holds (shapes only: CPU devices, the config's mesh)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from sao_jax.models import sharding  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import factories  # pylint: disable=g-import-not-at-top
+  model_cfg = factories.build_model_config(config)
+  mesh = sharding.make_mesh(dict(config.sharding.mesh), devices=jax.devices()[:4])
+  s = factories.build_programs(config, model_cfg, factories.step_config(config),
+                               mesh).abstract_state
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+             for x in jax.tree.leaves((s.policy_opt, s.critic_opt)))
+
+
+def test_a_lora_config_compiles_with_its_bases(tmp_path):
+  """With lora.enabled each step takes the frozen bases as its last argument:
+  the SFT step compiles with them (tests/test_compile.py's slow LoRA test
+  compiles all three), the header and the JSON say LoRA, and the state a chip
+  holds is the adapters, its Adam moments a fraction of the full model's."""
+  rc, stdout, stderr, result = run_compile(tmp_path, *LORA, "--programs=sft")
+  assert rc == 0, stdout[-3000:] + stderr[-3000:]
+  assert result["programs"]["sft"]["fits"]
+  lora_s, res = result["lora"], result["resident"]
+  from sao_jax.config import sections  # pylint: disable=g-import-not-at-top
+  assert (lora_s["rank"], lora_s["alpha"], lora_s["base_dtype"]) == (2, 32.0, "bfloat16")
+  assert tuple(lora_s["actor_targets"]) == sections.LORA_ACTOR_TARGETS
+  assert "[compile] trainer: LoRA rank 2 (alpha 32)" in stdout and "bfloat16 base" in stdout
+  # The trainer holds the state (adapters, moments) and the bf16 base beside it;
+  # the engines serve the merged params in the base's dtype.
+  assert res["resident_bytes_per_chip"] == res["state_bytes_per_chip"] + res["base_bytes_per_chip"]
+  assert res["base_bytes_per_chip"] > 0
+  assert result["precision"]["param_dtype"] == "bfloat16"
+  ns: dict = {}
+  exec(CONFIG, ns)  # pylint: disable=exec-used
+  config = ns["get_config"]()
+  config.model.overrides = {"num_layers": 1}
+  full = _optimizer_bytes_per_chip(config)
+  assert 0 < res["optimizer_bytes_per_chip"] < full / 4, (res, full)
+
+
+@pytest.mark.slow  # its default-run ground: test_a_lora_config_compiles_with_its_bases
+def test_every_lora_step_compiles_and_the_shared_trunk_counts_once(tmp_path):
+  """sft, value and rl compile with the bases, the engine on the merged params;
+  the RL step reads both bases, the critic's trunk being the policy base's
+  arrays: passed once, its argument bytes exceed the value step's (the critic
+  base) by the policy's own leaves and the batch's extra fields, far less
+  than a second copy of the base."""
+  rc, stdout, stderr, result = run_compile(tmp_path, *LORA, "--programs=sft,value,rl,decode")
+  assert rc == 0, stdout[-3000:] + stderr[-3000:]
+  rows = result["programs"]
+  assert all(rows[n]["fits"] for n in ("sft", "value", "rl", "decode")), rows
+  assert rows["rl"]["alias_bytes"] > 0 and rows["sft"]["alias_bytes"] > 0  # donated state
+  extra = rows["rl"]["argument_bytes"] - rows["value"]["argument_bytes"]
+  assert 0 < extra < result["resident"]["base_bytes_per_chip"], (extra, result["resident"])

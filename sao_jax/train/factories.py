@@ -190,8 +190,7 @@ def _lora_programs(config, c: sections.Lora, policy_params, critic_params, polic
   out = LoraPrograms(Adapters(actor, critic), c.base_dtype,
                      (policy_shardings, critic_shardings), config.seed)
   base = jax.eval_shape(lambda p, v: out.bases(p, v)[0], policy_params, critic_params)
-  return dataclasses.replace(out, abstract_base=jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), base, policy_shardings))
+  return dataclasses.replace(out, abstract_base=_placed(base, policy_shardings))
 
 
 def lora_bases(programs: "Programs", policy_params, critic_params) -> tuple | None:
@@ -199,6 +198,32 @@ def lora_bases(programs: "Programs", policy_params, critic_params) -> tuple | No
   if programs.lora is None:
     return None
   return programs.lora.bases(policy_params, critic_params)
+
+
+def _placed(tree, shardings):
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      tree, shardings)
+
+
+def abstract_bases(programs: "Programs") -> tuple | None:
+  """`lora_bases` of the initialisers' params as ShapeDtypeStructs in the bases'
+  shardings (launch/compile.py's last argument to each step); None without LoRA."""
+  if programs.lora is None:
+    return None
+  full = lambda init: jax.eval_shape(lambda: nn.unbox(init()))
+  bases = jax.eval_shape(programs.lora.bases, full(programs.policy_init),
+                         full(programs.critic_init))
+  return _placed(bases, programs.lora.base_shardings)
+
+
+def abstract_served_policy(programs: "Programs", bases=None):
+  """The policy engines serve, abstract: the state's, or with LoRA `full_params`
+  over `abstract_bases` (the base's shardings and dtype)."""
+  if programs.lora is None:
+    return programs.abstract_state.policy
+  merged = jax.eval_shape(lambda p, b: full_params(programs, b, p),
+                          programs.abstract_state.policy, bases)
+  return _placed(merged, programs.lora.base_shardings[0])
 
 
 def with_bases(step: Callable, bases) -> Callable:
