@@ -279,6 +279,7 @@ def test_a_topology_the_mesh_does_not_fit_is_refused_in_one_line(tmp_path):
   assert "v5p:4x4x4" in error[0] and "64 devices" in error[0] and "two per chip" in error[0]
 
 
+@pytest.mark.slow  # tests/models/test_action_logits.py checks the head at action tokens on CPU
 def test_the_head_at_action_tokens_compiles_at_its_widest(tmp_path):
   """With data.logits_at_actions the RL batch carries action_index at its
   widest (A = L), as the trainer packs it for the head at action tokens."""
