@@ -178,6 +178,41 @@ def init_adapters(params, cfg: LoraConfig, rng):
   return out
 
 
+def _merged_spec(specs: tuple):
+  """The mesh axes of a run of axes flattened row-major into one: the first
+  axis's when it alone is sharded (its blocks stay contiguous), else None."""
+  if not specs or all(x is None for x in specs[1:]):
+    return specs[0] if specs else None
+  return None
+
+
+def adapter_shardings(params, param_shardings, cfg: LoraConfig):
+  """The adapter tree's shardings (`init_adapters`' structure): each adapter
+  laid out like its weight, so that none is replicated on every chip.
+
+  W viewed as [*batch, in, out] with spec (*b, i, o): A [*batch, in, r] gets
+  (*b, i, None) and B [*batch, r, out] (*b, None, o), where an `in` or `out`
+  that flattens several axes keeps the first one's mesh axes only when the
+  others are unsharded (else it is replicated); whole leaves keep their
+  weight's sharding. The merge's A @ B then comes out laid out as W is.
+  """
+  kinds = plan(params, cfg)
+  out: dict = {}
+  shardings = jax.tree.leaves(param_shardings)
+  for (name, keys, x), sh in zip(_names(params), shardings):
+    kind = kinds.get(name)
+    if kind == "whole":
+      _insert(out, keys, sh)
+    elif kind == "adapter":
+      batch, inputs = _matrix_axes(name, x.shape)
+      spec = tuple(sh.spec) + (None,) * (len(x.shape) - len(sh.spec))
+      b, i, o = (spec[:batch], _merged_spec(spec[batch:batch + inputs]),
+                 _merged_spec(spec[batch + inputs:]))
+      named = lambda *axes: jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(*axes))
+      _insert(out, keys, {A: named(*b, i, None), B: named(*b, None, o)})
+  return out
+
+
 def _lookup(tree, keys: tuple):
   for k in keys:
     if not isinstance(tree, dict) or k not in tree:

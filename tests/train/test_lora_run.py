@@ -32,17 +32,54 @@ def _flat(tree):
   return {optim.param_path(k): v for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def _programs(**lora_fields):
+def _programs(mesh_shape=None, **lora_fields):
   c = load_config_module("sao_tiny.py").get_config()
   c.lora.enabled = True
   c.lora.rank = 4
   c.rl.actor_frozen = (r"/moe/router$",)
   for k, v in lora_fields.items():
     c.lora[k] = v
+  if mesh_shape:  # the pod's placement rules (configs/sao_moe.py) on 8 simulated devices
+    from configs import sao_moe  # pylint: disable=g-import-not-at-top
+    c.sharding.mesh, c.sharding.rules = mesh_shape, sao_moe.POD_RULES
   typed = sections.load(c)
-  mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
+  mesh = (sharding.make_mesh(mesh_shape, devices=jax.devices()[:8]) if mesh_shape else
+          sharding.make_mesh({"data": 1}, devices=jax.devices()[:1]))
   model_cfg = factories.build_model_config(typed)
   return factories.build_programs(typed, model_cfg, factories.step_config(typed), mesh)
+
+
+def test_each_adapter_is_laid_out_like_its_weight():
+  """On fsdp x expert x tensor, no adapter is replicated where its weight is
+  sharded: the experts' A and B split their expert axis as the experts do, A
+  its input rows and B its output columns as the weight does; the Adam
+  moments follow (sao_moe's replicated expert adapters held 3x full
+  fine-tuning's state a chip)."""
+  progs = _programs({"data": 1, "fsdp": 2, "expert": 2, "tensor": 2})
+  base = _flat(progs.policy_shardings)
+  state = progs.state_shardings
+  for tree in (state.policy, state.critic):
+    adapters = _flat(tree)
+    assert adapters
+    for name, sh in adapters.items():
+      if not name.endswith(("/lora_a", "/lora_b")):
+        continue
+      w = base.get(name.rsplit("/", 1)[0])
+      if w is None:  # the critic's value head's neighbours: its own trunk's paths
+        continue
+      spec = tuple(w.spec) + (None,) * 8
+      got = tuple(sh.spec) + (None,) * 8
+      moe = "/moe/" in name and "router" not in name
+      lead = int(moe) + int(name.startswith("layers/"))  # the weight's batch axes
+      assert got[:lead] == spec[:lead], (name, sh.spec, w.spec)
+      if moe:  # the experts' axis, split as the experts are
+        assert got[lead - 1] == "expert", (name, sh.spec, w.spec)
+      if name.endswith("/lora_a"):  # [*batch, in, r]: its rows as the weight's
+        assert got[lead] == spec[lead] and got[lead + 1] is None, (name, sh.spec, w.spec)
+      else:  # [*batch, r, out]
+        assert got[lead] is None, (name, sh.spec, w.spec)
+  moments = [x for x in jax.tree.leaves(state.policy_opt) if hasattr(x, "spec")]
+  assert any(any(a is not None for a in m.spec) for m in moments)
 
 
 def test_the_state_holds_adapters_and_their_moments_only():
