@@ -341,8 +341,8 @@ def test_a_dense_scanned_model_compiles_on_one_chip(tmp_path):
   assert all(p["fits"] for p in result["programs"].values())
 
 
-# Rank 2 on the tiny model's width 64 (the adapters are replicated, the full
-# model's moments split 4 ways: rank 16 would be a quarter of the width).
+# Rank 2 on the tiny model's width 64: rank 16 would be a quarter of the width,
+# and the adapters of weights the tiny config does not shard are replicated.
 LORA = ("--config.lora.enabled=True", "--config.lora.rank=2",
         "--config.lora.base_dtype=bfloat16", "--topology=v5e-4", "--rows=4", "--length=64",
         "--config.model.overrides.num_layers=1")
