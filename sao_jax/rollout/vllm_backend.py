@@ -253,6 +253,35 @@ class VllmServer:
       os.remove(self.log_path)
 
 
+# --- one request ----------------------------------------------------------------
+
+
+def completion_body(prompt, max_tokens: int, temperature: float, top_p: float, top_k: int,
+                    stop_ids: tuple = (), logprobs: int = 0) -> dict:
+  """vLLM's `/v1/completions` body for one request: ids in, ids and processed
+  log-probs out (`logprobs` alternatives a token besides), the caller's stop
+  ids only (EOS ignored: the chat format's stop rules)."""
+  body = {"model": SERVED_NAME, "prompt": [int(t) for t in prompt],
+          "max_tokens": int(max_tokens), "logprobs": int(logprobs), "return_token_ids": True,
+          "return_tokens_as_token_ids": True, "detokenize": False, "ignore_eos": True,
+          "skip_special_tokens": False, "temperature": float(temperature),
+          "top_p": float(top_p), "top_k": int(top_k) or -1}
+  if stop_ids:
+    body["stop_token_ids"] = [int(t) for t in stop_ids]
+  return body
+
+
+def answered_ids(choice: dict, max_tokens: int) -> tuple[list[int], list[float]]:
+  """(ids, log-probs) of one vLLM choice; VllmError unless they pair up, at
+  least one and at most `max_tokens`."""
+  ids = [int(t) for t in choice["token_ids"]]
+  lps = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or ()]
+  if len(ids) != len(lps) or not ids or len(ids) > max_tokens:
+    raise VllmError(f"vLLM answered {len(ids)} ids and {len(lps)} log-probs for "
+                    f"max_tokens={max_tokens}")
+  return ids, lps
+
+
 # --- the engine ------------------------------------------------------------------
 
 
@@ -377,26 +406,12 @@ class VllmEngine:
 
   # --- requests ----------------------------------------------------------
 
-  def _sampling(self) -> dict:
-    r = self.rollout
-    return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k or -1}
-
   def _complete(self, prompt: list, max_tokens: int, stop_token: int | None):
     """One request: (sampled ids, their log-probs), vLLM's own."""
-    body = {"model": SERVED_NAME, "prompt": [int(t) for t in prompt],
-            "max_tokens": int(max_tokens), "logprobs": 0, "return_token_ids": True,
-            "return_tokens_as_token_ids": True,
-            "detokenize": False, "ignore_eos": True,
-            "skip_special_tokens": False, **self._sampling()}
-    if stop_token is not None:
-      body["stop_token_ids"] = [int(stop_token)]
-    choice = self.server.post("/v1/completions", body)["choices"][0]
-    ids = [int(t) for t in choice["token_ids"]]
-    logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
-    if len(ids) != len(logprobs) or not ids or len(ids) > max_tokens:
-      raise VllmError(f"vLLM answered {len(ids)} ids and {len(logprobs)} log-probs for "
-                      f"max_tokens={max_tokens}")
-    return ids, logprobs
+    r = self.rollout
+    body = completion_body(prompt, max_tokens, r.temperature, r.top_p, r.top_k,
+                           () if stop_token is None else (stop_token,))
+    return answered_ids(self.server.post("/v1/completions", body)["choices"][0], max_tokens)
 
   def _submit(self, prompt, max_tokens, stop_token) -> cf.Future:
     return self._pool.submit(self._complete, list(prompt), max_tokens, stop_token)

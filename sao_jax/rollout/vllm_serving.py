@@ -196,9 +196,10 @@ class VllmCompleter:
     start = time.perf_counter()
     try:
       version = self.engine.version
-      choice = self.engine.server.post("/v1/completions",
-                                       request_body(prompt, budget, sampling, stops,
-                                                    self.engine.rollout.top_k))["choices"][0]
+      body = vllm_backend.completion_body(prompt, budget, sampling.temperature, sampling.top_p,
+                                          self.engine.rollout.top_k, stops,
+                                          sampling.top_logprobs)
+      choice = self.engine.server.post("/v1/completions", body)["choices"][0]
     except Exception:
       with self._lock:
         self.engine_errors += 1
@@ -214,18 +215,6 @@ class VllmCompleter:
     return completion
 
 
-def request_body(prompt: list[int], budget: int, sampling: serving.RequestSampling,
-                 stops: tuple[int, ...], top_k: int) -> dict:
-  """vLLM's `/v1/completions` body for one request: ids in, ids and processed
-  log-probs out, the chat format's stop rules only (EOS ignored)."""
-  return {"model": vllm_backend.SERVED_NAME, "prompt": prompt, "max_tokens": budget,
-          "temperature": float(sampling.temperature), "top_p": float(sampling.top_p),
-          "top_k": int(top_k) or -1, "stop_token_ids": list(stops),
-          "logprobs": int(sampling.top_logprobs), "return_token_ids": True,
-          "return_tokens_as_token_ids": True, "detokenize": False, "ignore_eos": True,
-          "skip_special_tokens": False}
-
-
 _TOKEN_ID = re.compile(r"^token_id:(\d+)$")
 
 
@@ -233,12 +222,8 @@ def completion_of(choice: dict, budget: int, sampling: serving.RequestSampling,
                   stops: tuple[int, ...], version: int) -> serving.Completion:
   """The `serving.Completion` of one vLLM choice (module docstring's rules);
   VllmError when the answer is not one (ids and log-probs disagree, too many)."""
-  ids = [int(t) for t in choice["token_ids"]]
+  ids, lps = vllm_backend.answered_ids(choice, budget)
   logprobs = choice.get("logprobs") or {}
-  lps = [float(x) for x in logprobs.get("token_logprobs") or ()]
-  if not ids or len(ids) != len(lps) or len(ids) > budget:
-    raise vllm_backend.VllmError(f"vLLM answered {len(ids)} ids and {len(lps)} log-probs "
-                                 f"for max_tokens={budget}")
   k = sampling.top_logprobs
   if sampling.greedy:  # a point mass: the Batcher's record of a greedy token
     lps = [0.0] * len(ids)

@@ -351,9 +351,7 @@ def build_programs(config, model_cfg: model_config.ModelConfig, step_cfg: StepCo
                       critic_shardings, sft_tx, rl_tx, critic_tx, state_shardings, None,
                       sft_step, value_step, rl_step, lora_p)
   abstract = jax.eval_shape(programs.init_state, policy_params, critic_params)
-  abstract_state = jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, state_shardings)
-  return dataclasses.replace(programs, abstract_state=abstract_state)
+  return dataclasses.replace(programs, abstract_state=_placed(abstract, state_shardings))
 
 
 def _critic_rules(config, lora_c: sections.Lora, lora_p: LoraPrograms | None, train_critic):
