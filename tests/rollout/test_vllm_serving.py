@@ -170,10 +170,12 @@ def test_a_swap_waits_for_requests_in_flight_and_tags_later_ones(served):
   server.gate.clear()  # the server holds its answers
   first = completer.submit([1, 2, 3], 3)
   swap = cf.ThreadPoolExecutor(1).submit(completer.update_params, random_params(MOE, 1), 5)
-  for _ in range(200):
+  # The swap exports first (seconds on a busy machine), then waits for the lock.
+  for _ in range(6000):
     if completer._swap._writers_waiting:  # pylint: disable=protected-access
       break
     threading.Event().wait(0.01)
+  assert completer._swap._writers_waiting == 1  # pylint: disable=protected-access
   assert not swap.done() and server.version == 4  # the swap waits for the request
   server.gate.set()
   assert set(first.result(30).versions) == {4}
