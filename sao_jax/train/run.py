@@ -151,7 +151,7 @@ class Run:
                                  rollout, **options)
 
   def evaluate(self, name: str, params, out_dir: str | None = None) -> dict:
-    """`eval.sets` pass@1 / pass@k of `params`, recorded in meta["evals"][name] and
+    """`eval.sets` pass@1 / pass@k of `params`, recorded in `meta["evals"][name]` and
     the metrics ("eval/<field>" for the first set, "eval/<set>/<field>" for
     each); every sample and each set's summary.json go to `out_dir`
     (default `<workdir>/eval/<name>`)."""
