@@ -133,10 +133,16 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
 
 
 # ------------------------------------------------------ config reference
+_EVIDENCE_REF = re.compile(r"\b((?:%s)(?:#[\w-]+)?)" % "|".join(re.escape(p) for p in EVIDENCE))
+
+
 def _cell(text: str) -> str:
-  """Plain text for a table cell: HTML escaped, pipes and asterisks kept literal."""
+  """Plain text for a table cell: HTML escaped, pipes and asterisks kept literal;
+  a reference to an evidence heading (`benchmarks/RESULTS.md#kernels`) becomes a
+  link, whose anchor strict mode checks."""
   text = html.escape(" ".join(str(text).split()), quote=False)
-  return text.replace("|", "&#124;").replace("*", "\\*")
+  text = text.replace("|", "&#124;").replace("*", "\\*")
+  return _EVIDENCE_REF.sub(lambda m: f"[{m.group(1)}](../{m.group(1)})", text)
 
 
 def _code(value) -> str:
