@@ -4,12 +4,14 @@
 to, must resolve. A code span is classified by these rules, first match wins:
 
 1. A command: `make T ...` (each target T a rule of the Makefile; `VAR=x`
-   and `-flags` are not targets), or `python[3] X.py ...` / `X.py ...`
-   (`VAR=x` assignments may come first): the script X.py exists, and the
-   path of each `--config=P` / `--config P` (up to a `:` argument) exists.
+   and `-flags` are not targets), `python[3] X.py ...` / `X.py ...`
+   (`VAR=x` assignments may come first): the script X.py exists, or
+   `python -m M` with M in a folder of the repository: the module exists;
+   and the path of each `--config=P` / `--config P` (up to a `:` argument;
+   `...` is a placeholder) exists.
    The same rule reads each command line of a fenced ```bash / sh / shell /
    console block (a `$ ` prompt dropped, `\\` continuations joined).
-2. A config flag or assignment: `--config.S.F=...`, `S.F = ...`: field F
+2. A config flag or assignment: `--config.S.F[=...]`, `S.F = ...`: field F
    of section S (`sao_jax.config.sections.SECTIONS`).
 3. A repository path: no spaces, and its first component a top-level
    entry of the repository (`sao_jax/...`, `configs/x.py`, `Makefile`), or
@@ -362,19 +364,35 @@ def _command(text: str, base: pathlib.Path) -> list[str] | None:
   if words[0] == "make":
     return [f"no Makefile target {w!r}" for w in words[1:]
             if not w.startswith("-") and "=" not in w and w not in _make_targets()]
-  if words[0] in ("python", "python3") and len(words) > 1 and words[1].endswith(".py"):
+  python = words[0] in ("python", "python3")
+  if python and len(words) > 2 and words[1] == "-m":
+    bad = [] if _module_exists(words[2]) else [f"no module {words[2]}"]
+  elif python and len(words) > 1 and words[1].endswith(".py"):
     words = words[1:]
-  elif not (words[0].endswith(".py") and "/" in words[0] and len(words) > 1):
+    script = (base if words[0].startswith(("./", "../")) else ROOT) / words[0]
+    bad = [] if script.is_file() else [f"no script {words[0]}"]
+  elif words[0].endswith(".py") and "/" in words[0] and len(words) > 1:
+    script = (base if words[0].startswith(("./", "../")) else ROOT) / words[0]
+    bad = [] if script.is_file() else [f"no script {words[0]}"]
+  else:
     return None
-  script = (base if words[0].startswith(("./", "../")) else ROOT) / words[0]
-  bad = [] if script.is_file() else [f"no script {words[0]}"]
   for i, w in enumerate(words):
     value = w.partition("=")[2] if w.startswith("--config=") else (
         words[i + 1] if w == "--config" and i + 1 < len(words) else None)
-    if value and not any(c in value for c in "<>{}$") and not (
+    if value and not any(c in value for c in "<>{}$") and "..." not in value and not (
         ROOT / value.partition(":")[0]).exists():
       bad.append(f"no config file {value.partition(':')[0]}")
   return bad
+
+
+def _module_exists(name: str) -> bool:
+  """`python -m name`: True unless name is in a folder of this repository
+  (sao_jax, experiments, ...) and no module or package there has it."""
+  if name.split(".")[0] not in _top_level():
+    return True
+  path = ROOT.joinpath(*name.split("."))
+  return path.with_suffix(".py").is_file() or (path / "__main__.py").is_file() or (
+      path / "__init__.py").is_file()
 
 
 def _span(text: str, base: pathlib.Path) -> list[str]:
@@ -383,7 +401,7 @@ def _span(text: str, base: pathlib.Path) -> list[str]:
   bad = _command(text, base)
   if bad is not None:
     return bad
-  m = _FIELD_SET.match(text)
+  m = _FIELD_SET.match(text) or re.match(r"^--config\.([a-z_]+)\.([a-z_]\w*)\S*$", text)
   if m and m.group(1) in sections.SECTIONS:
     why = _field(m.group(1), m.group(2))
     return [why] if why else []
@@ -470,7 +488,7 @@ def _blocks(lines: list[str]):
 
 def unresolved(path: pathlib.Path) -> list[str]:
   """'file:line: `name`: why' for each name of `path` that does not resolve."""
-  rel = path.relative_to(ROOT).as_posix()
+  rel = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
   out = []
   for kind, lang, block in _blocks(path.read_text(encoding="utf-8").splitlines()):
     if kind != "text" and _is_tree(block):
@@ -507,6 +525,26 @@ def _text_line(rel: str, number: int, line: str, base: pathlib.Path) -> list[str
 def test_names_resolve(path):
   bad = unresolved(path)
   assert not bad, f"{len(bad)} names do not resolve:\n" + "\n".join(bad)
+
+
+def test_the_rules_tell_names_from_values(tmp_path):
+  """The classifier flags each kind of stale name and passes values and snippets."""
+  page = tmp_path / "page.md"
+  page.write_text("\n".join([
+      "`trainer.build_programs` `factories.build_programs` `sao_jax.algo.losses.nope`",
+      "`sao_jax/nope.py` `configs/sao_tiny.py` `rl.nope` `rl.steps` `--config.rl.steps=3`",
+      "`make nope` `make test` `python launch/nope.py --config=configs/sao_tiny.py`",
+      "`0.1` `jax.lax.scan` `x = f(y)` `config.json` `env.task(index)` `\"a.b.c\"`",
+      "[ok](page.md) [gone](nope.md)",
+      "```bash", "python launch/train.py --config=configs/nope.py \\", "    --workdir=w", "```",
+      "", "    sao_jax/", "      algo/", "        losses.py   the losses", "        nope.py     gone",
+  ]) + "\n")
+  bad = [line.split(": ", 1)[1] for line in unresolved(page)]
+  assert [b.split(":")[0] for b in bad] == [
+      "`trainer.build_programs`", "`sao_jax.algo.losses.nope`", "`sao_jax/nope.py`",
+      "`rl.nope`", "`make nope`", "`python launch/nope.py --config=configs/sao_tiny.py`",
+      "link (nope.md)", "`python launch/train.py --config=configs/nope.py  --workdir=w`",
+      "`sao_jax/algo/nope.py`"], bad
 
 
 def test_readme_within_budget():
