@@ -47,8 +47,9 @@ to, must resolve. A code span is classified by these rules, first match wins:
 A Markdown link `[t](target)` that is not a URL must point at an existing
 file relative to the linking file, and its `#anchor`, if any, at a heading
 of that file; a docs page may also link to a page the site generates
-(docs/_hooks/site.py: the configuration reference and the API pages). Fenced code blocks are read by rules 1 and 5 only; an indented
-block (a list item's paragraph, or code) like text.
+(docs/_hooks/site.py: the configuration reference and the API pages).
+Fenced code blocks are read by rules 1 and 5 only; an indented block (a
+list item's paragraph, or code) like text.
 
 (b) README.md stays under `README_BUDGET` lines: detail belongs on the site.
 
@@ -536,8 +537,9 @@ def test_the_rules_tell_names_from_values(tmp_path):
       "`make nope` `make test` `python launch/nope.py --config=configs/sao_tiny.py`",
       "`0.1` `jax.lax.scan` `x = f(y)` `config.json` `env.task(index)` `\"a.b.c\"`",
       "[ok](page.md) [gone](nope.md)",
-      "```bash", "python launch/train.py --config=configs/nope.py \\", "    --workdir=w", "```",
-      "", "    sao_jax/", "      algo/", "        losses.py   the losses", "        nope.py     gone",
+      "```bash", "python launch/train.py --config=configs/nope.py \\", "    --workdir=w",
+      "```", "", "    sao_jax/", "      algo/", "        losses.py   the losses",
+      "        nope.py     gone",
   ]) + "\n")
   bad = [line.split(": ", 1)[1] for line in unresolved(page)]
   assert [b.split(":")[0] for b in bad] == [
