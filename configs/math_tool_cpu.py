@@ -1,4 +1,4 @@
-"""math_tool with Qwen3's formats that learns on 2 CPU cores (issue 38).
+"""math_tool with Qwen3's formats that learns on 2 CPU cores.
 
     make train-math   # = python launch/train.py --config=configs/math_tool_cpu.py --workdir=workdirs/math_tool_cpu
     python -m experiments.math_cpu --seeds 3   # over seeds (experiments/math_cpu.py)

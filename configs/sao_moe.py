@@ -39,11 +39,10 @@ trainer's process 0, each rollout host's (launch/rollout.py) -- spans one
 v5p host's 4 chips on a mesh of its own, `rollout.mesh =
 "expert:2,tensor:2"` (slots and experts over "expert", heads, MLP and
 vocabulary over "tensor": 15 GiB of params a chip), 64 slots paging into
-a pool of half their dense cache. Until session 16 the engine was laid
-out on the trainer's 128-chip mesh (`rollout.sharded_engine`), which only
-a single-process run can use; with a process a host it fell back to
-{"data": -1} over the host's chips: the 57 GiB of params on every chip
-beside a 96 GiB share of a 256-slot pool, which does not fit. The model
+a pool of half their dense cache. The engine does not use the trainer's
+128-chip mesh (`rollout.sharded_engine`): only a single-process run can,
+and {"data": -1} over one host's chips would put the 57 GiB of params on
+every chip beside a 96 GiB share of a 256-slot pool, which does not fit. The model
 preset brings the pod-scale paths: 48 scanned layers with full remat,
 splash attention, log-probs over 1024-token chunks, expert-parallel
 dropless MoE dispatching 8192 tokens a chip per round, chunked prefill of
@@ -52,10 +51,9 @@ dropless MoE dispatching 8192 tokens a chip per round, chunked prefill of
     python launch/compile.py --config=configs/sao_moe.py --topology=v5p-256 \
         --rollout_topology=v5p-8
 
-(benchmarks/RESULTS.md, "Pod scale": SFT, value pretraining and the RL
-step at 256 x 32768 on the training slice, one host's engine -- prefill of
-[64, 32768], decode and the decode loop -- on a v5p host, each with >= 10%
-headroom).
+(SFT, value pretraining and the RL step at 256 x 32768 on the training
+slice, one host's engine -- prefill of [64, 32768], decode and the decode
+loop -- on a v5p host; what they need: benchmarks/RESULTS.md#pods-compile-and-fit).
 
 Rollout on its own slice is `--config.rl.mode=fleet` with launch/rollout.py
 on the rollout hosts, fed through the trajectory store and versioned
@@ -71,15 +69,9 @@ skip-observation GAE with lambda 0.95, one rollout per prompt, async); the
 policy loss is PPO clip against the rollout log-prob in the (0.2, 0.28)
 window rather than the paper's DIS mask: the shipped loss is not the
 paper's. It is the CPU default's choice, and its only evidence is the
-0.13M-parameter tiny model on python_tool at actor lr 3e-4
-(experiments/README.md, "DIS under lag"): PPO clip ahead of DIS in 8 of 8
-seeds under forced lag ~6 (p = 0.008), a tie at lag ~2 (+0.020, t-interval
-[-0.005, +0.045]), and a tie under forced lag at actor lr 1e-4 where the
-policy moves 6-9x less a step (+0.006, t [-0.014, +0.025], 8 seeds;
-experiments.lr_by_lag): DIS falls behind only when versions move far.
-Nothing was measured at this model's size or at its lr of 1e-6, where
-each version moves the policy far less still;
---config.rl.policy_loss=dis is the paper's loss. The window, learning
+0.13M-parameter tiny model on python_tool (experiments/README.md, "DIS
+under lag"); nothing was measured at this model's size or at its lr of
+1e-6; --config.rl.policy_loss=dis is the paper's loss. The window, learning
 rates and batch sizes are this project's choices.
 Cost: not run here (no TPU in this project's CI); the 2-core CPU default is
 configs/sao_tiny.py.

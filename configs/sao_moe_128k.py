@@ -1,4 +1,4 @@
-"""sao_moe at the paper's context: 131,072 tokens a trajectory (issue 28).
+"""sao_moe at the paper's context: 131,072 tokens a trajectory.
 
     # the whole chain: the training slice's steps and one rollout host's engine
     python launch/compile.py --config=configs/sao_moe_128k.py --topology=v5p-256 \

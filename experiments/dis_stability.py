@@ -1,4 +1,4 @@
-"""DIS under lag (issue 27, item 3): does DIS collapse because of policy lag, and what fixes it?
+"""DIS under lag: does DIS collapse because of policy lag, and what fixes it?
 
     python -m experiments.dis_stability                     # 8 seeds x 14 arms, ~150 steps
     python -m experiments.dis_stability --arms sao_sync,dis_q64,ppo_q64 --seeds 8
@@ -39,7 +39,7 @@ order, so a grid stopped early still holds the comparisons that matter):
   grpo_sync       sync GRPO G=4 (configs/grpo_sync.py): the reference for
                   final pass@1 (the runner's paired differences are to it).
   dis_kl_q64      DIS + a k3 penalty with a token mean on KL(rollout ||
-                  current) (issue 27 item 2, `dis_rollout_kl` with
+                  current) (`dis_rollout_kl` with
                   rollout_kl_estimator k3, rollout_kl_reduction token: not
                   SkyRL's k2 / per-sequence mean, the loss's default now),
                   beta 0.1.

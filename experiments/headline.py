@@ -8,9 +8,9 @@ The paper (Qwen3-30B-A3B): SAO 97.3 / 74.8 on AIME25 / BeyondAIME vs GRPO
 84.2 / 54.8 and SFT 80.4 / 53.3. Here: the tiny MoE on python_tool, every
 arm from the same SFT checkpoint per seed and the same budget of generated
 tokens (SAO's value-pretraining rollouts included, see runner.py), held-out
-pass@1 on 400 tasks. The full grid is 7 arms x 5 seeds x 600 steps: about
-1 h a run on the 2-core box of sessions 1-7, 8-20 min on session 8's (sync
-GRPO the fastest, SAO the slowest), so it is run in pieces (--arms,
+pass@1 on 400 tasks. The full grid is 7 arms x 5 seeds x 600 steps, too
+long for one sitting on a 2-core box (run times: experiments/README.md;
+sync GRPO the fastest, SAO the slowest), so it is run in pieces (--arms,
 --first_seed, --reference); finished runs are skipped.
 
 Policy lag: with rollout.slots = rl.batch_size (the default) the mean lag is

@@ -1,4 +1,4 @@
-"""DIS vs PPO clip under forced lag at a lower actor lr (issue 42, item 3).
+"""DIS vs PPO clip under forced lag at a lower actor lr.
 
     python -m experiments.lr_by_lag                      # 8 seeds x 2 arms, ~150 steps
     python -m experiments.lr_by_lag --seeds 4            # a first piece (resumable)

@@ -1,4 +1,4 @@
-"""Routing replay over seeds: ratio tails and stability with and without it (issue 42, item 4).
+"""Routing replay over seeds: ratio tails and stability with and without it.
 
     python -m experiments.routing_replay                    # 4 seeds x 2 arms, ~100 steps
     python -m experiments.routing_replay --first_seed 2 --seeds 2
@@ -51,7 +51,7 @@ ARMS = (
                label="bf16 E32 k4, trainer routes itself"),
     runner.Arm("replay", "sao_sync", {**MODEL, "rl.routing_replay": True},
                label="bf16 E32 k4, routing replay"),
-    # The actor's router frozen (issue 62 item 3/4): no version-to-version drift of
+    # The actor's router frozen: no version-to-version drift of
     # the gate, so what is left at lag 0 is the bf16 near-tie flips replay removes.
     runner.Arm("frozen", "sao_sync", {**MODEL, "rl.routing_replay": False,
                                       "rl.actor_frozen": (ROUTER,)},

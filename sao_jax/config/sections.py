@@ -643,10 +643,8 @@ class RL(Section):
                         "group, running_mean.", one_of(_estimators))
   policy_loss: str = knob(
       "dis", "A loss of sao_jax/algo/losses.py: dis (the paper's) or ppo_clip; DIS's variants "
-      "(issue 27) dis_rollout_kl, dis_corrective, dis_seq_geo, cispo (MiniMax-M1's: upper "
-      "clip only), cispo_two_sided. Measured at tiny scale "
-      "(experiments/README.md): SAO with DIS collapsed in 3 of 10 runs, SAO with PPO clip in "
-      "0 of 5.", one_of(_policy_losses))
+      "dis_rollout_kl, dis_corrective, dis_seq_geo, cispo (MiniMax-M1's: upper clip only), "
+      "cispo_two_sided. How often each collapses under lag: experiments/README.md.", one_of(_policy_losses))
   eps_low: float = knob(0.2, "Ratio window's lower width: 1 - eps_low (0.2 / 0.28: this "
                         "project's choice; the paper gives no values).",
                         unit_interval(open_low=True, open_high=True))
@@ -655,12 +653,12 @@ class RL(Section):
                                 "divergence from the rollout policy.", real(0))
   rollout_kl_estimator: str = knob(
       "k2", "dis_rollout_kl: the per-token KL estimator, k2 = 0.5 (log r)^2 (SkyRL's "
-      "proposal) or k3 = r - 1 - log r (what issue 27's dis_kl arms ran).",
+      "proposal) or k3 = r - 1 - log r (what experiments/dis_stability.py's dis_kl arms run).",
       one_of(_rollout_kl_estimators))
   rollout_kl_reduction: str = knob(
       "sequence", "dis_rollout_kl: the penalty's mean, \"sequence\" (each sequence's token "
       "mean, then the mean over sequences: SkyRL's proposal) or \"token\" (over the batch's "
-      "action tokens: what issue 27's dis_kl arms ran).", one_of(_rollout_kl_reductions))
+      "action tokens: what experiments/dis_stability.py's dis_kl arms run).", one_of(_rollout_kl_reductions))
   corrective_side: str = knob(
       "low", "dis_corrective: which out-of-window corrective tokens it keeps, \"low\" (A > 0 "
       "below the window; their weight r < 1 - eps_low is bounded) or \"high\" (A < 0 above "

@@ -117,8 +117,8 @@ class ModelConfig:
   moe_impl: Literal["dense", "ragged", "expert_parallel", "blocked"] = "dense"
   # blocked only: rows per expert block. Larger blocks pad more (up to one
   # block per expert) but make bigger matmuls, which XLA:CPU runs at a much
-  # higher rate (benchmarks/RESULTS.md, "Session 7: the MoE block size",
-  # has how 512 was chosen).
+  # higher rate (how 512 was chosen:
+  # benchmarks/RESULTS.md#models-and-the-train-step).
   moe_block: int = 512
   # expert_parallel only: <= 0 is dropless (buffers sized for the worst
   # case); c > 0 gives each device pair c x its balanced share of rows and

@@ -227,7 +227,7 @@ def small_capacity(n: int, k: int, e: int) -> int:
 
   Rounding to 4, not 8, lets a 16-token call (a lane of 16 decode slots, 4
   experts, top-2) take 12 rows an expert instead of running dense, which
-  was faster on CPU (benchmarks/RESULTS.md, session 11)."""
+  is faster on CPU (benchmarks/RESULTS.md#rollout-engine)."""
   return -(-(3 * n * k) // (2 * e) // 4) * 4 if n * k > e else n
 
 
@@ -242,7 +242,7 @@ def capacity_moe(x, top_i, top_p, wi_gate, wi_up, wo, capacity: int):
   tokens. Pairs past an expert's capacity would be dropped: the caller
   checks the largest load and runs dense instead (`MoE`), so nothing is
   ever dropped. Faster than dense for decode-sized calls on CPU
-  (benchmarks/RESULTS.md, session 8).
+  (benchmarks/RESULTS.md#rollout-engine).
 
   Args as `blocked_moe`; `capacity` rows per expert. Returns `[N, D]`.
   """
