@@ -54,10 +54,10 @@ A rollout further behind, a new one, or one that fails pulls whole. The
 cost: the rollout keeps the held version's pieces (one more copy of a
 version on its devices; the engine keeps its own copy of what it is
 handed), and the trainer one encoding pass per version. Off by default:
-on CPU loopback (benchmarks/delta_versions.py) a delta version moved 4-13%
-of the bytes yet took longer than a whole one, the encoding outweighing
-the bytes saved; where the link is slow (a version of sao_moe is 61 GB)
-the bytes decide, but the encoding's cost on a TPU is not measured.
+on CPU loopback (benchmarks/delta_versions.py) the encoding outweighs the
+bytes saved (benchmarks/RESULTS.md#fleet-and-weight-sync); where the link
+is slow (a version of sao_moe is 61 GB) the bytes decide, but the
+encoding's cost on a TPU is not measured.
 
 Which bytes move is `plan`: a pure function of the two layouts (the
 trainer's param shardings and the engine's), shared by the rollout (its

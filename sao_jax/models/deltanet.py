@@ -310,10 +310,10 @@ def unit_lower_inverse(a: Array) -> Array:
   e_i - A_i T (A_i is zero from column i on, so only the rows already
   found count): C steps of a [C] x [C, C] product, exact for any A (no
   power series, whose terms can grow like binomial coefficients). It
-  replaces `jax.scipy.linalg.solve_triangular`, which XLA:CPU ran orders of
-  magnitude slower for some batched shapes (benchmarks/RESULTS.md, "Gated
-  DeltaNet"). The gradient is the closed form dT = -T dA T (`custom_vjp`),
-  so the backward pass keeps no per-step residuals.
+  replaces `jax.scipy.linalg.solve_triangular`, which XLA:CPU runs far
+  slower for some batched shapes (benchmarks/RESULTS.md#kernels). The
+  gradient is the closed form dT = -T dA T (`custom_vjp`), so the backward
+  pass keeps no per-step residuals.
   """
   c = a.shape[-1]
   eye = jnp.eye(c, dtype=a.dtype)

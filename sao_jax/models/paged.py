@@ -100,7 +100,7 @@ def _by_rows() -> bool:
   gather whose window spans the kv-head dim (major in the pool) made the
   compiler lay a loop-carried pool out kv heads minor, and copy the whole
   pool in and out of the driver's decode loop and the chunked prefill
-  (benchmarks/RESULTS.md, "The paper's context"). Elsewhere one index a
+  (benchmarks/RESULTS.md#pods-compile-and-fit). Elsewhere one index a
   token, its kv heads in the window: XLA:CPU runs a scatter as a loop over
   its indices."""
   return attn_lib.compile_platform() == "tpu"

