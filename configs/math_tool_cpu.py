@@ -18,8 +18,7 @@ verifier, the whole shipped set) with what makes the tiny model learn it:
 `:curriculum` (`--config=configs/math_tool_cpu.py:curriculum`) trains on
 four of the nine families (FAMILIES below) instead of the whole set.
 
-Measured: benchmarks/RESULTS.md, "math_tool that learns on CPU" (five
-seeds: SFT 0.36-0.43, RL +0.10 to +0.32).
+What SFT and RL give over seeds: benchmarks/RESULTS.md#learning-on-cpu.
 """
 
 from configs import math_tool_tiny
@@ -45,7 +44,7 @@ def get_config(arg=None):
   c.data.logits_at_actions = False
   # SFT until the mean training NLL of 25 steps is 0.04 (at most 800 steps):
   # seeds learn this task at very different speeds, and a fixed step count
-  # leaves some at pass@1 ~0.95, where RL has nothing left to add.
+  # leaves some near the ceiling, where RL has nothing left to add.
   c.sft.steps = 800
   c.sft.stop_at_nll = 0.04
   c.sft.stop_window = 25
