@@ -35,9 +35,9 @@ an all-reduce of SAMPLES integers per leaf assembles them (the operand is
 never gathered; tests/data/test_identity.py checks the compiled program).
 Its output and its all-reduce grow with the number of leaves, not their
 size; what it costs at Qwen3.5-35B-A3B's size (benchmarks/identity.py):
-benchmarks/RESULTS.md#fleet-and-weight-sync. The positions depend only on shapes, so any
-layout of the same values (the trainer's sharding, an engine's, host
-numpy) gives the same fingerprint.
+benchmarks/RESULTS.md#fleet-and-weight-sync. The positions depend only on
+shapes, so any layout of the same values (the trainer's sharding, an
+engine's, host numpy) gives the same fingerprint.
 It names params, it does not authenticate them: two param sets that agree
 on every sampled element share a fingerprint.
 """
