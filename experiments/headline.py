@@ -14,7 +14,7 @@ sync GRPO the fastest, SAO the slowest), so it is run in pieces (--arms,
 --first_seed, --reference); finished runs are skipped.
 
 Policy lag: with rollout.slots = rl.batch_size (the default) the mean lag is
-1-5 versions; `--set rollout.slots=48 --set rl.sync_every=2` makes it larger
+a few versions; `--set rollout.slots=48 --set rl.sync_every=2` makes it larger
 for every arm.
 """
 
@@ -28,7 +28,7 @@ from experiments import runner
 def reward_by_quarter(finding, runs):
   """Per arm: the mean training reward in each quarter of the RL steps.
 
-  Whether a run was long enough (the issue: >= 600 steps, or until the
+  Whether a run was long enough (the criterion: >= 600 steps, or until the
   curve flattens): the last quarter's mean minus the third's, per seed,
   and its mean over seeds. Near zero: flat at the end; clearly positive:
   still rising when the budget ran out.
@@ -52,8 +52,8 @@ def reward_by_quarter(finding, runs):
 ARMS = (
     runner.Arm("sao", "sao_dis", label="SAO"),
     # SAO's critic updates make its train step slower than GRPO's, so with the
-    # default 64-trajectory queue its rollouts run ~4 versions ahead (GRPO +
-    # DIS: ~1.7). One batch of read-ahead bounds the lag to ~1-2 versions.
+    # default 64-trajectory queue its rollouts run further ahead than GRPO's
+    # (their lags: experiments/README.md). One batch of read-ahead bounds it.
     runner.Arm("sao_q16", "sao_dis", {"rollout.queue_size": 16},
                label="SAO, queue of one batch"),
     # SAO with PPO's clipped surrogate in place of DIS: everything else SAO's.

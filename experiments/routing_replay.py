@@ -7,10 +7,9 @@
     python -m experiments.routing_replay --arms frozen,frozen_replay --seeds 2
 
 The question. In bf16 compute the engine's sampling pass and the trainer's
-forward pick different experts for some tokens (benchmarks/RESULTS.md,
-"MoE routing between the engine and the trainer": 1.8% of sampled tokens
-in a trained 32-expert / top-4 sao_tiny, one flip moving a log-prob by
-0.64). Does that show in training, as ratio tails at lag 0 (where the
+forward pick different experts for some tokens (how many, and what a flip
+does to a log-prob: benchmarks/RESULTS.md#models-and-the-train-step). Does
+that show in training, as ratio tails at lag 0 (where the
 ratio would be 1 but for the two programs' arithmetic) and in final
 pass@1 or collapses, and does `rl.routing_replay` (the trainer uses the
 engine's recorded choices) remove it?
@@ -22,9 +21,8 @@ disagreeing, nothing else) with PPO clip (0.2, 0.28) at actor lr 3e-4 (the
 CPU default's loss), 32 experts / top-4 (`benchmarks/routing_config.py`'s
 model) and bf16 compute over fp32 masters (the pod preset's precision),
 the same SFT start per seed; they differ in `rl.routing_replay` alone.
-(In the async loop at the default queue the lag-0 bucket is empty on this
-box: a first try logged lag ~4.7 and no lag-0 token, so the ratio there
-mixes policy movement with routing.)
+(In the async loop at the default queue the lag-0 bucket is empty, so the
+ratio there mixes policy movement with routing.)
 
 `by_replay` reports per arm: final pass@1 and collapses (the one rule,
 `stats.collapsed`), the paired replay-minus-plain difference (t-interval,
