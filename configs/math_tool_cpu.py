@@ -9,7 +9,7 @@ verifier, the whole shipped set) with what makes the tiny model learn it:
 
   * the head over the ids the task uses (`model.vocab_subset = "env"`,
     sao_jax/envs/head_vocab.py): 320 columns instead of 151,669, so a step
-    no longer pays for the vocabulary (0.16M policy parameters, not 19.5M);
+    does not pay for the whole vocabulary (0.16M policy parameters, not 19.5M);
   * SFT until the mean training NLL of 25 steps is 0.04 (`sft.stop_at_nll`,
     at most 800 steps): the seeds learn the task at very different speeds,
     and a fixed step count leaves some where RL has nothing to add;

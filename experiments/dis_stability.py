@@ -40,7 +40,7 @@ order, so a grid stopped early still holds the comparisons that matter):
   dis_kl_q64      DIS + a k3 penalty with a token mean on KL(rollout ||
                   current) (`dis_rollout_kl` with
                   rollout_kl_estimator k3, rollout_kl_reduction token: not
-                  SkyRL's k2 / per-sequence mean, the loss's default now),
+                  SkyRL's k2 / per-sequence mean, the loss's default),
                   beta 0.1.
   cispo_q64       CISPO with a two-sided clip (`cispo_two_sided`; not
                   MiniMax-M1's CISPO, which clips from above only): every
