@@ -79,8 +79,8 @@ def _render(lines: list[str]) -> str:
 
 
 # Defined before the agent's code, called after it. It only calls `f` and
-# prints what came back; nothing it prints is trusted (see the module
-# docstring), so it needs no protection for the reward's sake. It binds the
+# prints what came back; nothing it prints is trusted (the module
+# docstring; docs/design/graders.md), so it needs no protection for the reward's sake. It binds the
 # builtins it uses when it is defined, so that code which shadows or patches
 # them (`type`, `ascii`, `sys.stdout`) cannot relabel a float as an int by
 # accident or by a simple patch. It writes the JSON by hand: after the
