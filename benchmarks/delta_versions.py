@@ -24,8 +24,8 @@ that changed, bytes and seconds per version both ways, and the bytes other
 block sizes (and a bitmask encoding) would have moved.
 
 Then the pod, modeled from the measured byte ratio: `--version_gb` (the
-plan's bytes of a sao_moe version into one rollout host, benchmarks/RESULTS.md
-"Weight sync") at `--gbps` rates; with LoRA a version is the adapters
+plan's bytes of a sao_moe version into one rollout host:
+benchmarks/RESULTS.md#fleet-and-weight-sync) at `--gbps` rates; with LoRA a version is the adapters
 (`--lora_gb`, benchmarks/lora_sizes.py).
 """
 

@@ -19,7 +19,8 @@ weights: `WeightPublisher.publish` then `close` (the version complete on
   random init), and a synthetic 1 GiB tree of random bf16 [4096, 4096] leaves,
   where per-file overheads are amortised and bytes/s is the disk's and
   tensorstore's rate; the 30B row divides Qwen3-30B-A3B's bf16 param bytes
-  by that rate (see RESULTS.md for what that extrapolation ignores).
+  by that rate (what that extrapolation ignores:
+  benchmarks/RESULTS.md#fleet-and-weight-sync).
 
 Prints markdown tables (medians of `--repeats`).
 

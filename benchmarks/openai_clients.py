@@ -7,7 +7,7 @@ and chat format) over a fake batcher that answers every request after
 `--sample_ms` (the transport is measured, not a model), served by
 
   * stdlib: the standard library's `ThreadingHTTPServer` (listen backlog 5,
-    a thread per connection), the endpoint's server before issue 60;
+    a thread per connection), the baseline the pooled server replaced;
   * pooled: `openai_api.Server` (`http_server.PooledHTTPServer`: backlog
     1024, 64 workers, 1024 waiting, then 503 + Retry-After);
   * pooled-small: the same with 8 workers and 32 waiting, to show the 503s.
@@ -79,7 +79,7 @@ class _StdlibHandler(http.server.BaseHTTPRequestHandler):
 
 
 class StdlibServer:
-  """The app on the standard library's ThreadingHTTPServer (the server before issue 60)."""
+  """The app on the standard library's ThreadingHTTPServer: the baseline the pooled server replaced."""
 
   def __init__(self, app):
     self._http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _StdlibHandler)

@@ -58,7 +58,7 @@ _PORT = flags.DEFINE_integer("port", 9000, "Port (gRPC or HTTP).")
 _SLOTS = flags.DEFINE_integer("slots", 8, "Concurrent decode slots.")
 _TOKENS_PER_STEP = flags.DEFINE_integer(
     "tokens_per_step", 8, "Tokens per slot per engine decode call (JetStream: per generate "
-    "call; 1: one token a call). See benchmarks/RESULTS.md, serving.")
+    "call; 1: one token a call). Measured: benchmarks/RESULTS.md#serving-endpoint.")
 _IGNORE_EOS = flags.DEFINE_bool(
     "ignore_eos", False, "JetStream, benchmarks only: no stop tokens, every request runs to "
     "max_tokens.")

@@ -137,7 +137,7 @@ MAX_FUNCTION_LINES = 80
 
 
 def test_no_function_is_longer_than_80_lines():
-  """A function that does not fit a screen does more than one thing (issue 41)."""
+  """A function that does not fit a screen does more than one thing."""
   long = []
   for path in _modules().values():
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -158,7 +158,7 @@ CONFIGDICT_EDGE = {"sao_jax.config.sections", "sao_jax.train.configuration",
 
 
 def test_the_configdict_stops_at_the_flag_edge():
-  """Below run.build everything reads the typed sections (issue 41)."""
+  """Below run.build everything reads the typed sections."""
   holders = set()
   for name, path in _modules().items():
     for node in ast.walk(ast.parse(path.read_text(), str(path))):

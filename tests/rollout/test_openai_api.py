@@ -290,7 +290,7 @@ def test_hostile_requests_are_openai_errors_with_counted_reasons(served):
 
 
 @pytest.mark.skipif(not hasattr(engine_lib.PolicyEngine, "serve_step"),
-                    reason="per-request sampling in the engine (issue 60 item 2) not landed")
+                    reason="the engine has no per-request sampling (serve_step)")
 def test_temperature_zero_and_a_seed_repeat_their_tokens_through_the_endpoint(served):
   c = client(served)
   messages = [{"role": "user", "content": "Say something."}]

@@ -2,7 +2,7 @@
 batcher (no model): what each request asked of the sampler is what the batcher received,
 and what it returned is what the client read and the session recorded.
 
-Issue 60's findings, each a test: 200 concurrent clients all answered (200, or 503 with
+Each a test: 200 concurrent clients all answered (200, or 503 with
 Retry-After, counted); sampling fields honoured or refused, streaming, n > 1,
 top_logprobs, /health, /v1/models/{id}, /v1/completions; sessions owned by whoever
 opened them; a reply with a lone surrogate answered, a reply not sent not recorded;
