@@ -39,7 +39,7 @@ default where `jax.experimental.transfer` works). No file holds the bytes:
     and the version's params fingerprint (sao_jax/data/identity.py), which
     the rollout stamps on the trajectories that version samples.
 
-Delta versions (`fleet.delta_versions`, sao_jax/data/weight_delta.py): at
+Delta versions (`fleet.delta_versions`, sao_jax/transport/weight_delta.py): at
 the RL learning rates few bf16 elements change from one version to the
 next, so each trainer process also encodes each of its pieces against the
 version before (the changed elements' positions and bits; a piece whose
@@ -94,7 +94,7 @@ import numpy as np
 
 from sao_jax.data import files
 from sao_jax.data import identity
-from sao_jax.data import weight_delta
+from sao_jax.transport import weight_delta
 
 TRANSFER = "transfer"
 REQUESTS = "requests"

@@ -7,7 +7,7 @@ RPC layer: trajectories move as ArrayRecord shards of the trajectory store,
 weights as versioned orbax checkpoints (on the default direct path,
 `fleet.weights_path = "direct"`, the bytes of most versions go over the
 network instead and these checkpoints are its bootstrap and fallback:
-sao_jax/data/weight_transfer.py), both under one shared directory
+sao_jax/transport/weight_transfer.py), both under one shared directory
 (`fleet.root`, default `<workdir>/fleet`):
 
     <root>/weights/<version>/         orbax: the policy params after <version>
@@ -115,8 +115,8 @@ import grain
 import jax
 
 from sao_jax.data import files
-from sao_jax.data.checkpoint import Checkpointer, committed_checkpoints
 from sao_jax.data import ingestion, store
+from sao_jax.data.checkpoint import Checkpointer, committed_checkpoints
 from sao_jax.data.identity import Published
 from sao_jax.data.trajectory import ENV_FAULTS, Trajectory
 
