@@ -39,7 +39,7 @@ class Backend:
     doc: one line: what it is and when to pick it.
     install: what it needs beyond the core install ("" for nothing).
     completer: "module:class" of what the OpenAI-compatible endpoint sends
-      its requests through (`serving.Batcher`'s surface), built as
+      its requests through (`batcher.Batcher`'s surface), built as
       `completer(engine, stop_token, decode_steps=..., max_queue=...)`.
   """
   name: str
