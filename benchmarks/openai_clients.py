@@ -36,7 +36,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from sao_jax.envs import chat  # pylint: disable=g-import-not-at-top,wrong-import-position
 from sao_jax.envs.tokenizer import TOKENIZERS  # pylint: disable=g-import-not-at-top,wrong-import-position
-from sao_jax.rollout import http_server, openai_api, serving, sessions  # pylint: disable=g-import-not-at-top,wrong-import-position
+from sao_jax.serving import batcher as batcher_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from sao_jax.serving import http_server, openai_api, sessions
 
 TOK = TOKENIZERS["qwen3"]()
 FMT = chat.make_format("qwen3", TOK)
@@ -51,7 +52,7 @@ class FakeBatcher:
   def __init__(self, seconds: float):
     self.seconds = seconds
     ids = TOK.encode("Hello there.") + [FMT.turn_end_id]
-    self.completion = serving.Completion(tuple(ids), (-0.5,) * len(ids), (0,) * len(ids), True)
+    self.completion = batcher_lib.Completion(tuple(ids), (-0.5,) * len(ids), (0,) * len(ids), True)
 
   def submit(self, prompt, max_new_tokens, *, sampling=None, prefix_key=None):
     del prompt, max_new_tokens, sampling, prefix_key

@@ -3,7 +3,7 @@
     python launch/train.py --config=configs/math_tool_tiny.py --workdir=workdirs/math_tool_tiny
 
 The paper's task shape at toy scale: math word problems with a `python`
-tool (the shipped generated set, `sao_jax/data/math_problems.py`), Qwen3's
+tool (the shipped generated set, `sao_jax/envs/math_problems.py`), Qwen3's
 151,669-token vocabulary, the qwen3 chat template with thinking on, tool
 calls parsed from the sampled ids and run in the sandbox, answers checked
 by the math verifier. SFT on the shipped tool-using transcripts -> value

@@ -14,7 +14,7 @@ The paper's coding agent (SWE-Bench Verified through OpenHands: up to 300
 interaction turns in 128K tokens) in sao-jax's terms: `env.name =
 "repo_repair"` (sao_jax/envs/repo_repair.py: bash in the sandbox, view,
 str_replace, create, submit; graded by the hidden tests in a fresh sandbox)
-over a user's SWE-bench-style rows (sao_jax/data/repo_tasks.py: a
+over a user's SWE-bench-style rows (sao_jax/envs/repo_tasks.py: a
 repository snapshot directory or tarball per task, problem_statement,
 test_command, the test patch's files as `tests`) named by env.kwargs
 below: `path` and `heldout_path` are placeholders for the user's rows

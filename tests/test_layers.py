@@ -13,10 +13,11 @@ import pytest
 
 import sao_jax
 
-LAYERS = ("algo", "models", "config", "data", "envs", "rollout", "train", "pod")
+LAYERS = ("algo", "models", "config", "data", "transport", "envs", "rollout", "serving", "train",
+          "pod")
 PACKAGE = pathlib.Path(sao_jax.__file__).parent
 # Toy repositories shipped as data (their own packages, never imported by sao_jax).
-NOT_CODE = ("sao_jax/data/repo_corpus/",)
+NOT_CODE = ("sao_jax/envs/task_data/repo_corpus/",)
 
 def _modules() -> dict[str, pathlib.Path]:
   out = {}

@@ -44,7 +44,7 @@ from sao_jax.config import import_strings
 # defined here because they are the allowed values of config fields.
 KV_CACHES = ("dense", "paged")
 SWAP_POLICIES = ("recompute", "keep", "drain")
-# How the fleet's weight versions travel (sao_jax/data/weight_transfer.py, fleet.py).
+# How the fleet's weight versions travel (sao_jax/transport/weight_transfer.py, fleet.py).
 WEIGHT_PATHS = ("direct", "checkpoint")
 
 
@@ -740,8 +740,8 @@ class RL(Section):
 @dataclasses.dataclass(frozen=True)
 class Fleet(Section):
   """rl.mode = "fleet": rollout processes (launch/rollout.py) apart from the
-  trainer, trajectories and weights through shared storage (sao_jax/data/fleet.py),
-  weights over the network on the direct path (sao_jax/data/weight_transfer.py)."""
+  trainer, trajectories and weights through shared storage (sao_jax/transport/fleet.py),
+  weights over the network on the direct path (sao_jax/transport/weight_transfer.py)."""
   NAME: ClassVar[str] = "fleet"
   root: str = knob("", "The shared directory (local, NFS, a gcsfuse mount); \"\": "
                    "<workdir>/fleet.", Check(lambda v: isinstance(v, str),
@@ -763,7 +763,7 @@ class Fleet(Section):
   weights_path: str = knob(
       "direct", "How versions reach the rollouts: \"direct\", each trainer process serves "
       "its shards and each rollout pulls them into its devices over the network "
-      "(sao_jax/data/weight_transfer.py), checkpoints as bootstrap and fallback; \"checkpoint\", "
+      "(sao_jax/transport/weight_transfer.py), checkpoints as bootstrap and fallback; \"checkpoint\", "
       "every version as an orbax checkpoint under <root>/weights. Direct falls back to "
       "checkpoint (counted, logged) where jax.experimental.transfer is unavailable.",
       one_of(WEIGHT_PATHS))
@@ -781,7 +781,7 @@ class Fleet(Section):
                                integer(1, 64))
   delta_versions: bool = knob(
       False, "On the direct path, each version is also offered as its delta from the one "
-      "before (the bf16 elements that changed, sao_jax/data/weight_delta.py) and a rollout "
+      "before (the bf16 elements that changed, sao_jax/transport/weight_delta.py) and a rollout "
       "holding that one pulls only the delta, checked by a checksum per piece (a mismatch: "
       "counted, the version pulled whole). Costs a rollout one more copy of a version on its "
       "devices (the held version's pieces) and the trainer an encode per version; off by "

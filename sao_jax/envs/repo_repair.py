@@ -5,7 +5,7 @@
     env.kwargs = {"path": "my_tasks.jsonl", "heldout_path": "my_heldout.jsonl",
                   "max_turns": 30}                                     # optional
 
-A task (`sao_jax.data.repo_tasks`: a row names a repository snapshot, a
+A task (`sao_jax.envs.repo_tasks`: a row names a repository snapshot, a
 problem statement, a test command and hidden tests) becomes a system
 message, a user message with the problem, the test command and the file
 list, and five tools in the chat format's tool calls:
@@ -67,9 +67,9 @@ import threading
 import weakref
 from typing import Any
 
-from sao_jax.data import repo_tasks
 from sao_jax.data.prompts import EVAL_OFFSET
 from sao_jax.envs import repo_judge, sandbox
+from sao_jax.envs import repo_tasks
 from sao_jax.envs.base import GraderError, StepResult, Task
 from sao_jax.envs.dataset import ToolBudget, ToolMeter, answer_tool_calls
 from sao_jax.envs.sandbox import SandboxLimits, Workspace
@@ -116,7 +116,7 @@ _ARTIFACT_SUFFIXES = (".pyc", ".pyo", ".so", ".pyd", ".pth")
 
 @dataclasses.dataclass(frozen=True)
 class RepoRepairConfig:
-  # Task rows (sao_jax.data.repo_tasks); defaults: the shipped generated sets.
+  # Task rows (sao_jax.envs.repo_tasks); defaults: the shipped generated sets.
   path: str = repo_tasks.SHIPPED_TRAIN
   heldout_path: str = repo_tasks.SHIPPED_HELDOUT
   system_prompt: str = SYSTEM_PROMPT

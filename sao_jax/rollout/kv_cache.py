@@ -21,7 +21,7 @@ cache, page_size and the pool's pages. A strategy answers:
     (`prepare`), the call's arguments after the lengths (`call_args`),
     pages reserved ahead and given back (`reserve`, `release`, `trim`), and
     the engine options it rules out (`check_engine`);
-  * the server's prefix reuse (rollout/serving.py): a slot's cache cut back
+  * the server's prefix reuse (serving/batcher.py): a slot's cache cut back
     (`cut`), and a prefix's entries offered to other slots and taken by an
     empty one (`register`, `share`; paged only: shared pages);
   * admission (admission.py): the slot group a slot draws pages from

@@ -183,7 +183,7 @@ def uniforms(stream: KeyStream, steps: int, rows: int) -> Array:
 
 # --- per-slot sampling: a served batch, each slot its own request -----------------
 #
-# The server's batcher (rollout/serving.py) batches requests that each carry
+# The server's batcher (serving/batcher.py) batches requests that each carry
 # their own temperature, top_p, seed and stop ids. They arrive as arrays, one
 # entry a slot, so one compiled program serves every mix of values. A slot's
 # draws come from its request's own key stream: draw n of a request uses

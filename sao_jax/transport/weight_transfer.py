@@ -21,7 +21,7 @@ default where `jax.experimental.transfer` works). No file holds the bytes:
     and checkpoints carry the run id and the params fingerprint
     (sao_jax/data/identity.py).
 
-With `fleet.delta_versions` (sao_jax/data/weight_delta.py) a rollout
+With `fleet.delta_versions` (sao_jax/transport/weight_delta.py) a rollout
 holding exactly the version before pulls only its delta, checked by a
 checksum per piece; a mismatch pulls the version whole.
 
@@ -61,7 +61,7 @@ import numpy as np
 
 from sao_jax.data import files
 from sao_jax.data import identity
-from sao_jax.data import weight_delta
+from sao_jax.transport import weight_delta
 
 TRANSFER = "transfer"
 REQUESTS = "requests"

@@ -68,8 +68,8 @@ import grain
 import jax
 
 from sao_jax.data import files
-from sao_jax.data.checkpoint import Checkpointer, committed_checkpoints
 from sao_jax.data import ingestion, store
+from sao_jax.data.checkpoint import Checkpointer, committed_checkpoints
 from sao_jax.data.identity import Published
 from sao_jax.data.trajectory import ENV_FAULTS, Trajectory
 
