@@ -50,7 +50,7 @@ EXTRAS = {
         "gcsfs>=2024.6",
         "google-cloud-storage>=2.10",
         "gcp-storage-emulator==2026.7.19",  # tests/gcs_emulator_serve.py patches its download handler
-        # The OpenAI-compatible endpoint (sao_jax/rollout/openai_api.py) is tested
+        # The OpenAI-compatible endpoint (sao_jax/serving/openai_api.py) is tested
         # with the real client and driven by a real agent harness (its LiteLLM
         # without the release that was compromised on PyPI).
         "openai>=1.40",
@@ -124,11 +124,12 @@ setuptools.setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=setuptools.find_packages(include=["sao_jax", "sao_jax.*"]),
-    # The shipped math set of math_tool (sao_jax/data/math_problems.py); the
-    # repo_repair corpus and its generated sets (sao_jax/data/repo_tasks.py).
-    package_data={"sao_jax": ["py.typed", "data/math_tool/*.jsonl.gz",
-                              "data/repo_repair/*.jsonl.gz", "data/repo_corpus/*/repo/*/*.py",
-                              "data/repo_corpus/*/tests/*.py",
+    # The shipped math set of math_tool (sao_jax/envs/math_problems.py); the
+    # repo_repair corpus and its generated sets (sao_jax/envs/repo_tasks.py).
+    package_data={"sao_jax": ["py.typed", "envs/task_data/math_tool/*.jsonl.gz",
+                              "envs/task_data/repo_repair/*.jsonl.gz",
+                              "envs/task_data/repo_corpus/*/repo/*/*.py",
+                              "envs/task_data/repo_corpus/*/tests/*.py",
                               # The chat templates an export writes (Apache-2.0, NOTICE.md).
                               "envs/chat_templates/*.jinja", "envs/chat_templates/*.md"]},
     install_requires=CORE,

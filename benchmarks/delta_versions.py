@@ -1,4 +1,4 @@
-"""Delta weight versions (sao_jax/data/weight_delta.py) against whole ones,
+"""Delta weight versions (sao_jax/transport/weight_delta.py) against whole ones,
 side by side in one run, on a model trained at sao_moe's learning rate.
 
     nice -n 10 python benchmarks/delta_versions.py [--preset small] [--steps 40] \\
@@ -24,8 +24,8 @@ that changed, bytes and seconds per version both ways, and the bytes other
 block sizes (and a bitmask encoding) would have moved.
 
 Then the pod, modeled from the measured byte ratio: `--version_gb` (the
-plan's bytes of a sao_moe version into one rollout host, benchmarks/RESULTS.md
-"Weight sync") at `--gbps` rates; with LoRA a version is the adapters
+plan's bytes of a sao_moe version into one rollout host:
+benchmarks/RESULTS.md#fleet-and-weight-sync) at `--gbps` rates; with LoRA a version is the adapters
 (`--lora_gb`, benchmarks/lora_sizes.py).
 """
 
@@ -44,10 +44,10 @@ import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-posi
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from sao_jax.algo import optim  # pylint: disable=wrong-import-position
-from sao_jax.data import weight_delta  # pylint: disable=wrong-import-position
-from sao_jax.data import weight_transfer  # pylint: disable=wrong-import-position
 from sao_jax.models import config as model_config  # pylint: disable=wrong-import-position
 from sao_jax.models import policy  # pylint: disable=wrong-import-position
+from sao_jax.transport import weight_delta  # pylint: disable=wrong-import-position
+from sao_jax.transport import weight_transfer  # pylint: disable=wrong-import-position
 
 # configs/sao_moe.py's actor schedule.
 LR, WARMUP, TOTAL = 1e-6, 10, 400

@@ -60,7 +60,7 @@ def paths(pkg):
   overrides = dict(config.model.get("overrides", {}))
   cfg = dataclasses.replace(cfg, **overrides) if overrides else cfg
   params = policy.init_params(cfg, jax.random.key(0))
-  where = [m for m in (pkg + ".config.sections", pkg + ".sections")  # layered (issue 41) or flat
+  where = [m for m in (pkg + ".config.sections", pkg + ".sections")  # layered package or flat tree
            if importlib.util.find_spec(m.rsplit(".", 1)[0]) and importlib.util.find_spec(m)]
   if where:  # takes the rollout section
     sections = importlib.import_module(where[0])

@@ -1,4 +1,4 @@
-"""How much probability an exported subset head puts outside the subset (issue 61).
+"""How much probability an exported subset head puts outside the subset.
 
     python benchmarks/export_subset_head.py --workdir=/tmp/subset_run [--sft_steps=80]
 

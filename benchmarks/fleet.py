@@ -3,7 +3,7 @@
     nice -n 10 python benchmarks/fleet.py [--dir /tmp/fleet_bench] [--repeats 3]
 
 Everything through the classes the trainer and rollout processes use
-(sao_jax/data/fleet.py), on one local disk, one process at a time:
+(sao_jax/transport/fleet.py), on one local disk, one process at a time:
 
 store: a rollout's `ShardWriter` (serialise, ArrayRecord write, fsync,
   rename) writes N synthetic trajectories of length T into shards of 16, then
@@ -19,7 +19,8 @@ weights: `WeightPublisher.publish` then `close` (the version complete on
   random init), and a synthetic 1 GiB tree of random bf16 [4096, 4096] leaves,
   where per-file overheads are amortised and bytes/s is the disk's and
   tensorstore's rate; the 30B row divides Qwen3-30B-A3B's bf16 param bytes
-  by that rate (see RESULTS.md for what that extrapolation ignores).
+  by that rate (what that extrapolation ignores:
+  benchmarks/RESULTS.md#fleet-and-weight-sync).
 
 Prints markdown tables (medians of `--repeats`).
 
@@ -42,11 +43,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from sao_jax.data import files
-from sao_jax.data import fleet
 from sao_jax.data import store
 from sao_jax.data.trajectory import Trajectory
 from sao_jax.models import config as mcfg
 from sao_jax.models import policy
+from sao_jax.transport import fleet
 
 VOCAB = 64
 

@@ -7,7 +7,7 @@ and chat format) over a fake batcher that answers every request after
 `--sample_ms` (the transport is measured, not a model), served by
 
   * stdlib: the standard library's `ThreadingHTTPServer` (listen backlog 5,
-    a thread per connection), the endpoint's server before issue 60;
+    a thread per connection), the baseline the pooled server replaced;
   * pooled: `openai_api.Server` (`http_server.PooledHTTPServer`: backlog
     1024, 64 workers, 1024 waiting, then 503 + Retry-After);
   * pooled-small: the same with 8 workers and 32 waiting, to show the 503s.
@@ -36,7 +36,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from sao_jax.envs import chat  # pylint: disable=g-import-not-at-top,wrong-import-position
 from sao_jax.envs.tokenizer import TOKENIZERS  # pylint: disable=g-import-not-at-top,wrong-import-position
-from sao_jax.rollout import http_server, openai_api, serving, sessions  # pylint: disable=g-import-not-at-top,wrong-import-position
+from sao_jax.serving import batcher as batcher_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from sao_jax.serving import http_server, openai_api, sessions
 
 TOK = TOKENIZERS["qwen3"]()
 FMT = chat.make_format("qwen3", TOK)
@@ -51,7 +52,7 @@ class FakeBatcher:
   def __init__(self, seconds: float):
     self.seconds = seconds
     ids = TOK.encode("Hello there.") + [FMT.turn_end_id]
-    self.completion = serving.Completion(tuple(ids), (-0.5,) * len(ids), (0,) * len(ids), True)
+    self.completion = batcher_lib.Completion(tuple(ids), (-0.5,) * len(ids), (0,) * len(ids), True)
 
   def submit(self, prompt, max_new_tokens, *, sampling=None, prefix_key=None):
     del prompt, max_new_tokens, sampling, prefix_key
@@ -79,7 +80,7 @@ class _StdlibHandler(http.server.BaseHTTPRequestHandler):
 
 
 class StdlibServer:
-  """The app on the standard library's ThreadingHTTPServer (the server before issue 60)."""
+  """The app on the standard library's ThreadingHTTPServer: the baseline the pooled server replaced."""
 
   def __init__(self, app):
     self._http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _StdlibHandler)

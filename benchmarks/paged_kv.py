@@ -170,7 +170,7 @@ def throughput_section(repeats: int, requests: int, decode_steps: int
 
   def run(name):
     # The arm's engine; the driver's turns of TURN tokens, `decode_steps`, and
-    # its former defaults otherwise (keep; 4 env workers, 60 s timeout).
+    # fixed settings otherwise (swap policy keep, 4 env workers, 60 s timeout).
     rollout = sections.Rollout(max_len=MAX_LEN, page_size=PAGE, max_turn_tokens=TURN,
                                decode_steps=decode_steps, swap_policy="keep", env_workers=4,
                                env_timeout=60.0, **arms[name])

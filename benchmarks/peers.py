@@ -253,10 +253,9 @@ def fast_settings(cfg: mcfg.ModelConfig, length: int, prefill: bool = False) -> 
   """sao-jax's fast model settings for sequences of `length` tokens.
 
   The block-sparse top-k MoE, plus chunked attention (causal key blocks
-  skipped) where it pays. Measured (benchmarks/RESULTS.md): training at
-  1024 tokens 1.76x with 256-token blocks; at 256 tokens 0.86x with one
-  256-token block but 1.2x with 64-token blocks (session 11), so training
-  takes blocks of a quarter of the length, at most 256. Generation chunks
+  skipped) where it pays: training takes blocks of a quarter of the length,
+  at most 256, the block size that paid at each measured length
+  (benchmarks/RESULTS.md#beside-tunix). Generation chunks
   only at 1024 tokens, where the prompt then also goes through in chunks of
   the block size (`prefill`), so the prefill uses the same blocked
   attention over the cache.

@@ -5,8 +5,8 @@
 Same init, same batches, same optimizer (optim.make_optimizer: global-norm
 clip 1.0, b2 0.95, the configs' AdamW), three ways of holding the weights:
 
-  bf16 params   param_dtype = dtype = bfloat16 (the old qwen3_30b_a3b preset)
-  fp32 master   param_dtype float32, dtype bfloat16 (the preset now)
+  bf16 params   param_dtype = dtype = bfloat16 (bf16 storage, no master copy)
+  fp32 master   param_dtype float32, dtype bfloat16 (the qwen3_30b_a3b preset's)
   fp32          float32 throughout (the reference)
 
 For each: the fraction of weights that changed after N steps, the norm of

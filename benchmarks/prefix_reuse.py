@@ -8,7 +8,7 @@ every earlier reply and tool result, then the new tool result. Without
 prefix reuse the batcher prefills all of it every turn (quadratic in the
 turns); with it (`Batcher.submit(..., prefix_key=session)`) the session's
 parked cache is kept and only the new tool result is prefilled
-(rollout/serving.py, "Prefix reuse").
+(serving/batcher.py, "Prefix reuse").
 
 Model: the `small` preset (~3M params, random init, 512-token vocabulary,
 max_seq_len raised to 4096) on this CPU, dense KV cache, one engine and
@@ -46,19 +46,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 from sao_jax.config import sections  # pylint: disable=wrong-import-position
 from sao_jax.models import config as mcfg  # pylint: disable=wrong-import-position
-from sao_jax.rollout import serving  # pylint: disable=wrong-import-position
 from sao_jax.rollout.engine import PolicyEngine  # pylint: disable=wrong-import-position
+from sao_jax.serving import batcher as batcher_lib  # pylint: disable=wrong-import-position
 from fakes import random_params  # pylint: disable=wrong-import-position,g-bad-import-order
 
 VOCAB, STOP = 512, 511  # STOP is never fed as a prompt token
 SYSTEM, TOOL, REPLY = 64, 24, 16
 
 
-def make_batcher(slots: int, max_len: int, buckets=(64, 256, 1024)) -> serving.Batcher:
+def make_batcher(slots: int, max_len: int, buckets=(64, 256, 1024)) -> batcher_lib.Batcher:
   cfg = dataclasses.replace(mcfg.small(VOCAB), max_seq_len=4096)
   engine = PolicyEngine(cfg, random_params(cfg, 0.05), sections.Rollout(
       slots=slots, max_len=max_len, prefill_buckets=buckets), seed=0)
-  return serving.Batcher(engine, STOP, decode_steps=8)
+  return batcher_lib.Batcher(engine, STOP, decode_steps=8)
 
 
 def tool_result(rng) -> list[int]:
@@ -76,7 +76,7 @@ def turn(batcher, prompt, key, sampling):
 def session(batcher, turns: int, seed: int, timed: bool):
   """The two arms over one conversation, turn by turn; per turn (before, after) rows."""
   rng = np.random.default_rng(seed)
-  sampling = serving.RequestSampling(seed=seed)
+  sampling = batcher_lib.RequestSampling(seed=seed)
   history = rng.integers(0, STOP, SYSTEM).tolist()
   rows = []
   for k in range(turns):
@@ -118,7 +118,7 @@ def concurrent_run(batcher, sessions: int, turns: int, reuse: bool, seed: int):
 
   def client(c):
     rng = np.random.default_rng(seed * 1000 + c)
-    sampling = serving.RequestSampling(seed=c)
+    sampling = batcher_lib.RequestSampling(seed=c)
     history = rng.integers(0, STOP, SYSTEM).tolist()
     for _ in range(turns):
       prompt = history + tool_result(rng)

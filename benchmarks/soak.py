@@ -132,8 +132,8 @@ def _report(result, args) -> str:
   evals = result["summary"].get("evals", {})
   eval_line = ", ".join(f"{k} {v['pass@1']:.3f}" for k, v in evals.items())
   lines = [
-      "", f"## Soak: {len(rl) and int(steps[-1])} RL steps of tiny SAO with faults injected "
-      "(issue 11)", "",
+      "", f"## Soak: {len(rl) and int(steps[-1])} RL steps of tiny SAO with faults injected",
+      "",
       f"    python benchmarks/soak.py --steps {args.steps} --out benchmarks/RESULTS.md", "",
       f"Faults: {FAULTS} (every n-th event). Return code {result['returncode']}, "
       f"wall {result['wall_s'] / 60:.1f} min. Plot: `benchmarks/soak.png`.", "",

@@ -3,10 +3,10 @@
     python benchmarks/tiny_step.py [--ref 7adb88f] [--rounds 3] [--policy_loss dis] \
         [--out benchmarks/RESULTS.md]
 
-Issue 9 changed the model and the trainer for pod scale (scanned layers,
-splash / chunked attention, chunked log-probs, expert-parallel MoE) behind
-config switches, and asks that the tiny CPU default's train step be no
-slower for it. This times the RL step (K critic updates + actor update) and
+The model and the trainer carry pod-scale paths (scanned layers, splash /
+chunked attention, chunked log-probs, expert-parallel MoE) behind config
+switches, and the tiny CPU default's train step must be no slower for
+them. This times the RL step (K critic updates + actor update) and
 the value-pretraining step that `configs/sao_tiny.py` builds
 (`trainer.build_programs`, the trainer's own construction) on one fixed
 packed batch, in this tree and in `--ref` (a `git archive` of it), each in
@@ -34,7 +34,7 @@ import jax, numpy as np
 from flax import linen as nn
 from configs import sao_tiny  # the tree's own (cwd): a package, or a ref tree's plain folder
 from sao_jax.envs import registry
-try:  # the layered package (issue 41) or a ref tree from before it
+try:  # the layered package, or a ref tree with the flat one
   from sao_jax.train import trainer
   from sao_jax.models import sharding
 except ImportError:

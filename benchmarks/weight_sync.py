@@ -1,5 +1,5 @@
-"""Weight sync: the direct path (sao_jax/data/weight_transfer.py) against the
-checkpoint path (sao_jax/data/fleet.py), side by side in one run, and the plan's
+"""Weight sync: the direct path (sao_jax/transport/weight_transfer.py) against the
+checkpoint path (sao_jax/transport/fleet.py), side by side in one run, and the plan's
 bytes for a pod.
 
     nice -n 10 python benchmarks/weight_sync.py --gib 1 --repeats 3
@@ -69,8 +69,8 @@ def trainer(root, n_leaves, repeats, sockets, master):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from sao_jax.data import fleet  # pylint: disable=g-import-not-at-top
-  from sao_jax.data import weight_transfer
+  from sao_jax.transport import fleet  # pylint: disable=g-import-not-at-top
+  from sao_jax.transport import weight_transfer
   sharding = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("fsdp",)), P("fsdp", None))
   server = weight_transfer.WeightServer(root, "bench", host="127.0.0.1", sockets=sockets,
                                         poll_seconds=0.01)
@@ -116,8 +116,8 @@ def measure(args):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from sao_jax.data import fleet  # pylint: disable=g-import-not-at-top
-  from sao_jax.data import weight_transfer
+  from sao_jax.transport import fleet  # pylint: disable=g-import-not-at-top
+  from sao_jax.transport import weight_transfer
   n_leaves = max(1, round(args.gib * GIB / (LEAF[0] * LEAF[1] * 2)))
   nbytes = n_leaves * LEAF[0] * LEAF[1] * 2
   root = tempfile.mkdtemp(prefix="weight_sync_", dir=args.dir)
@@ -191,12 +191,12 @@ def measure(args):
 def plan(args):
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
-  from sao_jax.train import factories  # pylint: disable=g-import-not-at-top
   from sao_jax.config import sections
-  from sao_jax.models import sharding
-  from sao_jax.data import weight_transfer
   from sao_jax.models import precision
+  from sao_jax.models import sharding
   from sao_jax.rollout import programs as programs_lib  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import factories  # pylint: disable=g-import-not-at-top
+  from sao_jax.transport import weight_transfer
   import functools  # pylint: disable=g-import-not-at-top
   import importlib.util  # pylint: disable=g-import-not-at-top
   spec = importlib.util.spec_from_file_location("cfg", args.plan_config)
@@ -236,7 +236,7 @@ def plan(args):
 
 
 def cover(n: int):
-  from sao_jax.data import weight_transfer  # pylint: disable=g-import-not-at-top
+  from sao_jax.transport import weight_transfer  # pylint: disable=g-import-not-at-top
   g = round(n ** 0.5)
   cases = {f"{n} rows": ([((4 * i, 4 * i + 4), (0, 8)) for i in range(n)], (4 * n, 8)),
            f"{g}x{g} grid": ([((4 * i, 4 * i + 4), (4 * j, 4 * j + 4)) for i in range(g)

@@ -1,4 +1,4 @@
-"""math_tool with Qwen3's formats that learns on 2 CPU cores (issue 38).
+"""math_tool with Qwen3's formats that learns on 2 CPU cores.
 
     make train-math   # = python launch/train.py --config=configs/math_tool_cpu.py --workdir=workdirs/math_tool_cpu
     python -m experiments.math_cpu --seeds 3   # over seeds (experiments/math_cpu.py)
@@ -9,7 +9,7 @@ verifier, the whole shipped set) with what makes the tiny model learn it:
 
   * the head over the ids the task uses (`model.vocab_subset = "env"`,
     sao_jax/envs/head_vocab.py): 320 columns instead of 151,669, so a step
-    no longer pays for the vocabulary (0.16M policy parameters, not 19.5M);
+    does not pay for the whole vocabulary (0.16M policy parameters, not 19.5M);
   * SFT until the mean training NLL of 25 steps is 0.04 (`sft.stop_at_nll`,
     at most 800 steps): the seeds learn the task at very different speeds,
     and a fixed step count leaves some where RL has nothing to add;
@@ -18,8 +18,7 @@ verifier, the whole shipped set) with what makes the tiny model learn it:
 `:curriculum` (`--config=configs/math_tool_cpu.py:curriculum`) trains on
 four of the nine families (FAMILIES below) instead of the whole set.
 
-Measured: benchmarks/RESULTS.md, "math_tool that learns on CPU" (five
-seeds: SFT 0.36-0.43, RL +0.10 to +0.32).
+What SFT and RL give over seeds: benchmarks/RESULTS.md#learning-on-cpu.
 """
 
 from configs import math_tool_tiny
@@ -45,7 +44,7 @@ def get_config(arg=None):
   c.data.logits_at_actions = False
   # SFT until the mean training NLL of 25 steps is 0.04 (at most 800 steps):
   # seeds learn this task at very different speeds, and a fixed step count
-  # leaves some at pass@1 ~0.95, where RL has nothing left to add.
+  # leaves some near the ceiling, where RL has nothing left to add.
   c.sft.steps = 800
   c.sft.stop_at_nll = 0.04
   c.sft.stop_window = 25

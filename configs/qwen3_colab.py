@@ -26,11 +26,10 @@ critic (initialised from the SFT trunk, its attention frozen) -> async SAO
 with the engine colocated -> held-out pass@1. Thinking off: episodes of a
 few hundred tokens.
 
-Memory: fp32 masters and Adam for the policy and the critic. The TPU
-compiler's per-chip figures for this config are in benchmarks/RESULTS.md,
-"Dense Qwen3 on one chip and one host": it fits a TPU v6e-1 with the
-engine on the same chip, and not a v5e-1 (the RL step). GPUs were not
-compiled for.
+Memory: fp32 masters and Adam for the policy and the critic. It fits a
+TPU v6e-1 with the engine on the same chip, and not a v5e-1 (the RL step);
+the TPU compiler's per-chip figures:
+benchmarks/RESULTS.md#pods-compile-and-fit. GPUs were not compiled for.
 """
 
 import os

@@ -3,7 +3,7 @@
     python launch/train.py --config=configs/repo_repair_tiny.py --workdir=workdirs/repo_repair_tiny
 
 The paper's coding-agent chain at toy scale: the shipped generated bugs
-(`sao_jax/data/repo_tasks.py`: 149 training, 36 held-out tasks in functions
+(`sao_jax/envs/repo_tasks.py`: 149 training, 36 held-out tasks in functions
 never trained on), the five tools (bash in the sandbox, view, str_replace,
 create, submit), graded by the hidden tests in a fresh sandbox. SFT on the
 demonstrations (view the lines, str_replace the reverse edit, submit) ->

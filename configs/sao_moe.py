@@ -11,78 +11,41 @@
 The workdir is a POSIX path every host mounts (Filestore / NFS, or a
 gcsfuse mount of a bucket): checkpoints, the fleet's shards and weight
 versions and the metrics all live there. A multi-host trainer cannot run
-rollout in its own process (`rl.mode` async / sync), so RL runs in fleet
-mode: the rollout hosts generate with the policy versions the trainer
-publishes and write trajectory shards it reads.
+rollout in its own process, so RL runs in fleet mode: rollout hosts
+generate with the policy versions the trainer publishes and write
+trajectory shards it reads.
 
-The task is the paper's agentic reasoning by default: `math_tool` (math
-with a `python` tool run in the sandbox, up to 50 turns, the final answer
-in \\boxed{} checked by the math verifier) over a verl-style dataset whose
-path is the `env.kwargs` above (a local or mounted file on every host;
-without it, the small generated set the repository ships), with Qwen3's
-tokenizer (built offline, no download) and chat template, thinking on.
-`env.tokenizer_path` may still name the checkpoint's own tokenizer.json.
+The task is the paper's agentic reasoning: `math_tool` (a `python` tool in
+the sandbox, up to 50 turns, a \\boxed{} answer checked by the math
+verifier) over a verl-style dataset named by `env.kwargs` (without it, the
+small generated set the repository ships), with Qwen3's tokenizer (built
+offline) and chat template, thinking on. The run starts from an SFT
+checkpoint in Hugging Face safetensors layout instead of running SFT.
 
-Starts from an SFT checkpoint in Hugging Face safetensors layout (loaded one
-tensor at a time into its shardings) instead of running SFT. Mesh: fsdp over
-16 chips x expert parallelism over 8, data parallel over the rest; the
-sharding rules below are the whole placement. The trainer runs one SPMD
-program over all hosts of the slice (`distributed.enabled = True` below
-makes launch/train.py call jax.distributed.initialize(); on a TPU slice the
-coordinator, process count and index are auto-detected).
-
-Target layout: training on a v5p-256 slice (128 chips, 95.74 GiB HBM each;
-v5p names count TensorCores), mesh data 1 x fsdp 16 x expert 8, the batch
-split over all three (256 rows of 32768 tokens: 2 rows a chip). Every
-engine of the run -- value pretraining's and evaluation's on the
-trainer's process 0, each rollout host's (launch/rollout.py) -- spans one
-v5p host's 4 chips on a mesh of its own, `rollout.mesh =
-"expert:2,tensor:2"` (slots and experts over "expert", heads, MLP and
-vocabulary over "tensor": 15 GiB of params a chip), 64 slots paging into
-a pool of half their dense cache. Until session 16 the engine was laid
-out on the trainer's 128-chip mesh (`rollout.sharded_engine`), which only
-a single-process run can use; with a process a host it fell back to
-{"data": -1} over the host's chips: the 57 GiB of params on every chip
-beside a 96 GiB share of a 256-slot pool, which does not fit. The model
-preset brings the pod-scale paths: 48 scanned layers with full remat,
-splash attention, log-probs over 1024-token chunks, expert-parallel
-dropless MoE dispatching 8192 tokens a chip per round, chunked prefill of
-2048 tokens. Check it fits with
+Layout: training on a v5p-256 slice (128 chips), one SPMD program over
+its hosts (`distributed.enabled`), mesh data 1 x fsdp 16 x expert 8 with
+the batch split over all three (256 rows of 32768 tokens); the sharding
+rules below are the whole placement. Every engine -- value pretraining's
+and evaluation's on the trainer's process 0, each rollout host's -- spans
+one v5p host's 4 chips on `rollout.mesh = "expert:2,tensor:2"`, 64 slots
+paging into a pool of half their dense cache. Check it fits with
 
     python launch/compile.py --config=configs/sao_moe.py --topology=v5p-256 \
         --rollout_topology=v5p-8
 
-(benchmarks/RESULTS.md, "Pod scale": SFT, value pretraining and the RL
-step at 256 x 32768 on the training slice, one host's engine -- prefill of
-[64, 32768], decode and the decode loop -- on a v5p host, each with >= 10%
-headroom).
-
-Rollout on its own slice is `--config.rl.mode=fleet` with launch/rollout.py
-on the rollout hosts, fed through the trajectory store and versioned
-checkpoints (docs/DESIGN.md section 5; README.md, "Rollout fleet"). The
-engine's KV cache is paged, half the dense cache's size (below). The
-config is compiled for TPU by launch/compile.py and exercised abstractly
-in the tests (shapes, parameter count, sharding rules); it has not run on
-a pod.
-
 Settings follow the paper where docs/DESIGN.md section 1 gives them (K = 2
 critic updates, frozen critic attention, value pretraining,
-skip-observation GAE with lambda 0.95, one rollout per prompt, async); the
-policy loss is PPO clip against the rollout log-prob in the (0.2, 0.28)
-window rather than the paper's DIS mask: the shipped loss is not the
-paper's. It is the CPU default's choice, and its only evidence is the
-0.13M-parameter tiny model on python_tool at actor lr 3e-4
-(experiments/README.md, "DIS under lag"): PPO clip ahead of DIS in 8 of 8
-seeds under forced lag ~6 (p = 0.008), a tie at lag ~2 (+0.020, t-interval
-[-0.005, +0.045]), and a tie under forced lag at actor lr 1e-4 where the
-policy moves 6-9x less a step (+0.006, t [-0.014, +0.025], 8 seeds;
-experiments.lr_by_lag): DIS falls behind only when versions move far.
-Nothing was measured at this model's size or at its lr of 1e-6, where
-each version moves the policy far less still;
---config.rl.policy_loss=dis is the paper's loss. The window, learning
-rates and batch sizes are this project's choices.
-Cost: not run here (no TPU in this project's CI); the 2-core CPU default is
-configs/sao_tiny.py.
+skip-observation GAE with lambda 0.95, one rollout per prompt, async),
+except the policy loss: PPO clip against the rollout log-prob in the (0.2,
+0.28) window, the CPU default's choice, whose only evidence is the tiny
+model (experiments/README.md, "DIS under lag"); --config.rl.policy_loss=dis
+is the paper's loss. The window, learning rates and batch sizes are this
+project's choices.
+
+Why this layout, counted: docs/design/pod_configs.md; the compiler's
+figures: benchmarks/RESULTS.md#pods-compile-and-fit. Compiled for TPU and
+exercised abstractly in the tests; not run on a pod (the 2-core CPU
+default is configs/sao_tiny.py).
 """
 
 from configs import common
@@ -104,7 +67,7 @@ def get_config(arg=None):
   c.model.preset = "qwen3_30b_a3b"
   # The paper's reasoning task: math with a python tool, up to 50 turns
   # (sao_jax/envs/math_tool.py); the dataset goes in env.kwargs.path /
-  # heldout_path (module docstring).
+  # heldout_path (see the module docstring).
   c.env.name = "math_tool"
   c.env.kwargs = {"max_turns": 50}
   c.env.tokenizer = "qwen3"
@@ -124,16 +87,16 @@ def get_config(arg=None):
   c.data.buckets = (4096, 8192, 16384, 32768)
   c.rollout.max_len = 32768
   c.rollout.max_turn_tokens = 8192
-  # One engine a v5p host (module docstring): 64 slots on expert 2 x tensor 2.
+  # One engine a v5p host (docs/design/pod_configs.md): 64 slots on expert
+  # 2 x tensor 2.
   c.rollout.slots = 64
   c.rollout.mesh = "expert:2,tensor:2"
   # The paged KV cache: pages of 128 positions (the Pallas paged-attention
   # kernel's decode reads them in place), a pool of half the dense cache's
   # positions. Each slot group (32 slots, a chip pair over "expert") pages
-  # into its part of the pool, 16 max_len trajectories; the simulated
-  # long-tailed mix needs 0.56 of dense with 2 slots a group and less with
-  # 32 (benchmarks/RESULTS.md, "Paged KV cache"); admission waits for pages,
-  # it never fails. A reference, so it follows max_len (sao_moe_128k).
+  # into its part of the pool, 16 max_len trajectories, more than the
+  # simulated long-tailed mix needs (benchmarks/RESULTS.md#rollout-engine);
+  # admission waits for pages, it never fails. A reference, so it follows max_len (sao_moe_128k).
   c.rollout.kv_cache = "paged"
   c.rollout.page_size = 128
   c.rollout.kv_pages = (c.rollout.get_ref("slots") * c.rollout.get_ref("max_len")

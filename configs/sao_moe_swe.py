@@ -14,7 +14,7 @@ The paper's coding agent (SWE-Bench Verified through OpenHands: up to 300
 interaction turns in 128K tokens) in sao-jax's terms: `env.name =
 "repo_repair"` (sao_jax/envs/repo_repair.py: bash in the sandbox, view,
 str_replace, create, submit; graded by the hidden tests in a fresh sandbox)
-over a user's SWE-bench-style rows (sao_jax/data/repo_tasks.py: a
+over a user's SWE-bench-style rows (sao_jax/envs/repo_tasks.py: a
 repository snapshot directory or tarball per task, problem_statement,
 test_command, the test patch's files as `tests`) named by env.kwargs
 below: `path` and `heldout_path` are placeholders for the user's rows
@@ -29,9 +29,8 @@ checkpoint, the 128K mesh (a context axis of 2) on a v5p-256 training
 slice, rollout hosts of one v5p-8 each with the paged 64-slot engine,
 weights through checkpoints. The environment changes the rollout side
 only (what the engine is fed, not its shapes), so the train programs are
-sao_moe_128k's, whose fit is in benchmarks/RESULTS.md ("The paper's
-context"); the engine's at this config is there too ("The coding-agent
-variant at the paper's context").
+sao_moe_128k's; their fit, and the engine's at this config:
+benchmarks/RESULTS.md#pods-compile-and-fit.
 
 Tool time: a bash call gets `bash_seconds` (cut to the turn's
 env.tool_seconds_per_turn), the hidden tests `test_seconds`; a step's

@@ -17,8 +17,8 @@ fleet mode: rollout hosts generate with the versions the trainer publishes
 (README.md, "Rollout fleet"). The task is math_tool with Qwen3's chat
 template and thinking on, episodes up to 8192 tokens.
 
-Layout, from the TPU compiler's figures (benchmarks/RESULTS.md, "Dense
-Qwen3 on one chip and one host"): the trainer's 4 chips split params,
+Layout, from the TPU compiler's figures
+(benchmarks/RESULTS.md#pods-compile-and-fit): the trainer's 4 chips split params,
 gradients and Adam moments four ways (FSDP; the 36 layers as one scan
 under full remat, splash attention, log-probs over 1024-token chunks).
 Policy and critic with fp32 masters leave the RL step (two critic updates

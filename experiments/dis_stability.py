@@ -1,16 +1,15 @@
-"""DIS under lag (issue 27, item 3): does DIS collapse because of policy lag, and what fixes it?
+"""DIS under lag: does DIS collapse because of policy lag, and what fixes it?
 
     python -m experiments.dis_stability                     # 8 seeds x 14 arms, ~150 steps
     python -m experiments.dis_stability --arms sao_sync,dis_q64,ppo_q64 --seeds 8
     python -m experiments.dis_stability --smoke --arms sao_sync,dis_stale
     python -m experiments.dis_stability --aggregate_only    # tables and plots only
 
-Pooled over the earlier grids (experiments/README.md), async SAO with DIS
-(eps_low 0.2, eps_high 0.28: the project's window) collapsed, pass@1 to ~0
-within 20-30 RL steps, in 6 of 21 runs, and async SAO with PPO clip in 0
-of 16 (async GRPO + DIS: 3 of 13; async GRPO with PPO clip 0 of 3). Those runs mixed
-tasks, SFT starts and lags, and no grid had more than 5 seeds an arm, so a
-30% collapse rate could not be told from 0% in any single arm. Here every
+The earlier grids (experiments/README.md) saw async SAO with DIS (eps_low
+0.2, eps_high 0.28: the project's window) collapse, pass@1 to ~0 within a
+few dozen RL steps, where async SAO with PPO clip did not; but those runs
+mixed tasks, SFT starts and lags, with too few seeds an arm to tell a
+collapse rate from 0 in any single arm. Here every
 arm runs on the same 8 SFT starts (one per seed, shared by all arms) at the
 same budget of generated tokens, ~150 RL steps of 16 trajectories (the
 budget of the headline's measured grids, where the collapses were seen;
@@ -28,9 +27,9 @@ order, so a grid stopped early still holds the comparisons that matter):
                   the collapses, not "DIS destabilises under lag".
   dis_q64         async SAO, DIS (0.2, 0.28) (the project's window: the
                   paper gives no epsilon values), the default
-                  queue of 64 trajectories (measured lag 1.9 versions on
-                  this box: generation and the actor step keep pace, so
-                  the queue seldom fills).
+                  queue of 64 trajectories (generation and the actor step
+                  keep pace, so the queue seldom fills and the lag stays
+                  low).
   ppo_q64         the same with PPO's clipped surrogate (same eps).
   dis_wide_q64    DIS with SkyRL's fully-async window (0.5, 4.0).
   dis_narrow_q64  DIS with a narrow window (0.1, 0.1): if masking the
@@ -39,9 +38,9 @@ order, so a grid stopped early still holds the comparisons that matter):
   grpo_sync       sync GRPO G=4 (configs/grpo_sync.py): the reference for
                   final pass@1 (the runner's paired differences are to it).
   dis_kl_q64      DIS + a k3 penalty with a token mean on KL(rollout ||
-                  current) (issue 27 item 2, `dis_rollout_kl` with
+                  current) (`dis_rollout_kl` with
                   rollout_kl_estimator k3, rollout_kl_reduction token: not
-                  SkyRL's k2 / per-sequence mean, the loss's default now),
+                  SkyRL's k2 / per-sequence mean, the loss's default),
                   beta 0.1.
   cispo_q64       CISPO with a two-sided clip (`cispo_two_sided`; not
                   MiniMax-M1's CISPO, which clips from above only): every
@@ -52,22 +51,18 @@ order, so a grid stopped early still holds the comparisons that matter):
   *_stale         the six async arms again under forced lag: 48 decode
                   slots (3 batches in flight) and weights pushed to the
                   engine every 4 actor updates (experiments/stability.py's
-                  STALE), lag ~4-6 versions. The issue asked for queue 16
-                  vs 64 (lag ~1.5 vs ~4-5), but queue 64 measured 1.9 here,
-                  so a queue of 16 would give no contrast; the stale arms
-                  give the high-lag side of it.
+                  STALE), several versions of lag. A queue of 16 against
+                  64 would give little contrast, as queue 64's lag is
+                  already low; the stale arms give the high-lag side.
 
 Collapse, applied mechanically to every run (`stats.collapsed`, the rule of
 every finding): the run's final
 held-out pass@1 is below 25% of its seed's SFT pass@1 (COLLAPSE_FRACTION).
-Why that line: over the 131 distinct runs on python_tool and code_fix in
-the committed results (experiments/results/, the online task excluded)
-final / SFT pass@1 is bimodal: 21 runs ended at 0.00-0.11 of their SFT
-start (0.000-0.022 absolute, training reward <= 0.06 over their last three
-logged steps) and every other run at 0.33 or more, so any line in
-(0.11, 0.33) splits them the same way.
-Relative rather than absolute because SFT starts range 0.2-0.6 between
-seeds and tasks. A seed whose SFT pass@1 is 0 cannot collapse.
+The line lies in the gap of final / SFT pass@1, which is bimodal over the
+committed results (experiments/results/; the distribution:
+experiments/README.md). Relative rather than absolute because SFT starts
+differ between seeds and tasks. A seed whose SFT pass@1 is 0 cannot
+collapse.
 
 `analysis` (also rendered as a markdown table into results.md):
 
@@ -94,9 +89,8 @@ Curves (mean over seeds, over generated tokens): training reward, policy
 lag, approx KL, the share outside the window, the corrective mass and the
 episode length (collapsed runs ran to the length cap).
 
-Cost: ~5-8 min a run on an idle 2-core box (sync GRPO the fastest, async
-SAO at queue 64 the slowest; experiments/README.md), so the full grid
-(112 runs + 8 SFT starts) is ~10-15 h: run it in pieces (--arms,
+Cost: the full grid is 112 runs + 8 SFT starts, many hours on a 2-core box
+(run times: experiments/README.md): run it in pieces (--arms,
 --first_seed/--seeds); finished runs are skipped and carried over.
 """
 

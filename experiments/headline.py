@@ -8,13 +8,13 @@ The paper (Qwen3-30B-A3B): SAO 97.3 / 74.8 on AIME25 / BeyondAIME vs GRPO
 84.2 / 54.8 and SFT 80.4 / 53.3. Here: the tiny MoE on python_tool, every
 arm from the same SFT checkpoint per seed and the same budget of generated
 tokens (SAO's value-pretraining rollouts included, see runner.py), held-out
-pass@1 on 400 tasks. The full grid is 7 arms x 5 seeds x 600 steps: about
-1 h a run on the 2-core box of sessions 1-7, 8-20 min on session 8's (sync
-GRPO the fastest, SAO the slowest), so it is run in pieces (--arms,
+pass@1 on 400 tasks. The full grid is 7 arms x 5 seeds x 600 steps, too
+long for one sitting on a 2-core box (run times: experiments/README.md;
+sync GRPO the fastest, SAO the slowest), so it is run in pieces (--arms,
 --first_seed, --reference); finished runs are skipped.
 
 Policy lag: with rollout.slots = rl.batch_size (the default) the mean lag is
-1-5 versions; `--set rollout.slots=48 --set rl.sync_every=2` makes it larger
+a few versions; `--set rollout.slots=48 --set rl.sync_every=2` makes it larger
 for every arm.
 """
 
@@ -28,7 +28,7 @@ from experiments import runner
 def reward_by_quarter(finding, runs):
   """Per arm: the mean training reward in each quarter of the RL steps.
 
-  Whether a run was long enough (the issue: >= 600 steps, or until the
+  Whether a run was long enough (the criterion: >= 600 steps, or until the
   curve flattens): the last quarter's mean minus the third's, per seed,
   and its mean over seeds. Near zero: flat at the end; clearly positive:
   still rising when the budget ran out.
@@ -52,8 +52,8 @@ def reward_by_quarter(finding, runs):
 ARMS = (
     runner.Arm("sao", "sao_dis", label="SAO"),
     # SAO's critic updates make its train step slower than GRPO's, so with the
-    # default 64-trajectory queue its rollouts run ~4 versions ahead (GRPO +
-    # DIS: ~1.7). One batch of read-ahead bounds the lag to ~1-2 versions.
+    # default 64-trajectory queue its rollouts run further ahead than GRPO's
+    # (their lags: experiments/README.md). One batch of read-ahead bounds it.
     runner.Arm("sao_q16", "sao_dis", {"rollout.queue_size": 16},
                label="SAO, queue of one batch"),
     # SAO with PPO's clipped surrogate in place of DIS: everything else SAO's.

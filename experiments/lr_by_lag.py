@@ -1,14 +1,14 @@
-"""DIS vs PPO clip under forced lag at a lower actor lr (issue 42, item 3).
+"""DIS vs PPO clip under forced lag at a lower actor lr.
 
     python -m experiments.lr_by_lag                      # 8 seeds x 2 arms, ~150 steps
     python -m experiments.lr_by_lag --seeds 4            # a first piece (resumable)
     python -m experiments.lr_by_lag --smoke              # CI-sized
     python -m experiments.lr_by_lag --aggregate_only     # tables only
 
-The question. Under forced lag (~6 versions: 48 decode slots, a sync every
-4 steps) at actor lr 3e-4, async SAO with PPO clip ended ahead of async
-SAO with DIS (0.2, 0.28) in 8 of 8 paired seeds (+0.108, exact sign-flip
-p = 0.008; experiments/results/dis_stability). Is that DIS's deficit in
+The question. Under forced lag (48 decode slots, a sync every 4 steps) at
+actor lr 3e-4, async SAO with PPO clip ended ahead of async SAO with DIS
+(0.2, 0.28) (experiments/README.md, "DIS under lag";
+experiments/results/dis_stability). Is that DIS's deficit in
 general, or one of a policy that moves far per version? If it tracks the
 movement, a lower lr (a smaller step per version) should shrink it: here
 the same two arms at actor lr 1e-4, the same 8 SFT configs and seeds

@@ -1,4 +1,4 @@
-"""The paper's task on CPU over seeds: held-out pass@1 after SFT and after RL (issue 38).
+"""The paper's task on CPU over seeds: held-out pass@1 after SFT and after RL.
 
     python -m experiments.math_cpu                       # seeds 0, 1, 2, resumable
     python -m experiments.math_cpu --seeds 5 --first_seed 3

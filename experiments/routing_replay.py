@@ -1,4 +1,4 @@
-"""Routing replay over seeds: ratio tails and stability with and without it (issue 42, item 4).
+"""Routing replay over seeds: ratio tails and stability with and without it.
 
     python -m experiments.routing_replay                    # 4 seeds x 2 arms, ~100 steps
     python -m experiments.routing_replay --first_seed 2 --seeds 2
@@ -7,10 +7,9 @@
     python -m experiments.routing_replay --arms frozen,frozen_replay --seeds 2
 
 The question. In bf16 compute the engine's sampling pass and the trainer's
-forward pick different experts for some tokens (benchmarks/RESULTS.md,
-"MoE routing between the engine and the trainer": 1.8% of sampled tokens
-in a trained 32-expert / top-4 sao_tiny, one flip moving a log-prob by
-0.64). Does that show in training, as ratio tails at lag 0 (where the
+forward pick different experts for some tokens (how many, and what a flip
+does to a log-prob: benchmarks/RESULTS.md#models-and-the-train-step). Does
+that show in training, as ratio tails at lag 0 (where the
 ratio would be 1 but for the two programs' arithmetic) and in final
 pass@1 or collapses, and does `rl.routing_replay` (the trainer uses the
 engine's recorded choices) remove it?
@@ -22,9 +21,8 @@ disagreeing, nothing else) with PPO clip (0.2, 0.28) at actor lr 3e-4 (the
 CPU default's loss), 32 experts / top-4 (`benchmarks/routing_config.py`'s
 model) and bf16 compute over fp32 masters (the pod preset's precision),
 the same SFT start per seed; they differ in `rl.routing_replay` alone.
-(In the async loop at the default queue the lag-0 bucket is empty on this
-box: a first try logged lag ~4.7 and no lag-0 token, so the ratio there
-mixes policy movement with routing.)
+(In the async loop at the default queue the lag-0 bucket is empty, so the
+ratio there mixes policy movement with routing.)
 
 `by_replay` reports per arm: final pass@1 and collapses (the one rule,
 `stats.collapsed`), the paired replay-minus-plain difference (t-interval,
@@ -51,7 +49,7 @@ ARMS = (
                label="bf16 E32 k4, trainer routes itself"),
     runner.Arm("replay", "sao_sync", {**MODEL, "rl.routing_replay": True},
                label="bf16 E32 k4, routing replay"),
-    # The actor's router frozen (issue 62 item 3/4): no version-to-version drift of
+    # The actor's router frozen: no version-to-version drift of
     # the gate, so what is left at lag 0 is the bf16 near-tie flips replay removes.
     runner.Arm("frozen", "sao_sync", {**MODEL, "rl.routing_replay": False,
                                       "rl.actor_frozen": (ROUTER,)},

@@ -134,7 +134,7 @@ from sao_jax.models import precision
 from sao_jax.config import sections
 from sao_jax.models import sharding
 from sao_jax.train import steptime
-from sao_jax.data import weight_transfer
+from sao_jax.transport import weight_transfer
 from sao_jax.data import packing
 from sao_jax.rollout import programs as programs_lib
 

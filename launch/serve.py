@@ -15,7 +15,7 @@ OrchestratorStub(channel).Decode(DecodeRequest(text_content=...))`.
 
 `--api=openai`: `/v1/chat/completions` (with tools, streaming, `n`),
 `/v1/completions` and `/v1/models`, rendered with the run's chat format and
-sampled by the run's engine (sao_jax/rollout/openai_api.py has the routes
+sampled by the run's engine (sao_jax/serving/openai_api.py has the routes
 and fields). `POST /v1/sessions` opens a session and answers its `base_url`
 (point a harness there; any API key unless `--api_key`) and its
 `owner_secret`; every session is recorded token for token, and
@@ -35,11 +35,11 @@ import time
 from absl import flags, logging
 from ml_collections import config_flags
 
+from sao_jax.rollout import loopback
 from sao_jax.train import configuration
 from sao_jax.train import factories
-from sao_jax.data import fleet
 from sao_jax.train import trainer
-from sao_jax.rollout import loopback
+from sao_jax.transport import fleet
 
 # --config files import the repository's `configs` package, which is not
 # installed: this checkout's root joins sys.path, whatever the working directory.
@@ -58,7 +58,7 @@ _PORT = flags.DEFINE_integer("port", 9000, "Port (gRPC or HTTP).")
 _SLOTS = flags.DEFINE_integer("slots", 8, "Concurrent decode slots.")
 _TOKENS_PER_STEP = flags.DEFINE_integer(
     "tokens_per_step", 8, "Tokens per slot per engine decode call (JetStream: per generate "
-    "call; 1: one token a call). See benchmarks/RESULTS.md, serving.")
+    "call; 1: one token a call). Measured: benchmarks/RESULTS.md#serving-endpoint.")
 _IGNORE_EOS = flags.DEFINE_bool(
     "ignore_eos", False, "JetStream, benchmarks only: no stop tokens, every request runs to "
     "max_tokens.")
@@ -99,7 +99,7 @@ def _serve_jetstream(jetstream_bridge, run, engine):
 
 
 def _serve_openai(config, run, engine):
-  from sao_jax.rollout import openai_api  # pylint: disable=g-import-not-at-top
+  from sao_jax.serving import openai_api  # pylint: disable=g-import-not-at-top
   root = fleet.root_of(config, _WORKDIR.value)
   endpoint = openai_api.Endpoint(
       config, engine, run.tok, root, host=_HOST.value, port=_PORT.value,
@@ -126,7 +126,7 @@ def main(argv):
   if _API.value == "jetstream":
     # Imported only here (it needs the jetstream extra), and before the verbosity
     # is set: importing jetstream sets up logging of its own.
-    from sao_jax.rollout import jetstream_bridge as bridge  # pylint: disable=g-import-not-at-top
+    from sao_jax.serving import jetstream_bridge as bridge  # pylint: disable=g-import-not-at-top
   logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value
   run = trainer.load_run(config, _WORKDIR.value)

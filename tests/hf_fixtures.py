@@ -18,7 +18,7 @@ import json
 import os
 import sys
 
-from sao_jax.data import math_problems
+from sao_jax.envs import math_problems
 
 CONTROL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
            "<tool_response>", "</tool_response>", "<think>", "</think>")

@@ -184,7 +184,7 @@ def test_pass_at_1_says_how_many_samples_gave_no_episode(capsys):
   cfg = mcfg.tiny(vocab_size=tok.vocab_size)
   # The tiny run's config with the evaluation this test measures: 4 tasks on
   # 4 slots at temperature 1, turns of 4 tokens in max_len 32, the raw
-  # format, no tool-output cap, the driver's former defaults. Training groups
+  # format, no tool-output cap, swap policy and decode steps fixed. Training groups
   # of 4 (a GRPO arm's) must not multiply evaluation's episodes.
   config = load_config_module("sao_tiny.py").get_config()
   config.eval.update(num_tasks=4, slots=4, temperature=1.0, samples_per_task=1, decode_steps=8)

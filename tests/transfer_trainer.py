@@ -1,4 +1,4 @@
-"""A stand-in trainer process for tests/data/test_weight_transfer.py: one process
+"""A stand-in trainer process for tests/transport/test_weight_transfer.py: one process
 of a `jax.distributed` job (2 CPU devices each) whose params are sharded over
 all processes' devices, serving versions through weight_transfer.WeightServer.
 
@@ -59,7 +59,7 @@ def main(root, process, num_processes, port, nonce):
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   if num_processes > 1:
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes, process)
-  from sao_jax.data import weight_transfer  # pylint: disable=g-import-not-at-top
+  from sao_jax.transport import weight_transfer  # pylint: disable=g-import-not-at-top
   devices = np.array(jax.devices()).reshape(num_processes, -1)  # fsdp across processes
   mesh = Mesh(devices, ("fsdp", "expert"))
   specs = {"embed": P("fsdp", None), "experts": P("expert", None, "fsdp"), "norm": P(),
@@ -94,7 +94,7 @@ def pull(root, delta=False):
   next one."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from sao_jax.data import weight_transfer  # pylint: disable=g-import-not-at-top
+  from sao_jax.transport import weight_transfer  # pylint: disable=g-import-not-at-top
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   abstract = {k: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=device)
               for k, (shape, dtype) in SHAPES.items()}

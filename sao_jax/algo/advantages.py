@@ -10,9 +10,9 @@ action tokens.
 SAO's estimator, `skip_observation_gae`, is one reverse `lax.scan` whose body
 is a handful of fused element-wise ops. The ablation arms are written with a
 generic first-order linear recurrence, `reverse_linear_recurrence`, run
-backwards in time. `benchmarks/gae.py` measures the kernel against rlax (see
-benchmarks/RESULTS.md for what was tried to make it faster, and what did not
-work on CPU).
+backwards in time. `benchmarks/gae.py` measures the kernel against rlax
+(its figures, and what was tried to make it faster on CPU:
+benchmarks/RESULTS.md#kernels).
 """
 
 from __future__ import annotations

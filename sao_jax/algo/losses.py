@@ -244,8 +244,8 @@ def dis_rollout_kl_policy_loss(
   `segment_ids`' segments, whole rows when None). The defaults, k2 with a
   per-sequence mean, are the rollout-KL penalty as SkyRL proposes it; k3
   with a token mean (the `approx_kl` every loss reports) is the variant
-  issue 27's experiments ran (experiments/dis_stability.py's dis_kl arms
-  set it explicitly). With token mean the gradient with respect to logp_t is
+  experiments/dis_stability.py's dis_kl arms run (they set it
+  explicitly). With token mean the gradient with respect to logp_t is
 
       -keep_t r_t A_t / N + beta * mask_t * g_t / N,   g = log r (k2), r - 1 (k3)
 
@@ -477,8 +477,8 @@ def cispo_two_sided_policy_loss(
       w_t = sg(clip(r_t, 1 - eps_low, 1 + eps_high))
       L   = - sum_t mask_t * w_t * A_t * logp_t / N
 
-  What issue 27's experiments ran as "CISPO (0.2, 0.28)" (called `cispo`
-  then; experiments/dis_stability.py's cispo arms). d L / d logp_t =
+  The "CISPO (0.2, 0.28)" of experiments/dis_stability.py's cispo arms.
+  d L / d logp_t =
   -mask_t * w_t * A_t / N.
 
   Returns:

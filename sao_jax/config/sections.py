@@ -44,7 +44,7 @@ from sao_jax.config import import_strings
 # defined here because they are the allowed values of config fields.
 KV_CACHES = ("dense", "paged")
 SWAP_POLICIES = ("recompute", "keep", "drain")
-# How the fleet's weight versions travel (sao_jax/data/weight_transfer.py, fleet.py).
+# How the fleet's weight versions travel (sao_jax/transport/weight_transfer.py, fleet.py).
 WEIGHT_PATHS = ("direct", "checkpoint")
 
 
@@ -487,8 +487,8 @@ class Data(Section):
 class SFT(Section):
   """Supervised warm start on demonstrations (the paper's SFT baseline)."""
   NAME: ClassVar[str] = "sft"
-  steps: int = knob(200, "200 steps leave the tiny model at ~50% pass@1 on python_tool: "
-                    "headroom for RL (300 steps reach ~90%).", integer(0))
+  steps: int = knob(200, "SFT steps. The default leaves the tiny model headroom for RL on "
+                    "python_tool (benchmarks/RESULTS.md#learning-on-cpu).", integer(0))
   batch_size: int = knob(32, "Packed rows per SFT step.", integer(1))
   lr: float = knob(3e-3, "Peak learning rate (warmup, then cosine decay).", real(0, above=True))
   warmup: int = knob(20, "Linear warmup steps.", integer(0))
@@ -496,8 +496,7 @@ class SFT(Section):
       0.0, "Stop SFT early, at the first step where the mean training NLL of the last "
       "`stop_window` steps is at or below this (0: off, every one of `steps` runs; the lr "
       "schedule's horizon stays `steps`). For warm starts that land alike across seeds "
-      "whose speed of learning differs (benchmarks/RESULTS.md, \"math_tool that learns on "
-      "CPU\").", real(0))
+      "whose speed of learning differs (benchmarks/RESULTS.md#learning-on-cpu).", real(0))
   stop_window: int = knob(25, "The steps whose mean NLL `stop_at_nll` compares.", integer(1))
   init_from_hf: str = knob("", "A Hugging Face safetensors SFT checkpoint to start from "
                            "instead of SFT.", STRING)
@@ -544,8 +543,8 @@ class Rollout(Section):
   kv_cache: str = knob(
       "dense", "The engine's KV cache: \"dense\" (every slot owns max_len positions) or "
       "\"paged\" (a pool of fixed-size pages the slots share; admission waits for free "
-      "pages; sao_jax/rollout/kv_cache.py, \"Paged\"). benchmarks/RESULTS.md, \"Paged "
-      "KV cache\", has the measurement.", one_of(KV_CACHES))
+      "pages; sao_jax/rollout/kv_cache.py, \"Paged\"). Measured: "
+      "benchmarks/RESULTS.md#rollout-engine.", one_of(KV_CACHES))
   page_size: int = knob(16, "Positions a page holds (paged); must divide max_len.",
                         integer(1))
   kv_pages: int = knob(
@@ -569,13 +568,13 @@ class Rollout(Section):
   samples_per_prompt: int = knob(1, "1 for SAO; G >= 2 for the GRPO arms.", integer(1))
   decode_steps: int = knob(
       1, "Decode steps per engine call (a jitted loop with per-slot stops; 1: one token "
-      "per call). benchmarks/RESULTS.md has the measurement.", integer(1))
+      "per call). Measured: benchmarks/RESULTS.md#rollout-engine.", integer(1))
   swap_policy: str = knob(
       "recompute", "In-flight slots at a weight swap: recompute, keep or drain. \"keep\" "
       "(the caches stay; every recorded log-prob is still the exact probability its token "
       "was sampled with) costs the least per swap, but lets the rollout run further ahead "
-      "of training (more policy lag): benchmarks/RESULTS.md, \"The main job with the faster "
-      "rollout defaults\", has what each policy did to the CPU main job.",
+      "of training (more policy lag). What each policy does to the CPU main job: "
+      "benchmarks/RESULTS.md#rollout-engine.",
       one_of(SWAP_POLICIES))
   env_workers: int = knob(4, "Environment worker threads (sandbox processes run in "
                           "parallel).", integer(1))
@@ -643,10 +642,9 @@ class RL(Section):
                         "group, running_mean.", one_of(_estimators))
   policy_loss: str = knob(
       "dis", "A loss of sao_jax/algo/losses.py: dis (the paper's) or ppo_clip; DIS's variants "
-      "(issue 27) dis_rollout_kl, dis_corrective, dis_seq_geo, cispo (MiniMax-M1's: upper "
-      "clip only), cispo_two_sided. Measured at tiny scale "
-      "(experiments/README.md): SAO with DIS collapsed in 3 of 10 runs, SAO with PPO clip in "
-      "0 of 5.", one_of(_policy_losses))
+      "dis_rollout_kl, dis_corrective, dis_seq_geo, cispo (MiniMax-M1's: upper clip only), "
+      "cispo_two_sided. How often each collapses under lag: experiments/README.md.",
+      one_of(_policy_losses))
   eps_low: float = knob(0.2, "Ratio window's lower width: 1 - eps_low (0.2 / 0.28: this "
                         "project's choice; the paper gives no values).",
                         unit_interval(open_low=True, open_high=True))
@@ -655,12 +653,14 @@ class RL(Section):
                                 "divergence from the rollout policy.", real(0))
   rollout_kl_estimator: str = knob(
       "k2", "dis_rollout_kl: the per-token KL estimator, k2 = 0.5 (log r)^2 (SkyRL's "
-      "proposal) or k3 = r - 1 - log r (what issue 27's dis_kl arms ran).",
+      "proposal) or k3 = r - 1 - log r (what experiments/dis_stability.py's dis_kl arms "
+      "run).",
       one_of(_rollout_kl_estimators))
   rollout_kl_reduction: str = knob(
       "sequence", "dis_rollout_kl: the penalty's mean, \"sequence\" (each sequence's token "
       "mean, then the mean over sequences: SkyRL's proposal) or \"token\" (over the batch's "
-      "action tokens: what issue 27's dis_kl arms ran).", one_of(_rollout_kl_reductions))
+      "action tokens: what experiments/dis_stability.py's dis_kl arms run).",
+      one_of(_rollout_kl_reductions))
   corrective_side: str = knob(
       "low", "dis_corrective: which out-of-window corrective tokens it keeps, \"low\" (A > 0 "
       "below the window; their weight r < 1 - eps_low is bounded) or \"high\" (A < 0 above "
@@ -694,8 +694,8 @@ class RL(Section):
       False, "Routing replay: the rollout engine records the MoE experts it chose for every "
       "token it fed, trajectories carry them (int16 [T, M, k]; one without is refused as "
       "missing_routing) and the actor's forward uses them instead of its own top-k, so the "
-      "trainer's log-probs are those of the engine's routing (benchmarks/RESULTS.md, \"MoE "
-      "routing between the engine and the trainer\"). MoE models, the project's engine.",
+      "trainer's log-probs are those of the engine's routing "
+      "(benchmarks/RESULTS.md#models-and-the-train-step). MoE models, the project's engine.",
       BOOL)
   sync_every: int = knob(1, "Push params to the rollout engine every this many actor "
                          "updates.", integer(1))
@@ -740,8 +740,8 @@ class RL(Section):
 @dataclasses.dataclass(frozen=True)
 class Fleet(Section):
   """rl.mode = "fleet": rollout processes (launch/rollout.py) apart from the
-  trainer, trajectories and weights through shared storage (sao_jax/data/fleet.py),
-  weights over the network on the direct path (sao_jax/data/weight_transfer.py)."""
+  trainer, trajectories and weights through shared storage (sao_jax/transport/fleet.py),
+  weights over the network on the direct path (sao_jax/transport/weight_transfer.py)."""
   NAME: ClassVar[str] = "fleet"
   root: str = knob("", "The shared directory (local, NFS, a gcsfuse mount); \"\": "
                    "<workdir>/fleet.", Check(lambda v: isinstance(v, str),
@@ -763,7 +763,7 @@ class Fleet(Section):
   weights_path: str = knob(
       "direct", "How versions reach the rollouts: \"direct\", each trainer process serves "
       "its shards and each rollout pulls them into its devices over the network "
-      "(sao_jax/data/weight_transfer.py), checkpoints as bootstrap and fallback; \"checkpoint\", "
+      "(sao_jax/transport/weight_transfer.py), checkpoints as bootstrap and fallback; \"checkpoint\", "
       "every version as an orbax checkpoint under <root>/weights. Direct falls back to "
       "checkpoint (counted, logged) where jax.experimental.transfer is unavailable.",
       one_of(WEIGHT_PATHS))
@@ -781,12 +781,12 @@ class Fleet(Section):
                                integer(1, 64))
   delta_versions: bool = knob(
       False, "On the direct path, each version is also offered as its delta from the one "
-      "before (the bf16 elements that changed, sao_jax/data/weight_delta.py) and a rollout "
+      "before (the bf16 elements that changed, sao_jax/transport/weight_delta.py) and a rollout "
       "holding that one pulls only the delta, checked by a checksum per piece (a mismatch: "
       "counted, the version pulled whole). Costs a rollout one more copy of a version on its "
       "devices (the held version's pieces) and the trainer an encode per version; off by "
-      "default: on CPU loopback a delta version took longer than a whole one (the encode "
-      "outweighs the bytes saved; benchmarks/RESULTS.md, delta versions). Turn it on where "
+      "default: on CPU loopback the encode outweighs the bytes saved "
+      "(benchmarks/RESULTS.md#fleet-and-weight-sync). Turn it on where "
       "the link between trainer and rollout hosts is the bottleneck.", BOOL)
 
   def check_together(self):

@@ -33,12 +33,11 @@ sample is gathered inside one jitted program from the params where they
 lie: on a sharded leaf each device reads the sampled elements it holds and
 an all-reduce of SAMPLES integers per leaf assembles them (the operand is
 never gathered; tests/data/test_identity.py checks the compiled program).
-For Qwen3.5-35B-A3B's 88 leaves (64.6 GiB in bf16) the program returns
-11,968 bytes, and XLA:CPU compiles it over 8 devices with one combined
-all-reduce, no all-gather and 11 KiB of temporaries a device
-(benchmarks/identity.py). The positions depend only on shapes, so any
-layout of the same values (the trainer's sharding, an engine's, host
-numpy) gives the same fingerprint.
+Its output and its all-reduce grow with the number of leaves, not their
+size; what it costs at Qwen3.5-35B-A3B's size (benchmarks/identity.py):
+benchmarks/RESULTS.md#fleet-and-weight-sync. The positions depend only on
+shapes, so any layout of the same values (the trainer's sharding, an
+engine's, host numpy) gives the same fingerprint.
 It names params, it does not authenticate them: two param sets that agree
 on every sampled element share a fingerprint.
 """

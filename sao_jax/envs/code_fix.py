@@ -16,34 +16,17 @@ constant). Actions, one per turn:
     action:  "submit"            -> reward 1
 
 The tests run in the sandbox every time (the agent's code is untrusted).
+Verification is out of the agent's reach: the sandboxed harness only calls
+`f` on the test inputs and prints the results as one JSON line; the wanted
+values never enter the sandbox; the trainer parses that line strictly
+(`_parse_record`) and compares exact ints itself; and `submit` also tests
+`hidden_cases` inputs drawn afresh for every submission, whose wanted
+values are computed only after the sandbox has exited. `run` checks the
+shown inputs only: `>fail f(1)=4 want 5`, `>pass 3/3`; a run whose output
+is no record shows `>error: output ...` or `>error: no test result`, a
+crash its error line.
 
-Verification is out of the agent's reach. The sandboxed program is the
-agent's code between the definition and the call of a harness that only
-*calls* `f` on the test inputs and prints the results as one JSON line
-(exact ints as numbers, anything else as its `ascii()`, for the log); the
-wanted values never enter the sandbox. The trainer parses that line strictly
-(`_parse_record`: one well-formed line, a list of exactly one entry per
-input, each an exact `int` or a short string; no bools, floats, NaN, nesting
-or extra output) and compares the ints itself. So objects with rigged
-`__eq__`/`__ne__`, int subclasses, floats or bools that compare equal,
-patched `print`, `json`, `sys.stdout` or builtins, and anything read from
-the harness's memory gain nothing: the comparison runs in the trainer on
-plain ints.
-
-The agent's code runs in the same process as the harness and can print
-anything, or rewrite the harness, so a forged record is always possible.
-Forging is made pointless instead of impossible: `submit` also tests
-`hidden_cases` inputs drawn afresh (from the OS's random source) for every
-submission, and their wanted values are only computed, trainer-side, after
-the sandbox has exited. A record that passes must hold the right ints for
-inputs the agent's code learns only while it runs; code that produces them
-has fixed `f`, however it prints them. A lookup table of the shown tests'
-wanted values (which `run` reveals) fails the same way. What tampering with
-the harness can still do is relabel right values of the wrong type (a float
-7.0 reported as 7): not a way to reward without a fix. `run` checks the
-shown inputs only, so its observations keep their format:
-`>fail f(1)=4 want 5`, `>pass 3/3`; a run whose output is no record shows
-`>error: output ...` or `>error: no test result`, a crash its error line.
+Why a forged record gains nothing: docs/design/graders.md.
 """
 
 from __future__ import annotations
@@ -96,8 +79,8 @@ def _render(lines: list[str]) -> str:
 
 
 # Defined before the agent's code, called after it. It only calls `f` and
-# prints what came back; nothing it prints is trusted (see the module
-# docstring), so it needs no protection for the reward's sake. It binds the
+# prints what came back; nothing it prints is trusted (the module
+# docstring; docs/design/graders.md), so it needs no protection for the reward's sake. It binds the
 # builtins it uses when it is defined, so that code which shadows or patches
 # them (`type`, `ascii`, `sys.stdout`) cannot relabel a float as an int by
 # accident or by a simple patch. It writes the JSON by hand: after the

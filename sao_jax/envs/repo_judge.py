@@ -14,62 +14,43 @@ the sandbox's supervisor reports, is the verdict:
     12 (UNPROTECTED) before any repository code ran: the judge could not make
                      itself undumpable or read its job (the grader retries)
 
-Any other status (a signal, say) is no verdict, scored 0. Only the judge
-decides, after the tests' assertions ran in its own process on plain data;
-nothing the repository's code prints, writes or exits with is read.
+Any other status (a signal, say) is no verdict, scored 0. Nothing the
+repository's code prints, writes or exits with is read.
 
 What happens, in order (the repository's code runs from step 4 on):
 
-  1. It ignores SIGINT and makes itself not dumpable (PR_SET_DUMPABLE 0): a
-     process without capabilities, even of its uid, can then neither ptrace
-     it nor read or write its memory. No secret exists to steal; this keeps
-     the hidden tests' expected values, which live only here, unread.
-  2. It reads its job, .sao_grader/job.json (the hidden test modules' text,
-     their names, the number of tests, the repository's top-level names as
-     the task shipped them), and deletes it.
-  3. It starts the *server*, the repository's process: this file again, run
-     as `python3 -I -S -B -X pycache_prefix=/nonexistent ... serve FD` in
-     /repo (exec'd: nothing of the judge's memory is in it), its requests on
-     stdin, its replies on one more pipe, its output to /dev/null, no other
-     descriptor. The server imports only the modules at the top of this
-     file; the judge's own (unittest, ...) are imported where they are used,
-     while the server starts. Every module either imports comes from the
-     read-only system library: -I -S put no other directory on sys.path.
-  4. It loads the hidden test modules from their text behind an import hook
-     in front of every other (`_Finder`): a hidden module's name loads its
-     text here; a name under one of the repository's top-level names (not a
-     standard module's) is a proxy (`_RemoteModule`) of that module in the
-     server; anything else is the standard library. Then unittest runs the
-     tests here, and every use of the repository's code (import, getattr,
-     call, bool, len, iter, next, str, getitem, contains) is one request.
-  5. It writes a short report to stdout and exits with the verdict.
+  1. the judge makes itself not dumpable (and ignores SIGINT);
+  2. it reads its job, .sao_grader/job.json (the hidden test modules' text,
+     their names, the number of tests, the repository's top-level names),
+     and deletes it;
+  3. it starts the *server*, the repository's process: this file again
+     (`... serve FD`, exec'd in /repo), requests on stdin, replies on one
+     more pipe, output to /dev/null;
+  4. it loads the hidden test modules behind an import hook (`_Finder`):
+     the repository's modules are proxies (`_RemoteModule`) of the server's,
+     and unittest runs the tests here, every use of the repository's code
+     one request;
+  5. it writes a short report to stdout and exits with the verdict.
 
 Values cross the pipes as tagged JSON (`encode` / `decode`, both ends): null,
 booleans, numbers and strings as themselves, ["float", "nan" | "inf" |
 "-inf"], ["list" | "tuple" | "set" | "frozenset", item, ...], ["dict",
 [key, value], ...], and ["ref", id, type name] for any other object, which
-stays in the server (`Remote`: its uses are requests too). Types are matched
-exactly, so the judge compares the standard library's values with `==` in
-its own process: an object whose `__eq__` says yes is a ref, and a ref equals
-only itself. A failure raised by the repository's code comes back as the
-nearest built-in exception class in its MRO, with its message (a
-`ValueError` subclass is a `ValueError`). A reply that is not one (garbage, a
-wrong sequence number, over `MAX_REPLY` bytes, no reply at all) breaks the
-server: that and every later request raise `RepositoryError`.
+stays in the server (`Remote`). Types are matched exactly; a ref equals only
+itself. A failure raised by the repository's code comes back as the nearest
+built-in exception class in its MRO, with its message. A reply that is not
+one (garbage, a wrong sequence number, over `MAX_REPLY` bytes, none) breaks
+the server: that and every later request raise `RepositoryError`.
 
-So the repository's process can answer requests, and nothing else: to pass,
-it must give, for the inputs the tests choose, the values the tests expect,
-which it never sees. What it cannot be kept from: inputs the tests pass to
-its functions (a test that hands it the expected value trusts it with that
-value), and deciding the behaviour of its own objects (`__bool__`,
-`__len__`, ...). What is not supported (the test errors, the row scores 0):
-passing the test's own functions or objects to the repository's code,
-in-place changes to arguments (a call gets copies), and classes of the
-repository's used as types on the test's side (`assertRaises(repo.Error)`,
-`isinstance(x, repo.Thing)`).
+Not supported (the test errors, the row scores 0): passing the test's own
+functions or objects to the repository's code, in-place changes to
+arguments (a call gets copies), and the repository's classes used as types
+on the test's side (`assertRaises(repo.Error)`, `isinstance(x, repo.Thing)`).
 
 The standard library only, and no sao_jax: the file runs on its own in the
-sandbox's system Python. Importing it runs nothing.
+sandbox's system Python. Importing it runs nothing. Why it is built this
+way, and what the repository's process can and cannot do:
+docs/design/graders.md.
 """
 
 import builtins

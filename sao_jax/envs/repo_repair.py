@@ -5,7 +5,7 @@
     env.kwargs = {"path": "my_tasks.jsonl", "heldout_path": "my_heldout.jsonl",
                   "max_turns": 30}                                     # optional
 
-A task (`sao_jax.data.repo_tasks`: a row names a repository snapshot, a
+A task (`sao_jax.envs.repo_tasks`: a row names a repository snapshot, a
 problem statement, a test command and hidden tests) becomes a system
 message, a user message with the problem, the test command and the file
 list, and five tools in the chat format's tool calls:
@@ -16,72 +16,39 @@ list, and five tools in the chat format's tool calls:
     create(path, content)          write a file (made or replaced)
     submit()                       end the episode; the hidden tests decide
 
-Each episode works on a private copy of the task's starting tree (the
-snapshot with the row's `setup_files`; never its hidden tests). `bash` runs
-in `sandbox.run_shell` with that copy bind-mounted read-write at /repo and
-the system directories read-only: no network, the rlimits, a wall clock,
-and every process it started is dead when the call returns. The edit tools
-run here, in the trainer-side process, on the copy, confined to it: a path
-is relative to /repo, or absolute under /repo; anything that resolves
-outside the copy (`..`, an absolute path elsewhere, a symlink out) is an
-error answer, counted ("path_refused"); so is a file that is not a regular
-file or is too large. Outputs are capped at `max_output_chars` (a cut is
-counted, "output_truncated"); a command killed at the wall clock is counted
-("bash_timeout"); a call with wrong arguments ("tool_bad_arguments") or
-malformed JSON ("tool_error", as in every tool environment) gets an error
-answer and the episode goes on. The copy and the shell's /tmp together are
-held to `max_tree_files` / `max_tree_bytes` while a command runs (the
-sandbox's disk limits): a write past them fails, and the answer says so,
-counted ("bash_disk_limit"). After every step the copy's size is checked:
-past the limits the episode ends unfixed ("tree_too_large").
+Each episode works on a private copy of the task's starting tree (never its
+hidden tests). `bash` runs in `sandbox.run_shell` with the copy at /repo;
+the edit tools run trainer-side, confined to the copy. Refusals and limits
+are error answers, counted ("path_refused", "output_truncated",
+"bash_timeout", "tool_bad_arguments", "tool_error", "bash_disk_limit"), and
+the episode goes on; a copy past `max_tree_files` / `max_tree_bytes` after
+a step ends it unfixed ("tree_too_large").
 
 Reward, once the policy submits or runs out of turns (`max_turns`), from a
-verdict that nothing in the candidate's tree or processes can forge:
+verdict nothing in the candidate's tree or processes can forge:
 
-    1. the final tree is copied (regular files, directories and symlinks as
-       links; nothing followed) into a fresh directory; the candidate's
-       processes are already dead (each bash call's sandbox saw to that);
-    2. the harness is the grader's: anything under the hidden tests'
-       directories that differs from the task's starting tree (a file
-       added, changed or removed, a link) ends grading, verdict
-       "tests_edited" (counted); the task says not to change tests;
-    3. what the import system would prefer to the sources, unless the task
-       ships it, is removed (counted once, "untracked_code_removed"):
-       `__pycache__` and *.pyc / *.pyo caches (an unchecked-hash .pyc is
-       never compared with its source), extension modules (*.so, *.pyd),
-       *.pth, sitecustomize.py, usercustomize.py, conftest.py, and
-       top-level modules named like a standard one (unittest.py);
-    4. with `test_modules` (the generated rows) a fresh sandbox runs
-       `sao_jax/envs/repo_judge.py` (its docstring has the protocol): the
-       judge holds the hidden tests in its own process, not dumpable, and
-       never on disk where the repository's code runs; it runs them with
-       unittest against proxies of the repository's modules, whose code
-       runs in a second process, the server, that answers each call with
-       plain data (tagged JSON, exact types). The assertions run in the
-       judge on those values, and the verdict is the judge's exit status,
-       which the sandbox's supervisor reports: no secret, no verdict line,
-       nothing the repository's code prints, writes or exits with. An
-       `os._exit(0)`, a patched unittest, a forged reply or killing the
-       judge gains nothing: the server can only answer with values, and
-       only the right values for inputs it sees one at a time pass. The
-       hidden tests' non-Python files (data) are written into the copy.
-    5. without `test_modules` (a user's SWE-bench-style rows) the hidden
-       tests are written into the copy and the verdict is the exit status
-       of `test_command`, which the repository's code can forge (an
-       `os._exit(0)` at import): the environment's start-up report counts
-       such rows. Give rows `test_modules` for the guarantee.
+    1. the final tree is copied (nothing followed) into a fresh directory;
+    2. hidden tests' directories changed from the starting tree: verdict
+       "tests_edited";
+    3. what the import system would prefer to the sources (caches,
+       extension modules, *.pth, sitecustomize.py, conftest.py, modules
+       named like standard ones) is removed unless the task ships it;
+    4. with `test_modules`, a fresh sandbox runs the judge
+       (sao_jax/envs/repo_judge.py), whose exit status is the verdict;
+    5. without `test_modules` (a user's SWE-bench-style rows) the verdict
+       is `test_command`'s exit status, which the repository's code can
+       forge: give rows `test_modules` for the guarantee.
 
 Reward 1.0 iff the verdict is "passed". `info["verdict"]`: "passed",
 "failed", "error" (no verdict: the judge was killed, the tests crashed),
 "timeout", "tree_too_large" or "tests_edited". A grader that could not run
-(the sandbox did not start, its mounts failed, the judge could not make
-itself undumpable) is retried and then raises `GraderError`: the driver runs
-the episode again instead of scoring it. docs/DESIGN.md ("The repo_repair
-grader's threat model") says what this guarantees and what it does not.
+is retried and then raises `GraderError`: the driver runs the episode again
+instead of scoring it.
 
 Not SWE-Bench Verified: no Docker images, so a task's environment is the
-machine's /usr (its Python, without site-packages in grading), and the
-shipped tasks are generated bugs in a small corpus (README, "Coding agent").
+machine's /usr (its Python, without site-packages in grading). Why each
+step, and the threat model: docs/design/graders.md and docs/DESIGN.md ("The
+repo_repair grader's threat model").
 """
 
 from __future__ import annotations
@@ -100,9 +67,9 @@ import threading
 import weakref
 from typing import Any
 
-from sao_jax.data import repo_tasks
 from sao_jax.data.prompts import EVAL_OFFSET
 from sao_jax.envs import repo_judge, sandbox
+from sao_jax.envs import repo_tasks
 from sao_jax.envs.base import GraderError, StepResult, Task
 from sao_jax.envs.dataset import ToolBudget, ToolMeter, answer_tool_calls
 from sao_jax.envs.sandbox import SandboxLimits, Workspace
@@ -149,7 +116,7 @@ _ARTIFACT_SUFFIXES = (".pyc", ".pyo", ".so", ".pyd", ".pth")
 
 @dataclasses.dataclass(frozen=True)
 class RepoRepairConfig:
-  # Task rows (sao_jax.data.repo_tasks); defaults: the shipped generated sets.
+  # Task rows (sao_jax.envs.repo_tasks); defaults: the shipped generated sets.
   path: str = repo_tasks.SHIPPED_TRAIN
   heldout_path: str = repo_tasks.SHIPPED_HELDOUT
   system_prompt: str = SYSTEM_PROMPT

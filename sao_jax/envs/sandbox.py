@@ -1,134 +1,44 @@
-"""A sandbox for model-written Python: a separate, limited, isolated process tree.
+"""A sandbox for model-written code: a separate, limited, isolated process tree.
 
-`run_python(code, limits)` runs `code` with `python -I -S`, an empty
-environment and a fresh private temporary directory, and returns its
-(truncated) output once every process the code started is gone. Model code
-is untrusted: it may loop, fork, daemonize, fill memory, open sockets, read
-files, or signal any process it can reach.
+Model code is untrusted: it may loop, fork, daemonize, fill memory, open
+sockets, read files, or signal any process it can reach.
+`run_python(code, limits)` runs Python (`python -I -S`, an empty
+environment, a fresh private temporary directory as its `/`) and
+`run_shell(command, Workspace(directory))` runs `/bin/sh` over a workspace
+(the repo_repair environment's bash tool); each returns a `SandboxResult`
+with the (truncated) output once every process the call started is gone.
+The process code is in sandbox_runner.py, the disk limits in
+sandbox_disk.py.
 
-Three processes take part, all from one `python -I -S` that the trainer
-starts (the trainer itself never forks: it runs threads), their code in
-sandbox_runner.py:
+Contract:
 
-* the supervisor makes itself a child subreaper, enters new network and IPC
-  namespaces, unshares a PID namespace, forks, enforces the wall-clock limit
-  and, at the end, makes sure nothing is left;
-* its child is PID 1 of that PID namespace: a tiny init that forks the
-  model process and reaps every orphan in the namespace;
-* the model process chroots into the temporary directory, drops to a uid of
-  its own, sets the resource limits and runs the code.
+* Isolation is reported, never assumed: `isolation()` (and
+  `shell_isolation()`, `disk_limits()`) name the measures that apply here
+  ("netns", "ipcns", "chroot", "uid_pool", "pidns", "subreaper", "userns",
+  "mounts", "tmpfs" / "disk_watchdog"), every `SandboxResult.isolation`
+  repeats them, and `check_isolation` refuses (RuntimeError) where
+  network, filesystem, user or process-cleanup isolation is missing unless
+  explicitly allowed; `registry.make_env` calls it for the environments
+  that run code.
+* Nothing outlives a call: the model's processes are torn down with their
+  PID namespace (or, where that is refused, killed by uid and confirmed
+  gone in /proc), and the wall-clock limit kills the whole tree.
+* `SandboxLimits` checks every field when made: no field has a "no limit"
+  value, none exceeds what the machine has, and a limit the system refuses
+  to set is an error (RuntimeError), never a call run without it.
+* Concurrent calls run under different uids leased from `UidPool`
+  (`DEFAULT_UIDS`, `set_uid_range`, or `SAO_SANDBOX_UIDS=first-last`); a
+  uid whose processes were not confirmed gone is quarantined, never reused.
+* A shell is never run unconfined: where mount namespaces are refused it is
+  not run and the result says why (`mount_error`), unless
+  `SandboxLimits(isolate=False)`. Its workspace and /tmp together hold at
+  most `max_disk_bytes` and `max_disk_files`; a call that hit them is not
+  `ok` (`SandboxResult.disk_limit`).
+* Output is truncated to `limits.max_output_chars`; whatever happened
+  (exception, limit hit, timeout) comes back as text for the observation.
 
-The measures, and the name `isolation()` reports for each:
-
-* "netns": a new, empty network namespace (no interfaces but a down
-  loopback): no network at all. "ipcns": a new IPC namespace, so no SysV
-  shared memory or message queues of anyone else's.
-* "chroot": the temporary directory is the model's `/`; the trainer's files
-  are not visible. Modules the supervisor imported (`math`, `socket`,
-  `signal`, `ctypes`, ...) stay importable; nothing else is.
-* "uid_pool" (root): a uid of its own per concurrent call, leased from a
-  pool, `DEFAULT_UIDS` = 60160-61183 (change it with `set_uid_range` or the
-  environment variable `SAO_SANDBOX_UIDS=first-last`). The range lies above
-  ordinary users (UID_MAX 60000), below systemd's dynamic users
-  (61184-65519) and under 65536, which containers that map 64K uids have;
-  uids in /etc/passwd or not mapped in the trainer's user namespace are
-  skipped. Calls with different uids cannot signal or ptrace each other, and
-  RLIMIT_NPROC, which counts per uid, binds each call on its own: one call's
-  fork bomb (or its zombies) cannot make the next one's forks fail. An
-  exclusive flock per uid in /run/sao_sandbox_uids (else /tmp/...) keeps
-  other processes using the pool (another trainer, test workers) off a uid
-  while it is leased.
-* "pidns": the model's processes live in their own PID namespace. They see
-  and can signal only each other (`kill(-1)` reaches nothing outside), and
-  when the namespace's init exits the kernel SIGKILLs everything left in it
-  and waits until all of it is gone before the init can be reaped.
-* "subreaper": PR_SET_CHILD_SUBREAPER on the supervisor: every orphan of the
-  model's process tree (a double fork, a `setsid()` daemon) is reparented to
-  the supervisor instead of the system's init, so it stays findable and the
-  supervisor reaps it.
-* "userns" (not root, where the kernel allows unprivileged user
-  namespaces): the supervisor first enters a new user namespace, which makes
-  the network, IPC and PID namespaces and the chroot possible without root.
-  The model process then drops every capability (bounding set and capset)
-  and sets no_new_privs, and the supervisor and init are not dumpable (not
-  ptrace-able). The model runs under the trainer's uid as far as the kernel
-  outside is concerned, but sees none of its processes or files, and
-  RLIMIT_NPROC counts within the user namespace.
-
-Why a PID namespace first: it is the only cleanup that needs no search and
-has no race. Killing a process group misses `setsid()`/`setpgid()`;
-scanning /proc for descendants races with forks; but the kernel's teardown
-of a PID namespace kills every member and is complete before its init can be
-reaped, whatever the members did. It also confines `kill(-1)`. It needs
-CAP_SYS_ADMIN (root, or a user namespace), so the subreaper is the fallback
-where it is refused (a container without CAP_SYS_ADMIN, say): as root the
-supervisor then takes the call's uid (`setresuid(uid, uid, 0)`, so the
-kernel's permission check restricts the signal to that uid) and sends
-`kill(-1, SIGKILL)`, which hits every process of the uid at once (a process
-with a pending SIGKILL cannot fork), reaps until it has no children, and
-confirms in /proc that no process of the uid is left; without root it kills
-the children it finds in /proc and reaps, until none remain. The uid pool is
-needed with either: RLIMIT_NPROC only binds a non-root uid, and it is a
-second wall between concurrent calls. The trainer does not become the
-subreaper itself: it would have to reap with waitpid(-1), taking exit
-statuses from every other subprocess user in the process.
-
-A leased uid goes back to the pool only after the supervisor reported that
-none of its processes is left; otherwise (the supervisor was killed, say)
-it is quarantined: kept locked, never reused. The supervisor enforces the
-wall-clock limit (SIGKILL to the init, which takes the namespace down); the
-trainer waits for the supervisor's exit on a pidfd (no polling delay) and,
-should it hang past a grace period, kills its process group and every
-process of the uid itself.
-
-Resource limits, set in the model process: CPU seconds (RLIMIT_CPU; a
-forked child gets an allowance of its own, but the wall-clock kill ends the
-whole tree), address space (RLIMIT_AS), the size of any file it writes
-(RLIMIT_FSIZE; its output goes to a file, so this caps output too), open
-files (RLIMIT_NOFILE) and processes (RLIMIT_NPROC). A limit the system
-refuses to set is an error (RuntimeError, naming it), never a call run
-without it. `SandboxLimits` checks every field when it is made (`validate`:
-one line naming the field, its value and the range): none has a "no
-limit" value, and none may exceed what this machine has (its memory, the
-trainer's hard rlimits, which a call that dropped its privileges cannot
-raise).
-
-Which measures applied is reported by `isolation()` and in every
-`SandboxResult.isolation`; none is silently assumed.
-`check_isolation(allow_unisolated)` logs them and refuses (RuntimeError)
-where network, filesystem, user or process-cleanup isolation is missing,
-unless explicitly allowed; `registry.make_env` calls it for the
-environments that run code. Root on Linux gives every measure; without
-root, unprivileged user namespaces give all but a uid of its own; without
-either, only the rlimits, the subreaper cleanup and the wall-clock kill
-apply, and the code runs as the trainer's user.
-
-Shell commands (`run_shell(command, Workspace(directory))`, the repo_repair
-environment's bash tool) run `/bin/sh` under the same measures, with one
-more: "mounts". The supervisor also enters a new mount namespace (private
-propagation first, so nothing reaches the trainer's), bind-mounts the system
-directories read-only into the chroot and the workspace directory read-write
-at its `path`, which is the shell's working directory; the mounts vanish with
-the namespace. Where mount namespaces are refused the command is not run
-(never unconfined): the result says why (`mount_error`), and
-`check_isolation(shell=True)` refuses to start such a run unless allowed
-(`SandboxLimits(isolate=False)` then runs shells in the directory itself,
-unisolated). A shell's stderr goes to its output, interleaved as written.
-
-A shell's disk limits hold while it runs (sandbox_disk.py): its workspace
-and its /tmp together hold at most `max_disk_bytes` (allocated) and
-`max_disk_files` entries. Where the supervisor may mount a tmpfs (root, or
-a user namespace; reported as "tmpfs") the workspace is copied onto one of
-that size and inode count and copied back after the call, so a write past
-the limit fails at once (ENOSPC) and the host's disk never gets more;
-elsewhere ("disk_watchdog": mounts refused, `isolate=False`) the supervisor
-measures the directories every 10 ms and kills the call past a limit, and
-RLIMIT_FSIZE bounds each file. A call that ended at the limit is not `ok`:
-`SandboxResult.disk_limit`, and its error says so. `check_isolation(shell=True)`
-logs which of the two holds on this machine (`disk_limits()`).
-
-Output is truncated to `limits.max_output_chars`, and whatever happened
-(exception, limit hit, timeout) comes back as text for the observation.
+How the three processes, the measures and the cleanup work, and why:
+docs/design/sandbox.md.
 """
 
 from __future__ import annotations
@@ -149,7 +59,7 @@ import tempfile
 import threading
 import time
 
-# The supervisor, init and model process (see the module docstring) are one
+# The supervisor, init and model process (docs/design/sandbox.md) are one
 # script, sandbox_runner.py next to this file, run by `python -I -S -c` with a
 # last line `exec(*main({...}))` added (see that file's docstring).
 _RUNNER_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_runner.py")
@@ -166,7 +76,7 @@ def _runner() -> str:
       texts.append(f.read())
   return "\n".join(texts)
 
-# Default uid range of the pool (inclusive); see the module docstring.
+# Default uid range of the pool (inclusive); docs/design/sandbox.md says why this one.
 DEFAULT_UIDS = (60160, 61183)
 # How long the trainer waits beyond the wall-clock limit for the supervisor,
 # which enforces that limit itself, before it kills it.

@@ -5,8 +5,8 @@ sandbox_disk.py's (a shell's disk limits: `mount_disk`, `disk_watchdog`,
 `finish_disk`), then one line, `exec(*main({...}))`, the call's settings as
 a dict literal (the limits, the uid, the report pipe's fd, the shell's
 binds, ...), in the call's fresh temporary directory, with an empty
-environment. `main` sets up the isolation and forks (see sandbox.py's
-docstring for the three processes); the supervisor and the init always
+environment. `main` sets up the isolation and forks (docs/design/sandbox.md
+describes the three processes); the supervisor and the init always
 leave through os._exit, so only the model process returns from it, with the
 model code compiled and fresh globals, and the `exec` runs it at the top
 level of the script, where exceptions, sys.exit, threads and atexit behave

@@ -83,8 +83,8 @@ _INTEGER = re.compile(r"[+-]?[0-9]{1,1000}")
 _GROUPED = re.compile(r"[+-]?[0-9]{1,3}(?:(?:\\[,;:! ]|\{,\}|~)[0-9]{3})+")
 _GROUP_MARKS = re.compile(r"\\[,;:! ]|\{,\}|~")
 # Brackets ((), [], {}) nested deeper than this are not handed to
-# math-verify: its parse grows steeply with nesting (20 levels took 2.7-4.1 s,
-# 40 hit a 5 s timeout and cost a worker restart), and no answer needs it.
+# math-verify: its parse time grows steeply with nesting, past a worker's
+# timeout (a worker restart) at depths far above what any answer needs.
 MAX_NESTING = 10
 
 

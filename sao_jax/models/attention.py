@@ -86,8 +86,7 @@ def decode_attention(q: Array, k: Array, v: Array, visible: Array) -> Array:
   [B, S, H] directly; the values come out for every (head, kv head) pair,
   [B, H, KVH * hd], and each head keeps its own kv head's block. KVH times
   the multiply-adds of the GQA form, and no copy of the cache, which costs
-  less on CPU (benchmarks/RESULTS.md, "Session 6: the decode step without
-  cache transposes").
+  less on CPU (benchmarks/RESULTS.md#rollout-engine).
   The model uses it for decode steps on CPU only: with the cache sharded
   over kv heads (pods) the contraction over KVH * hd would need a reduction
   across shards, which the GQA form does not.

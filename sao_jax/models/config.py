@@ -117,8 +117,8 @@ class ModelConfig:
   moe_impl: Literal["dense", "ragged", "expert_parallel", "blocked"] = "dense"
   # blocked only: rows per expert block. Larger blocks pad more (up to one
   # block per expert) but make bigger matmuls, which XLA:CPU runs at a much
-  # higher rate (benchmarks/RESULTS.md, "Session 7: the MoE block size",
-  # has how 512 was chosen).
+  # higher rate (how 512 was chosen:
+  # benchmarks/RESULTS.md#models-and-the-train-step).
   moe_block: int = 512
   # expert_parallel only: <= 0 is dropless (buffers sized for the worst
   # case); c > 0 gives each device pair c x its balanced share of rows and
@@ -475,8 +475,8 @@ def qwen3_30b_a3b() -> ModelConfig:
       num_kv_heads=4, head_dim=128, num_experts=128, experts_per_token=8,
       moe_d_ff=768, dense_d_ff=6144, rope_theta=1e6, rms_eps=1e-6,
       # Expert-parallel (dropless) MoE: the RL step at full depth needs a
-      # fraction of "ragged"'s memory per chip (benchmarks/RESULTS.md, "Pod
-      # scale: AOT compile for TPU", has the compiler's figures).
+      # fraction of "ragged"'s memory per chip (the compiler's figures:
+      # benchmarks/RESULTS.md#pods-compile-and-fit).
       tie_embeddings=False, max_seq_len=40_960, moe_impl="expert_parallel",
       # Dispatch rounds of 8192 tokens a chip bound the dropless all-to-all
       # buffers (in one round the RL step at 256 x 32768 does not fit: same

@@ -48,32 +48,13 @@ come back in the dtype of q (of x for the conv). On TPU an fp32 matmul runs
 at the default precision unless the caller sets
 `jax.default_matmul_precision`.
 
-Sharding on a pod mesh. Everything here is independent per (row, head), so
-the layer shards like attention: heads over "tensor", rows (and engine
-slots) over the batch axes ("data", "fsdp"). W_z, W_a, W_b, A_log and
-dt_bias split by value head; W_out is row-split and its output all-reduced
-over "tensor", as attention's output projection. transformers stores W_qkv
-and the conv weight with channels [all q | all k | all v], so a plain split
-of that axis would not follow heads: keep q, k and v (projection and conv
-channels) as three arrays, each split by its own heads. Key head i serves
-value heads i H/Hk .. (i+1) H/Hk - 1, so a contiguous split of Hk key heads
-and H value heads over the same "tensor" size keeps each group on one
-device. The chunk scan runs along the sequence on each device, with no
-collective inside the recurrence.
-
-In the engine (transformer.LinearAttention, models/kv_layout.py) a slot's
-recurrent state per DeltaNet layer is
-
-    S [slots, H, Dk, Dv] fp32     conv_q, conv_k [slots, K-1, Hk, Dk], conv_v [slots, K-1, H, Dv]
-
-beside the full-attention layers' KV cache or pages: slots over the batch
-axes, heads over the kv heads' axes (rollout/layout.py, `recurrent_spec`).
-Unlike the pages it has a fixed size per slot. A prefill chunk passes the
-slot's state as `initial_state` / `conv_state` and the slot keeps the state
-at its last real token; a decode step does the same for one token; a row
-whose first token sits at position 0 (a new request, a re-fed record after
-a "recompute" swap or a preemption) starts from zeros; a slot not fed in a
-call keeps its state unchanged (a row of padding).
+Sharding: everything here is independent per (row, head), so the layer
+shards like attention (heads over "tensor", rows and engine slots over the
+batch axes), with q, k and v kept as three arrays so each splits by its own
+heads. In the engine a slot's state per DeltaNet layer (S and the three
+conv windows) has a fixed size per slot; a row at position 0 starts from
+zeros and a slot not fed in a call keeps its state. How the layer shards
+and how the engine carries its state: docs/design/deltanet.md.
 """
 
 from __future__ import annotations
@@ -310,10 +291,10 @@ def unit_lower_inverse(a: Array) -> Array:
   e_i - A_i T (A_i is zero from column i on, so only the rows already
   found count): C steps of a [C] x [C, C] product, exact for any A (no
   power series, whose terms can grow like binomial coefficients). It
-  replaces `jax.scipy.linalg.solve_triangular`, which XLA:CPU ran orders of
-  magnitude slower for some batched shapes (benchmarks/RESULTS.md, "Gated
-  DeltaNet"). The gradient is the closed form dT = -T dA T (`custom_vjp`),
-  so the backward pass keeps no per-step residuals.
+  replaces `jax.scipy.linalg.solve_triangular`, which XLA:CPU runs far
+  slower for some batched shapes (benchmarks/RESULTS.md#kernels). The
+  gradient is the closed form dT = -T dA T (`custom_vjp`), so the backward
+  pass keeps no per-step residuals.
   """
   c = a.shape[-1]
   eye = jnp.eye(c, dtype=a.dtype)

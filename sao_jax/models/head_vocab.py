@@ -2,8 +2,8 @@
 
 A model trained from scratch on one task never writes most of a 151,669-id
 vocabulary, yet a full head spends d_model x 151,669 multiply-adds on every
-position it meets (95% of the tiny model's forward pass at Qwen3's
-vocabulary: benchmarks/RESULTS.md). With `vocab_ids` the head has one
+position it meets (most of the tiny model's forward pass at Qwen3's
+vocabulary: benchmarks/RESULTS.md#models-and-the-train-step). With `vocab_ids` the head has one
 column per covered id, and the model maps ids at its own boundary, so
 everything outside it (trajectories, the engine's sampled tokens, stop
 tokens, the tokenizer) sees the tokenizer's ids only:

@@ -1,97 +1,41 @@
-"""Expert-parallel mixture-of-experts dispatch: all-to-all over the "expert" axis.
+"""Mixture-of-experts dispatch: one-device paths and the expert-parallel all-to-all.
 
-Why this exists. `MoE(moe_impl="ragged")` sorts every token-expert pair of
-the global batch and runs `jax.lax.ragged_dot` on the result. With the expert
-weights sharded over a mesh axis GSPMD has no expert-parallel plan for that
-program: on the 8-device test mesh it hands every device the whole global
-pair list and all-reduces `[N*k, D]` and `[N*k, F]` partial results, so the
-traffic and the memory per device grow with the global batch. Here the
-dispatch is written by hand with `jax.shard_map`:
+One-device (or GSPMD) paths, each exact: `ragged_moe` (sort the token-expert
+pairs, `ragged_dot`), `blocked_moe` (block-sparse batched matmuls: the FLOPs
+of top-k), `capacity_moe` / `capacity_or_dense` (decode-sized calls, falling
+back to dense whenever an expert's load exceeds `small_capacity`).
 
-  1. Each device holds a block of tokens and a block of `E / EP` experts
-     (sharded over the expert axes, `EP` devices). Tokens are sharded over
-     the batch axes and also over any expert axis the batch is not sharded
-     over: those tokens are replicated there, so splitting them is a local
-     slice, and each token is dispatched exactly once.
+`expert_parallel_moe` dispatches by hand with `jax.shard_map` over the
+"expert" mesh axes (`EP` devices, `E / EP` experts each):
+
+  1. Tokens are split over the batch axes and any expert axis the batch is
+     not sharded over, so each token is dispatched exactly once.
   2. Every (token, chosen expert) pair is written into a send buffer
      `[EP * C, D]`, one block of `C` rows per destination device.
-  3. `all_to_all` over the expert axes delivers each block to the device that
-     owns the expert; the local expert id travels with it.
-  4. There, the `EP * C` received rows are sorted by local expert and fed to
-     `ragged_dot` (a grouped matmul over that device's experts only).
-  5. The reverse `all_to_all` returns each result to the row it came from; the
-     source combines a token's `k` results with its routing weights.
+  3. `all_to_all` over the expert axes delivers each block, with its local
+     expert ids, to the device that owns the expert.
+  4. There the received rows are sorted by local expert and fed to
+     `ragged_dot` over that device's experts only.
+  5. The reverse `all_to_all` returns each result to its row; the source
+     combines a token's `k` results with its routing weights.
 
-`jax.lax.ragged_all_to_all` (send only the filled rows) would make the
-dropless case cheap in traffic, but XLA:CPU does not implement it, so it
-could not be tested here; this module uses the static `all_to_all`.
+Capacity (`C`, rows per source -> destination device pair, static at trace
+time; `capacity`): `capacity_factor <= 0` (the default) is dropless, `C = n *
+min(k, E / EP)`, and the result equals the dense path exactly. `c > 0` gives
+`C = ceil(c * n * k / EP)` (at most the dropless size); pairs past it are
+dropped (zero contribution), every token's first choice placed before any
+second choice, and the count is returned. Dispatch in rounds
+(`dispatch_chunk = m > 0`): each device dispatches its tokens m at a time,
+each round rematerialised, with buffers sized for m tokens and the same
+result when dropless; capacity and priority then apply per round.
 
-Capacity. The buffers need static shapes, so `C` (rows per source ->
-destination device pair) is fixed at trace time:
+Invariants: padding tokens (`token_mask` False) are never dispatched, use no
+capacity, are not counted as dropped and get a zero output; the "embed"
+dimension may be FSDP-sharded and the "mlp" dimension sharded over axes that
+do not shard tokens; no collective ever gathers another device's experts.
 
-* `capacity_factor <= 0` (the default): dropless. `C = n * min(k, E / EP)`,
-  the most pairs `n` local tokens can send to one device, so nothing is ever
-  dropped and the result equals the dense path exactly. The cost is buffer
-  memory and all-to-all volume `EP / k`-ish times the balanced size.
-* `capacity_factor = c > 0`: `C = ceil(c * n * k / EP)` (capped at the
-  dropless size): `c = 1` is exactly the balanced load. Pairs past a
-  destination's capacity are dropped (they contribute zero to the token's
-  output; the residual stream carries the token on). Priority is by choice
-  rank, then token order: every token's first choice is placed before any
-  second choice, so drops hit the weakest assignments first. The number of
-  dropped pairs is returned for metrics. Capacity is per device pair, not per
-  expert: experts on one device share it, which drops less than per-expert
-  capacity with the same buffer size.
-
-Dispatch in rounds. Dropless buffers are `EP * C = EP * n * min(k, E / EP)`
-rows of D per device, sized for the worst case of all of a device's pairs
-going to one device: for Qwen3-30B-A3B (k 8, 16 experts a device) and n =
-2 x 32768 tokens a chip that is 16 GiB a buffer, several of them live in
-the forward and again in the backward. `dispatch_chunk = m` has each
-device dispatch its tokens in rounds of m (a `lax.map`, every round
-rematerialised so the backward keeps only a round's inputs): buffers of
-`EP * m * min(k, E / EP)` rows, the same result when dropless (each token
-is dispatched once, in its round), and `n / m` times the all-to-all
-launches. With a capacity factor, capacity and priority apply per round.
-
-For RL prefer dropless: with drops, a token's output depends on which other
-tokens share its batch, so the learner's log-probs can differ from the
-sampler's for reasons that are not the policy.
-
-Padding tokens (`token_mask` False) are never dispatched: they use no
-capacity, are not counted as dropped, and their output is zero.
-
-Other mesh axes. The weights' "embed" (D) dimension may be sharded (FSDP):
-each device all-gathers its own experts' slices over those axes (the normal
-FSDP weight gather; its transpose is a reduce-scatter of the gradients), never
-over the expert axes. The "mlp" (F) dimension may be sharded over axes that
-do not shard tokens ("tensor"): each device computes its F slice of the
-SwiGLU, which is exact because the activation is elementwise in F, and the
-partial outputs are summed over those axes at the end, on `[n, D]`.
-
-Communication per device and MoE layer, forward, in elements sent: `n`
-tokens dispatched by the device (its share after step 1), `k` experts per
-token, `D` model width, `F` expert width, `EP` expert-parallel devices, `C`
-the capacity above, `S` the product of the expert axes the batch is not
-sharded over, `T` the size of the F-sharding axes, `fs` of the D-sharding
-(FSDP) axes:
-
-    dispatch all-to-all:          (EP - 1) / EP * EP * C * D
-    return all-to-all:            the same
-        with capacity factor c:   (EP - 1) / EP * c * n * k * D  each way
-        dropless:                 (EP - 1) * n * min(k, E / EP) * D  each way
-    expert ids:                   (EP - 1) / EP * EP * C  (int32)
-    tensor partial sums (T > 1):  2 * (T - 1) / T * n * D  (all-reduce)
-    FSDP weight gather (fs > 1):  3 * (fs - 1) / fs * (E / EP) * D * F / T
-    out re-replication (S > 1):   (S - 1) * n * D  (all-gather, by GSPMD
-                                  outside, when the next op wants the tokens
-                                  replicated over those axes again)
-
-The backward pass moves the same again (an all-to-all transposes to an
-all-to-all, the FSDP gather to a reduce-scatter of the weight gradients, the
-split to an all-gather of x's cotangent), plus the all-reduce of the expert
-weight gradients over the batch axes that do not shard D (plain data
-parallelism). No collective ever gathers the experts of another device.
+Why it is built this way, the cost of each collective, and dropless versus
+capacity for RL: docs/design/moe.md.
 """
 
 from __future__ import annotations
@@ -227,7 +171,7 @@ def small_capacity(n: int, k: int, e: int) -> int:
 
   Rounding to 4, not 8, lets a 16-token call (a lane of 16 decode slots, 4
   experts, top-2) take 12 rows an expert instead of running dense, which
-  was faster on CPU (benchmarks/RESULTS.md, session 11)."""
+  is faster on CPU (benchmarks/RESULTS.md#rollout-engine)."""
   return -(-(3 * n * k) // (2 * e) // 4) * 4 if n * k > e else n
 
 
@@ -242,7 +186,7 @@ def capacity_moe(x, top_i, top_p, wi_gate, wi_up, wo, capacity: int):
   tokens. Pairs past an expert's capacity would be dropped: the caller
   checks the largest load and runs dense instead (`MoE`), so nothing is
   ever dropped. Faster than dense for decode-sized calls on CPU
-  (benchmarks/RESULTS.md, session 8).
+  (benchmarks/RESULTS.md#rollout-engine).
 
   Args as `blocked_moe`; `capacity` rows per expert. Returns `[N, D]`.
   """

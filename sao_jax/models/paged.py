@@ -16,45 +16,19 @@ and the page axis shards over the batch axes (each device's slots page
 into their own part of the pool; `PagePool` groups). A slot's page table
 row `[M]` names the page of each of its `page`-position blocks.
 
-Writes
-------
+Writes and attention
+--------------------
 `write` scatters the new tokens' keys / values `[B, L, KVH, hd]` to
-`(page_table[b, p // page], p % page)` for each valid token at position p.
-Padding tokens (and positions past the table) are dropped, never written:
-unlike a dense slot's own row, a page past a slot's length may be unowned
-or another slot's. Compiling for TPU, writes and gathers index the leaf as
-rows (`[KVH * P * page, hd]`, `[KVH * P, page, hd]`: one index a kv head),
-so that only the minor dims are in the window: with the kv heads in the
-window the compiler laid the loop-carried pool out kv heads minor and
-copied the whole pool in and out of the decode loop and the chunked
-prefill (a second pool in HBM).
-
-Attention
----------
-On CPU (and wherever the kernel does not apply) `gather` assembles each
-slot's pages into the dense view `[B, M * page, KVH, hd]`, the very array a
-dense cache of M * page positions would hold at every position below the
-slot's length, and the dense path's attention runs on it unchanged
-(`attention.cache_attention`: `decode_attention` for a decode step on CPU,
-key blocks for a prefill chunk). What the view holds past a slot's length
-(stale pages, page 0 for unallocated entries) is masked out like a dense
-cache's stale entries, so a paged step computes what the dense step
-computes (tests/models/test_paged.py: equal to 1e-5 on random data; the engines
-sample the same tokens). The gather is one copy of the live pages per
-layer per step, the price of the reference path; the engine's decode loop
-pays it once per call instead (`view` before the loop, the dense loop on
-it, `write_view` of the new entries after: rollout/programs.py).
-
-Compiling for TPU (`attention.compile_platform`), a decode step (one new
-token a slot) calls the Pallas kernel instead (`kernel_usable`): it reads
-only each slot's pages below its length, per kv head, and the pool stays in
-place. Prefill chunks take the gather path on TPU too.
-
-With a mesh of more than one device the write and the attention run under
-`shard_map` (Pallas kernels and data-dependent page indices are opaque to
-GSPMD): slots, the table and the pool's pages split over the "batch" rule's
-axes, kv heads over "kv_heads", query heads over "heads"; the table holds
-page ids local to each device's part of the pool.
+`(page_table[b, p // page], p % page)` for each valid token at position p;
+padding tokens (and positions past the table) are never written. `gather`
+assembles each slot's pages into the dense view `[B, M * page, KVH, hd]`
+(`view` / `write_view` for a whole decode loop), on which the dense path's
+attention runs unchanged, so a paged step computes what the dense step
+computes. Compiling for TPU (`attention.compile_platform`), a decode step
+calls the Pallas kernel on the pool in place instead (`kernel_usable`).
+With a mesh of more than one device, writes and attention run under
+`shard_map`, the table holding page ids local to each device's part of the
+pool. Why each choice: docs/design/kv_cache.md.
 """
 
 from __future__ import annotations
@@ -100,7 +74,7 @@ def _by_rows() -> bool:
   gather whose window spans the kv-head dim (major in the pool) made the
   compiler lay a loop-carried pool out kv heads minor, and copy the whole
   pool in and out of the driver's decode loop and the chunked prefill
-  (benchmarks/RESULTS.md, "The paper's context"). Elsewhere one index a
+  (benchmarks/RESULTS.md#pods-compile-and-fit). Elsewhere one index a
   token, its kv heads in the window: XLA:CPU runs a scatter as a loop over
   its indices."""
   return attn_lib.compile_platform() == "tpu"

@@ -54,9 +54,9 @@ def _head_logprobs(cfg: ModelConfig, hidden: Array, w: Array, tokens: Array,
   as one [B * L, D] x [D, V] matmul.
 
   On XLA:CPU the backward of the [B, L, D] product (its weight gradient
-  contracts two dimensions, B and L) ran 3x slower than the same matmul in
-  two dimensions (benchmarks/RESULTS.md, "The policy update at Qwen3's
-  vocabulary"); the reshapes are free.
+  contracts two dimensions, B and L) runs slower than the same matmul in
+  two dimensions (benchmarks/RESULTS.md#models-and-the-train-step); the
+  reshapes are free.
   """
   b, length, d = hidden.shape
   logits = lm_logits(cfg, hidden.reshape(b * length, d), w).reshape(b, length, -1)

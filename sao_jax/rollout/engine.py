@@ -18,7 +18,7 @@ it. Its API is the rollout driver's:
     meanwhile;
   * `reset_slots`, `update_params` / `load_params`, `abstract_params`;
 
-the server's (rollout/serving.py), where each slot is its own request:
+the server's (serving/batcher.py), where each slot is its own request:
 
   * `serve_step` / `serve_decode`: `step` / `decode` with per-slot sampling
     arrays (`SlotSampling`: temperature, 0 greedy; top_p; each request's
@@ -33,7 +33,7 @@ the server's (rollout/serving.py), where each slot is its own request:
 and `generate_batch(prompts, max_new_tokens)`, the engine as a plain
 sampler (one prefill step, one decode loop).
 
-`sao_jax/rollout/jetstream_bridge.py` (the `jetstream` extra) puts JetStream's
+`sao_jax/serving/jetstream_bridge.py` (the `jetstream` extra) puts JetStream's
 Engine API (prefill / insert / generate) on top of `step` and `decode`;
 nothing here imports jetstream. Sampling and the key stream are
 `sampling.py`'s; the layout (shardings and sizing) is `layout.py`'s; every

@@ -21,7 +21,7 @@ cache, page_size and the pool's pages. A strategy answers:
     (`prepare`), the call's arguments after the lengths (`call_args`),
     pages reserved ahead and given back (`reserve`, `release`, `trim`), and
     the engine options it rules out (`check_engine`);
-  * the server's prefix reuse (rollout/serving.py): a slot's cache cut back
+  * the server's prefix reuse (serving/batcher.py): a slot's cache cut back
     (`cut`), and a prefix's entries offered to other slots and taken by an
     empty one (`register`, `share`; paged only: shared pages);
   * admission (admission.py): the slot group a slot draws pages from
@@ -44,36 +44,22 @@ prefix of the kv bucket (engine.py, "Cache sizing").
 Paged (`kv_cache="paged"`)
 --------------------------
 The cache is a pool of `num_pages` pages of `page_size` positions that all
-slots share (leaves `[..., KVH, pages, page_size, hd]`), and each slot a
-row of a page table naming its pages in position order (device side:
-sao_jax/models/paged.py; host side, the free list and the table:
-rollout/paging.py's `PagePool`, in `DecodeState.pages`). Memory is the
-pool, sized for the live tokens of a long-tailed length mix rather than
-slots x max_len; `kv_pages=0` is the dense cache's size (no saving, the
-same capacity). The programs take the table `[slots, pages_per_slot]`
-after the lengths, (params, pool, lengths, table, ...), and a kv bucket
-names the table's first ceil(kv / page_size) columns: the slots' pages a
-step attends over.
+slots share (leaves `[..., KVH, pages, page_size, hd]`; device side
+sao_jax/models/paged.py), and each slot a row of a page table naming its
+pages in position order (host side: rollout/paging.py's `PagePool`, in
+`DecodeState.pages`). `kv_pages=0` is the dense cache's size. The programs
+take the table `[slots, pages_per_slot]` after the lengths, and a kv bucket
+names the table's first ceil(kv / page_size) columns.
 
-A slot gets pages as it grows: before `step` and `decode` dispatch,
-`prepare` allocates what their fed slots' new lengths need (a decode
-call: length plus budget) and raises `PagePoolExhausted` when the pool has
-too few; a caller that may fill the pool reserves pages ahead with
+A slot gets pages as it grows: `prepare` allocates what a call's fed slots
+need before it is dispatched and raises `PagePoolExhausted` when the pool
+has too few; a caller that may fill the pool reserves ahead with
 `PolicyEngine.reserve(state, slot, tokens)`, which only reports failure,
-and waits (the driver: rollout/admission.py). `reset_slots` (and
-`release_pages`, host-side only) give a slot's pages back. The table's
-device copy is refreshed before a call only when the allocator changed it.
-The turns of a trajectory share its pages: an observation or the next turn
-is appended after the slot's cached prefix, which is never re-prefilled.
-
-Samples and log-probs equal the dense engine's (tests/rollout/test_rollout.py,
-same seed): a step attends over each slot's pages gathered into the dense
-view of the same kv bucket (on CPU; compiling for TPU, a decode step runs
-the Pallas paged-attention kernel on the pool in place), and new entries
-are scattered into their pages, so there is no prefix copy or write-back.
-With a sharded engine each device of the batch axes holds its slots' part
-of the pool (`PagePool` groups: every group must hold one max_len
-trajectory, which `check_engine` asks of the engine).
+and waits. `reset_slots` (and `release_pages`) give a slot's pages back.
+Samples and log-probs equal the dense engine's (same seed). With a sharded
+engine each device of the batch axes holds its slots' part of the pool
+(every group must hold one max_len trajectory: `check_engine`). Why it is
+built so: docs/design/kv_cache.md.
 """
 
 from __future__ import annotations

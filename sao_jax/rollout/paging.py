@@ -1,49 +1,29 @@
 """The paged KV cache's host side: a page allocator over a fixed pool.
 
-A paged engine (a `PolicyEngine` whose rollout section has `kv_cache="paged"`) keeps its KV cache
-as a pool of `num_pages` fixed-size pages of `page_size` positions shared by
-all slots (sao_jax/models/paged.py holds the device side: the pool's
-layout, the writes into pages and attention over them), and each slot a
-row of a page table: entry j of slot b is the page holding the slot's
-positions `[j * page_size, (j + 1) * page_size)`. This module is that
-table and the free list behind it, host-side numpy only:
+A paged engine keeps its KV cache as a pool of `num_pages` pages of
+`page_size` positions shared by all slots (the device side:
+sao_jax/models/paged.py), and each slot a row of a page table: entry j of
+slot b is the page holding positions `[j * page_size, (j + 1) * page_size)`.
+This module is that table and the free list behind it, host-side numpy
+only:
 
   * `ensure(slot, tokens)` gives a slot pages until they cover its first
-    `tokens` positions (allocated as its length grows), or returns False
-    and changes nothing when the pool has too few free pages: exhaustion
-    is reported, never raised, so a caller can wait;
-  * `release(slot)` returns all of a slot's pages when its trajectory ends
-    (or when its cache is emptied to be re-fed);
+    `tokens` positions, or returns False and changes nothing when the pool
+    has too few: exhaustion is reported, never raised, so a caller can wait;
+  * `release(slot)` returns all of a slot's pages;
   * `can_admit(tokens)` says whether the free pages would cover `tokens`
-    more positions: admission is bounded by free pages, not by
-    slots x max_len.
+    more positions;
+  * `device_table()` is the `[slots, pages_per_slot]` int32 table the
+    jitted programs take, unallocated entries pointing at page 0 (never
+    read or written);
+  * `register` / `share` / `cut`: slots whose tokens begin alike hold the
+    same full pages, counted (`refs`); no slot ever writes into a shared
+    page.
 
-Pages are allocated in slot order of positions, so a slot's table row is a
-prefix of allocated entries followed by `-1` (no page). `device_table()`
-is the `[slots, pages_per_slot]` int32 table the jitted programs take, with
-the unallocated entries pointing at page 0: attention never weighs a
-position past a slot's length, and writes of padding tokens are dropped
-(models/paged.py), so what an unallocated entry names is never used.
-
-Shared prefixes (the server's sessions). Slots whose tokens begin alike (a
-system prompt and tools) may hold the same full pages: `register(slot,
-tokens)` enters a slot's full pages into an exact index, each keyed by its
-tokens and the page before it, and `share(slot, tokens)` maps the longest
-run of indexed pages that begins another slot's tokens into its table.
-A page is then held by several slots, counted (`refs`): it goes back to
-the free list, and out of the index, when its last holder releases it. A
-slot writes only past its length, and shared pages are full and lie below
-it, so no slot writes into a shared page (a cache cut back into one,
-`cut`, is cut to the page's start instead, and a page about to be
-rewritten leaves the index). Pages are shared only
-within a slot group.
-
-Groups (sharded engines). With the slots split over `groups` devices (the
-mesh's batch axes), slot b's cache may only live on its own device, so the
-pool is split alike: group g = b // (slots / groups) allocates from its
-own `num_pages / groups` pages, and the table holds page ids local to the
-group (what each device indexes its own shard of the pool with). Every
-count (`free_pages`, `can_admit`) is then per group.
+Groups (sharded engines): with the slots split over `groups` devices, each
+group allocates from its own `num_pages / groups` pages, the table holds
+page ids local to the group, and every count is per group. Why it is built
+so: docs/design/kv_cache.md.
 """
 
 from __future__ import annotations

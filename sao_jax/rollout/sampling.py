@@ -63,8 +63,8 @@ def sample(logits: Array, rng, sampling: SamplingConfig) -> tuple[Array, Array]:
 
   Inverse-CDF sampling: one uniform a row, and the token is the first whose
   cumulative probability exceeds it. Gumbel-max (`jax.random.categorical`)
-  draws V uniforms a row; on XLA:CPU those random bits were 8% of a decode
-  step of the tiny model. A token masked by top-k / top-p is never drawn
+  draws V uniforms a row; on XLA:CPU those random bits are a visible share
+  of a decode step of the tiny model (benchmarks/RESULTS.md#rollout-engine). A token masked by top-k / top-p is never drawn
   (`draw`).
   """
   return sample_with(logits, row_uniforms(rng, logits.shape[0]), sampling)
@@ -183,7 +183,7 @@ def uniforms(stream: KeyStream, steps: int, rows: int) -> Array:
 
 # --- per-slot sampling: a served batch, each slot its own request -----------------
 #
-# The server's batcher (rollout/serving.py) batches requests that each carry
+# The server's batcher (serving/batcher.py) batches requests that each carry
 # their own temperature, top_p, seed and stop ids. They arrive as arrays, one
 # entry a slot, so one compiled program serves every mix of values. A slot's
 # draws come from its request's own key stream: draw n of a request uses

@@ -2,7 +2,7 @@
 
 A unit of its own because it is the driver's whole reporting surface: the
 trainer's sources add it into their reports (train/sources.py), a fleet
-shard carries some of its counters beside the shard (data/fleet.py), and
+shard carries some of its counters beside the shard (transport/fleet.py), and
 the driver's parts that count (the episode loop in rollout/driver.py, page
 admission in rollout/admission.py) all write into one instance. It is plain
 data, read while the driver may run, so it imports nothing of the driver.

@@ -1,56 +1,30 @@
 """The "vllm" rollout backend: a vLLM server as the rollout driver's engine.
 
-Where it runs, and why so. vLLM runs as its own server process
-(`python -m vllm.entrypoints.openai.api_server`, on loopback) from its own
-virtual environment (`.venv-vllm`, `make vllm-env`), and this module talks
-to it over HTTP with nothing beyond the standard library. vLLM pins its own
-torch, transformers and (CUDA) torchvision, which must not leak into the
-JAX environment, and a rollout host of a pod runs it the same way: a
-server beside the driver. The server is started with the policy exported
-by sao-jax (hf_export, the run's own weights in the family's HF layout),
-`--skip-tokenizer-init` (sao-jax renders every prompt and observation as
-ids; vLLM never tokenizes), `--logprobs-mode processed_logprobs` (the
-log-prob of each sampled token under the distribution it was drawn from:
-temperature, top-k, top-p applied, as the JAX engine records), and
-`VLLM_SERVER_DEV_MODE=1` for the RL endpoints.
+vLLM runs as its own server process on loopback, from its own virtual
+environment (`.venv-vllm`, `make vllm-env`); this module talks to it over
+HTTP with the standard library only. The server is started with the policy
+exported by sao-jax (hf_export), `--skip-tokenizer-init` (sao-jax sends
+and receives ids only), `--logprobs-mode processed_logprobs` (each sampled
+token's log-prob under the distribution it was drawn from, as the JAX
+engine records) and `VLLM_SERVER_DEV_MODE=1` for the RL endpoints.
 
-The engine (`VllmEngine`) presents the driver's protocol
-(rollout/engine_protocol.py), so episodes, tool calls, the chat format,
-budgets and trajectory records are the driver's, whichever engine serves.
-Per slot it keeps the ids fed so far (the server holds no slot state: its
-prefix cache makes re-sending a context cheap), and feeds slots with
-`/v1/completions` requests of token ids, sent from a thread pool:
+`VllmEngine` presents the driver's protocol (rollout/engine_protocol.py),
+so episodes, tool calls, the chat format, budgets and trajectory records
+are the driver's, whichever engine serves. Contract:
 
-  * `step`: the slot's new tokens appended, one token sampled (waited for);
-  * `decode`: for each budgeted slot with no request in flight, the pending
-    token appended and up to its whole budget sampled, stopping at the
-    turn-end id (`stop_token_ids`; EOS ignored: the driver's stop rules
-    only). `rollout.decode_steps` does not cut a request: the server
-    batches the slots' requests continuously, and `collect` returns those
-    that have finished (waiting for one), so a slot whose turn ended goes
-    to its environment while the others still decode.
+  * every sampled id and its log-prob are vLLM's, stored as they come:
+    nothing is re-tokenized;
+  * a token's version is the engine's version when its request was sent,
+    and one chunk of results holds one version;
+  * a version is swapped in place (`load_params` exports it, in the
+    caller's thread; `update_params` pauses the server with `mode=wait`,
+    reloads, repairs what an in-place reload leaves wrong through
+    rollout/vllm_worker_ext.py, tags the version and resumes);
+  * refused in one line: routing replay, top_k above the vocabulary.
 
-Every sampled id and its log-prob are vLLM's (`return_token_ids`,
-`logprobs=0`), stored as they come: nothing is re-tokenized. A token's
-version is the engine's version when its request was sent: a swap pauses
-the server with `mode=wait`, which lets requests in flight finish on the
-old weights first, and one chunk holds one version (a later version's
-answers wait for the next `collect`).
-
-Weights in place. `load_params` exports a version to a fresh directory
-(the copy, in the caller's thread: the trainer may donate its buffers
-after); `update_params` then pauses the server (`/pause?mode=wait`),
-reloads it from that directory and repairs what an in-place reload leaves
-wrong, in one `/collective_rpc` call to
-`sao_vllm_worker_ext.SaoWorkerExtension` (rollout/vllm_worker_ext.py:
-vLLM-CPU packs its MoE expert weights only at first load, and a tied LM head
-stays packed from the previous embedding; either serves wrong log-probs
-silently),
-tags the version (`/update_weight_version`) and resumes.
-
-Refused in one line: routing replay (vLLM's returned experts are not
-wired), top_k above the vocabulary. Not run here: vllm-tpu and CUDA vllm
-(same HTTP surface; untested).
+Not run here: vllm-tpu and CUDA vllm (same HTTP surface; untested). How
+slots are fed and why the server runs apart: docs/design/vllm_backend.md;
+figures: benchmarks/RESULTS.md#vllm-backend.
 """
 
 from __future__ import annotations
@@ -85,8 +59,8 @@ ENV_ARGS = "SAO_JAX_VLLM_ARGS"
 SERVED_NAME = "sao-policy"
 WORKER_MODULE = "sao_vllm_worker_ext"
 WORKER_CLASS = f"{WORKER_MODULE}.SaoWorkerExtension"
-# vLLM-CPU's first start (model inspection in a subprocess, warmup) took
-# 60-140 s on the 2-core machine under load.
+# vLLM-CPU's first start (model inspection in a subprocess, warmup) takes
+# minutes on a loaded 2-core machine (benchmarks/RESULTS.md#vllm-backend).
 START_TIMEOUT_S = 900.0
 REQUEST_TIMEOUT_S = 600.0
 

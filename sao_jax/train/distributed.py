@@ -1,43 +1,26 @@
 """Multi-host training: one SPMD program over many processes.
 
 On a pod every host runs the same trainer. `jax.distributed.initialize`
-joins the processes into one runtime, `jax.devices()` then lists every
-device of every host, and the trainer's mesh (`sharding.make_mesh`) spans
-them all: the jitted steps are one program, the processes only feed it.
-What each host must do differently from a single-process run:
+(`initialize`) joins the processes into one runtime and the trainer's mesh
+spans every device of every host: the jitted steps are one program, the
+processes only feed it. Contract:
 
-  * Batches. A packed `[R, L]` batch is sharded over the "batch" rule's mesh
-    axes; each host holds the rows its own devices address and packs only
-    those (`pack_batch`). The packing layout (which trajectory goes to which
-    row, and the bucket width L) is computed from the lengths of the whole
-    batch, identically on every host, so the global array is exactly the
-    single-process batch. Data selection stays a function of (seed, step):
-    every host knows the whole batch's trajectories, none builds more rows
-    than its own. `jax.make_array_from_process_local_data` assembles the
-    global array from the hosts' rows:
-
-        rows     0 1 2 3 4 5 6 7        batch over ("data", "fsdp"), 8 devices
-        device   0 1 2 3 4 5 6 7        process 0 holds devices 0-3,
-        process  0 0 0 0 1 1 1 1        process 1 devices 4-7
-
-    Which rows a host holds is read from the sharding itself
-    (`addressable_devices_indices_map`), so it is right for any mesh: with
-    the batch replicated over an axis that spans hosts, both hold the same
-    rows.
-  * Checkpoints. Orbax saves and restores collectively: every process calls
-    save / restore with its shards, process 0 writes the metadata. The
-    workdir must be a filesystem every host sees (GCS on a pod).
+  * Batches: each host packs only the rows its own devices address
+    (`pack_batch`), with the layout computed from the whole batch
+    identically on every host, so the global array is exactly the
+    single-process batch.
+  * Checkpoints are saved and restored collectively; the workdir must be a
+    filesystem every host sees.
   * Metrics, progress lines, config.json and summary.json: process 0 only.
-  * The in-process engine (value pretraining's generation, evaluation)
-    needs the whole params on one host: every process joins a gather
-    (`host_local_copy`), process 0 runs the engine on its own devices and
-    shares the result (`share_from_primary`: the coordination service's
-    key-value store, with a generous timeout, not a device collective), and
-    the others wait. In-process RL is refused with several processes
-    (configuration.py): its rollout order is not deterministic, so hosts
-    would train on different batches; rollout runs on its own slices there.
+  * The in-process engine runs on process 0 over a gathered copy of the
+    params (`host_local_copy`), and process 0 shares its result
+    (`share_from_primary`); in-process RL is refused with several
+    processes (its rollout order is not deterministic).
+  * Long waits go through the coordination service (`sync`,
+    `share_from_primary`), and the train steps compile ahead, then wait for
+    each other (`lockstep`).
 
-Launch (one command per host, same config; see README "Multi-host"):
+Launch (one command per host, same config):
 
     python launch/train.py --config=configs/sao_tiny.py --workdir=/shared/run \\
       --config.distributed.enabled=True \\
@@ -46,23 +29,8 @@ Launch (one command per host, same config; see README "Multi-host"):
 
 Fields left empty come from the environment (`JAX_COORDINATOR_ADDRESS`,
 `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`) or JAX's cluster auto-detection (TPU
-pods, SLURM, Open MPI, Kubernetes).
-
-CPU processes (tests, a laptop cluster) reach each other through gloo,
-which gives up when one process arrives at a collective's first run 30 s
-after another (a constant of XLA's gloo key-value store), so there the
-processes must stay in step:
-
-  * barriers that may wait long go through the coordination service, with
-    timeouts of minutes (orbax's own, its
-    `experimental_orbax_use_distributed_barrier` flag, set here) to hours
-    (`sync`, `share_from_primary`), not through device collectives;
-  * the train steps compile ahead of their first run, then wait for each
-    other (`lockstep`): the compile is where processes drift apart most;
-  * the persistent compilation cache is off: only process 0 writes it and
-    the processes' cache keys differ (measured: the same global program,
-    two keys), so a warm cache makes process 0 fast and the others compile,
-    minutes apart under load.
+pods, SLURM, Open MPI, Kubernetes). Which rows a host holds, and why CPU
+processes must stay in step: docs/design/multihost.md.
 """
 
 from __future__ import annotations

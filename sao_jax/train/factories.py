@@ -315,8 +315,9 @@ def build_programs(config, model_cfg: model_config.ModelConfig, step_cfg: StepCo
   lora_p = (_lora_programs(config, lora_c, policy_params, critic_params, policy_shardings,
                            critic_shardings) if lora_c.enabled else None)
   # What the optimizers move: the params, or with LoRA the adapters, each laid
-  # out like its weight (lora.adapter_shardings: replicated, sao_moe's 1.69B
-  # expert adapters held 3x full fine-tuning's state a chip).
+  # out like its weight (lora.adapter_shardings: replicated, sao_moe's
+  # expert adapters would hold more state a chip than full fine-tuning;
+  # benchmarks/RESULTS.md#pods-compile-and-fit).
   train_policy, train_critic = policy_params, critic_params
   train_shardings = (policy_shardings, critic_shardings)
   if lora_p is not None:

@@ -14,7 +14,7 @@ only its open shard; started again with the same rollout id it continues
 its shard sequence. One process per rollout id: a second one started with
 the id of a live one stops at start-up with one line (StopTraining; the
 id's lock, fleet.RolloutLock / RolloutLease), before it touches the first
-one's files. The transport is sao_jax/data/fleet.py.
+one's files. The transport is sao_jax/transport/fleet.py.
 """
 
 from __future__ import annotations
@@ -26,16 +26,16 @@ from typing import Callable
 import jax
 
 from sao_jax.config import sections
-from sao_jax.train import configuration
-from sao_jax.train import factories
-from sao_jax.data import fleet
-from sao_jax.models import precision
-from sao_jax.data import weight_transfer
 from sao_jax.data import prompts as prompt_data
 from sao_jax.envs import registry
+from sao_jax.models import policy
+from sao_jax.models import precision
+from sao_jax.train import configuration
+from sao_jax.train import factories
 from sao_jax.train.faults import FaultInjector
 from sao_jax.train.stopping import StopTraining
-from sao_jax.models import policy
+from sao_jax.transport import fleet
+from sao_jax.transport import weight_transfer
 
 
 def _print(line: str) -> None:

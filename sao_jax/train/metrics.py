@@ -2,12 +2,14 @@
 
 `MetricsWriter.write(step, metrics, stage)` appends one JSON object per call
 to `<workdir>/metrics.jsonl` (with `step`, `stage` and wall time), the same
-scalars to TensorBoard at `step`, and, with `logging.wandb`, to W&B. Every
-sink names a metric by one rule, `metric_name(stage, key)`: the key as the
-stage wrote it, with the stage in front unless the key already starts with
-it (no "sft/sft/nll"); characters are kept as they are ("pass@1" in every
-sink: TensorBoard's tags are plain strings, only tensorboardX's helpers
-rewrite '@' to '_', so the events are written as Summary protos here).
+scalars to TensorBoard at `step`, and, with `logging.wandb`, to W&B.
+`progress` prints a compact line for long runs. Contract:
+
+  * metrics.jsonl keeps each key as the stage wrote it, beside the record's
+    `stage` field; TensorBoard and W&B name it `metric_name(stage, key)`,
+    the stage in front unless the key already starts with it, characters
+    kept as they are ("pass@1" in every sink); `sink_scalars(record)` gives
+    a record's names there:
 
 | stage            | key in metrics.jsonl    | name in TensorBoard and W&B         |
 |------------------|-------------------------|-------------------------------------|
@@ -17,41 +19,20 @@ rewrite '@' to '_', so the events are written as Summary protos here).
 | `eval`           | `eval/heldout/pass@1`   | `eval/heldout/pass@1`               |
 | `resume`         | `checkpoint/resumed_from` | `resume/checkpoint/resumed_from`  |
 
-metrics.jsonl keeps the key as the stage wrote it, on purpose: each line
-is a record with its `stage` field beside the keys, so (stage, key) is the
-name, and the readers of the file (the notebooks, experiments/runner.py,
-benchmarks/loop.py and soak.py, the tests) filter records by stage and read
-`record["policy/loss"]`; prefixing would make every rl reader spell
-"rl/policy/loss" for a field its filter already fixed, and break the
-files older runs wrote. A record's names in TensorBoard and W&B are
-`sink_scalars(record)`: `metric_name(record["stage"], key)` for each
-number. A W&B run's step must only grow, while each stage counts its
-own steps from 0, so every stage gets its own step metric: a stage's
-metrics are plotted against "<stage>/step" (`define_metric`), which is
-TensorBoard's step.
+  * each stage is plotted against its own "<stage>/step" in W&B
+    (`define_metric`), TensorBoard's step;
+  * an undefined statistic (NaN) is logged by no sink as a number:
+    metrics.jsonl writes null, TensorBoard and W&B get no point, the
+    terminal line leaves it out;
+  * W&B settings: a `logging.wandb_*` config field wins, then W&B's own
+    environment variable, then this project's default
+    (`wandb_init_args`); the run id kept in `<workdir>/wandb_run_id`
+    continues the same W&B run on resume; an offline run reaches no
+    network;
+  * in a multi-host run only process 0 writes or prints; on an object-store
+    workdir metrics.jsonl is uploaded whole after each record.
 
-An undefined statistic (explained variance of targets without variance, a
-fraction or mean over an empty set, an empty lag bucket's quantile) is
-NaN where it is computed; no sink logs it as a number: metrics.jsonl
-writes null, TensorBoard and W&B get no point, the terminal line leaves it
-out.
-
-W&B is started by W&B's conventions (`wandb_init_args`): a `logging.wandb_*`
-field set in the config wins, then W&B's own environment variable
-(WANDB_MODE, WANDB_PROJECT, WANDB_ENTITY, WANDB_NAME, WANDB_RUN_ID,
-WANDB_RESUME, WANDB_DIR; WANDB_RUN_GROUP, WANDB_TAGS and the rest W&B reads
-itself), then this project's default. The run id is kept in
-`<workdir>/wandb_run_id`, so a resumed run continues the same W&B run
-(`resume="allow"`; offline runs of one id are merged by `wandb sync`). An
-offline run reaches no network: no system metrics or machine probes, and
-W&B's error reporting off unless WANDB_ERROR_REPORTING says otherwise.
-`progress` prints a compact line for long runs.
-In a multi-host run (sao_jax/train/distributed.py) every process computes the same
-metrics and only process 0 writes or prints them.
-On an object-store workdir (gs://) metrics.jsonl is uploaded whole after
-each record (`files.Appender`), TensorBoard writes its event files there
-itself (tensorboardX's GCS writer) and W&B keeps its local files in its
-default directory.
+Why the names are kept so, and the sinks' details: docs/design/metrics.md.
 """
 
 from __future__ import annotations

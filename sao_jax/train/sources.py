@@ -12,8 +12,8 @@ built by the builder registered in `SOURCES`:
            stops; the trainer waits for all of it (on-policy)
     fleet  rollout processes (`sao_jax/train/fleet_worker.py`) write shards of the
            trajectory store; weights go back over the network
-           (`sao_jax/data/weight_transfer.py`) or as versioned checkpoints
-           (`sao_jax/data/fleet.py`)
+           (`sao_jax/transport/weight_transfer.py`) or as versioned checkpoints
+           (`sao_jax/transport/fleet.py`)
 
 In-process sources hand out whole groups (rollout.samples_per_prompt > 1,
 GRPO) and restart a driver whose thread died, up to rl.max_rollout_restarts.
@@ -37,17 +37,17 @@ from typing import Any, Callable, Protocol
 
 import jax
 
-from sao_jax.train import distributed
-from sao_jax.data import fleet
 from sao_jax.data import identity as identity_lib
-from sao_jax.models import precision
-from sao_jax.data import weight_delta
-from sao_jax.data import weight_transfer
 from sao_jax.data import prompts as prompt_data
 from sao_jax.data.ingestion import TrajectoryQueue
 from sao_jax.data.trajectory import Trajectory
+from sao_jax.models import precision
 from sao_jax.rollout.driver import RolloutDriver
+from sao_jax.train import distributed
 from sao_jax.train.stopping import StopTraining
+from sao_jax.transport import fleet
+from sao_jax.transport import weight_delta
+from sao_jax.transport import weight_transfer
 
 
 def _copy(counter) -> collections.Counter:
@@ -215,7 +215,7 @@ class DriverSource:
 
 # ----------------------------------------------------------------- fleet
 class FleetSource:
-  """Rollout processes apart from the trainer, over shared storage (sao_jax/data/fleet.py).
+  """Rollout processes apart from the trainer, over shared storage (sao_jax/transport/fleet.py).
 
   Publishes the current weights at once (the rollouts wait for a first
   version), reads their shards through `fleet.ShardFeed` and marks RL done

@@ -318,10 +318,9 @@ def lag_diagnostics(logp: Array, rollout_logp: Array, advantages: Array, action_
   return out
 
 
-# Levels above which `dis_warnings` speaks. Starting points from issue 27's
-# runs, where the default queue (lag 4-5) put 2-9% of action tokens outside
-# DIS's window and the corrective tokens carried up to 17.5% of a step's
-# |r A| mass.
+# Levels above which `dis_warnings` speaks: starting points set above what
+# the default queue (lag 4-5) gives in experiments/dis_stability.py's runs
+# (their shares: experiments/README.md).
 DIS_WARNING_LEVELS = {
     # Share of action tokens outside DIS's window (all lags).
     "outside_frac": 0.10,

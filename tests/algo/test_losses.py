@@ -103,7 +103,7 @@ class PpoClipTest(parameterized.TestCase):
     np.testing.assert_allclose(metrics["clip_frac"], (m & ~trained).sum() / n)
 
 
-# --- DIS's variants (issue 27): NumPy references -------------------------------
+# --- DIS's variants: NumPy references -------------------------------------------
 
 BETA, GEO_LOW, GEO_HIGH = 0.3, 0.1, 0.1
 

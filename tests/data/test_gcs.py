@@ -21,12 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sao_jax.train import configuration
 from sao_jax.data import files
-from sao_jax.data import fleet
-from sao_jax.train import fleet_worker
-from sao_jax.data.checkpoint import COMMIT_FILE, Checkpointer, committed_checkpoints
 from sao_jax.data import store
+from sao_jax.data.checkpoint import COMMIT_FILE, Checkpointer, committed_checkpoints
+from sao_jax.train import configuration
+from sao_jax.train import fleet_worker
+from sao_jax.transport import fleet
 
 import gcs_emulator  # pylint: disable=g-bad-import-order
 import runs  # pylint: disable=g-bad-import-order
@@ -215,7 +215,7 @@ def rl_steps(workdir):
 
 
 # Slow: the default run kills a fleet's trainer and rollouts on local files
-# (tests/data/test_fleet.py) and runs a fleet over gs:// above.
+# (tests/transport/test_fleet.py) and runs a fleet over gs:// above.
 @pytest.mark.slow
 def test_fleet_run_on_gs_survives_a_trainer_kill(emu, tmp_path):
   workdir = emu.url(uuid.uuid4().hex[:12], "run")

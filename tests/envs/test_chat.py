@@ -10,8 +10,8 @@ token. A second oracle: PrimeIntellect-ai/renderers' golden digests for
 Qwen3-8B (same vocabulary and template as Qwen3-30B-A3B), which pin the
 tokenizer and the format together.
 
-raw: the token layout the driver and the demonstrations built before chat
-formats existed, written out here as the old code wrote it.
+raw: the toy environments' token layout, written out here independently of
+the chat module.
 """
 
 from __future__ import annotations

@@ -16,16 +16,17 @@ import os
 import numpy as np
 import pytest
 
-from sao_jax.train import evaluation
-from sao_jax.train import trainer
-from sao_jax.data import math_problems, store
+from sao_jax.data import store
 from sao_jax.data.ingestion import TrajectoryQueue
 from sao_jax.envs import chat, registry
+from sao_jax.envs import math_problems
 from sao_jax.envs.base import Action
 from sao_jax.envs.demonstrations import demonstration_trajectory
 from sao_jax.envs.math_tool import MathTool, MathToolConfig
 from sao_jax.envs.sandbox import SandboxLimits, run_python
 from sao_jax.envs.tokenizer import Qwen3Tokenizer
+from sao_jax.train import evaluation
+from sao_jax.train import trainer
 
 from runs import load_config_module  # pylint: disable=g-bad-import-order
 
@@ -87,7 +88,7 @@ def test_shipped_files_are_what_the_generator_writes(tmp_path):
   for name in ("train.jsonl.gz", "heldout.jsonl.gz"):
     with open(tmp_path / name, "rb") as a, open(os.path.join(math_problems.SHIPPED_DIR, name),
                                                  "rb") as b:
-      assert a.read() == b.read(), f"{name}: regenerate with python -m sao_jax.data.math_problems"
+      assert a.read() == b.read(), f"{name}: regenerate with python -m sao_jax.envs.math_problems"
 
 
 def test_heldout_questions_are_not_trained_on(env):

@@ -17,8 +17,8 @@ import tarfile
 import ml_collections
 import pytest
 
-from sao_jax.data import repo_tasks
 from sao_jax.envs import chat, registry, repo_repair, sandbox
+from sao_jax.envs import repo_tasks
 from sao_jax.envs.base import Action, GraderError
 from sao_jax.envs.demonstrations import demonstration_trajectory
 

@@ -29,13 +29,13 @@ import time
 
 import pytest
 
-from sao_jax.train import configuration
-from sao_jax.data import fleet
-from sao_jax.train import trainer
 from sao_jax.data import store
 from sao_jax.envs import registry
 from sao_jax.envs.base import Action
 from sao_jax.envs.tokenizer import CharTokenizer
+from sao_jax.train import configuration
+from sao_jax.train import trainer
+from sao_jax.transport import fleet
 
 import runs  # pylint: disable=g-bad-import-order
 

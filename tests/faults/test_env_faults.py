@@ -32,8 +32,8 @@ MAX_LEN = 128
 # this long to be cut, far beyond what load on a 2-core machine does.
 TIMEOUT = 2.0
 # The engine's and the drivers' section: turns of 6 tokens, 2 environment
-# workers and the timeout above (swap policy and decode steps: the driver's
-# former defaults).
+# workers and the timeout above (swap policy keep and 8 decode steps, fixed
+# here).
 ROLLOUT = sections.Rollout(slots=4, max_len=MAX_LEN, max_turn_tokens=6, env_workers=2,
                            env_timeout=TIMEOUT, swap_policy="keep", decode_steps=8)
 

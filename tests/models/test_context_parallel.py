@@ -1,4 +1,4 @@
-"""Context parallelism: rows split over a `context` mesh axis (issue 28 item 1).
+"""Context parallelism: rows split over a `context` mesh axis.
 
 configs/sao_moe_128k.py maps the "length" logical axis onto a mesh axis, so
 one 128K row spans two chips. These check, on 8 simulated CPU devices in

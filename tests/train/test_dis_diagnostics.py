@@ -1,4 +1,4 @@
-"""DIS under lag (issue 27): the step's diagnostics against NumPy, the warning
+"""DIS under lag: the step's diagnostics against NumPy, the warning
 lines, and DIS's variants as records usable in config validation and the
 jitted train step.
 """

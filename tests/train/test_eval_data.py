@@ -36,7 +36,7 @@ def _rows(path, n_good, n_bad):
 
 
 def test_a_set_that_lost_rows_fails_in_one_line_unless_strict_is_off(tmp_path):
-  """3 of 4 rows malformed: the evaluation stops before sampling (it used to run
+  """3 of 4 rows malformed: the evaluation stops before sampling (rather than run
   on the one row left and exit 0); strict off, the counts are the set's."""
   bad = _rows(tmp_path / "aime.jsonl", 1, 3)
   clean = _rows(tmp_path / "clean.jsonl", 2, 0)

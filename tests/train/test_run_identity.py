@@ -17,12 +17,13 @@ import jax
 import numpy as np
 
 from sao_jax.config import sections
-from sao_jax.data import fleet, identity, store
+from sao_jax.data import identity, store
 from sao_jax.envs.demonstrations import demonstration_trajectory
 from sao_jax.envs.python_tool import PythonTool
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import policy, precision
 from sao_jax.train import factories, sources
+from sao_jax.transport import fleet
 
 import runs  # pylint: disable=g-bad-import-order
 

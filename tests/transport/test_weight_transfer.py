@@ -1,7 +1,7 @@
-"""The direct weight path (sao_jax/data/weight_transfer.py): the transfer plan,
+"""The direct weight path (sao_jax/transport/weight_transfer.py): the transfer plan,
 and two trainer processes of a `jax.distributed` job serving a rollout in
 this process over loopback, bit for bit, whole and as a chain of deltas
-(sao_jax/data/weight_delta.py), with a delta that no longer fits the held
+(sao_jax/transport/weight_delta.py), with a delta that no longer fits the held
 version, a kill mid-pull and the checkpoint fallback. Every wait is on an observable event behind a hang guard.
 """
 
@@ -21,14 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from sao_jax.train import factories
 from sao_jax.data import files
-from sao_jax.data import fleet
 from sao_jax.data import identity
-from sao_jax.train import fleet_worker
-from sao_jax.models import precision
-from sao_jax.data import weight_transfer as wt
 from sao_jax.models import policy
+from sao_jax.models import precision
+from sao_jax.train import factories
+from sao_jax.train import fleet_worker
+from sao_jax.transport import fleet
+from sao_jax.transport import weight_transfer as wt
 
 import runs  # pylint: disable=g-bad-import-order
 import transfer_trainer  # pylint: disable=g-bad-import-order
@@ -467,7 +467,7 @@ def test_check_cover_is_near_linear_and_agrees_with_every_pair_compared(monkeypa
   """check_cover's verdict and message equal the pairwise oracle's on random
   covers (grids with some pieces split; a piece dropped, doubled, shifted,
   out of shape or of the wrong rank), small ones and ones of 3,000+ pieces,
-  where the pairwise scan took 11 s. Counted, not timed: a right cover of
+  where a pairwise scan takes seconds. Counted, not timed: a right cover of
   n pieces costs O(n) pair comparisons, not n (n - 1) / 2."""
   rng = np.random.default_rng(0)
   verdicts = collections.Counter()

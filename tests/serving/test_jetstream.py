@@ -16,8 +16,8 @@ from sao_jax.config import sections  # pylint: disable=g-import-not-at-top,wrong
 from sao_jax.envs.tokenizer import CharTokenizer  # pylint: disable=g-import-not-at-top,wrong-import-position
 from sao_jax.models import config as mcfg  # pylint: disable=g-import-not-at-top,wrong-import-position
 from sao_jax.models import policy  # pylint: disable=g-import-not-at-top,wrong-import-position
-from sao_jax.rollout import jetstream_bridge  # pylint: disable=g-import-not-at-top,wrong-import-position
 from sao_jax.rollout.engine import PolicyEngine  # pylint: disable=g-import-not-at-top,wrong-import-position
+from sao_jax.serving import jetstream_bridge  # pylint: disable=g-import-not-at-top,wrong-import-position
 from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc  # pylint: disable=g-import-not-at-top,wrong-import-position
 from jetstream.engine import engine_api  # pylint: disable=g-import-not-at-top,wrong-import-position
 

@@ -54,7 +54,7 @@ from typing import Callable
 import numpy as np
 
 from sao_jax.data.trajectory import Trajectory, checked
-from sao_jax.rollout.serving import Completion
+from sao_jax.serving.batcher import Completion
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 # Roles a request may add after the messages the session has seen, to be bridged.

@@ -1,6 +1,6 @@
 """What the endpoint answers for a sampled completion: OpenAI's choices, log-probs and stream chunks.
 
-`openai_api.py` samples; this module turns one `serving.Completion` into
+`openai_api.py` samples; this module turns one `batcher.Completion` into
 what a client reads, apart from HTTP:
 
   * `cut_at_stop`: a `stop` string is checked on the decoded text (the
@@ -31,14 +31,14 @@ import uuid
 from typing import Any
 
 from sao_jax.envs import chat
-from sao_jax.rollout import serving
-from sao_jax.rollout.http_server import clean_text
+from sao_jax.serving import batcher
+from sao_jax.serving.http_server import clean_text
 
 
 @dataclasses.dataclass(frozen=True)
 class Cut:
   """A completion as served: its tokens (cut at a stop string) and why it ended."""
-  completion: serving.Completion  # what is returned and recorded
+  completion: batcher.Completion  # what is returned and recorded
   stop: str | None  # the stop string it was cut at
 
 
@@ -46,7 +46,7 @@ def _body_text(tok, ids, turn_end: int) -> str:
   return tok.decode([t for t in ids if t != turn_end])
 
 
-def cut_at_stop(completion: serving.Completion, stops, tok, turn_end: int) -> Cut:
+def cut_at_stop(completion: batcher.Completion, stops, tok, turn_end: int) -> Cut:
   """`completion` up to the first token whose text completes one of `stops`."""
   ids = completion.tokens
   if not stops:
@@ -118,7 +118,7 @@ def _piece(tok, t: int) -> tuple[str, list[int]]:
   return clean_text(tok.decode([t])), list(raw)
 
 
-def chat_logprobs(completion: serving.Completion, tok) -> dict:
+def chat_logprobs(completion: batcher.Completion, tok) -> dict:
   """OpenAI's chat `logprobs`: per token its text, bytes, log-prob and alternatives."""
   content = []
   for k, (t, lp) in enumerate(zip(completion.tokens, completion.logprobs)):
@@ -131,7 +131,7 @@ def chat_logprobs(completion: serving.Completion, tok) -> dict:
   return {"content": content}
 
 
-def completion_logprobs(completion: serving.Completion, tok) -> dict:
+def completion_logprobs(completion: batcher.Completion, tok) -> dict:
   """The legacy completions' `logprobs`: tokens, their log-probs, alternatives, offsets."""
   tokens, offsets, at, tops = [], [], 0, []
   for k, t in enumerate(completion.tokens):

@@ -24,8 +24,6 @@ import numpy as np
 import openai
 import pytest
 
-from sao_jax.train import factories
-from sao_jax.data import fleet
 from sao_jax.data import identity
 from sao_jax.data import store
 from sao_jax.data.prompts import EVAL_OFFSET
@@ -33,7 +31,10 @@ from sao_jax.data.trajectory import Trajectory
 from sao_jax.envs import chat, repo_repair, sandbox
 from sao_jax.envs.tokenizer import TOKENIZERS
 from sao_jax.rollout import engine as engine_lib
-from sao_jax.rollout import openai_api, serving, sessions
+from sao_jax.serving import batcher as batcher_lib
+from sao_jax.serving import openai_api, sessions
+from sao_jax.train import factories
+from sao_jax.transport import fleet
 from fakes import random_params  # pylint: disable=g-bad-import-order
 from test_chat import official_ids  # pylint: disable=g-bad-import-order
 from test_configs import load_config_module  # pylint: disable=g-bad-import-order
@@ -290,7 +291,7 @@ def test_hostile_requests_are_openai_errors_with_counted_reasons(served):
 
 
 @pytest.mark.skipif(not hasattr(engine_lib.PolicyEngine, "serve_step"),
-                    reason="per-request sampling in the engine (issue 60 item 2) not landed")
+                    reason="the engine has no per-request sampling (serve_step)")
 def test_temperature_zero_and_a_seed_repeat_their_tokens_through_the_endpoint(served):
   c = client(served)
   messages = [{"role": "user", "content": "Say something."}]
@@ -358,7 +359,7 @@ def test_tool_calls_are_parsed_from_the_sampled_ids_and_answered_into_one_trajec
   turn1 = TOK.encode("Looking.\n") + call + bad + [IM_END]
   turn2 = TOK.encode("Done.") + [IM_END]
   engine = ScriptedEngine(_script(turn1 + turn2))
-  batcher = serving.Batcher(engine, IM_END, decode_steps=4)
+  batcher = batcher_lib.Batcher(engine, IM_END, decode_steps=4)
   written = []
   book = sessions.SessionBook(FMT, TOK.vocab_size, MAX_LEN, written.append,
                               current_version=lambda: VERSION)
@@ -410,7 +411,7 @@ def test_a_malformed_trajectory_is_refused_and_counted_not_written():
                               current_version=lambda: VERSION - 1)  # the server went back
   s = book.open()
   prompt, _ = s.prompt_ids([{"role": "user", "content": "hi"}], [])
-  done = serving.Completion((11, IM_END), (-1.0, -2.0), (VERSION, VERSION), True)
+  done = batcher_lib.Completion((11, IM_END), (-1.0, -2.0), (VERSION, VERSION), True)
   with s.lock:
     s.record(prompt, done, None, [], False)
   out = book.reward(s.id, 1.0)
@@ -614,7 +615,7 @@ def test_sessions_stay_bounded_in_number_size_and_age():
   for k in range(3):  # three histories that do not extend each other
     messages = [{"role": "user", "content": f"task {k}"}]
     prompt, _ = s.prompt_ids(messages, [])
-    s.record(prompt, serving.Completion((11, IM_END), (-1.0, -1.0), (0, 0), True), None, [],
+    s.record(prompt, batcher_lib.Completion((11, IM_END), (-1.0, -1.0), (0, 0), True), None, [],
              False)
   assert s.num_trajectories == 2 and book.counts["trajectories/dropped_session_full"] == 1
   book.open()

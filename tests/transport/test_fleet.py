@@ -1,5 +1,5 @@
 """The rollout fleet: shards and weights over shared storage, and the real
-trainer with two rollout processes, killed and restarted (sao_jax/data/fleet.py).
+trainer with two rollout processes, killed and restarted (sao_jax/transport/fleet.py).
 
 The end-to-end test waits only on observable events (files appearing,
 metrics lines, checkpoints committed), each behind a long hang guard; no
@@ -21,17 +21,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sao_jax.train import configuration
-from sao_jax.train import factories
-from sao_jax.data import fleet
 from sao_jax.data import identity
-from sao_jax.train import fleet_worker
-from sao_jax.data.checkpoint import committed_checkpoints
 from sao_jax.data import store
+from sao_jax.data.checkpoint import committed_checkpoints
 from sao_jax.envs.demonstrations import demonstration_trajectory
 from sao_jax.envs.python_tool import PythonTool
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import policy
+from sao_jax.train import configuration
+from sao_jax.train import factories
+from sao_jax.train import fleet_worker
+from sao_jax.transport import fleet
 
 import runs  # pylint: disable=g-bad-import-order
 
@@ -240,7 +240,7 @@ def test_fleet_config_is_checked():
   for field, value, match in (("fleet.keep_versions", 1, "fleet.keep_versions = 1"),
                               ("fleet.poll_seconds", 0.0, "fleet.poll_seconds"),
                               ("rollout.samples_per_prompt", 2, "rl.mode = 'fleet'"),
-                              # The direct weight path's fields (sao_jax/data/weight_transfer.py).
+                              # The direct weight path's fields (sao_jax/transport/weight_transfer.py).
                               ("fleet.weights_path", "nfs", "fleet.weights_path"),
                               ("fleet.pull_timeout_s", 0.1, "fleet.pull_timeout_s"),
                               ("fleet.transfer_host", "trainer-0", "fleet.transfer_host")):
@@ -381,7 +381,7 @@ def test_the_rollout_worker_refuses_a_live_rollout_id_at_start_up(tmp_path):
 
 def test_a_killed_writers_lock_does_not_block_its_restart(tmp_path):
   root = str(tmp_path)
-  code = ("import sys; from sao_jax.data import fleet; "
+  code = ("import sys; from sao_jax.transport import fleet; "
           "w = fleet.ShardWriter(sys.argv[1], 'r0', 2, 1e9); print('held', flush=True); "
           "sys.stdin.read()")
   holder = subprocess.Popen([sys.executable, "-c", code, root], stdin=subprocess.PIPE,

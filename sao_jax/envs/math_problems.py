@@ -25,7 +25,7 @@ module's own, run here in-process). Rows are verl's format
 
 Regenerate the shipped files (deterministic for a seed):
 
-    python -m sao_jax.data.math_problems --out_dir=sao_jax/data/math_tool
+    python -m sao_jax.envs.math_problems --out_dir=sao_jax/envs/task_data/math_tool
 
 The set is for training and measuring sao-jax itself on CPU; a real run
 points `env.kwargs.path` at its own dataset.
@@ -44,7 +44,7 @@ from typing import Callable
 import numpy as np
 
 DATA_SOURCE = "sao_jax/math_problems"
-SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "math_tool")
+SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "task_data", "math_tool")
 SHIPPED_TRAIN = os.path.join(SHIPPED_DIR, "train.jsonl.gz")
 SHIPPED_HELDOUT = os.path.join(SHIPPED_DIR, "heldout.jsonl.gz")
 

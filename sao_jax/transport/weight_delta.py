@@ -36,13 +36,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Elements per block. 1 (each changed element with its own int32 index) is
-# the smallest of the blocks benchmarks/delta_versions.py measured at
-# sao_moe's lr (1, 16, 64, 256): 1-4% of elements change, scattered, so a
-# block of 16 or more is nearly always touched. A bitmask (a bit per
-# element, then the changed values) was smaller where 4% changed (10.3%
-# of the version against 12.7%) and larger at 1% (7.3% against 3.6%); not
-# built (benchmarks/RESULTS.md, "Delta weight versions").
+# Elements per block. 1 (each changed element with its own int32 index): at
+# sao_moe's lr few elements change, scattered, so a block of 16 or more is
+# nearly always touched, and 1 gives the smallest delta of the block sizes
+# benchmarks/delta_versions.py compares. A bitmask (a bit per element, then
+# the changed values) is smaller only where more elements change; it is not
+# built (sizes: benchmarks/RESULTS.md#fleet-and-weight-sync).
 BLOCK = 1
 INDEX_DTYPE = jnp.int32
 _GOLDEN = 0x9E3779B9

@@ -3,73 +3,40 @@
 The fleet's direct weight path (`fleet.weights_path = "direct"`, the
 default where `jax.experimental.transfer` works). No file holds the bytes:
 
-  * Trainer side (`WeightServer`, one per trainer process): at each publish
-    the serving params are taken in one jitted program, the cast to the
-    engines' dtype and the copy together (the next train step donates the
-    live params, and a donated buffer cannot be served), and the
-    process's share of its distinct shards is offered through JAX's transfer
-    server (a TCP bulk transport in jaxlib, "DCN"). A manifest
-    `<root>/transfer/v<version>.p<process>.json` (atomic rename) says where
-    the server listens and which pieces (leaf, index range) it holds.
-  * Rollout side (`NetFollower`): the newest version whose manifests from
-    every trainer process are present (newest by publish time; a manifest
-    dated more than `CLOCK_SKEW_S` past the rollout's clock is ignored,
-    counted and logged: it would outrank every real version while it
-    stayed) is pulled, piece by piece, each onto
-    the rollout device that needs it (`route`), from all trainer processes
-    at once. A transfer-server entry serves one puller, so the rollout first
-    asks: `<root>/transfer/requests/<rollout>-<uuid>.json`; each trainer
-    process's request thread registers that uuid over its pieces. The pull
-    fills buffers in the background; the worker keeps generating on the
-    version it holds and polls. Only when every piece has arrived are the
-    pieces assembled into the engine's layout (local copies between the
-    rollout's own devices) and handed over: a version is used whole or not
-    at all. A pull that fails (a dead trainer process closes its sockets,
-    which fails the pending pull) or outlives `fleet.pull_timeout_s` (a
-    wall-clock guard: the library's own timeouts fire only at the server's
-    next event) is discarded and counted by reason; the held version stays.
+  * `WeightServer` (trainer side, one per trainer process) offers, at each
+    publish, the process's share of the serving params' distinct shards
+    (cast to the engines' dtype) through JAX's transfer server, and writes
+    a manifest `<root>/transfer/v<version>.p<process>.json` (atomic rename)
+    saying where it listens and which pieces (leaf, index range) it holds.
+  * `NetFollower` (rollout side) pulls the newest version whose manifests
+    from every trainer process are present, piece by piece, onto the
+    rollout devices that need them (`route`), after registering a request
+    under `<root>/transfer/requests/`. A version is used whole or not at
+    all: a pull that fails or outlives `fleet.pull_timeout_s` is discarded
+    and counted by reason, and the held version stays.
   * `Follower` joins this to the checkpoint path (`fleet.WeightFollower`):
-    the trainer still writes every `fleet.checkpoint_every`-th version (and
-    its first and last) as an orbax checkpoint, the bootstrap for a late or
-    restarted rollout that cannot pull and the fallback after a failed
-    pull, taken when it is newer than what the rollout holds. A version's
-    identity is (version, the trainer run's nonce) on both paths, so a
-    restarted trainer's republished versions are told apart from the dead
-    one's. The manifests and checkpoints also carry the trainer's run id
-    and the version's params fingerprint (sao_jax/data/identity.py), which
-    the rollout stamps on the trajectories that version samples.
+    every `fleet.checkpoint_every`-th version (and the first and last) is
+    also an orbax checkpoint, the bootstrap and the fallback. A version's
+    identity is (version, the trainer run's nonce) on both paths; manifests
+    and checkpoints carry the run id and the params fingerprint
+    (sao_jax/data/identity.py).
 
-Delta versions (`fleet.delta_versions`, sao_jax/data/weight_delta.py): at
-the RL learning rates few bf16 elements change from one version to the
-next, so each trainer process also encodes each of its pieces against the
-version before (the changed elements' positions and bits; a piece whose
-delta is no smaller goes whole) and puts in the manifest `delta` (the
-version it applies to) and per piece the delta's size and the new piece's
-checksum. A rollout holding exactly that version (same trainer run) asks
-for the delta (`delta_from` in its request), applies it to the pieces it
-kept of the held version, and checks every piece's checksum before the
-assembly; a mismatch (a held piece not what it should be) discards the
-pull, is counted (`delta_checksum`) and the version is pulled again whole.
-A rollout further behind, a new one, or one that fails pulls whole. The
-cost: the rollout keeps the held version's pieces (one more copy of a
-version on its devices; the engine keeps its own copy of what it is
-handed), and the trainer one encoding pass per version. Off by default:
-on CPU loopback (benchmarks/delta_versions.py) a delta version moved 4-13%
-of the bytes yet took longer than a whole one, the encoding outweighing
-the bytes saved; where the link is slow (a version of sao_moe is 61 GB)
-the bytes decide, but the encoding's cost on a TPU is not measured.
+With `fleet.delta_versions` (sao_jax/transport/weight_delta.py) a rollout
+holding exactly the version before pulls only its delta, checked by a
+checksum per piece; a mismatch pulls the version whole.
 
-Which bytes move is `plan`: a pure function of the two layouts (the
-trainer's param shardings and the engine's), shared by the rollout (its
-routes) and launch/compile.py (its "transfer" entry: bytes per rollout host
-and per trainer host). Each distinct shard of the trainer's layout crosses
-the network once per rollout host, served by the trainer process holding a
-copy that serves the fewest bytes so far (replicas spread the load).
+`plan` (which bytes move) is a pure function of the trainer's and the
+engine's layouts, shared by the rollout and launch/compile.py's "transfer"
+entry; each distinct shard crosses the network once per rollout host.
 
 Safety: the transfer server has no authentication; bind it to the
-internal interface (`fleet.transfer_host`). A server started without bulk
-transport addresses aborts its process on a remote pull; every server here
-is started with `fleet.transfer_sockets` >= 1 of them.
+internal interface (`fleet.transfer_host`). Every server here is started
+with `fleet.transfer_sockets` >= 1 bulk transport addresses (one without
+them aborts its process on a remote pull).
+
+How a pull proceeds, what fails and why, and the cost of delta versions:
+docs/design/weight_sync.md; figures:
+benchmarks/RESULTS.md#fleet-and-weight-sync.
 """
 
 from __future__ import annotations
@@ -94,7 +61,7 @@ import numpy as np
 
 from sao_jax.data import files
 from sao_jax.data import identity
-from sao_jax.data import weight_delta
+from sao_jax.transport import weight_delta
 
 TRANSFER = "transfer"
 REQUESTS = "requests"

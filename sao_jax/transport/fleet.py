@@ -1,14 +1,12 @@
 """The rollout fleet's transport: trajectories and weights over shared storage.
 
 In `rl.mode = "fleet"` rollout runs in its own processes (launch/rollout.py
-around `fleet_worker.run_rollout_worker`, which uses the pieces here), so
-generation never waits for training. Nothing travels over a hand-written
-RPC layer: trajectories move as ArrayRecord shards of the trajectory store,
-weights as versioned orbax checkpoints (on the default direct path,
-`fleet.weights_path = "direct"`, the bytes of most versions go over the
-network instead and these checkpoints are its bootstrap and fallback:
-sao_jax/data/weight_transfer.py), both under one shared directory
-(`fleet.root`, default `<workdir>/fleet`):
+around `fleet_worker.run_rollout_worker`), so generation never waits for
+training. Trajectories move as ArrayRecord shards of the trajectory store and
+weights as versioned orbax checkpoints (the bootstrap and fallback of the
+direct path, weight_transfer.py), all under one root (`fleet.root`, default
+`<workdir>/fleet`; a POSIX directory every host mounts or an object-store URL,
+through sao_jax/data/files.py):
 
     <root>/weights/<version>/         orbax: the policy params after <version>
                                       actor updates, and a JSON meta (version,
@@ -26,74 +24,29 @@ sao_jax/data/weight_transfer.py), both under one shared directory
                                       the shard up to which it read them all
     <root>/DONE                       the trainer finished RL: rollouts exit
 
-Visibility is by rename only, so a reader never sees half of anything:
+Contract:
 
-  * a shard is written under `<name>.tmp-<pid>` and renamed when it holds
-    `fleet.shard_trajectories` trajectories or is `fleet.shard_seconds` old
-    (`ShardWriter`, on `store.TrajectoryWriter`). A SIGKILLed rollout loses
-    its open shard only; a restarted one removes its own dead temporaries
-    and continues its sequence numbers after the trainer's watermark, at
-    the first number no shard on disk has. One process writes a rollout id:
-    it holds the id's lock (`RolloutLock`: flock, which the kernel drops
-    when the process dies) or, on an object store, its lease
-    (`RolloutLease`: a renewed object a dead holder's successor takes over),
-    and a second process started with a live id is refused with one line
-    (`RolloutIdInUse`) before it touches the first one's files.
-  * orbax saves a version under a temporary directory and renames it when
-    complete; `committed_checkpoints` lists only complete versions. The
-    trainer keeps the newest `fleet.keep_versions`; a rollout whose restore
-    loses the race with pruning keeps its params and takes the newest
-    version at its next poll.
+* Visibility is by rename (or, on an object store, by whole-object upload)
+  only: a reader never sees half a shard or half a version
+  (`ShardWriter`, `committed_checkpoints`).
+* One process writes a rollout id: it holds the id's `RolloutLock` (POSIX)
+  or `RolloutLease` (object store); a second one is refused with
+  `RolloutIdInUse` before it touches the first one's files.
+* `ShardFeed` hands out trajectories in completion order, each validated
+  (`ingestion.check`: staleness, run id and params fingerprints); bad
+  shards and records are counted by reason, never trained on, never a
+  crash. Its cursor goes into the trainer's checkpoint, and a restarted
+  trainer resumes exactly there: none skipped, none trained twice into the
+  same state.
+* `WeightPublisher` publishes versions and keeps the newest
+  `fleet.keep_versions`; `WeightFollower` follows the newest complete one,
+  back as well as forward when a resumed trainer republishes.
+* Backpressure without a channel back: a rollout holding
+  `fleet.max_unread_shards` closed shards the trainer has not read
+  (`consumed.json`) stops emitting until it reads on; it cannot deadlock.
 
-Trainer side, `ShardFeed` hands out trajectories in completion order: each
-rollout's shards in sequence order, and across rollouts the shard renamed
-first. Shards are read through grain's ArrayRecordDataSource and every record
-is deserialised with the store's hostile-input checks and validated by the
-in-process queue's validation, `ingestion.check` (staleness included,
-and, given the trainer's `identity.Published`, the run id and params
-fingerprints each record carries: another run's or other params'
-trajectories are refused); bad shards and records are counted by reason,
-never trained on, never a crash. Counts that are no trajectory's (the driver's `tool_call_errors` and
-`env_events`, `SHARD_COUNTERS`) travel beside the shard: its writer records
-what they grew by while the shard was open in a `.stats.json` written before
-the shard's rename, and the feed adds them when it finishes the shard; a
-stats file that is not what a writer writes is logged and ignored.
-
-What was consumed is a cursor that goes into the trainer's checkpoint: per
-rollout, a watermark (every shard up to it fully consumed) and the shards
-consumed beyond it, and (at most one) partially consumed shard with the
-index of its next record. Shards are read by what exists, not by the
-highest number seen: a stray file with a high number cannot hide the live
-writer's lower ones, and what the feed does skip is counted (`ShardFeed`).
-A restarted trainer resumes exactly at the cursor of its checkpoint:
-trajectories trained after that checkpoint are trained again (their updates
-were lost with the process), none is skipped, none is trained twice into
-the same state.
-
-Rollout side, `WeightFollower` polls for the newest complete version and
-restores it into the engine's abstract params. "Newest" may be older than
-what it holds: a trainer killed after publishing versions v+1.. resumes from
-its checkpoint at v, removes those versions (a future it discarded) and
-republishes; the rollouts follow it back.
-
-The feed's watermarks (`consumed.json`, rewritten atomically whenever a
-shard is finished) also give backpressure without a channel back: a rollout
-holding `fleet.max_unread_shards` closed shards the trainer has not read
-stops emitting (its driver blocks, like the in-process queue's `put`) until
-the trainer reads on. It cannot deadlock: the trainer only waits when it has
-read every closed shard, and then no rollout has any unread. (Progress is
-not taken from the weight versions: a trainer short of a batch publishes
-nothing, and would wait on rollouts that wait on it.)
-
-Polling is deliberate: shared filesystems and object stores (GCS) have no
-portable change notification, and the poll interval (`fleet.poll_seconds`)
-is small beside a train step. The root is a POSIX directory every host
-mounts (local disk, NFS / Filestore, a gcsfuse mount) or an object-store URL
-(gs://bucket/run/fleet), through sao_jax/data/files.py: there a shard is written
-locally and uploaded on close (an object appears whole or not at all, so
-its name is its own marker, and no temporary is ever seen under the root),
-a version is complete when orbax has written its commit file, and the
-trainer downloads a shard before reading it.
+How restarts, pruning races, the cursor, backpressure and object stores
+work, and why the transport polls: docs/design/fleet.md.
 """
 
 from __future__ import annotations
@@ -115,8 +68,8 @@ import grain
 import jax
 
 from sao_jax.data import files
-from sao_jax.data.checkpoint import Checkpointer, committed_checkpoints
 from sao_jax.data import ingestion, store
+from sao_jax.data.checkpoint import Checkpointer, committed_checkpoints
 from sao_jax.data.identity import Published
 from sao_jax.data.trajectory import ENV_FAULTS, Trajectory
 

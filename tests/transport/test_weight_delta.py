@@ -1,4 +1,4 @@
-"""Delta weight versions (sao_jax/data/weight_delta.py): encode / apply against
+"""Delta weight versions (sao_jax/transport/weight_delta.py): encode / apply against
 a numpy oracle, bit for bit, and the checksum."""
 
 import contextlib
@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from sao_jax.data import weight_delta as wd
+from sao_jax.transport import weight_delta as wd
 
 
 def _bits(x):

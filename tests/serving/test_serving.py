@@ -1,4 +1,4 @@
-"""The batcher's per-request sampling and prefix reuse (rollout/serving.py).
+"""The batcher's per-request sampling and prefix reuse (serving/batcher.py).
 
 The oracle is the model teacher-forced over prompt and completion: each
 recorded log-prob must be that of its token under the request's behaviour
@@ -18,14 +18,14 @@ import pytest
 from sao_jax.config import sections
 from sao_jax.models import config as mcfg
 from sao_jax.models.transformer import Transformer, lm_head_weight, lm_logits
-from sao_jax.rollout import serving
 from sao_jax.rollout.engine import PolicyEngine
 from sao_jax.rollout.sampling import SamplingConfig, sampling_logprobs
+from sao_jax.serving import batcher as batcher_lib
 from fakes import random_params  # pylint: disable=g-bad-import-order
 
 VOCAB, STOP, MAX_LEN = 64, 63, 64
 CFG = mcfg.tiny(vocab_size=VOCAB)
-R = serving.RequestSampling
+R = batcher_lib.RequestSampling
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -35,14 +35,14 @@ R = serving.RequestSampling
     dict(top_logprobs=21), dict(top_logprobs=-1)])
 def test_request_sampling_refuses_bad_values_in_one_line(kwargs):
   with pytest.raises(ValueError) as e:
-    serving.RequestSampling(**kwargs)
+    batcher_lib.RequestSampling(**kwargs)
   assert "\n" not in str(e.value) and next(iter(kwargs)) in str(e.value)
 
 
 def test_request_sampling_defaults_are_the_engine_distribution():
-  s = serving.RequestSampling()
+  s = batcher_lib.RequestSampling()
   assert (s.temperature, s.top_p, s.seed, s.stop_ids, s.top_logprobs) == (1.0, 1.0, None, (), 0)
-  assert serving.RequestSampling(temperature=0).greedy and not s.greedy
+  assert batcher_lib.RequestSampling(temperature=0).greedy and not s.greedy
 
 
 # --- a tiny engine behind a batcher ---------------------------------------------------
@@ -52,7 +52,7 @@ def make_batcher(cfg=CFG, slots=3, params=None, **rollout):
   params = random_params(cfg, 0.5) if params is None else params
   engine = PolicyEngine(cfg, params, sections.Rollout(
       slots=slots, max_len=MAX_LEN, prefill_buckets=(16,), **rollout), seed=1)
-  return serving.Batcher(engine, STOP, decode_steps=4), params
+  return batcher_lib.Batcher(engine, STOP, decode_steps=4), params
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def teacher_logits(params, prompt, completion, cfg=CFG):
   return np.asarray(_logits(cfg, params, padded))[len(prompt) - 1:len(seq) - 1]
 
 
-def behaviour_logprobs(params, prompt, c, s: serving.RequestSampling, cfg=CFG):
+def behaviour_logprobs(params, prompt, c, s: batcher_lib.RequestSampling, cfg=CFG):
   """`[len(c.tokens), V]` teacher-forced log-probs of the request's distribution."""
   logits = teacher_logits(params, prompt, c.tokens, cfg)
   return np.asarray(sampling_logprobs(logits, SamplingConfig(s.temperature, 0, s.top_p)))

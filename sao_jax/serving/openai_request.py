@@ -29,7 +29,7 @@ import json
 import math
 import re
 
-from sao_jax.rollout import serving
+from sao_jax.serving import batcher
 
 MAX_DIGITS = 40
 MAX_N = 16
@@ -162,7 +162,7 @@ class Generation:
   logprobs: bool
   top_logprobs: int
   stop: tuple[str, ...]  # strings the reply is cut before
-  sampling: serving.RequestSampling | None  # None: the run's sampling
+  sampling: batcher.RequestSampling | None  # None: the run's sampling
   return_ids: bool  # the prompt and completion ids in the reply's `sao` object
 
 
@@ -174,15 +174,15 @@ def _stop(body: dict, vocab_size: int) -> tuple[tuple[str, ...], tuple[int, ...]
     raise bad("bad_stop", f"stop must be a string or a list of at most {MAX_STOP_STRINGS} "
               f"non-empty strings of at most {MAX_STOP_CHARS} characters", "stop")
   ids = body.get("stop_token_ids") or []
-  if not (isinstance(ids, list) and len(ids) <= serving.MAX_STOP_IDS and all(
+  if not (isinstance(ids, list) and len(ids) <= batcher.MAX_STOP_IDS and all(
       isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids)):
     raise bad("bad_stop_token_ids", f"stop_token_ids must be a list of at most "
-              f"{serving.MAX_STOP_IDS} token ids in [0, {vocab_size})", "stop_token_ids")
+              f"{batcher.MAX_STOP_IDS} token ids in [0, {vocab_size})", "stop_token_ids")
   return tuple(stop), tuple(ids)
 
 
 def generation(body: dict, *, chat: bool, vocab_size: int,
-               default: serving.RequestSampling | None) -> Generation:
+               default: batcher.RequestSampling | None) -> Generation:
   """The request's `Generation` (ApiError on a bad or unsupported value)."""
   limit = body.get("max_completion_tokens") if chat else None
   limit = integer(body, "max_tokens", 1, 1 << 40) if limit is None else limit
@@ -198,11 +198,11 @@ def generation(body: dict, *, chat: bool, vocab_size: int,
   include_usage = flag(options or {}, "include_usage")
   if chat:
     logprobs = flag(body, "logprobs")
-    top = integer(body, "top_logprobs", 0, serving.MAX_TOP_LOGPROBS, 0)
+    top = integer(body, "top_logprobs", 0, batcher.MAX_TOP_LOGPROBS, 0)
     if top and not logprobs:
       raise bad("bad_top_logprobs", "top_logprobs needs logprobs: true", "top_logprobs")
   else:  # the legacy field: an int, the alternatives per token
-    top = integer(body, "logprobs", 0, serving.MAX_TOP_LOGPROBS)
+    top = integer(body, "logprobs", 0, batcher.MAX_TOP_LOGPROBS)
     logprobs, top = top is not None, top or 0
   stop, stop_ids = _stop(body, vocab_size)
   temperature = number(body, "temperature", 0.0, 2.0)
@@ -210,8 +210,8 @@ def generation(body: dict, *, chat: bool, vocab_size: int,
   seed = integer(body, "seed", 0, 2**63 - 1)
   sampling = None
   if (temperature, top_p, seed) != (None,) * 3 or stop_ids or top:
-    base = default or serving.RequestSampling()
-    sampling = serving.RequestSampling(
+    base = default or batcher.RequestSampling()
+    sampling = batcher.RequestSampling(
         temperature=base.temperature if temperature is None else temperature,
         top_p=base.top_p if top_p is None else top_p, seed=seed, stop_ids=stop_ids,
         top_logprobs=top)

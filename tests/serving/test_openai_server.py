@@ -2,7 +2,7 @@
 batcher (no model): what each request asked of the sampler is what the batcher received,
 and what it returned is what the client read and the session recorded.
 
-Issue 60's findings, each a test: 200 concurrent clients all answered (200, or 503 with
+Each a test: 200 concurrent clients all answered (200, or 503 with
 Retry-After, counted); sampling fields honoured or refused, streaming, n > 1,
 top_logprobs, /health, /v1/models/{id}, /v1/completions; sessions owned by whoever
 opened them; a reply with a lone surrogate answered, a reply not sent not recorded;
@@ -22,7 +22,8 @@ import pytest
 
 from sao_jax.envs import chat
 from sao_jax.envs.tokenizer import TOKENIZERS
-from sao_jax.rollout import http_server, openai_api, serving, sessions
+from sao_jax.serving import batcher as batcher_lib
+from sao_jax.serving import http_server, openai_api, sessions
 
 TOK = TOKENIZERS["qwen3"]()
 FMT = chat.make_format("qwen3", TOK)
@@ -34,7 +35,7 @@ HTTP = httpx.Client(timeout=60)  # one client: a new one per call costs ~0.1 s o
 
 
 class FakeBatcher:
-  """`serving.Batcher`'s API: every request answered with `reply(prompt, sampling)`'s ids
+  """`batcher.Batcher`'s API: every request answered with `reply(prompt, sampling)`'s ids
   (after `delay` seconds), log-probs -0.5 - 0.01 k, version 7; the submissions kept."""
 
   max_len = MAX_LEN
@@ -57,7 +58,7 @@ class FakeBatcher:
       self.submitted.append((list(prompt), max_new_tokens, sampling, prefix_key))
     ids = list(self.reply(prompt, sampling))[:max_new_tokens]
     top = sampling.top_logprobs if sampling else 0
-    completion = serving.Completion(
+    completion = batcher_lib.Completion(
         tuple(ids), tuple(-0.5 - 0.01 * k for k in range(len(ids))), (7,) * len(ids),
         ids[-1] == IM_END,
         tuple(tuple((t + j, -1.0 - j) for j in range(top)) for t in ids) if top else ())
@@ -205,7 +206,7 @@ def test_sampling_fields_reach_the_batcher_and_n_choices_are_trajectories_of_the
         model=MODEL, messages=USER, temperature=0, top_p=0.5, seed=11, n=3, logprobs=True,
         top_logprobs=2, extra_body={"stop_token_ids": [13]})
     (_, _, sampling, key), *rest = batcher.submitted
-    assert sampling == serving.RequestSampling(temperature=0.0, top_p=0.5, seed=11,
+    assert sampling == batcher_lib.RequestSampling(temperature=0.0, top_p=0.5, seed=11,
                                                stop_ids=(13,), top_logprobs=2)
     assert key == a["id"] and [s.seed for _, _, s, _ in rest] == [12, 13]
     assert [c.message.content for c in r.choices] == ["seed 11", "seed 12", "seed 13"]
@@ -352,7 +353,7 @@ def test_a_reply_not_sent_records_nothing():
         "requests"] == 0
     # A reply that cannot be encoded (a NaN log-prob) is a 500, and records nothing.
     nan = FakeBatcher()
-    nan.submit = lambda *args, **kw: _done(serving.Completion((11, IM_END),
+    nan.submit = lambda *args, **kw: _done(batcher_lib.Completion((11, IM_END),
                                                               (float("nan"), -1.0), (7, 7), True))
     server.app.batcher = nan
     r = HTTP.post(f"{a['base_url']}/chat/completions",

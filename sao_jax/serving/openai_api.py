@@ -5,7 +5,7 @@ OpenHands, a script with the `openai` client) can drive the policy here,
 and every session it runs becomes training data: `launch/serve.py
 --api=openai` serves a run's policy (its latest checkpoint, or fresh params)
 through the run's own engine (`PolicyEngine`, continuously batched by
-`serving.Batcher`) and renders messages with the run's chat format, the
+`batcher.Batcher`) and renders messages with the run's chat format, the
 renderer the trainer's rollouts use, token for token. Sessions are
 recorded by `sessions.py`'s rule and written, once their owner posts the
 reward, to the fleet's trajectory shards, which a trainer in `rl.mode =
@@ -82,12 +82,14 @@ import uuid
 
 from absl import logging
 
-from sao_jax.data import fleet
 from sao_jax.data import identity
 from sao_jax.envs import registry
-from sao_jax.rollout import backends, http_server, loopback, openai_reply, serving, sessions
-from sao_jax.rollout import openai_request as rq
-from sao_jax.rollout.openai_request import ApiError, parse_messages, parse_tools  # pylint: disable=unused-import
+from sao_jax.rollout import backends, loopback
+from sao_jax.serving import batcher as batcher_lib
+from sao_jax.serving import http_server, openai_reply, sessions
+from sao_jax.serving import openai_request as rq
+from sao_jax.serving.openai_request import ApiError, parse_messages, parse_tools  # pylint: disable=unused-import
+from sao_jax.transport import fleet
 
 _PATH = re.compile(r"^(?:/sessions/([^/]+)(?:/([^/]+))?)?/v1/(chat/completions|completions|"
                    r"models)(?:/(.+?))?/?$")
@@ -98,7 +100,7 @@ class OpenAIApp:
   """The endpoint's logic, apart from HTTP: `handle(method, path, headers, body, out)`.
 
   Args:
-    batcher: `serving.Batcher` over the run's engine.
+    batcher: `batcher.Batcher` over the run's engine.
     chat_format: the run's chat format (`registry.make_format(config.env, tok)`).
     tokenizer: the run's tokenizer.
     book: `sessions.SessionBook`, which validates and writes trajectories.
@@ -111,10 +113,10 @@ class OpenAIApp:
       request leaves out when it sets others.
   """
 
-  def __init__(self, batcher: serving.Batcher, chat_format, tokenizer, book: sessions.SessionBook,
+  def __init__(self, batcher: batcher_lib.Batcher, chat_format, tokenizer, book: sessions.SessionBook,
                *, model_name: str, max_turn_tokens: int, api_key: str | None = None,
                owner_key: str | None = None,
-               default_sampling: serving.RequestSampling | None = None):
+               default_sampling: batcher_lib.RequestSampling | None = None):
     self.batcher, self.format, self.tok, self.book = batcher, chat_format, tokenizer, book
     # An ended session's parked cache goes at once, not when LRU reaches it.
     book.on_end = getattr(batcher, "forget", None)
@@ -370,7 +372,7 @@ class OpenAIApp:
           sampling = dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**63)
         futures.append(self.batcher.submit(prompt, budget, sampling=sampling,
                                            prefix_key=session_id))
-    except serving.Overloaded as e:
+    except batcher_lib.Overloaded as e:
       for f in futures:
         f.cancel()
       raise ApiError(503, "overloaded", f"the server is overloaded: {e}", kind="server_error",
@@ -382,7 +384,7 @@ class OpenAIApp:
                    ) from None
     return futures
 
-  def _results(self, futures) -> list[serving.Completion]:
+  def _results(self, futures) -> list[batcher_lib.Completion]:
     out = []
     for f in futures:
       try:
@@ -431,7 +433,7 @@ class OpenAIApp:
     self.count("completions", len(choices))
     self.count("completion_tokens", usage["completion_tokens"])
 
-  def _choice(self, completion: serving.Completion, index: int, req: dict) -> dict:
+  def _choice(self, completion: batcher_lib.Completion, index: int, req: dict) -> dict:
     """One choice as served: {"cut", "choice" (OpenAI's), "message", "seen"}."""
     gen = req["gen"]
     cut = openai_reply.cut_at_stop(completion, gen.stop, self.tok, self.format.turn_end_id)
@@ -625,7 +627,7 @@ class Endpoint:
     f = config.fleet
     self.writer = fleet.ShardWriter(root, rollout_id, f.shard_trajectories, f.shard_seconds)
     # The backend's completer: the Batcher over the JAX engine's slots, or
-    # requests handed to a vLLM server as they come (rollout/vllm_serving.py).
+    # requests handed to a vLLM server as they come (serving/vllm_serving.py).
     completer = backends.get(config.rollout.backend).build_completer()
     self.batcher = completer(engine, chat_format.turn_end_id,
                              decode_steps=decode_steps or config.rollout.decode_steps)
@@ -640,7 +642,7 @@ class Endpoint:
     self.app = OpenAIApp(
         self.batcher, chat_format, tokenizer, self.book, model_name=model_name,
         max_turn_tokens=config.rollout.max_turn_tokens, api_key=api_key, owner_key=owner_key,
-        default_sampling=serving.RequestSampling(temperature=config.rollout.temperature,
+        default_sampling=batcher_lib.RequestSampling(temperature=config.rollout.temperature,
                                                  top_p=config.rollout.top_p))
     try:
       self.server = Server(self.app, host, port, workers=workers or max(

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible endpoint on the "vllm" backend (rollout/vllm_serving.py).
+"""The OpenAI-compatible endpoint on the "vllm" backend (serving/vllm_serving.py).
 
 Default run (no vLLM needed): the endpoint built by the backend's record,
 on a `VllmEngine` whose server is test_vllm_backend's scripted stand-in of
@@ -25,9 +25,12 @@ import jax
 import numpy as np
 import pytest
 
-from sao_jax.data import fleet, store
-from sao_jax.rollout import backends, openai_api, serving, vllm_backend, vllm_serving
+from sao_jax.data import store
+from sao_jax.rollout import backends, vllm_backend
+from sao_jax.serving import batcher as batcher_lib
+from sao_jax.serving import openai_api, vllm_serving
 from sao_jax.train import factories
+from sao_jax.transport import fleet
 from test_configs import load_config_module  # pylint: disable=g-bad-import-order
 from test_vllm_backend import MOE, TOK, ScriptedServer, random_params, scripted  # pylint: disable=g-bad-import-order
 
@@ -114,7 +117,7 @@ def _written(root, max_len=MAX_LEN):
 
 
 def test_the_backend_record_names_the_completer():
-  assert backends.get("jax").build_completer() is serving.Batcher
+  assert backends.get("jax").build_completer() is batcher_lib.Batcher
   assert backends.get("vllm").build_completer() is vllm_serving.VllmCompleter
   with pytest.raises(ValueError, match="completer 'x' is not"):
     backends.register(backends.Backend("z", "m:f", "doc", completer="x"))
@@ -187,7 +190,7 @@ def test_a_swap_waits_for_requests_in_flight_and_tags_later_ones(served):
 
 
 def test_completion_of_refuses_answers_that_are_not_one():
-  sampling = serving.RequestSampling(top_logprobs=1)
+  sampling = batcher_lib.RequestSampling(top_logprobs=1)
   good = {"token_ids": [5, 6], "logprobs": {"token_logprobs": [-1.0, -2.0], "top_logprobs": [
       {"token_id:5": -1.0, "token_id:9": -0.5}, {"token_id:6": -2.0}]}}
   c = vllm_serving.completion_of(good, 4, sampling, (6,), 2)
