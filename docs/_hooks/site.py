@@ -47,6 +47,8 @@ API_MODULES = (
     "sao_jax.config.sections",
     "sao_jax.envs.base",
     "sao_jax.envs.registry",
+    "sao_jax.envs.chat",
+    "sao_jax.serving.openai_api",
     "sao_jax.train.trainer",
     "sao_jax.train.run",
     "sao_jax.train.export",
