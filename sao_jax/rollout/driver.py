@@ -99,7 +99,6 @@ from sao_jax.envs import base, chat
 from sao_jax.envs.base import Action, Environment, Task
 from sao_jax.models import routing as routing_lib
 from sao_jax.rollout import admission, engine_protocol, env_pool
-from sao_jax.rollout.engine import PolicyEngine
 from sao_jax.rollout.stats import DriverStats
 
 SWAP_POLICIES = sections.SWAP_POLICIES
@@ -203,7 +202,7 @@ class RolloutDriver:
   (evaluation reads what its own episode wrapper recorded, e.g. a verdict).
   """
 
-  def __init__(self, engine: PolicyEngine, env: Environment, tokenizer,
+  def __init__(self, engine: engine_protocol.Engine, env: Environment, tokenizer,
                prompts: Iterator[int], emit: Callable[[Trajectory], None],
                rollout: sections.Rollout | None = None, *, static_batching: bool = False,
                max_stuck_env_steps: int | None = None,
@@ -223,9 +222,8 @@ class RolloutDriver:
     self.rollout = r
     self.engine, self.env, self.tok = engine, env, tokenizer
     # A recording engine (rl.routing_replay): each slot keeps its fed tokens'
-    # expert choices and the trajectory carries them. An engine without the
-    # attribute (the JetStream bridge, a test's scripted engine) records none.
-    self.record_routing = bool(getattr(engine, "record_routing", False))
+    # expert choices and the trajectory carries them (Engine's default: none).
+    self.record_routing = bool(engine.record_routing)
     # How prompts, turn ends and observations become tokens (sao_jax/envs/chat.py);
     # None (for direct callers): the toys' raw text format.
     self.format = chat_format if chat_format is not None else chat.RawFormat(tokenizer)
@@ -477,7 +475,7 @@ class RolloutDriver:
       self._decode(ready, admit)
       return
     chosen = long
-    width = min(max(pending[i] for i in chosen), self.engine.prefill_buckets[-1])
+    width = min(max(pending[i] for i in chosen), self.max_len)
     n = len(self._slots)
     tokens = np.zeros((n, width), np.int32)
     valid = np.zeros((n, width), bool)

@@ -156,6 +156,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from sao_jax.config import sections
 from sao_jax.models.config import ModelConfig
+from sao_jax.rollout import engine_protocol
 from sao_jax.rollout import kv_cache as kv_cache_lib
 from sao_jax.rollout import layout
 # The strategy's exception stays importable from here (tests, callers).
@@ -233,7 +234,7 @@ def default_kv_buckets(max_len: int) -> tuple[int, ...]:
 # --- the engine ---------------------------------------------------------------------
 
 
-class PolicyEngine:
+class PolicyEngine(engine_protocol.Engine):
   """The policy model as the rollout driver's sampler (see module docstring).
 
   Args:
@@ -269,6 +270,9 @@ class PolicyEngine:
       engine feeds (routing replay, `rl.routing_replay`): `state.routing`
       after `step`, `chunk.routing` after `decode` (models/routing.py).
   """
+
+  per_request_sampling = True  # serve_step / serve_decode
+  shares_prefixes = True  # share_prefix / register_prefix (a paged cache's pages)
 
   def __init__(self, cfg: ModelConfig, params, rollout: sections.Rollout, *, seed: int = 0,
                version: int = 0, device=None, mesh: Mesh | None = None, rules=None,
@@ -502,29 +506,6 @@ class PolicyEngine:
     """Offers slot `slot`'s cached entries, those of `tokens` (what its cache
     holds from position 0), to `share_prefix` (host-side only)."""
     self.kv_cache.register(state, slot, tokens)
-
-  # --- pages (a paged engine; kv_cache.py, "Paged") -------------------------
-
-  def reserve(self, state: DecodeState, slot: int, tokens: int) -> bool:
-    """Pages for slot `slot`'s first `tokens` positions, allocated now.
-
-    False (nothing allocated) when its group of the pool has too few free
-    pages: the caller waits, or frees some. A dense engine has every slot's
-    max_len positions: always True. Host-side only; the table reaches the
-    device with the next call.
-    """
-    return self.kv_cache.reserve(state, slot, tokens)
-
-  def trim_pages(self, state: DecodeState, slot: int, tokens: int) -> None:
-    """A paged engine's slot gives back its pages past its first `tokens`
-    positions (host-side only); a dense engine's: nothing to give."""
-    self.kv_cache.trim(state, slot, tokens)
-
-  def release_pages(self, state: DecodeState, slots_mask: np.ndarray) -> None:
-    """A paged engine's slots give their pages back (host-side only): the
-    slots' caches are gone, so they must be reset before they are fed
-    again (`reset_slots` does both). A dense engine's: nothing to give."""
-    self.kv_cache.release(state, slots_mask)
 
   # --- the driver's fused step -------------------------------------------
 
