@@ -144,8 +144,6 @@ seed).
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import functools
 import threading
 from typing import Any, NamedTuple
 
@@ -260,12 +258,6 @@ class PolicyEngine(engine_protocol.Engine):
     kv_buckets: cache prefix lengths a step may attend over (module
       docstring); default `default_kv_buckets(max_len)`; max_len is always
       the last.
-    lanes: `generate_batch` splits its slots into this many lanes, each
-      decoded by its own program from its own thread (module docstring,
-      "Lanes"). 1: one program for all slots. One device only, dense cache
-      only. Lane threads trace new programs without the caller's
-      thread-local JAX settings (e.g. a `jax.default_matmul_precision`
-      context).
     record_routing: also return the MoE expert choices of every token the
       engine feeds (routing replay, `rl.routing_replay`): `state.routing`
       after `step`, `chunk.routing` after `decode` (models/routing.py).
@@ -276,8 +268,7 @@ class PolicyEngine(engine_protocol.Engine):
 
   def __init__(self, cfg: ModelConfig, params, rollout: sections.Rollout, *, seed: int = 0,
                version: int = 0, device=None, mesh: Mesh | None = None, rules=None,
-               kv_buckets: tuple[int, ...] | None = None, lanes: int = 1,
-               record_routing: bool = False):
+               kv_buckets: tuple[int, ...] | None = None, record_routing: bool = False):
     if not isinstance(rollout, sections.Rollout):
       raise TypeError(f"rollout must be a sections.Rollout, got {type(rollout).__name__}")
     slots, max_len = rollout.slots, rollout.max_len
@@ -285,11 +276,7 @@ class PolicyEngine(engine_protocol.Engine):
       raise ValueError(f"max_len {max_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
     if mesh is not None and device is not None:
       raise ValueError("give the engine a device or a mesh, not both")
-    if not 1 <= lanes <= slots:
-      raise ValueError(f"lanes must be between 1 and slots ({slots}), got {lanes}")
     self.rollout = rollout
-    if record_routing and lanes > 1:
-      raise ValueError("record_routing is for lanes=1 (generate_batch's lanes return no routing)")
     # Every jitted program of the engine (programs.py), also what launch/compile.py
     # lowers; it holds the layout (a mesh of one device without `mesh`).
     self.programs = EnginePrograms.for_rollout(cfg, rollout, mesh=mesh, rules=rules,
@@ -298,14 +285,10 @@ class PolicyEngine(engine_protocol.Engine):
     sampling = self.programs.sampling
     # The KV cache's strategy (kv_cache.py): what differs between dense and paged.
     self.kv_cache: kv_cache_lib.KVCache = self.programs.kv_cache
-    self.kv_cache.check_engine(lanes)
     self.page_groups = self.programs.groups
     self.mesh: Mesh = self.programs.mesh
     self.rules = self.programs.rules
     self.shardings: EngineShardings = self.programs.shardings
-    if lanes > 1 and self.mesh.size > 1:
-      raise ValueError("lanes > 1 is for a single-device engine; a sharded engine's step "
-                       "already spans its mesh")
     kv_buckets = default_kv_buckets(max_len) if kv_buckets is None else tuple(kv_buckets)
     if any(b < 1 for b in kv_buckets):
       raise ValueError(f"kv_buckets must be positive, got {kv_buckets}")
@@ -318,10 +301,7 @@ class PolicyEngine(engine_protocol.Engine):
     self._lock = threading.Lock()
     self._rng = KeyStream.start(jax.random.key(seed), self.shardings.replicated)
     self._jits: dict[Any, Any] = {}
-    self._jit_lock = threading.Lock()  # lanes build jits from their own threads
-    self.lanes = lanes
-    self._lane_pool = (cf.ThreadPoolExecutor(lanes, thread_name_prefix="engine-lane")
-                       if lanes > 1 else None)
+    self._jit_lock = threading.Lock()  # lanes (batch_sampler.py) build jits from their threads
     self.params = self.load_params(params)
     self.version = version
 
@@ -387,12 +367,13 @@ class PolicyEngine(engine_protocol.Engine):
     with self._lock:
       self.params, self.version = new, int(version)
 
-  def _snapshot(self):
+  def snapshot(self):
     """(params, version), read together: a swap lands between calls, never inside one."""
     with self._lock:
       return self.params, self.version
 
-  def _next_rng(self):
+  def next_key(self):
+    """The engine's next sampling key (its key stream advances by one)."""
     rng, self._rng = take(self._rng)
     return rng
 
@@ -521,8 +502,8 @@ class PolicyEngine(engine_protocol.Engine):
       (new state, sampled tokens `[slots]`, log-probs `[slots]`, version).
       Rows with no valid token are unchanged and their samples meaningless.
     """
-    params, version = self._snapshot()
-    return self._fused_step(params, state, tokens, valid, self._next_rng())[:3] + (version,)
+    params, version = self.snapshot()
+    return self.step_with(params, state, tokens, valid, self.next_key())[:3] + (version,)
 
   def serve_step(self, state: DecodeState, tokens: np.ndarray, valid: np.ndarray,
                  slots: SlotSampling, *, top_n: int = 0):
@@ -534,13 +515,13 @@ class PolicyEngine(engine_protocol.Engine):
     log-probs under each slot's behaviour distribution, top, version): top
     is None for `top_n` 0, else (ids, log-probs) `[slots, top_n]`.
     """
-    params, version = self._snapshot()
-    state, tok, logp, top = self._fused_step(params, state, tokens, valid, slots, top_n)
+    params, version = self.snapshot()
+    state, tok, logp, top = self.step_with(params, state, tokens, valid, slots, top_n)
     return state, tok, logp, top, version
 
-  def _fused_step(self, params, state, tokens, valid, rng, top_n: int | None = None):
-    """`step` with the params and the key given (a lane passes its own), no
-    version; also returns the served top (None without `top_n`)."""
+  def step_with(self, params, state, tokens, valid, rng, top_n: int | None = None):
+    """`step` with the params and the key given (a lane, batch_sampler.py, passes its
+    own), no version; also returns the served top (None without `top_n`)."""
     width = _bucket(tokens.shape[1], self.prefill_buckets)
     pad = width - tokens.shape[1]
     tokens = np.asarray(tokens, np.int32)
@@ -599,9 +580,9 @@ class PolicyEngine(engine_protocol.Engine):
       (new state, `DecodeChunk` of device arrays). `state.next_tokens`
       holds each slot's new pending token.
     """
-    params, version = self._snapshot()
-    state, chunk, self._rng = self._decode_loop(params, version, state, tokens, budgets, steps,
-                                                stop_token, self._rng)
+    params, version = self.snapshot()
+    state, chunk, self._rng = self.decode_with(params, version, state, tokens, budgets, steps,
+                                               stop_token, self._rng)
     return state, chunk
 
   def serve_decode(self, state: DecodeState, tokens, budgets, slots: SlotSampling, *, steps: int,
@@ -611,15 +592,16 @@ class PolicyEngine(engine_protocol.Engine):
     stops at any of its `slots.stops`; with `top_n` > 0 the chunk carries
     `top_ids` / `top_logprobs` `[slots, steps, top_n]`. The engine's key
     stream is not used (each slot draws from its request's)."""
-    params, version = self._snapshot()
-    state, chunk, _ = self._decode_loop(params, version, state, tokens, budgets, steps,
-                                        stop_token, slots, top_n)
+    params, version = self.snapshot()
+    state, chunk, _ = self.decode_with(params, version, state, tokens, budgets, steps,
+                                       stop_token, slots, top_n)
     return state, chunk
 
-  def _decode_loop(self, params, version, state, tokens, budgets, steps, stop_token, rng,
-                   top_n: int | None = None):
-    """`decode` with the params and key given; also returns the advanced key
-    (`top_n` an int: `serve_decode`'s program, `rng` a `SlotSampling`)."""
+  def decode_with(self, params, version, state, tokens, budgets, steps, stop_token, rng,
+                  top_n: int | None = None):
+    """`decode` with the params and key stream given (a lane, batch_sampler.py, passes
+    its own); also returns the advanced stream (`top_n` an int: `serve_decode`'s
+    program, `rng` a `SlotSampling`)."""
     budgets = np.minimum(np.asarray(budgets, np.int32), steps).astype(np.int32)
     tokens = np.asarray(tokens, np.int32)
     host = (state.host_lengths + budgets).astype(np.int32)
@@ -654,92 +636,6 @@ class PolicyEngine(engine_protocol.Engine):
             chunk._replace(tokens=np.asarray(toks), logprobs=np.asarray(logp), counts=counts,
                            routing=numpy(chosen), top_ids=numpy(top_ids),
                            top_logprobs=numpy(top_lp)))
-
-  def generate_batch(self, prompts, max_new_tokens: int, *, stop_token: int | None = None
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A plain sampler: continues each prompt by up to `max_new_tokens` tokens.
-
-    Stable public API (benchmarks/peers.py times generation with it). One
-    batched prefill of every prompt (one step of bucketed width), then one
-    `decode` loop for the rest: two host calls in all, per lane. With
-    `lanes` > 1 the prompts are dealt to the lanes in order,
-    `ceil(N / lanes)` each, every lane a program of `ceil(slots / lanes)`
-    slots, and the lanes run concurrently, each from its own thread with
-    its own decode state and key stream (lane i's base key is
-    `fold_in(the engine's next key, i)`; module docstring, "Lanes").
-    Empties the slots it uses; nothing else of the engine's state is kept.
-
-    Args:
-      prompts: up to `max_concurrent_decodes` int token sequences, each of
-        at least one token.
-      max_new_tokens: tokens to sample per prompt; prompt plus new tokens
-        must fit in `max_len`.
-      stop_token: ends a row early once sampled (kept); None: never.
-
-    Returns:
-      (tokens int32 `[N, max_new_tokens]`, their log-probs float32 `[N,
-      max_new_tokens]`, counts int32 `[N]`): row n is valid for its first
-      counts[n] entries (all of them without a stop token).
-    """
-    n, b = len(prompts), self.max_concurrent_decodes
-    if not 0 < n <= b:
-      raise ValueError(f"generate_batch takes 1 to {b} prompts (the engine's slots), got {n}")
-    if max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    lens = np.array([len(p) for p in prompts])
-    if lens.min() < 1 or lens.max() + max_new_tokens > self.max_prefill_length:
-      raise ValueError(f"prompts of {lens.min()}..{lens.max()} tokens plus {max_new_tokens} new "
-                       f"ones do not fit max_len {self.max_prefill_length} (or a prompt is empty)")
-    params, version = self._snapshot()
-    lane = -(-b // self.lanes)  # slots a lane
-    run = functools.partial(self._generate_lane, params, version, max_new_tokens=max_new_tokens,
-                            stop_token=stop_token, slots=lane)
-    if self.lanes == 1:  # the engine's own key stream, as `step` then `decode` would use it
-      out, self._rng = run(list(prompts), rng=self._rng)
-      return out
-    per = -(-n // self.lanes)  # prompts a lane: every lane works, in programs of `lane` slots
-    groups = [list(prompts[i:i + per]) for i in range(0, n, per)]
-    key = self._next_rng()
-    streams = [KeyStream.start(jax.random.fold_in(key, i), self.shardings.replicated)
-               for i in range(len(groups))]
-    futures = [self._lane_pool.submit(run, g, rng=r) for g, r in zip(groups, streams)]
-    cf.wait(futures)  # no lane left running when another's failure is raised
-    parts = [f.result()[0] for f in futures]
-    return tuple(np.concatenate(x) for x in zip(*parts))
-
-  def _generate_lane(self, params, version, prompts, *, max_new_tokens: int,
-                     stop_token: int | None, slots: int, rng):
-    """`generate_batch` of `prompts` in a decode state of `slots` slots.
-
-    `rng` is the lane's `KeyStream`: the prefill takes its next key and the
-    decode loop the ones after (`step` then `decode`'s contract). Returns
-    ((tokens, log-probs, counts), the advanced stream).
-    """
-    n = len(prompts)
-    width = max(len(p) for p in prompts)
-    tokens = np.zeros((slots, width), np.int32)
-    valid = np.zeros((slots, width), bool)
-    for i, p in enumerate(prompts):
-      tokens[i, :len(p)], valid[i, :len(p)] = p, True
-    state = self.init_decode_state(slots)
-    key, rng = take(rng)
-    state, first, first_lp, _ = self._fused_step(params, state, tokens, valid, key)
-    out = np.zeros((n, max_new_tokens), np.int32)
-    out_lp = np.zeros((n, max_new_tokens), np.float32)
-    out[:, 0], out_lp[:, 0] = first[:n], first_lp[:n]
-    counts = np.ones((n,), np.int32)
-    if max_new_tokens > 1:
-      budgets = np.zeros((slots,), np.int32)
-      budgets[:n] = max_new_tokens - 1
-      if stop_token is not None:
-        budgets[:n] = np.where(first[:n] == stop_token, 0, budgets[:n])
-      state, chunk, rng = self._decode_loop(params, version, state, first, budgets,
-                                            max_new_tokens - 1, stop_token, rng)
-      _, chunk = self.collect(state, chunk)
-      out[:, 1:], out_lp[:, 1:] = chunk.tokens[:n], chunk.logprobs[:n]
-      counts += chunk.counts[:n]
-    return (out, out_lp, counts), rng
-
 
 
 def _place(tree, shardings):

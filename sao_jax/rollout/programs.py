@@ -11,7 +11,7 @@ and donation -- which the engine caches per static key:
 
   step(kv)                 `_step`: append `[B, W]` tokens, sample each row's
                            next token: the driver's appends and one-token
-                           decodes (`PolicyEngine.step`), `generate_batch`'s
+                           decodes (`PolicyEngine.step`), batch_sampler's
                            prefill. Donates cache and lengths.
   decode(kv, steps, stop)  `_decode`: up to `steps` one-token steps in a
                            while loop with per-slot stops: the driver's
