@@ -1,145 +1,32 @@
-"""PolicyEngine: the policy as a sampler with log-probs and versions.
+"""PolicyEngine: the policy as a sampler over slots, with log-probs and versions.
 
-The engine owns a batched KV cache of `max_concurrent_decodes` slots and the
-current params with their version. Each sampled token comes with its
-log-prob under the exact sampling distribution (temperature, top-k, top-p
-applied, renormalised) and the version of the params whose logits produced
-it. Its API is the rollout driver's:
+The engine owns a batched KV cache of `max_concurrent_decodes` slots of
+`max_prefill_length` positions and the current params with their version.
+It implements `engine_protocol.Engine`, what the rollout driver and the
+serving batcher ask of an engine. Public names: `PolicyEngine`,
+`DecodeState`, `DecodeChunk`, `default_kv_buckets`; layout.py's and
+sampling.py's names stay importable from here.
 
-  * `init_decode_state()`, an empty decode state of every slot;
-  * `step(state, tokens, valid)`: append any number of pending tokens to
-    chosen slots and sample each slot's next token, in one jitted call, so
-    continuous batching can mix prompt and observation appends with
-    decoding. Widths are bucketed so each compiles once;
-  * `decode(state, tokens, budgets, steps=K)`: a jitted loop of up to K
-    one-token steps with per-slot stops (a stop token, a per-slot budget),
-    which returns every sampled token, log-prob and count in one transfer,
-    dispatched asynchronously (`collect` fetches it) so the host can work
-    meanwhile;
-  * `reset_slots`, `update_params` / `load_params`, `abstract_params`;
+Invariants:
+  * every sampled token comes with its log-prob under the exact sampling
+    distribution (temperature, top-k, top-p applied, renormalised) and the
+    version of the params whose logits produced it; a swap lands between
+    calls, never inside one;
+  * `step` appends any number of pending tokens per slot and samples one;
+    its widths are padded to `prefill_buckets` and the attended cache
+    prefix to `kv_buckets`, so each (width, kv) pair compiles once;
+  * `decode` (up to K one-token steps in one jitted loop, asynchronous
+    until `collect`) draws the keys K one-token `step` calls would, and so
+    samples the same tokens with the same log-probs;
+  * sharded and single-device engines, dense and paged caches, sample the
+    same tokens with the same log-probs (up to float reassociation);
+  * `load_params` returns once the engine's own copy exists: the caller may
+    donate its buffers at once.
 
-the server's (rollout/serving.py), where each slot is its own request:
-
-  * `serve_step` / `serve_decode`: `step` / `decode` with per-slot sampling
-    arrays (`SlotSampling`: temperature, 0 greedy; top_p; each request's
-    key stream; stop ids) and optionally each token's `top_n` likeliest
-    alternatives; one compile for any mix of values (sampling.py,
-    "per-slot sampling"). The driver's programs are untouched by them;
-  * prefix reuse: `rewind` (a slot's cache cut back to a shared prefix;
-    refused for recurrent layers, `can_rewind`), `trim_pages`, and
-    `register_prefix` / `share_prefix` (a paged engine's slots share the
-    full pages of a common prefix; paging.py, "Shared prefixes");
-
-and `generate_batch(prompts, max_new_tokens)`, the engine as a plain
-sampler (one prefill step, one decode loop).
-
-`sao_jax/rollout/jetstream_bridge.py` (the `jetstream` extra) puts JetStream's
-Engine API (prefill / insert / generate) on top of `step` and `decode`;
-nothing here imports jetstream. Sampling and the key stream are
-`sampling.py`'s; the layout (shardings and sizing) is `layout.py`'s; every
-program the engine jits (its function, static args, shardings and donation)
-is defined once in `programs.py`, which `launch/compile.py` lowers for a TPU
-topology.
-
-Lanes (`lanes`)
----------------
-On XLA:CPU one program mostly keeps one core busy: a decode step's ops are
-too small for the intra-op threads (benchmarks/RESULTS.md, "Session 11:
-engine lanes on both cores"), and separate programs overlap only when they
-are launched from separate threads (async dispatch from one thread runs
-them one after the other). `lanes=L` splits `generate_batch`'s slots into L
-groups of `ceil(slots / L)`; each lane has its own decode state and key and
-runs its prefill and decode loop from its own thread, so the L programs
-execute at once. Each lane samples exactly as a one-lane engine of its
-size would (its log-probs are teacher-forced exact, tests/rollout/test_rollout.py);
-the tokens differ from `lanes=1` only through the keys. Throughput on 2
-cores: benchmarks/RESULTS.md. Only `generate_batch` uses lanes, and only on
-one device; the driver's `step` / `decode` work on one decode state of all
-the slots.
-
-Layout (`mesh`, `rules`)
-------------------------
-One layout: the engine's params, cache and per-slot state live on a Mesh by
-logical sharding rules (layout.py; `rollout_rules(mesh)` is the default,
-decode-friendly). Without a mesh the engine builds one over one device
-(`device`, default the first local one: `layout.one_device_mesh`), where
-every sharding is whole; the code path is the same. With a mesh of many
-devices, slots (and the cache with them) go over the batch axes and kv
-heads over "tensor"; the step is jitted with the layout's in / out
-shardings and the decode state (cache, lengths) donated; sampled tokens and
-log-probs come back to the host in one `device_get` per step, the version
-is host-side. Sharded and single-device engines sample the same tokens with
-the same log-probs (up to float reassociation across devices:
-tests/rollout/test_engine_sharded.py).
-
-Weight sync
------------
-Colocated (the engine's mesh over the trainer's devices, the in-process
-path): `load_params` reshards the trainer's params, which live in the
-trainer's state shardings, into `engine.param_shardings` on device, no host
-round trip, into buffers of the engine's own (a jitted copy with the
-engine's shardings as out_shardings; params on other devices go through
-`jax.device_put(params, engine.param_shardings)` first: `load_params` says
-why device_put alone is not a private copy). It blocks until the copy
-exists, so the trainer may donate its buffers to its next step as soon as
-`driver.update_params` returns (the driver copies in the trainer's thread
-and swaps between steps with `copied=True`).
-
-Separate rollout slice (docs/DESIGN.md section 5): the engine is built on its
-own mesh over its own devices,
-
-    mesh = sharding.make_mesh({"data": -1, "tensor": 4}, devices=rollout_devices)
-    rollout = sections.Rollout(slots=256, max_len=32768, temperature=1.0)
-    engine = PolicyEngine(cfg, params, rollout, mesh=mesh, rules=rollout_rules(mesh))
-
-(`factories.make_engine(config, ...)` builds exactly this from a config's
-rollout section and `rollout.mesh`)
-and new weights arrive as versioned checkpoints: restore each version
-straight into `engine.param_shardings` (`engine.abstract_params()` gives the
-restore target: shapes, dtypes and shardings) and hand it over with
-`engine.update_params(restored, version, copied=True)`. The transport (which
-version, when) is not this module's.
-
-Cache sizing: a dense cache, attention over the live-length bucket
-------------------------------------------------------------------
-Of the two ways to fit long agentic contexts, bucketed lengths and paging,
-this is the first, for the attention only. Each slot owns `max_len` cache
-positions (no paging): memory is `slots x max_len` per layer, and it is made
-to fit by sharding (slots over the data axes, kv heads over "tensor").
-`cache_bytes_per_device(cfg, slots, max_len, mesh, rules)` is the size per
-device for any mesh, an `AbstractMesh` or an abstract TPU topology's
-included; `param_bytes_per_device` is the same for the params
-(launch/compile.py reports both beside the compiler's memory figures for
-the pod configs; benchmarks/RESULTS.md, "Pod scale: AOT compile for TPU", has them).
-
-What is bucketed is the attention. Each step runs the model on the cache
-prefix `[0, kv)`, `kv` the smallest of `kv_buckets` that holds every fed
-slot's new length (the host mirrors the lengths in
-`DecodeState.host_lengths`, so choosing it costs no transfer), then writes
-only the valid new entries back into the full cache. A decode step thus
-reads and attends over the live bucket, not `max_len`, with one compile per
-(width bucket, kv bucket). The bucket is the maximum over the fed slots, so
-with many slots of long-tailed lengths it follows the longest live one
-(the paged cache below sizes memory per live token instead). A bucketed step copies
-the live prefix once (the model's attention takes a whole cache leaf and
-writes into it), so it moves about twice the bytes of reading that prefix
-in place; the last bucket, `max_len`, runs on the whole cache without the
-copy.
-
-Paged cache (`kv_cache="paged"`)
---------------------------------
-The cache is a pool of `kv_pages` pages of `page_size` positions that all
-slots share, each slot a row of a page table. The engine never branches on
-the kind: its strategy (`engine.kv_cache`, rollout/kv_cache.py, whose
-module docstring, "Paged", describes the pool, the table and when pages
-are allocated) builds the cache, readies a decode state before each call
-(a paged one allocates the pages the fed slots' new lengths need, or
-raises `PagePoolExhausted`) and gives the programs their page table.
-`reserve(state, slot, tokens)` takes pages ahead and only reports failure
-(the driver waits: rollout/admission.py); `reset_slots` (and
-`release_pages`, host-side only) give a slot's pages back. Samples and
-log-probs equal the dense engine's (tests/rollout/test_rollout.py, same
-seed).
+Every program the engine jits is defined in programs.py (what
+launch/compile.py lowers); the KV cache's strategy is kv_cache.py's; the
+plain sampler over it is batch_sampler.py. The design (layout, weight sync,
+the dense and paged caches): docs/design/engine.md.
 """
 
 from __future__ import annotations
@@ -233,7 +120,7 @@ def default_kv_buckets(max_len: int) -> tuple[int, ...]:
 
 
 class PolicyEngine(engine_protocol.Engine):
-  """The policy model as the rollout driver's sampler (see module docstring).
+  """The policy model as the rollout driver's sampler (docs/design/engine.md).
 
   Args:
     cfg, params: the model and its params (copied into the engine's layout).
@@ -242,7 +129,7 @@ class PolicyEngine(engine_protocol.Engine):
       `max_concurrent_decodes`); max_len (cache positions per slot,
       `max_prefill_length`); temperature, top_k, top_p (sampling);
       kv_cache, "dense" (each slot owns max_len positions) or "paged" (a
-      shared pool of pages; module docstring, "Paged cache"); page_size
+      shared pool of pages; kv_cache.py, "Paged"); page_size
       (positions a page holds, paged); kv_pages (pages in the pool; 0: the
       dense cache's size, slots x max_len / page_size; each group of slots,
       one per device of the batch axes, must hold one max_len trajectory);
@@ -253,7 +140,7 @@ class PolicyEngine(engine_protocol.Engine):
     version: of `params`.
     device: the device of a single-device engine (default: the first local
       one); its mesh is `layout.one_device_mesh(device)`.
-    mesh, rules: the engine's layout (module docstring); `rules` default to
+    mesh, rules: the engine's layout (layout.py); `rules` default to
       `rollout_rules(mesh)`. No mesh: one device.
     kv_buckets: cache prefix lengths a step may attend over (module
       docstring); default `default_kv_buckets(max_len)`; max_len is always

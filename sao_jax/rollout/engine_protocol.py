@@ -15,7 +15,7 @@ lacks (or that it is not an `Engine`): the driver and the batcher refuse
 such an engine when they are built, not in their thread once generation
 has started. Decode states and chunks are the engine's own values: callers
 only hand back what `init_decode_state`, `step`, `decode` and `collect`
-returned.
+returned. The design: docs/design/engine.md.
 """
 
 from __future__ import annotations
