@@ -71,8 +71,11 @@ def paths(pkg):
     engine = eng.PolicyEngine(cfg, params, slots=slots, max_len=r.max_len, seed=0,
                               sampling=eng.SamplingConfig(r.temperature, r.top_k, r.top_p))
 
-  def generate():
-    engine.generate_batch(prompts, new)
+  if importlib.util.find_spec(pkg + ".rollout.batch_sampler"):  # the sampler out of the engine
+    sampler = importlib.import_module(pkg + ".rollout.batch_sampler")
+    generate = lambda: sampler.generate_batch(engine, prompts, new)
+  else:
+    generate = lambda: engine.generate_batch(prompts, new)
 
   def steps():
     state, t, _, _ = engine.step(engine.init_decode_state(), tokens, valid)

@@ -84,6 +84,7 @@ from sao_jax.data import packing
 from sao_jax.train import train_step as ts
 from sao_jax.models import config as mcfg
 from sao_jax.models import policy
+from sao_jax.rollout.batch_sampler import LaneSampler
 from sao_jax.rollout.engine import PolicyEngine
 
 PAD, EOS = 0, 1  # token ids the data below never contains (Tunix masks pads)
@@ -393,7 +394,7 @@ def generate_section(shape: str, repeats: int, one_step: bool = False, moe_block
     name = f"{fast_name(fast)}, {lanes_arm} lanes"
     arms[name], lanes[name] = fast, lanes_arm
   rollout = sections.Rollout(slots=slots, max_len=prompt + new, temperature=1.0)
-  engines = {name: PolicyEngine(c, params, rollout, lanes=lanes[name])
+  engines = {name: LaneSampler(PolicyEngine(c, params, rollout), lanes[name])
              for name, c in arms.items()}
   seeds = iter(range(10**6))
 
@@ -408,7 +409,7 @@ def generate_section(shape: str, repeats: int, one_step: bool = False, moe_block
     return lambda: engine.generate_batch(list(prompts), new)[0]
 
   def sao_one_step():
-    engine = engines["defaults (dense MoE)"]
+    engine = engines["defaults (dense MoE)"].engine
     state, tok, _, _ = engine.step(engine.init_decode_state(), prompts,
                                    np.ones(prompts.shape, bool))
     alive = np.ones((slots, 1), bool)
@@ -489,7 +490,7 @@ def main():
                       help="the tiny model's vocabulary (151669: Qwen3's)")
   parser.add_argument("--lanes", type=int, default=2,
                       help="also generation with the fast settings in this many engine lanes "
-                      "(PolicyEngine(lanes=...); 1: no such arm)")
+                      "(batch_sampler.LaneSampler; 1: no such arm)")
   args = parser.parse_args()
   wanted = args.sections.split(",")
   global VOCAB  # pylint: disable=global-statement

@@ -19,7 +19,7 @@ batching: the driver on 96 requests whose number of turns is long-tailed
   frees; each with `decode_steps` 1 and 8. Instant environment steps, and
   30 ms of simulated tool latency per step.
 
-lanes: the engine's lanes (`PolicyEngine(lanes=2)`: two programs of half
+lanes: the engine's lanes (`LaneSampler(engine, 2)`: two programs of half
   the slots, run from two threads) on `generate_batch` (32 prompts of 64
   tokens, 64 new) against one program; and, for comparison, the driver's
   generated tokens/s on `--requests` long-tailed tasks (one driver of 32
@@ -43,6 +43,7 @@ from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import config as mcfg
 from sao_jax.models import policy
 from sao_jax.rollout.driver import SWAP_POLICIES, RolloutDriver
+from sao_jax.rollout.batch_sampler import LaneSampler, generate_batch
 from sao_jax.rollout.engine import PolicyEngine
 
 SLOTS, MAX_LEN = 16, 512
@@ -120,7 +121,7 @@ def engine_section(cfg, params, repeats, slots, prompt_len=64, new=64):
   def batch():
     engine = _engine(cfg, params, warm, 1, slots)
     start = time.perf_counter()
-    engine.generate_batch(list(prompts), new)
+    generate_batch(engine, list(prompts), new)
     return slots * new / (time.perf_counter() - start)
 
   fns = {"one-step": one_step, "decode 8": chunked(8), "decode 16": chunked(16),
@@ -184,7 +185,7 @@ def batching_section(cfg, params, tok, repeats, n):
 def lanes_section(cfg, params, tok, repeats, n, slots=32, prompt_len=64, new=64):
   prompts = list(np.random.default_rng(0).integers(2, cfg.vocab_size, (slots, prompt_len)))
   rollout = sections.Rollout(slots=slots, max_len=MAX_LEN)
-  engines = {lanes: PolicyEngine(cfg, params, rollout, lanes=lanes) for lanes in (1, 2)}
+  engines = {lanes: LaneSampler(PolicyEngine(cfg, params, rollout), lanes) for lanes in (1, 2)}
 
   def sample(lanes):
     def fn():

@@ -168,11 +168,13 @@ class InProcess:
 
   def tokens_per_s(self, new_tokens: int) -> float:
     """Tokens/s of `generate_batch` over the client's prompts, waves of `slots`."""
+    from sao_jax.rollout import batch_sampler  # pylint: disable=g-import-not-at-top
     if not self.compiled:
-      self.engine.generate_batch(self.waves[0], new_tokens)
+      batch_sampler.generate_batch(self.engine, self.waves[0], new_tokens)
       self.compiled = True
     start = time.perf_counter()
-    n = sum(int(self.engine.generate_batch(w, new_tokens)[2].sum()) for w in self.waves)
+    n = sum(int(batch_sampler.generate_batch(self.engine, w, new_tokens)[2].sum())
+            for w in self.waves)
     return n / (time.perf_counter() - start)
 
 

@@ -30,6 +30,7 @@ uses every core of the affinity. Appends a section to --out when given.
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -49,6 +50,7 @@ from sao_jax.models import config as mcfg  # pylint: disable=wrong-import-positi
 from sao_jax.models import policy  # pylint: disable=wrong-import-position
 from sao_jax.envs.python_tool import PythonTool  # pylint: disable=wrong-import-position
 from sao_jax.rollout.driver import RolloutDriver  # pylint: disable=wrong-import-position
+from sao_jax.rollout.batch_sampler import generate_batch  # pylint: disable=wrong-import-position
 from sao_jax.rollout.engine import PolicyEngine  # pylint: disable=wrong-import-position
 from sao_jax.rollout import vllm_backend  # pylint: disable=wrong-import-position
 
@@ -71,7 +73,7 @@ def _engines(cfg, params, slots: int, max_len: int):
 
 def _generation(jax_eng, vllm_eng, prompts, new: int, rounds: int) -> dict:
   def run_jax():
-    toks, _, counts = jax_eng.generate_batch(prompts, new)
+    toks, _, counts = generate_batch(jax_eng, prompts, new)
     jax.block_until_ready(toks)
     assert (np.asarray(counts) == new).all()
 
@@ -96,8 +98,9 @@ def _gaps(jax_eng, vllm_eng, cfg, params, prompts, new: int) -> dict:
   forced = jax.jit(policy.token_logprobs, static_argnums=(0, 5))
   fp32 = dataclasses.replace(cfg, dtype=jnp.float32)
   out = {}
-  for name, eng in (("jax", jax_eng), ("vllm", vllm_eng)):
-    toks, lps, _ = eng.generate_batch(prompts, new)
+  for name, sample in (("jax", functools.partial(generate_batch, jax_eng)),
+                       ("vllm", vllm_eng.generate_batch)):
+    toks, lps, _ = sample(prompts, new)
     seqs = np.concatenate([np.asarray(prompts), np.asarray(toks)], 1)
     positions = np.broadcast_to(np.arange(seqs.shape[1]), seqs.shape)
     ref, _ = forced(fp32, params, seqs, positions, np.ones_like(seqs), 1.0)

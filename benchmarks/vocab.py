@@ -14,7 +14,7 @@ load on this shared machine hits both arms alike; read the ratios):
                 action tokens
     forward     the policy's teacher-forced log-probs alone, and the trunk
                 without its head: the head's share of the forward pass
-    generate    `PolicyEngine.generate_batch`: 16 prompts of 240 tokens
+    generate    `batch_sampler.generate_batch`: 16 prompts of 240 tokens
                 (math_tool's prompt length), 64 new tokens each
 
 at vocabulary 151,669 (qwen3) and at the character tokenizer's size, same
@@ -47,6 +47,7 @@ from sao_jax.data import packing  # pylint: disable=wrong-import-position
 from sao_jax.envs.tokenizer import TOKENIZERS  # pylint: disable=wrong-import-position
 from sao_jax.models import policy  # pylint: disable=wrong-import-position
 from sao_jax.models.transformer import Transformer  # pylint: disable=wrong-import-position
+from sao_jax.rollout.batch_sampler import generate_batch  # pylint: disable=wrong-import-position
 from sao_jax.rollout.engine import PolicyEngine  # pylint: disable=wrong-import-position
 
 ROWS, LENGTH, PROMPT, NEW = 16, 512, 240, 64
@@ -113,7 +114,7 @@ def arm(name: str):
     prompts = [[int(ids[t % len(ids)]) for t in p] for p in prompts]
 
   def generate():
-    return engine.generate_batch(prompts, NEW)[0]
+    return generate_batch(engine, prompts, NEW)[0]
 
   fns = {f"rl_step/{name}": rl_step,
          f"forward/{name}": lambda: logprobs(params, *args, index),

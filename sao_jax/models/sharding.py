@@ -19,6 +19,7 @@ every constraint is silently dropped.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import flax.linen as nn
@@ -108,6 +109,19 @@ def batch_sharding(mesh: Mesh, rules: Rules, ndim: int = 2) -> NamedSharding:
   """Sharding of a `[B, ...]` host batch: batch axis by the "batch" rule."""
   spec = nn.logical_to_mesh_axes(("batch",) + (None,) * (ndim - 1), rules)
   return NamedSharding(mesh, spec)
+
+
+def shard_bytes(tree, shardings=None) -> int:
+  """Bytes one device holds of `tree`: each leaf's shard at its dtype, shapes only.
+
+  `shardings` is a tree of the same structure (a leaf each); by default each
+  leaf's own `.sharding` (sharded `ShapeDtypeStruct`s or arrays). A shard is
+  `sharding.shard_shape(shape)`, the largest any device holds.
+  """
+  leaves = jax.tree.leaves(tree)
+  shds = ([x.sharding for x in leaves] if shardings is None else jax.tree.leaves(shardings))
+  return sum(math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+             for x, s in zip(leaves, shds, strict=True))
 
 
 def shardings_like_params(tree, params, param_shardings, mesh: Mesh):

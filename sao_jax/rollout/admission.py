@@ -27,9 +27,9 @@ reads the slots' lengths and admission order, asks the engine's KV cache
 strategy (`engine.kv_cache`, rollout/kv_cache.py: reservations, slot
 groups, free pages), and answers ready, wait or preempt; the episode loop
 (rollout/driver.py) does what it answers and never looks at pages itself.
-A cache without pages (a dense one, or `kv_cache.KVCache()` for a test's
-double without a strategy) grants every reservation and admission: every
-slot with input is ready and every free slot admits.
+A cache without pages (a dense one, or `Engine`'s default `kv_cache.KVCache()`
+for an engine without a strategy) grants every reservation and admission:
+every slot with input is ready and every free slot admits.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class PageAdmission:
   def __init__(self, engine, max_turn_tokens: int, max_len: int, stats: DriverStats):
     self.engine = engine
     # Engines without a strategy (test doubles) have every slot's positions.
-    self.cache: kv_cache.KVCache = getattr(engine, "kv_cache", None) or kv_cache.KVCache()
+    self.cache: kv_cache.KVCache = engine.kv_cache
     self.max_turn_tokens = max_turn_tokens
     self.max_len = max_len
     self.stats = stats

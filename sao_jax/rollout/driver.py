@@ -1,85 +1,27 @@
-"""The rollout driver: continuous batching over the engine's slots.
+"""The rollout driver: continuous batching of episodes over an engine's slots.
 
-This module is the episode loop and its public face, `RolloutDriver`. The
-parts it asks are modules of their own, each importing none of this one:
-the environment guard and worker pool (rollout/env_pool.py), page admission
-for a paged cache (rollout/admission.py) and the counters
-(rollout/stats.py, `DriverStats`).
+`RolloutDriver` runs episodes of an environment on an `engine_protocol.Engine`,
+feeding every slot's pending tokens in one engine step, refilling a free slot
+at once and emitting each trajectory the moment it finishes. `SWAP_POLICIES`
+names how new params reach in-flight slots ("recompute", "keep", "drain");
+`MAX_GRADER_RERUNS` bounds the reruns of an episode whose grader failed. Its
+parts are modules of their own, none importing this one: the environment
+guard and worker pool (env_pool.py), page admission (admission.py) and the
+counters (stats.py, `DriverStats`).
 
-Per slot the driver keeps the record of its trajectory so far (tokens, mask,
-log-probs, versions, rewards) and `fed`, how many of those tokens are in the
-slot's KV cache. Everything in `record[fed:]` is pending input: the prompt
-after admission, the last sampled token while decoding, the turn-end token
-plus an observation after an environment step. One engine step feeds every
-slot's pending tokens and samples each slot's next token:
+Invariants:
+  * a recorded log-prob is the one its token was sampled with, and its
+    version that of the params whose logits produced it ("recompute": also
+    the teacher-forced log-prob under that version);
+  * a trajectory carries the run id and params fingerprint of the versions
+    it was sampled with (sao_jax/data/identity.py);
+  * no environment failure stops the driver or reaches training unmarked:
+    a step that raises, times out or returns garbage ends its episode
+    ("env_error", "env_timeout", "env_garbage") with every reward zeroed,
+    counted in `DriverStats`; a failing grader reruns its episode;
+  * with a paged engine every trajectory still finishes (admission.py).
 
-  * slots with long pending input (prompts, observations) go in a prefill
-    step of bucketed width; slots with one pending token in a decode step of
-    width 1, so decoding never pays for a long append;
-  * a slot whose turn ended is handed to an environment worker thread and
-    sits out until its observation arrives; decoding of the other slots goes
-    on meanwhile;
-  * a free slot is refilled with the next prompt immediately;
-  * a finished trajectory is emitted the moment it finishes.
-
-New params (`update_params`, thread-safe) are applied between steps with a
-swap policy for in-flight slots:
-
-  * "recompute": apply now; every in-flight slot re-feeds its whole record
-    under the new params (fed = 0), so every recorded log-prob is exactly the
-    teacher-forced log-prob under its recorded version;
-  * "keep": apply now and keep the caches (cheapest; the cache mixes versions,
-    the recorded log-prob is still the one actually sampled from);
-  * "drain": stop admitting, let in-flight slots finish under the old params,
-    then apply.
-
-"keep" is the cheapest per swap and "recompute" the dearest (it re-feeds
-every in-flight record; `benchmarks/rollout.py` measures the three:
-benchmarks/RESULTS.md, "Weight swaps: cost per swap by policy"). The
-configs still default to "recompute": in the CPU main job the cheaper swaps
-let rollout outrun training and raised policy lag (docs/DESIGN.md,
-"Decisions"; benchmarks/RESULTS.md, "The main job with the faster rollout
-defaults"). Keep's log-probs are still exactly those its tokens were
-sampled with (the behaviour probability DIS divides by); the version of a
-token is that of the weights whose logits produced it, over a cache that may
-hold older versions' keys. A trajectory also carries whose weights those
-were (sao_jax/data/identity.py): the run id and params fingerprint that
-came with each version (`update_params(..., meta)`), noted when the version
-is swapped in, so a fleet trainer can refuse another run's or other params'.
-
-Environments are code the driver does not trust (they run model-written code
-and are written against a loose protocol), so no environment failure may stop
-the driver or put a bad record into training. Their steps run in worker
-threads and come back checked (rollout/env_pool.py, the environment guard). A
-step that raises, does not return within `env_timeout` seconds, or returns
-garbage ends its episode with finish reason "env_error", "env_timeout" or
-"env_garbage": the trajectory is still emitted, so the trainer sees and
-counts the fault, but with every reward zeroed, rewards of earlier turns
-included. Zeroing the whole episode means a broken environment can never pay
-out: it cannot reward the policy for reaching the state that breaks it, and
-a half-finished episode's partial credit is not comparable with finished
-ones. `env.task` or `env.episode` failing at admission skips that prompt
-(its whole group). Every fault is counted in `DriverStats.env_faults` and its
-message kept, bounded, in `DriverStats.env_fault_log` (rollout/stats.py, the
-driver's counters); the other slots go on meanwhile.
-
-A grader that fails (`Episode.step` raises `sao_jax.envs.base.GraderError`:
-the grader itself broke, not the answer) is not a score: the episode is
-counted as `grader_error`, not emitted, and run again from its prompt with a
-fresh episode of the same task in the same group, first in line; only after
-`MAX_GRADER_RERUNS` reruns does it end as an `env_error`. Steps stuck past
-`env_timeout` hold a thread each until they return; beyond
-`max_stuck_env_steps` of them each timeout is also counted as `env_stuck`,
-but the driver never stops for them.
-
-Paged cache (an engine with `kv_cache="paged"`): admission is bounded by
-free pages, not by free slots. Before a slot is fed it reserves the pages
-of everything it can write until its turn ends, in-flight slots first; a
-slot that cannot waits, a prompt waits until its first turn's pages are
-free, and when a whole group of slots waits its youngest slot holding
-pages is preempted and later re-fed. The rule and why every trajectory
-still finishes are rollout/admission.py's (page admission), which this
-loop asks before each admission and each engine step.
+The design (batching, swaps, faults, pages): docs/design/engine.md.
 """
 
 from __future__ import annotations
@@ -99,7 +41,6 @@ from sao_jax.envs import base, chat
 from sao_jax.envs.base import Action, Environment, Task
 from sao_jax.models import routing as routing_lib
 from sao_jax.rollout import admission, engine_protocol, env_pool
-from sao_jax.rollout.engine import PolicyEngine
 from sao_jax.rollout.stats import DriverStats
 
 SWAP_POLICIES = sections.SWAP_POLICIES
@@ -178,7 +119,7 @@ class RolloutDriver:
   (sao_jax/config/sections.py), of which the driver reads samples_per_prompt,
   max_turn_tokens, decode_steps, swap_policy, env_workers and env_timeout.
 
-  Environment faults (module docstring) are bounded by:
+  Environment faults (docs/design/engine.md, "Environment faults") are bounded by:
     rollout.env_timeout: seconds one `Episode.step` may run (None: no limit). The
       environment's sandbox has its own wall clock; this is the last line of
       defence against an environment that hangs outside it.
@@ -203,7 +144,7 @@ class RolloutDriver:
   (evaluation reads what its own episode wrapper recorded, e.g. a verdict).
   """
 
-  def __init__(self, engine: PolicyEngine, env: Environment, tokenizer,
+  def __init__(self, engine: engine_protocol.Engine, env: Environment, tokenizer,
                prompts: Iterator[int], emit: Callable[[Trajectory], None],
                rollout: sections.Rollout | None = None, *, static_batching: bool = False,
                max_stuck_env_steps: int | None = None,
@@ -223,9 +164,8 @@ class RolloutDriver:
     self.rollout = r
     self.engine, self.env, self.tok = engine, env, tokenizer
     # A recording engine (rl.routing_replay): each slot keeps its fed tokens'
-    # expert choices and the trajectory carries them. An engine without the
-    # attribute (the JetStream bridge, a test's scripted engine) records none.
-    self.record_routing = bool(getattr(engine, "record_routing", False))
+    # expert choices and the trajectory carries them (Engine's default: none).
+    self.record_routing = bool(engine.record_routing)
     # How prompts, turn ends and observations become tokens (sao_jax/envs/chat.py);
     # None (for direct callers): the toys' raw text format.
     self.format = chat_format if chat_format is not None else chat.RawFormat(tokenizer)
@@ -477,7 +417,7 @@ class RolloutDriver:
       self._decode(ready, admit)
       return
     chosen = long
-    width = min(max(pending[i] for i in chosen), self.engine.prefill_buckets[-1])
+    width = min(max(pending[i] for i in chosen), self.max_len)
     n = len(self._slots)
     tokens = np.zeros((n, width), np.int32)
     valid = np.zeros((n, width), bool)
@@ -662,7 +602,7 @@ class RolloutDriver:
     self._pages.release(self._slots, self._state, i)
 
   def _fault(self, i: int, reason: str, detail: str):
-    """Ends slot i's episode with fault `reason`: zero reward (module docstring)."""
+    """Ends slot i's episode with fault `reason`: every reward zeroed (module docstring)."""
     s = self._slots[i]
     s.rewards = [0.0] * len(s.rewards)
     self.stats.count_fault(reason, f"prompt {s.task.index} turn {len(s.turn_starts)}", detail)

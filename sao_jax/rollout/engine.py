@@ -1,151 +1,36 @@
-"""PolicyEngine: the policy as a sampler with log-probs and versions.
+"""PolicyEngine: the policy as a sampler over slots, with log-probs and versions.
 
-The engine owns a batched KV cache of `max_concurrent_decodes` slots and the
-current params with their version. Each sampled token comes with its
-log-prob under the exact sampling distribution (temperature, top-k, top-p
-applied, renormalised) and the version of the params whose logits produced
-it. Its API is the rollout driver's:
+The engine owns a batched KV cache of `max_concurrent_decodes` slots of
+`max_prefill_length` positions and the current params with their version.
+It implements `engine_protocol.Engine`, what the rollout driver and the
+serving batcher ask of an engine. Public names: `PolicyEngine`,
+`DecodeState`, `DecodeChunk`, `default_kv_buckets`; layout.py's and
+sampling.py's names stay importable from here.
 
-  * `init_decode_state()`, an empty decode state of every slot;
-  * `step(state, tokens, valid)`: append any number of pending tokens to
-    chosen slots and sample each slot's next token, in one jitted call, so
-    continuous batching can mix prompt and observation appends with
-    decoding. Widths are bucketed so each compiles once;
-  * `decode(state, tokens, budgets, steps=K)`: a jitted loop of up to K
-    one-token steps with per-slot stops (a stop token, a per-slot budget),
-    which returns every sampled token, log-prob and count in one transfer,
-    dispatched asynchronously (`collect` fetches it) so the host can work
-    meanwhile;
-  * `reset_slots`, `update_params` / `load_params`, `abstract_params`;
+Invariants:
+  * every sampled token comes with its log-prob under the exact sampling
+    distribution (temperature, top-k, top-p applied, renormalised) and the
+    version of the params whose logits produced it; a swap lands between
+    calls, never inside one;
+  * `step` appends any number of pending tokens per slot and samples one;
+    its widths are padded to `prefill_buckets` and the attended cache
+    prefix to `kv_buckets`, so each (width, kv) pair compiles once;
+  * `decode` (up to K one-token steps in one jitted loop, asynchronous
+    until `collect`) draws the keys K one-token `step` calls would, and so
+    samples the same tokens with the same log-probs;
+  * sharded and single-device engines, dense and paged caches, sample the
+    same tokens with the same log-probs (up to float reassociation);
+  * `load_params` returns once the engine's own copy exists: the caller may
+    donate its buffers at once.
 
-the server's (serving/batcher.py), where each slot is its own request:
-
-  * `serve_step` / `serve_decode`: `step` / `decode` with per-slot sampling
-    arrays (`SlotSampling`: temperature, 0 greedy; top_p; each request's
-    key stream; stop ids) and optionally each token's `top_n` likeliest
-    alternatives; one compile for any mix of values (sampling.py,
-    "per-slot sampling"). The driver's programs are untouched by them;
-  * prefix reuse: `rewind` (a slot's cache cut back to a shared prefix;
-    refused for recurrent layers, `can_rewind`), `trim_pages`, and
-    `register_prefix` / `share_prefix` (a paged engine's slots share the
-    full pages of a common prefix; paging.py, "Shared prefixes");
-
-and `generate_batch(prompts, max_new_tokens)`, the engine as a plain
-sampler (one prefill step, one decode loop).
-
-`sao_jax/serving/jetstream_bridge.py` (the `jetstream` extra) puts JetStream's
-Engine API (prefill / insert / generate) on top of `step` and `decode`;
-nothing here imports jetstream. Sampling and the key stream are
-`sampling.py`'s; the layout (shardings and sizing) is `layout.py`'s; every
-program the engine jits (its function, static args, shardings and donation)
-is defined once in `programs.py`, which `launch/compile.py` lowers for a TPU
-topology.
-
-Lanes (`lanes`)
----------------
-On XLA:CPU one program mostly keeps one core busy: a decode step's ops are
-too small for the intra-op threads (benchmarks/RESULTS.md, "Session 11:
-engine lanes on both cores"), and separate programs overlap only when they
-are launched from separate threads (async dispatch from one thread runs
-them one after the other). `lanes=L` splits `generate_batch`'s slots into L
-groups of `ceil(slots / L)`; each lane has its own decode state and key and
-runs its prefill and decode loop from its own thread, so the L programs
-execute at once. Each lane samples exactly as a one-lane engine of its
-size would (its log-probs are teacher-forced exact, tests/rollout/test_rollout.py);
-the tokens differ from `lanes=1` only through the keys. Throughput on 2
-cores: benchmarks/RESULTS.md. Only `generate_batch` uses lanes, and only on
-one device; the driver's `step` / `decode` work on one decode state of all
-the slots.
-
-Layout (`mesh`, `rules`)
-------------------------
-One layout: the engine's params, cache and per-slot state live on a Mesh by
-logical sharding rules (layout.py; `rollout_rules(mesh)` is the default,
-decode-friendly). Without a mesh the engine builds one over one device
-(`device`, default the first local one: `layout.one_device_mesh`), where
-every sharding is whole; the code path is the same. With a mesh of many
-devices, slots (and the cache with them) go over the batch axes and kv
-heads over "tensor"; the step is jitted with the layout's in / out
-shardings and the decode state (cache, lengths) donated; sampled tokens and
-log-probs come back to the host in one `device_get` per step, the version
-is host-side. Sharded and single-device engines sample the same tokens with
-the same log-probs (up to float reassociation across devices:
-tests/rollout/test_engine_sharded.py).
-
-Weight sync
------------
-Colocated (the engine's mesh over the trainer's devices, the in-process
-path): `load_params` reshards the trainer's params, which live in the
-trainer's state shardings, into `engine.param_shardings` on device, no host
-round trip, into buffers of the engine's own (a jitted copy with the
-engine's shardings as out_shardings; params on other devices go through
-`jax.device_put(params, engine.param_shardings)` first: `load_params` says
-why device_put alone is not a private copy). It blocks until the copy
-exists, so the trainer may donate its buffers to its next step as soon as
-`driver.update_params` returns (the driver copies in the trainer's thread
-and swaps between steps with `copied=True`).
-
-Separate rollout slice (docs/DESIGN.md section 5): the engine is built on its
-own mesh over its own devices,
-
-    mesh = sharding.make_mesh({"data": -1, "tensor": 4}, devices=rollout_devices)
-    rollout = sections.Rollout(slots=256, max_len=32768, temperature=1.0)
-    engine = PolicyEngine(cfg, params, rollout, mesh=mesh, rules=rollout_rules(mesh))
-
-(`factories.make_engine(config, ...)` builds exactly this from a config's
-rollout section and `rollout.mesh`)
-and new weights arrive as versioned checkpoints: restore each version
-straight into `engine.param_shardings` (`engine.abstract_params()` gives the
-restore target: shapes, dtypes and shardings) and hand it over with
-`engine.update_params(restored, version, copied=True)`. The transport (which
-version, when) is not this module's.
-
-Cache sizing: a dense cache, attention over the live-length bucket
-------------------------------------------------------------------
-Of the two ways to fit long agentic contexts, bucketed lengths and paging,
-this is the first, for the attention only. Each slot owns `max_len` cache
-positions (no paging): memory is `slots x max_len` per layer, and it is made
-to fit by sharding (slots over the data axes, kv heads over "tensor").
-`cache_bytes_per_device(cfg, slots, max_len, mesh, rules)` is the size per
-device for any mesh, an `AbstractMesh` or an abstract TPU topology's
-included; `param_bytes_per_device` is the same for the params
-(launch/compile.py reports both beside the compiler's memory figures for
-the pod configs; benchmarks/RESULTS.md, "Pod scale: AOT compile for TPU", has them).
-
-What is bucketed is the attention. Each step runs the model on the cache
-prefix `[0, kv)`, `kv` the smallest of `kv_buckets` that holds every fed
-slot's new length (the host mirrors the lengths in
-`DecodeState.host_lengths`, so choosing it costs no transfer), then writes
-only the valid new entries back into the full cache. A decode step thus
-reads and attends over the live bucket, not `max_len`, with one compile per
-(width bucket, kv bucket). The bucket is the maximum over the fed slots, so
-with many slots of long-tailed lengths it follows the longest live one
-(the paged cache below sizes memory per live token instead). A bucketed step copies
-the live prefix once (the model's attention takes a whole cache leaf and
-writes into it), so it moves about twice the bytes of reading that prefix
-in place; the last bucket, `max_len`, runs on the whole cache without the
-copy.
-
-Paged cache (`kv_cache="paged"`)
---------------------------------
-The cache is a pool of `kv_pages` pages of `page_size` positions that all
-slots share, each slot a row of a page table. The engine never branches on
-the kind: its strategy (`engine.kv_cache`, rollout/kv_cache.py, whose
-module docstring, "Paged", describes the pool, the table and when pages
-are allocated) builds the cache, readies a decode state before each call
-(a paged one allocates the pages the fed slots' new lengths need, or
-raises `PagePoolExhausted`) and gives the programs their page table.
-`reserve(state, slot, tokens)` takes pages ahead and only reports failure
-(the driver waits: rollout/admission.py); `reset_slots` (and
-`release_pages`, host-side only) give a slot's pages back. Samples and
-log-probs equal the dense engine's (tests/rollout/test_rollout.py, same
-seed).
+Every program the engine jits is defined in programs.py (what
+launch/compile.py lowers); the KV cache's strategy is kv_cache.py's; the
+plain sampler over it is batch_sampler.py. The design (layout, weight sync,
+the dense and paged caches): docs/design/engine.md.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import functools
 import threading
 from typing import Any, NamedTuple
 
@@ -156,6 +41,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from sao_jax.config import sections
 from sao_jax.models.config import ModelConfig
+from sao_jax.rollout import engine_protocol
 from sao_jax.rollout import kv_cache as kv_cache_lib
 from sao_jax.rollout import layout
 # The strategy's exception stays importable from here (tests, callers).
@@ -233,8 +119,8 @@ def default_kv_buckets(max_len: int) -> tuple[int, ...]:
 # --- the engine ---------------------------------------------------------------------
 
 
-class PolicyEngine:
-  """The policy model as the rollout driver's sampler (see module docstring).
+class PolicyEngine(engine_protocol.Engine):
+  """The policy model as the rollout driver's sampler (docs/design/engine.md).
 
   Args:
     cfg, params: the model and its params (copied into the engine's layout).
@@ -243,7 +129,7 @@ class PolicyEngine:
       `max_concurrent_decodes`); max_len (cache positions per slot,
       `max_prefill_length`); temperature, top_k, top_p (sampling);
       kv_cache, "dense" (each slot owns max_len positions) or "paged" (a
-      shared pool of pages; module docstring, "Paged cache"); page_size
+      shared pool of pages; kv_cache.py, "Paged"); page_size
       (positions a page holds, paged); kv_pages (pages in the pool; 0: the
       dense cache's size, slots x max_len / page_size; each group of slots,
       one per device of the batch axes, must hold one max_len trajectory);
@@ -254,26 +140,22 @@ class PolicyEngine:
     version: of `params`.
     device: the device of a single-device engine (default: the first local
       one); its mesh is `layout.one_device_mesh(device)`.
-    mesh, rules: the engine's layout (module docstring); `rules` default to
+    mesh, rules: the engine's layout (layout.py); `rules` default to
       `rollout_rules(mesh)`. No mesh: one device.
     kv_buckets: cache prefix lengths a step may attend over (module
       docstring); default `default_kv_buckets(max_len)`; max_len is always
       the last.
-    lanes: `generate_batch` splits its slots into this many lanes, each
-      decoded by its own program from its own thread (module docstring,
-      "Lanes"). 1: one program for all slots. One device only, dense cache
-      only. Lane threads trace new programs without the caller's
-      thread-local JAX settings (e.g. a `jax.default_matmul_precision`
-      context).
     record_routing: also return the MoE expert choices of every token the
       engine feeds (routing replay, `rl.routing_replay`): `state.routing`
       after `step`, `chunk.routing` after `decode` (models/routing.py).
   """
 
+  per_request_sampling = True  # serve_step / serve_decode
+  shares_prefixes = True  # share_prefix / register_prefix (a paged cache's pages)
+
   def __init__(self, cfg: ModelConfig, params, rollout: sections.Rollout, *, seed: int = 0,
                version: int = 0, device=None, mesh: Mesh | None = None, rules=None,
-               kv_buckets: tuple[int, ...] | None = None, lanes: int = 1,
-               record_routing: bool = False):
+               kv_buckets: tuple[int, ...] | None = None, record_routing: bool = False):
     if not isinstance(rollout, sections.Rollout):
       raise TypeError(f"rollout must be a sections.Rollout, got {type(rollout).__name__}")
     slots, max_len = rollout.slots, rollout.max_len
@@ -281,11 +163,7 @@ class PolicyEngine:
       raise ValueError(f"max_len {max_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
     if mesh is not None and device is not None:
       raise ValueError("give the engine a device or a mesh, not both")
-    if not 1 <= lanes <= slots:
-      raise ValueError(f"lanes must be between 1 and slots ({slots}), got {lanes}")
     self.rollout = rollout
-    if record_routing and lanes > 1:
-      raise ValueError("record_routing is for lanes=1 (generate_batch's lanes return no routing)")
     # Every jitted program of the engine (programs.py), also what launch/compile.py
     # lowers; it holds the layout (a mesh of one device without `mesh`).
     self.programs = EnginePrograms.for_rollout(cfg, rollout, mesh=mesh, rules=rules,
@@ -294,14 +172,10 @@ class PolicyEngine:
     sampling = self.programs.sampling
     # The KV cache's strategy (kv_cache.py): what differs between dense and paged.
     self.kv_cache: kv_cache_lib.KVCache = self.programs.kv_cache
-    self.kv_cache.check_engine(lanes)
     self.page_groups = self.programs.groups
     self.mesh: Mesh = self.programs.mesh
     self.rules = self.programs.rules
     self.shardings: EngineShardings = self.programs.shardings
-    if lanes > 1 and self.mesh.size > 1:
-      raise ValueError("lanes > 1 is for a single-device engine; a sharded engine's step "
-                       "already spans its mesh")
     kv_buckets = default_kv_buckets(max_len) if kv_buckets is None else tuple(kv_buckets)
     if any(b < 1 for b in kv_buckets):
       raise ValueError(f"kv_buckets must be positive, got {kv_buckets}")
@@ -314,10 +188,7 @@ class PolicyEngine:
     self._lock = threading.Lock()
     self._rng = KeyStream.start(jax.random.key(seed), self.shardings.replicated)
     self._jits: dict[Any, Any] = {}
-    self._jit_lock = threading.Lock()  # lanes build jits from their own threads
-    self.lanes = lanes
-    self._lane_pool = (cf.ThreadPoolExecutor(lanes, thread_name_prefix="engine-lane")
-                       if lanes > 1 else None)
+    self._jit_lock = threading.Lock()  # lanes (batch_sampler.py) build jits from their threads
     self.params = self.load_params(params)
     self.version = version
 
@@ -383,12 +254,13 @@ class PolicyEngine:
     with self._lock:
       self.params, self.version = new, int(version)
 
-  def _snapshot(self):
+  def snapshot(self):
     """(params, version), read together: a swap lands between calls, never inside one."""
     with self._lock:
       return self.params, self.version
 
-  def _next_rng(self):
+  def next_key(self):
+    """The engine's next sampling key (its key stream advances by one)."""
     rng, self._rng = take(self._rng)
     return rng
 
@@ -503,29 +375,6 @@ class PolicyEngine:
     holds from position 0), to `share_prefix` (host-side only)."""
     self.kv_cache.register(state, slot, tokens)
 
-  # --- pages (a paged engine; kv_cache.py, "Paged") -------------------------
-
-  def reserve(self, state: DecodeState, slot: int, tokens: int) -> bool:
-    """Pages for slot `slot`'s first `tokens` positions, allocated now.
-
-    False (nothing allocated) when its group of the pool has too few free
-    pages: the caller waits, or frees some. A dense engine has every slot's
-    max_len positions: always True. Host-side only; the table reaches the
-    device with the next call.
-    """
-    return self.kv_cache.reserve(state, slot, tokens)
-
-  def trim_pages(self, state: DecodeState, slot: int, tokens: int) -> None:
-    """A paged engine's slot gives back its pages past its first `tokens`
-    positions (host-side only); a dense engine's: nothing to give."""
-    self.kv_cache.trim(state, slot, tokens)
-
-  def release_pages(self, state: DecodeState, slots_mask: np.ndarray) -> None:
-    """A paged engine's slots give their pages back (host-side only): the
-    slots' caches are gone, so they must be reset before they are fed
-    again (`reset_slots` does both). A dense engine's: nothing to give."""
-    self.kv_cache.release(state, slots_mask)
-
   # --- the driver's fused step -------------------------------------------
 
   def step(self, state: DecodeState, tokens: np.ndarray, valid: np.ndarray):
@@ -540,8 +389,8 @@ class PolicyEngine:
       (new state, sampled tokens `[slots]`, log-probs `[slots]`, version).
       Rows with no valid token are unchanged and their samples meaningless.
     """
-    params, version = self._snapshot()
-    return self._fused_step(params, state, tokens, valid, self._next_rng())[:3] + (version,)
+    params, version = self.snapshot()
+    return self.step_with(params, state, tokens, valid, self.next_key())[:3] + (version,)
 
   def serve_step(self, state: DecodeState, tokens: np.ndarray, valid: np.ndarray,
                  slots: SlotSampling, *, top_n: int = 0):
@@ -553,13 +402,13 @@ class PolicyEngine:
     log-probs under each slot's behaviour distribution, top, version): top
     is None for `top_n` 0, else (ids, log-probs) `[slots, top_n]`.
     """
-    params, version = self._snapshot()
-    state, tok, logp, top = self._fused_step(params, state, tokens, valid, slots, top_n)
+    params, version = self.snapshot()
+    state, tok, logp, top = self.step_with(params, state, tokens, valid, slots, top_n)
     return state, tok, logp, top, version
 
-  def _fused_step(self, params, state, tokens, valid, rng, top_n: int | None = None):
-    """`step` with the params and the key given (a lane passes its own), no
-    version; also returns the served top (None without `top_n`)."""
+  def step_with(self, params, state, tokens, valid, rng, top_n: int | None = None):
+    """`step` with the params and the key given (a lane, batch_sampler.py, passes its
+    own), no version; also returns the served top (None without `top_n`)."""
     width = _bucket(tokens.shape[1], self.prefill_buckets)
     pad = width - tokens.shape[1]
     tokens = np.asarray(tokens, np.int32)
@@ -618,9 +467,9 @@ class PolicyEngine:
       (new state, `DecodeChunk` of device arrays). `state.next_tokens`
       holds each slot's new pending token.
     """
-    params, version = self._snapshot()
-    state, chunk, self._rng = self._decode_loop(params, version, state, tokens, budgets, steps,
-                                                stop_token, self._rng)
+    params, version = self.snapshot()
+    state, chunk, self._rng = self.decode_with(params, version, state, tokens, budgets, steps,
+                                               stop_token, self._rng)
     return state, chunk
 
   def serve_decode(self, state: DecodeState, tokens, budgets, slots: SlotSampling, *, steps: int,
@@ -630,15 +479,16 @@ class PolicyEngine:
     stops at any of its `slots.stops`; with `top_n` > 0 the chunk carries
     `top_ids` / `top_logprobs` `[slots, steps, top_n]`. The engine's key
     stream is not used (each slot draws from its request's)."""
-    params, version = self._snapshot()
-    state, chunk, _ = self._decode_loop(params, version, state, tokens, budgets, steps,
-                                        stop_token, slots, top_n)
+    params, version = self.snapshot()
+    state, chunk, _ = self.decode_with(params, version, state, tokens, budgets, steps,
+                                       stop_token, slots, top_n)
     return state, chunk
 
-  def _decode_loop(self, params, version, state, tokens, budgets, steps, stop_token, rng,
-                   top_n: int | None = None):
-    """`decode` with the params and key given; also returns the advanced key
-    (`top_n` an int: `serve_decode`'s program, `rng` a `SlotSampling`)."""
+  def decode_with(self, params, version, state, tokens, budgets, steps, stop_token, rng,
+                  top_n: int | None = None):
+    """`decode` with the params and key stream given (a lane, batch_sampler.py, passes
+    its own); also returns the advanced stream (`top_n` an int: `serve_decode`'s
+    program, `rng` a `SlotSampling`)."""
     budgets = np.minimum(np.asarray(budgets, np.int32), steps).astype(np.int32)
     tokens = np.asarray(tokens, np.int32)
     host = (state.host_lengths + budgets).astype(np.int32)
@@ -673,92 +523,6 @@ class PolicyEngine:
             chunk._replace(tokens=np.asarray(toks), logprobs=np.asarray(logp), counts=counts,
                            routing=numpy(chosen), top_ids=numpy(top_ids),
                            top_logprobs=numpy(top_lp)))
-
-  def generate_batch(self, prompts, max_new_tokens: int, *, stop_token: int | None = None
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A plain sampler: continues each prompt by up to `max_new_tokens` tokens.
-
-    Stable public API (benchmarks/peers.py times generation with it). One
-    batched prefill of every prompt (one step of bucketed width), then one
-    `decode` loop for the rest: two host calls in all, per lane. With
-    `lanes` > 1 the prompts are dealt to the lanes in order,
-    `ceil(N / lanes)` each, every lane a program of `ceil(slots / lanes)`
-    slots, and the lanes run concurrently, each from its own thread with
-    its own decode state and key stream (lane i's base key is
-    `fold_in(the engine's next key, i)`; module docstring, "Lanes").
-    Empties the slots it uses; nothing else of the engine's state is kept.
-
-    Args:
-      prompts: up to `max_concurrent_decodes` int token sequences, each of
-        at least one token.
-      max_new_tokens: tokens to sample per prompt; prompt plus new tokens
-        must fit in `max_len`.
-      stop_token: ends a row early once sampled (kept); None: never.
-
-    Returns:
-      (tokens int32 `[N, max_new_tokens]`, their log-probs float32 `[N,
-      max_new_tokens]`, counts int32 `[N]`): row n is valid for its first
-      counts[n] entries (all of them without a stop token).
-    """
-    n, b = len(prompts), self.max_concurrent_decodes
-    if not 0 < n <= b:
-      raise ValueError(f"generate_batch takes 1 to {b} prompts (the engine's slots), got {n}")
-    if max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    lens = np.array([len(p) for p in prompts])
-    if lens.min() < 1 or lens.max() + max_new_tokens > self.max_prefill_length:
-      raise ValueError(f"prompts of {lens.min()}..{lens.max()} tokens plus {max_new_tokens} new "
-                       f"ones do not fit max_len {self.max_prefill_length} (or a prompt is empty)")
-    params, version = self._snapshot()
-    lane = -(-b // self.lanes)  # slots a lane
-    run = functools.partial(self._generate_lane, params, version, max_new_tokens=max_new_tokens,
-                            stop_token=stop_token, slots=lane)
-    if self.lanes == 1:  # the engine's own key stream, as `step` then `decode` would use it
-      out, self._rng = run(list(prompts), rng=self._rng)
-      return out
-    per = -(-n // self.lanes)  # prompts a lane: every lane works, in programs of `lane` slots
-    groups = [list(prompts[i:i + per]) for i in range(0, n, per)]
-    key = self._next_rng()
-    streams = [KeyStream.start(jax.random.fold_in(key, i), self.shardings.replicated)
-               for i in range(len(groups))]
-    futures = [self._lane_pool.submit(run, g, rng=r) for g, r in zip(groups, streams)]
-    cf.wait(futures)  # no lane left running when another's failure is raised
-    parts = [f.result()[0] for f in futures]
-    return tuple(np.concatenate(x) for x in zip(*parts))
-
-  def _generate_lane(self, params, version, prompts, *, max_new_tokens: int,
-                     stop_token: int | None, slots: int, rng):
-    """`generate_batch` of `prompts` in a decode state of `slots` slots.
-
-    `rng` is the lane's `KeyStream`: the prefill takes its next key and the
-    decode loop the ones after (`step` then `decode`'s contract). Returns
-    ((tokens, log-probs, counts), the advanced stream).
-    """
-    n = len(prompts)
-    width = max(len(p) for p in prompts)
-    tokens = np.zeros((slots, width), np.int32)
-    valid = np.zeros((slots, width), bool)
-    for i, p in enumerate(prompts):
-      tokens[i, :len(p)], valid[i, :len(p)] = p, True
-    state = self.init_decode_state(slots)
-    key, rng = take(rng)
-    state, first, first_lp, _ = self._fused_step(params, state, tokens, valid, key)
-    out = np.zeros((n, max_new_tokens), np.int32)
-    out_lp = np.zeros((n, max_new_tokens), np.float32)
-    out[:, 0], out_lp[:, 0] = first[:n], first_lp[:n]
-    counts = np.ones((n,), np.int32)
-    if max_new_tokens > 1:
-      budgets = np.zeros((slots,), np.int32)
-      budgets[:n] = max_new_tokens - 1
-      if stop_token is not None:
-        budgets[:n] = np.where(first[:n] == stop_token, 0, budgets[:n])
-      state, chunk, rng = self._decode_loop(params, version, state, first, budgets,
-                                            max_new_tokens - 1, stop_token, rng)
-      _, chunk = self.collect(state, chunk)
-      out[:, 1:], out_lp[:, 1:] = chunk.tokens[:n], chunk.logprobs[:n]
-      counts += chunk.counts[:n]
-    return (out, out_lp, counts), rng
-
 
 
 def _place(tree, shardings):

@@ -33,7 +33,6 @@ page into their own part, `paging.PagePool` groups), kv heads over the
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -152,12 +151,6 @@ def cache_shardings(cfg: ModelConfig, batch: int, cache_len: int, mesh, rules, *
                           lambda ndim: cache_spec(ndim, batch_axes, kv_axes))
 
 
-def _bytes_per_device(abstract, shardings) -> int:
-  """Bytes of the largest shard set one device holds."""
-  return sum(math.prod(s.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
-             for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)))
-
-
 def _sized_mesh(mesh):
   """`mesh`, or a one-device abstract mesh for None (the whole array on one device)."""
   return AbstractMesh((1,), ("data",)) if mesh is None else mesh
@@ -174,8 +167,8 @@ def cache_bytes_per_device(cfg: ModelConfig, slots: int, cache_len: int, mesh=No
   mesh = _sized_mesh(mesh)
   rules = rollout_rules(mesh) if rules is None else rules
   abstract = abstract_cache(cfg, slots, cache_len, dtype)
-  return _bytes_per_device(abstract, cache_shardings(cfg, slots, cache_len, mesh, rules,
-                                                     abstract=abstract))
+  return shd.shard_bytes(abstract, cache_shardings(cfg, slots, cache_len, mesh, rules,
+                                                  abstract=abstract))
 
 
 def abstract_params(cfg: ModelConfig):
@@ -188,7 +181,7 @@ def param_bytes_per_device(cfg: ModelConfig, mesh=None, rules=None) -> int:
   mesh = _sized_mesh(mesh)
   rules = rollout_rules(mesh) if rules is None else rules
   boxed = abstract_params(cfg)
-  return _bytes_per_device(nn.unbox(boxed), shd.logical_shardings(boxed, mesh, rules))
+  return shd.shard_bytes(nn.unbox(boxed), shd.logical_shardings(boxed, mesh, rules))
 
 
 def batch_groups(mesh, rules) -> int:
@@ -228,8 +221,8 @@ def pool_bytes_per_device(cfg: ModelConfig, num_pages: int, page_size: int, mesh
   mesh = _sized_mesh(mesh)
   rules = rollout_rules(mesh) if rules is None else rules
   abstract = abstract_pool(cfg, num_pages, page_size, slots, dtype)
-  return _bytes_per_device(abstract, pool_shardings(cfg, num_pages, page_size, mesh, rules,
-                                                    abstract=abstract))
+  return shd.shard_bytes(abstract, pool_shardings(cfg, num_pages, page_size, mesh, rules,
+                                                 abstract=abstract))
 
 
 class EngineShardings(NamedTuple):

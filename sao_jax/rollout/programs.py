@@ -11,7 +11,7 @@ and donation -- which the engine caches per static key:
 
   step(kv)                 `_step`: append `[B, W]` tokens, sample each row's
                            next token: the driver's appends and one-token
-                           decodes (`PolicyEngine.step`), `generate_batch`'s
+                           decodes (`PolicyEngine.step`), batch_sampler's
                            prefill. Donates cache and lengths.
   decode(kv, steps, stop)  `_decode`: up to `steps` one-token steps in a
                            while loop with per-slot stops: the driver's
@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from typing import Callable, NamedTuple
 
 import flax.linen as nn
@@ -61,6 +60,7 @@ import jax
 import jax.numpy as jnp
 
 from sao_jax.models import precision
+from sao_jax.models import sharding as shd
 from sao_jax.config import sections
 from sao_jax.models import decoding, head_vocab, kv_layout, paged, routing
 from sao_jax.models.config import ModelConfig
@@ -154,9 +154,7 @@ class EnginePrograms:
     """
     groups, dense = self.groups, self.slots * self.max_len
     tokens, abstract = self.kv_cache.live_tokens, self.kv_cache.abstract()
-    per_device = sum(
-        math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
-        for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(self.shardings.cache)))
+    per_device = shd.shard_bytes(abstract, self.shardings.cache)
     total_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract))
     out = {"kind": self.kv_cache.kind, "slots": self.slots,
            "max_len": self.max_len, "groups": groups, "slots_per_group": self.slots // groups,

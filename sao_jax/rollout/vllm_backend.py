@@ -49,6 +49,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from sao_jax.config import sections
+from sao_jax.rollout import engine_protocol
 from sao_jax.rollout import loopback
 
 # Where the server's Python comes from, an already running server, and extra
@@ -278,7 +279,7 @@ class VllmChunk(NamedTuple):
   routing: Any = None
 
 
-class VllmEngine:
+class VllmEngine(engine_protocol.Engine):
   """The driver's engine on a vLLM server (module docstring).
 
   Args:
@@ -306,8 +307,6 @@ class VllmEngine:
     self.cfg, self.rollout = cfg, rollout
     self.max_concurrent_decodes = rollout.slots
     self.max_prefill_length = rollout.max_len
-    self.prefill_buckets = (rollout.max_len,)  # a whole append is one request
-    self.record_routing = False
     self.dtype = serve_dtype(cfg)
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     self.workdir = workdir or tempfile.mkdtemp(prefix="sao_vllm_", dir=shm)

@@ -89,6 +89,7 @@ import time
 import numpy as np
 
 from sao_jax.rollout import sampling as sampling_lib
+from sao_jax.rollout import engine_protocol
 
 
 class Overloaded(RuntimeError):
@@ -213,7 +214,7 @@ class Batcher:
   """Continuous batching of independent completions (see the module docstring).
 
   Args:
-    engine: a `PolicyEngine` (or anything with its driver API).
+    engine: an `engine_protocol.Engine` (a `PolicyEngine`, or a user's).
     stop_token: ends a completion once sampled (kept as its last token):
       the chat format's turn end.
     decode_steps: tokens a slot decodes per engine call.
@@ -225,14 +226,17 @@ class Batcher:
                seed: int = 0):
     if decode_steps < 1:
       raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
+    problem = engine_protocol.engine_problem(engine)
+    if problem is not None:
+      raise TypeError(f"Batcher: engine {type(engine).__name__} {problem}")
     self.engine, self.stop_token, self.decode_steps = engine, int(stop_token), decode_steps
     self.max_len = engine.max_prefill_length
     # Per-request sampling in the engine's programs (module docstring).
-    self.per_request_sampling = hasattr(engine, "serve_step")
+    self.per_request_sampling = engine.per_request_sampling
     # Reusing part of a parked prefix needs the cache cut back (no recurrent layers).
-    self._rewindable = bool(getattr(engine, "can_rewind", False))
+    self._rewindable = engine.can_rewind
     # Pages shared between sessions' common prefixes (a paged engine's).
-    self._shares = hasattr(engine, "share_prefix")
+    self._shares = engine.shares_prefixes
     self._slots: list[_Request | None] = [None] * engine.max_concurrent_decodes
     self._parked: collections.OrderedDict[str, _Parked] = collections.OrderedDict()  # LRU first
     self._forget: collections.deque = collections.deque()  # keys to drop, from other threads
@@ -282,7 +286,7 @@ class Batcher:
 
   def _default_sampling(self) -> RequestSampling:
     """The engine's own temperature and top_p (its top-k applies to every request)."""
-    own = getattr(self.engine, "sampling", None)
+    own = self.engine.sampling
     return RequestSampling() if own is None else RequestSampling(own.temperature, own.top_p)
 
   def forget(self, prefix_key: str) -> None:
@@ -495,7 +499,7 @@ class Batcher:
     """One step feeding the next chunk of each prefilling slot's prompt."""
     n = len(self._slots)
     width = min(max(len(self._slots[i].prompt) - self._slots[i].fed for i in prefill),
-                self.engine.prefill_buckets[-1])
+                self.max_len)
     tokens = np.zeros((n, width), np.int32)
     valid = np.zeros((n, width), bool)
     for i in prefill:

@@ -316,13 +316,14 @@ def check_memory(typed: sections.Sections, model_cfg, abstract_state) -> None:
   import collections  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
+  from sao_jax.models import sharding as shd  # pylint: disable=g-import-not-at-top
   from sao_jax.rollout import layout  # pylint: disable=g-import-not-at-top
   nbytes = lambda tree: sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
                             for x in jax.tree.leaves(tree))
   state = collections.Counter()  # device -> bytes of the train state's shards on it
   for x in jax.tree.leaves(abstract_state):
     for device in x.sharding.addressable_devices:
-      state[device] += math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+      state[device] += shd.shard_bytes(x)
   device_pool, host_pool = memory_pools(state)
   m, r, c = typed.model, typed.rollout, typed.rl
   capacity, used, _, where = device_pool

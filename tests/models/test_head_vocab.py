@@ -20,6 +20,7 @@ from sao_jax.data import packing
 from sao_jax.data.trajectory import Trajectory
 from sao_jax.models import config as mcfg
 from sao_jax.models import head_vocab, policy
+from sao_jax.rollout.batch_sampler import generate_batch
 from sao_jax.rollout.engine import PolicyEngine
 
 from runs import load_config_module  # pylint: disable=g-bad-import-order
@@ -110,7 +111,7 @@ def test_the_engine_samples_subset_ids_whose_logprobs_the_trainer_recomputes():
   params = policy.init_params(CFG, jax.random.key(3))
   engine = PolicyEngine(CFG, params, sections.Rollout(slots=2, max_len=64), seed=5)
   prompts = [[1, 8, 15, 298], [0, 2, 3]]  # uncovered ids read through the shared row
-  out, out_lp, counts = engine.generate_batch(prompts, 12)
+  out, out_lp, counts = generate_batch(engine, prompts, 12)
   assert set(out.ravel().tolist()) <= set(IDS) and (counts == 12).all()
   for prompt, toks, lps in zip(prompts, out, out_lp):
     row = jnp.asarray([prompt + toks.tolist()], jnp.int32)

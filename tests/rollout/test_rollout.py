@@ -20,6 +20,7 @@ from sao_jax.rollout.driver import RolloutDriver
 from sao_jax.rollout import engine as eng_lib
 from sao_jax.rollout import programs as programs_lib
 from sao_jax.rollout.engine import KeyStream, PolicyEngine, SamplingConfig, sampling_logprobs
+from sao_jax.rollout.batch_sampler import LaneSampler, generate_batch
 
 TOK = CharTokenizer()
 CFG = mcfg.tiny(vocab_size=TOK.vocab_size)
@@ -534,7 +535,7 @@ def test_decode_stop_token_and_budget_per_slot(params):
   # Stopping on a token the model samples often: every row stops at its own place.
   engine, state, first, _ = _prefilled(params, 1, [TOK.encode("ab\n")] * 4)
   budgets = np.array([40, 40, 40, 3], np.int32)
-  common = np.bincount(np.asarray(engine.generate_batch([TOK.encode("ab\n")] * 4, 40)[0]).ravel(),
+  common = np.bincount(np.asarray(generate_batch(engine, [TOK.encode("ab\n")] * 4, 40)[0]).ravel(),
                        minlength=CFG.vocab_size).argmax()
   state, chunk = engine.decode(state, first, budgets, steps=40, stop_token=int(common))
   _, chunk = engine.collect(state, chunk)
@@ -555,10 +556,10 @@ def test_generate_batch_logprobs_are_teacher_forced(params, moe_impl, slots, lan
   # the first takes two prompts, the second one. Lanes of 16 slots with
   # "blocked": the decode MoE's capacity path at 16 tokens.
   cfg = dataclasses.replace(CFG, moe_impl=moe_impl)
-  engine = PolicyEngine(cfg, params[0], sections.Rollout(slots=slots, max_len=MAX_LEN), seed=2,
-                        lanes=lanes)
+  sampler = LaneSampler(
+      PolicyEngine(cfg, params[0], sections.Rollout(slots=slots, max_len=MAX_LEN), seed=2), lanes)
   prompts = [TOK.encode("12 plus 3\n"), TOK.encode("q\n"), TOK.encode("7 times 2\n")]
-  toks, lps, counts = engine.generate_batch(prompts, 20)
+  toks, lps, counts = sampler.generate_batch(prompts, 20)
   assert toks.shape == (3, 20) and (counts == 20).all()
   for p, t, l in zip(prompts, toks, lps):
     seq = np.concatenate([p, t])
@@ -573,15 +574,15 @@ def test_generate_batch_lanes_sample_as_one_lane_engines_of_their_size(params):
   # key stream: lane i's base is fold_in(the engine's next key, i). Five
   # prompts over two lanes: three, then two.
   prompts = [TOK.encode(t) for t in ("12 plus 3\n", "q\n", "7 times 2\n", "ab\n", "9\n")]
-  laned = PolicyEngine(CFG, params[0], sections.Rollout(slots=6, max_len=MAX_LEN), seed=4,
-                       lanes=2)
-  key = laned._rng.key()  # pylint: disable=protected-access
+  engine = PolicyEngine(CFG, params[0], sections.Rollout(slots=6, max_len=MAX_LEN), seed=4)
+  laned = LaneSampler(engine, 2)
+  key = engine._rng.key()  # pylint: disable=protected-access
   toks, lps, counts = laned.generate_batch(prompts, 12)
   assert toks.shape == (5, 12) and (counts == 12).all()
   for lane, rows in ((0, slice(0, 3)), (1, slice(3, 5))):
     one = PolicyEngine(CFG, params[0], sections.Rollout(slots=3, max_len=MAX_LEN), seed=0)
     one._rng = KeyStream(jax.random.fold_in(key, lane), jnp.int32(0))  # pylint: disable=protected-access
-    ref_toks, ref_lps, _ = one.generate_batch(prompts[rows], 12)
+    ref_toks, ref_lps, _ = generate_batch(one, prompts[rows], 12)
     np.testing.assert_array_equal(toks[rows], ref_toks)
     np.testing.assert_allclose(lps[rows], ref_lps, atol=1e-6)
   # The lanes draw from different keys: the same prompt in both lanes diverges.
@@ -591,22 +592,24 @@ def test_generate_batch_lanes_sample_as_one_lane_engines_of_their_size(params):
   # A stop token ends rows in either lane; each call takes one draw of the
   # engine's own stream (the lanes draw from theirs).
   common = int(np.bincount(toks.ravel(), minlength=CFG.vocab_size).argmax())
-  assert int(laned._rng.draws) == 2  # pylint: disable=protected-access
+  assert int(engine._rng.draws) == 2  # pylint: disable=protected-access
   toks, _, counts = laned.generate_batch(same, 24, stop_token=common)
-  assert int(laned._rng.draws) == 3  # pylint: disable=protected-access
+  assert int(engine._rng.draws) == 3  # pylint: disable=protected-access
   assert (counts < 24).any()
   for t, c in zip(toks, counts):
     assert common not in t[:c - 1].tolist()
 
 
-def test_engine_rejects_bad_lanes(params):
+def test_lane_sampler_rejects_bad_lanes(params):
+  engine = PolicyEngine(CFG, params[0], sections.Rollout(slots=2, max_len=MAX_LEN))
   with pytest.raises(ValueError, match="lanes must be between 1 and slots"):
-    PolicyEngine(CFG, params[0], sections.Rollout(slots=2, max_len=MAX_LEN), lanes=3)
+    LaneSampler(engine, 3)
   with pytest.raises(ValueError, match="lanes must be between 1 and slots"):
-    PolicyEngine(CFG, params[0], sections.Rollout(slots=2, max_len=MAX_LEN), lanes=0)
+    LaneSampler(engine, 0)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+  sharded = PolicyEngine(CFG, params[0], sections.Rollout(slots=2, max_len=MAX_LEN), mesh=mesh)
   with pytest.raises(ValueError, match="single-device engine"):
-    PolicyEngine(CFG, params[0], sections.Rollout(slots=2, max_len=MAX_LEN), lanes=2, mesh=mesh)
+    LaneSampler(sharded, 2)
 
 
 def test_generate_batch_is_a_prefill_step_then_one_decode_loop(params):
@@ -615,7 +618,7 @@ def test_generate_batch_is_a_prefill_step_then_one_decode_loop(params):
   # loop's iterations.
   prompts = [TOK.encode("12 plus 3\n"), TOK.encode("q\n"), TOK.encode("7 times 2\n")]
   engine = PolicyEngine(CFG, params[0], sections.Rollout(slots=4, max_len=MAX_LEN), seed=6)
-  toks, lps, counts = engine.generate_batch(prompts, 10)
+  toks, lps, counts = generate_batch(engine, prompts, 10)
   assert int(engine._rng.draws) == 10  # pylint: disable=protected-access
   ref = PolicyEngine(CFG, params[0], sections.Rollout(slots=4, max_len=MAX_LEN), seed=6)
   tokens = np.zeros((4, max(map(len, prompts))), np.int32)

@@ -30,6 +30,7 @@ from sao_jax.data.prompts import EVAL_OFFSET
 from sao_jax.data.trajectory import Trajectory
 from sao_jax.envs import chat, repo_repair, sandbox
 from sao_jax.envs.tokenizer import TOKENIZERS
+from sao_jax.rollout import engine_protocol
 from sao_jax.rollout import engine as engine_lib
 from sao_jax.serving import batcher as batcher_lib
 from sao_jax.serving import openai_api, sessions
@@ -308,10 +309,10 @@ def test_temperature_zero_and_a_seed_repeat_their_tokens_through_the_endpoint(se
 # --- tool calls, from a sampler whose ids the test writes ------------------------------------
 
 
-class ScriptedEngine:
+class ScriptedEngine(engine_protocol.Engine):
   """One slot that samples a script of (token, log-prob); the driver API the batcher uses."""
 
-  max_prefill_length, max_concurrent_decodes, prefill_buckets = MAX_LEN, 1, (MAX_LEN,)
+  max_prefill_length, max_concurrent_decodes = MAX_LEN, 1
 
   def __init__(self, script):
     self.script, self.version, self.fed = list(script), VERSION, []
@@ -321,12 +322,6 @@ class ScriptedEngine:
 
   def reset_slots(self, state, mask):
     return state
-
-  def reserve(self, state, slot, tokens):
-    return True
-
-  def release_pages(self, state, mask):
-    pass
 
   def step(self, state, tokens, valid):
     self.fed += tokens[0][valid[0]].tolist()
