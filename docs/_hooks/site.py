@@ -48,6 +48,7 @@ API_MODULES = (
     "sao_jax.envs.base",
     "sao_jax.envs.registry",
     "sao_jax.envs.chat",
+    "sao_jax.rollout.engine_protocol",
     "sao_jax.serving.openai_api",
     "sao_jax.train.trainer",
     "sao_jax.train.run",
