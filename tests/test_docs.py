@@ -47,7 +47,7 @@ to, must resolve. A code span is classified by these rules, first match wins:
 A Markdown link `[t](target)` that is not a URL must point at an existing
 file relative to the linking file, and its `#anchor`, if any, at a heading
 of that file; a docs page may also link to a page the site generates
-(docs/_hooks/site.py: the configuration reference and the API pages).
+(docs/_hooks/hooks.py: the configuration reference and the API pages).
 Fenced code blocks are read by rules 1 and 5 only; an indented block (a
 list item's paragraph, or code) like text.
 
@@ -63,6 +63,7 @@ import ast
 import dataclasses
 import functools
 import glob
+import importlib.util
 import os
 import pathlib
 import re
@@ -74,21 +75,23 @@ import pytest
 
 from sao_jax.config import sections
 
-def _site_hooks():
-  """docs/_hooks/site.py, for the pages it generates (it imports mkdocs)."""
-  try:
-    import importlib.util  # pylint: disable=g-import-not-at-top
-    spec = importlib.util.spec_from_file_location("docs_site_hooks", ROOT / "docs/_hooks/site.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-  except ImportError:
-    return None
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README_BUDGET = 300
+
+
+def _site_hooks():
+  """docs/_hooks/hooks.py, for the pages it generates (None without mkdocs)."""
+  spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs/_hooks/hooks.py")
+  module = importlib.util.module_from_spec(spec)
+  try:
+    spec.loader.exec_module(module)
+  except ImportError:
+    return None
+  return module
+
+
 _HOOKS = _site_hooks()
-# Pages the site generates (docs/_hooks/site.py): a docs page may link to them.
+# Pages the site generates (docs/_hooks/hooks.py): a docs page may link to them.
 GENERATED = frozenset(
     [f"docs/{_HOOKS.CONFIG_PAGE}"] + [f"docs/reference/api/{m}.md" for m in _HOOKS.API_MODULES]
     if _HOOKS else [])
