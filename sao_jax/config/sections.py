@@ -251,11 +251,6 @@ class Section:
         c[f.name] = default
     return c
 
-  @classmethod
-  def docs(cls) -> dict[str, str]:
-    """field -> its documentation (for docs and `--help`-style listings)."""
-    return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(cls)}
-
 
 def _plain(value):
   if isinstance(value, ml_collections.ConfigDict):
