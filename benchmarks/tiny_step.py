@@ -8,7 +8,7 @@ chunked attention, chunked log-probs, expert-parallel MoE) behind config
 switches, and the tiny CPU default's train step must be no slower for
 them. This times the RL step (K critic updates + actor update) and
 the value-pretraining step that `configs/sao_tiny.py` builds
-(`trainer.build_programs`, the trainer's own construction) on one fixed
+(`factories.build_programs`, the trainer's own construction) on one fixed
 packed batch, in this tree and in `--ref` (a `git archive` of it), each in
 its own process, the processes alternating ref, head, ref, head, ... so load
 on this shared box hits both alike. Read the ratio (head / ref time; below
@@ -34,20 +34,24 @@ import jax, numpy as np
 from flax import linen as nn
 from configs import sao_tiny  # the tree's own (cwd): a package, or a ref tree's plain folder
 from sao_jax.envs import registry
-try:  # the layered package, or a ref tree with the flat one
-  from sao_jax.train import trainer
+try:  # the programs' factories, or a ref tree whose trainer built them
+  from sao_jax.train import factories as build
   from sao_jax.models import sharding
 except ImportError:
-  from sao_jax import sharding, trainer
+  try:
+    from sao_jax.train import trainer as build
+    from sao_jax.models import sharding
+  except ImportError:
+    from sao_jax import sharding, trainer as build
 
 steps = int(sys.argv[1])
 config = sao_tiny.get_config()
 if sys.argv[3]:  # --policy_loss: the same loss in both trees
   config.rl.policy_loss = sys.argv[3]
 tok = registry.make_tokenizer(config.env)
-model_cfg = trainer.build_model_config(config, tok)
+model_cfg = build.build_model_config(config, tok)
 mesh = sharding.make_mesh(dict(config.sharding.mesh))
-p = trainer.build_programs(config, model_cfg, trainer.step_config(config), mesh)
+p = build.build_programs(config, model_cfg, build.step_config(config), mesh)
 with jax.set_mesh(mesh):
   state = jax.jit(lambda: p.init_state(nn.unbox(p.policy_init()), nn.unbox(p.critic_init())),
                   out_shardings=p.state_shardings)()

@@ -22,9 +22,9 @@ Fields whose allowed values are a registry that users extend look the
 registry up when checked, so a registered extension is accepted without
 touching this file: here for the registries of the layers below this one
 (rl.advantage, rl.policy_loss); a registry above it (env.name,
-env.chat_format, env.tokenizer, rl.mode) is checked by its own layer, which
-`configuration.validate` calls (docs/DESIGN.md section 6: a lower layer
-never imports a higher one).
+env.chat_format, env.tokenizer, rl.mode, fleet.weights_path) is checked by
+its own layer, which `configuration.validate` calls (docs/DESIGN.md section
+6: a lower layer never imports a higher one).
 """
 
 from __future__ import annotations
@@ -44,8 +44,6 @@ from sao_jax.config import import_strings
 # defined here because they are the allowed values of config fields.
 KV_CACHES = ("dense", "paged")
 SWAP_POLICIES = ("recompute", "keep", "drain")
-# How the fleet's weight versions travel (sao_jax/transport/weight_transfer.py, fleet.py).
-WEIGHT_PATHS = ("direct", "checkpoint")
 
 
 class ConfigError(ValueError):
@@ -252,11 +250,6 @@ class Section:
       else:
         c[f.name] = default
     return c
-
-  @classmethod
-  def docs(cls) -> dict[str, str]:
-    """field -> its documentation (for docs and `--help`-style listings)."""
-    return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(cls)}
 
 
 def _plain(value):
@@ -765,8 +758,8 @@ class Fleet(Section):
       "its shards and each rollout pulls them into its devices over the network "
       "(sao_jax/transport/weight_transfer.py), checkpoints as bootstrap and fallback; \"checkpoint\", "
       "every version as an orbax checkpoint under <root>/weights. Direct falls back to "
-      "checkpoint (counted, logged) where jax.experimental.transfer is unavailable.",
-      one_of(WEIGHT_PATHS))
+      "checkpoint (counted, logged) where jax.experimental.transfer is unavailable. The "
+      "channels of sao_jax/transport/weight_channel.py.", REGISTERED_NAME)
   checkpoint_every: int = knob(
       8, "On the direct path, every this many versions (and the first and last) are also "
       "written as checkpoints: what a rollout takes when a pull fails.", integer(1))

@@ -43,10 +43,8 @@ from jetstream.core.proto import jetstream_pb2_grpc
 from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
 
 from sao_jax.rollout.engine import DecodeState, PolicyEngine
-# Where the server may listen (shared with the OpenAI-compatible server); these
-# names stay importable from here.
-from sao_jax.rollout.loopback import (  # pylint: disable=unused-import
-    LOOPBACK_HOST, exposure_warning, is_loopback)
+# Where the server may listen (shared with the OpenAI-compatible server).
+from sao_jax.rollout.loopback import LOOPBACK_HOST, exposure_warning
 
 
 class JetStreamTokenizer(tokenizer_api.Tokenizer):

@@ -39,6 +39,7 @@ from sao_jax.envs import registry
 from sao_jax.rollout import backends
 from sao_jax.train import sources
 from sao_jax.train.stopping import StopTraining  # noqa: F401  (re-exported for launch/)
+from sao_jax.transport import weight_channel
 from sao_jax.algo.advantages import ESTIMATORS
 
 
@@ -91,6 +92,7 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
   typed = sections.load(config)
   registry.check_env_section(typed.env)
   backends.check_rollout_section(typed.rollout)
+  weight_channel.check_fleet_section(typed.fleet)
   spec = _source_spec(typed.rl.mode)
   _check_eval_sets(typed)
   _check_rollout(typed, spec)
@@ -116,7 +118,6 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
     _fail("model.vocab_subset", typed.model.vocab_subset,
           "\"\" with sft.init_from_hf: an imported checkpoint keeps its full head")
   _check_update_precision(typed, arch)
-  _check_weight_path(typed.fleet)
   _check_routing_replay(typed, arch)
   for name in ("sigkill_after_rl_step", "sigterm_after_rl_step"):
     if getattr(typed.faults, name) > c.steps:
@@ -465,16 +466,3 @@ def _from_config_parsing(e: BaseException) -> bool:
       return True
     tb = tb.tb_next
   return False
-
-
-def _check_weight_path(f: sections.Fleet) -> None:
-  """The direct weight path's server address: an IP literal (the transfer
-  library takes "ip:port"), so a host name fails here, not at the first publish."""
-  if f.weights_path == "direct" and f.transfer_host:
-    import ipaddress  # pylint: disable=g-import-not-at-top
-    try:
-      ipaddress.ip_address(f.transfer_host)
-    except ValueError:
-      _fail("fleet.transfer_host", f.transfer_host,
-            "an IP address (the hosts' internal interface) or \"\" with "
-            "fleet.weights_path = 'direct'")

@@ -145,11 +145,6 @@ class FaultInjector:
     self.nonfinite_batches = 0
     self.malformed_accepted = 0
 
-  @classmethod
-  def from_config(cls, faults_config) -> "FaultInjector":
-    """From the ConfigDict's `faults` section (checked like every section)."""
-    return cls(sections.Faults.from_config(faults_config))
-
   @property
   def active(self) -> bool:
     return any(dataclasses.astuple(self.spec))

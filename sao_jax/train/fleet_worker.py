@@ -7,9 +7,10 @@ the in-process mode (factories.make_engine / make_driver) on this process's
 devices, writes finished trajectories into atomic shards of the trajectory
 store (fleet.ShardWriter), waits while the trainer is `fleet.max_unread_shards`
 shards behind (backpressure), follows newer weight versions as they are
-published (over the network, weight_transfer.Follower, or from checkpoints,
-fleet.WeightFollower; generation goes on while a version arrives), and returns when the trainer marks RL
-done or `stop` is set, its open shard renamed. A SIGKILLed process loses
+published (through the run's weight channel, transport/weight_channel.py:
+pulled over the network or restored from checkpoints; generation goes on
+while a version arrives), and returns when the trainer marks RL done or
+`stop` is set, its open shard renamed. A SIGKILLed process loses
 only its open shard; started again with the same rollout id it continues
 its shard sequence. One process per rollout id: a second one started with
 the id of a live one stops at start-up with one line (StopTraining; the
@@ -35,7 +36,7 @@ from sao_jax.train import factories
 from sao_jax.train.faults import FaultInjector
 from sao_jax.train.stopping import StopTraining
 from sao_jax.transport import fleet
-from sao_jax.transport import weight_transfer
+from sao_jax.transport import weight_channel
 
 
 def _print(line: str) -> None:
@@ -98,8 +99,9 @@ def _generate(config, root: str, rid: str, writer, stop: threading.Event,
   # Each process (and each restart of it) draws its own prompt order and samples.
   seed = zlib.crc32(f"{config.seed}/{rid}/{writer.first_seq}".encode())
   # Versions are published in the compute dtype the engine holds (precision.py).
-  follower = make_follower(config, root, rid, jax.eval_shape(
-      lambda: policy.init_params(precision.serving_config(model_cfg), jax.random.key(0))), log)
+  follower = weight_channel.make_follower(root, rid, jax.eval_shape(
+      lambda: policy.init_params(precision.serving_config(model_cfg), jax.random.key(0))),
+      f, log)
 
   log(f"[rollout {rid}] waiting for weights under {root}")
   first = _first_version(follower, root, stop, f.poll_seconds)
@@ -140,7 +142,7 @@ def _generate(config, root: str, rid: str, writer, stop: threading.Event,
   return dict(trajectories=writer.trajectories, last_shard=writer.last_closed,
               version=follower.version, generated_tokens=driver.stats.generated_tokens,
               tokens_during_pulls=pulls.tokens, shard_names_taken=writer.names_taken,
-              **weight_counts(follower))
+              **weight_channel.follower_counts(follower, f))
 
 
 def _first_version(follower, root: str, stop: threading.Event, poll_seconds: float):
@@ -214,39 +216,3 @@ class PullWatch:
       if pulling != self._seen:
         self._seen = pulling
         self._on_start(pulling.version)
-
-
-def make_follower(config, root: str, rollout_id: str, abstract_params,
-                  log: Callable[[str], None] = _print):
-  """How this rollout follows weight versions: `fleet.weights_path` "direct"
-  (weight_transfer.Follower: pulls, checkpoints as fallback) where the
-  transfer library works, else checkpoints alone (fleet.WeightFollower);
-  a direct path that cannot start is logged with its reason."""
-  f = config.fleet
-  checkpoints = fleet.WeightFollower(root, abstract_params)
-  if f.weights_path != "direct":
-    return checkpoints
-  why = weight_transfer.unavailable()
-  if why is None:
-    try:
-      net = weight_transfer.NetFollower(root, rollout_id, checkpoints.abstract,
-                                        host=f.transfer_host, sockets=f.transfer_sockets,
-                                        pull_timeout_s=f.pull_timeout_s,
-                                        delta=f.delta_versions)
-      return weight_transfer.Follower(checkpoints, net, log)
-    except Exception as e:  # pylint: disable=broad-except
-      why = f"the transfer server did not start: {e!r}"[:300]
-  log(f"[rollout {rollout_id}] weights from checkpoints only: {why}")
-  follower = weight_transfer.Follower(checkpoints, None, log)
-  follower.fallbacks["unavailable"] += 1
-  return follower
-
-
-def weight_counts(follower) -> dict:
-  """The worker's weight-path counters (direct pulls, failures by reason,
-  pulls and bytes whole / as deltas)."""
-  if not isinstance(follower, weight_transfer.Follower):
-    return dict(weights_path="checkpoint", pulls=0, pull_failures={})
-  return dict(weights_path="direct", pulls=follower.pulls,
-              pull_failures=dict(follower.failures), fallbacks=dict(follower.fallbacks),
-              ignored_manifests=dict(follower.ignored_manifests), **follower.pull_counts())

@@ -11,9 +11,9 @@ built by the builder registered in `SOURCES`:
     sync   the same driver generates each batch in the trainer's thread and
            stops; the trainer waits for all of it (on-policy)
     fleet  rollout processes (`sao_jax/train/fleet_worker.py`) write shards of the
-           trajectory store; weights go back over the network
-           (`sao_jax/transport/weight_transfer.py`) or as versioned checkpoints
-           (`sao_jax/transport/fleet.py`)
+           trajectory store; weights go back through the run's weight
+           channel (`sao_jax/transport/weight_channel.py`: over the network
+           or as versioned checkpoints)
 
 In-process sources hand out whole groups (rollout.samples_per_prompt > 1,
 GRPO) and restart a driver whose thread died, up to rl.max_rollout_restarts.
@@ -30,9 +30,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import os
 import queue
-import time
 from typing import Any, Callable, Protocol
 
 import jax
@@ -46,8 +44,7 @@ from sao_jax.rollout.driver import RolloutDriver
 from sao_jax.train import distributed
 from sao_jax.train.stopping import StopTraining
 from sao_jax.transport import fleet
-from sao_jax.transport import weight_delta
-from sao_jax.transport import weight_transfer
+from sao_jax.transport import weight_channel
 
 
 def _copy(counter) -> collections.Counter:
@@ -218,74 +215,26 @@ class FleetSource:
   """Rollout processes apart from the trainer, over shared storage (sao_jax/transport/fleet.py).
 
   Publishes the current weights at once (the rollouts wait for a first
-  version), reads their shards through `fleet.ShardFeed` and marks RL done
-  when it closes after a normal finish, so that the rollouts exit. A
-  version is published as the engines hold it: `serving_cast` (the cast to
-  the compute dtype, precision.py) runs once per version, on the direct
-  path inside the server's snapshot program.
-
-  With a `server` (weight_transfer.WeightServer: fleet.weights_path =
-  "direct") every version is served to the rollouts over the network and
-  only every `checkpoint_every`-th, the first and the last also go to disk
-  (the bootstrap and fallback); without one every version is a checkpoint.
-  `direct_unavailable` is why a direct path asked for is not used (logged,
-  and counted in the metrics). With an `identity` (identity.Published, the
-  feed's too) every version is fingerprinted as served and goes out with
-  the run id and its fingerprint, so the feed can refuse trajectories of
-  another run or other params.
+  version) through `weights`, the publisher of the run's weight channel
+  (transport/weight_channel.py: checkpoints, or served over the network
+  with checkpoints as bootstrap and fallback), reads the rollouts' shards
+  through `fleet.ShardFeed` and marks RL done when it closes after a
+  normal finish, so that the rollouts exit.
   """
 
-  def __init__(self, root: str, feed: fleet.ShardFeed, publisher: fleet.WeightPublisher,
-               params, version: int, serving_cast: Callable = lambda p: p, *,
-               server=None, checkpoint_every: int = 1, direct_unavailable: str | None = None,
-               identity: identity_lib.Published | None = None):
-    self._root, self._feed, self._publisher = root, feed, publisher
-    self._identity = identity
-    self._cast = serving_cast
-    self._server, self._every = server, checkpoint_every
-    self._direct_unavailable = direct_unavailable
-    self._on_disk: int | None = None  # the newest version written as a checkpoint
+  def __init__(self, root: str, feed: fleet.ShardFeed, weights, params, version: int):
+    self._root, self._feed, self._weights = root, feed, weights
     self._version = version
     self.publish(params, version)
     fleet.clear_done(root)
-    path = (f"direct from {server.address}" if server is not None else
-            f"checkpoints ({direct_unavailable})" if direct_unavailable else "checkpoints")
-    print(f"[fleet] trainer at version {version}; shared storage {root}; weights: {path}",
-          flush=True)
+    print(f"[fleet] trainer at version {version}; shared storage {root}; weights: "
+          f"{weights.describe}", flush=True)
 
   def take(self, n: int) -> list[Trajectory]:
     return self._feed.take(n)
 
-  def _meta(self, version: int) -> dict:
-    meta = {"nonce": self._server.nonce} if self._server is not None else {}
-    if self._identity is not None:
-      meta.update(self._identity.identity(version).meta())
-    return meta
-
   def publish(self, params, version: int) -> dict:
-    out = {}
-    if self._server is not None:
-      # The cast inside the server's snapshot: one pass over the params.
-      self._server.publish(params, version, self._cast,
-                           run_id=self._identity.run_id if self._identity else None)
-      cast = self._server.snapshot  # fresh buffers: the train step donates `params`
-      out["fleet/serve_s"] = self._server.last_publish_s
-      delta = self._server.last_delta  # this version's delta from the one before
-      if delta:
-        out["fleet/delta_changed_fraction"] = delta["changed"] / max(delta["blocks"], 1)
-        out["fleet/delta_bytes_fraction"] = delta["bytes"] / max(delta["full_bytes"], 1)
-        out["fleet/delta_s"] = delta["seconds"]
-    else:
-      cast = self._cast(params)
-    if self._identity is not None:
-      t0 = time.time()
-      self._identity.note(version, self._server.fingerprint if self._server is not None
-                          else identity_lib.fingerprint(cast))
-      out["fleet/fingerprint_s"] = time.time() - t0
-    if self._server is None or self._on_disk is None or version % self._every == 0:
-      self._publisher.publish(cast, version, self._meta(version))
-      self._on_disk = version
-      out["fleet/publish_s"] = self._publisher.last_publish_s
+    out = self._weights.publish(params, version)
     self._version = version
     return out
 
@@ -293,26 +242,15 @@ class FleetSource:
     f = self._feed
     counts = RolloutCounts(f.generated_tokens, None, None, f.env_faults, f.tool_call_errors,
                            f.env_events)
-    extra = {"fleet/shards_consumed": f.shards_consumed, "fleet/shard_age_s": f.last_shard_age_s}
-    if self._server is not None:
-      extra["fleet/pulls_served"] = self._server.served
-      extra["fleet/delta_pulls_served"] = self._server.served_deltas
-      extra["fleet/pull_requests_refused"] = sum(self._server.refused.values())
-    if self._direct_unavailable:
-      extra["fleet/direct_unavailable"] = 1
+    extra = {"fleet/shards_consumed": f.shards_consumed, "fleet/shard_age_s": f.last_shard_age_s,
+             **self._weights.report()}
     return SourceReport(counts, 0, f.qsize(), dict(f.rejected), extra)
 
   def state(self) -> dict:
     return self._feed.state()
 
   def close(self, finished: bool) -> None:
-    if finished and self._server is not None and self._on_disk != self._version:
-      # The last version on disk too: rollouts still pulling it when the
-      # servers go take it from there.
-      self._publisher.publish(self._server.snapshot, self._version, self._meta(self._version))
-    self._publisher.close()
-    if self._server is not None:
-      self._server.close()  # manifests withdrawn: what is left is on disk
+    self._weights.close(finished)
     if finished:
       fleet.mark_done(self._root, self._version)
 
@@ -355,27 +293,13 @@ def _fleet_source(run, saved) -> FleetSource:
                          share=distributed.share_from_primary,
                          routing_shape=run.routing_shape, identity=published)
   version = int(run.state.step)
-  f = config.fleet
-  server, why = None, None
-  if f.weights_path == "direct":
-    why = weight_transfer.unavailable()
-    if why is None:
-      # One name for this trainer run on all its processes: a version's
-      # identity (a restarted trainer's republished versions are others).
-      nonce = distributed.share_from_primary(
-          "fleet_weights_nonce", lambda: f"{time.time():.6f}.{os.getpid()}")
-      try:
-        server = weight_transfer.WeightServer(
-            root, nonce, host=f.transfer_host, sockets=f.transfer_sockets,
-            poll_seconds=f.poll_seconds, pull_timeout_s=f.pull_timeout_s,
-            delta_block=weight_delta.BLOCK if f.delta_versions else None)
-      except Exception as e:  # pylint: disable=broad-except  # e.g. an address not ours
-        why = f"the weight server did not start: {e!r}"[:300]
-  return FleetSource(root, feed, fleet.WeightPublisher(root, f.keep_versions, version),
-                     run.policy_params(), version,
-                     jax.jit(functools.partial(precision.cast_for_serving, run.model_cfg)),
-                     server=server, checkpoint_every=f.checkpoint_every,
-                     direct_unavailable=why, identity=published)
+  # Versions go out as the engines hold them: the cast to the compute dtype
+  # (precision.py), once per version.
+  weights = weight_channel.make_publisher(
+      root, config.fleet, version,
+      jax.jit(functools.partial(precision.cast_for_serving, run.model_cfg)),
+      identity=published, share=distributed.share_from_primary)
+  return FleetSource(root, feed, weights, run.policy_params(), version)
 
 
 @dataclasses.dataclass(frozen=True)

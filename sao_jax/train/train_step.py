@@ -52,10 +52,6 @@ from sao_jax.config import sections
 
 Array = jax.Array
 
-# The names `rl.advantage` and `rl.policy_loss` take: the records' tables.
-ADVANTAGES = tuple(adv.ESTIMATORS)
-POLICY_LOSSES = tuple(losses.POLICY_LOSSES)
-
 
 @flax.struct.dataclass
 class TrainState:

@@ -26,6 +26,7 @@ from sao_jax.envs.math_tool import MathTool, MathToolConfig
 from sao_jax.envs.sandbox import SandboxLimits, run_python
 from sao_jax.envs.tokenizer import Qwen3Tokenizer
 from sao_jax.train import evaluation
+from sao_jax.train import factories
 from sao_jax.train import trainer
 
 from runs import load_config_module  # pylint: disable=g-bad-import-order
@@ -213,7 +214,7 @@ def test_end_to_end_with_qwen3_formats(tmp_path, monkeypatch):
   assert summary["rl_steps"] == 2 and 0.0 <= summary["final_pass@1"] <= 1.0
 
   math_env = registry.make_env(config.env)
-  head_ids = set(trainer.build_model_config(config, TOK, math_env).vocab_ids)
+  head_ids = set(factories.build_model_config(config, TOK, math_env).vocab_ids)
   assert head_ids and len(head_ids) < TOK.vocab_size // 100
   stored, dropped = store.read_valid_trajectories(
       [os.path.join(workdir, "trajectories", "value_pretrain.array_record")], TOK.vocab_size,

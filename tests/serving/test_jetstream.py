@@ -16,6 +16,7 @@ from sao_jax.config import sections  # pylint: disable=g-import-not-at-top,wrong
 from sao_jax.envs.tokenizer import CharTokenizer  # pylint: disable=g-import-not-at-top,wrong-import-position
 from sao_jax.models import config as mcfg  # pylint: disable=g-import-not-at-top,wrong-import-position
 from sao_jax.models import policy  # pylint: disable=g-import-not-at-top,wrong-import-position
+from sao_jax.rollout import loopback  # pylint: disable=g-import-not-at-top,wrong-import-position
 from sao_jax.rollout.engine import PolicyEngine  # pylint: disable=g-import-not-at-top,wrong-import-position
 from sao_jax.serving import jetstream_bridge  # pylint: disable=g-import-not-at-top,wrong-import-position
 from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -186,7 +187,7 @@ def test_server_listens_on_loopback_only_by_default(engine):
     server.stop()
   assert addresses, "nothing listens on the port"
   # gRPC may hold 127.0.0.1 on an IPv6 socket, listed as ::ffff:127.0.0.1.
-  assert all(jetstream_bridge.is_loopback(a) for a in addresses), addresses
+  assert all(loopback.is_loopback(a) for a in addresses), addresses
   assert not addresses & {"0.0.0.0", "::"}
 
 
