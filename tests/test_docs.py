@@ -1,7 +1,8 @@
 """The prose is checked like the code: names resolve, README stays short, the site builds.
 
 (a) Every name a Markdown file of the repository writes in backticks, or links
-to, must resolve. A code span is classified by these rules, first match wins:
+to, must resolve (hidden folders such as .venv and .pytest_cache, the built
+site/ and workdirs/ are not the repository's prose). A code span is classified by these rules, first match wins:
 
 1. A command: `make T ...` (each target T a rule of the Makefile; `VAR=x`
    and `-flags` are not targets), `python[3] X.py ...` / `X.py ...`
@@ -115,7 +116,7 @@ _IDENT = re.compile(r"^[A-Za-z_]\w*$")
 def _markdown_files() -> list[pathlib.Path]:
   out = []
   for dirpath, dirnames, filenames in os.walk(ROOT):
-    dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and not d.startswith(".venv")]
+    dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and not d.startswith(".")]
     out += [pathlib.Path(dirpath, f) for f in filenames if f.endswith(".md")]
   return sorted(out)
 
