@@ -2,7 +2,8 @@
 
 (a) Every name a Markdown file of the repository writes in backticks, or links
 to, must resolve (hidden folders such as .venv and .pytest_cache, the built
-site/ and workdirs/ are not the repository's prose). A code span is classified by these rules, first match wins:
+site/ and workdirs/ are not the repository's prose). A code span is
+classified by these rules, first match wins:
 
 1. A command: `make T ...` (each target T a rule of the Makefile; `VAR=x`
    and `-flags` are not targets), `python[3] X.py ...` / `X.py ...`
