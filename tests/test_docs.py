@@ -95,8 +95,10 @@ def _site_hooks():
 _HOOKS = _site_hooks()
 # Pages the site generates (docs/_hooks/hooks.py): a docs page may link to them.
 GENERATED = frozenset(
-    [f"docs/{_HOOKS.CONFIG_PAGE}"] + [f"docs/reference/api/{m}.md" for m in _HOOKS.API_MODULES]
-    if _HOOKS else [])
+  [f"docs/{_HOOKS.CONFIG_PAGE}"] + [f"docs/reference/api/{m}.md" for m in _HOOKS.API_MODULES]
+  if _HOOKS
+  else []
+)
 SKIP_DIRS = {".git", "site", "workdirs", "node_modules", "build"}
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 # Toy repositories shipped as task data: their own packages, not sao_jax's modules.
@@ -104,8 +106,9 @@ NOT_MODULES = ("sao_jax/data/repo_corpus/", "sao_jax/envs/task_data/")
 SCRIPT_DIRS = ("launch", "configs", "benchmarks", "experiments")
 # A span ending in one of these is a file name, never a dotted Python name.
 FILE_SUFFIXES = frozenset(
-    "py json jsonl md gz yaml yml txt png npz parquet safetensors jinja toml cfg ipynb "
-    "html sh log csv pkl msgpack bin pt tar zip whl".split())
+  "py json jsonl md gz yaml yml txt png npz parquet safetensors jinja toml cfg ipynb "
+  "html sh log csv pkl msgpack bin pt tar zip whl".split()
+)
 
 _SPAN = re.compile(r"(`+)(.+?)\1")
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
@@ -125,8 +128,11 @@ def _markdown_files() -> list[pathlib.Path]:
 # ------------------------------------------------------------ the index
 @functools.cache
 def _top_level() -> frozenset[str]:
-  return frozenset(p.name for p in ROOT.iterdir() if p.name not in SKIP_DIRS
-                   and not p.name.startswith(".venv") and p.name != "__pycache__")
+  return frozenset(
+    p.name
+    for p in ROOT.iterdir()
+    if p.name not in SKIP_DIRS and not p.name.startswith(".venv") and p.name != "__pycache__"
+  )
 
 
 @functools.cache
@@ -168,10 +174,10 @@ def _by_last_name() -> dict[str, list[pathlib.Path]]:
 
 @dataclasses.dataclass(frozen=True)
 class _Names:
-  defined: frozenset[str]      # def, class, assignment at the top level
-  imported: frozenset[str]     # bound only by an import
-  members: dict                # class name -> its members (and self.x attributes)
-  bases: dict                  # class name -> the names of its bases
+  defined: frozenset[str]  # def, class, assignment at the top level
+  imported: frozenset[str]  # bound only by an import
+  members: dict  # class name -> its members (and self.x attributes)
+  bases: dict  # class name -> the names of its bases
 
   def members_of(self, cls: str) -> frozenset[str] | None:
     """`cls`'s members with those it inherits from classes of this module;
@@ -332,8 +338,12 @@ def _path(text: str, base: pathlib.Path) -> str | None:
     return "no such file or folder"
   if anchor and path.suffix == ".md" and anchor not in _anchors(path):
     return f"{path.relative_to(ROOT)} has no heading with anchor #{anchor}"
-  if colon and _IDENT.match(symbol) and path.suffix == ".py" and path.is_relative_to(
-      ROOT / "sao_jax"):
+  if (
+    colon
+    and _IDENT.match(symbol)
+    and path.suffix == ".py"
+    and path.is_relative_to(ROOT / "sao_jax")
+  ):
     names = _names(path)
     if symbol not in names.defined | names.imported:
       return f"{target} does not define {symbol!r}"
@@ -368,8 +378,11 @@ def _command(text: str, base: pathlib.Path) -> list[str] | None:
   if not words:
     return None
   if words[0] == "make":
-    return [f"no Makefile target {w!r}" for w in words[1:]
-            if not w.startswith("-") and "=" not in w and w not in _make_targets()]
+    return [
+      f"no Makefile target {w!r}"
+      for w in words[1:]
+      if not w.startswith("-") and "=" not in w and w not in _make_targets()
+    ]
   python = words[0] in ("python", "python3")
   if python and len(words) > 2 and words[1] == "-m":
     bad = [] if _module_exists(words[2]) else [f"no module {words[2]}"]
@@ -383,10 +396,17 @@ def _command(text: str, base: pathlib.Path) -> list[str] | None:
   else:
     return None
   for i, w in enumerate(words):
-    value = w.partition("=")[2] if w.startswith("--config=") else (
-        words[i + 1] if w == "--config" and i + 1 < len(words) else None)
-    if value and not any(c in value for c in "<>{}$") and "..." not in value and not (
-        ROOT / value.partition(":")[0]).exists():
+    value = (
+      w.partition("=")[2]
+      if w.startswith("--config=")
+      else (words[i + 1] if w == "--config" and i + 1 < len(words) else None)
+    )
+    if (
+      value
+      and not any(c in value for c in "<>{}$")
+      and "..." not in value
+      and not (ROOT / value.partition(":")[0]).exists()
+    ):
       bad.append(f"no config file {value.partition(':')[0]}")
   return bad
 
@@ -397,8 +417,11 @@ def _module_exists(name: str) -> bool:
   if name.split(".")[0] not in _top_level():
     return True
   path = ROOT.joinpath(*name.split("."))
-  return path.with_suffix(".py").is_file() or (path / "__main__.py").is_file() or (
-      path / "__init__.py").is_file()
+  return (
+    path.with_suffix(".py").is_file()
+    or (path / "__main__.py").is_file()
+    or (path / "__init__.py").is_file()
+  )
 
 
 def _span(text: str, base: pathlib.Path) -> list[str]:
@@ -449,7 +472,8 @@ def _tree(block: list[tuple[int, str]]) -> list[tuple[int, str, str]]:
   for number, line in block:
     entry = line.split()[0] if line.strip() else ""
     if not (entry.endswith("/") or entry.rpartition(".")[2] in FILE_SUFFIXES) or (
-        "." not in entry and not entry.endswith("/")):
+      "." not in entry and not entry.endswith("/")
+    ):
       continue
     indent = len(line) - len(line.lstrip())
     while stack and stack[-1][0] >= indent:
@@ -471,7 +495,7 @@ def _blocks(lines: list[str]):
   """(kind, lang, [(number, line)]) for each code block; kind "fenced" or
   "indented" (a 4-space block after a blank line), and "text" for each
   other line."""
-  i, fence = 0, None
+  i = 0
   while i < len(lines):
     m = re.match(r"^\s*(```+|~~~+)\s*([\w-]*)", lines[i])
     if m:
@@ -503,8 +527,9 @@ def unresolved(path: pathlib.Path) -> list[str]:
     if kind == "fenced":
       if lang in SHELL_LANGS:
         for start, command in _shell_lines(block):
-          out += [f"{rel}:{start}: `{command}`: {why}"
-                  for why in _command(command, path.parent) or []]
+          out += [
+            f"{rel}:{start}: `{command}`: {why}" for why in _command(command, path.parent) or []
+          ]
       continue
     for number, line in block:
       out += _text_line(rel, number, line, path.parent)
@@ -526,8 +551,7 @@ def _text_line(rel: str, number: int, line: str, base: pathlib.Path) -> list[str
   return out
 
 
-@pytest.mark.parametrize("path", _markdown_files(),
-                         ids=lambda p: p.relative_to(ROOT).as_posix())
+@pytest.mark.parametrize("path", _markdown_files(), ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_names_resolve(path):
   bad = unresolved(path)
   assert not bad, f"{len(bad)} names do not resolve:\n" + "\n".join(bad)
@@ -536,38 +560,65 @@ def test_names_resolve(path):
 def test_the_rules_tell_names_from_values(tmp_path):
   """The classifier flags each kind of stale name and passes values and snippets."""
   page = tmp_path / "page.md"
-  page.write_text("\n".join([
-      "`trainer.build_programs` `factories.build_programs` `sao_jax.algo.losses.nope`",
-      "`sao_jax/nope.py` `configs/sao_tiny.py` `rl.nope` `rl.steps` `--config.rl.steps=3`",
-      "`make nope` `make test` `python launch/nope.py --config=configs/sao_tiny.py`",
-      "`0.1` `jax.lax.scan` `x = f(y)` `config.json` `env.task(index)` `\"a.b.c\"`",
-      "[ok](page.md) [gone](nope.md)",
-      "```bash", "python launch/train.py --config=configs/nope.py \\", "    --workdir=w",
-      "```", "", "    sao_jax/", "      algo/", "        losses.py   the losses",
-      "        nope.py     gone",
-  ]) + "\n")
+  page.write_text(
+    "\n".join(
+      [
+        "`trainer.build_programs` `factories.build_programs` `sao_jax.algo.losses.nope`",
+        "`sao_jax/nope.py` `configs/sao_tiny.py` `rl.nope` `rl.steps` `--config.rl.steps=3`",
+        "`make nope` `make test` `python launch/nope.py --config=configs/sao_tiny.py`",
+        '`0.1` `jax.lax.scan` `x = f(y)` `config.json` `env.task(index)` `"a.b.c"`',
+        "[ok](page.md) [gone](nope.md)",
+        "```bash",
+        "python launch/train.py --config=configs/nope.py \\",
+        "    --workdir=w",
+        "```",
+        "",
+        "    sao_jax/",
+        "      algo/",
+        "        losses.py   the losses",
+        "        nope.py     gone",
+      ]
+    )
+    + "\n"
+  )
   bad = [line.split(": ", 1)[1] for line in unresolved(page)]
   assert [b.split(":")[0] for b in bad] == [
-      "`trainer.build_programs`", "`sao_jax.algo.losses.nope`", "`sao_jax/nope.py`",
-      "`rl.nope`", "`make nope`", "`python launch/nope.py --config=configs/sao_tiny.py`",
-      "link (nope.md)", "`python launch/train.py --config=configs/nope.py  --workdir=w`",
-      "`sao_jax/algo/nope.py`"], bad
+    "`trainer.build_programs`",
+    "`sao_jax.algo.losses.nope`",
+    "`sao_jax/nope.py`",
+    "`rl.nope`",
+    "`make nope`",
+    "`python launch/nope.py --config=configs/sao_tiny.py`",
+    "link (nope.md)",
+    "`python launch/train.py --config=configs/nope.py  --workdir=w`",
+    "`sao_jax/algo/nope.py`",
+  ], bad
 
 
 def test_readme_within_budget():
   lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
   assert lines < README_BUDGET, (
-      f"README.md has {lines} lines, the budget is {README_BUDGET}: move detail to docs/")
+    f"README.md has {lines} lines, the budget is {README_BUDGET}: move detail to docs/"
+  )
 
 
 def test_site_builds_strictly(tmp_path):
   pytest.importorskip("mkdocs")
   pytest.importorskip("mkdocstrings")
-  env = dict(os.environ, NO_MKDOCS_2_WARNING="1",
-             PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+  env = dict(
+    os.environ,
+    NO_MKDOCS_2_WARNING="1",
+    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+  )
   # Not --quiet: it hides the warnings from the count that --strict fails on.
-  done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict",
-                         "--site-dir", str(tmp_path / "site")], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=300, check=False)
+  done = subprocess.run(
+    [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
   said = [l for l in (done.stdout + done.stderr).splitlines() if not l.startswith("INFO")]
   assert done.returncode == 0, "mkdocs build --strict failed:\n" + "\n".join(said)

@@ -40,20 +40,20 @@ EVIDENCE = ("benchmarks/RESULTS.md", "experiments/README.md")
 
 # The modules a user imports, by the reader's task (the API reference).
 API_MODULES = (
-    "sao_jax.algo.advantages",
-    "sao_jax.algo.losses",
-    "sao_jax.models.config",
-    "sao_jax.models.families",
-    "sao_jax.config.sections",
-    "sao_jax.envs.base",
-    "sao_jax.envs.registry",
-    "sao_jax.envs.chat",
-    "sao_jax.rollout.engine_protocol",
-    "sao_jax.serving.openai_api",
-    "sao_jax.train.trainer",
-    "sao_jax.train.run",
-    "sao_jax.train.export",
-    "sao_jax.train.evaluation",
+  "sao_jax.algo.advantages",
+  "sao_jax.algo.losses",
+  "sao_jax.models.config",
+  "sao_jax.models.families",
+  "sao_jax.config.sections",
+  "sao_jax.envs.base",
+  "sao_jax.envs.registry",
+  "sao_jax.envs.chat",
+  "sao_jax.rollout.engine_protocol",
+  "sao_jax.serving.openai_api",
+  "sao_jax.train.trainer",
+  "sao_jax.train.run",
+  "sao_jax.train.export",
+  "sao_jax.train.evaluation",
 )
 
 CONFIG_PAGE = "reference/config.md"
@@ -94,8 +94,9 @@ def on_files(files: Files, config) -> Files:
   """The generated pages and the evidence files (with their images)."""
   files.append(File.generated(config, CONFIG_PAGE, content=config_reference()))
   for module in API_MODULES:
-    files.append(File.generated(config, f"reference/api/{module}.md",
-                                content=f"# {module}\n\n::: {module}\n"))
+    files.append(
+      File.generated(config, f"reference/api/{module}.md", content=f"# {module}\n\n::: {module}\n")
+    )
   for path in EVIDENCE:
     files.append(File.generated(config, path, abs_src_path=os.path.join(REPO, path)))
     for image in _images(path):
@@ -163,27 +164,36 @@ def config_reference() -> str:
   if REPO not in sys.path:  # document this tree, installed or not
     sys.path.insert(0, REPO)
   from sao_jax.config import sections  # pylint: disable=g-import-not-at-top
+
   lines = [
-      "# Configuration reference", "",
-      "Generated at build time from `sao_jax/config/sections.py`: each field is declared "
-      "there once, with its default, its doc and its check, and a record checks itself on "
-      "construction (`sao_jax.config.sections.ConfigError` names the field). Set a field "
-      "in a config file (`configs/*.py`, derived from `configs/common.py`) or on the "
-      "command line: `--config.rl.steps=3`. Rules that join fields of different sections "
-      "live in `sao_jax.train.configuration.validate`.", ""]
+    "# Configuration reference",
+    "",
+    "Generated at build time from `sao_jax/config/sections.py`: each field is declared "
+    "there once, with its default, its doc and its check, and a record checks itself on "
+    "construction (`sao_jax.config.sections.ConfigError` names the field). Set a field "
+    "in a config file (`configs/*.py`, derived from `configs/common.py`) or on the "
+    "command line: `--config.rl.steps=3`. Rules that join fields of different sections "
+    "live in `sao_jax.train.configuration.validate`.",
+    "",
+  ]
   records = [("Top level", sections.TopLevel)] + [(n, c) for n, c in sections.SECTIONS.items()]
   for name, cls in records:
     lines += [f"## {name}", ""]
     if cls.__doc__ and cls.__doc__ != sections.Section.__doc__:
       lines += [_cell(cls.__doc__), ""]
     if cls.check_together is not sections.Section.check_together:
-      lines += [f"Besides each field's check, `{cls.__name__}.check_together` checks rules "
-                "between this section's fields.", ""]
+      lines += [
+        f"Besides each field's check, `{cls.__name__}.check_together` checks rules "
+        "between this section's fields.",
+        "",
+      ]
     lines += ["| Field | Default | Allowed | Meaning |", "| --- | --- | --- | --- |"]
     for f in dataclasses.fields(cls):
       check = f.metadata.get("check")
       allowed = _cell(check.describe()) if check is not None else "(no check of its own)"
-      lines.append(f"| <code>{cls.field_name(f.name)}</code> | {_code(_default(f))} | "
-                   f"{allowed} | {_cell(f.metadata.get('doc', ''))} |")
+      lines.append(
+        f"| <code>{cls.field_name(f.name)}</code> | {_code(_default(f))} | "
+        f"{allowed} | {_cell(f.metadata.get('doc', ''))} |"
+      )
     lines.append("")
   return "\n".join(lines)
