@@ -453,14 +453,14 @@ def gae_section(repeats: int, b: int = 256, t: int = 8192):
 
 # --- the table ---------------------------------------------------------------------------
 
-HEADING = "## Side by side with Tunix (issue 12)"
+HEADING = "### The latest run: train and generate against Tunix"
 
 
 def write_section(path: str, body: str) -> None:
   """Replaces this script's table in RESULTS.md (or appends the section).
 
   Only the text between the heading and the section's first subsection
-  ("### ...", the write-ups of earlier runs) is replaced.
+  (the next heading: the write-ups of earlier runs) is replaced.
   """
   text = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
   section = f"{HEADING}\n\n{body.rstrip()}\n"
