@@ -25,6 +25,7 @@ import functools
 import jax
 import numpy as np
 
+from sao_jax.rollout import slot_loop
 from sao_jax.rollout.engine import PolicyEngine
 from sao_jax.rollout.sampling import KeyStream, take
 
@@ -42,14 +43,9 @@ def _check(engine: PolicyEngine, prompts, max_new_tokens: int) -> None:
                      f"ones do not fit max_len {engine.max_prefill_length} (or a prompt is empty)")
 
 
-def _prefill_rows(prompts, slots: int) -> tuple[np.ndarray, np.ndarray]:
+def _prefill_rows(engine: PolicyEngine, prompts, slots: int) -> tuple[np.ndarray, np.ndarray]:
   """(tokens, valid) `[slots, longest prompt]`: prompt i in row i, the rest empty."""
-  width = max(len(p) for p in prompts)
-  tokens = np.zeros((slots, width), np.int32)
-  valid = np.zeros((slots, width), bool)
-  for i, p in enumerate(prompts):
-    tokens[i, :len(p)], valid[i, :len(p)] = p, True
-  return tokens, valid
+  return slot_loop.prefill_feed(dict(enumerate(prompts)), slots, engine.max_prefill_length)
 
 
 def _continue(prompts, max_new_tokens: int, stop_token: int | None, first, first_lp, decode):
@@ -91,7 +87,7 @@ def generate_batch(engine: PolicyEngine, prompts, max_new_tokens: int, *,
   _check(engine, prompts, max_new_tokens)
   state = engine.init_decode_state()
   state, first, first_lp, _ = engine.step(
-      state, *_prefill_rows(prompts, engine.max_concurrent_decodes))
+      state, *_prefill_rows(engine, prompts, engine.max_concurrent_decodes))
 
   def decode(tokens, budgets, steps):
     s, chunk = engine.decode(state, tokens, budgets, steps=steps, stop_token=stop_token)
@@ -151,7 +147,7 @@ class LaneSampler:
     state = engine.init_decode_state(slots)
     key, rng = take(rng)
     state, first, first_lp, _ = engine.step_with(params, state,
-                                                 *_prefill_rows(prompts, slots), key)
+                                                 *_prefill_rows(engine, prompts, slots), key)
 
     def decode(tokens, budgets, steps):
       s, chunk, _ = engine.decode_with(params, version, state, tokens, budgets, steps,

@@ -40,7 +40,7 @@ from sao_jax.data.trajectory import Trajectory
 from sao_jax.envs import base, chat
 from sao_jax.envs.base import Action, Environment, Task
 from sao_jax.models import routing as routing_lib
-from sao_jax.rollout import admission, engine_protocol, env_pool
+from sao_jax.rollout import admission, engine_protocol, env_pool, slot_loop
 from sao_jax.rollout.stats import DriverStats
 
 SWAP_POLICIES = sections.SWAP_POLICIES
@@ -417,15 +417,9 @@ class RolloutDriver:
       self._decode(ready, admit)
       return
     chosen = long
-    width = min(max(pending[i] for i in chosen), self.max_len)
-    n = len(self._slots)
-    tokens = np.zeros((n, width), np.int32)
-    valid = np.zeros((n, width), bool)
-    for i in chosen:
-      s = self._slots[i]
-      chunk = s.tokens[s.fed:s.fed + width]
-      tokens[i, :len(chunk)] = chunk
-      valid[i, :len(chunk)] = True
+    tokens, valid = slot_loop.prefill_feed(
+        {i: self._slots[i].tokens[self._slots[i].fed:] for i in chosen}, len(self._slots),
+        self.max_len)
     start = time.perf_counter()
     self._state, sampled, logp, version = self.engine.step(self._state, tokens, valid)
     self.stats.generate_seconds += time.perf_counter() - start
@@ -448,13 +442,12 @@ class RolloutDriver:
     `_on_sample` ends its turn or its episode. The host work of the pass
     (environment results, admissions) runs while the device decodes.
     """
-    n = len(self._slots)
-    tokens = np.zeros((n,), np.int32)
-    budgets = np.zeros((n,), np.int32)
+    rows = {}
     for i in ready:
       s = self._slots[i]
-      tokens[i] = s.tokens[-1]
-      budgets[i] = min(self.max_turn_tokens - s.turn_tokens, self.max_len - len(s.tokens))
+      rows[i] = (s.tokens[-1], min(self.max_turn_tokens - s.turn_tokens,
+                                   self.max_len - len(s.tokens)))
+    tokens, budgets = slot_loop.decode_feed(rows, len(self._slots))
     start = time.perf_counter()
     self._state, chunk = self.engine.decode(self._state, tokens, budgets, steps=self.decode_steps,
                                             stop_token=self.turn_end_id)
@@ -468,14 +461,13 @@ class RolloutDriver:
     self.stats.steps += 1
     self.stats.decode_steps += 1
     self.stats.decode_iterations += int(chunk.counts.max(initial=0))
-    for i in ready:
-      for k in range(int(chunk.counts[i])):
-        if self._slots[i] is None:
-          raise AssertionError(f"the engine decoded slot {i} past the end of its episode")
-        if self.record_routing:  # the pending token's experts, as it was fed
-          self._slots[i].routing.append(chunk.routing[i, k:k + 1])
-        self._slots[i].fed += 1  # the pending token went into the cache
-        self._on_sample(i, int(chunk.tokens[i, k]), float(chunk.logprobs[i, k]), chunk.version)
+    for i, k, token, logp in slot_loop.samples(chunk, ready):
+      if self._slots[i] is None:
+        raise AssertionError(f"the engine decoded slot {i} past the end of its episode")
+      if self.record_routing:  # the pending token's experts, as it was fed
+        self._slots[i].routing.append(chunk.routing[i, k:k + 1])
+      self._slots[i].fed += 1  # the pending token went into the cache
+      self._on_sample(i, token, logp, chunk.version)
 
   def _on_sample(self, i: int, token: int, logp: float, version: int):
     s = self._slots[i]

@@ -458,7 +458,7 @@ class VllmEngine(engine_protocol.Engine):
     return VllmState(contexts, in_flight), VllmChunk(toks, logp, counts, version, budgets)
 
   def generate_batch(self, prompts, max_new_tokens: int, *, stop_token: int | None = None):
-    """A plain sampler (PolicyEngine.generate_batch's contract): every prompt
+    """A plain sampler (batch_sampler.generate_batch's contract): every prompt
     one request, all at once; (tokens, log-probs `[N, max_new_tokens]`, counts)."""
     if not 0 < len(prompts) <= self.max_concurrent_decodes:
       raise ValueError(f"generate_batch takes 1 to {self.max_concurrent_decodes} prompts, "

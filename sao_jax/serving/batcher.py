@@ -89,7 +89,7 @@ import time
 import numpy as np
 
 from sao_jax.rollout import sampling as sampling_lib
-from sao_jax.rollout import engine_protocol
+from sao_jax.rollout import engine_protocol, slot_loop
 
 
 class Overloaded(RuntimeError):
@@ -497,15 +497,9 @@ class Batcher:
 
   def _prefill(self, prefill: list[int]):
     """One step feeding the next chunk of each prefilling slot's prompt."""
-    n = len(self._slots)
-    width = min(max(len(self._slots[i].prompt) - self._slots[i].fed for i in prefill),
-                self.max_len)
-    tokens = np.zeros((n, width), np.int32)
-    valid = np.zeros((n, width), bool)
-    for i in prefill:
-      r = self._slots[i]
-      chunk = r.prompt[r.fed:r.fed + width]
-      tokens[i, :len(chunk)], valid[i, :len(chunk)] = chunk, True
+    tokens, valid = slot_loop.prefill_feed(
+        {i: self._slots[i].prompt[self._slots[i].fed:] for i in prefill}, len(self._slots),
+        self.max_len)
     if self.per_request_sampling:
       top_n = self._top_n()
       self._state, sampled, logp, top, version = self.engine.serve_step(
@@ -525,12 +519,9 @@ class Batcher:
 
   def _decode(self, active: list[int]):
     """One decode call of every active slot; its samples to their requests."""
-    n = len(self._slots)
-    tokens = np.zeros((n,), np.int32)
-    budgets = np.zeros((n,), np.int32)
-    for i in active:
-      r = self._slots[i]
-      tokens[i], budgets[i] = r.tokens[-1], r.budget - len(r.tokens)
+    tokens, budgets = slot_loop.decode_feed(
+        {i: (self._slots[i].tokens[-1], self._slots[i].budget - len(self._slots[i].tokens))
+         for i in active}, len(self._slots))
     if self.per_request_sampling:
       self._state, chunk = self.engine.serve_decode(
           self._state, tokens, budgets, self._slot_sampling(), steps=self.decode_steps,
@@ -539,12 +530,11 @@ class Batcher:
       self._state, chunk = self.engine.decode(self._state, tokens, budgets,
                                               steps=self.decode_steps, stop_token=self.stop_token)
     self._state, chunk = self.engine.collect(self._state, chunk)
-    top_ids = getattr(chunk, "top_ids", None)
-    for i in active:
-      for k in range(int(chunk.counts[i])):
-        top = None if top_ids is None else (top_ids[i, k], chunk.top_logprobs[i, k])
-        self._on_sample(i, int(chunk.tokens[i, k]), float(chunk.logprobs[i, k]),
-                        int(chunk.version), top)
+    # Alternatives come with per-request sampling only (a request without it asks none).
+    top_ids = chunk.top_ids if self.per_request_sampling else None
+    for i, k, token, logp in slot_loop.samples(chunk, active):
+      top = None if top_ids is None else (top_ids[i, k], chunk.top_logprobs[i, k])
+      self._on_sample(i, token, logp, int(chunk.version), top)
 
   def _top_n(self) -> int:
     """The alternatives a call computes: none, or the most any request may ask
