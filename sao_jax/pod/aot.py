@@ -32,6 +32,7 @@ from sao_jax.pod import lowering
 from sao_jax.train import configuration
 from sao_jax.train import factories
 from sao_jax.train import steptime
+from sao_jax.transport import weight_channel
 
 PROGRAMS = ("sft", "value", "rl", "prefill", "decode", "decode_loop")
 TRAIN_PROGRAMS = ("sft", "value", "rl")
@@ -205,10 +206,12 @@ def _computed_rows(config, s: Settings, sl: _Slices, plan: _Plan, rows: list[dic
                if plan.engine_layout is not None and sl.rdevices is sl.devices
                and not aot_programs.rollout_section(config, s.rollout_mesh).mesh
                and config.rollout.sharded_engine else [])
-  # The direct weight path's double buffers, on the engine's and the trainer's chips
-  # (on the rollout slice of its own, as a fleet has it, with fleet.weights_path "direct".)
+  # A weight channel's double buffers, on the engine's and the trainer's chips
+  # (on a rollout slice of its own, as a fleet has it, where the channel stages
+  # versions in device memory: weight_channel.WeightChannel.device_buffers).
+  channel = weight_channel.CHANNELS[config.fleet.weights_path]
   direct = (plan.transfer is not None and sl.rdevices is not sl.devices
-            and config.fleet.weights_path == "direct")
+            and channel.device_buffers)
   buffered = (fit.double_buffer_rows(rows + colocated, plan.transfer, s.min_headroom)
               if direct else [])
   return colocated + buffered

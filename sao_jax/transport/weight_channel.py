@@ -256,18 +256,22 @@ class WeightChannel:
       (`weights_path`, `pulls`, `pull_failures`, more where it has them).
     check: raises ConfigError (one line) on a fleet section this channel
       cannot run with.
+    device_buffers: whether a version in transit occupies device memory on
+      both sides (the served copy on the trainer's chips, the pulled one on
+      the engine's), which a pod's memory fit must count.
   """
   publisher: Callable[..., Any]
   follower: Callable[..., Any]
   counts: Callable[[Any], dict]
   check: Callable[[sections.Fleet], None] = lambda f: None
+  device_buffers: bool = False
 
 
 CHANNELS: dict[str, WeightChannel] = {
     "checkpoint": WeightChannel(_checkpoint_publisher, _checkpoint_follower,
                                 _checkpoint_counts),
     "direct": WeightChannel(_direct_publisher, _direct_follower, _direct_counts,
-                            check=_check_direct),
+                            check=_check_direct, device_buffers=True),
 }
 
 
