@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from experiments import dis_stability, gae_ablations, headline, lr_by_lag, lr_sweep, online, runner
-from experiments import routing_replay, stability, stats, system, value_ablations
+from experiments import rollout_backend, routing_replay, stability, stats, system, value_ablations
 from sao_jax.train import configuration
 
 FINDINGS = (headline, stability, value_ablations, gae_ablations, online, system, lr_sweep,
-            dis_stability, lr_by_lag, routing_replay)
+            dis_stability, lr_by_lag, routing_replay, rollout_backend)
 
 
 @pytest.mark.parametrize("module", FINDINGS, ids=lambda m: m.FINDING.name)
@@ -30,6 +30,8 @@ def test_arms_differing_only_in_rl_share_one_sft_start_and_others_do_not():
   key = lambda name, o=None: runner.sft_key(runner.load_config(name, o or {}))
   assert key("sao_tiny") == key("grpo") == key("grpo_sync") == key("running_mean")
   assert key("sao_tiny") != key("sao_tiny", {"seed": 1})
+  # The rollout backend serves RL's tokens: both backends start from one SFT checkpoint.
+  assert key("sao_tiny") == key("sao_tiny", {"rollout.backend": "vllm"})
   # A simulated tool wait delays environment steps, nothing the SFT start learns.
   assert key("sao_tiny") == key("sao_tiny", {"env.tool_latency_s": 0.1})
   # The critic optimizer's layout differs: a checkpoint of one cannot seed the other.
