@@ -7,7 +7,7 @@ WORKDIR ?= workdirs/sao_tiny
 # The tests simulate 8 devices themselves (tests/conftest.py); the CPU run
 # uses the real device, since simulated devices only add overhead on 2 cores.
 
-.PHONY: train train-math test test-all bench clean vllm-env docs
+.PHONY: train train-math test test-fast test-all lint format docs bench clean vllm-env
 
 $(VENV)/.installed-base: setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,10 +35,36 @@ MATH_WORKDIR ?= workdirs/math_tool_cpu
 train-math: $(VENV)/.installed-math
 	$(PY) launch/train.py --config=configs/math_tool_cpu.py --workdir=$(MATH_WORKDIR)
 
-# The test suite (what .ci/run calls): every test but the few marked slow,
-# whose ground the default run covers with lighter ones (tests/conftest.py).
-test: $(VENV)/.installed-test
+# The formatter and linter alone (ruff, pinned in setup.py; ruff.toml).
+$(VENV)/.installed-lint: setup.py
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e '.[lint]'
+	@touch $@
+
+# Checks only: what ruff flags and what its formatter would change.
+lint: $(VENV)/.installed-lint
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+# Applies: pylint comments become ruff's `# noqa` where still needed
+# (tools/strip_pylint_disables.py), ruff's fixes, the formatter. What ruff
+# still flags after it (the last command) wants a hand.
+format: $(VENV)/.installed-lint
+	$(PY) tools/strip_pylint_disables.py
+	$(PY) -m ruff check --fix --exit-zero -q .
+	$(PY) -m ruff format -q .
+	$(PY) -m ruff check .
+
+# The test suite (what .ci/run calls): the lint checks, then every test but
+# the few marked slow, whose ground the default run covers with lighter ones
+# (tests/conftest.py): the unit and integration tiers.
+test: $(VENV)/.installed-test lint
 	$(PY) -m pytest -n 2 -q -m "not slow" tests
+
+# The unit tier alone (tests/conftest.py: no trainer, subprocess, server or
+# fleet): the fast loop, under 2 minutes on 2 cores.
+test-fast: $(VENV)/.installed-test
+	$(PY) -m pytest -n 2 -q -m unit tests
 
 # Every test, the slow ones too.
 test-all: $(VENV)/.installed-test

@@ -31,9 +31,14 @@ DOCS = [
     "mkdocstrings-python==2.0.11",
 ]
 
+# The formatter and linter (ruff.toml; `make format`, `make lint`), pinned:
+# a new release may format or flag differently.
+RUFF = "ruff==0.17.5"
+
 EXTRAS = {
     # Test-only dependencies: rlax is an independent oracle for the GAE kernels.
     "test": [
+        RUFF,
         "pytest>=8",
         "pytest-xdist>=3.5",
         "rlax>=0.1.8",
@@ -66,6 +71,8 @@ EXTRAS = {
     # The docs site (`make docs`; mkdocs.yml, docs/): MkDocs, its Material
     # theme, and mkdocstrings for the API reference from docstrings.
     "docs": DOCS,
+
+    "lint": [RUFF],
     # The math verifier's symbolic checks (sao_jax/envs/verify.py), run in a
     # subprocess; integer answers need nothing.
     "math": ["math-verify==0.9.0"],

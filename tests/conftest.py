@@ -44,12 +44,79 @@ for _entry in sorted(os.listdir(_HERE)):
     sys.path.append(_folder)
 
 
+# The test tiers. A file here is `integration`: it launches the trainer (as a
+# subprocess or in process), a subprocess, a server or a multi-process fleet.
+# Every other test is `unit` (`make test-fast` runs those alone). A test
+# marked `slow` in its file keeps that mark and no tier: `make test` runs
+# unit + integration, `make test-all` the slow ones too.
+INTEGRATION = frozenset({
+    "data/test_checkpoint_multiprocess.py",  # two checkpointing processes
+    "data/test_fleet.py",  # a fleet of trainer processes
+    "data/test_gcs.py",  # a GCS emulator server
+    "data/test_weight_transfer.py",  # sender and receiver processes
+    "envs/test_math_tool.py",  # trains in process
+    "envs/test_repo_repair.py",  # trains in process
+    "envs/test_sandbox.py",  # sandboxed subprocesses
+    "envs/test_sandbox_limits.py",  # sandboxed subprocesses
+    "envs/test_user_package.py",  # the trainer on a user's package
+    "envs/test_verify.py",  # the verifier's worker process
+    "faults/test_bad_config.py",  # launches the trainer
+    "faults/test_bad_data.py",  # a killed writer process
+    "faults/test_checkpoint_faults.py",  # a killed writer process
+    "faults/test_disk_full_run.py",  # launches the trainer
+    "faults/test_trainer_faults.py",  # launches the trainer
+    "models/test_hf_export.py",  # multi-process export
+    "models/test_platforms.py",  # a fresh interpreter
+    "pod/test_kube.py",  # subprocesses
+    "pod/test_netns.py",  # network namespaces, subprocesses
+    "pod/test_pod_ray.py",  # a Ray cluster
+    "rollout/test_jetstream.py",  # the gRPC server
+    "rollout/test_openai_api.py",  # the HTTP endpoint and agent subprocesses
+    "rollout/test_openai_server.py",  # the HTTP endpoint
+    "rollout/test_routing_replay.py",  # launches the trainer
+    "rollout/test_vllm_backend.py",  # a vLLM server
+    "rollout/test_vllm_chain.py",  # a vLLM server
+    "rollout/test_vllm_fleet.py",  # a vLLM server and trainer processes
+    "rollout/test_vllm_serving.py",  # a vLLM server
+    "test_compile.py",  # launch/compile.py subprocesses
+    "test_experiments.py",  # the experiment scripts
+    "test_export_vllm.py",  # a vLLM server
+    "test_fairness.py",  # trains in process
+    "test_notebooks.py",  # runs the notebooks
+    "train/test_eval_data.py",  # launches the trainer
+    "train/test_eval_jsonl.py",  # launches the trainer
+    "train/test_extension_points.py",  # runs the RL loop in process
+    "train/test_lora_run.py",  # launches the trainer
+    "train/test_multihost.py",  # a multi-process run
+    "train/test_qwen3_5_run.py",  # launches the trainer
+    "train/test_trainer.py",  # launches the trainer
+})
+
+
 def pytest_configure(config):
   # `make test` (CI) deselects these; `make test-all` runs them. Each one's
   # ground is covered in the default run by a named lighter test.
   config.addinivalue_line(
       "markers", "slow: a heavy end-to-end test whose coverage the default run has "
       "elsewhere (deselected by `make test`, run by `make test-all`)")
+  config.addinivalue_line(
+      "markers", "integration: launches the trainer, a subprocess, a server or a "
+      "multi-process fleet (tests/conftest.py INTEGRATION lists the files)")
+  config.addinivalue_line(
+      "markers", "unit: in one process, quick (`make test-fast` runs these alone)")
+  moved = sorted(f for f in INTEGRATION if not os.path.isfile(os.path.join(_HERE, f)))
+  if moved:
+    raise pytest.UsageError(f"tests/conftest.py INTEGRATION names missing files: {moved}")
+
+
+def pytest_collection_modifyitems(config, items):
+  """Gives each test not marked slow its tier, by file (INTEGRATION)."""
+  del config  # unused
+  for item in items:
+    if item.get_closest_marker("slow"):
+      continue
+    path = os.path.relpath(str(item.path), _HERE).replace(os.sep, "/")
+    item.add_marker(pytest.mark.integration if path in INTEGRATION else pytest.mark.unit)
 
 
 import gc  # pylint: disable=g-import-not-at-top,g-bad-import-order
