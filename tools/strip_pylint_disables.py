@@ -11,8 +11,11 @@ comments. For each one this script:
     on the line ruff reports, before the reason.
 
 A pylint name ruff has no rule for, or whose rule the config does not
-select, or that ruff does not flag there, is dropped. Running it again
-finds no pylint comment and changes nothing.
+select, or that ruff does not flag there, is dropped. A trailing
+`# noqa: CODE` already there is treated the same way, so that it stays on
+the line ruff reports once the formatter has split or joined its statement.
+The files are formatted first (`ruff format`), so that each comment sits
+where it will stay. Running it again changes nothing.
 
 Usage: python tools/strip_pylint_disables.py [PATH ...]
 (default: every Python file git tracks, run from the repository root).
@@ -55,6 +58,7 @@ PYLINT_TO_RUFF = {
 }
 
 _PYLINT = re.compile(r"(#\s*)?pylint:\s*disable(?P<next>-next)?=(?P<names>[\w,-]+)")
+_UNKNOWN = set()  # pylint names met that PYLINT_TO_RUFF does not know
 _NOQA = re.compile(r"#\s*noqa:\s*(?P<codes>[A-Z]+[0-9]+(?:[,\s]+[A-Z]+[0-9]+)*)")
 
 
@@ -76,14 +80,14 @@ def _comments(text: str) -> dict[int, tuple[int, str]]:
   return found
 
 
-def _statement_ends(text: str) -> dict[int, int]:
-  """Line (1-based) -> the last line of the statement it belongs to."""
+def _statements(text: str) -> dict[int, tuple[int, int]]:
+  """Line (1-based) -> the first and last lines of its statement."""
   ends, start, in_code = {}, 1, False
   blank = (tokenize.COMMENT, tokenize.NL, tokenize.INDENT, tokenize.DEDENT,
            tokenize.ENCODING)
   for tok in tokenize.generate_tokens(io.StringIO(text).readline):
     if tok.type == tokenize.NEWLINE or (tok.type == tokenize.NL and not in_code):
-      ends.update((r, tok.start[0]) for r in range(start, tok.start[0] + 1))
+      ends.update((r, (start, tok.start[0])) for r in range(start, tok.start[0] + 1))
       start, in_code = tok.start[0] + 1, False
     elif tok.type not in blank:
       in_code = True
@@ -107,46 +111,59 @@ def _block_end(lines: list[str], row: int, indent: int) -> int:
   return last
 
 
-def strip(text: str) -> tuple[str, list[Disable]]:
-  """Removes the pylint comments of one file's text; returns the new text
-  and what each comment disabled, on the new text's lines."""
-  lines = text.splitlines(keepends=True)
-  comments = _comments(text)
-  ends = _statement_ends(text)
-  out, disables, unknown = [], [], set()
-  for row, line in enumerate(lines, start=1):
-    col, comment = comments.get(row, (None, ""))
-    m = _PYLINT.search(comment)
-    if not m:
-      out.append(line)
-      continue
-    names = [n for n in m.group("names").split(",") if n]
-    codes = set()
-    for name in names:
+def _take(comment: str, trailing: bool) -> tuple[set[str], str, bool, bool]:
+  """Splits one comment into the ruff codes its pylint disable maps to and
+  its noqa names (a trailing comment's only), what else it says, whether it
+  is a `disable-next`, and whether it held either directive."""
+  codes, is_next, found = set(), False, False
+  m = _PYLINT.search(comment)
+  if m:
+    found, is_next = True, bool(m.group("next"))
+    for name in filter(None, m.group("names").split(",")):
       if name not in PYLINT_TO_RUFF:
-        unknown.add(name)
+        _UNKNOWN.add(name)
       codes.update(PYLINT_TO_RUFF.get(name, ()))
-    before = comment[:m.start()].strip()
     rest = comment[m.end():].strip()
     if rest.startswith("(") and rest.endswith(")"):
       rest = rest[1:-1]
-    new_comment = _join_comments([before.rstrip(), rest])
-    code = line[:col].rstrip()
+    comment = _join_comments([comment[:m.start()].strip(), rest])
+  n = _NOQA.search(comment) if trailing else None
+  if n:
+    found = True
+    codes.update(re.split(r"[,\s]+", n.group("codes")))
+    comment = _join_comments([comment[:n.start()].strip(), comment[n.end():].strip()])
+  return codes, comment, is_next, found
+
+
+def strip(text: str) -> tuple[str, list[Disable]]:
+  """Removes the pylint comments and the trailing `# noqa: ...` of one
+  file's text; returns the new text and what each one disabled, on the new
+  text's lines."""
+  lines = text.splitlines(keepends=True)
+  comments = _comments(text)
+  statements = _statements(text)
+  out, disables = [], []
+  for row, line in enumerate(lines, start=1):
+    col, comment = comments.get(row, (None, ""))
+    code = line[:col].rstrip() if col is not None else ""
+    codes, new_comment, is_next, found = _take(comment, trailing=bool(code))
+    if not found:
+      out.append(line)
+      continue
     eol = line[len(line.rstrip("\r\n")):]
     if not code:  # An own-line comment: it covers the next line or its block.
       if new_comment:
         out.append(line[:col] + new_comment + eol)
       here = len(out) + 1
-      if m.group("next"):
+      if is_next:
         disables.append(Disable(codes, here, here))
       else:
         disables.append(Disable(codes, here, _block_end(lines, row, col) - row + len(out)))
       continue
     # A comment on a statement's line covers the whole statement.
     out.append(code + ("  " + new_comment if new_comment else "") + eol)
-    disables.append(Disable(codes, len(out), len(out) + ends.get(row, row) - row))
-  for name in sorted(unknown):
-    print(f"no ruff rule for pylint's {name}: dropped", file=sys.stderr)
+    first, last = statements.get(row, (row, row))
+    disables.append(Disable(codes, len(out) - (row - first), len(out) + last - row))
   return "".join(out), disables
 
 
@@ -168,15 +185,26 @@ def add_noqa(text: str, noqa: dict[int, set[str]]) -> str:
   return "".join(lines)
 
 
+def _ruff(*args: str) -> str:
+  """Runs ruff with the project's config; returns what it printed."""
+  return subprocess.run([sys.executable, "-m", "ruff", *args], capture_output=True,
+                        text=True, check=True).stdout
+
+
+def _has_directive(path: str) -> bool:
+  """Whether a file has a pylint comment or a trailing `# noqa: CODE`."""
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  if "pylint:" not in text and "noqa:" not in text:
+    return False
+  return any(_take(c, trailing=True)[3] for _, c in _comments(text).values())
+
+
 def _ruff_findings(paths: list[str]) -> dict[str, list[tuple[str, int, int]]]:
-  """path -> (code, first line, last line) of each finding, with the
-  project's config."""
-  run = subprocess.run(
-      [sys.executable, "-m", "ruff", "check", "--exit-zero", "--no-cache",
-       "--output-format", "json", *paths],
-      capture_output=True, text=True, check=True)
+  """path -> (code, first line, last line) of each finding."""
   findings = collections.defaultdict(list)
-  for f in json.loads(run.stdout):
+  out = _ruff("check", "--exit-zero", "--no-cache", "--output-format", "json", *paths)
+  for f in json.loads(out):
     findings[f["filename"]].append(
         (f["code"], f["location"]["row"], f["end_location"]["row"]))
   return findings
@@ -186,12 +214,17 @@ def main(argv: list[str]) -> int:
   paths = argv or subprocess.run(
       ["git", "ls-files", "*.py"], capture_output=True, text=True,
       check=True).stdout.split()
+  paths = [p for p in paths if _has_directive(p)]
+  if not paths:
+    return 0
+  # Formatted first, so that a comment sits where it will stay: the formatter
+  # leaves pragma comments (pylint's, noqa) out of its line width and moves
+  # them with their line, but a statement it splits or joins moves the lines.
+  _ruff("format", "-q", *paths)
   pending = {}
   for path in paths:
     with open(path, encoding="utf-8") as f:
       text = f.read()
-    if "pylint:" not in text:
-      continue
     new_text, disables = strip(text)
     if new_text != text:
       with open(path, "w", encoding="utf-8") as f:
@@ -216,8 +249,10 @@ def main(argv: list[str]) -> int:
         text = f.read()
       with open(path, "w", encoding="utf-8") as f:
         f.write(add_noqa(text, noqa))
-  print(f"{kept + dropped} pylint comments in {len(pending)} files: "
-        f"{kept} became `# noqa`, {dropped} dropped")
+  for name in sorted(_UNKNOWN):
+    print(f"no ruff rule for pylint's {name}: dropped", file=sys.stderr)
+  print(f"{kept + dropped} pylint or noqa comments in {len(pending)} files: "
+        f"{kept} are `# noqa` on the line ruff flags, {dropped} dropped")
   return 0
 
 
