@@ -51,7 +51,7 @@ lint: $(VENV)/.installed-lint
 # still flags after it (the last command) wants a hand.
 format: $(VENV)/.installed-lint
 	$(PY) tools/strip_pylint_disables.py
-	$(PY) -m ruff check --fix --exit-zero -q .
+	$(PY) -m ruff check --fix --exit-zero --silent .
 	$(PY) -m ruff format -q .
 	$(PY) -m ruff check .
 
