@@ -45,8 +45,10 @@ for _entry in sorted(os.listdir(_HERE)):
 
 
 # The test tiers. A file here is `integration`: it launches the trainer (as a
-# subprocess or in process), a subprocess, a server or a multi-process fleet.
-# Every other test is `unit` (`make test-fast` runs those alone). A test
+# subprocess or in process), a subprocess, a server or a multi-process fleet,
+# or it compiles a whole model's programs (engine, train step, oracles in
+# transformers), which costs minutes of CPU. Every other test is `unit`:
+# `make test-fast` runs those alone, in under 2 minutes on 2 cores. A test
 # marked `slow` in its file keeps that mark and no tier: `make test` runs
 # unit + integration, `make test-all` the slow ones too.
 INTEGRATION = frozenset({
@@ -56,6 +58,8 @@ INTEGRATION = frozenset({
     "data/test_weight_transfer.py",  # sender and receiver processes
     "envs/test_math_tool.py",  # trains in process
     "envs/test_repo_repair.py",  # trains in process
+    "envs/test_grader_hacks.py",  # graders in sandboxed subprocesses
+    "envs/test_humaneval.py",  # graders in sandboxed subprocesses
     "envs/test_sandbox.py",  # sandboxed subprocesses
     "envs/test_sandbox_limits.py",  # sandboxed subprocesses
     "envs/test_user_package.py",  # the trainer on a user's package
@@ -90,6 +94,37 @@ INTEGRATION = frozenset({
     "train/test_multihost.py",  # a multi-process run
     "train/test_qwen3_5_run.py",  # launches the trainer
     "train/test_trainer.py",  # launches the trainer
+    "train/test_wandb.py",  # W&B's service process
+    # Whole-model programs compiled on CPU.
+    "data/test_weight_delta.py",
+    "envs/test_tokenizers.py",  # every HF tokenizer of the corpus loaded
+    "faults/test_env_faults.py",
+    "faults/test_nonfinite_updates.py",
+    "models/test_action_logits.py",
+    "models/test_context_parallel.py",
+    "models/test_deltanet.py",
+    "models/test_families.py",
+    "models/test_head_vocab.py",
+    "models/test_hf_import.py",
+    "models/test_lora.py",
+    "models/test_model_scale.py",
+    "models/test_models.py",
+    "models/test_moe_parallel.py",
+    "models/test_paged.py",
+    "models/test_precision.py",
+    "models/test_qwen3_5.py",
+    "models/test_routing.py",
+    "rollout/test_chat_driver.py",
+    "rollout/test_chunked_prefill.py",
+    "rollout/test_compile_engine.py",
+    "rollout/test_engine_sharded.py",
+    "rollout/test_rollout.py",
+    "rollout/test_serving.py",
+    "test_export_run.py",
+    "test_export_tokenizer.py",
+    "train/test_dis_diagnostics.py",
+    "train/test_eval_sets.py",
+    "train/test_train_step.py",
 })
 
 
@@ -107,6 +142,16 @@ def pytest_configure(config):
   moved = sorted(f for f in INTEGRATION if not os.path.isfile(os.path.join(_HERE, f)))
   if moved:
     raise pytest.UsageError(f"tests/conftest.py INTEGRATION names missing files: {moved}")
+
+
+def pytest_ignore_collect(collection_path, config):
+  """`-m unit` does not import the integration files at all (their imports,
+  torch and transformers among them, are most of a collection's time)."""
+  if config.getoption("markexpr") == "unit":
+    path = os.path.relpath(str(collection_path), _HERE).replace(os.sep, "/")
+    if path in INTEGRATION:
+      return True
+  return None
 
 
 def pytest_collection_modifyitems(config, items):
