@@ -53,9 +53,10 @@ for _entry in sorted(os.listdir(_HERE)):
 # unit + integration, `make test-all` the slow ones too.
 INTEGRATION = frozenset({
     "data/test_checkpoint_multiprocess.py",  # two checkpointing processes
-    "data/test_fleet.py",  # a fleet of trainer processes
+    "transport/test_fleet.py",  # a fleet of trainer processes
     "data/test_gcs.py",  # a GCS emulator server
-    "data/test_weight_transfer.py",  # sender and receiver processes
+    "transport/test_weight_transfer.py",  # sender and receiver processes
+    "transport/test_weight_channel.py",  # each channel end to end, the transfer server
     "envs/test_math_tool.py",  # trains in process
     "envs/test_repo_repair.py",  # trains in process
     "envs/test_grader_hacks.py",  # graders in sandboxed subprocesses
@@ -74,14 +75,14 @@ INTEGRATION = frozenset({
     "pod/test_kube.py",  # subprocesses
     "pod/test_netns.py",  # network namespaces, subprocesses
     "pod/test_pod_ray.py",  # a Ray cluster
-    "rollout/test_jetstream.py",  # the gRPC server
-    "rollout/test_openai_api.py",  # the HTTP endpoint and agent subprocesses
-    "rollout/test_openai_server.py",  # the HTTP endpoint
+    "serving/test_jetstream.py",  # the gRPC server
+    "serving/test_openai_api.py",  # the HTTP endpoint and agent subprocesses
+    "serving/test_openai_server.py",  # the HTTP endpoint
     "rollout/test_routing_replay.py",  # launches the trainer
     "rollout/test_vllm_backend.py",  # a vLLM server
     "rollout/test_vllm_chain.py",  # a vLLM server
     "rollout/test_vllm_fleet.py",  # a vLLM server and trainer processes
-    "rollout/test_vllm_serving.py",  # a vLLM server
+    "serving/test_vllm_serving.py",  # a vLLM server
     "test_compile.py",  # launch/compile.py subprocesses
     "test_experiments.py",  # the experiment scripts
     "test_export_vllm.py",  # a vLLM server
@@ -96,7 +97,7 @@ INTEGRATION = frozenset({
     "train/test_trainer.py",  # launches the trainer
     "train/test_wandb.py",  # W&B's service process
     # Whole-model programs compiled on CPU.
-    "data/test_weight_delta.py",
+    "transport/test_weight_delta.py",
     "envs/test_tokenizers.py",  # every HF tokenizer of the corpus loaded
     "faults/test_env_faults.py",
     "faults/test_nonfinite_updates.py",
@@ -119,7 +120,7 @@ INTEGRATION = frozenset({
     "rollout/test_compile_engine.py",
     "rollout/test_engine_sharded.py",
     "rollout/test_rollout.py",
-    "rollout/test_serving.py",
+    "serving/test_serving.py",
     "test_export_run.py",
     "test_export_tokenizer.py",
     "train/test_dis_diagnostics.py",
@@ -155,10 +156,11 @@ def pytest_ignore_collect(collection_path, config):
 
 
 def pytest_collection_modifyitems(config, items):
-  """Gives each test not marked slow its tier, by file (INTEGRATION)."""
+  """Gives each test not marked slow its tier, by file (INTEGRATION); a test
+  marked integration itself (a subprocess in an otherwise quick file) keeps it."""
   del config  # unused
   for item in items:
-    if item.get_closest_marker("slow"):
+    if item.get_closest_marker("slow") or item.get_closest_marker("integration"):
       continue
     path = os.path.relpath(str(item.path), _HERE).replace(os.sep, "/")
     item.add_marker(pytest.mark.integration if path in INTEGRATION else pytest.mark.unit)

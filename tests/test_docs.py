@@ -602,6 +602,7 @@ def test_readme_within_budget():
   )
 
 
+@pytest.mark.integration  # mkdocs in a subprocess, ~20 s
 def test_site_builds_strictly(tmp_path):
   pytest.importorskip("mkdocs")
   pytest.importorskip("mkdocstrings")
