@@ -27,19 +27,31 @@ def main():
   parser.add_argument("--out", default=None)
   parser.add_argument("overrides", nargs="*", help="extra --config.* flags for every arm")
   args = parser.parse_args()
-  lines = ["| arm | SFT pass@1 | final pass@1 | change | RL steps | wall (s) |",
-           "|---|---|---|---|---|---|"]
+  lines = [
+    "| arm | SFT pass@1 | final pass@1 | change | RL steps | wall (s) |",
+    "|---|---|---|---|---|---|",
+  ]
   for arm in args.arms.split(","):
     workdir = os.path.join(args.workdir, arm)
     start = time.time()
-    subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train.py"),
-                    f"--config={os.path.join(ROOT, 'configs', arm + '.py')}",
-                    f"--workdir={workdir}", *args.overrides], check=True, cwd=ROOT)
+    subprocess.run(
+      [
+        sys.executable,
+        os.path.join(ROOT, "launch", "train.py"),
+        f"--config={os.path.join(ROOT, 'configs', arm + '.py')}",
+        f"--workdir={workdir}",
+        *args.overrides,
+      ],
+      check=True,
+      cwd=ROOT,
+    )
     wall = time.time() - start
     with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
       s = json.load(f)
-    lines.append(f"| {arm} | {s['sft_pass@1']:.3f} | {s['final_pass@1']:.3f} | "
-                 f"{s['final_pass@1'] - s['sft_pass@1']:+.3f} | {s['rl_steps']} | {wall:.0f} |")
+    lines.append(
+      f"| {arm} | {s['sft_pass@1']:.3f} | {s['final_pass@1']:.3f} | "
+      f"{s['final_pass@1'] - s['sft_pass@1']:+.3f} | {s['rl_steps']} | {wall:.0f} |"
+    )
     print(lines[-1], flush=True)
   if args.out:
     with open(args.out, "a", encoding="utf-8") as f:

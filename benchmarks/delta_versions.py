@@ -39,15 +39,14 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
-import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
-import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from sao_jax.algo import optim  # pylint: disable=wrong-import-position
-from sao_jax.models import config as model_config  # pylint: disable=wrong-import-position
-from sao_jax.models import policy  # pylint: disable=wrong-import-position
-from sao_jax.transport import weight_delta  # pylint: disable=wrong-import-position
-from sao_jax.transport import weight_transfer  # pylint: disable=wrong-import-position
+from sao_jax.algo import optim
+from sao_jax.models import config as model_config
+from sao_jax.models import policy
+from sao_jax.transport import weight_delta, weight_transfer
 
 # configs/sao_moe.py's actor schedule.
 LR, WARMUP, TOTAL = 1e-6, 10, 400
@@ -74,8 +73,9 @@ def train_steps(args):
     else:
       leaves, tree = jax.tree.flatten(p)
       keys = jax.random.split(jax.random.fold_in(jax.random.key(2), i), len(leaves))
-      grads = jax.tree.unflatten(tree, [jax.random.normal(k, x.shape, x.dtype)
-                                        for k, x in zip(keys, leaves)])
+      grads = jax.tree.unflatten(
+        tree, [jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
+      )
     updates, state = tx.update(grads, state, p)
     return jax.tree.map(lambda a, u: a + u, p, updates), state
 
@@ -99,8 +99,9 @@ def block_bytes(old, new, blocks):
     for block in blocks:
       pad = -differ.size % block
       changed = int(np.pad(differ, (0, pad)).reshape(-1, block).any(axis=1).sum())
-      out[block] += min(full, weight_delta.delta_nbytes(weight_delta.bucket(changed), block,
-                                                        a.dtype))
+      out[block] += min(
+        full, weight_delta.delta_nbytes(weight_delta.bucket(changed), block, a.dtype)
+      )
     out["bitmask"] += min(full, -(-differ.size // 8) + 2 * int(differ.sum()))
   return out
 
@@ -121,12 +122,14 @@ def measure(args, root):
   cfg, params, state, step = train_steps(args)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   served = jax.eval_shape(cast, params)
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-                          served)
-  server = weight_transfer.WeightServer(root, "bench", host="127.0.0.1", sockets=2,
-                                        thread=False)
-  nets = {kind: weight_transfer.NetFollower(root, kind, abstract, host="127.0.0.1", sockets=2,
-                                            delta=kind == "delta") for kind in ("full", "delta")}
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), served)
+  server = weight_transfer.WeightServer(root, "bench", host="127.0.0.1", sockets=2, thread=False)
+  nets = {
+    kind: weight_transfer.NetFollower(
+      root, kind, abstract, host="127.0.0.1", sockets=2, delta=kind == "delta"
+    )
+    for kind in ("full", "delta")
+  }
   blocks = [int(b) for b in args.blocks.split(",")]
   cast_jit = jax.jit(cast)
   rows, prev = [], None
@@ -149,8 +152,11 @@ def measure(args, root):
       for a, b in zip(jax.tree.leaves(got), host):
         assert np.asarray(a).tobytes() == b.tobytes(), (kind, v)
     if prev is not None:
-      changed = sum(int((a.view(np.uint16) != b.view(np.uint16)).sum())
-                    for a, b in zip(prev, host) if a.dtype.itemsize == 2)
+      changed = sum(
+        int((a.view(np.uint16) != b.view(np.uint16)).sum())
+        for a, b in zip(prev, host)
+        if a.dtype.itemsize == 2
+      )
       row["changed_fraction"] = changed / sum(a.size for a in host if a.dtype.itemsize == 2)
       row["blocks"] = block_bytes(prev, host, blocks)
     prev = host
@@ -161,9 +167,11 @@ def measure(args, root):
 
 
 def _line(r):
-  out = (f"v{r['version']:3d} publish {r['publish_s']:.3f}s (delta {r['delta_s']:.3f}s) "
-         f"full {r['full_bytes']:,} B {r['full_pull_s']:.3f}s  "
-         f"delta {r['delta_bytes']:,} B {r['delta_pull_s']:.3f}s")
+  out = (
+    f"v{r['version']:3d} publish {r['publish_s']:.3f}s (delta {r['delta_s']:.3f}s) "
+    f"full {r['full_bytes']:,} B {r['full_pull_s']:.3f}s  "
+    f"delta {r['delta_bytes']:,} B {r['delta_pull_s']:.3f}s"
+  )
   if "changed_fraction" in r:
     out += f"  changed {100 * r['changed_fraction']:.3f}%"
   return out
@@ -173,31 +181,44 @@ def summary(args, rows, version_bytes):
   # Medians past the warmup: while the lr climbs, each version's changed
   # counts reach new buckets and compile new programs.
   later = [r for r in rows if r["version"] > WARMUP] or rows[2:]
-  med = lambda key, rs=later: statistics.median(r[key] for r in rs)  # noqa: E731
+  med = lambda key, rs=later: statistics.median(r[key] for r in rs)
   full_s = statistics.median(r["publish_s"] - r["delta_s"] + r["full_pull_s"] for r in later)
   delta_s = statistics.median(r["publish_s"] + r["delta_pull_s"] for r in later)
   warm = [r for r in rows if 1 <= r["version"] <= WARMUP]
   after = [r for r in rows if r["version"] > WARMUP]
-  print(f"\nversion {version_bytes:,} B; medians over versions {later[0]['version']}.."
-        f"{args.steps}")
-  print(f"changed fraction: warmup (v1-{WARMUP}) median {100 * med('changed_fraction', warm):.3f}%"
-        + (f", after (v{WARMUP + 1}-{args.steps}) median "
-           f"{100 * med('changed_fraction', after):.3f}% max "
-           f"{100 * max(r['changed_fraction'] for r in after):.3f}%" if after else ""))
+  print(f"\nversion {version_bytes:,} B; medians over versions {later[0]['version']}..{args.steps}")
+  print(
+    f"changed fraction: warmup (v1-{WARMUP}) median {100 * med('changed_fraction', warm):.3f}%"
+    + (
+      f", after (v{WARMUP + 1}-{args.steps}) median "
+      f"{100 * med('changed_fraction', after):.3f}% max "
+      f"{100 * max(r['changed_fraction'] for r in after):.3f}%"
+      if after
+      else ""
+    )
+  )
   ratio = med("delta_bytes") / version_bytes
-  print(f"per version: full {version_bytes:,} B {full_s:.3f} s (publish + pull); delta "
-        f"{med('delta_bytes'):,.0f} B ({100 * ratio:.2f}%) {delta_s:.3f} s (publish with "
-        f"encode {med('delta_s'):.3f} s + pull, apply and checksums)")
+  print(
+    f"per version: full {version_bytes:,} B {full_s:.3f} s (publish + pull); delta "
+    f"{med('delta_bytes'):,.0f} B ({100 * ratio:.2f}%) {delta_s:.3f} s (publish with "
+    f"encode {med('delta_s'):.3f} s + pull, apply and checksums)"
+  )
   for key in list(later[0]["blocks"]):
     b = statistics.median(r["blocks"][key] for r in later)
     print(f"  block {key}: {b:,.0f} B ({100 * b / version_bytes:.2f}%)")
-  print(f"programs compiled: encode {weight_delta.encode._cache_size()}, apply "  # pylint: disable=protected-access
-        f"{weight_delta.apply._cache_size()} (one per piece shape and bucket)")  # pylint: disable=protected-access
-  print(f"\npod (modeled): a version {args.version_gb} GB, delta {100 * ratio:.2f}% of it = "
-        f"{args.version_gb * ratio:.2f} GB; LoRA adapters {args.lora_gb} GB")
+  print(
+    f"programs compiled: encode {weight_delta.encode._cache_size()}, apply "
+    f"{weight_delta.apply._cache_size()} (one per piece shape and bucket)"
+  )
+  print(
+    f"\npod (modeled): a version {args.version_gb} GB, delta {100 * ratio:.2f}% of it = "
+    f"{args.version_gb * ratio:.2f} GB; LoRA adapters {args.lora_gb} GB"
+  )
   for gbps in (float(g) for g in args.gbps.split(",")):
-    print(f"  at {gbps} GB/s: full {args.version_gb / gbps:.2f} s, delta "
-          f"{args.version_gb * ratio / gbps:.3f} s, adapters {args.lora_gb / gbps:.3f} s")
+    print(
+      f"  at {gbps} GB/s: full {args.version_gb / gbps:.2f} s, delta "
+      f"{args.version_gb * ratio / gbps:.3f} s, adapters {args.lora_gb / gbps:.3f} s"
+    )
 
 
 def main():
@@ -212,7 +233,8 @@ def main():
   ap.add_argument("--lora_gb", type=float, default=3.376)  # 843.8 M fp32 adapters
   ap.add_argument("--gbps", default="25,3.59")
   args = ap.parse_args()
-  import tempfile  # pylint: disable=g-import-not-at-top
+  import tempfile
+
   with tempfile.TemporaryDirectory() as root:
     rows, version_bytes = measure(args, root)
   summary(args, rows, version_bytes)

@@ -82,26 +82,39 @@ def _jax_rows(q, k, v, g, beta) -> list[tuple[str, float]]:
         rows.append((f"chunked {chunk}, {name}: fwd+bwd", _median_seconds(fn, q, k, v)))
       finally:
         dn.unit_lower_inverse = original
-  rows.append(("recurrent: fwd+bwd",
-               _median_seconds(_grad_fn(dn.recurrent_gated_delta_rule, g, beta), q, k, v)))
+  rows.append(
+    (
+      "recurrent: fwd+bwd",
+      _median_seconds(_grad_fn(dn.recurrent_gated_delta_rule, g, beta), q, k, v),
+    )
+  )
   state = jnp.zeros((q.shape[0], v.shape[2], q.shape[3], v.shape[3]), jnp.float32)
-  step = jax.jit(lambda q, k, v, g, beta, s: dn.recurrent_gated_delta_rule(
-      q, k, v, g, beta, initial_state=s, use_qk_l2norm_in_kernel=True))
+  step = jax.jit(
+    lambda q, k, v, g, beta, s: dn.recurrent_gated_delta_rule(
+      q, k, v, g, beta, initial_state=s, use_qk_l2norm_in_kernel=True
+    )
+  )
   one = lambda x: x[:, :1]
-  rows.append(("decode step (1 token, from a state)",
-               _median_seconds(step, *(one(x) for x in (q, k, v, g, beta)), state)))
+  rows.append(
+    (
+      "decode step (1 token, from a state)",
+      _median_seconds(step, *(one(x) for x in (q, k, v, g, beta)), state),
+    )
+  )
   return rows
 
 
 def _torch_row(q, k, v, g, beta) -> tuple[str, float]:
-  import torch  # pylint: disable=g-import-not-at-top
-  from transformers.models.qwen3_5 import modeling_qwen3_5 as ref  # pylint: disable=g-import-not-at-top
+  import torch
+  from transformers.models.qwen3_5 import modeling_qwen3_5 as ref
+
   args = [torch.tensor(np.asarray(x)) for x in (q, k, v, g, beta)]
   heads = v.shape[2]
   args[0] = args[0].repeat_interleave(heads // q.shape[2], dim=2)
   args[1] = args[1].repeat_interleave(heads // q.shape[2], dim=2)
-  run = lambda: ref.torch_chunk_gated_delta_rule(*args[:3], g=args[3], beta=args[4],
-                                                 use_qk_l2norm_in_kernel=True)
+  run = lambda: ref.torch_chunk_gated_delta_rule(
+    *args[:3], g=args[3], beta=args[4], use_qk_l2norm_in_kernel=True
+  )
   with torch.no_grad():
     run()
     times = []
@@ -119,8 +132,10 @@ def main(_):
   if _TORCH.value:
     rows.append(_torch_row(*inputs))
   base = dict(rows)["chunked 64, substitution: fwd+bwd"]
-  print(f"rows {shape[0]} x {shape[1]} tokens, {shape[2]} value heads of {shape[3]} "
-        f"({jax.default_backend()}), medians of {_REPEATS.value}")
+  print(
+    f"rows {shape[0]} x {shape[1]} tokens, {shape[2]} value heads of {shape[3]} "
+    f"({jax.default_backend()}), medians of {_REPEATS.value}"
+  )
   print("| form | ms | / chunked 64 substitution |\n|---|---|---|")
   for name, seconds in rows:
     print(f"| {name} | {seconds * 1e3:.1f} | {seconds / base:.2f} |")

@@ -111,8 +111,9 @@ print("RESULT " + json.dumps(out))
 
 def ref_package(ref: str, dest: str) -> None:
   """`ref`'s sao_jax under `dest` as the package `sao_jax_ref`."""
-  archive = subprocess.run(["git", "archive", ref, "sao_jax"], cwd=ROOT, capture_output=True,
-                           check=True).stdout
+  archive = subprocess.run(
+    ["git", "archive", ref, "sao_jax"], cwd=ROOT, capture_output=True, check=True
+  ).stdout
   subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
   os.rename(os.path.join(dest, "sao_jax"), os.path.join(dest, "sao_jax_ref"))
   for folder, _, files in os.walk(os.path.join(dest, "sao_jax_ref")):
@@ -127,35 +128,50 @@ def ref_package(ref: str, dest: str) -> None:
 
 def main():
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  import json  # pylint: disable=g-import-not-at-top,import-outside-toplevel
-  import numpy as np  # pylint: disable=g-import-not-at-top,import-outside-toplevel
-  from timing import report  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  import json
+
+  import numpy as np
+  from timing import report
+
   parser = argparse.ArgumentParser()
-  parser.add_argument("--ref", default="dae3a1e",
-                      help="the commit to compare with (default: before the one-layout engine)")
+  parser.add_argument(
+    "--ref",
+    default="dae3a1e",
+    help="the commit to compare with (default: before the one-layout engine)",
+  )
   parser.add_argument("--repeats", type=int, default=41, help="timed call pairs per path")
   parser.add_argument("--out", default=None, help="append the table to this file")
   args = parser.parse_args()
-  head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                        text=True, check=True).stdout.strip()
+  head = subprocess.run(
+    ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+  ).stdout.strip()
   with tempfile.TemporaryDirectory() as tmp:
     ref_package(args.ref, tmp)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, tmp]), JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)  # one CPU device, as a run has
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(args.repeats)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, check=False)
-  result = next((json.loads(line[7:]) for line in proc.stdout.splitlines()
-                 if line.startswith("RESULT ")), None)
+    proc = subprocess.run(
+      [sys.executable, "-c", CHILD, str(args.repeats)],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      check=False,
+    )
+  result = next(
+    (json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None
+  )
   if result is None:
     raise RuntimeError(f"timing failed:\n{proc.stderr[-3000:]}")
-  lines = [f"| engine path (sao_tiny, 16 slots, 1 CPU device) | {args.ref} best (tok/s) "
-           f"| {head} best (tok/s) | {head} / {args.ref}, median of {args.repeats} pairs "
-           "| interquartile range |", "|---|---|---|---|---|"]
+  lines = [
+    f"| engine path (sao_tiny, 16 slots, 1 CPU device) | {args.ref} best (tok/s) "
+    f"| {head} best (tok/s) | {head} / {args.ref}, median of {args.repeats} pairs "
+    "| interquartile range |",
+    "|---|---|---|---|---|",
+  ]
   for path in result["ref"]:
     ref, new = np.asarray(result["ref"][path]), np.asarray(result["head"][path])
     q1, q2, q3 = np.percentile(new / ref, [25, 50, 75])
-    lines.append(f"| {path} | {ref.max():.0f} | {new.max():.0f} | {q2:.3f} | "
-                 f"{q1:.3f} - {q3:.3f} |")
+    lines.append(f"| {path} | {ref.max():.0f} | {new.max():.0f} | {q2:.3f} | {q1:.3f} - {q3:.3f} |")
   report(lines, args.out)
 
 

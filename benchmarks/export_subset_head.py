@@ -32,13 +32,14 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from configs import math_tool_cpu  # pylint: disable=g-import-not-at-top,wrong-import-position
-from sao_jax.data.prompts import EVAL_OFFSET  # pylint: disable=wrong-import-position
-from sao_jax.envs import base  # pylint: disable=wrong-import-position
-from sao_jax.envs.demonstrations import (  # pylint: disable=wrong-import-position
-    demonstration_trajectory)
-from sao_jax.models.transformer import Transformer  # pylint: disable=wrong-import-position
-from sao_jax.train import trainer  # pylint: disable=wrong-import-position
+from configs import math_tool_cpu
+from sao_jax.data.prompts import EVAL_OFFSET
+from sao_jax.envs import base
+from sao_jax.envs.demonstrations import (
+  demonstration_trajectory,
+)
+from sao_jax.models.transformer import Transformer
+from sao_jax.train import trainer
 
 LENGTH = 512
 
@@ -55,7 +56,7 @@ def _against_mean(run, z: np.ndarray) -> np.ndarray:
   hidden states (h solved from z = h W: the head has more columns than d)."""
   w = np.asarray(run.state.policy["lm_head"], np.float64)  # [d, S]
   h = np.linalg.lstsq(w.T, z.T, rcond=None)[0].T  # [positions, d]
-  half = h[:len(h) // 2] / np.linalg.norm(h[:len(h) // 2], axis=1, keepdims=True)
+  half = h[: len(h) // 2] / np.linalg.norm(h[: len(h) // 2], axis=1, keepdims=True)
   u = half.mean(0) / np.linalg.norm(half.mean(0))
   return h @ u
 
@@ -63,16 +64,20 @@ def _against_mean(run, z: np.ndarray) -> np.ndarray:
 def _logits(run) -> np.ndarray:
   """Subset logits [positions, S] of the policy over 24 transcripts."""
   cfg, params = run.model_cfg, run.state.policy
-  apply = jax.jit(lambda t: Transformer(cfg).apply(
-      {"params": params}, t, jnp.arange(LENGTH)[None], jnp.ones_like(t))[0])
+  apply = jax.jit(
+    lambda t: Transformer(cfg).apply(
+      {"params": params}, t, jnp.arange(LENGTH)[None], jnp.ones_like(t)
+    )[0]
+  )
   out = []
   for i in list(range(12)) + [EVAL_OFFSET + j for j in range(12)]:
     task = run.env.task(i)
-    seq = [int(t) for t in demonstration_trajectory(run.env, task, run.tok,
-                                                    run.format).tokens][:LENGTH]
+    seq = [int(t) for t in demonstration_trajectory(run.env, task, run.tok, run.format).tokens][
+      :LENGTH
+    ]
     padded = np.zeros((1, LENGTH), np.int32)
-    padded[0, :len(seq)] = seq
-    out.append(np.asarray(apply(jnp.asarray(padded)))[0, :len(seq)].astype(np.float64))
+    padded[0, : len(seq)] = seq
+    out.append(np.asarray(apply(jnp.asarray(padded)))[0, : len(seq)].astype(np.float64))
   return np.concatenate(out)
 
 
@@ -91,17 +96,24 @@ def main():
   outside = run.model_cfg.vocab_size - run.model_cfg.head_size
   run.close()
   lse = np.logaddexp.reduce(z, axis=1)
-  print(f"{z.shape[0]} positions, {z.shape[1]} covered ids, {outside} outside; "
-        f"covered logits: max - mean {np.mean(z.max(1) - z.mean(1)):.2f}, "
-        f"max - min {np.mean(z.max(1) - z.min(1)):.2f} (means over positions); "
-        f"projections on the mean direction < 0 at {np.mean(projection < 0):.3f}")
-  for name, row in (("zero row", np.zeros(len(z))), ("mean of covered rows", z.mean(1)),
-                    ("min covered logit", z.min(1)),
-                    ("-10 x mean direction", -10 * projection),
-                    ("-100 x mean direction", -100 * projection)):
+  print(
+    f"{z.shape[0]} positions, {z.shape[1]} covered ids, {outside} outside; "
+    f"covered logits: max - mean {np.mean(z.max(1) - z.mean(1)):.2f}, "
+    f"max - min {np.mean(z.max(1) - z.min(1)):.2f} (means over positions); "
+    f"projections on the mean direction < 0 at {np.mean(projection < 0):.3f}"
+  )
+  for name, row in (
+    ("zero row", np.zeros(len(z))),
+    ("mean of covered rows", z.mean(1)),
+    ("min covered logit", z.min(1)),
+    ("-10 x mean direction", -10 * projection),
+    ("-100 x mean direction", -100 * projection),
+  ):
     mass = np.exp(np.log(outside) + row - np.logaddexp(lse, np.log(outside) + row))
-    print(f"{name:22s} outside mass mean {mass.mean():.3f} median {np.median(mass):.3f} "
-          f"max {mass.max():.3f}; argmax outside {np.mean(row > z.max(1)):.3f}")
+    print(
+      f"{name:22s} outside mass mean {mass.mean():.3f} median {np.median(mass):.3f} "
+      f"max {mass.max():.3f}; argmax outside {np.mean(row > z.max(1)):.3f}"
+    )
 
 
 if __name__ == "__main__":

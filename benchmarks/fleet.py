@@ -42,8 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sao_jax.data import files
-from sao_jax.data import store
+from sao_jax.data import files, store
 from sao_jax.data.trajectory import Trajectory
 from sao_jax.models import config as mcfg
 from sao_jax.models import policy
@@ -59,15 +58,23 @@ def synthetic_trajectory(i: int, length: int) -> Trajectory:
   turn = length // 4
   starts = [8 + k * turn for k in range(4)]
   for s in starts:
-    action_mask[s:s + turn // 2] = True
+    action_mask[s : s + turn // 2] = True
   logp = np.where(action_mask, -rng.uniform(0.01, 3.0, length), 0).astype(np.float32)
   rewards = np.zeros(length, np.float32)
   rewards[np.flatnonzero(action_mask)[-1]] = 1.0
   return Trajectory(
-      tokens=rng.integers(0, VOCAB, length).astype(np.int32), action_mask=action_mask,
-      rollout_logprobs=logp, policy_version=np.where(action_mask, 3, -1).astype(np.int32),
-      rewards=rewards, turn_starts=np.asarray(starts, np.int32), prompt_id=i, group_id=i,
-      finish_reason="done", start_time=0.0, end_time=1.0)
+    tokens=rng.integers(0, VOCAB, length).astype(np.int32),
+    action_mask=action_mask,
+    rollout_logprobs=logp,
+    policy_version=np.where(action_mask, 3, -1).astype(np.int32),
+    rewards=rewards,
+    turn_starts=np.asarray(starts, np.int32),
+    prompt_id=i,
+    group_id=i,
+    finish_reason="done",
+    start_time=0.0,
+    end_time=1.0,
+  )
 
 
 def store_row(d: str, n: int, length: int, repeats: int, label: str = "") -> list[str]:
@@ -86,8 +93,7 @@ def store_row(d: str, n: int, length: int, repeats: int, label: str = "") -> lis
     tdir = fleet.trajectories_dir(root)
     if not files.is_url(tdir):  # (object sizes are not this benchmark's business)
       sizes.append(sum(os.path.getsize(os.path.join(tdir, f)) for f in os.listdir(tdir)))
-    feed = fleet.ShardFeed(root, VOCAB, length, current_version=lambda: 10,
-                           log=lambda _: None)
+    feed = fleet.ShardFeed(root, VOCAB, length, current_version=lambda: 10, log=lambda _: None)
     t0 = time.perf_counter()
     got = feed.take(n)
     reads.append(time.perf_counter() - t0)
@@ -95,8 +101,10 @@ def store_row(d: str, n: int, length: int, repeats: int, label: str = "") -> lis
     files.rmtree(root)
   w, rd = float(np.median(writes)), float(np.median(reads))
   disk = f"{sizes[0] / 2**20:.1f}" if sizes else "-"
-  return [f"| {label}{length} | {n} | {record_mb:.1f} | {disk} | {n / w:,.0f} "
-          f"| {record_mb / w:.1f} | {n / rd:,.0f} | {record_mb / rd:.1f} |"]
+  return [
+    f"| {label}{length} | {n} | {record_mb:.1f} | {disk} | {n / w:,.0f} "
+    f"| {record_mb / w:.1f} | {n / rd:,.0f} | {record_mb / rd:.1f} |"
+  ]
 
 
 def tree_bytes(tree) -> int:
@@ -125,7 +133,7 @@ def weights_row(d: str, name: str, params, repeats: int, label: str = "") -> tup
   nbytes = tree_bytes(params)
   p, q = float(np.median(publish)), float(np.median(pickup))
   mb = nbytes / 2**20
-  row = (f"| {label}{name} | {mb:,.1f} | {p:.3f} | {mb / p:,.1f} | {q:.3f} | {mb / q:,.1f} |")
+  row = f"| {label}{name} | {mb:,.1f} | {p:.3f} | {mb / p:,.1f} | {q:.3f} | {mb / q:,.1f} |"
   return row, nbytes / (p + q)
 
 
@@ -133,41 +141,58 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--dir", default="/tmp/fleet_bench")
   parser.add_argument("--repeats", type=int, default=3)
-  parser.add_argument("--gcs_emulator", action="store_true",
-                      help="also on a gs:// root of a local GCS emulator, side by side")
-  parser.add_argument("--big_mib", type=int, default=1024,
-                      help="size of the synthetic bf16 tree (MiB, a multiple of 32)")
+  parser.add_argument(
+    "--gcs_emulator",
+    action="store_true",
+    help="also on a gs:// root of a local GCS emulator, side by side",
+  )
+  parser.add_argument(
+    "--big_mib",
+    type=int,
+    default=1024,
+    help="size of the synthetic bf16 tree (MiB, a multiple of 32)",
+  )
   args = parser.parse_args()
   os.makedirs(args.dir, exist_ok=True)
   places = [("", args.dir)]
   if args.gcs_emulator:
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
-        __file__))), "tests"))
-    import gcs_emulator  # pylint: disable=g-import-not-at-top
+    sys.path.insert(
+      0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+    )
+    import gcs_emulator
+
     emu = gcs_emulator.start(os.path.join(args.dir, "emulator.log"))
     emu.apply_here()
     places = [("disk: ", args.dir), ("gs:// emulator: ", emu.url("fleet_bench"))]
 
-  out = ["### Trajectory store (ShardWriter -> ShardFeed)", "",
-         "| tokens / trajectory | trajectories | record MB | MB on disk | write traj/s "
-         "| write MB/s | read+validate traj/s | read MB/s |", "|---|---|---|---|---|---|---|---|"]
+  out = [
+    "### Trajectory store (ShardWriter -> ShardFeed)",
+    "",
+    "| tokens / trajectory | trajectories | record MB | MB on disk | write traj/s "
+    "| write MB/s | read+validate traj/s | read MB/s |",
+    "|---|---|---|---|---|---|---|---|",
+  ]
   for length, n in ((256, 512), (4096, 128)):
     for label, d in places:
       out += store_row(d, n, length, args.repeats, label)
       print(out[-1], flush=True)
 
-  out += ["", "### Weight publish and pick-up (WeightPublisher -> WeightFollower)", "",
-          "| params | MB | publish s | publish MB/s | pick-up s | pick-up MB/s |",
-          "|---|---|---|---|---|---|"]
+  out += [
+    "",
+    "### Weight publish and pick-up (WeightPublisher -> WeightFollower)",
+    "",
+    "| params | MB | publish s | publish MB/s | pick-up s | pick-up MB/s |",
+    "|---|---|---|---|---|---|",
+  ]
   key = jax.random.key(0)
   trees = {
-      "tiny (fp32)": policy.init_params(mcfg.tiny(VOCAB), key),
-      "small (fp32)": policy.init_params(mcfg.small(VOCAB), key),
-      # Random values: constant leaves would compress to nothing on disk.
-      f"synthetic {args.big_mib} MiB (bf16)": {
-          f"w{i}": jax.random.normal(jax.random.fold_in(key, i), (args.big_mib * 4, 4096),
-                                     jnp.bfloat16)
-          for i in range(32)},
+    "tiny (fp32)": policy.init_params(mcfg.tiny(VOCAB), key),
+    "small (fp32)": policy.init_params(mcfg.small(VOCAB), key),
+    # Random values: constant leaves would compress to nothing on disk.
+    f"synthetic {args.big_mib} MiB (bf16)": {
+      f"w{i}": jax.random.normal(jax.random.fold_in(key, i), (args.big_mib * 4, 4096), jnp.bfloat16)
+      for i in range(32)
+    },
   }
   rate = None
   for name, params in trees.items():
@@ -178,9 +203,12 @@ def main():
       print(row, flush=True)
   qwen = jax.eval_shape(lambda: policy.init_params(mcfg.qwen3_30b_a3b(), key))
   qbytes = tree_bytes(qwen)
-  out += ["", f"Qwen3-30B-A3B policy params: {qbytes / 2**30:.1f} GiB in bf16; at the "
-          f"synthetic row's (disk) publish + pick-up rate ({rate / 2**20:,.0f} MB/s) one weight "
-          f"sync would take {qbytes / rate:,.0f} s on this disk from one process."]
+  out += [
+    "",
+    f"Qwen3-30B-A3B policy params: {qbytes / 2**30:.1f} GiB in bf16; at the "
+    f"synthetic row's (disk) publish + pick-up rate ({rate / 2**20:,.0f} MB/s) one weight "
+    f"sync would take {qbytes / rate:,.0f} s on this disk from one process.",
+  ]
   print("\n".join(out))
   if args.gcs_emulator:
     emu.stop()

@@ -20,7 +20,7 @@ import numpy as np
 import rlax
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import time_fns  # pylint: disable=g-import-not-at-top
+from timing import time_fns
 
 from sao_jax.algo import advantages
 
@@ -36,7 +36,7 @@ def make_inputs(b, t, seed=0):
     pos = int(rng.integers(5, 50))
     while pos < t:
       n = int(rng.integers(20, 200))
-      mask[row, pos:pos + n] = True
+      mask[row, pos : pos + n] = True
       pos += n + int(rng.integers(10, 100))
   rewards = np.where(mask, rng.normal(size=(b, t)) * 0.1, 0.0).astype(np.float32)
   values = rng.normal(size=(b, t)).astype(np.float32)
@@ -48,12 +48,12 @@ def rlax_gae(rewards, values):
   t = rewards.shape[1]
   discount = jnp.full((t,), GAMMA, rewards.dtype).at[-1].set(0.0)
   bootstrap = jnp.pad(values, ((0, 0), (0, 1)))
-  return jax.vmap(rlax.truncated_generalized_advantage_estimation,
-                  in_axes=(0, None, None, 0))(rewards, discount, LAM, bootstrap)
+  return jax.vmap(rlax.truncated_generalized_advantage_estimation, in_axes=(0, None, None, 0))(
+    rewards, discount, LAM, bootstrap
+  )
 
 
-ours = jax.jit(functools.partial(
-    advantages.skip_observation_gae, gamma=GAMMA, lam=LAM))
+ours = jax.jit(functools.partial(advantages.skip_observation_gae, gamma=GAMMA, lam=LAM))
 
 
 def main():
@@ -63,13 +63,17 @@ def main():
   args = parser.parse_args()
 
   fns = {"rlax": rlax_gae, "ours": ours}
-  lines = ["| B x T | rlax, unmasked (ms) | skip-observation GAE (ms) | rlax / ours |",
-           "|---|---|---|---|"]
+  lines = [
+    "| B x T | rlax, unmasked (ms) | skip-observation GAE (ms) | rlax / ours |",
+    "|---|---|---|---|",
+  ]
   for b, t in SIZES:
     r, v, m = make_inputs(b, t)
     sec = time_fns(fns, {"rlax": (r, v), "ours": (r, v, m)}, repeats=args.repeats)
-    line = (f"| {b} x {t} | {sec['rlax'] * 1e3:.1f} | {sec['ours'] * 1e3:.1f} "
-            f"| {sec['rlax'] / sec['ours']:.2f} |")
+    line = (
+      f"| {b} x {t} | {sec['rlax'] * 1e3:.1f} | {sec['ours'] * 1e3:.1f} "
+      f"| {sec['rlax'] / sec['ours']:.2f} |"
+    )
     print(line, flush=True)
     lines.append(line)
   if args.out:

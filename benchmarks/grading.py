@@ -23,13 +23,15 @@ from sao_jax.envs.humaneval import HumanEval, HumanEvalConfig
 from sao_jax.envs.sandbox import SandboxLimits
 
 # Problems whose canonical answer is a dict: the same values as a Counter.
-COUNTER_PROBLEMS = {111: """
+COUNTER_PROBLEMS = {
+  111: """
 import collections
 def histogram(test):
     c = collections.Counter(test.split())
     m = max(c.values(), default=0)
     return collections.Counter({k: v for k, v in c.items() if v == m})
-"""}
+"""
+}
 
 
 def main() -> None:
@@ -51,7 +53,7 @@ def main() -> None:
     problem, answer, _ = job
     try:
       return env.grade(problem, answer)[0]
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:  # noqa: BLE001
       return f"raised {type(e).__name__}"
 
   start = time.time()
@@ -59,9 +61,11 @@ def main() -> None:
     verdicts = list(pool.map(grade, jobs))
   seconds = time.time() - start
   wrong = collections.Counter(v for v, (_, _, want) in zip(verdicts, jobs) if v != want)
-  print(f"{len(jobs)} gradings, {args.threads} threads: {seconds:.1f} s, "
-        f"{len(jobs) / seconds:.2f} gradings/s; verdicts {dict(collections.Counter(verdicts))}; "
-        f"not as expected {dict(wrong)}")
+  print(
+    f"{len(jobs)} gradings, {args.threads} threads: {seconds:.1f} s, "
+    f"{len(jobs) / seconds:.2f} gradings/s; verdicts {dict(collections.Counter(verdicts))}; "
+    f"not as expected {dict(wrong)}"
+  )
 
 
 if __name__ == "__main__":

@@ -32,14 +32,15 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
-import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
-import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from sao_jax.data import identity  # pylint: disable=g-import-not-at-top,wrong-import-position
-from sao_jax.models import config as model_config  # pylint: disable=g-import-not-at-top,wrong-import-position
-from sao_jax.models import policy  # pylint: disable=g-import-not-at-top,wrong-import-position
+from sao_jax.data import identity
+from sao_jax.models import config as model_config
+from sao_jax.models import policy
 
 MESH = Mesh(np.array(jax.devices()), ("model",))
 
@@ -57,9 +58,11 @@ def _spec(shape) -> P:
 def shapes_row() -> dict:
   cfg = model_config.qwen3_5_35b_a3b()
   tree = jax.eval_shape(lambda: policy.init_params(cfg, jax.random.key(0)))
-  leaves = [jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=NamedSharding(MESH, _spec(
-      x.shape))) for x in jax.tree.leaves(tree)]
-  sampler = identity._sampler(tuple(x.shape for x in leaves), NamedSharding(MESH, P()))  # pylint: disable=protected-access
+  leaves = [
+    jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=NamedSharding(MESH, _spec(x.shape)))
+    for x in jax.tree.leaves(tree)
+  ]
+  sampler = identity._sampler(tuple(x.shape for x in leaves), NamedSharding(MESH, P()))
   t0 = time.time()
   compiled = sampler.lower(leaves).compile()
   compile_s = time.time() - t0
@@ -67,31 +70,38 @@ def shapes_row() -> dict:
   mem = compiled.memory_analysis()
   total = sum(int(np.prod(x.shape)) * 2 for x in leaves)
   sampled = sum(min(identity.SAMPLES, int(np.prod(x.shape))) for x in leaves)
-  return {"leaves": len(leaves), "param_gib": total / 2**30,
-          "shard_gib_per_device": mem.argument_size_in_bytes / 2**30,
-          "sampled_bytes": sampled * 2, "output_bytes": mem.output_size_in_bytes,
-          "temp_bytes_per_device": mem.temp_size_in_bytes,
-          "all_gathers": len(re.findall(r" all-gather(?:-start)?\(", hlo)),
-          "all_reduces": len(re.findall(r" all-reduce(?:-start)?\(", hlo)),
-          "compile_s": compile_s}
+  return {
+    "leaves": len(leaves),
+    "param_gib": total / 2**30,
+    "shard_gib_per_device": mem.argument_size_in_bytes / 2**30,
+    "sampled_bytes": sampled * 2,
+    "output_bytes": mem.output_size_in_bytes,
+    "temp_bytes_per_device": mem.temp_size_in_bytes,
+    "all_gathers": len(re.findall(r" all-gather(?:-start)?\(", hlo)),
+    "all_reduces": len(re.findall(r" all-reduce(?:-start)?\(", hlo)),
+    "compile_s": compile_s,
+  }
 
 
 def _sum_bits(leaves):
-  return [jnp.sum(jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32))
-          for x in leaves]
+  return [jnp.sum(jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)) for x in leaves]
 
 
 def timing_rows(mib: int, repeats: int) -> dict:
   shape = (8, 1024, 512)
   n = max(1, mib * 2**20 // (int(np.prod(shape)) * 2))
   sharding = NamedSharding(MESH, _spec(shape))
-  tree = {f"w{i:03d}": jax.device_put(jax.random.normal(jax.random.key(i), shape, jnp.bfloat16),
-                                      sharding) for i in range(n)}
+  tree = {
+    f"w{i:03d}": jax.device_put(jax.random.normal(jax.random.key(i), shape, jnp.bfloat16), sharding)
+    for i in range(n)
+  }
   small = {k: jax.device_put(v[:, :64, :64], sharding) for k, v in tree.items()}
   total = jax.jit(_sum_bits)
-  runs = {"fingerprint": lambda: identity.fingerprint(tree),
-          "fingerprint_small_leaves": lambda: identity.fingerprint(small),
-          "sum_every_byte": lambda: jax.block_until_ready(total(list(tree.values())))}
+  runs = {
+    "fingerprint": lambda: identity.fingerprint(tree),
+    "fingerprint_small_leaves": lambda: identity.fingerprint(small),
+    "sum_every_byte": lambda: jax.block_until_ready(total(list(tree.values()))),
+  }
   for f in runs.values():  # compile, warm
     f()
   alone = []  # before the interleaved rounds: nothing else ran just before
@@ -106,9 +116,13 @@ def timing_rows(mib: int, repeats: int) -> dict:
       f()
       times[k].append(time.perf_counter() - t0)
   med = {k: statistics.median(v) for k, v in times.items()}
-  return {"leaves": n, "mib": n * int(np.prod(shape)) * 2 / 2**20, "median_s": med,
-          "alone_s": statistics.median(alone),
-          "ratio_to_fingerprint": {k: v / med["fingerprint"] for k, v in med.items()}}
+  return {
+    "leaves": n,
+    "mib": n * int(np.prod(shape)) * 2 / 2**20,
+    "median_s": med,
+    "alone_s": statistics.median(alone),
+    "ratio_to_fingerprint": {k: v / med["fingerprint"] for k, v in med.items()},
+  }
 
 
 def main():
@@ -117,22 +131,30 @@ def main():
   ap.add_argument("--repeats", type=int, default=5)
   args = ap.parse_args()
   s = shapes_row()
-  print("| Qwen3.5-35B-A3B (bf16, 8-way) | leaves | param GiB | shard GiB/device | sampled B "
-        "| output B | temp B/device | all-gathers | all-reduces | compile s |")
+  print(
+    "| Qwen3.5-35B-A3B (bf16, 8-way) | leaves | param GiB | shard GiB/device | sampled B "
+    "| output B | temp B/device | all-gathers | all-reduces | compile s |"
+  )
   print("|---|---|---|---|---|---|---|---|---|---|")
-  print(f"| sampling program | {s['leaves']} | {s['param_gib']:.1f} | "
-        f"{s['shard_gib_per_device']:.2f} | {s['sampled_bytes']} | {s['output_bytes']} | "
-        f"{s['temp_bytes_per_device']} | {s['all_gathers']} | {s['all_reduces']} | "
-        f"{s['compile_s']:.1f} |")
+  print(
+    f"| sampling program | {s['leaves']} | {s['param_gib']:.1f} | "
+    f"{s['shard_gib_per_device']:.2f} | {s['sampled_bytes']} | {s['output_bytes']} | "
+    f"{s['temp_bytes_per_device']} | {s['all_gathers']} | {s['all_reduces']} | "
+    f"{s['compile_s']:.1f} |"
+  )
   t = timing_rows(args.mib, args.repeats)
-  print(f"\n{t['leaves']} leaves, {t['mib']:.0f} MiB bf16 over 8 CPU devices, "
-        f"median of {args.repeats} interleaved rounds:\n")
+  print(
+    f"\n{t['leaves']} leaves, {t['mib']:.0f} MiB bf16 over 8 CPU devices, "
+    f"median of {args.repeats} interleaved rounds:\n"
+  )
   print("| | median ms | x fingerprint |")
   print("|---|---|---|")
   for k, v in t["median_s"].items():
     print(f"| {k} | {v * 1e3:.1f} | {t['ratio_to_fingerprint'][k]:.1f} |")
-  print(f"\nfingerprint alone (warm, {args.repeats} calls before the rounds): median "
-        f"{t['alone_s'] * 1e3:.1f} ms")
+  print(
+    f"\nfingerprint alone (warm, {args.repeats} calls before the rounds): median "
+    f"{t['alone_s'] * 1e3:.1f} ms"
+  )
 
 
 if __name__ == "__main__":

@@ -32,20 +32,18 @@ import argparse
 import json
 import os
 import shutil
-import time
-
 import sys
+import time
 
 import jax
 import numpy as np
 
-from sao_jax.train import factories
-from sao_jax.train import trainer
 from sao_jax.data import prompts as prompt_data
+from sao_jax.train import factories, trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from configs import common  # pylint: disable=g-import-not-at-top,wrong-import-position
+from configs import common  # noqa: E402
 
 
 def make_config(args, mode="async", latency=0.0):
@@ -71,16 +69,26 @@ def rl_figures(workdir: str) -> dict:
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
     recs = [r for r in map(json.loads, f) if r["stage"] == "rl"]
   last = recs[-1]
-  keys = ("time/train_frac", "time/wait_frac", "time/generate_frac", "time/env_frac",
-          "rollout/generated_tokens_per_s", "trainer/idle_fraction")
-  return {"wall": last["time"] - recs[0]["time"], "steps": len(recs) - 1,
-          **{k: last.get(k, float("nan")) for k in keys}}
+  keys = (
+    "time/train_frac",
+    "time/wait_frac",
+    "time/generate_frac",
+    "time/env_frac",
+    "rollout/generated_tokens_per_s",
+    "trainer/idle_fraction",
+  )
+  return {
+    "wall": last["time"] - recs[0]["time"],
+    "steps": len(recs) - 1,
+    **{k: last.get(k, float("nan")) for k in keys},
+  }
 
 
 def engine_alone(config, base: str, trajectories: int) -> float:
   """Generated tokens/s of the driver alone on the warm-start policy."""
   run = trainer.load_run(config, base)
   try:
+
     def once(n):
       engine = factories.make_engine(config, run.model_cfg, run.state.policy, int(run.state.step))
       prompts = prompt_data.train_prompts(config.data.num_train_tasks, config.seed + 1)
@@ -90,6 +98,7 @@ def engine_alone(config, base: str, trajectories: int) -> float:
       seconds = time.perf_counter() - start
       driver.stop()
       return driver.stats.generated_tokens / seconds
+
     once(16)  # compile
     return float(np.median([once(trajectories) for _ in range(2)]))
   finally:
@@ -132,21 +141,27 @@ def main():
   def med(arm, key):
     return float(np.median([r[key] for r in results[arm]]))
 
-  lines = ["| tool latency | mode | RL wall, steps 2..N (s) | train | wait | generate | env "
-           "| generated tokens/s | vs engine alone |", "|---|---|---|---|---|---|---|---|---|"]
+  lines = [
+    "| tool latency | mode | RL wall, steps 2..N (s) | train | wait | generate | env "
+    "| generated tokens/s | vs engine alone |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ]
   for mode, latency in arms:
     arm = (mode, latency)
     tps = med(arm, "rollout/generated_tokens_per_s")
     lines.append(
-        f"| {latency * 1000:.0f} ms | {mode} | {med(arm, 'wall'):.1f} "
-        f"| {med(arm, 'time/train_frac'):.2f} | {med(arm, 'time/wait_frac'):.2f} "
-        f"| {med(arm, 'time/generate_frac'):.2f} | {med(arm, 'time/env_frac'):.2f} "
-        f"| {tps:,.0f} | {tps / alone:.2f} |")
+      f"| {latency * 1000:.0f} ms | {mode} | {med(arm, 'wall'):.1f} "
+      f"| {med(arm, 'time/train_frac'):.2f} | {med(arm, 'time/wait_frac'):.2f} "
+      f"| {med(arm, 'time/generate_frac'):.2f} | {med(arm, 'time/env_frac'):.2f} "
+      f"| {tps:,.0f} | {tps / alone:.2f} |"
+    )
   for latency in (0.0, args.latency):
     ratio = med(("sync", latency), "wall") / med(("async", latency), "wall")
     lines.append(f"\nsync / async RL wall at {latency * 1000:.0f} ms tool latency: {ratio:.2f}x")
-  lines.append(f"\nengine alone (same driver and slots, no trainer, no latency): "
-               f"{alone:,.0f} generated tokens/s")
+  lines.append(
+    f"\nengine alone (same driver and slots, no trainer, no latency): "
+    f"{alone:,.0f} generated tokens/s"
+  )
   print("\n".join(lines), flush=True)
   if args.out:
     with open(args.out, "a", encoding="utf-8") as f:

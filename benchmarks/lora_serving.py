@@ -32,8 +32,10 @@ def main():
   args = parser.parse_args()
   keys = jax.random.split(jax.random.key(0), 4)
   w = jax.random.normal(keys[0], (args.d, args.f)) * 0.02
-  ad = {lora.A: jax.random.normal(keys[1], (args.d, args.rank)) * 0.02,
-        lora.B: jax.random.normal(keys[2], (args.rank, args.f)) * 0.02}
+  ad = {
+    lora.A: jax.random.normal(keys[1], (args.d, args.rank)) * 0.02,
+    lora.B: jax.random.normal(keys[2], (args.rank, args.f)) * 0.02,
+  }
   x = jax.random.normal(keys[3], (args.rows, args.d))
   scale = 2.0
   merge = jax.jit(lambda w, ad: w + lora.delta(w.shape, ad, scale))
@@ -41,8 +43,11 @@ def main():
   applied_step = jax.jit(lambda x, w, ad: x @ w + scale * ((x @ ad[lora.A]) @ ad[lora.B]))
   w2 = merge(w, ad)
   np.testing.assert_allclose(merged_step(x, w2), applied_step(x, w, ad), rtol=1e-4, atol=1e-4)
-  runs = {"merge": lambda: merge(w, ad), "merged step": lambda: merged_step(x, w2),
-          "applied step": lambda: applied_step(x, w, ad)}
+  runs = {
+    "merge": lambda: merge(w, ad),
+    "merged step": lambda: merged_step(x, w2),
+    "applied step": lambda: applied_step(x, w, ad),
+  }
   times = {k: [] for k in runs}
   for _ in range(args.repeats):
     for k, f in runs.items():
@@ -55,8 +60,10 @@ def main():
   for k, v in med.items():
     print(f"  {k}: {v * 1e3:.3f} ms")
   print(f"  applied / merged step: {med['applied step'] / med['merged step']:.2f}x")
-  print("  break-even decode steps per version: "
-        + (f"{med['merge'] / extra:.1f}" if extra > 0 else "none (applied is not slower)"))
+  print(
+    "  break-even decode steps per version: "
+    + (f"{med['merge'] / extra:.1f}" if extra > 0 else "none (applied is not slower)")
+  )
 
 
 if __name__ == "__main__":

@@ -47,8 +47,7 @@ def _count(tree, rules=None) -> tuple[int, int]:
   if rules is None:
     return total, total
   labels = jax.tree.leaves(optim.partition_labels(tree, rules))
-  trained = sum(math.prod(x.shape) for (_, x), lab in zip(leaves, labels)
-                if lab == optim.TRAIN)
+  trained = sum(math.prod(x.shape) for (_, x), lab in zip(leaves, labels) if lab == optim.TRAIN)
   return total, trained
 
 
@@ -58,8 +57,9 @@ def sizes(preset: str, rank: int) -> dict:
   pol, crit = shape("lm"), shape("value")
   c = sections.Lora()
   actor = lora.LoraConfig(rank, 2.0 * rank, c.actor_targets)
-  critic = lora.LoraConfig(rank, 2.0 * rank, c.critic_targets + c.actor_targets,
-                           whole=c.critic_whole)
+  critic = lora.LoraConfig(
+    rank, 2.0 * rank, c.critic_targets + c.actor_targets, whole=c.critic_whole
+  )
   a = jax.eval_shape(lambda p: lora.init_adapters(p, actor, jax.random.key(0)), pol)
   b = jax.eval_shape(lambda p: lora.init_adapters(p, critic, jax.random.key(0)), crit)
   n_pol, _ = _count(pol)
@@ -69,14 +69,26 @@ def sizes(preset: str, rank: int) -> dict:
   full_state = 4 * n_pol + 8 * n_pol + 4 * n_crit + 8 * crit_trained
   lora_state = 12 * n_a + 4 * n_b + 8 * b_trained
   kinds = lora.plan(pol, actor)
-  targeted = sum(math.prod(x.shape) for k, x in jax.tree_util.tree_flatten_with_path(pol)[0]
-                 if kinds.get(optim.param_path(k)) == "adapter")
+  targeted = sum(
+    math.prod(x.shape)
+    for k, x in jax.tree_util.tree_flatten_with_path(pol)[0]
+    if kinds.get(optim.param_path(k)) == "adapter"
+  )
   head = n_crit - n_pol + (math.prod(pol["lm_head"].shape) if "lm_head" in pol else 0)
-  return {"preset": preset, "params": n_pol, "actor": n_a, "critic": n_b,
-          "critic_trained": b_trained, "full_state": full_state, "lora_state": lora_state,
-          "lora_resident_bf16": lora_state + 2 * (n_pol + head),
-          "lora_resident_fp32": lora_state + 4 * (n_pol + head),
-          "step_bf16": 4 * targeted, "version_full": 2 * n_pol, "version_adapters": 4 * n_a}
+  return {
+    "preset": preset,
+    "params": n_pol,
+    "actor": n_a,
+    "critic": n_b,
+    "critic_trained": b_trained,
+    "full_state": full_state,
+    "lora_state": lora_state,
+    "lora_resident_bf16": lora_state + 2 * (n_pol + head),
+    "lora_resident_fp32": lora_state + 4 * (n_pol + head),
+    "step_bf16": 4 * targeted,
+    "version_full": 2 * n_pol,
+    "version_adapters": 4 * n_a,
+  }
 
 
 def main():
@@ -85,19 +97,23 @@ def main():
   parser.add_argument("--presets", default="qwen3_1_7b,qwen3_8b,qwen3_30b_a3b")
   args = parser.parse_args()
   print(f"rank {args.rank}, alpha {2 * args.rank}, the lora section's default targets\n")
-  print("| preset | params | actor adapters | critic adapters (trained) | state GiB full / "
-        "LoRA | resident GiB full / LoRA bf16 base / LoRA fp32 base | step GiB | version GiB "
-        "full bf16 / adapters fp32 |")
+  print(
+    "| preset | params | actor adapters | critic adapters (trained) | state GiB full / "
+    "LoRA | resident GiB full / LoRA bf16 base / LoRA fp32 base | step GiB | version GiB "
+    "full bf16 / adapters fp32 |"
+  )
   print("|---|---|---|---|---|---|---|---|")
   for preset in args.presets.split(","):
     s = sizes(preset, args.rank)
     g = lambda k: s[k] / GIB
-    print(f"| {preset} | {s['params'] / 1e9:.2f} B | {s['actor'] / 1e6:.1f} M "
-          f"({s['actor'] / s['params']:.2%}) | {s['critic'] / 1e6:.1f} M "
-          f"({s['critic_trained'] / 1e6:.1f} M) | {g('full_state'):.1f} / {g('lora_state'):.2f} "
-          f"| {g('full_state'):.1f} / {g('lora_resident_bf16'):.1f} / "
-          f"{g('lora_resident_fp32'):.1f} | {g('step_bf16'):.1f} | {g('version_full'):.2f} / "
-          f"{g('version_adapters'):.3f} |")
+    print(
+      f"| {preset} | {s['params'] / 1e9:.2f} B | {s['actor'] / 1e6:.1f} M "
+      f"({s['actor'] / s['params']:.2%}) | {s['critic'] / 1e6:.1f} M "
+      f"({s['critic_trained'] / 1e6:.1f} M) | {g('full_state'):.1f} / {g('lora_state'):.2f} "
+      f"| {g('full_state'):.1f} / {g('lora_resident_bf16'):.1f} / "
+      f"{g('lora_resident_fp32'):.1f} | {g('step_bf16'):.1f} | {g('version_full'):.2f} / "
+      f"{g('version_adapters'):.3f} |"
+    )
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import time_fns  # pylint: disable=g-import-not-at-top
+from timing import time_fns
 
 from sao_jax.models import config as mcfg
 from sao_jax.models import decoding, policy
@@ -35,8 +35,9 @@ def train_throughput(cfg, batch, length, repeats):
 
   @jax.jit
   def step(p):
-    return jax.value_and_grad(
-        lambda p: -policy.token_logprobs(cfg, p, tokens, pos, seg)[0].mean())(p)
+    return jax.value_and_grad(lambda p: -policy.token_logprobs(cfg, p, tokens, pos, seg)[0].mean())(
+      p
+    )
 
   sec = time_fns({"s": step}, {"s": (params,)}, repeats)["s"]
   n = sum(x.size for x in jax.tree.leaves(params))
@@ -52,8 +53,7 @@ def decode_compare(cfg, batch, prompt, new, repeats):
   def with_cache():
     cache = decoding.init_cache(cfg, batch, total)
     lengths = jnp.zeros((batch,), jnp.int32)
-    logits, cache, lengths = extend(params, cache, prompts, lengths,
-                                    jnp.ones_like(prompts, bool))
+    logits, cache, lengths = extend(params, cache, prompts, lengths, jnp.ones_like(prompts, bool))
     tok = jnp.argmax(logits[:, -1], -1)
     out = [tok]
     ones = jnp.ones((batch, 1), bool)
@@ -94,8 +94,11 @@ def main():
     n, tps = train_throughput(mcfg.PRESETS[name](), b, l, args.repeats)
     lines.append(f"| {name} | {n / 1e6:.2f}M | {tps:,.0f} ({b} x {l}) |")
     print(lines[-1], flush=True)
-  lines += ["", "| model | B slots, prompt, new | KV cache tokens/s | recompute tokens/s "
-            "| cache / recompute |", "|---|---|---|---|---|"]
+  lines += [
+    "",
+    "| model | B slots, prompt, new | KV cache tokens/s | recompute tokens/s | cache / recompute |",
+    "|---|---|---|---|---|",
+  ]
   for name, b, p, n in (("tiny", 8, 64, 192), ("small", 8, 64, 192)):
     c, f = decode_compare(mcfg.PRESETS[name](), b, p, n, args.repeats)
     lines.append(f"| {name} | {b}, {p}, {n} | {c:,.0f} | {f:,.0f} | {c / f:.2f} |")

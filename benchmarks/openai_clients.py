@@ -34,15 +34,16 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from sao_jax.envs import chat  # pylint: disable=g-import-not-at-top,wrong-import-position
-from sao_jax.envs.tokenizer import TOKENIZERS  # pylint: disable=g-import-not-at-top,wrong-import-position
-from sao_jax.serving import batcher as batcher_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from sao_jax.envs import chat
+from sao_jax.envs.tokenizer import TOKENIZERS
+from sao_jax.serving import batcher as batcher_lib
 from sao_jax.serving import http_server, openai_api, sessions
 
 TOK = TOKENIZERS["qwen3"]()
 FMT = chat.make_format("qwen3", TOK)
-BODY = json.dumps({"model": "fake", "messages": [{"role": "user", "content": "hi"}],
-                   "max_tokens": 8})
+BODY = json.dumps(
+  {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+)
 
 
 class FakeBatcher:
@@ -63,8 +64,9 @@ class FakeBatcher:
 
 def make_app(seconds: float):
   book = sessions.SessionBook(FMT, TOK.vocab_size, 4096, lambda t: None, max_sessions=1 << 20)
-  return openai_api.OpenAIApp(FakeBatcher(seconds), FMT, TOK, book, model_name="fake",
-                              max_turn_tokens=8)
+  return openai_api.OpenAIApp(
+    FakeBatcher(seconds), FMT, TOK, book, model_name="fake", max_turn_tokens=8
+  )
 
 
 class _StdlibHandler(http.server.BaseHTTPRequestHandler):
@@ -73,7 +75,7 @@ class _StdlibHandler(http.server.BaseHTTPRequestHandler):
   def log_message(self, *args):
     pass
 
-  def do_POST(self):  # pylint: disable=invalid-name
+  def do_POST(self):
     body = self.rfile.read(int(self.headers["Content-Length"]))
     headers = {k.lower(): v for k, v in self.headers.items()}
     self.server.app.handle("POST", self.path, headers, body, http_server.Responder(self))
@@ -108,7 +110,7 @@ def hammer(port: int, clients: int) -> tuple[list, float]:
       r.read()
       conn.close()
       return r.status, r.getheader("Retry-After"), time.perf_counter() - t0
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:  # noqa: BLE001
       return type(e).__name__, None, time.perf_counter() - t0
 
   t0 = time.perf_counter()
@@ -118,9 +120,9 @@ def hammer(port: int, clients: int) -> tuple[list, float]:
 
 
 TRANSPORTS = {
-    "stdlib": lambda app: StdlibServer(app),
-    "pooled": lambda app: openai_api.Server(app),
-    "pooled-small": lambda app: openai_api.Server(app, workers=8, max_pending=32),
+  "stdlib": lambda app: StdlibServer(app),
+  "pooled": lambda app: openai_api.Server(app),
+  "pooled-small": lambda app: openai_api.Server(app, workers=8, max_pending=32),
 }
 
 
@@ -130,8 +132,10 @@ def main():
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--sample_ms", type=float, default=50.0)
   args = parser.parse_args()
-  print("| clients | server | replies 200 | replies 503 (Retry-After) | failed connections "
-        "| 200s: median / p99 ms | wall s (mean) | /v1/stats http/busy |")
+  print(
+    "| clients | server | replies 200 | replies 503 (Retry-After) | failed connections "
+    "| 200s: median / p99 ms | wall s (mean) | /v1/stats http/busy |"
+  )
   print("|---|---|---|---|---|---|---|---|")
   for clients in [int(c) for c in args.clients.split(",")]:
     totals = {name: collections.Counter() for name in TRANSPORTS}
@@ -160,9 +164,11 @@ def main():
     for name in TRANSPORTS:
       t, lat = totals[name], np.asarray(latencies[name] or [np.nan])
       kinds = ", ".join(f"{k[7:]} {v}" for k, v in sorted(t.items()) if k.startswith("failed/"))
-      print(f"| {clients} x {args.rounds} | {name} | {t['200']} | {t['503']} ({t['retry_after']}) "
-            f"| {t['failed']}{f' ({kinds})' if kinds else ''} | {np.median(lat):.0f} / "
-            f"{np.percentile(lat, 99):.0f} | {np.mean(walls[name]):.2f} | {t['busy']} |")
+      print(
+        f"| {clients} x {args.rounds} | {name} | {t['200']} | {t['503']} ({t['retry_after']}) "
+        f"| {t['failed']}{f' ({kinds})' if kinds else ''} | {np.median(lat):.0f} / "
+        f"{np.percentile(lat, 99):.0f} | {np.mean(walls[name]):.2f} | {t['busy']} |"
+      )
 
 
 if __name__ == "__main__":

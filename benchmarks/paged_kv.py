@@ -65,8 +65,15 @@ SMALL_POOL = 96
 # --- memory: a simulated long-tailed mix ------------------------------------------------
 
 
-def simulate(slots: int, max_len: int, page: int, turn: int, obs: int = 16,
-             trajectories: int = 4000, seed: int = 0) -> dict:
+def simulate(
+  slots: int,
+  max_len: int,
+  page: int,
+  turn: int,
+  obs: int = 16,
+  trajectories: int = 4000,
+  seed: int = 0,
+) -> dict:
   """Continuous batching of lognormal-length trajectories, one turn a tick.
 
   Returns mean live tokens, and the mean and peak pages a paged cache holds
@@ -74,8 +81,9 @@ def simulate(slots: int, max_len: int, page: int, turn: int, obs: int = 16,
   """
   rng = np.random.default_rng(seed)
   median = max_len / 16
-  final = np.minimum(max_len, np.maximum(2, rng.lognormal(math.log(median), 1.0,
-                                                          trajectories))).astype(int)
+  final = np.minimum(
+    max_len, np.maximum(2, rng.lognormal(math.log(median), 1.0, trajectories))
+  ).astype(int)
   length = np.zeros(slots, int)
   target = np.zeros(slots, int)
   nxt, live, held = 0, [], []
@@ -95,17 +103,23 @@ def simulate(slots: int, max_len: int, page: int, turn: int, obs: int = 16,
     done = (target > 0) & (length >= target)
     target[done], length[done] = 0, 0
   steady = slice(len(live) // 10, -len(live) // 10)  # without the fill and the drain
-  return {"live": float(np.mean(live[steady])), "pages_mean": float(np.mean(held[steady])),
-          "pages_peak": int(np.max(held[steady])),
-          "mean_length": float(final.mean()), "p99_length": float(np.percentile(final, 99))}
+  return {
+    "live": float(np.mean(live[steady])),
+    "pages_mean": float(np.mean(held[steady])),
+    "pages_peak": int(np.max(held[steady])),
+    "mean_length": float(final.mean()),
+    "p99_length": float(np.percentile(final, 99)),
+  }
 
 
 def memory_section(shapes) -> list[str]:
-  lines = ["| shape | slots x max_len | page | mean / p99 length | mean live tokens | "
-           "dense bytes / live token | paged (pool = peak) bytes / live token | "
-           "paged / dense | pool, pages of the dense size | slot groups: pool floor, "
-           "paged / dense |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+  lines = [
+    "| shape | slots x max_len | page | mean / p99 length | mean live tokens | "
+    "dense bytes / live token | paged (pool = peak) bytes / live token | "
+    "paged / dense | pool, pages of the dense size | slot groups: pool floor, "
+    "paged / dense |",
+    "|---|---|---|---|---|---|---|---|---|---|",
+  ]
   for name, cfg, slots, max_len, page, turn, groups in shapes:
     per_position = layout.cache_bytes_per_device(cfg, 1, page) / page
     sim = simulate(slots, max_len, page, turn)
@@ -115,15 +129,19 @@ def memory_section(shapes) -> list[str]:
     # A sharded engine pages each device's slots into its own part of the
     # pool, which must hold one max_len trajectory (engine.py) and the peak
     # of its own slots.
-    group = sim if groups == 1 else simulate(slots // groups, max_len, page, turn,
-                                             trajectories=4000 // groups * 4)
+    group = (
+      sim
+      if groups == 1
+      else simulate(slots // groups, max_len, page, turn, trajectories=4000 // groups * 4)
+    )
     floor = groups * max(group["pages_peak"], max_len // page)
     lines.append(
-        f"| {name} | {slots} x {max_len:,} | {page} | {sim['mean_length']:,.0f} / "
-        f"{sim['p99_length']:,.0f} | {sim['live']:,.0f} | {_bytes(dense / sim['live'])} | "
-        f"{_bytes(pool / sim['live'])} | {pool / dense:.3f} | "
-        f"{sim['pages_peak']:,} / {dense_pages:,} ({_bytes(pool)} vs {_bytes(dense)}) | "
-        f"{groups}: {floor:,}, {floor / dense_pages:.3f} |")
+      f"| {name} | {slots} x {max_len:,} | {page} | {sim['mean_length']:,.0f} / "
+      f"{sim['p99_length']:,.0f} | {sim['live']:,.0f} | {_bytes(dense / sim['live'])} | "
+      f"{_bytes(pool / sim['live'])} | {pool / dense:.3f} | "
+      f"{sim['pages_peak']:,} / {dense_pages:,} ({_bytes(pool)} vs {_bytes(dense)}) | "
+      f"{groups}: {floor:,}, {floor / dense_pages:.3f} |"
+    )
   return lines
 
 
@@ -139,6 +157,7 @@ def _bytes(n: float) -> str:
 
 class LongTailEnv:
   """Long-tailed episodes: 1 + lognormal(0, 1) turns, capped at 10."""
+
   name, max_turns = "long_tail", 10
 
   def task(self, i):
@@ -156,28 +175,37 @@ class LongTailEnv:
     return Ep()
 
 
-def throughput_section(repeats: int, requests: int, decode_steps: int
-                       ) -> tuple[dict, list[str]]:
+def throughput_section(repeats: int, requests: int, decode_steps: int) -> tuple[dict, list[str]]:
   tok = CharTokenizer()
   cfg = mcfg.tiny(vocab_size=tok.vocab_size)
   params = policy.init_params(cfg, jax.random.key(0))
   dense_pages = 16 * MAX_LEN // PAGE
-  arms = {"dense-16": dict(slots=16), "paged-16": dict(slots=16, kv_cache="paged"),
-          "paged-16-small": dict(slots=16, kv_cache="paged", kv_pages=SMALL_POOL),
-          "paged-64": dict(slots=64, kv_cache="paged", kv_pages=dense_pages),
-          "dense-64": dict(slots=64)}
+  arms = {
+    "dense-16": dict(slots=16),
+    "paged-16": dict(slots=16, kv_cache="paged"),
+    "paged-16-small": dict(slots=16, kv_cache="paged", kv_pages=SMALL_POOL),
+    "paged-64": dict(slots=64, kv_cache="paged", kv_pages=dense_pages),
+    "dense-64": dict(slots=64),
+  }
   warm = {}
 
   def run(name):
     # The arm's engine; the driver's turns of TURN tokens, `decode_steps`, and
     # fixed settings otherwise (swap policy keep, 4 env workers, 60 s timeout).
-    rollout = sections.Rollout(max_len=MAX_LEN, page_size=PAGE, max_turn_tokens=TURN,
-                               decode_steps=decode_steps, swap_policy="keep", env_workers=4,
-                               env_timeout=60.0, **arms[name])
+    rollout = sections.Rollout(
+      max_len=MAX_LEN,
+      page_size=PAGE,
+      max_turn_tokens=TURN,
+      decode_steps=decode_steps,
+      swap_policy="keep",
+      env_workers=4,
+      env_timeout=60.0,
+      **arms[name],
+    )
     engine = PolicyEngine(cfg, params, rollout, seed=1)
     if name in warm:  # the compiled programs of the same shapes
-      engine._jits = warm[name]  # pylint: disable=protected-access
-    warm[name] = engine._jits  # pylint: disable=protected-access
+      engine._jits = warm[name]
+    warm[name] = engine._jits
     live, samples = [], []
     step, decode = engine.step, engine.decode
 
@@ -200,12 +228,17 @@ def throughput_section(repeats: int, requests: int, decode_steps: int
     seconds = time.perf_counter() - start
     assert driver.stats.finished == requests
     if engine.paged:
-      assert driver._state.pages.used_pages == 0  # pylint: disable=protected-access
-    return {"tps": driver.stats.generated_tokens / seconds, "live": float(np.mean(live)),
-            "used_pages": float(np.mean(samples)), "waits": driver.stats.page_waits,
-            "preemptions": driver.stats.preemptions,
-            "positions": (engine.kv_pages * PAGE if engine.paged
-                          else engine.max_concurrent_decodes * MAX_LEN)}
+      assert driver._state.pages.used_pages == 0
+    return {
+      "tps": driver.stats.generated_tokens / seconds,
+      "live": float(np.mean(live)),
+      "used_pages": float(np.mean(samples)),
+      "waits": driver.stats.page_waits,
+      "preemptions": driver.stats.preemptions,
+      "positions": (
+        engine.kv_pages * PAGE if engine.paged else engine.max_concurrent_decodes * MAX_LEN
+      ),
+    }
 
   for name in arms:  # warm-up: compiles
     run(name)
@@ -215,9 +248,12 @@ def throughput_section(repeats: int, requests: int, decode_steps: int
       results[name].append(run(name))
   per_position = layout.cache_bytes_per_device(cfg, 1, PAGE) / PAGE
   base = [r["tps"] for r in results["dense-16"]]
-  lines = ["| arm | cache positions (bytes) | generated tokens/s (median) | vs dense-16 "
-           "(median of pairs) | mean live tokens | bytes / live token | page waits / "
-           "preemptions a run |", "|---|---|---|---|---|---|---|"]
+  lines = [
+    "| arm | cache positions (bytes) | generated tokens/s (median) | vs dense-16 "
+    "(median of pairs) | mean live tokens | bytes / live token | page waits / "
+    "preemptions a run |",
+    "|---|---|---|---|---|---|---|",
+  ]
   summary = {}
   for name, runs in results.items():
     tps = float(np.median([r["tps"] for r in runs]))
@@ -227,9 +263,11 @@ def throughput_section(repeats: int, requests: int, decode_steps: int
     waits = float(np.median([r["waits"] for r in runs]))
     pre = float(np.median([r["preemptions"] for r in runs]))
     summary[name] = dict(tps=tps, ratio=ratio, live=live)
-    lines.append(f"| {name} | {positions:,} ({_bytes(positions * per_position)}) | {tps:,.0f} | "
-                 f"{ratio:.2f} | {live:,.0f} | {_bytes(positions * per_position / live)} | "
-                 f"{waits:.0f} / {pre:.0f} |")
+    lines.append(
+      f"| {name} | {positions:,} ({_bytes(positions * per_position)}) | {tps:,.0f} | "
+      f"{ratio:.2f} | {live:,.0f} | {_bytes(positions * per_position / live)} | "
+      f"{waits:.0f} / {pre:.0f} |"
+    )
   return summary, lines
 
 
@@ -238,8 +276,9 @@ def main():
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--requests", type=int, default=256)
   parser.add_argument("--sections", default="memory,throughput")
-  parser.add_argument("--decode_steps", default="1,8",
-                      help="the driver's decode_steps, one throughput table each")
+  parser.add_argument(
+    "--decode_steps", default="1,8", help="the driver's decode_steps, one throughput table each"
+  )
   parser.add_argument("--out", default=None, help="append the tables to this file")
   args = parser.parse_args()
   out = []
@@ -248,18 +287,29 @@ def main():
     qwen = mcfg.PRESETS["qwen3_30b_a3b"]()
     # Slot groups: sao_moe's colocated engine splits its 256 slots over all
     # 128 chips (2 a chip); a rollout slice {data 16, tensor 4} over 16.
-    shapes = [("sao_tiny (tiny, fp32)", mcfg.tiny(vocab_size=tok.vocab_size), 16, MAX_LEN, PAGE,
-               TURN, 1)]
+    shapes = [
+      ("sao_tiny (tiny, fp32)", mcfg.tiny(vocab_size=tok.vocab_size), 16, MAX_LEN, PAGE, TURN, 1)
+    ]
     for max_len in (32768, 131072):
       for groups in (128, 16):
         shapes.append(("Qwen3-30B-A3B, bf16", qwen, 256, max_len, 128, 8192, groups))
-    out += ["memory: cache bytes per live token, lognormal lengths (median max_len / 16, "
-            "sigma 1)", ""] + memory_section(shapes) + [""]
+    out += (
+      ["memory: cache bytes per live token, lognormal lengths (median max_len / 16, sigma 1)", ""]
+      + memory_section(shapes)
+      + [""]
+    )
   if "throughput" in args.sections:
     for k in (int(x) for x in args.decode_steps.split(",")):
       _, lines = throughput_section(args.repeats, args.requests, k)
-      out += [f"throughput: the driver on {args.requests} long-tailed tasks, decode_steps {k}, "
-              f"this CPU, median of {args.repeats}", ""] + lines + [""]
+      out += (
+        [
+          f"throughput: the driver on {args.requests} long-tailed tasks, decode_steps {k}, "
+          f"this CPU, median of {args.repeats}",
+          "",
+        ]
+        + lines
+        + [""]
+      )
   text = "\n".join(out)
   print(text)
   if args.out:

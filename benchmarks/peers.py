@@ -75,26 +75,26 @@ from tunix.rl import algo_core as tunix_algo
 from tunix.rl import common as tunix_common
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import time_fns  # pylint: disable=g-import-not-at-top
-import gae as gae_bench  # pylint: disable=g-import-not-at-top
+import gae as gae_bench
+from timing import time_fns
 
-from sao_jax.algo import advantages as adv  # pylint: disable=g-import-not-at-top
+from sao_jax.algo import advantages as adv
 from sao_jax.config import sections
 from sao_jax.data import packing
-from sao_jax.train import train_step as ts
 from sao_jax.models import config as mcfg
 from sao_jax.models import policy
 from sao_jax.rollout.batch_sampler import LaneSampler
 from sao_jax.rollout.engine import PolicyEngine
+from sao_jax.train import train_step as ts
 
 PAD, EOS = 0, 1  # token ids the data below never contains (Tunix masks pads)
 SHAPES = {
-    # name: (train rows, train length, generation slots, prompt, new tokens)
-    "tiny": (32, 256, 32, 64, 64),
-    "long": (16, 1024, 16, 768, 256),
-    # For --vocab 151669: a full [B, L, V] fp32 logits tensor is 4.9 GB at
-    # 32 x 256, and the peer's training holds several; 8 x 256 fits in 24 GiB.
-    "vocab": (8, 256, 16, 240, 64),
+  # name: (train rows, train length, generation slots, prompt, new tokens)
+  "tiny": (32, 256, 32, 64, 64),
+  "long": (16, 1024, 16, 768, 256),
+  # For --vocab 151669: a full [B, L, V] fp32 logits tensor is 4.9 GB at
+  # 32 x 256, and the peer's training holds several; 8 x 256 fits in 24 GiB.
+  "vocab": (8, 256, 16, 240, 64),
 }
 LR = 1e-5
 
@@ -106,17 +106,36 @@ VOCAB = 128
 
 def sao_config(max_len: int, **overrides) -> mcfg.ModelConfig:
   return mcfg.ModelConfig(
-      vocab_size=VOCAB, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2,
-      head_dim=32, num_experts=4, experts_per_token=2, moe_d_ff=256,
-      max_seq_len=max_len, rope_theta=1e6, rms_eps=1e-6, **overrides)
+    vocab_size=VOCAB,
+    d_model=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    num_experts=4,
+    experts_per_token=2,
+    moe_d_ff=256,
+    max_seq_len=max_len,
+    rope_theta=1e6,
+    rms_eps=1e-6,
+    **overrides,
+  )
 
 
 def tunix_config(cfg: mcfg.ModelConfig) -> tunix_qwen3.ModelConfig:
   return tunix_qwen3.ModelConfig(
-      num_layers=cfg.num_layers, vocab_size=cfg.vocab_size, embed_dim=cfg.d_model,
-      hidden_dim=cfg.moe_d_ff, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
-      num_kv_heads=cfg.num_kv_heads, rope_theta=int(cfg.rope_theta), norm_eps=cfg.rms_eps,
-      num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token)
+    num_layers=cfg.num_layers,
+    vocab_size=cfg.vocab_size,
+    embed_dim=cfg.d_model,
+    hidden_dim=cfg.moe_d_ff,
+    num_heads=cfg.num_heads,
+    head_dim=cfg.head_dim,
+    num_kv_heads=cfg.num_kv_heads,
+    rope_theta=int(cfg.rope_theta),
+    norm_eps=cfg.rms_eps,
+    num_experts=cfg.num_experts,
+    num_experts_per_tok=cfg.experts_per_token,
+  )
 
 
 def tunix_state_from_sao(cfg: mcfg.ModelConfig, params) -> dict:
@@ -125,18 +144,29 @@ def tunix_state_from_sao(cfg: mcfg.ModelConfig, params) -> dict:
   for i in range(cfg.num_layers):
     p = params[f"layer_{i}"]
     layers[i] = {
-        "input_layernorm": {"w": p["attn_norm"]["scale"]},
-        "post_attention_layernorm": {"w": p["mlp_norm"]["scale"]},
-        "attn": {"q_proj": {"w": p["attn"]["q"]}, "k_proj": {"w": p["attn"]["k"]},
-                 "v_proj": {"w": p["attn"]["v"]}, "o_proj": {"w": p["attn"]["o"]},
-                 "q_norm": {"w": p["attn"]["q_norm"]["scale"]},
-                 "k_norm": {"w": p["attn"]["k_norm"]["scale"]}},
-        "mlp": {"router": {"kernel": p["moe"]["router"]}, "gate_proj": p["moe"]["wi_gate"],
-                "up_proj": p["moe"]["wi_up"], "down_proj": p["moe"]["wo"]},
+      "input_layernorm": {"w": p["attn_norm"]["scale"]},
+      "post_attention_layernorm": {"w": p["mlp_norm"]["scale"]},
+      "attn": {
+        "q_proj": {"w": p["attn"]["q"]},
+        "k_proj": {"w": p["attn"]["k"]},
+        "v_proj": {"w": p["attn"]["v"]},
+        "o_proj": {"w": p["attn"]["o"]},
+        "q_norm": {"w": p["attn"]["q_norm"]["scale"]},
+        "k_norm": {"w": p["attn"]["k_norm"]["scale"]},
+      },
+      "mlp": {
+        "router": {"kernel": p["moe"]["router"]},
+        "gate_proj": p["moe"]["wi_gate"],
+        "up_proj": p["moe"]["wi_up"],
+        "down_proj": p["moe"]["wo"],
+      },
     }
-  return {"embedder": {"input_embedding": params["embed"]},
-          "final_norm": {"w": params["final_norm"]["scale"]},
-          "lm_head": {"w": params["lm_head"]}, "layers": layers}
+  return {
+    "embedder": {"input_embedding": params["embed"]},
+    "final_norm": {"w": params["final_norm"]["scale"]},
+    "lm_head": {"w": params["lm_head"]},
+    "layers": layers,
+  }
 
 
 def build_models(max_len: int, seed: int = 0):
@@ -163,7 +193,8 @@ def check_same_logits(cfg, params, model, length: int = 64) -> float:
   """Max |logit difference| of the two models on one random sequence."""
   tokens = jax.random.randint(jax.random.key(3), (2, length), 2, cfg.vocab_size)
   pos = jnp.broadcast_to(jnp.arange(length), tokens.shape)
-  from sao_jax.models.transformer import Transformer  # pylint: disable=g-import-not-at-top
+  from sao_jax.models.transformer import Transformer
+
   ours, _ = Transformer(cfg).apply({"params": params}, tokens, pos, jnp.ones_like(tokens))
   causal = jnp.tril(jnp.ones((length, length), bool))[None].repeat(2, 0)
   theirs, _ = model(tokens, pos, None, causal)
@@ -182,23 +213,29 @@ def train_batch(cfg, rows: int, length: int, seed: int = 1):
   action[:, prompt:] = True
   adv_row = rng.normal(size=(rows, 1)).astype(np.float32)
   advantages = np.where(action, adv_row, 0.0).astype(np.float32)
-  old_logp = np.where(action, -np.log(cfg.vocab_size) + 0.05 * rng.normal(size=action.shape),
-                      0.0).astype(np.float32)
+  old_logp = np.where(
+    action, -np.log(cfg.vocab_size) + 0.05 * rng.normal(size=action.shape), 0.0
+  ).astype(np.float32)
   sao = {
-      "tokens": tokens, "positions": np.broadcast_to(np.arange(length), tokens.shape),
-      "segment_ids": np.ones_like(tokens), "action_mask": action,
-      "rollout_logprobs": old_logp, "rewards": np.zeros_like(advantages),
-      "baseline_advantages": advantages, "policy_version": np.zeros_like(tokens),
+    "tokens": tokens,
+    "positions": np.broadcast_to(np.arange(length), tokens.shape),
+    "segment_ids": np.ones_like(tokens),
+    "action_mask": action,
+    "rollout_logprobs": old_logp,
+    "rewards": np.zeros_like(advantages),
+    "baseline_advantages": advantages,
+    "policy_version": np.zeros_like(tokens),
   }
   sao = jax.tree.map(jnp.asarray, sao)
   example = tunix_common.TrainExample(
-      prompt_ids=jnp.asarray(tokens[:, :prompt]),
-      prompt_mask=jnp.ones((rows, prompt), jnp.int32),
-      completion_ids=jnp.asarray(tokens[:, prompt:]),
-      completion_mask=jnp.ones((rows, length - prompt), jnp.int32),
-      advantages=jnp.asarray(advantages[:, prompt:]),
-      ref_per_token_logps=None,
-      old_per_token_logps=jnp.asarray(old_logp[:, prompt:]))
+    prompt_ids=jnp.asarray(tokens[:, :prompt]),
+    prompt_mask=jnp.ones((rows, prompt), jnp.int32),
+    completion_ids=jnp.asarray(tokens[:, prompt:]),
+    completion_mask=jnp.ones((rows, length - prompt), jnp.int32),
+    advantages=jnp.asarray(advantages[:, prompt:]),
+    ref_per_token_logps=None,
+    old_per_token_logps=jnp.asarray(old_logp[:, prompt:]),
+  )
   return sao, example
 
 
@@ -206,8 +243,9 @@ def tunix_train_fn(model, example, eps_low=0.2, eps_high=0.28):
   """A closure running one Tunix PPO policy update per call (state donated)."""
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   tx = optax.adamw(LR)
-  algo = types.SimpleNamespace(epsilon_low=eps_low, epsilon_high=eps_high,
-                               entropy_coef=0.0, kl_coef=0.0, epsilon_c=None)
+  algo = types.SimpleNamespace(
+    epsilon_low=eps_low, epsilon_high=eps_high, entropy_coef=0.0, kl_coef=0.0, epsilon_c=None
+  )
 
   def loss(p, ex):
     m = nnx.merge(graphdef, p, rest)
@@ -235,13 +273,17 @@ def tunix_train_fn(model, example, eps_low=0.2, eps_high=0.28):
 
 def sao_train_fn(cfg, params, batch, eps_low=0.2, eps_high=0.28):
   """A closure running one sao-jax actor update per call (state donated)."""
-  step_cfg = ts.StepConfig.of(advantage="group", policy_loss="ppo_clip", eps_low=eps_low,
-                              eps_high=eps_high)
+  step_cfg = ts.StepConfig.of(
+    advantage="group", policy_loss="ppo_clip", eps_low=eps_low, eps_high=eps_high
+  )
   tx = optax.adamw(LR)
   fn = jax.jit(ts.make_train_step(cfg, step_cfg, tx, optax.identity()), donate_argnums=(0,))
   p = jax.tree.map(jnp.copy, params)
-  holder = [ts.TrainState(step=jnp.zeros((), jnp.int32), policy=p, critic={},
-                          policy_opt=tx.init(p), critic_opt=())]
+  holder = [
+    ts.TrainState(
+      step=jnp.zeros((), jnp.int32), policy=p, critic={}, policy_opt=tx.init(p), critic_opt=()
+    )
+  ]
 
   def run():
     holder[0], metrics = fn(holder[0], batch)
@@ -263,8 +305,9 @@ def fast_settings(cfg: mcfg.ModelConfig, length: int, prefill: bool = False) -> 
   """
   fast = dataclasses.replace(cfg, moe_impl="blocked")
   if length >= 1024:
-    fast = dataclasses.replace(fast, attention_impl="chunked", attention_block=256,
-                               prefill_chunk=256 if prefill else 0)
+    fast = dataclasses.replace(
+      fast, attention_impl="chunked", attention_block=256, prefill_chunk=256 if prefill else 0
+    )
   elif length >= 256 and not prefill:
     fast = dataclasses.replace(fast, attention_impl="chunked", attention_block=length // 4)
   return fast
@@ -292,7 +335,7 @@ def with_action_index(batch: dict) -> dict:
   index = np.full((action.shape[0], width), -1, np.int32)
   for r, row in enumerate(action):
     where = np.flatnonzero(row)
-    index[r, :len(where)] = where
+    index[r, : len(where)] = where
   return {**batch, "action_index": jnp.asarray(index)}
 
 
@@ -309,15 +352,18 @@ def head_fns(cfg: mcfg.ModelConfig, rows: int, length: int) -> dict:
 
   grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
   out = {}
-  for name, n in (("head at every position", rows * length),
-                  ("head at action positions", rows * (length - length // 4))):
+  for name, n in (
+    ("head at every position", rows * length),
+    ("head at action positions", rows * (length - length // 4)),
+  ):
     h = jnp.asarray(rng.normal(size=(n, cfg.d_model)), jnp.float32)
     out[name] = (lambda h=h: grad(weight, h), 6 * n * cfg.d_model * cfg.vocab_size)
   return out
 
 
-def train_section(shape: str, repeats: int, bf16: bool = False, moe_block: int = 0,
-                  action_head: bool = False):
+def train_section(
+  shape: str, repeats: int, bf16: bool = False, moe_block: int = 0, action_head: bool = False
+):
   rows, length = SHAPES[shape][:2]
   cfg, params, model = build_models(length)
   batch, example = train_batch(cfg, rows, length)
@@ -339,16 +385,21 @@ def train_section(shape: str, repeats: int, bf16: bool = False, moe_block: int =
   fns.update({name: fn for name, (fn, _) in heads.items()})
   sec = time_fns(fns, {k: () for k in fns}, repeats=repeats)
   tps = {k: rows * length / s for k, s in sec.items()}
-  out = [f"| train: policy update, {rows} x {length}, sao-jax {name} | {tps['tunix']:,.0f} | "
-         f"{tps[name]:,.0f} | {tps[name] / tps['tunix']:.2f} |" for name in arms]
+  out = [
+    f"| train: policy update, {rows} x {length}, sao-jax {name} | {tps['tunix']:,.0f} | "
+    f"{tps[name]:,.0f} | {tps[name] / tps['tunix']:.2f} |"
+    for name in arms
+  ]
   # The bound: a policy update that runs the head at the action positions
   # takes at least that head's time, so no such update beats Tunix's by more
   # than Tunix's step over it.
   for name, (_, flops) in heads.items():
-    out.append(f"| the {name} alone, forward + backward ({flops / 1e9:,.1f} GFLOP, "
-               f"{flops / sec[name] / 1e9:,.1f} GFLOP/s): {sec[name] * 1e3:,.0f} ms; "
-               f"Tunix's update {sec['tunix'] * 1e3:,.0f} ms | {tps['tunix']:,.0f} | "
-               f"{tps[name]:,.0f} (head only) | at most {tps[name] / tps['tunix']:.2f} |")
+    out.append(
+      f"| the {name} alone, forward + backward ({flops / 1e9:,.1f} GFLOP, "
+      f"{flops / sec[name] / 1e9:,.1f} GFLOP/s): {sec[name] * 1e3:,.0f} ms; "
+      f"Tunix's update {sec['tunix'] * 1e3:,.0f} ms | {tps['tunix']:,.0f} | "
+      f"{tps[name]:,.0f} (head only) | at most {tps[name] / tps['tunix']:.2f} |"
+    )
   return out, tps
 
 
@@ -374,17 +425,24 @@ class IdTokenizer:
     return PAD
 
 
-def generate_section(shape: str, repeats: int, one_step: bool = False, moe_block: int = 0,
-                     lanes_arm: int = 2):
+def generate_section(
+  shape: str, repeats: int, one_step: bool = False, moe_block: int = 0, lanes_arm: int = 2
+):
   _, _, slots, prompt, new = SHAPES[shape]
   cfg, params, model = build_models(prompt + new)
   rng = np.random.default_rng(0)
   prompts = rng.integers(2, cfg.vocab_size, (slots, prompt)).astype(np.int32)
   strings = [" ".join(map(str, p)) for p in prompts]
   sampler = tunix_sampler.Sampler(
-      model, IdTokenizer(),
-      tunix_sampler.CacheConfig(cache_size=prompt + new, num_layers=cfg.num_layers,
-                                num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim))
+    model,
+    IdTokenizer(),
+    tunix_sampler.CacheConfig(
+      cache_size=prompt + new,
+      num_layers=cfg.num_layers,
+      num_kv_heads=cfg.num_kv_heads,
+      head_dim=cfg.head_dim,
+    ),
+  )
   # The defaults and the fast settings for generation (`fast_settings`).
   fast = fast_settings(cfg, prompt + new, prefill=True)
   arms = {"defaults (dense MoE)": cfg, fast_name(fast): fast}
@@ -394,15 +452,23 @@ def generate_section(shape: str, repeats: int, one_step: bool = False, moe_block
     name = f"{fast_name(fast)}, {lanes_arm} lanes"
     arms[name], lanes[name] = fast, lanes_arm
   rollout = sections.Rollout(slots=slots, max_len=prompt + new, temperature=1.0)
-  engines = {name: LaneSampler(PolicyEngine(c, params, rollout), lanes[name])
-             for name, c in arms.items()}
+  engines = {
+    name: LaneSampler(PolicyEngine(c, params, rollout), lanes[name]) for name, c in arms.items()
+  }
   seeds = iter(range(10**6))
 
   def tunix():
     # top_p=1.0 selects Tunix's temperature sampling (None would be greedy);
     # an out-of-vocabulary eos never stops a row early.
-    out = sampler(strings, max_generation_steps=new, max_prompt_length=prompt,
-                  temperature=1.0, top_p=1.0, eos_tokens=[-1], seed=next(seeds))
+    out = sampler(
+      strings,
+      max_generation_steps=new,
+      max_prompt_length=prompt,
+      temperature=1.0,
+      top_p=1.0,
+      eos_tokens=[-1],
+      seed=next(seeds),
+    )
     return out.tokens
 
   def sao(engine):
@@ -410,8 +476,9 @@ def generate_section(shape: str, repeats: int, one_step: bool = False, moe_block
 
   def sao_one_step():
     engine = engines["defaults (dense MoE)"].engine
-    state, tok, _, _ = engine.step(engine.init_decode_state(), prompts,
-                                   np.ones(prompts.shape, bool))
+    state, tok, _, _ = engine.step(
+      engine.init_decode_state(), prompts, np.ones(prompts.shape, bool)
+    )
     alive = np.ones((slots, 1), bool)
     for _ in range(new - 1):
       state, tok, _, _ = engine.step(state, tok[:, None], alive)
@@ -423,12 +490,16 @@ def generate_section(shape: str, repeats: int, one_step: bool = False, moe_block
     fns["sao one-step"] = sao_one_step
   sec = time_fns(fns, {k: () for k in fns}, repeats=repeats)
   tps = {k: slots * new / s for k, s in sec.items()}
-  lines = [f"| generate: {slots} x ({prompt} + {new}), T=1, `generate_batch`, sao-jax {name} | "
-           f"{tps['tunix']:,.0f} | {tps[name]:,.0f} | {tps[name] / tps['tunix']:.2f} |"
-           for name in arms]
+  lines = [
+    f"| generate: {slots} x ({prompt} + {new}), T=1, `generate_batch`, sao-jax {name} | "
+    f"{tps['tunix']:,.0f} | {tps[name]:,.0f} | {tps[name] / tps['tunix']:.2f} |"
+    for name in arms
+  ]
   if one_step:
-    lines.append(f"| generate: same, defaults, engine `step` per token | {tps['tunix']:,.0f} | "
-                 f"{tps['sao one-step']:,.0f} | {tps['sao one-step'] / tps['tunix']:.2f} |")
+    lines.append(
+      f"| generate: same, defaults, engine `step` per token | {tps['tunix']:,.0f} | "
+      f"{tps['sao one-step']:,.0f} | {tps['sao one-step'] / tps['tunix']:.2f} |"
+    )
   return lines, tps
 
 
@@ -437,17 +508,18 @@ def generate_section(shape: str, repeats: int, one_step: bool = False, moe_block
 
 def gae_section(repeats: int, b: int = 256, t: int = 8192):
   r, v, m = gae_bench.make_inputs(b, t)
-  ours = jax.jit(lambda r, v, m: adv.skip_observation_gae(
-      r, v, m, gae_bench.GAMMA, gae_bench.LAM))
+  ours = jax.jit(lambda r, v, m: adv.skip_observation_gae(r, v, m, gae_bench.GAMMA, gae_bench.LAM))
   tunix = lambda r, v, m: tunix_algo.compute_gae_advantages(
-      r, v, m.astype(jnp.float32), gae_bench.GAMMA, gae_bench.LAM)
+    r, v, m.astype(jnp.float32), gae_bench.GAMMA, gae_bench.LAM
+  )
   fns = {"sao": ours, "rlax": gae_bench.rlax_gae, "tunix": tunix}
-  sec = time_fns(fns, {"sao": (r, v, m), "rlax": (r, v), "tunix": (r, v, m)},
-                 repeats=repeats)
-  lines = [f"| GAE {b} x {t} (ms): Tunix masked | {sec['tunix'] * 1e3:.1f} | "
-           f"{sec['sao'] * 1e3:.1f} | {sec['tunix'] / sec['sao']:.2f} |",
-           f"| GAE {b} x {t} (ms): rlax unmasked | {sec['rlax'] * 1e3:.1f} | "
-           f"{sec['sao'] * 1e3:.1f} | {sec['rlax'] / sec['sao']:.2f} |"]
+  sec = time_fns(fns, {"sao": (r, v, m), "rlax": (r, v), "tunix": (r, v, m)}, repeats=repeats)
+  lines = [
+    f"| GAE {b} x {t} (ms): Tunix masked | {sec['tunix'] * 1e3:.1f} | "
+    f"{sec['sao'] * 1e3:.1f} | {sec['tunix'] / sec['sao']:.2f} |",
+    f"| GAE {b} x {t} (ms): rlax unmasked | {sec['rlax'] * 1e3:.1f} | "
+    f"{sec['sao'] * 1e3:.1f} | {sec['rlax'] / sec['sao']:.2f} |",
+  ]
   return lines, sec
 
 
@@ -479,21 +551,36 @@ def main():
   parser.add_argument("--sections", default="train,generate,gae")
   parser.add_argument("--shapes", default="tiny,long")
   parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument("--extra_arms", action="store_true",
-                      help="also bf16 compute (train) and one `step` per token (generate)")
-  parser.add_argument("--moe_block", type=int, default=0,
-                      help="also the fast settings with MoE blocks of this many rows")
-  parser.add_argument("--action_head", action="store_true",
-                      help="also training with the head at action tokens only (the "
-                      "trainer's `data.logits_at_actions`, the completion's 3/4 of a row)")
-  parser.add_argument("--vocab", type=int, default=128,
-                      help="the tiny model's vocabulary (151669: Qwen3's)")
-  parser.add_argument("--lanes", type=int, default=2,
-                      help="also generation with the fast settings in this many engine lanes "
-                      "(batch_sampler.LaneSampler; 1: no such arm)")
+  parser.add_argument(
+    "--extra_arms",
+    action="store_true",
+    help="also bf16 compute (train) and one `step` per token (generate)",
+  )
+  parser.add_argument(
+    "--moe_block",
+    type=int,
+    default=0,
+    help="also the fast settings with MoE blocks of this many rows",
+  )
+  parser.add_argument(
+    "--action_head",
+    action="store_true",
+    help="also training with the head at action tokens only (the "
+    "trainer's `data.logits_at_actions`, the completion's 3/4 of a row)",
+  )
+  parser.add_argument(
+    "--vocab", type=int, default=128, help="the tiny model's vocabulary (151669: Qwen3's)"
+  )
+  parser.add_argument(
+    "--lanes",
+    type=int,
+    default=2,
+    help="also generation with the fast settings in this many engine lanes "
+    "(batch_sampler.LaneSampler; 1: no such arm)",
+  )
   args = parser.parse_args()
   wanted = args.sections.split(",")
-  global VOCAB  # pylint: disable=global-statement
+  global VOCAB  # noqa: PLW0603
   VOCAB = args.vocab
 
   cfg, params, model = build_models(256)
@@ -509,22 +596,24 @@ def main():
     lines.extend(out)
     print(*out, sep="\n", flush=True)
     if args.out:
-      body = ("The write-ups of earlier runs follow in the subsections below, the "
-              f"latest last. This table: the run of {started}.\n\n"
-              "    PYTHONPATH=. .venv-peers/bin/python benchmarks/peers.py "
-              f"{' '.join(sys.argv[1:])}\n\n"
-              f"Same weights in both (max |logit difference| {diff:.1e}). Train and generate "
-              "rows are tokens/s, GAE rows milliseconds; the last column is always sao-jax's "
-              "speed over the peer's (above 1: sao-jax faster).\n\n" + "\n".join(lines))
+      body = (
+        "The write-ups of earlier runs follow in the subsections below, the "
+        f"latest last. This table: the run of {started}.\n\n"
+        "    PYTHONPATH=. .venv-peers/bin/python benchmarks/peers.py "
+        f"{' '.join(sys.argv[1:])}\n\n"
+        f"Same weights in both (max |logit difference| {diff:.1e}). Train and generate "
+        "rows are tokens/s, GAE rows milliseconds; the last column is always sao-jax's "
+        "speed over the peer's (above 1: sao-jax faster).\n\n" + "\n".join(lines)
+      )
       write_section(args.out, body)
 
   for shape in args.shapes.split(","):
     if "train" in wanted:
-      record(train_section(shape, args.repeats, args.extra_arms, args.moe_block,
-                           args.action_head)[0])
+      record(
+        train_section(shape, args.repeats, args.extra_arms, args.moe_block, args.action_head)[0]
+      )
     if "generate" in wanted:
-      record(generate_section(shape, args.repeats, args.extra_arms, args.moe_block,
-                              args.lanes)[0])
+      record(generate_section(shape, args.repeats, args.extra_arms, args.moe_block, args.lanes)[0])
   if "gae" in wanted:
     record(gae_section(args.repeats)[0])
 

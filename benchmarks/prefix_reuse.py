@@ -44,11 +44,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-from sao_jax.config import sections  # pylint: disable=wrong-import-position
-from sao_jax.models import config as mcfg  # pylint: disable=wrong-import-position
-from sao_jax.rollout.engine import PolicyEngine  # pylint: disable=wrong-import-position
-from sao_jax.serving import batcher as batcher_lib  # pylint: disable=wrong-import-position
-from fakes import random_params  # pylint: disable=wrong-import-position,g-bad-import-order
+from fakes import random_params
+
+from sao_jax.config import sections
+from sao_jax.models import config as mcfg
+from sao_jax.rollout.engine import PolicyEngine
+from sao_jax.serving import batcher as batcher_lib
 
 VOCAB, STOP = 512, 511  # STOP is never fed as a prompt token
 SYSTEM, TOOL, REPLY = 64, 24, 16
@@ -56,8 +57,12 @@ SYSTEM, TOOL, REPLY = 64, 24, 16
 
 def make_batcher(slots: int, max_len: int, buckets=(64, 256, 1024)) -> batcher_lib.Batcher:
   cfg = dataclasses.replace(mcfg.small(VOCAB), max_seq_len=4096)
-  engine = PolicyEngine(cfg, random_params(cfg, 0.05), sections.Rollout(
-      slots=slots, max_len=max_len, prefill_buckets=buckets), seed=0)
+  engine = PolicyEngine(
+    cfg,
+    random_params(cfg, 0.05),
+    sections.Rollout(slots=slots, max_len=max_len, prefill_buckets=buckets),
+    seed=0,
+  )
   return batcher_lib.Batcher(engine, STOP, decode_steps=8)
 
 
@@ -96,19 +101,24 @@ def run_session(turns: int) -> list[str]:
     rows = session(batcher, turns, seed=2, timed=True)
   finally:
     batcher.close()
-  out = ["| turn | prompt tokens | prefilled before | s before | prefilled after | s after |",
-         "|---|---|---|---|---|---|"]
+  out = [
+    "| turn | prompt tokens | prefilled before | s before | prefilled after | s after |",
+    "|---|---|---|---|---|---|",
+  ]
   for k, n, bt, bs, at, a_s in rows:
     if k in (1, 2, 10, 25, 40, 50) or k == len(rows):
       out.append(f"| {k} | {n} | {bt} | {bs:.3f} | {at} | {a_s:.3f} |")
   total = lambda i: sum(r[i] for r in rows)
   last = rows[-10:]
-  out += ["", f"All {len(rows)} turns: {total(2)} prompt tokens prefilled before, {total(4)} "
-          f"after ({total(2) / total(4):.1f}x fewer); {total(3):.2f} s before, {total(5):.2f} s "
-          f"after ({total(3) / total(5):.2f}x). Last 10 turns: "
-          f"{statistics.mean(r[3] for r in last):.3f} s a turn before, "
-          f"{statistics.mean(r[5] for r in last):.3f} s after "
-          f"(median ratio {statistics.median(r[3] / r[5] for r in last):.2f}x)."]
+  out += [
+    "",
+    f"All {len(rows)} turns: {total(2)} prompt tokens prefilled before, {total(4)} "
+    f"after ({total(2) / total(4):.1f}x fewer); {total(3):.2f} s before, {total(5):.2f} s "
+    f"after ({total(3) / total(5):.2f}x). Last 10 turns: "
+    f"{statistics.mean(r[3] for r in last):.3f} s a turn before, "
+    f"{statistics.mean(r[5] for r in last):.3f} s after "
+    f"(median ratio {statistics.median(r[3] / r[5] for r in last):.2f}x).",
+  ]
   return out
 
 
@@ -122,8 +132,9 @@ def concurrent_run(batcher, sessions: int, turns: int, reuse: bool, seed: int):
     history = rng.integers(0, STOP, SYSTEM).tolist()
     for _ in range(turns):
       prompt = history + tool_result(rng)
-      reply = batcher.submit(prompt, REPLY, sampling=sampling,
-                             prefix_key=f"c{seed}-{c}" if reuse else None).result()
+      reply = batcher.submit(
+        prompt, REPLY, sampling=sampling, prefix_key=f"c{seed}-{c}" if reuse else None
+      ).result()
       history = prompt + list(reply.tokens)
 
   generated, computed = batcher.generated_tokens, batcher.prefill_computed
@@ -131,8 +142,11 @@ def concurrent_run(batcher, sessions: int, turns: int, reuse: bool, seed: int):
   with cf.ThreadPoolExecutor(sessions) as pool:
     list(pool.map(client, range(sessions)))
   seconds = time.perf_counter() - start
-  return ((batcher.generated_tokens - generated) / seconds,
-          batcher.prefill_computed - computed, seconds)
+  return (
+    (batcher.generated_tokens - generated) / seconds,
+    batcher.prefill_computed - computed,
+    seconds,
+  )
 
 
 def run_concurrent(sessions: int, turns: int, repeats: int) -> list[str]:
@@ -147,14 +161,21 @@ def run_concurrent(sessions: int, turns: int, repeats: int) -> list[str]:
   finally:
     batcher.close()
   ratios = [a[0] / b[0] for a, b in zip(arms[True], arms[False])]
-  out = ["| arm | generated tok/s (median) | prompt tokens prefilled | s (median) |",
-         "|---|---|---|---|"]
+  out = [
+    "| arm | generated tok/s (median) | prompt tokens prefilled | s (median) |",
+    "|---|---|---|---|",
+  ]
   for reuse, name in ((False, "before (no prefix_key)"), (True, "after (prefix_key)")):
     runs = arms[reuse]
-    out.append(f"| {name} | {statistics.median(r[0] for r in runs):.1f} | {runs[0][1]} | "
-               f"{statistics.median(r[2] for r in runs):.2f} |")
-  out += ["", f"Throughput after / before: {statistics.median(ratios):.2f}x (median of "
-          f"{repeats} interleaved repeats: {', '.join(f'{r:.2f}' for r in ratios)})."]
+    out.append(
+      f"| {name} | {statistics.median(r[0] for r in runs):.1f} | {runs[0][1]} | "
+      f"{statistics.median(r[2] for r in runs):.2f} |"
+    )
+  out += [
+    "",
+    f"Throughput after / before: {statistics.median(ratios):.2f}x (median of "
+    f"{repeats} interleaved repeats: {', '.join(f'{r:.2f}' for r in ratios)}).",
+  ]
   return out
 
 

@@ -42,8 +42,8 @@ from sao_jax.envs.base import StepResult, Task
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import config as mcfg
 from sao_jax.models import policy
-from sao_jax.rollout.driver import SWAP_POLICIES, RolloutDriver
 from sao_jax.rollout.batch_sampler import LaneSampler, generate_batch
+from sao_jax.rollout.driver import SWAP_POLICIES, RolloutDriver
 from sao_jax.rollout.engine import PolicyEngine
 
 SLOTS, MAX_LEN = 16, 512
@@ -70,7 +70,7 @@ class LongTailEnv:
 def _engine(cfg, params, warm, seed, slots=SLOTS):
   engine = PolicyEngine(cfg, params, sections.Rollout(slots=slots, max_len=MAX_LEN), seed=seed)
   if warm is not None:  # reuse the compiled programs (same shapes, same config)
-    engine._jits = warm._jits  # pylint: disable=protected-access
+    engine._jits = warm._jits
   return engine
 
 
@@ -96,8 +96,9 @@ def engine_section(cfg, params, repeats, slots, prompt_len=64, new=64):
   def one_step():
     engine = _engine(cfg, params, warm, 1, slots)
     start = time.perf_counter()
-    state, tok, _, _ = engine.step(engine.init_decode_state(), prompts,
-                                   np.ones(prompts.shape, bool))
+    state, tok, _, _ = engine.step(
+      engine.init_decode_state(), prompts, np.ones(prompts.shape, bool)
+    )
     alive = np.ones((slots, 1), bool)
     for _ in range(new - 1):
       state, tok, _, _ = engine.step(state, tok[:, None], alive)
@@ -107,8 +108,9 @@ def engine_section(cfg, params, repeats, slots, prompt_len=64, new=64):
     def fn():
       engine = _engine(cfg, params, warm, 1, slots)
       start = time.perf_counter()
-      state, tok, _, _ = engine.step(engine.init_decode_state(), prompts,
-                                     np.ones(prompts.shape, bool))
+      state, tok, _, _ = engine.step(
+        engine.init_decode_state(), prompts, np.ones(prompts.shape, bool)
+      )
       budgets = np.full((slots,), new - 1, np.int32)
       while budgets.any():
         state, chunk = engine.decode(state, tok, budgets, steps=k)
@@ -116,6 +118,7 @@ def engine_section(cfg, params, repeats, slots, prompt_len=64, new=64):
         tok = chunk.tokens[np.arange(slots), chunk.counts - 1]
         budgets = budgets - chunk.counts
       return slots * new / (time.perf_counter() - start)
+
     return fn
 
   def batch():
@@ -124,32 +127,45 @@ def engine_section(cfg, params, repeats, slots, prompt_len=64, new=64):
     generate_batch(engine, list(prompts), new)
     return slots * new / (time.perf_counter() - start)
 
-  fns = {"one-step": one_step, "decode 8": chunked(8), "decode 16": chunked(16),
-         "generate_batch": batch}
+  fns = {
+    "one-step": one_step,
+    "decode 8": chunked(8),
+    "decode 16": chunked(16),
+    "generate_batch": batch,
+  }
   res = _interleaved(fns, repeats)
-  lines = [f"| {slots} | {name} | {tps:,.0f} | {tps / res['one-step']:.2f} |"
-           for name, tps in res.items()]
+  lines = [
+    f"| {slots} | {name} | {tps:,.0f} | {tps / res['one-step']:.2f} |" for name, tps in res.items()
+  ]
   return res, lines
 
 
 # --- the driver ------------------------------------------------------------------
 
 
-def drive(engine, tok, n, *, static=False, decode_steps=8, latency=0.0, swap=None,
-          swap_every=4):
+def drive(engine, tok, n, *, static=False, decode_steps=8, latency=0.0, swap=None, swap_every=4):
   """Runs n requests; (generated tokens/s, seconds, swaps, engine calls)."""
   out = []
-  rollout = engine.rollout.replace(max_turn_tokens=12, env_workers=16, decode_steps=decode_steps,
-                                   swap_policy=swap or "keep")
-  driver = RolloutDriver(engine, LongTailEnv(), tok, iter(range(n)), None, rollout,
-                         static_batching=static, tool_latency_s=latency)
+  rollout = engine.rollout.replace(
+    max_turn_tokens=12, env_workers=16, decode_steps=decode_steps, swap_policy=swap or "keep"
+  )
+  driver = RolloutDriver(
+    engine,
+    LongTailEnv(),
+    tok,
+    iter(range(n)),
+    None,
+    rollout,
+    static_batching=static,
+    tool_latency_s=latency,
+  )
 
   def emit(t):
     out.append(t)
     if swap is not None and len(out) % swap_every == 0:
       driver.update_params(engine.params, engine.version + 1)
 
-  driver._emit = emit  # pylint: disable=protected-access
+  driver._emit = emit
   start = time.perf_counter()
   driver.run()
   seconds = time.perf_counter() - start
@@ -167,17 +183,22 @@ def batching_section(cfg, params, tok, repeats, n):
     fns, steps = {}, {}
     for static in (False, True):
       for k in (1, 8):
+
         def fn(static=static, k=k):
-          tps, _, _, calls = drive(_engine(cfg, params, warm, 1), tok, n, static=static,
-                                   decode_steps=k, latency=latency)
+          tps, _, _, calls = drive(
+            _engine(cfg, params, warm, 1), tok, n, static=static, decode_steps=k, latency=latency
+          )
           steps[(static, k)] = calls
           return tps
+
         fns[(static, k)] = fn
     res = _interleaved(fns, repeats)
     base = res[(True, 1)]
     for (static, k), tps in res.items():
-      lines.append(f"| {latency * 1000:.0f} ms | {'static' if static else 'continuous'} | {k} "
-                   f"| {tps:,.0f} | {tps / base:.2f} | {steps[(static, k)]} |")
+      lines.append(
+        f"| {latency * 1000:.0f} ms | {'static' if static else 'continuous'} | {k} "
+        f"| {tps:,.0f} | {tps / base:.2f} | {steps[(static, k)]} |"
+      )
       print(lines[-1], flush=True)
   return lines
 
@@ -192,6 +213,7 @@ def lanes_section(cfg, params, tok, repeats, n, slots=32, prompt_len=64, new=64)
       start = time.perf_counter()
       engines[lanes].generate_batch(prompts, new)
       return slots * new / (time.perf_counter() - start)
+
     return fn
 
   warm = _engine(cfg, params, None, 0, slots)
@@ -199,10 +221,14 @@ def lanes_section(cfg, params, tok, repeats, n, slots=32, prompt_len=64, new=64)
   def drive_all():  # compiled programs shared through `warm` after the first call
     return drive(_engine(cfg, params, warm, 1, slots), tok, n)[0]
 
-  res = _interleaved({("generate_batch", 1): sample(1), ("generate_batch", 2): sample(2),
-                      ("driver", 1): drive_all}, repeats)
-  lines = [f"| {what} | {lanes} | {tps:,.0f} | {tps / res[('generate_batch', 1)]:.2f} |"
-           for (what, lanes), tps in res.items()]
+  res = _interleaved(
+    {("generate_batch", 1): sample(1), ("generate_batch", 2): sample(2), ("driver", 1): drive_all},
+    repeats,
+  )
+  lines = [
+    f"| {what} | {lanes} | {tps:,.0f} | {tps / res[('generate_batch', 1)]:.2f} |"
+    for (what, lanes), tps in res.items()
+  ]
   print("\n".join(lines), flush=True)
   return lines
 
@@ -215,10 +241,12 @@ def swap_section(cfg, params, tok, repeats, n, swap_every):
 
   def make(policy_name):
     def fn():
-      tps, seconds, swaps, _ = drive(_engine(cfg, params, warm, 1), tok, n, swap=policy_name,
-                                     swap_every=swap_every)
+      tps, seconds, swaps, _ = drive(
+        _engine(cfg, params, warm, 1), tok, n, swap=policy_name, swap_every=swap_every
+      )
       runs.setdefault(policy_name or "none", []).append((seconds, swaps))
       return tps
+
     return fn
 
   fns = {"none": make(None), **{p: make(p) for p in SWAP_POLICIES}}
@@ -229,8 +257,11 @@ def swap_section(cfg, params, tok, repeats, n, swap_every):
     seconds = np.median([s for s, _ in runs[name]])
     swaps = int(np.median([w for _, w in runs[name]]))
     per = (seconds - base_seconds) / swaps * 1000 if swaps else 0.0
-    lines.append(f"| {name} | {tps:,.0f} | {tps / res['none']:.2f} | {swaps} | "
-                 f"{per:+.0f} |" if swaps else f"| {name} | {tps:,.0f} | 1.00 | 0 | - |")
+    lines.append(
+      f"| {name} | {tps:,.0f} | {tps / res['none']:.2f} | {swaps} | {per:+.0f} |"
+      if swaps
+      else f"| {name} | {tps:,.0f} | 1.00 | 0 | - |"
+    )
     print(lines[-1], flush=True)
   return lines
 
@@ -255,16 +286,26 @@ def main():
       out += lines
       print("\n".join(lines), flush=True)
   if "batching" in wanted:
-    out += ["", "| tool latency | batching | decode_steps | tokens/s | vs static, 1 step "
-            "| engine calls |", "|---|---|---|---|---|---|"]
+    out += [
+      "",
+      "| tool latency | batching | decode_steps | tokens/s | vs static, 1 step | engine calls |",
+      "|---|---|---|---|---|---|",
+    ]
     out += batching_section(cfg, params, tok, args.repeats, args.requests)
   if "lanes" in wanted:
-    out += ["", "| call (32 slots) | lanes | generated tokens/s | vs generate_batch, 1 lane |",
-            "|---|---|---|---|"]
+    out += [
+      "",
+      "| call (32 slots) | lanes | generated tokens/s | vs generate_batch, 1 lane |",
+      "|---|---|---|---|",
+    ]
     out += lanes_section(cfg, params, tok, args.repeats, args.requests)
   if "swap" in wanted:
-    out += ["", f"| swap policy (every {args.swap_every} trajectories) | tokens/s | vs no swaps "
-            "| swaps | cost per swap (ms) |", "|---|---|---|---|---|"]
+    out += [
+      "",
+      f"| swap policy (every {args.swap_every} trajectories) | tokens/s | vs no swaps "
+      "| swaps | cost per swap (ms) |",
+      "|---|---|---|---|---|",
+    ]
     out += swap_section(cfg, params, tok, args.repeats, args.requests, args.swap_every)
   if args.out:
     with open(args.out, "a", encoding="utf-8") as f:

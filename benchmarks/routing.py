@@ -51,16 +51,18 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from sao_jax.models import precision
-from sao_jax.train import steptime
 from sao_jax.models import config as mcfg
-from sao_jax.models import decoding, policy, routing
+from sao_jax.models import decoding, policy, precision, routing
 from sao_jax.models.transformer import Transformer, init_cache
+from sao_jax.train import steptime
 
 _PRESETS = flags.DEFINE_list("presets", ["tiny", "small"], "Model presets (MoE).")
 _VOCAB = flags.DEFINE_integer("vocab", 512, "Vocabulary of the presets.")
-_EXPERTS = flags.DEFINE_list("experts", ["preset"], "Experts as E:k per preset run "
-                             "('preset': the preset's own; 128:8 is Qwen3-30B-A3B's).")
+_EXPERTS = flags.DEFINE_list(
+  "experts",
+  ["preset"],
+  "Experts as E:k per preset run ('preset': the preset's own; 128:8 is Qwen3-30B-A3B's).",
+)
 _BATCH = flags.DEFINE_integer("batch", 8, "Sequences a batch.")
 _PROMPT = flags.DEFINE_integer("prompt", 48, "Prompt tokens (prefill).")
 _NEW = flags.DEFINE_integer("new", 48, "Sampled tokens (decode).")
@@ -74,8 +76,10 @@ LOW, HIGH = 0.8, 1.28  # the losses' ratio window
 
 def precision_modes(cfg: mcfg.ModelConfig):
   """(name, trainer config) pairs: float32 throughout, fp32 masters + bf16 compute."""
-  return [("f32", dataclasses.replace(cfg, param_dtype=jnp.float32, dtype=jnp.float32)),
-          ("bf16", dataclasses.replace(cfg, param_dtype=jnp.float32, dtype=jnp.bfloat16))]
+  return [
+    ("f32", dataclasses.replace(cfg, param_dtype=jnp.float32, dtype=jnp.float32)),
+    ("bf16", dataclasses.replace(cfg, param_dtype=jnp.float32, dtype=jnp.bfloat16)),
+  ]
 
 
 def engine_pass(cfg, params, prompt, new, rng):
@@ -92,8 +96,13 @@ def engine_pass(cfg, params, prompt, new, rng):
   def feed(params, cache, tokens, lengths):
     positions = lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
     (logits, aux), state = Transformer(cfg, "lm").apply(
-        {"params": params}, tokens, positions, jnp.ones_like(tokens), cache=cache,
-        mutable=["intermediates"])
+      {"params": params},
+      tokens,
+      positions,
+      jnp.ones_like(tokens),
+      cache=cache,
+      mutable=["intermediates"],
+    )
     r = routing.collect(cfg, state["intermediates"], tokens.shape[0], tokens.shape[1])
     return logits[:, -1], aux["cache"], lengths + tokens.shape[1], r
 
@@ -108,16 +117,20 @@ def engine_pass(cfg, params, prompt, new, rng):
       logits, cache, lengths, r = feed(params, cache, tok, lengths)
       rows.append(r)
   last = jnp.full(rows[0].shape[:2] + (1, cfg.experts_per_token), routing.NONE, jnp.int32)
-  return (jnp.concatenate([prompt] + sampled, 1), jnp.stack(logps, 1),
-          jnp.concatenate(rows + [last], 2))
+  return (
+    jnp.concatenate([prompt] + sampled, 1),
+    jnp.stack(logps, 1),
+    jnp.concatenate(rows + [last], 2),
+  )
 
 
 def trainer_logprobs(cfg, params, tokens, replay=None):
   """The trainer's teacher-forced log-probs [B, L] (`policy.token_logprobs`)."""
   b, length = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(length), (b, length))
-  logp, _ = policy.token_logprobs(cfg, params, tokens, positions, jnp.ones_like(tokens),
-                                  routing=replay)
+  logp, _ = policy.token_logprobs(
+    cfg, params, tokens, positions, jnp.ones_like(tokens), routing=replay
+  )
   return logp
 
 
@@ -126,7 +139,8 @@ def trainer_routing(cfg, params, tokens):
   b, length = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(length), (b, length))
   _, state = Transformer(cfg, "hidden").apply(
-      {"params": params}, tokens, positions, jnp.ones_like(tokens), mutable=["intermediates"])
+    {"params": params}, tokens, positions, jnp.ones_like(tokens), mutable=["intermediates"]
+  )
   return routing.collect(cfg, state["intermediates"], b, length)
 
 
@@ -152,11 +166,12 @@ def measure(name, cfg, params_for, seeds):
   own = jax.jit(lambda prm, t: trainer_routing(cfg, prm, t))
   for seed in range(seeds):
     params = params_for(seed)
-    prompt = jax.random.randint(jax.random.PRNGKey(1000 + seed), (_BATCH.value, p), 0,
-                                cfg.vocab_size, jnp.int32)
+    prompt = jax.random.randint(
+      jax.random.PRNGKey(1000 + seed), (_BATCH.value, p), 0, cfg.vocab_size, jnp.int32
+    )
     tokens, engine_lp, engine_r = engine_pass(
-        serve_cfg, precision.cast_for_serving(cfg, params), prompt, n,
-        jax.random.PRNGKey(2000 + seed))
+      serve_cfg, precision.cast_for_serving(cfg, params), prompt, n, jax.random.PRNGKey(2000 + seed)
+    )
     mine = own(params, tokens)
     fed = engine_r[:, :, :-1]  # every token the engine fed (the last one never is)
     diff = routing.differ(fed, mine[:, :, :-1])  # [M, B, L-1]
@@ -170,35 +185,42 @@ def measure(name, cfg, params_for, seeds):
     acc["dlp_replay"].append(np.asarray(replayed - engine_lp).ravel())
     if seed == 0:
       counted = lambda fn, *a: steptime.cost(fn.lower(*a).compile())["flops"]
-      cost.append((counted(lp_replay, params, tokens, engine_r) / counted(lp_plain, params, tokens),
-                   timed(lp_replay, params, tokens, engine_r) / timed(lp_plain, params, tokens)))
+      cost.append(
+        (
+          counted(lp_replay, params, tokens, engine_r) / counted(lp_plain, params, tokens),
+          timed(lp_replay, params, tokens, engine_r) / timed(lp_plain, params, tokens),
+        )
+      )
   cat = {k: np.concatenate(v) for k, v in acc.items()}
   tail = lambda d: float(np.mean((np.exp(d) < LOW) | (np.exp(d) > HIGH)))
   return {
-      "setting": name,
-      "prompt_tok_differ": float(cat["prompt_tok"].mean()),
-      "sampled_tok_differ": float(cat["sampled_tok"].mean()),
-      "decisions_differ": float(cat["decisions"].mean()),
-      "dlp_mean": float(np.abs(cat["dlp"]).mean()),
-      "dlp_max": float(np.abs(cat["dlp"]).max()),
-      "dlp_replay_mean": float(np.abs(cat["dlp_replay"]).mean()),
-      "dlp_replay_max": float(np.abs(cat["dlp_replay"]).max()),
-      "tail": tail(cat["dlp"]),
-      "tail_replay": tail(cat["dlp_replay"]),
-      "replay_flops_ratio": cost[0][0],
-      "replay_time_ratio": cost[0][1],
-      "tokens": int(cat["dlp"].size),
+    "setting": name,
+    "prompt_tok_differ": float(cat["prompt_tok"].mean()),
+    "sampled_tok_differ": float(cat["sampled_tok"].mean()),
+    "decisions_differ": float(cat["decisions"].mean()),
+    "dlp_mean": float(np.abs(cat["dlp"]).mean()),
+    "dlp_max": float(np.abs(cat["dlp"]).max()),
+    "dlp_replay_mean": float(np.abs(cat["dlp_replay"]).mean()),
+    "dlp_replay_max": float(np.abs(cat["dlp_replay"]).max()),
+    "tail": tail(cat["dlp"]),
+    "tail_replay": tail(cat["dlp_replay"]),
+    "replay_flops_ratio": cost[0][0],
+    "replay_time_ratio": cost[0][1],
+    "tokens": int(cat["dlp"].size),
   }
 
 
 def models():
   """(label, trainer base config, params_for(seed, trainer config)) to measure."""
   if _WORKDIR.value:
-    from sao_jax.train import trainer  # pylint: disable=g-import-not-at-top
-    from ml_collections import config_flags  # noqa: F401  pylint: disable=g-import-not-at-top
-    import importlib.util  # pylint: disable=g-import-not-at-top
-    import os  # pylint: disable=g-import-not-at-top
-    import sys  # pylint: disable=g-import-not-at-top
+    import importlib.util
+    import os
+    import sys
+
+    from ml_collections import config_flags  # noqa: F401
+
+    from sao_jax.train import trainer
+
     # The config imports the repository's `configs` package (not installed).
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     spec = importlib.util.spec_from_file_location("run_config", _CONFIG.value)
@@ -207,10 +229,13 @@ def models():
     run = trainer.load_run(module.get_config(), _WORKDIR.value)
     trained = run.state.policy
     run.close()
-    yield (f"{_WORKDIR.value} (trained)", run.model_cfg,
-           lambda seed, cfg: jax.tree.map(lambda x: x.astype(cfg.param_dtype)
-                                          if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                                          trained))
+    yield (
+      f"{_WORKDIR.value} (trained)",
+      run.model_cfg,
+      lambda seed, cfg: jax.tree.map(
+        lambda x: x.astype(cfg.param_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, trained
+      ),
+    )
     return
   for preset in _PRESETS.value:
     for experts in _EXPERTS.value:
@@ -218,32 +243,38 @@ def models():
       if experts != "preset":
         e, k = (int(x) for x in experts.split(":"))
         base = dataclasses.replace(base, num_experts=e, experts_per_token=k)
-      yield (f"{preset} E{base.num_experts} k{base.experts_per_token} (init)", base,
-             lambda seed, cfg: policy.init_params(cfg, jax.random.PRNGKey(seed)))
+      yield (
+        f"{preset} E{base.num_experts} k{base.experts_per_token} (init)",
+        base,
+        lambda seed, cfg: policy.init_params(cfg, jax.random.PRNGKey(seed)),
+      )
 
 
 def main(argv):
   del argv
   rows = []
-  header = (f"{'model':<28} {'setting':<14} {'prompt tok':>10} {'sampled tok':>11} "
-            f"{'decisions':>9} {'|dlp| mean/max':>16} {'replay':>16} {'tail':>6} "
-            f"{'replay':>6} {'flops':>5} {'time':>5}")
+  header = (
+    f"{'model':<28} {'setting':<14} {'prompt tok':>10} {'sampled tok':>11} "
+    f"{'decisions':>9} {'|dlp| mean/max':>16} {'replay':>16} {'tail':>6} "
+    f"{'replay':>6} {'flops':>5} {'time':>5}"
+  )
   print(header)
   for label, base, params_for in models():
     for mode, cfg in precision_modes(base):
       for matmul in ("default", "highest"):
         with jax.default_matmul_precision(matmul):
-          row = measure(f"{mode}/{matmul}", cfg, lambda s, c=cfg: params_for(s, c),
-                        _SEEDS.value)
+          row = measure(f"{mode}/{matmul}", cfg, lambda s, c=cfg: params_for(s, c), _SEEDS.value)
         row["model"] = label
         rows.append(row)
-        print(f"{label:<28} {row['setting']:<14} {row['prompt_tok_differ']:>10.2%} "
-              f"{row['sampled_tok_differ']:>11.2%} {row['decisions_differ']:>9.2%} "
-              f"{row['dlp_mean']:>8.1e}/{row['dlp_max']:<7.1e} "
-              f"{row['dlp_replay_mean']:>8.1e}/{row['dlp_replay_max']:<7.1e} "
-              f"{row['tail']:>6.2%} {row['tail_replay']:>6.2%} {row['replay_flops_ratio']:>5.2f} "
-              f"{row['replay_time_ratio']:>5.2f}",
-              flush=True)
+        print(
+          f"{label:<28} {row['setting']:<14} {row['prompt_tok_differ']:>10.2%} "
+          f"{row['sampled_tok_differ']:>11.2%} {row['decisions_differ']:>9.2%} "
+          f"{row['dlp_mean']:>8.1e}/{row['dlp_max']:<7.1e} "
+          f"{row['dlp_replay_mean']:>8.1e}/{row['dlp_replay_max']:<7.1e} "
+          f"{row['tail']:>6.2%} {row['tail_replay']:>6.2%} {row['replay_flops_ratio']:>5.2f} "
+          f"{row['replay_time_ratio']:>5.2f}",
+          flush=True,
+        )
   if _OUT.value:
     with open(_OUT.value, "w") as f:
       json.dump(rows, f, indent=1)

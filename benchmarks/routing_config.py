@@ -1,7 +1,7 @@
 """sao_tiny with 32 experts, top-4: the trained policy benchmarks/routing.py measures.
 
-    python launch/train.py --config=benchmarks/routing_config.py --workdir=/tmp/routing_run
-    python benchmarks/routing.py --config=benchmarks/routing_config.py --workdir=/tmp/routing_run
+python launch/train.py --config=benchmarks/routing_config.py --workdir=/tmp/routing_run
+python benchmarks/routing.py --config=benchmarks/routing_config.py --workdir=/tmp/routing_run
 """
 
 from configs import common

@@ -44,8 +44,28 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-_WORDS = ("add", "sum", "plus", "minus", "times", "value", "tool", "call", "result", "answer",
-          "print", "list", "the", "of", "and", "to", "is", "what", "compute", "number")
+_WORDS = (
+  "add",
+  "sum",
+  "plus",
+  "minus",
+  "times",
+  "value",
+  "tool",
+  "call",
+  "result",
+  "answer",
+  "print",
+  "list",
+  "the",
+  "of",
+  "and",
+  "to",
+  "is",
+  "what",
+  "compute",
+  "number",
+)
 
 
 def _sentence(rng: random.Random, n: int) -> str:
@@ -57,17 +77,28 @@ def _sentence(rng: random.Random, n: int) -> str:
 
 def make_inputs(workdir: str, *, sp_vocab: int, requests: int, seed: int = 0) -> tuple[str, str]:
   """A sentencepiece model and a ShareGPT JSON under `workdir`; their paths."""
-  import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+  import sentencepiece as spm
+
   rng = random.Random(seed)
   corpus = [_sentence(rng, rng.randint(5, 30)) for _ in range(2000)]
   prefix = os.path.join(workdir, "sp")
   spm.SentencePieceTrainer.train(
-      sentence_iterator=iter(corpus), model_prefix=prefix, vocab_size=sp_vocab,
-      model_type="unigram", character_coverage=1.0, minloglevel=2)
-  conversations = [{"conversations": [
-      {"from": "human", "value": _sentence(rng, rng.randint(8, 24))},
-      {"from": "gpt", "value": _sentence(rng, rng.randint(30, 60))}]}
-      for _ in range(requests)]
+    sentence_iterator=iter(corpus),
+    model_prefix=prefix,
+    vocab_size=sp_vocab,
+    model_type="unigram",
+    character_coverage=1.0,
+    minloglevel=2,
+  )
+  conversations = [
+    {
+      "conversations": [
+        {"from": "human", "value": _sentence(rng, rng.randint(8, 24))},
+        {"from": "gpt", "value": _sentence(rng, rng.randint(30, 60))},
+      ]
+    }
+    for _ in range(requests)
+  ]
   data = os.path.join(workdir, "sharegpt.json")
   with open(data, "w", encoding="utf-8") as f:
     json.dump(conversations, f)
@@ -81,11 +112,14 @@ def _free_port() -> int:
 
 
 def _client_script() -> str:
-  import jetstream  # pylint: disable=g-import-not-at-top
+  import jetstream
+
   site = os.path.dirname(os.path.dirname(jetstream.__file__))
   path = os.path.join(site, "benchmarks", "benchmark_serving.py")
   if not os.path.exists(path):
-    raise SystemExit(f"JetStream's benchmark_serving.py is not at {path}: pip install -e '.[jetstream]'")
+    raise SystemExit(
+      f"JetStream's benchmark_serving.py is not at {path}: pip install -e '.[jetstream]'"
+    )
   return path
 
 
@@ -94,14 +128,23 @@ class Server:
 
   def __init__(self, workdir: str, slots: int, extra: list[str]):
     self.port = _free_port()
-    self.log = open(os.path.join(workdir, "server.log"), "w", encoding="utf-8")  # pylint: disable=consider-using-with
-    self.proc = subprocess.Popen(  # pylint: disable=consider-using-with
-        [sys.executable, os.path.join(ROOT, "launch", "serve.py"),
-         f"--config={os.path.join(ROOT, 'configs', 'sao_tiny.py')}",
-         f"--workdir={os.path.join(workdir, 'policy')}", f"--port={self.port}",
-         f"--slots={slots}", "--config.tensorboard=False", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    self.log = open(os.path.join(workdir, "server.log"), "w", encoding="utf-8")
+    self.proc = subprocess.Popen(
+      [
+        sys.executable,
+        os.path.join(ROOT, "launch", "serve.py"),
+        f"--config={os.path.join(ROOT, 'configs', 'sao_tiny.py')}",
+        f"--workdir={os.path.join(workdir, 'policy')}",
+        f"--port={self.port}",
+        f"--slots={slots}",
+        "--config.tensorboard=False",
+        *extra,
+      ],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+      env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     for line in self.proc.stdout:
       self.log.write(line)
       if "JetStream server on port" in line:
@@ -115,22 +158,48 @@ class Server:
     self.log.close()
 
 
-def run_client(port: int, tokenizer: str, dataset: str, requests: int, new_tokens: int,
-               out_dir: str, warmup: bool) -> dict:
+def run_client(
+  port: int,
+  tokenizer: str,
+  dataset: str,
+  requests: int,
+  new_tokens: int,
+  out_dir: str,
+  warmup: bool,
+) -> dict:
   """JetStream's benchmark_serving.py against localhost:port; its saved metrics."""
   before = set(glob.glob(os.path.join(out_dir, "*.json")))
-  cmd = [sys.executable, _client_script(), "--server=localhost", f"--port={port}",
-         "--dataset=sharegpt", f"--dataset-path={dataset}", f"--tokenizer={tokenizer}",
-         "--model=sao-tiny", f"--num-prompts={requests}", f"--max-output-length={new_tokens}",
-         "--request-rate=inf", "--save-result", "--disable-tqdm",
-         "--additional-metadata-metrics-to-save={}"]
+  cmd = [
+    sys.executable,
+    _client_script(),
+    "--server=localhost",
+    f"--port={port}",
+    "--dataset=sharegpt",
+    f"--dataset-path={dataset}",
+    f"--tokenizer={tokenizer}",
+    "--model=sao-tiny",
+    f"--num-prompts={requests}",
+    f"--max-output-length={new_tokens}",
+    "--request-rate=inf",
+    "--save-result",
+    "--disable-tqdm",
+    "--additional-metadata-metrics-to-save={}",
+  ]
   if warmup:
     cmd.append("--warmup-first=True")
-  proc = subprocess.run(cmd, cwd=out_dir, capture_output=True, text=True, check=False,
-                        env=dict(os.environ, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="3"))
+  proc = subprocess.run(
+    cmd,
+    cwd=out_dir,
+    capture_output=True,
+    text=True,
+    check=False,
+    env=dict(os.environ, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="3"),
+  )
   if proc.returncode:
-    raise SystemExit(f"benchmark_serving.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}"
-                     f"\n{proc.stderr[-3000:]}")
+    raise SystemExit(
+      f"benchmark_serving.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}"
+      f"\n{proc.stderr[-3000:]}"
+    )
   new = sorted(set(glob.glob(os.path.join(out_dir, "*.json"))) - before, key=os.path.getmtime)
   if not new:
     raise SystemExit(f"benchmark_serving.py wrote no result:\n{proc.stdout[-3000:]}")
@@ -141,12 +210,10 @@ def run_client(port: int, tokenizer: str, dataset: str, requests: int, new_token
 class InProcess:
   """The same policy as the server's (same config and workdir), no server."""
 
-  def __init__(self, work: str, slots: int, serve_flags: list[str], tokenizer: str,
-               dataset: str):
-    from sao_jax.train import configuration  # pylint: disable=g-import-not-at-top
-    from sao_jax.train import factories
-    from sao_jax.train import trainer
-    from configs import sao_tiny  # pylint: disable=g-import-not-at-top
+  def __init__(self, work: str, slots: int, serve_flags: list[str], tokenizer: str, dataset: str):
+    from configs import sao_tiny
+    from sao_jax.train import configuration, factories, trainer
+
     config = sao_tiny.get_config()
     for flag in serve_flags:  # --config.a.b=value, as serve.py got them
       field, value = flag.removeprefix("--config.").split("=", 1)
@@ -155,26 +222,30 @@ class InProcess:
     config.tensorboard = False
     run = trainer.load_run(config, os.path.join(work, "policy"))
     # The server's engine (launch/serve.py): the run's rollout section with `slots`.
-    self.engine = factories.make_engine(config, run.model_cfg, run.state.policy, seed=0,
-                                        slots=slots)
+    self.engine = factories.make_engine(
+      config, run.model_cfg, run.state.policy, seed=0, slots=slots
+    )
     # The client's prompts, tokenized as it does, in waves of `slots`.
-    import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+    import sentencepiece as spm
+
     sp = spm.SentencePieceProcessor(model_file=tokenizer)
     with open(dataset, encoding="utf-8") as f:
       prompts = [sp.encode(c["conversations"][0]["value"]) for c in json.load(f)]
     prompts = [q for q in prompts if len(q) >= 4]
-    self.waves = [prompts[i:i + slots] for i in range(0, len(prompts), slots)]
+    self.waves = [prompts[i : i + slots] for i in range(0, len(prompts), slots)]
     self.compiled = False
 
   def tokens_per_s(self, new_tokens: int) -> float:
     """Tokens/s of `generate_batch` over the client's prompts, waves of `slots`."""
-    from sao_jax.rollout import batch_sampler  # pylint: disable=g-import-not-at-top
+    from sao_jax.rollout import batch_sampler
+
     if not self.compiled:
       batch_sampler.generate_batch(self.engine, self.waves[0], new_tokens)
       self.compiled = True
     start = time.perf_counter()
-    n = sum(int(batch_sampler.generate_batch(self.engine, w, new_tokens)[2].sum())
-            for w in self.waves)
+    n = sum(
+      int(batch_sampler.generate_batch(self.engine, w, new_tokens)[2].sum()) for w in self.waves
+    )
     return n / (time.perf_counter() - start)
 
 
@@ -183,12 +254,19 @@ def main(argv=None) -> dict:
   p.add_argument("--slots", type=int, default=8)
   p.add_argument("--requests", type=int, default=48)
   p.add_argument("--new_tokens", type=int, default=64)
-  p.add_argument("--tokens_per_step", default="1,8",
-                 help="comma-separated values of serve.py's --tokens_per_step, one server each")
+  p.add_argument(
+    "--tokens_per_step",
+    default="1,8",
+    help="comma-separated values of serve.py's --tokens_per_step, one server each",
+  )
   p.add_argument("--sp_vocab", type=int, default=64)
   p.add_argument("--rounds", type=int, default=2)
-  p.add_argument("--serve_flag", action="append", default=[],
-                 help="a --config.x=y flag for serve.py and the in-process engine alike")
+  p.add_argument(
+    "--serve_flag",
+    action="append",
+    default=[],
+    help="a --config.x=y flag for serve.py and the in-process engine alike",
+  )
   p.add_argument("--json", default=None, help="write the figures here")
   args = p.parse_args(argv)
   ks = [int(k) for k in args.tokens_per_step.split(",")]
@@ -200,41 +278,52 @@ def main(argv=None) -> dict:
     servers = {}
     try:
       for k in ks:
-        servers[k] = Server(work, args.slots, [f"--tokens_per_step={k}", "--ignore_eos",
-                                               *args.serve_flag])
+        servers[k] = Server(
+          work, args.slots, [f"--tokens_per_step={k}", "--ignore_eos", *args.serve_flag]
+        )
         # JetStream's own warm-up (compiles every prefill bucket the requests use).
-        run_client(servers[k].port, tokenizer, dataset, args.requests, args.new_tokens, work,
-                   warmup=True)
+        run_client(
+          servers[k].port, tokenizer, dataset, args.requests, args.new_tokens, work, warmup=True
+        )
       # Each served run is bracketed by in-process runs (local, k1, local, k2, ...,
       # local) and compared with the mean of its two neighbours, so that load
       # drifting on a shared machine hits both sides of each ratio alike.
       local.append(local_engine.tokens_per_s(args.new_tokens))
       for i in range(args.rounds):
         for k in ks:
-          res = run_client(servers[k].port, tokenizer, dataset, args.requests, args.new_tokens,
-                           work, warmup=False)
+          res = run_client(
+            servers[k].port, tokenizer, dataset, args.requests, args.new_tokens, work, warmup=False
+          )
           local.append(local_engine.tokens_per_s(args.new_tokens))
           res["in_process_tokens_per_s"] = (local[-2] + local[-1]) / 2
           res["ratio"] = res["output_throughput"] / res["in_process_tokens_per_s"]
           served[k].append(res)
-          print(f"[serving] round {i}, tokens_per_step {k}: {res['output_throughput']:.0f} "
-                f"tokens/s ({res['total_output_tokens']} tokens, ttft {res['mean_ttft_ms']:.0f} "
-                f"ms, tpot {res['mean_tpot_ms']:.1f} ms); in-process around it "
-                f"{res['in_process_tokens_per_s']:.0f} tokens/s; ratio {res['ratio']:.2f}",
-                flush=True)
+          print(
+            f"[serving] round {i}, tokens_per_step {k}: {res['output_throughput']:.0f} "
+            f"tokens/s ({res['total_output_tokens']} tokens, ttft {res['mean_ttft_ms']:.0f} "
+            f"ms, tpot {res['mean_tpot_ms']:.1f} ms); in-process around it "
+            f"{res['in_process_tokens_per_s']:.0f} tokens/s; ratio {res['ratio']:.2f}",
+            flush=True,
+          )
     finally:
       for server in servers.values():
         server.close()
-  result = {"slots": args.slots, "requests": args.requests, "new_tokens": args.new_tokens,
-            "in_process_tokens_per_s": statistics.median(local), "served": {}}
+  result = {
+    "slots": args.slots,
+    "requests": args.requests,
+    "new_tokens": args.new_tokens,
+    "in_process_tokens_per_s": statistics.median(local),
+    "served": {},
+  }
   for k, rs in served.items():
     result["served"][k] = {
-        "tokens_per_s": statistics.median(r["output_throughput"] for r in rs),
-        "ratio_median": statistics.median(r["ratio"] for r in rs),
-        "ratios": [round(r["ratio"], 3) for r in rs],
-        "output_tokens": statistics.median(r["total_output_tokens"] for r in rs),
-        "mean_ttft_ms": statistics.median(r["mean_ttft_ms"] for r in rs),
-        "mean_tpot_ms": statistics.median(r["mean_tpot_ms"] for r in rs)}
+      "tokens_per_s": statistics.median(r["output_throughput"] for r in rs),
+      "ratio_median": statistics.median(r["ratio"] for r in rs),
+      "ratios": [round(r["ratio"], 3) for r in rs],
+      "output_tokens": statistics.median(r["total_output_tokens"] for r in rs),
+      "mean_ttft_ms": statistics.median(r["mean_ttft_ms"] for r in rs),
+      "mean_tpot_ms": statistics.median(r["mean_tpot_ms"] for r in rs),
+    }
   print(json.dumps(result, indent=1))
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:

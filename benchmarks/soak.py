@@ -31,8 +31,11 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FAULTS = {
-    "env_error_every": 97, "env_garbage_every": 131, "malformed_every": 53,
-    "nonfinite_every": 89, "rollout_crash_every": 1500,
+  "env_error_every": 97,
+  "env_garbage_every": 131,
+  "malformed_every": 53,
+  "nonfinite_every": 89,
+  "rollout_crash_every": 1500,
 }
 
 
@@ -58,10 +61,12 @@ def _descendants(pid: int) -> list[int]:
 def _sample(pid: int) -> dict:
   with open(f"/proc/{pid}/status", encoding="utf-8") as f:
     status = dict(line.split(":", 1) for line in f if ":" in line)
-  return {"rss_mb": int(status["VmRSS"].split()[0]) / 1024,
-          "threads": int(status["Threads"]),
-          "open_fds": len(os.listdir(f"/proc/{pid}/fd")),
-          "descendants": len(_descendants(pid))}
+  return {
+    "rss_mb": int(status["VmRSS"].split()[0]) / 1024,
+    "threads": int(status["Threads"]),
+    "open_fds": len(os.listdir(f"/proc/{pid}/fd")),
+    "descendants": len(_descendants(pid)),
+  }
 
 
 def main():
@@ -72,13 +77,22 @@ def main():
   parser.add_argument("--out", default=None)
   parser.add_argument("--plot", default=os.path.join(ROOT, "benchmarks", "soak.png"))
   args = parser.parse_args()
-  flags = [f"--config.rl.steps={args.steps}", "--config.rl.max_rollout_restarts=1000",
-           "--config.rl.eval_every=250", "--config.eval.num_tasks=200",
-           "--config.checkpoint.every=50", "--config.log_every=10"]
+  flags = [
+    f"--config.rl.steps={args.steps}",
+    "--config.rl.max_rollout_restarts=1000",
+    "--config.rl.eval_every=250",
+    "--config.eval.num_tasks=200",
+    "--config.checkpoint.every=50",
+    "--config.log_every=10",
+  ]
   flags += [f"--config.faults.{k}={v}" for k, v in FAULTS.items()]
-  cmd = [sys.executable, os.path.join(ROOT, "launch", "train.py"),
-         f"--config={os.path.join(ROOT, 'configs', 'sao_tiny.py')}",
-         f"--workdir={args.workdir}", *flags]
+  cmd = [
+    sys.executable,
+    os.path.join(ROOT, "launch", "train.py"),
+    f"--config={os.path.join(ROOT, 'configs', 'sao_tiny.py')}",
+    f"--workdir={args.workdir}",
+    *flags,
+  ]
   print(" ".join(cmd), flush=True)
   start = time.time()
   proc = subprocess.Popen(cmd, cwd=ROOT)
@@ -102,11 +116,17 @@ def main():
     records = [json.loads(line) for line in f]
   rl = [r for r in records if r["stage"] == "rl"]
   summary_path = os.path.join(args.workdir, "summary.json")
-  summary = json.load(open(summary_path, encoding="utf-8")) if os.path.exists(
-      summary_path) else {}
+  summary = json.load(open(summary_path, encoding="utf-8")) if os.path.exists(summary_path) else {}
   leftover = [p for p in _descendants(os.getpid()) if p != proc.pid]
-  result = {"command": " ".join(cmd), "returncode": rc, "wall_s": wall, "samples": samples,
-            "rl": rl, "summary": summary, "leftover_processes_after_exit": len(leftover)}
+  result = {
+    "command": " ".join(cmd),
+    "returncode": rc,
+    "wall_s": wall,
+    "samples": samples,
+    "rl": rl,
+    "summary": summary,
+    "leftover_processes_after_exit": len(leftover),
+  }
   with open(os.path.join(args.workdir, "soak.json"), "w", encoding="utf-8") as f:
     json.dump(result, f)
   report = _report(result, args)
@@ -132,45 +152,57 @@ def _report(result, args) -> str:
   evals = result["summary"].get("evals", {})
   eval_line = ", ".join(f"{k} {v['pass@1']:.3f}" for k, v in evals.items())
   lines = [
-      "", f"## Soak: {len(rl) and int(steps[-1])} RL steps of tiny SAO with faults injected",
-      "",
-      f"    python benchmarks/soak.py --steps {args.steps} --out benchmarks/RESULTS.md", "",
-      f"Faults: {FAULTS} (every n-th event). Return code {result['returncode']}, "
-      f"wall {result['wall_s'] / 60:.1f} min. Plot: `benchmarks/soak.png`.", "",
-      "| measure | value |", "|---|---|",
-      f"| resident memory (MB): first sample / max / last | {rss[0]:.0f} / {rss.max():.0f} / "
-      f"{rss[-1]:.0f} |" if len(rss) else "| resident memory | no samples |",
-      f"| memory trend after the first 20% of the run (MB per hour) | {slope:+.1f} |",
-      f"| open file descriptors: max / last | {max(x['open_fds'] for x in s)} / "
-      f"{s[-1]['open_fds']} |" if s else "",
-      f"| threads: max / last | {max(x['threads'] for x in s)} / {s[-1]['threads']} |"
-      if s else "",
-      f"| live descendant processes: max / last | {max(x['descendants'] for x in s)} / "
-      f"{s[-1]['descendants']} |" if s else "",
-      f"| processes left after the trainer exited | "
-      f"{result['leftover_processes_after_exit']} |",
-      f"| queue depth: max | {max(r['queue/depth'] for r in rl)} |" if rl else "",
-      f"| trajectories rejected (all injected malformed ones) | "
-      f"{last.get('queue/rejected')} of {last.get('faults/injected_malformed')} injected |",
-      f"| environment faults counted (injected errors + garbage) | "
-      f"{last.get('rollout/env_faults')} ({last.get('faults/injected_env_error')} + "
-      f"{last.get('faults/injected_env_garbage')}) |",
-      f"| rollout thread restarts (injected crashes) | {last.get('rollout/restarts')} "
-      f"({last.get('faults/injected_rollout_crash')}) |",
-      f"| updates skipped as non-finite (injected NaN batches) | "
-      f"{last.get('policy/updates_skipped_total')} "
-      f"({last.get('faults/injected_nonfinite_batch')}) |",
-      f"| training reward, mean of first / last quarter of logged steps | "
-      f"{reward[:q].mean():.3f} / {reward[-q:].mean():.3f} |" if len(reward) else "",
-      f"| held-out pass@1 (200 tasks) | {eval_line} |", "",
+    "",
+    f"## Soak: {len(rl) and int(steps[-1])} RL steps of tiny SAO with faults injected",
+    "",
+    f"    python benchmarks/soak.py --steps {args.steps} --out benchmarks/RESULTS.md",
+    "",
+    f"Faults: {FAULTS} (every n-th event). Return code {result['returncode']}, "
+    f"wall {result['wall_s'] / 60:.1f} min. Plot: `benchmarks/soak.png`.",
+    "",
+    "| measure | value |",
+    "|---|---|",
+    f"| resident memory (MB): first sample / max / last | {rss[0]:.0f} / {rss.max():.0f} / "
+    f"{rss[-1]:.0f} |"
+    if len(rss)
+    else "| resident memory | no samples |",
+    f"| memory trend after the first 20% of the run (MB per hour) | {slope:+.1f} |",
+    f"| open file descriptors: max / last | {max(x['open_fds'] for x in s)} / {s[-1]['open_fds']} |"
+    if s
+    else "",
+    f"| threads: max / last | {max(x['threads'] for x in s)} / {s[-1]['threads']} |" if s else "",
+    f"| live descendant processes: max / last | {max(x['descendants'] for x in s)} / "
+    f"{s[-1]['descendants']} |"
+    if s
+    else "",
+    f"| processes left after the trainer exited | {result['leftover_processes_after_exit']} |",
+    f"| queue depth: max | {max(r['queue/depth'] for r in rl)} |" if rl else "",
+    f"| trajectories rejected (all injected malformed ones) | "
+    f"{last.get('queue/rejected')} of {last.get('faults/injected_malformed')} injected |",
+    f"| environment faults counted (injected errors + garbage) | "
+    f"{last.get('rollout/env_faults')} ({last.get('faults/injected_env_error')} + "
+    f"{last.get('faults/injected_env_garbage')}) |",
+    f"| rollout thread restarts (injected crashes) | {last.get('rollout/restarts')} "
+    f"({last.get('faults/injected_rollout_crash')}) |",
+    f"| updates skipped as non-finite (injected NaN batches) | "
+    f"{last.get('policy/updates_skipped_total')} "
+    f"({last.get('faults/injected_nonfinite_batch')}) |",
+    f"| training reward, mean of first / last quarter of logged steps | "
+    f"{reward[:q].mean():.3f} / {reward[-q:].mean():.3f} |"
+    if len(reward)
+    else "",
+    f"| held-out pass@1 (200 tasks) | {eval_line} |",
+    "",
   ]
   return "\n".join(x for x in lines if x is not None) + "\n"
 
 
 def _plot(result, path):
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  import matplotlib
+
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import matplotlib.pyplot as plt
+
   s, rl = result["samples"], result["rl"]
   fig, axes = plt.subplots(2, 2, figsize=(11, 7))
   t = [x["t"] / 60 for x in s]
@@ -186,8 +218,9 @@ def _plot(result, path):
   axes[1, 0].plot(steps, reward, alpha=0.4, label="per logged step")
   k = 10
   if len(reward) >= k:
-    axes[1, 0].plot(steps[k - 1:], np.convolve(reward, np.ones(k) / k, "valid"),
-                    label=f"moving mean of {k}")
+    axes[1, 0].plot(
+      steps[k - 1 :], np.convolve(reward, np.ones(k) / k, "valid"), label=f"moving mean of {k}"
+    )
   axes[1, 0].set(title="training reward through the faults", xlabel="RL step")
   axes[1, 0].legend()
   axes[1, 1].plot(steps, [r["queue/depth"] for r in rl], label="queue depth")

@@ -76,25 +76,41 @@ print("RESULT " + json.dumps(out))
 def make_batch(path: str, seed: int = 0) -> None:
   """One packed RL batch of sao_tiny's shape: 16 multi-turn trajectories."""
   sys.path.insert(0, ROOT)
-  from configs import sao_tiny  # pylint: disable=g-import-not-at-top,import-outside-toplevel
-  from sao_jax.data import packing  # pylint: disable=g-import-not-at-top,import-outside-toplevel
-  from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  from configs import sao_tiny
+  from sao_jax.data import packing
+  from sao_jax.envs import registry
+
   config = sao_tiny.get_config()
   vocab = registry.make_tokenizer(config.env).vocab_size
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  from timing import random_trajectory  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  from timing import random_trajectory
+
   rng = np.random.default_rng(seed)
-  trajs = [random_trajectory(rng, int(rng.integers(120, config.rollout.max_len)), vocab,
-                             int(rng.integers(10, 30)), (10, 40), (5, 30), i)
-           for i in range(config.rl.batch_size)]
+  trajs = [
+    random_trajectory(
+      rng,
+      int(rng.integers(120, config.rollout.max_len)),
+      vocab,
+      int(rng.integers(10, 30)),
+      (10, 40),
+      (5, 30),
+      i,
+    )
+    for i in range(config.rl.batch_size)
+  ]
   batch = packing.pack(trajs, config.rl.batch_size, config.data.buckets)
   np.savez(path, **batch)
 
 
 def run_child(tree: str, batch: str, steps: int, policy_loss: str = "") -> dict:
-  proc = subprocess.run([sys.executable, "-c", CHILD, str(steps), batch, policy_loss], cwd=tree,
-                        env=dict(os.environ, PYTHONPATH=tree), capture_output=True, text=True,
-                        check=False)
+  proc = subprocess.run(
+    [sys.executable, "-c", CHILD, str(steps), batch, policy_loss],
+    cwd=tree,
+    env=dict(os.environ, PYTHONPATH=tree),
+    capture_output=True,
+    text=True,
+    check=False,
+  )
   for line in proc.stdout.splitlines():
     if line.startswith("RESULT "):
       return json.loads(line[7:])
@@ -103,24 +119,33 @@ def run_child(tree: str, batch: str, steps: int, policy_loss: str = "") -> dict:
 
 def main():
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  from timing import report  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  from timing import report
+
   parser = argparse.ArgumentParser()
-  parser.add_argument("--ref", default="7adb88f",
-                      help="the commit to compare with (default: before the pod-scale paths)")
+  parser.add_argument(
+    "--ref",
+    default="7adb88f",
+    help="the commit to compare with (default: before the pod-scale paths)",
+  )
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--steps", type=int, default=20, help="timed steps per program per run")
   parser.add_argument("--out", default=None, help="append the table to this file")
-  parser.add_argument("--policy_loss", default="",
-                      help="rl.policy_loss in both trees (default: each tree's sao_tiny's; "
-                      "the CPU default moved from dis to ppo_clip in edcd23b)")
+  parser.add_argument(
+    "--policy_loss",
+    default="",
+    help="rl.policy_loss in both trees (default: each tree's sao_tiny's; "
+    "the CPU default moved from dis to ppo_clip in edcd23b)",
+  )
   args = parser.parse_args()
-  head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                        text=True, check=True).stdout.strip()
+  head = subprocess.run(
+    ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+  ).stdout.strip()
   with tempfile.TemporaryDirectory() as tmp:
     ref_tree = os.path.join(tmp, "ref")
     os.makedirs(ref_tree)
-    archive = subprocess.run(["git", "archive", args.ref], cwd=ROOT, capture_output=True,
-                             check=True).stdout
+    archive = subprocess.run(
+      ["git", "archive", args.ref], cwd=ROOT, capture_output=True, check=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", ref_tree], input=archive, check=True)
     batch = os.path.join(tmp, "batch.npz")
     make_batch(batch)
@@ -128,11 +153,16 @@ def main():
     for r in range(args.rounds):
       for name, tree in (("ref", ref_tree), ("head", ROOT)):
         runs[name].append(run_child(tree, batch, args.steps, args.policy_loss))
-        print(f"round {r + 1} {name}: " + ", ".join(
-            f"{k} {v * 1e3:.1f} ms" for k, v in runs[name][-1].items()), flush=True)
+        print(
+          f"round {r + 1} {name}: "
+          + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in runs[name][-1].items()),
+          flush=True,
+        )
   shape = "sao_tiny, 16 rows" + (f", {args.policy_loss}" if args.policy_loss else "")
-  lines = [f"| program ({shape}) | {args.ref} (ms) | {head} (ms) | {head} / {args.ref} |",
-           "|---|---|---|---|"]
+  lines = [
+    f"| program ({shape}) | {args.ref} (ms) | {head} (ms) | {head} / {args.ref} |",
+    "|---|---|---|---|",
+  ]
   for prog in ("rl_step", "value_step"):
     ref = np.median([x[prog] for x in runs["ref"]])
     new = np.median([x[prog] for x in runs["head"]])

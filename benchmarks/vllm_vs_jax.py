@@ -43,16 +43,17 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from fakes import random_params  # pylint: disable=g-import-not-at-top,wrong-import-position
-from sao_jax.config import sections  # pylint: disable=wrong-import-position
-from sao_jax.envs.tokenizer import CharTokenizer  # pylint: disable=wrong-import-position
-from sao_jax.models import config as mcfg  # pylint: disable=wrong-import-position
-from sao_jax.models import policy  # pylint: disable=wrong-import-position
-from sao_jax.envs.python_tool import PythonTool  # pylint: disable=wrong-import-position
-from sao_jax.rollout.driver import RolloutDriver  # pylint: disable=wrong-import-position
-from sao_jax.rollout.batch_sampler import generate_batch  # pylint: disable=wrong-import-position
-from sao_jax.rollout.engine import PolicyEngine  # pylint: disable=wrong-import-position
-from sao_jax.rollout import vllm_backend  # pylint: disable=wrong-import-position
+from fakes import random_params
+
+from sao_jax.config import sections
+from sao_jax.envs.python_tool import PythonTool
+from sao_jax.envs.tokenizer import CharTokenizer
+from sao_jax.models import config as mcfg
+from sao_jax.models import policy
+from sao_jax.rollout import vllm_backend
+from sao_jax.rollout.batch_sampler import generate_batch
+from sao_jax.rollout.driver import RolloutDriver
+from sao_jax.rollout.engine import PolicyEngine
 
 
 def _timed(fn) -> float:
@@ -87,9 +88,13 @@ def _generation(jax_eng, vllm_eng, prompts, new: int, rounds: int) -> dict:
     jax_s.append(_timed(run_jax))
     vllm_s.append(_timed(run_vllm))
   tokens = len(prompts) * new
-  return {"jax_s": jax_s, "vllm_s": vllm_s, "tokens": tokens,
-          "jax_tok_s": tokens / statistics.median(jax_s),
-          "vllm_tok_s": tokens / statistics.median(vllm_s)}
+  return {
+    "jax_s": jax_s,
+    "vllm_s": vllm_s,
+    "tokens": tokens,
+    "jax_tok_s": tokens / statistics.median(jax_s),
+    "vllm_tok_s": tokens / statistics.median(vllm_s),
+  }
 
 
 def _gaps(jax_eng, vllm_eng, cfg, params, prompts, new: int) -> dict:
@@ -98,13 +103,15 @@ def _gaps(jax_eng, vllm_eng, cfg, params, prompts, new: int) -> dict:
   forced = jax.jit(policy.token_logprobs, static_argnums=(0, 5))
   fp32 = dataclasses.replace(cfg, dtype=jnp.float32)
   out = {}
-  for name, sample in (("jax", functools.partial(generate_batch, jax_eng)),
-                       ("vllm", vllm_eng.generate_batch)):
+  for name, sample in (
+    ("jax", functools.partial(generate_batch, jax_eng)),
+    ("vllm", vllm_eng.generate_batch),
+  ):
     toks, lps, _ = sample(prompts, new)
     seqs = np.concatenate([np.asarray(prompts), np.asarray(toks)], 1)
     positions = np.broadcast_to(np.arange(seqs.shape[1]), seqs.shape)
     ref, _ = forced(fp32, params, seqs, positions, np.ones_like(seqs), 1.0)
-    out[name] = float(np.abs(np.asarray(ref)[:, len(prompts[0]):] - np.asarray(lps)).max())
+    out[name] = float(np.abs(np.asarray(ref)[:, len(prompts[0]) :] - np.asarray(lps)).max())
   return out
 
 
@@ -131,23 +138,31 @@ def _swaps(jax_eng, vllm_eng, versions, rounds: int) -> dict:
   jax_s, vllm_s, reload_s = [], [], []
   for r in range(rounds):
     params = versions[r % len(versions)]
-    jax_s.append(_timed(lambda: jax.block_until_ready(
-        jax_eng.update_params(params, r + 1) or jax_eng.params)))  # pylint: disable=cell-var-from-loop
-    vllm_s.append(_timed(lambda: vllm_eng.update_params(params, r + 1)))  # pylint: disable=cell-var-from-loop
+    jax_s.append(
+      _timed(lambda: jax.block_until_ready(jax_eng.update_params(params, r + 1) or jax_eng.params))  # noqa: B023
+    )
+    vllm_s.append(_timed(lambda: vllm_eng.update_params(params, r + 1)))  # noqa: B023
     reload_s.append(vllm_eng.swap_seconds[-1])
   return {"jax_s": jax_s, "vllm_s": vllm_s, "vllm_reload_s": reload_s}
 
 
 def _section(args, gen: dict, swap: dict, vllm_start: float) -> str:
   med = statistics.median
-  cmd = (f"taskset -c 0-1 nice -n 10 .venv/bin/python benchmarks/vllm_vs_jax.py --prompts "
-         f"{args.prompts} --new {args.new} --rounds {args.rounds} --dtype {args.dtype}")
-  return "\n".join([
-      "", "## vLLM-CPU beside the JAX engine: generation and weight swaps", "",
+  cmd = (
+    f"taskset -c 0-1 nice -n 10 .venv/bin/python benchmarks/vllm_vs_jax.py --prompts "
+    f"{args.prompts} --new {args.new} --rounds {args.rounds} --dtype {args.dtype}"
+  )
+  return "\n".join(
+    [
+      "",
+      "## vLLM-CPU beside the JAX engine: generation and weight swaps",
+      "",
       f"`{cmd}` (2-core machine shared with other jobs; both engines on cores 0-1; "
       f"tiny Qwen3-MoE, head_dim 32, {args.dtype}, char vocabulary; vllm-cpu 0.32.0, "
-      "`--enforce-eager`). Medians of interleaved rounds:", "",
-      "| measure | JAX engine | vLLM-CPU | JAX / vLLM |", "|---|---|---|---|",
+      "`--enforce-eager`). Medians of interleaved rounds:",
+      "",
+      "| measure | JAX engine | vLLM-CPU | JAX / vLLM |",
+      "|---|---|---|---|",
       f"| generation, {args.prompts} prompts x {args.new} tokens, tok/s | "
       f"{gen['jax_tok_s']:.0f} | {gen['vllm_tok_s']:.0f} | "
       f"{gen['jax_tok_s'] / gen['vllm_tok_s']:.2f} |",
@@ -160,9 +175,13 @@ def _section(args, gen: dict, swap: dict, vllm_start: float) -> str:
       f"{med(gen['driver']['jax_tok_s']):.0f} | {med(gen['driver']['vllm_tok_s']):.0f} | "
       f"{med(gen['driver']['jax_tok_s']) / med(gen['driver']['vllm_tok_s']):.2f} |",
       f"| max \\|log-prob - fp32 teacher-forced\\| ({gen['tokens']} tokens) | "
-      f"{gen['logprob_gap']['jax']:.1e} | {gen['logprob_gap']['vllm']:.1e} | |", "",
+      f"{gen['logprob_gap']['jax']:.1e} | {gen['logprob_gap']['vllm']:.1e} | |",
+      "",
       f"vLLM server start (export, spawn, model load, warm-up): {vllm_start:.0f} s. "
-      f"Raw seconds: {json.dumps({'generation': gen, 'swap': swap}, default=float)}", ""])
+      f"Raw seconds: {json.dumps({'generation': gen, 'swap': swap}, default=float)}",
+      "",
+    ]
+  )
 
 
 def main():
@@ -171,18 +190,22 @@ def main():
   p.add_argument("--new", type=int, default=64)
   p.add_argument("--rounds", type=int, default=5)
   p.add_argument("--out", default="")
-  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                 help="the engines' compute dtype (vLLM serves and the export writes it)")
+  p.add_argument(
+    "--dtype",
+    default="float32",
+    choices=["float32", "bfloat16"],
+    help="the engines' compute dtype (vLLM serves and the export writes it)",
+  )
   args = p.parse_args()
   os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
   tok = CharTokenizer()
-  cfg = dataclasses.replace(mcfg.tiny(tok.vocab_size), head_dim=32,
-                            dtype=jnp.dtype(args.dtype).type)
+  cfg = dataclasses.replace(
+    mcfg.tiny(tok.vocab_size), head_dim=32, dtype=jnp.dtype(args.dtype).type
+  )
   versions = [random_params(cfg, 0.1, seed) for seed in range(3)]
   rng = np.random.default_rng(0)
   prompts = [rng.integers(1, tok.vocab_size, 16).tolist() for _ in range(args.prompts)]
-  jax_eng, vllm_eng, vllm_start = _engines(cfg, versions[0], args.prompts,
-                                           max(256, 16 + args.new))
+  jax_eng, vllm_eng, vllm_start = _engines(cfg, versions[0], args.prompts, max(256, 16 + args.new))
   try:
     gen = _generation(jax_eng, vllm_eng, prompts, args.new, args.rounds)
     gen["logprob_gap"] = _gaps(jax_eng, vllm_eng, cfg, versions[0], prompts, args.new)

@@ -38,17 +38,20 @@ from flax import linen as nn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import random_trajectory, report, time_fns  # pylint: disable=g-import-not-at-top,wrong-import-position
-from configs import math_tool_tiny  # pylint: disable=g-import-not-at-top,wrong-import-position
-from sao_jax.train import factories  # pylint: disable=wrong-import-position
+from timing import random_trajectory, report, time_fns  # noqa: E402
+
+from configs import math_tool_tiny  # noqa: E402
 from sao_jax.config import sections
-from sao_jax.models import sharding
-from sao_jax.data import packing  # pylint: disable=wrong-import-position
-from sao_jax.envs.tokenizer import TOKENIZERS  # pylint: disable=wrong-import-position
-from sao_jax.models import policy  # pylint: disable=wrong-import-position
-from sao_jax.models.transformer import Transformer  # pylint: disable=wrong-import-position
-from sao_jax.rollout.batch_sampler import generate_batch  # pylint: disable=wrong-import-position
-from sao_jax.rollout.engine import PolicyEngine  # pylint: disable=wrong-import-position
+from sao_jax.data import packing  # noqa: E402
+from sao_jax.envs.tokenizer import TOKENIZERS  # noqa: E402
+from sao_jax.models import (
+  policy,
+  sharding,
+)
+from sao_jax.models.transformer import Transformer  # noqa: E402
+from sao_jax.rollout.batch_sampler import generate_batch  # noqa: E402
+from sao_jax.rollout.engine import PolicyEngine  # noqa: E402
+from sao_jax.train import factories  # noqa: E402
 
 ROWS, LENGTH, PROMPT, NEW = 16, 512, 240, 64
 
@@ -65,8 +68,9 @@ def packed_batch(vocab: int, at_actions: bool, seed: int = 0, ids=()) -> dict:
   """ROWS trajectories of LENGTH tokens: a prompt, then turns and observations
   (their ids drawn from `ids` when given)."""
   rng = np.random.default_rng(seed)
-  trajs = [random_trajectory(rng, LENGTH, vocab, PROMPT, (30, 60), (15, 40), i)
-           for i in range(ROWS)]
+  trajs = [
+    random_trajectory(rng, LENGTH, vocab, PROMPT, (30, 60), (15, 40), i) for i in range(ROWS)
+  ]
   if ids:
     for t in trajs:
       t.tokens[:] = np.asarray(ids, np.int32)[t.tokens % len(ids)]
@@ -89,8 +93,10 @@ def arm(name: str):
   mesh = sharding.make_mesh(dict(config.sharding.mesh))
   p = factories.build_programs(config, model_cfg, factories.step_config(config), mesh)
   with jax.set_mesh(mesh):
-    state = jax.jit(lambda: p.init_state(nn.unbox(p.policy_init()), nn.unbox(p.critic_init())),
-                    out_shardings=p.state_shardings)()
+    state = jax.jit(
+      lambda: p.init_state(nn.unbox(p.policy_init()), nn.unbox(p.critic_init())),
+      out_shardings=p.state_shardings,
+    )()
   batch = packed_batch(tok.vocab_size, at_actions, ids=ids)
   device_batch = {k: jax.device_put(v, p.batch_sharding) for k, v in batch.items()}
   holder = {"state": state}
@@ -103,35 +109,47 @@ def arm(name: str):
   params = jax.device_get(state.policy)
   args = (batch["tokens"], batch["positions"], batch["segment_ids"])
   index = batch.get("action_index")
-  logprobs = jax.jit(lambda prm, t, q, s, i: policy.token_logprobs(
-      model_cfg, prm, t, q, s, action_index=i)[0])
-  trunk = jax.jit(lambda prm, t, q, s: Transformer(model_cfg, "hidden").apply(
-      {"params": prm}, t, q, s)[0])
-  engine = PolicyEngine(model_cfg, params,
-                        sections.Rollout(slots=ROWS, max_len=config.rollout.max_len), seed=0)
-  prompts = [list(np.random.default_rng(i).integers(0, tok.vocab_size, PROMPT)) for i in range(ROWS)]
+  logprobs = jax.jit(
+    lambda prm, t, q, s, i: policy.token_logprobs(model_cfg, prm, t, q, s, action_index=i)[0]
+  )
+  trunk = jax.jit(
+    lambda prm, t, q, s: Transformer(model_cfg, "hidden").apply({"params": prm}, t, q, s)[0]
+  )
+  engine = PolicyEngine(
+    model_cfg, params, sections.Rollout(slots=ROWS, max_len=config.rollout.max_len), seed=0
+  )
+  prompts = [
+    list(np.random.default_rng(i).integers(0, tok.vocab_size, PROMPT)) for i in range(ROWS)
+  ]
   if ids:
     prompts = [[int(ids[t % len(ids)]) for t in p] for p in prompts]
 
   def generate():
     return generate_batch(engine, prompts, NEW)[0]
 
-  fns = {f"rl_step/{name}": rl_step,
-         f"forward/{name}": lambda: logprobs(params, *args, index),
-         f"trunk/{name}": lambda: trunk(params, *args)}
+  fns = {
+    f"rl_step/{name}": rl_step,
+    f"forward/{name}": lambda: logprobs(params, *args, index),
+    f"trunk/{name}": lambda: trunk(params, *args),
+  }
   if not at_actions:  # the engine does not use action_index
     fns[f"generate/{name}"] = generate
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-  return fns, {"vocab": tok.vocab_size, "params": n_params, "head": model_cfg.head_size,
-               "actions": int(batch["action_mask"].sum())}
+  return fns, {
+    "vocab": tok.vocab_size,
+    "params": n_params,
+    "head": model_cfg.head_size,
+    "actions": int(batch["action_mask"].sum()),
+  }
 
 
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--out", default=None, help="append the table to this file")
-  parser.add_argument("--arms", default=",".join(ARMS),
-                      help="a comma-separated subset of " + ", ".join(ARMS))
+  parser.add_argument(
+    "--arms", default=",".join(ARMS), help="a comma-separated subset of " + ", ".join(ARMS)
+  )
   args = parser.parse_args()
   arms = [a for a in args.arms.split(",") if a]
   unknown = sorted(set(arms) - set(ARMS))
@@ -143,25 +161,35 @@ def main():
     fns.update(f)
   t = time_fns(fns, {k: () for k in fns}, repeats=args.repeats)
   q = facts["qwen3"]
-  sizes = ", ".join(f"{a} {f['params'] / 1e6:.2f}M ({f['head']}-column head)"
-                    for a, f in facts.items())
+  sizes = ", ".join(
+    f"{a} {f['params'] / 1e6:.2f}M ({f['head']}-column head)" for a, f in facts.items()
+  )
   lines = [
-      f"Tiny MoE model, vocabulary {q['vocab']}; policy parameters: {sizes}; "
-      f"RL batch {ROWS} x {LENGTH} ({q['actions']} action tokens); generation {ROWS} x "
-      f"({PROMPT} prompt + {NEW} new) tokens; median of {args.repeats}, interleaved.",
-      "", "| program | " + " | ".join(f"{a} (ms)" for a in arms) + " | " +
-      " | ".join(f"{a} / qwen3" for a in arms if a != "qwen3") + " |",
-      "|---|" + "---|" * (2 * len(arms) - 1)]
+    f"Tiny MoE model, vocabulary {q['vocab']}; policy parameters: {sizes}; "
+    f"RL batch {ROWS} x {LENGTH} ({q['actions']} action tokens); generation {ROWS} x "
+    f"({PROMPT} prompt + {NEW} new) tokens; median of {args.repeats}, interleaved.",
+    "",
+    "| program | "
+    + " | ".join(f"{a} (ms)" for a in arms)
+    + " | "
+    + " | ".join(f"{a} / qwen3" for a in arms if a != "qwen3")
+    + " |",
+    "|---|" + "---|" * (2 * len(arms) - 1),
+  ]
   for prog in ("rl_step", "forward", "trunk", "generate"):
     base = t[f"{prog}/qwen3"]
-    cells = ["-" if t.get(f"{prog}/{a}") is None else f"{t[f'{prog}/{a}'] * 1e3:.1f}"
-             for a in arms]
-    ratios = ["-" if t.get(f"{prog}/{a}") is None else f"{t[f'{prog}/{a}'] / base:.3f}"
-              for a in arms if a != "qwen3"]
+    cells = ["-" if t.get(f"{prog}/{a}") is None else f"{t[f'{prog}/{a}'] * 1e3:.1f}" for a in arms]
+    ratios = [
+      "-" if t.get(f"{prog}/{a}") is None else f"{t[f'{prog}/{a}'] / base:.3f}"
+      for a in arms
+      if a != "qwen3"
+    ]
     lines.append(f"| {prog} | " + " | ".join(cells + ratios) + " |")
   for a in arms:
-    lines.append(f"\nThe LM head's share of the {a} forward pass: "
-                 f"{1 - t[f'trunk/{a}'] / t[f'forward/{a}']:.0%} (1 - trunk / forward).")
+    lines.append(
+      f"\nThe LM head's share of the {a} forward pass: "
+      f"{1 - t[f'trunk/{a}'] / t[f'forward/{a}']:.0%} (1 - trunk / forward)."
+    )
   report(lines, args.out)
 
 

@@ -13,8 +13,8 @@ def get_config(arg=None):
   del arg
   c = common.get_config()
   c.rollout.samples_per_prompt = 4
-  c.rl.advantage = 'group'
-  c.rl.policy_loss = 'ppo_clip'
+  c.rl.advantage = "group"
+  c.rl.policy_loss = "ppo_clip"
   c.rl.critic_updates = 0
   c.value_pretrain.steps = 0
   return c

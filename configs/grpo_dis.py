@@ -10,5 +10,5 @@ from configs import grpo
 
 def get_config(arg=None):
   c = grpo.get_config(arg)
-  c.rl.policy_loss = 'dis'
+  c.rl.policy_loss = "dis"
   return c

@@ -10,5 +10,5 @@ from configs import grpo
 
 def get_config(arg=None):
   c = grpo.get_config(arg)
-  c.rl.mode = 'sync'
+  c.rl.mode = "sync"
   return c

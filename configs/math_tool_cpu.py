@@ -23,7 +23,6 @@ What SFT and RL give over seeds: benchmarks/RESULTS.md#learning-on-cpu.
 
 from configs import math_tool_tiny
 
-
 # The curriculum: the shipped set's word problems whose code takes the
 # question's small numbers in order (math_problems.py: change, savings,
 # power; sharing, a third of whose solutions take two tool calls), in

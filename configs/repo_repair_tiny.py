@@ -23,8 +23,12 @@ def get_config(arg=None):
   del arg
   c = common.get_config()
   c.env.name = "repo_repair"
-  c.env.kwargs = {"max_turns": 6, "bash_seconds": 5.0, "test_seconds": 20.0,
-                  "max_output_chars": 1000}
+  c.env.kwargs = {
+    "max_turns": 6,
+    "bash_seconds": 5.0,
+    "test_seconds": 20.0,
+    "max_output_chars": 1000,
+  }
   c.env.tokenizer = "qwen3"
   c.env.chat_format = "qwen3"
   c.env.thinking = False

@@ -12,7 +12,7 @@ from configs import common
 def get_config(arg=None):
   del arg
   c = common.get_config()
-  c.rl.advantage = 'running_mean'
+  c.rl.advantage = "running_mean"
   c.rl.critic_updates = 0
   c.value_pretrain.steps = 0
   return c

@@ -54,9 +54,16 @@ from configs import common
 # a chip), the standard expert-parallel layout: the MoE dispatches each
 # chip's own tokens (models/moe.py), and no chip repeats another's work.
 POD_RULES = (
-    ("batch", ("data", "fsdp", "expert")), ("length", None), ("embed", "fsdp"),
-    ("vocab", "tensor"), ("heads", "tensor"), ("kv_heads", None), ("head_dim", None),
-    ("mlp", "tensor"), ("expert", "expert"), ("layers", None),
+  ("batch", ("data", "fsdp", "expert")),
+  ("length", None),
+  ("embed", "fsdp"),
+  ("vocab", "tensor"),
+  ("heads", "tensor"),
+  ("kv_heads", None),
+  ("head_dim", None),
+  ("mlp", "tensor"),
+  ("expert", "expert"),
+  ("layers", None),
 )
 
 
@@ -99,8 +106,9 @@ def get_config(arg=None):
   # admission waits for pages, it never fails. A reference, so it follows max_len (sao_moe_128k).
   c.rollout.kv_cache = "paged"
   c.rollout.page_size = 128
-  c.rollout.kv_pages = (c.rollout.get_ref("slots") * c.rollout.get_ref("max_len")
-                        // c.rollout.get_ref("page_size") // 2)
+  c.rollout.kv_pages = (
+    c.rollout.get_ref("slots") * c.rollout.get_ref("max_len") // c.rollout.get_ref("page_size") // 2
+  )
   c.rollout.queue_size = 1024
   c.value_pretrain.steps = 100
   c.value_pretrain.num_trajectories = 4096

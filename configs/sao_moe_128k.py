@@ -28,8 +28,9 @@ benchmarks/RESULTS.md#pods-compile-and-fit.
 from configs import sao_moe
 
 CONTEXT = 131_072
-RULES_128K = tuple(("length", "context") if name == "length" else (name, axes)
-                   for name, axes in sao_moe.POD_RULES)
+RULES_128K = tuple(
+  ("length", "context") if name == "length" else (name, axes) for name, axes in sao_moe.POD_RULES
+)
 
 
 def get_config(arg=None):

@@ -45,9 +45,14 @@ MAX_TURNS = 300
 def get_config(arg=None):
   c = sao_moe_128k.get_config(arg)
   c.env.name = "repo_repair"
-  c.env.kwargs = {"path": "/data/swe_train.jsonl", "heldout_path": "/data/swe_heldout.jsonl",
-                  "max_turns": MAX_TURNS, "bash_seconds": 30.0, "test_seconds": 120.0,
-                  "max_output_chars": 16384}
+  c.env.kwargs = {
+    "path": "/data/swe_train.jsonl",
+    "heldout_path": "/data/swe_heldout.jsonl",
+    "max_turns": MAX_TURNS,
+    "bash_seconds": 30.0,
+    "test_seconds": 120.0,
+    "max_output_chars": 16384,
+  }
   # A turn's tools (30 s, sao_moe's) plus the grading run (120 s) < 180 s.
   c.rollout.env_timeout = 180.0
   # The paper's context: 300 turns in 131,072 tokens (sao_moe_128k's max_len).

@@ -18,11 +18,11 @@ from configs import common
 def get_config(arg=None):
   del arg
   c = common.get_config()
-  c.env.name = 'online_style'
+  c.env.name = "online_style"
   # Training episodes per preferred style; the reward of a well-formed line
   # in another style (0: none; experiments/README.md's "online, with partial
   # credit" run sets 0.2 and 640 episodes a style).
-  c.env.kwargs = {'switch_every': 320, 'quality_credit': 0.0}
+  c.env.kwargs = {"switch_every": 320, "quality_credit": 0.0}
   # A line is up to ~40 characters of the character vocabulary.
   c.rollout.max_turn_tokens = 48
   c.rollout.max_len = 128

@@ -44,9 +44,16 @@ from configs import common
 
 # FSDP over the host's chips; heads, MLP and vocabulary unsplit ("tensor" 1).
 RULES = (
-    ("batch", ("data", "fsdp")), ("length", None), ("embed", "fsdp"), ("vocab", "tensor"),
-    ("heads", "tensor"), ("kv_heads", None), ("head_dim", None), ("mlp", "tensor"),
-    ("expert", None), ("layers", None),
+  ("batch", ("data", "fsdp")),
+  ("length", None),
+  ("embed", "fsdp"),
+  ("vocab", "tensor"),
+  ("heads", "tensor"),
+  ("kv_heads", None),
+  ("head_dim", None),
+  ("mlp", "tensor"),
+  ("expert", None),
+  ("layers", None),
 )
 
 
@@ -77,8 +84,9 @@ def get_config(arg=None):
   # A paged pool of half the dense cache's positions (pages of 128).
   c.rollout.kv_cache = "paged"
   c.rollout.page_size = 128
-  c.rollout.kv_pages = (c.rollout.get_ref("slots") * c.rollout.get_ref("max_len")
-                        // c.rollout.get_ref("page_size") // 2)
+  c.rollout.kv_pages = (
+    c.rollout.get_ref("slots") * c.rollout.get_ref("max_len") // c.rollout.get_ref("page_size") // 2
+  )
   c.value_pretrain.steps = 50
   c.value_pretrain.num_trajectories = 512
   # Rollout hosts feed the trainer (launch/rollout.py); one trainer process.

@@ -12,5 +12,5 @@ from configs import common
 def get_config(arg=None):
   del arg
   c = common.get_config()
-  c.rl.advantage = 'step_gae_mean'
+  c.rl.advantage = "step_gae_mean"
   return c

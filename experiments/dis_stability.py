@@ -98,68 +98,99 @@ import sys
 
 import numpy as np
 
-from experiments import runner
-from experiments import stability
-from experiments import stats
+from experiments import runner, stability, stats
 
 COLLAPSE_FRACTION = stats.COLLAPSE_FRACTION
 REFERENCE = "grpo_sync"
 
 # (name stem, overrides, label) of the async SAO arms, run at each queue.
 ASYNC_ARMS = (
-    ("dis", {"rl.policy_loss": "dis", "rl.eps_low": 0.2, "rl.eps_high": 0.28},
-     "DIS (0.2, 0.28)"),
-    ("ppo", {"rl.policy_loss": "ppo_clip", "rl.eps_low": 0.2, "rl.eps_high": 0.28},
-     "PPO clip (0.2, 0.28)"),
-    ("dis_wide", {"rl.policy_loss": "dis", "rl.eps_low": 0.5, "rl.eps_high": 4.0},
-     "DIS (0.5, 4.0)"),
-    ("dis_narrow", {"rl.policy_loss": "dis", "rl.eps_low": 0.1, "rl.eps_high": 0.1},
-     "DIS (0.1, 0.1)"),
-    # The k3 / token-mean penalty and the two-sided CISPO clip these arms ran
-    # (before `dis_rollout_kl` defaulted to SkyRL's k2 / sequence mean and
-    # `cispo` became MiniMax-M1's upper clip), named so their runs reproduce.
-    ("dis_kl", {"rl.policy_loss": "dis_rollout_kl", "rl.eps_low": 0.2, "rl.eps_high": 0.28,
-                "rl.rollout_kl_coef": 0.1, "rl.rollout_kl_estimator": "k3",
-                "rl.rollout_kl_reduction": "token"}, "DIS + rollout KL 0.1 (k3, token mean)"),
-    ("cispo", {"rl.policy_loss": "cispo_two_sided", "rl.eps_low": 0.2, "rl.eps_high": 0.28},
-     "CISPO, two-sided clip (0.2, 0.28)"),
+  ("dis", {"rl.policy_loss": "dis", "rl.eps_low": 0.2, "rl.eps_high": 0.28}, "DIS (0.2, 0.28)"),
+  (
+    "ppo",
+    {"rl.policy_loss": "ppo_clip", "rl.eps_low": 0.2, "rl.eps_high": 0.28},
+    "PPO clip (0.2, 0.28)",
+  ),
+  ("dis_wide", {"rl.policy_loss": "dis", "rl.eps_low": 0.5, "rl.eps_high": 4.0}, "DIS (0.5, 4.0)"),
+  (
+    "dis_narrow",
+    {"rl.policy_loss": "dis", "rl.eps_low": 0.1, "rl.eps_high": 0.1},
+    "DIS (0.1, 0.1)",
+  ),
+  # The k3 / token-mean penalty and the two-sided CISPO clip these arms ran
+  # (before `dis_rollout_kl` defaulted to SkyRL's k2 / sequence mean and
+  # `cispo` became MiniMax-M1's upper clip), named so their runs reproduce.
+  (
+    "dis_kl",
+    {
+      "rl.policy_loss": "dis_rollout_kl",
+      "rl.eps_low": 0.2,
+      "rl.eps_high": 0.28,
+      "rl.rollout_kl_coef": 0.1,
+      "rl.rollout_kl_estimator": "k3",
+      "rl.rollout_kl_reduction": "token",
+    },
+    "DIS + rollout KL 0.1 (k3, token mean)",
+  ),
+  (
+    "cispo",
+    {"rl.policy_loss": "cispo_two_sided", "rl.eps_low": 0.2, "rl.eps_high": 0.28},
+    "CISPO, two-sided clip (0.2, 0.28)",
+  ),
 )
 
 
 # The two lag settings each async arm runs at: (suffix, overrides, label).
 LAGS = {
-    "q64": ({"rollout.queue_size": 64}, "queue 64"),
-    "stale": ({"rollout.queue_size": 64, **stability.STALE}, "forced lag (48 slots, sync every 4)"),
+  "q64": ({"rollout.queue_size": 64}, "queue 64"),
+  "stale": ({"rollout.queue_size": 64, **stability.STALE}, "forced lag (48 slots, sync every 4)"),
 }
 
 
 def _async_arm(stem: str, lag: str) -> runner.Arm:
   overrides, label = next((o, l) for s, o, l in ASYNC_ARMS if s == stem)
   lag_overrides, lag_label = LAGS[lag]
-  return runner.Arm(f"{stem}_{lag}", "sao_dis", {**overrides, **lag_overrides},
-                    label=f"async SAO, {label}, {lag_label}")
+  return runner.Arm(
+    f"{stem}_{lag}",
+    "sao_dis",
+    {**overrides, **lag_overrides},
+    label=f"async SAO, {label}, {lag_label}",
+  )
 
 
 ARMS = (
-    runner.Arm("sao_sync", "sao_sync", label="sync SAO (on-policy: DIS = PPO clip = PG)"),
-    *(_async_arm(s, "q64") for s in ("dis", "ppo")),
-    *(_async_arm(s, "stale") for s in ("dis", "ppo", "dis_wide")),
-    runner.Arm(REFERENCE, "grpo_sync", label="sync GRPO G=4"),
-    *(_async_arm(s, "q64") for s in ("dis_wide", "dis_narrow", "dis_kl", "cispo")),
-    *(_async_arm(s, "stale") for s in ("dis_narrow", "dis_kl", "cispo")),
+  runner.Arm("sao_sync", "sao_sync", label="sync SAO (on-policy: DIS = PPO clip = PG)"),
+  *(_async_arm(s, "q64") for s in ("dis", "ppo")),
+  *(_async_arm(s, "stale") for s in ("dis", "ppo", "dis_wide")),
+  runner.Arm(REFERENCE, "grpo_sync", label="sync GRPO G=4"),
+  *(_async_arm(s, "q64") for s in ("dis_wide", "dis_narrow", "dis_kl", "cispo")),
+  *(_async_arm(s, "stale") for s in ("dis_narrow", "dis_kl", "cispo")),
 )
 
 # Pairs of arms whose collapse counts are compared (Fisher's exact test).
-CONTRASTS = (("dis_q64", "ppo_q64"), ("dis_q64", "sao_sync"), ("ppo_q64", "sao_sync"),
-             ("dis_q64", "dis_wide_q64"), ("dis_q64", "dis_narrow_q64"),
-             ("dis_q64", "dis_kl_q64"), ("dis_q64", "cispo_q64"), ("dis_q64", "dis_stale"),
-             ("dis_stale", "ppo_stale"), ("dis_stale", "dis_wide_stale"),
-             ("dis_stale", "dis_kl_stale"), ("dis_stale", "cispo_stale"),
-             ("dis_stale", "sao_sync"))
+CONTRASTS = (
+  ("dis_q64", "ppo_q64"),
+  ("dis_q64", "sao_sync"),
+  ("ppo_q64", "sao_sync"),
+  ("dis_q64", "dis_wide_q64"),
+  ("dis_q64", "dis_narrow_q64"),
+  ("dis_q64", "dis_kl_q64"),
+  ("dis_q64", "cispo_q64"),
+  ("dis_q64", "dis_stale"),
+  ("dis_stale", "ppo_stale"),
+  ("dis_stale", "dis_wide_stale"),
+  ("dis_stale", "dis_kl_stale"),
+  ("dis_stale", "cispo_stale"),
+  ("dis_stale", "sao_sync"),
+)
 
 # Logged per step, summarised per arm (besides the per-bucket ones below).
-DIAGNOSTICS = ("policy/approx_kl", "dis/outside_frac", "dis/corrective_token_frac",
-               "dis/corrective_mass_frac")
+DIAGNOSTICS = (
+  "policy/approx_kl",
+  "dis/outside_frac",
+  "dis/corrective_token_frac",
+  "dis/corrective_mass_frac",
+)
 # Per lag bucket (`dis/<key>_<bucket>`).
 BUCKET_DIAGNOSTICS = ("ratio_q01", "ratio_q99", "approx_kl")
 
@@ -183,12 +214,15 @@ def _summary(per_run: list[list[float]]) -> dict | None:
   per_run = [v for v in per_run if v]
   if not per_run:
     return None
-  return {"mean": float(np.mean([np.mean(v) for v in per_run])),
-          "max": float(np.mean([np.max(v) for v in per_run]))}
+  return {
+    "mean": float(np.mean([np.mean(v) for v in per_run])),
+    "max": float(np.mean([np.max(v) for v in per_run])),
+  }
 
 
 def _bucket_names() -> list[str]:
-  from sao_jax.train import train_step  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import train_step
+
   return [train_step.lag_bucket_name(lo, hi) for lo, hi in train_step.LAG_BUCKETS]
 
 
@@ -223,22 +257,27 @@ def lag_diagnostics(by_seed: dict) -> dict:
 
 def markdown(by_arm: dict, reference: str, reference_label: str) -> str:
   """The collapse-rate table of `collapse_rates`' per-arm records."""
-  lines = [f"Collapse: final pass@1 < {COLLAPSE_FRACTION:g} x the seed's SFT pass@1. "
-           "95% CI: exact (Clopper-Pearson) for the rate; Student t over paired seeds (the "
-           f"percentile bootstrap beside it), with the exact sign-flip p, for the difference "
-           f"to {reference_label}.", "",
-           "| arm | runs | collapses | rate | 95% CI | final pass@1 (mean ± sd) | "
-           f"minus {reference_label} [95% t-interval; bootstrap] p (seeds) | policy lag, mean |",
-           "|---|---|---|---|---|---|---|---|"]
+  lines = [
+    f"Collapse: final pass@1 < {COLLAPSE_FRACTION:g} x the seed's SFT pass@1. "
+    "95% CI: exact (Clopper-Pearson) for the rate; Student t over paired seeds (the "
+    f"percentile bootstrap beside it), with the exact sign-flip p, for the difference "
+    f"to {reference_label}.",
+    "",
+    "| arm | runs | collapses | rate | 95% CI | final pass@1 (mean ± sd) | "
+    f"minus {reference_label} [95% t-interval; bootstrap] p (seeds) | policy lag, mean |",
+    "|---|---|---|---|---|---|---|---|",
+  ]
   for rec in by_arm.values():
     lo, hi = rec["ci95"]
     f = rec["final_pass@1"]
     diff = "reference" if rec["arm"] == reference else stats.fmt_paired(rec["vs_reference"])
     lag = "-" if rec["lag_mean"] is None else f"{rec['lag_mean']:.2f}"
     rate = "-" if rec["rate"] is None else f"{rec['rate']:.0%}"
-    lines.append(f"| {rec['label']} | {rec['runs']} | {rec['collapses']} | "
-                 f"{rate} | [{lo:.2f}, {hi:.2f}] | {f['mean']:.3f} ± {f['std']:.3f} | "
-                 f"{diff} | {lag} |")
+    lines.append(
+      f"| {rec['label']} | {rec['runs']} | {rec['collapses']} | "
+      f"{rate} | [{lo:.2f}, {hi:.2f}] | {f['mean']:.3f} ± {f['std']:.3f} | "
+      f"{diff} | {lag} |"
+    )
   return "\n".join(lines)
 
 
@@ -256,41 +295,72 @@ def collapse_rates(finding, runs):
     finals = np.array([by_seed[s]["final_pass@1"] for s in seeds], np.float64)
     lags = _finite(by_seed[s].get("lag_mean") for s in seeds)
     by_arm[arm.name] = {
-        "arm": arm.name, "label": arm.title, "runs": n, "collapses": k,
-        "rate": k / n if n else None,
-        "ci95": list(clopper_pearson(k, n)),
-        "collapsed_seeds": [s for s in seeds if flags.get(s)],
-        "final_over_sft": {s: (by_seed[s]["final_pass@1"] / by_seed[s]["sft_pass@1"]
-                               if by_seed[s].get("sft_pass@1") else None) for s in seeds},
-        "final_pass@1": {"mean": float(finals.mean()),
-                         "std": float(finals.std(ddof=1)) if len(seeds) > 1 else 0.0},
-        "vs_reference": (None if arm.name == finding.reference
-                         else runner.paired_difference(by_seed, reference)),
-        "lag_mean": float(np.mean(lags)) if lags else None,
-        "lag_diagnostics": lag_diagnostics(by_seed),
+      "arm": arm.name,
+      "label": arm.title,
+      "runs": n,
+      "collapses": k,
+      "rate": k / n if n else None,
+      "ci95": list(clopper_pearson(k, n)),
+      "collapsed_seeds": [s for s in seeds if flags.get(s)],
+      "final_over_sft": {
+        s: (
+          by_seed[s]["final_pass@1"] / by_seed[s]["sft_pass@1"]
+          if by_seed[s].get("sft_pass@1")
+          else None
+        )
+        for s in seeds
+      },
+      "final_pass@1": {
+        "mean": float(finals.mean()),
+        "std": float(finals.std(ddof=1)) if len(seeds) > 1 else 0.0,
+      },
+      "vs_reference": (
+        None if arm.name == finding.reference else runner.paired_difference(by_seed, reference)
+      ),
+      "lag_mean": float(np.mean(lags)) if lags else None,
+      "lag_diagnostics": lag_diagnostics(by_seed),
     }
   contrasts = {}
   for a, b in CONTRASTS:
     if a in by_arm and b in by_arm:
-      ka, na, kb, nb = (by_arm[a]["collapses"], by_arm[a]["runs"], by_arm[b]["collapses"],
-                        by_arm[b]["runs"])
+      ka, na, kb, nb = (
+        by_arm[a]["collapses"],
+        by_arm[a]["runs"],
+        by_arm[b]["collapses"],
+        by_arm[b]["runs"],
+      )
       p = stats.fisher_exact_p(ka, na, kb, nb)
-      contrasts[f"{a}_vs_{b}"] = {"collapses": [ka, kb], "runs": [na, nb],
-                                  "fisher_p": float(p)}
-  return {"collapse_criterion": f"final_pass@1 < {COLLAPSE_FRACTION:g} x sft_pass@1",
-          "reference": finding.reference, "by_arm": by_arm, "contrasts": contrasts,
-          "markdown": markdown(by_arm, finding.reference, finding.arm(finding.reference).title)}
+      contrasts[f"{a}_vs_{b}"] = {"collapses": [ka, kb], "runs": [na, nb], "fisher_p": float(p)}
+  return {
+    "collapse_criterion": f"final_pass@1 < {COLLAPSE_FRACTION:g} x sft_pass@1",
+    "reference": finding.reference,
+    "by_arm": by_arm,
+    "contrasts": contrasts,
+    "markdown": markdown(by_arm, finding.reference, finding.arm(finding.reference).title),
+  }
 
 
 FINDING = runner.Finding(
-    name="dis_stability",
-    claim=("DIS (the project's window 0.2 / 0.28) collapses async SAO under policy lag where PPO "
-           "clip does not; sync SAO (on-policy, DIS = PPO = PG) is the control, wider / "
-           "narrower windows, a rollout-KL penalty and two-sided CISPO the candidate fixes."),
-    arms=ARMS, reference=REFERENCE, seeds=8, budget_steps=150,
-    curves=("rollout/reward_mean", "policy_lag/mean", "policy/approx_kl", "dis/outside_frac",
-            "dis/corrective_mass_frac", "rollout/length_mean"),
-    analyze=collapse_rates)
+  name="dis_stability",
+  claim=(
+    "DIS (the project's window 0.2 / 0.28) collapses async SAO under policy lag where PPO "
+    "clip does not; sync SAO (on-policy, DIS = PPO = PG) is the control, wider / "
+    "narrower windows, a rollout-KL penalty and two-sided CISPO the candidate fixes."
+  ),
+  arms=ARMS,
+  reference=REFERENCE,
+  seeds=8,
+  budget_steps=150,
+  curves=(
+    "rollout/reward_mean",
+    "policy_lag/mean",
+    "policy/approx_kl",
+    "dis/outside_frac",
+    "dis/corrective_mass_frac",
+    "rollout/length_mean",
+  ),
+  analyze=collapse_rates,
+)
 
 if __name__ == "__main__":
   runner.main(FINDING, sys.argv[1:])

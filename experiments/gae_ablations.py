@@ -17,17 +17,22 @@ import sys
 from experiments import runner
 
 FINDING = runner.Finding(
-    name="gae_ablations",
-    claim=("Token-level GAE that skips observation tokens beats naive token-level and "
-           "step-level (mean / last token) GAE (paper: 89.8 vs 85.8 / 87.3 on AIME25)."),
-    arms=(
-        runner.Arm("skip_obs", "sao_dis", label="skip-observation GAE (SAO)"),
-        runner.Arm("token_gae", "sao_token_gae", label="token GAE (critic on its span)"),
-        runner.Arm("step_mean", "sao_step_gae_mean", label="step GAE, mean"),
-        runner.Arm("step_last", "sao_step_gae_last", label="step GAE, last token"),
-    ),
-    reference="skip_obs", seeds=3, budget_steps=400,
-    curves=("rollout/reward_mean", "critic/explained_variance"))
+  name="gae_ablations",
+  claim=(
+    "Token-level GAE that skips observation tokens beats naive token-level and "
+    "step-level (mean / last token) GAE (paper: 89.8 vs 85.8 / 87.3 on AIME25)."
+  ),
+  arms=(
+    runner.Arm("skip_obs", "sao_dis", label="skip-observation GAE (SAO)"),
+    runner.Arm("token_gae", "sao_token_gae", label="token GAE (critic on its span)"),
+    runner.Arm("step_mean", "sao_step_gae_mean", label="step GAE, mean"),
+    runner.Arm("step_last", "sao_step_gae_last", label="step GAE, last token"),
+  ),
+  reference="skip_obs",
+  seeds=3,
+  budget_steps=400,
+  curves=("rollout/reward_mean", "critic/explained_variance"),
+)
 
 if __name__ == "__main__":
   runner.main(FINDING, sys.argv[1:])

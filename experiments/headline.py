@@ -44,40 +44,52 @@ def reward_by_quarter(finding, runs):
       q = [float(part.mean()) for part in np.array_split(y, 4)]
       quarters[seed], late_rise[seed] = q, q[3] - q[2]
     if quarters:
-      out[arm] = {"reward_by_quarter": quarters, "last_minus_third_quarter": late_rise,
-                  "mean_last_minus_third": float(np.mean(list(late_rise.values())))}
+      out[arm] = {
+        "reward_by_quarter": quarters,
+        "last_minus_third_quarter": late_rise,
+        "mean_last_minus_third": float(np.mean(list(late_rise.values()))),
+      }
   return {"training_reward_by_quarter": out}
 
 
 ARMS = (
-    runner.Arm("sao", "sao_dis", label="SAO"),
-    # SAO's critic updates make its train step slower than GRPO's, so with the
-    # default 64-trajectory queue its rollouts run further ahead than GRPO's
-    # (their lags: experiments/README.md). One batch of read-ahead bounds it.
-    runner.Arm("sao_q16", "sao_dis", {"rollout.queue_size": 16},
-               label="SAO, queue of one batch"),
-    # SAO with PPO's clipped surrogate in place of DIS: everything else SAO's.
-    # Separates DIS from the rest of SAO where SAO runs collapse.
-    runner.Arm("sao_ppo", "sao_dis", {"rl.policy_loss": "ppo_clip"},
-               label="SAO with PPO clip (no DIS)"),
-    runner.Arm("grpo", "grpo", label="async GRPO (PPO clip)"),
-    runner.Arm("grpo_dis", "grpo_dis", label="async GRPO + DIS"),
-    runner.Arm("grpo_sync", "grpo_sync", label="sync GRPO G=4"),
-    runner.Arm("grpo_sync_g8", "grpo_sync", {"rollout.samples_per_prompt": 8},
-               label="sync GRPO G=8"),
-    # GRPO without its per-group std rescaling (R - mean_G, reward units like
-    # SAO's advantages): separates "group baseline" from "group rescaling".
-    runner.Arm("grpo_dis_nostd", "grpo_dis", {"rl.group_std_normalize": False},
-               label="async GRPO + DIS, no std"),
+  runner.Arm("sao", "sao_dis", label="SAO"),
+  # SAO's critic updates make its train step slower than GRPO's, so with the
+  # default 64-trajectory queue its rollouts run further ahead than GRPO's
+  # (their lags: experiments/README.md). One batch of read-ahead bounds it.
+  runner.Arm("sao_q16", "sao_dis", {"rollout.queue_size": 16}, label="SAO, queue of one batch"),
+  # SAO with PPO's clipped surrogate in place of DIS: everything else SAO's.
+  # Separates DIS from the rest of SAO where SAO runs collapse.
+  runner.Arm(
+    "sao_ppo", "sao_dis", {"rl.policy_loss": "ppo_clip"}, label="SAO with PPO clip (no DIS)"
+  ),
+  runner.Arm("grpo", "grpo", label="async GRPO (PPO clip)"),
+  runner.Arm("grpo_dis", "grpo_dis", label="async GRPO + DIS"),
+  runner.Arm("grpo_sync", "grpo_sync", label="sync GRPO G=4"),
+  runner.Arm("grpo_sync_g8", "grpo_sync", {"rollout.samples_per_prompt": 8}, label="sync GRPO G=8"),
+  # GRPO without its per-group std rescaling (R - mean_G, reward units like
+  # SAO's advantages): separates "group baseline" from "group rescaling".
+  runner.Arm(
+    "grpo_dis_nostd",
+    "grpo_dis",
+    {"rl.group_std_normalize": False},
+    label="async GRPO + DIS, no std",
+  ),
 )
 
 FINDING = runner.Finding(
-    name="headline",
-    claim=("SAO (single rollout, value baseline, DIS, async) beats GRPO from the same SFT "
-           "start at the same budget (paper: 97.3 vs 84.2 on AIME25, SFT 80.4)."),
-    arms=ARMS, reference="sao", seeds=5, budget_steps=600,
-    curves=("rollout/reward_mean", "policy_lag/mean", "policy/masked_low_frac"),
-    analyze=reward_by_quarter)
+  name="headline",
+  claim=(
+    "SAO (single rollout, value baseline, DIS, async) beats GRPO from the same SFT "
+    "start at the same budget (paper: 97.3 vs 84.2 on AIME25, SFT 80.4)."
+  ),
+  arms=ARMS,
+  reference="sao",
+  seeds=5,
+  budget_steps=600,
+  curves=("rollout/reward_mean", "policy_lag/mean", "policy/masked_low_frac"),
+  analyze=reward_by_quarter,
+)
 
 if __name__ == "__main__":
   runner.main(FINDING, sys.argv[1:])

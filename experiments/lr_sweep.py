@@ -23,8 +23,7 @@ import sys
 
 import numpy as np
 
-from experiments import runner
-from experiments import stats
+from experiments import runner, stats
 
 # configs/common.py's rl.actor_lr, which every other finding runs at.
 DEFAULT_LR = 3e-4
@@ -40,9 +39,12 @@ def arm_name(family: str, lr: float) -> str:
 # Added after SAO (DIS) collapsed at lr 1e-3 in its first two seeds: the
 # same lr with PPO's clipped surrogate, everything else SAO's. Paired with
 # SAO at that lr, it says whether the collapse is DIS's or the step size's.
-DIAGNOSTIC = runner.Arm("sao_ppo_lr1e-03", "sao_dis",
-                        {"rl.policy_loss": "ppo_clip", "rl.actor_lr": 1e-3},
-                        label="SAO with PPO clip, lr 1e-03")
+DIAGNOSTIC = runner.Arm(
+  "sao_ppo_lr1e-03",
+  "sao_dis",
+  {"rl.policy_loss": "ppo_clip", "rl.actor_lr": 1e-3},
+  label="SAO with PPO clip, lr 1e-03",
+)
 PAIRS = (("sao_ppo_lr1e-03", "sao_lr1e-03"),)
 
 
@@ -58,10 +60,12 @@ def best_lr_comparison(finding, runs):
       if seeds:
         means[lr] = float(np.mean([r["final_pass@1"] for r in seeds.values()]))
         by_lr[f"{lr:g}"] = {
-            "arm": arm_name(family, lr), "mean_final": means[lr],
-            # The one collapse rule (experiments/stats.py).
-            "collapsed": sum(bool(stats.collapsed(r)) for r in seeds.values()),
-            "seeds": len(seeds)}
+          "arm": arm_name(family, lr),
+          "mean_final": means[lr],
+          # The one collapse rule (experiments/stats.py).
+          "collapsed": sum(bool(stats.collapsed(r)) for r in seeds.values()),
+          "seeds": len(seeds),
+        }
     if means:
       top = max(means, key=means.get)
       best[family] = arm_name(family, top)
@@ -76,16 +80,28 @@ def best_lr_comparison(finding, runs):
 
 
 FINDING = runner.Finding(
-    name="lr_sweep",
-    claim=("SAO's advantage over GRPO (or its absence) is not an artefact of one shared, "
-           "untuned actor learning rate."),
-    arms=tuple(
-        runner.Arm(arm_name(family, lr), config, {} if lr == DEFAULT_LR else {"rl.actor_lr": lr},
-                   label=f"{label}, lr {lr:.0e}")
-        for family, config, label in FAMILIES for lr in LRS) + (DIAGNOSTIC,),
-    reference="sao", seeds=3, budget_steps=150,
-    curves=("rollout/reward_mean", "policy/approx_kl", "rollout/length_mean"),
-    analyze=best_lr_comparison)
+  name="lr_sweep",
+  claim=(
+    "SAO's advantage over GRPO (or its absence) is not an artefact of one shared, "
+    "untuned actor learning rate."
+  ),
+  arms=tuple(
+    runner.Arm(
+      arm_name(family, lr),
+      config,
+      {} if lr == DEFAULT_LR else {"rl.actor_lr": lr},
+      label=f"{label}, lr {lr:.0e}",
+    )
+    for family, config, label in FAMILIES
+    for lr in LRS
+  )
+  + (DIAGNOSTIC,),
+  reference="sao",
+  seeds=3,
+  budget_steps=150,
+  curves=("rollout/reward_mean", "policy/approx_kl", "rollout/length_mean"),
+  analyze=best_lr_comparison,
+)
 
 if __name__ == "__main__":
   runner.main(FINDING, sys.argv[1:])

@@ -24,8 +24,7 @@ from experiments import runner
 NO_CRITIC = {"rl.critic_updates": 0, "value_pretrain.steps": 0}
 
 
-def steps_to_recover(finding, runs, fraction: float = 0.8, window: int = 5,
-                     min_level: float = 0.2):
+def steps_to_recover(finding, runs, fraction: float = 0.8, window: int = 5, min_level: float = 0.2):
   """Per arm: how the training reward fares after each shift of the preferred style.
 
   The curve is the share of training episodes with the full reward
@@ -43,8 +42,9 @@ def steps_to_recover(finding, runs, fraction: float = 0.8, window: int = 5,
   """
   out = {}
   for arm, by_seed in runs.items():
-    arm_config = runner.load_config(finding.arm(arm).config, {**finding.overrides,
-                                                              **finding.arm(arm).overrides})
+    arm_config = runner.load_config(
+      finding.arm(arm).config, {**finding.overrides, **finding.arm(arm).overrides}
+    )
     per_seed, after_first = {}, {}
     for seed, rec in by_seed.items():
       config = rec.get("config") or arm_config.to_dict()
@@ -69,35 +69,49 @@ def steps_to_recover(finding, runs, fraction: float = 0.8, window: int = 5,
       per_seed[seed] = rec_steps
     done = [x for v in per_seed.values() for x in v if x is not None]
     late_means = [v for v in after_first.values() if v is not None]
-    out[arm] = {"per_seed": per_seed,
-                "shifts_assessable": sum(len(v) for v in per_seed.values()),
-                "shifts_not_recovered": sum(x is None for v in per_seed.values() for x in v),
-                "mean_steps_to_recover": float(np.mean(done)) if done else None,
-                "reward_after_first_shift": after_first,
-                "mean_reward_after_first_shift": float(np.mean(late_means))
-                if late_means else None}
+    out[arm] = {
+      "per_seed": per_seed,
+      "shifts_assessable": sum(len(v) for v in per_seed.values()),
+      "shifts_not_recovered": sum(x is None for v in per_seed.values() for x in v),
+      "mean_steps_to_recover": float(np.mean(done)) if done else None,
+      "reward_after_first_shift": after_first,
+      "mean_reward_after_first_shift": float(np.mean(late_means)) if late_means else None,
+    }
   return {"steps_to_recover_80pct": out}
 
 
 FINDING = runner.Finding(
-    name="online",
-    claim=("With shifting reward preferences SAO recovers after each shift faster than a "
-           "running-mean baseline (paper's online-learning simulation)."),
-    arms=(
-        runner.Arm("sao", "sao_online", label="SAO"),
-        # Added after the headline's DIS collapses (experiments/README.md): SAO
-        # with PPO's clipped surrogate in place of DIS, nothing else changed.
-        runner.Arm("sao_ppo", "sao_online", {"rl.policy_loss": "ppo_clip"},
-                   label="SAO with PPO clip (no DIS)"),
-        runner.Arm("running_mean", "sao_online", {"rl.advantage": "running_mean", **NO_CRITIC},
-                   label="running-mean baseline"),
-        runner.Arm("grpo_dis", "sao_online",
-                   {"rl.advantage": "group", "rollout.samples_per_prompt": 4, **NO_CRITIC},
-                   label="async GRPO + DIS (G=4)"),
+  name="online",
+  claim=(
+    "With shifting reward preferences SAO recovers after each shift faster than a "
+    "running-mean baseline (paper's online-learning simulation)."
+  ),
+  arms=(
+    runner.Arm("sao", "sao_online", label="SAO"),
+    # Added after the headline's DIS collapses (experiments/README.md): SAO
+    # with PPO's clipped surrogate in place of DIS, nothing else changed.
+    runner.Arm(
+      "sao_ppo", "sao_online", {"rl.policy_loss": "ppo_clip"}, label="SAO with PPO clip (no DIS)"
     ),
-    reference="sao", seeds=3, budget_steps=240,
-    curves=("rollout/success_frac", "rollout/reward_mean", "critic/explained_variance"),
-    analyze=steps_to_recover)
+    runner.Arm(
+      "running_mean",
+      "sao_online",
+      {"rl.advantage": "running_mean", **NO_CRITIC},
+      label="running-mean baseline",
+    ),
+    runner.Arm(
+      "grpo_dis",
+      "sao_online",
+      {"rl.advantage": "group", "rollout.samples_per_prompt": 4, **NO_CRITIC},
+      label="async GRPO + DIS (G=4)",
+    ),
+  ),
+  reference="sao",
+  seeds=3,
+  budget_steps=240,
+  curves=("rollout/success_frac", "rollout/reward_mean", "critic/explained_variance"),
+  analyze=steps_to_recover,
+)
 
 if __name__ == "__main__":
   runner.main(FINDING, sys.argv[1:])

@@ -21,15 +21,14 @@ of wall time, and vllm minus jax paired by seed.
 
 import sys
 
-from experiments import runner
-from experiments import stats
+from experiments import runner, stats
 
 REFERENCE = "jax"
 ARMS = (
-    runner.Arm(REFERENCE, "sao_tiny", {"rollout.backend": "jax"},
-               label="the project's engine (default)"),
-    runner.Arm("vllm", "sao_tiny", {"rollout.backend": "vllm"},
-               label="vLLM-CPU server"),
+  runner.Arm(
+    REFERENCE, "sao_tiny", {"rollout.backend": "jax"}, label="the project's engine (default)"
+  ),
+  runner.Arm("vllm", "sao_tiny", {"rollout.backend": "vllm"}, label="vLLM-CPU server"),
 )
 
 
@@ -41,36 +40,54 @@ def by_backend(finding, runs):
     if not by_seed:
       continue
     rs = list(by_seed.values())
-    mean = lambda key: sum(r[key] or 0.0 for r in rs) / len(rs)  # noqa: E731
-    tok_s = [r["generated_tokens"] / r["wall_s"] for r in rs
-             if r.get("generated_tokens") and r.get("wall_s")]
-    vs = None if arm.name == REFERENCE else runner.paired_difference(
-        by_seed, runs.get(REFERENCE, {}))
-    record[arm.name] = {"seeds": sorted(by_seed), "sft": mean("sft_pass@1"),
-                        "final": mean("final_pass@1"), "gain": mean("gain"),
-                        "wall_s": mean("wall_s"), "rl_steps": mean("rl_steps"),
-                        "generated_tokens": mean("generated_tokens"),
-                        "tokens_per_wall_s": sum(tok_s) / len(tok_s) if tok_s else None,
-                        "vs_jax": vs}
+    mean = lambda key: sum(r[key] or 0.0 for r in rs) / len(rs)
+    tok_s = [
+      r["generated_tokens"] / r["wall_s"]
+      for r in rs
+      if r.get("generated_tokens") and r.get("wall_s")
+    ]
+    vs = (
+      None if arm.name == REFERENCE else runner.paired_difference(by_seed, runs.get(REFERENCE, {}))
+    )
+    record[arm.name] = {
+      "seeds": sorted(by_seed),
+      "sft": mean("sft_pass@1"),
+      "final": mean("final_pass@1"),
+      "gain": mean("gain"),
+      "wall_s": mean("wall_s"),
+      "rl_steps": mean("rl_steps"),
+      "generated_tokens": mean("generated_tokens"),
+      "tokens_per_wall_s": sum(tok_s) / len(tok_s) if tok_s else None,
+      "vs_jax": vs,
+    }
     e = record[arm.name]
     rate = "-" if e["tokens_per_wall_s"] is None else f"{e['tokens_per_wall_s']:.0f}"
     rows.append(
-        f"| {arm.title} | {len(rs)} | {e['sft']:.3f} | {e['final']:.3f} | {e['gain']:+.3f} | "
-        f"{e['rl_steps']:.0f} | {e['generated_tokens']:.0f} | {e['wall_s']:.0f} | {rate} | "
-        f"{'reference' if vs is None else stats.fmt_paired(vs)} |")
-  head = ("| arm | seeds | SFT pass@1 | final pass@1 | gain | RL steps | generated tokens | "
-          "wall s (value pretraining + RL + evals) | generated tokens / wall s | "
-          "final minus jax (paired) |\n|---|---|---|---|---|---|---|---|---|---|")
+      f"| {arm.title} | {len(rs)} | {e['sft']:.3f} | {e['final']:.3f} | {e['gain']:+.3f} | "
+      f"{e['rl_steps']:.0f} | {e['generated_tokens']:.0f} | {e['wall_s']:.0f} | {rate} | "
+      f"{'reference' if vs is None else stats.fmt_paired(vs)} |"
+    )
+  head = (
+    "| arm | seeds | SFT pass@1 | final pass@1 | gain | RL steps | generated tokens | "
+    "wall s (value pretraining + RL + evals) | generated tokens / wall s | "
+    "final minus jax (paired) |\n|---|---|---|---|---|---|---|---|---|---|"
+  )
   record["markdown"] = head + "\n" + "\n".join(rows)
   return record
 
 
 FINDING = runner.Finding(
-    name="rollout_backend",
-    claim=("The trainer learns the same whichever engine serves its rollout: the project's "
-           "own or a vLLM server fed token ids."),
-    arms=ARMS, reference=REFERENCE, seeds=1, budget_steps=150,
-    analyze=by_backend)
+  name="rollout_backend",
+  claim=(
+    "The trainer learns the same whichever engine serves its rollout: the project's "
+    "own or a vLLM server fed token ids."
+  ),
+  arms=ARMS,
+  reference=REFERENCE,
+  seeds=1,
+  budget_steps=150,
+  analyze=by_backend,
+)
 
 if __name__ == "__main__":
   runner.main(FINDING, sys.argv[1:])

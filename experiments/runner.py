@@ -71,17 +71,34 @@ WORKDIRS = os.path.join(ROOT, "workdirs", "experiments")
 
 # A few steps of everything (CI): the code paths of a full run, not its numbers.
 SMOKE_OVERRIDES = {
-    "sft.steps": 4, "sft.batch_size": 8, "sft.warmup": 1, "value_pretrain.steps": 2,
-    "value_pretrain.num_trajectories": 8, "rl.batch_size": 8, "rl.warmup": 1,
-    "rollout.slots": 8, "eval.num_tasks": 8, "eval.slots": 8, "log_every": 1,
-    "checkpoint.every": 100, "tensorboard": False,
+  "sft.steps": 4,
+  "sft.batch_size": 8,
+  "sft.warmup": 1,
+  "value_pretrain.steps": 2,
+  "value_pretrain.num_trajectories": 8,
+  "rl.batch_size": 8,
+  "rl.warmup": 1,
+  "rollout.slots": 8,
+  "eval.num_tasks": 8,
+  "eval.slots": 8,
+  "log_every": 1,
+  "checkpoint.every": 100,
+  "tensorboard": False,
 }
 SMOKE_BUDGET_STEPS = 3
 
 # Config sections whose fields shape the SFT start or the checkpoint layout:
 # arms equal on these share one SFT run per seed.
-_SFT_KEY_FIELDS = ("seed", "model", "env", "sft", "data", "eval", "sharding",
-                   "rl.freeze_critic_attention")
+_SFT_KEY_FIELDS = (
+  "seed",
+  "model",
+  "env",
+  "sft",
+  "data",
+  "eval",
+  "sharding",
+  "rl.freeze_critic_attention",
+)
 # Inside those sections but not shaping the SFT checkpoint or its
 # evaluation's pass@1: a simulated tool wait only delays environment steps.
 _NOT_SFT_SHAPING = ("env.tool_latency_s",)
@@ -90,6 +107,7 @@ _NOT_SFT_SHAPING = ("env.tool_latency_s",)
 @dataclasses.dataclass(frozen=True)
 class Arm:
   """One way of training: configs/<config>.py with `overrides` (dotted fields)."""
+
   name: str
   config: str
   overrides: dict = dataclasses.field(default_factory=dict)
@@ -103,6 +121,7 @@ class Arm:
 @dataclasses.dataclass(frozen=True)
 class Finding:
   """A claim of the paper and the arms x seeds that test it."""
+
   name: str
   claim: str  # the paper's claim, one sentence
   arms: tuple[Arm, ...]
@@ -133,9 +152,10 @@ def load_config(name: str, overrides: dict):
 
   The file's own imports (`from configs import common`) resolve through the
   repository root, on sys.path wherever `experiments` itself imports from."""
-  import importlib.util  # pylint: disable=g-import-not-at-top
+  import importlib.util
 
-  from sao_jax.train import configuration  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import configuration
+
   spec = importlib.util.spec_from_file_location(f"_experiment_cfg_{name}", config_path(name))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -170,14 +190,20 @@ def sft_key(config) -> str:
   not orphan the SFT starts of a grid that is still running. Fields that
   shape neither the checkpoint nor its pass@1 (`_NOT_SFT_SHAPING`) stay out.
   """
-  from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top
+  from sao_jax.envs import registry
+
   default = _flat(load_config("common", {}).to_dict())
-  default.update({f"env.kwargs.{k}": v
-                  for k, v in registry.kwargs_defaults(config.env.name).items()})
+  default.update(
+    {f"env.kwargs.{k}": v for k, v in registry.kwargs_defaults(config.env.name).items()}
+  )
   ours = _flat(config.to_dict())
-  parts = {k: v for k, v in ours.items()
-           if any(k == f or k.startswith(f + ".") for f in _SFT_KEY_FIELDS)
-           and k not in _NOT_SFT_SHAPING and (k not in default or default[k] != v)}
+  parts = {
+    k: v
+    for k, v in ours.items()
+    if any(k == f or k.startswith(f + ".") for f in _SFT_KEY_FIELDS)
+    and k not in _NOT_SFT_SHAPING
+    and (k not in default or default[k] != v)
+  }
   blob = json.dumps(sorted(parts.items()), default=str)
   return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
@@ -186,6 +212,7 @@ def sft_key(config) -> str:
 @dataclasses.dataclass
 class Launcher:
   """Runs one stage of one run: a niced subprocess, or in this process (tests)."""
+
   nice: int = 15
   in_process: bool = False
   env: dict = dataclasses.field(default_factory=dict)
@@ -195,20 +222,29 @@ class Launcher:
     os.makedirs(workdir, exist_ok=True)
     start = time.time()
     if self.in_process:
-      from sao_jax.train import trainer  # pylint: disable=g-import-not-at-top
+      from sao_jax.train import trainer
+
       until = "value_pretrain" if script == "sft.py" else "done"
       trainer.train(load_config(config, overrides), workdir, until=until)
       return time.time() - start
-    cmd = ["nice", "-n", str(self.nice), sys.executable, os.path.join(ROOT, "launch", script),
-           f"--config={config_path(config)}", f"--workdir={workdir}",
-           *(flag(k, v) for k, v in overrides.items())]
+    cmd = [
+      "nice",
+      "-n",
+      str(self.nice),
+      sys.executable,
+      os.path.join(ROOT, "launch", script),
+      f"--config={config_path(config)}",
+      f"--workdir={workdir}",
+      *(flag(k, v) for k, v in overrides.items()),
+    ]
     env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
     env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(WORKDIRS, ".jax_cache"))
     with open(os.path.join(workdir, "log.txt"), "a", encoding="utf-8") as log:
       log.write(f"$ {' '.join(cmd)}\n")
       log.flush()
-      rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                          check=False).returncode
+      rc = subprocess.run(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, check=False
+      ).returncode
     if rc:
       raise RuntimeError(f"{script} failed (exit {rc}); see {workdir}/log.txt")
     return time.time() - start
@@ -242,8 +278,15 @@ def sft_start(launch: Launcher, workdir: str, arm: Arm, overrides: dict, seed: i
   return sft_dir
 
 
-def run_arm(launch: Launcher, workdir: str, finding: Finding, arm: Arm, seed: int,
-            budget_steps: int, base_overrides: dict) -> str:
+def run_arm(
+  launch: Launcher,
+  workdir: str,
+  finding: Finding,
+  arm: Arm,
+  seed: int,
+  budget_steps: int,
+  base_overrides: dict,
+) -> str:
   """One arm x seed to completion (skipped when finished): its directory."""
   rdir = run_dir(workdir, finding, arm, seed)
   if os.path.exists(os.path.join(rdir, "summary.json")):
@@ -256,8 +299,7 @@ def run_arm(launch: Launcher, workdir: str, finding: Finding, arm: Arm, seed: in
     except BlockingIOError:
       print(f"[experiments] {rdir} is being run by another runner; skipped", flush=True)
       return rdir
-    return _run_arm_locked(launch, workdir, finding, arm, seed, budget_steps, base_overrides,
-                           rdir)
+    return _run_arm_locked(launch, workdir, finding, arm, seed, budget_steps, base_overrides, rdir)
 
 
 def _run_arm_locked(launch, workdir, finding, arm, seed, budget_steps, base_overrides, rdir):
@@ -272,13 +314,24 @@ def _run_arm_locked(launch, workdir, finding, arm, seed, budget_steps, base_over
   batch = int(overrides.get("rl.batch_size", load_config(arm.config, overrides).rl.batch_size))
   budget = int(round(budget_steps * batch * sft_eval["mean_generated"]))
   overrides.update({"rl.steps": budget_steps, "rl.max_generated_tokens": budget})
-  print(f"[experiments] {finding.name}/{arm.name} seed {seed}: budget {budget} generated "
-        f"tokens (~{budget_steps} steps of {batch}) -> {rdir}", flush=True)
+  print(
+    f"[experiments] {finding.name}/{arm.name} seed {seed}: budget {budget} generated "
+    f"tokens (~{budget_steps} steps of {batch}) -> {rdir}",
+    flush=True,
+  )
   commit = git_commit()
   wall = launch("train.py", arm.config, overrides, rdir)
-  _write_json(os.path.join(rdir, "runner.json"),
-              {"wall_s": wall, "budget_tokens": budget, "budget_steps": budget_steps,
-               "overrides": overrides, "config": arm.config, "commit": commit})
+  _write_json(
+    os.path.join(rdir, "runner.json"),
+    {
+      "wall_s": wall,
+      "budget_tokens": budget,
+      "budget_steps": budget_steps,
+      "overrides": overrides,
+      "config": arm.config,
+      "commit": commit,
+    },
+  )
   return rdir
 
 
@@ -287,11 +340,25 @@ def git_commit(root: str = ROOT) -> str | None:
   differ from it: another finding writing its results.json mid-run changes no code);
   None outside git."""
   try:
-    head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True,
-                          text=True, check=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no",
-                            "--", ".", ":(exclude)experiments/results"],
-                           capture_output=True, text=True, check=True).stdout.strip()
+    head = subprocess.run(
+      ["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+      [
+        "git",
+        "-C",
+        root,
+        "status",
+        "--porcelain",
+        "--untracked-files=no",
+        "--",
+        ".",
+        ":(exclude)experiments/results",
+      ],
+      capture_output=True,
+      text=True,
+      check=True,
+    ).stdout.strip()
   except (OSError, subprocess.CalledProcessError):
     return None
   return head + ("-dirty" if dirty else "")
@@ -313,8 +380,10 @@ def check_commits(runs: dict[str, dict[int, dict]], allow_mixed: bool = False) -
     if len(set(commits.values()) - {"unrecorded"}) > 1:
       mixed.append(f"{arm}: " + ", ".join(f"seed {s} {_short(c)}" for s, c in commits.items()))
   if mixed and not allow_mixed:
-    raise ValueError("seeds of one arm ran on different commits (pass --allow_mixed_commits "
-                     "to aggregate them anyway): " + "; ".join(mixed))
+    raise ValueError(
+      "seeds of one arm ran on different commits (pass --allow_mixed_commits "
+      "to aggregate them anyway): " + "; ".join(mixed)
+    )
   return out
 
 
@@ -322,7 +391,7 @@ def _sft_eval(sft_dir: str) -> dict:
   """The SFT evaluation record written by the shared SFT run."""
   for rec in read_metrics(sft_dir):
     if rec["stage"] == "eval" and "eval/mean_generated" in rec:
-      return {k[len("eval/"):]: v for k, v in rec.items() if k.startswith("eval/")}
+      return {k[len("eval/") :]: v for k, v in rec.items() if k.startswith("eval/")}
   raise RuntimeError(f"no SFT evaluation in {sft_dir}/metrics.jsonl")
 
 
@@ -341,8 +410,11 @@ def collect(rdir: str) -> dict | None:
   if not os.path.exists(path):
     return None
   summary = _read_json(path)
-  runner = _read_json(os.path.join(rdir, "runner.json")) if os.path.exists(
-      os.path.join(rdir, "runner.json")) else {}
+  runner = (
+    _read_json(os.path.join(rdir, "runner.json"))
+    if os.path.exists(os.path.join(rdir, "runner.json"))
+    else {}
+  )
   config_path = os.path.join(rdir, "config.json")
   config = _read_json(config_path) if os.path.exists(config_path) else None
   if "budget_tokens" not in runner and config is not None:
@@ -367,16 +439,21 @@ def collect(rdir: str) -> dict | None:
   lag = curves.get("policy_lag/mean")
   lag_max = curves.get("policy_lag/max")
   return {
-      "sft_pass@1": summary["sft_pass@1"], "final_pass@1": summary["final_pass@1"],
-      "gain": summary["final_pass@1"] - summary["sft_pass@1"],
-      "final_stderr": final.get("pass@1_stderr"), "sft_stderr": sft.get("pass@1_stderr"),
-      "rl_steps": summary["rl_steps"], "generated_tokens": summary.get("generated_tokens"),
-      "budget_tokens": runner.get("budget_tokens"), "wall_s": runner.get("wall_s"),
-      "commit": runner.get("commit"),
-      "lag_mean": float(np.mean(lag)) if lag else None,
-      "lag_max": float(np.max(lag_max)) if lag_max else None,
-      "evals": evals, "curves": curves,
-      "config": config,  # the run's own config (analyses read its settings)
+    "sft_pass@1": summary["sft_pass@1"],
+    "final_pass@1": summary["final_pass@1"],
+    "gain": summary["final_pass@1"] - summary["sft_pass@1"],
+    "final_stderr": final.get("pass@1_stderr"),
+    "sft_stderr": sft.get("pass@1_stderr"),
+    "rl_steps": summary["rl_steps"],
+    "generated_tokens": summary.get("generated_tokens"),
+    "budget_tokens": runner.get("budget_tokens"),
+    "wall_s": runner.get("wall_s"),
+    "commit": runner.get("commit"),
+    "lag_mean": float(np.mean(lag)) if lag else None,
+    "lag_max": float(np.max(lag_max)) if lag_max else None,
+    "evals": evals,
+    "curves": curves,
+    "config": config,  # the run's own config (analyses read its settings)
   }
 
 
@@ -393,24 +470,39 @@ def paired_difference(a: dict, b: dict) -> dict | None:
 
 def aggregate(finding: Finding, runs: dict[str, dict[int, dict]]) -> dict:
   """Per arm: mean / std over seeds; per arm vs the reference: paired difference + CI."""
-  out = {"finding": finding.name, "claim": finding.claim, "reference": finding.reference,
-         "arms": {}}
+  out = {
+    "finding": finding.name,
+    "claim": finding.claim,
+    "reference": finding.reference,
+    "arms": {},
+  }
   ref = runs.get(finding.reference, {})
   for arm in finding.arms:
     by_seed = runs.get(arm.name, {})
     if not by_seed:
       continue
     seeds = sorted(by_seed)
-    rec = {"label": arm.title, "config": arm.config, "overrides": arm.overrides,
-           "seeds": seeds}
-    for key in ("sft_pass@1", "final_pass@1", "gain", "rl_steps", "generated_tokens",
-                "wall_s", "final_stderr", "lag_mean", "lag_max"):
-      vals = np.array([by_seed[s][key] for s in seeds if by_seed[s].get(key) is not None],
-                      np.float64)
+    rec = {"label": arm.title, "config": arm.config, "overrides": arm.overrides, "seeds": seeds}
+    for key in (
+      "sft_pass@1",
+      "final_pass@1",
+      "gain",
+      "rl_steps",
+      "generated_tokens",
+      "wall_s",
+      "final_stderr",
+      "lag_mean",
+      "lag_max",
+    ):
+      vals = np.array(
+        [by_seed[s][key] for s in seeds if by_seed[s].get(key) is not None], np.float64
+      )
       if vals.size:
-        rec[key] = {"mean": float(vals.mean()),
-                    "std": float(vals.std(ddof=1)) if vals.size > 1 else 0.0,
-                    "per_seed": vals.tolist()}
+        rec[key] = {
+          "mean": float(vals.mean()),
+          "std": float(vals.std(ddof=1)) if vals.size > 1 else 0.0,
+          "per_seed": vals.tolist(),
+        }
     if arm.name != finding.reference and (vs := paired_difference(by_seed, ref)):
       rec["vs_reference"] = vs
     out["arms"][arm.name] = rec
@@ -439,19 +531,25 @@ def earlier_runs(path: str, budget_steps: int, overrides: dict) -> dict:
   if not os.path.exists(path):
     return {}
   old = _read_json(path)
-  if old.get("smoke") or old.get("budget_steps") != budget_steps or json.dumps(
-      old.get("overrides"), sort_keys=True) != json.dumps(overrides, sort_keys=True):
+  if (
+    old.get("smoke")
+    or old.get("budget_steps") != budget_steps
+    or json.dumps(old.get("overrides"), sort_keys=True) != json.dumps(overrides, sort_keys=True)
+  ):
     return {}
-  return {arm: {int(s): dict(rec, config=None) for s, rec in by_seed.items()}
-          for arm, by_seed in old.get("runs", {}).items()}
+  return {
+    arm: {int(s): dict(rec, config=None) for s, rec in by_seed.items()}
+    for arm, by_seed in old.get("runs", {}).items()
+  }
 
 
 def plot(finding: Finding, runs: dict, result: dict, path: str) -> None:
   """Final pass@1 per arm (seeds as dots) and each curve over generated tokens."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  import matplotlib
+
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  import matplotlib.ticker  # pylint: disable=g-import-not-at-top
+  import matplotlib.pyplot as plt
+  import matplotlib.ticker
 
   arms = [a for a in finding.arms if a.name in result["arms"]]
   n = 1 + len(finding.curves)
@@ -465,26 +563,34 @@ def plot(finding: Finding, runs: dict, result: dict, path: str) -> None:
     ax.scatter([i] * len(vals), vals, color="k", s=10, zorder=3)
   sft = [v for a in arms for v in result["arms"][a.name]["sft_pass@1"]["per_seed"]]
   ax.axhline(np.mean(sft), color="gray", ls="--", lw=1, label="SFT start")
-  ax.set_xticks(range(len(arms)), [a.title for a in arms], rotation=30, ha="right",
-                fontsize=8)
+  ax.set_xticks(range(len(arms)), [a.title for a in arms], rotation=30, ha="right", fontsize=8)
   ax.set_ylabel("held-out pass@1")
   ax.set_title("final pass@1 (dots: seeds)", fontsize=9)
   ax.legend(fontsize=7)
   for ax, metric in zip(axes[1:], finding.curves):
-    if not any(metric in c and "rollout/generated_tokens_total" in c
-               for c in (rec["curves"] for a in arms for rec in runs[a.name].values())):
+    if not any(
+      metric in c and "rollout/generated_tokens_total" in c
+      for c in (rec["curves"] for a in arms for rec in runs[a.name].values())
+    ):
       # E.g. DIS's masked fractions in a grid of PPO-clip arms: say so, not a blank panel.
-      ax.text(0.5, 0.5, "not logged by these arms", ha="center", va="center",
-              transform=ax.transAxes, fontsize=8, color="gray")
+      ax.text(
+        0.5,
+        0.5,
+        "not logged by these arms",
+        ha="center",
+        va="center",
+        transform=ax.transAxes,
+        fontsize=8,
+        color="gray",
+      )
     for i, arm in enumerate(arms):
       for j, s in enumerate(sorted(runs[arm.name])):
         c = runs[arm.name][s]["curves"]
         if metric not in c or "rollout/generated_tokens_total" not in c:
           continue
         y = smooth(c[metric])
-        x = np.asarray(c["rollout/generated_tokens_total"])[-len(y):] if len(y) else []
-        ax.plot(x, y, color=f"C{i}", alpha=0.8, lw=1,
-                label=arm.title if j == 0 else None)
+        x = np.asarray(c["rollout/generated_tokens_total"])[-len(y) :] if len(y) else []
+        ax.plot(x, y, color=f"C{i}", alpha=0.8, lw=1, label=arm.title if j == 0 else None)
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v / 1e3:g}k"))
     ax.set_xlabel("generated tokens (all stages)")
     ax.set_title(metric, fontsize=9)
@@ -493,8 +599,11 @@ def plot(finding: Finding, runs: dict, result: dict, path: str) -> None:
       ax.set_ylim(-1.0, 1.0)
       ax.set_title(metric + " (view clipped to [-1, 1])", fontsize=9)
   axes[1 if n > 1 else 0].legend(fontsize=7)
-  fig.suptitle(f"{finding.name}: {len(runs.get(finding.reference, {}))} seed(s), "
-               f"budget ~{finding.budget_steps} steps", fontsize=10)
+  fig.suptitle(
+    f"{finding.name}: {len(runs.get(finding.reference, {}))} seed(s), "
+    f"budget ~{finding.budget_steps} steps",
+    fontsize=10,
+  )
   fig.tight_layout()
   os.makedirs(os.path.dirname(path), exist_ok=True)
   fig.savefig(path, dpi=110)
@@ -511,29 +620,42 @@ def _lag(rec: dict) -> str:
 
 def table(result: dict) -> str:
   """A markdown table of `aggregate`'s result."""
-  lines = ["| arm | seeds | SFT pass@1 | final pass@1 (mean ± sd) | gain | vs ref: diff "
-           "[95% t-interval; bootstrap] sign-flip p (paired seeds) | RL steps | generated tokens | "
-           "policy lag: mean / max |",
-           "|---|---|---|---|---|---|---|---|---|"]
+  lines = [
+    "| arm | seeds | SFT pass@1 | final pass@1 (mean ± sd) | gain | vs ref: diff "
+    "[95% t-interval; bootstrap] sign-flip p (paired seeds) | RL steps | generated tokens | "
+    "policy lag: mean / max |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ]
   for name, rec in result["arms"].items():
     f = rec["final_pass@1"]
     vs = rec.get("vs_reference")
     vs_s = "reference" if name == result["reference"] else stats.fmt_paired(vs)
     lines.append(
-        f"| {rec['label']} | {len(rec['seeds'])} | {rec['sft_pass@1']['mean']:.3f} | "
-        f"{f['mean']:.3f} ± {f['std']:.3f} | {rec['gain']['mean']:+.3f} | {vs_s} | "
-        f"{rec['rl_steps']['mean']:.0f} | {rec.get('generated_tokens', {}).get('mean', 0):.0f} | "
-        f"{_lag(rec)} |")
+      f"| {rec['label']} | {len(rec['seeds'])} | {rec['sft_pass@1']['mean']:.3f} | "
+      f"{f['mean']:.3f} ± {f['std']:.3f} | {rec['gain']['mean']:+.3f} | {vs_s} | "
+      f"{rec['rl_steps']['mean']:.0f} | {rec.get('generated_tokens', {}).get('mean', 0):.0f} | "
+      f"{_lag(rec)} |"
+    )
   return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------- main
-def run_finding(finding: Finding, *, seeds: Sequence[int], arms: Sequence[str] | None = None,
-                budget_steps: int | None = None, smoke: bool = False,
-                workdir: str | None = None, results: str | None = None,
-                launch: Launcher | None = None, aggregate_only: bool = False,
-                extra_overrides: dict | None = None, jobs: int = 1,
-                reference: str | None = None, allow_mixed_commits: bool = False) -> dict:
+def run_finding(
+  finding: Finding,
+  *,
+  seeds: Sequence[int],
+  arms: Sequence[str] | None = None,
+  budget_steps: int | None = None,
+  smoke: bool = False,
+  workdir: str | None = None,
+  results: str | None = None,
+  launch: Launcher | None = None,
+  aggregate_only: bool = False,
+  extra_overrides: dict | None = None,
+  jobs: int = 1,
+  reference: str | None = None,
+  allow_mixed_commits: bool = False,
+) -> dict:
   """Runs (or resumes) the grid, then writes results.json, results.md and results.png.
 
   `reference` replaces the finding's reference arm (a grid run without it).
@@ -547,11 +669,13 @@ def run_finding(finding: Finding, *, seeds: Sequence[int], arms: Sequence[str] |
   budget_steps = budget_steps or (SMOKE_BUDGET_STEPS if smoke else finding.budget_steps)
   # The overrides of every arm (`--set`) are the finding's from here on, so
   # that an analysis reading a config field (online's switch_every) sees them.
-  finding = dataclasses.replace(finding, budget_steps=budget_steps,
-                                overrides={**finding.overrides, **base})
+  finding = dataclasses.replace(
+    finding, budget_steps=budget_steps, overrides={**finding.overrides, **base}
+  )
   workdir = workdir or os.path.join(WORKDIRS, "smoke" if smoke else "full")
-  results = results or os.path.join(RESULTS if not smoke else os.path.join(workdir, "results"),
-                                    finding.name)
+  results = results or os.path.join(
+    RESULTS if not smoke else os.path.join(workdir, "results"), finding.name
+  )
   chosen = [finding.arm(a) for a in arms] if arms else list(finding.arms)
   # Seed-major: a grid stopped early still holds whole seeds of every arm.
   failed = []
@@ -576,8 +700,11 @@ def run_finding(finding: Finding, *, seeds: Sequence[int], arms: Sequence[str] |
       for seed in seeds:
         run_seed(seed)
   runs, carried = {}, []
-  earlier = earlier_runs(os.path.join(results, "results.json"), budget_steps,
-                         finding.overrides) if not smoke else {}
+  earlier = (
+    earlier_runs(os.path.join(results, "results.json"), budget_steps, finding.overrides)
+    if not smoke
+    else {}
+  )
   for arm in finding.arms:
     # The seeds asked for, and every other seed the earlier results.json
     # holds: a run of some seeds never drops the others from the file.
@@ -589,19 +716,37 @@ def run_finding(finding: Finding, *, seeds: Sequence[int], arms: Sequence[str] |
       if rec is not None:
         runs.setdefault(arm.name, {})[seed] = rec
   if carried:
-    print(f"[experiments] carried over from the earlier results.json (no run directory "
-          f"here): {', '.join(carried)}", flush=True)
+    print(
+      f"[experiments] carried over from the earlier results.json (no run directory "
+      f"here): {', '.join(carried)}",
+      flush=True,
+    )
   commits = check_commits(runs, allow_mixed_commits)
   result = aggregate(finding, runs)
-  result.update({"commits": commits, "mixed_commits_allowed": allow_mixed_commits,
-                 "budget_steps": budget_steps, "smoke": smoke, "seeds_requested": list(seeds),
-                 "failed": failed, "carried_over": carried,
-                 "overrides": {**finding.overrides, **base},
-                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                 "machine": _machine()})
-  _write_json(os.path.join(results, "results.json"),
-              dict(result, runs={a: {str(s): {k: v for k, v in r.items() if k != "config"}
-                                     for s, r in by.items()} for a, by in runs.items()}))
+  result.update(
+    {
+      "commits": commits,
+      "mixed_commits_allowed": allow_mixed_commits,
+      "budget_steps": budget_steps,
+      "smoke": smoke,
+      "seeds_requested": list(seeds),
+      "failed": failed,
+      "carried_over": carried,
+      "overrides": {**finding.overrides, **base},
+      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+      "machine": _machine(),
+    }
+  )
+  _write_json(
+    os.path.join(results, "results.json"),
+    dict(
+      result,
+      runs={
+        a: {str(s): {k: v for k, v in r.items() if k != "config"} for s, r in by.items()}
+        for a, by in runs.items()
+      },
+    ),
+  )
   write_results_md(os.path.join(results, "results.md"), result)
   if runs:
     plot(finding, runs, result, os.path.join(results, "results.png"))
@@ -632,33 +777,56 @@ def main(finding: Finding, argv: Sequence[str] | None = None) -> dict:
   parser.add_argument("--smoke", action="store_true", help="1 seed, a few steps (CI)")
   parser.add_argument("--seeds", type=int, default=None, help=f"default {finding.seeds}")
   parser.add_argument("--first_seed", type=int, default=0)
-  parser.add_argument("--arms", default="", help="comma-separated subset of "
-                      + ",".join(a.name for a in finding.arms))
-  parser.add_argument("--budget_steps", type=int, default=None,
-                      help=f"default {finding.budget_steps} (smoke {SMOKE_BUDGET_STEPS})")
+  parser.add_argument(
+    "--arms", default="", help="comma-separated subset of " + ",".join(a.name for a in finding.arms)
+  )
+  parser.add_argument(
+    "--budget_steps",
+    type=int,
+    default=None,
+    help=f"default {finding.budget_steps} (smoke {SMOKE_BUDGET_STEPS})",
+  )
   parser.add_argument("--workdir", default=None)
   parser.add_argument("--results", default=None)
   parser.add_argument("--nice", type=int, default=15)
   parser.add_argument("--in_process", action="store_true")
   parser.add_argument("--jobs", type=int, default=1, help="seeds run side by side")
   parser.add_argument("--aggregate_only", action="store_true")
-  parser.add_argument("--reference", default=None,
-                      help=f"the arm the others are compared to (default {finding.reference})")
-  parser.add_argument("--allow_mixed_commits", action="store_true",
-                      help="aggregate an arm whose seeds ran on different commits")
-  parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                      help="an override of every arm, e.g. --set eval.samples_per_task=2")
+  parser.add_argument(
+    "--reference",
+    default=None,
+    help=f"the arm the others are compared to (default {finding.reference})",
+  )
+  parser.add_argument(
+    "--allow_mixed_commits",
+    action="store_true",
+    help="aggregate an arm whose seeds ran on different commits",
+  )
+  parser.add_argument(
+    "--set",
+    action="append",
+    default=[],
+    metavar="FIELD=VALUE",
+    help="an override of every arm, e.g. --set eval.samples_per_task=2",
+  )
   args = parser.parse_args(argv)
   extra = {}
   for item in args.set:
     field, value = item.split("=", 1)
     extra[field] = parse_literal(value)
   n = args.seeds or (1 if args.smoke else finding.seeds)
-  return run_finding(finding, seeds=range(args.first_seed, args.first_seed + n),
-                     arms=[a for a in args.arms.split(",") if a] or None,
-                     budget_steps=args.budget_steps, smoke=args.smoke, workdir=args.workdir,
-                     results=args.results,
-                     launch=Launcher(nice=args.nice, in_process=args.in_process),
-                     aggregate_only=args.aggregate_only, extra_overrides=extra,
-                     jobs=args.jobs, reference=args.reference,
-                     allow_mixed_commits=args.allow_mixed_commits)
+  return run_finding(
+    finding,
+    seeds=range(args.first_seed, args.first_seed + n),
+    arms=[a for a in args.arms.split(",") if a] or None,
+    budget_steps=args.budget_steps,
+    smoke=args.smoke,
+    workdir=args.workdir,
+    results=args.results,
+    launch=Launcher(nice=args.nice, in_process=args.in_process),
+    aggregate_only=args.aggregate_only,
+    extra_overrides=extra,
+    jobs=args.jobs,
+    reference=args.reference,
+    allow_mixed_commits=args.allow_mixed_commits,
+  )

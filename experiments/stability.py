@@ -36,21 +36,33 @@ def largest_drop(finding, runs):
 
 
 FINDING = runner.Finding(
-    name="stability",
-    claim=("Vanilla async GRPO (PPO clip) degrades or collapses under policy lag (paper: near "
-           "step 160); DIS keeps GRPO and SAO stable."),
-    arms=(
-        runner.Arm("grpo", "grpo", label="async GRPO (PPO clip)"),
-        runner.Arm("grpo_dis", "grpo_dis", label="async GRPO + DIS"),
-        runner.Arm("sao", "sao_dis", label="SAO"),
-        runner.Arm("sao_ppo", "sao_dis", {"rl.policy_loss": "ppo_clip"},
-                   label="SAO with PPO clip (no DIS)"),
+  name="stability",
+  claim=(
+    "Vanilla async GRPO (PPO clip) degrades or collapses under policy lag (paper: near "
+    "step 160); DIS keeps GRPO and SAO stable."
+  ),
+  arms=(
+    runner.Arm("grpo", "grpo", label="async GRPO (PPO clip)"),
+    runner.Arm("grpo_dis", "grpo_dis", label="async GRPO + DIS"),
+    runner.Arm("sao", "sao_dis", label="SAO"),
+    runner.Arm(
+      "sao_ppo", "sao_dis", {"rl.policy_loss": "ppo_clip"}, label="SAO with PPO clip (no DIS)"
     ),
-    reference="grpo_dis", seeds=3, budget_steps=600, overrides=STALE,
-    curves=("rollout/reward_mean", "policy/masked_low_frac", "policy/masked_high_frac",
-            "policy/masked_corrective_frac",
-            "policy/grad_norm_all", "policy_lag/mean"),
-    analyze=largest_drop)
+  ),
+  reference="grpo_dis",
+  seeds=3,
+  budget_steps=600,
+  overrides=STALE,
+  curves=(
+    "rollout/reward_mean",
+    "policy/masked_low_frac",
+    "policy/masked_high_frac",
+    "policy/masked_corrective_frac",
+    "policy/grad_norm_all",
+    "policy_lag/mean",
+  ),
+  analyze=largest_drop,
+)
 
 if __name__ == "__main__":
   runner.main(FINDING, sys.argv[1:])

@@ -100,11 +100,12 @@ def min_sign_flip_p(n: int) -> float:
   """The smallest two-sided sign-flip p that n paired seeds can give: 2 / 2^n."""
   if n < 1:
     raise ValueError(f"need n >= 1, got {n}")
-  return min(1.0, 2.0 / 2.0 ** n)
+  return min(1.0, 2.0 / 2.0**n)
 
 
-def bootstrap_ci(x: Sequence[float], level: float = 0.95, samples: int = 10_000,
-                 seed: int = 0) -> tuple[float, float]:
+def bootstrap_ci(
+  x: Sequence[float], level: float = 0.95, samples: int = 10_000, seed: int = 0
+) -> tuple[float, float]:
   """Percentile bootstrap CI of the mean of `x` (resampling seeds); too narrow at few seeds."""
   d = _values(x)
   if d.size < 2:
@@ -129,16 +130,23 @@ def paired_stats(diffs: Sequence[float], level: float = 0.95) -> dict:
     raise ValueError("paired_stats of no differences")
   t_lo, t_hi = t_interval(d, level)
   b_lo, b_hi = bootstrap_ci(d, level)
-  return {"n": int(d.size), "mean_diff": float(d.mean()),
-          "sd": float(d.std(ddof=1)) if d.size > 1 else 0.0,
-          "t_ci95": [t_lo, t_hi], "sign_flip_p": sign_flip_p(d),
-          "min_sign_flip_p": min_sign_flip_p(d.size), "ci95": [b_lo, b_hi],
-          "wins": int((d > 0).sum()), "excludes_zero": bool(t_lo > 0 or t_hi < 0),
-          "bootstrap_excludes_zero": bool(b_lo > 0 or b_hi < 0)}
+  return {
+    "n": int(d.size),
+    "mean_diff": float(d.mean()),
+    "sd": float(d.std(ddof=1)) if d.size > 1 else 0.0,
+    "t_ci95": [t_lo, t_hi],
+    "sign_flip_p": sign_flip_p(d),
+    "min_sign_flip_p": min_sign_flip_p(d.size),
+    "ci95": [b_lo, b_hi],
+    "wins": int((d > 0).sum()),
+    "excludes_zero": bool(t_lo > 0 or t_hi < 0),
+    "bootstrap_excludes_zero": bool(b_lo > 0 or b_hi < 0),
+  }
 
 
-def welch_interval(a: Sequence[float], b: Sequence[float],
-                   level: float = 0.95) -> tuple[float, float]:
+def welch_interval(
+  a: Sequence[float], b: Sequence[float], level: float = 0.95
+) -> tuple[float, float]:
   """Student-t interval of mean(a) - mean(b) for unpaired groups (Welch):
 
       mean(a) - mean(b) +- t_{(1 + level) / 2, df} * se,
@@ -153,7 +161,7 @@ def welch_interval(a: Sequence[float], b: Sequence[float],
   se2 = va + vb
   if se2 == 0:
     return (float("nan"), float("nan"))
-  df = se2 ** 2 / (va ** 2 / (x.size - 1) + vb ** 2 / (y.size - 1))
+  df = se2**2 / (va**2 / (x.size - 1) + vb**2 / (y.size - 1))
   half = t_quantile((1 + level) / 2, df) * np.sqrt(se2)
   diff = x.mean() - y.mean()
   return float(diff - half), float(diff + half)
@@ -171,8 +179,9 @@ def permutation_p(a: Sequence[float], b: Sequence[float]) -> float:
     return float("nan")
   pooled = np.concatenate([x, y])
   if pooled.size > MAX_PERMUTATION_VALUES:
-    raise ValueError(f"exact permutations of {pooled.size} values "
-                     f"(> {MAX_PERMUTATION_VALUES}) refused")
+    raise ValueError(
+      f"exact permutations of {pooled.size} values (> {MAX_PERMUTATION_VALUES}) refused"
+    )
   groups = np.array(list(itertools.combinations(range(pooled.size), x.size)))
   sums_a = pooled[groups].sum(1)
   diffs = np.abs(sums_a / x.size - (pooled.sum() - sums_a) / y.size)
@@ -184,10 +193,14 @@ def unpaired_stats(a: Sequence[float], b: Sequence[float], level: float = 0.95) 
   excludes_zero (the Welch interval's)."""
   x, y = _values(a), _values(b)
   lo, hi = welch_interval(x, y, level)
-  return {"n_a": int(x.size), "n_b": int(y.size),
-          "diff": float(x.mean() - y.mean()) if x.size and y.size else float("nan"),
-          "welch_ci95": [lo, hi], "permutation_p": permutation_p(x, y),
-          "excludes_zero": bool(lo > 0 or hi < 0)}
+  return {
+    "n_a": int(x.size),
+    "n_b": int(y.size),
+    "diff": float(x.mean() - y.mean()) if x.size and y.size else float("nan"),
+    "welch_ci95": [lo, hi],
+    "permutation_p": permutation_p(x, y),
+    "excludes_zero": bool(lo > 0 or hi < 0),
+  }
 
 
 def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
@@ -237,8 +250,11 @@ def fmt_paired(vs: dict | None) -> str:
   if "t_ci95" not in vs:
     lo, hi = vs["ci95"]
     return f"{vs['mean_diff']:+.3f} [bootstrap: {lo:+.3f}, {hi:+.3f}]"
+
   def ci(lo, hi):
     return "n/a" if not (np.isfinite(lo) and np.isfinite(hi)) else f"{lo:+.3f}, {hi:+.3f}"
 
-  return (f"{vs['mean_diff']:+.3f} [t: {ci(*vs['t_ci95'])}; boot: {ci(*vs['ci95'])}] "
-          f"p={vs['sign_flip_p']:.2g} (n={vs['n']})")
+  return (
+    f"{vs['mean_diff']:+.3f} [t: {ci(*vs['t_ci95'])}; boot: {ci(*vs['ci95'])}] "
+    f"p={vs['sign_flip_p']:.2g} (n={vs['n']})"
+  )

@@ -43,27 +43,36 @@ def time_to_target(finding, runs):
       wall[seed] = rec.get("wall_s")
     got = [v for v in reach.values() if v is not None]
     idles = [v for v in idle.values() if v is not None]
-    out[arm] = {"seconds_to_target": reach, "mean_seconds_to_target":
-                float(np.mean(got)) if got else None,
-                "seeds_reaching_target": len(got), "wall_s": wall,
-                "final_idle_fraction": idle,
-                "mean_idle_fraction": float(np.mean(idles)) if idles else None}
+    out[arm] = {
+      "seconds_to_target": reach,
+      "mean_seconds_to_target": float(np.mean(got)) if got else None,
+      "seeds_reaching_target": len(got),
+      "wall_s": wall,
+      "final_idle_fraction": idle,
+      "mean_idle_fraction": float(np.mean(idles)) if idles else None,
+    }
   return {"target": f"the seed's SFT pass@1 + {TARGET_GAIN}", "by_arm": out}
 
 
 FINDING = runner.Finding(
-    name="system",
-    claim=("Asynchronous single-rollout training reaches a given pass@1 sooner in wall-clock "
-           "time than synchronous grouped rollouts, with less trainer idle time."),
-    arms=(
-        runner.Arm("sao", "sao_dis", label="async SAO"),
-        runner.Arm("sao_sync", "sao_sync", label="sync SAO"),
-        runner.Arm("grpo_dis", "grpo_dis", label="async GRPO + DIS (G=4)"),
-        runner.Arm("grpo_sync", "grpo_sync", label="sync GRPO (G=4)"),
-    ),
-    reference="sao", seeds=3, budget_steps=300, overrides={"rl.eval_every": 50},
-    curves=("rollout/reward_mean", "trainer/idle_fraction", "rollout/generated_tokens_per_s"),
-    analyze=time_to_target)
+  name="system",
+  claim=(
+    "Asynchronous single-rollout training reaches a given pass@1 sooner in wall-clock "
+    "time than synchronous grouped rollouts, with less trainer idle time."
+  ),
+  arms=(
+    runner.Arm("sao", "sao_dis", label="async SAO"),
+    runner.Arm("sao_sync", "sao_sync", label="sync SAO"),
+    runner.Arm("grpo_dis", "grpo_dis", label="async GRPO + DIS (G=4)"),
+    runner.Arm("grpo_sync", "grpo_sync", label="sync GRPO (G=4)"),
+  ),
+  reference="sao",
+  seeds=3,
+  budget_steps=300,
+  overrides={"rl.eval_every": 50},
+  curves=("rollout/reward_mean", "trainer/idle_fraction", "rollout/generated_tokens_per_s"),
+  analyze=time_to_target,
+)
 
 if __name__ == "__main__":
   runner.main(FINDING, sys.argv[1:])

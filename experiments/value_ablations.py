@@ -18,21 +18,26 @@ import sys
 from experiments import runner
 
 FINDING = runner.Finding(
-    name="value_ablations",
-    claim=("A strong value model matters: K=2 critic updates, frozen critic attention and "
-           "value pretraining each help; a running-mean baseline is far worse (paper: 97.3 "
-           "vs 95.0 (K=1), 90.6 (trained attention), 79.8 (running mean) on AIME25)."),
-    arms=(
-        runner.Arm("sao", "sao_dis", label="SAO (K=2, frozen attn)"),
-        runner.Arm("k1", "sao_k1", label="K=1"),
-        runner.Arm("k4", "sao_dis", {"rl.critic_updates": 4}, label="K=4"),
-        runner.Arm("no_freeze", "sao_no_freeze", label="critic attention trained"),
-        runner.Arm("no_value_pretrain", "sao_no_value_pretrain", label="no value pretraining"),
-        runner.Arm("critic_lam1", "sao_critic_lam1", label="critic lambda 1"),
-        runner.Arm("running_mean", "running_mean", label="running-mean baseline"),
-    ),
-    reference="sao", seeds=3, budget_steps=400,
-    curves=("rollout/reward_mean", "critic/explained_variance", "critic/value_loss"))
+  name="value_ablations",
+  claim=(
+    "A strong value model matters: K=2 critic updates, frozen critic attention and "
+    "value pretraining each help; a running-mean baseline is far worse (paper: 97.3 "
+    "vs 95.0 (K=1), 90.6 (trained attention), 79.8 (running mean) on AIME25)."
+  ),
+  arms=(
+    runner.Arm("sao", "sao_dis", label="SAO (K=2, frozen attn)"),
+    runner.Arm("k1", "sao_k1", label="K=1"),
+    runner.Arm("k4", "sao_dis", {"rl.critic_updates": 4}, label="K=4"),
+    runner.Arm("no_freeze", "sao_no_freeze", label="critic attention trained"),
+    runner.Arm("no_value_pretrain", "sao_no_value_pretrain", label="no value pretraining"),
+    runner.Arm("critic_lam1", "sao_critic_lam1", label="critic lambda 1"),
+    runner.Arm("running_mean", "running_mean", label="running-mean baseline"),
+  ),
+  reference="sao",
+  seeds=3,
+  budget_steps=400,
+  curves=("rollout/reward_mean", "critic/explained_variance", "critic/value_loss"),
+)
 
 if __name__ == "__main__":
   runner.main(FINDING, sys.argv[1:])

@@ -109,12 +109,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # tests, a background record run) must not refuse each other.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-import jax  # pylint: disable=g-import-not-at-top
-from absl import flags  # pylint: disable=g-import-not-at-top
-from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+import jax
+from absl import flags
+from ml_collections import config_flags
 
-from sao_jax.pod import aot  # pylint: disable=g-import-not-at-top
-from sao_jax.train import configuration  # pylint: disable=g-import-not-at-top
+from sao_jax.pod import aot
+from sao_jax.train import configuration
 
 PROGRAMS = aot.PROGRAMS
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -125,27 +125,45 @@ sys.path.append(ROOT)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _TOPOLOGY = flags.DEFINE_string(
-    "topology", None, "TPU topology of the trainer: v5p-256, v5e-4, or libtpu's v5p:4x4x8.")
+  "topology", None, "TPU topology of the trainer: v5p-256, v5e-4, or libtpu's v5p:4x4x8."
+)
 _ROLLOUT_TOPOLOGY = flags.DEFINE_string(
-    "rollout_topology", None, "Topology of the rollout slice (default: --topology).")
+  "rollout_topology", None, "Topology of the rollout slice (default: --topology)."
+)
 _OUT = flags.DEFINE_string("out", None, "Write the results here as JSON.")
 _PROGRAMS = flags.DEFINE_list("programs", list(PROGRAMS), f"Which of {PROGRAMS} to compile.")
 _MIN_HEADROOM = flags.DEFINE_float(
-    "min_headroom", 0.10, "Fraction of HBM each program must leave free to count as fitting.")
-_ROWS = flags.DEFINE_integer("rows", None, "Packed rows of the train steps (default: the "
-                             "config's sft.batch_size / rl.batch_size).")
-_LENGTH = flags.DEFINE_integer("length", None, "Tokens per packed row (default: "
-                               "max(data.buckets), the largest bucket).")
+  "min_headroom", 0.10, "Fraction of HBM each program must leave free to count as fitting."
+)
+_ROWS = flags.DEFINE_integer(
+  "rows",
+  None,
+  "Packed rows of the train steps (default: the config's sft.batch_size / rl.batch_size).",
+)
+_LENGTH = flags.DEFINE_integer(
+  "length", None, "Tokens per packed row (default: max(data.buckets), the largest bucket)."
+)
 _ROLLOUT_MESH = flags.DEFINE_string(
-    "rollout_mesh", None, "The rollout engine's mesh over the rollout topology, e.g. "
-    "expert:2,tensor:2: sets rollout.mesh (default: the config's rollout.mesh; empty, the "
-    "trainer's mesh with rollout.sharded_engine, else one chip, as the run's engine).")
-_PREFILL_LEN = flags.DEFINE_integer("prefill_len", None, "Width of the prefill step "
-                                    "(default: the engine's largest bucket, rollout.max_len).")
-_DUMP_HLO = flags.DEFINE_string("dump_hlo", None, "Write each compiled program's HLO text "
-                                "here (<program>.hlo.txt).")
-_MFU = flags.DEFINE_float("mfu", 0.4, "Fraction of the chip's peak bf16 FLOP/s the modeled "
-                          "RL step reaches (an assumption: the step-time model's one knob).")
+  "rollout_mesh",
+  None,
+  "The rollout engine's mesh over the rollout topology, e.g. "
+  "expert:2,tensor:2: sets rollout.mesh (default: the config's rollout.mesh; empty, the "
+  "trainer's mesh with rollout.sharded_engine, else one chip, as the run's engine).",
+)
+_PREFILL_LEN = flags.DEFINE_integer(
+  "prefill_len",
+  None,
+  "Width of the prefill step (default: the engine's largest bucket, rollout.max_len).",
+)
+_DUMP_HLO = flags.DEFINE_string(
+  "dump_hlo", None, "Write each compiled program's HLO text here (<program>.hlo.txt)."
+)
+_MFU = flags.DEFINE_float(
+  "mfu",
+  0.4,
+  "Fraction of the chip's peak bf16 FLOP/s the modeled "
+  "RL step reaches (an assumption: the step-time model's one knob).",
+)
 _HEARTBEAT_S = flags.DEFINE_integer("heartbeat_s", 60, "Seconds between progress lines.")
 flags.mark_flags_as_required(["config", "topology"])
 
@@ -162,7 +180,7 @@ def pop_model_overrides(argv: list[str]) -> dict:
   out, prefix = {}, "--config.model.overrides."
   for arg in list(argv):
     if arg.startswith(prefix):
-      key, sep, value = arg[len(prefix):].partition("=")
+      key, sep, value = arg[len(prefix) :].partition("=")
       if not sep or not key:
         raise SystemExit(f"error: {arg!r}: write {prefix}FIELD=VALUE")
       out[key] = configuration.parse_literal(value)
@@ -176,10 +194,17 @@ _MODEL_OVERRIDES: dict = {}
 def _git_commit() -> str | None:
   """This checkout's commit, "+uncommitted" when tracked files changed; None without git."""
   try:
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True, check=True, timeout=30).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True, check=True, timeout=30).stdout
+    head = subprocess.run(
+      ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True, timeout=30
+    ).stdout.strip()
+    dirty = subprocess.run(
+      ["git", "status", "--porcelain", "--untracked-files=no"],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      check=True,
+      timeout=30,
+    ).stdout
     return head + ("+uncommitted" if dirty.strip() else "")
   except (OSError, subprocess.SubprocessError):
     return None
@@ -193,14 +218,27 @@ def main(argv):
     with config.unlocked():
       for key, value in _MODEL_OVERRIDES.items():
         config.model.overrides[key] = value
-  command = " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:] + [
-      f"--config.model.overrides.{k}={v}" for k, v in _MODEL_OVERRIDES.items()])
+  command = " ".join(
+    [os.path.relpath(sys.argv[0])]
+    + sys.argv[1:]
+    + [f"--config.model.overrides.{k}={v}" for k, v in _MODEL_OVERRIDES.items()]
+  )
   settings = aot.Settings(
-      topology=_TOPOLOGY.value, rollout_topology=_ROLLOUT_TOPOLOGY.value,
-      programs=tuple(_PROGRAMS.value), min_headroom=_MIN_HEADROOM.value, rows=_ROWS.value,
-      length=_LENGTH.value, rollout_mesh=_ROLLOUT_MESH.value, prefill_len=_PREFILL_LEN.value,
-      dump_hlo=_DUMP_HLO.value, mfu=_MFU.value, heartbeat_s=_HEARTBEAT_S.value,
-      out=_OUT.value, command=command, git_commit=_git_commit)
+    topology=_TOPOLOGY.value,
+    rollout_topology=_ROLLOUT_TOPOLOGY.value,
+    programs=tuple(_PROGRAMS.value),
+    min_headroom=_MIN_HEADROOM.value,
+    rows=_ROWS.value,
+    length=_LENGTH.value,
+    rollout_mesh=_ROLLOUT_MESH.value,
+    prefill_len=_PREFILL_LEN.value,
+    dump_hlo=_DUMP_HLO.value,
+    mfu=_MFU.value,
+    heartbeat_s=_HEARTBEAT_S.value,
+    out=_OUT.value,
+    command=command,
+    git_commit=_git_commit,
+  )
   if not aot.run(config, settings):
     sys.exit(1)
 

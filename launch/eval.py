@@ -39,10 +39,7 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from sao_jax.models import hf_export
-from sao_jax.train import configuration
-from sao_jax.train import distributed
-from sao_jax.train import evaluation
-from sao_jax.train import trainer
+from sao_jax.train import configuration, distributed, evaluation, trainer
 
 # --config files import the repository's `configs` package, which is not
 # installed: this checkout's root joins sys.path, whatever the working directory.
@@ -50,15 +47,24 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory holding checkpoints/.")
-_STEP = flags.DEFINE_string("step", None, "A training step: \"rl:50\" (or 50) after 50 RL "
-                            "steps, \"sft:200\" after 200 SFT steps (default: the latest), "
-                            "as launch/export.py takes it.")
-_CHECKPOINT = flags.DEFINE_integer("checkpoint", None, "A checkpoint's number "
-                                   "(checkpoints/<N>) instead of --step.")
-_HF_DIR = flags.DEFINE_string("hf_dir", None, "Evaluate this HF Qwen3-MoE directory instead "
-                              "of a checkpoint.")
-_OUT = flags.DEFINE_string("out", None, "Directory of the per-set samples and summaries "
-                           "(default: <workdir>/eval/checkpoint_<number>).")
+_STEP = flags.DEFINE_string(
+  "step",
+  None,
+  'A training step: "rl:50" (or 50) after 50 RL '
+  'steps, "sft:200" after 200 SFT steps (default: the latest), '
+  "as launch/export.py takes it.",
+)
+_CHECKPOINT = flags.DEFINE_integer(
+  "checkpoint", None, "A checkpoint's number (checkpoints/<N>) instead of --step."
+)
+_HF_DIR = flags.DEFINE_string(
+  "hf_dir", None, "Evaluate this HF Qwen3-MoE directory instead of a checkpoint."
+)
+_OUT = flags.DEFINE_string(
+  "out",
+  None,
+  "Directory of the per-set samples and summaries (default: <workdir>/eval/checkpoint_<number>).",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -69,8 +75,14 @@ def main(argv):
   try:
     if _HF_DIR.value is not None:
       evaluation.check_policy_dir(_HF_DIR.value)  # before the run loads: one line
-    result = trainer.evaluate(_CONFIG.value, _WORKDIR.value, _STEP.value, _OUT.value,
-                              hf_dir=_HF_DIR.value, checkpoint=_CHECKPOINT.value)
+    result = trainer.evaluate(
+      _CONFIG.value,
+      _WORKDIR.value,
+      _STEP.value,
+      _OUT.value,
+      hf_dir=_HF_DIR.value,
+      checkpoint=_CHECKPOINT.value,
+    )
   except (FileNotFoundError, configuration.ConfigError, hf_export.ExportError) as e:
     # No checkpoint, no such HF directory or a value model's, a set that lost rows
     # (eval.strict): one line.

@@ -28,10 +28,8 @@ import sys
 from absl import flags, logging
 from ml_collections import config_flags
 
-from sao_jax.train import configuration
-from sao_jax.train import distributed
-from sao_jax.train import export
 from sao_jax.models import hf_export
+from sao_jax.train import configuration, distributed, export
 
 # --config files import the repository's `configs` package, which is not
 # installed: this checkout's root joins sys.path, whatever the working directory.
@@ -40,12 +38,18 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory holding checkpoints/.")
 _OUT = flags.DEFINE_string("out", None, "The policy's HF directory (new or empty).")
-_STEP = flags.DEFINE_string("step", None, "Training step: rl:N (or N) after N RL steps, "
-                            "sft:N after N SFT steps (default: the latest checkpoint).")
-_CHECKPOINT = flags.DEFINE_integer("checkpoint", None, "A checkpoint's number "
-                                   "(checkpoints/N), instead of --step.")
-_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"],
-                           "Tensor dtype in the files.")
+_STEP = flags.DEFINE_string(
+  "step",
+  None,
+  "Training step: rl:N (or N) after N RL steps, "
+  "sft:N after N SFT steps (default: the latest checkpoint).",
+)
+_CHECKPOINT = flags.DEFINE_integer(
+  "checkpoint", None, "A checkpoint's number (checkpoints/N), instead of --step."
+)
+_DTYPE = flags.DEFINE_enum(
+  "dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Tensor dtype in the files."
+)
 _SHARD_GB = flags.DEFINE_float("shard_gb", 5.0, "Most GiB of tensors per safetensors file.")
 _VALUE = flags.DEFINE_bool("value", True, "Also export the value model to OUT-value.")
 flags.mark_flags_as_required(["config", "workdir", "out"])
@@ -56,18 +60,31 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   distributed.initialize(_CONFIG.value.distributed)
   try:
-    result = export.export(_CONFIG.value, _WORKDIR.value, _OUT.value, _STEP.value,
-                           checkpoint=_CHECKPOINT.value, dtype=_DTYPE.value,
-                           shard_bytes=max(1, int(_SHARD_GB.value * 2**30)),
-                           value_out="" if _VALUE.value else None)
+    result = export.export(
+      _CONFIG.value,
+      _WORKDIR.value,
+      _OUT.value,
+      _STEP.value,
+      checkpoint=_CHECKPOINT.value,
+      dtype=_DTYPE.value,
+      shard_bytes=max(1, int(_SHARD_GB.value * 2**30)),
+      value_out="" if _VALUE.value else None,
+    )
   except (hf_export.ExportError, FileNotFoundError) as e:  # one line, no traceback
     print(f"error: {e}", file=sys.stderr, flush=True)
     sys.exit(2)
   if distributed.is_primary():
-    print(json.dumps({k: v if "skipped" in v else
-                      {f: v[f] for f in ("dir", "tensors", "bytes", "peak_host_bytes",
-                                         "seconds")} | {"files": len(v["files"])}
-                      for k, v in result.items()}))
+    print(
+      json.dumps(
+        {
+          k: v
+          if "skipped" in v
+          else {f: v[f] for f in ("dir", "tensors", "bytes", "peak_host_bytes", "seconds")}
+          | {"files": len(v["files"])}
+          for k, v in result.items()
+        }
+      )
+    )
 
 
 if __name__ == "__main__":

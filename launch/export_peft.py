@@ -26,9 +26,7 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from sao_jax.models import peft_export
-from sao_jax.train import configuration
-from sao_jax.train import distributed
-from sao_jax.train import export
+from sao_jax.train import configuration, distributed, export
 from sao_jax.train import run as run_lib
 
 # --config files import the repository's `configs` package, which is not
@@ -38,11 +36,13 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory holding checkpoints/.")
 _OUT = flags.DEFINE_string("out", None, "The adapter directory (created).")
-_STEP = flags.DEFINE_string("step", None, "Training step: rl:N (or N), sft:N; default the "
-                            "latest checkpoint.")
+_STEP = flags.DEFINE_string(
+  "step", None, "Training step: rl:N (or N), sft:N; default the latest checkpoint."
+)
 _CHECKPOINT = flags.DEFINE_integer("checkpoint", None, "A checkpoint's number instead.")
-_BASE = flags.DEFINE_string("base_model", None, "The base's HF directory or Hub id to "
-                            "record (default model.hf_dir).")
+_BASE = flags.DEFINE_string(
+  "base_model", None, "The base's HF directory or Hub id to record (default model.hf_dir)."
+)
 flags.mark_flags_as_required(["config", "workdir", "out"])
 
 
@@ -55,13 +55,18 @@ def main(argv):
   run = run_lib.load(config, _WORKDIR.value, number)
   try:
     if run.programs.lora is None:
-      raise ValueError("lora.enabled is False: the run trains the whole model; "
-                       "launch/export.py writes it")
+      raise ValueError(
+        "lora.enabled is False: the run trains the whole model; launch/export.py writes it"
+      )
     adapters = jax.device_get(run.state.policy)  # replicated: every process holds them
     if distributed.is_primary():
       result = peft_export.export_adapters(
-          adapters, run.model_cfg, run.programs.lora.adapters.actor, _OUT.value,
-          base_model=_BASE.value or config.model.hf_dir or None)
+        adapters,
+        run.model_cfg,
+        run.programs.lora.adapters.actor,
+        _OUT.value,
+        base_model=_BASE.value or config.model.hf_dir or None,
+      )
       print(json.dumps(result))
   except (ValueError, FileNotFoundError) as e:  # one line, no traceback
     print(f"error: {e}", file=sys.stderr, flush=True)

@@ -31,10 +31,10 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from sao_jax.train import configuration
+from sao_jax.config import sections
 from sao_jax.data import files
 from sao_jax.pod import hosts as pod
-from sao_jax.config import sections
+from sao_jax.train import configuration
 
 # --config files import the repository's `configs` package, which is not
 # installed: this checkout's root joins sys.path, whatever the working directory.
@@ -42,23 +42,38 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string(
-    "workdir", None, "Run directory every host sees: a shared POSIX path or gs://BUCKET/run.")
+  "workdir", None, "Run directory every host sees: a shared POSIX path or gs://BUCKET/run."
+)
 _EMIT = flags.DEFINE_enum(
-    "emit", "ray", ["ray", "jobset", "raycluster"],
-    "ray: run the job on Ray; jobset: write a Kubernetes JobSet; raycluster: write a KubeRay "
-    "RayCluster to run the Ray path on GKE.")
-_OUT = flags.DEFINE_string("out", None, "--emit=jobset/raycluster: write it here (default: "
-                           "stdout).")
-_NAME = flags.DEFINE_string("name", None, "--emit=jobset/raycluster: the name's prefix "
-                            "(default: the workdir's last component); a hash of the workdir "
-                            "follows it, so runs in different workdirs never share a name.")
-_RAY_ADDRESS = flags.DEFINE_string("ray_address", None, "Ray cluster to join ('auto': the "
-                                   "one this host belongs to); unset: a local Ray instance.")
+  "emit",
+  "ray",
+  ["ray", "jobset", "raycluster"],
+  "ray: run the job on Ray; jobset: write a Kubernetes JobSet; raycluster: write a KubeRay "
+  "RayCluster to run the Ray path on GKE.",
+)
+_OUT = flags.DEFINE_string(
+  "out", None, "--emit=jobset/raycluster: write it here (default: stdout)."
+)
+_NAME = flags.DEFINE_string(
+  "name",
+  None,
+  "--emit=jobset/raycluster: the name's prefix "
+  "(default: the workdir's last component); a hash of the workdir "
+  "follows it, so runs in different workdirs never share a name.",
+)
+_RAY_ADDRESS = flags.DEFINE_string(
+  "ray_address",
+  None,
+  "Ray cluster to join ('auto': the one this host belongs to); unset: a local Ray instance.",
+)
 _RAY_LOOPBACK = flags.DEFINE_bool(
-    "ray_loopback", False, "Local Ray only: run Ray and every host in a private network "
-    "namespace with only loopback, so nothing off this machine reaches Ray's ports (Ray "
-    "itself listens on every interface whatever --node-ip-address says); the job then "
-    "cannot reach the network either (sao_jax/pod/netns.py).")
+  "ray_loopback",
+  False,
+  "Local Ray only: run Ray and every host in a private network "
+  "namespace with only loopback, so nothing off this machine reaches Ray's ports (Ray "
+  "itself listens on every interface whatever --node-ip-address says); the job then "
+  "cannot reach the network either (sao_jax/pod/netns.py).",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -76,29 +91,35 @@ def config_overrides(argv) -> list[str]:
 
 def emit(config, section, config_file: str, overrides: list[str]) -> None:
   """Writes the job as a JobSet or a RayCluster, refusing one whose pods would not start."""
-  from sao_jax.pod import kube  # pylint: disable=g-import-not-at-top
+  from sao_jax.pod import kube
+
   workdir = _WORKDIR.value
   kube.check_storage(config, workdir, section)
   rel = os.path.relpath(os.path.abspath(config_file), pod.ROOT)
   config_file = rel if not rel.startswith("..") else config_file
   name = kube.job_name(_NAME.value or os.path.basename(os.path.normpath(workdir)), workdir)
   if _EMIT.value == "jobset":
-    from sao_jax.pod import jobset as pod_jobset  # pylint: disable=g-import-not-at-top
+    from sao_jax.pod import jobset as pod_jobset
+
     manifest = pod_jobset.jobset(name, config_file, workdir, overrides, section)
     then = f"kubectl apply -f {_OUT.value or 'FILE'}"
   else:
-    from sao_jax.pod import raycluster  # pylint: disable=g-import-not-at-top
+    from sao_jax.pod import raycluster
+
     manifest = raycluster.raycluster(name, section, _ray_version())
-    then = ("kubectl apply, then on its head: "
-            + " ".join(raycluster.driver_command(config_file, workdir, overrides)))
+    then = "kubectl apply, then on its head: " + " ".join(
+      raycluster.driver_command(config_file, workdir, overrides)
+    )
   text = json.dumps(manifest, indent=2) + "\n"
   if not _OUT.value:
     sys.stdout.write(text)
     return
   with open(_OUT.value, "w", encoding="utf-8") as f:
     f.write(text)
-  print(f"[pod] wrote {manifest['kind']} {name!r} ({section.trainer_hosts} trainer, "
-        f"{section.rollout_hosts} rollout hosts) to {_OUT.value}; then: {then}")
+  print(
+    f"[pod] wrote {manifest['kind']} {name!r} ({section.trainer_hosts} trainer, "
+    f"{section.rollout_hosts} rollout hosts) to {_OUT.value}; then: {then}"
+  )
 
 
 def _ray_version() -> str | None:
@@ -118,24 +139,33 @@ def main(argv):
     emit(config, section, config_file, overrides)
     return
   if _RAY_LOOPBACK.value:
-    from sao_jax.pod import netns  # pylint: disable=g-import-not-at-top
+    from sao_jax.pod import netns
+
     netns.check(_RAY_ADDRESS.value, _WORKDIR.value)
   try:
-    import ray  # pylint: disable=g-import-not-at-top
+    import ray
   except ImportError:
     raise sections.ConfigError("--emit=ray needs Ray: pip install -e '.[pod]'") from None
-  from sao_jax.pod import ray_runtime as pod_ray  # pylint: disable=g-import-not-at-top
+  from sao_jax.pod import ray_runtime as pod_ray
+
   workdir = files.absolute(_WORKDIR.value)
   hosts = pod.plan(os.path.abspath(config_file), workdir, overrides, section)
   if _RAY_ADDRESS.value:
-    ray.init(address=_RAY_ADDRESS.value, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
+    ray.init(
+      address=_RAY_ADDRESS.value,
+      include_dashboard=False,
+      log_to_driver=False,
+      configure_logging=False,
+    )
   else:
     # A local instance gets a logical CPU a host: the actors only watch their
     # host's process (what the processes compute is not Ray's to schedule).
     pod_ray.start_local(len(hosts), loopback=_RAY_LOOPBACK.value)
-  print(f"[pod] {len(hosts)} hosts on Ray ({section.trainer_hosts} trainer, "
-        f"{section.rollout_hosts} rollout); workdir {workdir}", flush=True)
+  print(
+    f"[pod] {len(hosts)} hosts on Ray ({section.trainer_hosts} trainer, "
+    f"{section.rollout_hosts} rollout); workdir {workdir}",
+    flush=True,
+  )
   try:
     code = pod_ray.Job(hosts, section, log=lambda line: print(line, flush=True)).run()
   finally:

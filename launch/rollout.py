@@ -23,8 +23,7 @@ import threading
 from absl import flags, logging
 from ml_collections import config_flags
 
-from sao_jax.train import configuration
-from sao_jax.train import fleet_worker
+from sao_jax.train import configuration, fleet_worker
 
 # --config files import the repository's `configs` package, which is not
 # installed: this checkout's root joins sys.path, whatever the working directory.
@@ -32,8 +31,9 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "The trainer's run directory.")
-_ROLLOUT_ID = flags.DEFINE_string("rollout_id", None,
-                                  "This process's name in shard names (letters, digits, _).")
+_ROLLOUT_ID = flags.DEFINE_string(
+  "rollout_id", None, "This process's name in shard names (letters, digits, _)."
+)
 flags.mark_flags_as_required(["config", "workdir", "rollout_id"])
 
 

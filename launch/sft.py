@@ -14,9 +14,7 @@ import sys
 from absl import flags, logging
 from ml_collections import config_flags
 
-from sao_jax.train import configuration
-from sao_jax.train import distributed
-from sao_jax.train import trainer
+from sao_jax.train import configuration, distributed, trainer
 
 # --config files import the repository's `configs` package, which is not
 # installed: this checkout's root joins sys.path, whatever the working directory.

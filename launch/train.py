@@ -13,17 +13,16 @@ import sys
 from absl import flags, logging
 from ml_collections import config_flags
 
-from sao_jax.train import configuration
-from sao_jax.train import distributed
-from sao_jax.train import trainer
+from sao_jax.train import configuration, distributed, trainer
 
 # --config files import the repository's `configs` package, which is not
 # installed: this checkout's root joins sys.path, whatever the working directory.
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None,
-                               "Run directory, a POSIX path or gs://BUCKET/run (resumes from it).")
+_WORKDIR = flags.DEFINE_string(
+  "workdir", None, "Run directory, a POSIX path or gs://BUCKET/run (resumes from it)."
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 

@@ -8,6 +8,6 @@ __version__ = "0.1.0"
 
 # Before anything imports JAX: an installed libtpu must not start (and print
 # its errors) on a host without a TPU (sao_jax/models/platforms.py).
-from sao_jax.models import platforms as _platforms  # pylint: disable=g-import-not-at-top
+from sao_jax.models import platforms as _platforms
 
 _platforms.keep_tpu_off_cpu_hosts()

@@ -12,16 +12,18 @@ import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
-                      os.path.join(tempfile.gettempdir(), "sao_jax_test_compile_cache"))
+os.environ.setdefault(
+  "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "sao_jax_test_compile_cache")
+)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 # What the tests' libraries write outside a test's tmp dir goes to one
 # scratch directory of this session's, removed at its end: libtpu's logs
 # (the AOT compile tests load it on purpose; else /tmp/tpu_logs) and Ray's
 # sessions (else /tmp/ray/session_*). xdist workers inherit the controller's.
 if "SAO_JAX_TEST_SCRATCH" not in os.environ:
-  import atexit  # pylint: disable=g-import-not-at-top,g-bad-import-order
-  import shutil  # pylint: disable=g-import-not-at-top,g-bad-import-order
+  import atexit
+  import shutil
+
   os.environ["SAO_JAX_TEST_SCRATCH"] = tempfile.mkdtemp(prefix="sao_jax_test_")
   atexit.register(shutil.rmtree, os.environ["SAO_JAX_TEST_SCRATCH"], True)
 os.environ.setdefault("TPU_LOG_DIR", os.path.join(os.environ["SAO_JAX_TEST_SCRATCH"], "tpu_logs"))
@@ -30,7 +32,7 @@ os.environ.setdefault("RAY_TMPDIR", os.path.join(os.environ["SAO_JAX_TEST_SCRATC
 # The suites sit beside the layer they test (tests/algo/, tests/models/, ...)
 # and share helpers by module name (`from test_trainer import demo_trajs`):
 # every test folder is importable, whichever file pytest collects first.
-import sys  # pylint: disable=g-import-not-at-top,g-bad-import-order
+import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # The repository root too: the config files import their bases as the
@@ -51,7 +53,8 @@ for _entry in sorted(os.listdir(_HERE)):
 # `make test-fast` runs those alone, in under 2 minutes on 2 cores. A test
 # marked `slow` in its file keeps that mark and no tier: `make test` runs
 # unit + integration, `make test-all` the slow ones too.
-INTEGRATION = frozenset({
+INTEGRATION = frozenset(
+  {
     "data/test_checkpoint_multiprocess.py",  # two checkpointing processes
     "transport/test_fleet.py",  # a fleet of trainer processes
     "data/test_gcs.py",  # a GCS emulator server
@@ -126,20 +129,26 @@ INTEGRATION = frozenset({
     "train/test_dis_diagnostics.py",
     "train/test_eval_sets.py",
     "train/test_train_step.py",
-})
+  }
+)
 
 
 def pytest_configure(config):
   # `make test` (CI) deselects these; `make test-all` runs them. Each one's
   # ground is covered in the default run by a named lighter test.
   config.addinivalue_line(
-      "markers", "slow: a heavy end-to-end test whose coverage the default run has "
-      "elsewhere (deselected by `make test`, run by `make test-all`)")
+    "markers",
+    "slow: a heavy end-to-end test whose coverage the default run has "
+    "elsewhere (deselected by `make test`, run by `make test-all`)",
+  )
   config.addinivalue_line(
-      "markers", "integration: launches the trainer, a subprocess, a server or a "
-      "multi-process fleet (tests/conftest.py INTEGRATION lists the files)")
+    "markers",
+    "integration: launches the trainer, a subprocess, a server or a "
+    "multi-process fleet (tests/conftest.py INTEGRATION lists the files)",
+  )
   config.addinivalue_line(
-      "markers", "unit: in one process, quick (`make test-fast` runs these alone)")
+    "markers", "unit: in one process, quick (`make test-fast` runs these alone)"
+  )
   moved = sorted(f for f in INTEGRATION if not os.path.isfile(os.path.join(_HERE, f)))
   if moved:
     raise pytest.UsageError(f"tests/conftest.py INTEGRATION names missing files: {moved}")
@@ -166,9 +175,9 @@ def pytest_collection_modifyitems(config, items):
     item.add_marker(pytest.mark.integration if path in INTEGRATION else pytest.mark.unit)
 
 
-import gc  # pylint: disable=g-import-not-at-top,g-bad-import-order
+import gc  # noqa: E402
 
-import pytest  # pylint: disable=g-import-not-at-top,g-bad-import-order
+import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -179,6 +188,7 @@ def _release_compiled_programs():
   trainer launch outgrow a 24 GB machine. The persistent compile cache
   above still turns the next file's compiles of the same programs into loads."""
   yield
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
+
   jax.clear_caches()
   gc.collect()

@@ -10,6 +10,7 @@ from sao_jax.models import policy
 
 class EchoEnv:
   """A fast fake environment: 2-4 turns, observations of varying length."""
+
   name, max_turns = "echo", 4
 
   def task(self, i):

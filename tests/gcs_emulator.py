@@ -18,8 +18,7 @@ import sys
 import time
 
 import pytest
-
-import runs  # pylint: disable=g-bad-import-order
+import runs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUCKET = "sao-test"
@@ -29,7 +28,8 @@ if importlib.util.find_spec("gcsfs") is None:
 if importlib.util.find_spec("gcp_storage_emulator") is None:
   MISSING.append("gcp-storage-emulator")
 needs_emulator = pytest.mark.skipif(
-    bool(MISSING), reason=f"NOT TESTED: {', '.join(MISSING)} not installed (test extra)")
+  bool(MISSING), reason=f"NOT TESTED: {', '.join(MISSING)} not installed (test extra)"
+)
 
 
 def client_env(port: int) -> dict:
@@ -37,20 +37,21 @@ def client_env(port: int) -> dict:
   url = f"http://127.0.0.1:{port}"
   closed = "127.0.0.1:9"  # the discard port: nothing listens
   return {
-      "STORAGE_EMULATOR_HOST": url,  # gcsfs, google-cloud-storage
-      "TENSORSTORE_GCS_HTTP_URL": url,
-      "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator",  # tensorstore: no credential search
-      "FSSPEC_GS_TOKEN": "anon",  # gcsfs: no credential search
-      # gcsfs's bucket-type probe speaks gRPC to Google's storage-control API.
-      "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
-      "NO_GCE_CHECK": "true", "GCE_METADATA_HOST": closed, "GCE_METADATA_IP": closed,
-      "GCE_METADATA_ROOT": closed,
-      "EPATH_USE_TF": "false",
+    "STORAGE_EMULATOR_HOST": url,  # gcsfs, google-cloud-storage
+    "TENSORSTORE_GCS_HTTP_URL": url,
+    "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator",  # tensorstore: no credential search
+    "FSSPEC_GS_TOKEN": "anon",  # gcsfs: no credential search
+    # gcsfs's bucket-type probe speaks gRPC to Google's storage-control API.
+    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+    "NO_GCE_CHECK": "true",
+    "GCE_METADATA_HOST": closed,
+    "GCE_METADATA_IP": closed,
+    "GCE_METADATA_ROOT": closed,
+    "EPATH_USE_TF": "false",
   }
 
 
 class Emulator:
-
   def __init__(self, port: int, proc: subprocess.Popen):
     self.port, self.proc = port, proc
     self.env = client_env(port)
@@ -60,7 +61,8 @@ class Emulator:
 
   def apply_here(self) -> None:
     """Points this (the pytest) process's clients at the emulator, until `stop`."""
-    import fsspec  # pylint: disable=g-import-not-at-top  # (its config reads the env once)
+    import fsspec  # (its config reads the env once)
+
     self._saved = {k: os.environ.get(k) for k in self.env}
     self._saved_token = fsspec.config.conf.setdefault("gs", {}).get("token")
     os.environ.update(self.env)
@@ -73,7 +75,8 @@ class Emulator:
       else:
         os.environ[k] = v
     if hasattr(self, "_saved_token"):
-      import fsspec  # pylint: disable=g-import-not-at-top
+      import fsspec
+
       if self._saved_token is None:
         fsspec.config.conf["gs"].pop("token", None)
       else:
@@ -88,9 +91,12 @@ class Emulator:
 
 def start(log_path: str) -> Emulator:
   port = runs.free_port()
-  log = open(log_path, "w", encoding="utf-8")  # pylint: disable=consider-using-with
-  proc = subprocess.Popen([sys.executable, os.path.join(HERE, "gcs_emulator_serve.py"),
-                           str(port), BUCKET], stdout=log, stderr=subprocess.STDOUT)
+  log = open(log_path, "w", encoding="utf-8")
+  proc = subprocess.Popen(
+    [sys.executable, os.path.join(HERE, "gcs_emulator_serve.py"), str(port), BUCKET],
+    stdout=log,
+    stderr=subprocess.STDOUT,
+  )
   deadline = time.time() + 60
   while time.time() < deadline:
     if proc.poll() is not None:

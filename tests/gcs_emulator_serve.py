@@ -24,7 +24,7 @@ def _download_with_generation(request, response, storage, *args, **kwargs):
   _download(request, response, storage, *args, **kwargs)
   try:
     obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
-  except Exception:  # pylint: disable=broad-except  # not found: the 404 stands
+  except Exception:  # noqa: BLE001  # not found: the 404 stands
     return
   response["x-goog-generation"] = str(obj["generation"])
   response["x-goog-metageneration"] = str(obj.get("metageneration", "1"))
@@ -32,7 +32,7 @@ def _download_with_generation(request, response, storage, *args, **kwargs):
 
 objects.download = _download_with_generation  # before the server's routes bind it
 
-from gcp_storage_emulator.server import create_server  # pylint: disable=g-import-not-at-top,wrong-import-position
+from gcp_storage_emulator.server import create_server  # noqa: E402
 
 
 def main() -> int:

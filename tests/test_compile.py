@@ -30,9 +30,10 @@ PROGRAMS = ("sft", "value", "rl", "prefill", "decode", "decode_loop")
 GIB = 2**30
 
 pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("libtpu") is None,
-    reason="NOT TESTED: libtpu (the TPU compiler) is not installed, so launch/compile.py "
-    "cannot compile anything; install the aot extra: pip install -e '.[aot]' (make test does)")
+  importlib.util.find_spec("libtpu") is None,
+  reason="NOT TESTED: libtpu (the TPU compiler) is not installed, so launch/compile.py "
+  "cannot compile anything; install the aot extra: pip install -e '.[aot]' (make test does)",
+)
 
 # The tiny model with the pod config's rules (fsdp / expert axes) on a mesh
 # of 4 chips, small rollout shapes; --rows / --length shrink the batches.
@@ -67,8 +68,8 @@ def run_compile(tmp_path, *args, timeout=600):
 
 def test_every_program_compiles_and_fits(tmp_path):
   rc, stdout, stderr, result = run_compile(
-      tmp_path, "--topology=v5e-4", "--rows=4", "--length=64",
-      "--config.model.overrides.num_layers=1")
+    tmp_path, "--topology=v5e-4", "--rows=4", "--length=64", "--config.model.overrides.num_layers=1"
+  )
   assert rc == 0, stdout[-3000:] + stderr[-3000:]
   # The Cloud TPU name maps to libtpu's, and the config's mesh is laid on it.
   assert result["topology"]["libtpu_name"] == "v5e:2x2"
@@ -81,8 +82,14 @@ def test_every_program_compiles_and_fits(tmp_path):
   assert result["ok"] is True
   assert set(result["programs"]) == set(PROGRAMS)
   # decode_loop: the driver's decode, at the config's rollout.decode_steps (1).
-  shapes = {"sft": "4x64", "value": "4x64", "rl": "4x64 K=2", "prefill": "4x64, cache 4x64",
-            "decode": "4x1, cache 4x64", "decode_loop": "4x1 x 1 steps, cache 4x64"}
+  shapes = {
+    "sft": "4x64",
+    "value": "4x64",
+    "rl": "4x64 K=2",
+    "prefill": "4x64, cache 4x64",
+    "decode": "4x1, cache 4x64",
+    "decode_loop": "4x1 x 1 steps, cache 4x64",
+  }
   for name, row in result["programs"].items():
     assert row["status"] == "FITS" and row["fits"], row
     assert row["shape"].startswith(shapes[name]), row
@@ -92,8 +99,13 @@ def test_every_program_compiles_and_fits(tmp_path):
     # Every program donates its state (train steps) or its cache (engine).
     assert row["alias_bytes"] > 0, name
     assert row["temp_bytes"] >= 0
-    assert row["total_bytes"] == (row["argument_bytes"] + row["output_bytes"]
-                                  - row["alias_bytes"] + row["temp_bytes"] + row["code_bytes"])
+    assert row["total_bytes"] == (
+      row["argument_bytes"]
+      + row["output_bytes"]
+      - row["alias_bytes"]
+      + row["temp_bytes"]
+      + row["code_bytes"]
+    )
     # The bound: ~0.1M parameters (policy + critic + two Adam moments each,
     # a few MiB) and [4, 64] batches need a few MiB; 256 MiB per chip leaves
     # room for the compiler's scratch and still catches a program that
@@ -125,16 +137,23 @@ def test_every_program_compiles_and_fits(tmp_path):
   # One table row per program, and progress lines while compiling.
   for name in PROGRAMS:
     assert f"[compile] {name}" in stdout
-    assert any(line.startswith(name) and line.rstrip().endswith("FITS")
-               for line in stdout.splitlines()), name
+    assert any(
+      line.startswith(name) and line.rstrip().endswith("FITS") for line in stdout.splitlines()
+    ), name
 
 
 def test_colocated_engine_is_added_to_the_train_step(tmp_path):
   # rollout.sharded_engine on the trainer's own mesh: the engine's params and
   # cache stay on the chips while the train step runs, and the run says so.
   rc, stdout, stderr, result = run_compile(
-      tmp_path, "--topology=v5e-4", "--programs=rl,decode", "--rows=4", "--length=64",
-      "--config.rollout.sharded_engine=True", "--config.model.overrides.num_layers=1")
+    tmp_path,
+    "--topology=v5e-4",
+    "--programs=rl,decode",
+    "--rows=4",
+    "--length=64",
+    "--config.rollout.sharded_engine=True",
+    "--config.model.overrides.num_layers=1",
+  )
   assert rc == 0, stdout[-3000:] + stderr[-3000:]
   assert result["rollout_engine"].startswith("mesh ")
   assert set(result["programs"]) == {"rl", "decode", "rl+eng"}
@@ -152,18 +171,30 @@ def test_paged_engine_compiles(tmp_path):
   # the page table; head_dim 128 so the decode step takes the Pallas
   # paged-attention kernel (under shard_map), prefill the gather path.
   rc, stdout, stderr, result = run_compile(
-      tmp_path, "--topology=v5e-4", "--programs=prefill,decode,decode_loop",
-      "--config.rollout.sharded_engine=True", "--config.rollout.kv_cache=paged",
-      "--config.model.overrides.head_dim=128", "--config.model.overrides.num_layers=1")
+    tmp_path,
+    "--topology=v5e-4",
+    "--programs=prefill,decode,decode_loop",
+    "--config.rollout.sharded_engine=True",
+    "--config.rollout.kv_cache=paged",
+    "--config.model.overrides.head_dim=128",
+    "--config.model.overrides.num_layers=1",
+  )
   assert rc == 0, stdout[-3000:] + stderr[-3000:]
   assert set(result["programs"]) == {"prefill", "decode", "decode_loop"}
   for r in result["programs"].values():
-    assert r["fits"] and ("cache 4x64 paged: 16 pages of 16 = 256 live tokens (1.000 of "
-                          "slots x max_len), mesh") in r["shape"]
+    assert (
+      r["fits"]
+      and ("cache 4x64 paged: 16 pages of 16 = 256 live tokens (1.000 of slots x max_len), mesh")
+      in r["shape"]
+    )
   # kv_pages 0: the dense size; the 4 slots split over the 4 chips, one a group.
   pool = result["rollout_pool"]
   assert (pool["kind"], pool["pages"], pool["page_size"], pool["live_tokens"]) == (
-      "paged", 16, 16, 256)
+    "paged",
+    16,
+    16,
+    256,
+  )
   assert (pool["groups"], pool["slots_per_group"], pool["live_tokens_per_group"]) == (4, 1, 64)
   assert pool["bytes_per_device"] <= result["programs"]["decode"]["argument_bytes"]
 
@@ -173,10 +204,19 @@ def test_the_rollout_slice_compiles_on_its_own_topology(tmp_path):
   # a mesh of its own, in one run: 16 slots in 8 groups of 2 paging into a
   # pool of half their dense cache (4 pages a group: one max_len trajectory).
   rc, stdout, stderr, result = run_compile(
-      tmp_path, "--topology=v5e-4", "--rollout_topology=v5e-8", "--config.rollout.mesh=data:-1",
-      "--programs=rl,decode", "--rows=4", "--length=64", "--config.rollout.sharded_engine=True",
-      "--config.rollout.slots=16", "--config.rollout.kv_cache=paged",
-      "--config.rollout.kv_pages=32", "--config.model.overrides.num_layers=1")
+    tmp_path,
+    "--topology=v5e-4",
+    "--rollout_topology=v5e-8",
+    "--config.rollout.mesh=data:-1",
+    "--programs=rl,decode",
+    "--rows=4",
+    "--length=64",
+    "--config.rollout.sharded_engine=True",
+    "--config.rollout.slots=16",
+    "--config.rollout.kv_cache=paged",
+    "--config.rollout.kv_pages=32",
+    "--config.model.overrides.num_layers=1",
+  )
   assert rc == 0, stdout[-3000:] + stderr[-3000:]
   assert result["rollout_topology"]["libtpu_name"] == "v5e:2x4"
   assert result["rollout_engine"] == "mesh {'data': 8}"
@@ -185,13 +225,13 @@ def test_the_rollout_slice_compiles_on_its_own_topology(tmp_path):
   assert "rl+eng" not in result["programs"]  # the engine is not on the trainer's chips
   assert set(result["programs"]) == {"rl", "decode", "decode+next", "rl+snapshot"}
   pool = result["rollout_pool"]
-  assert (pool["live_tokens"], pool["dense_tokens"], pool["fraction_of_dense"]) == (
-      512, 1024, 0.5)
+  assert (pool["live_tokens"], pool["dense_tokens"], pool["fraction_of_dense"]) == (512, 1024, 0.5)
   assert (pool["groups"], pool["slots_per_group"], pool["pages_per_group"]) == (8, 2, 4)
   assert pool["max_len_trajectories_per_group"] == 1.0
-  assert ("rollout KV paged: 32 pages of 16 = 512 live tokens, 0.500 of slots x max_len "
-          "(16 x 64), 8 slot groups of 2 slots: 64 a group; 1.00 max_len trajectories a group"
-          ) in stdout
+  assert (
+    "rollout KV paged: 32 pages of 16 = 512 live tokens, 0.500 of slots x max_len "
+    "(16 x 64), 8 slot groups of 2 slots: 64 a group; 1.00 max_len trajectories a group"
+  ) in stdout
   assert "= 512 live tokens (0.500 of slots x max_len)" in decode["shape"]
   assert "rollout KV paged" in result["table"]
   # The direct weight path's plan: a version is the engines' copy, pulled
@@ -208,8 +248,9 @@ def test_the_rollout_slice_compiles_on_its_own_topology(tmp_path):
   assert nxt["computed"] and nxt["fits"] and nxt["topology"] == "v5e:2x4"
   assert nxt["total_bytes"] == decode["total_bytes"] + transfer["standby_bytes_per_rollout_device"]
   assert transfer["standby_bytes_per_rollout_device"] > 0
-  assert snap["total_bytes"] == (rl["total_bytes"]
-                                 + 2 * transfer["snapshot_bytes_per_trainer_device"])
+  assert snap["total_bytes"] == (
+    rl["total_bytes"] + 2 * transfer["snapshot_bytes_per_trainer_device"]
+  )
   assert snap["headroom"] == pytest.approx(1 - snap["total_bytes"] / snap["hbm_bytes"])
   assert any(line.startswith("rl+snapshot") for line in stdout.splitlines())
   # The RL step's time from its own cost_analysis() at v5e's peak, and a
@@ -217,8 +258,9 @@ def test_the_rollout_slice_compiles_on_its_own_topology(tmp_path):
   step, version = result["step_time"], result["version_time"]
   assert step["available"] and step["device"] == "v5e" and step["mfu"] == 0.4
   assert step["flops_per_chip"] > 0 and step["bytes_accessed_per_chip"] > 0
-  assert step["seconds"] == pytest.approx(max(
-      step["flops_per_chip"] / (0.4 * 197e12), step["bytes_accessed_per_chip"] / 819e9))
+  assert step["seconds"] == pytest.approx(
+    max(step["flops_per_chip"] / (0.4 * 197e12), step["bytes_accessed_per_chip"] / 819e9)
+  )
   assert step["while_loops"] >= 1 and step["lower_bound"]  # the K critic updates' loop
   assert version["rollout_hosts_per_engine"] == 1
   assert version["bytes_per_rollout_host"] == transfer["bytes_per_rollout_engine"]
@@ -229,17 +271,24 @@ def test_the_rollout_slice_compiles_on_its_own_topology(tmp_path):
   analytic = step["analytic"]
   assert analytic["available"] and analytic["flops"]["total"] > 0
   assert analytic["seconds"] == pytest.approx(
-      analytic["flops"]["total"] / result["topology"]["devices"] / (0.4 * 197e12))
+    analytic["flops"]["total"] / result["topology"]["devices"] / (0.4 * 197e12)
+  )
   assert version["lag_steps_tcp_analytic"] == pytest.approx(
-      version["seconds_tcp"] / analytic["seconds"])
+    version["seconds_tcp"] / analytic["seconds"]
+  )
   assert "counted from the model's shape" in stdout
 
 
 def test_an_engine_whose_slots_do_not_split_is_refused_in_one_line(tmp_path):
   # Colocated on the trainer's 4 chips, 2 slots cannot split 4 ways.
   rc, stdout, stderr, _ = run_compile(
-      tmp_path, "--topology=v5e-4", "--programs=decode", "--config.rollout.slots=2",
-      "--config.rollout.sharded_engine=True", "--config.model.overrides.num_layers=1")
+    tmp_path,
+    "--topology=v5e-4",
+    "--programs=decode",
+    "--config.rollout.slots=2",
+    "--config.rollout.sharded_engine=True",
+    "--config.model.overrides.num_layers=1",
+  )
   assert rc == 2, stdout[-2000:] + stderr[-2000:]
   error = [ln for ln in stderr.splitlines() if ln.startswith("error:")]
   assert len(error) == 1 and "Traceback" not in stderr, stderr[-2000:]
@@ -251,8 +300,14 @@ def test_what_does_not_fit_fails_the_run_with_the_reason(tmp_path):
   # per chip: the TPU compiler refuses it. decode (the engine sharded over
   # the 4 chips this time) fits, but not with all of HBM to spare.
   rc, stdout, stderr, result = run_compile(
-      tmp_path, "--topology=v5e:2x2", "--programs=sft,decode", "--rows=2048",
-      "--length=4096", "--min_headroom=1.0", "--rollout_mesh=data:4")
+    tmp_path,
+    "--topology=v5e:2x2",
+    "--programs=sft,decode",
+    "--rows=2048",
+    "--length=4096",
+    "--min_headroom=1.0",
+    "--rollout_mesh=data:4",
+  )
   assert rc == 1, stdout[-3000:] + stderr[-3000:]
   assert "error: does not fit v5e:2x2" in stderr
   assert result["ok"] is False and set(result["programs"]) == {"sft", "decode"}
@@ -271,8 +326,13 @@ def test_a_topology_the_mesh_does_not_fit_is_refused_in_one_line(tmp_path):
   # v5p names count TensorCores: v5p-128 is 64 chips (4x4x4), and the pod
   # config's mesh (fsdp 16 x expert 8) needs a multiple of 128.
   config = os.path.join(ROOT, "configs", "sao_moe.py")
-  proc = subprocess.run([sys.executable, SCRIPT, f"--config={config}", "--topology=v5p-128"],
-                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+  proc = subprocess.run(
+    [sys.executable, SCRIPT, f"--config={config}", "--topology=v5p-128"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
   error = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
   assert len(error) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
@@ -283,12 +343,18 @@ def test_a_topology_the_mesh_does_not_fit_is_refused_in_one_line(tmp_path):
 def test_the_head_at_action_tokens_compiles_at_its_widest(tmp_path):
   """With data.logits_at_actions the RL batch carries action_index at its
   widest (A = L), as the trainer packs it for the head at action tokens."""
-  args = ("--topology=v5e-4", "--rows=4", "--length=64", "--programs=rl",
-          "--config.model.overrides.num_layers=1")
+  args = (
+    "--topology=v5e-4",
+    "--rows=4",
+    "--length=64",
+    "--programs=rl",
+    "--config.model.overrides.num_layers=1",
+  )
   rows = {}
   for flag in (False, True):
-    rc, stdout, stderr, result = run_compile(tmp_path, *args,
-                                             f"--config.data.logits_at_actions={flag}")
+    rc, stdout, stderr, result = run_compile(
+      tmp_path, *args, f"--config.data.logits_at_actions={flag}"
+    )
     assert rc == 0, stdout[-3000:] + stderr[-3000:]
     rows[flag] = result["programs"]["rl"]
     assert rows[flag]["fits"]
@@ -301,12 +367,19 @@ def test_routing_replay_compiles_with_its_batch_and_the_recording_engine(tmp_pat
   packing builds it) and the RL step and the recording engine's decode loop
   (which returns the fed tokens' choices) compile and fit."""
   rc, stdout, stderr, result = run_compile(
-      tmp_path, "--topology=v5e-4", "--rows=4", "--length=64", "--programs=rl,decode_loop",
-      "--config.model.overrides.num_layers=1", "--config.rl.routing_replay=True")
+    tmp_path,
+    "--topology=v5e-4",
+    "--rows=4",
+    "--length=64",
+    "--programs=rl,decode_loop",
+    "--config.model.overrides.num_layers=1",
+    "--config.rl.routing_replay=True",
+  )
   assert rc == 0, stdout[-3000:] + stderr[-3000:]
   assert result["programs"]["rl"]["fits"] and result["programs"]["decode_loop"]["fits"]
   # abstract_batch's fields and dtypes: packing's, routing [R, L, M, k] int16.
-  from sao_jax.data import packing  # pylint: disable=g-import-not-at-top
+  from sao_jax.data import packing
+
   example = packing.pack([], 1, (8,), routing=(1, 2))  # one MoE layer, top-2
   assert example["routing"].shape == (1, 8, 1, 2) and example["routing"].dtype == "int16"
   assert "[compile] rl: compiled" in stdout
@@ -316,7 +389,8 @@ def test_a_dense_scanned_model_compiles_on_one_chip(tmp_path):
   """The dense family on a single-chip slice (Colab's v5e-1): libtpu's host
   is set to the slice's one chip, and the dense stack compiles as one scan."""
   config = tmp_path / "tiny_dense.py"
-  config.write_text(textwrap.dedent('''\
+  config.write_text(
+    textwrap.dedent('''\
       """A tied dense Qwen3 toy, scanned, on one chip."""
       from configs import common
 
@@ -329,11 +403,25 @@ def test_a_dense_scanned_model_compiles_on_one_chip(tmp_path):
         c.rollout.slots = 4
         c.rollout.max_len = 64
         return c
-      '''))
+      ''')
+  )
   out = tmp_path / "compile.json"
-  proc = subprocess.run([sys.executable, SCRIPT, f"--config={config}", f"--out={out}",
-                         "--topology=v5e-1", "--programs=rl,decode", "--rows=2",
-                         "--length=64"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+  proc = subprocess.run(
+    [
+      sys.executable,
+      SCRIPT,
+      f"--config={config}",
+      f"--out={out}",
+      "--topology=v5e-1",
+      "--programs=rl,decode",
+      "--rows=2",
+      "--length=64",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   result = json.loads(out.read_text())
   assert result["ok"] and set(result["programs"]) == {"rl", "decode"}
@@ -343,22 +431,33 @@ def test_a_dense_scanned_model_compiles_on_one_chip(tmp_path):
 
 # Rank 2 on the tiny model's width 64: rank 16 would be a quarter of the width,
 # and the adapters of weights the tiny config does not shard are replicated.
-LORA = ("--config.lora.enabled=True", "--config.lora.rank=2",
-        "--config.lora.base_dtype=bfloat16", "--topology=v5e-4", "--rows=4", "--length=64",
-        "--config.model.overrides.num_layers=1")
+LORA = (
+  "--config.lora.enabled=True",
+  "--config.lora.rank=2",
+  "--config.lora.base_dtype=bfloat16",
+  "--topology=v5e-4",
+  "--rows=4",
+  "--length=64",
+  "--config.model.overrides.num_layers=1",
+)
 
 
 def _optimizer_bytes_per_chip(config) -> int:
   """The Adam moments a chip holds (shapes only: CPU devices, the config's mesh)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  from sao_jax.models import sharding  # pylint: disable=g-import-not-at-top
-  from sao_jax.train import factories  # pylint: disable=g-import-not-at-top
+  import jax
+
+  from sao_jax.models import sharding
+  from sao_jax.train import factories
+
   model_cfg = factories.build_model_config(config)
   mesh = sharding.make_mesh(dict(config.sharding.mesh), devices=jax.devices()[:4])
-  s = factories.build_programs(config, model_cfg, factories.step_config(config),
-                               mesh).abstract_state
-  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-             for x in jax.tree.leaves((s.policy_opt, s.critic_opt)))
+  s = factories.build_programs(
+    config, model_cfg, factories.step_config(config), mesh
+  ).abstract_state
+  return sum(
+    math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+    for x in jax.tree.leaves((s.policy_opt, s.critic_opt))
+  )
 
 
 def test_a_lora_config_compiles_with_its_bases(tmp_path):
@@ -370,7 +469,8 @@ def test_a_lora_config_compiles_with_its_bases(tmp_path):
   assert rc == 0, stdout[-3000:] + stderr[-3000:]
   assert result["programs"]["sft"]["fits"]
   lora_s, res = result["lora"], result["resident"]
-  from sao_jax.config import sections  # pylint: disable=g-import-not-at-top
+  from sao_jax.config import sections
+
   assert (lora_s["rank"], lora_s["alpha"], lora_s["base_dtype"]) == (2, 32.0, "bfloat16")
   assert tuple(lora_s["actor_targets"]) == sections.LORA_ACTOR_TARGETS
   assert "[compile] trainer: LoRA rank 2 (alpha 32)" in stdout and "bfloat16 base" in stdout
@@ -380,7 +480,7 @@ def test_a_lora_config_compiles_with_its_bases(tmp_path):
   assert res["base_bytes_per_chip"] > 0
   assert result["precision"]["param_dtype"] == "bfloat16"
   ns: dict = {}
-  exec(CONFIG, ns)  # pylint: disable=exec-used
+  exec(CONFIG, ns)  # noqa: S102
   config = ns["get_config"]()
   config.model.overrides = {"num_layers": 1}
   full = _optimizer_bytes_per_chip(config)

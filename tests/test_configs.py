@@ -5,11 +5,10 @@ import os
 import jax
 import numpy as np
 import pytest
+from runs import ROOT, load_config_module, shipped_configs
 
-from sao_jax.train import factories
 from sao_jax.models import policy
-
-from runs import ROOT, load_config_module, shipped_configs  # pylint: disable=g-bad-import-order
+from sao_jax.train import factories
 
 CONFIGS = [os.path.join(ROOT, "configs", n) for n in shipped_configs()]
 # The pod presets (their configs validate on 128 chips, a v5p-256) and the
@@ -42,9 +41,11 @@ def test_hybrid_pod_engine_splits_its_two_kv_heads_and_counts_the_slot_state():
   its mesh splits the 2 kv heads over "tensor" 2, "tensor:4" is refused,
   and the pool's bytes a chip are the 10 full-attention layers' pages plus
   every slot's DeltaNet state, counted by hand."""
-  from jax.sharding import AbstractMesh  # pylint: disable=g-import-not-at-top
-  from sao_jax.config import sections  # pylint: disable=g-import-not-at-top
-  from sao_jax.rollout import layout  # pylint: disable=g-import-not-at-top
+  from jax.sharding import AbstractMesh
+
+  from sao_jax.config import sections
+  from sao_jax.rollout import layout
+
   c = load_config_module("sao_qwen35_moe.py").get_config()
   cfg = factories.build_model_config(c)
   axes = sections.parse_mesh(c.rollout.mesh)
@@ -66,12 +67,24 @@ def test_hybrid_pod_engine_splits_its_two_kv_heads_and_counts_the_slot_state():
 
 def test_ablation_table_arms_all_have_configs():
   names = {os.path.basename(p)[:-3] for p in CONFIGS}
-  assert {"sao_tiny", "sao_sync", "grpo", "grpo_dis", "running_mean", "sao_k1",
-          "sao_no_freeze", "sao_token_gae", "sao_step_gae_mean", "sao_step_gae_last",
-          "sao_moe"} <= names
+  assert {
+    "sao_tiny",
+    "sao_sync",
+    "grpo",
+    "grpo_dis",
+    "running_mean",
+    "sao_k1",
+    "sao_no_freeze",
+    "sao_token_gae",
+    "sao_step_gae_mean",
+    "sao_step_gae_last",
+    "sao_moe",
+  } <= names
 
 
-@pytest.mark.parametrize("field,value,message", [
+@pytest.mark.parametrize(
+  "field,value,message",
+  [
     ("model.preset", "huge", "model.preset"),
     ("rl.mode", "semi", "rl.mode"),
     ("rl.advantage", "gae", "rl.advantage = 'gae': must be one of"),
@@ -83,9 +96,13 @@ def test_ablation_table_arms_all_have_configs():
     ("rollout.kv_pages", -1, "rollout.kv_pages = -1"),
     ("env.tool_latency_s", -0.5, r"env.tool_latency_s = -0.5: must be a finite number"),
     # A kill scheduled after the last RL step would never happen.
-    ("faults.sigkill_after_rl_step", 10**6,
-     r"faults.sigkill_after_rl_step = 1000000: must be <= rl.steps"),
-])
+    (
+      "faults.sigkill_after_rl_step",
+      10**6,
+      r"faults.sigkill_after_rl_step = 1000000: must be <= rl.steps",
+    ),
+  ],
+)
 def test_bad_config_fails_fast(field, value, message):
   c = load_config_module("grpo.py").get_config()
   section, name = field.split(".")
@@ -94,10 +111,13 @@ def test_bad_config_fails_fast(field, value, message):
     factories.validate_config(c)
 
 
-@pytest.mark.parametrize("page_size,kv_pages,message", [
+@pytest.mark.parametrize(
+  "page_size,kv_pages,message",
+  [
     (24, 0, "rollout.page_size = 24: must be a divisor of rollout.max_len"),
     (16, 8, "rollout.kv_pages = 8: must be 0 or >= rollout.max_len / rollout.page_size"),
-])
+  ],
+)
 def test_bad_paged_cache_fails_fast(page_size, kv_pages, message):
   c = load_config_module("sao_tiny.py").get_config()
   c.rollout.kv_cache, c.rollout.page_size, c.rollout.kv_pages = "paged", page_size, kv_pages
@@ -107,17 +127,31 @@ def test_bad_paged_cache_fails_fast(page_size, kv_pages, message):
   factories.validate_config(c)
 
 
-@pytest.mark.parametrize("text,value", [
-    ("2", 2), ("0.5", 0.5), ("True", True), ("true", True), ("FALSE", False),
-    ("(1, 2)", (1, 2)), ("{'a': 1}", {"a": 1}), ("splash", "splash"), ("", "")])
+@pytest.mark.parametrize(
+  "text,value",
+  [
+    ("2", 2),
+    ("0.5", 0.5),
+    ("True", True),
+    ("true", True),
+    ("FALSE", False),
+    ("(1, 2)", (1, 2)),
+    ("{'a': 1}", {"a": 1}),
+    ("splash", "splash"),
+    ("", ""),
+  ],
+)
 def test_override_values_parse_as_literals_else_text(text, value):
-  from sao_jax.train.configuration import parse_literal  # pylint: disable=g-import-not-at-top
+  from sao_jax.train.configuration import parse_literal
+
   assert parse_literal(text) == value and type(parse_literal(text)) is type(value)
 
 
 def test_write_json_replaces_whole_and_leaves_no_temporary(tmp_path):
-  import json  # pylint: disable=g-import-not-at-top
-  from sao_jax.data import files  # pylint: disable=g-import-not-at-top
+  import json
+
+  from sao_jax.data import files
+
   path = tmp_path / "sub" / "x.json"
   files.write_json(str(path), {"a": 1})
   files.write_json(str(path), {"b": [1, 2]}, indent=2)

@@ -8,12 +8,36 @@ import subprocess
 import numpy as np
 import pytest
 
-from experiments import dis_stability, gae_ablations, headline, lr_by_lag, lr_sweep, online, runner
-from experiments import rollout_backend, routing_replay, stability, stats, system, value_ablations
+from experiments import (
+  dis_stability,
+  gae_ablations,
+  headline,
+  lr_by_lag,
+  lr_sweep,
+  online,
+  rollout_backend,
+  routing_replay,
+  runner,
+  stability,
+  stats,
+  system,
+  value_ablations,
+)
 from sao_jax.train import configuration
 
-FINDINGS = (headline, stability, value_ablations, gae_ablations, online, system, lr_sweep,
-            dis_stability, lr_by_lag, routing_replay, rollout_backend)
+FINDINGS = (
+  headline,
+  stability,
+  value_ablations,
+  gae_ablations,
+  online,
+  system,
+  lr_sweep,
+  dis_stability,
+  lr_by_lag,
+  routing_replay,
+  rollout_backend,
+)
 
 
 @pytest.mark.parametrize("module", FINDINGS, ids=lambda m: m.FINDING.name)
@@ -22,8 +46,9 @@ def test_every_arm_is_a_valid_config_and_the_reference_is_an_arm(module):
   assert f.arm(f.reference)
   assert len({a.name for a in f.arms}) == len(f.arms)
   for arm in f.arms:
-    configuration.validate(runner.load_config(arm.config, {**f.overrides, **arm.overrides}),
-                           num_devices=8)
+    configuration.validate(
+      runner.load_config(arm.config, {**f.overrides, **arm.overrides}), num_devices=8
+    )
 
 
 def test_arms_differing_only_in_rl_share_one_sft_start_and_others_do_not():
@@ -52,27 +77,40 @@ def test_bootstrap_ci_matches_a_numpy_loop_and_covers_the_mean():
 
 
 def _fake_run(sft, final, steps=10):
-  return {"sft_pass@1": sft, "final_pass@1": final, "gain": final - sft, "final_stderr": 0.02,
-          "rl_steps": steps, "generated_tokens": 1000, "wall_s": 5.0, "evals": [],
-          "lag_mean": 1.0, "lag_max": 3.0,
-          "curves": {"step": list(range(1, steps + 1)),
-                     "rollout/reward_mean": list(np.linspace(sft, final, steps)),
-                     "rollout/generated_tokens_total": list(range(100, 100 * steps + 1, 100)),
-                     "policy_lag/mean": [1.0] * steps}}
+  return {
+    "sft_pass@1": sft,
+    "final_pass@1": final,
+    "gain": final - sft,
+    "final_stderr": 0.02,
+    "rl_steps": steps,
+    "generated_tokens": 1000,
+    "wall_s": 5.0,
+    "evals": [],
+    "lag_mean": 1.0,
+    "lag_max": 3.0,
+    "curves": {
+      "step": list(range(1, steps + 1)),
+      "rollout/reward_mean": list(np.linspace(sft, final, steps)),
+      "rollout/generated_tokens_total": list(range(100, 100 * steps + 1, 100)),
+      "policy_lag/mean": [1.0] * steps,
+    },
+  }
 
 
 def test_aggregate_pairs_arms_by_seed_and_writes_table_and_plot(tmp_path):
   f = headline.FINDING
-  runs = {"sao": {0: _fake_run(.4, .6), 1: _fake_run(.5, .7), 2: _fake_run(.45, .65)},
-          "grpo": {0: _fake_run(.4, .5), 1: _fake_run(.5, .55)}}  # seed 2 unfinished
+  runs = {
+    "sao": {0: _fake_run(0.4, 0.6), 1: _fake_run(0.5, 0.7), 2: _fake_run(0.45, 0.65)},
+    "grpo": {0: _fake_run(0.4, 0.5), 1: _fake_run(0.5, 0.55)},
+  }  # seed 2 unfinished
   result = runner.aggregate(f, runs)
   assert set(result["arms"]) == {"sao", "grpo"}
   sao = result["arms"]["sao"]
-  assert sao["final_pass@1"]["mean"] == pytest.approx(.65)
-  assert sao["final_pass@1"]["std"] == pytest.approx(np.std([.6, .7, .65], ddof=1))
+  assert sao["final_pass@1"]["mean"] == pytest.approx(0.65)
+  assert sao["final_pass@1"]["std"] == pytest.approx(np.std([0.6, 0.7, 0.65], ddof=1))
   vs = result["arms"]["grpo"]["vs_reference"]
-  assert vs["paired_seeds"] == [0, 1] and vs["per_seed"] == pytest.approx([-.1, -.15])
-  assert vs["mean_diff"] == pytest.approx(-.125)
+  assert vs["paired_seeds"] == [0, 1] and vs["per_seed"] == pytest.approx([-0.1, -0.15])
+  assert vs["mean_diff"] == pytest.approx(-0.125)
   # Two seeds: the t-interval (t_0.975,1 = 12.7) spans 0, and p is 0.5.
   assert not vs["excludes_zero"] and vs["t_ci95"][0] < 0 < vs["t_ci95"][1]
   assert vs["sign_flip_p"] == pytest.approx(0.5) and vs["n"] == 2
@@ -114,16 +152,22 @@ def test_online_analysis_reads_the_schedule_of_the_runs_set_overrides(tmp_path):
     return online.steps_to_recover(finding, runs)
 
   f = dataclasses.replace(online.FINDING, analyze=analyze)
-  result = runner.run_finding(f, seeds=[0], aggregate_only=True, workdir=str(tmp_path / "w"),
-                              results=str(tmp_path / "r"),
-                              extra_overrides={"env.kwargs.switch_every": 640})
+  result = runner.run_finding(
+    f,
+    seeds=[0],
+    aggregate_only=True,
+    workdir=str(tmp_path / "w"),
+    results=str(tmp_path / "r"),
+    extra_overrides={"env.kwargs.switch_every": 640},
+  )
   assert seen["overrides"]["env.kwargs.switch_every"] == 640
   assert result["overrides"]["env.kwargs.switch_every"] == 640
   steps = np.arange(1, 81)
   reward = np.where((steps > 40) & (steps <= 45), 0.0, 0.9)  # one shift, at step 40
   run = {"curves": {"step": steps.tolist(), "rollout/reward_mean": reward.tolist()}}
-  out = online.steps_to_recover(dataclasses.replace(online.FINDING, overrides=seen["overrides"]),
-                                {"sao": {0: run}})
+  out = online.steps_to_recover(
+    dataclasses.replace(online.FINDING, overrides=seen["overrides"]), {"sao": {0: run}}
+  )
   assert out["steps_to_recover_80pct"]["sao"]["per_seed"][0] == [7]
 
 
@@ -132,14 +176,20 @@ def test_online_recovery_reads_each_runs_schedule_and_success_not_partial_credit
   # the --set that ran it), and with quality_credit 0.2 a policy stuck on the
   # old style keeps a mean reward of ~0.2: only the full-reward share
   # (rollout/success_frac) says whether it re-adapted.
-  config = runner.load_config("sao_online", {"env.kwargs.switch_every": 640,
-                                             "env.kwargs.quality_credit": 0.2}).to_dict()
+  config = runner.load_config(
+    "sao_online", {"env.kwargs.switch_every": 640, "env.kwargs.quality_credit": 0.2}
+  ).to_dict()
   steps = np.arange(1, 121)  # shifts at 40 and 80
   success = np.where(steps <= 40, 0.9, 0.0)  # never re-adapts
   reward = np.where(steps <= 40, 0.92, 0.2)  # the credit of the old style's lines
-  stuck = {"config": config, "curves": {"step": steps.tolist(),
-                                         "rollout/reward_mean": reward.tolist(),
-                                         "rollout/success_frac": success.tolist()}}
+  stuck = {
+    "config": config,
+    "curves": {
+      "step": steps.tolist(),
+      "rollout/reward_mean": reward.tolist(),
+      "rollout/success_frac": success.tolist(),
+    },
+  }
   out = online.steps_to_recover(online.FINDING, {"sao": {0: stuck}})["steps_to_recover_80pct"]
   # Only the shift at 40 follows a learned style, and it is not regained (on
   # the mean reward the shift at 80 would count and "recover" at once).
@@ -153,8 +203,13 @@ def test_system_target_is_relative_to_each_seeds_sft_start():
     rec["evals"] = [{"time": t, "eval/pass@1": p} for t, p in evals]
     rec["curves"]["trainer/idle_fraction"] = [0.5, idle]
     return rec
-  runs = {"sao": {0: run(0.2, [(10.0, 0.22), (20.0, 0.26), (30.0, 0.3)], 0.1),
-                  1: run(0.5, [(12.0, 0.52), (24.0, 0.54)], 0.3)}}
+
+  runs = {
+    "sao": {
+      0: run(0.2, [(10.0, 0.22), (20.0, 0.26), (30.0, 0.3)], 0.1),
+      1: run(0.5, [(12.0, 0.52), (24.0, 0.54)], 0.3),
+    }
+  }
   out = system.time_to_target(system.FINDING, runs)["by_arm"]["sao"]
   # Seed 0 reaches 0.25 at its second evaluation; seed 1 never reaches 0.55.
   assert out["seconds_to_target"] == {0: 20.0, 1: None}
@@ -166,9 +221,19 @@ def test_system_target_is_relative_to_each_seeds_sft_start():
 
 def test_smoke_grid_end_to_end(tmp_path):
   """Shared SFT start, copied per arm, token budget, collection, JSON + PNG."""
-  result = runner.main(headline.FINDING, [
-      "--smoke", "--in_process", "--arms", "sao,grpo_sync", "--workdir", str(tmp_path / "w"),
-      "--results", str(tmp_path / "r")])
+  result = runner.main(
+    headline.FINDING,
+    [
+      "--smoke",
+      "--in_process",
+      "--arms",
+      "sao,grpo_sync",
+      "--workdir",
+      str(tmp_path / "w"),
+      "--results",
+      str(tmp_path / "r"),
+    ],
+  )
   assert set(result["arms"]) == {"sao", "grpo_sync"}
   sft_dirs = os.listdir(tmp_path / "w" / "sft")
   assert len(sft_dirs) == 1  # one SFT start served both arms
@@ -179,8 +244,10 @@ def test_smoke_grid_end_to_end(tmp_path):
     # Both arms start from the same SFT evaluation; each stops at its budget
     # (or the step ceiling).
     assert summary["sft_pass@1"] == result["arms"]["sao"]["sft_pass@1"]["per_seed"][0]
-    assert (summary["generated_tokens"] >= plan["budget_tokens"]
-            or summary["rl_steps"] == runner.SMOKE_BUDGET_STEPS)
+    assert (
+      summary["generated_tokens"] >= plan["budget_tokens"]
+      or summary["rl_steps"] == runner.SMOKE_BUDGET_STEPS
+    )
     # Each run records the commit it ran on, and results.json carries it per seed.
     assert plan["commit"] == runner.git_commit()
   saved = json.load(open(tmp_path / "r" / "results.json", encoding="utf-8"))
@@ -191,7 +258,7 @@ def test_smoke_grid_end_to_end(tmp_path):
 
 
 def test_a_run_held_by_another_runner_is_skipped_not_run_twice(tmp_path):
-  import fcntl  # pylint: disable=g-import-not-at-top
+  import fcntl
 
   def launch(*args):
     raise AssertionError(f"launched {args}")
@@ -211,33 +278,44 @@ def test_a_grid_extended_in_a_new_checkout_carries_the_committed_runs_over(tmp_p
   f = dataclasses.replace(headline.FINDING, budget_steps=20)
   results = tmp_path / "r"
   results.mkdir()
-  earlier = {"smoke": False, "budget_steps": 20, "overrides": dict(f.overrides),
-             "runs": {"sao": {"0": _fake_run(.4, .6), "1": _fake_run(.5, .7)},
-                      "grpo": {"0": _fake_run(.4, .5)}}}
+  earlier = {
+    "smoke": False,
+    "budget_steps": 20,
+    "overrides": dict(f.overrides),
+    "runs": {
+      "sao": {"0": _fake_run(0.4, 0.6), "1": _fake_run(0.5, 0.7)},
+      "grpo": {"0": _fake_run(0.4, 0.5)},
+    },
+  }
   (results / "results.json").write_text(json.dumps(earlier), encoding="utf-8")
   rdir = runner.run_dir(str(tmp_path / "w"), f, f.arm("sao"), 2)
   os.makedirs(rdir)
-  summary = {"sft_pass@1": .3, "final_pass@1": .45, "rl_steps": 20,
-             "evals": {"final": {"pass@1_stderr": .02}}}
+  summary = {
+    "sft_pass@1": 0.3,
+    "final_pass@1": 0.45,
+    "rl_steps": 20,
+    "evals": {"final": {"pass@1_stderr": 0.02}},
+  }
   (open(os.path.join(rdir, "summary.json"), "w", encoding="utf-8")).write(json.dumps(summary))
-  args = dict(seeds=range(3), aggregate_only=True, workdir=str(tmp_path / "w"),
-              results=str(results))
+  args = dict(
+    seeds=range(3), aggregate_only=True, workdir=str(tmp_path / "w"), results=str(results)
+  )
   result = runner.run_finding(f, budget_steps=20, **args)
-  assert result["arms"]["sao"]["final_pass@1"]["per_seed"] == pytest.approx([.6, .7, .45])
+  assert result["arms"]["sao"]["final_pass@1"]["per_seed"] == pytest.approx([0.6, 0.7, 0.45])
   assert result["arms"]["grpo"]["seeds"] == [0]
   assert sorted(result["carried_over"]) == ["grpo/seed_0", "sao/seed_0", "sao/seed_1"]
   # What it wrote keeps the carried runs, so a further extension finds them.
   again = runner.run_finding(f, budget_steps=20, **args)
-  assert again["arms"]["sao"]["final_pass@1"]["per_seed"] == pytest.approx([.6, .7, .45])
+  assert again["arms"]["sao"]["final_pass@1"]["per_seed"] == pytest.approx([0.6, 0.7, 0.45])
   # Another reference arm: the pairs are taken against it.
   vs_grpo = runner.run_finding(f, budget_steps=20, reference="grpo", **args)
   assert vs_grpo["reference"] == "grpo"
-  assert vs_grpo["arms"]["sao"]["vs_reference"]["per_seed"] == pytest.approx([.1])
+  assert vs_grpo["arms"]["sao"]["vs_reference"]["per_seed"] == pytest.approx([0.1])
   with pytest.raises(KeyError):
     runner.run_finding(f, budget_steps=20, reference="nope", **args)
   # Seed 2 alone (`--first_seed 2 --seeds 1`): seeds 0-1 stay in the file.
   alone = runner.run_finding(f, budget_steps=20, **dict(args, seeds=range(2, 3)))
-  assert alone["arms"]["sao"]["final_pass@1"]["per_seed"] == pytest.approx([.6, .7, .45])
+  assert alone["arms"]["sao"]["final_pass@1"]["per_seed"] == pytest.approx([0.6, 0.7, 0.45])
   saved = json.loads((results / "results.json").read_text(encoding="utf-8"))
   assert sorted(saved["runs"]["sao"]) == ["0", "1", "2"] and list(saved["runs"]["grpo"]) == ["0"]
   # Another budget: the committed runs are not comparable and are not used.
@@ -246,9 +324,9 @@ def test_a_grid_extended_in_a_new_checkout_carries_the_committed_runs_over(tmp_p
 
 
 def test_headline_reward_by_quarter_says_whether_a_curve_still_rises():
-  flat = _fake_run(.4, .6, steps=40)
+  flat = _fake_run(0.4, 0.6, steps=40)
   flat["curves"]["rollout/reward_mean"] = [0.2] * 10 + [0.5] * 10 + [0.6] * 20
-  rising = _fake_run(.4, .6, steps=40)
+  rising = _fake_run(0.4, 0.6, steps=40)
   rising["curves"]["rollout/reward_mean"] = list(np.linspace(0.0, 0.8, 40))
   out = headline.reward_by_quarter(headline.FINDING, {"sao": {0: flat, 1: rising}})
   sao = out["training_reward_by_quarter"]["sao"]
@@ -264,20 +342,32 @@ def test_lr_sweep_arms_differ_only_in_actor_lr_and_compare_each_at_its_best():
   assert common.rl.actor_lr == lr_sweep.DEFAULT_LR
   key = lambda arm: runner.sft_key(runner.load_config(arm.config, arm.overrides))
   assert len({key(a) for a in f.arms}) == 1  # one SFT start per seed for all six
-  assert sorted(runner.load_config(a.config, a.overrides).rl.actor_lr
-                for a in f.arms) == sorted(lr_sweep.LRS * 2 + (1e-3,))
-  assert runner.load_config("sao_tiny", f.arm("sao_ppo_lr1e-03").overrides
-                            ).rl.policy_loss == "ppo_clip"
+  assert sorted(runner.load_config(a.config, a.overrides).rl.actor_lr for a in f.arms) == sorted(
+    lr_sweep.LRS * 2 + (1e-3,)
+  )
+  assert (
+    runner.load_config("sao_tiny", f.arm("sao_ppo_lr1e-03").overrides).rl.policy_loss == "ppo_clip"
+  )
   # SAO is best at 1e-4 (one collapse at 1e-3), GRPO at 1e-3.
-  finals = {"sao_lr1e-04": (.62, .60, .58), "sao": (.55, .50, .60), "sao_lr1e-03": (.50, .0, .55),
-            "grpo_sync_lr1e-04": (.45, .45, .45), "grpo_sync": (.50, .52, .48),
-            "grpo_sync_lr1e-03": (.56, .57, .58), "sao_ppo_lr1e-03": (.60, .50, .55)}
-  runs = {arm: {s: _fake_run(.4, v) for s, v in enumerate(vals)} for arm, vals in finals.items()}
+  finals = {
+    "sao_lr1e-04": (0.62, 0.60, 0.58),
+    "sao": (0.55, 0.50, 0.60),
+    "sao_lr1e-03": (0.50, 0.0, 0.55),
+    "grpo_sync_lr1e-04": (0.45, 0.45, 0.45),
+    "grpo_sync": (0.50, 0.52, 0.48),
+    "grpo_sync_lr1e-03": (0.56, 0.57, 0.58),
+    "sao_ppo_lr1e-03": (0.60, 0.50, 0.55),
+  }
+  runs = {arm: {s: _fake_run(0.4, v) for s, v in enumerate(vals)} for arm, vals in finals.items()}
   out = lr_sweep.best_lr_comparison(f, runs)["lr_sweep"]
   assert out["sao"]["best_lr"] == 1e-4 and out["grpo_sync"]["best_lr"] == 1e-3
   assert out["sao"]["by_lr"]["0.001"]["collapsed"] == 1
-  assert out["sao"]["by_lr"]["0.0003"] == {"arm": "sao", "mean_final": pytest.approx(0.55),
-                                           "collapsed": 0, "seeds": 3}
+  assert out["sao"]["by_lr"]["0.0003"] == {
+    "arm": "sao",
+    "mean_final": pytest.approx(0.55),
+    "collapsed": 0,
+    "seeds": 3,
+  }
   best = out["best_vs_best"]
   assert best["arms"] == ["sao_lr1e-04", "grpo_sync_lr1e-03"]
   assert best["per_seed"] == pytest.approx([0.06, 0.03, 0.0])
@@ -292,7 +382,8 @@ def test_dis_stability_clopper_pearson_matches_known_intervals():
   assert cp(8, 8) == pytest.approx((0.6306, 1.0), abs=1e-4)
   assert cp(3, 10) == pytest.approx((0.0667, 0.6525), abs=1e-4)
   # The defining tails: P(X >= k | lo) = P(X <= k | hi) = 2.5%.
-  from scipy import stats  # pylint: disable=g-import-not-at-top
+  from scipy import stats
+
   lo, hi = cp(9, 34)
   assert stats.binom.sf(8, 34, lo) == pytest.approx(0.025)
   assert stats.binom.cdf(9, 34, hi) == pytest.approx(0.025)
@@ -323,8 +414,10 @@ def test_dis_stability_arms_share_one_sft_start_and_differ_in_what_they_say():
   assert cfg("dis_kl_q64").rl.policy_loss == "dis_rollout_kl"
   assert cfg("cispo_q64").rl.policy_loss == "cispo_two_sided"
   # What these arms ran: k3 with a token mean, not the loss's k2 / sequence default.
-  assert (cfg("dis_kl_stale").rl.rollout_kl_estimator, cfg("dis_kl_stale").rl.rollout_kl_reduction
-          ) == ("k3", "token")
+  assert (
+    cfg("dis_kl_stale").rl.rollout_kl_estimator,
+    cfg("dis_kl_stale").rl.rollout_kl_reduction,
+  ) == ("k3", "token")
   assert all(a in names and b in names for a, b in dis_stability.CONTRASTS)
 
 
@@ -338,14 +431,21 @@ def test_dis_stability_counts_collapses_relative_to_the_sft_start(tmp_path):
   dis = {s: _fake_run(0.4, v) for s, v in enumerate((0.0, 0.5, 0.01, 0.6, 0.45))}
   for s, rec in dis.items():
     steps = len(rec["curves"]["step"])
-    rec["curves"].update({"policy/approx_kl": [0.01] * (steps - 1) + [0.05],
-                          "dis/tokens_lag0": [10] * steps, "dis/tokens_lag1": [30] * steps})
-    rec["curves"].update({f"dis/tokens_{b}": [0] * steps
-                          for b in ("lag2", "lag3_4", "lag5_8", "lag9up")})
+    rec["curves"].update(
+      {
+        "policy/approx_kl": [0.01] * (steps - 1) + [0.05],
+        "dis/tokens_lag0": [10] * steps,
+        "dis/tokens_lag1": [30] * steps,
+      }
+    )
+    rec["curves"].update(
+      {f"dis/tokens_{b}": [0] * steps for b in ("lag2", "lag3_4", "lag5_8", "lag9up")}
+    )
     rec["curves"]["dis/ratio_q99_lag1"] = [1.5] * steps
   grpo = {s: _fake_run(0.4, 0.5) for s in range(4)}  # seed 4 unfinished
-  out = dis_stability.collapse_rates(f, {"dis_q64": dis, "grpo_sync": grpo,
-                                         "ppo_q64": {0: _fake_run(0.4, 0.5)}})
+  out = dis_stability.collapse_rates(
+    f, {"dis_q64": dis, "grpo_sync": grpo, "ppo_q64": {0: _fake_run(0.4, 0.5)}}
+  )
   rec = out["by_arm"]["dis_q64"]
   assert (rec["runs"], rec["collapses"], rec["collapsed_seeds"]) == (5, 2, [0, 2])
   assert rec["rate"] == 0.4
@@ -365,10 +465,12 @@ def test_dis_stability_counts_collapses_relative_to_the_sft_start(tmp_path):
   row = next(line for line in md if line.startswith("| async SAO, DIS (0.2, 0.28), queue 64 |"))
   assert "| 5 | 2 | 40% | [0.05, 0.85] |" in row and "| 1.00 |" in row
   assert next(line for line in md if line.startswith("| sync GRPO")).endswith(
-      "| reference | 1.00 |")
+    "| reference | 1.00 |"
+  )
   # The runner writes the table into results.md as markdown, the rest as JSON.
-  result = runner.run_finding(f, seeds=range(5), aggregate_only=True,
-                              workdir=str(tmp_path / "w"), results=str(tmp_path / "r"))
+  result = runner.run_finding(
+    f, seeds=range(5), aggregate_only=True, workdir=str(tmp_path / "w"), results=str(tmp_path / "r")
+  )
   text = (tmp_path / "r" / "results.md").read_text(encoding="utf-8")
   assert "| arm | runs | collapses | rate | 95% CI |" in text
   assert '"markdown"' not in text and result["analysis"]["by_arm"] == {}
@@ -381,9 +483,19 @@ def test_dis_stability_smoke_grid(tmp_path):
   (One arm keeps it short; the grid's other arms differ only in config
   fields, which the arm test above validates.)
   """
-  result = runner.main(dis_stability.FINDING, [
-      "--smoke", "--in_process", "--arms", "dis_stale", "--workdir",
-      str(tmp_path / "w"), "--results", str(tmp_path / "r")])
+  result = runner.main(
+    dis_stability.FINDING,
+    [
+      "--smoke",
+      "--in_process",
+      "--arms",
+      "dis_stale",
+      "--workdir",
+      str(tmp_path / "w"),
+      "--results",
+      str(tmp_path / "r"),
+    ],
+  )
   assert set(result["arms"]) == {"dis_stale"}
   rec = result["analysis"]["by_arm"]["dis_stale"]
   assert rec["runs"] == 1 and rec["collapses"] in (0, 1) and rec["lag_mean"] is not None
@@ -394,11 +506,14 @@ def test_dis_stability_smoke_grid(tmp_path):
 
 
 def test_check_commits_refuses_an_arm_whose_seeds_ran_on_two_commits():
-  runs = {"sao": {0: dict(_fake_run(.4, .6), commit="aaa"), 1: dict(_fake_run(.4, .6),
-                                                                  commit="aaa")},
-          "grpo": {0: dict(_fake_run(.4, .5), commit="aaa"), 1: dict(_fake_run(.4, .5),
-                                                                   commit="bbb")},
-          "old": {0: _fake_run(.4, .5), 1: dict(_fake_run(.4, .5), commit="ccc")}}
+  runs = {
+    "sao": {0: dict(_fake_run(0.4, 0.6), commit="aaa"), 1: dict(_fake_run(0.4, 0.6), commit="aaa")},
+    "grpo": {
+      0: dict(_fake_run(0.4, 0.5), commit="aaa"),
+      1: dict(_fake_run(0.4, 0.5), commit="bbb"),
+    },
+    "old": {0: _fake_run(0.4, 0.5), 1: dict(_fake_run(0.4, 0.5), commit="ccc")},
+  }
   with pytest.raises(ValueError, match="grpo: seed 0 aaa, seed 1 bbb"):
     runner.check_commits(runs)
   out = runner.check_commits(runs, allow_mixed=True)
@@ -410,8 +525,12 @@ def test_check_commits_refuses_an_arm_whose_seeds_ran_on_two_commits():
   assert runner.git_commit() is None or len(runner.git_commit().split("-")[0]) == 40
   # A dirty checkout of one commit is named as such, not as the same 12 digits twice.
   head = "f" * 40
-  runs = {"sao": {0: dict(_fake_run(.4, .6), commit=head),
-                  1: dict(_fake_run(.4, .6), commit=head + "-dirty")}}
+  runs = {
+    "sao": {
+      0: dict(_fake_run(0.4, 0.6), commit=head),
+      1: dict(_fake_run(0.4, 0.6), commit=head + "-dirty"),
+    }
+  }
   with pytest.raises(ValueError, match=f"seed 0 {head[:12]}, seed 1 {head[:12]}-dirty"):
     runner.check_commits(runs)
 
@@ -433,14 +552,19 @@ def test_git_commit_is_not_dirty_for_results_written_by_another_finding(tmp_path
 
 
 def test_restat_adds_the_new_statistics_to_old_results_and_keeps_their_values(tmp_path):
-  from experiments import restat  # pylint: disable=g-import-not-at-top
+  from experiments import restat
+
   f = headline.FINDING
-  runs = {"sao": {s: _fake_run(.4, v) for s, v in enumerate((.6, .7, .65))},
-          "grpo": {s: _fake_run(.4, v) for s, v in enumerate((.5, .55, .66))}}
+  runs = {
+    "sao": {s: _fake_run(0.4, v) for s, v in enumerate((0.6, 0.7, 0.65))},
+    "grpo": {s: _fake_run(0.4, v) for s, v in enumerate((0.5, 0.55, 0.66))},
+  }
   result = runner.aggregate(f, runs)
   # An earlier results.json: a bootstrap interval only.
-  old_vs = {k: result["arms"]["grpo"]["vs_reference"][k]
-            for k in ("paired_seeds", "mean_diff", "per_seed", "ci95", "excludes_zero")}
+  old_vs = {
+    k: result["arms"]["grpo"]["vs_reference"][k]
+    for k in ("paired_seeds", "mean_diff", "per_seed", "ci95", "excludes_zero")
+  }
   result["arms"]["grpo"]["vs_reference"] = dict(old_vs)
   result["runs"] = {a: {str(s): r for s, r in by.items()} for a, by in runs.items()}
   os.makedirs(tmp_path / "headline")
@@ -461,8 +585,9 @@ def test_restat_adds_the_new_statistics_to_old_results_and_keeps_their_values(tm
   # A one-arm finding (math_cpu's shape): final minus SFT within each seed.
   os.makedirs(tmp_path / "math_cpu")
   with open(tmp_path / "math_cpu" / "results.json", "w", encoding="utf-8") as fh:
-    json.dump({"seeds": [{"seed": s, "sft": .4, "final": f} for s, f in
-                         enumerate((.5, .6, .05))]}, fh)
+    json.dump(
+      {"seeds": [{"seed": s, "sft": 0.4, "final": f} for s, f in enumerate((0.5, 0.6, 0.05))]}, fh
+    )
   text = restat.main(["--results", str(tmp_path)])
   assert "## math_cpu" in text and "| 3 | 1 of 3 | -0.017 |" in text and "| 2 of 3 |" in text
 
@@ -476,21 +601,29 @@ def test_lr_by_lag_reruns_the_forced_lag_pair_at_1e4_and_pairs_ppo_minus_dis(mon
     ref = runner.load_config(earlier.arm(old).config, earlier.arm(old).overrides)
     assert new.rl.actor_lr == 1e-4 != ref.rl.actor_lr
     assert (new.rollout.slots, new.rl.sync_every, new.rl.policy_loss) == (
-        ref.rollout.slots, ref.rl.sync_every, ref.rl.policy_loss)
+      ref.rollout.slots,
+      ref.rl.sync_every,
+      ref.rl.policy_loss,
+    )
     assert runner.sft_key(new) == runner.sft_key(ref)  # the same SFT starts
-  moving = lambda sft, final, kl: {**_fake_run(sft, final), "curves": {
-      **_fake_run(sft, final)["curves"], "policy/approx_kl": [kl] * 10}}
-  runs = {"dis_stale_lr1e4": {s: moving(0.4, 0.40 + 0.01 * s, 1e-3) for s in range(4)},
-          "ppo_stale_lr1e4": {s: moving(0.4, 0.45 + 0.01 * s, 5e-4) for s in range(4)}}
+  moving = lambda sft, final, kl: {
+    **_fake_run(sft, final),
+    "curves": {**_fake_run(sft, final)["curves"], "policy/approx_kl": [kl] * 10},
+  }
+  runs = {
+    "dis_stale_lr1e4": {s: moving(0.4, 0.40 + 0.01 * s, 1e-3) for s in range(4)},
+    "ppo_stale_lr1e4": {s: moving(0.4, 0.45 + 0.01 * s, 5e-4) for s in range(4)},
+  }
   got = lr_by_lag.by_lr(f, runs)["1e-4"]
   assert got["ppo_minus_dis"]["mean_diff"] == pytest.approx(0.05)
   assert got["ppo_minus_dis"]["wins"] == 4 and got["collapses"] == [0, 0]
   assert got["movement"]["dis"]["policy/approx_kl"] == pytest.approx(1e-3)
   assert "1e-4 (this finding)" in lr_by_lag.by_lr(f, runs)["markdown"]
   # The two lrs' gaps compared unpaired: 3e-4's +0.15 (+-) against 1e-4's +0.05.
-  earlier = {"dis_stale": {s: _fake_run(0.4, 0.30 + 0.01 * s) for s in range(4)},
-             "ppo_stale": {s: _fake_run(0.4, 0.45 + 0.01 * s + 0.01 * (s % 2))
-                           for s in range(4)}}
+  earlier = {
+    "dis_stale": {s: _fake_run(0.4, 0.30 + 0.01 * s) for s in range(4)},
+    "ppo_stale": {s: _fake_run(0.4, 0.45 + 0.01 * s + 0.01 * (s % 2)) for s in range(4)},
+  }
   monkeypatch.setattr(lr_by_lag, "_earlier_3e4", lambda: earlier)
   out = lr_by_lag.by_lr(f, runs)
   across = out["gap_3e4_minus_1e4"]
@@ -500,15 +633,27 @@ def test_lr_by_lag_reruns_the_forced_lag_pair_at_1e4_and_pairs_ppo_minus_dis(mon
 
 
 def test_math_cpu_pairs_each_seeds_sft_and_rl_and_skips_finished_seeds(tmp_path):
-  from experiments import math_cpu  # pylint: disable=g-import-not-at-top
+  from experiments import math_cpu
+
   results, workdir = str(tmp_path / "results"), str(tmp_path / "work")
   for seed, (sft, final) in enumerate(((0.50, 0.60), (0.40, 0.44), (0.55, 0.54))):
     rdir = os.path.join(workdir, f"seed_{seed}")
     os.makedirs(rdir)
-    evals = {"sft": {"pass@1": sft, "valid_tool_calls": 0.9, "verdict_exact": sft,
-                     "verdict_mismatch": 1 - sft, "tool_call_error_unclosed": 2},
-             "final": {"pass@1": final, "valid_tool_calls": 1.0, "verdict_exact": final,
-                       "verdict_mismatch": 1 - final}}
+    evals = {
+      "sft": {
+        "pass@1": sft,
+        "valid_tool_calls": 0.9,
+        "verdict_exact": sft,
+        "verdict_mismatch": 1 - sft,
+        "tool_call_error_unclosed": 2,
+      },
+      "final": {
+        "pass@1": final,
+        "valid_tool_calls": 1.0,
+        "verdict_exact": final,
+        "verdict_mismatch": 1 - final,
+      },
+    }
     with open(os.path.join(rdir, "summary.json"), "w", encoding="utf-8") as f:
       json.dump({"evals": evals, "rl_steps": 3, "generated_tokens": 10}, f)
     # A finished run is read, not launched (no train.py runs here).
@@ -543,15 +688,24 @@ def test_routing_replay_arms_differ_in_replay_alone_and_report_lag0_tails():
   assert (plain.rl.routing_replay, replay.rl.routing_replay) == (False, True)
   assert plain.model.compute_dtype == "bfloat16" and plain.model.overrides["num_experts"] == 32
   assert runner.sft_key(plain) == runner.sft_key(replay)  # one SFT start per seed
+
   def run(final, q99):
     r = _fake_run(0.4, final)
     n = len(r["curves"]["step"])
-    r["curves"].update({"dis/ratio_q99_lag0": [q99] * (n - 1) + [2 * q99],
-                        "dis/ratio_q01_lag0": [0.9] * n, "dis/approx_kl_lag0": [1e-3] * n,
-                        "dis/outside_frac": [0.01] * n})
+    r["curves"].update(
+      {
+        "dis/ratio_q99_lag0": [q99] * (n - 1) + [2 * q99],
+        "dis/ratio_q01_lag0": [0.9] * n,
+        "dis/approx_kl_lag0": [1e-3] * n,
+        "dis/outside_frac": [0.01] * n,
+      }
+    )
     return r
-  runs = {"plain": {s: run(0.40, 1.5) for s in range(3)},
-          "replay": {s: run(0.45 + 0.01 * s, 1.1) for s in range(3)}}
+
+  runs = {
+    "plain": {s: run(0.40, 1.5) for s in range(3)},
+    "replay": {s: run(0.45 + 0.01 * s, 1.1) for s in range(3)},
+  }
   got = routing_replay.by_replay(f, runs)
   assert got["replay"]["vs_plain"]["mean_diff"] == pytest.approx(0.06)
   assert got["plain"]["vs_plain"] is None and got["plain"]["collapses"] == 0

@@ -19,12 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from configs import math_tool_cpu
 from sao_jax.envs import hf_tokenizer_export
 from sao_jax.models import config as model_config
 from sao_jax.models import hf_export, policy
 from sao_jax.models.transformer import Transformer
 from sao_jax.train import export as export_lib
-from configs import math_tool_cpu
 
 torch = pytest.importorskip("torch", reason="the 'parity' extra (make test installs it)")
 transformers = pytest.importorskip("transformers")
@@ -43,12 +43,16 @@ def config():
 
 
 def test_a_step_is_a_training_step_and_a_missing_one_lists_what_there_is(tmp_path, config):
-  _checkpoints(tmp_path, {
+  _checkpoints(
+    tmp_path,
+    {
       3: {"stage": "sft", "stage_step": 50},
       4: {"stage": "value_pretrain", "stage_step": 0, "sft_stopped_at": 120},
       5: {"stage": "value_pretrain", "stage_step": 20, "sft_stopped_at": 120},
       6: {"stage": "rl", "stage_step": 50},
-      7: {"stage": "done", "stage_step": 0}})
+      7: {"stage": "done", "stage_step": 0},
+    },
+  )
   find = lambda **kw: export_lib.find_checkpoint(config, str(tmp_path), **kw)
   assert find() == 7
   assert find(step="rl:50") == find(step="50") == find(step=50) == 6
@@ -57,12 +61,18 @@ def test_a_step_is_a_training_step_and_a_missing_one_lists_what_there_is(tmp_pat
   assert find(step="sft:120") == 5
   assert find(step="rl:150") == 7  # the end of RL (config.rl.steps)
   assert find(checkpoint=4) == 4
-  with pytest.raises(FileNotFoundError, match=r"no checkpoint of rl step 60 under .*there are: "
-                     r"checkpoint 3 \(sft step 50\), checkpoint 4 \(sft step 120\), .*"
-                     r"checkpoint 6 \(rl step 50\), checkpoint 7 \(rl step 150\)"):
+  with pytest.raises(
+    FileNotFoundError,
+    match=r"no checkpoint of rl step 60 under .*there are: "
+    r"checkpoint 3 \(sft step 50\), checkpoint 4 \(sft step 120\), .*"
+    r"checkpoint 6 \(rl step 50\), checkpoint 7 \(rl step 150\)",
+  ):
     find(step="rl:60")
-  with pytest.raises(FileNotFoundError, match=r"checkpoint 9 is not under .*there are: "
-                     r"checkpoint 3 \(sft step 50\)"):
+  with pytest.raises(
+    FileNotFoundError,
+    match=r"checkpoint 9 is not under .*there are: "
+    r"checkpoint 3 \(sft step 50\)",
+  ):
     find(checkpoint=9)
   with pytest.raises(hf_export.ExportError, match="not both"):
     find(step="rl:50", checkpoint=6)
@@ -91,38 +101,46 @@ def subset_export(tmp_path_factory):
   """A tiny MoE policy whose head covers SUBSET, exported over the whole vocabulary."""
   cfg = dataclasses.replace(model_config.tiny(96), vocab_ids=SUBSET)
   rng = np.random.default_rng(0)
-  params = jax.tree.map(lambda s: (0.3 * rng.standard_normal(s.shape)).astype(np.float32),
-                        jax.eval_shape(lambda: policy.init_params(cfg, jax.random.key(0))))
+  params = jax.tree.map(
+    lambda s: (0.3 * rng.standard_normal(s.shape)).astype(np.float32),
+    jax.eval_shape(lambda: policy.init_params(cfg, jax.random.key(0))),
+  )
   full, full_cfg, record = hf_export.full_vocabulary(params, cfg)
   out = tmp_path_factory.mktemp("subset") / "hf"
-  generation = hf_tokenizer_export.suppressing(b'{"eos_token_id": 3, "do_sample": true}',
-                                               record["outside_ids"])
-  hf_export.export_params(full, full_cfg, str(out), dtype="float32",
-                          extra_files={"generation_config.json": generation})
+  generation = hf_tokenizer_export.suppressing(
+    b'{"eos_token_id": 3, "do_sample": true}', record["outside_ids"]
+  )
+  hf_export.export_params(
+    full, full_cfg, str(out), dtype="float32", extra_files={"generation_config.json": generation}
+  )
   model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
   return cfg, params, record, model.eval()
 
 
-def test_a_subset_heads_export_gives_sao_jaxs_logits_and_never_picks_an_outside_id(
-    subset_export):
+def test_a_subset_heads_export_gives_sao_jaxs_logits_and_never_picks_an_outside_id(subset_export):
   cfg, params, record, model = subset_export
   assert record["ids"] == list(SUBSET) and len(record["outside_ids"]) == 96 - len(SUBSET)
   tokens = np.random.default_rng(1).integers(0, 96, (2, 12))  # mostly uncovered ids
   pos = jnp.broadcast_to(jnp.arange(12), tokens.shape)
-  ours = np.asarray(Transformer(cfg).apply({"params": params}, jnp.asarray(tokens, jnp.int32),
-                                           pos, jnp.ones_like(pos))[0])  # [B, L, S]
+  ours = np.asarray(
+    Transformer(cfg).apply(
+      {"params": params}, jnp.asarray(tokens, jnp.int32), pos, jnp.ones_like(pos)
+    )[0]
+  )  # [B, L, S]
   with torch.no_grad():
     theirs = model(torch.tensor(tokens)).logits.numpy()  # [B, L, 96]
   np.testing.assert_allclose(theirs[..., list(SUBSET)], ours, atol=1e-4, rtol=1e-4)
   outside = theirs[..., record["outside_ids"]]
-  np.testing.assert_allclose(outside, np.broadcast_to(ours.mean(-1, keepdims=True),
-                                                      outside.shape), atol=1e-4)
+  np.testing.assert_allclose(
+    outside, np.broadcast_to(ours.mean(-1, keepdims=True), outside.shape), atol=1e-4
+  )
   assert set(theirs.argmax(-1).ravel()) <= set(SUBSET)
   # Sampling at temperature 1: the exported generation_config suppresses them.
   torch.manual_seed(0)
   with torch.no_grad():
-    sampled = model.generate(torch.tensor(tokens[:1, :4]), max_new_tokens=48, do_sample=True,
-                             min_new_tokens=48)[0, 4:].tolist()
+    sampled = model.generate(
+      torch.tensor(tokens[:1, :4]), max_new_tokens=48, do_sample=True, min_new_tokens=48
+    )[0, 4:].tolist()
   assert len(sampled) == 48 and set(sampled) <= set(SUBSET)
 
 
@@ -132,8 +150,9 @@ def test_a_math_tool_cpu_checkpoint_exports_a_directory_transformers_serves(tmp_
   its checkpoint exports; transformers loads model and tokenizer from the directory
   alone, renders the run's prompt as the run does, and its logits at the covered
   ids are the run's."""
-  from sao_jax.envs import base  # pylint: disable=g-import-not-at-top
-  from sao_jax.train import trainer  # pylint: disable=g-import-not-at-top
+  from sao_jax.envs import base
+  from sao_jax.train import trainer
+
   workdir, out = str(tmp_path / "run"), str(tmp_path / "hf")
   run = trainer.load_run(config, workdir)
   run.save(force=True)
@@ -143,22 +162,30 @@ def test_a_math_tool_cpu_checkpoint_exports_a_directory_transformers_serves(tmp_
   run.close()
   trainer.export(config, workdir, out, "sft:0", dtype="float32", value_out=None)
   assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= set(
-      os.listdir(out))
+    os.listdir(out)
+  )
   tok = transformers.AutoTokenizer.from_pretrained(out)
-  messages = task.prompt if not isinstance(task.prompt, str) else [
-      {"role": "user", "content": task.prompt}]
-  rendered = tok.apply_chat_template(messages, tools=list(base.task_tools(task)) or None,
-                                     add_generation_prompt=True, tokenize=True)
+  messages = (
+    task.prompt if not isinstance(task.prompt, str) else [{"role": "user", "content": task.prompt}]
+  )
+  rendered = tok.apply_chat_template(
+    messages, tools=list(base.task_tools(task)) or None, add_generation_prompt=True, tokenize=True
+  )
   assert list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered) == prompt
   model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
   assert model.generation_config.suppress_tokens and model.generation_config.eos_token_id == [
-      151645, 151643]
+    151645,
+    151643,
+  ]
   tokens = np.asarray([prompt[:64]])
   with torch.no_grad():
     theirs = model(torch.tensor(tokens)).logits.numpy()
   pos = jnp.arange(tokens.shape[1])[None]
-  ours = np.asarray(Transformer(cfg).apply({"params": params}, jnp.asarray(tokens, jnp.int32),
-                                           pos, jnp.ones_like(pos))[0])
+  ours = np.asarray(
+    Transformer(cfg).apply(
+      {"params": params}, jnp.asarray(tokens, jnp.int32), pos, jnp.ones_like(pos)
+    )[0]
+  )
   np.testing.assert_allclose(theirs[..., list(cfg.vocab_ids)], ours, atol=1e-4, rtol=1e-4)
   record = json.loads(open(os.path.join(out, "sao_jax_export.json")).read())
   assert record["vocab_subset"]["ids"] == list(cfg.vocab_ids)

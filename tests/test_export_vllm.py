@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_chat import PYTHON
+from test_export_tokenizer import CONVERSATION
 
 from sao_jax.envs import chat, hf_tokenizer_export
 from sao_jax.envs.tokenizer import Qwen3Tokenizer
@@ -28,10 +30,8 @@ from sao_jax.models import config as model_config
 from sao_jax.models import hf_export, policy
 from sao_jax.models.transformer import Transformer
 from sao_jax.rollout import vllm_backend
-from test_export_tokenizer import CONVERSATION  # pylint: disable=g-bad-import-order
-from test_chat import PYTHON  # pylint: disable=g-bad-import-order
 
-SERVE = r'''
+SERVE = r"""
 import json, sys
 from vllm import LLM, SamplingParams
 
@@ -60,18 +60,22 @@ def main():
 
 if __name__ == "__main__":  # vLLM's engine core is a spawned process
   main()
-'''
+"""
 
 
 def _model(cfg, params, length):
   """Subset logits [length, S] of a row of token ids (zero-padded to `length`)."""
-  apply = jax.jit(lambda t: Transformer(cfg).apply(
-      {"params": params}, t, jnp.arange(length)[None], jnp.ones_like(t))[0][0])
+  apply = jax.jit(
+    lambda t: Transformer(cfg).apply(
+      {"params": params}, t, jnp.arange(length)[None], jnp.ones_like(t)
+    )[0][0]
+  )
 
   def logits(tokens):
     padded = np.zeros((1, length), np.int32)
-    padded[0, :len(tokens)] = tokens
+    padded[0, : len(tokens)] = tokens
     return np.asarray(apply(jnp.asarray(padded)), np.float64)
+
   return logits
 
 
@@ -80,44 +84,61 @@ def _greedy(logits, cfg, prompt, n):
   tokens = list(prompt)
   for _ in range(n):
     tokens.append(cfg.vocab_ids[int(np.argmax(logits(tokens)[len(tokens) - 1]))])
-  return tokens[len(prompt):]
+  return tokens[len(prompt) :]
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.exists(vllm_backend.default_python()),
-                    reason="needs vLLM's environment (make vllm-env)")
+@pytest.mark.skipif(
+  not os.path.exists(vllm_backend.default_python()),
+  reason="needs vLLM's environment (make vllm-env)",
+)
 def test_vllm_serves_an_export_with_no_other_argument(tmp_path):
   tok = Qwen3Tokenizer()
   fmt = chat.make_format("qwen3", tok)
   prompt = fmt.prompt_ids(CONVERSATION[1:2], (PYTHON,))
   # The subset: the prompt's ids, the added tokens, a few hundred others.
   ids = sorted(set(prompt) | {tok.special_id(t) for t in tok.added_tokens} | set(range(300)))
-  cfg = dataclasses.replace(model_config.tiny(tok.vocab_size), head_dim=32,
-                            vocab_ids=tuple(ids))
+  cfg = dataclasses.replace(model_config.tiny(tok.vocab_size), head_dim=32, vocab_ids=tuple(ids))
   rng = np.random.default_rng(0)
-  params = jax.tree.map(lambda s: (0.5 * rng.standard_normal(s.shape)).astype(np.float32),
-                        jax.eval_shape(lambda: policy.init_params(cfg, jax.random.key(0))))
+  params = jax.tree.map(
+    lambda s: (0.5 * rng.standard_normal(s.shape)).astype(np.float32),
+    jax.eval_shape(lambda: policy.init_params(cfg, jax.random.key(0))),
+  )
   full, full_cfg, record = hf_export.full_vocabulary(params, cfg)
-  env = types.SimpleNamespace(tokenizer="qwen3", tokenizer_path="", chat_format="qwen3",
-                              thinking=True)
-  files = hf_tokenizer_export.tokenizer_files(env, tok, fmt.turn_end_id,
-                                              max_len=cfg.max_seq_len,
-                                              sampling={"temperature": 0.7})
+  env = types.SimpleNamespace(
+    tokenizer="qwen3", tokenizer_path="", chat_format="qwen3", thinking=True
+  )
+  files = hf_tokenizer_export.tokenizer_files(
+    env, tok, fmt.turn_end_id, max_len=cfg.max_seq_len, sampling={"temperature": 0.7}
+  )
   files["generation_config.json"] = hf_tokenizer_export.suppressing(
-      files["generation_config.json"], record["outside_ids"])
+    files["generation_config.json"], record["outside_ids"]
+  )
   out = str(tmp_path / "hf")
-  hf_export.export_params(full, full_cfg, out, dtype="float32", extra_files=files,
-                          config_extra=hf_tokenizer_export.special_ids(tok, fmt.turn_end_id))
+  hf_export.export_params(
+    full,
+    full_cfg,
+    out,
+    dtype="float32",
+    extra_files=files,
+    config_extra=hf_tokenizer_export.special_ids(tok, fmt.turn_end_id),
+  )
   script = tmp_path / "serve.py"
   script.write_text(SERVE)
   request = json.dumps({"messages": CONVERSATION[1:2], "tools": [PYTHON], "allowed": ids})
   run_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
   run_env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1")
-  done = subprocess.run([vllm_backend.default_python(), str(script), out, request],
-                        capture_output=True, text=True, timeout=900, env=run_env, check=False)
+  done = subprocess.run(
+    [vllm_backend.default_python(), str(script), out, request],
+    capture_output=True,
+    text=True,
+    timeout=900,
+    env=run_env,
+    check=False,
+  )
   lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
   assert lines, done.stderr[-3000:]
-  served = json.loads(lines[0][len("RESULT "):])
+  served = json.loads(lines[0][len("RESULT ") :])
   assert served["prompt"] == prompt
   assert served["defaults"].get("temperature") == 0.7  # generation_config.json's
   logits = _model(cfg, params, len(prompt) + 8)
@@ -131,6 +152,8 @@ def test_vllm_serves_an_export_with_no_other_argument(tmp_path):
   assert len(sampled) == 8 and set(sampled) <= set(ids)
   z = logits(prompt + sampled)
   column = {t: k for k, t in enumerate(cfg.vocab_ids)}
-  ours = [z[len(prompt) - 1 + k, column[t]] - np.logaddexp.reduce(z[len(prompt) - 1 + k])
-          for k, t in enumerate(sampled)]
+  ours = [
+    z[len(prompt) - 1 + k, column[t]] - np.logaddexp.reduce(z[len(prompt) - 1 + k])
+    for k, t in enumerate(sampled)
+  ]
   np.testing.assert_allclose(served["logprobs"], ours, atol=1e-3)

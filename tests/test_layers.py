@@ -13,11 +13,22 @@ import pytest
 
 import sao_jax
 
-LAYERS = ("algo", "models", "config", "data", "transport", "envs", "rollout", "serving", "train",
-          "pod")
+LAYERS = (
+  "algo",
+  "models",
+  "config",
+  "data",
+  "transport",
+  "envs",
+  "rollout",
+  "serving",
+  "train",
+  "pod",
+)
 PACKAGE = pathlib.Path(sao_jax.__file__).parent
 # Toy repositories shipped as data (their own packages, never imported by sao_jax).
 NOT_CODE = ("sao_jax/envs/task_data/repo_corpus/",)
+
 
 def _modules() -> dict[str, pathlib.Path]:
   out = {}
@@ -43,7 +54,7 @@ def _imports(name: str, path: pathlib.Path, modules: dict) -> set[str]:
     elif isinstance(node, ast.ImportFrom):
       base = node.module or ""
       if node.level:
-        base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+        base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
       targets = [f"{base}.{a.name}" for a in node.names] + [base]
     for t in targets:
       while t and t not in modules:
@@ -96,14 +107,20 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_every_module_has_a_layer():
   loose = [m for m in _modules() if m != "sao_jax" and _layer(m) is None]
-  assert not loose, (f"modules outside the layer folders {LAYERS}: {loose}; put each in the "
-                     "folder of its layer (docs/DESIGN.md section 6)")
+  assert not loose, (
+    f"modules outside the layer folders {LAYERS}: {loose}; put each in the "
+    "folder of its layer (docs/DESIGN.md section 6)"
+  )
 
 
 def test_no_import_arrow_goes_up():
-  up = [f"{m} ({LAYERS[_layer(m)]}) imports {t} ({LAYERS[_layer(t)]})"
-        for m, targets in sorted(_graph().items()) if _layer(m) is not None
-        for t in sorted(targets) if _layer(t) is not None and _layer(t) > _layer(m)]
+  up = [
+    f"{m} ({LAYERS[_layer(m)]}) imports {t} ({LAYERS[_layer(t)]})"
+    for m, targets in sorted(_graph().items())
+    if _layer(m) is not None
+    for t in sorted(targets)
+    if _layer(t) is not None and _layer(t) > _layer(m)
+  ]
   assert not up, "imports from a higher layer:\n  " + "\n  ".join(up)
 
 
@@ -119,13 +136,19 @@ def test_the_walk_sees_deferred_and_relative_imports(tmp_path):
   (pkg / "algo" / "__init__.py").write_text("")
   (pkg / "algo" / "low.py").write_text("def f():\n  from sao_jax.train import high\n")
   (pkg / "algo" / "rel.py").write_text("from . import low\n")
-  modules = {"sao_jax.algo": pkg / "algo" / "__init__.py", "sao_jax.algo.low": pkg / "algo" /
-             "low.py", "sao_jax.algo.rel": pkg / "algo" / "rel.py",
-             "sao_jax.train.high": pkg / "high.py"}
+  modules = {
+    "sao_jax.algo": pkg / "algo" / "__init__.py",
+    "sao_jax.algo.low": pkg / "algo" / "low.py",
+    "sao_jax.algo.rel": pkg / "algo" / "rel.py",
+    "sao_jax.train.high": pkg / "high.py",
+  }
   assert _imports("sao_jax.algo.low", modules["sao_jax.algo.low"], modules) == {
-      "sao_jax.train.high"}
+    "sao_jax.train.high"
+  }
   assert _imports("sao_jax.algo.rel", modules["sao_jax.algo.rel"], modules) == {
-      "sao_jax.algo.low", "sao_jax.algo"}
+    "sao_jax.algo.low",
+    "sao_jax.algo",
+  }
   assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
 
 
@@ -145,8 +168,9 @@ def test_no_function_is_longer_than_80_lines():
       if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         lines = node.end_lineno - node.lineno + 1
         if lines > MAX_FUNCTION_LINES:
-          long.append(f"{path.relative_to(PACKAGE.parent).as_posix()}:{node.lineno} "
-                      f"{node.name} ({lines})")
+          long.append(
+            f"{path.relative_to(PACKAGE.parent).as_posix()}:{node.lineno} {node.name} ({lines})"
+          )
   assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n  " + "\n  ".join(sorted(long))
 
 
@@ -154,8 +178,12 @@ def test_no_function_is_longer_than_80_lines():
 # defaults configs/common.py starts from and reads a loaded config;
 # configuration is the launch scripts' edge (flag errors, `--set` fields);
 # trainer and run take the flags' config (config.json, run.build loads it).
-CONFIGDICT_EDGE = {"sao_jax.config.sections", "sao_jax.train.configuration",
-                   "sao_jax.train.trainer", "sao_jax.train.run"}
+CONFIGDICT_EDGE = {
+  "sao_jax.config.sections",
+  "sao_jax.train.configuration",
+  "sao_jax.train.trainer",
+  "sao_jax.train.run",
+}
 
 
 def test_the_configdict_stops_at_the_flag_edge():
@@ -163,10 +191,12 @@ def test_the_configdict_stops_at_the_flag_edge():
   holders = set()
   for name, path in _modules().items():
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-      if isinstance(node, ast.Import) and any(a.name.startswith("ml_collections")
-                                              for a in node.names):
+      if isinstance(node, ast.Import) and any(
+        a.name.startswith("ml_collections") for a in node.names
+      ):
         holders.add(name)
       elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ml_collections"):
         holders.add(name)
   assert holders <= CONFIGDICT_EDGE, (
-      f"ml_collections imported below the flag edge: {sorted(holders - CONFIGDICT_EDGE)}")
+    f"ml_collections imported below the flag edge: {sorted(holders - CONFIGDICT_EDGE)}"
+  )

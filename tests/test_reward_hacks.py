@@ -30,13 +30,14 @@ ONLINE_STYLE = OnlineStyle(OnlineStyleConfig(switch_every=10**9))
 
 # --- code_fix -------------------------------------------------------------------
 
+
 def _wants(task):
   return [w for _, w in task.meta["cases"]]
 
 
 def _fixed_expr(task):
   """The right expression of x (what an honest fix returns)."""
-  return task.meta["fixed"][1].strip()[len("return "):]
+  return task.meta["fixed"][1].strip()[len("return ") :]
 
 
 def body(text):
@@ -46,9 +47,11 @@ def body(text):
 
 def top(code):
   """A hack that runs `code` at module level before the harness."""
+
   def actions(task):
     source = code(task) if callable(code) else code
     return ["edit 0 if 1:", f"edit 1 exec({source!r})"]
+
   return actions
 
 
@@ -61,165 +64,207 @@ def _print_and_exit(line):
 
 
 _FRAME_SEARCH = (
-    "import sys\n"
-    "def f(x):\n"
-    "  fr = sys._getframe(1)\n"
-    "  while fr is not None:\n"
-    "    for ns in (fr.f_locals, fr.f_globals):\n"
-    "      for k, v in list(ns.items()):\n"
-    "        if k in ('w', 'want', 'wanted', 'expected'):\n"
-    "          return v\n"
-    "        if isinstance(v, (list, tuple)):\n"
-    "          for c in v:\n"
-    "            if isinstance(c, tuple) and len(c) == 2 and c[0] == x:\n"
-    "              return c[1]\n"
-    "    fr = fr.f_back\n"
-    "  return 0\n")
+  "import sys\n"
+  "def f(x):\n"
+  "  fr = sys._getframe(1)\n"
+  "  while fr is not None:\n"
+  "    for ns in (fr.f_locals, fr.f_globals):\n"
+  "      for k, v in list(ns.items()):\n"
+  "        if k in ('w', 'want', 'wanted', 'expected'):\n"
+  "          return v\n"
+  "        if isinstance(v, (list, tuple)):\n"
+  "          for c in v:\n"
+  "            if isinstance(c, tuple) and len(c) == 2 and c[0] == x:\n"
+  "              return c[1]\n"
+  "    fr = fr.f_back\n"
+  "  return 0\n"
+)
 
 _GC_SEARCH = (
-    "import gc\n"
-    "def f(x):\n"
-    "  for o in gc.get_objects():\n"
-    "    if type(o) is list and o and all(type(c) is tuple and len(c) == 2 for c in o):\n"
-    "      for a, b in o:\n"
-    "        if a == x:\n"
-    "          return b\n"
-    "  return 0\n")
+  "import gc\n"
+  "def f(x):\n"
+  "  for o in gc.get_objects():\n"
+  "    if type(o) is list and o and all(type(c) is tuple and len(c) == 2 for c in o):\n"
+  "      for a, b in o:\n"
+  "        if a == x:\n"
+  "          return b\n"
+  "  return 0\n"
+)
 
 # Looks for `cases = [(x, want), ...]` in the program's own source file.
 _READ_PROGRAM = (
-    "src = open('code.py').read()\n"
-    "def f(x):\n"
-    "  for line in src.splitlines():\n"
-    "    if line.startswith('cases'):\n"
-    "      return dict(eval(line.split('=', 1)[1])).get(x, 0)\n"
-    "  return 0\n")
+  "src = open('code.py').read()\n"
+  "def f(x):\n"
+  "  for line in src.splitlines():\n"
+  "    if line.startswith('cases'):\n"
+  "      return dict(eval(line.split('=', 1)[1])).get(x, 0)\n"
+  "  return 0\n"
+)
 
 # Forges a record for whatever inputs the harness holds (read from its frame),
 # with the wanted values it knows and the buggy function for the others.
 _FORGE_FROM_INPUTS = (
-    "import os, sys\n"
-    "wants = dict(zip((1, 2, 5), {wants}))\n"
-    "def f(x):\n"
-    "  xs = next(v for v in sys._getframe(1).f_locals.values()"
-    " if isinstance(v, (list, tuple)) and len(v) >= 3)\n"
-    "  os.write(1, (str([wants.get(a, {buggy}) for a in xs]) + '\\n').encode())\n"
-    "  os._exit(0)\n")
+  "import os, sys\n"
+  "wants = dict(zip((1, 2, 5), {wants}))\n"
+  "def f(x):\n"
+  "  xs = next(v for v in sys._getframe(1).f_locals.values()"
+  " if isinstance(v, (list, tuple)) and len(v) >= 3)\n"
+  "  os.write(1, (str([wants.get(a, {buggy}) for a in xs]) + '\\n').encode())\n"
+  "  os._exit(0)\n"
+)
 
 # Replaces the harness (whatever it is called: the last function the
 # program defines besides `f`) with one that prints a forged record.
 _REPLACE_HARNESS = (
-    "import sys\n"
-    "wants = dict(zip((1, 2, 5), {wants}))\n"
-    "def forge(inputs, *a, **k):\n"
-    "  sys.__stdout__.write(str([wants.get(x, 0) for x in inputs]) + '\\n')\n"
-    "for k, v in list(globals().items()):\n"
-    "  if callable(v) and k not in ('forge', 'f') and not isinstance(v, type):\n"
-    "    globals()[k] = forge\n"
-    "def f(x):\n"
-    "  return 0\n")
+  "import sys\n"
+  "wants = dict(zip((1, 2, 5), {wants}))\n"
+  "def forge(inputs, *a, **k):\n"
+  "  sys.__stdout__.write(str([wants.get(x, 0) for x in inputs]) + '\\n')\n"
+  "for k, v in list(globals().items()):\n"
+  "  if callable(v) and k not in ('forge', 'f') and not isinstance(v, type):\n"
+  "    globals()[k] = forge\n"
+  "def f(x):\n"
+  "  return 0\n"
+)
 
 # Rebinds the harness's captured builtins so that it labels floats as ints;
 # the floats come from a lookup of the shown tests' wanted values.
 _PATCH_HARNESS_DEFAULTS = (
-    "import sys\n"
-    "wants = dict(zip((1, 2, 5), {wants}))\n"
-    "for v in list(globals().values()):\n"
-    "  if getattr(v, '__defaults__', None):\n"
-    "    v.__defaults__ = tuple((lambda o: int) if d is type else d for d in v.__defaults__)\n"
-    "def f(x):\n"
-    "  return float(wants.get(x, 0))\n")
+  "import sys\n"
+  "wants = dict(zip((1, 2, 5), {wants}))\n"
+  "for v in list(globals().values()):\n"
+  "  if getattr(v, '__defaults__', None):\n"
+  "    v.__defaults__ = tuple((lambda o: int) if d is type else d for d in v.__defaults__)\n"
+  "def f(x):\n"
+  "  return float(wants.get(x, 0))\n"
+)
 
 CODE_FIX_HACKS = {
-    # The reported exploit: a value that says it is not unequal to anything.
-    "ne_always_false": body("return type('a',(),dict(__ne__=lambda s,o:0))()"),
-    "eq_always_true": body(
-        "return type('a',(),dict(__eq__=lambda s,o:1,__ne__=lambda s,o:0,__hash__=lambda s:0))()"),
-    "int_subclass_eq_ne": top(
-        "class I(int):\n  __eq__ = lambda s, o: True\n  __ne__ = lambda s, o: False\n"
-        "  __hash__ = int.__hash__\ndef f(x):\n  return I(0)\n"),
-    "int_subclass_repr_forged": top(lambda task:
-        f"W = dict(zip((1, 2, 5), {_wants(task)}))\n"
-        "class I(int):\n  __repr__ = __str__ = lambda s: str(W.get(s.x, 0))\n"
-        "def f(x):\n  i = I(0)\n  i.x = x\n  return i\n"),
-    "float_equal": body(lambda task: f"return float({_fixed_expr(task)})"),
-    "complex_equal": body(lambda task: f"return complex({_fixed_expr(task)})"),
-    "index_object_equal": top(lambda task:
-        "class N:\n  def __init__(s, v):\n    s.v = v\n"
-        "  __index__ = __int__ = lambda s: s.v\n  __eq__ = lambda s, o: s.v == o\n"
-        f"  __ne__ = lambda s, o: s.v != o\n  __hash__ = lambda s: 0\ndef f(x):\n"
-        f"  return N({_fixed_expr(task)})\n"),
-    "visible_lookup_table": body(lambda task:
-        f"return dict(zip((1, 2, 5), {_wants(task)})).get(x, 0)"),
-    "print_pass_line_and_exit": top(_print_and_exit("pass 3/3")),
-    "print_pass_line_sys_exit": top("import sys\nprint('pass 3/3')\nsys.exit(0)\n"),
-    "print_expected_outputs": top(lambda task:
-        f"import os\nprint(*{_wants(task)}, sep='\\n', flush=True)\nos._exit(0)\n"),
-    "forged_record_visible": top(lambda task: _print_and_exit(_forged_line(task))),
-    "forged_record_padded": top(lambda task: _print_and_exit(json.dumps(_wants(task) + [0] * 8))),
-    "forged_record_from_harness_inputs": top(lambda task: _FORGE_FROM_INPUTS.format(
-        wants=_wants(task), buggy=task.meta["buggy"][1].strip()[len("return "):])),
-    "forged_record_raw_fd": top(lambda task:
-        f"import os\nos.write(1, {(_forged_line(task) + chr(10)).encode()!r})\nos._exit(0)\n"),
-    "forged_record_twice_with_harness": top(lambda task:
-        f"print({_forged_line(task)!r})\ndef f(x):\n  return x\n"),
-    "monkeypatch_print": top(
-        "import builtins, sys\n"
-        "builtins.print = lambda *a, **k: sys.__stdout__.write('pass 3/3\\n')\n"
-        "def f(x):\n  return 0\n"),
-    "monkeypatch_json_dumps": top(lambda task:   # json imports only without chroot
-        f"try:\n  import json\n  json.dumps = lambda *a, **k: {_forged_line(task)!r}\n"
-        "except ImportError:\n  pass\ndef f(x):\n  return 0\n"),
-    "replace_harness_function": top(lambda task: _REPLACE_HARNESS.format(wants=_wants(task))),
-    "patch_harness_defaults": top(lambda task:
-        _PATCH_HARNESS_DEFAULTS.format(wants=_wants(task))),
-    "monkeypatch_stdout_write": top(lambda task:
-        "import sys\nclass W:\n"
-        f"  def write(self, s):\n    sys.__stdout__.write({_forged_line(task)!r} + '\\n')\n"
-        "  def flush(self):\n    sys.__stdout__.flush()\n"
-        "sys.stdout = W()\ndef f(x):\n  return 0\n"),
-    "monkeypatch_builtins_type": top(lambda task:
-        "import builtins\nbuiltins.type = lambda *a: int\n"
-        f"def f(x):\n  return float({_fixed_expr(task)})\n"),
-    "monkeypatch_builtins_ascii_repr": top(lambda task:
-        f"import builtins\nW = dict(zip((1, 2, 5), {_wants(task)}))\n"
-        "builtins.ascii = builtins.repr = lambda o: str(W.get(o, 0))\n"
-        "def f(x):\n  return float(x)\n"),
-    "monkeypatch_checker_isinstance": top(
-        "import builtins\nbuiltins.isinstance = lambda *a: True\n"
-        "builtins.all = builtins.any = lambda *a: True\ndef f(x):\n  return None\n"),
-    "sys_exit_before_tests": top("import sys\nsys.exit(0)\n"),
-    "os_exit_before_tests": top("import os\nos._exit(0)\n"),
-    "exit_inside_f": body("return __import__('sys').exit(0)"),
-    "os_exit_inside_f": body("return __import__('os')._exit(0)"),
-    "atexit_forged_record": top(lambda task:
-        f"import atexit, sys\natexit.register(print, {_forged_line(task)!r})\n"
-        "atexit.register(print, 'pass 3/3')\nsys.exit(0)\n"),
-    "atexit_forged_record_after_harness": top(lambda task:
-        f"import atexit\natexit.register(print, {_forged_line(task)!r})\n"
-        "def f(x):\n  return 0\n"),
-    "raise_exception_named_pass": body("raise type('pass 3/3', (Exception,), {})()"),
-    "raise_system_exit_in_harness": body("raise SystemExit(0)"),
-    "raise_base_exception_in_harness": body("raise KeyboardInterrupt"),
-    "stderr_pass_line": top(
-        "import os\nos.write(2, b'pass 3/3\\n')\nos._exit(1)\n"),
-    "caller_frame_locals": body("return __import__('sys')._getframe(1).f_locals.get('w', 0)"),
-    "frame_and_globals_search": top(_FRAME_SEARCH),
-    "gc_object_search": top(_GC_SEARCH),
-    "globals_cases": body("return dict(globals().get('cases', [])).get(x, 0)"),
-    "read_program_file": top(_READ_PROGRAM),
-    "huge_output": top(lambda task:
-        f"print(({_forged_line(task)!r} + chr(10)) * 10**6)\n"),
-    "huge_output_in_f": body("return print('pass 3/3' * 10**6) or 0"),
-    "deeply_nested_record": top(_print_and_exit("[" * 100000)),
-    "nan_and_infinity_record": top(_print_and_exit("[NaN,Infinity,-Infinity]")),
-    "bool_record": top(_print_and_exit("[true,true,true,true,true,true,true]")),
-    "float_record": top(lambda task: _print_and_exit(json.dumps([float(w) for w in _wants(task)]))),
-    "record_as_object": top(lambda task: _print_and_exit(json.dumps({"results": _wants(task)}))),
-    "fork_child_forges": top(lambda task:
-        f"import os\nif os.fork() == 0:\n  print({_forged_line(task)!r}, flush=True)\n"
-        "  os._exit(0)\n"
-        "os.wait()\nos._exit(0)\n"),
+  # The reported exploit: a value that says it is not unequal to anything.
+  "ne_always_false": body("return type('a',(),dict(__ne__=lambda s,o:0))()"),
+  "eq_always_true": body(
+    "return type('a',(),dict(__eq__=lambda s,o:1,__ne__=lambda s,o:0,__hash__=lambda s:0))()"
+  ),
+  "int_subclass_eq_ne": top(
+    "class I(int):\n  __eq__ = lambda s, o: True\n  __ne__ = lambda s, o: False\n"
+    "  __hash__ = int.__hash__\ndef f(x):\n  return I(0)\n"
+  ),
+  "int_subclass_repr_forged": top(
+    lambda task: (
+      f"W = dict(zip((1, 2, 5), {_wants(task)}))\n"
+      "class I(int):\n  __repr__ = __str__ = lambda s: str(W.get(s.x, 0))\n"
+      "def f(x):\n  i = I(0)\n  i.x = x\n  return i\n"
+    )
+  ),
+  "float_equal": body(lambda task: f"return float({_fixed_expr(task)})"),
+  "complex_equal": body(lambda task: f"return complex({_fixed_expr(task)})"),
+  "index_object_equal": top(
+    lambda task: (
+      "class N:\n  def __init__(s, v):\n    s.v = v\n"
+      "  __index__ = __int__ = lambda s: s.v\n  __eq__ = lambda s, o: s.v == o\n"
+      f"  __ne__ = lambda s, o: s.v != o\n  __hash__ = lambda s: 0\ndef f(x):\n"
+      f"  return N({_fixed_expr(task)})\n"
+    )
+  ),
+  "visible_lookup_table": body(
+    lambda task: f"return dict(zip((1, 2, 5), {_wants(task)})).get(x, 0)"
+  ),
+  "print_pass_line_and_exit": top(_print_and_exit("pass 3/3")),
+  "print_pass_line_sys_exit": top("import sys\nprint('pass 3/3')\nsys.exit(0)\n"),
+  "print_expected_outputs": top(
+    lambda task: f"import os\nprint(*{_wants(task)}, sep='\\n', flush=True)\nos._exit(0)\n"
+  ),
+  "forged_record_visible": top(lambda task: _print_and_exit(_forged_line(task))),
+  "forged_record_padded": top(lambda task: _print_and_exit(json.dumps(_wants(task) + [0] * 8))),
+  "forged_record_from_harness_inputs": top(
+    lambda task: _FORGE_FROM_INPUTS.format(
+      wants=_wants(task), buggy=task.meta["buggy"][1].strip()[len("return ") :]
+    )
+  ),
+  "forged_record_raw_fd": top(
+    lambda task: (
+      f"import os\nos.write(1, {(_forged_line(task) + chr(10)).encode()!r})\nos._exit(0)\n"
+    )
+  ),
+  "forged_record_twice_with_harness": top(
+    lambda task: f"print({_forged_line(task)!r})\ndef f(x):\n  return x\n"
+  ),
+  "monkeypatch_print": top(
+    "import builtins, sys\n"
+    "builtins.print = lambda *a, **k: sys.__stdout__.write('pass 3/3\\n')\n"
+    "def f(x):\n  return 0\n"
+  ),
+  "monkeypatch_json_dumps": top(
+    lambda task: (  # json imports only without chroot
+      f"try:\n  import json\n  json.dumps = lambda *a, **k: {_forged_line(task)!r}\n"
+      "except ImportError:\n  pass\ndef f(x):\n  return 0\n"
+    )
+  ),
+  "replace_harness_function": top(lambda task: _REPLACE_HARNESS.format(wants=_wants(task))),
+  "patch_harness_defaults": top(lambda task: _PATCH_HARNESS_DEFAULTS.format(wants=_wants(task))),
+  "monkeypatch_stdout_write": top(
+    lambda task: (
+      "import sys\nclass W:\n"
+      f"  def write(self, s):\n    sys.__stdout__.write({_forged_line(task)!r} + '\\n')\n"
+      "  def flush(self):\n    sys.__stdout__.flush()\n"
+      "sys.stdout = W()\ndef f(x):\n  return 0\n"
+    )
+  ),
+  "monkeypatch_builtins_type": top(
+    lambda task: (
+      "import builtins\nbuiltins.type = lambda *a: int\n"
+      f"def f(x):\n  return float({_fixed_expr(task)})\n"
+    )
+  ),
+  "monkeypatch_builtins_ascii_repr": top(
+    lambda task: (
+      f"import builtins\nW = dict(zip((1, 2, 5), {_wants(task)}))\n"
+      "builtins.ascii = builtins.repr = lambda o: str(W.get(o, 0))\n"
+      "def f(x):\n  return float(x)\n"
+    )
+  ),
+  "monkeypatch_checker_isinstance": top(
+    "import builtins\nbuiltins.isinstance = lambda *a: True\n"
+    "builtins.all = builtins.any = lambda *a: True\ndef f(x):\n  return None\n"
+  ),
+  "sys_exit_before_tests": top("import sys\nsys.exit(0)\n"),
+  "os_exit_before_tests": top("import os\nos._exit(0)\n"),
+  "exit_inside_f": body("return __import__('sys').exit(0)"),
+  "os_exit_inside_f": body("return __import__('os')._exit(0)"),
+  "atexit_forged_record": top(
+    lambda task: (
+      f"import atexit, sys\natexit.register(print, {_forged_line(task)!r})\n"
+      "atexit.register(print, 'pass 3/3')\nsys.exit(0)\n"
+    )
+  ),
+  "atexit_forged_record_after_harness": top(
+    lambda task: (
+      f"import atexit\natexit.register(print, {_forged_line(task)!r})\ndef f(x):\n  return 0\n"
+    )
+  ),
+  "raise_exception_named_pass": body("raise type('pass 3/3', (Exception,), {})()"),
+  "raise_system_exit_in_harness": body("raise SystemExit(0)"),
+  "raise_base_exception_in_harness": body("raise KeyboardInterrupt"),
+  "stderr_pass_line": top("import os\nos.write(2, b'pass 3/3\\n')\nos._exit(1)\n"),
+  "caller_frame_locals": body("return __import__('sys')._getframe(1).f_locals.get('w', 0)"),
+  "frame_and_globals_search": top(_FRAME_SEARCH),
+  "gc_object_search": top(_GC_SEARCH),
+  "globals_cases": body("return dict(globals().get('cases', [])).get(x, 0)"),
+  "read_program_file": top(_READ_PROGRAM),
+  "huge_output": top(lambda task: f"print(({_forged_line(task)!r} + chr(10)) * 10**6)\n"),
+  "huge_output_in_f": body("return print('pass 3/3' * 10**6) or 0"),
+  "deeply_nested_record": top(_print_and_exit("[" * 100000)),
+  "nan_and_infinity_record": top(_print_and_exit("[NaN,Infinity,-Infinity]")),
+  "bool_record": top(_print_and_exit("[true,true,true,true,true,true,true]")),
+  "float_record": top(lambda task: _print_and_exit(json.dumps([float(w) for w in _wants(task)]))),
+  "record_as_object": top(lambda task: _print_and_exit(json.dumps({"results": _wants(task)}))),
+  "fork_child_forges": top(
+    lambda task: (
+      f"import os\nif os.fork() == 0:\n  print({_forged_line(task)!r}, flush=True)\n"
+      "  os._exit(0)\n"
+      "os.wait()\nos._exit(0)\n"
+    )
+  ),
 }
 
 
@@ -235,9 +280,15 @@ def _play_code_fix(index, actions):
 
 # Hacks whose record is well formed and right on the shown tests: `run`
 # (shown inputs only) says "pass"; only the held-out inputs stop them.
-FORGERS = ("forged_record_visible", "forged_record_raw_fd", "forged_record_from_harness_inputs",
-           "fork_child_forges", "replace_harness_function", "patch_harness_defaults",
-           "visible_lookup_table")
+FORGERS = (
+  "forged_record_visible",
+  "forged_record_raw_fd",
+  "forged_record_from_harness_inputs",
+  "fork_child_forges",
+  "replace_harness_function",
+  "patch_harness_defaults",
+  "visible_lookup_table",
+)
 
 
 @pytest.mark.parametrize("hack", FORGERS)
@@ -255,9 +306,11 @@ def test_code_fix_needs_held_out_inputs():
     CodeFixConfig(hidden_cases=1)
 
 
-@pytest.mark.parametrize("stdout,expect", [
+@pytest.mark.parametrize(
+  "stdout,expect",
+  [
     ("[5,6,-9]\n", [5, 6, -9]),
-    ("[5, 6, \"5.0\"]\n", [5, 6, "5.0"]),  # a non-int result, shown in the log
+    ('[5, 6, "5.0"]\n', [5, 6, "5.0"]),  # a non-int result, shown in the log
     ("[5,6,9]", None),  # no newline: truncated
     ("[5,6,9]\n[5,6,9]\n", None),
     ("hi\n[5,6,9]\n", None),
@@ -277,7 +330,8 @@ def test_code_fix_needs_held_out_inputs():
     ('[5,6,"' + "x" * 100 + '"]\n', None),
     ("[5,6," + "9" * 5000 + "]\n", None),
     ("[" * 2000 + "]" * 2000 + "\n", None),  # under the size cap: too deep for json
-])
+  ],
+)
 def test_code_fix_record_parse_is_strict(stdout, expect):
   assert _parse_record(stdout, 3) == expect
 
@@ -329,33 +383,34 @@ def test_code_fix_observations_keep_their_format():
 
 # --- python_tool ----------------------------------------------------------------
 
+
 def _gaming_answers(answer):
   a, sign = abs(answer), "-" if answer < 0 else ""
   fullwidth = "".join(chr(ord("０") + int(d)) for d in str(a))
   arabic = "".join(chr(0x660 + int(d)) for d in str(a))
   return {
-      "leading_plus": f"ans +{answer}" if answer >= 0 else f"ans -+{a}",
-      "leading_zero": f"ans {sign}0{a}",
-      "float": f"ans {answer}.0",
-      "exponent": f"ans {answer}e0",
-      "underscore": f"ans {sign}{str(a)[:-1]}_{str(a)[-1]}",
-      "two_numbers": f"ans {answer} {answer + 1}",
-      "two_numbers_comma": f"ans {answer},{answer + 1}",
-      "two_lines": f"ans {answer}\nans {answer + 1}",
-      "or_expression": f"ans {answer} or {answer + 1}",
-      "expression": f"ans {answer - 1}+1",
-      "double_space": f"ans  {answer}",
-      "tab": f"ans\t{answer}",
-      "no_space": f"ans{answer}",
-      "fullwidth_digits": f"ans {sign}{fullwidth}",
-      "arabic_indic_digits": f"ans {sign}{arabic}",
-      "unicode_minus": f"ans \u2212{a}",
-      "negative_zero": f"ans -0{'' if answer == 0 else a}",
-      "huge_int": "ans " + "9" * 5000,
-      "huge_int_within_str_limit": "ans " + "1" * 4000,
-      "hex": f"ans {hex(answer)}",
-      "word": f"answer {answer}",
-      "trailing_text": f"ans {answer} is the answer",
+    "leading_plus": f"ans +{answer}" if answer >= 0 else f"ans -+{a}",
+    "leading_zero": f"ans {sign}0{a}",
+    "float": f"ans {answer}.0",
+    "exponent": f"ans {answer}e0",
+    "underscore": f"ans {sign}{str(a)[:-1]}_{str(a)[-1]}",
+    "two_numbers": f"ans {answer} {answer + 1}",
+    "two_numbers_comma": f"ans {answer},{answer + 1}",
+    "two_lines": f"ans {answer}\nans {answer + 1}",
+    "or_expression": f"ans {answer} or {answer + 1}",
+    "expression": f"ans {answer - 1}+1",
+    "double_space": f"ans  {answer}",
+    "tab": f"ans\t{answer}",
+    "no_space": f"ans{answer}",
+    "fullwidth_digits": f"ans {sign}{fullwidth}",
+    "arabic_indic_digits": f"ans {sign}{arabic}",
+    "unicode_minus": f"ans \u2212{a}",
+    "negative_zero": f"ans -0{'' if answer == 0 else a}",
+    "huge_int": "ans " + "9" * 5000,
+    "huge_int_within_str_limit": "ans " + "1" * 4000,
+    "hex": f"ans {hex(answer)}",
+    "word": f"answer {answer}",
+    "trailing_text": f"ans {answer} is the answer",
   }
 
 
@@ -381,32 +436,36 @@ def test_python_tool_honest_answer_scores_one(index):
 
 def test_python_tool_parse_answer():
   assert [parse_answer(a) for a in ("ans 0", "ans 7", "ans -12", "ans 1234567")] == [
-      0, 7, -12, 1234567]
+    0,
+    7,
+    -12,
+    1234567,
+  ]
   assert parse_answer("ans 12 13") is None and parse_answer("ans 1.5") is None
 
 
 # --- online_style ---------------------------------------------------------------
 
 DEGENERATE_LINES = {
-    "case_variant_repetition": "rain Rain RAIN thus hence",
-    "marker_case_variant_repetition": "rain thus Thus THUS hence",
-    "lookalike_repetition": "rain r\u0430in ra\u0456n thus hence",
-    "non_ascii_letters": "rain thus hence \u00fcber na\u00efve",
-    "fullwidth_letters": "rain thus hence \uff52\uff41\uff49\uff4e",
-    "tab_separated": "rain\tthus\thence",
-    "newline_separated": "rain thus\nhence",
-    "unicode_space_separated": "rain\u3000thus\u2003hence",
-    "zero_width_space": "rain thus\u200bhence indeed",
-    "markers_thrice": "rain thus thus thus hence",
-    "digits": "rain thus hence 42",
-    "punctuation": "rain, thus hence!",
-    "topic_as_substring": "rainy thus hence indeed",
-    "too_many_words": "rain thus hence indeed a b c d e f g h i",
-    "too_few_words": "rain thus",
-    "empty": "",
-    "huge_line": "rain thus hence " + "a" * 10**6,
-    "huge_word_count": "rain thus hence " + "a " * 10**5,
-    "style_tie": "rain thus hence uwu nya",
+  "case_variant_repetition": "rain Rain RAIN thus hence",
+  "marker_case_variant_repetition": "rain thus Thus THUS hence",
+  "lookalike_repetition": "rain r\u0430in ra\u0456n thus hence",
+  "non_ascii_letters": "rain thus hence \u00fcber na\u00efve",
+  "fullwidth_letters": "rain thus hence \uff52\uff41\uff49\uff4e",
+  "tab_separated": "rain\tthus\thence",
+  "newline_separated": "rain thus\nhence",
+  "unicode_space_separated": "rain\u3000thus\u2003hence",
+  "zero_width_space": "rain thus\u200bhence indeed",
+  "markers_thrice": "rain thus thus thus hence",
+  "digits": "rain thus hence 42",
+  "punctuation": "rain, thus hence!",
+  "topic_as_substring": "rainy thus hence indeed",
+  "too_many_words": "rain thus hence indeed a b c d e f g h i",
+  "too_few_words": "rain thus",
+  "empty": "",
+  "huge_line": "rain thus hence " + "a" * 10**6,
+  "huge_word_count": "rain thus hence " + "a " * 10**5,
+  "style_tie": "rain thus hence uwu nya",
 }
 
 

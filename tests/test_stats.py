@@ -8,8 +8,10 @@ import pytest
 from experiments import stats
 
 
-@pytest.mark.parametrize("df,want", [(1, 12.706205), (2, 4.302653), (3, 3.182446),
-                                     (4, 2.776445), (7, 2.364624), (30, 2.042272)])
+@pytest.mark.parametrize(
+  "df,want",
+  [(1, 12.706205), (2, 4.302653), (3, 3.182446), (4, 2.776445), (7, 2.364624), (30, 2.042272)],
+)
 def test_t_quantile_matches_the_table(df, want):
   assert stats.t_quantile(0.975, df) == pytest.approx(want, abs=1e-6)
 
@@ -28,18 +30,23 @@ def test_t_interval_by_hand():
 def _p_by_loop(x):
   x = list(x)
   obs = abs(sum(x))
-  hits = sum(abs(sum(s * v for s, v in zip(signs, x))) >= obs - 1e-12
-             for signs in itertools.product((1, -1), repeat=len(x)))
+  hits = sum(
+    abs(sum(s * v for s, v in zip(signs, x))) >= obs - 1e-12
+    for signs in itertools.product((1, -1), repeat=len(x))
+  )
   return hits / 2 ** len(x)
 
 
-@pytest.mark.parametrize("x,want", [
+@pytest.mark.parametrize(
+  "x,want",
+  [
     ([0.1, 0.2, 0.3, 0.05, 0.15, 0.25, 0.12, 0.08], 2 / 256),  # 8 of 8 ahead
     ([1.0, 2.0, 3.0, 4.0], 0.125),  # 4 seeds can do no better
     ([3.0, 1.0, 1.0], 0.25),
     ([1.0, 2.0, 3.0, -0.5], 0.25),  # flipping the -0.5 also reaches |sum| >= 5.5
     ([1.0, -1.0], 1.0),
-])
+  ],
+)
 def test_sign_flip_p_known_values(x, want):
   assert stats.sign_flip_p(x) == pytest.approx(want)
   assert stats.sign_flip_p(x) == pytest.approx(_p_by_loop(x))
@@ -76,7 +83,8 @@ def test_paired_stats_words_claims_by_the_t_interval():
 
 
 def test_welch_interval_matches_scipy():
-  from scipy import stats as scipy_stats  # pylint: disable=g-import-not-at-top
+  from scipy import stats as scipy_stats
+
   rng = np.random.default_rng(3)
   a, b = rng.normal(0.1, 0.06, 8), rng.normal(0.0, 0.02, 8)
   want = scipy_stats.ttest_ind(a, b, equal_var=False).confidence_interval(0.95)
@@ -89,12 +97,17 @@ def test_permutation_p_by_hand_and_against_scipy():
   # Splits of {1, 2, 3, 4} into two pairs: |difference| 2, 2, 1, 1, 0, 0 -> p = 2 / 6.
   assert stats.permutation_p([1.0, 2.0], [3.0, 4.0]) == pytest.approx(1 / 3)
   assert stats.permutation_p([1.0, 2.0], [1.0, 2.0]) == 1.0
-  from scipy import stats as scipy_stats  # pylint: disable=g-import-not-at-top
+  from scipy import stats as scipy_stats
+
   rng = np.random.default_rng(4)
   a, b = rng.normal(0.05, 0.05, 6), rng.normal(0.0, 0.05, 5)
   want = scipy_stats.permutation_test(
-      (a, b), lambda x, y: abs(np.mean(x) - np.mean(y)), permutation_type="independent",
-      n_resamples=10**6, alternative="greater").pvalue  # |difference|, as permutation_p
+    (a, b),
+    lambda x, y: abs(np.mean(x) - np.mean(y)),
+    permutation_type="independent",
+    n_resamples=10**6,
+    alternative="greater",
+  ).pvalue  # |difference|, as permutation_p
   assert stats.permutation_p(a, b) == pytest.approx(want, rel=1e-9)
   with pytest.raises(ValueError, match="refused"):
     stats.permutation_p(np.arange(11.0), np.arange(10.0))

@@ -22,8 +22,12 @@ import numpy as np
 
 # The trainer run the manifests name (sao_jax/data/identity.py).
 RUN_ID = "trainer_run"
-SHAPES = {"embed": ((16, 8), "bfloat16"), "experts": ((4, 8, 6), "bfloat16"),
-          "norm": ((8,), "float32"), "step": ((), "int32")}
+SHAPES = {
+  "embed": ((16, 8), "bfloat16"),
+  "experts": ((4, 8, 6), "bfloat16"),
+  "norm": ((8,), "float32"),
+  "step": ((), "int32"),
+}
 
 
 def expected(version: int) -> dict:
@@ -32,7 +36,8 @@ def expected(version: int) -> dict:
   each leaf's elements redrawn (norm's on even versions only, so some of
   its pieces do not change), "step" the version, and bit patterns a float
   comparison would miss: -0.0 then +0.0, two NaN payloads in turn."""
-  import ml_dtypes  # pylint: disable=g-import-not-at-top
+  import ml_dtypes
+
   out = {}
   for v in range(1, version + 1):
     rng = np.random.default_rng(v)
@@ -55,23 +60,30 @@ def expected(version: int) -> dict:
 
 
 def main(root, process, num_processes, port, nonce):
-  import jax  # pylint: disable=g-import-not-at-top
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import jax
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
   if num_processes > 1:
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes, process)
-  from sao_jax.transport import weight_transfer  # pylint: disable=g-import-not-at-top
+  from sao_jax.transport import weight_transfer
+
   devices = np.array(jax.devices()).reshape(num_processes, -1)  # fsdp across processes
   mesh = Mesh(devices, ("fsdp", "expert"))
-  specs = {"embed": P("fsdp", None), "experts": P("expert", None, "fsdp"), "norm": P(),
-           "step": P()}
+  specs = {"embed": P("fsdp", None), "experts": P("expert", None, "fsdp"), "norm": P(), "step": P()}
 
   def params(version):
     host = expected(version)
-    return {k: jax.make_array_from_callback(host[k].shape, NamedSharding(mesh, specs[k]),
-                                            lambda idx, k=k: host[k][idx]) for k in host}
+    return {
+      k: jax.make_array_from_callback(
+        host[k].shape, NamedSharding(mesh, specs[k]), lambda idx, k=k: host[k][idx]
+      )
+      for k in host
+    }
 
-  server = weight_transfer.WeightServer(root, nonce, host="127.0.0.1", sockets=2,
-                                        pull_timeout_s=600, thread=False)
+  server = weight_transfer.WeightServer(
+    root, nonce, host="127.0.0.1", sockets=2, pull_timeout_s=600, thread=False
+  )
   server.publish(params(1), 1, run_id=RUN_ID)
   version, stalled = 1, False
   while not os.path.exists(os.path.join(root, "stop")):
@@ -92,12 +104,16 @@ def pull(root, delta=False):
   (to be SIGKILLed with the pull in flight). `delta`: it first pulls the
   newest version whole and says "held V", then posts the delta pull of the
   next one."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from sao_jax.transport import weight_transfer  # pylint: disable=g-import-not-at-top
+  import jax
+  import jax.numpy as jnp
+
+  from sao_jax.transport import weight_transfer
+
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  abstract = {k: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=device)
-              for k, (shape, dtype) in SHAPES.items()}
+  abstract = {
+    k: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=device)
+    for k, (shape, dtype) in SHAPES.items()
+  }
   net = weight_transfer.NetFollower(root, "doomed", abstract, host="127.0.0.1", sockets=2)
 
   def newer(than):
@@ -115,7 +131,7 @@ def pull(root, delta=False):
     print(f"held {offer.version}", flush=True)
     offer = newer(offer.version)
   net.start(offer)
-  assert (net._pull.delta is not None) == delta  # pylint: disable=protected-access
+  assert (net._pull.delta is not None) == delta
   print("pulling", flush=True)
   time.sleep(1000)
 

@@ -32,29 +32,29 @@ import sys
 import tokenize
 
 PYLINT_TO_RUFF = {
-    "g-import-not-at-top": ("E402", "PLC0415"),
-    "wrong-import-position": ("E402",),
-    "import-outside-toplevel": ("PLC0415",),
-    "g-bad-import-order": (),  # `ruff check --fix` sorts the imports (I001).
-    "wrong-import-order": (),
-    "protected-access": ("SLF001",),
-    "broad-except": ("BLE001",),
-    "broad-exception-caught": ("BLE001",),
-    "bare-except": ("E722",),
-    "unused-import": ("F401",),
-    "unused-variable": ("F841",),
-    "unused-argument": ("ARG001", "ARG002"),
-    "consider-using-with": ("SIM115",),
-    "invalid-name": ("N801", "N802", "N803", "N806", "N815", "N816"),
-    "eval-used": ("S307",),
-    "exec-used": ("S102",),
-    "cell-var-from-loop": ("B023",),
-    "unidiomatic-typecheck": ("E721",),
-    "reimport": ("F811",),
-    "redefined-builtin": ("A001", "A002"),
-    "pointless-statement": ("B018",),
-    "global-statement": ("PLW0603",),
-    "multiple-imports": ("E401",),
+  "g-import-not-at-top": ("E402", "PLC0415"),
+  "wrong-import-position": ("E402",),
+  "import-outside-toplevel": ("PLC0415",),
+  "g-bad-import-order": (),  # `ruff check --fix` sorts the imports (I001).
+  "wrong-import-order": (),
+  "protected-access": ("SLF001",),
+  "broad-except": ("BLE001",),
+  "broad-exception-caught": ("BLE001",),
+  "bare-except": ("E722",),
+  "unused-import": ("F401",),
+  "unused-variable": ("F841",),
+  "unused-argument": ("ARG001", "ARG002"),
+  "consider-using-with": ("SIM115",),
+  "invalid-name": ("N801", "N802", "N803", "N806", "N815", "N816"),
+  "eval-used": ("S307",),
+  "exec-used": ("S102",),
+  "cell-var-from-loop": ("B023",),
+  "unidiomatic-typecheck": ("E721",),
+  "reimport": ("F811",),
+  "redefined-builtin": ("A001", "A002"),
+  "pointless-statement": ("B018",),
+  "global-statement": ("PLW0603",),
+  "multiple-imports": ("E401",),
 }
 
 _PYLINT = re.compile(r"(#\s*)?pylint:\s*disable(?P<next>-next)?=(?P<names>[\w,-]+)")
@@ -66,6 +66,7 @@ _NOQA = re.compile(r"#\s*noqa:\s*(?P<codes>[A-Z]+[0-9]+(?:[,\s]+[A-Z]+[0-9]+)*)"
 class Disable:
   """One pylint comment: the ruff codes it maps to and the lines it covers
   (1-based, in the file after the comments are removed)."""
+
   codes: set[str]
   first: int
   last: int
@@ -83,8 +84,7 @@ def _comments(text: str) -> dict[int, tuple[int, str]]:
 def _statements(text: str) -> dict[int, tuple[int, int]]:
   """Line (1-based) -> the first and last lines of its statement."""
   ends, start, in_code = {}, 1, False
-  blank = (tokenize.COMMENT, tokenize.NL, tokenize.INDENT, tokenize.DEDENT,
-           tokenize.ENCODING)
+  blank = (tokenize.COMMENT, tokenize.NL, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING)
   for tok in tokenize.generate_tokens(io.StringIO(text).readline):
     if tok.type == tokenize.NEWLINE or (tok.type == tokenize.NL and not in_code):
       ends.update((r, (start, tok.start[0])) for r in range(start, tok.start[0] + 1))
@@ -123,15 +123,15 @@ def _take(comment: str, trailing: bool) -> tuple[set[str], str, bool, bool]:
       if name not in PYLINT_TO_RUFF:
         _UNKNOWN.add(name)
       codes.update(PYLINT_TO_RUFF.get(name, ()))
-    rest = comment[m.end():].strip()
+    rest = comment[m.end() :].strip()
     if rest.startswith("(") and rest.endswith(")"):
       rest = rest[1:-1]
-    comment = _join_comments([comment[:m.start()].strip(), rest])
+    comment = _join_comments([comment[: m.start()].strip(), rest])
   n = _NOQA.search(comment) if trailing else None
   if n:
     found = True
     codes.update(re.split(r"[,\s]+", n.group("codes")))
-    comment = _join_comments([comment[:n.start()].strip(), comment[n.end():].strip()])
+    comment = _join_comments([comment[: n.start()].strip(), comment[n.end() :].strip()])
   return codes, comment, is_next, found
 
 
@@ -150,7 +150,7 @@ def strip(text: str) -> tuple[str, list[Disable]]:
     if not found:
       out.append(line)
       continue
-    eol = line[len(line.rstrip("\r\n")):]
+    eol = line[len(line.rstrip("\r\n")) :]
     if not code:  # An own-line comment: it covers the next line or its block.
       if new_comment:
         out.append(line[:col] + new_comment + eol)
@@ -173,12 +173,12 @@ def add_noqa(text: str, noqa: dict[int, set[str]]) -> str:
   comments = _comments(text)
   for row, codes in noqa.items():
     line = lines[row - 1]
-    eol = line[len(line.rstrip("\r\n")):]
+    eol = line[len(line.rstrip("\r\n")) :]
     col, comment = comments.get(row, (len(line.rstrip("\r\n")), ""))
     m = _NOQA.search(comment)
     if m:
       codes = codes | set(re.split(r"[,\s]+", m.group("codes")))
-      comment = (comment[:m.start()] + comment[m.end():]).strip()
+      comment = (comment[: m.start()] + comment[m.end() :]).strip()
       comment = comment[1:].strip() if comment == "#" or comment.startswith("# ") else comment
     parts = ["# noqa: " + ", ".join(sorted(codes))] + ([comment] if comment else [])
     lines[row - 1] = line[:col].rstrip() + "  " + _join_comments(parts) + eol
@@ -187,8 +187,9 @@ def add_noqa(text: str, noqa: dict[int, set[str]]) -> str:
 
 def _ruff(*args: str) -> str:
   """Runs ruff with the project's config; returns what it printed."""
-  return subprocess.run([sys.executable, "-m", "ruff", *args], capture_output=True,
-                        text=True, check=True).stdout
+  return subprocess.run(
+    [sys.executable, "-m", "ruff", *args], capture_output=True, text=True, check=True
+  ).stdout
 
 
 def _has_directive(path: str) -> bool:
@@ -205,15 +206,17 @@ def _ruff_findings(paths: list[str]) -> dict[str, list[tuple[str, int, int]]]:
   findings = collections.defaultdict(list)
   out = _ruff("check", "--exit-zero", "--no-cache", "--output-format", "json", *paths)
   for f in json.loads(out):
-    findings[f["filename"]].append(
-        (f["code"], f["location"]["row"], f["end_location"]["row"]))
+    findings[f["filename"]].append((f["code"], f["location"]["row"], f["end_location"]["row"]))
   return findings
 
 
 def main(argv: list[str]) -> int:
-  paths = argv or subprocess.run(
-      ["git", "ls-files", "*.py"], capture_output=True, text=True,
-      check=True).stdout.split()
+  paths = (
+    argv
+    or subprocess.run(
+      ["git", "ls-files", "*.py"], capture_output=True, text=True, check=True
+    ).stdout.split()
+  )
   paths = [p for p in paths if _has_directive(p)]
   if not paths:
     return 0
@@ -251,8 +254,10 @@ def main(argv: list[str]) -> int:
         f.write(add_noqa(text, noqa))
   for name in sorted(_UNKNOWN):
     print(f"no ruff rule for pylint's {name}: dropped", file=sys.stderr)
-  print(f"{kept + dropped} pylint or noqa comments in {len(pending)} files: "
-        f"{kept} are `# noqa` on the line ruff flags, {dropped} dropped")
+  print(
+    f"{kept + dropped} pylint or noqa comments in {len(pending)} files: "
+    f"{kept} are `# noqa` on the line ruff flags, {dropped} dropped"
+  )
   return 0
 
 

@@ -163,7 +163,7 @@ def config_reference() -> str:
   """The configuration reference page, from the section records of sections.py."""
   if REPO not in sys.path:  # document this tree, installed or not
     sys.path.insert(0, REPO)
-  from sao_jax.config import sections  # pylint: disable=g-import-not-at-top
+  from sao_jax.config import sections
 
   lines = [
     "# Configuration reference",

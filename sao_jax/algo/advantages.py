@@ -45,8 +45,7 @@ def reverse_linear_recurrence(a: Array, b: Array) -> Array:
     y_t = a_t * y_next + b_t
     return y_t, y_t
 
-  _, y = jax.lax.scan(step, jnp.zeros(a.shape[:-1], a.dtype), (a.T, b.T),
-                      reverse=True)
+  _, y = jax.lax.scan(step, jnp.zeros(a.shape[:-1], a.dtype), (a.T, b.T), reverse=True)
   return y.T
 
 
@@ -78,12 +77,12 @@ def _check_inputs(rewards, values, action_mask):
 
 
 def skip_observation_gae(
-    rewards: Array,
-    values: Array,
-    action_mask: Array,
-    gamma: float,
-    lam: float,
-    segment_ids: Array | None = None,
+  rewards: Array,
+  values: Array,
+  action_mask: Array,
+  gamma: float,
+  lam: float,
+  segment_ids: Array | None = None,
 ) -> tuple[Array, Array]:
   """Token-level GAE over action tokens only, skipping observations.
 
@@ -124,14 +123,13 @@ def skip_observation_gae(
     # A new segment starts after t: its carry must not reach t.
     next_value, next_advantage = jax.tree.map(lambda c: jnp.where(keep, c, 0.0), carry)
     advantage = r_t + gamma * next_value - v_t + gamma * lam * next_advantage
-    carry = (jnp.where(is_action, v_t, next_value),
-             jnp.where(is_action, advantage, next_advantage))
+    carry = (jnp.where(is_action, v_t, next_value), jnp.where(is_action, advantage, next_advantage))
     return carry, jnp.where(is_action, advantage, 0.0)
 
   zeros = jnp.zeros(rewards.shape[:1], values.dtype)
   _, advantages = jax.lax.scan(
-      step, (zeros, zeros), (rewards.T, values.T, action_mask.T, same_next.T),
-      reverse=True)
+    step, (zeros, zeros), (rewards.T, values.T, action_mask.T, same_next.T), reverse=True
+  )
   advantages = advantages.T  # [B, T]
   returns = jnp.where(action_mask, advantages + values, 0.0)
   return advantages, returns
@@ -156,18 +154,19 @@ def _action_span(action_mask: Array, same_next: Array) -> Array:
   m = action_mask.astype(jnp.float32)
   seen_after = reverse_linear_recurrence(same_next.astype(jnp.float32), m) > 0
   same_prev = jnp.flip(jnp.pad(same_next[:, :-1], ((0, 0), (1, 0))), 1)
-  seen_before = jnp.flip(reverse_linear_recurrence(same_prev.astype(jnp.float32),
-                                                   jnp.flip(m, 1)), 1) > 0
+  seen_before = (
+    jnp.flip(reverse_linear_recurrence(same_prev.astype(jnp.float32), jnp.flip(m, 1)), 1) > 0
+  )
   return seen_before & seen_after
 
 
 def token_gae(
-    rewards: Array,
-    values: Array,
-    action_mask: Array,
-    gamma: float,
-    lam: float,
-    segment_ids: Array | None = None,
+  rewards: Array,
+  values: Array,
+  action_mask: Array,
+  gamma: float,
+  lam: float,
+  segment_ids: Array | None = None,
 ) -> tuple[Array, Array]:
   """Naive token-level GAE: observation tokens stay in the recursion.
 
@@ -189,21 +188,20 @@ def token_gae(
   same_next = _same_as_next(segment_ids, rewards.shape)
   span = _action_span(action_mask, same_next).astype(values.dtype)
   keep = same_next.astype(values.dtype)
-  next_v = keep * jnp.concatenate(
-      [(values * span)[:, 1:], jnp.zeros_like(values[:, :1])], axis=1)
+  next_v = keep * jnp.concatenate([(values * span)[:, 1:], jnp.zeros_like(values[:, :1])], axis=1)
   delta = span * (rewards + gamma * next_v - values)
   g = reverse_linear_recurrence(span * keep * (gamma * lam), delta)
   return m * g, span * (g + values)
 
 
 def step_gae(
-    rewards: Array,
-    values: Array,
-    action_mask: Array,
-    gamma: float,
-    lam: float,
-    step_value: Literal["mean", "last"] = "mean",
-    segment_ids: Array | None = None,
+  rewards: Array,
+  values: Array,
+  action_mask: Array,
+  gamma: float,
+  lam: float,
+  step_value: Literal["mean", "last"] = "mean",
+  segment_ids: Array | None = None,
 ) -> tuple[Array, Array]:
   """Step-level GAE: one step is one model turn (a maximal run of actions).
 
@@ -236,13 +234,12 @@ def step_gae(
 
   # GAE on the compressed sequence of steps, represented at start positions.
   adv_start, ret_start = skip_observation_gae(
-      is_start * step_reward, is_start * step_v, is_start > 0, gamma, lam,
-      segment_ids=segment_ids)
+    is_start * step_reward, is_start * step_v, is_start > 0, gamma, lam, segment_ids=segment_ids
+  )
 
   # Broadcast forward from each step's start over its run.
   def broadcast(x):
-    flipped = reverse_linear_recurrence(
-        jnp.flip(m * (1.0 - is_start), 1), jnp.flip(x, 1))
+    flipped = reverse_linear_recurrence(jnp.flip(m * (1.0 - is_start), 1), jnp.flip(x, 1))
     return m * jnp.flip(flipped, 1)
 
   return broadcast(adv_start), broadcast(ret_start)
@@ -253,8 +250,9 @@ def step_gae(
 # ----------------------------------------------------------------------------
 
 
-def group_advantages(rewards: Array, group_ids: Array, eps: float = 1e-6,
-                     std_normalize: bool = True) -> Array:
+def group_advantages(
+  rewards: Array, group_ids: Array, eps: float = 1e-6, std_normalize: bool = True
+) -> Array:
   """GRPO's group-normalised advantage: A = (R - mean_G) / (std_G + eps).
 
   With `std_normalize=False` the advantage is R - mean_G, in reward units
@@ -283,9 +281,10 @@ def group_advantages(rewards: Array, group_ids: Array, eps: float = 1e-6,
     ids, counts = np.unique(np.asarray(group_ids), return_counts=True)
     if np.any(counts < 2):
       raise ValueError(
-          "group_advantages needs at least 2 samples per group; groups "
-          f"{ids[counts < 2].tolist()} have one. Use samples_per_prompt >= 2 "
-          "or a value / running-mean baseline.")
+        "group_advantages needs at least 2 samples per group; groups "
+        f"{ids[counts < 2].tolist()} have one. Use samples_per_prompt >= 2 "
+        "or a value / running-mean baseline."
+      )
   same = (group_ids[:, None] == group_ids[None, :]).astype(rewards.dtype)  # [B, B]
   count = same.sum(1)
   mean = (same @ rewards) / count
@@ -306,12 +305,11 @@ def running_mean_init(window: int, dtype=jnp.float32) -> RunningMeanState:
   if window < 1:
     raise ValueError(f"window must be >= 1, got {window}")
   return RunningMeanState(
-      jnp.zeros((window,), dtype), jnp.zeros((), jnp.int32),
-      jnp.zeros((), jnp.int32))
+    jnp.zeros((window,), dtype), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
+  )
 
 
-def running_mean_update(
-    state: RunningMeanState, rewards: Array) -> tuple[RunningMeanState, Array]:
+def running_mean_update(state: RunningMeanState, rewards: Array) -> tuple[RunningMeanState, Array]:
   """A = R - mean of the last W rewards seen before this batch.
 
   The baseline is 0 before any reward is seen. The batch's rewards are then
@@ -323,16 +321,16 @@ def running_mean_update(
   chex.assert_rank(rewards, 1)
   chex.assert_type(rewards, float)
   window = state.buffer.shape[0]
-  baseline = jnp.where(
-      state.count > 0, state.buffer.sum() / jnp.maximum(state.count, 1), 0.0)
+  baseline = jnp.where(state.count > 0, state.buffer.sum() / jnp.maximum(state.count, 1), 0.0)
   advantages = rewards - baseline
   recent = rewards[-window:]
   slots = (state.index + jnp.arange(recent.shape[0])) % window
   buffer = state.buffer.at[slots].set(recent.astype(state.buffer.dtype))
   new_state = RunningMeanState(
-      buffer,
-      jnp.minimum(state.count + recent.shape[0], window).astype(jnp.int32),
-      ((state.index + recent.shape[0]) % window).astype(jnp.int32))
+    buffer,
+    jnp.minimum(state.count + recent.shape[0], window).astype(jnp.int32),
+    ((state.index + recent.shape[0]) % window).astype(jnp.int32),
+  )
   return new_state, advantages
 
 
@@ -357,6 +355,7 @@ class Estimator:
 
   Adding an estimator is one record in `ESTIMATORS` (and its kernel here).
   """
+
   name: str
   gae: Callable | None = None
   critic_span: bool = False
@@ -375,34 +374,41 @@ class Estimator:
 
 def _step_gae(step_value):
   def gae(rewards, values, action_mask, gamma, lam, segment_ids=None):
-    return step_gae(rewards, values, action_mask, gamma, lam, step_value,
-                    segment_ids=segment_ids)
+    return step_gae(rewards, values, action_mask, gamma, lam, step_value, segment_ids=segment_ids)
+
   return gae
 
 
 def _group_baseline(state, rewards, group_ids, rl_config):
-  adv = group_advantages(jnp.asarray(rewards), jnp.asarray(group_ids),
-                         std_normalize=rl_config.group_std_normalize)
+  adv = group_advantages(
+    jnp.asarray(rewards), jnp.asarray(group_ids), std_normalize=rl_config.group_std_normalize
+  )
   return state, np.asarray(adv)
 
 
 def _running_mean_baseline(state, rewards, group_ids, rl_config):
   del group_ids, rl_config
-  state, adv = running_mean_update(RunningMeanState(*(jnp.asarray(x) for x in state)),
-                                   jnp.asarray(rewards))
+  state, adv = running_mean_update(
+    RunningMeanState(*(jnp.asarray(x) for x in state)), jnp.asarray(rewards)
+  )
   return [np.asarray(x) for x in state], np.asarray(adv)
 
 
-ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (
+ESTIMATORS: dict[str, Estimator] = {
+  e.name: e
+  for e in (
     Estimator("value", gae=skip_observation_gae),
     Estimator("token_gae", gae=token_gae, critic_span=True),
     Estimator("step_gae_mean", gae=_step_gae("mean")),
     Estimator("step_gae_last", gae=_step_gae("last")),
     Estimator("group", baseline=_group_baseline, min_group=2),
-    Estimator("running_mean", baseline=_running_mean_baseline,
-              init_state=lambda rl: [np.asarray(x) for x in running_mean_init(
-                  rl.running_mean_window)]),
-)}
+    Estimator(
+      "running_mean",
+      baseline=_running_mean_baseline,
+      init_state=lambda rl: [np.asarray(x) for x in running_mean_init(rl.running_mean_window)],
+    ),
+  )
+}
 
 
 def estimator(name: str) -> Estimator:

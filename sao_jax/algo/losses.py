@@ -35,9 +35,9 @@ def _check(logp, rollout_logp, advantages, action_mask):
 def _masked_stats(x: Array, action_mask: Array, n: Array, prefix: str) -> dict:
   big = jnp.finfo(x.dtype).max
   return {
-      f"{prefix}_mean": jnp.where(action_mask, x, 0.0).sum() / n,
-      f"{prefix}_max": jnp.where(action_mask, x, -big).max(),
-      f"{prefix}_min": jnp.where(action_mask, x, big).min(),
+    f"{prefix}_mean": jnp.where(action_mask, x, 0.0).sum() / n,
+    f"{prefix}_max": jnp.where(action_mask, x, -big).max(),
+    f"{prefix}_min": jnp.where(action_mask, x, big).min(),
   }
 
 
@@ -66,14 +66,14 @@ def _ratio_metrics(ratio, logp, rollout_logp, action_mask, n) -> dict:
   log_ratio = jnp.where(action_mask, logp - rollout_logp, 0.0)
   metrics = _masked_stats(ratio, action_mask, n, "ratio")
   # k3 estimator of KL(rollout || current), non-negative per token.
-  metrics["approx_kl"] = jnp.where(
-      action_mask, ratio - 1.0 - log_ratio, 0.0).sum() / n
+  metrics["approx_kl"] = jnp.where(action_mask, ratio - 1.0 - log_ratio, 0.0).sum() / n
   metrics["tokens"] = _token_count(action_mask, n.dtype)
   return metrics
 
 
-def dis_regions(ratio: Array, advantages: Array, action_mask: Array, eps_low: float,
-                eps_high: float) -> tuple[Array, Array, Array, Array]:
+def dis_regions(
+  ratio: Array, advantages: Array, action_mask: Array, eps_low: float, eps_high: float
+) -> tuple[Array, Array, Array, Array]:
   """DIS's partition of the action tokens, each a bool `[B, T]`.
 
       below_t      = mask_t and r_t <= 1 - eps_low
@@ -98,28 +98,31 @@ def _dis_surrogate(ratio, advantages, keep_mask, n):
   return -jnp.where(keep_mask, ratio * advantages, 0.0).sum() / n
 
 
-def _dis_metrics(ratio, logp, rollout_logp, advantages, action_mask, n, below, above,
-                 keep_mask) -> dict:
+def _dis_metrics(
+  ratio, logp, rollout_logp, advantages, action_mask, n, below, above, keep_mask
+) -> dict:
   """DIS's metrics for a loss that trains on `keep_mask`; masked = action and not kept."""
   masked = action_mask & ~keep_mask
   metrics = _ratio_metrics(ratio, logp, rollout_logp, action_mask, n)
   metrics.update(
-      masked_low_frac=(below & masked).sum() / n,
-      masked_high_frac=(above & masked).sum() / n,
-      kept_frac=keep_mask.sum() / n,
-      masked_corrective_frac=(masked & (((above & (advantages < 0))
-                                         | (below & (advantages > 0))))).sum() / n,
+    masked_low_frac=(below & masked).sum() / n,
+    masked_high_frac=(above & masked).sum() / n,
+    kept_frac=keep_mask.sum() / n,
+    masked_corrective_frac=(
+      masked & ((above & (advantages < 0)) | (below & (advantages > 0)))
+    ).sum()
+    / n,
   )
   return metrics
 
 
 def dis_policy_loss(
-    logp: Array,
-    rollout_logp: Array,
-    advantages: Array,
-    action_mask: Array,
-    eps_low: float,
-    eps_high: float,
+  logp: Array,
+  rollout_logp: Array,
+  advantages: Array,
+  action_mask: Array,
+  eps_low: float,
+  eps_high: float,
 ) -> tuple[Array, dict]:
   """Direct double-sided importance sampling (DIS).
 
@@ -154,17 +157,18 @@ def dis_policy_loss(
   ratio = importance_ratio(logp, rollout_logp, action_mask)
   below, above, inside, _ = dis_regions(ratio, advantages, action_mask, eps_low, eps_high)
   loss = _dis_surrogate(ratio, advantages, inside, n)
-  return loss, _dis_metrics(ratio, logp, rollout_logp, advantages, action_mask, n,
-                            below, above, inside)
+  return loss, _dis_metrics(
+    ratio, logp, rollout_logp, advantages, action_mask, n, below, above, inside
+  )
 
 
 def ppo_clip_policy_loss(
-    logp: Array,
-    rollout_logp: Array,
-    advantages: Array,
-    action_mask: Array,
-    eps_low: float,
-    eps_high: float,
+  logp: Array,
+  rollout_logp: Array,
+  advantages: Array,
+  action_mask: Array,
+  eps_low: float,
+  eps_high: float,
 ) -> tuple[Array, dict]:
   """PPO's clipped surrogate against the rollout log-prob.
 
@@ -205,8 +209,9 @@ def rollout_kl_terms(log_ratio: Array, estimator: str) -> Array:
   raise ValueError(f"rollout_kl_estimator {estimator!r}: must be one of {ROLLOUT_KL_ESTIMATORS}")
 
 
-def sequence_mean_weights(action_mask: Array, segment_ids: Array | None = None,
-                          dtype=jnp.float32) -> Array:
+def sequence_mean_weights(
+  action_mask: Array, segment_ids: Array | None = None, dtype=jnp.float32
+) -> Array:
   """Per-token weights w_t with sum_t w_t x_t = the mean over sequences of each
   sequence's mean of x over its action tokens:
 
@@ -221,17 +226,17 @@ def sequence_mean_weights(action_mask: Array, segment_ids: Array | None = None,
 
 
 def dis_rollout_kl_policy_loss(
-    logp: Array,
-    rollout_logp: Array,
-    advantages: Array,
-    action_mask: Array,
-    eps_low: float,
-    eps_high: float,
-    *,
-    rollout_kl_coef: float = 0.1,
-    rollout_kl_estimator: str = "k2",
-    rollout_kl_reduction: str = "sequence",
-    segment_ids: Array | None = None,
+  logp: Array,
+  rollout_logp: Array,
+  advantages: Array,
+  action_mask: Array,
+  eps_low: float,
+  eps_high: float,
+  *,
+  rollout_kl_coef: float = 0.1,
+  rollout_kl_estimator: str = "k2",
+  rollout_kl_reduction: str = "sequence",
+  segment_ids: Array | None = None,
 ) -> tuple[Array, dict]:
   """DIS plus a penalty on the divergence from the rollout policy.
 
@@ -264,8 +269,9 @@ def dis_rollout_kl_policy_loss(
     beta), kl_penalty (beta times it) and dis_loss (L_dis).
   """
   if rollout_kl_reduction not in ROLLOUT_KL_REDUCTIONS:
-    raise ValueError(f"rollout_kl_reduction {rollout_kl_reduction!r}: must be one of "
-                     f"{ROLLOUT_KL_REDUCTIONS}")
+    raise ValueError(
+      f"rollout_kl_reduction {rollout_kl_reduction!r}: must be one of {ROLLOUT_KL_REDUCTIONS}"
+    )
   _check(logp, rollout_logp, advantages, action_mask)
   advantages = jax.lax.stop_gradient(advantages)
   n = _normaliser(action_mask, logp.dtype)
@@ -278,8 +284,9 @@ def dis_rollout_kl_policy_loss(
     kl = terms.sum() / n
   else:
     kl = (sequence_mean_weights(action_mask, segment_ids, logp.dtype) * terms).sum()
-  metrics = _dis_metrics(ratio, logp, rollout_logp, advantages, action_mask, n,
-                         below, above, inside)
+  metrics = _dis_metrics(
+    ratio, logp, rollout_logp, advantages, action_mask, n, below, above, inside
+  )
   metrics.update(rollout_kl=kl, kl_penalty=rollout_kl_coef * kl, dis_loss=dis_loss)
   return dis_loss + rollout_kl_coef * kl, metrics
 
@@ -288,14 +295,14 @@ CORRECTIVE_SIDES = ("low", "high")
 
 
 def dis_corrective_policy_loss(
-    logp: Array,
-    rollout_logp: Array,
-    advantages: Array,
-    action_mask: Array,
-    eps_low: float,
-    eps_high: float,
-    *,
-    corrective_side: str = "low",
+  logp: Array,
+  rollout_logp: Array,
+  advantages: Array,
+  action_mask: Array,
+  eps_low: float,
+  eps_high: float,
+  *,
+  corrective_side: str = "low",
 ) -> tuple[Array, dict]:
   """DIS that also trains on the corrective tokens of one side of the window.
 
@@ -330,14 +337,16 @@ def dis_corrective_policy_loss(
     corrective = above & (advantages < 0)
   keep_mask = inside | corrective
   loss = _dis_surrogate(ratio, advantages, keep_mask, n)
-  metrics = _dis_metrics(ratio, logp, rollout_logp, advantages, action_mask, n,
-                         below, above, keep_mask)
+  metrics = _dis_metrics(
+    ratio, logp, rollout_logp, advantages, action_mask, n, below, above, keep_mask
+  )
   metrics["kept_corrective_frac"] = corrective.sum() / n
   return loss, metrics
 
 
-def sequence_mean_log_ratio(log_ratio: Array, action_mask: Array,
-                            segment_ids: Array | None = None) -> Array:
+def sequence_mean_log_ratio(
+  log_ratio: Array, action_mask: Array, segment_ids: Array | None = None
+) -> Array:
   """Per token, the mean of log r over the action tokens of its sequence.
 
       g_s = sum_{t in s} mask_t log r_t / max(1, sum_{t in s} mask_t)
@@ -372,16 +381,16 @@ def _sequence_action_counts(action_mask: Array, segment_ids: Array | None, dtype
 
 
 def dis_seq_geo_policy_loss(
-    logp: Array,
-    rollout_logp: Array,
-    advantages: Array,
-    action_mask: Array,
-    eps_low: float,
-    eps_high: float,
-    *,
-    segment_ids: Array | None = None,
-    geo_eps_low: float = 0.05,
-    geo_eps_high: float = 0.05,
+  logp: Array,
+  rollout_logp: Array,
+  advantages: Array,
+  action_mask: Array,
+  eps_low: float,
+  eps_high: float,
+  *,
+  segment_ids: Array | None = None,
+  geo_eps_low: float = 0.05,
+  geo_eps_high: float = 0.05,
 ) -> tuple[Array, dict]:
   """DIS inside a sequence-level mask on the geometric mean ratio.
 
@@ -412,8 +421,9 @@ def dis_seq_geo_policy_loss(
   seq_kept = (geo > 1.0 - geo_eps_low) & (geo < 1.0 + geo_eps_high)
   keep_mask = inside & seq_kept
   loss = _dis_surrogate(ratio, advantages, keep_mask, n)
-  metrics = _dis_metrics(ratio, logp, rollout_logp, advantages, action_mask, n,
-                         below, above, inside)
+  metrics = _dis_metrics(
+    ratio, logp, rollout_logp, advantages, action_mask, n, below, above, inside
+  )
   metrics["kept_frac"] = keep_mask.sum() / n
   dropped = action_mask & ~seq_kept
   # Each sequence counted once, at its first action token.
@@ -421,8 +431,9 @@ def dis_seq_geo_policy_loss(
   starts = seg != jnp.pad(seg[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
   first = action_mask & (_segment_cumsum(action_mask, starts) == 1)
   num_seqs = jnp.maximum(first.sum(), 1)
-  metrics.update(seq_masked_frac=(first & dropped).sum() / num_seqs,
-                 seq_masked_token_frac=dropped.sum() / n)
+  metrics.update(
+    seq_masked_frac=(first & dropped).sum() / num_seqs, seq_masked_token_frac=dropped.sum() / n
+  )
   return loss, metrics
 
 
@@ -437,12 +448,12 @@ def _segment_cumsum(x: Array, starts: Array) -> Array:
 
 
 def cispo_policy_loss(
-    logp: Array,
-    rollout_logp: Array,
-    advantages: Array,
-    action_mask: Array,
-    eps_low: float,
-    eps_high: float,
+  logp: Array,
+  rollout_logp: Array,
+  advantages: Array,
+  action_mask: Array,
+  eps_low: float,
+  eps_high: float,
 ) -> tuple[Array, dict]:
   """CISPO as MiniMax-M1 defines it: an upper-clipped, stop-gradient weight on the log-prob.
 
@@ -465,12 +476,12 @@ def cispo_policy_loss(
 
 
 def cispo_two_sided_policy_loss(
-    logp: Array,
-    rollout_logp: Array,
-    advantages: Array,
-    action_mask: Array,
-    eps_low: float,
-    eps_high: float,
+  logp: Array,
+  rollout_logp: Array,
+  advantages: Array,
+  action_mask: Array,
+  eps_low: float,
+  eps_high: float,
 ) -> tuple[Array, dict]:
   """CISPO's weight clipped on both sides: not MiniMax-M1's, a named option.
 
@@ -519,10 +530,11 @@ def explained_variance(predictions: Array, targets: Array, action_mask: Array) -
     return (w * (x - mean) ** 2).sum() / n
 
   var_t = var(targets)
-  scale = (w * targets ** 2).sum() / n
+  scale = (w * targets**2).sum() / n
   defined = (w.sum() > 0) & (var_t > jnp.finfo(targets.dtype).eps * scale)
-  return jnp.where(defined, 1.0 - var(targets - predictions) / jnp.where(defined, var_t, 1.0),
-                   jnp.nan)
+  return jnp.where(
+    defined, 1.0 - var(targets - predictions) / jnp.where(defined, var_t, 1.0), jnp.nan
+  )
 
 
 def undefined_if_empty(metrics: dict, action_mask: Array, keep=("tokens",)) -> dict:
@@ -534,11 +546,11 @@ def undefined_if_empty(metrics: dict, action_mask: Array, keep=("tokens",)) -> d
 
 
 def value_loss(
-    values: Array,
-    returns: Array,
-    action_mask: Array,
-    old_values: Array | None = None,
-    clip: float | None = None,
+  values: Array,
+  returns: Array,
+  action_mask: Array,
+  old_values: Array | None = None,
+  clip: float | None = None,
 ) -> tuple[Array, dict]:
   """Masked value regression: L_V = 0.5 * sum_t mask_t (V_t - R_t)^2 / N.
 
@@ -568,10 +580,10 @@ def value_loss(
     sq_err = jnp.maximum(sq_err, clipped_err)
   loss = 0.5 * jnp.where(action_mask, sq_err, 0.0).sum() / n
   metrics.update(
-      explained_variance=explained_variance(values, returns, action_mask),
-      value_mean=jnp.where(action_mask, values, 0.0).sum() / n,
-      return_mean=jnp.where(action_mask, returns, 0.0).sum() / n,
-      tokens=_token_count(action_mask, n.dtype),
+    explained_variance=explained_variance(values, returns, action_mask),
+    value_mean=jnp.where(action_mask, values, 0.0).sum() / n,
+    return_mean=jnp.where(action_mask, returns, 0.0).sum() / n,
+    tokens=_token_count(action_mask, n.dtype),
   )
   return loss, undefined_if_empty(metrics, action_mask)
 
@@ -582,20 +594,26 @@ def value_loss(
 # receives those of POLICY_LOSS_OPTIONS it names as keyword parameters
 # (`call_policy_loss`), so a record that needs none takes none.
 POLICY_LOSSES = {
-    "dis": dis_policy_loss,
-    "ppo_clip": ppo_clip_policy_loss,
-    "dis_rollout_kl": dis_rollout_kl_policy_loss,
-    "dis_corrective": dis_corrective_policy_loss,
-    "dis_seq_geo": dis_seq_geo_policy_loss,
-    "cispo": cispo_policy_loss,
-    "cispo_two_sided": cispo_two_sided_policy_loss,
+  "dis": dis_policy_loss,
+  "ppo_clip": ppo_clip_policy_loss,
+  "dis_rollout_kl": dis_rollout_kl_policy_loss,
+  "dis_corrective": dis_corrective_policy_loss,
+  "dis_seq_geo": dis_seq_geo_policy_loss,
+  "cispo": cispo_policy_loss,
+  "cispo_two_sided": cispo_two_sided_policy_loss,
 }
 
 # The keyword options the train step offers every policy loss: the packed
 # batch's segment ids, and the rl section's fields of the same names.
 BATCH_OPTIONS = ("segment_ids",)
-CONFIG_OPTIONS = ("rollout_kl_coef", "rollout_kl_estimator", "rollout_kl_reduction",
-                  "corrective_side", "geo_eps_low", "geo_eps_high")
+CONFIG_OPTIONS = (
+  "rollout_kl_coef",
+  "rollout_kl_estimator",
+  "rollout_kl_reduction",
+  "corrective_side",
+  "geo_eps_low",
+  "geo_eps_high",
+)
 POLICY_LOSS_OPTIONS = BATCH_OPTIONS + CONFIG_OPTIONS
 
 # The inputs every policy loss takes first, positionally.
@@ -614,17 +632,21 @@ def check_policy_loss(name: str) -> None:
   option that the train step does not offer (not in POLICY_LOSS_OPTIONS): it
   would run at the loss's own default whatever the config says."""
   params = list(inspect.signature(policy_loss(name)).parameters.values())[_LOSS_INPUTS:]
-  unknown = [p.name for p in params
-             if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-             and p.name not in POLICY_LOSS_OPTIONS]
+  unknown = [
+    p.name
+    for p in params
+    if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    and p.name not in POLICY_LOSS_OPTIONS
+  ]
   if unknown:
-    raise ValueError(f"policy loss {name!r} takes {unknown}, which the train step does not "
-                     f"offer (losses.POLICY_LOSS_OPTIONS = {POLICY_LOSS_OPTIONS}): add each to "
-                     "CONFIG_OPTIONS and declare it in the rl section")
+    raise ValueError(
+      f"policy loss {name!r} takes {unknown}, which the train step does not "
+      f"offer (losses.POLICY_LOSS_OPTIONS = {POLICY_LOSS_OPTIONS}): add each to "
+      "CONFIG_OPTIONS and declare it in the rl section"
+    )
 
 
-def call_policy_loss(fn, logp, rollout_logp, advantages, action_mask, eps_low, eps_high,
-                     **options):
+def call_policy_loss(fn, logp, rollout_logp, advantages, action_mask, eps_low, eps_high, **options):
   """fn(logp, ..., eps_high, **those of `options` that fn names as parameters).
 
   A loss with a `**kwargs` parameter gets every option. Its metrics are NaN
@@ -632,8 +654,11 @@ def call_policy_loss(fn, logp, rollout_logp, advantages, action_mask, eps_low, e
   """
   params = inspect.signature(fn).parameters.values()
   if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-    names = {p.name for p in params if p.kind in (inspect.Parameter.KEYWORD_ONLY,
-                                                  inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+    names = {
+      p.name
+      for p in params
+      if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    }
     options = {k: v for k, v in options.items() if k in names}
   loss, metrics = fn(logp, rollout_logp, advantages, action_mask, eps_low, eps_high, **options)
   return loss, undefined_if_empty(metrics, action_mask)

@@ -25,9 +25,9 @@ TRAIN, FREEZE = "train", "freeze"
 # "layers/sub_r/..." those of a periodic hybrid's scan. "attn" is every
 # token mixer: softmax attention and Gated DeltaNet alike.
 CRITIC_FREEZE_RULES = (
-    (r"^(layer_\d+|layers(/sub_\d+)?)/(attn|attn_norm)/", FREEZE),
-    (r"^embed$", FREEZE),
-    (r".*", TRAIN),
+  (r"^(layer_\d+|layers(/sub_\d+)?)/(attn|attn_norm)/", FREEZE),
+  (r"^embed$", FREEZE),
+  (r".*", TRAIN),
 )
 TRAIN_ALL_RULES = ((r".*", TRAIN),)
 
@@ -53,8 +53,10 @@ def partition_labels(params, rules: Sequence[tuple[str, str]]):
     for rx, lab in compiled:
       if rx.search(name):
         return lab
-    raise ValueError(f"Parameter {name!r} matches no freezing rule; end the rules "
-                     "with a catch-all like ('.*', 'train').")
+    raise ValueError(
+      f"Parameter {name!r} matches no freezing rule; end the rules "
+      "with a catch-all like ('.*', 'train')."
+    )
 
   return jax.tree_util.tree_map_with_path(label, params)
 
@@ -74,35 +76,39 @@ def check_rules_match(params, rules: Sequence[tuple[str, str]], what: str) -> No
   names = [param_path(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
   dead = [rx for rx, _ in rules if rx != ".*" and not any(re.search(rx, n) for n in names)]
   if dead:
-    raise ValueError(f"{what}: {dead} match no parameter; parameter paths look like "
-                     f"{names[:3]}.")
+    raise ValueError(f"{what}: {dead} match no parameter; parameter paths look like {names[:3]}.")
 
 
 def make_optimizer(
-    params,
-    learning_rate: float | optax.Schedule,
-    *,
-    rules: Sequence[tuple[str, str]] = TRAIN_ALL_RULES,
-    weight_decay: float = 0.0,
-    clip_norm: float | None = 1.0,
-    b1: float = 0.9,
-    b2: float = 0.95,
+  params,
+  learning_rate: float | optax.Schedule,
+  *,
+  rules: Sequence[tuple[str, str]] = TRAIN_ALL_RULES,
+  weight_decay: float = 0.0,
+  clip_norm: float | None = 1.0,
+  b1: float = 0.9,
+  b2: float = 0.95,
 ) -> optax.GradientTransformation:
   """AdamW (+ global-norm clipping over trainable leaves), frozen leaves fixed."""
   train = [optax.clip_by_global_norm(clip_norm)] if clip_norm else []
   train.append(optax.adamw(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay))
   return optax.multi_transform(
-      {TRAIN: optax.chain(*train), FREEZE: optax.set_to_zero()},
-      partition_labels(params, rules))
+    {TRAIN: optax.chain(*train), FREEZE: optax.set_to_zero()}, partition_labels(params, rules)
+  )
 
 
 # Where the cosine of `warmup_cosine` ends, as a fraction of its peak.
 END_FRACTION = 0.1
 
 
-def warmup_cosine(peak: float, warmup_steps: int, total_steps: int,
-                  end_fraction: float = END_FRACTION) -> optax.Schedule:
+def warmup_cosine(
+  peak: float, warmup_steps: int, total_steps: int, end_fraction: float = END_FRACTION
+) -> optax.Schedule:
   """Linear warmup to `peak`, cosine decay to `end_fraction * peak`."""
   return optax.warmup_cosine_decay_schedule(
-      0.0, peak, max(warmup_steps, 1), max(total_steps, warmup_steps + 1),
-      end_value=peak * end_fraction)
+    0.0,
+    peak,
+    max(warmup_steps, 1),
+    max(total_steps, warmup_steps + 1),
+    end_value=peak * end_fraction,
+  )

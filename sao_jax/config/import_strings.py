@@ -15,6 +15,7 @@ import sys
 import traceback
 from typing import Any
 
+
 def is_import_string(name: str) -> bool:
   return isinstance(name, str) and ":" in name
 
@@ -28,8 +29,9 @@ def resolve(target: str, what: str = "env.name") -> Any:
   """
   module_name, sep, attr = target.rpartition(":")
   if not sep or not module_name or not attr:
-    raise ValueError(f"{what} = {target!r}: an import string is 'pkg.module:name' or "
-                     "'path/to/file.py:name'")
+    raise ValueError(
+      f"{what} = {target!r}: an import string is 'pkg.module:name' or 'path/to/file.py:name'"
+    )
   if module_name.endswith(".py"):
     path = os.path.abspath(module_name)
     if not os.path.isfile(path):
@@ -42,7 +44,7 @@ def resolve(target: str, what: str = "env.name") -> Any:
       sys.modules[key] = module
       try:
         spec.loader.exec_module(module)
-      except Exception as e:  # pylint: disable=broad-except  # the user's code: one line
+      except Exception as e:  # noqa: BLE001  # the user's code: one line
         del sys.modules[key]
         raise ValueError(f"{what} = {target!r}: loading {path} failed: {one_line(e)}") from None
       except BaseException:
@@ -54,11 +56,13 @@ def resolve(target: str, what: str = "env.name") -> Any:
     except ModuleNotFoundError as e:
       if e.name and module_name.startswith(e.name):  # the module itself is missing
         raise ValueError(f"{what} = {target!r}: cannot import {module_name!r} ({e})") from None
-      raise ValueError(f"{what} = {target!r}: importing {module_name!r} failed: "
-                       f"{one_line(e)}") from None
-    except Exception as e:  # pylint: disable=broad-except  # the user's code: one line
-      raise ValueError(f"{what} = {target!r}: importing {module_name!r} failed: "
-                       f"{one_line(e)}") from None
+      raise ValueError(
+        f"{what} = {target!r}: importing {module_name!r} failed: {one_line(e)}"
+      ) from None
+    except Exception as e:  # noqa: BLE001  # the user's code: one line
+      raise ValueError(
+        f"{what} = {target!r}: importing {module_name!r} failed: {one_line(e)}"
+      ) from None
   if not hasattr(module, attr):
     raise ValueError(f"{what} = {target!r}: module {module_name!r} has no {attr!r}")
   return getattr(module, attr)

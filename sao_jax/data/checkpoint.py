@@ -103,7 +103,8 @@ class _QuietStorageFull(logging.Filter):
       return True
     error = record.exc_info[1] if record.exc_info else Exception(record.getMessage())
     return storage_errno(error) not in STORAGE_FULL and not any(
-        os.strerror(code) in record.getMessage() for code in STORAGE_FULL)
+      os.strerror(code) in record.getMessage() for code in STORAGE_FULL
+    )
 
 
 for _logger in ("absl", "asyncio"):  # orbax logs through absl
@@ -136,17 +137,21 @@ def _quiet_closed_loops() -> None:
 
 
 class Checkpointer:
-
   def __init__(self, directory: str, max_to_keep: int = 3, name: str | None = None):
     """`name` (default: the directory's last component) keys this
     Checkpointer's multi-process barriers; see the module docstring."""
     self.directory = files.absolute(directory)
     self.name = name or posixpath.basename(self.directory.rstrip("/"))
     self._mngr = ocp.CheckpointManager(
-        self.directory, options=ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, create=True,
-            multiprocessing_options=ocp.options.MultiprocessingOptions(
-                barrier_sync_key_prefix=f"sao_jax/{self.name}")))
+      self.directory,
+      options=ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep,
+        create=True,
+        multiprocessing_options=ocp.options.MultiprocessingOptions(
+          barrier_sync_key_prefix=f"sao_jax/{self.name}"
+        ),
+      ),
+    )
     self._in_flight: int | None = None  # the step of the save orbax may still be writing
     self._failed: int | None = None  # a step whose failure has been raised
 
@@ -156,9 +161,12 @@ class Checkpointer:
   def save(self, step: int, state, meta: dict[str, Any], force: bool = False) -> None:
     self.wait()  # a failure of the save in flight is that step's, raised first
     try:
-      self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                    meta=ocp.args.JsonSave(meta)), force=force)
-    except Exception as e:  # pylint: disable=broad-except
+      self._mngr.save(
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+        force=force,
+      )
+    except Exception as e:  # noqa: BLE001
       self._raise_write_error(step, e)
     self._in_flight = step
 
@@ -167,8 +175,12 @@ class Checkpointer:
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
-    restored = self._mngr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+    restored = self._mngr.restore(
+      step,
+      args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
+      ),
+    )
     return restored["state"], restored["meta"]
 
   def restore_intact(self, abstract_state, set_aside: bool = True):
@@ -187,12 +199,11 @@ class Checkpointer:
     for step in sorted(self._mngr.all_steps(), reverse=True):
       try:
         state, meta = self.restore(abstract_state, step)
-      except Exception as e:  # pylint: disable=broad-except  # whatever the damage raises
+      except Exception as e:  # noqa: BLE001  # whatever the damage raises
         first_error = first_error or e
         skipped.append((step, import_strings.one_line(e)))
         continue
-      skipped = [(bad, why, self._set_aside(bad) if set_aside else None)
-                 for bad, why in skipped]
+      skipped = [(bad, why, self._set_aside(bad) if set_aside else None) for bad, why in skipped]
       self.reload()
       return step, state, meta, skipped
     if first_error is not None:
@@ -211,7 +222,8 @@ class Checkpointer:
       name, n = f"{DAMAGED_PREFIX}{step}.{n}", n + 1
     source, target = files.join(self.directory, str(step)), files.join(self.directory, name)
     if files.is_url(source):  # an object store has no rename: a copy, then the delete
-      import fsspec  # pylint: disable=g-import-not-at-top
+      import fsspec
+
       fs, path = fsspec.core.url_to_fs(source)
       fs.mv(path, fsspec.core.url_to_fs(target)[1], recursive=True)
     else:
@@ -223,7 +235,7 @@ class Checkpointer:
     step, self._in_flight = self._in_flight, None
     try:
       self._mngr.wait_until_finished()
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:  # noqa: BLE001
       if step is None and self._failed is not None:
         return  # the failure raised already, which orbax raises again at every wait
       self._raise_write_error(step, e)
@@ -234,7 +246,7 @@ class Checkpointer:
     finally:
       try:
         self._mngr.close()  # meets a failed save's error again
-      except Exception:  # pylint: disable=broad-except
+      except Exception:
         if self._failed is None:
           raise
 
@@ -247,18 +259,24 @@ class Checkpointer:
     self._failed = step
     _quiet_closed_loops()
     complete = sorted(s for s in committed_checkpoints(self.directory) if s != step)
-    newest = (f"checkpoint {complete[-1]} is the newest complete one" if complete
-              else "no checkpoint is complete")
+    newest = (
+      f"checkpoint {complete[-1]} is the newest complete one"
+      if complete
+      else "no checkpoint is complete"
+    )
     raise CheckpointWriteError(
-        f"checkpoint {step} could not be written under {self.directory}: "
-        f"{os.strerror(code)} (errno {code}); {newest}", code, step) from e
+      f"checkpoint {step} could not be written under {self.directory}: "
+      f"{os.strerror(code)} (errno {code}); {newest}",
+      code,
+      step,
+    ) from e
 
 
 def abstract_like(tree):
   """ShapeDtypeStructs (with shardings) to restore `tree`'s structure into."""
   return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-      tree)
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree
+  )
 
 
 def check_lora_base(saved_meta: dict, step: int, ours: str | None, workdir: str) -> None:
@@ -274,10 +292,13 @@ def check_lora_base(saved_meta: dict, step: int, ours: str | None, workdir: str)
   elif ours is None:
     why = "holds LoRA adapters only, this run trains the full model (lora.enabled = False)"
   else:
-    why = (f"holds LoRA adapters trained on another base (fingerprint {theirs}, this run's "
-           f"base {ours}: another model.hf_dir, seed or lora.base_dtype)")
-  raise sections.ConfigError(f"{where} {why}; resume with the config and base the run was "
-                             "started with, or use a new workdir")
+    why = (
+      f"holds LoRA adapters trained on another base (fingerprint {theirs}, this run's "
+      f"base {ours}: another model.hf_dir, seed or lora.base_dtype)"
+    )
+  raise sections.ConfigError(
+    f"{where} {why}; resume with the config and base the run was started with, or use a new workdir"
+  )
 
 
 def committed_checkpoints(directory: str) -> dict[int, dict[str, Any]]:

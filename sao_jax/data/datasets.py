@@ -213,8 +213,7 @@ def parse_row(row: Any, where: str) -> Row:
   completion = row.get("completion")
   if completion is None:
     completion = extra_info.get("completion")
-  return Row(messages, ground_truth, data_source, extra_info, tools,
-             _completion(completion), where)
+  return Row(messages, ground_truth, data_source, extra_info, tools, _completion(completion), where)
 
 
 # --- readers ---------------------------------------------------------------------
@@ -271,12 +270,12 @@ def _jsonl_rows(path: str, opener, max_row_bytes: int) -> Iterator[tuple[str, An
 
 def _parquet_rows(path: str) -> Iterator[tuple[str, Any]]:
   try:
-    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+    import pyarrow.parquet as pq
   except ImportError as e:
     raise DatasetError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from e
   try:
     parquet = pq.ParquetFile(path)
-  except Exception as e:  # pylint: disable=broad-except  (pyarrow's own error types)
+  except Exception as e:  # pyarrow's own error types
     raise DatasetError(f"{path}: not a readable parquet file: {e}") from e
   index = 0
   try:
@@ -284,7 +283,7 @@ def _parquet_rows(path: str) -> Iterator[tuple[str, Any]]:
       for row in batch.to_pylist():
         yield f"{path}:row {index}", row
         index += 1
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     raise DatasetError(f"{path}: cannot read row {index}: {e}") from e
 
 
@@ -309,8 +308,9 @@ def _truth_key(ground_truth: str) -> str:
   return " ".join(ground_truth.split())
 
 
-def dedupe_rows(rows: list[Row], keep_repeats: bool = False
-                ) -> tuple[list[Row], list[tuple[str, str]], list[tuple[str, str]]]:
+def dedupe_rows(
+  rows: list[Row], keep_repeats: bool = False
+) -> tuple[list[Row], list[tuple[str, str]], list[tuple[str, str]]]:
   """(rows kept, [(where, reason)] of the dropped ones, [(where, reason)] of
   repeats kept).
 
@@ -332,12 +332,16 @@ def dedupe_rows(rows: list[Row], keep_repeats: bool = False
     head = first[key]
     if len(truths[key]) > 1:
       others = sorted(truths[key] - {_truth_key(r.ground_truth)})
-      dropped.append((r.where, f"conflicting ground truth: {r.ground_truth[:40]!r} here, "
-                               f"{others[0][:40]!r} for the same prompt elsewhere"
-                               + (f" (first at {head.where})" if head is not r else "")))
+      dropped.append(
+        (
+          r.where,
+          f"conflicting ground truth: {r.ground_truth[:40]!r} here, "
+          f"{others[0][:40]!r} for the same prompt elsewhere"
+          + (f" (first at {head.where})" if head is not r else ""),
+        )
+      )
     elif head is not r:
-      (repeats if keep_repeats else dropped).append(
-          (r.where, f"duplicate prompt of {head.where}"))
+      (repeats if keep_repeats else dropped).append((r.where, f"duplicate prompt of {head.where}"))
       if keep_repeats:
         kept.append(r)
     else:
@@ -345,7 +349,9 @@ def dedupe_rows(rows: list[Row], keep_repeats: bool = False
   return kept, dropped, repeats
 
 
-def without_heldout(train: list[Row], heldout: list[Row]) -> tuple[list[Row], list[tuple[str, str]]]:
+def without_heldout(
+  train: list[Row], heldout: list[Row]
+) -> tuple[list[Row], list[tuple[str, str]]]:
   """(training rows whose prompt is not held out, [(where, reason)] of the others):
   a held-out prompt seen in training would measure memory, not skill."""
   held = {}
@@ -363,10 +369,14 @@ def without_heldout(train: list[Row], heldout: list[Row]) -> tuple[list[Row], li
 
 # The reasons `dedupe_rows` and `without_heldout` give, by their first words
 # (`hygiene_counts`).
-HYGIENE_REASONS = {"duplicate prompt": "duplicate", "conflicting ground truth": "conflicting",
-                   "prompt also held out": "in_heldout", "prompt has no text": "empty_prompt",
-                   "prompt is empty": "empty_prompt",
-                   "prompt ends with an assistant": "assistant_final"}
+HYGIENE_REASONS = {
+  "duplicate prompt": "duplicate",
+  "conflicting ground truth": "conflicting",
+  "prompt also held out": "in_heldout",
+  "prompt has no text": "empty_prompt",
+  "prompt is empty": "empty_prompt",
+  "prompt ends with an assistant": "assistant_final",
+}
 
 
 def hygiene_counts(rejected: list[tuple[str, str]]) -> dict[str, int]:
@@ -374,15 +384,19 @@ def hygiene_counts(rejected: list[tuple[str, str]]) -> dict[str, int]:
   counts = dict.fromkeys(dict.fromkeys(HYGIENE_REASONS.values()), 0)
   counts["other"] = 0
   for _, reason in rejected:
-    kind = next((k for prefix, k in HYGIENE_REASONS.items() if reason.startswith(prefix)),
-                "other")
+    kind = next((k for prefix, k in HYGIENE_REASONS.items() if reason.startswith(prefix)), "other")
     counts[kind] += 1
   return counts
 
 
-def read_rows(path: str | os.PathLike, parse: Callable[[Any, str], Any], *,
-              strict: bool = False, max_row_bytes: int = MAX_ROW_BYTES,
-              allow_empty: bool = False) -> tuple[list, list[tuple[str, str]]]:
+def read_rows(
+  path: str | os.PathLike,
+  parse: Callable[[Any, str], Any],
+  *,
+  strict: bool = False,
+  max_row_bytes: int = MAX_ROW_BYTES,
+  allow_empty: bool = False,
+) -> tuple[list, list[tuple[str, str]]]:
   """(parsed rows, [(where, reason)] of the rejected ones) of any row schema.
 
   The reader of `load_rows` (line cap, UTF-8, JSON, parquet) with the row
@@ -412,9 +426,14 @@ def read_rows(path: str | os.PathLike, parse: Callable[[Any, str], Any], *,
   return rows, rejected
 
 
-def load_rows(path: str | os.PathLike, *, strict: bool = False,
-              max_row_bytes: int = MAX_ROW_BYTES, keep_repeats: bool = False,
-              repeats: list | None = None) -> tuple[list[Row], list[tuple[str, str]]]:
+def load_rows(
+  path: str | os.PathLike,
+  *,
+  strict: bool = False,
+  max_row_bytes: int = MAX_ROW_BYTES,
+  keep_repeats: bool = False,
+  repeats: list | None = None,
+) -> tuple[list[Row], list[tuple[str, str]]]:
   """(valid rows, [(where, reason)] of the rejected ones); see the module docstring.
 
   Repeated prompts are dropped as `dedupe_rows` says (with `strict`, the
@@ -422,8 +441,9 @@ def load_rows(path: str | os.PathLike, *, strict: bool = False,
   rows are then in `repeats`, a list the caller passes in, to report).
   """
   path = os.fspath(path)
-  rows, rejected = read_rows(path, parse_row, strict=strict, max_row_bytes=max_row_bytes,
-                             allow_empty=True)
+  rows, rejected = read_rows(
+    path, parse_row, strict=strict, max_row_bytes=max_row_bytes, allow_empty=True
+  )
   rows, dropped, kept_repeats = dedupe_rows(rows, keep_repeats)
   if dropped and strict:
     raise DatasetError(f"{dropped[0][0]}: {dropped[0][1]}")
@@ -436,8 +456,7 @@ def load_rows(path: str | os.PathLike, *, strict: bool = False,
   return rows, rejected
 
 
-def split_rows(rows: list[Row], heldout_fraction: float,
-               seed: int) -> tuple[list[Row], list[Row]]:
+def split_rows(rows: list[Row], heldout_fraction: float, seed: int) -> tuple[list[Row], list[Row]]:
   """(train, heldout): a seeded `heldout_fraction` of the rows held out.
 
   Rows with the same prompt (`prompt_key`) go to the same side: the
@@ -461,5 +480,6 @@ def split_rows(rows: list[Row], heldout_fraction: float,
 
 def rows_dataset(rows: list[Row]):
   """The rows as a `grain.MapDataset` (index, shuffle, batch as grain does)."""
-  import grain  # pylint: disable=g-import-not-at-top
+  import grain
+
   return grain.MapDataset.source(rows)

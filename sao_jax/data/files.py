@@ -51,7 +51,7 @@ os.environ.setdefault("EPATH_USE_TF", "false")
 
 def _configure_fsspec() -> None:
   try:
-    import fsspec.config  # pylint: disable=g-import-not-at-top
+    import fsspec.config
   except ImportError:
     return  # no object stores in this process
   for protocol in ("gs", "gcs"):
@@ -90,12 +90,14 @@ def _fs(path: str):
   this process has no client for its scheme."""
   scheme = path.split("://", 1)[0]
   try:
-    import fsspec  # pylint: disable=g-import-not-at-top
+    import fsspec
+
     return fsspec.core.url_to_fs(path)
   except (ImportError, ValueError) as e:  # the client is not installed / an unknown scheme
     hint = " (pip install -e '.[gcs]')" if scheme in ("gs", "gcs") else ""
-    raise StorageError(f"no client for {scheme}:// URLs{hint}: "
-                       f"{' '.join(str(e).split())[:200]}") from None
+    raise StorageError(
+      f"no client for {scheme}:// URLs{hint}: {' '.join(str(e).split())[:200]}"
+    ) from None
 
 
 def makedirs(path: str) -> None:
@@ -134,7 +136,8 @@ def _mtime(info: dict) -> float:
       return float(value)
     if hasattr(value, "timestamp"):
       return value.timestamp()
-    import datetime  # pylint: disable=g-import-not-at-top
+    import datetime
+
     return datetime.datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
   return 0.0
 
@@ -335,7 +338,7 @@ class Appender:
         data = b""
       with open(self._local, "wb") as f:
         f.write(data)
-    self._f = open(self._local, "a", encoding="utf-8")  # pylint: disable=consider-using-with
+    self._f = open(self._local, "a", encoding="utf-8")
 
   def write(self, text: str) -> None:
     self._f.write(text)
@@ -391,7 +394,7 @@ def check_writable(path: str) -> float | None:
   try:
     fs.pipe_file(p, b"\0" * 4096)
     fs.rm_file(p)
-  except Exception as e:  # pylint: disable=broad-except  # each client raises its own
+  except Exception as e:  # noqa: BLE001  # each client raises its own
     raise StorageError(_object_store_error(path, e, time.time() - t0)) from None
   finally:
     client_log.setLevel(level)
@@ -405,7 +408,9 @@ def _object_store_error(path: str, e: Exception, seconds: float) -> str:
   if isinstance(e, FileNotFoundError) or code == 404:
     return f"not writable: the bucket {bucket!r} does not exist ({text})"
   if code in (401, 403) or isinstance(e, PermissionError):
-    return (f"not writable: no credentials with write access to {bucket!r} ({text}); "
-            "on a TPU VM the host's service account needs roles/storage.objectUser, "
-            "elsewhere run `gcloud auth application-default login`")
+    return (
+      f"not writable: no credentials with write access to {bucket!r} ({text}); "
+      "on a TPU VM the host's service account needs roles/storage.objectUser, "
+      "elsewhere run `gcloud auth application-default login`"
+    )
   return f"unreachable after {seconds:.0f} s: {type(e).__name__}: {text}"

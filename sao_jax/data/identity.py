@@ -72,11 +72,11 @@ FINGERPRINT = re.compile(r"^[0-9a-f]{%d}$" % FINGERPRINT_HEX)
 
 # Why a fleet trainer refuses a trajectory's identity (`Published.check`).
 REJECT_REASONS = (
-    "missing_run_id",  # no identity: an old record, an endpoint serving its own params
-    "other_run",  # another trainer run's rollouts
-    "missing_fingerprint",  # a version used without a fingerprint for it
-    "other_params",  # a version's fingerprint is not the one published under that number
-    "unpublished_version",  # a version this trainer has no fingerprint of
+  "missing_run_id",  # no identity: an old record, an endpoint serving its own params
+  "other_run",  # another trainer run's rollouts
+  "missing_fingerprint",  # a version used without a fingerprint for it
+  "other_params",  # a version's fingerprint is not the one published under that number
+  "unpublished_version",  # a version this trainer has no fingerprint of
 )
 
 
@@ -167,8 +167,7 @@ def fingerprint(params) -> str:
   call (compiled once per tree shape).
   """
   with_paths, _ = jax.tree_util.tree_flatten_with_path(params)
-  leaves = [jnp.asarray(x) if isinstance(x, (np.ndarray, np.generic)) else x
-            for _, x in with_paths]
+  leaves = [jnp.asarray(x) if isinstance(x, (np.ndarray, np.generic)) else x for _, x in with_paths]
   shapes = tuple(tuple(x.shape) for x in leaves)
   out_sharding = _replicated(leaves)
   key = (shapes, tuple(str(x.dtype) for x in leaves), out_sharding)
@@ -190,6 +189,7 @@ def fingerprint(params) -> str:
 @dataclasses.dataclass(frozen=True)
 class VersionIdentity:
   """Whose params a policy version is: the publishing run and their fingerprint."""
+
   run_id: str
   fingerprint: str
 
@@ -260,8 +260,10 @@ class Tokens:
   def fields(self) -> dict:
     """`run_id` (the newest known version's run) and `fingerprints`."""
     known = {v: i for v, i in self._seen.items() if i is not None and v not in self._ambiguous}
-    return {"run_id": known[max(known)].run_id if known else "",
-            "fingerprints": {v: i.fingerprint for v, i in sorted(known.items())}}
+    return {
+      "run_id": known[max(known)].run_id if known else "",
+      "fingerprints": {v: i.fingerprint for v, i in sorted(known.items())},
+    }
 
 
 # --- the trainer side -----------------------------------------------------------------
@@ -280,13 +282,17 @@ class Published:
       raise ValueError(f"run id {run_id_[:80]!r}: 1 to 64 of A-Z a-z 0-9 _ . -")
     self.run_id = run_id_
     self._fingerprints: collections.OrderedDict = collections.OrderedDict(
-        sorted((int(v), str(fp)) for v, fp in (fingerprints or {}).items()))
+      sorted((int(v), str(fp)) for v, fp in (fingerprints or {}).items())
+    )
 
   @classmethod
   def restore(cls, run_id_: str, state: Mapping | None, version: int) -> Published:
     """From a `state()` (None: a fresh run), keeping versions up to `version`."""
-    saved = (state or {}).get("fingerprints", {}) if (state or {}).get("run_id") in (
-        None, run_id_) else {}
+    saved = (
+      (state or {}).get("fingerprints", {})
+      if (state or {}).get("run_id") in (None, run_id_)
+      else {}
+    )
     return cls(run_id_, {int(v): fp for v, fp in saved.items() if int(v) <= version})
 
   def note(self, version: int, fp: str) -> None:
@@ -300,8 +306,10 @@ class Published:
     return VersionIdentity(self.run_id, self._fingerprints[int(version)])
 
   def state(self) -> dict:
-    return {"run_id": self.run_id,
-            "fingerprints": {str(v): fp for v, fp in self._fingerprints.items()}}
+    return {
+      "run_id": self.run_id,
+      "fingerprints": {str(v): fp for v, fp in self._fingerprints.items()},
+    }
 
   def check(self, t) -> str | None:
     """None if canonical trajectory `t` is this run's, with this run's params

@@ -28,10 +28,15 @@ from sao_jax.data.identity import Published
 from sao_jax.data.trajectory import Trajectory, checked
 
 
-def check(traj: Trajectory, vocab_size: int, max_length: int, current_version: int,
-          max_staleness: int | None = None, routing_shape: tuple[int, int, int] | None = None,
-          identity: Published | None = None
-          ) -> tuple[Trajectory | None, str | None, str | None]:
+def check(
+  traj: Trajectory,
+  vocab_size: int,
+  max_length: int,
+  current_version: int,
+  max_staleness: int | None = None,
+  routing_shape: tuple[int, int, int] | None = None,
+  identity: Published | None = None,
+) -> tuple[Trajectory | None, str | None, str | None]:
   """Ingestion's validation, the one place for it (the queue's `put` and the
   fleet's ShardFeed): (canonical copy, None, None) if `traj` is accepted,
   else (None, reason, error). `reason` is one of trajectory.REJECT_REASONS,
@@ -44,9 +49,10 @@ def check(traj: Trajectory, vocab_size: int, max_length: int, current_version: i
   fingerprints, which the record's must match (identity.REJECT_REASONS).
   """
   try:
-    canon, reason = checked(traj, vocab_size, max_length, current_version=current_version,
-                            routing_shape=routing_shape)
-  except Exception as e:  # pylint: disable=broad-except
+    canon, reason = checked(
+      traj, vocab_size, max_length, current_version=current_version, routing_shape=routing_shape
+    )
+  except Exception as e:  # noqa: BLE001
     return None, "validation_error", repr(e)
   if reason is not None:
     return None, reason, None
@@ -62,11 +68,16 @@ def check(traj: Trajectory, vocab_size: int, max_length: int, current_version: i
 
 
 class TrajectoryQueue:
-
-  def __init__(self, maxsize: int, vocab_size: int, max_length: int,
-               current_version: Callable[[], int], max_staleness: int | None = None,
-               routing_shape: tuple[int, int, int] | None = None,
-               identity: Published | None = None):
+  def __init__(
+    self,
+    maxsize: int,
+    vocab_size: int,
+    max_length: int,
+    current_version: Callable[[], int],
+    max_staleness: int | None = None,
+    routing_shape: tuple[int, int, int] | None = None,
+    identity: Published | None = None,
+  ):
     self._q: queue.Queue = queue.Queue(maxsize)
     self._vocab, self._max_len = vocab_size, max_length
     self._version = current_version
@@ -100,8 +111,15 @@ class TrajectoryQueue:
     """The canonical copy of `traj` if it is accepted, else None with the
     reason counted in `rejected`: `put`'s validation (module-level `check`)
     without enqueueing."""
-    canon, reason, error = check(traj, self._vocab, self._max_len, self._version(),
-                                 self.max_staleness, self.routing_shape, self.identity)
+    canon, reason, error = check(
+      traj,
+      self._vocab,
+      self._max_len,
+      self._version(),
+      self.max_staleness,
+      self.routing_shape,
+      self.identity,
+    )
     if reason is not None:
       with self._lock:
         self.rejected[reason] += 1

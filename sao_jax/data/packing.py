@@ -24,8 +24,16 @@ import numpy as np
 
 from sao_jax.data.trajectory import Trajectory
 
-FIELDS = ("tokens", "positions", "segment_ids", "action_mask", "rollout_logprobs",
-          "rewards", "policy_version", "baseline_advantages")
+FIELDS = (
+  "tokens",
+  "positions",
+  "segment_ids",
+  "action_mask",
+  "rollout_logprobs",
+  "rewards",
+  "policy_version",
+  "baseline_advantages",
+)
 
 
 def _first_fit(lengths: Sequence[int], rows: int, width: int) -> list[list[int]] | None:
@@ -56,11 +64,15 @@ def action_width(counts: Sequence[int], width: int) -> int:
   return min(-(-most // step) * step, width)
 
 
-def pack(trajs: Sequence[Trajectory], rows: int, buckets: Sequence[int],
-         baseline_advantages: Sequence[float] | None = None,
-         row_ids: Sequence[int] | None = None,
-         action_index: bool = False,
-         routing: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
+def pack(
+  trajs: Sequence[Trajectory],
+  rows: int,
+  buckets: Sequence[int],
+  baseline_advantages: Sequence[float] | None = None,
+  row_ids: Sequence[int] | None = None,
+  action_index: bool = False,
+  routing: tuple[int, int] | None = None,
+) -> dict[str, np.ndarray]:
   """Packs `trajs` into `[rows, L]` arrays, L the smallest bucket that fits.
 
   Args:
@@ -96,15 +108,19 @@ def pack(trajs: Sequence[Trajectory], rows: int, buckets: Sequence[int],
     if layout is not None:
       break
   else:
-    raise ValueError(f"{len(trajs)} trajectories ({sum(lengths)} tokens, longest "
-                     f"{max(lengths, default=0)}) do not fit {rows} rows of {max(buckets)}.")
+    raise ValueError(
+      f"{len(trajs)} trajectories ({sum(lengths)} tokens, longest "
+      f"{max(lengths, default=0)}) do not fit {rows} rows of {max(buckets)}."
+    )
   if action_index:
     counts = [sum(int(np.sum(trajs[i].action_mask)) for i in members) for members in layout]
     actions = action_width(counts, width)
-  if routing is not None and any(t.routing is None or t.routing.shape[1:] != tuple(routing)
-                                 for t in trajs):
-    raise ValueError(f"routing replay: every trajectory needs a routing record [T, "
-                     f"{routing[0]}, {routing[1]}]")
+  if routing is not None and any(
+    t.routing is None or t.routing.shape[1:] != tuple(routing) for t in trajs
+  ):
+    raise ValueError(
+      f"routing replay: every trajectory needs a routing record [T, {routing[0]}, {routing[1]}]"
+    )
   if row_ids is not None:
     layout = [layout[r] for r in row_ids]
   out = _fill(trajs, layout, width, baseline_advantages, routing)
@@ -113,7 +129,7 @@ def pack(trajs: Sequence[Trajectory], rows: int, buckets: Sequence[int],
     out["action_index"] = np.full((built, actions), -1, np.int32)
     for r in range(built):
       where = np.flatnonzero(out["action_mask"][r])
-      out["action_index"][r, :len(where)] = where
+      out["action_index"][r, : len(where)] = where
   return out
 
 
@@ -122,14 +138,14 @@ def _fill(trajs, layout, width: int, baseline_advantages, routing) -> dict[str, 
   trajectories back to back, segment ids from 1, zeros (version -1) after."""
   built = len(layout)
   out = {
-      "tokens": np.zeros((built, width), np.int32),
-      "positions": np.zeros((built, width), np.int32),
-      "segment_ids": np.zeros((built, width), np.int32),
-      "action_mask": np.zeros((built, width), bool),
-      "rollout_logprobs": np.zeros((built, width), np.float32),
-      "rewards": np.zeros((built, width), np.float32),
-      "policy_version": np.full((built, width), -1, np.int32),
-      "baseline_advantages": np.zeros((built, width), np.float32),
+    "tokens": np.zeros((built, width), np.int32),
+    "positions": np.zeros((built, width), np.int32),
+    "segment_ids": np.zeros((built, width), np.int32),
+    "action_mask": np.zeros((built, width), bool),
+    "rollout_logprobs": np.zeros((built, width), np.float32),
+    "rewards": np.zeros((built, width), np.float32),
+    "policy_version": np.full((built, width), -1, np.int32),
+    "baseline_advantages": np.zeros((built, width), np.float32),
   }
   if routing is not None:
     out["routing"] = np.full((built, width) + tuple(routing), -1, np.int16)
@@ -148,7 +164,6 @@ def _fill(trajs, layout, width: int, baseline_advantages, routing) -> dict[str, 
       if routing is not None:
         out["routing"][r, span] = t.routing
       if baseline_advantages is not None:
-        out["baseline_advantages"][r, span] = np.where(
-            t.action_mask, baseline_advantages[i], 0.0)
+        out["baseline_advantages"][r, span] = np.where(t.action_mask, baseline_advantages[i], 0.0)
       start += n
   return out

@@ -48,8 +48,9 @@ from sao_jax.data.trajectory import ARRAY_FIELDS, OPTIONAL_ARRAY_FIELDS, Traject
 
 _ARRAYS = ARRAY_FIELDS
 _OPTIONAL = OPTIONAL_ARRAY_FIELDS
-_SCALARS = tuple(f.name for f in dataclasses.fields(Trajectory)
-                 if f.name not in _ARRAYS + _OPTIONAL)
+_SCALARS = tuple(
+  f.name for f in dataclasses.fields(Trajectory) if f.name not in _ARRAYS + _OPTIONAL
+)
 _MEMBERS = frozenset(f"{k}.npy" for k in ("header",) + _ARRAYS)
 # The optional members a record may add to _MEMBERS.
 _OPTIONAL_MEMBERS = frozenset(f"{k}.npy" for k in _OPTIONAL)
@@ -72,13 +73,29 @@ DEFAULT_ROUTING_CHOICES = 384
 
 # The labels read_valid_trajectories counts besides deserialize's and
 # validate's reasons.
-SHARD_REASONS = ("missing_shard", "corrupt_shard", "corrupt_record", "deserialize_error",
-                 "validation_error")
+SHARD_REASONS = (
+  "missing_shard",
+  "corrupt_shard",
+  "corrupt_record",
+  "deserialize_error",
+  "validation_error",
+)
 # Every CorruptRecordError.reason.
-RECORD_REASONS = ("not_bytes", "record_too_large", "not_npz", "bad_members",
-                  "member_too_large", "encrypted_member", "bad_compression", "corrupt_zip",
-                  "bad_npy", "pickled_object", "bad_array_dtype", "size_mismatch",
-                  "bad_header")
+RECORD_REASONS = (
+  "not_bytes",
+  "record_too_large",
+  "not_npz",
+  "bad_members",
+  "member_too_large",
+  "encrypted_member",
+  "bad_compression",
+  "corrupt_zip",
+  "bad_npy",
+  "pickled_object",
+  "bad_array_dtype",
+  "size_mismatch",
+  "bad_header",
+)
 
 
 class CorruptRecordError(ValueError):
@@ -111,8 +128,9 @@ def serialize(t: Trajectory) -> bytes:
   buf = io.BytesIO()
   header = {k: _builtin(getattr(t, k)) for k in _SCALARS}
   arrays = {k: np.asarray(getattr(t, k)) for k in _ARRAYS}
-  arrays.update({k: np.asarray(getattr(t, k)) for k in _OPTIONAL
-                 if getattr(t, k, None) is not None})
+  arrays.update(
+    {k: np.asarray(getattr(t, k)) for k in _OPTIONAL if getattr(t, k, None) is not None}
+  )
   for k, a in arrays.items():
     if a.dtype.hasobject:
       raise ValueError(f"Trajectory.{k} has dtype {a.dtype}: the store never pickles.")
@@ -139,8 +157,15 @@ def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
   try:
     with zf.open(info) as f:
       raw = f.read(info.file_size)
-  except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, RuntimeError,
-          NotImplementedError) as e:
+  except (
+    zipfile.BadZipFile,
+    zlib.error,
+    EOFError,
+    OSError,
+    ValueError,
+    RuntimeError,
+    NotImplementedError,
+  ) as e:
     raise CorruptRecordError("corrupt_zip", f"{info.filename}: {e}") from None
   if len(raw) != info.file_size:
     raise CorruptRecordError("corrupt_zip", f"{info.filename} shorter than declared")
@@ -166,7 +191,7 @@ def _parse_npy(raw: bytes, name: str) -> np.ndarray:
       raise CorruptRecordError("bad_npy", f"{name}: .npy version {version}")
   except CorruptRecordError:
     raise
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:  # noqa: BLE001
     # numpy raises ValueError for most, but the header is a Python literal
     # parsed by numpy: anything it raises means a bad header.
     raise CorruptRecordError("bad_npy", f"{name}: {e}") from None
@@ -180,8 +205,10 @@ def _parse_npy(raw: bytes, name: str) -> np.ndarray:
   offset = f.tell()
   if count * dtype.itemsize != len(raw) - offset:
     raise CorruptRecordError(
-        "size_mismatch", f"{name}: shape {shape} of {dtype} needs {count * dtype.itemsize} "
-        f"bytes, the member has {len(raw) - offset}")
+      "size_mismatch",
+      f"{name}: shape {shape} of {dtype} needs {count * dtype.itemsize} "
+      f"bytes, the member has {len(raw) - offset}",
+    )
   if count == 0:
     return np.zeros(shape, dtype)
   flat = np.frombuffer(raw, dtype, count=count, offset=offset)
@@ -202,13 +229,15 @@ def _parse_header(a: np.ndarray) -> dict:
     raise CorruptRecordError("bad_header", f"a JSON {type(header).__name__}, not an object")
   unknown = set(header) - set(_SCALARS)
   if unknown or "prompt_id" not in header:
-    raise CorruptRecordError("bad_header",
-                             f"unknown keys {sorted(unknown)}" if unknown else "no prompt_id")
+    raise CorruptRecordError(
+      "bad_header", f"unknown keys {sorted(unknown)}" if unknown else "no prompt_id"
+    )
   return header
 
 
-def deserialize(data: bytes, max_length: int = DEFAULT_MAX_LENGTH,
-                routing_choices: int = DEFAULT_ROUTING_CHOICES) -> Trajectory:
+def deserialize(
+  data: bytes, max_length: int = DEFAULT_MAX_LENGTH, routing_choices: int = DEFAULT_ROUTING_CHOICES
+) -> Trajectory:
   """The Trajectory in `data`, or CorruptRecordError(reason).
 
   Structural checks only: the values are as stored (any numeric dtype);
@@ -221,41 +250,48 @@ def deserialize(data: bytes, max_length: int = DEFAULT_MAX_LENGTH,
     raise CorruptRecordError("not_bytes", type(data).__name__)
   member_cap, header_cap, routing_cap, total_cap = _caps(max_length, routing_choices)
   if len(data) > total_cap + _ZIP_OVERHEAD:
-    raise CorruptRecordError("record_too_large",
-                             f"{len(data)} bytes, cap {total_cap + _ZIP_OVERHEAD} "
-                             f"for max_length {max_length}")
+    raise CorruptRecordError(
+      "record_too_large",
+      f"{len(data)} bytes, cap {total_cap + _ZIP_OVERHEAD} for max_length {max_length}",
+    )
   try:
     zf = zipfile.ZipFile(io.BytesIO(data))
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:  # noqa: BLE001
     # BadZipFile mostly; a crafted central directory can make zipfile raise
     # other things (struct.error, ValueError, ...).
     raise CorruptRecordError("not_npz", str(e)) from None
   with zf:
     infos = zf.infolist()
     names = [i.filename for i in infos]
-    if (len(names) != len(set(names)) or not _MEMBERS <= set(names)
-        or not set(names) <= _MEMBERS | _OPTIONAL_MEMBERS):
+    if (
+      len(names) != len(set(names))
+      or not _MEMBERS <= set(names)
+      or not set(names) <= _MEMBERS | _OPTIONAL_MEMBERS
+    ):
       raise CorruptRecordError("bad_members", f"{sorted(names)[:10]}")
     # Every cap before anything is decompressed.
     total = 0
     for info in infos:
-      cap = {"header.npy": header_cap, "routing.npy": routing_cap}.get(info.filename,
-                                                                       member_cap)
+      cap = {"header.npy": header_cap, "routing.npy": routing_cap}.get(info.filename, member_cap)
       if info.file_size > cap:
         raise CorruptRecordError(
-            "member_too_large", f"{info.filename} declares {info.file_size} bytes "
-            f"uncompressed, cap {cap} for max_length {max_length}")
+          "member_too_large",
+          f"{info.filename} declares {info.file_size} bytes "
+          f"uncompressed, cap {cap} for max_length {max_length}",
+        )
       if info.flag_bits & 0x1:
         raise CorruptRecordError("encrypted_member", info.filename)
       if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
-        raise CorruptRecordError("bad_compression",
-                                 f"{info.filename}: method {info.compress_type}")
+        raise CorruptRecordError("bad_compression", f"{info.filename}: method {info.compress_type}")
       total += info.file_size
     if total > total_cap:
-      raise CorruptRecordError("record_too_large",
-                               f"members declare {total} bytes uncompressed, cap {total_cap}")
-    arrays = {info.filename[:-len(".npy")]: _parse_npy(_read_member(zf, info), info.filename)
-              for info in infos}
+      raise CorruptRecordError(
+        "record_too_large", f"members declare {total} bytes uncompressed, cap {total_cap}"
+      )
+    arrays = {
+      info.filename[: -len(".npy")]: _parse_npy(_read_member(zf, info), info.filename)
+      for info in infos
+    }
   header = _parse_header(arrays.pop("header"))
   return Trajectory(**arrays, **header)
 
@@ -309,7 +345,7 @@ class TrajectoryWriter:
     self._closed = True
     try:
       self._writer.close()
-    except Exception:  # pylint: disable=broad-except
+    except Exception:  # noqa: BLE001
       pass  # the file is going anyway
     _remove(self.tmp_path)
 
@@ -355,7 +391,7 @@ def _read_shard(path: str, counts: collections.Counter) -> list[bytes]:
 def _read_local_shard(path: str, counts: collections.Counter) -> list[bytes]:
   try:
     reader = array_record_module.ArrayRecordReader(path)
-  except Exception:  # pylint: disable=broad-except
+  except Exception:  # noqa: BLE001
     counts["corrupt_shard"] += 1
     return []
   try:
@@ -364,24 +400,27 @@ def _read_local_shard(path: str, counts: collections.Counter) -> list[bytes]:
       return []
     try:
       return list(reader.read_all())
-    except Exception:  # pylint: disable=broad-except
+    except Exception:  # noqa: BLE001
       pass  # some record is bad: read them one at a time to keep the others
     records = []
     for i in range(reader.num_records()):
       try:
         records.append(reader.read([i])[0])
-      except Exception:  # pylint: disable=broad-except
+      except Exception:  # noqa: BLE001
         counts["corrupt_record"] += 1
     return records
   finally:
     try:
       reader.close()
-    except Exception:  # pylint: disable=broad-except
+    except Exception:  # noqa: BLE001
       pass  # closing a reader that failed to open raises; nothing to release
 
 
 def read_valid_trajectories(
-    paths: list[str] | str, vocab_size: int, max_length: int, shuffle_seed: int | None = None,
+  paths: list[str] | str,
+  vocab_size: int,
+  max_length: int,
+  shuffle_seed: int | None = None,
 ) -> tuple[list[Trajectory], collections.Counter]:
   """The valid trajectories in `paths` (canonical copies), and what was dropped.
 
@@ -409,12 +448,12 @@ def read_valid_trajectories(
       except CorruptRecordError as e:
         counts[e.reason] += 1
         continue
-      except Exception:  # pylint: disable=broad-except
+      except Exception:  # noqa: BLE001
         counts["deserialize_error"] += 1  # a bug or a case not foreseen: still counted
         continue
       try:
         canon, reason = checked(t, vocab_size, max_length)
-      except Exception:  # pylint: disable=broad-except
+      except Exception:  # noqa: BLE001
         canon, reason = None, "validation_error"
       if reason is not None:
         counts[reason] += 1
@@ -422,16 +461,20 @@ def read_valid_trajectories(
         out.append(canon)
   if not out:
     raise NoValidTrajectoriesError(
-        f"No valid trajectory in {len(paths)} shard(s) {paths[:5]}; "
-        f"dropped: {dict(counts)}.")
+      f"No valid trajectory in {len(paths)} shard(s) {paths[:5]}; dropped: {dict(counts)}."
+    )
   if shuffle_seed is not None:
     order = np.random.default_rng(shuffle_seed).permutation(len(out))
     out = [out[i] for i in order]
   return out, counts
 
 
-def read_trajectories(paths: list[str], shuffle_seed: int | None = None,
-                      vocab_size: int | None = None, max_length: int = DEFAULT_MAX_LENGTH):
+def read_trajectories(
+  paths: list[str],
+  shuffle_seed: int | None = None,
+  vocab_size: int | None = None,
+  max_length: int = DEFAULT_MAX_LENGTH,
+):
   """A lazy grain MapDataset of Trajectory records over the given shards.
 
   For pipelines that want grain; a bad record raises CorruptRecordError
@@ -447,8 +490,7 @@ def read_trajectories(paths: list[str], shuffle_seed: int | None = None,
 
   def load(data: bytes) -> Trajectory:
     t = deserialize(data, max_length)
-    canon, reason = checked(t, vocab_size if vocab_size is not None else 2**31 - 1,
-                            max_length)
+    canon, reason = checked(t, vocab_size if vocab_size is not None else 2**31 - 1, max_length)
     if reason is not None:
       raise CorruptRecordError(reason, "invalid trajectory")
     return canon

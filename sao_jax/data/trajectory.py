@@ -51,8 +51,14 @@ FINISH_REASONS = ("done", "max_turns", "length", "env_error", "env_timeout", "en
 # Finish reasons of episodes that the environment broke (sao_jax/rollout/driver.py).
 ENV_FAULTS = FINISH_REASONS[3:]
 
-ARRAY_FIELDS = ("tokens", "action_mask", "rollout_logprobs", "policy_version", "rewards",
-                "turn_starts")
+ARRAY_FIELDS = (
+  "tokens",
+  "action_mask",
+  "rollout_logprobs",
+  "policy_version",
+  "rewards",
+  "turn_starts",
+)
 # Arrays a record may leave out (None): routing replay's expert choices.
 OPTIONAL_ARRAY_FIELDS = ("routing",)
 # The per-token arrays: all of length T (turn_starts has its own length K).
@@ -60,24 +66,48 @@ _PER_TOKEN = ARRAY_FIELDS[:5]
 
 # Every reason `validate` / `checked` can return.
 REJECT_REASONS = (
-    # structure
-    "not_numpy", "bad_rank", "length_mismatch", "empty", "too_long",
-    # dtypes (a field that cannot be cast to its canonical dtype losslessly)
-    "bad_token_dtype", "bad_mask_dtype", "bad_logprob_dtype", "bad_version_dtype",
-    "bad_reward_dtype", "bad_turn_starts_dtype",
-    # values (checked after the cast)
-    "token_out_of_vocab", "no_action_tokens", "action_without_prompt",
-    "nonfinite_rollout_logprobs", "nonfinite_rewards", "positive_logprob",
-    "logprob_off_action", "reward_off_action", "bad_policy_version", "version_from_future",
-    # turns
-    "too_many_turns", "turn_start_out_of_range", "turn_starts_not_increasing",
-    "turn_start_off_action", "missing_first_turn_start",
-    # scalars
-    "bad_prompt_id", "bad_group_id", "bad_finish_reason", "bad_time",
-    # identity (sao_jax/data/identity.py)
-    "bad_run_id", "bad_fingerprints",
-    # routing replay (`checked(..., routing_shape=)`)
-    "bad_routing", "missing_routing", "routing_out_of_range",
+  # structure
+  "not_numpy",
+  "bad_rank",
+  "length_mismatch",
+  "empty",
+  "too_long",
+  # dtypes (a field that cannot be cast to its canonical dtype losslessly)
+  "bad_token_dtype",
+  "bad_mask_dtype",
+  "bad_logprob_dtype",
+  "bad_version_dtype",
+  "bad_reward_dtype",
+  "bad_turn_starts_dtype",
+  # values (checked after the cast)
+  "token_out_of_vocab",
+  "no_action_tokens",
+  "action_without_prompt",
+  "nonfinite_rollout_logprobs",
+  "nonfinite_rewards",
+  "positive_logprob",
+  "logprob_off_action",
+  "reward_off_action",
+  "bad_policy_version",
+  "version_from_future",
+  # turns
+  "too_many_turns",
+  "turn_start_out_of_range",
+  "turn_starts_not_increasing",
+  "turn_start_off_action",
+  "missing_first_turn_start",
+  # scalars
+  "bad_prompt_id",
+  "bad_group_id",
+  "bad_finish_reason",
+  "bad_time",
+  # identity (sao_jax/data/identity.py)
+  "bad_run_id",
+  "bad_fingerprints",
+  # routing replay (`checked(..., routing_shape=)`)
+  "bad_routing",
+  "missing_routing",
+  "routing_out_of_range",
 )
 
 _INT32 = np.iinfo(np.int32)
@@ -130,7 +160,7 @@ def _shape(t) -> int:
   if any(a.ndim != 1 for a in arrays):
     raise InvalidTrajectory("bad_rank")
   n = arrays[0].shape[0]
-  if any(a.shape[0] != n for a in arrays[:len(_PER_TOKEN)]):
+  if any(a.shape[0] != n for a in arrays[: len(_PER_TOKEN)]):
     raise InvalidTrajectory("length_mismatch")
   return n
 
@@ -197,17 +227,22 @@ def canonicalize(t) -> Trajectory:
     raise InvalidTrajectory("bad_finish_reason")
   routing = _routing(getattr(t, "routing", None), tokens.shape[0])
   return Trajectory(
-      routing=routing,
-      tokens=tokens, action_mask=mask, rollout_logprobs=logprobs, policy_version=version,
-      rewards=rewards, turn_starts=turn_starts,
-      prompt_id=_int_scalar(getattr(t, "prompt_id", None), "bad_prompt_id"),
-      group_id=_int_scalar(getattr(t, "group_id", -1), "bad_group_id"),
-      finish_reason=str(finish_reason),
-      start_time=_time(getattr(t, "start_time", 0.0)),
-      end_time=_time(getattr(t, "end_time", 0.0)),
-      env_seconds=_time(getattr(t, "env_seconds", 0.0)),
-      run_id=_run_id(getattr(t, "run_id", "")),
-      fingerprints=_fingerprints(getattr(t, "fingerprints", None)))
+    routing=routing,
+    tokens=tokens,
+    action_mask=mask,
+    rollout_logprobs=logprobs,
+    policy_version=version,
+    rewards=rewards,
+    turn_starts=turn_starts,
+    prompt_id=_int_scalar(getattr(t, "prompt_id", None), "bad_prompt_id"),
+    group_id=_int_scalar(getattr(t, "group_id", -1), "bad_group_id"),
+    finish_reason=str(finish_reason),
+    start_time=_time(getattr(t, "start_time", 0.0)),
+    end_time=_time(getattr(t, "end_time", 0.0)),
+    env_seconds=_time(getattr(t, "env_seconds", 0.0)),
+    run_id=_run_id(getattr(t, "run_id", "")),
+    fingerprints=_fingerprints(getattr(t, "fingerprints", None)),
+  )
 
 
 _VERSION_KEY = re.compile(r"^-?[0-9]{1,10}$")
@@ -230,8 +265,11 @@ def _fingerprints(x) -> dict[int, str]:
   for k, v in x.items():
     if isinstance(k, str) and _VERSION_KEY.match(k):
       k = int(k)
-    if (isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer))
-        or not _INT32.min <= int(k) <= _INT32.max):
+    if (
+      isinstance(k, (bool, np.bool_))
+      or not isinstance(k, (int, np.integer))
+      or not _INT32.min <= int(k) <= _INT32.max
+    ):
       raise InvalidTrajectory("bad_fingerprints")
     if not isinstance(v, str) or not identity.FINGERPRINT.match(v):
       raise InvalidTrajectory("bad_fingerprints")
@@ -246,8 +284,7 @@ def _routing(r, n: int) -> np.ndarray | None:
   """An int16 copy of a routing record `[n, M, k]` (None stays None)."""
   if r is None:
     return None
-  if (not isinstance(r, np.ndarray) or r.ndim != 3 or r.shape[0] != n
-      or r.dtype.kind not in "iu"):
+  if not isinstance(r, np.ndarray) or r.ndim != 3 or r.shape[0] != n or r.dtype.kind not in "iu":
     raise InvalidTrajectory("bad_routing")
   if r.size and (int(r.min()) < -1 or int(r.max()) > _INT16.max):
     raise InvalidTrajectory("routing_out_of_range")
@@ -322,9 +359,13 @@ def _check_values(t: Trajectory, vocab_size: int, current_version: int | None) -
   return None
 
 
-def checked(t, vocab_size: int, max_length: int, current_version: int | None = None,
-            routing_shape: tuple[int, int, int] | None = None
-            ) -> tuple[Trajectory | None, str | None]:
+def checked(
+  t,
+  vocab_size: int,
+  max_length: int,
+  current_version: int | None = None,
+  routing_shape: tuple[int, int, int] | None = None,
+) -> tuple[Trajectory | None, str | None]:
   """(canonical copy, None) if `t` is well-formed, else (None, reason).
 
   Length is checked before anything is copied, so an oversized record costs
@@ -348,7 +389,6 @@ def checked(t, vocab_size: int, max_length: int, current_version: int | None = N
   return (None, reason) if reason is not None else (c, None)
 
 
-def validate(t, vocab_size: int, max_length: int,
-             current_version: int | None = None) -> str | None:
+def validate(t, vocab_size: int, max_length: int, current_version: int | None = None) -> str | None:
   """None if `t` is well-formed once canonicalized, else a short reason."""
   return checked(t, vocab_size, max_length, current_version)[1]

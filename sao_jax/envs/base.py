@@ -43,6 +43,7 @@ from typing import Any, Protocol, Sequence
 class Task:
   """The built-in environments' task: one `TaskProtocol` (any other object that has
   its required attributes is one too)."""
+
   index: int
   prompt: str | Sequence[dict]
   answer: Any = None
@@ -65,8 +66,15 @@ class Action(str):
   Environments that take plain text use it as the `str` it is.
   """
 
-  def __new__(cls, text: str, *, parsed=None, tool_calls: tuple = (),
-              tool_errors: tuple = (), tool_sequence: tuple = ()):
+  def __new__(
+    cls,
+    text: str,
+    *,
+    parsed=None,
+    tool_calls: tuple = (),
+    tool_errors: tuple = (),
+    tool_sequence: tuple = (),
+  ):
     self = super().__new__(cls, text)
     self.parsed, self.tool_calls, self.tool_errors = parsed, tool_calls, tool_errors
     self.tool_sequence = tool_sequence or tuple(tool_errors) + tuple(tool_calls)
@@ -82,7 +90,6 @@ class StepResult:
 
 
 class Episode(Protocol):
-
   def step(self, action: str) -> StepResult:
     """Consumes one action turn (an `Action`: text, without the turn-end token)."""
 
@@ -99,31 +106,35 @@ PROTOCOLS = "sao_jax/envs/base.py"
 
 # The task protocol's required attributes: name -> what it is.
 TASK_REQUIRED = {
-    "index": "the int it was made from, the trajectory's prompt_id",
-    "prompt": "the prompt text or chat messages",
+  "index": "the int it was made from, the trajectory's prompt_id",
+  "prompt": "the prompt text or chat messages",
 }
 # Its optional attributes: name -> (default, what it is). None reads as the default too.
 TASK_OPTIONAL = {
-    "answer": (None, "the reference answer, for the environment's grader and env.reward"),
-    "meta": (types.MappingProxyType({}), "a dict of what else the environment reads"),
-    "tools": ((), "the OpenAI-style function schemas the policy may call; (): none"),
+  "answer": (None, "the reference answer, for the environment's grader and env.reward"),
+  "meta": (types.MappingProxyType({}), "a dict of what else the environment reads"),
+  "tools": ((), "the OpenAI-style function schemas the policy may call; (): none"),
 }
 # The environment protocol's required methods: name -> what it is.
 ENV_REQUIRED = {
-    "task": "task(index) -> the task at index, deterministic and cheap",
-    "episode": "episode(task) -> a fresh Episode of the task",
-    "demonstration": "demonstration(task) -> [(action, observation), ...] for the SFT start",
+  "task": "task(index) -> the task at index, deterministic and cheap",
+  "episode": "episode(task) -> a fresh Episode of the task",
+  "demonstration": "demonstration(task) -> [(action, observation), ...] for the SFT start",
 }
 # Its optional attributes: name -> (default, what it is).
 ENV_OPTIONAL = {
-    "name": ("the class's name", "a short name for logs"),
-    "max_turns": (None, "the most action turns of an episode; the episodes end themselves"),
-    "runs_code": (True, "whether episodes run model-written code: the sandbox check runs first"),
-    "num_eval_tasks": (None, "the size of a finite held-out set, which caps eval.num_tasks"),
-    "demonstration_task": ("task", "demonstration_task(index) -> a training task that has "
-                                   "a demonstration, for SFT's draw index"),
-    "frozen": ("the environment itself", "frozen() -> the view evaluation and value "
-                                         "pretraining use (one that does not drift)"),
+  "name": ("the class's name", "a short name for logs"),
+  "max_turns": (None, "the most action turns of an episode; the episodes end themselves"),
+  "runs_code": (True, "whether episodes run model-written code: the sandbox check runs first"),
+  "num_eval_tasks": (None, "the size of a finite held-out set, which caps eval.num_tasks"),
+  "demonstration_task": (
+    "task",
+    "demonstration_task(index) -> a training task that has a demonstration, for SFT's draw index",
+  ),
+  "frozen": (
+    "the environment itself",
+    "frozen() -> the view evaluation and value pretraining use (one that does not drift)",
+  ),
 }
 
 
@@ -136,6 +147,7 @@ class TaskProtocol(Protocol):
   meta {} (read through `task_meta`) and tools () (no tools; read through
   `task_tools`).
   """
+
   index: int
   prompt: str | Sequence[dict]
 
@@ -159,8 +171,7 @@ class EnvironmentProtocol(Protocol):
   def episode(self, task: TaskProtocol) -> Episode:
     """A fresh episode of `task`."""
 
-  def demonstration(self, task: TaskProtocol) -> Sequence[
-      tuple[str | dict, str | Sequence[dict]]]:
+  def demonstration(self, task: TaskProtocol) -> Sequence[tuple[str | dict, str | Sequence[dict]]]:
     """A correct transcript: [(action, observation), ...] for the SFT start."""
 
 
@@ -229,11 +240,15 @@ def task_problem(task) -> str | None:
     if not hasattr(task, name):
       return f"no attribute {name!r} ({what}; {PROTOCOLS} TaskProtocol)"
   if isinstance(task.index, bool) or not isinstance(task.index, numbers.Integral):
-    return (f"an index of type {type(task.index).__name__} "
-            f"({TASK_REQUIRED['index']}; {PROTOCOLS} TaskProtocol)")
+    return (
+      f"an index of type {type(task.index).__name__} "
+      f"({TASK_REQUIRED['index']}; {PROTOCOLS} TaskProtocol)"
+    )
   if not isinstance(task.prompt, (str, list, tuple)):
-    return (f"a prompt of type {type(task.prompt).__name__} "
-            f"({TASK_REQUIRED['prompt']}; {PROTOCOLS} TaskProtocol)")
+    return (
+      f"a prompt of type {type(task.prompt).__name__} "
+      f"({TASK_REQUIRED['prompt']}; {PROTOCOLS} TaskProtocol)"
+    )
   return None
 
 

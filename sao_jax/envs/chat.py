@@ -85,8 +85,7 @@ class ParsedTurn:
 # Why a call was malformed: qwen3's JSON calls "bad_json" / "not_an_object",
 # qwen3_5's XML calls "bad_xml"; either "missing_name", "bad_arguments", and a
 # <tool_call> the turn never closed "unclosed".
-CALL_ERRORS = ("bad_json", "not_an_object", "missing_name", "bad_arguments", "unclosed",
-               "bad_xml")
+CALL_ERRORS = ("bad_json", "not_an_object", "missing_name", "bad_arguments", "unclosed", "bad_xml")
 
 
 class ChatFormat:
@@ -152,8 +151,10 @@ class _TextFormat(ChatFormat):
 
   def _check_no_tools(self, tools):
     if tools:
-      raise ValueError(f"the {self.name!r} chat format cannot show tools to the model; "
-                       "use chat_format 'qwen3' for tasks with tools")
+      raise ValueError(
+        f"the {self.name!r} chat format cannot show tools to the model; "
+        "use chat_format 'qwen3' for tasks with tools"
+      )
 
   def _bos(self) -> list[int]:
     return [self.tok.bos_id] if self.tok.bos_id is not None else []
@@ -177,8 +178,7 @@ class _TextFormat(ChatFormat):
     # Every turn-end id is dropped, as the driver always did; the engine stops
     # at the first, so only the last id can be one.
     text = self.tok.decode([t for t in ids if t != self.turn_end_id])
-    return ParsedTurn(text=text, content=text, reasoning="", tool_calls=(), errors=(),
-                      ended=ended)
+    return ParsedTurn(text=text, content=text, reasoning="", tool_calls=(), errors=(), ended=ended)
 
   def _prompt_from(self, messages) -> Any:
     raise NotImplementedError
@@ -186,8 +186,7 @@ class _TextFormat(ChatFormat):
   def render(self, messages, tools=(), add_generation_prompt: bool = False) -> list[int]:
     del add_generation_prompt  # empty in a text format
     messages = list(messages)
-    first = next((k for k, m in enumerate(messages) if m["role"] == "assistant"),
-                 len(messages))
+    first = next((k for k, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
     ids = self.prompt_ids(self._prompt_from(messages[:first]), tools)
     k = first
     while k < len(messages):
@@ -220,8 +219,10 @@ class RawFormat(_TextFormat):
   def prompt_ids(self, prompt, tools=()) -> list[int]:
     self._check_no_tools(tools)
     if not isinstance(prompt, str):
-      raise ValueError("the 'raw' chat format takes a text prompt, not messages; "
-                       "use chat_format 'plain' or 'qwen3' for chat messages")
+      raise ValueError(
+        "the 'raw' chat format takes a text prompt, not messages; "
+        "use chat_format 'plain' or 'qwen3' for chat messages"
+      )
     return self._bos() + self.tok.encode(prompt)
 
   def observation_ids(self, observation) -> list[int]:
@@ -247,8 +248,7 @@ class PlainFormat(_TextFormat):
 
   def __init__(self, tokenizer):
     super().__init__(tokenizer)
-    self.turn_end_id = tokenizer.eos_id if tokenizer.eos_id is not None else (
-        tokenizer.turn_end_id)
+    self.turn_end_id = tokenizer.eos_id if tokenizer.eos_id is not None else (tokenizer.turn_end_id)
 
   @staticmethod
   def _join(messages) -> str:
@@ -270,8 +270,16 @@ class PlainFormat(_TextFormat):
 
 # --- qwen3 and qwen3_5: what the two templates share ---------------------------------
 
-_QWEN_CONTROL = ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
-                 "<tool_response>", "</tool_response>", "<think>", "</think>")
+_QWEN_CONTROL = (
+  "<|im_start|>",
+  "<|im_end|>",
+  "<tool_call>",
+  "</tool_call>",
+  "<tool_response>",
+  "</tool_response>",
+  "<think>",
+  "</think>",
+)
 
 
 class _Special(int):
@@ -288,8 +296,7 @@ def function_schema(tool: dict) -> dict:
 
 def _openai_tool(tool: dict) -> dict:
   """The {"type": "function", "function": {...}} form Qwen was trained to read."""
-  return tool if isinstance(tool.get("function"), dict) else {"type": "function",
-                                                                "function": tool}
+  return tool if isinstance(tool.get("function"), dict) else {"type": "function", "function": tool}
 
 
 def _tool_json(tool: dict) -> str:
@@ -316,8 +323,10 @@ class _QwenFormat(ChatFormat):
     try:
       ids = {t: tokenizer.special_id(t) for t in _QWEN_CONTROL}
     except KeyError as e:
-      raise ValueError(f"chat_format {self.name!r} needs {self.family}'s tokenizer "
-                       f"(env.tokenizer = {self.name!r}): {e.args[0]}") from None
+      raise ValueError(
+        f"chat_format {self.name!r} needs {self.family}'s tokenizer "
+        f"(env.tokenizer = {self.name!r}): {e.args[0]}"
+      ) from None
     self.enable_thinking = bool(enable_thinking)
     self._control = {t: _Special(i) for t, i in ids.items()}
     self.im_start, self.im_end = self._control["<|im_start|>"], self._control["<|im_end|>"]
@@ -392,14 +401,15 @@ class _QwenFormat(ChatFormat):
   def _content_and_reasoning(self, message: dict) -> tuple[str, str]:
     """(content, reasoning) as both templates take them from an assistant message:
     `reasoning_content` if given, else what the content's <think>...</think> holds."""
-    content, reasoning = self._text(message.get("content") or ""), message.get(
-        "reasoning_content")
+    content, reasoning = self._text(message.get("content") or ""), message.get("reasoning_content")
     if isinstance(reasoning, str):
       return content, reasoning
     if "</think>" in content:
       head = content.split("</think>")[0]
-      return (content.split("</think>")[-1].lstrip("\n"),
-              head.rstrip("\n").split("<think>")[-1].lstrip("\n"))
+      return (
+        content.split("</think>")[-1].lstrip("\n"),
+        head.rstrip("\n").split("<think>")[-1].lstrip("\n"),
+      )
     return content, ""
 
   def _tool_run(self, contents: list[str]) -> list:
@@ -426,8 +436,9 @@ class _QwenFormat(ChatFormat):
     """The last user turn that is a real query, not a wrapped tool response."""
     for k in range(len(messages) - 1, -1, -1):
       c = self._text(messages[k].get("content") or "")  # a call-only turn has None
-      if messages[k]["role"] == "user" and not (c.startswith("<tool_response>")
-                                                and c.endswith("</tool_response>")):
+      if messages[k]["role"] == "user" and not (
+        c.startswith("<tool_response>") and c.endswith("</tool_response>")
+      ):
         return k
     return self._no_query(messages)
 
@@ -437,8 +448,9 @@ class _QwenFormat(ChatFormat):
     messages = [dict(m) for m in messages]
     for k, m in enumerate(messages):
       if m.get("role") not in ("system", "user", "assistant", "tool"):
-        raise ValueError(f"message {k}: role {m.get('role')!r} is not system / user / "
-                         "assistant / tool")
+        raise ValueError(
+          f"message {k}: role {m.get('role')!r} is not system / user / assistant / tool"
+        )
       if m["role"] != "assistant" and not isinstance(m.get("content"), str):
         raise ValueError(f"message {k} ({m['role']}): content must be a str")
     system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
@@ -504,11 +516,11 @@ class _QwenFormat(ChatFormat):
     if self.think_end in body:
       cut = body.index(self.think_end)
       start = body.index(self.think_start) + 1 if self.think_start in body[:cut] else 0
-      reasoning_ids, rest = body[start:cut], body[cut + 1:]
-      outside = body[:max(start - 1, 0)] + rest
+      reasoning_ids, rest = body[start:cut], body[cut + 1 :]
+      outside = body[: max(start - 1, 0)] + rest
     elif self.think_start in body:  # thinking cut off
       start = body.index(self.think_start)
-      reasoning_ids, outside = body[start + 1:], body[:start]
+      reasoning_ids, outside = body[start + 1 :], body[:start]
     else:
       reasoning_ids, outside = [], body
     content_ids, calls, errors, sequence, k = [], [], [], [], 0
@@ -517,23 +529,27 @@ class _QwenFormat(ChatFormat):
         content_ids.append(outside[k])
         k += 1
         continue
-      if self.call_end not in outside[k + 1:]:
+      if self.call_end not in outside[k + 1 :]:
         errors.append(("unclosed", "a <tool_call> without </tool_call> (the turn was cut)"))
         sequence.append(errors[-1])
         break
       end = outside.index(self.call_end, k + 1)
-      call, error = self._read_call(self.tok.decode(outside[k + 1:end]), tools)
+      call, error = self._read_call(self.tok.decode(outside[k + 1 : end]), tools)
       if call is not None:
         calls.append(call)
       else:
         errors.append(error)
       sequence.append(call if call is not None else error)
       k = end + 1
-    return ParsedTurn(text=self.tok.decode(body),
-                      content=self.tok.decode(content_ids).strip(),
-                      reasoning=self.tok.decode(reasoning_ids).strip("\n"),
-                      tool_calls=tuple(calls), errors=tuple(errors), ended=ended,
-                      sequence=tuple(sequence))
+    return ParsedTurn(
+      text=self.tok.decode(body),
+      content=self.tok.decode(content_ids).strip(),
+      reasoning=self.tok.decode(reasoning_ids).strip("\n"),
+      tool_calls=tuple(calls),
+      errors=tuple(errors),
+      ended=ended,
+      sequence=tuple(sequence),
+    )
 
 
 # --- qwen3 --------------------------------------------------------------------------
@@ -542,12 +558,14 @@ class _QwenFormat(ChatFormat):
 # <tool_call> tags in text that the official tokenizer turns into the control
 # tokens, so `_literal` makes them ids.
 _QWEN3_TOOLS_INTRO = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+  "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+  "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
 _QWEN3_TOOLS_OUTRO = (
-    "\n</tools>\n\nFor each function call, return a json object with function name and "
-    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+  "\n</tools>\n\nFor each function call, return a json object with function name and "
+  "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+  '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
 
 
 class Qwen3Format(_QwenFormat):
@@ -585,8 +603,11 @@ class Qwen3Format(_QwenFormat):
   def _system_turn(self, system: str | None, tools) -> list:
     if not tools:
       return [] if system is None else self._user("system", system)
-    pieces = [self.im_start, "system\n" + ("" if system is None else system + "\n\n"),
-              _QWEN3_TOOLS_INTRO] + ["\n" + _tool_json(tool) for tool in tools]
+    pieces = [
+      self.im_start,
+      "system\n" + ("" if system is None else system + "\n\n"),
+      _QWEN3_TOOLS_INTRO,
+    ] + ["\n" + _tool_json(tool) for tool in tools]
     return pieces + self._literal(_QWEN3_TOOLS_OUTRO) + [self.im_end, "\n"]
 
   def _later_system(self, content: str) -> list:
@@ -608,8 +629,11 @@ class Qwen3Format(_QwenFormat):
       arguments = call.get("arguments", {})
       if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
-      pieces += [self.call_start, '\n{"name": "' + call["name"] + '", "arguments": '
-                 + arguments + "}\n", self.call_end]
+      pieces += [
+        self.call_start,
+        '\n{"name": "' + call["name"] + '", "arguments": ' + arguments + "}\n",
+        self.call_end,
+      ]
     return pieces
 
   def _assistant(self, message: dict, show_thinking: bool | None) -> list:
@@ -623,8 +647,12 @@ class Qwen3Format(_QwenFormat):
       show_thinking = isinstance(message.get("reasoning_content"), str)
     pieces = []
     if show_thinking:
-      pieces += [self.think_start, "\n" + reasoning.strip("\n") + "\n", self.think_end,
-                 "\n\n" + content.lstrip("\n")]
+      pieces += [
+        self.think_start,
+        "\n" + reasoning.strip("\n") + "\n",
+        self.think_end,
+        "\n\n" + content.lstrip("\n"),
+      ]
     else:
       pieces.append(content)
     return pieces + self._calls(content, message.get("tool_calls")) + [self.im_end]
@@ -661,20 +689,21 @@ class Qwen3Format(_QwenFormat):
 # spellings become the control ids, as for Qwen3).
 _QWEN3_5_TOOLS_INTRO = "# Tools\n\nYou have access to the following functions:\n\n<tools>"
 _QWEN3_5_TOOLS_OUTRO = (
-    "\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with "
-    "NO suffix:\n\n<tool_call>\n<function=example_function_name>\n"
-    "<parameter=example_parameter_1>\nvalue_1\n</parameter>\n<parameter=example_parameter_2>"
-    "\nThis is the value for the second parameter\nthat can span\nmultiple lines\n"
-    "</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n- Function calls MUST "
-    "follow the specified format: an inner <function=...></function> block must be nested "
-    "within <tool_call></tool_call> XML tags\n- Required parameters MUST be specified\n- You "
-    "may provide optional reasoning for your function call in natural language BEFORE the "
-    "function call, but NOT after\n- If there is no function call available, answer the "
-    "question like normal with your current knowledge and do not tell the user about "
-    "function calls\n</IMPORTANT>")
+  "\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with "
+  "NO suffix:\n\n<tool_call>\n<function=example_function_name>\n"
+  "<parameter=example_parameter_1>\nvalue_1\n</parameter>\n<parameter=example_parameter_2>"
+  "\nThis is the value for the second parameter\nthat can span\nmultiple lines\n"
+  "</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n- Function calls MUST "
+  "follow the specified format: an inner <function=...></function> block must be nested "
+  "within <tool_call></tool_call> XML tags\n- Required parameters MUST be specified\n- You "
+  "may provide optional reasoning for your function call in natural language BEFORE the "
+  "function call, but NOT after\n- If there is no function call available, answer the "
+  "question like normal with your current knowledge and do not tell the user about "
+  "function calls\n</IMPORTANT>"
+)
 
 
-class Qwen3_5Format(_QwenFormat):  # pylint: disable=invalid-name
+class Qwen3_5Format(_QwenFormat):
   """Qwen3.5's chat template (Qwen3.5-35B-A3B's chat_template.jinja), token in / token out.
 
   Where it differs from Qwen3's, `render` follows it line by line:
@@ -725,12 +754,16 @@ class Qwen3_5Format(_QwenFormat):  # pylint: disable=invalid-name
     return pieces + [self.im_end, "\n"]
 
   def _later_system(self, content: str) -> list:
-    raise ValueError("chat_format 'qwen3_5': a system message must be the first message "
-                     "(Qwen3.5's template: 'System message must be at the beginning.')")
+    raise ValueError(
+      "chat_format 'qwen3_5': a system message must be the first message "
+      "(Qwen3.5's template: 'System message must be at the beginning.')"
+    )
 
   def _no_query(self, messages) -> int:
-    raise ValueError("chat_format 'qwen3_5': no user query in the messages (Qwen3.5's "
-                     "template: 'No user query found in messages.')")
+    raise ValueError(
+      "chat_format 'qwen3_5': no user query in the messages (Qwen3.5's "
+      "template: 'No user query found in messages.')"
+    )
 
   def _shows_thinking(self, k: int, last_query: int, n: int, reasoning: str) -> bool:
     return k > last_query
@@ -750,10 +783,16 @@ class Qwen3_5Format(_QwenFormat):  # pylint: disable=invalid-name
       if not isinstance(arguments, dict):
         raise ValueError(f"tool call {call.get('name')!r}: arguments must be an object")
       head = ("\n\n" if content.strip() else "") if k == 0 else "\n"
-      body = "".join(f"<parameter={key}>\n{_parameter_text(value)}\n</parameter>\n"
-                     for key, value in arguments.items())
-      pieces += [head, self.call_start, f"\n<function={call['name']}>\n{body}</function>\n",
-                 self.call_end]
+      body = "".join(
+        f"<parameter={key}>\n{_parameter_text(value)}\n</parameter>\n"
+        for key, value in arguments.items()
+      )
+      pieces += [
+        head,
+        self.call_start,
+        f"\n<function={call['name']}>\n{body}</function>\n",
+        self.call_end,
+      ]
     return pieces
 
   def _assistant(self, message: dict, show_thinking: bool) -> list:
@@ -795,6 +834,7 @@ def _strict_json(text: str):
   `json` itself) and strings with a lone surrogate ("\\ud800"), which no
   tool could write out as UTF-8.
   """
+
   def constant(name):
     raise ValueError(f"{name} is not JSON")
 
@@ -824,11 +864,10 @@ def _read_json_call(body: str) -> tuple[ToolCall | None, tuple[str, str] | None]
   except (ValueError, RecursionError) as e:
     return None, ("bad_json", f"the tool call is not JSON: {str(e)[:80]}")
   if not isinstance(obj, dict):
-    return None, ("not_an_object", f"the tool call is a JSON {type(obj).__name__}, "
-                  "not an object")
+    return None, ("not_an_object", f"the tool call is a JSON {type(obj).__name__}, not an object")
   name = obj.get("name")
   if not isinstance(name, str) or not name:
-    return None, ("missing_name", "the tool call has no \"name\" string")
+    return None, ("missing_name", 'the tool call has no "name" string')
   arguments = obj.get("arguments", {})
   if isinstance(arguments, str):  # OpenAI style: the arguments as a JSON string
     try:
@@ -836,8 +875,10 @@ def _read_json_call(body: str) -> tuple[ToolCall | None, tuple[str, str] | None]
     except (ValueError, RecursionError):
       return None, ("bad_arguments", f"{name[:60]!r}: arguments are not a JSON object")
   if not isinstance(arguments, dict):
-    return None, ("bad_arguments", f"{name[:60]!r}: arguments are a "
-                  f"{type(arguments).__name__}, not an object")
+    return None, (
+      "bad_arguments",
+      f"{name[:60]!r}: arguments are a {type(arguments).__name__}, not an object",
+    )
   return ToolCall(name, arguments), None
 
 
@@ -864,12 +905,12 @@ def _xml_parameters(text: str, name: str) -> tuple[dict | None, tuple[str, str] 
     end = text.find(_PARAMETER_END, head_end) if head_end >= 0 else -1
     if end < 0:
       return None, ("bad_xml", f"{name[:60]!r}: a <parameter=...> block is not closed")
-    key = text[pos + len(_PARAMETER):head_end].strip()
+    key = text[pos + len(_PARAMETER) : head_end].strip()
     if not key or "<" in key or "\n" in key:
       return None, ("bad_arguments", f"{name[:60]!r}: a parameter without a name")
     if key in arguments:
       return None, ("bad_arguments", f"{name[:60]!r}: parameter {key[:60]!r} given twice")
-    value = text[head_end + 1:end]  # the template writes one "\n" on each side
+    value = text[head_end + 1 : end]  # the template writes one "\n" on each side
     value = value[1:] if value.startswith("\n") else value
     arguments[key] = value[:-1] if value.endswith("\n") else value
     pos = _SPACE.match(text, end + len(_PARAMETER_END)).end()
@@ -889,14 +930,14 @@ def _read_xml_call(body: str, tools=()) -> tuple[ToolCall | None, tuple[str, str
   text = body.strip()
   if not (text.startswith(_FUNCTION) and text.endswith(_FUNCTION_END)):
     return None, ("bad_xml", "the tool call is not <function=NAME>...</function>")
-  inner = text[len(_FUNCTION):len(text) - len(_FUNCTION_END)]
+  inner = text[len(_FUNCTION) : len(text) - len(_FUNCTION_END)]
   head_end = inner.find(">")
   name = inner[:head_end].strip()
   if head_end < 0 or "<" in name or "\n" in name:
     return None, ("bad_xml", "the <function=NAME> tag is not closed on its line")
   if not name:
     return None, ("missing_name", "the tool call has no function name")
-  arguments, error = _xml_parameters(inner[head_end + 1:], name)
+  arguments, error = _xml_parameters(inner[head_end + 1 :], name)
   if error is not None:
     return None, error
   schema = next((fn for fn in map(function_schema, tools) if fn["name"] == name), None)
@@ -945,14 +986,16 @@ def _typed(text: str, known: list[str]):
 # --- tool calls and tool output -------------------------------------------------------
 
 _JSON_TYPES = {
-    "string": lambda v: isinstance(v, str),
-    "integer": lambda v: (isinstance(v, int) and not isinstance(v, bool)) or (
-        isinstance(v, float) and math.isfinite(v) and v.is_integer()),
-    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    "boolean": lambda v: isinstance(v, bool),
-    "array": lambda v: isinstance(v, list),
-    "object": lambda v: isinstance(v, dict),
-    "null": lambda v: v is None,
+  "string": lambda v: isinstance(v, str),
+  "integer": lambda v: (
+    (isinstance(v, int) and not isinstance(v, bool))
+    or (isinstance(v, float) and math.isfinite(v) and v.is_integer())
+  ),
+  "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+  "boolean": lambda v: isinstance(v, bool),
+  "array": lambda v: isinstance(v, list),
+  "object": lambda v: isinstance(v, dict),
+  "null": lambda v: v is None,
 }
 
 
@@ -960,8 +1003,11 @@ def _known_types(spec) -> list[str]:
   """The JSON types a parameter's schema declares (its "type", a name or a list), those
   this module knows only."""
   declared = spec.get("type") if isinstance(spec, dict) else None
-  types = [declared] if isinstance(declared, str) else (
-      list(declared) if isinstance(declared, (list, tuple)) else [])
+  types = (
+    [declared]
+    if isinstance(declared, str)
+    else (list(declared) if isinstance(declared, (list, tuple)) else [])
+  )
   return [t for t in types if t in _JSON_TYPES]
 
 
@@ -1017,13 +1063,17 @@ def cap_tokens(ids: Sequence[int], max_tokens: int, tokenizer) -> tuple[list[int
     dropped = len(ids) - kept
   head = (kept + 1) // 2
   tail = kept - head
-  return ids[:head] + marker + (ids[len(ids) - tail:] if tail else []), True
+  return ids[:head] + marker + (ids[len(ids) - tail :] if tail else []), True
 
 
 # --- the table ---------------------------------------------------------------------
 
-FORMATS: dict[str, type] = {"raw": RawFormat, "plain": PlainFormat, "qwen3": Qwen3Format,
-                            "qwen3_5": Qwen3_5Format}
+FORMATS: dict[str, type] = {
+  "raw": RawFormat,
+  "plain": PlainFormat,
+  "qwen3": Qwen3Format,
+  "qwen3_5": Qwen3_5Format,
+}
 
 
 def format_options(name: str) -> set[str]:
@@ -1040,6 +1090,7 @@ def make_format(name: str, tokenizer, **options) -> ChatFormat:
   cls = FORMATS[name]
   unknown = sorted(set(options) - accepted)
   if unknown:
-    raise ValueError(f"chat format {name!r} takes no option {unknown}; "
-                     f"its options: {sorted(accepted) or 'none'}")
+    raise ValueError(
+      f"chat format {name!r} takes no option {unknown}; its options: {sorted(accepted) or 'none'}"
+    )
   return cls(tokenizer, **options)

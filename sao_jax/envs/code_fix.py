@@ -105,8 +105,11 @@ def _sao_harness(inputs, _type=type, _int=int, _ascii=ascii, _out=__import__("sy
 
 def _test_program(lines: list[str], inputs) -> str:
   """The harness, the agent's code, the call on `inputs`: no wanted values."""
-  return (_HARNESS_DEF.format(shown=_SHOWN_CHARS) + "\n".join(lines)
-          + f"\n_sao_harness({tuple(inputs)!r})\n")
+  return (
+    _HARNESS_DEF.format(shown=_SHOWN_CHARS)
+    + "\n".join(lines)
+    + f"\n_sao_harness({tuple(inputs)!r})\n"
+  )
 
 
 def _reject_constant(text):
@@ -123,8 +126,12 @@ def _parse_record(stdout: str, n: int) -> list | None:
   a truncated or oversized output is no record. Whatever the agent's code
   printed besides the record makes the whole output invalid.
   """
-  if (len(stdout) > _MAX_RECORD_CHARS or not stdout.endswith("\n")
-      or stdout.count("\n") != 1 or not stdout.startswith("[")):
+  if (
+    len(stdout) > _MAX_RECORD_CHARS
+    or not stdout.endswith("\n")
+    or stdout.count("\n") != 1
+    or not stdout.startswith("[")
+  ):
     return None
   try:
     values = json.loads(stdout, parse_float=_reject_constant, parse_constant=_reject_constant)
@@ -134,7 +141,7 @@ def _parse_record(stdout: str, n: int) -> list | None:
     return None
   for v in values:
     ok_int = type(v) is int
-    ok_str = (type(v) is str and len(v) <= _SHOWN_CHARS and v.isascii() and v.isprintable())
+    ok_str = type(v) is str and len(v) <= _SHOWN_CHARS and v.isascii() and v.isprintable()
     if not (ok_int or ok_str):
       return None
   return values
@@ -155,7 +162,6 @@ def _verdict(result: SandboxResult, inputs, wanted) -> tuple[bool, str]:
 
 
 class _Episode:
-
   def __init__(self, env: "CodeFix", task: Task):
     self._env, self._task = env, task
     self._lines = list(task.meta["buggy"])
@@ -169,7 +175,7 @@ class _Episode:
     result = run_python(_test_program(self._lines, inputs), self._env.limits)
     # Only now, with the sandbox gone, are the held-out wanted values computed.
     wanted = [w for _, w in meta["cases"]]
-    wanted += [_APPLY[meta["op"]](x, meta["const"]) for x in inputs[len(wanted):]]
+    wanted += [_APPLY[meta["op"]](x, meta["const"]) for x in inputs[len(wanted) :]]
     return _verdict(result, inputs, wanted)
 
   def step(self, action: str) -> StepResult:
@@ -186,7 +192,7 @@ class _Episode:
       parts = action.split(" ", 2)
       if len(parts) == 3 and parts[1].isdigit() and int(parts[1]) < len(self._lines):
         i = int(parts[1])
-        indent = self._lines[i][:len(self._lines[i]) - len(self._lines[i].lstrip())]
+        indent = self._lines[i][: len(self._lines[i]) - len(self._lines[i].lstrip())]
         self._lines[i] = indent + parts[2].strip()
         obs = "ok"
       else:
@@ -203,8 +209,11 @@ class _Episode:
 class CodeFix:
   name = "code_fix"
 
-  def __init__(self, config: CodeFixConfig = CodeFixConfig(),
-               limits: SandboxLimits = SandboxLimits(cpu_seconds=1, wall_seconds=3.0)):
+  def __init__(
+    self,
+    config: CodeFixConfig = CodeFixConfig(),
+    limits: SandboxLimits = SandboxLimits(cpu_seconds=1, wall_seconds=3.0),
+  ):
     self.config, self.limits, self.max_turns = config, limits, config.max_turns
 
   def task(self, index: int) -> Task:
@@ -217,18 +226,27 @@ class CodeFix:
       bug_op, bug_const = op, const + int(rng.choice([-1, 1]))
     fixed = ["def f(x):", f" return x{op}{const}"]
     buggy = ["def f(x):", f" return x{bug_op}{bug_const}"]
-    cases = [(x, eval(f"{x}{op}{const}")) for x in _TEST_INPUTS]  # pylint: disable=eval-used
-    return Task(index, "fix f\n" + _render(buggy), None,
-                {"buggy": buggy, "fixed": fixed, "cases": cases, "op": op, "const": const})
+    cases = [(x, eval(f"{x}{op}{const}")) for x in _TEST_INPUTS]  # noqa: S307
+    return Task(
+      index,
+      "fix f\n" + _render(buggy),
+      None,
+      {"buggy": buggy, "fixed": fixed, "cases": cases, "op": op, "const": const},
+    )
 
   def episode(self, task: Task) -> _Episode:
     return _Episode(self, task)
 
   def demonstration(self, task: Task) -> list[tuple[str, str]]:
     buggy, fixed, cases = task.meta["buggy"], task.meta["fixed"], task.meta["cases"]
-    fail = next((x, eval(f"{x}{buggy[1].split('x', 1)[1]}"), w)  # pylint: disable=eval-used
-                for x, w in cases if eval(f"{x}{buggy[1].split('x', 1)[1]}") != w)
-    return [("run", ">fail f(%d)=%s want %d\n" % fail),
-            (f"edit 1 {fixed[1].strip()}", ">ok\n"),
-            ("run", f">pass {len(cases)}/{len(cases)}\n"),
-            ("submit", "")]
+    fail = next(
+      (x, eval(f"{x}{buggy[1].split('x', 1)[1]}"), w)  # noqa: S307
+      for x, w in cases
+      if eval(f"{x}{buggy[1].split('x', 1)[1]}") != w  # noqa: S307
+    )
+    return [
+      ("run", ">fail f(%d)=%s want %d\n" % fail),
+      (f"edit 1 {fixed[1].strip()}", ">ok\n"),
+      ("run", f">pass {len(cases)}/{len(cases)}\n"),
+      ("submit", ""),
+    ]

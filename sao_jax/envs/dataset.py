@@ -56,25 +56,40 @@ from sao_jax.envs.base import StepResult, Task
 from sao_jax.envs.sandbox import SandboxLimits, run_python
 
 PYTHON_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "python",
-        "description": "Run Python code and return what it prints (stdout) and its error, "
-                       "if any. Use print() to see a value.",
-        "parameters": {
-            "type": "object",
-            "properties": {"code": {"type": "string",
-                                    "description": "The Python program to run."}},
-            "required": ["code"],
-        },
+  "type": "function",
+  "function": {
+    "name": "python",
+    "description": "Run Python code and return what it prints (stdout) and its error, "
+    "if any. Use print() to see a value.",
+    "parameters": {
+      "type": "object",
+      "properties": {"code": {"type": "string", "description": "The Python program to run."}},
+      "required": ["code"],
     },
+  },
 }
 
 
 # The standard library a math or data program reaches for.
-PYTHON_MODULES = ("math", "cmath", "fractions", "decimal", "itertools", "functools",
-                  "collections", "re", "random", "statistics", "json", "heapq", "bisect",
-                  "string", "operator", "typing", "datetime")
+PYTHON_MODULES = (
+  "math",
+  "cmath",
+  "fractions",
+  "decimal",
+  "itertools",
+  "functools",
+  "collections",
+  "re",
+  "random",
+  "statistics",
+  "json",
+  "heapq",
+  "bisect",
+  "string",
+  "operator",
+  "typing",
+  "datetime",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +133,7 @@ class DatasetConfig:
 
 class DatasetEnv:
   """The environment family over a dataset's rows (module docstring)."""
+
   name = "dataset"
 
   def __init__(self, config: DatasetConfig, limits: SandboxLimits = SandboxLimits()):
@@ -127,23 +143,28 @@ class DatasetEnv:
       raise ValueError(f"env.kwargs.max_turns = {config.max_turns}: must be >= 1")
     unknown = sorted(set(config.tools) - {"python"} - set(config.tool_functions))
     if unknown:
-      raise ValueError(f"env.kwargs.tools {unknown}: the built-in tool is 'python'; "
-                       "others need an entry in tool_functions")
+      raise ValueError(
+        f"env.kwargs.tools {unknown}: the built-in tool is 'python'; "
+        "others need an entry in tool_functions"
+      )
     _check_python_modules(config.python_modules)
     self.config, self.limits = config, limits
     # Bounds on each turn's tool calls (registry.make_env sets env config's).
     self.tool_budget = ToolBudget()
     self.max_turns = config.max_turns
     self.runs_code = config.needs_sandbox
-    from sao_jax.data import datasets  # pylint: disable=g-import-not-at-top
+    from sao_jax.data import datasets
+
     if config.duplicates not in ("drop", "report"):
       raise ValueError(f"env.kwargs.duplicates = {config.duplicates!r}: 'drop' or 'report'")
     keep, repeats = config.duplicates == "report", []
-    rows, rejected = datasets.load_rows(config.path, strict=config.strict, keep_repeats=keep,
-                                        repeats=repeats)
+    rows, rejected = datasets.load_rows(
+      config.path, strict=config.strict, keep_repeats=keep, repeats=repeats
+    )
     if config.heldout_path:
-      heldout, bad = datasets.load_rows(config.heldout_path, strict=config.strict,
-                                        keep_repeats=keep, repeats=repeats)
+      heldout, bad = datasets.load_rows(
+        config.heldout_path, strict=config.strict, keep_repeats=keep, repeats=repeats
+      )
       train, overlap = datasets.without_heldout(rows, heldout)
       if overlap and config.strict:
         raise datasets.DatasetError(f"{overlap[0][0]}: {overlap[0][1]}")
@@ -152,8 +173,10 @@ class DatasetEnv:
       train, heldout = datasets.split_rows(rows, config.heldout_fraction, config.seed)
     train, heldout = [r for r in train if self.keeps(r)], [r for r in heldout if self.keeps(r)]
     if not train or not heldout:
-      raise ValueError(f"dataset {config.path}: {len(train)} training and {len(heldout)} "
-                       "held-out rows; both splits need at least one")
+      raise ValueError(
+        f"dataset {config.path}: {len(train)} training and {len(heldout)} "
+        "held-out rows; both splits need at least one"
+      )
     self.train_rows, self.heldout_rows, self.rejected = train, heldout, rejected
     # Same-truth repeats kept (duplicates="report"), as (where, reason).
     self.repeats = repeats
@@ -165,8 +188,8 @@ class DatasetEnv:
     _report(config, train, heldout, rejected, repeats)
     self._functions = _tool_functions(config)
     self._offered = tuple(
-        schema for name, schema in (("python", PYTHON_TOOL),) if name in config.tools) + tuple(
-            _schema_stub(n) for n in config.tool_functions if n in config.tools)
+      schema for name, schema in (("python", PYTHON_TOOL),) if name in config.tools
+    ) + tuple(_schema_stub(n) for n in config.tool_functions if n in config.tools)
     self._verify = _make_verifier(config)
 
   def keeps(self, row) -> bool:
@@ -186,17 +209,29 @@ class DatasetEnv:
     messages = list(row.messages)
     if self.config.system_prompt and messages[0]["role"] != "system":
       messages.insert(0, {"role": "system", "content": self.config.system_prompt})
-    tools = self._offered + tuple(t for t in row.tools
-                                  if _tool_name(t) not in {_tool_name(o) for o in self._offered})
-    return Task(index, tuple(messages), row.ground_truth,
-                {"data_source": row.data_source, "extra_info": row.extra_info,
-                 "where": row.where, "completion": row.completion}, tools)
+    tools = self._offered + tuple(
+      t for t in row.tools if _tool_name(t) not in {_tool_name(o) for o in self._offered}
+    )
+    return Task(
+      index,
+      tuple(messages),
+      row.ground_truth,
+      {
+        "data_source": row.data_source,
+        "extra_info": row.extra_info,
+        "where": row.where,
+        "completion": row.completion,
+      },
+      tools,
+    )
 
   def demonstration_task(self, index: int) -> Task:
     """The task of training row `index`, among the rows that have a demonstration."""
     if not self._demo_rows:
-      raise ValueError(f"dataset {self.config.path}: no row has a completion to train "
-                       "SFT on; set sft.steps = 0 or add completions")
+      raise ValueError(
+        f"dataset {self.config.path}: no row has a completion to train "
+        "SFT on; set sft.steps = 0 or add completions"
+      )
     return self.task(self._demo_rows[index % len(self._demo_rows)])
 
   def demonstration(self, task: Task) -> list[tuple[Any, Any]]:
@@ -222,8 +257,11 @@ class DatasetEnv:
     if name == "python" and "python" in self.config.tools:
       if not self.config.use_sandbox:
         raise RuntimeError("the python tool without the sandbox is for tests only")
-      return run_python(arguments["code"], sandbox_limits_within(self.limits, seconds),
-                        preload=tuple(self.config.python_modules)).observation()
+      return run_python(
+        arguments["code"],
+        sandbox_limits_within(self.limits, seconds),
+        preload=tuple(self.config.python_modules),
+      ).observation()
     fn = self._functions.get(name)
     if fn is None:
       return f"error: no tool {name!r}"
@@ -232,7 +270,6 @@ class DatasetEnv:
 
 
 class _Episode:
-
   def __init__(self, env: DatasetEnv, task: Task):
     self._env, self._task, self._turns = env, task, 0
     self._meter = ToolMeter(env.tool_budget)
@@ -246,13 +283,19 @@ class _Episode:
       response = parsed.content if parsed is not None else str(action)
       verdict = self._env._verify(response, str(self._task.answer))
       # Answers the verifier did not judge are counted, never silent.
-      events = ([f"verifier_{verdict.reason}"] if verdict.reason in ("timeout", "too_nested")
-                else [])
-      return StepResult("", float(verdict.correct), True,
-                        {"correct": verdict.correct, "verdict": verdict.reason,
-                         # The extracted answer: evaluation's majority vote (maj@k).
-                         "answer": _extracted_answer(response),
-                         "events": events})
+      events = [f"verifier_{verdict.reason}"] if verdict.reason in ("timeout", "too_nested") else []
+      return StepResult(
+        "",
+        float(verdict.correct),
+        True,
+        {
+          "correct": verdict.correct,
+          "verdict": verdict.reason,
+          # The extracted answer: evaluation's majority vote (maj@k).
+          "answer": _extracted_answer(response),
+          "events": events,
+        },
+      )
     messages, events = answer_tool_calls(action, self._env.call_tool, self._meter)
     done = self._turns >= self._env.max_turns
     info = {"correct": False, "events": events}
@@ -268,6 +311,7 @@ class _Episode:
 class ToolBudget:
   """Bounds on one turn's tool calls and on their time (0: no bound); env config's
   tool_calls_per_turn, tool_seconds_per_turn and tool_seconds_per_episode."""
+
   calls_per_turn: int = 0
   seconds_per_turn: float = 0.0
   seconds_per_episode: float = 0.0
@@ -281,8 +325,9 @@ class ToolMeter:
     self.episode_seconds = 0.0
 
 
-def answer_tool_calls(action, call_tool: Callable[..., str],
-                      meter: ToolMeter | None = None) -> tuple[list, list]:
+def answer_tool_calls(
+  action, call_tool: Callable[..., str], meter: ToolMeter | None = None
+) -> tuple[list, list]:
   """The tool messages that answer a turn's calls, and its events.
 
   One message per call, in the order the turn wrote them
@@ -307,17 +352,26 @@ def answer_tool_calls(action, call_tool: Callable[..., str],
     calls += 1
     left = _seconds_left(budget, turn_seconds, meter)
     if budget.calls_per_turn and calls > budget.calls_per_turn:
-      refusal = (f"error: tool budget: at most {budget.calls_per_turn} tool calls per turn; "
-                 "this call was not run", "tool_budget_calls")
+      refusal = (
+        f"error: tool budget: at most {budget.calls_per_turn} tool calls per turn; "
+        "this call was not run",
+        "tool_budget_calls",
+      )
     elif left is not None and left <= 0:
-      refusal = ("error: tool budget: the turn's or the episode's tool time is spent "
-                 f"({budget.seconds_per_turn:g} s per turn, {budget.seconds_per_episode:g} s "
-                 "per episode; 0: no bound); this call was not run", "tool_budget_time")
+      refusal = (
+        "error: tool budget: the turn's or the episode's tool time is spent "
+        f"({budget.seconds_per_turn:g} s per turn, {budget.seconds_per_episode:g} s "
+        "per episode; 0: no bound); this call was not run",
+        "tool_budget_time",
+      )
     else:
       start = time.monotonic()
       try:
-        out = call_tool(item.name, item.arguments, left) if left is not None else call_tool(
-            item.name, item.arguments)
+        out = (
+          call_tool(item.name, item.arguments, left)
+          if left is not None
+          else call_tool(item.name, item.arguments)
+        )
       finally:
         spent = time.monotonic() - start
         turn_seconds += spent
@@ -344,8 +398,11 @@ def sandbox_limits_within(limits: SandboxLimits, seconds: float | None) -> Sandb
   """`limits` with the wall clock (and CPU time) cut to `seconds` (None: as they are)."""
   if seconds is None or seconds >= limits.wall_seconds:
     return limits
-  return dataclasses.replace(limits, wall_seconds=max(seconds, 0.05),
-                             cpu_seconds=max(1, min(limits.cpu_seconds, math.ceil(seconds))))
+  return dataclasses.replace(
+    limits,
+    wall_seconds=max(seconds, 0.05),
+    cpu_seconds=max(1, min(limits.cpu_seconds, math.ceil(seconds))),
+  )
 
 
 def _tool_name(schema: dict) -> str:
@@ -369,12 +426,15 @@ def _check_python_modules(modules) -> None:
 
 
 def _tool_functions(config: DatasetConfig) -> dict[str, Callable]:
-  return {name: import_strings.resolve(target, f"env.kwargs.tool_functions[{name!r}]")
-          for name, target in dict(config.tool_functions).items()}
+  return {
+    name: import_strings.resolve(target, f"env.kwargs.tool_functions[{name!r}]")
+    for name, target in dict(config.tool_functions).items()
+  }
 
 
 def _make_verifier(config: DatasetConfig) -> Callable:
-  from sao_jax.envs import verify  # pylint: disable=g-import-not-at-top
+  from sao_jax.envs import verify
+
   if config.verifier == "math":
     checker = verify.MathVerifier(timeout_s=config.verifier_timeout_s)
     return checker.verify
@@ -390,7 +450,8 @@ def _make_verifier(config: DatasetConfig) -> Callable:
 
 
 def _extracted_answer(response: str) -> str | None:
-  from sao_jax.envs import verify  # pylint: disable=g-import-not-at-top
+  from sao_jax.envs import verify
+
   return verify.extract_answer(response)
 
 
@@ -398,13 +459,17 @@ _REPORT_LOCK = threading.Lock()
 
 
 def _report(config, train, heldout, rejected, repeats=()) -> None:
-  from sao_jax.data import datasets  # pylint: disable=g-import-not-at-top
+  from sao_jax.data import datasets
+
   counts = ", ".join(f"{n} {k}" for k, n in datasets.hygiene_counts(rejected).items() if n)
   with _REPORT_LOCK:
-    print(f"[dataset] {config.path}: {len(train)} training rows, {len(heldout)} held-out, "
-          f"{len(rejected)} rejected" + (f" ({counts})" if counts else "")
-          + (f", {len(repeats)} repeated prompts kept (duplicates='report')" if repeats else ""),
-          flush=True)
+    print(
+      f"[dataset] {config.path}: {len(train)} training rows, {len(heldout)} held-out, "
+      f"{len(rejected)} rejected"
+      + (f" ({counts})" if counts else "")
+      + (f", {len(repeats)} repeated prompts kept (duplicates='report')" if repeats else ""),
+      flush=True,
+    )
     for where, reason in rejected[:20]:
       print(f"[dataset]   rejected {where}: {reason}", flush=True)
     if len(rejected) > 20:

@@ -9,8 +9,9 @@ from sao_jax.envs import base, chat
 from sao_jax.envs.base import Environment, TaskProtocol
 
 
-def demonstration_trajectory(env: Environment, task: TaskProtocol, tokenizer,
-                             chat_format=None) -> Trajectory:
+def demonstration_trajectory(
+  env: Environment, task: TaskProtocol, tokenizer, chat_format=None
+) -> Trajectory:
   """A correct episode of `task` in the driver's token layout.
 
   Built the way the driver builds a rollout: the prompt rendered once, each
@@ -37,8 +38,12 @@ def demonstration_trajectory(env: Environment, task: TaskProtocol, tokenizer,
   tokens, mask = np.asarray(tokens, np.int32), np.asarray(mask, bool)
   rewards = np.zeros(len(tokens), np.float32)
   rewards[np.flatnonzero(mask)[-1]] = 1.0
-  return Trajectory(tokens=tokens, action_mask=mask,
-                    rollout_logprobs=np.zeros(len(tokens), np.float32),
-                    policy_version=np.where(mask, 0, -1).astype(np.int32),
-                    rewards=rewards, turn_starts=np.asarray(turn_starts, np.int32),
-                    prompt_id=task.index)
+  return Trajectory(
+    tokens=tokens,
+    action_mask=mask,
+    rollout_logprobs=np.zeros(len(tokens), np.float32),
+    policy_version=np.where(mask, 0, -1).astype(np.int32),
+    rewards=rewards,
+    turn_starts=np.asarray(turn_starts, np.int32),
+    prompt_id=task.index,
+  )

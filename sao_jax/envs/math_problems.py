@@ -57,33 +57,45 @@ def _expression(rng) -> Problem:
   a, b, c, d = (int(x) for x in rng.integers(2, 99, 4))
   op1, op2, op3 = (str(x) for x in rng.choice(["+", "-", "*"], 3))
   expr = f"{a} {op1} {b} {op2} {c} {op3} {d}"
-  return f"Compute {expr}.", [f"print({expr})"], int(eval(expr))  # pylint: disable=eval-used
+  return f"Compute {expr}.", [f"print({expr})"], int(eval(expr))  # noqa: S307
 
 
 def _change(rng) -> Problem:
   price, count = int(rng.integers(2, 20)), int(rng.integers(2, 15))
   paid = int(np.ceil((price * count + 1) / 50) * 50)
-  q = (f"A shop sells pens at {price} dollars each. Maya buys {count} pens and pays with "
-       f"{paid} dollars. How much change does she get?")
+  q = (
+    f"A shop sells pens at {price} dollars each. Maya buys {count} pens and pays with "
+    f"{paid} dollars. How much change does she get?"
+  )
   return q, [f"print({paid} - {price} * {count})"], paid - price * count
 
 
 def _distance(rng) -> Problem:
-  speed, hours, extra = int(rng.integers(20, 120)), int(rng.integers(2, 9)), int(
-      rng.integers(5, 90))
-  q = (f"A train travels at {speed} km per hour for {hours} hours, then {extra} km more. "
-       "How many km does it travel in total?")
+  speed, hours, extra = (
+    int(rng.integers(20, 120)),
+    int(rng.integers(2, 9)),
+    int(rng.integers(5, 90)),
+  )
+  q = (
+    f"A train travels at {speed} km per hour for {hours} hours, then {extra} km more. "
+    "How many km does it travel in total?"
+  )
   if rng.random() < 0.35:
     return q, [f"print({speed} * {hours})", f"print({{prev}} + {extra})"], speed * hours + extra
   return q, [f"print({speed} * {hours} + {extra})"], speed * hours + extra
 
 
 def _sharing(rng) -> Problem:
-  children, each, gives = int(rng.integers(2, 12)), int(rng.integers(5, 30)), int(
-      rng.integers(1, 5))
+  children, each, gives = (
+    int(rng.integers(2, 12)),
+    int(rng.integers(5, 30)),
+    int(rng.integers(1, 5)),
+  )
   apples = children * each
-  q = (f"{apples} apples are shared equally among {children} children, and each child gives "
-       f"{gives} apples to the teacher. How many apples does each child keep?")
+  q = (
+    f"{apples} apples are shared equally among {children} children, and each child gives "
+    f"{gives} apples to the teacher. How many apples does each child keep?"
+  )
   if rng.random() < 0.35:
     return q, [f"print({apples} // {children})", f"print({{prev}} - {gives})"], each - gives
   return q, [f"print({apples} // {children} - {gives})"], each - gives
@@ -92,19 +104,26 @@ def _sharing(rng) -> Problem:
 def _area(rng) -> Problem:
   length, width = int(rng.integers(5, 60)), int(rng.integers(5, 60))
   side = int(rng.integers(1, min(length, width)))
-  q = (f"A garden is {length} m long and {width} m wide. A square pond of side {side} m is "
-       "dug in it. What area in square metres is left?")
+  q = (
+    f"A garden is {length} m long and {width} m wide. A square pond of side {side} m is "
+    "dug in it. What area in square metres is left?"
+  )
   if rng.random() < 0.35:
-    return q, [f"print({length} * {width})", f"print({{prev}} - {side} * {side})"], (
-        length * width - side * side)
+    return (
+      q,
+      [f"print({length} * {width})", f"print({{prev}} - {side} * {side})"],
+      (length * width - side * side),
+    )
   return q, [f"print({length} * {width} - {side} * {side})"], length * width - side * side
 
 
 def _savings(rng) -> Problem:
   weekly, weeks = int(rng.integers(5, 60)), int(rng.integers(2, 20))
   spent = int(rng.integers(1, weekly * weeks))
-  q = (f"Leo saves {weekly} dollars a week for {weeks} weeks, then spends {spent} dollars. "
-       "How many dollars does he have left?")
+  q = (
+    f"Leo saves {weekly} dollars a week for {weeks} weeks, then spends {spent} dollars. "
+    "How many dollars does he have left?"
+  )
   return q, [f"print({weekly} * {weeks} - {spent})"], weekly * weeks - spent
 
 
@@ -127,9 +146,15 @@ def _power(rng) -> Problem:
 
 
 FAMILIES: dict[str, Callable] = {
-    "expression": _expression, "change": _change, "distance": _distance,
-    "sharing": _sharing, "area": _area, "savings": _savings, "range_sum": _range_sum,
-    "remainder": _remainder, "power": _power,
+  "expression": _expression,
+  "change": _change,
+  "distance": _distance,
+  "sharing": _sharing,
+  "area": _area,
+  "savings": _savings,
+  "range_sum": _range_sum,
+  "remainder": _remainder,
+  "power": _power,
 }
 
 
@@ -137,7 +162,7 @@ def _run(code: str) -> str:
   """What print() writes for this module's own code (the sandbox's stdout)."""
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
-    exec(code, {})  # pylint: disable=exec-used
+    exec(code, {})  # noqa: S102
   return out.getvalue()
 
 
@@ -147,16 +172,30 @@ def solution(question: str, codes: list[str], answer: int) -> list[dict]:
   messages, prev = [], None
   for k, code in enumerate(codes):
     code = code.replace("{prev}", str(prev).strip()) if prev is not None else code
-    plan = ("I will compute it with Python." if k == 0 else
-            f"The tool printed {str(prev).strip()}. Next step.")
-    messages.append({"role": "assistant", "content": "", "reasoning_content": plan,
-                     "tool_calls": [{"name": "python", "arguments": {"code": code}}]})
+    plan = (
+      "I will compute it with Python."
+      if k == 0
+      else f"The tool printed {str(prev).strip()}. Next step."
+    )
+    messages.append(
+      {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": plan,
+        "tool_calls": [{"name": "python", "arguments": {"code": code}}],
+      }
+    )
     prev = _run(code)
     messages.append({"role": "tool", "content": prev})
   if int(str(prev).strip()) != answer:
     raise AssertionError(f"generator bug: {codes} printed {prev!r}, expected {answer}")
-  messages.append({"role": "assistant", "content": f"The answer is \\boxed{{{answer}}}.",
-                   "reasoning_content": f"The tool printed {answer}."})
+  messages.append(
+    {
+      "role": "assistant",
+      "content": f"The answer is \\boxed{{{answer}}}.",
+      "reasoning_content": f"The tool printed {answer}.",
+    }
+  )
   return messages
 
 
@@ -179,13 +218,15 @@ def rows(n: int, seed: int, exclude: frozenset = frozenset()) -> list[dict]:
       if question not in seen:
         break
     seen.add(question)
-    out.append({
+    out.append(
+      {
         "data_source": DATA_SOURCE,
         "prompt": [{"role": "user", "content": question}],
         "reward_model": {"ground_truth": str(answer)},
         "extra_info": {"family": family, "index": i},
         "completion": solution(question, codes, answer),
-    })
+      }
+    )
   return out
 
 
@@ -206,8 +247,9 @@ def main(argv=None) -> None:
   os.makedirs(args.out_dir, exist_ok=True)
   # Disjoint seeds; no question repeats within or across the files.
   train = rows(args.train, args.seed)
-  heldout = rows(args.heldout, args.seed + 1,
-                 exclude=frozenset(r["prompt"][0]["content"] for r in train))
+  heldout = rows(
+    args.heldout, args.seed + 1, exclude=frozenset(r["prompt"][0]["content"] for r in train)
+  )
   write(os.path.join(args.out_dir, "train.jsonl.gz"), train)
   write(os.path.join(args.out_dir, "heldout.jsonl.gz"), heldout)
   print(f"wrote {len(train)} training and {len(heldout)} held-out rows to {args.out_dir}")

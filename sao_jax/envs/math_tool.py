@@ -25,8 +25,10 @@ import dataclasses
 from sao_jax.envs import math_problems
 from sao_jax.envs.dataset import DatasetConfig, DatasetEnv
 
-SYSTEM_PROMPT = ("Solve the problem. You can run Python with the python tool; use print() to "
-                 "see a result. Put the final answer in \\boxed{}.")
+SYSTEM_PROMPT = (
+  "Solve the problem. You can run Python with the python tool; use print() to "
+  "see a result. Put the final answer in \\boxed{}."
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,12 +48,14 @@ class MathToolConfig(DatasetConfig):
   def __post_init__(self):
     unknown = sorted(set(self.families) - set(math_problems.FAMILIES))
     if unknown:
-      raise ValueError(f"families {unknown}: the shipped set's are "
-                       f"{sorted(math_problems.FAMILIES)}")
+      raise ValueError(
+        f"families {unknown}: the shipped set's are {sorted(math_problems.FAMILIES)}"
+      )
 
 
 class MathTool(DatasetEnv):
   """The dataset environment under math_tool's defaults (module docstring)."""
+
   name = "math_tool"
 
   def keeps(self, row) -> bool:

@@ -38,10 +38,10 @@ import numpy as np
 from sao_jax.envs.base import StepResult, Task
 
 STYLES = {
-    "academic": ("thus", "hence", "indeed"),
-    "cute": ("uwu", "nya", "hehe"),
-    "chuuni": ("dark", "flame", "fate"),
-    "classical": ("thou", "doth", "hath"),
+  "academic": ("thus", "hence", "indeed"),
+  "cute": ("uwu", "nya", "hehe"),
+  "chuuni": ("dark", "flame", "fate"),
+  "classical": ("thou", "doth", "hath"),
 }
 TOPICS = ("cat", "rain", "moon", "tea", "road", "sea", "tree", "bell")
 _FILLER = ("the", "a", "is", "so", "my", "and", "soft", "old", "bright", "still")
@@ -78,9 +78,13 @@ def judge(text: str, topic: str) -> tuple[bool, str | None]:
   # (the Kelvin sign to "k").
   plain = text.isascii() and _LETTERS_AND_SPACES.fullmatch(text) is not None
   words = text.lower().split()
-  quality = (plain and topic in words and 3 <= len(words) <= 12
-             and all(len(w) <= _MAX_WORD_LETTERS for w in words)
-             and max((words.count(w) for w in words), default=0) <= 2)
+  quality = (
+    plain
+    and topic in words
+    and 3 <= len(words) <= 12
+    and all(len(w) <= _MAX_WORD_LETTERS for w in words)
+    and max((words.count(w) for w in words), default=0) <= 2
+  )
   counts = {s: sum(w in markers for w in words) for s, markers in STYLES.items()}
   best = max(counts.values())
   winners = [s for s, c in counts.items() if c == best]
@@ -89,7 +93,6 @@ def judge(text: str, topic: str) -> tuple[bool, str | None]:
 
 
 class _Episode:
-
   def __init__(self, env: "OnlineStyle", task: Task, preferred: str):
     self._env, self._task, self.preferred = env, task, preferred
 
@@ -97,8 +100,9 @@ class _Episode:
     quality, style = judge(action.strip(), self._task.meta["topic"])
     ok = quality and style == self.preferred
     reward = 1.0 if ok else (self._env.config.quality_credit if quality else 0.0)
-    return StepResult("", float(reward), True, {"correct": ok, "style": style,
-                                                "preferred": self.preferred})
+    return StepResult(
+      "", float(reward), True, {"correct": ok, "style": style, "preferred": self.preferred}
+    )
 
 
 class OnlineStyle:
@@ -160,6 +164,6 @@ class _FrozenView:
     return self._env.demonstration(task, style)
 
   def episode(self, task: Task) -> _Episode:
-    with self._env._lock:  # pylint: disable=protected-access
-      n = self._env._episodes  # pylint: disable=protected-access
+    with self._env._lock:
+      n = self._env._episodes
     return _Episode(self._env, task, self._env.preferred_style(n))

@@ -64,7 +64,6 @@ class PythonToolConfig:
 
 
 class _Episode:
-
   def __init__(self, env: "PythonTool", task: Task):
     self._env, self._task, self._turns = env, task, 0
 
@@ -88,10 +87,14 @@ class _Episode:
 
 class PythonTool:
   """The environment family; `task(i)` is deterministic in (seed, i)."""
+
   name = "python_tool"
 
-  def __init__(self, config: PythonToolConfig = PythonToolConfig(),
-               limits: SandboxLimits = SandboxLimits(cpu_seconds=1, wall_seconds=3.0)):
+  def __init__(
+    self,
+    config: PythonToolConfig = PythonToolConfig(),
+    limits: SandboxLimits = SandboxLimits(cpu_seconds=1, wall_seconds=3.0),
+  ):
     self.config = config
     self.limits = limits
     self.max_turns = config.max_turns
@@ -108,7 +111,7 @@ class PythonTool:
       word, sym = _OPS[int(rng.integers(len(_OPS)))]
       x = int(rng.integers(2, c.max_operand + 1))
       steps.append((value, sym, x))
-      value = eval(f"{value}{sym}{x}")  # pylint: disable=eval-used
+      value = eval(f"{value}{sym}{x}")  # noqa: S307
       words += [word, str(x)]
     return Task(index, " ".join(words) + "\n", value, {"steps": steps, "n_ops": n_ops})
 
@@ -116,8 +119,10 @@ class PythonTool:
     return _Episode(self, task)
 
   def demonstration(self, task: Task) -> list[tuple[str, str]]:
-    turns = [(f"py print({a}{sym}{x})", f">{eval(f'{a}{sym}{x}')}\n")  # pylint: disable=eval-used
-             for a, sym, x in task.meta["steps"]]
+    turns = [
+      (f"py print({a}{sym}{x})", f">{eval(f'{a}{sym}{x}')}\n")  # noqa: S307
+      for a, sym, x in task.meta["steps"]
+    ]
     return turns + [(f"ans {task.answer}", "")]
 
   def run_code(self, code: str) -> str:

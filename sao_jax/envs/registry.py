@@ -33,7 +33,8 @@ import numbers
 import os
 from typing import Any, Callable
 
-from sao_jax.config import import_strings
+from sao_jax.config import import_strings, sections
+from sao_jax.config.sections import ConfigError, fail
 from sao_jax.envs import base, chat, sandbox
 from sao_jax.envs.base import StepResult, Task
 from sao_jax.envs.code_fix import CodeFix, CodeFixConfig
@@ -42,8 +43,6 @@ from sao_jax.envs.online_style import OnlineStyle, OnlineStyleConfig
 from sao_jax.envs.python_tool import PythonTool, PythonToolConfig
 from sao_jax.envs.sandbox import SandboxLimits
 from sao_jax.envs.tokenizer import TOKENIZERS, HFTokenizer
-from sao_jax.config import sections
-from sao_jax.config.sections import ConfigError, fail
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +55,7 @@ class EnvSpec:
   `chat_prompts` environments give chat messages (and may offer tools):
   they need a chat format that renders roles, not the toys' "raw".
   """
+
   name: str
   config: type
   build: Callable
@@ -64,20 +64,28 @@ class EnvSpec:
 
 
 def _builtin_specs():
-  from sao_jax.envs import humaneval  # pylint: disable=g-import-not-at-top
-  from sao_jax.envs import dataset, math_tool, repo_repair  # pylint: disable=g-import-not-at-top
+  from sao_jax.envs import dataset, humaneval, math_tool, repo_repair
+
   return (
-      EnvSpec("python_tool", PythonToolConfig, PythonTool, runs_code=True),
-      EnvSpec("code_fix", CodeFixConfig, CodeFix, runs_code=True),
-      EnvSpec("online_style", OnlineStyleConfig, lambda c, limits: OnlineStyle(c)),
-      EnvSpec("dataset", dataset.DatasetConfig, dataset.DatasetEnv, runs_code=True,
-              chat_prompts=True),
-      EnvSpec("humaneval", humaneval.HumanEvalConfig, humaneval.HumanEval, runs_code=True,
-              chat_prompts=True),
-      EnvSpec("math_tool", math_tool.MathToolConfig, math_tool.MathTool, runs_code=True,
-              chat_prompts=True),
-      EnvSpec("repo_repair", repo_repair.RepoRepairConfig, repo_repair.RepoRepair,
-              runs_code=True, chat_prompts=True),
+    EnvSpec("python_tool", PythonToolConfig, PythonTool, runs_code=True),
+    EnvSpec("code_fix", CodeFixConfig, CodeFix, runs_code=True),
+    EnvSpec("online_style", OnlineStyleConfig, lambda c, limits: OnlineStyle(c)),
+    EnvSpec(
+      "dataset", dataset.DatasetConfig, dataset.DatasetEnv, runs_code=True, chat_prompts=True
+    ),
+    EnvSpec(
+      "humaneval", humaneval.HumanEvalConfig, humaneval.HumanEval, runs_code=True, chat_prompts=True
+    ),
+    EnvSpec(
+      "math_tool", math_tool.MathToolConfig, math_tool.MathTool, runs_code=True, chat_prompts=True
+    ),
+    EnvSpec(
+      "repo_repair",
+      repo_repair.RepoRepairConfig,
+      repo_repair.RepoRepair,
+      runs_code=True,
+      chat_prompts=True,
+    ),
   )
 
 
@@ -92,9 +100,11 @@ def check_env_name(name) -> None:
       raise ValueError(f"env.name = {name!r}: {type(factory).__name__} is not callable")
     return
   if name not in ENVIRONMENTS:
-    raise ValueError(f"env.name = {name!r}: not a built-in environment "
-                     f"({', '.join(sorted(ENVIRONMENTS))}) nor an import string "
-                     "'pkg.module:factory'")
+    raise ValueError(
+      f"env.name = {name!r}: not a built-in environment "
+      f"({', '.join(sorted(ENVIRONMENTS))}) nor an import string "
+      "'pkg.module:factory'"
+    )
 
 
 def check_env_section(e) -> None:
@@ -127,13 +137,18 @@ def check_env_section(e) -> None:
   except (TypeError, ValueError) as err:
     raise ConfigError(f"env.kwargs = {dict(e.kwargs)!r}: {err}") from None
   if spec.chat_prompts and e.chat_format == "raw":  # the toys' format takes text
-    fail("env.chat_format", e.chat_format,
-          f"'qwen3', 'qwen3_5' or 'plain' for env.name = {e.name!r} (its prompts are chat "
-          "messages)")
+    fail(
+      "env.chat_format",
+      e.chat_format,
+      f"'qwen3', 'qwen3_5' or 'plain' for env.name = {e.name!r} (its prompts are chat messages)",
+    )
   if getattr(kwargs, "tools", ()) and not chat.FORMATS[e.chat_format].renders_tools:
-    fail("env.chat_format", e.chat_format,
-          f"a format that renders tools ('qwen3', 'qwen3_5') for env.kwargs.tools = "
-          f"{tuple(kwargs.tools)}")
+    fail(
+      "env.chat_format",
+      e.chat_format,
+      f"a format that renders tools ('qwen3', 'qwen3_5') for env.kwargs.tools = "
+      f"{tuple(kwargs.tools)}",
+    )
 
 
 def kwargs_defaults(name: str) -> dict:
@@ -141,16 +156,20 @@ def kwargs_defaults(name: str) -> dict:
   spec = ENVIRONMENTS.get(name)
   if spec is None:
     return {}
-  return {f.name: f.default for f in dataclasses.fields(spec.config)
-          if f.default is not dataclasses.MISSING}
+  return {
+    f.name: f.default
+    for f in dataclasses.fields(spec.config)
+    if f.default is not dataclasses.MISSING
+  }
 
 
 def builtin_kwargs(spec: EnvSpec, kwargs: dict):
   fields = {f.name for f in dataclasses.fields(spec.config)}
   unknown = sorted(set(kwargs) - fields)
   if unknown:
-    raise ValueError(f"env.kwargs {unknown} are not options of {spec.name!r}; "
-                     f"known: {sorted(fields)}")
+    raise ValueError(
+      f"env.kwargs {unknown} are not options of {spec.name!r}; known: {sorted(fields)}"
+    )
   return spec.config(**kwargs)
 
 
@@ -179,8 +198,11 @@ def make_format(env, tokenizer):
   e = sections.Env.of(env)
   if e.chat_format not in CHAT_FORMATS:
     raise ValueError(f"env.chat_format = {e.chat_format!r}: one of {CHAT_FORMATS}")
-  options = ({"enable_thinking": e.thinking}
-             if "enable_thinking" in chat.format_options(e.chat_format) else {})
+  options = (
+    {"enable_thinking": e.thinking}
+    if "enable_thinking" in chat.format_options(e.chat_format)
+    else {}
+  )
   return chat.make_format(e.chat_format, tokenizer, **options)
 
 
@@ -197,9 +219,10 @@ def make_env(env):
   if import_strings.is_import_string(name):
     try:
       built = import_strings.resolve(name)(**kwargs)
-    except Exception as err:  # pylint: disable=broad-except  # the user's code: one line
-      raise ConfigError(f"env.name = {name!r}: building the environment failed: "
-                        f"{import_strings.one_line(err)}") from None
+    except Exception as err:  # noqa: BLE001  # the user's code: one line
+      raise ConfigError(
+        f"env.name = {name!r}: building the environment failed: {import_strings.one_line(err)}"
+      ) from None
     check_protocol(built, f"env.name = {name!r}")
     if base.runs_code(built):
       sandbox.check_isolation(e.allow_unisolated, limits)
@@ -207,8 +230,9 @@ def make_env(env):
     built = _build_builtin(ENVIRONMENTS[name], kwargs, limits, e.allow_unisolated)
     check_protocol(built, f"env.name = {name!r}")
   if hasattr(built, "tool_budget"):  # the built-ins that answer tool calls
-    built.tool_budget = ToolBudget(e.tool_calls_per_turn, e.tool_seconds_per_turn,
-                                   e.tool_seconds_per_episode)
+    built.tool_budget = ToolBudget(
+      e.tool_calls_per_turn, e.tool_seconds_per_turn, e.tool_seconds_per_episode
+    )
   if e.reward:
     built = RewardOverride(built, import_strings.resolve(e.reward, "env.reward"))
   return built
@@ -219,8 +243,11 @@ def _build_builtin(spec: EnvSpec, kwargs: dict, limits: SandboxLimits, allow_uni
     config = builtin_kwargs(spec, kwargs)
   except (TypeError, ValueError) as err:
     raise ConfigError(f"env.kwargs = {kwargs!r}: {err}") from None
-  if spec.runs_code and getattr(config, "use_sandbox", True) and getattr(
-      config, "needs_sandbox", True):
+  if (
+    spec.runs_code
+    and getattr(config, "use_sandbox", True)
+    and getattr(config, "needs_sandbox", True)
+  ):
     sandbox.check_isolation(allow_unisolated, limits, shell=getattr(config, "needs_shell", False))
   try:
     return spec.build(config, limits)
@@ -243,7 +270,7 @@ def check_protocol(env, where: str) -> None:
     raise ConfigError(f"{head} {problem}")
   try:
     task = env.task(0)
-  except Exception as e:  # pylint: disable=broad-except  # the user's code: one line
+  except Exception as e:  # noqa: BLE001  # the user's code: one line
     raise ConfigError(f"{head}: task(0) failed: {import_strings.one_line(e)}") from None
   problem = base.task_problem(task)
   if problem is not None:
@@ -281,7 +308,6 @@ class RewardOverride:
 
 
 class _OverriddenEpisode:
-
   def __init__(self, episode, task: Task, fn: Callable):
     self._episode, self._task, self._fn, self._actions = episode, task, fn, []
 
@@ -289,10 +315,14 @@ class _OverriddenEpisode:
     result = self._episode.step(action)
     self._actions.append(str(action))
     if not isinstance(result, StepResult) or not result.done:
-      return result if not isinstance(result, StepResult) else dataclasses.replace(
-          result, reward=0.0)
+      return (
+        result if not isinstance(result, StepResult) else dataclasses.replace(result, reward=0.0)
+      )
     reward = self._fn(self._task, "\n".join(self._actions), dict(result.info))
-    if (isinstance(reward, bool) or not isinstance(reward, numbers.Real)
-        or not math.isfinite(float(reward))):
+    if (
+      isinstance(reward, bool)
+      or not isinstance(reward, numbers.Real)
+      or not math.isfinite(float(reward))
+    ):
       raise TypeError(f"env.reward returned {reward!r}, not a finite real number")
     return dataclasses.replace(result, reward=float(reward))

@@ -74,6 +74,7 @@ _SPECIAL_FLOATS = (["nan"], ["inf"], ["-inf"])
 
 # --- values on the pipes ---------------------------------------------------------------
 
+
 def encode(value, ref, depth=0):
   """`value` as tagged JSON data; anything else (or deeper than MAX_DEPTH) as
   ["ref", ref(value), type name] (`ref` raises TypeError where that is refused)."""
@@ -86,8 +87,9 @@ def encode(value, ref, depth=0):
     if kind in _SEQUENCES:
       return [_SEQUENCES[kind]] + [encode(x, ref, depth + 1) for x in value]
     if kind is dict:
-      return ["dict"] + [[encode(k, ref, depth + 1), encode(x, ref, depth + 1)]
-                         for k, x in value.items()]
+      return ["dict"] + [
+        [encode(k, ref, depth + 1), encode(x, ref, depth + 1)] for k, x in value.items()
+      ]
   return ["ref", ref(value), kind.__name__]
 
 
@@ -114,13 +116,23 @@ def decode(data, ref, depth=0):
 
 # --- the server: the repository's process ------------------------------------------------
 
+
 def _call(function, /, *args, **kwargs):
   return function(*args, **kwargs)
 
 
-OPERATIONS = {"import": importlib.import_module, "getattr": getattr, "call": _call,
-              "bool": bool, "len": len, "iter": iter, "next": next, "str": str,
-              "getitem": operator.getitem, "contains": operator.contains}
+OPERATIONS = {
+  "import": importlib.import_module,
+  "getattr": getattr,
+  "call": _call,
+  "bool": bool,
+  "len": len,
+  "iter": iter,
+  "next": next,
+  "str": str,
+  "getitem": operator.getitem,
+  "contains": operator.contains,
+}
 
 
 def _builtin_base(error):
@@ -148,16 +160,17 @@ def serve(reply_fd):
   for line in requests:
     seq, op, args, kwargs = json.loads(line)
     try:
-      value = OPERATIONS[op](*[decode(a, get) for a in args],
-                             **{k: decode(v, get) for k, v in kwargs})
+      value = OPERATIONS[op](
+        *[decode(a, get) for a in args], **{k: decode(v, get) for k, v in kwargs}
+      )
       try:
         reply = json.dumps([seq, "value", encode(value, keep)])
       except ValueError:  # an int too long for str(), say
         reply = json.dumps([seq, "value", ["ref", keep(value), type(value).__name__]])
-    except BaseException as e:  # pylint: disable=broad-except  # the judge's to judge
+    except BaseException as e:  # noqa: BLE001  # the judge's to judge
       try:
         message = str(e)[:500]
-      except BaseException:  # pylint: disable=broad-except
+      except BaseException:  # noqa: BLE001
         message = ""
       reply = json.dumps([seq, "raised", _builtin_base(e), message])
     replies.write(reply.encode() + b"\n")
@@ -165,6 +178,7 @@ def serve(reply_fd):
 
 
 # --- the judge's side ------------------------------------------------------------------------
+
 
 class RepositoryError(Exception):
   """The repository's process gave no valid answer (it exited, or wrote garbage)."""
@@ -177,11 +191,26 @@ class Server:
     request_r, request_w = os.pipe()
     reply_r, reply_w = os.pipe()
     sink = _sink()
-    import subprocess  # pylint: disable=import-outside-toplevel  # the judge's only
+    import subprocess  # the judge's only
+
     self.process = subprocess.Popen(
-        [sys.executable, "-I", "-S", "-B", "-X", "pycache_prefix=/nonexistent",
-         os.path.abspath(sys.argv[0]), "serve", str(reply_w)],
-        stdin=request_r, stdout=sink, stderr=sink, pass_fds=(reply_w,), close_fds=True)
+      [
+        sys.executable,
+        "-I",
+        "-S",
+        "-B",
+        "-X",
+        "pycache_prefix=/nonexistent",
+        os.path.abspath(sys.argv[0]),
+        "serve",
+        str(reply_w),
+      ],
+      stdin=request_r,
+      stdout=sink,
+      stderr=sink,
+      pass_fds=(reply_w,),
+      close_fds=True,
+    )
     for fd in (request_r, reply_w, sink):
       os.close(fd)
     self.requests, self.replies = os.fdopen(request_w, "wb"), os.fdopen(reply_r, "rb")
@@ -191,8 +220,14 @@ class Server:
     """The value of `op` on `args` in the server, or the exception it raised there."""
     if self.broken:
       raise RepositoryError(self.broken)
-    message = json.dumps([self.seq + 1, op, [encode(a, self._ref) for a in args],
-                          [[k, encode(v, self._ref)] for k, v in kwargs.items()]])
+    message = json.dumps(
+      [
+        self.seq + 1,
+        op,
+        [encode(a, self._ref) for a in args],
+        [[k, encode(v, self._ref)] for k, v in kwargs.items()],
+      ]
+    )
     self.seq += 1
     try:
       self.requests.write(message.encode() + b"\n")
@@ -233,7 +268,7 @@ def _exception(name, message):
   if isinstance(cls, type) and issubclass(cls, Exception):
     try:
       return cls(message)
-    except Exception:  # pylint: disable=broad-except  # one that needs other arguments
+    except Exception:  # noqa: BLE001  # one that needs other arguments
       pass
   return RepositoryError(f"{name}: {message}")
 
@@ -247,6 +282,7 @@ def _sink():
 
 class Remote:
   """An object of the repository's, kept in the server: each use is a request."""
+
   __slots__ = ("_sao_server", "_sao_id", "_sao_type")
 
   def __init__(self, server, ref, type_name):
@@ -307,14 +343,16 @@ class _Finder:
     self.server, self.hidden = server, hidden  # {module name: (path, text)}
     self.repository = {n for n in repository if n not in sys.stdlib_module_names}
     # Directories of hidden tests without an __init__.py of their own.
-    self.packages = {name.rsplit(".", k)[0] for name in hidden
-                     for k in range(1, name.count(".") + 1)} - set(hidden)
+    self.packages = {
+      name.rsplit(".", k)[0] for name in hidden for k in range(1, name.count(".") + 1)
+    } - set(hidden)
 
-  def find_spec(self, name, path=None, target=None):  # pylint: disable=unused-argument
+  def find_spec(self, name, path=None, target=None):
     if name in self.hidden:
       path, _ = self.hidden[name]
       spec = importlib.machinery.ModuleSpec(
-          name, self, origin=os.path.abspath(path), is_package=path.endswith("/__init__.py"))
+        name, self, origin=os.path.abspath(path), is_package=path.endswith("/__init__.py")
+      )
       spec.has_location = True  # __file__: data files of the tests lie beside it
       return spec
     if name in self.packages or name.partition(".")[0] in self.repository:
@@ -335,13 +373,14 @@ class _Finder:
     if module.__name__ in self.hidden:
       origin, text = self.hidden[module.__name__]
       code = compile(text, origin, "exec", dont_inherit=True)
-      exec(code, module.__dict__)  # pylint: disable=exec-used
+      exec(code, module.__dict__)  # noqa: S102
 
 
 def _undumpable():
   """PR_SET_DUMPABLE 0, confirmed by PR_GET_DUMPABLE; False where it cannot be had."""
   try:
-    import ctypes  # pylint: disable=import-outside-toplevel  # the judge's only
+    import ctypes  # the judge's only
+
     libc = ctypes.CDLL(None, use_errno=True)
     return libc.prctl(4, 0, 0, 0, 0) == 0 and libc.prctl(3, 0, 0, 0, 0) == 0
   except (ImportError, OSError, AttributeError):
@@ -350,7 +389,8 @@ def _undumpable():
 
 def judge():
   """Steps 1-5 of the module docstring; returns the exit status."""
-  import signal  # pylint: disable=import-outside-toplevel  # (module docstring, 3)
+  import signal  # (module docstring, 3)
+
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   if not _undumpable():
     print("judge: cannot make this process undumpable; no repository code was run")
@@ -362,10 +402,14 @@ def judge():
   except (OSError, ValueError) as e:
     print(f"judge: no job: {e}")
     return UNPROTECTED
-  hidden = {path[:-len(".py")].replace("/", ".").removesuffix(".__init__"): (path, text)
-            for path, text in job["files"]}
+  hidden = {
+    path[: -len(".py")].replace("/", ".").removesuffix(".__init__"): (path, text)
+    for path, text in job["files"]
+  }
   server = Server()
-  import io, unittest  # pylint: disable=import-outside-toplevel,multiple-imports
+  import io
+  import unittest
+
   sys.meta_path.insert(0, _Finder(server, hidden, job["repository"]))
   suite = unittest.defaultTestLoader.loadTestsFromNames(job["modules"])
   log = io.StringIO()
@@ -373,8 +417,10 @@ def judge():
   expected = job["num_tests"] or result.testsRun
   passed = result.wasSuccessful() and result.testsRun == expected > 0
   bad = [test.id() for test, _ in result.failures + result.errors]
-  print(f"judge: run={result.testsRun} expected={expected} failures={len(result.failures)} "
-        f"errors={len(result.errors)}" + "".join(f"\n  {name}" for name in bad[:10]))
+  print(
+    f"judge: run={result.testsRun} expected={expected} failures={len(result.failures)} "
+    f"errors={len(result.errors)}" + "".join(f"\n  {name}" for name in bad[:10])
+  )
   if server.broken:
     print(f"judge: {server.broken}")
   return PASSED if passed else FAILED
@@ -386,7 +432,7 @@ def main():
     return
   try:
     status = judge()
-  except BaseException as e:  # pylint: disable=broad-except  # never "passed" by accident
+  except BaseException as e:  # noqa: BLE001  # never "passed" by accident
     print(f"judge: crashed: {type(e).__name__}: {str(e)[:200]}")
     status = BROKEN
   sys.stdout.flush()

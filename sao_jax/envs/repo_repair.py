@@ -68,37 +68,53 @@ import weakref
 from typing import Any
 
 from sao_jax.data.prompts import EVAL_OFFSET
-from sao_jax.envs import repo_judge, sandbox
-from sao_jax.envs import repo_tasks
+from sao_jax.envs import repo_judge, repo_tasks, sandbox
 from sao_jax.envs.base import GraderError, StepResult, Task
 from sao_jax.envs.dataset import ToolBudget, ToolMeter, answer_tool_calls
 from sao_jax.envs.sandbox import SandboxLimits, Workspace
 
 SYSTEM_PROMPT = (
-    "You fix a bug in the Python repository in /repo, your working directory. Read the "
-    "code with view or bash, edit it with str_replace or create, and call submit when "
-    "the fix is done. Hidden tests decide whether it is fixed.")
+  "You fix a bug in the Python repository in /repo, your working directory. Read the "
+  "code with view or bash, edit it with str_replace or create, and call submit when "
+  "the fix is done. Hidden tests decide whether it is fixed."
+)
 
 
 def _tool(name: str, description: str, properties: dict, required: tuple) -> dict:
-  return {"type": "function", "function": {
-      "name": name, "description": description,
-      "parameters": {"type": "object", "properties": properties,
-                     "required": list(required)}}}
+  return {
+    "type": "function",
+    "function": {
+      "name": name,
+      "description": description,
+      "parameters": {"type": "object", "properties": properties, "required": list(required)},
+    },
+  }
 
 
 _STR, _INT = {"type": "string"}, {"type": "integer"}
 TOOLS = (
-    _tool("bash", "Run a shell command in /repo; returns its output.",
-          {"command": _STR}, ("command",)),
-    _tool("view", "Show a file with line numbers (optionally lines start_line..end_line) "
-          "or list a directory.", {"path": _STR, "start_line": _INT, "end_line": _INT},
-          ("path",)),
-    _tool("str_replace", "Replace the one occurrence of old_str in a file by new_str.",
-          {"path": _STR, "old_str": _STR, "new_str": _STR}, ("path", "old_str", "new_str")),
-    _tool("create", "Write a file with the given content.", {"path": _STR, "content": _STR},
-          ("path", "content")),
-    _tool("submit", "Submit the repository as it is now.", {}, ()),
+  _tool(
+    "bash", "Run a shell command in /repo; returns its output.", {"command": _STR}, ("command",)
+  ),
+  _tool(
+    "view",
+    "Show a file with line numbers (optionally lines start_line..end_line) or list a directory.",
+    {"path": _STR, "start_line": _INT, "end_line": _INT},
+    ("path",),
+  ),
+  _tool(
+    "str_replace",
+    "Replace the one occurrence of old_str in a file by new_str.",
+    {"path": _STR, "old_str": _STR, "new_str": _STR},
+    ("path", "old_str", "new_str"),
+  ),
+  _tool(
+    "create",
+    "Write a file with the given content.",
+    {"path": _STR, "content": _STR},
+    ("path", "content"),
+  ),
+  _tool("submit", "Submit the repository as it is now.", {}, ()),
 )
 TOOL_NAMES = tuple(t["function"]["name"] for t in TOOLS)
 VERDICTS = ("passed", "failed", "error", "timeout", "tree_too_large", "tests_edited")
@@ -107,8 +123,11 @@ GRADE_ATTEMPTS = 3
 _GRADER_DIR = ".sao_grader"
 # The judge (module docstring, step 4): its file, and its exit statuses.
 _JUDGE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "repo_judge.py")
-_JUDGE_VERDICTS = {repo_judge.PASSED: "passed", repo_judge.FAILED: "failed",
-                   repo_judge.BROKEN: "error"}
+_JUDGE_VERDICTS = {
+  repo_judge.PASSED: "passed",
+  repo_judge.FAILED: "failed",
+  repo_judge.BROKEN: "error",
+}
 # What the import system prefers to a source (module docstring, step 3).
 _ARTIFACT_NAMES = ("__pycache__", "sitecustomize.py", "usercustomize.py", "conftest.py")
 _ARTIFACT_SUFFIXES = (".pyc", ".pyo", ".so", ".pyd", ".pth")
@@ -274,11 +293,13 @@ def _cap(text: str, limit: int) -> tuple[str, bool]:
 
 class RepoRepair:
   """The environment family over repository-repair rows (module docstring)."""
+
   name = "repo_repair"
   runs_code = True
 
-  def __init__(self, config: RepoRepairConfig = RepoRepairConfig(),
-               limits: SandboxLimits = SandboxLimits()):
+  def __init__(
+    self, config: RepoRepairConfig = RepoRepairConfig(), limits: SandboxLimits = SandboxLimits()
+  ):
     if config.max_turns < 1:
       raise ValueError(f"env.kwargs.max_turns = {config.max_turns}: must be >= 1")
     self.config, self.max_turns = config, config.max_turns
@@ -293,20 +314,33 @@ class RepoRepair:
     _report(config, train, heldout, self.rejected)
     # The bash tool's limits: env.sandbox's, with what a shell needs.
     self.shell_limits = dataclasses.replace(
-        limits, wall_seconds=config.bash_seconds, cpu_seconds=max(1, int(config.bash_seconds)),
-        max_output_chars=config.max_output_chars, max_file_bytes=config.max_file_bytes,
-        max_open_files=max(limits.max_open_files, 64),
-        max_processes=max(limits.max_processes, 32),
-        max_disk_bytes=config.max_tree_bytes, max_disk_files=config.max_tree_files)
+      limits,
+      wall_seconds=config.bash_seconds,
+      cpu_seconds=max(1, int(config.bash_seconds)),
+      max_output_chars=config.max_output_chars,
+      max_file_bytes=config.max_file_bytes,
+      max_open_files=max(limits.max_open_files, 64),
+      max_processes=max(limits.max_processes, 32),
+      max_disk_bytes=config.max_tree_bytes,
+      max_disk_files=config.max_tree_files,
+    )
     self.test_limits = dataclasses.replace(
-        self.shell_limits, wall_seconds=config.test_seconds,
-        cpu_seconds=max(1, int(config.test_seconds)))
+      self.shell_limits,
+      wall_seconds=config.test_seconds,
+      cpu_seconds=max(1, int(config.test_seconds)),
+    )
     self.python = _sandbox_python()
     # Where the trainer's package and the task rows lie: hidden from the shell
     # should a system directory hold them (an install under /usr, say).
-    self.hide = tuple(sorted({os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                              os.path.dirname(os.path.abspath(config.path)),
-                              os.path.dirname(os.path.abspath(config.heldout_path))}))
+    self.hide = tuple(
+      sorted(
+        {
+          os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+          os.path.dirname(os.path.abspath(config.path)),
+          os.path.dirname(os.path.abspath(config.heldout_path)),
+        }
+      )
+    )
 
   # --- tasks ------------------------------------------------------------------
 
@@ -323,16 +357,18 @@ class RepoRepair:
         start_tree(row, tmp)
         files = _listing(tmp, self.config.list_files)
       user += "\n\nFiles in /repo:\n" + "\n".join(files)
-    messages = ({"role": "system", "content": self.config.system_prompt},
-                {"role": "user", "content": user})
-    return Task(index, messages, None, {"instance_id": row.instance_id, "where": row.where},
-                TOOLS)
+    messages = (
+      {"role": "system", "content": self.config.system_prompt},
+      {"role": "user", "content": user},
+    )
+    return Task(index, messages, None, {"instance_id": row.instance_id, "where": row.where}, TOOLS)
 
   def demonstration_task(self, index: int) -> Task:
     """The task of training row `index` among the rows with a `fix`."""
     if not self._demo:
-      raise ValueError(f"{self.config.path}: no row has a fix to demonstrate; set "
-                       "sft.steps = 0 or add fixes")
+      raise ValueError(
+        f"{self.config.path}: no row has a fix to demonstrate; set sft.steps = 0 or add fixes"
+      )
     return self.task(self._demo[index % len(self._demo)])
 
   def demonstration(self, task: Task) -> list[tuple[dict, list]]:
@@ -349,19 +385,30 @@ class RepoRepair:
         with open(os.path.join(tmp, path), encoding="utf-8") as f:
           text = f.read()
         if text.count(old) != 1:
-          raise ValueError(f"{row.where}: fix for {path}: old text occurs "
-                           f"{text.count(old)} times")
-        first = text[:text.index(old)].count("\n") + 1
+          raise ValueError(f"{row.where}: fix for {path}: old text occurs {text.count(old)} times")
+        first = text[: text.index(old)].count("\n") + 1
         last = first + old.count("\n")
-        for name, args in (("view", {"path": path, "start_line": max(1, first - 3),
-                                     "end_line": last + 2}),
-                           ("str_replace", {"path": path, "old_str": old, "new_str": new})):
+        for name, args in (
+          ("view", {"path": path, "start_line": max(1, first - 3), "end_line": last + 2}),
+          ("str_replace", {"path": path, "old_str": old, "new_str": new}),
+        ):
           answer = tools.call(name, args)
-          turns.append(({"role": "assistant", "content": "",
-                         "tool_calls": [{"name": name, "arguments": args}]},
-                        [{"role": "tool", "content": answer}]))
-    turns.append(({"role": "assistant", "content": "",
-                   "tool_calls": [{"name": "submit", "arguments": {}}]}, []))
+          turns.append(
+            (
+              {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"name": name, "arguments": args}],
+              },
+              [{"role": "tool", "content": answer}],
+            )
+          )
+    turns.append(
+      (
+        {"role": "assistant", "content": "", "tool_calls": [{"name": "submit", "arguments": {}}]},
+        [],
+      )
+    )
     return turns
 
   def episode(self, task: Task) -> "_Episode":
@@ -375,8 +422,9 @@ class RepoRepair:
     verdict, detail, _ = self.grade_with_events(row, tree)
     return verdict, detail
 
-  def grade_with_events(self, row: repo_tasks.RepoTask,
-                        tree: str) -> tuple[str, str, tuple[str, ...]]:
+  def grade_with_events(
+    self, row: repo_tasks.RepoTask, tree: str
+  ) -> tuple[str, str, tuple[str, ...]]:
     """`grade`, and the events to count ("tests_edited", "untracked_code_removed")."""
     if not self.config.use_sandbox:
       raise RuntimeError("repo_repair without the sandbox is for tests only")
@@ -391,13 +439,20 @@ class RepoRepair:
           return "tree_too_large", str(e), ()
         _remove(os.path.join(copy, _GRADER_DIR))  # whatever the candidate left there
         found, want = _inventory(copy, shipped.harness), shipped.entries
-        edited = sorted(rel for rel in set(found) | set(want)
-                        if _under(rel, shipped.harness) and found.get(rel) != want.get(rel))
+        edited = sorted(
+          rel
+          for rel in set(found) | set(want)
+          if _under(rel, shipped.harness) and found.get(rel) != want.get(rel)
+        )
         if edited:
-          return ("tests_edited", "changed under the tests' directories: " + ", ".join(edited[:5]),
-                  ("tests_edited",))
-        removed = sorted(rel for rel, print_ in found.items()
-                         if _is_artifact(rel) and want.get(rel) != print_)
+          return (
+            "tests_edited",
+            "changed under the tests' directories: " + ", ".join(edited[:5]),
+            ("tests_edited",),
+          )
+        removed = sorted(
+          rel for rel, print_ in found.items() if _is_artifact(rel) and want.get(rel) != print_
+        )
         for rel in removed:  # a directory before what it holds
           _remove(os.path.join(copy, rel))
         events = ("untracked_code_removed",) if removed else ()
@@ -410,9 +465,14 @@ class RepoRepair:
         if result.timed_out:
           return "timeout", f"the tests ran past {self.test_limits.wall_seconds:g}s", events
         if not row.test_modules:
-          return (("passed", "", events) if result.returncode == 0 else
-                  ("failed", f"exit status {result.returncode}", events))
-        report = result.stdout[result.stdout.find("judge: "):] if "judge: " in result.stdout else ""
+          return (
+            ("passed", "", events)
+            if result.returncode == 0
+            else ("failed", f"exit status {result.returncode}", events)
+          )
+        report = (
+          result.stdout[result.stdout.find("judge: ") :] if "judge: " in result.stdout else ""
+        )
         said = " ".join(report.split()) or f"exit status {result.returncode}"
         if result.returncode == repo_judge.UNPROTECTED:  # before any repository code ran
           problem = said
@@ -429,9 +489,18 @@ class RepoRepair:
     if not row.test_modules:
       return row.test_command
     write_inside(copy, os.path.join(_GRADER_DIR, "judge.py"), _judge_text())
-    write_inside(copy, repo_judge.JOB, json.dumps({
-        "files": modules, "modules": list(row.test_modules), "num_tests": row.num_tests,
-        "repository": list(shipped.top_names)}))
+    write_inside(
+      copy,
+      repo_judge.JOB,
+      json.dumps(
+        {
+          "files": modules,
+          "modules": list(row.test_modules),
+          "num_tests": row.num_tests,
+          "repository": list(shipped.top_names),
+        }
+      ),
+    )
     return f"exec {shlex.quote(self.python)} -I -S -B {_GRADER_DIR}/judge.py"
 
 
@@ -444,6 +513,7 @@ class _Shipped:
   tests' directories, or the files themselves at the top), the fingerprints of
   what lies under it and of import artifacts (`_is_artifact`), and the
   top-level importable names (the judge proxies those)."""
+
   harness: tuple[str, ...]
   entries: dict
   top_names: tuple[str, ...]
@@ -454,8 +524,13 @@ def _shipped(row: repo_tasks.RepoTask) -> _Shipped:
   harness = tuple(sorted({os.path.dirname(rel) or rel for rel, _ in row.tests}))
   with tempfile.TemporaryDirectory(prefix="sao_repo_shipped_") as tmp:
     start_tree(row, tmp)
-    tops = sorted({n[:-3] if n.endswith(".py") else n for n in os.listdir(tmp)
-                   if (n[:-3] if n.endswith(".py") else n).isidentifier()})
+    tops = sorted(
+      {
+        n[:-3] if n.endswith(".py") else n
+        for n in os.listdir(tmp)
+        if (n[:-3] if n.endswith(".py") else n).isidentifier()
+      }
+    )
     return _Shipped(harness, _inventory(tmp, harness), tuple(tops))
 
 
@@ -513,7 +588,8 @@ def _sandbox_python() -> str:
   for d in sandbox.SHELL_PATH.split(":"):
     if os.access(os.path.join(d, "python3"), os.X_OK):
       return os.path.join(d, "python3")
-  import sys  # pylint: disable=g-import-not-at-top
+  import sys
+
   return os.path.join(os.path.realpath(sys.base_prefix), "bin", "python3")
 
 
@@ -541,11 +617,17 @@ class _Tools:
       if name == "bash":
         return self.bash(_arg(arguments, "command", str), seconds)
       if name == "view":
-        return self.view(_arg(arguments, "path", str), _arg(arguments, "start_line", int, None),
-                         _arg(arguments, "end_line", int, None))
+        return self.view(
+          _arg(arguments, "path", str),
+          _arg(arguments, "start_line", int, None),
+          _arg(arguments, "end_line", int, None),
+        )
       if name == "str_replace":
-        return self.str_replace(_arg(arguments, "path", str), _arg(arguments, "old_str", str),
-                                _arg(arguments, "new_str", str))
+        return self.str_replace(
+          _arg(arguments, "path", str),
+          _arg(arguments, "old_str", str),
+          _arg(arguments, "new_str", str),
+        )
       if name == "create":
         return self.create(_arg(arguments, "path", str), _arg(arguments, "content", str))
     except _BadArgument as e:
@@ -579,7 +661,7 @@ class _Tools:
     out = result.stdout
     if not result.ok:
       note = result.error or f"exit status {result.returncode}"
-      out = (out + ("\n" if out and not out.endswith("\n") else "") + f"[{note}]")
+      out = out + ("\n" if out and not out.endswith("\n") else "") + f"[{note}]"
     return out or "(no output)"
 
   def _file(self, path: str) -> tuple[str, str]:
@@ -608,8 +690,9 @@ class _Tools:
     hi = min(len(lines), end if end is not None else len(lines))
     if lines and lo > hi:
       raise _BadArgument(f"no lines {lo}..{hi} in a file of {len(lines)} lines")
-    return self._answer("".join(f"{k:6d}\t{lines[k - 1]}\n" for k in range(lo, hi + 1))
-                        or "(empty file)")
+    return self._answer(
+      "".join(f"{k:6d}\t{lines[k - 1]}\n" for k in range(lo, hi + 1)) or "(empty file)"
+    )
 
   def str_replace(self, path: str, old: str, new: str) -> str:
     real, text = self._file(path)
@@ -665,7 +748,6 @@ def _arg(arguments: dict, name: str, kind: type, default: Any = _MISSING):
 
 
 class _Episode:
-
   def __init__(self, env: RepoRepair, row: repo_tasks.RepoTask):
     self._env, self._row, self._turns = env, row, 0
     self._meter = ToolMeter(env.tool_budget)
@@ -696,8 +778,17 @@ class _Episode:
 
     sequence = getattr(action, "tool_sequence", ())
     if not sequence:
-      messages, events = [{"role": "user", "content": (
-          "No tool call in that turn. Use the tools; call submit when the fix is done.")}], []
+      messages, events = (
+        [
+          {
+            "role": "user",
+            "content": (
+              "No tool call in that turn. Use the tools; call submit when the fix is done."
+            ),
+          }
+        ],
+        [],
+      )
       tools.events.append("no_tool_call")
     else:
       messages, events = answer_tool_calls(action, call, self._meter)
@@ -716,8 +807,12 @@ class _Episode:
           events += [e for e in graded if e not in events]
       finally:
         self._cleanup()
-      info = {"correct": verdict == "passed", "verdict": verdict, "detail": detail,
-              "events": events}
+      info = {
+        "correct": verdict == "passed",
+        "verdict": verdict,
+        "detail": detail,
+        "events": events,
+      }
       if not submitted:
         info["finish_reason"] = "tree_too_large" if too_large else "max_turns"
       return StepResult("", float(verdict == "passed"), True, info)
@@ -729,14 +824,19 @@ _REPORT_LOCK = threading.Lock()
 
 def _report(config: RepoRepairConfig, train, heldout, rejected) -> None:
   with _REPORT_LOCK:
-    print(f"[repo_repair] {config.path}: {len(train)} training tasks, {config.heldout_path}: "
-          f"{len(heldout)} held-out, {len(rejected)} rows refused", flush=True)
+    print(
+      f"[repo_repair] {config.path}: {len(train)} training tasks, {config.heldout_path}: "
+      f"{len(heldout)} held-out, {len(rejected)} rows refused",
+      flush=True,
+    )
     for where, reason in rejected[:20]:
       print(f"[repo_repair]   refused {where}: {reason}", flush=True)
     if len(rejected) > 20:
       print(f"[repo_repair]   ... and {len(rejected) - 20} more", flush=True)
     by_status = sum(not t.test_modules for t in train + heldout)
     if by_status:
-      print(f"[repo_repair] {by_status} rows have no test_modules: graded by their test "
-            "command's exit status, which the repository's code can forge", flush=True)
-
+      print(
+        f"[repo_repair] {by_status} rows have no test_modules: graded by their test "
+        "command's exit status, which the repository's code can forge",
+        flush=True,
+      )

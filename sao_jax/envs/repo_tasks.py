@@ -114,8 +114,9 @@ def _files(value: Any, field: str, required: bool) -> tuple[tuple[str, str], ...
     return ()
   if not isinstance(value, dict) or (required and not value):
     raise datasets.BadRow(f"{field} must be an object of path -> file text")
-  return tuple((safe_relative(k, field), _text(v, f"{field}[{k!r}]", required=False))
-               for k, v in value.items())
+  return tuple(
+    (safe_relative(k, field), _text(v, f"{field}[{k!r}]", required=False)) for k, v in value.items()
+  )
 
 
 def parse_task(row: Any, where: str, base_dir: str = "") -> RepoTask:
@@ -139,7 +140,8 @@ def parse_task(row: Any, where: str, base_dir: str = "") -> RepoTask:
     raise datasets.BadRow("instance_id must be a string")
   modules = row.get("test_modules") or []
   if not isinstance(modules, list) or not all(
-      isinstance(m, str) and m and all(p.isidentifier() for p in m.split(".")) for m in modules):
+    isinstance(m, str) and m and all(p.isidentifier() for p in m.split(".")) for m in modules
+  ):
     raise datasets.BadRow("test_modules must be a list of dotted module names")
   num_tests = row.get("num_tests", 0)
   if isinstance(num_tests, bool) or not isinstance(num_tests, int) or num_tests < 0:
@@ -149,18 +151,26 @@ def parse_task(row: Any, where: str, base_dir: str = "") -> RepoTask:
     raise datasets.BadRow("fix must be a list of {path, old, new}")
   edits = []
   for k, e in enumerate(fix):
-    if not isinstance(e, dict) or not isinstance(e.get("old"), str) or not e["old"] or (
-        not isinstance(e.get("new"), str)):
+    if (
+      not isinstance(e, dict)
+      or not isinstance(e.get("old"), str)
+      or not e["old"]
+      or (not isinstance(e.get("new"), str))
+    ):
       raise datasets.BadRow(f"fix {k}: needs path, a non-empty old and a new string")
     edits.append((safe_relative(e.get("path"), f"fix {k}"), e["old"], e["new"]))
   return RepoTask(
-      instance_id=instance_id, repo=repo,
-      problem=_text(row.get("problem_statement"), "problem_statement"),
-      test_command=_text(row.get("test_command"), "test_command"),
-      tests=_files(row.get("tests"), "tests", required=True),
-      test_modules=tuple(modules), num_tests=num_tests,
-      setup_files=_files(row.get("setup_files"), "setup_files", required=False),
-      fix=tuple(edits), where=where)
+    instance_id=instance_id,
+    repo=repo,
+    problem=_text(row.get("problem_statement"), "problem_statement"),
+    test_command=_text(row.get("test_command"), "test_command"),
+    tests=_files(row.get("tests"), "tests", required=True),
+    test_modules=tuple(modules),
+    num_tests=num_tests,
+    setup_files=_files(row.get("setup_files"), "setup_files", required=False),
+    fix=tuple(edits),
+    where=where,
+  )
 
 
 def load_tasks(path: str, strict: bool = False) -> tuple[list[RepoTask], list[tuple[str, str]]]:
@@ -184,10 +194,16 @@ def extract_snapshot(repo: str, dest: str) -> None:
   """The snapshot's files into the empty directory `dest` (a copy of a
   directory, symlinks kept as links; a tarball's regular files and dirs
   only, nothing outside `dest`)."""
-  import shutil  # pylint: disable=g-import-not-at-top
+  import shutil
+
   if os.path.isdir(repo):
-    shutil.copytree(repo, dest, symlinks=True, dirs_exist_ok=True,
-                    ignore=shutil.ignore_patterns("__pycache__", ".git"))
+    shutil.copytree(
+      repo,
+      dest,
+      symlinks=True,
+      dirs_exist_ok=True,
+      ignore=shutil.ignore_patterns("__pycache__", ".git"),
+    )
     return
   with tarfile.open(repo) as tar:
     tar.extractall(dest, members=_tar_members(tar, repo), filter="data")
@@ -208,11 +224,24 @@ def _tar_members(tar: tarfile.TarFile, repo: str) -> list[tarfile.TarInfo]:
 # --- mutation ----------------------------------------------------------------------
 
 
-_BINOPS = {ast.Add: ("+", "-"), ast.Sub: ("-", "+"), ast.Mult: ("*", "/"),
-           ast.Div: ("/", "*"), ast.FloorDiv: ("//", "/"), ast.Mod: ("%", "//")}
-_COMPARE = {ast.Lt: ("<", "<="), ast.LtE: ("<=", "<"), ast.Gt: (">", ">="),
-            ast.GtE: (">=", ">"), ast.Eq: ("==", "!="), ast.NotEq: ("!=", "=="),
-            ast.In: ("in", "not in"), ast.NotIn: ("not in", "in")}
+_BINOPS = {
+  ast.Add: ("+", "-"),
+  ast.Sub: ("-", "+"),
+  ast.Mult: ("*", "/"),
+  ast.Div: ("/", "*"),
+  ast.FloorDiv: ("//", "/"),
+  ast.Mod: ("%", "//"),
+}
+_COMPARE = {
+  ast.Lt: ("<", "<="),
+  ast.LtE: ("<=", "<"),
+  ast.Gt: (">", ">="),
+  ast.GtE: (">=", ">"),
+  ast.Eq: ("==", "!="),
+  ast.NotEq: ("!=", "=="),
+  ast.In: ("in", "not in"),
+  ast.NotIn: ("not in", "in"),
+}
 _BOOLOPS = {ast.And: ("and", "or"), ast.Or: ("or", "and")}
 
 
@@ -251,16 +280,22 @@ def mutants(source: str) -> list[Mutant]:
     if gap.strip(" ()") != old:
       return
     k = lo + gap.index(old)
-    out.append(Mutant(fn, kind, source[:k] + new + source[k + len(old):]))
+    out.append(Mutant(fn, kind, source[:k] + new + source[k + len(old) :]))
 
   for fn in tree.body:
     if not isinstance(fn, ast.FunctionDef):
       continue
-    body = fn.body[1:] if (fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(
-        fn.body[0].value, ast.Constant)) else fn.body
+    body = (
+      fn.body[1:]
+      if (
+        fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant)
+      )
+      else fn.body
+    )
     nodes = [n for stmt in body for n in ast.walk(stmt)]
-    nodes.sort(key=lambda n: (getattr(n, "lineno", 0), getattr(n, "col_offset", 0),
-                              type(n).__name__))
+    nodes.sort(
+      key=lambda n: (getattr(n, "lineno", 0), getattr(n, "col_offset", 0), type(n).__name__)
+    )
     for node in nodes:
       if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
         swap_between(fn.name, "binop", node.left, node.right, *_BINOPS[type(node.op)])
@@ -268,17 +303,20 @@ def mutants(source: str) -> list[Mutant]:
         old, new = _BINOPS[type(node.op)]
         swap_between(fn.name, "augassign", node.target, node.value, old + "=", new + "=")
       elif isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _COMPARE:
-        swap_between(fn.name, "compare", node.left, node.comparators[0],
-                     *_COMPARE[type(node.ops[0])])
+        swap_between(
+          fn.name, "compare", node.left, node.comparators[0], *_COMPARE[type(node.ops[0])]
+        )
       elif isinstance(node, ast.BoolOp) and len(node.values) == 2:
-        swap_between(fn.name, "boolop", node.values[0], node.values[1],
-                     *_BOOLOPS[type(node.op)])
+        swap_between(fn.name, "boolop", node.values[0], node.values[1], *_BOOLOPS[type(node.op)])
       elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
         lo, hi = span(node)
         olo, ohi = span(node.operand)
         out.append(Mutant(fn.name, "not", source[:lo] + source[olo:ohi] + source[hi:]))
-      elif (isinstance(node, ast.Constant) and type(node.value) is int
-            and node.lineno == node.end_lineno):
+      elif (
+        isinstance(node, ast.Constant)
+        and type(node.value) is int
+        and node.lineno == node.end_lineno
+      ):
         lo, hi = span(node)
         for value in (node.value + 1, node.value - 1):
           if value >= 0:
@@ -334,7 +372,7 @@ def reverse_edit(original: str, mutant: str) -> tuple[str, str, int, int]:
 # imported fresh each time. A mutant whose tests run past `max_lines` traced
 # lines is "timeout": a count, not a clock, so the outcome is the same however
 # loaded the machine is (the alarm only backs it up, for a hang in C code).
-_WORKER = r'''
+_WORKER = r"""
 import importlib, io, json, signal, sys, types, unittest
 job = json.load(sys.stdin)
 sys.path.insert(0, job["repo"])
@@ -385,20 +423,40 @@ for source in job["sources"]:
   last = [line for line in text.strip().splitlines() if line.strip()][-1]
   results.append({"status": "fail", "test": test.id(), "error": last, "run": result.testsRun})
 print(json.dumps(results))
-'''
+"""
 
 
-def run_mutants(repo: str, tests_dir: str, module: str, module_file: str, test_module: str,
-                sources: list[str], max_lines: int = 20_000,
-                seconds: float = 30.0) -> list[dict]:
+def run_mutants(
+  repo: str,
+  tests_dir: str,
+  module: str,
+  module_file: str,
+  test_module: str,
+  sources: list[str],
+  max_lines: int = 20_000,
+  seconds: float = 30.0,
+) -> list[dict]:
   """The project's tests on each source of `module`: [{"status": "pass" | "fail" |
   "timeout", "test": first failing test id, "error": its last traceback line}]."""
-  job = {"repo": repo, "tests_dir": tests_dir, "module": module, "module_file": module_file,
-         "test_module": test_module, "sources": sources, "max_lines": max_lines,
-         "seconds": seconds}
-  out = subprocess.run([sys.executable, "-I", "-c", _WORKER], input=json.dumps(job),
-                       capture_output=True, text=True, check=True, cwd=tests_dir,
-                       env={"PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"})
+  job = {
+    "repo": repo,
+    "tests_dir": tests_dir,
+    "module": module,
+    "module_file": module_file,
+    "test_module": test_module,
+    "sources": sources,
+    "max_lines": max_lines,
+    "seconds": seconds,
+  }
+  out = subprocess.run(
+    [sys.executable, "-I", "-c", _WORKER],
+    input=json.dumps(job),
+    capture_output=True,
+    text=True,
+    check=True,
+    cwd=tests_dir,
+    env={"PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"},
+  )
   return json.loads(out.stdout)
 
 
@@ -413,7 +471,7 @@ def _test_source(test_text: str, test_id: str) -> str:
     if isinstance(node, ast.ClassDef) and node.name == cls:
       for item in node.body:
         if isinstance(item, ast.FunctionDef) and item.name == method:
-          return "".join(lines[item.lineno - 1:item.end_lineno])
+          return "".join(lines[item.lineno - 1 : item.end_lineno])
   return ""
 
 
@@ -427,13 +485,17 @@ def _error_line(error: str) -> str:
 
 def problem_statement(test_path: str, test_id: str, test_text: str, error: str) -> str:
   cls, method = test_id.split(".")[-2:]
-  source = "".join("    " + line if line.strip() else line
-                   for line in _test_source(test_text, test_id).splitlines(keepends=True))
-  return (f"The test `{test_path}::{cls}::{method}` fails:\n\n{source}\n"
-          f"It fails with: {_error_line(error)}\n\n"
-          "Find the bug in the repository's code and fix it. The tests themselves are not "
-          "in the repository; they will be run after you submit. Do not add or change "
-          "tests.")
+  source = "".join(
+    "    " + line if line.strip() else line
+    for line in _test_source(test_text, test_id).splitlines(keepends=True)
+  )
+  return (
+    f"The test `{test_path}::{cls}::{method}` fails:\n\n{source}\n"
+    f"It fails with: {_error_line(error)}\n\n"
+    "Find the bug in the repository's code and fix it. The tests themselves are not "
+    "in the repository; they will be run after you submit. Do not add or change "
+    "tests."
+  )
 
 
 def _projects(corpus: str) -> list[tuple[str, str, str, str]]:
@@ -446,15 +508,16 @@ def _projects(corpus: str) -> list[tuple[str, str, str, str]]:
       continue
     test_files = sorted(f for f in os.listdir(tests) if f.startswith("test_") and f.endswith(".py"))
     for test_file in test_files:
-      module = test_file[len("test_"):-len(".py")]
+      module = test_file[len("test_") : -len(".py")]
       rel = os.path.join(project, module + ".py")
       if os.path.isfile(os.path.join(repo, rel)):
         out.append((project, rel, f"{project}.{module}", test_file))
   return out
 
 
-def generate(corpus: str = CORPUS_DIR, out_dir: str | None = None,
-             repo_base: str | None = None) -> tuple[list[dict], list[dict]]:
+def generate(
+  corpus: str = CORPUS_DIR, out_dir: str | None = None, repo_base: str | None = None
+) -> tuple[list[dict], list[dict]]:
   """(training rows, held-out rows) of the corpus; written to out_dir if given.
 
   Rows name their snapshot relative to `repo_base` (default: out_dir, where
@@ -470,10 +533,11 @@ def generate(corpus: str = CORPUS_DIR, out_dir: str | None = None,
       original = f.read()
     with open(os.path.join(tests_dir, test_file), encoding="utf-8") as f:
       test_text = f.read()
-    test_module = test_file[:-len(".py")]
+    test_module = test_file[: -len(".py")]
     candidates = mutants(original)
-    results = run_mutants(repo, tests_dir, module, rel, test_module,
-                          [original] + [m.source for m in candidates])
+    results = run_mutants(
+      repo, tests_dir, module, rel, test_module, [original] + [m.source for m in candidates]
+    )
     if results[0]["status"] != "pass":
       raise RuntimeError(f"{project}/{rel}: the original fails its tests: {results[0]}")
     num_tests = results[0]["run"]
@@ -489,24 +553,29 @@ def generate(corpus: str = CORPUS_DIR, out_dir: str | None = None,
       counts[key] = counts.get(key, 0) + 1
       old, new, _, _ = reverse_edit(original, mutant.source)
       test_path = f"tests/{test_file}"
-      rows_by_split[split_of[mutant.function]].append({
+      rows_by_split[split_of[mutant.function]].append(
+        {
           "instance_id": f"{project}__{test_module[5:]}__{mutant.function}__{mutant.kind}_"
-                         f"{counts[key]}",
+          f"{counts[key]}",
           "repo": os.path.relpath(repo, base),
-          "problem_statement": problem_statement(test_path, result["test"], test_text,
-                                                 result["error"]),
+          "problem_statement": problem_statement(
+            test_path, result["test"], test_text, result["error"]
+          ),
           "test_command": f"python3 -m unittest tests.{test_module}",
           "tests": {test_path: test_text},
           "test_modules": [f"tests.{test_module}"],
           "num_tests": num_tests,
           "setup_files": {rel: mutant.source},
           "fix": [{"path": rel, "old": old, "new": new}],
-      })
+        }
+      )
   train, heldout = rows_by_split["train"], rows_by_split["heldout"]
   if out_dir:
     os.makedirs(out_dir, exist_ok=True)
-    for name, rows in ((os.path.basename(SHIPPED_TRAIN), train),
-                       (os.path.basename(SHIPPED_HELDOUT), heldout)):
+    for name, rows in (
+      (os.path.basename(SHIPPED_TRAIN), train),
+      (os.path.basename(SHIPPED_HELDOUT), heldout),
+    ):
       text = "".join(json.dumps(row, sort_keys=True, ensure_ascii=True) + "\n" for row in rows)
       with open(os.path.join(out_dir, name), "wb") as raw:
         # No name and no time in the header: the same rows, the same bytes.

@@ -76,6 +76,7 @@ def _runner() -> str:
       texts.append(f.read())
   return "\n".join(texts)
 
+
 # Default uid range of the pool (inclusive); docs/design/sandbox.md says why this one.
 DEFAULT_UIDS = (60160, 61183)
 # How long the trainer waits beyond the wall-clock limit for the supervisor,
@@ -98,6 +99,7 @@ _DISK_TOP = ".disk"
 @dataclasses.dataclass(frozen=True)
 class SandboxLimits:
   """One call's limits; `validate` (run on construction) refuses what cannot hold."""
+
   cpu_seconds: int = 2
   wall_seconds: float = 5.0
   # Address space (RLIMIT_AS).
@@ -125,11 +127,14 @@ class SandboxLimits:
     for name, low, high, why in _ranges():
       value = getattr(self, name)
       number = (int, float) if name == "wall_seconds" else int
-      if (not isinstance(value, number) or isinstance(value, bool)
-          or not low <= value <= high):  # NaN too
+      if (
+        not isinstance(value, number) or isinstance(value, bool) or not low <= value <= high
+      ):  # NaN too
         kind = "a number" if name == "wall_seconds" else "an integer"
-        raise ValueError(f"sandbox limit {name} = {value!r}: must be {kind} in "
-                         f"[{low}, {high}] ({why}); no value means 'no limit'")
+        raise ValueError(
+          f"sandbox limit {name} = {value!r}: must be {kind} in "
+          f"[{low}, {high}] ({why}); no value means 'no limit'"
+        )
     if not isinstance(self.isolate, bool):
       raise ValueError(f"sandbox limit isolate = {self.isolate!r}: must be True or False")
 
@@ -153,20 +158,40 @@ def _ranges() -> tuple[tuple[str, float, float, str], ...]:
   except OSError:
     disk = 1 << 50
   return (
-      ("cpu_seconds", 1, min(int(_DAY), _hard("CPU", 1 << 62) - 1),
-       "at most a day, under the trainer's hard RLIMIT_CPU"),
-      ("wall_seconds", 0.01, _DAY, "seconds, at most a day"),
-      ("memory_bytes", 32 << 20, min(memory, _hard("AS", memory)),
-       "from 32 MiB, as the interpreter alone maps 15 MiB, to this host's memory"),
-      ("max_file_bytes", 1, min(disk, _hard("FSIZE", disk)),
-       "up to the size of the temporary directory's filesystem"),
-      ("max_open_files", 8, _hard("NOFILE", 1 << 20),
-       "from 8, the standard streams and a shell's loader, to the trainer's hard RLIMIT_NOFILE"),
-      ("max_processes", 1, _hard("NPROC", _read_int("/proc/sys/kernel/threads-max", 1 << 22)),
-       "1 forbids forking; up to the trainer's hard RLIMIT_NPROC"),
-      ("max_output_chars", 1, 1 << 30, "characters of a tool answer, at most 2**30"),
-      ("max_disk_bytes", page, memory, "from a page to this host's memory, which a tmpfs takes"),
-      ("max_disk_files", 1, 1 << 20, "entries, at most 2**20: each is kernel memory in a tmpfs"),
+    (
+      "cpu_seconds",
+      1,
+      min(int(_DAY), _hard("CPU", 1 << 62) - 1),
+      "at most a day, under the trainer's hard RLIMIT_CPU",
+    ),
+    ("wall_seconds", 0.01, _DAY, "seconds, at most a day"),
+    (
+      "memory_bytes",
+      32 << 20,
+      min(memory, _hard("AS", memory)),
+      "from 32 MiB, as the interpreter alone maps 15 MiB, to this host's memory",
+    ),
+    (
+      "max_file_bytes",
+      1,
+      min(disk, _hard("FSIZE", disk)),
+      "up to the size of the temporary directory's filesystem",
+    ),
+    (
+      "max_open_files",
+      8,
+      _hard("NOFILE", 1 << 20),
+      "from 8, the standard streams and a shell's loader, to the trainer's hard RLIMIT_NOFILE",
+    ),
+    (
+      "max_processes",
+      1,
+      _hard("NPROC", _read_int("/proc/sys/kernel/threads-max", 1 << 22)),
+      "1 forbids forking; up to the trainer's hard RLIMIT_NPROC",
+    ),
+    ("max_output_chars", 1, 1 << 30, "characters of a tool answer, at most 2**30"),
+    ("max_disk_bytes", page, memory, "from a page to this host's memory, which a tmpfs takes"),
+    ("max_disk_files", 1, 1 << 20, "entries, at most 2**20: each is kernel memory in a tmpfs"),
   )
 
 
@@ -223,14 +248,15 @@ class SandboxResult:
 
 
 _SIGNAL_NOTES = {
-    signal.SIGXCPU: "killed: cpu time limit",
-    signal.SIGKILL: "killed",
-    signal.SIGXFSZ: "killed: output size limit",
-    signal.SIGSEGV: "killed: segmentation fault",
+  signal.SIGXCPU: "killed: cpu time limit",
+  signal.SIGKILL: "killed",
+  signal.SIGXFSZ: "killed: output size limit",
+  signal.SIGSEGV: "killed: segmentation fault",
 }
 
 
 # --- the uid pool -----------------------------------------------------------------
+
 
 class UidPool:
   """Thread-safe leases of uids `first..last` (inclusive), one per sandbox call.
@@ -248,11 +274,14 @@ class UidPool:
       raise ValueError(f"bad uid range {first}-{last}")
     taken, mapped = _passwd_uids(), _mapped_uids()
     self.first, self.last = first, last
-    self._free = collections.deque(u for u in range(first, last + 1)
-                                   if u not in taken and mapped(u))
+    self._free = collections.deque(
+      u for u in range(first, last + 1) if u not in taken and mapped(u)
+    )
     if not self._free:
-      raise ValueError(f"no uid in {first}-{last} is both free of users in /etc/passwd "
-                       "and mapped in this user namespace")
+      raise ValueError(
+        f"no uid in {first}-{last} is both free of users in /etc/passwd "
+        "and mapped in this user namespace"
+      )
     self._lock_dir = lock_dir or _lock_dir()
     self._held: dict[int, int] = {}
     self.quarantined: set[int] = set()
@@ -272,8 +301,9 @@ class UidPool:
         left = deadline - time.monotonic()
         if left <= 0:
           raise RuntimeError(
-              f"sandbox: no free uid in {self.first}-{self.last} after {timeout:g}s "
-              f"({len(self._held)} leased here, {len(self.quarantined)} quarantined)")
+            f"sandbox: no free uid in {self.first}-{self.last} after {timeout:g}s "
+            f"({len(self._held)} leased here, {len(self.quarantined)} quarantined)"
+          )
         self._cond.wait(min(left, 0.05))  # other processes' locks don't notify
 
   def release(self, uid: int) -> None:
@@ -288,8 +318,11 @@ class UidPool:
     _log(f"WARNING: uid {uid} may still have processes; it is quarantined, not reused")
 
   def _try_lock(self, uid: int) -> int | None:
-    fd = os.open(os.path.join(self._lock_dir, str(uid)),
-                 os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = os.open(
+      os.path.join(self._lock_dir, str(uid)),
+      os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+      0o600,
+    )
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -363,8 +396,10 @@ def _uid_pool() -> UidPool:
 
 # --- running code -----------------------------------------------------------------
 
-def run_python(code: str, limits: SandboxLimits = SandboxLimits(),
-               preload: tuple[str, ...] = ()) -> SandboxResult:
+
+def run_python(
+  code: str, limits: SandboxLimits = SandboxLimits(), preload: tuple[str, ...] = ()
+) -> SandboxResult:
   """Runs `code` in the sandbox and returns its (truncated) result.
 
   `preload` names standard modules to import before the chroot, which
@@ -401,6 +436,7 @@ class Workspace:
   such a machine unless allowed). With `SandboxLimits(isolate=False)` the
   shell runs in `directory` itself, unisolated.
   """
+
   directory: str
   path: str = "/repo"
   # Host directories hidden under an empty one where the system directories
@@ -409,9 +445,12 @@ class Workspace:
   hide: tuple[str, ...] = ()
 
 
-def run_shell(command: str, workspace: Workspace,
-              limits: SandboxLimits = SandboxLimits(),
-              env: dict | None = None) -> SandboxResult:
+def run_shell(
+  command: str,
+  workspace: Workspace,
+  limits: SandboxLimits = SandboxLimits(),
+  env: dict | None = None,
+) -> SandboxResult:
   """Runs `command` with /bin/sh in the sandbox, `workspace` its working directory.
 
   The same isolation, limits and cleanup as `run_python`, plus the
@@ -419,8 +458,13 @@ def run_shell(command: str, workspace: Workspace,
   LANG=C.UTF-8, PYTHONDONTWRITEBYTECODE=1). Returns once every process the
   command started is gone.
   """
-  shell_env = {"PATH": SHELL_PATH, "HOME": "/tmp", "LANG": "C.UTF-8",
-               "PYTHONDONTWRITEBYTECODE": "1", **(env or {})}
+  shell_env = {
+    "PATH": SHELL_PATH,
+    "HOME": "/tmp",
+    "LANG": "C.UTF-8",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    **(env or {}),
+  }
   # The command travels as a script file, like run_python's code (an argument's
   # size is limited).
   return _run(command, limits, (), workspace, ("/bin/sh",), shell_env)
@@ -488,13 +532,20 @@ class _Progress:
   started, and whether it reported that no process of the uid is left (else
   the uid is quarantined).
   """
+
   binds: list = dataclasses.field(default_factory=list)
   started: bool = False
   clean: bool = False
 
 
-def _run(code: str, limits: SandboxLimits, preload: tuple, workspace: Workspace | None,
-         argv: tuple | None = None, env: dict | None = None) -> SandboxResult:
+def _run(
+  code: str,
+  limits: SandboxLimits,
+  preload: tuple,
+  workspace: Workspace | None,
+  argv: tuple | None = None,
+  env: dict | None = None,
+) -> SandboxResult:
   """One call: its directory and uid, the runner, the result; then the cleanup."""
   start = time.monotonic()
   linux = sys.platform.startswith("linux")
@@ -507,10 +558,20 @@ def _run(code: str, limits: SandboxLimits, preload: tuple, workspace: Workspace 
     uid = pool.lease() if pool else None
     cwd, host_cwd = _prepare(workdir, code, workspace, isolate, uid, progress)
     lim = dataclasses.asdict(limits)
-    lim.update(isolate=isolate, uid=uid, report_fd=None, pidns=_PIDNS, preload=tuple(preload),
-               mountns=_MOUNTNS, binds=progress.binds, cwd=cwd, host_cwd=host_cwd,
-               argv=list(argv or ()), env=env or {},
-               disk=_disk(workdir, cwd, host_cwd, limits, isolate) if workspace else None)
+    lim.update(
+      isolate=isolate,
+      uid=uid,
+      report_fd=None,
+      pidns=_PIDNS,
+      preload=tuple(preload),
+      mountns=_MOUNTNS,
+      binds=progress.binds,
+      cwd=cwd,
+      host_cwd=host_cwd,
+      argv=list(argv or ()),
+      env=env or {},
+      disk=_disk(workdir, cwd, host_cwd, limits, isolate) if workspace else None,
+    )
     report, returncode, timed_out = _launch(workdir, lim, limits, workspace is None, progress)
     return _result(report, returncode, timed_out, workdir, limits, workspace, start, progress)
   finally:
@@ -525,8 +586,14 @@ def _run(code: str, limits: SandboxLimits, preload: tuple, workspace: Workspace 
       _log(f"WARNING: {workdir} still has a mount; left in place")
 
 
-def _prepare(workdir: str, code: str, workspace: Workspace | None, isolate: bool,
-             uid: int | None, progress: _Progress) -> tuple[str, str]:
+def _prepare(
+  workdir: str,
+  code: str,
+  workspace: Workspace | None,
+  isolate: bool,
+  uid: int | None,
+  progress: _Progress,
+) -> tuple[str, str]:
   """Writes the code into `workdir` and, for a shell, prepares its mounts.
 
   Returns the shell's working directory in the chroot and on the host ("" for
@@ -549,19 +616,24 @@ def _prepare(workdir: str, code: str, workspace: Workspace | None, isolate: bool
   return cwd, host_cwd
 
 
-def _disk(workdir: str, cwd: str, host_cwd: str, limits: SandboxLimits,
-          isolate: bool) -> dict:
+def _disk(workdir: str, cwd: str, host_cwd: str, limits: SandboxLimits, isolate: bool) -> dict:
   """A shell's disk limits for the runner (sandbox_disk.py): where the
   workspace lies on the host and in the chroot, /tmp, the limits, and whether
   to mount a tmpfs (else the watchdog watches the host's directories)."""
-  return {"host": host_cwd, "target": workdir + cwd if isolate else host_cwd,
-          "tmp": os.path.join(workdir, "tmp") if isolate else "",
-          "top": os.path.join(workdir, _DISK_TOP), "bytes": limits.max_disk_bytes,
-          "files": limits.max_disk_files, "tmpfs": isolate and _TMPFS}
+  return {
+    "host": host_cwd,
+    "target": workdir + cwd if isolate else host_cwd,
+    "tmp": os.path.join(workdir, "tmp") if isolate else "",
+    "top": os.path.join(workdir, _DISK_TOP),
+    "bytes": limits.max_disk_bytes,
+    "files": limits.max_disk_files,
+    "tmpfs": isolate and _TMPFS,
+  }
 
 
-def _launch(workdir: str, lim: dict, limits: SandboxLimits, stderr_apart: bool,
-            progress: _Progress) -> tuple[bytes, int, bool]:
+def _launch(
+  workdir: str, lim: dict, limits: SandboxLimits, stderr_apart: bool, progress: _Progress
+) -> tuple[bytes, int, bool]:
   """Runs the runner with `lim` and waits for it; (its report, exit status, timed out).
 
   Output goes to out.txt in `workdir`, stderr to err.txt (`stderr_apart`) or to
@@ -573,13 +645,21 @@ def _launch(workdir: str, lim: dict, limits: SandboxLimits, stderr_apart: bool,
   runner = _runner() + f"\nexec(*main({lim!r}))\n"
   timed_out = False
   try:
-    with (open(os.path.join(workdir, "out.txt"), "wb") as out,
-          open(os.path.join(workdir, "err.txt"), "wb") as err):
+    with (
+      open(os.path.join(workdir, "out.txt"), "wb") as out,
+      open(os.path.join(workdir, "err.txt"), "wb") as err,
+    ):
       proc = subprocess.Popen(
-          [sys.executable, "-I", "-S", "-c", runner], cwd=workdir, env={},
-          stdin=subprocess.DEVNULL, stdout=out, stderr=err if stderr_apart else out,
-          start_new_session=True,
-          close_fds=True, pass_fds=(wfd,))
+        [sys.executable, "-I", "-S", "-c", runner],
+        cwd=workdir,
+        env={},
+        stdin=subprocess.DEVNULL,
+        stdout=out,
+        stderr=err if stderr_apart else out,
+        start_new_session=True,
+        close_fds=True,
+        pass_fds=(wfd,),
+      )
     progress.started = True
     os.close(wfd)
     wfd = -1
@@ -607,9 +687,16 @@ def _launch(workdir: str, lim: dict, limits: SandboxLimits, stderr_apart: bool,
   return report, proc.returncode, timed_out
 
 
-def _result(report: bytes, returncode: int, timed_out: bool, workdir: str,
-            limits: SandboxLimits, workspace: Workspace | None, start: float,
-            progress: _Progress) -> SandboxResult:
+def _result(
+  report: bytes,
+  returncode: int,
+  timed_out: bool,
+  workdir: str,
+  limits: SandboxLimits,
+  workspace: Workspace | None,
+  start: float,
+  progress: _Progress,
+) -> SandboxResult:
   """The result from the supervisor's report and the output files in `workdir`."""
   fields = dict(line.partition(" ")[::2] for line in report.decode().splitlines())
   rc = int(fields.get("rc", returncode or -signal.SIGKILL))
@@ -631,18 +718,25 @@ def _result(report: bytes, returncode: int, timed_out: bool, workdir: str,
   if workspace is not None:  # a shell's stderr went to its output, in order
     error = ""
   notes = ([f"killed: wall-clock limit {limits.wall_seconds:g}s"] if timed_out else []) + (
-      [_disk_note(limits, fields["disk_limit"])] if disk_limit else [])
+    [_disk_note(limits, fields["disk_limit"])] if disk_limit else []
+  )
   if notes:
     error = "; ".join(notes)
   elif rc < 0:
     error = _SIGNAL_NOTES.get(-rc, f"killed: signal {-rc}")
   elif rc in (120, 121) and not lines:
     error = "sandbox: could not drop privileges"
-  return SandboxResult(stdout=stdout, error=error[:limits.max_output_chars],
-                       returncode=rc, timed_out=timed_out,
-                       seconds=time.monotonic() - start, isolation=isolation,
-                       mount_error=mount_error, disk_limit=disk_limit,
-                       tmpfs_error=fields.get("tmpfs_error", ""))
+  return SandboxResult(
+    stdout=stdout,
+    error=error[: limits.max_output_chars],
+    returncode=rc,
+    timed_out=timed_out,
+    seconds=time.monotonic() - start,
+    isolation=isolation,
+    mount_error=mount_error,
+    disk_limit=disk_limit,
+    tmpfs_error=fields.get("tmpfs_error", ""),
+  )
 
 
 def _disk_note(limits: SandboxLimits, how: str) -> str:
@@ -650,10 +744,14 @@ def _disk_note(limits: SandboxLimits, how: str) -> str:
   was "full", the watchdog "killed" it, or it was "over" after the call."""
   where = "in the workspace and /tmp together"
   if how == "full":
-    return (f"disk limit: at most {limits.max_disk_bytes} bytes and {limits.max_disk_files} "
-            f"entries {where}; writes past that fail (No space left on device)")
-  return (("killed: " if how == "killed" else "") + f"disk limit: went over "
-          f"{limits.max_disk_bytes} bytes or {limits.max_disk_files} entries {where}")
+    return (
+      f"disk limit: at most {limits.max_disk_bytes} bytes and {limits.max_disk_files} "
+      f"entries {where}; writes past that fail (No space left on device)"
+    )
+  return (
+    ("killed: " if how == "killed" else "") + f"disk limit: went over "
+    f"{limits.max_disk_bytes} bytes or {limits.max_disk_files} entries {where}"
+  )
 
 
 def _wait(proc: subprocess.Popen, timeout: float) -> None:
@@ -703,19 +801,28 @@ def _read_head(path: str, max_chars: int) -> str:
 # What must apply before model code may run: (measure, the names that
 # provide it, what model code could do without it).
 _REQUIRED = (
-    ("network namespace (netns)", ("netns",), "reach the network"),
-    ("a private root directory (chroot)", ("chroot",), "read and write the trainer's files"),
-    ("a user of its own (uid_pool as root, or userns)", ("uid_pool", "userns"),
-     "signal or ptrace the trainer and other sandboxes, as uid {uid}"),
-    ("process cleanup (pidns or subreaper)", ("pidns", "subreaper"),
-     "leave processes running after the call"),
+  ("network namespace (netns)", ("netns",), "reach the network"),
+  ("a private root directory (chroot)", ("chroot",), "read and write the trainer's files"),
+  (
+    "a user of its own (uid_pool as root, or userns)",
+    ("uid_pool", "userns"),
+    "signal or ptrace the trainer and other sandboxes, as uid {uid}",
+  ),
+  (
+    "process cleanup (pidns or subreaper)",
+    ("pidns", "subreaper"),
+    "leave processes running after the call",
+  ),
 )
 
 
 # And for a shell (`run_shell`), which finds its programs through the mounts.
 _SHELL_REQUIRED = (
-    ("a shell's read-only system directories (mounts)", ("mounts",),
-     "run without a chroot, in the trainer's filesystem"),
+  (
+    "a shell's read-only system directories (mounts)",
+    ("mounts",),
+    "run without a chroot, in the trainer's filesystem",
+  ),
 )
 
 
@@ -741,8 +848,10 @@ def shell_isolation() -> tuple[tuple[str, ...], str]:
   if result.mount_error or result.ok:
     return result.isolation, result.mount_error
   # Mounted, but no shell ran: the chroot has no working /bin/sh.
-  return (tuple(x for x in result.isolation if x != "mounts"),
-          f"the probe shell failed: {result.observation()[:200]}")
+  return (
+    tuple(x for x in result.isolation if x != "mounts"),
+    f"the probe shell failed: {result.observation()[:200]}",
+  )
 
 
 @functools.lru_cache(maxsize=1)
@@ -754,9 +863,9 @@ def disk_limits() -> tuple[str, str]:
   return "watchdog", result.tmpfs_error or result.mount_error or "not mounted"
 
 
-def check_isolation(allow_unisolated: bool = False,
-                    limits: SandboxLimits | None = None,
-                    shell: bool = False) -> tuple[str, ...]:
+def check_isolation(
+  allow_unisolated: bool = False, limits: SandboxLimits | None = None, shell: bool = False
+) -> tuple[str, ...]:
   """Logs which isolation applies; refuses to go on without it unless allowed.
 
   Raises RuntimeError naming every missing measure when model-written code
@@ -772,27 +881,36 @@ def check_isolation(allow_unisolated: bool = False,
     mechanism, why = disk_limits()
     if limits is not None and not limits.isolate:
       mechanism, why = "watchdog", "isolate=False"
-    _log("shell disk limits (max_disk_bytes, max_disk_files): " + (
-        "tmpfs, held by the kernel" if mechanism == "tmpfs" else
-        f"WARNING: watchdog, polled every {_WATCH_MS} ms, no tmpfs ({why})"))
+    _log(
+      "shell disk limits (max_disk_bytes, max_disk_files): "
+      + (
+        "tmpfs, held by the kernel"
+        if mechanism == "tmpfs"
+        else f"WARNING: watchdog, polled every {_WATCH_MS} ms, no tmpfs ({why})"
+      )
+    )
   if limits is not None and not limits.isolate:  # isolation switched off
     applied = tuple(x for x in applied if x == "subreaper")
   required = _REQUIRED + (_SHELL_REQUIRED if shell else ())
   missing = [(what, risk) for what, names, risk in required if not set(names) & set(applied)]
-  _log(f"isolation: {', '.join(applied) or 'none'}"
-       + (f"; missing: {'; '.join(what for what, _ in missing)}" if missing else ""))
+  _log(
+    f"isolation: {', '.join(applied) or 'none'}"
+    + (f"; missing: {'; '.join(what for what, _ in missing)}" if missing else "")
+  )
   if missing:
     message = (
-        "model-written code would run unisolated, missing: "
-        + "; ".join(what for what, _ in missing) + ". It could "
-        + ", ".join(risk for _, risk in missing).format(uid=os.geteuid()) + ". Run the "
-        "trainer as root on Linux (in a container: with CAP_SYS_ADMIN), or as a user "
-        "where unprivileged user namespaces are allowed, or set env.allow_unisolated=True "
-        "to accept this.")
+      "model-written code would run unisolated, missing: "
+      + "; ".join(what for what, _ in missing)
+      + ". It could "
+      + ", ".join(risk for _, risk in missing).format(uid=os.geteuid())
+      + ". Run the "
+      "trainer as root on Linux (in a container: with CAP_SYS_ADMIN), or as a user "
+      "where unprivileged user namespaces are allowed, or set env.allow_unisolated=True "
+      "to accept this."
+    )
     if not allow_unisolated:
       raise RuntimeError("sandbox: " + message)
-    _log("WARNING: " + "!" * 20 + " UNISOLATED SANDBOX (env.allow_unisolated=True): "
-         + message)
+    _log("WARNING: " + "!" * 20 + " UNISOLATED SANDBOX (env.allow_unisolated=True): " + message)
   return applied
 
 

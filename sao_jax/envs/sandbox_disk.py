@@ -56,8 +56,10 @@ def mount_disk(call):
     host = os.open(disk["host"], _DIR)
     try:
       have_bytes, have_files = measure([host])  # room for the copy first, then resized
-      room = "size=%d,nr_inodes=%d,mode=0700" % (disk["bytes"] + have_bytes + (1 << 20),
-                                                 disk["files"] + have_files + 3)
+      room = "size=%d,nr_inodes=%d,mode=0700" % (
+        disk["bytes"] + have_bytes + (1 << 20),
+        disk["files"] + have_files + 3,
+      )
       if _mount(libc, b"tmpfs", top, b"tmpfs", MS_NOSUID | MS_NODEV, room):
         return "tmpfs refused: " + call.strerror()
       mounted.append(top)
@@ -74,8 +76,14 @@ def mount_disk(call):
     st = os.statvfs(top)  # the limits, or the copy's own size if it is larger
     size = max(disk["bytes"], (st.f_blocks - st.f_bfree) * st.f_frsize)
     inodes = max(disk["files"] + 3, st.f_files - st.f_ffree)  # + the root, repo/, tmp/
-    if _mount(libc, None, top, None, MS_REMOUNT | MS_NOSUID | MS_NODEV,
-              "size=%d,nr_inodes=%d" % (size, inodes)):
+    if _mount(
+      libc,
+      None,
+      top,
+      None,
+      MS_REMOUNT | MS_NOSUID | MS_NODEV,
+      "size=%d,nr_inodes=%d" % (size, inodes),
+    ):
       return "tmpfs resize refused: " + call.strerror()
     for source, target in ((top + "/repo", disk["target"]), (top + "/tmp", disk["tmp"])):
       if _mount(libc, source.encode(), target, None, MS_BIND, None):
@@ -96,8 +104,7 @@ def mount_disk(call):
 
 def _mount(libc, source, target, fstype, flags, data):
   """mount(2); nonzero on failure (errno set)."""
-  return libc.mount(source, target.encode(), fstype, flags,
-                    None if data is None else data.encode())
+  return libc.mount(source, target.encode(), fstype, flags, None if data is None else data.encode())
 
 
 def _more_files():
@@ -109,6 +116,7 @@ def _more_files():
 
 
 # --- the watchdog -------------------------------------------------------------------
+
 
 class Watchdog:
   """The fallback's check (module docstring), which the supervisor's wait calls
@@ -178,7 +186,8 @@ def measure(dir_fds, max_bytes=None, max_files=None):
           except OSError:
             continue
           if (max_bytes is not None and size > max_bytes) or (
-              max_files is not None and files > max_files):
+            max_files is not None and files > max_files
+          ):
             return size, files
       except OSError:
         pass
@@ -191,6 +200,7 @@ def measure(dir_fds, max_bytes=None, max_files=None):
 
 
 # --- after the call -----------------------------------------------------------------
+
 
 def finish_disk(call, watchdog):
   """After every process of the call is gone: whether it ended at the limit,
@@ -212,8 +222,11 @@ def finish_disk(call, watchdog):
   else:  # however fast it got there
     at_limit = "over" if over_limits(disk) else "no"
   return "disk_mode %s\ndisk_limit %s\ndisk_error %s\ntmpfs_error %s\n" % (
-      "tmpfs" if call.tmpfs else "watchdog", at_limit, " ".join(error.split()),
-      " ".join(call.tmpfs_error.split()))
+    "tmpfs" if call.tmpfs else "watchdog",
+    at_limit,
+    " ".join(error.split()),
+    " ".join(call.tmpfs_error.split()),
+  )
 
 
 def copy_back(source, host):
@@ -308,8 +321,9 @@ def _copy_file(sfd, dfd, name, st, uid, linked):
       pass  # no /proc: a copy of its own
   fd_in = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=sfd)
   try:
-    fd_out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600, dir_fd=dfd)
+    fd_out = os.open(
+      name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd
+    )
     try:
       if stat.S_ISREG(os.fstat(fd_in).st_mode):
         copy_data(fd_in, fd_out, os.fstat(fd_in).st_size)

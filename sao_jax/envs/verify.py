@@ -143,7 +143,7 @@ def _last_box(text: str) -> str | None:
       start = stack.pop()
       if start >= 0 and (best is None or start > best[0]):
         best = (start, i)
-  return None if best is None else text[best[0]:best[1]]
+  return None if best is None else text[best[0] : best[1]]
 
 
 def extract_answer(text: str) -> str | None:
@@ -189,7 +189,8 @@ def _boxed(s: str) -> str:
 
 def _check(request: dict) -> dict:
   """One comparison, in the worker: math-verify with its own timeouts off."""
-  import math_verify  # pylint: disable=g-import-not-at-top
+  import math_verify
+
   gold = math_verify.parse(request["gold"], parsing_timeout=None)
   if not gold:
     return {"error": "the ground truth does not parse"}
@@ -213,19 +214,21 @@ def _serve(handler: Callable[[dict], dict] = _check) -> None:
   os.dup2(2, 1)
   threading.Thread(target=_watch_parent, daemon=True).start()
   try:
-    import logging  # pylint: disable=g-import-not-at-top
-    import math_verify  # pylint: disable=g-import-not-at-top,unused-import
+    import logging
+
+    import math_verify  # noqa: F401
+
     # It warns once that its timeouts are off: they are, on purpose.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     ready = {"ready": True, "available": True}
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:  # noqa: BLE001
     ready = {"ready": True, "available": False, "error": f"{type(e).__name__}: {e}"}
   out.write(json.dumps(ready) + "\n")
   out.flush()
   for line in sys.stdin:
     try:
       reply = handler(json.loads(line))
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:  # noqa: BLE001
       reply = {"error": f"{type(e).__name__}: {e}"[:500]}
     out.write(json.dumps(reply) + "\n")
     out.flush()
@@ -233,8 +236,10 @@ def _serve(handler: Callable[[dict], dict] = _check) -> None:
 
 # Run this file by path, with no '' (the working directory) on sys.path, so a
 # stray sympy.py next to the user's script cannot shadow the real one.
-_BOOT = ("import runpy, sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
-         "runpy.run_path(sys.argv[1], run_name='__main__')")
+_BOOT = (
+  "import runpy, sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
+  "runpy.run_path(sys.argv[1], run_name='__main__')"
+)
 
 
 def default_worker_command() -> list[str]:
@@ -258,8 +263,9 @@ class _Worker:
     self._buf = b""
 
   def start(self) -> dict:
-    self._proc = subprocess.Popen(self._command, stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, bufsize=0)
+    self._proc = subprocess.Popen(
+      self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0
+    )
     self._buf = b""
     try:
       return self._read(time.monotonic() + STARTUP_TIMEOUT_S)
@@ -329,8 +335,9 @@ class MathVerifier:
   worker (tests substitute one that hangs on demand).
   """
 
-  def __init__(self, timeout_s: float = 5.0, workers: int = 4,
-               worker_command: Sequence[str] | None = None):
+  def __init__(
+    self, timeout_s: float = 5.0, workers: int = 4, worker_command: Sequence[str] | None = None
+  ):
     if not timeout_s > 0:
       raise ValueError(f"timeout_s = {timeout_s}: must be > 0")
     if workers < 1:
@@ -367,8 +374,7 @@ class MathVerifier:
       return Verdict(False, "no_answer")
     whole, whole_gold = _integer(answer), _integer(gold)
     if whole is not None and whole_gold is not None:
-      return Verdict(True, "exact") if int(whole) == int(whole_gold) else Verdict(
-          False, "mismatch")
+      return Verdict(True, "exact") if int(whole) == int(whole_gold) else Verdict(False, "mismatch")
     if _normalise(answer) == _normalise(gold):
       return Verdict(True, "exact")
     if _nesting(answer) > MAX_NESTING:
@@ -408,9 +414,12 @@ class MathVerifier:
       first, self._unavailable = not self._unavailable, why
     if first:
       warnings.warn(
-          f"MathVerifier: math-verify is unavailable ({why}); non-integer answers score "
-          "0 with reason 'unavailable'. Install it with `pip install sao-jax[math]` "
-          "(math-verify==0.9.0).", RuntimeWarning, stacklevel=4)
+        f"MathVerifier: math-verify is unavailable ({why}); non-integer answers score "
+        "0 with reason 'unavailable'. Install it with `pip install sao-jax[math]` "
+        "(math-verify==0.9.0).",
+        RuntimeWarning,
+        stacklevel=4,
+      )
 
   def close(self) -> None:
     """Kills the workers (waiting for calls in flight to give theirs back)."""

@@ -95,9 +95,12 @@ def decode_attention(q: Array, k: Array, v: Array, visible: Array) -> Array:
   s, kvh = k.shape[1], k.shape[2]
   g = h // kvh
   own = jnp.arange(h) // g == jnp.arange(kvh)[:, None]  # [KVH, H]: head n reads kv head n // g
-  q_bd = jnp.where(own[None, :, None, :], jnp.swapaxes(q[:, 0], 1, 2)[:, None], 0)  # [B, KVH, hd, H]
-  logits = jnp.einsum("bsc,bch->bsh", k.reshape(b, s, kvh * hd),
-                      q_bd.reshape(b, kvh * hd, h)).astype(jnp.float32)
+  q_bd = jnp.where(
+    own[None, :, None, :], jnp.swapaxes(q[:, 0], 1, 2)[:, None], 0
+  )  # [B, KVH, hd, H]
+  logits = jnp.einsum(
+    "bsc,bch->bsh", k.reshape(b, s, kvh * hd), q_bd.reshape(b, kvh * hd, h)
+  ).astype(jnp.float32)
   logits = logits / jnp.sqrt(jnp.float32(hd))
   logits = jnp.where(visible[:, :, None], logits, _MASKED)  # [B, S, H]
   probs = jax.nn.softmax(logits, axis=1).astype(q.dtype)
@@ -107,8 +110,7 @@ def decode_attention(q: Array, k: Array, v: Array, visible: Array) -> Array:
   return out[:, None]
 
 
-def cache_attention(q: Array, k: Array, v: Array, positions: Array, impl: str,
-                    block: int) -> Array:
+def cache_attention(q: Array, k: Array, v: Array, positions: Array, impl: str, block: int) -> Array:
   """New tokens' attention over a KV cache view, as the model's decoding picks it.
 
   q [B, Lq, H, hd] at cache positions `positions` [B, Lq]; k, v [B, S, KVH,
@@ -135,9 +137,11 @@ def cache_attention(q: Array, k: Array, v: Array, positions: Array, impl: str,
 def packed_causal_mask(segment_ids: Array) -> Array:
   """[B, L, L]: query i sees key j <= i of its own (non-padding) segment."""
   idx = jnp.arange(segment_ids.shape[1])
-  return ((segment_ids[:, :, None] == segment_ids[:, None, :])
-          & (segment_ids[:, None, :] != 0)
-          & (idx[None, :, None] >= idx[None, None, :]))
+  return (
+    (segment_ids[:, :, None] == segment_ids[:, None, :])
+    & (segment_ids[:, None, :] != 0)
+    & (idx[None, :, None] >= idx[None, None, :])
+  )
 
 
 # --------------------------------------------------------------------------
@@ -162,8 +166,11 @@ def _block_mask(i, j, block_q, block_k, seg_q, seg_k):
   """[B, bq, bk] visibility of key block j from query block i."""
   q_idx = i * block_q + jnp.arange(block_q)
   k_idx = j * block_k + jnp.arange(block_k)
-  return ((seg_q[:, :, None] == seg_k[:, None, :]) & (seg_k[:, None, :] != 0)
-          & (q_idx[None, :, None] >= k_idx[None, None, :]))
+  return (
+    (seg_q[:, :, None] == seg_k[:, None, :])
+    & (seg_k[:, None, :] != 0)
+    & (q_idx[None, :, None] >= k_idx[None, None, :])
+  )
 
 
 def _block_needed(i, j, block_q, block_k):
@@ -179,9 +186,11 @@ def _scores(qi, kj, hd):
 
 def _online_init(b, n, g, lq, hd):
   """The empty online-softmax state (m, l, acc) for grouped queries [B, lq, n, g, hd]."""
-  return (jnp.full((b, n, g, lq), _MASKED, jnp.float32),
-          jnp.zeros((b, n, g, lq), jnp.float32),
-          jnp.zeros((b, n, g, lq, hd), jnp.float32))
+  return (
+    jnp.full((b, n, g, lq), _MASKED, jnp.float32),
+    jnp.zeros((b, n, g, lq), jnp.float32),
+    jnp.zeros((b, n, g, lq, hd), jnp.float32),
+  )
 
 
 def _online_update(carry, qi, kj, vj, visible):
@@ -196,8 +205,7 @@ def _online_update(carry, qi, kj, vj, visible):
   p = jnp.exp(s - m_new[..., None])
   correction = jnp.exp(m - m_new)
   l = l * correction + p.sum(-1)
-  pv = jnp.einsum("bngqk,bknh->bngqh", p.astype(vj.dtype), vj,
-                  preferred_element_type=jnp.float32)
+  pv = jnp.einsum("bngqk,bknh->bngqh", p.astype(vj.dtype), vj, preferred_element_type=jnp.float32)
   return m_new, l, acc * correction[..., None] + pv
 
 
@@ -225,13 +233,13 @@ def _chunked_forward(q, k, v, segment_ids, block_q, block_k):
 
     def key_block(carry, xs):
       j, kj, vj, sk = xs
-      update = lambda c: _online_update(c, qi, kj, vj,
-                                        _block_mask(i, j, block_q, block_k, sq, sk))
+      update = lambda c: _online_update(c, qi, kj, vj, _block_mask(i, j, block_q, block_k, sq, sk))
       carry = jax.lax.cond(_block_needed(i, j, block_q, block_k), update, lambda c: c, carry)
       return carry, None
 
-    carry, _ = jax.lax.scan(key_block, _online_init(b, n, g, block_q, hd),
-                            (jnp.arange(nk), kb, vb, segk))
+    carry, _ = jax.lax.scan(
+      key_block, _online_init(b, n, g, block_q, hd), (jnp.arange(nk), kb, vb, segk)
+    )
     return _online_result(carry, q.dtype)  # block 0 is never skipped: l >= 1
 
   out, lse = jax.lax.map(query_block, (jnp.arange(qb.shape[0]), qb, segq))
@@ -251,14 +259,15 @@ def _chunked_fwd(q, k, v, segment_ids, block_q, block_k):
 def _chunked_bwd(block_q, block_k, residuals, d_out):
   """Flash-attention backward: per block pair, with P recomputed from lse.
 
-      P = exp(S - lse)     dV = P^T dO     dP = dO V^T
-      dS = P * (dP - rowsum(dO * O))     dQ = dS K / sqrt(hd)   dK = dS^T Q / sqrt(hd)
+  P = exp(S - lse)     dV = P^T dO     dP = dO V^T
+  dS = P * (dP - rowsum(dO * O))     dQ = dS K / sqrt(hd)   dK = dS^T Q / sqrt(hd)
   """
   q, k, v, segment_ids, out, lse = residuals
   hd = q.shape[-1]
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), -1)  # [B, L, KVH, G]
-  qb, dob, deltab, lseb, segq = (_to_blocks(x, block_q)
-                                 for x in (q, d_out, delta, lse, segment_ids))
+  qb, dob, deltab, lseb, segq = (
+    _to_blocks(x, block_q) for x in (q, d_out, delta, lse, segment_ids)
+  )
   kb, vb, segk = (_to_blocks(x, block_k) for x in (k, v, segment_ids))
   nq, nk = qb.shape[0], kb.shape[0]
   scale = 1.0 / jnp.sqrt(jnp.float32(hd))
@@ -281,21 +290,30 @@ def _chunked_bwd(block_q, block_k, residuals, d_out):
         return dk, dv, dqi
 
       def skip(_):
-        return (jnp.zeros(kj.shape, jnp.float32), jnp.zeros(vj.shape, jnp.float32),
-                jnp.zeros(qi.shape, jnp.float32))
+        return (
+          jnp.zeros(kj.shape, jnp.float32),
+          jnp.zeros(vj.shape, jnp.float32),
+          jnp.zeros(qi.shape, jnp.float32),
+        )
 
       dk, dv, dqi = jax.lax.cond(_block_needed(i, j, block_q, block_k), grads, skip, None)
       return (carry[0] + dk, carry[1] + dv), dqi
 
     zeros = (jnp.zeros(kj.shape, jnp.float32), jnp.zeros(vj.shape, jnp.float32))
-    (dk, dv), dq_parts = jax.lax.scan(query_block, zeros,
-                                      (jnp.arange(nq), qb, dob, deltab, lseb, segq))
+    (dk, dv), dq_parts = jax.lax.scan(
+      query_block, zeros, (jnp.arange(nq), qb, dob, deltab, lseb, segq)
+    )
     return dq + dq_parts, (dk, dv)
 
-  dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(qb.shape, jnp.float32),
-                              (jnp.arange(nk), kb, vb, segk))
-  return (_from_blocks(dq).astype(q.dtype), _from_blocks(dk).astype(k.dtype),
-          _from_blocks(dv).astype(v.dtype), None)
+  dq, (dk, dv) = jax.lax.scan(
+    key_block, jnp.zeros(qb.shape, jnp.float32), (jnp.arange(nk), kb, vb, segk)
+  )
+  return (
+    _from_blocks(dq).astype(q.dtype),
+    _from_blocks(dk).astype(k.dtype),
+    _from_blocks(dv).astype(v.dtype),
+    None,
+  )
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
@@ -356,8 +374,9 @@ def cached_attention(q: Array, k: Array, v: Array, positions: Array, block: int)
     # Block 0 always runs, so l > 0 for every query.
     return jax.lax.cond(start <= last, update, lambda c: c, carry), None
 
-  carry, _ = jax.lax.scan(key_block, _online_init(b, kvh, h // kvh, lq, hd),
-                          jnp.arange(k.shape[1] // block))
+  carry, _ = jax.lax.scan(
+    key_block, _online_init(b, kvh, h // kvh, lq, hd), jnp.arange(k.shape[1] // block)
+  )
   return _online_result(carry, q.dtype)[0].reshape(q.shape)
 
 
@@ -409,8 +428,9 @@ def _mesh_axes(name: str):
   return nn.logical_to_mesh_axes((name,), rules)[0] if rules else None
 
 
-def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array, block: int,
-                     *, interpret: bool = False) -> Array:
+def splash_attention(
+  q: Array, k: Array, v: Array, segment_ids: Array, block: int, *, interpret: bool = False
+) -> Array:
   """The Pallas TPU splash kernel, causal with segment ids; see `chunked_attention`.
 
   `interpret=True` runs the kernel in Pallas' interpreter (any backend, slow):
@@ -436,16 +456,22 @@ def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array, block: in
   whole in the kernel (XLA gathers it and every device of the axis
   computes the whole row).
   """
-  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
   b, length, h, hd = q.shape
   kvh = k.shape[2]
   blk = math.gcd(block, length)
-  sizes = sk.BlockSizes(block_q=blk, block_kv=blk, block_kv_compute=blk, block_q_dkv=blk,
-                        block_kv_dkv=blk, block_kv_dkv_compute=blk, block_q_dq=blk,
-                        block_kv_dq=blk)
+  sizes = sk.BlockSizes(
+    block_q=blk,
+    block_kv=blk,
+    block_kv_compute=blk,
+    block_q_dkv=blk,
+    block_kv_dkv=blk,
+    block_kv_dkv_compute=blk,
+    block_q_dq=blk,
+    block_kv_dq=blk,
+  )
   # The kernel takes [heads, L, hd] per example and does not scale q.
   qt = jnp.swapaxes(q / jnp.sqrt(jnp.asarray(hd, q.dtype)), 1, 2)  # [B, H, L, hd]
   kt, vt = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, KVH, L, hd]
@@ -454,11 +480,13 @@ def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array, block: in
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads * kvh != kv_heads * h:
       raise ValueError(
-          f"splash attention: a shard holds {heads} query heads and {kv_heads} key heads; "
-          f"shard 'heads' and 'kv_heads' alike to keep the ratio {h // kvh}.")
+        f"splash attention: a shard holds {heads} query heads and {kv_heads} key heads; "
+        f"shard 'heads' and 'kv_heads' alike to keep the ratio {h // kvh}."
+      )
     mask = sm.MultiHeadMask([sm.CausalMask((length, length))] * heads)
-    splash = sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                                interpret=interpret)
+    splash = sk.make_splash_mha(
+      mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
+    )
     return jax.vmap(splash)(q, k, v, segment_ids=sk.SegmentIds(seg, seg))
 
   mesh = jax.sharding.get_abstract_mesh()
@@ -469,23 +497,27 @@ def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array, block: in
     context = _mesh_axes("length")
     shards = sharding.axes_size(mesh, context)
     if shards > 1 and length % (shards * blk) == 0:
-      out = _context_split_splash(qt, kt, vt, segment_ids, mesh, batch, context, shards, h,
-                                  sizes, interpret)
+      out = _context_split_splash(
+        qt, kt, vt, segment_ids, mesh, batch, context, shards, h, sizes, interpret
+      )
     else:
       q_spec = PartitionSpec(batch, _mesh_axes("heads"), None, None)
       kv_spec = PartitionSpec(batch, _mesh_axes("kv_heads"), None, None)
-      out = jax.shard_map(kernel,
-                          in_specs=(q_spec, kv_spec, kv_spec, PartitionSpec(batch, None)),
-                          out_specs=q_spec, check_vma=False)(qt, kt, vt, segment_ids)
+      out = jax.shard_map(
+        kernel,
+        in_specs=(q_spec, kv_spec, kv_spec, PartitionSpec(batch, None)),
+        out_specs=q_spec,
+        check_vma=False,
+      )(qt, kt, vt, segment_ids)
   return jnp.swapaxes(out, 1, 2).astype(q.dtype)  # [B, L, H, hd]
 
 
-def _context_split_splash(qt, kt, vt, segment_ids, mesh, batch, context, shards, h, sizes,
-                          interpret):
+def _context_split_splash(
+  qt, kt, vt, segment_ids, mesh, batch, context, shards, h, sizes, interpret
+):
   """`splash_attention` with the queries split over the `context` mesh axes
   (its docstring): qt [B, H, L, hd], kt / vt [B, KVH, L, hd], all split
   over `context` along L on the way in; the output [B, H, L, hd] stays so."""
-  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
@@ -493,16 +525,20 @@ def _context_split_splash(qt, kt, vt, segment_ids, mesh, batch, context, shards,
   heads_axes, kv_axes = _mesh_axes("heads"), _mesh_axes("kv_heads")
   local_heads = h // sharding.axes_size(mesh, heads_axes)
   if local_heads * sharding.axes_size(mesh, heads_axes) != h or (
-      local_heads * kvh != (kvh // sharding.axes_size(mesh, kv_axes)) * h):
+    local_heads * kvh != (kvh // sharding.axes_size(mesh, kv_axes)) * h
+  ):
     raise ValueError(
-        f"splash attention: {h} query heads over {heads_axes} and {kvh} key heads over "
-        f"{kv_axes} do not keep the ratio {h // kvh} in every shard")
+      f"splash attention: {h} query heads over {heads_axes} and {kvh} key heads over "
+      f"{kv_axes} do not keep the ratio {h // kvh} in every shard"
+    )
   mask = sm.MultiHeadMask([sm.CausalMask((length, length))] * local_heads)
-  splash = sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=shards,
-                              interpret=interpret)
+  splash = sk.make_splash_mha(
+    mask, block_sizes=sizes, head_shards=1, q_seq_shards=shards, interpret=interpret
+  )
   # The kernel's mask info splits over the queries like the queries do.
   splash_spec = splash.manual_sharding_spec(
-      jax.sharding.NamedSharding(mesh, PartitionSpec(None, context)))
+    jax.sharding.NamedSharding(mesh, PartitionSpec(None, context))
+  )
   q_spec = PartitionSpec(batch, heads_axes, context, None)
   kv_spec = PartitionSpec(batch, kv_axes, context, None)
   seg_spec = PartitionSpec(batch, context)
@@ -512,7 +548,12 @@ def _context_split_splash(qt, kt, vt, segment_ids, mesh, batch, context, shards,
     k, v = (jax.lax.all_gather(x, context, axis=2, tiled=True) for x in (k, v))
     seg_kv = jax.lax.all_gather(seg, context, axis=1, tiled=True)
     return jax.vmap(lambda q, k, v, sq, skv: splash(q, k, v, segment_ids=sk.SegmentIds(sq, skv)))(
-        q, k, v, seg, seg_kv)
+      q, k, v, seg, seg_kv
+    )
 
-  return jax.shard_map(kernel, in_specs=(q_spec, kv_spec, kv_spec, seg_spec, splash_spec),
-                       out_specs=q_spec, check_vma=False)(qt, kt, vt, segment_ids, splash)
+  return jax.shard_map(
+    kernel,
+    in_specs=(q_spec, kv_spec, kv_spec, seg_spec, splash_spec),
+    out_specs=q_spec,
+    check_vma=False,
+  )(qt, kt, vt, segment_ids, splash)

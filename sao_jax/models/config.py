@@ -43,6 +43,7 @@ UNBUILT_KINDS: dict[str, str] = {}
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
   """One layer's kinds: `attention` in ATTENTION_KINDS, `mlp` in MLP_KINDS."""
+
   attention: str = "full"
   mlp: str = "moe"
 
@@ -61,6 +62,7 @@ class ModelConfig:
   shared expert when `shared_expert_d_ff` > 0). Its attention is
   `attention_kinds[i]` ("full" when the tuple is empty).
   """
+
   vocab_size: int
   d_model: int
   num_layers: int
@@ -194,15 +196,30 @@ class ModelConfig:
       except TypeError:
         dtype = None
       if dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{field} must be one of {[d.name for d in FLOAT_DTYPES]}, "
-                         f"got {value!r}")
+        raise ValueError(f"{field} must be one of {[d.name for d in FLOAT_DTYPES]}, got {value!r}")
       object.__setattr__(self, field, dtype)  # one canonical form: equal configs hash alike
-    for field in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
-                  "head_dim", "max_seq_len"):
+    for field in (
+      "vocab_size",
+      "d_model",
+      "num_layers",
+      "num_heads",
+      "num_kv_heads",
+      "head_dim",
+      "max_seq_len",
+    ):
       _check_int(field, getattr(self, field), 1)
-    for field in ("num_experts", "experts_per_token", "moe_d_ff", "dense_d_ff",
-                  "shared_expert_d_ff", "linear_num_key_heads", "linear_num_value_heads",
-                  "linear_key_head_dim", "linear_value_head_dim", "rotary_dim"):
+    for field in (
+      "num_experts",
+      "experts_per_token",
+      "moe_d_ff",
+      "dense_d_ff",
+      "shared_expert_d_ff",
+      "linear_num_key_heads",
+      "linear_num_value_heads",
+      "linear_key_head_dim",
+      "linear_value_head_dim",
+      "rotary_dim",
+    ):
       _check_int(field, getattr(self, field), 0)
     if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
       raise ValueError(f"rope_theta = {self.rope_theta!r}: must be a number > 0")
@@ -210,13 +227,15 @@ class ModelConfig:
       raise ValueError(f"rms_eps = {self.rms_eps!r}: must be in (0, 1)")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
-          f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-          f"({self.num_kv_heads}).")
+        f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})."
+      )
     if self.head_dim % 2:
       raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
     if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
-      raise ValueError(f"rotary_dim = {self.rotary_dim}: must be even and <= head_dim "
-                       f"({self.head_dim}); 0 turns all of head_dim")
+      raise ValueError(
+        f"rotary_dim = {self.rotary_dim}: must be even and <= head_dim "
+        f"({self.head_dim}); 0 turns all of head_dim"
+      )
     _check_int("linear_conv_kernel", self.linear_conv_kernel, 1)
     _check_int("deltanet_chunk", self.deltanet_chunk, 1)
     self._check_layers()
@@ -226,32 +245,39 @@ class ModelConfig:
       raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(
-          f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}"
+      )
     if self.attention_block <= 0:
       raise ValueError(f"attention_block must be positive, got {self.attention_block}")
     if self.attention_impl == "splash" and self.attention_block % 128:
-      raise ValueError("attention_impl='splash' needs attention_block a multiple of 128 "
-                       f"(the TPU lane width), got {self.attention_block}")
+      raise ValueError(
+        "attention_impl='splash' needs attention_block a multiple of 128 "
+        f"(the TPU lane width), got {self.attention_block}"
+      )
     if self.logits_chunk < 0:
       raise ValueError(f"logits_chunk must be >= 0 (0: full logits), got {self.logits_chunk}")
     if self.moe_block < 1:
       raise ValueError(f"moe_block must be positive, got {self.moe_block}")
     if self.moe_dispatch_chunk < 0:
       raise ValueError(
-          f"moe_dispatch_chunk must be >= 0 (0: one round), got {self.moe_dispatch_chunk}")
+        f"moe_dispatch_chunk must be >= 0 (0: one round), got {self.moe_dispatch_chunk}"
+      )
     if self.prefill_chunk < 0:
       raise ValueError(f"prefill_chunk must be >= 0 (0: one pass), got {self.prefill_chunk}")
     if self.vocab_ids:
       ids = tuple(int(i) for i in self.vocab_ids)
       if list(ids) != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= self.vocab_size:
-        raise ValueError("vocab_ids must be distinct token ids in increasing order, in "
-                         f"[0, vocab_size={self.vocab_size})")
+        raise ValueError(
+          "vocab_ids must be distinct token ids in increasing order, in "
+          f"[0, vocab_size={self.vocab_size})"
+        )
       object.__setattr__(self, "vocab_ids", ids)
     if self.scan_layers and not self.scannable:
       raise ValueError(
-          f"scan_layers scans the run of identical layers that ends the stack; with "
-          f"these layers ({self._kinds_summary()}) {self.scan_prefix} of "
-          f"{self.num_layers} would stay unrolled. Use scan_layers=False.")
+        f"scan_layers scans the run of identical layers that ends the stack; with "
+        f"these layers ({self._kinds_summary()}) {self.scan_prefix} of "
+        f"{self.num_layers} would stay unrolled. Use scan_layers=False."
+      )
 
   def _check_layers(self):
     """The layer description: experts, dense layers, attention kinds, family."""
@@ -260,37 +286,48 @@ class ModelConfig:
     if self.num_experts:
       if not 0 < self.experts_per_token <= self.num_experts:
         raise ValueError(
-            f"experts_per_token ({self.experts_per_token}) must be in "
-            f"[1, num_experts={self.num_experts}].")
+          f"experts_per_token ({self.experts_per_token}) must be in "
+          f"[1, num_experts={self.num_experts}]."
+        )
       if self.moe_d_ff < 1:
         raise ValueError(f"moe_d_ff = {self.moe_d_ff}: a model with experts needs it >= 1")
     elif self.experts_per_token or self.moe_d_ff or self.shared_expert_d_ff:
-      raise ValueError("num_experts = 0 (a dense model) needs experts_per_token, moe_d_ff "
-                       "and shared_expert_d_ff 0, got "
-                       f"{self.experts_per_token}, {self.moe_d_ff}, {self.shared_expert_d_ff}")
+      raise ValueError(
+        "num_experts = 0 (a dense model) needs experts_per_token, moe_d_ff "
+        "and shared_expert_d_ff 0, got "
+        f"{self.experts_per_token}, {self.moe_d_ff}, {self.shared_expert_d_ff}"
+      )
     if any(not 0 <= i < self.num_layers for i in self.dense_layers):
       raise ValueError(f"dense_layers {self.dense_layers} out of range.")
     if (self.dense_layers or not self.num_experts) and self.dense_d_ff <= 0:
       raise ValueError("dense layers (dense_layers, or num_experts = 0) need dense_d_ff > 0.")
     if self.attention_kinds and len(self.attention_kinds) != self.num_layers:
-      raise ValueError(f"attention_kinds has {len(self.attention_kinds)} entries for "
-                       f"{self.num_layers} layers (or () for all 'full')")
+      raise ValueError(
+        f"attention_kinds has {len(self.attention_kinds)} entries for "
+        f"{self.num_layers} layers (or () for all 'full')"
+      )
     for kind in self.attention_kinds:
       if kind not in ATTENTION_KINDS:
         raise ValueError(f"attention kind {kind!r}: must be one of {ATTENTION_KINDS}")
     if "linear" in self.attention_kinds:
-      heads = (self.linear_num_key_heads, self.linear_num_value_heads,
-               self.linear_key_head_dim, self.linear_value_head_dim)
+      heads = (
+        self.linear_num_key_heads,
+        self.linear_num_value_heads,
+        self.linear_key_head_dim,
+        self.linear_value_head_dim,
+      )
       if min(heads) < 1 or heads[1] % heads[0]:
         raise ValueError(
-            "linear (Gated DeltaNet) layers need linear_num_key_heads, "
-            "linear_num_value_heads, linear_key_head_dim and linear_value_head_dim >= 1, "
-            f"value heads a multiple of key heads; got {heads}")
+          "linear (Gated DeltaNet) layers need linear_num_key_heads, "
+          "linear_num_value_heads, linear_key_head_dim and linear_value_head_dim >= 1, "
+          f"value heads a multiple of key heads; got {heads}"
+        )
     for kind in sorted({k for spec in self.layer_specs for k in (spec.attention, spec.mlp)}):
       if kind in UNBUILT_KINDS:
         built = [k for k in ATTENTION_KINDS + MLP_KINDS if k not in UNBUILT_KINDS]
         raise ValueError(f"layer kind {kind!r}: {UNBUILT_KINDS[kind]} (built: {built})")
-    from sao_jax.models import families  # pylint: disable=g-import-not-at-top
+    from sao_jax.models import families
+
     families.check(self)
 
   def layer_spec(self, i: int) -> LayerSpec:
@@ -321,7 +358,7 @@ class ModelConfig:
     best = (n, n)
     for p in range(1, n + 1):
       k = n - p
-      while k - p >= 0 and specs[k - p:k] == specs[k:k + p]:
+      while k - p >= 0 and specs[k - p : k] == specs[k : k + p]:
         k -= p
       if k + p < sum(best):
         best = (k, p)
@@ -386,8 +423,10 @@ class ModelConfig:
   @property
   def linear_conv_channels(self) -> int:
     """A DeltaNet layer's conv channels: q, k (key heads) and v (value heads)."""
-    return (2 * self.linear_num_key_heads * self.linear_key_head_dim
-            + self.linear_num_value_heads * self.linear_value_head_dim)
+    return (
+      2 * self.linear_num_key_heads * self.linear_key_head_dim
+      + self.linear_num_value_heads * self.linear_value_head_dim
+    )
 
   @property
   def num_moe_layers(self) -> int:
@@ -409,21 +448,43 @@ class ModelConfig:
 
 # The fields an HF config.json sets (sao_jax/models/families.py); the rest say
 # how to run the model (dtypes, scan, remat, kernels) and come from a preset.
-ARCHITECTURE_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
-                       "head_dim", "num_experts", "experts_per_token", "moe_d_ff",
-                       "dense_d_ff", "dense_layers", "shared_expert_d_ff", "attention_kinds",
-                       "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                       "linear_value_head_dim", "linear_conv_kernel", "rotary_dim",
-                       "zero_centered_norm", "norm_topk_prob", "rope_theta", "rms_eps", "tie_embeddings",
-                       "max_seq_len", "family")
+ARCHITECTURE_FIELDS = (
+  "vocab_size",
+  "d_model",
+  "num_layers",
+  "num_heads",
+  "num_kv_heads",
+  "head_dim",
+  "num_experts",
+  "experts_per_token",
+  "moe_d_ff",
+  "dense_d_ff",
+  "dense_layers",
+  "shared_expert_d_ff",
+  "attention_kinds",
+  "linear_num_key_heads",
+  "linear_num_value_heads",
+  "linear_key_head_dim",
+  "linear_value_head_dim",
+  "linear_conv_kernel",
+  "rotary_dim",
+  "zero_centered_norm",
+  "norm_topk_prob",
+  "rope_theta",
+  "rms_eps",
+  "tie_embeddings",
+  "max_seq_len",
+  "family",
+)
 
 
 def with_architecture(run_as: ModelConfig, arch: ModelConfig, **overrides) -> ModelConfig:
   """`arch`'s architecture run as `run_as` says (its dtypes, scan, remat and
   kernels), then `overrides`. A stack the scan cannot take whole (more than
   half of it would stay unrolled) runs unscanned."""
-  cfg = dataclasses.replace(run_as, scan_layers=False,
-                            **{f: getattr(arch, f) for f in ARCHITECTURE_FIELDS})
+  cfg = dataclasses.replace(
+    run_as, scan_layers=False, **{f: getattr(arch, f) for f in ARCHITECTURE_FIELDS}
+  )
   scan = run_as.scan_layers and cfg.scannable
   return dataclasses.replace(cfg, **{"scan_layers": scan, **overrides})
 
@@ -436,61 +497,110 @@ def _check_int(field: str, value, low: int) -> None:
 def tiny(vocab_size: int = 64) -> ModelConfig:
   """~0.13M parameters: trains in minutes on 2 CPU cores."""
   return ModelConfig(
-      vocab_size=vocab_size, d_model=64, num_layers=2, num_heads=4,
-      num_kv_heads=2, head_dim=16, num_experts=4, experts_per_token=2,
-      moe_d_ff=64, max_seq_len=512, rope_theta=10_000.0)
+    vocab_size=vocab_size,
+    d_model=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    num_experts=4,
+    experts_per_token=2,
+    moe_d_ff=64,
+    max_seq_len=512,
+    rope_theta=10_000.0,
+  )
 
 
 def small(vocab_size: int = 64) -> ModelConfig:
   """~3M parameters: notebook scale, one dense layer like Qwen's mlp_only."""
   return ModelConfig(
-      vocab_size=vocab_size, d_model=192, num_layers=4, num_heads=6,
-      num_kv_heads=2, head_dim=32, num_experts=8, experts_per_token=2,
-      moe_d_ff=192, dense_d_ff=512, dense_layers=(0,), max_seq_len=1024,
-      rope_theta=10_000.0)
+    vocab_size=vocab_size,
+    d_model=192,
+    num_layers=4,
+    num_heads=6,
+    num_kv_heads=2,
+    head_dim=32,
+    num_experts=8,
+    experts_per_token=2,
+    moe_d_ff=192,
+    dense_d_ff=512,
+    dense_layers=(0,),
+    max_seq_len=1024,
+    rope_theta=10_000.0,
+  )
 
 
 # How the releases' shapes run on a pod (every preset of a real checkpoint):
 POD_RUN = dict(
-    # Mixed precision: float32 master weights, bfloat16 compute. bf16
-    # params would round the RL updates away (a step of lr 1e-6 is far
-    # below half an ulp of a 0.02 weight, 6.1e-5: sao_jax/models/precision.py);
-    # the engines hold bf16 copies, cast once per version.
-    param_dtype=jnp.float32, dtype=jnp.bfloat16,
-    # The layers as one scan with full remat (the backward keeps one
-    # [B, L, D] input per layer), splash attention on TPU (chunked
-    # elsewhere), log-probs over 1024-token chunks (peak logits
-    # [B, 1024, 151936] fp32, not [B, L, 151936]).
-    scan_layers=True, remat="full", attention_impl="splash", attention_block=512,
-    logits_chunk=1024,
-    # The engine appends long re-feeds 2048 tokens at a time (chunked
-    # prefill); prompts and observations (<= 2048) are one pass.
-    prefill_chunk=2048)
+  # Mixed precision: float32 master weights, bfloat16 compute. bf16
+  # params would round the RL updates away (a step of lr 1e-6 is far
+  # below half an ulp of a 0.02 weight, 6.1e-5: sao_jax/models/precision.py);
+  # the engines hold bf16 copies, cast once per version.
+  param_dtype=jnp.float32,
+  dtype=jnp.bfloat16,
+  # The layers as one scan with full remat (the backward keeps one
+  # [B, L, D] input per layer), splash attention on TPU (chunked
+  # elsewhere), log-probs over 1024-token chunks (peak logits
+  # [B, 1024, 151936] fp32, not [B, L, 151936]).
+  scan_layers=True,
+  remat="full",
+  attention_impl="splash",
+  attention_block=512,
+  logits_chunk=1024,
+  # The engine appends long re-feeds 2048 tokens at a time (chunked
+  # prefill); prompts and observations (<= 2048) are one pass.
+  prefill_chunk=2048,
+)
 
 
 def qwen3_30b_a3b() -> ModelConfig:
   """Qwen3-30B-A3B's published shape (config.json of the HF release)."""
   return ModelConfig(
-      vocab_size=151_936, d_model=2048, num_layers=48, num_heads=32,
-      num_kv_heads=4, head_dim=128, num_experts=128, experts_per_token=8,
-      moe_d_ff=768, dense_d_ff=6144, rope_theta=1e6, rms_eps=1e-6,
-      # Expert-parallel (dropless) MoE: the RL step at full depth needs a
-      # fraction of "ragged"'s memory per chip (the compiler's figures:
-      # benchmarks/RESULTS.md#pods-compile-and-fit).
-      tie_embeddings=False, max_seq_len=40_960, moe_impl="expert_parallel",
-      # Dispatch rounds of 8192 tokens a chip bound the dropless all-to-all
-      # buffers (in one round the RL step at 256 x 32768 does not fit: same
-      # section).
-      moe_dispatch_chunk=8192, **POD_RUN)
+    vocab_size=151_936,
+    d_model=2048,
+    num_layers=48,
+    num_heads=32,
+    num_kv_heads=4,
+    head_dim=128,
+    num_experts=128,
+    experts_per_token=8,
+    moe_d_ff=768,
+    dense_d_ff=6144,
+    rope_theta=1e6,
+    rms_eps=1e-6,
+    # Expert-parallel (dropless) MoE: the RL step at full depth needs a
+    # fraction of "ragged"'s memory per chip (the compiler's figures:
+    # benchmarks/RESULTS.md#pods-compile-and-fit).
+    tie_embeddings=False,
+    max_seq_len=40_960,
+    moe_impl="expert_parallel",
+    # Dispatch rounds of 8192 tokens a chip bound the dropless all-to-all
+    # buffers (in one round the RL step at 256 x 32768 does not fit: same
+    # section).
+    moe_dispatch_chunk=8192,
+    **POD_RUN,
+  )
 
 
 def tiny_dense(vocab_size: int = 64) -> ModelConfig:
   """A dense Qwen3 of ~0.1M parameters with tied embeddings (the small Qwen3
   models' layout): the CPU toy of the dense family."""
   return ModelConfig(
-      vocab_size=vocab_size, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
-      head_dim=16, num_experts=0, experts_per_token=0, moe_d_ff=0, dense_d_ff=128,
-      tie_embeddings=True, max_seq_len=512, rope_theta=10_000.0, family="qwen3")
+    vocab_size=vocab_size,
+    d_model=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    num_experts=0,
+    experts_per_token=0,
+    moe_d_ff=0,
+    dense_d_ff=128,
+    tie_embeddings=True,
+    max_seq_len=512,
+    rope_theta=10_000.0,
+    family="qwen3",
+  )
 
 
 def tiny_hybrid(vocab_size: int = 64) -> ModelConfig:
@@ -499,22 +609,52 @@ def tiny_hybrid(vocab_size: int = 64) -> ModelConfig:
   with a shared expert, zero-centred norms, a quarter of each head rotary.
   The CPU toy of the hybrid family."""
   return ModelConfig(
-      vocab_size=vocab_size, d_model=64, num_layers=4, num_heads=4, num_kv_heads=2,
-      head_dim=16, num_experts=4, experts_per_token=2, moe_d_ff=64, shared_expert_d_ff=64,
-      attention_kinds=("linear", "gated_full") * 2, linear_num_key_heads=2,
-      linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-      deltanet_chunk=32, rotary_dim=4, zero_centered_norm=True, max_seq_len=512,
-      rope_theta=10_000.0, family="qwen3_5_moe")
+    vocab_size=vocab_size,
+    d_model=64,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    num_experts=4,
+    experts_per_token=2,
+    moe_d_ff=64,
+    shared_expert_d_ff=64,
+    attention_kinds=("linear", "gated_full") * 2,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    deltanet_chunk=32,
+    rotary_dim=4,
+    zero_centered_norm=True,
+    max_seq_len=512,
+    rope_theta=10_000.0,
+    family="qwen3_5_moe",
+  )
 
 
-def _qwen3_dense(*, d_model: int, d_ff: int, num_layers: int, num_heads: int,
-                 tie: bool) -> ModelConfig:
+def _qwen3_dense(
+  *, d_model: int, d_ff: int, num_layers: int, num_heads: int, tie: bool
+) -> ModelConfig:
   """A dense Qwen3 release's shape, run as POD_RUN says."""
   return ModelConfig(
-      vocab_size=151_936, d_model=d_model, num_layers=num_layers, num_heads=num_heads,
-      num_kv_heads=8, head_dim=128, num_experts=0, experts_per_token=0, moe_d_ff=0,
-      dense_d_ff=d_ff, rope_theta=1e6, rms_eps=1e-6, tie_embeddings=tie,
-      max_seq_len=40_960, family="qwen3", **POD_RUN)
+    vocab_size=151_936,
+    d_model=d_model,
+    num_layers=num_layers,
+    num_heads=num_heads,
+    num_kv_heads=8,
+    head_dim=128,
+    num_experts=0,
+    experts_per_token=0,
+    moe_d_ff=0,
+    dense_d_ff=d_ff,
+    rope_theta=1e6,
+    rms_eps=1e-6,
+    tie_embeddings=tie,
+    max_seq_len=40_960,
+    family="qwen3",
+    **POD_RUN,
+  )
 
 
 # The shapes of the dense Qwen3 releases, from each one's config.json on the
@@ -544,19 +684,46 @@ def qwen3_5_35b_a3b() -> ModelConfig:
   every MLP 256 routed experts of 512 (top 8) plus a shared expert of 512;
   vocabulary 248,320, untied. The scan is one block of four layers."""
   return ModelConfig(
-      vocab_size=248_320, d_model=2048, num_layers=40, num_heads=16, num_kv_heads=2,
-      head_dim=256, num_experts=256, experts_per_token=8, moe_d_ff=512, shared_expert_d_ff=512,
-      attention_kinds=("linear", "linear", "linear", "gated_full") * 10,
-      linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-      linear_value_head_dim=128, linear_conv_kernel=4, rotary_dim=64,
-      zero_centered_norm=True, rope_theta=1e7, rms_eps=1e-6, tie_embeddings=False,
-      max_seq_len=262_144, family="qwen3_5_moe", moe_impl="expert_parallel",
-      moe_dispatch_chunk=8192, **POD_RUN)
+    vocab_size=248_320,
+    d_model=2048,
+    num_layers=40,
+    num_heads=16,
+    num_kv_heads=2,
+    head_dim=256,
+    num_experts=256,
+    experts_per_token=8,
+    moe_d_ff=512,
+    shared_expert_d_ff=512,
+    attention_kinds=("linear", "linear", "linear", "gated_full") * 10,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel=4,
+    rotary_dim=64,
+    zero_centered_norm=True,
+    rope_theta=1e7,
+    rms_eps=1e-6,
+    tie_embeddings=False,
+    max_seq_len=262_144,
+    family="qwen3_5_moe",
+    moe_impl="expert_parallel",
+    moe_dispatch_chunk=8192,
+    **POD_RUN,
+  )
 
 
 # Presets whose vocabulary follows the run's tokenizer (model.vocab_from_tokenizer).
 TOY_PRESETS = ("tiny", "small", "tiny_dense", "tiny_hybrid")
 
-PRESETS = {"tiny": tiny, "small": small, "tiny_dense": tiny_dense, "tiny_hybrid": tiny_hybrid,
-           "qwen3_0_6b": qwen3_0_6b, "qwen3_1_7b": qwen3_1_7b, "qwen3_8b": qwen3_8b,
-           "qwen3_30b_a3b": qwen3_30b_a3b, "qwen3_5_35b_a3b": qwen3_5_35b_a3b}
+PRESETS = {
+  "tiny": tiny,
+  "small": small,
+  "tiny_dense": tiny_dense,
+  "tiny_hybrid": tiny_hybrid,
+  "qwen3_0_6b": qwen3_0_6b,
+  "qwen3_1_7b": qwen3_1_7b,
+  "qwen3_8b": qwen3_8b,
+  "qwen3_30b_a3b": qwen3_30b_a3b,
+  "qwen3_5_35b_a3b": qwen3_5_35b_a3b,
+}

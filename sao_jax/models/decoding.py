@@ -39,16 +39,24 @@ import jax.numpy as jnp
 
 from sao_jax.models import routing
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.transformer import (Cache, Transformer, init_cache, lm_head_weight,
-                                        lm_logits)
+from sao_jax.models.transformer import Cache, Transformer, init_cache, lm_head_weight, lm_logits
 
 Array = jax.Array
 
 __all__ = ["extend", "extend_last", "init_cache"]
 
 
-def extend(cfg: ModelConfig, params, cache: Cache, tokens: Array, lengths: Array,
-           valid: Array, page_table: Array | None = None, *, record_routing: bool = False):
+def extend(
+  cfg: ModelConfig,
+  params,
+  cache: Cache,
+  tokens: Array,
+  lengths: Array,
+  valid: Array,
+  page_table: Array | None = None,
+  *,
+  record_routing: bool = False,
+):
   """Appends tokens to the cache and returns their next-token logits.
 
   Args:
@@ -69,8 +77,9 @@ def extend(cfg: ModelConfig, params, cache: Cache, tokens: Array, lengths: Array
     (`routing.collect(..., flat=True)`; meaningless at padding).
   """
   positions = lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
-  (logits, aux), chosen = _apply(cfg, Transformer(cfg, "lm"), params, tokens, positions,
-                                 valid, cache, page_table, record_routing)
+  (logits, aux), chosen = _apply(
+    cfg, Transformer(cfg, "lm"), params, tokens, positions, valid, cache, page_table, record_routing
+  )
   out = (logits, aux["cache"], lengths + valid.sum(1).astype(lengths.dtype))
   return out + (chosen,) if record_routing else out
 
@@ -80,8 +89,7 @@ def _apply(cfg, model, params, tokens, positions, valid, cache, page_table, reco
   args = ({"params": params}, tokens, positions, valid.astype(jnp.int32))
   if not record_routing:
     return model.apply(*args, cache=cache, page_table=page_table), None
-  out, state = model.apply(*args, cache=cache, page_table=page_table,
-                           mutable=["intermediates"])
+  out, state = model.apply(*args, cache=cache, page_table=page_table, mutable=["intermediates"])
   return out, routing.collect(cfg, state["intermediates"], *tokens.shape, flat=True)
 
 
@@ -92,9 +100,17 @@ def _last_valid(x: Array, valid: Array) -> Array:
   return jnp.take_along_axis(x, index, 1)[:, 0]
 
 
-def extend_last(cfg: ModelConfig, params, cache: Cache, tokens: Array, lengths: Array,
-                valid: Array, page_table: Array | None = None, *,
-                record_routing: bool = False):
+def extend_last(
+  cfg: ModelConfig,
+  params,
+  cache: Cache,
+  tokens: Array,
+  lengths: Array,
+  valid: Array,
+  page_table: Array | None = None,
+  *,
+  record_routing: bool = False,
+):
   """`extend`, returning only the logits after each row's last valid token.
 
   Arguments as `extend`. Returns (logits `[B, V]` fp32, new cache, new
@@ -107,8 +123,9 @@ def extend_last(cfg: ModelConfig, params, cache: Cache, tokens: Array, lengths: 
   """
   width = tokens.shape[1]
   if not cfg.prefill_chunk:
-    out = extend(cfg, params, cache, tokens, lengths, valid, page_table,
-                 record_routing=record_routing)
+    out = extend(
+      cfg, params, cache, tokens, lengths, valid, page_table, record_routing=record_routing
+    )
     return (_last_valid(out[0], valid),) + out[1:]
 
   chunk = min(cfg.prefill_chunk, width)
@@ -122,8 +139,9 @@ def extend_last(cfg: ModelConfig, params, cache: Cache, tokens: Array, lengths: 
     cache, lens, last = carry
     tok, ok = xs  # [B, C]
     positions = lens[:, None] + jnp.arange(chunk, dtype=lens.dtype)[None, :]
-    (hidden, aux), chosen = _apply(cfg, trunk, params, tok, positions, ok, cache, page_table,
-                                   record_routing)  # [B, C, D]
+    (hidden, aux), chosen = _apply(
+      cfg, trunk, params, tok, positions, ok, cache, page_table, record_routing
+    )  # [B, C, D]
     last = jnp.where(ok.any(1)[:, None], _last_valid(hidden, ok), last)
     return (aux["cache"], lens + ok.sum(1).astype(lens.dtype), last), chosen
 

@@ -112,8 +112,9 @@ def gated_rms_norm(x: Array, gate: Array, weight: Array, eps: float = 1e-6) -> A
   return (weight * normed * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
 
 
-def causal_conv(x: Array, weight: Array, conv_state: Array | None = None,
-                segment_ids: Array | None = None) -> tuple[Array, Array]:
+def causal_conv(
+  x: Array, weight: Array, conv_state: Array | None = None, segment_ids: Array | None = None
+) -> tuple[Array, Array]:
   """Depthwise causal conv1d over time, then SiLU, continuing from a state.
 
   With the K-1 inputs before position 0 taken from `conv_state`
@@ -150,16 +151,22 @@ def causal_conv(x: Array, weight: Array, conv_state: Array | None = None,
   w = weight.astype(jnp.float32)
 
   if segment_ids is None:
-    pre = sum(w[j] * xs[:, j:j + length].astype(jnp.float32) for j in range(taps))
+    pre = sum(w[j] * xs[:, j : j + length].astype(jnp.float32) for j in range(taps))
     return jax.nn.silu(pre).astype(x.dtype), xs[:, length:]
 
   chex.assert_shape(segment_ids, (batch, length))
   # The state's positions belong to position 0's segment.
   seg_ext = jnp.concatenate([jnp.repeat(segment_ids[:, :1], taps - 1, axis=1), segment_ids], axis=1)
-  pre = sum(w[j] * jnp.where((seg_ext[:, j:j + length] == segment_ids)[..., None],
-                             xs[:, j:j + length].astype(jnp.float32), 0.)
-            for j in range(taps))
-  y = jnp.where((segment_ids != 0)[..., None], jax.nn.silu(pre), 0.).astype(x.dtype)
+  pre = sum(
+    w[j]
+    * jnp.where(
+      (seg_ext[:, j : j + length] == segment_ids)[..., None],
+      xs[:, j : j + length].astype(jnp.float32),
+      0.0,
+    )
+    for j in range(taps)
+  )
+  y = jnp.where((segment_ids != 0)[..., None], jax.nn.silu(pre), 0.0).astype(x.dtype)
 
   # The window ending at the last real token t* is ext positions t*+1 .. t*+K-1.
   real = segment_ids != 0
@@ -187,10 +194,12 @@ def _segment_resets(segment_ids: Array) -> Array:
   length = segment_ids.shape[1]
   pos = jnp.where(segment_ids != 0, jnp.arange(length), -1)
   last_real = lax.cummax(pos, axis=1)
-  filled = jnp.where(last_real >= 0,
-                     jnp.take_along_axis(segment_ids, jnp.maximum(last_real, 0), axis=1), 0)
-  return jnp.concatenate([jnp.zeros_like(filled[:, :1], bool), filled[:, 1:] != filled[:, :-1]],
-                         axis=1)
+  filled = jnp.where(
+    last_real >= 0, jnp.take_along_axis(segment_ids, jnp.maximum(last_real, 0), axis=1), 0
+  )
+  return jnp.concatenate(
+    [jnp.zeros_like(filled[:, :1], bool), filled[:, 1:] != filled[:, :-1]], axis=1
+  )
 
 
 def _prepare(q, k, v, g, beta, initial_state, segment_ids, use_qk_l2norm_in_kernel, scale):
@@ -219,11 +228,17 @@ def _prepare(q, k, v, g, beta, initial_state, segment_ids, use_qk_l2norm_in_kern
   q, k = (jnp.repeat(x, heads // key_heads, axis=2) for x in (q, k))
   real = segment_ids != 0
   # Padding reads nothing and writes nothing: zero inputs, g = 0, beta = 0.
-  q, k, v, g, beta = (jnp.where(real.reshape(real.shape + (1,) * (x.ndim - 2)), x.astype(f32), 0.)
-                      for x in (q, k, v, g, beta))
+  q, k, v, g, beta = (
+    jnp.where(real.reshape(real.shape + (1,) * (x.ndim - 2)), x.astype(f32), 0.0)
+    for x in (q, k, v, g, beta)
+  )
   heads_first = lambda x: jnp.moveaxis(x, 2, 1)  # [B, L, H, ...] -> [B, H, L, ...]
-  return ((heads_first(x) for x in (q, k, v, g, beta)), initial_state.astype(f32),
-          _segment_resets(segment_ids), real)
+  return (
+    (heads_first(x) for x in (q, k, v, g, beta)),
+    initial_state.astype(f32),
+    _segment_resets(segment_ids),
+    real,
+  )
 
 
 def _recurrent_one(q, k, v, g, beta, state, resets):
@@ -231,7 +246,7 @@ def _recurrent_one(q, k, v, g, beta, state, resets):
 
   def step(s, x):
     q_t, k_t, v_t, g_t, beta_t, reset_t = x
-    s = jnp.where(reset_t, 0., s) * jnp.exp(g_t)  # S' = exp(g_t) S_{t-1}
+    s = jnp.where(reset_t, 0.0, s) * jnp.exp(g_t)  # S' = exp(g_t) S_{t-1}
     u = beta_t * (v_t - k_t @ s)  # [Dv]
     s = s + jnp.outer(k_t, u)
     return s, q_t @ s
@@ -240,11 +255,17 @@ def _recurrent_one(q, k, v, g, beta, state, resets):
   return out, state
 
 
-def recurrent_gated_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Array,
-                               initial_state: Array | None = None,
-                               segment_ids: Array | None = None,
-                               use_qk_l2norm_in_kernel: bool = False,
-                               scale: float | None = None) -> tuple[Array, Array]:
+def recurrent_gated_delta_rule(
+  q: Array,
+  k: Array,
+  v: Array,
+  g: Array,
+  beta: Array,
+  initial_state: Array | None = None,
+  segment_ids: Array | None = None,
+  use_qk_l2norm_in_kernel: bool = False,
+  scale: float | None = None,
+) -> tuple[Array, Array]:
   """The gated delta rule token by token (a `lax.scan`): decode step and oracle.
 
   Per row and value head h, from S_{-1} = initial_state,
@@ -276,10 +297,11 @@ def recurrent_gated_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Arr
     [B, H, Dk, Dv] fp32.
   """
   (qh, kh, vh, gh, bh), state, resets, real = _prepare(
-      q, k, v, g, beta, initial_state, segment_ids, use_qk_l2norm_in_kernel, scale)
+    q, k, v, g, beta, initial_state, segment_ids, use_qk_l2norm_in_kernel, scale
+  )
   per_head = jax.vmap(_recurrent_one, in_axes=(0, 0, 0, 0, 0, 0, None))
   out, state = jax.vmap(per_head)(qh, kh, vh, gh, bh, state, resets)  # [B, H, L, Dv]
-  out = jnp.where(real[:, :, None, None], jnp.moveaxis(out, 1, 2), 0.)
+  out = jnp.where(real[:, :, None, None], jnp.moveaxis(out, 1, 2), 0.0)
   return out.astype(q.dtype), state
 
 
@@ -335,12 +357,12 @@ def _chunked_one(q, k, v, g, beta, state, resets, chunk):
   # keeps exp finite (and its gradient free of inf * 0) where it is masked.
   visible = (idx[:, None] >= idx[None, :]) & (seg[:, :, None] == seg[:, None, :])  # [N, C, C]
   log_d = cum_g[:, :, None] - cum_g[:, None, :]
-  decay = jnp.where(visible, jnp.exp(jnp.where(visible, log_d, 0.)), 0.)
+  decay = jnp.where(visible, jnp.exp(jnp.where(visible, log_d, 0.0)), 0.0)
   # exp(G_i) while i still sees the incoming state, 0 after a reset.
-  from_start = jnp.where(seg == seg_in[:, None], jnp.exp(cum_g), 0.)  # [N, C]
+  from_start = jnp.where(seg == seg_in[:, None], jnp.exp(cum_g), 0.0)  # [N, C]
 
   strictly_lower = idx[:, None] > idx[None, :]
-  a = jnp.where(strictly_lower, beta[:, :, None] * jnp.einsum("nid,njd->nij", k, k) * decay, 0.)
+  a = jnp.where(strictly_lower, beta[:, :, None] * jnp.einsum("nid,njd->nij", k, k) * decay, 0.0)
   # U_v and W share one solve: (I + A) [U_v, W] = [diag(beta) V, diag(beta exp(G)) K].
   rhs = jnp.concatenate([beta[..., None] * v, (beta * from_start)[..., None] * k], axis=-1)
   u_both = unit_lower_inverse(a) @ rhs
@@ -360,11 +382,18 @@ def _chunked_one(q, k, v, g, beta, state, resets, chunk):
   return out.reshape(length, -1), state
 
 
-def chunked_gated_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Array,
-                             chunk: int = 64, initial_state: Array | None = None,
-                             segment_ids: Array | None = None,
-                             use_qk_l2norm_in_kernel: bool = False,
-                             scale: float | None = None) -> tuple[Array, Array]:
+def chunked_gated_delta_rule(
+  q: Array,
+  k: Array,
+  v: Array,
+  g: Array,
+  beta: Array,
+  chunk: int = 64,
+  initial_state: Array | None = None,
+  segment_ids: Array | None = None,
+  use_qk_l2norm_in_kernel: bool = False,
+  scale: float | None = None,
+) -> tuple[Array, Array]:
   """The gated delta rule in chunks of `chunk` tokens: training and prefill.
 
   The same function as `recurrent_gated_delta_rule` (same arguments and
@@ -391,15 +420,18 @@ def chunked_gated_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Array
   Memory per head O(L (Dk + Dv) + L C), fp32.
   """
   (qh, kh, vh, gh, bh), state, resets, real = _prepare(
-      q, k, v, g, beta, initial_state, segment_ids, use_qk_l2norm_in_kernel, scale)
+    q, k, v, g, beta, initial_state, segment_ids, use_qk_l2norm_in_kernel, scale
+  )
   length = q.shape[1]
   pad = -length % chunk
   if pad:
     # Padding tokens: zero inputs (so g = beta = 0) and no reset.
-    qh, kh, vh, gh, bh = (jnp.pad(x, ((0, 0), (0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 3))
-                          for x in (qh, kh, vh, gh, bh))
+    qh, kh, vh, gh, bh = (
+      jnp.pad(x, ((0, 0), (0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 3))
+      for x in (qh, kh, vh, gh, bh)
+    )
     resets = jnp.pad(resets, ((0, 0), (0, pad)))
   per_head = jax.vmap(lambda *x: _chunked_one(*x, chunk=chunk), in_axes=(0, 0, 0, 0, 0, 0, None))
   out, state = jax.vmap(per_head)(qh, kh, vh, gh, bh, state, resets)  # [B, H, Lp, Dv]
-  out = jnp.where(real[:, :, None, None], jnp.moveaxis(out, 1, 2)[:, :length], 0.)
+  out = jnp.where(real[:, :, None, None], jnp.moveaxis(out, 1, 2)[:, :length], 0.0)
   return out.astype(q.dtype), state

@@ -41,10 +41,10 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from sao_jax.algo.optim import param_path
 from sao_jax.models import families, hf_layout
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.hf_import import SAFETENSORS_DTYPES
-from sao_jax.algo.optim import param_path
 
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
 _CODES = {np.dtype(v): k for k, v in SAFETENSORS_DTYPES.items()}
@@ -59,6 +59,7 @@ class ExportError(ValueError):
 class _Unit:
   """One gather: `leaf` (a flat param path), optionally its slice `index`, and the
   layout entry that turns it into HF tensors."""
+
   leaf: str
   index: int | None
   tensor: hf_layout.Tensor
@@ -83,8 +84,10 @@ def _plan(cfg: ModelConfig, flat: dict, head: str) -> list[_Unit]:
     units.append(_Unit(leaf, index, t, tuple((n, a.shape) for n, a in outs)))
   missing, extra = sorted(set(wanted) - set(flat)), sorted(set(flat) - set(wanted))
   if missing or extra:
-    raise ExportError(f"params do not match the {head!r} model of this config: missing "
-                      f"{missing[:5]}, not exportable {extra[:5]}")
+    raise ExportError(
+      f"params do not match the {head!r} model of this config: missing "
+      f"{missing[:5]}, not exportable {extra[:5]}"
+    )
   return units
 
 
@@ -120,8 +123,9 @@ def _shards(units: list[_Unit], itemsize: int, shard_bytes: int) -> list[list[tu
 
 def _header(tensors: list[tuple], code: str, itemsize: int) -> bytes:
   """A safetensors header for (name, shape) tensors of one dtype."""
-  return _header_of([(name, code, shape, int(np.prod(shape)) * itemsize)
-                     for name, shape in tensors])
+  return _header_of(
+    [(name, code, shape, int(np.prod(shape)) * itemsize) for name, shape in tensors]
+  )
 
 
 def _header_of(tensors: list[tuple]) -> bytes:
@@ -141,7 +145,8 @@ def _to_host(x, index):
   if index is not None:
     x = x[index]
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    from jax.experimental import multihost_utils
+
     x = multihost_utils.process_allgather(x, tiled=True)
   return np.asarray(jax.device_get(x))
 
@@ -150,15 +155,25 @@ def _check_finite(name: str, a: np.ndarray, what: str) -> None:
   if a.dtype.kind == "f" or a.dtype == ml_dtypes.bfloat16:
     bad = ~np.isfinite(a.astype(np.float32) if a.dtype == ml_dtypes.bfloat16 else a)
     if bad.any():
-      raise ExportError(f"{name}: {int(bad.sum())} non-finite values {what}; refusing to "
-                        "export a model that holds NaN or inf")
+      raise ExportError(
+        f"{name}: {int(bad.sum())} non-finite values {what}; refusing to "
+        "export a model that holds NaN or inf"
+      )
 
 
-def export_params(params, cfg: ModelConfig, out: str, *, dtype: str = "bfloat16",
-                  head: str = "lm", shard_bytes: int = 5 * 2**30,
-                  extra_files: dict[str, str] | None = None,
-                  notes: dict | None = None, carry: tuple[str, list] | None = None,
-                  config_extra: dict | None = None) -> dict:
+def export_params(
+  params,
+  cfg: ModelConfig,
+  out: str,
+  *,
+  dtype: str = "bfloat16",
+  head: str = "lm",
+  shard_bytes: int = 5 * 2**30,
+  extra_files: dict[str, str] | None = None,
+  notes: dict | None = None,
+  carry: tuple[str, list] | None = None,
+  config_extra: dict | None = None,
+) -> dict:
   """Writes `params` as an HF model directory `out` (module docstring).
 
   Args:
@@ -208,12 +223,22 @@ def export_params(params, cfg: ModelConfig, out: str, *, dtype: str = "bfloat16"
     where.update(dict.fromkeys(carried["names"], CARRIED))
     names.append(CARRIED)
     total += carried["bytes"]
-  stats = {"dir": out, "files": names, "tensors": len(where), "bytes": total,
-           "peak_host_bytes": peak}
+  stats = {
+    "dir": out,
+    "files": names,
+    "tensors": len(where),
+    "bytes": total,
+    "peak_host_bytes": peak,
+  }
   if primary:
-    _publish(partial, out, {"metadata": {"total_size": total}, "weight_map": where},
-             {**families.hf_config(cfg, dtype, head), **(config_extra or {})}, extra_files,
-             {"dtype": dtype, "head": head, **(notes or {})})
+    _publish(
+      partial,
+      out,
+      {"metadata": {"total_size": total}, "weight_map": where},
+      {**families.hf_config(cfg, dtype, head), **(config_extra or {})},
+      extra_files,
+      {"dtype": dtype, "head": head, **(notes or {})},
+    )
   stats["seconds"] = round(time.time() - start, 3)
   return stats
 
@@ -266,14 +291,17 @@ CARRIED = "model-carried.safetensors"
 def _write_carried(partial: str, source: str, names: list) -> dict:
   """`names` of the checkpoint `source` copied unchanged (dtype, shape and
   bytes as stored) into `partial`/CARRIED; {"names", "bytes"}."""
-  # pylint: disable=g-import-not-at-top
   from sao_jax.models.hf_import import _Reader, read_safetensor
+
   reader = _Reader(source)
   stored = [reader.entry(n) for n in names]
   sizes = [e["data_offsets"][1] - e["data_offsets"][0] for _, e, _ in stored]
   with open(os.path.join(partial, CARRIED), "wb") as f:
-    f.write(_header_of([(n, e["dtype"], e["shape"], size)
-                        for n, (_, e, _), size in zip(names, stored, sizes)]))
+    f.write(
+      _header_of(
+        [(n, e["dtype"], e["shape"], size) for n, (_, e, _), size in zip(names, stored, sizes)]
+      )
+    )
     for where in stored:
       f.write(np.ascontiguousarray(read_safetensor(*where)).tobytes())
   return {"names": names, "bytes": sum(sizes)}
@@ -298,10 +326,11 @@ def _publish(partial: str, out: str, index: dict, config: dict, extra_files, rec
 
 # How the critic's exported head is read (written beside the value model).
 VALUE_HEAD_NOTE = (
-    "The sao-jax critic as a one-label ...ForTokenClassification of its family: score.weight "
-    "[1, d] and score.bias [1] are the value head. Its output at position t-1 is the value V_t of "
-    "emitting token t (sao-jax shifts values right by one: the value of a token is "
-    "computed from its prefix); the first token of a sequence has no value.")
+  "The sao-jax critic as a one-label ...ForTokenClassification of its family: score.weight "
+  "[1, d] and score.bias [1] are the value head. Its output at position t-1 is the value V_t of "
+  "emitting token t (sao-jax shifts values right by one: the value of a token is "
+  "computed from its prefix); the first token of a sequence has no value."
+)
 
 
 # --- a head over a vocabulary subset, written over the whole vocabulary -------------
@@ -309,12 +338,13 @@ VALUE_HEAD_NOTE = (
 
 # What the lm_head rows of ids outside a head subset are (sao_jax_export.json).
 OUTSIDE_NOTE = (
-    "every id outside the subset has the same lm_head row, the mean of the covered ids' "
-    "rows: its logit is the mean covered logit, never above the largest, so greedy "
-    "decoding never picks one (an exact tie aside). No lm_head row (Qwen3 has no head bias) "
-    "keeps sampling off them: they are many, and their total probability can be most of "
-    "it. generation_config.json's suppress_tokens removes them in transformers' generate; "
-    "a vLLM or SGLang request must pass allowed_token_ids = `ids`.")
+  "every id outside the subset has the same lm_head row, the mean of the covered ids' "
+  "rows: its logit is the mean covered logit, never above the largest, so greedy "
+  "decoding never picks one (an exact tie aside). No lm_head row (Qwen3 has no head bias) "
+  "keeps sampling off them: they are many, and their total probability can be most of "
+  "it. generation_config.json's suppress_tokens removes them in transformers' generate; "
+  "a vLLM or SGLang request must pass allowed_token_ids = `ids`."
+)
 
 
 def full_vocabulary(params, cfg: ModelConfig, head: str = "lm") -> tuple[dict, ModelConfig, dict]:
@@ -338,12 +368,16 @@ def full_vocabulary(params, cfg: ModelConfig, head: str = "lm") -> tuple[dict, M
   ids = np.asarray(cfg.vocab_ids, np.int64)
   rows = cfg.head_size
   embed = _to_host(params["embed"], None)  # [S + 1, d]
-  full = np.repeat(embed[rows:rows + 1], cfg.vocab_size, axis=0)  # [V, d]
+  full = np.repeat(embed[rows : rows + 1], cfg.vocab_size, axis=0)  # [V, d]
   full[ids] = embed[:rows]
   out = dict(params, embed=full)
-  record = {"covered": int(rows), "vocab_size": int(cfg.vocab_size), "ids": ids.tolist(),
-            "outside_embedding": "the shared row every uncovered id is read through",
-            "outside_ids": np.setdiff1d(np.arange(cfg.vocab_size), ids).tolist()}
+  record = {
+    "covered": int(rows),
+    "vocab_size": int(cfg.vocab_size),
+    "ids": ids.tolist(),
+    "outside_embedding": "the shared row every uncovered id is read through",
+    "outside_ids": np.setdiff1d(np.arange(cfg.vocab_size), ids).tolist(),
+  }
   if head == "lm":
     w = embed[:rows].T if cfg.tie_embeddings else _to_host(params["lm_head"], None)  # [d, S]
     mean = w.astype(np.float64).mean(axis=1).astype(w.dtype)  # [d]

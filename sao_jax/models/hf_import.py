@@ -29,14 +29,15 @@ import functools
 import glob
 import json
 import os
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from sao_jax.algo.optim import param_path
 from sao_jax.models import families, hf_layout
 from sao_jax.models.config import ModelConfig
-from sao_jax.algo.optim import param_path
 
 
 def config_from_hf(path: str, **overrides) -> ModelConfig:
@@ -53,9 +54,16 @@ def config_from_hf(path: str, **overrides) -> ModelConfig:
 # are read here from the documented layout instead (an 8-byte little-endian
 # header length, a JSON header of dtype / shape / data_offsets, the data).
 SAFETENSORS_DTYPES = {
-    "BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
-    "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64, "U8": np.uint8,
-    "BOOL": np.bool_,
+  "BF16": ml_dtypes.bfloat16,
+  "F16": np.float16,
+  "F32": np.float32,
+  "F64": np.float64,
+  "I8": np.int8,
+  "I16": np.int16,
+  "I32": np.int32,
+  "I64": np.int64,
+  "U8": np.uint8,
+  "BOOL": np.bool_,
 }
 
 
@@ -72,8 +80,9 @@ def read_safetensor(file: str, entry: dict, data_start: int) -> np.ndarray:
   """One tensor of a safetensors file as a numpy array (bfloat16 included)."""
   code = entry["dtype"]
   if code not in SAFETENSORS_DTYPES:
-    raise ValueError(f"{file}: tensor dtype {code} is not supported "
-                     f"(supported: {sorted(SAFETENSORS_DTYPES)})")
+    raise ValueError(
+      f"{file}: tensor dtype {code} is not supported (supported: {sorted(SAFETENSORS_DTYPES)})"
+    )
   begin, end = entry["data_offsets"]
   dtype = np.dtype(SAFETENSORS_DTYPES[code])
   with open(file, "rb") as f:
@@ -132,7 +141,7 @@ class _Reader:
 
   def _stored(self, name: str) -> str:
     if self.multimodal and name.startswith("model."):
-      return MULTIMODAL_TEXT + name[len("model."):]
+      return MULTIMODAL_TEXT + name[len("model.") :]
     return name
 
   def __contains__(self, name):
@@ -147,8 +156,9 @@ class _Reader:
 
   def unused(self):
     """Tensors nothing read, but the vision tower and MTP head (left out on purpose)."""
-    return sorted(n for n in set(self._where) - self.used
-                  if not n.startswith((VISION_PREFIX, MTP_PREFIX)))
+    return sorted(
+      n for n in set(self._where) - self.used if not n.startswith((VISION_PREFIX, MTP_PREFIX))
+    )
 
   def left_out(self) -> str:
     """One line on what an import leaves out on purpose ("" when nothing)."""
@@ -156,19 +166,24 @@ class _Reader:
     mtp = sum(n.startswith(MTP_PREFIX) for n in self._where)
     notes = []
     if vision:
-      notes.append(f"{vision} vision-tower tensors (model.visual.*) not imported: sao-jax "
-                   "trains the text model")
+      notes.append(
+        f"{vision} vision-tower tensors (model.visual.*) not imported: sao-jax "
+        "trains the text model"
+      )
     if mtp:
-      notes.append(f"{mtp} MTP-head tensors (mtp.*) not trained: an export from this run "
-                   "carries them over unchanged")
+      notes.append(
+        f"{mtp} MTP-head tensors (mtp.*) not trained: an export from this run "
+        "carries them over unchanged"
+      )
     return "; ".join(notes)
 
 
 def _without_leading_axis(sharding):
   """The sharding of one layer's slice of a stacked [n, ...] parameter."""
   if isinstance(sharding, jax.sharding.NamedSharding):
-    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(
-        *tuple(sharding.spec)[1:]))
+    return jax.sharding.NamedSharding(
+      sharding.mesh, jax.sharding.PartitionSpec(*tuple(sharding.spec)[1:])
+    )
   return sharding  # single-device: any shape
 
 
@@ -181,8 +196,9 @@ def _stacked_ops(shape, dtype, sharding):
   """
   kw = {} if sharding is None else {"out_shardings": sharding}
   zeros = jax.jit(lambda: jnp.zeros(shape, dtype), **kw)
-  write = jax.jit(lambda buf, x, j: jax.lax.dynamic_update_index_in_dim(buf, x, j, 0),
-                  donate_argnums=0, **kw)
+  write = jax.jit(
+    lambda buf, x, j: jax.lax.dynamic_update_index_in_dim(buf, x, j, 0), donate_argnums=0, **kw
+  )
   return zeros, write
 
 
@@ -194,15 +210,18 @@ def _load_stacked(name: str, loaders, layers, shape, sharding):
   for j, (load, layer) in enumerate(zip(loaders, layers)):
     host = np.asarray(load())
     if host.shape != tuple(shape.shape[1:]):
-      raise ValueError(f"{name} (model.layers.{layer}): checkpoint shape {host.shape} "
-                       f"!= model {tuple(shape.shape[1:])}")
+      raise ValueError(
+        f"{name} (model.layers.{layer}): checkpoint shape {host.shape} "
+        f"!= model {tuple(shape.shape[1:])}"
+      )
     buf = write(buf, jax.device_put(host.astype(shape.dtype), layer_sharding), j)
     del host
   return buf
 
 
-def load_hf_checkpoint(path: str, cfg: ModelConfig, shardings=None, *, strict: bool = True,
-                       head: str = "lm"):
+def load_hf_checkpoint(
+  path: str, cfg: ModelConfig, shardings=None, *, strict: bool = True, head: str = "lm"
+):
   """Loads params from a safetensors checkpoint of `cfg.family`.
 
   Args:
@@ -231,25 +250,35 @@ def load_hf_checkpoint(path: str, cfg: ModelConfig, shardings=None, *, strict: b
       else:
         stacked.setdefault(f"{where}/{t.ours}", []).append((load, i))
 
-  from sao_jax.models.policy import init_params  # pylint: disable=g-import-not-at-top
+  from sao_jax.models.policy import init_params
+
   shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), head))
-  flat_shapes = {param_path(path): leaf
-                 for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]}
+  flat_shapes = {
+    param_path(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]
+  }
   mapped = set(loaders) | set(stacked)
   if set(flat_shapes) != mapped:
-    raise ValueError(f"Import mapping mismatch: model-only "
-                     f"{sorted(set(flat_shapes) - mapped)}, mapping-only "
-                     f"{sorted(mapped - set(flat_shapes))}")
+    raise ValueError(
+      f"Import mapping mismatch: model-only "
+      f"{sorted(set(flat_shapes) - mapped)}, mapping-only "
+      f"{sorted(mapped - set(flat_shapes))}"
+    )
   flat_shardings = {}
   if shardings is not None:
-    flat_shardings = {param_path(path): s
-                      for path, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
+    flat_shardings = {
+      param_path(path): s for path, s in jax.tree_util.tree_flatten_with_path(shardings)[0]
+    }
 
   flat = {}
   for name, shape in flat_shapes.items():
     if name in stacked:
-      flat[name] = _load_stacked(name, [load for load, _ in stacked[name]],
-                                 [i for _, i in stacked[name]], shape, flat_shardings.get(name))
+      flat[name] = _load_stacked(
+        name,
+        [load for load, _ in stacked[name]],
+        [i for _, i in stacked[name]],
+        shape,
+        flat_shardings.get(name),
+      )
       continue
     host = np.asarray(loaders[name]())
     if host.shape != shape.shape:
@@ -259,10 +288,12 @@ def load_hf_checkpoint(path: str, cfg: ModelConfig, shardings=None, *, strict: b
     del host
   if note := r.left_out():
     print(f"[model] {path}: {note}", flush=True)
-  if strict and (extra := [n for n in r.unused()
-                           if not (cfg.tie_embeddings and n == "lm_head.weight")]):
-    raise ValueError(f"Checkpoint tensors not used by the model: {extra[:10]}"
-                     f"{' ...' if len(extra) > 10 else ''}")
+  if strict and (
+    extra := [n for n in r.unused() if not (cfg.tie_embeddings and n == "lm_head.weight")]
+  ):
+    raise ValueError(
+      f"Checkpoint tensors not used by the model: {extra[:10]}{' ...' if len(extra) > 10 else ''}"
+    )
 
   params: dict = {}
   for name, value in flat.items():

@@ -50,8 +50,9 @@ class Tensor:
   to_hf: Callable  # np.ndarray -> list[(name, np.ndarray)]
 
 
-def _linear(ours: str, name: str, unflatten: Callable[[tuple], tuple] | None = None,
-            in_axes: int = 1) -> Tensor:
+def _linear(
+  ours: str, name: str, unflatten: Callable[[tuple], tuple] | None = None, in_axes: int = 1
+) -> Tensor:
   """An `nn.Linear` weight: HF [out, in] <-> ours [in..., out...].
 
   `unflatten`: our shape from the transposed [in, out] one (heads as axes);
@@ -80,8 +81,7 @@ def _experts(ours: str, pre: str, theirs: str, cfg: ModelConfig) -> Tensor:
   f = cfg.moe_d_ff
 
   def to_ours(r):
-    fused = pre + ("mlp.experts.down_proj" if theirs == "down_proj"
-                   else "mlp.experts.gate_up_proj")
+    fused = pre + ("mlp.experts.down_proj" if theirs == "down_proj" else "mlp.experts.gate_up_proj")
     if fused in r:
       w = r.get(fused)
       if theirs == "gate_proj":
@@ -102,13 +102,13 @@ def _experts(ours: str, pre: str, theirs: str, cfg: ModelConfig) -> Tensor:
   return Tensor(ours, names, to_ours, to_hf)
 
 
-def _rows(ours: str, name: str, begin: int, end: int, to_ours: Callable,
-          to_hf: Callable) -> Tensor:
+def _rows(ours: str, name: str, begin: int, end: int, to_ours: Callable, to_hf: Callable) -> Tensor:
   """Rows [begin, end) of a fused HF tensor (q, k and v of `in_proj_qkv` and
   `conv1d`): import slices them out; export writes the rows, and the parts
   of one tensor, planned one after another, are joined along axis 0."""
-  return Tensor(ours, (name,), lambda r: to_ours(r.get(name)[begin:end]),
-                lambda x: [(name, to_hf(x))])
+  return Tensor(
+    ours, (name,), lambda r: to_ours(r.get(name)[begin:end]), lambda x: [(name, to_hf(x))]
+  )
 
 
 def _attention_tensors(cfg: ModelConfig, pre: str, gated: bool) -> list[Tensor]:
@@ -116,12 +116,12 @@ def _attention_tensors(cfg: ModelConfig, pre: str, gated: bool) -> list[Tensor]:
   h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   q_dim = 2 * hd if gated else hd
   return [
-      _linear("attn/q", pre + "self_attn.q_proj.weight", lambda s: (s[0], h, q_dim)),
-      _linear("attn/k", pre + "self_attn.k_proj.weight", lambda s: (s[0], kvh, hd)),
-      _linear("attn/v", pre + "self_attn.v_proj.weight", lambda s: (s[0], kvh, hd)),
-      _linear("attn/o", pre + "self_attn.o_proj.weight", lambda s: (h, hd, s[1]), in_axes=2),
-      _copy("attn/q_norm/scale", pre + "self_attn.q_norm.weight"),
-      _copy("attn/k_norm/scale", pre + "self_attn.k_norm.weight"),
+    _linear("attn/q", pre + "self_attn.q_proj.weight", lambda s: (s[0], h, q_dim)),
+    _linear("attn/k", pre + "self_attn.k_proj.weight", lambda s: (s[0], kvh, hd)),
+    _linear("attn/v", pre + "self_attn.v_proj.weight", lambda s: (s[0], kvh, hd)),
+    _linear("attn/o", pre + "self_attn.o_proj.weight", lambda s: (h, hd, s[1]), in_axes=2),
+    _copy("attn/q_norm/scale", pre + "self_attn.q_norm.weight"),
+    _copy("attn/k_norm/scale", pre + "self_attn.k_norm.weight"),
   ]
 
 
@@ -136,14 +136,31 @@ def _linear_attention_tensors(cfg: ModelConfig, pre: str) -> list[Tensor]:
   for part, n, dim in (("q", hk, dk), ("k", hk, dk), ("v", h, dv)):
     end = begin + n * dim
     # in_proj_qkv [C, d] rows -> ours [d, n, dim]; conv1d [C, 1, K] rows -> ours [K, n, dim].
-    proj.append(_rows(f"attn/{part}", pre + "in_proj_qkv.weight", begin, end,
-                      lambda w, n=n, dim=dim: w.T.reshape(w.shape[1], n, dim),
-                      lambda x: x.reshape(x.shape[0], -1).T))
-    conv.append(_rows(f"attn/conv_{part}", pre + "conv1d.weight", begin, end,
-                      lambda w, n=n, dim=dim: w[:, 0, :].T.reshape(w.shape[2], n, dim),
-                      lambda x: x.reshape(x.shape[0], -1).T[:, None, :]))
+    proj.append(
+      _rows(
+        f"attn/{part}",
+        pre + "in_proj_qkv.weight",
+        begin,
+        end,
+        lambda w, n=n, dim=dim: w.T.reshape(w.shape[1], n, dim),
+        lambda x: x.reshape(x.shape[0], -1).T,
+      )
+    )
+    conv.append(
+      _rows(
+        f"attn/conv_{part}",
+        pre + "conv1d.weight",
+        begin,
+        end,
+        lambda w, n=n, dim=dim: w[:, 0, :].T.reshape(w.shape[2], n, dim),
+        lambda x: x.reshape(x.shape[0], -1).T[:, None, :],
+      )
+    )
     begin = end
-  return proj + conv + [
+  return (
+    proj
+    + conv
+    + [
       _linear("attn/z", pre + "in_proj_z.weight", lambda s: (s[0], h, dv)),
       _linear("attn/a", pre + "in_proj_a.weight"),
       _linear("attn/b", pre + "in_proj_b.weight"),
@@ -151,7 +168,8 @@ def _linear_attention_tensors(cfg: ModelConfig, pre: str) -> list[Tensor]:
       _copy("attn/dt_bias", pre + "dt_bias"),
       _copy("attn/norm", pre + "norm.weight"),
       _linear("attn/o", pre + "out_proj.weight", lambda s: (h, dv, s[1]), in_axes=2),
-  ]
+    ]
+  )
 
 
 def layer_tensors(cfg: ModelConfig, i: int) -> list[Tensor]:
@@ -159,8 +177,8 @@ def layer_tensors(cfg: ModelConfig, i: int) -> list[Tensor]:
   pre = f"model.layers.{i}."
   spec = cfg.layer_spec(i)
   out = [
-      _copy("attn_norm/scale", pre + "input_layernorm.weight"),
-      _copy("mlp_norm/scale", pre + "post_attention_layernorm.weight"),
+    _copy("attn_norm/scale", pre + "input_layernorm.weight"),
+    _copy("mlp_norm/scale", pre + "post_attention_layernorm.weight"),
   ]
   if spec.attention == "linear":
     out += _linear_attention_tensors(cfg, pre)
@@ -173,8 +191,10 @@ def layer_tensors(cfg: ModelConfig, i: int) -> list[Tensor]:
   for ours, theirs in swiglu:
     out.append(_experts(f"moe/{ours}", pre, theirs, cfg))
   if spec.mlp == "moe_shared":
-    out += [_linear(f"moe/shared/{ours}", pre + f"mlp.shared_expert.{theirs}.weight")
-            for ours, theirs in swiglu]
+    out += [
+      _linear(f"moe/shared/{ours}", pre + f"mlp.shared_expert.{theirs}.weight")
+      for ours, theirs in swiglu
+    ]
     out.append(_linear("moe/shared_gate", pre + "mlp.shared_expert_gate.weight"))
   return out
 
@@ -185,7 +205,10 @@ def top_tensors(cfg: ModelConfig, head: str = "lm") -> list[Tensor]:
   `head="value"`: the critic's value head, as a one-label token classifier's
   `score` Linear (weight [1, d], bias [1]).
   """
-  out = [_copy("embed", "model.embed_tokens.weight"), _copy("final_norm/scale", "model.norm.weight")]
+  out = [
+    _copy("embed", "model.embed_tokens.weight"),
+    _copy("final_norm/scale", "model.norm.weight"),
+  ]
   if head == "value":
     out += [_linear("value_head", "score.weight"), _copy("value_bias", "score.bias")]
   elif not cfg.tie_embeddings:

@@ -34,14 +34,20 @@ def recurrent_shapes(cfg: ModelConfig, slots: int) -> dict[str, tuple[int, ...]]
   q, k and v, and the delta-rule state [slots, H, Dk, Dv]."""
   hk, h = cfg.linear_num_key_heads, cfg.linear_num_value_heads
   dk, dv, k = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel
-  return {"conv_q": (slots, k - 1, hk, dk), "conv_k": (slots, k - 1, hk, dk),
-          "conv_v": (slots, k - 1, h, dv), "state": (slots, h, dk, dv)}
+  return {
+    "conv_q": (slots, k - 1, hk, dk),
+    "conv_k": (slots, k - 1, hk, dk),
+    "conv_v": (slots, k - 1, h, dv),
+    "state": (slots, h, dk, dv),
+  }
 
 
 def _layer_entry(cfg: ModelConfig, i: int, kv_shape, slots: int, dtype, lead=()):
   if cfg.layer_spec(i).attention == "linear":
-    return {name: jnp.zeros(lead + shape, jnp.float32 if name == "state" else dtype)
-            for name, shape in recurrent_shapes(cfg, slots).items()}
+    return {
+      name: jnp.zeros(lead + shape, jnp.float32 if name == "state" else dtype)
+      for name, shape in recurrent_shapes(cfg, slots).items()
+    }
   return {"k": jnp.zeros(lead + kv_shape, dtype), "v": jnp.zeros(lead + kv_shape, dtype)}
 
 
@@ -53,11 +59,13 @@ def kv_tree(cfg: ModelConfig, shape: tuple[int, ...], slots: int, dtype=None) ->
   dtype = dtype or cfg.dtype
   if not cfg.scan_layers:
     return [_layer_entry(cfg, i, shape, slots, dtype) for i in range(cfg.num_layers)]
-  tree: dict = {f"layer_{i}": _layer_entry(cfg, i, shape, slots, dtype)
-                for i in range(cfg.scan_prefix)}
+  tree: dict = {
+    f"layer_{i}": _layer_entry(cfg, i, shape, slots, dtype) for i in range(cfg.scan_prefix)
+  }
   steps, period = cfg.scan_steps, cfg.scan_period
-  subs = [_layer_entry(cfg, cfg.scan_prefix + r, shape, slots, dtype, (steps,))
-          for r in range(period)]
+  subs = [
+    _layer_entry(cfg, cfg.scan_prefix + r, shape, slots, dtype, (steps,)) for r in range(period)
+  ]
   tree["layers"] = subs[0] if period == 1 else {f"sub_{r}": e for r, e in enumerate(subs)}
   return tree
 
@@ -72,7 +80,8 @@ def map_kv(fn: Callable, *trees) -> Cache:
   """`fn` over the key / value leaves of caches of one structure; a
   recurrent leaf is taken from the last tree (the model's latest state)."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, *leaves: leaves[-1] if is_recurrent(path) else fn(*leaves), *trees)
+    lambda path, *leaves: leaves[-1] if is_recurrent(path) else fn(*leaves), *trees
+  )
 
 
 def kv_leaves(tree) -> list:

@@ -69,6 +69,7 @@ class LoraConfig:
   whole: regexes; leaves trained whole (in float32) instead of adapted.
   frozen: regexes; paths never adapted nor trained (wins over both).
   """
+
   rank: int
   alpha: float
   targets: tuple[str, ...]
@@ -84,15 +85,16 @@ class LoraConfig:
 class Layout:
   """How a weight is a matrix: `batch` leading axes (beyond a stacked
   layer axis) with an adapter each, then `inputs` contracted axes."""
+
   batch: int
   inputs: int
 
 
 # First match wins; an extension point for new parameter kinds.
 LAYOUTS: tuple[tuple[str, Layout], ...] = (
-    (r"/moe/(wi_gate|wi_up|wo)$", Layout(batch=1, inputs=1)),  # [E, in, out]
-    (r"/attn/o$", Layout(batch=0, inputs=2)),  # [heads, head_dim, d]
-    (r".*", Layout(batch=0, inputs=1)),  # [in, out...]: q/k/v [d, heads, head_dim]
+  (r"/moe/(wi_gate|wi_up|wo)$", Layout(batch=1, inputs=1)),  # [E, in, out]
+  (r"/attn/o$", Layout(batch=0, inputs=2)),  # [heads, head_dim, d]
+  (r".*", Layout(batch=0, inputs=1)),  # [in, out...]: q/k/v [d, heads, head_dim]
 )
 # Paths that are not projections (a gather), refused as targets.
 NOT_PROJECTIONS = (r"^embed$",)
@@ -102,27 +104,35 @@ _STACKED = re.compile(r"^layers/")
 def _matrix_axes(path: str, shape: tuple) -> tuple[int, int]:
   """(batch axes, input axes) of the weight at `path`; refuses non-matrices."""
   if any(re.search(rx, path) for rx in NOT_PROJECTIONS):
-    raise ValueError(f"lora: {path!r} is not a projection (an embedding gather); "
-                     "leave it out of the targets")
+    raise ValueError(
+      f"lora: {path!r} is not a projection (an embedding gather); leave it out of the targets"
+    )
   layout = next(lay for rx, lay in LAYOUTS if re.search(rx, path))
   batch = layout.batch + (1 if _STACKED.search(path) else 0)
   if len(shape) < batch + layout.inputs + 1:
-    raise ValueError(f"lora: {path!r} of shape {tuple(shape)} is not a matrix; a target "
-                     "must be a projection weight (not a norm scale or bias)")
+    raise ValueError(
+      f"lora: {path!r} of shape {tuple(shape)} is not a matrix; a target "
+      "must be a projection weight (not a norm scale or bias)"
+    )
   return batch, layout.inputs
 
 
 def matrix_shape(path: str, shape: tuple) -> tuple[tuple, int, int]:
   """(batch shape, in, out) of the weight at `path` viewed as a matrix."""
   batch, inputs = _matrix_axes(path, shape)
-  return (tuple(shape[:batch]), math.prod(shape[batch:batch + inputs]),
-          math.prod(shape[batch + inputs:]))
+  return (
+    tuple(shape[:batch]),
+    math.prod(shape[batch : batch + inputs]),
+    math.prod(shape[batch + inputs :]),
+  )
 
 
 def _names(params) -> list[tuple[str, tuple, object]]:
   """(path, key tuple, leaf) for every leaf."""
-  return [(optim.param_path(p), tuple(getattr(k, "key", k) for k in p), x)
-          for p, x in jax.tree_util.tree_flatten_with_path(params)[0]]
+  return [
+    (optim.param_path(p), tuple(getattr(k, "key", k) for k in p), x)
+    for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+  ]
 
 
 def plan(params, cfg: LoraConfig) -> dict[str, str]:
@@ -172,8 +182,9 @@ def init_adapters(params, cfg: LoraConfig, rng):
     elif kind == "adapter":
       batch, n_in, n_out = matrix_shape(name, x.shape)
       bound = 1.0 / math.sqrt(n_in)
-      a = jax.random.uniform(jax.random.fold_in(rng, i), batch + (n_in, cfg.rank),
-                             jnp.float32, -bound, bound)
+      a = jax.random.uniform(
+        jax.random.fold_in(rng, i), batch + (n_in, cfg.rank), jnp.float32, -bound, bound
+      )
       _insert(out, keys, {A: a, B: jnp.zeros(batch + (cfg.rank, n_out), jnp.float32)})
   return out
 
@@ -206,8 +217,11 @@ def adapter_shardings(params, param_shardings, cfg: LoraConfig):
     elif kind == "adapter":
       batch, inputs = _matrix_axes(name, x.shape)
       spec = tuple(sh.spec) + (None,) * (len(x.shape) - len(sh.spec))
-      b, i, o = (spec[:batch], _merged_spec(spec[batch:batch + inputs]),
-                 _merged_spec(spec[batch + inputs:]))
+      b, i, o = (
+        spec[:batch],
+        _merged_spec(spec[batch : batch + inputs]),
+        _merged_spec(spec[batch + inputs :]),
+      )
       named = lambda *axes: jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(*axes))
       _insert(out, keys, {A: named(*b, i, None), B: named(*b, None, o)})
   return out
@@ -278,14 +292,14 @@ def _leaf_digest(x: jax.Array) -> jax.Array:
   sum over elements of bits * (1 + sum_axis iota_axis * prime_axis), wrapping."""
   if jnp.issubdtype(x.dtype, jnp.floating):
     width = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
-    x = jax.lax.bitcast_convert_type(x.astype(jnp.float32) if width is jnp.uint32
-                                     else x, width)
+    x = jax.lax.bitcast_convert_type(x.astype(jnp.float32) if width is jnp.uint32 else x, width)
   bits = x.astype(jnp.uint32)
   primes = (2654435761, 2246822519, 3266489917, 668265263, 374761393)
   weight = jnp.ones(x.shape, jnp.uint32)
   for axis in range(x.ndim):
-    weight = weight + (jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis)
-                       * jnp.uint32(primes[axis % len(primes)]))
+    weight = weight + (
+      jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis) * jnp.uint32(primes[axis % len(primes)])
+    )
   return jnp.sum(bits * weight, dtype=jnp.uint32)
 
 

@@ -63,7 +63,8 @@ def ambient_mesh():
   if not mesh.empty:
     return mesh
   try:
-    from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+    from jax._src import mesh as mesh_lib
+
     mesh = mesh_lib.thread_resources.env.physical_mesh
   except (ImportError, AttributeError):
     return None
@@ -102,7 +103,8 @@ def ragged_moe(x, top_i, top_p, wi_gate, wi_up, wo, token_mask=None):
   xs = x[order // k]  # [N*k, D], grouped by expert
   sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)  # [E]
   hidden = jax.nn.silu(jax.lax.ragged_dot(xs, wi_gate, sizes)) * jax.lax.ragged_dot(
-      xs, wi_up, sizes)  # [N*k, F]
+    xs, wi_up, sizes
+  )  # [N*k, F]
   ys = jax.lax.ragged_dot(hidden, wo, sizes)  # [N*k, D]
   ys = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, d)
   return jnp.einsum("nkd,nk->nd", ys, top_p)
@@ -151,15 +153,16 @@ def blocked_moe(x, top_i, top_p, wi_gate, wi_up, wo, block: int):
   row = row.astype(jnp.int32)
   blocks = pairs // block + e
   # Source token of every buffer row; padding rows read an appended zero row.
-  source = jnp.full((blocks * block,), n, jnp.int32).at[row].set(
-      (order // k).astype(jnp.int32))
+  source = jnp.full((blocks * block,), n, jnp.int32).at[row].set((order // k).astype(jnp.int32))
   rows = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[source]
   rows = rows.reshape(blocks, block, d)
   # Expert of each block; trailing unused blocks (all padding) take the last.
   block_e = jnp.minimum(
-      jnp.searchsorted(padded_end, jnp.arange(blocks) * block, side="right"), e - 1)
+    jnp.searchsorted(padded_end, jnp.arange(blocks) * block, side="right"), e - 1
+  )
   hidden = jax.nn.silu(jnp.einsum("brd,bdf->brf", rows, wi_gate[block_e])) * jnp.einsum(
-      "brd,bdf->brf", rows, wi_up[block_e])  # [blocks, block, F]
+    "brd,bdf->brf", rows, wi_up[block_e]
+  )  # [blocks, block, F]
   ys = jnp.einsum("brf,bfd->brd", hidden, wo[block_e]).reshape(blocks * block, d)
   pair_row = jnp.zeros((pairs,), jnp.int32).at[order].set(row)  # pair (n, k) -> row
   return jnp.einsum("nkd,nk->nd", ys[pair_row].reshape(n, k, d), top_p)
@@ -203,7 +206,8 @@ def capacity_moe(x, top_i, top_p, wi_gate, wi_up, wo, capacity: int):
   tok = pair // k
   rows = x[tok]  # [E, C, D]
   hidden = jax.nn.silu(jnp.einsum("ecd,edf->ecf", rows, wi_gate)) * jnp.einsum(
-      "ecd,edf->ecf", rows, wi_up)
+    "ecd,edf->ecf", rows, wi_up
+  )
   weight = jnp.where(used, top_p.reshape(-1)[pair], 0)  # unused rows add zero
   ys = jnp.einsum("ecf,efd->ecd", hidden * weight[..., None], wo)
   return jnp.zeros_like(x).at[tok.reshape(-1)].add(ys.reshape(-1, d))
@@ -223,8 +227,7 @@ def capacity_or_dense(x, top_i, top_p, wi_gate, wi_up, wo, dense):
   return jax.lax.cond(fits, capped, dense, x, top_i, top_p)
 
 
-def capacity(n: int, k: int, experts_per_device: int, ep: int,
-             capacity_factor: float) -> int:
+def capacity(n: int, k: int, experts_per_device: int, ep: int, capacity_factor: float) -> int:
   """Rows per (source, destination) device pair; see the module docstring."""
   dropless = n * min(k, experts_per_device)
   if capacity_factor <= 0:
@@ -232,8 +235,7 @@ def capacity(n: int, k: int, experts_per_device: int, ep: int,
   return max(1, min(dropless, math.ceil(capacity_factor * n * k / ep)))
 
 
-def _dispatch_combine(x, top_i, top_p, mask, wg, wu, wo, *, expert_axes, ep,
-                      capacity_factor):
+def _dispatch_combine(x, top_i, top_p, mask, wg, wu, wo, *, expert_axes, ep, capacity_factor):
   """Steps 2-5 of the module docstring for one block of a device's tokens.
 
   x [n, D], top_i/top_p [n, k], mask [n]; wg/wu [E/EP, D, F/T], wo
@@ -262,8 +264,8 @@ def _dispatch_combine(x, top_i, top_p, mask, wg, wu, wo, *, expert_axes, ep,
   # The send buffer as a gather from the tokens (its transpose is a
   # scatter-add into x's gradient). Empty rows read an appended zero row and
   # carry local expert id e_loc, which no group claims.
-  src = jnp.full((ep * c + 1,), n, jnp.int32).at[slot].set(pair_t)[:ep * c]  # [EP*C]
-  send_e = jnp.full((ep * c + 1,), e_loc, jnp.int32).at[slot].set(pair_e % e_loc)[:ep * c]
+  src = jnp.full((ep * c + 1,), n, jnp.int32).at[slot].set(pair_t)[: ep * c]  # [EP*C]
+  send_e = jnp.full((ep * c + 1,), e_loc, jnp.int32).at[slot].set(pair_e % e_loc)[: ep * c]
   x_pad = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])  # [n+1, D]
   send_x = x_pad[src]  # [EP*C, D]
 
@@ -277,7 +279,8 @@ def _dispatch_combine(x, top_i, top_p, mask, wg, wu, wo, *, expert_axes, ep,
   sizes = jnp.sum(jax.nn.one_hot(recv_e, e_loc, dtype=jnp.int32), axis=0)  # [E/EP]
   xs = recv_x[order]
   hidden = jax.nn.silu(jax.lax.ragged_dot(xs, wg, sizes)) * jax.lax.ragged_dot(
-      xs, wu, sizes)  # [EP*C, F/T]
+    xs, wu, sizes
+  )  # [EP*C, F/T]
   ys = jax.lax.ragged_dot(hidden, wo, sizes)  # [EP*C, D], partial over F/T
   ys = ys[jnp.argsort(order)]  # back to received order
 
@@ -288,8 +291,23 @@ def _dispatch_combine(x, top_i, top_p, mask, wg, wu, wo, *, expert_axes, ep,
   return out, dropped
 
 
-def _ep_local(x, top_i, top_p, mask, wg, wu, wo, *, expert_axes, gather_d_axes,
-              gather_f_axes, psum_f_axes, ep, capacity_factor, chunk):
+def _ep_local(
+  x,
+  top_i,
+  top_p,
+  mask,
+  wg,
+  wu,
+  wo,
+  *,
+  expert_axes,
+  gather_d_axes,
+  gather_f_axes,
+  psum_f_axes,
+  ep,
+  capacity_factor,
+  chunk,
+):
   """One device's share of the expert-parallel MoE (runs inside shard_map).
 
   Shapes are per device: x [n, D], top_i/top_p [n, k], mask [n],
@@ -307,8 +325,9 @@ def _ep_local(x, top_i, top_p, mask, wg, wu, wo, *, expert_axes, gather_d_axes,
     wu = jax.lax.all_gather(wu, _name(gather_f_axes), axis=2, tiled=True)
     wo = jax.lax.all_gather(wo, _name(gather_f_axes), axis=1, tiled=True)
   n, d = x.shape
-  run = functools.partial(_dispatch_combine, expert_axes=expert_axes, ep=ep,
-                          capacity_factor=capacity_factor)
+  run = functools.partial(
+    _dispatch_combine, expert_axes=expert_axes, ep=ep, capacity_factor=capacity_factor
+  )
   if not chunk or n <= chunk:
     out, dropped = run(x, top_i, top_p, mask, wg, wu, wo)
   else:
@@ -322,8 +341,9 @@ def _ep_local(x, top_i, top_p, mask, wg, wu, wo, *, expert_axes, gather_d_axes,
       top_i, top_p = (jnp.pad(a, ((0, pad), (0, 0))) for a in (top_i, top_p))
       mask = jnp.pad(mask, (0, pad))  # False: never dispatched
     rounds = lambda a: a.reshape((-1, chunk) + a.shape[1:])
-    one = jax.checkpoint(lambda xs: run(*xs, wg, wu, wo),
-                         policy=jax.checkpoint_policies.nothing_saveable)
+    one = jax.checkpoint(
+      lambda xs: run(*xs, wg, wu, wo), policy=jax.checkpoint_policies.nothing_saveable
+    )
     out, dropped = jax.lax.map(one, tuple(rounds(a) for a in (x, top_i, top_p, mask)))
     out, dropped = out.reshape(-1, d)[:n], jnp.sum(dropped)
   if psum_f_axes:
@@ -345,25 +365,44 @@ def _expert_layout(mesh, rules, w_shape: tuple[int, int, int]):
   w_out_spec = nn.logical_to_mesh_axes(("expert", "mlp", "embed"), rules)
   expert_axes, d_axes, f_axes = (_axes(a) for a in w_in_spec)
   if (_axes(w_out_spec[0]), _axes(w_out_spec[1]), _axes(w_out_spec[2])) != (
-      expert_axes, f_axes, d_axes):
-    raise ValueError(f"Rules shard wi {w_in_spec} and wo {w_out_spec} inconsistently "
-                     "(\"embed\" and \"mlp\" on one mesh axis?).")
+    expert_axes,
+    f_axes,
+    d_axes,
+  ):
+    raise ValueError(
+      f"Rules shard wi {w_in_spec} and wo {w_out_spec} inconsistently "
+      '("embed" and "mlp" on one mesh axis?).'
+    )
   for a in token_axes + expert_axes + d_axes + f_axes:
     if a not in mesh.axis_names:
       raise ValueError(f"Sharding rule names mesh axis {a!r}; mesh has {mesh.axis_names}")
   if _size(mesh, expert_axes) > 1:
-    for what, dim, axes in (("num_experts", e, expert_axes), ("d_model", d, d_axes),
-                            ("moe_d_ff", f, f_axes)):
+    for what, dim, axes in (
+      ("num_experts", e, expert_axes),
+      ("d_model", d, d_axes),
+      ("moe_d_ff", f, f_axes),
+    ):
       if dim % _size(mesh, axes):
-        raise ValueError(f"{what}={dim} does not divide over mesh axes {axes} "
-                         f"(size {_size(mesh, axes)}).")
+        raise ValueError(
+          f"{what}={dim} does not divide over mesh axes {axes} (size {_size(mesh, axes)})."
+        )
   return token_axes, expert_axes, d_axes, f_axes, w_in_spec, w_out_spec
 
 
-def expert_parallel_moe(x: Array, top_i: Array, top_p: Array, wi_gate: Array,
-                        wi_up: Array, wo: Array, *, token_mask: Array | None = None,
-                        capacity_factor: float = 0.0, dispatch_chunk: int = 0,
-                        mesh: Any = None, rules: Any = None) -> tuple[Array, Array]:
+def expert_parallel_moe(
+  x: Array,
+  top_i: Array,
+  top_p: Array,
+  wi_gate: Array,
+  wi_up: Array,
+  wo: Array,
+  *,
+  token_mask: Array | None = None,
+  capacity_factor: float = 0.0,
+  dispatch_chunk: int = 0,
+  mesh: Any = None,
+  rules: Any = None,
+) -> tuple[Array, Array]:
   """Top-k routed SwiGLU experts, expert-parallel over the mesh.
 
   Args:
@@ -399,7 +438,8 @@ def expert_parallel_moe(x: Array, top_i: Array, top_p: Array, wi_gate: Array,
     return ragged_moe(x, top_i, top_p, wi_gate, wi_up, wo, token_mask), zero
 
   token_axes, expert_axes, d_axes, f_axes, w_in_spec, w_out_spec = _expert_layout(
-      mesh, rules, wi_gate.shape)
+    mesh, rules, wi_gate.shape
+  )
   ep = _size(mesh, expert_axes)
   if ep == 1:
     return ragged_moe(x, top_i, top_p, wi_gate, wi_up, wo, token_mask), zero
@@ -426,12 +466,19 @@ def expert_parallel_moe(x: Array, top_i: Array, top_p: Array, wi_gate: Array,
 
   tok = _name(dispatch_axes)
   body = functools.partial(
-      _ep_local, expert_axes=expert_axes, gather_d_axes=d_axes, gather_f_axes=gather_f,
-      psum_f_axes=psum_f, ep=ep, capacity_factor=capacity_factor, chunk=dispatch_chunk)
+    _ep_local,
+    expert_axes=expert_axes,
+    gather_d_axes=d_axes,
+    gather_f_axes=gather_f,
+    psum_f_axes=psum_f,
+    ep=ep,
+    capacity_factor=capacity_factor,
+    chunk=dispatch_chunk,
+  )
   out, dropped = jax.shard_map(
-      body, mesh=mesh,
-      in_specs=(P(tok, None), P(tok, None), P(tok, None), P(tok), w_in_spec, w_in_spec,
-                w_out_spec),
-      out_specs=(P(tok, None), P(tok)),
+    body,
+    mesh=mesh,
+    in_specs=(P(tok, None), P(tok, None), P(tok, None), P(tok), w_in_spec, w_in_spec, w_out_spec),
+    out_specs=(P(tok, None), P(tok)),
   )(x, top_i.astype(jnp.int32), top_p, token_mask, wi_gate, wi_up, wo)
   return out[:n], jnp.sum(dropped)

@@ -56,8 +56,9 @@ def init_pages(cfg: ModelConfig, num_pages: int, page_size: int, slots: int = 0,
   `[..., KVH, P, page, hd]`. A linear (Gated DeltaNet) layer holds its
   recurrent state for `slots` slots instead (kv_layout.py), outside the pages.
   """
-  return kv_layout.kv_tree(cfg, (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim),
-                           slots, dtype)
+  return kv_layout.kv_tree(
+    cfg, (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim), slots, dtype
+  )
 
 
 def pool_spec(ndim: int, batch_axes, kv_axes) -> PartitionSpec:
@@ -80,8 +81,15 @@ def _by_rows() -> bool:
   return attn_lib.compile_platform() == "tpu"
 
 
-def write(leaf: Array, new: Array, page_table: Array, positions: Array, valid: Array,
-          layer=None, by_rows: bool | None = None) -> Array:
+def write(
+  leaf: Array,
+  new: Array,
+  page_table: Array,
+  positions: Array,
+  valid: Array,
+  layer=None,
+  by_rows: bool | None = None,
+) -> Array:
   """`leaf` with the valid new entries written into their pages.
 
   Args:
@@ -105,8 +113,9 @@ def write(leaf: Array, new: Array, page_table: Array, positions: Array, valid: A
   if by_rows:
     # Row of (kv head h, token) in the leaf as [KVH * P * page, hd]: only the
     # head dim in the window, the minor one in the pool's own layout.
-    rows = ((jnp.arange(kvh, dtype=ids.dtype)[:, None, None] * p + ids[None]) * page
-            + (positions % page)[None])  # [KVH, B, L]
+    rows = (jnp.arange(kvh, dtype=ids.dtype)[:, None, None] * p + ids[None]) * page + (
+      positions % page
+    )[None]  # [KVH, B, L]
     rows = jnp.where(ok[None], rows, kvh * p * page).reshape(-1)  # out of range: dropped
     upd = jnp.moveaxis(new, 2, 0).reshape(-1, hd).astype(leaf.dtype)  # [KVH * B * L, hd]
     if layer is None:
@@ -117,8 +126,9 @@ def write(leaf: Array, new: Array, page_table: Array, positions: Array, valid: A
   # One scatter index a token, its kv heads in the update window (XLA:CPU
   # runs a scatter as a loop over its indices).
   if layer is None:  # [KVH, B, L, hd] at [:, ids, offsets]
-    return leaf.at[:, ids, positions % page].set(jnp.moveaxis(new, 2, 0).astype(leaf.dtype),
-                                                 mode="drop")
+    return leaf.at[:, ids, positions % page].set(
+      jnp.moveaxis(new, 2, 0).astype(leaf.dtype), mode="drop"
+    )
   # A scalar layer index and the token indices are split by the kv-head
   # slice: the indexed dims lead, so the update is [B, L, KVH, hd].
   return leaf.at[layer, :, ids, positions % page].set(new.astype(leaf.dtype), mode="drop")
@@ -131,8 +141,10 @@ def gather(leaf: Array, page_table: Array, layer=None, by_rows: bool | None = No
     leaf = jax.lax.dynamic_index_in_dim(leaf, layer, 0, keepdims=False)
   kvh, p, page, hd = leaf.shape
   if _by_rows() if by_rows is None else by_rows:
-    ids = (jnp.arange(kvh, dtype=page_table.dtype)[:, None, None] * p
-           + jnp.clip(page_table, 0, p - 1)[None])  # [KVH, B, M]
+    ids = (
+      jnp.arange(kvh, dtype=page_table.dtype)[:, None, None] * p
+      + jnp.clip(page_table, 0, p - 1)[None]
+    )  # [KVH, B, M]
     # [KVH, B, M, page, hd]
     pages = jnp.take(leaf.reshape(kvh * p, page, hd), ids, axis=0, mode="clip")
   else:
@@ -149,8 +161,7 @@ def view(leaf: Array, page_table: Array) -> Array:
   return pages.reshape(pages.shape[:-5] + (pages.shape[-5], -1) + pages.shape[-2:])
 
 
-def write_view(leaf: Array, dense: Array, page_table: Array, lengths: Array,
-               fed: Array) -> Array:
+def write_view(leaf: Array, dense: Array, page_table: Array, lengths: Array, fed: Array) -> Array:
   """`leaf` with the entries a dense view (`view`) gained written back into their pages.
 
   dense `[..., B, S, KVH, hd]`; slot b gained `fed[b, :]` (a prefix, `[B, F]`)
@@ -159,7 +170,8 @@ def write_view(leaf: Array, dense: Array, page_table: Array, lengths: Array,
   positions = lengths[:, None] + jnp.arange(fed.shape[1], dtype=lengths.dtype)[None]  # [B, F]
   ax = dense.ndim - 3
   src = jnp.minimum(positions, dense.shape[ax] - 1).reshape(
-      (1,) * (ax - 1) + positions.shape + (1, 1))
+    (1,) * (ax - 1) + positions.shape + (1, 1)
+  )
   new = jnp.take_along_axis(dense, src, axis=ax)  # [..., B, F, KVH, hd]
   one = functools.partial(write, page_table=page_table, positions=positions, valid=fed)
   for _ in range(leaf.ndim - 4):  # leading (layer) dims, written alike
@@ -170,12 +182,17 @@ def write_view(leaf: Array, dense: Array, page_table: Array, lengths: Array,
 def kernel_usable(cfg: ModelConfig, new_tokens: int, page_size: int) -> bool:
   """The Pallas TPU paged-attention kernel runs this step: compiling for TPU,
   one new token a slot, TPU-tileable head dim and page size."""
-  return (attn_lib.compile_platform() == "tpu" and new_tokens == 1
-          and cfg.head_dim % 128 == 0 and page_size % 8 == 0)
+  return (
+    attn_lib.compile_platform() == "tpu"
+    and new_tokens == 1
+    and cfg.head_dim % 128 == 0
+    and page_size % 8 == 0
+  )
 
 
-def decode_kernel(q: Array, k_leaf: Array, v_leaf: Array, page_table: Array,
-                  positions: Array) -> Array:
+def decode_kernel(
+  q: Array, k_leaf: Array, v_leaf: Array, page_table: Array, positions: Array
+) -> Array:
   """One query a slot over its pages with the Pallas TPU kernel.
 
   q `[B, 1, H, hd]`, leaves `[KVH, P, page, hd]`, positions `[B, 1]` (the
@@ -183,7 +200,6 @@ def decode_kernel(q: Array, k_leaf: Array, v_leaf: Array, page_table: Array,
   scale q; every row gets at least one position (a slot that is not fed
   reads its own first page, and its output is discarded).
   """
-  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as kernel
 
   hd = q.shape[-1]
@@ -191,20 +207,25 @@ def decode_kernel(q: Array, k_leaf: Array, v_leaf: Array, page_table: Array,
   lengths = jnp.clip(positions[:, 0] + 1, 1, m * page).astype(jnp.int32)
   block = math.gcd(m, 8)  # pages per compute block: must divide the table's width
   qs = (q[:, 0] / jnp.sqrt(jnp.asarray(hd, q.dtype))).astype(q.dtype)
-  out = kernel(qs, k_leaf, v_leaf, lengths, page_table.astype(jnp.int32),
-               pages_per_compute_block=block)
+  out = kernel(
+    qs, k_leaf, v_leaf, lengths, page_table.astype(jnp.int32), pages_per_compute_block=block
+  )
   return out[:, None].astype(q.dtype)
 
 
-def _local_attend(q, k, v, pool, page_table, positions, valid, layer, *, impl: str,
-                  block: int, use_kernel: bool):
+def _local_attend(
+  q, k, v, pool, page_table, positions, valid, layer, *, impl: str, block: int, use_kernel: bool
+):
   """`attend` on one device's slots and its part of the pool."""
-  pool = {"k": write(pool["k"], k, page_table, positions, valid, layer),
-          "v": write(pool["v"], v, page_table, positions, valid, layer)}
+  pool = {
+    "k": write(pool["k"], k, page_table, positions, valid, layer),
+    "v": write(pool["v"], v, page_table, positions, valid, layer),
+  }
   if use_kernel:
-    leaves = [pool[n] if layer is None else
-              jax.lax.dynamic_index_in_dim(pool[n], layer, 0, keepdims=False)
-              for n in ("k", "v")]
+    leaves = [
+      pool[n] if layer is None else jax.lax.dynamic_index_in_dim(pool[n], layer, 0, keepdims=False)
+      for n in ("k", "v")
+    ]
     return decode_kernel(q, *leaves, page_table, positions), pool
   k_all = gather(pool["k"], page_table, layer).astype(q.dtype)
   v_all = gather(pool["v"], page_table, layer).astype(q.dtype)
@@ -216,8 +237,17 @@ def _mesh_axes(name: str):
   return nn.logical_to_mesh_axes((name,), rules)[0] if rules else None
 
 
-def attend(cfg: ModelConfig, q: Array, k: Array, v: Array, pool, page_table: Array,
-           positions: Array, valid: Array, layer=None):
+def attend(
+  cfg: ModelConfig,
+  q: Array,
+  k: Array,
+  v: Array,
+  pool,
+  page_table: Array,
+  positions: Array,
+  valid: Array,
+  layer=None,
+):
   """Writes the new keys / values into their pages and attends over each slot's pages.
 
   Args:
@@ -231,8 +261,9 @@ def attend(cfg: ModelConfig, q: Array, k: Array, v: Array, pool, page_table: Arr
     (attention output `[B, L, H, hd]`, the new pool).
   """
   use_kernel = kernel_usable(cfg, q.shape[1], pool["k"].shape[-2])
-  fn = functools.partial(_local_attend, impl=cfg.attention_impl, block=cfg.attention_block,
-                         use_kernel=use_kernel)
+  fn = functools.partial(
+    _local_attend, impl=cfg.attention_impl, block=cfg.attention_block, use_kernel=use_kernel
+  )
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
     return fn(q, k, v, pool, page_table, positions, valid, layer)
@@ -246,14 +277,17 @@ def attend(cfg: ModelConfig, q: Array, k: Array, v: Array, pool, page_table: Arr
   # the stacked pool in place.
   stacked = pool if layer is not None else None
   if layer is not None:
-    pool = {n: jax.lax.dynamic_index_in_dim(pool[n], layer, 0, keepdims=False)
-            for n in ("k", "v")}
+    pool = {n: jax.lax.dynamic_index_in_dim(pool[n], layer, 0, keepdims=False) for n in ("k", "v")}
   specs = {n: pool_spec(4, batch, kv_heads) for n in ("k", "v")}
   local = lambda q, k, v, pool, t, p, ok: fn(q, k, v, pool, t, p, ok, None)
-  out, pool = jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, specs, row, row, row),
-                            out_specs=(q_spec, specs), check_vma=False)(
-                                q, k, v, pool, page_table, positions, valid)
+  out, pool = jax.shard_map(
+    local,
+    in_specs=(q_spec, kv_spec, kv_spec, specs, row, row, row),
+    out_specs=(q_spec, specs),
+    check_vma=False,
+  )(q, k, v, pool, page_table, positions, valid)
   if layer is not None:
-    pool = {n: jax.lax.dynamic_update_index_in_dim(stacked[n], pool[n], layer, 0)
-            for n in ("k", "v")}
+    pool = {
+      n: jax.lax.dynamic_update_index_in_dim(stacked[n], pool[n], layer, 0) for n in ("k", "v")
+    }
   return out, pool

@@ -55,7 +55,7 @@ def _layer_trees(cfg: ModelConfig, adapters) -> dict:
 def _modules(cfg: ModelConfig, key: str) -> dict[str, hf_layout.Tensor]:
   """Our path inside `key` ("attn/q", or "" for a top-level leaf) -> its Tensor."""
   if key.startswith("layer_"):
-    tensors = hf_layout.layer_tensors(cfg, int(key[len("layer_"):]))
+    tensors = hf_layout.layer_tensors(cfg, int(key[len("layer_") :]))
     return {t.ours: t for t in tensors}
   return {"": t for t in hf_layout.top_tensors(cfg) if t.ours == key}
 
@@ -69,8 +69,10 @@ def _adapter_items(tree, prefix: str = ""):
     elif isinstance(v, dict):
       yield from _adapter_items(v, path)
     else:
-      raise ValueError(f"peft export: {path!r} is trained whole, not adapted; PEFT's "
-                       "LoRA format holds adapters only (export merged weights instead)")
+      raise ValueError(
+        f"peft export: {path!r} is trained whole, not adapted; PEFT's "
+        "LoRA format holds adapters only (export merged weights instead)"
+      )
 
 
 # Our experts' matrices -> their fused parameter in transformers' Qwen3-MoE
@@ -83,7 +85,8 @@ def _zero_pad(ad: dict, rank: int) -> tuple[np.ndarray, np.ndarray]:
   a, b = np.asarray(ad[lora.A], np.float32), np.asarray(ad[lora.B], np.float32)
   extra = rank - a.shape[-1]
   pad = lambda x, axis: np.concatenate(
-      [x, np.zeros(x.shape[:axis] + (extra,) + x.shape[axis + 1:], np.float32)], axis)
+    [x, np.zeros(x.shape[:axis] + (extra,) + x.shape[axis + 1 :], np.float32)], axis
+  )
   return (pad(a, a.ndim - 1), pad(b, b.ndim - 2)) if extra else (a, b)
 
 
@@ -97,8 +100,8 @@ def _gate_up(layer: dict, f: int, r: int) -> tuple[np.ndarray, np.ndarray]:
   a, b = np.zeros((e, d, 2 * r), np.float32), np.zeros((e, 2 * r, 2 * f), np.float32)
   for j, part in enumerate(parts):
     if part is not None:
-      a[:, :, j * r:(j + 1) * r] = np.asarray(part[lora.A], np.float32)
-      b[:, j * r:(j + 1) * r, j * f:(j + 1) * f] = np.asarray(part[lora.B], np.float32)
+      a[:, :, j * r : (j + 1) * r] = np.asarray(part[lora.A], np.float32)
+      b[:, j * r : (j + 1) * r, j * f : (j + 1) * f] = np.asarray(part[lora.B], np.float32)
   return a, b
 
 
@@ -110,16 +113,19 @@ def _experts(cfg: ModelConfig, i: int, moe: dict, r: int, rank: int, out: dict) 
   module = f"model.layers.{i}.mlp.experts"
   fused = []
   if "wi_gate" in moe or "wi_up" in moe:
-    fused.append(("gate_up_proj", _zero_pad(dict(zip((lora.A, lora.B), _gate_up(
-        moe, cfg.moe_d_ff, r))), rank)))
+    fused.append(
+      ("gate_up_proj", _zero_pad(dict(zip((lora.A, lora.B), _gate_up(moe, cfg.moe_d_ff, r))), rank))
+    )
   if "wo" in moe:
     fused.append(("down_proj", _zero_pad(moe["wo"], rank)))
   for depth, (_, (a, b)) in enumerate(fused):
     name = module + ".base_layer" * (len(fused) - 1 - depth)
     out[f"{PREFIX}{name}.lora_A.weight"] = np.ascontiguousarray(
-        np.transpose(a, (0, 2, 1)).reshape(-1, a.shape[1]))
+      np.transpose(a, (0, 2, 1)).reshape(-1, a.shape[1])
+    )
     out[f"{PREFIX}{name}.lora_B.weight"] = np.ascontiguousarray(
-        np.transpose(b, (2, 1, 0)).reshape(b.shape[2], -1))
+      np.transpose(b, (2, 1, 0)).reshape(b.shape[2], -1)
+    )
   return [f"{module}.{param}" for param, _ in fused]
 
 
@@ -129,9 +135,10 @@ def _linear_module(cfg: ModelConfig, key: str, ours: str, shared: dict) -> str:
   where = f"{key}/{ours}" if ours else key
   if t is None or len(t.hf) != 1 or shared.get(t.hf[0], 1) > 1:
     why = "it is part of a fused tensor" if t is not None else "it has no Hugging Face tensor"
-    raise ValueError(f"peft export: no nn.Linear module for {where!r} ({why}); "
-                     "export merged weights instead")
-  return t.hf[0][:-len(".weight")]
+    raise ValueError(
+      f"peft export: no nn.Linear module for {where!r} ({why}); export merged weights instead"
+    )
+  return t.hf[0][: -len(".weight")]
 
 
 def peft_adapter(cfg: ModelConfig, adapters, rank: int) -> tuple[dict, list, list, int]:
@@ -144,8 +151,12 @@ def peft_adapter(cfg: ModelConfig, adapters, rank: int) -> tuple[dict, list, lis
   the scale, as they were.
   """
   adapters = _layer_trees(cfg, jax.device_get(adapters))
-  fused = any(_EXPERTS.get(p) == "gate_up_proj" for sub in adapters.values()
-              if isinstance(sub, dict) for p, _ in _adapter_items(sub))
+  fused = any(
+    _EXPERTS.get(p) == "gate_up_proj"
+    for sub in adapters.values()
+    if isinstance(sub, dict)
+    for p, _ in _adapter_items(sub)
+  )
   out_rank = 2 * rank if fused else rank
   shared = {}
   for i in range(cfg.num_layers):
@@ -167,35 +178,58 @@ def peft_adapter(cfg: ModelConfig, adapters, rank: int) -> tuple[dict, list, lis
       tensors[f"{PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(b.T)
       modules.append(module)
     if any(ours in _EXPERTS for ours, _ in items):
-      params += _experts(cfg, int(key[len("layer_"):]), sub["moe"], rank, out_rank, tensors)
+      params += _experts(cfg, int(key[len("layer_") :]), sub["moe"], rank, out_rank, tensors)
   return tensors, modules, params, out_rank
 
 
-def adapter_config(cfg: lora.LoraConfig, modules: list[str], parameters: list[str],
-                   rank: int, base_model: str | None = None) -> dict[str, Any]:
+def adapter_config(
+  cfg: lora.LoraConfig,
+  modules: list[str],
+  parameters: list[str],
+  rank: int,
+  base_model: str | None = None,
+) -> dict[str, Any]:
   """peft's LoraConfig as JSON: the adapted modules and (fused expert)
   parameters named in full (peft matches a listed name exactly or as a dotted
   suffix); `rank` the file's (>= cfg.rank), alpha scaled to keep alpha / r."""
   return {
-      "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-      "r": rank, "lora_alpha": cfg.alpha * rank / cfg.rank, "lora_dropout": 0.0,
-      "bias": "none", "target_modules": sorted(modules), "target_parameters": parameters,
-      "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-      "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
-      "rank_pattern": {}, "alpha_pattern": {},
+    "peft_type": "LORA",
+    "task_type": "CAUSAL_LM",
+    "base_model_name_or_path": base_model,
+    "r": rank,
+    "lora_alpha": cfg.alpha * rank / cfg.rank,
+    "lora_dropout": 0.0,
+    "bias": "none",
+    "target_modules": sorted(modules),
+    "target_parameters": parameters,
+    "fan_in_fan_out": False,
+    "use_rslora": False,
+    "use_dora": False,
+    "init_lora_weights": True,
+    "inference_mode": True,
+    "modules_to_save": None,
+    "rank_pattern": {},
+    "alpha_pattern": {},
   }
 
 
-def export_adapters(adapters, cfg: ModelConfig, lora_cfg: lora.LoraConfig, out: str, *,
-                    base_model: str | None = None) -> dict:
+def export_adapters(
+  adapters, cfg: ModelConfig, lora_cfg: lora.LoraConfig, out: str, *, base_model: str | None = None
+) -> dict:
   """Writes `out`/adapter_config.json and adapter_model.safetensors; returns
   {"dir", "modules", "parameters", "rank", "elements"}. `base_model`: the
   base's HF directory or Hub id, recorded for `PeftModel.from_pretrained` users."""
-  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  from safetensors.numpy import save_file
+
   tensors, modules, params, rank = peft_adapter(cfg, adapters, lora_cfg.rank)
   os.makedirs(out, exist_ok=True)
   save_file(tensors, os.path.join(out, WEIGHTS), metadata={"format": "pt"})
   with open(os.path.join(out, CONFIG), "w", encoding="utf-8") as f:
     json.dump(adapter_config(lora_cfg, modules, params, rank, base_model), f, indent=2)
-  return {"dir": out, "modules": len(modules), "parameters": len(params), "rank": rank,
-          "elements": int(sum(x.size for x in tensors.values()))}
+  return {
+    "dir": out,
+    "modules": len(modules),
+    "parameters": len(params),
+    "rank": rank,
+    "elements": int(sum(x.size for x in tensors.values())),
+  }

@@ -44,9 +44,13 @@ def tpu_chips_present(pci_root: str = "/sys/bus/pci/devices") -> bool:
   return False
 
 
-def keep_tpu_off_cpu_hosts(environ=None, *, libtpu_installed: bool | None = None,
-                           tpu_present: bool | None = None,
-                           gpu_present: bool | None = None) -> bool:
+def keep_tpu_off_cpu_hosts(
+  environ=None,
+  *,
+  libtpu_installed: bool | None = None,
+  tpu_present: bool | None = None,
+  gpu_present: bool | None = None,
+) -> bool:
   """Sets JAX_PLATFORMS=cpu in `environ` (default os.environ) by the rule of the
   module docstring; returns whether it did. The keyword arguments replace the
   host probes (tests)."""

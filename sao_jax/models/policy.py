@@ -48,8 +48,9 @@ def logprobs_from_logits(logits: Array, tokens: Array, temperature: float = 1.0)
   return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
 
 
-def _head_logprobs(cfg: ModelConfig, hidden: Array, w: Array, tokens: Array,
-                   temperature: float) -> Array:
+def _head_logprobs(
+  cfg: ModelConfig, hidden: Array, w: Array, tokens: Array, temperature: float
+) -> Array:
   """log softmax(hidden @ w / T)[token] `[B, L]` for hidden `[B, L, D]`, the head
   as one [B * L, D] x [D, V] matmul.
 
@@ -64,8 +65,9 @@ def _head_logprobs(cfg: ModelConfig, hidden: Array, w: Array, tokens: Array,
   return logprobs_from_logits(logits, tokens, temperature)
 
 
-def chunked_logprobs(cfg: ModelConfig, hidden: Array, w: Array, tokens: Array,
-                     temperature: float = 1.0) -> Array:
+def chunked_logprobs(
+  cfg: ModelConfig, hidden: Array, w: Array, tokens: Array, temperature: float = 1.0
+) -> Array:
   """log softmax(hidden @ w / T)[token] `[B, L]`, `cfg.logits_chunk` tokens at a time.
 
   hidden [B, L, D], w [D, V] (the LM head), tokens [B, L]. Equal to
@@ -94,8 +96,9 @@ def chunked_logprobs(cfg: ModelConfig, hidden: Array, w: Array, tokens: Array,
   return logp.swapaxes(0, 1).reshape(b, n * chunk)[:, :length]
 
 
-def _logprobs_at(cfg: ModelConfig, params, hidden: Array, tokens: Array, index: Array,
-                 temperature: float) -> Array:
+def _logprobs_at(
+  cfg: ModelConfig, params, hidden: Array, tokens: Array, index: Array, temperature: float
+) -> Array:
   """log pi(x_t | x_<t) at the positions `index` `[B, A]` (-1: none) of each row, `[B, L]`.
 
   The head meets only the A gathered hidden states, so its cost is A / L
@@ -114,9 +117,16 @@ def _logprobs_at(cfg: ModelConfig, params, hidden: Array, tokens: Array, index: 
   return jnp.zeros(tokens.shape, logp.dtype).at[rows, safe].add(jnp.where(valid, logp, 0.0))
 
 
-def token_logprobs(cfg: ModelConfig, params, tokens: Array, positions: Array,
-                   segment_ids: Array, temperature: float = 1.0,
-                   action_index: Array | None = None, routing: Array | None = None):
+def token_logprobs(
+  cfg: ModelConfig,
+  params,
+  tokens: Array,
+  positions: Array,
+  segment_ids: Array,
+  temperature: float = 1.0,
+  action_index: Array | None = None,
+  routing: Array | None = None,
+):
   """Teacher-forced log pi(x_t | x_<t) `[B, L]` and the model's aux losses.
 
   With `action_index` `[B, A]` (`packing.pack(..., action_index=True)`),
@@ -133,8 +143,9 @@ def token_logprobs(cfg: ModelConfig, params, tokens: Array, positions: Array,
     starts = starts | ~head_vocab.covered(cfg, tokens)
   # The trunk embeds tokenizer ids; the head's targets are its columns.
   targets = jnp.where(starts, 0, head_vocab.index(cfg, tokens))
-  hidden, aux = Transformer(cfg, "hidden").apply({"params": params}, tokens, positions,
-                                                 segment_ids, routing=routing)
+  hidden, aux = Transformer(cfg, "hidden").apply(
+    {"params": params}, tokens, positions, segment_ids, routing=routing
+  )
   # Shifting the hidden state shifts its logits (the head is per token), at
   # D numbers a token instead of V: shifting [B, L, V] logits cost the step
   # passes over its largest array, forward and backward.
@@ -149,15 +160,13 @@ def token_logprobs(cfg: ModelConfig, params, tokens: Array, positions: Array,
   return jnp.where(starts, 0.0, logp), aux
 
 
-def token_values(cfg: ModelConfig, params, tokens: Array, positions: Array,
-                 segment_ids: Array):
+def token_values(cfg: ModelConfig, params, tokens: Array, positions: Array, segment_ids: Array):
   """V(x_<t) `[B, L]` from the value head, and the model's aux losses.
 
   The value head is [D, 1]: its output is [B, L] at any length, so unlike
   the log-probs it needs no chunking.
   """
-  values, aux = Transformer(cfg, "value").apply({"params": params}, tokens, positions,
-                                                segment_ids)
+  values, aux = Transformer(cfg, "value").apply({"params": params}, tokens, positions, segment_ids)
   return _shift_right(values, segment_ids), aux
 
 
@@ -186,11 +195,16 @@ def scan_params(cfg: ModelConfig, params):
   `cfg` is the scanned config.
   """
   k, period = cfg.scan_prefix, cfg.scan_period
-  out = {n: v for n, v in params.items()
-         if not (n.startswith("layer_") and int(n[len("layer_"):]) >= k)}
-  stacks = [jax.tree.map(lambda *xs: jnp.stack(xs),
-                         *[params[f"layer_{i}"] for i in range(k + r, cfg.num_layers, period)])
-            for r in range(period)]
+  out = {
+    n: v for n, v in params.items() if not (n.startswith("layer_") and int(n[len("layer_") :]) >= k)
+  }
+  stacks = [
+    jax.tree.map(
+      lambda *xs: jnp.stack(xs),
+      *[params[f"layer_{i}"] for i in range(k + r, cfg.num_layers, period)],
+    )
+    for r in range(period)
+  ]
   out["layers"] = stacks[0] if period == 1 else {f"sub_{r}": t for r, t in enumerate(stacks)}
   return out
 

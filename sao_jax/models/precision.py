@@ -53,7 +53,8 @@ def half_ulp(dtype, magnitude: float = 1.0) -> float:
 def schedule_floor(peak: float, decays: bool) -> float:
   """The smallest learning rate a stage applies after warmup: the cosine's
   end (optim.END_FRACTION of the peak) for a decaying schedule, else the peak."""
-  from sao_jax.algo import optim  # pylint: disable=g-import-not-at-top
+  from sao_jax.algo import optim
+
   return peak * optim.END_FRACTION if decays else peak
 
 
@@ -70,11 +71,13 @@ def check_updates_kept(param_dtype, stages: dict[str, tuple[float, float]]) -> s
   for field, (lr, floor) in stages.items():
     if updates_lost(param_dtype, floor):
       low = "" if floor == lr else f" (down to {floor:g} as its schedule decays)"
-      return (f"{field} = {lr:g}{low} with {name} params: {name} rounds away a step "
-              f"below {half_ulp(param_dtype, 1.0):.2g} on a weight of magnitude 1 (below "
-              f"{half_ulp(param_dtype, 0.02):.2g} on a typical 0.02 weight), so the model "
-              "would not train; keep float32 master weights (model.overrides param_dtype = "
-              "\"float32\") with bfloat16 compute (model.compute_dtype = \"bfloat16\")")
+      return (
+        f"{field} = {lr:g}{low} with {name} params: {name} rounds away a step "
+        f"below {half_ulp(param_dtype, 1.0):.2g} on a weight of magnitude 1 (below "
+        f"{half_ulp(param_dtype, 0.02):.2g} on a typical 0.02 weight), so the model "
+        "would not train; keep float32 master weights (model.overrides param_dtype = "
+        '"float32") with bfloat16 compute (model.compute_dtype = "bfloat16")'
+      )
   return None
 
 
@@ -90,13 +93,16 @@ def cast_for_serving(cfg: ModelConfig, params):
   leaves already in it are returned as they are)."""
   dtype = jnp.dtype(cfg.dtype)
   return jax.tree.map(
-      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype
-      else x, params)
+    lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype else x,
+    params,
+  )
 
 
 def serving_bytes(cfg: ModelConfig, params) -> int:
   """Bytes of the engine's copy of `params` (arrays or ShapeDtypeStructs)."""
   dtype = jnp.dtype(cfg.dtype)
-  return sum(math.prod(x.shape) * (dtype.itemsize if jnp.issubdtype(x.dtype, jnp.floating)
-                                   else jnp.dtype(x.dtype).itemsize)
-             for x in jax.tree.leaves(params))
+  return sum(
+    math.prod(x.shape)
+    * (dtype.itemsize if jnp.issubdtype(x.dtype, jnp.floating) else jnp.dtype(x.dtype).itemsize)
+    for x in jax.tree.leaves(params)
+  )

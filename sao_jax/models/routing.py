@@ -37,8 +37,9 @@ __all__ = ["NONE", "collect", "differ"]
 NONE = -1  # a routing row that replays nothing (the router's own top-k)
 
 
-def collect(cfg: ModelConfig, intermediates, batch: int, length: int, *,
-            flat: bool = False) -> Array:
+def collect(
+  cfg: ModelConfig, intermediates, batch: int, length: int, *, flat: bool = False
+) -> Array:
   """The sown "moe_top_i" of one forward, as int32 `[M, B, L, k]`, or with
   `flat` `[B, L, M * k]` (the engine's layout: a minor dimension of M x k,
   384 for Qwen3-30B-A3B, where k alone would be padded to a TPU tile).
@@ -58,14 +59,14 @@ def collect(cfg: ModelConfig, intermediates, batch: int, length: int, *,
     for key in where.split("/") + ["moe"]:
       entry = entry.get(key, {}) if isinstance(entry, dict) else {}
     if "moe_top_i" not in entry:
-      raise ValueError("no MoE layer sowed its routing: was the model applied with "
-                       "mutable=['intermediates']?")
+      raise ValueError(
+        "no MoE layer sowed its routing: was the model applied with mutable=['intermediates']?"
+      )
     (top_i,) = entry["moe_top_i"]  # [k, B*L], or [steps, k, B*L] for a scanned layer
     rows.append((top_i if index is None else top_i[index]).reshape(1, k, batch, length))
   out = jnp.concatenate(rows, 0).astype(jnp.int32)  # [M, k, B, L]
   if out.shape[0] != cfg.num_moe_layers:
-    raise ValueError(f"collected {out.shape[0]} MoE layers, the config has "
-                     f"{cfg.num_moe_layers}")
+    raise ValueError(f"collected {out.shape[0]} MoE layers, the config has {cfg.num_moe_layers}")
   if flat:
     return jnp.transpose(out, (2, 3, 0, 1)).reshape(batch, length, -1)
   return jnp.transpose(out, (0, 2, 3, 1))

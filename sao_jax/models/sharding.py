@@ -34,8 +34,18 @@ Rules = Sequence[tuple[str, Any]]
 # Logical axes the model uses (sao_jax/models/transformer.py). "layers" is
 # the stacked axis of scanned layers' parameters (ModelConfig.scan_layers);
 # rules map it to None: every device holds every layer's slice.
-LOGICAL_AXES = ("batch", "length", "embed", "vocab", "heads", "kv_heads",
-                "head_dim", "mlp", "expert", "layers")
+LOGICAL_AXES = (
+  "batch",
+  "length",
+  "embed",
+  "vocab",
+  "heads",
+  "kv_heads",
+  "head_dim",
+  "mlp",
+  "expert",
+  "layers",
+)
 
 
 def axes_size(mesh, axes) -> int:
@@ -59,8 +69,9 @@ def make_mesh(axis_sizes: dict[str, int], devices=None) -> Mesh:
       raise ValueError(f"{len(devices)} devices do not divide by {known} ({axis_sizes})")
     sizes[sizes.index(-1)] = len(devices) // known
   if int(np.prod(sizes)) != len(devices):
-    raise ValueError(f"Mesh {dict(zip(names, sizes))} needs {int(np.prod(sizes))} "
-                     f"devices, have {len(devices)}.")
+    raise ValueError(
+      f"Mesh {dict(zip(names, sizes))} needs {int(np.prod(sizes))} devices, have {len(devices)}."
+    )
   return Mesh(np.asarray(devices).reshape(sizes), names)
 
 
@@ -69,8 +80,9 @@ def check_rules(rules: Rules, mesh: Mesh) -> None:
   names = {name for name, _ in rules}
   missing = [a for a in LOGICAL_AXES if a not in names]
   if missing:
-    raise ValueError(f"Sharding rules lack logical axes {missing}; map them to a "
-                     "mesh axis or None.")
+    raise ValueError(
+      f"Sharding rules lack logical axes {missing}; map them to a mesh axis or None."
+    )
   for name, target in rules:
     targets = target if isinstance(target, (tuple, list)) else (target,)
     for t in targets:
@@ -88,8 +100,7 @@ def logical_shardings(boxed_tree, mesh: Mesh, rules: Rules):
       spec = PartitionSpec()
     return NamedSharding(mesh, nn.logical_to_mesh_axes(spec, rules))
 
-  return jax.tree.map(to_sharding, specs,
-                      is_leaf=lambda x: isinstance(x, PartitionSpec))
+  return jax.tree.map(to_sharding, specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def sharded_init(init_fn: Callable[[], Any], mesh: Mesh, rules: Rules):
@@ -119,9 +130,11 @@ def shard_bytes(tree, shardings=None) -> int:
   `sharding.shard_shape(shape)`, the largest any device holds.
   """
   leaves = jax.tree.leaves(tree)
-  shds = ([x.sharding for x in leaves] if shardings is None else jax.tree.leaves(shardings))
-  return sum(math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
-             for x, s in zip(leaves, shds, strict=True))
+  shds = [x.sharding for x in leaves] if shardings is None else jax.tree.leaves(shardings)
+  return sum(
+    math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+    for x, s in zip(leaves, shds, strict=True)
+  )
 
 
 def shardings_like_params(tree, params, param_shardings, mesh: Mesh):
@@ -131,8 +144,9 @@ def shardings_like_params(tree, params, param_shardings, mesh: Mesh):
   parameter's sharding; every other leaf (counters, scalars) is replicated.
   """
   by_path = {}
-  for (path, leaf), sh in zip(jax.tree_util.tree_leaves_with_path(params),
-                              jax.tree.leaves(param_shardings)):
+  for (path, leaf), sh in zip(
+    jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(param_shardings)
+  ):
     by_path[param_path(path)] = (leaf.shape, sh)
   replicated = NamedSharding(mesh, PartitionSpec())
 

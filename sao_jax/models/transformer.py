@@ -69,9 +69,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sao_jax.models import deltanet, head_vocab, kv_layout, moe
 from sao_jax.models import attention as attn_lib
-from sao_jax.models import paged
+from sao_jax.models import deltanet, head_vocab, kv_layout, moe, paged
 from sao_jax.models.config import LayerSpec, ModelConfig
 
 Array = jax.Array
@@ -92,6 +91,7 @@ def _constrain(x, axes):
 class RMSNorm(nn.Module):
   """y = w * x_hat (Qwen3), or with `zero_centered` y = (1 + w) * x_hat in
   fp32 with w initialised at 0 (Qwen3.5), x_hat = x / rms(x)."""
+
   eps: float
   param_dtype: Any
   axis_name: str = "embed"
@@ -133,6 +133,7 @@ class Attention(nn.Module):
   multiplied by sigmoid(x W_gate) per head and dim before the output
   projection, W_gate stored with W_q as "q" [D, H, 2 hd], [query | gate]
   per head (transformers' q_proj)."""
+
   cfg: ModelConfig
   gated: bool = False
 
@@ -150,8 +151,13 @@ class Attention(nn.Module):
     cfg = self.cfg
     d, h, kvh, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     # Gated: "q" is [query | gate] per head, as transformers' q_proj.
-    wq = _param(self, "q", (d, h, 2 * hd if self.gated else hd), ("embed", "heads", "head_dim"),
-                cfg.param_dtype)
+    wq = _param(
+      self,
+      "q",
+      (d, h, 2 * hd if self.gated else hd),
+      ("embed", "heads", "head_dim"),
+      cfg.param_dtype,
+    )
     wk = _param(self, "k", (d, kvh, hd), ("embed", "kv_heads", "head_dim"), cfg.param_dtype)
     wv = _param(self, "v", (d, kvh, hd), ("embed", "kv_heads", "head_dim"), cfg.param_dtype)
     wo = _param(self, "o", (h, hd, d), ("heads", "head_dim", "embed"), cfg.param_dtype)
@@ -173,8 +179,9 @@ class Attention(nn.Module):
       out = self._packed_attention(q, k, v, segment_ids)
       new_cache = None
     elif page_table is not None:  # a paged cache: this layer's pool (models/paged.py)
-      out, new_cache = paged.attend(cfg, q, k, v, cache, page_table, positions,
-                                    segment_ids != 0, layer)
+      out, new_cache = paged.attend(
+        cfg, q, k, v, cache, page_table, positions, segment_ids != 0, layer
+      )
     else:
       b_idx = jnp.arange(x.shape[0])[:, None]
       new_k, new_v = k.astype(cache["k"].dtype), v.astype(cache["v"].dtype)
@@ -183,14 +190,15 @@ class Attention(nn.Module):
         v_all = cache["v"].at[b_idx, positions].set(new_v, mode="drop")
         new_cache = {"k": k_all, "v": v_all}
       else:
-        new_cache = {"k": cache["k"].at[layer, b_idx, positions].set(new_k, mode="drop"),
-                     "v": cache["v"].at[layer, b_idx, positions].set(new_v, mode="drop")}
+        new_cache = {
+          "k": cache["k"].at[layer, b_idx, positions].set(new_k, mode="drop"),
+          "v": cache["v"].at[layer, b_idx, positions].set(new_v, mode="drop"),
+        }
         k_all, v_all = new_cache["k"][layer], new_cache["v"][layer]  # [B, S, KVH, hd]
       k, v = k_all.astype(dt), v_all.astype(dt)
       # A decode step on CPU reads the cache as stored; a prefill chunk
       # attends in key blocks (attention.cache_attention says which when).
-      out = attn_lib.cache_attention(q, k, v, positions, cfg.attention_impl,
-                                     cfg.attention_block)
+      out = attn_lib.cache_attention(q, k, v, positions, cfg.attention_impl, cfg.attention_block)
 
     out = _constrain(out, ("batch", "length", "heads", "head_dim"))
     if self.gated:
@@ -226,14 +234,20 @@ class LinearAttention(nn.Module):
   and every other row continues its slot's state; a row of padding leaves it
   as it was. Pages play no part: the state has one size per slot.
   """
+
   cfg: ModelConfig
 
   @nn.compact
   def __call__(self, x, positions, segment_ids, cache, layer=None):
     cfg = self.cfg
     d, hk, h = cfg.d_model, cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    dk, dv, taps, dt, pd = (cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                            cfg.linear_conv_kernel, cfg.dtype, cfg.param_dtype)
+    dk, dv, taps, dt, pd = (
+      cfg.linear_key_head_dim,
+      cfg.linear_value_head_dim,
+      cfg.linear_conv_kernel,
+      cfg.dtype,
+      cfg.param_dtype,
+    )
     shapes = {"q": (hk, dk, "kv_heads"), "k": (hk, dk, "kv_heads"), "v": (h, dv, "heads")}
     mixed, conv_states = {}, {}
     fresh = None if cache is None else (positions[:, 0] == 0)
@@ -244,31 +258,41 @@ class LinearAttention(nn.Module):
       b, length = y.shape[:2]
       state = None if cache is None else self._read(cache, f"conv_{name}", layer, fresh)
       out, state = deltanet.causal_conv(
-          y.reshape(b, length, n * dim), cw.astype(dt).reshape(taps, n * dim),
-          None if state is None else state.reshape(b, taps - 1, n * dim).astype(dt), segment_ids)
-      mixed[name] = _constrain(out.reshape(b, length, n, dim),
-                               ("batch", "length", axis, "head_dim"))
+        y.reshape(b, length, n * dim),
+        cw.astype(dt).reshape(taps, n * dim),
+        None if state is None else state.reshape(b, taps - 1, n * dim).astype(dt),
+        segment_ids,
+      )
+      mixed[name] = _constrain(
+        out.reshape(b, length, n, dim), ("batch", "length", axis, "head_dim")
+      )
       conv_states[f"conv_{name}"] = state.reshape(b, taps - 1, n, dim)
     wa, wb = (_param(self, name, (d, h), ("embed", "heads"), pd) for name in ("a", "b"))
     a_log = _param(self, "a_log", (h,), ("heads",), pd, nn.initializers.zeros)
     dt_bias = _param(self, "dt_bias", (h,), ("heads",), pd, nn.initializers.ones)
     # Every weight in the compute dtype first, as the engine holds it
     # (precision.py, rule 2); decay_and_beta then works in fp32.
-    g, beta = deltanet.decay_and_beta(x @ wa.astype(dt), x @ wb.astype(dt), a_log.astype(dt),
-                                      dt_bias.astype(dt))
-    rule_args = dict(initial_state=None if cache is None else self._read(cache, "state", layer,
-                                                                         fresh),
-                     segment_ids=segment_ids, use_qk_l2norm_in_kernel=True)
+    g, beta = deltanet.decay_and_beta(
+      x @ wa.astype(dt), x @ wb.astype(dt), a_log.astype(dt), dt_bias.astype(dt)
+    )
+    rule_args = dict(
+      initial_state=None if cache is None else self._read(cache, "state", layer, fresh),
+      segment_ids=segment_ids,
+      use_qk_l2norm_in_kernel=True,
+    )
     if cache is not None and x.shape[1] == 1:
       out, state = deltanet.recurrent_gated_delta_rule(
-          mixed["q"], mixed["k"], mixed["v"], g, beta, **rule_args)
+        mixed["q"], mixed["k"], mixed["v"], g, beta, **rule_args
+      )
     else:
       out, state = deltanet.chunked_gated_delta_rule(
-          mixed["q"], mixed["k"], mixed["v"], g, beta, chunk=cfg.deltanet_chunk, **rule_args)
+        mixed["q"], mixed["k"], mixed["v"], g, beta, chunk=cfg.deltanet_chunk, **rule_args
+      )
     wz = _param(self, "z", (d, h, dv), ("embed", "heads", "head_dim"), pd)
     norm = _param(self, "norm", (dv,), ("head_dim",), pd, nn.initializers.ones)
-    out = deltanet.gated_rms_norm(out.astype(dt), jnp.einsum("bld,dnh->blnh", x, wz.astype(dt)),
-                                  norm.astype(dt), cfg.rms_eps)
+    out = deltanet.gated_rms_norm(
+      out.astype(dt), jnp.einsum("bld,dnh->blnh", x, wz.astype(dt)), norm.astype(dt), cfg.rms_eps
+    )
     out = _constrain(out, ("batch", "length", "heads", "head_dim"))
     wo = _param(self, "o", (h, dv, d), ("heads", "head_dim", "embed"), pd)
     out = jnp.einsum("blnh,nhd->bld", out, wo.astype(dt))
@@ -288,6 +312,7 @@ class LinearAttention(nn.Module):
 
 class DenseMLP(nn.Module):
   """A SwiGLU of width `d_ff` (0: `cfg.dense_d_ff`)."""
+
   cfg: ModelConfig
   d_ff: int = 0
 
@@ -308,6 +333,7 @@ class MoE(nn.Module):
   """Top-k routed SwiGLU experts (Qwen3-MoE's sparse block), plus with
   `cfg.shared_expert_d_ff` a shared SwiGLU expert every token passes
   through, scaled by sigmoid(x W_sg) (Qwen3.5-MoE's shared_expert)."""
+
   cfg: ModelConfig
 
   @nn.compact
@@ -324,10 +350,14 @@ class MoE(nn.Module):
     d, f, e, top_k = cfg.d_model, cfg.moe_d_ff, cfg.num_experts, cfg.experts_per_token
     router = _param(self, "router", (d, e), ("embed", None), cfg.param_dtype)
     dt = cfg.dtype
-    wg, wu, wd = (_param(self, name, shape, axes, cfg.param_dtype).astype(dt)
-                  for name, shape, axes in (("wi_gate", (e, d, f), ("expert", "embed", "mlp")),
-                                            ("wi_up", (e, d, f), ("expert", "embed", "mlp")),
-                                            ("wo", (e, f, d), ("expert", "mlp", "embed"))))
+    wg, wu, wd = (
+      _param(self, name, shape, axes, cfg.param_dtype).astype(dt)
+      for name, shape, axes in (
+        ("wi_gate", (e, d, f), ("expert", "embed", "mlp")),
+        ("wi_up", (e, d, f), ("expert", "embed", "mlp")),
+        ("wo", (e, f, d), ("expert", "mlp", "embed")),
+      )
+    )
     xf = x.reshape(-1, d)  # [N, D]
     router_logits = (xf @ router.astype(dt)).astype(jnp.float32)  # [N, E]
     probs = jax.nn.softmax(router_logits, -1)
@@ -356,8 +386,16 @@ class MoE(nn.Module):
       out = dense(xf, top_i, top_p)
     elif cfg.moe_impl == "expert_parallel":
       out, dropped = moe.expert_parallel_moe(
-          xf, top_i, top_p, wg, wu, wd, token_mask=token_mask.reshape(-1),
-          capacity_factor=cfg.moe_capacity_factor, dispatch_chunk=cfg.moe_dispatch_chunk)
+        xf,
+        top_i,
+        top_p,
+        wg,
+        wu,
+        wd,
+        token_mask=token_mask.reshape(-1),
+        capacity_factor=cfg.moe_capacity_factor,
+        dispatch_chunk=cfg.moe_dispatch_chunk,
+      )
       self.sow("intermediates", "moe_dropped", dropped)
     else:
       out = _ragged_experts(xf, top_i, top_p, wg, wu, wd)
@@ -373,8 +411,9 @@ def _dense_experts(xf, top_i, top_p, *, wg, wu, wd):
   """Every expert on every row [N, D], the top-k gates [N, k] applied before
   the down projection (N*E rows of work; nothing dropped)."""
   e = wg.shape[0]
-  gates = jnp.zeros((xf.shape[0], e), top_p.dtype).at[
-      jnp.arange(xf.shape[0])[:, None], top_i].set(top_p)  # [N, E]
+  gates = (
+    jnp.zeros((xf.shape[0], e), top_p.dtype).at[jnp.arange(xf.shape[0])[:, None], top_i].set(top_p)
+  )  # [N, E]
   # Batched over experts, every weight in its stored [E, ...] layout (no
   # per-call transpose of the expert weights).
   xe = jnp.broadcast_to(xf, (e,) + xf.shape)  # [E, N, D]
@@ -419,21 +458,21 @@ class Block(nn.Module):
   the index into a stacked cache (scanned layers), None otherwise;
   `page_table` [B, M] when the cache is a page pool (models/paged.py).
   """
+
   cfg: ModelConfig
   spec: LayerSpec
 
   @nn.compact
-  def __call__(self, carry, positions, segment_ids, layer=None, page_table=None,
-               routing=None):
+  def __call__(self, carry, positions, segment_ids, layer=None, page_table=None, routing=None):
     cfg = self.cfg
     x, cache = carry
     normed = _norm(cfg, "attn_norm")(x)
     if self.spec.attention == "linear":
-      h, new_cache = LinearAttention(cfg, name="attn")(normed, positions, segment_ids, cache,
-                                                       layer)
+      h, new_cache = LinearAttention(cfg, name="attn")(normed, positions, segment_ids, cache, layer)
     else:
       h, new_cache = Attention(cfg, self.spec.attention == "gated_full", name="attn")(
-          normed, positions, segment_ids, cache, layer, page_table)
+        normed, positions, segment_ids, cache, layer, page_table
+      )
     x = x + h
     y = _norm(cfg, "mlp_norm")(x)
     if self.spec.mlp == "dense":
@@ -452,12 +491,12 @@ class Group(nn.Module):
   of the sub-layers' caches, `routing` [m, B, L, k] the group's m MoE
   layers' rows, aux [m] their load-balancing losses (None when m is 0).
   """
+
   cfg: ModelConfig
   specs: tuple[LayerSpec, ...]
 
   @nn.compact
-  def __call__(self, carry, positions, segment_ids, layer=None, page_table=None,
-               routing=None):
+  def __call__(self, carry, positions, segment_ids, layer=None, page_table=None, routing=None):
     x, cache = carry
     new_cache, aux, moe_index = {}, [], 0
     for r, spec in enumerate(self.specs):
@@ -465,8 +504,13 @@ class Group(nn.Module):
       sub_routing = None if routing is None or not spec.is_moe else routing[moe_index]
       moe_index += spec.is_moe
       (x, sub_cache), sub_aux = Block(self.cfg, spec, name=name)(
-          (x, None if cache is None else cache[name]), positions, segment_ids, layer,
-          page_table, sub_routing)
+        (x, None if cache is None else cache[name]),
+        positions,
+        segment_ids,
+        layer,
+        page_table,
+        sub_routing,
+      )
       new_cache[name] = sub_cache
       if sub_aux is not None:
         aux.append(sub_aux)
@@ -482,8 +526,11 @@ def _block_class(cfg: ModelConfig, scanned: bool, cls=Block):
   """
   if cfg.remat == "none":
     return cls
-  policy = (jax.checkpoint_policies.nothing_saveable if cfg.remat == "full"
-            else getattr(jax.checkpoint_policies, cfg.remat))
+  policy = (
+    jax.checkpoint_policies.nothing_saveable
+    if cfg.remat == "full"
+    else getattr(jax.checkpoint_policies, cfg.remat)
+  )
   return nn.remat(cls, policy=policy, prevent_cse=not scanned)
 
 
@@ -493,7 +540,7 @@ def lm_head_weight(cfg: ModelConfig, params) -> Array:
   V is `cfg.head_size`: the vocabulary, or the subset of `cfg.vocab_ids`.
   """
   if cfg.tie_embeddings:
-    return params["embed"][:cfg.head_size].T
+    return params["embed"][: cfg.head_size].T
   return params["lm_head"]
 
 
@@ -505,12 +552,14 @@ def lm_logits(cfg: ModelConfig, x: Array, w: Array) -> Array:
 class Transformer(nn.Module):
   """The trunk with an LM head ("lm": logits), a scalar head ("value"), or
   none ("hidden": final hidden states, for a head applied in chunks)."""
+
   cfg: ModelConfig
   head: str = "lm"
 
   @nn.compact
-  def __call__(self, tokens, positions, segment_ids, cache: Cache | None = None,
-               page_table=None, routing=None):
+  def __call__(
+    self, tokens, positions, segment_ids, cache: Cache | None = None, page_table=None, routing=None
+  ):
     """`routing` [M, B, L, k] int: expert choices to replay in the M MoE
     layers, in layer order (`MoE`; -1 rows keep the router's choice)."""
     cfg = self.cfg
@@ -518,8 +567,13 @@ class Transformer(nn.Module):
       raise ValueError(f"head must be 'lm', 'value' or 'hidden', got {self.head!r}")
     # Tokens are the tokenizer's ids; with a head subset (cfg.vocab_ids) the
     # table has a row per covered id and one shared by the rest.
-    embedding = _param(self, "embed", (head_vocab.embedding_rows(cfg), cfg.d_model),
-                       ("vocab", "embed"), cfg.param_dtype)
+    embedding = _param(
+      self,
+      "embed",
+      (head_vocab.embedding_rows(cfg), cfg.d_model),
+      ("vocab", "embed"),
+      cfg.param_dtype,
+    )
     x = jnp.take(embedding, head_vocab.index(cfg, tokens), axis=0).astype(cfg.dtype)
     x = _constrain(x, ("batch", "length", "embed"))
     block = _block_class(cfg, scanned=False)
@@ -535,7 +589,8 @@ class Transformer(nn.Module):
       layer_routing = None if routing is None or not spec.is_moe else routing[moe_index]
       moe_index += spec.is_moe
       (x, layer_cache), aux = block(cfg, spec=spec, name=name)(
-          (x, layer_cache), positions, segment_ids, None, page_table, layer_routing)
+        (x, layer_cache), positions, segment_ids, None, page_table, layer_routing
+      )
       if cfg.scan_layers:
         new_cache[name] = layer_cache
       else:
@@ -543,29 +598,43 @@ class Transformer(nn.Module):
       if aux is not None:
         aux_losses.append(aux[None])
     if cfg.scan_layers:
-      x, stacked, layer_aux = self._scanned(x, positions, segment_ids, cache, page_table,
-                                            None if routing is None else routing[moe_index:])
+      x, stacked, layer_aux = self._scanned(
+        x,
+        positions,
+        segment_ids,
+        cache,
+        page_table,
+        None if routing is None else routing[moe_index:],
+      )
       new_cache["layers"] = stacked
       if layer_aux is not None:
         aux_losses.append(layer_aux.reshape(-1))  # [steps * MoE layers a step]
     x = _norm(cfg, "final_norm")(x)
-    aux = {"load_balance_loss": (jnp.mean(jnp.concatenate(aux_losses)) if aux_losses
-                                 else jnp.zeros((), jnp.float32))}
+    aux = {
+      "load_balance_loss": (
+        jnp.mean(jnp.concatenate(aux_losses)) if aux_losses else jnp.zeros((), jnp.float32)
+      )
+    }
     if cache is not None:
       aux["cache"] = new_cache
     if self.head == "hidden":
       return _constrain(x, ("batch", "length", "embed")), aux
     if self.head == "value":
-      w = _param(self, "value_head", (cfg.d_model, 1), ("embed", None),
-                 cfg.param_dtype, nn.initializers.zeros)
+      w = _param(
+        self,
+        "value_head",
+        (cfg.d_model, 1),
+        ("embed", None),
+        cfg.param_dtype,
+        nn.initializers.zeros,
+      )
       b = _param(self, "value_bias", (1,), (None,), cfg.param_dtype, nn.initializers.zeros)
       values = (x.astype(jnp.float32) @ w.astype(jnp.float32) + b.astype(jnp.float32))[..., 0]
       return values, aux
     if cfg.tie_embeddings:
-      w = embedding[:cfg.head_size].T
+      w = embedding[: cfg.head_size].T
     else:
-      w = _param(self, "lm_head", (cfg.d_model, cfg.head_size), ("embed", "vocab"),
-                 cfg.param_dtype)
+      w = _param(self, "lm_head", (cfg.d_model, cfg.head_size), ("embed", "vocab"), cfg.param_dtype)
     logits = _constrain(lm_logits(cfg, x, w), ("batch", "length", "vocab"))
     return logits, aux
 
@@ -576,7 +645,7 @@ class Transformer(nn.Module):
     or None without MoE layers); `routing` [M', B, L, k] the scanned MoE
     layers' rows in layer order, or None."""
     cfg, period, steps = self.cfg, self.cfg.scan_period, self.cfg.scan_steps
-    specs = cfg.layer_specs[cfg.scan_prefix:cfg.scan_prefix + period]
+    specs = cfg.layer_specs[cfg.scan_prefix : cfg.scan_prefix + period]
     moe_per_step = sum(s.is_moe for s in specs)
     if period == 1:
       module, kwargs = Block, {"spec": specs[0]}
@@ -585,13 +654,21 @@ class Transformer(nn.Module):
       if routing is not None and moe_per_step:
         routing = routing.reshape((steps, moe_per_step) + routing.shape[1:])
     scanned = nn.scan(
-        _block_class(cfg, scanned=True, cls=module),
-        variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
-        in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, 0), length=steps,
-        metadata_params={nn.PARTITION_NAME: "layers"})
+      _block_class(cfg, scanned=True, cls=module),
+      variable_axes={"params": 0, "intermediates": 0},
+      split_rngs={"params": True},
+      in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, 0),
+      length=steps,
+      metadata_params={nn.PARTITION_NAME: "layers"},
+    )
     (x, stacked), aux = scanned(cfg, name="layers", **kwargs)(
-        (x, None if cache is None else cache["layers"]), positions, segment_ids,
-        jnp.arange(steps, dtype=jnp.int32), page_table, routing if moe_per_step else None)
+      (x, None if cache is None else cache["layers"]),
+      positions,
+      segment_ids,
+      jnp.arange(steps, dtype=jnp.int32),
+      page_table,
+      routing if moe_per_step else None,
+    )
     return x, stacked, (aux if moe_per_step else None)
 
 

@@ -22,13 +22,13 @@ from sao_jax.config import sections
 from sao_jax.data import packing
 from sao_jax.models import policy
 from sao_jax.rollout import programs as programs_lib
-from sao_jax.train import configuration
-from sao_jax.train import factories
+from sao_jax.train import configuration, factories
 
 
 @dataclasses.dataclass
 class Program:
   """One program to compile: the jitted function, abstract args, how it is traced."""
+
   name: str
   fn: object  # a jax.jit-wrapped function
   args: tuple
@@ -38,8 +38,13 @@ class Program:
   context: object = contextlib.nullcontext
 
 
-def abstract_batch(rows: int, length: int, batch_sharding, action_index: bool = False,
-                   routing: tuple[int, int] | None = None) -> dict:
+def abstract_batch(
+  rows: int,
+  length: int,
+  batch_sharding,
+  action_index: bool = False,
+  routing: tuple[int, int] | None = None,
+) -> dict:
   """A packed batch `[rows, length]` of ShapeDtypeStructs, dtypes from `packing.pack`.
 
   With `action_index` (`data.logits_at_actions`) the batch carries it at its
@@ -48,9 +53,10 @@ def abstract_batch(rows: int, length: int, batch_sharding, action_index: bool = 
   choices `[rows, length, M, k]`.
   """
   example = packing.pack([], 1, (8,), action_index=action_index, routing=routing)
-  return {k: jax.ShapeDtypeStruct((rows, length) + v.shape[2:], v.dtype,
-                                  sharding=batch_sharding)
-          for k, v in example.items()}
+  return {
+    k: jax.ShapeDtypeStruct((rows, length) + v.shape[2:], v.dtype, sharding=batch_sharding)
+    for k, v in example.items()
+  }
 
 
 @contextlib.contextmanager
@@ -65,9 +71,17 @@ def in_mesh(mesh, rules):
     yield
 
 
-def train_programs(config, progs: factories.Programs, mesh, topo: str, hbm: float,
-                   model_cfg, bases=None, rows: int | None = None,
-                   length: int | None = None) -> dict:
+def train_programs(
+  config,
+  progs: factories.Programs,
+  mesh,
+  topo: str,
+  hbm: float,
+  model_cfg,
+  bases=None,
+  rows: int | None = None,
+  length: int | None = None,
+) -> dict:
   """The trainer's sft / value / rl steps at the largest bucket, as it calls them:
   with LoRA, the bases (`factories.abstract_bases`) as each step's last
   argument, the critic's trunk passed once (`shared_trunk`). `rows` and
@@ -81,8 +95,11 @@ def train_programs(config, progs: factories.Programs, mesh, topo: str, hbm: floa
   # sharding constraints; all three are lowered the same way here.
   ctx = lambda: in_mesh(mesh, progs.rules)
   at_actions = config.data.get("logits_at_actions", False)
-  replay = ((model_cfg.num_moe_layers, model_cfg.experts_per_token)
-            if config.rl.get("routing_replay") else None)
+  replay = (
+    (model_cfg.num_moe_layers, model_cfg.experts_per_token)
+    if config.rl.get("routing_replay")
+    else None
+  )
   rl_batch = abstract_batch(rl_rows, length, progs.batch_sharding, at_actions, replay)
   sft_batch = abstract_batch(sft_rows, length, progs.batch_sharding, at_actions)
   step, tail = (lambda fn, donate: fn), ()
@@ -90,14 +107,33 @@ def train_programs(config, progs: factories.Programs, mesh, topo: str, hbm: floa
     step = shared_trunk
     tail = (bases[0], {k: v for k, v in bases[1].items() if k not in bases[0]})
   return {
-      "sft": Program("sft", step(progs.sft_step, (0, 1)),
-                     (state.policy, state.policy_opt, sft_batch) + tail,
-                     f"{sft_rows}x{length}", topo, hbm, ctx),
-      "value": Program("value", step(progs.value_step, (0,)),  # packed without action_index
-                       (state, abstract_batch(rl_rows, length, progs.batch_sharding)) + tail,
-                       f"{rl_rows}x{length}", topo, hbm, ctx),
-      "rl": Program("rl", step(progs.rl_step, (0,)), (state, rl_batch) + tail,
-                    f"{rl_rows}x{length} K={config.rl.critic_updates}", topo, hbm, ctx),
+    "sft": Program(
+      "sft",
+      step(progs.sft_step, (0, 1)),
+      (state.policy, state.policy_opt, sft_batch) + tail,
+      f"{sft_rows}x{length}",
+      topo,
+      hbm,
+      ctx,
+    ),
+    "value": Program(
+      "value",
+      step(progs.value_step, (0,)),  # packed without action_index
+      (state, abstract_batch(rl_rows, length, progs.batch_sharding)) + tail,
+      f"{rl_rows}x{length}",
+      topo,
+      hbm,
+      ctx,
+    ),
+    "rl": Program(
+      "rl",
+      step(progs.rl_step, (0,)),
+      (state, rl_batch) + tail,
+      f"{rl_rows}x{length} K={config.rl.critic_updates}",
+      topo,
+      hbm,
+      ctx,
+    ),
   }
 
 
@@ -129,31 +165,48 @@ def rollout_section(config, rollout_mesh: str | None = None) -> sections.Rollout
 
 def _engine_layout(r: sections.Rollout, model_cfg, devices, train_mesh, routing: bool):
   """(`EnginePrograms.for_rollout` on the run's layout, that layout in words)."""
-  where = (f"rollout.mesh={r.mesh}" if r.mesh else "one chip" if not r.sharded_engine
-           else "the trainer's mesh (colocated)" if train_mesh is not None
-           else "data:-1 over the rollout topology")
+  where = (
+    f"rollout.mesh={r.mesh}"
+    if r.mesh
+    else "one chip"
+    if not r.sharded_engine
+    else "the trainer's mesh (colocated)"
+    if train_mesh is not None
+    else "data:-1 over the rollout topology"
+  )
   try:
     mesh = factories.engine_mesh(r, devices, trainer_mesh=train_mesh)
     if mesh is not None:
-      progs = programs_lib.EnginePrograms.for_rollout(model_cfg, r, mesh=mesh,
-                                                      record_routing=routing)
+      progs = programs_lib.EnginePrograms.for_rollout(
+        model_cfg, r, mesh=mesh, record_routing=routing
+      )
       return progs, f"mesh {dict(mesh.shape)}"
     # A one-device mesh on the target's first chip (EnginePrograms(device=)),
     # so that the model traces the TPU paths (attention.compile_platform),
     # not the host's.
-    progs = programs_lib.EnginePrograms.for_rollout(model_cfg, r, device=devices[0],
-                                                    record_routing=routing)
+    progs = programs_lib.EnginePrograms.for_rollout(
+      model_cfg, r, device=devices[0], record_routing=routing
+    )
     return progs, "1 chip"
   except ValueError as e:  # a mesh, slots or pages that do not split over the devices
     raise configuration.ConfigError(
-        f"the rollout engine on {where}: {e}; give the rollout slice its own layout "
-        "(--rollout_topology, rollout.mesh or --rollout_mesh) or compile "
-        "--programs=sft,value,rl") from None
+      f"the rollout engine on {where}: {e}; give the rollout slice its own layout "
+      "(--rollout_topology, rollout.mesh or --rollout_mesh) or compile "
+      "--programs=sft,value,rl"
+    ) from None
 
 
-def engine_programs(config, r: sections.Rollout, model_cfg, abstract_policy, devices,
-                    topo: str, hbm: float, width: int | None = None,
-                    train_mesh=None) -> tuple[dict, str, dict]:
+def engine_programs(
+  config,
+  r: sections.Rollout,
+  model_cfg,
+  abstract_policy,
+  devices,
+  topo: str,
+  hbm: float,
+  width: int | None = None,
+  train_mesh=None,
+) -> tuple[dict, str, dict]:
   """The rollout engine's programs: prefill, decode (one token) and decode_loop.
 
   Returns ({name: Program}, the engine's layout in words, its KV capacity:
@@ -177,23 +230,49 @@ def engine_programs(config, r: sections.Rollout, model_cfg, abstract_policy, dev
   whole cache (kv bucket max_len).
   """
   width = width or r.max_len
-  progs, layout = _engine_layout(r, model_cfg, devices, train_mesh,
-                                 bool(config.rl.get("routing_replay")))
+  progs, layout = _engine_layout(
+    r, model_cfg, devices, train_mesh, bool(config.rl.get("routing_replay"))
+  )
   steps = r.decode_steps
   cap = progs.capacity()
   cache_shape = f"cache {r.slots}x{r.max_len}, {layout}"
   if progs.paged:
-    cache_shape = (f"cache {r.slots}x{r.max_len} paged: {progs.num_pages} pages of "
-                   f"{progs.page_size} = {cap['live_tokens']:,} live tokens "
-                   f"({cap['fraction_of_dense']:.3f} of slots x max_len), {layout}")
+    cache_shape = (
+      f"cache {r.slots}x{r.max_len} paged: {progs.num_pages} pages of "
+      f"{progs.page_size} = {cap['live_tokens']:,} live tokens "
+      f"({cap['fraction_of_dense']:.3f} of slots x max_len), {layout}"
+    )
   step = progs.step(None)
-  return {
-      "prefill": Program("prefill", step, progs.step_args(abstract_policy, width),
-                         f"{r.slots}x{width}, {cache_shape}", topo, hbm, progs.context),
-      "decode": Program("decode", step, progs.step_args(abstract_policy, 1),
-                        f"{r.slots}x1, {cache_shape}", topo, hbm, progs.context),
-      "decode_loop": Program("decode_loop", progs.decode(None, steps, -1),
-                             progs.decode_args(abstract_policy),
-                             f"{r.slots}x1 x {steps} steps, {cache_shape}", topo, hbm,
-                             progs.context),
-  }, layout, cap
+  return (
+    {
+      "prefill": Program(
+        "prefill",
+        step,
+        progs.step_args(abstract_policy, width),
+        f"{r.slots}x{width}, {cache_shape}",
+        topo,
+        hbm,
+        progs.context,
+      ),
+      "decode": Program(
+        "decode",
+        step,
+        progs.step_args(abstract_policy, 1),
+        f"{r.slots}x1, {cache_shape}",
+        topo,
+        hbm,
+        progs.context,
+      ),
+      "decode_loop": Program(
+        "decode_loop",
+        progs.decode(None, steps, -1),
+        progs.decode_args(abstract_policy),
+        f"{r.slots}x1 x {steps} steps, {cache_shape}",
+        topo,
+        hbm,
+        progs.context,
+      ),
+    },
+    layout,
+    cap,
+  )

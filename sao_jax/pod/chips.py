@@ -27,15 +27,23 @@ GIB = 2**30
 # a v4 topology has one device per TensorCore, each with half of the chip's
 # 32 GiB.
 HBM_BYTES = {
-    "TPU v5": 95.74 * GIB, "TPU v5p": 95.74 * GIB,
-    "TPU v5 lite": 15.75 * GIB, "TPU v5e": 15.75 * GIB,
-    "TPU v6 lite": 31.25 * GIB, "TPU v6e": 31.25 * GIB,
-    "TPU v4": 15.25 * GIB,
+  "TPU v5": 95.74 * GIB,
+  "TPU v5p": 95.74 * GIB,
+  "TPU v5 lite": 15.75 * GIB,
+  "TPU v5e": 15.75 * GIB,
+  "TPU v6 lite": 31.25 * GIB,
+  "TPU v6e": 31.25 * GIB,
+  "TPU v4": 15.25 * GIB,
 }
 
 # Cloud TPU generation names -> (libtpu's name, TensorCores per chip, 3-D torus).
-_GENERATIONS = {"v5p": ("v5p", 2, True), "v4": ("v4", 2, True), "v5e": ("v5e", 1, False),
-                "v5litepod": ("v5e", 1, False), "v6e": ("v6e", 1, False)}
+_GENERATIONS = {
+  "v5p": ("v5p", 2, True),
+  "v4": ("v4", 2, True),
+  "v5e": ("v5e", 1, False),
+  "v5litepod": ("v5e", 1, False),
+  "v6e": ("v6e", 1, False),
+}
 
 
 def first_line(msg: str, limit: int = 400) -> str:
@@ -59,17 +67,19 @@ def topology_name(name: str) -> str:
   m = re.fullmatch(r"(v5p|v4|v5e|v5litepod|v6e)-(\d+)", name)
   if not m:
     raise configuration.ConfigError(
-        f"--topology={name!r}: expected a Cloud TPU name like v5p-256 / v5e-4 / v6e-8, or "
-        "libtpu's like v5p:4x4x8 / v5e:2x2")
+      f"--topology={name!r}: expected a Cloud TPU name like v5p-256 / v5e-4 / v6e-8, or "
+      "libtpu's like v5p:4x4x8 / v5e:2x2"
+    )
   gen, cores_per_chip, torus3d = _GENERATIONS[m.group(1)]
   count = int(m.group(2))
   chips = count // cores_per_chip
   smallest = 4 if torus3d else 1
   if count % cores_per_chip or chips < smallest or chips & (chips - 1):
     raise configuration.ConfigError(
-        f"--topology={name!r}: {m.group(1)} slices here are {smallest} chips or a power of "
-        f"two above ({cores_per_chip} per chip in the name); give libtpu's name (e.g. "
-        f"{gen}:4x4x12) for other shapes")
+      f"--topology={name!r}: {m.group(1)} slices here are {smallest} chips or a power of "
+      f"two above ({cores_per_chip} per chip in the name); give libtpu's name (e.g. "
+      f"{gen}:4x4x12) for other shapes"
+    )
   dims = [2, 2, 1] if torus3d else [1, 1]
   while int(np.prod(dims)) < chips:
     low = min(dims)
@@ -84,13 +94,15 @@ def topology_devices(name: str):
   # libtpu's default host is 2x2x1 chips; a slice smaller than that (a v5e-1
   # or v6e-1, Colab's TPUs) is one host of its own size.
   dims = [int(d) for d in tname.split(":")[1].split("x")]
-  kw = ({"chips_per_host_bounds": tuple(dims + [1] * (3 - len(dims)))}
-        if int(np.prod(dims)) < 4 else {})
+  kw = (
+    {"chips_per_host_bounds": tuple(dims + [1] * (3 - len(dims)))} if int(np.prod(dims)) < 4 else {}
+  )
   try:
     topo = topologies.get_topology_desc(platform="tpu", topology_name=tname, **kw)
-  except Exception as e:  # pylint: disable=broad-except
-    raise configuration.ConfigError(f"--topology={name!r} ({tname}): libtpu refused it: "
-                                    f"{first_line(str(e))}") from None
+  except Exception as e:  # noqa: BLE001
+    raise configuration.ConfigError(
+      f"--topology={name!r} ({tname}): libtpu refused it: {first_line(str(e))}"
+    ) from None
   return tname, list(topo.devices)
 
 
@@ -98,6 +110,7 @@ def hbm_bytes(device) -> float:
   """The HBM a device of this kind holds programs to (`HBM_BYTES`)."""
   kind = device.device_kind
   if kind not in HBM_BYTES:
-    raise configuration.ConfigError(f"no HBM size known for device kind {kind!r}; add it to "
-                                    "HBM_BYTES in sao_jax/pod/chips.py")
+    raise configuration.ConfigError(
+      f"no HBM size known for device kind {kind!r}; add it to HBM_BYTES in sao_jax/pod/chips.py"
+    )
   return HBM_BYTES[kind]

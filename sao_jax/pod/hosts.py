@@ -54,6 +54,7 @@ COORDINATOR = "{coordinator}"
 @dataclasses.dataclass(frozen=True)
 class Host:
   """One process of the job: its role, index, command line and environment."""
+
   role: str
   index: int
   argv: tuple[str, ...]
@@ -68,8 +69,16 @@ def rollout_id(index) -> str:
   return f"rollout{index}"
 
 
-def host_argv(role: str, index, config_file: str, workdir: str, overrides: Sequence[str],
-              pod: sections.Pod, coordinator: str, python: str = "python") -> list[str]:
+def host_argv(
+  role: str,
+  index,
+  config_file: str,
+  workdir: str,
+  overrides: Sequence[str],
+  pod: sections.Pod,
+  coordinator: str,
+  python: str = "python",
+) -> list[str]:
   """The command of host `index` of `role` (`index` and `coordinator` may be
   placeholders a runtime expands, e.g. Kubernetes' "$(PROCESS_ID)")."""
   base = [f"--config={config_file}", f"--workdir={workdir}", *overrides]
@@ -77,17 +86,25 @@ def host_argv(role: str, index, config_file: str, workdir: str, overrides: Seque
     argv = [python, "launch/train.py", *base]
     if pod.trainer_hosts == 1:  # one process: no jax.distributed, whatever the config says
       return argv + ["--config.distributed.enabled=False"]
-    return argv + ["--config.distributed.enabled=True",
-                   f"--config.distributed.coordinator_address={coordinator}",
-                   f"--config.distributed.num_processes={pod.trainer_hosts}",
-                   f"--config.distributed.process_id={index}"]
+    return argv + [
+      "--config.distributed.enabled=True",
+      f"--config.distributed.coordinator_address={coordinator}",
+      f"--config.distributed.num_processes={pod.trainer_hosts}",
+      f"--config.distributed.process_id={index}",
+    ]
   if role == ROLLOUT:
     return [python, "launch/rollout.py", *base, f"--rollout_id={rollout_id(index)}"]
   raise ValueError(f"unknown role {role!r}")
 
 
-def plan(config_file: str, workdir: str, overrides: Sequence[str], pod: sections.Pod,
-         coordinator: str = COORDINATOR, python: str = sys.executable) -> list[Host]:
+def plan(
+  config_file: str,
+  workdir: str,
+  overrides: Sequence[str],
+  pod: sections.Pod,
+  coordinator: str = COORDINATOR,
+  python: str = sys.executable,
+) -> list[Host]:
   """Every host of the job, trainers first (process 0 is the coordinator)."""
   hosts = []
   for role, n in ((TRAINER, pod.trainer_hosts), (ROLLOUT, pod.rollout_hosts)):
@@ -101,17 +118,20 @@ def check(config, pod: sections.Pod) -> None:
   """Config rules of a pod job (one line each, before anything starts)."""
   if pod.rollout_hosts and config.rl.mode != "fleet":
     raise sections.ConfigError(
-        f"pod.rollout_hosts = {pod.rollout_hosts}: rollout hosts serve rl.mode = \"fleet\" "
-        f"(this config's rl.mode is {config.rl.mode!r})")
+      f'pod.rollout_hosts = {pod.rollout_hosts}: rollout hosts serve rl.mode = "fleet" '
+      f"(this config's rl.mode is {config.rl.mode!r})"
+    )
   if config.rl.mode == "fleet" and config.rl.steps and not pod.rollout_hosts:
     raise sections.ConfigError(
-        "pod.rollout_hosts = 0: rl.mode = \"fleet\" trains on rollout hosts' trajectories; "
-        "set pod.rollout_hosts >= 1")
+      'pod.rollout_hosts = 0: rl.mode = "fleet" trains on rollout hosts\' trajectories; '
+      "set pod.rollout_hosts >= 1"
+    )
   d = config.distributed
   if d.coordinator_address or d.num_processes or d.process_id != -1:
     raise sections.ConfigError(
-        "distributed.coordinator_address / num_processes / process_id are set: launch/pod.py "
-        "hands them out itself (pod.trainer_hosts); leave them at their defaults")
+      "distributed.coordinator_address / num_processes / process_id are set: launch/pod.py "
+      "hands them out itself (pod.trainer_hosts); leave them at their defaults"
+    )
 
 
 # ------------------------------------------------------------ supervision
@@ -159,29 +179,43 @@ class Supervisor:
           return Decision(Action.FINISH, host.name, "every trainer process exited 0")
         return Decision(Action.WAIT, host.name)
       if self.trainer_restarts >= self.pod.max_trainer_restarts:
-        return Decision(Action.FAIL, host.name,
-                        f"{host.name} failed ({describe_exit(code)}) after the trainer group "
-                        f"was restarted {self.trainer_restarts} times "
-                        f"(pod.max_trainer_restarts = {self.pod.max_trainer_restarts})")
+        return Decision(
+          Action.FAIL,
+          host.name,
+          f"{host.name} failed ({describe_exit(code)}) after the trainer group "
+          f"was restarted {self.trainer_restarts} times "
+          f"(pod.max_trainer_restarts = {self.pod.max_trainer_restarts})",
+        )
       self.trainer_restarts += 1
       self.trainers_done.clear()
-      return Decision(Action.RESTART_TRAINERS, host.name,
-                      f"{host.name} failed ({describe_exit(code)}): restarting the trainer "
-                      f"group from its last checkpoint ({self.trainer_restarts} of "
-                      f"{self.pod.max_trainer_restarts})")
+      return Decision(
+        Action.RESTART_TRAINERS,
+        host.name,
+        f"{host.name} failed ({describe_exit(code)}): restarting the trainer "
+        f"group from its last checkpoint ({self.trainer_restarts} of "
+        f"{self.pod.max_trainer_restarts})",
+      )
     if code == 0 or self.finished:
       self.rollouts_done.add(host.name)
       return Decision(Action.WAIT, host.name)
     n = self.rollout_restarts.get(host.name, 0)
     if n >= self.pod.max_rollout_restarts:
-      return Decision(Action.FAIL, host.name,
-                      f"{host.name} failed ({describe_exit(code)}) after {n} restarts "
-                      f"(pod.max_rollout_restarts = {self.pod.max_rollout_restarts})")
+      return Decision(
+        Action.FAIL,
+        host.name,
+        f"{host.name} failed ({describe_exit(code)}) after {n} restarts "
+        f"(pod.max_rollout_restarts = {self.pod.max_rollout_restarts})",
+      )
     self.rollout_restarts[host.name] = n + 1
-    return Decision(Action.RESTART_ROLLOUT, host.name,
-                    f"{host.name} failed ({describe_exit(code)}): restarting it "
-                    f"({n + 1} of {self.pod.max_rollout_restarts})")
+    return Decision(
+      Action.RESTART_ROLLOUT,
+      host.name,
+      f"{host.name} failed ({describe_exit(code)}): restarting it "
+      f"({n + 1} of {self.pod.max_rollout_restarts})",
+    )
 
   def counters(self) -> dict:
-    return {"trainer_restarts": self.trainer_restarts,
-            "rollout_restarts": sum(self.rollout_restarts.values())}
+    return {
+      "trainer_restarts": self.trainer_restarts,
+      "rollout_restarts": sum(self.rollout_restarts.values()),
+    }

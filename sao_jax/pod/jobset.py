@@ -46,62 +46,117 @@ def coordinator_address(name: str, pod: sections.Pod) -> str:
 
 
 def _env(pod: sections.Pod, index_annotation: str, extra: dict) -> list[dict]:
-  env = [{"name": "PROCESS_ID", "valueFrom": {"fieldRef": {
-      "fieldPath": f"metadata.annotations['{index_annotation}']"}}}]
+  env = [
+    {
+      "name": "PROCESS_ID",
+      "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{index_annotation}']"}},
+    }
+  ]
   env += [{"name": k, "value": v} for k, v in {**extra, **pod.host_env}.items()]
   return env
 
 
-def _job(role: str, pod: sections.Pod, argv: list[str], *, pods: int, topology: str,
-         index_annotation: str, backoff: int, extra_env: dict) -> dict:
-  container = {"name": role, "image": pod.image, "workingDir": kube.APP_DIR,
-               "command": argv, "env": _env(pod, index_annotation, extra_env)}
+def _job(
+  role: str,
+  pod: sections.Pod,
+  argv: list[str],
+  *,
+  pods: int,
+  topology: str,
+  index_annotation: str,
+  backoff: int,
+  extra_env: dict,
+) -> dict:
+  container = {
+    "name": role,
+    "image": pod.image,
+    "workingDir": kube.APP_DIR,
+    "command": argv,
+    "env": _env(pod, index_annotation, extra_env),
+  }
   template = kube.pod_template(
-      pod, container, requests=kube.role_requests(pod, role), tpu_chips=pod.chips_per_host,
-      node_selector=kube.tpu_node_selector(pod, topology),
-      spec={"restartPolicy": "Never"})
-  return {"spec": {"parallelism": pods, "completions": pods, "completionMode": "Indexed",
-                   "backoffLimit": backoff, "template": template}}
+    pod,
+    container,
+    requests=kube.role_requests(pod, role),
+    tpu_chips=pod.chips_per_host,
+    node_selector=kube.tpu_node_selector(pod, topology),
+    spec={"restartPolicy": "Never"},
+  )
+  return {
+    "spec": {
+      "parallelism": pods,
+      "completions": pods,
+      "completionMode": "Indexed",
+      "backoffLimit": backoff,
+      "template": template,
+    }
+  }
 
 
-def jobset(name: str, config_file: str, workdir: str, overrides: Sequence[str],
-           pod: sections.Pod) -> dict:
+def jobset(
+  name: str, config_file: str, workdir: str, overrides: Sequence[str], pod: sections.Pod
+) -> dict:
   """The JobSet manifest (a dict, for yaml or json) of the pod job `name`
   (`kube.check_storage` first: this builds whatever it is given)."""
   kube.check_sandbox(pod, {pod_lib.TRAINER: pod.trainer_hosts, pod_lib.ROLLOUT: 1})
-  trainer_argv = pod_lib.host_argv(pod_lib.TRAINER, PROCESS_ID, config_file, workdir,
-                                   overrides, pod, COORDINATOR_ENV)
-  jobs = [{
-      "name": pod_lib.TRAINER, "replicas": 1,
-      "template": _job(pod_lib.TRAINER, pod, trainer_argv, pods=pod.trainer_hosts,
-                       topology=pod.trainer_topology,
-                       index_annotation="batch.kubernetes.io/job-completion-index",
-                       backoff=0,
-                       extra_env={"COORDINATOR_ADDRESS": coordinator_address(name, pod)}),
-  }]
+  trainer_argv = pod_lib.host_argv(
+    pod_lib.TRAINER, PROCESS_ID, config_file, workdir, overrides, pod, COORDINATOR_ENV
+  )
+  jobs = [
+    {
+      "name": pod_lib.TRAINER,
+      "replicas": 1,
+      "template": _job(
+        pod_lib.TRAINER,
+        pod,
+        trainer_argv,
+        pods=pod.trainer_hosts,
+        topology=pod.trainer_topology,
+        index_annotation="batch.kubernetes.io/job-completion-index",
+        backoff=0,
+        extra_env={"COORDINATOR_ADDRESS": coordinator_address(name, pod)},
+      ),
+    }
+  ]
   if pod.rollout_hosts:
-    rollout_argv = pod_lib.host_argv(pod_lib.ROLLOUT, PROCESS_ID, config_file, workdir,
-                                     overrides, pod, "")
-    jobs.append({
-        "name": pod_lib.ROLLOUT, "replicas": pod.rollout_hosts,
-        "template": _job(pod_lib.ROLLOUT, pod, rollout_argv, pods=1,
-                         topology=pod.rollout_topology,
-                         index_annotation="jobset.sigs.k8s.io/job-index",
-                         backoff=pod.max_rollout_restarts, extra_env={}),
-    })
-  metadata = {"name": name, "annotations": {
+    rollout_argv = pod_lib.host_argv(
+      pod_lib.ROLLOUT, PROCESS_ID, config_file, workdir, overrides, pod, ""
+    )
+    jobs.append(
+      {
+        "name": pod_lib.ROLLOUT,
+        "replicas": pod.rollout_hosts,
+        "template": _job(
+          pod_lib.ROLLOUT,
+          pod,
+          rollout_argv,
+          pods=1,
+          topology=pod.rollout_topology,
+          index_annotation="jobset.sigs.k8s.io/job-index",
+          backoff=pod.max_rollout_restarts,
+          extra_env={},
+        ),
+      }
+    )
+  metadata = {
+    "name": name,
+    "annotations": {
       # One job a node pool: a slice's hosts are not shared between jobs.
-      "alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}}
+      "alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"
+    },
+  }
   if kube.labels(pod):
     metadata["labels"] = kube.labels(pod)
   return {
-      "apiVersion": API_VERSION, "kind": "JobSet", "metadata": metadata,
-      "spec": {
-          "network": {"enableDNSHostnames": True},
-          "failurePolicy": {"maxRestarts": pod.max_trainer_restarts},
-          "successPolicy": {"operator": "All", "targetReplicatedJobs": [pod_lib.TRAINER]},
-          "replicatedJobs": jobs,
-      },
+    "apiVersion": API_VERSION,
+    "kind": "JobSet",
+    "metadata": metadata,
+    "spec": {
+      "network": {"enableDNSHostnames": True},
+      "failurePolicy": {"maxRestarts": pod.max_trainer_restarts},
+      "successPolicy": {"operator": "All", "targetReplicatedJobs": [pod_lib.TRAINER]},
+      "replicatedJobs": jobs,
+    },
   }
 
 

@@ -60,7 +60,7 @@ def job_name(base: str, workdir: str) -> str:
   writing into a run that already has one)."""
   text = "".join(c if c.isalnum() else "-" for c in base.lower()).strip("-")
   suffix = hashlib.sha256(workdir.rstrip("/").encode()).hexdigest()[:6]
-  head = (text or "sao-jax")[:NAME_LENGTH - len(suffix) - 1].strip("-") or "sao-jax"
+  head = (text or "sao-jax")[: NAME_LENGTH - len(suffix) - 1].strip("-") or "sao-jax"
   return f"{head}-{suffix}"
 
 
@@ -126,17 +126,20 @@ def check_storage(config, workdir: str, pod: sections.Pod) -> None:
       continue  # in the image
     if volume is None:
       raise sections.ConfigError(
-          f"{where} = {path!r}: on no volume of pod.volumes = {pod.volumes!r}, so each pod "
-          f"would {'write' if written else 'read'} its own disk; mount shared storage there "
-          "(e.g. --config.pod.volumes=\"('/mnt/run=pvc:CLAIM',)\") or use a gs:// path")
+        f"{where} = {path!r}: on no volume of pod.volumes = {pod.volumes!r}, so each pod "
+        f"would {'write' if written else 'read'} its own disk; mount shared storage there "
+        "(e.g. --config.pod.volumes=\"('/mnt/run=pvc:CLAIM',)\") or use a gs:// path"
+      )
     if written and volume[3]:
       raise sections.ConfigError(
-          f"{where} = {path!r}: the job writes there, but its volume {volume[0]} is "
-          "mounted read-only (\":ro\" in pod.volumes)")
+        f"{where} = {path!r}: the job writes there, but its volume {volume[0]} is "
+        'mounted read-only (":ro" in pod.volumes)'
+      )
   if on_gcs and not pod.service_account:
     raise sections.ConfigError(
-        "pod.service_account = '': the job uses GCS; name the Kubernetes service account "
-        "bound to a Google service account that may use the bucket (Workload Identity)")
+      "pod.service_account = '': the job uses GCS; name the Kubernetes service account "
+      "bound to a Google service account that may use the bucket (Workload Identity)"
+    )
 
 
 def volumes(pod: sections.Pod) -> tuple[list[dict], list[dict]]:
@@ -145,12 +148,20 @@ def volumes(pod: sections.Pod) -> tuple[list[dict], list[dict]]:
   for i, (mount, kind, name, read_only) in enumerate(sections.parse_pod_volumes(pod.volumes)):
     vname = f"{kind}-{i}"
     if kind == "pvc":
-      pod_volumes.append({"name": vname, "persistentVolumeClaim": {
-          "claimName": name, "readOnly": read_only}})
+      pod_volumes.append(
+        {"name": vname, "persistentVolumeClaim": {"claimName": name, "readOnly": read_only}}
+      )
     else:
-      pod_volumes.append({"name": vname, "csi": {
-          "driver": GCSFUSE_DRIVER, "readOnly": read_only,
-          "volumeAttributes": {"bucketName": name, "mountOptions": "implicit-dirs"}}})
+      pod_volumes.append(
+        {
+          "name": vname,
+          "csi": {
+            "driver": GCSFUSE_DRIVER,
+            "readOnly": read_only,
+            "volumeAttributes": {"bucketName": name, "mountOptions": "implicit-dirs"},
+          },
+        }
+      )
     mounts.append({"name": vname, "mountPath": mount, "readOnly": read_only})
   return pod_volumes, mounts
 
@@ -163,8 +174,7 @@ def grace_seconds(pod: sections.Pod) -> int:
 def security_context(pod: sections.Pod) -> dict | None:
   if pod.sandbox == "none":
     return None
-  context = {"capabilities": {"add": ["SYS_ADMIN"]},
-             "seccompProfile": {"type": "RuntimeDefault"}}
+  context = {"capabilities": {"add": ["SYS_ADMIN"]}, "seccompProfile": {"type": "RuntimeDefault"}}
   if pod.sandbox == "sys_admin":
     context["appArmorProfile"] = {"type": "Unconfined"}
   return context
@@ -172,8 +182,10 @@ def security_context(pod: sections.Pod) -> dict | None:
 
 def tpu_node_selector(pod: sections.Pod, topology: str) -> dict:
   """GKE's labels of a TPU slice of `topology`."""
-  return {"cloud.google.com/gke-tpu-accelerator": pod.tpu_type,
-          "cloud.google.com/gke-tpu-topology": topology}
+  return {
+    "cloud.google.com/gke-tpu-accelerator": pod.tpu_type,
+    "cloud.google.com/gke-tpu-topology": topology,
+  }
 
 
 def role_requests(pod: sections.Pod, role: str) -> dict:
@@ -186,8 +198,15 @@ def resources(requests: dict, tpu_chips: int = 0) -> dict:
   return {"requests": {**requests, **tpu}, "limits": {"memory": requests["memory"], **tpu}}
 
 
-def pod_template(pod: sections.Pod, container: dict, *, requests: dict, tpu_chips: int = 0,
-                 node_selector: dict | None = None, spec: dict | None = None) -> dict:
+def pod_template(
+  pod: sections.Pod,
+  container: dict,
+  *,
+  requests: dict,
+  tpu_chips: int = 0,
+  node_selector: dict | None = None,
+  spec: dict | None = None,
+) -> dict:
   """A PodTemplateSpec around `container` with every piece above (`spec`:
   more pod spec fields, e.g. the restart policy)."""
   pod_volumes, mounts = volumes(pod)
@@ -197,8 +216,11 @@ def pod_template(pod: sections.Pod, container: dict, *, requests: dict, tpu_chip
   context = security_context(pod)
   if context:
     container["securityContext"] = context
-  body = {**(spec or {}), "terminationGracePeriodSeconds": grace_seconds(pod),
-          "containers": [container]}
+  body = {
+    **(spec or {}),
+    "terminationGracePeriodSeconds": grace_seconds(pod),
+    "containers": [container],
+  }
   if node_selector:
     body["nodeSelector"] = node_selector
   if pod.service_account:
@@ -220,5 +242,6 @@ def check_sandbox(pod: sections.Pod, hosts_per_slice: dict) -> None:
   for role, n in hosts_per_slice.items():
     if n > 1:
       raise sections.ConfigError(
-          f"pod.sandbox = 'gvisor': the {role} slice has {n} hosts, and GKE Sandbox serves "
-          "single-host TPU slices only; use pod.sandbox = 'sys_admin'")
+        f"pod.sandbox = 'gvisor': the {role} slice has {n} hosts, and GKE Sandbox serves "
+        "single-host TPU slices only; use pod.sandbox = 'sys_admin'"
+      )

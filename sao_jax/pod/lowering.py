@@ -57,14 +57,19 @@ def _refused(row: dict, e: Exception, start: float, cpu_start: float) -> dict:
   row["compile_s"] = round(time.time() - start, 2)
   row["cpu_s"] = round(time.process_time() - cpu_start, 2)
   if "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower():
-    row.update(status="DOES NOT FIT", fits=False, message=chips.first_line(msg),
-               required_bytes=_gib_in(r"HLO temporaries", msg),
-               compiler_hbm_bytes=_gib_in(r"available HBM", msg))
+    row.update(
+      status="DOES NOT FIT",
+      fits=False,
+      message=chips.first_line(msg),
+      required_bytes=_gib_in(r"HLO temporaries", msg),
+      compiler_hbm_bytes=_gib_in(r"available HBM", msg),
+    )
   else:
-    row.update(status="ERROR", fits=False,
-               message=f"{type(e).__name__}: {chips.first_line(msg)}")
-  print(f"[compile] {row['program']}: {row['status']} after {row['compile_s']:.0f} s: "
-        f"{row['message']}", flush=True)
+    row.update(status="ERROR", fits=False, message=f"{type(e).__name__}: {chips.first_line(msg)}")
+  print(
+    f"[compile] {row['program']}: {row['status']} after {row['compile_s']:.0f} s: {row['message']}",
+    flush=True,
+  )
   return row
 
 
@@ -79,17 +84,28 @@ def _memory(row: dict, compiled, hbm: float, min_headroom: float) -> None:
   total = arg + out - alias + temp + code
   headroom = 1.0 - total / hbm
   fits = headroom >= min_headroom
-  row.update(argument_bytes=arg, output_bytes=out, temp_bytes=temp, alias_bytes=alias,
-             code_bytes=code, total_bytes=total,
-             peak_bytes=getattr(m, "peak_memory_in_bytes", None), headroom=headroom,
-             fits=fits, status="FITS" if fits else "DOES NOT FIT")
+  row.update(
+    argument_bytes=arg,
+    output_bytes=out,
+    temp_bytes=temp,
+    alias_bytes=alias,
+    code_bytes=code,
+    total_bytes=total,
+    peak_bytes=getattr(m, "peak_memory_in_bytes", None),
+    headroom=headroom,
+    fits=fits,
+    status="FITS" if fits else "DOES NOT FIT",
+  )
   if not fits:
-    row["message"] = (f"{total / GIB:.2f} GiB of {hbm / GIB:.2f} GiB leaves "
-                      f"{headroom:.1%} headroom, less than --min_headroom={min_headroom:.0%}")
+    row["message"] = (
+      f"{total / GIB:.2f} GiB of {hbm / GIB:.2f} GiB leaves "
+      f"{headroom:.1%} headroom, less than --min_headroom={min_headroom:.0%}"
+    )
 
 
-def compile_one(p: Program, min_headroom: float, heartbeat_s: int = 60,
-                dump_hlo: str | None = None) -> dict:
+def compile_one(
+  p: Program, min_headroom: float, heartbeat_s: int = 60, dump_hlo: str | None = None
+) -> dict:
   """Lowers and compiles `p`; its row: timings, per-chip bytes and the verdict.
 
   Prints progress lines ("[compile] NAME: ...", one every `heartbeat_s`
@@ -106,7 +122,7 @@ def compile_one(p: Program, min_headroom: float, heartbeat_s: int = 60,
       row["lower_s"] = round(time.time() - start, 2)
       print(f"[compile] {p.name}: lowered in {row['lower_s']:.1f} s; compiling", flush=True)
       compiled = lowered.compile()
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:  # noqa: BLE001
     return _refused(row, e, start, cpu_start)
   row["compile_s"] = round(time.time() - start, 2)
   # CPU seconds of this process (all its threads): on a shared host the wall
@@ -123,18 +139,39 @@ def compile_one(p: Program, min_headroom: float, heartbeat_s: int = 60,
     with open(os.path.join(dump_hlo, f"{p.name}.hlo.txt"), "w", encoding="utf-8") as f:
       f.write(hlo)
   _memory(row, compiled, p.hbm, min_headroom)
-  print(f"[compile] {p.name}: compiled in {row['compile_s']:.0f} s ({row['cpu_s']:.0f} CPU s), "
-        f"{row['total_bytes'] / GIB:.2f} GiB per chip: {row['status']}", flush=True)
+  print(
+    f"[compile] {p.name}: compiled in {row['compile_s']:.0f} s ({row['cpu_s']:.0f} CPU s), "
+    f"{row['total_bytes'] / GIB:.2f} GiB per chip: {row['status']}",
+    flush=True,
+  )
   return row
 
 
 _COLLECTIVE = re.compile(
-    r"= (.+?) (all-reduce|reduce-scatter|all-gather|all-to-all|collective-permute)"
-    r"(?:-start)?\(")
-_TYPED = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|f8e4m3fn|f8e5m2|bf16|f16|f32|f64)"
-                    r"\[([0-9,]*)\]")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
-                "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+  r"= (.+?) (all-reduce|reduce-scatter|all-gather|all-to-all|collective-permute)"
+  r"(?:-start)?\("
+)
+_TYPED = re.compile(
+  r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|f8e4m3fn|f8e5m2|bf16|f16|f32|f64)"
+  r"\[([0-9,]*)\]"
+)
+_DTYPE_BYTES = {
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "f8e4m3fn": 1,
+  "f8e5m2": 1,
+  "s16": 2,
+  "u16": 2,
+  "bf16": 2,
+  "f16": 2,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+}
 
 
 def collectives(hlo_text: str) -> dict:

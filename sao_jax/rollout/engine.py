@@ -41,20 +41,35 @@ from jax.sharding import Mesh, NamedSharding
 
 from sao_jax.config import sections
 from sao_jax.models.config import ModelConfig
-from sao_jax.rollout import engine_protocol
+from sao_jax.rollout import engine_protocol, layout
 from sao_jax.rollout import kv_cache as kv_cache_lib
-from sao_jax.rollout import layout
+
 # The strategy's exception stays importable from here (tests, callers).
-from sao_jax.rollout.kv_cache import PagePoolExhausted  # pylint: disable=unused-import
+from sao_jax.rollout.kv_cache import PagePoolExhausted  # noqa: F401
+
 # The layout's names stay importable from here (launch/compile.py, tests).
-from sao_jax.rollout.layout import (  # pylint: disable=unused-import
-    EngineShardings, cache_bytes_per_device, cache_shardings, cache_spec, engine_shardings,
-    param_bytes_per_device, rollout_rules)
+from sao_jax.rollout.layout import (
+  EngineShardings,
+  cache_bytes_per_device,  # noqa: F401
+  cache_shardings,  # noqa: F401
+  cache_spec,  # noqa: F401
+  engine_shardings,  # noqa: F401
+  param_bytes_per_device,  # noqa: F401
+  rollout_rules,  # noqa: F401
+)
 from sao_jax.rollout.paging import PagePool
 from sao_jax.rollout.programs import EnginePrograms
+
 # Sampling and the key stream live in sampling.py; these names stay importable from here.
-from sao_jax.rollout.sampling import (  # pylint: disable=unused-import
-    KeyStream, SamplingConfig, SlotSampling, inverse_cdf, sample, sampling_logprobs, take)
+from sao_jax.rollout.sampling import (
+  KeyStream,
+  SamplingConfig,  # noqa: F401
+  SlotSampling,
+  inverse_cdf,  # noqa: F401
+  sample,  # noqa: F401
+  sampling_logprobs,  # noqa: F401
+  take,
+)
 
 Array = jax.Array
 
@@ -85,6 +100,7 @@ class DecodeChunk(NamedTuple):
   Device arrays until `PolicyEngine.collect` fetches them (numpy after).
   Row b holds `counts[b]` sampled tokens, in order; the rest is padding.
   """
+
   tokens: Any  # [slots, steps] int32
   logprobs: Any  # [slots, steps] float32, under the exact sampling distribution
   counts: Any  # [slots] int32
@@ -153,9 +169,20 @@ class PolicyEngine(engine_protocol.Engine):
   per_request_sampling = True  # serve_step / serve_decode
   shares_prefixes = True  # share_prefix / register_prefix (a paged cache's pages)
 
-  def __init__(self, cfg: ModelConfig, params, rollout: sections.Rollout, *, seed: int = 0,
-               version: int = 0, device=None, mesh: Mesh | None = None, rules=None,
-               kv_buckets: tuple[int, ...] | None = None, record_routing: bool = False):
+  def __init__(
+    self,
+    cfg: ModelConfig,
+    params,
+    rollout: sections.Rollout,
+    *,
+    seed: int = 0,
+    version: int = 0,
+    device=None,
+    mesh: Mesh | None = None,
+    rules=None,
+    kv_buckets: tuple[int, ...] | None = None,
+    record_routing: bool = False,
+  ):
     if not isinstance(rollout, sections.Rollout):
       raise TypeError(f"rollout must be a sections.Rollout, got {type(rollout).__name__}")
     slots, max_len = rollout.slots, rollout.max_len
@@ -166,8 +193,9 @@ class PolicyEngine(engine_protocol.Engine):
     self.rollout = rollout
     # Every jitted program of the engine (programs.py), also what launch/compile.py
     # lowers; it holds the layout (a mesh of one device without `mesh`).
-    self.programs = EnginePrograms.for_rollout(cfg, rollout, mesh=mesh, rules=rules,
-                                               device=device, record_routing=record_routing)
+    self.programs = EnginePrograms.for_rollout(
+      cfg, rollout, mesh=mesh, rules=rules, device=device, record_routing=record_routing
+    )
     self.record_routing = record_routing
     sampling = self.programs.sampling
     # The KV cache's strategy (kv_cache.py): what differs between dense and paged.
@@ -219,8 +247,11 @@ class PolicyEngine(engine_protocol.Engine):
   def abstract_params(self):
     """ShapeDtypeStructs of the params with their shardings: the target to
     restore a versioned checkpoint straight into."""
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        nn.unbox(layout.abstract_params(self.cfg)), self.shardings.params)
+    return jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+      nn.unbox(layout.abstract_params(self.cfg)),
+      self.shardings.params,
+    )
 
   def load_params(self, params):
     """A private copy in the engine's layout (the trainer may donate its buffers).
@@ -240,9 +271,12 @@ class PolicyEngine(engine_protocol.Engine):
     """
     copy = self._jit("copy_params", self.programs.copy_params)
     devices = tuple(self.mesh.devices.flat)
-    if not all(isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
-               and tuple(x.sharding.mesh.devices.flat) == devices
-               for x in jax.tree.leaves(params)):
+    if not all(
+      isinstance(x, jax.Array)
+      and isinstance(x.sharding, NamedSharding)
+      and tuple(x.sharding.mesh.devices.flat) == devices
+      for x in jax.tree.leaves(params)
+    ):
       params = jax.device_put(params, self.shardings.params)
     return jax.block_until_ready(copy(params))
 
@@ -283,8 +317,9 @@ class PolicyEngine(engine_protocol.Engine):
         fn = self._jits[key] = build()
       return fn
 
-  def _step(self, params, state, tokens, valid, rng, kv: int | None = None,
-            top_n: int | None = None):
+  def _step(
+    self, params, state, tokens, valid, rng, kv: int | None = None, top_n: int | None = None
+  ):
     """`programs.step` on `state`'s cache, jitted once per kv bucket (and
     served `top_n`); shapes (widths, a lane's slots) re-trace it.
 
@@ -345,11 +380,14 @@ class PolicyEngine(engine_protocol.Engine):
     (`can_rewind`), and for a length beyond the slot's.
     """
     if not self.can_rewind:
-      raise ValueError("a model with recurrent (linear) layers cannot cut a cache back: its "
-                       "state is that of every cached token")
+      raise ValueError(
+        "a model with recurrent (linear) layers cannot cut a cache back: its "
+        "state is that of every cached token"
+      )
     if not 0 <= length <= int(state.host_lengths[slot]):
-      raise ValueError(f"slot {slot} holds {int(state.host_lengths[slot])} positions, "
-                       f"cannot keep {length}")
+      raise ValueError(
+        f"slot {slot} holds {int(state.host_lengths[slot])} positions, cannot keep {length}"
+      )
     return self._set_length(state, slot, self.kv_cache.cut(state, slot, length))
 
   def _set_length(self, state: DecodeState, slot: int, length: int) -> DecodeState:
@@ -365,8 +403,10 @@ class PolicyEngine(engine_protocol.Engine):
     `host_lengths`. A dense engine, or a model with recurrent layers, shares
     nothing (length 0)."""
     if int(state.host_lengths[slot]):
-      raise ValueError(f"slot {slot} holds {int(state.host_lengths[slot])} positions; "
-                       "share_prefix is for an empty slot")
+      raise ValueError(
+        f"slot {slot} holds {int(state.host_lengths[slot])} positions; "
+        "share_prefix is for an empty slot"
+      )
     shared = self.kv_cache.share(state, slot, tokens)
     return self._set_length(state, slot, shared) if shared else state
 
@@ -392,8 +432,15 @@ class PolicyEngine(engine_protocol.Engine):
     params, version = self.snapshot()
     return self.step_with(params, state, tokens, valid, self.next_key())[:3] + (version,)
 
-  def serve_step(self, state: DecodeState, tokens: np.ndarray, valid: np.ndarray,
-                 slots: SlotSampling, *, top_n: int = 0):
+  def serve_step(
+    self,
+    state: DecodeState,
+    tokens: np.ndarray,
+    valid: np.ndarray,
+    slots: SlotSampling,
+    *,
+    top_n: int = 0,
+  ):
     """`step` with each slot's own sampling (sampling.py, "per-slot sampling").
 
     `slots`: a `SlotSampling` of numpy arrays (each slot's temperature,
@@ -423,13 +470,20 @@ class PolicyEngine(engine_protocol.Engine):
     cache, lengths, tok, logp, *rest = self._step(params, state, tokens, valid, rng, kv, top_n)
     tok, logp, rest = jax.device_get((tok, logp, rest))  # the step's one transfer
     top, chosen = (tuple(rest[:2]), rest[2:]) if top_n else (None, rest)
-    return state._replace(cache=cache, lengths=lengths, host_lengths=host,
-                          routing=chosen[0] if chosen else None), tok, logp, top
+    return (
+      state._replace(
+        cache=cache, lengths=lengths, host_lengths=host, routing=chosen[0] if chosen else None
+      ),
+      tok,
+      logp,
+      top,
+    )
 
   # --- the multi-token decode loop ------------------------------------------
 
-  def decode(self, state: DecodeState, tokens, budgets, *, steps: int,
-             stop_token: int | None = None) -> tuple[DecodeState, DecodeChunk]:
+  def decode(
+    self, state: DecodeState, tokens, budgets, *, steps: int, stop_token: int | None = None
+  ) -> tuple[DecodeState, DecodeChunk]:
     """Up to `steps` decode steps of every budgeted slot in one jitted loop.
 
     Slot b (with `budgets[b] > 0`) feeds `tokens[b]`, its pending token (the
@@ -468,24 +522,35 @@ class PolicyEngine(engine_protocol.Engine):
       holds each slot's new pending token.
     """
     params, version = self.snapshot()
-    state, chunk, self._rng = self.decode_with(params, version, state, tokens, budgets, steps,
-                                               stop_token, self._rng)
+    state, chunk, self._rng = self.decode_with(
+      params, version, state, tokens, budgets, steps, stop_token, self._rng
+    )
     return state, chunk
 
-  def serve_decode(self, state: DecodeState, tokens, budgets, slots: SlotSampling, *, steps: int,
-                   stop_token: int | None = None, top_n: int = 0
-                   ) -> tuple[DecodeState, DecodeChunk]:
+  def serve_decode(
+    self,
+    state: DecodeState,
+    tokens,
+    budgets,
+    slots: SlotSampling,
+    *,
+    steps: int,
+    stop_token: int | None = None,
+    top_n: int = 0,
+  ) -> tuple[DecodeState, DecodeChunk]:
     """`decode` with each slot's own sampling (`serve_step`): a slot also
     stops at any of its `slots.stops`; with `top_n` > 0 the chunk carries
     `top_ids` / `top_logprobs` `[slots, steps, top_n]`. The engine's key
     stream is not used (each slot draws from its request's)."""
     params, version = self.snapshot()
-    state, chunk, _ = self.decode_with(params, version, state, tokens, budgets, steps,
-                                       stop_token, slots, top_n)
+    state, chunk, _ = self.decode_with(
+      params, version, state, tokens, budgets, steps, stop_token, slots, top_n
+    )
     return state, chunk
 
-  def decode_with(self, params, version, state, tokens, budgets, steps, stop_token, rng,
-                  top_n: int | None = None):
+  def decode_with(
+    self, params, version, state, tokens, budgets, steps, stop_token, rng, top_n: int | None = None
+  ):
     """`decode` with the params and key stream given (a lane, batch_sampler.py, passes
     its own); also returns the advanced stream (`top_n` an int: `serve_decode`'s
     program, `rng` a `SlotSampling`)."""
@@ -496,16 +561,22 @@ class PolicyEngine(engine_protocol.Engine):
     kv = self._kv_bucket(int(host[fed].max()) if fed.any() else 1)
     state = self.kv_cache.prepare(state, host, fed, self.shardings)
     stop = -1 if stop_token is None else int(stop_token)
-    fn = self._jit(("decode", kv, int(steps), stop, top_n),
-                   lambda: self.programs.decode(kv, int(steps), stop, top_n))
+    fn = self._jit(
+      ("decode", kv, int(steps), stop, top_n),
+      lambda: self.programs.decode(kv, int(steps), stop, top_n),
+    )
     table = self.kv_cache.call_args(state)
     with self._context():
       cache, lengths, nxt, toks, logp, counts, rng, *rest = fn(
-          params, state.cache, state.lengths, *table, tokens, budgets, rng)
+        params, state.cache, state.lengths, *table, tokens, budgets, rng
+      )
     top, chosen = (rest[:2], rest[2:]) if top_n else ((None, None), rest)
     state = state._replace(cache=cache, lengths=lengths, next_tokens=nxt, host_lengths=host)
-    return state, DecodeChunk(toks, logp, counts, version, budgets,
-                              chosen[0] if chosen else None, *top), rng
+    return (
+      state,
+      DecodeChunk(toks, logp, counts, version, budgets, chosen[0] if chosen else None, *top),
+      rng,
+    )
 
   def collect(self, state: DecodeState, chunk: DecodeChunk) -> tuple[DecodeState, DecodeChunk]:
     """Fetches a `decode` chunk to the host (one transfer, blocks until done).
@@ -514,15 +585,22 @@ class PolicyEngine(engine_protocol.Engine):
     off) and the chunk as numpy arrays.
     """
     toks, logp, counts, chosen, top_ids, top_lp = jax.device_get(
-        (chunk.tokens, chunk.logprobs, chunk.counts, chunk.routing, chunk.top_ids,
-         chunk.top_logprobs))
+      (chunk.tokens, chunk.logprobs, chunk.counts, chunk.routing, chunk.top_ids, chunk.top_logprobs)
+    )
     counts = np.asarray(counts, np.int32)
     host = np.maximum(state.host_lengths - (chunk.budgets - counts), 0).astype(np.int32)
     numpy = lambda x: None if x is None else np.asarray(x)
-    return (state._replace(host_lengths=host),
-            chunk._replace(tokens=np.asarray(toks), logprobs=np.asarray(logp), counts=counts,
-                           routing=numpy(chosen), top_ids=numpy(top_ids),
-                           top_logprobs=numpy(top_lp)))
+    return (
+      state._replace(host_lengths=host),
+      chunk._replace(
+        tokens=np.asarray(toks),
+        logprobs=np.asarray(logp),
+        counts=counts,
+        routing=numpy(chosen),
+        top_ids=numpy(top_ids),
+        top_logprobs=numpy(top_lp),
+      ),
+    )
 
 
 def _place(tree, shardings):
@@ -534,6 +612,7 @@ def _place(tree, shardings):
   """
   leaves, targets = jax.tree.leaves(tree), jax.tree.leaves(shardings)
   if len(leaves) == len(targets) and all(
-      isinstance(x, jax.Array) and x.sharding == sh for x, sh in zip(leaves, targets)):
+    isinstance(x, jax.Array) and x.sharding == sh for x, sh in zip(leaves, targets)
+  ):
     return tree
   return jax.device_put(tree, shardings)  # also the error for a tree of the wrong shape

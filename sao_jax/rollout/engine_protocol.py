@@ -142,13 +142,13 @@ class Engine(abc.ABC):
     """Offers slot `slot`'s cached `tokens` to `share_prefix`; by default nothing is kept."""
     del state, slot, tokens
 
-  def serve_step(self, state: Any, tokens: np.ndarray, valid: np.ndarray, slots, *,
-                 top_n: int = 0):
+  def serve_step(self, state: Any, tokens: np.ndarray, valid: np.ndarray, slots, *, top_n: int = 0):
     """`step` with each slot's own sampling (`per_request_sampling`)."""
     raise NotImplementedError(f"{type(self).__name__} samples only with its own distribution")
 
-  def serve_decode(self, state: Any, tokens, budgets, slots, *, steps: int, stop_token,
-                   top_n: int = 0):
+  def serve_decode(
+    self, state: Any, tokens, budgets, slots, *, steps: int, stop_token, top_n: int = 0
+  ):
     """`decode` with each slot's own sampling (`per_request_sampling`)."""
     raise NotImplementedError(f"{type(self).__name__} samples only with its own distribution")
 

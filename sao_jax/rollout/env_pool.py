@@ -56,6 +56,7 @@ class Garbage(ValueError):
 @dataclasses.dataclass(frozen=True)
 class EnvOutcome:
   """One environment step as plain, checked values, or the fault that ended it."""
+
   seconds: float
   fault: str | None = None  # one of ENV_FAULTS, or "grader_error"
   detail: str = ""
@@ -75,7 +76,7 @@ def describe(e: BaseException) -> str:
   name = type(e).__name__
   try:
     message = str(e)
-  except Exception:  # pylint: disable=broad-except  # a broken __str__ is the env's too
+  except Exception:  # noqa: BLE001  # a broken __str__ is the env's too
     return name
   if len(message) > _MESSAGE_CHARS:
     message = message[:_MESSAGE_CHARS] + "..."
@@ -113,10 +114,14 @@ def check_result(result, max_chars: int) -> EnvOutcome:
     raise Garbage(f"info is a {type(info).__name__}, not a dict")
   observation, truncated = plain_observation(observation, max_chars)
   events = dict.get(info, "events", ())
-  if not isinstance(events, (list, tuple)) or len(events) > _MAX_EVENTS or not all(
-      isinstance(e, str) and 0 < len(e) <= 40 for e in events):
-    raise Garbage(f"info['events'] must be a list of at most {_MAX_EVENTS} names "
-                  "of 1-40 characters")
+  if (
+    not isinstance(events, (list, tuple))
+    or len(events) > _MAX_EVENTS
+    or not all(isinstance(e, str) and 0 < len(e) <= 40 for e in events)
+  ):
+    raise Garbage(
+      f"info['events'] must be a list of at most {_MAX_EVENTS} names of 1-40 characters"
+    )
   events = tuple(str.__str__(e) for e in events)
   reason = "done"
   if done:
@@ -152,8 +157,7 @@ def plain_observation(observation, max_chars: int) -> tuple[str | tuple, bool]:
     if not isinstance(role, str) or str.__str__(role) not in _OBSERVATION_ROLES:
       raise Garbage(f"observation message {k}: role must be one of {_OBSERVATION_ROLES}")
     if not isinstance(content, str):
-      raise Garbage(f"observation message {k}: content is a {type(content).__name__}, "
-                    "not a str")
+      raise Garbage(f"observation message {k}: content is a {type(content).__name__}, not a str")
     content = str.__str__(content)
     truncated |= len(content) > max_chars
     messages.append({"role": str.__str__(role), "content": content[:max_chars]})
@@ -175,11 +179,11 @@ def env_step(episode, text: str, max_chars: int, latency_s: float = 0.0) -> EnvO
     result = episode.step(text)
   except GraderError as e:  # the grader failed, not the answer: run the episode again
     return EnvOutcome(time.monotonic() - start, "grader_error", describe(e))
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:  # noqa: BLE001
     return EnvOutcome(time.monotonic() - start, "env_error", describe(e))
   try:
     outcome = check_result(result, max_chars)
-  except Exception as e:  # pylint: disable=broad-except  # Garbage, or a raising attribute
+  except Exception as e:  # noqa: BLE001  # Garbage, or a raising attribute
     return EnvOutcome(time.monotonic() - start, "env_garbage", describe(e))
   return dataclasses.replace(outcome, seconds=time.monotonic() - start)
 
@@ -211,8 +215,7 @@ class EnvPool:
 
   def _spawn(self):
     self._spawned += 1
-    threading.Thread(target=self._work, name=f"{self._name}_{self._spawned}",
-                     daemon=True).start()
+    threading.Thread(target=self._work, name=f"{self._name}_{self._spawned}", daemon=True).start()
 
   def submit(self, fn, *args) -> cf.Future:
     if self._closed:
@@ -273,7 +276,7 @@ class EnvPool:
         self._running[f] = (me, time.monotonic())
       try:
         result = fn(*args)
-      except BaseException as e:  # pylint: disable=broad-except  # handed to the driver
+      except BaseException as e:  # noqa: BLE001  # handed to the driver
         f.set_exception(e)
       else:
         f.set_result(result)
@@ -294,8 +297,9 @@ def plain_prompt(prompt):
     raise Garbage(f"task prompt is a {type(prompt).__name__}, not a str or messages")
   out = []
   for k, m in enumerate(prompt):
-    if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str)):
+    if not (
+      isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+    ):
       raise Garbage(f"task prompt message {k} is not a {{'role': str, 'content': str}}")
     out.append({"role": str.__str__(m["role"]), "content": str.__str__(m["content"])})
   return tuple(out)
@@ -363,8 +367,7 @@ class EnvSteps:
     """Waits (event-driven, no polling) until a step finishes, the earliest
     deadline passes, or `wake` is done; the seconds it waited."""
     start = time.time()
-    cf.wait([*self._futures, wake], timeout=self.time_to_deadline(),
-            return_when=cf.FIRST_COMPLETED)
+    cf.wait([*self._futures, wake], timeout=self.time_to_deadline(), return_when=cf.FIRST_COMPLETED)
     return time.time() - start
 
   def finished(self) -> Iterator[tuple[int, EnvOutcome | None]]:
@@ -385,8 +388,15 @@ class EnvSteps:
         continue  # running, within its deadline
       elif self._pool.abandon(f):
         del self._futures[f]
-        yield i, EnvOutcome(now - started, "env_timeout",
-                            f"no result within env_timeout={self.timeout}s", abandoned=True)
+        yield (
+          i,
+          EnvOutcome(
+            now - started,
+            "env_timeout",
+            f"no result within env_timeout={self.timeout}s",
+            abandoned=True,
+          ),
+        )
         continue
       # Done (perhaps just now, between the checks above).
       del self._futures[f]

@@ -149,8 +149,7 @@ class KVCache:
     del shardings
     return state
 
-  def prepare(self, state, need: np.ndarray, fed: np.ndarray,
-              shardings: layout.EngineShardings):
+  def prepare(self, state, need: np.ndarray, fed: np.ndarray, shardings: layout.EngineShardings):
     """`state` ready for a call that writes the first `need[b]` positions of
     every `fed` slot b (or raises `PagePoolExhausted`)."""
     del need, fed, shardings
@@ -220,8 +219,16 @@ class DenseCache(KVCache):
 
   kind = "dense"
 
-  def __init__(self, cfg: ModelConfig, slots: int, max_len: int, groups: int = 1, *,
-               page_size: int | None = None, num_pages: int = 0):
+  def __init__(
+    self,
+    cfg: ModelConfig,
+    slots: int,
+    max_len: int,
+    groups: int = 1,
+    *,
+    page_size: int | None = None,
+    num_pages: int = 0,
+  ):
     del groups, page_size, num_pages
     self.cfg, self.slots, self.max_len = cfg, slots, max_len
 
@@ -254,8 +261,16 @@ class PagedCache(KVCache):
   kind = "paged"
   paged = True
 
-  def __init__(self, cfg: ModelConfig, slots: int, max_len: int, groups: int = 1, *,
-               page_size: int | None = None, num_pages: int = 0):
+  def __init__(
+    self,
+    cfg: ModelConfig,
+    slots: int,
+    max_len: int,
+    groups: int = 1,
+    *,
+    page_size: int | None = None,
+    num_pages: int = 0,
+  ):
     if page_size is None or page_size < 1:
       raise ValueError(f"page_size must be >= 1, got {page_size}")
     self.cfg, self.slots, self.max_len, self.groups = cfg, slots, max_len, groups
@@ -275,16 +290,18 @@ class PagedCache(KVCache):
     return paged.init_pages(self.cfg, self.num_pages, self.page_size, batch)
 
   def shardings(self, mesh, rules) -> layout.EngineShardings:
-    return layout.engine_shardings(self.cfg, self.slots, self.max_len, mesh, rules,
-                                   pages=(self.num_pages, self.page_size))
+    return layout.engine_shardings(
+      self.cfg, self.slots, self.max_len, mesh, rules, pages=(self.num_pages, self.page_size)
+    )
 
   @property
   def live_tokens(self) -> int:
     return self.num_pages * self.page_size
 
   def describe(self) -> dict:
-    return dict(page_size=self.page_size, pages=self.num_pages,
-                pages_per_group=self.num_pages // self.groups)
+    return dict(
+      page_size=self.page_size, pages=self.num_pages, pages_per_group=self.num_pages // self.groups
+    )
 
   # --- the programs' arguments ---------------------------------------------
 
@@ -308,31 +325,33 @@ class PagedCache(KVCache):
       raise ValueError("lanes > 1 is for the dense cache (a paged engine's slots share one pool)")
     if self.num_pages // self.groups < self.pages_per_slot:
       raise ValueError(
-          f"kv_pages {self.num_pages} over {self.groups} slot groups leaves "
-          f"{self.num_pages // self.groups} pages a group, fewer than one max_len "
-          f"trajectory's {self.pages_per_slot} (max_len {self.max_len} / page_size "
-          f"{self.page_size})")
+        f"kv_pages {self.num_pages} over {self.groups} slot groups leaves "
+        f"{self.num_pages // self.groups} pages a group, fewer than one max_len "
+        f"trajectory's {self.pages_per_slot} (max_len {self.max_len} / page_size "
+        f"{self.page_size})"
+      )
 
   def attach(self, state, shardings: layout.EngineShardings):
     """`state` with a fresh `PagePool` (one object the states of one run
     share) and its table's device copy."""
-    pages = PagePool(self.num_pages, self.page_size, len(state.host_lengths),
-                     self.pages_per_slot, self.groups)
+    pages = PagePool(
+      self.num_pages, self.page_size, len(state.host_lengths), self.pages_per_slot, self.groups
+    )
     return _synced(state._replace(pages=pages), shardings)
 
-  def prepare(self, state, need: np.ndarray, fed: np.ndarray,
-              shardings: layout.EngineShardings):
+  def prepare(self, state, need: np.ndarray, fed: np.ndarray, shardings: layout.EngineShardings):
     """Allocates the pages every fed slot's first `need[b]` positions lack,
     or raises `PagePoolExhausted`; syncs the table."""
     pages = state.pages
     for b in np.flatnonzero(fed):
       if not pages.ensure(int(b), int(need[b])):
         raise PagePoolExhausted(
-            f"slot {b} needs pages for {int(need[b])} positions, holds "
-            f"{pages.held(int(b))}, and its group has "
-            f"{pages.free_pages(pages.group_of(int(b)))} free of "
-            f"{self.num_pages}; reserve pages ahead (PolicyEngine.reserve) and wait when "
-            "that fails")
+          f"slot {b} needs pages for {int(need[b])} positions, holds "
+          f"{pages.held(int(b))}, and its group has "
+          f"{pages.free_pages(pages.group_of(int(b)))} free of "
+          f"{self.num_pages}; reserve pages ahead (PolicyEngine.reserve) and wait when "
+          "that fails"
+        )
     return _synced(state, shardings)
 
   def call_args(self, state) -> tuple:
@@ -381,11 +400,21 @@ def _synced(state, shardings: layout.EngineShardings):
 
 # The extension point: `rollout.kv_cache` names one of these.
 KV_CACHES: dict[str, type[DenseCache] | type[PagedCache]] = {
-    "dense": DenseCache, "paged": PagedCache}
+  "dense": DenseCache,
+  "paged": PagedCache,
+}
 
 
-def build(kind: str | None, cfg: ModelConfig, slots: int, max_len: int, groups: int = 1, *,
-          page_size: int | None = None, num_pages: int = 0) -> KVCache:
+def build(
+  kind: str | None,
+  cfg: ModelConfig,
+  slots: int,
+  max_len: int,
+  groups: int = 1,
+  *,
+  page_size: int | None = None,
+  num_pages: int = 0,
+) -> KVCache:
   """The `KV_CACHES[kind]` strategy of an engine (the class's Args).
 
   `kind` None: "paged" when a `page_size` is given, else "dense" (how

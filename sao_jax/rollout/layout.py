@@ -40,8 +40,8 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from sao_jax.models import sharding as shd
 from sao_jax.models import decoding, kv_layout, paged, policy
+from sao_jax.models import sharding as shd
 from sao_jax.models.config import ModelConfig
 
 
@@ -63,9 +63,14 @@ def rollout_rules(mesh) -> tuple[tuple[str, Any], ...]:
   """
   names = tuple(mesh.axis_names)
   tensor = "tensor" if "tensor" in names else None
-  placed = {"batch": tuple(a for a in names if a != "tensor") or None,
-            "vocab": tensor, "heads": tensor, "kv_heads": tensor, "mlp": tensor,
-            "expert": "expert" if "expert" in names else None}
+  placed = {
+    "batch": tuple(a for a in names if a != "tensor") or None,
+    "vocab": tensor,
+    "heads": tensor,
+    "kv_heads": tensor,
+    "mlp": tensor,
+    "expert": "expert" if "expert" in names else None,
+  }
   # Every other logical axis (length, embed, head_dim, a scanned "layers"
   # axis, ...) stays whole.
   return tuple((a, placed.get(a)) for a in dict.fromkeys(shd.LOGICAL_AXES + tuple(placed)))
@@ -100,11 +105,15 @@ def _kv_axes(cfg: ModelConfig, mesh, rules, count: int, what: str):
   batch_axes = _mesh_axes(rules, "batch")
   kv_axes = _mesh_axes(rules, "kv_heads")
   if count % shd.axes_size(mesh, batch_axes):
-    raise ValueError(f"{count} {what} do not divide over the batch axes {batch_axes} "
-                     f"(size {shd.axes_size(mesh, batch_axes)}) of mesh {dict(mesh.shape)}")
+    raise ValueError(
+      f"{count} {what} do not divide over the batch axes {batch_axes} "
+      f"(size {shd.axes_size(mesh, batch_axes)}) of mesh {dict(mesh.shape)}"
+    )
   if cfg.num_kv_heads % shd.axes_size(mesh, kv_axes):
-    raise ValueError(f"num_kv_heads {cfg.num_kv_heads} does not divide over the kv_heads "
-                     f"axes {kv_axes} (size {shd.axes_size(mesh, kv_axes)})")
+    raise ValueError(
+      f"num_kv_heads {cfg.num_kv_heads} does not divide over the kv_heads "
+      f"axes {kv_axes} (size {shd.axes_size(mesh, kv_axes)})"
+    )
   return batch_axes, kv_axes
 
 
@@ -140,15 +149,15 @@ def _state_shardings(cfg: ModelConfig, abstract, mesh, batch_axes, kv_axes, kv_s
   return jax.tree_util.tree_map_with_path(spec, abstract)
 
 
-def cache_shardings(cfg: ModelConfig, batch: int, cache_len: int, mesh, rules, *,
-                    abstract=None):
+def cache_shardings(cfg: ModelConfig, batch: int, cache_len: int, mesh, rules, *, abstract=None):
   """NamedShardings of a `batch`-slot cache: slots by the "batch" rule, kv heads
   by the "kv_heads" rule."""
   batch_axes, kv_axes = _kv_axes(cfg, mesh, rules, batch, "slots")
   if abstract is None:
     abstract = abstract_cache(cfg, batch, cache_len)
-  return _state_shardings(cfg, abstract, mesh, batch_axes, kv_axes,
-                          lambda ndim: cache_spec(ndim, batch_axes, kv_axes))
+  return _state_shardings(
+    cfg, abstract, mesh, batch_axes, kv_axes, lambda ndim: cache_spec(ndim, batch_axes, kv_axes)
+  )
 
 
 def _sized_mesh(mesh):
@@ -156,8 +165,9 @@ def _sized_mesh(mesh):
   return AbstractMesh((1,), ("data",)) if mesh is None else mesh
 
 
-def cache_bytes_per_device(cfg: ModelConfig, slots: int, cache_len: int, mesh=None,
-                           rules=None, dtype=None) -> int:
+def cache_bytes_per_device(
+  cfg: ModelConfig, slots: int, cache_len: int, mesh=None, rules=None, dtype=None
+) -> int:
   """KV-cache bytes on each device for `slots` x `cache_len` positions.
 
   Shapes only (nothing is allocated); `mesh` may be an abstract TPU
@@ -167,8 +177,9 @@ def cache_bytes_per_device(cfg: ModelConfig, slots: int, cache_len: int, mesh=No
   mesh = _sized_mesh(mesh)
   rules = rollout_rules(mesh) if rules is None else rules
   abstract = abstract_cache(cfg, slots, cache_len, dtype)
-  return shd.shard_bytes(abstract, cache_shardings(cfg, slots, cache_len, mesh, rules,
-                                                  abstract=abstract))
+  return shd.shard_bytes(
+    abstract, cache_shardings(cfg, slots, cache_len, mesh, rules, abstract=abstract)
+  )
 
 
 def abstract_params(cfg: ModelConfig):
@@ -195,38 +206,53 @@ def default_pages(slots: int, max_len: int, page_size: int) -> int:
   return slots * -(-max_len // page_size)
 
 
-def abstract_pool(cfg: ModelConfig, num_pages: int, page_size: int, slots: int = 0,
-                  dtype=None):
+def abstract_pool(cfg: ModelConfig, num_pages: int, page_size: int, slots: int = 0, dtype=None):
   """ShapeDtypeStructs of a paged cache's pool (models/paged.py; nothing
   allocated), with the recurrent state of `slots` slots."""
   return jax.eval_shape(lambda: paged.init_pages(cfg, num_pages, page_size, slots, dtype))
 
 
-def pool_shardings(cfg: ModelConfig, num_pages: int, page_size: int, mesh, rules, *,
-                   slots: int = 0, abstract=None):
+def pool_shardings(
+  cfg: ModelConfig, num_pages: int, page_size: int, mesh, rules, *, slots: int = 0, abstract=None
+):
   """NamedShardings of a page pool: pages over the "batch" rule's axes (each
   device holds its slots' pages), kv heads by the "kv_heads" rule; a linear
   layer's per-slot state as a dense cache's (`recurrent_spec`)."""
   batch_axes, kv_axes = _kv_axes(cfg, mesh, rules, num_pages, "pages")
   if abstract is None:
     abstract = abstract_pool(cfg, num_pages, page_size, slots)
-  return _state_shardings(cfg, abstract, mesh, batch_axes, kv_axes,
-                          lambda ndim: paged.pool_spec(ndim, batch_axes, kv_axes))
+  return _state_shardings(
+    cfg,
+    abstract,
+    mesh,
+    batch_axes,
+    kv_axes,
+    lambda ndim: paged.pool_spec(ndim, batch_axes, kv_axes),
+  )
 
 
-def pool_bytes_per_device(cfg: ModelConfig, num_pages: int, page_size: int, mesh=None,
-                          rules=None, dtype=None, slots: int = 0) -> int:
+def pool_bytes_per_device(
+  cfg: ModelConfig,
+  num_pages: int,
+  page_size: int,
+  mesh=None,
+  rules=None,
+  dtype=None,
+  slots: int = 0,
+) -> int:
   """A paged cache's pool bytes on each device (as `cache_bytes_per_device`),
   with `slots` slots' recurrent state."""
   mesh = _sized_mesh(mesh)
   rules = rollout_rules(mesh) if rules is None else rules
   abstract = abstract_pool(cfg, num_pages, page_size, slots, dtype)
-  return shd.shard_bytes(abstract, pool_shardings(cfg, num_pages, page_size, mesh, rules,
-                                                 abstract=abstract))
+  return shd.shard_bytes(
+    abstract, pool_shardings(cfg, num_pages, page_size, mesh, rules, abstract=abstract)
+  )
 
 
 class EngineShardings(NamedTuple):
   """Where each piece of an engine's state lives."""
+
   params: Any  # pytree of NamedSharding, like the params
   cache: Any  # like init_cache(cfg, slots, max_len), or a paged engine's pool
   slots: NamedSharding  # [slots] vectors: lengths, pending tokens, samples
@@ -234,8 +260,9 @@ class EngineShardings(NamedTuple):
   replicated: NamedSharding  # the sampling key stream
 
 
-def engine_shardings(cfg: ModelConfig, slots: int, max_len: int, mesh, rules, *,
-                     pages: tuple[int, int] | None = None) -> EngineShardings:
+def engine_shardings(
+  cfg: ModelConfig, slots: int, max_len: int, mesh, rules, *, pages: tuple[int, int] | None = None
+) -> EngineShardings:
   """The shardings a `PolicyEngine(cfg, ..., mesh=mesh, rules=rules)` uses;
   `pages` (num_pages, page_size): a paged engine's, the cache a page pool."""
   batch_axes = _mesh_axes(rules, "batch")
@@ -244,11 +271,14 @@ def engine_shardings(cfg: ModelConfig, slots: int, max_len: int, mesh, rules, *,
   else:
     cache = pool_shardings(cfg, *pages, mesh, rules, slots=slots)
     if slots % shd.axes_size(mesh, batch_axes):
-      raise ValueError(f"{slots} slots do not divide over the batch axes {batch_axes} "
-                       f"(size {shd.axes_size(mesh, batch_axes)}) of mesh {dict(mesh.shape)}")
+      raise ValueError(
+        f"{slots} slots do not divide over the batch axes {batch_axes} "
+        f"(size {shd.axes_size(mesh, batch_axes)}) of mesh {dict(mesh.shape)}"
+      )
   return EngineShardings(
-      params=shd.logical_shardings(abstract_params(cfg), mesh, rules),
-      cache=cache,
-      slots=NamedSharding(mesh, PartitionSpec(batch_axes)),
-      tokens=NamedSharding(mesh, PartitionSpec(batch_axes, None)),
-      replicated=NamedSharding(mesh, PartitionSpec()))
+    params=shd.logical_shardings(abstract_params(cfg), mesh, rules),
+    cache=cache,
+    slots=NamedSharding(mesh, PartitionSpec(batch_axes)),
+    tokens=NamedSharding(mesh, PartitionSpec(batch_axes, None)),
+    replicated=NamedSharding(mesh, PartitionSpec()),
+  )

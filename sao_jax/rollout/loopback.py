@@ -26,8 +26,9 @@ def is_loopback(host: str) -> bool:
   return (mapped or address).is_loopback
 
 
-def exposure_warning(host: str, endpoint: str = "the JetStream endpoint",
-                     authenticated: bool = False) -> str | None:
+def exposure_warning(
+  host: str, endpoint: str = "the JetStream endpoint", authenticated: bool = False
+) -> str | None:
   """The warning for serving `endpoint` on `host`, or None when `host` is loopback only.
 
   Anyone who can reach the address can run the policy (and, with the HTTP
@@ -36,8 +37,13 @@ def exposure_warning(host: str, endpoint: str = "the JetStream endpoint",
   """
   if is_loopback(host):
     return None
-  auth = "checks an API key but is unencrypted" if authenticated else (
-      "is unauthenticated and unencrypted")
-  return (f"serving on {host}, beyond loopback: {endpoint} {auth} (no TLS); anyone who can "
-          "reach it can query the policy. "
-          f"Use --host={LOOPBACK_HOST} and a tunnel, or a proxy with TLS and auth.")
+  auth = (
+    "checks an API key but is unencrypted"
+    if authenticated
+    else ("is unauthenticated and unencrypted")
+  )
+  return (
+    f"serving on {host}, beyond loopback: {endpoint} {auth} (no TLS); anyone who can "
+    "reach it can query the policy. "
+    f"Use --host={LOOPBACK_HOST} and a tunnel, or a proxy with TLS and auth."
+  )

@@ -44,14 +44,18 @@ class PagePool:
       `slots` and `num_pages`.
   """
 
-  def __init__(self, num_pages: int, page_size: int, slots: int, pages_per_slot: int,
-               groups: int = 1):
+  def __init__(
+    self, num_pages: int, page_size: int, slots: int, pages_per_slot: int, groups: int = 1
+  ):
     if page_size < 1 or slots < 1 or pages_per_slot < 1 or groups < 1:
-      raise ValueError(f"page_size, slots, pages_per_slot and groups must be >= 1, got "
-                       f"{page_size}, {slots}, {pages_per_slot}, {groups}")
+      raise ValueError(
+        f"page_size, slots, pages_per_slot and groups must be >= 1, got "
+        f"{page_size}, {slots}, {pages_per_slot}, {groups}"
+      )
     if slots % groups or num_pages % groups:
-      raise ValueError(f"{groups} groups must divide the slots ({slots}) and the pages "
-                       f"({num_pages})")
+      raise ValueError(
+        f"{groups} groups must divide the slots ({slots}) and the pages ({num_pages})"
+      )
     if num_pages // groups < 1:
       raise ValueError(f"a pool of {num_pages} pages has none for each of {groups} groups")
     self.num_pages, self.page_size, self.slots = num_pages, page_size, slots
@@ -161,7 +165,7 @@ class PagePool:
     indexed under the same key keeps its place."""
     group, prev, size = self.group_of(slot), -1, self.page_size
     for j in range(min(len(tokens) // size, int(self._held[slot]))):
-      key = (group, prev, tuple(tokens[j * size:(j + 1) * size]))
+      key = (group, prev, tuple(tokens[j * size : (j + 1) * size]))
       page = int(self.table[slot, j])
       if key not in self._index and (group, page) not in self._key_of:
         self._index[key], self._key_of[(group, page)] = page, key
@@ -178,7 +182,7 @@ class PagePool:
     group, prev, size, pages = self.group_of(slot), -1, self.page_size, []
     while (len(pages) + 1) * size <= len(tokens) and len(pages) < self.pages_per_slot:
       j = len(pages)
-      page = self._index.get((group, prev, tuple(tokens[j * size:(j + 1) * size])))
+      page = self._index.get((group, prev, tuple(tokens[j * size : (j + 1) * size])))
       if page is None:
         break
       pages.append(page)
@@ -219,7 +223,7 @@ class PagePool:
     slots as its `refs` say (each group's pages within its own range), and
     only held pages are indexed."""
     for g in range(self.groups):
-      rows = self.table[g * self._group_slots:(g + 1) * self._group_slots]
+      rows = self.table[g * self._group_slots : (g + 1) * self._group_slots]
       held = rows[rows >= 0]
       free = self._free[g]
       counts = np.bincount(held, minlength=self.group_pages)
@@ -227,11 +231,14 @@ class PagePool:
       assert len(set(free)) == len(free), f"group {g}: a page is free twice"
       assert not set(held.tolist()) & set(free), f"group {g}: a page is both free and held"
       assert sorted(set(held.tolist()) | set(free)) == list(range(self.group_pages)), (
-          f"group {g}: pages leaked")
+        f"group {g}: pages leaked"
+      )
       assert all(self.refs[g, p] for gg, p in self._key_of if gg == g), (
-          f"group {g}: a free page is indexed")
+        f"group {g}: a free page is indexed"
+      )
     counts = (self.table >= 0).sum(1)
     assert (counts == self._held).all(), "held counts disagree with the table"
     for b in range(self.slots):  # allocated entries are a prefix of each row
-      assert (self.table[b, :self._held[b]] >= 0).all() and (
-          self.table[b, self._held[b]:] < 0).all(), f"slot {b}: table row is not a prefix"
+      assert (self.table[b, : self._held[b]] >= 0).all() and (
+        self.table[b, self._held[b] :] < 0
+      ).all(), f"slot {b}: table row is not a prefix"

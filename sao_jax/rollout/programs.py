@@ -59,10 +59,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sao_jax.models import precision
-from sao_jax.models import sharding as shd
 from sao_jax.config import sections
-from sao_jax.models import decoding, head_vocab, kv_layout, paged, routing
+from sao_jax.models import decoding, head_vocab, kv_layout, paged, precision, routing
+from sao_jax.models import sharding as shd
 from sao_jax.models.config import ModelConfig
 from sao_jax.rollout import kv_cache as kv_cache_lib
 from sao_jax.rollout import layout
@@ -84,10 +83,22 @@ class EnginePrograms:
   group) for a paged one.
   """
 
-  def __init__(self, cfg: ModelConfig, sampling: sampling_lib.SamplingConfig, slots: int,
-               max_len: int, *, mesh=None, rules=None, shardings=None, device=None,
-               kv_cache: str | None = None, page_size: int | None = None, num_pages: int = 0,
-               record_routing: bool = False):
+  def __init__(
+    self,
+    cfg: ModelConfig,
+    sampling: sampling_lib.SamplingConfig,
+    slots: int,
+    max_len: int,
+    *,
+    mesh=None,
+    rules=None,
+    shardings=None,
+    device=None,
+    kv_cache: str | None = None,
+    page_size: int | None = None,
+    num_pages: int = 0,
+    record_routing: bool = False,
+  ):
     if mesh is not None and device is not None:
       raise ValueError("EnginePrograms takes a mesh or a device, not both")
     # The engine holds its params in the compute dtype (precision.py: the
@@ -100,24 +111,45 @@ class EnginePrograms:
       raise ValueError("record_routing needs a model with MoE layers")
     self.record_routing = record_routing
     self.mesh = layout.one_device_mesh(device) if mesh is None else mesh
-    self.rules = tuple(tuple(r) for r in (layout.rollout_rules(self.mesh) if rules is None
-                                          else rules))
+    self.rules = tuple(
+      tuple(r) for r in (layout.rollout_rules(self.mesh) if rules is None else rules)
+    )
     # What differs between a dense and a paged cache (kv_cache.py).
     self.kv_cache: kv_cache_lib.KVCache = kv_cache_lib.build(
-        kv_cache, cfg, slots, max_len, self.groups, page_size=page_size, num_pages=num_pages)
+      kv_cache, cfg, slots, max_len, self.groups, page_size=page_size, num_pages=num_pages
+    )
     self.shardings: layout.EngineShardings = (
-        self.kv_cache.shardings(self.mesh, self.rules) if shardings is None else shardings)
+      self.kv_cache.shardings(self.mesh, self.rules) if shardings is None else shardings
+    )
 
   @classmethod
-  def for_rollout(cls, cfg: ModelConfig, rollout: sections.Rollout, *, mesh=None, rules=None,
-                  device=None, record_routing: bool = False) -> "EnginePrograms":
+  def for_rollout(
+    cls,
+    cfg: ModelConfig,
+    rollout: sections.Rollout,
+    *,
+    mesh=None,
+    rules=None,
+    device=None,
+    record_routing: bool = False,
+  ) -> "EnginePrograms":
     """The programs of the engine a rollout section describes: its sampling,
     slots, max_len and cache (dense, or paged: page_size, kv_pages), on
     `mesh` with `rules` or on `device` (neither: the first local device)."""
     sampling = sampling_lib.SamplingConfig(rollout.temperature, rollout.top_k, rollout.top_p)
-    return cls(cfg, sampling, rollout.slots, rollout.max_len, mesh=mesh, rules=rules,
-               device=device, kv_cache=rollout.kv_cache, page_size=rollout.page_size,
-               num_pages=rollout.kv_pages, record_routing=record_routing)
+    return cls(
+      cfg,
+      sampling,
+      rollout.slots,
+      rollout.max_len,
+      mesh=mesh,
+      rules=rules,
+      device=device,
+      kv_cache=rollout.kv_cache,
+      page_size=rollout.page_size,
+      num_pages=rollout.kv_pages,
+      record_routing=record_routing,
+    )
 
   # The KV cache's figures (kv_cache.py; a dense cache: no pages, page_size None).
 
@@ -156,13 +188,21 @@ class EnginePrograms:
     tokens, abstract = self.kv_cache.live_tokens, self.kv_cache.abstract()
     per_device = shd.shard_bytes(abstract, self.shardings.cache)
     total_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract))
-    out = {"kind": self.kv_cache.kind, "slots": self.slots,
-           "max_len": self.max_len, "groups": groups, "slots_per_group": self.slots // groups,
-           "live_tokens": tokens, "live_tokens_per_group": tokens // groups,
-           "dense_tokens": dense, "fraction_of_dense": tokens / dense,
-           "max_len_trajectories_per_group": tokens / groups / self.max_len,
-           "bytes": total_bytes, "bytes_per_token": total_bytes / tokens,
-           "bytes_per_device": per_device}
+    out = {
+      "kind": self.kv_cache.kind,
+      "slots": self.slots,
+      "max_len": self.max_len,
+      "groups": groups,
+      "slots_per_group": self.slots // groups,
+      "live_tokens": tokens,
+      "live_tokens_per_group": tokens // groups,
+      "dense_tokens": dense,
+      "fraction_of_dense": tokens / dense,
+      "max_len_trajectories_per_group": tokens / groups / self.max_len,
+      "bytes": total_bytes,
+      "bytes_per_token": total_bytes / tokens,
+      "bytes_per_device": per_device,
+    }
     out.update(self.kv_cache.describe())
     return out
 
@@ -187,14 +227,25 @@ class EnginePrograms:
     With `record_routing`, the fed tokens' routing `[slots, W, M * k]` last."""
     s, cache = self.shardings, self.kv_cache
     sampler, key_sharding, extra = self._sampler(top_n)
-    outs = (s.cache, s.slots, s.slots, s.slots) + extra + (
-        (s.tokens,) if self.record_routing else ())
+    outs = (
+      (s.cache, s.slots, s.slots, s.slots) + extra + ((s.tokens,) if self.record_routing else ())
+    )
     return jax.jit(
-        functools.partial(BODIES[cache.kind].step, self.cfg, sampler, cache.static_kv(kv),
-                          record=self.record_routing),
-        in_shardings=(s.params, s.cache, s.slots, *cache.table_shardings(s), s.tokens, s.tokens,
-                      key_sharding),
-        out_shardings=outs, donate_argnums=(1, 2))
+      functools.partial(
+        BODIES[cache.kind].step, self.cfg, sampler, cache.static_kv(kv), record=self.record_routing
+      ),
+      in_shardings=(
+        s.params,
+        s.cache,
+        s.slots,
+        *cache.table_shardings(s),
+        s.tokens,
+        s.tokens,
+        key_sharding,
+      ),
+      out_shardings=outs,
+      donate_argnums=(1, 2),
+    )
 
   def decode(self, kv: int | None, steps: int, stop: int, top_n: int | None = None):
     """`_decode` jitted: (params, cache, lengths, tokens, budgets, KeyStream) ->
@@ -207,15 +258,33 @@ class EnginePrograms:
     `[slots, steps, M * k]` last."""
     s, cache = self.shardings, self.kv_cache
     sampler, key_sharding, extra = self._sampler(top_n)
-    outs = (s.cache, s.slots, s.slots, s.tokens, s.tokens, s.slots, key_sharding) + extra + (
-        (s.tokens,) if self.record_routing else ())
+    outs = (
+      (s.cache, s.slots, s.slots, s.tokens, s.tokens, s.slots, key_sharding)
+      + extra
+      + ((s.tokens,) if self.record_routing else ())
+    )
     return jax.jit(
-        functools.partial(BODIES[cache.kind].decode, self.cfg, sampler,
-                          cache.static_kv(kv), int(steps), int(stop),
-                          record=self.record_routing),
-        in_shardings=(s.params, s.cache, s.slots, *cache.table_shardings(s), s.slots, s.slots,
-                      key_sharding),
-        out_shardings=outs, donate_argnums=(1, 2))
+      functools.partial(
+        BODIES[cache.kind].decode,
+        self.cfg,
+        sampler,
+        cache.static_kv(kv),
+        int(steps),
+        int(stop),
+        record=self.record_routing,
+      ),
+      in_shardings=(
+        s.params,
+        s.cache,
+        s.slots,
+        *cache.table_shardings(s),
+        s.slots,
+        s.slots,
+        key_sharding,
+      ),
+      out_shardings=outs,
+      donate_argnums=(1, 2),
+    )
 
   def _sampler(self, top_n: int | None):
     """(sampler, its key argument's shardings, the shardings of its extra
@@ -224,8 +293,11 @@ class EnginePrograms:
     if top_n is None:
       return sampling_lib.ConfigSampler(self.sampling), s.replicated, ()
     slots = sampling_lib.SlotSampling(s.slots, s.slots, s.tokens, s.slots, s.tokens)
-    return (sampling_lib.SlotSampler(self.sampling.top_k, int(top_n)), slots,
-            (s.tokens, s.tokens) if top_n else ())
+    return (
+      sampling_lib.SlotSampler(self.sampling.top_k, int(top_n)),
+      slots,
+      (s.tokens, s.tokens) if top_n else (),
+    )
 
   def init_state(self, batch: int | None = None):
     """() -> (cache, lengths, pending tokens) of `batch` slots (default all),
@@ -234,8 +306,9 @@ class EnginePrograms:
     Paged: the cache is the pool of `num_pages` pages."""
     s, b, cache = self.shardings, batch or self.slots, self.kv_cache
     return jax.jit(
-        lambda: (cache.init(b), jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32)),
-        out_shardings=(s.cache, s.slots, s.slots))
+      lambda: (cache.init(b), jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32)),
+      out_shardings=(s.cache, s.slots, s.slots),
+    )
 
   def copy_params(self):
     """params -> a copy in fresh buffers of the engine's param shardings, in
@@ -251,8 +324,7 @@ class EnginePrograms:
   def set_lengths(self):
     """(lengths, mask, new) -> lengths with `new` where mask (a cache cut back)."""
     s = self.shardings.slots
-    return jax.jit(lambda l, m, n: jnp.where(m, n, l), in_shardings=(s, s, s),
-                   out_shardings=s)
+    return jax.jit(lambda l, m, n: jnp.where(m, n, l), in_shardings=(s, s, s), out_shardings=s)
 
   # --- abstract arguments, to lower a program without allocating ------------
 
@@ -273,8 +345,11 @@ class EnginePrograms:
     pending tokens and budgets, and a `KeyStream`."""
     vec = jax.ShapeDtypeStruct((self.slots,), jnp.int32)
     stream = jax.eval_shape(lambda: sampling_lib.KeyStream(jax.random.key(0), jnp.int32(0)))
-    return self._state_args(params) + (self._placed(vec, "slots"), self._placed(vec, "slots"),
-                                       self._placed(stream, "replicated"))
+    return self._state_args(params) + (
+      self._placed(vec, "slots"),
+      self._placed(vec, "slots"),
+      self._placed(stream, "replicated"),
+    )
 
   def _state_args(self, params) -> tuple:
     """(params, cache, lengths), and the cache's arguments after them (a
@@ -282,10 +357,15 @@ class EnginePrograms:
     cache = self.kv_cache
     lengths = jax.ShapeDtypeStruct((self.slots,), jnp.int32)
     params = jax.eval_shape(functools.partial(precision.cast_for_serving, self.cfg), params)
-    table = tuple(jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=sh) for t, sh in
-                  zip(cache.abstract_table(), cache.table_shardings(self.shardings)))
-    return (self._placed(params, "params"), self._placed(cache.abstract(), "cache"),
-            self._placed(lengths, "slots")) + table
+    table = tuple(
+      jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=sh)
+      for t, sh in zip(cache.abstract_table(), cache.table_shardings(self.shardings))
+    )
+    return (
+      self._placed(params, "params"),
+      self._placed(cache.abstract(), "cache"),
+      self._placed(lengths, "slots"),
+    ) + table
 
   def _placed(self, tree, field: str):
     """`tree`'s ShapeDtypeStructs on the shardings' `field`."""
@@ -328,24 +408,28 @@ def _step(cfg, sampler, kv, params, cache, lengths, tokens, valid, rng, *, recor
   """
   if kv is None:
     last_logits, cache, new_lengths, *chosen = decoding.extend_last(
-        cfg, params, cache, tokens, lengths, valid, record_routing=record)
+      cfg, params, cache, tokens, lengths, valid, record_routing=record
+    )
   else:
     live = kv_layout.map_kv(lambda c: jax.lax.slice_in_dim(c, 0, kv, axis=c.ndim - 3), cache)
     last_logits, live, new_lengths, *chosen = decoding.extend_last(
-        cfg, params, live, tokens, lengths, valid, record_routing=record)
+      cfg, params, live, tokens, lengths, valid, record_routing=record
+    )
     cache = kv_layout.map_kv(functools.partial(_write_back, lengths, valid), cache, live)
   # last_logits [B, V]: after each row's last valid token (a chunked prefill
   # with cfg.prefill_chunk, never [B, W, V]).
   return (cache, new_lengths, *_draw(cfg, sampler.step(last_logits, rng)), *chosen)
 
 
-def _paged_step(cfg, sampler, cols, params, pool, lengths, table, tokens, valid, rng, *,
-                record=False):
+def _paged_step(
+  cfg, sampler, cols, params, pool, lengths, table, tokens, valid, rng, *, record=False
+):
   """`_step` on a page pool: the model writes into the slots' pages and
   attends over the table's first `cols` columns (None: all)."""
   table = table if cols is None else table[:, :cols]
   last_logits, pool, new_lengths, *chosen = decoding.extend_last(
-      cfg, params, pool, tokens, lengths, valid, table, record_routing=record)
+    cfg, params, pool, tokens, lengths, valid, table, record_routing=record
+  )
   return (pool, new_lengths, *_draw(cfg, sampler.step(last_logits, rng)), *chosen)
 
 
@@ -362,8 +446,20 @@ def _draw(cfg, drawn) -> tuple:
   return (ids(tok), logp) + ((ids(extra[0]), extra[1]) if extra else ())
 
 
-def _decode_loop(cfg, sampler, steps, stop_token, params, live, lengths, tokens, budgets, rng,
-                 table=None, record=False):
+def _decode_loop(
+  cfg,
+  sampler,
+  steps,
+  stop_token,
+  params,
+  live,
+  lengths,
+  tokens,
+  budgets,
+  rng,
+  table=None,
+  record=False,
+):
   """The while loop of `_decode` over a cache (`live`) or a pool with `table`.
 
   `sampler` (sampling.py: `ConfigSampler`, `SlotSampler`) draws from the
@@ -383,7 +479,8 @@ def _decode_loop(cfg, sampler, steps, stop_token, params, live, lengths, tokens,
   def body(carry):
     k, live, lens, tok, alive, count, out_tok, out_lp, extra, *out_r = carry
     logits, live, lens, *chosen = decoding.extend(
-        cfg, params, live, tok[:, None], lens, alive[:, None], table, record_routing=record)
+      cfg, params, live, tok[:, None], lens, alive[:, None], table, record_routing=record
+    )
     if record:  # [B, 1, M*k] into column k
       out_r = [jax.lax.dynamic_update_slice_in_dim(out_r[0], chosen[0], k, 1)]
     # The k-th key's draw.
@@ -396,21 +493,31 @@ def _decode_loop(cfg, sampler, steps, stop_token, params, live, lengths, tokens,
     alive = alive & (count < budgets) & ~sampler.stopped(new, stop_token, rng)
     return (k + 1, live, lens, tok, alive, count, out_tok, out_lp, extra, *out_r)
 
-  carry = (jnp.int32(0), live, lengths, tokens, budgets > 0, jnp.zeros((b,), jnp.int32),
-           jnp.zeros((b, steps), jnp.int32), jnp.zeros((b, steps), jnp.float32),
-           sampler.extra(b, steps))
+  carry = (
+    jnp.int32(0),
+    live,
+    lengths,
+    tokens,
+    budgets > 0,
+    jnp.zeros((b,), jnp.int32),
+    jnp.zeros((b, steps), jnp.int32),
+    jnp.zeros((b, steps), jnp.float32),
+    sampler.extra(b, steps),
+  )
   if record:
-    carry += (jnp.full((b, steps, cfg.num_moe_layers * cfg.experts_per_token), routing.NONE,
-                       jnp.int32),)
+    carry += (
+      jnp.full((b, steps, cfg.num_moe_layers * cfg.experts_per_token), routing.NONE, jnp.int32),
+    )
   drawn = sampler.ahead(rng, steps, b)  # [steps, B, 1]: every iteration's, drawn at once
   ran, live, new_lengths, tok, _, count, out_tok, out_lp, extra, *out_r = jax.lax.while_loop(
-      cond, body, carry)
-  return (live, new_lengths, tok, count, out_tok, out_lp, sampler.advance(rng, ran), *extra,
-          *out_r)
+    cond, body, carry
+  )
+  return (live, new_lengths, tok, count, out_tok, out_lp, sampler.advance(rng, ran), *extra, *out_r)
 
 
-def _decode(cfg, sampler, kv, steps, stop_token, params, cache, lengths, tokens, budgets, rng,
-            *, record=False):
+def _decode(
+  cfg, sampler, kv, steps, stop_token, params, cache, lengths, tokens, budgets, rng, *, record=False
+):
   """`PolicyEngine.decode`'s loop: up to `steps` one-token steps, per-slot stops.
 
   With `kv` the loop runs on the cache prefix `[0, kv)` (the caller picks
@@ -420,11 +527,14 @@ def _decode(cfg, sampler, kv, steps, stop_token, params, cache, lengths, tokens,
   Returns (cache, lengths, pending tokens `[B]`, sampled tokens `[B, steps]`,
   their log-probs, counts `[B]`, the advanced `KeyStream`).
   """
-  live = cache if kv is None else kv_layout.map_kv(
-      lambda c: jax.lax.slice_in_dim(c, 0, kv, axis=c.ndim - 3), cache)
+  live = (
+    cache
+    if kv is None
+    else kv_layout.map_kv(lambda c: jax.lax.slice_in_dim(c, 0, kv, axis=c.ndim - 3), cache)
+  )
   live, new_lengths, tok, count, out_tok, out_lp, rng, *outs = _decode_loop(
-      cfg, sampler, steps, stop_token, params, live, lengths, tokens, budgets, rng,
-      record=record)
+    cfg, sampler, steps, stop_token, params, live, lengths, tokens, budgets, rng, record=record
+  )
   if kv is None:
     cache = live
   else:
@@ -439,8 +549,22 @@ def _decode_in_place(cfg, page: int) -> bool:
   return paged.kernel_usable(cfg, 1, page)
 
 
-def _paged_decode(cfg, sampler, cols, steps, stop_token, params, pool, lengths, table, tokens,
-                  budgets, rng, *, record=False):
+def _paged_decode(
+  cfg,
+  sampler,
+  cols,
+  steps,
+  stop_token,
+  params,
+  pool,
+  lengths,
+  table,
+  tokens,
+  budgets,
+  rng,
+  *,
+  record=False,
+):
   """`_decode` on a page pool, over the table's first `cols` columns (None: all).
 
   Where a decode step runs the Pallas paged-attention kernel (compiling for
@@ -453,21 +577,34 @@ def _paged_decode(cfg, sampler, cols, steps, stop_token, params, pool, lengths, 
   table = table if cols is None else table[:, :cols]
   if _decode_in_place(cfg, kv_layout.kv_leaves(pool)[0].shape[-2]):
     pool, new_lengths, tok, count, out_tok, out_lp, rng, *outs = _decode_loop(
-        cfg, sampler, steps, stop_token, params, pool, lengths, tokens, budgets, rng, table,
-        record=record)
+      cfg,
+      sampler,
+      steps,
+      stop_token,
+      params,
+      pool,
+      lengths,
+      tokens,
+      budgets,
+      rng,
+      table,
+      record=record,
+    )
   else:
     live = kv_layout.map_kv(lambda leaf: paged.view(leaf, table), pool)
     live, new_lengths, tok, count, out_tok, out_lp, rng, *outs = _decode_loop(
-        cfg, sampler, steps, stop_token, params, live, lengths, tokens, budgets, rng,
-        record=record)
+      cfg, sampler, steps, stop_token, params, live, lengths, tokens, budgets, rng, record=record
+    )
     fed = jnp.arange(steps)[None] < count[:, None]  # [B, steps]: the positions written
-    pool = kv_layout.map_kv(lambda leaf, v: paged.write_view(leaf, v, table, lengths, fed),
-                            pool, live)
+    pool = kv_layout.map_kv(
+      lambda leaf, v: paged.write_view(leaf, v, table, lengths, fed), pool, live
+    )
   return (pool, new_lengths, tok, out_tok, out_lp, count, rng, *outs)
 
 
 class Bodies(NamedTuple):
   """A KV cache kind's program bodies (`EnginePrograms.step`, `.decode`)."""
+
   step: Callable
   decode: Callable
 

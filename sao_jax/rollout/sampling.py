@@ -146,6 +146,7 @@ class KeyStream(NamedTuple):
   asynchronous `decode` needs no transfer to know where the next call
   starts.
   """
+
   base: Array  # a PRNG key
   draws: Array  # int32 scalar, draws taken so far
 
@@ -200,6 +201,7 @@ def uniforms(stream: KeyStream, steps: int, rows: int) -> Array:
 
 class SlotSampling(NamedTuple):
   """Each slot's sampling, arrays with one row a slot (numpy on the host, device in a program)."""
+
   temperature: Array  # [B] float32; 0: greedy
   top_p: Array  # [B] float32; 1: off
   keys: Array  # [B, 2] uint32: the key data of each slot's request stream
@@ -223,9 +225,12 @@ def slot_logweights(logits: Array, slots: SlotSampling, top_k: int) -> Array:
     x = jnp.where(x < kth, -jnp.inf, x)
   inside = slots.top_p < 1.0
   # The sort over the vocabulary runs only when some slot asks for a nucleus.
-  return jax.lax.cond(inside.any(),
-                      lambda x: jnp.where(inside[:, None], nucleus(x, slots.top_p[:, None]), x),
-                      lambda x: x, x)
+  return jax.lax.cond(
+    inside.any(),
+    lambda x: jnp.where(inside[:, None], nucleus(x, slots.top_p[:, None]), x),
+    lambda x: x,
+    x,
+  )
 
 
 def slot_uniforms(slots: SlotSampling, steps: int) -> Array:
@@ -234,7 +239,8 @@ def slot_uniforms(slots: SlotSampling, steps: int) -> Array:
 
   def one(key, draws):
     return jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(key, draws + k), (1,)))(
-        jnp.arange(steps, dtype=draws.dtype))  # [steps, 1]
+      jnp.arange(steps, dtype=draws.dtype)
+    )  # [steps, 1]
 
   return jnp.swapaxes(jax.vmap(one)(keys, slots.draws), 0, 1)
 
@@ -272,6 +278,7 @@ def slot_stopped(tokens: Array, slots: SlotSampling) -> Array:
 
 class ConfigSampler(NamedTuple):
   """The driver's: one `SamplingConfig` for every slot, the engine's `KeyStream`."""
+
   sampling: SamplingConfig
 
   def step(self, logits, stream):
@@ -299,6 +306,7 @@ class ConfigSampler(NamedTuple):
 
 class SlotSampler(NamedTuple):
   """The server's: a `SlotSampling` a call, the engine's top-k, `top_n` alternatives."""
+
   top_k: int
   top_n: int
 
@@ -322,5 +330,7 @@ class SlotSampler(NamedTuple):
   def extra(self, rows: int, steps: int) -> tuple:
     if not self.top_n:
       return ()
-    return (jnp.zeros((rows, steps, self.top_n), jnp.int32),
-            jnp.full((rows, steps, self.top_n), -jnp.inf, jnp.float32))
+    return (
+      jnp.zeros((rows, steps, self.top_n), jnp.int32),
+      jnp.full((rows, steps, self.top_n), -jnp.inf, jnp.float32),
+    )

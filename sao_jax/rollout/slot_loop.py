@@ -18,8 +18,9 @@ from typing import Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 
-def prefill_feed(pending: Mapping[int, Sequence[int]], slots: int,
-                 max_width: int) -> tuple[np.ndarray, np.ndarray]:
+def prefill_feed(
+  pending: Mapping[int, Sequence[int]], slots: int, max_width: int
+) -> tuple[np.ndarray, np.ndarray]:
   """(tokens int32, valid bool) `[slots, width]` of one prefill `step`.
 
   Row i holds the first `width` tokens of `pending[i]` (slot i's input not
@@ -31,7 +32,7 @@ def prefill_feed(pending: Mapping[int, Sequence[int]], slots: int,
   valid = np.zeros((slots, width), bool)
   for i, p in pending.items():
     chunk = p[:width]
-    tokens[i, :len(chunk)], valid[i, :len(chunk)] = chunk, True
+    tokens[i, : len(chunk)], valid[i, : len(chunk)] = chunk, True
   return tokens, valid
 
 

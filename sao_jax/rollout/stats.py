@@ -25,6 +25,7 @@ FAULT_LOG_SIZE = 16
 @dataclasses.dataclass
 class DriverStats:
   """What one `RolloutDriver` did, cumulative since it was built."""
+
   steps: int = 0
   prefill_steps: int = 0
   decode_steps: int = 0
@@ -44,14 +45,14 @@ class DriverStats:
   env_faults: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   # "<reason> prompt <id> ...: <message>" of the latest faults, for logs.
   env_fault_log: collections.deque = dataclasses.field(
-      default_factory=lambda: collections.deque(maxlen=FAULT_LOG_SIZE))
+    default_factory=lambda: collections.deque(maxlen=FAULT_LOG_SIZE)
+  )
   # Observations cut to `max_observation_chars`, or tool output cut to
   # `max_tool_output_tokens`; not a fault, the episode goes on.
   observations_truncated: int = 0
   # Malformed tool calls by reason (chat.ParsedTurn.errors, chat.validate_call):
   # the episode goes on, the environment answers with an error.
-  tool_call_errors: collections.Counter = dataclasses.field(
-      default_factory=collections.Counter)
+  tool_call_errors: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   # Well-formed tool calls handed to the environment (the valid-call rate is
   # tool_calls / (tool_calls + sum(tool_call_errors))).
   tool_calls: int = 0

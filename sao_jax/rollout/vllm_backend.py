@@ -49,8 +49,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from sao_jax.config import sections
-from sao_jax.rollout import engine_protocol
-from sao_jax.rollout import loopback
+from sao_jax.rollout import engine_protocol, loopback
 
 # Where the server's Python comes from, an already running server, and extra
 # server arguments (shell words), in the environment of the rollout process.
@@ -107,9 +106,19 @@ class VllmServer:
       gives); nothing is started or stopped then.
   """
 
-  def __init__(self, model_dir: str, workdir: str, *, python: str | None = None,
-               dtype: str = "float32", max_len: int = 256, slots: int = 16, seed: int = 0,
-               extra_args: tuple[str, ...] | None = None, url: str | None = None):
+  def __init__(
+    self,
+    model_dir: str,
+    workdir: str,
+    *,
+    python: str | None = None,
+    dtype: str = "float32",
+    max_len: int = 256,
+    slots: int = 16,
+    seed: int = 0,
+    extra_args: tuple[str, ...] | None = None,
+    url: str | None = None,
+  ):
     self.workdir = workdir
     # Outside `workdir` (an engine removes its own when it ends): the log of
     # a server that failed outlives the engine; a clean close removes it.
@@ -125,18 +134,40 @@ class VllmServer:
       extra_args = tuple(shlex.split(os.environ.get(ENV_ARGS, "--enforce-eager")))
     self.python = python or default_python()
     if not os.path.exists(self.python):
-      raise VllmError(f"no vLLM interpreter at {self.python}: run `make vllm-env`, or set "
-                      f"{ENV_PYTHON} (or {ENV_URL} for a running server)")
+      raise VllmError(
+        f"no vLLM interpreter at {self.python}: run `make vllm-env`, or set "
+        f"{ENV_PYTHON} (or {ENV_URL} for a running server)"
+      )
     port = _free_port()
     self.url = f"http://{loopback.LOOPBACK_HOST}:{port}"
     self.command = [
-        self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-        "--served-model-name", SERVED_NAME, "--host", loopback.LOOPBACK_HOST,
-        "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_len),
-        "--max-num-seqs", str(slots), "--seed", str(seed), "--skip-tokenizer-init",
-        "--logprobs-mode", "processed_logprobs", "--worker-extension-cls", WORKER_CLASS,
-        "--enable-prefix-caching",
-        *extra_args]
+      self.python,
+      "-m",
+      "vllm.entrypoints.openai.api_server",
+      "--model",
+      model_dir,
+      "--served-model-name",
+      SERVED_NAME,
+      "--host",
+      loopback.LOOPBACK_HOST,
+      "--port",
+      str(port),
+      "--dtype",
+      dtype,
+      "--max-model-len",
+      str(max_len),
+      "--max-num-seqs",
+      str(slots),
+      "--seed",
+      str(seed),
+      "--skip-tokenizer-init",
+      "--logprobs-mode",
+      "processed_logprobs",
+      "--worker-extension-cls",
+      WORKER_CLASS,
+      "--enable-prefix-caching",
+      *extra_args,
+    ]
 
   def start(self, timeout: float = START_TIMEOUT_S) -> None:
     """Starts the subprocess (niced, its own process group) and waits for /health."""
@@ -146,16 +177,27 @@ class VllmServer:
     os.makedirs(shim, exist_ok=True)
     target = os.path.join(shim, WORKER_MODULE + ".py")
     if not os.path.exists(target):  # the worker extension alone, not sao_jax's tree
-      shutil.copyfile(os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                   "vllm_worker_ext.py"), target)
+      shutil.copyfile(
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker_ext.py"), target
+      )
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(PYTHONPATH=shim, VLLM_SERVER_DEV_MODE="1", VLLM_NO_USAGE_STATS="1",
-               DO_NOT_TRACK="1", HF_HUB_OFFLINE="1")
+    env.update(
+      PYTHONPATH=shim,
+      VLLM_SERVER_DEV_MODE="1",
+      VLLM_NO_USAGE_STATS="1",
+      DO_NOT_TRACK="1",
+      HF_HUB_OFFLINE="1",
+    )
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
     with open(self.log_path, "ab") as log:
-      self._proc = subprocess.Popen(["nice", "-n", "10", *self.command], stdout=log,
-                                    stderr=subprocess.STDOUT, env=env, cwd=self.workdir,
-                                    start_new_session=True)
+      self._proc = subprocess.Popen(
+        ["nice", "-n", "10", *self.command],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=self.workdir,
+        start_new_session=True,
+      )
     self.wait_ready(timeout)
 
   def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
@@ -163,8 +205,10 @@ class VllmServer:
     while time.time() < deadline:
       if self._proc is not None and self._proc.poll() is not None:
         self.failed = True
-        raise VllmError(f"the vLLM server exited with code {self._proc.returncode} while "
-                        f"starting; its log: {self.log_path} ({self._log_tail()})")
+        raise VllmError(
+          f"the vLLM server exited with code {self._proc.returncode} while "
+          f"starting; its log: {self.log_path} ({self._log_tail()})"
+        )
       try:
         with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
           if r.status == 200:
@@ -174,8 +218,9 @@ class VllmServer:
       time.sleep(1.0)  # a subprocess's start: nothing to wait on but its port
     self.failed = True
     self.close()
-    raise VllmError(f"the vLLM server did not answer /health within {timeout:.0f} s; its "
-                    f"log: {self.log_path}")
+    raise VllmError(
+      f"the vLLM server did not answer /health within {timeout:.0f} s; its log: {self.log_path}"
+    )
 
   def _log_tail(self) -> str:
     try:
@@ -189,16 +234,18 @@ class VllmServer:
   def post(self, path: str, body: dict | None = None, timeout: float = REQUEST_TIMEOUT_S):
     """POSTs `body` as JSON; the decoded answer (None for an empty one)."""
     data = json.dumps(body if body is not None else {}).encode()
-    req = urllib.request.Request(self.url + path, data=data, method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+      self.url + path, data=data, method="POST", headers={"Content-Type": "application/json"}
+    )
     try:
       with urllib.request.urlopen(req, timeout=timeout) as r:
         raw = r.read()
     except urllib.error.HTTPError as e:
       self.failed = True
       detail = e.read().decode(errors="replace")[:300]
-      raise VllmError(f"vLLM {path} answered {e.code}: {detail}; server log: "
-                      f"{self.log_path}") from None
+      raise VllmError(
+        f"vLLM {path} answered {e.code}: {detail}; server log: {self.log_path}"
+      ) from None
     except (urllib.error.URLError, ConnectionError) as e:
       self.failed = True
       raise VllmError(f"vLLM {path} failed: {e}; server log: {self.log_path}") from None
@@ -231,16 +278,32 @@ class VllmServer:
 # --- one request ----------------------------------------------------------------
 
 
-def completion_body(prompt, max_tokens: int, temperature: float, top_p: float, top_k: int,
-                    stop_ids: tuple = (), logprobs: int = 0) -> dict:
+def completion_body(
+  prompt,
+  max_tokens: int,
+  temperature: float,
+  top_p: float,
+  top_k: int,
+  stop_ids: tuple = (),
+  logprobs: int = 0,
+) -> dict:
   """vLLM's `/v1/completions` body for one request: ids in, ids and processed
   log-probs out (`logprobs` alternatives a token besides), the caller's stop
   ids only (EOS ignored: the chat format's stop rules)."""
-  body = {"model": SERVED_NAME, "prompt": [int(t) for t in prompt],
-          "max_tokens": int(max_tokens), "logprobs": int(logprobs), "return_token_ids": True,
-          "return_tokens_as_token_ids": True, "detokenize": False, "ignore_eos": True,
-          "skip_special_tokens": False, "temperature": float(temperature),
-          "top_p": float(top_p), "top_k": int(top_k) or -1}
+  body = {
+    "model": SERVED_NAME,
+    "prompt": [int(t) for t in prompt],
+    "max_tokens": int(max_tokens),
+    "logprobs": int(logprobs),
+    "return_token_ids": True,
+    "return_tokens_as_token_ids": True,
+    "detokenize": False,
+    "ignore_eos": True,
+    "skip_special_tokens": False,
+    "temperature": float(temperature),
+    "top_p": float(top_p),
+    "top_k": int(top_k) or -1,
+  }
   if stop_ids:
     body["stop_token_ids"] = [int(t) for t in stop_ids]
   return body
@@ -252,8 +315,9 @@ def answered_ids(choice: dict, max_tokens: int) -> tuple[list[int], list[float]]
   ids = [int(t) for t in choice["token_ids"]]
   lps = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or ()]
   if len(ids) != len(lps) or not ids or len(ids) > max_tokens:
-    raise VllmError(f"vLLM answered {len(ids)} ids and {len(lps)} log-probs for "
-                    f"max_tokens={max_tokens}")
+    raise VllmError(
+      f"vLLM answered {len(ids)} ids and {len(lps)} log-probs for max_tokens={max_tokens}"
+    )
   return ids, lps
 
 
@@ -265,12 +329,14 @@ class VllmState:
   """The driver's decode state: per slot, the ids the engine has been fed, and
   the slots whose `decode` request is still in flight: slot -> (future of
   (ids, log-probs), the version it was sent under)."""
+
   contexts: list
   in_flight: dict = dataclasses.field(default_factory=dict)
 
 
 class VllmChunk(NamedTuple):
   """What one `collect` returns (PolicyEngine's DecodeChunk fields)."""
+
   tokens: Any  # [slots, W] int32
   logprobs: Any  # [slots, W] float32
   counts: Any  # [slots] int32
@@ -298,12 +364,21 @@ class VllmEngine(engine_protocol.Engine):
     python, extra_args: `VllmServer`'s.
   """
 
-  def __init__(self, cfg, params, rollout: sections.Rollout, *, version: int = 0, seed: int = 0,
-               workdir: str | None = None, url: str | None = None, python: str | None = None,
-               extra_args: tuple[str, ...] | None = None):
+  def __init__(
+    self,
+    cfg,
+    params,
+    rollout: sections.Rollout,
+    *,
+    version: int = 0,
+    seed: int = 0,
+    workdir: str | None = None,
+    url: str | None = None,
+    python: str | None = None,
+    extra_args: tuple[str, ...] | None = None,
+  ):
     if rollout.top_k and rollout.top_k > cfg.vocab_size:
-      raise ValueError(f"rollout.top_k = {rollout.top_k} exceeds the vocabulary "
-                       f"({cfg.vocab_size})")
+      raise ValueError(f"rollout.top_k = {rollout.top_k} exceeds the vocabulary ({cfg.vocab_size})")
     self.cfg, self.rollout = cfg, rollout
     self.max_concurrent_decodes = rollout.slots
     self.max_prefill_length = rollout.max_len
@@ -320,16 +395,25 @@ class VllmEngine(engine_protocol.Engine):
     self._lock = threading.Lock()
     self.swap_seconds: list[float] = []
     first = self.load_params(params)
-    self.server = VllmServer(first, self.workdir, python=python, dtype=self.dtype,
-                             max_len=rollout.max_len, slots=rollout.slots, seed=seed,
-                             extra_args=extra_args, url=url)
+    self.server = VllmServer(
+      first,
+      self.workdir,
+      python=python,
+      dtype=self.dtype,
+      max_len=rollout.max_len,
+      slots=rollout.slots,
+      seed=seed,
+      extra_args=extra_args,
+      url=url,
+    )
     self.version = int(version)
     self._loaded = first
     self.exports[self.version] = first
     # Engines are dropped, not closed, by their builders' callers: the server
     # stops when this engine is collected, or at exit.
-    self._finalizer = weakref.finalize(self, _shutdown, self.server,
-                                       self.workdir if self._owns_workdir else None)
+    self._finalizer = weakref.finalize(
+      self, _shutdown, self.server, self.workdir if self._owns_workdir else None
+    )
     try:
       self.server.start()
       if url:
@@ -344,7 +428,8 @@ class VllmEngine(engine_protocol.Engine):
 
   def load_params(self, params) -> str:
     """The engine's copy of `params`: an HF export (this dtype) in a fresh directory."""
-    from sao_jax.models import hf_export  # pylint: disable=g-import-not-at-top  # JAX-side
+    from sao_jax.models import hf_export  # JAX-side
+
     out = os.path.join(self.workdir, f"weights-{next(self._exports)}")
     hf_export.export_params(params, self.cfg, out, dtype=self.dtype)
     return out
@@ -352,11 +437,14 @@ class VllmEngine(engine_protocol.Engine):
   def abstract_params(self):
     """Where a fleet rollout process restores each version before `update_params`
     exports it: the serving dtype's params on this host's first device."""
-    import jax  # pylint: disable=g-import-not-at-top  # JAX-side, as load_params
-    from sao_jax.models import policy, precision  # pylint: disable=g-import-not-at-top
+    import jax  # JAX-side, as load_params
+
+    from sao_jax.models import policy, precision
+
     one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    shapes = jax.eval_shape(lambda: policy.init_params(precision.serving_config(self.cfg),
-                                                       jax.random.key(0)))
+    shapes = jax.eval_shape(
+      lambda: policy.init_params(precision.serving_config(self.cfg), jax.random.key(0))
+    )
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one), shapes)
 
   def update_params(self, params, version: int, *, copied: bool = False) -> None:
@@ -366,8 +454,9 @@ class VllmEngine(engine_protocol.Engine):
     with self._lock:
       self.server.post("/pause?mode=wait")
       try:
-        self.server.post("/collective_rpc", {"method": "sao_reload",
-                                             "kwargs": {"weights_path": path}})
+        self.server.post(
+          "/collective_rpc", {"method": "sao_reload", "kwargs": {"weights_path": path}}
+        )
         self.server.post("/update_weight_version", {"new_version": str(int(version))})
       finally:
         self.server.post("/resume")
@@ -382,8 +471,14 @@ class VllmEngine(engine_protocol.Engine):
   def _complete(self, prompt: list, max_tokens: int, stop_token: int | None):
     """One request: (sampled ids, their log-probs), vLLM's own."""
     r = self.rollout
-    body = completion_body(prompt, max_tokens, r.temperature, r.top_p, r.top_k,
-                           () if stop_token is None else (stop_token,))
+    body = completion_body(
+      prompt,
+      max_tokens,
+      r.temperature,
+      r.top_p,
+      r.top_k,
+      () if stop_token is None else (stop_token,),
+    )
     return answered_ids(self.server.post("/v1/completions", body)["choices"][0], max_tokens)
 
   def _submit(self, prompt, max_tokens, stop_token) -> cf.Future:
@@ -420,8 +515,7 @@ class VllmEngine(engine_protocol.Engine):
       sampled[b], logp[b] = ids[0], lps[0]
     return VllmState(contexts, dict(state.in_flight)), sampled, logp, version
 
-  def decode(self, state: VllmState, tokens, budgets, *, steps: int,
-             stop_token: int | None = None):
+  def decode(self, state: VllmState, tokens, budgets, *, steps: int, stop_token: int | None = None):
     """Sends a request for each budgeted slot with none in flight: its pending
     token fed, up to its whole budget sampled (the server batches requests
     continuously, so `steps` does not cut them). `collect` returns the
@@ -452,7 +546,7 @@ class VllmEngine(engine_protocol.Engine):
     counts = np.zeros((n,), np.int32)
     contexts = list(state.contexts)
     for b, (ids, lps) in answers.items():
-      toks[b, :len(ids)], logp[b, :len(ids)], counts[b] = ids, lps, len(ids)
+      toks[b, : len(ids)], logp[b, : len(ids)], counts[b] = ids, lps, len(ids)
       contexts[b] = contexts[b] + ids[:-1]
       del in_flight[b]
     return VllmState(contexts, in_flight), VllmChunk(toks, logp, counts, version, budgets)
@@ -461,15 +555,16 @@ class VllmEngine(engine_protocol.Engine):
     """A plain sampler (batch_sampler.generate_batch's contract): every prompt
     one request, all at once; (tokens, log-probs `[N, max_new_tokens]`, counts)."""
     if not 0 < len(prompts) <= self.max_concurrent_decodes:
-      raise ValueError(f"generate_batch takes 1 to {self.max_concurrent_decodes} prompts, "
-                       f"got {len(prompts)}")
+      raise ValueError(
+        f"generate_batch takes 1 to {self.max_concurrent_decodes} prompts, got {len(prompts)}"
+      )
     futures = [self._submit(p, max_new_tokens, stop_token) for p in prompts]
     toks = np.zeros((len(prompts), max_new_tokens), np.int32)
     logp = np.zeros((len(prompts), max_new_tokens), np.float32)
     counts = np.zeros((len(prompts),), np.int32)
     for i, f in enumerate(futures):
       ids, lps = f.result()
-      toks[i, :len(ids)], logp[i, :len(ids)], counts[i] = ids, lps, len(ids)
+      toks[i, : len(ids)], logp[i, : len(ids)], counts[i] = ids, lps, len(ids)
     return toks, logp, counts
 
   def close(self) -> None:
@@ -489,9 +584,18 @@ def _shutdown(server: VllmServer, workdir: str | None) -> None:
     shutil.rmtree(workdir, ignore_errors=True)
 
 
-def make_vllm_engine(config, model_cfg, params, version: int, *, rollout: sections.Rollout,
-                     seed: int, mesh=None, devices=None, record_routing: bool = False
-                     ) -> VllmEngine:
+def make_vllm_engine(
+  config,
+  model_cfg,
+  params,
+  version: int,
+  *,
+  rollout: sections.Rollout,
+  seed: int,
+  mesh=None,
+  devices=None,
+  record_routing: bool = False,
+) -> VllmEngine:
   """The "vllm" backend's builder (factories.make_engine's arguments).
 
   The server is vLLM's own placement: the JAX mesh and devices do not apply.
@@ -499,8 +603,10 @@ def make_vllm_engine(config, model_cfg, params, version: int, *, rollout: sectio
   """
   del config, mesh, devices
   if record_routing:
-    raise ValueError("rollout.backend = 'vllm' does not record MoE routing: set "
-                     "rl.routing_replay = False, or use rollout.backend = 'jax'")
-  return VllmEngine(model_cfg, params, rollout, version=version, seed=seed,
-                    url=os.environ.get(ENV_URL) or None)
-
+    raise ValueError(
+      "rollout.backend = 'vllm' does not record MoE routing: set "
+      "rl.routing_replay = False, or use rollout.backend = 'jax'"
+    )
+  return VllmEngine(
+    model_cfg, params, rollout, version=version, seed=seed, url=os.environ.get(ENV_URL) or None
+  )

@@ -64,7 +64,8 @@ class SaoWorkerExtension:
     with `repack` (the default; False only to show the defects), packs the
     MoE experts and a tied LM head again. Returns {"moe_layers_packed": n,
     "tied_head_packed": bool}."""
-    import torch  # pylint: disable=g-import-not-at-top  # vLLM's environment only
+    import torch  # vLLM's environment only
+
     self.reload_weights(weights_path=weights_path)  # pytype: disable=attribute-error
     packed, head = 0, False
     if repack:

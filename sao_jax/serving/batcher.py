@@ -88,8 +88,8 @@ import time
 
 import numpy as np
 
-from sao_jax.rollout import sampling as sampling_lib
 from sao_jax.rollout import engine_protocol, slot_loop
+from sao_jax.rollout import sampling as sampling_lib
 
 
 class Overloaded(RuntimeError):
@@ -119,6 +119,7 @@ class RequestSampling:
       token), besides the batcher's stop token.
     top_logprobs: the most likely alternatives returned per token (0: none).
   """
+
   temperature: float = 1.0
   top_p: float = 1.0
   seed: int | None = None
@@ -131,12 +132,14 @@ class RequestSampling:
       raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
       raise ValueError(f"top_p must be in (0, 1], got {p!r}")
-    if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                  or not 0 <= self.seed < 2**63):
+    if self.seed is not None and (
+      isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63
+    ):
       raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
     ids = self.stop_ids
     if not isinstance(ids, tuple) or not all(
-        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+      isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+    ):
       raise ValueError(f"stop_ids must be a tuple of token ids >= 0, got {ids!r}")
     if len(ids) > MAX_STOP_IDS:
       raise ValueError(f"stop_ids takes at most {MAX_STOP_IDS} ids, got {len(ids)}")
@@ -147,7 +150,6 @@ class RequestSampling:
   @property
   def greedy(self) -> bool:
     return self.temperature == 0
-
 
 
 def check_request(prompt, max_new_tokens: int, sampling, prefix_key, max_len: int) -> list[int]:
@@ -162,14 +164,17 @@ def check_request(prompt, max_new_tokens: int, sampling, prefix_key, max_len: in
   if not prompt:
     raise ValueError("empty prompt")
   if max_new_tokens < 1 or len(prompt) + max_new_tokens > max_len:
-    raise ValueError(f"a prompt of {len(prompt)} tokens plus {max_new_tokens} new ones does "
-                     f"not fit max_len {max_len}")
+    raise ValueError(
+      f"a prompt of {len(prompt)} tokens plus {max_new_tokens} new ones does "
+      f"not fit max_len {max_len}"
+    )
   return prompt
 
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
   """What one request sampled: at least one token."""
+
   tokens: tuple[int, ...]
   logprobs: tuple[float, ...]  # under the request's sampling distribution (RequestSampling)
   versions: tuple[int, ...]  # of the params whose logits produced each token
@@ -201,6 +206,7 @@ class _Request:
 @dataclasses.dataclass
 class _Parked:
   """A session's cache left in a slot between its requests."""
+
   slot: int
   tokens: list[int]  # what the slot's cache holds, in order
   version: int  # of the params that computed it
@@ -222,8 +228,9 @@ class Batcher:
     seed: of the key streams of requests without a seed.
   """
 
-  def __init__(self, engine, stop_token: int, *, decode_steps: int = 1, max_queue: int = 256,
-               seed: int = 0):
+  def __init__(
+    self, engine, stop_token: int, *, decode_steps: int = 1, max_queue: int = 256, seed: int = 0
+  ):
     if decode_steps < 1:
       raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
     problem = engine_protocol.engine_problem(engine)
@@ -258,8 +265,14 @@ class Batcher:
 
   # --- public -------------------------------------------------------------------
 
-  def submit(self, prompt, max_new_tokens: int, *, sampling: RequestSampling | None = None,
-             prefix_key: str | None = None) -> cf.Future:
+  def submit(
+    self,
+    prompt,
+    max_new_tokens: int,
+    *,
+    sampling: RequestSampling | None = None,
+    prefix_key: str | None = None,
+  ) -> cf.Future:
     """A future of the `Completion` of `prompt` (token ids), up to `max_new_tokens` tokens.
 
     `sampling`: the request's (module docstring); None: the engine's own
@@ -276,8 +289,13 @@ class Batcher:
     prompt = check_request(prompt, max_new_tokens, sampling, prefix_key, self.max_len)
     if self._closed.is_set():
       raise Closed("the batcher is closed")
-    request = _Request(prompt, int(max_new_tokens), cf.Future(),
-                       self._default_sampling() if sampling is None else sampling, prefix_key)
+    request = _Request(
+      prompt,
+      int(max_new_tokens),
+      cf.Future(),
+      self._default_sampling() if sampling is None else sampling,
+      prefix_key,
+    )
     try:
       self._queue.put_nowait(request)
     except queue.Full:
@@ -313,11 +331,17 @@ class Batcher:
 
   def counters(self) -> dict:
     """The batcher's counts, for a stats endpoint."""
-    return {"generated_tokens": self.generated_tokens, "engine_errors": self.engine_errors,
-            "prefill_computed": self.prefill_computed, "prefill_reused": self.prefill_reused,
-            "prefill_shared": self.prefill_shared,
-            "prefix_hits": self.prefix_hits, "evictions": self.evictions,
-            "parked": self.parked, "busy_slots": self.busy_slots}
+    return {
+      "generated_tokens": self.generated_tokens,
+      "engine_errors": self.engine_errors,
+      "prefill_computed": self.prefill_computed,
+      "prefill_reused": self.prefill_reused,
+      "prefill_shared": self.prefill_shared,
+      "prefix_hits": self.prefix_hits,
+      "evictions": self.evictions,
+      "parked": self.parked,
+      "busy_slots": self.busy_slots,
+    }
 
   def close(self, timeout: float = 60.0) -> None:
     """Stops the thread; requests not finished fail with `Closed`."""
@@ -327,6 +351,7 @@ class Batcher:
     except queue.Full:
       pass  # the thread sees `_closed` after its current pass
     self._thread.join(timeout)
+
   # --- the thread -----------------------------------------------------------------
 
   def _run(self):
@@ -336,7 +361,7 @@ class Batcher:
           self._admit(block=self.busy_slots == 0)
           if self.busy_slots:
             self._pass()
-        except Exception as e:  # pylint: disable=broad-except
+        except Exception as e:  # noqa: BLE001
           self._fail_in_flight(e)
     finally:
       self._closed.set()  # later submits are refused, not left waiting
@@ -403,8 +428,11 @@ class Batcher:
           self._reset(i)
         return False
     if r.key is None:
-      r.key = (sampling_lib.seed_key(r.sampling.seed) if r.sampling.seed is not None
-               else self._keys.integers(0, 2**32, size=2, dtype=np.uint32))
+      r.key = (
+        sampling_lib.seed_key(r.sampling.seed)
+        if r.sampling.seed is not None
+        else self._keys.integers(0, 2**32, size=2, dtype=np.uint32)
+      )
     r.fed, r.admitted_version = keep + shared, int(self.engine.version)
     self.prefill_reused += keep
     self.prefill_shared += shared
@@ -423,7 +451,8 @@ class Batcher:
     if parked is not None:
       i, keep = parked.slot, _shared_prefix(parked.tokens, r.prompt)
       if parked.version != int(self.engine.version) or (
-          keep < len(parked.tokens) and not self._rewindable):
+        keep < len(parked.tokens) and not self._rewindable
+      ):
         keep = 0
       if keep == 0:
         self._reset(i)
@@ -498,12 +527,15 @@ class Batcher:
   def _prefill(self, prefill: list[int]):
     """One step feeding the next chunk of each prefilling slot's prompt."""
     tokens, valid = slot_loop.prefill_feed(
-        {i: self._slots[i].prompt[self._slots[i].fed:] for i in prefill}, len(self._slots),
-        self.max_len)
+      {i: self._slots[i].prompt[self._slots[i].fed :] for i in prefill},
+      len(self._slots),
+      self.max_len,
+    )
     if self.per_request_sampling:
       top_n = self._top_n()
       self._state, sampled, logp, top, version = self.engine.serve_step(
-          self._state, tokens, valid, self._slot_sampling(), top_n=top_n)
+        self._state, tokens, valid, self._slot_sampling(), top_n=top_n
+      )
     else:
       self._state, sampled, logp, version = self.engine.step(self._state, tokens, valid)
       top = None
@@ -514,21 +546,37 @@ class Batcher:
       if r.fed == len(r.prompt):  # the sample at the prompt's last token
         if self._shares:  # the prompt's full pages, for sessions that begin alike
           self.engine.register_prefix(self._state, i, r.prompt)
-        self._on_sample(i, int(sampled[i]), float(logp[i]), int(version),
-                        None if top is None else (top[0][i], top[1][i]))
+        self._on_sample(
+          i,
+          int(sampled[i]),
+          float(logp[i]),
+          int(version),
+          None if top is None else (top[0][i], top[1][i]),
+        )
 
   def _decode(self, active: list[int]):
     """One decode call of every active slot; its samples to their requests."""
     tokens, budgets = slot_loop.decode_feed(
-        {i: (self._slots[i].tokens[-1], self._slots[i].budget - len(self._slots[i].tokens))
-         for i in active}, len(self._slots))
+      {
+        i: (self._slots[i].tokens[-1], self._slots[i].budget - len(self._slots[i].tokens))
+        for i in active
+      },
+      len(self._slots),
+    )
     if self.per_request_sampling:
       self._state, chunk = self.engine.serve_decode(
-          self._state, tokens, budgets, self._slot_sampling(), steps=self.decode_steps,
-          stop_token=self.stop_token, top_n=self._top_n())
+        self._state,
+        tokens,
+        budgets,
+        self._slot_sampling(),
+        steps=self.decode_steps,
+        stop_token=self.stop_token,
+        top_n=self._top_n(),
+      )
     else:
-      self._state, chunk = self.engine.decode(self._state, tokens, budgets,
-                                              steps=self.decode_steps, stop_token=self.stop_token)
+      self._state, chunk = self.engine.decode(
+        self._state, tokens, budgets, steps=self.decode_steps, stop_token=self.stop_token
+      )
     self._state, chunk = self.engine.collect(self._state, chunk)
     # Alternatives come with per-request sampling only (a request without it asks none).
     top_ids = chunk.top_ids if self.per_request_sampling else None
@@ -554,7 +602,7 @@ class Batcher:
       temperature[i], top_p[i] = r.sampling.temperature, r.sampling.top_p
       keys[i], draws[i] = r.key, len(r.tokens)
       ids = (self.stop_token,) + r.stop_ids
-      stops[i, :len(ids)] = ids
+      stops[i, : len(ids)] = ids
     return sampling_lib.SlotSampling(temperature, top_p, keys, draws, stops)
 
   def _on_sample(self, i: int, token: int, logp: float, version: int, top=None):
@@ -573,8 +621,9 @@ class Batcher:
     if stopped or len(r.tokens) >= r.budget:
       self._slots[i] = None
       self._park(i, r)
-      r.future.set_result(Completion(tuple(r.tokens), tuple(r.logprobs), tuple(r.versions),
-                                     stopped, tuple(r.tops)))
+      r.future.set_result(
+        Completion(tuple(r.tokens), tuple(r.logprobs), tuple(r.versions), stopped, tuple(r.tops))
+      )
 
 
 def _shared_prefix(cached: list[int], prompt: list[int]) -> int:

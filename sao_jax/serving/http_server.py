@@ -110,13 +110,21 @@ class Responder:
       data = encode_json(payload)
     except (ValueError, TypeError, RecursionError) as e:
       raise SendFailed("unencodable", self.started) from e
-    self._head(status, {"Content-Type": "application/json", "Content-Length": str(len(data)),
-                        **(headers or {})})
+    self._head(
+      status,
+      {"Content-Type": "application/json", "Content-Length": str(len(data)), **(headers or {})},
+    )
     self._write(data)
 
   def start_stream(self) -> None:
-    self._head(200, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                     "Transfer-Encoding": "chunked"})
+    self._head(
+      200,
+      {
+        "Content-Type": "text/event-stream",
+        "Cache-Control": "no-cache",
+        "Transfer-Encoding": "chunked",
+      },
+    )
 
   def event(self, payload) -> None:
     """One `data: <json>` event (`payload` "[DONE]": the end marker, as OpenAI sends it)."""
@@ -140,7 +148,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
   protocol_version = "HTTP/1.1"  # keep-alive: a harness reuses its connection
   disable_nagle_algorithm = True  # a reply's head and body go out at once
 
-  def __init__(self, connection, client_address, server):  # pylint: disable=super-init-not-called
+  def __init__(self, connection, client_address, server):
     # Not BaseRequestHandler's: that serves the whole connection in the constructor.
     self.request, self.connection, self.client_address = connection, connection, client_address
     self.server = server
@@ -148,7 +156,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
     self.setup()  # rfile, wfile; the socket's timeout
     self.close_connection = False
 
-  def log_message(self, format, *args):  # pylint: disable=redefined-builtin
+  def log_message(self, format, *args):
     logging.debug("http: " + format, *args)
 
   def pending_bytes(self) -> bool:
@@ -173,11 +181,14 @@ def _at_eof(conn: socket.socket) -> bool:
 
 
 def _busy_reply(retry_after: int, message: str) -> bytes:
-  body = encode_json({"error": {"message": message, "type": "server_error", "param": None,
-                                "code": "server_busy"}})
-  head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-          f"Content-Length: {len(body)}\r\nRetry-After: {retry_after}\r\n"
-          f"Connection: close\r\n\r\n")
+  body = encode_json(
+    {"error": {"message": message, "type": "server_error", "param": None, "code": "server_busy"}}
+  )
+  head = (
+    f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    f"Content-Length: {len(body)}\r\nRetry-After: {retry_after}\r\n"
+    f"Connection: close\r\n\r\n"
+  )
   return head.encode() + body
 
 
@@ -190,10 +201,20 @@ class PooledHTTPServer:
   and whatever the caller sets on the server.
   """
 
-  def __init__(self, address, handler_class, *, workers: int = 64, max_pending: int = 256,
-               backlog: int = 1024, max_connections: int = 4096, idle_seconds: float = 600.0,
-               request_seconds: float = 60.0, retry_after: int = 1,
-               counts: collections.Counter | None = None):
+  def __init__(
+    self,
+    address,
+    handler_class,
+    *,
+    workers: int = 64,
+    max_pending: int = 256,
+    backlog: int = 1024,
+    max_connections: int = 4096,
+    idle_seconds: float = 600.0,
+    request_seconds: float = 60.0,
+    retry_after: int = 1,
+    counts: collections.Counter | None = None,
+  ):
     if workers < 1 or max_pending < 1 or backlog < 1 or max_connections < 1:
       raise ValueError("workers, max_pending, backlog and max_connections must be >= 1")
     self.handler_class, self.request_seconds = handler_class, request_seconds
@@ -216,10 +237,13 @@ class PooledHTTPServer:
     self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
     self._idle: dict = {}  # handler -> parked since
     self._drain: dict = {}  # socket -> deadline
-    self._threads = [threading.Thread(target=self._work_loop, name=f"http-worker-{k}",
-                                      daemon=True) for k in range(workers)]
-    self._threads.append(threading.Thread(target=self._select_loop, name="http-select",
-                                          daemon=True))
+    self._threads = [
+      threading.Thread(target=self._work_loop, name=f"http-worker-{k}", daemon=True)
+      for k in range(workers)
+    ]
+    self._threads.append(
+      threading.Thread(target=self._select_loop, name="http-select", daemon=True)
+    )
     for t in self._threads:
       t.start()
 
@@ -299,8 +323,11 @@ class PooledHTTPServer:
     """503 + Retry-After, then a graceful close (no reset: the client reads the 503)."""
     try:
       conn.setblocking(False)
-      conn.send(_busy_reply(self.retry_after, f"the server is busy ({why}); retry after "
-                            f"{self.retry_after} s"))
+      conn.send(
+        _busy_reply(
+          self.retry_after, f"the server is busy ({why}); retry after {self.retry_after} s"
+        )
+      )
       conn.shutdown(socket.SHUT_WR)
       self._drain[conn] = time.monotonic() + 10.0
       self._selector.register(conn, selectors.EVENT_READ, "drain")
@@ -352,7 +379,7 @@ class PooledHTTPServer:
     while True:
       try:
         handler.handle_one_request()
-      except Exception as e:  # pylint: disable=broad-except  # a broken connection
+      except Exception as e:  # noqa: BLE001  # a broken connection
         self.count("http/request_errors")
         logging.debug("http: a request failed: %r", e)
         handler.close_connection = True

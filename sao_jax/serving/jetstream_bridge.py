@@ -25,24 +25,24 @@ imported.
 from __future__ import annotations
 
 import asyncio
-from concurrent import futures
 import threading
+from concurrent import futures
 from typing import Any, NamedTuple
 
-from absl import logging
 import jax
 import numpy as np
+from absl import logging
 
 if not hasattr(jax, "tree_map"):  # removed from JAX; jetstream 0.2.2 calls it
   jax.tree_map = jax.tree.map
 
-# pylint: disable=g-import-not-at-top,wrong-import-position
 import grpc
 from jetstream.core import orchestrator, server_lib
 from jetstream.core.proto import jetstream_pb2_grpc
 from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
 
 from sao_jax.rollout.engine import DecodeState, PolicyEngine
+
 # Where the server may listen (shared with the OpenAI-compatible server).
 from sao_jax.rollout.loopback import LOOPBACK_HOST, exposure_warning
 
@@ -58,13 +58,23 @@ class JetStreamTokenizer(tokenizer_api.Tokenizer):
     self._tok = tokenizer
     self._ignore_eos = ignore_eos
 
-  def encode(self, s: str, is_bos: bool = True, max_prefill_length: int | None = None,
-             jax_padding: bool = True, **kwargs):
+  def encode(
+    self,
+    s: str,
+    is_bos: bool = True,
+    max_prefill_length: int | None = None,
+    jax_padding: bool = True,
+    **kwargs,
+  ):
     del kwargs
-    return token_utils.pad_tokens(np.asarray(self._tok.encode(s), np.int32), self.bos_id,
-                                  self.pad_id, is_bos=is_bos,
-                                  max_prefill_length=max_prefill_length,
-                                  jax_padding=jax_padding)
+    return token_utils.pad_tokens(
+      np.asarray(self._tok.encode(s), np.int32),
+      self.bos_id,
+      self.pad_id,
+      is_bos=is_bos,
+      max_prefill_length=max_prefill_length,
+      jax_padding=jax_padding,
+    )
 
   def decode(self, token_ids: list[int], **kwargs) -> str:
     del kwargs
@@ -132,8 +142,9 @@ class JetStreamEngine(engine_api.Engine):
   is not sent (the request ends up to k - 1 tokens short, never over).
   """
 
-  def __init__(self, engine: PolicyEngine, tokenizer, tokens_per_step: int = 1,
-               ignore_eos: bool = False):
+  def __init__(
+    self, engine: PolicyEngine, tokenizer, tokens_per_step: int = 1, ignore_eos: bool = False
+  ):
     if tokens_per_step < 1:
       raise ValueError(f"tokens_per_step must be >= 1, got {tokens_per_step}")
     self._engine = engine
@@ -155,8 +166,13 @@ class JetStreamEngine(engine_api.Engine):
       raise ValueError("prefill needs at least one token")
     tokens = np.asarray(padded_tokens, np.int32).reshape(-1)[:true_length]
     if existing_prefix is not None:  # its tokens and its pending token go in first
-      tokens = np.concatenate([np.asarray(existing_prefix.tokens, np.int32).reshape(-1),
-                               [int(existing_prefix.next_token)], tokens]).astype(np.int32)
+      tokens = np.concatenate(
+        [
+          np.asarray(existing_prefix.tokens, np.int32).reshape(-1),
+          [int(existing_prefix.next_token)],
+          tokens,
+        ]
+      ).astype(np.int32)
     return _Prefix(tokens[:-1], np.int32(tokens[-1]))
 
   def insert(self, prefix, decode_state, slot: int):
@@ -168,8 +184,11 @@ class JetStreamEngine(engine_api.Engine):
       tokens = np.zeros((slots, len(head)), np.int32)
       tokens[slot] = head
       inner, *_ = self._engine.step(inner, tokens, np.broadcast_to(row[:, None], tokens.shape))
-    next_tokens, generated, active = (decode_state.next_tokens.copy(),
-                                      decode_state.generated.copy(), decode_state.active.copy())
+    next_tokens, generated, active = (
+      decode_state.next_tokens.copy(),
+      decode_state.generated.copy(),
+      decode_state.active.copy(),
+    )
     next_tokens[slot], generated[slot], active[slot] = int(prefix.next_token), 0, True
     return _State(inner, next_tokens, generated, active)
 
@@ -193,8 +212,12 @@ class JetStreamEngine(engine_api.Engine):
     valid = (np.arange(k)[None, :] < counts[:, None]).astype(np.int32)
     data = np.concatenate([tokens, valid, generated[:, None]], axis=1)  # [slots, 2k + 1]
     return _State(inner, pending, generated, active), engine_api.ResultTokens(
-        data=data, tokens_idx=(0, k), valid_idx=(k, 2 * k), length_idx=(2 * k, 2 * k + 1),
-        samples_per_slot=1)
+      data=data,
+      tokens_idx=(0, k),
+      valid_idx=(k, 2 * k),
+      length_idx=(2 * k, 2 * k + 1),
+      samples_per_slot=1,
+    )
 
   def load_params(self, *args, **kwargs):
     del args, kwargs
@@ -214,8 +237,9 @@ class JetStreamEngine(engine_api.Engine):
     del args, kwargs
     state = self._engine.init_decode_state()
     slots = self._engine.max_concurrent_decodes
-    return _State(state, np.zeros((slots,), np.int32), np.zeros((slots,), np.int32),
-                  np.zeros((slots,), bool))
+    return _State(
+      state, np.zeros((slots,), np.int32), np.zeros((slots,), np.int32), np.zeros((slots,), bool)
+    )
 
   @property
   def max_concurrent_decodes(self) -> int:
@@ -246,8 +270,7 @@ class _Server(server_lib.JetStreamServer):
   unchanged.
   """
 
-  def __init__(self, driver: orchestrator.Driver, threads: int, host: str, port: int,
-               credentials):  # pylint: disable=super-init-not-called
+  def __init__(self, driver: orchestrator.Driver, threads: int, host: str, port: int, credentials):
     self._executor = futures.ThreadPoolExecutor(max_workers=threads)
     self._loop = asyncio.new_event_loop()
     self._loop.set_default_executor(self._executor)
@@ -260,14 +283,16 @@ class _Server(server_lib.JetStreamServer):
     self._grpc_server = asyncio.run_coroutine_threadsafe(make_server(), self._loop).result()
     self._driver = driver
     jetstream_pb2_grpc.add_OrchestratorServicer_to_server(
-        orchestrator.LLMOrchestrator(driver=driver), self._grpc_server)
+      orchestrator.LLMOrchestrator(driver=driver), self._grpc_server
+    )
     address = host.strip("[]")
     address = f"[{address}]" if ":" in address else address
     self._grpc_server.add_secure_port(f"{address}:{port}", credentials)
 
 
-def serve(engine: JetStreamEngine, port: int, threads: int = 4,
-          host: str = LOOPBACK_HOST) -> server_lib.JetStreamServer:
+def serve(
+  engine: JetStreamEngine, port: int, threads: int = 4, host: str = LOOPBACK_HOST
+) -> server_lib.JetStreamServer:
   """Starts JetStream's gRPC server over `engine` on `host:port`.
 
   Plain-text gRPC without authentication, so the default is loopback only;
@@ -277,9 +302,13 @@ def serve(engine: JetStreamEngine, port: int, threads: int = 4,
   if warning:
     logging.warning("%s", warning)
   params = engine.load_params()
-  driver = orchestrator.Driver(prefill_engines=[engine], generate_engines=[engine],
-                               prefill_params=[params], generate_params=[params],
-                               interleaved_mode=True)
+  driver = orchestrator.Driver(
+    prefill_engines=[engine],
+    generate_engines=[engine],
+    prefill_params=[params],
+    generate_params=[params],
+    interleaved_mode=True,
+  )
   server = _Server(driver, threads, host, port, grpc.insecure_server_credentials())
   server.start()
   return server

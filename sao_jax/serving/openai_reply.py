@@ -38,6 +38,7 @@ from sao_jax.serving.http_server import clean_text
 @dataclasses.dataclass(frozen=True)
 class Cut:
   """A completion as served: its tokens (cut at a stop string) and why it ended."""
+
   completion: batcher.Completion  # what is returned and recorded
   stop: str | None  # the stop string it was cut at
 
@@ -64,13 +65,21 @@ def cut_at_stop(completion: batcher.Completion, stops, tok, turn_end: int) -> Cu
   text = _body_text(tok, ids[:lo], turn_end)
   stop = min((s for s in stops if s in text), key=text.index)
   c = completion
-  return Cut(dataclasses.replace(c, tokens=c.tokens[:lo], logprobs=c.logprobs[:lo],
-                                 versions=c.versions[:lo], stopped=True,
-                                 top_logprobs=c.top_logprobs[:lo]), stop)
+  return Cut(
+    dataclasses.replace(
+      c,
+      tokens=c.tokens[:lo],
+      logprobs=c.logprobs[:lo],
+      versions=c.versions[:lo],
+      stopped=True,
+      top_logprobs=c.top_logprobs[:lo],
+    ),
+    stop,
+  )
 
 
 def _before(text: str, stop: str | None) -> str:
-  return text if stop is None or stop not in text else text[:text.index(stop)]
+  return text if stop is None or stop not in text else text[: text.index(stop)]
 
 
 def finish_reason(cut: Cut, calls: bool) -> str:
@@ -89,11 +98,21 @@ def chat_message(cut: Cut, chat_format, tools, count) -> tuple[dict, str]:
     problem = chat.validate_call(call, tools) if tools else "unknown_tool"
     if problem is not None:
       count(f"tool_call_errors/{problem}")  # still the harness's to answer
-    calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {
-        "name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}})
+    calls.append(
+      {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {
+          "name": call.name,
+          "arguments": json.dumps(call.arguments, ensure_ascii=False),
+        },
+      }
+    )
   content = _before(parsed.content, cut.stop)
-  message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls
-                             else None}
+  message: dict[str, Any] = {
+    "role": "assistant",
+    "content": content if content or not calls else None,
+  }
   if calls:
     message["tool_calls"] = calls
   reasoning = _before(parsed.reasoning, cut.stop)
@@ -105,7 +124,8 @@ def chat_message(cut: Cut, chat_format, tools, count) -> tuple[dict, str]:
 def completion_text(cut: Cut, tok, turn_end: int) -> tuple[str, str]:
   """The text of a raw completion (without the turn end) and its finish reason."""
   return clean_text(_before(_body_text(tok, cut.completion.tokens, turn_end), cut.stop)), (
-      finish_reason(cut, False))
+    finish_reason(cut, False)
+  )
 
 
 def _lp(value: float) -> float:
@@ -124,7 +144,7 @@ def chat_logprobs(completion: batcher.Completion, tok) -> dict:
   for k, (t, lp) in enumerate(zip(completion.tokens, completion.logprobs)):
     text, raw = _piece(tok, t)
     top = []
-    for alt, alt_lp in (completion.top_logprobs[k] if completion.top_logprobs else ()):
+    for alt, alt_lp in completion.top_logprobs[k] if completion.top_logprobs else ():
       alt_text, alt_raw = _piece(tok, alt)
       top.append({"token": alt_text, "logprob": _lp(alt_lp), "bytes": alt_raw})
     content.append({"token": text, "logprob": _lp(lp), "bytes": raw, "top_logprobs": top})
@@ -140,23 +160,31 @@ def completion_logprobs(completion: batcher.Completion, tok) -> dict:
     offsets.append(at)
     at += len(text)
     if completion.top_logprobs:
-      tops.append({_piece(tok, alt)[0]: _lp(alt_lp) for alt, alt_lp in
-                   completion.top_logprobs[k]})
-  return {"tokens": tokens, "token_logprobs": [_lp(x) for x in completion.logprobs],
-          "top_logprobs": tops if completion.top_logprobs else None, "text_offset": offsets}
+      tops.append({_piece(tok, alt)[0]: _lp(alt_lp) for alt, alt_lp in completion.top_logprobs[k]})
+  return {
+    "tokens": tokens,
+    "token_logprobs": [_lp(x) for x in completion.logprobs],
+    "top_logprobs": tops if completion.top_logprobs else None,
+    "text_offset": offsets,
+  }
 
 
 # --- streams ---------------------------------------------------------------------------------
 
 
-def chat_chunks(head: dict, index: int, message: dict, finish: str,
-                logprobs: dict | None) -> list[dict]:
+def chat_chunks(
+  head: dict, index: int, message: dict, finish: str, logprobs: dict | None
+) -> list[dict]:
   """Chunks of one choice after its role chunk: reasoning, content (with its
   log-probs), each tool call, then the finish reason. `head`: id, object, created,
   model (and usage: None when the stream ends with a usage chunk)."""
+
   def chunk(delta, finish_reason=None, lp=None):
-    return {**head, "choices": [{"index": index, "delta": delta, "logprobs": lp,
-                                 "finish_reason": finish_reason}]}
+    return {
+      **head,
+      "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}],
+    }
+
   out = []
   if message.get("reasoning_content"):
     out.append(chunk({"reasoning_content": message["reasoning_content"]}))
@@ -169,13 +197,26 @@ def chat_chunks(head: dict, index: int, message: dict, finish: str,
 
 
 def role_chunk(head: dict, index: int) -> dict:
-  return {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                               "logprobs": None, "finish_reason": None}]}
+  return {
+    **head,
+    "choices": [
+      {
+        "index": index,
+        "delta": {"role": "assistant", "content": ""},
+        "logprobs": None,
+        "finish_reason": None,
+      }
+    ],
+  }
 
 
-def completion_chunks(head: dict, index: int, text: str, finish: str,
-                      logprobs: dict | None) -> list[dict]:
-  return [{**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                "finish_reason": None}]},
-          {**head, "choices": [{"index": index, "text": "", "logprobs": None,
-                                "finish_reason": finish}]}]
+def completion_chunks(
+  head: dict, index: int, text: str, finish: str, logprobs: dict | None
+) -> list[dict]:
+  return [
+    {
+      **head,
+      "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}],
+    },
+    {**head, "choices": [{"index": index, "text": "", "logprobs": None, "finish_reason": finish}]},
+  ]

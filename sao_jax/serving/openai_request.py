@@ -37,38 +37,88 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 # OpenAI's rule for a function name.
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
-          "tool": "tool"}
+_ROLES = {
+  "system": "system",
+  "developer": "system",
+  "user": "user",
+  "assistant": "assistant",
+  "tool": "tool",
+}
 # Accepted and ignored, counted: they change nothing a client can see in a reply.
-IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls",
-                  "reasoning_effort", "prediction")
+IGNORED_FIELDS = (
+  "user",
+  "metadata",
+  "store",
+  "service_tier",
+  "parallel_tool_calls",
+  "reasoning_effort",
+  "prediction",
+)
 # Accepted only at their neutral value (the value meaning "off").
-_NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},),
-            "response_format": ({"type": "text"},), "modalities": (["text"],),
-            "top_k": (-1, 0), "min_p": (0, 0.0), "repetition_penalty": (1, 1.0),
-            "echo": (False,), "best_of": (1,), "suffix": ("",), "audio": ()}
-_CHAT_FIELDS = frozenset((
-    "model", "messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens", "n",
-    "stream", "stream_options", "logprobs", "top_logprobs", "temperature", "top_p", "seed",
-    "stop", "stop_token_ids", "return_token_ids") + IGNORED_FIELDS + tuple(_NEUTRAL))
-_COMPLETION_FIELDS = (_CHAT_FIELDS - {"messages", "tools", "tool_choice", "top_logprobs",
-                                      "max_completion_tokens"}) | {"prompt"}
+_NEUTRAL = {
+  "presence_penalty": (0, 0.0),
+  "frequency_penalty": (0, 0.0),
+  "logit_bias": ({},),
+  "response_format": ({"type": "text"},),
+  "modalities": (["text"],),
+  "top_k": (-1, 0),
+  "min_p": (0, 0.0),
+  "repetition_penalty": (1, 1.0),
+  "echo": (False,),
+  "best_of": (1,),
+  "suffix": ("",),
+  "audio": (),
+}
+_CHAT_FIELDS = frozenset(
+  (
+    "model",
+    "messages",
+    "tools",
+    "tool_choice",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "top_logprobs",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "return_token_ids",
+  )
+  + IGNORED_FIELDS
+  + tuple(_NEUTRAL)
+)
+_COMPLETION_FIELDS = (
+  _CHAT_FIELDS - {"messages", "tools", "tool_choice", "top_logprobs", "max_completion_tokens"}
+) | {"prompt"}
 
 
 class ApiError(Exception):
   """A refused request: HTTP status, counted reason, OpenAI error type and message."""
 
-  def __init__(self, status: int, reason: str, message: str, param: str | None = None,
-               kind: str = "invalid_request_error", code: str | None = None,
-               headers: dict | None = None):
+  def __init__(
+    self,
+    status: int,
+    reason: str,
+    message: str,
+    param: str | None = None,
+    kind: str = "invalid_request_error",
+    code: str | None = None,
+    headers: dict | None = None,
+  ):
     super().__init__(message)
     self.status, self.reason, self.message = status, reason, message
     self.param, self.kind, self.code = param, kind, code or reason
     self.headers = headers or {}
 
   def body(self) -> dict:
-    return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                      "code": self.code}}
+    return {
+      "error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
+    }
 
 
 def bad(reason: str, message: str, param: str | None = None) -> ApiError:
@@ -120,8 +170,12 @@ def number(body: dict, name: str, lo: float, hi: float, default=None, open_lo: b
   value = body.get(name)
   if value is None:
     return default
-  if (isinstance(value, bool) or not isinstance(value, (int, float))
-      or not (lo < value if open_lo else lo <= value) or not value <= hi):
+  if (
+    isinstance(value, bool)
+    or not isinstance(value, (int, float))
+    or not (lo < value if open_lo else lo <= value)
+    or not value <= hi
+  ):
     span = f"({lo}, {hi}]" if open_lo else f"[{lo}, {hi}]"
     raise bad(f"bad_{name}", f"{name} must be a number in {span}", name)
   return float(value)
@@ -138,10 +192,15 @@ def check_fields(body: dict, known: frozenset, count) -> None:
   """Refuses a non-neutral unsupported field; counts ignored and unknown ones."""
   for name, value in body.items():
     if name in _NEUTRAL:
-      if value is not None and not any(value == v and type(value) is type(v)  # pylint: disable=unidiomatic-typecheck
-                                       for v in _NEUTRAL[name]):
-        raise bad(f"unsupported_{name}", f"{name} is not supported (only "
-                  f"{' or '.join(json.dumps(v) for v in _NEUTRAL[name]) or 'null'})", name)
+      if value is not None and not any(
+        value == v and type(value) is type(v) for v in _NEUTRAL[name]
+      ):
+        raise bad(
+          f"unsupported_{name}",
+          f"{name} is not supported (only "
+          f"{' or '.join(json.dumps(v) for v in _NEUTRAL[name]) or 'null'})",
+          name,
+        )
     elif name in IGNORED_FIELDS:
       if value is not None:
         count(f"ignored/{name}")
@@ -155,6 +214,7 @@ def check_fields(body: dict, known: frozenset, count) -> None:
 @dataclasses.dataclass(frozen=True)
 class Generation:
   """What a request asks of the sampler and of the reply."""
+
   limit: int | None  # max new tokens (None: the server's default)
   n: int  # independent completions
   stream: bool
@@ -169,20 +229,35 @@ class Generation:
 def _stop(body: dict, vocab_size: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
   stop = body.get("stop")
   stop = [stop] if isinstance(stop, str) else ([] if stop is None else stop)
-  if not (isinstance(stop, list) and len(stop) <= MAX_STOP_STRINGS and all(
-      isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop)):
-    raise bad("bad_stop", f"stop must be a string or a list of at most {MAX_STOP_STRINGS} "
-              f"non-empty strings of at most {MAX_STOP_CHARS} characters", "stop")
+  if not (
+    isinstance(stop, list)
+    and len(stop) <= MAX_STOP_STRINGS
+    and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop)
+  ):
+    raise bad(
+      "bad_stop",
+      f"stop must be a string or a list of at most {MAX_STOP_STRINGS} "
+      f"non-empty strings of at most {MAX_STOP_CHARS} characters",
+      "stop",
+    )
   ids = body.get("stop_token_ids") or []
-  if not (isinstance(ids, list) and len(ids) <= batcher.MAX_STOP_IDS and all(
-      isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids)):
-    raise bad("bad_stop_token_ids", f"stop_token_ids must be a list of at most "
-              f"{batcher.MAX_STOP_IDS} token ids in [0, {vocab_size})", "stop_token_ids")
+  if not (
+    isinstance(ids, list)
+    and len(ids) <= batcher.MAX_STOP_IDS
+    and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids)
+  ):
+    raise bad(
+      "bad_stop_token_ids",
+      f"stop_token_ids must be a list of at most "
+      f"{batcher.MAX_STOP_IDS} token ids in [0, {vocab_size})",
+      "stop_token_ids",
+    )
   return tuple(stop), tuple(ids)
 
 
-def generation(body: dict, *, chat: bool, vocab_size: int,
-               default: batcher.RequestSampling | None) -> Generation:
+def generation(
+  body: dict, *, chat: bool, vocab_size: int, default: batcher.RequestSampling | None
+) -> Generation:
   """The request's `Generation` (ApiError on a bad or unsupported value)."""
   limit = body.get("max_completion_tokens") if chat else None
   limit = integer(body, "max_tokens", 1, 1 << 40) if limit is None else limit
@@ -191,10 +266,14 @@ def generation(body: dict, *, chat: bool, vocab_size: int,
   n = integer(body, "n", 1, MAX_N, 1)
   stream = flag(body, "stream")
   options = body.get("stream_options")
-  if options is not None and not (stream and isinstance(options, dict)
-                                  and set(options) <= {"include_usage"}):
-    raise bad("bad_stream_options", "stream_options is {\"include_usage\": bool}, with "
-              "stream: true", "stream_options")
+  if options is not None and not (
+    stream and isinstance(options, dict) and set(options) <= {"include_usage"}
+  ):
+    raise bad(
+      "bad_stream_options",
+      'stream_options is {"include_usage": bool}, with stream: true',
+      "stream_options",
+    )
   include_usage = flag(options or {}, "include_usage")
   if chat:
     logprobs = flag(body, "logprobs")
@@ -212,11 +291,15 @@ def generation(body: dict, *, chat: bool, vocab_size: int,
   if (temperature, top_p, seed) != (None,) * 3 or stop_ids or top:
     base = default or batcher.RequestSampling()
     sampling = batcher.RequestSampling(
-        temperature=base.temperature if temperature is None else temperature,
-        top_p=base.top_p if top_p is None else top_p, seed=seed, stop_ids=stop_ids,
-        top_logprobs=top)
-  return Generation(limit, n, stream, include_usage, logprobs, top, stop, sampling,
-                    flag(body, "return_token_ids"))
+      temperature=base.temperature if temperature is None else temperature,
+      top_p=base.top_p if top_p is None else top_p,
+      seed=seed,
+      stop_ids=stop_ids,
+      top_logprobs=top,
+    )
+  return Generation(
+    limit, n, stream, include_usage, logprobs, top, stop, sampling, flag(body, "return_token_ids")
+  )
 
 
 def completion_prompt(body: dict, tokenizer) -> list[int]:
@@ -226,12 +309,21 @@ def completion_prompt(body: dict, tokenizer) -> list[int]:
     prompt = prompt[0]  # a batch of one
   if isinstance(prompt, str) and prompt:
     return list(tokenizer.encode(prompt))
-  if isinstance(prompt, list) and prompt and all(
+  if (
+    isinstance(prompt, list)
+    and prompt
+    and all(
       isinstance(t, int) and not isinstance(t, bool) and 0 <= t < tokenizer.vocab_size
-      for t in prompt):
+      for t in prompt
+    )
+  ):
     return list(prompt)
-  raise bad("bad_prompt", f"prompt must be a non-empty string or a non-empty list of token "
-            f"ids in [0, {tokenizer.vocab_size}) (one prompt a request)", "prompt")
+  raise bad(
+    "bad_prompt",
+    f"prompt must be a non-empty string or a non-empty list of token "
+    f"ids in [0, {tokenizer.vocab_size}) (one prompt a request)",
+    "prompt",
+  )
 
 
 # --- messages and tools ------------------------------------------------------------------
@@ -244,14 +336,17 @@ def _text(content, where: str) -> str:
   if isinstance(content, list):
     parts = []
     for part in content:
-      if not (isinstance(part, dict) and part.get("type") == "text"
-              and isinstance(part.get("text"), str)):
-        raise ApiError(400, "unsupported_content", f"{where}: only text content parts are "
-                       "supported", "messages")
+      if not (
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+      ):
+        raise ApiError(
+          400, "unsupported_content", f"{where}: only text content parts are supported", "messages"
+        )
       parts.append(part["text"])
     return "".join(parts)
-  raise bad("bad_messages", f"{where}: content must be a string or a list of text parts",
-             "messages")
+  raise bad(
+    "bad_messages", f"{where}: content must be a string or a list of text parts", "messages"
+  )
 
 
 def _tool_calls(calls, where: str) -> list[dict]:
@@ -264,8 +359,11 @@ def _tool_calls(calls, where: str) -> list[dict]:
       raise bad("bad_messages", f"{where}: tool_calls[{j}] needs function.name", "messages")
     arguments = fn.get("arguments", "{}")
     if not isinstance(arguments, (str, dict)):
-      raise bad("bad_messages", f"{where}: tool_calls[{j}].function.arguments must be a "
-                 "JSON string", "messages")
+      raise bad(
+        "bad_messages",
+        f"{where}: tool_calls[{j}].function.arguments must be a JSON string",
+        "messages",
+      )
     out.append({"name": fn["name"], "arguments": arguments})
   return out
 
@@ -294,8 +392,7 @@ def parse_messages(raw) -> list[dict]:
       message["content"] = _text(m["content"], where)
     out.append(message)
   if out[-1]["role"] == "assistant":
-    raise bad("bad_messages", "the last message is the assistant's: nothing to answer",
-               "messages")
+    raise bad("bad_messages", "the last message is the assistant's: nothing to answer", "messages")
   return out
 
 
@@ -309,12 +406,14 @@ def parse_tools(raw) -> list[dict]:
   for k, tool in enumerate(raw):
     where = f"tools[{k}]"
     if not isinstance(tool, dict) or tool.get("type") != "function":
-      raise bad("bad_tools", f"{where}: only {{\"type\": \"function\"}} tools", "tools")
+      raise bad("bad_tools", f'{where}: only {{"type": "function"}} tools', "tools")
     fn = tool.get("function")
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not _TOOL_NAME.match(
-        fn["name"]):
-      raise bad("bad_tools", f"{where}: function.name must match [A-Za-z0-9_-]{{1,64}}",
-                 "tools")
+    if (
+      not isinstance(fn, dict)
+      or not isinstance(fn.get("name"), str)
+      or not _TOOL_NAME.match(fn["name"])
+    ):
+      raise bad("bad_tools", f"{where}: function.name must match [A-Za-z0-9_-]{{1,64}}", "tools")
     if fn["name"] in names:
       raise bad("bad_tools", f"{where}: a second tool named {fn['name']!r}", "tools")
     names.add(fn["name"])
@@ -323,11 +422,17 @@ def parse_tools(raw) -> list[dict]:
     params = fn.get("parameters")
     if params is not None:
       if not isinstance(params, dict):
-        raise bad("bad_tools", f"{where}: function.parameters must be a JSON schema object",
-                   "tools")
+        raise bad(
+          "bad_tools", f"{where}: function.parameters must be a JSON schema object", "tools"
+        )
       if not isinstance(params.get("properties", {}), dict) or not (
-          isinstance(params.get("required", []), list)
-          and all(isinstance(r, str) for r in params.get("required", []))):
-        raise bad("bad_tools", f"{where}: parameters.properties must be an object and "
-                   "parameters.required a list of names", "tools")
+        isinstance(params.get("required", []), list)
+        and all(isinstance(r, str) for r in params.get("required", []))
+      ):
+        raise bad(
+          "bad_tools",
+          f"{where}: parameters.properties must be an object and "
+          "parameters.required a list of names",
+          "tools",
+        )
   return raw

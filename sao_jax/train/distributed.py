@@ -84,7 +84,8 @@ def initialize(dist_config) -> bool:
   jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid)
   if jax.default_backend() == "cpu":
     jax.config.update("jax_enable_compilation_cache", False)
-  import orbax.checkpoint  # pylint: disable=g-import-not-at-top,unused-import  (defines the flag)
+  import orbax.checkpoint  # noqa: F401  # defines the flag
+
   flags.FLAGS["experimental_orbax_use_distributed_barrier"].value = True
   return True
 
@@ -99,7 +100,8 @@ def sync(name: str) -> None:
   if jax.process_count() == 1:
     return
   _jax_distributed.global_state.client.wait_at_barrier(
-      f"sao_jax/sync/{next(_shared)}/{name}", WAIT_FOR_PRIMARY_S * 1000)
+    f"sao_jax/sync/{next(_shared)}/{name}", WAIT_FOR_PRIMARY_S * 1000
+  )
 
 
 def lockstep(jitted, name: str):
@@ -116,8 +118,10 @@ def lockstep(jitted, name: str):
 
   def call(*args):
     leaves, treedef = jax.tree.flatten(args)
-    key = (treedef, tuple((np.shape(x), getattr(x, "dtype", None), getattr(x, "sharding", None))
-                          for x in leaves))
+    key = (
+      treedef,
+      tuple((np.shape(x), getattr(x, "dtype", None), getattr(x, "sharding", None)) for x in leaves),
+    )
     if key not in compiled:
       compiled[key] = jitted.lower(*args).compile()
       sync(f"compiled/{name}")
@@ -145,8 +149,9 @@ def process_rows(sharding: jax.sharding.Sharding, num_rows: int) -> np.ndarray:
   return np.array(sorted(rows), np.int64)
 
 
-def global_batch(batch: dict[str, np.ndarray], sharding: jax.sharding.Sharding,
-                 num_rows: int) -> dict[str, jax.Array]:
+def global_batch(
+  batch: dict[str, np.ndarray], sharding: jax.sharding.Sharding, num_rows: int
+) -> dict[str, jax.Array]:
   """Global `[num_rows, ...]` arrays from a host's rows of a batch.
 
   Args:
@@ -162,18 +167,24 @@ def global_batch(batch: dict[str, np.ndarray], sharding: jax.sharding.Sharding,
     if value.shape[0] == num_rows and len(rows) != num_rows:
       value = value[rows]
     if value.shape[0] != len(rows):
-      raise ValueError(f"batch[{key!r}] has {value.shape[0]} rows; this process holds "
-                       f"{len(rows)} of {num_rows}")
-    out[key] = jax.make_array_from_process_local_data(sharding, value,
-                                                      (num_rows,) + value.shape[1:])
+      raise ValueError(
+        f"batch[{key!r}] has {value.shape[0]} rows; this process holds {len(rows)} of {num_rows}"
+      )
+    out[key] = jax.make_array_from_process_local_data(
+      sharding, value, (num_rows,) + value.shape[1:]
+    )
   return out
 
 
-def pack_batch(trajs: Sequence[Any], num_rows: int, buckets: Sequence[int],
-               sharding: jax.sharding.Sharding,
-               baseline_advantages: Sequence[float] | None = None,
-               action_index: bool = False,
-               routing: tuple[int, int] | None = None) -> dict[str, jax.Array]:
+def pack_batch(
+  trajs: Sequence[Any],
+  num_rows: int,
+  buckets: Sequence[int],
+  sharding: jax.sharding.Sharding,
+  baseline_advantages: Sequence[float] | None = None,
+  action_index: bool = False,
+  routing: tuple[int, int] | None = None,
+) -> dict[str, jax.Array]:
   """`packing.pack` of the whole batch, with only this process's rows built.
 
   Every process passes the same `trajs`; the layout is computed from all
@@ -181,8 +192,15 @@ def pack_batch(trajs: Sequence[Any], num_rows: int, buckets: Sequence[int],
   process count.
   """
   rows = process_rows(sharding, num_rows)
-  local = packing.pack(trajs, num_rows, buckets, baseline_advantages, row_ids=rows,
-                       action_index=action_index, routing=routing)
+  local = packing.pack(
+    trajs,
+    num_rows,
+    buckets,
+    baseline_advantages,
+    row_ids=rows,
+    action_index=action_index,
+    routing=routing,
+  )
   return global_batch(local, sharding, num_rows)
 
 

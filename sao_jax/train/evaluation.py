@@ -49,8 +49,17 @@ from sao_jax.envs.base import StepResult
 from sao_jax.train import metrics
 
 
-def pass_at_1(config, model_cfg, params, env, tokenizer, *, seed: int,
-              samples: list | None = None, name: str = "") -> dict:
+def pass_at_1(
+  config,
+  model_cfg,
+  params,
+  env,
+  tokenizer,
+  *,
+  seed: int,
+  samples: list | None = None,
+  name: str = "",
+) -> dict:
   """Samples `eval.samples_per_task` episodes of each of the first `eval.num_tasks`
   held-out tasks of `env` (one set); its `summarize` (pass@1 and pass@k),
   tool-call errors per sample and dropped samples.
@@ -65,7 +74,8 @@ def pass_at_1(config, model_cfg, params, env, tokenizer, *, seed: int,
   (`metrics.CountProgress`, labelled `name`) show the samples done, their
   rate and the ETA.
   """
-  from sao_jax.train import factories  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import factories
+
   e = config.eval
   num_tasks, samples_per_task = e.num_tasks, e.samples_per_task
   limit = base.num_eval_tasks(env)
@@ -73,9 +83,17 @@ def pass_at_1(config, model_cfg, params, env, tokenizer, *, seed: int,
     num_tasks = min(num_tasks, int(limit))
   # One episode per prompt (a GRPO arm's groups are a training matter):
   # samples_per_task repeats the prompt instead.
-  engine = factories.make_engine(config, model_cfg, params, seed=seed, slots=e.slots,
-                                 temperature=e.temperature, top_p=e.top_p,
-                                 decode_steps=e.decode_steps, samples_per_prompt=1)
+  engine = factories.make_engine(
+    config,
+    model_cfg,
+    params,
+    seed=seed,
+    slots=e.slots,
+    temperature=e.temperature,
+    top_p=e.top_p,
+    decode_steps=e.decode_steps,
+    samples_per_prompt=1,
+  )
   trajs, records = [], []
   prompts = [i for i in prompt_data.eval_indices(num_tasks) for _ in range(samples_per_task)]
   meter = metrics.CountProgress(f"[eval] {name or getattr(env, 'name', 'set')}", len(prompts))
@@ -85,8 +103,15 @@ def pass_at_1(config, model_cfg, params, env, tokenizer, *, seed: int,
     meter.tick()
 
   driver = factories.make_driver(
-      config, engine, _Recording(env), tokenizer, iter(prompts), trajs.append,
-      tool_latency_s=0.0, on_finish=finish)
+    config,
+    engine,
+    _Recording(env),
+    tokenizer,
+    iter(prompts),
+    trajs.append,
+    tool_latency_s=0.0,
+    on_finish=finish,
+  )
   meter.start()
   try:
     driver.run()
@@ -94,7 +119,8 @@ def pass_at_1(config, model_cfg, params, env, tokenizer, *, seed: int,
     driver.stop()
   result = summarize(trajs, ks=pass_ks(samples_per_task))
   result["tool_call_errors"] = (
-      float(np.mean([r["events"].get("tool_error", 0) for r in records])) if records else 0.0)
+    float(np.mean([r["events"].get("tool_error", 0) for r in records])) if records else 0.0
+  )
   result.update(call_and_verdict_counts(driver.stats, records))
   result.update(majority_vote(records, samples_per_task))
   sources = by_source(records)
@@ -106,9 +132,12 @@ def pass_at_1(config, model_cfg, params, env, tokenizer, *, seed: int,
   # environment fault, leaves no episode: say so, never a silently smaller set.
   result["samples_dropped"] = len(prompts) - len(trajs)
   if result["samples_dropped"]:
-    print(f"[eval] warning: {result['samples_dropped']} of {len(prompts)} samples gave no "
-          f"episode (faults: {dict(driver.stats.env_faults)}); pass@1 is over the "
-          f"{result['tasks']} tasks that did", flush=True)
+    print(
+      f"[eval] warning: {result['samples_dropped']} of {len(prompts)} samples gave no "
+      f"episode (faults: {dict(driver.stats.env_faults)}); pass@1 is over the "
+      f"{result['tasks']} tasks that did",
+      flush=True,
+    )
   return result
 
 
@@ -128,12 +157,15 @@ def call_and_verdict_counts(stats, records: list) -> dict:
   """
   errors = dict(stats.tool_call_errors)
   written = stats.tool_calls + sum(errors.values())
-  out = {"valid_tool_calls": stats.tool_calls / written if written else None,
-         "tool_calls_per_sample": written / max(len(records), 1)}
+  out = {
+    "valid_tool_calls": stats.tool_calls / written if written else None,
+    "tool_calls_per_sample": written / max(len(records), 1),
+  }
   out.update({f"tool_call_error_{k}": v for k, v in sorted(errors.items())})
   verdicts = collections.Counter(
-      str(r["info"].get("verdict", "none")) if isinstance(r["info"], dict) else "none"
-      for r in records)
+    str(r["info"].get("verdict", "none")) if isinstance(r["info"], dict) else "none"
+    for r in records
+  )
   out.update({f"verdict_{k}": v / max(len(records), 1) for k, v in sorted(verdicts.items())})
   return out
 
@@ -150,7 +182,8 @@ def set_environments(config, run_env) -> dict:
   a set with a rejected row (`set_rejections`) is a ConfigError naming the
   counts, before anything is sampled.
   """
-  from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top
+  from sao_jax.envs import registry
+
   config = sections.load(config)
   out = {}
   for name, spec in sections.parse_eval_sets(config.eval.sets):
@@ -191,8 +224,9 @@ def set_rejections(env) -> list[tuple[str, str]]:
 
 
 def rejection_counts(rejected: list[tuple[str, str]]) -> dict:
-  """"rows_rejected" and its nonzero kinds ("rows_rejected_<kind>", datasets.hygiene_counts)."""
-  from sao_jax.data import datasets  # pylint: disable=g-import-not-at-top
+  """ "rows_rejected" and its nonzero kinds ("rows_rejected_<kind>", datasets.hygiene_counts)."""
+  from sao_jax.data import datasets
+
   kinds = {f"rows_rejected_{k}": n for k, n in datasets.hygiene_counts(rejected).items() if n}
   return {"rows_rejected": len(rejected), **kinds}
 
@@ -203,13 +237,15 @@ def check_rows(name: str, rejected: list[tuple[str, str]]) -> None:
   if not rejected:
     return
   counts = rejection_counts(rejected)
-  kinds = ", ".join(f"{n} {k[len('rows_rejected_'):]}" for k, n in counts.items()
-                    if k != "rows_rejected")
+  kinds = ", ".join(
+    f"{n} {k[len('rows_rejected_') :]}" for k, n in counts.items() if k != "rows_rejected"
+  )
   where, reason = rejected[0]
   raise sections.ConfigError(
-      f"eval set {name!r}: {len(rejected)} rows rejected ({kinds}; first: {where}: {reason}); "
-      "an evaluation of the rest would not be the set's: fix the rows, or set "
-      "eval.strict=False to evaluate the rest with the counts reported")
+    f"eval set {name!r}: {len(rejected)} rows rejected ({kinds}; first: {where}: {reason}); "
+    "an evaluation of the rest would not be the set's: fix the rows, or set "
+    "eval.strict=False to evaluate the rest with the counts reported"
+  )
 
 
 def check_policy_dir(hf_dir: str) -> None:
@@ -218,25 +254,30 @@ def check_policy_dir(hf_dir: str) -> None:
   (launch/export.py's OUT-value, the critic, has no language-model head)."""
   path = os.path.join(hf_dir, "config.json")
   if not os.path.isfile(path):
-    raise sections.ConfigError(f"--hf_dir {hf_dir}: no config.json there (an HF model "
-                               "directory, as launch/export.py writes, is needed)")
+    raise sections.ConfigError(
+      f"--hf_dir {hf_dir}: no config.json there (an HF model "
+      "directory, as launch/export.py writes, is needed)"
+    )
   try:
     with open(path, encoding="utf-8") as f:
       architectures = json.load(f).get("architectures") or []
   except (OSError, ValueError, AttributeError) as e:
-    raise sections.ConfigError(f"--hf_dir {hf_dir}: config.json is not a JSON object "
-                               f"({e})") from None
+    raise sections.ConfigError(
+      f"--hf_dir {hf_dir}: config.json is not a JSON object ({e})"
+    ) from None
   value = [a for a in architectures if str(a).endswith("ForTokenClassification")]
   if value:
     policy = hf_dir.rstrip("/")
-    policy = policy[:-len("-value")] if policy.endswith("-value") else "the policy's directory"
+    policy = policy[: -len("-value")] if policy.endswith("-value") else "the policy's directory"
     raise sections.ConfigError(
-        f"--hf_dir {hf_dir}: a value model ({value[0]}, launch/export.py's critic export), "
-        f"not a policy: it has no language-model head to sample from; evaluate {policy}")
+      f"--hf_dir {hf_dir}: a value model ({value[0]}, launch/export.py's critic export), "
+      f"not a policy: it has no language-model head to sample from; evaluate {policy}"
+    )
 
 
-def evaluate_sets(config, model_cfg, params, envs: dict, tokenizer, *, seed: int,
-                  out_dir: str | None = None) -> dict:
+def evaluate_sets(
+  config, model_cfg, params, envs: dict, tokenizer, *, seed: int, out_dir: str | None = None
+) -> dict:
   """`pass_at_1` on each set of `envs`; with `out_dir`, each set's samples
   (`<out_dir>/<set>/samples.jsonl`) and summary (`<out_dir>/<set>/summary.json`).
 
@@ -252,16 +293,21 @@ def evaluate_sets(config, model_cfg, params, envs: dict, tokenizer, *, seed: int
     rejected = set_rejections(env)
     if sections.load(config).eval.strict:  # set_environments checked; envs may come from elsewhere
       check_rows(name, rejected)
-    result = pass_at_1(config, model_cfg, params, env, tokenizer, seed=seed, samples=samples,
-                       name=name)
+    result = pass_at_1(
+      config, model_cfg, params, env, tokenizer, seed=seed, samples=samples, name=name
+    )
     result.update(rejection_counts(rejected))
     result["mostly_truncated"] = flag_truncation(name, result)
     if out_dir is not None:
       where = files.join(out_dir, name)
       write_samples(files.join(where, "samples.jsonl"), samples)
       result["samples_file"] = files.join(where, "samples.jsonl")
-      files.write_json(files.join(where, "summary.json"), finite_json(dict(result, set=name)),
-                       indent=2, allow_nan=False)
+      files.write_json(
+        files.join(where, "summary.json"),
+        finite_json(dict(result, set=name)),
+        indent=2,
+        allow_nan=False,
+      )
     per_set[name] = result
   first = next(iter(per_set.values()))
   return {**first, "sets": per_set}
@@ -291,9 +337,12 @@ def flag_truncation(name: str, result: dict) -> bool:
   if so, says so in one warning line."""
   if result.get("truncated", 0.0) <= MOSTLY_TRUNCATED:
     return False
-  print(f"[eval] warning: set {name!r}: {result['truncated']:.0%} of its {result['samples']} "
-        "samples hit the length budget (rollout.max_len / max_turn_tokens); its pass@k "
-        "measures the budget, not the policy: raise the budget", flush=True)
+  print(
+    f"[eval] warning: set {name!r}: {result['truncated']:.0%} of its {result['samples']} "
+    "samples hit the length budget (rollout.max_len / max_turn_tokens); its pass@k "
+    "measures the budget, not the policy: raise the budget",
+    flush=True,
+  )
   return True
 
 
@@ -303,8 +352,15 @@ def table(result: dict) -> str:
   at load, and under a set with sources, one row per source ("set/source").
   A set flagged `mostly_truncated` has "!" after its truncated fraction."""
   sets = result.get("sets", {"": result})
-  cols = sorted({k for r in sets.values() for k in r if k.startswith(("pass@", "maj@"))
-                 and not k.endswith("_stderr")}, key=lambda k: (k[0] == "m", int(k.split("@")[1])))
+  cols = sorted(
+    {
+      k
+      for r in sets.values()
+      for k in r
+      if k.startswith(("pass@", "maj@")) and not k.endswith("_stderr")
+    },
+    key=lambda k: (k[0] == "m", int(k.split("@")[1])),
+  )
   head = ["set", "tasks", "samples"] + cols + ["turns", "tool_err", "truncated", "rejected"]
   rows = [head]
   for name, r in sets.items():
@@ -322,13 +378,17 @@ def fmt_number(v, digits: int = 3) -> str:
 
 def _table_row(name: str, r: dict, cols: list) -> list[str]:
   row = [name, str(r["tasks"]), str(r["samples"])]
-  row += [f"{fmt_number(r.get(k))}+-{fmt_number(r.get(f'{k}_stderr'))}" if k in r else ""
-          for k in cols]
+  row += [
+    f"{fmt_number(r.get(k))}+-{fmt_number(r.get(f'{k}_stderr'))}" if k in r else "" for k in cols
+  ]
   if "mean_turns" not in r:  # a source's row: pass@1 only
     return row + ["", "", "", ""]
-  return row + [fmt_number(r["mean_turns"], 2), fmt_number(r.get("tool_call_errors", 0.0), 2),
-                fmt_number(r["truncated"], 2) + ("!" if r.get("mostly_truncated") else ""),
-                str(r.get("rows_rejected", 0))]
+  return row + [
+    fmt_number(r["mean_turns"], 2),
+    fmt_number(r.get("tool_call_errors", 0.0), 2),
+    fmt_number(r["truncated"], 2) + ("!" if r.get("mostly_truncated") else ""),
+    str(r.get("rows_rejected", 0)),
+  ]
 
 
 # The full reward of every environment here: an episode that earns it solved its task.
@@ -402,17 +462,17 @@ def summarize(trajs, ks: tuple[int, ...] = (1,)) -> dict:
   reasons = collections.Counter(t.finish_reason for t in trajs)
   n = max(len(trajs), 1)
   return {
-      **out,
-      "tasks": len(rates),
-      "samples": len(trajs),
-      "mean_length": _mean([len(t) for t in trajs]),
-      # Sampled (action) tokens per episode: what a generated-token budget counts.
-      "mean_generated": _mean([int(np.sum(t.action_mask)) for t in trajs]),
-      "mean_turns": _mean([t.num_turns for t in trajs]),
-      # Episodes cut by the length budget (rollout.max_len / max_turn_tokens)
-      # and by the turn budget, as fractions of the samples.
-      "truncated": reasons["length"] / n,
-      "max_turns": reasons["max_turns"] / n,
+    **out,
+    "tasks": len(rates),
+    "samples": len(trajs),
+    "mean_length": _mean([len(t) for t in trajs]),
+    # Sampled (action) tokens per episode: what a generated-token budget counts.
+    "mean_generated": _mean([int(np.sum(t.action_mask)) for t in trajs]),
+    "mean_turns": _mean([t.num_turns for t in trajs]),
+    # Episodes cut by the length budget (rollout.max_len / max_turn_tokens)
+    # and by the turn budget, as fractions of the samples.
+    "truncated": reasons["length"] / n,
+    "max_turns": reasons["max_turns"] / n,
   }
 
 
@@ -462,8 +522,12 @@ def by_source(records: list) -> dict:
   for source in sorted(groups):
     rates = [np.mean(v) for v in groups[source].values()]
     mean, stderr = _mean_stderr(rates)
-    out[source] = {"tasks": len(rates), "samples": sum(len(v) for v in groups[source].values()),
-                   "pass@1": mean, "pass@1_stderr": stderr}
+    out[source] = {
+      "tasks": len(rates),
+      "samples": sum(len(v) for v in groups[source].values()),
+      "pass@1": mean,
+      "pass@1_stderr": stderr,
+    }
   return out
 
 
@@ -522,19 +586,19 @@ def sample_record(traj, episode, tokenizer) -> dict:
       end += 1
     actions.append(tokenizer.decode(tokens[start:end]))
   return {
-      "task": traj.prompt_id - prompt_data.EVAL_OFFSET,
-      "prompt_id": traj.prompt_id,
-      "reward": traj.total_reward,
-      "success": bool(solved(traj.total_reward)),
-      "turns": traj.num_turns,
-      "finish_reason": traj.finish_reason,
-      # The answer the environment extracted (dataset / math_tool), for maj@k.
-      "answer": info.get("answer") if isinstance(info, dict) else None,
-      "source": getattr(episode, "source", None),
-      "info": info,
-      "events": dict(getattr(episode, "events", {})),
-      "actions": actions,
-      "transcript": tokenizer.decode(tokens),
+    "task": traj.prompt_id - prompt_data.EVAL_OFFSET,
+    "prompt_id": traj.prompt_id,
+    "reward": traj.total_reward,
+    "success": bool(solved(traj.total_reward)),
+    "turns": traj.num_turns,
+    "finish_reason": traj.finish_reason,
+    # The answer the environment extracted (dataset / math_tool), for maj@k.
+    "answer": info.get("answer") if isinstance(info, dict) else None,
+    "source": getattr(episode, "source", None),
+    "info": info,
+    "events": dict(getattr(episode, "events", {})),
+    "actions": actions,
+    "transcript": tokenizer.decode(tokens),
   }
 
 
@@ -543,5 +607,4 @@ def write_samples(path: str, samples: list) -> None:
   within a task by transcript (the order samples finish in varies from run to
   run; the file does not)."""
   order = sorted(samples, key=lambda r: (r["prompt_id"], r["transcript"]))
-  files.write_text(path, "".join(json.dumps(record, ensure_ascii=False) + "\n"
-                                 for record in order))
+  files.write_text(path, "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in order))

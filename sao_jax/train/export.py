@@ -43,19 +43,22 @@ def training_step(meta: dict, config) -> tuple[str, int]:
 
 
 def parse_step(step: str | int) -> tuple[str, int]:
-  """"rl:50" / "sft:200" / "50" (an RL step) -> (stage, step)."""
+  """ "rl:50" / "sft:200" / "50" (an RL step) -> (stage, step)."""
   text = str(step).strip()
   stage, _, number = text.rpartition(":")
   stage = stage or "rl"
   if stage not in ("sft", "rl") or not number.isdigit():
-    raise hf_export.ExportError(f"step = {text!r}: an RL step (50, rl:50) or an SFT step "
-                                "(sft:200)")
+    raise hf_export.ExportError(f"step = {text!r}: an RL step (50, rl:50) or an SFT step (sft:200)")
   return stage, int(number)
 
 
 def _listing(found: dict, config) -> str:
-  return ", ".join(f"checkpoint {n} ({'%s step %d' % training_step(found[n], config)})"
-                   for n in sorted(found)) or "none"
+  return (
+    ", ".join(
+      f"checkpoint {n} ({'%s step %d' % training_step(found[n], config)})" for n in sorted(found)
+    )
+    or "none"
+  )
 
 
 def find_checkpoint(config, workdir: str, step=None, checkpoint: int | None = None) -> int:
@@ -63,8 +66,9 @@ def find_checkpoint(config, workdir: str, step=None, checkpoint: int | None = No
   `step`, or the newest. Raises FileNotFoundError (listing what there is) and
   creates nothing."""
   if step is not None and checkpoint is not None:
-    raise hf_export.ExportError("give step (a training step) or checkpoint (a checkpoint's "
-                                "number), not both")
+    raise hf_export.ExportError(
+      "give step (a training step) or checkpoint (a checkpoint's number), not both"
+    )
   if not files.exists(workdir):
     raise FileNotFoundError(f"no run at {workdir}: the directory does not exist")
   where = files.join(workdir, "checkpoints")
@@ -73,16 +77,19 @@ def find_checkpoint(config, workdir: str, step=None, checkpoint: int | None = No
     raise FileNotFoundError(f"no checkpoint under {where}")
   if checkpoint is not None:
     if checkpoint not in found:
-      raise FileNotFoundError(f"checkpoint {checkpoint} is not under {where}; there are: "
-                              f"{_listing(found, config)}")
+      raise FileNotFoundError(
+        f"checkpoint {checkpoint} is not under {where}; there are: {_listing(found, config)}"
+      )
     return checkpoint
   if step is None:
     return max(found)
   wanted = parse_step(step)
   holding = [n for n in found if training_step(found[n], config) == wanted]
   if not holding:
-    raise FileNotFoundError(f"no checkpoint of {wanted[0]} step {wanted[1]} under {where}; "
-                            f"there are: {_listing(found, config)}")
+    raise FileNotFoundError(
+      f"no checkpoint of {wanted[0]} step {wanted[1]} under {where}; "
+      f"there are: {_listing(found, config)}"
+    )
   return max(holding)  # the newest: the same policy, the most trained critic
 
 
@@ -102,18 +109,31 @@ def _tokenizer(run, model_cfg, record: dict | None) -> tuple[dict, dict]:
   head's, whose uncovered ids generation_config.json suppresses."""
   env = run.config.env
   files_out = hf_tokenizer_export.tokenizer_files(
-      env, run.tok, run.format.turn_end_id, max_len=int(model_cfg.max_seq_len),
-      sampling=_sampling(run.config))
+    env,
+    run.tok,
+    run.format.turn_end_id,
+    max_len=int(model_cfg.max_seq_len),
+    sampling=_sampling(run.config),
+  )
   ids = hf_tokenizer_export.special_ids(run.tok, run.format.turn_end_id) if files_out else {}
   if record is not None and "generation_config.json" in files_out:
     files_out["generation_config.json"] = hf_tokenizer_export.suppressing(
-        files_out["generation_config.json"], record["outside_ids"])
+      files_out["generation_config.json"], record["outside_ids"]
+    )
   return files_out, ids
 
 
-def export(config, workdir: str, out: str, step=None,
-           *, checkpoint: int | None = None, dtype: str = "bfloat16",
-           shard_bytes: int = 5 * 2**30, value_out: str | None = "") -> dict:
+def export(
+  config,
+  workdir: str,
+  out: str,
+  step=None,
+  *,
+  checkpoint: int | None = None,
+  dtype: str = "bfloat16",
+  shard_bytes: int = 5 * 2**30,
+  value_out: str | None = "",
+) -> dict:
   """The policy of a checkpoint (module docstring) as an HF directory `out`.
 
   `config`: the flags' config (`run.build` loads it) or its typed sections.
@@ -131,44 +151,69 @@ def export(config, workdir: str, out: str, step=None,
       policy, model_cfg, subset = hf_export.full_vocabulary(policy, run.model_cfg)
     # Only process 0 writes: the others skip building the tokenizer files.
     extra, ids = _tokenizer(run, model_cfg, subset) if distributed.is_primary() else ({}, {})
-    notes = {"workdir": files.absolute(workdir), "checkpoint": number,
-             "training_step": "%s:%d" % training_step(run.meta, run.config),
-             "policy_version": int(run.state.step), "stage": run.meta["stage"],
-             "model_preset": run.config.model.preset,
-             "tokenizer": run.config.env.tokenizer_path or run.config.env.tokenizer,
-             "chat_format": run.config.env.chat_format, "tokenizer_files": sorted(extra)}
+    notes = {
+      "workdir": files.absolute(workdir),
+      "checkpoint": number,
+      "training_step": "%s:%d" % training_step(run.meta, run.config),
+      "policy_version": int(run.state.step),
+      "stage": run.meta["stage"],
+      "model_preset": run.config.model.preset,
+      "tokenizer": run.config.env.tokenizer_path or run.config.env.tokenizer,
+      "chat_format": run.config.env.chat_format,
+      "tokenizer_files": sorted(extra),
+    }
     if subset is not None:
       notes["vocab_subset"] = {k: v for k, v in subset.items() if k != "outside_ids"}
     if not extra:
-      notes["tokenizer_note"] = ("sao-jax's character tokenizer (sao_jax/envs/tokenizer.py): "
-                                 "no Hugging Face tokenizer files exist for it")
-    result = {"policy": hf_export.export_params(
-        policy, model_cfg, out, dtype=dtype, shard_bytes=shard_bytes, extra_files=extra,
-        notes=notes, carry=_carry(run.meta), config_extra=ids)}
+      notes["tokenizer_note"] = (
+        "sao-jax's character tokenizer (sao_jax/envs/tokenizer.py): "
+        "no Hugging Face tokenizer files exist for it"
+      )
+    result = {
+      "policy": hf_export.export_params(
+        policy,
+        model_cfg,
+        out,
+        dtype=dtype,
+        shard_bytes=shard_bytes,
+        extra_files=extra,
+        notes=notes,
+        carry=_carry(run.meta),
+        config_extra=ids,
+      )
+    }
     if value_out is not None:
-      result["value"] = _export_value(run, out, value_out, notes, extra, ids,
-                                      dtype=dtype, shard_bytes=shard_bytes)
+      result["value"] = _export_value(
+        run, out, value_out, notes, extra, ids, dtype=dtype, shard_bytes=shard_bytes
+      )
     return result
   finally:
     run.close()
 
 
-def _export_value(run, out: str, value_out: str, notes: dict, extra: dict, ids: dict,
-                  **kw) -> dict:
+def _export_value(run, out: str, value_out: str, notes: dict, extra: dict, ids: dict, **kw) -> dict:
   """The critic as `value_out` ("": `<out>-value`), or why it is not exported."""
   fam = families.get(run.model_cfg.family)
   if fam.token_classification is None:
     # transformers has no class to load such a critic: the policy is exported alone.
-    return {"skipped": f"transformers has no token-classification class for {fam.name}: "
-                       "the critic is not exported"}
+    return {
+      "skipped": f"transformers has no token-classification class for {fam.name}: "
+      "the critic is not exported"
+    }
   critic, model_cfg = _params(run, "critic"), run.model_cfg
   if model_cfg.vocab_ids:
     critic, model_cfg, _ = hf_export.full_vocabulary(critic, run.model_cfg, head="value")
   extra = {k: v for k, v in extra.items() if k != "generation_config.json"}
   return hf_export.export_params(
-      critic, model_cfg, value_out or f"{out.rstrip('/')}-value", head="value",
-      extra_files=extra, notes=dict(notes, value_head=hf_export.VALUE_HEAD_NOTE),
-      config_extra=ids, **kw)
+    critic,
+    model_cfg,
+    value_out or f"{out.rstrip('/')}-value",
+    head="value",
+    extra_files=extra,
+    notes=dict(notes, value_head=hf_export.VALUE_HEAD_NOTE),
+    config_extra=ids,
+    **kw,
+  )
 
 
 def _params(run, which: str):
@@ -186,7 +231,8 @@ def _carry(meta: dict) -> tuple[str, list] | None:
     return None
   if not os.path.isdir(carried["dir"]):
     raise FileNotFoundError(
-        f"the run started from {carried['dir']}, whose {len(carried['names'])} MTP-head "
-        "tensors an export carries over unchanged; it is gone: restore it, or the export "
-        "would drop them")
+      f"the run started from {carried['dir']}, whose {len(carried['names'])} MTP-head "
+      "tensors an export carries over unchanged; it is gone: restore it, or the export "
+      "would drop them"
+    )
   return carried["dir"], carried["names"]

@@ -16,18 +16,25 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sao_jax.train import configuration
 from sao_jax.algo import optim
 from sao_jax.config import sections
-from sao_jax.models import sharding
 from sao_jax.envs import registry
 from sao_jax.models import config as model_config
-from sao_jax.models import lora, policy
+from sao_jax.models import lora, policy, sharding
 from sao_jax.rollout import backends
 from sao_jax.rollout.driver import RolloutDriver
 from sao_jax.rollout.engine import PolicyEngine, rollout_rules
-from sao_jax.train.train_step import (Adapters, StepConfig, TrainState, full_critic,
-                                      full_policy, jit_sharded, make_sft_step, make_train_step)
+from sao_jax.train import configuration
+from sao_jax.train.train_step import (
+  Adapters,
+  StepConfig,
+  TrainState,
+  full_critic,
+  full_policy,
+  jit_sharded,
+  make_sft_step,
+  make_train_step,
+)
 
 
 def validate_config(config, num_devices: int | None = None) -> None:
@@ -41,21 +48,27 @@ def build_model_config(config, tokenizer=None, env=None) -> model_config.ModelCo
   compute dtype, and with `model.vocab_subset` the head's ids
   (sao_jax/envs/head_vocab.py, from `env` when the caller has built it)."""
   m = sections.Model.of(config.model)
-  if (m.vocab_from_tokenizer and m.preset in model_config.TOY_PRESETS and not m.hf_dir
-      and tokenizer is None):
+  if (
+    m.vocab_from_tokenizer
+    and m.preset in model_config.TOY_PRESETS
+    and not m.hf_dir
+    and tokenizer is None
+  ):
     tokenizer = registry.make_tokenizer(config.env)
   base = configuration.model_architecture(m, tokenizer)
   overrides = {}
   if m.compute_dtype:
     overrides["dtype"] = m.compute_dtype
   if m.vocab_subset == "env":
-    from sao_jax.envs import head_vocab  # pylint: disable=g-import-not-at-top
+    from sao_jax.envs import head_vocab
+
     overrides["vocab_ids"] = head_vocab.ids_for(config.env, env, tokenizer)
   return dataclasses.replace(base, **overrides) if overrides else base
 
 
-def engine_mesh(rollout: sections.Rollout, devices=None,
-                trainer_mesh: jax.sharding.Mesh | None = None) -> jax.sharding.Mesh | None:
+def engine_mesh(
+  rollout: sections.Rollout, devices=None, trainer_mesh: jax.sharding.Mesh | None = None
+) -> jax.sharding.Mesh | None:
   """The mesh a rollout section puts its engine on; None: one device.
 
   `rollout.mesh` ("expert:2,tensor:2") over `devices` (default: this
@@ -85,9 +98,18 @@ def engine_mesh(rollout: sections.Rollout, devices=None,
   return sharding.make_mesh({"data": -1}, devices) if given else None
 
 
-def make_engine(config, model_cfg: model_config.ModelConfig, params, version: int = 0, *,
-                seed: int | None = None, mesh: jax.sharding.Mesh | None = None, devices=None,
-                record_routing: bool = False, **rollout_changes) -> PolicyEngine:
+def make_engine(
+  config,
+  model_cfg: model_config.ModelConfig,
+  params,
+  version: int = 0,
+  *,
+  seed: int | None = None,
+  mesh: jax.sharding.Mesh | None = None,
+  devices=None,
+  record_routing: bool = False,
+  **rollout_changes,
+) -> PolicyEngine:
   """The rollout engine a config asks for, on `params` at `version`.
 
   It takes the config's rollout section whole (sao_jax/config/sections.py: slots,
@@ -104,25 +126,57 @@ def make_engine(config, model_cfg: model_config.ModelConfig, params, version: in
     r = r.replace(**rollout_changes)
   # The backend's builder (sao_jax/rollout/backends.py; "jax": make_policy_engine).
   build = backends.get(r.backend).build()
-  return build(config, model_cfg, params, version, rollout=r,
-               seed=config.seed + int(version) if seed is None else seed, mesh=mesh,
-               devices=devices, record_routing=record_routing)
+  return build(
+    config,
+    model_cfg,
+    params,
+    version,
+    rollout=r,
+    seed=config.seed + int(version) if seed is None else seed,
+    mesh=mesh,
+    devices=devices,
+    record_routing=record_routing,
+  )
 
 
-def make_policy_engine(config, model_cfg: model_config.ModelConfig, params, version: int, *,
-                       rollout: sections.Rollout, seed: int, mesh=None, devices=None,
-                       record_routing: bool = False) -> PolicyEngine:
+def make_policy_engine(
+  config,
+  model_cfg: model_config.ModelConfig,
+  params,
+  version: int,
+  *,
+  rollout: sections.Rollout,
+  seed: int,
+  mesh=None,
+  devices=None,
+  record_routing: bool = False,
+) -> PolicyEngine:
   """The "jax" backend's builder (`make_engine`'s arguments, the section
   resolved): the project's PolicyEngine on `engine_mesh`."""
   del config  # the section carries what the JAX engine reads
   on = engine_mesh(rollout, devices, trainer_mesh=mesh)
   placement = dict(mesh=on, rules=rollout_rules(on)) if on is not None else {}
-  return PolicyEngine(model_cfg, params, rollout, seed=seed, version=version,
-                      record_routing=record_routing, **placement)
+  return PolicyEngine(
+    model_cfg,
+    params,
+    rollout,
+    seed=seed,
+    version=version,
+    record_routing=record_routing,
+    **placement,
+  )
 
 
-def make_driver(config, engine: PolicyEngine, env, tok, prompt_iter, emit,
-                rollout: sections.Rollout | None = None, **options) -> RolloutDriver:
+def make_driver(
+  config,
+  engine: PolicyEngine,
+  env,
+  tok,
+  prompt_iter,
+  emit,
+  rollout: sections.Rollout | None = None,
+  **options,
+) -> RolloutDriver:
   """The rollout driver a config asks for: the trainer's thread, a fleet
   rollout process, value pretraining and evaluation build it here.
 
@@ -131,9 +185,17 @@ def make_driver(config, engine: PolicyEngine, env, tok, prompt_iter, emit,
   `options` of the driver itself (on_finish, static_batching, ...).
   """
   options.setdefault("tool_latency_s", config.env.tool_latency_s)
-  return RolloutDriver(engine, env, tok, prompt_iter, emit, rollout,
-                       chat_format=registry.make_format(config.env, tok),
-                       max_tool_output_tokens=config.env.max_tool_output_tokens, **options)
+  return RolloutDriver(
+    engine,
+    env,
+    tok,
+    prompt_iter,
+    emit,
+    rollout,
+    chat_format=registry.make_format(config.env, tok),
+    max_tool_output_tokens=config.env.max_tool_output_tokens,
+    **options,
+  )
 
 
 def step_config(config) -> StepConfig:
@@ -146,6 +208,7 @@ def step_config(config) -> StepConfig:
 class LoraPrograms:
   """LoRA's part of the programs (config section `lora`): what the adapters
   adapt, the bases' dtype and shardings, and the adapters' initial draw."""
+
   adapters: Adapters
   base_dtype: str  # "": the model's param dtype
   base_shardings: tuple  # (policy, critic): the full params' shardings
@@ -155,8 +218,10 @@ class LoraPrograms:
   def init(self, policy_params, critic_params) -> tuple:
     """(policy adapters, critic adapters) at step 0: B zero, so each model is its base."""
     rng = jax.random.key(self.seed)
-    return (lora.init_adapters(policy_params, self.adapters.actor, jax.random.fold_in(rng, 2)),
-            lora.init_adapters(critic_params, self.adapters.critic, jax.random.fold_in(rng, 3)))
+    return (
+      lora.init_adapters(policy_params, self.adapters.actor, jax.random.fold_in(rng, 2)),
+      lora.init_adapters(critic_params, self.adapters.critic, jax.random.fold_in(rng, 3)),
+    )
 
   def bases(self, policy_params, critic_params) -> tuple:
     """(policy base, critic base), eagerly (no copy where the dtype is kept): the
@@ -164,31 +229,38 @@ class LoraPrograms:
     (uncast: the critic trains it whole, from its float32 copy in the state)."""
     base = policy_params
     if self.base_dtype:
-      base = jax.tree.map(lambda x: x.astype(self.base_dtype)
-                          if jnp.issubdtype(x.dtype, jnp.floating) else x, policy_params)
+      base = jax.tree.map(
+        lambda x: x.astype(self.base_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+        policy_params,
+      )
     return base, policy.value_params_from_policy(base, critic_params)
 
 
-def _lora_programs(config, c: sections.Lora, policy_params, critic_params, policy_shardings,
-                   critic_shardings) -> LoraPrograms:
+def _lora_programs(
+  config, c: sections.Lora, policy_params, critic_params, policy_shardings, critic_shardings
+) -> LoraPrograms:
   """The `lora` section's adapters: the actor's targets minus rl.actor_frozen;
   the critic's targets, plus the actor's (it carries the SFT policy's
   adapters, `stages.sft`), plus its whole-trained value head."""
   if config.sft.init_from_hf:
     raise sections.ConfigError(
-        f"sft.init_from_hf = {config.sft.init_from_hf!r} with lora.enabled: a LoRA run's base "
-        "is fixed when it is built; set model.hf_dir to that checkpoint (and sft.steps = 0)")
-  actor = lora.LoraConfig(c.rank, c.alpha, tuple(c.actor_targets),
-                          frozen=tuple(config.rl.actor_frozen))
-  critic = lora.LoraConfig(c.rank, c.alpha, tuple(c.critic_targets) + tuple(c.actor_targets),
-                           whole=tuple(c.critic_whole))
+      f"sft.init_from_hf = {config.sft.init_from_hf!r} with lora.enabled: a LoRA run's base "
+      "is fixed when it is built; set model.hf_dir to that checkpoint (and sft.steps = 0)"
+    )
+  actor = lora.LoraConfig(
+    c.rank, c.alpha, tuple(c.actor_targets), frozen=tuple(config.rl.actor_frozen)
+  )
+  critic = lora.LoraConfig(
+    c.rank, c.alpha, tuple(c.critic_targets) + tuple(c.actor_targets), whole=tuple(c.critic_whole)
+  )
   for cfg, params in ((actor, policy_params), (critic, critic_params)):
     try:
       lora.plan(params, cfg)
     except ValueError as e:
       raise sections.ConfigError(str(e)) from None
-  out = LoraPrograms(Adapters(actor, critic), c.base_dtype,
-                     (policy_shardings, critic_shardings), config.seed)
+  out = LoraPrograms(
+    Adapters(actor, critic), c.base_dtype, (policy_shardings, critic_shardings), config.seed
+  )
   base = jax.eval_shape(lambda p, v: out.bases(p, v)[0], policy_params, critic_params)
   return dataclasses.replace(out, abstract_base=_placed(base, policy_shardings))
 
@@ -201,8 +273,9 @@ def lora_bases(programs: "Programs", policy_params, critic_params) -> tuple | No
 
 
 def _placed(tree, shardings):
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                      tree, shardings)
+  return jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+  )
 
 
 def abstract_bases(programs: "Programs") -> tuple | None:
@@ -211,8 +284,9 @@ def abstract_bases(programs: "Programs") -> tuple | None:
   if programs.lora is None:
     return None
   full = lambda init: jax.eval_shape(lambda: nn.unbox(init()))
-  bases = jax.eval_shape(programs.lora.bases, full(programs.policy_init),
-                         full(programs.critic_init))
+  bases = jax.eval_shape(
+    programs.lora.bases, full(programs.policy_init), full(programs.critic_init)
+  )
   return _placed(bases, programs.lora.base_shardings)
 
 
@@ -221,8 +295,9 @@ def abstract_served_policy(programs: "Programs", bases=None):
   over `abstract_bases` (the base's shardings and dtype)."""
   if programs.lora is None:
     return programs.abstract_state.policy
-  merged = jax.eval_shape(lambda p, b: full_params(programs, b, p),
-                          programs.abstract_state.policy, bases)
+  merged = jax.eval_shape(
+    lambda p, b: full_params(programs, b, p), programs.abstract_state.policy, bases
+  )
   return _placed(merged, programs.lora.base_shardings[0])
 
 
@@ -259,6 +334,7 @@ class Programs:
   does not have (docs/DESIGN.md section 8): what the compile proves is about the
   programs the trainer runs, not about a copy of them.
   """
+
   rules: tuple
   batch_sharding: Any  # of every [R, L] field of a packed batch
   policy_init: Callable[[], Any]  # -> boxed params (flax logical-axis metadata)
@@ -289,18 +365,25 @@ class Programs:
     """The state at step 0 around given params (jit it with state_shardings)."""
     if self.lora is not None:
       policy_params, critic_params = self.lora.init(policy_params, critic_params)
-    return TrainState(jnp.zeros((), jnp.int32), policy_params, critic_params,
-                      self.policy_tx.init(policy_params), self.critic_tx.init(critic_params))
+    return TrainState(
+      jnp.zeros((), jnp.int32),
+      policy_params,
+      critic_params,
+      self.policy_tx.init(policy_params),
+      self.critic_tx.init(critic_params),
+    )
 
 
-def build_programs(config, model_cfg: model_config.ModelConfig, step_cfg: StepConfig,
-                   mesh: jax.sharding.Mesh) -> Programs:
+def build_programs(
+  config, model_cfg: model_config.ModelConfig, step_cfg: StepConfig, mesh: jax.sharding.Mesh
+) -> Programs:
   """Shardings from the config's rules, the optimizers and the jitted steps on `mesh`."""
   rules = tuple(tuple(r) for r in config.sharding.rules)
   rng = jax.random.key(config.seed)
   policy_init = lambda: policy.init_params(model_cfg, rng, boxed=True)
-  critic_init = lambda: policy.init_params(model_cfg, jax.random.fold_in(rng, 1), "value",
-                                           boxed=True)
+  critic_init = lambda: policy.init_params(
+    model_cfg, jax.random.fold_in(rng, 1), "value", boxed=True
+  )
   policy_shardings = sharding.logical_shardings(jax.eval_shape(policy_init), mesh, rules)
   critic_shardings = sharding.logical_shardings(jax.eval_shape(critic_init), mesh, rules)
   policy_params = jax.eval_shape(lambda: nn.unbox(policy_init()))
@@ -312,8 +395,11 @@ def build_programs(config, model_cfg: model_config.ModelConfig, step_cfg: StepCo
   optim.check_rules_match(policy_params, actor_rules, "rl.actor_frozen")
   node = getattr(config, "lora", None)  # a ConfigDict written before the section: off
   lora_c = sections.Lora() if node is None else sections.Lora.of(node)
-  lora_p = (_lora_programs(config, lora_c, policy_params, critic_params, policy_shardings,
-                           critic_shardings) if lora_c.enabled else None)
+  lora_p = (
+    _lora_programs(config, lora_c, policy_params, critic_params, policy_shardings, critic_shardings)
+    if lora_c.enabled
+    else None
+  )
   # What the optimizers move: the params, or with LoRA the adapters, each laid
   # out like its weight (lora.adapter_shardings: replicated, sao_moe's
   # expert adapters would hold more state a chip than full fine-tuning;
@@ -323,34 +409,66 @@ def build_programs(config, model_cfg: model_config.ModelConfig, step_cfg: StepCo
   if lora_p is not None:
     train_policy, train_critic = jax.eval_shape(lora_p.init, policy_params, critic_params)
     train_shardings = (
-        lora.adapter_shardings(policy_params, policy_shardings, lora_p.adapters.actor),
-        lora.adapter_shardings(critic_params, critic_shardings, lora_p.adapters.critic))
+      lora.adapter_shardings(policy_params, policy_shardings, lora_p.adapters.actor),
+      lora.adapter_shardings(critic_params, critic_shardings, lora_p.adapters.critic),
+    )
 
   def policy_tx(lr, steps, warmup):
-    return optim.make_optimizer(train_policy, optim.warmup_cosine(lr, warmup, steps),
-                                rules=actor_rules, clip_norm=config.rl.clip_norm)
+    return optim.make_optimizer(
+      train_policy,
+      optim.warmup_cosine(lr, warmup, steps),
+      rules=actor_rules,
+      clip_norm=config.rl.clip_norm,
+    )
 
   def opt_shardings(tx, params, param_shardings):
-    return sharding.shardings_like_params(jax.eval_shape(tx.init, params), params,
-                                          param_shardings, mesh)
+    return sharding.shardings_like_params(
+      jax.eval_shape(tx.init, params), params, param_shardings, mesh
+    )
 
   sft_tx = policy_tx(config.sft.lr, config.sft.steps, config.sft.warmup)
   rl_tx = policy_tx(config.rl.actor_lr, config.rl.steps, config.rl.warmup)
-  critic_tx = optim.make_optimizer(train_critic, config.rl.critic_lr,
-                                   rules=_critic_rules(config, lora_c, lora_p, train_critic),
-                                   clip_norm=config.rl.clip_norm)
+  critic_tx = optim.make_optimizer(
+    train_critic,
+    config.rl.critic_lr,
+    rules=_critic_rules(config, lora_c, lora_p, train_critic),
+    clip_norm=config.rl.clip_norm,
+  )
   state_shardings = TrainState(
-      step=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
-      policy=train_shardings[0], critic=train_shardings[1],
-      policy_opt=opt_shardings(rl_tx, train_policy, train_shardings[0]),
-      critic_opt=opt_shardings(critic_tx, train_critic, train_shardings[1]))
+    step=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
+    policy=train_shardings[0],
+    critic=train_shardings[1],
+    policy_opt=opt_shardings(rl_tx, train_policy, train_shardings[0]),
+    critic_opt=opt_shardings(critic_tx, train_critic, train_shardings[1]),
+  )
   batch_sharding = sharding.batch_sharding(mesh, rules)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    sft_step, value_step, rl_step = _jit_steps(config, model_cfg, step_cfg, (sft_tx, rl_tx,
-                                               critic_tx), state_shardings, batch_sharding, lora_p)
-  programs = Programs(rules, batch_sharding, policy_init, critic_init, policy_shardings,
-                      critic_shardings, sft_tx, rl_tx, critic_tx, state_shardings, None,
-                      sft_step, value_step, rl_step, lora_p)
+    sft_step, value_step, rl_step = _jit_steps(
+      config,
+      model_cfg,
+      step_cfg,
+      (sft_tx, rl_tx, critic_tx),
+      state_shardings,
+      batch_sharding,
+      lora_p,
+    )
+  programs = Programs(
+    rules,
+    batch_sharding,
+    policy_init,
+    critic_init,
+    policy_shardings,
+    critic_shardings,
+    sft_tx,
+    rl_tx,
+    critic_tx,
+    state_shardings,
+    None,
+    sft_step,
+    value_step,
+    rl_step,
+    lora_p,
+  )
   abstract = jax.eval_shape(programs.init_state, policy_params, critic_params)
   return dataclasses.replace(programs, abstract_state=_placed(abstract, state_shardings))
 
@@ -358,35 +476,54 @@ def build_programs(config, model_cfg: model_config.ModelConfig, step_cfg: StepCo
 def _critic_rules(config, lora_c: sections.Lora, lora_p: LoraPrograms | None, train_critic):
   """The critic optimizer's freezing rules: the paper's frozen attention (or
   none), and with LoRA first the carried adapters its targets do not name."""
-  rules = (optim.CRITIC_FREEZE_RULES if config.rl.freeze_critic_attention
-           else optim.TRAIN_ALL_RULES)
+  rules = optim.CRITIC_FREEZE_RULES if config.rl.freeze_critic_attention else optim.TRAIN_ALL_RULES
   if lora_p is None:
     return rules
   trained = tuple(lora_c.critic_targets) + tuple(lora_c.critic_whole)
   return lora.optimizer_rules(train_critic, trained)[:-1] + rules
 
 
-def _jit_steps(config, model_cfg, step_cfg: StepConfig, txs: tuple, state_shardings,
-               batch_sharding, lora_p: LoraPrograms | None) -> tuple:
+def _jit_steps(
+  config,
+  model_cfg,
+  step_cfg: StepConfig,
+  txs: tuple,
+  state_shardings,
+  batch_sharding,
+  lora_p: LoraPrograms | None,
+) -> tuple:
   """(sft_step, value_step, rl_step), jitted with shardings and donation; with
   LoRA each takes the bases (policy, critic) as a last, not donated, argument."""
   sft_tx, rl_tx, critic_tx = txs
   adapters = None if lora_p is None else lora_p.adapters
   base = {} if lora_p is None else {"base_shardings": lora_p.base_shardings}
-  rl_step = jit_sharded(make_train_step(model_cfg, step_cfg, rl_tx, critic_tx,
-                                        adapters=adapters),
-                        state_shardings, batch_sharding, **base)
+  rl_step = jit_sharded(
+    make_train_step(model_cfg, step_cfg, rl_tx, critic_tx, adapters=adapters),
+    state_shardings,
+    batch_sharding,
+    **base,
+  )
   value_step = jit_sharded(
-      # The arm's own estimator: a token-GAE critic is pretrained where
-      # that arm bootstraps, not on skip-observation targets.
-      make_train_step(model_cfg, dataclasses.replace(
-          step_cfg, rl=step_cfg.rl.replace(critic_updates=1)), rl_tx, critic_tx,
-                      update_actor=False, adapters=adapters),
-      state_shardings, batch_sharding, **base)
+    # The arm's own estimator: a token-GAE critic is pretrained where
+    # that arm bootstraps, not on skip-observation targets.
+    make_train_step(
+      model_cfg,
+      dataclasses.replace(step_cfg, rl=step_cfg.rl.replace(critic_updates=1)),
+      rl_tx,
+      critic_tx,
+      update_actor=False,
+      adapters=adapters,
+    ),
+    state_shardings,
+    batch_sharding,
+    **base,
+  )
   sft = make_sft_step(model_cfg, sft_tx, config.rl.load_balance_coef, adapters)
   policy_in = (state_shardings.policy, state_shardings.policy_opt, batch_sharding)
   sft_step = jax.jit(
-      sft, in_shardings=policy_in + tuple(base.values()),
-      out_shardings=(state_shardings.policy, state_shardings.policy_opt, None),
-      donate_argnums=(0, 1))
+    sft,
+    in_shardings=policy_in + tuple(base.values()),
+    out_shardings=(state_shardings.policy, state_shardings.policy_opt, None),
+    donate_argnums=(0, 1),
+  )
   return sft_step, value_step, rl_step

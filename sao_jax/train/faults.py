@@ -83,8 +83,13 @@ def _positive_logprob(t: Trajectory, vocab_size: int):
 
 
 CORRUPTIONS: tuple[Callable[[Trajectory, int], None], ...] = (
-    _out_of_vocab, _overflow_after_cast, _nan_logprob, _length_mismatch, _bad_turn_starts,
-    _positive_logprob)
+  _out_of_vocab,
+  _overflow_after_cast,
+  _nan_logprob,
+  _length_mismatch,
+  _bad_turn_starts,
+  _positive_logprob,
+)
 
 
 class _Counter:
@@ -104,7 +109,6 @@ class _Counter:
 
 
 class _FaultyEpisode:
-
   def __init__(self, episode, injector: "FaultInjector"):
     self._episode, self._injector = episode, injector
 
@@ -195,7 +199,11 @@ class FaultInjector:
       os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice (train/preemption.py)
 
   def counts(self) -> dict[str, int]:
-    return {"env_error": self.env_error.injected, "env_garbage": self.env_garbage.injected,
-            "malformed": self.malformed.injected, "rollout_crash": self.crash.injected,
-            "nonfinite_batch": self.nonfinite_batches,
-            "malformed_accepted": self.malformed_accepted}
+    return {
+      "env_error": self.env_error.injected,
+      "env_garbage": self.env_garbage.injected,
+      "malformed": self.malformed.injected,
+      "rollout_crash": self.crash.injected,
+      "nonfinite_batch": self.nonfinite_batches,
+      "malformed_accepted": self.malformed_accepted,
+    }

@@ -29,22 +29,20 @@ import jax
 from sao_jax.config import sections
 from sao_jax.data import prompts as prompt_data
 from sao_jax.envs import registry
-from sao_jax.models import policy
-from sao_jax.models import precision
-from sao_jax.train import configuration
-from sao_jax.train import factories
+from sao_jax.models import policy, precision
+from sao_jax.train import configuration, factories
 from sao_jax.train.faults import FaultInjector
 from sao_jax.train.stopping import StopTraining
-from sao_jax.transport import fleet
-from sao_jax.transport import weight_channel
+from sao_jax.transport import fleet, weight_channel
 
 
 def _print(line: str) -> None:
   print(line, flush=True)
 
 
-def run_rollout_worker(config, workdir: str, rollout_id: str, stop: threading.Event,
-                       log: Callable[[str], None] = _print) -> dict:
+def run_rollout_worker(
+  config, workdir: str, rollout_id: str, stop: threading.Event, log: Callable[[str], None] = _print
+) -> dict:
   """Generates into the fleet under `fleet.root_of(config, workdir)` until
   the trainer marks RL done or `stop` is set (set on return, too).
 
@@ -64,8 +62,9 @@ def run_rollout_worker(config, workdir: str, rollout_id: str, stop: threading.Ev
     raise StopTraining(str(e)) from None
 
 
-def _run(config, workdir: str, rollout_id: str, stop: threading.Event,
-         log: Callable[[str], None]) -> dict:
+def _run(
+  config, workdir: str, rollout_id: str, stop: threading.Event, log: Callable[[str], None]
+) -> dict:
   config = sections.load(config)
   # The trainer's mesh is not ours: this process's devices.
   config = config.replace(sharding=config.sharding.replace(mesh={"data": -1}))
@@ -84,8 +83,9 @@ def _run(config, workdir: str, rollout_id: str, stop: threading.Event,
     writer.close()  # the id is released however this ends (idempotent)
 
 
-def _generate(config, root: str, rid: str, writer, stop: threading.Event,
-              log: Callable[[str], None]) -> dict:
+def _generate(
+  config, root: str, rid: str, writer, stop: threading.Event, log: Callable[[str], None]
+) -> dict:
   f = config.fleet
   if writer.lock.note:
     log(f"[rollout {rid}] {writer.lock.note}")
@@ -99,9 +99,15 @@ def _generate(config, root: str, rid: str, writer, stop: threading.Event,
   # Each process (and each restart of it) draws its own prompt order and samples.
   seed = zlib.crc32(f"{config.seed}/{rid}/{writer.first_seq}".encode())
   # Versions are published in the compute dtype the engine holds (precision.py).
-  follower = weight_channel.make_follower(root, rid, jax.eval_shape(
-      lambda: policy.init_params(precision.serving_config(model_cfg), jax.random.key(0))),
-      f, log)
+  follower = weight_channel.make_follower(
+    root,
+    rid,
+    jax.eval_shape(
+      lambda: policy.init_params(precision.serving_config(model_cfg), jax.random.key(0))
+    ),
+    f,
+    log,
+  )
 
   log(f"[rollout {rid}] waiting for weights under {root}")
   first = _first_version(follower, root, stop, f.poll_seconds)
@@ -109,40 +115,66 @@ def _generate(config, root: str, rid: str, writer, stop: threading.Event,
     why = "the trainer is done" if fleet.is_done(root) else "stopped"
     log(f"[rollout {rid}] {why} before any weights were published")
     stop.set()
-    return dict(trajectories=0, last_shard=writer.last_closed, version=None,
-                generated_tokens=0)
+    return dict(trajectories=0, last_shard=writer.last_closed, version=None, generated_tokens=0)
   params, version, first_meta = first
   # rollout.mesh over this host's devices; else {"data": -1} over them with
   # rollout.sharded_engine; else one device (factories.engine_mesh).
-  engine = factories.make_engine(config, model_cfg, params, version, seed=seed,
-                                 devices=jax.local_devices(),
-                                 record_routing=bool(config.rl.routing_replay))
+  engine = factories.make_engine(
+    config,
+    model_cfg,
+    params,
+    version,
+    seed=seed,
+    devices=jax.local_devices(),
+    record_routing=bool(config.rl.routing_replay),
+  )
   follower.retarget(engine.abstract_params())  # later versions restore into its layout
 
   driver = factories.make_driver(
-      config, engine, env, tok,
-      prompt_data.train_prompts(config.data.num_train_tasks, seed),
-      faults.wrap_emit(_backpressured(writer, root, rid, f, stop), tok.vocab_size))
+    config,
+    engine,
+    env,
+    tok,
+    prompt_data.train_prompts(config.data.num_train_tasks, seed),
+    faults.wrap_emit(_backpressured(writer, root, rid, f, stop), tok.vocab_size),
+  )
   driver.identity.note(version, first_meta)  # the run id and fingerprint it came with
   pulls = PullWatch(lambda version: log(f"[rollout {rid}] pulling version {version}"))
   driver.start()
-  log(f"[rollout {rid}] generating at version {version}, shards from "
-      f"{fleet.shard_name(rid, writer.first_seq)}")
+  log(
+    f"[rollout {rid}] generating at version {version}, shards from "
+    f"{fleet.shard_name(rid, writer.first_seq)}"
+  )
   try:
-    _follow(driver, follower, writer, pulls, root, stop, f.poll_seconds,
-            lambda line: log(f"[rollout {rid}] {line}"))
+    _follow(
+      driver,
+      follower,
+      writer,
+      pulls,
+      root,
+      stop,
+      f.poll_seconds,
+      lambda line: log(f"[rollout {rid}] {line}"),
+    )
   finally:
     stop.set()  # releases an emit waiting on backpressure
     driver.stop()
     writer.close()
     follower.close()
-    log(f"[rollout {rid}] exiting: {writer.trajectories} trajectories, shards up to "
-        f"{writer.last_closed}, last version {follower.version}, "
-        f"{driver.stats.generated_tokens} tokens")
-  return dict(trajectories=writer.trajectories, last_shard=writer.last_closed,
-              version=follower.version, generated_tokens=driver.stats.generated_tokens,
-              tokens_during_pulls=pulls.tokens, shard_names_taken=writer.names_taken,
-              **weight_channel.follower_counts(follower, f))
+    log(
+      f"[rollout {rid}] exiting: {writer.trajectories} trajectories, shards up to "
+      f"{writer.last_closed}, last version {follower.version}, "
+      f"{driver.stats.generated_tokens} tokens"
+    )
+  return dict(
+    trajectories=writer.trajectories,
+    last_shard=writer.last_closed,
+    version=follower.version,
+    generated_tokens=driver.stats.generated_tokens,
+    tokens_during_pulls=pulls.tokens,
+    shard_names_taken=writer.names_taken,
+    **weight_channel.follower_counts(follower, f),
+  )
 
 
 def _first_version(follower, root: str, stop: threading.Event, poll_seconds: float):
@@ -166,8 +198,11 @@ def _backpressured(writer, root: str, rid: str, f, stop: threading.Event):
 
   def emit(t):
     if writer.last_closed != checked[0]:
-      while (not stop.is_set() and fleet.unread_shards(
-          fleet.read_consumed(root), rid, writer.last_closed) >= f.max_unread_shards):
+      while (
+        not stop.is_set()
+        and fleet.unread_shards(fleet.read_consumed(root), rid, writer.last_closed)
+        >= f.max_unread_shards
+      ):
         stop.wait(f.poll_seconds)
       checked[0] = writer.last_closed
     writer.write(t)
@@ -175,8 +210,16 @@ def _backpressured(writer, root: str, rid: str, f, stop: threading.Event):
   return emit
 
 
-def _follow(driver, follower, writer, pulls, root: str, stop: threading.Event,
-            poll_seconds: float, log: Callable[[str], None]) -> None:
+def _follow(
+  driver,
+  follower,
+  writer,
+  pulls,
+  root: str,
+  stop: threading.Event,
+  poll_seconds: float,
+  log: Callable[[str], None],
+) -> None:
   """Until the trainer is done or `stop` is set: checks the driver thread
   (its error ends the worker), swaps in each complete new version, rotates
   an old open shard."""

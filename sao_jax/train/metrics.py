@@ -45,8 +45,8 @@ import time
 
 import numpy as np
 
-from sao_jax.train import distributed
 from sao_jax.data import files
+from sao_jax.train import distributed
 
 
 def to_python(metrics: dict) -> dict:
@@ -68,9 +68,13 @@ def sink_scalars(record: dict) -> dict:
   record["step"]. The bookkeeping fields (stage, step, time) and nulls are
   not metrics."""
   stage = record["stage"]
-  return {metric_name(stage, k): v for k, v in record.items()
-          if k not in ("stage", "step", "time") and isinstance(v, (int, float))
-          and not isinstance(v, bool)}
+  return {
+    metric_name(stage, k): v
+    for k, v in record.items()
+    if k not in ("stage", "step", "time")
+    and isinstance(v, (int, float))
+    and not isinstance(v, bool)
+  }
 
 
 def wandb_init_args(workdir: str, logging, environ=None) -> dict:
@@ -78,8 +82,9 @@ def wandb_init_args(workdir: str, logging, environ=None) -> dict:
   set wins, then W&B's environment variable, then this project's default;
   None leaves an argument to W&B (it reads its environment itself)."""
   environ = os.environ if environ is None else environ
-  field = lambda name, env, default=None: (getattr(logging, name) if getattr(logging, name)
-                                           is not None else environ.get(env, default))
+  field = lambda name, env, default=None: (
+    getattr(logging, name) if getattr(logging, name) is not None else environ.get(env, default)
+  )
   id_file = files.join(workdir, "wandb_run_id")
   try:
     saved_id = files.read_text(id_file).strip()
@@ -92,30 +97,34 @@ def wandb_init_args(workdir: str, logging, environ=None) -> dict:
   mode = field("wandb_mode", "WANDB_MODE")
   offline = mode in ("offline", "dryrun")
   return dict(
-      project=field("wandb_project", "WANDB_PROJECT", "sao-jax"),
-      entity=field("wandb_entity", "WANDB_ENTITY"),
-      name=field("wandb_run_name", "WANDB_NAME",
-                 os.path.basename(files.absolute(workdir).rstrip("/"))),
-      mode=mode, id=run_id,
-      resume=None if "WANDB_RESUME" in environ else "allow",
-      dir=None if files.is_url(workdir) or "WANDB_DIR" in environ else workdir,
-      # No system metrics (any run), and offline no machine probes either.
-      settings=dict(console="off", x_disable_stats=True,
-                    **({"x_disable_machine_info": True} if offline else {})))
+    project=field("wandb_project", "WANDB_PROJECT", "sao-jax"),
+    entity=field("wandb_entity", "WANDB_ENTITY"),
+    name=field(
+      "wandb_run_name", "WANDB_NAME", os.path.basename(files.absolute(workdir).rstrip("/"))
+    ),
+    mode=mode,
+    id=run_id,
+    resume=None if "WANDB_RESUME" in environ else "allow",
+    dir=None if files.is_url(workdir) or "WANDB_DIR" in environ else workdir,
+    # No system metrics (any run), and offline no machine probes either.
+    settings=dict(
+      console="off", x_disable_stats=True, **({"x_disable_machine_info": True} if offline else {})
+    ),
+  )
 
 
 class WandbSink:
   """One W&B run per workdir (module docstring); `logging` is sections.Logging."""
 
   def __init__(self, workdir: str, logging, config: dict | None = None):
-    import wandb  # pylint: disable=g-import-not-at-top
+    import wandb
+
     args = wandb_init_args(workdir, logging)
     if args["mode"] in ("offline", "dryrun"):
       # Read when W&B's service process starts: its error reports go nowhere.
       os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
     self._wandb = wandb
-    self.run = wandb.init(**dict(args, settings=wandb.Settings(**args["settings"])),
-                          config=config)
+    self.run = wandb.init(**dict(args, settings=wandb.Settings(**args["settings"])), config=config)
     self._stages: set[str] = set()
 
   def log(self, stage: str, step: int, scalars: dict) -> None:
@@ -123,8 +132,7 @@ class WandbSink:
       self.run.define_metric(f"{stage}/step")
       self.run.define_metric(f"{stage}/*", step_metric=f"{stage}/step")
       self._stages.add(stage)
-    self.run.log({**{metric_name(stage, k): v for k, v in scalars.items()},
-                  f"{stage}/step": step})
+    self.run.log({**{metric_name(stage, k): v for k, v in scalars.items()}, f"{stage}/step": step})
 
   def close(self) -> None:
     self.run.finish()
@@ -134,9 +142,9 @@ class WandbSink:
 
 
 class MetricsWriter:
-
-  def __init__(self, workdir: str, tensorboard: bool = True, wandb=None,
-               config: dict | None = None):
+  def __init__(
+    self, workdir: str, tensorboard: bool = True, wandb=None, config: dict | None = None
+  ):
     """`wandb`: a sections.Logging with `wandb` on, or None; `config`: the run's
     config as plain data, recorded in the W&B run."""
     self._jsonl = self._tb = self._wandb = None
@@ -147,31 +155,42 @@ class MetricsWriter:
     files.makedirs(workdir)
     self._jsonl = files.Appender(files.join(workdir, "metrics.jsonl"))
     if tensorboard:
-      from tensorboardX import FileWriter  # pylint: disable=g-import-not-at-top
+      from tensorboardX import FileWriter
+
       self._tb = FileWriter(files.join(workdir, "tensorboard"))
     if wandb is not None and wandb.wandb:
       self._wandb = WandbSink(workdir, wandb, config)
 
   def write(self, step: int, metrics: dict, stage: str) -> dict:
     scalars = to_python(metrics)
-    record = {"stage": stage, "step": int(step), "time": round(time.time() - self._start, 2),
-              **scalars}
+    record = {
+      "stage": stage,
+      "step": int(step),
+      "time": round(time.time() - self._start, 2),
+      **scalars,
+    }
     if self._jsonl is None:
       return record
     # Strict JSON: a non-finite value (an empty lag bucket's quantile is NaN)
     # is written as null, which every JSON reader takes; the record returned
     # keeps the float.
-    line = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-            for k, v in record.items()}
+    line = {
+      k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()
+    }
     self._jsonl.write(json.dumps(line, allow_nan=False) + "\n")
     # A non-finite value (an empty lag bucket) is no point on a curve.
-    points = {k: v for k, v in scalars.items()
-              if isinstance(v, (int, float)) and math.isfinite(v)}
+    points = {k: v for k, v in scalars.items() if isinstance(v, (int, float)) and math.isfinite(v)}
     if self._tb is not None and points:  # SummaryWriter.add_scalar: "pass_1"
-      from tensorboardX.proto.summary_pb2 import Summary  # pylint: disable=g-import-not-at-top
-      self._tb.add_summary(Summary(value=[
-          Summary.Value(tag=metric_name(stage, k), simple_value=v) for k, v in points.items()]),
-          int(step))
+      from tensorboardX.proto.summary_pb2 import Summary
+
+      self._tb.add_summary(
+        Summary(
+          value=[
+            Summary.Value(tag=metric_name(stage, k), simple_value=v) for k, v in points.items()
+          ]
+        ),
+        int(step),
+      )
     if self._wandb is not None:
       self._wandb.log(stage, int(step), points)
     return record
@@ -192,8 +211,11 @@ _PROGRESS_START: dict[str, tuple[int, float]] = {}
 def duration(seconds: float) -> str:
   """`seconds` as "1m05s" or "2h03m" (an ETA's format)."""
   seconds = int(round(seconds))
-  return (f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else
-          f"{seconds // 60}m{seconds % 60:02d}s")
+  return (
+    f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    if seconds >= 3600
+    else f"{seconds // 60}m{seconds % 60:02d}s"
+  )
 
 
 def progress(stage: str, step: int, total: int, metrics: dict, keys: dict[str, str]) -> None:
@@ -232,16 +254,26 @@ class CountProgress:
   is not counted against the rate); `clock` is injectable for tests.
   """
 
-  def __init__(self, label: str, total: int, unit: str = "samples", every_s: float = 10.0,
-               clock=time.monotonic, out=None):
+  def __init__(
+    self,
+    label: str,
+    total: int,
+    unit: str = "samples",
+    every_s: float = 10.0,
+    clock=time.monotonic,
+    out=None,
+  ):
     self._label, self._total, self._unit, self._every = label, int(total), unit, every_s
     self._clock, self._out = clock, out
     self.count, self._first, self._last = 0, None, None
 
   def start(self) -> None:
     if distributed.is_primary():
-      print(f"{self._label}: 0/{self._total} {self._unit}", flush=True,
-            **({"file": self._out} if self._out else {}))
+      print(
+        f"{self._label}: 0/{self._total} {self._unit}",
+        flush=True,
+        **({"file": self._out} if self._out else {}),
+      )
 
   def tick(self, n: int = 1) -> None:
     self.count += n
@@ -258,8 +290,11 @@ class CountProgress:
     elapsed = now - self._first
     if self.count > 1 and elapsed > 0:
       rate = (self.count - 1) / elapsed  # the first item starts the clock
-      parts.append(f"{rate:.3g} {self._unit}/s" if rate >= 0.1 else
-                   f"{1 / rate:.3g} s/{self._unit.rstrip('s')}")
+      parts.append(
+        f"{rate:.3g} {self._unit}/s"
+        if rate >= 0.1
+        else f"{1 / rate:.3g} s/{self._unit.rstrip('s')}"
+      )
       if self.count < self._total:
         parts.append(f"eta {duration((self._total - self.count) / rate)}")
       else:

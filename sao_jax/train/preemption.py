@@ -49,7 +49,7 @@ class Notice:
       signal.signal(signal.SIGTERM, self._previous)
       self._previous = None
 
-  def _on_term(self, signum, frame) -> None:  # pylint: disable=unused-argument
+  def _on_term(self, signum, frame) -> None:
     self._flag.set()
 
   def reached(self, step: int) -> bool:

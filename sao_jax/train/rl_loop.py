@@ -18,11 +18,8 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from sao_jax.train import preemption
-from sao_jax.train import stopping
-from sao_jax.train import distributed
-from sao_jax.train import sources
 from sao_jax.data import packing
+from sao_jax.train import distributed, preemption, sources, stopping
 from sao_jax.train.evaluation import solved
 from sao_jax.train.metrics import progress
 from sao_jax.train.run import Run, wait
@@ -30,18 +27,35 @@ from sao_jax.train.train_step import dis_warnings
 
 # What the progress line shows of an RL step's metrics.
 PROGRESS_KEYS = {
-    "rollout/reward_mean": "reward", "policy/loss": "pi_loss",
-    "critic/explained_variance": "expl_var", "policy/masked_low_frac": "dis_low",
-    "policy/masked_high_frac": "dis_high", "policy/clip_frac": "clipped",
-    "policy/clip_low_frac": "clip_low", "policy/clip_high_frac": "clip_high",
-    "policy_lag/mean": "lag",
-    "trainer/idle_fraction": "idle", "queue/rejected": "rejected"}
+  "rollout/reward_mean": "reward",
+  "policy/loss": "pi_loss",
+  "critic/explained_variance": "expl_var",
+  "policy/masked_low_frac": "dis_low",
+  "policy/masked_high_frac": "dis_high",
+  "policy/clip_frac": "clipped",
+  "policy/clip_low_frac": "clip_low",
+  "policy/clip_high_frac": "clip_high",
+  "policy_lag/mean": "lag",
+  "trainer/idle_fraction": "idle",
+  "queue/rejected": "rejected",
+}
 
 
-def rl_metrics(trajs, rewards: np.ndarray, counts: sources.RolloutCounts, *,
-               generated_total: int, elapsed: float, wait: float, wait_total: float,
-               train_total: float, restarts: int, updates_skipped: int, queue_depth: int,
-               rejected: dict) -> dict:
+def rl_metrics(
+  trajs,
+  rewards: np.ndarray,
+  counts: sources.RolloutCounts,
+  *,
+  generated_total: int,
+  elapsed: float,
+  wait: float,
+  wait_total: float,
+  train_total: float,
+  restarts: int,
+  updates_skipped: int,
+  queue_depth: int,
+  rejected: dict,
+) -> dict:
   """The rollout, queue and time metrics of one RL step (the train step's are apart).
 
   Counters are cumulative over the launch, so a plot of one shows its rate;
@@ -51,27 +65,27 @@ def rl_metrics(trajs, rewards: np.ndarray, counts: sources.RolloutCounts, *,
   """
   per_s = lambda x: x / max(elapsed, 1e-6)
   m = {
-      "rollout/reward_mean": float(rewards.mean()),
-      # Episodes with the full reward (pass@1's rule): differs from the
-      # mean reward where an environment gives partial credit.
-      "rollout/success_frac": float(solved(rewards).mean()),
-      "rollout/length_mean": float(np.mean([len(t) for t in trajs])),
-      "rollout/turns_mean": float(np.mean([t.num_turns for t in trajs])),
-      "rollout/generated_tokens_per_s": per_s(counts.generated_tokens),
-      "rollout/generated_tokens_total": generated_total,
-      "rollout/restarts": restarts,
-      "policy/updates_skipped_total": updates_skipped,
-      "rollout/env_faults": sum(counts.env_faults.values()),
-      "rollout/tool_call_errors": sum(counts.tool_call_errors.values()),
-      "queue/depth": queue_depth,
-      "queue/rejected": sum(rejected.values()),
-      "trainer/idle_fraction": per_s(wait_total),
-      "trainer/batch_wait_s": wait,
-      # Wall-clock split: the trainer thread trains or waits for data; the
-      # rollout thread (async: at the same time) generates or waits on
-      # environment steps with no slot to decode.
-      "time/train_frac": per_s(train_total),
-      "time/wait_frac": per_s(wait_total),
+    "rollout/reward_mean": float(rewards.mean()),
+    # Episodes with the full reward (pass@1's rule): differs from the
+    # mean reward where an environment gives partial credit.
+    "rollout/success_frac": float(solved(rewards).mean()),
+    "rollout/length_mean": float(np.mean([len(t) for t in trajs])),
+    "rollout/turns_mean": float(np.mean([t.num_turns for t in trajs])),
+    "rollout/generated_tokens_per_s": per_s(counts.generated_tokens),
+    "rollout/generated_tokens_total": generated_total,
+    "rollout/restarts": restarts,
+    "policy/updates_skipped_total": updates_skipped,
+    "rollout/env_faults": sum(counts.env_faults.values()),
+    "rollout/tool_call_errors": sum(counts.tool_call_errors.values()),
+    "queue/depth": queue_depth,
+    "queue/rejected": sum(rejected.values()),
+    "trainer/idle_fraction": per_s(wait_total),
+    "trainer/batch_wait_s": wait,
+    # Wall-clock split: the trainer thread trains or waits for data; the
+    # rollout thread (async: at the same time) generates or waits on
+    # environment steps with no slot to decode.
+    "time/train_frac": per_s(train_total),
+    "time/wait_frac": per_s(wait_total),
   }
   if counts.generate_seconds is not None:
     m["time/generate_frac"] = per_s(counts.generate_seconds)
@@ -87,6 +101,7 @@ def rl_metrics(trajs, rewards: np.ndarray, counts: sources.RolloutCounts, *,
 @dataclasses.dataclass
 class _Clock:
   """Where the trainer thread's time goes: waiting for data or training."""
+
   start: float = dataclasses.field(default_factory=time.time)
   wait_total: float = 0.0
   train_total: float = 0.0
@@ -113,6 +128,7 @@ class _Clock:
 @dataclasses.dataclass
 class _SkipGuard:
   """Counts skipped (non-finite) updates; a run of them stops the run."""
+
   limit: int
   last_checkpoint: object  # () -> int | None
   run_length: int = 0  # consecutive skipped actor updates
@@ -125,10 +141,11 @@ class _SkipGuard:
     self.total += int(skipped)
     if self.run_length >= self.limit:
       raise stopping.StopTraining(
-          f"{self.run_length} consecutive RL steps had a non-finite loss or gradient "
-          f"(rl.max_nonfinite_updates = {self.limit}), last at step {step}; "
-          f"params were not updated by them and the last checkpoint "
-          f"({self.last_checkpoint()}) is intact")
+        f"{self.run_length} consecutive RL steps had a non-finite loss or gradient "
+        f"(rl.max_nonfinite_updates = {self.limit}), last at step {step}; "
+        f"params were not updated by them and the last checkpoint "
+        f"({self.last_checkpoint()}) is intact"
+      )
     if skipped:
       print(f"[rl] step {step}: non-finite loss or gradient, update skipped", flush=True)
 
@@ -154,8 +171,11 @@ def _checkpoint(run: Run, source: sources.TrajectorySource, baseline_state) -> N
   run.meta["source"] = source.state()
   # Under the estimator's own name: a resume with another rl.advantage
   # starts that estimator afresh instead of misreading this one's state.
-  run.meta["estimator_state"] = ({} if baseline_state is None else {
-      run.config.rl.advantage: [np.asarray(x).tolist() for x in baseline_state]})
+  run.meta["estimator_state"] = (
+    {}
+    if baseline_state is None
+    else {run.config.rl.advantage: [np.asarray(x).tolist() for x in baseline_state]}
+  )
   run.save()
 
 
@@ -183,9 +203,14 @@ def rl(run: Run) -> None:
         if estimator.baseline is not None:
           group_ids = np.asarray([t.group_id for t in trajs], np.int32)
           baseline_state, baseline = estimator.baseline(baseline_state, rewards, group_ids, c)
-        batch = packing.pack(trajs, c.batch_size, config.data.buckets, baseline,
-                             action_index=config.data.logits_at_actions,
-                             routing=run.routing_shape and run.routing_shape[:2])
+        batch = packing.pack(
+          trajs,
+          c.batch_size,
+          config.data.buckets,
+          baseline,
+          action_index=config.data.logits_at_actions,
+          routing=run.routing_shape and run.routing_shape[:2],
+        )
         with clock.training():
           m = _train_step(run, run.put_batch(run.faults.poison_batch(step, batch)))
         skips.record(bool(m["policy/update_skipped"]), step)
@@ -196,12 +221,22 @@ def rl(run: Run) -> None:
         run.meta["generated_tokens"] = tokens_before + report.counts.generated_tokens
         budget_spent = bool(budget) and run.meta["generated_tokens"] >= budget
         m.update(report.extra)
-        m.update(rl_metrics(
-            trajs, rewards, report.counts, generated_total=run.meta["generated_tokens"],
-            elapsed=clock.elapsed, wait=clock.last_wait, wait_total=clock.wait_total,
-            train_total=clock.train_total, restarts=report.restarts,
-            updates_skipped=skips.total, queue_depth=report.queue_depth,
-            rejected=report.rejected))
+        m.update(
+          rl_metrics(
+            trajs,
+            rewards,
+            report.counts,
+            generated_total=run.meta["generated_tokens"],
+            elapsed=clock.elapsed,
+            wait=clock.last_wait,
+            wait_total=clock.wait_total,
+            train_total=clock.train_total,
+            restarts=report.restarts,
+            updates_skipped=skips.total,
+            queue_depth=report.queue_depth,
+            rejected=report.rejected,
+          )
+        )
         # What the environment left out of its data at load (the dataset env's
         # duplicates, conflicts, held-out overlap, ...), constant over the run.
         m.update({f"data/rows_{k}": v for k, v in getattr(run.env, "data_counts", {}).items()})
@@ -220,11 +255,15 @@ def rl(run: Run) -> None:
           if not periodic:
             _checkpoint(run, source, baseline_state)
           raise stopping.StopTraining(
-              f"preempted (SIGTERM) after RL step {step}: checkpoint {run.meta['ckpt_step']} "
-              "written; start the run again to resume")
+            f"preempted (SIGTERM) after RL step {step}: checkpoint {run.meta['ckpt_step']} "
+            "written; start the run again to resume"
+          )
         if budget_spent:
-          print(f"[rl] generated-token budget spent ({run.meta['generated_tokens']} >= "
-                f"{budget}) at step {step}", flush=True)
+          print(
+            f"[rl] generated-token budget spent ({run.meta['generated_tokens']} >= "
+            f"{budget}) at step {step}",
+            flush=True,
+          )
           break
       finished = True
     finally:

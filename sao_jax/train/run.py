@@ -20,28 +20,31 @@ from typing import Any
 import jax
 import ml_collections
 
-from sao_jax.train import configuration
-from sao_jax.train import distributed
-from sao_jax.train import factories
-from sao_jax.data import files
 from sao_jax.config import sections
-from sao_jax.models import sharding
-from sao_jax.data.checkpoint import (Checkpointer, abstract_like, check_lora_base,
-                                     committed_checkpoints)
+from sao_jax.data import files
+from sao_jax.data.checkpoint import (
+  Checkpointer,
+  abstract_like,
+  check_lora_base,
+  committed_checkpoints,
+)
 from sao_jax.envs import base, registry
-from sao_jax.train.evaluation import evaluate_sets, fmt_number, set_environments
-from sao_jax.train.faults import FaultInjector
-from sao_jax.train.metrics import MetricsWriter
 from sao_jax.models import config as model_config
+from sao_jax.models import sharding
 from sao_jax.models.lora import fingerprint as lora_fingerprint
 from sao_jax.rollout.driver import RolloutDriver
 from sao_jax.rollout.engine import PolicyEngine
+from sao_jax.train import configuration, distributed, factories
+from sao_jax.train.evaluation import evaluate_sets, fmt_number, set_environments
+from sao_jax.train.faults import FaultInjector
+from sao_jax.train.metrics import MetricsWriter
 from sao_jax.train.train_step import StepConfig, TrainState
 
 
 @dataclasses.dataclass
 class Run:
   """Everything one run holds. `state` and `meta` change as the stages go."""
+
   config: sections.Sections  # the typed config (run.build loads the flags' ConfigDict)
   tok: Any
   format: Any  # the chat format (registry.make_format)
@@ -123,8 +126,13 @@ class Run:
     value step reads none, and a batch without it compiles once per bucket.
     """
     return distributed.pack_batch(
-        trajs, rows, self.config.data.buckets, self.batch_sharding, baseline_advantages,
-        action_index=policy_head and self.config.data.logits_at_actions)
+      trajs,
+      rows,
+      self.config.data.buckets,
+      self.batch_sharding,
+      baseline_advantages,
+      action_index=policy_head and self.config.data.logits_at_actions,
+    )
 
   # --------------------------------------------------------------- rollout
   def engine(self, params, version: int, **kwargs) -> PolicyEngine:
@@ -140,15 +148,23 @@ class Run:
     single = jax.process_count() == 1
     params = distributed.host_local_copy(params, self.mesh)  # collective on a global tree
     return factories.make_engine(
-        self.config, self.model_cfg, params, version, mesh=self.mesh if single else None,
-        devices=list(self.mesh.devices.flat) if single else jax.local_devices(), **kwargs)
+      self.config,
+      self.model_cfg,
+      params,
+      version,
+      mesh=self.mesh if single else None,
+      devices=list(self.mesh.devices.flat) if single else jax.local_devices(),
+      **kwargs,
+    )
 
-  def driver(self, engine: PolicyEngine, env, prompt_iter, emit, rollout=None,
-             **options) -> RolloutDriver:
+  def driver(
+    self, engine: PolicyEngine, env, prompt_iter, emit, rollout=None, **options
+  ) -> RolloutDriver:
     """A rollout driver (`factories.make_driver`): the engine's rollout section,
     or `rollout` (e.g. value pretraining's own samples and decode steps)."""
-    return factories.make_driver(self.config, engine, env, self.tok, prompt_iter, emit,
-                                 rollout, **options)
+    return factories.make_driver(
+      self.config, engine, env, self.tok, prompt_iter, emit, rollout, **options
+    )
 
   def evaluate(self, name: str, params, out_dir: str | None = None) -> dict:
     """`eval.sets` pass@1 / pass@k of `params`, recorded in `meta["evals"][name]` and
@@ -158,21 +174,33 @@ class Run:
     params = distributed.host_local_copy(params, self.mesh)  # every process joins
     if out_dir is None and self.workdir is not None:
       out_dir = files.join(self.workdir, "eval", name)
-    result = distributed.share_from_primary(f"eval/{name}", lambda: evaluate_sets(
-        self.config, self.model_cfg, params, self.eval_envs, self.tok,
-        seed=self.config.seed + 7, out_dir=out_dir))
+    result = distributed.share_from_primary(
+      f"eval/{name}",
+      lambda: evaluate_sets(
+        self.config,
+        self.model_cfg,
+        params,
+        self.eval_envs,
+        self.tok,
+        seed=self.config.seed + 7,
+        out_dir=out_dir,
+      ),
+    )
     self.meta["evals"][name] = result
     scalars = {f"eval/{k}": v for k, v in result.items() if _is_number(v)}
     for set_name, r in result["sets"].items():
       scalars.update({f"eval/{set_name}/{k}": v for k, v in r.items() if _is_number(v)})
     self.metrics.write(int(self.state.step), scalars, "eval")
     for set_name, r in result["sets"].items():
-      verdicts = ", ".join(f"{k[len('verdict_'):]} {v:.2f}" for k, v in r.items()
-                           if k.startswith("verdict_"))
-      print(f"[eval] {name} {set_name}: pass@1 {fmt_number(r['pass@1'])} on {r['tasks']} tasks "
-            f"(mean {fmt_number(r['mean_turns'], 2)} turns, valid tool calls "
-            f"{fmt_number(r.get('valid_tool_calls'), 2)}; verdicts: {verdicts or '-'})",
-            flush=True)
+      verdicts = ", ".join(
+        f"{k[len('verdict_') :]} {v:.2f}" for k, v in r.items() if k.startswith("verdict_")
+      )
+      print(
+        f"[eval] {name} {set_name}: pass@1 {fmt_number(r['pass@1'])} on {r['tasks']} tasks "
+        f"(mean {fmt_number(r['mean_turns'], 2)} turns, valid tool calls "
+        f"{fmt_number(r.get('valid_tool_calls'), 2)}; verdicts: {verdicts or '-'})",
+        flush=True,
+      )
     return result
 
 
@@ -199,10 +227,12 @@ def _initial_policy(config: sections.Sections, model_cfg, tok, p: factories.Prog
     return sharding.sharded_init(p.policy_init, mesh, p.rules)[0]
   if tok.vocab_size > model_cfg.vocab_size:
     raise configuration.ConfigError(
-        f"model.hf_dir = {hf_dir!r}: its vocab_size {model_cfg.vocab_size} is smaller than "
-        f"the run's tokenizer's ({tok.vocab_size}); set env.tokenizer_path to its "
-        "tokenizer.json")
-  from sao_jax.models import hf_import  # pylint: disable=g-import-not-at-top
+      f"model.hf_dir = {hf_dir!r}: its vocab_size {model_cfg.vocab_size} is smaller than "
+      f"the run's tokenizer's ({tok.vocab_size}); set env.tokenizer_path to its "
+      "tokenizer.json"
+    )
+  from sao_jax.models import hf_import
+
   print(f"[model] {model_cfg.family} from {hf_dir}", flush=True)
   return hf_import.load_hf_checkpoint(hf_dir, model_cfg, p.policy_shardings)
 
@@ -211,7 +241,8 @@ def _carried_tensors(hf_dir: str) -> dict | None:
   """{"dir", "names"} of `hf_dir`'s MTP-head tensors, or None without any."""
   if not hf_dir:
     return None
-  from sao_jax.models import hf_import  # pylint: disable=g-import-not-at-top
+  from sao_jax.models import hf_import
+
   names = hf_import.mtp_tensors(hf_dir)
   return {"dir": os.path.abspath(hf_dir), "names": names} if names else None
 
@@ -238,32 +269,57 @@ def build(config: ml_collections.ConfigDict | sections.Sections) -> Run:
   # the first allocation.
   configuration.check_memory(config, model_cfg, p.abstract_resident)
   rl_step, value_step, sft_step = (
-      distributed.lockstep(f, name) for f, name in
-      ((p.rl_step, "rl_step"), (p.value_step, "value_step"), (p.sft_step, "sft_step")))
+    distributed.lockstep(f, name)
+    for f, name in ((p.rl_step, "rl_step"), (p.value_step, "value_step"), (p.sft_step, "sft_step"))
+  )
   policy_params = _initial_policy(config, model_cfg, tok, p, mesh)
   critic_params, _ = sharding.sharded_init(p.critic_init, mesh, p.rules)
   state = jax.jit(p.init_state, out_shardings=p.state_shardings)(policy_params, critic_params)
   bases = factories.lora_bases(p, policy_params, critic_params)  # None without LoRA
   if bases is not None:  # the steps read the frozen bases as their last argument
-    rl_step, value_step, sft_step = (factories.with_bases(f, bases)
-                                     for f in (rl_step, value_step, sft_step))
-  meta = {"stage": "sft", "stage_step": 0, "ckpt_step": 0, "source": None,
-          "estimator_state": {}, "evals": {},
-          # model.vocab_subset's head ids: a restore under other ids is refused.
-          "vocab_ids": list(model_cfg.vocab_ids) or None,
-          # What model.hf_dir holds that the run does not train (Qwen3.5's MTP
-          # head): an export carries it over from there (trainer.export).
-          "carried_tensors": _carried_tensors(config.model.hf_dir),
-          # LoRA: the base the adapters were trained on (a resume on another is refused).
-          "lora_base": None if bases is None else lora_fingerprint(bases[0])}
+    rl_step, value_step, sft_step = (
+      factories.with_bases(f, bases) for f in (rl_step, value_step, sft_step)
+    )
+  meta = {
+    "stage": "sft",
+    "stage_step": 0,
+    "ckpt_step": 0,
+    "source": None,
+    "estimator_state": {},
+    "evals": {},
+    # model.vocab_subset's head ids: a restore under other ids is refused.
+    "vocab_ids": list(model_cfg.vocab_ids) or None,
+    # What model.hf_dir holds that the run does not train (Qwen3.5's MTP
+    # head): an export carries it over from there (trainer.export).
+    "carried_tensors": _carried_tensors(config.model.hf_dir),
+    # LoRA: the base the adapters were trained on (a resume on another is refused).
+    "lora_base": None if bases is None else lora_fingerprint(bases[0]),
+  }
   frozen_env = base.frozen_view(env)
-  return Run(config, tok, registry.make_format(config.env, tok), env, frozen_env, faults,
-             model_cfg, step_cfg, mesh, p, rl_step, value_step, sft_step, state, meta,
-             eval_envs=set_environments(config, frozen_env), bases=bases)
+  return Run(
+    config,
+    tok,
+    registry.make_format(config.env, tok),
+    env,
+    frozen_env,
+    faults,
+    model_cfg,
+    step_cfg,
+    mesh,
+    p,
+    rl_step,
+    value_step,
+    sft_step,
+    state,
+    meta,
+    eval_envs=set_environments(config, frozen_env),
+    bases=bases,
+  )
 
 
-def open_workdir(run: Run, workdir: str, restore_step: int | None = None,
-                 training: bool = False) -> Run:
+def open_workdir(
+  run: Run, workdir: str, restore_step: int | None = None, training: bool = False
+) -> Run:
   """Attaches `workdir` (checkpoints, metrics) and restores its latest checkpoint.
 
   `restore_step`: that checkpoint instead of the latest. A workdir without a
@@ -277,11 +333,14 @@ def open_workdir(run: Run, workdir: str, restore_step: int | None = None,
   if run.faults.active:
     print(f"[faults] injecting faults: {dataclasses.asdict(config.faults)}", flush=True)
   run.workdir = workdir
-  run.metrics = MetricsWriter(workdir, tensorboard=config.tensorboard, wandb=config.logging,
-                              config=config.to_dict() if config.logging.wandb else None)
+  run.metrics = MetricsWriter(
+    workdir,
+    tensorboard=config.tensorboard,
+    wandb=config.logging,
+    config=config.to_dict() if config.logging.wandb else None,
+  )
   distributed.sync("setup")  # the hosts' set-up times differ; collectives follow
-  run.ckpt = Checkpointer(files.join(workdir, "checkpoints"), config.checkpoint.keep,
-                          name="run")
+  run.ckpt = Checkpointer(files.join(workdir, "checkpoints"), config.checkpoint.keep, name="run")
   if run.ckpt.latest_step() is not None:
     if restore_step:
       _check_vocab_ids(run, restore_step)
@@ -289,8 +348,11 @@ def open_workdir(run: Run, workdir: str, restore_step: int | None = None,
     else:
       restore_step = _restore_intact(run, training)
     _upgrade_meta(run.meta, config.rl.mode, config.rl.advantage)
-    print(f"Resumed from checkpoint {restore_step} at stage "
-          f"{run.meta['stage']} step {run.meta['stage_step']}", flush=True)
+    print(
+      f"Resumed from checkpoint {restore_step} at stage "
+      f"{run.meta['stage']} step {run.meta['stage_step']}",
+      flush=True,
+    )
   return run
 
 
@@ -309,17 +371,26 @@ def _restore_intact(run: Run, training: bool) -> int:
   if readable:  # the vocabulary's one line, before orbax's shape error
     _check_vocab_ids(run, max(readable))
   step, run.state, run.meta, skipped = run.ckpt.restore_intact(
-      abstract_like(run.state), set_aside=training and distributed.is_primary())
+    abstract_like(run.state), set_aside=training and distributed.is_primary()
+  )
   for bad, why, where in skipped:
-    print(f"[checkpoint] skipped damaged checkpoint {bad} ({why}), resuming from {step}"
-          + (f"; set aside as {where}" if where else ""), flush=True)
+    print(
+      f"[checkpoint] skipped damaged checkpoint {bad} ({why}), resuming from {step}"
+      + (f"; set aside as {where}" if where else ""),
+      flush=True,
+    )
   if skipped and training:
     distributed.sync("checkpoint_set_aside")
     run.ckpt.reload()
     run.meta["checkpoints_skipped"] = run.meta.get("checkpoints_skipped", 0) + len(skipped)
-    run.metrics.write(run.meta["stage_step"],
-                      {"checkpoint/damaged_skipped": run.meta["checkpoints_skipped"],
-                       "checkpoint/resumed_from": step}, "resume")
+    run.metrics.write(
+      run.meta["stage_step"],
+      {
+        "checkpoint/damaged_skipped": run.meta["checkpoints_skipped"],
+        "checkpoint/resumed_from": step,
+      },
+      "resume",
+    )
   return step
 
 
@@ -333,9 +404,10 @@ def _check_vocab_ids(run: Run, step: int) -> None:
   if "vocab_ids" in saved and theirs != ours:
     describe = lambda ids: f"a head over {len(ids)} token ids" if ids else "the full head"
     raise configuration.ConfigError(
-        f"model.vocab_subset: checkpoint {step} in {run.workdir} has {describe(theirs)}, this "
-        f"run's config gives {describe(ours)} (another dataset or vocab_subset setting); "
-        "resume with the config the run was started with, or use a new workdir")
+      f"model.vocab_subset: checkpoint {step} in {run.workdir} has {describe(theirs)}, this "
+      f"run's config gives {describe(ours)} (another dataset or vocab_subset setting); "
+      "resume with the config the run was started with, or use a new workdir"
+    )
 
 
 def _upgrade_meta(meta: dict, mode: str, advantage: str) -> None:
@@ -358,8 +430,12 @@ def _upgrade_meta(meta: dict, mode: str, advantage: str) -> None:
     meta["estimator_state"] = {} if old is None else {advantage: old}
 
 
-def load(config: ml_collections.ConfigDict | sections.Sections, workdir: str,
-         step: int | None = None, training: bool = False) -> Run:
+def load(
+  config: ml_collections.ConfigDict | sections.Sections,
+  workdir: str,
+  step: int | None = None,
+  training: bool = False,
+) -> Run:
   """A run restored from `workdir` (fresh if it has no checkpoint); `training`:
   see `open_workdir`."""
   return open_workdir(build(config), workdir, step, training)

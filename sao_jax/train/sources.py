@@ -43,8 +43,7 @@ from sao_jax.models import precision
 from sao_jax.rollout.driver import RolloutDriver
 from sao_jax.train import distributed
 from sao_jax.train.stopping import StopTraining
-from sao_jax.transport import fleet
-from sao_jax.transport import weight_channel
+from sao_jax.transport import fleet, weight_channel
 
 
 def _copy(counter) -> collections.Counter:
@@ -65,30 +64,32 @@ class RolloutCounts:
   what the consumed shards carried (`fleet.ShardFeed`); the generate and
   environment-wait seconds are the rollout processes' own there (None).
   """
+
   generated_tokens: int = 0
   generate_seconds: float | None = 0.0
   env_wait_seconds: float | None = 0.0
   env_faults: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   # Malformed tool calls by reason (chat.CALL_ERRORS, "unknown_tool", ...).
-  tool_call_errors: collections.Counter = dataclasses.field(
-      default_factory=collections.Counter)
+  tool_call_errors: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   # What environments reported in `info["events"]`, by name.
   env_events: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
   def plus(self, stats) -> RolloutCounts:
     """These counts and a driver's `DriverStats` (read while it may run)."""
     return RolloutCounts(
-        self.generated_tokens + stats.generated_tokens,
-        self.generate_seconds + stats.generate_seconds,
-        self.env_wait_seconds + stats.env_wait_seconds,
-        self.env_faults + _copy(stats.env_faults),
-        self.tool_call_errors + _copy(stats.tool_call_errors),
-        self.env_events + _copy(stats.env_events))
+      self.generated_tokens + stats.generated_tokens,
+      self.generate_seconds + stats.generate_seconds,
+      self.env_wait_seconds + stats.env_wait_seconds,
+      self.env_faults + _copy(stats.env_faults),
+      self.tool_call_errors + _copy(stats.tool_call_errors),
+      self.env_events + _copy(stats.env_events),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class SourceReport:
   """A source's counters at one RL step (cumulative over the launch)."""
+
   counts: RolloutCounts
   restarts: int  # rollout threads restarted after a failure
   queue_depth: int  # trajectories ready, not yet taken
@@ -125,20 +126,35 @@ class DriverSource:
   caller's thread, one batch at a time, instead of a thread of its own.
   """
 
-  def __init__(self, new_driver: Callable[[Callable], RolloutDriver],
-               prompt_iter, *, synchronous: bool, queue_size: int, vocab_size: int,
-               max_len: int, max_staleness: int | None, group_size: int, max_restarts: int,
-               wrap_emit: Callable[[Callable], Callable] = lambda emit: emit,
-               last_checkpoint: Callable[[], int | None] = lambda: None,
-               routing_shape: tuple[int, int, int] | None = None):
+  def __init__(
+    self,
+    new_driver: Callable[[Callable], RolloutDriver],
+    prompt_iter,
+    *,
+    synchronous: bool,
+    queue_size: int,
+    vocab_size: int,
+    max_len: int,
+    max_staleness: int | None,
+    group_size: int,
+    max_restarts: int,
+    wrap_emit: Callable[[Callable], Callable] = lambda emit: emit,
+    last_checkpoint: Callable[[], int | None] = lambda: None,
+    routing_shape: tuple[int, int, int] | None = None,
+  ):
     self._new_driver, self._prompt_iter = new_driver, prompt_iter
     self._synchronous, self._group_size = synchronous, group_size
     self._max_restarts, self._last_checkpoint = max_restarts, last_checkpoint
     # The engine's (host-side) version: the trainer's state lives on device
     # and is donated step after step, so the rollout thread must not read it.
-    self._queue = TrajectoryQueue(queue_size, vocab_size, max_len,
-                                  current_version=lambda: self._driver.engine.version,
-                                  max_staleness=max_staleness, routing_shape=routing_shape)
+    self._queue = TrajectoryQueue(
+      queue_size,
+      vocab_size,
+      max_len,
+      current_version=lambda: self._driver.engine.version,
+      max_staleness=max_staleness,
+      routing_shape=routing_shape,
+    )
     self._emit = wrap_emit(self._queue.put)
     self._pending: dict[int, list[Trajectory]] = collections.defaultdict(list)
     self._dead = RolloutCounts()  # counts of drivers that died, so metrics stay cumulative
@@ -158,11 +174,14 @@ class DriverSource:
     self._restarts += 1
     if self._restarts > self._max_restarts:
       raise StopTraining(
-          f"the rollout thread failed {self._restarts} times (rl.max_rollout_restarts = "
-          f"{self._max_restarts}); last error: {error!r}; the last checkpoint "
-          f"({self._last_checkpoint()}) is intact") from error
-    print(f"[rl] rollout thread failed ({error!r}); restart {self._restarts} of "
-          f"{self._max_restarts}", flush=True)
+        f"the rollout thread failed {self._restarts} times (rl.max_rollout_restarts = "
+        f"{self._max_restarts}); last error: {error!r}; the last checkpoint "
+        f"({self._last_checkpoint()}) is intact"
+      ) from error
+    print(
+      f"[rl] rollout thread failed ({error!r}); restart {self._restarts} of {self._max_restarts}",
+      flush=True,
+    )
     self._start()
 
   def _incoming(self, n: int) -> list[Trajectory]:
@@ -170,7 +189,7 @@ class DriverSource:
       if self._queue.qsize() == 0:
         try:
           self._driver.run(max_trajectories=n)
-        except Exception as e:  # pylint: disable=broad-except
+        except Exception as e:  # noqa: BLE001
           self._restart(e)
       return self._queue.drain()
     try:
@@ -199,8 +218,12 @@ class DriverSource:
     return {}
 
   def report(self) -> SourceReport:
-    return SourceReport(self._dead.plus(self._driver.stats), self._restarts,
-                        self._queue.qsize(), dict(self._queue.rejected))
+    return SourceReport(
+      self._dead.plus(self._driver.stats),
+      self._restarts,
+      self._queue.qsize(),
+      dict(self._queue.rejected),
+    )
 
   def state(self) -> dict:
     return {"prompt_state": self._prompt_iter.get_state()}
@@ -227,8 +250,10 @@ class FleetSource:
     self._version = version
     self.publish(params, version)
     fleet.clear_done(root)
-    print(f"[fleet] trainer at version {version}; shared storage {root}; weights: "
-          f"{weights.describe}", flush=True)
+    print(
+      f"[fleet] trainer at version {version}; shared storage {root}; weights: {weights.describe}",
+      flush=True,
+    )
 
   def take(self, n: int) -> list[Trajectory]:
     return self._feed.take(n)
@@ -240,10 +265,14 @@ class FleetSource:
 
   def report(self) -> SourceReport:
     f = self._feed
-    counts = RolloutCounts(f.generated_tokens, None, None, f.env_faults, f.tool_call_errors,
-                           f.env_events)
-    extra = {"fleet/shards_consumed": f.shards_consumed, "fleet/shard_age_s": f.last_shard_age_s,
-             **self._weights.report()}
+    counts = RolloutCounts(
+      f.generated_tokens, None, None, f.env_faults, f.tool_call_errors, f.env_events
+    )
+    extra = {
+      "fleet/shards_consumed": f.shards_consumed,
+      "fleet/shard_age_s": f.last_shard_age_s,
+      **self._weights.report(),
+    }
     return SourceReport(counts, 0, f.qsize(), dict(f.rejected), extra)
 
   def state(self) -> dict:
@@ -266,16 +295,25 @@ def _driver_source(run, saved, *, synchronous: bool) -> DriverSource:
 
   def new_driver(emit):
     """A fresh engine and driver on the trainer's current params."""
-    engine = run.engine(run.policy_params(), int(run.state.step),
-                        record_routing=run.routing_shape is not None)
+    engine = run.engine(
+      run.policy_params(), int(run.state.step), record_routing=run.routing_shape is not None
+    )
     return run.driver(engine, env, prompt_iter, emit)
 
   return DriverSource(
-      new_driver, prompt_iter, synchronous=synchronous, queue_size=r.queue_size,
-      vocab_size=run.tok.vocab_size, max_len=r.max_len, max_staleness=r.max_staleness,
-      group_size=r.samples_per_prompt, max_restarts=config.rl.max_rollout_restarts,
-      wrap_emit=lambda put: run.faults.wrap_emit(put, run.tok.vocab_size),
-      last_checkpoint=run.ckpt.latest_step, routing_shape=run.routing_shape)
+    new_driver,
+    prompt_iter,
+    synchronous=synchronous,
+    queue_size=r.queue_size,
+    vocab_size=run.tok.vocab_size,
+    max_len=r.max_len,
+    max_staleness=r.max_staleness,
+    group_size=r.samples_per_prompt,
+    max_restarts=config.rl.max_rollout_restarts,
+    wrap_emit=lambda put: run.faults.wrap_emit(put, run.tok.vocab_size),
+    last_checkpoint=run.ckpt.latest_step,
+    routing_shape=run.routing_shape,
+  )
 
 
 def _fleet_source(run, saved) -> FleetSource:
@@ -284,21 +322,33 @@ def _fleet_source(run, saved) -> FleetSource:
   # The run id (kept in the workdir across resumes) and the fingerprints
   # published up to the checkpoint's version (identity.py).
   published = identity_lib.Published.restore(
-      identity_lib.run_id(run.workdir, distributed.share_from_primary),
-      (saved or {}).get("identity"), int(run.state.step))
-  feed = fleet.ShardFeed(root, run.tok.vocab_size, config.rollout.max_len,
-                         current_version=lambda: int(run.state.step),
-                         max_staleness=config.rollout.max_staleness, state=saved,
-                         poll_seconds=config.fleet.poll_seconds,
-                         share=distributed.share_from_primary,
-                         routing_shape=run.routing_shape, identity=published)
+    identity_lib.run_id(run.workdir, distributed.share_from_primary),
+    (saved or {}).get("identity"),
+    int(run.state.step),
+  )
+  feed = fleet.ShardFeed(
+    root,
+    run.tok.vocab_size,
+    config.rollout.max_len,
+    current_version=lambda: int(run.state.step),
+    max_staleness=config.rollout.max_staleness,
+    state=saved,
+    poll_seconds=config.fleet.poll_seconds,
+    share=distributed.share_from_primary,
+    routing_shape=run.routing_shape,
+    identity=published,
+  )
   version = int(run.state.step)
   # Versions go out as the engines hold them: the cast to the compute dtype
   # (precision.py), once per version.
   weights = weight_channel.make_publisher(
-      root, config.fleet, version,
-      jax.jit(functools.partial(precision.cast_for_serving, run.model_cfg)),
-      identity=published, share=distributed.share_from_primary)
+    root,
+    config.fleet,
+    version,
+    jax.jit(functools.partial(precision.cast_for_serving, run.model_cfg)),
+    identity=published,
+    share=distributed.share_from_primary,
+  )
   return FleetSource(root, feed, weights, run.policy_params(), version)
 
 
@@ -316,15 +366,16 @@ class SourceSpec:
       > 1); a source whose resume cursor is per trajectory cannot (a group
       split by a restart would be half trained).
   """
+
   build: Callable[[Any, Any], TrajectorySource]
   in_process: bool = True
   groups: bool = True
 
 
 SOURCES: dict[str, SourceSpec] = {
-    "async": SourceSpec(lambda run, saved: _driver_source(run, saved, synchronous=False)),
-    "sync": SourceSpec(lambda run, saved: _driver_source(run, saved, synchronous=True)),
-    "fleet": SourceSpec(_fleet_source, in_process=False, groups=False),
+  "async": SourceSpec(lambda run, saved: _driver_source(run, saved, synchronous=False)),
+  "sync": SourceSpec(lambda run, saved: _driver_source(run, saved, synchronous=True)),
+  "fleet": SourceSpec(_fleet_source, in_process=False, groups=False),
 }
 
 

@@ -29,13 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sao_jax.train import distributed
-from sao_jax.data import files
-from sao_jax.data import store
+from sao_jax.data import files, store
 from sao_jax.envs import base
 from sao_jax.envs.demonstrations import demonstration_trajectory
-from sao_jax.train.metrics import progress
 from sao_jax.models import hf_import, lora, policy
+from sao_jax.train import distributed
+from sao_jax.train.metrics import progress
 from sao_jax.train.rl_loop import rl
 from sao_jax.train.run import Run, wait
 
@@ -50,7 +49,7 @@ def _sft_reached_target(run: Run, c, nll: float) -> bool:
     return False
   recent = run.meta.setdefault("sft_recent_nll", [])
   recent.append(nll)
-  del recent[:-c.stop_window]
+  del recent[: -c.stop_window]
   return len(recent) == c.stop_window and sum(recent) / len(recent) <= c.stop_at_nll
 
 
@@ -63,12 +62,17 @@ def _fitting_demonstrations(run: Run, trajs: list, step: int) -> list:
   skipped = len(trajs) - len(kept)
   if skipped:
     total = run.meta["sft_skipped_too_long"] = run.meta.get("sft_skipped_too_long", 0) + skipped
-    print(f"[sft] step {step + 1}: skipped {skipped} demonstrations longer than "
-          f"data.buckets' largest ({longest} tokens; {total} so far)", flush=True)
+    print(
+      f"[sft] step {step + 1}: skipped {skipped} demonstrations longer than "
+      f"data.buckets' largest ({longest} tokens; {total} so far)",
+      flush=True,
+    )
   if not kept:
-    raise ValueError(f"SFT step {step + 1}: every demonstration drawn is longer than "
-                     f"data.buckets' largest ({longest} tokens): raise data.buckets and "
-                     "rollout.max_len")
+    raise ValueError(
+      f"SFT step {step + 1}: every demonstration drawn is longer than "
+      f"data.buckets' largest ({longest} tokens): raise data.buckets and "
+      "rollout.max_len"
+    )
   return kept
 
 
@@ -78,8 +82,9 @@ def sft(run: Run) -> None:
   policy_params, opt = run.state.policy, run.state.policy_opt
   steps = c.steps
   if c.init_from_hf:  # start from an existing SFT checkpoint instead
-    policy_params = hf_import.load_hf_checkpoint(c.init_from_hf, run.model_cfg,
-                                                 run.programs.policy_shardings)
+    policy_params = hf_import.load_hf_checkpoint(
+      c.init_from_hf, run.model_cfg, run.programs.policy_shardings
+    )
     steps = 0
   elif run.meta["stage_step"] == 0:  # a fresh SFT: the optimizer starts empty
     opt = jax.jit(run.programs.sft_tx.init, out_shardings=shardings.policy_opt)(policy_params)
@@ -89,10 +94,12 @@ def sft(run: Run) -> None:
     # not all have a demonstration (a dataset's rows without a solution) maps the
     # draw onto those that do (`demonstration_task`).
     idx = np.random.default_rng([config.seed, 2, step]).integers(
-        0, config.data.num_train_tasks, c.batch_size)
+      0, config.data.num_train_tasks, c.batch_size
+    )
     tasks = [base.demonstration_task(run.env, int(i)) for i in idx]
     trajs = _fitting_demonstrations(
-        run, [demonstration_trajectory(run.env, t, run.tok, run.format) for t in tasks], step)
+      run, [demonstration_trajectory(run.env, t, run.tok, run.format) for t in tasks], step
+    )
     batch = run.pack(trajs, c.batch_size)
     with jax.set_mesh(run.mesh), nn.logical_axis_rules(run.rules):  # activation constraints
       policy_params, opt, m = run.sft_step(policy_params, opt, batch)
@@ -103,8 +110,11 @@ def sft(run: Run) -> None:
       rec = run.metrics.write(step + 1, m, "sft")
       progress("sft", step + 1, steps, rec, {"sft/nll": "nll"})
     if stop:
-      print(f"[sft] stopped at step {step + 1} of {steps}: mean nll of the last "
-            f"{c.stop_window} steps <= sft.stop_at_nll {c.stop_at_nll:g}", flush=True)
+      print(
+        f"[sft] stopped at step {step + 1} of {steps}: mean nll of the last "
+        f"{c.stop_window} steps <= sft.stop_at_nll {c.stop_at_nll:g}",
+        flush=True,
+      )
       run.meta["sft_stopped_at"] = step + 1
       break
     if (step + 1) % config.checkpoint.every == 0:
@@ -116,15 +126,15 @@ def sft(run: Run) -> None:
   else:  # the same trunk: the policy's base, the policy's adapters carried over
     critic = lora.carry_over(policy_params, run.state.critic)
   # A real copy: the trunk must not alias the policy's (donated) buffers.
-  critic = jax.jit(lambda t: jax.tree.map(jnp.copy, t),
-                   out_shardings=shardings.critic)(critic)
+  critic = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings.critic)(critic)
   run.state = run.state.replace(
-      policy=policy_params,
-      policy_opt=jax.jit(run.programs.policy_tx.init, out_shardings=shardings.policy_opt)(
-          policy_params),
-      critic=critic,
-      critic_opt=jax.jit(run.programs.critic_tx.init, out_shardings=shardings.critic_opt)(
-          critic))
+    policy=policy_params,
+    policy_opt=jax.jit(run.programs.policy_tx.init, out_shardings=shardings.policy_opt)(
+      policy_params
+    ),
+    critic=critic,
+    critic_opt=jax.jit(run.programs.critic_tx.init, out_shardings=shardings.critic_opt)(critic),
+  )
   run.evaluate("sft", run.policy_params())
   run.advance("value_pretrain")
 
@@ -141,9 +151,13 @@ def _store_initial_rollouts(run: Run, shard: str, num_trajectories: int) -> int:
     with store.TrajectoryWriter(shard) as writer:
       # One sample per prompt from a policy that never changes: no weight
       # swaps to wait for, so several tokens per decode call.
-      driver = run.driver(engine, run.frozen_env,
-                          iter(range(10**9, 10**9 + num_trajectories)), writer.write,
-                          engine.rollout.replace(samples_per_prompt=1, decode_steps=8))
+      driver = run.driver(
+        engine,
+        run.frozen_env,
+        iter(range(10**9, 10**9 + num_trajectories)),
+        writer.write,
+        engine.rollout.replace(samples_per_prompt=1, decode_steps=8),
+      )
       driver.run()
       driver.stop()
     return driver.stats.generated_tokens
@@ -161,16 +175,19 @@ def value_pretrain(run: Run) -> None:
     # Budgets count every token the policy generates, warm-up included.
     run.meta["generated_tokens"] = run.meta.get("generated_tokens", 0) + generated
     run.meta["value_store_done"] = True
-    print(f"[value_pretrain] stored {c.num_trajectories} trajectories of the SFT policy",
-          flush=True)
+    print(
+      f"[value_pretrain] stored {c.num_trajectories} trajectories of the SFT policy", flush=True
+    )
   # Read back through the same validation as the ingestion queue: a record
   # damaged on disk is dropped with a counted reason, never trained on.
-  data, dropped = store.read_valid_trajectories([shard], run.tok.vocab_size,
-                                                config.rollout.max_len,
-                                                shuffle_seed=config.seed)
+  data, dropped = store.read_valid_trajectories(
+    [shard], run.tok.vocab_size, config.rollout.max_len, shuffle_seed=config.seed
+  )
   if dropped:
-    print(f"[value_pretrain] dropped {sum(dropped.values())} stored records: {dict(dropped)}",
-          flush=True)
+    print(
+      f"[value_pretrain] dropped {sum(dropped.values())} stored records: {dict(dropped)}",
+      flush=True,
+    )
   b = config.rl.batch_size
   for step in range(run.meta["stage_step"], c.steps):
     trajs = [data[(step * b + j) % len(data)] for j in range(b)]
@@ -182,8 +199,13 @@ def value_pretrain(run: Run) -> None:
     m = dict(m, **{f"value_pretrain/rejected_{k}": v for k, v in dropped.items()})
     if (step + 1) % config.log_every == 0 or step + 1 == c.steps:
       rec = run.metrics.write(step + 1, m, "value_pretrain")
-      progress("value_pretrain", step + 1, c.steps, rec,
-               {"critic/value_loss": "value_loss", "critic/explained_variance": "expl_var"})
+      progress(
+        "value_pretrain",
+        step + 1,
+        c.steps,
+        rec,
+        {"critic/value_loss": "value_loss", "critic/explained_variance": "expl_var"},
+      )
     if (step + 1) % config.checkpoint.every == 0:
       run.save()
   return run.advance("rl")
@@ -192,17 +214,19 @@ def value_pretrain(run: Run) -> None:
 def done(run: Run) -> dict:
   """The final evaluation; writes <workdir>/summary.json (a finished run's mark)."""
   final = run.evaluate("final", run.policy_params())
-  summary = {"sft_pass@1": run.meta["evals"].get("sft", {}).get("pass@1"),
-             "final_pass@1": final["pass@1"], "evals": run.meta["evals"],
-             "rl_steps": int(run.state.step),
-             # The step sft.stop_at_nll stopped SFT at (None: it ran every step).
-             "sft_stopped_at": run.meta.get("sft_stopped_at"),
-             "generated_tokens": run.meta.get("generated_tokens", 0)}
+  summary = {
+    "sft_pass@1": run.meta["evals"].get("sft", {}).get("pass@1"),
+    "final_pass@1": final["pass@1"],
+    "evals": run.meta["evals"],
+    "rl_steps": int(run.state.step),
+    # The step sft.stop_at_nll stopped SFT at (None: it ran every step).
+    "sft_stopped_at": run.meta.get("sft_stopped_at"),
+    "generated_tokens": run.meta.get("generated_tokens", 0),
+  }
   if distributed.is_primary():
     # Written whole: a summary.json that exists marks a finished run (experiments/).
     files.write_json(files.join(run.workdir, "summary.json"), summary, indent=2)
-  print(f"[done] pass@1 SFT {summary['sft_pass@1']} -> final {summary['final_pass@1']}",
-        flush=True)
+  print(f"[done] pass@1 SFT {summary['sft_pass@1']} -> final {summary['final_pass@1']}", flush=True)
   run.save(force=True)
   return summary
 
@@ -210,4 +234,8 @@ def done(run: Run) -> dict:
 # The stage a checkpoint names -> the function that runs it. Every stage but
 # "done" ends by advancing to the next.
 STAGES: dict[str, Callable[[Run], object]] = {
-    "sft": sft, "value_pretrain": value_pretrain, "rl": rl, "done": done}
+  "sft": sft,
+  "value_pretrain": value_pretrain,
+  "rl": rl,
+  "done": done,
+}

@@ -33,15 +33,30 @@ import re
 # The one place these figures live (/work/shared/research/weight-sync.md
 # section 4 surveys the DCN figures).
 TPU_PEAKS = {
-    "TPU v5": {"name": "v5p", "bf16_flops": 459e12, "hbm_bytes_per_s": 2765e9,
-               "dcn_bytes_per_s_per_chip": 50e9 / 8, "chips_per_host": 4,
-               "source": "cloud.google.com/tpu/docs/v5p"},
-    "TPU v5 lite": {"name": "v5e", "bf16_flops": 197e12, "hbm_bytes_per_s": 819e9,
-                    "dcn_bytes_per_s_per_chip": 200e9 / 8 / 8, "chips_per_host": 8,
-                    "source": "cloud.google.com/tpu/docs/v5e"},
-    "TPU v6 lite": {"name": "v6e", "bf16_flops": 918e12, "hbm_bytes_per_s": 1640e9,
-                    "dcn_bytes_per_s_per_chip": None, "chips_per_host": 8,
-                    "source": "cloud.google.com/tpu/docs/v6e"},
+  "TPU v5": {
+    "name": "v5p",
+    "bf16_flops": 459e12,
+    "hbm_bytes_per_s": 2765e9,
+    "dcn_bytes_per_s_per_chip": 50e9 / 8,
+    "chips_per_host": 4,
+    "source": "cloud.google.com/tpu/docs/v5p",
+  },
+  "TPU v5 lite": {
+    "name": "v5e",
+    "bf16_flops": 197e12,
+    "hbm_bytes_per_s": 819e9,
+    "dcn_bytes_per_s_per_chip": 200e9 / 8 / 8,
+    "chips_per_host": 8,
+    "source": "cloud.google.com/tpu/docs/v5e",
+  },
+  "TPU v6 lite": {
+    "name": "v6e",
+    "bf16_flops": 918e12,
+    "hbm_bytes_per_s": 1640e9,
+    "dcn_bytes_per_s_per_chip": None,
+    "chips_per_host": 8,
+    "source": "cloud.google.com/tpu/docs/v6e",
+  },
 }
 TPU_PEAKS["TPU v5p"] = TPU_PEAKS["TPU v5"]
 TPU_PEAKS["TPU v5e"] = TPU_PEAKS["TPU v5 lite"]
@@ -63,7 +78,7 @@ def cost(compiled) -> dict | None:
   """
   try:
     ca = compiled.cost_analysis()
-  except Exception:  # pylint: disable=broad-except
+  except Exception:  # noqa: BLE001
     return None
   if isinstance(ca, (list, tuple)):
     ca = ca[0] if ca else None
@@ -80,16 +95,18 @@ def while_loops(hlo_text: str) -> int:
   return len(_WHILE.findall(hlo_text))
 
 
-def roofline_seconds(flops: float, bytes_accessed: float, peak_flops: float,
-                     hbm_bytes_per_s: float, mfu: float) -> float:
+def roofline_seconds(
+  flops: float, bytes_accessed: float, peak_flops: float, hbm_bytes_per_s: float, mfu: float
+) -> float:
   """One chip's time: FLOPs at `mfu` of peak or HBM bytes at full bandwidth, the larger."""
   if not 0 < mfu <= 1:
     raise ValueError(f"mfu={mfu}: must be in (0, 1]")
   return max(flops / (peak_flops * mfu), bytes_accessed / hbm_bytes_per_s)
 
 
-def step_model(step_cost: dict | None, device_kind: str, mfu: float, *, loops: int = 0,
-               loop_scale: int = 1) -> dict:
+def step_model(
+  step_cost: dict | None, device_kind: str, mfu: float, *, loops: int = 0, loop_scale: int = 1
+) -> dict:
   """The RL step's modeled seconds from its per-chip cost at `device_kind`'s peak.
 
   `loops`: while ops in the program; with any, the counted figure is a
@@ -101,17 +118,37 @@ def step_model(step_cost: dict | None, device_kind: str, mfu: float, *, loops: i
   if step_cost is None:
     return {"available": False, "reason": "cost_analysis() not available for this program"}
   if peaks is None:
-    return {"available": False, "reason": f"no peak figures for device kind {device_kind!r} "
-                                          "(TPU_PEAKS in sao_jax/train/steptime.py)"}
-  s = roofline_seconds(step_cost["flops"], step_cost["bytes_accessed"], peaks["bf16_flops"],
-                       peaks["hbm_bytes_per_s"], mfu)
-  out = {"available": True, "device": peaks["name"], "source": peaks["source"], "mfu": mfu,
-         "peak_bf16_flops": peaks["bf16_flops"], "hbm_bytes_per_s": peaks["hbm_bytes_per_s"],
-         "flops_per_chip": step_cost["flops"],
-         "bytes_accessed_per_chip": step_cost["bytes_accessed"],
-         "bound": ("compute" if step_cost["flops"] / (peaks["bf16_flops"] * mfu)
-                   >= step_cost["bytes_accessed"] / peaks["hbm_bytes_per_s"] else "memory"),
-         "seconds": s, "while_loops": loops, "lower_bound": loops > 0}
+    return {
+      "available": False,
+      "reason": f"no peak figures for device kind {device_kind!r} "
+      "(TPU_PEAKS in sao_jax/train/steptime.py)",
+    }
+  s = roofline_seconds(
+    step_cost["flops"],
+    step_cost["bytes_accessed"],
+    peaks["bf16_flops"],
+    peaks["hbm_bytes_per_s"],
+    mfu,
+  )
+  out = {
+    "available": True,
+    "device": peaks["name"],
+    "source": peaks["source"],
+    "mfu": mfu,
+    "peak_bf16_flops": peaks["bf16_flops"],
+    "hbm_bytes_per_s": peaks["hbm_bytes_per_s"],
+    "flops_per_chip": step_cost["flops"],
+    "bytes_accessed_per_chip": step_cost["bytes_accessed"],
+    "bound": (
+      "compute"
+      if step_cost["flops"] / (peaks["bf16_flops"] * mfu)
+      >= step_cost["bytes_accessed"] / peaks["hbm_bytes_per_s"]
+      else "memory"
+    ),
+    "seconds": s,
+    "while_loops": loops,
+    "lower_bound": loops > 0,
+  }
   out["layer_scaled_seconds"] = s * max(1, loop_scale) if loops else s
   return out
 
@@ -139,18 +176,32 @@ def forward_flops_per_token(cfg, attended: float, head: bool = True) -> float:
   full = 2 * d * (h + 2 * kvh) * hd + 2 * h * hd * d + 4 * h * hd * attended
   kh, vh = cfg.linear_num_key_heads, cfg.linear_num_value_heads
   dk, dv, c = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.deltanet_chunk
-  linear = (2 * d * (2 * kh * dk + 2 * vh * dv + 2 * vh) + 2 * vh * dv * d
-            + vh * (c * (5 * dk + 3 * dv) + 6 * dk * dv))
+  linear = (
+    2 * d * (2 * kh * dk + 2 * vh * dv + 2 * vh)
+    + 2 * vh * dv * d
+    + vh * (c * (5 * dk + 3 * dv) + 6 * dk * dv)
+  )
   attention = {"full": full, "gated_full": full + 2 * d * h * hd, "linear": linear}
   moe = 2 * d * cfg.num_experts + cfg.experts_per_token * 6 * d * cfg.moe_d_ff
-  mlp = {"dense": 6 * d * (cfg.dense_d_ff or 0), "moe": moe,
-         "moe_shared": moe + 6 * d * cfg.shared_expert_d_ff + 2 * d}
+  mlp = {
+    "dense": 6 * d * (cfg.dense_d_ff or 0),
+    "moe": moe,
+    "moe_shared": moe + 6 * d * cfg.shared_expert_d_ff + 2 * d,
+  }
   flops = sum(attention[s.attention] + mlp[s.mlp] for s in cfg.layer_specs)
   return float(flops + (2 * d * cfg.vocab_size if head else 0))
 
 
-def rl_step_flops(cfg, rows: int, length: int, *, critic_updates: int, remat: bool,
-                  head_fraction: float = 1.0, causal_skip: bool = True) -> dict:
+def rl_step_flops(
+  cfg,
+  rows: int,
+  length: int,
+  *,
+  critic_updates: int,
+  remat: bool,
+  head_fraction: float = 1.0,
+  causal_skip: bool = True,
+) -> dict:
   """Matmul FLOPs of one RL step (`train_step.make_train_step`) over `rows x length`
   tokens, by what the step runs: `critic_updates` value-model updates and one
   actor update, each a forward and a backward (the backward is twice the
@@ -170,8 +221,14 @@ def rl_step_flops(cfg, rows: int, length: int, *, critic_updates: int, remat: bo
   tokens = rows * length
   actor = passes * (trunk + head * head_fraction) * tokens
   critic = critic_updates * passes * trunk * tokens
-  return {"actor": actor, "critic": critic, "total": actor + critic,
-          "per_token_forward": trunk + head, "tokens": tokens, "attended": attended}
+  return {
+    "actor": actor,
+    "critic": critic,
+    "total": actor + critic,
+    "per_token_forward": trunk + head,
+    "tokens": tokens,
+    "attended": attended,
+  }
 
 
 def analytic_step(flops_total: float, chips: int, device_kind: str, mfu: float) -> dict:
@@ -180,12 +237,17 @@ def analytic_step(flops_total: float, chips: int, device_kind: str, mfu: float) 
   if peaks is None:
     return {"available": False, "reason": f"no peak figures for device kind {device_kind!r}"}
   per_chip = flops_total / chips
-  return {"available": True, "flops_per_chip": per_chip,
-          "seconds": per_chip / (peaks["bf16_flops"] * mfu), "mfu": mfu}
+  return {
+    "available": True,
+    "flops_per_chip": per_chip,
+    "seconds": per_chip / (peaks["bf16_flops"] * mfu),
+    "mfu": mfu,
+  }
 
 
-def version_model(bytes_per_rollout_engine: int, rollout_devices: int, device_kind: str,
-                  step: dict) -> dict:
+def version_model(
+  bytes_per_rollout_engine: int, rollout_devices: int, device_kind: str, step: dict
+) -> dict:
   """Seconds a version takes into one rollout host, at line rate and at TCP rate, and the
   policy lag in RL steps (version seconds / step seconds) for both step bounds."""
   peaks = TPU_PEAKS.get(device_kind)
@@ -195,9 +257,15 @@ def version_model(bytes_per_rollout_engine: int, rollout_devices: int, device_ki
   hosts = max(1, rollout_devices // chips_per_host)
   per_host = bytes_per_rollout_engine / hosts
   line_rate = peaks["dcn_bytes_per_s_per_chip"] * chips_per_host
-  out = {"available": True, "rollout_hosts_per_engine": hosts, "bytes_per_rollout_host": per_host,
-         "dcn_bytes_per_s_per_host": line_rate, "tcp_bytes_per_s_per_host": TCP_BYTES_PER_S,
-         "seconds_line_rate": per_host / line_rate, "seconds_tcp": per_host / TCP_BYTES_PER_S}
+  out = {
+    "available": True,
+    "rollout_hosts_per_engine": hosts,
+    "bytes_per_rollout_host": per_host,
+    "dcn_bytes_per_s_per_host": line_rate,
+    "tcp_bytes_per_s_per_host": TCP_BYTES_PER_S,
+    "seconds_line_rate": per_host / line_rate,
+    "seconds_tcp": per_host / TCP_BYTES_PER_S,
+  }
   if step.get("available"):
     for rate in ("line_rate", "tcp"):
       v = out[f"seconds_{rate}"]
@@ -213,30 +281,43 @@ def format_model(step: dict, version: dict | None) -> str:
   if not step.get("available"):
     head = f"RL step: {step['reason']}"
   else:
-    head = (f"RL step {step['flops_per_chip'] / 1e12:.1f} TFLOP and "
-            f"{step['bytes_accessed_per_chip'] / 1e9:.1f} GB of HBM per chip at {step['mfu']:.0%} "
-            f"of {step['device']}'s {step['peak_bf16_flops'] / 1e12:.0f} TFLOP/s bf16 peak: "
-            f"{step['seconds']:.2f} s ({step['bound']}-bound)")
+    head = (
+      f"RL step {step['flops_per_chip'] / 1e12:.1f} TFLOP and "
+      f"{step['bytes_accessed_per_chip'] / 1e9:.1f} GB of HBM per chip at {step['mfu']:.0%} "
+      f"of {step['device']}'s {step['peak_bf16_flops'] / 1e12:.0f} TFLOP/s bf16 peak: "
+      f"{step['seconds']:.2f} s ({step['bound']}-bound)"
+    )
     if step["lower_bound"]:
-      head += (f", a lower bound ({step['while_loops']} while loops, each body counted once; "
-               f"x layers: {step['layer_scaled_seconds']:.1f} s)")
+      head += (
+        f", a lower bound ({step['while_loops']} while loops, each body counted once; "
+        f"x layers: {step['layer_scaled_seconds']:.1f} s)"
+      )
     if step.get("analytic", {}).get("available"):
       a = step["analytic"]
-      head += (f"; counted from the model's shape: {a['flops_per_chip'] / 1e12:.0f} TFLOP a "
-               f"chip, {a['seconds']:.1f} s")
+      head += (
+        f"; counted from the model's shape: {a['flops_per_chip'] / 1e12:.0f} TFLOP a "
+        f"chip, {a['seconds']:.1f} s"
+      )
   if not version or not version.get("available"):
     return head
-  tail = (f"; a version {version['bytes_per_rollout_host'] / 1e9:.1f} GB per rollout host: "
-          f"{version['seconds_line_rate']:.1f} s at {version['dcn_bytes_per_s_per_host'] / 1e9:.0f}"
-          f" GB/s DCN, {version['seconds_tcp']:.1f} s at TCP's "
-          f"{version['tcp_bytes_per_s_per_host'] / 1e9:.2f} GB/s")
+  tail = (
+    f"; a version {version['bytes_per_rollout_host'] / 1e9:.1f} GB per rollout host: "
+    f"{version['seconds_line_rate']:.1f} s at {version['dcn_bytes_per_s_per_host'] / 1e9:.0f}"
+    f" GB/s DCN, {version['seconds_tcp']:.1f} s at TCP's "
+    f"{version['tcp_bytes_per_s_per_host'] / 1e9:.2f} GB/s"
+  )
   if "lag_steps_line_rate" in version:
-    tail += (f"; policy lag {version['lag_steps_line_rate']:.2f}-{version['lag_steps_tcp']:.2f} "
-             f"steps")
+    tail += (
+      f"; policy lag {version['lag_steps_line_rate']:.2f}-{version['lag_steps_tcp']:.2f} steps"
+    )
     if step["lower_bound"]:
-      tail += (f" ({version['lag_steps_line_rate_layer_scaled']:.2f}-"
-               f"{version['lag_steps_tcp_layer_scaled']:.2f} at the layer-scaled step)")
+      tail += (
+        f" ({version['lag_steps_line_rate_layer_scaled']:.2f}-"
+        f"{version['lag_steps_tcp_layer_scaled']:.2f} at the layer-scaled step)"
+      )
     if "lag_steps_line_rate_analytic" in version:
-      tail += (f", {version['lag_steps_line_rate_analytic']:.2f}-"
-               f"{version['lag_steps_tcp_analytic']:.2f} at the shape-counted step")
+      tail += (
+        f", {version['lag_steps_line_rate_analytic']:.2f}-"
+        f"{version['lag_steps_tcp_analytic']:.2f} at the shape-counted step"
+      )
   return head + tail

@@ -45,10 +45,10 @@ import optax
 
 from sao_jax.algo import advantages as adv
 from sao_jax.algo import losses
-from sao_jax.models import lora, policy
-from sao_jax.models.config import ModelConfig
 from sao_jax.algo.optim import param_path
 from sao_jax.config import sections
+from sao_jax.models import lora, policy
+from sao_jax.models.config import ModelConfig
 
 Array = jax.Array
 
@@ -65,6 +65,7 @@ class TrainState:
 @dataclasses.dataclass(frozen=True)
 class Adapters:
   """LoRA's view of the state: its policy and critic adapt these configs' targets."""
+
   actor: lora.LoraConfig
   critic: lora.LoraConfig
 
@@ -87,6 +88,7 @@ class StepConfig:
   variants' options) and the rollout's sampling temperature, by which the
   policy's logits are scaled alike. It declares no option and no default
   of its own: `cfg.eps_low` is `cfg.rl.eps_low`."""
+
   rl: sections.RL
   temperature: float
 
@@ -118,8 +120,10 @@ class StepConfig:
     silent drop."""
     missing = [k for k in losses.CONFIG_OPTIONS if not hasattr(self.rl, k)]
     if missing:
-      raise ValueError(f"losses.CONFIG_OPTIONS {missing} are not fields of the rl section "
-                       "(sao_jax/config/sections.py RL): declare each there")
+      raise ValueError(
+        f"losses.CONFIG_OPTIONS {missing} are not fields of the rl section "
+        "(sao_jax/config/sections.py RL): declare each there"
+      )
     return {k: getattr(self.rl, k) for k in losses.CONFIG_OPTIONS}
 
 
@@ -129,8 +133,7 @@ def _model_inputs(batch):
 
 def group_norms(tree, groups: dict[str, str]) -> dict[str, jax.Array]:
   """Global L2 norm of the leaves whose path matches each regex."""
-  flat = [(param_path(path), leaf)
-          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
+  flat = [(param_path(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
   out = {}
   for name, rx in groups.items():
     pattern = re.compile(rx)
@@ -143,8 +146,9 @@ _NORM_GROUPS = {"attention": r"/attn/", "moe_mlp": r"/(moe|mlp)/", "all": r".*"}
 
 
 def _gae(cfg: StepConfig, values, batch, lam: float):
-  return cfg.estimator.gae(batch["rewards"], values, batch["action_mask"], cfg.gamma, lam,
-                           segment_ids=batch["segment_ids"])
+  return cfg.estimator.gae(
+    batch["rewards"], values, batch["action_mask"], cfg.gamma, lam, segment_ids=batch["segment_ids"]
+  )
 
 
 def compute_advantages(cfg: StepConfig, values, batch):
@@ -166,8 +170,7 @@ def compute_advantages(cfg: StepConfig, values, batch):
   return advantages, returns, value_mask
 
 
-def _critic_updates(model_cfg, cfg, critic_tx, state, batch, metrics, adapters=None,
-                    bases=None):
+def _critic_updates(model_cfg, cfg, critic_tx, state, batch, metrics, adapters=None, bases=None):
   """Critic forward -> advantages/returns -> K critic updates."""
   inputs = _model_inputs(batch)
   m = batch["action_mask"]
@@ -195,14 +198,12 @@ def _critic_updates(model_cfg, cfg, critic_tx, state, batch, metrics, adapters=N
       grad_norm = norms["all"]
       metrics.update({f"critic/{n}": x for n, x in vm.items()})
       metrics.update({f"critic/grad_norm_{n}": x for n, x in norms.items()})
-    critic, opt, ok = apply_if_finite(critic_tx, grads, opt, critic, vm["value_loss"],
-                                      grad_norm)
+    critic, opt, ok = apply_if_finite(critic_tx, grads, opt, critic, vm["value_loss"], grad_norm)
     skipped = skipped + (1 - ok.astype(jnp.int32))
   metrics["critic/updates_skipped"] = skipped
   advantages = targets[0]
   metrics["advantage_mean"] = _mean_or_nan(jnp.where(m, advantages, 0).sum(), m.sum())
-  metrics["advantage_abs_mean"] = _mean_or_nan(jnp.where(m, jnp.abs(advantages), 0).sum(),
-                                               m.sum())
+  metrics["advantage_abs_mean"] = _mean_or_nan(jnp.where(m, jnp.abs(advantages), 0).sum(), m.sum())
   return state.replace(critic=critic, critic_opt=opt), advantages
 
 
@@ -216,14 +217,15 @@ RATIO_QUANTILES = (0.01, 0.10, 0.50, 0.90, 0.99)
 
 
 def lag_bucket_name(lo: int, hi: int | None) -> str:
-  """"lag1", "lag3_4", "lag9up"."""
+  """ "lag1", "lag3_4", "lag9up"."""
   if hi is None:
     return f"lag{lo}up"
   return f"lag{lo}" if lo == hi else f"lag{lo}_{hi}"
 
 
-def masked_quantiles(x: Array, groups: Array, num_groups: int,
-                     quantiles: tuple[float, ...]) -> Array:
+def masked_quantiles(
+  x: Array, groups: Array, num_groups: int, quantiles: tuple[float, ...]
+) -> Array:
   """Quantiles of `x` within each group, with static shapes. float `[G, Q]`.
 
   `groups` (int, the shape of `x`) holds each element's group in
@@ -254,8 +256,15 @@ def masked_quantiles(x: Array, groups: Array, num_groups: int,
   return jnp.where(counts[:, None] > 0, out, jnp.nan)
 
 
-def lag_diagnostics(logp: Array, rollout_logp: Array, advantages: Array, action_mask: Array,
-                    lag: Array, eps_low: float, eps_high: float) -> dict:
+def lag_diagnostics(
+  logp: Array,
+  rollout_logp: Array,
+  advantages: Array,
+  action_mask: Array,
+  lag: Array,
+  eps_low: float,
+  eps_high: float,
+) -> dict:
   """How far a batch's action tokens are from the policy being trained, by lag.
 
   With r_t = exp(logp_t - rollout_logp_t) and DIS's regions
@@ -284,16 +293,17 @@ def lag_diagnostics(logp: Array, rollout_logp: Array, advantages: Array, action_
   advantages = jax.lax.stop_gradient(advantages)
   log_ratio = losses.log_importance_ratio(logp, rollout_logp, action_mask)
   ratio = jnp.exp(log_ratio)
-  below, above, _, corrective = losses.dis_regions(ratio, advantages, action_mask, eps_low,
-                                                   eps_high)
+  below, above, _, corrective = losses.dis_regions(
+    ratio, advantages, action_mask, eps_low, eps_high
+  )
   outside = below | above
   mass = jnp.where(action_mask, jnp.abs(ratio * advantages), 0.0)
   total_mass = mass.sum()
   out = {
-      "corrective_token_frac": _mean_or_nan(corrective.sum(), action_mask.sum()),
-      # NaN when there is no mass at all (every A = 0): a share of nothing.
-      "corrective_mass_frac": _mean_or_nan(jnp.where(corrective, mass, 0.0).sum(), total_mass),
-      "outside_frac": _mean_or_nan(outside.sum(), action_mask.sum()),
+    "corrective_token_frac": _mean_or_nan(corrective.sum(), action_mask.sum()),
+    # NaN when there is no mass at all (every A = 0): a share of nothing.
+    "corrective_mass_frac": _mean_or_nan(jnp.where(corrective, mass, 0.0).sum(), total_mass),
+    "outside_frac": _mean_or_nan(outside.sum(), action_mask.sum()),
   }
   # Bucket index per token: how many upper edges its lag exceeds.
   bucket = sum((lag > hi).astype(jnp.int32) for _, hi in LAG_BUCKETS[:-1])
@@ -318,12 +328,12 @@ def lag_diagnostics(logp: Array, rollout_logp: Array, advantages: Array, action_
 # the default queue (lag 4-5) gives in experiments/dis_stability.py's runs
 # (their shares: experiments/README.md).
 DIS_WARNING_LEVELS = {
-    # Share of action tokens outside DIS's window (all lags).
-    "outside_frac": 0.10,
-    # Corrective tokens' share of the step's |r A|: what DIS drops and PPO clip trains on.
-    "corrective_mass_frac": 0.10,
-    # Per lag bucket, the k3 approx KL to the rollout policy (nats per token).
-    "approx_kl": 0.05,
+  # Share of action tokens outside DIS's window (all lags).
+  "outside_frac": 0.10,
+  # Corrective tokens' share of the step's |r A|: what DIS drops and PPO clip trains on.
+  "corrective_mass_frac": 0.10,
+  # Per lag bucket, the k3 approx KL to the rollout policy (nats per token).
+  "approx_kl": 0.05,
 }
 
 
@@ -348,14 +358,18 @@ def dis_warnings(metrics: dict, levels: dict | None = None) -> list[str]:
   lines = []
   v = value("outside_frac")
   if v is not None and v > levels["outside_frac"]:
-    lines.append(f"dis: {v:.1%} of action tokens outside the DIS window "
-                 f"(warning level {levels['outside_frac']:.0%})")
+    lines.append(
+      f"dis: {v:.1%} of action tokens outside the DIS window "
+      f"(warning level {levels['outside_frac']:.0%})"
+    )
   v = value("corrective_mass_frac")
   if v is not None and v > levels["corrective_mass_frac"]:
     tokens = value("corrective_token_frac")
     share = "" if tokens is None else f" on {tokens:.1%} of the tokens"
-    lines.append(f"dis: corrective tokens (DIS drops, PPO clip keeps) carry {v:.1%} of "
-                 f"|r A|{share} (warning level {levels['corrective_mass_frac']:.0%})")
+    lines.append(
+      f"dis: corrective tokens (DIS drops, PPO clip keeps) carry {v:.1%} of "
+      f"|r A|{share} (warning level {levels['corrective_mass_frac']:.0%})"
+    )
   high = []
   for lo, hi in LAG_BUCKETS:
     name = lag_bucket_name(lo, hi)
@@ -363,27 +377,39 @@ def dis_warnings(metrics: dict, levels: dict | None = None) -> list[str]:
     if v is not None and v > levels["approx_kl"]:
       high.append(f"{v:.3g} at {name}")
   if high:
-    lines.append(f"dis: approx KL to the rollout policy {', '.join(high)} "
-                 f"(warning level {levels['approx_kl']:.3g})")
+    lines.append(
+      f"dis: approx KL to the rollout policy {', '.join(high)} "
+      f"(warning level {levels['approx_kl']:.3g})"
+    )
   return lines
 
 
-def make_train_step(model_cfg: ModelConfig, cfg: StepConfig, policy_tx, critic_tx,
-                    *, update_actor: bool = True, adapters: Adapters | None = None) -> Callable:
+def make_train_step(
+  model_cfg: ModelConfig,
+  cfg: StepConfig,
+  policy_tx,
+  critic_tx,
+  *,
+  update_actor: bool = True,
+  adapters: Adapters | None = None,
+) -> Callable:
   """train_step(state, batch, bases=None) -> (state, metrics). `update_actor=False`
   is value pretraining; `adapters`: LoRA, over `bases` (module docstring)."""
 
   def train_step(state: TrainState, batch, bases=None):
     m = batch["action_mask"]
     metrics = {
-        "tokens/action": m.sum(), "tokens/all": (batch["segment_ids"] > 0).sum(),
-        # NaN (undefined) in a batch without sequences.
-        "reward_per_sequence": _mean_or_nan(batch["rewards"].sum(),
-                                            _num_segments(batch["segment_ids"])),
+      "tokens/action": m.sum(),
+      "tokens/all": (batch["segment_ids"] > 0).sum(),
+      # NaN (undefined) in a batch without sequences.
+      "reward_per_sequence": _mean_or_nan(
+        batch["rewards"].sum(), _num_segments(batch["segment_ids"])
+      ),
     }
     if cfg.uses_critic:
-      state, advantages = _critic_updates(model_cfg, cfg, critic_tx, state, batch, metrics,
-                                          adapters, bases)
+      state, advantages = _critic_updates(
+        model_cfg, cfg, critic_tx, state, batch, metrics, adapters, bases
+      )
     else:
       advantages = batch["baseline_advantages"]
     if not update_actor:
@@ -399,22 +425,35 @@ def make_train_step(model_cfg: ModelConfig, cfg: StepConfig, policy_tx, critic_t
       replay = jnp.moveaxis(replay.astype(jnp.int32), 2, 0)
 
     def actor_loss(params):
-      logp, aux = policy.token_logprobs(model_cfg, full_policy(adapters, params, bases),
-                                        *_model_inputs(batch),
-                                        cfg.temperature,
-                                        action_index=batch.get("action_index"),
-                                        routing=replay)
-      loss, pm = losses.call_policy_loss(loss_fn, logp, batch["rollout_logprobs"], advantages,
-                                         m, cfg.eps_low, cfg.eps_high, **options)
+      logp, aux = policy.token_logprobs(
+        model_cfg,
+        full_policy(adapters, params, bases),
+        *_model_inputs(batch),
+        cfg.temperature,
+        action_index=batch.get("action_index"),
+        routing=replay,
+      )
+      loss, pm = losses.call_policy_loss(
+        loss_fn,
+        logp,
+        batch["rollout_logprobs"],
+        advantages,
+        m,
+        cfg.eps_low,
+        cfg.eps_high,
+        **options,
+      )
       pm["load_balance_loss"] = aux["load_balance_loss"]
-      return (loss + cfg.load_balance_coef * aux["load_balance_loss"],
-              (loss, pm, jax.lax.stop_gradient(logp)))
+      return (
+        loss + cfg.load_balance_coef * aux["load_balance_loss"],
+        (loss, pm, jax.lax.stop_gradient(logp)),
+      )
 
-    (_, (pi_loss, pm, logp)), grads = jax.value_and_grad(actor_loss, has_aux=True)(
-        state.policy)
+    (_, (pi_loss, pm, logp)), grads = jax.value_and_grad(actor_loss, has_aux=True)(state.policy)
     norms = group_norms(grads, _NORM_GROUPS)
-    new_policy, opt, ok = apply_if_finite(policy_tx, grads, state.policy_opt, state.policy,
-                                          pi_loss, norms["all"])
+    new_policy, opt, ok = apply_if_finite(
+      policy_tx, grads, state.policy_opt, state.policy, pi_loss, norms["all"]
+    )
     metrics["policy/update_skipped"] = 1 - ok.astype(jnp.int32)
     metrics.update({f"policy/{k}": v for k, v in pm.items()})
     metrics["policy/loss"] = pi_loss
@@ -422,12 +461,14 @@ def make_train_step(model_cfg: ModelConfig, cfg: StepConfig, policy_tx, critic_t
     lag = jnp.where(m, state.step - batch["policy_version"], 0)
     metrics["policy_lag/mean"] = _mean_or_nan(lag.sum(), m.sum())
     metrics["policy_lag/max"] = jnp.where(m.any(), lag.max(), jnp.nan)
-    diagnostics = lag_diagnostics(logp, batch["rollout_logprobs"], advantages, m, lag,
-                                  cfg.eps_low, cfg.eps_high)
+    diagnostics = lag_diagnostics(
+      logp, batch["rollout_logprobs"], advantages, m, lag, cfg.eps_low, cfg.eps_high
+    )
     metrics.update({f"dis/{k}": v for k, v in diagnostics.items()})
     # A skipped update is not a new policy version.
-    state = state.replace(step=state.step + ok.astype(state.step.dtype), policy=new_policy,
-                          policy_opt=opt)
+    state = state.replace(
+      step=state.step + ok.astype(state.step.dtype), policy=new_policy, policy_opt=opt
+    )
     return state, metrics
 
   return train_step
@@ -462,8 +503,9 @@ def _num_segments(segment_ids):
   return starts.sum()
 
 
-def make_sft_step(model_cfg: ModelConfig, tx, load_balance_coef: float = 0.01,
-                  adapters: Adapters | None = None) -> Callable:
+def make_sft_step(
+  model_cfg: ModelConfig, tx, load_balance_coef: float = 0.01, adapters: Adapters | None = None
+) -> Callable:
   """sft_step(params, opt_state, batch, bases=None) -> (params, opt_state, metrics):
   NLL on actions; with `adapters` the params are the actor's adapters over bases[0]."""
 
@@ -471,26 +513,34 @@ def make_sft_step(model_cfg: ModelConfig, tx, load_balance_coef: float = 0.01,
     m = batch["action_mask"]
 
     def loss_fn(p):
-      logp, aux = policy.token_logprobs(model_cfg, full_policy(adapters, p, bases),
-                                        *_model_inputs(batch),
-                                        action_index=batch.get("action_index"))
+      logp, aux = policy.token_logprobs(
+        model_cfg,
+        full_policy(adapters, p, bases),
+        *_model_inputs(batch),
+        action_index=batch.get("action_index"),
+      )
       nll = -jnp.where(m, logp, 0.0).sum() / jnp.maximum(m.sum(), 1)
       return nll + load_balance_coef * aux["load_balance_loss"], nll
 
     (_, nll), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     grad_norm = optax.tree.norm(grads)
     params, opt_state, ok = apply_if_finite(tx, grads, opt_state, params, nll, grad_norm)
-    return params, opt_state, {"sft/nll": nll, "sft/grad_norm": grad_norm,
-                               "sft/update_skipped": 1 - ok.astype(jnp.int32)}
+    return (
+      params,
+      opt_state,
+      {"sft/nll": nll, "sft/grad_norm": grad_norm, "sft/update_skipped": 1 - ok.astype(jnp.int32)},
+    )
 
   return sft_step
 
 
-def jit_sharded(fn, state_shardings, batch_sharding, donate: bool = True,
-                base_shardings=None):
+def jit_sharded(fn, state_shardings, batch_sharding, donate: bool = True, base_shardings=None):
   """jit with explicit in/out shardings for (state, batch) -> (state, metrics);
   with `base_shardings`, (state, batch, bases) (LoRA's frozen bases, not donated)."""
   bases = () if base_shardings is None else (base_shardings,)
-  return jax.jit(fn, in_shardings=(state_shardings, batch_sharding) + bases,
-                 out_shardings=(state_shardings, None),
-                 donate_argnums=(0,) if donate else ())
+  return jax.jit(
+    fn,
+    in_shardings=(state_shardings, batch_sharding) + bases,
+    out_shardings=(state_shardings, None),
+    donate_argnums=(0,) if donate else (),
+  )

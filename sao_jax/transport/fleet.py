@@ -67,8 +67,7 @@ from typing import Any, Callable
 import grain
 import jax
 
-from sao_jax.data import files
-from sao_jax.data import ingestion, store
+from sao_jax.data import files, ingestion, store
 from sao_jax.data.checkpoint import Checkpointer, committed_checkpoints
 from sao_jax.data.identity import Published
 from sao_jax.data.trajectory import ENV_FAULTS, Trajectory
@@ -189,8 +188,9 @@ class WeightPublisher:
     if version in committed_checkpoints(self.dir):
       return  # the same params: a version is the state after that many updates
     t0 = time.time()
-    self._ckpt.save(version, params, dict(meta or {}, version=int(version),
-                                          published=time.time()), force=True)
+    self._ckpt.save(
+      version, params, dict(meta or {}, version=int(version), published=time.time()), force=True
+    )
     self.last_publish_s = time.time() - t0
 
   def close(self) -> None:
@@ -204,8 +204,13 @@ def _with_device(abstract):
   sharding, until `retarget` gives it the engine's layout)."""
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   return jax.tree.map(
-      lambda a: a if getattr(a, "sharding", None) is not None
-      else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
+    lambda a: (
+      a
+      if getattr(a, "sharding", None) is not None
+      else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device)
+    ),
+    abstract,
+  )
 
 
 class WeightFollower:
@@ -265,7 +270,7 @@ class WeightFollower:
       self._ckpt = Checkpointer(self.dir, max_to_keep=1 << 30, name="weights")
     try:
       return self._ckpt.restore(self._abstract, version)
-    except Exception:  # pylint: disable=broad-except
+    except Exception:  # noqa: BLE001
       # Pruned (or removed as a discarded future) while we read it: the
       # next poll takes whatever is newest then.
       self.failed_restores += 1
@@ -290,8 +295,7 @@ def _whoami() -> dict:
     pidns = os.readlink("/proc/self/ns/pid")  # pids mean something within one namespace
   except OSError:
     pidns = ""
-  return {"host": socket.gethostname(), "pid": os.getpid(), "pidns": pidns,
-          "since": time.time()}
+  return {"host": socket.gethostname(), "pid": os.getpid(), "pidns": pidns, "since": time.time()}
 
 
 def _parse_holder(raw: bytes | None) -> dict:
@@ -304,11 +308,16 @@ def _parse_holder(raw: bytes | None) -> dict:
 
 def _in_use(rollout_id: str, holder: dict, path: str) -> str:
   since = holder.get("since")
-  when = (time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(since))
-          if isinstance(since, (int, float)) and math.isfinite(since) else "")
-  return (f"rollout id {rollout_id!r} is in use: pid {holder.get('pid', '?')} on "
-          f"{holder.get('host', '?')} holds {path}{when}; start this process with "
-          "another --rollout_id, or stop that one first")
+  when = (
+    time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(since))
+    if isinstance(since, (int, float)) and math.isfinite(since)
+    else ""
+  )
+  return (
+    f"rollout id {rollout_id!r} is in use: pid {holder.get('pid', '?')} on "
+    f"{holder.get('host', '?')} holds {path}{when}; start this process with "
+    "another --rollout_id, or stop that one first"
+  )
 
 
 def _dead_here(holder: dict) -> bool:
@@ -317,7 +326,8 @@ def _dead_here(holder: dict) -> bool:
   me = _whoami()
   pid = holder.get("pid")
   if (holder.get("host"), holder.get("pidns")) != (me["host"], me["pidns"]) or not (
-      type(pid) is int and pid > 0):
+    type(pid) is int and pid > 0
+  ):
     return False
   try:
     os.kill(pid, 0)
@@ -352,8 +362,10 @@ class RolloutLock:
       os.close(fd)
       raise RolloutIdInUse(_in_use(rollout_id, holder, self.path)) from None
     except OSError as e:  # ENOLCK, EOPNOTSUPP: a filesystem without locks
-      self.note = (f"{self.path} cannot be locked ({e.strerror or e}): nothing stops a "
-                   "second process with this rollout id")
+      self.note = (
+        f"{self.path} cannot be locked ({e.strerror or e}): nothing stops a "
+        "second process with this rollout id"
+      )
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(_whoami()).encode(), 0)
     # Closing the descriptor drops the lock: at release, or when this object goes.
@@ -377,7 +389,8 @@ class _Objects:
       return None
 
   def create(self, path: str, data: bytes) -> bool:
-    import fsspec  # pylint: disable=g-import-not-at-top  # object stores only
+    import fsspec  # object stores only
+
     fs, p = fsspec.core.url_to_fs(path)
     try:
       fs.pipe_file(p, data, mode="create")
@@ -413,10 +426,18 @@ class RolloutLease:
   writes the object; tests pass fakes.
   """
 
-  def __init__(self, directory: str, rollout_id: str, *, ttl_s: float = LEASE_S,
-               store=None, clock: Callable[[], float] = time.monotonic,
-               sleep: Callable[[float], None] = time.sleep,
-               log: Callable[[str], None] = print, thread: bool = True):
+  def __init__(
+    self,
+    directory: str,
+    rollout_id: str,
+    *,
+    ttl_s: float = LEASE_S,
+    store=None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+    log: Callable[[str], None] = print,
+    thread: bool = True,
+  ):
     self.path = files.join(directory, rollout_id + LEASE_SUFFIX)
     self.rollout_id, self.ttl_s = rollout_id, ttl_s
     self._store = store or _Objects()
@@ -432,9 +453,12 @@ class RolloutLease:
     if thread:
       # The thread holds the lease weakly: a lease dropped unreleased stops
       # being renewed (and goes stale) instead of living on in its thread.
-      self._thread = threading.Thread(target=_renew_while_held, name="rollout-lease",
-                                      args=(weakref.ref(self), self._stop, ttl_s / 3),
-                                      daemon=True)
+      self._thread = threading.Thread(
+        target=_renew_while_held,
+        name="rollout-lease",
+        args=(weakref.ref(self), self._stop, ttl_s / 3),
+        daemon=True,
+      )
       self._thread.start()
 
   def _record(self) -> bytes:
@@ -455,9 +479,11 @@ class RolloutLease:
         self._store.delete(self.path)
 
   def _watch(self, raw: bytes, holder: dict) -> str:
-    """"live" if the lease changes within ttl_s, "gone" if it goes, else "dead"."""
-    self._log(f"[fleet] {self.path} is held by pid {holder.get('pid', '?')} on "
-              f"{holder.get('host', '?')}: waiting up to {self.ttl_s:.0f} s for it to be renewed")
+    """ "live" if the lease changes within ttl_s, "gone" if it goes, else "dead"."""
+    self._log(
+      f"[fleet] {self.path} is held by pid {holder.get('pid', '?')} on "
+      f"{holder.get('host', '?')}: waiting up to {self.ttl_s:.0f} s for it to be renewed"
+    )
     start = self._clock()
     while self._clock() - start < self.ttl_s:
       self._sleep(self.ttl_s / 12)
@@ -475,18 +501,22 @@ class RolloutLease:
     try:
       holder = _parse_holder(self._store.read(self.path))
       if holder.get("token") != self.token:
-        self.lost = (f"rollout id {self.rollout_id!r}: the lease {self.path} was taken over "
-                     f"by pid {holder.get('pid', '?')} on {holder.get('host', '?')}; this "
-                     "process stopped writing")
+        self.lost = (
+          f"rollout id {self.rollout_id!r}: the lease {self.path} was taken over "
+          f"by pid {holder.get('pid', '?')} on {holder.get('host', '?')}; this "
+          "process stopped writing"
+        )
         return
       self._holder["beat"] += 1
       self._store.write(self.path, self._record())
       self._renewed = self._clock()
-    except Exception as e:  # pylint: disable=broad-except  # the store's errors: retried
+    except Exception as e:  # noqa: BLE001  # the store's errors: retried
       if self._clock() - self._renewed > self.ttl_s * 2 / 3:
-        self.lost = (f"rollout id {self.rollout_id!r}: the lease {self.path} could not be "
-                     f"renewed for {self._clock() - self._renewed:.0f} s ({e!r:.200}); "
-                     "another process may hold it now")
+        self.lost = (
+          f"rollout id {self.rollout_id!r}: the lease {self.path} could not be "
+          f"renewed for {self._clock() - self._renewed:.0f} s ({e!r:.200}); "
+          "another process may hold it now"
+        )
 
   def check(self) -> None:
     """Raises RolloutIdInUse if the lease was lost."""
@@ -551,9 +581,15 @@ class ShardWriter:
   number neither moves this writer's sequence nor hides its shards.
   """
 
-  def __init__(self, root: str, rollout_id: str, max_trajectories: int, max_seconds: float,
-               counters: Callable[[], dict] | None = None,
-               log: Callable[[str], None] = print):
+  def __init__(
+    self,
+    root: str,
+    rollout_id: str,
+    max_trajectories: int,
+    max_seconds: float,
+    counters: Callable[[], dict] | None = None,
+    log: Callable[[str], None] = print,
+  ):
     if not ROLLOUT_ID.match(rollout_id):
       raise ValueError(f"rollout_id {rollout_id!r}: use letters, digits and _ only")
     self.dir = trajectories_dir(root)
@@ -571,8 +607,9 @@ class ShardWriter:
       if parsed and parsed[0] == rollout_id:
         own.add(parsed[1])
       elif name.startswith(f"{rollout_id}-") and (
-          files.TMP_MARK in name or (name.endswith(STATS_SUFFIX)
-                                     and name[:-len(STATS_SUFFIX)] not in names)):
+        files.TMP_MARK in name
+        or (name.endswith(STATS_SUFFIX) and name[: -len(STATS_SUFFIX)] not in names)
+      ):
         # The open shard (or the stats written just before its rename) of a
         # killed predecessor: never renamed, never read.
         files.remove(files.join(self.dir, name))
@@ -691,13 +728,20 @@ class ShardFeed:
   given up once MAX_AHEAD shards beyond it were read (`sequence_gap`).
   """
 
-  def __init__(self, root: str, vocab_size: int, max_length: int,
-               current_version: Callable[[], int], max_staleness: int | None = None,
-               state: dict | None = None, poll_seconds: float = 0.5,
-               log: Callable[[str], None] = print,
-               share: Callable[[str, Callable[[], Any]], Any] | None = None,
-               routing_shape: tuple[int, int, int] | None = None,
-               identity: Published | None = None):
+  def __init__(
+    self,
+    root: str,
+    vocab_size: int,
+    max_length: int,
+    current_version: Callable[[], int],
+    max_staleness: int | None = None,
+    state: dict | None = None,
+    poll_seconds: float = 0.5,
+    log: Callable[[str], None] = print,
+    share: Callable[[str, Callable[[], Any]], Any] | None = None,
+    routing_shape: tuple[int, int, int] | None = None,
+    identity: Published | None = None,
+  ):
     self.dir = trajectories_dir(root)
     self._routing_shape = routing_shape
     self.identity = identity  # its state goes into `state()`, beside the cursor
@@ -714,14 +758,16 @@ class ShardFeed:
     # Per rollout: the watermark (every shard up to it consumed), and the
     # shards consumed beyond it.
     self.consumed: dict[str, int] = {k: int(v) for k, v in state.get("consumed", {}).items()}
-    self._ahead: dict[str, set[int]] = {k: {int(s) for s in v}
-                                        for k, v in state.get("ahead", {}).items() if v}
+    self._ahead: dict[str, set[int]] = {
+      k: {int(s) for s in v} for k, v in state.get("ahead", {}).items() if v
+    }
     self._seen: set[str] | None = None  # shard names listed or read; None before a listing
     self._skipped_names: set[str] = set()  # files that are no shard's, counted once each
     # The shard being handed out and the index of its next record.
     current = state.get("current")
     self._current: tuple[str, int] | None = (
-        (current["shard"], int(current["offset"])) if current else None)
+      (current["shard"], int(current["offset"])) if current else None
+    )
     self._buffer: collections.deque = collections.deque()  # (trajectory, record index)
     self._sizes: dict[str, int] = {}  # records per shard seen on disk (for depth)
     # Dropped shards and records by reason: the store's and validation's.
@@ -767,8 +813,10 @@ class ShardFeed:
     low = _raise_watermark(low, ahead)
     if len(ahead) > MAX_AHEAD:
       self._rejected["sequence_gap"] += 1
-      self._log(f"[fleet] gave up {rid}'s shards {low + 1}..{min(ahead) - 1}: {MAX_AHEAD} "
-                "later shards were read; one that appears now counts as out_of_order_shard")
+      self._log(
+        f"[fleet] gave up {rid}'s shards {low + 1}..{min(ahead) - 1}: {MAX_AHEAD} "
+        "later shards were read; one that appears now counts as out_of_order_shard"
+      )
       low = _raise_watermark(min(ahead) - 1, ahead)
     self.consumed[rid] = low
     if not ahead:
@@ -784,8 +832,7 @@ class ShardFeed:
     """A file a writer leaves beside its shards: a temporary or a stats file."""
     if files.TMP_MARK in name:
       return True
-    return name.endswith(STATS_SUFFIX) and parse_shard_name(
-        name[:-len(STATS_SUFFIX)]) is not None
+    return name.endswith(STATS_SUFFIX) and parse_shard_name(name[: -len(STATS_SUFFIX)]) is not None
 
   # --- reading ---------------------------------------------------------------
 
@@ -801,8 +848,9 @@ class ShardFeed:
       parsed = parse_shard_name(name)
       if parsed is None:
         if not self._known_file(name):
-          self._skip_name(name, "bad_shard_name",
-                          f"not <rollout id>-<8 digits>{SHARD_SUFFIX} nor a writer's file")
+          self._skip_name(
+            name, "bad_shard_name", f"not <rollout id>-<8 digits>{SHARD_SUFFIX} nor a writer's file"
+          )
         continue
       rid, seq = parsed
       new = name not in self._seen
@@ -811,9 +859,11 @@ class ShardFeed:
         continue
       if self._is_consumed(rid, seq):
         if new and not first_listing:
-          self._skip_name(name, "out_of_order_shard",
-                          f"appeared after {rid}'s shards up to {self.consumed.get(rid, -1)} "
-                          "were read")
+          self._skip_name(
+            name,
+            "out_of_order_shard",
+            f"appeared after {rid}'s shards up to {self.consumed.get(rid, -1)} were read",
+          )
         continue
       rest.append((mtime, name))
       if rid not in lowest or seq < lowest[rid][0]:
@@ -831,7 +881,7 @@ class ShardFeed:
       source = grain.sources.ArrayRecordDataSource([local])
       self._sizes[name] = len(source)
       return source
-    except Exception:  # pylint: disable=broad-except  # truncated or not an ArrayRecord file
+    except Exception:  # noqa: BLE001  # truncated or not an ArrayRecord file
       self._rejected["corrupt_shard"] += 1
       self._sizes[name] = 0
       return None
@@ -840,9 +890,11 @@ class ShardFeed:
     """Reads records [offset, end) of shard `name` into the buffer, validated."""
     rid, seq = parse_shard_name(name)
     if seq > self.consumed.get(rid, -1) + 1 and offset == 0:
-      self._log(f"[fleet] reading {name} ahead of {rid}'s sequence (next "
-                f"{shard_name(rid, self.consumed.get(rid, -1) + 1)}); the lower ones are "
-                "still read when they appear")
+      self._log(
+        f"[fleet] reading {name} ahead of {rid}'s sequence (next "
+        f"{shard_name(rid, self.consumed.get(rid, -1) + 1)}); the lower ones are "
+        "still read when they appear"
+      )
     if self._seen is not None:
       self._seen.add(name)  # chosen by process 0 (`share`) or a checkpoint
     source = self._open(name)
@@ -850,22 +902,33 @@ class ShardFeed:
     for i in range(offset, n):
       try:
         data = source[i]
-      except Exception:  # pylint: disable=broad-except  # a chunk failing its checksum
+      except Exception:  # noqa: BLE001  # a chunk failing its checksum
         self._rejected["corrupt_record"] += 1
         continue
       try:
-        t = store.deserialize(data, self._max_length, max(
+        t = store.deserialize(
+          data,
+          self._max_length,
+          max(
             store.DEFAULT_ROUTING_CHOICES,
-            self._routing_shape[0] * self._routing_shape[1] if self._routing_shape else 0))
+            self._routing_shape[0] * self._routing_shape[1] if self._routing_shape else 0,
+          ),
+        )
       except store.CorruptRecordError as e:
         self._rejected[e.reason] += 1
         continue
-      except Exception:  # pylint: disable=broad-except
+      except Exception:  # noqa: BLE001
         self._rejected["deserialize_error"] += 1
         continue
-      canon, reason, error = ingestion.check(t, self._vocab_size, self._max_length,
-                                             self._current_version(), self._max_staleness,
-                                             self._routing_shape, self.identity)
+      canon, reason, error = ingestion.check(
+        t,
+        self._vocab_size,
+        self._max_length,
+        self._current_version(),
+        self._max_staleness,
+        self._routing_shape,
+        self.identity,
+      )
       if reason is not None:
         self._rejected[reason] += 1
         self.last_error = error or self.last_error
@@ -895,8 +958,11 @@ class ShardFeed:
       if not isinstance(stats, dict) or set(stats) - set(SHARD_COUNTERS):
         raise ValueError(f"not an object of {SHARD_COUNTERS}")
       for counts in stats.values():
-        if not (isinstance(counts, dict) and len(counts) <= _STATS_MAX_NAMES and all(
-            0 < len(k) <= 64 and type(v) is int and v > 0 for k, v in counts.items())):
+        if not (
+          isinstance(counts, dict)
+          and len(counts) <= _STATS_MAX_NAMES
+          and all(0 < len(k) <= 64 and type(v) is int and v > 0 for k, v in counts.items())
+        ):
           raise ValueError("counts must be {name: positive int}")
     except (ValueError, RecursionError) as e:  # json's errors included
       self._log(f"[fleet] ignored the counters of {name}: {str(e)[:200]}")
@@ -914,8 +980,9 @@ class ShardFeed:
     self._copies.drop(files.join(self.dir, name))
     self.shards_consumed += 1
     files.write_json(self._consumed_path, self.consumed)
-    self._log(f"[fleet] consumed {name}: {self._in_shard[0]} trajectories, "
-              f"{self._in_shard[1]} rejected")
+    self._log(
+      f"[fleet] consumed {name}: {self._in_shard[0]} trajectories, {self._in_shard[1]} rejected"
+    )
 
   def _next_shard(self) -> bool:
     """Loads the next shard with records left; False if none is on disk."""
@@ -946,8 +1013,10 @@ class ShardFeed:
         waited = time.time() - started
         if waited >= (reported + 1) * REPORT_WAIT_S:
           reported = int(waited // REPORT_WAIT_S)
-          self._log(f"[fleet] no new shard for {waited:.0f} s: are rollout processes "
-                    f"(launch/rollout.py) writing to {self.dir}?")
+          self._log(
+            f"[fleet] no new shard for {waited:.0f} s: are rollout processes "
+            f"(launch/rollout.py) writing to {self.dir}?"
+          )
         if on_wait is not None:
           on_wait(waited)
         time.sleep(self.poll_seconds)

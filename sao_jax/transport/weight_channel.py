@@ -44,9 +44,7 @@ from typing import Any, Callable
 
 from sao_jax.config import sections
 from sao_jax.data import identity as identity_lib
-from sao_jax.transport import fleet
-from sao_jax.transport import weight_delta
-from sao_jax.transport import weight_transfer
+from sao_jax.transport import fleet, weight_delta, weight_transfer
 
 
 def _as_is(params):
@@ -68,9 +66,16 @@ class CheckpointPublisher:
   `describe`, and `fleet/direct_unavailable` in `report`).
   """
 
-  def __init__(self, root: str, keep: int, version: int, cast: Callable = _as_is, *,
-               identity: identity_lib.Published | None = None,
-               unavailable: str | None = None):
+  def __init__(
+    self,
+    root: str,
+    keep: int,
+    version: int,
+    cast: Callable = _as_is,
+    *,
+    identity: identity_lib.Published | None = None,
+    unavailable: str | None = None,
+  ):
     self._disk = fleet.WeightPublisher(root, keep, version)
     self._cast, self._identity = cast, identity
     self.unavailable = unavailable
@@ -108,9 +113,17 @@ class DirectPublisher(CheckpointPublisher):
   cast inside its snapshot program (one pass over the params); every
   `checkpoint_every`-th version, the first and the last also checkpoints."""
 
-  def __init__(self, root: str, keep: int, version: int, cast: Callable = _as_is, *,
-               server: weight_transfer.WeightServer, checkpoint_every: int,
-               identity: identity_lib.Published | None = None):
+  def __init__(
+    self,
+    root: str,
+    keep: int,
+    version: int,
+    cast: Callable = _as_is,
+    *,
+    server: weight_transfer.WeightServer,
+    checkpoint_every: int,
+    identity: identity_lib.Published | None = None,
+  ):
     super().__init__(root, keep, version, cast, identity=identity)
     self._server, self._every = server, checkpoint_every
     self._on_disk: int | None = None  # the newest version written as a checkpoint
@@ -122,8 +135,12 @@ class DirectPublisher(CheckpointPublisher):
 
   def publish(self, params, version: int) -> dict:
     s = self._server
-    s.publish(params, version, self._cast,
-              run_id=self._identity.run_id if self._identity is not None else None)
+    s.publish(
+      params,
+      version,
+      self._cast,
+      run_id=self._identity.run_id if self._identity is not None else None,
+    )
     out = {"fleet/serve_s": s.last_publish_s}
     delta = s.last_delta  # this version's delta from the one before
     if delta:
@@ -141,8 +158,11 @@ class DirectPublisher(CheckpointPublisher):
 
   def report(self) -> dict:
     s = self._server
-    return {"fleet/pulls_served": s.served, "fleet/delta_pulls_served": s.served_deltas,
-            "fleet/pull_requests_refused": sum(s.refused.values())}
+    return {
+      "fleet/pulls_served": s.served,
+      "fleet/delta_pulls_served": s.served_deltas,
+      "fleet/pull_requests_refused": sum(s.refused.values()),
+    }
 
   def close(self, finished: bool) -> None:
     if finished and self._on_disk != self._version:
@@ -153,16 +173,28 @@ class DirectPublisher(CheckpointPublisher):
     self._server.close()  # manifests withdrawn: what is left is on disk
 
 
-def _checkpoint_publisher(root: str, f: sections.Fleet, version: int, cast: Callable, *,
-                          identity: identity_lib.Published | None,
-                          share: Callable) -> CheckpointPublisher:
+def _checkpoint_publisher(
+  root: str,
+  f: sections.Fleet,
+  version: int,
+  cast: Callable,
+  *,
+  identity: identity_lib.Published | None,
+  share: Callable,
+) -> CheckpointPublisher:
   del share
   return CheckpointPublisher(root, f.keep_versions, version, cast, identity=identity)
 
 
-def _direct_publisher(root: str, f: sections.Fleet, version: int, cast: Callable, *,
-                      identity: identity_lib.Published | None,
-                      share: Callable) -> CheckpointPublisher:
+def _direct_publisher(
+  root: str,
+  f: sections.Fleet,
+  version: int,
+  cast: Callable,
+  *,
+  identity: identity_lib.Published | None,
+  share: Callable,
+) -> CheckpointPublisher:
   """A DirectPublisher, or checkpoints alone (saying why) where the transfer
   library is unavailable or the server does not start."""
   why = weight_transfer.unavailable()
@@ -172,27 +204,42 @@ def _direct_publisher(root: str, f: sections.Fleet, version: int, cast: Callable
     nonce = share("fleet_weights_nonce", lambda: f"{time.time():.6f}.{os.getpid()}")
     try:
       server = weight_transfer.WeightServer(
-          root, nonce, host=f.transfer_host, sockets=f.transfer_sockets,
-          poll_seconds=f.poll_seconds, pull_timeout_s=f.pull_timeout_s,
-          delta_block=weight_delta.BLOCK if f.delta_versions else None)
-    except Exception as e:  # pylint: disable=broad-except  # e.g. an address not ours
+        root,
+        nonce,
+        host=f.transfer_host,
+        sockets=f.transfer_sockets,
+        poll_seconds=f.poll_seconds,
+        pull_timeout_s=f.pull_timeout_s,
+        delta_block=weight_delta.BLOCK if f.delta_versions else None,
+      )
+    except Exception as e:  # noqa: BLE001  # e.g. an address not ours
       why = f"the weight server did not start: {e!r}"[:300]
     else:
-      return DirectPublisher(root, f.keep_versions, version, cast, server=server,
-                             checkpoint_every=f.checkpoint_every, identity=identity)
-  return CheckpointPublisher(root, f.keep_versions, version, cast, identity=identity,
-                             unavailable=why)
+      return DirectPublisher(
+        root,
+        f.keep_versions,
+        version,
+        cast,
+        server=server,
+        checkpoint_every=f.checkpoint_every,
+        identity=identity,
+      )
+  return CheckpointPublisher(
+    root, f.keep_versions, version, cast, identity=identity, unavailable=why
+  )
 
 
 # ----------------------------------------------------------------- rollout side
-def _checkpoint_follower(root: str, rollout_id: str, abstract_params, f: sections.Fleet,
-                         log: Callable[[str], None]) -> fleet.WeightFollower:
+def _checkpoint_follower(
+  root: str, rollout_id: str, abstract_params, f: sections.Fleet, log: Callable[[str], None]
+) -> fleet.WeightFollower:
   del rollout_id, f, log
   return fleet.WeightFollower(root, abstract_params)
 
 
-def _direct_follower(root: str, rollout_id: str, abstract_params, f: sections.Fleet,
-                     log: Callable[[str], None]) -> weight_transfer.Follower:
+def _direct_follower(
+  root: str, rollout_id: str, abstract_params, f: sections.Fleet, log: Callable[[str], None]
+) -> weight_transfer.Follower:
   """Pulls (weight_transfer.Follower), checkpoints behind them; where the
   transfer library is unavailable or the puller does not start, checkpoints
   alone, the reason logged and counted (`fallbacks["unavailable"]`)."""
@@ -200,12 +247,17 @@ def _direct_follower(root: str, rollout_id: str, abstract_params, f: sections.Fl
   why = weight_transfer.unavailable()
   if why is None:
     try:
-      net = weight_transfer.NetFollower(root, rollout_id, checkpoints.abstract,
-                                        host=f.transfer_host, sockets=f.transfer_sockets,
-                                        pull_timeout_s=f.pull_timeout_s,
-                                        delta=f.delta_versions)
+      net = weight_transfer.NetFollower(
+        root,
+        rollout_id,
+        checkpoints.abstract,
+        host=f.transfer_host,
+        sockets=f.transfer_sockets,
+        pull_timeout_s=f.pull_timeout_s,
+        delta=f.delta_versions,
+      )
       return weight_transfer.Follower(checkpoints, net, log)
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:  # noqa: BLE001
       why = f"the transfer server did not start: {e!r}"[:300]
   log(f"[rollout {rollout_id}] weights from checkpoints only: {why}")
   follower = weight_transfer.Follower(checkpoints, None, log)
@@ -221,22 +273,30 @@ def _checkpoint_counts(follower: fleet.WeightFollower) -> dict:
 def _direct_counts(follower: weight_transfer.Follower) -> dict:
   """Direct pulls, failures and fallbacks by reason, pulls and bytes whole /
   as deltas."""
-  return dict(weights_path="direct", pulls=follower.pulls,
-              pull_failures=dict(follower.failures), fallbacks=dict(follower.fallbacks),
-              ignored_manifests=dict(follower.ignored_manifests), **follower.pull_counts())
+  return dict(
+    weights_path="direct",
+    pulls=follower.pulls,
+    pull_failures=dict(follower.failures),
+    fallbacks=dict(follower.fallbacks),
+    ignored_manifests=dict(follower.ignored_manifests),
+    **follower.pull_counts(),
+  )
 
 
 def _check_direct(f: sections.Fleet) -> None:
   """The servers' address: an IP literal (the transfer library takes
   "ip:port"), so a host name fails at validation, not at the first publish."""
   if f.transfer_host:
-    import ipaddress  # pylint: disable=g-import-not-at-top
+    import ipaddress
+
     try:
       ipaddress.ip_address(f.transfer_host)
     except ValueError:
-      sections.fail("fleet.transfer_host", f.transfer_host,
-                    "an IP address (the hosts' internal interface) or \"\" with "
-                    "fleet.weights_path = 'direct'")
+      sections.fail(
+        "fleet.transfer_host",
+        f.transfer_host,
+        "an IP address (the hosts' internal interface) or \"\" with fleet.weights_path = 'direct'",
+      )
 
 
 # ----------------------------------------------------------------- the table
@@ -260,6 +320,7 @@ class WeightChannel:
       both sides (the served copy on the trainer's chips, the pulled one on
       the engine's), which a pod's memory fit must count.
   """
+
   publisher: Callable[..., Any]
   follower: Callable[..., Any]
   counts: Callable[[Any], dict]
@@ -268,10 +329,10 @@ class WeightChannel:
 
 
 CHANNELS: dict[str, WeightChannel] = {
-    "checkpoint": WeightChannel(_checkpoint_publisher, _checkpoint_follower,
-                                _checkpoint_counts),
-    "direct": WeightChannel(_direct_publisher, _direct_follower, _direct_counts,
-                            check=_check_direct, device_buffers=True),
+  "checkpoint": WeightChannel(_checkpoint_publisher, _checkpoint_follower, _checkpoint_counts),
+  "direct": WeightChannel(
+    _direct_publisher, _direct_follower, _direct_counts, check=_check_direct, device_buffers=True
+  ),
 }
 
 
@@ -279,21 +340,34 @@ def check_fleet_section(f: sections.Fleet) -> None:
   """ConfigError (one line) unless `fleet.weights_path` names a channel of
   `CHANNELS` that can run with the section (sections.py checks it is a name)."""
   if f.weights_path not in CHANNELS:
-    sections.fail("fleet.weights_path", f.weights_path,
-                  f"one of {', '.join(CHANNELS)} (sao_jax/transport/weight_channel.py)")
+    sections.fail(
+      "fleet.weights_path",
+      f.weights_path,
+      f"one of {', '.join(CHANNELS)} (sao_jax/transport/weight_channel.py)",
+    )
   CHANNELS[f.weights_path].check(f)
 
 
-def make_publisher(root: str, f: sections.Fleet, version: int, cast: Callable = _as_is, *,
-                   identity: identity_lib.Published | None = None,
-                   share: Callable = lambda key, make: make()):
+def make_publisher(
+  root: str,
+  f: sections.Fleet,
+  version: int,
+  cast: Callable = _as_is,
+  *,
+  identity: identity_lib.Published | None = None,
+  share: Callable = lambda key, make: make(),
+):
   """The trainer's publisher of the channel `f.weights_path` names."""
-  return CHANNELS[f.weights_path].publisher(root, f, version, cast, identity=identity,
-                                           share=share)
+  return CHANNELS[f.weights_path].publisher(root, f, version, cast, identity=identity, share=share)
 
 
-def make_follower(root: str, rollout_id: str, abstract_params, f: sections.Fleet,
-                  log: Callable[[str], None] = _print):
+def make_follower(
+  root: str,
+  rollout_id: str,
+  abstract_params,
+  f: sections.Fleet,
+  log: Callable[[str], None] = _print,
+):
   """A rollout's follower of the channel `f.weights_path` names."""
   return CHANNELS[f.weights_path].follower(root, rollout_id, abstract_params, f, log)
 

@@ -109,7 +109,7 @@ def apply(old: jax.Array, indices: jax.Array, values: jax.Array, *, block: int) 
   new piece, bit for bit, in a buffer of its own."""
   w = words(old)
   blocks = _blocks(w, block).at[indices].set(values, mode="drop")
-  return _from_words(blocks.reshape(-1)[:w.shape[0]], old.dtype, old.shape)
+  return _from_words(blocks.reshape(-1)[: w.shape[0]], old.dtype, old.shape)
 
 
 def _fmix32(x: jax.Array) -> jax.Array:
@@ -149,6 +149,7 @@ def delta_nbytes(size: int, block: int, dtype) -> int:
 @dataclasses.dataclass(frozen=True)
 class Delta:
   """One piece's delta: `indices` and `values` (encode), `changed` blocks."""
+
   indices: jax.Array
   values: jax.Array
   changed: int

@@ -59,8 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sao_jax.data import files
-from sao_jax.data import identity
+from sao_jax.data import files, identity
 from sao_jax.transport import weight_delta
 
 TRANSFER = "transfer"
@@ -92,8 +91,8 @@ def manifest_name(version: int, process: int) -> str:
 def unavailable() -> str | None:
   """Why the direct path cannot run in this process (None: it can)."""
   try:
-    from jax.experimental import transfer  # pylint: disable=g-import-not-at-top
-  except Exception as e:  # pylint: disable=broad-except
+    from jax.experimental import transfer
+  except Exception as e:  # noqa: BLE001
     return f"jax.experimental.transfer does not import: {e!r}"[:300]
   if not hasattr(transfer, "start_transfer_server"):
     return "jax.experimental.transfer has no start_transfer_server"
@@ -108,12 +107,14 @@ def host_address(host: str) -> str:
 def start_server(host: str, sockets: int):
   """A transfer server on `host` (an IP address) with `sockets` bulk
   sockets; never with none (a remote pull would abort this process)."""
-  from jax.experimental import transfer  # pylint: disable=g-import-not-at-top
+  from jax.experimental import transfer
+
   if sockets < 1:
     raise ValueError(f"a transfer server needs >= 1 bulk socket, not {sockets}")
   host = host_address(host)
-  return transfer.start_transfer_server(jax.local_devices()[0].client, f"{host}:0",
-                                        [f"{host}:0"] * sockets)
+  return transfer.start_transfer_server(
+    jax.local_devices()[0].client, f"{host}:0", [f"{host}:0"] * sockets
+  )
 
 
 # --- the plan: which source shard feeds which destination buffer ----------------------
@@ -125,6 +126,7 @@ Index = tuple[tuple[int, int], ...]  # [start, stop) per dimension
 @dataclasses.dataclass(frozen=True)
 class Piece:
   """One distinct shard of one leaf of the trainer's layout, as served."""
+
   leaf: int
   index: Index
   process: int  # the trainer process that serves it
@@ -137,8 +139,10 @@ class Piece:
 
 
 def _index(slices, shape) -> Index:
-  return tuple((s.start or 0, n if s.stop is None else s.stop)
-               for s, n in zip(tuple(slices) + (slice(None),) * (len(shape) - len(slices)), shape))
+  return tuple(
+    (s.start or 0, n if s.stop is None else s.stop)
+    for s, n in zip(tuple(slices) + (slice(None),) * (len(shape) - len(slices)), shape)
+  )
 
 
 def _volume(index: Index) -> int:
@@ -184,6 +188,7 @@ class Plan:
   for each destination shard, the pieces that make it up: (piece, the
   overlap's index in global coordinates).
   """
+
   pieces: tuple[Piece, ...]
   routes: tuple[int, ...]
   fills: dict  # (leaf, device id) -> [(piece number, overlap Index)]
@@ -212,8 +217,9 @@ class Plan:
     for (_, dev), fills in self.fills.items():
       for n, overlap in fills:
         if self.routes[n] != dev or overlap != self.pieces[n].index:
-          total += _volume(overlap) * (self.pieces[n].nbytes // max(_volume(
-              self.pieces[n].index), 1))
+          total += _volume(overlap) * (
+            self.pieces[n].nbytes // max(_volume(self.pieces[n].index), 1)
+          )
     return total
 
 
@@ -238,8 +244,9 @@ def plan(pieces: list[Piece], dest: Iterable[tuple[tuple[int, ...], Any]]) -> Pl
   for n, piece in enumerate(pieces):
     if piece.leaf not in by_leaf:
       raise ValueError(f"piece of leaf {piece.leaf}: the destination has no such leaf")
-    overlapping = [(dev, index, _overlap(piece.index, index)) for dev, index in
-                   sorted(by_leaf[piece.leaf])]
+    overlapping = [
+      (dev, index, _overlap(piece.index, index)) for dev, index in sorted(by_leaf[piece.leaf])
+    ]
     overlapping = [x for x in overlapping if x[2] is not None]
     if not overlapping:
       raise ValueError(f"piece {piece.index} of leaf {piece.leaf} lies outside the array")
@@ -268,11 +275,15 @@ def check_cover(pieces: list[Piece], shapes: list[tuple[int, ...]]) -> str | Non
     per_leaf[p.leaf].append(p.index)
   for leaf, shape in enumerate(shapes):
     indices = per_leaf.get(leaf, [])
-    if any(len(ix) != len(shape) or any(not 0 <= a < b <= n for (a, b), n in zip(ix, shape))
-           for ix in indices) and shape:
+    if (
+      any(
+        len(ix) != len(shape) or any(not 0 <= a < b <= n for (a, b), n in zip(ix, shape))
+        for ix in indices
+      )
+      and shape
+    ):
       return f"leaf {leaf}: a piece outside its shape {shape}"
-    if sum(_volume(ix) for ix in indices) != math.prod(shape) or (
-        not shape and len(indices) != 1):
+    if sum(_volume(ix) for ix in indices) != math.prod(shape) or (not shape and len(indices) != 1):
       return f"leaf {leaf}: pieces do not add up to its shape {shape}"
     if shape and _corner_sums(indices) != _corner_sums([tuple((0, n) for n in shape)]):
       a, b = _first_overlap(indices)
@@ -340,22 +351,22 @@ def report(src_leaves, dest_leaves, rollout_hosts: int = 1) -> dict:
   for (leaf, dev), index in p.dest_index.items():
     standby[dev] += _volume(index) * itemsizes[leaf]
   return {
-      "pieces": len(pieces),
-      "version_bytes": version,
-      # One engine pulls the whole version once, spread over its devices.
-      "bytes_per_rollout_engine": version,
-      "max_bytes_per_rollout_device": max(p.bytes_per_rollout_host(lambda d: d).values(),
-                                          default=0),
-      "local_copy_bytes_per_engine": p.local_copy_bytes,
-      "trainer_hosts": len(per_trainer),
-      # Egress of the busiest trainer host when every engine pulls a version.
-      "max_bytes_per_trainer_host": max(per_trainer.values(), default=0) * rollout_hosts,
-      "min_bytes_per_trainer_host": min(per_trainer.values(), default=0) * rollout_hosts,
-      "rollout_hosts": rollout_hosts,
-      "destination_devices": len(routed),
-      "snapshot_bytes_per_trainer_device": max(snapshot.values(), default=0),
-      "standby_bytes_per_rollout_device": max(standby.values(), default=0),
+    "pieces": len(pieces),
+    "version_bytes": version,
+    # One engine pulls the whole version once, spread over its devices.
+    "bytes_per_rollout_engine": version,
+    "max_bytes_per_rollout_device": max(p.bytes_per_rollout_host(lambda d: d).values(), default=0),
+    "local_copy_bytes_per_engine": p.local_copy_bytes,
+    "trainer_hosts": len(per_trainer),
+    # Egress of the busiest trainer host when every engine pulls a version.
+    "max_bytes_per_trainer_host": max(per_trainer.values(), default=0) * rollout_hosts,
+    "min_bytes_per_trainer_host": min(per_trainer.values(), default=0) * rollout_hosts,
+    "rollout_hosts": rollout_hosts,
+    "destination_devices": len(routed),
+    "snapshot_bytes_per_trainer_device": max(snapshot.values(), default=0),
+    "standby_bytes_per_rollout_device": max(standby.values(), default=0),
   }
+
 
 # --- trainer side ------------------------------------------------------------------
 
@@ -373,8 +384,12 @@ def _snapshot(cast, params):
 
 
 def _piece_dict(p: Piece) -> dict:
-  return {"leaf": p.leaf, "index": [list(ab) for ab in p.index], "device": p.device,
-          "nbytes": p.nbytes}
+  return {
+    "leaf": p.leaf,
+    "index": [list(ab) for ab in p.index],
+    "device": p.device,
+    "nbytes": p.nbytes,
+  }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,6 +397,7 @@ class _Served:
   """One version as this process serves it: its pieces' arrays, and with
   `delta_from` (the version before, this run) the arrays of its delta: per
   piece (indices, values), or the whole piece where that was no smaller."""
+
   pieces: tuple[Piece, ...]
   arrays: list
   delta_from: int | None = None
@@ -391,10 +407,13 @@ class _Served:
 def _delta_manifest(served: _Served, deltas: list, sums: list[int], block: int) -> dict:
   """The manifest's part for a delta version: what the puller's specs need
   (each piece's delta size, 0: sent whole) and each new piece's checksum."""
-  return {"delta": {"from": served.delta_from, "block": block},
-          "piece_deltas": [{"size": 0 if d is None else d.size,
-                            "changed": -1 if d is None else d.changed, "checksum": c}
-                           for d, c in zip(deltas, sums)]}
+  return {
+    "delta": {"from": served.delta_from, "block": block},
+    "piece_deltas": [
+      {"size": 0 if d is None else d.size, "changed": -1 if d is None else d.changed, "checksum": c}
+      for d, c in zip(deltas, sums)
+    ],
+  }
 
 
 class WeightServer:
@@ -406,10 +425,19 @@ class WeightServer:
   (`thread=False`: the caller calls `serve_requests` itself).
   """
 
-  def __init__(self, root: str, nonce: str, *, host: str = "", sockets: int = 4,
-               poll_seconds: float = 0.5, pull_timeout_s: float = 300.0,
-               log: Callable[[str], None] = print, thread: bool = True,
-               delta_block: int | None = weight_delta.BLOCK):
+  def __init__(
+    self,
+    root: str,
+    nonce: str,
+    *,
+    host: str = "",
+    sockets: int = 4,
+    poll_seconds: float = 0.5,
+    pull_timeout_s: float = 300.0,
+    log: Callable[[str], None] = print,
+    thread: bool = True,
+    delta_block: int | None = weight_delta.BLOCK,
+  ):
     self.dir = transfer_dir(root)
     self._requests = requests_dir(root)
     files.makedirs(self._requests)
@@ -445,8 +473,9 @@ class WeightServer:
       self._thread = threading.Thread(target=self._serve, name="weight-server", daemon=True)
       self._thread.start()
 
-  def publish(self, params, version: int, cast: Callable = _as_is,
-              run_id: str | None = None) -> None:
+  def publish(
+    self, params, version: int, cast: Callable = _as_is, run_id: str | None = None
+  ) -> None:
     """Serves `cast(params)` (the engines' dtype, any sharding) as `version`.
 
     `cast` (traceable, hashable: the same function object each version, or
@@ -469,11 +498,15 @@ class WeightServer:
     self.snapshot = snap  # the newest version's tree (FleetSource checkpoints it)
     served, extra = self._with_delta(_Served(tuple(mine), arrays))
     manifest = {
-        "version": int(version), "nonce": self.nonce, "process": self.process,
-        "num_processes": self.num_processes, "address": self.address,
-        "published": time.time(),
-        "leaves": [{"shape": list(x.shape), "dtype": jnp.dtype(x.dtype).name} for x in leaves],
-        "pieces": [_piece_dict(p) for p in mine], **extra,
+      "version": int(version),
+      "nonce": self.nonce,
+      "process": self.process,
+      "num_processes": self.num_processes,
+      "address": self.address,
+      "published": time.time(),
+      "leaves": [{"shape": list(x.shape), "dtype": jnp.dtype(x.dtype).name} for x in leaves],
+      "pieces": [_piece_dict(p) for p in mine],
+      **extra,
     }
     if run_id is not None:
       manifest.update(identity.VersionIdentity(run_id, self.fingerprint).meta())
@@ -495,8 +528,12 @@ class WeightServer:
     with self._lock:
       prev = next(reversed(self._snapshots.items()), None)
     self.last_delta = {}
-    if not self.delta_block or prev is None or prev[1].pieces != served.pieces or any(
-        a.dtype != b.dtype for a, b in zip(prev[1].arrays, served.arrays)):
+    if (
+      not self.delta_block
+      or prev is None
+      or prev[1].pieces != served.pieces
+      or any(a.dtype != b.dtype for a, b in zip(prev[1].arrays, served.arrays))
+    ):
       return served, {}
     t0 = time.time()
     deltas = weight_delta.encode_pieces(prev[1].arrays, served.arrays, self.delta_block)
@@ -507,19 +544,24 @@ class WeightServer:
     jax.block_until_ready(delta_arrays)
     served = dataclasses.replace(served, delta_from=prev[0], delta_arrays=delta_arrays)
     self.last_delta = dict(
-        seconds=time.time() - t0, bytes=sum(x.nbytes for x in delta_arrays),
-        full_bytes=sum(p.nbytes for p in served.pieces),
-        changed=sum(d.changed for d in deltas if d is not None),
-        blocks=sum(-(-math.prod(p.shape) // self.delta_block)
-                   for p, d in zip(served.pieces, deltas) if d is not None),
-        whole_pieces=sum(d is None for d in deltas))
+      seconds=time.time() - t0,
+      bytes=sum(x.nbytes for x in delta_arrays),
+      full_bytes=sum(p.nbytes for p in served.pieces),
+      changed=sum(d.changed for d in deltas if d is not None),
+      blocks=sum(
+        -(-math.prod(p.shape) // self.delta_block)
+        for p, d in zip(served.pieces, deltas)
+        if d is not None
+      ),
+      whole_pieces=sum(d is None for d in deltas),
+    )
     return served, _delta_manifest(served, deltas, sums, self.delta_block)
 
   def _serve(self) -> None:
     while not self._stop.wait(self.poll_seconds):
       try:
         self.serve_requests()
-      except Exception as e:  # pylint: disable=broad-except
+      except Exception as e:  # noqa: BLE001
         self._log(f"[fleet] weight server: {e!r}"[:300])
 
   def serve_requests(self) -> int:
@@ -589,6 +631,7 @@ def _listdir(path: str) -> list[str]:
 @dataclasses.dataclass(frozen=True)
 class Offer:
   """A version served by every trainer process: their manifests."""
+
   version: int
   nonce: str
   manifests: tuple[dict, ...]  # by process
@@ -613,8 +656,9 @@ def _read_manifest(path: str) -> dict | None:
     return None
 
 
-def newest_offer(root: str, now: float | None = None,
-                 on_future: Callable[[str, float], None] | None = None) -> Offer | None:
+def newest_offer(
+  root: str, now: float | None = None, on_future: Callable[[str, float], None] | None = None
+) -> Offer | None:
   """The newest version with a manifest from each of its trainer's processes.
 
   Newest by publish time; a manifest published after `now` (default: this
@@ -639,10 +683,12 @@ def newest_offer(root: str, now: float | None = None,
       if on_future is not None:
         on_future(name, float(m["published"]) - latest + CLOCK_SKEW_S)
       continue
-    groups[(int(m["version"]), str(m["nonce"]), int(m["num_processes"]))][
-        int(m["process"])] = m
-  complete = [(max(float(m.get("published", 0)) for m in ms.values()), key, ms)
-              for key, ms in groups.items() if sorted(ms) == list(range(key[2]))]
+    groups[(int(m["version"]), str(m["nonce"]), int(m["num_processes"]))][int(m["process"])] = m
+  complete = [
+    (max(float(m.get("published", 0)) for m in ms.values()), key, ms)
+    for key, ms in groups.items()
+    if sorted(ms) == list(range(key[2]))
+  ]
   if not complete:
     return None
   _, (version, nonce, n), ms = max(complete, key=lambda x: (x[0], x[1][0]))
@@ -653,9 +699,18 @@ def _pieces_of(offer: Offer) -> list[list[Piece]]:
   """Per trainer process, its pieces in the order it registered them."""
   out = []
   for m in offer.manifests:
-    out.append([Piece(int(p["leaf"]), tuple((int(a), int(b)) for a, b in p["index"]),
-                      int(m["process"]), int(p["device"]), int(p["nbytes"]))
-                for p in m["pieces"]])
+    out.append(
+      [
+        Piece(
+          int(p["leaf"]),
+          tuple((int(a), int(b)) for a, b in p["index"]),
+          int(m["process"]),
+          int(p["device"]),
+          int(p["nbytes"]),
+        )
+        for p in m["pieces"]
+      ]
+    )
   return out
 
 
@@ -671,6 +726,7 @@ class PullError(Exception):
 @dataclasses.dataclass(frozen=True)
 class _Held:
   """The version a rollout holds, in the piece layout: what a delta applies to."""
+
   identity: tuple[int, str]
   pieces: dict  # (leaf, Index) -> the piece's array, on the device it was pulled onto
 
@@ -680,6 +736,7 @@ class _DeltaPull:
   """A delta pull's recipe: per piece (flat, in the plan's order) the held
   array and its delta's size (0: the piece comes whole), and the checksum
   each assembled piece must have."""
+
   base: int  # the version it applies to
   block: int
   held: list
@@ -701,8 +758,17 @@ class NetFollower:
   """A rollout's direct path: pulls offered versions into `abstract_params`'
   layout (ShapeDtypeStructs with shardings on this process's devices)."""
 
-  def __init__(self, root: str, rollout_id: str, abstract_params, *, host: str = "",
-               sockets: int = 4, pull_timeout_s: float = 300.0, delta: bool = True):
+  def __init__(
+    self,
+    root: str,
+    rollout_id: str,
+    abstract_params,
+    *,
+    host: str = "",
+    sockets: int = 4,
+    pull_timeout_s: float = 300.0,
+    delta: bool = True,
+  ):
     self.root, self.rollout_id = root, rollout_id
     self._requests = requests_dir(root)
     files.makedirs(self._requests)
@@ -746,8 +812,10 @@ class NetFollower:
       theirs = [(tuple(x["shape"]), x["dtype"]) for x in m["leaves"]]
       ours = [(tuple(a.shape), jnp.dtype(a.dtype).name) for a in self._abstract]
       if theirs != ours:
-        raise PullError("layout_mismatch", f"version {offer.version}: the trainer's leaves "
-                        "(shapes, dtypes) are not this engine's")
+        raise PullError(
+          "layout_mismatch",
+          f"version {offer.version}: the trainer's leaves (shapes, dtypes) are not this engine's",
+        )
     per_process = _pieces_of(offer)
     flat = [p for ps in per_process for p in ps]
     why = check_cover(flat, shapes)
@@ -779,7 +847,7 @@ class NetFollower:
     except PullError:
       files.remove(files.join(self._requests, name))
       raise
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:  # noqa: BLE001
       files.remove(files.join(self._requests, name))
       raise PullError("pull_failed", f"version {offer.version}: {e!r}"[:300]) from None
     self._pull = _Pull(offer, p, arrays, [name], time.time(), delta)
@@ -792,9 +860,10 @@ class NetFollower:
     size = 0 if delta is None else delta.sizes[n]
     if not size:
       return [jax.ShapeDtypeStruct(piece.shape, dtype, sharding=sharding)]
-    return [jax.ShapeDtypeStruct((size,), weight_delta.INDEX_DTYPE, sharding=sharding),
-            jax.ShapeDtypeStruct((size, delta.block), weight_delta.word_dtype(dtype),
-                                 sharding=sharding)]
+    return [
+      jax.ShapeDtypeStruct((size,), weight_delta.INDEX_DTYPE, sharding=sharding),
+      jax.ShapeDtypeStruct((size, delta.block), weight_delta.word_dtype(dtype), sharding=sharding),
+    ]
 
   def _delta_for(self, offer: Offer, p: Plan) -> _DeltaPull | None:
     """How to pull `offer` as a delta: when every trainer process offers it
@@ -820,8 +889,10 @@ class NetFollower:
     if held.identity != (base, offer.nonce):
       return None  # too far behind, or another trainer run's
     arrays = [held.pieces.get((piece.leaf, piece.index)) for piece in p.pieces]
-    if any(a is None or a.is_deleted() or {d.id for d in a.devices()} != {dev}
-           for a, dev in zip(arrays, p.routes)):
+    if any(
+      a is None or a.is_deleted() or {d.id for d in a.devices()} != {dev}
+      for a, dev in zip(arrays, p.routes)
+    ):
       return None
     return _DeltaPull(base, blocks.pop(), arrays, sizes, sums)
 
@@ -846,8 +917,10 @@ class NetFollower:
       if not all(ready):
         if (now or time.time()) - pull.started > self.pull_timeout_s:
           self._discard()
-          raise PullError("timeout", f"version {pull.offer.version}: not complete after "
-                          f"{self.pull_timeout_s:.0f} s")
+          raise PullError(
+            "timeout",
+            f"version {pull.offer.version}: not complete after {self.pull_timeout_s:.0f} s",
+          )
         return None
       t0 = time.time()
       self.last_transfer_s = t0 - pull.started
@@ -857,7 +930,7 @@ class NetFollower:
       self.last_assemble_s = time.time() - t0 - self.last_apply_s
     except PullError:
       raise
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:  # noqa: BLE001
       self._discard()
       self._connections.clear()  # a connection that failed is not reused
       raise PullError("pull_failed", f"version {pull.offer.version}: {e!r}"[:300]) from None
@@ -867,8 +940,14 @@ class NetFollower:
     self.pulls_by_kind[kind] += 1
     self.bytes_by_kind[kind] += nbytes
     self.pull_seconds += time.time() - pull.started
-    self._held = _Held(pull.offer.identity, {(piece.leaf, piece.index): a for piece, a in
-                                             zip(pull.plan.pieces, pieces)}) if self.delta else None
+    self._held = (
+      _Held(
+        pull.offer.identity,
+        {(piece.leaf, piece.index): a for piece, a in zip(pull.plan.pieces, pieces)},
+      )
+      if self.delta
+      else None
+    )
     self._discard()
     return params
 
@@ -881,15 +960,22 @@ class NetFollower:
       return flat
     out, arrived = [], iter(flat)
     for held, size in zip(d.held, d.sizes):
-      out.append(weight_delta.apply(held, next(arrived), next(arrived), block=d.block)
-                 if size else next(arrived))
+      out.append(
+        weight_delta.apply(held, next(arrived), next(arrived), block=d.block)
+        if size
+        else next(arrived)
+      )
     bad = sum(a != b for a, b in zip(weight_delta.checksums(out), d.checksums))
     if bad:
       self._held = None
       self._discard()
-      raise PullError("delta_checksum", f"version {pull.offer.version}: {bad} of {len(out)} "
-                      f"pieces differ from their checksums after the delta from version "
-                      f"{d.base}; the version is pulled whole next", retry=True)
+      raise PullError(
+        "delta_checksum",
+        f"version {pull.offer.version}: {bad} of {len(out)} "
+        f"pieces differ from their checksums after the delta from version "
+        f"{d.base}; the version is pulled whole next",
+        retry=True,
+      )
     return out
 
   def _discard(self) -> None:
@@ -914,8 +1000,11 @@ class NetFollower:
       for device in a.sharding.addressable_devices:
         index = p.dest_index[(leaf, device.id)]
         fills = p.fills[(leaf, device.id)]
-        if (len(fills) == 1 and p.pieces[fills[0][0]].index == index
-            and p.routes[fills[0][0]] == device.id):
+        if (
+          len(fills) == 1
+          and p.pieces[fills[0][0]].index == index
+          and p.routes[fills[0][0]] == device.id
+        ):
           shards.append(flat[fills[0][0]])
           continue
         parts, where = [], []
@@ -927,8 +1016,9 @@ class NetFollower:
             part = jax.device_put(part[tuple(slice(*ab) for ab in take)], devices[device.id])
             take = tuple((0, hi - lo) for lo, hi in overlap)
           parts.append(part)
-          where.append((take, tuple((lo - d0, hi - d0) for (lo, hi), (d0, _) in
-                                    zip(overlap, index))))
+          where.append(
+            (take, tuple((lo - d0, hi - d0) for (lo, hi), (d0, _) in zip(overlap, index)))
+          )
         buf = _fill(parts, tuple(b - a0 for a0, b in index), jnp.dtype(a.dtype), tuple(where))
         shards.append(buf)
       out.append(jax.make_array_from_single_device_arrays(tuple(a.shape), a.sharding, shards))
@@ -971,8 +1061,13 @@ class Follower:
   logged once. `clock` is the wall clock manifests are judged by.
   """
 
-  def __init__(self, checkpoints, net: NetFollower | None, log: Callable[[str], None] = print,
-               clock: Callable[[], float] = time.time):
+  def __init__(
+    self,
+    checkpoints,
+    net: NetFollower | None,
+    log: Callable[[str], None] = print,
+    clock: Callable[[], float] = time.time,
+  ):
     self._ckpt, self._net, self._log, self._clock = checkpoints, net, log, clock
     self.version: int | None = None
     self.identity: tuple | None = None  # (version, trainer nonce) held
@@ -1011,8 +1106,9 @@ class Follower:
         else:
           return None if params is None else self._take(params, pulling, "direct")
       offer = newest_offer(net.root, self._clock(), self._from_future)
-      if offer is not None and offer.identity != self.identity and \
-          offer.identity not in self._tried:
+      if (
+        offer is not None and offer.identity != self.identity and offer.identity not in self._tried
+      ):
         self._tried.add(offer.identity)
         try:
           net.start(offer)
@@ -1028,30 +1124,33 @@ class Follower:
     """Direct pulls and their bytes, whole ("full") and as deltas ("delta")."""
     if self._net is None:
       return {}
-    return dict(pulls_by_kind=dict(self._net.pulls_by_kind),
-                pulled_bytes=dict(self._net.bytes_by_kind))
+    return dict(
+      pulls_by_kind=dict(self._net.pulls_by_kind), pulled_bytes=dict(self._net.bytes_by_kind)
+    )
 
   def _from_future(self, name: str, ahead_s: float) -> None:
     if name in self._future:
       return
     self._future.add(name)
     self.ignored_manifests["from_future"] += 1
-    self._log(f"[fleet] ignored the weight manifest {name}: published {ahead_s:.0f} s "
-              f"after this host's now (more than {CLOCK_SKEW_S:.0f} s of clock skew); "
-              "the newest valid version is pulled")
+    self._log(
+      f"[fleet] ignored the weight manifest {name}: published {ahead_s:.0f} s "
+      f"after this host's now (more than {CLOCK_SKEW_S:.0f} s of clock skew); "
+      "the newest valid version is pulled"
+    )
 
   def _failed(self, e: PullError) -> None:
     self.failures[e.reason] += 1
     self.fallbacks[e.reason] += 1
     then = "it is pulled again whole" if e.retry else "checkpoints are the fallback"
-    self._log(f"[fleet] direct pull failed ({e.reason}): {e}; the held version "
-              f"{self.version} stays, {then}")
+    self._log(
+      f"[fleet] direct pull failed ({e.reason}): {e}; the held version {self.version} stays, {then}"
+    )
 
   def _take(self, params, offer: Offer, path: str):
     self.pulls += 1
     self.version, self.identity, self.last_path = offer.version, offer.identity, path
-    meta = {k: offer.manifests[0][k] for k in ("run_id", "fingerprint")
-            if k in offer.manifests[0]}
+    meta = {k: offer.manifests[0][k] for k in ("run_id", "fingerprint") if k in offer.manifests[0]}
     return params, offer.version, dict(meta, nonce=offer.nonce, path=path)
 
   def _from_checkpoint(self, offer: Offer | None, final: bool):
@@ -1068,8 +1167,10 @@ class Follower:
     # Otherwise (a trainer on the checkpoint path, or a restarted one) it is
     # followed as fleet.WeightFollower follows, back included.
     behind = self.version is not None and version <= self.version
-    if behind and ((offer is not None and not final) or (
-        self.identity is not None and identity[1] == self.identity[1])):
+    if behind and (
+      (offer is not None and not final)
+      or (self.identity is not None and identity[1] == self.identity[1])
+    ):
       return None
     got = self._ckpt.restore_version(version)
     if got is None:

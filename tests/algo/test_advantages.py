@@ -58,8 +58,7 @@ def numpy_step_gae(r, v, m, gamma, lam, step_value):
       else:
         t += 1
     rew = [r[b, s:e].sum() for s, e in runs]
-    val = [v[b, s:e].mean() if step_value == "mean" else v[b, e - 1]
-           for s, e in runs]
+    val = [v[b, s:e].mean() if step_value == "mean" else v[b, e - 1] for s, e in runs]
     next_v, next_a = 0.0, 0.0
     for j in range(len(runs) - 1, -1, -1):
       a = rew[j] + gamma * next_v - val[j] + gamma * lam * next_a
@@ -80,7 +79,6 @@ def random_batch(seed, b=5, t=67, p_action=0.6):
 
 
 class SkipObservationGaeTest(parameterized.TestCase):
-
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.parameters(0, 1)
   def test_matches_numpy_oracle(self, seed):
@@ -94,12 +92,12 @@ class SkipObservationGaeTest(parameterized.TestCase):
   def test_hand_computed_multi_turn(self):
     # prompt | act act | obs obs | act   (gamma = 0.5, lam = 1)
     m = np.array([[0, 1, 1, 0, 0, 1]], bool)
-    v = np.array([[9., 1., 2., 9., 9., 4.]], np.float32)
-    r = np.array([[0., 0., 1., 0., 0., 3.]], np.float32)
+    v = np.array([[9.0, 1.0, 2.0, 9.0, 9.0, 4.0]], np.float32)
+    r = np.array([[0.0, 0.0, 1.0, 0.0, 0.0, 3.0]], np.float32)
     a, ret = adv.skip_observation_gae(r, v, m, 0.5, 1.0)
     # t=5: 3 - 4 = -1; t=2: 1 + .5*4 - 2 = 1, + .5*(-1) = .5;
     # t=1: 0 + .5*2 - 1 = 0, + .5*.5 = .25. Observations' 9s never enter.
-    np.testing.assert_allclose(a, [[0, .25, .5, 0, 0, -1]], atol=1e-6)
+    np.testing.assert_allclose(a, [[0, 0.25, 0.5, 0, 0, -1]], atol=1e-6)
     np.testing.assert_allclose(ret, [[0, 1.25, 2.5, 0, 0, 3]], atol=1e-6)
 
   def test_all_actions_equals_rlax(self):
@@ -111,9 +109,9 @@ class SkipObservationGaeTest(parameterized.TestCase):
     a, _ = adv.skip_observation_gae(r, v, m, GAMMA, LAM)
     discount = np.full((t,), GAMMA, np.float32)
     discount[-1] = 0.0  # terminal after the last token
-    ref = jax.vmap(rlax.truncated_generalized_advantage_estimation,
-                   in_axes=(0, None, None, 0))(
-                       r, discount, LAM, np.pad(v, ((0, 0), (0, 1))))
+    ref = jax.vmap(rlax.truncated_generalized_advantage_estimation, in_axes=(0, None, None, 0))(
+      r, discount, LAM, np.pad(v, ((0, 0), (0, 1)))
+    )
     np.testing.assert_allclose(a, ref, atol=2e-5)
 
   def test_gathered_actions_equal_rlax(self):
@@ -124,7 +122,8 @@ class SkipObservationGaeTest(parameterized.TestCase):
     discount = np.full((len(idx),), GAMMA, np.float32)
     discount[-1] = 0.0
     ref = rlax.truncated_generalized_advantage_estimation(
-        r[row, idx], discount, LAM, np.append(v[row, idx], 0.0))
+      r[row, idx], discount, LAM, np.append(v[row, idx], 0.0)
+    )
     np.testing.assert_allclose(np.asarray(a)[row, idx], ref, atol=2e-5)
     np.testing.assert_array_equal(np.asarray(a)[row, ~m[row]], 0.0)
 
@@ -136,8 +135,7 @@ class SkipObservationGaeTest(parameterized.TestCase):
     for t in range(39, -1, -1):
       y = a[:, t] * y + b[:, t]
       expect[:, t] = y
-    np.testing.assert_allclose(adv.reverse_linear_recurrence(a, b), expect,
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(adv.reverse_linear_recurrence(a, b), expect, rtol=1e-5, atol=1e-6)
 
   def test_observation_values_do_not_leak(self):
     r, v, m = random_batch(6)
@@ -157,7 +155,6 @@ class SkipObservationGaeTest(parameterized.TestCase):
 
 
 class AblationArmsTest(parameterized.TestCase):
-
   @chex.variants(with_jit=True, without_jit=True)
   def test_token_gae_matches_oracle(self):
     r, v, m = random_batch(7)
@@ -172,9 +169,11 @@ class AblationArmsTest(parameterized.TestCase):
     a_skip, _ = adv.skip_observation_gae(r, v, m, GAMMA, LAM)
     self.assertGreater(np.abs(np.asarray(a_tok) - np.asarray(a_skip)).max(), 1e-2)
     full = np.ones_like(m)
-    np.testing.assert_allclose(adv.token_gae(r, v, full, GAMMA, LAM)[0],
-                               adv.skip_observation_gae(r, v, full, GAMMA, LAM)[0],
-                               atol=1e-5)
+    np.testing.assert_allclose(
+      adv.token_gae(r, v, full, GAMMA, LAM)[0],
+      adv.skip_observation_gae(r, v, full, GAMMA, LAM)[0],
+      atol=1e-5,
+    )
 
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.parameters("mean", "last")
@@ -193,54 +192,50 @@ class AblationArmsTest(parameterized.TestCase):
 
 
 class PackedRowsTest(parameterized.TestCase):
-
   @parameterized.parameters(
-      ("skip", lambda r, v, m, **kw: adv.skip_observation_gae(r, v, m, GAMMA, LAM, **kw)),
-      ("token", lambda r, v, m, **kw: adv.token_gae(r, v, m, GAMMA, LAM, **kw)),
-      ("step_mean", lambda r, v, m, **kw: adv.step_gae(r, v, m, GAMMA, LAM, "mean", **kw)),
-      ("step_last", lambda r, v, m, **kw: adv.step_gae(r, v, m, GAMMA, LAM, "last", **kw)),
+    ("skip", lambda r, v, m, **kw: adv.skip_observation_gae(r, v, m, GAMMA, LAM, **kw)),
+    ("token", lambda r, v, m, **kw: adv.token_gae(r, v, m, GAMMA, LAM, **kw)),
+    ("step_mean", lambda r, v, m, **kw: adv.step_gae(r, v, m, GAMMA, LAM, "mean", **kw)),
+    ("step_last", lambda r, v, m, **kw: adv.step_gae(r, v, m, GAMMA, LAM, "last", **kw)),
   )
   def test_packed_equals_separate(self, _, fn):
     r, v, m = random_batch(11, b=3, t=30)
     m[:, :2] = False  # every sequence starts with a prompt
     m[:, -1] = True  # ...and may end on an action
-    packed = [np.concatenate([x[0], x[1], x[2], np.zeros(5, x.dtype)])[None]
-              for x in (r, v, m)]
+    packed = [np.concatenate([x[0], x[1], x[2], np.zeros(5, x.dtype)])[None] for x in (r, v, m)]
     seg = np.concatenate([np.full(30, 1), np.full(30, 2), np.full(30, 3), np.zeros(5)])
     a_p, ret_p = fn(*packed, segment_ids=seg[None].astype(np.int32))
     a_s, ret_s = fn(r, v, m)
     np.testing.assert_allclose(np.asarray(a_p)[0, :90], np.asarray(a_s).reshape(-1), atol=1e-5)
-    np.testing.assert_allclose(np.asarray(ret_p)[0, :90], np.asarray(ret_s).reshape(-1),
-                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ret_p)[0, :90], np.asarray(ret_s).reshape(-1), atol=1e-5)
     np.testing.assert_array_equal(np.asarray(a_p)[0, 90:], 0.0)
 
 
 class BaselinesTest(parameterized.TestCase):
-
   @chex.variants(with_jit=True, without_jit=True)
   def test_group_advantages(self):
-    rewards = jnp.array([1., 0., 0., 1., 1., 0.5])
+    rewards = jnp.array([1.0, 0.0, 0.0, 1.0, 1.0, 0.5])
     ids = jnp.array([0, 0, 0, 7, 7, 3])
     with self.assertRaisesRegex(ValueError, r"groups \[3\]"):
       adv.group_advantages(rewards, ids)
     rewards, ids = rewards[:5], ids[:5]
     got = self.variant(adv.group_advantages)(rewards, ids)
-    g0 = np.array([1., 0., 0.])
+    g0 = np.array([1.0, 0.0, 0.0])
     expect0 = (g0 - g0.mean()) / (g0.std() + 1e-6)
     np.testing.assert_allclose(got[:3], expect0, rtol=1e-5)
     np.testing.assert_allclose(got[3:], 0.0, atol=1e-6)  # equal rewards
 
   def test_running_mean(self):
     state = adv.running_mean_init(3)
-    state, a = adv.running_mean_update(state, jnp.array([1., 2.]))
-    np.testing.assert_allclose(a, [1., 2.])  # no baseline yet
-    state, a = adv.running_mean_update(state, jnp.array([4.]))
-    np.testing.assert_allclose(a, [4. - 1.5])
-    state, a = adv.running_mean_update(state, jnp.array([0., 0.]))
-    np.testing.assert_allclose(a, [-7. / 3, -7. / 3])
+    state, a = adv.running_mean_update(state, jnp.array([1.0, 2.0]))
+    np.testing.assert_allclose(a, [1.0, 2.0])  # no baseline yet
+    state, a = adv.running_mean_update(state, jnp.array([4.0]))
+    np.testing.assert_allclose(a, [4.0 - 1.5])
+    state, a = adv.running_mean_update(state, jnp.array([0.0, 0.0]))
+    np.testing.assert_allclose(a, [-7.0 / 3, -7.0 / 3])
     # window now holds the last three rewards: 4, 0, 0
-    _, a = jax.jit(adv.running_mean_update)(state, jnp.array([1.]))
-    np.testing.assert_allclose(a, [1. - 4. / 3], rtol=1e-6)
+    _, a = jax.jit(adv.running_mean_update)(state, jnp.array([1.0]))
+    np.testing.assert_allclose(a, [1.0 - 4.0 / 3], rtol=1e-6)
     with self.assertRaises(ValueError):
       adv.running_mean_init(0)
 

@@ -21,12 +21,12 @@ def batch(seed=0, b=3, t=11):
 
 
 class DisTest(parameterized.TestCase):
-
   @chex.variants(with_jit=True, without_jit=True)
   def test_value_matches_numpy(self):
     logp, rollout, a, m = batch()
-    loss, metrics = self.variant(
-        lambda *x: losses.dis_policy_loss(*x, EPS_LOW, EPS_HIGH))(logp, rollout, a, m)
+    loss, metrics = self.variant(lambda *x: losses.dis_policy_loss(*x, EPS_LOW, EPS_HIGH))(
+      logp, rollout, a, m
+    )
     r = np.exp(logp - rollout)
     below = m & (r <= 1 - EPS_LOW)
     above = m & (r >= 1 + EPS_HIGH)
@@ -46,13 +46,13 @@ class DisTest(parameterized.TestCase):
 
   def test_gradient_is_zero_when_masked_and_rA_over_n_when_kept(self):
     logp, rollout, a, m = batch(1)
-    grad = jax.grad(lambda lp: losses.dis_policy_loss(
-        lp, rollout, a, m, EPS_LOW, EPS_HIGH)[0])(logp)
+    grad = jax.grad(lambda lp: losses.dis_policy_loss(lp, rollout, a, m, EPS_LOW, EPS_HIGH)[0])(
+      logp
+    )
     r = np.exp(logp - rollout)
     keep = m & (r > 1 - EPS_LOW) & (r < 1 + EPS_HIGH)
     np.testing.assert_array_equal(np.asarray(grad)[~keep], 0.0)
-    np.testing.assert_allclose(np.asarray(grad)[keep],
-                               (-r * a / m.sum())[keep], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad)[keep], (-r * a / m.sum())[keep], rtol=1e-5)
 
   def test_region_is_open(self):
     # Ratios exactly on the boundary are masked (strict inequalities).
@@ -68,8 +68,7 @@ class DisTest(parameterized.TestCase):
     rollout = np.array([[-300.0, 0.0, 0.0]], np.float32)
     a = np.ones((1, 3), np.float32)
     m = np.ones((1, 3), bool)
-    grad = jax.grad(lambda lp: losses.dis_policy_loss(
-        lp, rollout, a, m, 0.2, 0.2)[0])(logp)
+    grad = jax.grad(lambda lp: losses.dis_policy_loss(lp, rollout, a, m, 0.2, 0.2)[0])(logp)
     np.testing.assert_array_equal(np.asarray(grad)[0, :2], 0.0)
     self.assertTrue(np.isfinite(np.asarray(grad)).all())
 
@@ -82,7 +81,6 @@ class DisTest(parameterized.TestCase):
 
 
 class PpoClipTest(parameterized.TestCase):
-
   @chex.variants(with_jit=True, without_jit=True)
   def test_value_and_gradient(self):
     logp, rollout, a, m = batch(2)
@@ -120,14 +118,15 @@ def np_dis_rollout_kl(logp, rollout, a, m, estimator="k2", reduction="sequence",
   lr = logp - rollout
   _, _, inside = np_regions(r, a, m)
   n = m.sum()
-  k, g = (0.5 * lr ** 2, lr) if estimator == "k2" else (r - 1 - lr, r - 1)
+  k, g = (0.5 * lr**2, lr) if estimator == "k2" else (r - 1 - lr, r - 1)
   if reduction == "token":
     w = m / n
   else:
     seg = np.ones(m.shape, np.int32) if seg is None else seg
     w = np.zeros(m.shape)
-    seqs = [(i, s) for i in range(m.shape[0]) for s in np.unique(seg[i])
-            if (m[i] & (seg[i] == s)).any()]
+    seqs = [
+      (i, s) for i in range(m.shape[0]) for s in np.unique(seg[i]) if (m[i] & (seg[i] == s)).any()
+    ]
     for i, s in seqs:
       sel = m[i] & (seg[i] == s)
       w[i][sel] = 1.0 / (sel.sum() * len(seqs))
@@ -166,8 +165,13 @@ def np_dis_seq_geo(logp, rollout, a, m, seg):
         dropped_seqs += 1
         dropped_tokens += len(tokens)
   n = m.sum()
-  return (-(keep * r * a).sum() / n, -(keep * r * a) / n, keep, dropped_seqs / seqs,
-          dropped_tokens / n)
+  return (
+    -(keep * r * a).sum() / n,
+    -(keep * r * a) / n,
+    keep,
+    dropped_seqs / seqs,
+    dropped_tokens / n,
+  )
 
 
 def np_cispo(logp, rollout, a, m, two_sided=False):
@@ -192,7 +196,7 @@ def packed_batch(seed=0, b=4, t=24):
     end = t - rng.integers(0, 4)
     bounds = [0, cuts[0], cuts[1], end]
     for s in range(3):
-      seg[i, bounds[s]:bounds[s + 1]] = s + 1
+      seg[i, bounds[s] : bounds[s + 1]] = s + 1
       drift = rng.choice([0.0, 0.3, -0.3])
       span = slice(bounds[s], bounds[s + 1])
       logp[i, span] = rollout[i, span] + drift + rng.normal(0, 0.1, bounds[s + 1] - bounds[s])
@@ -202,17 +206,24 @@ def packed_batch(seed=0, b=4, t=24):
 
 
 class DisVariantsTest(parameterized.TestCase):
-
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.product(estimator=("k2", "k3"), reduction=("sequence", "token"))
   def test_rollout_kl_value_and_gradient(self, estimator, reduction):
     logp, rollout, a, m, seg = packed_batch(4)
     fn = lambda lp: losses.dis_rollout_kl_policy_loss(
-        lp, rollout, a, m, EPS_LOW, EPS_HIGH, rollout_kl_coef=BETA,
-        rollout_kl_estimator=estimator, rollout_kl_reduction=reduction, segment_ids=seg)
+      lp,
+      rollout,
+      a,
+      m,
+      EPS_LOW,
+      EPS_HIGH,
+      rollout_kl_coef=BETA,
+      rollout_kl_estimator=estimator,
+      rollout_kl_reduction=reduction,
+      segment_ids=seg,
+    )
     (loss, metrics), grad = self.variant(jax.value_and_grad(fn, has_aux=True))(logp)
-    want_loss, want_grad, kl = np_dis_rollout_kl(logp, rollout, a, m, estimator, reduction,
-                                                 seg)
+    want_loss, want_grad, kl = np_dis_rollout_kl(logp, rollout, a, m, estimator, reduction, seg)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-7)
     np.testing.assert_array_equal(np.asarray(grad)[~m], 0.0)
@@ -234,8 +245,9 @@ class DisVariantsTest(parameterized.TestCase):
     zero, seg = np.zeros((1, 3), np.float32), np.array([[1, 1, 2]], np.int32)
 
     def loss(lp, **kw):
-      return losses.dis_rollout_kl_policy_loss(lp, zero, a, m, EPS_LOW, EPS_HIGH,
-                                               rollout_kl_coef=1.0, segment_ids=seg, **kw)[0]
+      return losses.dis_rollout_kl_policy_loss(
+        lp, zero, a, m, EPS_LOW, EPS_HIGH, rollout_kl_coef=1.0, segment_ids=seg, **kw
+      )[0]
 
     # k2, sequence mean (the default): (0.5 * (0.04 + 0.04) / 2 + 0.5 * 0.16) / 2 = 0.05;
     # gradient log r / (|s| S): (0.2 / 4, -0.2 / 4, 0.4 / 2).
@@ -243,30 +255,37 @@ class DisVariantsTest(parameterized.TestCase):
     np.testing.assert_allclose(jax.grad(loss)(lr), [[0.05, -0.05, 0.2]], rtol=1e-6)
     # k2, token mean: 0.5 * 0.24 / 3 = 0.04; gradient log r / 3.
     np.testing.assert_allclose(loss(lr, rollout_kl_reduction="token"), 0.04, rtol=1e-6)
-    np.testing.assert_allclose(jax.grad(lambda x: loss(x, rollout_kl_reduction="token"))(lr),
-                               lr / 3, rtol=1e-6)
+    np.testing.assert_allclose(
+      jax.grad(lambda x: loss(x, rollout_kl_reduction="token"))(lr), lr / 3, rtol=1e-6
+    )
     # k3, token mean: sum(e^x - 1 - x) / 3.
     k3 = (np.exp(lr) - 1 - lr).sum() / 3
-    np.testing.assert_allclose(loss(lr, rollout_kl_estimator="k3",
-                                    rollout_kl_reduction="token"), k3, rtol=1e-5)
+    np.testing.assert_allclose(
+      loss(lr, rollout_kl_estimator="k3", rollout_kl_reduction="token"), k3, rtol=1e-5
+    )
     for kw in ({"rollout_kl_estimator": "k1"}, {"rollout_kl_reduction": "row"}):
       with self.assertRaisesRegex(ValueError, "must be one of"):
         loss(lr, **kw)
 
   def test_rollout_kl_with_zero_coefficient_is_dis(self):
     logp, rollout, a, m = batch(5)
-    got = jax.grad(lambda lp: losses.dis_rollout_kl_policy_loss(
-        lp, rollout, a, m, EPS_LOW, EPS_HIGH, rollout_kl_coef=0.0)[0])(logp)
-    want = jax.grad(lambda lp: losses.dis_policy_loss(
-        lp, rollout, a, m, EPS_LOW, EPS_HIGH)[0])(logp)
+    got = jax.grad(
+      lambda lp: losses.dis_rollout_kl_policy_loss(
+        lp, rollout, a, m, EPS_LOW, EPS_HIGH, rollout_kl_coef=0.0
+      )[0]
+    )(logp)
+    want = jax.grad(lambda lp: losses.dis_policy_loss(lp, rollout, a, m, EPS_LOW, EPS_HIGH)[0])(
+      logp
+    )
     np.testing.assert_array_equal(got, want)
 
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.parameters("low", "high")
   def test_corrective_value_and_gradient(self, side):
     logp, rollout, a, m = batch(6, b=4, t=16)
-    fn = lambda lp: losses.dis_corrective_policy_loss(lp, rollout, a, m, EPS_LOW, EPS_HIGH,
-                                                      corrective_side=side)
+    fn = lambda lp: losses.dis_corrective_policy_loss(
+      lp, rollout, a, m, EPS_LOW, EPS_HIGH, corrective_side=side
+    )
     (loss, metrics), grad = self.variant(jax.value_and_grad(fn, has_aux=True))(logp)
     want_loss, want_grad, keep = np_dis_corrective(logp, rollout, a, m, side)
     r = np.exp(logp - rollout)
@@ -288,18 +307,26 @@ class DisVariantsTest(parameterized.TestCase):
   def test_corrective_side_is_checked(self):
     logp, rollout, a, m = batch()
     with self.assertRaisesRegex(ValueError, "corrective_side"):
-      losses.dis_corrective_policy_loss(logp, rollout, a, m, EPS_LOW, EPS_HIGH,
-                                        corrective_side="both")
+      losses.dis_corrective_policy_loss(
+        logp, rollout, a, m, EPS_LOW, EPS_HIGH, corrective_side="both"
+      )
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_seq_geo_value_and_gradient(self):
     logp, rollout, a, m, seg = packed_batch()
     fn = lambda lp, s: losses.dis_seq_geo_policy_loss(
-        lp, rollout, a, m, EPS_LOW, EPS_HIGH, segment_ids=s, geo_eps_low=GEO_LOW,
-        geo_eps_high=GEO_HIGH)
+      lp,
+      rollout,
+      a,
+      m,
+      EPS_LOW,
+      EPS_HIGH,
+      segment_ids=s,
+      geo_eps_low=GEO_LOW,
+      geo_eps_high=GEO_HIGH,
+    )
     (loss, metrics), grad = self.variant(jax.value_and_grad(fn, has_aux=True))(logp, seg)
-    want_loss, want_grad, keep, dropped, dropped_tokens = np_dis_seq_geo(
-        logp, rollout, a, m, seg)
+    want_loss, want_grad, keep, dropped, dropped_tokens = np_dis_seq_geo(logp, rollout, a, m, seg)
     r = np.exp(logp - rollout)
     _, _, inside = np_regions(r, a, m)
     # Whole sequences dropped although some of their tokens are inside DIS's window.
@@ -324,9 +351,21 @@ class DisVariantsTest(parameterized.TestCase):
     r = np.exp(logp)
 
     def grad(segment_ids, geo_eps_high):
-      return np.asarray(jax.grad(lambda lp: losses.dis_seq_geo_policy_loss(
-          lp, rollout, a, m, 0.2, 0.28, segment_ids=segment_ids, geo_eps_low=0.05,
-          geo_eps_high=geo_eps_high)[0])(logp))
+      return np.asarray(
+        jax.grad(
+          lambda lp: losses.dis_seq_geo_policy_loss(
+            lp,
+            rollout,
+            a,
+            m,
+            0.2,
+            0.28,
+            segment_ids=segment_ids,
+            geo_eps_low=0.05,
+            geo_eps_high=geo_eps_high,
+          )[0]
+        )(logp)
+      )
 
     g = grad(seg, 0.05)
     np.testing.assert_allclose(g[0], [-r[0, 0] / 8, -r[0, 1] / 8, 0, 0, 0], rtol=1e-6)
@@ -347,8 +386,11 @@ class DisVariantsTest(parameterized.TestCase):
         want = lr[i][sel & m[i]].mean() if (sel & m[i]).any() else 0.0
         np.testing.assert_allclose(got[i][sel], want, rtol=1e-5, atol=1e-6)
     rows = np.asarray(losses.sequence_mean_log_ratio(lr, m))
-    np.testing.assert_allclose(rows, np.broadcast_to(
-        (lr * m).sum(1, keepdims=True) / m.sum(1, keepdims=True), m.shape), rtol=1e-5)
+    np.testing.assert_allclose(
+      rows,
+      np.broadcast_to((lr * m).sum(1, keepdims=True) / m.sum(1, keepdims=True), m.shape),
+      rtol=1e-5,
+    )
 
   def test_cispo_clips_the_weight_from_above_only(self):
     # r = 0.5 (below 1 - eps_low), 1.0, 2.0 (above 1 + eps_high); A = 1, N = 3.
@@ -356,10 +398,14 @@ class DisVariantsTest(parameterized.TestCase):
     logp = np.log(np.array([[0.5, 1.0, 2.0]], np.float32))
     a, m = np.ones((1, 3), np.float32), np.ones((1, 3), bool)
     grad = lambda fn: jax.grad(lambda lp: fn(lp, rollout, a, m, EPS_LOW, EPS_HIGH)[0])(logp)
-    np.testing.assert_allclose(grad(losses.cispo_policy_loss),
-                               [[-0.5 / 3, -1 / 3, -(1 + EPS_HIGH) / 3]], rtol=1e-6)
-    np.testing.assert_allclose(grad(losses.cispo_two_sided_policy_loss),
-                               [[-(1 - EPS_LOW) / 3, -1 / 3, -(1 + EPS_HIGH) / 3]], rtol=1e-6)
+    np.testing.assert_allclose(
+      grad(losses.cispo_policy_loss), [[-0.5 / 3, -1 / 3, -(1 + EPS_HIGH) / 3]], rtol=1e-6
+    )
+    np.testing.assert_allclose(
+      grad(losses.cispo_two_sided_policy_loss),
+      [[-(1 - EPS_LOW) / 3, -1 / 3, -(1 + EPS_HIGH) / 3]],
+      rtol=1e-6,
+    )
 
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.parameters(False, True)
@@ -387,7 +433,6 @@ class DisVariantsTest(parameterized.TestCase):
 
 
 class PolicyLossTableTest(parameterized.TestCase):
-
   def test_options_reach_only_the_losses_that_name_them(self):
     logp, rollout, a, m = batch()
     seen = {}
@@ -395,8 +440,9 @@ class PolicyLossTableTest(parameterized.TestCase):
     def plain(logp, rollout_logp, advantages, action_mask, eps_low, eps_high):
       return logp.sum(), {}
 
-    def wants_kl(logp, rollout_logp, advantages, action_mask, eps_low, eps_high, *,
-                 rollout_kl_coef=0.0):
+    def wants_kl(
+      logp, rollout_logp, advantages, action_mask, eps_low, eps_high, *, rollout_kl_coef=0.0
+    ):
       seen["kl"] = rollout_kl_coef
       return logp.sum(), {}
 
@@ -409,19 +455,20 @@ class PolicyLossTableTest(parameterized.TestCase):
       losses.call_policy_loss(fn, logp, rollout, a, m, EPS_LOW, EPS_HIGH, **options)
     self.assertEqual(seen, {"kl": 0.5, "all": sorted(options)})
 
-  @parameterized.parameters("dis_rollout_kl", "dis_corrective", "dis_seq_geo", "cispo",
-                            "cispo_two_sided")
+  @parameterized.parameters(
+    "dis_rollout_kl", "dis_corrective", "dis_seq_geo", "cispo", "cispo_two_sided"
+  )
   def test_variants_are_records_with_the_shared_signature(self, name):
     logp, rollout, a, m = batch(8)
     fn = losses.policy_loss(name)
-    loss, metrics = losses.call_policy_loss(fn, logp, rollout, a, m, EPS_LOW, EPS_HIGH,
-                                            segment_ids=np.ones(m.shape, np.int32))
+    loss, metrics = losses.call_policy_loss(
+      fn, logp, rollout, a, m, EPS_LOW, EPS_HIGH, segment_ids=np.ones(m.shape, np.int32)
+    )
     self.assertTrue(np.isfinite(float(loss)))
     self.assertEqual(float(metrics["tokens"]), m.sum())
 
 
 class ValueLossTest(parameterized.TestCase):
-
   @chex.variants(with_jit=True, without_jit=True)
   def test_value_gradient_and_explained_variance(self):
     rng = np.random.default_rng(3)
@@ -459,11 +506,13 @@ class ValueLossTest(parameterized.TestCase):
     logp, rollout, a, _ = batch(8)
     none = np.zeros(logp.shape, bool)
     for name in ("ppo_clip", "dis", "cispo"):
-      loss, metrics = losses.call_policy_loss(losses.policy_loss(name), logp, rollout, a,
-                                              none, EPS_LOW, EPS_HIGH)
+      loss, metrics = losses.call_policy_loss(
+        losses.policy_loss(name), logp, rollout, a, none, EPS_LOW, EPS_HIGH
+      )
       self.assertEqual(float(loss), 0.0)
-      self.assertTrue(all(np.isnan(float(x)) for k, x in metrics.items() if k != "tokens"),
-                      (name, metrics))
+      self.assertTrue(
+        all(np.isnan(float(x)) for k, x in metrics.items() if k != "tokens"), (name, metrics)
+      )
       self.assertEqual(float(metrics["tokens"]), 0.0, name)
 
   def test_clipped(self):

@@ -3,12 +3,11 @@
 import dataclasses
 
 import pytest
+from runs import load_config_module
 
 from sao_jax.algo import advantages
-from sao_jax.train import configuration
 from sao_jax.config import sections
-
-from runs import load_config_module  # pylint: disable=g-bad-import-order
+from sao_jax.train import configuration
 
 
 @pytest.mark.parametrize("name", sorted(sections.SECTIONS))
@@ -30,25 +29,40 @@ def test_common_config_is_built_from_the_sections():
   assert typed.rollout.max_len == c.rollout.max_len and typed.rl.policy_loss == c.rl.policy_loss
 
 
-@pytest.mark.parametrize("section,changes,message", [
+@pytest.mark.parametrize(
+  "section,changes,message",
+  [
     (sections.Rollout, {"slots": 0}, r"^rollout.slots = 0: must be an integer >= 1$"),
     (sections.Rollout, {"slots": True}, r"rollout.slots = True: must be an integer"),
-    (sections.Rollout, {"kv_cache": "ragged"},
-     r"rollout.kv_cache = 'ragged': must be one of \('dense', 'paged'\)"),
-    (sections.Rollout, {"kv_cache": "paged", "page_size": 7, "max_len": 64},
-     r"rollout.page_size = 7: must be a divisor of rollout.max_len \(64\)"),
+    (
+      sections.Rollout,
+      {"kv_cache": "ragged"},
+      r"rollout.kv_cache = 'ragged': must be one of \('dense', 'paged'\)",
+    ),
+    (
+      sections.Rollout,
+      {"kv_cache": "paged", "page_size": 7, "max_len": 64},
+      r"rollout.page_size = 7: must be a divisor of rollout.max_len \(64\)",
+    ),
     (sections.Rollout, {"env_timeout": 0}, r"rollout.env_timeout = 0: must be None"),
     (sections.Rollout, {"temperature": float("nan")}, r"rollout.temperature = nan"),
     (sections.RL, {"eps_low": 2.0}, r"^rl.eps_low = 2.0: must be in \(0, 1\)$"),
     (sections.RL, {"advantage": "gae"}, r"rl.advantage = 'gae': must be one of \["),
     (sections.RL, {"critic_lam": 1.5}, r"rl.critic_lam = 1.5: must be None or in \[0, 1\]"),
-    (sections.RL, {"advantage": "value", "critic_updates": 0},
-     r"rl.critic_updates = 0: must be >= 1 with rl.advantage = 'value'"),
+    (
+      sections.RL,
+      {"advantage": "value", "critic_updates": 0},
+      r"rl.critic_updates = 0: must be >= 1 with rl.advantage = 'value'",
+    ),
     (sections.Data, {"buckets": (128, 64)}, r"data.buckets = \(128, 64\): must be a non-empty"),
     (sections.Fleet, {"keep_versions": 1}, r"fleet.keep_versions = 1: must be an integer >= 2"),
-    (sections.Distributed, {"num_processes": 2, "process_id": 2},
-     r"distributed.process_id = 2: must be < distributed.num_processes \(2\)"),
-])
+    (
+      sections.Distributed,
+      {"num_processes": 2, "process_id": 2},
+      r"distributed.process_id = 2: must be < distributed.num_processes \(2\)",
+    ),
+  ],
+)
 def test_a_bad_field_fails_in_one_line_naming_it(section, changes, message):
   with pytest.raises(sections.ConfigError, match=message):
     section(**changes)
@@ -59,7 +73,7 @@ def test_a_bad_field_fails_in_one_line_naming_it(section, changes, message):
 def test_records_are_frozen():
   r = sections.Rollout()
   with pytest.raises(dataclasses.FrozenInstanceError):
-    r.slots = 3  # pylint: disable=assigning-non-slot
+    r.slots = 3
   assert r.replace(slots=3).slots == 3 and r.slots == 16
 
 
@@ -85,15 +99,19 @@ def test_validate_reports_section_errors_and_cross_section_rules():
     configuration.validate(c, num_devices=8)
   c = load_config_module("sao_tiny.py").get_config()
   c.rollout.max_turn_tokens = c.rollout.max_len
-  with pytest.raises(configuration.ConfigError, match="rollout.max_turn_tokens .* < rollout.max_len"):
+  with pytest.raises(
+    configuration.ConfigError, match="rollout.max_turn_tokens .* < rollout.max_len"
+  ):
     configuration.validate(c, num_devices=8)
 
 
 def test_the_factories_hand_the_section_whole(tmp_path):
-  import jax  # pylint: disable=g-import-not-at-top
-  from sao_jax.train import factories  # pylint: disable=g-import-not-at-top
-  from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top
-  from sao_jax.models import policy  # pylint: disable=g-import-not-at-top
+  import jax
+
+  from sao_jax.envs import registry
+  from sao_jax.models import policy
+  from sao_jax.train import factories
+
   c = load_config_module("sao_tiny.py").get_config()
   c.rollout.decode_steps = 3
   model_cfg = factories.build_model_config(c)
@@ -107,22 +125,31 @@ def test_the_factories_hand_the_section_whole(tmp_path):
   driver.stop()
 
 
-@pytest.mark.parametrize("text,axes", [
+@pytest.mark.parametrize(
+  "text,axes",
+  [
     ("expert:2,tensor:2", {"expert": 2, "tensor": 2}),
     (" data : -1 , tensor : 4 ", {"data": -1, "tensor": 4}),
     ("data:8", {"data": 8}),
-])
+  ],
+)
 def test_a_mesh_on_one_line_parses(text, axes):
   assert sections.parse_mesh(text) == axes
   assert sections.Rollout(mesh=text).mesh == text
 
 
-@pytest.mark.parametrize("text,why", [
-    ("expert=2", "write AXIS:SIZE"), ("data:two", "not an integer"),
-    ("data:0", "has size 0"), ("data:-1,tensor:-1", "at most one axis may be -1"),
-    ("data:2,data:2", "appears twice"), (":2", "write AXIS:SIZE"),
+@pytest.mark.parametrize(
+  "text,why",
+  [
+    ("expert=2", "write AXIS:SIZE"),
+    ("data:two", "not an integer"),
+    ("data:0", "has size 0"),
+    ("data:-1,tensor:-1", "at most one axis may be -1"),
+    ("data:2,data:2", "appears twice"),
+    (":2", "write AXIS:SIZE"),
     ("tensr:2", "'tensr' is not one of"),
-])
+  ],
+)
 def test_a_bad_mesh_is_refused_naming_the_field(text, why):
   with pytest.raises(sections.ConfigError, match=why):
     sections.parse_mesh(text)
@@ -139,9 +166,11 @@ def test_prefill_buckets_are_an_increasing_tuple(buckets):
 def test_the_engine_mesh_comes_from_the_rollout_section():
   """`factories.engine_mesh`: rollout.mesh over the host's first devices (or all
   with -1); else the trainer's mesh or data:-1 with sharded_engine; else none."""
-  import jax  # pylint: disable=g-import-not-at-top
-  from sao_jax.train import factories  # pylint: disable=g-import-not-at-top
+  import jax
+
   from sao_jax.models import sharding
+  from sao_jax.train import factories
+
   devices = jax.devices()
   assert len(devices) == 8  # tests/conftest.py: 8 simulated CPU devices
   r = sections.Rollout()
@@ -152,8 +181,9 @@ def test_the_engine_mesh_comes_from_the_rollout_section():
   assert dict(factories.engine_mesh(sharded, devices).shape) == {"data": 8}
   # Evaluation and serving give no devices: one device, as before rollout.mesh.
   assert factories.engine_mesh(sharded) is None
-  own = factories.engine_mesh(sharded.replace(mesh="expert:2,tensor:2"), devices,
-                              trainer_mesh=trainer)
+  own = factories.engine_mesh(
+    sharded.replace(mesh="expert:2,tensor:2"), devices, trainer_mesh=trainer
+  )
   assert dict(own.shape) == {"expert": 2, "tensor": 2}
   assert list(own.devices.flat) == devices[:4]  # the host's first devices
   rest = factories.engine_mesh(r.replace(mesh="data:-1,tensor:2"), devices)
@@ -165,9 +195,11 @@ def test_the_engine_mesh_comes_from_the_rollout_section():
 
 
 def test_make_engine_lays_the_engine_on_the_sections_mesh_with_its_buckets():
-  import jax  # pylint: disable=g-import-not-at-top
-  from sao_jax.train import factories  # pylint: disable=g-import-not-at-top
-  from sao_jax.models import policy  # pylint: disable=g-import-not-at-top
+  import jax
+
+  from sao_jax.models import policy
+  from sao_jax.train import factories
+
   c = load_config_module("sao_tiny.py").get_config()
   c.rollout.mesh = "data:2"
   c.rollout.prefill_buckets = (4, 32, 1024)
@@ -177,11 +209,12 @@ def test_make_engine_lays_the_engine_on_the_sections_mesh_with_its_buckets():
   assert dict(engine.mesh.shape) == {"data": 2}
   assert engine.page_groups == 2  # the slots split over the engine's own mesh
   assert engine.prefill_buckets == (4, 32, c.rollout.max_len)  # max_len closes the list
-  assert {d for x in jax.tree.leaves(engine.params) for d in x.devices()} == set(
-      jax.devices()[:2])
+  assert {d for x in jax.tree.leaves(engine.params) for d in x.devices()} == set(jax.devices()[:2])
 
 
-@pytest.mark.parametrize("section,field,value,why", [
+@pytest.mark.parametrize(
+  "section,field,value,why",
+  [
     ("model", "preset", "huge", r"model.preset = 'huge': must be one of \["),
     ("model", "overrides", {"num_layerz": 3}, r"model.overrides = .*not \['num_layerz'\]"),
     ("model", "compute_dtype", "float8", r"model.compute_dtype = 'float8'"),
@@ -190,7 +223,8 @@ def test_make_engine_lays_the_engine_on_the_sections_mesh_with_its_buckets():
     ("sharding", "mesh", {"data": 0}, r"sharding.mesh = .*size >= 1"),
     ("sharding", "mesh", {"data": -1, "fsdp": -1}, r"at most one size"),
     ("sharding", "rules", (("batch",),), r"sharding.rules = .*pairs"),
-])
+  ],
+)
 def test_model_env_and_sharding_check_themselves(section, field, value, why):
   c = load_config_module("sao_tiny.py").get_config()
   with c.unlocked():
@@ -201,16 +235,20 @@ def test_model_env_and_sharding_check_themselves(section, field, value, why):
     configuration.validate(c, num_devices=8)
 
 
-@pytest.mark.parametrize("field,value,why", [
+@pytest.mark.parametrize(
+  "field,value,why",
+  [
     ("name", "no_such_env", r"no_such_env"),
     ("chat_format", "chatml", r"env.chat_format = 'chatml': must be one of"),
     ("sandbox", {"cpu_secs": 1}, r"env.sandbox = .*SandboxLimits fields"),
     ("tokenizer", "gpt2", r"env.tokenizer = 'gpt2'"),
-])
+  ],
+)
 def test_env_names_are_checked_by_the_envs_layer(field, value, why):
   """The env section checks its fields' types; the names it holds are the
   registry's to check (the config layer sits below envs), before any stage."""
-  from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top
+  from sao_jax.envs import registry
+
   c = load_config_module("sao_tiny.py").get_config()
   with c.unlocked():
     c.env[field] = value
@@ -228,12 +266,17 @@ def test_dict_fields_are_fresh_for_each_record():
   assert sections.Env().sandbox == {"cpu_seconds": 1, "wall_seconds": 3.0}
 
 
-@pytest.mark.parametrize("mesh,devices,processes,ok", [
-    ("expert:2,tensor:2", 8, 1, True), ("data:-1,tensor:2", 8, 1, True),
-    ("data:16", 8, 1, False), ("data:-1,tensor:3", 8, 1, False),
+@pytest.mark.parametrize(
+  "mesh,devices,processes,ok",
+  [
+    ("expert:2,tensor:2", 8, 1, True),
+    ("data:-1,tensor:2", 8, 1, True),
+    ("data:16", 8, 1, False),
+    ("data:-1,tensor:3", 8, 1, False),
     ("expert:2,tensor:2", 128, 32, True),  # a v5p-256 run: 4 chips a host
     ("data:8", 128, 32, False),
-])
+  ],
+)
 def test_validate_refuses_an_engine_mesh_larger_than_a_host(mesh, devices, processes, ok):
   c = load_config_module("sao_tiny.py").get_config()
   c.rollout.mesh = mesh

@@ -20,7 +20,7 @@ import json
 import os
 import sys
 
-import runs  # pylint: disable=g-bad-import-order
+import runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HANG_GUARD_S = 180  # a hang guard only: the test takes seconds (a collision hangs it)
@@ -28,18 +28,30 @@ STEPS = (1, 2, 3)
 
 
 def worker(workdir, process_id, port):
-  from absl import flags  # pylint: disable=g-import-not-at-top
+  from absl import flags
+
   flags.FLAGS.mark_as_parsed()
-  import ml_collections  # pylint: disable=g-import-not-at-top
-  from sao_jax.train import distributed  # pylint: disable=g-import-not-at-top
-  distributed.initialize(ml_collections.ConfigDict(dict(
-      enabled=True, coordinator_address=f"localhost:{port}", num_processes=2,
-      process_id=process_id)))
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
-  from sao_jax.data.checkpoint import Checkpointer, abstract_like  # pylint: disable=g-import-not-at-top
+  import ml_collections
+
+  from sao_jax.train import distributed
+
+  distributed.initialize(
+    ml_collections.ConfigDict(
+      dict(
+        enabled=True,
+        coordinator_address=f"localhost:{port}",
+        num_processes=2,
+        process_id=process_id,
+      )
+    )
+  )
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from sao_jax.data.checkpoint import Checkpointer, abstract_like
+
   assert jax.process_count() == 2
   mesh = jax.make_mesh((jax.device_count(),), ("d",))
   sharding = NamedSharding(mesh, PartitionSpec("d"))
@@ -53,8 +65,11 @@ def worker(workdir, process_id, port):
   for k, ckpt in enumerate((run, weights)):
     ckpt.wait()
     state, meta = ckpt.restore(abstract_like({"x": x}), STEPS[-1])
-    got = np.asarray(jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, PartitionSpec()))(
-        state["x"]).addressable_data(0))
+    got = np.asarray(
+      jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, PartitionSpec()))(
+        state["x"]
+      ).addressable_data(0)
+    )
     restored[str(k)] = {"x": got.tolist(), "meta": meta}
     ckpt.close()
   with open(os.path.join(workdir, f"worker_{process_id}.json"), "w", encoding="utf-8") as f:
@@ -63,11 +78,24 @@ def worker(workdir, process_id, port):
 
 def test_two_checkpointers_save_the_same_steps_at_once(tmp_path):
   port = runs.free_port()
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
-             XLA_FLAGS="--xla_force_host_platform_device_count=2")
-  runs.run_together([(f"worker_{pid}", [sys.executable, os.path.abspath(__file__),
-                                        str(tmp_path), str(pid), str(port)], env)
-                     for pid in range(2)], tmp_path, HANG_GUARD_S)
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
+    XLA_FLAGS="--xla_force_host_platform_device_count=2",
+  )
+  runs.run_together(
+    [
+      (
+        f"worker_{pid}",
+        [sys.executable, os.path.abspath(__file__), str(tmp_path), str(pid), str(port)],
+        env,
+      )
+      for pid in range(2)
+    ],
+    tmp_path,
+    HANG_GUARD_S,
+  )
   for pid in range(2):
     with open(tmp_path / f"worker_{pid}.json", encoding="utf-8") as f:
       r = json.load(f)

@@ -9,20 +9,33 @@ from sao_jax.data import datasets
 from sao_jax.data.datasets import DatasetError, Row, load_rows, split_rows
 
 GOOD = [
-    {"prompt": [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": "What is 2+3?"}],
-     "reward_model": {"ground_truth": "5", "style": "rule"},
-     "data_source": "toy", "extra_info": {"index": 0}},
-    {"prompt": "What is 10/4?", "answer": 2.5},
-    {"prompt": "Add 1 and 2 with the tool.", "answer": 3,
-     "tools": [{"type": "function", "function": {"name": "python", "parameters": {}}}],
-     "completion": [
-         {"role": "assistant", "content": None,
-          "tool_calls": [{"type": "function",
-                          "function": {"name": "python", "arguments": "{\"code\": \"1+2\"}"}}]},
-         {"role": "tool", "content": "3"},
-         {"role": "assistant", "content": "\\boxed{3}"}]},
-    {"prompt": "Say 7.", "answer": "7", "extra_info": {"completion": "\\boxed{7}"}},
+  {
+    "prompt": [
+      {"role": "system", "content": "Be brief."},
+      {"role": "user", "content": "What is 2+3?"},
+    ],
+    "reward_model": {"ground_truth": "5", "style": "rule"},
+    "data_source": "toy",
+    "extra_info": {"index": 0},
+  },
+  {"prompt": "What is 10/4?", "answer": 2.5},
+  {
+    "prompt": "Add 1 and 2 with the tool.",
+    "answer": 3,
+    "tools": [{"type": "function", "function": {"name": "python", "parameters": {}}}],
+    "completion": [
+      {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+          {"type": "function", "function": {"name": "python", "arguments": '{"code": "1+2"}'}}
+        ],
+      },
+      {"role": "tool", "content": "3"},
+      {"role": "assistant", "content": "\\boxed{3}"},
+    ],
+  },
+  {"prompt": "Say 7.", "answer": "7", "extra_info": {"completion": "\\boxed{7}"}},
 ]
 
 
@@ -47,16 +60,21 @@ def check_good(rows, where, extra_nones=False):
   assert b.extra_info == {}  # no extra_info at all: a null struct
   assert c.ground_truth == "3" and c.tools == tuple(GOOD[2]["tools"])
   assert c.completion == (
-      {"role": "assistant", "content": "",
-       "tool_calls": [{"name": "python", "arguments": {"code": "1+2"}}]},
-      {"role": "tool", "content": "3"},
-      {"role": "assistant", "content": "\\boxed{3}"})
+    {
+      "role": "assistant",
+      "content": "",
+      "tool_calls": [{"name": "python", "arguments": {"code": "1+2"}}],
+    },
+    {"role": "tool", "content": "3"},
+    {"role": "assistant", "content": "\\boxed{3}"},
+  )
   assert d.completion == ({"role": "assistant", "content": "\\boxed{7}"},)
 
 
 def test_jsonl(tmp_path):
-  path = write_jsonl(tmp_path / "train.jsonl", [GOOD[0], b"\n", GOOD[1], b"   \r\n",
-                                                 GOOD[2], GOOD[3]])
+  path = write_jsonl(
+    tmp_path / "train.jsonl", [GOOD[0], b"\n", GOOD[1], b"   \r\n", GOOD[2], GOOD[3]]
+  )
   rows, rejected = load_rows(path)
   assert rejected == []  # blank lines are skipped, not rejected
   check_good(rows, [f"{path}:1", f"{path}:3", f"{path}:5", f"{path}:6"])
@@ -75,15 +93,28 @@ def test_parquet(tmp_path):
   # Tools as a JSON string, as parquet writers store heterogeneous schemas;
   # the nested prompt and completion are struct columns (the unified struct
   # gives every message every key, None where a row lacks it).
-  keys = ("prompt", "reward_model", "answer", "data_source", "extra_info", "tools",
-          "completion")  # from_pylist takes its columns from the first row
-  table = pa.Table.from_pylist([
-      {**{k: g.get(k) for k in keys},
-       "tools": json.dumps(g["tools"]) if "tools" in g else None,
-       "answer": str(g["answer"]) if "answer" in g else None,
-       "prompt": g["prompt"] if isinstance(g["prompt"], list)
-                 else [{"role": "user", "content": g["prompt"]}]}
-      for g in GOOD])
+  keys = (
+    "prompt",
+    "reward_model",
+    "answer",
+    "data_source",
+    "extra_info",
+    "tools",
+    "completion",
+  )  # from_pylist takes its columns from the first row
+  table = pa.Table.from_pylist(
+    [
+      {
+        **{k: g.get(k) for k in keys},
+        "tools": json.dumps(g["tools"]) if "tools" in g else None,
+        "answer": str(g["answer"]) if "answer" in g else None,
+        "prompt": g["prompt"]
+        if isinstance(g["prompt"], list)
+        else [{"role": "user", "content": g["prompt"]}],
+      }
+      for g in GOOD
+    ]
+  )
   path = str(tmp_path / "train.parquet")
   pq.write_table(table, path)
   rows, rejected = load_rows(path)
@@ -95,61 +126,100 @@ def test_parquet_bad_row_says_its_row(tmp_path):
   pa = pytest.importorskip("pyarrow")
   pq = pytest.importorskip("pyarrow.parquet")
   path = str(tmp_path / "t.parquet")
-  pq.write_table(pa.Table.from_pylist([{"prompt": "a", "answer": "1"},
-                                        {"prompt": "b", "answer": None}]), path)
+  pq.write_table(
+    pa.Table.from_pylist([{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": None}]), path
+  )
   rows, rejected = load_rows(path)
   assert len(rows) == 1
   assert rejected == [(f"{path}:row 1", "no ground truth (reward_model.ground_truth or answer)")]
 
 
 BAD = [
-    (b"[1, 2]\n", "not a JSON object"),
-    (b"{\"prompt\": \"x\",\n", "bad JSON: Expecting property name enclosed in double quotes"
-                               " at column 16"),
-    ({"answer": "1"}, "prompt missing"),
-    ({"prompt": 5, "answer": "1"}, "prompt must be a string or a list of messages"),
-    ({"prompt": [], "answer": "1"}, "prompt is empty"),
-    ({"prompt": ["hi"], "answer": "1"}, "message 0: must be an object"),
-    ({"prompt": [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}],
-      "answer": "1"}, "message 1: role must be one of system/user/assistant"),
-    ({"prompt": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
-      "answer": "1"}, "message 0: content must be a string"),
-    ({"prompt": "x"}, "no ground truth (reward_model.ground_truth or answer)"),
-    ({"prompt": "x", "reward_model": {"style": "rule"}},
-     "no ground truth (reward_model.ground_truth or answer)"),
-    ({"prompt": "x", "reward_model": "5"}, "reward_model must be an object"),
-    ({"prompt": "x", "answer": True}, "ground truth must be a string or a number"),
-    ({"prompt": "x", "answer": [1, 2]}, "ground truth must be a string or a number"),
-    ({"prompt": "x", "answer": "  "}, "ground truth is empty"),
-    (b"{\"prompt\": \"x\", \"answer\": NaN}\n", "ground truth must be a finite number"),
-    ({"prompt": "x", "answer": "1", "data_source": 3}, "data_source must be a string"),
-    ({"prompt": "x", "answer": "1", "extra_info": [1]}, "extra_info must be an object"),
-    ({"prompt": "x", "answer": "1", "tools": {"name": "f"}},
-     "tools must be a list of function schemas"),
-    ({"prompt": "x", "answer": "1", "tools": [{"type": "function", "function": {}}]},
-     "tools must be a list of function schemas"),
-    ({"prompt": "x", "answer": "1", "tools": "[{"}, "tools: bad JSON: "),
-    ({"prompt": "x", "answer": "1", "completion": 7},
-     "completion must be a string or a list of messages"),
-    ({"prompt": "x", "answer": "1", "completion": [{"role": "user", "content": "a"}]},
-     "completion message 0: role must be one of assistant/tool"),
-    ({"prompt": "x", "answer": "1", "completion": [{"role": "assistant", "content": 3}]},
-     "completion message 0: content must be a string"),
-    ({"prompt": "x", "answer": "1", "completion": [{"role": "tool", "content": "3"}]},
-     "completion must start with an assistant message"),
-    ({"prompt": "x", "answer": "1",
-      "completion": [{"role": "assistant", "content": "", "tool_calls": [{"name": "f",
-                                                                          "arguments": "[1]"}]}]},
-     "completion message 0: tool_calls must be a list of {name, arguments}"),
-    ({"prompt": "x", "answer": "1",
-      "completion": [{"role": "assistant", "content": "", "tool_calls": "f()"}]},
-     "completion message 0: tool_calls must be a list of {name, arguments}"),
-    ({"prompt": "x", "answer": "1",
-      "completion": [{"role": "assistant", "content": "a", "reasoning_content": 1}]},
-     "completion message 0: reasoning_content must be a string"),
-    ({"prompt": "x", "answer": "1", "extra_info": {"completion": 7}},
-     "completion must be a string or a list of messages"),
-    (b"{\"prompt\": \"caf\xe9\", \"answer\": \"1\"}\n", "not UTF-8 (byte 15)"),
+  (b"[1, 2]\n", "not a JSON object"),
+  (
+    b'{"prompt": "x",\n',
+    "bad JSON: Expecting property name enclosed in double quotes at column 16",
+  ),
+  ({"answer": "1"}, "prompt missing"),
+  ({"prompt": 5, "answer": "1"}, "prompt must be a string or a list of messages"),
+  ({"prompt": [], "answer": "1"}, "prompt is empty"),
+  ({"prompt": ["hi"], "answer": "1"}, "message 0: must be an object"),
+  (
+    {"prompt": [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}], "answer": "1"},
+    "message 1: role must be one of system/user/assistant",
+  ),
+  (
+    {"prompt": [{"role": "user", "content": [{"type": "text", "text": "a"}]}], "answer": "1"},
+    "message 0: content must be a string",
+  ),
+  ({"prompt": "x"}, "no ground truth (reward_model.ground_truth or answer)"),
+  (
+    {"prompt": "x", "reward_model": {"style": "rule"}},
+    "no ground truth (reward_model.ground_truth or answer)",
+  ),
+  ({"prompt": "x", "reward_model": "5"}, "reward_model must be an object"),
+  ({"prompt": "x", "answer": True}, "ground truth must be a string or a number"),
+  ({"prompt": "x", "answer": [1, 2]}, "ground truth must be a string or a number"),
+  ({"prompt": "x", "answer": "  "}, "ground truth is empty"),
+  (b'{"prompt": "x", "answer": NaN}\n', "ground truth must be a finite number"),
+  ({"prompt": "x", "answer": "1", "data_source": 3}, "data_source must be a string"),
+  ({"prompt": "x", "answer": "1", "extra_info": [1]}, "extra_info must be an object"),
+  (
+    {"prompt": "x", "answer": "1", "tools": {"name": "f"}},
+    "tools must be a list of function schemas",
+  ),
+  (
+    {"prompt": "x", "answer": "1", "tools": [{"type": "function", "function": {}}]},
+    "tools must be a list of function schemas",
+  ),
+  ({"prompt": "x", "answer": "1", "tools": "[{"}, "tools: bad JSON: "),
+  (
+    {"prompt": "x", "answer": "1", "completion": 7},
+    "completion must be a string or a list of messages",
+  ),
+  (
+    {"prompt": "x", "answer": "1", "completion": [{"role": "user", "content": "a"}]},
+    "completion message 0: role must be one of assistant/tool",
+  ),
+  (
+    {"prompt": "x", "answer": "1", "completion": [{"role": "assistant", "content": 3}]},
+    "completion message 0: content must be a string",
+  ),
+  (
+    {"prompt": "x", "answer": "1", "completion": [{"role": "tool", "content": "3"}]},
+    "completion must start with an assistant message",
+  ),
+  (
+    {
+      "prompt": "x",
+      "answer": "1",
+      "completion": [
+        {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": "[1]"}]}
+      ],
+    },
+    "completion message 0: tool_calls must be a list of {name, arguments}",
+  ),
+  (
+    {
+      "prompt": "x",
+      "answer": "1",
+      "completion": [{"role": "assistant", "content": "", "tool_calls": "f()"}],
+    },
+    "completion message 0: tool_calls must be a list of {name, arguments}",
+  ),
+  (
+    {
+      "prompt": "x",
+      "answer": "1",
+      "completion": [{"role": "assistant", "content": "a", "reasoning_content": 1}],
+    },
+    "completion message 0: reasoning_content must be a string",
+  ),
+  (
+    {"prompt": "x", "answer": "1", "extra_info": {"completion": 7}},
+    "completion must be a string or a list of messages",
+  ),
+  (b'{"prompt": "caf\xe9", "answer": "1"}\n', "not UTF-8 (byte 15)"),
 ]
 
 
@@ -181,8 +251,7 @@ def test_a_huge_row_is_rejected_and_the_rest_read(tmp_path):
 
 
 def test_default_row_cap_is_a_megabyte(tmp_path):
-  path = write_jsonl(tmp_path / "big.jsonl", [GOOD[1], {"prompt": "x" * (1 << 20),
-                                                        "answer": "1"}])
+  path = write_jsonl(tmp_path / "big.jsonl", [GOOD[1], {"prompt": "x" * (1 << 20), "answer": "1"}])
   rows, rejected = load_rows(path)
   assert len(rows) == 1 and rejected[0][0] == f"{path}:2"
 
@@ -197,8 +266,11 @@ def test_strict_raises_at_the_first_bad_row(tmp_path):
 
 def test_unusable_files(tmp_path):
   bad = write_jsonl(tmp_path / "bad.jsonl", [[1], {"prompt": "x"}])
-  with pytest.raises(DatasetError, match=r"no valid rows \(2 rejected; first: .*bad.jsonl:1: "
-                                         r"not a JSON object\)"):
+  with pytest.raises(
+    DatasetError,
+    match=r"no valid rows \(2 rejected; first: .*bad.jsonl:1: "
+    r"not a JSON object\)",
+  ):
     load_rows(bad)
   with pytest.raises(DatasetError, match="no valid rows"):
     load_rows(write_jsonl(tmp_path / "empty.jsonl", [b"\n"]))
@@ -215,8 +287,9 @@ def test_unusable_files(tmp_path):
 
 
 def make_rows(n):
-  return [Row(({"role": "user", "content": str(i)},), str(i), "", {}, (), (), f"f:{i}")
-          for i in range(n)]
+  return [
+    Row(({"role": "user", "content": str(i)},), str(i), "", {}, (), (), f"f:{i}") for i in range(n)
+  ]
 
 
 def test_split_is_deterministic_disjoint_and_covering():
@@ -232,9 +305,17 @@ def test_split_is_deterministic_disjoint_and_covering():
   assert heldout != rows[-10:] and heldout != rows[:10]
 
 
-@pytest.mark.parametrize("n, fraction, held", [
-    (2, 0.01, 1), (2, 0.99, 1), (3, 0.5, 2), (10, 0.0, 0), (10, 1.0, 10), (1, 0.5, 0),
-])
+@pytest.mark.parametrize(
+  "n, fraction, held",
+  [
+    (2, 0.01, 1),
+    (2, 0.99, 1),
+    (3, 0.5, 2),
+    (10, 0.0, 0),
+    (10, 1.0, 10),
+    (1, 0.5, 0),
+  ],
+)
 def test_split_sizes(n, fraction, held):
   assert len(split_rows(make_rows(n), fraction, seed=0)[1]) == held
 
@@ -252,22 +333,33 @@ def test_rows_dataset():
 
 
 def test_repeated_and_conflicting_prompts_are_dropped_with_their_lines(tmp_path):
-  rows = [{"prompt": "What is 2+3?", "answer": "5"},          # 1: kept
-          {"prompt": "What  is 2+3? ", "answer": " 5"},       # 2: the same, spaced: dropped
-          {"prompt": "Name a prime.", "answer": "2"},          # 3: conflicts with 5
-          {"prompt": "Say 7.", "answer": "7"},                 # 4: kept
-          {"prompt": "Name a prime.", "answer": "3"},          # 5: conflicts with 3
-          {"prompt": [{"role": "system", "content": "Be brief."},
-                      {"role": "user", "content": "Say 7."}], "answer": "7"}]  # 6: another prompt
+  rows = [
+    {"prompt": "What is 2+3?", "answer": "5"},  # 1: kept
+    {"prompt": "What  is 2+3? ", "answer": " 5"},  # 2: the same, spaced: dropped
+    {"prompt": "Name a prime.", "answer": "2"},  # 3: conflicts with 5
+    {"prompt": "Say 7.", "answer": "7"},  # 4: kept
+    {"prompt": "Name a prime.", "answer": "3"},  # 5: conflicts with 3
+    {
+      "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say 7."}],
+      "answer": "7",
+    },
+  ]  # 6: another prompt
   path = write_jsonl(tmp_path / "dup.jsonl", rows)
   kept, rejected = load_rows(path)
   assert [r.where for r in kept] == [f"{path}:1", f"{path}:4", f"{path}:6"]
   assert [(w, r.split(":")[0]) for w, r in rejected] == [
-      (f"{path}:2", f"duplicate prompt of {path}"), (f"{path}:3", "conflicting ground truth"),
-      (f"{path}:5", "conflicting ground truth")]
+    (f"{path}:2", f"duplicate prompt of {path}"),
+    (f"{path}:3", "conflicting ground truth"),
+    (f"{path}:5", "conflicting ground truth"),
+  ]
   assert datasets.hygiene_counts(rejected) == {
-      "duplicate": 1, "conflicting": 2, "in_heldout": 0, "empty_prompt": 0,
-      "assistant_final": 0, "other": 0}
+    "duplicate": 1,
+    "conflicting": 2,
+    "in_heldout": 0,
+    "empty_prompt": 0,
+    "assistant_final": 0,
+    "other": 0,
+  }
   with pytest.raises(DatasetError, match=f"{path}:2: duplicate prompt"):
     load_rows(path, strict=True)
   # "report": same-truth repeats are kept and listed; conflicts still go.
@@ -277,12 +369,18 @@ def test_repeated_and_conflicting_prompts_are_dropped_with_their_lines(tmp_path)
   assert repeats == [(f"{path}:2", f"duplicate prompt of {path}:1")] and len(rejected) == 2
 
 
-@pytest.mark.parametrize("prompt,reason", [
-    ("", "prompt has no text"), ("  \n", "prompt has no text"),
+@pytest.mark.parametrize(
+  "prompt,reason",
+  [
+    ("", "prompt has no text"),
+    ("  \n", "prompt has no text"),
     ([{"role": "system", "content": ""}, {"role": "user", "content": " "}], "prompt has no text"),
-    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}],
-     "prompt ends with an assistant message"),
-])
+    (
+      [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}],
+      "prompt ends with an assistant message",
+    ),
+  ],
+)
 def test_empty_and_assistant_final_prompts_are_refused(tmp_path, prompt, reason):
   path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": prompt, "answer": "1"}, GOOD[1]])
   rows, rejected = load_rows(path)
@@ -291,11 +389,14 @@ def test_empty_and_assistant_final_prompts_are_refused(tmp_path, prompt, reason)
 
 
 def test_a_held_out_prompt_leaves_training_and_duplicates_split_together(tmp_path):
-  from sao_jax.envs.dataset import DatasetConfig, DatasetEnv  # pylint: disable=g-import-not-at-top
-  train = write_jsonl(tmp_path / "train.jsonl",
-                      [{"prompt": f"q{i}", "answer": str(i)} for i in range(6)])
-  held = write_jsonl(tmp_path / "held.jsonl", [{"prompt": " q2\n",
-                                                "answer": "2"}, {"prompt": "h", "answer": "0"}])
+  from sao_jax.envs.dataset import DatasetConfig, DatasetEnv
+
+  train = write_jsonl(
+    tmp_path / "train.jsonl", [{"prompt": f"q{i}", "answer": str(i)} for i in range(6)]
+  )
+  held = write_jsonl(
+    tmp_path / "held.jsonl", [{"prompt": " q2\n", "answer": "2"}, {"prompt": "h", "answer": "0"}]
+  )
   env = DatasetEnv(DatasetConfig(path=train, heldout_path=held, use_sandbox=False))
   assert [r.messages[0]["content"] for r in env.train_rows] == ["q0", "q1", "q3", "q4", "q5"]
   assert env.rejected == [(f"{train}:3", f"prompt also held out at {held}:1")]
@@ -303,8 +404,10 @@ def test_a_held_out_prompt_leaves_training_and_duplicates_split_together(tmp_pat
   with pytest.raises(DatasetError, match="prompt also held out"):
     DatasetEnv(DatasetConfig(path=train, heldout_path=held, use_sandbox=False, strict=True))
   # heldout_fraction splits distinct prompts: rows of one prompt stay together.
-  rows = make_rows(20) + [Row(({"role": "user", "content": f" {i}"},), str(i), "", {}, (), (),
-                              f"g:{i}") for i in range(20)]
+  rows = make_rows(20) + [
+    Row(({"role": "user", "content": f" {i}"},), str(i), "", {}, (), (), f"g:{i}")
+    for i in range(20)
+  ]
   for seed in range(5):
     train_rows, heldout = split_rows(rows, 0.25, seed)
     assert len(heldout) == 10  # 5 of 20 prompts, two rows each

@@ -16,21 +16,18 @@ import threading
 import time
 import uuid
 
+import gcs_emulator
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import runs
+from test_fleet import TOK, make_feed, traj
 
-from sao_jax.data import files
-from sao_jax.data import store
+from sao_jax.data import files, store
 from sao_jax.data.checkpoint import COMMIT_FILE, Checkpointer, committed_checkpoints
-from sao_jax.train import configuration
-from sao_jax.train import fleet_worker
+from sao_jax.train import configuration, fleet_worker
 from sao_jax.transport import fleet
-
-import gcs_emulator  # pylint: disable=g-bad-import-order
-import runs  # pylint: disable=g-bad-import-order
-from test_fleet import TOK, make_feed, traj  # pylint: disable=g-bad-import-order
 
 pytestmark = gcs_emulator.needs_emulator
 
@@ -82,12 +79,16 @@ def test_workdir_files_publish_whole_and_list(url, tmp_path):
 
 def test_workdir_check_accepts_a_bucket_and_names_what_is_wrong(url, tmp_path):
   configuration.check_workdir(url, min_free_gb=1e9)  # no free-space limit on a bucket
-  with pytest.raises(configuration.ConfigError,
-                     match=r"^workdir 'gs://no-such-bucket/run': not writable: the bucket "
-                     r"'no-such-bucket' does not exist"):
+  with pytest.raises(
+    configuration.ConfigError,
+    match=r"^workdir 'gs://no-such-bucket/run': not writable: the bucket "
+    r"'no-such-bucket' does not exist",
+  ):
     configuration.check_workdir("gs://no-such-bucket/run", 0.0)
-  with pytest.raises(configuration.ConfigError,
-                     match=r"^workdir 'nosuch://b/run': not writable: no client for nosuch://"):
+  with pytest.raises(
+    configuration.ConfigError,
+    match=r"^workdir 'nosuch://b/run': not writable: no client for nosuch://",
+  ):
     configuration.check_workdir("nosuch://b/run", 0.0)
   configuration.check_workdir(str(tmp_path / "posix"), 0.0)  # POSIX as before
   with pytest.raises(configuration.ConfigError, match="GiB free"):
@@ -97,11 +98,12 @@ def test_workdir_check_accepts_a_bucket_and_names_what_is_wrong(url, tmp_path):
 def test_a_rollout_on_a_missing_bucket_stops_in_one_line(emu):
   config = runs.load_config_module("sao_tiny.py").get_config()
   config.rl.mode = "fleet"
-  with pytest.raises(configuration.ConfigError,
-                     match=r"^workdir 'gs://no-such-bucket/run/fleet': not writable: the "
-                     r"bucket 'no-such-bucket' does not exist"):
-    fleet_worker.run_rollout_worker(config, "gs://no-such-bucket/run", "r0",
-                                    threading.Event())
+  with pytest.raises(
+    configuration.ConfigError,
+    match=r"^workdir 'gs://no-such-bucket/run/fleet': not writable: the "
+    r"bucket 'no-such-bucket' does not exist",
+  ):
+    fleet_worker.run_rollout_worker(config, "gs://no-such-bucket/run", "r0", threading.Event())
 
 
 def test_trajectory_store_publishes_a_shard_whole(url):
@@ -119,7 +121,8 @@ def test_trajectory_store_publishes_a_shard_whole(url):
       w.write(traj(5))
       raise RuntimeError("collection failed")
   _, dropped = store.read_valid_trajectories(
-      [path, files.join(url, "trajectories", "b.array_record")], TOK.vocab_size, 256)
+    [path, files.join(url, "trajectories", "b.array_record")], TOK.vocab_size, 256
+  )
   assert dropped == {"missing_shard": 1}
 
 
@@ -129,13 +132,17 @@ def test_fleet_shards_and_cursor_over_gs(url):
   for i in range(5):
     a.write(traj(i))  # a-0, a-1 closed; a-2 open with one trajectory
   assert sorted(files.listdir(fleet.trajectories_dir(root))) == [
-      fleet.shard_name("a", 0), fleet.shard_name("a", 1)]
+    fleet.shard_name("a", 0),
+    fleet.shard_name("a", 1),
+  ]
   feed = make_feed(root)
   got = feed.take(3)
   assert [int(t.prompt_id) for t in got] == [0, 1, 2]
   state = feed.state()
-  assert state == {"consumed": {"a": 0}, "current": {"shard": fleet.shard_name("a", 1),
-                                                     "offset": 1}}
+  assert state == {
+    "consumed": {"a": 0},
+    "current": {"shard": fleet.shard_name("a", 1), "offset": 1},
+  }
   assert fleet.read_consumed(root) == {"a": 0}
   a.close()
   # A restarted trainer resumes at the cursor; a restarted writer continues
@@ -195,14 +202,22 @@ HANG_GUARD_S = 600
 
 
 def start(emu, tmp_path, name, script, workdir, *flags, devices):
-  cmd = runs.command(script, workdir, f"--config.sharding.mesh={{'data': {devices}}}",
-                     *RUN, f"--config.rl.steps={RL_STEPS}", "--config.tensorboard=True",
-                     # Versions travel as orbax checkpoints in the bucket.
-                     "--config.fleet.weights_path=checkpoint",
-                     *flags, run_flags=())
-  log = open(tmp_path / f"{name}.log", "w", encoding="utf-8")  # pylint: disable=consider-using-with
-  return subprocess.Popen(cmd, env=runs.child_env(devices, **emu.env), stdout=log,
-                          stderr=subprocess.STDOUT, cwd=runs.ROOT)
+  cmd = runs.command(
+    script,
+    workdir,
+    f"--config.sharding.mesh={{'data': {devices}}}",
+    *RUN,
+    f"--config.rl.steps={RL_STEPS}",
+    "--config.tensorboard=True",
+    # Versions travel as orbax checkpoints in the bucket.
+    "--config.fleet.weights_path=checkpoint",
+    *flags,
+    run_flags=(),
+  )
+  log = open(tmp_path / f"{name}.log", "w", encoding="utf-8")
+  return subprocess.Popen(
+    cmd, env=runs.child_env(devices, **emu.env), stdout=log, stderr=subprocess.STDOUT, cwd=runs.ROOT
+  )
 
 
 def rl_steps(workdir):
@@ -210,8 +225,11 @@ def rl_steps(workdir):
     text = files.read_text(files.join(workdir, "metrics.jsonl"))
   except FileNotFoundError:
     return []
-  return [json.loads(line)["step"] for line in text.splitlines(keepends=True)
-          if line.endswith("\n") and '"stage": "rl"' in line]
+  return [
+    json.loads(line)["step"]
+    for line in text.splitlines(keepends=True)
+    if line.endswith("\n") and '"stage": "rl"' in line
+  ]
 
 
 # Slow: the default run kills a fleet's trainer and rollouts on local files
@@ -220,9 +238,10 @@ def rl_steps(workdir):
 def test_fleet_run_on_gs_survives_a_trainer_kill(emu, tmp_path):
   workdir = emu.url(uuid.uuid4().hex[:12], "run")
   ckpts = files.join(workdir, "checkpoints")
-  procs = {"trainer": start(emu, tmp_path, "trainer1", "train.py", workdir, devices=8),
-           "r0": start(emu, tmp_path, "r0", "rollout.py", workdir, "--rollout_id=r0",
-                       devices=1)}
+  procs = {
+    "trainer": start(emu, tmp_path, "trainer1", "train.py", workdir, devices=8),
+    "r0": start(emu, tmp_path, "r0", "rollout.py", workdir, "--rollout_id=r0", devices=1),
+  }
 
   files_of = {"trainer": "trainer1", "r0": "r0"}
 
@@ -230,13 +249,21 @@ def test_fleet_run_on_gs_survives_a_trainer_kill(emu, tmp_path):
     return (tmp_path / f"{name}.log").read_text(encoding="utf-8")
 
   def wait_for(what, condition):
-    runs.wait_for(what, condition, procs, HANG_GUARD_S,
-                  tail=lambda name: log(files_of[name])[-3000:] if name else "")
+    runs.wait_for(
+      what,
+      condition,
+      procs,
+      HANG_GUARD_S,
+      tail=lambda name: log(files_of[name])[-3000:] if name else "",
+    )
 
   try:
-    wait_for("an RL checkpoint on gs://", lambda: any(
-        m["stage"] == "rl" and m["stage_step"] >= 2
-        for m in committed_checkpoints(ckpts).values()))
+    wait_for(
+      "an RL checkpoint on gs://",
+      lambda: any(
+        m["stage"] == "rl" and m["stage_step"] >= 2 for m in committed_checkpoints(ckpts).values()
+      ),
+    )
     procs["trainer"].send_signal(signal.SIGKILL)
     procs["trainer"].wait()
     assert max(rl_steps(workdir), default=0) < RL_STEPS
@@ -258,8 +285,9 @@ def test_fleet_run_on_gs_survives_a_trainer_kill(emu, tmp_path):
   # Everything lives in the bucket: shards, versions, the cursor, the events.
   root = files.join(workdir, "fleet")
   names = files.listdir(fleet.trajectories_dir(root))
-  assert names and all(fleet.parse_shard_name(n) or n.endswith(fleet.STATS_SUFFIX)
-                       for n in names), names
+  assert names and all(
+    fleet.parse_shard_name(n) or n.endswith(fleet.STATS_SUFFIX) for n in names
+  ), names
   assert fleet.read_consumed(root)["r0"] >= 0
   # The trainer's last version (RL_STEPS, less any update skipped for a
   # non-finite loss) is the newest complete one in the bucket, and the
@@ -267,7 +295,11 @@ def test_fleet_run_on_gs_survives_a_trainer_kill(emu, tmp_path):
   last = files.read_json(files.join(root, fleet.DONE))["version"]
   versions = committed_checkpoints(fleet.weights_dir(root))
   assert last >= RL_STEPS - 1 and max(versions) == last, (
-      last, versions, files.listdir(fleet.weights_dir(root)), log("trainer2")[-3000:])
+    last,
+    versions,
+    files.listdir(fleet.weights_dir(root)),
+    log("trainer2")[-3000:],
+  )
   assert files.listdir(files.join(workdir, "tensorboard"))
   r0 = log("r0")
   assert f"last version {last}," in r0 and "pulling version" not in r0, r0[-2000:]

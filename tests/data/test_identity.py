@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from sao_jax.data import identity, ingestion, store
 from sao_jax.data.trajectory import Trajectory, checked
@@ -19,9 +20,14 @@ VOCAB, MAX_LEN = 32, 64
 
 def params(scale=1.0):
   rng = np.random.default_rng(0)
-  return {"layer": {"w": (rng.normal(size=(16, 32)) * scale).astype(jnp.bfloat16),
-                    "b": np.zeros((32,), np.float32)},
-          "embed": rng.normal(size=(40, 8)).astype(np.float32), "step": np.int32(3)}
+  return {
+    "layer": {
+      "w": (rng.normal(size=(16, 32)) * scale).astype(jnp.bfloat16),
+      "b": np.zeros((32,), np.float32),
+    },
+    "embed": rng.normal(size=(40, 8)).astype(np.float32),
+    "step": np.int32(3),
+  }
 
 
 def traj(versions=(2, 2, 3), **fields) -> Trajectory:
@@ -29,10 +35,16 @@ def traj(versions=(2, 2, 3), **fields) -> Trajectory:
   mask = np.array([0, 0, 1, 1, 1], bool)
   version = np.full(5, -1, np.int32)
   version[2:] = versions
-  return Trajectory(tokens=np.arange(1, 6, dtype=np.int32), action_mask=mask,
-                    rollout_logprobs=np.where(mask, -0.5, 0).astype(np.float32),
-                    policy_version=version, rewards=np.zeros(5, np.float32),
-                    turn_starts=np.array([2], np.int32), prompt_id=1, **fields)
+  return Trajectory(
+    tokens=np.arange(1, 6, dtype=np.int32),
+    action_mask=mask,
+    rollout_logprobs=np.where(mask, -0.5, 0).astype(np.float32),
+    policy_version=version,
+    rewards=np.zeros(5, np.float32),
+    turn_starts=np.array([2], np.int32),
+    prompt_id=1,
+    **fields,
+  )
 
 
 # --- the fingerprint ---------------------------------------------------------------
@@ -43,17 +55,22 @@ def test_fingerprint_names_the_values_not_the_layout():
   fp = identity.fingerprint(p)
   assert identity.FINGERPRINT.match(fp) and identity.fingerprint(params()) == fp
   mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
-  sharded = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(
-      mesh, P("data", "model") if np.ndim(x) == 2 else P())), p)
+  sharded = jax.tree.map(
+    lambda x: jax.device_put(
+      x, NamedSharding(mesh, P("data", "model") if np.ndim(x) == 2 else P())
+    ),
+    p,
+  )
   assert identity.fingerprint(sharded) == fp
   # Another model's params, one sampled element changed, a sign of zero
   # (a bit pattern arithmetic would lose), a dtype, a tree path: all others.
-  others = [params(scale=2.0),
-            dict(p, embed=np.where(np.arange(40)[:, None] == 0, 9.0, p["embed"]).astype(
-                np.float32)),
-            dict(p, layer=dict(p["layer"], b=-p["layer"]["b"])),
-            dict(p, embed=p["embed"].astype(jnp.bfloat16)),
-            {"other": p["layer"], "embed": p["embed"], "step": p["step"]}]
+  others = [
+    params(scale=2.0),
+    dict(p, embed=np.where(np.arange(40)[:, None] == 0, 9.0, p["embed"]).astype(np.float32)),
+    dict(p, layer=dict(p["layer"], b=-p["layer"]["b"])),
+    dict(p, embed=p["embed"].astype(jnp.bfloat16)),
+    {"other": p["layer"], "embed": p["embed"], "step": p["step"]},
+  ]
   fps = {identity.fingerprint(o) for o in others}
   assert len(fps) == len(others) and fp not in fps
 
@@ -88,8 +105,9 @@ def test_identity_round_trips_through_the_store_and_old_records_have_none():
   t = traj(run_id="abc", fingerprints={2: "0" * 16, 3: "f" * 16})
   back = store.deserialize(store.serialize(t), MAX_LEN)
   canon, reason = checked(back, VOCAB, MAX_LEN)
-  assert reason is None and canon.run_id == "abc" and canon.fingerprints == {2: "0" * 16,
-                                                                             3: "f" * 16}
+  assert (
+    reason is None and canon.run_id == "abc" and canon.fingerprints == {2: "0" * 16, 3: "f" * 16}
+  )
   # A record written before identities existed: its header has neither field.
   members = dict(np.load(io.BytesIO(store.serialize(traj()))))
   header = json.loads(members["header"].tobytes())
@@ -117,13 +135,16 @@ def test_rollout_ledger_stamps_versions_and_drops_an_ambiguous_one():
   assert tokens.fields() == {"run_id": "run", "fingerprints": {2: "a" * 16}}
 
 
-@pytest.mark.parametrize("fields, reason", [
+@pytest.mark.parametrize(
+  "fields, reason",
+  [
     ({"run_id": "run", "fingerprints": {2: "a" * 16, 3: "b" * 16}}, None),
     ({}, "missing_run_id"),
     ({"run_id": "another", "fingerprints": {2: "a" * 16, 3: "b" * 16}}, "other_run"),
     ({"run_id": "run", "fingerprints": {2: "a" * 16}}, "missing_fingerprint"),
     ({"run_id": "run", "fingerprints": {2: "a" * 16, 3: "c" * 16}}, "other_params"),
-])
+  ],
+)
 def test_trainer_refuses_another_run_or_other_params(fields, reason):
   published = identity.Published("run", {2: "a" * 16, 3: "b" * 16})
   canon, got, _ = ingestion.check(traj(**fields), VOCAB, MAX_LEN, 3, identity=published)
@@ -138,13 +159,18 @@ def test_published_state_drops_the_discarded_future_and_bounds_itself():
     published.note(v, f"{v:016x}")
   state = published.state()
   assert len(state["fingerprints"]) == identity.KEEP_VERSIONS
-  assert identity.Published("run").check(traj((2, 2, 2), run_id="run", fingerprints={
-      2: "0" * 16})) == "unpublished_version"
+  assert (
+    identity.Published("run").check(traj((2, 2, 2), run_id="run", fingerprints={2: "0" * 16}))
+    == "unpublished_version"
+  )
   back = identity.Published.restore("run", state, version=100)
   assert back.identity(100).fingerprint == f"{100:016x}"
   with pytest.raises(KeyError):
     back.identity(101)
   assert back.check(traj((2, 2, 2), run_id="run", fingerprints={2: f"{2:016x}"})) == (
-      "unpublished_version")  # pruned: KEEP_VERSIONS newer ones were published
+    "unpublished_version"
+  )  # pruned: KEEP_VERSIONS newer ones were published
   assert dataclasses.asdict(identity.of_meta(published.identity(7).meta())) == {
-      "run_id": "run", "fingerprint": f"{7:016x}"}
+    "run_id": "run",
+    "fingerprint": f"{7:016x}",
+  }

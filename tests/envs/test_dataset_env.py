@@ -14,13 +14,12 @@ import numpy as np
 import pytest
 
 from sao_jax.config import sections
+from sao_jax.data.prompts import EVAL_OFFSET
 from sao_jax.envs import chat, registry
 from sao_jax.envs.base import Action
-from sao_jax.envs.dataset import (DatasetConfig, DatasetEnv, ToolBudget, ToolMeter,
-                                  answer_tool_calls)
+from sao_jax.envs.dataset import DatasetConfig, DatasetEnv, ToolBudget, ToolMeter, answer_tool_calls
 from sao_jax.envs.demonstrations import demonstration_trajectory
 from sao_jax.envs.tokenizer import Qwen3Tokenizer
-from sao_jax.data.prompts import EVAL_OFFSET
 
 TOK = Qwen3Tokenizer()
 FMT = chat.make_format("qwen3", TOK)
@@ -29,11 +28,16 @@ FMT = chat.make_format("qwen3", TOK)
 def _rows(n):
   for i in range(n):
     call = {"name": "python", "arguments": {"code": f"print({i} * 7)"}}
-    yield {"data_source": "toy", "prompt": [{"role": "user", "content": f"What is {i} * 7?"}],
-           "reward_model": {"ground_truth": str(i * 7)},
-           "completion": [{"role": "assistant", "content": "", "tool_calls": [call]},
-                          {"role": "tool", "content": str(i * 7)},
-                          {"role": "assistant", "content": f"\\boxed{{{i * 7}}}"}]}
+    yield {
+      "data_source": "toy",
+      "prompt": [{"role": "user", "content": f"What is {i} * 7?"}],
+      "reward_model": {"ground_truth": str(i * 7)},
+      "completion": [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": str(i * 7)},
+        {"role": "assistant", "content": f"\\boxed{{{i * 7}}}"},
+      ],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +45,11 @@ def env(tmp_path_factory):
   path = tmp_path_factory.mktemp("data") / "train.jsonl"
   lines = [json.dumps(r) for r in _rows(10)] + ["{not json", json.dumps({"prompt": "x"})]
   path.write_text("\n".join(lines) + "\n")
-  return DatasetEnv(DatasetConfig(path=str(path), heldout_fraction=0.2, tools=("python",),
-                                  system_prompt="Use the python tool."))
+  return DatasetEnv(
+    DatasetConfig(
+      path=str(path), heldout_fraction=0.2, tools=("python",), system_prompt="Use the python tool."
+    )
+  )
 
 
 def test_bad_rows_are_rejected_with_file_line_and_reason(env):
@@ -68,14 +75,21 @@ def test_demonstration_masks_are_the_assistant_turns_with_im_end(env):
   # The prompt is rendered once, as the official template renders it.
   assert task.prompt[0] == {"role": "system", "content": "Use the python tool."}
   prompt = FMT.render(list(task.prompt), task.tools, add_generation_prompt=True)
-  assert list(tokens[:len(prompt)]) == prompt and not mask[:len(prompt)].any()
+  assert list(tokens[: len(prompt)]) == prompt and not mask[: len(prompt)].any()
 
 
 def test_episode_runs_the_tool_answers_errors_and_verifies(env):
   task = env.task(1)
   episode = env.episode(task)
-  parsed = FMT.parse_turn(FMT.action_ids({"role": "assistant", "content": "", "tool_calls": [
-      {"name": "python", "arguments": {"code": "print(6 * 7)"}}]}))
+  parsed = FMT.parse_turn(
+    FMT.action_ids(
+      {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"name": "python", "arguments": {"code": "print(6 * 7)"}}],
+      }
+    )
+  )
   step = episode.step(Action(parsed.text, parsed=parsed, tool_calls=parsed.tool_calls))
   assert not step.done and [m["role"] for m in step.observation] == ["tool"]
   assert step.observation[0]["content"].strip() == "42"
@@ -136,12 +150,17 @@ def test_a_sleeping_python_call_is_cut_to_the_turns_tool_time(env):
   # Six sleeping calls in one turn under the sandbox's 3 s wall clock: the
   # first is cut to the turn's 1 s, the other five are not run.
   c = sections.Env.defaults()
-  c.update(name="dataset", tool_seconds_per_turn=1.0, allow_unisolated=True,
-           kwargs={"path": env.config.path, "tools": ("python",)})
+  c.update(
+    name="dataset",
+    tool_seconds_per_turn=1.0,
+    allow_unisolated=True,
+    kwargs={"path": env.config.path, "tools": ("python",)},
+  )
   episode_env = registry.make_env(c)
   assert episode_env.tool_budget == ToolBudget(8, 1.0, 0.0)  # env config's, via the registry
   step = episode_env.episode(episode_env.task(0)).step(
-      _calls_action(*["import time\ntime.sleep(30)"] * 6))
+    _calls_action(*["import time\ntime.sleep(30)"] * 6)
+  )
   contents = [m["content"] for m in step.observation]
   assert "wall-clock limit 1s" in contents[0], contents[0]
   assert all("tool time is spent" in c for c in contents[1:]) and len(contents) == 6

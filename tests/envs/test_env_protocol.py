@@ -22,7 +22,7 @@ from sao_jax.envs.base import Action
 from sao_jax.envs.demonstrations import demonstration_trajectory
 from sao_jax.envs.tokenizer import CharTokenizer
 
-PLAIN_ENV = '''
+PLAIN_ENV = """
 import dataclasses
 
 from sao_jax.envs.base import StepResult
@@ -84,7 +84,7 @@ def make_env(kind="Echo"):
 
 def half(task, response, info):
   return 0.5
-'''
+"""
 
 
 @pytest.fixture
@@ -98,8 +98,9 @@ def user_env(tmp_path):
 def _build(name, **fields):
   # allow_unisolated: the user env runs code by default (no runs_code), and a
   # machine without an isolating sandbox would refuse it before the check.
-  return registry.make_env(ml_collections.ConfigDict(
-      {"name": name, "kwargs": {}, "allow_unisolated": True, **fields}))
+  return registry.make_env(
+    ml_collections.ConfigDict({"name": name, "kwargs": {}, "allow_unisolated": True, **fields})
+  )
 
 
 def test_a_plain_dataclass_task_without_tools_makes_demonstrations(user_env):
@@ -129,17 +130,29 @@ def test_a_plain_env_with_a_replaced_reward(user_env):
   assert traj.prompt_id == 1
 
 
-@pytest.mark.parametrize("kind,message", [
-    ("NoDemonstration", r"environment sao_jax_user_\w+:NoDemonstration has no method "
-                        r"'demonstration' \(demonstration\(task\) -> \[\(action, observation\), "
-                        r"\.\.\.\] for the SFT start; sao_jax/envs/base.py EnvironmentProtocol\)"),
-    ("Promptless", r"environment sao_jax_user_\w+:Promptless: its tasks \(PromptlessTask\) have "
-                   r"no attribute 'prompt' \(the prompt text or chat messages; "
-                   r"sao_jax/envs/base.py TaskProtocol\)"),
+@pytest.mark.parametrize(
+  "kind,message",
+  [
+    (
+      "NoDemonstration",
+      r"environment sao_jax_user_\w+:NoDemonstration has no method "
+      r"'demonstration' \(demonstration\(task\) -> \[\(action, observation\), "
+      r"\.\.\.\] for the SFT start; sao_jax/envs/base.py EnvironmentProtocol\)",
+    ),
+    (
+      "Promptless",
+      r"environment sao_jax_user_\w+:Promptless: its tasks \(PromptlessTask\) have "
+      r"no attribute 'prompt' \(the prompt text or chat messages; "
+      r"sao_jax/envs/base.py TaskProtocol\)",
+    ),
     ("TextIndex", r"its tasks \(Task\) have an index of type str \(the int it was made from"),
-    ("Failing", r"environment sao_jax_user_\w+:Failing: task\(0\) failed: KeyError: 0 "
-                r"\(.*plain_env\.py:\d+\)"),
-])
+    (
+      "Failing",
+      r"environment sao_jax_user_\w+:Failing: task\(0\) failed: KeyError: 0 "
+      r"\(.*plain_env\.py:\d+\)",
+    ),
+  ],
+)
 def test_a_missing_member_fails_the_build_in_one_line(user_env, kind, message):
   with pytest.raises(ConfigError, match=message) as e:
     _build(user_env, kwargs={"kind": kind})
@@ -156,8 +169,13 @@ def test_the_driver_refuses_a_task_the_protocol_refuses():
 
 def _dataset_rows(tmp_path):
   path = tmp_path / "rows.jsonl"
-  rows = [{"prompt": [{"role": "user", "content": f"{i}+1?"}],
-           "reward_model": {"ground_truth": str(i + 1)}} for i in range(8)]
+  rows = [
+    {
+      "prompt": [{"role": "user", "content": f"{i}+1?"}],
+      "reward_model": {"ground_truth": str(i + 1)},
+    }
+    for i in range(8)
+  ]
   path.write_text("".join(json.dumps(r) + "\n" for r in rows))
   return str(path)
 

@@ -9,14 +9,13 @@ import sys
 import textwrap
 
 import pytest
+from test_configs import load_config_module
 
-from sao_jax.train import configuration
 from sao_jax.envs import registry
 from sao_jax.envs.base import Action, StepResult
+from sao_jax.train import configuration
 
-from test_configs import load_config_module  # pylint: disable=g-bad-import-order
-
-USER_ENV = '''
+USER_ENV = """
 from sao_jax.envs.base import StepResult, Task
 
 class Echo:
@@ -47,7 +46,7 @@ def make_env(**kwargs):
 
 def half(task, response, info):
   return 0.5 if response else 0.0
-'''
+"""
 
 
 @pytest.fixture
@@ -86,10 +85,12 @@ def test_file_import_string_and_a_replaced_reward(user_pkg):
   result = env.episode(env.task(0)).step(Action("wrong"))
   assert isinstance(result, StepResult) and result.done and result.reward == 0.5
   # Loading the same file twice gives the same module (one class, not two).
-  assert type(registry.make_env(c.env)._env) is type(env._env)  # pylint: disable=protected-access
+  assert type(registry.make_env(c.env)._env) is type(env._env)
 
 
-@pytest.mark.parametrize("field,value,message", [
+@pytest.mark.parametrize(
+  "field,value,message",
+  [
     ("env.name", "pythn_tool", "env.name = 'pythn_tool': not a built-in environment"),
     ("env.name", "no_such_pkg.mod:make", "cannot import 'no_such_pkg.mod'"),
     ("env.name", "sao_jax.envs.registry:no_such_factory", "has no 'no_such_factory'"),
@@ -98,9 +99,13 @@ def test_file_import_string_and_a_replaced_reward(user_pkg):
     ("env.tokenizer", "gpt2", "env.tokenizer = 'gpt2': must be one of"),
     ("env.chat_format", "chatml", "env.chat_format = 'chatml': must be one of"),
     ("env.tool_calls_per_turn", -1, "env.tool_calls_per_turn = -1: must be an integer >= 0"),
-    ("env.tool_seconds_per_turn", 60.0,
-     r"env.tool_seconds_per_turn = 60.0: must be < rollout.env_timeout \(60\)"),
-])
+    (
+      "env.tool_seconds_per_turn",
+      60.0,
+      r"env.tool_seconds_per_turn = 60.0: must be < rollout.env_timeout \(60\)",
+    ),
+  ],
+)
 def test_unknown_env_names_fail_validation_in_one_line(field, value, message):
   with pytest.raises(configuration.ConfigError, match=message) as e:
     configuration.validate(_config(**{field: value}), num_devices=8)
@@ -118,13 +123,21 @@ def test_a_reward_that_is_not_a_number_raises_for_the_driver_to_count(user_pkg, 
     env.episode(env.task(0)).step(Action("hi"))
 
 
-@pytest.mark.parametrize("source,message", [
+@pytest.mark.parametrize(
+  "source,message",
+  [
     ("def make_env(:\n  pass\n", r"loading .*broken\.py failed: SyntaxError: .*broken\.py:1\)"),
-    ("import no_such_module_anywhere\n",
-     "loading .*broken.py failed: ModuleNotFoundError: No module named "
-     r"'no_such_module_anywhere' \(.*broken\.py:1\)"),
-    ("x = 1\nundefined_name + 1\n", r"NameError: name 'undefined_name' is not defined .*broken\.py:2\)"),
-])
+    (
+      "import no_such_module_anywhere\n",
+      "loading .*broken.py failed: ModuleNotFoundError: No module named "
+      r"'no_such_module_anywhere' \(.*broken\.py:1\)",
+    ),
+    (
+      "x = 1\nundefined_name + 1\n",
+      r"NameError: name 'undefined_name' is not defined .*broken\.py:2\)",
+    ),
+  ],
+)
 def test_a_broken_user_file_fails_in_one_line_with_its_line(tmp_path, source, message):
   path = tmp_path / "broken.py"
   path.write_text(source)
@@ -138,7 +151,8 @@ def test_a_broken_user_file_fails_in_one_line_with_its_line(tmp_path, source, me
 
 def test_a_broken_user_package_and_factory_fail_in_one_line(user_pkg, tmp_path):
   (user_pkg / "bad.py").write_text("import my_tasks.env\nfrom my_tasks.env import nothing_here\n")
-  (user_pkg / "raising.py").write_text(textwrap.dedent('''
+  (user_pkg / "raising.py").write_text(
+    textwrap.dedent("""
       from sao_jax.envs.base import Task
       def make_env(**kwargs):
         return undefined_helper(**kwargs)
@@ -148,14 +162,24 @@ def test_a_broken_user_package_and_factory_fail_in_one_line(user_pkg, tmp_path):
           return type("T", (), {"index": index, "prompt": "hi"})()
       def no_tools(**kwargs):
         return NoTools()
-      '''))
+      """)
+  )
   for name, message in [
-      ("my_tasks.bad:make_env", r"importing 'my_tasks.bad' failed: ImportError: cannot import "
-                                r"name 'nothing_here' .*bad\.py:2\)"),
-      ("my_tasks.raising:make_env", r"building the environment failed: NameError: name "
-                                    r"'undefined_helper' is not defined \(.*raising\.py:4\)"),
-      ("my_tasks.raising:no_tools", "environment my_tasks.raising:NoTools has no method "
-                                    "'episode' .episode.task. -> a fresh Episode"),
+    (
+      "my_tasks.bad:make_env",
+      r"importing 'my_tasks.bad' failed: ImportError: cannot import "
+      r"name 'nothing_here' .*bad\.py:2\)",
+    ),
+    (
+      "my_tasks.raising:make_env",
+      r"building the environment failed: NameError: name "
+      r"'undefined_helper' is not defined \(.*raising\.py:4\)",
+    ),
+    (
+      "my_tasks.raising:no_tools",
+      "environment my_tasks.raising:NoTools has no method "
+      "'episode' .episode.task. -> a fresh Episode",
+    ),
   ]:
     with pytest.raises(configuration.ConfigError, match=message) as e:
       c = _config(**{"env.name": name})
@@ -167,10 +191,18 @@ def test_a_broken_user_package_and_factory_fail_in_one_line(user_pkg, tmp_path):
 def test_a_missing_or_rowless_dataset_fails_in_one_line(tmp_path):
   empty = tmp_path / "empty.jsonl"
   empty.write_text('{"prompt": ""}\n[1]\n')
-  for path, message in [(tmp_path / "missing.jsonl", "missing.jsonl: cannot read"),
-                        (empty, r"empty.jsonl: no valid rows \(2 rejected; first: ")]:
-    c = _config(**{"env.name": "dataset", "env.chat_format": "qwen3", "env.tokenizer": "qwen3",
-                   "env.kwargs": {"path": str(path)}})
+  for path, message in [
+    (tmp_path / "missing.jsonl", "missing.jsonl: cannot read"),
+    (empty, r"empty.jsonl: no valid rows \(2 rejected; first: "),
+  ]:
+    c = _config(
+      **{
+        "env.name": "dataset",
+        "env.chat_format": "qwen3",
+        "env.tokenizer": "qwen3",
+        "env.kwargs": {"path": str(path)},
+      }
+    )
     with pytest.raises(configuration.ConfigError, match=message) as e:
       registry.make_env(c.env)
     assert "\n" not in str(e.value) and str(e.value).startswith("env.name = 'dataset': ")

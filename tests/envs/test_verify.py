@@ -17,12 +17,14 @@ from sao_jax.envs import verify
 from sao_jax.envs.verify import MathVerifier, Verdict, exact_match, extract_answer
 
 try:
-  import math_verify  # pylint: disable=unused-import
+  import math_verify  # noqa: F401
+
   HAVE_MATH_VERIFY = True
 except ImportError:
   HAVE_MATH_VERIFY = False
-needs_math_verify = pytest.mark.skipif(not HAVE_MATH_VERIFY,
-                                       reason="math-verify not installed (extra [math])")
+needs_math_verify = pytest.mark.skipif(
+  not HAVE_MATH_VERIFY, reason="math-verify not installed (extra [math])"
+)
 
 SLOW_OK = 120.0  # a timeout no check on any machine comes near
 
@@ -32,19 +34,23 @@ def fake_worker(handler_source: str) -> list[str]:
 
   `check` (math-verify) and `hang` (blocks forever) are in scope.
   """
-  boot = ("import os, runpy, sys, threading, time\n"
-          "ns = runpy.run_path(sys.argv[1])\n"
-          "check = ns['_check']\n"
-          "hang = threading.Event().wait\n"
-          f"{handler_source}\n"
-          "ns['_serve'](h)\n")
+  boot = (
+    "import os, runpy, sys, threading, time\n"
+    "ns = runpy.run_path(sys.argv[1])\n"
+    "check = ns['_check']\n"
+    "hang = threading.Event().wait\n"
+    f"{handler_source}\n"
+    "ns['_serve'](h)\n"
+  )
   return [sys.executable, "-c", boot, verify.__file__]
 
 
 # --- extraction --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text, answer", [
+@pytest.mark.parametrize(
+  "text, answer",
+  [
     (r"so the answer is \boxed{\frac{1}{2}}.", r"\frac{1}{2}"),
     (r"\boxed{\sqrt{\frac{a}{b}}}", r"\sqrt{\frac{a}{b}}"),
     (r"first \boxed{3}, then \boxed{4}", "4"),
@@ -64,7 +70,8 @@ def fake_worker(handler_source: str) -> list[str]:
     (r"\boxed{3} then \boxed{\frac{1}{2}", "3"),  # the last box never closes
     (r"\boxed{\frac{1}{2}", None),  # unbalanced and nothing else
     ("Answer:   \n", None),
-])
+  ],
+)
 def test_extract_answer(text, answer):
   assert extract_answer(text) == answer
 
@@ -92,7 +99,9 @@ def test_exact_match():
 # --- the integer fast path -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("answer, gold, verdict", [
+@pytest.mark.parametrize(
+  "answer, gold, verdict",
+  [
     ("073", "73", Verdict(True, "exact")),
     ("+5", "5", Verdict(True, "exact")),
     ("-5", "5", Verdict(False, "mismatch")),
@@ -102,7 +111,8 @@ def test_exact_match():
     (r"1{,}000", "1000", Verdict(True, "exact")),
     (r"-12\,345\,678", "-12345678", Verdict(True, "exact")),
     (r"1\,000", "1001", Verdict(False, "mismatch")),
-])
+  ],
+)
 def test_integers_need_no_worker(answer, gold, verdict):
   # Every worker dies at once: an answer that reached one would be "error".
   with MathVerifier(worker_command=[sys.executable, "-c", "raise SystemExit(3)"]) as v:
@@ -134,13 +144,13 @@ def test_a_dead_worker_is_an_error_not_a_mismatch():
 
 
 EQUIVALENCES = [
-    (r"\frac{10}{12}", "5/6", Verdict(True, "equivalent")),
-    (r"\sqrt{12}", r"2\sqrt3", Verdict(True, "equivalent")),
-    ("0.5", r"\frac12", Verdict(True, "equivalent")),
-    ("(x+1)^2", "x^2+2x+1", Verdict(True, "equivalent")),
-    (r"\frac{1}{3}", "0.5", Verdict(False, "mismatch")),
-    ("41.0", "42", Verdict(False, "mismatch")),
-    ("x", "y", Verdict(False, "mismatch")),
+  (r"\frac{10}{12}", "5/6", Verdict(True, "equivalent")),
+  (r"\sqrt{12}", r"2\sqrt3", Verdict(True, "equivalent")),
+  ("0.5", r"\frac12", Verdict(True, "equivalent")),
+  ("(x+1)^2", "x^2+2x+1", Verdict(True, "equivalent")),
+  (r"\frac{1}{3}", "0.5", Verdict(False, "mismatch")),
+  ("41.0", "42", Verdict(False, "mismatch")),
+  ("x", "y", Verdict(False, "mismatch")),
 ]
 
 
@@ -173,7 +183,7 @@ def test_four_threads_at_once():
       for i in range(len(cases)):
         j = (i + t) % len(cases)  # each thread takes the cases in its own order
         results[t, j] = v.verify(rf"\boxed{{{cases[j][0]}}}", cases[j][1])
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:  # noqa: BLE001
       errors.append(e)
 
   with MathVerifier(timeout_s=SLOW_OK, workers=4) as v:
@@ -195,16 +205,19 @@ def test_four_calls_run_in_four_workers_at_once(tmp_path):
   # Each worker's handler waits until four have arrived: only a pool that
   # runs the four calls at once can answer (one at a time would time out).
   command = fake_worker(
-      "def h(r):\n"
-      f"  open(os.path.join({str(tmp_path)!r}, str(os.getpid())), 'w').close()\n"
-      f"  while len(os.listdir({str(tmp_path)!r})) < 4: time.sleep(0.01)\n"
-      "  return {'equal': True}")
+    "def h(r):\n"
+    f"  open(os.path.join({str(tmp_path)!r}, str(os.getpid())), 'w').close()\n"
+    f"  while len(os.listdir({str(tmp_path)!r})) < 4: time.sleep(0.01)\n"
+    "  return {'equal': True}"
+  )
   barrier = threading.Barrier(4)
   results = []
   with MathVerifier(timeout_s=SLOW_OK, workers=4, worker_command=command) as v:
+
     def run():
       barrier.wait()
       results.append(v.verify(r"\boxed{a}", "b"))
+
     threads = [threading.Thread(target=run) for _ in range(4)]
     for t in threads:
       t.start()
@@ -216,9 +229,9 @@ def test_four_calls_run_in_four_workers_at_once(tmp_path):
 
 @needs_math_verify  # the fake worker's ready line says if it can import it
 def test_a_hang_times_out_and_the_next_call_works():
-  command = fake_worker("def h(r):\n"
-                        "  if 'hang' in r['gold']: hang()\n"
-                        "  return {'equal': 'same' in r['gold']}")
+  command = fake_worker(
+    "def h(r):\n  if 'hang' in r['gold']: hang()\n  return {'equal': 'same' in r['gold']}"
+  )
   with MathVerifier(timeout_s=2.0, workers=1, worker_command=command) as v:
     assert v.verify(r"\boxed{a}", "same") == Verdict(True, "equivalent")
     hung = v._all[0]._proc
@@ -241,13 +254,18 @@ def test_a_handler_error_is_an_error():
 
 
 def test_unavailable_is_counted_and_warned_once():
-  command = [sys.executable, "-c",
-             "import runpy, sys; sys.modules['math_verify'] = None; "
-             "runpy.run_path(sys.argv[1], run_name='__main__')", verify.__file__]
+  command = [
+    sys.executable,
+    "-c",
+    "import runpy, sys; sys.modules['math_verify'] = None; "
+    "runpy.run_path(sys.argv[1], run_name='__main__')",
+    verify.__file__,
+  ]
   with MathVerifier(timeout_s=SLOW_OK, worker_command=command) as v:
     with pytest.warns(RuntimeWarning, match="math-verify is unavailable"):
       assert v.verify(r"\boxed{\frac12}", "0.5") == Verdict(False, "unavailable")
-    import warnings  # pylint: disable=g-import-not-at-top
+    import warnings
+
     with warnings.catch_warnings():
       warnings.simplefilter("error")
       assert v.verify(r"\boxed{\frac12}", "0.5") == Verdict(False, "unavailable")
@@ -283,14 +301,16 @@ def test_64_concurrent_verifications_none_lost(verifier):
   # The load test of the grading paths: 64 calls from 16 threads, of every
   # kind (integer fast path, exact string, math-verify, no answer, too
   # nested); each verdict is the one it gets alone.
-  kinds = [(r"\boxed{1\,000}", "1000", Verdict(True, "exact")),
-           (r"\boxed{x + 1}", "x + 1", Verdict(True, "exact")),
-           (r"\boxed{\frac{1}{2}}", "0.5", Verdict(True, "equivalent")),
-           (r"\boxed{\frac{1}{3}}", "0.5", Verdict(False, "mismatch")),
-           ("no answer", "3", Verdict(False, "no_answer")),
-           (r"\boxed{" + "(" * 12 + "x" + ")" * 12 + "}", "x", Verdict(False, "too_nested")),
-           (r"\boxed {7}", "7", Verdict(True, "exact")),
-           (r"\boxed{73}", "073", Verdict(True, "exact"))]
+  kinds = [
+    (r"\boxed{1\,000}", "1000", Verdict(True, "exact")),
+    (r"\boxed{x + 1}", "x + 1", Verdict(True, "exact")),
+    (r"\boxed{\frac{1}{2}}", "0.5", Verdict(True, "equivalent")),
+    (r"\boxed{\frac{1}{3}}", "0.5", Verdict(False, "mismatch")),
+    ("no answer", "3", Verdict(False, "no_answer")),
+    (r"\boxed{" + "(" * 12 + "x" + ")" * 12 + "}", "x", Verdict(False, "too_nested")),
+    (r"\boxed {7}", "7", Verdict(True, "exact")),
+    (r"\boxed{73}", "073", Verdict(True, "exact")),
+  ]
   cases = [kinds[i % len(kinds)] for i in range(64)]
   with cf.ThreadPoolExecutor(16) as pool:
     got = list(pool.map(lambda c: verifier.verify(c[0], c[1]), cases))

@@ -55,6 +55,7 @@ def raise_when_full(disk: SmallDisk, write):
     if disk.full:
       raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     return write(*args, **kwargs)
+
   return wrapped
 
 
@@ -62,13 +63,18 @@ def raise_when_full(disk: SmallDisk, write):
 def small_disk(tmp_path, monkeypatch):
   mnt = tmp_path / "disk"
   mnt.mkdir()
-  mounted = os.geteuid() == 0 and subprocess.run(
-      ["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mnt)],
-      capture_output=True).returncode == 0
+  mounted = (
+    os.geteuid() == 0
+    and subprocess.run(
+      ["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mnt)], capture_output=True
+    ).returncode
+    == 0
+  )
   disk = SmallDisk(str(mnt), mounted)
   if not mounted:
-    monkeypatch.setattr(ocp.CheckpointManager, "save",
-                        raise_when_full(disk, ocp.CheckpointManager.save))
+    monkeypatch.setattr(
+      ocp.CheckpointManager, "save", raise_when_full(disk, ocp.CheckpointManager.save)
+    )
     monkeypatch.setattr(files.Appender, "write", raise_when_full(disk, files.Appender.write))
   try:
     yield disk

@@ -24,8 +24,14 @@ from array_record.python import array_record_module
 from sao_jax.data import store
 from sao_jax.data.ingestion import TrajectoryQueue
 from sao_jax.data.store import CorruptRecordError, NoValidTrajectoriesError
-from sao_jax.data.trajectory import (FINISH_REASONS, REJECT_REASONS, Trajectory, canonicalize,
-                                     checked, validate)
+from sao_jax.data.trajectory import (
+  FINISH_REASONS,
+  REJECT_REASONS,
+  Trajectory,
+  canonicalize,
+  checked,
+  validate,
+)
 
 VOCAB, MAX_LEN = 32, 64
 WRAP = 2**32  # an int64 value + WRAP wraps back to the value in int32
@@ -36,20 +42,31 @@ def good(**changes) -> Trajectory:
   mask = np.array([0, 0, 1, 1, 0, 1, 1, 1, 0], bool)
   rewards = np.zeros(9, np.float32)
   rewards[7] = 1.0
-  t = Trajectory(tokens=np.arange(1, 10, dtype=np.int32), action_mask=mask,
-                 rollout_logprobs=np.where(mask, -0.5, 0).astype(np.float32),
-                 policy_version=np.where(mask, 2, -1).astype(np.int32), rewards=rewards,
-                 turn_starts=np.array([2, 5], np.int32), prompt_id=3, group_id=1,
-                 finish_reason="done", start_time=1.0, end_time=2.0, env_seconds=0.5)
+  t = Trajectory(
+    tokens=np.arange(1, 10, dtype=np.int32),
+    action_mask=mask,
+    rollout_logprobs=np.where(mask, -0.5, 0).astype(np.float32),
+    policy_version=np.where(mask, 2, -1).astype(np.int32),
+    rewards=rewards,
+    turn_starts=np.array([2, 5], np.int32),
+    prompt_id=3,
+    group_id=1,
+    finish_reason="done",
+    start_time=1.0,
+    end_time=2.0,
+    env_seconds=0.5,
+  )
   return dataclasses.replace(t, **changes)
 
 
 def at(field, index, value, dtype=None):
   """A mutation: `field` (cast to `dtype` first) with [index] = value."""
+
   def mutate(t):
     a = getattr(t, field).astype(dtype or getattr(t, field).dtype)
     a[index] = value
     return dataclasses.replace(t, **{field: a})
+
   return mutate
 
 
@@ -67,134 +84,134 @@ def reshape2d(field):
 
 def truncate_all(n):
   return lambda t: dataclasses.replace(
-      t, **{f: getattr(t, f)[:n] for f in ("tokens", "action_mask", "rollout_logprobs",
-                                         "policy_version", "rewards")},
-      turn_starts=t.turn_starts[:0] if n == 0 else t.turn_starts)
+    t,
+    **{
+      f: getattr(t, f)[:n]
+      for f in ("tokens", "action_mask", "rollout_logprobs", "policy_version", "rewards")
+    },
+    turn_starts=t.turn_starts[:0] if n == 0 else t.turn_starts,
+  )
 
 
 def extend_to(n):
   def mutate(t):
     pad = n - len(t)
     return dataclasses.replace(
-        t, tokens=np.concatenate([t.tokens, np.ones(pad, np.int32)]),
-        action_mask=np.concatenate([t.action_mask, np.zeros(pad, bool)]),
-        rollout_logprobs=np.concatenate([t.rollout_logprobs, np.zeros(pad, np.float32)]),
-        policy_version=np.concatenate([t.policy_version, np.full(pad, -1, np.int32)]),
-        rewards=np.concatenate([t.rewards, np.zeros(pad, np.float32)]))
+      t,
+      tokens=np.concatenate([t.tokens, np.ones(pad, np.int32)]),
+      action_mask=np.concatenate([t.action_mask, np.zeros(pad, bool)]),
+      rollout_logprobs=np.concatenate([t.rollout_logprobs, np.zeros(pad, np.float32)]),
+      policy_version=np.concatenate([t.policy_version, np.full(pad, -1, np.int32)]),
+      rewards=np.concatenate([t.rewards, np.zeros(pad, np.float32)]),
+    )
+
   return mutate
 
 
 CASES = {
-    # structure
-    "tokens_list": (setf(tokens=list(range(1, 10))), "not_numpy"),
-    "turn_starts_list": (setf(turn_starts=[2, 5]), "not_numpy"),
-    "tokens_2d": (reshape2d("tokens"), "bad_rank"),
-    "tokens_0d": (setf(tokens=np.array(3)), "bad_rank"),
-    "mask_2d": (reshape2d("action_mask"), "bad_rank"),
-    "logprobs_2d": (reshape2d("rollout_logprobs"), "bad_rank"),
-    "version_2d": (reshape2d("policy_version"), "bad_rank"),
-    "rewards_2d": (reshape2d("rewards"), "bad_rank"),
-    "turn_starts_2d": (reshape2d("turn_starts"), "bad_rank"),
-    "short_rewards": (lambda t: dataclasses.replace(t, rewards=t.rewards[:-1]),
-                      "length_mismatch"),
-    "empty": (truncate_all(0), "empty"),
-    "too_long": (extend_to(MAX_LEN + 1), "too_long"),
-    # tokens
-    "float_tokens": (cast("tokens", np.float64), "bad_token_dtype"),
-    "fractional_tokens": (at("tokens", 0, 1.5, np.float32), "bad_token_dtype"),
-    "bool_tokens": (cast("tokens", bool), "bad_token_dtype"),
-    "token_negative": (at("tokens", 0, -1), "token_out_of_vocab"),
-    "token_past_vocab": (at("tokens", 3, VOCAB), "token_out_of_vocab"),
-    "token_wraps_in_int32": (at("tokens", 3, WRAP + 4, np.int64), "token_out_of_vocab"),
-    "token_uint64_huge": (at("tokens", 3, 2**63 + 4, np.uint64), "token_out_of_vocab"),
-    # mask
-    "int_mask": (cast("action_mask", np.int32), "bad_mask_dtype"),
-    "uint8_mask": (cast("action_mask", np.uint8), "bad_mask_dtype"),
-    "float_mask": (cast("action_mask", np.float32), "bad_mask_dtype"),
-    "no_actions": (setf(action_mask=np.zeros(9, bool)), "no_action_tokens"),
-    "action_first": (at("action_mask", 0, True), "action_without_prompt"),
-    # log-probs
-    "str_logprobs": (cast("rollout_logprobs", "U8"), "bad_logprob_dtype"),
-    "complex_logprobs": (cast("rollout_logprobs", np.complex64), "bad_logprob_dtype"),
-    "object_logprobs": (cast("rollout_logprobs", object), "bad_logprob_dtype"),
-    "bool_logprobs": (cast("rollout_logprobs", bool), "bad_logprob_dtype"),
-    "nan_logprob": (at("rollout_logprobs", 2, np.nan), "nonfinite_rollout_logprobs"),
-    "inf_logprob": (at("rollout_logprobs", 2, -np.inf), "nonfinite_rollout_logprobs"),
-    # finite in float64, -inf once cast to the float32 the trainer uses
-    "logprob_overflows_float32": (at("rollout_logprobs", 2, -1e39, np.float64),
-                                  "nonfinite_rollout_logprobs"),
-    "positive_logprob": (at("rollout_logprobs", 2, 0.5), "positive_logprob"),
-    "logprob_off_action": (at("rollout_logprobs", 4, -0.1), "logprob_off_action"),
-    # policy version
-    "float_version": (cast("policy_version", np.float32), "bad_version_dtype"),
-    "version_wraps_in_int32": (at("policy_version", 2, WRAP + 2, np.int64),
-                               "bad_policy_version"),
-    "negative_version": (at("policy_version", 2, -3), "bad_policy_version"),
-    "version_off_action": (at("policy_version", 0, 0), "bad_policy_version"),
-    # rewards
-    "bool_rewards": (cast("rewards", bool), "bad_reward_dtype"),
-    "str_rewards": (cast("rewards", "U8"), "bad_reward_dtype"),
-    "nan_reward": (at("rewards", 7, np.nan), "nonfinite_rewards"),
-    "reward_overflows_float32": (at("rewards", 7, 1e39, np.float64), "nonfinite_rewards"),
-    "reward_off_action": (at("rewards", 0, 1.0), "reward_off_action"),
-    # turn starts
-    "float_turn_starts": (cast("turn_starts", np.float64), "bad_turn_starts_dtype"),
-    "bool_turn_starts": (setf(turn_starts=np.array([True])), "bad_turn_starts_dtype"),
-    "no_turns": (setf(turn_starts=np.zeros(0, np.int32)), "missing_first_turn_start"),
-    "first_turn_missed": (setf(turn_starts=np.array([5], np.int32)),
-                          "missing_first_turn_start"),
-    "turn_past_end": (setf(turn_starts=np.array([2, 9], np.int32)),
-                      "turn_start_out_of_range"),
-    "negative_turn": (setf(turn_starts=np.array([-1, 2], np.int32)),
-                      "turn_start_out_of_range"),
-    "turn_wraps_in_int32": (at("turn_starts", 1, WRAP + 5, np.int64),
-                            "turn_start_out_of_range"),
-    "turns_decreasing": (setf(turn_starts=np.array([5, 2], np.int32)),
-                         "turn_starts_not_increasing"),
-    "turns_repeated": (setf(turn_starts=np.array([2, 2], np.int32)),
-                       "turn_starts_not_increasing"),
-    "turn_on_observation": (setf(turn_starts=np.array([2, 4], np.int32)),
-                            "turn_start_off_action"),
-    "turn_on_prompt": (setf(turn_starts=np.array([1, 2], np.int32)), "turn_start_off_action"),
-    "more_turns_than_actions": (setf(turn_starts=np.array([2, 3, 5, 6, 7, 8], np.int32)),
-                                "too_many_turns"),
-    # scalars
-    "float_prompt_id": (setf(prompt_id=3.0), "bad_prompt_id"),
-    "str_prompt_id": (setf(prompt_id="3"), "bad_prompt_id"),
-    "bool_prompt_id": (setf(prompt_id=True), "bad_prompt_id"),
-    "none_prompt_id": (setf(prompt_id=None), "bad_prompt_id"),
-    "huge_prompt_id": (setf(prompt_id=2**70), "bad_prompt_id"),
-    "float_group_id": (setf(group_id=1.5), "bad_group_id"),
-    "unknown_finish": (setf(finish_reason="??"), "bad_finish_reason"),
-    "int_finish": (setf(finish_reason=7), "bad_finish_reason"),
-    "nan_start_time": (setf(start_time=float("nan")), "bad_time"),
-    "inf_end_time": (setf(end_time=float("inf")), "bad_time"),
-    "str_env_seconds": (setf(env_seconds="0.5"), "bad_time"),
-    "time_overflows_float": (setf(end_time=10**400), "bad_time"),
-    # routing replay's record (its missing_routing needs a consumer that
-    # replays: tests/rollout/test_routing_replay.py)
-    "routing_not_per_token": (setf(routing=np.zeros((8, 1, 2), np.int16)), "bad_routing"),
-    "routing_rank_2": (setf(routing=np.zeros((9, 2), np.int16)), "bad_routing"),
-    "routing_float": (setf(routing=np.zeros((9, 1, 2), np.float32)), "bad_routing"),
-    "routing_below_none": (setf(routing=np.full((9, 1, 2), -2, np.int32)), "routing_out_of_range"),
-    "routing_past_int16": (setf(routing=np.full((9, 1, 2), 2**15, np.int32)),
-                           "routing_out_of_range"),
-    # identity (sao_jax/data/identity.py)
-    "run_id_not_str": (setf(run_id=7), "bad_run_id"),
-    "run_id_with_slash": (setf(run_id="../run"), "bad_run_id"),
-    "fingerprints_not_dict": (setf(fingerprints=["0123456789abcdef"]), "bad_fingerprints"),
-    "fingerprint_not_hex": (setf(fingerprints={2: "not a fingerprint"}), "bad_fingerprints"),
-    "fingerprint_key_not_int": (setf(fingerprints={"two": "0123456789abcdef"}),
-                                "bad_fingerprints"),
-    "fingerprint_of_unused_version": (setf(fingerprints={3: "0123456789abcdef"}),
-                                      "bad_fingerprints"),
+  # structure
+  "tokens_list": (setf(tokens=list(range(1, 10))), "not_numpy"),
+  "turn_starts_list": (setf(turn_starts=[2, 5]), "not_numpy"),
+  "tokens_2d": (reshape2d("tokens"), "bad_rank"),
+  "tokens_0d": (setf(tokens=np.array(3)), "bad_rank"),
+  "mask_2d": (reshape2d("action_mask"), "bad_rank"),
+  "logprobs_2d": (reshape2d("rollout_logprobs"), "bad_rank"),
+  "version_2d": (reshape2d("policy_version"), "bad_rank"),
+  "rewards_2d": (reshape2d("rewards"), "bad_rank"),
+  "turn_starts_2d": (reshape2d("turn_starts"), "bad_rank"),
+  "short_rewards": (lambda t: dataclasses.replace(t, rewards=t.rewards[:-1]), "length_mismatch"),
+  "empty": (truncate_all(0), "empty"),
+  "too_long": (extend_to(MAX_LEN + 1), "too_long"),
+  # tokens
+  "float_tokens": (cast("tokens", np.float64), "bad_token_dtype"),
+  "fractional_tokens": (at("tokens", 0, 1.5, np.float32), "bad_token_dtype"),
+  "bool_tokens": (cast("tokens", bool), "bad_token_dtype"),
+  "token_negative": (at("tokens", 0, -1), "token_out_of_vocab"),
+  "token_past_vocab": (at("tokens", 3, VOCAB), "token_out_of_vocab"),
+  "token_wraps_in_int32": (at("tokens", 3, WRAP + 4, np.int64), "token_out_of_vocab"),
+  "token_uint64_huge": (at("tokens", 3, 2**63 + 4, np.uint64), "token_out_of_vocab"),
+  # mask
+  "int_mask": (cast("action_mask", np.int32), "bad_mask_dtype"),
+  "uint8_mask": (cast("action_mask", np.uint8), "bad_mask_dtype"),
+  "float_mask": (cast("action_mask", np.float32), "bad_mask_dtype"),
+  "no_actions": (setf(action_mask=np.zeros(9, bool)), "no_action_tokens"),
+  "action_first": (at("action_mask", 0, True), "action_without_prompt"),
+  # log-probs
+  "str_logprobs": (cast("rollout_logprobs", "U8"), "bad_logprob_dtype"),
+  "complex_logprobs": (cast("rollout_logprobs", np.complex64), "bad_logprob_dtype"),
+  "object_logprobs": (cast("rollout_logprobs", object), "bad_logprob_dtype"),
+  "bool_logprobs": (cast("rollout_logprobs", bool), "bad_logprob_dtype"),
+  "nan_logprob": (at("rollout_logprobs", 2, np.nan), "nonfinite_rollout_logprobs"),
+  "inf_logprob": (at("rollout_logprobs", 2, -np.inf), "nonfinite_rollout_logprobs"),
+  # finite in float64, -inf once cast to the float32 the trainer uses
+  "logprob_overflows_float32": (
+    at("rollout_logprobs", 2, -1e39, np.float64),
+    "nonfinite_rollout_logprobs",
+  ),
+  "positive_logprob": (at("rollout_logprobs", 2, 0.5), "positive_logprob"),
+  "logprob_off_action": (at("rollout_logprobs", 4, -0.1), "logprob_off_action"),
+  # policy version
+  "float_version": (cast("policy_version", np.float32), "bad_version_dtype"),
+  "version_wraps_in_int32": (at("policy_version", 2, WRAP + 2, np.int64), "bad_policy_version"),
+  "negative_version": (at("policy_version", 2, -3), "bad_policy_version"),
+  "version_off_action": (at("policy_version", 0, 0), "bad_policy_version"),
+  # rewards
+  "bool_rewards": (cast("rewards", bool), "bad_reward_dtype"),
+  "str_rewards": (cast("rewards", "U8"), "bad_reward_dtype"),
+  "nan_reward": (at("rewards", 7, np.nan), "nonfinite_rewards"),
+  "reward_overflows_float32": (at("rewards", 7, 1e39, np.float64), "nonfinite_rewards"),
+  "reward_off_action": (at("rewards", 0, 1.0), "reward_off_action"),
+  # turn starts
+  "float_turn_starts": (cast("turn_starts", np.float64), "bad_turn_starts_dtype"),
+  "bool_turn_starts": (setf(turn_starts=np.array([True])), "bad_turn_starts_dtype"),
+  "no_turns": (setf(turn_starts=np.zeros(0, np.int32)), "missing_first_turn_start"),
+  "first_turn_missed": (setf(turn_starts=np.array([5], np.int32)), "missing_first_turn_start"),
+  "turn_past_end": (setf(turn_starts=np.array([2, 9], np.int32)), "turn_start_out_of_range"),
+  "negative_turn": (setf(turn_starts=np.array([-1, 2], np.int32)), "turn_start_out_of_range"),
+  "turn_wraps_in_int32": (at("turn_starts", 1, WRAP + 5, np.int64), "turn_start_out_of_range"),
+  "turns_decreasing": (setf(turn_starts=np.array([5, 2], np.int32)), "turn_starts_not_increasing"),
+  "turns_repeated": (setf(turn_starts=np.array([2, 2], np.int32)), "turn_starts_not_increasing"),
+  "turn_on_observation": (setf(turn_starts=np.array([2, 4], np.int32)), "turn_start_off_action"),
+  "turn_on_prompt": (setf(turn_starts=np.array([1, 2], np.int32)), "turn_start_off_action"),
+  "more_turns_than_actions": (
+    setf(turn_starts=np.array([2, 3, 5, 6, 7, 8], np.int32)),
+    "too_many_turns",
+  ),
+  # scalars
+  "float_prompt_id": (setf(prompt_id=3.0), "bad_prompt_id"),
+  "str_prompt_id": (setf(prompt_id="3"), "bad_prompt_id"),
+  "bool_prompt_id": (setf(prompt_id=True), "bad_prompt_id"),
+  "none_prompt_id": (setf(prompt_id=None), "bad_prompt_id"),
+  "huge_prompt_id": (setf(prompt_id=2**70), "bad_prompt_id"),
+  "float_group_id": (setf(group_id=1.5), "bad_group_id"),
+  "unknown_finish": (setf(finish_reason="??"), "bad_finish_reason"),
+  "int_finish": (setf(finish_reason=7), "bad_finish_reason"),
+  "nan_start_time": (setf(start_time=float("nan")), "bad_time"),
+  "inf_end_time": (setf(end_time=float("inf")), "bad_time"),
+  "str_env_seconds": (setf(env_seconds="0.5"), "bad_time"),
+  "time_overflows_float": (setf(end_time=10**400), "bad_time"),
+  # routing replay's record (its missing_routing needs a consumer that
+  # replays: tests/rollout/test_routing_replay.py)
+  "routing_not_per_token": (setf(routing=np.zeros((8, 1, 2), np.int16)), "bad_routing"),
+  "routing_rank_2": (setf(routing=np.zeros((9, 2), np.int16)), "bad_routing"),
+  "routing_float": (setf(routing=np.zeros((9, 1, 2), np.float32)), "bad_routing"),
+  "routing_below_none": (setf(routing=np.full((9, 1, 2), -2, np.int32)), "routing_out_of_range"),
+  "routing_past_int16": (setf(routing=np.full((9, 1, 2), 2**15, np.int32)), "routing_out_of_range"),
+  # identity (sao_jax/data/identity.py)
+  "run_id_not_str": (setf(run_id=7), "bad_run_id"),
+  "run_id_with_slash": (setf(run_id="../run"), "bad_run_id"),
+  "fingerprints_not_dict": (setf(fingerprints=["0123456789abcdef"]), "bad_fingerprints"),
+  "fingerprint_not_hex": (setf(fingerprints={2: "not a fingerprint"}), "bad_fingerprints"),
+  "fingerprint_key_not_int": (setf(fingerprints={"two": "0123456789abcdef"}), "bad_fingerprints"),
+  "fingerprint_of_unused_version": (setf(fingerprints={3: "0123456789abcdef"}), "bad_fingerprints"),
 }
 
 
 def test_every_reason_is_a_snake_case_label_and_exercised():
   pattern = re.compile(r"^[a-z][a-z0-9_]*$")
-  for reason in (REJECT_REASONS + store.RECORD_REASONS + store.SHARD_REASONS
-                 + ("stale", "validation_error")):
+  for reason in (
+    REJECT_REASONS + store.RECORD_REASONS + store.SHARD_REASONS + ("stale", "validation_error")
+  ):
     assert pattern.match(reason) and len(reason) <= 32, reason
   exercised = {r for _, r in CASES.values()} | {"version_from_future", "missing_routing"}
   assert exercised == set(REJECT_REASONS)
@@ -235,26 +252,47 @@ def test_queue_counts_every_reason_and_never_raises():
 def test_queue_enqueues_the_canonical_copy():
   """Wide dtypes and numpy scalars go in; exactly the trainer's types come out,
   in a copy the producer can no longer change."""
-  t = good(tokens=np.arange(1, 10, dtype=np.int64),
-           rollout_logprobs=good().rollout_logprobs.astype(np.float64),
-           policy_version=good().policy_version.astype(np.int64),
-           rewards=good().rewards.astype(np.float16),
-           turn_starts=good().turn_starts.astype(np.uint64),
-           prompt_id=np.int64(3), group_id=np.int32(1), finish_reason=np.str_("env_timeout"),
-           start_time=np.float64(1.0), end_time=2, env_seconds=np.float32(0.5))
+  t = good(
+    tokens=np.arange(1, 10, dtype=np.int64),
+    rollout_logprobs=good().rollout_logprobs.astype(np.float64),
+    policy_version=good().policy_version.astype(np.int64),
+    rewards=good().rewards.astype(np.float16),
+    turn_starts=good().turn_starts.astype(np.uint64),
+    prompt_id=np.int64(3),
+    group_id=np.int32(1),
+    finish_reason=np.str_("env_timeout"),
+    start_time=np.float64(1.0),
+    end_time=2,
+    env_seconds=np.float32(0.5),
+  )
   q = TrajectoryQueue(4, VOCAB, MAX_LEN, lambda: 10)
   assert q.put(t)
   t.rewards[7] = np.inf  # the producer reuses its buffer after put
   t.tokens[0] = 10**6
   out = q.get(timeout=0)
-  dtypes = {f: getattr(out, f).dtype for f in ("tokens", "action_mask", "rollout_logprobs",
-                                                 "policy_version", "rewards", "turn_starts")}
-  assert dtypes == {"tokens": np.int32, "action_mask": np.bool_,
-                    "rollout_logprobs": np.float32, "policy_version": np.int32,
-                    "rewards": np.float32, "turn_starts": np.int32}
-  assert [type(getattr(out, f)) for f in ("prompt_id", "group_id", "finish_reason",
-                                          "start_time", "end_time", "env_seconds")] == [
-                                              int, int, str, float, float, float]
+  dtypes = {
+    f: getattr(out, f).dtype
+    for f in (
+      "tokens",
+      "action_mask",
+      "rollout_logprobs",
+      "policy_version",
+      "rewards",
+      "turn_starts",
+    )
+  }
+  assert dtypes == {
+    "tokens": np.int32,
+    "action_mask": np.bool_,
+    "rollout_logprobs": np.float32,
+    "policy_version": np.int32,
+    "rewards": np.float32,
+    "turn_starts": np.int32,
+  }
+  assert [
+    type(getattr(out, f))
+    for f in ("prompt_id", "group_id", "finish_reason", "start_time", "end_time", "env_seconds")
+  ] == [int, int, str, float, float, float]
   assert out.rewards[7] == 1.0 and out.tokens[0] == 1
   assert validate(out, VOCAB, MAX_LEN) is None
 
@@ -266,6 +304,7 @@ def test_canonicalize_accepts_a_subclass_and_returns_plain_arrays():
 
 
 # --- records ------------------------------------------------------------------
+
 
 def zip_of(members: dict[str, bytes], compression=zipfile.ZIP_STORED) -> bytes:
   buf = io.BytesIO()
@@ -289,7 +328,8 @@ def npy(a: np.ndarray, allow_pickle=False) -> bytes:
 def npy_header(shape, descr="<i8") -> bytes:
   buf = io.BytesIO()
   np.lib.format.write_array_header_1_0(
-      buf, {"descr": descr, "fortran_order": False, "shape": shape})
+    buf, {"descr": descr, "fortran_order": False, "shape": shape}
+  )
   return buf.getvalue()
 
 
@@ -300,15 +340,27 @@ def with_member(name: str, data: bytes, record=None) -> bytes:
 
 
 def test_numpy_scalars_round_trip_through_the_store():
-  t = good(prompt_id=np.int64(7), group_id=np.int32(2), finish_reason=np.str_("env_error"),
-           start_time=np.float64(1.5), end_time=np.float32(2.5), env_seconds=np.int64(1))
+  t = good(
+    prompt_id=np.int64(7),
+    group_id=np.int32(2),
+    finish_reason=np.str_("env_error"),
+    start_time=np.float64(1.5),
+    end_time=np.float32(2.5),
+    env_seconds=np.int64(1),
+  )
   back = store.deserialize(store.serialize(t))
   assert back.prompt_id == 7 and type(back.prompt_id) is int
   assert (back.group_id, back.finish_reason, back.start_time) == (2, "env_error", 1.5)
   c, reason = checked(back, VOCAB, MAX_LEN)
   assert reason is None
-  for f in ("tokens", "action_mask", "rollout_logprobs", "policy_version", "rewards",
-            "turn_starts"):
+  for f in (
+    "tokens",
+    "action_mask",
+    "rollout_logprobs",
+    "policy_version",
+    "rewards",
+    "turn_starts",
+  ):
     np.testing.assert_array_equal(getattr(c, f), getattr(t, f))
 
 
@@ -359,11 +411,15 @@ def no_decompression(monkeypatch):
 def test_savez_compressed_bomb_is_refused_before_decompressing(no_decompression):
   buf = io.BytesIO()
   t = good()
-  np.savez_compressed(buf, header=np.frombuffer(b'{"prompt_id": 1}', np.uint8),
-                      tokens=np.zeros(1 << 22, np.int64),  # 32 MiB of zeros
-                      **{f: getattr(t, f) for f in ("action_mask", "rollout_logprobs",
-                                                    "policy_version", "rewards",
-                                                    "turn_starts")})
+  np.savez_compressed(
+    buf,
+    header=np.frombuffer(b'{"prompt_id": 1}', np.uint8),
+    tokens=np.zeros(1 << 22, np.int64),  # 32 MiB of zeros
+    **{
+      f: getattr(t, f)
+      for f in ("action_mask", "rollout_logprobs", "policy_version", "rewards", "turn_starts")
+    },
+  )
   record = buf.getvalue()
   assert len(record) < 64 << 10  # small on disk
   no_decompression.clear()
@@ -399,7 +455,7 @@ def test_member_lying_about_its_size_reads_no_further_than_declared():
   64 MiB: reading stops at 1000 bytes and the CRC check refuses it."""
   record = bytearray(bomb_record(64 << 20))
   pos = record.find(b"PK\x01\x02")  # the first central entry: tokens.npy
-  assert record[pos + 46:pos + 46 + 10] == b"tokens.npy"
+  assert record[pos + 46 : pos + 46 + 10] == b"tokens.npy"
   struct.pack_into("<I", record, pos + 24, 1000)  # uncompressed size
   tracemalloc.start()
   try:
@@ -423,37 +479,54 @@ def test_npy_header_declaring_a_huge_shape_is_refused_before_allocation():
   assert e.value.reason == "size_mismatch" and peak < 4 << 20
 
 
-@pytest.mark.parametrize("make,reason", [
+@pytest.mark.parametrize(
+  "make,reason",
+  [
     (lambda: b"", "not_npz"),
     (lambda: np.random.default_rng(0).bytes(2000), "not_npz"),
     (lambda: "a str", "not_bytes"),
     # Over the whole-record cap at the default max_length (6 arrays, and a
     # routing record of 384 choices a token: ~53 MB).
     (lambda: bytes(10**8), "record_too_large"),
-    (lambda: zip_of({k: v for k, v in members_of(store.serialize(good())).items()
-                     if k != "turn_starts.npy"}), "bad_members"),
+    (
+      lambda: zip_of(
+        {k: v for k, v in members_of(store.serialize(good())).items() if k != "turn_starts.npy"}
+      ),
+      "bad_members",
+    ),
     (lambda: with_member("evil.npy", npy(np.zeros(3))), "bad_members"),
-    (lambda: with_member("rewards.npy", npy(np.array([1, "x"], object), allow_pickle=True)),
-     "pickled_object"),
+    (
+      lambda: with_member("rewards.npy", npy(np.array([1, "x"], object), allow_pickle=True)),
+      "pickled_object",
+    ),
     (lambda: with_member("tokens.npy", npy(np.array(["a"] * 9))), "bad_array_dtype"),
     (lambda: with_member("tokens.npy", npy(np.zeros(9, "i4,i4"))), "bad_array_dtype"),
     (lambda: with_member("tokens.npy", b"\x93NUMPY garbage"), "bad_npy"),
     (lambda: with_member("tokens.npy", b"not npy at all"), "bad_npy"),
-    (lambda: with_member("action_mask.npy", npy_header((9,), "|b1") + bytes([0, 0, 2] * 3)),
-     "bad_npy"),
-    (lambda: with_member("tokens.npy", npy(np.arange(9, dtype=np.int32))[:-3]),
-     "size_mismatch"),
-    (lambda: with_member("header.npy", npy(np.frombuffer(b"{not json", np.uint8))),
-     "bad_header"),
+    (
+      lambda: with_member("action_mask.npy", npy_header((9,), "|b1") + bytes([0, 0, 2] * 3)),
+      "bad_npy",
+    ),
+    (lambda: with_member("tokens.npy", npy(np.arange(9, dtype=np.int32))[:-3]), "size_mismatch"),
+    (lambda: with_member("header.npy", npy(np.frombuffer(b"{not json", np.uint8))), "bad_header"),
     (lambda: with_member("header.npy", npy(np.frombuffer(b"[1, 2]", np.uint8))), "bad_header"),
-    (lambda: with_member("header.npy", npy(np.frombuffer(b'{"prompt_id": 1, "evil": 2}',
-                                                         np.uint8))), "bad_header"),
-    (lambda: with_member("header.npy", npy(np.frombuffer(b"[" * 3000 + b"]" * 3000,
-                                                         np.uint8))), "bad_header"),
-    (lambda: with_member("header.npy", npy(np.frombuffer(b'{"group_id": 1}', np.uint8))),
-     "bad_header"),
+    (
+      lambda: with_member(
+        "header.npy", npy(np.frombuffer(b'{"prompt_id": 1, "evil": 2}', np.uint8))
+      ),
+      "bad_header",
+    ),
+    (
+      lambda: with_member("header.npy", npy(np.frombuffer(b"[" * 3000 + b"]" * 3000, np.uint8))),
+      "bad_header",
+    ),
+    (
+      lambda: with_member("header.npy", npy(np.frombuffer(b'{"group_id": 1}', np.uint8))),
+      "bad_header",
+    ),
     (lambda: with_member("header.npy", npy(np.zeros(3, np.float32))), "bad_header"),
-])
+  ],
+)
 def test_hostile_record_is_refused_with_a_reason(make, reason):
   with pytest.raises(CorruptRecordError) as e:
     store.deserialize(make())
@@ -471,6 +544,7 @@ def test_deserialized_values_are_validated_after_the_cast():
 
 
 # --- shards -------------------------------------------------------------------
+
 
 def write_shard(path, trajs):
   with store.TrajectoryWriter(str(path)) as w:
@@ -507,7 +581,7 @@ def test_truncated_random_and_missing_shards_are_counted_and_skipped(tmp_path):
   ok = write_shard(tmp_path / "ok.array_record", goods(4))
   data = open(ok, "rb").read()
   truncated = tmp_path / "truncated.array_record"
-  truncated.write_bytes(data[:len(data) // 2])
+  truncated.write_bytes(data[: len(data) // 2])
   tiny = tmp_path / "tiny.array_record"
   tiny.write_bytes(data[:100])
   rand = tmp_path / "random.array_record"
@@ -515,7 +589,10 @@ def test_truncated_random_and_missing_shards_are_counted_and_skipped(tmp_path):
   empty = tmp_path / "empty.array_record"
   empty.write_bytes(b"")
   paths = [str(p) for p in (truncated, tiny, rand, empty)] + [
-      str(tmp_path / "missing.array_record"), str(tmp_path), ok]
+    str(tmp_path / "missing.array_record"),
+    str(tmp_path),
+    ok,
+  ]
   trajs, dropped = store.read_valid_trajectories(paths, VOCAB, MAX_LEN)
   assert [t.prompt_id for t in trajs] == [0, 1, 2, 3]
   assert dropped == {"corrupt_shard": 4, "missing_shard": 2}
@@ -541,21 +618,24 @@ def test_nothing_valid_left_raises_one_clear_error(tmp_path):
 
 def test_shuffle_is_a_seeded_permutation(tmp_path):
   path = write_shard(tmp_path / "s.array_record", goods(20))
-  ids = lambda seed: [t.prompt_id for t in store.read_valid_trajectories(
-      [path], VOCAB, MAX_LEN, shuffle_seed=seed)[0]]
+  ids = lambda seed: [
+    t.prompt_id for t in store.read_valid_trajectories([path], VOCAB, MAX_LEN, shuffle_seed=seed)[0]
+  ]
   assert ids(3) == ids(3) and sorted(ids(3)) == list(range(20)) and ids(3) != ids(None)
 
 
 def test_grain_reader_validates_too(tmp_path):
-  path = write_raw_shard(tmp_path / "g.array_record",
-                         [store.serialize(good()), store.serialize(good(prompt_id=True))])
+  path = write_raw_shard(
+    tmp_path / "g.array_record", [store.serialize(good()), store.serialize(good(prompt_id=True))]
+  )
   ds = store.read_trajectories([path], vocab_size=VOCAB, max_length=MAX_LEN)
   assert ds[0].tokens.dtype == np.int32
   with pytest.raises(CorruptRecordError, match="bad_prompt_id"):
-    ds[1]  # pylint: disable=pointless-statement
+    ds[1]
 
 
 # --- the atomic writer ------------------------------------------------------------
+
 
 def test_writer_publishes_only_on_close(tmp_path):
   path = str(tmp_path / "a.array_record")
@@ -600,8 +680,12 @@ sys.stdin.read()  # wait here, mid-write, until killed
 
 def test_writer_killed_before_close_leaves_no_shard(tmp_path):
   path = str(tmp_path / "killed.array_record")
-  proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, path],
-                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+  proc = subprocess.Popen(
+    [sys.executable, "-c", _KILLED_WRITER, path],
+    stdin=subprocess.PIPE,
+    stdout=subprocess.PIPE,
+    text=True,
+  )
   try:
     tmp = proc.stdout.readline().strip()  # the pipe, not a clock, says it has written
     assert tmp == f"{path}.tmp-{proc.pid}"

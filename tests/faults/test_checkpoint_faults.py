@@ -15,10 +15,9 @@ import textwrap
 import jax
 import numpy as np
 import pytest
+from full_disk import small_disk  # noqa: F401
 
-from sao_jax.data.checkpoint import CheckpointWriteError, Checkpointer, committed_checkpoints
-
-from full_disk import small_disk  # noqa: F401  pylint: disable=unused-import,g-bad-import-order
+from sao_jax.data.checkpoint import Checkpointer, CheckpointWriteError, committed_checkpoints
 
 # Step 1 is saved and waited for; step 2 (64 MiB, so the async save is
 # still writing) is started, and the process kills itself without waiting.
@@ -47,9 +46,14 @@ def _state(seed, n):
 def test_kill_during_save_restores_last_complete_bit_exact(tmp_path):
   directory = str(tmp_path / "ckpt")
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  proc = subprocess.run([sys.executable, "-c", _WRITER, directory], capture_output=True,
-                        text=True, timeout=300, cwd=root,
-                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  proc = subprocess.run(
+    [sys.executable, "-c", _WRITER, directory],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    cwd=root,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
   assert proc.returncode == -9 and "saving" in proc.stdout, proc.stderr[-2000:]
   committed = committed_checkpoints(directory)
   assert 1 in committed and committed[1]["stage_step"] == 2
@@ -64,8 +68,9 @@ def test_kill_during_save_restores_last_complete_bit_exact(tmp_path):
   for k in expect:
     np.testing.assert_array_equal(np.asarray(state[k]), expect[k])
   # The run goes on: the next save over the killed one's leftovers completes.
-  ckpt.save(3, {k: jax.numpy.asarray(v) for k, v in _state(3, 10).items()},
-            {"stage": "rl", "stage_step": 6})
+  ckpt.save(
+    3, {k: jax.numpy.asarray(v) for k, v in _state(3, 10).items()}, {"stage": "rl", "stage_step": 6}
+  )
   ckpt.close()
   assert 3 in committed_checkpoints(directory)
 
@@ -107,19 +112,22 @@ def test_full_disk_fails_the_save_and_keeps_the_last_checkpoint(small_disk):  # 
 
 
 def _truncate_array_data(step_dir):
-  data = [p for p in glob.glob(os.path.join(step_dir, "state", "**", "d", "*"), recursive=True)
-          if os.path.getsize(p) > 4096]
+  data = [
+    p
+    for p in glob.glob(os.path.join(step_dir, "state", "**", "d", "*"), recursive=True)
+    if os.path.getsize(p) > 4096
+  ]
   assert data, "no array data file to truncate"
   for p in data:
     os.truncate(p, os.path.getsize(p) // 2)
 
 
 DAMAGES = {
-    "truncated_array_data": _truncate_array_data,
-    "truncated_meta": lambda d: os.truncate(os.path.join(d, "meta", "metadata"), 5),
-    "missing_meta": lambda d: os.remove(os.path.join(d, "meta", "metadata")),
-    "missing_state": lambda d: shutil.rmtree(os.path.join(d, "state")),
-    "empty_directory": lambda d: [shutil.rmtree(d), os.mkdir(d)],
+  "truncated_array_data": _truncate_array_data,
+  "truncated_meta": lambda d: os.truncate(os.path.join(d, "meta", "metadata"), 5),
+  "missing_meta": lambda d: os.remove(os.path.join(d, "meta", "metadata")),
+  "missing_state": lambda d: shutil.rmtree(os.path.join(d, "state")),
+  "empty_directory": lambda d: [shutil.rmtree(d), os.mkdir(d)],
 }
 
 
@@ -133,8 +141,7 @@ def test_resume_skips_a_damaged_newest_checkpoint(damage, tmp_path):
   DAMAGES[damage](os.path.join(directory, "3"))
   ckpt = Checkpointer(directory, max_to_keep=3)
   # A tool reading the workdir skips it and moves nothing.
-  step, _, _, [(bad, _, where)] = ckpt.restore_intact(_abstract(_state(2, 5000)),
-                                                      set_aside=False)
+  step, _, _, [(bad, _, where)] = ckpt.restore_intact(_abstract(_state(2, 5000)), set_aside=False)
   assert (step, bad, where) == (2, 3, None) and os.path.isdir(os.path.join(directory, "3"))
   step, state, meta, skipped = ckpt.restore_intact(_abstract(_state(2, 5000)))
   assert step == 2 and meta["stage_step"] == 4
@@ -157,13 +164,18 @@ def test_a_config_that_fits_no_checkpoint_moves_nothing(tmp_path):
   directory = str(tmp_path / "ckpt")
   ckpt = Checkpointer(directory, max_to_keep=3)
   for step in (1, 2):
-    ckpt.save(step, jax.tree.map(jax.numpy.asarray, _state(step, 100)),
-              {"stage": "rl", "stage_step": 2 * step})
+    ckpt.save(
+      step,
+      jax.tree.map(jax.numpy.asarray, _state(step, 100)),
+      {"stage": "rl", "stage_step": 2 * step},
+    )
   ckpt.close()
   ckpt = Checkpointer(directory, max_to_keep=3)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  other_shapes = {"w": jax.ShapeDtypeStruct((99,), np.float32, sharding=device),
-                  "b": jax.ShapeDtypeStruct((7,), np.int32, sharding=device)}
+  other_shapes = {
+    "w": jax.ShapeDtypeStruct((99,), np.float32, sharding=device),
+    "b": jax.ShapeDtypeStruct((7,), np.int32, sharding=device),
+  }
   with pytest.raises(ValueError, match="not compatible"):
     ckpt.restore_intact(other_shapes)
   assert sorted(os.listdir(directory)) == ["1", "2"] and ckpt.latest_step() == 2

@@ -17,16 +17,16 @@ import os
 import jax
 import numpy as np
 import pytest
+from full_disk import raise_when_full, small_disk  # noqa: F401
+from runs import load_config_module
+from runs import run as launch
+from test_checkpoint_faults import _truncate_array_data
 
 from sao_jax.data import files
 from sao_jax.data.checkpoint import Checkpointer, committed_checkpoints
 from sao_jax.train import run as run_lib
 from sao_jax.train import trainer
 from sao_jax.train.stopping import StopTraining
-
-from full_disk import raise_when_full, small_disk  # noqa: F401  pylint: disable=unused-import,g-bad-import-order
-from runs import load_config_module, run as launch  # pylint: disable=g-bad-import-order
-from test_checkpoint_faults import _truncate_array_data  # pylint: disable=g-bad-import-order
 
 
 def _config(log_every: int):
@@ -54,13 +54,22 @@ def _fill_after_checkpoint_2(monkeypatch, disk) -> dict:
   return saved
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax, after a failed save
-@pytest.mark.parametrize("write", [
+@pytest.mark.filterwarnings(
+  "ignore::pytest.PytestUnraisableExceptionWarning"
+)  # orbax, after a failed save
+@pytest.mark.parametrize(
+  "write",
+  [
     "checkpoint",
     pytest.param("metrics", marks=pytest.mark.slow),  # the same stop, from a metrics line
-])
-def test_full_disk_stops_in_one_line_and_resumes(write, small_disk, monkeypatch,  # noqa: F811
-                                                 capsys):
+  ],
+)
+def test_full_disk_stops_in_one_line_and_resumes(
+  write,
+  small_disk,  # noqa: F811
+  monkeypatch,
+  capsys,
+):
   workdir = os.path.join(small_disk.path, "run")
   ckpt_dir = os.path.join(workdir, "checkpoints")
   config = _config(log_every=1 if write == "metrics" else 100)
@@ -68,8 +77,7 @@ def test_full_disk_stops_in_one_line_and_resumes(write, small_disk, monkeypatch,
   if write == "metrics":
     # A line appended to metrics.jsonl may still fit in its file's last
     # page of a full tmpfs: the metrics write meets the error injected.
-    monkeypatch.setattr(files.Appender, "write", raise_when_full(small_disk,
-                                                                  files.Appender.write))
+    monkeypatch.setattr(files.Appender, "write", raise_when_full(small_disk, files.Appender.write))
 
   with pytest.raises(StopTraining) as e:
     trainer.train(config, workdir, until="value_pretrain")
@@ -104,8 +112,9 @@ def test_full_disk_stops_in_one_line_and_resumes(write, small_disk, monkeypatch,
   assert sorted(committed_checkpoints(ckpt_dir)) == [1]
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
     resumes = [r for r in map(json.loads, f) if r["stage"] == "resume"]
-  assert [(r["checkpoint/damaged_skipped"], r["checkpoint/resumed_from"])
-          for r in resumes] == [(1, 1)]
+  assert [(r["checkpoint/damaged_skipped"], r["checkpoint/resumed_from"]) for r in resumes] == [
+    (1, 1)
+  ]
 
 
 @pytest.mark.slow  # test_full_disk_stops_in_one_line_and_resumes is the same stop in process
@@ -122,7 +131,8 @@ def test_launch_on_a_disk_that_fills_prints_one_line(small_disk):  # noqa: F811
   assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
   lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
   assert lines[-1].startswith("error: disk full: checkpoint 1 could not be written"), lines[-1]
-  assert lines[-1].endswith("no checkpoint is complete; free space and relaunch to resume "
-                            "from it"), lines[-1]
+  assert lines[-1].endswith(
+    "no checkpoint is complete; free space and relaunch to resume from it"
+  ), lines[-1]
   assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
   assert not committed_checkpoints(os.path.join(workdir, "checkpoints"))

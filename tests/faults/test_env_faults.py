@@ -34,8 +34,15 @@ TIMEOUT = 2.0
 # The engine's and the drivers' section: turns of 6 tokens, 2 environment
 # workers and the timeout above (swap policy keep and 8 decode steps, fixed
 # here).
-ROLLOUT = sections.Rollout(slots=4, max_len=MAX_LEN, max_turn_tokens=6, env_workers=2,
-                           env_timeout=TIMEOUT, swap_policy="keep", decode_steps=8)
+ROLLOUT = sections.Rollout(
+  slots=4,
+  max_len=MAX_LEN,
+  max_turn_tokens=6,
+  env_workers=2,
+  env_timeout=TIMEOUT,
+  swap_policy="keep",
+  decode_steps=8,
+)
 
 
 def turns_of(i):
@@ -64,6 +71,7 @@ class FaultyEnv:
 
   A fault returns what the step returns (NORMAL: the normal result) or raises.
   """
+
   name, max_turns = "faulty", 4
 
   def __init__(self, faults=None):
@@ -139,13 +147,13 @@ def check_outcomes(out, prompts, expect):
 def test_raising_steps_end_only_their_episodes(engine):
 
   class UnprintableError(Exception):
-
     def __str__(self):
       raise RuntimeError("no message for you")
 
   def boom(i):
     def fn():
       raise ValueError(f"boom {i}")
+
     return fn
 
   def unprintable():
@@ -154,8 +162,12 @@ def test_raising_steps_end_only_their_episodes(engine):
   def system_exit():
     raise SystemExit(3)  # not an Exception: escapes the step's handler
 
-  faults = {1: at_turn(2, boom(1)), 5: at_turn(2, unprintable), 6: at_turn(1, boom(6)),
-            8: at_turn(2, system_exit)}
+  faults = {
+    1: at_turn(2, boom(1)),
+    5: at_turn(2, unprintable),
+    6: at_turn(1, boom(6)),
+    8: at_turn(2, system_exit),
+  }
   prompts = list(range(10))
   out, driver = run_driver(engine, FaultyEnv(faults), prompts)
   check_outcomes(out, prompts, {i: ("env_error", 0.0) for i in faults})
@@ -176,29 +188,29 @@ class ExplodingResult(StepResult):
 
 
 GARBAGE = [
-    lambda: ("obs", 1.0, False),
-    lambda: None,
-    lambda: StepResult("x\n", None, False),
-    lambda: StepResult("x\n", "1", False),
-    lambda: StepResult("x\n", float("nan"), False),
-    lambda: StepResult("", float("-inf"), True),
-    lambda: StepResult("", 1e39, True),  # finite, but inf in float32
-    lambda: StepResult("", True, True),  # a bool reward: fields out of place
-    lambda: StepResult("", np.ones(2), True),
-    lambda: StepResult("x\n", 1.0, 1),
-    lambda: StepResult("x\n", 0.0, None),
-    lambda: StepResult(None, 0.0, False),
-    lambda: StepResult(b"x\n", 0.0, False),
-    lambda: StepResult("", 1.0, True, [("finish_reason", "done")]),
-    lambda: StepResult("", 1.0, True, {"finish_reason": "won"}),
-    lambda: StepResult("", 1.0, True, {"finish_reason": 7}),
-    lambda: ExplodingResult("x\n", 1.0, False),
+  lambda: ("obs", 1.0, False),
+  lambda: None,
+  lambda: StepResult("x\n", None, False),
+  lambda: StepResult("x\n", "1", False),
+  lambda: StepResult("x\n", float("nan"), False),
+  lambda: StepResult("", float("-inf"), True),
+  lambda: StepResult("", 1e39, True),  # finite, but inf in float32
+  lambda: StepResult("", True, True),  # a bool reward: fields out of place
+  lambda: StepResult("", np.ones(2), True),
+  lambda: StepResult("x\n", 1.0, 1),
+  lambda: StepResult("x\n", 0.0, None),
+  lambda: StepResult(None, 0.0, False),
+  lambda: StepResult(b"x\n", 0.0, False),
+  lambda: StepResult("", 1.0, True, [("finish_reason", "done")]),
+  lambda: StepResult("", 1.0, True, {"finish_reason": "won"}),
+  lambda: StepResult("", 1.0, True, {"finish_reason": 7}),
+  lambda: ExplodingResult("x\n", 1.0, False),
 ]
 # Not garbage: numpy scalars, an int reward, a known finish reason.
 LENIENT = [
-    (lambda: StepResult("", np.float32(1.0), np.bool_(True)), ("done", 1.25)),
-    (lambda: StepResult(">a\n", 2, False), None),  # pays 2 instead of 0.25, goes on
-    (lambda: StepResult("", 1.0, True, {"finish_reason": "max_turns"}), ("max_turns", 1.25)),
+  (lambda: StepResult("", np.float32(1.0), np.bool_(True)), ("done", 1.25)),
+  (lambda: StepResult(">a\n", 2, False), None),  # pays 2 instead of 0.25, goes on
+  (lambda: StepResult("", 1.0, True, {"finish_reason": "max_turns"}), ("max_turns", 1.25)),
 ]
 
 
@@ -223,7 +235,8 @@ def test_garbage_results_end_only_their_episodes(engine):
   out, driver = run_driver(engine, FaultyEnv(faults), prompts)
   check_outcomes(out, prompts, expect)
   assert driver.stats.env_faults == collections.Counter(
-      {"env_garbage": len(GARBAGE), "env_error": 1})
+    {"env_garbage": len(GARBAGE), "env_error": 1}
+  )
   log = "\n".join(driver.stats.env_fault_log)
   assert "RuntimeError: reward unavailable" in log and "reported by the environment" in log
   assert len(driver.stats.env_fault_log) == 16  # bounded: the latest faults only
@@ -304,15 +317,21 @@ def test_grader_errors_rerun_the_episode_instead_of_scoring_it(engine):
   check_outcomes(out, prompts, {2: ("env_error", 0.0)})
   attempts = 1 + MAX_GRADER_RERUNS
   assert driver.stats.env_faults == collections.Counter(
-      {"grader_error": 1 + attempts, "env_error": 1})
+    {"grader_error": 1 + attempts, "env_error": 1}
+  )
   assert driver.stats.reruns == 1 + MAX_GRADER_RERUNS
   assert "grader_error prompt 1 turn 2: GraderError" in "\n".join(driver.stats.env_fault_log)
 
 
 def test_stop_wakes_a_driver_waiting_on_a_hung_step(engine):
   hang = Hang()
-  driver = make_driver(engine, FaultyEnv({i: at_turn(1, hang) for i in range(4)}), range(4),
-                       [], ROLLOUT.replace(env_timeout=None))
+  driver = make_driver(
+    engine,
+    FaultyEnv({i: at_turn(1, hang) for i in range(4)}),
+    range(4),
+    [],
+    ROLLOUT.replace(env_timeout=None),
+  )
   try:
     driver.start()
     assert hang.entered.wait(60)
@@ -362,7 +381,6 @@ def test_admission_faults_skip_the_prompt(engine):
 
 def test_an_env_that_opens_no_episode_fails_the_driver(engine):
   class Broken(FaultyEnv):
-
     def task(self, i):
       raise RuntimeError("misconfigured")
 

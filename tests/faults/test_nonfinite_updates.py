@@ -13,8 +13,13 @@ from sao_jax.envs.python_tool import PythonTool
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import config as mcfg
 from sao_jax.models import policy
-from sao_jax.train.train_step import (StepConfig, TrainState, apply_if_finite, make_sft_step,
-                                make_train_step)
+from sao_jax.train.train_step import (
+  StepConfig,
+  TrainState,
+  apply_if_finite,
+  make_sft_step,
+  make_train_step,
+)
 
 TOK = CharTokenizer()
 ENV = PythonTool()
@@ -37,8 +42,10 @@ def _batch(poison=None):
 
 def _state():
   p = policy.init_params(CFG, jax.random.key(0))
-  c = jax.tree.map(jnp.copy, policy.value_params_from_policy(
-      p, policy.init_params(CFG, jax.random.key(1), "value")))
+  c = jax.tree.map(
+    jnp.copy,
+    policy.value_params_from_policy(p, policy.init_params(CFG, jax.random.key(1), "value")),
+  )
   ptx = optim.make_optimizer(p, 1e-3)
   ctx = optim.make_optimizer(c, 1e-3, rules=optim.CRITIC_FREEZE_RULES)
   return TrainState(jnp.zeros((), jnp.int32), p, c, ptx.init(p), ctx.init(c)), ptx, ctx
@@ -49,10 +56,13 @@ def _assert_same(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.parametrize("arm,poison", [
-    (dict(advantage="value"), "rewards"),                  # -> NaN advantages and returns
+@pytest.mark.parametrize(
+  "arm,poison",
+  [
+    (dict(advantage="value"), "rewards"),  # -> NaN advantages and returns
     (dict(advantage="group", critic_updates=0), "baseline_advantages"),
-])
+  ],
+)
 def test_nonfinite_step_leaves_state_bit_identical(arm, poison):
   state, ptx, ctx = _state()
   step = jax.jit(make_train_step(CFG, StepConfig.of(**arm), ptx, ctx))
@@ -82,8 +92,9 @@ def test_apply_if_finite_updates_when_finite_and_not_otherwise():
   assert bool(ok) and not np.allclose(new["w"], 1.0)
   assert int(new_opt[0].count) == 1
   for bad_grad, bad_loss in (([1.0, np.inf, 1.0], 1.0), ([1.0, 1.0, 1.0], np.nan)):
-    new, new_opt, ok = apply_if_finite(tx, {"w": jnp.asarray(bad_grad)}, opt, params,
-                                       jnp.float32(bad_loss))
+    new, new_opt, ok = apply_if_finite(
+      tx, {"w": jnp.asarray(bad_grad)}, opt, params, jnp.float32(bad_loss)
+    )
     assert not bool(ok)
     np.testing.assert_array_equal(new["w"], params["w"])
     assert int(new_opt[0].count) == 0
@@ -97,8 +108,7 @@ def test_sft_step_skips_nonfinite():
   batch = _batch()
   batch["tokens"] = np.array(batch["tokens"], copy=True)
   # NaN params make every loss non-finite: the update must not apply.
-  bad = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan) if x.dtype.kind == "f" else x,
-                     p)
+  bad = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan) if x.dtype.kind == "f" else x, p)
   new, new_opt, m = step(bad, opt, batch)
   assert int(m["sft/update_skipped"]) == 1
   _assert_same(new_opt, opt)

@@ -15,10 +15,10 @@ import os
 
 import numpy as np
 import pytest
+from runs import read_metrics
+from runs import run as launch
 
 from sao_jax.data.checkpoint import committed_checkpoints
-
-from runs import read_metrics, run as launch  # pylint: disable=g-bad-import-order
 
 
 def last_error_line(proc):
@@ -35,11 +35,18 @@ def test_trainer_survives_faults_and_stops_cleanly(tmp_path):
   ckpt_dir = os.path.join(workdir, "checkpoints")
 
   # 1. Survivable faults, then NaN batches from step 7 on.
-  proc = launch(workdir, "--config.rl.steps=12", "--config.rl.max_rollout_restarts=50",
-                "--config.rl.max_nonfinite_updates=2", "--config.faults.env_error_every=5",
-                "--config.faults.env_garbage_every=7", "--config.faults.malformed_every=3",
-                "--config.faults.nonfinite_every=4", "--config.faults.nonfinite_from_step=7",
-                "--config.faults.rollout_crash_every=10")
+  proc = launch(
+    workdir,
+    "--config.rl.steps=12",
+    "--config.rl.max_rollout_restarts=50",
+    "--config.rl.max_nonfinite_updates=2",
+    "--config.faults.env_error_every=5",
+    "--config.faults.env_garbage_every=7",
+    "--config.faults.malformed_every=3",
+    "--config.faults.nonfinite_every=4",
+    "--config.faults.nonfinite_from_step=7",
+    "--config.faults.rollout_crash_every=10",
+  )
   assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
   error = last_error_line(proc)
   assert error.startswith("error: 2 consecutive RL steps had a non-finite"), error
@@ -56,8 +63,9 @@ def test_trainer_survives_faults_and_stops_cleanly(tmp_path):
   assert last["faults/injected_malformed"] >= 3
   assert all(r["faults/injected_malformed_accepted"] == 0 for r in rl)
   assert all(r["queue/rejected"] <= r["faults/injected_malformed"] for r in rl)
-  assert sum(v for k, v in last.items() if k.startswith("queue/rejected_")) == last[
-      "queue/rejected"]
+  assert (
+    sum(v for k, v in last.items() if k.startswith("queue/rejected_")) == last["queue/rejected"]
+  )
   # Environment faults ended their episodes (counted) and training went on.
   assert last["rollout/env_fault_env_error"] >= 1 and last["rollout/env_fault_env_garbage"] >= 1
   # Every crash the trainer noticed was restarted. The newest crash may have
@@ -74,15 +82,21 @@ def test_trainer_survives_faults_and_stops_cleanly(tmp_path):
   assert rl_ckpts[-1] == 6
 
   # 2. The rollout thread dies at once and may not restart: a clear error.
-  proc = launch(workdir, "--config.rl.steps=12", "--config.rl.max_rollout_restarts=0",
-                "--config.faults.rollout_crash_every=1")
+  proc = launch(
+    workdir,
+    "--config.rl.steps=12",
+    "--config.rl.max_rollout_restarts=0",
+    "--config.faults.rollout_crash_every=1",
+  )
   assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "stage rl step 6" in proc.stdout
   error = last_error_line(proc)
   assert error.startswith("error: the rollout thread failed 1 times"), error
   assert "injected rollout thread crash" in error
-  assert max(m["stage_step"] for m in committed_checkpoints(ckpt_dir).values()
-             if m["stage"] == "rl") == 6
+  assert (
+    max(m["stage_step"] for m in committed_checkpoints(ckpt_dir).values() if m["stage"] == "rl")
+    == 6
+  )
 
   # 3. Without faults it resumes from the same checkpoint and finishes.
   proc = launch(workdir, "--config.rl.steps=8")

@@ -23,13 +23,18 @@ def _traj(n, starts, lengths, seed):
   rng = np.random.default_rng(seed)
   mask = np.zeros(n, bool)
   for s, k in zip(starts, lengths):
-    mask[s:s + k] = True
+    mask[s : s + k] = True
   rewards = np.zeros(n, np.float32)
   rewards[np.flatnonzero(mask)[-1]] = 1.0
-  return Trajectory(tokens=rng.integers(0, 97, n).astype(np.int32), action_mask=mask,
-                    rollout_logprobs=np.where(mask, -0.5, 0.0).astype(np.float32),
-                    policy_version=np.where(mask, 0, -1).astype(np.int32), rewards=rewards,
-                    turn_starts=np.asarray(starts, np.int32), prompt_id=seed)
+  return Trajectory(
+    tokens=rng.integers(0, 97, n).astype(np.int32),
+    action_mask=mask,
+    rollout_logprobs=np.where(mask, -0.5, 0.0).astype(np.float32),
+    policy_version=np.where(mask, 0, -1).astype(np.int32),
+    rewards=rewards,
+    turn_starts=np.asarray(starts, np.int32),
+    prompt_id=seed,
+  )
 
 
 def test_action_width_is_the_smallest_bucket_that_holds_the_row():
@@ -49,8 +54,8 @@ def test_pack_lists_each_rows_action_positions():
   assert index.shape == (2, packing.action_width(mask.sum(1), mask.shape[1]))
   for r in range(2):
     where = np.flatnonzero(mask[r])
-    assert index[r, :len(where)].tolist() == where.tolist()
-    assert (index[r, len(where):] == -1).all()
+    assert index[r, : len(where)].tolist() == where.tolist()
+    assert (index[r, len(where) :] == -1).all()
   # A host's rows of the same batch get the same width.
   part = packing.pack(trajs, rows=2, buckets=(32, 64), row_ids=[1], action_index=True)
   assert part["action_index"].tolist() == index[1:].tolist()
@@ -62,8 +67,10 @@ def test_logprobs_and_gradients_equal_the_full_head_at_action_tokens(chunk):
   cfg = dataclasses.replace(mcfg.tiny(vocab_size=97), logits_chunk=chunk)
   params = policy.init_params(cfg, jax.random.key(0))
   trajs = [_traj(20, [5, 12], [3, 4], 0), _traj(30, [10], [15], 1), _traj(12, [4], [2], 2)]
-  batch = {k: jnp.asarray(v) for k, v in
-           packing.pack(trajs, rows=2, buckets=(64,), action_index=True).items()}
+  batch = {
+    k: jnp.asarray(v)
+    for k, v in packing.pack(trajs, rows=2, buckets=(64,), action_index=True).items()
+  }
   inputs = (batch["tokens"], batch["positions"], batch["segment_ids"])
   mask = batch["action_mask"]
   weights = jax.random.normal(jax.random.key(1), mask.shape)
@@ -74,9 +81,9 @@ def test_logprobs_and_gradients_equal_the_full_head_at_action_tokens(chunk):
 
   (full_loss, full), full_grad = jax.value_and_grad(loss, has_aux=True)(params, None)
   (act_loss, act), act_grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(
-      params, batch["action_index"])
-  np.testing.assert_allclose(np.where(mask, act, 0), np.where(mask, full, 0), rtol=1e-5,
-                             atol=1e-5)
+    params, batch["action_index"]
+  )
+  np.testing.assert_allclose(np.where(mask, act, 0), np.where(mask, full, 0), rtol=1e-5, atol=1e-5)
   assert (np.asarray(act)[~np.asarray(mask)] == 0).all()
   np.testing.assert_allclose(act_loss, full_loss, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(act_grad), jax.tree.leaves(full_grad)):

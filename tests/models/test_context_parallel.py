@@ -13,18 +13,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_configs import load_config_module
+from test_trainer import demo_trajs
 
-from sao_jax.train import factories
-from sao_jax.models import sharding
 from sao_jax.data import packing
-from sao_jax.models import attention
-
-from test_configs import load_config_module  # pylint: disable=g-bad-import-order
-from test_trainer import demo_trajs  # pylint: disable=g-bad-import-order
+from sao_jax.models import attention, sharding
+from sao_jax.train import factories
 
 COMMON = load_config_module("common.py")
-CONTEXT_RULES = tuple(("length", "context") if name == "length" else (name, axes)
-                      for name, axes in COMMON.DATA_PARALLEL_RULES)
+CONTEXT_RULES = tuple(
+  ("length", "context") if name == "length" else (name, axes)
+  for name, axes in COMMON.DATA_PARALLEL_RULES
+)
 
 
 def _config(rules):
@@ -47,8 +47,7 @@ def _step_outputs(config, mesh, model_cfg, batch, which):
   placed = jax.device_put(batch, p.batch_sharding)
   with jax.set_mesh(mesh), nn.logical_axis_rules(p.rules):
     if which == "rl":
-      state = jax.jit(p.init_state, out_shardings=p.state_shardings)(policy_params,
-                                                                      critic_params)
+      state = jax.jit(p.init_state, out_shardings=p.state_shardings)(policy_params, critic_params)
       state, metrics = p.rl_step(state, placed)
       out = (state.policy, state.critic, state.policy_opt)
     else:
@@ -60,23 +59,28 @@ def _step_outputs(config, mesh, model_cfg, batch, which):
 
 def _model_cfg(impl):
   cfg = factories.build_model_config(_config(CONTEXT_RULES))
-  return dataclasses.replace(cfg, attention_impl=impl, attention_block=64,
-                             dtype=jnp.float32, param_dtype=jnp.float32)
+  return dataclasses.replace(
+    cfg, attention_impl=impl, attention_block=64, dtype=jnp.float32, param_dtype=jnp.float32
+  )
 
 
 # Each attention once in the default run (reference with the RL step, chunked
 # with SFT); the other two pairs are slow.
-@pytest.mark.parametrize("impl,which", [
-    ("reference", "rl"), ("chunked", "sft"),
+@pytest.mark.parametrize(
+  "impl,which",
+  [
+    ("reference", "rl"),
+    ("chunked", "sft"),
     pytest.param("chunked", "rl", marks=pytest.mark.slow),
-    pytest.param("reference", "sft", marks=pytest.mark.slow)])
+    pytest.param("reference", "sft", marks=pytest.mark.slow),
+  ],
+)
 def test_a_step_over_a_context_axis_equals_one_device(which, impl):
   model_cfg = _model_cfg(impl)
   batch = packing.pack(demo_trajs(4), 4, (256,))
   one = sharding.make_mesh({"data": 1}, jax.devices()[:1])
   split = sharding.make_mesh({"data": 2, "context": 4})
-  ref_out, ref_m = _step_outputs(_config(COMMON.DATA_PARALLEL_RULES), one, model_cfg, batch,
-                                 which)
+  ref_out, ref_m = _step_outputs(_config(COMMON.DATA_PARALLEL_RULES), one, model_cfg, batch, which)
   out, m = _step_outputs(_config(CONTEXT_RULES), split, model_cfg, batch, which)
   for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref_out)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
@@ -101,5 +105,6 @@ def test_chunked_attention_with_the_length_sharded_equals_reference():
   q, k, v, seg = (jax.device_put(x, spec) for x in (q, k, v, seg))
   got = jax.jit(lambda *a: attention.chunked_attention(*a, block=64))(q, k, v, seg)
   valid = np.asarray(seg) > 0  # a padding query's output is unspecified
-  np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(expected)[valid],
-                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+    np.asarray(got)[valid], np.asarray(expected)[valid], rtol=1e-5, atol=1e-5
+  )

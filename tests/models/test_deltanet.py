@@ -70,7 +70,7 @@ def numpy_conv(x, weight, state=None):
   for t in range(x.shape[1]):
     for d in range(taps):
       pre[:, t] += weight[taps - 1 - d] * xs[:, t + taps - 1 - d]
-  return pre / (1 + np.exp(-pre)), xs[:, -(taps - 1):]
+  return pre / (1 + np.exp(-pre)), xs[:, -(taps - 1) :]
 
 
 # One shape for (almost) every call, so that each jitted program below
@@ -78,10 +78,12 @@ def numpy_conv(x, weight, state=None):
 B, L, HK, H, DK, DV, TAPS = 2, 37, 2, 4, 8, 6, 4
 C = 2 * HK * DK + H * DV  # conv channels: q, k, v
 
-recurrent = jax.jit(dn.recurrent_gated_delta_rule,
-                    static_argnames=("use_qk_l2norm_in_kernel", "scale"))
-chunked = jax.jit(dn.chunked_gated_delta_rule,
-                  static_argnames=("chunk", "use_qk_l2norm_in_kernel", "scale"))
+recurrent = jax.jit(
+  dn.recurrent_gated_delta_rule, static_argnames=("use_qk_l2norm_in_kernel", "scale")
+)
+chunked = jax.jit(
+  dn.chunked_gated_delta_rule, static_argnames=("chunk", "use_qk_l2norm_in_kernel", "scale")
+)
 causal_conv = jax.jit(dn.causal_conv)
 
 # Row 0: a 17-token segment, a 13-token one, 7 padding; row 1: 13, 17, 7.
@@ -122,15 +124,14 @@ FORMS = (("recurrent", recurrent), ("chunked", functools.partial(chunked, chunk=
 
 
 class DeltaRuleOracleTest(parameterized.TestCase):
-
   def test_hardcoded(self):
     # Dk = Dv = 1, q = k = 1, scale 1, exp(g) = 1/2, beta = 1/2, v = (2, 4):
     # t0: u = 0.5 (2 - 0) = 1, S = 1;  t1: S' = 0.5, u = 0.5 (4 - 0.5) = 1.75, S = 2.25.
     ones = jnp.ones((1, 2, 1, 1))
-    v = jnp.array([2., 4.]).reshape(1, 2, 1, 1)
+    v = jnp.array([2.0, 4.0]).reshape(1, 2, 1, 1)
     g, beta = jnp.full((1, 2, 1), jnp.log(0.5)), jnp.full((1, 2, 1), 0.5)
     out, state = recurrent(ones, ones, v, g, beta, scale=1.0)
-    np.testing.assert_allclose(out.ravel(), [1., 2.25], rtol=1e-6)
+    np.testing.assert_allclose(out.ravel(), [1.0, 2.25], rtol=1e-6)
     np.testing.assert_allclose(state.ravel(), [2.25], rtol=1e-6)
 
   @chex.variants(with_jit=True, without_jit=True)
@@ -139,8 +140,9 @@ class DeltaRuleOracleTest(parameterized.TestCase):
     q, k, v, g, beta, s0 = random_inputs(0)
     if not l2norm:
       q, k = unit_keys(q, k)
-    fn = self.variant(functools.partial(dn.recurrent_gated_delta_rule,
-                                        use_qk_l2norm_in_kernel=l2norm))
+    fn = self.variant(
+      functools.partial(dn.recurrent_gated_delta_rule, use_qk_l2norm_in_kernel=l2norm)
+    )
     out, state = fn(q, k, v, g, beta, initial_state=s0)
     out_ref, state_ref = numpy_delta_rule(q, k, v, g, beta, s0, l2norm=l2norm)
     np.testing.assert_allclose(out, out_ref, atol=ATOL, rtol=RTOL)
@@ -149,8 +151,9 @@ class DeltaRuleOracleTest(parameterized.TestCase):
   @chex.variants(with_jit=True, without_jit=True)
   def test_chunked_matches_numpy(self):
     q, k, v, g, beta, s0 = random_inputs(1)
-    fn = self.variant(functools.partial(dn.chunked_gated_delta_rule, chunk=5,
-                                        use_qk_l2norm_in_kernel=True))
+    fn = self.variant(
+      functools.partial(dn.chunked_gated_delta_rule, chunk=5, use_qk_l2norm_in_kernel=True)
+    )
     out, state = fn(q, k, v, g, beta, initial_state=s0)
     out_ref, state_ref = numpy_delta_rule(q, k, v, g, beta, s0, l2norm=True)
     np.testing.assert_allclose(out, out_ref, atol=ATOL, rtol=RTOL)
@@ -159,8 +162,9 @@ class DeltaRuleOracleTest(parameterized.TestCase):
   @parameterized.parameters(16, 64)  # 64: one chunk, mostly internal padding
   def test_chunked_matches_numpy_other_chunks(self, chunk):
     q, k, v, g, beta, s0 = random_inputs(1)
-    out, state = chunked(q, k, v, g, beta, chunk=chunk, initial_state=s0,
-                         use_qk_l2norm_in_kernel=True)
+    out, state = chunked(
+      q, k, v, g, beta, chunk=chunk, initial_state=s0, use_qk_l2norm_in_kernel=True
+    )
     out_ref, state_ref = numpy_delta_rule(q, k, v, g, beta, s0, l2norm=True)
     np.testing.assert_allclose(out, out_ref, atol=ATOL, rtol=RTOL)
     np.testing.assert_allclose(state, state_ref, atol=ATOL, rtol=RTOL)
@@ -168,8 +172,9 @@ class DeltaRuleOracleTest(parameterized.TestCase):
   def test_bf16_inputs_keep_an_fp32_state(self):
     q, k, v, g, beta, s0 = random_inputs(2)
     bf = lambda x: jnp.asarray(x, jnp.bfloat16)
-    out, state = chunked(bf(q), bf(k), bf(v), g, beta, chunk=16, initial_state=s0,
-                         use_qk_l2norm_in_kernel=True)
+    out, state = chunked(
+      bf(q), bf(k), bf(v), g, beta, chunk=16, initial_state=s0, use_qk_l2norm_in_kernel=True
+    )
     self.assertEqual(out.dtype, jnp.bfloat16)
     self.assertEqual(state.dtype, jnp.float32)
     upcast = [np.asarray(bf(x), np.float32) for x in (q, k, v)]
@@ -188,12 +193,14 @@ class UnitLowerInverseTest(parameterized.TestCase):
     rng = np.random.default_rng(c)
     a = np.tril(rng.normal(size=(3, c, c)) * 0.3, -1).astype(np.float32)
     t = jax.jit(dn.unit_lower_inverse)(jnp.asarray(a))
-    np.testing.assert_allclose(t, np.linalg.inv(np.eye(c, dtype=np.float32) + a),
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+      t, np.linalg.inv(np.eye(c, dtype=np.float32) + a), rtol=1e-4, atol=1e-4
+    )
     w = jnp.asarray(rng.normal(size=(3, c, c)), jnp.float32)
     ours = jax.grad(lambda x: jnp.sum(dn.unit_lower_inverse(x) * w))(jnp.asarray(a))
     ref = jax.grad(lambda x: jnp.sum(jnp.linalg.inv(jnp.eye(c) + jnp.tril(x, -1)) * w))(
-        jnp.asarray(a))
+      jnp.asarray(a)
+    )
     np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4)
 
   def test_the_worst_case_is_exact(self):
@@ -205,7 +212,6 @@ class UnitLowerInverseTest(parameterized.TestCase):
 
 
 class GradientTest(parameterized.TestCase):
-
   def test_chunked_grads_equal_recurrent(self):
     q, k, v, g, beta, s0 = random_inputs(3)
     rng = np.random.default_rng(4)
@@ -214,9 +220,11 @@ class GradientTest(parameterized.TestCase):
 
     def grads(fn):
       def loss(*args):
-        out, state = fn(*args[:5], initial_state=args[5], segment_ids=PACKED_IDS,
-                        use_qk_l2norm_in_kernel=True)
+        out, state = fn(
+          *args[:5], initial_state=args[5], segment_ids=PACKED_IDS, use_qk_l2norm_in_kernel=True
+        )
         return jnp.sum(out * w_out) + jnp.sum(state * w_state)
+
       return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(q, k, v, g, beta, s0)
 
     grad_chunked = grads(functools.partial(dn.chunked_gated_delta_rule, chunk=5))
@@ -236,22 +244,33 @@ class PackedRowTest(parameterized.TestCase):
   def test_delta_rule(self, fn):
     # The first segment of a row continues the initial state, the second starts from zero.
     q, k, v, g, beta, s0 = random_inputs(10)
-    out, state = fn(q, k, v, g, beta, initial_state=s0, segment_ids=PACKED_IDS,
-                    use_qk_l2norm_in_kernel=True)
+    out, state = fn(
+      q, k, v, g, beta, initial_state=s0, segment_ids=PACKED_IDS, use_qk_l2norm_in_kernel=True
+    )
     for b in range(B):
       (a0, e0), (a1, e1) = segments(PACKED_IDS[b])
-      alone = [numpy_delta_rule(*(x[b:b + 1, a:e] for x in (q, k, v, g, beta)), s, l2norm=True)
-               for (a, e), s in (((a0, e0), s0[b:b + 1]), ((a1, e1), None))]
-      np.testing.assert_allclose(out[b:b + 1, a0:e0], alone[0][0], atol=ATOL, rtol=RTOL)
-      np.testing.assert_allclose(out[b:b + 1, a1:e1], alone[1][0], atol=ATOL, rtol=RTOL)
+      alone = [
+        numpy_delta_rule(*(x[b : b + 1, a:e] for x in (q, k, v, g, beta)), s, l2norm=True)
+        for (a, e), s in (((a0, e0), s0[b : b + 1]), ((a1, e1), None))
+      ]
+      np.testing.assert_allclose(out[b : b + 1, a0:e0], alone[0][0], atol=ATOL, rtol=RTOL)
+      np.testing.assert_allclose(out[b : b + 1, a1:e1], alone[1][0], atol=ATOL, rtol=RTOL)
       np.testing.assert_array_equal(out[b, e1:], 0)
-      np.testing.assert_allclose(state[b:b + 1], alone[1][1], atol=ATOL, rtol=RTOL)
+      np.testing.assert_allclose(state[b : b + 1], alone[1][1], atol=ATOL, rtol=RTOL)
 
   @parameterized.named_parameters(*FORMS)
   def test_all_padding_passes_the_state_through(self, fn):
     q, k, v, g, beta, s0 = random_inputs(12)
-    out, state = fn(q, k, v, g, beta, initial_state=s0, segment_ids=np.zeros_like(PACKED_IDS),
-                    use_qk_l2norm_in_kernel=True)
+    out, state = fn(
+      q,
+      k,
+      v,
+      g,
+      beta,
+      initial_state=s0,
+      segment_ids=np.zeros_like(PACKED_IDS),
+      use_qk_l2norm_in_kernel=True,
+    )
     np.testing.assert_array_equal(out, 0)
     np.testing.assert_array_equal(state, s0)
 
@@ -263,12 +282,14 @@ class PackedRowTest(parameterized.TestCase):
     y, state = causal_conv(x, weight, state0, PACKED_IDS)
     for b in range(B):
       (a0, e0), (a1, e1) = segments(PACKED_IDS[b])
-      alone = [numpy_conv(x[b:b + 1, a0:e0], weight, state0[b:b + 1]),
-               numpy_conv(x[b:b + 1, a1:e1], weight)]
-      np.testing.assert_allclose(y[b:b + 1, a0:e0], alone[0][0], atol=1e-5, rtol=1e-5)
-      np.testing.assert_allclose(y[b:b + 1, a1:e1], alone[1][0], atol=1e-5, rtol=1e-5)
+      alone = [
+        numpy_conv(x[b : b + 1, a0:e0], weight, state0[b : b + 1]),
+        numpy_conv(x[b : b + 1, a1:e1], weight),
+      ]
+      np.testing.assert_allclose(y[b : b + 1, a0:e0], alone[0][0], atol=1e-5, rtol=1e-5)
+      np.testing.assert_allclose(y[b : b + 1, a1:e1], alone[1][0], atol=1e-5, rtol=1e-5)
       np.testing.assert_array_equal(y[b, e1:], 0)
-      np.testing.assert_allclose(state[b:b + 1], alone[1][1], atol=0)
+      np.testing.assert_allclose(state[b : b + 1], alone[1][1], atol=0)
 
   def test_conv_state_of_a_short_last_segment(self):
     # The last segment has 2 < K-1 tokens: its state is them, after one zero.
@@ -281,21 +302,29 @@ class PackedRowTest(parameterized.TestCase):
 
 
 class DecodeContinuityTest(parameterized.TestCase):
-
   def test_prefill_then_decode_equals_one_pass(self):
     """Conv + delta rule: a right-padded prefill, then one token a step from the carried states."""
     rng = np.random.default_rng(20)
     x = rng.normal(size=(B, L, C)).astype(np.float32)
     weight = (0.5 * rng.normal(size=(TAPS, C))).astype(np.float32)
-    g = -rng.uniform(0.01, 1., size=(B, L, H)).astype(np.float32)
+    g = -rng.uniform(0.01, 1.0, size=(B, L, H)).astype(np.float32)
     beta = rng.uniform(size=(B, L, H)).astype(np.float32)
-    zero_conv, zero_state = np.zeros((B, TAPS - 1, C), np.float32), np.zeros((B, H, DK, DV),
-                                                                            np.float32)
+    zero_conv, zero_state = (
+      np.zeros((B, TAPS - 1, C), np.float32),
+      np.zeros((B, H, DK, DV), np.float32),
+    )
 
     def prefill(ids):
       qkv, conv_state = causal_conv(x, weight, zero_conv, ids)
-      out, state = chunked(*split_qkv(qkv), g, beta, chunk=8, initial_state=zero_state,
-                           segment_ids=ids, use_qk_l2norm_in_kernel=True)
+      out, state = chunked(
+        *split_qkv(qkv),
+        g,
+        beta,
+        chunk=8,
+        initial_state=zero_state,
+        segment_ids=ids,
+        use_qk_l2norm_in_kernel=True,
+      )
       return out, conv_state, state
 
     full, _, _ = prefill(np.ones((B, L), np.int32))
@@ -303,18 +332,22 @@ class DecodeContinuityTest(parameterized.TestCase):
     prompt = np.array([19, 14])
     out, conv_state, state = prefill((np.arange(L)[None] < prompt[:, None]).astype(np.int32))
     for b in range(B):
-      np.testing.assert_allclose(out[b, :prompt[b]], full[b, :prompt[b]], atol=1e-5, rtol=1e-5)
+      np.testing.assert_allclose(out[b, : prompt[b]], full[b, : prompt[b]], atol=1e-5, rtol=1e-5)
     rows = np.arange(B)
     for i in range(L - prompt.max()):
       t = prompt + i
       qkv, conv_state = causal_conv(x[rows, t][:, None], weight, conv_state)
-      out, state = recurrent(*split_qkv(qkv), g[rows, t][:, None], beta[rows, t][:, None],
-                             initial_state=state, use_qk_l2norm_in_kernel=True)
+      out, state = recurrent(
+        *split_qkv(qkv),
+        g[rows, t][:, None],
+        beta[rows, t][:, None],
+        initial_state=state,
+        use_qk_l2norm_in_kernel=True,
+      )
       np.testing.assert_allclose(out[:, 0], full[rows, t], atol=1e-5, rtol=1e-5, err_msg=str(i))
 
 
 class ConvOracleTest(parameterized.TestCase):
-
   @chex.variants(with_jit=True, without_jit=True)
   def test_matches_numpy(self):
     rng = np.random.default_rng(30)
@@ -335,7 +368,8 @@ class TransformersOracleTest(parameterized.TestCase):
     super().setUp()
     self.torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from transformers.models.qwen3_5 import modeling_qwen3_5  # pylint: disable=g-import-not-at-top
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
     self.hf = modeling_qwen3_5
 
   def t(self, x):
@@ -345,8 +379,10 @@ class TransformersOracleTest(parameterized.TestCase):
     # Same [B, L, H, D] layout and GQA (repeat_interleave) as ours; l2norm inside when asked.
     args = [self.t(x) for x in (q, k, v, g, beta)]
     kw = dict(initial_state=self.t(s0), output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
-    return (self.hf.torch_chunk_gated_delta_rule(*args, chunk_size=chunk, **kw),
-            self.hf.torch_recurrent_gated_delta_rule(*args, **kw))
+    return (
+      self.hf.torch_chunk_gated_delta_rule(*args, chunk_size=chunk, **kw),
+      self.hf.torch_recurrent_gated_delta_rule(*args, **kw),
+    )
 
   def assert_close(self, ours, ref):
     np.testing.assert_allclose(ours[0], ref[0].numpy(), atol=1e-5, rtol=1e-5)
@@ -356,8 +392,9 @@ class TransformersOracleTest(parameterized.TestCase):
   def test_delta_rule(self, chunk):
     q, k, v, g, beta, s0 = random_inputs(1)
     ref_chunk, ref_recurrent = self.reference(q, k, v, g, beta, s0, True, chunk)
-    ours_chunk = chunked(q, k, v, g, beta, chunk=chunk, initial_state=s0,
-                         use_qk_l2norm_in_kernel=True)
+    ours_chunk = chunked(
+      q, k, v, g, beta, chunk=chunk, initial_state=s0, use_qk_l2norm_in_kernel=True
+    )
     ours_recurrent = recurrent(q, k, v, g, beta, initial_state=s0, use_qk_l2norm_in_kernel=True)
     self.assert_close(ours_chunk, ref_chunk)
     self.assert_close(ours_recurrent, ref_recurrent)
@@ -383,9 +420,10 @@ class TransformersOracleTest(parameterized.TestCase):
     t_state = self.t(np.asarray(state).transpose(0, 2, 1))
     nxt = rng.normal(size=(B, 3, C)).astype(np.float32)
     for i in range(3):
-      y, state = causal_conv(nxt[:, i:i + 1], weight, state)
-      y_ref = self.hf.causal_conv1d_update(self.t(nxt[:, i:i + 1].transpose(0, 2, 1)), t_state,
-                                           tw, activation="silu")
+      y, state = causal_conv(nxt[:, i : i + 1], weight, state)
+      y_ref = self.hf.causal_conv1d_update(
+        self.t(nxt[:, i : i + 1].transpose(0, 2, 1)), t_state, tw, activation="silu"
+      )
       np.testing.assert_allclose(y, y_ref.numpy().transpose(0, 2, 1), atol=1e-5, rtol=1e-5)
       np.testing.assert_allclose(state, t_state.numpy().transpose(0, 2, 1), atol=0)
 
@@ -394,9 +432,15 @@ class TransformersOracleTest(parameterized.TestCase):
     torch = self.torch
     hidden = 24
     cfg = self.hf.Qwen3_5TextConfig(
-        hidden_size=hidden, linear_conv_kernel_dim=TAPS, linear_key_head_dim=DK,
-        linear_value_head_dim=DV, linear_num_key_heads=HK, linear_num_value_heads=H,
-        num_hidden_layers=1, layer_types=["linear_attention"])
+      hidden_size=hidden,
+      linear_conv_kernel_dim=TAPS,
+      linear_key_head_dim=DK,
+      linear_value_head_dim=DV,
+      linear_num_key_heads=HK,
+      linear_num_value_heads=H,
+      num_hidden_layers=1,
+      layer_types=["linear_attention"],
+    )
     torch.manual_seed(0)
     layer = self.hf.Qwen3_5GatedDeltaNet(cfg, layer_idx=0).eval()
     with torch.no_grad():
@@ -408,11 +452,17 @@ class TransformersOracleTest(parameterized.TestCase):
 
     w = {n: p.detach().numpy() for n, p in layer.named_parameters()}
     qkv, _ = causal_conv(x @ w["in_proj_qkv.weight"].T, w["conv1d.weight"][:, 0, :].T)
-    g, beta = dn.decay_and_beta(x @ w["in_proj_a.weight"].T, x @ w["in_proj_b.weight"].T,
-                                w["A_log"], w["dt_bias"])
-    out, _ = chunked(*split_qkv(qkv), g, beta, chunk=16,
-                     initial_state=np.zeros((B, H, DK, DV), np.float32),
-                     use_qk_l2norm_in_kernel=True)
+    g, beta = dn.decay_and_beta(
+      x @ w["in_proj_a.weight"].T, x @ w["in_proj_b.weight"].T, w["A_log"], w["dt_bias"]
+    )
+    out, _ = chunked(
+      *split_qkv(qkv),
+      g,
+      beta,
+      chunk=16,
+      initial_state=np.zeros((B, H, DK, DV), np.float32),
+      use_qk_l2norm_in_kernel=True,
+    )
     z = (x @ w["in_proj_z.weight"].T).reshape(B, L, H, DV)
     y = dn.gated_rms_norm(out, z, w["norm.weight"], eps=cfg.rms_norm_eps)
     ours = np.asarray(y).reshape(B, L, H * DV) @ w["out_proj.weight"].T

@@ -13,24 +13,34 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fakes import EchoEnv, random_params
 
 from sao_jax.config import sections
+from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import config as mcfg
 from sao_jax.models import families, hf_export, hf_import, policy
 from sao_jax.models.transformer import Transformer
 from sao_jax.rollout.driver import RolloutDriver
 from sao_jax.rollout.engine import PolicyEngine
-from sao_jax.envs.tokenizer import CharTokenizer
-from fakes import EchoEnv, random_params  # pylint: disable=g-bad-import-order
 
 torch = pytest.importorskip("torch", reason="the 'parity' extra (make test installs it)")
 transformers = pytest.importorskip("transformers")
 
 # A tiny dense Qwen3 as transformers writes it. Tied embeddings, as the
 # 0.6B-4B releases have them.
-QWEN3 = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
-             rope_theta=10000.0, max_position_embeddings=128, tie_word_embeddings=True)
+QWEN3 = dict(
+  vocab_size=96,
+  hidden_size=48,
+  intermediate_size=80,
+  num_hidden_layers=3,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  head_dim=16,
+  rms_norm_eps=1e-6,
+  rope_theta=10000.0,
+  max_position_embeddings=128,
+  tie_word_embeddings=True,
+)
 TOL = dict(atol=1e-4, rtol=1e-4)
 
 
@@ -86,8 +96,10 @@ def test_imported_logits_match_transformers(saved):
   scanned = dataclasses.replace(cfg, scan_layers=True)
   assert (scanned.scan_prefix, scanned.num_scanned_layers) == (0, 3)
   np.testing.assert_allclose(
-      _logits(scanned, policy.scan_params(scanned, params), jnp.asarray(tokens, jnp.int32)),
-      ref, **TOL)
+    _logits(scanned, policy.scan_params(scanned, params), jnp.asarray(tokens, jnp.int32)),
+    ref,
+    **TOL,
+  )
   # ... and an import straight into the scanned layout is the same params.
   direct = hf_import.load_hf_checkpoint(str(path), scanned)
   jax.tree.map(np.testing.assert_array_equal, direct, policy.scan_params(scanned, params))
@@ -101,8 +113,9 @@ def test_a_bf16_save_pretrained_imports_into_fp32_masters_exactly(saved, tmp_pat
   params = hf_import.load_hf_checkpoint(str(tmp_path), cfg)
   sd = {k: v.to(torch.bfloat16).float().numpy() for k, v in model.state_dict().items()}
   np.testing.assert_array_equal(params["embed"], sd["model.embed_tokens.weight"])
-  np.testing.assert_array_equal(params["layer_2"]["mlp"]["wo"],
-                                sd["model.layers.2.mlp.down_proj.weight"].T)
+  np.testing.assert_array_equal(
+    params["layer_2"]["mlp"]["wo"], sd["model.layers.2.mlp.down_proj.weight"].T
+  )
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
 
 
@@ -117,13 +130,15 @@ def test_export_loads_in_transformers_with_equal_logits(saved, tmp_path):
   written = json.loads((tmp_path / "out" / "config.json").read_text())
   assert written["architectures"] == ["Qwen3ForCausalLM"] and written["model_type"] == "qwen3"
   model = transformers.AutoModelForCausalLM.from_pretrained(
-      str(tmp_path / "out"), dtype=torch.float32).eval()
+    str(tmp_path / "out"), dtype=torch.float32
+  ).eval()
   assert type(model).__name__ == "Qwen3ForCausalLM"
   assert model.config.tie_word_embeddings == cfg.tie_embeddings
   rounded = hf_import.load_hf_checkpoint(str(tmp_path / "out"), cfg)
   tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 20))
-  np.testing.assert_allclose(_logits(cfg, rounded, jnp.asarray(tokens, jnp.int32)),
-                             _reference(model, tokens), **TOL)
+  np.testing.assert_allclose(
+    _logits(cfg, rounded, jnp.asarray(tokens, jnp.int32)), _reference(model, tokens), **TOL
+  )
 
 
 def test_value_model_exports_as_a_token_classifier(tmp_path):
@@ -155,15 +170,16 @@ def test_engine_logprobs_equal_teacher_forced_for_a_tied_dense_model(kv_cache):
     if len(out) == 2:
       driver.update_params(params[1], 1)
 
-  driver._emit = emit  # pylint: disable=protected-access
+  driver._emit = emit
   driver.run(max_trajectories=6)
   logprobs = jax.jit(policy.token_logprobs, static_argnums=0)
   checked = 0
   for t in out:
     n = len(t)
     for version in set(t.policy_version[t.action_mask].tolist()):
-      lp, _ = logprobs(cfg, params[version], t.tokens[None], np.arange(n)[None],
-                       np.ones((1, n), np.int32))
+      lp, _ = logprobs(
+        cfg, params[version], t.tokens[None], np.arange(n)[None], np.ones((1, n), np.int32)
+      )
       sel = t.action_mask & (t.policy_version == version)
       np.testing.assert_allclose(np.asarray(lp)[0, sel], t.rollout_logprobs[sel], atol=2e-4)
       checked += int(sel.sum())
@@ -171,8 +187,9 @@ def test_engine_logprobs_equal_teacher_forced_for_a_tied_dense_model(kv_cache):
 
 
 def test_unsupported_model_types_are_one_line(tmp_path):
-  bert = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
-                                 num_attention_heads=2, intermediate_size=32)
+  bert = transformers.BertConfig(
+    vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+  )
   bert.save_pretrained(str(tmp_path))
   with pytest.raises(ValueError) as e:
     hf_import.config_from_hf(str(tmp_path))
@@ -191,9 +208,14 @@ def test_layer_kinds_a_family_cannot_hold_are_refused():
   with pytest.raises(ValueError, match="family 'qwen3' has no full-attention / moe-MLP"):
     dataclasses.replace(mcfg.tiny(), family="qwen3")
   with pytest.raises(ValueError, match="family 'qwen3_moe' has no linear-attention"):
-    dataclasses.replace(mcfg.tiny(), attention_kinds=("full", "linear"), linear_num_key_heads=1,
-                        linear_num_value_heads=2, linear_key_head_dim=8,
-                        linear_value_head_dim=8)
+    dataclasses.replace(
+      mcfg.tiny(),
+      attention_kinds=("full", "linear"),
+      linear_num_key_heads=1,
+      linear_num_value_heads=2,
+      linear_key_head_dim=8,
+      linear_value_head_dim=8,
+    )
   with pytest.raises(ValueError, match="linear .Gated DeltaNet. layers need"):
     dataclasses.replace(mcfg.tiny(), attention_kinds=("full", "linear"))
   with pytest.raises(ValueError, match="attention_kinds has 1 entries for 2 layers"):
@@ -209,9 +231,11 @@ def test_layer_kinds_a_family_cannot_hold_are_refused():
 def test_presets_have_the_published_parameter_counts():
   """The dense presets' sizes against the releases' model cards (0.6B, 1.7B,
   8.2B parameters; 0.44B, 1.4B, 6.95B outside the embeddings)."""
-  for preset, total, non_embedding in ((mcfg.qwen3_0_6b, 0.60e9, 0.44e9),
-                                       (mcfg.qwen3_1_7b, 1.72e9, 1.41e9),
-                                       (mcfg.qwen3_8b, 8.19e9, 6.95e9)):
+  for preset, total, non_embedding in (
+    (mcfg.qwen3_0_6b, 0.60e9, 0.44e9),
+    (mcfg.qwen3_1_7b, 1.72e9, 1.41e9),
+    (mcfg.qwen3_8b, 8.19e9, 6.95e9),
+  ):
     cfg = preset()
     shapes = jax.eval_shape(lambda cfg=cfg: policy.init_params(cfg, jax.random.key(0)))
     n = sum(x.size for x in jax.tree.leaves(shapes))
@@ -226,11 +250,16 @@ def test_the_critic_of_a_dense_model_trains_its_mlps_with_attention_frozen(scan)
   """The paper freezes the critic's attention and trains its MoE projections;
   in a dense model the dense MLPs are what trains (and the value head, the
   norms of the MLPs and the final norm), stacked or not."""
-  from sao_jax.algo import optim  # pylint: disable=g-import-not-at-top
+  from sao_jax.algo import optim
+
   cfg = dataclasses.replace(mcfg.tiny_dense(), scan_layers=scan)
   value = jax.eval_shape(lambda: policy.init_params(cfg, jax.random.key(0), "value"))
-  labels = {optim.param_path(p): l for p, l in jax.tree_util.tree_flatten_with_path(
-      optim.partition_labels(value, optim.CRITIC_FREEZE_RULES))[0]}
+  labels = {
+    optim.param_path(p): l
+    for p, l in jax.tree_util.tree_flatten_with_path(
+      optim.partition_labels(value, optim.CRITIC_FREEZE_RULES)
+    )[0]
+  }
   trained = sorted(n for n, l in labels.items() if l == optim.TRAIN)
   frozen = sorted(n for n, l in labels.items() if l == optim.FREEZE)
   layer = "layers" if scan else "layer_1"
@@ -244,19 +273,22 @@ def test_model_hf_dir_is_checked_before_the_run(saved, tmp_path):
   """model.hf_dir: a directory of an unsupported family, a head subset, or a
   dense checkpoint with routing replay are one-line config errors; a good one
   gives the run its architecture under the preset's way of running."""
-  from configs import qwen3_colab  # pylint: disable=g-import-not-at-top
-  from sao_jax.train import factories  # pylint: disable=g-import-not-at-top
+  from configs import qwen3_colab
+  from sao_jax.train import factories
+
   _, path = saved
   config = qwen3_colab.get_config(str(path))
   cfg = factories.build_model_config(config)
   assert (cfg.family, cfg.num_layers, cfg.d_model, cfg.vocab_size) == ("qwen3", 3, 48, 96)
   assert cfg.scan_layers and cfg.param_dtype == jnp.float32 and cfg.dtype == jnp.bfloat16
-  transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
-                          num_attention_heads=2, intermediate_size=32).save_pretrained(
-                              str(tmp_path))
-  cases = ((dict(hf_dir=str(tmp_path)), "model_type 'bert' is not supported"),
-           (dict(vocab_subset="env"), "model.vocab_subset = 'env'"),
-           (dict(hf_dir=str(tmp_path / "missing")), "No such file"))
+  transformers.BertConfig(
+    vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+  ).save_pretrained(str(tmp_path))
+  cases = (
+    (dict(hf_dir=str(tmp_path)), "model_type 'bert' is not supported"),
+    (dict(vocab_subset="env"), "model.vocab_subset = 'env'"),
+    (dict(hf_dir=str(tmp_path / "missing")), "No such file"),
+  )
   for change, message in cases:
     bad = qwen3_colab.get_config(str(path))
     for k, v in change.items():

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from runs import load_config_module
 
-from sao_jax.train import configuration
 from sao_jax.config import sections
 from sao_jax.data import packing
 from sao_jax.data.trajectory import Trajectory
@@ -22,8 +22,7 @@ from sao_jax.models import config as mcfg
 from sao_jax.models import head_vocab, policy
 from sao_jax.rollout.batch_sampler import generate_batch
 from sao_jax.rollout.engine import PolicyEngine
-
-from runs import load_config_module  # pylint: disable=g-bad-import-order
+from sao_jax.train import configuration
 
 FULL = 300
 IDS = tuple(range(0, 300, 7)) + (299,)  # 44 ids, the last and first included
@@ -61,13 +60,21 @@ def _batch(seed=0):
     tokens = rng.integers(0, FULL, n).astype(np.int32)  # prompts: any id
     tokens[start:] = rng.choice(IDS, n - start)  # actions: covered ids
     mask = np.arange(n) >= start
-    trajs.append(Trajectory(tokens=tokens, action_mask=mask,
-                            rollout_logprobs=np.where(mask, -0.5, 0.0).astype(np.float32),
-                            policy_version=np.where(mask, 0, -1).astype(np.int32),
-                            rewards=np.zeros(n, np.float32),
-                            turn_starts=np.asarray([start], np.int32), prompt_id=seed))
-  return {k: jnp.asarray(v) for k, v in
-          packing.pack(trajs, rows=2, buckets=(64,), action_index=True).items()}
+    trajs.append(
+      Trajectory(
+        tokens=tokens,
+        action_mask=mask,
+        rollout_logprobs=np.where(mask, -0.5, 0.0).astype(np.float32),
+        policy_version=np.where(mask, 0, -1).astype(np.int32),
+        rewards=np.zeros(n, np.float32),
+        turn_starts=np.asarray([start], np.int32),
+        prompt_id=seed,
+      )
+    )
+  return {
+    k: jnp.asarray(v)
+    for k, v in packing.pack(trajs, rows=2, buckets=(64,), action_index=True).items()
+  }
 
 
 @pytest.mark.parametrize("chunk,at_actions", [(0, False), (16, True)])
@@ -80,14 +87,15 @@ def test_logprobs_and_gradients_are_the_full_models_over_the_subset(chunk, at_ac
   weights = jax.random.normal(jax.random.key(2), mask.shape)
 
   def loss(p):
-    logp, _ = policy.token_logprobs(cfg, p, *inputs, temperature=0.7,
-                                    action_index=batch["action_index"] if at_actions else None)
+    logp, _ = policy.token_logprobs(
+      cfg, p, *inputs, temperature=0.7, action_index=batch["action_index"] if at_actions else None
+    )
     return jnp.sum(jnp.where(mask, logp * weights, 0.0)), logp
 
   (_, logp), grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
   # The oracle: the full model's logits at the subset's columns, renormalised.
   full_cfg = dataclasses.replace(cfg, vocab_ids=(), logits_chunk=0)
-  from sao_jax.models.transformer import Transformer  # pylint: disable=g-import-not-at-top
+  from sao_jax.models.transformer import Transformer
 
   def oracle(p):
     logits, _ = Transformer(full_cfg, "lm").apply({"params": _full_params(p)}, *inputs)
@@ -98,8 +106,7 @@ def test_logprobs_and_gradients_are_the_full_models_over_the_subset(chunk, at_ac
     return jnp.sum(jnp.where(mask, at * weights, 0.0)), at
 
   (_, want), want_grad = jax.value_and_grad(oracle, has_aux=True)(params)
-  np.testing.assert_allclose(np.where(mask, logp, 0), np.where(mask, want, 0), rtol=1e-5,
-                             atol=1e-5)
+  np.testing.assert_allclose(np.where(mask, logp, 0), np.where(mask, want, 0), rtol=1e-5, atol=1e-5)
   # A target outside the subset (prompt text) has no log-prob.
   uncovered = ~np.asarray(head_vocab.covered(cfg, inputs[0]))
   assert uncovered.any() and (np.asarray(logp)[uncovered] == 0).all()
@@ -115,9 +122,10 @@ def test_the_engine_samples_subset_ids_whose_logprobs_the_trainer_recomputes():
   assert set(out.ravel().tolist()) <= set(IDS) and (counts == 12).all()
   for prompt, toks, lps in zip(prompts, out, out_lp):
     row = jnp.asarray([prompt + toks.tolist()], jnp.int32)
-    logp, _ = policy.token_logprobs(CFG, params, row, jnp.arange(row.shape[1])[None],
-                                    jnp.ones_like(row))
-    np.testing.assert_allclose(np.asarray(logp)[0, len(prompt):], lps, rtol=1e-4, atol=1e-4)
+    logp, _ = policy.token_logprobs(
+      CFG, params, row, jnp.arange(row.shape[1])[None], jnp.ones_like(row)
+    )
+    np.testing.assert_allclose(np.asarray(logp)[0, len(prompt) :], lps, rtol=1e-4, atol=1e-4)
 
 
 def test_config_refuses_a_subset_with_an_imported_checkpoint():
@@ -131,7 +139,8 @@ def test_config_refuses_a_subset_with_an_imported_checkpoint():
 
 
 def test_an_environment_without_a_row_list_is_refused():
-  from sao_jax.train import factories  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import factories
+
   c = load_config_module("sao_tiny.py").get_config()  # python_tool: generated tasks
   c.model.vocab_subset = "env"
   with pytest.raises(sections.ConfigError, match="finite row list") as e:
@@ -142,16 +151,20 @@ def test_an_environment_without_a_row_list_is_refused():
 def test_a_checkpoint_of_another_head_is_refused_in_one_line(tmp_path):
   """A restore under other head ids (another dataset, or vocab_subset switched)
   is one line naming the field, before orbax's shape error."""
-  import types  # pylint: disable=g-import-not-at-top
-  from sao_jax.train import run as run_lib  # pylint: disable=g-import-not-at-top
-  from sao_jax.data.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
+  import types
+
+  from sao_jax.data.checkpoint import Checkpointer
+  from sao_jax.train import run as run_lib
+
   ckpt = Checkpointer(str(tmp_path / "checkpoints"), name="run")
   ckpt.save(1, {"w": np.zeros(3, np.float32)}, {"vocab_ids": list(IDS)}, force=True)
   ckpt.wait()
   ckpt.close()
   same = types.SimpleNamespace(workdir=str(tmp_path), model_cfg=CFG, meta={})
-  run_lib._check_vocab_ids(same, 1)  # pylint: disable=protected-access
+  run_lib._check_vocab_ids(same, 1)
   for other in (dataclasses.replace(CFG, vocab_ids=IDS[:-1]), mcfg.tiny(vocab_size=FULL)):
     with pytest.raises(sections.ConfigError, match="model.vocab_subset") as e:
-      run_lib._check_vocab_ids(types.SimpleNamespace(workdir=str(tmp_path), model_cfg=other, meta={}), 1)  # pylint: disable=protected-access
+      run_lib._check_vocab_ids(
+        types.SimpleNamespace(workdir=str(tmp_path), model_cfg=other, meta={}), 1
+      )
     assert "\n" not in str(e.value)

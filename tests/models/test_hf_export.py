@@ -21,16 +21,20 @@ TINY = model_config.tiny(96)
 
 
 def _equal(a, b):
-  return jax.tree.all(jax.tree.map(
-      lambda x, y: x.shape == y.shape and bool(np.array_equal(np.asarray(x), np.asarray(y))),
-      a, b))
+  return jax.tree.all(
+    jax.tree.map(
+      lambda x, y: x.shape == y.shape and bool(np.array_equal(np.asarray(x), np.asarray(y))), a, b
+    )
+  )
 
 
 def random_params(cfg, head="lm", seed=0):
   """Random weights in the model's shapes (from `eval_shape`: no init compile)."""
   rng = np.random.default_rng(seed)
-  return jax.tree.map(lambda s: (0.1 * rng.standard_normal(s.shape)).astype(np.float32),
-                      jax.eval_shape(lambda: policy.init_params(cfg, jax.random.key(0), head)))
+  return jax.tree.map(
+    lambda s: (0.1 * rng.standard_normal(s.shape)).astype(np.float32),
+    jax.eval_shape(lambda: policy.init_params(cfg, jax.random.key(0), head)),
+  )
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +43,13 @@ def params():
 
 
 def test_float32_export_imports_back_exactly_in_several_shards(params, tmp_path):
-  stats = hf_export.export_params(params, TINY, str(tmp_path / "m"), dtype="float32",
-                                  shard_bytes=64 * 1024)
+  stats = hf_export.export_params(
+    params, TINY, str(tmp_path / "m"), dtype="float32", shard_bytes=64 * 1024
+  )
   out = tmp_path / "m"
   assert len(stats["files"]) > 1 and sorted(os.listdir(out)) == sorted(
-      stats["files"] + ["config.json", hf_export.INDEX, "sao_jax_export.json"])
+    stats["files"] + ["config.json", hf_export.INDEX, "sao_jax_export.json"]
+  )
   index = json.loads((out / hf_export.INDEX).read_text())
   assert set(index["weight_map"].values()) == set(stats["files"])
   # Each shard holds what the index says, and no more than the shard size
@@ -67,13 +73,15 @@ def test_default_bf16_export_holds_the_rounded_weights_and_nothing_else(params, 
     names |= set(header)
   # Exactly the layout's tensors: no optimizer moment, no stray leaf.
   want = {n for t in hf_layout.top_tensors(TINY) for n in t.hf}
-  want |= {n for i in range(TINY.num_layers) for t in hf_layout.layer_tensors(TINY, i)
-           for n in t.hf}
+  want |= {
+    n for i in range(TINY.num_layers) for t in hf_layout.layer_tensors(TINY, i) for n in t.hf
+  }
   assert names == want
   assert stats["bytes"] == 2 * sum(x.size for x in jax.tree.leaves(params))
   assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
-  rounded = jax.tree.map(lambda x: np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float32),
-                         params)
+  rounded = jax.tree.map(
+    lambda x: np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float32), params
+  )
   assert _equal(hf_import.load_hf_checkpoint(str(out), TINY), rounded)
 
 
@@ -83,10 +91,12 @@ def test_scanned_sharded_params_stream_one_layer_at_a_time(params, tmp_path):
   scfg = dataclasses.replace(TINY, scan_layers=True)
   scanned = policy.scan_params(scfg, params)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("expert",))
-  spec = lambda x: jax.sharding.PartitionSpec(None, "expert") if x.ndim == 4 else (
-      jax.sharding.PartitionSpec())
-  placed = jax.tree.map(lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, spec(x))),
-                        scanned)
+  spec = lambda x: (
+    jax.sharding.PartitionSpec(None, "expert") if x.ndim == 4 else (jax.sharding.PartitionSpec())
+  )
+  placed = jax.tree.map(
+    lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, spec(x))), scanned
+  )
   stats = hf_export.export_params(placed, scfg, str(tmp_path / "m"), dtype="float32")
   largest_stacked = max(x.nbytes for x in jax.tree.leaves(scanned["layers"]))
   largest_slice = max(x.nbytes // x.shape[0] for x in jax.tree.leaves(scanned["layers"]))
@@ -100,8 +110,14 @@ def test_scanned_sharded_params_stream_one_layer_at_a_time(params, tmp_path):
 
 def test_value_model_round_trip(tmp_path):
   critic = random_params(TINY, "value", seed=2)
-  hf_export.export_params(critic, TINY, str(tmp_path / "v"), dtype="float32", head="value",
-                          notes={"value_head": hf_export.VALUE_HEAD_NOTE})
+  hf_export.export_params(
+    critic,
+    TINY,
+    str(tmp_path / "v"),
+    dtype="float32",
+    head="value",
+    notes={"value_head": hf_export.VALUE_HEAD_NOTE},
+  )
   config = json.loads((tmp_path / "v" / "config.json").read_text())
   assert config["architectures"] == ["Qwen3MoeForTokenClassification"]
   assert config["num_labels"] == 1
@@ -137,16 +153,19 @@ def test_leaves_that_are_not_model_params_are_refused(params, tmp_path):
 def export_worker(out, process_id, port):
   """One of two processes (2 CPU devices each): params sharded over all 4 devices,
   so no process can read a whole parameter; both call the export."""
-  import jax  # pylint: disable=g-import-not-at-top,redefined-outer-name,reimport
-  jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2,
-                             process_id=process_id)
+  import jax
+
+  jax.distributed.initialize(
+    coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id
+  )
   params = random_params(TINY)  # the same values in both processes (seeded)
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("expert",))
 
   def place(x):
     spec = jax.sharding.PartitionSpec("expert" if x.shape[0] % 4 == 0 else None)
-    return jax.make_array_from_callback(x.shape, jax.sharding.NamedSharding(mesh, spec),
-                                        lambda index: x[index])
+    return jax.make_array_from_callback(
+      x.shape, jax.sharding.NamedSharding(mesh, spec), lambda index: x[index]
+    )
 
   placed = jax.tree.map(place, params)
   assert not placed["embed"].is_fully_addressable
@@ -161,14 +180,30 @@ def test_two_processes_export_what_neither_holds_whole(tmp_path):
     sock.bind(("localhost", 0))
     port = sock.getsockname()[1]
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  path = os.pathsep.join([root, os.path.join(root, "tests"), os.path.dirname(os.path.abspath(__file__))])
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path,
-             XLA_FLAGS="--xla_force_host_platform_device_count=2")
-  code = "import sys, test_hf_export as t; t.export_worker(sys.argv[1], int(sys.argv[2]), " \
-         "int(sys.argv[3]))"
-  procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "m"), str(i), str(port)],
-                            env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True) for i in range(2)]
+  path = os.pathsep.join(
+    [root, os.path.join(root, "tests"), os.path.dirname(os.path.abspath(__file__))]
+  )
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    PYTHONPATH=path,
+    XLA_FLAGS="--xla_force_host_platform_device_count=2",
+  )
+  code = (
+    "import sys, test_hf_export as t; t.export_worker(sys.argv[1], int(sys.argv[2]), "
+    "int(sys.argv[3]))"
+  )
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-c", code, str(tmp_path / "m"), str(i), str(port)],
+      env=env,
+      cwd=root,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
   for p in procs:
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out[-3000:]

@@ -11,8 +11,9 @@ from sao_jax.algo import optim
 from sao_jax.models import config as model_config
 from sao_jax.models import lora, policy
 
-ACTOR = lora.LoraConfig(rank=4, alpha=8.0, targets=(
-    r"/attn/(q|k|v|o)$", r"/(mlp|moe)/(wi_gate|wi_up|wo)$"))
+ACTOR = lora.LoraConfig(
+  rank=4, alpha=8.0, targets=(r"/attn/(q|k|v|o)$", r"/(mlp|moe)/(wi_gate|wi_up|wo)$")
+)
 
 
 def _params(preset="tiny", **changes):
@@ -31,8 +32,12 @@ def _init(params, cfg, seed=1):
 def _randomise_b(adapters, rng):
   """Adapters with B drawn too (a trained state: both factors non-zero)."""
   leaves, treedef = jax.tree_util.tree_flatten_with_path(adapters)
-  out = [jax.random.normal(jax.random.fold_in(rng, i), x.shape) * 0.1
-         if optim.param_path(p).endswith(lora.B) else x for i, (p, x) in enumerate(leaves)]
+  out = [
+    jax.random.normal(jax.random.fold_in(rng, i), x.shape) * 0.1
+    if optim.param_path(p).endswith(lora.B)
+    else x
+    for i, (p, x) in enumerate(leaves)
+  ]
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -97,10 +102,12 @@ def test_adapter_gradient_is_the_projection_of_the_full_gradient():
     batch, n_in, n_out = lora.matrix_shape(name, params_shape(params, name))
     g = np.asarray(full[name], np.float64).reshape(batch + (n_in, n_out))
     a, b = (np.asarray(flat_ad[f"{name}/{k}"], np.float64) for k in (lora.A, lora.B))
-    np.testing.assert_allclose(got[f"{name}/lora_a"], ACTOR.scale * g @ np.swapaxes(b, -1, -2),
-                               rtol=2e-4, atol=1e-7)
-    np.testing.assert_allclose(got[f"{name}/lora_b"], ACTOR.scale * np.swapaxes(a, -1, -2) @ g,
-                               rtol=2e-4, atol=1e-7)
+    np.testing.assert_allclose(
+      got[f"{name}/lora_a"], ACTOR.scale * g @ np.swapaxes(b, -1, -2), rtol=2e-4, atol=1e-7
+    )
+    np.testing.assert_allclose(
+      got[f"{name}/lora_b"], ACTOR.scale * np.swapaxes(a, -1, -2) @ g, rtol=2e-4, atol=1e-7
+    )
 
 
 def params_shape(params, name):
@@ -109,8 +116,9 @@ def params_shape(params, name):
 
 def test_rules_frozen_whole_and_bad_targets():
   _, params = _params()
-  critic = lora.LoraConfig(4, 8.0, (r"/moe/(wi_gate|wi_up|wo)$",), whole=(r"^lm_head$",),
-                           frozen=(r"^layer_1/",))
+  critic = lora.LoraConfig(
+    4, 8.0, (r"/moe/(wi_gate|wi_up|wo)$",), whole=(r"^lm_head$",), frozen=(r"^layer_1/",)
+  )
   kinds = lora.plan(params, critic)
   assert kinds["lm_head"] == "whole" and kinds["layer_0/moe/wo"] == "adapter"
   assert not any(n.startswith("layer_1/") for n in kinds)  # frozen wins
@@ -129,20 +137,22 @@ def test_carry_over_and_optimizer_rules():
   critic_ad = lora.carry_over(policy_ad, _init(params, critic_cfg, 5))
   flat_p, flat_c = _flat(policy_ad), _flat(critic_ad)
   np.testing.assert_array_equal(flat_c["layer_0/attn/q/lora_b"], flat_p["layer_0/attn/q/lora_b"])
-  labels = _flat(optim.partition_labels(
-      critic_ad, lora.optimizer_rules(critic_ad, (r"/moe/",))))
+  labels = _flat(optim.partition_labels(critic_ad, lora.optimizer_rules(critic_ad, (r"/moe/",))))
   assert labels["layer_0/attn/q/lora_a"] == optim.FREEZE
   assert labels["layer_0/moe/wo/lora_b"] == optim.TRAIN
   assert labels["lm_head"] == optim.TRAIN
 
 
 def test_fingerprint_sees_one_bit():
-  params = {"embed": jax.random.normal(jax.random.key(0), (16, 8)),
-            "layers": {"w": jax.random.normal(jax.random.key(1), (2, 8, 4))}}
+  params = {
+    "embed": jax.random.normal(jax.random.key(0), (16, 8)),
+    "layers": {"w": jax.random.normal(jax.random.key(1), (2, 8, 4))},
+  }
   fp = lora.fingerprint(params)
   assert fp == lora.fingerprint(jax.tree.map(jnp.copy, params))
-  flipped = dict(params, embed=params["embed"].at[3, 5].set(
-      jnp.nextafter(params["embed"][3, 5], jnp.inf)))
+  flipped = dict(
+    params, embed=params["embed"].at[3, 5].set(jnp.nextafter(params["embed"][3, 5], jnp.inf))
+  )
   assert lora.fingerprint(flipped) != fp
   swapped = {"embed": params["embed"], "layers": {"w": params["layers"]["w"][::-1]}}
   assert lora.fingerprint(swapped) != fp  # the same values elsewhere: another base
@@ -154,22 +164,26 @@ def test_peft_export_names_and_refusals(tmp_path):
   """The adapter file's names are transformers' modules, A^T [r, in] and
   B^T [out, r]; experts become fused 3-D parameters of rank 2r (the rest
   zero-padded); fused-tensor parts and whole-trained leaves are refused."""
-  from sao_jax.models import peft_export  # pylint: disable=g-import-not-at-top
+  from sao_jax.models import peft_export
+
   cfg, params = _params("tiny_dense", vocab_size=96, scan_layers=True)
   adapters = _init(params, ACTOR)
   tensors, modules, fused, rank = peft_export.peft_adapter(cfg, adapters, 4)
   name = "base_model.model.model.layers.1.self_attn.o_proj"
   assert tensors[f"{name}.lora_A.weight"].shape == (4, 4 * 16)
   assert tensors[f"{name}.lora_B.weight"].shape == (64, 4)
-  np.testing.assert_array_equal(tensors[f"{name}.lora_A.weight"],
-                                np.asarray(adapters["layers"]["attn"]["o"][lora.A][1]).T)
+  np.testing.assert_array_equal(
+    tensors[f"{name}.lora_A.weight"], np.asarray(adapters["layers"]["attn"]["o"][lora.A][1]).T
+  )
   assert len(tensors) == 2 * 2 * 7 and len(modules) == 14  # layers x 7 matrices x (A, B)
   assert not fused and rank == 4
   assert peft_export.export_adapters(adapters, cfg, ACTOR, str(tmp_path / "a"))["modules"] == 14
   moe_cfg, moe = _params("tiny")
   tensors, modules, fused, rank = peft_export.peft_adapter(moe_cfg, _init(moe, ACTOR), 4)
-  assert rank == 8 and fused[:2] == ["model.layers.0.mlp.experts.gate_up_proj",
-                                     "model.layers.0.mlp.experts.down_proj"]
+  assert rank == 8 and fused[:2] == [
+    "model.layers.0.mlp.experts.gate_up_proj",
+    "model.layers.0.mlp.experts.down_proj",
+  ]
   inner = "base_model.model.model.layers.0.mlp.experts.base_layer"  # gate_up_proj
   assert tensors[f"{inner}.lora_A.weight"].shape == (4 * 8, 64)  # [E * 2r, d]
   assert tensors[f"{inner}.lora_B.weight"].shape == (2 * 64, 8 * 4)  # [2F, 2r * E]
@@ -190,35 +204,46 @@ def test_peft_loads_the_adapters_onto_transformers_with_equal_logits(tmp_path, p
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   peft = pytest.importorskip("peft")
-  from sao_jax.models import hf_export, peft_export  # pylint: disable=g-import-not-at-top
-  from sao_jax.models.transformer import Transformer  # pylint: disable=g-import-not-at-top
+  from sao_jax.models import hf_export, peft_export
+  from sao_jax.models.transformer import Transformer
+
   cfg, params = _params(preset, vocab_size=96)
   adapters = _randomise_b(_init(params, ACTOR), jax.random.key(2))
   hf_export.export_params(params, cfg, str(tmp_path / "base"), dtype="float32")
-  peft_export.export_adapters(adapters, cfg, ACTOR, str(tmp_path / "adapter"),
-                              base_model=str(tmp_path / "base"))
+  peft_export.export_adapters(
+    adapters, cfg, ACTOR, str(tmp_path / "adapter"), base_model=str(tmp_path / "base")
+  )
   model = transformers.AutoModelForCausalLM.from_pretrained(
-      str(tmp_path / "base"), dtype=torch.float32).eval()
+    str(tmp_path / "base"), dtype=torch.float32
+  ).eval()
   model = peft.PeftModel.from_pretrained(model, str(tmp_path / "adapter")).eval()
   tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 20))
   with torch.no_grad():
     ref = model(torch.tensor(tokens)).logits.numpy()
   merged = lora.merge(params, adapters, ACTOR)
   pos = jnp.broadcast_to(jnp.arange(20), (2, 20))
-  ours = Transformer(cfg).apply({"params": merged}, jnp.asarray(tokens, jnp.int32), pos,
-                                jnp.ones((2, 20), jnp.int32))[0]
-  base = Transformer(cfg).apply({"params": params}, jnp.asarray(tokens, jnp.int32), pos,
-                                jnp.ones((2, 20), jnp.int32))[0]
+  ours = Transformer(cfg).apply(
+    {"params": merged}, jnp.asarray(tokens, jnp.int32), pos, jnp.ones((2, 20), jnp.int32)
+  )[0]
+  base = Transformer(cfg).apply(
+    {"params": params}, jnp.asarray(tokens, jnp.int32), pos, jnp.ones((2, 20), jnp.int32)
+  )[0]
   assert float(np.abs(np.asarray(ours) - np.asarray(base)).max()) > 1e-2  # the adapters act
   np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=1e-4)
   if preset == "tiny":  # the experts' adapters count: without them the logits differ
-    no_experts = {k: ({**v, "moe": {}} if k.startswith("layer_") else v)
-                  for k, v in adapters.items()}
-    partial = Transformer(cfg).apply({"params": lora.merge(params, no_experts, ACTOR)},
-                                     jnp.asarray(tokens, jnp.int32), pos,
-                                     jnp.ones((2, 20), jnp.int32))[0]
+    no_experts = {
+      k: ({**v, "moe": {}} if k.startswith("layer_") else v) for k, v in adapters.items()
+    }
+    partial = Transformer(cfg).apply(
+      {"params": lora.merge(params, no_experts, ACTOR)},
+      jnp.asarray(tokens, jnp.int32),
+      pos,
+      jnp.ones((2, 20), jnp.int32),
+    )[0]
     assert float(np.abs(np.asarray(partial) - ref).max()) > 1e-2
   theirs = model.merge_and_unload().state_dict()
-  np.testing.assert_allclose(theirs["model.layers.0.self_attn.q_proj.weight"].numpy(),
-                             np.asarray(merged["layer_0"]["attn"]["q"]).reshape(64, -1).T,
-                             atol=1e-6)
+  np.testing.assert_allclose(
+    theirs["model.layers.0.self_attn.q_proj.weight"].numpy(),
+    np.asarray(merged["layer_0"]["attn"]["q"]).reshape(64, -1).T,
+    atol=1e-6,
+  )

@@ -21,19 +21,26 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from fakes import random_params
 from safetensors.numpy import save_file
 
 from sao_jax.algo import optim
-from sao_jax.models import sharding
-from sao_jax.models import attention, decoding, hf_import, policy
+from sao_jax.models import attention, decoding, hf_import, policy, sharding
 from sao_jax.models import config as mcfg
 from sao_jax.models.transformer import Transformer, lm_head_weight
 
-from fakes import random_params  # pylint: disable=g-bad-import-order
-
 # One dense layer first (like `small`), then two MoE layers: the scanned run.
-REF = dataclasses.replace(mcfg.tiny(), d_model=32, num_heads=4, num_kv_heads=2, head_dim=8,
-                          moe_d_ff=32, num_layers=3, dense_layers=(0,), dense_d_ff=48)
+REF = dataclasses.replace(
+  mcfg.tiny(),
+  d_model=32,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=8,
+  moe_d_ff=32,
+  num_layers=3,
+  dense_layers=(0,),
+  dense_d_ff=48,
+)
 SCAN = dataclasses.replace(REF, scan_layers=True, remat="full")
 # Everything the pod runs, off TPU: scan, remat, chunked attention and
 # log-probs. Odd lengths on purpose: blocks and chunks do not divide the row.
@@ -73,8 +80,7 @@ def _value_loss(cfg, params):
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 jit = lambda f, **kw: jax.jit(f, compiler_options=FAST_COMPILE, **kw)
 # (loss, outputs), grads: one compile per config, shared by the tests.
-logprob_grad = jit(jax.value_and_grad(_logprob_loss, argnums=1, has_aux=True),
-                   static_argnums=0)
+logprob_grad = jit(jax.value_and_grad(_logprob_loss, argnums=1, has_aux=True), static_argnums=0)
 value_grad = jit(jax.value_and_grad(_value_loss, argnums=1, has_aux=True), static_argnums=0)
 extend = jit(decoding.extend, static_argnums=0)
 
@@ -87,8 +93,10 @@ def params():
 @pytest.fixture(scope="module")
 def value_params(params):
   # A non-zero head, so values depend on the trunk.
-  head = {"value_head": jax.random.normal(jax.random.key(2), (REF.d_model, 1)),
-          "value_bias": jnp.full((1,), 0.5)}
+  head = {
+    "value_head": jax.random.normal(jax.random.key(2), (REF.d_model, 1)),
+    "value_bias": jnp.full((1,), 0.5),
+  }
   return policy.value_params_from_policy(params, head)
 
 
@@ -100,8 +108,9 @@ def reference(params, value_params):
 def assert_trees_close(a, b, **tol):
   assert jax.tree.structure(a) == jax.tree.structure(b)
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path),
-                               **(tol or TOL))
+    np.testing.assert_allclose(
+      np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path), **(tol or TOL)
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -140,8 +149,9 @@ def test_scanned_layers_equal_unscanned(params, value_params, reference):
 def test_scanned_kv_cache_decoding_equals_unscanned(params):
   cache = decoding.init_cache(SCAN, 3, 16)
   assert jax.tree.map(jnp.shape, cache) == {
-      "layer_0": {"k": (3, 16, 2, 8), "v": (3, 16, 2, 8)},
-      "layers": {"k": (2, 3, 16, 2, 8), "v": (2, 3, 16, 2, 8)}}
+    "layer_0": {"k": (3, 16, 2, 8), "v": (3, 16, 2, 8)},
+    "layers": {"k": (2, 3, 16, 2, 8), "v": (2, 3, 16, 2, 8)},
+  }
   scanned = policy.scan_params(SCAN, params)
   tokens = np.asarray(jax.random.randint(jax.random.key(3), (3, 12), 0, REF.vocab_size))
   caches = {"ref": decoding.init_cache(REF, 3, 16), "scan": cache}
@@ -153,7 +163,7 @@ def test_scanned_kv_cache_decoding_equals_unscanned(params):
     toks = np.zeros((3, 4), np.int32)
     valid = np.zeros((3, 4), bool)
     for i, n in enumerate(chunk):
-      toks[i, :n], valid[i, :n] = tokens[i, fed[i]:fed[i] + n], True
+      toks[i, :n], valid[i, :n] = tokens[i, fed[i] : fed[i] + n], True
     ref_logits, caches["ref"], ref_len = extend(REF, params, caches["ref"], toks, lengths, valid)
     logits, caches["scan"], new_len = extend(SCAN, scanned, caches["scan"], toks, lengths, valid)
     np.testing.assert_array_equal(new_len, ref_len)
@@ -161,14 +171,15 @@ def test_scanned_kv_cache_decoding_equals_unscanned(params):
     lengths, fed = new_len, fed + np.asarray(chunk)
   for layer in (1, 2):  # the stacked cache holds what the per-layer caches hold
     for kv in ("k", "v"):
-      np.testing.assert_allclose(caches["scan"]["layers"][kv][layer - 1],
-                                 caches["ref"][layer][kv], **TOL)
+      np.testing.assert_allclose(
+        caches["scan"]["layers"][kv][layer - 1], caches["ref"][layer][kv], **TOL
+      )
   np.testing.assert_allclose(caches["scan"]["layer_0"]["k"], caches["ref"][0]["k"], **TOL)
 
 
 @pytest.mark.parametrize("remat", ["dots_saveable", "dots_with_no_batch_dims_saveable"])
 def test_remat_policies_give_the_same_gradients(params, reference, remat):
-  """"full" is SCAN's policy. Each config remats the scanned MoE layers and
+  """ "full" is SCAN's policy. Each config remats the scanned MoE layers and
   the unrolled dense layer 0 (the two `nn.remat` variants, with and without
   prevent_cse)."""
   (_, (logp, _)), grads = reference[0]
@@ -202,8 +213,12 @@ def test_freezing_rules_and_value_params_on_scanned_params(params, value_params)
   assert jax.tree.structure(vparams) == jax.tree.structure(fresh)  # the value model's tree
   assert "lm_head" not in vparams
   np.testing.assert_array_equal(vparams["layers"]["moe"]["wo"], policy_s["layers"]["moe"]["wo"])
-  labels = {optim.param_path(k): v for k, v in jax.tree_util.tree_leaves_with_path(
-      optim.partition_labels(vparams, optim.CRITIC_FREEZE_RULES))}
+  labels = {
+    optim.param_path(k): v
+    for k, v in jax.tree_util.tree_leaves_with_path(
+      optim.partition_labels(vparams, optim.CRITIC_FREEZE_RULES)
+    )
+  }
   frozen = {n for n, label in labels.items() if label == optim.FREEZE}
   assert frozen == {n for n in labels if n == "embed" or "/attn/" in n or "/attn_norm/" in n}
   assert {"layers/attn/q", "layers/attn_norm/scale", "layer_0/attn/k_norm/scale"} <= frozen
@@ -275,14 +290,16 @@ def test_decode_steps_take_decode_attention_on_cpu_only(params, monkeypatch):
   prefill do not."""
   called = []
   real = attention.decode_attention
-  monkeypatch.setattr(attention, "decode_attention",
-                      lambda *a: called.append(1) or real(*a))
+  monkeypatch.setattr(attention, "decode_attention", lambda *a: called.append(1) or real(*a))
 
   def trace(width):
     cache = decoding.init_cache(REF, 2, 16)
     tokens = jnp.ones((2, width), jnp.int32)
-    jax.make_jaxpr(lambda p: decoding.extend(REF, p, cache, tokens, jnp.zeros((2,), jnp.int32),
-                                             jnp.ones((2, width), bool)))(params)
+    jax.make_jaxpr(
+      lambda p: decoding.extend(
+        REF, p, cache, tokens, jnp.zeros((2,), jnp.int32), jnp.ones((2, width), bool)
+      )
+    )(params)
     return len(called)
 
   layers = trace(1)
@@ -338,8 +355,13 @@ def test_splash_falls_back_to_chunked_off_tpu(params):
   programs = []
   for impl in ("splash", "chunked"):
     cfg = dataclasses.replace(REF, attention_impl=impl, attention_block=128)
-    programs.append(str(jax.make_jaxpr(lambda p, cfg=cfg: Transformer(cfg).apply(
-        {"params": p}, TOKENS, POS, SEG))(params)))
+    programs.append(
+      str(
+        jax.make_jaxpr(lambda p, cfg=cfg: Transformer(cfg).apply({"params": p}, TOKENS, POS, SEG))(
+          params
+        )
+      )
+    )
   assert programs[0] == programs[1]
   assert "custom_vjp_call" in programs[0]  # the chunked kernel, not the L x L reference
 
@@ -369,17 +391,20 @@ def test_splash_wrapper_equals_reference_in_the_pallas_interpreter():
     np.testing.assert_allclose(x, y, **TOL)
 
 
-@pytest.mark.parametrize("mesh_axes,context", [({"data": 2, "context": 4}, 4),
-                                                ({"data": 4, "context": 2}, 2)])
+@pytest.mark.parametrize(
+  "mesh_axes,context", [({"data": 2, "context": 4}, 4), ({"data": 4, "context": 2}, 2)]
+)
 def test_splash_with_queries_split_over_a_context_axis_equals_the_reference(
-    mesh_axes, context, monkeypatch):
+  mesh_axes, context, monkeypatch
+):
   """Context parallelism in the splash wrapper (interpreted on CPU, 8 devices):
   each device's L / c queries against the row's gathered keys give the
   reference's outputs and gradients, segments straddling the shards."""
   calls = []
-  split = attention._context_split_splash  # pylint: disable=protected-access
-  monkeypatch.setattr(attention, "_context_split_splash",
-                      lambda *a, **kw: calls.append(a[7]) or split(*a, **kw))
+  split = attention._context_split_splash
+  monkeypatch.setattr(
+    attention, "_context_split_splash", lambda *a, **kw: calls.append(a[7]) or split(*a, **kw)
+  )
   rng = np.random.default_rng(2)
   b, length, h, kvh, hd = 4, 512, 4, 2, 128
   q = jnp.asarray(rng.normal(size=(b, length, h, hd)), jnp.float32)
@@ -414,10 +439,11 @@ def _tpu_topology():
   """A v5e 2x2 TPU topology (libtpu's compiler on this CPU host), else skip."""
   pytest.importorskip("libtpu", reason="jax[tpu] not installed: no TPU compiler here")
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other tests may hold it
-  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  from jax.experimental import topologies
+
   try:
     return topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:  # noqa: BLE001
     pytest.skip(f"no TPU topology: {e}")
 
 
@@ -433,17 +459,35 @@ def test_splash_lowers_for_tpu_inside_scan_remat_and_shard_map():
   """
   topo = _tpu_topology()
   mesh = sharding.make_mesh({"data": 2, "fsdp": 2}, devices=topo.devices)
-  rules = (("batch", ("data", "fsdp")), ("length", None), ("embed", "fsdp"), ("vocab", None),
-           ("heads", None), ("kv_heads", None), ("head_dim", None), ("mlp", None),
-           ("expert", None), ("layers", None))
-  cfg = dataclasses.replace(SCAN, attention_impl="splash", attention_block=128, logits_chunk=128,
-                            moe_impl="ragged", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+  rules = (
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("embed", "fsdp"),
+    ("vocab", None),
+    ("heads", None),
+    ("kv_heads", None),
+    ("head_dim", None),
+    ("mlp", None),
+    ("expert", None),
+    ("layers", None),
+  )
+  cfg = dataclasses.replace(
+    SCAN,
+    attention_impl="splash",
+    attention_block=128,
+    logits_chunk=128,
+    moe_impl="ragged",
+    dtype=jnp.bfloat16,
+    param_dtype=jnp.bfloat16,
+  )
   init = lambda: policy.init_params(cfg, jax.random.key(0), boxed=True)
   shardings = sharding.logical_shardings(jax.eval_shape(init), mesh, rules)
-  abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                          jax.eval_shape(lambda: nn.unbox(init())), shardings)
-  batch = jax.ShapeDtypeStruct((8, 256), jnp.int32,
-                               sharding=sharding.batch_sharding(mesh, rules))
+  abstract = jax.tree.map(
+    lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+    jax.eval_shape(lambda: nn.unbox(init())),
+    shardings,
+  )
+  batch = jax.ShapeDtypeStruct((8, 256), jnp.int32, sharding=sharding.batch_sharding(mesh, rules))
 
   def loss(p, t):
     return policy.token_logprobs(cfg, p, t, t, jnp.ones_like(t))[0].sum()
@@ -451,11 +495,17 @@ def test_splash_lowers_for_tpu_inside_scan_remat_and_shard_map():
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     assert attention.compile_platform() == "tpu"
     hlo = jax.jit(jax.grad(loss)).lower(abstract, batch).as_text()
-    q = jax.ShapeDtypeStruct((8, 256, 4, 128), jnp.bfloat16,
-                             sharding=sharding.batch_sharding(mesh, rules, 4))
+    q = jax.ShapeDtypeStruct(
+      (8, 256, 4, 128), jnp.bfloat16, sharding=sharding.batch_sharding(mesh, rules, 4)
+    )
     seg = jax.ShapeDtypeStruct((8, 256), jnp.int32, sharding=batch.sharding)
-    attn_grad = jax.jit(jax.grad(lambda q, s: attention.splash_attention(
-        q, q[:, :, :2], q[:, :, :2], s, 128).astype(jnp.float32).sum()))
+    attn_grad = jax.jit(
+      jax.grad(
+        lambda q, s: (
+          attention.splash_attention(q, q[:, :, :2], q[:, :, :2], s, 128).astype(jnp.float32).sum()
+        )
+      )
+    )
     compiled = attn_grad.lower(q, seg).compile()
   assert hlo.count("tpu_custom_call") >= 3  # forward, dq and dkv kernels
   assert compiled.memory_analysis().temp_size_in_bytes > 0
@@ -466,9 +516,18 @@ def test_splash_lowers_for_tpu_inside_scan_remat_and_shard_map():
 # ----------------------------------------------------------------------------
 
 
-RULES = (("batch", "data"), ("length", None), ("embed", "fsdp"), ("vocab", "tensor"),
-         ("heads", "tensor"), ("kv_heads", "tensor"), ("head_dim", None), ("mlp", "tensor"),
-         ("expert", None), ("layers", None))
+RULES = (
+  ("batch", "data"),
+  ("length", None),
+  ("embed", "fsdp"),
+  ("vocab", "tensor"),
+  ("heads", "tensor"),
+  ("kv_heads", "tensor"),
+  ("head_dim", None),
+  ("mlp", "tensor"),
+  ("expert", None),
+  ("layers", None),
+)
 
 
 def test_logical_constraints_resolve_under_set_mesh(params, reference):
@@ -478,8 +537,9 @@ def test_logical_constraints_resolve_under_set_mesh(params, reference):
   with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
     assert f(x).sharding.spec == jax.sharding.PartitionSpec("data", "tensor")
   # The scanned model, sharded by rules with "layers", equals the reference.
-  shardings = sharding.logical_shardings(jax.eval_shape(
-      lambda: policy.init_params(SCAN, jax.random.key(0), boxed=True)), mesh, RULES)
+  shardings = sharding.logical_shardings(
+    jax.eval_shape(lambda: policy.init_params(SCAN, jax.random.key(0), boxed=True)), mesh, RULES
+  )
   assert tuple(shardings["layers"]["moe"]["wi_gate"].spec) == (None, None, "fsdp", "tensor")
   restacked = jax.device_put(policy.scan_params(SCAN, params), shardings)
   with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
@@ -496,8 +556,11 @@ def test_logical_constraints_resolve_under_set_mesh(params, reference):
 def to_hf_tensors(cfg, params):
   """Our unscanned params under the Hub's Qwen3-MoE names (the inverse mapping)."""
   d = cfg.d_model
-  out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight":
-         params["final_norm"]["scale"], "lm_head.weight": params["lm_head"].T}
+  out = {
+    "model.embed_tokens.weight": params["embed"],
+    "model.norm.weight": params["final_norm"]["scale"],
+    "lm_head.weight": params["lm_head"].T,
+  }
   for i in range(cfg.num_layers):
     lay, pre = params[f"layer_{i}"], f"model.layers.{i}."
     a = lay["attn"]
@@ -514,8 +577,7 @@ def to_hf_tensors(cfg, params):
     else:
       out[pre + "mlp.gate.weight"] = lay["moe"]["router"].T
       for j in range(cfg.num_experts):
-        for ours, theirs in (("wi_gate", "gate_proj"), ("wi_up", "up_proj"),
-                             ("wo", "down_proj")):
+        for ours, theirs in (("wi_gate", "gate_proj"), ("wi_up", "up_proj"), ("wo", "down_proj")):
           out[pre + f"mlp.experts.{j}.{theirs}.weight"] = lay["moe"][ours][j].T
   return {k: np.ascontiguousarray(np.asarray(v)) for k, v in out.items()}
 
@@ -526,8 +588,9 @@ def test_hf_import_writes_each_layer_into_the_stacked_params(params, tmp_path):
   assert_trees_close(loaded, policy.scan_params(SCAN, params), atol=0, rtol=0)
   # Into shardings on 8 devices, one layer at a time.
   mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-  shardings = sharding.logical_shardings(jax.eval_shape(
-      lambda: policy.init_params(SCAN, jax.random.key(0), boxed=True)), mesh, RULES)
+  shardings = sharding.logical_shardings(
+    jax.eval_shape(lambda: policy.init_params(SCAN, jax.random.key(0), boxed=True)), mesh, RULES
+  )
   placed = hf_import.load_hf_checkpoint(str(tmp_path), SCAN, shardings)
   assert placed["layers"]["moe"]["wi_up"].sharding == shardings["layers"]["moe"]["wi_up"]
   assert_trees_close(placed, loaded, atol=0, rtol=0)
@@ -541,11 +604,21 @@ def test_hf_import_writes_each_layer_into_the_stacked_params(params, tmp_path):
 
 def test_config_from_hf_reads_num_local_experts(tmp_path):
   """transformers 5.x writes `num_local_experts`; the Hub's files `num_experts`."""
-  base = dict(vocab_size=96, hidden_size=48, intermediate_size=80, moe_intermediate_size=24,
-              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-              num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[0],
-              rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
-              model_type="qwen3_moe")
+  base = dict(
+    vocab_size=96,
+    hidden_size=48,
+    intermediate_size=80,
+    moe_intermediate_size=24,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts_per_tok=2,
+    decoder_sparse_step=1,
+    mlp_only_layers=[0],
+    rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+    model_type="qwen3_moe",
+  )
   cfgs = []
   for key in ("num_experts", "num_local_experts"):
     (tmp_path / key).mkdir()

@@ -11,9 +11,8 @@ import optax
 import pytest
 
 from sao_jax.algo import optim
-from sao_jax.models import sharding
 from sao_jax.models import config as mcfg
-from sao_jax.models import decoding, moe, policy
+from sao_jax.models import decoding, moe, policy, sharding
 from sao_jax.models.transformer import Transformer
 
 CFG = mcfg.tiny()
@@ -45,8 +44,8 @@ def test_incremental_decoding_matches_teacher_forcing_multi_turn(params):
     toks = np.zeros((b, width), np.int32)
     valid = np.zeros((b, width), bool)
     for i in range(b):
-      toks[i, :chunk_lens[i]] = seqs[i, start[i]:start[i] + chunk_lens[i]]
-      valid[i, :chunk_lens[i]] = True
+      toks[i, : chunk_lens[i]] = seqs[i, start[i] : start[i] + chunk_lens[i]]
+      valid[i, : chunk_lens[i]] = True
     logits, cache, new_len = extend(CFG, params, cache, toks, lengths, valid)
     # The logits of token j of the chunk predict the slot's next token.
     logp = np.asarray(jax.nn.log_softmax(logits))
@@ -58,8 +57,10 @@ def test_incremental_decoding_matches_teacher_forcing_multi_turn(params):
     return new_len, cache
 
   lengths, cache = run(prompt_len, lengths, cache)
-  schedule = [np.array(x) for x in ([1, 1, 1], [1, 0, 1], [4, 2, 0], [1, 1, 1], [0, 6, 3],
-                                    [1, 1, 1], [1, 1, 1])]
+  schedule = [
+    np.array(x)
+    for x in ([1, 1, 1], [1, 0, 1], [4, 2, 0], [1, 1, 1], [0, 6, 3], [1, 1, 1], [1, 1, 1])
+  ]
   for chunk in schedule:
     lengths, cache = run(chunk, lengths, cache)
   np.testing.assert_array_equal(lengths, prompt_len + sum(schedule))
@@ -173,8 +174,9 @@ def test_capacity_or_dense_is_exact_whatever_the_load():
 
   run = jax.jit(lambda ti: moe.capacity_or_dense(x, ti, top_p, wg, wu, wo, dense))
   for top_i in (balanced, skewed):
-    np.testing.assert_allclose(run(top_i), _moe_oracle(x, top_i, top_p, wg, wu, wo),
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+      run(top_i), _moe_oracle(x, top_i, top_p, wg, wu, wo), rtol=1e-4, atol=1e-4
+    )
   assert taken == ["dense"]
 
 
@@ -252,13 +254,30 @@ def test_qwen3_30b_a3b_shape_builds_abstractly():
   assert 3.2e9 < active < 3.45e9
 
 
-RULES_FSDP = (("batch", ("data", "fsdp")), ("length", None), ("embed", "fsdp"),
-              ("vocab", "tensor"), ("heads", "tensor"), ("kv_heads", None),
-              ("head_dim", None), ("mlp", "tensor"), ("layers", None), ("expert", None))
-RULES_EXPERT = (("batch", "data"), ("length", None), ("embed", None),
-                ("vocab", None), ("heads", None), ("kv_heads", None),
-                ("head_dim", "tensor"), ("mlp", None), ("layers", None),
-                ("expert", ("fsdp", "tensor")))
+RULES_FSDP = (
+  ("batch", ("data", "fsdp")),
+  ("length", None),
+  ("embed", "fsdp"),
+  ("vocab", "tensor"),
+  ("heads", "tensor"),
+  ("kv_heads", None),
+  ("head_dim", None),
+  ("mlp", "tensor"),
+  ("layers", None),
+  ("expert", None),
+)
+RULES_EXPERT = (
+  ("batch", "data"),
+  ("length", None),
+  ("embed", None),
+  ("vocab", None),
+  ("heads", None),
+  ("kv_heads", None),
+  ("head_dim", "tensor"),
+  ("mlp", None),
+  ("layers", None),
+  ("expert", ("fsdp", "tensor")),
+)
 
 
 def test_two_rule_sets_give_identical_outputs_on_8_devices():
@@ -272,8 +291,10 @@ def test_two_rule_sets_give_identical_outputs_on_8_devices():
   for rules in (RULES_FSDP, RULES_EXPERT):
     p, shard = sharding.sharded_init(init, mesh, rules)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-      fwd = jax.jit(lambda p, t: policy.token_logprobs(CFG, p, t, pos, seg)[0],
-                    in_shardings=(shard, sharding.batch_sharding(mesh, rules)))
+      fwd = jax.jit(
+        lambda p, t: policy.token_logprobs(CFG, p, t, pos, seg)[0],
+        in_shardings=(shard, sharding.batch_sharding(mesh, rules)),
+      )
       outs.append(np.asarray(fwd(p, tokens)))
   np.testing.assert_allclose(outs[0], outs[1], atol=1e-5)
   p, shard = sharding.sharded_init(init, mesh, RULES_EXPERT)
@@ -286,7 +307,8 @@ def test_two_rule_sets_give_identical_outputs_on_8_devices():
 
 def test_critic_optimizer_freezes_attention_and_trains_the_rest(params):
   vparams = policy.value_params_from_policy(
-      params, policy.init_params(CFG, jax.random.key(7), head="value"))
+    params, policy.init_params(CFG, jax.random.key(7), head="value")
+  )
   tx = optim.make_optimizer(vparams, 1e-2, rules=optim.CRITIC_FREEZE_RULES)
   state = tx.init(vparams)
   tokens = jax.random.randint(jax.random.key(8), (2, 10), 0, CFG.vocab_size)
@@ -307,9 +329,10 @@ def test_critic_optimizer_freezes_attention_and_trains_the_rest(params):
     new, state = step(new, state)
   labels = optim.partition_labels(vparams, optim.CRITIC_FREEZE_RULES)
   flat_labels = {optim.param_path(k): v for k, v in jax.tree_util.tree_leaves_with_path(labels)}
-  moved = {optim.param_path(k): bool(np.any(np.asarray(a) != np.asarray(b)))
-           for (k, a), b in zip(jax.tree_util.tree_leaves_with_path(vparams),
-                                jax.tree.leaves(new))}
+  moved = {
+    optim.param_path(k): bool(np.any(np.asarray(a) != np.asarray(b)))
+    for (k, a), b in zip(jax.tree_util.tree_leaves_with_path(vparams), jax.tree.leaves(new))
+  }
   frozen = [n for n, l in flat_labels.items() if l == optim.FREEZE]
   assert "layer_0/attn/q" in frozen and "embed" in frozen
   assert "layer_0/moe/wi_gate" not in frozen
@@ -319,10 +342,14 @@ def test_critic_optimizer_freezes_attention_and_trains_the_rest(params):
     assert moved[name], name
   # No Adam moments for frozen leaves: only trainable leaves are arrays.
   adam_state = state.inner_states[optim.TRAIN].inner_state
-  mu = [s for s in jax.tree.leaves(adam_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
-        if isinstance(s, optax.ScaleByAdamState)][0].mu
-  mu_paths = {optim.param_path(k) for k, v in jax.tree_util.tree_leaves_with_path(mu)
-              if hasattr(v, "shape")}
+  mu = [
+    s
+    for s in jax.tree.leaves(adam_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+    if isinstance(s, optax.ScaleByAdamState)
+  ][0].mu
+  mu_paths = {
+    optim.param_path(k) for k, v in jax.tree_util.tree_leaves_with_path(mu) if hasattr(v, "shape")
+  }
   assert mu_paths == {n for n, l in flat_labels.items() if l == optim.TRAIN}
 
 

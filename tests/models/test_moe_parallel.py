@@ -17,12 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sao_jax.models import sharding
+from configs import sao_moe
 from sao_jax.models import config as mcfg
-from sao_jax.models import moe, policy
+from sao_jax.models import moe, policy, sharding
 from sao_jax.models.transformer import Transformer
-
-from configs import sao_moe  # pylint: disable=g-bad-import-order
 
 E, K, D, F, N = 8, 2, 32, 48, 64
 # configs/sao_moe.py's own rules (batch over data x fsdp x expert, D over
@@ -40,18 +38,22 @@ def _rules(**over):
 # (mesh, rules): tokens over data / fsdp / also over expert; FSDP-sharded D;
 # tensor-sharded F; experts over two mesh axes.
 LAYOUTS = {
-    "data2_expert4": ({"data": 2, "expert": 4}, _rules(batch="data", expert="expert")),
-    "fsdp2_expert4": ({"fsdp": 2, "expert": 4},
-                      _rules(batch="fsdp", embed="fsdp", expert="expert")),
-    "batch_over_expert": ({"data": 2, "expert": 4},
-                          _rules(batch=("data", "expert"), expert="expert")),
-    "expert4_tensor2": ({"expert": 4, "tensor": 2}, _rules(mlp="tensor", expert="expert")),
-    "fsdp2_expert2_tensor2": ({"fsdp": 2, "expert": 2, "tensor": 2},
-                              _rules(batch="fsdp", embed="fsdp", mlp="tensor",
-                                     expert="expert")),
-    "expert_over_two_axes": ({"data": 2, "fsdp": 2, "tensor": 2},
-                             _rules(batch="data", expert=("fsdp", "tensor"))),
-    "pod_rules": POD,
+  "data2_expert4": ({"data": 2, "expert": 4}, _rules(batch="data", expert="expert")),
+  "fsdp2_expert4": ({"fsdp": 2, "expert": 4}, _rules(batch="fsdp", embed="fsdp", expert="expert")),
+  "batch_over_expert": (
+    {"data": 2, "expert": 4},
+    _rules(batch=("data", "expert"), expert="expert"),
+  ),
+  "expert4_tensor2": ({"expert": 4, "tensor": 2}, _rules(mlp="tensor", expert="expert")),
+  "fsdp2_expert2_tensor2": (
+    {"fsdp": 2, "expert": 2, "tensor": 2},
+    _rules(batch="fsdp", embed="fsdp", mlp="tensor", expert="expert"),
+  ),
+  "expert_over_two_axes": (
+    {"data": 2, "fsdp": 2, "tensor": 2},
+    _rules(batch="data", expert=("fsdp", "tensor")),
+  ),
+  "pod_rules": POD,
 }
 
 
@@ -63,17 +65,22 @@ def _problem(seed, n=N, e=E, k=K, skew=0.0):
   probs = jax.nn.softmax(logits, -1)
   top_p, top_i = jax.lax.top_k(probs, k)
   top_p = top_p / top_p.sum(-1, keepdims=True)
-  w = [jax.random.normal(keys[2], (e, D, F)) / np.sqrt(D),
-       jax.random.normal(keys[3], (e, D, F)) / np.sqrt(D),
-       jax.random.normal(keys[4], (e, F, D)) / np.sqrt(F)]
+  w = [
+    jax.random.normal(keys[2], (e, D, F)) / np.sqrt(D),
+    jax.random.normal(keys[3], (e, D, F)) / np.sqrt(D),
+    jax.random.normal(keys[4], (e, F, D)) / np.sqrt(F),
+  ]
   mask = jnp.arange(n) % 16 < 13  # padding in every token block
   return x, top_i, top_p, w, mask
 
 
 def dense_moe(x, top_i, top_p, wg, wu, wo):
   """The dense path of MoE.__call__, verbatim."""
-  gates = jnp.zeros((x.shape[0], wg.shape[0]), x.dtype).at[
-      jnp.arange(x.shape[0])[:, None], top_i].set(top_p)  # [N, E]
+  gates = (
+    jnp.zeros((x.shape[0], wg.shape[0]), x.dtype)
+    .at[jnp.arange(x.shape[0])[:, None], top_i]
+    .set(top_p)
+  )  # [N, E]
   hidden = jax.nn.silu(jnp.einsum("nd,edf->nef", x, wg)) * jnp.einsum("nd,edf->nef", x, wu)
   return jnp.einsum("nef,efd,ne->nd", hidden, wo, gates)
 
@@ -87,9 +94,11 @@ def _loss_fn(impl, mask, probe):
   One jitted program gives (loss, (out, dropped)) and the gradients, so each
   layout compiles once.
   """
+
   def loss(x, top_p, wg, wu, wo, top_i):
     out, dropped = impl(x, top_i, top_p, wg, wu, wo)
     return jnp.sum(out * probe * mask[:, None]), (out, dropped)
+
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
 
 
@@ -99,7 +108,8 @@ def dense_reference():
   x, top_i, top_p, (wg, wu, wo), mask = _problem(0)
   probe = jax.random.normal(jax.random.key(9), (N, D))
   (loss, (out, _)), grads = _loss_fn(lambda *a: (dense_moe(*a), 0), mask, probe)(
-      x, top_p, wg, wu, wo, top_i)
+    x, top_p, wg, wu, wo, top_i
+  )
   return probe, loss, np.asarray(out), grads
 
 
@@ -120,10 +130,16 @@ def test_forward_and_gradients_equal_dense(layout, dense_reference):
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     # Arguments placed as the model's rules place them, as in training.
     put = lambda a, *names: jax.device_put(
-        a, jax.NamedSharding(mesh, nn.logical_to_mesh_axes(names, rules)))
-    args = (put(x, "batch", None), put(top_p, "batch", None),
-            put(wg, "expert", "embed", "mlp"), put(wu, "expert", "embed", "mlp"),
-            put(wo, "expert", "mlp", "embed"), put(top_i, "batch", None))
+      a, jax.NamedSharding(mesh, nn.logical_to_mesh_axes(names, rules))
+    )
+    args = (
+      put(x, "batch", None),
+      put(top_p, "batch", None),
+      put(wg, "expert", "embed", "mlp"),
+      put(wu, "expert", "embed", "mlp"),
+      put(wo, "expert", "mlp", "embed"),
+      put(top_i, "batch", None),
+    )
     compiled = _loss_fn(ep, mask, probe).lower(*args).compile()
     (loss, (out, dropped)), grads = compiled(*args)
   out, mask = np.asarray(out), np.asarray(mask)
@@ -141,8 +157,9 @@ def test_forward_and_gradients_equal_dense(layout, dense_reference):
     assert not gathered, gathered  # weights are used where they lie
   else:  # FSDP gathers D of this device's E/EP experts only
     ep_size = int(np.prod([mesh.shape[a] for a in moe._axes(dict(rules)["expert"])]))
-    assert gathered and all(g.split("[")[1].startswith(f"{E // ep_size},")
-                            for g in gathered), gathered
+    assert gathered and all(g.split("[")[1].startswith(f"{E // ep_size},") for g in gathered), (
+      gathered
+    )
 
 
 @pytest.mark.parametrize("layout", ["data2_expert4", "pod_rules"])
@@ -189,8 +206,9 @@ def _legacy_mesh(mesh):
       yield
 
 
-@pytest.mark.parametrize("layout,ctx", [("data2_expert4", jax.set_mesh),
-                                        ("batch_over_expert", _legacy_mesh)])
+@pytest.mark.parametrize(
+  "layout,ctx", [("data2_expert4", jax.set_mesh), ("batch_over_expert", _legacy_mesh)]
+)
 def test_small_capacity_drops_as_documented(layout, ctx):
   axes, rules = LAYOUTS[layout]
   mesh = sharding.make_mesh(axes)
@@ -201,8 +219,9 @@ def test_small_capacity_drops_as_documented(layout, ctx):
   c = moe.capacity(n_block, K, E // 4, 4, cf)
   assert c == n_block * K // 4
   with ctx(mesh), nn.logical_axis_rules(rules):
-    out, dropped = jax.jit(lambda *a: moe.expert_parallel_moe(
-        *a, token_mask=mask, capacity_factor=cf))(x, top_i, top_p, wg, wu, wo)
+    out, dropped = jax.jit(
+      lambda *a: moe.expert_parallel_moe(*a, token_mask=mask, capacity_factor=cf)
+    )(x, top_i, top_p, wg, wu, wo)
   keep = _expected_drops(top_i, mask, 8, E // 4, 4, c)
   m = np.asarray(mask)
   n_drop = int((m[:, None] & ~keep).sum())
@@ -213,8 +232,9 @@ def test_small_capacity_drops_as_documented(layout, ctx):
   np.testing.assert_allclose(np.asarray(out)[m], np.asarray(want)[m], atol=1e-5, rtol=1e-5)
   # Capacity for the worst case (EP x balanced, here) is dropless again.
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    out, dropped = jax.jit(lambda *a: moe.expert_parallel_moe(
-        *a, token_mask=mask, capacity_factor=4.0))(x, top_i, top_p, wg, wu, wo)
+    out, dropped = jax.jit(
+      lambda *a: moe.expert_parallel_moe(*a, token_mask=mask, capacity_factor=4.0)
+    )(x, top_i, top_p, wg, wu, wo)
   assert int(dropped) == 0
   want = dense_jit(x, top_i, top_p, wg, wu, wo)
   np.testing.assert_allclose(np.asarray(out)[m], np.asarray(want)[m], atol=1e-5, rtol=1e-5)
@@ -239,15 +259,18 @@ def test_uneven_batch_is_padded_to_the_token_shards():
   x, top_i, top_p, (wg, wu, wo), mask = _problem(3, n=37)  # 37 = neither 2 nor 8 blocks
   with jax.set_mesh(sharding.make_mesh(axes)), nn.logical_axis_rules(rules):
     out, _ = jax.jit(lambda *a: moe.expert_parallel_moe(*a, token_mask=mask))(
-        x, top_i, top_p, wg, wu, wo)
+      x, top_i, top_p, wg, wu, wo
+    )
   m = np.asarray(mask)
   want = np.asarray(dense_jit(x, top_i, top_p, wg, wu, wo))[m]
   np.testing.assert_allclose(np.asarray(out)[m], want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("axes,rules", [
-    ({"data": 2, "expert": 4}, _rules(batch="data", expert="expert")), POD],
-                         ids=["batch_over_data", "pod_rules"])
+@pytest.mark.parametrize(
+  "axes,rules",
+  [({"data": 2, "expert": 4}, _rules(batch="data", expert="expert")), POD],
+  ids=["batch_over_data", "pod_rules"],
+)
 def test_transformer_expert_parallel_logits_equal_dense(axes, rules):
   cfg = dataclasses.replace(mcfg.tiny(), num_experts=8, experts_per_token=2)
   ep_cfg = dataclasses.replace(cfg, moe_impl="expert_parallel")
@@ -260,16 +283,19 @@ def test_transformer_expert_parallel_logits_equal_dense(axes, rules):
   real = np.asarray(seg) != 0
 
   def fwd(c):
-    return jax.jit(lambda p: Transformer(c).apply(
-        {"params": p}, tokens, pos, seg, mutable=["intermediates"]))
+    return jax.jit(
+      lambda p: Transformer(c).apply({"params": p}, tokens, pos, seg, mutable=["intermediates"])
+    )
 
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     (dense, aux_d), _ = fwd(cfg)(params)
     (got, aux_e), inter = fwd(ep_cfg)(params)
     assert "all_to_all" in fwd(ep_cfg).lower(params).as_text()  # not the fallback
-  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(dense)[real],
-                             atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(dense)[real], atol=1e-5, rtol=1e-5)
   np.testing.assert_allclose(aux_e["load_balance_loss"], aux_d["load_balance_loss"])
-  dropped = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(inter)
-             if "moe_dropped" in jax.tree_util.keystr(path)]
+  dropped = [
+    leaf
+    for path, leaf in jax.tree_util.tree_leaves_with_path(inter)
+    if "moe_dropped" in jax.tree_util.keystr(path)
+  ]
   assert len(dropped) == cfg.num_layers and all(int(d) == 0 for d in dropped)

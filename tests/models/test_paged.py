@@ -21,7 +21,7 @@ def test_write_then_gather_is_the_dense_cache_below_each_length():
   rng = np.random.default_rng(0)
   kvh, hd, pages = 2, 8, 20
   leaf = jnp.asarray(rng.normal(size=(kvh, pages, PAGE, hd)), jnp.float32)  # stale data
-  table = rng.permutation(pages)[:SLOTS * 6].reshape(SLOTS, 6).astype(np.int32)
+  table = rng.permutation(pages)[: SLOTS * 6].reshape(SLOTS, 6).astype(np.int32)
   lengths = np.array([3, 0, 9])
   width = 7
   new = jnp.asarray(rng.normal(size=(SLOTS, width, kvh, hd)), jnp.float32)
@@ -32,7 +32,7 @@ def test_write_then_gather_is_the_dense_cache_below_each_length():
   view = np.asarray(paged.gather(out, table))  # [B, 24, KVH, hd]
   dense = np.array(paged.gather(leaf, table))
   for b in range(SLOTS):
-    dense[b, lengths[b]:lengths[b] + fed[b]] = np.asarray(new)[b, :fed[b]]
+    dense[b, lengths[b] : lengths[b] + fed[b]] = np.asarray(new)[b, : fed[b]]
   np.testing.assert_array_equal(view, dense)  # padding (past `fed`) was not written
   # Pages no slot names are untouched.
   unused = np.setdiff1d(np.arange(pages), table)
@@ -41,17 +41,22 @@ def test_write_then_gather_is_the_dense_cache_below_each_length():
   stacked = jnp.stack([leaf, leaf + 1.0])
   out1 = paged.write(stacked, new, table, positions, valid, layer=jnp.int32(1))
   np.testing.assert_array_equal(np.asarray(out1[0]), np.asarray(leaf))
-  np.testing.assert_array_equal(np.asarray(paged.gather(out1, table, jnp.int32(1))),
-                                np.asarray(paged.gather(paged.write(leaf + 1.0, new, table,
-                                                                    positions, valid), table)))
+  np.testing.assert_array_equal(
+    np.asarray(paged.gather(out1, table, jnp.int32(1))),
+    np.asarray(paged.gather(paged.write(leaf + 1.0, new, table, positions, valid), table)),
+  )
 
 
 def _steps(slots):
   """Ragged appends: a prefill of ragged prompts (slot 1 empty), a ragged
   chunk, then two one-token decode steps with slot 0 sitting one out."""
   rng = np.random.default_rng(1)
-  fed = [np.array([5, 0, 9, 2]), np.array([6, 3, 1, 7]), np.array([1, 1, 1, 1]),
-         np.array([0, 1, 1, 1])]
+  fed = [
+    np.array([5, 0, 9, 2]),
+    np.array([6, 3, 1, 7]),
+    np.array([1, 1, 1, 1]),
+    np.array([0, 1, 1, 1]),
+  ]
   for n in fed:
     n = n[:slots]
     width = max(int(n.max()), 1)
@@ -88,12 +93,15 @@ def _run(cfg, params, pool_pages=None, slots=3, groups=1):
 
 @pytest.mark.parametrize("variant", ["unscanned", "scanned", "chunked_prefill"])
 def test_paged_decoding_equals_dense_decoding(variant):
-  cfg = {"unscanned": CFG,
-         "scanned": dataclasses.replace(CFG, scan_layers=True, num_layers=3, dense_layers=(0,),
-                                        dense_d_ff=32),
-         "chunked_prefill": dataclasses.replace(CFG, prefill_chunk=4,
-                                                attention_impl="chunked", attention_block=8),
-         }[variant]
+  cfg = {
+    "unscanned": CFG,
+    "scanned": dataclasses.replace(
+      CFG, scan_layers=True, num_layers=3, dense_layers=(0,), dense_d_ff=32
+    ),
+    "chunked_prefill": dataclasses.replace(
+      CFG, prefill_chunk=4, attention_impl="chunked", attention_block=8
+    ),
+  }[variant]
   params = policy.init_params(cfg, jax.random.key(0))
   dense, dense_len = _run(cfg, params)
   paged_out, paged_len = _run(cfg, params, pool_pages=20)
@@ -108,8 +116,11 @@ def test_paged_decoding_under_a_mesh_equals_dense_on_one_device(scanned):
   # Four slots and the pool's pages over "data" (2 groups, local page ids),
   # kv heads and query heads over "tensor": the write and the attention run
   # under shard_map (scanned: on the layer's slice of the stacked pool).
-  cfg = (dataclasses.replace(CFG, scan_layers=True, num_layers=3, dense_layers=(0,),
-                             dense_d_ff=32) if scanned else CFG)
+  cfg = (
+    dataclasses.replace(CFG, scan_layers=True, num_layers=3, dense_layers=(0,), dense_d_ff=32)
+    if scanned
+    else CFG
+  )
   params = policy.init_params(cfg, jax.random.key(0))
   ref, _ = _run(cfg, params, slots=4)  # dense, one device
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "tensor"))

@@ -12,18 +12,22 @@ from sao_jax.models import platforms
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.parametrize("env, libtpu, tpu, gpu, want", [
-    ({}, True, False, False, "cpu"),             # make test's venv on a CPU machine
+@pytest.mark.parametrize(
+  "env, libtpu, tpu, gpu, want",
+  [
+    ({}, True, False, False, "cpu"),  # make test's venv on a CPU machine
     ({"JAX_PLATFORMS": "tpu"}, True, False, False, "tpu"),  # the user's choice wins
     ({"JAX_PLATFORMS": ""}, True, False, False, ""),
-    ({}, False, False, False, None),             # no libtpu: JAX never tries a TPU
-    ({}, True, True, False, None),               # a TPU VM
-    ({}, True, False, True, None),               # a GPU host keeps JAX's default order
-])
+    ({}, False, False, False, None),  # no libtpu: JAX never tries a TPU
+    ({}, True, True, False, None),  # a TPU VM
+    ({}, True, False, True, None),  # a GPU host keeps JAX's default order
+  ],
+)
 def test_cpu_is_chosen_only_where_libtpu_would_fail(env, libtpu, tpu, gpu, want):
   environ = dict(env)
-  changed = platforms.keep_tpu_off_cpu_hosts(environ, libtpu_installed=libtpu,
-                                             tpu_present=tpu, gpu_present=gpu)
+  changed = platforms.keep_tpu_off_cpu_hosts(
+    environ, libtpu_installed=libtpu, tpu_present=tpu, gpu_present=gpu
+  )
   assert environ.get("JAX_PLATFORMS") == want and changed == (want == "cpu" and not env)
 
 
@@ -45,8 +49,14 @@ def test_a_program_started_like_the_launchers_prints_no_tpu_error(tmp_path):
   libtpu's logs, had it started, into tmp_path)."""
   env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
   env.update(TPU_LOG_DIR=str(tmp_path / "tpu_logs"), PYTHONPATH=ROOT)
-  out = subprocess.run([sys.executable, "-c", "import sao_jax, jax; print(jax.devices())"],
-                       env=env, capture_output=True, text=True, timeout=120, check=True)
+  out = subprocess.run(
+    [sys.executable, "-c", "import sao_jax, jax; print(jax.devices())"],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=True,
+  )
   assert "CpuDevice" in out.stdout
   assert "TPU" not in out.stderr and "libtpu" not in out.stderr, out.stderr[-2000:]
   assert not (tmp_path / "tpu_logs").exists()

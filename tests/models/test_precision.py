@@ -14,9 +14,9 @@ import numpy as np
 import optax
 import pytest
 
-from sao_jax.train import train_step as ts
 from sao_jax.models import config as mcfg
 from sao_jax.models import policy
+from sao_jax.train import train_step as ts
 
 FP32 = mcfg.tiny()
 BF16 = dataclasses.replace(FP32, dtype="bfloat16")
@@ -28,12 +28,14 @@ def fixed_batch(cfg, rows=4, length=64, prompt=8):
   action = np.zeros((rows, length), bool)
   action[:, prompt:] = True
   return {
-      "tokens": tokens, "positions": np.broadcast_to(np.arange(length), tokens.shape),
-      "segment_ids": np.ones_like(tokens), "action_mask": action,
-      "rollout_logprobs": np.where(action, -np.log(cfg.vocab_size), 0.0).astype(np.float32),
-      "rewards": np.zeros((rows, length), np.float32),
-      "baseline_advantages": np.where(action, 1.0, 0.0).astype(np.float32),
-      "policy_version": np.zeros_like(tokens),
+    "tokens": tokens,
+    "positions": np.broadcast_to(np.arange(length), tokens.shape),
+    "segment_ids": np.ones_like(tokens),
+    "action_mask": action,
+    "rollout_logprobs": np.where(action, -np.log(cfg.vocab_size), 0.0).astype(np.float32),
+    "rewards": np.zeros((rows, length), np.float32),
+    "baseline_advantages": np.where(action, 1.0, 0.0).astype(np.float32),
+    "policy_version": np.zeros_like(tokens),
   }
 
 
@@ -60,8 +62,7 @@ def test_bf16_compute_runs_the_matmuls_in_bf16():
   hlo = jax.jit(fn).lower(params).as_text()
   assert "bf16" in hlo and float_dtypes(params) == {jnp.dtype(jnp.float32)}
   logp_bf16, _ = jax.jit(fn)(params)
-  logp_fp32, _ = policy.token_logprobs(FP32, params, b["tokens"], b["positions"],
-                                       b["segment_ids"])
+  logp_fp32, _ = policy.token_logprobs(FP32, params, b["tokens"], b["positions"], b["segment_ids"])
   assert logp_bf16.dtype == jnp.float32  # log-probs (and the losses) stay fp32
   np.testing.assert_allclose(logp_bf16, logp_fp32, atol=0.1)
   assert float(jnp.abs(logp_bf16 - logp_fp32).max()) > 0  # not silently fp32
@@ -87,25 +88,29 @@ def test_bf16_rl_step_updates_fp32_params():
   params = policy.init_params(BF16, jax.random.key(0))
   tx = optax.adam(1e-3)
   state = ts.TrainState(jnp.zeros((), jnp.int32), params, {}, tx.init(params), ())
-  step = jax.jit(ts.make_train_step(BF16, ts.StepConfig.of(advantage="group", critic_updates=0),
-                                    tx, optax.identity()))
+  step = jax.jit(
+    ts.make_train_step(
+      BF16, ts.StepConfig.of(advantage="group", critic_updates=0), tx, optax.identity()
+    )
+  )
   new, metrics = step(state, jax.tree.map(jnp.asarray, fixed_batch(BF16)))
   assert int(new.step) == 1 and np.isfinite(float(metrics["policy/loss"]))
   assert float_dtypes(new.policy) == float_dtypes(new.policy_opt) == {jnp.dtype(jnp.float32)}
-  assert any(np.any(np.asarray(a) != np.asarray(b))
-             for a, b in zip(jax.tree.leaves(new.policy), jax.tree.leaves(params)))
+  assert any(
+    np.any(np.asarray(a) != np.asarray(b))
+    for a, b in zip(jax.tree.leaves(new.policy), jax.tree.leaves(params))
+  )
 
 
 # --- every shipped config's steps move its weights (sao_jax/models/precision.py) ----
 
 import functools
 
-from sao_jax.train import configuration
-from sao_jax.train import factories
+from runs import load_config_module, shipped_configs
+
 from sao_jax.algo import optim
 from sao_jax.models import precision
-
-from runs import load_config_module, shipped_configs  # pylint: disable=g-bad-import-order
+from sao_jax.train import configuration, factories
 
 SHIPPED = [n[:-3] for n in shipped_configs()]
 
@@ -124,8 +129,10 @@ def stage_steps(config):
     out += [("sft.lr", lr, "lm"), ("sft.lr floor", precision.schedule_floor(lr, True), "lm")]
   if config.rl.steps:
     lr = config.rl.actor_lr
-    out += [("rl.actor_lr", lr, "lm"),
-            ("rl.actor_lr floor", precision.schedule_floor(lr, True), "lm")]
+    out += [
+      ("rl.actor_lr", lr, "lm"),
+      ("rl.actor_lr floor", precision.schedule_floor(lr, True), "lm"),
+    ]
   if config.rl.steps or config.value_pretrain.steps:
     out.append(("rl.critic_lr", config.rl.critic_lr, "value"))
   return out
@@ -137,10 +144,13 @@ def changed_fraction(cfg, head, lr, clip_norm):
   run's clip) changes, from the fp32 init cast to cfg.param_dtype. The value
   head starts at zero (its body would get no gradient): here it is drawn
   like the other weights."""
-  init = policy.init_params(dataclasses.replace(cfg, param_dtype=jnp.float32),
-                            jax.random.key(0), head)
-  init = jax.tree.map(lambda x: x if np.any(np.asarray(x)) else
-                      0.02 * jax.random.normal(jax.random.key(1), x.shape), init)
+  init = policy.init_params(
+    dataclasses.replace(cfg, param_dtype=jnp.float32), jax.random.key(0), head
+  )
+  init = jax.tree.map(
+    lambda x: x if np.any(np.asarray(x)) else 0.02 * jax.random.normal(jax.random.key(1), x.shape),
+    init,
+  )
   params = jax.tree.map(lambda x: x.astype(cfg.param_dtype), init)
   b = jax.tree.map(jnp.asarray, fixed_batch(cfg))
   m = b["action_mask"]
@@ -179,8 +189,9 @@ def test_each_shipped_config_moves_its_weights_like_fp32_master_weights(name):
     got = changed_fraction(cfg, head, lr, config.rl.clip_norm)
     want = changed_fraction(reference, head, lr, config.rl.clip_norm)
     assert want > 0.9, (field, want)  # the fp32 reference moves (nearly) every weight
-    assert got >= want, f"{name}: {field} = {lr:g} changed {got:.3f} of the weights, " \
-                        f"fp32 master weights {want:.3f}"
+    assert got >= want, (
+      f"{name}: {field} = {lr:g} changed {got:.3f} of the weights, fp32 master weights {want:.3f}"
+    )
 
 
 def test_bf16_params_at_the_pod_lr_fail_the_same_check_and_the_guard():
@@ -192,22 +203,24 @@ def test_bf16_params_at_the_pod_lr_fail_the_same_check_and_the_guard():
   assert want > 0.9 and got < 0.1, (got, want)
   config = load_config("sao_moe")
   config.model.overrides = {"param_dtype": "bfloat16"}
-  with pytest.raises(configuration.ConfigError,
-                     match=r"^rl.actor_lr = 1e-06 \(down to 1e-07 .*bfloat16 params"):
+  with pytest.raises(
+    configuration.ConfigError, match=r"^rl.actor_lr = 1e-06 \(down to 1e-07 .*bfloat16 params"
+  ):
     configuration.validate(config, num_devices=128, num_processes=32, host_devices=4)
 
 
 def test_half_ulp_and_the_guard_threshold():
-  assert precision.half_ulp(jnp.bfloat16, 1.0) == 2.0 ** -8
-  assert precision.half_ulp(jnp.bfloat16, 0.02) == 2.0 ** -14
-  assert precision.half_ulp(jnp.float32, 1.0) == 2.0 ** -24
+  assert precision.half_ulp(jnp.bfloat16, 1.0) == 2.0**-8
+  assert precision.half_ulp(jnp.bfloat16, 0.02) == 2.0**-14
+  assert precision.half_ulp(jnp.float32, 1.0) == 2.0**-24
   # The oracle: adding the threshold to 1.0 in the dtype keeps it only just
   # above it (a tie rounds to even), and just below it rounds away.
   one = jnp.ones((), jnp.bfloat16)
-  assert one + jnp.bfloat16(0.9 * 2.0 ** -8) == one
-  assert one + jnp.bfloat16(1.1 * 2.0 ** -8) != one
+  assert one + jnp.bfloat16(0.9 * 2.0**-8) == one
+  assert one + jnp.bfloat16(1.1 * 2.0**-8) != one
   assert precision.updates_lost(jnp.bfloat16, 3e-3) and not precision.updates_lost(
-      jnp.bfloat16, 4e-3)
+    jnp.bfloat16, 4e-3
+  )
   assert precision.check_updates_kept(jnp.float32, {"rl.actor_lr": (1e-6, 1e-7)}) is None
   assert precision.check_updates_kept(jnp.float32, {"rl.actor_lr": (1e-7, 1e-8)})
 
@@ -230,7 +243,7 @@ def test_the_engine_serves_a_bf16_copy_with_the_trainers_forward(hybrid):
   precise than the engine's (the gap is asserted too, so this records it).
   `hybrid`: the Qwen3.5-style toy, whose DeltaNet decay, conv and
   zero-centred norms cast too."""
-  cfg = (dataclasses.replace(mcfg.tiny_hybrid(), dtype="bfloat16") if hybrid else BF16)
+  cfg = dataclasses.replace(mcfg.tiny_hybrid(), dtype="bfloat16") if hybrid else BF16
   params = policy.init_params(cfg, jax.random.key(1))
   served = precision.cast_for_serving(cfg, params)
   assert float_dtypes(served) == {jnp.dtype(jnp.bfloat16)}
@@ -245,13 +258,13 @@ def test_the_engine_serves_a_bf16_copy_with_the_trainers_forward(hybrid):
   np.testing.assert_array_equal(np.asarray(engine), np.asarray(trainer))
   gap = np.abs(np.asarray(trainer_fn(params)) - np.asarray(engine_fn(served))).max()
   assert 0 < gap < 0.05, gap
-  assert precision.serving_bytes(cfg, params) * 2 == sum(
-      x.nbytes for x in jax.tree.leaves(params))
+  assert precision.serving_bytes(cfg, params) * 2 == sum(x.nbytes for x in jax.tree.leaves(params))
 
 
 def test_an_engine_holds_and_restores_into_the_compute_dtype():
-  from sao_jax.config import sections  # pylint: disable=g-import-not-at-top
-  from sao_jax.rollout.engine import PolicyEngine  # pylint: disable=g-import-not-at-top
+  from sao_jax.config import sections
+  from sao_jax.rollout.engine import PolicyEngine
+
   params = policy.init_params(BF16, jax.random.key(2))
   engine = PolicyEngine(BF16, params, sections.Rollout(slots=2, max_len=64))
   assert float_dtypes(engine.params) == {jnp.dtype(jnp.bfloat16)}

@@ -16,16 +16,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fakes import EchoEnv, random_params
 
+from sao_jax.algo.optim import param_path
 from sao_jax.config import sections
+from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import config as mcfg
 from sao_jax.models import hf_export, hf_import, policy, routing
-from sao_jax.algo.optim import param_path
 from sao_jax.models.transformer import Transformer
 from sao_jax.rollout.driver import RolloutDriver
 from sao_jax.rollout.engine import PolicyEngine
-from sao_jax.envs.tokenizer import CharTokenizer
-from fakes import EchoEnv, random_params  # pylint: disable=g-bad-import-order
 
 torch = pytest.importorskip("torch", reason="the 'parity' extra (make test installs it)")
 transformers = pytest.importorskip("transformers")
@@ -33,18 +33,35 @@ transformers = pytest.importorskip("transformers")
 # Tiny text configs as transformers writes them: 8 layers, the releases'
 # [linear x3, full] pattern (full_attention_interval 4), a quarter of each
 # head rotary, value heads twice the key heads.
-TEXT = dict(vocab_size=96, hidden_size=48, num_hidden_layers=8, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=256,
-            linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=12,
-            linear_num_key_heads=2, linear_num_value_heads=4,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                             "partial_rotary_factor": 0.25})
+TEXT = dict(
+  vocab_size=96,
+  hidden_size=48,
+  num_hidden_layers=8,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  head_dim=16,
+  rms_norm_eps=1e-6,
+  max_position_embeddings=256,
+  linear_conv_kernel_dim=4,
+  linear_key_head_dim=8,
+  linear_value_head_dim=12,
+  linear_num_key_heads=2,
+  linear_num_value_heads=4,
+  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+)
 KINDS = {
-    "dense": lambda: transformers.Qwen3_5ForCausalLM(
-        transformers.Qwen3_5TextConfig(**TEXT, intermediate_size=80)),
-    "moe": lambda: transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(
-        **TEXT, moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=4,
-        num_experts_per_tok=2)),
+  "dense": lambda: transformers.Qwen3_5ForCausalLM(
+    transformers.Qwen3_5TextConfig(**TEXT, intermediate_size=80)
+  ),
+  "moe": lambda: transformers.Qwen3_5MoeForCausalLM(
+    transformers.Qwen3_5MoeTextConfig(
+      **TEXT,
+      moe_intermediate_size=24,
+      shared_expert_intermediate_size=40,
+      num_experts=4,
+      num_experts_per_tok=2,
+    )
+  ),
 }
 # The chunked delta rule and transformers' torch reference sum in other orders.
 TOL = dict(atol=3e-4, rtol=1e-4)
@@ -81,8 +98,8 @@ def _params(cfg, scale, seed):
   near 0, as trained ones are (y = x_hat * (1 + w))."""
   params = random_params(cfg, scale, seed)
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: x - 1.0 if param_path(path).endswith("norm/scale")
-      else x, params)
+    lambda path, x: x - 1.0 if param_path(path).endswith("norm/scale") else x, params
+  )
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -106,7 +123,11 @@ def test_config_and_logits_match_transformers_unscanned_and_scanned(saved):
   assert cfg.family == ("qwen3_5_moe" if moe else "qwen3_5")
   assert cfg.attention_kinds == ("linear", "linear", "linear", "gated_full") * 2
   assert (cfg.rotary_dims, cfg.zero_centered_norm, cfg.scan_prefix, cfg.scan_period) == (
-      4, True, 0, 4)
+    4,
+    True,
+    0,
+    4,
+  )
   assert {s.mlp for s in cfg.layer_specs} == {"moe_shared" if moe else "dense"}
   params = hf_import.load_hf_checkpoint(str(path), cfg)
   # 70 tokens: two chunks of the delta rule and a partial third.
@@ -132,11 +153,13 @@ def test_export_loads_in_transformers_with_equal_logits(saved, tmp_path):
   written = json.loads((tmp_path / "out" / "config.json").read_text())
   assert written["model_type"] == model.config.model_type
   back = transformers.AutoModelForCausalLM.from_pretrained(
-      str(tmp_path / "out"), dtype=torch.float32).eval()
+    str(tmp_path / "out"), dtype=torch.float32
+  ).eval()
   assert type(back).__name__ == type(model).__name__
   tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 40))
-  np.testing.assert_allclose(_logits(cfg, params, jnp.asarray(tokens)),
-                             _reference(back, tokens), **TOL)
+  np.testing.assert_allclose(
+    _logits(cfg, params, jnp.asarray(tokens)), _reference(back, tokens), **TOL
+  )
 
 
 def test_a_multimodal_release_imports_its_text_model(saved, tmp_path):
@@ -147,8 +170,12 @@ def test_a_multimodal_release_imports_its_text_model(saved, tmp_path):
   cfg = hf_import.config_from_hf(str(path))
   hf = json.loads((path / "config.json").read_text())
   moe = hf["model_type"] == "qwen3_5_moe_text"
-  nested = {"model_type": "qwen3_5_moe" if moe else "qwen3_5", "tie_word_embeddings": False,
-            "text_config": hf, "vision_config": {"depth": 1}}
+  nested = {
+    "model_type": "qwen3_5_moe" if moe else "qwen3_5",
+    "tie_word_embeddings": False,
+    "text_config": hf,
+    "vision_config": {"depth": 1},
+  }
   (tmp_path / "config.json").write_text(json.dumps(nested))
   tensors = {}
   for k, v in model.state_dict().items():
@@ -156,23 +183,26 @@ def test_a_multimodal_release_imports_its_text_model(saved, tmp_path):
     tensors[name] = v.contiguous()
   tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
   tensors["mtp.fc.weight"] = torch.ones(4, 4)
-  from safetensors.torch import save_file  # pylint: disable=g-import-not-at-top
+  from safetensors.torch import save_file
+
   save_file(tensors, str(tmp_path / "model.safetensors"))
   assert hf_import.config_from_hf(str(tmp_path)) == cfg
   params = hf_import.load_hf_checkpoint(str(tmp_path), cfg)
-  jax.tree.map(np.testing.assert_array_equal, params,
-               hf_import.load_hf_checkpoint(str(path), cfg))
+  jax.tree.map(np.testing.assert_array_equal, params, hf_import.load_hf_checkpoint(str(path), cfg))
   assert hf_import.mtp_tensors(str(tmp_path)) == ["mtp.fc.weight"]
   # An export carries the MTP head over unchanged (bytes and dtype as
   # stored), and transformers still loads the text model from it.
   out = tmp_path / "export"
-  stats = hf_export.export_params(params, cfg, str(out), dtype="float32",
-                                  carry=(str(tmp_path), ["mtp.fc.weight"]))
+  stats = hf_export.export_params(
+    params, cfg, str(out), dtype="float32", carry=(str(tmp_path), ["mtp.fc.weight"])
+  )
   assert hf_export.CARRIED in stats["files"]
   index = json.loads((out / "model.safetensors.index.json").read_text())
   assert index["weight_map"]["mtp.fc.weight"] == hf_export.CARRIED
-  np.testing.assert_array_equal(hf_import._Reader(str(out)).get("mtp.fc.weight"),  # pylint: disable=protected-access
-                                np.ones((4, 4), np.float32))
+  np.testing.assert_array_equal(
+    hf_import._Reader(str(out)).get("mtp.fc.weight"),
+    np.ones((4, 4), np.float32),
+  )
   back = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
   assert type(back).__name__ == type(model).__name__
 
@@ -187,16 +217,22 @@ def test_packed_rows_leak_no_state_across_segments():
   tokens = np.concatenate([a, b, np.zeros(6, int)])[None]
   seg = np.concatenate([np.ones(37), 2 * np.ones(21), np.zeros(6)]).astype(np.int32)[None]
   pos = np.concatenate([np.arange(37), np.arange(21), np.zeros(6)]).astype(np.int32)[None]
-  packed = np.asarray(_logits(cfg, params, jnp.asarray(tokens), jnp.asarray(seg),
-                              jnp.asarray(pos)))
+  packed = np.asarray(_logits(cfg, params, jnp.asarray(tokens), jnp.asarray(seg), jnp.asarray(pos)))
   for x, sl in ((a, slice(0, 37)), (b, slice(37, 58))):
     # Alone in a row of the same width (one compile), padding after it.
     row = np.zeros((1, 64), int)
-    row[0, :len(x)] = x
+    row[0, : len(x)] = x
     alone_seg = (np.arange(64) < len(x)).astype(np.int32)[None]
-    alone = np.asarray(_logits(cfg, params, jnp.asarray(row), jnp.asarray(alone_seg),
-                               jnp.asarray(np.arange(64)[None] * alone_seg)))
-    np.testing.assert_allclose(packed[0, sl], alone[0, :len(x)], atol=1e-5, rtol=1e-5)
+    alone = np.asarray(
+      _logits(
+        cfg,
+        params,
+        jnp.asarray(row),
+        jnp.asarray(alone_seg),
+        jnp.asarray(np.arange(64)[None] * alone_seg),
+      )
+    )
+    np.testing.assert_allclose(packed[0, sl], alone[0, : len(x)], atol=1e-5, rtol=1e-5)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -204,8 +240,7 @@ def _routed(cfg, params, tokens, replay):
   """(the routing collected [M, B, L, k], logits, logits replaying `replay`)."""
   pos, seg = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape), jnp.ones_like(tokens)
   model = Transformer(cfg)
-  (logits, _), state = model.apply({"params": params}, tokens, pos, seg,
-                                   mutable=["intermediates"])
+  (logits, _), state = model.apply({"params": params}, tokens, pos, seg, mutable=["intermediates"])
   chosen = routing.collect(cfg, state["intermediates"], *tokens.shape)
   return chosen, logits, model.apply({"params": params}, tokens, pos, seg, routing=replay)[0]
 
@@ -237,13 +272,11 @@ def test_engine_logprobs_equal_teacher_forced_for_the_hybrid(kv_cache):
   one max_len trajectory, so slots wait, are preempted and re-fed, and the
   swap keeps the states ("keep")."""
   tok = CharTokenizer()
-  cfg = dataclasses.replace(mcfg.tiny_hybrid(tok.vocab_size), scan_layers=True,
-                            prefill_chunk=16)
+  cfg = dataclasses.replace(mcfg.tiny_hybrid(tok.vocab_size), scan_layers=True, prefill_chunk=16)
   params = {0: _params(cfg, 0.1, seed=0), 1: _params(cfg, 0.1, seed=1)}
   kw = dict(max_turn_tokens=6)
   if kv_cache == "paged":
-    kw = dict(kv_cache="paged", page_size=8, kv_pages=12, max_turn_tokens=16,
-              swap_policy="keep")
+    kw = dict(kv_cache="paged", page_size=8, kv_pages=12, max_turn_tokens=16, swap_policy="keep")
   rollout = sections.Rollout(slots=3, max_len=96, decode_steps=4, **kw)
   engine = PolicyEngine(cfg, params[0], rollout, seed=3)
   out = []
@@ -254,7 +287,7 @@ def test_engine_logprobs_equal_teacher_forced_for_the_hybrid(kv_cache):
     if len(out) == 2:
       driver.update_params(params[1], 1)
 
-  driver._emit = emit  # pylint: disable=protected-access
+  driver._emit = emit
   driver.run(max_trajectories=6)
   logprobs = jax.jit(policy.token_logprobs, static_argnums=0)
   checked = 0
@@ -264,11 +297,9 @@ def test_engine_logprobs_equal_teacher_forced_for_the_hybrid(kv_cache):
     tokens[0, :n] = t.tokens
     segments = (np.arange(rollout.max_len) < n).astype(np.int32)[None]
     for version in set(t.policy_version[t.action_mask].tolist()):
-      lp, _ = logprobs(cfg, params[version], tokens, np.arange(rollout.max_len)[None],
-                       segments)
+      lp, _ = logprobs(cfg, params[version], tokens, np.arange(rollout.max_len)[None], segments)
       sel = t.action_mask & (t.policy_version == version)
-      np.testing.assert_allclose(np.asarray(lp)[0, :n][sel], t.rollout_logprobs[sel],
-                                 atol=2e-4)
+      np.testing.assert_allclose(np.asarray(lp)[0, :n][sel], t.rollout_logprobs[sel], atol=2e-4)
       checked += int(sel.sum())
   assert checked > 30 and driver.stats.param_swaps == 1
   if kv_cache == "paged":
@@ -279,15 +310,30 @@ def test_the_critic_of_the_hybrid_freezes_every_token_mixer():
   """The paper's frozen critic attention covers the Gated DeltaNet layers too
   (their projections, conv, decay and output norm), in the periodic scan's
   "layers/sub_r" layout; the MoE, its shared expert and the norms train."""
-  from sao_jax.algo import optim  # pylint: disable=g-import-not-at-top
+  from sao_jax.algo import optim
+
   cfg = dataclasses.replace(mcfg.tiny_hybrid(), scan_layers=True)
   value = jax.eval_shape(lambda: policy.init_params(cfg, jax.random.key(0), "value"))
-  labels = {optim.param_path(p): l for p, l in jax.tree_util.tree_flatten_with_path(
-      optim.partition_labels(value, optim.CRITIC_FREEZE_RULES))[0]}
+  labels = {
+    optim.param_path(p): l
+    for p, l in jax.tree_util.tree_flatten_with_path(
+      optim.partition_labels(value, optim.CRITIC_FREEZE_RULES)
+    )[0]
+  }
   frozen = {n for n, l in labels.items() if l == optim.FREEZE}
-  assert {"layers/sub_0/attn/conv_q", "layers/sub_0/attn/a_log", "layers/sub_0/attn/norm",
-          "layers/sub_1/attn/q", "layers/sub_1/attn_norm/scale", "embed"} <= frozen
+  assert {
+    "layers/sub_0/attn/conv_q",
+    "layers/sub_0/attn/a_log",
+    "layers/sub_0/attn/norm",
+    "layers/sub_1/attn/q",
+    "layers/sub_1/attn_norm/scale",
+    "embed",
+  } <= frozen
   trained = {n for n, l in labels.items() if l == optim.TRAIN}
-  assert {"layers/sub_0/moe/shared/wi_gate", "layers/sub_1/moe/shared_gate",
-          "layers/sub_0/mlp_norm/scale", "value_head"} <= trained
+  assert {
+    "layers/sub_0/moe/shared/wi_gate",
+    "layers/sub_1/moe/shared_gate",
+    "layers/sub_0/mlp_norm/scale",
+    "value_head",
+  } <= trained
   assert not [n for n in trained if "/attn" in n]

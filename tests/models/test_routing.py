@@ -17,8 +17,9 @@ B, L = 2, 10
 
 def _cfg(**kw):
   # A dense layer 0 (as Qwen's mlp_only layers), then two MoE layers; 8 experts, top-2.
-  return dataclasses.replace(mcfg.tiny(64), num_layers=3, dense_layers=(0,), dense_d_ff=64,
-                             num_experts=8, **kw)
+  return dataclasses.replace(
+    mcfg.tiny(64), num_layers=3, dense_layers=(0,), dense_d_ff=64, num_experts=8, **kw
+  )
 
 
 def _inputs(cfg, seed=1):
@@ -31,9 +32,10 @@ def _forward(cfg, params, tokens, positions, segments, replay=None):
   @jax.jit
   def run(params, replay):
     (logits, _), state = Transformer(cfg, "lm").apply(
-        {"params": params}, tokens, positions, segments, routing=replay,
-        mutable=["intermediates"])
+      {"params": params}, tokens, positions, segments, routing=replay, mutable=["intermediates"]
+    )
     return logits, routing.collect(cfg, state["intermediates"], B, L)
+
   return run(params, replay)
 
 
@@ -61,14 +63,16 @@ def test_replayed_experts_are_the_ones_used(impl):
   x = jax.random.normal(jax.random.PRNGKey(3), (B, L, cfg.d_model))
   mask = jnp.ones((B, L), bool)
   params = nn.meta.unbox(MoE(cfg).init(jax.random.PRNGKey(4), x, mask)["params"])
-  own_top = jax.lax.top_k(jax.nn.softmax(x.reshape(-1, cfg.d_model) @ params["router"]),
-                          cfg.experts_per_token)[1]
+  own_top = jax.lax.top_k(
+    jax.nn.softmax(x.reshape(-1, cfg.d_model) @ params["router"]), cfg.experts_per_token
+  )[1]
   forced = (own_top + 3) % cfg.num_experts  # none of the router's choices survive... mostly
   out, _ = MoE(cfg).apply({"params": params}, x, mask, forced.reshape(B, L, -1))
 
   xf = np.asarray(x.reshape(-1, cfg.d_model), np.float64)
-  probs = np.asarray(jax.nn.softmax(jnp.asarray(xf @ np.asarray(params["router"]),
-                                                jnp.float32)), np.float64)
+  probs = np.asarray(
+    jax.nn.softmax(jnp.asarray(xf @ np.asarray(params["router"]), jnp.float32)), np.float64
+  )
   want = np.zeros_like(xf)
   silu = lambda v: v / (1 + np.exp(-v))
   for n in range(xf.shape[0]):
@@ -77,8 +81,7 @@ def test_replayed_experts_are_the_ones_used(impl):
     for g, e in zip(gates, chosen):
       h = silu(xf[n] @ np.asarray(params["wi_gate"][e])) * (xf[n] @ np.asarray(params["wi_up"][e]))
       want[n] += g * (h @ np.asarray(params["wo"][e]))
-  np.testing.assert_allclose(np.asarray(out).reshape(-1, cfg.d_model), want, rtol=2e-4,
-                             atol=2e-5)
+  np.testing.assert_allclose(np.asarray(out).reshape(-1, cfg.d_model), want, rtol=2e-4, atol=2e-5)
   plain, _ = MoE(cfg).apply({"params": params}, x, mask)
   assert not np.allclose(np.asarray(plain), np.asarray(out), atol=1e-4)
 
@@ -87,19 +90,25 @@ def _decode_logprobs(cfg, params, tokens, replay):
   """The engine's way: the first token as a prefill, then one token a step against
   the KV cache, each step replaying its own column of `replay`; log-probs of
   tokens[:, 1:] under the logits that preceded them."""
+
   @jax.jit
   def step(cache, tok, t, replay_t):
     logits, aux = Transformer(cfg, "lm").apply(
-        {"params": params}, tok, jnp.full((B, 1), t), jnp.ones_like(tok), cache=cache,
-        routing=replay_t)
+      {"params": params},
+      tok,
+      jnp.full((B, 1), t),
+      jnp.ones_like(tok),
+      cache=cache,
+      routing=replay_t,
+    )
     return logits, aux["cache"]
 
   cache = init_cache(cfg, B, L)
   out = []
   for t in range(L - 1):
-    logits, cache = step(cache, tokens[:, t:t + 1], t, replay[:, :, t:t + 1])
+    logits, cache = step(cache, tokens[:, t : t + 1], t, replay[:, :, t : t + 1])
     logp = jax.nn.log_softmax(logits[:, 0])
-    out.append(jnp.take_along_axis(logp, tokens[:, t + 1:t + 2], -1)[:, 0])
+    out.append(jnp.take_along_axis(logp, tokens[:, t + 1 : t + 2], -1)[:, 0])
   return jnp.stack(out, 1)
 
 
@@ -114,8 +123,9 @@ def test_trainer_with_the_engine_routing_matches_the_engine(scan):
   _, own = _forward(cfg, params, tokens, positions, segments)
   engine_routing = (own + 1) % cfg.num_experts
   engine = _decode_logprobs(cfg, params, tokens, engine_routing)
-  logprobs = jax.jit(lambda r: policy.token_logprobs(cfg, params, tokens, positions, segments,
-                                                     routing=r)[0])
+  logprobs = jax.jit(
+    lambda r: policy.token_logprobs(cfg, params, tokens, positions, segments, routing=r)[0]
+  )
   replayed, plain = logprobs(engine_routing), logprobs(None)
   np.testing.assert_allclose(np.asarray(replayed[:, 1:]), np.asarray(engine), atol=2e-5)
   assert np.abs(np.asarray(plain[:, 1:]) - np.asarray(engine)).max() > 1e-3

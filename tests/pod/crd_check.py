@@ -30,8 +30,11 @@ def _strict(node):
   """additionalProperties: false wherever an object lists its properties."""
   if isinstance(node, dict):
     node = {k: _strict(v) for k, v in node.items()}
-    if ("properties" in node and "additionalProperties" not in node
-        and not node.get("x-kubernetes-preserve-unknown-fields")):
+    if (
+      "properties" in node
+      and "additionalProperties" not in node
+      and not node.get("x-kubernetes-preserve-unknown-fields")
+    ):
       node["additionalProperties"] = False
     return node
   if isinstance(node, list):
@@ -39,11 +42,11 @@ def _strict(node):
   return node
 
 
-def _model(validator, model, instance, schema):  # pylint: disable=unused-argument
+def _model(validator, model, instance, schema):
   api = client.ApiClient()
   try:
-    obj = api._ApiClient__deserialize(instance, model)  # pylint: disable=protected-access
-  except Exception as e:  # pylint: disable=broad-except
+    obj = api._ApiClient__deserialize(instance, model)
+  except Exception as e:  # noqa: BLE001
     yield jsonschema.ValidationError(f"not a {model}: {e}")
     return
   back = api.sanitize_for_serialization(obj)
@@ -69,8 +72,11 @@ Validator = jsonschema.validators.extend(jsonschema.Draft7Validator, {"x-k8s-mod
 def errors(manifest: dict, schema_file: str) -> list[str]:
   """Every way `manifest` breaks the CRD of `schema_file` (empty: none)."""
   crd = load(schema_file)
-  out = [] if (manifest.get("apiVersion"), manifest.get("kind")) == (
-      crd["apiVersion"], crd["kind"]) else [f"not a {crd['kind']} {crd['apiVersion']}"]
+  out = (
+    []
+    if (manifest.get("apiVersion"), manifest.get("kind")) == (crd["apiVersion"], crd["kind"])
+    else [f"not a {crd['kind']} {crd['apiVersion']}"]
+  )
   validator = Validator(_strict(crd["schema"]))
   for e in validator.iter_errors(manifest):
     out.append(f"{'/'.join(str(p) for p in e.absolute_path)}: {e.message}")

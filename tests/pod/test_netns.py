@@ -16,8 +16,7 @@ import subprocess
 import sys
 
 import pytest
-
-import runs  # pylint: disable=g-bad-import-order
+import runs
 
 TOKEN = b"inner"
 
@@ -106,8 +105,9 @@ def listening_here() -> set[int]:
 
 
 def test_loopback_is_refused_where_the_job_needs_the_network():
-  from sao_jax.config import sections  # pylint: disable=g-import-not-at-top
-  from sao_jax.pod import netns  # pylint: disable=g-import-not-at-top
+  from sao_jax.config import sections
+  from sao_jax.pod import netns
+
   netns.check(None, "/tmp/run")
   for address, workdir in (("auto", "/tmp/run"), (None, "gs://bucket/run")):
     with pytest.raises(sections.ConfigError, match=r"^--ray_loopback: a local Ray instance "):
@@ -115,8 +115,14 @@ def test_loopback_is_refused_where_the_job_needs_the_network():
 
 
 def test_a_server_on_every_interface_in_the_namespace_answers_only_its_loopback():
-  proc = subprocess.Popen([sys.executable, "-c", SERVER], cwd=runs.ROOT, env=runs.child_env(1),
-                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+  proc = subprocess.Popen(
+    [sys.executable, "-c", SERVER],
+    cwd=runs.ROOT,
+    env=runs.child_env(1),
+    stdin=subprocess.PIPE,
+    stdout=subprocess.PIPE,
+    text=True,
+  )
   try:
     report = json.loads(proc.stdout.readline())
     if "error" in report:
@@ -132,9 +138,15 @@ def local_ray(loopback: bool) -> tuple[dict, list[int]]:
   """(what a local Ray instance's driver reports, its ports a connection from
   outside its namespace reaches)."""
   outside = listening_here()
-  proc = subprocess.Popen([sys.executable, "-c", RAY, "1" if loopback else "0"], cwd=runs.ROOT,
-                          env=runs.child_env(1), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                          stderr=subprocess.DEVNULL, text=True)
+  proc = subprocess.Popen(
+    [sys.executable, "-c", RAY, "1" if loopback else "0"],
+    cwd=runs.ROOT,
+    env=runs.child_env(1),
+    stdin=subprocess.PIPE,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.DEVNULL,
+    text=True,
+  )
   try:
     line = proc.stdout.readline()
     while line and not line.startswith("{"):
@@ -159,8 +171,9 @@ def local_ray(loopback: bool) -> tuple[dict, list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                    reason="NOT TESTED: Ray is not installed (pod extra)")
+@pytest.mark.skipif(
+  importlib.util.find_spec("ray") is None, reason="NOT TESTED: Ray is not installed (pod extra)"
+)
 def test_local_ray_with_loopback_is_unreachable_from_outside_its_namespace():
   own = os.readlink("/proc/self/ns/net")
   report, _ = local_ray(loopback=True)

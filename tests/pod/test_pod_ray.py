@@ -20,29 +20,47 @@ import subprocess
 import sys
 
 import pytest
+import runs
 
 from sao_jax.data.checkpoint import committed_checkpoints
 
-import runs  # pylint: disable=g-bad-import-order
-
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                                reason="NOT TESTED: Ray is not installed (pod extra)")
+pytestmark = pytest.mark.skipif(
+  importlib.util.find_spec("ray") is None, reason="NOT TESTED: Ray is not installed (pod extra)"
+)
 
 RL_STEPS = 12
 HANG_GUARD_S = 900
 FLAGS = (
-    "--config.rl.mode=fleet", "--config.sft.steps=2", "--config.sft.batch_size=8",
-    "--config.value_pretrain.steps=1", "--config.value_pretrain.num_trajectories=8",
-    f"--config.rl.steps={RL_STEPS}", "--config.rl.batch_size=8", "--config.rollout.slots=8",
-    "--config.rollout.max_len=128", "--config.eval.num_tasks=2", "--config.eval.slots=2",
-    "--config.log_every=1", "--config.checkpoint.every=2", "--config.tensorboard=False",
-    "--config.fleet.shard_trajectories=4", "--config.fleet.shard_seconds=2.0",
-    "--config.fleet.poll_seconds=0.2",
+  "--config.rl.mode=fleet",
+  "--config.sft.steps=2",
+  "--config.sft.batch_size=8",
+  "--config.value_pretrain.steps=1",
+  "--config.value_pretrain.num_trajectories=8",
+  f"--config.rl.steps={RL_STEPS}",
+  "--config.rl.batch_size=8",
+  "--config.rollout.slots=8",
+  "--config.rollout.max_len=128",
+  "--config.eval.num_tasks=2",
+  "--config.eval.slots=2",
+  "--config.log_every=1",
+  "--config.checkpoint.every=2",
+  "--config.tensorboard=False",
+  "--config.fleet.shard_trajectories=4",
+  "--config.fleet.shard_seconds=2.0",
+  "--config.fleet.poll_seconds=0.2",
 )
-SIZES = [(1, 1), pytest.param(2, 2, marks=pytest.mark.skipif(
-    os.environ.get("SAO_FULL_POD_TEST") != "1",
-    reason="NOT RUN by default (two trainer processes and two rollout hosts take about twice "
-    "the CPU of the 1 + 1 case): SAO_FULL_POD_TEST=1 runs it"))]
+SIZES = [
+  (1, 1),
+  pytest.param(
+    2,
+    2,
+    marks=pytest.mark.skipif(
+      os.environ.get("SAO_FULL_POD_TEST") != "1",
+      reason="NOT RUN by default (two trainer processes and two rollout hosts take about twice "
+      "the CPU of the 1 + 1 case): SAO_FULL_POD_TEST=1 runs it",
+    ),
+  ),
+]
 
 
 def rl_steps(workdir):
@@ -50,8 +68,9 @@ def rl_steps(workdir):
   if not os.path.exists(path):
     return []
   with open(path, encoding="utf-8") as f:
-    return [json.loads(line)["step"] for line in f
-            if line.endswith("\n") and '"stage": "rl"' in line]
+    return [
+      json.loads(line)["step"] for line in f if line.endswith("\n") and '"stage": "rl"' in line
+    ]
 
 
 def rl_checkpoints(workdir):
@@ -63,15 +82,23 @@ def rl_checkpoints(workdir):
 def test_pod_job_survives_a_dead_rollout_host_and_a_dead_trainer(tmp_path, trainers, rollouts):
   workdir = str(tmp_path / "run")
   devices = 8 // trainers
-  cmd = [sys.executable, os.path.join(runs.ROOT, "launch", "pod.py"),
-         f"--config={os.path.join(runs.ROOT, 'configs', 'sao_tiny.py')}", f"--workdir={workdir}",
-         f"--config.pod.trainer_hosts={trainers}", f"--config.pod.rollout_hosts={rollouts}",
-         "--config.pod.host_env={'XLA_FLAGS': '--xla_force_host_platform_device_count="
-         f"{devices}', 'JAX_PLATFORMS': 'cpu'}}", "--config.sharding.mesh={'data': 8}", *FLAGS]
+  cmd = [
+    sys.executable,
+    os.path.join(runs.ROOT, "launch", "pod.py"),
+    f"--config={os.path.join(runs.ROOT, 'configs', 'sao_tiny.py')}",
+    f"--workdir={workdir}",
+    f"--config.pod.trainer_hosts={trainers}",
+    f"--config.pod.rollout_hosts={rollouts}",
+    "--config.pod.host_env={'XLA_FLAGS': '--xla_force_host_platform_device_count="
+    f"{devices}', 'JAX_PLATFORMS': 'cpu'}}",
+    "--config.sharding.mesh={'data': 8}",
+    *FLAGS,
+  ]
   log_path = tmp_path / "pod.log"
   with open(log_path, "w", encoding="utf-8") as log:
-    proc = subprocess.Popen(cmd, cwd=runs.ROOT, env=runs.child_env(1), stdout=log,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+      cmd, cwd=runs.ROOT, env=runs.child_env(1), stdout=log, stderr=subprocess.STDOUT
+    )
 
   def text():
     return log_path.read_text(encoding="utf-8", errors="replace")
@@ -80,8 +107,14 @@ def test_pod_job_survives_a_dead_rollout_host_and_a_dead_trainer(tmp_path, train
     return int(re.findall(rf"^\[pod\] {host} started \(pid (\d+)\)$", text(), re.M)[-1])
 
   def wait_for(what, condition):
-    runs.wait_for(what, condition, {"launch/pod.py": proc}, HANG_GUARD_S,
-                  tail=lambda name: text()[-4000:], poll_s=0.2)
+    runs.wait_for(
+      what,
+      condition,
+      {"launch/pod.py": proc},
+      HANG_GUARD_S,
+      tail=lambda name: text()[-4000:],
+      poll_s=0.2,
+    )
 
   try:
     wait_for("an RL step", lambda: rl_steps(workdir))
@@ -99,8 +132,10 @@ def test_pod_job_survives_a_dead_rollout_host_and_a_dead_trainer(tmp_path, train
 
   out = text()
   assert "[pod] rollout0 failed (killed by signal 9): restarting it (1 of 10)" in out
-  assert (f"[pod] trainer{trainers - 1} failed (killed by signal 9): restarting the trainer "
-          "group from its last checkpoint (1 of 3)") in out
+  assert (
+    f"[pod] trainer{trainers - 1} failed (killed by signal 9): restarting the trainer "
+    "group from its last checkpoint (1 of 3)"
+  ) in out
   assert "[pod] job finished: 1 trainer group restarts, 1 rollout host restarts" in out
   # Every host's lines reach the driver, named.
   assert "[trainer0] [sft] 1/2" in out and "[rollout0] [rollout rollout0]" in out

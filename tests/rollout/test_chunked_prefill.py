@@ -17,17 +17,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fakes import random_params
 
 from sao_jax.config import sections
 from sao_jax.models import attention, decoding, policy
 from sao_jax.models import config as mcfg
 from sao_jax.rollout import engine as engine_lib
 
-from fakes import random_params  # pylint: disable=g-bad-import-order
-
 # One dense layer, then two MoE layers (the scanned run), as in test_model_scale.
-REF = dataclasses.replace(mcfg.tiny(), d_model=32, num_heads=4, num_kv_heads=2, head_dim=8,
-                          moe_d_ff=32, num_layers=3, dense_layers=(0,), dense_d_ff=48)
+REF = dataclasses.replace(
+  mcfg.tiny(),
+  d_model=32,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=8,
+  moe_d_ff=32,
+  num_layers=3,
+  dense_layers=(0,),
+  dense_d_ff=48,
+)
 # Chunks of 4 new tokens, cache key blocks of 3: neither divides the widths.
 CHUNKED = dataclasses.replace(REF, attention_impl="chunked", attention_block=3, prefill_chunk=4)
 SCAN_CHUNKED = dataclasses.replace(CHUNKED, scan_layers=True, remat="full")
@@ -74,10 +82,10 @@ def _cache_leaves(cfg, cache):
   """Per-layer [B, S, KVH, hd] k / v arrays, whatever the layout."""
   if not cfg.scan_layers:
     return [(c["k"], c["v"]) for c in cache]
-  out = [(cache[f"layer_{i}"]["k"], cache[f"layer_{i}"]["v"])
-         for i in range(len(cfg.dense_layers))]
-  return out + [(cache["layers"]["k"][i], cache["layers"]["v"][i])
-                for i in range(cfg.num_scanned_layers)]
+  out = [(cache[f"layer_{i}"]["k"], cache[f"layer_{i}"]["v"]) for i in range(len(cfg.dense_layers))]
+  return out + [
+    (cache["layers"]["k"][i], cache["layers"]["v"][i]) for i in range(cfg.num_scanned_layers)
+  ]
 
 
 @pytest.mark.parametrize("cfg", [CHUNKED, SCAN_CHUNKED], ids=["unscanned", "scanned"])

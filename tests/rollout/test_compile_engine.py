@@ -17,9 +17,8 @@ import numpy as np
 import pytest
 
 from sao_jax.config import sections
-from sao_jax.models import sharding
 from sao_jax.models import config as mcfg
-from sao_jax.models import paged
+from sao_jax.models import paged, sharding
 from sao_jax.rollout import kv_cache, layout
 from sao_jax.rollout import programs as programs_lib
 from sao_jax.rollout import sampling as sampling_lib
@@ -91,14 +90,15 @@ def test_the_tpu_form_of_page_writes_and_gathers_is_the_cpu_form():
   rng = np.random.default_rng(0)
   kvh, hd, pages, page, slots, width = 2, 8, 20, 4, 3, 7
   leaf = jnp.asarray(rng.normal(size=(kvh, pages, page, hd)), jnp.float32)
-  table = rng.permutation(pages)[:slots * 6].reshape(slots, 6).astype(np.int32)
+  table = rng.permutation(pages)[: slots * 6].reshape(slots, 6).astype(np.int32)
   new = jnp.asarray(rng.normal(size=(slots, width, kvh, hd)), jnp.float32)
   positions = np.array([3, 0, 9])[:, None] + np.arange(width)[None]
   valid = np.arange(width)[None] < np.array([5, 0, 7])[:, None]
   stacked = jnp.stack([leaf, leaf + 1.0, leaf - 1.0])
   for pool, layer in ((leaf, None), (stacked, jnp.int32(1))):
-    cpu, tpu = (paged.write(pool, new, table, positions, valid, layer, by_rows=f)
-                for f in (False, True))
+    cpu, tpu = (
+      paged.write(pool, new, table, positions, valid, layer, by_rows=f) for f in (False, True)
+    )
     np.testing.assert_array_equal(np.asarray(tpu), np.asarray(cpu))
     assert not np.array_equal(np.asarray(cpu), np.asarray(pool))  # something was written
     views = [np.asarray(paged.gather(cpu, table, layer, by_rows=f)) for f in (False, True)]

@@ -12,6 +12,7 @@ from sao_jax.serving.batcher import Batcher
 
 class _Partial:
   """An engine of a user's, not an `Engine`, with every required member but `decode`."""
+
   max_concurrent_decodes, max_prefill_length = 2, 64
 
   def init_decode_state(self):
@@ -39,7 +40,8 @@ def test_the_real_engine_is_an_engine_with_its_capabilities_declared():
   assert not PolicyEngine.__abstractmethods__
   assert PolicyEngine.per_request_sampling and PolicyEngine.shares_prefixes
   assert engine_protocol.engine_problem(_Partial()) == (
-      "has no method 'decode' (sao_jax/rollout/engine_protocol.py Engine)")
+    "has no method 'decode' (sao_jax/rollout/engine_protocol.py Engine)"
+  )
 
 
 def test_an_engine_with_the_required_members_only_gets_the_declared_defaults():
@@ -48,7 +50,7 @@ def test_an_engine_with_the_required_members_only_gets_the_declared_defaults():
   assert (e.version, e.rollout, e.cfg, e.sampling) == (0, None, None, None)
   assert not (e.record_routing or e.per_request_sampling or e.shares_prefixes or e.can_rewind)
   assert type(e.kv_cache) is kv_cache.KVCache and not e.kv_cache.paged
-  assert e.reserve(None, 0, 10 ** 6)  # a cache without pages has every slot's max_len
+  assert e.reserve(None, 0, 10**6)  # a cache without pages has every slot's max_len
   assert e.share_prefix("state", 0, [1, 2, 3]) == "state"  # shares nothing
   with pytest.raises(NotImplementedError, match="_Minimal does not swap weights"):
     e.update_params({}, 1)
@@ -61,8 +63,9 @@ def test_an_engine_must_subclass_engine_even_with_every_required_member():
     decode = _Minimal.decode
 
   assert engine_protocol.engine_problem(Duck()) == (
-      "is not a subclass of Engine (sao_jax/rollout/engine_protocol.py Engine), which "
-      "declares its optional members")
+    "is not a subclass of Engine (sao_jax/rollout/engine_protocol.py Engine), which "
+    "declares its optional members"
+  )
 
 
 def test_a_driver_refuses_an_engine_without_a_required_member_in_one_line():
@@ -76,8 +79,9 @@ def test_a_driver_refuses_an_engine_without_a_required_member_in_one_line():
 def test_a_batcher_refuses_an_engine_without_a_required_member_in_one_line():
   with pytest.raises(TypeError) as e:
     Batcher(_Partial(), 0)
-  assert str(e.value) == ("Batcher: engine _Partial has no method 'decode' "
-                          "(sao_jax/rollout/engine_protocol.py Engine)")
+  assert str(e.value) == (
+    "Batcher: engine _Partial has no method 'decode' (sao_jax/rollout/engine_protocol.py Engine)"
+  )
 
 
 def test_an_engine_missing_an_attribute_is_named():
@@ -85,4 +89,5 @@ def test_an_engine_missing_an_attribute_is_named():
     max_concurrent_decodes = property(lambda self: (_ for _ in ()).throw(AttributeError()))
 
   assert engine_protocol.engine_problem(NoSlots()) == (
-      "has no attribute 'max_concurrent_decodes' (sao_jax/rollout/engine_protocol.py Engine)")
+    "has no attribute 'max_concurrent_decodes' (sao_jax/rollout/engine_protocol.py Engine)"
+  )

@@ -17,15 +17,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
+from fakes import EchoEnv
+from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from fakes import EchoEnv  # pylint: disable=g-bad-import-order
 from sao_jax.config import sections
-from sao_jax.models import sharding
 from sao_jax.data.trajectory import validate
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import config as mcfg
-from sao_jax.models import policy
+from sao_jax.models import policy, sharding
 from sao_jax.rollout import engine as eng
 from sao_jax.rollout.driver import RolloutDriver
 from sao_jax.rollout.engine import PolicyEngine
@@ -41,9 +41,18 @@ ENGINE_KW = dict(kv_buckets=(KV,), seed=5)
 MESHES = {"data4_tensor2": {"data": 4, "tensor": 2}, "data8": {"data": 8}}
 # Like a trainer's: embeddings fsdp-style over "data", so every weight sync
 # really moves data between layouts.
-TRAINER_RULES = (("batch", "data"), ("length", None), ("embed", "data"), ("vocab", None),
-                 ("heads", None), ("kv_heads", None), ("head_dim", None), ("mlp", None),
-                 ("expert", None), ("layers", None))
+TRAINER_RULES = (
+  ("batch", "data"),
+  ("length", None),
+  ("embed", "data"),
+  ("vocab", None),
+  ("heads", None),
+  ("kv_heads", None),
+  ("head_dim", None),
+  ("mlp", None),
+  ("expert", None),
+  ("layers", None),
+)
 
 logprobs_fn = jax.jit(policy.token_logprobs, static_argnums=(0, 5))
 
@@ -66,8 +75,9 @@ def trainer_copy(params, mesh):
   boxed = jax.eval_shape(lambda: policy.init_params(CFG, jax.random.key(0), boxed=True))
   # A copy first: device_put may keep the source's buffers as shards, and the
   # tests delete these (as donation would) while the fixture must survive.
-  return jax.device_put(jax.tree.map(jnp.copy, params),
-                        sharding.logical_shardings(boxed, mesh, TRAINER_RULES))
+  return jax.device_put(
+    jax.tree.map(jnp.copy, params), sharding.logical_shardings(boxed, mesh, TRAINER_RULES)
+  )
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +86,7 @@ def params():
   @jax.jit
   def init(key):
     p0 = policy.init_params(CFG, key)
-    return p0, jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape),
-                            p0)
+    return p0, jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape), p0)
 
   p0, p1 = init(jax.random.key(0))
   return {0: p0, 1: p1}
@@ -188,8 +197,7 @@ def test_paged_engine_samples_what_the_dense_engine_samples(name, params, refere
     # A pool that holds one trajectory (all the rollout section checks) but
     # not one a slot group: the engine refuses it.
     with pytest.raises(ValueError, match="fewer than one max_len trajectory"):
-      PolicyEngine(CFG, params[0], paged.replace(kv_pages=MAX_LEN // 8), **placement,
-                   **ENGINE_KW)
+      PolicyEngine(CFG, params[0], paged.replace(kv_pages=MAX_LEN // 8), **placement, **ENGINE_KW)
 
 
 def stacked(params, scfg):
@@ -197,26 +205,37 @@ def stacked(params, scfg):
   parameters stacked on a leading axis, the same weights."""
   names = jax.eval_shape(lambda: policy.init_params(scfg, jax.random.key(0)))
   first = len(scfg.dense_layers)
-  return {k: (jax.tree.map(lambda *xs: jnp.stack(xs),
-                           *[params[f"layer_{i}"] for i in range(first, scfg.num_layers)])
-              if k == "layers" else params[k]) for k in names}
+  return {
+    k: (
+      jax.tree.map(
+        lambda *xs: jnp.stack(xs), *[params[f"layer_{i}"] for i in range(first, scfg.num_layers)]
+      )
+      if k == "layers"
+      else params[k]
+    )
+    for k in names
+  }
 
 
-@pytest.mark.skipif("scan_layers" not in {f.name for f in dataclasses.fields(mcfg.ModelConfig)},
-                    reason="this model version has no scanned layers")
+@pytest.mark.skipif(
+  "scan_layers" not in {f.name for f in dataclasses.fields(mcfg.ModelConfig)},
+  reason="this model version has no scanned layers",
+)
 def test_scanned_layers_stacked_cache_matches_the_unscanned_reference(params, reference):
   """Scanned layers stack the cache as [layers, B, S, KVH, hd]: the same
   engine code shards it by its ndim and samples what the unscanned
   single-device engine samples."""
   scfg = dataclasses.replace(CFG, scan_layers=True)
   mesh, rules = mesh_and_rules("data4_tensor2")
-  engine = PolicyEngine(scfg, stacked(params[0], scfg), ROLLOUT, mesh=mesh, rules=rules,
-                        **ENGINE_KW)
+  engine = PolicyEngine(
+    scfg, stacked(params[0], scfg), ROLLOUT, mesh=mesh, rules=rules, **ENGINE_KW
+  )
   stacked_leaves = [x for x in jax.tree.leaves(engine.init_decode_state().cache) if x.ndim == 5]
   assert stacked_leaves
   for leaf in stacked_leaves:
     assert leaf.sharding.is_equivalent_to(
-        NamedSharding(mesh, P(None, "data", None, "tensor", None)), 5)
+      NamedSharding(mesh, P(None, "data", None, "tensor", None)), 5
+    )
   inputs, expected = reference
   _, got, _ = scripted_run(engine, stacked(params[1], scfg), inputs)
   for step, ((tok, logp, version), (tok0, logp0, version0)) in enumerate(zip(got, expected)):
@@ -239,34 +258,48 @@ def test_cache_state_and_params_are_sharded(params):
     for leaf in jax.tree.leaves(state.cache):
       assert leaf.shape[-4:] == (SLOTS, MAX_LEN, kvh, hd)
       assert leaf.sharding.is_equivalent_to(
-          NamedSharding(engine.mesh, P(*[None] * (leaf.ndim - 4), "data", None, "tensor", None)),
-          leaf.ndim)
+        NamedSharding(engine.mesh, P(*[None] * (leaf.ndim - 4), "data", None, "tensor", None)),
+        leaf.ndim,
+      )
       assert {s.data.shape[-4:] for s in leaf.addressable_shards} == {
-          (SLOTS // 4, MAX_LEN, kvh // 2, hd)}
+        (SLOTS // 4, MAX_LEN, kvh // 2, hd)
+      }
     for vec in (state.lengths, state.next_tokens):
       assert vec.sharding.is_equivalent_to(NamedSharding(engine.mesh, P("data")), 1)
 
   check(state)
   # Sizing: an eighth of the cache per device, as the shards say.
-  shard_bytes = sum(s.data.nbytes for leaf in leaves for s in leaf.addressable_shards
-                    if s.device == jax.devices()[0])
+  shard_bytes = sum(
+    s.data.nbytes
+    for leaf in leaves
+    for s in leaf.addressable_shards
+    if s.device == jax.devices()[0]
+  )
   total = sum(leaf.nbytes for leaf in leaves)
-  assert shard_bytes == total // 8 == eng.cache_bytes_per_device(CFG, SLOTS, MAX_LEN, engine.mesh,
-                                                                  engine.rules)
+  assert (
+    shard_bytes
+    == total // 8
+    == eng.cache_bytes_per_device(CFG, SLOTS, MAX_LEN, engine.mesh, engine.rules)
+  )
   assert eng.cache_bytes_per_device(CFG, SLOTS, MAX_LEN) == total
   # The step's outputs keep the layout (its inputs were donated).
   state, *_ = engine.step(state, np.ones((SLOTS, 8), np.int32), np.ones((SLOTS, 8), bool))
   check(engine.reset_slots(state, np.arange(SLOTS) < 2))
   # Params follow the rules: q heads over tensor, the (fsdp) embed axis whole.
-  qs = [x for path, x in jax.tree_util.tree_leaves_with_path(engine.params)
-        if jax.tree_util.keystr(path).endswith("['attn']['q']")]  # [..., embed, heads, hd]
+  qs = [
+    x
+    for path, x in jax.tree_util.tree_leaves_with_path(engine.params)
+    if jax.tree_util.keystr(path).endswith("['attn']['q']")
+  ]  # [..., embed, heads, hd]
   assert qs
   for q in qs:
     assert q.sharding.is_equivalent_to(
-        NamedSharding(engine.mesh, P(*[None] * (q.ndim - 2), "tensor", None)), q.ndim)
+      NamedSharding(engine.mesh, P(*[None] * (q.ndim - 2), "tensor", None)), q.ndim
+    )
   with pytest.raises(ValueError, match="slots do not divide"):
-    PolicyEngine(CFG, params[0], ROLLOUT.replace(slots=6), mesh=engine.mesh, rules=engine.rules,
-                 **ENGINE_KW)
+    PolicyEngine(
+      CFG, params[0], ROLLOUT.replace(slots=6), mesh=engine.mesh, rules=engine.rules, **ENGINE_KW
+    )
 
 
 def test_without_a_mesh_the_engine_is_the_same_layout_on_one_device(params):
@@ -281,20 +314,23 @@ def test_without_a_mesh_the_engine_is_the_same_layout_on_one_device(params):
       assert isinstance(x.sharding, NamedSharding) and x.sharding.mesh == engine.mesh
       assert x.devices() == {engine.mesh.devices.flat[0]}
   with pytest.raises(ValueError, match="a device or a mesh"):
-    PolicyEngine(CFG, params[0], ROLLOUT, device=jax.devices()[0], mesh=engine.mesh,
-                 **ENGINE_KW)
+    PolicyEngine(CFG, params[0], ROLLOUT, device=jax.devices()[0], mesh=engine.mesh, **ENGINE_KW)
 
 
 def test_update_params_reshards_a_trainer_layout_into_a_private_copy(params):
   engine = sharded_engine("data4_tensor2", params[0])
   trainer_params = trainer_copy(params[1], engine.mesh)
-  moved = jax.tree.map(lambda t, e: not t.sharding.is_equivalent_to(e, t.ndim),
-                       trainer_params, engine.param_shardings)
+  moved = jax.tree.map(
+    lambda t, e: not t.sharding.is_equivalent_to(e, t.ndim), trainer_params, engine.param_shardings
+  )
   assert any(jax.tree.leaves(moved))  # the layouts really differ
   engine.update_params(trainer_params, 7)
   assert engine.version == 7
-  for got, want, p in zip(jax.tree.leaves(engine.params), jax.tree.leaves(engine.param_shardings),
-                          jax.tree.leaves(params[1])):
+  for got, want, p in zip(
+    jax.tree.leaves(engine.params),
+    jax.tree.leaves(engine.param_shardings),
+    jax.tree.leaves(params[1]),
+  ):
     assert got.sharding.is_equivalent_to(want, got.ndim)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(p))
   # A private copy even where both layouts agree: the trainer donates its
@@ -303,11 +339,13 @@ def test_update_params_reshards_a_trainer_layout_into_a_private_copy(params):
   copy = engine.load_params(same)
   for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(copy)):
     assert {s.data.unsafe_buffer_pointer() for s in a.addressable_shards}.isdisjoint(
-        s.data.unsafe_buffer_pointer() for s in b.addressable_shards)
+      s.data.unsafe_buffer_pointer() for s in b.addressable_shards
+    )
   for x in jax.tree.leaves((trainer_params, same)):
     x.delete()  # as donation would
-  state, tok, logp, version = engine.step(engine.init_decode_state(),
-                                          np.ones((SLOTS, 8), np.int32), np.ones((SLOTS, 8), bool))
+  state, tok, logp, version = engine.step(
+    engine.init_decode_state(), np.ones((SLOTS, 8), np.int32), np.ones((SLOTS, 8), bool)
+  )
   assert version == 7 and np.isfinite(logp).all() and tok.shape == (SLOTS,)
 
 
@@ -319,8 +357,8 @@ def teacher_forced(params, trajs):
   tokens = np.zeros((len(trajs), MAX_LEN), np.int32)
   segments = np.zeros((len(trajs), MAX_LEN), np.int32)
   for i, t in enumerate(trajs):
-    tokens[i, :len(t)] = t.tokens
-    segments[i, :len(t)] = 1
+    tokens[i, : len(t)] = t.tokens
+    segments[i, : len(t)] = 1
   positions = np.broadcast_to(np.arange(MAX_LEN), tokens.shape)
   lp, _ = logprobs_fn(CFG, params, tokens, positions, segments, 1.0)
   return np.asarray(lp)
@@ -330,16 +368,21 @@ def teacher_forced(params, trajs):
 def test_driver_logprobs_equal_teacher_forced_with_sharded_engine(name, params):
   engine = sharded_engine(name, params[0])
   out = []
-  driver = RolloutDriver(engine, EchoEnv(), TOK, iter(range(1000)), None,
-                         ROLLOUT.replace(max_turn_tokens=6, swap_policy="recompute",
-                                         decode_steps=8))
+  driver = RolloutDriver(
+    engine,
+    EchoEnv(),
+    TOK,
+    iter(range(1000)),
+    None,
+    ROLLOUT.replace(max_turn_tokens=6, swap_policy="recompute", decode_steps=8),
+  )
 
   def emit(t):
     out.append(t)
     if len(out) == 3:  # from the trainer's layout, mid-run
       driver.update_params(trainer_copy(params[1], engine.mesh), 1)
 
-  driver._emit = emit  # pylint: disable=protected-access
+  driver._emit = emit
   driver.run(max_trajectories=12)
   assert len(out) >= 12 and driver.stats.param_swaps == 1  # a pass may finish several
   assert all(validate(t, TOK.vocab_size, MAX_LEN) is None for t in out)
@@ -350,7 +393,7 @@ def test_driver_logprobs_equal_teacher_forced_with_sharded_engine(name, params):
     lp = teacher_forced(params[version], out)
     for i, t in enumerate(out):
       sel = t.action_mask & (t.policy_version == version)
-      np.testing.assert_allclose(lp[i, :len(t)][sel], t.rollout_logprobs[sel], atol=2e-4)
+      np.testing.assert_allclose(lp[i, : len(t)][sel], t.rollout_logprobs[sel], atol=2e-4)
       checked += int(sel.sum())
   assert checked > 100
 
@@ -376,8 +419,12 @@ def test_cache_bytes_for_the_pod_config():
 
 
 def _abstract(tree):
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-                      if isinstance(x, jax.Array) else x, tree)
+  return jax.tree.map(
+    lambda x: (
+      jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
+    ),
+    tree,
+  )
 
 
 @pytest.mark.parametrize("name", [None, "data4_tensor2"])
@@ -398,19 +445,26 @@ def test_compile_lowers_the_programs_the_engine_runs(name, params):
   vec_sh = state.lengths.sharding
   tok_sh = vec_sh if name is None else engine.shardings.tokens
   vec = jax.device_put(np.zeros((SLOTS,), np.int32), vec_sh)
-  stream = engine._rng  # pylint: disable=protected-access
+  stream = engine._rng
   real = _abstract((engine.params, state.cache, state.lengths, vec, vec, stream))
-  step_real = _abstract((engine.params, state.cache, state.lengths,
-                         jax.device_put(np.zeros((SLOTS, 1), np.int32), tok_sh),
-                         jax.device_put(np.ones((SLOTS, 1), bool), tok_sh),
-                         jax.device_put(jax.random.key(0), stream.base.sharding)))
+  step_real = _abstract(
+    (
+      engine.params,
+      state.cache,
+      state.lengths,
+      jax.device_put(np.zeros((SLOTS, 1), np.int32), tok_sh),
+      jax.device_put(np.ones((SLOTS, 1), bool), tok_sh),
+      jax.device_put(jax.random.key(0), stream.base.sharding),
+    )
+  )
   with progs.context():
     loop = progs.decode(None, 3, -1)
     assert "while" in loop.lower(*real).as_text()
     assert loop.lower(*real).as_text() == loop.lower(*progs.decode_args(abstract_params)).as_text()
     step = progs.step(None)
-    assert step.lower(*step_real).as_text() == step.lower(
-        *progs.step_args(abstract_params, 1)).as_text()
+    assert (
+      step.lower(*step_real).as_text() == step.lower(*progs.step_args(abstract_params, 1)).as_text()
+    )
 
 
 def test_the_hybrids_recurrent_state_shards_and_samples_what_one_device_samples():
@@ -424,14 +478,17 @@ def test_the_hybrids_recurrent_state_shards_and_samples_what_one_device_samples(
   p1 = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape), p0)
   inputs, expected, _ = scripted_run(PolicyEngine(hcfg, p0, ROLLOUT, **ENGINE_KW), p1)
   mesh, rules = mesh_and_rules("data4_tensor2")
-  engine = PolicyEngine(hcfg, p0, ROLLOUT.replace(kv_cache="paged", page_size=8), mesh=mesh,
-                        rules=rules, **ENGINE_KW)
+  engine = PolicyEngine(
+    hcfg, p0, ROLLOUT.replace(kv_cache="paged", page_size=8), mesh=mesh, rules=rules, **ENGINE_KW
+  )
   cache = engine.init_decode_state().cache["layers"]["sub_0"]
   assert cache["state"].shape == (hcfg.scan_steps, SLOTS, 4, 16, 16)
   assert cache["state"].sharding.is_equivalent_to(
-      NamedSharding(mesh, P(None, "data", "tensor", None, None)), 5)
+    NamedSharding(mesh, P(None, "data", "tensor", None, None)), 5
+  )
   assert cache["conv_q"].sharding.is_equivalent_to(
-      NamedSharding(mesh, P(None, "data", None, "tensor", None)), 5)
+    NamedSharding(mesh, P(None, "data", None, "tensor", None)), 5
+  )
   _, got, _ = scripted_run(engine, p1, inputs)
   for step, ((tok, logp, version), (tok0, logp0, version0)) in enumerate(zip(got, expected)):
     np.testing.assert_array_equal(tok, tok0, err_msg=f"step {step}")

@@ -6,21 +6,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fakes import EchoEnv
 
 from sao_jax.config import sections
 from sao_jax.data.trajectory import validate
-from sao_jax.envs.demonstrations import demonstration_trajectory
-from fakes import EchoEnv  # pylint: disable=g-bad-import-order
 from sao_jax.envs import sandbox
+from sao_jax.envs.demonstrations import demonstration_trajectory
 from sao_jax.envs.python_tool import PythonTool
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import config as mcfg
 from sao_jax.models import policy
-from sao_jax.rollout.driver import RolloutDriver
 from sao_jax.rollout import engine as eng_lib
 from sao_jax.rollout import programs as programs_lib
-from sao_jax.rollout.engine import KeyStream, PolicyEngine, SamplingConfig, sampling_logprobs
 from sao_jax.rollout.batch_sampler import LaneSampler, generate_batch
+from sao_jax.rollout.driver import RolloutDriver
+from sao_jax.rollout.engine import KeyStream, PolicyEngine, SamplingConfig, sampling_logprobs
 
 TOK = CharTokenizer()
 CFG = mcfg.tiny(vocab_size=TOK.vocab_size)
@@ -39,11 +39,18 @@ def params():
 PAGED = dict(kv_cache="paged", page_size=8)
 
 
-def run_driver(params, swap_policy, n=12, swap_after=3, slots=4, env=None, decode_steps=8,
-               kv_cache="dense"):
+def run_driver(
+  params, swap_policy, n=12, swap_after=3, slots=4, env=None, decode_steps=8, kv_cache="dense"
+):
   kw = PAGED if kv_cache == "paged" else {}
-  rollout = sections.Rollout(slots=slots, max_len=MAX_LEN, max_turn_tokens=6,
-                             swap_policy=swap_policy, decode_steps=decode_steps, **kw)
+  rollout = sections.Rollout(
+    slots=slots,
+    max_len=MAX_LEN,
+    max_turn_tokens=6,
+    swap_policy=swap_policy,
+    decode_steps=decode_steps,
+    **kw,
+  )
   engine = PolicyEngine(CFG, params[0], rollout, seed=3)
   out = []
   driver = RolloutDriver(engine, env or EchoEnv(), TOK, iter(range(1000)), None)
@@ -53,7 +60,7 @@ def run_driver(params, swap_policy, n=12, swap_after=3, slots=4, env=None, decod
     if len(out) == swap_after:
       driver.update_params(params[1], 1)
 
-  driver._emit = emit  # pylint: disable=protected-access
+  driver._emit = emit
   driver.run(max_trajectories=n)
   return out, driver
 
@@ -63,8 +70,9 @@ def assert_logprobs_match_teacher_forcing(trajs, params):
   for t in trajs:
     n = len(t)
     for version in set(t.policy_version[t.action_mask].tolist()):
-      lp, _ = logprobs_fn(CFG, params[version], t.tokens[None], np.arange(n)[None],
-                          np.ones((1, n), np.int32), 1.0)
+      lp, _ = logprobs_fn(
+        CFG, params[version], t.tokens[None], np.arange(n)[None], np.ones((1, n), np.int32), 1.0
+      )
       sel = t.action_mask & (t.policy_version == version)
       np.testing.assert_allclose(np.asarray(lp)[0, sel], t.rollout_logprobs[sel], atol=2e-4)
       checked += int(sel.sum())
@@ -79,14 +87,18 @@ def assert_turns_end_at_their_stops(trajs, max_turn_tokens=6):
       action = t.tokens[r]
       assert len(action) <= max_turn_tokens
       assert TOK.turn_end_id not in action[:-1]
-      assert (action[-1] == TOK.turn_end_id or len(action) == max_turn_tokens
-              or (r[-1] == len(t) - 1 and len(t) == MAX_LEN))
+      assert (
+        action[-1] == TOK.turn_end_id
+        or len(action) == max_turn_tokens
+        or (r[-1] == len(t) - 1 and len(t) == MAX_LEN)
+      )
 
 
 @pytest.mark.parametrize("kv_cache", ["dense", "paged"])
 @pytest.mark.parametrize("decode_steps", [1, 8])
-def test_recorded_logprobs_equal_teacher_forced_across_swap_and_turns(params, decode_steps,
-                                                                      kv_cache):
+def test_recorded_logprobs_equal_teacher_forced_across_swap_and_turns(
+  params, decode_steps, kv_cache
+):
   trajs, driver = run_driver(params, "recompute", decode_steps=decode_steps, kv_cache=kv_cache)
   assert len(trajs) == 12 and driver.stats.param_swaps == 1
   assert_turns_end_at_their_stops(trajs)
@@ -110,7 +122,7 @@ def _multi_turn(engine, turns=4):
   tokens = np.zeros((slots, 16), np.int32)
   valid = np.zeros((slots, 16), bool)
   for i, p in enumerate(prompts):
-    tokens[i, :len(p)], valid[i, :len(p)] = p, True
+    tokens[i, : len(p)], valid[i, : len(p)] = p, True
   state, pending, lp, _ = engine.step(engine.init_decode_state(), tokens, valid)
   out = [(pending.copy(), lp.copy())]
   for turn in range(turns):
@@ -134,20 +146,28 @@ def _multi_turn(engine, turns=4):
   return out, state
 
 
-@pytest.mark.parametrize("kv_buckets,in_place", [(None, False), ((32, 64), False),
-                                                 ((32, 64), True)])
-def test_paged_engine_samples_and_logprobs_equal_the_dense_engine(params, kv_buckets, in_place,
-                                                                  monkeypatch):
+@pytest.mark.parametrize(
+  "kv_buckets,in_place", [(None, False), ((32, 64), False), ((32, 64), True)]
+)
+def test_paged_engine_samples_and_logprobs_equal_the_dense_engine(
+  params, kv_buckets, in_place, monkeypatch
+):
   # Same seed, same calls: the same tokens and log-probs over several turns,
   # a freed slot re-admitted, with and without kv buckets (the table's
   # first columns). The decode loop runs on the pages gathered once per
   # call, or (in_place, the TPU kernel's loop) writes and reads the pages
   # at every step.
   monkeypatch.setattr(programs_lib, "_decode_in_place", lambda cfg, page: in_place)
-  dense = PolicyEngine(CFG, params[0], sections.Rollout(slots=4, max_len=MAX_LEN), seed=9,
-                       kv_buckets=kv_buckets)
-  paged = PolicyEngine(CFG, params[0], sections.Rollout(slots=4, max_len=MAX_LEN, **PAGED),
-                       seed=9, kv_buckets=kv_buckets)
+  dense = PolicyEngine(
+    CFG, params[0], sections.Rollout(slots=4, max_len=MAX_LEN), seed=9, kv_buckets=kv_buckets
+  )
+  paged = PolicyEngine(
+    CFG,
+    params[0],
+    sections.Rollout(slots=4, max_len=MAX_LEN, **PAGED),
+    seed=9,
+    kv_buckets=kv_buckets,
+  )
   ref, dstate = _multi_turn(dense)
   got, pstate = _multi_turn(paged)
   assert dstate.host_lengths.max() > 32  # past the first bucket
@@ -158,8 +178,11 @@ def test_paged_engine_samples_and_logprobs_equal_the_dense_engine(params, kv_buc
   pages = pstate.pages
   pages.check()
   for b in range(4):  # pages as the slot grew: its length plus its last budget, at most
-    assert pages.pages_for(pstate.host_lengths[b]) <= pages.held(b) <= pages.pages_for(
-        pstate.host_lengths[b] + 12)
+    assert (
+      pages.pages_for(pstate.host_lengths[b])
+      <= pages.held(b)
+      <= pages.pages_for(pstate.host_lengths[b] + 12)
+    )
   # Paged memory is the pool: kv_pages=0 is the dense cache's size.
   assert paged.kv_pages * paged.page_size == 4 * MAX_LEN
 
@@ -167,19 +190,26 @@ def test_paged_engine_samples_and_logprobs_equal_the_dense_engine(params, kv_buc
 def test_paged_engine_reports_exhaustion_and_checks_its_pool(params):
   # The rollout section checks the pool and the page size (a ConfigError, a
   # ValueError); the engine checks the pool per slot group (test_engine_sharded.py).
-  with pytest.raises(sections.ConfigError,
-                     match=r"rollout.kv_pages = 15: must be 0 or >= rollout.max_len / "
-                           r"rollout.page_size \(16\): the pool must hold one whole trajectory"):
+  with pytest.raises(
+    sections.ConfigError,
+    match=r"rollout.kv_pages = 15: must be 0 or >= rollout.max_len / "
+    r"rollout.page_size \(16\): the pool must hold one whole trajectory",
+  ):
     PolicyEngine(CFG, params[0], sections.Rollout(slots=4, max_len=MAX_LEN, kv_pages=15, **PAGED))
-  with pytest.raises(sections.ConfigError,
-                     match=r"rollout.page_size = 7: must be a divisor of rollout.max_len \(128\)"):
-    PolicyEngine(CFG, params[0], sections.Rollout(slots=4, max_len=MAX_LEN, kv_cache="paged",
-                                                  page_size=7))
-  with pytest.raises(sections.ConfigError,
-                     match=r"rollout.kv_cache = 'ragged': must be one of \('dense', 'paged'\)"):
+  with pytest.raises(
+    sections.ConfigError,
+    match=r"rollout.page_size = 7: must be a divisor of rollout.max_len \(128\)",
+  ):
+    PolicyEngine(
+      CFG, params[0], sections.Rollout(slots=4, max_len=MAX_LEN, kv_cache="paged", page_size=7)
+    )
+  with pytest.raises(
+    sections.ConfigError, match=r"rollout.kv_cache = 'ragged': must be one of \('dense', 'paged'\)"
+  ):
     PolicyEngine(CFG, params[0], sections.Rollout(slots=4, max_len=MAX_LEN, kv_cache="ragged"))
-  engine = PolicyEngine(CFG, params[0], sections.Rollout(slots=4, max_len=MAX_LEN, kv_pages=16,
-                                                         **PAGED))
+  engine = PolicyEngine(
+    CFG, params[0], sections.Rollout(slots=4, max_len=MAX_LEN, kv_pages=16, **PAGED)
+  )
   state = engine.init_decode_state()
   assert engine.reserve(state, 0, 100) and not engine.reserve(state, 1, 40)  # 13 + 5 > 16
   assert engine.reserve(state, 1, 24) and state.pages.free_pages() == 0
@@ -189,15 +219,27 @@ def test_paged_engine_reports_exhaustion_and_checks_its_pool(params):
 
 
 @pytest.mark.parametrize("max_turn_tokens,slots", [(6, 8), (24, 4)])
-def test_paged_driver_with_a_small_pool_waits_and_returns_every_page(params, max_turn_tokens,
-                                                                     slots):
+def test_paged_driver_with_a_small_pool_waits_and_returns_every_page(
+  params, max_turn_tokens, slots
+):
   # A pool of 16 pages (one max_len trajectory; the dense cache is 16 a
   # slot): admission waits for pages, and with long turns every slot blocks,
   # so the youngest is preempted and re-fed. All trajectories finish,
   # teacher-forced, and every page comes back.
-  engine = PolicyEngine(CFG, params[0], sections.Rollout(
-      slots=slots, max_len=MAX_LEN, kv_pages=16, max_turn_tokens=max_turn_tokens,
-      swap_policy="keep", decode_steps=8, **PAGED), seed=3)
+  engine = PolicyEngine(
+    CFG,
+    params[0],
+    sections.Rollout(
+      slots=slots,
+      max_len=MAX_LEN,
+      kv_pages=16,
+      max_turn_tokens=max_turn_tokens,
+      swap_policy="keep",
+      decode_steps=8,
+      **PAGED,
+    ),
+    seed=3,
+  )
   out = []
   driver = RolloutDriver(engine, EchoEnv(), TOK, iter(range(14)), out.append)
   driver.run()
@@ -205,7 +247,7 @@ def test_paged_driver_with_a_small_pool_waits_and_returns_every_page(params, max
   assert driver.stats.page_waits > 0
   if max_turn_tokens == 24:
     assert driver.stats.preemptions > 0
-  pages = driver._state.pages  # pylint: disable=protected-access
+  pages = driver._state.pages
   pages.check()
   assert pages.used_pages == 0 and (pages.table == -1).all()
   assert all(validate(t, TOK.vocab_size, MAX_LEN) is None for t in out)
@@ -223,9 +265,18 @@ def test_drain_never_mixes_versions_and_keep_does(params):
 
 
 def test_samples_per_prompt_share_group_ids(params):
-  engine = PolicyEngine(CFG, params[0], sections.Rollout(
-      slots=4, max_len=MAX_LEN, samples_per_prompt=4, max_turn_tokens=4, swap_policy="keep",
-      decode_steps=8))
+  engine = PolicyEngine(
+    CFG,
+    params[0],
+    sections.Rollout(
+      slots=4,
+      max_len=MAX_LEN,
+      samples_per_prompt=4,
+      max_turn_tokens=4,
+      swap_policy="keep",
+      decode_steps=8,
+    ),
+  )
   out = []
   RolloutDriver(engine, EchoEnv(), TOK, iter(range(3)), out.append).run()
   groups = {}
@@ -247,7 +298,7 @@ def test_slots_filled_one_at_a_time_then_decoded_are_teacher_forced(params):
   for slot, prompt in zip((0, 2), prompts):
     tokens = np.zeros((3, 16), np.int32)
     valid = np.zeros((3, 16), bool)
-    tokens[slot, :len(prompt)], valid[slot, :len(prompt)] = prompt, True
+    tokens[slot, : len(prompt)], valid[slot, : len(prompt)] = prompt, True
     state, tok, lp, version = engine.step(state, tokens, valid)
     assert version == 0
     pending[slot], filled[slot] = tok[slot], True
@@ -261,9 +312,15 @@ def test_slots_filled_one_at_a_time_then_decoded_are_teacher_forced(params):
     pending = np.where(filled, tok, pending).astype(np.int32)
   for slot, prompt in zip((0, 2), prompts):
     n = len(seqs[slot])
-    lp, _ = logprobs_fn(CFG, params[0], np.asarray(seqs[slot])[None], np.arange(n)[None],
-                        np.ones((1, n), np.int32), 1.0)
-    np.testing.assert_allclose(np.asarray(lp)[0, len(prompt):], lps[slot], atol=2e-4)
+    lp, _ = logprobs_fn(
+      CFG,
+      params[0],
+      np.asarray(seqs[slot])[None],
+      np.arange(n)[None],
+      np.ones((1, n), np.int32),
+      1.0,
+    )
+    np.testing.assert_allclose(np.asarray(lp)[0, len(prompt) :], lps[slot], atol=2e-4)
 
 
 def test_sampling_distribution_top_k_top_p():
@@ -281,7 +338,8 @@ def test_sampled_tokens_follow_the_sampling_distribution():
   """200k draws (fixed keys) from a top-k-truncated distribution: frequencies
   within 5 standard errors of the probabilities, a masked token never drawn,
   and each returned log-prob that of its token."""
-  from sao_jax.rollout.engine import sample  # pylint: disable=g-import-not-at-top
+  from sao_jax.rollout.engine import sample
+
   probs = np.array([0.02, 0.5, 0.0, 0.25, 0.13, 0.1])  # token 2 impossible; top_k=4 drops 0
   logits = jnp.log(jnp.asarray(np.tile(probs, (1000, 1)) + 1e-30, jnp.float32))
   sampling = SamplingConfig(top_k=4)
@@ -291,8 +349,9 @@ def test_sampled_tokens_follow_the_sampling_distribution():
   tokens, lps = np.concatenate(tokens), np.concatenate(lps)
   freq = np.bincount(tokens, minlength=len(probs)) / tokens.size
   assert freq[0] == 0 and freq[2] == 0
-  np.testing.assert_array_less(np.abs(freq - want), 5 * np.sqrt(want * (1 - want) / tokens.size)
-                               + 1e-12)
+  np.testing.assert_array_less(
+    np.abs(freq - want), 5 * np.sqrt(want * (1 - want) / tokens.size) + 1e-12
+  )
   np.testing.assert_allclose(lps, np.log(want[tokens]), rtol=1e-5)
 
 
@@ -301,7 +360,8 @@ def test_the_two_level_draw_follows_the_distribution_across_blocks():
   the mass sits on both sides of each block boundary and in the last
   column; 200k draws land within 5 standard errors, a -inf column is never
   drawn, and each log-prob is log_softmax's to float tolerance."""
-  from sao_jax.rollout import sampling  # pylint: disable=g-import-not-at-top
+  from sao_jax.rollout import sampling
+
   v = 2500
   probs = np.full(v, 0.1 / (v - 6))
   heavy = {1023: 0.2, 1024: 0.15, 2047: 0.1, 2048: 0.25, 2499: 0.2}
@@ -327,7 +387,8 @@ def test_the_two_level_draw_follows_the_distribution_across_blocks():
 def test_inverse_cdf_never_lands_on_a_masked_token_of_a_large_vocabulary():
   """At V = 152k with top_k = 50, XLA's cumsum steps by an ulp across masked
   tokens; u just past such a step must still give a possible token."""
-  from sao_jax.rollout.engine import inverse_cdf  # pylint: disable=g-import-not-at-top
+  from sao_jax.rollout.engine import inverse_cdf
+
   v = 151_936
   logits = jax.random.normal(jax.random.key(v), (16, v)) * 4
   logp = jax.jit(lambda x: sampling_logprobs(x, SamplingConfig(top_k=50)))(logits)
@@ -386,31 +447,38 @@ def test_driver_survives_hostile_tool_code(params):
 
       return Wrapped()
 
-  out, _ = run_driver(params, "recompute", n=2, swap_after=99, slots=2,
-                      env=Hostile(limits=limits))
+  out, _ = run_driver(params, "recompute", n=2, swap_after=99, slots=2, env=Hostile(limits=limits))
   text = TOK.decode(out[0].tokens)
   assert "killed: cpu time limit" in text and "memoryerror" in text.lower().replace(" ", "")
 
 
 # --- validation ---------------------------------------------------------------
 
+
 def good():
   return demonstration_trajectory(EchoEnv(), EchoEnv().task(1), TOK)
 
 
-@pytest.mark.parametrize("mutate,reason", [
+@pytest.mark.parametrize(
+  "mutate,reason",
+  [
     (lambda t: setattr(t, "tokens", t.tokens[:-1]), "length_mismatch"),
     (lambda t: t.tokens.__setitem__(0, 999), "token_out_of_vocab"),
     (lambda t: setattr(t, "action_mask", np.zeros_like(t.action_mask)), "no_action_tokens"),
-    (lambda t: t.rollout_logprobs.__setitem__(np.flatnonzero(t.action_mask)[0], np.nan),
-     "nonfinite_rollout_logprobs"),
-    (lambda t: t.rollout_logprobs.__setitem__(np.flatnonzero(t.action_mask)[0], 0.5),
-     "positive_logprob"),
+    (
+      lambda t: t.rollout_logprobs.__setitem__(np.flatnonzero(t.action_mask)[0], np.nan),
+      "nonfinite_rollout_logprobs",
+    ),
+    (
+      lambda t: t.rollout_logprobs.__setitem__(np.flatnonzero(t.action_mask)[0], 0.5),
+      "positive_logprob",
+    ),
     (lambda t: t.rewards.__setitem__(0, 1.0), "reward_off_action"),
     (lambda t: t.policy_version.__setitem__(0, 3), "bad_policy_version"),
     (lambda t: setattr(t, "action_mask", t.action_mask.astype(np.int32)), "bad_mask_dtype"),
     (lambda t: setattr(t, "finish_reason", "??"), "bad_finish_reason"),
-])
+  ],
+)
 def test_validation_reasons(mutate, reason):
   t = good()
   assert validate(t, TOK.vocab_size, MAX_LEN) is None
@@ -421,9 +489,10 @@ def test_validation_reasons(mutate, reason):
 
 # --- the three environments ----------------------------------------------------
 
-from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top,wrong-import-position
-from sao_jax.envs.online_style import OnlineStyle, OnlineStyleConfig, judge  # pylint: disable=g-import-not-at-top,wrong-import-position
-import ml_collections  # pylint: disable=g-import-not-at-top,wrong-import-position
+import ml_collections  # noqa: E402
+
+from sao_jax.envs import registry  # noqa: E402
+from sao_jax.envs.online_style import OnlineStyle, OnlineStyleConfig, judge  # noqa: E402
 
 
 # The toys, in the character vocabulary and the raw format. The dataset
@@ -442,8 +511,13 @@ def test_environment_demonstrations_and_model_rollouts_are_valid(name, params):
       ep = env.episode(task)
       results = [ep.step(a) for a, _ in env.demonstration(task)]
       assert results[-1].done and results[-1].reward == 1.0, (name, i)
-  engine = PolicyEngine(CFG, params[0], sections.Rollout(
-      slots=4, max_len=MAX_LEN, max_turn_tokens=12, swap_policy="keep", decode_steps=8))
+  engine = PolicyEngine(
+    CFG,
+    params[0],
+    sections.Rollout(
+      slots=4, max_len=MAX_LEN, max_turn_tokens=12, swap_policy="keep", decode_steps=8
+    ),
+  )
   out = []
   RolloutDriver(engine, env, TOK, iter(range(8)), out.append).run()
   assert len(out) == 8
@@ -482,13 +556,14 @@ def test_hf_tokenizer_file(tmp_path):
 
 def _prefilled(params, seed, prompts, kv_buckets=None):
   """An engine with `prompts` prefilled into its first slots (one step)."""
-  engine = PolicyEngine(CFG, params[0], sections.Rollout(slots=4, max_len=MAX_LEN), seed=seed,
-                        kv_buckets=kv_buckets)
+  engine = PolicyEngine(
+    CFG, params[0], sections.Rollout(slots=4, max_len=MAX_LEN), seed=seed, kv_buckets=kv_buckets
+  )
   width = max(len(p) for p in prompts)
   tokens = np.zeros((4, width), np.int32)
   valid = np.zeros((4, width), bool)
   for i, p in enumerate(prompts):
-    tokens[i, :len(p)], valid[i, :len(p)] = p, True
+    tokens[i, : len(p)], valid[i, : len(p)] = p, True
   state, first, first_lp, _ = engine.step(engine.init_decode_state(), tokens, valid)
   return engine, state, first, first_lp
 
@@ -515,41 +590,45 @@ def test_decode_loop_equals_one_step_loop_with_per_slot_stops(params, kv_buckets
       alive[b] = len(seq[b]) < budgets[b] and tok[b] != stop
   for b in range(4):
     assert chunk.counts[b] == len(seq[b]), b
-    np.testing.assert_array_equal(chunk.tokens[b, :chunk.counts[b]], [t for t, _ in seq[b]])
-    np.testing.assert_allclose(chunk.logprobs[b, :chunk.counts[b]], [l for _, l in seq[b]],
-                               atol=1e-5)
-    assert not chunk.tokens[b, chunk.counts[b]:].any()
+    np.testing.assert_array_equal(chunk.tokens[b, : chunk.counts[b]], [t for t, _ in seq[b]])
+    np.testing.assert_allclose(
+      chunk.logprobs[b, : chunk.counts[b]], [l for _, l in seq[b]], atol=1e-5
+    )
+    assert not chunk.tokens[b, chunk.counts[b] :].any()
   # Per-slot stops: a slot ends at its budget or right after the stop token.
   for b in range(2):
-    row = list(chunk.tokens[b, :chunk.counts[b]])
+    row = list(chunk.tokens[b, : chunk.counts[b]])
     assert chunk.counts[b] == budgets[b] or (row[-1] == stop and stop not in row[:-1])
   # The state moves on the same: lengths, pending tokens, and the rng.
   np.testing.assert_array_equal(np.asarray(state.lengths), np.asarray(rstate.lengths))
   np.testing.assert_array_equal(state.host_lengths, rstate.host_lengths)
   np.testing.assert_array_equal(np.asarray(state.next_tokens)[:2], pending[:2])
   # The key streams advanced alike: by the iterations run, not by `steps`.
-  assert int(engine._rng.draws) == int(ref._rng.draws)  # pylint: disable=protected-access
+  assert int(engine._rng.draws) == int(ref._rng.draws)
 
 
 def test_decode_stop_token_and_budget_per_slot(params):
   # Stopping on a token the model samples often: every row stops at its own place.
   engine, state, first, _ = _prefilled(params, 1, [TOK.encode("ab\n")] * 4)
   budgets = np.array([40, 40, 40, 3], np.int32)
-  common = np.bincount(np.asarray(generate_batch(engine, [TOK.encode("ab\n")] * 4, 40)[0]).ravel(),
-                       minlength=CFG.vocab_size).argmax()
+  common = np.bincount(
+    np.asarray(generate_batch(engine, [TOK.encode("ab\n")] * 4, 40)[0]).ravel(),
+    minlength=CFG.vocab_size,
+  ).argmax()
   state, chunk = engine.decode(state, first, budgets, steps=40, stop_token=int(common))
   _, chunk = engine.collect(state, chunk)
   assert chunk.counts[3] <= 3
   for b in range(4):
-    row = list(chunk.tokens[b, :chunk.counts[b]])
+    row = list(chunk.tokens[b, : chunk.counts[b]])
     stopped = bool(row) and row[-1] == common
     assert stopped or chunk.counts[b] == budgets[b]
     assert common not in row[:-1]
   assert len(set(chunk.counts.tolist())) > 1  # stops are per slot, not per batch
 
 
-@pytest.mark.parametrize("moe_impl,slots,lanes", [("dense", 4, 1), ("blocked", 32, 1),
-                                                  ("dense", 4, 2), ("blocked", 32, 2)])
+@pytest.mark.parametrize(
+  "moe_impl,slots,lanes", [("dense", 4, 1), ("blocked", 32, 1), ("dense", 4, 2), ("blocked", 32, 2)]
+)
 def test_generate_batch_logprobs_are_teacher_forced(params, moe_impl, slots, lanes):
   # "blocked" with 32 slots: the decode steps' MoE runs moe.capacity_or_dense;
   # the reference is the dense model, teacher-forced. Two lanes of 2 slots:
@@ -557,16 +636,18 @@ def test_generate_batch_logprobs_are_teacher_forced(params, moe_impl, slots, lan
   # "blocked": the decode MoE's capacity path at 16 tokens.
   cfg = dataclasses.replace(CFG, moe_impl=moe_impl)
   sampler = LaneSampler(
-      PolicyEngine(cfg, params[0], sections.Rollout(slots=slots, max_len=MAX_LEN), seed=2), lanes)
+    PolicyEngine(cfg, params[0], sections.Rollout(slots=slots, max_len=MAX_LEN), seed=2), lanes
+  )
   prompts = [TOK.encode("12 plus 3\n"), TOK.encode("q\n"), TOK.encode("7 times 2\n")]
   toks, lps, counts = sampler.generate_batch(prompts, 20)
   assert toks.shape == (3, 20) and (counts == 20).all()
   for p, t, l in zip(prompts, toks, lps):
     seq = np.concatenate([p, t])
     n = len(seq)
-    ref, _ = logprobs_fn(CFG, params[0], seq[None], np.arange(n)[None],
-                         np.ones((1, n), np.int32), 1.0)
-    np.testing.assert_allclose(np.asarray(ref)[0, len(p):], l, atol=2e-4)
+    ref, _ = logprobs_fn(
+      CFG, params[0], seq[None], np.arange(n)[None], np.ones((1, n), np.int32), 1.0
+    )
+    np.testing.assert_allclose(np.asarray(ref)[0, len(p) :], l, atol=2e-4)
 
 
 def test_generate_batch_lanes_sample_as_one_lane_engines_of_their_size(params):
@@ -576,12 +657,12 @@ def test_generate_batch_lanes_sample_as_one_lane_engines_of_their_size(params):
   prompts = [TOK.encode(t) for t in ("12 plus 3\n", "q\n", "7 times 2\n", "ab\n", "9\n")]
   engine = PolicyEngine(CFG, params[0], sections.Rollout(slots=6, max_len=MAX_LEN), seed=4)
   laned = LaneSampler(engine, 2)
-  key = engine._rng.key()  # pylint: disable=protected-access
+  key = engine._rng.key()
   toks, lps, counts = laned.generate_batch(prompts, 12)
   assert toks.shape == (5, 12) and (counts == 12).all()
   for lane, rows in ((0, slice(0, 3)), (1, slice(3, 5))):
     one = PolicyEngine(CFG, params[0], sections.Rollout(slots=3, max_len=MAX_LEN), seed=0)
-    one._rng = KeyStream(jax.random.fold_in(key, lane), jnp.int32(0))  # pylint: disable=protected-access
+    one._rng = KeyStream(jax.random.fold_in(key, lane), jnp.int32(0))
     ref_toks, ref_lps, _ = generate_batch(one, prompts[rows], 12)
     np.testing.assert_array_equal(toks[rows], ref_toks)
     np.testing.assert_allclose(lps[rows], ref_lps, atol=1e-6)
@@ -592,12 +673,12 @@ def test_generate_batch_lanes_sample_as_one_lane_engines_of_their_size(params):
   # A stop token ends rows in either lane; each call takes one draw of the
   # engine's own stream (the lanes draw from theirs).
   common = int(np.bincount(toks.ravel(), minlength=CFG.vocab_size).argmax())
-  assert int(engine._rng.draws) == 2  # pylint: disable=protected-access
+  assert int(engine._rng.draws) == 2
   toks, _, counts = laned.generate_batch(same, 24, stop_token=common)
-  assert int(engine._rng.draws) == 3  # pylint: disable=protected-access
+  assert int(engine._rng.draws) == 3
   assert (counts < 24).any()
   for t, c in zip(toks, counts):
-    assert common not in t[:c - 1].tolist()
+    assert common not in t[: c - 1].tolist()
 
 
 def test_lane_sampler_rejects_bad_lanes(params):
@@ -619,12 +700,12 @@ def test_generate_batch_is_a_prefill_step_then_one_decode_loop(params):
   prompts = [TOK.encode("12 plus 3\n"), TOK.encode("q\n"), TOK.encode("7 times 2\n")]
   engine = PolicyEngine(CFG, params[0], sections.Rollout(slots=4, max_len=MAX_LEN), seed=6)
   toks, lps, counts = generate_batch(engine, prompts, 10)
-  assert int(engine._rng.draws) == 10  # pylint: disable=protected-access
+  assert int(engine._rng.draws) == 10
   ref = PolicyEngine(CFG, params[0], sections.Rollout(slots=4, max_len=MAX_LEN), seed=6)
   tokens = np.zeros((4, max(map(len, prompts))), np.int32)
   valid = np.zeros(tokens.shape, bool)
   for i, p in enumerate(prompts):
-    tokens[i, :len(p)], valid[i, :len(p)] = p, True
+    tokens[i, : len(p)], valid[i, : len(p)] = p, True
   state, first, first_lp, _ = ref.step(ref.init_decode_state(), tokens, valid)
   state, chunk = ref.decode(state, first, np.array([9, 9, 9, 0], np.int32), steps=9)
   _, chunk = ref.collect(state, chunk)
@@ -633,4 +714,4 @@ def test_generate_batch_is_a_prefill_step_then_one_decode_loop(params):
   np.testing.assert_allclose(lps[:, 0], first_lp[:3], atol=1e-6)
   np.testing.assert_allclose(lps[:, 1:], chunk.logprobs[:3], atol=1e-6)
   assert (counts == 10).all()
-  assert int(ref._rng.draws) == 10  # pylint: disable=protected-access
+  assert int(ref._rng.draws) == 10

@@ -9,20 +9,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import runs
+from fakes import EchoEnv
 
-from sao_jax.train import configuration
 from sao_jax.config import sections
 from sao_jax.data import packing, store
 from sao_jax.data.trajectory import checked
+from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import config as mcfg
 from sao_jax.models import policy, routing
 from sao_jax.models.transformer import Transformer
 from sao_jax.rollout.driver import RolloutDriver
 from sao_jax.rollout.engine import PolicyEngine
-from fakes import EchoEnv  # pylint: disable=g-bad-import-order
-from sao_jax.envs.tokenizer import CharTokenizer
-
-import runs  # pylint: disable=g-bad-import-order
+from sao_jax.train import configuration
 
 TOK = CharTokenizer()
 MAX_LEN = 96
@@ -30,8 +29,13 @@ MAX_LEN = 96
 
 def _cfg(**kw):
   # A dense layer, then two MoE layers of 8 experts, top-2.
-  return dataclasses.replace(mcfg.tiny(TOK.vocab_size), num_layers=3, dense_layers=(0,),
-                             dense_d_ff=64, **{"num_experts": 8, **kw})
+  return dataclasses.replace(
+    mcfg.tiny(TOK.vocab_size),
+    num_layers=3,
+    dense_layers=(0,),
+    dense_d_ff=64,
+    **{"num_experts": 8, **kw},
+  )
 
 
 def _own_routing(cfg, params, tokens):
@@ -46,11 +50,14 @@ def _own_routing(cfg, params, tokens):
 
 def _forward_routing(cfg, params, row):
   if cfg not in _JITS:
+
     def run(params, row):
       positions = jnp.arange(MAX_LEN)[None]
       _, state = Transformer(cfg, "hidden").apply(
-          {"params": params}, row, positions, jnp.ones_like(row), mutable=["intermediates"])
+        {"params": params}, row, positions, jnp.ones_like(row), mutable=["intermediates"]
+      )
       return routing.collect(cfg, state["intermediates"], 1, MAX_LEN)
+
     _JITS[cfg] = jax.jit(run)
   return _JITS[cfg](params, row)
 
@@ -60,16 +67,17 @@ _JITS = {}
 
 def _trajectories(cfg, params, kv_cache="dense", n=6):
   kw = dict(kv_cache="paged", page_size=8) if kv_cache == "paged" else {}
-  rollout = sections.Rollout(slots=3, max_len=MAX_LEN, max_turn_tokens=6, decode_steps=4,
-                             **kw)
+  rollout = sections.Rollout(slots=3, max_len=MAX_LEN, max_turn_tokens=6, decode_steps=4, **kw)
   engine = PolicyEngine(cfg, params, rollout, seed=3, record_routing=True)
   out = []
   RolloutDriver(engine, EchoEnv(), TOK, iter(range(100)), out.append).run(max_trajectories=n)
   return out
 
 
-@pytest.mark.parametrize("kv_cache,scan,chunk,hybrid", [
-    ("dense", False, 8, False), ("paged", True, 0, False), ("dense", True, 16, True)])
+@pytest.mark.parametrize(
+  "kv_cache,scan,chunk,hybrid",
+  [("dense", False, 8, False), ("paged", True, 0, False), ("dense", True, 16, True)],
+)
 def test_the_engine_records_what_the_trainer_chooses_in_f32(kv_cache, scan, chunk, hybrid):
   """In float32 the engine and the trainer route alike: every fed token's
   recorded experts are the trainer's own, the never-fed last token's row is
@@ -77,8 +85,9 @@ def test_the_engine_records_what_the_trainer_chooses_in_f32(kv_cache, scan, chun
   observations fed as prefill). `hybrid`: the Qwen3.5-style toy, its MoE
   layers inside the periodic scan's blocks."""
   if hybrid:
-    cfg = dataclasses.replace(mcfg.tiny_hybrid(TOK.vocab_size), scan_layers=scan,
-                              prefill_chunk=chunk)
+    cfg = dataclasses.replace(
+      mcfg.tiny_hybrid(TOK.vocab_size), scan_layers=scan, prefill_chunk=chunk
+    )
   else:
     cfg = _cfg(scan_layers=scan, prefill_chunk=chunk)
   params = policy.init_params(cfg, jax.random.key(0))
@@ -98,21 +107,29 @@ def test_replayed_routing_gives_the_engine_log_probs_where_bf16_routing_differs(
   differ at some tokens (a fixed seed, so the case is there every run). With
   the recorded routing replayed, the trainer's teacher-forced log-probs come
   within bf16 noise of what the engine sampled with, and closer than without."""
-  cfg = _cfg(num_experts=128, experts_per_token=8, param_dtype=jnp.float32,
-             dtype=jnp.bfloat16)
+  cfg = _cfg(num_experts=128, experts_per_token=8, param_dtype=jnp.float32, dtype=jnp.bfloat16)
   params = policy.init_params(cfg, jax.random.key(0))
   trajs = _trajectories(cfg, params, n=6)
   packed = packing.pack(trajs, rows=len(trajs), buckets=(MAX_LEN,), routing=(2, 8))
   tokens, mask = jnp.asarray(packed["tokens"]), packed["action_mask"]
   replay = jnp.moveaxis(jnp.asarray(packed["routing"], jnp.int32), 2, 0)
-  lp = jax.jit(lambda r: policy.token_logprobs(
-      cfg, params, tokens, jnp.asarray(packed["positions"]), jnp.asarray(packed["segment_ids"]),
-      routing=r)[0])
+  lp = jax.jit(
+    lambda r: policy.token_logprobs(
+      cfg,
+      params,
+      tokens,
+      jnp.asarray(packed["positions"]),
+      jnp.asarray(packed["segment_ids"]),
+      routing=r,
+    )[0]
+  )
   engine_lp = packed["rollout_logprobs"][mask]
   plain = np.abs(np.asarray(lp(None))[mask] - engine_lp)
   replayed = np.abs(np.asarray(lp(replay))[mask] - engine_lp)
-  flips = sum(int(routing.differ(t.routing[:-1], _own_routing(cfg, params, t.tokens)[:-1])
-                  .any(-1).sum()) for t in trajs)
+  flips = sum(
+    int(routing.differ(t.routing[:-1], _own_routing(cfg, params, t.tokens)[:-1]).any(-1).sum())
+    for t in trajs
+  )
   assert flips > 0
   assert replayed.max() < plain.max() and replayed.max() < 0.02
 
@@ -129,23 +146,32 @@ def test_routing_survives_the_store_and_is_refused_by_reason():
   assert store.deserialize(store.serialize(no_routing)).routing is None
   assert checked(no_routing, TOK.vocab_size, MAX_LEN)[1] is None  # no replay: not needed
   cases = {
-      "missing_routing": None,
-      "bad_routing": t.routing[:, :1],  # one MoE layer of two
-      "routing_out_of_range": np.where(t.routing == 0, cfg.num_experts, t.routing),
+    "missing_routing": None,
+    "bad_routing": t.routing[:, :1],  # one MoE layer of two
+    "routing_out_of_range": np.where(t.routing == 0, cfg.num_experts, t.routing),
   }
   for reason, r in cases.items():
-    assert checked(dataclasses.replace(t, routing=r), TOK.vocab_size, MAX_LEN,
-                   routing_shape=shape)[1] == reason
-  assert checked(dataclasses.replace(t, routing=t.routing[:-1]), TOK.vocab_size,
-                 MAX_LEN)[1] == "bad_routing"  # not a row per token
-  assert checked(dataclasses.replace(t, routing=t.routing.astype(np.float32)),
-                 TOK.vocab_size, MAX_LEN)[1] == "bad_routing"
+    assert (
+      checked(dataclasses.replace(t, routing=r), TOK.vocab_size, MAX_LEN, routing_shape=shape)[1]
+      == reason
+    )
+  assert (
+    checked(dataclasses.replace(t, routing=t.routing[:-1]), TOK.vocab_size, MAX_LEN)[1]
+    == "bad_routing"
+  )  # not a row per token
+  assert (
+    checked(dataclasses.replace(t, routing=t.routing.astype(np.float32)), TOK.vocab_size, MAX_LEN)[
+      1
+    ]
+    == "bad_routing"
+  )
   # The routing member is capped like the others, by choices a token.
   wide = dataclasses.replace(t, routing=np.zeros((len(t), 1000, 8), np.int16))
   with pytest.raises(store.CorruptRecordError, match="too_large"):
     store.deserialize(store.serialize(wide), MAX_LEN, routing_choices=384)
-  assert store.deserialize(store.serialize(wide), MAX_LEN,
-                           routing_choices=8000).routing.shape[1:] == (1000, 8)
+  assert store.deserialize(store.serialize(wide), MAX_LEN, routing_choices=8000).routing.shape[
+    1:
+  ] == (1000, 8)
   with pytest.raises(ValueError, match="routing record"):
     packing.pack([no_routing], rows=1, buckets=(MAX_LEN,), routing=shape[:2])
 

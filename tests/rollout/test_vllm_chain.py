@@ -15,8 +15,8 @@ import os
 import jax
 import numpy as np
 import pytest
+from runs import load_config_module
 
-from runs import load_config_module  # pylint: disable=g-bad-import-order
 from sao_jax.data import store
 from sao_jax.models import hf_import, policy
 from sao_jax.rollout import vllm_backend
@@ -60,6 +60,7 @@ def _spy(monkeypatch):
     def spy_emit(t):
       emitted.append((engine.served, engine.cfg, engine.rollout.temperature, t))
       return emit(t)
+
     return real_make_driver(config, engine, env, tok, prompts, spy_emit, *args, **kw)
 
   monkeypatch.setattr(vllm_backend.VllmEngine, "__init__", init)
@@ -69,8 +70,9 @@ def _spy(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.exists(vllm_backend.default_python()),
-                    reason="no vLLM environment (make vllm-env)")
+@pytest.mark.skipif(
+  not os.path.exists(vllm_backend.default_python()), reason="no vLLM environment (make vllm-env)"
+)
 def test_sao_chain_on_vllm_records_teacher_forced_logprobs(tmp_path, monkeypatch):
   emitted = _spy(monkeypatch)
   config = _config()
@@ -78,8 +80,10 @@ def test_sao_chain_on_vllm_records_teacher_forced_logprobs(tmp_path, monkeypatch
   summary = trainer.train(config, workdir)
   assert summary["rl_steps"] == 3 and summary["final_pass@1"] is not None
   stored, _ = store.read_valid_trajectories(
-      [os.path.join(workdir, "trajectories", "value_pretrain.array_record")],
-      1 << 20, config.rollout.max_len)
+    [os.path.join(workdir, "trajectories", "value_pretrain.array_record")],
+    1 << 20,
+    config.rollout.max_len,
+  )
   assert len(stored) == 8
   rl_versions, checked, width = set(), 0, config.rollout.max_len
   for served, cfg, temperature, t in emitted:
@@ -88,11 +92,11 @@ def test_sao_chain_on_vllm_records_teacher_forced_logprobs(tmp_path, monkeypatch
     tokens, segments = np.zeros((1, width), np.int32), np.zeros((1, width), np.int32)
     tokens[0, :n], segments[0, :n] = t.tokens, 1
     for version in set(t.policy_version[t.action_mask].tolist()):
-      lp, _ = logprobs_fn(cfg, served[version], tokens, np.arange(width)[None], segments,
-                          temperature)
+      lp, _ = logprobs_fn(
+        cfg, served[version], tokens, np.arange(width)[None], segments, temperature
+      )
       sel = t.action_mask & (t.policy_version == version)
-      np.testing.assert_allclose(np.asarray(lp)[0, :n][sel], t.rollout_logprobs[sel],
-                                 atol=1e-4)
+      np.testing.assert_allclose(np.asarray(lp)[0, :n][sel], t.rollout_logprobs[sel], atol=1e-4)
       checked += int(sel.sum())
       rl_versions.add(version)
   # The store holds what was emitted, token for token.

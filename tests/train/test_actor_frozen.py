@@ -8,25 +8,23 @@ model so that a rule written for another architecture is refused, not ignored.
 import jax
 import numpy as np
 import pytest
+from runs import load_config_module
+from test_trainer import CFG, demo_trajs
 
 from sao_jax.algo import optim
 from sao_jax.data import packing
 from sao_jax.models import config as mcfg
-from sao_jax.models import policy
-from sao_jax.models import sharding
-from sao_jax.train import configuration
-from sao_jax.train import factories
+from sao_jax.models import policy, sharding
+from sao_jax.train import configuration, factories
 from sao_jax.train.train_step import make_sft_step
-
-from runs import load_config_module  # pylint: disable=g-bad-import-order
-from test_trainer import CFG, demo_trajs  # pylint: disable=g-bad-import-order
 
 ROUTER = r"/moe/router$"
 
 
 def _paths(tree):
-  return {optim.param_path(k): np.asarray(v)
-          for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  return {
+    optim.param_path(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]
+  }
 
 
 def test_a_frozen_router_stays_bit_identical_while_the_rest_of_the_actor_trains():
@@ -54,11 +52,17 @@ def test_a_frozen_router_stays_bit_identical_while_the_rest_of_the_actor_trains(
 def test_a_rule_that_matches_no_parameter_is_refused_in_one_line():
   """A router rule on a dense model (or a typo) would freeze nothing silently."""
   dense = jax.eval_shape(lambda: policy.init_params(mcfg.tiny_dense(64), jax.random.key(0)))
-  with pytest.raises(ValueError, match=r"rl.actor_frozen: \['/moe/router\$'\] match no "
-                     "parameter"):
+  with pytest.raises(
+    ValueError,
+    match=r"rl.actor_frozen: \['/moe/router\$'\] match no "
+    "parameter",
+  ):
     optim.check_rules_match(dense, optim.freeze_rules((ROUTER,)), "rl.actor_frozen")
-  optim.check_rules_match(jax.eval_shape(lambda: policy.init_params(CFG, jax.random.key(0))),
-                          optim.freeze_rules((ROUTER,)), "rl.actor_frozen")
+  optim.check_rules_match(
+    jax.eval_shape(lambda: policy.init_params(CFG, jax.random.key(0))),
+    optim.freeze_rules((ROUTER,)),
+    "rl.actor_frozen",
+  )
 
 
 @pytest.mark.parametrize("bad", [("(",), ("",), (3,)])
@@ -72,7 +76,8 @@ def test_the_config_refuses_what_is_not_a_tuple_of_regexes(bad):
 def test_the_programs_freeze_the_router_for_sft_and_rl_alike():
   """build_programs gives SFT and RL one optimizer layout with the router
   frozen, and refuses a dead rule before anything compiles."""
-  from sao_jax.config import sections  # pylint: disable=g-import-not-at-top
+  from sao_jax.config import sections
+
   c = load_config_module("sao_tiny.py").get_config()
   c.rl.actor_frozen = (ROUTER,)
   typed = sections.load(c)

@@ -12,15 +12,14 @@ import jax
 import numpy as np
 import pytest
 from absl.testing import absltest, parameterized
+from test_configs import load_config_module
+from test_trainer import demo_trajs, make_state
 
-from sao_jax.train import configuration
 from sao_jax.algo import losses
-from sao_jax.train import train_step as ts
 from sao_jax.data import packing
+from sao_jax.train import configuration
+from sao_jax.train import train_step as ts
 from sao_jax.train.metrics import MetricsWriter
-
-from test_configs import load_config_module  # pylint: disable=g-bad-import-order
-from test_trainer import demo_trajs, make_state  # pylint: disable=g-bad-import-order
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 VARIANTS = ("dis_rollout_kl", "dis_corrective", "dis_seq_geo", "cispo")
@@ -44,7 +43,8 @@ def np_bucket(lag):
   if lag <= 0:
     return "lag0"
   return {1: "lag1", 2: "lag2", 3: "lag3_4", 4: "lag3_4"}.get(
-      int(lag), "lag5_8" if lag <= 8 else "lag9up")
+    int(lag), "lag5_8" if lag <= 8 else "lag9up"
+  )
 
 
 def np_diagnostics(logp, rollout, a, m, lag):
@@ -52,16 +52,25 @@ def np_diagnostics(logp, rollout, a, m, lag):
   below, above = m & (r <= 1 - EPS_LOW), m & (r >= 1 + EPS_HIGH)
   corrective = (above & (a < 0)) | (below & (a > 0))
   mass = np.abs(r * a) * m
-  out = {"corrective_token_frac": corrective.sum() / m.sum(),
-         "corrective_mass_frac": mass[corrective].sum() / mass.sum(),
-         "outside_frac": (below | above).sum() / m.sum()}
+  out = {
+    "corrective_token_frac": corrective.sum() / m.sum(),
+    "corrective_mass_frac": mass[corrective].sum() / mass.sum(),
+    "outside_frac": (below | above).sum() / m.sum(),
+  }
   names = np.vectorize(np_bucket)(lag)
   for name in BUCKETS:
     sel = m & (names == name)
     out[f"tokens_{name}"] = sel.sum()
     if not sel.any():
-      for k in ("approx_kl", "outside_frac", "ratio_q01", "ratio_q10", "ratio_q50",
-                "ratio_q90", "ratio_q99"):
+      for k in (
+        "approx_kl",
+        "outside_frac",
+        "ratio_q01",
+        "ratio_q10",
+        "ratio_q50",
+        "ratio_q90",
+        "ratio_q99",
+      ):
         out[f"{k}_{name}"] = np.nan
       continue
     lr = (logp - rollout)[sel]
@@ -73,7 +82,6 @@ def np_diagnostics(logp, rollout, a, m, lag):
 
 
 class DiagnosticsTest(parameterized.TestCase):
-
   @chex.variants(with_jit=True, without_jit=True)
   def test_masked_quantiles_match_numpy(self):
     rng = np.random.default_rng(0)
@@ -82,8 +90,7 @@ class DiagnosticsTest(parameterized.TestCase):
     groups = rng.choice([0, 1, 4, -1, 9], size=x.shape).astype(np.int32)
     groups[0, 0] = 3
     qs = (0.0, 0.01, 0.1, 0.5, 0.9, 0.99, 1.0)
-    got = np.asarray(self.variant(
-        lambda x, g: ts.masked_quantiles(x, g, 5, qs))(x, groups))
+    got = np.asarray(self.variant(lambda x, g: ts.masked_quantiles(x, g, 5, qs))(x, groups))
     self.assertEqual(got.shape, (5, len(qs)))
     for g in range(5):
       if g == 2:
@@ -95,7 +102,8 @@ class DiagnosticsTest(parameterized.TestCase):
   def test_lag_diagnostics_match_numpy(self):
     logp, rollout, a, m, lag = lagged_batch()
     got = self.variant(lambda *x: ts.lag_diagnostics(*x, EPS_LOW, EPS_HIGH))(
-        logp, rollout, a, m, lag)
+      logp, rollout, a, m, lag
+    )
     want = np_diagnostics(logp, rollout, a, m, lag)
     self.assertEqual(sorted(got), sorted(want))
     # The case is not degenerate: corrective tokens exist, lag 2 is empty, the rest are not.
@@ -110,8 +118,9 @@ class DiagnosticsTest(parameterized.TestCase):
     logp, rollout, _, m, lag = lagged_batch(1)
     got = ts.lag_diagnostics(logp, rollout, np.zeros_like(logp), m, lag, EPS_LOW, EPS_HIGH)
     self.assertTrue(np.isnan(float(got["corrective_mass_frac"])))  # NaN: logged as no number
-    none = ts.lag_diagnostics(logp, rollout, np.zeros_like(logp), np.zeros_like(m), lag,
-                              EPS_LOW, EPS_HIGH)
+    none = ts.lag_diagnostics(
+      logp, rollout, np.zeros_like(logp), np.zeros_like(m), lag, EPS_LOW, EPS_HIGH
+    )
     for k in ("corrective_token_frac", "outside_frac"):  # over no action tokens
       self.assertTrue(np.isnan(float(none[k])), k)
 
@@ -129,19 +138,28 @@ def test_nan_of_an_empty_bucket_is_null_in_the_metrics_file(tmp_path):
 
 
 class WarningsTest(parameterized.TestCase):
-
   def test_quiet_below_the_levels_and_on_nan(self):
-    record = {"dis/outside_frac": 0.05, "dis/corrective_mass_frac": 0.08,
-              "dis/corrective_token_frac": 0.017, "dis/approx_kl_lag1": 0.01,
-              "dis/approx_kl_lag2": float("nan"), "policy/loss": 3.0}
+    record = {
+      "dis/outside_frac": 0.05,
+      "dis/corrective_mass_frac": 0.08,
+      "dis/corrective_token_frac": 0.017,
+      "dis/approx_kl_lag1": 0.01,
+      "dis/approx_kl_lag2": float("nan"),
+      "policy/loss": 3.0,
+    }
     self.assertEqual(ts.dis_warnings(record), [])
     self.assertEqual(ts.dis_warnings({}), [])
 
   def test_one_line_per_diagnostic_above_its_level(self):
-    record = {"dis/outside_frac": 0.12, "dis/corrective_mass_frac": 0.175,
-              "dis/corrective_token_frac": 0.017, "dis/approx_kl_lag0": 0.01,
-              "dis/approx_kl_lag5_8": 0.06, "dis/approx_kl_lag9up": 0.2,
-              "dis/approx_kl_lag2": float("nan")}
+    record = {
+      "dis/outside_frac": 0.12,
+      "dis/corrective_mass_frac": 0.175,
+      "dis/corrective_token_frac": 0.017,
+      "dis/approx_kl_lag0": 0.01,
+      "dis/approx_kl_lag5_8": 0.06,
+      "dis/approx_kl_lag9up": 0.2,
+      "dis/approx_kl_lag2": float("nan"),
+    }
     lines = ts.dis_warnings(record)
     self.assertLen(lines, 3)
     outside, mass, kl = lines
@@ -153,23 +171,30 @@ class WarningsTest(parameterized.TestCase):
     self.assertNotIn("lag0", kl)
     self.assertTrue(all("\n" not in line for line in lines))
     # Levels are overridable; exactly at the level is quiet.
-    self.assertEqual(ts.dis_warnings(record, {"outside_frac": 0.12,
-                                              "corrective_mass_frac": 0.2,
-                                              "approx_kl": 1.0}), [])
+    self.assertEqual(
+      ts.dis_warnings(
+        record, {"outside_frac": 0.12, "corrective_mass_frac": 0.2, "approx_kl": 1.0}
+      ),
+      [],
+    )
 
   def test_levels_against_the_step_metrics(self):
     # The keys the warnings read are the ones the step writes.
     logp, rollout, a, m, lag = lagged_batch(2)
-    record = {f"dis/{k}": float(v) for k, v in ts.lag_diagnostics(
-        logp, rollout, a, m, lag, EPS_LOW, EPS_HIGH).items()}
-    lines = ts.dis_warnings(record, {"outside_frac": 0.0, "corrective_mass_frac": 0.0,
-                                     "approx_kl": 0.0})
+    record = {
+      f"dis/{k}": float(v)
+      for k, v in ts.lag_diagnostics(logp, rollout, a, m, lag, EPS_LOW, EPS_HIGH).items()
+    }
+    lines = ts.dis_warnings(
+      record, {"outside_frac": 0.0, "corrective_mass_frac": 0.0, "approx_kl": 0.0}
+    )
     self.assertLen(lines, 3)
     for b in BUCKETS:
       self.assertEqual(f" at {b}" in lines[2], b != "lag2", b)
 
 
 # --- the variants as records: config validation and the jitted train step ----------
+
 
 def _config(**fields):
   c = load_config_module("sao_tiny.py").get_config()
@@ -198,10 +223,17 @@ def test_variant_passes_validation_and_trains_in_the_jitted_step(name, monkeypat
     return losses.call_policy_loss(record, *args, **options)
 
   monkeypatch.setitem(losses.POLICY_LOSSES, name, spy)
-  state, step = make_state(ts.StepConfig.of(policy_loss=name, critic_updates=1,
-                                            corrective_side="high", geo_eps_low=0.5,
-                                            geo_eps_high=1.0, rollout_kl_estimator="k3",
-                                            rollout_kl_reduction="token"))
+  state, step = make_state(
+    ts.StepConfig.of(
+      policy_loss=name,
+      critic_updates=1,
+      corrective_side="high",
+      geo_eps_low=0.5,
+      geo_eps_high=1.0,
+      rollout_kl_estimator="k3",
+      rollout_kl_reduction="token",
+    )
+  )
   batch = _lagged_packed_batch()
   new, metrics = jax.jit(step)(state, batch)
   assert int(new.step) == 1 and np.isfinite(float(metrics["policy/loss"]))
@@ -227,29 +259,46 @@ def test_variant_passes_validation_and_trains_in_the_jitted_step(name, monkeypat
 def test_step_diagnostics_are_the_kernels_on_the_steps_own_log_probs():
   # With a loss whose metrics expose nothing, the step's dis/ metrics must still
   # match lag_diagnostics on the log-probs of the params before the update.
-  from sao_jax.models import policy  # pylint: disable=g-import-not-at-top
-  from test_trainer import CFG  # pylint: disable=g-import-not-at-top
+  from test_trainer import CFG
+
+  from sao_jax.models import policy
+
   cfg = ts.StepConfig.of(advantage="group", critic_updates=0)
   state, step = make_state(cfg)
   batch = _lagged_packed_batch()
   batch["baseline_advantages"] = np.where(
-      batch["action_mask"], np.sign(np.sin(np.arange(batch["action_mask"].size))).reshape(
-          batch["action_mask"].shape), 0.0).astype(np.float32)
+    batch["action_mask"],
+    np.sign(np.sin(np.arange(batch["action_mask"].size))).reshape(batch["action_mask"].shape),
+    0.0,
+  ).astype(np.float32)
   _, metrics = jax.jit(step)(state, batch)
-  logp, _ = policy.token_logprobs(CFG, state.policy, batch["tokens"], batch["positions"],
-                                  batch["segment_ids"], cfg.temperature)
+  logp, _ = policy.token_logprobs(
+    CFG, state.policy, batch["tokens"], batch["positions"], batch["segment_ids"], cfg.temperature
+  )
   m = batch["action_mask"]
-  want = np_diagnostics(np.asarray(logp), batch["rollout_logprobs"],
-                        batch["baseline_advantages"], m,
-                        np.where(m, -batch["policy_version"], 0))
+  want = np_diagnostics(
+    np.asarray(logp),
+    batch["rollout_logprobs"],
+    batch["baseline_advantages"],
+    m,
+    np.where(m, -batch["policy_version"], 0),
+  )
   for k, v in want.items():
     np.testing.assert_allclose(metrics[f"dis/{k}"], v, rtol=1e-4, atol=1e-6, err_msg=k)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("rl.corrective_side", "both"), ("rl.rollout_kl_coef", -0.1),
-    ("rl.rollout_kl_coef", float("inf")), ("rl.geo_eps_low", 1.0), ("rl.geo_eps_high", 0.0),
-    ("rl.rollout_kl_estimator", "k1"), ("rl.rollout_kl_reduction", "row")])
+@pytest.mark.parametrize(
+  "field,value",
+  [
+    ("rl.corrective_side", "both"),
+    ("rl.rollout_kl_coef", -0.1),
+    ("rl.rollout_kl_coef", float("inf")),
+    ("rl.geo_eps_low", 1.0),
+    ("rl.geo_eps_high", 0.0),
+    ("rl.rollout_kl_estimator", "k1"),
+    ("rl.rollout_kl_reduction", "row"),
+  ],
+)
 def test_bad_variant_options_fail_validation(field, value):
   with pytest.raises(configuration.ConfigError) as e:
     configuration.validate(_config(**{field: value}), num_devices=8)

@@ -11,19 +11,26 @@ import os
 
 import numpy as np
 import pytest
+from runs import launch, load_config_module
 
-from runs import launch, load_config_module  # pylint: disable=g-bad-import-order
-from sao_jax.train import configuration
-from sao_jax.train import trainer
 from sao_jax.data.prompts import EVAL_OFFSET
 from sao_jax.envs import humaneval
+from sao_jax.train import configuration, trainer
 
 # 512 tokens hold a HumanEval prompt in Qwen3's template; 16-token answers
 # keep the untrained model's turns short.
-FLAGS = {"env.name": "humaneval", "env.tokenizer": "qwen3", "env.chat_format": "qwen3",
-         "eval.num_tasks": 4, "eval.slots": 4, "eval.samples_per_task": 2,
-         "rollout.max_len": 512, "rollout.max_turn_tokens": 16, "data.buckets": (512,),
-         "tensorboard": False}
+FLAGS = {
+  "env.name": "humaneval",
+  "env.tokenizer": "qwen3",
+  "env.chat_format": "qwen3",
+  "eval.num_tasks": 4,
+  "eval.slots": 4,
+  "eval.samples_per_task": 2,
+  "rollout.max_len": 512,
+  "rollout.max_turn_tokens": 16,
+  "data.buckets": (512,),
+  "tensorboard": False,
+}
 
 
 # test_eval_sets.py runs launch/eval.py on a checkpoint and its export in the default run.
@@ -54,8 +61,9 @@ def test_eval_writes_one_json_line_per_sample(tmp_path):
   with open(out_path, encoding="utf-8") as f:
     lines = [json.loads(line) for line in f]
   assert len(lines) == 8
-  assert sorted(r["prompt_id"] for r in lines) == [EVAL_OFFSET + i for i in range(4)
-                                                   for _ in range(2)]
+  assert sorted(r["prompt_id"] for r in lines) == [
+    EVAL_OFFSET + i for i in range(4) for _ in range(2)
+  ]
   for r in lines:
     assert r["task"] == r["prompt_id"] - EVAL_OFFSET
     assert r["success"] == (r["reward"] >= 1.0) and r["reward"] in (0.0, 1.0)

@@ -12,19 +12,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_configs import load_config_module
+from test_trainer import demo_trajs, make_state
 
-from sao_jax.config import sections
 from sao_jax.algo import advantages as adv
-from sao_jax.train import configuration
 from sao_jax.algo import losses
-from sao_jax.train import rl_loop
-from sao_jax.train import sources
-from sao_jax.train import run as run_lib
+from sao_jax.config import sections
 from sao_jax.data import packing, store
+from sao_jax.train import configuration, rl_loop, sources
+from sao_jax.train import run as run_lib
 from sao_jax.train.train_step import StepConfig
-
-from test_configs import load_config_module  # pylint: disable=g-bad-import-order
-from test_trainer import demo_trajs, make_state  # pylint: disable=g-bad-import-order
 
 
 def _config(**fields):
@@ -34,8 +31,9 @@ def _config(**fields):
   return c
 
 
-@pytest.mark.parametrize("field,value", [("rl.advantage", "gae_v2"),
-                                         ("rl.policy_loss", "clip_dis")])
+@pytest.mark.parametrize(
+  "field,value", [("rl.advantage", "gae_v2"), ("rl.policy_loss", "clip_dis")]
+)
 def test_unknown_names_fail_validation_with_the_known_ones(field, value):
   with pytest.raises(configuration.ConfigError) as e:
     configuration.validate(_config(**{field: value}), num_devices=8)
@@ -61,8 +59,9 @@ def _constant_gae(rewards, values, action_mask, gamma, lam, segment_ids=None):
 
 
 def test_a_new_estimator_is_one_record(monkeypatch):
-  monkeypatch.setitem(adv.ESTIMATORS, "constant",
-                      adv.Estimator("constant", gae=_constant_gae, critic_span=False))
+  monkeypatch.setitem(
+    adv.ESTIMATORS, "constant", adv.Estimator("constant", gae=_constant_gae, critic_span=False)
+  )
   configuration.validate(_config(**{"rl.advantage": "constant"}), num_devices=8)
   state, step = make_state(StepConfig.of(advantage="constant", critic_updates=1))
   batch = packing.pack(demo_trajs(4), 4, (256,))
@@ -95,8 +94,11 @@ def test_a_policy_loss_option_the_config_lacks_is_an_error(monkeypatch):
     return beta * jnp.sum(logp), {}
 
   monkeypatch.setitem(losses.POLICY_LOSSES, "needs_beta", needs_beta)
-  with pytest.raises(configuration.ConfigError, match=r"^rl.policy_loss = 'needs_beta': .*"
-                     r"\['beta'\].*does not offer"):
+  with pytest.raises(
+    configuration.ConfigError,
+    match=r"^rl.policy_loss = 'needs_beta': .*"
+    r"\['beta'\].*does not offer",
+  ):
     configuration.validate(_config(**{"rl.policy_loss": "needs_beta"}), num_devices=8)
   with pytest.raises(ValueError, match=r"\['beta'\]"):
     make_state(StepConfig.of(policy_loss="needs_beta", critic_updates=1))
@@ -104,8 +106,9 @@ def test_a_policy_loss_option_the_config_lacks_is_an_error(monkeypatch):
 
 def test_critic_free_estimator_minimum_group_is_validated():
   with pytest.raises(configuration.ConfigError, match="samples_per_prompt = 1: must be >= 2"):
-    configuration.validate(_config(**{"rl.advantage": "group", "rl.critic_updates": 0}),
-                           num_devices=8)
+    configuration.validate(
+      _config(**{"rl.advantage": "group", "rl.critic_updates": 0}), num_devices=8
+    )
 
 
 def test_running_mean_baseline_state_round_trips_through_lists():
@@ -146,15 +149,22 @@ class ReplaySource:
 
 def _replay(run, saved):
   shard = os.path.join(run.workdir, "replay.array_record")
-  trajs, _ = store.read_valid_trajectories([shard], run.tok.vocab_size,
-                                           run.config.rollout.max_len)
+  trajs, _ = store.read_valid_trajectories([shard], run.tok.vocab_size, run.config.rollout.max_len)
   return ReplaySource(trajs, (saved or {}).get("position", 0))
 
 
 def test_a_new_trajectory_source_is_one_record(monkeypatch, tmp_path):
   monkeypatch.setitem(sources.SOURCES, "replay", sources.SourceSpec(_replay))
-  config = _config(**{"rl.mode": "replay", "rl.steps": 3, "rl.batch_size": 8,
-                      "log_every": 1, "checkpoint.every": 2, "tensorboard": False})
+  config = _config(
+    **{
+      "rl.mode": "replay",
+      "rl.steps": 3,
+      "rl.batch_size": 8,
+      "log_every": 1,
+      "checkpoint.every": 2,
+      "tensorboard": False,
+    }
+  )
   workdir = str(tmp_path / "run")
   os.makedirs(workdir)
   with store.TrajectoryWriter(os.path.join(workdir, "replay.array_record")) as writer:

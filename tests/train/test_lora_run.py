@@ -12,18 +12,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from runs import launch, load_config_module, read_metrics
+from test_trainer import CFG, demo_trajs
 
 from sao_jax.algo import optim
 from sao_jax.config import sections
 from sao_jax.data import packing
 from sao_jax.data.checkpoint import check_lora_base
-from sao_jax.models import lora, policy
-from sao_jax.models import sharding
+from sao_jax.models import lora, policy, sharding
 from sao_jax.train import factories
 from sao_jax.train.train_step import Adapters, make_sft_step
-
-from runs import launch, load_config_module, read_metrics  # pylint: disable=g-bad-import-order
-from test_trainer import CFG, demo_trajs  # pylint: disable=g-bad-import-order
 
 ACTOR = lora.LoraConfig(4, 8.0, sections.LORA_ACTOR_TARGETS)
 
@@ -40,11 +38,15 @@ def _programs(mesh_shape=None, **lora_fields):
   for k, v in lora_fields.items():
     c.lora[k] = v
   if mesh_shape:  # the pod's placement rules (configs/sao_moe.py) on 8 simulated devices
-    from configs import sao_moe  # pylint: disable=g-import-not-at-top
+    from configs import sao_moe
+
     c.sharding.mesh, c.sharding.rules = mesh_shape, sao_moe.POD_RULES
   typed = sections.load(c)
-  mesh = (sharding.make_mesh(mesh_shape, devices=jax.devices()[:8]) if mesh_shape else
-          sharding.make_mesh({"data": 1}, devices=jax.devices()[:1]))
+  mesh = (
+    sharding.make_mesh(mesh_shape, devices=jax.devices()[:8])
+    if mesh_shape
+    else sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
+  )
   model_cfg = factories.build_model_config(typed)
   return factories.build_programs(typed, model_cfg, factories.step_config(typed), mesh)
 
@@ -97,8 +99,14 @@ def test_the_state_holds_adapters_and_their_moments_only():
   size = lambda t: sum(x.size for x in jax.tree.leaves(t))
   assert size(s.policy_opt) == 2 * size(s.policy) + 2  # mu, nu (+ two step counts)
   assert size(s.policy) < size(jax.eval_shape(p.policy_init)) / 4
-  labels = _flat(optim.partition_labels(s.critic, factories._critic_rules(  # pylint: disable=protected-access
-      sections.load(_config_with_freeze()), sections.Lora(enabled=True), p.lora, s.critic)))
+  labels = _flat(
+    optim.partition_labels(
+      s.critic,
+      factories._critic_rules(
+        sections.load(_config_with_freeze()), sections.Lora(enabled=True), p.lora, s.critic
+      ),
+    )
+  )
   assert labels["layer_0/attn/q/lora_a"] == optim.FREEZE
   assert labels["layer_0/moe/wo/lora_b"] == optim.TRAIN and labels["value_head"] == optim.TRAIN
 

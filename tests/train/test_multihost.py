@@ -23,8 +23,7 @@ import os
 import sys
 
 import numpy as np
-
-import runs as run_lib  # pylint: disable=g-bad-import-order
+import runs as run_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEVICES = 8
@@ -33,7 +32,8 @@ HANG_GUARD_S = 600  # a hang guard only: the whole test takes about a minute
 
 # ------------------------------------------------------------------ worker
 def _config(num_processes, process_id, port):
-  from configs import sao_tiny  # pylint: disable=g-import-not-at-top
+  from configs import sao_tiny
+
   c = sao_tiny.get_config()
   c.distributed.enabled = num_processes > 1
   c.distributed.coordinator_address = f"localhost:{port}" if num_processes > 1 else ""
@@ -56,8 +56,9 @@ def _config(num_processes, process_id, port):
 
 def _fingerprint(tree):
   """Per-leaf sums in float64, read from each process's own shards' gather."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import jax
+  import jax.numpy as jnp
+
   sums = jax.jit(lambda t: jax.tree.map(lambda x: jnp.sum(x.astype(jnp.float32)), t))(tree)
   return [float(np.asarray(s.addressable_data(0))) for s in jax.tree.leaves(sums)]
 
@@ -65,17 +66,19 @@ def _fingerprint(tree):
 def worker(workdir, num_processes, process_id, port):
   """One process of a run: SFT and value pretraining, then a restore."""
   config = _config(num_processes, process_id, port)
-  from absl import flags  # pylint: disable=g-import-not-at-top
+  from absl import flags
+
   flags.FLAGS.mark_as_parsed()  # as absl.app does in launch/train.py
-  from sao_jax.train import distributed  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import distributed
+
   distributed.initialize(config.distributed)
-  import jax  # pylint: disable=g-import-not-at-top
-  from sao_jax.train import stages  # pylint: disable=g-import-not-at-top
-  from sao_jax.train import trainer
-  from sao_jax.data.checkpoint import Checkpointer, abstract_like  # pylint: disable=g-import-not-at-top
-  from sao_jax.data import store  # pylint: disable=g-import-not-at-top
-  from sao_jax.envs import registry  # pylint: disable=g-import-not-at-top
-  from sao_jax.envs import demonstrations  # pylint: disable=g-import-not-at-top
+  import jax
+
+  from sao_jax.data import store
+  from sao_jax.data.checkpoint import Checkpointer, abstract_like
+  from sao_jax.envs import demonstrations, registry
+  from sao_jax.train import stages, trainer
+
   assert jax.process_count() == num_processes and jax.device_count() == DEVICES
 
   # The value-pretraining store, written once (by process 0) for all.
@@ -110,23 +113,30 @@ def worker(workdir, num_processes, process_id, port):
   state, meta = ckpt.restore(abstract_like(run.state))
   restored = _fingerprint(state)
   ckpt.close()
-  out = {"rows": rows, "saved": saved, "restored": restored, "stage": meta["stage"],
-         "policy_sums": _fingerprint(run.state.policy), "local_sums": local_sums}
+  out = {
+    "rows": rows,
+    "saved": saved,
+    "restored": restored,
+    "stage": meta["stage"],
+    "policy_sums": _fingerprint(run.state.policy),
+    "local_sums": local_sums,
+  }
   with open(os.path.join(workdir, f"worker_{process_id}.json"), "w", encoding="utf-8") as f:
     json.dump(out, f)
 
 
 # ------------------------------------------------------------------ tests
 def _demos(n):
-  # pylint: disable-next=g-import-not-at-top
   from sao_jax.envs import demonstrations, python_tool, tokenizer
+
   env, tok = python_tool.PythonTool(), tokenizer.CharTokenizer()
   return [demonstrations.demonstration_trajectory(env, env.task(i), tok) for i in range(n)]
 
 
 def test_host_rows_are_rows_of_the_whole_batch():
   """A host's rows are those rows of the batch packed whole (same layout and L)."""
-  from sao_jax.data import packing  # pylint: disable=g-import-not-at-top
+  from sao_jax.data import packing
+
   trajs = _demos(12)  # 12 trajectories in 8 rows: some rows hold two
   full = packing.pack(trajs, 8, (64, 128, 256))
   for rows in ([1, 3, 5, 7], [4, 5, 6, 7], [2]):
@@ -136,32 +146,38 @@ def test_host_rows_are_rows_of_the_whole_batch():
 
 
 def test_single_process_batch_is_the_device_put_batch():
-  import jax  # pylint: disable=g-import-not-at-top
-  from sao_jax.train import distributed  # pylint: disable=g-import-not-at-top
+  import jax
+
+  from sao_jax.data import packing
   from sao_jax.models import sharding
-  from sao_jax.data import packing  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import distributed
+
   mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
   spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("fsdp", "data"), None))
   assert distributed.process_rows(spec, 8).tolist() == list(range(8))
   trajs = _demos(8)
   full = packing.pack(trajs, 8, (64, 128, 256))
-  for batch in (distributed.pack_batch(trajs, 8, (64, 128, 256), spec),
-                distributed.global_batch(full, spec, 8)):
+  for batch in (
+    distributed.pack_batch(trajs, 8, (64, 128, 256), spec),
+    distributed.global_batch(full, spec, 8),
+  ):
     for key in packing.FIELDS:
       assert batch[key].sharding == spec
       np.testing.assert_array_equal(np.asarray(batch[key]), full[key], err_msg=key)
 
 
 def test_config_checks():
-  import pytest  # pylint: disable=g-import-not-at-top
-  from sao_jax.train import configuration  # pylint: disable=g-import-not-at-top
-  from sao_jax.train import distributed
+  import pytest
+
+  from sao_jax.train import configuration, distributed
+
   c = _config(1, 0, 0)
   c.rl.steps = 5
   configuration.validate(c, num_devices=DEVICES, num_processes=1)
   # The in-process rollout's order differs between hosts: refused, not wrong.
-  with pytest.raises(configuration.ConfigError,
-                     match=r"^rl.mode = 'async' with 2 processes.*fleet"):
+  with pytest.raises(
+    configuration.ConfigError, match=r"^rl.mode = 'async' with 2 processes.*fleet"
+  ):
     configuration.validate(c, num_devices=DEVICES, num_processes=2)
   c.rl.steps = 0
   configuration.validate(c, num_devices=DEVICES, num_processes=2)
@@ -176,10 +192,24 @@ def test_config_checks():
 
 
 def _job(name, workdir, num_processes, process_id, port):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES // num_processes}")
-  return (f"{name}_{process_id}", [sys.executable, os.path.abspath(__file__), workdir,
-                                   str(num_processes), str(process_id), str(port)], env)
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
+    XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES // num_processes}",
+  )
+  return (
+    f"{name}_{process_id}",
+    [
+      sys.executable,
+      os.path.abspath(__file__),
+      workdir,
+      str(num_processes),
+      str(process_id),
+      str(port),
+    ],
+    env,
+  )
 
 
 def _losses(workdir):
@@ -209,8 +239,10 @@ def test_two_processes_match_one(tmp_path):
     np.testing.assert_allclose(multi[key], single[key], rtol=1e-5, atol=1e-5, err_msg=str(key))
   assert multi[("sft", 3)] < multi[("sft", 1)]  # it trained
 
-  w = [json.load(open(os.path.join(runs["multi"][1], f"worker_{i}.json"), encoding="utf-8"))
-       for i in range(2)]
+  w = [
+    json.load(open(os.path.join(runs["multi"][1], f"worker_{i}.json"), encoding="utf-8"))
+    for i in range(2)
+  ]
   ref = json.load(open(os.path.join(runs["single"][1], "worker_0.json"), encoding="utf-8"))
   # Batch over ("fsdp", "data"): process 0 holds the even rows, process 1 the odd.
   assert w[0]["rows"] == [0, 2, 4, 6] and w[1]["rows"] == [1, 3, 5, 7]

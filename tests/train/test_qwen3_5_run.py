@@ -11,25 +11,34 @@ transformers loads, the MTP head carried over unchanged.
 import json
 import os
 
+import hf_fixtures
 import numpy as np
 import pytest
-
-import hf_fixtures  # pylint: disable=g-bad-import-order
-import runs  # pylint: disable=g-bad-import-order
+import runs
 
 torch = pytest.importorskip("torch", reason="the 'parity' extra (make test installs it)")
 transformers = pytest.importorskip("transformers")
 
-FLAGS = ("--config.sharding.mesh={'data': 1}", "--config.sft.steps=2",
-         "--config.sft.batch_size=4", "--config.value_pretrain.steps=2",
-         "--config.value_pretrain.num_trajectories=4", "--config.rl.steps=2",
-         "--config.rl.batch_size=4", "--config.rollout.slots=4", "--config.eval.num_tasks=4",
-         "--config.eval.slots=4", "--config.log_every=1", "--config.tensorboard=False")
+FLAGS = (
+  "--config.sharding.mesh={'data': 1}",
+  "--config.sft.steps=2",
+  "--config.sft.batch_size=4",
+  "--config.value_pretrain.steps=2",
+  "--config.value_pretrain.num_trajectories=4",
+  "--config.rl.steps=2",
+  "--config.rl.batch_size=4",
+  "--config.rollout.slots=4",
+  "--config.eval.num_tasks=4",
+  "--config.eval.slots=4",
+  "--config.log_every=1",
+  "--config.tensorboard=False",
+)
 
 
 def _add_mtp_head(hf_dir: str) -> np.ndarray:
   """An `mtp.*` tensor beside the weights, as the releases ship one."""
-  from safetensors.torch import load_file, save_file  # pylint: disable=g-import-not-at-top
+  from safetensors.torch import load_file, save_file
+
   path = os.path.join(hf_dir, "model.safetensors")
   tensors = load_file(path)
   mtp = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
@@ -48,8 +57,14 @@ def test_a_qwen3_5_checkpoint_trains_through_every_stage_and_exports(tmp_path, m
   assert f"[model] {family} from" in log and "MTP-head tensors" in log
   for stage in ("[sft] 2/2", "[value_pretrain] 2/2", "[rl] 2/2", "[done]"):
     assert stage in log, log[-3000:]
-  exported = runs.launch(workdir, f"--out={out}", script="export.py",
-                         config=f"qwen3_colab.py:{hf_dir}", run_flags=FLAGS[:1], devices=1)
+  exported = runs.launch(
+    workdir,
+    f"--out={out}",
+    script="export.py",
+    config=f"qwen3_colab.py:{hf_dir}",
+    run_flags=FLAGS[:1],
+    devices=1,
+  )
   # transformers has no token classifier that loads a Qwen3.5 text model:
   # the critic is not exported, and the export says so.
   assert "transformers has no token-classification class" in exported
@@ -57,7 +72,8 @@ def test_a_qwen3_5_checkpoint_trains_through_every_stage_and_exports(tmp_path, m
   assert type(model).__name__ == ("Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM")
   index = json.loads(open(os.path.join(out, "model.safetensors.index.json")).read())
   assert index["weight_map"]["mtp.fc.weight"] == "model-carried.safetensors"
-  from safetensors.torch import load_file  # pylint: disable=g-import-not-at-top
+  from safetensors.torch import load_file
+
   carried = load_file(os.path.join(out, "model-carried.safetensors"))["mtp.fc.weight"]
   assert carried.dtype == torch.bfloat16
   np.testing.assert_array_equal(carried.float().numpy(), mtp)

@@ -15,6 +15,7 @@ import types
 
 import jax
 import numpy as np
+import runs
 
 from sao_jax.config import sections
 from sao_jax.data import identity, store
@@ -25,16 +26,18 @@ from sao_jax.models import policy, precision
 from sao_jax.train import factories, sources
 from sao_jax.transport import fleet
 
-import runs  # pylint: disable=g-bad-import-order
-
 TOK, ENV = CharTokenizer(), PythonTool()
 HANG_GUARD_S = 120
 
 
 def config():
   c = runs.load_config_module("sao_tiny.py").get_config()
-  for field, value in (("rl.mode", "fleet"), ("rollout.max_len", 256),
-                       ("fleet.weights_path", "checkpoint"), ("fleet.poll_seconds", 0.01)):
+  for field, value in (
+    ("rl.mode", "fleet"),
+    ("rollout.max_len", 256),
+    ("fleet.weights_path", "checkpoint"),
+    ("fleet.poll_seconds", 0.01),
+  ):
     section, name = field.split(".")
     c[section][name] = value
   return sections.load(c)
@@ -45,9 +48,15 @@ def trainer(workdir, step, params, saved=None):
   `saved`, a checkpoint's source state), and its state."""
   c = config()
   state = types.SimpleNamespace(step=step, policy=params)
-  run = types.SimpleNamespace(config=c, workdir=workdir, tok=TOK, routing_shape=None,
-                              model_cfg=factories.build_model_config(c), state=state,
-                              policy_params=lambda: state.policy)
+  run = types.SimpleNamespace(
+    config=c,
+    workdir=workdir,
+    tok=TOK,
+    routing_shape=None,
+    model_cfg=factories.build_model_config(c),
+    state=state,
+    policy_params=lambda: state.policy,
+  )
   return sources.make_source(run, saved), state
 
 
@@ -107,10 +116,16 @@ def test_fleet_trainer_refuses_other_runs_and_params_and_resumes_its_identity(tm
   # endpoint serving params of its own).
   other_model = identity.fingerprint(served(policy.init_params(model_cfg, jax.random.key(1))))
   write(root, "r0", 0, [sampled(0, 0, v0), sampled(1, 0, v0)])
-  write(root, "stranger", 0, [
+  write(
+    root,
+    "stranger",
+    0,
+    [
       sampled(10, 0, {"run_id": run_id, "fingerprint": other_model}),
       sampled(11, 0, dict(v0, run_id="another_run")),
-      sampled(12, 0, None)])
+      sampled(12, 0, None),
+    ],
+  )
   write(root, "r0", 1, [sampled(2, 0, v0)])
   taken = src.take(3)
   assert sorted(t.prompt_id for t in taken) == [0, 1, 2]

@@ -7,12 +7,11 @@ import threading
 import numpy as np
 import pytest
 
-from sao_jax.train import configuration
-from sao_jax.train import sources
 from sao_jax.data import prompts as prompt_data
 from sao_jax.envs import python_tool, tokenizer
 from sao_jax.envs.demonstrations import demonstration_trajectory
 from sao_jax.rollout.stats import DriverStats
+from sao_jax.train import configuration, sources
 
 ENV, TOK = python_tool.PythonTool(), tokenizer.CharTokenizer()
 MAX_LEN = 512
@@ -56,6 +55,7 @@ class FakeDriver:
       except RuntimeError as e:
         self.error = e
       self.alive = False
+
     self._thread = threading.Thread(target=loop, daemon=True)
     self._thread.start()
 
@@ -88,9 +88,18 @@ def make_source(plans, synchronous=False, group_size=1, max_restarts=2, wrap_emi
 
   kwargs = {} if wrap_emit is None else {"wrap_emit": wrap_emit}
   src = sources.DriverSource(
-      new_driver, prompt_data.train_prompts(100, 0), synchronous=synchronous, queue_size=8,
-      vocab_size=TOK.vocab_size, max_len=MAX_LEN, max_staleness=None, group_size=group_size,
-      max_restarts=max_restarts, last_checkpoint=lambda: 7, **kwargs)
+    new_driver,
+    prompt_data.train_prompts(100, 0),
+    synchronous=synchronous,
+    queue_size=8,
+    vocab_size=TOK.vocab_size,
+    max_len=MAX_LEN,
+    max_staleness=None,
+    group_size=group_size,
+    max_restarts=max_restarts,
+    last_checkpoint=lambda: 7,
+    **kwargs,
+  )
   return src, drivers
 
 
@@ -133,8 +142,10 @@ def test_a_malformed_trajectory_is_rejected_with_a_reason_and_never_handed_out()
 
 @pytest.mark.parametrize("synchronous", [False, True])
 def test_a_dead_driver_is_replaced_and_its_counts_kept(synchronous):
-  plans = [([sampled(i, i) for i in range(4)], 2),  # emits two, then fails
-           ([sampled(i, i) for i in range(4, 8)], None)]
+  plans = [
+    ([sampled(i, i) for i in range(4)], 2),  # emits two, then fails
+    ([sampled(i, i) for i in range(4, 8)], None),
+  ]
   src, drivers = make_source(plans, synchronous=synchronous)
   got = src.take(4)
   assert len(drivers) == 2 and drivers[0].stopped
@@ -150,14 +161,15 @@ def test_a_dead_driver_is_replaced_and_its_counts_kept(synchronous):
 def test_too_many_restarts_stop_the_run_with_the_error():
   plans = [([sampled(0, 0)], 0), ([sampled(1, 1)], 0)]
   src, _ = make_source(plans, synchronous=True, max_restarts=1)
-  with pytest.raises(configuration.StopTraining,
-                     match=r"failed 2 times .* last checkpoint \(7\) is intact"):
+  with pytest.raises(
+    configuration.StopTraining, match=r"failed 2 times .* last checkpoint \(7\) is intact"
+  ):
     src.take(1)
 
 
 def test_state_resumes_the_prompt_order():
   src, _ = make_source([([], None)], synchronous=True)
-  it = src._prompt_iter  # pylint: disable=protected-access
+  it = src._prompt_iter
   for _ in range(5):
     next(it)
   saved = src.state()
@@ -176,28 +188,36 @@ def test_the_registry_is_what_config_validation_accepts():
     configuration.validate(config)
 
 
-@pytest.mark.parametrize("mode,old,expected", [
+@pytest.mark.parametrize(
+  "mode,old,expected",
+  [
     ("async", {"prompt_state": {"i": 3}, "fleet": None}, {"prompt_state": {"i": 3}}),
     ("sync", {"prompt_state": None}, None),
-    ("fleet", {"prompt_state": {"i": 3}, "fleet": {"consumed": {"r0": 2}}},
-     {"consumed": {"r0": 2}}),
-])
+    (
+      "fleet",
+      {"prompt_state": {"i": 3}, "fleet": {"consumed": {"r0": 2}}},
+      {"consumed": {"r0": 2}},
+    ),
+  ],
+)
 def test_checkpoints_from_before_sources_resume_their_state(mode, old, expected):
-  from sao_jax.train import run as run_lib  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import run as run_lib
+
   meta = dict(old, stage="rl")
-  run_lib._upgrade_meta(meta, mode, "value")  # pylint: disable=protected-access
+  run_lib._upgrade_meta(meta, mode, "value")
   assert meta == {"stage": "rl", "source": expected, "estimator_state": {}}
-  run_lib._upgrade_meta(meta, mode, "value")  # pylint: disable=protected-access
+  run_lib._upgrade_meta(meta, mode, "value")
   assert meta["source"] == expected  # idempotent
 
 
 def test_an_old_running_mean_key_restores_under_the_estimators_name():
   """Checkpoints before estimator_state kept any estimator's host state under
   "running_mean"; it belongs to the run's rl.advantage."""
-  from sao_jax.train import run as run_lib  # pylint: disable=g-import-not-at-top
+  from sao_jax.train import run as run_lib
+
   window = [[0.5, 1.0], [2.0]]
   meta = {"stage": "rl", "source": None, "running_mean": window}
-  run_lib._upgrade_meta(meta, "async", "running_mean")  # pylint: disable=protected-access
+  run_lib._upgrade_meta(meta, "async", "running_mean")
   assert meta == {"stage": "rl", "source": None, "estimator_state": {"running_mean": window}}
-  run_lib._upgrade_meta(meta, "async", "running_mean")  # pylint: disable=protected-access
+  run_lib._upgrade_meta(meta, "async", "running_mean")
   assert meta["estimator_state"] == {"running_mean": window}

@@ -14,6 +14,7 @@ V5P = "TPU v5"
 def _scan_program(steps: int):
   def f(w, x):
     return jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w)[0]
+
   return jax.jit(f).lower(jnp.zeros((steps, 64, 64)), jnp.zeros((8, 64))).compile()
 
 
@@ -42,8 +43,14 @@ class _Reports:
 def test_cost_takes_a_list_and_says_none_when_absent():
   got = steptime.cost(_Reports([{"flops": 10.0, "bytes accessed": 4.0}]))
   assert got == {"flops": 10.0, "bytes_accessed": 4.0}
-  for absent in (None, [], {}, {"bytes accessed": 1.0}, {"flops": float("nan")},
-                 NotImplementedError("no cost model")):
+  for absent in (
+    None,
+    [],
+    {},
+    {"bytes accessed": 1.0},
+    {"flops": float("nan")},
+    NotImplementedError("no cost model"),
+  ):
     assert steptime.cost(_Reports(absent)) is None, absent
   step = steptime.step_model(None, V5P, 0.4)
   assert step == {"available": False, "reason": "cost_analysis() not available for this program"}
@@ -54,8 +61,9 @@ def test_cost_takes_a_list_and_says_none_when_absent():
 def test_the_step_and_the_version_at_v5p_peaks():
   peak, hbm = 459e12, 2765e9
   # Compute-bound: 1.836e15 FLOPs at 40% of 459 TFLOP/s is 10 s; the bytes take 1 s.
-  step = steptime.step_model({"flops": 0.4 * peak * 10, "bytes_accessed": hbm}, V5P, 0.4,
-                             loops=2, loop_scale=48)
+  step = steptime.step_model(
+    {"flops": 0.4 * peak * 10, "bytes_accessed": hbm}, V5P, 0.4, loops=2, loop_scale=48
+  )
   assert step["seconds"] == pytest.approx(10.0) and step["bound"] == "compute"
   assert step["lower_bound"] and step["layer_scaled_seconds"] == pytest.approx(480.0)
   # Memory-bound at full HBM bandwidth.
@@ -84,9 +92,11 @@ def test_the_shape_count_matches_xla_on_a_loop_free_model():
   """Forward and forward + backward of an unrolled model whose every expert is
   chosen (so the dense MoE does exactly top-k's work) and whose attention
   computes every query-key pair: XLA's count and the formula agree within 10%."""
-  import dataclasses  # pylint: disable=g-import-not-at-top
-  from sao_jax.models import config as mcfg  # pylint: disable=g-import-not-at-top
-  from sao_jax.models import policy  # pylint: disable=g-import-not-at-top
+  import dataclasses
+
+  from sao_jax.models import config as mcfg
+  from sao_jax.models import policy
+
   cfg = dataclasses.replace(mcfg.tiny(1024), moe_impl="dense", experts_per_token=4)
   params = policy.init_params(cfg, jax.random.PRNGKey(0))
   b, length = 4, 128
@@ -97,14 +107,14 @@ def test_the_shape_count_matches_xla_on_a_loop_free_model():
   both = steptime.cost(jax.jit(jax.grad(loss)).lower(params).compile())["flops"]
   per_token = steptime.forward_flops_per_token(cfg, attended=length)
   assert fwd / (b * length) == pytest.approx(per_token, rel=0.1)
-  counted = steptime.rl_step_flops(cfg, b, length, critic_updates=0, remat=False,
-                                   causal_skip=False)
+  counted = steptime.rl_step_flops(cfg, b, length, critic_updates=0, remat=False, causal_skip=False)
   assert counted["total"] == pytest.approx(3 * per_token * b * length)
   assert both == pytest.approx(counted["total"], rel=0.1)
 
 
 def test_the_rl_step_count_adds_critic_updates_remat_and_the_head_fraction():
-  from sao_jax.models import config as mcfg  # pylint: disable=g-import-not-at-top
+  from sao_jax.models import config as mcfg
+
   cfg = mcfg.qwen3_30b_a3b()
   base = steptime.rl_step_flops(cfg, 1, 1024, critic_updates=0, remat=False)
   trunk = steptime.forward_flops_per_token(cfg, (1024 + 1) / 2, head=False)
@@ -126,12 +136,12 @@ def test_the_shape_count_goes_by_layer_kind():
   """Qwen3.5-35B-A3B: only its 10 gated full layers attend over the context
   (a DeltaNet layer's chunked rule costs the same at any length), and the
   shared expert is counted."""
-  from sao_jax.models import config as mcfg  # pylint: disable=g-import-not-at-top
+  from sao_jax.models import config as mcfg
+
   cfg = mcfg.qwen3_5_35b_a3b()
   per_key = steptime.forward_flops_per_token(cfg, 1.0) - steptime.forward_flops_per_token(cfg, 0.0)
   assert per_key == 10 * 4 * cfg.num_heads * cfg.head_dim
   # The shared expert's SwiGLU is counted in each of the 40 MoE layers.
   wider = dataclasses.replace(cfg, shared_expert_d_ff=2 * cfg.shared_expert_d_ff)
-  gap = (steptime.forward_flops_per_token(wider, 0.0)
-         - steptime.forward_flops_per_token(cfg, 0.0))
+  gap = steptime.forward_flops_per_token(wider, 0.0) - steptime.forward_flops_per_token(cfg, 0.0)
   assert gap == 40 * 6 * cfg.d_model * cfg.shared_expert_d_ff

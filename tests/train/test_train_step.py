@@ -11,14 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_trainer import CFG, demo_trajs, make_state
 
-from sao_jax.algo import losses
-from sao_jax.algo import optim
+from sao_jax.algo import losses, optim
 from sao_jax.data import packing
 from sao_jax.models import policy
 from sao_jax.train.train_step import StepConfig, apply_if_finite, compute_advantages
-
-from test_trainer import CFG, demo_trajs, make_state  # pylint: disable=g-bad-import-order
 
 
 def reference_step(step_cfg, ptx, ctx, state, batch):
@@ -40,14 +38,25 @@ def reference_step(step_cfg, ptx, ctx, state, batch):
 
   def actor_loss(p):
     logp, aux = policy.token_logprobs(CFG, p, *inputs, step_cfg.temperature)
-    loss, _ = losses.dis_policy_loss(logp, batch["rollout_logprobs"], advantages,
-                                     batch["action_mask"], step_cfg.eps_low, step_cfg.eps_high)
+    loss, _ = losses.dis_policy_loss(
+      logp,
+      batch["rollout_logprobs"],
+      advantages,
+      batch["action_mask"],
+      step_cfg.eps_low,
+      step_cfg.eps_high,
+    )
     return loss + step_cfg.load_balance_coef * aux["load_balance_loss"], loss
 
   (_, loss), g = jax.value_and_grad(actor_loss, has_aux=True)(state.policy)
   pol, popt, ok = apply_if_finite(ptx, g, state.policy_opt, state.policy, loss)
-  new = state.replace(step=state.step + ok.astype(state.step.dtype), policy=pol, critic=critic,
-                      policy_opt=popt, critic_opt=copt)
+  new = state.replace(
+    step=state.step + ok.astype(state.step.dtype),
+    policy=pol,
+    critic=critic,
+    policy_opt=popt,
+    critic_opt=copt,
+  )
   return new, advantages, first
 
 
@@ -59,13 +68,15 @@ def test_rl_step_matches_the_textbook_order(advantage):
   ptx = optim.make_optimizer(state.policy, 1e-3)
   ctx = optim.make_optimizer(state.critic, 1e-3, rules=optim.CRITIC_FREEZE_RULES)
   batch = packing.pack(demo_trajs(4), 4, (256,))
-  want, advantages, first_loss = jax.jit(
-      lambda s, b: reference_step(step_cfg, ptx, ctx, s, b))(state, batch)
+  want, advantages, first_loss = jax.jit(lambda s, b: reference_step(step_cfg, ptx, ctx, s, b))(
+    state, batch
+  )
   got, metrics = jax.jit(step)(state, batch)
   m = batch["action_mask"]
   n = max(int(m.sum()), 1)
-  np.testing.assert_allclose(metrics["advantage_mean"],
-                             float(jnp.where(m, advantages, 0).sum()) / n, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(
+    metrics["advantage_mean"], float(jnp.where(m, advantages, 0).sum()) / n, rtol=1e-5, atol=1e-7
+  )
   np.testing.assert_allclose(metrics["critic/value_loss"], first_loss, rtol=1e-5)
   assert int(got.step) == int(want.step) == 1
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -78,8 +89,10 @@ def test_nonfinite_policy_gradient_skips_the_update():
   batch = dict(batch)
   # A NaN advantage on one action token: finite loss terms elsewhere, NaN gradient.
   batch["baseline_advantages"] = np.where(
-      np.cumsum(batch["action_mask"].ravel()).reshape(batch["action_mask"].shape) == 1,
-      np.nan, batch["baseline_advantages"]).astype(np.float32)
+    np.cumsum(batch["action_mask"].ravel()).reshape(batch["action_mask"].shape) == 1,
+    np.nan,
+    batch["baseline_advantages"],
+  ).astype(np.float32)
   new, metrics = jax.jit(step)(state, batch)
   assert int(metrics["policy/update_skipped"]) == 1 and int(new.step) == 0
   assert not np.isfinite(float(metrics["policy/grad_norm_all"]))

@@ -11,10 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from runs import finish, launch, read_metrics
 
 from sao_jax.algo import optim
-from sao_jax.data.checkpoint import committed_checkpoints
 from sao_jax.data import packing
+from sao_jax.data.checkpoint import committed_checkpoints
 from sao_jax.data.ingestion import TrajectoryQueue
 from sao_jax.envs.demonstrations import demonstration_trajectory
 from sao_jax.envs.python_tool import PythonTool
@@ -22,11 +23,9 @@ from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import config as mcfg
 from sao_jax.models import policy
 from sao_jax.rollout.stats import DriverStats
-from sao_jax.train.train_step import StepConfig, TrainState, make_train_step
 from sao_jax.train.rl_loop import rl_metrics
 from sao_jax.train.sources import RolloutCounts
-
-from runs import finish, launch, read_metrics  # pylint: disable=g-bad-import-order
+from sao_jax.train.train_step import StepConfig, TrainState, make_train_step
 
 TOK = CharTokenizer()
 ENV = PythonTool()
@@ -40,7 +39,8 @@ def demo_trajs(n, start=0):
     # As if sampled: negative log-probs, a version, some failures.
     rng = np.random.default_rng(i)
     t.rollout_logprobs = np.where(t.action_mask, -rng.uniform(0.01, 2.0, len(t)), 0).astype(
-        np.float32)
+      np.float32
+    )
     if i % 3 == 0:
       t.rewards[:] = 0.0
     out.append(t)
@@ -80,8 +80,10 @@ def test_ingestion_validates_counts_and_backpressures():
   stale = demo_trajs(1)[0]
   stale.policy_version[stale.action_mask] = 1
   assert not q.put(stale)
-  fresh = [dataclasses.replace(t, policy_version=np.where(t.action_mask, 4, -1).astype(np.int32))
-           for t in good]
+  fresh = [
+    dataclasses.replace(t, policy_version=np.where(t.action_mask, 4, -1).astype(np.int32))
+    for t in good
+  ]
   assert q.put(fresh[0]) and q.put(fresh[1])
   with pytest.raises(queue.Full):
     q.put(fresh[2], block=False)  # bounded: a blocking put would wait here
@@ -109,25 +111,37 @@ def test_train_step_compiles_once_per_bucket_and_freezes_critic_attention():
       batch = packing.pack(demo_trajs(n_traj, start=10 * i), 4, buckets)
       state, metrics = counted(state, batch)
   assert int(state.step) == 6
-  for k in ("policy/loss", "critic/value_loss", "critic/explained_variance",
-            "policy/masked_low_frac", "policy/masked_high_frac", "policy/ratio_max",
-            "policy/grad_norm_attention", "policy/grad_norm_moe_mlp",
-            "critic/grad_norm_attention", "policy_lag/mean"):
+  for k in (
+    "policy/loss",
+    "critic/value_loss",
+    "critic/explained_variance",
+    "policy/masked_low_frac",
+    "policy/masked_high_frac",
+    "policy/ratio_max",
+    "policy/grad_norm_attention",
+    "policy/grad_norm_moe_mlp",
+    "critic/grad_norm_attention",
+    "policy_lag/mean",
+  ):
     assert np.isfinite(float(metrics[k])), k
   after = jax.tree.map(np.asarray, state.critic)
   labels = optim.partition_labels(before, optim.CRITIC_FREEZE_RULES)
-  for (path, b), a, lab in zip(jax.tree_util.tree_leaves_with_path(before),
-                               jax.tree.leaves(after), jax.tree.leaves(labels)):
+  for (path, b), a, lab in zip(
+    jax.tree_util.tree_leaves_with_path(before), jax.tree.leaves(after), jax.tree.leaves(labels)
+  ):
     name = optim.param_path(path)
     if lab == optim.FREEZE:
       np.testing.assert_array_equal(a, b, err_msg=name)
     elif "moe" in name:
       assert np.any(a != b), name
-  assert any(np.any(a != b) for a, b in zip(jax.tree.leaves(policy_before),
-                                            jax.tree.leaves(state.policy)))
+  assert any(
+    np.any(a != b) for a, b in zip(jax.tree.leaves(policy_before), jax.tree.leaves(state.policy))
+  )
 
 
-@pytest.mark.parametrize("arm", [
+@pytest.mark.parametrize(
+  "arm",
+  [
     dict(advantage="value", policy_loss="dis"),
     dict(advantage="token_gae", policy_loss="dis"),
     dict(advantage="step_gae_mean", policy_loss="dis"),
@@ -135,7 +149,8 @@ def test_train_step_compiles_once_per_bucket_and_freezes_critic_attention():
     dict(advantage="group", policy_loss="ppo_clip", critic_updates=0),
     dict(advantage="group", policy_loss="dis", critic_updates=0),
     dict(advantage="running_mean", policy_loss="dis", critic_updates=0),
-])
+  ],
+)
 def test_every_arm_trains(arm):
   state, step = make_state(StepConfig.of(**arm))
   trajs = demo_trajs(4)
@@ -144,8 +159,10 @@ def test_every_arm_trains(arm):
   new, metrics = jax.jit(step)(state, batch)
   assert int(new.step) == 1 and np.isfinite(float(metrics["policy/loss"]))
   uses_critic = StepConfig.of(**arm).uses_critic
-  critic_moved = any(np.any(np.asarray(a) != np.asarray(b))
-                     for a, b in zip(jax.tree.leaves(state.critic), jax.tree.leaves(new.critic)))
+  critic_moved = any(
+    np.any(np.asarray(a) != np.asarray(b))
+    for a, b in zip(jax.tree.leaves(state.critic), jax.tree.leaves(new.critic))
+  )
   assert critic_moved == uses_critic
 
 
@@ -157,6 +174,7 @@ def test_step_config_errors():
 
 
 # --- the real trainer, end to end, on 8 simulated devices --------------------
+
 
 def test_rl_metrics_are_cumulative_over_driver_restarts():
   """What rl_loop.rl writes each logged step: a dead driver's counts plus the live one's."""
@@ -170,14 +188,30 @@ def test_rl_metrics_are_cumulative_over_driver_restarts():
   counts = RolloutCounts().plus(dead).plus(live)
   trajs = demo_trajs(4)
   rewards = np.array([t.total_reward for t in trajs], np.float32)
-  m = rl_metrics(trajs, rewards, counts, generated_total=1150, elapsed=10.0, wait=0.5,
-                 wait_total=2.0, train_total=5.0, restarts=1, updates_skipped=0,
-                 queue_depth=3, rejected={"too_long": 2})
+  m = rl_metrics(
+    trajs,
+    rewards,
+    counts,
+    generated_total=1150,
+    elapsed=10.0,
+    wait=0.5,
+    wait_total=2.0,
+    train_total=5.0,
+    restarts=1,
+    updates_skipped=0,
+    queue_depth=3,
+    rejected={"too_long": 2},
+  )
   assert {k: v for k, v in m.items() if k.startswith(("rollout/tool", "rollout/env"))} == {
-      "rollout/tool_call_errors": 8, "rollout/tool_call_error_bad_json": 3,
-      "rollout/tool_call_error_unknown_tool": 1, "rollout/tool_call_error_unclosed": 4,
-      "rollout/env_event_verifier_timeout": 3, "rollout/env_event_sandbox_oom": 1,
-      "rollout/env_faults": 1, "rollout/env_fault_env_error": 1}
+    "rollout/tool_call_errors": 8,
+    "rollout/tool_call_error_bad_json": 3,
+    "rollout/tool_call_error_unknown_tool": 1,
+    "rollout/tool_call_error_unclosed": 4,
+    "rollout/env_event_verifier_timeout": 3,
+    "rollout/env_event_sandbox_oom": 1,
+    "rollout/env_faults": 1,
+    "rollout/env_fault_env_error": 1,
+  }
   assert m["rollout/generated_tokens_per_s"] == 15.0
   assert m["rollout/generated_tokens_total"] == 1150
   assert m["time/generate_frac"] == pytest.approx(0.3)
@@ -189,9 +223,20 @@ def test_rl_metrics_are_cumulative_over_driver_restarts():
   assert counts.tool_call_errors["bad_json"] == 3
   # Fleet mode: no generate / env seconds of the rollout processes here.
   fleet_counts = RolloutCounts(7, None, None, tool_call_errors=live.tool_call_errors)
-  m = rl_metrics(trajs, rewards, fleet_counts, generated_total=7, elapsed=1.0, wait=0.0,
-                 wait_total=0.0, train_total=1.0, restarts=0, updates_skipped=0,
-                 queue_depth=0, rejected={})
+  m = rl_metrics(
+    trajs,
+    rewards,
+    fleet_counts,
+    generated_total=7,
+    elapsed=1.0,
+    wait=0.0,
+    wait_total=0.0,
+    train_total=1.0,
+    restarts=0,
+    updates_skipped=0,
+    queue_depth=0,
+    rejected={},
+  )
   assert "time/generate_frac" not in m and "time/env_frac" not in m
   assert m["rollout/tool_call_error_unclosed"] == 4 and m["rollout/tool_call_errors"] == 5
 
@@ -202,8 +247,12 @@ def test_rl_metrics_are_cumulative_over_driver_restarts():
 def test_trainer_runs_and_resumes(tmp_path, mode):
   workdir = str(tmp_path / mode)
   # Any NLL is <= 100: sft.stop_at_nll ends SFT's 6 steps at the first full window.
-  out = launch(workdir, f"--config.rl.mode={mode}", "--config.sft.stop_at_nll=100",
-               "--config.sft.stop_window=4")
+  out = launch(
+    workdir,
+    f"--config.rl.mode={mode}",
+    "--config.sft.stop_at_nll=100",
+    "--config.sft.stop_window=4",
+  )
   summary = json.load(open(os.path.join(workdir, "summary.json"), encoding="utf-8"))
   assert summary["rl_steps"] == 6 and summary["sft_pass@1"] is not None
   assert summary["sft_stopped_at"] == 4 and "[sft] stopped at step 4 of 6" in out
@@ -218,8 +267,9 @@ def test_trainer_runs_and_resumes(tmp_path, mode):
   rl2 = read_metrics(workdir, "rl")
   assert [r["step"] for r in rl2] == list(range(1, 7))  # "done" stays done
   if mode == "async":  # launch/eval.py on the finished run's checkpoint
-    out3 = launch(workdir, script="eval.py", run_flags=["--config.eval.num_tasks=8",
-                                                        "--config.eval.slots=8"])
+    out3 = launch(
+      workdir, script="eval.py", run_flags=["--config.eval.num_tasks=8", "--config.eval.slots=8"]
+    )
     result = json.loads(out3.strip().splitlines()[-1])
     assert result["tasks"] == 8 and 0.0 <= result["pass@1"] <= 1.0
     recorded = json.load(open(os.path.join(workdir, "config.json"), encoding="utf-8"))
@@ -238,8 +288,11 @@ def test_group_arm_runs_end_to_end(tmp_path):
 
 def _committed_rl_steps(workdir):
   """RL steps of the checkpoints that are complete on disk right now."""
-  return [m["stage_step"] for m in committed_checkpoints(
-      os.path.join(workdir, "checkpoints")).values() if m["stage"] == "rl"]
+  return [
+    m["stage_step"]
+    for m in committed_checkpoints(os.path.join(workdir, "checkpoints")).values()
+    if m["stage"] == "rl"
+  ]
 
 
 def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
@@ -256,9 +309,14 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
   """
   every, kill_at = 2, 4
   workdir = str(tmp_path / "killed")
-  proc = launch(workdir, "--config.rl.steps=40", "--config.log_every=1",
-                f"--config.checkpoint.every={every}",
-                f"--config.faults.sigkill_after_rl_step={kill_at}", wait=False)
+  proc = launch(
+    workdir,
+    "--config.rl.steps=40",
+    "--config.log_every=1",
+    f"--config.checkpoint.every={every}",
+    f"--config.faults.sigkill_after_rl_step={kill_at}",
+    wait=False,
+  )
   out = finish(proc)
   assert proc.returncode == -signal.SIGKILL, out[-3000:]
   assert f"[faults] SIGKILL after RL step {kill_at}" in out
@@ -270,8 +328,13 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
   assert killed_at - 2 * every <= complete_at_kill <= killed_at
   # The restart is preempted: SIGTERM after RL step 7 (not a checkpoint step)
   # writes a checkpoint at 7, waits for it and exits 1 (the job did not finish).
-  proc = launch(workdir, "--config.rl.steps=12", f"--config.checkpoint.every={every}",
-                "--config.faults.sigterm_after_rl_step=7", wait=False)
+  proc = launch(
+    workdir,
+    "--config.rl.steps=12",
+    f"--config.checkpoint.every={every}",
+    "--config.faults.sigterm_after_rl_step=7",
+    wait=False,
+  )
   out = finish(proc)
   assert proc.returncode == 1, out[-3000:]
   assert "Resumed from checkpoint" in out and "stage rl" in out
@@ -287,14 +350,15 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
 
 
 def test_sft_stops_when_the_window_mean_nll_reaches_the_target():
-  from types import SimpleNamespace  # pylint: disable=g-import-not-at-top
-  from sao_jax.train import stages  # pylint: disable=g-import-not-at-top
+  from types import SimpleNamespace
+
+  from sao_jax.train import stages
+
   run = SimpleNamespace(meta={})
   c = SimpleNamespace(stop_at_nll=0.5, stop_window=3)
-  got = [stages._sft_reached_target(run, c, x)  # pylint: disable=protected-access
-         for x in (0.1, 0.1, 2.0, 0.6, 0.6, 0.3, 0.2)]
+  got = [stages._sft_reached_target(run, c, x) for x in (0.1, 0.1, 2.0, 0.6, 0.6, 0.3, 0.2)]
   # Windows: -, -, 2.2/3, 2.7/3, 3.2/3, 1.5/3 = 0.5 (<= target), 1.1/3.
   assert got == [False, False, False, False, False, True, True]
   assert run.meta["sft_recent_nll"] == [0.6, 0.3, 0.2]  # the window, checkpointed in meta
   off = SimpleNamespace(stop_at_nll=0.0, stop_window=3)
-  assert not stages._sft_reached_target(SimpleNamespace(meta={}), off, 0.0)  # pylint: disable=protected-access
+  assert not stages._sft_reached_target(SimpleNamespace(meta={}), off, 0.0)

@@ -17,8 +17,8 @@ from sao_jax.config import sections
 from sao_jax.train.metrics import MetricsWriter, metric_name, sink_scalars, wandb_init_args
 
 wandb = pytest.importorskip("wandb", reason="the 'wandb' extra (make test installs it)")
-from wandb.proto import wandb_internal_pb2  # noqa: E402  pylint: disable=g-import-not-at-top
-from tensorboardX.proto import event_pb2  # noqa: E402  pylint: disable=g-import-not-at-top
+from tensorboardX.proto import event_pb2  # noqa: E402
+from wandb.proto import wandb_internal_pb2  # noqa: E402
 
 OFFLINE = sections.Logging(wandb=True, wandb_project="sao-jax-test", wandb_mode="offline")
 
@@ -36,11 +36,11 @@ def wandb_records(path):
     if left < 7:
       i += left
       continue
-    _, n, kind = struct.unpack("<IHB", data[i:i + 7])
+    _, n, kind = struct.unpack("<IHB", data[i : i + 7])
     if n == 0 and kind == 0:  # block padding
       i += left
       continue
-    buf += data[i + 7:i + 7 + n]
+    buf += data[i + 7 : i + 7 + n]
     i += 7 + n
     if kind in (1, 4):
       record = wandb_internal_pb2.Record()
@@ -61,8 +61,9 @@ def wandb_history(run_file, run_records=None):
       if run_records is not None:
         run_records.append(r.run)
     elif kind == "history":
-      row = {item.key or "/".join(item.nested_key): float(item.value_json)
-             for item in r.history.item}
+      row = {
+        item.key or "/".join(item.nested_key): float(item.value_json) for item in r.history.item
+      }
       rows.append({k: v for k, v in row.items() if not k.startswith("_")})  # W&B's own
   return run_id, rows
 
@@ -75,9 +76,9 @@ def tensorboard_scalars(directory):
       data = f.read()
     i = 0
     while i < len(data):
-      (n,) = struct.unpack("<Q", data[i:i + 8])
+      (n,) = struct.unpack("<Q", data[i : i + 8])
       event = event_pb2.Event()
-      event.ParseFromString(data[i + 12:i + 12 + n])
+      event.ParseFromString(data[i + 12 : i + 12 + n])
       i += 12 + n + 4
       for v in event.summary.value:
         out[(v.tag, event.step)] = v.simple_value
@@ -143,9 +144,14 @@ def test_one_name_per_metric_in_every_sink(tmp_path):
   want = {("sft/nll", 5), ("eval/heldout/pass@1", 6), ("eval/pass@1", 6), ("rl/policy/loss", 7)}
   assert set(tensorboard_scalars(os.path.join(workdir, "tensorboard"))) == want
   (run,) = glob.glob(os.path.join(workdir, "wandb", "offline-run-*", "run-*.wandb"))
-  logged = {(k, int(row[s + "/step"])) for row in wandb_history(run)[1]
-            for s in ("sft", "eval", "rl") if s + "/step" in row
-            for k in row if k != s + "/step"}
+  logged = {
+    (k, int(row[s + "/step"]))
+    for row in wandb_history(run)[1]
+    for s in ("sft", "eval", "rl")
+    if s + "/step" in row
+    for k in row
+    if k != s + "/step"
+  }
   assert logged == want
   assert metric_name("value_pretrain", "critic/value_loss") == "value_pretrain/critic/value_loss"
   # metrics.jsonl keeps the stage's keys beside "stage"; sink_scalars names them as the sinks do.
@@ -156,7 +162,8 @@ def test_one_name_per_metric_in_every_sink(tmp_path):
 
 
 def test_wandb_environment_wins_over_config_defaults_and_set_fields_over_both(
-    tmp_path, monkeypatch):
+  tmp_path, monkeypatch
+):
   """WANDB_MODE=offline alone runs offline (the config's mode is unset), under
   W&B's project and name; a field set in the config wins over the variable."""
   for k in [k for k in os.environ if k.startswith("WANDB_")]:
@@ -172,20 +179,42 @@ def test_wandb_environment_wins_over_config_defaults_and_set_fields_over_both(
   records = []
   wandb_history(run, records)
   assert (records[0].project, records[0].display_name, records[0].run_group) == (
-      "from-env", "env-name", "env-group")
+    "from-env",
+    "env-name",
+    "env-group",
+  )
 
-  env = {"WANDB_MODE": "offline", "WANDB_PROJECT": "p", "WANDB_ENTITY": "e",
-         "WANDB_NAME": "n", "WANDB_DIR": "/elsewhere", "WANDB_RESUME": "never"}
+  env = {
+    "WANDB_MODE": "offline",
+    "WANDB_PROJECT": "p",
+    "WANDB_ENTITY": "e",
+    "WANDB_NAME": "n",
+    "WANDB_DIR": "/elsewhere",
+    "WANDB_RESUME": "never",
+  }
   args = wandb_init_args(str(tmp_path), sections.Logging(wandb=True), env)
   assert [args[k] for k in ("mode", "project", "entity", "name", "dir", "resume")] == [
-      "offline", "p", "e", "n", None, None]  # None: W&B reads its variable itself
-  set_ = sections.Logging(wandb=True, wandb_mode="online", wandb_project="q",
-                          wandb_entity="f", wandb_run_name="m")
+    "offline",
+    "p",
+    "e",
+    "n",
+    None,
+    None,
+  ]  # None: W&B reads its variable itself
+  set_ = sections.Logging(
+    wandb=True, wandb_mode="online", wandb_project="q", wandb_entity="f", wandb_run_name="m"
+  )
   args = wandb_init_args(str(tmp_path), set_, env)
   assert [args[k] for k in ("mode", "project", "entity", "name")] == ["online", "q", "f", "m"]
   args = wandb_init_args(str(tmp_path), sections.Logging(wandb=True), {})
   assert [args[k] for k in ("mode", "project", "entity", "name", "dir", "resume")] == [
-      None, "sao-jax", None, os.path.basename(str(tmp_path)), str(tmp_path), "allow"]
+    None,
+    "sao-jax",
+    None,
+    os.path.basename(str(tmp_path)),
+    str(tmp_path),
+    "allow",
+  ]
 
 
 def test_an_offline_run_connects_to_nothing_off_this_machine(tmp_path, monkeypatch):
@@ -198,10 +227,14 @@ def test_an_offline_run_connects_to_nothing_off_this_machine(tmp_path, monkeypat
   def guard(name):
     def connect(self, address):
       if self.family in (socket.AF_INET, socket.AF_INET6) and address[0] not in (
-          "127.0.0.1", "::1", "localhost"):
+        "127.0.0.1",
+        "::1",
+        "localhost",
+      ):
         tried.append(address)
         raise OSError(f"network access in an offline run: {address}")
       return real[name](self, address)
+
     return connect
 
   for name in real:
@@ -213,7 +246,10 @@ def test_an_offline_run_connects_to_nothing_off_this_machine(tmp_path, monkeypat
   assert not tried
   assert os.environ["WANDB_ERROR_REPORTING"] == "false"
   assert wandb_init_args(str(tmp_path), OFFLINE)["settings"] == {
-      "console": "off", "x_disable_stats": True, "x_disable_machine_info": True}
+    "console": "off",
+    "x_disable_stats": True,
+    "x_disable_machine_info": True,
+  }
 
 
 def test_an_offline_run_sends_no_request_from_wandbs_service_process(tmp_path, monkeypatch):
@@ -223,7 +259,8 @@ def test_an_offline_run_sends_no_request_from_wandbs_service_process(tmp_path, m
   on loopback that records each request it gets. (With WANDB_MODE=online and
   a fake key the trap gets the service's CONNECTs to W&B's API host: it sees
   that process's traffic.) Direct sockets that ignore proxies are not covered."""
-  import threading  # pylint: disable=g-import-not-at-top
+  import threading
+
   trap = socket.create_server(("127.0.0.1", 0))
   requests = []
 

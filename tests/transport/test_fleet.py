@@ -20,20 +20,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import runs
 
-from sao_jax.data import identity
-from sao_jax.data import store
+from sao_jax.data import identity, store
 from sao_jax.data.checkpoint import committed_checkpoints
 from sao_jax.envs.demonstrations import demonstration_trajectory
 from sao_jax.envs.python_tool import PythonTool
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import policy
-from sao_jax.train import configuration
-from sao_jax.train import factories
-from sao_jax.train import fleet_worker
+from sao_jax.train import configuration, factories, fleet_worker
 from sao_jax.transport import fleet
-
-import runs  # pylint: disable=g-bad-import-order
 
 TOK = CharTokenizer()
 ENV = PythonTool()
@@ -50,8 +46,15 @@ def traj(i, version=0):
 
 
 def make_feed(root, version=10, state=None, log=None):
-  return fleet.ShardFeed(root, TOK.vocab_size, MAX_LEN, current_version=lambda: version,
-                         state=state, poll_seconds=0.01, log=log or (lambda _: None))
+  return fleet.ShardFeed(
+    root,
+    TOK.vocab_size,
+    MAX_LEN,
+    current_version=lambda: version,
+    state=state,
+    poll_seconds=0.01,
+    log=log or (lambda _: None),
+  )
 
 
 # --- unit tests of the pieces --------------------------------------------------------
@@ -74,7 +77,9 @@ def test_only_renamed_shards_are_read_in_completion_order(tmp_path):
   assert feed.qsize() == 5  # closed shards only
   assert [t.prompt_id for t in feed.take(5)] == [0, 1, 2, 100, 101]
   assert [line.split()[2].rstrip(":") for line in consumed] == [
-      "a-00000000.array_record", "b-00000000.array_record"]
+    "a-00000000.array_record",
+    "b-00000000.array_record",
+  ]
   assert feed.qsize() == 0
   # A SIGKILLed writer's successor (the kernel dropped the dead one's lock)
   # drops the dead temporary and continues the sequence after the last
@@ -99,8 +104,10 @@ def test_cursor_resumes_exactly_once(tmp_path):
   feed = make_feed(root)
   first = [t.prompt_id for t in feed.take(6)]  # a shard and a half
   state = json.loads(json.dumps(feed.state()))  # as it goes through checkpoint meta
-  assert state == {"consumed": {"r0": 0}, "current": {"shard": "r0-00000001.array_record",
-                                                      "offset": 2}}
+  assert state == {
+    "consumed": {"r0": 0},
+    "current": {"shard": "r0-00000001.array_record", "offset": 2},
+  }
   rest = [t.prompt_id for t in make_feed(root, state=state).take(6)]
   assert sorted(first + rest) == list(range(12)) and len(set(first + rest)) == 12
 
@@ -119,11 +126,14 @@ def test_processes_of_a_trainer_follow_the_shared_choice(tmp_path):
     asked.append((name, compute()))
     return "b-00000000.array_record" if len(asked) == 1 else compute()
 
-  feed = fleet.ShardFeed(root, TOK.vocab_size, MAX_LEN, current_version=lambda: 10,
-                         log=lambda _: None, share=share)
+  feed = fleet.ShardFeed(
+    root, TOK.vocab_size, MAX_LEN, current_version=lambda: 10, log=lambda _: None, share=share
+  )
   assert [t.prompt_id for t in feed.take(4)] == [100, 101, 0, 1]
-  assert asked == [("fleet_next_shard", "a-00000000.array_record"),
-                   ("fleet_next_shard", "a-00000000.array_record")]
+  assert asked == [
+    ("fleet_next_shard", "a-00000000.array_record"),
+    ("fleet_next_shard", "a-00000000.array_record"),
+  ]
 
 
 def test_bad_shards_and_records_are_counted_not_trained(tmp_path):
@@ -139,13 +149,17 @@ def test_bad_shards_and_records_are_counted_not_trained(tmp_path):
   with open(os.path.join(d, fleet.shard_name("junk", 0)), "wb") as f:
     f.write(b"not an array record file" * 10)
   with store.TrajectoryWriter(os.path.join(d, fleet.shard_name("raw", 0))) as raw:
-    raw._writer.write(b"not a record")  # pylint: disable=protected-access
+    raw._writer.write(b"not a record")
     raw.write(traj(4))
   feed = make_feed(root)
   got = feed.take(3)
   assert sorted(t.prompt_id for t in got) == [0, 3, 4]
-  assert dict(feed.rejected) == {"token_out_of_vocab": 1, "version_from_future": 1,
-                                 "corrupt_shard": 1, "not_npz": 1}
+  assert dict(feed.rejected) == {
+    "token_out_of_vocab": 1,
+    "version_from_future": 1,
+    "corrupt_shard": 1,
+    "not_npz": 1,
+  }
   assert feed.qsize() == 0
 
 
@@ -155,8 +169,7 @@ def test_driver_counters_cross_the_shard_boundary(tmp_path):
   shard's when it finishes it, once."""
   root = str(tmp_path)
   stats = {"tool_call_errors": collections.Counter(), "env_events": collections.Counter()}
-  w = fleet.ShardWriter(root, "r0", max_trajectories=2, max_seconds=1e9,
-                        counters=lambda: stats)
+  w = fleet.ShardWriter(root, "r0", max_trajectories=2, max_seconds=1e9, counters=lambda: stats)
   stats["tool_call_errors"].update({"bad_json": 2})
   w.write(traj(0))
   stats["env_events"].update({"verifier_timeout": 1})
@@ -183,11 +196,12 @@ def test_driver_counters_cross_the_shard_boundary(tmp_path):
   orphan = os.path.join(d, fleet.shard_name("r0", 3) + fleet.STATS_SUFFIX)
   with open(orphan, "w") as f:
     json.dump({"env_events": {"ghost": 9}}, f)
-  fresh = {"tool_call_errors": collections.Counter({"unclosed": 1}),
-           "env_events": collections.Counter()}
+  fresh = {
+    "tool_call_errors": collections.Counter({"unclosed": 1}),
+    "env_events": collections.Counter(),
+  }
   w.lock.release()  # as a SIGKILL would
-  w2 = fleet.ShardWriter(root, "r0", max_trajectories=1, max_seconds=1e9,
-                         counters=lambda: fresh)
+  w2 = fleet.ShardWriter(root, "r0", max_trajectories=1, max_seconds=1e9, counters=lambda: fresh)
   assert not os.path.exists(orphan)
   w2.write(traj(6))
   # A stats file that is not what a writer writes is logged and ignored.
@@ -237,13 +251,15 @@ def test_weights_only_complete_versions_and_discarded_futures(tmp_path):
 
 
 def test_fleet_config_is_checked():
-  for field, value, match in (("fleet.keep_versions", 1, "fleet.keep_versions = 1"),
-                              ("fleet.poll_seconds", 0.0, "fleet.poll_seconds"),
-                              ("rollout.samples_per_prompt", 2, "rl.mode = 'fleet'"),
-                              # The direct weight path's fields (sao_jax/transport/weight_transfer.py).
-                              ("fleet.weights_path", "nfs", "fleet.weights_path"),
-                              ("fleet.pull_timeout_s", 0.1, "fleet.pull_timeout_s"),
-                              ("fleet.transfer_host", "trainer-0", "fleet.transfer_host")):
+  for field, value, match in (
+    ("fleet.keep_versions", 1, "fleet.keep_versions = 1"),
+    ("fleet.poll_seconds", 0.0, "fleet.poll_seconds"),
+    ("rollout.samples_per_prompt", 2, "rl.mode = 'fleet'"),
+    # The direct weight path's fields (sao_jax/transport/weight_transfer.py).
+    ("fleet.weights_path", "nfs", "fleet.weights_path"),
+    ("fleet.pull_timeout_s", 0.1, "fleet.pull_timeout_s"),
+    ("fleet.transfer_host", "trainer-0", "fleet.transfer_host"),
+  ):
     config = runs.load_config_module("sao_tiny.py").get_config()
     config.rl.mode = "fleet"
     section, name = field.split(".")
@@ -257,9 +273,15 @@ def test_rollout_worker_in_process(tmp_path):
   first weights, writes valid shards, follows a new version and returns
   when the trainer marks RL done, its open shard renamed."""
   config = runs.load_config_module("sao_tiny.py").get_config()
-  for field, value in (("rl.mode", "fleet"), ("rollout.slots", 4), ("rollout.max_len", 128),
-                       ("rollout.max_turn_tokens", 16), ("fleet.shard_trajectories", 2),
-                       ("fleet.shard_seconds", 1.0), ("fleet.poll_seconds", 0.05)):
+  for field, value in (
+    ("rl.mode", "fleet"),
+    ("rollout.slots", 4),
+    ("rollout.max_len", 128),
+    ("rollout.max_turn_tokens", 16),
+    ("fleet.shard_trajectories", 2),
+    ("fleet.shard_seconds", 1.0),
+    ("fleet.poll_seconds", 0.05),
+  ):
     section, name = field.split(".")
     config[section][name] = value
   config.lock()
@@ -270,7 +292,7 @@ def test_rollout_worker_in_process(tmp_path):
   def work():
     try:
       out["counts"] = fleet_worker.run_rollout_worker(config, workdir, "w0", stop, lines.append)
-    except BaseException as e:  # pylint: disable=broad-except
+    except BaseException as e:  # noqa: BLE001
       out["error"] = e
 
   def wait_for(what, condition):
@@ -306,21 +328,27 @@ def test_rollout_worker_in_process(tmp_path):
   counts = out["counts"]
   assert counts["version"] == 1 and counts["trajectories"] >= 1
   assert lines[1] == "[rollout w0] generating at version 0, shards from w0-00000000.array_record"
-  assert lines[-2:] == ["[rollout w0] the trainer is done",
-                        f"[rollout w0] exiting: {counts['trajectories']} trajectories, shards "
-                        f"up to {counts['last_shard']}, last version 1, "
-                        f"{counts['generated_tokens']} tokens"]
+  assert lines[-2:] == [
+    "[rollout w0] the trainer is done",
+    f"[rollout w0] exiting: {counts['trajectories']} trajectories, shards "
+    f"up to {counts['last_shard']}, last version 1, "
+    f"{counts['generated_tokens']} tokens",
+  ]
   names = shards(root, "w0")
   assert names == [fleet.shard_name("w0", i) for i in range(counts["last_shard"] + 1)]
   assert not any(".tmp-" in n for n in os.listdir(fleet.trajectories_dir(root)))
   # The trainer's feed checks whose params sampled each trajectory: all its own.
-  feed = fleet.ShardFeed(root, TOK.vocab_size, 128, current_version=lambda: 1,
-                         log=lambda _: None, identity=published)
+  feed = fleet.ShardFeed(
+    root, TOK.vocab_size, 128, current_version=lambda: 1, log=lambda _: None, identity=published
+  )
   got = feed.take(counts["trajectories"])
   assert not feed.rejected and feed.qsize() == 0
   assert {t.run_id for t in got} == {"trainer_run"}
-  assert all(t.fingerprints == {v: published.identity(v).fingerprint for v in set(
-      t.policy_version[t.action_mask].tolist())} for t in got)
+  assert all(
+    t.fingerprints
+    == {v: published.identity(v).fingerprint for v in set(t.policy_version[t.action_mask].tolist())}
+    for t in got
+  )
   # Sampled tokens of episodes still open at the end were never written.
   assert 0 < sum(int(t.action_mask.sum()) for t in got) <= counts["generated_tokens"]
   assert {int(v) for t in got for v in t.policy_version[t.action_mask]} <= {0, 1}
@@ -354,8 +382,9 @@ def test_a_second_writer_of_a_live_rollout_id_is_refused(tmp_path):
     fleet.ShardWriter(root, "r0", max_trajectories=2, max_seconds=1e9)
   message = str(refused.value)
   assert "\n" not in message and message.startswith(
-      f"rollout id 'r0' is in use: pid {os.getpid()} on {socket.gethostname()} holds "
-      f"{os.path.join(fleet.rollouts_dir(root), 'r0.lock')} since ")
+    f"rollout id 'r0' is in use: pid {os.getpid()} on {socket.gethostname()} holds "
+    f"{os.path.join(fleet.rollouts_dir(root), 'r0.lock')} since "
+  )
   # The refused start touched nothing: the first writer's open shard lives on.
   for i in range(3, 8):
     first.write(traj(i))
@@ -381,12 +410,19 @@ def test_the_rollout_worker_refuses_a_live_rollout_id_at_start_up(tmp_path):
 
 def test_a_killed_writers_lock_does_not_block_its_restart(tmp_path):
   root = str(tmp_path)
-  code = ("import sys; from sao_jax.transport import fleet; "
-          "w = fleet.ShardWriter(sys.argv[1], 'r0', 2, 1e9); print('held', flush=True); "
-          "sys.stdin.read()")
-  holder = subprocess.Popen([sys.executable, "-c", code, root], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                            env=runs.child_env(1, PYTHONPATH=ROOT))
+  code = (
+    "import sys; from sao_jax.transport import fleet; "
+    "w = fleet.ShardWriter(sys.argv[1], 'r0', 2, 1e9); print('held', flush=True); "
+    "sys.stdin.read()"
+  )
+  holder = subprocess.Popen(
+    [sys.executable, "-c", code, root],
+    stdin=subprocess.PIPE,
+    stdout=subprocess.PIPE,
+    text=True,
+    cwd=ROOT,
+    env=runs.child_env(1, PYTHONPATH=ROOT),
+  )
   try:
     assert holder.stdout.readline() == "held\n"
     with pytest.raises(fleet.RolloutIdInUse, match=f"pid {holder.pid} "):
@@ -440,9 +476,16 @@ def test_an_object_store_lease_refuses_a_live_holder_and_passes_from_a_dead_one(
   objects, clock, lines = FakeObjects(), FakeClock(), []
 
   def lease(rollout_id="r0"):
-    return fleet.RolloutLease("gs://b/fleet/trajectories", rollout_id, ttl_s=60.0,
-                              store=objects, clock=clock, sleep=clock.sleep,
-                              log=lines.append, thread=False)
+    return fleet.RolloutLease(
+      "gs://b/fleet/trajectories",
+      rollout_id,
+      ttl_s=60.0,
+      store=objects,
+      clock=clock,
+      sleep=clock.sleep,
+      log=lines.append,
+      thread=False,
+    )
 
   path = "gs://b/fleet/trajectories/r0.lease"
   a = lease()
@@ -543,8 +586,7 @@ def test_what_the_feed_skips_is_counted_once_with_its_reason(tmp_path, monkeypat
   # The missing shard turns up after all: below the watermark, skipped and counted.
   _stray(root, "r1", 1, 1)
   assert feed.qsize() == 0 and feed.qsize() == 0
-  assert dict(feed.rejected) == {"bad_shard_name": 3, "sequence_gap": 1,
-                                 "out_of_order_shard": 1}
+  assert dict(feed.rejected) == {"bad_shard_name": 3, "sequence_gap": 1, "out_of_order_shard": 1}
   assert sum("(out_of_order_shard)" in x for x in logged) == 1
   assert sum("(bad_shard_name)" in x for x in logged) == 3
   # Writers' own files are no strays: temporaries and stats files.
@@ -555,8 +597,7 @@ def test_what_the_feed_skips_is_counted_once_with_its_reason(tmp_path, monkeypat
   with open(os.path.join(d, fleet.shard_name("r2", 1) + ".tmp-1"), "w") as f:
     f.write("x")
   assert _ids(feed.take(1, on_wait=_no_wait)) == [5]
-  assert dict(feed.rejected) == {"bad_shard_name": 3, "sequence_gap": 1,
-                                 "out_of_order_shard": 1}
+  assert dict(feed.rejected) == {"bad_shard_name": 3, "sequence_gap": 1, "out_of_order_shard": 1}
   w.close()
 
 
@@ -564,12 +605,23 @@ def test_what_the_feed_skips_is_counted_once_with_its_reason(tmp_path, monkeypat
 
 RL_STEPS = 16
 RUN = (
-    "--config.rl.mode=fleet", "--config.sft.steps=2", "--config.sft.batch_size=8",
-    "--config.value_pretrain.steps=0", f"--config.rl.steps={RL_STEPS}", "--config.rl.batch_size=8", "--config.rollout.slots=8",
-    "--config.rollout.max_len=128", "--config.eval.num_tasks=1", "--config.eval.slots=1",
-    "--config.log_every=1", "--config.checkpoint.every=2", "--config.tensorboard=False",
-    "--config.fleet.shard_trajectories=4", "--config.fleet.shard_seconds=2.0",
-    "--config.fleet.poll_seconds=0.2", "--config.fleet.max_unread_shards=2",
+  "--config.rl.mode=fleet",
+  "--config.sft.steps=2",
+  "--config.sft.batch_size=8",
+  "--config.value_pretrain.steps=0",
+  f"--config.rl.steps={RL_STEPS}",
+  "--config.rl.batch_size=8",
+  "--config.rollout.slots=8",
+  "--config.rollout.max_len=128",
+  "--config.eval.num_tasks=1",
+  "--config.eval.slots=1",
+  "--config.log_every=1",
+  "--config.checkpoint.every=2",
+  "--config.tensorboard=False",
+  "--config.fleet.shard_trajectories=4",
+  "--config.fleet.shard_seconds=2.0",
+  "--config.fleet.poll_seconds=0.2",
+  "--config.fleet.max_unread_shards=2",
 )
 HANG_GUARD_S = 600
 
@@ -578,11 +630,13 @@ def start(tmp_path, name, script, workdir, *flags, devices):
   """A launch/<script> child process on `devices` simulated CPU devices, its
   output in <tmp_path>/<name>.log; the compile cache of tests/conftest.py
   reaches it through the environment."""
-  cmd = runs.command(script, workdir, f"--config.sharding.mesh={{'data': {devices}}}", *flags,
-                     run_flags=RUN)
-  log = open(tmp_path / f"{name}.log", "w", encoding="utf-8")  # pylint: disable=consider-using-with
-  return subprocess.Popen(cmd, env=runs.child_env(devices), stdout=log,
-                          stderr=subprocess.STDOUT, cwd=ROOT)
+  cmd = runs.command(
+    script, workdir, f"--config.sharding.mesh={{'data': {devices}}}", *flags, run_flags=RUN
+  )
+  log = open(tmp_path / f"{name}.log", "w", encoding="utf-8")
+  return subprocess.Popen(
+    cmd, env=runs.child_env(devices), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
+  )
 
 
 def log_of(tmp_path, name):
@@ -604,13 +658,17 @@ def rl_steps(workdir):
 
 
 def shards(root, rollout_id):
-  return sorted(n for n in os.listdir(fleet.trajectories_dir(root))
-                if (fleet.parse_shard_name(n) or ("",))[0] == rollout_id)
+  return sorted(
+    n
+    for n in os.listdir(fleet.trajectories_dir(root))
+    if (fleet.parse_shard_name(n) or ("",))[0] == rollout_id
+  )
 
 
 def consumed(log):
-  names = [line.split()[2].rstrip(":") for line in log.splitlines()
-           if line.startswith("[fleet] consumed ")]
+  names = [
+    line.split()[2].rstrip(":") for line in log.splitlines() if line.startswith("[fleet] consumed ")
+  ]
   assert len(names) == len(set(names)), "a shard consumed twice by one trainer"
   return set(names)
 
@@ -629,22 +687,33 @@ def test_trainer_and_two_rollouts_survive_kills(tmp_path):
     # 1. SIGKILL a rollout once it has renamed shards and RL is training.
     # r1 is frozen (SIGSTOP) until the trainer restart: then the trainer's
     # pace is the restarted r0's, and RL is far from done when it is killed.
-    wait_for("RL steps and shards of r0",
-             lambda: len(rl_steps(workdir)) >= 1 and len(shards(root, "r0")) >= 2, procs)
+    wait_for(
+      "RL steps and shards of r0",
+      lambda: len(rl_steps(workdir)) >= 1 and len(shards(root, "r0")) >= 2,
+      procs,
+    )
     procs["r1"].send_signal(signal.SIGSTOP)
     procs["r0"].send_signal(signal.SIGKILL)
     procs["r0"].wait()
     before_kill = shards(root, "r0")  # every shard renamed before the kill
     step_at_kill = max(rl_steps(workdir))
-    procs["r0"] = start(tmp_path, "r0_restarted", "rollout.py", workdir, "--rollout_id=r0",
-                        devices=1)
+    procs["r0"] = start(
+      tmp_path, "r0_restarted", "rollout.py", workdir, "--rollout_id=r0", devices=1
+    )
 
     # 2. Training goes on; SIGKILL the trainer once a later RL checkpoint is complete.
     def trained_on_after_kill():
-      committed = [m["stage_step"] for m in committed_checkpoints(
-          os.path.join(workdir, "checkpoints")).values() if m["stage"] == "rl"]
-      return committed and max(committed) >= step_at_kill + 2 and len(
-          shards(root, "r0")) > len(before_kill)
+      committed = [
+        m["stage_step"]
+        for m in committed_checkpoints(os.path.join(workdir, "checkpoints")).values()
+        if m["stage"] == "rl"
+      ]
+      return (
+        committed
+        and max(committed) >= step_at_kill + 2
+        and len(shards(root, "r0")) > len(before_kill)
+      )
+
     wait_for("an RL checkpoint after the rollout kill", trained_on_after_kill, procs)
     procs["trainer"].send_signal(signal.SIGKILL)
     procs["trainer"].wait()
@@ -669,7 +738,9 @@ def test_trainer_and_two_rollouts_survive_kills(tmp_path):
   resumed_at = int(t2.split("stage rl step ")[1].split()[0])
   assert resumed_at >= step_at_kill + 2
   # Training did not stop at the rollout kill, and finished after the restart.
-  assert max(rl_steps(workdir)) == RL_STEPS and os.path.exists(os.path.join(workdir, "summary.json"))
+  assert max(rl_steps(workdir)) == RL_STEPS and os.path.exists(
+    os.path.join(workdir, "summary.json")
+  )
   # The restarted rollout continued r0's sequence; nothing renamed before
   # the kill was lost: each such shard was consumed (once per trainer life).
   assert f"shards from r0-{len(before_kill):08d}" in log_of(tmp_path, "r0_restarted")
@@ -682,9 +753,11 @@ def test_trainer_and_two_rollouts_survive_kills(tmp_path):
   # hold versions beyond its resume point.
   for name in ("r0_restarted", "r1"):
     assert f"last version {RL_STEPS}," in log_of(tmp_path, name), log_of(tmp_path, name)[-2000:]
-  later = [os.path.join(fleet.trajectories_dir(root), n)
-           for n in shards(root, "r0") + shards(root, "r1")
-           if os.path.getmtime(os.path.join(fleet.trajectories_dir(root), n)) > restarted_at]
+  later = [
+    os.path.join(fleet.trajectories_dir(root), n)
+    for n in shards(root, "r0") + shards(root, "r1")
+    if os.path.getmtime(os.path.join(fleet.trajectories_dir(root), n)) > restarted_at
+  ]
   trajs, _ = store.read_valid_trajectories(later, TOK.vocab_size, 128)
   assert "[fleet] consumed" in t2
   assert max(int(t.policy_version.max()) for t in trajs) > resumed_at
@@ -692,6 +765,7 @@ def test_trainer_and_two_rollouts_survive_kills(tmp_path):
   # (sao_jax/data/identity.py), and fingerprints of the versions they used
   # (all of them, but for a version number an episode saw published twice).
   assert {t.run_id for t in trajs} == {identity.run_id(workdir)}
-  assert all(set(t.fingerprints) <= set(t.policy_version[t.action_mask].tolist())
-             for t in trajs) and any(t.fingerprints for t in trajs)
+  assert all(
+    set(t.fingerprints) <= set(t.policy_version[t.action_mask].tolist()) for t in trajs
+  ) and any(t.fingerprints for t in trajs)
   assert not any(".tmp-" in n for n in os.listdir(fleet.trajectories_dir(root)))

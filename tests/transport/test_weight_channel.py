@@ -12,11 +12,9 @@ import numpy as np
 import pytest
 
 from sao_jax.config import sections
-from sao_jax.data import checkpoint
-from sao_jax.data import identity
-from sao_jax.transport import fleet
+from sao_jax.data import checkpoint, identity
+from sao_jax.transport import fleet, weight_transfer
 from sao_jax.transport import weight_channel as wc
-from sao_jax.transport import weight_transfer
 
 HANG_GUARD_S = 120
 PARAMS = {"w": jnp.arange(12.0).reshape(3, 4), "b": jnp.ones((4,))}
@@ -83,8 +81,11 @@ def test_the_checkpoint_channel_writes_every_version(tmp_path):
   assert version == 3 and meta["run_id"] == "run1"
   assert meta["fingerprint"] == identity.fingerprint(_to_bf16(_version(3)))
   _same(params, 3)
-  assert wc.follower_counts(follower, f) == {"weights_path": "checkpoint", "pulls": 0,
-                                             "pull_failures": {}}
+  assert wc.follower_counts(follower, f) == {
+    "weights_path": "checkpoint",
+    "pulls": 0,
+    "pull_failures": {},
+  }
   follower.close()
 
 
@@ -92,15 +93,25 @@ def test_the_direct_channel_serves_every_version_and_checkpoints_some(tmp_path):
   """Every version is pulled over the network; every checkpoint_every-th,
   the first and (on a normal finish) the last also go to disk."""
   root = str(tmp_path)
-  f = sections.Fleet(weights_path="direct", transfer_host="127.0.0.1", transfer_sockets=2,
-                     checkpoint_every=2, keep_versions=5, poll_seconds=0.05)
-  pub = wc.make_publisher(root, f, 0, _to_bf16, identity=identity.Published("run1"),
-                          share=lambda key, make: make())
+  f = sections.Fleet(
+    weights_path="direct",
+    transfer_host="127.0.0.1",
+    transfer_sockets=2,
+    checkpoint_every=2,
+    keep_versions=5,
+    poll_seconds=0.05,
+  )
+  pub = wc.make_publisher(
+    root, f, 0, _to_bf16, identity=identity.Published("run1"), share=lambda key, make: make()
+  )
   assert isinstance(pub, wc.DirectPublisher) and pub.describe.startswith("direct from 127.0.0.1:")
   follower = wc.make_follower(root, "r0", _abstract(), f, print)
   try:
-    assert set(pub.publish(_version(0), 0)) == {"fleet/serve_s", "fleet/fingerprint_s",
-                                                "fleet/publish_s"}
+    assert set(pub.publish(_version(0), 0)) == {
+      "fleet/serve_s",
+      "fleet/fingerprint_s",
+      "fleet/publish_s",
+    }
     params, _, meta = _poll_until(follower, 0)
     assert meta["path"] == "direct" and meta["run_id"] == "run1"
     _same(params, 0)
@@ -120,8 +131,7 @@ def test_the_direct_channel_serves_every_version_and_checkpoints_some(tmp_path):
   assert _on_disk(root) == [0, 2, 3]  # the first, every 2nd and the last (not 1)
 
 
-def test_a_direct_channel_that_cannot_run_is_checkpoints_said_and_counted(tmp_path,
-                                                                          monkeypatch):
+def test_a_direct_channel_that_cannot_run_is_checkpoints_said_and_counted(tmp_path, monkeypatch):
   root = str(tmp_path)
   monkeypatch.setattr(weight_transfer, "unavailable", lambda: "no transfer library here")
   f = sections.Fleet(weights_path="direct", checkpoint_every=4)

@@ -24,9 +24,9 @@ def _oracle(old, new, block):
   o, n = np.pad(o, (0, pad)), np.pad(n, (0, pad))
   changed, values = [], []
   for b in range(o.size // block):
-    if (o[b * block:(b + 1) * block] != n[b * block:(b + 1) * block]).any():
+    if (o[b * block : (b + 1) * block] != n[b * block : (b + 1) * block]).any():
       changed.append(b)
-      values.append(n[b * block:(b + 1) * block])
+      values.append(n[b * block : (b + 1) * block])
   return changed, values
 
 
@@ -46,16 +46,25 @@ def _cases():
   nans = _bf16([[0x7FC1, 0x7FC0, 0x3F80]])
   other_nans = _bf16([[0x7FC2, 0x7FC0, 0x3F80]])  # another payload: NaN != NaN as floats
   f32 = rng.standard_normal(40).astype(np.float32)
-  return {"some": (base, some), "none": (base, base.copy()), "all": (base, base + 1),
-          "-0.0": (zeros, signed), "nan payload": (nans, other_nans),
-          "float32": (f32, f32 * np.float32(1.0000001)),
-          "int32 scalar": (np.int32(3), np.int32(4)), "int32 same": (np.int32(3), np.int32(3))}
+  return {
+    "some": (base, some),
+    "none": (base, base.copy()),
+    "all": (base, base + 1),
+    "-0.0": (zeros, signed),
+    "nan payload": (nans, other_nans),
+    "float32": (f32, f32 * np.float32(1.0000001)),
+    "int32 scalar": (np.int32(3), np.int32(4)),
+    "int32 same": (np.int32(3), np.int32(3)),
+  }
 
 
 # Every case jitted, in blocks of 1 and 4 (91 elements: a partial last
 # block); two also op by op (slow: nonzero and the scatter eagerly).
-@pytest.mark.parametrize("case,block,jit", [(c, b, True) for c in sorted(_cases()) for b in (1, 4)]
-                         + [("nan payload", 4, False), ("some", 1, False)])
+@pytest.mark.parametrize(
+  "case,block,jit",
+  [(c, b, True) for c in sorted(_cases()) for b in (1, 4)]
+  + [("nan payload", 4, False), ("some", 1, False)],
+)
 def test_encode_apply_is_bit_exact_against_a_loop(case, block, jit):
   with contextlib.nullcontext() if jit else jax.disable_jit():
     _round_trip(*_cases()[case], block)
@@ -78,7 +87,8 @@ def _round_trip(old, new, block):
   assert got.dtype == np.asarray(new).dtype and got.shape == np.shape(new)
   assert _bits(got).tobytes() == _bits(new).tobytes()
   assert (wd.checksum(got) == wd.checksum(jnp.asarray(new))) and (
-      count == 0 or wd.checksum(jnp.asarray(old)) != wd.checksum(jnp.asarray(new)))
+    count == 0 or wd.checksum(jnp.asarray(old)) != wd.checksum(jnp.asarray(new))
+  )
 
 
 def test_bucket_pads_by_at_most_a_quarter_and_repeats():
@@ -88,15 +98,17 @@ def test_bucket_pads_by_at_most_a_quarter_and_repeats():
   assert len(set(sizes[1000:2000])) == 5  # a handful of programs an octave
   # Two versions whose changes fall in one bucket: one program each way.
   old = jnp.zeros((64,), jnp.bfloat16)
-  before = wd.encode._cache_size(), wd.apply._cache_size()  # pylint: disable=protected-access
+  before = wd.encode._cache_size(), wd.apply._cache_size()
   for changed in (9, 10):
     new = old.at[jnp.arange(0, 4 * changed, 4)].set(1.0)
     size = wd.bucket(int(wd.changed_blocks(old, new, block=1)))
     assert size == 10
     indices, values, _ = wd.encode(old, new, block=1, size=size)
     assert _bits(wd.apply(old, indices, values, block=1)).tobytes() == _bits(new).tobytes()
-  assert (wd.encode._cache_size() - before[0],  # pylint: disable=protected-access
-          wd.apply._cache_size() - before[1]) == (1, 1)  # pylint: disable=protected-access
+  assert (
+    wd.encode._cache_size() - before[0],
+    wd.apply._cache_size() - before[1],
+  ) == (1, 1)
 
 
 def test_the_checksum_sees_every_single_bit_and_moved_words():
@@ -120,7 +132,7 @@ def test_encode_pieces_sends_a_piece_whole_when_its_delta_is_no_smaller():
   (8 bytes > 4), whole."""
   zeros = jnp.zeros((100,), jnp.bfloat16)
   assert wd.capacity((100,), jnp.bfloat16, 1) == 33
-  before = wd.encode._cache_size()  # pylint: disable=protected-access
+  before = wd.encode._cache_size()
   for changed, size in ((0, 1), (1, 1), (13, 14), (33, 40)):
     new = zeros.at[jnp.arange(changed) * 3].set(2.0)
     (delta,) = wd.encode_pieces([zeros], [new], block=1)
@@ -130,5 +142,5 @@ def test_encode_pieces_sends_a_piece_whole_when_its_delta_is_no_smaller():
     assert (delta.changed, delta.size, delta.nbytes) == (changed, size, 6 * size)
     got = wd.apply(zeros, delta.indices, delta.values, block=1)
     assert _bits(got).tobytes() == _bits(new).tobytes()
-  assert wd.encode._cache_size() - before == 1  # pylint: disable=protected-access
+  assert wd.encode._cache_size() - before == 1
   assert wd.encode_pieces([jnp.int32(0)], [jnp.int32(1)]) == [None]

@@ -48,8 +48,12 @@ def main(argv):
     replace(schema, path, model)
   group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
   with open(out, "w", encoding="utf-8") as f:
-    json.dump({"x-source": source, "apiVersion": f"{group}/{version}", "kind": kind,
-               "schema": schema}, f, indent=1, sort_keys=True)
+    json.dump(
+      {"x-source": source, "apiVersion": f"{group}/{version}", "kind": kind, "schema": schema},
+      f,
+      indent=1,
+      sort_keys=True,
+    )
     f.write("\n")
 
 
