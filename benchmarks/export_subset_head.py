@@ -34,7 +34,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import math_tool_cpu
 from sao_jax.data.prompts import EVAL_OFFSET
-from sao_jax.envs import base
 from sao_jax.envs.demonstrations import (
   demonstration_trajectory,
 )

@@ -105,7 +105,7 @@ def main():
   print("|---|---|---|---|---|---|---|---|")
   for preset in args.presets.split(","):
     s = sizes(preset, args.rank)
-    g = lambda k: s[k] / GIB
+    g = lambda k, s=s: s[k] / GIB
     print(
       f"| {preset} | {s['params'] / 1e9:.2f} B | {s['actor'] / 1e6:.1f} M "
       f"({s['actor'] / s['params']:.2%}) | {s['critic'] / 1e6:.1f} M "

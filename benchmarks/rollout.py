@@ -184,7 +184,7 @@ def batching_section(cfg, params, tok, repeats, n):
     for static in (False, True):
       for k in (1, 8):
 
-        def fn(static=static, k=k):
+        def fn(static=static, k=k, warm=warm, latency=latency, steps=steps):
           tps, _, _, calls = drive(
             _engine(cfg, params, warm, 1), tok, n, static=static, decode_steps=k, latency=latency
           )

@@ -52,7 +52,7 @@ import numpy as np
 from absl import app, flags
 
 from sao_jax.models import config as mcfg
-from sao_jax.models import decoding, policy, precision, routing
+from sao_jax.models import policy, precision, routing
 from sao_jax.models.transformer import Transformer, init_cache
 from sao_jax.train import steptime
 
@@ -263,7 +263,9 @@ def main(argv):
     for mode, cfg in precision_modes(base):
       for matmul in ("default", "highest"):
         with jax.default_matmul_precision(matmul):
-          row = measure(f"{mode}/{matmul}", cfg, lambda s, c=cfg: params_for(s, c), _SEEDS.value)
+          row = measure(
+            f"{mode}/{matmul}", cfg, lambda s, c=cfg, p=params_for: p(s, c), _SEEDS.value
+          )
         row["model"] = label
         rows.append(row)
         print(

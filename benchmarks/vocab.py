@@ -41,13 +41,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import random_trajectory, report, time_fns  # noqa: E402
 
 from configs import math_tool_tiny  # noqa: E402
-from sao_jax.config import sections
+from sao_jax.config import sections  # noqa: E402
 from sao_jax.data import packing  # noqa: E402
 from sao_jax.envs.tokenizer import TOKENIZERS  # noqa: E402
-from sao_jax.models import (
-  policy,
-  sharding,
-)
+from sao_jax.models import policy, sharding  # noqa: E402
 from sao_jax.models.transformer import Transformer  # noqa: E402
 from sao_jax.rollout.batch_sampler import generate_batch  # noqa: E402
 from sao_jax.rollout.engine import PolicyEngine  # noqa: E402

@@ -113,7 +113,7 @@ def drop_page_cache():
     with open("/proc/sys/vm/drop_caches", "w", encoding="utf-8") as f:
       f.write("1\n")
   except OSError as e:
-    raise SystemExit(f"--drop_caches needs root (writing /proc/sys/vm/drop_caches): {e}")
+    raise SystemExit(f"--drop_caches needs root (writing /proc/sys/vm/drop_caches): {e}") from e
 
 
 def measure(args):

@@ -429,7 +429,7 @@ def test_dis_stability_counts_collapses_relative_to_the_sft_start(tmp_path):
   assert collapsed({"final_pass@1": 0.1}) is None
   f = dis_stability.FINDING
   dis = {s: _fake_run(0.4, v) for s, v in enumerate((0.0, 0.5, 0.01, 0.6, 0.45))}
-  for s, rec in dis.items():
+  for rec in dis.values():
     steps = len(rec["curves"]["step"])
     rec["curves"].update(
       {

@@ -30,8 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-import os
-from typing import Any, Callable
+from typing import Callable
 
 from sao_jax.config import import_strings, sections
 from sao_jax.config.sections import ConfigError, fail

@@ -376,13 +376,13 @@ _pool_lock = threading.Lock()
 
 def set_uid_range(first: int, last: int) -> None:
   """Leases uids `first..last` (inclusive) from now on (root only)."""
-  global _pool
+  global _pool  # noqa: PLW0603  # the process's one pool, under _pool_lock
   with _pool_lock:
     _pool = UidPool(first, last)
 
 
 def _uid_pool() -> UidPool:
-  global _pool
+  global _pool  # noqa: PLW0603  # the process's one pool, under _pool_lock
   with _pool_lock:
     if _pool is None:
       env = os.environ.get("SAO_SANDBOX_UIDS")

@@ -202,7 +202,7 @@ class Call:
       if libc.mount(None, target.encode(), None, flags, None) != 0 and required:
         return f"read-only remount of {source} failed: " + self.strerror()
     if self.lim["disk"] and self.lim["disk"]["tmpfs"]:
-      self.tmpfs_error = mount_disk(self)
+      self.tmpfs_error = mount_disk(self)  # noqa: F821  # sandbox_disk.py's, joined at run time
     self.applied.append("mounts")
     return ""
 
@@ -212,7 +212,7 @@ class Call:
 
 def supervise(call, child, rfd):
   """Waits for the init (wall-clock limit), leaves nothing behind, reports; exits."""
-  watchdog = disk_watchdog(call)  # None where a tmpfs holds a shell's disk limits
+  watchdog = disk_watchdog(call)  # noqa: F821  # sandbox_disk.py's; None where a tmpfs holds a shell's disk limits
   timed_out, status = wait_for(child, call.lim["wall_seconds"], watchdog)
   if call.pidns:
     status = None  # the init's; the model process's comes through the pipe
@@ -224,7 +224,7 @@ def supervise(call, child, rfd):
       os.waitpid(-1, 0)
     except ChildProcessError:
       break
-  extra = finish_disk(call, watchdog)  # report lines
+  extra = finish_disk(call, watchdog)  # noqa: F821  # sandbox_disk.py's; report lines
   clean = True
   if call.uid is not None and LINUX and not call.pidns:
     # Without a PID namespace, confirm that no process of the uid is left
@@ -273,7 +273,7 @@ def wait_for(child, wall_seconds, check=None):
 
   def arm():
     left = max(deadline - time.monotonic(), 1e-6)
-    signal.setitimer(signal.ITIMER_REAL, left if check is None else min(left, WATCH_SECONDS))
+    signal.setitimer(signal.ITIMER_REAL, left if check is None else min(left, WATCH_SECONDS))  # noqa: F821  # sandbox_disk.py's
 
   def on_alarm(signum, frame):
     if time.monotonic() >= deadline:

@@ -403,7 +403,9 @@ class MathVerifier:
       return Verdict(False, "timeout")
     except (_Dead, OSError) as e:
       worker.kill()
-      warnings.warn(f"MathVerifier: worker failed ({e}); restarting it", RuntimeWarning)
+      warnings.warn(
+        f"MathVerifier: worker failed ({e}); restarting it", RuntimeWarning, stacklevel=2
+      )
       return Verdict(False, "error")
     if "error" in reply:
       return Verdict(False, "error")

@@ -222,7 +222,9 @@ def adapter_shardings(params, param_shardings, cfg: LoraConfig):
         _merged_spec(spec[batch : batch + inputs]),
         _merged_spec(spec[batch + inputs :]),
       )
-      named = lambda *axes: jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(*axes))
+      named = lambda *axes, sh=sh: jax.sharding.NamedSharding(
+        sh.mesh, jax.sharding.PartitionSpec(*axes)
+      )
       _insert(out, keys, {A: named(*b, i, None), B: named(*b, None, o)})
   return out
 

@@ -57,7 +57,8 @@ def _modules(cfg: ModelConfig, key: str) -> dict[str, hf_layout.Tensor]:
   if key.startswith("layer_"):
     tensors = hf_layout.layer_tensors(cfg, int(key[len("layer_") :]))
     return {t.ours: t for t in tensors}
-  return {"": t for t in hf_layout.top_tensors(cfg) if t.ours == key}
+  found = [t for t in hf_layout.top_tensors(cfg) if t.ours == key]
+  return {"": found[-1]} if found else {}
 
 
 def _adapter_items(tree, prefix: str = ""):

@@ -7,15 +7,19 @@ still train.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from runs import load_config_module, shipped_configs
 
+from sao_jax.algo import optim
 from sao_jax.models import config as mcfg
-from sao_jax.models import policy
+from sao_jax.models import policy, precision
+from sao_jax.train import configuration, factories
 from sao_jax.train import train_step as ts
 
 FP32 = mcfg.tiny()
@@ -103,14 +107,6 @@ def test_bf16_rl_step_updates_fp32_params():
 
 
 # --- every shipped config's steps move its weights (sao_jax/models/precision.py) ----
-
-import functools
-
-from runs import load_config_module, shipped_configs
-
-from sao_jax.algo import optim
-from sao_jax.models import precision
-from sao_jax.train import configuration, factories
 
 SHIPPED = [n[:-3] for n in shipped_configs()]
 

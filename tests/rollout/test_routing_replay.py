@@ -3,7 +3,6 @@ chose for every token it fed, trajectories carry them through the store and the
 batch, and the actor's forward uses them."""
 
 import dataclasses
-import io
 
 import jax
 import jax.numpy as jnp
