@@ -32,6 +32,10 @@ ARMS = (
 )
 
 
+def _mean(runs: list, key: str) -> float:
+  return sum(r[key] or 0.0 for r in runs) / len(runs)
+
+
 def by_backend(finding, runs):
   """Per arm: pass@1, gain, wall time and throughput; vllm minus jax, paired."""
   rows, record = [], {}
@@ -40,7 +44,6 @@ def by_backend(finding, runs):
     if not by_seed:
       continue
     rs = list(by_seed.values())
-    mean = lambda key: sum(r[key] or 0.0 for r in rs) / len(rs)
     tok_s = [
       r["generated_tokens"] / r["wall_s"]
       for r in rs
@@ -51,12 +54,12 @@ def by_backend(finding, runs):
     )
     record[arm.name] = {
       "seeds": sorted(by_seed),
-      "sft": mean("sft_pass@1"),
-      "final": mean("final_pass@1"),
-      "gain": mean("gain"),
-      "wall_s": mean("wall_s"),
-      "rl_steps": mean("rl_steps"),
-      "generated_tokens": mean("generated_tokens"),
+      "sft": _mean(rs, "sft_pass@1"),
+      "final": _mean(rs, "final_pass@1"),
+      "gain": _mean(rs, "gain"),
+      "wall_s": _mean(rs, "wall_s"),
+      "rl_steps": _mean(rs, "rl_steps"),
+      "generated_tokens": _mean(rs, "generated_tokens"),
       "tokens_per_wall_s": sum(tok_s) / len(tok_s) if tok_s else None,
       "vs_jax": vs,
     }
