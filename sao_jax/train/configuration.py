@@ -100,6 +100,7 @@ def validate(
   _check_eval_sets(typed)
   _check_rollout(typed, spec)
   arch = _check_model(typed.model)
+  backends.check_model(typed.rollout, arch)
   _check_sizes(typed)
   if num_devices is None:
     import jax

