@@ -200,6 +200,7 @@ class PolicyEngine(engine_protocol.Engine):
     sampling = self.programs.sampling
     # The KV cache's strategy (kv_cache.py): what differs between dense and paged.
     self.kv_cache: kv_cache_lib.KVCache = self.programs.kv_cache
+    self.kv_cache.check_engine(lanes=1)  # a pool too small for one slot group: refused now
     self.page_groups = self.programs.groups
     self.mesh: Mesh = self.programs.mesh
     self.rules = self.programs.rules

@@ -4,6 +4,7 @@ from convkit.convert import celsius_to_fahrenheit, from_roman, parse_duration, t
 
 
 class TestConvert(unittest.TestCase):
+
   def test_to_roman(self):
     self.assertEqual(to_roman(1), "I")
     self.assertEqual(to_roman(4), "IV")

@@ -4,6 +4,7 @@ from numkit.stats import clamp, mean, median, percentile, running_sum, variance
 
 
 class TestStats(unittest.TestCase):
+
   def test_mean(self):
     self.assertEqual(mean([1, 2, 3, 4]), 2.5)
     self.assertEqual(mean([5]), 5)

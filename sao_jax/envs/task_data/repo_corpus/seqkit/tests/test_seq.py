@@ -4,6 +4,7 @@ from seqkit.seq import binary_search, chunks, dedupe, flatten, merge_sorted, rot
 
 
 class TestSeq(unittest.TestCase):
+
   def test_chunks(self):
     self.assertEqual(chunks([1, 2, 3, 4, 5], 2), [[1, 2], [3, 4], [5]])
     self.assertEqual(chunks([1, 2], 2), [[1, 2]])

@@ -4,6 +4,7 @@ from textkit.text import caesar, count_words, is_palindrome, slugify, truncate, 
 
 
 class TestText(unittest.TestCase):
+
   def test_slugify(self):
     self.assertEqual(slugify("Hello, World!"), "hello-world")
     self.assertEqual(slugify("  a  b "), "a-b")

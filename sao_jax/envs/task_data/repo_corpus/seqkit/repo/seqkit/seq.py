@@ -5,7 +5,7 @@ def chunks(xs, size):
   """`xs` in consecutive pieces of `size` (the last may be shorter)."""
   if size < 1:
     raise ValueError("size must be >= 1")
-  return [xs[i : i + size] for i in range(0, len(xs), size)]
+  return [xs[i:i + size] for i in range(0, len(xs), size)]
 
 
 def flatten(xss):
@@ -64,4 +64,4 @@ def merge_sorted(a, b):
 
 def windows(xs, n):
   """Every run of `n` consecutive items, as tuples."""
-  return [tuple(xs[i : i + n]) for i in range(len(xs) - n + 1)]
+  return [tuple(xs[i:i + n]) for i in range(len(xs) - n + 1)]

@@ -21,7 +21,7 @@ def truncate(text, width, ellipsis="..."):
     return text
   if width <= len(ellipsis):
     return ellipsis[:width]
-  return text[: width - len(ellipsis)] + ellipsis
+  return text[:width - len(ellipsis)] + ellipsis
 
 
 def is_palindrome(text):
