@@ -112,6 +112,16 @@ class Arm:
   config: str
   overrides: dict = dataclasses.field(default_factory=dict)
   label: str = ""  # for tables and plots; default: name
+  # How the arm starts from the seed's SFT run: "copy", resuming a copy of its
+  # checkpoint (its SFT evaluation included); "policy", a fresh run whose
+  # policy is the SFT run's (`sft.init_from_run`, sft.steps = 0), for arms whose
+  # state has another shape (LoRA's adapters): it evaluates that policy again.
+  # The SFT run itself is then launched without this arm's overrides.
+  start: str = "copy"
+
+  def __post_init__(self):
+    if self.start not in ("copy", "policy"):
+      raise ValueError(f"Arm {self.name!r}: start = {self.start!r}, not 'copy' or 'policy'")
 
   @property
   def title(self) -> str:
@@ -304,8 +314,13 @@ def run_arm(
 
 def _run_arm_locked(launch, workdir, finding, arm, seed, budget_steps, base_overrides, rdir):
   overrides = {**finding.overrides, **base_overrides, **arm.overrides, "seed": seed}
-  sft_dir = sft_start(launch, workdir, arm, overrides, seed)
-  if not os.path.exists(os.path.join(rdir, "checkpoints")):
+  if arm.start == "policy":
+    shared = {**finding.overrides, **base_overrides, "seed": seed}
+    sft_dir = sft_start(launch, workdir, arm, shared, seed)
+    overrides.update({"sft.init_from_run": sft_dir, "sft.steps": 0})
+  else:
+    sft_dir = sft_start(launch, workdir, arm, overrides, seed)
+  if arm.start == "copy" and not os.path.exists(os.path.join(rdir, "checkpoints")):
     # The arm starts from a copy of the seed's SFT checkpoint (stage
     # value_pretrain, step 0), its SFT evaluation included.
     shutil.rmtree(rdir, ignore_errors=True)
@@ -446,6 +461,9 @@ def collect(rdir: str) -> dict | None:
     "sft_stderr": sft.get("pass@1_stderr"),
     "rl_steps": summary["rl_steps"],
     "generated_tokens": summary.get("generated_tokens"),
+    # What the launch that finished held (stages.done): None for older runs.
+    "state_bytes": summary.get("state_bytes"),
+    "peak_rss_bytes": summary.get("peak_rss_bytes"),
     "budget_tokens": runner.get("budget_tokens"),
     "wall_s": runner.get("wall_s"),
     "commit": runner.get("commit"),

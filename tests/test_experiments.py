@@ -12,6 +12,7 @@ from experiments import (
   dis_stability,
   gae_ablations,
   headline,
+  lora_rl,
   lr_by_lag,
   lr_sweep,
   online,
@@ -37,6 +38,7 @@ FINDINGS = (
   lr_by_lag,
   routing_replay,
   rollout_backend,
+  lora_rl,
 )
 
 
@@ -712,3 +714,31 @@ def test_routing_replay_arms_differ_in_replay_alone_and_report_lag0_tails():
   lag0 = got["plain"]["diagnostics"]["by_lag"]["lag0"]["ratio_q99"]
   assert lag0["max"] == pytest.approx(3.0) and lag0["mean"] == pytest.approx(1.5 * 11 / 10)
   assert "1.6500 / 3.0000" in got["markdown"] and "routing replay" in got["markdown"]
+
+
+def test_an_arm_starting_from_the_sft_policy_gets_a_fresh_run_not_a_copy(tmp_path):
+  """Arm(start="policy") (lora_rl's LoRA arm): the seed's SFT runs without the
+  arm's overrides (shared with the copying arm), and the arm's run starts
+  empty with sft.init_from_run = that SFT run and sft.steps = 0."""
+  calls = []
+
+  def launch(script, config, overrides, workdir):
+    calls.append((script, dict(overrides), workdir))
+    os.makedirs(workdir, exist_ok=True)
+    if script == "sft.py":
+      os.makedirs(os.path.join(workdir, "checkpoints"))
+      rec = {"stage": "eval", "step": 0, "eval/mean_generated": 10.0, "eval/pass@1": 0.5}
+      with open(os.path.join(workdir, "metrics.jsonl"), "w", encoding="utf-8") as f:
+        f.write(json.dumps(rec) + "\n")
+    return 1.0
+
+  f = lora_rl.FINDING
+  for arm in ("lora", "full"):  # the LoRA arm first: it must not shape the SFT run
+    runner.run_arm(launch, str(tmp_path), f, f.arm(arm), 0, 3, {})
+  (sft, sft_overrides, sft_dir), (_, lora, lora_dir), (_, full, full_dir) = calls
+  assert sft == "sft.py" and "lora.enabled" not in sft_overrides
+  assert lora["lora.enabled"] is True and lora["sft.init_from_run"] == sft_dir
+  assert lora["sft.steps"] == 0 and not os.path.exists(os.path.join(lora_dir, "checkpoints"))
+  assert "sft.init_from_run" not in full and os.path.isdir(os.path.join(full_dir, "checkpoints"))
+  with pytest.raises(ValueError, match="start"):
+    runner.Arm("x", "sao_tiny", start="resume")

@@ -622,6 +622,14 @@ class SFT(Section):
   init_from_hf: str = knob(
     "", "A Hugging Face safetensors SFT checkpoint to start from instead of SFT.", STRING
   )
+  init_from_run: str = knob(
+    "",
+    "Another sao-jax run's directory whose newest checkpoint's policy this run starts "
+    "from, in place of a random initialisation (e.g. a `launch/sft.py` run, then "
+    "sft.steps = 0): the same model and head; with lora.enabled it is the frozen base the "
+    "adapters train on. Its optimizer and critic are not read.",
+    STRING,
+  )
 
 
 @dataclasses.dataclass(frozen=True)

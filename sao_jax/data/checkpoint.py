@@ -301,6 +301,21 @@ def check_lora_base(saved_meta: dict, step: int, ours: str | None, workdir: str)
   )
 
 
+def restore_policy(directory: str, step: int, abstract_policy):
+  """The policy params of checkpoint `step` under `directory`, alone: a partial
+  restore of its state item into `abstract_policy`'s shapes and shardings
+  (another run's policy, `sft.init_from_run`; its optimizer and critic are not
+  read). Collective on several processes, like every restore."""
+  restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), abstract_policy)
+  got = ocp.PyTreeCheckpointer().restore(
+    files.join(directory, str(step), "state"),
+    args=ocp.args.PyTreeRestore(
+      {"policy": abstract_policy}, restore_args={"policy": restore_args}, partial_restore=True
+    ),
+  )
+  return got["policy"]
+
+
 def committed_checkpoints(directory: str) -> dict[int, dict[str, Any]]:
   """{step: meta} of the checkpoints under `directory` that are complete.
 

@@ -126,6 +126,12 @@ def validate(
       typed.model.vocab_subset,
       '"" with sft.init_from_hf: an imported checkpoint keeps its full head',
     )
+  if typed.sft.init_from_run and (typed.sft.init_from_hf or typed.model.hf_dir):
+    _fail(
+      "sft.init_from_run",
+      typed.sft.init_from_run,
+      '"" with sft.init_from_hf or model.hf_dir (one starting policy)',
+    )
   _check_update_precision(typed, arch)
   _check_routing_replay(typed, arch)
   for name in ("sigkill_after_rl_step", "sigterm_after_rl_step"):

@@ -278,6 +278,13 @@ def _placed(tree, shardings):
   )
 
 
+def abstract_full_policy(programs: "Programs"):
+  """The whole policy's params (never adapters) as ShapeDtypeStructs in their
+  shardings: what a full-model checkpoint's policy restores into."""
+  shapes = jax.eval_shape(lambda: nn.unbox(programs.policy_init()))
+  return _placed(shapes, programs.policy_shardings)
+
+
 def abstract_bases(programs: "Programs") -> tuple | None:
   """`lora_bases` of the initialisers' params as ShapeDtypeStructs in the bases'
   shardings (launch/compile.py's last argument to each step); None without LoRA."""

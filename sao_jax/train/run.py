@@ -27,6 +27,7 @@ from sao_jax.data.checkpoint import (
   abstract_like,
   check_lora_base,
   committed_checkpoints,
+  restore_policy,
 )
 from sao_jax.envs import base, registry
 from sao_jax.models import config as model_config
@@ -222,6 +223,8 @@ def wait(tree):
 def _initial_policy(config: sections.Sections, model_cfg, tok, p: factories.Programs, mesh):
   """The policy's params at step 0: `model.hf_dir`'s weights, read one tensor at
   a time into their shardings, else a random initialisation."""
+  if config.sft.init_from_run:
+    return _policy_of_run(config.sft.init_from_run, model_cfg, p)
   hf_dir = config.model.hf_dir
   if not hf_dir:
     return sharding.sharded_init(p.policy_init, mesh, p.rules)[0]
@@ -235,6 +238,44 @@ def _initial_policy(config: sections.Sections, model_cfg, tok, p: factories.Prog
 
   print(f"[model] {model_cfg.family} from {hf_dir}", flush=True)
   return hf_import.load_hf_checkpoint(hf_dir, model_cfg, p.policy_shardings)
+
+
+def _policy_of_run(workdir: str, model_cfg, p: factories.Programs):
+  """The full-model policy of `workdir`'s newest complete checkpoint
+  (`sft.init_from_run`), read into this run's policy shardings; one line when
+  there is none, or it holds LoRA adapters or another head."""
+  where = files.join(workdir, "checkpoints")
+  found = committed_checkpoints(where)
+  if not found:
+    raise configuration.ConfigError(
+      f"sft.init_from_run = {workdir!r}: no complete checkpoint under {where}"
+    )
+  step = max(found)
+  meta = found[step]
+  why = None
+  if meta.get("lora_base") is not None:
+    why = (
+      "it trained LoRA adapters; export its merged model (launch/export.py) and start "
+      "from that with model.hf_dir"
+    )
+  elif meta.get("vocab_ids") != (list(model_cfg.vocab_ids) or None):
+    why = "its head covers other token ids (another dataset or model.vocab_subset)"
+  if why:
+    raise configuration.ConfigError(
+      f"sft.init_from_run = {workdir!r}: checkpoint {step} cannot start this run: {why}"
+    )
+  print(
+    f"[model] the policy of {workdir} (checkpoint {step}, stage {meta.get('stage')} "
+    f"step {meta.get('stage_step')})",
+    flush=True,
+  )
+  try:
+    return restore_policy(where, step, factories.abstract_full_policy(p))
+  except ValueError as e:  # orbax's shape or tree mismatch: another model
+    raise configuration.ConfigError(
+      f"sft.init_from_run = {workdir!r}: checkpoint {step} holds another model than "
+      f"this run's ({' '.join(str(e).split())[:300]})"
+    ) from None
 
 
 def _carried_tensors(hf_dir: str) -> dict | None:

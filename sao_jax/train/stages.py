@@ -22,6 +22,7 @@ the policy's base and its adapters carry the SFT policy's over
 
 from __future__ import annotations
 
+import resource
 from typing import Callable
 
 import flax.linen as nn
@@ -222,6 +223,11 @@ def done(run: Run) -> dict:
     # The step sft.stop_at_nll stopped SFT at (None: it ran every step).
     "sft_stopped_at": run.meta.get("sft_stopped_at"),
     "generated_tokens": run.meta.get("generated_tokens", 0),
+    # What training held: the state (trained params and their optimizer moments,
+    # over all devices; with LoRA the adapters', not the frozen base's) and this
+    # launch's peak host memory (the process's resident set, Linux's KiB).
+    "state_bytes": int(sum(x.nbytes for x in jax.tree.leaves(run.state))),
+    "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
   }
   if distributed.is_primary():
     # Written whole: a summary.json that exists marks a finished run (experiments/).

@@ -175,3 +175,52 @@ def test_a_lora_run_trains_resumes_and_refuses_another_base(tmp_path):
   assert "Resumed from checkpoint" in out2
   out3 = launch(workdir, *LORA, "--config.seed=1", check=False)
   assert "LoRA adapters trained on another base" in out3
+
+
+def _tiny_config(**fields):
+  c = load_config_module("sao_tiny.py").get_config()
+  c.tensorboard = False
+  for dotted, v in fields.items():  # section__field, or a top-level field
+    section, _, name = dotted.rpartition("__")
+    (c[section] if section else c)[name] = v
+  return c
+
+
+def test_a_run_starts_from_another_runs_policy(tmp_path):
+  """sft.init_from_run: a full run's checkpointed policy becomes, bit for bit,
+  another full run's starting policy and a LoRA run's frozen base (its served
+  params at step 0, the adapters' B being zero); a LoRA source, a source with
+  no checkpoint and a second starting point are refused in one line."""
+  from sao_jax.train import configuration
+  from sao_jax.train import run as run_lib
+
+  source_dir = str(tmp_path / "source")
+  source = run_lib.open_workdir(run_lib.build(_tiny_config(seed=0)), source_dir)
+  # Move the policy off its initialisation, so a fresh init could not pass.
+  source.state = source.state.replace(
+    policy=jax.tree.map(lambda x: x + 0.25 if x.dtype == jnp.float32 else x, source.state.policy)
+  )
+  source.save(force=True)
+  source.close()
+  want = _flat(source.state.policy)
+
+  full = run_lib.build(_tiny_config(seed=1, sft__init_from_run=source_dir))
+  got = _flat(full.state.policy)
+  assert got.keys() == want.keys()
+  assert all(np.array_equal(got[k], want[k]) for k in want)
+  adapted = run_lib.build(
+    _tiny_config(seed=1, sft__init_from_run=source_dir, lora__enabled=True, lora__rank=4)
+  )
+  served = _flat(adapted.policy_params())
+  assert all(np.array_equal(served[k], want[k]) for k in want)
+
+  with pytest.raises(configuration.ConfigError, match="no complete checkpoint"):
+    run_lib.build(_tiny_config(sft__init_from_run=str(tmp_path / "none")))
+  lora_dir = str(tmp_path / "lora_source")
+  lora_run = run_lib.open_workdir(adapted, lora_dir)
+  lora_run.save(force=True)
+  lora_run.close()
+  with pytest.raises(configuration.ConfigError, match="trained LoRA adapters"):
+    run_lib.build(_tiny_config(sft__init_from_run=lora_dir))
+  with pytest.raises(configuration.ConfigError, match="one starting policy"):
+    configuration.validate(_tiny_config(sft__init_from_run=source_dir, sft__init_from_hf="/x"))
