@@ -1456,6 +1456,11 @@ class Faults(Section):
     "preemption notice at a known step (sao_jax/train/preemption.py).",
     integer(0, note=" (0: off)"),
   )
+  sigterm_after_sft_step: int = knob(
+    0,
+    "The same once this SFT step is done (0: never): SFT's preemption notice.",
+    integer(0, note=" (0: off)"),
+  )
 
 
 @dataclasses.dataclass(frozen=True)

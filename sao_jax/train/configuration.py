@@ -138,6 +138,12 @@ def validate(
     if getattr(typed.faults, name) > c.steps:
       # It would never fire: the run would end normally, not be signalled.
       _fail(f"faults.{name}", getattr(typed.faults, name), f"<= rl.steps ({c.steps})")
+  if typed.faults.sigterm_after_sft_step > typed.sft.steps:
+    _fail(
+      "faults.sigterm_after_sft_step",
+      typed.faults.sigterm_after_sft_step,
+      f"<= sft.steps ({typed.sft.steps})",
+    )
 
 
 def _source_spec(mode: str) -> sources.SourceSpec:

@@ -28,6 +28,8 @@ number if not in timing; the other two fields name an RL step:
     sigterm_after_rl_step
                          the trainer sends itself SIGTERM once RL step n is
                          done: a preemption notice at a known step
+    sigterm_after_sft_step
+                         the same after SFT step n
 """
 
 from __future__ import annotations
@@ -195,8 +197,12 @@ class FaultInjector:
       print(f"[faults] SIGKILL after RL step {step}", flush=True)
       os.kill(os.getpid(), signal.SIGKILL)
     if self.spec.sigterm_after_rl_step and step == self.spec.sigterm_after_rl_step:
-      print(f"[faults] SIGTERM after RL step {step}", flush=True)
-      os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice (train/preemption.py)
+      _sigterm(f"RL step {step}")
+
+  def after_sft_step(self, step: int) -> None:
+    """Sends the process SIGTERM once SFT step `step` is done, on schedule."""
+    if self.spec.sigterm_after_sft_step and step == self.spec.sigterm_after_sft_step:
+      _sigterm(f"SFT step {step}")
 
   def counts(self) -> dict[str, int]:
     return {
@@ -207,3 +213,8 @@ class FaultInjector:
       "nonfinite_batch": self.nonfinite_batches,
       "malformed_accepted": self.malformed_accepted,
     }
+
+
+def _sigterm(after: str) -> None:
+  print(f"[faults] SIGTERM after {after}", flush=True)
+  os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice (train/preemption.py)

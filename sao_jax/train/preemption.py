@@ -16,18 +16,23 @@ boundary:
     every process saves at (the step after the largest any has reached), so
     the collective save cannot deadlock on processes at different steps.
 
-The RL loop asks at every step; on a notice it writes a checkpoint, waits for
-it, and stops with `StopTraining` (exit status 1: a preempted job did not
-finish, and its restart resumes from that checkpoint).
+SFT, value pretraining and the RL loop ask at every step (`stop_if_noticed`);
+on a notice the step's checkpoint is written (unless the step just wrote
+its periodic one) and the run stops with `StopTraining` (exit status 1: a
+preempted job did not finish, and its restart resumes from that
+checkpoint; closing the run waits for the save).
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+from typing import Callable
 
 import jax
 from jax.experimental import multihost_utils
+
+from sao_jax.train.stopping import StopTraining
 
 
 class Notice:
@@ -58,3 +63,20 @@ class Notice:
     if jax.process_count() > 1:
       return multihost_utils.reached_preemption_sync_point(step)
     return self._flag.is_set()
+
+
+def stop_if_noticed(
+  notice: Notice, stage: str, step: int, run, checkpoint: Callable | None
+) -> None:
+  """At the end of `stage` step `step` (every process, every step): on a
+  notice, `checkpoint()` writes the step's checkpoint (None: the step has
+  just written its periodic one) and StopTraining is raised, naming the
+  `run`'s checkpoint."""
+  if not notice.reached(step):
+    return
+  if checkpoint is not None:
+    checkpoint()
+  raise StopTraining(
+    f"preempted (SIGTERM) after {stage} step {step}: checkpoint {run.meta['ckpt_step']} "
+    "written; start the run again to resume"
+  )

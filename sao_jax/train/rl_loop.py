@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 
 import flax.linen as nn
@@ -251,13 +252,14 @@ def rl(run: Run) -> None:
         if periodic:
           _checkpoint(run, source, baseline_state)
         run.faults.after_rl_step(step)
-        if notice.reached(step):  # every step: multi-host processes agree on the step
-          if not periodic:
-            _checkpoint(run, source, baseline_state)
-          raise stopping.StopTraining(
-            f"preempted (SIGTERM) after RL step {step}: checkpoint {run.meta['ckpt_step']} "
-            "written; start the run again to resume"
-          )
+        # Every step: multi-host processes agree on the step.
+        preemption.stop_if_noticed(
+          notice,
+          "RL",
+          step,
+          run,
+          None if periodic else functools.partial(_checkpoint, run, source, baseline_state),
+        )
         if budget_spent:
           print(
             f"[rl] generated-token budget spent ({run.meta['generated_tokens']} >= "

@@ -22,6 +22,7 @@ the policy's base and its adapters carry the SFT policy's over
 
 from __future__ import annotations
 
+import functools
 import resource
 from typing import Callable
 
@@ -34,7 +35,7 @@ from sao_jax.data import files, store
 from sao_jax.envs import base
 from sao_jax.envs.demonstrations import demonstration_trajectory
 from sao_jax.models import hf_import, lora, policy
-from sao_jax.train import distributed
+from sao_jax.train import distributed, preemption
 from sao_jax.train.metrics import progress
 from sao_jax.train.rl_loop import rl
 from sao_jax.train.run import Run, wait
@@ -77,8 +78,56 @@ def _fitting_demonstrations(run: Run, trajs: list, step: int) -> list:
   return kept
 
 
-def sft(run: Run) -> None:
+def _save_sft(run: Run, policy_params, opt) -> None:
+  run.state = run.state.replace(policy=policy_params, policy_opt=opt)
+  run.save()
+
+
+def _sft_steps(run: Run, policy_params, opt, steps: int):
+  """SFT from the checkpointed step to `steps` (or the NLL target); the
+  params and optimizer state. A SIGTERM checkpoints the step and stops."""
   c, config = run.config.sft, run.config
+  with preemption.Notice() as notice:
+    for step in range(run.meta["stage_step"], steps):
+      # Demonstrations of training tasks; the step index seeds the draw, so a
+      # resumed SFT sees the same data it would have. An environment whose tasks do
+      # not all have a demonstration (a dataset's rows without a solution) maps the
+      # draw onto those that do (`demonstration_task`).
+      idx = np.random.default_rng([config.seed, 2, step]).integers(
+        0, config.data.num_train_tasks, c.batch_size
+      )
+      tasks = [base.demonstration_task(run.env, int(i)) for i in idx]
+      trajs = _fitting_demonstrations(
+        run, [demonstration_trajectory(run.env, t, run.tok, run.format) for t in tasks], step
+      )
+      batch = run.pack(trajs, c.batch_size)
+      with jax.set_mesh(run.mesh), nn.logical_axis_rules(run.rules):  # activation constraints
+        policy_params, opt, m = run.sft_step(policy_params, opt, batch)
+      wait(policy_params)
+      run.meta["stage_step"] = step + 1
+      stop = _sft_reached_target(run, c, float(m["sft/nll"]))
+      if (step + 1) % config.log_every == 0 or step + 1 == steps or stop:
+        rec = run.metrics.write(step + 1, m, "sft")
+        progress("sft", step + 1, steps, rec, {"sft/nll": "nll"})
+      if stop:
+        print(
+          f"[sft] stopped at step {step + 1} of {steps}: mean nll of the last "
+          f"{c.stop_window} steps <= sft.stop_at_nll {c.stop_at_nll:g}",
+          flush=True,
+        )
+        run.meta["sft_stopped_at"] = step + 1
+        break
+      save = functools.partial(_save_sft, run, policy_params, opt)
+      periodic = (step + 1) % config.checkpoint.every == 0
+      if periodic:
+        save()
+      run.faults.after_sft_step(step + 1)
+      preemption.stop_if_noticed(notice, "SFT", step + 1, run, None if periodic else save)
+  return policy_params, opt
+
+
+def sft(run: Run) -> None:
+  c = run.config.sft
   shardings = run.programs.state_shardings
   policy_params, opt = run.state.policy, run.state.policy_opt
   steps = c.steps
@@ -89,38 +138,7 @@ def sft(run: Run) -> None:
     steps = 0
   elif run.meta["stage_step"] == 0:  # a fresh SFT: the optimizer starts empty
     opt = jax.jit(run.programs.sft_tx.init, out_shardings=shardings.policy_opt)(policy_params)
-  for step in range(run.meta["stage_step"], steps):
-    # Demonstrations of training tasks; the step index seeds the draw, so a
-    # resumed SFT sees the same data it would have. An environment whose tasks do
-    # not all have a demonstration (a dataset's rows without a solution) maps the
-    # draw onto those that do (`demonstration_task`).
-    idx = np.random.default_rng([config.seed, 2, step]).integers(
-      0, config.data.num_train_tasks, c.batch_size
-    )
-    tasks = [base.demonstration_task(run.env, int(i)) for i in idx]
-    trajs = _fitting_demonstrations(
-      run, [demonstration_trajectory(run.env, t, run.tok, run.format) for t in tasks], step
-    )
-    batch = run.pack(trajs, c.batch_size)
-    with jax.set_mesh(run.mesh), nn.logical_axis_rules(run.rules):  # activation constraints
-      policy_params, opt, m = run.sft_step(policy_params, opt, batch)
-    wait(policy_params)
-    run.meta["stage_step"] = step + 1
-    stop = _sft_reached_target(run, c, float(m["sft/nll"]))
-    if (step + 1) % config.log_every == 0 or step + 1 == steps or stop:
-      rec = run.metrics.write(step + 1, m, "sft")
-      progress("sft", step + 1, steps, rec, {"sft/nll": "nll"})
-    if stop:
-      print(
-        f"[sft] stopped at step {step + 1} of {steps}: mean nll of the last "
-        f"{c.stop_window} steps <= sft.stop_at_nll {c.stop_at_nll:g}",
-        flush=True,
-      )
-      run.meta["sft_stopped_at"] = step + 1
-      break
-    if (step + 1) % config.checkpoint.every == 0:
-      run.state = run.state.replace(policy=policy_params, policy_opt=opt)
-      run.save()
+  policy_params, opt = _sft_steps(run, policy_params, opt, steps)
   # RL's actor optimizer starts fresh; the critic starts from the SFT trunk.
   if run.programs.lora is None:
     critic = policy.value_params_from_policy(policy_params, run.state.critic)
@@ -190,25 +208,30 @@ def value_pretrain(run: Run) -> None:
       flush=True,
     )
   b = config.rl.batch_size
-  for step in range(run.meta["stage_step"], c.steps):
-    trajs = [data[(step * b + j) % len(data)] for j in range(b)]
-    batch = run.pack(trajs, b, policy_head=False)
-    with jax.set_mesh(run.mesh), nn.logical_axis_rules(run.rules):
-      run.state, m = run.value_step(run.state, batch)
-      wait(run.state)
-    run.meta["stage_step"] = step + 1
-    m = dict(m, **{f"value_pretrain/rejected_{k}": v for k, v in dropped.items()})
-    if (step + 1) % config.log_every == 0 or step + 1 == c.steps:
-      rec = run.metrics.write(step + 1, m, "value_pretrain")
-      progress(
-        "value_pretrain",
-        step + 1,
-        c.steps,
-        rec,
-        {"critic/value_loss": "value_loss", "critic/explained_variance": "expl_var"},
+  with preemption.Notice() as notice:
+    for step in range(run.meta["stage_step"], c.steps):
+      trajs = [data[(step * b + j) % len(data)] for j in range(b)]
+      batch = run.pack(trajs, b, policy_head=False)
+      with jax.set_mesh(run.mesh), nn.logical_axis_rules(run.rules):
+        run.state, m = run.value_step(run.state, batch)
+        wait(run.state)
+      run.meta["stage_step"] = step + 1
+      m = dict(m, **{f"value_pretrain/rejected_{k}": v for k, v in dropped.items()})
+      if (step + 1) % config.log_every == 0 or step + 1 == c.steps:
+        rec = run.metrics.write(step + 1, m, "value_pretrain")
+        progress(
+          "value_pretrain",
+          step + 1,
+          c.steps,
+          rec,
+          {"critic/value_loss": "value_loss", "critic/explained_variance": "expl_var"},
+        )
+      periodic = (step + 1) % config.checkpoint.every == 0
+      if periodic:
+        run.save()
+      preemption.stop_if_noticed(
+        notice, "value pretraining", step + 1, run, None if periodic else run.save
       )
-    if (step + 1) % config.checkpoint.every == 0:
-      run.save()
   return run.advance("rl")
 
 

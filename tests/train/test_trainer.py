@@ -349,6 +349,22 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
   assert os.path.exists(os.path.join(workdir, "summary.json"))
 
 
+def test_a_sigterm_during_sft_checkpoints_that_step_and_stops(tmp_path):
+  """A preemption notice in SFT (not at a periodic checkpoint step) writes the
+  step's checkpoint, waits for it and exits 1."""
+  workdir = str(tmp_path / "sft")
+  flags = ("--config.sft.steps=5", "--config.checkpoint.every=100")
+  proc = launch(
+    workdir, *flags, "--config.faults.sigterm_after_sft_step=3", script="sft.py", wait=False
+  )
+  out = finish(proc)
+  assert proc.returncode == 1, out[-3000:]
+  assert "error: preempted (SIGTERM) after SFT step 3: checkpoint 1 written" in out
+  saved = committed_checkpoints(os.path.join(workdir, "checkpoints"))
+  # The stage and step a restart resumes SFT at (as from a periodic checkpoint).
+  assert [(m["stage"], m["stage_step"]) for m in saved.values()] == [("sft", 3)]
+
+
 def test_sft_stops_when_the_window_mean_nll_reaches_the_target():
   from types import SimpleNamespace
 
