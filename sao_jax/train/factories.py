@@ -227,13 +227,18 @@ class LoraPrograms:
     """(policy base, critic base), eagerly (no copy where the dtype is kept): the
     critic's trunk is the policy's own arrays, its value head `critic_params`'
     (uncast: the critic trains it whole, from its float32 copy in the state)."""
-    base = policy_params
-    if self.base_dtype:
-      base = jax.tree.map(
-        lambda x: x.astype(self.base_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-        policy_params,
-      )
+    base = self.policy_base(policy_params)
     return base, policy.value_params_from_policy(base, critic_params)
+
+  def policy_base(self, policy_params):
+    """The policy's frozen base: `policy_params` in `base_dtype` (as they are
+    without one). A fleet rollout builds its own with this (fleet_worker.py)."""
+    if not self.base_dtype:
+      return policy_params
+    return jax.tree.map(
+      lambda x: x.astype(self.base_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+      policy_params,
+    )
 
 
 def _lora_programs(
