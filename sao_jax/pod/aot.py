@@ -32,6 +32,8 @@ from sao_jax.transport import weight_channel
 PROGRAMS = ("sft", "value", "rl", "prefill", "decode", "decode_loop")
 TRAIN_PROGRAMS = ("sft", "value", "rl")
 ENGINE_PROGRAMS = ("prefill", "decode", "decode_loop")
+# With LoRA, compiled beside the engine's: a fleet rollout's merge at a swap.
+MERGE = "merge"
 GIB = chips.GIB
 
 
@@ -170,9 +172,10 @@ def _plan(config, s: Settings, sl: _Slices) -> _Plan:
       )
     )
   if set(ENGINE_PROGRAMS) & set(s.programs):
+    r = aot_programs.rollout_section(config, s.rollout_mesh)
     engine_progs, plan.engine_layout, plan.pool = aot_programs.engine_programs(
       config,
-      aot_programs.rollout_section(config, s.rollout_mesh),
+      r,
       model_cfg,
       served,
       sl.rdevices,
@@ -185,6 +188,14 @@ def _plan(config, s: Settings, sl: _Slices) -> _Plan:
     print(f"[compile] rollout KV {fit.format_capacity(plan.pool)}", flush=True)
     plan.programs.update(engine_progs)
     plan.transfer = fit.transfer_report(model_cfg, served, engine_progs["decode"].args[0])
+    # With LoRA a version crosses the fleet as the adapters (float32), which
+    # the rollout merges onto its own base at each swap.
+    merge = aot_programs.merge_program(config, r, model_cfg, sl.rdevices, sl.rname, sl.rhbm)
+    if merge is not None:
+      plan.programs[MERGE] = merge
+      plan.transfer = fit.transfer_report(
+        model_cfg, progs.abstract_state.policy, merge.args[0], cast=False
+      )
     print(f"[compile] transfer: {fit.format_transfer(plan.transfer)}", flush=True)
   return plan
 
@@ -304,12 +315,12 @@ def run(config, s: Settings) -> bool:
       files.write_json(s.out, record(config, s, sl, plan, rows, model, started, complete), indent=2)
 
   rows = []
-  for name in PROGRAMS:
-    if name in s.programs:
-      rows.append(
-        lowering.compile_one(plan.programs[name], s.min_headroom, s.heartbeat_s, s.dump_hlo)
-      )
-      write(rows, None, complete=len(rows) == len(s.programs))
+  names = [n for n in PROGRAMS if n in s.programs] + [n for n in (MERGE,) if n in plan.programs]
+  for name in names:
+    rows.append(
+      lowering.compile_one(plan.programs[name], s.min_headroom, s.heartbeat_s, s.dump_hlo)
+    )
+    write(rows, None, complete=len(rows) == len(names))
   computed = _computed_rows(config, s, sl, plan, rows)
   rows += computed
   model = fit.step_time_model(

@@ -320,6 +320,27 @@ def full_params(programs: "Programs", bases, trainable, which: str = "policy"):
   return _merger(programs.lora, which)(trainable, bases)
 
 
+def policy_merger(programs: "Programs") -> Callable:
+  """The jitted merge `full_params` serves the policy with, (adapters, bases)
+  -> the merged params in the base's layout (LoRA programs only)."""
+  return _merger(programs.lora, "policy")
+
+
+def rollout_programs(config, model_cfg, devices) -> tuple["Programs", jax.sharding.Mesh]:
+  """(programs, mesh) of a fleet rollout process holding a LoRA run's base:
+  the run's programs on the mesh its engine runs on (`engine_mesh` over
+  `devices`; one device without one) under the engine's rules
+  (`rollout_rules`), so that the base, the adapters and the merged params
+  are laid out as the engine holds params. launch/compile.py compiles the
+  merge on the same."""
+  devices = list(devices)
+  mesh = engine_mesh(config.rollout, devices) or sharding.make_mesh({"data": 1}, devices[:1])
+  config = config.replace(
+    sharding=config.sharding.replace(mesh=dict(mesh.shape), rules=rollout_rules(mesh))
+  )
+  return build_programs(config, model_cfg, step_config(config), mesh), mesh
+
+
 @functools.lru_cache(maxsize=8)
 def _merger(lora_p: LoraPrograms, which: str) -> Callable:
   """The jitted merge of one model (traced once per run, not once per version)."""

@@ -31,8 +31,7 @@ import jax
 from sao_jax.config import sections
 from sao_jax.data import prompts as prompt_data
 from sao_jax.envs import registry
-from sao_jax.models import lora, policy, precision, sharding
-from sao_jax.rollout.layout import rollout_rules
+from sao_jax.models import lora, policy, precision
 from sao_jax.train import configuration, factories, sources
 from sao_jax.train import run as run_lib
 from sao_jax.train.faults import FaultInjector
@@ -190,24 +189,16 @@ def _make_follower(config, model_cfg, tok, root: str, rid: str, log: Callable[[s
       lambda: policy.init_params(precision.serving_config(model_cfg), jax.random.key(0))
     )
     return weight_channel.make_follower(root, rid, abstract, f, log)
-  # The programs on the engine's mesh and rules (one device without either):
-  # the base, the adapters and the merged params in the engine's layout.
-  devices = jax.local_devices()
-  mesh = factories.engine_mesh(config.rollout, devices) or sharding.make_mesh(
-    {"data": 1}, devices[:1]
-  )
-  config = config.replace(
-    sharding=config.sharding.replace(mesh=dict(mesh.shape), rules=rollout_rules(mesh))
-  )
-  p = factories.build_programs(config, model_cfg, factories.step_config(config), mesh)
-  # The trainer's construction, on this mesh: the config's seed or
+  # The base, the adapters and the merged params in the engine's layout; the
+  # base built as the trainer built its own: the config's seed or
   # model.hf_dir, then lora.base_dtype.
+  p, mesh = factories.rollout_programs(config, model_cfg, jax.local_devices())
   base = p.lora.policy_base(run_lib.initial_policy(config, model_cfg, tok, p, mesh))
   where = f"model.hf_dir {config.model.hf_dir!r}" if config.model.hf_dir else f"seed {config.seed}"
   cast = jax.jit(functools.partial(precision.cast_for_serving, model_cfg))
   return AdapterVersions(
     weight_channel.make_follower(root, rid, p.abstract_state.policy, sources.adapter_fleet(f), log),
-    lambda adapters: cast(factories.full_params(p, (base, None), adapters)),
+    lambda adapters: cast(factories.policy_merger(p)(adapters, (base, None))),
     lora.fingerprint(base),
     where,
   )
@@ -216,8 +207,8 @@ def _make_follower(config, model_cfg, tok, root: str, rid: str, log: Callable[[s
 class AdapterVersions:
   """A LoRA run's rollout follower: each version the channel's follower
   (`inner`) brings is the adapters alone; `poll` hands back
-  `merge(adapters)`, the trainer's own merge (`factories.full_params`, i.e.
-  `lora.merge`) onto this host's base, cast to the engine's dtype: bit for
+  `merge(adapters)`, the trainer's own merge (`factories.policy_merger`,
+  i.e. `lora.merge`) onto this host's base, cast to the engine's dtype: bit for
   bit the params a full version would have carried. A version whose
   meta's `lora_base` is not `base_fingerprint` (`lora.fingerprint` of this
   host's base; `where` says what it was built from) raises StopTraining in

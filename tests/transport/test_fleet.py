@@ -10,6 +10,7 @@ import collections
 import functools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -452,6 +453,50 @@ def test_lora_versions_are_the_adapters_merged_on_the_rollouts_own_base(tmp_path
   finally:
     follower.close()
     publisher.close(finished=True)
+
+
+@pytest.mark.slow  # ~3 min on 2 cores
+def test_a_lora_trainer_and_a_rollout_process_on_adapter_versions(tmp_path):
+  """launch/train.py with LoRA in fleet mode beside one launch/rollout.py on
+  a mesh of its own (1 device against the trainer's 8), on the direct path:
+  every version after SFT crosses as the adapters, the rollout builds its
+  base, swaps merged versions in and writes shards the trainer trains on,
+  every trajectory stamped with the version it used (none refused)."""
+  flags = (
+    "--config.rl.mode=fleet",
+    "--config.lora.enabled=True",
+    "--config.lora.rank=4",
+    "--config.rl.steps=4",
+    "--config.fleet.shard_trajectories=4",
+    "--config.fleet.shard_seconds=2.0",
+    "--config.fleet.poll_seconds=0.2",
+    "--config.fleet.transfer_host=127.0.0.1",
+  )
+  workdir = str(tmp_path / "run")
+  runs.run_together(
+    [
+      ("trainer", runs.command("train.py", workdir, *flags), runs.child_env()),
+      (
+        "rollout",
+        runs.command("rollout.py", workdir, *flags, "--rollout_id=r0"),
+        runs.child_env(devices=1),
+      ),
+    ],
+    str(tmp_path),
+    timeout=900,
+  )
+  trained = (tmp_path / "trainer.log").read_text()
+  rolled = (tmp_path / "rollout.log").read_text()
+  assert "[rl] 4/4" in trained
+  refused = [int(n) for n in re.findall(r"trajectories, (\d+) rejected", trained)]
+  assert refused and not any(refused)  # every shard's trajectories were this run's own
+  assert [r["queue/rejected"] for r in runs.read_metrics(workdir, "rl")] == [0] * 4
+  assert len(re.findall(r"weights version (\d+) -> (\d+)", rolled)) >= 2
+  assert "the trainer is done" in rolled and "refused" not in rolled
+  # Each version carries the base's fingerprint, which the rollout checked.
+  weights = fleet.weights_dir(os.path.join(workdir, "fleet"))
+  metas = committed_checkpoints(weights)
+  assert metas and all(len(m["lora_base"]) == 16 for m in metas.values())
 
 
 # --- one writer per rollout id, and a feed a stray file cannot steer ---------------
