@@ -32,7 +32,8 @@ from sao_jax.transport import weight_channel
 PROGRAMS = ("sft", "value", "rl", "prefill", "decode", "decode_loop")
 TRAIN_PROGRAMS = ("sft", "value", "rl")
 ENGINE_PROGRAMS = ("prefill", "decode", "decode_loop")
-# With LoRA, compiled beside the engine's: a fleet rollout's merge at a swap.
+# With LoRA, compiled beside the engine's (or alone, named in --programs): a
+# fleet rollout's merge at a swap.
 MERGE = "merge"
 GIB = chips.GIB
 
@@ -59,10 +60,10 @@ class Settings:
 
 def check(s: Settings) -> None:
   """Refuses settings out of range, in one line naming the flag."""
-  unknown = [p for p in s.programs if p not in PROGRAMS]
+  unknown = [p for p in s.programs if p not in (*PROGRAMS, MERGE)]
   if unknown or not s.programs:
     raise configuration.ConfigError(
-      f"--programs={','.join(s.programs)}: each must be one of {','.join(PROGRAMS)}"
+      f"--programs={','.join(s.programs)}: each must be one of {','.join((*PROGRAMS, MERGE))}"
     )
   if not 0 < s.mfu <= 1:
     raise configuration.ConfigError(f"--mfu={s.mfu}: must be in (0, 1]")
@@ -171,7 +172,7 @@ def _plan(config, s: Settings, sl: _Slices) -> _Plan:
         config, progs, sl.mesh, sl.tname, sl.hbm, model_cfg, bases, s.rows, s.length
       )
     )
-  if set(ENGINE_PROGRAMS) & set(s.programs):
+  if {*ENGINE_PROGRAMS, MERGE} & set(s.programs):
     r = aot_programs.rollout_section(config, s.rollout_mesh)
     engine_progs, plan.engine_layout, plan.pool = aot_programs.engine_programs(
       config,
@@ -191,6 +192,8 @@ def _plan(config, s: Settings, sl: _Slices) -> _Plan:
     # With LoRA a version crosses the fleet as the adapters (float32), which
     # the rollout merges onto its own base at each swap.
     merge = aot_programs.merge_program(config, r, model_cfg, sl.rdevices, sl.rname, sl.rhbm)
+    if merge is None and MERGE in s.programs:
+      raise configuration.ConfigError("--programs=merge: a LoRA config's only (lora.enabled)")
     if merge is not None:
       plan.programs[MERGE] = merge
       plan.transfer = fit.transfer_report(

@@ -1161,7 +1161,7 @@ class Follower:
     first = offer.manifests[0]
     meta = {k: first[k] for k in ("run_id", "fingerprint") if k in first}
     extra = first.get("meta") if isinstance(first.get("meta"), dict) else {}
-    return params, offer.version, dict(extra, **meta, nonce=offer.nonce, path=path)
+    return params, offer.version, {**extra, **meta, "nonce": offer.nonce, "path": path}
 
   def _from_checkpoint(self, offer: Offer | None, final: bool):
     newest = self._ckpt.newest()
