@@ -11,12 +11,12 @@ published (through the run's weight channel, transport/weight_channel.py:
 pulled over the network or restored from checkpoints; generation goes on
 while a version arrives; with LoRA a version is the adapters, merged here
 onto a base this process builds, `AdapterVersions`), and returns when the
-trainer marks RL done or `stop` is set, its open shard renamed. A SIGKILLed process loses
-only its open shard; started again with the same rollout id it continues
-its shard sequence. One process per rollout id: a second one started with
-the id of a live one stops at start-up with one line (StopTraining; the
-id's lock, fleet.RolloutLock / RolloutLease), before it touches the first
-one's files. The transport is sao_jax/transport/fleet.py.
+trainer marks RL done or `stop` is set, its open shard renamed. A
+SIGKILLed process loses only its open shard; started again with the same
+rollout id it continues its shard sequence. One process per rollout id:
+a second one started with the id of a live one stops at start-up with one
+line (StopTraining; the id's lock, fleet.RolloutLock / RolloutLease),
+before it touches the first one's files. The transport is sao_jax/transport/fleet.py.
 """
 
 from __future__ import annotations
