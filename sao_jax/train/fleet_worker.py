@@ -196,10 +196,12 @@ def _make_follower(config, model_cfg, tok, root: str, rid: str, log: Callable[[s
   base = p.lora.policy_base(run_lib.initial_policy(config, model_cfg, tok, p, mesh))
   where = f"model.hf_dir {config.model.hf_dir!r}" if config.model.hf_dir else f"seed {config.seed}"
   cast = jax.jit(functools.partial(precision.cast_for_serving, model_cfg))
+  fingerprint = lora.fingerprint(base)
+  log(f"[rollout {rid}] LoRA base {fingerprint} from {where}; versions are its adapters")
   return AdapterVersions(
     weight_channel.make_follower(root, rid, p.abstract_state.policy, sources.adapter_fleet(f), log),
     lambda adapters: cast(factories.policy_merger(p)(adapters, (base, None))),
-    lora.fingerprint(base),
+    fingerprint,
     where,
   )
 

@@ -425,6 +425,10 @@ def test_lora_versions_are_the_adapters_merged_on_the_rollouts_own_base(tmp_path
   cast = jax.jit(functools.partial(precision.cast_for_serving, trainer.model_cfg))
   try:
     assert follower.base_fingerprint == trainer.meta["lora_base"]
+    assert lines == [
+      f"[rollout w0] LoRA base {trainer.meta['lora_base']} from seed {config.seed}; "
+      "versions are its adapters"
+    ]
     for version in range(4):
       trainer.state = trainer.state.replace(policy=_adapters_at(trainer, version))
       publisher.publish(sources.published_policy(trainer), version)
