@@ -88,6 +88,11 @@ argument (`factories.abstract_bases`; the critic's trunk is passed once, as
 the trainer's one set of arrays), the engines the merged params; a
 "[compile] trainer:" line and "lora" / "resident" in the JSON give the rank,
 targets and base dtype, and the state and base a chip holds from the start.
+With the engine's programs it also compiles "merge", a fleet rollout's merge
+of a version's adapters onto its base (the trainer's jitted merge, on the
+rollout's mesh; `--programs=merge` compiles it alone), and the transfer plan
+is the actor's adapters in float32: what a LoRA version crosses
+(docs/design/weight_sync.md, "LoRA versions").
 
 Topologies: Cloud TPU names (v5p-256, v5e-4, v6e-8, v4-16) or libtpu's own
 (v5p:4x4x8, v5e:2x2). Mind that v5p and v4 names count TensorCores, two per
@@ -131,7 +136,12 @@ _ROLLOUT_TOPOLOGY = flags.DEFINE_string(
   "rollout_topology", None, "Topology of the rollout slice (default: --topology)."
 )
 _OUT = flags.DEFINE_string("out", None, "Write the results here as JSON.")
-_PROGRAMS = flags.DEFINE_list("programs", list(PROGRAMS), f"Which of {PROGRAMS} to compile.")
+_PROGRAMS = flags.DEFINE_list(
+  "programs",
+  list(PROGRAMS),
+  f"Which of {PROGRAMS} to compile; with lora.enabled the engine's come with "
+  "'merge', which may also be named alone.",
+)
 _MIN_HEADROOM = flags.DEFINE_float(
   "min_headroom", 0.10, "Fraction of HBM each program must leave free to count as fitting."
 )

@@ -442,6 +442,23 @@ LORA = (
 )
 
 
+def _actor_adapters(config) -> int:
+  """The actor's adapter parameters under LORA's rank (shapes only)."""
+  import jax
+
+  from sao_jax.config import sections
+  from sao_jax.models import lora, policy
+  from sao_jax.train import factories
+
+  params = jax.eval_shape(
+    lambda: policy.init_params(factories.build_model_config(config), jax.random.key(0))
+  )
+  actor = lora.LoraConfig(2, 32.0, sections.LORA_ACTOR_TARGETS)
+  return lora.count(
+    jax.eval_shape(lambda p: lora.init_adapters(p, actor, jax.random.key(0)), params)
+  )
+
+
 def _optimizer_bytes_per_chip(config) -> int:
   """The Adam moments a chip holds (shapes only: CPU devices, the config's mesh)."""
   import jax
@@ -464,10 +481,15 @@ def test_a_lora_config_compiles_with_its_bases(tmp_path):
   """With lora.enabled each step takes the frozen bases as its last argument:
   the SFT step compiles with them (tests/test_compile.py's slow LoRA test
   compiles all three), the header and the JSON say LoRA, and the state a chip
-  holds is the adapters, its Adam moments a fraction of the full model's."""
-  rc, stdout, stderr, result = run_compile(tmp_path, *LORA, "--programs=sft")
+  holds is the adapters, its Adam moments a fraction of the full model's.
+  Beside the engine's programs a fleet rollout's merge at a swap compiles
+  (`aot_programs.merge_program`), and the transfer is the actor's adapters
+  in float32, the bytes a LoRA version crosses."""
+  rc, stdout, stderr, result = run_compile(tmp_path, *LORA, "--programs=sft,decode")
   assert rc == 0, stdout[-3000:] + stderr[-3000:]
-  assert result["programs"]["sft"]["fits"]
+  assert list(result["programs"]) == ["sft", "decode", "merge"]
+  assert all(row["fits"] for row in result["programs"].values())
+  assert result["programs"]["merge"]["shape"] == "adapters onto the bfloat16 base, mesh {'data': 1}"
   lora_s, res = result["lora"], result["resident"]
   from sao_jax.config import sections
 
@@ -485,6 +507,7 @@ def test_a_lora_config_compiles_with_its_bases(tmp_path):
   config.model.overrides = {"num_layers": 1}
   full = _optimizer_bytes_per_chip(config)
   assert 0 < res["optimizer_bytes_per_chip"] < full / 4, (res, full)
+  assert result["transfer"]["version_bytes"] == 4 * _actor_adapters(config)
 
 
 @pytest.mark.slow  # its default-run ground: test_a_lora_config_compiles_with_its_bases

@@ -1482,7 +1482,9 @@ LORA_ACTOR_TARGETS = (r"/attn/(q|k|v|o)$",) + LORA_MLP_TARGETS
 class Lora(Section):
   """LoRA adapters over a frozen base for the actor and the critic
   (sao_jax/models/lora.py): SFT, value pretraining and RL train the adapters
-  only; checkpoints hold them and a fingerprint of the base."""
+  only; checkpoints hold them and a fingerprint of the base. A fleet's
+  policy version is the adapters alone: each rollout builds the base
+  itself, checks its fingerprint and merges (docs/design/weight_sync.md)."""
 
   NAME: ClassVar[str] = "lora"
   enabled: bool = knob(False, "Train LoRA adapters instead of the whole model.", BOOL)

@@ -32,6 +32,9 @@ from sao_jax.transport import weight_channel
 PROGRAMS = ("sft", "value", "rl", "prefill", "decode", "decode_loop")
 TRAIN_PROGRAMS = ("sft", "value", "rl")
 ENGINE_PROGRAMS = ("prefill", "decode", "decode_loop")
+# With LoRA, compiled beside the engine's (or alone, named in --programs): a
+# fleet rollout's merge at a swap.
+MERGE = "merge"
 GIB = chips.GIB
 
 
@@ -57,10 +60,10 @@ class Settings:
 
 def check(s: Settings) -> None:
   """Refuses settings out of range, in one line naming the flag."""
-  unknown = [p for p in s.programs if p not in PROGRAMS]
+  unknown = [p for p in s.programs if p not in (*PROGRAMS, MERGE)]
   if unknown or not s.programs:
     raise configuration.ConfigError(
-      f"--programs={','.join(s.programs)}: each must be one of {','.join(PROGRAMS)}"
+      f"--programs={','.join(s.programs)}: each must be one of {','.join((*PROGRAMS, MERGE))}"
     )
   if not 0 < s.mfu <= 1:
     raise configuration.ConfigError(f"--mfu={s.mfu}: must be in (0, 1]")
@@ -169,10 +172,11 @@ def _plan(config, s: Settings, sl: _Slices) -> _Plan:
         config, progs, sl.mesh, sl.tname, sl.hbm, model_cfg, bases, s.rows, s.length
       )
     )
-  if set(ENGINE_PROGRAMS) & set(s.programs):
+  if {*ENGINE_PROGRAMS, MERGE} & set(s.programs):
+    r = aot_programs.rollout_section(config, s.rollout_mesh)
     engine_progs, plan.engine_layout, plan.pool = aot_programs.engine_programs(
       config,
-      aot_programs.rollout_section(config, s.rollout_mesh),
+      r,
       model_cfg,
       served,
       sl.rdevices,
@@ -185,6 +189,16 @@ def _plan(config, s: Settings, sl: _Slices) -> _Plan:
     print(f"[compile] rollout KV {fit.format_capacity(plan.pool)}", flush=True)
     plan.programs.update(engine_progs)
     plan.transfer = fit.transfer_report(model_cfg, served, engine_progs["decode"].args[0])
+    # With LoRA a version crosses the fleet as the adapters (float32), which
+    # the rollout merges onto its own base at each swap.
+    merge = aot_programs.merge_program(config, r, model_cfg, sl.rdevices, sl.rname, sl.rhbm)
+    if merge is None and MERGE in s.programs:
+      raise configuration.ConfigError("--programs=merge: a LoRA config's only (lora.enabled)")
+    if merge is not None:
+      plan.programs[MERGE] = merge
+      plan.transfer = fit.transfer_report(
+        model_cfg, progs.abstract_state.policy, merge.args[0], cast=False
+      )
     print(f"[compile] transfer: {fit.format_transfer(plan.transfer)}", flush=True)
   return plan
 
@@ -304,12 +318,12 @@ def run(config, s: Settings) -> bool:
       files.write_json(s.out, record(config, s, sl, plan, rows, model, started, complete), indent=2)
 
   rows = []
-  for name in PROGRAMS:
-    if name in s.programs:
-      rows.append(
-        lowering.compile_one(plan.programs[name], s.min_headroom, s.heartbeat_s, s.dump_hlo)
-      )
-      write(rows, None, complete=len(rows) == len(s.programs))
+  names = [n for n in PROGRAMS if n in s.programs] + [n for n in (MERGE,) if n in plan.programs]
+  for name in names:
+    rows.append(
+      lowering.compile_one(plan.programs[name], s.min_headroom, s.heartbeat_s, s.dump_hlo)
+    )
+    write(rows, None, complete=len(rows) == len(names))
   computed = _computed_rows(config, s, sl, plan, rows)
   rows += computed
   model = fit.step_time_model(

@@ -276,3 +276,30 @@ def engine_programs(
     layout,
     cap,
   )
+
+
+def merge_program(config, r: sections.Rollout, model_cfg, devices, topo: str, hbm: float):
+  """A LoRA fleet rollout's merge at each version swap, or None without LoRA.
+
+  The trainer's jitted merge (`factories.policy_merger`: `lora.merge` of
+  the adapters onto the frozen base), on the programs a fleet rollout
+  process builds (`factories.rollout_programs`: the engine's mesh and rules
+  over the rollout topology's devices, `r` its rollout section). Its
+  arguments are what that host holds beside the engine, the base and the
+  adapters of a version; its output the merged params, which the engine
+  then copies in (the cast for serving, elementwise, is not compiled here).
+  """
+  typed = sections.load(config).replace(rollout=r)
+  if not typed.lora.enabled:
+    return None
+  progs, mesh = factories.rollout_programs(typed, model_cfg, devices)
+  return Program(
+    "merge",
+    factories.policy_merger(progs),
+    (progs.abstract_state.policy, (progs.lora.abstract_base, None)),
+    f"adapters onto the {progs.lora.base_dtype or model_cfg.param_dtype} base, mesh "
+    f"{dict(mesh.shape)}",
+    topo,
+    hbm,
+    lambda: in_mesh(mesh, progs.rules),
+  )

@@ -127,12 +127,16 @@ def precision_report(model_cfg, abstract_policy) -> dict:
   }
 
 
-def transfer_report(model_cfg, abstract_policy, engine_params) -> dict:
+def transfer_report(model_cfg, abstract_policy, engine_params, cast: bool = True) -> dict:
   """The direct weight path's plan (weight_transfer.plan) from the trainer's
   layout of the engines' copy into one rollout engine's: bytes per rollout
-  engine and per trainer host for one version, and the double buffers."""
-  serving = jax.eval_shape(
-    functools.partial(precision.cast_for_serving, model_cfg), abstract_policy
+  engine and per trainer host for one version, and the double buffers.
+  `cast=False`: a version crosses in its own dtypes (a LoRA run's adapters,
+  `abstract_policy` the trainer's and `engine_params` the rollout's layout)."""
+  serving = (
+    jax.eval_shape(functools.partial(precision.cast_for_serving, model_cfg), abstract_policy)
+    if cast
+    else abstract_policy
   )
   src = [
     (x.shape, s.dtype, x.sharding)

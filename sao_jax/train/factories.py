@@ -227,13 +227,18 @@ class LoraPrograms:
     """(policy base, critic base), eagerly (no copy where the dtype is kept): the
     critic's trunk is the policy's own arrays, its value head `critic_params`'
     (uncast: the critic trains it whole, from its float32 copy in the state)."""
-    base = policy_params
-    if self.base_dtype:
-      base = jax.tree.map(
-        lambda x: x.astype(self.base_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-        policy_params,
-      )
+    base = self.policy_base(policy_params)
     return base, policy.value_params_from_policy(base, critic_params)
+
+  def policy_base(self, policy_params):
+    """The policy's frozen base: `policy_params` in `base_dtype` (as they are
+    without one). A fleet rollout builds its own with this (fleet_worker.py)."""
+    if not self.base_dtype:
+      return policy_params
+    return jax.tree.map(
+      lambda x: x.astype(self.base_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+      policy_params,
+    )
 
 
 def _lora_programs(
@@ -320,6 +325,27 @@ def full_params(programs: "Programs", bases, trainable, which: str = "policy"):
   if programs.lora is None:
     return trainable
   return _merger(programs.lora, which)(trainable, bases)
+
+
+def policy_merger(programs: "Programs") -> Callable:
+  """The jitted merge `full_params` serves the policy with, (adapters, bases)
+  -> the merged params in the base's layout (LoRA programs only)."""
+  return _merger(programs.lora, "policy")
+
+
+def rollout_programs(config, model_cfg, devices) -> tuple["Programs", jax.sharding.Mesh]:
+  """(programs, mesh) of a fleet rollout process holding a LoRA run's base:
+  the run's programs on the mesh its engine runs on (`engine_mesh` over
+  `devices`; one device without one) under the engine's rules
+  (`rollout_rules`), so that the base, the adapters and the merged params
+  are laid out as the engine holds params. launch/compile.py compiles the
+  merge on the same."""
+  devices = list(devices)
+  mesh = engine_mesh(config.rollout, devices) or sharding.make_mesh({"data": 1}, devices[:1])
+  config = config.replace(
+    sharding=config.sharding.replace(mesh=dict(mesh.shape), rules=rollout_rules(mesh))
+  )
+  return build_programs(config, model_cfg, step_config(config), mesh), mesh
 
 
 @functools.lru_cache(maxsize=8)

@@ -9,17 +9,19 @@ store (fleet.ShardWriter), waits while the trainer is `fleet.max_unread_shards`
 shards behind (backpressure), follows newer weight versions as they are
 published (through the run's weight channel, transport/weight_channel.py:
 pulled over the network or restored from checkpoints; generation goes on
-while a version arrives), and returns when the trainer marks RL done or
-`stop` is set, its open shard renamed. A SIGKILLed process loses
-only its open shard; started again with the same rollout id it continues
-its shard sequence. One process per rollout id: a second one started with
-the id of a live one stops at start-up with one line (StopTraining; the
-id's lock, fleet.RolloutLock / RolloutLease), before it touches the first
-one's files. The transport is sao_jax/transport/fleet.py.
+while a version arrives; with LoRA a version is the adapters, merged here
+onto a base this process builds, `AdapterVersions`), and returns when the
+trainer marks RL done or `stop` is set, its open shard renamed. A
+SIGKILLed process loses only its open shard; started again with the same
+rollout id it continues its shard sequence. One process per rollout id:
+a second one started with the id of a live one stops at start-up with one
+line (StopTraining; the id's lock, fleet.RolloutLock / RolloutLease),
+before it touches the first one's files. The transport is sao_jax/transport/fleet.py.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import zlib
 from typing import Callable
@@ -29,8 +31,9 @@ import jax
 from sao_jax.config import sections
 from sao_jax.data import prompts as prompt_data
 from sao_jax.envs import registry
-from sao_jax.models import policy, precision
-from sao_jax.train import configuration, factories
+from sao_jax.models import lora, policy, precision
+from sao_jax.train import configuration, factories, sources
+from sao_jax.train import run as run_lib
 from sao_jax.train.faults import FaultInjector
 from sao_jax.train.stopping import StopTraining
 from sao_jax.transport import fleet, weight_channel
@@ -65,9 +68,7 @@ def run_rollout_worker(
 def _run(
   config, workdir: str, rollout_id: str, stop: threading.Event, log: Callable[[str], None]
 ) -> dict:
-  config = sections.load(config)
-  # The trainer's mesh is not ours: this process's devices.
-  config = config.replace(sharding=config.sharding.replace(mesh={"data": -1}))
+  config = rollout_config(config)
   configuration.validate(config)
   f = config.fleet
   rid = rollout_id
@@ -81,6 +82,14 @@ def _run(
     return _generate(config, root, rid, writer, stop, log)
   finally:
     writer.close()  # the id is released however this ends (idempotent)
+
+
+def rollout_config(config) -> sections.Sections:
+  """The trainer's config (a ConfigDict or Sections) as a rollout process
+  runs it: the trainer's mesh is not ours, its axes are this process's
+  devices ({"data": -1})."""
+  config = sections.load(config)
+  return config.replace(sharding=config.sharding.replace(mesh={"data": -1}))
 
 
 def _generate(
@@ -98,16 +107,7 @@ def _generate(
   writer.counters = lambda: {k: getattr(driver.stats, k) for k in fleet.SHARD_COUNTERS}
   # Each process (and each restart of it) draws its own prompt order and samples.
   seed = zlib.crc32(f"{config.seed}/{rid}/{writer.first_seq}".encode())
-  # Versions are published in the compute dtype the engine holds (precision.py).
-  follower = weight_channel.make_follower(
-    root,
-    rid,
-    jax.eval_shape(
-      lambda: policy.init_params(precision.serving_config(model_cfg), jax.random.key(0))
-    ),
-    f,
-    log,
-  )
+  follower = _make_follower(config, model_cfg, tok, root, rid, log)
 
   log(f"[rollout {rid}] waiting for weights under {root}")
   first = _first_version(follower, root, stop, f.poll_seconds)
@@ -175,6 +175,72 @@ def _generate(
     shard_names_taken=writer.names_taken,
     **weight_channel.follower_counts(follower, f),
   )
+
+
+def _make_follower(config, model_cfg, tok, root: str, rid: str, log: Callable[[str], None]):
+  """The run's weight channel's follower. Without LoRA versions are the
+  served params, published in the compute dtype the engine holds
+  (precision.py); with LoRA they are the adapters (sources.published_policy),
+  followed in the layout this host's programs give them and merged onto the
+  base this host builds as the trainer built its own (`AdapterVersions`)."""
+  f = config.fleet
+  if not config.lora.enabled:
+    abstract = jax.eval_shape(
+      lambda: policy.init_params(precision.serving_config(model_cfg), jax.random.key(0))
+    )
+    return weight_channel.make_follower(root, rid, abstract, f, log)
+  # The base, the adapters and the merged params in the engine's layout; the
+  # base built as the trainer built its own: the config's seed or
+  # model.hf_dir, then lora.base_dtype.
+  p, mesh = factories.rollout_programs(config, model_cfg, jax.local_devices())
+  base = p.lora.policy_base(run_lib.initial_policy(config, model_cfg, tok, p, mesh))
+  where = f"model.hf_dir {config.model.hf_dir!r}" if config.model.hf_dir else f"seed {config.seed}"
+  cast = jax.jit(functools.partial(precision.cast_for_serving, model_cfg))
+  fingerprint = lora.fingerprint(base)
+  log(f"[rollout {rid}] LoRA base {fingerprint} from {where}; versions are its adapters")
+  return AdapterVersions(
+    weight_channel.make_follower(root, rid, p.abstract_state.policy, sources.adapter_fleet(f), log),
+    lambda adapters: cast(factories.policy_merger(p)(adapters, (base, None))),
+    fingerprint,
+    where,
+  )
+
+
+class AdapterVersions:
+  """A LoRA run's rollout follower: each version the channel's follower
+  (`inner`) brings is the adapters alone; `poll` hands back
+  `merge(adapters)`, the trainer's own merge (`factories.policy_merger`,
+  i.e. `lora.merge`) onto this host's base, cast to the engine's dtype: bit for
+  bit the params a full version would have carried. A version whose
+  meta's `lora_base` is not `base_fingerprint` (`lora.fingerprint` of this
+  host's base; `where` says what it was built from) raises StopTraining in
+  one line: its adapters belong to another base. Everything else (version,
+  pulling, counters, close) is the inner follower's."""
+
+  def __init__(self, inner, merge: Callable, base_fingerprint: str, where: str):
+    self._inner, self._merge = inner, merge
+    self.base_fingerprint, self._where = base_fingerprint, where
+
+  def poll(self, final: bool = False):
+    got = self._inner.poll(final)
+    if got is None:
+      return None
+    adapters, version, meta = got
+    theirs = meta.get("lora_base")
+    if theirs != self.base_fingerprint:
+      raise StopTraining(
+        f"LoRA weights version {version} was trained on base {theirs}, this rollout built "
+        f"base {self.base_fingerprint} from {self._where}: refused (the trainer's config, "
+        "seed and model.hf_dir must be this host's)"
+      )
+    return self._merge(adapters), version, meta
+
+  def retarget(self, abstract_params) -> None:
+    """The adapters keep their layout (the engine reshards what `poll` returns)."""
+    del abstract_params
+
+  def __getattr__(self, name: str):
+    return getattr(self._inner, name)
 
 
 def _first_version(follower, root: str, stop: threading.Event, poll_seconds: float):

@@ -216,7 +216,7 @@ def rl(run: Run) -> None:
           m = _train_step(run, run.put_batch(run.faults.poison_batch(step, batch)))
         skips.record(bool(m["policy/update_skipped"]), step)
         if step % c.sync_every == 0 and not m["policy/update_skipped"]:
-          m.update(source.publish(run.policy_params(), int(run.state.step)))
+          m.update(source.publish(sources.published_policy(run), int(run.state.step)))
         run.meta["stage_step"] = step
         report = source.report()
         run.meta["generated_tokens"] = tokens_before + report.counts.generated_tokens

@@ -220,9 +220,12 @@ def wait(tree):
   jax.block_until_ready(tree)
 
 
-def _initial_policy(config: sections.Sections, model_cfg, tok, p: factories.Programs, mesh):
+def initial_policy(config: sections.Sections, model_cfg, tok, p: factories.Programs, mesh):
   """The policy's params at step 0: `model.hf_dir`'s weights, read one tensor at
-  a time into their shardings, else a random initialisation."""
+  a time into their shardings, else a random initialisation (the config's
+  seed; the same values on any mesh); with `sft.init_from_run` that run's
+  checkpointed policy. A LoRA run's fleet rollouts build their frozen base
+  with this too (fleet_worker.py)."""
   if config.sft.init_from_run:
     return _policy_of_run(config.sft.init_from_run, model_cfg, p)
   hf_dir = config.model.hf_dir
@@ -313,7 +316,7 @@ def build(config: ml_collections.ConfigDict | sections.Sections) -> Run:
     distributed.lockstep(f, name)
     for f, name in ((p.rl_step, "rl_step"), (p.value_step, "value_step"), (p.sft_step, "sft_step"))
   )
-  policy_params = _initial_policy(config, model_cfg, tok, p, mesh)
+  policy_params = initial_policy(config, model_cfg, tok, p, mesh)
   critic_params, _ = sharding.sharded_init(p.critic_init, mesh, p.rules)
   state = jax.jit(p.init_state, out_shardings=p.state_shardings)(policy_params, critic_params)
   bases = factories.lora_bases(p, policy_params, critic_params)  # None without LoRA

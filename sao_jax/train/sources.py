@@ -13,7 +13,8 @@ built by the builder registered in `SOURCES`:
     fleet  rollout processes (`sao_jax/train/fleet_worker.py`) write shards of the
            trajectory store; weights go back through the run's weight
            channel (`sao_jax/transport/weight_channel.py`: over the network
-           or as versioned checkpoints)
+           or as versioned checkpoints); with LoRA a version is the
+           adapters alone, merged by each rollout onto its own base
 
 In-process sources hand out whole groups (rollout.samples_per_prompt > 1,
 GRPO) and restart a driver whose thread died, up to rl.max_rollout_restarts.
@@ -34,6 +35,7 @@ import queue
 from typing import Any, Callable, Protocol
 
 import jax
+import jax.numpy as jnp
 
 from sao_jax.data import identity as identity_lib
 from sao_jax.data import prompts as prompt_data
@@ -104,7 +106,9 @@ class TrajectorySource(Protocol):
     """The next `n` valid trajectories in completion order (whole groups); blocks."""
 
   def publish(self, params, version: int) -> dict:
-    """New policy weights after `version` actor updates; metrics of the hand-over."""
+    """New policy weights after `version` actor updates (`published_policy`:
+    the served params, or a LoRA run's adapters where the source's
+    `SourceSpec.adapters` says so); metrics of the hand-over."""
 
   def report(self) -> SourceReport:
     """The counters for this step's metrics."""
@@ -339,17 +343,59 @@ def _fleet_source(run, saved) -> FleetSource:
     identity=published,
   )
   version = int(run.state.step)
-  # Versions go out as the engines hold them: the cast to the compute dtype
-  # (precision.py), once per version.
-  weights = weight_channel.make_publisher(
+  weights = weight_publisher(run, root, version, published, distributed.share_from_primary)
+  return FleetSource(root, feed, weights, published_policy(run), version)
+
+
+def weight_publisher(run, root: str, version: int, published=None, share=None):
+  """The publisher of the run's weight channel (weight_channel.make_publisher)
+  for versions as `published_policy` gives them; with LoRA each carries the
+  base's fingerprint (`lora_base`, the run's meta), which a rollout checks
+  against the base it built. `published`: the identity.Published or None;
+  `share`: distributed.share_from_primary (default: this process alone)."""
+  lora_run = run.programs.lora is not None
+  return weight_channel.make_publisher(
     root,
-    config.fleet,
+    adapter_fleet(run.config.fleet) if lora_run else run.config.fleet,
     version,
-    jax.jit(functools.partial(precision.cast_for_serving, run.model_cfg)),
+    _version_cast(run),
     identity=published,
-    share=distributed.share_from_primary,
+    share=share or (lambda key, make: make()),
+    meta={"lora_base": run.meta["lora_base"]} if lora_run else None,
   )
-  return FleetSource(root, feed, weights, run.policy_params(), version)
+
+
+@jax.jit
+def _fresh(tree):
+  """`tree` in buffers of its own (the train step donates the state's)."""
+  return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+
+
+def _version_cast(run) -> Callable:
+  """What the weight channel applies to each version: the cast to the
+  engines' compute dtype (precision.py), once per version; a LoRA run's
+  adapters go as they are (float32: the rollout merges them exactly as the
+  trainer does), copied out of the state the next step donates."""
+  if run.programs.lora is not None:
+    return _fresh
+  return jax.jit(functools.partial(precision.cast_for_serving, run.model_cfg))
+
+
+def adapter_fleet(f):
+  """The fleet section a LoRA run's versions travel under: whole versions
+  (`fleet.delta_versions` off), since every adapter element moves each step
+  under Adam (benchmarks/RESULTS.md#fleet-and-weight-sync)."""
+  return f.replace(delta_versions=False)
+
+
+def published_policy(run):
+  """What the run's source is handed at each version (`TrajectorySource.publish`):
+  the served params (`Run.policy_params`, merged with LoRA), or a LoRA run's
+  adapters alone (`run.state.policy`) where its source's `SourceSpec.adapters`
+  says its rollouts merge them onto a base of their own."""
+  if run.programs.lora is not None and SOURCES[run.config.rl.mode].adapters:
+    return run.state.policy
+  return run.policy_params()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,17 +411,22 @@ class SourceSpec:
     groups: it can hand out whole GRPO groups (rollout.samples_per_prompt
       > 1); a source whose resume cursor is per trajectory cannot (a group
       split by a restart would be half trained).
+    adapters: with LoRA, `publish` gets the adapters alone (its rollouts
+      hold the frozen base and merge each version onto it); else the
+      merged params (an in-process engine's path: the merge runs on the
+      trainer's devices).
   """
 
   build: Callable[[Any, Any], TrajectorySource]
   in_process: bool = True
   groups: bool = True
+  adapters: bool = False
 
 
 SOURCES: dict[str, SourceSpec] = {
   "async": SourceSpec(lambda run, saved: _driver_source(run, saved, synchronous=False)),
   "sync": SourceSpec(lambda run, saved: _driver_source(run, saved, synchronous=True)),
-  "fleet": SourceSpec(_fleet_source, in_process=False, groups=False),
+  "fleet": SourceSpec(_fleet_source, in_process=False, groups=False, adapters=True),
 }
 
 

@@ -62,7 +62,9 @@ class CheckpointPublisher:
   `cast` (params -> what the engines hold, precision.cast_for_serving) runs
   once per version. With an `identity` (identity.Published) every version is
   fingerprinted as published and carries the run id and its fingerprint.
-  `unavailable`: why the direct channel asked for does not run (in
+  `meta`: what every version carries besides (a LoRA run's base
+  fingerprint, `lora_base`), which a follower's `poll` hands back in the
+  version's meta on either path. `unavailable`: why the direct channel asked for does not run (in
   `describe`, and `fleet/direct_unavailable` in `report`).
   """
 
@@ -75,15 +77,18 @@ class CheckpointPublisher:
     *,
     identity: identity_lib.Published | None = None,
     unavailable: str | None = None,
+    meta: dict | None = None,
   ):
     self._disk = fleet.WeightPublisher(root, keep, version)
     self._cast, self._identity = cast, identity
+    self._extra = dict(meta or {})
     self.unavailable = unavailable
     self.describe = f"checkpoints ({unavailable})" if unavailable else "checkpoints"
 
   def _meta(self, version: int) -> dict:
     """What a checkpoint of `version` carries besides the params."""
-    return self._identity.identity(version).meta() if self._identity is not None else {}
+    ident = self._identity.identity(version).meta() if self._identity is not None else {}
+    return {**self._extra, **ident}
 
   def _note(self, version: int, fingerprint: Callable[[], str]) -> dict:
     """Notes `version`'s fingerprint (when there is an identity); its seconds."""
@@ -123,8 +128,9 @@ class DirectPublisher(CheckpointPublisher):
     server: weight_transfer.WeightServer,
     checkpoint_every: int,
     identity: identity_lib.Published | None = None,
+    meta: dict | None = None,
   ):
-    super().__init__(root, keep, version, cast, identity=identity)
+    super().__init__(root, keep, version, cast, identity=identity, meta=meta)
     self._server, self._every = server, checkpoint_every
     self._on_disk: int | None = None  # the newest version written as a checkpoint
     self._version = version
@@ -140,6 +146,7 @@ class DirectPublisher(CheckpointPublisher):
       version,
       self._cast,
       run_id=self._identity.run_id if self._identity is not None else None,
+      meta=self._extra,
     )
     out = {"fleet/serve_s": s.last_publish_s}
     delta = s.last_delta  # this version's delta from the one before
@@ -181,9 +188,10 @@ def _checkpoint_publisher(
   *,
   identity: identity_lib.Published | None,
   share: Callable,
+  meta: dict | None = None,
 ) -> CheckpointPublisher:
   del share
-  return CheckpointPublisher(root, f.keep_versions, version, cast, identity=identity)
+  return CheckpointPublisher(root, f.keep_versions, version, cast, identity=identity, meta=meta)
 
 
 def _direct_publisher(
@@ -194,6 +202,7 @@ def _direct_publisher(
   *,
   identity: identity_lib.Published | None,
   share: Callable,
+  meta: dict | None = None,
 ) -> CheckpointPublisher:
   """A DirectPublisher, or checkpoints alone (saying why) where the transfer
   library is unavailable or the server does not start."""
@@ -223,9 +232,10 @@ def _direct_publisher(
         server=server,
         checkpoint_every=f.checkpoint_every,
         identity=identity,
+        meta=meta,
       )
   return CheckpointPublisher(
-    root, f.keep_versions, version, cast, identity=identity, unavailable=why
+    root, f.keep_versions, version, cast, identity=identity, unavailable=why, meta=meta
   )
 
 
@@ -305,9 +315,10 @@ class WeightChannel:
   """One `fleet.weights_path`.
 
   Attributes:
-    publisher: (root, fleet section, version, cast, *, identity, share) ->
-      the trainer's publisher (module docstring). `cast` takes the params
-      to what the engines hold; `identity` an identity.Published or None;
+    publisher: (root, fleet section, version, cast, *, identity, share,
+      meta) -> the trainer's publisher (module docstring). `cast` takes the
+      params to what the engines hold; `identity` an identity.Published or
+      None; `meta` what each version carries besides (a dict or None);
       `share(key, make)` one value for all the trainer's processes
       (distributed.share_from_primary).
     follower: (root, rollout id, abstract params, fleet section, log) -> a
@@ -356,9 +367,12 @@ def make_publisher(
   *,
   identity: identity_lib.Published | None = None,
   share: Callable = lambda key, make: make(),
+  meta: dict | None = None,
 ):
   """The trainer's publisher of the channel `f.weights_path` names."""
-  return CHANNELS[f.weights_path].publisher(root, f, version, cast, identity=identity, share=share)
+  return CHANNELS[f.weights_path].publisher(
+    root, f, version, cast, identity=identity, share=share, meta=meta
+  )
 
 
 def make_follower(

@@ -474,7 +474,12 @@ class WeightServer:
       self._thread.start()
 
   def publish(
-    self, params, version: int, cast: Callable = _as_is, run_id: str | None = None
+    self,
+    params,
+    version: int,
+    cast: Callable = _as_is,
+    run_id: str | None = None,
+    meta: dict | None = None,
   ) -> None:
     """Serves `cast(params)` (the engines' dtype, any sharding) as `version`.
 
@@ -482,7 +487,9 @@ class WeightServer:
     the snapshot recompiles) runs inside the snapshot's program. `run_id`:
     the manifest names the trainer run and the served params' fingerprint
     (sao_jax/data/identity.py; kept in `fingerprint`), which the rollouts
-    stamp on what this version samples.
+    stamp on what this version samples. `meta` (JSON-able) goes into the
+    manifest as it is; a puller hands it back with the version
+    (`Follower.poll`'s meta).
     """
     t0 = time.time()
     snap = _snapshot(cast, params)
@@ -506,6 +513,7 @@ class WeightServer:
       "published": time.time(),
       "leaves": [{"shape": list(x.shape), "dtype": jnp.dtype(x.dtype).name} for x in leaves],
       "pieces": [_piece_dict(p) for p in mine],
+      "meta": dict(meta or {}),
       **extra,
     }
     if run_id is not None:
@@ -1150,8 +1158,10 @@ class Follower:
   def _take(self, params, offer: Offer, path: str):
     self.pulls += 1
     self.version, self.identity, self.last_path = offer.version, offer.identity, path
-    meta = {k: offer.manifests[0][k] for k in ("run_id", "fingerprint") if k in offer.manifests[0]}
-    return params, offer.version, dict(meta, nonce=offer.nonce, path=path)
+    first = offer.manifests[0]
+    meta = {k: first[k] for k in ("run_id", "fingerprint") if k in first}
+    extra = first.get("meta") if isinstance(first.get("meta"), dict) else {}
+    return params, offer.version, {**extra, **meta, "nonce": offer.nonce, "path": path}
 
   def _from_checkpoint(self, offer: Offer | None, final: bool):
     newest = self._ckpt.newest()

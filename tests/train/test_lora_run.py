@@ -224,3 +224,44 @@ def test_a_run_starts_from_another_runs_policy(tmp_path):
     run_lib.build(_tiny_config(sft__init_from_run=lora_dir))
   with pytest.raises(configuration.ConfigError, match="one starting policy"):
     configuration.validate(_tiny_config(sft__init_from_run=source_dir, sft__init_from_hf="/x"))
+
+
+class _Versions:
+  """A channel's follower handing out the given (adapters, version, meta)."""
+
+  def __init__(self, *versions):
+    self._versions, self.version = list(versions), None
+
+  def poll(self, final=False):
+    del final
+    got = self._versions.pop(0) if self._versions else None
+    if got is not None:
+      self.version = got[1]
+    return got
+
+
+def test_a_rollout_merges_adapter_versions_and_refuses_another_base():
+  """fleet_worker.AdapterVersions: a version (the adapters) comes back
+  merged by the function it was given; one trained on another base, or
+  carrying no base, stops the rollout in one line; the rest is the inner
+  follower's."""
+  from sao_jax.train.fleet_worker import AdapterVersions
+  from sao_jax.train.stopping import StopTraining
+
+  cfg = lora.LoraConfig(2, 4.0, (r"/w$",))
+  base = {"layer_0": {"w": jnp.linspace(-1.0, 1.0, 24).reshape(4, 6), "scale": jnp.ones(6)}}
+  ad = jax.tree.map(lambda x: x + 0.25, lora.init_adapters(base, cfg, jax.random.key(1)))
+  merge = jax.jit(lambda a: lora.merge(base, a, cfg))
+  inner = _Versions(None, (ad, 1, {"lora_base": "f0"}), (ad, 2, {"lora_base": "f1"}), (ad, 3, {}))
+  follower = AdapterVersions(inner, merge, "f0", "seed 0")
+  assert follower.poll() is None
+  served, version, meta = follower.poll()
+  assert (version, meta, follower.version) == (1, {"lora_base": "f0"}, 1)
+  w = base["layer_0"]["w"] + 2.0 * ad["layer_0"]["w"]["lora_a"] @ ad["layer_0"]["w"]["lora_b"]
+  np.testing.assert_allclose(served["layer_0"]["w"], w, rtol=1e-6)
+  np.testing.assert_array_equal(served["layer_0"]["scale"], base["layer_0"]["scale"])
+  for theirs in ("f1", "None"):
+    with pytest.raises(StopTraining) as e:
+      follower.poll()
+    assert str(e.value).startswith(f"LoRA weights version {2 if theirs == 'f1' else 3} ")
+    assert f"trained on base {theirs}, this rollout built base f0 from seed 0" in str(e.value)

@@ -7,8 +7,10 @@ assertion depends on how fast this machine is.
 """
 
 import collections
+import functools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import runs
+from test_weight_channel import _poll_until
 
 from sao_jax.data import identity, store
 from sao_jax.data.checkpoint import committed_checkpoints
@@ -29,7 +32,8 @@ from sao_jax.envs.python_tool import PythonTool
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import policy
 from sao_jax.train import configuration, factories, fleet_worker
-from sao_jax.transport import fleet
+from sao_jax.train.stopping import StopTraining
+from sao_jax.transport import fleet, weight_transfer
 
 TOK = CharTokenizer()
 ENV = PythonTool()
@@ -352,6 +356,151 @@ def test_rollout_worker_in_process(tmp_path):
   # Sampled tokens of episodes still open at the end were never written.
   assert 0 < sum(int(t.action_mask.sum()) for t in got) <= counts["generated_tokens"]
   assert {int(v) for t in got for v in t.policy_version[t.action_mask]} <= {0, 1}
+
+
+# --- LoRA: a version is the adapters -------------------------------------------------
+
+
+def _lora_config(**fields):
+  """sao_tiny with LoRA in fleet mode, its trainer on the pod's rules over
+  data x fsdp x expert (8 simulated devices): a layout no rollout has."""
+  from configs import sao_moe
+
+  c = runs.load_config_module("sao_tiny.py").get_config()
+  c.sharding.mesh = {"data": 2, "fsdp": 2, "expert": 2, "tensor": 1}
+  c.sharding.rules = sao_moe.POD_RULES
+  settings = {
+    "rl.mode": "fleet",
+    "lora.enabled": True,
+    "lora.rank": 4,
+    "fleet.poll_seconds": 0.02,
+    "fleet.transfer_host": "127.0.0.1",
+    "fleet.transfer_sockets": 1,
+    "fleet.checkpoint_every": 2,
+    **fields,
+  }
+  for field, value in settings.items():
+    if "." in field:
+      section, name = field.split(".")
+      c[section][name] = value
+    else:
+      c[field] = value
+  return c
+
+
+def _adapters_at(run, version):
+  """The run's adapters moved to a version of their own (every leaf, B too)."""
+  move = lambda x: (
+    x
+    + (0.01 * (version + 1))
+    * jnp.sin(jnp.arange(x.size, dtype=jnp.float32).reshape(x.shape) + version)
+  )
+  shardings = run.programs.state_shardings.policy
+  return jax.jit(lambda t: jax.tree.map(move, t), out_shardings=shardings)(run.state.policy)
+
+
+@pytest.mark.slow  # ~35 s for both channels: the trainer's run and the rollout's programs
+@pytest.mark.parametrize("weights_path", ["checkpoint", "direct"])
+def test_lora_versions_are_the_adapters_merged_on_the_rollouts_own_base(tmp_path, weights_path):
+  """With LoRA a version that crosses the fleet is the adapters alone
+  (float32, the trainer's state); the rollout builds its base from the
+  config on its own mesh, checks it against the trainer's fingerprint, and
+  merges: after a chain of versions what it serves is the trainer's merged
+  params cast for serving, bit for bit. A rollout whose base differs
+  (another seed) refuses in one line."""
+  from sao_jax.models import lora, precision
+  from sao_jax.train import run as run_lib
+  from sao_jax.train import sources
+
+  config = _lora_config(**{"fleet.weights_path": weights_path})
+  trainer = run_lib.build(config)
+  root = str(tmp_path)
+  publisher = sources.weight_publisher(trainer, root, 0)
+  rollout = fleet_worker.rollout_config(config)
+  lines = []
+  make = lambda c, rid: fleet_worker._make_follower(
+    c, factories.build_model_config(c), TOK, root, rid, lines.append
+  )
+  follower = make(rollout, "w0")
+  cast = jax.jit(functools.partial(precision.cast_for_serving, trainer.model_cfg))
+  try:
+    assert follower.base_fingerprint == trainer.meta["lora_base"]
+    assert lines == [
+      f"[rollout w0] LoRA base {trainer.meta['lora_base']} from seed {config.seed}; "
+      "versions are its adapters"
+    ]
+    for version in range(4):
+      trainer.state = trainer.state.replace(policy=_adapters_at(trainer, version))
+      publisher.publish(sources.published_policy(trainer), version)
+      served, _, meta = _poll_until(follower, version)
+      assert meta["lora_base"] == trainer.meta["lora_base"]
+      want = jax.tree_util.tree_flatten_with_path(cast(trainer.policy_params()))[0]
+      got = jax.tree.leaves(served)
+      assert len(got) == len(want)
+      for (path, w), g in zip(want, got):
+        assert g.dtype == w.dtype, path
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=str(path))
+    # What crossed: the adapter tree (float32), not the params.
+    if weights_path == "direct":
+      manifest = json.loads(
+        (tmp_path / "transfer" / weight_transfer.manifest_name(3, 0)).read_text()
+      )
+      assert sum(p["nbytes"] for p in manifest["pieces"]) == lora.count(trainer.state.policy) * 4
+      assert "delta" not in manifest  # whole adapter versions
+    another_seed = _lora_config(**{"fleet.weights_path": weights_path, "seed": config.seed + 1})
+    other = make(fleet_worker.rollout_config(another_seed), "w1")
+    with pytest.raises(StopTraining) as e:
+      _poll_until(other, 3)
+    assert "trained on base" in str(e.value) and "\n" not in str(e.value)
+    assert f"seed {config.seed + 1}" in str(e.value)
+    other.close()
+  finally:
+    follower.close()
+    publisher.close(finished=True)
+
+
+@pytest.mark.slow  # ~3 min on 2 cores
+def test_a_lora_trainer_and_a_rollout_process_on_adapter_versions(tmp_path):
+  """launch/train.py with LoRA in fleet mode beside one launch/rollout.py on
+  a mesh of its own (1 device against the trainer's 8), on the direct path:
+  every version after SFT crosses as the adapters, the rollout builds its
+  base, swaps merged versions in and writes shards the trainer trains on,
+  every trajectory stamped with the version it used (none refused)."""
+  flags = (
+    "--config.rl.mode=fleet",
+    "--config.lora.enabled=True",
+    "--config.lora.rank=4",
+    "--config.rl.steps=4",
+    "--config.fleet.shard_trajectories=4",
+    "--config.fleet.shard_seconds=2.0",
+    "--config.fleet.poll_seconds=0.2",
+    "--config.fleet.transfer_host=127.0.0.1",
+  )
+  workdir = str(tmp_path / "run")
+  runs.run_together(
+    [
+      ("trainer", runs.command("train.py", workdir, *flags), runs.child_env()),
+      (
+        "rollout",
+        runs.command("rollout.py", workdir, *flags, "--rollout_id=r0"),
+        runs.child_env(devices=1),
+      ),
+    ],
+    str(tmp_path),
+    timeout=900,
+  )
+  trained = (tmp_path / "trainer.log").read_text()
+  rolled = (tmp_path / "rollout.log").read_text()
+  assert "[rl] 4/4" in trained
+  refused = [int(n) for n in re.findall(r"trajectories, (\d+) rejected", trained)]
+  assert refused and not any(refused)  # every shard's trajectories were this run's own
+  assert [r["queue/rejected"] for r in runs.read_metrics(workdir, "rl")] == [0] * 4
+  assert len(re.findall(r"weights version (\d+) -> (\d+)", rolled)) >= 2
+  assert "the trainer is done" in rolled and "refused" not in rolled
+  # Each version carries the base's fingerprint, which the rollout checked.
+  weights = fleet.weights_dir(os.path.join(workdir, "fleet"))
+  metas = committed_checkpoints(weights)
+  assert metas and all(len(m["lora_base"]) == 16 for m in metas.values())
 
 
 # --- one writer per rollout id, and a feed a stray file cannot steer ---------------

@@ -69,7 +69,7 @@ def test_the_checkpoint_channel_writes_every_version(tmp_path):
   root = str(tmp_path)
   f = sections.Fleet(weights_path="checkpoint", keep_versions=3)
   published = identity.Published("run1")
-  pub = wc.make_publisher(root, f, 0, _to_bf16, identity=published)
+  pub = wc.make_publisher(root, f, 0, _to_bf16, identity=published, meta={"lora_base": "b0"})
   assert pub.describe == "checkpoints" and pub.report() == {}
   follower = wc.make_follower(root, "r0", _abstract(), f, print)
   for v in range(4):
@@ -78,7 +78,7 @@ def test_the_checkpoint_channel_writes_every_version(tmp_path):
   pub.close(finished=True)
   assert _on_disk(root) == [1, 2, 3]  # every version, the newest keep_versions kept
   params, version, meta = follower.poll()
-  assert version == 3 and meta["run_id"] == "run1"
+  assert version == 3 and meta["run_id"] == "run1" and meta["lora_base"] == "b0"
   assert meta["fingerprint"] == identity.fingerprint(_to_bf16(_version(3)))
   _same(params, 3)
   assert wc.follower_counts(follower, f) == {
@@ -102,7 +102,13 @@ def test_the_direct_channel_serves_every_version_and_checkpoints_some(tmp_path):
     poll_seconds=0.05,
   )
   pub = wc.make_publisher(
-    root, f, 0, _to_bf16, identity=identity.Published("run1"), share=lambda key, make: make()
+    root,
+    f,
+    0,
+    _to_bf16,
+    identity=identity.Published("run1"),
+    share=lambda key, make: make(),
+    meta={"lora_base": "b0"},
   )
   assert isinstance(pub, wc.DirectPublisher) and pub.describe.startswith("direct from 127.0.0.1:")
   follower = wc.make_follower(root, "r0", _abstract(), f, print)
@@ -113,7 +119,8 @@ def test_the_direct_channel_serves_every_version_and_checkpoints_some(tmp_path):
       "fleet/publish_s",
     }
     params, _, meta = _poll_until(follower, 0)
-    assert meta["path"] == "direct" and meta["run_id"] == "run1"
+    # What every version carries besides (a LoRA run's base) comes with it.
+    assert (meta["path"], meta["run_id"], meta["lora_base"]) == ("direct", "run1", "b0")
     _same(params, 0)
     for v in (1, 2, 3):
       out = pub.publish(_version(v), v)
