@@ -377,19 +377,25 @@ def replayed_gap(cfg, params, trajs, max_len: int) -> float:
   return float(np.abs(np.asarray(lp)[mask] - packed["rollout_logprobs"][mask]).max())
 
 
+# A dense first layer (Qwen3-MoE's mlp_only_layers) and the MoE layers scanned:
+# vLLM's layer ids must still be the record's M axis.
+MIXED = dataclasses.replace(MOE, num_layers=3, dense_layers=(0,), dense_d_ff=64, scan_layers=True)
+
+
 @pytest.mark.slow
 @needs_vllm
-def test_routing_replay_through_vllm_gives_the_trainer_vllms_logprobs(tmp_path):
+@pytest.mark.parametrize("cfg", [MOE, MIXED], ids=["moe", "dense_then_scanned_moe"])
+def test_routing_replay_through_vllm_gives_the_trainer_vllms_logprobs(cfg, tmp_path):
   """rl.routing_replay on the vLLM backend (tiny Qwen3-MoE, fp32, after one
   in-place swap): the driver's multi-turn trajectories carry, for every fed
   token, the experts vLLM's routers chose; in fp32 they are the trainer
   model's own teacher-forced choices (all of them, ties aside), and the
   trainer's forward replaying them gives vLLM's behaviour log-probs as
   closely as it gives the JAX engine's."""
-  params = random_params(MOE, 1)
+  params = random_params(cfg, 1)
   rollout = sections.Rollout(slots=3, max_len=96, max_turn_tokens=6, decode_steps=4)
   engine = vllm_backend.VllmEngine(
-    MOE, random_params(MOE, 0), rollout, workdir=str(tmp_path), record_routing=True
+    cfg, random_params(cfg, 0), rollout, workdir=str(tmp_path), record_routing=True
   )
   trajs = {"jax": [], "vllm": []}
   try:
@@ -399,21 +405,21 @@ def test_routing_replay_through_vllm_gives_the_trainer_vllms_logprobs(tmp_path):
     )
   finally:
     engine.close()
-  jax_engine = PolicyEngine(MOE, params, rollout, record_routing=True)
+  jax_engine = PolicyEngine(cfg, params, rollout, record_routing=True)
   RolloutDriver(jax_engine, EchoEnv(), TOK, iter(range(100)), trajs["jax"].append).run(
     max_trajectories=6
   )
   assert any(t.num_turns >= 2 for t in trajs["vllm"])
-  m, k = MOE.num_moe_layers, MOE.experts_per_token
+  m, k = cfg.num_moe_layers, cfg.experts_per_token
   same = total = 0
   for t in trajs["vllm"]:
     assert t.routing.shape == (len(t), m, k) and (t.routing[-1] == routing.NONE).all()
-    assert checked(t, TOK.vocab_size, 96, routing_shape=(m, k, MOE.num_experts))[1] is None
-    own = own_routing(MOE, params, t.tokens)[:-1]
+    assert checked(t, TOK.vocab_size, 96, routing_shape=(m, k, cfg.num_experts))[1] is None
+    own = own_routing(cfg, params, t.tokens)[:-1]
     agree = ~np.asarray(routing.differ(t.routing[:-1], own))  # [T - 1, M]
     same, total = same + int(agree.sum()), total + agree.size
   print(f"vLLM's routing = the trainer's own at {same}/{total} (token, layer) pairs")
   assert same == total
-  gaps = {name: replayed_gap(MOE, params, t, 96) for name, t in trajs.items()}
+  gaps = {name: replayed_gap(cfg, params, t, 96) for name, t in trajs.items()}
   print(f"max |replayed trainer - behaviour| log-prob: {gaps}")
   assert gaps["vllm"] < max(1e-5, 4 * gaps["jax"])
