@@ -103,7 +103,7 @@ class RoutingCapture:
       return
     if sorted(step) != self.layers:
       raise RuntimeError(f"captured MoE layers {sorted(step)}, bound {self.layers}")
-    rows = np.stack([step[l][:total].numpy() for l in self.layers], 1).astype(np.int16)
+    rows = np.stack([np.asarray(step[l][:total]) for l in self.layers], 1).astype(np.int16)
     positions = np.array(positions[:total], np.int64)  # a copy: the runner reuses its buffer
     start = 0
     for req, n in zip(req_ids, counts):

