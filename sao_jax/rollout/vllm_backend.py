@@ -564,7 +564,8 @@ class VllmEngine(engine_protocol.Engine):
   def _start_routing_capture(self) -> None:
     """Has the server's worker capture every forward's routing from now on;
     VllmError unless it routes exactly the model's MoE layers."""
-    (got,) = self.server.post("/collective_rpc", {"method": "sao_record_routing"})["results"]
+    # One answer a worker: the first worker's (one worker on CPU; more are untested).
+    got = self.server.post("/collective_rpc", {"method": "sao_record_routing"})["results"][0]
     if tuple(got["layers"]) != moe_layer_ids(self.cfg):
       raise VllmError(
         f"vLLM routes MoE layers {tuple(got['layers'])}, the model's are "
@@ -591,9 +592,9 @@ class VllmEngine(engine_protocol.Engine):
     ids, lps = answered_ids(self.server.post("/v1/completions", body)["choices"][0], max_tokens)
     if rid is None:
       return ids, lps, None
-    (answer,) = self.server.post(
+    answer = self.server.post(
       "/collective_rpc", {"method": "sao_routing", "kwargs": {"request_id": f"cmpl-{rid}"}}
-    )["results"]
+    )["results"][0]
     length = len(prompt) + len(ids) - 1
     return ids, lps, routing_rows(answer, self.cfg, length, slice(routed_from, length))
 
