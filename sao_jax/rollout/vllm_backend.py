@@ -566,6 +566,8 @@ class VllmEngine(engine_protocol.Engine):
     VllmError unless it routes exactly the model's MoE layers."""
     # One answer a worker: the first worker's (one worker on CPU; more are untested).
     got = self.server.post("/collective_rpc", {"method": "sao_record_routing"})["results"][0]
+    if "error" in got:
+      raise VllmError(f"vLLM cannot capture MoE routing: {got['error']}")
     if tuple(got["layers"]) != moe_layer_ids(self.cfg):
       raise VllmError(
         f"vLLM routes MoE layers {tuple(got['layers'])}, the model's are "

@@ -174,8 +174,13 @@ class SaoWorkerExtension:
 
   def sao_record_routing(self) -> dict:
     """Captures every forward's MoE routing from now on (`RoutingCapture`);
-    {"layers": the bound MoE layers' ids}."""
+    {"layers": the bound MoE layers' ids}, or {"error": why not}."""
     runner = self.model_runner  # pytype: disable=attribute-error
+    if not all(hasattr(runner, a) for a in ("input_batch", "positions", "execute_model")):
+      return {  # Model Runner V2 (GPU builds with Triton) lays its batch out otherwise
+        "error": f"the model runner {type(runner).__name__} is not the V1 runner whose "
+        "batch layout the capture reads (vLLM-CPU's)"
+      }
     capture = getattr(self, "_sao_capture", None) or RoutingCapture()
     self._sao_capture = capture
     bind_capture(runner.get_model(), runner, capture)
