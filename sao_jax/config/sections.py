@@ -904,7 +904,8 @@ class RL(Section):
     "token it fed, trajectories carry them (int16 [T, M, k]; one without is refused as "
     "missing_routing) and the actor's forward uses them instead of its own top-k, so the "
     "trainer's log-probs are those of the engine's routing "
-    "(benchmarks/RESULTS.md#models-and-the-train-step). MoE models, the project's engine.",
+    "(benchmarks/RESULTS.md#models-and-the-train-step). MoE models, either rollout backend "
+    "(rollout.backend = 'vllm' runs its server without prefix caching then).",
     BOOL,
   )
   sync_every: int = knob(

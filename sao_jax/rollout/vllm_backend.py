@@ -20,7 +20,14 @@ are the driver's, whichever engine serves. Contract:
     caller's thread; `update_params` pauses the server with `mode=wait`,
     reloads, repairs what an in-place reload leaves wrong through
     rollout/vllm_worker_ext.py, tags the version and resumes);
-  * refused in one line: routing replay, top_k above the vocabulary.
+  * with `record_routing` (rl.routing_replay, MoE models), every fed
+    token's experts are the ones vLLM's routers chose for it, captured in
+    the server's worker (rollout/vllm_worker_ext.py: vLLM-CPU cannot
+    return routed experts itself) and filed in the driver's layout; the
+    server then runs without prefix caching (a cached position is not
+    routed again) and an answer whose routing is missing or misshapen is
+    refused, never recorded;
+  * refused in one line: top_k above the vocabulary.
 
 Not run here: vllm-tpu and CUDA vllm (same HTTP surface; untested). How
 slots are fed and why the server runs apart: docs/design/vllm_backend.md;
@@ -29,6 +36,7 @@ figures: benchmarks/RESULTS.md#vllm-backend.
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures as cf
 import dataclasses
 import glob
@@ -44,6 +52,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 import weakref
 from typing import Any, NamedTuple
 
@@ -134,6 +143,8 @@ class VllmServer:
       `--enforce-eager`, which spares CPU startup a compile).
     url: an already running server (started with the arguments `command`
       gives); nothing is started or stopped then.
+    prefix_caching: vLLM's prefix cache (off where routing is recorded:
+      a position served from the cache is not routed again).
   """
 
   def __init__(
@@ -148,6 +159,7 @@ class VllmServer:
     seed: int = 0,
     extra_args: tuple[str, ...] | None = None,
     url: str | None = None,
+    prefix_caching: bool = True,
   ):
     self.workdir = workdir
     # Outside `workdir` (an engine removes its own when it ends): the log of
@@ -195,7 +207,7 @@ class VllmServer:
       "processed_logprobs",
       "--worker-extension-cls",
       WORKER_CLASS,
-      "--enable-prefix-caching",
+      "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
       *extra_args,
     ]
 
@@ -316,10 +328,12 @@ def completion_body(
   top_k: int,
   stop_ids: tuple = (),
   logprobs: int = 0,
+  request_id: str | None = None,
 ) -> dict:
   """vLLM's `/v1/completions` body for one request: ids in, ids and processed
   log-probs out (`logprobs` alternatives a token besides), the caller's stop
-  ids only (EOS ignored: the chat format's stop rules)."""
+  ids only (EOS ignored: the chat format's stop rules). `request_id` names
+  it (vLLM's own id is "cmpl-<request_id>-0-<tag>")."""
   body = {
     "model": SERVED_NAME,
     "prompt": [int(t) for t in prompt],
@@ -336,6 +350,8 @@ def completion_body(
   }
   if stop_ids:
     body["stop_token_ids"] = [int(t) for t in stop_ids]
+  if request_id is not None:
+    body["request_id"] = request_id
   return body
 
 
@@ -351,6 +367,43 @@ def answered_ids(choice: dict, max_tokens: int) -> tuple[list[int], list[float]]
   return ids, lps
 
 
+def moe_layer_ids(cfg) -> tuple[int, ...]:
+  """The layer numbers of `cfg`'s MoE layers: the export's `model.layers.<i>`
+  (scanned or not) and vLLM's layer ids, in the order models/routing.py
+  stacks a routing record's M axis."""
+  return tuple(i for i, spec in enumerate(cfg.layer_specs) if spec.is_moe)
+
+
+def routing_rows(answer: dict, cfg, length: int, rows: slice) -> np.ndarray:
+  """The routing record's rows `[n, M * k]` (int16) of one request, from the
+  worker extension's `sao_routing` answer: positions `rows` of its `length`
+  computed positions (the prompt and every sample but the last).
+
+  VllmError, in one line, where vLLM's capture cannot stand for the
+  project's routing: an error answer, other MoE layers than `cfg`'s (in
+  `moe_layer_ids` order), another top-k or length, or a wanted position
+  that no forward routed (-1: served from a prefix cache) or routed to an
+  expert `cfg` does not have.
+  """
+  if "error" in answer:
+    raise VllmError(f"vLLM gave no routing: {answer['error']}")
+  layers, k = moe_layer_ids(cfg), cfg.experts_per_token
+  if tuple(answer["layers"]) != layers:
+    raise VllmError(f"vLLM routed MoE layers {tuple(answer['layers'])}, the model's are {layers}")
+  shape = tuple(answer["shape"])
+  if shape != (length, len(layers), k):
+    raise VllmError(f"vLLM's routing is {shape}, expected {(length, len(layers), k)}")
+  out = np.frombuffer(base64.b64decode(answer["int16"]), np.int16).reshape(shape)[rows]
+  if ((out < 0) | (out >= cfg.num_experts)).any():
+    bad = int(((out < 0) | (out >= cfg.num_experts)).any((1, 2)).sum())
+    raise VllmError(
+      f"vLLM's routing has {bad} of {out.shape[0]} positions unrouted or outside "
+      f"{cfg.num_experts} experts (a prefix-cache hit? the server must run "
+      "without prefix caching)"
+    )
+  return out.reshape(out.shape[0], -1)
+
+
 # --- the engine ------------------------------------------------------------------
 
 
@@ -358,10 +411,13 @@ def answered_ids(choice: dict, max_tokens: int) -> tuple[list[int], list[float]]
 class VllmState:
   """The driver's decode state: per slot, the ids the engine has been fed, and
   the slots whose `decode` request is still in flight: slot -> (future of
-  (ids, log-probs), the version it was sent under)."""
+  (ids, log-probs, routing rows or None), the version it was sent under).
+  With `record_routing`, `routing` after `step`: `[slots, W, M * k]` int16,
+  the fed tokens' experts (-1 past each slot's fed count)."""
 
   contexts: list
   in_flight: dict = dataclasses.field(default_factory=dict)
+  routing: Any = None
 
 
 class VllmChunk(NamedTuple):
@@ -392,6 +448,8 @@ class VllmEngine(engine_protocol.Engine):
     url: a running server to use instead of starting one; it is reloaded
       with `params` first.
     python, extra_args: `VllmServer`'s.
+    record_routing: `step` and `decode` return the experts vLLM's routers
+      chose for every token they feed (module docstring); MoE models only.
   """
 
   def __init__(
@@ -406,10 +464,14 @@ class VllmEngine(engine_protocol.Engine):
     url: str | None = None,
     python: str | None = None,
     extra_args: tuple[str, ...] | None = None,
+    record_routing: bool = False,
   ):
     if rollout.top_k and rollout.top_k > cfg.vocab_size:
       raise ValueError(f"rollout.top_k = {rollout.top_k} exceeds the vocabulary ({cfg.vocab_size})")
+    if record_routing and cfg.num_moe_layers == 0:
+      raise ValueError("record_routing needs a model with MoE layers")
     self.cfg, self.rollout = cfg, rollout
+    self.record_routing = bool(record_routing)
     self.max_concurrent_decodes = rollout.slots
     self.max_prefill_length = rollout.max_len
     self.dtype = serve_dtype(cfg)
@@ -435,6 +497,7 @@ class VllmEngine(engine_protocol.Engine):
       seed=seed,
       extra_args=extra_args,
       url=url,
+      prefix_caching=not record_routing,
     )
     self.version = int(version)
     self._loaded = first
@@ -450,6 +513,8 @@ class VllmEngine(engine_protocol.Engine):
         self.update_params(first, version, copied=True)
       else:
         self.server.post("/update_weight_version", {"new_version": str(version)})
+      if record_routing:
+        self._start_routing_capture()
     except BaseException:
       self.close()
       raise
@@ -496,11 +561,27 @@ class VllmEngine(engine_protocol.Engine):
     if old != path and not self.keep_exports:
       shutil.rmtree(old, ignore_errors=True)
 
+  def _start_routing_capture(self) -> None:
+    """Has the server's worker capture every forward's routing from now on;
+    VllmError unless it routes exactly the model's MoE layers."""
+    # One answer a worker: the first worker's (one worker on CPU; more are untested).
+    got = self.server.post("/collective_rpc", {"method": "sao_record_routing"})["results"][0]
+    if "error" in got:
+      raise VllmError(f"vLLM cannot capture MoE routing: {got['error']}")
+    if tuple(got["layers"]) != moe_layer_ids(self.cfg):
+      raise VllmError(
+        f"vLLM routes MoE layers {tuple(got['layers'])}, the model's are "
+        f"{moe_layer_ids(self.cfg)}: its routing cannot be replayed"
+      )
+
   # --- requests ----------------------------------------------------------
 
-  def _complete(self, prompt: list, max_tokens: int, stop_token: int | None):
-    """One request: (sampled ids, their log-probs), vLLM's own."""
+  def _complete(self, prompt: list, max_tokens: int, stop_token: int | None, routed_from: int):
+    """One request: (sampled ids, their log-probs, routing rows), vLLM's own.
+    With `record_routing` the rows `[n, M * k]` are the experts of positions
+    `routed_from` on (of the prompt and every sample but the last); else None."""
     r = self.rollout
+    rid = uuid.uuid4().hex if self.record_routing else None
     body = completion_body(
       prompt,
       max_tokens,
@@ -508,11 +589,19 @@ class VllmEngine(engine_protocol.Engine):
       r.top_p,
       r.top_k,
       () if stop_token is None else (stop_token,),
+      request_id=rid,
     )
-    return answered_ids(self.server.post("/v1/completions", body)["choices"][0], max_tokens)
+    ids, lps = answered_ids(self.server.post("/v1/completions", body)["choices"][0], max_tokens)
+    if rid is None:
+      return ids, lps, None
+    answer = self.server.post(
+      "/collective_rpc", {"method": "sao_routing", "kwargs": {"request_id": f"cmpl-{rid}"}}
+    )["results"][0]
+    length = len(prompt) + len(ids) - 1
+    return ids, lps, routing_rows(answer, self.cfg, length, slice(routed_from, length))
 
-  def _submit(self, prompt, max_tokens, stop_token) -> cf.Future:
-    return self._pool.submit(self._complete, list(prompt), max_tokens, stop_token)
+  def _submit(self, prompt, max_tokens, stop_token, routed_from: int = 0) -> cf.Future:
+    return self._pool.submit(self._complete, list(prompt), max_tokens, stop_token, routed_from)
 
   # --- the driver's protocol ------------------------------------------------
 
@@ -537,13 +626,24 @@ class VllmEngine(engine_protocol.Engine):
       k = int(valid[b].sum())
       if k:
         contexts[b] = contexts[b] + [int(t) for t in tokens[b, :k]]
-        futures[b] = self._submit(contexts[b], 1, None)
+        futures[b] = self._submit(contexts[b], 1, None, len(contexts[b]) - k)
     sampled = np.zeros((n,), np.int32)
     logp = np.zeros((n,), np.float32)
+    routing = self._no_routing(n, tokens.shape[1])
     for b, f in futures.items():
-      ids, lps = f.result()
+      ids, lps, rows = f.result()
       sampled[b], logp[b] = ids[0], lps[0]
-    return VllmState(contexts, dict(state.in_flight)), sampled, logp, version
+      if rows is not None:
+        routing[b, : len(rows)] = rows
+    return VllmState(contexts, dict(state.in_flight), routing), sampled, logp, version
+
+  def _no_routing(self, slots: int, width: int) -> np.ndarray | None:
+    """`[slots, width, M * k]` of -1 (routing.NONE) with `record_routing`, else None."""
+    if not self.record_routing:
+      return None
+    return np.full(
+      (slots, width, self.cfg.num_moe_layers * self.cfg.experts_per_token), -1, np.int16
+    )
 
   def decode(self, state: VllmState, tokens, budgets, *, steps: int, stop_token: int | None = None):
     """Sends a request for each budgeted slot with none in flight: its pending
@@ -556,7 +656,8 @@ class VllmEngine(engine_protocol.Engine):
     for b in map(int, np.flatnonzero(budgets > 0)):
       if b not in in_flight:  # a slot in flight is handed its same pending token again
         contexts[b] = contexts[b] + [int(tokens[b])]
-        in_flight[b] = (self._submit(contexts[b], int(budgets[b]), stop_token), self.version)
+        future = self._submit(contexts[b], int(budgets[b]), stop_token, len(contexts[b]) - 1)
+        in_flight[b] = (future, self.version)
     return VllmState(contexts, in_flight), budgets
 
   def collect(self, state: VllmState, budgets):
@@ -570,16 +671,20 @@ class VllmEngine(engine_protocol.Engine):
     version = min((v for _, v in done.values()), default=self.version)
     answers = {b: f.result() for b, (f, v) in done.items() if v == version}
     n = self.max_concurrent_decodes
-    width = max([len(ids) for ids, _ in answers.values()] + [1])
+    width = max([len(a[0]) for a in answers.values()] + [1])
     toks = np.zeros((n, width), np.int32)
     logp = np.zeros((n, width), np.float32)
     counts = np.zeros((n,), np.int32)
+    routing = self._no_routing(n, width)  # row k: the token fed at sample k
     contexts = list(state.contexts)
-    for b, (ids, lps) in answers.items():
+    for b, (ids, lps, rows) in answers.items():
       toks[b, : len(ids)], logp[b, : len(ids)], counts[b] = ids, lps, len(ids)
+      if rows is not None:
+        routing[b, : len(rows)] = rows
       contexts[b] = contexts[b] + ids[:-1]
       del in_flight[b]
-    return VllmState(contexts, in_flight), VllmChunk(toks, logp, counts, version, budgets)
+    chunk = VllmChunk(toks, logp, counts, version, budgets, routing)
+    return VllmState(contexts, in_flight), chunk
 
   def generate_batch(self, prompts, max_new_tokens: int, *, stop_token: int | None = None):
     """A plain sampler (batch_sampler.generate_batch's contract): every prompt
@@ -593,7 +698,7 @@ class VllmEngine(engine_protocol.Engine):
     logp = np.zeros((len(prompts), max_new_tokens), np.float32)
     counts = np.zeros((len(prompts),), np.int32)
     for i, f in enumerate(futures):
-      ids, lps = f.result()
+      ids, lps, _ = f.result()
       toks[i, : len(ids)], logp[i, : len(ids)], counts[i] = ids, lps, len(ids)
     return toks, logp, counts
 
@@ -632,11 +737,12 @@ def make_vllm_engine(
   $SAO_JAX_VLLM_URL names a running server to use instead of starting one.
   """
   del config, mesh, devices
-  if record_routing:
-    raise ValueError(
-      "rollout.backend = 'vllm' does not record MoE routing: set "
-      "rl.routing_replay = False, or use rollout.backend = 'jax'"
-    )
   return VllmEngine(
-    model_cfg, params, rollout, version=version, seed=seed, url=os.environ.get(ENV_URL) or None
+    model_cfg,
+    params,
+    rollout,
+    version=version,
+    seed=seed,
+    url=os.environ.get(ENV_URL) or None,
+    record_routing=record_routing,
   )

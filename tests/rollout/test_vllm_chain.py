@@ -6,8 +6,10 @@ exported by sao-jax at every version and reloaded in place. Every trajectory
 the driver emitted (the value-pretraining store's and the RL queue's) is
 checked against the JAX model's teacher-forced log-probs under the params of
 the version it recorded for each token, read back from the export that vLLM
-served (fp32). Slow: each engine (SFT eval, the store, RL, the final eval)
-starts a server (~1 min each on 2 cores); needs `make vllm-env`.
+served (fp32). With rl.routing_replay the RL queue's records carry the
+experts vLLM routed every fed token to, and the actor replays them. Slow:
+each engine (SFT eval, the store, RL, the final eval) starts a server
+(~1 min each on 2 cores); needs `make vllm-env`.
 """
 
 import os
@@ -18,7 +20,7 @@ import pytest
 from runs import load_config_module
 
 from sao_jax.data import store
-from sao_jax.models import hf_import, policy
+from sao_jax.models import hf_import, policy, routing
 from sao_jax.rollout import vllm_backend
 from sao_jax.train import factories, trainer
 
@@ -73,9 +75,11 @@ def _spy(monkeypatch):
 @pytest.mark.skipif(
   not os.path.exists(vllm_backend.default_python()), reason="no vLLM environment (make vllm-env)"
 )
-def test_sao_chain_on_vllm_records_teacher_forced_logprobs(tmp_path, monkeypatch):
+@pytest.mark.parametrize("replay", [False, True], ids=["plain", "routing_replay"])
+def test_sao_chain_on_vllm_records_teacher_forced_logprobs(replay, tmp_path, monkeypatch):
   emitted = _spy(monkeypatch)
   config = _config()
+  config.rl.routing_replay = replay  # the RL rollout records vLLM's routing; the actor replays it
   workdir = str(tmp_path / "run")
   summary = trainer.train(config, workdir)
   assert summary["rl_steps"] == 3 and summary["final_pass@1"] is not None
@@ -103,3 +107,9 @@ def test_sao_chain_on_vllm_records_teacher_forced_logprobs(tmp_path, monkeypatch
   stored_tokens = {tuple(t.tokens.tolist()) for t in stored}
   assert stored_tokens <= {tuple(t.tokens.tolist()) for *_, t in emitted}
   assert len(rl_versions) >= 2 and checked > 100
+  routed = [(cfg, t) for _, cfg, _, t in emitted if t.routing is not None]
+  assert bool(routed) == replay  # the RL queue's records (the store's and eval's need none)
+  for cfg, t in routed:
+    assert t.routing.shape == (len(t), cfg.num_moe_layers, cfg.experts_per_token)
+    assert (t.routing[:-1] >= 0).all() and (t.routing[:-1] < cfg.num_experts).all()
+    assert (t.routing[-1] == routing.NONE).all()
