@@ -1483,8 +1483,10 @@ LORA_ACTOR_TARGETS = (r"/attn/(q|k|v|o)$",) + LORA_MLP_TARGETS
 class Lora(Section):
   """LoRA adapters over a frozen base for the actor and the critic
   (sao_jax/models/lora.py): SFT, value pretraining and RL train the adapters
-  only; checkpoints hold them and a fingerprint of the base. A fleet's
-  policy version is the adapters alone: each rollout builds the base
+  only; checkpoints hold them and a fingerprint of the base. The train steps
+  merge W + (alpha / r) A @ B one layer at a time inside the model's layer
+  scan; engines serve the whole merged model, merged at each version swap. A
+  fleet's policy version is the adapters alone: each rollout builds the base
   itself, checks its fingerprint and merges (docs/design/weight_sync.md)."""
 
   NAME: ClassVar[str] = "lora"

@@ -29,6 +29,19 @@ with heads as an axis is thus flattened in row-major order to
 [d, heads * head_dim], which is also how hf_layout writes it to HF's
 q_proj ([out, in] transposed), so the PEFT export is a transpose.
 
+**Where the merge runs.** `merge` is the one definition of an adapted
+weight, and it applies to any subtree or slice of the params with the
+adapters' matching subtree or slice: `delta` reads the matrix view off A
+and B's shapes, not off the path. Engines, evaluation and exports get the
+whole-tree `merge` (a new tree the base's size, once per version). The
+train steps never build that tree: the model merges each layer inside its
+rematerialised block (`transformer.lora_variables`; for the scanned stack,
+`merge` on one scan step's slice), so one layer's merged matrices and
+their gradient dL/dW' are live at a time, and the backward recomputes
+them instead of saving them. The leaves outside the layers (embedding,
+final norm, heads) are merged whole. Both forwards use the same `merge`,
+so they agree up to float32 summation order (tests/models/test_lora.py).
+
 **Precision** (sao_jax/models/precision.py). Adapters are float32 and
 trained; the base is never updated, so rule 1's worry (an update rounded
 away by `w + u` in bf16) does not arise for it, and a bfloat16 base is
@@ -48,7 +61,7 @@ import dataclasses
 import hashlib
 import math
 import re
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -231,7 +244,7 @@ def adapter_shardings(params, param_shardings, cfg: LoraConfig):
 
 def _lookup(tree, keys: tuple):
   for k in keys:
-    if not isinstance(tree, dict) or k not in tree:
+    if not isinstance(tree, Mapping) or k not in tree:
       return None
     tree = tree[k]
   return tree

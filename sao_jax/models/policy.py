@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from sao_jax.models import head_vocab
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.transformer import Transformer, lm_head_weight, lm_logits
+from sao_jax.models.transformer import Transformer, lm_head_weight, lm_logits, lora_variables
 
 Array = jax.Array
 
@@ -32,6 +32,15 @@ def init_params(cfg: ModelConfig, rng, head: str = "lm", *, boxed: bool = False)
   variables = Transformer(cfg, head).init(rng, tokens, tokens, jnp.ones_like(tokens))
   params = variables["params"]
   return params if boxed else nn.unbox(params)
+
+
+def _variables(params, adapters: tuple | None) -> tuple[dict, object]:
+  """(the forward's variables, its LoRA config or None): `params` alone, or
+  with `adapters` = (tree, config) LoRA's (`transformer.lora_variables`)."""
+  if adapters is None:
+    return {"params": params}, None
+  tree, lora_cfg = adapters
+  return lora_variables(params, tree, lora_cfg), lora_cfg
 
 
 def _shift_right(x: Array, segment_ids: Array) -> Array:
@@ -126,6 +135,7 @@ def token_logprobs(
   temperature: float = 1.0,
   action_index: Array | None = None,
   routing: Array | None = None,
+  adapters: tuple | None = None,
 ):
   """Teacher-forced log pi(x_t | x_<t) `[B, L]` and the model's aux losses.
 
@@ -133,6 +143,9 @@ def token_logprobs(
   only those positions' log-probs are computed (the rest are 0): the
   vocabulary-wide head runs on A positions a row instead of L. `routing`
   `[M, B, L, k]` replays MoE expert choices (`models/routing.py`).
+  `adapters` (LoRA): (adapter tree, `lora.LoraConfig`) over `params`, the
+  frozen base; the forward is that of `lora.merge(params, tree, cfg)`, each
+  layer merging its own weights (`transformer.lora_variables`).
 
   With a head subset (`cfg.vocab_ids`) the log-probs are those of the
   distribution over the subset, and a target outside it (never an action)
@@ -143,8 +156,10 @@ def token_logprobs(
     starts = starts | ~head_vocab.covered(cfg, tokens)
   # The trunk embeds tokenizer ids; the head's targets are its columns.
   targets = jnp.where(starts, 0, head_vocab.index(cfg, tokens))
-  hidden, aux = Transformer(cfg, "hidden").apply(
-    {"params": params}, tokens, positions, segment_ids, routing=routing
+  variables, lora_cfg = _variables(params, adapters)
+  params = variables["params"]
+  hidden, aux = Transformer(cfg, "hidden", lora_cfg).apply(
+    variables, tokens, positions, segment_ids, routing=routing
   )
   # Shifting the hidden state shifts its logits (the head is per token), at
   # D numbers a token instead of V: shifting [B, L, V] logits cost the step
@@ -160,13 +175,21 @@ def token_logprobs(
   return jnp.where(starts, 0.0, logp), aux
 
 
-def token_values(cfg: ModelConfig, params, tokens: Array, positions: Array, segment_ids: Array):
+def token_values(
+  cfg: ModelConfig,
+  params,
+  tokens: Array,
+  positions: Array,
+  segment_ids: Array,
+  adapters: tuple | None = None,
+):
   """V(x_<t) `[B, L]` from the value head, and the model's aux losses.
 
   The value head is [D, 1]: its output is [B, L] at any length, so unlike
-  the log-probs it needs no chunking.
+  the log-probs it needs no chunking. `adapters`: as `token_logprobs`'.
   """
-  values, aux = Transformer(cfg, "value").apply({"params": params}, tokens, positions, segment_ids)
+  variables, lora_cfg = _variables(params, adapters)
+  values, aux = Transformer(cfg, "value", lora_cfg).apply(variables, tokens, positions, segment_ids)
   return _shift_right(values, segment_ids), aux
 
 

@@ -50,6 +50,17 @@ unrolled as "layer_0" ... (`ModelConfig.layer_location` says where layer i
 lives). Each layer (each group) is rematerialised as `cfg.remat` says.
 Training attention is `cfg.attention_impl` (sao_jax/models/attention.py).
 
+LoRA (sao_jax/models/lora.py). `Transformer(cfg, head, lora=lora_cfg)`
+takes the frozen base as "params" and the adapters of its layers as a
+second collection "lora" (`lora_variables` builds both): each layer (each
+scanned step, each prefix layer) merges its own weights, `lora.merge` on
+that layer's slice, inside its rematerialised block. Only one layer's
+merged weights and their gradient are live at a time, and under remat the
+backward recomputes them instead of saving them (a policy that saves dots,
+`cfg.remat = "dots_saveable"`, saves each layer's A @ B like any other
+dot). The leaves outside the layers (embedding, final norm, heads) are
+merged whole by `lora_variables`.
+
 A linear layer's cache is its recurrent state per slot (`LinearAttention`,
 sao_jax/models/kv_layout.py), not positions: packed training rows restart
 it at each segment, a decode row at position 0 starts it from zeros.
@@ -63,6 +74,7 @@ hidden activations are constrained so GSPMD does not replicate them.
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 import flax.linen as nn
@@ -71,6 +83,7 @@ import jax.numpy as jnp
 
 from sao_jax.models import attention as attn_lib
 from sao_jax.models import deltanet, head_vocab, kv_layout, moe, paged
+from sao_jax.models import lora as lora_lib
 from sao_jax.models.config import LayerSpec, ModelConfig
 
 Array = jax.Array
@@ -517,13 +530,19 @@ class Group(nn.Module):
     return (x, None if cache is None else new_cache), (jnp.stack(aux) if aux else None)
 
 
-def _block_class(cfg: ModelConfig, scanned: bool, cls=Block):
-  """`cls` (a Block, or a scanned Group), rematerialised as `cfg.remat` says.
+def _block_class(cfg: ModelConfig, scanned: bool, cls=Block, lora_cfg=None):
+  """`cls` (a Block, or a scanned Group), rematerialised as `cfg.remat` says;
+  with `lora_cfg` it first merges its "lora" adapters into its params
+  (`_merge_layer`), inside the remat, so the merge is recomputed, not saved.
 
   Under a scan, common-subexpression elimination cannot merge the recomputed
   forward into the backward across loop iterations, so `prevent_cse` (extra
   barriers) is only needed for unrolled layers.
   """
+  if lora_cfg is not None:
+    cls = nn.map_variables(
+      cls, ("params", LORA), trans_in_fn=functools.partial(_merge_layer, lora_cfg)
+    )
   if cfg.remat == "none":
     return cls
   policy = (
@@ -532,6 +551,31 @@ def _block_class(cfg: ModelConfig, scanned: bool, cls=Block):
     else getattr(jax.checkpoint_policies, cfg.remat)
   )
   return nn.remat(cls, policy=policy, prevent_cse=not scanned)
+
+
+# The variable collection of a LoRA forward's layer adapters (`lora_variables`).
+LORA = "lora"
+# Top-level param keys of layers: the scanned stack and the unrolled ones.
+_LAYER_KEY = re.compile(r"^(layers|layer_\d+)$")
+
+
+def _merge_layer(lora_cfg: lora_lib.LoraConfig, variables: dict) -> dict:
+  """One layer's (one scan step's) params with its adapters merged: `lora.merge`
+  on the layer's slice of the base and of the adapters ({} if it has none)."""
+  return {"params": lora_lib.merge(variables["params"], variables.get(LORA, {}), lora_cfg)}
+
+
+def lora_variables(base, adapters, lora_cfg: lora_lib.LoraConfig) -> dict:
+  """The variables of `Transformer(..., lora=lora_cfg)` for adapters over `base`.
+
+  "params": `base` with the leaves outside the layers (embedding, final
+  norm, heads) merged (`lora.merge`), the layers' as they are; LORA: the
+  layers' adapters, which each layer merges into its own weights. The
+  forward equals that of `lora.merge(base, adapters, lora_cfg)`.
+  """
+  outside = {k: v for k, v in base.items() if not _LAYER_KEY.match(k)}
+  params = {**base, **lora_lib.merge(outside, adapters, lora_cfg)}
+  return {"params": params, LORA: {k: v for k, v in adapters.items() if _LAYER_KEY.match(k)}}
 
 
 def lm_head_weight(cfg: ModelConfig, params) -> Array:
@@ -551,10 +595,13 @@ def lm_logits(cfg: ModelConfig, x: Array, w: Array) -> Array:
 
 class Transformer(nn.Module):
   """The trunk with an LM head ("lm": logits), a scalar head ("value"), or
-  none ("hidden": final hidden states, for a head applied in chunks)."""
+  none ("hidden": final hidden states, for a head applied in chunks).
+  `lora`: the adapters' config when the variables carry LoRA adapters
+  (`lora_variables`; module docstring)."""
 
   cfg: ModelConfig
   head: str = "lm"
+  lora: lora_lib.LoraConfig | None = None
 
   @nn.compact
   def __call__(
@@ -576,7 +623,7 @@ class Transformer(nn.Module):
     )
     x = jnp.take(embedding, head_vocab.index(cfg, tokens), axis=0).astype(cfg.dtype)
     x = _constrain(x, ("batch", "length", "embed"))
-    block = _block_class(cfg, scanned=False)
+    block = _block_class(cfg, scanned=False, lora_cfg=self.lora)
     # Unrolled layers: all of them, or those before the scanned run.
     unrolled = cfg.unrolled_layers
     new_cache = {} if cfg.scan_layers else []
@@ -654,8 +701,8 @@ class Transformer(nn.Module):
       if routing is not None and moe_per_step:
         routing = routing.reshape((steps, moe_per_step) + routing.shape[1:])
     scanned = nn.scan(
-      _block_class(cfg, scanned=True, cls=module),
-      variable_axes={"params": 0, "intermediates": 0},
+      _block_class(cfg, scanned=True, cls=module, lora_cfg=self.lora),
+      variable_axes={"params": 0, LORA: 0, "intermediates": 0},
       split_rngs={"params": True},
       in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, 0),
       length=steps,

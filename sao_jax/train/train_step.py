@@ -22,10 +22,12 @@ With LoRA (`Adapters`, sao_jax/models/lora.py) the state's policy and
 critic are adapter trees: each step takes the frozen bases as one more,
 constant argument `bases` = (policy base, critic base), differentiates the
 adapters only (the optimizer states hold their moments only) and runs the
-forward on `lora.merge(base, adapters)`. The merged tree is a temporary of
-the step: it costs one copy of the targeted matrices in the base's dtype,
-and the backward materialises dL/dW' at the targeted matrices (their size,
-in the compute dtype) before projecting it onto A and B.
+forward of `lora.merge(base, adapters)` with each layer merging its own
+weights inside its rematerialised block (`policy.token_logprobs`'
+`adapters`; sao_jax/models/transformer.py): one layer's merged matrices
+and their gradient dL/dW' are live at a time, not a merged copy of the
+whole stack. The engine's served params are the whole-tree merge
+(`full_policy`), the same values.
 
 All functions here are pure; `jit_sharded` adds shardings and donation.
 """
@@ -78,6 +80,17 @@ def full_policy(adapters: Adapters | None, trainable, bases):
 def full_critic(adapters: Adapters | None, trainable, bases):
   """The critic's full params: `trainable` itself without LoRA, else merged on bases[1]."""
   return trainable if adapters is None else lora.merge(bases[1], trainable, adapters.critic)
+
+
+def forward_args(adapters: Adapters | None, trainable, bases, which: str) -> tuple:
+  """(params, adapters) for `policy.token_logprobs` / `token_values` in the
+  actor's ("policy") or the critic's forward: `trainable` itself without
+  LoRA, else its base, with `trainable` the adapters it merges per layer."""
+  if adapters is None:
+    return trainable, None
+  if which == "policy":
+    return bases[0], (trainable, adapters.actor)
+  return bases[1], (trainable, adapters.critic)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +189,8 @@ def _critic_updates(model_cfg, cfg, critic_tx, state, batch, metrics, adapters=N
   m = batch["action_mask"]
 
   def critic_loss(params, targets):
-    v, aux = policy.token_values(model_cfg, full_critic(adapters, params, bases), *inputs)
+    full, adapted = forward_args(adapters, params, bases, "critic")
+    v, aux = policy.token_values(model_cfg, full, *inputs, adapters=adapted)
     if targets is None:
       # The first update's forward is also the one GAE reads (no separate
       # no-grad critic forward): targets from its stop-gradient values.
@@ -425,13 +439,15 @@ def make_train_step(
       replay = jnp.moveaxis(replay.astype(jnp.int32), 2, 0)
 
     def actor_loss(params):
+      full, adapted = forward_args(adapters, params, bases, "policy")
       logp, aux = policy.token_logprobs(
         model_cfg,
-        full_policy(adapters, params, bases),
+        full,
         *_model_inputs(batch),
         cfg.temperature,
         action_index=batch.get("action_index"),
         routing=replay,
+        adapters=adapted,
       )
       loss, pm = losses.call_policy_loss(
         loss_fn,
@@ -513,11 +529,13 @@ def make_sft_step(
     m = batch["action_mask"]
 
     def loss_fn(p):
+      full, adapted = forward_args(adapters, p, bases, "policy")
       logp, aux = policy.token_logprobs(
         model_cfg,
-        full_policy(adapters, p, bases),
+        full,
         *_model_inputs(batch),
         action_index=batch.get("action_index"),
+        adapters=adapted,
       )
       nll = -jnp.where(m, logp, 0.0).sum() / jnp.maximum(m.sum(), 1)
       return nll + load_balance_coef * aux["load_balance_loss"], nll

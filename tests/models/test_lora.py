@@ -10,6 +10,7 @@ import pytest
 from sao_jax.algo import optim
 from sao_jax.models import config as model_config
 from sao_jax.models import lora, policy
+from sao_jax.train.train_step import Adapters, forward_args, full_critic, full_policy
 
 ACTOR = lora.LoraConfig(
   rank=4, alpha=8.0, targets=(r"/attn/(q|k|v|o)$", r"/(mlp|moe)/(wi_gate|wi_up|wo)$")
@@ -247,3 +248,54 @@ def test_peft_loads_the_adapters_onto_transformers_with_equal_logits(tmp_path, p
     np.asarray(merged["layer_0"]["attn"]["q"]).reshape(64, -1).T,
     atol=1e-6,
   )
+
+
+# The scanned toys, each layer rematerialised: a dense prefix before a scanned
+# MoE run, a dense stack, and the hybrid's [linear, full] blocks of MoE layers.
+SCANNED = {
+  "moe": dict(preset="tiny", num_layers=3, dense_layers=(0,), dense_d_ff=96),
+  "dense": dict(preset="tiny_dense"),
+  "hybrid": dict(preset="tiny_hybrid"),
+}
+CRITIC = lora.LoraConfig(4, 8.0, (r"/(mlp|moe)/(wi_gate|wi_up|wo)$",), whole=(r"^value_",))
+
+
+@pytest.mark.parametrize(
+  "name, which",
+  [
+    ("moe", "policy"),
+    pytest.param("moe", "critic", marks=pytest.mark.slow),
+    pytest.param("dense", "policy", marks=pytest.mark.slow),
+    pytest.param("hybrid", "policy", marks=pytest.mark.slow),
+  ],
+)
+def test_the_per_layer_merge_gives_the_whole_tree_merge_loss_and_gradients(name, which):
+  """The train steps' forward (`forward_args`: each layer merges its own
+  adapters inside its rematerialised block) against the forward of the
+  whole-tree `lora.merge`: the same loss and adapter gradients in fp32, for
+  the actor, and for the critic with its value head trained whole."""
+  changes = dict(SCANNED[name])
+  cfg, base = _params(changes.pop("preset"), scan_layers=True, remat="full", **changes)
+  forward, view, lora_cfg = policy.token_logprobs, full_policy, ACTOR
+  if which == "critic":
+    base = jax.jit(lambda: policy.init_params(cfg, jax.random.key(5), "value"))()
+    forward, view, lora_cfg = policy.token_values, full_critic, CRITIC
+  views, bases = Adapters(ACTOR, CRITIC), (base, base)
+  adapters = _randomise_b(_init(base, lora_cfg), jax.random.key(2))
+  tokens = jax.random.randint(jax.random.key(3), (2, 16), 0, cfg.vocab_size)
+  inputs = (tokens, jnp.broadcast_to(jnp.arange(16), (2, 16)), jnp.ones((2, 16), jnp.int32))
+  weights = jax.random.normal(jax.random.key(4), (2, 16))
+
+  def per_layer(ad):
+    full, adapted = forward_args(views, ad, bases, which)
+    return jnp.sum(weights * forward(cfg, full, *inputs, adapters=adapted)[0])
+
+  def whole_tree(ad):
+    return jnp.sum(weights * forward(cfg, view(views, ad, bases), *inputs)[0])
+
+  got, want = (jax.jit(jax.value_and_grad(f))(adapters) for f in (per_layer, whole_tree))
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+  got_g, want_g = _flat(got[1]), _flat(want[1])
+  assert got_g.keys() == want_g.keys() and any(k.startswith("layers/") for k in got_g)
+  for key, g in got_g.items():
+    np.testing.assert_allclose(g, want_g[key], rtol=1e-5, atol=1e-7, err_msg=key)
