@@ -625,9 +625,11 @@ class SFT(Section):
   init_from_run: str = knob(
     "",
     "Another sao-jax run's directory whose newest checkpoint's policy this run starts "
-    "from, in place of a random initialisation (e.g. a `launch/sft.py` run, then "
-    "sft.steps = 0): the same model and head; with lora.enabled it is the frozen base the "
-    "adapters train on. Its optimizer and critic are not read.",
+    "from (DIR@N: its checkpoint N), in place of a random initialisation (e.g. a "
+    "`launch/sft.py` run, then sft.steps = 0): the same model and head; with "
+    "lora.enabled it is the frozen base the adapters train on, which a resume and a "
+    "fleet's rollouts read again (they must see DIR; pin N while DIR still trains). "
+    "Its optimizer and critic are not read.",
     STRING,
   )
 

@@ -294,7 +294,8 @@ def check_lora_base(saved_meta: dict, step: int, ours: str | None, workdir: str)
   else:
     why = (
       f"holds LoRA adapters trained on another base (fingerprint {theirs}, this run's "
-      f"base {ours}: another model.hf_dir, seed or lora.base_dtype)"
+      f"base {ours}: another model.hf_dir, sft.init_from_run checkpoint (pin one "
+      "with DIR@N), seed or lora.base_dtype)"
     )
   raise sections.ConfigError(
     f"{where} {why}; resume with the config and base the run was started with, or use a new workdir"

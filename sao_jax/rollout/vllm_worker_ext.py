@@ -37,9 +37,12 @@ import base64
 
 import numpy as np
 
-# Requests whose routing was captured and never fetched (aborted ones) are
-# dropped oldest first beyond this many.
+# Requests whose routing was captured and never fetched (aborted ones, an
+# endpoint's traffic) are dropped oldest first beyond this many, or beyond
+# this many bytes of rows (a 32K-token request of a 48-layer top-8 model
+# holds about 25 MB).
 MAX_KEPT_REQUESTS = 4096
+MAX_KEPT_BYTES = 2**30
 
 
 def repack_moe_experts(model) -> int:
@@ -90,6 +93,7 @@ class RoutingCapture:
     self._step: dict[int, object] = {}
     self.recording = False
     self.requests: dict[str, list] = {}  # req id -> [(positions, rows [n, M, k])]
+    self.kept_bytes = 0  # of the rows in `requests`
 
   def capture(self, layer_id: int, topk_ids) -> None:
     if self.recording:
@@ -107,11 +111,20 @@ class RoutingCapture:
     positions = np.array(positions[:total], np.int64)  # a copy: the runner reuses its buffer
     start = 0
     for req, n in zip(req_ids, counts):
-      chunks = self.requests.setdefault(req, [])
-      chunks.append((positions[start : start + n], rows[start : start + n]))
+      if n:  # a request with no token in this forward has nothing to file
+        chunks = self.requests.setdefault(req, [])
+        chunks.append((positions[start : start + n], rows[start : start + n]))
+        self.kept_bytes += rows[start : start + n].nbytes
       start += n
-    while len(self.requests) > MAX_KEPT_REQUESTS:
-      del self.requests[next(iter(self.requests))]
+    while len(self.requests) > 1 and (
+      len(self.requests) > MAX_KEPT_REQUESTS or self.kept_bytes > MAX_KEPT_BYTES
+    ):
+      self._drop(next(iter(self.requests)))
+
+  def _drop(self, request_id: str) -> list:
+    chunks = self.requests.pop(request_id)
+    self.kept_bytes -= sum(rows.nbytes for _, rows in chunks)
+    return chunks
 
   def take(self, request_id: str) -> dict:
     """The rows of the request `request_id`, or of the one whose id continues
@@ -121,7 +134,7 @@ class RoutingCapture:
     found = [r for r in self.requests if r == request_id or r.startswith(request_id + "-")]
     if len(found) != 1:
       return {"error": f"{len(found)} requests captured under {request_id!r}"}
-    chunks = self.requests.pop(found[0])
+    chunks = self._drop(found[0])
     length = 1 + max(int(p.max()) for p, _ in chunks)
     k = chunks[0][1].shape[2]
     out = np.full((length, len(self.layers), k), -1, np.int16)

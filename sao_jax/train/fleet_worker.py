@@ -194,7 +194,13 @@ def _make_follower(config, model_cfg, tok, root: str, rid: str, log: Callable[[s
   # model.hf_dir, then lora.base_dtype.
   p, mesh = factories.rollout_programs(config, model_cfg, jax.local_devices())
   base = p.lora.policy_base(run_lib.initial_policy(config, model_cfg, tok, p, mesh))
-  where = f"model.hf_dir {config.model.hf_dir!r}" if config.model.hf_dir else f"seed {config.seed}"
+  where = (
+    f"sft.init_from_run {run_lib.pinned_source(config.sft.init_from_run)}"
+    if config.sft.init_from_run
+    else f"model.hf_dir {config.model.hf_dir!r}"
+    if config.model.hf_dir
+    else f"seed {config.seed}"
+  )
   cast = jax.jit(functools.partial(precision.cast_for_serving, model_cfg))
   fingerprint = lora.fingerprint(base)
   log(f"[rollout {rid}] LoRA base {fingerprint} from {where}; versions are its adapters")

@@ -243,18 +243,32 @@ def initial_policy(config: sections.Sections, model_cfg, tok, p: factories.Progr
   return hf_import.load_hf_checkpoint(hf_dir, model_cfg, p.policy_shardings)
 
 
-def _policy_of_run(workdir: str, model_cfg, p: factories.Programs):
-  """The full-model policy of `workdir`'s newest complete checkpoint
-  (`sft.init_from_run`), read into this run's policy shardings; one line when
-  there is none, or it holds LoRA adapters or another head."""
+def run_source(source: str) -> tuple[str, int, dict]:
+  """`sft.init_from_run` ("DIR", its newest complete checkpoint, or "DIR@N",
+  checkpoint N) resolved: (DIR, N, the checkpoint's meta); one line when
+  there is no such checkpoint."""
+  workdir, at, number = source.rpartition("@") if "@" in source else (source, "", "")
+  if at and not number.isdigit():
+    raise configuration.ConfigError(
+      f"sft.init_from_run = {source!r}: a run directory, or DIR@N for its checkpoint N"
+    )
   where = files.join(workdir, "checkpoints")
   found = committed_checkpoints(where)
-  if not found:
+  step = int(number) if at else max(found, default=None)
+  if step not in found:
     raise configuration.ConfigError(
-      f"sft.init_from_run = {workdir!r}: no complete checkpoint under {where}"
+      f"sft.init_from_run = {source!r}: no complete checkpoint "
+      f"{'' if step is None else step} under {where} (there are: {sorted(found) or 'none'})"
     )
-  step = max(found)
-  meta = found[step]
+  return workdir, step, found[step]
+
+
+def _policy_of_run(source: str, model_cfg, p: factories.Programs):
+  """The full-model policy of `sft.init_from_run`'s checkpoint (`run_source`),
+  read into this run's policy shardings; one line when it holds LoRA
+  adapters or another head."""
+  workdir, step, meta = run_source(source)
+  where = files.join(workdir, "checkpoints")
   why = None
   if meta.get("lora_base") is not None:
     why = (
@@ -279,6 +293,14 @@ def _policy_of_run(workdir: str, model_cfg, p: factories.Programs):
       f"sft.init_from_run = {workdir!r}: checkpoint {step} holds another model than "
       f"this run's ({' '.join(str(e).split())[:300]})"
     ) from None
+
+
+def pinned_source(source: str) -> str | None:
+  """`sft.init_from_run` as "DIR@N", the checkpoint it resolves to now (None: unset)."""
+  if not source:
+    return None
+  workdir, step, _ = run_source(source)
+  return f"{workdir}@{step}"
 
 
 def _carried_tensors(hf_dir: str) -> dict | None:
@@ -338,6 +360,9 @@ def build(config: ml_collections.ConfigDict | sections.Sections) -> Run:
     "carried_tensors": _carried_tensors(config.model.hf_dir),
     # LoRA: the base the adapters were trained on (a resume on another is refused).
     "lora_base": None if bases is None else lora_fingerprint(bases[0]),
+    # sft.init_from_run's checkpoint, pinned ("DIR@N": what a LoRA resume or
+    # a fleet's rollouts must start from again).
+    "init_from_run": pinned_source(config.sft.init_from_run),
   }
   frozen_env = base.frozen_view(env)
   return Run(

@@ -246,9 +246,10 @@ def done(run: Run) -> dict:
     # The step sft.stop_at_nll stopped SFT at (None: it ran every step).
     "sft_stopped_at": run.meta.get("sft_stopped_at"),
     "generated_tokens": run.meta.get("generated_tokens", 0),
-    # What training held: the state (trained params and their optimizer moments,
-    # over all devices; with LoRA the adapters', not the frozen base's) and this
-    # launch's peak host memory (the process's resident set, Linux's KiB).
+    # What training held: the state's logical size (trained params and their
+    # optimizer moments, a replicated array counted once; with LoRA the
+    # adapters', not the frozen base's) and this launch's peak host memory (the
+    # process's resident set; Linux reports KiB).
     "state_bytes": int(sum(x.nbytes for x in jax.tree.leaves(run.state))),
     "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
   }

@@ -161,7 +161,7 @@ def test_routing_rows_map_vllms_capture_into_the_record_or_refuse_it():
       vllm_backend.routing_rows(got, MOE, length, slice(0, length))
 
 
-def test_the_worker_capture_files_each_forwards_rows_under_request_and_position():
+def test_the_worker_capture_files_each_forwards_rows_under_request_and_position(monkeypatch):
   """vllm_worker_ext.RoutingCapture (vLLM's environment runs it; only numpy
   here): a forward's rows are laid out request by request; a request's
   chunked prefill and decode steps join by position; vLLM's internal id
@@ -187,7 +187,14 @@ def test_the_worker_capture_files_each_forwards_rows_under_request_and_position(
   np.testing.assert_array_equal(got[:, 1, 1], [4, 14, 24, 14])
   assert "error" in capture.take("cmpl-a")  # handed over once
   b = capture.take("cmpl-b")
-  assert b["shape"] == [3, 2, 2]
+  assert b["shape"] == [3, 2, 2] and capture.kept_bytes == 0
+  # A request with no token in a forward files nothing; rows never fetched are
+  # dropped oldest first beyond the byte bound (each forward here: 8 bytes a row).
+  forward(["c-0", "d-0"], [0, 2], [0, 1])
+  assert list(capture.requests) == ["d-0"] and capture.kept_bytes == 16
+  monkeypatch.setattr(vllm_worker_ext, "MAX_KEPT_BYTES", 20)
+  forward(["e-0"], [2], [0, 1])
+  assert list(capture.requests) == ["e-0"] and capture.kept_bytes == 16
 
 
 # --- the adapter against a scripted server ------------------------------------------------

@@ -208,6 +208,7 @@ def test_a_run_starts_from_another_runs_policy(tmp_path):
   got = _flat(full.state.policy)
   assert got.keys() == want.keys()
   assert all(np.array_equal(got[k], want[k]) for k in want)
+  assert full.meta["init_from_run"] == f"{source_dir}@1"  # pinned: what a resume reads again
   adapted = run_lib.build(
     _tiny_config(seed=1, sft__init_from_run=source_dir, lora__enabled=True, lora__rank=4)
   )
@@ -216,6 +217,8 @@ def test_a_run_starts_from_another_runs_policy(tmp_path):
 
   with pytest.raises(configuration.ConfigError, match="no complete checkpoint"):
     run_lib.build(_tiny_config(sft__init_from_run=str(tmp_path / "none")))
+  with pytest.raises(configuration.ConfigError, match=r"no complete checkpoint 2 .*\[1\]"):
+    run_lib.run_source(f"{source_dir}@2")
   lora_dir = str(tmp_path / "lora_source")
   lora_run = run_lib.open_workdir(adapted, lora_dir)
   lora_run.save(force=True)
