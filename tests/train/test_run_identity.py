@@ -56,6 +56,7 @@ def trainer(workdir, step, params, saved=None):
     model_cfg=factories.build_model_config(c),
     state=state,
     policy_params=lambda: state.policy,
+    programs=types.SimpleNamespace(lora=None),  # a full-model run: versions are its params
   )
   return sources.make_source(run, saved), state
 
