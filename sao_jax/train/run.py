@@ -323,6 +323,10 @@ def build(config: ml_collections.ConfigDict | sections.Sections) -> Run:
   """
   factories.validate_config(config)
   config = sections.load(config)
+  if config.sft.init_from_run:  # resolved once: the checkpoint loaded is the one recorded
+    config = config.replace(
+      sft=config.sft.replace(init_from_run=pinned_source(config.sft.init_from_run))
+    )
   tok = registry.make_tokenizer(config.env)
   env = registry.make_env(config.env)  # refuses unisolated code execution
   faults = FaultInjector(config.faults)
@@ -362,7 +366,7 @@ def build(config: ml_collections.ConfigDict | sections.Sections) -> Run:
     "lora_base": None if bases is None else lora_fingerprint(bases[0]),
     # sft.init_from_run's checkpoint, pinned ("DIR@N": what a LoRA resume or
     # a fleet's rollouts must start from again).
-    "init_from_run": pinned_source(config.sft.init_from_run),
+    "init_from_run": config.sft.init_from_run or None,
   }
   frozen_env = base.frozen_view(env)
   return Run(
